@@ -1,0 +1,249 @@
+"""Loading the target, the drafts and their shared tokenizer from local directories.
+
+Every model is a Hugging Face-format directory (``config.json``, safetensors
+weights, tokenizer files). Weights are read from safetensors only: a pickled
+checkpoint can run arbitrary code, so a directory that only has ``*.bin`` files
+is refused with the command that converts it. Nothing is ever downloaded.
+
+GPTQ INT4 targets (the paper's targets are GPTQ INT4 LLaMA-2 7B / Qwen2.5 7B)
+load through GPT-QModel, the maintained GPTQ backend: auto-gptq is archived and
+transformers 5 only loads GPTQ checkpoints through ``gptqmodel``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+QUANTIZATIONS = ("none", "gptq")
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message names the file and the fix."""
+
+
+class ModelDirectoryError(ModelLoadError):
+    """The directory is missing, incomplete or holds corrupt files."""
+
+
+class TokenizerMismatchError(ModelLoadError):
+    """A draft does not share the target's tokenizer (the paper requires one vocabulary)."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The config names an architecture transformers cannot build as a causal LM."""
+
+
+class QuantizationBackendError(ModelLoadError):
+    """GPTQ was requested but its backend is missing or the checkpoint is not GPTQ."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model lives and how to place it in memory."""
+
+    path: str
+    dtype: str = "fp32"
+    device: str = "cpu"
+    quantization: str = "none"  # "none" | "gptq"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class LoadedModel:
+    """A model in fast memory, with what the cache manager needs to account for it."""
+
+    model: torch.nn.Module
+    spec: ModelSpec
+    size_bytes: int
+    vocab_size: int
+    max_positions: int
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: use one of fp32, bf16, fp16") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unsupported device {name!r}: use 'cpu' or 'cuda[:N]'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} requested but CUDA is not available here: use device 'cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}: use 'cpu' or 'cuda[:N]'")
+    return device
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """Check the directory and return its parsed ``config.json``."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelDirectoryError(f"model directory {str(root)!r} does not exist: check the path (relative paths resolve from the current directory)")
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise ModelDirectoryError(f"{config_file} is missing: {root} is not a Hugging Face model directory (save it with save_pretrained)")
+    try:
+        return json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelDirectoryError(f"{config_file} is not valid JSON ({exc}): restore the file from the original model") from exc
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of a directory; refuses pickled checkpoints and corrupt headers."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
+        hint = (
+            f" It has pickled weights ({', '.join(pickled)}), which are never loaded because unpickling runs code:"
+            " convert them once, where you trust the file, with model.save_pretrained(dir, safe_serialization=True)."
+            if pickled
+            else ""
+        )
+        raise ModelDirectoryError(f"no *.safetensors weights in {root}.{hint}")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise ModelDirectoryError(f"{file} is not a readable safetensors file ({exc}): the download or copy is corrupt, restore it") from exc
+    return files
+
+
+def _check_architecture(config: dict[str, Any], path: str, trust_remote_code: bool) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    if trust_remote_code and config.get("auto_map"):
+        return
+    raise UnsupportedArchitectureError(
+        f"{path}/config.json has model_type {model_type!r}, which transformers cannot build as a causal LM"
+        " (supported: llama, qwen2, mistral, gpt2, ... any AutoModelForCausalLM type)."
+        + (" It ships custom code: set trust_remote_code only if you trust it." if config.get("auto_map") else "")
+    )
+
+
+def gptq_backend_available() -> bool:
+    return importlib.util.find_spec("gptqmodel") is not None
+
+
+def _check_quantization(config: dict[str, Any], spec: ModelSpec) -> None:
+    if spec.quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {spec.quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if spec.quantization == "gptq" and method != "gptq":
+        raise QuantizationBackendError(
+            f"quantization 'gptq' requested but {spec.path}/config.json has no GPTQ quantization_config"
+            f" (found {method!r}): point to a GPTQ checkpoint or set quantization to 'none'"
+        )
+    if method == "gptq" and not gptq_backend_available():
+        raise QuantizationBackendError(
+            f"{spec.path} is a GPTQ checkpoint but the GPT-QModel backend is not installed:"
+            " `pip install -r requirements-gptq.txt` (gptqmodel; auto-gptq is archived and unsupported by transformers 5)"
+        )
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a model occupies (parameters and buffers such as packed INT4 tensors)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load one causal LM from a local directory into eval mode, gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(spec.path)
+    _check_architecture(config, spec.path, spec.trust_remote_code)
+    _check_quantization(config, spec)
+    safetensors_files(spec.path)
+    dtype = resolve_dtype(spec.dtype)
+    device = resolve_device(spec.device)
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        use_safetensors=True,
+        local_files_only=True,
+        trust_remote_code=spec.trust_remote_code,
+    )
+    if config.get("quantization_config"):
+        kwargs["device_map"] = str(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelDirectoryError(f"could not load the model in {spec.path}: {exc}") from exc
+    if "device_map" not in kwargs:
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        size_bytes=parameter_bytes(model),
+        vocab_size=int(model.config.vocab_size),
+        max_positions=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+    )
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer stored beside a model (no network, no remote code)."""
+    from transformers import AutoTokenizer
+
+    root = Path(path)
+    if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelDirectoryError(f"no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {root}: copy the target's tokenizer there")
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelDirectoryError(f"the tokenizer in {root} could not be loaded: {exc}") from exc
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the vocabulary and special tokens: equal fingerprints mean interchangeable token ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())
+    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def check_shared_tokenizer(target_path: str | Path, draft_path: str | Path, target_fingerprint: str | None = None) -> None:
+    """Refuse a draft whose tokenizer differs from the target's (token ids must mean the same)."""
+    if target_fingerprint is None:
+        target_fingerprint = tokenizer_fingerprint(load_tokenizer(target_path))
+    draft_fingerprint = tokenizer_fingerprint(load_tokenizer(draft_path))
+    if draft_fingerprint != target_fingerprint:
+        raise TokenizerMismatchError(
+            f"the draft in {draft_path} has a different tokenizer from the target in {target_path}:"
+            " speculative decoding needs one shared vocabulary; train or distill the draft with the target's tokenizer"
+        )
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Logit widths must match so that draft and target probabilities line up token by token."""
+    if draft.vocab_size != target.vocab_size:
+        raise TokenizerMismatchError(
+            f"the draft in {draft.spec.path} has vocab_size {draft.vocab_size} but the target in"
+            f" {target.spec.path} has {target.vocab_size}: they cannot share token ids"
+        )

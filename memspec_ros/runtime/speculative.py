@@ -1,0 +1,362 @@
+"""The speculative decoding engine: draft proposes, target verifies, KV caches roll back.
+
+One :class:`SpeculativeSession` is one generation. Each :meth:`~SpeculativeSession.step`
+is one iteration: the active draft proposes ``gamma`` tokens with its own KV
+cache, the target scores all of them in a single forward pass with its KV cache,
+the longest agreeing prefix plus one target token is committed, and both caches
+are cropped back to the committed text (never recomputed from the start).
+
+Cache invariant (for the target and for every draft that has run): the cache
+holds a prefix of the committed tokens, and the tokens after that prefix are fed
+at the start of the next forward. Normally that is the one token committed last;
+after a draft switch it is everything the incoming draft has not seen yet, which
+is the *catch-up* cost of switching that MemSpec manages.
+
+Lossless by construction: greedy commits exactly the target's argmax tokens, and
+sampling uses the speculative-sampling rule of Leviathan et al. / Chen et al.
+(accept a draft token with probability min(1, p/q), otherwise resample from the
+normalised max(p - q, 0)), which leaves the target's distribution unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .stats import GenerationStats, IterationStats
+
+FINISH_LENGTH = "length"
+FINISH_EOS = "eos"
+FINISH_STOP = "stop"
+FINISH_CANCELLED = "cancelled"
+
+ChunkCallback = Callable[[str, list[int]], None]
+
+
+class ContextLengthError(ValueError):
+    """Prompt plus requested tokens do not fit the target's context window."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature <= 0 means greedy; top_p in (0, 1]; seed None draws a random one."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Probabilities after temperature and nucleus (top-p) filtering, row-wise."""
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= sampling.top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def speculative_accept(
+    p: torch.Tensor, q: torch.Tensor, proposals: Sequence[int], generator: torch.Generator
+) -> tuple[int, int]:
+    """The lossless acceptance rule for sampled drafts.
+
+    ``p``: target probabilities, shape [len(proposals) + 1, V]; ``q``: draft
+    probabilities the proposals were drawn from, shape [len(proposals), V].
+    Returns (number accepted, the extra token drawn from the target side).
+    """
+    for j, token in enumerate(proposals):
+        ratio = p[j, token] / q[j, token]
+        if torch.rand((), generator=generator, device=p.device) < ratio:
+            continue
+        residual = torch.clamp(p[j] - q[j], min=0.0)
+        mass = residual.sum()
+        residual = residual / mass if mass > 0 else p[j]
+        return j, int(torch.multinomial(residual, 1, generator=generator))
+    return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=generator))
+
+
+class _KVState:
+    """A model's KV cache and how many committed tokens it holds."""
+
+    __slots__ = ("cache", "length")
+
+    def __init__(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.length = 0
+
+    def crop_to(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: drop that many tokens
+            self.length = length
+
+
+def _forward(model: torch.nn.Module, ids: Sequence[int], kv: _KVState, keep: int, device: torch.device) -> torch.Tensor:
+    """Feed ``ids`` after the cached prefix; return float logits of the last ``keep`` positions."""
+    inputs = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    out = model(input_ids=inputs, past_key_values=kv.cache, use_cache=True, logits_to_keep=keep)
+    kv.length += len(ids)
+    return out.logits[0].float()
+
+
+class _TextStream:
+    """Incremental detokenisation with stop strings; holds back half-decoded UTF-8."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = [s for s in stop_strings if s]
+        self.text = ""
+        self.emitted = 0
+
+    def update(self, ids: list[int], final: bool) -> tuple[str, bool]:
+        """New text since the last call and whether a stop string ended it."""
+        if self.tokenizer is None:
+            return "", False
+        self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        stopped = False
+        if self.stops:
+            start = max(0, self.emitted - max(len(s) for s in self.stops))
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                stopped = True
+        end = len(self.text)
+        if not (final or stopped):
+            while end > self.emitted and self.text[end - 1] == "\ufffd":
+                end -= 1
+            # a stop string may be forming at the end: do not stream its prefix yet
+            for stop in self.stops:
+                for k in range(min(len(stop) - 1, end - self.emitted), 0, -1):
+                    if self.text[end - k : end] == stop[:k]:
+                        end -= k
+                        break
+        delta = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return delta, stopped
+
+
+class SpeculativeSession:
+    """One generation: prefill the target, then draft-and-verify iterations.
+
+    The caller (the runtime controller, a benchmark or :func:`generate`) picks
+    the draft for each iteration; the session keeps one KV cache per draft that
+    has run so a draft that comes back only catches up on what it missed.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 128,
+        gamma: int = 4,
+        sampling: SamplingConfig = SamplingConfig(),
+        eos_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        tokenizer=None,
+        on_chunk: ChunkCallback | None = None,
+        max_positions: int = 0,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if max_positions and len(prompt_ids) + max_new_tokens > max_positions:
+            raise ContextLengthError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
+                f" target's context of {max_positions} tokens: shorten the prompt or ask for fewer tokens"
+            )
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the output")
+        self.target = target
+        self.device = next(target.parameters()).device
+        self.prompt_ids = list(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.on_chunk = on_chunk
+        self._gamma = 1
+        self.gamma = gamma
+        self.generator = torch.Generator(device=self.device)
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.generator.manual_seed(seed)
+        self.tokens: list[int] = list(prompt_ids)  # committed: prompt + generated
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
+        self.finish_reason = ""
+        self._text = _TextStream(tokenizer, stop_strings)
+        self._target_kv = _KVState()
+        self._draft_kv: dict[str, _KVState] = {}
+        self._last_draft = ""
+        self._decode_started = 0.0
+
+    # -- public state ---------------------------------------------------------
+    @property
+    def gamma(self) -> int:
+        return self._gamma
+
+    @gamma.setter
+    def gamma(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"gamma (draft tokens per iteration) must be >= 1, got {value}")
+        self._gamma = value
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def started(self) -> bool:
+        return self._target_kv.length > 0
+
+    def cancel(self) -> None:
+        """End the generation at the current iteration boundary; the output so far stays."""
+        if not self.finished:
+            self._finish(FINISH_CANCELLED)
+
+    def drop_draft(self, name: str) -> None:
+        """Forget a draft's KV cache (its model was evicted); it catches up if it returns."""
+        self._draft_kv.pop(name, None)
+
+    # -- sampling helpers -----------------------------------------------------
+    def _pick(self, logits: torch.Tensor) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(warp_probs(logits, self.sampling), 1, generator=self.generator))
+
+    # -- the algorithm --------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self) -> int:
+        """Encode the prompt with the target and commit the first token."""
+        if self.started:
+            raise RuntimeError("prefill() was already called for this session")
+        t0 = time.perf_counter()
+        logits = _forward(self.target, self.tokens, self._target_kv, 1, self.device)
+        token = self._pick(logits[-1])
+        self.stats.prefill_seconds = time.perf_counter() - t0
+        self._decode_started = time.perf_counter()
+        self._commit([token])
+        return token
+
+    @torch.inference_mode()
+    def step(self, draft_name: str = "", draft: torch.nn.Module | None = None) -> IterationStats:
+        """One iteration with ``draft`` (None: a plain target step). Returns its statistics."""
+        if not self.started:
+            self.prefill()
+        if self.finished:
+            raise RuntimeError(f"the generation has finished ({self.finish_reason}); start a new session")
+        remaining = self.max_new_tokens - len(self.generated_ids)
+        gamma = min(self.gamma, remaining - 1) if draft is not None else 0
+        stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
+                               draft_seconds=0.0, verify_seconds=0.0)
+        proposals: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        if gamma > 0:
+            kv = self._draft_kv.setdefault(draft_name, _KVState())
+            feed = self.tokens[kv.length :]
+            switched = draft_name != self._last_draft
+            for _ in range(gamma):
+                t0 = time.perf_counter()
+                logits = _forward(draft, feed, kv, 1, self.device)[-1]
+                if self.sampling.greedy:
+                    token = int(logits.argmax())
+                else:
+                    q = warp_probs(logits, self.sampling)
+                    token = int(torch.multinomial(q, 1, generator=self.generator))
+                    draft_probs.append(q)
+                elapsed = time.perf_counter() - t0
+                if switched and not proposals:
+                    stats.catchup_tokens, stats.catchup_seconds = len(feed), elapsed
+                else:
+                    stats.draft_seconds += elapsed
+                proposals.append(token)
+                feed = [token]
+            self._last_draft = draft_name
+        t0 = time.perf_counter()
+        feed = self.tokens[self._target_kv.length :] + proposals
+        logits = _forward(self.target, feed, self._target_kv, len(proposals) + 1, self.device)
+        if self.sampling.greedy:
+            choices = logits.argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < len(proposals) and proposals[accepted] == choices[accepted]:
+                accepted += 1
+            extra = choices[accepted]
+        else:
+            p = warp_probs(logits, self.sampling)
+            q = torch.stack(draft_probs) if draft_probs else p[:0]
+            accepted, extra = speculative_accept(p, q, proposals, self.generator)
+        stats.verify_seconds = time.perf_counter() - t0
+        stats.proposed, stats.accepted = len(proposals), accepted
+        base = len(self.tokens)
+        # roll back: both caches keep only committed tokens (all but the newest one)
+        self._target_kv.crop_to(base + accepted)
+        if gamma > 0:
+            self._draft_kv[draft_name].crop_to(base + accepted)
+        stats.committed = self._commit(proposals[:accepted] + [extra])
+        self.stats.iterations.append(stats)
+        return stats
+
+    def _commit(self, new_tokens: list[int]) -> int:
+        """Append tokens up to EOS / max_new_tokens, stream the text, detect stop strings."""
+        committed = 0
+        for token in new_tokens:
+            self.tokens.append(token)
+            committed += 1
+            if token in self.eos_token_ids:
+                self._finish(FINISH_EOS)
+                break
+            if len(self.generated_ids) >= self.max_new_tokens:
+                self._finish(FINISH_LENGTH)
+                break
+        delta, stopped = self._text.update(self.generated_ids, final=self.finished)
+        if stopped and not self.finished:
+            self._finish(FINISH_STOP)
+        self.stats.completion_tokens = len(self.generated_ids)
+        if self.on_chunk is not None:
+            self.on_chunk(delta, new_tokens[:committed])
+        return committed
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.stats.finish_reason = reason
+        if self._decode_started:
+            self.stats.decode_seconds = time.perf_counter() - self._decode_started
+
+
+def generate(
+    target: torch.nn.Module,
+    prompt_ids: Sequence[int],
+    draft: torch.nn.Module | None = None,
+    *,
+    draft_name: str = "draft",
+    **session_kwargs,
+) -> SpeculativeSession:
+    """Run one generation with a single draft (or none: plain autoregressive decoding)."""
+    session = SpeculativeSession(target, prompt_ids, **session_kwargs)
+    session.prefill()
+    while not session.finished:
+        session.step(draft_name, draft)
+    return session

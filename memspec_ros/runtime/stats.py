@@ -1,0 +1,168 @@
+"""Statistics of one generation, computed in exactly one place.
+
+The node, the benchmarks and the tests all read these properties, so a number
+a user sees (tokens/s, mean accepted tokens, fallback fraction, ...) has one
+definition. Times are seconds from ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IterationStats:
+    """One draft-and-verify iteration of the speculative engine."""
+
+    draft: str  # "" for a target-only step (no draft proposed anything)
+    proposed: int  # tokens the draft proposed (gamma, or fewer near max_new_tokens)
+    accepted: int  # proposed tokens the target accepted
+    committed: int  # tokens appended to the output (accepted + 1, cut by EOS/stop/length)
+    draft_seconds: float  # draft forwards that proposed tokens (after any catch-up)
+    verify_seconds: float  # the one target forward over all proposals
+    catchup_tokens: int = 0  # committed tokens the incoming draft fed to rebuild its KV cache
+    catchup_seconds: float = 0.0  # that catch-up forward (it also yields the first proposal)
+    # Filled by the runtime controller (zero when the engine runs alone):
+    preferred: str = ""  # the draft the policy wanted to run
+    fallback: bool = False  # ran another draft because the preferred one was not resident
+    prediction_seconds: float = 0.0  # predictor work done on the decode thread this iteration
+    load_wait_seconds: float = 0.0  # time blocked waiting for a draft load (never for MemSpec)
+
+    @property
+    def seconds(self) -> float:
+        return (
+            self.draft_seconds
+            + self.verify_seconds
+            + self.catchup_seconds
+            + self.prediction_seconds
+            + self.load_wait_seconds
+        )
+
+
+@dataclass
+class GenerationStats:
+    """A whole generation: prefill, iterations and how it ended."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0  # target prefill (prompt encoding) + first token
+    setup_seconds: float = 0.0  # before prefill: initial draft load, first prediction
+    decode_seconds: float = 0.0  # wall time of the iterations after the first token
+    finish_reason: str = ""
+    iterations: list[IterationStats] = field(default_factory=list)
+
+    # -- throughput ---------------------------------------------------------
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced by iterations (the first token comes from prefill)."""
+        return sum(it.committed for it in self.iterations)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Steady-state decoding throughput, prompt encoding excluded (the paper's metric)."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def end_to_end_seconds(self) -> float:
+        return self.setup_seconds + self.prefill_seconds + self.decode_seconds
+
+    @property
+    def end_to_end_tokens_per_second(self) -> float:
+        """All generated tokens over the whole call, prefill and initial load included."""
+        total = self.end_to_end_seconds
+        return self.completion_tokens / total if total > 0 else 0.0
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.setup_seconds + self.prefill_seconds
+
+    # -- speculation --------------------------------------------------------
+    @property
+    def speculative_iterations(self) -> list[IterationStats]:
+        return [it for it in self.iterations if it.proposed > 0]
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted draft tokens per draft-and-verify iteration (E[A])."""
+        its = self.speculative_iterations
+        return sum(it.accepted for it in its) / len(its) if its else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        its = self.speculative_iterations
+        proposed = sum(it.proposed for it in its)
+        return sum(it.accepted for it in its) / proposed if proposed else 0.0
+
+    @property
+    def drafts_used(self) -> list[str]:
+        """Drafts that ran, in order of first use."""
+        seen: list[str] = []
+        for it in self.iterations:
+            if it.draft and it.draft not in seen:
+                seen.append(it.draft)
+        return seen
+
+    @property
+    def draft_switches(self) -> int:
+        """Times the active draft changed between consecutive speculative iterations."""
+        names = [it.draft for it in self.speculative_iterations]
+        return sum(1 for a, b in zip(names, names[1:]) if a != b)
+
+    # -- where the time went ------------------------------------------------
+    def _fraction(self, seconds: float) -> float:
+        return seconds / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def catchup_seconds(self) -> float:
+        return sum(it.catchup_seconds for it in self.iterations)
+
+    @property
+    def catchup_tokens(self) -> int:
+        return sum(it.catchup_tokens for it in self.iterations)
+
+    @property
+    def prediction_seconds(self) -> float:
+        return sum(it.prediction_seconds for it in self.iterations)
+
+    @property
+    def load_wait_seconds(self) -> float:
+        return sum(it.load_wait_seconds for it in self.iterations)
+
+    @property
+    def prediction_overhead(self) -> float:
+        """Share of decoding time spent on prediction on the decode thread."""
+        return self._fraction(self.prediction_seconds)
+
+    @property
+    def fallback_fraction(self) -> float:
+        """Share of speculative iterations run on a draft other than the preferred one."""
+        its = [it for it in self.speculative_iterations if it.preferred]
+        return sum(1 for it in its if it.fallback) / len(its) if its else 0.0
+
+    @property
+    def desired_fraction(self) -> float:
+        """Share of speculative iterations that ran the preferred draft."""
+        its = [it for it in self.speculative_iterations if it.preferred]
+        return sum(1 for it in its if not it.fallback) / len(its) if its else 0.0
+
+    def summary(self) -> dict[str, float | int | str | list[str]]:
+        """Flat numbers for JSON, logs and ROS messages."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "tokens_per_second": self.tokens_per_second,
+            "end_to_end_tokens_per_second": self.end_to_end_tokens_per_second,
+            "time_to_first_token": self.time_to_first_token,
+            "mean_accepted": self.mean_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "iterations": len(self.iterations),
+            "drafts_used": self.drafts_used,
+            "draft_switches": self.draft_switches,
+            "catchup_seconds": self.catchup_seconds,
+            "catchup_tokens": self.catchup_tokens,
+            "prediction_overhead": self.prediction_overhead,
+            "load_wait_seconds": self.load_wait_seconds,
+            "fallback_fraction": self.fallback_fraction,
+            "desired_fraction": self.desired_fraction,
+        }

@@ -1,0 +1,138 @@
+"""Model loading: local safetensors directories, specific errors that name the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+from memspec_ros.runtime.models import (
+    ModelDirectoryError,
+    ModelSpec,
+    QuantizationBackendError,
+    TokenizerMismatchError,
+    UnsupportedArchitectureError,
+    check_draft_compatible,
+    check_shared_tokenizer,
+    gptq_backend_available,
+    load_model,
+    load_tokenizer,
+)
+from memspec_ros.runtime.speculative import generate
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("models")
+    target = save_model_dir(tiny_llama(vocab_size=len(tokenizer), seed=0), tokenizer, root / "target")
+    draft = save_model_dir(tiny_llama(vocab_size=len(tokenizer), layers=1, hidden=32, seed=1), tokenizer, root / "draft")
+    return target, draft
+
+
+def test_loads_and_generates_in_every_dtype(model_dirs):
+    target_dir, draft_dir = model_dirs
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        target = load_model(ModelSpec(str(target_dir), dtype=dtype))
+        assert next(target.model.parameters()).dtype == torch_dtype
+        assert not any(p.requires_grad for p in target.model.parameters())
+        tensors = [*target.model.parameters(), *target.model.buffers()]  # buffers: rotary tables, packed INT4
+        assert target.size_bytes == sum(t.numel() * t.element_size() for t in tensors)
+    target = load_model(ModelSpec(str(target_dir)))
+    draft = load_model(ModelSpec(str(draft_dir)))
+    check_draft_compatible(target, draft)
+    check_shared_tokenizer(target_dir, draft_dir)
+    session = generate(target.model, [1, 4, 9], draft.model, gamma=3, max_new_tokens=16)
+    reference = target.model.generate(torch.tensor([[1, 4, 9]]), do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    assert session.generated_ids == reference[0, 3:].tolist()
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ModelDirectoryError, match="does not exist"):
+        load_model(ModelSpec(str(tmp_path / "nope")))
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ModelDirectoryError, match="config.json is missing"):
+        load_model(ModelSpec(str(tmp_path)))
+
+
+def test_corrupt_config(tmp_path, model_dirs):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelDirectoryError, match="not valid JSON"):
+        load_model(ModelSpec(str(tmp_path)))
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_weights(tmp_path, model_dirs):
+    broken = _copy(model_dirs[0], tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"\x00\x01garbage")
+    with pytest.raises(ModelDirectoryError, match="model.safetensors is not a readable safetensors file"):
+        load_model(ModelSpec(str(broken)))
+
+
+def test_pickled_weights_are_never_loaded(tmp_path, model_dirs):
+    pickled = _copy(model_dirs[0], tmp_path / "pickled")
+    (pickled / "model.safetensors").unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"would be unpickled")
+    with pytest.raises(ModelDirectoryError, match="pickled weights .*pytorch_model.bin.*save_pretrained"):
+        load_model(ModelSpec(str(pickled)))
+
+
+def test_unsupported_architecture(tmp_path, model_dirs):
+    odd = _copy(model_dirs[0], tmp_path / "odd")
+    config = json.loads((odd / "config.json").read_text())
+    config["model_type"] = "resnet"  # a vision model: not a causal LM
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="model_type .resnet."):
+        load_model(ModelSpec(str(odd)))
+
+
+def test_tokenizer_mismatch(tmp_path, model_dirs):
+    other = tiny_tokenizer(vocab_size=280)
+    stranger = save_model_dir(tiny_llama(vocab_size=len(other), seed=3), other, tmp_path / "stranger")
+    with pytest.raises(TokenizerMismatchError, match="different tokenizer"):
+        check_shared_tokenizer(model_dirs[0], stranger)
+    with pytest.raises(TokenizerMismatchError, match="vocab_size"):
+        check_draft_compatible(load_model(ModelSpec(str(model_dirs[0]))), load_model(ModelSpec(str(stranger))))
+
+
+def test_missing_tokenizer(tmp_path, model_dirs):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(ModelDirectoryError, match="no tokenizer files"):
+        load_tokenizer(bare)
+
+
+def test_gptq_requested_for_a_plain_checkpoint(model_dirs):
+    with pytest.raises(QuantizationBackendError, match="no GPTQ quantization_config"):
+        load_model(ModelSpec(str(model_dirs[0]), quantization="gptq"))
+
+
+@pytest.mark.skipif(gptq_backend_available(), reason="only meaningful without the GPTQ backend")
+def test_gptq_checkpoint_without_backend(tmp_path, model_dirs):
+    fake = _copy(model_dirs[0], tmp_path / "gptq")
+    config = json.loads((fake / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (fake / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationBackendError, match="GPT-QModel backend is not installed"):
+        load_model(ModelSpec(str(fake), quantization="gptq"))
+
+
+def test_bad_dtype_and_device(model_dirs):
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model(ModelSpec(str(model_dirs[0]), dtype="int3"))
+    with pytest.raises(ValueError, match="unsupported device"):
+        load_model(ModelSpec(str(model_dirs[0]), device="tpu"))

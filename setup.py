@@ -1,0 +1,43 @@
+"""ament_python package memspec_ros.
+
+Built two ways from this one file: `colcon build` (ROS workspaces; scripts land in
+lib/memspec_ros, data under share/memspec_ros) and `pip install -e . --no-deps` (the dev venv;
+scripts land in the venv's bin/). Dependencies are deliberately not listed in install_requires:
+ROS packages come from package.xml/rosdep or the ROS wheels, the Python libraries from
+requirements.txt, and torch is never installed from here (see README.md).
+"""
+
+from glob import glob
+
+from setuptools import find_packages, setup
+
+package_name = "memspec_ros"
+
+setup(
+    name=package_name,
+    version="0.1.0",
+    packages=find_packages(include=[package_name, f"{package_name}.*"]),
+    data_files=[
+        ("share/ament_index/resource_index/packages", [f"resource/{package_name}"]),
+        (f"share/{package_name}", ["package.xml"]),
+        (f"share/{package_name}/launch", sorted(glob("launch/*.launch.py"))),
+        (f"share/{package_name}/config", sorted(glob("config/*.yaml"))),
+    ],
+    install_requires=["setuptools"],
+    zip_safe=True,
+    maintainer="memspec_ros maintainers",
+    maintainer_email="maintainers@users.noreply.a-seed-c56185d9.example",
+    description="ROS 2 LLM generation node with MemSpec memory-aware multi-draft speculative decoding",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    extras_require={"test": ["pytest"]},
+    entry_points={
+        "console_scripts": [
+            "memspec_node = memspec_ros.ros.node:main",
+            "memspec_client = memspec_ros.ros.client:main",
+            "memspec-bench = memspec_ros.bench.cli:main",
+            "memspec-zoo = memspec_ros.zoo.cli:main",
+            "memspec-train-predictor = memspec_ros.runtime.predictor_training:main",
+        ],
+    },
+)

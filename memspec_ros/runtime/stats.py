@@ -40,6 +40,66 @@ class IterationStats:
 
 
 @dataclass
+class CacheStats:
+    """A snapshot of the draft model cache (Algorithm 2's resident set G and its counters).
+
+    Counters are cumulative over the cache's life; the controller snapshots the cache
+    before and after a generation and :meth:`since` gives that generation's share.
+    """
+
+    capacity: int = 0  # K: most drafts resident at once
+    budget_bytes: int = 0  # 0: no byte budget, only K
+    resident: list[str] = field(default_factory=list)  # G, loaded and runnable
+    loading: list[str] = field(default_factory=list)  # prefetches in flight (bytes reserved)
+    failed: dict[str, str] = field(default_factory=dict)  # draft -> why its load failed
+    working_set: list[str] = field(default_factory=list)  # W: top-K of the last ranking
+    active: str = ""  # the draft decoding now (never evicted)
+    bytes_resident: int = 0
+    bytes_reserved: int = 0  # resident + loads in flight: what the budget is checked against
+    hits: int = 0  # get() found the draft resident
+    misses: int = 0  # get() did not
+    loads: int = 0  # loads completed
+    load_failures: int = 0
+    load_seconds: float = 0.0  # storage -> fast memory, summed over loads (background)
+    wait_seconds: float = 0.0  # decode thread blocked in wait_for()
+    evictions: int = 0
+    wasted_prefetches: int = 0  # loaded, then evicted before ever running
+
+    _COUNTERS = ("hits", "misses", "loads", "load_failures", "load_seconds", "wait_seconds", "evictions",
+                 "wasted_prefetches")
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    def since(self, before: "CacheStats") -> "CacheStats":
+        """This snapshot's state with counters relative to an earlier snapshot."""
+        delta = CacheStats(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        for name in self._COUNTERS:
+            setattr(delta, name, getattr(self, name) - getattr(before, name))
+        return delta
+
+    def summary(self) -> dict[str, float | int | str | list[str]]:
+        return {
+            "cache_capacity": self.capacity,
+            "cache_budget_bytes": self.budget_bytes,
+            "cache_resident": list(self.resident),
+            "cache_loading": list(self.loading),
+            "cache_failed": sorted(self.failed),
+            "cache_bytes_resident": self.bytes_resident,
+            "cache_hits": self.hits,
+            "cache_misses": self.misses,
+            "cache_hit_rate": self.hit_rate,
+            "cache_loads": self.loads,
+            "cache_load_failures": self.load_failures,
+            "cache_load_seconds": self.load_seconds,
+            "cache_evictions": self.evictions,
+            "cache_wasted_prefetches": self.wasted_prefetches,
+        }
+
+
+@dataclass
 class GenerationStats:
     """A whole generation: prefill, iterations and how it ended."""
 
@@ -50,6 +110,11 @@ class GenerationStats:
     decode_seconds: float = 0.0  # wall time of the iterations after the first token
     finish_reason: str = ""
     iterations: list[IterationStats] = field(default_factory=list)
+    # Filled by the runtime controller:
+    policy: str = ""  # draft-selection policy (general-static, memspec, ...)
+    predictions: int = 0  # rankings computed (Algorithm 1 calls)
+    background_prediction_seconds: float = 0.0  # predictor work overlapped off the decode thread
+    cache: CacheStats | None = None  # this generation's cache counters and final state
 
     # -- throughput ---------------------------------------------------------
     @property
@@ -134,6 +199,21 @@ class GenerationStats:
         return self._fraction(self.prediction_seconds)
 
     @property
+    def desired_seconds(self) -> float:
+        """Time in iterations that ran the preferred draft (the paper's desired execution)."""
+        return sum(it.seconds for it in self.speculative_iterations if it.preferred and not it.fallback)
+
+    @property
+    def fallback_seconds(self) -> float:
+        """Time in iterations that ran another draft because the preferred one was not resident."""
+        return sum(it.seconds for it in self.speculative_iterations if it.fallback)
+
+    @property
+    def load_wait_fraction(self) -> float:
+        """Share of decoding time blocked on draft loads (MAB-Sync, Prediction-Only)."""
+        return self._fraction(self.load_wait_seconds)
+
+    @property
     def fallback_fraction(self) -> float:
         """Share of speculative iterations run on a draft other than the preferred one."""
         its = [it for it in self.speculative_iterations if it.preferred]
@@ -165,4 +245,11 @@ class GenerationStats:
             "load_wait_seconds": self.load_wait_seconds,
             "fallback_fraction": self.fallback_fraction,
             "desired_fraction": self.desired_fraction,
+            "desired_seconds": self.desired_seconds,
+            "fallback_seconds": self.fallback_seconds,
+            "load_wait_fraction": self.load_wait_fraction,
+            "policy": self.policy,
+            "predictions": self.predictions,
+            "background_prediction_seconds": self.background_prediction_seconds,
+            **(self.cache.summary() if self.cache is not None else {}),
         }

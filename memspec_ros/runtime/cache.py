@@ -1,0 +1,475 @@
+"""The Draft Model Cache Manager (the paper's Algorithm 2).
+
+Only K drafts fit in fast memory. The cache keeps the resident set G, derives the
+target working set W = top-K of the latest ranking, evicts the lowest-scored
+resident drafts outside W (never the active one) and prefetches the missing
+members of W on ONE background loader thread, so decoding never waits for
+storage. Beyond the paper, drafts of different sizes share an optional byte
+budget; a load reserves its bytes *before* it starts, so the count and the byte
+budget hold at every instant, loads in flight included.
+
+A failed load marks that draft failed (with its error) and is skipped by later
+updates; decoding continues on whatever is resident (or the target alone).
+
+All state changes happen under one lock. Evictions happen only on the caller's
+thread (update/request/remove/reconfigure), so the ``on_evict`` callbacks (the
+controller drops the evicted draft's KV cache there) run on the decode thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .models import LoadedModel, ModelSpec, load_model
+from .stats import CacheStats
+
+Loader = Callable[[str], LoadedModel]
+Ranking = Sequence[str] | Sequence[tuple[str, float]] | Mapping[str, float]
+
+
+class DraftLoadError(RuntimeError):
+    """A draft could not be made resident; the message carries the loader's error."""
+
+
+class DraftTooLargeError(DraftLoadError):
+    """A draft does not fit the byte budget even with every other draft evicted."""
+
+
+@dataclass
+class _Slot:
+    """One draft known to the cache: resident (model set), loading (future set) or failed."""
+
+    name: str
+    reserved_bytes: int
+    model: LoadedModel | None = None
+    future: Future | None = None
+    error: BaseException | None = None
+    used: bool = False  # ran at least once since it became resident (for wasted-prefetch counting)
+    discard: bool = False  # removed/evicted while in flight: drop it when the load completes
+    load_started: float = 0.0
+
+
+def normalise_ranking(ranking: Ranking) -> list[tuple[str, float]]:
+    """(name, score) best first from a list of names, (name, score) pairs or a mapping."""
+    if isinstance(ranking, Mapping):
+        pairs = [(str(k), float(v)) for k, v in ranking.items()]
+    else:
+        items = list(ranking)
+        if items and isinstance(items[0], tuple):
+            pairs = [(str(n), float(s)) for n, s in items]  # type: ignore[misc]
+        else:
+            n = len(items)
+            pairs = [(str(name), float(n - i)) for i, name in enumerate(items)]  # type: ignore[arg-type]
+    return sorted(pairs, key=lambda p: -p[1])
+
+
+class DraftCacheManager:
+    """Resident set G (capacity K, optional byte budget) with asynchronous prefetch."""
+
+    def __init__(
+        self,
+        capacity: int,
+        loader: Loader,
+        *,
+        budget_bytes: int = 0,
+        size_of: Callable[[str], int] | None = None,
+        on_change: Callable[[CacheStats], None] | None = None,
+    ) -> None:
+        """``loader(name)`` loads a draft into fast memory (runs on the loader thread);
+        ``size_of(name)`` estimates its bytes for the reservation made before the load;
+        ``on_change`` sees a snapshot after every state change (tests check invariants there)."""
+        _check_capacity(capacity, budget_bytes)
+        self.capacity = capacity
+        self.budget_bytes = budget_bytes
+        self.loader = loader
+        self.size_of = size_of or (lambda name: 0)
+        self.on_change = on_change
+        self.on_evict: list[Callable[[str], None]] = []
+        self._lock = threading.RLock()
+        self._slots: dict[str, _Slot] = {}
+        self._scores: dict[str, float] = {}
+        self._working_set: list[str] = []
+        self._active = ""
+        self._counters = CacheStats()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memspec-draft-loader")
+        self._closed = False
+
+    # -- queries (non-blocking) ---------------------------------------------------
+    def resident(self) -> list[str]:
+        """G: drafts loaded and runnable now."""
+        with self._lock:
+            return [n for n, s in self._slots.items() if s.model is not None]
+
+    def loading(self) -> list[str]:
+        with self._lock:
+            return [n for n, s in self._slots.items() if s.future is not None and s.model is None and s.error is None]
+
+    def failed(self) -> dict[str, BaseException]:
+        with self._lock:
+            return {n: s.error for n, s in self._slots.items() if s.error is not None}
+
+    def is_resident(self, name: str) -> bool:
+        with self._lock:
+            slot = self._slots.get(name)
+            return slot is not None and slot.model is not None
+
+    def is_available(self, name: str) -> bool:
+        """Resident or on its way (a later get() may hit)."""
+        with self._lock:
+            slot = self._slots.get(name)
+            return slot is not None and slot.error is None
+
+    @property
+    def active(self) -> str:
+        return self._active
+
+    @property
+    def working_set(self) -> list[str]:
+        with self._lock:
+            return list(self._working_set)
+
+    def get(self, name: str) -> LoadedModel | None:
+        """The resident draft, or None right away if it is not resident (counts a hit or miss)."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is not None and slot.model is not None:
+                self._counters.hits += 1
+                slot.used = True
+                return slot.model
+            self._counters.misses += 1
+            return None
+
+    def set_active(self, name: str) -> None:
+        """The draft decoding now: never evicted while active."""
+        with self._lock:
+            self._active = name
+            self._changed()
+
+    # -- Algorithm 2 ----------------------------------------------------------------
+    def update(self, ranking: Ranking, active: str | None = None) -> list[str]:
+        """Align G with W = top-K of ``ranking``: evict, then prefetch asynchronously. Never blocks.
+
+        Failed drafts and names not in ``ranking`` are skipped. Returns W.
+        """
+        with self._lock:
+            if active is not None:
+                self._active = active
+            pairs = normalise_ranking(ranking)
+            self._scores = dict(pairs)
+            viable = [n for n, _ in pairs if not (n in self._slots and self._slots[n].error is not None)]
+            self._working_set = viable[: self.capacity]
+            for name in self._working_set:
+                slot = self._slots.get(name)
+                if slot is not None:
+                    continue  # resident or being prefetched
+                self._make_room_and_load(name, protect=set(self._working_set))
+            self._changed()
+            return list(self._working_set)
+
+    def request(self, name: str, active: str | None = None) -> bool:
+        """Start loading one draft (bandits and on-demand policies), evicting the lowest-scored
+        resident draft other than ``name`` and the active one. Returns False if no room could be made."""
+        with self._lock:
+            if active is not None:
+                self._active = active
+            slot = self._slots.get(name)
+            if slot is not None and slot.error is None:
+                return True
+            if slot is not None:  # failed before: an explicit request retries it
+                del self._slots[name]
+            started = self._make_room_and_load(name, protect={name})
+            self._changed()
+            return started
+
+    def wait_for(self, name: str, timeout: float | None = None) -> tuple[LoadedModel, float]:
+        """Block until ``name`` is resident (loading it if needed). Returns (model, seconds waited).
+
+        For MAB-Sync and Prediction-Only, which stall for their choice; MemSpec never calls it.
+        Raises DraftLoadError if the load fails or no room can be made.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is not None and slot.model is not None:
+                self._counters.hits += 1
+                slot.used = True
+                return slot.model, 0.0
+            self._counters.misses += 1
+            if slot is None or slot.error is not None:
+                if not self.request(name):
+                    raise DraftLoadError(
+                        f"draft {name!r} cannot be loaded: the cache (K={self.capacity}, budget={self.budget_bytes} B)"
+                        " has no draft it may evict"
+                    )
+                slot = self._slots[name]
+            future = slot.future
+        if future is not None:
+            try:
+                future.result(timeout=timeout)
+            except Exception:  # the error is recorded on the slot by the completion handler
+                pass
+        waited = time.perf_counter() - t0
+        with self._lock:
+            self._counters.wait_seconds += waited
+            slot = self._slots.get(name)
+            if slot is None or slot.model is None:
+                error = slot.error if slot is not None else None
+                raise DraftLoadError(f"draft {name!r} did not become resident: {error}") from error
+            slot.used = True
+            return slot.model, waited
+
+    # -- explicit residency changes ---------------------------------------------------
+    def remove(self, name: str) -> None:
+        """Forget a draft (removed from the registry), even the active one; a load in flight is discarded."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is None:
+                return
+            if slot.model is None and slot.future is not None and slot.error is None:
+                slot.discard = True  # its bytes stay reserved until the loader finishes
+            else:
+                self._evict(name)
+            if self._active == name:
+                self._active = ""
+            self._scores.pop(name, None)
+            self._working_set = [n for n in self._working_set if n != name]
+            self._changed()
+
+    def clear_failed(self, name: str | None = None) -> None:
+        """Let a failed draft be tried again (after fixing its files)."""
+        with self._lock:
+            for n in [name] if name else list(self._slots):
+                slot = self._slots.get(n)
+                if slot is not None and slot.error is not None:
+                    del self._slots[n]
+            self._changed()
+
+    def reconfigure(self, capacity: int | None = None, budget_bytes: int | None = None) -> None:
+        """Change K and/or the byte budget; shrinking evicts the lowest-scored non-active drafts now.
+
+        Loads already in flight are not interrupted; if they no longer fit they are dropped when they complete.
+        """
+        capacity = self.capacity if capacity is None else capacity
+        budget_bytes = self.budget_bytes if budget_bytes is None else budget_bytes
+        _check_capacity(capacity, budget_bytes)
+        with self._lock:
+            self.capacity, self.budget_bytes = capacity, budget_bytes
+            for name in sorted(self.loading(), key=lambda n: self._scores.get(n, float("-inf"))):
+                if self._count() > capacity or not self._fits(0):
+                    self._slots[name].discard = True
+            while self._count() > capacity or not self._fits(0):
+                victim = self._victim(protect=set())
+                if victim is None:
+                    break
+                self._evict(victim)
+            self._working_set = self._working_set[:capacity]
+            self._changed()
+
+    def reset(self) -> None:
+        """Empty the cache (the paper resets runtime state per prompt); waits for loads in flight."""
+        with self._lock:
+            futures = [s.future for s in self._slots.values() if s.future is not None and s.model is None]
+        for f in futures:
+            try:
+                f.result()
+            except Exception:
+                pass
+        with self._lock:
+            for name in list(self._slots):
+                slot = self._slots[name]
+                if slot.model is not None:
+                    self._evict(name)
+                else:
+                    del self._slots[name]
+            self._active, self._scores, self._working_set = "", {}, []
+            self._changed()
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every load in flight (tests, benchmarks and shutdown)."""
+        with self._lock:
+            futures = [s.future for s in self._slots.values() if s.future is not None]
+        for f in futures:
+            try:
+                f.result(timeout=timeout)
+            except Exception:
+                pass
+
+    # -- diagnostics --------------------------------------------------------------------
+    def snapshot(self) -> CacheStats:
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> CacheStats:
+        c = self._counters
+        resident = [n for n, s in self._slots.items() if s.model is not None]
+        return CacheStats(
+            capacity=self.capacity,
+            budget_bytes=self.budget_bytes,
+            resident=resident,
+            loading=[n for n, s in self._slots.items() if s.model is None and s.error is None],
+            failed={n: f"{type(s.error).__name__}: {s.error}" for n, s in self._slots.items() if s.error is not None},
+            working_set=list(self._working_set),
+            active=self._active,
+            bytes_resident=sum(self._slots[n].reserved_bytes for n in resident),
+            bytes_reserved=self._reserved(),
+            hits=c.hits,
+            misses=c.misses,
+            loads=c.loads,
+            load_failures=c.load_failures,
+            load_seconds=c.load_seconds,
+            wait_seconds=c.wait_seconds,
+            evictions=c.evictions,
+            wasted_prefetches=c.wasted_prefetches,
+        )
+
+    # -- internals (lock held) ------------------------------------------------------------
+    def _count(self) -> int:
+        """Slots that occupy memory: resident plus loads in flight."""
+        return sum(1 for s in self._slots.values() if s.error is None)
+
+    def _reserved(self) -> int:
+        return sum(s.reserved_bytes for s in self._slots.values() if s.error is None)
+
+    def _fits(self, extra: int) -> bool:
+        return not self.budget_bytes or self._reserved() + extra <= self.budget_bytes
+
+    def _victim(self, protect: set[str]) -> str | None:
+        """Lowest-scored resident draft outside ``protect`` and the active draft (Algorithm 2, line 6)."""
+        candidates = [
+            n for n, s in self._slots.items() if s.model is not None and n not in protect and n != self._active
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda n: self._scores.get(n, float("-inf")))
+
+    def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
+        size = max(0, int(self.size_of(name)))
+        if self.budget_bytes and size > self.budget_bytes:
+            self._slots[name] = _Slot(name, 0, error=DraftTooLargeError(
+                f"draft {name!r} needs {size} B but the draft memory budget is {self.budget_bytes} B:"
+                " raise cache.budget_bytes or remove the draft"))
+            self._counters.load_failures += 1
+            return False
+        while self._count() >= self.capacity or not self._fits(size):
+            victim = self._victim(protect)
+            if victim is None:
+                return False  # Algorithm 2, lines 7-8: nothing may be evicted, skip this prefetch
+            self._evict(victim)
+        slot = _Slot(name, size, load_started=time.perf_counter())
+        self._slots[name] = slot  # reserved before the load starts
+        slot.future = self._pool.submit(self._load, slot)
+        return True
+
+    def _evict(self, name: str) -> None:
+        slot = self._slots.pop(name)
+        was_resident = slot.model is not None
+        slot.model = None  # drop the reference: the memory goes back
+        if was_resident:
+            self._counters.evictions += 1
+            if not slot.used:
+                self._counters.wasted_prefetches += 1
+            for callback in list(self.on_evict):
+                callback(name)
+
+    def _load(self, slot: _Slot) -> None:
+        """Runs on the loader thread: storage -> fast memory, then publish under the lock."""
+        t0 = time.perf_counter()
+        try:
+            loaded = self.loader(slot.name)
+        except BaseException as exc:  # any loader failure must not reach the decode thread
+            with self._lock:
+                slot.error = exc if isinstance(exc, Exception) else DraftLoadError(str(exc))
+                slot.future = None
+                self._counters.load_failures += 1
+                if slot.discard and self._slots.get(slot.name) is slot:
+                    del self._slots[slot.name]
+                self._changed()
+            raise
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            self._counters.load_seconds += elapsed
+            if self._slots.get(slot.name) is not slot or slot.discard:
+                if self._slots.get(slot.name) is slot:
+                    del self._slots[slot.name]  # removed or over capacity while in flight
+                slot.future = None
+                self._changed()
+                return
+            actual = int(getattr(loaded, "size_bytes", 0) or 0)
+            if actual > slot.reserved_bytes:
+                others = self._reserved() - slot.reserved_bytes
+                if self.budget_bytes and others + actual > self.budget_bytes:
+                    slot.error = DraftTooLargeError(
+                        f"draft {slot.name!r} occupies {actual} B in memory, more than the {slot.reserved_bytes} B"
+                        f" reserved and the {self.budget_bytes} B budget allows: set its size_bytes in the registry"
+                    )
+                    slot.future = None
+                    self._counters.load_failures += 1
+                    self._changed()
+                    return
+            if actual > 0:
+                slot.reserved_bytes = actual  # account what it really occupies from now on
+            slot.model = loaded
+            self._counters.loads += 1
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self._snapshot())
+
+
+def _check_capacity(capacity: int, budget_bytes: int) -> None:
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"cache capacity K must be an integer >= 1 (drafts resident at once), got {capacity!r}")
+    if budget_bytes < 0:
+        raise ValueError(f"cache budget_bytes must be >= 0 (0 = no byte budget), got {budget_bytes!r}")
+
+
+# -- the storage -> fast memory loader ----------------------------------------------------
+
+def to_device_via_pinned(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Copy a CPU model to CUDA through pinned host memory on a side stream.
+
+    Pinned (page-locked) buffers let the copy run as DMA without staging, and a
+    separate stream keeps it from serialising behind the decode thread's kernels
+    on the default stream (SpecExec does the same for offloaded weights).
+    """
+    if device.type != "cuda":
+        return model.to(device)
+    stream = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(stream):
+        for module in model.modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None:
+                    module._parameters[key] = torch.nn.Parameter(
+                        param.data.pin_memory().to(device, non_blocking=True), requires_grad=False
+                    )
+            for key, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[key] = buf.pin_memory().to(device, non_blocking=True)
+    stream.synchronize()  # the model is complete before it is published as resident
+    return model
+
+
+def registry_loader(registry, dtype: str = "fp32", device: str = "cpu") -> Loader:
+    """A loader for :class:`DraftCacheManager`: reads the registry entry's safetensors into fast memory."""
+
+    def load(name: str) -> LoadedModel:
+        entry = registry.get(name)
+        loaded = load_model(ModelSpec(path=entry.path, dtype=dtype, device="cpu"))
+        target = torch.device(device)
+        if target.type == "cuda":
+            loaded.model = to_device_via_pinned(loaded.model, target)
+            loaded.spec = ModelSpec(path=entry.path, dtype=dtype, device=device)
+        return loaded
+
+    return load

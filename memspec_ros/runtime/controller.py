@@ -1,0 +1,344 @@
+"""The Runtime Controller (the paper's Algorithm 3): one shared loop for every policy.
+
+Every N iterations (a scheduling point) the controller asks the policy for a
+choice, updates the cache the way the choice says, and picks the draft to run:
+the preferred one if resident, otherwise (without waiting, unless the policy
+blocks by design) the best resident draft by the policy's ranking, the current
+draft, or the target alone. Between scheduling points nothing changes, which is
+where registry edits, reconfiguration and policy switches take effect.
+
+This is the single entry point the ROS node calls::
+
+    controller = RuntimeController(config, target, tokenizer, registry, predictor)
+    result = controller.generate(prompt, max_new_tokens, sampling, stop, on_chunk, should_cancel)
+    controller.reconfigure(capacity=3, policy="mab-async")   # ValueError naming the field; nothing changed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
+from .models import LoadedModel
+from .oracle import GreedyOracle
+from .policies import (LOAD_PREFETCH, LOAD_REQUEST, LOAD_WAIT, POLICIES, Choice, DraftPolicy, PolicyError,
+                       SchedulingPoint, make_policy)
+from .predictor import OverlappedPredictor, Ranker
+from .registry import DraftRegistry
+from .speculative import ChunkCallback, SamplingConfig, SpeculativeSession
+from .stats import GenerationStats, IterationStats
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The runtime's knobs; the same names as the node's ROS parameters."""
+
+    policy: str = "memspec"
+    capacity: int = 2  # K: drafts resident at once (the paper: 2 on an 8 GB Jetson)
+    budget_bytes: int = 0  # optional byte budget for drafts of different sizes (0: count only)
+    interval: int = 4  # N: iterations between scheduling points
+    recent_tokens: int = 32  # T: generated tokens the predictor sees
+    gamma: int = 4  # draft tokens proposed per iteration
+    overlap_prediction: bool = False  # run the predictor on a background thread (ranking one interval late)
+    general_draft: str = "general"  # General-Static's draft
+    ucb_c: float = 2.0  # MAB exploration coefficient (the paper's best)
+    reset_cache_per_generation: bool = False  # the paper's protocol; a robot keeps its cache warm
+
+    def validate(self) -> "RuntimeConfig":
+        def need(ok: bool, field_name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"{field_name} {what}, got {getattr(self, field_name)!r}")
+
+        need(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")
+        need(isinstance(self.capacity, int) and self.capacity >= 1, "capacity", "(K) must be an integer >= 1")
+        need(isinstance(self.budget_bytes, int) and self.budget_bytes >= 0, "budget_bytes", "must be an integer >= 0 (0: no byte budget)")
+        need(isinstance(self.interval, int) and self.interval >= 1, "interval", "(N) must be an integer >= 1")
+        need(isinstance(self.recent_tokens, int) and self.recent_tokens >= 0, "recent_tokens", "(T) must be an integer >= 0")
+        need(isinstance(self.gamma, int) and 1 <= self.gamma <= 64, "gamma", "must be an integer in [1, 64]")
+        need(self.ucb_c >= 0, "ucb_c", "must be >= 0")
+        return self
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    finish_reason: str  # length | eos | stop | cancelled
+    stats: GenerationStats
+    token_ids: list[int]
+
+
+class RuntimeController:
+    """Owns the draft cache and runs generations with the configured policy."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        target: torch.nn.Module,
+        tokenizer,
+        registry: DraftRegistry,
+        predictor: Ranker | None = None,
+        *,
+        loader: Loader | None = None,
+        cache: DraftCacheManager | None = None,
+        oracle_for: Callable[[Sequence[int]], GreedyOracle] | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        max_positions: int = 0,
+        draft_dtype: str = "fp32",
+        device: str = "cpu",
+    ) -> None:
+        self.config = config.validate()
+        self.target = target
+        self.tokenizer = tokenizer
+        self.registry = registry
+        self.predictor = predictor
+        self.oracle_for = oracle_for
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+            eos_token_ids = [eos] if eos is not None else []
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_positions = max_positions or int(getattr(target.config, "max_position_embeddings", 0) or 0)
+        self.cache = cache or DraftCacheManager(
+            config.capacity,
+            loader or registry_loader(registry, draft_dtype, device),
+            budget_bytes=config.budget_bytes,
+            size_of=self._size_of,
+        )
+        self._lock = threading.Lock()
+        self._pending: RuntimeConfig | None = None
+        self._running = False
+        self._overlapped: OverlappedPredictor | None = None
+        self._check_policy(self.config)  # fail now, not at the first goal
+
+    # -- configuration -------------------------------------------------------------------
+    def _size_of(self, name: str) -> int:
+        return self.registry.get(name).size_bytes if name in self.registry else 0
+
+    def _check_policy(self, config: RuntimeConfig) -> None:
+        make_policy(config.policy, predictor=self.predictor, oracle_for=self.oracle_for,
+                    general_draft=config.general_draft, ucb_c=config.ucb_c).close()
+
+    def reconfigure(self, **changes) -> RuntimeConfig:
+        """Validate and apply changes (K, N, T, gamma, policy, ...): now if idle, else at the next scheduling point.
+
+        Raises ValueError naming the field for an unknown field or a bad value, and
+        PolicyError if the policy cannot run here; in both cases nothing changes.
+        """
+        known = {f.name for f in dataclasses.fields(RuntimeConfig)}
+        for key in changes:
+            if key not in known:
+                raise ValueError(f"{key} is not a runtime setting: use one of {', '.join(sorted(known))}")
+        with self._lock:
+            base = self._pending or self.config
+            new = dataclasses.replace(base, **changes).validate()
+            self._check_policy(new)
+            if self._running:
+                self._pending = new
+            else:
+                self._apply(new)
+            return new
+
+    def _apply(self, new: RuntimeConfig) -> None:
+        if (new.capacity, new.budget_bytes) != (self.config.capacity, self.config.budget_bytes):
+            self.cache.reconfigure(new.capacity, new.budget_bytes)
+        self.config = new
+
+    def _take_pending(self) -> RuntimeConfig | None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._apply(pending)
+            return pending
+
+    def _make_policy(self) -> DraftPolicy:
+        predictor = self.predictor
+        if self.config.overlap_prediction and predictor is not None:
+            if self._overlapped is None or self._overlapped.ranker is not predictor:
+                self._overlapped = OverlappedPredictor(predictor)
+            predictor = self._overlapped
+        return make_policy(self.config.policy, predictor=predictor, oracle_for=self.oracle_for,
+                           general_draft=self.config.general_draft, ucb_c=self.config.ucb_c)
+
+    # -- the loop (Algorithm 3) --------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        sampling: SamplingConfig = SamplingConfig(),
+        stop: Sequence[str] = (),
+        on_chunk: ChunkCallback | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        """One generation. ``on_chunk(text_delta, token_ids)`` streams; ``should_cancel()`` is polled per iteration."""
+        prompt_ids = self._encode(prompt)
+        with self._lock:
+            if self._running:
+                raise RuntimeError("a generation is already running on this controller: one goal at a time")
+            self._running = True
+        session: SpeculativeSession | None = None
+        try:
+            self._take_pending()
+            if self.config.reset_cache_per_generation:
+                self.cache.reset()
+            session = SpeculativeSession(
+                self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
+                eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,
+                max_positions=self.max_positions,
+            )
+            return self._run(session, prompt_ids, should_cancel)
+        finally:
+            if session is not None and session.drop_draft in self.cache.on_evict:
+                self.cache.on_evict.remove(session.drop_draft)
+            with self._lock:
+                self._running = False
+            self._take_pending()
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return ids
+
+    def _run(self, session: SpeculativeSession, prompt_ids: list[int],
+             should_cancel: Callable[[], bool] | None) -> GenerationResult:
+        stats = session.stats
+        cache = self.cache
+        cache.on_evict.append(session.drop_draft)
+        before = cache.snapshot()
+        policy = self._make_policy()
+        stats.policy = policy.name
+        registry_version = self.registry.version
+
+        # setup: prediction on the prompt, initial draft load, cache preparation (lines 2-5)
+        t_setup = time.perf_counter()
+        policy.start(prompt_ids)
+        point = self._point(0, session, prompt_ids, active="")
+        choice = policy.choose(point)
+        stats.predictions += 1
+        active, model, preferred, fallback, _ = self._resolve(choice, point, initial=True)
+        stats.setup_seconds = time.perf_counter() - t_setup
+
+        session.prefill()
+        interval, interval_its, pending_prediction, pending_wait = 0, [], 0.0, 0.0
+        while not session.finished:
+            if should_cancel is not None and should_cancel():
+                session.cancel()
+                break
+            if len(interval_its) >= self.config.interval:
+                # -- scheduling point ------------------------------------------------------
+                policy.observe(active, interval_its)
+                interval += 1
+                interval_its = []
+                t0 = time.perf_counter()
+                if self._take_pending() is not None:
+                    session.gamma = self.config.gamma
+                    if policy.name != self.config.policy:
+                        policy.close()
+                        policy = self._make_policy()
+                        policy.start(prompt_ids)
+                        stats.policy = f"{stats.policy}>{policy.name}"
+                if self.registry.version != registry_version:
+                    registry_version = self.registry.version
+                    if self._sync_registry(active):
+                        active, model = "", None  # the active draft was removed: pick anew below
+                point = self._point(interval, session, prompt_ids, active)
+                choice = policy.choose(point)
+                stats.predictions += 1
+                active, model, preferred, fallback, waited = self._resolve(choice, point, current=(active, model))
+                pending_prediction = time.perf_counter() - t0 - waited
+                pending_wait = waited
+            draft = model.model if model is not None else None
+            it = session.step(active if draft is not None else "", draft)
+            it.preferred = preferred
+            it.fallback = fallback
+            it.prediction_seconds, it.load_wait_seconds = pending_prediction, pending_wait
+            pending_prediction = pending_wait = 0.0
+            interval_its.append(it)
+        if interval_its:
+            policy.observe(active, interval_its)
+        policy.close()
+        if isinstance(self._overlapped, OverlappedPredictor):
+            stats.background_prediction_seconds = self._overlapped.background_seconds
+            self._overlapped.background_seconds = 0.0
+        stats.cache = cache.snapshot().since(before)
+        return GenerationResult(session.text, session.finish_reason, stats, session.generated_ids)
+
+    def _point(self, interval: int, session: SpeculativeSession, prompt_ids: list[int], active: str) -> SchedulingPoint:
+        generated = session.generated_ids
+        t = self.config.recent_tokens
+        entries = self.registry.entries()
+        return SchedulingPoint(
+            interval=interval,
+            prompt_ids=prompt_ids,
+            generated_ids=list(generated),
+            recent_ids=list(generated[-t:]) if t else [],
+            candidates=[e.name for e in entries],
+            domains={e.name: e.domain for e in entries},
+            resident=self.cache.resident(),
+            active=active,
+            failed=list(self.cache.failed()),
+        )
+
+    def _sync_registry(self, active: str) -> bool:
+        """Drop drafts no longer registered from the cache; True if the active one went."""
+        registered = set(self.registry.names())
+        gone = [n for n in self.cache.resident() + self.cache.loading() if n not in registered]
+        for name in gone:
+            self.cache.remove(name)
+        return active in gone
+
+    def _resolve(self, choice: Choice, point: SchedulingPoint, *, initial: bool = False,
+                 current: tuple[str, LoadedModel | None] = ("", None)) -> tuple[str, LoadedModel | None, str, bool, float]:
+        """Apply a choice to the cache; return (draft to run, its model, preferred, fallback?, seconds waited)."""
+        cache = self.cache
+        preferred = choice.preferred
+        waited = 0.0
+        cur_name, cur_model = current
+        if preferred and (choice.load == LOAD_WAIT or initial) and not cache.is_resident(preferred):
+            # blocking load: the policy stalls by design, or any policy's first draft (Algorithm 3, line 3)
+            cache.set_active("")  # the idle current draft may be evicted to make room
+            try:
+                _, waited = cache.wait_for(preferred)
+            except DraftLoadError:
+                pass  # recorded as failed in the cache; decoding goes on without it
+        if choice.load == LOAD_PREFETCH and choice.ranking is not None:
+            cache.update(choice.ranking, active=cur_name if cur_name in cache.resident() else None)
+        elif choice.load == LOAD_REQUEST and preferred and not cache.is_available(preferred):
+            cache.request(preferred, active=cur_name or None)
+        # run: the preferred draft if resident, else the best resident fallback (never wait here)
+        model = cache.get(preferred) if preferred else None
+        if model is not None:
+            cache.set_active(preferred)
+            return preferred, model, preferred, False, waited
+        if not preferred:
+            cache.set_active("")
+            return "", None, "", False, waited
+        order = [n for n, _ in choice.ranking] if choice.ranking else []
+        if choice.load == LOAD_REQUEST and cur_name:
+            order = [cur_name] + order  # MAB-Async keeps decoding on the current draft
+        elif cur_name and cur_name not in order:
+            order.append(cur_name)
+        resident = set(cache.resident())
+        for name in order + sorted(resident):
+            if name in resident and name != preferred:
+                fallback = cache.get(name)
+                if fallback is not None:
+                    cache.set_active(name)
+                    return name, fallback, preferred, True, waited
+        cache.set_active("")
+        return "", None, preferred, True, waited  # nothing resident: the target decodes alone
+
+    def close(self) -> None:
+        self.cache.close()
+        if self._overlapped is not None:
+            self._overlapped.close()

@@ -1,0 +1,109 @@
+"""Future knowledge for the oracle baselines, exact under greedy decoding.
+
+Greedy output does not depend on the draft, so the target's greedy continuation
+is fixed, and a draft's proposals match it exactly as long as they agree with
+the teacher-forced argmax of the draft over that continuation. One draft forward
+over [prompt ; continuation] therefore tells how many tokens the draft gets
+accepted from ANY position: the run of agreements starting there, capped at
+gamma. Walking N iterations from a position gives a draft's utility for the next
+interval (tokens committed), which Oracle-Static sums over the whole output and
+Oracle-Dynamic looks up at each scheduling point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@torch.inference_mode()
+def target_greedy(target: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
+                  eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """The target's own greedy continuation (what every lossless greedy run must output)."""
+    device = next(target.parameters()).device
+    out = target.generate(
+        torch.tensor([list(prompt_ids)], device=device), do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos_token_ids) or None, pad_token_id=0, min_new_tokens=0,
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.inference_mode()
+def draft_agreement(draft: torch.nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int]) -> list[bool]:
+    """agree[j]: the draft's greedy next token after prompt + continuation[:j] equals continuation[j]."""
+    ids = list(prompt_ids) + list(continuation)
+    device = next(draft.parameters()).device
+    logits = draft(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
+    # logits at position len(prompt)-1+j predict continuation[j]
+    preds = logits[len(prompt_ids) - 1 : len(ids) - 1].argmax(-1).tolist()
+    return [int(p) == int(t) for p, t in zip(preds, continuation)]
+
+
+def accepted_at(agree: Sequence[bool], position: int, gamma: int) -> int:
+    """Draft tokens accepted by one iteration that starts after ``position`` generated tokens.
+
+    Proposals predict continuation[position], [position + 1], ...; like the engine,
+    an iteration proposes at most (tokens left - 1) so the target's extra token fits.
+    """
+    limit = min(gamma, len(agree) - position - 1)
+    k = 0
+    while k < limit and agree[position + k]:
+        k += 1
+    return k
+
+
+def interval_walk(agree: Sequence[bool], position: int, gamma: int, iterations: int) -> tuple[int, list[int]]:
+    """(tokens committed, accepted per iteration) for N iterations of one draft from ``position``."""
+    start, accepted = position, []
+    for _ in range(iterations):
+        if position >= len(agree):
+            break
+        a = accepted_at(agree, position, gamma)
+        accepted.append(a)
+        position += a + 1
+    return position - start, accepted
+
+
+@dataclass
+class GreedyOracle:
+    """Per-prompt future knowledge: the continuation and every draft's agreement with it."""
+
+    continuation: list[int]
+    agreement: dict[str, list[bool]]
+    gamma: int = 4
+    interval: int = 4
+    scores: dict[str, float] = field(default_factory=dict)  # whole-output utility, cached
+
+    @classmethod
+    def compute(cls, target: torch.nn.Module, drafts: Mapping[str, torch.nn.Module], prompt_ids: Sequence[int],
+                max_new_tokens: int, gamma: int = 4, interval: int = 4,
+                eos_token_ids: Sequence[int] = ()) -> "GreedyOracle":
+        continuation = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
+        agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}
+        return cls(continuation, agreement, gamma, interval)
+
+    def utility(self, draft: str, position: int) -> int:
+        """Tokens the draft would commit over the next interval from ``position`` (0 if unknown)."""
+        agree = self.agreement.get(draft)
+        return interval_walk(agree, position, self.gamma, self.interval)[0] if agree is not None else 0
+
+    def static_utility(self, draft: str) -> float:
+        """Mean accepted tokens per iteration running this draft for the whole output."""
+        if draft not in self.scores:
+            agree = self.agreement.get(draft)
+            if agree is None:
+                self.scores[draft] = -1.0
+            else:
+                _, accepted = interval_walk(agree, 1, self.gamma, len(agree))  # 1: prefill made the first token
+                self.scores[draft] = sum(accepted) / len(accepted) if accepted else 0.0
+        return self.scores[draft]
+
+    def best_static(self, candidates: Sequence[str]) -> str:
+        return max(candidates, key=lambda d: (self.static_utility(d), -list(candidates).index(d)))
+
+    def ranking_at(self, position: int, candidates: Sequence[str]) -> list[tuple[str, float]]:
+        """Drafts by their utility over the next interval (ties: better whole-output draft first)."""
+        scored = [(d, self.utility(d, position) + 1e-3 * self.static_utility(d)) for d in candidates]
+        return sorted(scored, key=lambda p: -p[1])

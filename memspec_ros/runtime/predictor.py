@@ -175,7 +175,7 @@ class TargetHiddenEncoder:
                 self._prompt_vec = rows[: self._prompt_len].mean(0)  # the prefill: prompt positions
             for j in range(max(0, n - self.recent_tokens - 8), n):
                 self._positions[start + j] = rows[j]
-            horizon = total - self.recent_tokens - 16
+            horizon = total - self.recent_tokens - 80  # keeps the window for gamma <= 64
             for pos in [p for p in self._positions if p < horizon]:
                 del self._positions[pos]
 
@@ -200,20 +200,27 @@ class TargetHiddenEncoder:
     def recent_features(self, recent_ids: Sequence[int], generated: int) -> torch.Tensor:
         if not recent_ids:
             return torch.zeros(self.dim)
-        end = self._prompt_len + generated - 1  # the newest committed token has not been fed yet
+        window = recent_window(self._prompt_len, generated, len(recent_ids))
         with self._lock:
-            rows = [self._positions[p] for p in range(end - len(recent_ids), end) if p in self._positions]
+            rows = [self._positions[p] for p in window if p in self._positions]
         return torch.stack(rows).mean(0) if rows else torch.zeros(self.dim)
+
+
+def recent_window(prompt_len: int, generated: int, recent: int) -> range:
+    """Positions whose hidden states summarise the last ``recent`` generated tokens.
+
+    The newest committed token has not been fed to the target yet, so the window
+    ends one position before it; the runtime hook and the training features share this.
+    """
+    end = prompt_len + generated - 1
+    return range(max(0, end - min(recent, generated)), end)
 
 
 def pooled_hidden_features(hidden: torch.Tensor, prompt_len: int, generated: int, recent: int) -> torch.Tensor:
     """[prompt mean ; recent mean] from one teacher-forced pass (training), matching the hook's view."""
     prompt_vec = hidden[:prompt_len].mean(0)
-    if generated <= 0 or recent <= 0:
-        return torch.cat([prompt_vec, torch.zeros_like(prompt_vec)])
-    end = prompt_len + generated - 1
-    window = hidden[max(prompt_len, end - min(recent, generated)) : end] if end > prompt_len else hidden[:0]
-    recent_vec = window.mean(0) if len(window) else torch.zeros_like(prompt_vec)
+    window = recent_window(prompt_len, generated, recent) if generated > 0 and recent > 0 else range(0)
+    recent_vec = hidden[window.start : window.stop].mean(0) if len(window) else torch.zeros_like(prompt_vec)
     return torch.cat([prompt_vec, recent_vec])
 
 
@@ -259,7 +266,7 @@ class RankingHead(torch.nn.Module):
         return out
 
     @classmethod
-    def load(cls, directory: str | Path) -> "RankingHead":
+    def load(cls, directory: str | Path) -> RankingHead:
         from safetensors.torch import load_file
 
         root = Path(directory)
@@ -315,7 +322,7 @@ class PredictionEngine:
         self.seconds = 0.0
 
     @classmethod
-    def load(cls, directory: str | Path, *, target: torch.nn.Module | None = None, tokenizer=None) -> "PredictionEngine":
+    def load(cls, directory: str | Path, *, target: torch.nn.Module | None = None, tokenizer=None) -> PredictionEngine:
         """Head from ``directory``; the encoder it names, built from the target (and its tokenizer for MiniLM)."""
         head = RankingHead.load(directory)
         if head.config.encoder == "minilm":
@@ -347,7 +354,7 @@ class PredictionEngine:
         elif self.head.config.input != "prompt+recent":
             features = mask_input(features, self.head.config.input)
         probs = torch.softmax(self.head(features.unsqueeze(0))[0], dim=-1)
-        return dict(zip(self.head.config.drafts, probs.tolist()))
+        return dict(zip(self.head.config.drafts, probs.tolist(), strict=True))
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
         """Candidates sorted by P(d | x), best first (Algorithm 1, line 7)."""

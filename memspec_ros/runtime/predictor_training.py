@@ -1,0 +1,286 @@
+"""Train the Prediction Engine's ranking head from exact speculative-decoding traces.
+
+Greedy output does not depend on the draft, so for each training prompt the
+target's greedy continuation is fixed and every draft's acceptance at every
+position is known exactly from one teacher-forced draft forward (see oracle.py).
+Walking the continuation in scheduling intervals of N iterations, each context
+x_i = [prompt ; last T tokens] is labelled with the draft that commits the most
+tokens over the next interval (the paper: the highest decoding utility); ties go
+to the draft that is best over the whole output. The walk follows the labelled
+draft, as Oracle-Dynamic would.
+
+The encoder stays frozen; only the small head is trained (full batch, seeded,
+deterministic). Held-out contexts come from held-out *prompts*, so the reported
+accuracy is on prompts the head never saw. Three heads are trained per encoder to
+reproduce the paper's Table 2 (prompt only, recent only, prompt + recent); the
+prompt + recent head is saved as the runtime predictor.
+
+    memspec-train-predictor --registry models/registry.yaml \\
+        --prompts models/workloads/train_prompts.jsonl --out models/predictor
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .oracle import draft_agreement, interval_walk, target_greedy
+from .predictor import ENCODERS, INPUTS, HeadConfig, MiniLMEncoder, RankingHead, mask_input, pooled_hidden_features
+
+
+@dataclass
+class TraceContext:
+    """One scheduling point of one training prompt."""
+
+    prompt_index: int
+    interval: int
+    position: int  # generated tokens committed before this point
+    utilities: dict[str, int]  # tokens each draft would commit over the next N iterations
+    label: str
+
+
+@dataclass
+class PromptTrace:
+    prompt_ids: list[int]
+    continuation: list[int]
+    agreement: dict[str, list[bool]]
+    contexts: list[TraceContext] = field(default_factory=list)
+
+
+def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agreement: dict[str, list[bool]],
+                 drafts: list[str], gamma: int, interval: int) -> PromptTrace:
+    """Label every scheduling point of one prompt with its best draft (ties: best whole-output draft)."""
+    whole = {d: sum(interval_walk(agreement[d], 1, gamma, len(continuation))[1]) for d in drafts}
+    order = sorted(drafts, key=lambda d: -whole[d])
+    trace = PromptTrace(prompt_ids, continuation, agreement)
+    position, i = 1, 0  # the first token comes from prefill
+    while position < len(continuation):
+        utilities = {d: interval_walk(agreement[d], position, gamma, interval)[0] for d in drafts}
+        label = max(order, key=lambda d: utilities[d])  # max keeps the first of equals: whole-output order
+        trace.contexts.append(TraceContext(index, i, position, utilities, label))
+        position += utilities[label]
+        i += 1
+    return trace
+
+
+def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[list[int]], max_new_tokens: int,
+                   gamma: int, interval: int, eos_token_ids=(), progress: bool = True) -> list[PromptTrace]:
+    from tqdm import tqdm
+
+    traces = []
+    for index, prompt_ids in enumerate(tqdm(prompts, desc="traces", disable=not progress, file=sys.stderr)):
+        continuation = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
+        if len(continuation) < 2:
+            continue
+        agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}
+        traces.append(trace_prompt(index, prompt_ids, continuation, agreement, list(drafts), gamma, interval))
+    return traces
+
+
+@torch.inference_mode()
+def hidden_features(target, traces: list[PromptTrace], recent_tokens: int, progress: bool = True) -> list[torch.Tensor]:
+    """[prompt mean ; recent mean] of the target's final hidden states, as the runtime hook sees them."""
+    from tqdm import tqdm
+
+    decoder = getattr(target, "model", None) or target.get_decoder()
+    device = next(target.parameters()).device
+    rows = []
+    for trace in tqdm(traces, desc="target-hidden features", disable=not progress, file=sys.stderr):
+        ids = torch.tensor([trace.prompt_ids + trace.continuation], device=device)
+        hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0].float()
+        for ctx in trace.contexts:
+            generated = ctx.position if ctx.interval > 0 else 0
+            rows.append(pooled_hidden_features(hidden, len(trace.prompt_ids), generated, recent_tokens))
+    return rows
+
+
+@torch.inference_mode()
+def minilm_features(encoder: MiniLMEncoder, traces: list[PromptTrace], recent_tokens: int,
+                    progress: bool = True, batch: int = 64) -> list[torch.Tensor]:
+    from tqdm import tqdm
+
+    rows = []
+    for trace in tqdm(traces, desc="minilm features", disable=not progress, file=sys.stderr):
+        encoder.begin(trace.prompt_ids)
+        prompt_vec = encoder.prompt_features(trace.prompt_ids)
+        texts = [encoder.decode(trace.continuation[max(0, c.position - recent_tokens): c.position])
+                 for c in trace.contexts if c.interval > 0]
+        recent = [encoder.embed_texts(texts[i:i + batch]) for i in range(0, len(texts), batch)]
+        recent_vecs = torch.cat(recent) if recent else torch.zeros(0, encoder.dim)
+        k = 0
+        for ctx in trace.contexts:
+            if ctx.interval == 0:
+                rows.append(torch.cat([prompt_vec, torch.zeros(encoder.dim)]))
+            else:
+                rows.append(torch.cat([prompt_vec, recent_vecs[k]]))
+                k += 1
+    return rows
+
+
+@dataclass
+class TrainConfig:
+    hidden: int = 128
+    epochs: int = 300
+    lr: float = 3e-3
+    weight_decay: float = 1e-3
+    seed: int = 0
+    heldout_fraction: float = 0.2
+
+
+def split_prompts(n_prompts: int, fraction: float, seed: int) -> set[int]:
+    """Held-out prompt indices (whole prompts, so no context of a held-out prompt is trained on)."""
+    rng = random.Random(seed)
+    indices = list(range(n_prompts))
+    rng.shuffle(indices)
+    return set(indices[: max(1, int(round(n_prompts * fraction)))])
+
+
+def train_head(features: torch.Tensor, labels: torch.Tensor, head_config: HeadConfig, cfg: TrainConfig,
+               progress: bool = True) -> RankingHead:
+    """Full-batch AdamW on frozen features, seeded: the same data gives the same head."""
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    head = RankingHead(head_config)
+    head.train()
+    optim = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    x = mask_input(features, head_config.input)
+    for _ in tqdm(range(cfg.epochs), desc=f"head [{head_config.encoder}, {head_config.input}]",
+                  disable=not progress, file=sys.stderr):
+        optim.zero_grad()
+        loss = torch.nn.functional.cross_entropy(head(x), labels)
+        loss.backward()
+        optim.step()
+    return head.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def evaluate(head: RankingHead, features: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    if len(labels) == 0:
+        return {"top1": 0.0, "top2": 0.0, "contexts": 0}
+    logits = head(mask_input(features, head.config.input))
+    top = logits.topk(min(2, logits.shape[-1]), dim=-1).indices
+    top1 = (top[:, 0] == labels).float().mean().item()
+    top2 = (top == labels.unsqueeze(-1)).any(-1).float().mean().item()
+    return {"top1": top1, "top2": top2, "contexts": int(len(labels))}
+
+
+def read_prompts(path: str | Path, limit: int = 0) -> list[dict]:
+    rows = []
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if line:
+                rows.append(json.loads(line))
+                if limit and len(rows) >= limit:
+                    break
+    if not rows:
+        raise ValueError(f"{path} has no prompts: expected JSON lines with a 'prompt' field")
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .models import ModelSpec, load_model, load_tokenizer
+    from .registry import DraftRegistry
+
+    torch.manual_seed(args.seed)
+    registry = DraftRegistry.from_yaml(args.registry, validate=False)
+    target_path = args.target or registry.target_path
+    if not target_path:
+        raise SystemExit(f"{args.registry} names no target: pass --target DIR")
+    tokenizer = load_tokenizer(target_path)
+    target = load_model(ModelSpec(str(target_path))).model
+    drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
+    rows = read_prompts(args.prompts, args.max_prompts)
+    prompts = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-args.max_prompt_tokens:] for r in rows]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    t0 = time.perf_counter()
+    traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
+                            progress=not args.quiet)
+    trace_seconds = time.perf_counter() - t0
+    names = list(drafts)
+    contexts = [c for t in traces for c in t.contexts]
+    labels = torch.tensor([names.index(c.label) for c in contexts])
+    heldout = split_prompts(len(prompts), args.heldout_fraction, args.seed)
+    test_mask = torch.tensor([c.prompt_index in heldout for c in contexts])
+    cfg = TrainConfig(hidden=args.hidden, epochs=args.epochs, seed=args.seed, heldout_fraction=args.heldout_fraction)
+    label_counts = {n: int((labels == i).sum()) for i, n in enumerate(names)}
+    report: dict = {"prompts": len(traces), "contexts": len(contexts), "heldout_prompts": len(heldout),
+                    "label_counts": label_counts, "trace_seconds": trace_seconds, "encoders": {}}
+    out = Path(args.out)
+    for encoder_name in args.encoders:
+        if encoder_name == "minilm":
+            encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            feats = torch.stack(minilm_features(encoder, traces, args.recent_tokens, progress=not args.quiet))
+        else:
+            feats = torch.stack(hidden_features(target, traces, args.recent_tokens, progress=not args.quiet))
+        results: dict[str, dict[str, float]] = {}
+        best: RankingHead | None = None
+        for which in INPUTS:
+            config = HeadConfig(encoder=encoder_name, drafts=names, in_dim=int(feats.shape[-1]), hidden=args.hidden,
+                                input=which, recent_tokens=args.recent_tokens, interval=args.interval)
+            head = train_head(feats[~test_mask], labels[~test_mask], config, cfg, progress=not args.quiet)
+            results[which] = evaluate(head, feats[test_mask], labels[test_mask])
+            if which == "prompt+recent":
+                best = head
+        assert best is not None
+        best.config.metrics = {f"{which}/{m}": float(v) for which, r in results.items() for m, v in r.items()}
+        best.save(out / encoder_name)
+        report["encoders"][encoder_name] = results
+    report["train_config"] = asdict(cfg)
+    (out / "report.json").parent.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{report['prompts']} prompts, {report['contexts']} contexts ({report['heldout_prompts']} prompts held out);"
+             f" labels {report['label_counts']}",
+             f"{'encoder':<14}{'input':<15}{'top-1':>8}{'top-2':>8}   (paper: prompt 31.9/55.8, recent 57.1/79.3,"
+             " prompt+recent 71.6/95.7)"]
+    for enc, results in report["encoders"].items():
+        for which, r in results.items():
+            lines.append(f"{enc:<14}{which:<15}{100 * r['top1']:>7.1f}%{100 * r['top2']:>7.1f}%")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memspec-train-predictor", description=__doc__.split("\n\n")[0])
+    p.add_argument("--registry", default="models/registry.yaml", help="draft registry YAML (names the target)")
+    p.add_argument("--target", default=None, help="target model directory (default: the registry's target)")
+    p.add_argument("--prompts", default="models/workloads/train_prompts.jsonl",
+                   help="training prompts, JSON lines with 'prompt' (disjoint from every evaluation workload)")
+    p.add_argument("--out", default="models/predictor", help="writes <out>/<encoder>/ and <out>/report.json")
+    p.add_argument("--encoders", nargs="+", default=list(ENCODERS), choices=ENCODERS)
+    p.add_argument("--max-prompts", type=int, default=0, help="0: all")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--interval", type=int, default=4, help="N: iterations per scheduling interval")
+    p.add_argument("--recent-tokens", type=int, default=32, help="T")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--epochs", type=int, default=300)
+    p.add_argument("--heldout-fraction", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    report = run(args)
+    print(format_report(report))
+    print(f"saved to {args.out}/<encoder>/ and {args.out}/report.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""`memspec-bench`: the project's benchmarks (speed claims live here, never in unit tests)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "models"
+
+
+def _engine_models(args):
+    """The zoo's target and one draft, or generated tiny models when no zoo is there."""
+    from ..runtime.models import ModelSpec, load_model, load_tokenizer
+
+    registry_file = Path(args.zoo) / "registry.yaml"
+    if args.target or registry_file.is_file():
+        import yaml
+
+        if args.target:
+            target_path, draft_path = Path(args.target), Path(args.draft_path)
+        else:
+            data = yaml.safe_load(registry_file.read_text())
+            target_path = registry_file.parent / data["target"]["path"]
+            drafts = {d["name"]: d for d in data["drafts"]}
+            if args.draft not in drafts:
+                raise SystemExit(f"draft {args.draft!r} is not in {registry_file}: choose one of {', '.join(drafts)}")
+            draft_path = registry_file.parent / drafts[args.draft]["path"]
+        target = load_model(ModelSpec(str(target_path), dtype=args.dtype))
+        draft = load_model(ModelSpec(str(draft_path), dtype=args.dtype))
+        tokenizer = load_tokenizer(target_path)
+        from .engine_bench import default_prompts
+
+        workloads = Path(args.zoo) / "workloads"
+        per_domain = max(1, -(-args.prompts // max(1, len(list(workloads.glob("[!t]*.jsonl"))))))
+        prompts = default_prompts(tokenizer, workloads, per_domain)[: args.prompts] if workloads.is_dir() else []
+        if not prompts:
+            prompts = [tokenizer("The robot")["input_ids"]]
+        return target.model, draft.model, prompts, (str(target_path), str(draft_path))
+    from .tiny_models import noisy_copy, tiny_llama
+
+    print("no zoo found: benchmarking generated tiny models (speed-ups here say little)", file=sys.stderr)
+    target = tiny_llama(vocab_size=512, hidden=256, layers=8, seed=0, init_range=0.1)
+    draft = noisy_copy(target, 0.02)
+    draft.model.layers = draft.model.layers[:1]  # a one-layer cut of the target: cheap, partly agreeing
+    draft.config.num_hidden_layers = 1
+    prompts = [[1, 7 + i, 9 + i, 20 + i] for i in range(args.prompts)]
+    return target, draft, prompts, ("tiny-target", "tiny-draft")
+
+
+def cmd_engine(args) -> int:
+    from tqdm import tqdm
+
+    from .engine_bench import EngineBenchConfig, result_dict, run_engine_bench
+
+    cfg = EngineBenchConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, runs=args.runs,
+                            prompts=args.prompts, threads=args.threads, draft=args.draft)
+    target, draft, prompts, names = _engine_models(args)
+    with tqdm(total=cfg.runs * len(prompts), desc="engine bench", unit="prompt") as bar:
+        result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
+    data = result_dict(result)
+    text = json.dumps(data, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    print(
+        f"\nengine {result.engine_tps:.1f} tok/s | HF assisted {result.hf_assisted_tps:.1f} | "
+        f"autoregressive {result.autoregressive_tps:.1f} | ratio vs HF {result.ratio_vs_hf:.2f} "
+        f"(goal >= 1.2) | vs AR {result.ratio_vs_autoregressive:.2f} | E[A] {result.mean_accepted:.2f} | "
+        f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9) | identical {result.outputs_identical}"
+    )
+    return 0 if result.outputs_identical else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memspec-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    eng = sub.add_parser("engine", help="target-only vs transformers assisted generation vs this engine")
+    eng.add_argument("--json", help="write the result JSON here")
+    eng.add_argument("--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled zoo)")
+    eng.add_argument("--draft", default="general", help="draft name from the zoo registry (default: general)")
+    eng.add_argument("--target", help="target model directory (overrides the zoo; needs --draft-path)")
+    eng.add_argument("--draft-path", help="draft model directory, with --target")
+    eng.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
+    eng.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128, the paper's)")
+    eng.add_argument("--prompts", type=int, default=12, help="number of prompts, spread over the workloads (default 12)")
+    eng.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported (default 3)")
+    eng.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32: fastest on CPU)")
+    eng.set_defaults(func=cmd_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.target and not args.draft_path:
+        raise SystemExit("--target needs --draft-path (the draft model directory)")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

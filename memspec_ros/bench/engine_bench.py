@@ -1,0 +1,165 @@
+"""Engine benchmark: target-only decoding vs transformers' assisted generation vs this engine.
+
+All three run in one process, interleaved prompt by prompt (the order rotates
+each round) on the same target/draft pair, greedy, so machine noise hits them
+alike. Each method's throughput is generated tokens over the wall time of its
+calls (prefill included for all three, since transformers cannot report it
+apart); the engine's steady-state throughput (prefill excluded) is compared
+with the analytic bound (E[A] + 1) / (gamma * t_draft + t_verify) built from
+per-forward times measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..runtime.speculative import _forward, _KVState, generate
+
+
+@dataclass
+class EngineBenchConfig:
+    gamma: int = 4
+    max_new_tokens: int = 128
+    runs: int = 3
+    prompts: int = 12
+    threads: int = 2
+    draft: str = "general"
+
+
+@dataclass
+class EngineBenchResult:
+    target: str
+    draft: str
+    gamma: int
+    max_new_tokens: int
+    prompts: int
+    runs: int
+    autoregressive_tps: float
+    hf_assisted_tps: float
+    engine_tps: float
+    engine_decode_tps: float
+    ratio_vs_hf: float
+    ratio_vs_autoregressive: float
+    mean_accepted: float
+    outputs_identical: bool
+    t_draft_ms: float
+    t_verify_ms: float
+    bound_tps: float
+    bound_fraction: float
+    per_run: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _median_forward_ms(model, prefix: list[int], feed: int, device, repeats: int = 30) -> float:
+    """Median time of one forward of ``feed`` new tokens after a cached ``prefix``."""
+    times = []
+    with torch.inference_mode():
+        kv = _KVState()
+        _forward(model, prefix, kv, 1, device)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _forward(model, prefix[-feed:] if feed <= len(prefix) else [1] * feed, kv, feed, device)
+            times.append(time.perf_counter() - start)
+            kv.crop_to(len(prefix))
+    return statistics.median(times) * 1000
+
+
+def _hf_generate(target, draft, ids: list[int], new: int, gamma: int) -> list[int]:
+    inputs = torch.tensor([ids], device=next(target.parameters()).device)
+    kwargs = dict(do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    if draft is not None:
+        kwargs["assistant_model"] = draft
+    with torch.inference_mode():
+        out = target.generate(inputs, **kwargs)
+    return out[0, len(ids) :].tolist()
+
+
+def configure_assistant(draft, gamma: int) -> None:
+    """A constant schedule of ``gamma`` tokens, no confidence cut-off: the same work as the engine."""
+    config = draft.generation_config
+    config.num_assistant_tokens = gamma
+    config.num_assistant_tokens_schedule = "constant"
+    config.assistant_confidence_threshold = 0.0
+
+
+def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchConfig, names=("target", "draft"), progress=None) -> EngineBenchResult:
+    torch.set_num_threads(cfg.threads)
+    device = next(target.parameters()).device
+    configure_assistant(draft, cfg.gamma)
+    methods = ("autoregressive", "hf_assisted", "engine")
+    per_run: dict[str, list[float]] = {m: [] for m in methods}
+    decode_tps: list[float] = []
+    accepted: list[float] = []
+    identical = True
+    # warm-up: first calls pay for allocation and lazy initialisation
+    generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8)
+    _hf_generate(target, draft, prompts[0], 8, cfg.gamma)
+    for run in range(cfg.runs):
+        seconds = dict.fromkeys(methods, 0.0)
+        tokens = dict.fromkeys(methods, 0)
+        run_decode_s, run_decode_tokens = 0.0, 0
+        for i, ids in enumerate(prompts):
+            outputs = {}
+            order = methods[(i + run) % 3 :] + methods[: (i + run) % 3]
+            for method in order:
+                start = time.perf_counter()
+                if method == "autoregressive":
+                    out = _hf_generate(target, None, ids, cfg.max_new_tokens, cfg.gamma)
+                elif method == "hf_assisted":
+                    out = _hf_generate(target, draft, ids, cfg.max_new_tokens, cfg.gamma)
+                else:
+                    session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens)
+                    out = session.generated_ids
+                    run_decode_s += session.stats.decode_seconds
+                    run_decode_tokens += session.stats.decode_tokens
+                    accepted.append(session.stats.mean_accepted)
+                seconds[method] += time.perf_counter() - start
+                tokens[method] += len(out)
+                outputs[method] = out
+            identical &= outputs["autoregressive"] == outputs["hf_assisted"] == outputs["engine"]
+            if progress is not None:
+                progress.update(1)
+        for method in methods:
+            per_run[method].append(tokens[method] / seconds[method])
+        decode_tps.append(run_decode_tokens / run_decode_s)
+    mean_accepted = statistics.fmean(accepted)
+    prefix = prompts[0] + [5] * (cfg.max_new_tokens // 2)  # a mid-generation context
+    t_draft = _median_forward_ms(draft, prefix, 1, device)
+    t_verify = _median_forward_ms(target, prefix, cfg.gamma + 1, device)
+    bound = (mean_accepted + 1) / ((cfg.gamma * t_draft + t_verify) / 1000)
+    med = {m: statistics.median(v) for m, v in per_run.items()}
+    engine_decode = statistics.median(decode_tps)
+    return EngineBenchResult(
+        target=names[0], draft=names[1], gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens,
+        prompts=len(prompts), runs=cfg.runs,
+        autoregressive_tps=med["autoregressive"], hf_assisted_tps=med["hf_assisted"], engine_tps=med["engine"],
+        engine_decode_tps=engine_decode,
+        ratio_vs_hf=med["engine"] / med["hf_assisted"],
+        ratio_vs_autoregressive=med["engine"] / med["autoregressive"],
+        mean_accepted=mean_accepted, outputs_identical=identical,
+        t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound, bound_fraction=engine_decode / bound,
+        per_run=per_run,
+    )
+
+
+def result_dict(result: EngineBenchResult) -> dict:
+    return asdict(result)
+
+
+def default_prompts(tokenizer, workloads_dir: Path, per_domain: int) -> list[list[int]]:
+    """A few held-out prompts of every workload, round-robin, tokenised."""
+    import json
+
+    files = sorted(workloads_dir.glob("*.jsonl"))
+    files = [f for f in files if not f.stem.startswith("train")]
+    per_file = [[json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()] for f in files]
+    prompts = []
+    for k in range(per_domain):
+        for texts in per_file:
+            if k < len(texts):
+                prompts.append(tokenizer(texts[k])["input_ids"])
+    return prompts

@@ -1,0 +1,46 @@
+"""A tiny model quantized to GPTQ INT4 on the CPU runs through the engine, losslessly.
+
+GPT-QModel needs torch >= 2.14.1 while the node's environment pins torch 2.13.0
+(CPU), so the check runs in the separate ``.venv-gptq`` environment that
+``make test`` creates from requirements-gptq.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPTQ_PYTHON = Path(os.environ.get("MEMSPEC_GPTQ_PYTHON", ROOT / ".venv-gptq" / "bin" / "python"))
+
+
+def test_gptq_int4_target_is_lossless_through_the_engine(tmp_path):
+    if not GPTQ_PYTHON.is_file():
+        if os.environ.get("MEMSPEC_REQUIRE_GPTQ") == "1":
+            pytest.fail(f"{GPTQ_PYTHON} is missing: run `make setup` (it builds .venv-gptq)")
+        pytest.skip(f"no GPTQ environment at {GPTQ_PYTHON} (make setup creates it)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GPTQMODEL_CPU_WORKERS="2", HF_HUB_OFFLINE="1")
+    env.pop("PYTHONHOME", None)
+    proc = subprocess.run(
+        [str(GPTQ_PYTHON), "-m", "memspec_ros.runtime.gptq", "selftest", "--workdir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SELFTEST ")]
+    assert lines, f"selftest printed no report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    report = json.loads(lines[-1][len("SELFTEST ") :])
+    assert report["quant_method"] == "gptq" and report["bits"] == 4
+    assert report["quantized_layers"], "no GPT-QModel INT4 kernel in the loaded model"
+    assert report["int4_bytes"] < report["fp32_bytes"] / 2  # packed INT4 weights really are smaller
+    for gamma, result in report["gammas"].items():
+        assert result["identical"], f"gamma {gamma}: engine output differs from the INT4 target's greedy output"
+    assert max(r["mean_accepted"] for r in report["gammas"].values()) > 0.5  # the draft really drafted
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

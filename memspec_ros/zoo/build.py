@@ -1,0 +1,205 @@
+"""The zoo build, as resumable stages over a work directory.
+
+Each stage writes its output into ``work_dir`` and is skipped when that output
+exists, so an interrupted ``memspec-zoo build`` picks up where it stopped
+(training stages resume from their last checkpoint).  Only ``export`` writes
+into ``models/``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .corpora import DOMAINS, CorpusConfig, Document, build_domain
+from .tokenizer import TokenizerConfig, encode_documents, load_tokenizer, train_tokenizer
+from .train import DRAFT_ARCH, TARGET_ARCH, ArchConfig, TokenStreams, TrainConfig, train
+from .workloads import WorkloadConfig, mixed_documents, write_workloads
+
+STAGES = ("corpora", "tokenizer", "encode", "workloads", "target", "general", "domains", "export")
+
+
+@dataclass
+class BuildConfig:
+    work_dir: Path = Path("artifacts/zoo-build")
+    out_dir: Path = Path("models")
+    device: str = "cpu"
+    threads: int = 2
+    seed: int = 0
+    target_arch: ArchConfig = field(default_factory=lambda: TARGET_ARCH)
+    draft_arch: ArchConfig = field(default_factory=lambda: DRAFT_ARCH)
+    target_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=30, lr=2e-3, warmup_steps=30))
+    general_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=8, lr=3e-3, warmup_steps=20))
+    domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=4, lr=1.5e-3, warmup_steps=10))
+    mixed_train_docs: int = 3000
+    mixed_weight: float = 0.5
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    workloads: WorkloadConfig = field(default_factory=WorkloadConfig)
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _write_docs(path: Path, docs: list[Document]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({"domain": d.domain, "doc_id": d.doc_id, "text": d.text}, ensure_ascii=False) + "\n")
+
+
+def read_docs(path: Path) -> list[Document]:
+    with open(path, encoding="utf-8") as f:
+        return [Document(**json.loads(line)) for line in f]
+
+
+class ZooBuild:
+    """The stages of one build; ``run(stages)`` runs the requested ones in order."""
+
+    def __init__(self, cfg: BuildConfig):
+        self.cfg = cfg
+        self.w = Path(cfg.work_dir)
+        self.w.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(cfg.threads)
+
+    # ---------------------------------------------------------------- paths
+    def docs(self, name: str, split: str) -> list[Document]:
+        return read_docs(self.w / "corpora" / f"{name}.{split}.jsonl")
+
+    @property
+    def tok_dir(self) -> Path:
+        return self.w / "tokenizer"
+
+    def hf_dir(self, name: str) -> Path:
+        return self.w / "hf" / name
+
+    # ---------------------------------------------------------------- stages
+    def corpora(self) -> None:
+        out = self.w / "corpora"
+        if (out / "mixed.train.jsonl").exists():
+            return _log("corpora: cached")
+        stats = {}
+        for d in DOMAINS:
+            tr, ho = build_domain(d, self.cfg.corpus)
+            _write_docs(out / f"{d}.train.jsonl", tr)
+            _write_docs(out / f"{d}.heldout.jsonl", ho)
+            stats[d] = {"train_docs": len(tr), "heldout_docs": len(ho), "train_chars": sum(len(x.text) for x in tr), "heldout_chars": sum(len(x.text) for x in ho)}
+            _log(f"corpora: {d} {stats[d]}")
+        pools = {d: self.docs(d, "train") for d in DOMAINS}
+        mixed = mixed_documents(pools, self.cfg.mixed_train_docs, self.cfg.seed + 7, self.cfg.workloads)
+        _write_docs(out / "mixed.train.jsonl", mixed)
+        stats["mixed"] = {"train_docs": len(mixed), "train_chars": sum(len(x.text) for x in mixed)}
+        (out / "stats.json").write_text(json.dumps(stats, indent=1))
+
+    def tokenizer(self) -> None:
+        if (self.tok_dir / "tokenizer.json").exists():
+            return _log("tokenizer: cached")
+        train_tokenizer({d: self.docs(d, "train") for d in DOMAINS}, self.tok_dir, self.cfg.tokenizer)
+        _log("tokenizer: trained")
+
+    def encode(self) -> None:
+        out = self.w / "data" / "train.safetensors"
+        if out.exists():
+            return _log("encode: cached")
+        tok = load_tokenizer(self.tok_dir)
+        streams, stats = {}, {}
+        for name in (*DOMAINS, "mixed"):
+            ids = encode_documents(tok, self.docs(name, "train"))
+            streams[name] = torch.tensor([t for doc in ids for t in doc], dtype=torch.int32)
+            stats[name] = {"train_tokens": int(streams[name].numel())}
+            if name != "mixed":
+                ho = encode_documents(tok, self.docs(name, "heldout"))
+                stats[name]["heldout_tokens"] = sum(len(x) for x in ho)
+            _log(f"encode: {name} {stats[name]}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(streams, str(out))
+        (self.w / "data" / "stats.json").write_text(json.dumps(stats, indent=1))
+
+    def workloads(self) -> None:
+        tok = load_tokenizer(self.tok_dir)
+        train = {d: self.docs(d, "train") for d in DOMAINS}
+        heldout = {d: self.docs(d, "heldout") for d in DOMAINS}
+        write_workloads(tok, train, heldout, self.cfg.out_dir / "workloads", self.cfg.workloads)
+        _log(f"workloads: written to {self.cfg.out_dir / 'workloads'}")
+
+    def _streams(self, weights: dict[str, float], seed: int) -> TokenStreams:
+        return TokenStreams(load_file(str(self.w / "data" / "train.safetensors")), weights, seed)
+
+    def _new_model(self, arch: ArchConfig):
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(self.cfg.seed)
+        return LlamaForCausalLM(arch.llama_config(load_tokenizer(self.tok_dir)))
+
+    def _load(self, name: str):
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM.from_pretrained(str(self.hf_dir(name)), dtype=torch.float32)
+
+    def _save(self, name: str, model, meta: dict) -> None:
+        d = self.hf_dir(name)
+        model.save_pretrained(str(d), safe_serialization=True)
+        (d / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
+
+    def _mix_weights(self) -> dict[str, float]:
+        return {**{d: 1.0 for d in DOMAINS}, "mixed": self.cfg.mixed_weight}
+
+    def target(self) -> None:
+        if (self.hf_dir("target") / "config.json").exists():
+            return _log("target: cached")
+        model = self._new_model(self.cfg.target_arch)
+        tc = TrainConfig(**{**asdict(self.cfg.target_train), "device": self.cfg.device, "seed": self.cfg.seed})
+        meta = train(model, self._streams(self._mix_weights(), self.cfg.seed), tc, self.w / "ckpt" / "target", desc="target", log=_log)
+        self._save("target", model.cpu(), meta)
+
+    def general(self) -> None:
+        if (self.hf_dir("general").joinpath("config.json")).exists():
+            return _log("general: cached")
+        teacher = self._load("target")
+        model = self._new_model(self.cfg.draft_arch)
+        tc = TrainConfig(**{**asdict(self.cfg.general_train), "device": self.cfg.device, "seed": self.cfg.seed + 1})
+        meta = train(model, self._streams(self._mix_weights(), self.cfg.seed + 1), tc, self.w / "ckpt" / "general", teacher=teacher, desc="general", log=_log)
+        self._save("general", model.cpu(), meta)
+
+    def domains(self) -> None:
+        teacher = None
+        for i, d in enumerate(DOMAINS[1:]):
+            if (self.hf_dir(d) / "config.json").exists():
+                _log(f"{d}: cached")
+                continue
+            teacher = teacher or self._load("target")
+            model = self._load("general")
+            tc = TrainConfig(**{**asdict(self.cfg.domain_train), "device": self.cfg.device, "seed": self.cfg.seed + 2 + i})
+            meta = train(model, self._streams({d: 1.0}, self.cfg.seed + 2 + i), tc, self.w / "ckpt" / d, teacher=teacher, desc=d, log=_log)
+            self._save(d, model.cpu(), meta)
+
+    def export(self) -> None:
+        """fp16 copies + the shared tokenizer files into models/, and the registry."""
+        from .registry_io import write_registry
+
+        out = self.cfg.out_dir
+        for name in ("target", *DOMAINS):
+            dst = out / "target" if name == "target" else out / "drafts" / name
+            if dst.exists():
+                shutil.rmtree(dst)
+            model = self._load(name).half()
+            model.save_pretrained(str(dst), safe_serialization=True)
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(self.tok_dir / f, dst / f)
+            for extra in ("special_tokens_map.json",):
+                if (self.tok_dir / extra).exists():
+                    shutil.copy(self.tok_dir / extra, dst / extra)
+            _log(f"export: {dst}")
+        write_registry(out)
+
+    def run(self, stages: list[str]) -> None:
+        for s in STAGES:
+            if s in stages:
+                getattr(self, s)()

@@ -1,0 +1,115 @@
+"""``memspec-zoo``: build the bundled zoo, measure it, write its card.
+
+    memspec-zoo build [--stages corpora,tokenizer,...] [--target-minutes 30] [--device cuda]
+    memspec-zoo acceptance --json OUT [--prompts-per-workload 100]
+    memspec-zoo card            # latencies, perplexities, acceptance -> models/MODEL_CARD.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# On a small machine shared with other processes, OpenMP threads that spin at
+# barriers while a sibling is descheduled made a 2-thread training step ~8x
+# slower than a 1-thread one (measured here); passive waiting removes that.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _build_parser(sub) -> None:
+    from .build import STAGES
+
+    p = sub.add_parser("build", help="build corpora, tokenizer, workloads and train the zoo (resumable)")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma list out of {','.join(STAGES)}")
+    p.add_argument("--work-dir", default="artifacts/zoo-build")
+    p.add_argument("--out", default="models")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (a larger/longer zoo on a GPU)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    for name, minutes in (("target", 30.0), ("general", 8.0), ("domain", 4.0)):
+        p.add_argument(f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model")
+        p.add_argument(f"--{name}-steps", type=int, default=100_000, help=f"step budget per {name} model")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--target-layers", type=int, default=16)
+    p.add_argument("--target-hidden", type=int, default=256)
+
+
+def _run_build(a) -> int:
+    from dataclasses import replace
+
+    from .build import BuildConfig, ZooBuild
+
+    cfg = BuildConfig(work_dir=Path(a.work_dir), out_dir=Path(a.out), device=a.device, threads=a.threads, seed=a.seed)
+    common = dict(batch_size=a.batch_size, seq_len=a.seq_len)
+    cfg.target_train = replace(cfg.target_train, max_minutes=a.target_minutes, max_steps=a.target_steps, **common)
+    cfg.general_train = replace(cfg.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps, **common)
+    cfg.domain_train = replace(cfg.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps, **common)
+    cfg.target_arch = replace(
+        cfg.target_arch,
+        hidden_size=a.target_hidden,
+        num_layers=a.target_layers,
+        intermediate_size=int(a.target_hidden * 688 / 256),
+        num_heads=max(1, a.target_hidden // 64),
+        num_kv_heads=max(1, a.target_hidden // 64),
+    )
+    ZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])
+    return 0
+
+
+def _acceptance_parser(sub) -> None:
+    p = sub.add_parser("acceptance", help="acceptance matrix of every draft on every workload (greedy, teacher-forced)")
+    p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--models", default="models")
+    p.add_argument("--prompts-per-workload", type=int, default=100)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--interval", type=int, default=4, help="N iterations per interval of the dynamic oracle")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--plot", default=None, help="heatmap PNG (default: next to the registry)")
+
+
+def _run_acceptance(a) -> int:
+    from .acceptance import AcceptanceConfig, run_acceptance
+
+    cfg = AcceptanceConfig(
+        models_dir=Path(a.models),
+        prompts_per_workload=a.prompts_per_workload,
+        gamma=a.gamma,
+        max_new_tokens=a.max_new_tokens,
+        interval=a.interval,
+        threads=a.threads,
+    )
+    run_acceptance(cfg, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
+    return 0
+
+
+def _card_parser(sub) -> None:
+    p = sub.add_parser("card", help="measure latencies and perplexities, write models/MODEL_CARD.md")
+    p.add_argument("--models", default="models")
+    p.add_argument("--work-dir", default="artifacts/zoo-build")
+    p.add_argument("--acceptance-json", default=None)
+    p.add_argument("--threads", type=int, default=2)
+
+
+def _run_card(a) -> int:
+    from .card import write_card
+
+    write_card(Path(a.models), Path(a.work_dir), Path(a.acceptance_json) if a.acceptance_json else None, a.threads)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="memspec-zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _build_parser(sub)
+    _acceptance_parser(sub)
+    _card_parser(sub)
+    a = ap.parse_args(argv)
+    return {"build": _run_build, "acceptance": _run_acceptance, "card": _run_card}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

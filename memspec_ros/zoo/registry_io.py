@@ -1,0 +1,36 @@
+"""Writing ``models/registry.yaml`` for the bundled zoo (the runtime's registry reads it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .corpora import DOMAINS
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of a model directory's safetensors weights: what a load puts in memory (fp16)."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def write_registry(models_dir: Path) -> Path:
+    """Paths are relative to the YAML, so the zoo works wherever the repository is checked out."""
+    models_dir = Path(models_dir)
+    lines = [
+        "# The bundled edge zoo (built by `memspec-zoo build`; see MODEL_CARD.md).",
+        "# Paths are relative to this file.",
+        "target:",
+        "  path: target",
+        "tokenizer: target",
+        "drafts:",
+    ]
+    for name in DOMAINS:
+        rel = f"drafts/{name}"
+        lines += [
+            f"  - name: {name}",
+            f"    path: {rel}",
+            f"    domain: {name}",
+            f"    size_bytes: {dir_bytes(models_dir / rel)}",
+        ]
+    out = models_dir / "registry.yaml"
+    out.write_text("\n".join(lines) + "\n")
+    return out

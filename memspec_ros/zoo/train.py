@@ -1,0 +1,246 @@
+"""Training the zoo: the target by next-token loss, the drafts by distillation.
+
+The paper's drafts are distilled from the target; here every draft is trained
+to match the target's next-token distribution (forward KL on logits), the
+general one on the whole mix and each domain one on its domain, starting from
+the general draft so a short budget suffices.  Budgets are steps *or*
+minutes, so the same code builds the 2-core default zoo and a larger one on a
+GPU.  Checkpoints are plain safetensors (weights, optimizer state flattened)
+plus a JSON of counters: resuming never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+
+@dataclass
+class ArchConfig:
+    """A Llama architecture; deep & narrow targets cost little to train, much to run."""
+
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    max_positions: int = 1024
+
+    def llama_config(self, tok):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_positions,
+            tie_word_embeddings=True,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+        )
+
+
+TARGET_ARCH = ArchConfig(hidden_size=256, num_layers=16, intermediate_size=688, num_heads=4, num_kv_heads=4)
+DRAFT_ARCH = ArchConfig(hidden_size=128, num_layers=2, intermediate_size=344, num_heads=2, num_kv_heads=2)
+
+
+@dataclass
+class TrainConfig:
+    """One training run; stop at ``max_steps`` or ``max_minutes``, whichever comes first."""
+
+    max_steps: int = 100_000
+    max_minutes: float = 30.0
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    temperature: float = 1.0  # distillation temperature
+    checkpoint_every: int = 50
+    # the cosine schedule needs a horizon; with a minutes budget it is estimated
+    # from the measured step time after ``warmup_steps``
+    device: str = "cpu"
+
+
+class TokenStreams:
+    """Per-source token streams; a batch samples windows by source weight."""
+
+    def __init__(self, streams: dict[str, torch.Tensor], weights: dict[str, float], seed: int):
+        self.names = [n for n in streams if weights.get(n, 0) > 0]
+        self.streams = streams
+        w = torch.tensor([weights[n] for n in self.names], dtype=torch.float64)
+        self.probs = w / w.sum()
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
+        picks = torch.multinomial(self.probs, batch_size, replacement=True, generator=self.gen)
+        rows = []
+        for k in picks.tolist():
+            s = self.streams[self.names[k]]
+            off = int(torch.randint(0, len(s) - seq_len - 1, (1,), generator=self.gen))
+            rows.append(s[off : off + seq_len])
+        return torch.stack(rows).long()
+
+    def state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def load_state(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _save_checkpoint(path: Path, model, opt, data: TokenStreams, meta: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    # named_parameters() lists tied weights (embedding = LM head) once; safetensors refuses aliases
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.named_parameters()}
+    names = {p: n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"opt.{names[p]}.{k}"] = v.detach().cpu().contiguous().reshape(-1) if v.dim() == 0 else v.detach().cpu().contiguous()
+    tensors["rng.data"] = data.state()
+    tmp = path / "state.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(path / "state.safetensors")
+    (path / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _load_checkpoint(path: Path, model, opt, data: TokenStreams) -> dict | None:
+    if not (path / "meta.json").exists():
+        return None
+    tensors = load_file(str(path / "state.safetensors"))
+    missing, unexpected = model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
+    if unexpected or any(k != "lm_head.weight" and "rotary" not in k for k in missing):
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        st = {}
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            key = f"opt.{name}.{k}"
+            if key in tensors:
+                v = tensors[key].to(p.device)
+                st[k] = v.reshape(()) if k == "step" else v
+        if st:
+            opt.state[p] = st
+    data.load_state(tensors["rng.data"])
+    return json.loads((path / "meta.json").read_text())
+
+
+def train(
+    model,
+    data: TokenStreams,
+    cfg: TrainConfig,
+    ckpt_dir: Path,
+    teacher=None,
+    desc: str = "train",
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Train in place; resumable from ``ckpt_dir``. Returns the run's summary.
+
+    With a ``teacher`` the loss is KL(teacher || student) over the vocabulary
+    at every position (distillation); without, next-token cross-entropy.
+    """
+    torch.manual_seed(cfg.seed)
+    dev = torch.device(cfg.device)
+    model.to(dev).train()
+    if teacher is not None:
+        teacher.to(dev).eval()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    meta = _load_checkpoint(ckpt_dir, model, opt, data) or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": []}
+    if meta.get("done"):
+        log(f"{desc}: already trained ({meta['step']} steps), skipping")
+        return meta
+    step, elapsed, total = meta["step"], meta["elapsed_s"], meta["total"]
+    budget_s = cfg.max_minutes * 60
+    bar = tqdm(total=total, initial=step, desc=desc, mininterval=5, dynamic_ncols=True)
+    t0 = time.time() - elapsed
+    ema = None
+    while step < total and (time.time() - t0) < budget_s:
+        x = data.batch(cfg.batch_size, cfg.seq_len + 1).to(dev)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, cfg)
+        if teacher is None:
+            loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+        else:
+            inp = x[:, :-1]
+            with torch.no_grad():
+                t_logits = teacher(input_ids=inp).logits.float() / cfg.temperature
+            s_logits = model(input_ids=inp).logits.float() / cfg.temperature
+            loss = F.kl_div(
+                F.log_softmax(s_logits, -1).flatten(0, 1),
+                F.log_softmax(t_logits, -1).flatten(0, 1),
+                log_target=True,
+                reduction="batchmean",
+            ) * (cfg.temperature**2)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+        if step == cfg.warmup_steps and cfg.max_minutes < 1e6:
+            # fit the cosine horizon to the time budget, measured on this machine
+            per_step = (time.time() - t0) / step
+            total = min(cfg.max_steps, int(budget_s / per_step * 0.97))
+            bar.total = total
+            log(f"{desc}: {per_step:.2f} s/step -> cosine horizon {total} steps")
+        if step % 50 == 0:
+            meta["losses"].append([step, round(ema, 4)])
+        if step % cfg.checkpoint_every == 0:
+            meta.update(step=step, elapsed_s=time.time() - t0, total=total)
+            _save_checkpoint(ckpt_dir, model, opt, data, meta)
+    bar.close()
+    meta.update(step=step, elapsed_s=time.time() - t0, total=total, done=True, final_loss=ema, config=asdict(cfg))
+    _save_checkpoint(ckpt_dir, model, opt, data, meta)
+    log(f"{desc}: {step} steps in {meta['elapsed_s'] / 60:.1f} min, loss {ema:.3f}")
+    return meta
+
+
+@torch.no_grad()
+def perplexity(model, docs_ids: Sequence[Sequence[int]], seq_len: int = 256, max_tokens: int = 40_000, device: str = "cpu") -> float:
+    """Token-level perplexity over held-out documents (each cut into windows)."""
+    model.to(device).eval()
+    nll, n = 0.0, 0
+    for ids in docs_ids:
+        for i in range(0, len(ids) - 1, seq_len):
+            x = torch.tensor(ids[i : i + seq_len + 1], device=device)[None]
+            if x.shape[1] < 2:
+                continue
+            logits = model(input_ids=x[:, :-1]).logits.float()
+            nll += F.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
+            n += x.shape[1] - 1
+            if n >= max_tokens:
+                return math.exp(nll / n)
+    return math.exp(nll / max(n, 1))

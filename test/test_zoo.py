@@ -1,0 +1,157 @@
+"""The bundled zoo: corpus splitting, the committed models and workloads, the acceptance walk.
+
+Fast (no training, no generation): the committed zoo is only loaded and checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from memspec_ros.zoo.acceptance import dynamic_walk, static_score
+from memspec_ros.zoo.corpora import (
+    DOMAINS,
+    WORKLOADS,
+    CorpusConfig,
+    Document,
+    dedupe_paragraphs,
+    is_prose,
+    math_documents,
+    split_documents,
+    split_of,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+
+
+# --------------------------------------------------------------------------- corpora
+
+
+def _synthetic(n: int = 200) -> list[Document]:
+    shared = "This paragraph is shared boiler-plate that many files repeat verbatim, word for word."
+    return [Document("law", f"law:{i}", f"Unique text number {i} about clause {i * 7}.\n\n{shared}") for i in range(n)]
+
+
+def test_split_is_deterministic_and_disjoint():
+    docs = _synthetic()
+    a_train, a_held = split_documents(docs, 0.2)
+    b_train, b_held = split_documents(list(docs), 0.2)
+    assert [d.doc_id for d in a_train] == [d.doc_id for d in b_train]
+    assert [d.doc_id for d in a_held] == [d.doc_id for d in b_held]
+    assert {d.doc_id for d in a_train}.isdisjoint({d.doc_id for d in a_held})
+    assert len(a_train) + len(a_held) == len(docs)
+    assert 0.1 < len(a_held) / len(docs) < 0.3
+    # the split of a document depends on its id only, not on the other documents
+    assert all(split_of(d.doc_id, 0.2) == "heldout" for d in a_held)
+    assert split_documents(docs[:50], 0.2)[1] == [d for d in a_held if int(d.doc_id.split(":")[1]) < 50]
+
+
+def test_dedupe_keeps_boilerplate_once_so_it_cannot_leak():
+    docs = list(dedupe_paragraphs(_synthetic(20)))
+    with_shared = [d for d in docs if "boiler-plate" in d.text]
+    assert len(with_shared) == 1 and with_shared[0].doc_id == "law:0"
+    assert all(f"number {i} " in d.text for i, d in enumerate(docs))
+
+
+def test_math_worksheets_are_seeded():
+    cfg = CorpusConfig(math_documents=5)
+    a, b = list(math_documents(cfg)), list(math_documents(cfg))
+    assert a == b and all("Answer:" in d.text for d in a)
+    assert list(math_documents(CorpusConfig(math_documents=5, math_seed=1)))[0].text != a[0].text
+
+
+def test_prose_filter():
+    assert is_prose(
+        "Vim starts editing a file called file.txt. Because this is a new file, you get a blank window. "
+        "This is what your screen will look like when you first open it."
+    )
+    assert not is_prose("def f(x):\n    return {x: [1, 2]}  # a dictionary of lists, which is code not prose at all")
+
+
+# --------------------------------------------------------------------------- acceptance walk
+
+
+def test_static_walk_hand_computed():
+    # agreement of the draft with the continuation, position 0 is made by prefill
+    agree = [True, True, True, False, True, True, True, True, True, True, False, False]
+    # pos 1: T,T,F -> a=2, commit 3 -> pos 4; pos 4: T,T,T,T (gamma 4) -> a=4 -> pos 9;
+    # pos 9: limit min(4, 12-9-1=2): T,F -> a=1 -> pos 11; pos 11: limit 0 -> a=0 -> pos 12
+    score, iterations = static_score(agree, gamma=4)
+    assert iterations == 4 and score == pytest.approx((2 + 4 + 1 + 0) / 4)
+
+
+def test_dynamic_walk_switches_draft_per_interval():
+    n = 41
+    # draft A agrees on the first half, B on the second half
+    a = [i < 20 for i in range(n)]
+    b = [i >= 20 for i in range(n)]
+    dyn, chosen = dynamic_walk({"a": a, "b": b}, gamma=4, interval=1)
+    assert chosen[0] == "a" and chosen[-1] == "b"
+    best_fixed = max(static_score(a, 4)[0], static_score(b, 4)[0])
+    assert dyn > best_fixed
+
+
+# --------------------------------------------------------------------------- committed zoo
+
+needs_zoo = pytest.mark.skipif(not (MODELS / "registry.yaml").exists(), reason="the zoo is not built")
+
+
+@needs_zoo
+def test_registry_paths_resolve_and_sizes_match():
+    import yaml
+
+    reg = yaml.safe_load((MODELS / "registry.yaml").read_text())
+    assert (MODELS / reg["target"]["path"] / "config.json").is_file()
+    assert [d["name"] for d in reg["drafts"]] == list(DOMAINS)
+    for d in reg["drafts"]:
+        path = MODELS / d["path"]
+        assert (path / "model.safetensors").is_file(), path
+        assert d["size_bytes"] == sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    total = sum(f.stat().st_size for f in MODELS.rglob("*.safetensors"))
+    assert total < 60e6
+
+
+@needs_zoo
+def test_all_six_models_load_with_one_tokenizer():
+    import torch
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    dirs = [MODELS / "target"] + [MODELS / "drafts" / d for d in DOMAINS]
+    digests = {hashlib.sha256((p / "tokenizer.json").read_bytes()).hexdigest() for p in dirs}
+    assert len(digests) == 1, "every model directory must carry the same tokenizer"
+    tok = PreTrainedTokenizerFast.from_pretrained(str(dirs[0]))
+    assert len(tok) == 2048 and tok.bos_token == "<s>" and tok.eos_token == "</s>"
+    ids = torch.tensor([[tok.bos_token_id] + tok("def f(x):\n    return x", add_special_tokens=False)["input_ids"]])
+    params = {}
+    for p in dirs:
+        m = LlamaForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+        assert m.config.vocab_size == len(tok)
+        with torch.no_grad():
+            assert torch.isfinite(m(input_ids=ids).logits).all()
+        params[p.name] = sum(x.numel() for x in m.parameters())
+    assert params["target"] > 8 * params["general"]
+
+
+def _rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (MODELS / "workloads" / name).read_text().splitlines() if line.strip()]
+
+
+@needs_zoo
+def test_workloads_are_held_out_and_complete():
+    train_rows = _rows("train_prompts.jsonl")
+    train_prompts = {r["prompt"] for r in train_rows}
+    for w in WORKLOADS:
+        rows = _rows(f"{w}.jsonl")
+        assert len(rows) == 100 and {r["domain"] for r in rows} == {w}
+        assert not train_prompts & {r["prompt"] for r in rows}
+        if w != "mixed":
+            assert all(split_of(r["source"]) == "heldout" for r in rows)
+            assert len({r["source"] for r in rows}) == 100
+        else:
+            assert all(split_of(s) == "heldout" for r in rows for s in r["source"].split("|"))
+    assert {r["domain"] for r in train_rows} == set(WORKLOADS)
+    assert all(split_of(s) == "train" for r in train_rows for s in r["source"].split("|"))

@@ -1,0 +1,103 @@
+"""Prediction overhead of each predictor variant, measured side by side in one run.
+
+Variants: the paper's MiniLM encoder and the target-hidden encoder, each run
+synchronously on the decode thread or overlapped on a background thread. The
+figure is GenerationStats.prediction_overhead: seconds of scheduling work on the
+decode thread (prediction + cache update) as a share of decoding time. Heads
+come from ``--predictor`` (models/predictor/<encoder>/); with ``--untrained`` a
+random head of the same shape is used, which costs exactly the same.
+
+    python -m memspec_ros.bench.prediction_overhead --registry models/registry.yaml \\
+        --workload models/workloads/mixed.jsonl --prompts 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..runtime.controller import RuntimeConfig, RuntimeController
+from ..runtime.models import ModelSpec, load_model, load_tokenizer
+from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
+from ..runtime.predictor_training import read_prompts
+from ..runtime.registry import DraftRegistry
+from ..runtime.stats import GenerationStats
+
+VARIANTS = [("minilm", False), ("minilm", True), ("target-hidden", False), ("target-hidden", True)]
+
+
+def build_engine(encoder_name: str, predictor_dir: Path | None, target, tokenizer, drafts: list[str],
+                 recent_tokens: int) -> PredictionEngine:
+    if predictor_dir is not None and (predictor_dir / encoder_name / "predictor.json").is_file():
+        return PredictionEngine.load(predictor_dir / encoder_name, target=target, tokenizer=tokenizer)
+    if encoder_name == "minilm":
+        encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    else:
+        encoder = TargetHiddenEncoder(target, recent_tokens)
+    torch.manual_seed(0)
+    head = RankingHead(HeadConfig(encoder=encoder_name, drafts=drafts, in_dim=2 * encoder.dim,
+                                  recent_tokens=recent_tokens)).eval()
+    return PredictionEngine(head, encoder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--registry", default="models/registry.yaml")
+    p.add_argument("--workload", default="models/workloads/mixed.jsonl")
+    p.add_argument("--predictor", default="models/predictor")
+    p.add_argument("--untrained", action="store_true", help="random heads (same cost) instead of trained ones")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--interval", type=int, default=4)
+    p.add_argument("--capacity", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+
+    registry = DraftRegistry.from_yaml(args.registry, validate=False)
+    tokenizer = load_tokenizer(registry.target_path)
+    target = load_model(ModelSpec(registry.target_path)).model
+    rows = read_prompts(args.workload, args.prompts)
+    prompts = [tokenizer(r["prompt"])["input_ids"][-256:] for r in rows]
+    predictor_dir = None if args.untrained else Path(args.predictor)
+    results = {}
+    for encoder_name, overlap in VARIANTS:
+        engine = build_engine(encoder_name, predictor_dir, target, tokenizer, registry.names(), 32)
+        config = RuntimeConfig(policy="memspec", capacity=args.capacity, interval=args.interval,
+                               overlap_prediction=overlap)
+        ctl = RuntimeController(config, target, tokenizer, registry, engine, eos_token_ids=[])
+        ctl.generate(prompts[0], 16)  # warm-up: loads, first-call overheads
+        hook0 = getattr(engine.encoder, "hook_seconds", 0.0)
+        runs: list[GenerationStats] = [ctl.generate(ids, args.max_new_tokens).stats for ids in prompts]
+        decode = sum(s.decode_seconds for s in runs)
+        key = f"{encoder_name}{' (overlapped)' if overlap else ''}"
+        # the hidden-state hook runs inside the target's verify forward: count it as prediction work too
+        hook = getattr(engine.encoder, "hook_seconds", 0.0) - hook0
+        results[key] = {
+            "prediction_overhead": (sum(s.prediction_seconds for s in runs) + hook) / decode if decode else 0.0,
+            "hook_share": hook / decode if decode else 0.0,
+            "background_prediction_share": sum(s.background_prediction_seconds for s in runs) / decode if decode else 0.0,
+            "tokens_per_second": sum(s.decode_tokens for s in runs) / decode if decode else 0.0,
+            "predictions": sum(s.predictions for s in runs),
+            "mean_accepted": sum(s.mean_accepted for s in runs) / len(runs),
+            "fallback_fraction": sum(s.fallback_fraction for s in runs) / len(runs),
+        }
+        ctl.close()
+        if isinstance(engine.encoder, TargetHiddenEncoder):
+            engine.encoder.close()
+    print(f"{'variant':<28}{'overhead':>10}{'background':>12}{'tok/s':>9}{'E[A]':>7}{'fallback':>10}")
+    for key, r in results.items():
+        print(f"{key:<28}{100 * r['prediction_overhead']:>9.2f}%{100 * r['background_prediction_share']:>11.2f}%"
+              f"{r['tokens_per_second']:>9.1f}{r['mean_accepted']:>7.2f}{100 * r['fallback_fraction']:>9.1f}%")
+    best = min(results, key=lambda k: results[k]["prediction_overhead"])
+    print(f"lowest decode-thread overhead: {best}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

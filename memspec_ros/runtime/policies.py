@@ -25,9 +25,8 @@ c = 2.0 (the paper's best), every arm tried once before UCB applies.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .oracle import GreedyOracle
 from .predictor import OverlappedPredictor, PredictionContext, Ranker

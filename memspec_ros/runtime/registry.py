@@ -80,7 +80,7 @@ class DraftRegistry:
 
     # -- construction -----------------------------------------------------------
     @classmethod
-    def from_yaml(cls, path: str | Path, *, target_fingerprint: str | None = None, validate: bool = True) -> "DraftRegistry":
+    def from_yaml(cls, path: str | Path, *, target_fingerprint: str | None = None, validate: bool = True) -> DraftRegistry:
         """Read a registry file; relative paths resolve from the file's directory."""
         import yaml
 
@@ -135,7 +135,7 @@ class DraftRegistry:
         base_dir: str | Path | None = None,
         target_fingerprint: str | None = None,
         validate: bool = True,
-    ) -> "DraftRegistry":
+    ) -> DraftRegistry:
         """From ROS parameters ``drafts.names``, ``drafts.paths``, ``drafts.domains`` (parallel lists)."""
         if len(names) != len(paths):
             raise RegistryError(
@@ -152,7 +152,7 @@ class DraftRegistry:
                 path=str((base / p).resolve()) if base is not None and not Path(p).is_absolute() else str(p),
                 domain=str(domains[i]) if domains else str(name),
             )
-            for i, (name, p) in enumerate(zip(names, paths))
+            for i, (name, p) in enumerate(zip(names, paths, strict=True))
         ]
         return cls(entries, target_fingerprint=target_fingerprint, validate=validate)
 

@@ -73,7 +73,7 @@ class CacheStats:
         lookups = self.hits + self.misses
         return self.hits / lookups if lookups else 0.0
 
-    def since(self, before: "CacheStats") -> "CacheStats":
+    def since(self, before: CacheStats) -> CacheStats:
         """This snapshot's state with counters relative to an earlier snapshot."""
         delta = CacheStats(**{k: getattr(self, k) for k in self.__dataclass_fields__})
         for name in self._COUNTERS:
@@ -171,7 +171,7 @@ class GenerationStats:
     def draft_switches(self) -> int:
         """Times the active draft changed between consecutive speculative iterations."""
         names = [it.draft for it in self.speculative_iterations]
-        return sum(1 for a, b in zip(names, names[1:]) if a != b)
+        return sum(1 for a, b in zip(names, names[1:], strict=False) if a != b)
 
     # -- where the time went ------------------------------------------------
     def _fraction(self, seconds: float) -> float:

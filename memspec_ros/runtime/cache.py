@@ -145,6 +145,11 @@ class DraftCacheManager:
             self._counters.misses += 1
             return None
 
+    def set_scores(self, ranking: Ranking) -> None:
+        """Record a policy's scores without changing W: on-demand loads then evict the lowest-scored draft."""
+        with self._lock:
+            self._scores = dict(normalise_ranking(ranking))
+
     def set_active(self, name: str) -> None:
         """The draft decoding now: never evicted while active."""
         with self._lock:

@@ -314,6 +314,8 @@ class RuntimeController:
         preferred = choice.preferred
         waited = 0.0
         cur_name, cur_model = current
+        if choice.load != LOAD_PREFETCH and choice.ranking:
+            cache.set_scores(choice.ranking)  # on-demand loads evict the policy's lowest-scored draft
         if preferred and (choice.load == LOAD_WAIT or initial) and not cache.is_resident(preferred):
             # blocking load: the policy stalls by design, or any policy's first draft (Algorithm 3, line 3)
             cache.set_active("")  # the idle current draft may be evicted to make room

@@ -1,0 +1,45 @@
+# memspec_ros developer entry points (this Debian 12 / Python 3.11 machine, ROS 2 from PyPI wheels).
+#   make setup   .venv + ROS 2 Jazzy wheels + Python libraries + colcon build (idempotent, fast when unchanged)
+#   make build   the same steps; FORCE=1 redoes the colcon build even when nothing changed
+#   make lint    ruff over the whole tree
+#   make test    setup if needed, build, lint, then the whole pytest suite
+#   make clean   remove build/ install/ log/      make distclean   ... and .venv
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+FORCE ?=
+SETUP := scripts/setup.sh
+SETUP_FLAGS := $(if $(FORCE),--force,)
+# pytest's own exit codes pass through: 5 ("no tests collected") fails the target like any other.
+PYTEST_ARGS ?=
+
+.PHONY: help setup deps build lint test clean distclean
+
+help:
+	@sed -n '2,6p' Makefile | sed 's/^# \{0,1\}//'
+
+setup:
+	$(SETUP) all
+
+deps:
+	$(SETUP) deps
+
+build:
+	$(SETUP) build $(SETUP_FLAGS)
+
+RUFF := .venv/bin/ruff check .
+
+lint: deps
+	$(RUFF)
+
+# One recipe, so that the steps run in this order even under make -j.
+test: build
+	$(RUFF)
+	source ./env.sh && MEMSPEC_TEST_STRICT=1 python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf build install log
+
+distclean: clean
+	rm -rf .venv

@@ -1,0 +1,32 @@
+# Source this file (bash) to work with memspec_ros on a machine set up by `make setup`:
+#     source env.sh
+# It activates .venv (Python libraries and ROS 2 Jazzy from PyPI wheels), puts the venv on the
+# ament/CMake prefix paths (it is the ROS underlay here), sources install/setup.bash (our two
+# packages) and sets isolation defaults that you may override beforehand:
+#     ROS_DOMAIN_ID=0, ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (DDS traffic stays on this host)
+# On a robot with apt ROS 2, source /opt/ros/$ROS_DISTRO/setup.bash and your workspace's
+# install/setup.bash instead (README.md).
+
+_memspec_root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [ ! -f "$_memspec_root/.venv/bin/activate" ] || [ ! -f "$_memspec_root/install/setup.bash" ]; then
+  echo "env.sh: run 'make setup' in $_memspec_root first (no .venv or install/ yet)" >&2
+  unset _memspec_root
+  return 1 2>/dev/null || exit 1
+fi
+
+# shellcheck disable=SC1091
+. "$_memspec_root/.venv/bin/activate"
+case ":${AMENT_PREFIX_PATH:-}:" in
+  *":$VIRTUAL_ENV:"*) ;;
+  *) export AMENT_PREFIX_PATH="$VIRTUAL_ENV${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}" ;;
+esac
+case ":${CMAKE_PREFIX_PATH:-}:" in
+  *":$VIRTUAL_ENV:"*) ;;
+  *) export CMAKE_PREFIX_PATH="$VIRTUAL_ENV${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}" ;;
+esac
+# shellcheck disable=SC1091
+. "$_memspec_root/install/setup.bash"
+
+export ROS_DOMAIN_ID="${ROS_DOMAIN_ID:-0}"
+export ROS_AUTOMATIC_DISCOVERY_RANGE="${ROS_AUTOMATIC_DISCOVERY_RANGE:-LOCALHOST}"
+unset _memspec_root

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# One idempotent setup for a machine WITHOUT an apt ROS 2 (this Debian 12 / Python 3.11 dev and
+# CI machine): ROS 2 Jazzy from PyPI wheels in .venv, the Python libraries, and a colcon build of
+# memspec_interfaces and memspec_ros into install/. A robot with apt ROS 2 does not use this
+# script: see README.md ("On a robot").
+#
+#   scripts/setup.sh [all|deps|build] [--force]
+#     deps   .venv, torch (only when none imports), pinned requirements, editable memspec_ros,
+#            CMake prefix patch of the wheels
+#     build  deps, then `colcon build` of both packages (the default `all` is the same)
+#     --force  redo the target's own step (pip installs for deps, colcon build otherwise) even
+#              when its inputs did not change
+#
+# Each step records a hash of its inputs (stamp files) and is skipped when they are unchanged,
+# so a second run with nothing changed takes a few seconds.
+# Environment: MEMSPEC_PYTHON (interpreter for the venv; default python3.11 or python3),
+# MEMSPEC_TORCH_SPEC (default torch==2.13.0, the CPU wheel on this machine's disk).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+STAMPS="$VENV/.memspec-stamps"
+BUILD_STAMP="$ROOT/install/.memspec-build-stamp"
+TORCH_SPEC="${MEMSPEC_TORCH_SPEC:-torch==2.13.0}"
+REQUIREMENTS=(requirements.txt requirements-dev.txt requirements-ros.txt)
+
+target="all"
+force=0
+for arg in "$@"; do
+  case "$arg" in
+    all | deps | build) target="$arg" ;;
+    --force) force=1 ;;
+    -h | --help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (use all, deps, build, --force)" >&2; exit 2 ;;
+  esac
+done
+
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+# sha256 of the named files' paths and contents (missing paths are skipped), plus extra strings.
+hash_inputs() {
+  local files=() p
+  for p in "$@"; do
+    [ -e "$p" ] || continue
+    if [ -d "$p" ]; then
+      while IFS= read -r -d '' f; do files+=("$f"); done < <(
+        find "$p" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z)
+    else
+      files+=("$p")
+    fi
+  done
+  { printf '%s\n' "${files[@]}"; [ ${#files[@]} -eq 0 ] || cat "${files[@]}"; } | sha256sum | cut -d' ' -f1
+}
+
+# stamp_is FILE HASH FORCED: true when FILE records HASH and the step is not forced.
+stamp_is() { [ "$3" = 0 ] && [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+
+# ---------------------------------------------------------------------------------- python
+pick_python() {
+  if [ -n "${MEMSPEC_PYTHON:-}" ]; then echo "$MEMSPEC_PYTHON"; return; fi
+  if command -v python3.11 >/dev/null 2>&1; then echo python3.11; return; fi
+  echo python3
+}
+
+step_deps() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    local py
+    py="$(pick_python)"
+    command -v "$py" >/dev/null 2>&1 || die "no '$py' on PATH; set MEMSPEC_PYTHON to a Python 3.11"
+    say "creating .venv with $("$py" --version 2>&1) ($py)"
+    "$py" -m venv "$VENV"
+  fi
+  local pyver
+  pyver="$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  # The ros-jazzy-* wheels on PyPI are built for CPython 3.11 only.
+  [ "$pyver" = "3.11" ] || die ".venv has Python $pyver; the ROS 2 Jazzy wheels need 3.11 (remove .venv, set MEMSPEC_PYTHON)"
+
+  local want
+  want="$(hash_inputs "${REQUIREMENTS[@]}" setup.py setup.cfg pyproject.toml scripts/setup.sh \
+          scripts/patch_wheel_cmake.py; echo "$pyver $TORCH_SPEC")"
+  want="$(printf '%s' "$want" | sha256sum | cut -d' ' -f1)"
+  if stamp_is "$STAMPS/deps" "$want" "$([ "$target" = deps ] && echo "$force" || echo 0)"; then
+    say "Python dependencies up to date (.venv)"
+    return
+  fi
+  mkdir -p "$STAMPS"
+  rm -f "$STAMPS/deps"
+  local pip=("$VENV/bin/python" -m pip install --progress-bar off)
+
+  # torch first, and only when none imports: a robot's or a developer's own torch (CUDA,
+  # Jetson) is never replaced. requirements.txt does not list torch for the same reason, but
+  # it has packages that need torch, which would otherwise pull a multi-GB CUDA build.
+  if "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+    say "torch present: $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) (kept)"
+  else
+    say "installing $TORCH_SPEC"
+    "${pip[@]}" "$TORCH_SPEC"
+  fi
+
+  say "installing the pinned requirements (${REQUIREMENTS[*]})"
+  local reqs=()
+  for r in "${REQUIREMENTS[@]}"; do reqs+=(-r "$r"); done
+  "${pip[@]}" -q "${reqs[@]}"
+
+  # memspec_ros itself, editable: `import memspec_ros` and the console scripts work in the venv
+  # without sourcing ROS, and always run the working tree.
+  say "installing memspec_ros in editable mode"
+  "${pip[@]}" -q --no-deps --no-build-isolation -e .
+
+  say "patching the ROS wheels' CMake files for this venv"
+  "$VENV/bin/python" scripts/patch_wheel_cmake.py "$VENV"
+
+  echo "$want" >"$STAMPS/deps"
+}
+
+# ---------------------------------------------------------------------------------- colcon
+step_build() {
+  local want
+  want="$(hash_inputs "$STAMPS/deps" memspec_interfaces package.xml setup.py setup.cfg resource \
+          launch config scripts/setup.sh)"
+  if stamp_is "$BUILD_STAMP" "$want" "$force" && [ -f install/setup.bash ]; then
+    say "colcon build up to date (install/)"
+    return
+  fi
+  rm -f "$BUILD_STAMP"
+  say "colcon build: memspec_interfaces, memspec_ros -> install/"
+  # A clean environment: only the venv is the underlay, whatever the calling shell had sourced.
+  (
+    unset COLCON_PREFIX_PATH PYTHONPATH AMENT_CURRENT_PREFIX
+    export VIRTUAL_ENV="$VENV"
+    export PATH="$VENV/bin:$PATH"
+    export AMENT_PREFIX_PATH="$VENV" CMAKE_PREFIX_PATH="$VENV"
+    # The repo root is itself a package, so colcon would not descend into memspec_interfaces:
+    # name both package paths. --symlink-install: the installed Python package and data files
+    # are links to the working tree, so editing code needs no rebuild.
+    "$VENV/bin/colcon" --log-base log build \
+      --paths . memspec_interfaces \
+      --symlink-install \
+      --event-handlers desktop_notification- \
+      --cmake-args -DPython3_EXECUTABLE="$VENV/bin/python" -DBUILD_TESTING=OFF
+  )
+  echo "$want" >"$BUILD_STAMP"
+}
+
+step_deps
+if [ "$target" != "deps" ]; then
+  step_build
+fi
+
+cat <<EOF
+[setup] done. To use the environment in a shell:
+    source $ROOT/env.sh
+  (the venv, the ROS 2 wheels and install/setup.bash; ROS_DOMAIN_ID and
+  ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST defaults). Then e.g. python -m pytest
+EOF

@@ -1,0 +1,74 @@
+"""Session-wide test setup shared by every test in test/.
+
+At import (before any test module runs rclpy.init) the session claims a ROS_DOMAIN_ID of its own
+and keeps DDS discovery on localhost: see ros_helpers.py. Fixtures for ROS tests:
+
+    rclpy_context  a fresh rclpy Context, initialised for one test and shut down after it;
+                   pass it on (Node(..., context=ctx), executors take context= too)
+    make_node      factory: make_node("name", node_class=Node, **kwargs) -> node in that
+                   context, destroyed after the test
+    executor       a MultiThreadedExecutor in that context (what the real node uses), shut
+                   down after the test; spin it with ros_helpers.spin_until_complete/spin_until
+
+Tests that need ROS call ros_helpers.require_ros() at module level: without a sourced ROS
+environment they are skipped, except under `make test` / CI (MEMSPEC_TEST_STRICT=1) where
+that is a failure. Nothing here imports rclpy unless a ROS fixture is used.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ros_helpers import claim_ros_domain_id, isolate_ros_environment, require_ros
+
+ROS_DOMAIN_ID = claim_ros_domain_id()
+isolate_ros_environment(ROS_DOMAIN_ID)
+
+
+def pytest_report_header(config):
+    return f"ROS_DOMAIN_ID={ROS_DOMAIN_ID} (claimed for this session), discovery LOCALHOST"
+
+
+@pytest.fixture(scope="session")
+def ros_domain_id() -> int:
+    return ROS_DOMAIN_ID
+
+
+@pytest.fixture
+def rclpy_context():
+    require_ros()
+    import rclpy
+    from rclpy.context import Context
+
+    context = Context()
+    rclpy.init(context=context)
+    try:
+        yield context
+    finally:
+        rclpy.try_shutdown(context=context)
+
+
+@pytest.fixture
+def make_node(rclpy_context):
+    from rclpy.node import Node
+
+    nodes = []
+
+    def factory(name: str, node_class=Node, **kwargs):
+        node = node_class(name, context=rclpy_context, **kwargs)
+        nodes.append(node)
+        return node
+
+    yield factory
+    for node in reversed(nodes):
+        node.destroy_node()
+
+
+@pytest.fixture
+def executor(rclpy_context):
+    from rclpy.executors import MultiThreadedExecutor
+
+    executor = MultiThreadedExecutor(num_threads=4, context=rclpy_context)
+    try:
+        yield executor
+    finally:
+        executor.shutdown(timeout_sec=5.0)

@@ -1,0 +1,116 @@
+"""Helpers for tests that talk ROS 2 (rclpy) for real, over DDS on this host only.
+
+Isolation: every pytest session claims a ROS_DOMAIN_ID of its own (conftest.py does it at import,
+before any rclpy.init) and keeps discovery on localhost, so parallel sessions on one machine, a
+node someone runs by hand (domain 0) and the network never see each other's traffic.
+
+Importing this module never imports rclpy, so tests without ROS can share conftest.py.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import pytest
+
+# 0 is the ROS default that people's own nodes use; 1..101 are valid on every platform.
+TEST_DOMAIN_IDS = range(1, 102)
+STRICT_ENV = "MEMSPEC_TEST_STRICT"  # "1" (make test, CI): a missing ROS environment fails, not skips
+
+_held_domain_locks: list[IO[str]] = []
+
+
+def claim_ros_domain_id() -> int:
+    """Return a ROS_DOMAIN_ID no other test session on this host holds, and hold it.
+
+    Starts at a pid-derived id and takes an exclusive lock file per id; the lock is held for
+    the life of the process. MEMSPEC_TEST_ROS_DOMAIN_ID forces a value.
+    """
+    forced = os.environ.get("MEMSPEC_TEST_ROS_DOMAIN_ID")
+    if forced:
+        return int(forced)
+    ids = list(TEST_DOMAIN_IDS)
+    start = os.getpid() % len(ids)
+    for offset in range(len(ids)):
+        domain = ids[(start + offset) % len(ids)]
+        path = os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock")
+        handle = open(path, "a")  # kept open: it holds the lock until the process exits
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            continue
+        _held_domain_locks.append(handle)
+        return domain
+    raise RuntimeError(
+        f"every ROS_DOMAIN_ID in {ids[0]}..{ids[-1]} is held by another test session on this host;"
+        " wait for them to finish or set MEMSPEC_TEST_ROS_DOMAIN_ID"
+    )
+
+
+def isolate_ros_environment(domain_id: int) -> None:
+    """Set the environment rclpy reads at init (and child processes inherit)."""
+    os.environ["ROS_DOMAIN_ID"] = str(domain_id)
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # Jazzy and later
+    os.environ.pop("ROS_STATIC_PEERS", None)
+    if os.environ.get("ROS_DISTRO") == "humble":
+        os.environ["ROS_LOCALHOST_ONLY"] = "1"  # Humble's spelling of the same
+    else:
+        os.environ.pop("ROS_LOCALHOST_ONLY", None)  # deprecated from Jazzy on, and it warns
+
+
+def require_ros() -> None:
+    """Skip (or, under make test / CI, fail) unless rclpy and memspec_interfaces import.
+
+    Call it at module level before importing ROS modules. memspec_interfaces comes from the
+    colcon build, so it imports only in a shell that sourced env.sh (or install/setup.bash).
+    """
+    try:
+        import rclpy  # noqa: F401
+
+        import memspec_interfaces  # noqa: F401
+    except ImportError as exc:
+        message = f"ROS 2 environment not available ({exc}): run `make test`, or `source env.sh` first"
+        if os.environ.get(STRICT_ENV) == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message, allow_module_level=True)
+
+
+def spin_until_complete(spinner: Any, future: Any, timeout_sec: float = 10.0, what: str = "the future") -> Any:
+    """Spin an executor (or a node) until ``future`` is done; return its result.
+
+    Unlike rclpy's spin_until_future_complete, a timeout fails the test with a message that says
+    what was awaited, instead of returning silently.
+    """
+    if hasattr(spinner, "spin_until_future_complete"):  # an Executor
+        spinner.spin_until_future_complete(future, timeout_sec=timeout_sec)
+    else:  # a Node
+        import rclpy
+
+        rclpy.spin_until_future_complete(spinner, future, timeout_sec=timeout_sec)
+    if not future.done():
+        raise AssertionError(f"timed out after {timeout_sec:g} s waiting for {what}")
+    return future.result()
+
+
+def spin_until(executor: Any, condition: Callable[[], bool], timeout_sec: float = 10.0, what: str = "the condition") -> None:
+    """Spin ``executor`` in short slices until ``condition()`` is true, or fail after the timeout."""
+    deadline = time.monotonic() + timeout_sec
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_sec:g} s waiting for {what}")
+        executor.spin_once(timeout_sec=0.05)
+
+
+def wait_until(condition: Callable[[], bool], timeout_sec: float = 10.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` without spinning (for code that already runs inside a callback)."""
+    deadline = time.monotonic() + timeout_sec
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_sec:g} s waiting for {what}")
+        time.sleep(0.01)

@@ -170,3 +170,6 @@ def test_normalise_ranking_forms():
     assert [n for n, _ in normalise_ranking(["x", "y"])] == ["x", "y"]
     assert [n for n, _ in normalise_ranking({"x": 0.1, "y": 0.9})] == ["y", "x"]
     assert [n for n, _ in normalise_ranking([("x", 1.0), ("y", 2.0)])] == ["y", "x"]
+
+
+torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend

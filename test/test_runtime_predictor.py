@@ -184,3 +184,6 @@ def test_trained_predictor_drives_memspec_losslessly(trained):
         ctl.close()
     with pytest.raises(PredictorError, match="target"):
         PredictionEngine.load(root / "predictor" / "target-hidden")
+
+
+torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend

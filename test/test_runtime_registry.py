@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime.cache import registry_loader
@@ -94,3 +95,6 @@ def test_add_remove_bump_version(zoo):
     assert reg.version == v + 1 and "code" not in reg
     reg.add(DraftEntry("code", str(zoo / "drafts" / "code"), "code"))
     assert reg.version == v + 2 and len(reg) == 2 and [e.name for e in reg.by_domain("code")] == ["code"]
+
+
+torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend

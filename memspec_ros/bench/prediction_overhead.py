@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=4)
     p.add_argument("--capacity", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     registry = DraftRegistry.from_yaml(args.registry, validate=False)
     tokenizer = load_tokenizer(registry.target_path)

@@ -75,7 +75,7 @@ def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[lis
     from tqdm import tqdm
 
     traces = []
-    for index, prompt_ids in enumerate(tqdm(prompts, desc="traces", disable=not progress, file=sys.stderr)):
+    for index, prompt_ids in enumerate(tqdm(prompts, desc="traces", disable=not progress, file=sys.stderr, mininterval=2)):
         continuation = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
         if len(continuation) < 2:
             continue
@@ -92,7 +92,7 @@ def hidden_features(target, traces: list[PromptTrace], recent_tokens: int, progr
     decoder = getattr(target, "model", None) or target.get_decoder()
     device = next(target.parameters()).device
     rows = []
-    for trace in tqdm(traces, desc="target-hidden features", disable=not progress, file=sys.stderr):
+    for trace in tqdm(traces, desc="target-hidden features", disable=not progress, file=sys.stderr, mininterval=2):
         ids = torch.tensor([trace.prompt_ids + trace.continuation], device=device)
         hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0].float()
         for ctx in trace.contexts:
@@ -107,7 +107,7 @@ def minilm_features(encoder: MiniLMEncoder, traces: list[PromptTrace], recent_to
     from tqdm import tqdm
 
     rows = []
-    for trace in tqdm(traces, desc="minilm features", disable=not progress, file=sys.stderr):
+    for trace in tqdm(traces, desc="minilm features", disable=not progress, file=sys.stderr, mininterval=2):
         encoder.begin(trace.prompt_ids)
         prompt_vec = encoder.prompt_features(trace.prompt_ids)
         texts = [encoder.decode(trace.continuation[max(0, c.position - recent_tokens): c.position])
@@ -153,7 +153,7 @@ def train_head(features: torch.Tensor, labels: torch.Tensor, head_config: HeadCo
     optim = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     x = mask_input(features, head_config.input)
     for _ in tqdm(range(cfg.epochs), desc=f"head [{head_config.encoder}, {head_config.input}]",
-                  disable=not progress, file=sys.stderr):
+                  disable=not progress, file=sys.stderr, mininterval=2):
         optim.zero_grad()
         loss = torch.nn.functional.cross_entropy(head(x), labels)
         loss.backward()
@@ -269,12 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=300)
     p.add_argument("--heldout-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1: small models on a shared CPU run far faster without contention)")
     p.add_argument("--quiet", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     report = run(args)
     print(format_report(report))

@@ -12,6 +12,7 @@ from memspec_ros.bench.tiny_models import noisy_copy, save_model_dir, tiny_llama
 from memspec_ros.runtime import predictor_training
 from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
 from memspec_ros.runtime.oracle import GreedyOracle, interval_walk, target_greedy
+from memspec_ros.runtime.policies import PolicyError
 from memspec_ros.runtime.predictor import (
     FixedRanker,
     HeadConfig,
@@ -187,3 +188,18 @@ def test_trained_predictor_drives_memspec_losslessly(trained):
 
 
 torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend
+
+
+def test_load_runtime_from_files(trained):
+    from memspec_ros.runtime.controller import load_runtime
+
+    root, _, _, tok = trained
+    ctl = load_runtime(RuntimeConfig(policy="memspec", capacity=2), str(root / "registry.yaml"),
+                       predictor_path=str(root / "predictor" / "target-hidden"))
+    prompt = tok("Solve 2x = 8.")["input_ids"]
+    result = ctl.generate("Solve 2x = 8.", 16)
+    assert result.token_ids == target_greedy(ctl.target, prompt, 16)[: len(result.token_ids)]
+    assert result.stats.cache.loads >= 1 and result.text == tok.decode(result.token_ids, skip_special_tokens=True)
+    ctl.close()
+    with pytest.raises(PolicyError, match="predictor"):
+        load_runtime(RuntimeConfig(policy="memspec"), str(root / "registry.yaml"))

@@ -354,3 +354,38 @@ class RuntimeController:
         self.cache.close()
         if self._overlapped is not None:
             self._overlapped.close()
+
+
+def load_runtime(
+    config: RuntimeConfig,
+    registry_path: str,
+    *,
+    target_path: str | None = None,
+    predictor_path: str | None = None,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    quantization: str = "none",
+) -> RuntimeController:
+    """Everything from files: target + tokenizer, the registry (validated against the target's
+    tokenizer), the predictor (when ``predictor_path`` holds one), and the controller.
+
+    ``predictor_path`` is a trained head directory (models/predictor/target-hidden or
+    models/predictor/minilm). A policy that needs a predictor without one raises PolicyError.
+    """
+    from pathlib import Path
+
+    from .models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
+    from .predictor import PredictionEngine
+
+    probe = DraftRegistry.from_yaml(registry_path, validate=False)
+    target_dir = target_path or probe.target_path
+    if not target_dir:
+        raise ValueError(f"{registry_path} names no target and no target path was given: set model.path")
+    tokenizer = load_tokenizer(target_dir)
+    loaded = load_model(ModelSpec(str(target_dir), dtype=dtype, device=device, quantization=quantization))
+    registry = DraftRegistry.from_yaml(registry_path, target_fingerprint=tokenizer_fingerprint(tokenizer))
+    predictor = None
+    if predictor_path and (Path(predictor_path) / "predictor.json").is_file():
+        predictor = PredictionEngine.load(predictor_path, target=loaded.model, tokenizer=tokenizer)
+    return RuntimeController(config, loaded.model, tokenizer, registry, predictor, max_positions=loaded.max_positions,
+                             draft_dtype=dtype, device=device)

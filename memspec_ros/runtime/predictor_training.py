@@ -212,8 +212,13 @@ def run(args: argparse.Namespace) -> dict:
     test_mask = torch.tensor([c.prompt_index in heldout for c in contexts])
     cfg = TrainConfig(hidden=args.hidden, epochs=args.epochs, seed=args.seed, heldout_fraction=args.heldout_fraction)
     label_counts = {n: int((labels == i).sum()) for i, n in enumerate(names)}
+    train_counts = torch.bincount(labels[~test_mask], minlength=len(names))
+    majority = int(train_counts.argmax())  # the baseline a head must beat: always the commonest label
+    heldout_labels = labels[test_mask]
+    majority_top1 = float((heldout_labels == majority).float().mean()) if len(heldout_labels) else 0.0
     report: dict = {"prompts": len(traces), "contexts": len(contexts), "heldout_prompts": len(heldout),
-                    "label_counts": label_counts, "trace_seconds": trace_seconds, "encoders": {}}
+                    "label_counts": label_counts, "majority_label": names[majority],
+                    "majority_top1": majority_top1, "trace_seconds": trace_seconds, "encoders": {}}
     out = Path(args.out)
     for encoder_name in args.encoders:
         if encoder_name == "minilm":
@@ -243,6 +248,7 @@ def run(args: argparse.Namespace) -> dict:
 def format_report(report: dict) -> str:
     lines = [f"{report['prompts']} prompts, {report['contexts']} contexts ({report['heldout_prompts']} prompts held out);"
              f" labels {report['label_counts']}",
+             f"majority-label baseline ({report['majority_label']}): top-1 {100 * report['majority_top1']:.1f}%",
              f"{'encoder':<14}{'input':<15}{'top-1':>8}{'top-2':>8}   (paper: prompt 31.9/55.8, recent 57.1/79.3,"
              " prompt+recent 71.6/95.7)"]
     for enc, results in report["encoders"].items():

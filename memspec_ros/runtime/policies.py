@@ -16,6 +16,11 @@ Load modes:
 * ``prefetch``: hand the whole ranking to the cache (Algorithm 2: W = top-K), run
   the best RESIDENT draft, never wait (MemSpec, Oracle-Dynamic).
 
+With K = 1 the non-blocking policies (memspec, mab-async, oracle-dynamic) keep
+their first draft: bringing in another one needs a second slot while the active
+draft decodes, and the active draft is never evicted. Blocking policies switch by
+stalling. That is the paper's trade-off at its sharpest, not a bug.
+
 Bandit reward (MAB-Sync/Async): the mean number of accepted draft tokens per
 iteration over the interval the arm ran (E[A] of equation 1), counted for the
 draft that actually ran. UCB1 uses per-arm counts: score = mean + c*sqrt(ln t / n_arm),

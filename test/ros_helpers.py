@@ -73,7 +73,9 @@ def require_ros() -> None:
     try:
         import rclpy  # noqa: F401
 
-        import memspec_interfaces  # noqa: F401
+        # the generated module, not the source folder of the same name (a namespace package
+        # when the repo root is on sys.path, as with `python -m pytest`)
+        from memspec_interfaces.action import Generate  # noqa: F401
     except ImportError as exc:
         message = f"ROS 2 environment not available ({exc}): run `make test`, or `source env.sh` first"
         if os.environ.get(STRICT_ENV) == "1":

@@ -4,6 +4,7 @@
 #   make lint    ruff over the whole tree
 #   make test    setup if needed, build, lint, then the whole pytest suite
 #   make clean   remove build/ install/ log/      make distclean   ... and .venv
+#   make demo    the node on the bundled zoo: configure, activate, one streamed goal, /diagnostics, clean stop
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -14,10 +15,10 @@ SETUP_FLAGS := $(if $(FORCE),--force,)
 # pytest's own exit codes pass through: 5 ("no tests collected") fails the target like any other.
 PYTEST_ARGS ?=
 
-.PHONY: help setup deps build lint test clean distclean
+.PHONY: help setup deps build lint test demo clean distclean
 
 help:
-	@sed -n '2,6p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,7p' Makefile | sed 's/^# \{0,1\}//'
 
 setup:
 	$(SETUP) all
@@ -37,6 +38,12 @@ lint: deps
 test: build
 	$(RUFF)
 	source ./env.sh && MEMSPEC_TEST_STRICT=1 python -m pytest $(PYTEST_ARGS)
+
+# The node as its own process on the bundled zoo (models/), driven through the lifecycle services
+# and the Generate action; non-zero exit if any step fails. DEMO_ARGS: e.g. --max-new-tokens 64.
+DEMO_ARGS ?=
+demo: build
+	source ./env.sh && python -m memspec_ros.ros.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf build install log

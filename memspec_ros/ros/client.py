@@ -1,0 +1,182 @@
+"""`memspec_client`: send one Generate goal and stream the text as feedback arrives.
+
+    memspec_client "def fibonacci(n):" --max-new-tokens 64
+    echo "The licensee may" | memspec_client --node /robot/memspec
+
+Like ``ros2 action send_goal --feedback``: the text is printed as it is generated, then the
+result's statistics. Exit status: 0 succeeded, 1 rejected / aborted / no server, 2 usage,
+130 interrupted (the goal is cancelled first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_NODE = "/memspec"
+
+
+@dataclass
+class Outcome:
+    status: str  # succeeded | canceled | aborted | rejected | no-server | timeout
+    result: object | None = None
+    streamed: str = ""
+    feedback_messages: int = 0
+    goal_response_seconds: float = 0.0
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "succeeded"
+
+
+def format_result(result) -> str:
+    """The statistics line printed after the text (every figure is the node's, from its runtime stats)."""
+    drafts = ", ".join(result.drafts_used) or "none (target only)"
+    line = (f"finish: {result.finish_reason} | prompt {result.prompt_tokens} tok | generated {result.completion_tokens} tok"
+            f" | {result.tokens_per_second:.1f} tok/s | time to first token {result.time_to_first_token:.3f} s"
+            f" | mean accepted {result.mean_accepted_tokens:.2f} | drafts {drafts} | switches {result.draft_switches}")
+    if result.error_message:
+        line += f"\nerror: {result.error_message}"
+    return line
+
+
+def send_goal(node, executor, goal, action_name: str, *, server_timeout: float = 10.0, result_timeout: float = 900.0,
+              out=sys.stdout, log=sys.stderr, stream: bool = True) -> Outcome:
+    """Send ``goal`` and spin ``executor`` until the result; print streamed text to ``out``."""
+    from action_msgs.msg import GoalStatus
+    from rclpy.action import ActionClient
+
+    from memspec_interfaces.action import Generate
+
+    client = ActionClient(node, Generate, action_name)
+    outcome = Outcome("timeout")
+    try:
+        deadline = time.monotonic() + server_timeout
+        while not client.server_is_ready():
+            if time.monotonic() > deadline:
+                print(f"no Generate action server at {action_name} after {server_timeout:g} s: is memspec_node running"
+                      " and configured (ros2 lifecycle set <node> configure)? Check ROS_DOMAIN_ID too.", file=log)
+                outcome.status = "no-server"
+                return outcome
+            executor.spin_once(timeout_sec=0.1)
+
+        def on_feedback(msg) -> None:
+            outcome.feedback_messages += 1
+            outcome.streamed += msg.feedback.delta_text
+            if stream:
+                out.write(msg.feedback.delta_text)
+                out.flush()
+
+        t0 = time.monotonic()
+        future = client.send_goal_async(goal, feedback_callback=on_feedback)
+        _spin_until(executor, future, server_timeout)
+        outcome.goal_response_seconds = time.monotonic() - t0
+        if not future.done():
+            print("the server did not answer the goal request in time", file=log)
+            return outcome
+        handle = future.result()
+        if not handle.accepted:
+            print("goal REJECTED by the node (not active, empty or too long prompt, or queue full: see the node's log)",
+                  file=log)
+            outcome.status = "rejected"
+            return outcome
+        result_future = handle.get_result_async()
+        try:
+            _spin_until(executor, result_future, result_timeout)
+        except KeyboardInterrupt:
+            print("\ninterrupted: cancelling the goal", file=log)
+            cancel = handle.cancel_goal_async()
+            _spin_until(executor, cancel, 5.0)
+            _spin_until(executor, result_future, 10.0)
+            outcome.status = "interrupted"
+        if not result_future.done():
+            print(f"no result after {result_timeout:g} s", file=log)
+            return outcome
+        response = result_future.result()
+        result = response.result
+        outcome.result = result
+        if stream:
+            # feedback is best effort: print whatever the stream missed
+            if result.text.startswith(outcome.streamed):
+                out.write(result.text[len(outcome.streamed):])
+            else:
+                out.write("\n[feedback incomplete; the full text]\n" + result.text)
+            out.write("\n")
+            out.flush()
+        names = {GoalStatus.STATUS_SUCCEEDED: "succeeded", GoalStatus.STATUS_CANCELED: "canceled",
+                 GoalStatus.STATUS_ABORTED: "aborted"}
+        if outcome.status != "interrupted":
+            outcome.status = names.get(response.status, f"status {response.status}")
+        return outcome
+    finally:
+        client.destroy()
+
+
+def _spin_until(executor, future, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not future.done() and time.monotonic() < deadline:
+        executor.spin_once(timeout_sec=0.05)
+
+
+def build_goal(args):
+    from memspec_interfaces.action import Generate
+
+    return Generate.Goal(prompt=args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop or [],
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(prog="memspec_client", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
+    parser.add_argument("--node", default=DEFAULT_NODE, help=f"the node's full name (default {DEFAULT_NODE})")
+    parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the node's generation.max_new_tokens")
+    parser.add_argument("--temperature", type=float, default=-1.0, help="-1: the node's default; 0: greedy")
+    parser.add_argument("--top-p", type=float, default=0.0, help="0: the node's default")
+    parser.add_argument("--seed", type=int, default=-1, help="-1: the node's default")
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the action server (default 10)")
+    parser.add_argument("--quiet", action="store_true", help="print only the text")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rclpy.utilities import remove_ros_args
+
+    args = parse_args(remove_ros_args(sys.argv if argv is None else ["memspec_client", *argv])[1:])
+    if args.prompt is None:
+        if sys.stdin.isatty():
+            print("memspec_client: give a prompt as an argument or on stdin", file=sys.stderr)
+            return 2
+        args.prompt = sys.stdin.read()
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
+
+    rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)  # Ctrl-C cancels the goal first
+    node = rclpy.create_node("memspec_client")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    try:
+        outcome = send_goal(node, executor, build_goal(args), args.node.rstrip("/") + "/generate",
+                            server_timeout=args.timeout)
+        if outcome.result is not None and not args.quiet:
+            print(format_result(outcome.result), file=sys.stderr if args.quiet else sys.stdout)
+        if outcome.status == "interrupted":
+            return 130
+        if outcome.result is not None and outcome.status != "succeeded":
+            print(f"goal {outcome.status}", file=sys.stderr)
+        return 0 if outcome.ok else 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

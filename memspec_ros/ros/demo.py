@@ -1,0 +1,238 @@
+"""`make demo`: the node on the bundled zoo, end to end, the way a robot uses it.
+
+1. start ``memspec_node`` as its own process with config/memspec.yaml (on a ROS_DOMAIN_ID of its own);
+2. bring it to active through the lifecycle services (ChangeState configure, then activate),
+   exactly what ``ros2 lifecycle set`` or the launch file does;
+3. send a real prompt through the Generate action, text streamed as feedback arrives, then the
+   result's statistics (memspec_client's code path);
+4. print a snapshot of the node's /diagnostics;
+5. deactivate, cleanup, shutdown, then stop the process (its whole process group).
+
+Exit status 0 only if every step worked. Without a built zoo (models/registry.yaml) it says so and
+runs on a generated tiny zoo instead, so the ROS path can still be seen (the text is then noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+NODE_NAME = "memspec"
+DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+LEVELS = {0: "OK", 1: "WARN", 2: "ERROR", 3: "STALE"}
+
+
+def say(text: str) -> None:
+    print(f"\033[1m[demo]\033[0m {text}", flush=True)
+
+
+def claim_domain_id() -> tuple[int, object]:
+    """A ROS_DOMAIN_ID no other demo or test on this host holds (the lock is held until exit)."""
+    if os.environ.get("MEMSPEC_DEMO_DOMAIN_ID"):
+        return int(os.environ["MEMSPEC_DEMO_DOMAIN_ID"]), None
+    for domain in range(150, 230):
+        handle = open(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"), "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return domain, handle
+        except OSError:
+            handle.close()
+    raise RuntimeError("no free ROS_DOMAIN_ID in 150..229: set MEMSPEC_DEMO_DOMAIN_ID")
+
+
+def demo_prompt(zoo: Path) -> str:
+    """The first code prompt of the zoo's workloads (the zoo is trained on these domains)."""
+    for name in ("code.jsonl", "mixed.jsonl"):
+        path = zoo / "workloads" / name
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    return json.loads(line)["prompt"]
+    return DEFAULT_PROMPT
+
+
+def start_node(params_file: Path, overrides: dict[str, str], log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "memspec_ros.ros.node", "--ros-args", "-r", f"__node:={NODE_NAME}",
+           "--params-file", str(params_file)]
+    for key, value in overrides.items():
+        cmd += ["-p", f"{key}:={value}"]
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen) -> int | None:
+    """SIGINT (the node shuts down cleanly), then SIGTERM, then SIGKILL to its process group."""
+    for sig, wait in ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.poll()
+
+
+def call(executor, client, request, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not client.service_is_ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"service {client.srv_name} did not appear within {timeout:g} s")
+        executor.spin_once(timeout_sec=0.1)
+    future = client.call_async(request)
+    while not future.done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"service {client.srv_name} did not answer within {timeout:g} s")
+        executor.spin_once(timeout_sec=0.1)
+    return future.result()
+
+
+def transition(executor, node, name: str, transition_id: int, timeout: float) -> bool:
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+
+    client = node.create_client(ChangeState, f"/{name}/change_state")
+    try:
+        return bool(call(executor, client, ChangeState.Request(transition=Transition(id=transition_id)), timeout).success)
+    finally:
+        node.destroy_client(client)
+
+
+def print_diagnostics(array) -> None:
+    for status in array.status:
+        level = LEVELS.get(status.level[0] if isinstance(status.level, bytes) else status.level, "?")
+        print(f"  [{level:5}] {status.name}: {status.message}  (hardware_id {status.hardware_id})")
+        for kv in status.values:
+            print(f"          {kv.key}: {kv.value}")
+
+
+def run(args) -> int:
+    from ..bench.tiny_zoo import build_tiny_zoo
+    from .params import default_zoo_dir
+
+    zoo = Path(args.zoo) if args.zoo else default_zoo_dir()
+    overrides: dict[str, str] = {"model.threads": str(args.threads)}
+    if not (zoo / "registry.yaml").is_file():
+        tiny = Path(tempfile.mkdtemp(prefix="memspec_demo_zoo_"))
+        say(f"no bundled zoo at {zoo} (build it with `memspec-zoo build`): using a generated tiny zoo in {tiny};"
+            " its text is noise, the ROS path is the real one")
+        build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
+        zoo = tiny
+    overrides["drafts.registry_file"] = str(zoo / "registry.yaml")
+    domain, _lock = claim_domain_id()
+    os.environ["ROS_DOMAIN_ID"] = str(domain)
+    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    log_path = Path(tempfile.gettempdir()) / f"memspec_demo_node_{os.getpid()}.log"
+    cleanup_dirs = [zoo] if zoo.name.startswith("memspec_demo_zoo_") else []
+    say(f"starting memspec_node (zoo {zoo}, ROS_DOMAIN_ID {domain}, log {log_path})")
+    proc = start_node(Path(args.params_file), overrides, log_path)
+
+    import rclpy
+    from diagnostic_msgs.msg import DiagnosticArray
+    from lifecycle_msgs.msg import Transition
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
+
+    from memspec_interfaces.action import Generate
+
+    from .client import format_result, send_goal
+
+    failed = ""
+    rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
+    node = rclpy.create_node("memspec_demo")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    diagnostics: list = []
+    node.create_subscription(DiagnosticArray, "/diagnostics", diagnostics.append, 10)
+    try:
+        say("configure (loads tokenizer, target, predictor and the draft registry)")
+        t0 = time.monotonic()
+        if not transition(executor, node, NODE_NAME, Transition.TRANSITION_CONFIGURE, args.timeout):
+            raise RuntimeError(f"configure failed: see {log_path}")
+        say(f"configured in {time.monotonic() - t0:.1f} s; activate")
+        if not transition(executor, node, NODE_NAME, Transition.TRANSITION_ACTIVATE, 30.0):
+            raise RuntimeError(f"activate failed: see {log_path}")
+        prompt = args.prompt or demo_prompt(zoo)
+        say(f"goal: {args.max_new_tokens} tokens after the prompt\n{'-' * 72}\n{prompt}\033[36m")
+        goal = Generate.Goal(prompt=prompt, max_new_tokens=args.max_new_tokens, temperature=0.0)
+        outcome = send_goal(node, executor, goal, f"/{NODE_NAME}/generate", server_timeout=20.0)
+        print("\033[0m" + "-" * 72)
+        if outcome.result is None or not outcome.ok:
+            raise RuntimeError(f"the goal did not succeed ({outcome.status})")
+        say(format_result(outcome.result))
+        say(f"{outcome.feedback_messages} feedback messages; goal answered in {outcome.goal_response_seconds * 1e3:.0f} ms")
+        diagnostics.clear()
+        deadline = time.monotonic() + 5.0
+        while not diagnostics and time.monotonic() < deadline:
+            executor.spin_once(timeout_sec=0.1)
+        if not diagnostics:
+            raise RuntimeError("no /diagnostics message within 5 s")
+        say("/diagnostics snapshot:")
+        print_diagnostics(diagnostics[-1])
+    except Exception as exc:  # a failed step: say which, then still shut down cleanly
+        failed = str(exc)
+    finally:
+        if proc.poll() is None:
+            for _label, tid in (("deactivate", Transition.TRANSITION_DEACTIVATE), ("cleanup", Transition.TRANSITION_CLEANUP),
+                               ("shutdown", Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)):
+                try:
+                    transition(executor, node, NODE_NAME, tid, 15.0)
+                except Exception:
+                    pass  # a transition that is not valid in the current state; the process stop follows
+            say("node deactivated, cleaned up and shut down; stopping the process")
+        code = stop_process(proc)
+        node.destroy_node()
+        rclpy.try_shutdown()
+    if proc.poll() is None:
+        failed = failed or "the node process did not exit"
+    elif code not in (0, -signal.SIGINT) and not failed:
+        failed = f"the node process exited with status {code}: see {log_path}"
+    import shutil
+
+    for directory in cleanup_dirs:
+        shutil.rmtree(directory, ignore_errors=True)
+    if failed:
+        say(f"FAILED: {failed}")
+        tail = log_path.read_text().splitlines()[-15:] if log_path.is_file() else []
+        for line in tail:
+            print(f"  node> {line}")
+        return 1
+    log_path.unlink(missing_ok=True)
+    say("demo finished: node process exited cleanly")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="memspec-demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--zoo", help="zoo directory with registry.yaml (default: the bundled zoo)")
+    parser.add_argument("--params-file", default=str(REPO / "config" / "memspec.yaml"))
+    parser.add_argument("--prompt", help="prompt (default: the zoo's first code workload prompt)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("MEMSPEC_THREADS", "1")),
+                        help="torch CPU threads of the node (default 1: fastest on a busy 2-core machine)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds allowed for configure")
+    args = parser.parse_args(argv)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

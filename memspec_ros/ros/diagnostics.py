@@ -1,0 +1,253 @@
+"""Diagnostics on diagnostic_updater's contract, and the node's typed status messages.
+
+diagnostic_updater itself is not installable here (ROS from PyPI wheels), so this module
+publishes exactly what its Python ``Updater`` publishes: a ``DiagnosticArray`` on the absolute
+topic ``/diagnostics`` (depth 1), one ``DiagnosticStatus`` per task named
+``"<node name>: <task>"``, ``hardware_id`` set, string ``KeyValue`` pairs and byte levels, every
+``diagnostic_updater.period`` seconds. diagnostic_aggregator and rqt_robot_monitor on a robot treat
+the node like any other (config/diagnostic_analyzers.yaml groups its entries).
+
+Every figure comes from memspec_ros.runtime.stats: the throughput window is one
+``GenerationStats`` built from the window's goals (their iterations and decode times), so
+tokens/s, mean accepted tokens, fallback fraction and prediction overhead keep their single
+definition.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.qos import QoSDurabilityPolicy, QoSProfile
+
+from memspec_interfaces.msg import CacheState, DraftState
+from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
+
+from ..runtime.stats import CacheStats, GenerationStats
+
+OK, WARN, ERROR, STALE = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR, DiagnosticStatus.STALE
+DIAGNOSTICS_TOPIC = "/diagnostics"  # absolute: never namespaced (diagnostic_updater's rule)
+TASK_TARGET = "target model"
+TASK_CACHE = "draft cache"
+TASK_THROUGHPUT = "throughput"
+TASK_PREDICTOR = "predictor"
+TASKS = (TASK_TARGET, TASK_CACHE, TASK_THROUGHPUT, TASK_PREDICTOR)
+
+# ~/cache_state: late joiners get the current state at once.
+LATCHED = QoSProfile(depth=1, durability=QoSDurabilityPolicy.TRANSIENT_LOCAL)
+
+
+@dataclass
+class Status:
+    """One task's status under construction (diagnostic_updater's DiagnosticStatusWrapper)."""
+
+    level: int = OK
+    message: str = "OK"
+    values: list[tuple[str, str]] = field(default_factory=list)
+
+    def summary(self, level: int, message: str) -> None:
+        self.level, self.message = level, message
+
+    def merge(self, level: int, message: str) -> None:
+        """Raise the level to ``level`` if higher, keeping every message (the wrapper's mergeSummary)."""
+        if level > self.level:
+            self.level = level
+            self.message = message if self.message in ("", "OK") else f"{self.message}; {message}"
+        elif level == self.level and level != OK:
+            self.message = f"{self.message}; {message}"
+
+    def add(self, key: str, value) -> None:
+        if isinstance(value, float):
+            text = f"{value:.4g}" if math.isfinite(value) else str(value)
+        elif isinstance(value, (list, tuple)):
+            text = ", ".join(str(v) for v in value)
+        else:
+            text = str(value)
+        self.values.append((key, text))
+
+
+class ThroughputWindow:
+    """The last ``size`` finished goals, combined into one GenerationStats on demand."""
+
+    def __init__(self, size: int) -> None:
+        self._lock = threading.Lock()
+        self._goals: deque[GenerationStats] = deque(maxlen=size)
+        self.total_goals = 0
+
+    def resize(self, size: int) -> None:
+        with self._lock:
+            self._goals = deque(self._goals, maxlen=size)
+
+    def add(self, stats: GenerationStats) -> None:
+        with self._lock:
+            self._goals.append(stats)
+            self.total_goals += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._goals.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._goals)
+
+    def combined(self) -> GenerationStats:
+        """One GenerationStats over the window: its properties are the window's figures."""
+        with self._lock:
+            goals = list(self._goals)
+        out = GenerationStats()
+        for g in goals:
+            out.prompt_tokens += g.prompt_tokens
+            out.completion_tokens += g.completion_tokens
+            out.prefill_seconds += g.prefill_seconds
+            out.setup_seconds += g.setup_seconds
+            out.decode_seconds += g.decode_seconds
+            out.predictions += g.predictions
+            out.iterations.extend(g.iterations)
+        out.cache = CacheStats()
+        for g in goals:
+            if g.cache is not None:
+                for name in CacheStats._COUNTERS:
+                    setattr(out.cache, name, getattr(out.cache, name) + getattr(g.cache, name))
+        return out
+
+
+class DiagnosticsPublisher:
+    """Publishes the node's tasks on /diagnostics, diagnostic_updater style."""
+
+    def __init__(self, node, tasks: Sequence[tuple[str, Callable[[Status], None]]], hardware_id: str = "") -> None:
+        self.node = node
+        self.tasks = list(tasks)
+        self.hardware_id = hardware_id or socket.gethostname() or "none"
+        self.publisher = node.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 1)
+
+    def collect(self) -> list[DiagnosticStatus]:
+        out = []
+        prefix = self.node.get_name()
+        for name, fill in self.tasks:
+            status = Status()
+            try:
+                fill(status)
+            except Exception as exc:  # a broken task must not stop the others (nor print a traceback)
+                status = Status(ERROR, f"diagnostic task failed: {type(exc).__name__}: {exc}")
+            out.append(DiagnosticStatus(
+                level=bytes([status.level]) if isinstance(status.level, int) else status.level,
+                name=f"{prefix}: {name}",
+                message=status.message,
+                hardware_id=self.hardware_id,
+                values=[KeyValue(key=k, value=v) for k, v in status.values],
+            ))
+        return out
+
+    def publish(self) -> DiagnosticArray:
+        msg = DiagnosticArray(status=self.collect())
+        msg.header.stamp = self.node.get_clock().now().to_msg()
+        self.publisher.publish(msg)
+        return msg
+
+    def destroy(self) -> None:
+        self.node.destroy_publisher(self.publisher)
+
+
+# -- the tasks' contents (pure functions of runtime state, tested without DDS) --------------------
+
+def fill_cache_status(status: Status, snap: CacheStats | None, window: GenerationStats | None,
+                      registry_names: Sequence[str]) -> None:
+    if snap is None:
+        status.summary(OK, "no draft cache (node not configured)")
+        return
+    status.add("resident", snap.resident or "none")
+    status.add("loading", snap.loading or "none")
+    status.add("failed", sorted(snap.failed) or "none")
+    status.add("in storage", [n for n in registry_names if n not in snap.resident and n not in snap.loading
+                               and n not in snap.failed] or "none")
+    status.add("active", snap.active or "none")
+    status.add("working set", snap.working_set or "none")
+    status.add("capacity (K)", snap.capacity)
+    status.add("bytes resident", snap.bytes_resident)
+    status.add("bytes reserved", snap.bytes_reserved)
+    status.add("budget bytes", snap.budget_bytes if snap.budget_bytes else "0 (no byte budget)")
+    for key in ("hits", "misses", "loads", "load_failures", "evictions", "wasted_prefetches"):
+        status.add(key.replace("_", " "), getattr(snap, key))
+    status.add("hit rate", snap.hit_rate)
+    status.add("load seconds", snap.load_seconds)
+    status.summary(OK, f"{len(snap.resident)}/{snap.capacity} drafts resident")
+    wasted = window.cache.wasted_prefetches if window is not None and window.cache is not None else 0
+    status.add("wasted prefetches (window)", wasted)
+    if wasted:
+        status.merge(WARN, f"{wasted} prefetched draft(s) evicted unused in the recent goals")
+    for name, why in sorted(snap.failed.items()):
+        status.merge(ERROR, f"draft {name!r} failed to load: {why}")
+
+
+def fill_throughput_status(status: Status, window: GenerationStats | None, goals: int, total_goals: int,
+                           fallback_warn: float) -> None:
+    status.add("goals in window", goals)
+    status.add("goals since activation", total_goals)
+    if window is None or goals == 0:
+        status.summary(OK, "no finished goal yet")
+        return
+    status.add("tokens per second", window.tokens_per_second)
+    status.add("mean accepted tokens", window.mean_accepted)
+    status.add("acceptance rate", window.acceptance_rate)
+    status.add("fallback fraction", window.fallback_fraction)
+    status.add("prediction overhead", window.prediction_overhead)
+    status.add("load wait fraction", window.load_wait_fraction)
+    status.add("completion tokens", window.completion_tokens)
+    status.add("decode seconds", window.decode_seconds)
+    status.add("draft switches", window.draft_switches)
+    status.summary(OK, f"{window.tokens_per_second:.1f} tok/s, E[A] {window.mean_accepted:.2f}")
+    if window.fallback_fraction > fallback_warn:
+        status.merge(WARN, f"fallback fraction {window.fallback_fraction:.2f} > {fallback_warn:.2f}:"
+                           " the preferred draft is often not resident (raise K or the budget)")
+
+
+# -- typed messages ------------------------------------------------------------------------------
+
+def cache_state_msg(snap: CacheStats, entries: Sequence, scores: dict[str, float], stamp) -> CacheState:
+    """CacheState from a cache snapshot, the registry entries (in order) and the latest scores."""
+    msg = CacheState(capacity=int(snap.capacity), budget_bytes=int(snap.budget_bytes),
+                     bytes_resident=int(snap.bytes_reserved), active_draft=snap.active,
+                     hits=int(snap.hits), misses=int(snap.misses), loads=int(snap.loads),
+                     evictions=int(snap.evictions), wasted_prefetches=int(snap.wasted_prefetches),
+                     load_seconds=float(snap.load_seconds))
+    msg.header.stamp = stamp
+    for e in entries:
+        if e.name in snap.failed:
+            state = DraftState.FAILED
+        elif e.name in snap.resident:
+            state = DraftState.RESIDENT
+        elif e.name in snap.loading:
+            state = DraftState.LOADING
+        else:
+            state = DraftState.IN_STORAGE
+        msg.drafts.append(DraftState(
+            name=e.name, domain=e.domain, state=state, is_active=(e.name == snap.active and bool(snap.active)),
+            in_working_set=e.name in snap.working_set, score=float(scores.get(e.name, math.nan)),
+            size_bytes=int(e.size_bytes), error=snap.failed.get(e.name, ""),
+        ))
+    return msg
+
+
+def cache_state_key(snap: CacheStats) -> tuple:
+    """What 'the cache changed' means for ~/cache_state (not the counters, which change every lookup)."""
+    return (tuple(snap.resident), tuple(snap.loading), tuple(sorted(snap.failed)), tuple(snap.working_set),
+            snap.active, snap.capacity, snap.budget_bytes)
+
+
+def generation_stats_msg(stats: GenerationStats, goal_id, finish_reason: str, error_message: str, stamp) -> GenerationStatsMsg:
+    msg = GenerationStatsMsg(
+        goal_id=goal_id, finish_reason=finish_reason, error_message=error_message,
+        prompt_tokens=int(stats.prompt_tokens), completion_tokens=int(stats.completion_tokens),
+        tokens_per_second=float(stats.tokens_per_second), time_to_first_token=float(stats.time_to_first_token),
+        mean_accepted_tokens=float(stats.mean_accepted), drafts_used=list(stats.drafts_used),
+        draft_switches=int(stats.draft_switches), policy=stats.policy, iterations=len(stats.iterations),
+        prefill_seconds=float(stats.prefill_seconds), decode_seconds=float(stats.decode_seconds),
+    )
+    msg.header.stamp = stamp
+    return msg

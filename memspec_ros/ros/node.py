@@ -1,0 +1,683 @@
+"""`memspec_node`: the MemSpec generation server as a ROS 2 lifecycle node.
+
+    unconfigured --configure--> inactive --activate--> active
+    configure   validate parameters; load tokenizer, target, predictor and the draft registry
+                (drafts stay on storage: the cache loads them); FAILURE + logged reason on error
+    activate    goals are accepted; ~/cache_state and ~/generation_stats publish
+    deactivate  the running goal ends ABORTED with its partial text, queued goals too; new goals
+                are rejected
+    cleanup / shutdown / error   every model is freed (parameter bytes back to 0)
+
+The action server ``~/generate`` exists from configure to cleanup. Its goal callback only checks
+(state, prompt, context length, queue room) and answers at once; accepted goals wait in a bounded
+FIFO and one worker thread runs them one at a time through RuntimeController.generate, so the
+executor's threads stay free for lifecycle, parameter and diagnostics services. Cancellation is
+accepted and honoured at the next draft-and-verify iteration with the partial text.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import rclpy
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+
+from memspec_interfaces.action import Generate
+from memspec_interfaces.msg import CacheState
+from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
+
+from ..runtime.stats import GenerationStats
+from . import params as P
+from .diagnostics import (
+    ERROR,
+    LATCHED,
+    OK,
+    TASK_CACHE,
+    TASK_PREDICTOR,
+    TASK_TARGET,
+    TASK_THROUGHPUT,
+    DiagnosticsPublisher,
+    Status,
+    ThroughputWindow,
+    cache_state_key,
+    cache_state_msg,
+    fill_cache_status,
+    fill_throughput_status,
+    generation_stats_msg,
+)
+
+NODE_NAME = "memspec"
+ACTION_NAME = "~/generate"
+CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this often (off the decode thread)
+DEACTIVATE_WAIT_SECONDS = 30.0
+
+
+class RecordingRanker:
+    """Passes the predictor through and keeps its latest scores for ~/cache_state."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.latest: dict[str, float] = {}
+
+    def begin(self, prompt_ids, prompt_text: str = "") -> None:
+        self.inner.begin(prompt_ids, prompt_text)
+
+    def rank(self, context):
+        ranking = self.inner.rank(context)
+        self.latest = {name: float(score) for name, score in ranking}
+        return ranking
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@dataclass
+class Job:
+    """One accepted goal, from the FIFO to its result."""
+
+    goal_handle: Any
+    prompt_ids: list[int]
+    accepted_at: float = field(default_factory=time.perf_counter)
+    abort_reason: str | None = None  # set by deactivate/shutdown: end with the partial text
+    result: Generate.Result | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Loaded:
+    """What configure loaded; dropped as a whole by cleanup."""
+
+    paths: P.ModelPaths
+    tokenizer: Any
+    target: Any  # LoadedModel
+    registry: Any  # DraftRegistry
+    predictor: RecordingRanker | None
+    controller: Any  # RuntimeController
+    max_prompt_tokens: int
+    max_positions: int
+
+
+class MemSpecNode(LifecycleNode):
+    def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
+        super().__init__(node_name, **kwargs)
+        P.declare_all(self)
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._group = ReentrantCallbackGroup()
+        self._loaded: Loaded | None = None
+        self._active = False
+        self._configure_error = ""
+        self._last_goal_error = ""
+        self._action_server: ActionServer | None = None
+        self._cache_pub = None
+        self._stats_pub = None
+        self._last_cache_key: tuple | None = None
+        self._last_cache_publish = 0.0
+        # the goal FIFO and its worker
+        self._cv = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._running: Job | None = None
+        self._outstanding = 0  # accepted goals not finished (queued + running)
+        self._pending_ids: dict[int, list[int]] = {}  # prompt ids from the goal callback, by request object
+        self._stopping = False
+        self._worker = threading.Thread(target=self._work, name="memspec-generation", daemon=True)
+        self._worker.start()
+        # diagnostics (published in every lifecycle state, like diagnostic_updater)
+        v = P.values(self)
+        self._window = ThroughputWindow(v["diagnostics.window_goals"])
+        self._diagnostics = DiagnosticsPublisher(self, [
+            (TASK_TARGET, self._fill_target),
+            (TASK_CACHE, self._fill_cache),
+            (TASK_THROUGHPUT, self._fill_throughput),
+            (TASK_PREDICTOR, self._fill_predictor),
+        ], v["diagnostics.hardware_id"])
+        self._diag_timer = self.create_timer(v["diagnostic_updater.period"], self._publish_diagnostics,
+                                             callback_group=self._group)
+        self._cache_timer = self.create_timer(CACHE_POLL_SECONDS, self._poll_cache, callback_group=self._group)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        t0 = time.perf_counter()
+        try:
+            self._loaded = self._load()
+        except Exception as exc:  # every load error becomes a failed transition with its reason
+            self._release()
+            self._configure_error = f"{type(exc).__name__}: {exc}"
+            self.get_logger().error(f"configure failed, staying unconfigured: {self._configure_error}")
+            return TransitionCallbackReturn.FAILURE
+        self._configure_error = ""
+        self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)
+        self._stats_pub = self.create_lifecycle_publisher(GenerationStatsMsg, "~/generation_stats", 10)
+        self._action_server = ActionServer(
+            self, Generate, ACTION_NAME,
+            execute_callback=self._execute,
+            goal_callback=self._on_goal,
+            handle_accepted_callback=self._on_accepted,
+            cancel_callback=self._on_cancel,
+            callback_group=self._group,
+        )
+        lo = self._loaded
+        self.get_logger().info(
+            f"configured in {time.perf_counter() - t0:.1f} s: target {lo.paths.target}"
+            f" ({lo.target.size_bytes / 1e6:.1f} MB), drafts {', '.join(lo.registry.names()) or 'none'},"
+            f" predictor {lo.paths.predictor or 'none'}, policy {lo.controller.config.policy}"
+        )
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._window.clear()
+        self._window.total_goals = 0
+        self._last_cache_key = None
+        self._active = True
+        result = super().on_activate(state)  # enables the lifecycle publishers
+        self.get_logger().info("active: accepting goals on ~/generate")
+        return result
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._active = False
+        self._end_goals("the node was deactivated during the goal")
+        self.get_logger().info("inactive: new goals are rejected")
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        self.get_logger().info("cleaned up: every model freed")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._active = False
+        self._end_goals("the node is shutting down")
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._active = False
+        self._end_goals("the node hit an error")
+        self._release()
+        self.get_logger().error("error processed: models freed, back to unconfigured")
+        return TransitionCallbackReturn.SUCCESS
+
+    @property
+    def lifecycle_state(self) -> str:
+        return self._state_machine.current_state[1]
+
+    # -- loading and freeing ----------------------------------------------------------------
+    def _load(self) -> Loaded:
+        import torch
+
+        from ..runtime.controller import RuntimeConfig, RuntimeController
+        from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
+        from ..runtime.predictor import PredictionEngine
+
+        v = P.values(self)
+        for name in P.BY_NAME:
+            reason = P.check_value(name, v[name])
+            if reason:
+                raise ValueError(reason)
+        paths = P.resolve_paths(v)
+        if v["model.threads"]:
+            torch.set_num_threads(v["model.threads"])
+        tokenizer = load_tokenizer(paths.tokenizer)
+        target = load_model(ModelSpec(paths.target, v["model.dtype"], v["model.device"], v["model.quantization"]))
+        registry = self._build_registry(v, paths, tokenizer_fingerprint(tokenizer))
+        predictor = None
+        if paths.predictor:
+            predictor = RecordingRanker(PredictionEngine.load(paths.predictor, target=target.model, tokenizer=tokenizer))
+        config = RuntimeConfig(**{field_: v[name] for name, field_ in P.RUNTIME_FIELDS.items()})
+        controller = RuntimeController(config, target.model, tokenizer, registry, predictor,
+                                       max_positions=target.max_positions, draft_dtype=v["model.dtype"],
+                                       device=v["model.device"])
+        limit = v["generation.max_prompt_tokens"]
+        if target.max_positions:
+            limit = min(limit, target.max_positions - 1)
+        return Loaded(paths, tokenizer, target, registry, predictor, controller, limit, target.max_positions)
+
+    @staticmethod
+    def _build_registry(v: dict, paths: P.ModelPaths, fingerprint: str):
+        from ..runtime.registry import DraftRegistry
+
+        names = P.non_empty(v["drafts.names"])
+        if names:
+            return DraftRegistry.from_lists(names, P.non_empty(v["drafts.paths"]), P.non_empty(v["drafts.domains"]),
+                                            target_fingerprint=fingerprint)
+        return DraftRegistry.from_yaml(v["drafts.registry_file"] or paths.registry_file, target_fingerprint=fingerprint)
+
+    def _release(self) -> None:
+        """Free every model: the controller (its cache and loader thread), drafts, target, predictor."""
+        if self._action_server is not None:
+            self._action_server.destroy()
+            self._action_server = None
+        for pub in (self._cache_pub, self._stats_pub):
+            if pub is not None:
+                self.destroy_lifecycle_publisher(pub)
+        self._cache_pub = self._stats_pub = None
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None:
+            try:
+                loaded.controller.cache.reset()  # evicts resident drafts, waits for loads in flight
+                loaded.controller.close()
+            except Exception as exc:
+                self.get_logger().warning(f"closing the runtime: {exc}")
+            encoder = getattr(getattr(loaded.predictor, "inner", None), "encoder", None)
+            if hasattr(encoder, "close"):
+                encoder.close()  # the target-hidden encoder's forward hook holds the target
+            del loaded
+        gc.collect()
+
+    def loaded_parameter_bytes(self) -> int:
+        """Bytes of weights the node holds now (target, resident drafts, predictor head); 0 after cleanup."""
+        from ..runtime.models import parameter_bytes
+
+        lo = self._loaded
+        if lo is None:
+            return 0
+        total = parameter_bytes(lo.target.model)
+        for name in lo.controller.cache.resident():
+            model = lo.controller.cache.get(name)
+            if model is not None:
+                total += parameter_bytes(model.model)
+        head = getattr(getattr(lo.predictor, "inner", None), "head", None)
+        if head is not None:
+            total += parameter_bytes(head)
+        return total
+
+    def model_refs(self) -> list[weakref.ref]:
+        """Weak references to every loaded module (tests check they die after cleanup)."""
+        lo = self._loaded
+        if lo is None:
+            return []
+        refs = [weakref.ref(lo.target.model)]
+        refs += [weakref.ref(m.model) for n in lo.controller.cache.resident() if (m := lo.controller.cache.get(n))]
+        return refs
+
+    # -- parameters ---------------------------------------------------------------------------
+    def _on_set_parameters(self, changed) -> SetParametersResult:
+        """Validate everything first; apply only if all is valid (nothing changes otherwise)."""
+        new = {p.name: P._plain(p.value) for p in changed}
+        for name, value in new.items():
+            reason = P.check_value(name, value)
+            if reason:
+                return self._reject_params(reason)
+        lo = self._loaded
+        at_configure = [n for n in new if n in P.BY_NAME and P.BY_NAME[n].when == P.AT_CONFIGURE]
+        if at_configure and lo is not None:
+            return self._reject_params(
+                f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded, state"
+                f" {self.lifecycle_state}): deactivate and cleanup, set it, then configure again"
+            )
+        registry = None
+        if lo is not None and any(n in P.REGISTRY_PARAMS for n in new):
+            v = {**P.values(self), **new}
+            try:
+                from ..runtime.models import tokenizer_fingerprint
+
+                registry = self._build_registry(v, lo.paths, tokenizer_fingerprint(lo.tokenizer))
+            except Exception as exc:
+                return self._reject_params(f"draft registry not changed: {exc}")
+        runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS}
+        if lo is not None and runtime:
+            try:
+                lo.controller.reconfigure(**runtime)  # at the next scheduling point if a goal runs
+            except Exception as exc:  # ValueError / PolicyError naming the field; nothing changed
+                return self._reject_params(str(exc))
+        if registry is not None:
+            self._apply_registry(lo.registry, registry)
+        if "diagnostic_updater.period" in new:
+            self.destroy_timer(self._diag_timer)
+            self._diag_timer = self.create_timer(new["diagnostic_updater.period"], self._publish_diagnostics,
+                                                 callback_group=self._group)
+        if "diagnostics.window_goals" in new:
+            self._window.resize(new["diagnostics.window_goals"])
+        if runtime or registry is not None:
+            self.get_logger().info(f"parameters set: {', '.join(f'{k}={v!r}' for k, v in new.items())}"
+                                   + (" (applied at the next scheduling point)" if self._running else ""))
+        return SetParametersResult(successful=True)
+
+    def _reject_params(self, reason: str) -> SetParametersResult:
+        self.get_logger().warning(f"parameter change rejected: {reason}")
+        return SetParametersResult(successful=False, reason=reason)
+
+    @staticmethod
+    def _apply_registry(live, wanted) -> None:
+        """Make the live registry equal to ``wanted``; the controller sees it at its next scheduling point."""
+        want = {e.name: e for e in wanted.entries()}
+        for entry in live.entries():
+            if entry.name not in want or want[entry.name] != entry:
+                live.remove(entry.name)
+        for name, entry in want.items():
+            if name not in live:
+                live.add(entry)
+
+    # -- the action server ------------------------------------------------------------------
+    def _goal_rejection(self, goal: Generate.Goal) -> tuple[str, list[int]]:
+        """('' , prompt ids) to accept, else (reason, [])."""
+        lo = self._loaded
+        if not self._active or lo is None:
+            return f"the node is not active (state {self.lifecycle_state}): activate it first", []
+        if not goal.prompt:
+            return "the prompt is empty", []
+        if not math.isfinite(goal.temperature) or not (math.isfinite(goal.top_p) and goal.top_p <= 1.0):
+            return f"temperature {goal.temperature} / top_p {goal.top_p} out of range (top_p must be <= 1)", []
+        ids = lo.tokenizer(goal.prompt, add_special_tokens=True)["input_ids"]
+        if len(ids) > lo.max_prompt_tokens:
+            return (f"the prompt has {len(ids)} tokens, more than the limit of {lo.max_prompt_tokens}"
+                    " (generation.max_prompt_tokens / the target's context)"), []
+        new_tokens = goal.max_new_tokens or self.get_parameter("generation.max_new_tokens").value
+        if lo.max_positions and len(ids) + new_tokens > lo.max_positions:
+            return (f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens}) exceeds the target's context of"
+                    f" {lo.max_positions} tokens: shorten the prompt or ask for fewer tokens"), []
+        limit = 1 + self.get_parameter("action.max_queued_goals").value
+        with self._cv:
+            if self._outstanding >= limit:
+                return (f"the goal queue is full ({self._outstanding - (1 if self._running else 0)} waiting,"
+                        f" action.max_queued_goals {limit - 1}): retry later"), []
+            self._outstanding += 1  # reserved now, so that concurrent goal callbacks see it
+        return "", ids
+
+    def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
+        reason, ids = self._goal_rejection(goal)
+        if reason:
+            self.get_logger().warning(f"goal rejected: {reason}")
+            return GoalResponse.REJECT
+        with self._cv:
+            self._pending_ids[id(goal)] = ids  # rclpy hands this same request object to _on_accepted
+        return GoalResponse.ACCEPT
+
+    def _on_accepted(self, goal_handle) -> None:
+        with self._cv:
+            ids = self._pending_ids.pop(id(goal_handle.request), [])
+            self._queue.append(Job(goal_handle, ids))
+            self._cv.notify_all()
+
+    def _on_cancel(self, cancel_request) -> CancelResponse:
+        return CancelResponse.ACCEPT  # honoured at the next iteration boundary (rclpy's default rejects)
+
+    def _execute(self, goal_handle) -> Generate.Result:
+        """Runs on an executor thread only to hand the worker's result to rclpy; never generates."""
+        job = goal_handle._memspec_job
+        job.done.wait()
+        return job.result
+
+    # -- the worker -----------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._running = job
+            try:
+                self._run(job)
+            except Exception as exc:  # never let the worker die
+                self.get_logger().error(f"goal failed unexpectedly: {type(exc).__name__}: {exc}")
+                if job.result is None:
+                    job.result = Generate.Result(finish_reason=Generate.Result.FINISH_ERROR, error_message=str(exc))
+                    try:
+                        job.goal_handle.abort()
+                    except Exception:
+                        pass
+                job.done.set()
+            finally:
+                with self._cv:
+                    self._running = None
+                    self._outstanding -= 1
+                    self._cv.notify_all()
+
+    def _run(self, job: Job) -> None:
+        gh = job.goal_handle
+        gh._memspec_job = job
+        gh.execute(self._execute)  # EXECUTING (unless cancel came first); _execute waits for job.done
+        lo = self._loaded
+        goal = gh.request
+        result = Generate.Result(prompt_tokens=len(job.prompt_ids))
+        stats: GenerationStats | None = None
+        error = ""
+        if job.abort_reason or lo is None:
+            error = job.abort_reason or "the node was cleaned up before the goal started"
+            result.finish_reason = Generate.Result.FINISH_ERROR
+        elif gh.is_cancel_requested:
+            result.finish_reason = Generate.Result.FINISH_CANCELLED
+        else:
+            stream = _FeedbackStream(gh, lo.controller.cache,
+                                     self.get_parameter("action.feedback_period").value)
+            try:
+                out = lo.controller.generate(
+                    job.prompt_ids,
+                    goal.max_new_tokens or self.get_parameter("generation.max_new_tokens").value,
+                    self._sampling(goal), list(goal.stop), stream.on_chunk,
+                    lambda: job.abort_reason is not None or gh.is_cancel_requested,
+                )
+                stream.flush()
+                stats = out.stats
+                result.text, result.finish_reason = out.text, out.finish_reason
+                _fill_result(result, stats)
+                if job.abort_reason is not None:
+                    error = job.abort_reason
+                    result.finish_reason = Generate.Result.FINISH_ERROR
+            except Exception as exc:  # a failed goal is ABORTED with the reason, never a traceback
+                error = f"{type(exc).__name__}: {exc}"
+                result.finish_reason = Generate.Result.FINISH_ERROR
+                result.text = stream.text
+                self._last_goal_error = error
+                self.get_logger().error(f"goal aborted: {error}")
+        result.error_message = error
+        if result.finish_reason == Generate.Result.FINISH_ERROR:
+            gh.abort()
+        elif result.finish_reason == Generate.Result.FINISH_CANCELLED:
+            gh.canceled()
+        else:
+            gh.succeed()
+            self._last_goal_error = ""
+        if stats is not None:
+            self._window.add(stats)
+        if self._stats_pub is not None:
+            self._stats_pub.publish(generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
+                                                         gh.goal_id, result.finish_reason, error,
+                                                         self.get_clock().now().to_msg()))
+        job.result = result
+        job.done.set()
+
+    def _sampling(self, goal: Generate.Goal):
+        from ..runtime.speculative import SamplingConfig
+
+        temperature = goal.temperature if goal.temperature >= 0.0 else self.get_parameter("generation.temperature").value
+        top_p = goal.top_p if goal.top_p > 0.0 else self.get_parameter("generation.top_p").value
+        seed = goal.seed if goal.seed >= 0 else self.get_parameter("generation.seed").value
+        return SamplingConfig(float(temperature), float(top_p), int(seed) if seed >= 0 else None)
+
+    def _end_goals(self, reason: str) -> None:
+        """End the running goal (at its next iteration) and every queued one, ABORTED with ``reason``."""
+        with self._cv:
+            for job in ([self._running] if self._running else []) + list(self._queue):
+                job.abort_reason = reason
+            deadline = time.monotonic() + DEACTIVATE_WAIT_SECONDS
+            while self._outstanding > 0 and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.1)
+                for job in list(self._queue):  # goals accepted while we waited
+                    job.abort_reason = reason
+
+    def stop_worker(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._worker.join(timeout=5.0)
+
+    def destroy_node(self) -> None:
+        self._active = False
+        self._end_goals("the node is being destroyed")
+        self.stop_worker()
+        self._release()
+        super().destroy_node()
+
+    # -- periodic publications ----------------------------------------------------------------
+    def _publish_diagnostics(self) -> None:
+        self._diagnostics.publish()
+
+    def _poll_cache(self) -> None:
+        lo = self._loaded
+        if lo is None or not self._active or self._cache_pub is None:
+            return
+        snap = lo.controller.cache.snapshot()
+        key = cache_state_key(snap)
+        now = time.monotonic()
+        period = self.get_parameter("diagnostics.cache_state_period").value
+        if key == self._last_cache_key and now - self._last_cache_publish < period:
+            return
+        self._last_cache_key, self._last_cache_publish = key, now
+        scores = lo.predictor.latest if lo.predictor is not None else {}
+        self._cache_pub.publish(cache_state_msg(snap, lo.registry.entries(), scores, self.get_clock().now().to_msg()))
+
+    # -- diagnostic tasks ---------------------------------------------------------------------
+    def _fill_target(self, s: Status) -> None:
+        s.add("lifecycle state", self.lifecycle_state)
+        with self._cv:
+            running, queued = self._running is not None, len(self._queue)
+        s.add("goal running", running)
+        s.add("goals queued", queued)
+        lo = self._loaded
+        if self._configure_error:
+            s.summary(ERROR, f"configure failed: {self._configure_error}")
+            return
+        if lo is None:
+            s.summary(OK, "unconfigured: no model loaded")
+            return
+        spec = lo.target.spec
+        s.add("path", spec.path)
+        s.add("dtype", spec.dtype)
+        s.add("device", spec.device)
+        s.add("quantization", spec.quantization)
+        s.add("parameter bytes", lo.target.size_bytes)
+        s.add("context tokens", lo.max_positions)
+        s.add("max prompt tokens", lo.max_prompt_tokens)
+        s.summary(OK, f"loaded ({self.lifecycle_state})")
+        if self._last_goal_error:
+            s.merge(ERROR, f"the last goal failed: {self._last_goal_error}")
+
+    def _fill_cache(self, s: Status) -> None:
+        lo = self._loaded
+        snap = lo.controller.cache.snapshot() if lo is not None else None
+        names = lo.registry.names() if lo is not None else []
+        window = self._window.combined() if len(self._window) else None
+        fill_cache_status(s, snap, window, names)
+        if lo is not None:
+            s.add("policy", lo.controller.config.policy)
+
+    def _fill_throughput(self, s: Status) -> None:
+        goals = len(self._window)
+        fill_throughput_status(s, self._window.combined() if goals else None, goals, self._window.total_goals,
+                               self.get_parameter("diagnostics.fallback_warn_fraction").value)
+
+    def _fill_predictor(self, s: Status) -> None:
+        lo = self._loaded
+        if lo is None:
+            s.summary(OK, "unconfigured")
+            return
+        policy = lo.controller.config.policy
+        s.add("policy", policy)
+        if lo.predictor is None:
+            s.summary(OK, f"no predictor (policy {policy} needs none)")
+            return
+        engine = lo.predictor.inner
+        head = getattr(engine, "head", None)
+        s.add("path", lo.paths.predictor)
+        if head is not None:
+            s.add("encoder", head.config.encoder)
+            s.add("input", head.config.input)
+            s.add("classes", head.config.drafts)
+            for key, value in sorted(head.config.metrics.items()):
+                s.add(f"trained {key}", value)
+        calls, seconds = getattr(engine, "calls", 0), getattr(engine, "seconds", 0.0)
+        s.add("calls", calls)
+        s.add("mean seconds per call", seconds / calls if calls else 0.0)
+        s.add("latest ranking", [f"{n}={v:.3f}" for n, v in sorted(lo.predictor.latest.items(), key=lambda kv: -kv[1])]
+              or "none yet")
+        s.summary(OK, f"{calls} rankings")
+
+
+def _fill_result(result: Generate.Result, stats: GenerationStats) -> None:
+    result.prompt_tokens = int(stats.prompt_tokens)
+    result.completion_tokens = int(stats.completion_tokens)
+    result.tokens_per_second = float(stats.tokens_per_second)
+    result.time_to_first_token = float(stats.time_to_first_token)
+    result.mean_accepted_tokens = float(stats.mean_accepted)
+    result.drafts_used = list(stats.drafts_used)
+    result.draft_switches = int(stats.draft_switches)
+
+
+class _FeedbackStream:
+    """Feedback per committed chunk, at most one message per ``period`` seconds (the rest is batched)."""
+
+    def __init__(self, goal_handle, cache, period: float) -> None:
+        self.goal_handle, self.cache, self.period = goal_handle, cache, period
+        self.text = ""
+        self.pending = ""
+        self.tokens = 0
+        self.first = 0.0
+        self.last = 0.0
+
+    def on_chunk(self, delta: str, token_ids: list[int]) -> None:
+        now = time.perf_counter()
+        if not self.tokens:
+            self.first = now  # the first token comes from prefill; throughput counts the ones after it
+        self.tokens += len(token_ids)
+        self.text += delta
+        self.pending += delta
+        if now - self.last >= self.period:
+            self._send(now)
+
+    def flush(self) -> None:
+        if self.pending:
+            self._send(time.perf_counter())
+
+    def _send(self, now: float) -> None:
+        elapsed = now - self.first
+        self.goal_handle.publish_feedback(Generate.Feedback(
+            delta_text=self.pending, tokens_so_far=self.tokens,
+            tokens_per_second=(self.tokens - 1) / elapsed if elapsed > 0 and self.tokens > 1 else 0.0,
+            active_draft=self.cache.active,
+        ))
+        self.pending = ""
+        self.last = now
+
+
+def _quiet_libraries() -> None:
+    """No progress bars or library warnings on the robot's terminal: the node logs what matters."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def main(args: list[str] | None = None) -> None:
+    _quiet_libraries()
+    rclpy.init(args=args)
+    node = MemSpecNode()
+    executor = MultiThreadedExecutor(num_threads=4)
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    main()

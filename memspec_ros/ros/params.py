@@ -1,0 +1,251 @@
+"""The node's ROS parameters: one table, declared with descriptors, validated in one place.
+
+Groups follow llama_ros' dotted style. Three kinds of parameter, by when a change may land:
+
+* ``model.*``, ``drafts.dtype``, ``predictor.path``: they choose what configure loads, so they change
+  only while the node is unconfigured (cleanup, set, configure again); a change while models are
+  loaded is rejected with that reason.
+* ``memspec.*`` (policy, K, N, T, gamma, budget ...) and ``drafts.*`` (the registry): applied by the
+  runtime controller at the next scheduling point, also in the middle of a running goal.
+* ``generation.*``, ``action.*``, ``diagnostics.*``, ``diagnostic_updater.period``: read per goal or
+  per publication, so they apply at once.
+
+Paths left empty use the bundled zoo (see :func:`default_zoo_dir`): ``drafts.registry_file`` ->
+``<zoo>/registry.yaml``, ``model.target_path`` -> the registry's ``target``, ``predictor.path`` ->
+``<registry dir>/predictor`` when it exists ("none" disables the predictor).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
+
+from ..runtime.models import DTYPES, QUANTIZATIONS
+from ..runtime.policies import POLICIES
+
+PACKAGE = "memspec_ros"
+ZOO_ENV = "MEMSPEC_ZOO_DIR"
+
+# Where a change lands (see the module docstring).
+AT_CONFIGURE = "configure"
+AT_SCHEDULING_POINT = "scheduling point"
+AT_ONCE = "at once"
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    default: Any
+    description: str
+    when: str = AT_ONCE
+    int_range: tuple[int, int] | None = None
+    float_range: tuple[float, float] | None = None
+    choices: tuple[str, ...] = ()
+    read_only: bool = False
+    runtime_field: str = ""  # RuntimeConfig field it maps onto (memspec.* only)
+
+    def descriptor(self) -> ParameterDescriptor:
+        d = ParameterDescriptor(name=self.name, description=self.description, read_only=self.read_only)
+        d.type = _ros_type(self.default)
+        constraints = []
+        if self.choices:
+            constraints.append(f"one of: {', '.join(self.choices)}")
+        constraints.append(f"applies: {self.when}")
+        d.additional_constraints = "; ".join(constraints)
+        if self.int_range is not None:
+            d.integer_range = [IntegerRange(from_value=self.int_range[0], to_value=self.int_range[1], step=0)]
+        if self.float_range is not None:
+            d.floating_point_range = [FloatingPointRange(from_value=float(self.float_range[0]),
+                                                         to_value=float(self.float_range[1]), step=0.0)]
+        return d
+
+
+def _ros_type(default: Any) -> int:
+    if isinstance(default, bool):
+        return ParameterType.PARAMETER_BOOL
+    if isinstance(default, int):
+        return ParameterType.PARAMETER_INTEGER
+    if isinstance(default, float):
+        return ParameterType.PARAMETER_DOUBLE
+    if isinstance(default, str):
+        return ParameterType.PARAMETER_STRING
+    if isinstance(default, list):
+        return ParameterType.PARAMETER_STRING_ARRAY
+    raise TypeError(f"no ROS parameter type for {default!r}")
+
+
+I64 = 2**63 - 1
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+assert all(d in DTYPES for d in DTYPE_NAMES)
+
+PARAMS: tuple[Param, ...] = (
+    # -- what configure loads -------------------------------------------------------------------
+    Param("model.target_path", "", "Target model directory (Hugging Face format, safetensors). Empty: the registry file's target.", AT_CONFIGURE),
+    Param("model.tokenizer_path", "", "Tokenizer directory. Empty: the target's directory.", AT_CONFIGURE),
+    Param("model.dtype", "fp32", "Weights dtype of target and drafts (fp32 is fastest on CPU).", AT_CONFIGURE, choices=DTYPE_NAMES),
+    Param("model.quantization", "none", "Target quantization: none, or gptq (GPT-QModel INT4 checkpoint).", AT_CONFIGURE, choices=QUANTIZATIONS),
+    Param("model.device", "cpu", "Device for target and drafts: cpu or cuda[:N].", AT_CONFIGURE),
+    Param("model.threads", 0, "torch CPU threads (0: leave torch's default).", AT_CONFIGURE, int_range=(0, 256)),
+    Param("predictor.path", "", "Trained predictor directory (memspec-train-predictor). Empty: <registry dir>/predictor (or its target-hidden / minilm subfolder) if present; 'none': no predictor.", AT_CONFIGURE),
+    # -- the draft registry (scheduling point) --------------------------------------------------
+    Param("drafts.registry_file", "", "Draft registry YAML (name, path, domain per draft). Empty: the bundled zoo's models/registry.yaml. Ignored when drafts.names is set.", AT_SCHEDULING_POINT),
+    Param("drafts.names", [""], "Draft names (parallel to drafts.paths and drafts.domains); [''] or []: use drafts.registry_file.", AT_SCHEDULING_POINT),
+    Param("drafts.paths", [""], "Draft model directories, one per name.", AT_SCHEDULING_POINT),
+    Param("drafts.domains", [""], "Draft domains, one per name ([''] or []: the names).", AT_SCHEDULING_POINT),
+    # -- MemSpec runtime (scheduling point) -----------------------------------------------------
+    Param("memspec.policy", "memspec", "Draft-selection policy.", AT_SCHEDULING_POINT, choices=tuple(p for p in POLICIES if not p.startswith("oracle")), runtime_field="policy"),
+    Param("memspec.capacity", 2, "K: drafts resident at once.", AT_SCHEDULING_POINT, int_range=(1, 64), runtime_field="capacity"),
+    Param("memspec.budget_bytes", 0, "Memory budget for resident drafts in bytes (0: only K limits).", AT_SCHEDULING_POINT, int_range=(0, I64), runtime_field="budget_bytes"),
+    Param("memspec.interval", 4, "N: draft-and-verify iterations between scheduling points.", AT_SCHEDULING_POINT, int_range=(1, 1024), runtime_field="interval"),
+    Param("memspec.recent_tokens", 32, "T: recent generated tokens the predictor sees.", AT_SCHEDULING_POINT, int_range=(0, 4096), runtime_field="recent_tokens"),
+    Param("memspec.gamma", 4, "Draft tokens proposed per iteration.", AT_SCHEDULING_POINT, int_range=(1, 64), runtime_field="gamma"),
+    Param("memspec.overlap_prediction", False, "Run the predictor on a background thread (its ranking arrives one interval late).", AT_SCHEDULING_POINT, runtime_field="overlap_prediction"),
+    Param("memspec.general_draft", "general", "The draft general-static runs.", AT_SCHEDULING_POINT, runtime_field="general_draft"),
+    Param("memspec.ucb_c", 2.0, "UCB exploration coefficient of the bandit policies.", AT_SCHEDULING_POINT, float_range=(0.0, 100.0), runtime_field="ucb_c"),
+    Param("memspec.reset_cache_per_generation", False, "Empty the draft cache before every goal (the paper's protocol); a robot keeps it warm.", AT_SCHEDULING_POINT, runtime_field="reset_cache_per_generation"),
+    # -- per goal ---------------------------------------------------------------------------------
+    Param("generation.max_new_tokens", 128, "Default tokens per goal (a goal's max_new_tokens 0 means this).", int_range=(1, 1_000_000)),
+    Param("generation.max_prompt_tokens", 1024, "Longest prompt accepted, in target tokens (also capped by the target's context).", int_range=(1, 10_000_000)),
+    Param("generation.temperature", 0.0, "Default sampling temperature (0: greedy, the paper's setting).", float_range=(0.0, 100.0)),
+    Param("generation.top_p", 1.0, "Default nucleus sampling mass (1: no truncation).", float_range=(0.0, 1.0)),
+    Param("generation.seed", -1, "Default sampling seed (-1: a fresh random seed per goal).", int_range=(-1, I64)),
+    Param("action.max_queued_goals", 4, "Goals accepted but waiting while one runs; more are rejected at once.", int_range=(0, 1000)),
+    Param("action.feedback_period", 0.0, "Minimum seconds between feedback messages of a goal (0: one per committed chunk).", float_range=(0.0, 60.0)),
+    # -- diagnostics ------------------------------------------------------------------------------
+    Param("diagnostic_updater.period", 1.0, "Seconds between /diagnostics publications (diagnostic_updater's parameter).", float_range=(0.01, 3600.0)),
+    Param("diagnostics.hardware_id", "", "hardware_id of the diagnostic statuses (empty: the host name).", read_only=True),
+    Param("diagnostics.fallback_warn_fraction", 0.2, "WARN when the window's fallback fraction exceeds this.", float_range=(0.0, 1.0)),
+    Param("diagnostics.window_goals", 20, "Finished goals in the throughput window.", int_range=(1, 10_000)),
+    Param("diagnostics.cache_state_period", 1.0, "Seconds between periodic ~/cache_state messages (also published on change).", float_range=(0.05, 3600.0)),
+)
+
+BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
+RUNTIME_FIELDS: dict[str, str] = {p.name: p.runtime_field for p in PARAMS if p.runtime_field}
+REGISTRY_PARAMS = ("drafts.registry_file", "drafts.names", "drafts.paths", "drafts.domains")
+
+
+def declare_all(node) -> None:
+    for p in PARAMS:
+        node.declare_parameter(p.name, p.default, p.descriptor())
+
+
+def values(node) -> dict[str, Any]:
+    """Current values by name (string arrays as lists)."""
+    return {p.name: _plain(node.get_parameter(p.name).value) for p in PARAMS}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "array":
+        return list(value)
+    return value
+
+
+def check_value(name: str, value: Any) -> str:
+    """'' if ``value`` is valid for ``name``, else the reason (ranges, choices, types)."""
+    p = BY_NAME.get(name)
+    if p is None:
+        return ""  # undeclared parameters are rclpy's business
+    value = _plain(value)
+    if isinstance(p.default, bool) != isinstance(value, bool):
+        return f"{name} must be a bool, got {value!r}"
+    if isinstance(p.default, list):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return f"{name} must be a list of strings, got {value!r}"
+        return ""
+    if isinstance(p.default, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not type(p.default):
+        return f"{name} must be a {type(p.default).__name__}, got {value!r}"
+    if p.int_range and not p.int_range[0] <= value <= p.int_range[1]:
+        return f"{name} must be in [{p.int_range[0]}, {p.int_range[1]}], got {value}"
+    if p.float_range and not p.float_range[0] <= value <= p.float_range[1]:
+        return f"{name} must be in [{p.float_range[0]}, {p.float_range[1]}], got {value}"
+    if p.choices and value not in p.choices:
+        return f"{name} must be one of {', '.join(p.choices)}, got {value!r}"
+    if name == "model.device" and not (value == "cpu" or value == "cuda" or value.startswith("cuda:")):
+        return f"model.device must be 'cpu' or 'cuda[:N]', got {value!r}"
+    if name == "generation.top_p" and value <= 0.0:
+        return "generation.top_p must be in (0, 1], got 0"
+    return ""
+
+
+# -- where the bundled zoo is -------------------------------------------------------------------
+
+def default_zoo_dir() -> Path:
+    """The bundled zoo: $MEMSPEC_ZOO_DIR, else <share>/memspec_ros/models (a colcon install that
+    ships the zoo), else the source tree's models/ (the dev checkout and symlink installs)."""
+    env = os.environ.get(ZOO_ENV)
+    if env:
+        return Path(env)
+    try:
+        from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
+
+        try:
+            share = Path(get_package_share_directory(PACKAGE)) / "models"
+            if (share / "registry.yaml").is_file():
+                return share
+        except PackageNotFoundError:
+            pass
+    except ImportError:
+        pass
+    return Path(__file__).resolve().parents[2] / "models"
+
+
+def non_empty(items: list[str]) -> list[str]:
+    """String-array parameters cannot be declared empty in YAML-less defaults: [''] means none."""
+    return [s for s in items if s != ""]
+
+
+PREDICTOR_PREFERENCE = ("", "target-hidden", "minilm")  # target-hidden needs no encoder pass
+
+
+def find_predictor(root: Path) -> str:
+    """A trained head in ``root`` itself or in its encoder subfolders (the zoo ships both), else ''."""
+    for sub in PREDICTOR_PREFERENCE:
+        candidate = root / sub if sub else root
+        if (candidate / "predictor.json").is_file():
+            return str(candidate)
+    return ""
+
+
+@dataclass
+class ModelPaths:
+    registry_file: str  # "" when the registry comes from drafts.names/paths
+    target: str
+    tokenizer: str
+    predictor: str  # "" = no predictor
+
+
+def resolve_paths(v: dict[str, Any]) -> ModelPaths:
+    """Fill empty paths from the bundled zoo; raises ValueError saying which parameter to set."""
+    import yaml
+
+    registry_file = ""
+    target = v["model.target_path"]
+    if not non_empty(v["drafts.names"]):
+        registry_file = v["drafts.registry_file"] or str(default_zoo_dir() / "registry.yaml")
+        if not Path(registry_file).is_file():
+            raise ValueError(
+                f"draft registry {registry_file!r} does not exist: set drafts.registry_file (or drafts.names/paths),"
+                " or build the bundled zoo (memspec-zoo build)"
+            )
+    if not target:
+        if not registry_file:
+            raise ValueError("model.target_path is empty and there is no registry file to take the target from: set model.target_path")
+        data = yaml.safe_load(Path(registry_file).read_text()) or {}
+        entry = data.get("target")
+        rel = entry.get("path") if isinstance(entry, dict) else entry
+        if not rel:
+            raise ValueError(f"{registry_file} names no target: set model.target_path")
+        target = str((Path(registry_file).parent / str(rel)).resolve())
+    predictor = v["predictor.path"]
+    if predictor == "none":
+        predictor = ""
+    elif not predictor:
+        base = Path(registry_file).parent if registry_file else Path(target).parent
+        predictor = find_predictor(base / "predictor")
+    return ModelPaths(registry_file, target, v["model.tokenizer_path"] or target, predictor)

@@ -1,0 +1,136 @@
+"""Shared pieces of the memspec_node tests: a tiny zoo on disk and a harness that runs the node
+in-process in its own MultiThreadedExecutor thread, driven from a client node only through the
+node's ROS interfaces (lifecycle_msgs services, rcl_interfaces SetParameters, the Generate action,
+topics), over DDS on loopback.
+
+Importing this module never imports rclpy (tests call require_ros() first).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ros_helpers import wait_until
+
+TIMEOUT = 30.0
+_ZOO: Path | None = None
+_ZOO_LOCK = threading.Lock()
+
+
+def tiny_zoo() -> Path:
+    """Built once per test process (about 2 s): target 64x2, drafts general/code/math, a predictor."""
+    global _ZOO
+    with _ZOO_LOCK:
+        if _ZOO is None:
+            from memspec_ros.bench.tiny_zoo import build_tiny_zoo
+
+            _ZOO = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_test_zoo_")), hidden=64, layers=2,
+                                  draft_layers=2)
+        return _ZOO
+
+
+def node_overrides(zoo: Path, **extra) -> dict:
+    values = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": 1}
+    values.update(extra)
+    return values
+
+
+class Harness:
+    """The node under test plus a client node, both spinning in one background executor thread."""
+
+    def __init__(self, context, name: str = "memspec", overrides: dict | None = None) -> None:
+        import rclpy
+        from lifecycle_msgs.srv import ChangeState, GetState
+        from rcl_interfaces.srv import GetParameters, SetParameters
+        from rclpy.action import ActionClient
+        from rclpy.executors import MultiThreadedExecutor
+        from rclpy.parameter import Parameter
+
+        from memspec_interfaces.action import Generate
+        from memspec_ros.ros.node import MemSpecNode
+
+        self.name = name
+        params = [Parameter(k, value=v) for k, v in (overrides or {}).items()]
+        self.node = MemSpecNode(name, context=context, parameter_overrides=params)
+        self.client = rclpy.create_node(f"{name}_test_client", context=context)
+        self.executor = MultiThreadedExecutor(num_threads=4, context=context)
+        self.executor.add_node(self.node)
+        self.executor.add_node(self.client)
+        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self._thread.start()
+        self.action = ActionClient(self.client, Generate, f"/{name}/generate")
+        self.change_state_client = self.client.create_client(ChangeState, f"/{name}/change_state")
+        self.get_state_client = self.client.create_client(GetState, f"/{name}/get_state")
+        self.set_params_client = self.client.create_client(SetParameters, f"/{name}/set_parameters")
+        self.get_params_client = self.client.create_client(GetParameters, f"/{name}/get_parameters")
+
+    # -- plumbing ------------------------------------------------------------------------------
+    @staticmethod
+    def wait(future, timeout: float = TIMEOUT, what: str = "the future"):
+        wait_until(future.done, timeout, what)
+        return future.result()
+
+    def call(self, client, request, timeout: float = TIMEOUT):
+        wait_until(client.service_is_ready, timeout, f"service {client.srv_name}")
+        return self.wait(client.call_async(request), timeout, f"the answer of {client.srv_name}")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def transition(self, transition_id: int, timeout: float = 60.0) -> bool:
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState
+
+        request = ChangeState.Request(transition=Transition(id=transition_id))
+        return bool(self.call(self.change_state_client, request, timeout).success)
+
+    def state(self) -> str:
+        from lifecycle_msgs.srv import GetState
+
+        return self.call(self.get_state_client, GetState.Request()).current_state.label
+
+    def activate(self) -> None:
+        from lifecycle_msgs.msg import Transition
+
+        assert self.transition(Transition.TRANSITION_CONFIGURE), "configure failed"
+        assert self.transition(Transition.TRANSITION_ACTIVATE), "activate failed"
+
+    # -- parameters ----------------------------------------------------------------------------
+    def set_params(self, **values):
+        from rcl_interfaces.srv import SetParameters
+        from rclpy.parameter import Parameter
+
+        request = SetParameters.Request(parameters=[Parameter(k, value=v).to_parameter_msg() for k, v in values.items()])
+        return self.call(self.set_params_client, request).results
+
+    def get_param(self, name: str):
+        from rcl_interfaces.srv import GetParameters
+        from rclpy.parameter import parameter_value_to_python
+
+        values = self.call(self.get_params_client, GetParameters.Request(names=[name])).values
+        return parameter_value_to_python(values[0])
+
+    # -- the action ----------------------------------------------------------------------------
+    def send(self, goal, feedback: list | None = None):
+        """Send a goal; returns (goal handle, seconds until the accept/reject answer)."""
+        wait_until(self.action.server_is_ready, TIMEOUT, "the Generate action server")
+        t0 = time.perf_counter()
+        future = self.action.send_goal_async(
+            goal, feedback_callback=(lambda m: feedback.append(m.feedback)) if feedback is not None else None)
+        handle = self.wait(future, TIMEOUT, "the goal response")
+        return handle, time.perf_counter() - t0
+
+    def result(self, handle, timeout: float = 120.0):
+        return self.wait(handle.get_result_async(), timeout, "the goal result")
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=5.0)
+        self.node.destroy_node()
+        self.client.destroy_node()
+
+
+def goal(prompt: str = "def add(a, b):", max_new_tokens: int = 24, **kwargs):
+    from memspec_interfaces.action import Generate
+
+    return Generate.Goal(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)

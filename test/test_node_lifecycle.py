@@ -1,0 +1,105 @@
+# ruff: noqa: E402 - the ROS imports follow require_ros()
+"""memspec_node's lifecycle through the real lifecycle_msgs services (what `ros2 lifecycle set`
+and the launch file use): every transition, a failed configure, on_error, and memory returned."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from node_helpers import Harness, goal, node_overrides, tiny_zoo
+from ros_helpers import require_ros
+
+require_ros()
+
+from action_msgs.msg import GoalStatus
+from lifecycle_msgs.msg import Transition
+from rclpy.lifecycle import TransitionCallbackReturn
+
+from memspec_ros.ros.diagnostics import ERROR
+
+
+@pytest.fixture
+def harness(rclpy_context):
+    made = []
+
+    def build(**overrides):
+        h = Harness(rclpy_context, overrides=node_overrides(tiny_zoo(), **overrides))
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        h.close()
+
+
+def test_every_transition_through_the_services_and_cleanup_frees_the_models(harness):
+    h = harness()
+    assert h.state() == "unconfigured"
+    assert h.node.loaded_parameter_bytes() == 0
+
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == "inactive"
+    loaded = h.node.loaded_parameter_bytes()
+    assert loaded > 0
+
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.state() == "active"
+    handle, _ = h.send(goal(max_new_tokens=16))
+    assert handle.accepted
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_SUCCEEDED
+    assert h.node.loaded_parameter_bytes() > loaded  # drafts became resident
+    refs = h.node.model_refs()
+    assert len(refs) >= 2
+
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    assert h.state() == "inactive"
+    assert h.transition(Transition.TRANSITION_CLEANUP)
+    assert h.state() == "unconfigured"
+    assert h.node.loaded_parameter_bytes() == 0
+    del response, handle
+    gc.collect()
+    assert all(ref() is None for ref in refs), "a model survived cleanup"
+
+    # configure again after cleanup, then shut down from active
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.transition(Transition.TRANSITION_ACTIVE_SHUTDOWN)
+    assert h.state() == "finalized"
+    assert h.node.loaded_parameter_bytes() == 0
+
+
+def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
+    h = harness(**{"model.target_path": "/nonexistent/target"})
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == "unconfigured"
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    assert status.level == ERROR
+    assert "/nonexistent/target" in status.message and "configure failed" in status.message
+    # fixing the parameter (allowed while unconfigured) makes configure succeed
+    results = h.set_params(**{"model.target_path": str(tiny_zoo() / "target")})
+    assert results[0].successful, results[0].reason
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == "inactive"
+
+
+def test_policy_without_predictor_fails_configure_with_the_reason(harness):
+    h = harness(**{"predictor.path": "none", "memspec.policy": "memspec"})
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert "needs a trained predictor" in h.node._configure_error
+    assert h.node.loaded_parameter_bytes() == 0
+
+
+def test_an_exception_in_a_transition_goes_through_on_error_back_to_unconfigured(harness, monkeypatch):
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+
+    def boom(*_args):
+        raise RuntimeError("simulated failure while activating")
+
+    monkeypatch.setattr(h.node._window, "clear", boom)
+    assert not h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.state() == "unconfigured"  # on_error freed everything and recovered
+    assert h.node.loaded_parameter_bytes() == 0
+    assert h.node.on_error(None) == TransitionCallbackReturn.SUCCESS

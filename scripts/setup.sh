@@ -55,6 +55,12 @@ hash_inputs() {
 }
 
 # stamp_is FILE HASH FORCED: true when FILE records HASH and the step is not forced.
+# Run a pip install command without the one warning per package that this machine's pip
+# configuration causes (extra index folders that do not exist); everything else passes through.
+pip_install() {
+  "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
 stamp_is() { [ "$3" = 0 ] && [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
 # ---------------------------------------------------------------------------------- python
@@ -87,7 +93,7 @@ step_deps() {
   fi
   mkdir -p "$STAMPS"
   rm -f "$STAMPS/deps"
-  local pip=("$VENV/bin/python" -m pip install --progress-bar off)
+  local pip=(pip_install "$VENV/bin/python" -m pip install --progress-bar off)
 
   # torch first, and only when none imports: a robot's or a developer's own torch (CUDA,
   # Jetson) is never replaced. requirements.txt does not list torch for the same reason, but

@@ -172,4 +172,23 @@ def test_normalise_ranking_forms():
     assert [n for n, _ in normalise_ranking([("x", 1.0), ("y", 2.0)])] == ["y", "x"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-memory side-stream path needs CUDA")
+def test_pinned_side_stream_copy_to_cuda():
+    from memspec_ros.runtime.cache import to_device_via_pinned
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    x = torch.randn(2, 8)
+    expected = model(x)
+    moved = to_device_via_pinned(model, torch.device("cuda"))
+    assert all(p.device.type == "cuda" for p in moved.parameters())
+    assert torch.allclose(moved(x.cuda()).cpu(), expected, atol=1e-5)
+
+
+def test_pinned_copy_is_a_plain_move_on_cpu():
+    from memspec_ros.runtime.cache import to_device_via_pinned
+
+    model = torch.nn.Linear(2, 2)
+    assert to_device_via_pinned(model, torch.device("cpu")) is model
+
+
 torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend

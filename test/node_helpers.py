@@ -56,6 +56,18 @@ class Harness:
         params = [Parameter(k, value=v) for k, v in (overrides or {}).items()]
         self.node = MemSpecNode(name, context=context, parameter_overrides=params)
         self.client = rclpy.create_node(f"{name}_test_client", context=context)
+        # time the goal callback on the server side (wrapped before configure creates the server)
+        self.goal_callback_seconds: list[float] = []
+        on_goal = self.node._on_goal
+
+        def timed_on_goal(request):
+            t0 = time.perf_counter()
+            try:
+                return on_goal(request)
+            finally:
+                self.goal_callback_seconds.append(time.perf_counter() - t0)
+
+        self.node._on_goal = timed_on_goal
         self.executor = MultiThreadedExecutor(num_threads=4, context=context)
         self.executor.add_node(self.node)
         self.executor.add_node(self.client)
@@ -103,6 +115,18 @@ class Harness:
 
         request = SetParameters.Request(parameters=[Parameter(k, value=v).to_parameter_msg() for k, v in values.items()])
         return self.call(self.set_params_client, request).results
+
+    def set_params_atomically(self, **values):
+        from rcl_interfaces.srv import SetParametersAtomically
+        from rclpy.parameter import Parameter
+
+        client = self.client.create_client(SetParametersAtomically, f"/{self.name}/set_parameters_atomically")
+        try:
+            request = SetParametersAtomically.Request(
+                parameters=[Parameter(k, value=v).to_parameter_msg() for k, v in values.items()])
+            return self.call(client, request).result
+        finally:
+            self.client.destroy_client(client)
 
     def get_param(self, name: str):
         from rcl_interfaces.srv import GetParameters

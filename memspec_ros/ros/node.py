@@ -104,7 +104,6 @@ class Loaded:
     registry: Any  # DraftRegistry
     predictor: RecordingRanker | None
     controller: Any  # RuntimeController
-    max_prompt_tokens: int
     max_positions: int
 
 
@@ -128,7 +127,9 @@ class MemSpecNode(LifecycleNode):
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
         self._outstanding = 0  # accepted goals not finished (queued + running)
-        self._pending_ids: dict[int, list[int]] = {}  # prompt ids from the goal callback, by request object
+        self._pending_ids: dict[int, list[int]] = {}
+        self.goals_rejected = 0
+        self.last_rejection = ""  # the reason of the latest rejected goal (also on /diagnostics)  # prompt ids from the goal callback, by request object
         self._stopping = False
         self._worker = threading.Thread(target=self._work, name="memspec-generation", daemon=True)
         self._worker.start()
@@ -237,10 +238,7 @@ class MemSpecNode(LifecycleNode):
         controller = RuntimeController(config, target.model, tokenizer, registry, predictor,
                                        max_positions=target.max_positions, draft_dtype=v["model.dtype"],
                                        device=v["model.device"])
-        limit = v["generation.max_prompt_tokens"]
-        if target.max_positions:
-            limit = min(limit, target.max_positions - 1)
-        return Loaded(paths, tokenizer, target, registry, predictor, controller, limit, target.max_positions)
+        return Loaded(paths, tokenizer, target, registry, predictor, controller, target.max_positions)
 
     @staticmethod
     def _build_registry(v: dict, paths: P.ModelPaths, fingerprint: str):
@@ -331,7 +329,7 @@ class MemSpecNode(LifecycleNode):
             except Exception as exc:  # ValueError / PolicyError naming the field; nothing changed
                 return self._reject_params(str(exc))
         if registry is not None:
-            self._apply_registry(lo.registry, registry)
+            self._apply_registry(lo.registry, registry, lo.controller.cache)
         if "diagnostic_updater.period" in new:
             self.destroy_timer(self._diag_timer)
             self._diag_timer = self.create_timer(new["diagnostic_updater.period"], self._publish_diagnostics,
@@ -348,12 +346,16 @@ class MemSpecNode(LifecycleNode):
         return SetParametersResult(successful=False, reason=reason)
 
     @staticmethod
-    def _apply_registry(live, wanted) -> None:
-        """Make the live registry equal to ``wanted``; the controller sees it at its next scheduling point."""
+    def _apply_registry(live, wanted, cache) -> None:
+        """Make the live registry equal to ``wanted``; a running goal sees it at its next scheduling point.
+
+        Removed drafts also leave the cache now (the runtime only syncs the cache with the registry
+        inside a goal); a draft decoding now keeps running until that scheduling point."""
         want = {e.name: e for e in wanted.entries()}
         for entry in live.entries():
             if entry.name not in want or want[entry.name] != entry:
                 live.remove(entry.name)
+                cache.remove(entry.name)
         for name, entry in want.items():
             if name not in live:
                 live.add(entry)
@@ -369,8 +371,11 @@ class MemSpecNode(LifecycleNode):
         if not math.isfinite(goal.temperature) or not (math.isfinite(goal.top_p) and goal.top_p <= 1.0):
             return f"temperature {goal.temperature} / top_p {goal.top_p} out of range (top_p must be <= 1)", []
         ids = lo.tokenizer(goal.prompt, add_special_tokens=True)["input_ids"]
-        if len(ids) > lo.max_prompt_tokens:
-            return (f"the prompt has {len(ids)} tokens, more than the limit of {lo.max_prompt_tokens}"
+        limit = self.get_parameter("generation.max_prompt_tokens").value
+        if lo.max_positions:
+            limit = min(limit, lo.max_positions - 1)
+        if len(ids) > limit:
+            return (f"the prompt has {len(ids)} tokens, more than the limit of {limit}"
                     " (generation.max_prompt_tokens / the target's context)"), []
         new_tokens = goal.max_new_tokens or self.get_parameter("generation.max_new_tokens").value
         if lo.max_positions and len(ids) + new_tokens > lo.max_positions:
@@ -387,6 +392,8 @@ class MemSpecNode(LifecycleNode):
     def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
         reason, ids = self._goal_rejection(goal)
         if reason:
+            self.goals_rejected += 1
+            self.last_rejection = reason
             self.get_logger().warning(f"goal rejected: {reason}")
             return GoalResponse.REJECT
         with self._cv:
@@ -461,7 +468,7 @@ class MemSpecNode(LifecycleNode):
                 )
                 stream.flush()
                 stats = out.stats
-                result.text, result.finish_reason = out.text, out.finish_reason
+                result.text, result.finish_reason = ros_text(out.text), out.finish_reason
                 _fill_result(result, stats)
                 if job.abort_reason is not None:
                     error = job.abort_reason
@@ -469,7 +476,7 @@ class MemSpecNode(LifecycleNode):
             except Exception as exc:  # a failed goal is ABORTED with the reason, never a traceback
                 error = f"{type(exc).__name__}: {exc}"
                 result.finish_reason = Generate.Result.FINISH_ERROR
-                result.text = stream.text
+                result.text = ros_text(stream.text)
                 self._last_goal_error = error
                 self.get_logger().error(f"goal aborted: {error}")
         result.error_message = error
@@ -546,6 +553,8 @@ class MemSpecNode(LifecycleNode):
             running, queued = self._running is not None, len(self._queue)
         s.add("goal running", running)
         s.add("goals queued", queued)
+        s.add("goals rejected", self.goals_rejected)
+        s.add("last rejection", self.last_rejection or "none")
         lo = self._loaded
         if self._configure_error:
             s.summary(ERROR, f"configure failed: {self._configure_error}")
@@ -560,7 +569,6 @@ class MemSpecNode(LifecycleNode):
         s.add("quantization", spec.quantization)
         s.add("parameter bytes", lo.target.size_bytes)
         s.add("context tokens", lo.max_positions)
-        s.add("max prompt tokens", lo.max_prompt_tokens)
         s.summary(OK, f"loaded ({self.lifecycle_state})")
         if self._last_goal_error:
             s.merge(ERROR, f"the last goal failed: {self._last_goal_error}")
@@ -606,6 +614,11 @@ class MemSpecNode(LifecycleNode):
         s.summary(OK, f"{calls} rankings")
 
 
+def ros_text(text: str) -> str:
+    """ROS strings cannot carry NUL (the C layer would cut the text there): drop it."""
+    return text.replace("\x00", "") if "\x00" in text else text
+
+
 def _fill_result(result: Generate.Result, stats: GenerationStats) -> None:
     result.prompt_tokens = int(stats.prompt_tokens)
     result.completion_tokens = int(stats.completion_tokens)
@@ -644,7 +657,7 @@ class _FeedbackStream:
     def _send(self, now: float) -> None:
         elapsed = now - self.first
         self.goal_handle.publish_feedback(Generate.Feedback(
-            delta_text=self.pending, tokens_so_far=self.tokens,
+            delta_text=ros_text(self.pending), tokens_so_far=self.tokens,
             tokens_per_second=(self.tokens - 1) / elapsed if elapsed > 0 and self.tokens > 1 else 0.0,
             active_draft=self.cache.active,
         ))

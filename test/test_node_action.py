@@ -1,0 +1,168 @@
+# ruff: noqa: E402 - the ROS imports follow require_ros()
+"""The Generate action server of memspec_node over DDS: feedback and results with statistics,
+cancel mid-generation, every rejection path answered fast while a goal runs, deactivate during a
+goal, and ~/generation_stats per finished goal."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from node_helpers import Harness, goal, node_overrides, tiny_zoo
+from ros_helpers import require_ros, wait_until
+
+require_ros()
+
+import rclpy
+from action_msgs.msg import GoalStatus
+from lifecycle_msgs.msg import Transition
+from rclpy.context import Context
+
+from memspec_interfaces.action import Generate
+from memspec_interfaces.msg import GenerationStats
+
+LONG = 3000  # tokens: a goal that runs for seconds with the tiny zoo (no EOS token)
+GOAL_RESPONSE_LIMIT = 0.050  # the goal callback's answer, measured in the server
+
+
+@pytest.fixture(scope="module")
+def h():
+    context = Context()
+    rclpy.init(context=context)
+    harness = Harness(context, overrides=node_overrides(tiny_zoo()))
+    harness.activate()
+    stats: list[GenerationStats] = []
+    harness.client.create_subscription(GenerationStats, "/memspec/generation_stats", stats.append, 10)
+    harness.stats = stats
+    try:
+        yield harness
+    finally:
+        harness.close()
+        rclpy.try_shutdown(context=context)
+
+
+def visible(text: str) -> str:
+    """The random tiny models emit invalid UTF-8; the runtime's incremental decode may render those
+    bytes with a different number of U+FFFD than the final decode, so compare without them."""
+    return text.replace("\ufffd", "")
+
+
+def start_long_goal(h, feedback):
+    handle, _ = h.send(goal(max_new_tokens=LONG), feedback)
+    assert handle.accepted
+    wait_until(lambda: len(feedback) >= 2, 30.0, "the long goal's feedback")
+    return handle
+
+
+def test_goal_streams_feedback_and_the_result_carries_the_statistics(h):
+    feedback: list[Generate.Feedback] = []
+    handle, _ = h.send(goal(max_new_tokens=48), feedback)
+    assert handle.accepted
+    response = h.result(handle)
+    result = response.result
+    assert response.status == GoalStatus.STATUS_SUCCEEDED
+    assert result.finish_reason == Generate.Result.FINISH_LENGTH
+    assert result.error_message == ""
+    assert result.completion_tokens == 48
+    assert result.prompt_tokens > 0
+    assert result.tokens_per_second > 0 and result.time_to_first_token > 0
+    assert 0.0 <= result.mean_accepted_tokens <= 4.0
+    assert set(result.drafts_used) <= {"general", "code", "math"} and result.drafts_used
+    # feedback is best effort (rclpy drops feedback taken after the result): what came is a prefix
+    assert feedback, "no feedback"
+    assert visible(result.text).startswith(visible("".join(f.delta_text for f in feedback)))
+    counts = [f.tokens_so_far for f in feedback]
+    assert counts == sorted(counts) and counts[-1] <= 48
+    assert all(f.active_draft in ("", "general", "code", "math") for f in feedback)
+    # one GenerationStats per finished goal, with the result's numbers
+    wait_until(lambda: any(bytes(s.goal_id.uuid) == bytes(handle.goal_id.uuid) for s in h.stats), 10.0, "generation_stats")
+    msg = next(s for s in h.stats if bytes(s.goal_id.uuid) == bytes(handle.goal_id.uuid))
+    assert msg.completion_tokens == 48 and msg.finish_reason == "length"
+    assert msg.tokens_per_second == pytest.approx(result.tokens_per_second)
+    assert msg.policy == "memspec" and msg.iterations > 0 and msg.decode_seconds > 0
+
+
+def test_goal_defaults_come_from_the_parameters(h):
+    assert all(r.successful for r in h.set_params(**{"generation.max_new_tokens": 7}))
+    try:
+        handle, _ = h.send(Generate.Goal(prompt="The licensee may"))
+        result = h.result(handle).result
+        assert result.completion_tokens == 7
+    finally:
+        h.set_params(**{"generation.max_new_tokens": 128})
+
+
+def test_stop_string_ends_the_goal(h):
+    handle, _ = h.send(goal(max_new_tokens=64))
+    text = h.result(handle).result.text
+    stop = text[10:12]
+    handle, _ = h.send(goal(max_new_tokens=64, stop=[stop]))
+    result = h.result(handle).result
+    assert result.finish_reason == Generate.Result.FINISH_STOP
+    assert stop not in result.text and text.startswith(result.text)
+
+
+def test_cancel_mid_generation_returns_the_partial_text(h):
+    feedback = []
+    handle = start_long_goal(h, feedback)
+    cancel = h.wait(handle.cancel_goal_async(), 10.0, "the cancel response")
+    assert len(cancel.goals_canceling) == 1  # accepted (rclpy's default cancel callback rejects)
+    response = h.result(handle, 30.0)
+    assert response.status == GoalStatus.STATUS_CANCELED
+    assert response.result.finish_reason == Generate.Result.FINISH_CANCELLED
+    assert visible(response.result.text).startswith(visible("".join(f.delta_text for f in feedback)))
+    assert 0 < response.result.completion_tokens < LONG
+
+
+def test_every_rejection_answers_fast_while_a_goal_runs(h):
+    assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": 1, "generation.max_prompt_tokens": 32}))
+    try:
+        running = start_long_goal(h, [])
+        queued, _ = h.send(goal(max_new_tokens=8))
+        assert queued.accepted  # one waiting place
+        h.goal_callback_seconds.clear()
+        latencies = {}
+        cases = {
+            "queue full": goal(max_new_tokens=8),
+            "empty prompt": goal(prompt=""),
+            "prompt too long": goal(prompt="word " * 200),
+            "over the context": goal(max_new_tokens=4096 - 3),
+            "top_p out of range": goal(top_p=1.5),
+        }
+        reasons = {"queue full": "queue is full", "empty prompt": "empty", "prompt too long": "more than the limit of 32",
+                   "over the context": "exceeds the target's context", "top_p out of range": "top_p"}
+        for label, request in cases.items():
+            handle, seconds = h.send(request)
+            assert not handle.accepted, label
+            assert reasons[label] in h.node.last_rejection, (label, h.node.last_rejection)
+            latencies[label] = seconds
+        assert len(h.goal_callback_seconds) == len(cases)
+        assert max(h.goal_callback_seconds) < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
+        assert max(latencies.values()) < 1.0, latencies  # BehaviorTree.ROS2 gives up after 1000 ms
+        print(f"goal callback while a goal runs: median {statistics.median(h.goal_callback_seconds) * 1e3:.2f} ms,"
+              f" max {max(h.goal_callback_seconds) * 1e3:.2f} ms; client round trip max"
+              f" {max(latencies.values()) * 1e3:.1f} ms")
+        # the queued goal runs after the running one; cancel both
+        for handle in (queued, running):
+            h.wait(handle.cancel_goal_async(), 10.0, "cancel")
+        assert h.result(running, 30.0).status == GoalStatus.STATUS_CANCELED
+        assert h.result(queued, 30.0).status == GoalStatus.STATUS_CANCELED
+    finally:
+        h.set_params(**{"action.max_queued_goals": 4, "generation.max_prompt_tokens": 1024})
+
+
+def test_deactivate_during_a_goal_aborts_it_with_the_partial_text_and_rejects_new_goals(h):
+    handle = start_long_goal(h, [])
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    response = h.result(handle, 30.0)
+    assert response.status == GoalStatus.STATUS_ABORTED
+    assert response.result.finish_reason == Generate.Result.FINISH_ERROR
+    assert "deactivated" in response.result.error_message
+    assert response.result.text and 0 < response.result.completion_tokens < LONG
+    h.goal_callback_seconds.clear()
+    rejected, seconds = h.send(goal())
+    assert not rejected.accepted
+    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT and seconds < 1.0
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED

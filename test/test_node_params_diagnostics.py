@@ -1,0 +1,234 @@
+# ruff: noqa: E402 - the ROS imports follow require_ros()
+"""memspec_node's parameters through rcl_interfaces services (set, reject with a reason, live
+changes reaching a running goal) and its diagnostics: /diagnostics on diagnostic_updater's
+contract, ~/cache_state for late joiners, WARN and ERROR levels."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+from node_helpers import Harness, goal, node_overrides, tiny_zoo
+from ros_helpers import require_ros, wait_until
+
+require_ros()
+
+import rclpy
+from action_msgs.msg import GoalStatus
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.context import Context
+
+from memspec_interfaces.msg import CacheState, DraftState
+from memspec_ros.ros.diagnostics import (
+    ERROR,
+    LATCHED,
+    OK,
+    TASKS,
+    WARN,
+    Status,
+    fill_cache_status,
+    fill_throughput_status,
+)
+from memspec_ros.runtime.stats import CacheStats, GenerationStats, IterationStats
+
+LONG = 3000
+
+
+@pytest.fixture(scope="module")
+def h():
+    context = Context()
+    rclpy.init(context=context)
+    harness = Harness(context, overrides=node_overrides(tiny_zoo()))
+    harness.activate()
+    try:
+        yield harness
+    finally:
+        harness.close()
+        rclpy.try_shutdown(context=context)
+
+
+def registry_file_params():
+    return {"drafts.names": [""], "drafts.paths": [""], "drafts.domains": [""]}
+
+
+# -- parameters -------------------------------------------------------------------------------
+
+def test_valid_values_apply_and_invalid_ones_are_rejected_with_a_reason(h):
+    [ok] = h.set_params(**{"memspec.capacity": 1})
+    assert ok.successful
+    assert h.get_param("memspec.capacity") == 1
+    assert h.node._loaded.controller.config.capacity == 1
+    try:
+        for name, value, words in [
+            ("memspec.capacity", 0, "memspec.capacity"),
+            ("memspec.policy", "bogus", "memspec.policy must be one of"),
+            ("memspec.policy", "oracle-dynamic", "memspec.policy must be one of"),
+            ("generation.top_p", 0.0, "top_p"),
+            ("diagnostic_updater.period", 0.0, "diagnostic_updater.period"),
+            ("model.target_path", "/elsewhere", "only while unconfigured"),
+            ("predictor.path", "none", "only while unconfigured"),
+        ]:
+            [result] = h.set_params(**{name: value})
+            assert not result.successful, name
+            assert words in result.reason, (name, result.reason)
+        [wrong_type] = h.set_params(**{"memspec.gamma": "four"})
+        assert not wrong_type.successful
+        assert h.get_param("memspec.capacity") == 1 and h.get_param("memspec.policy") == "memspec"
+        assert h.node._loaded.controller.config.capacity == 1
+        assert h.node._loaded.controller.config.gamma == 4
+        # a registry that cannot be built is rejected as a whole, nothing changes
+        result = h.set_params_atomically(**{"drafts.names": ["x"], "drafts.paths": ["/nonexistent/x"],
+                                            "drafts.domains": ["code"]})
+        assert not result.successful and "/nonexistent/x" in result.reason
+        assert h.node._loaded.registry.names() == ["general", "code", "math"]
+    finally:
+        h.set_params(**{"memspec.capacity": 2})
+
+
+def test_gamma_and_registry_changes_reach_a_running_goal(h):
+    feedback = []
+    handle, _ = h.send(goal(max_new_tokens=LONG), feedback)
+    assert handle.accepted
+    wait_until(lambda: len(feedback) >= 3, 30.0, "feedback")
+    general = str(tiny_zoo() / "drafts" / "general")
+    [ok] = h.set_params(**{"memspec.gamma": 2})
+    assert ok.successful
+    result = h.set_params_atomically(**{"drafts.names": ["general"], "drafts.paths": [general],
+                                        "drafts.domains": ["general"]})
+    assert result.successful, result.reason
+    count = len(feedback)
+    wait_until(lambda: len(feedback) >= count + 10, 30.0, "feedback after the change")
+    h.wait(handle.cancel_goal_async(), 10.0, "cancel")
+    assert h.result(handle, 30.0).status == GoalStatus.STATUS_CANCELED
+    try:
+        with h.node._window._lock:
+            stats = h.node._window._goals[-1]
+        its = stats.speculative_iterations
+        assert its[0].proposed == 4  # before the change
+        assert all(it.proposed <= 2 for it in its[-5:])  # gamma 2 from a scheduling point on
+        assert all(it.draft == "general" for it in its[-5:])  # the registry now has only general
+        assert h.node._loaded.registry.names() == ["general"]
+        assert set(h.node._loaded.controller.cache.resident()) <= {"general"}
+    finally:
+        assert h.set_params_atomically(**registry_file_params()).successful
+        h.set_params(**{"memspec.gamma": 4})
+    assert h.node._loaded.registry.names() == ["general", "code", "math"]
+
+
+# -- diagnostics --------------------------------------------------------------------------------
+
+def test_diagnostics_follow_the_diagnostic_updater_contract(h):
+    arrays: list[DiagnosticArray] = []
+    sub = h.client.create_subscription(DiagnosticArray, "/diagnostics", arrays.append, 10)
+    try:
+        handle, _ = h.send(goal(max_new_tokens=32))
+        assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+        assert h.set_params(**{"diagnostic_updater.period": 0.2})[0].successful
+        arrays.clear()
+        t0 = time.monotonic()
+        wait_until(lambda: len(arrays) >= 4, 10.0, "four /diagnostics messages")
+        assert time.monotonic() - t0 < 2.0  # period 0.2 s, not the default 1 s
+        array = arrays[-1]
+        assert array.header.stamp.sec > 0
+        names = [s.name for s in array.status]
+        assert names == [f"memspec: {task}" for task in TASKS]
+        for status in array.status:
+            assert isinstance(status.level, bytes) and status.level in (OK, WARN, ERROR)
+            assert status.hardware_id
+            assert all(isinstance(kv.key, str) and isinstance(kv.value, str) for kv in status.values)
+        by_name = {s.name: {kv.key: kv.value for kv in s.values} for s in array.status}
+        throughput = by_name["memspec: throughput"]
+        assert float(throughput["tokens per second"]) > 0
+        for key in ("mean accepted tokens", "fallback fraction", "prediction overhead", "goals in window"):
+            assert key in throughput
+        cache = by_name["memspec: draft cache"]
+        for key in ("resident", "loading", "failed", "capacity (K)", "bytes resident", "budget bytes", "hits",
+                    "misses", "loads", "evictions", "wasted prefetches"):
+            assert key in cache
+        assert cache["capacity (K)"] == "2"
+        assert by_name["memspec: predictor"]["encoder"] == "target-hidden"
+        assert by_name["memspec: target model"]["lifecycle state"] == "active"
+    finally:
+        h.set_params(**{"diagnostic_updater.period": 1.0})
+        h.client.destroy_subscription(sub)
+
+
+def test_cache_state_reaches_a_late_joiner(h):
+    handle, _ = h.send(goal(max_new_tokens=32))
+    assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+    time.sleep(0.3)
+    got: list[CacheState] = []
+    sub = h.client.create_subscription(CacheState, "/memspec/cache_state", got.append, LATCHED)
+    try:
+        wait_until(lambda: got, 10.0, "a CacheState for the late joiner")
+        msg = got[0]
+        assert [d.name for d in msg.drafts] == ["general", "code", "math"]
+        assert [d.domain for d in msg.drafts] == ["general", "code", "math"]
+        assert msg.capacity == 2
+        resident = [d for d in msg.drafts if d.state in (DraftState.RESIDENT, DraftState.LOADING)]
+        assert 1 <= len(resident) <= 2
+        # size_bytes is the registry's estimate (file sizes); bytes_resident what the loads occupy
+        assert msg.bytes_resident == pytest.approx(sum(d.size_bytes for d in resident), rel=0.05)
+        assert msg.hits + msg.misses > 0 and msg.loads >= 1
+        active = [d.name for d in msg.drafts if d.is_active]
+        assert active == ([msg.active_draft] if msg.active_draft else [])
+        assert any(d.in_working_set for d in msg.drafts)
+        assert all(d.score == d.score for d in msg.drafts)  # ranked: no NaN left
+    finally:
+        h.client.destroy_subscription(sub)
+
+
+def test_a_draft_that_fails_to_load_is_an_error_and_the_goal_still_succeeds(h, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_zoo() / "drafts" / "general", broken)
+    (broken / "model.safetensors").write_bytes(b"\x00garbage, not safetensors")
+    result = h.set_params_atomically(**{"drafts.names": ["broken"], "drafts.paths": [str(broken)],
+                                        "drafts.domains": ["general"], "memspec.policy": "general-static",
+                                        "memspec.general_draft": "broken"})
+    assert result.successful, result.reason
+    try:
+        handle, _ = h.send(goal(max_new_tokens=8))
+        response = h.result(handle)
+        assert response.status == GoalStatus.STATUS_SUCCEEDED  # the target decodes alone
+        assert list(response.result.drafts_used) == []
+        statuses = {s.name: s for s in h.node._diagnostics.collect()}
+        cache = statuses["memspec: draft cache"]
+        assert cache.level == ERROR and "broken" in cache.message
+        got: list[CacheState] = []
+        sub = h.client.create_subscription(CacheState, "/memspec/cache_state", got.append, LATCHED)
+        wait_until(lambda: got and got[-1].drafts and got[-1].drafts[0].state == DraftState.FAILED, 10.0,
+                   "a FAILED draft in cache_state")
+        assert got[-1].drafts[0].error
+        h.client.destroy_subscription(sub)
+    finally:
+        assert h.set_params_atomically(**registry_file_params(), **{"memspec.policy": "memspec",
+                                                                  "memspec.general_draft": "general"}).successful
+        h.node._loaded.controller.cache.clear_failed()
+
+
+# -- levels, without DDS ------------------------------------------------------------------------
+
+def _stats(fallback: bool) -> GenerationStats:
+    its = [IterationStats("code", 4, 2, 3, 0.001, 0.002, preferred="math", fallback=fallback) for _ in range(4)]
+    return GenerationStats(completion_tokens=12, decode_seconds=0.01, iterations=its, cache=CacheStats())
+
+
+def test_fallback_above_the_threshold_warns():
+    s = Status()
+    fill_throughput_status(s, _stats(fallback=True), 1, 1, fallback_warn=0.2)
+    assert s.level == WARN and "fallback" in s.message
+    s = Status()
+    fill_throughput_status(s, _stats(fallback=False), 1, 1, fallback_warn=0.2)
+    assert s.level == OK
+
+
+def test_wasted_prefetches_warn_and_failed_drafts_are_errors():
+    window = _stats(False)
+    window.cache.wasted_prefetches = 2
+    s = Status()
+    fill_cache_status(s, CacheStats(capacity=2, resident=["code"]), window, ["code", "math"])
+    assert s.level == WARN and "evicted unused" in s.message
+    s = Status()
+    fill_cache_status(s, CacheStats(capacity=2, failed={"math": "OSError: unreadable"}), window, ["code", "math"])
+    assert s.level == ERROR and "math" in s.message

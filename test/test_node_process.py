@@ -1,0 +1,147 @@
+# ruff: noqa: E402 - the ROS imports follow require_ros()
+"""The installed `memspec_node` executable with `--ros-args --params-file` (what `ros2 run` and the
+launch file start), driven through its lifecycle services by `memspec_client`'s code path and the
+real `memspec_client` command; SIGINT ends it cleanly. Also the launch file's structure."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from node_helpers import TIMEOUT, tiny_zoo
+from ros_helpers import require_ros, wait_until
+
+require_ros()
+
+import rclpy
+from lifecycle_msgs.msg import Transition
+from lifecycle_msgs.srv import ChangeState
+from rcl_interfaces.srv import GetParameters
+from rclpy.context import Context
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.parameter import parameter_value_to_python
+
+from memspec_ros.ros import params as P
+from memspec_ros.ros.client import format_result, send_goal
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "memspec_proc"
+
+
+def executable(name: str) -> str:
+    from ament_index_python.packages import get_package_prefix
+
+    path = Path(get_package_prefix("memspec_ros")) / "lib" / "memspec_ros" / name
+    assert os.access(path, os.X_OK), f"{path} missing: run make build"
+    return str(path)
+
+
+def params_file(tmp_path: Path) -> Path:
+    """config/memspec.yaml with the tiny zoo and two changed values."""
+    data = yaml.safe_load((REPO / "config" / "memspec.yaml").read_text())
+    p = data["/**"]["ros__parameters"]
+    p["drafts"]["registry_file"] = str(tiny_zoo() / "registry.yaml")
+    p["model"]["threads"] = 1
+    p["memspec"]["interval"] = 3
+    p["generation"]["max_new_tokens"] = 12
+    out = tmp_path / "memspec.yaml"
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
+def call(executor, client, request, timeout=TIMEOUT):
+    wait_until(lambda: (executor.spin_once(timeout_sec=0.05), client.service_is_ready())[1], timeout, client.srv_name)
+    future = client.call_async(request)
+    executor.spin_until_future_complete(future, timeout_sec=timeout)
+    assert future.done(), f"{client.srv_name} did not answer"
+    return future.result()
+
+
+def test_config_file_declares_every_parameter_with_its_default():
+    data = yaml.safe_load((REPO / "config" / "memspec.yaml").read_text())["/**"]["ros__parameters"]
+
+    def flatten(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flatten(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    flat = dict(flatten(data))
+    assert set(flat) == set(P.BY_NAME)
+    for name, value in flat.items():
+        assert value == P.BY_NAME[name].default, name
+        assert P.check_value(name, value) == "", name
+
+
+def test_launch_file_is_the_humble_and_jazzy_lifecycle_pattern():
+    path = REPO / "launch" / "memspec.launch.py"
+    tree = ast.parse(path.read_text())
+    compile(tree, str(path), "exec")
+    calls = {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "") for n in ast.walk(tree)
+             if isinstance(n, ast.Call)}
+    assert {"LifecycleNode", "EmitEvent", "ChangeState", "RegisterEventHandler", "OnStateTransition",
+            "DeclareLaunchArgument", "LaunchConfiguration"} <= calls
+    keywords = {k.arg: k.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords}
+    assert isinstance(keywords["goal_state"], ast.Constant) and keywords["goal_state"].value == "inactive"
+    node_call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LifecycleNode")
+    assert {"name", "namespace", "package", "executable", "parameters"} <= {k.arg for k in node_call.keywords}
+    assert "autostart" not in keywords  # Jazzy-only
+
+
+@pytest.mark.timeout(240)
+def test_the_node_executable_with_a_params_file(tmp_path):
+    cmd = [executable("memspec_node"), "--ros-args", "-r", f"__node:={NAME}", "--params-file", str(params_file(tmp_path))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    context = Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node("process_test_client", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(node)
+    try:
+        change = node.create_client(ChangeState, f"/{NAME}/change_state")
+        for tid in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
+            assert call(executor, change, ChangeState.Request(transition=Transition(id=tid)), 120.0).success
+        get = node.create_client(GetParameters, f"/{NAME}/get_parameters")
+        values = call(executor, get, GetParameters.Request(names=["memspec.interval", "memspec.capacity"])).values
+        assert [parameter_value_to_python(v) for v in values] == [3, 2]  # from the file; the rest defaults
+
+        from memspec_interfaces.action import Generate
+
+        sink = open(os.devnull, "w")
+        outcome = send_goal(node, executor, Generate.Goal(prompt="def add(a, b):"), f"/{NAME}/generate",
+                            server_timeout=TIMEOUT, out=sink, log=sink)
+        assert outcome.ok, outcome.status
+        assert outcome.result.completion_tokens == 12  # generation.max_new_tokens from the file
+        assert "finish: length" in format_result(outcome.result)
+
+        # the real client command: streamed text, then the statistics line
+        client = subprocess.run([executable("memspec_client"), "The licensee may", "--node", f"/{NAME}",
+                                 "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120)
+        assert client.returncode == 0, client.stderr
+        assert "finish: length" in client.stdout and "generated 8 tok" in client.stdout
+        missing = subprocess.run([executable("memspec_client"), "hi", "--node", "/nobody", "--timeout", "1"],
+                                 capture_output=True, text=True, timeout=120)
+        assert missing.returncode == 1 and "no Generate action server at /nobody/generate" in missing.stderr
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"memspec_node ignored SIGINT:\n{out}")
+    sys.stdout.write(out[-2000:])
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+    assert "configured in" in out

@@ -1,0 +1,175 @@
+"""A behaviour-tree client for memspec_node with py_trees: one action behaviour, one example tree.
+
+:class:`Generate` is the py_trees counterpart of a BehaviorTree.ROS2 ``RosActionNode``: it sends a
+Generate goal on its first tick and returns RUNNING until the result, then
+
+* SUCCESS   the goal SUCCEEDED; ``result`` holds the Generate.Result (text and statistics) and the
+            text is written to the blackboard key ``result_key``;
+* FAILURE   the server is missing (``server_timeout``), the goal was REJECTED (node not active,
+            empty or too long prompt, queue full), ABORTED (``error_message``) or CANCELED;
+            ``feedback_message`` says which.
+
+When a parent preempts it (``terminate(INVALID)`` while RUNNING) the goal is cancelled, and the
+node answers with the partial text. The behaviour never spins: like py_trees_ros, whoever ticks
+the tree also spins the ROS node (an executor thread, or spin_once between ticks).
+
+    python -m memspec_ros.ros.bt_example "def add(a, b):" --node /memspec
+"""
+
+from __future__ import annotations
+
+import time
+
+import py_trees
+from py_trees.common import Status
+
+SERVER_TIMEOUT = 1.0  # BehaviorTree.ROS2's default wait for the server
+
+
+class Generate(py_trees.behaviour.Behaviour):
+    """Send a Generate goal; SUCCESS with the text, FAILURE on rejection, abort or cancellation."""
+
+    def __init__(self, name: str, node, prompt: str = "", *, action_name: str = "/memspec/generate",
+                 prompt_key: str = "", result_key: str = "generated_text", max_new_tokens: int = 0,
+                 server_timeout: float = SERVER_TIMEOUT) -> None:
+        super().__init__(name)
+        self.node = node
+        self.prompt = prompt
+        self.prompt_key = prompt_key
+        self.result_key = result_key
+        self.action_name = action_name
+        self.max_new_tokens = max_new_tokens
+        self.server_timeout = server_timeout
+        self.client = None
+        self.blackboard = self.attach_blackboard_client(name=name)
+        self.blackboard.register_key(result_key, access=py_trees.common.Access.WRITE)
+        if prompt_key:
+            self.blackboard.register_key(prompt_key, access=py_trees.common.Access.READ)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.goal_future = None
+        self.goal_handle = None
+        self.result_future = None
+        self.result = None
+        self.outcome = ""  # succeeded | rejected | aborted | canceled | no-server
+        self.streamed = ""
+        self._started = 0.0
+
+    def setup(self, **kwargs) -> None:
+        from rclpy.action import ActionClient
+
+        from memspec_interfaces.action import Generate as GenerateAction
+
+        self.client = ActionClient(self.node, GenerateAction, self.action_name)
+
+    def initialise(self) -> None:
+        self._reset()
+        self._started = time.monotonic()
+        self.feedback_message = "waiting for the server"
+
+    def _send(self) -> None:
+        from memspec_interfaces.action import Generate as GenerateAction
+
+        prompt = self.blackboard.get(self.prompt_key) if self.prompt_key else self.prompt
+        goal = GenerateAction.Goal(prompt=prompt, max_new_tokens=self.max_new_tokens)
+        self.goal_future = self.client.send_goal_async(goal, feedback_callback=self._on_feedback)
+        self.feedback_message = "goal sent"
+
+    def _on_feedback(self, msg) -> None:
+        self.streamed += msg.feedback.delta_text
+        self.feedback_message = f"{msg.feedback.tokens_so_far} tokens ({msg.feedback.active_draft or 'target'})"
+
+    def update(self) -> Status:
+        from action_msgs.msg import GoalStatus
+
+        if self.goal_future is None:
+            if not self.client.server_is_ready():
+                if time.monotonic() - self._started > self.server_timeout:
+                    self.outcome = "no-server"
+                    self.feedback_message = f"no action server at {self.action_name}"
+                    return Status.FAILURE
+                return Status.RUNNING
+            self._send()
+        if self.goal_handle is None:
+            if not self.goal_future.done():
+                return Status.RUNNING
+            self.goal_handle = self.goal_future.result()
+            if not self.goal_handle.accepted:
+                self.outcome = "rejected"
+                self.feedback_message = "goal rejected by the node (see its log / diagnostics)"
+                return Status.FAILURE
+            self.result_future = self.goal_handle.get_result_async()
+        if not self.result_future.done():
+            return Status.RUNNING
+        response = self.result_future.result()
+        self.result = response.result
+        if response.status == GoalStatus.STATUS_SUCCEEDED:
+            self.outcome = "succeeded"
+            self.blackboard.set(self.result_key, self.result.text)
+            self.feedback_message = f"{self.result.completion_tokens} tokens, {self.result.tokens_per_second:.0f} tok/s"
+            return Status.SUCCESS
+        if response.status == GoalStatus.STATUS_ABORTED:
+            self.outcome = "aborted"
+            self.feedback_message = f"goal aborted: {self.result.error_message}"
+        else:
+            self.outcome = "canceled"
+            self.feedback_message = "goal cancelled"
+        return Status.FAILURE
+
+    def terminate(self, new_status: Status) -> None:
+        """Preempted while RUNNING: cancel the goal (the node honours it at the next iteration)."""
+        if new_status == Status.INVALID and self.goal_handle is not None and self.goal_handle.accepted \
+                and self.result_future is not None and not self.result_future.done():
+            self.goal_handle.cancel_goal_async()
+            self.outcome = "canceled"
+            self.feedback_message = "preempted: goal cancelled"
+
+
+def create_example_tree(node, prompt: str, action_name: str = "/memspec/generate") -> py_trees.trees.BehaviourTree:
+    """answer = Selector[Generate(prompt), canned reply]: the robot always says something."""
+    root = py_trees.composites.Selector("answer", memory=False)
+    generate = Generate("generate", node, prompt, action_name=action_name)
+    canned = py_trees.behaviours.Success("canned reply")
+    root.add_children([generate, canned])
+    tree = py_trees.trees.BehaviourTree(root)
+    tree.setup(timeout=5.0)
+    return tree
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    parser = argparse.ArgumentParser(prog="bt_example", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt")
+    parser.add_argument("--node", default="/memspec")
+    args = parser.parse_args(argv)
+    rclpy.init()
+    node = rclpy.create_node("memspec_bt_example")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    try:
+        tree = create_example_tree(node, args.prompt, args.node.rstrip("/") + "/generate")
+        generate = tree.root.children[0]
+        while True:
+            tree.tick()
+            if tree.root.status != Status.RUNNING:
+                break
+            executor.spin_once(timeout_sec=0.05)
+        print(py_trees.display.unicode_tree(tree.root, show_status=True))
+        print(f"generate: {generate.outcome or 'not run'} - {generate.feedback_message}")
+        if generate.result is not None:
+            print(generate.result.text)
+        return 0 if generate.outcome == "succeeded" else 1
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+# ruff: noqa: E402 - the ROS imports follow require_ros()
+"""The py_trees client against the real node: success with the text on the blackboard, and
+FAILURE for each way a goal can fail (rejected, aborted, cancelled by preemption, no server)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from node_helpers import Harness, node_overrides, tiny_zoo
+from ros_helpers import require_ros, wait_until
+
+require_ros()
+
+import py_trees
+import rclpy
+from action_msgs.msg import GoalStatus
+from lifecycle_msgs.msg import Transition
+from py_trees.common import Status
+from rclpy.context import Context
+
+from memspec_ros.ros.bt_example import Generate, create_example_tree
+
+
+@pytest.fixture(scope="module")
+def h():
+    context = Context()
+    rclpy.init(context=context)
+    harness = Harness(context, name="memspec_bt", overrides=node_overrides(tiny_zoo()))
+    harness.activate()
+    try:
+        yield harness
+    finally:
+        harness.close()
+        rclpy.try_shutdown(context=context)
+
+
+@pytest.fixture(autouse=True)
+def clean_blackboard():
+    py_trees.blackboard.Blackboard.enable_activity_stream(0)
+    yield
+    py_trees.blackboard.Blackboard.clear()
+
+
+def behaviour(h, prompt="def add(a, b):", **kwargs) -> Generate:
+    b = Generate("generate", h.client, prompt, action_name="/memspec_bt/generate", **kwargs)
+    b.setup()
+    return b
+
+
+def tick_until_done(b, timeout=60.0) -> Status:
+    deadline = time.monotonic() + timeout
+    while True:
+        b.tick_once()
+        if b.status != Status.RUNNING:
+            return b.status
+        assert time.monotonic() < deadline, "behaviour still RUNNING"
+        time.sleep(0.01)  # the harness spins the client node in its own thread
+
+
+def test_success_writes_the_text_to_the_blackboard(h):
+    b = behaviour(h, max_new_tokens=16)
+    assert tick_until_done(b) == Status.SUCCESS
+    assert b.outcome == "succeeded" and b.result.completion_tokens == 16
+    assert py_trees.blackboard.Blackboard.get("/generated_text") == b.result.text
+
+
+def test_rejection_is_a_failure(h):
+    b = behaviour(h, prompt="")
+    assert tick_until_done(b) == Status.FAILURE
+    assert b.outcome == "rejected"
+
+
+def test_abort_is_a_failure_with_the_reason(h):
+    b = behaviour(h, max_new_tokens=3000)
+    b.tick_once()
+    wait_until(lambda: (b.tick_once(), b.streamed)[1], 30.0, "the goal to stream")
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    try:
+        assert tick_until_done(b) == Status.FAILURE
+        assert b.outcome == "aborted" and "deactivated" in b.feedback_message
+        assert b.result.text  # the partial text
+    finally:
+        assert h.transition(Transition.TRANSITION_ACTIVATE)
+
+
+def test_preemption_cancels_the_goal(h):
+    b = behaviour(h, max_new_tokens=3000)
+    wait_until(lambda: (b.tick_once(), b.streamed)[1], 30.0, "the goal to stream")
+    b.stop(Status.INVALID)  # what a parent does when a higher-priority branch takes over
+    assert b.outcome == "canceled"
+    response = h.result(b.goal_handle, 30.0)
+    assert response.status == GoalStatus.STATUS_CANCELED and response.result.text
+
+
+def test_missing_server_fails_after_the_timeout(h):
+    b = Generate("generate", h.client, "hi", action_name="/nobody/generate", server_timeout=0.3)
+    b.setup()
+    assert tick_until_done(b, 5.0) == Status.FAILURE
+    assert b.outcome == "no-server"
+
+
+def test_example_tree_falls_back_to_the_canned_reply(h):
+    tree = create_example_tree(h.client, "", action_name="/memspec_bt/generate")  # rejected: empty prompt
+    deadline = time.monotonic() + 10.0
+    while True:
+        tree.tick()
+        if tree.root.status != Status.RUNNING or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert tree.root.status == Status.SUCCESS
+    assert tree.root.children[0].status == Status.FAILURE and tree.root.children[1].status == Status.SUCCESS

@@ -39,7 +39,8 @@ done
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
-# sha256 of the named files' paths and contents (missing paths are skipped), plus extra strings.
+# sha256 over the names and contents of the given files and of every file below the given
+# folders (missing paths are skipped).
 hash_inputs() {
   local files=() p
   for p in "$@"; do
@@ -54,13 +55,13 @@ hash_inputs() {
   { printf '%s\n' "${files[@]}"; [ ${#files[@]} -eq 0 ] || cat "${files[@]}"; } | sha256sum | cut -d' ' -f1
 }
 
-# stamp_is FILE HASH FORCED: true when FILE records HASH and the step is not forced.
 # Run a pip install command without the one warning per package that this machine's pip
 # configuration causes (extra index folders that do not exist); everything else passes through.
 pip_install() {
   "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 
+# stamp_is FILE HASH FORCED: true when FILE records HASH and the step is not forced.
 stamp_is() { [ "$3" = 0 ] && [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
 # ---------------------------------------------------------------------------------- python

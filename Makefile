@@ -37,7 +37,7 @@ lint: deps
 # One recipe, so that the steps run in this order even under make -j.
 test: build
 	$(RUFF)
-	source ./env.sh && MEMSPEC_TEST_STRICT=1 python -m pytest $(PYTEST_ARGS)
+	source ./env.sh && MEMSPEC_TEST_STRICT=1 MEMSPEC_REQUIRE_GPTQ=$${MEMSPEC_GPTQ:-1} python -m pytest $(PYTEST_ARGS)
 
 # The node as its own process on the bundled zoo (models/), driven through the lifecycle services
 # and the Generate action; non-zero exit if any step fails. DEMO_ARGS: e.g. --max-new-tokens 64.

@@ -8,6 +8,9 @@
 #     deps   .venv, torch (only when none imports), pinned requirements, editable memspec_ros,
 #            CMake prefix patch of the wheels
 #     build  deps, then `colcon build` of both packages (the default `all` is the same)
+#     gptq   the separate GPTQ environment .venv-gptq (requirements-gptq.txt: GPT-QModel needs
+#            torch>=2.14.1 while .venv pins torch 2.13.0 CPU); `all` includes it unless
+#            MEMSPEC_GPTQ=0
 #     --force  redo the target's own step (pip installs for deps, colcon build otherwise) even
 #              when its inputs did not change
 #
@@ -29,10 +32,10 @@ target="all"
 force=0
 for arg in "$@"; do
   case "$arg" in
-    all | deps | build) target="$arg" ;;
+    all | deps | build | gptq) target="$arg" ;;
     --force) force=1 ;;
     -h | --help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown argument '$arg' (use all, deps, build, --force)" >&2; exit 2 ;;
+    *) echo "setup.sh: unknown argument '$arg' (use all, deps, build, gptq, --force)" >&2; exit 2 ;;
   esac
 done
 
@@ -151,9 +154,38 @@ step_build() {
   echo "$want" >"$BUILD_STAMP"
 }
 
+# ---------------------------------------------------------------------------------- gptq
+# GPT-QModel (the maintained GPTQ backend) in its own venv: it requires torch>=2.14.1 (a CUDA
+# build that runs on the CPU with GPT-QModel's AVX512 kernels) and would replace .venv's torch.
+# test/test_gptq.py quantizes a tiny model with it and runs it through the engine.
+step_gptq() {
+  local gvenv="$ROOT/.venv-gptq" want
+  want="$(hash_inputs requirements-gptq.txt; echo gptq)"
+  want="$(printf '%s' "$want" | sha256sum | cut -d' ' -f1)"
+  if stamp_is "$gvenv/.memspec-stamp" "$want" "$([ "$target" = gptq ] && echo "$force" || echo 0)"; then
+    say "GPTQ environment up to date (.venv-gptq)"
+    return
+  fi
+  if [ ! -x "$gvenv/bin/python" ]; then
+    say "creating .venv-gptq (GPT-QModel + torch 2.14.1; a few minutes, once)"
+    "$(pick_python)" -m venv "$gvenv"
+  fi
+  rm -f "$gvenv/.memspec-stamp"
+  BUILD_CUDA_EXT=0 pip_install "$gvenv/bin/python" -m pip install --progress-bar off -q -r requirements-gptq.txt
+  "$gvenv/bin/python" -c 'import gptqmodel' >/dev/null 2>&1 || die "GPT-QModel did not install into .venv-gptq (see the pip output above)"
+  echo "$want" >"$gvenv/.memspec-stamp"
+}
+
+if [ "$target" = gptq ]; then
+  step_gptq
+  exit 0
+fi
 step_deps
 if [ "$target" != "deps" ]; then
   step_build
+  if [ "$target" = all ] && [ "${MEMSPEC_GPTQ:-1}" != 0 ]; then
+    step_gptq
+  fi
 fi
 
 cat <<EOF

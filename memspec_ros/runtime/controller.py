@@ -228,6 +228,7 @@ class RuntimeController:
         policy = self._make_policy()
         stats.policy = policy.name
         registry_version = self.registry.version
+        self._sync_registry("")  # drafts removed while idle leave the cache before this generation
 
         # setup: prediction on the prompt, initial draft load, cache preparation (lines 2-5)
         t_setup = time.perf_counter()

@@ -74,6 +74,39 @@ def cmd_engine(args) -> int:
     return 0 if result.outputs_identical else 1
 
 
+def cmd_action(args) -> int:
+    from tqdm import tqdm
+
+    from .action_bench import run_action_bench
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one line per draft load would bury the progress bar
+    except ImportError:
+        pass
+    zoo = Path(args.zoo) if args.zoo else None
+    with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar:
+        result = run_action_bench(zoo, prompts=args.prompts, runs=args.runs, max_new_tokens=args.max_new_tokens,
+                                  threads=args.threads, feedback_period=args.feedback_period, policy=args.policy,
+                                  progress=bar)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    if result["note"]:
+        print(result["note"], file=sys.stderr)
+    print(
+        f"\nsteady-state tok/s (median): action {result['action_tokens_per_second_median']:.1f} | direct"
+        f" {result['direct_tokens_per_second_median']:.1f} | ratio {result['ratio_steady_state']:.3f} (goal >= 0.97)"
+        f"\nend-to-end tok/s (median):   action {result['action_end_to_end_tokens_per_second_median']:.1f} | direct"
+        f" {result['direct_end_to_end_tokens_per_second_median']:.1f} | ratio {result['ratio_end_to_end']:.3f}"
+        f"\noutputs identical: {result['outputs_identical']} | {result['prompts']} prompts x {result['runs']} runs,"
+        f" {result['max_new_tokens']} tokens, policy {result['policy']}, zoo {result['zoo']}"
+    )
+    return 0 if result["outputs_identical"] and result["ratio_steady_state"] >= 0.97 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,12 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32: fastest on CPU)")
     eng.set_defaults(func=cmd_engine)
+    act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
+    act.add_argument("--json", help="write the result JSON here")
+    act.add_argument("--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled"
+                     " zoo; a generated tiny zoo when it is missing)")
+    act.add_argument("--prompts", type=int, default=10, help="prompts, round-robin over the workloads (default 10)")
+    act.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported (default 3)")
+    act.add_argument("--max-new-tokens", type=int, default=128, help="tokens per goal (default 128, the paper's)")
+    act.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: best on a busy 2-core CPU)")
+    act.add_argument("--feedback-period", type=float, default=0.1, help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)")
+    act.add_argument("--policy", default="memspec", help="memspec.policy (default memspec)")
+    act.set_defaults(func=cmd_action)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.target and not args.draft_path:
+    if getattr(args, "target", None) and not args.draft_path:
         raise SystemExit("--target needs --draft-path (the draft model directory)")
     return args.func(args)
 

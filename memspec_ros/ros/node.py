@@ -127,9 +127,10 @@ class MemSpecNode(LifecycleNode):
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
         self._outstanding = 0  # accepted goals not finished (queued + running)
-        self._pending_ids: dict[int, list[int]] = {}
+        self._pending_ids: dict[int, list[int]] = {}  # prompt ids from the goal callback, by request object
         self.goals_rejected = 0
-        self.last_rejection = ""  # the reason of the latest rejected goal (also on /diagnostics)  # prompt ids from the goal callback, by request object
+        self.last_rejection = ""  # the reason of the latest rejected goal (also on /diagnostics)
+        self._cache_baseline = None  # cache counters at activation: CacheState counts since then
         self._stopping = False
         self._worker = threading.Thread(target=self._work, name="memspec-generation", daemon=True)
         self._worker.start()
@@ -179,6 +180,7 @@ class MemSpecNode(LifecycleNode):
         self._window.clear()
         self._window.total_goals = 0
         self._last_cache_key = None
+        self._cache_baseline = self._loaded.controller.cache.snapshot() if self._loaded is not None else None
         self._active = True
         result = super().on_activate(state)  # enables the lifecycle publishers
         self.get_logger().info("active: accepting goals on ~/generate")
@@ -329,7 +331,9 @@ class MemSpecNode(LifecycleNode):
             except Exception as exc:  # ValueError / PolicyError naming the field; nothing changed
                 return self._reject_params(str(exc))
         if registry is not None:
-            self._apply_registry(lo.registry, registry, lo.controller.cache)
+            with self._cv:  # the worker cannot start a goal meanwhile
+                idle = self._running is None
+                self._apply_registry(lo.registry, registry, lo.controller.cache if idle else None)
         if "diagnostic_updater.period" in new:
             self.destroy_timer(self._diag_timer)
             self._diag_timer = self.create_timer(new["diagnostic_updater.period"], self._publish_diagnostics,
@@ -349,13 +353,14 @@ class MemSpecNode(LifecycleNode):
     def _apply_registry(live, wanted, cache) -> None:
         """Make the live registry equal to ``wanted``; a running goal sees it at its next scheduling point.
 
-        Removed drafts also leave the cache now (the runtime only syncs the cache with the registry
-        inside a goal); a draft decoding now keeps running until that scheduling point."""
+        With no goal running (``cache`` given), removed drafts also leave the cache now: the runtime
+        syncs its cache with the registry only at the scheduling points of a running goal."""
         want = {e.name: e for e in wanted.entries()}
         for entry in live.entries():
             if entry.name not in want or want[entry.name] != entry:
                 live.remove(entry.name)
-                cache.remove(entry.name)
+                if cache is not None:
+                    cache.remove(entry.name)
         for name, entry in want.items():
             if name not in live:
                 live.add(entry)
@@ -466,7 +471,7 @@ class MemSpecNode(LifecycleNode):
                     self._sampling(goal), list(goal.stop), stream.on_chunk,
                     lambda: job.abort_reason is not None or gh.is_cancel_requested,
                 )
-                stream.flush()
+                stream.close()
                 stats = out.stats
                 result.text, result.finish_reason = ros_text(out.text), out.finish_reason
                 _fill_result(result, stats)
@@ -474,6 +479,7 @@ class MemSpecNode(LifecycleNode):
                     error = job.abort_reason
                     result.finish_reason = Generate.Result.FINISH_ERROR
             except Exception as exc:  # a failed goal is ABORTED with the reason, never a traceback
+                stream.close()
                 error = f"{type(exc).__name__}: {exc}"
                 result.finish_reason = Generate.Result.FINISH_ERROR
                 result.text = ros_text(stream.text)
@@ -536,7 +542,7 @@ class MemSpecNode(LifecycleNode):
         lo = self._loaded
         if lo is None or not self._active or self._cache_pub is None:
             return
-        snap = lo.controller.cache.snapshot()
+        snap = self._cache_snapshot(lo)
         key = cache_state_key(snap)
         now = time.monotonic()
         period = self.get_parameter("diagnostics.cache_state_period").value
@@ -545,6 +551,12 @@ class MemSpecNode(LifecycleNode):
         self._last_cache_key, self._last_cache_publish = key, now
         scores = lo.predictor.latest if lo.predictor is not None else {}
         self._cache_pub.publish(cache_state_msg(snap, lo.registry.entries(), scores, self.get_clock().now().to_msg()))
+
+    def _cache_snapshot(self, lo: Loaded):
+        """The cache now, counters since activation (as CacheState documents)."""
+        snap = lo.controller.cache.snapshot()
+        baseline = self._cache_baseline
+        return snap.since(baseline) if baseline is not None and self._active else snap
 
     # -- diagnostic tasks ---------------------------------------------------------------------
     def _fill_target(self, s: Status) -> None:
@@ -575,7 +587,7 @@ class MemSpecNode(LifecycleNode):
 
     def _fill_cache(self, s: Status) -> None:
         lo = self._loaded
-        snap = lo.controller.cache.snapshot() if lo is not None else None
+        snap = self._cache_snapshot(lo) if lo is not None else None
         names = lo.registry.names() if lo is not None else []
         window = self._window.combined() if len(self._window) else None
         fill_cache_status(s, snap, window, names)
@@ -630,39 +642,71 @@ def _fill_result(result: Generate.Result, stats: GenerationStats) -> None:
 
 
 class _FeedbackStream:
-    """Feedback per committed chunk, at most one message per ``period`` seconds (the rest is batched)."""
+    """Feedback per committed chunk, published off the decode thread, at most one per ``period`` s.
+
+    ``on_chunk`` (the decode thread) only appends under a lock; a per-goal thread publishes what has
+    accumulated (chunks batch up while it publishes or while ``period`` throttles), so DDS writes
+    never sit between two draft-and-verify iterations. ``close`` publishes the rest, in order,
+    before the goal's result is sent.
+    """
 
     def __init__(self, goal_handle, cache, period: float) -> None:
         self.goal_handle, self.cache, self.period = goal_handle, cache, period
-        self.text = ""
-        self.pending = ""
-        self.tokens = 0
-        self.first = 0.0
-        self.last = 0.0
+        self._cv = threading.Condition()
+        self._chunks: list[str] = []  # the whole text so far (for an aborted goal's partial result)
+        self._pending: list[str] = []
+        self._tokens = 0
+        self._first = 0.0
+        self._latest = 0.0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="memspec-feedback", daemon=True)
+        self._thread.start()
+
+    @property
+    def text(self) -> str:
+        with self._cv:
+            return "".join(self._chunks)
 
     def on_chunk(self, delta: str, token_ids: list[int]) -> None:
         now = time.perf_counter()
-        if not self.tokens:
-            self.first = now  # the first token comes from prefill; throughput counts the ones after it
-        self.tokens += len(token_ids)
-        self.text += delta
-        self.pending += delta
-        if now - self.last >= self.period:
-            self._send(now)
+        with self._cv:
+            if not self._tokens:
+                self._first = now  # the first token comes from prefill; throughput counts the ones after it
+            self._tokens += len(token_ids)
+            self._latest = now
+            self._chunks.append(delta)
+            self._pending.append(delta)
+            if len(self._pending) == 1:
+                self._cv.notify()  # wake the publisher only when it waits for text (no wake-up per chunk)
 
-    def flush(self) -> None:
-        if self.pending:
-            self._send(time.perf_counter())
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=10.0)
 
-    def _send(self, now: float) -> None:
-        elapsed = now - self.first
-        self.goal_handle.publish_feedback(Generate.Feedback(
-            delta_text=ros_text(self.pending), tokens_so_far=self.tokens,
-            tokens_per_second=(self.tokens - 1) / elapsed if elapsed > 0 and self.tokens > 1 else 0.0,
-            active_draft=self.cache.active,
-        ))
-        self.pending = ""
-        self.last = now
+    def _loop(self) -> None:
+        last = 0.0
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if not self._pending and self._closed:
+                    return
+                deadline = last + self.period
+                while not self._closed and (remaining := deadline - time.perf_counter()) > 0:
+                    self._cv.wait(timeout=remaining)  # throttled: later chunks join this message
+                delta, self._pending = "".join(self._pending), []
+                tokens, elapsed = self._tokens, self._latest - self._first
+            try:
+                self.goal_handle.publish_feedback(Generate.Feedback(
+                    delta_text=ros_text(delta), tokens_so_far=tokens,
+                    tokens_per_second=(tokens - 1) / elapsed if elapsed > 0 and tokens > 1 else 0.0,
+                    active_draft=self.cache.active,
+                ))
+            except Exception:  # the goal ended under us (shutdown): feedback is best effort
+                return
+            last = time.perf_counter()
 
 
 def _quiet_libraries() -> None:

@@ -114,7 +114,7 @@ PARAMS: tuple[Param, ...] = (
     Param("generation.top_p", 1.0, "Default nucleus sampling mass (1: no truncation).", float_range=(0.0, 1.0)),
     Param("generation.seed", -1, "Default sampling seed (-1: a fresh random seed per goal).", int_range=(-1, I64)),
     Param("action.max_queued_goals", 4, "Goals accepted but waiting while one runs; more are rejected at once.", int_range=(0, 1000)),
-    Param("action.feedback_period", 0.0, "Minimum seconds between feedback messages of a goal (0: one per committed chunk).", float_range=(0.0, 60.0)),
+    Param("action.feedback_period", 0.1, "Minimum seconds between feedback messages of a goal (0: one per committed chunk; chunks in between are merged).", float_range=(0.0, 60.0)),
     # -- diagnostics ------------------------------------------------------------------------------
     Param("diagnostic_updater.period", 1.0, "Seconds between /diagnostics publications (diagnostic_updater's parameter).", float_range=(0.01, 3600.0)),
     Param("diagnostics.hardware_id", "", "hardware_id of the diagnostic statuses (empty: the host name).", read_only=True),

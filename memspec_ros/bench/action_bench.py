@@ -1,0 +1,196 @@
+"""`memspec-bench action`: what the ROS action path costs over calling the runtime directly.
+
+One process, one set of models: a MemSpecNode (configured and activated through its lifecycle,
+spun by a MultiThreadedExecutor like `memspec_node`) serves Generate goals from an ActionClient
+over DDS on loopback; the direct path calls the same node's RuntimeController.generate with the
+same prompt. The two paths alternate prompt by prompt (and which goes first alternates per run),
+so drift on a shared machine hits both alike. The draft cache is reset per generation (the paper's
+protocol), so both paths start from the same cache state.
+
+Reported, medians over prompts x runs:
+* steady-state tokens/s (GenerationStats.tokens_per_second: decoding only; the action path pays
+  its feedback publishing, cancel checks and executor threads here);
+* end-to-end tokens/s as the caller sees it (completion tokens over the wall time from sending the
+  goal to holding the result, vs. from calling generate to its return).
+The claim to check: action / direct >= 0.97.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def workload_prompts(workloads: Path, count: int) -> list[str]:
+    """Round-robin over the domain workloads (first prompts of each), as the engine bench does."""
+    files = sorted(p for p in workloads.glob("*.jsonl") if p.stem not in ("train_prompts", "mixed"))
+    per_file = [[json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()] for f in files]
+    prompts, i = [], 0
+    while len(prompts) < count and any(i < len(p) for p in per_file):
+        prompts += [p[i] for p in per_file if i < len(p)]
+        i += 1
+    return prompts[:count] or ["def fibonacci(n):\n"]
+
+
+def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_new_tokens: int = 128,
+                     threads: int = 1, feedback_period: float = 0.1, policy: str = "memspec",
+                     progress=None) -> dict:
+
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.parameter import Parameter
+
+    from ..ros.demo import claim_domain_id
+    from ..ros.node import MemSpecNode
+    from ..runtime.speculative import SamplingConfig
+    from .tiny_zoo import build_tiny_zoo
+
+    note = ""
+    if zoo is None or not (zoo / "registry.yaml").is_file():
+        note = f"no zoo at {zoo}: generated tiny zoo (random 256x6 target, 1-layer drafts)"
+        zoo = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_bench_zoo_")))
+    texts = workload_prompts(Path(__file__).resolve().parents[2] / "models" / "workloads"
+                             if not (zoo / "workloads").is_dir() else zoo / "workloads", prompts)
+    domain, _lock = claim_domain_id()
+    os.environ["ROS_DOMAIN_ID"] = str(domain)
+    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+
+    context = Context()
+    rclpy.init(context=context)
+    overrides = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": threads,
+                 "memspec.reset_cache_per_generation": True, "memspec.policy": policy,
+                 "action.feedback_period": feedback_period, "generation.max_prompt_tokens": 4000}
+    node = MemSpecNode("memspec_bench", context=context,
+                       parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
+    executor = MultiThreadedExecutor(num_threads=4, context=context)  # as memspec_node's main()
+    executor.add_node(node)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    client = None
+    rows = []
+    try:
+        if node.trigger_configure().name != "SUCCESS" or node.trigger_activate().name != "SUCCESS":
+            raise RuntimeError(f"the node did not configure/activate: {node._configure_error}")
+        controller = node._loaded.controller
+        # the action client is its own process, as a robot's client is: its feedback handling and
+        # executor are not charged to the server's process
+        client = subprocess.Popen([sys.executable, "-m", "memspec_ros.bench.action_bench", "/memspec_bench/generate"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        if json.loads(client.stdout.readline()).get("ready") is not True:
+            raise RuntimeError("the bench client did not find the action server")
+
+        def via_action(prompt: str) -> dict:
+            client.stdin.write(json.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens}) + "\n")
+            client.stdin.flush()
+            got = json.loads(client.stdout.readline())
+            if "error" in got:
+                raise RuntimeError(f"{got['error']}: {node.last_rejection}")
+            return {"tps": got["tps"], "e2e": got["tokens"] / got["wall"], "tokens": got["tokens"], "text": got["text"]}
+
+        def direct(prompt: str) -> dict:
+            t0 = time.perf_counter()
+            out = controller.generate(prompt, max_new_tokens, SamplingConfig())
+            wall = time.perf_counter() - t0
+            return {"tps": out.stats.tokens_per_second, "e2e": out.stats.completion_tokens / wall,
+                    "tokens": out.stats.completion_tokens, "text": out.text.replace("\x00", "")}
+
+        via_action(texts[0])  # warm-up (first-touch allocations, DDS discovery of the result service)
+        direct(texts[0])
+        for run in range(runs):
+            for i, prompt in enumerate(texts):
+                order = (via_action, direct) if (run + i) % 2 == 0 else (direct, via_action)
+                got = {fn.__name__: fn(prompt) for fn in order}
+                rows.append({"run": run, "prompt": i, "action": got["via_action"], "direct": got["direct"]})
+                if progress is not None:
+                    progress.update(1)
+    finally:
+        if client is not None:
+            client.stdin.close()
+            try:
+                client.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                client.kill()
+        executor.shutdown(timeout_sec=5.0)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+
+    def med(path: str, key: str) -> float:
+        return statistics.median(r[path][key] for r in rows)
+
+    result = {
+        "zoo": str(zoo), "note": note, "prompts": len(texts), "runs": runs, "max_new_tokens": max_new_tokens,
+        "threads": threads, "policy": policy, "feedback_period": feedback_period,
+        "action_tokens_per_second_median": med("action", "tps"),
+        "direct_tokens_per_second_median": med("direct", "tps"),
+        "action_end_to_end_tokens_per_second_median": med("action", "e2e"),
+        "direct_end_to_end_tokens_per_second_median": med("direct", "e2e"),
+        "outputs_identical": all(r["action"]["text"] == r["direct"]["text"] for r in rows),
+        "per_pair_steady_state_ratio_median": statistics.median(r["action"]["tps"] / r["direct"]["tps"] for r in rows
+                                                                 if r["direct"]["tps"] > 0),
+    }
+    result["ratio_steady_state"] = result["action_tokens_per_second_median"] / result["direct_tokens_per_second_median"]
+    result["ratio_end_to_end"] = (result["action_end_to_end_tokens_per_second_median"]
+                                  / result["direct_end_to_end_tokens_per_second_median"])
+    result["rows"] = [{"run": r["run"], "prompt": r["prompt"],
+                       **{f"{p}_{k}": r[p][k] for p in ("action", "direct") for k in ("tps", "e2e", "tokens")}}
+                      for r in rows]
+    return result
+
+
+def client_main(action_name: str) -> int:
+    """The bench's action client process: one JSON request per stdin line, one JSON answer per line."""
+    import rclpy
+    from action_msgs.msg import GoalStatus
+    from rclpy.action import ActionClient
+    from rclpy.executors import SingleThreadedExecutor
+
+    from memspec_interfaces.action import Generate
+
+    rclpy.init()
+    node = rclpy.create_node("memspec_bench_client")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    client = ActionClient(node, Generate, action_name)
+
+    def spin_until(future) -> None:
+        while not future.done():
+            executor.spin_once(timeout_sec=1.0)
+
+    ready = client.wait_for_server(timeout_sec=30.0)
+    print(json.dumps({"ready": ready}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        t0 = time.perf_counter()
+        goal_future = client.send_goal_async(
+            Generate.Goal(prompt=request["prompt"], max_new_tokens=request["max_new_tokens"], temperature=0.0),
+            feedback_callback=lambda _msg: None)
+        spin_until(goal_future)
+        handle = goal_future.result()
+        if not handle.accepted:
+            print(json.dumps({"error": "goal rejected"}), flush=True)
+            continue
+        result_future = handle.get_result_async()
+        spin_until(result_future)
+        wall = time.perf_counter() - t0
+        response = result_future.result()
+        if response.status != GoalStatus.STATUS_SUCCEEDED:
+            print(json.dumps({"error": f"goal ended with status {response.status}"}), flush=True)
+            continue
+        r = response.result
+        print(json.dumps({"tps": r.tokens_per_second, "tokens": r.completion_tokens, "text": r.text, "wall": wall}),
+              flush=True)
+    node.destroy_node()
+    rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(client_main(sys.argv[1]))

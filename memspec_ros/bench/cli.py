@@ -107,6 +107,42 @@ def cmd_action(args) -> int:
     return 0 if result["outputs_identical"] and result["ratio_steady_state"] >= 0.97 else 1
 
 
+def cmd_policies(args) -> int:
+    from tqdm import tqdm
+
+    from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench
+
+    zoo = Path(args.zoo)
+    if not (zoo / "registry.yaml").is_file():
+        raise SystemExit(f"no zoo at {zoo} (registry.yaml missing): build it with `memspec-zoo build` or pass --zoo")
+    policies = args.policies.split(",") if args.policies else list(PolicyBenchConfig.policies)
+    workloads = args.workloads.split(",") if args.workloads else list(PolicyBenchConfig.workloads)
+    cfg = PolicyBenchConfig(policies=policies, workloads=workloads, prompts=args.prompts, runs=args.runs,
+                            max_new_tokens=args.max_new_tokens, capacity=args.capacity, interval=args.interval,
+                            gamma=args.gamma, load_ms_per_mb=args.load_ms_per_mb, threads=args.threads)
+    predictor = Path(args.predictor) if args.predictor else zoo / "predictor" / "target-hidden"
+    with tqdm(total=len(policies) * len(workloads) * args.prompts * args.runs, desc="policies", unit="gen") as bar:
+        result = run_policy_bench(zoo, cfg, predictor, progress=bar)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+        plot_policy_bench(result, Path(args.json).with_suffix(".png"))
+    print(text)
+    names = result["config"]["policies"]
+    print("\nsteady-state tokens/s per workload (GMEAN last):")
+    print(f"{'policy':>16} " + " ".join(f"{w:>8}" for w in result["workloads"]) + f" {'GMEAN':>8}")
+    for p in names:
+        cells = " ".join(f"{result['workloads'][w][p]['tokens_per_second']:8.1f}" for w in result["workloads"])
+        print(f"{p:>16} {cells} {result['gmean_tokens_per_second'][p]:8.1f}")
+    for key, value in result["ratios"].items():
+        print(f"{key}: {value:.3f}")
+    if result["config"]["skipped_policies"]:
+        print(f"skipped (no trained predictor at {predictor}): {', '.join(result['config']['skipped_policies'])}")
+    print(f"lossless (every output equals the target's greedy output): {result['lossless']}")
+    return 0 if result["lossless"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--feedback-period", type=float, default=0.1, help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)")
     act.add_argument("--policy", default="memspec", help="memspec.policy (default memspec)")
     act.set_defaults(func=cmd_action)
+    pol = sub.add_parser("policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)")
+    pol.add_argument("--json", help="write the result JSON here (and a bar chart PNG beside it)")
+    pol.add_argument("--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled zoo)")
+    pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
+    pol.add_argument("--policies", help="comma-separated subset (default: all seven)")
+    pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")
+    pol.add_argument("--prompts", type=int, default=4, help="prompts per workload (default 4; the paper: 100)")
+    pol.add_argument("--runs", type=int, default=1, help="repetitions (default 1; the paper: 3)")
+    pol.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    pol.add_argument("--capacity", type=int, default=2, help="K, drafts resident at once (default 2)")
+    pol.add_argument("--interval", type=int, default=4, help="N, iterations between scheduling points (default 4)")
+    pol.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
+    pol.add_argument("--load-ms-per-mb", type=float, default=25.0,
+                     help="emulated storage: extra load time per MB of draft weights (default 25; 0: page cache speed)")
+    pol.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    pol.set_defaults(func=cmd_policies)
     return parser
 
 

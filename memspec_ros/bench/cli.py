@@ -143,48 +143,45 @@ def cmd_policies(args) -> int:
     return 0 if result["lossless"] else 1
 
 
+def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_help: str,
+                      zoo_help: str = "", threads_help: str = "") -> None:
+    """The options every benchmark shares, with its own defaults."""
+    parser.add_argument("--json", help="write the result JSON here")
+    parser.add_argument("--zoo", default=str(DEFAULT_ZOO),
+                        help=f"zoo directory with registry.yaml (default: the bundled zoo{zoo_help})")
+    parser.add_argument("--prompts", type=int, default=prompts, help=f"{prompts_help} (default {prompts})")
+    parser.add_argument("--runs", type=int, default=runs, help=f"repetitions; medians are reported (default {runs})")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128, the paper's)")
+    parser.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default {threads}{threads_help})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     eng = sub.add_parser("engine", help="target-only vs transformers assisted generation vs this engine")
-    eng.add_argument("--json", help="write the result JSON here")
-    eng.add_argument("--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled zoo)")
+    _common_arguments(eng, prompts=12, runs=3, threads=2, prompts_help="number of prompts, spread over the workloads")
     eng.add_argument("--draft", default="general", help="draft name from the zoo registry (default: general)")
     eng.add_argument("--target", help="target model directory (overrides the zoo; needs --draft-path)")
     eng.add_argument("--draft-path", help="draft model directory, with --target")
     eng.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
-    eng.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128, the paper's)")
-    eng.add_argument("--prompts", type=int, default=12, help="number of prompts, spread over the workloads (default 12)")
-    eng.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported (default 3)")
-    eng.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32: fastest on CPU)")
     eng.set_defaults(func=cmd_engine)
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
-    act.add_argument("--json", help="write the result JSON here")
-    act.add_argument("--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled"
-                     " zoo; a generated tiny zoo when it is missing)")
-    act.add_argument("--prompts", type=int, default=10, help="prompts, round-robin over the workloads (default 10)")
-    act.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported (default 3)")
-    act.add_argument("--max-new-tokens", type=int, default=128, help="tokens per goal (default 128, the paper's)")
-    act.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: best on a busy 2-core CPU)")
+    _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",
+                      zoo_help="; a generated tiny zoo when it is missing", threads_help=": best on a busy 2-core CPU")
     act.add_argument("--feedback-period", type=float, default=0.1, help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)")
     act.add_argument("--policy", default="memspec", help="memspec.policy (default memspec)")
     act.set_defaults(func=cmd_action)
     pol = sub.add_parser("policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)")
-    pol.add_argument("--json", help="write the result JSON here (and a bar chart PNG beside it)")
-    pol.add_argument("--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled zoo)")
+    _common_arguments(pol, prompts=4, runs=1, threads=2, prompts_help="prompts per workload (the paper: 100)")
     pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
     pol.add_argument("--policies", help="comma-separated subset (default: all seven)")
     pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")
-    pol.add_argument("--prompts", type=int, default=4, help="prompts per workload (default 4; the paper: 100)")
-    pol.add_argument("--runs", type=int, default=1, help="repetitions (default 1; the paper: 3)")
-    pol.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     pol.add_argument("--capacity", type=int, default=2, help="K, drafts resident at once (default 2)")
     pol.add_argument("--interval", type=int, default=4, help="N, iterations between scheduling points (default 4)")
     pol.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
     pol.add_argument("--load-ms-per-mb", type=float, default=25.0,
                      help="emulated storage: extra load time per MB of draft weights (default 25; 0: page cache speed)")
-    pol.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     pol.set_defaults(func=cmd_policies)
     return parser
 

@@ -45,6 +45,9 @@ def test_every_transition_through_the_services_and_cleanup_frees_the_models(harn
 
     assert h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.state() == "active"
+    # a transition the state does not have is refused (rclpy alone would raise out of the service)
+    assert not h.transition(Transition.TRANSITION_CLEANUP)
+    assert h.state() == "active"
     handle, _ = h.send(goal(max_new_tokens=16))
     assert handle.accepted
     response = h.result(handle)

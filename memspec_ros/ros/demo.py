@@ -110,6 +110,16 @@ def transition(executor, node, name: str, transition_id: int, timeout: float) ->
         node.destroy_client(client)
 
 
+def get_state(executor, node, name: str, timeout: float) -> str:
+    from lifecycle_msgs.srv import GetState
+
+    client = node.create_client(GetState, f"/{name}/get_state")
+    try:
+        return call(executor, client, GetState.Request(), timeout).current_state.label
+    finally:
+        node.destroy_client(client)
+
+
 def print_diagnostics(array) -> None:
     for status in array.status:
         level = LEVELS.get(status.level[0] if isinstance(status.level, bytes) else status.level, "?")
@@ -131,6 +141,11 @@ def run(args) -> int:
         build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
         zoo = tiny
     overrides["drafts.registry_file"] = str(zoo / "registry.yaml")
+    for item in args.param or []:
+        key, sep, value = item.partition(":=")
+        if not sep:
+            raise SystemExit(f"--param wants NAME:=VALUE, got {item!r}")
+        overrides[key] = value
     domain, _lock = claim_domain_id()
     os.environ["ROS_DOMAIN_ID"] = str(domain)
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
@@ -185,13 +200,16 @@ def run(args) -> int:
         failed = str(exc)
     finally:
         if proc.poll() is None:
-            for _label, tid in (("deactivate", Transition.TRANSITION_DEACTIVATE), ("cleanup", Transition.TRANSITION_CLEANUP),
-                               ("shutdown", Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)):
-                try:
-                    transition(executor, node, NODE_NAME, tid, 15.0)
-                except Exception:
-                    pass  # a transition that is not valid in the current state; the process stop follows
-            say("node deactivated, cleaned up and shut down; stopping the process")
+            steps = {"active": Transition.TRANSITION_DEACTIVATE, "inactive": Transition.TRANSITION_CLEANUP,
+                     "unconfigured": Transition.TRANSITION_UNCONFIGURED_SHUTDOWN}
+            try:
+                for _ in range(3):  # down from wherever the node is: deactivate, cleanup, shutdown
+                    label = get_state(executor, node, NODE_NAME, 10.0)
+                    if label not in steps or not transition(executor, node, NODE_NAME, steps[label], 15.0):
+                        break
+                say(f"node brought down to {get_state(executor, node, NODE_NAME, 10.0)}; stopping the process")
+            except Exception as exc:
+                say(f"could not bring the node down through its lifecycle ({exc}); stopping the process")
         code = stop_process(proc)
         node.destroy_node()
         rclpy.try_shutdown()
@@ -224,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("MEMSPEC_THREADS", "1")),
                         help="torch CPU threads of the node (default 1: fastest on a busy 2-core machine)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds allowed for configure")
+    parser.add_argument("--param", action="append", metavar="NAME:=VALUE",
+                        help="extra node parameter (repeatable), e.g. --param memspec.capacity:=3")
     args = parser.parse_args(argv)
     try:
         from transformers.utils import logging as hf_logging

@@ -112,6 +112,7 @@ class MemSpecNode(LifecycleNode):
         super().__init__(node_name, **kwargs)
         P.declare_all(self)
         self.add_on_set_parameters_callback(self._on_set_parameters)
+        self._guard_change_state()
         self._group = ReentrantCallbackGroup()
         self._loaded: Loaded | None = None
         self._active = False
@@ -209,6 +210,27 @@ class MemSpecNode(LifecycleNode):
         self._release()
         self.get_logger().error("error processed: models freed, back to unconfigured")
         return TransitionCallbackReturn.SUCCESS
+
+    def _guard_change_state(self) -> None:
+        """rclpy raises out of the ChangeState service for a transition the current state does not
+        have (``ros2 lifecycle set /memspec cleanup`` while active), which would end the node: answer
+        success=False with a log line instead, as rclcpp does."""
+        service = getattr(self, "_service_change_state", None)
+        if service is None:
+            return
+        handler = service.callback
+
+        def guarded(request, response):
+            try:
+                return handler(request, response)
+            except Exception as exc:
+                self.get_logger().warning(
+                    f"transition {request.transition.label or request.transition.id} refused in state"
+                    f" {self.lifecycle_state}: {exc}")
+                response.success = False
+                return response
+
+        service.callback = guarded
 
     @property
     def lifecycle_state(self) -> str:
@@ -727,9 +749,13 @@ def main(args: list[str] | None = None) -> None:
     executor = MultiThreadedExecutor(num_threads=4)
     executor.add_node(node)
     try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
+        while rclpy.ok():
+            try:
+                executor.spin()
+            except (KeyboardInterrupt, ExternalShutdownException):
+                break
+            except Exception as exc:  # a failing callback is logged, never the end of the node
+                node.get_logger().error(f"a callback failed: {type(exc).__name__}: {exc}")
     finally:
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()

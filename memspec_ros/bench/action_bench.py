@@ -41,16 +41,9 @@ def workload_prompts(workloads: Path, count: int) -> list[str]:
 
 def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_new_tokens: int = 128,
                      threads: int = 1, feedback_period: float = 0.1, policy: str = "memspec",
-                     progress=None) -> dict:
-
-    import rclpy
-    from rclpy.context import Context
-    from rclpy.executors import MultiThreadedExecutor
-    from rclpy.parameter import Parameter
+                     predictor: str = "", domain_id: int | None = None, progress=None) -> dict:
 
     from ..ros.demo import claim_domain_id
-    from ..ros.node import MemSpecNode
-    from ..runtime.speculative import SamplingConfig
     from .tiny_zoo import build_tiny_zoo
 
     note = ""
@@ -59,15 +52,61 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
         zoo = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_bench_zoo_")))
     texts = workload_prompts(Path(__file__).resolve().parents[2] / "models" / "workloads"
                              if not (zoo / "workloads").is_dir() else zoo / "workloads", prompts)
-    domain, _lock = claim_domain_id()
-    os.environ["ROS_DOMAIN_ID"] = str(domain)
+    if domain_id is None:
+        domain_id, _lock = claim_domain_id()
+    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")}
+    os.environ["ROS_DOMAIN_ID"] = str(domain_id)  # read by rclpy.init and the client process
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    try:
+        rows = _pairs(zoo, texts, runs, max_new_tokens, threads, feedback_period, policy, predictor, progress)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def med(path: str, key: str) -> float:
+        return statistics.median(r[path][key] for r in rows)
+
+    result = {
+        "zoo": str(zoo), "note": note, "prompts": len(texts), "runs": runs, "max_new_tokens": max_new_tokens,
+        "threads": threads, "policy": policy, "feedback_period": feedback_period,
+        "action_tokens_per_second_median": med("action", "tps"),
+        "direct_tokens_per_second_median": med("direct", "tps"),
+        "action_end_to_end_tokens_per_second_median": med("action", "e2e"),
+        "direct_end_to_end_tokens_per_second_median": med("direct", "e2e"),
+        "outputs_identical": all(r["action"]["text"] == r["direct"]["text"] for r in rows),
+        "per_pair_steady_state_ratio_median": statistics.median(r["action"]["tps"] / r["direct"]["tps"] for r in rows
+                                                                 if r["direct"]["tps"] > 0),
+    }
+    result["ratio_steady_state"] = result["action_tokens_per_second_median"] / result["direct_tokens_per_second_median"]
+    result["ratio_end_to_end"] = (result["action_end_to_end_tokens_per_second_median"]
+                                  / result["direct_end_to_end_tokens_per_second_median"])
+    result["rows"] = [{"run": r["run"], "prompt": r["prompt"],
+                       **{f"{p}_{k}": r[p][k] for p in ("action", "direct") for k in ("tps", "e2e", "tokens")}}
+                      for r in rows]
+    return result
+
+
+def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads: int, feedback_period: float,
+           policy: str, predictor: str, progress) -> list[dict]:
+    """The interleaved (action, direct) pairs, with the node and the client process up for their duration."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.parameter import Parameter
+
+    from ..ros.node import MemSpecNode
+    from ..runtime.speculative import SamplingConfig
 
     context = Context()
     rclpy.init(context=context)
     overrides = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": threads,
                  "memspec.reset_cache_per_generation": True, "memspec.policy": policy,
                  "action.feedback_period": feedback_period, "generation.max_prompt_tokens": 4000}
+    if predictor:
+        overrides["predictor.path"] = predictor
     node = MemSpecNode("memspec_bench", context=context,
                        parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
     executor = MultiThreadedExecutor(num_threads=4, context=context)  # as memspec_node's main()
@@ -84,13 +123,17 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
         # executor are not charged to the server's process
         client = subprocess.Popen([sys.executable, "-m", "memspec_ros.bench.action_bench", "/memspec_bench/generate"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        if json.loads(client.stdout.readline()).get("ready") is not True:
+        first = client.stdout.readline()
+        if not first or json.loads(first).get("ready") is not True:
             raise RuntimeError("the bench client did not find the action server")
 
         def via_action(prompt: str) -> dict:
             client.stdin.write(json.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens}) + "\n")
             client.stdin.flush()
-            got = json.loads(client.stdout.readline())
+            line = client.stdout.readline()
+            if not line:
+                raise RuntimeError("the bench client process ended")
+            got = json.loads(line)
             if "error" in got:
                 raise RuntimeError(f"{got['error']}: {node.last_rejection}")
             return {"tps": got["tps"], "e2e": got["tokens"] / got["wall"], "tokens": got["tokens"], "text": got["text"]}
@@ -121,28 +164,7 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
         executor.shutdown(timeout_sec=5.0)
         node.destroy_node()
         rclpy.try_shutdown(context=context)
-
-    def med(path: str, key: str) -> float:
-        return statistics.median(r[path][key] for r in rows)
-
-    result = {
-        "zoo": str(zoo), "note": note, "prompts": len(texts), "runs": runs, "max_new_tokens": max_new_tokens,
-        "threads": threads, "policy": policy, "feedback_period": feedback_period,
-        "action_tokens_per_second_median": med("action", "tps"),
-        "direct_tokens_per_second_median": med("direct", "tps"),
-        "action_end_to_end_tokens_per_second_median": med("action", "e2e"),
-        "direct_end_to_end_tokens_per_second_median": med("direct", "e2e"),
-        "outputs_identical": all(r["action"]["text"] == r["direct"]["text"] for r in rows),
-        "per_pair_steady_state_ratio_median": statistics.median(r["action"]["tps"] / r["direct"]["tps"] for r in rows
-                                                                 if r["direct"]["tps"] > 0),
-    }
-    result["ratio_steady_state"] = result["action_tokens_per_second_median"] / result["direct_tokens_per_second_median"]
-    result["ratio_end_to_end"] = (result["action_end_to_end_tokens_per_second_median"]
-                                  / result["direct_end_to_end_tokens_per_second_median"])
-    result["rows"] = [{"run": r["run"], "prompt": r["prompt"],
-                       **{f"{p}_{k}": r[p][k] for p in ("action", "direct") for k in ("tps", "e2e", "tokens")}}
-                      for r in rows]
-    return result
+    return rows
 
 
 def client_main(action_name: str) -> int:

@@ -89,7 +89,7 @@ def cmd_action(args) -> int:
     with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar:
         result = run_action_bench(zoo, prompts=args.prompts, runs=args.runs, max_new_tokens=args.max_new_tokens,
                                   threads=args.threads, feedback_period=args.feedback_period, policy=args.policy,
-                                  progress=bar)
+                                  predictor=args.predictor or "", progress=bar)
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                       zoo_help="; a generated tiny zoo when it is missing", threads_help=": best on a busy 2-core CPU")
     act.add_argument("--feedback-period", type=float, default=0.1, help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)")
     act.add_argument("--policy", default="memspec", help="memspec.policy (default memspec)")
+    act.add_argument("--predictor", help="predictor.path (default: the zoo's predictor/)")
     act.set_defaults(func=cmd_action)
     pol = sub.add_parser("policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)")
     _common_arguments(pol, prompts=4, runs=1, threads=2, prompts_help="prompts per workload (the paper: 100)")

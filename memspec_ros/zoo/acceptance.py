@@ -148,7 +148,7 @@ def plot_matrix(result: dict, path: Path) -> None:
 
     matrix = result["matrix"]
     drafts = list(matrix)
-    workloads = list(WORKLOADS)
+    workloads = [w for w in drafts if w in WORKLOADS] + [w for w in WORKLOADS if w not in drafts]  # diagonal = own domain
     data = [[matrix[d][w] for w in workloads] for d in drafts]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     im = ax.imshow(data, cmap="viridis", aspect="auto")

@@ -88,8 +88,10 @@ def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int 
             "latency_ms_5tok": forward_latency_ms(m, new_tokens=5),
             "train_steps": meta.get("step"),
             "train_minutes": round(meta.get("elapsed_s", 0) / 60, 1),
+            "train_seconds": meta.get("elapsed_s", 0),
             "train_tokens": (meta.get("step") or 0) * meta.get("config", {}).get("batch_size", 0) * meta.get("config", {}).get("seq_len", 0),
             "final_loss": meta.get("final_loss"),
+            "train_config": meta.get("config", {}),
             "perplexity": {d: perplexity(m, heldout[d], max_tokens=ppl_tokens) for d in DOMAINS},
         }
         print(name, out["models"][name], flush=True)
@@ -103,7 +105,7 @@ def _fmt_pct(x: float) -> str:
     return f"{x:+.0%}"
 
 
-def render(m: dict, acc: dict | None) -> str:
+def render(m: dict, acc: dict | None, notes: str = "") -> str:
     t = m["models"]["target"]
     d0 = m["models"]["general"]
     L = [
@@ -175,7 +177,7 @@ def render(m: dict, acc: dict | None) -> str:
             "",
             "### Goals",
             "",
-            f"* each domain draft beats `general` on its own domain by >= 25%: "
+            "* each domain draft beats `general` on its own domain by >= 25%: "
             + ", ".join(f"{d} {_fmt_pct(g)}" for d, g in own.items())
             + f" -> {'met' if all(g >= 0.25 for g in own.values()) else 'NOT met for ' + ', '.join(d for d, g in own.items() if g < 0.25)}",
             f"* ... and loses to it on the other domains: {'met' if loses else 'not everywhere (see table)'}",
@@ -212,11 +214,29 @@ def render(m: dict, acc: dict | None) -> str:
         L.append(f"| {d} | {src} | {lic} | {s.get('train_tokens', 0) / 1e6:.2f} M | {s.get('heldout_tokens', 0) / 1e6:.2f} M |")
     if "mixed" in data:
         L.append(f"| mixed | interleaved training segments | as above | {data['mixed']['train_tokens'] / 1e6:.2f} M | - |")
+    L += [
+        "",
+        "## Build as run",
+        "",
+        "| model | budget (min) | steps | s/step | batch x seq | peak lr | loss |",
+        "|---|---:|---:|---:|---|---:|---|",
+    ]
+    for name, r in m["models"].items():
+        c = r.get("train_config") or {}
+        steps = r["train_steps"] or 0
+        L.append(
+            f"| {name} | {c.get('max_minutes')} | {steps} | {r.get('train_seconds', 0) / max(steps, 1):.2f} | "
+            f"{c.get('batch_size')} x {c.get('seq_len')} | {c.get('lr')} | {'CE' if name == 'target' else 'KL from target'} |"
+        )
+    if notes:
+        L += ["", notes.strip()]
     L += ["", "## Reproduce", "", "```", "pip install -r requirements-zoo.txt", "memspec-zoo build            # resumable; work dir artifacts/zoo-build", "memspec-zoo acceptance --json artifacts/acceptance.json", "memspec-zoo card --acceptance-json artifacts/acceptance.json", "```", ""]
     return "\n".join(L)
 
 
-def write_card(models_dir: Path, work_dir: Path, acceptance_json: Path | None, threads: int = 2) -> Path:
+def write_card(
+    models_dir: Path, work_dir: Path, acceptance_json: Path | None, threads: int = 2, notes_file: Path | None = None
+) -> Path:
     cache = work_dir / "card_measurements.json"
     if cache.exists() and cache.stat().st_mtime > (models_dir / "registry.yaml").stat().st_mtime:
         m = json.loads(cache.read_text())
@@ -225,5 +245,6 @@ def write_card(models_dir: Path, work_dir: Path, acceptance_json: Path | None, t
         cache.write_text(json.dumps(m, indent=1))
     acc = json.loads(acceptance_json.read_text()) if acceptance_json else None
     out = models_dir / "MODEL_CARD.md"
-    out.write_text(render(m, acc))
+    notes = notes_file.read_text() if notes_file else ""
+    out.write_text(render(m, acc, notes))
     return out

@@ -92,12 +92,19 @@ def _card_parser(sub) -> None:
     p.add_argument("--work-dir", default="artifacts/zoo-build")
     p.add_argument("--acceptance-json", default=None)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--notes", default=None, help="markdown appended to the 'Build as run' section")
 
 
 def _run_card(a) -> int:
     from .card import write_card
 
-    write_card(Path(a.models), Path(a.work_dir), Path(a.acceptance_json) if a.acceptance_json else None, a.threads)
+    write_card(
+        Path(a.models),
+        Path(a.work_dir),
+        Path(a.acceptance_json) if a.acceptance_json else None,
+        a.threads,
+        Path(a.notes) if a.notes else None,
+    )
     return 0
 
 

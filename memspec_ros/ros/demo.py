@@ -130,7 +130,7 @@ def print_diagnostics(array) -> None:
 
 def run(args) -> int:
     from ..bench.tiny_zoo import build_tiny_zoo
-    from .params import default_zoo_dir
+    from .params import default_zoo_dir, find_predictor
 
     zoo = Path(args.zoo) if args.zoo else default_zoo_dir()
     overrides: dict[str, str] = {"model.threads": str(args.threads)}
@@ -141,6 +141,10 @@ def run(args) -> int:
         build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
         zoo = tiny
     overrides["drafts.registry_file"] = str(zoo / "registry.yaml")
+    if not find_predictor(zoo / "predictor"):
+        say(f"the zoo has no trained predictor ({zoo / 'predictor'}; train one with memspec-train-predictor):"
+            " running policy general-static instead of memspec")
+        overrides["memspec.policy"] = "general-static"
     for item in args.param or []:
         key, sep, value = item.partition(":=")
         if not sep:

@@ -172,17 +172,22 @@ def evaluate(head: RankingHead, features: torch.Tensor, labels: torch.Tensor) ->
     return {"top1": top1, "top2": top2, "contexts": int(len(labels))}
 
 
-def read_prompts(path: str | Path, limit: int = 0) -> list[dict]:
+def read_prompts(path: str | Path, limit: int = 0, seed: int | None = None) -> list[dict]:
+    """JSON-lines prompts; with ``limit`` the first N, or a seeded random N (file order kept) when
+    ``seed`` is given, so a subset of a domain-sorted file still covers every domain."""
     rows = []
     with open(path) as handle:
         for line in handle:
             line = line.strip()
             if line:
                 rows.append(json.loads(line))
-                if limit and len(rows) >= limit:
-                    break
     if not rows:
         raise ValueError(f"{path} has no prompts: expected JSON lines with a 'prompt' field")
+    if limit and limit < len(rows):
+        if seed is None:
+            return rows[:limit]
+        keep = sorted(random.Random(seed).sample(range(len(rows)), limit))
+        return [rows[i] for i in keep]
     return rows
 
 
@@ -198,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(target_path)
     target = load_model(ModelSpec(str(target_path))).model
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
-    rows = read_prompts(args.prompts, args.max_prompts)
+    rows = read_prompts(args.prompts, args.max_prompts, seed=args.seed)
     prompts = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-args.max_prompt_tokens:] for r in rows]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     t0 = time.perf_counter()
@@ -265,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training prompts, JSON lines with 'prompt' (disjoint from every evaluation workload)")
     p.add_argument("--out", default="models/predictor", help="writes <out>/<encoder>/ and <out>/report.json")
     p.add_argument("--encoders", nargs="+", default=list(ENCODERS), choices=ENCODERS)
-    p.add_argument("--max-prompts", type=int, default=0, help="0: all")
+    p.add_argument("--max-prompts", type=int, default=0, help="0: all; else a seeded random subset")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=4)

@@ -157,3 +157,20 @@ def test_action_bench_runs_both_paths_with_identical_outputs(ros_domain_id):
     assert len(result["rows"]) == 2 and all(r["action_tokens"] == r["direct_tokens"] == 8 for r in result["rows"])
     assert result["ratio_steady_state"] > 0 and result["ratio_end_to_end"] > 0
     assert os.environ["ROS_DOMAIN_ID"] == str(ros_domain_id)
+
+
+@pytest.mark.timeout(240)
+def test_demo_runs_end_to_end_and_leaves_no_process(ros_domain_id):
+    """`make demo`'s script on the tiny zoo: exit 0, streamed text, statistics, diagnostics, clean stop."""
+    env = {**os.environ, "MEMSPEC_DEMO_DOMAIN_ID": str(ros_domain_id)}
+    done = subprocess.run([sys.executable, "-m", "memspec_ros.ros.demo", "--zoo", str(tiny_zoo()), "--max-new-tokens", "8",
+                           "--prompt", "def add(a, b):"], capture_output=True, text=True, timeout=200, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    for expected in ("configured in", "finish: length", "generated 8 tok", "/diagnostics snapshot",
+                     "memspec: draft cache", "memspec: throughput", "node brought down to finalized",
+                     "node process exited cleanly"):
+        assert expected in out, expected
+    assert "Traceback" not in out + done.stderr
+    leftover = subprocess.run(["pgrep", "-f", f"memspec_ros.ros.node.*{tiny_zoo()}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "the demo left a node process behind"

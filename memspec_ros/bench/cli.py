@@ -101,6 +101,8 @@ def cmd_action(args) -> int:
         f" {result['direct_tokens_per_second_median']:.1f} | ratio {result['ratio_steady_state']:.3f} (goal >= 0.97)"
         f"\nend-to-end tok/s (median):   action {result['action_end_to_end_tokens_per_second_median']:.1f} | direct"
         f" {result['direct_end_to_end_tokens_per_second_median']:.1f} | ratio {result['ratio_end_to_end']:.3f}"
+        f"\nmedian of per-pair steady-state ratios (robust to load bursts on a shared machine):"
+        f" {result['per_pair_steady_state_ratio_median']:.3f}"
         f"\noutputs identical: {result['outputs_identical']} | {result['prompts']} prompts x {result['runs']} runs,"
         f" {result['max_new_tokens']} tokens, policy {result['policy']}, zoo {result['zoo']}"
     )

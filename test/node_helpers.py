@@ -43,6 +43,7 @@ class Harness:
 
     def __init__(self, context, name: str = "memspec", overrides: dict | None = None) -> None:
         import rclpy
+        import torch
         from lifecycle_msgs.srv import ChangeState, GetState
         from rcl_interfaces.srv import GetParameters, SetParameters
         from rclpy.action import ActionClient
@@ -52,6 +53,7 @@ class Harness:
         from memspec_interfaces.action import Generate
         from memspec_ros.ros.node import MemSpecNode
 
+        self._torch_threads = torch.get_num_threads()  # model.threads changes it process-wide: restored in close()
         self.name = name
         params = [Parameter(k, value=v) for k, v in (overrides or {}).items()]
         self.node = MemSpecNode(name, context=context, parameter_overrides=params)
@@ -149,9 +151,12 @@ class Harness:
         return self.wait(handle.get_result_async(), timeout, "the goal result")
 
     def close(self) -> None:
+        import torch
+
         self.executor.shutdown(timeout_sec=5.0)
         self.node.destroy_node()
         self.client.destroy_node()
+        torch.set_num_threads(self._torch_threads)
 
 
 def goal(prompt: str = "def add(a, b):", max_new_tokens: int = 24, **kwargs):

@@ -150,9 +150,15 @@ def test_the_node_executable_with_a_params_file(tmp_path):
 @pytest.mark.timeout(240)
 def test_action_bench_runs_both_paths_with_identical_outputs(ros_domain_id):
     """A smoke run of `memspec-bench action` (the speed claim lives in the benchmark, not here)."""
+    import torch
+
     from memspec_ros.bench.action_bench import run_action_bench
 
-    result = run_action_bench(tiny_zoo(), prompts=2, runs=1, max_new_tokens=8, domain_id=ros_domain_id)
+    threads = torch.get_num_threads()
+    try:
+        result = run_action_bench(tiny_zoo(), prompts=2, runs=1, max_new_tokens=8, domain_id=ros_domain_id)
+    finally:
+        torch.set_num_threads(threads)
     assert result["outputs_identical"]
     assert len(result["rows"]) == 2 and all(r["action_tokens"] == r["direct_tokens"] == 8 for r in result["rows"])
     assert result["ratio_steady_state"] > 0 and result["ratio_end_to_end"] > 0

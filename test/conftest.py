@@ -17,7 +17,14 @@ that is a failure. Nothing here imports rclpy unless a ROS fixture is used.
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# The test models are tiny: one torch thread runs them fastest, and on a busy 2-core machine
+# spinning OpenMP waits made two-thread runs up to 40x slower. Set before any test imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 from ros_helpers import claim_ros_domain_id, isolate_ros_environment, require_ros
 
 ROS_DOMAIN_ID = claim_ros_domain_id()

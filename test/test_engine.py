@@ -212,7 +212,7 @@ def test_acceptance_rule_reproduces_target_distribution():
 
 def test_sampled_generation_matches_target_distribution():
     """Joint distribution of the generated tokens 2-4 equals the target's exact one."""
-    vocab = 6
+    vocab = 5
     target = tiny_llama(vocab_size=vocab, hidden=32, seed=7, init_range=0.3)
     draft = tiny_llama(vocab_size=vocab, hidden=32, layers=1, seed=8, init_range=0.3)
     sampling_kwargs = dict(temperature=0.8, top_p=0.9)
@@ -230,7 +230,7 @@ def test_sampled_generation_matches_target_distribution():
             exact[seq] = prob
     counts: Counter = Counter()
     n = 0
-    for seed in range(6000):
+    for seed in range(3500):
         session = generate(target, prompt, draft, gamma=2, max_new_tokens=4,
                            sampling=SamplingConfig(seed=seed, **sampling_kwargs))
         ids = session.generated_ids
@@ -238,6 +238,6 @@ def test_sampled_generation_matches_target_distribution():
             continue
         counts[tuple(ids[1:])] += 1
         n += 1
-    assert n > 1000
+    assert n > 800
     stat, dof = _chi2_ok(counts, exact, n)
     assert stat < _chi2_critical(dof), (stat, dof)

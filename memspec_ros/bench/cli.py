@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     eng = sub.add_parser("engine", help="target-only vs transformers assisted generation vs this engine")
-    _common_arguments(eng, prompts=12, runs=3, threads=2, prompts_help="number of prompts, spread over the workloads")
+    _common_arguments(eng, prompts=12, runs=3, threads=1, prompts_help="number of prompts, spread over the workloads",
+                      threads_help=": small models on a shared 2-core CPU run fastest on one")
     eng.add_argument("--draft", default="general", help="draft name from the zoo registry (default: general)")
     eng.add_argument("--target", help="target model directory (overrides the zoo; needs --draft-path)")
     eng.add_argument("--draft-path", help="draft model directory, with --target")
@@ -176,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--predictor", help="predictor.path (default: the zoo's predictor/)")
     act.set_defaults(func=cmd_action)
     pol = sub.add_parser("policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)")
-    _common_arguments(pol, prompts=4, runs=1, threads=2, prompts_help="prompts per workload (the paper: 100)")
+    _common_arguments(pol, prompts=4, runs=1, threads=1, prompts_help="prompts per workload (the paper: 100)")
     pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
     pol.add_argument("--policies", help="comma-separated subset (default: all seven)")
     pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")

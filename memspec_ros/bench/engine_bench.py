@@ -27,7 +27,7 @@ class EngineBenchConfig:
     max_new_tokens: int = 128
     runs: int = 3
     prompts: int = 12
-    threads: int = 2
+    threads: int = 1
     draft: str = "general"
 
 

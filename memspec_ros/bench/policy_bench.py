@@ -49,7 +49,7 @@ class PolicyBenchConfig:
     gamma: int = 4
     recent_tokens: int = 32
     load_ms_per_mb: float = 25.0
-    threads: int = 2
+    threads: int = 1
 
 
 @dataclass

@@ -28,7 +28,7 @@ def test_gptq_int4_target_is_lossless_through_the_engine(tmp_path):
     env.pop("PYTHONHOME", None)
     proc = subprocess.run(
         [str(GPTQ_PYTHON), "-m", "memspec_ros.runtime.gptq", "selftest", "--workdir", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,  # GPT-QModel writes logs/ to cwd
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("SELFTEST ")]
     assert lines, f"selftest printed no report (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -19,9 +19,9 @@ import os
 import random
 import re
 import sysconfig
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable, Iterable, Iterator
 
 DOMAINS: tuple[str, ...] = ("general", "code", "math", "law", "medical")
 """Draft names and single-domain workload names, in the order used everywhere."""
@@ -133,7 +133,7 @@ def _chunks(domain: str, doc_id: str, text: str, chunk_chars: int) -> Iterator[D
 
 def _read(path: str) -> str | None:
     try:
-        with open(path, "r", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             return f.read()
     except (UnicodeDecodeError, OSError):
         return None

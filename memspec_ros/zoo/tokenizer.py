@@ -9,9 +9,9 @@ ever occurs, so any prompt a user sends is encodable.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from .corpora import Document
 

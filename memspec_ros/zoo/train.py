@@ -181,6 +181,7 @@ def train(
         log(f"{desc}: already trained ({meta['step']} steps), skipping")
         return meta
     step, elapsed, total = meta["step"], meta["elapsed_s"], meta["total"]
+    meta_start, t_first = step, time.time()
     budget_s = cfg.max_minutes * 60
     bar = tqdm(total=total, initial=step, desc=desc, mininterval=5, dynamic_ncols=True)
     t0 = time.time() - elapsed
@@ -210,10 +211,12 @@ def train(
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
-        if step == cfg.warmup_steps and cfg.max_minutes < 1e6:
+        if step == 2:
+            t_first = time.time()  # steps 1-2 include allocator/thread warm-up: time from here
+        if step == max(cfg.warmup_steps, 6) and cfg.max_minutes < 1e6 and meta_start == 0:
             # fit the cosine horizon to the time budget, measured on this machine
-            per_step = (time.time() - t0) / step
-            total = min(cfg.max_steps, int(budget_s / per_step * 0.97))
+            per_step = (time.time() - t_first) / (step - 2)
+            total = min(cfg.max_steps, step + int((budget_s - (time.time() - t0)) / per_step * 0.97))
             bar.total = total
             log(f"{desc}: {per_step:.2f} s/step -> cosine horizon {total} steps")
         if step % 50 == 0:

@@ -1,9 +1,9 @@
 # memspec_ros developer entry points (this Debian 12 / Python 3.11 machine, ROS 2 from PyPI wheels).
-#   make setup   .venv + ROS 2 Jazzy wheels + Python libraries + colcon build (idempotent, fast when unchanged)
+#   make setup   .venv + ROS 2 Jazzy wheels + Python libraries + colcon build + .venv-gptq (idempotent, fast when unchanged)
 #   make build   the same steps; FORCE=1 redoes the colcon build even when nothing changed
 #   make lint    ruff over the whole tree
-#   make test    setup if needed, build, lint, then the whole pytest suite
-#   make clean   remove build/ install/ log/      make distclean   ... and .venv
+#   make test    setup if needed (.venv-gptq too), build, lint, then the whole pytest suite
+#   make clean   remove build/ install/ log/      make distclean   ... and .venv, .venv-gptq
 #   make demo    the node on the bundled zoo: configure, activate, one streamed goal, /diagnostics, clean stop
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -15,7 +15,7 @@ SETUP_FLAGS := $(if $(FORCE),--force,)
 # pytest's own exit codes pass through: 5 ("no tests collected") fails the target like any other.
 PYTEST_ARGS ?=
 
-.PHONY: help setup deps build lint test demo clean distclean
+.PHONY: help setup deps build gptq lint test demo clean distclean
 
 help:
 	@sed -n '2,7p' Makefile | sed 's/^# \{0,1\}//'
@@ -29,13 +29,17 @@ deps:
 build:
 	$(SETUP) build $(SETUP_FLAGS)
 
+# The GPT-QModel side environment .venv-gptq (test/test_gptq.py); MEMSPEC_GPTQ=0 skips it.
+gptq:
+	@if [ "$${MEMSPEC_GPTQ:-1}" != 0 ]; then $(SETUP) gptq; else echo "[setup] MEMSPEC_GPTQ=0: no .venv-gptq"; fi
+
 RUFF := .venv/bin/ruff check .
 
 lint: deps
 	$(RUFF)
 
 # One recipe, so that the steps run in this order even under make -j.
-test: build
+test: build gptq
 	$(RUFF)
 	source ./env.sh && MEMSPEC_TEST_STRICT=1 MEMSPEC_REQUIRE_GPTQ=$${MEMSPEC_GPTQ:-1} python -m pytest $(PYTEST_ARGS)
 
@@ -49,4 +53,4 @@ clean:
 	rm -rf build install log
 
 distclean: clean
-	rm -rf .venv
+	rm -rf .venv .venv-gptq

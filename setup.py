@@ -7,11 +7,22 @@ ROS packages come from package.xml/rosdep or the ROS wheels, the Python librarie
 requirements.txt, and torch is never installed from here (see README.md).
 """
 
+import os
 from glob import glob
 
 from setuptools import find_packages, setup
 
 package_name = "memspec_ros"
+
+
+def zoo_data_files(root: str = "models") -> list[tuple[str, list[str]]]:
+    """The bundled zoo under share/memspec_ros/models, keeping its folder layout (the node's default)."""
+    entries = []
+    for folder, _, files in sorted(os.walk(root)):
+        if files:
+            entries.append((os.path.join("share", package_name, folder), sorted(os.path.join(folder, f) for f in files)))
+    return entries
+
 
 setup(
     name=package_name,
@@ -22,6 +33,7 @@ setup(
         (f"share/{package_name}", ["package.xml"]),
         (f"share/{package_name}/launch", sorted(glob("launch/*.launch.py"))),
         (f"share/{package_name}/config", sorted(glob("config/*.yaml"))),
+        *zoo_data_files(),
     ],
     install_requires=["setuptools"],
     zip_safe=True,

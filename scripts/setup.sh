@@ -128,7 +128,7 @@ step_deps() {
 # ---------------------------------------------------------------------------------- colcon
 step_build() {
   local want
-  want="$(hash_inputs "$STAMPS/deps" memspec_interfaces package.xml setup.py setup.cfg resource \
+  want="$(hash_inputs "$STAMPS/deps" memspec_interfaces package.xml setup.py setup.cfg resource models \
           launch config scripts/setup.sh)"
   if stamp_is "$BUILD_STAMP" "$want" "$force" && [ -f install/setup.bash ]; then
     say "colcon build up to date (install/)"

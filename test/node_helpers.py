@@ -11,6 +11,8 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ros_helpers import wait_until
@@ -157,6 +159,23 @@ class Harness:
         self.node.destroy_node()
         self.client.destroy_node()
         torch.set_num_threads(self._torch_threads)
+
+
+@contextmanager
+def active_harness(**kwargs) -> Iterator[Harness]:
+    """A node on the tiny zoo, activated in its own rclpy context; torn down afterwards."""
+    import rclpy
+    from rclpy.context import Context
+
+    context = Context()
+    rclpy.init(context=context)
+    harness = Harness(context, overrides=node_overrides(tiny_zoo()), **kwargs)
+    harness.activate()
+    try:
+        yield harness
+    finally:
+        harness.close()
+        rclpy.try_shutdown(context=context)
 
 
 def goal(prompt: str = "def add(a, b):", max_new_tokens: int = 24, **kwargs):

@@ -8,15 +8,13 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from node_helpers import Harness, goal, node_overrides, tiny_zoo
+from node_helpers import active_harness, goal
 from ros_helpers import require_ros, wait_until
 
 require_ros()
 
-import rclpy
 from action_msgs.msg import GoalStatus
 from lifecycle_msgs.msg import Transition
-from rclpy.context import Context
 
 from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import GenerationStats
@@ -27,18 +25,11 @@ GOAL_RESPONSE_LIMIT = 0.050  # the goal callback's answer, measured in the serve
 
 @pytest.fixture(scope="module")
 def h():
-    context = Context()
-    rclpy.init(context=context)
-    harness = Harness(context, overrides=node_overrides(tiny_zoo()))
-    harness.activate()
-    stats: list[GenerationStats] = []
-    harness.client.create_subscription(GenerationStats, "/memspec/generation_stats", stats.append, 10)
-    harness.stats = stats
-    try:
+    with active_harness() as harness:
+        stats: list[GenerationStats] = []
+        harness.client.create_subscription(GenerationStats, "/memspec/generation_stats", stats.append, 10)
+        harness.stats = stats
         yield harness
-    finally:
-        harness.close()
-        rclpy.try_shutdown(context=context)
 
 
 def visible(text: str) -> str:

@@ -7,32 +7,23 @@ from __future__ import annotations
 import time
 
 import pytest
-from node_helpers import Harness, node_overrides, tiny_zoo
+from node_helpers import active_harness
 from ros_helpers import require_ros, wait_until
 
 require_ros()
 
 import py_trees
-import rclpy
 from action_msgs.msg import GoalStatus
 from lifecycle_msgs.msg import Transition
 from py_trees.common import Status
-from rclpy.context import Context
 
 from memspec_ros.ros.bt_example import Generate, create_example_tree
 
 
 @pytest.fixture(scope="module")
 def h():
-    context = Context()
-    rclpy.init(context=context)
-    harness = Harness(context, name="memspec_bt", overrides=node_overrides(tiny_zoo()))
-    harness.activate()
-    try:
+    with active_harness(name="memspec_bt") as harness:
         yield harness
-    finally:
-        harness.close()
-        rclpy.try_shutdown(context=context)
 
 
 @pytest.fixture(autouse=True)

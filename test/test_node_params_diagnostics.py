@@ -9,15 +9,13 @@ import shutil
 import time
 
 import pytest
-from node_helpers import Harness, goal, node_overrides, tiny_zoo
+from node_helpers import active_harness, goal, tiny_zoo
 from ros_helpers import require_ros, wait_until
 
 require_ros()
 
-import rclpy
 from action_msgs.msg import GoalStatus
 from diagnostic_msgs.msg import DiagnosticArray
-from rclpy.context import Context
 
 from memspec_interfaces.msg import CacheState, DraftState
 from memspec_ros.ros.diagnostics import (
@@ -37,15 +35,8 @@ LONG = 3000
 
 @pytest.fixture(scope="module")
 def h():
-    context = Context()
-    rclpy.init(context=context)
-    harness = Harness(context, overrides=node_overrides(tiny_zoo()))
-    harness.activate()
-    try:
+    with active_harness() as harness:
         yield harness
-    finally:
-        harness.close()
-        rclpy.try_shutdown(context=context)
 
 
 def registry_file_params():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "models"
@@ -16,25 +17,23 @@ def _engine_models(args):
 
     registry_file = Path(args.zoo) / "registry.yaml"
     if args.target or registry_file.is_file():
-        import yaml
+        from ..runtime.registry import DraftRegistry, UnknownDraftError
+        from .engine_bench import default_prompts
 
         if args.target:
             target_path, draft_path = Path(args.target), Path(args.draft_path)
         else:
-            data = yaml.safe_load(registry_file.read_text())
-            target_path = registry_file.parent / data["target"]["path"]
-            drafts = {d["name"]: d for d in data["drafts"]}
-            if args.draft not in drafts:
-                raise SystemExit(f"draft {args.draft!r} is not in {registry_file}: choose one of {', '.join(drafts)}")
-            draft_path = registry_file.parent / drafts[args.draft]["path"]
+            registry = DraftRegistry.from_yaml(registry_file, validate=False)
+            target_path = Path(registry.target_path)
+            try:
+                draft_path = Path(registry.get(args.draft).path)
+            except UnknownDraftError as exc:
+                raise SystemExit(str(exc)) from None
         target = load_model(ModelSpec(str(target_path), dtype=args.dtype))
         draft = load_model(ModelSpec(str(draft_path), dtype=args.dtype))
         tokenizer = load_tokenizer(target_path)
-        from .engine_bench import default_prompts
-
         workloads = Path(args.zoo) / "workloads"
-        per_domain = max(1, -(-args.prompts // max(1, len(list(workloads.glob("[!t]*.jsonl"))))))
-        prompts = default_prompts(tokenizer, workloads, per_domain)[: args.prompts] if workloads.is_dir() else []
+        prompts = default_prompts(tokenizer, workloads, args.prompts)[: args.prompts] if workloads.is_dir() else []
         if not prompts:
             prompts = [tokenizer("The robot")["input_ids"]]
         return target.model, draft.model, prompts, (str(target_path), str(draft_path))
@@ -52,14 +51,14 @@ def _engine_models(args):
 def cmd_engine(args) -> int:
     from tqdm import tqdm
 
-    from .engine_bench import EngineBenchConfig, result_dict, run_engine_bench
+    from .engine_bench import EngineBenchConfig, run_engine_bench
 
     cfg = EngineBenchConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, runs=args.runs,
                             prompts=args.prompts, threads=args.threads, draft=args.draft)
     target, draft, prompts, names = _engine_models(args)
     with tqdm(total=cfg.runs * len(prompts), desc="engine bench", unit="prompt") as bar:
         result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
-    data = result_dict(result)
+    data = asdict(result)
     text = json.dumps(data, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -144,10 +144,6 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound, bound_fraction=engine_decode / bound,
         per_run=per_run,
     )
-
-
-def result_dict(result: EngineBenchResult) -> dict:
-    return asdict(result)
 
 
 def default_prompts(tokenizer, workloads_dir: Path, per_domain: int) -> list[list[int]]:

@@ -59,7 +59,8 @@ def selftest(workdir: Path) -> dict:
     q_dir = quantize_gptq(fp_dir, workdir / "int4", TINY_TEXT * 8)
     target = load_model(ModelSpec(str(q_dir), quantization="gptq"))
     draft = load_model(ModelSpec(str(fp_dir)))
-    quantized_layers = sorted({type(m).__name__ for m in target.model.modules() if "Quant" in type(m).__name__ or "Avx" in type(m).__name__ or "Torch" in type(m).__name__})
+    # layers GPT-QModel swapped in (e.g. TorchCpuAvx512Linear): proof the INT4 kernel really runs
+    quantized_layers = sorted({type(m).__name__ for m in target.model.modules() if type(m).__module__.startswith("gptqmodel")})
     prompt = tokenizer("The patient presented with")["input_ids"]
     reference = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
@@ -67,9 +68,10 @@ def selftest(workdir: Path) -> dict:
     for gamma in (1, 3, 5):
         session = generate(target.model, prompt, draft.model, gamma=gamma, max_new_tokens=48)
         results[gamma] = {"identical": session.generated_ids == reference, "mean_accepted": session.stats.mean_accepted}
+    quantization = read_config(q_dir)["quantization_config"]
     return {
-        "quant_method": read_config(q_dir)["quantization_config"]["quant_method"],
-        "bits": read_config(q_dir)["quantization_config"]["bits"],
+        "quant_method": quantization["quant_method"],
+        "bits": quantization["bits"],
         "quantized_layers": quantized_layers,
         "int4_bytes": target.size_bytes,
         "fp32_bytes": parameter_bytes(draft.model),

@@ -79,3 +79,12 @@ def executor(rclpy_context):
         yield executor
     finally:
         executor.shutdown(timeout_sec=5.0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """The tiny target the engine and controller tests share (drafts are made from it per module)."""
+    from memspec_ros.bench.tiny_models import tiny_llama
+
+    return tiny_llama(layers=2, hidden=64, seed=0)
+

@@ -24,11 +24,6 @@ NEW = 48
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_llama(layers=2, hidden=64, seed=0)
-
-
-@pytest.fixture(scope="module")
 def drafts(target):
     # an unrelated model (accepts ~nothing), two noisy copies (partial) and an exact copy (everything)
     return {

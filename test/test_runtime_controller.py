@@ -23,11 +23,6 @@ NEW = 40
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_llama(layers=2, hidden=64, seed=0)
-
-
-@pytest.fixture(scope="module")
 def drafts(target):
     return {
         "general": tiny_llama(layers=1, hidden=32, seed=1),  # accepts ~nothing

@@ -6,7 +6,9 @@ alike. Each method's throughput is generated tokens over the wall time of its
 calls (prefill included for all three, since transformers cannot report it
 apart); the engine's steady-state throughput (prefill excluded) is compared
 with the analytic bound (E[A] + 1) / (gamma * t_draft + t_verify) built from
-per-forward times measured in the same run.
+per-forward times measured in the same run: after each prompt, the median of a
+few isolated forwards (one draft token; gamma + 1 target tokens) on a KV cache
+of the context that prompt reached half-way through its generation.
 """
 
 from __future__ import annotations
@@ -54,17 +56,17 @@ class EngineBenchResult:
     per_run: dict[str, list[float]] = field(default_factory=dict)
 
 
-def _median_forward_ms(model, prefix: list[int], feed: int, device, repeats: int = 30) -> float:
-    """Median time of one forward of ``feed`` new tokens after a cached ``prefix``."""
+def _forward_ms(model, context: list[int], feed: int, device, repeats: int = 5) -> float:
+    """Median time of one forward of ``feed`` tokens after a cached ``context`` (the engine's cache type)."""
     times = []
     with torch.inference_mode():
         kv = _KVState()
-        _forward(model, prefix, kv, 1, device)
+        _forward(model, context, kv, 1, device)
         for _ in range(repeats):
+            kv.crop_to(len(context) - feed)
             start = time.perf_counter()
-            _forward(model, prefix[-feed:] if feed <= len(prefix) else [1] * feed, kv, feed, device)
+            _forward(model, context[-feed:], kv, feed, device)
             times.append(time.perf_counter() - start)
-            kv.crop_to(len(prefix))
     return statistics.median(times) * 1000
 
 
@@ -94,6 +96,8 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     per_run: dict[str, list[float]] = {m: [] for m in methods}
     decode_tps: list[float] = []
     accepted: list[float] = []
+    draft_ms: list[float] = []
+    verify_ms: list[float] = []
     identical = True
     # warm-up: first calls pay for allocation and lazy initialisation
     generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8)
@@ -121,15 +125,18 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 tokens[method] += len(out)
                 outputs[method] = out
             identical &= outputs["autoregressive"] == outputs["hf_assisted"] == outputs["engine"]
+            # per-forward times for the bound, measured between the generations at a context this
+            # prompt really reached (its prompt plus half its output), so load drifts hit them too
+            context = ids + outputs["engine"][: len(outputs["engine"]) // 2]
+            draft_ms.append(_forward_ms(draft, context, 1, device))
+            verify_ms.append(_forward_ms(target, context, cfg.gamma + 1, device))
             if progress is not None:
                 progress.update(1)
         for method in methods:
             per_run[method].append(tokens[method] / seconds[method])
         decode_tps.append(run_decode_tokens / run_decode_s)
     mean_accepted = statistics.fmean(accepted)
-    prefix = prompts[0] + [5] * (cfg.max_new_tokens // 2)  # a mid-generation context
-    t_draft = _median_forward_ms(draft, prefix, 1, device)
-    t_verify = _median_forward_ms(target, prefix, cfg.gamma + 1, device)
+    t_draft, t_verify = statistics.median(draft_ms), statistics.median(verify_ms)
     bound = (mean_accepted + 1) / ((cfg.gamma * t_draft + t_verify) / 1000)
     med = {m: statistics.median(v) for m, v in per_run.items()}
     engine_decode = statistics.median(decode_tps)

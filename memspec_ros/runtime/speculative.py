@@ -96,9 +96,9 @@ class _KVState:
     __slots__ = ("cache", "length")
 
     def __init__(self) -> None:
-        from transformers import DynamicCache
+        from .kv_cache import preallocated_cache
 
-        self.cache = DynamicCache()
+        self.cache = preallocated_cache()
         self.length = 0
 
     def crop_to(self, length: int) -> None:

@@ -1,0 +1,64 @@
+"""KV cache layers for the engine: preallocated buffers written in place.
+
+transformers' ``DynamicLayer`` appends with ``torch.cat`` on every forward, so
+each layer reallocates and copies its whole cache every iteration; with the
+engine's crop-and-append pattern (propose, verify, roll back) that is a fresh
+allocation of a slightly different size per layer per forward. This layer keeps
+one buffer per layer that grows by doubling, writes new keys and values into it
+and hands attention a view of the valid prefix, so cropping is free and the
+steady state allocates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+_MIN_CAPACITY = 256
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A ``DynamicLayer`` backed by a doubling buffer; ``keys``/``values`` are views of it."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer = self._value_buffer = None
+        self._length = 0
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        capacity = 0 if self._key_buffer is None else self._key_buffer.shape[-2]
+        if needed <= capacity:
+            return
+        capacity = max(_MIN_CAPACITY, 2 * capacity, needed)
+        keys = key_states.new_empty(key_states.shape[:-2] + (capacity, key_states.shape[-1]))
+        values = value_states.new_empty(value_states.shape[:-2] + (capacity, value_states.shape[-1]))
+        if self._length:
+            keys[..., : self._length, :] = self._key_buffer[..., : self._length, :]
+            values[..., : self._length, :] = self._value_buffer[..., : self._length, :]
+        self._key_buffer, self._value_buffer = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self._length, self._length + key_states.shape[-2]
+        self._reserve(key_states, value_states, end)
+        self._key_buffer[..., start:end, :] = key_states
+        self._value_buffer[..., start:end, :] = value_states
+        self._length = end
+        self.keys = self._key_buffer[..., :end, :]
+        self.values = self._value_buffer[..., :end, :]
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to drop, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized or not self._length:
+            return
+        self._length = max(0, self._length + tokens_to_remove)
+        self.keys = self._key_buffer[..., : self._length, :]
+        self.values = self._value_buffer[..., : self._length, :]
+
+
+def preallocated_cache() -> Cache:
+    """A cache whose layers (created lazily, one per model layer) are :class:`PreallocatedLayer`."""
+    return Cache(layer_class_to_replicate=PreallocatedLayer)

@@ -1,0 +1,66 @@
+"""The engine's preallocated KV cache behaves exactly like transformers' DynamicCache."""
+
+import torch
+from transformers import DynamicCache
+
+from memspec_ros.bench.tiny_models import tiny_llama
+from memspec_ros.runtime.kv_cache import PreallocatedLayer, preallocated_cache
+
+
+def _states(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+
+
+def test_layer_matches_dynamic_layer_through_appends_crops_and_growth():
+    mine, ref = preallocated_cache(), DynamicCache()
+    # appends and crops that cross the initial capacity (256) several times
+    steps = [(300, 0), (5, -3), (1, 0), (400, -120), (7, -7), (600, -1)]
+    for seed, (n, crop) in enumerate(steps):
+        k, v = _states(n, seed)
+        got_k, got_v = mine.update(k, v, 0)
+        want_k, want_v = ref.update(k, v, 0)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        if crop:
+            mine.crop(crop)
+            ref.crop(crop)
+        assert mine.get_seq_length() == ref.get_seq_length()
+    assert isinstance(mine.layers[0], PreallocatedLayer)
+
+
+def test_crop_is_a_view_and_appends_do_not_reallocate_within_capacity():
+    cache = preallocated_cache()
+    cache.update(*_states(10, 0), 0)
+    layer = cache.layers[0]
+    buffer = layer._key_buffer
+    for seed in range(20):
+        cache.update(*_states(3, seed + 1), 0)
+        cache.crop(-2)
+    assert layer._key_buffer is buffer  # no new allocation: 10 + 20 tokens fit the first buffer
+    assert cache.get_seq_length() == 30
+    assert layer.keys.data_ptr() == buffer.data_ptr()
+
+
+def test_positive_crop_is_refused():
+    cache = preallocated_cache()
+    cache.update(*_states(4, 0), 0)
+    try:
+        cache.crop(2)
+    except ValueError as exc:
+        assert "negative" in str(exc)
+    else:
+        raise AssertionError("crop(2) must be refused")
+
+
+def test_model_logits_identical_with_either_cache():
+    model = tiny_llama(vocab_size=64, hidden=32, layers=2, seed=3).eval()
+    ids = torch.tensor([[1, 5, 9, 12, 40, 7, 3, 22]])
+    with torch.inference_mode():
+        outs = []
+        for cache in (preallocated_cache(), DynamicCache()):
+            first = model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits
+            cache.crop(-2)  # roll back two tokens, then feed a different continuation
+            second = model(input_ids=ids[:, 3:], past_key_values=cache, use_cache=True).logits
+            outs.append((first, second))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-6, rtol=0)

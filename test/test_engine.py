@@ -142,6 +142,34 @@ def test_stop_strings_and_streamed_chunks():
     assert "".join(chunks) == text
 
 
+def test_text_stream_is_incremental_and_joins_to_the_full_decode():
+    from pathlib import Path
+
+    from memspec_ros.runtime.models import load_tokenizer
+    from memspec_ros.runtime.speculative import _TextStream
+
+    tokenizer = load_tokenizer(Path(__file__).resolve().parents[1] / "models" / "target")  # byte-level BPE
+    window = []
+
+    class Recording:  # records how many tokens each decode call sees
+        def decode(self, ids, **kwargs):
+            window.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    r = random.Random(0)
+    text = "Größe µ-Werte: naïve café — 温度 ✓ def f(x): return x ** 2\n" * 30
+    cases = [tokenizer(text)["input_ids"]] + [[r.randrange(3, len(tokenizer)) for _ in range(300)] for _ in range(20)]
+    for ids in cases:  # real multi-byte text, and random ids that split UTF-8 sequences anywhere
+        stream, chunks, i = _TextStream(Recording(), []), [], 0
+        while i < len(ids):
+            i = min(len(ids), i + r.randint(1, 5))
+            chunks.append(stream.update(ids[:i], final=i == len(ids))[0])
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert stream.text == full and "".join(chunks) == full
+    # each call decodes the few tokens since the last character boundary, not the whole output
+    assert max(window) <= 40 and len(cases[0]) > 500
+
+
 def test_cancel_keeps_partial_output(target, drafts):
     session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=2)
     session.prefill()

@@ -116,19 +116,37 @@ def _forward(model: torch.nn.Module, ids: Sequence[int], kv: _KVState, keep: int
 
 
 class _TextStream:
-    """Incremental detokenisation with stop strings; holds back half-decoded UTF-8."""
+    """Incremental detokenisation with stop strings; holds back half-decoded UTF-8.
+
+    Only the tokens since the last clean character boundary are decoded each
+    call (the windowed scheme of TGI/vLLM: decode ``ids[prefix:]`` and
+    ``ids[prefix:read]`` and append the difference), so streaming costs the
+    same per token however long the output grows, and tokenizers that drop a
+    leading space at the start of a decode (SentencePiece) still join right.
+    """
 
     def __init__(self, tokenizer, stop_strings: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stop_strings if s]
         self.text = ""
         self.emitted = 0
+        self._prefix = 0  # ids[_prefix:_read] decode to the tail of ``text`` already appended
+        self._read = 0
+
+    def _append_decoded(self, ids: list[int], final: bool) -> None:
+        decode = self.tokenizer.decode
+        done = decode(ids[self._prefix : self._read], skip_special_tokens=True)
+        now = decode(ids[self._prefix :], skip_special_tokens=True)
+        # an unfinished UTF-8 sequence decodes to U+FFFD: wait for its last byte (unless this is the end)
+        if len(now) > len(done) and (final or not now.endswith("\ufffd")):
+            self.text += now[len(done) :]
+            self._prefix, self._read = self._read, len(ids)
 
     def update(self, ids: list[int], final: bool) -> tuple[str, bool]:
         """New text since the last call and whether a stop string ended it."""
         if self.tokenizer is None:
             return "", False
-        self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        self._append_decoded(ids, final)
         stopped = False
         if self.stops:
             start = max(0, self.emitted - max(len(s) for s in self.stops))
@@ -138,8 +156,6 @@ class _TextStream:
                 stopped = True
         end = len(self.text)
         if not (final or stopped):
-            while end > self.emitted and self.text[end - 1] == "\ufffd":
-                end -= 1
             # a stop string may be forming at the end: do not stream its prefix yet
             for stop in self.stops:
                 for k in range(min(len(stop) - 1, end - self.emitted), 0, -1):

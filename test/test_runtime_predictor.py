@@ -11,7 +11,7 @@ import torch
 from memspec_ros.bench.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime import predictor_training
 from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
-from memspec_ros.runtime.oracle import GreedyOracle, interval_walk, target_greedy
+from memspec_ros.runtime.oracle import ContinuationCache, GreedyOracle, interval_walk, target_greedy
 from memspec_ros.runtime.policies import PolicyError
 from memspec_ros.runtime.predictor import (
     FixedRanker,
@@ -165,6 +165,28 @@ def test_training_is_deterministic(trained, tmp_path):
     a = (root / "predictor" / "target-hidden" / "head.safetensors").read_bytes()
     b = (tmp_path / "again" / "target-hidden" / "head.safetensors").read_bytes()
     assert a == b
+
+
+def test_continuation_cache_reuses_the_targets_greedy_output_and_only_for_that_target(trained, tmp_path):
+    root, args, target, _ = trained
+    cache_file = tmp_path / "continuations.json"
+    out = args.index("--out") + 1
+    runs = []
+    for i in range(2):
+        again = list(args) + ["--continuations", str(cache_file)]
+        again[out] = str(tmp_path / f"run{i}")
+        predictor_training.main(again)
+        runs.append(json.loads((tmp_path / f"run{i}" / "report.json").read_text()))
+    assert runs[0]["continuations_from_cache"] == 0
+    assert runs[1]["continuations_from_cache"] == runs[1]["prompts"] > 0
+    # the cached continuations give the very same traces, hence the very same head
+    for i in (0, 1):
+        assert (tmp_path / f"run{i}" / "target-hidden" / "head.safetensors").read_bytes() == \
+            (root / "predictor" / "target-hidden" / "head.safetensors").read_bytes()
+    cache = ContinuationCache(cache_file, root / "target")
+    prompt = [5, 9, 14]
+    assert cache.continuation(target, prompt, 12) == target_greedy(target, prompt, 12) and cache.misses == 1
+    assert ContinuationCache(cache_file, root / "code").target != cache.target  # other weights never hit
 
 
 def test_trained_predictor_drives_memspec_losslessly(trained):

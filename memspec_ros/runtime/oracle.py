@@ -12,8 +12,12 @@ Oracle-Dynamic looks up at each scheduling point.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -42,6 +46,57 @@ def target_greedy(target: torch.nn.Module, prompt_ids: Sequence[int], max_new_to
             break
         feed = [token]
     return out
+
+
+def _weights_digest(model_dir: str | Path) -> str:
+    """SHA-256 over a model directory's config and safetensors files: which target this is."""
+    digest = hashlib.sha256()
+    root = Path(model_dir)
+    for path in sorted([root / "config.json", *root.glob("*.safetensors")]):
+        digest.update(path.name.encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+class ContinuationCache:
+    """The target's greedy continuations, kept on disk between runs.
+
+    A greedy continuation depends only on the target and the prompt, so
+    re-measuring a rebuilt draft set (acceptance matrix, predictor traces) need
+    not decode the target again; on the zoo that is most of the time such a run
+    takes. Entries are keyed by a digest of the target's weight and config
+    files, the prompt and the token budget, so another target never hits.
+    ``path`` None keeps nothing on disk.
+    """
+
+    def __init__(self, path: str | Path | None, target_dir: str | Path) -> None:
+        self.path = Path(path) if path else None
+        self.target = _weights_digest(target_dir)
+        self.entries: dict[str, list[int]] = {}
+        self.hits = self.misses = 0
+        if self.path is not None and self.path.is_file():
+            self.entries = json.loads(self.path.read_text())
+
+    def continuation(self, target: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
+                     eos_token_ids: Sequence[int] = ()) -> list[int]:
+        prompt = hashlib.sha256(",".join(map(str, prompt_ids)).encode()).hexdigest()[:24]
+        key = f"{self.target}:{max_new_tokens}:{sorted(eos_token_ids)}:{prompt}"
+        if key in self.entries:
+            self.hits += 1
+        else:
+            self.misses += 1
+            self.entries[key] = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
+        return list(self.entries[key])
+
+    def save(self) -> None:
+        if self.path is None or not self.misses:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.entries))
+        os.replace(tmp, self.path)  # atomic: an interrupted run never leaves half a file
 
 
 @torch.inference_mode()

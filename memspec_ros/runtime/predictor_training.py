@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .oracle import draft_agreement, interval_walk, target_greedy
+from .oracle import ContinuationCache, draft_agreement, interval_walk, target_greedy
 from .predictor import ENCODERS, INPUTS, HeadConfig, MiniLMEncoder, RankingHead, mask_input, pooled_hidden_features
 
 
@@ -71,12 +71,16 @@ def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agr
 
 
 def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[list[int]], max_new_tokens: int,
-                   gamma: int, interval: int, eos_token_ids=(), progress: bool = True) -> list[PromptTrace]:
+                   gamma: int, interval: int, eos_token_ids=(), progress: bool = True,
+                   cache: ContinuationCache | None = None) -> list[PromptTrace]:
     from tqdm import tqdm
 
     traces = []
     for index, prompt_ids in enumerate(tqdm(prompts, desc="traces", disable=not progress, file=sys.stderr, mininterval=2)):
-        continuation = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
+        if cache is not None:
+            continuation = cache.continuation(target, prompt_ids, max_new_tokens, eos_token_ids)
+        else:
+            continuation = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
         if len(continuation) < 2:
             continue
         agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}
@@ -207,8 +211,10 @@ def run(args: argparse.Namespace) -> dict:
     prompts = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-args.max_prompt_tokens:] for r in rows]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     t0 = time.perf_counter()
+    cache = ContinuationCache(args.continuations or None, target_path)
     traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
-                            progress=not args.quiet)
+                            progress=not args.quiet, cache=cache)
+    cache.save()
     trace_seconds = time.perf_counter() - t0
     names = list(drafts)
     contexts = [c for t in traces for c in t.contexts]
@@ -223,7 +229,8 @@ def run(args: argparse.Namespace) -> dict:
     majority_top1 = float((heldout_labels == majority).float().mean()) if len(heldout_labels) else 0.0
     report: dict = {"prompts": len(traces), "contexts": len(contexts), "heldout_prompts": len(heldout),
                     "label_counts": label_counts, "majority_label": names[majority],
-                    "majority_top1": majority_top1, "trace_seconds": trace_seconds, "encoders": {}}
+                    "majority_top1": majority_top1, "trace_seconds": trace_seconds,
+                    "continuations_from_cache": cache.hits, "encoders": {}}
     out = Path(args.out)
     for encoder_name in args.encoders:
         if encoder_name == "minilm":
@@ -269,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="models/workloads/train_prompts.jsonl",
                    help="training prompts, JSON lines with 'prompt' (disjoint from every evaluation workload)")
     p.add_argument("--out", default="models/predictor", help="writes <out>/<encoder>/ and <out>/report.json")
+    p.add_argument("--continuations", default=None, metavar="JSON",
+                   help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
+                        " rebuilt drafts skip decoding the target (default: no cache)")
     p.add_argument("--encoders", nargs="+", default=list(ENCODERS), choices=ENCODERS)
     p.add_argument("--max-prompts", type=int, default=0, help="0: all; else a seeded random subset")
     p.add_argument("--max-prompt-tokens", type=int, default=256)

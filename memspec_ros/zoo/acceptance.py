@@ -35,7 +35,7 @@ from statistics import mean
 
 import torch
 
-from memspec_ros.runtime.oracle import draft_agreement, interval_walk, target_greedy
+from memspec_ros.runtime.oracle import ContinuationCache, draft_agreement, interval_walk
 
 from .corpora import DOMAINS, WORKLOADS
 from .workloads import read_jsonl
@@ -49,6 +49,7 @@ class AcceptanceConfig:
     max_new_tokens: int = 128
     interval: int = 4
     threads: int = 2
+    continuations: Path | None = None  # ContinuationCache file: reruns skip the target's decoding
 
 
 def static_score(agree: list[bool], gamma: int) -> tuple[float, int]:
@@ -75,7 +76,7 @@ def dynamic_walk(agreement: dict[str, list[bool]], gamma: int, interval: int) ->
 
 
 def load_zoo(models_dir: Path):
-    """(tokenizer, target, {draft: model}) in fp32 on CPU from the registry's layout."""
+    """(tokenizer, target, {draft: model}, target directory) in fp32 on CPU from the registry's layout."""
     import yaml
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -87,14 +88,15 @@ def load_zoo(models_dir: Path):
         d["name"]: LlamaForCausalLM.from_pretrained(str(models_dir / d["path"]), dtype=torch.float32).eval()
         for d in reg["drafts"]
     }
-    return tok, target, drafts
+    return tok, target, drafts, tpath
 
 
 def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None = None) -> dict:
     from tqdm import tqdm
 
     torch.set_num_threads(cfg.threads)
-    tok, target, drafts = load_zoo(cfg.models_dir)
+    tok, target, drafts, target_dir = load_zoo(cfg.models_dir)
+    cache = ContinuationCache(cfg.continuations, target_dir)
     names = [d for d in DOMAINS if d in drafts]
     per_prompt: dict[str, list[dict]] = {}
     t0 = time.time()
@@ -103,7 +105,7 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
         per_prompt[w] = []
         for row in tqdm(rows, desc=f"acceptance {w}", mininterval=10):
             ids = [tok.bos_token_id] + tok(row["prompt"], add_special_tokens=False)["input_ids"]
-            cont = target_greedy(target, ids, cfg.max_new_tokens, [tok.eos_token_id])
+            cont = cache.continuation(target, ids, cfg.max_new_tokens, [tok.eos_token_id])
             agreement = {d: draft_agreement(drafts[d], ids, cont) for d in names}
             scores = {d: static_score(agreement[d], cfg.gamma)[0] for d in names}
             rec = {"tokens": len(cont), "accepted_per_iteration": scores}
@@ -111,6 +113,7 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
                 dyn, chosen = dynamic_walk(agreement, cfg.gamma, cfg.interval)
                 rec.update(dynamic=dyn, dynamic_choices=chosen, pair=row.get("pair"))
             per_prompt[w].append(rec)
+        cache.save()
     matrix = {d: {w: mean(r["accepted_per_iteration"][d] for r in per_prompt[w]) for w in WORKLOADS} for d in names}
     best_static = {w: mean(max(r["accepted_per_iteration"].values()) for r in per_prompt[w]) for w in WORKLOADS}
     static_gain_by_workload = {w: best_static[w] / matrix["general"][w] - 1 for w in DOMAINS}

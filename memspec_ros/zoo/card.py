@@ -86,7 +86,7 @@ def interleaved_latencies(models: dict, rounds: int = 12, per_round: int = 10) -
 
 def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int = 20_000) -> dict:
     torch.set_num_threads(threads)
-    tok, target, drafts = load_zoo(models_dir)
+    tok, target, drafts, _ = load_zoo(models_dir)
     models = {"target": target, **drafts}
     out: dict = {"threads": threads, "models": {}}
     lat = interleaved_latencies(models)

@@ -69,6 +69,9 @@ def _acceptance_parser(sub) -> None:
     p.add_argument("--interval", type=int, default=4, help="N iterations per interval of the dynamic oracle")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default=None, help="heatmap PNG (default: next to the registry)")
+    p.add_argument("--continuations", default=None, metavar="JSON",
+                   help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
+                        " rebuilt drafts skip decoding the target (default: no cache)")
 
 
 def _run_acceptance(a) -> int:
@@ -81,6 +84,7 @@ def _run_acceptance(a) -> int:
         max_new_tokens=a.max_new_tokens,
         interval=a.interval,
         threads=a.threads,
+        continuations=Path(a.continuations) if a.continuations else None,
     )
     run_acceptance(cfg, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
     return 0

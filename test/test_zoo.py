@@ -155,3 +155,25 @@ def test_workloads_are_held_out_and_complete():
             assert all(split_of(s) == "heldout" for r in rows for s in r["source"].split("|"))
     assert {r["domain"] for r in train_rows} == set(WORKLOADS)
     assert all(split_of(s) == "train" for r in train_rows for s in r["source"].split("|"))
+
+
+def test_mixed_prompts_end_inside_the_first_domain_after_one_switch():
+    from memspec_ros.runtime.models import load_tokenizer
+    from memspec_ros.zoo.workloads import MIXED_PAIRS, WorkloadConfig, mixed_prompts
+
+    tok = load_tokenizer(MODELS / "target")
+    words = {d: f"{d}word" for d in DOMAINS}
+
+    def doc(domain: str, i: int) -> Document:  # long documents: every text overflows a 48-token prompt
+        sep = " " if domain == "general" else "\n"
+        units = [f"{words[domain]} unit {k} of document {i}." for k in range(60)]
+        return Document(domain, f"{domain}:{i}", sep.join(units))
+
+    pools = {d: [doc(d, i) for i in range(4)] for d in DOMAINS}
+    cfg = WorkloadConfig(prompts_per_domain=10, max_mixed_prompt_tokens=48)
+    rows = mixed_prompts(tok, pools, cfg, seed=1)
+    for i, row in enumerate(rows):
+        a, b = MIXED_PAIRS[i % len(MIXED_PAIRS)]
+        assert len(tok(row["prompt"], add_special_tokens=False)["input_ids"]) <= 48
+        last = row["prompt"].rstrip().split("\n\n")[-1]
+        assert last.startswith(words[a]) and words[b] in row["prompt"]  # ends in A, after a B segment

@@ -54,7 +54,8 @@ def cmd_engine(args) -> int:
     from .engine_bench import EngineBenchConfig, run_engine_bench
 
     cfg = EngineBenchConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, runs=args.runs,
-                            prompts=args.prompts, threads=args.threads, draft=args.draft)
+                            prompts=args.prompts, threads=args.threads, draft=args.draft,
+                            lean_drafts=not args.transformers_draft_forward)
     target, draft, prompts, names = _engine_models(args)
     with tqdm(total=cfg.runs * len(prompts), desc="engine bench", unit="prompt") as bar:
         result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
@@ -69,6 +70,7 @@ def cmd_engine(args) -> int:
         f"autoregressive {result.autoregressive_tps:.1f} | ratio vs HF {result.ratio_vs_hf:.2f} "
         f"(goal >= 1.2) | vs AR {result.ratio_vs_autoregressive:.2f} | E[A] {result.mean_accepted:.2f} | "
         f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9) | identical {result.outputs_identical}"
+        f" | draft forward: {result.draft_forward}"
     )
     return 0 if result.outputs_identical else 1
 
@@ -167,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--draft-path", help="draft model directory, with --target")
     eng.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
     eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32: fastest on CPU)")
+    eng.add_argument("--transformers-draft-forward", action="store_true",
+                     help="run the draft through model(...) instead of the engine's lean Llama draft forward")
     eng.set_defaults(func=cmd_engine)
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",

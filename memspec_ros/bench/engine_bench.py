@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.draft_forward import lean_forward_for, unsupported_reason
 from ..runtime.speculative import _forward, _KVState, generate
 
 
@@ -31,6 +32,7 @@ class EngineBenchConfig:
     prompts: int = 12
     threads: int = 1
     draft: str = "general"
+    lean_drafts: bool = True  # the engine's lean draft forward (runtime/draft_forward.py) where it applies
 
 
 @dataclass
@@ -41,6 +43,7 @@ class EngineBenchResult:
     max_new_tokens: int
     prompts: int
     runs: int
+    draft_forward: str  # "lean" or "transformers (<why>)": how the engine ran the draft
     autoregressive_tps: float
     hf_assisted_tps: float
     engine_tps: float
@@ -56,16 +59,16 @@ class EngineBenchResult:
     per_run: dict[str, list[float]] = field(default_factory=dict)
 
 
-def _forward_ms(model, context: list[int], feed: int, device, repeats: int = 5) -> float:
-    """Median time of one forward of ``feed`` tokens after a cached ``context`` (the engine's cache type)."""
+def _forward_ms(model, context: list[int], feed: int, device, lean=None, repeats: int = 5) -> float:
+    """Median time of one forward of ``feed`` tokens after a cached ``context``, as the engine runs it."""
     times = []
     with torch.inference_mode():
         kv = _KVState()
-        _forward(model, context, kv, 1, device)
+        _forward(model, context, kv, 1, device, lean)
         for _ in range(repeats):
             kv.crop_to(len(context) - feed)
             start = time.perf_counter()
-            _forward(model, context[-feed:], kv, feed, device)
+            _forward(model, context[-feed:], kv, feed, device, lean)
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
 
@@ -92,6 +95,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     torch.set_num_threads(cfg.threads)
     device = next(target.parameters()).device
     configure_assistant(draft, cfg.gamma)
+    lean = lean_forward_for(draft) if cfg.lean_drafts else None
+    why_not = "switched off" if not cfg.lean_drafts else unsupported_reason(draft)
+    draft_forward = "lean" if lean is not None else f"transformers ({why_not})"
     methods = ("autoregressive", "hf_assisted", "engine")
     per_run: dict[str, list[float]] = {m: [] for m in methods}
     decode_tps: list[float] = []
@@ -100,7 +106,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     verify_ms: list[float] = []
     identical = True
     # warm-up: first calls pay for allocation and lazy initialisation
-    generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8)
+    generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8, lean_drafts=cfg.lean_drafts)
     _hf_generate(target, draft, prompts[0], 8, cfg.gamma)
     for run in range(cfg.runs):
         seconds = dict.fromkeys(methods, 0.0)
@@ -116,7 +122,8 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 elif method == "hf_assisted":
                     out = _hf_generate(target, draft, ids, cfg.max_new_tokens, cfg.gamma)
                 else:
-                    session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens)
+                    session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma,
+                                       max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts)
                     out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens
@@ -128,7 +135,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
             # per-forward times for the bound, measured between the generations at a context this
             # prompt really reached (its prompt plus half its output), so load drifts hit them too
             context = ids + outputs["engine"][: len(outputs["engine"]) // 2]
-            draft_ms.append(_forward_ms(draft, context, 1, device))
+            draft_ms.append(_forward_ms(draft, context, 1, device, lean))
             verify_ms.append(_forward_ms(target, context, cfg.gamma + 1, device))
             if progress is not None:
                 progress.update(1)
@@ -142,7 +149,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     engine_decode = statistics.median(decode_tps)
     return EngineBenchResult(
         target=names[0], draft=names[1], gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens,
-        prompts=len(prompts), runs=cfg.runs,
+        prompts=len(prompts), runs=cfg.runs, draft_forward=draft_forward,
         autoregressive_tps=med["autoregressive"], hf_assisted_tps=med["hf_assisted"], engine_tps=med["engine"],
         engine_decode_tps=engine_decode,
         ratio_vs_hf=med["engine"] / med["hf_assisted"],

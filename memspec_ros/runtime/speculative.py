@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .draft_forward import LeanLlamaForward, lean_forward_for
 from .stats import GenerationStats, IterationStats
 
 FINISH_LENGTH = "length"
@@ -107,8 +108,13 @@ class _KVState:
             self.length = length
 
 
-def _forward(model: torch.nn.Module, ids: Sequence[int], kv: _KVState, keep: int, device: torch.device) -> torch.Tensor:
+def _forward(model: torch.nn.Module, ids: Sequence[int], kv: _KVState, keep: int, device: torch.device,
+             lean: LeanLlamaForward | None = None) -> torch.Tensor:
     """Feed ``ids`` after the cached prefix; return float logits of the last ``keep`` positions."""
+    if lean is not None:
+        logits = lean(ids, kv.cache, kv.length, keep)
+        kv.length += len(ids)
+        return logits
     inputs = torch.tensor([list(ids)], dtype=torch.long, device=device)
     out = model(input_ids=inputs, past_key_values=kv.cache, use_cache=True, logits_to_keep=keep)
     kv.length += len(ids)
@@ -188,6 +194,7 @@ class SpeculativeSession:
         tokenizer=None,
         on_chunk: ChunkCallback | None = None,
         max_positions: int = 0,
+        lean_drafts: bool = True,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -207,6 +214,7 @@ class SpeculativeSession:
         self.sampling = sampling
         self.eos_token_ids = frozenset(eos_token_ids)
         self.on_chunk = on_chunk
+        self.lean_drafts = lean_drafts  # drafts run runtime/draft_forward.py where it applies
         self._gamma = 1
         self.gamma = gamma
         self.generator = torch.Generator(device=self.device)
@@ -294,9 +302,10 @@ class SpeculativeSession:
             kv = self._draft_kv.setdefault(draft_name, _KVState())
             feed = self.tokens[kv.length :]
             switched = draft_name != self._last_draft
+            lean = lean_forward_for(draft) if self.lean_drafts else None
             for _ in range(gamma):
                 t0 = time.perf_counter()
-                logits = _forward(draft, feed, kv, 1, self.device)[-1]
+                logits = _forward(draft, feed, kv, 1, self.device, lean)[-1]
                 if self.sampling.greedy:
                     token = int(logits.argmax())
                 else:

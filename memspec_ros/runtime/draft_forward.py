@@ -1,0 +1,141 @@
+"""A lean forward pass for Llama-architecture drafts.
+
+A draft proposes ``gamma`` tokens one forward at a time, and for the small
+drafts MemSpec keeps resident most of a transformers forward is per-module
+Python (hooks, keyword plumbing, output records, attention-interface lookup),
+not arithmetic: on the bundled zoo's 2-layer draft a single-token forward
+takes ~0.85 ms through ``model(...)`` and ~0.45 ms as the plain sequence of
+tensor operations below. This module runs that sequence on the model's own
+parameters and rotary-embedding module, writing keys and values into the
+engine's preallocated KV cache, so nothing about the draft changes but its
+speed.
+
+Used for drafts only, on purpose: the draft's numbers decide only *which*
+tokens are proposed, never what is committed (the target verifies every one,
+through transformers), so losslessness cannot depend on this code. The tests
+still check that its logits equal transformers' own.
+
+Anything it does not reproduce exactly falls back to the transformers forward:
+another architecture, quantized or otherwise non-``nn.Linear`` projections,
+sliding-window attention, tensor-parallel pretraining splits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+
+
+def unsupported_reason(model: torch.nn.Module) -> str:
+    """Why ``model`` cannot take the lean path ('' when it can)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", "") != "llama":
+        return f"architecture {getattr(config, 'model_type', type(model).__name__)!r} is not 'llama'"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if getattr(config, "sliding_window", None):
+        return "sliding-window attention"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return "not a LlamaForCausalLM layout (model.model.layers, lm_head)"
+    for name, module in model.named_modules():
+        if name and "proj" in name.rsplit(".", 1)[-1] and type(module) is not torch.nn.Linear:
+            return f"{name} is {type(module).__name__}, not a plain nn.Linear (quantized?)"
+    if type(model.lm_head) is not torch.nn.Linear:
+        return f"lm_head is {type(model.lm_head).__name__}"
+    return ""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attn_norm: torch.Tensor
+    q: torch.nn.Linear
+    k: torch.nn.Linear
+    v: torch.nn.Linear
+    o: torch.nn.Linear
+    mlp_norm: torch.Tensor
+    gate: torch.nn.Linear
+    up: torch.nn.Linear
+    down: torch.nn.Linear
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as LlamaRMSNorm: the statistic in fp32, the weight applied in the input dtype
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+class LeanLlamaForward:
+    """``forward(ids, cache, start, keep)``: logits of the last ``keep`` positions, cache updated in place."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"the lean draft forward does not support this model: {reason}")
+        config = model.config
+        inner = model.model
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb  # the model's own module: every RoPE variant it supports
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head
+        self.act = inner.layers[0].mlp.act_fn
+        self.layers = [
+            _Layer(layer.input_layernorm.weight, layer.self_attn.q_proj, layer.self_attn.k_proj,
+                   layer.self_attn.v_proj, layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+            for layer in inner.layers
+        ]
+
+    def __call__(self, ids: Sequence[int], cache: Cache, start: int, keep: int) -> torch.Tensor:
+        n, end = len(ids), start + len(ids)
+        x = F.embedding(torch.tensor([list(ids)], device=self.embed.device), self.embed)
+        positions = torch.arange(start, end, device=x.device)[None]
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos[:, None], sin[:, None]
+        # several new tokens (a catch-up after a switch) attend causally to each other
+        mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 else None
+        gqa = self.heads != self.kv_heads
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.attn_norm, self.eps)
+            q = _linear(layer.q, h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
+            k = _linear(layer.k, h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = _linear(layer.v, h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = cache.update(k, v, index)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+            x = x + _linear(layer.o, attn.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
+            h = _rms_norm(x, layer.mlp_norm, self.eps)
+            x = x + _linear(layer.down, self.act(_linear(layer.gate, h)) * _linear(layer.up, h))
+        x = _rms_norm(x[:, -keep:], self.norm, self.eps)
+        return _linear(self.lm_head, x)[0].float()
+
+
+_LEAN: weakref.WeakKeyDictionary[torch.nn.Module, LeanLlamaForward | None] = weakref.WeakKeyDictionary()
+
+
+def lean_forward_for(model: torch.nn.Module) -> LeanLlamaForward | None:
+    """The model's lean forward, built once per model object; None when it must use transformers."""
+    if model not in _LEAN:
+        _LEAN[model] = None if unsupported_reason(model) else LeanLlamaForward(model)
+    return _LEAN[model]

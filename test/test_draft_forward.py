@@ -1,0 +1,59 @@
+"""The lean draft forward computes what transformers computes, and steps aside where it cannot."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from memspec_ros.bench.tiny_models import tiny_llama
+from memspec_ros.runtime.draft_forward import LeanLlamaForward, lean_forward_for, unsupported_reason
+from memspec_ros.runtime.speculative import _forward, _KVState
+
+
+def _llama(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True)
+    config.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**config)).eval().requires_grad_(False)
+
+
+MODELS = {
+    "gqa (tiny_llama)": lambda: tiny_llama(vocab_size=96, seed=4),
+    "mha, tied head": lambda: _llama(),
+    "biases, llama3 rope": lambda: _llama(attention_bias=True, mlp_bias=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_match_transformers_through_prefill_steps_catchup_and_rollback(name):
+    model = MODELS[name]()
+    lean = lean_forward_for(model)
+    assert isinstance(lean, LeanLlamaForward)
+    ref, mine = _KVState(), _KVState()
+    feeds = [list(range(3, 40)), [7], [9], [11, 12, 13], [5]]  # prompt, two steps, a 3-token catch-up, a step
+    with torch.inference_mode():
+        for i, feed in enumerate(feeds):
+            want = _forward(model, feed, ref, len(feed), "cpu")
+            got = _forward(model, feed, mine, len(feed), "cpu", lean)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+            if i == 2:  # roll both caches back two tokens, as after a rejection
+                ref.crop_to(ref.length - 2)
+                mine.crop_to(mine.length - 2)
+            assert mine.length == ref.length == mine.cache.get_seq_length()
+
+
+def test_unsupported_models_fall_back_with_the_reason():
+    assert unsupported_reason(_llama()) == ""
+    quantized = _llama()
+    quantized.model.layers[1].mlp.up_proj = torch.nn.Identity()  # stands in for a packed INT4 module
+    assert "up_proj" in unsupported_reason(quantized) and lean_forward_for(quantized) is None
+    sliding = _llama()
+    sliding.config.sliding_window = 16
+    assert "sliding" in unsupported_reason(sliding)
+    other = torch.nn.Linear(2, 2)
+    assert "not 'llama'" in unsupported_reason(other)
+    with pytest.raises(ValueError, match="does not support"):
+        LeanLlamaForward(quantized)

@@ -264,3 +264,18 @@ def test_sampled_generation_matches_target_distribution():
     assert n > 800
     stat, dof = _chi2_ok(counts, exact, n)
     assert stat < _chi2_critical(dof), (stat, dof)
+
+
+def test_draft_evicted_on_another_thread_mid_iteration_does_not_break_the_step(target, drafts):
+    # the cache's loader thread calls drop_draft when it evicts; here it lands while the draft runs
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=3, lean_drafts=False)
+    draft = drafts["close"]
+    hook = draft.register_forward_pre_hook(lambda *_: session.drop_draft("close"))
+    try:
+        session.prefill()
+        while not session.finished:
+            session.step("close", draft)
+    finally:
+        hook.remove()
+    assert session.generated_ids == reference(target)
+    assert all(it.catchup_tokens > 0 for it in session.stats.iterations)  # every step started from scratch

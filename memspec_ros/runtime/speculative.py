@@ -299,9 +299,12 @@ class SpeculativeSession:
         proposals: list[int] = []
         draft_probs: list[torch.Tensor] = []
         if gamma > 0:
-            kv = self._draft_kv.setdefault(draft_name, _KVState())
+            kv = self._draft_kv.get(draft_name)
+            # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
+            catching_up = kv is None or draft_name != self._last_draft
+            if kv is None:
+                kv = self._draft_kv[draft_name] = _KVState()
             feed = self.tokens[kv.length :]
-            switched = draft_name != self._last_draft
             lean = lean_forward_for(draft) if self.lean_drafts else None
             for _ in range(gamma):
                 t0 = time.perf_counter()
@@ -313,7 +316,7 @@ class SpeculativeSession:
                     token = int(torch.multinomial(q, 1, generator=self.generator))
                     draft_probs.append(q)
                 elapsed = time.perf_counter() - t0
-                if switched and not proposals:
+                if catching_up and not proposals:
                     stats.catchup_tokens, stats.catchup_seconds = len(feed), elapsed
                 else:
                     stats.draft_seconds += elapsed
@@ -339,7 +342,8 @@ class SpeculativeSession:
         # roll back: both caches keep only committed tokens (all but the newest one)
         self._target_kv.crop_to(base + accepted)
         if gamma > 0:
-            self._draft_kv[draft_name].crop_to(base + accepted)
+            # the local ``kv``: an eviction on the loader thread may have dropped the dict entry meanwhile
+            kv.crop_to(base + accepted)
         stats.committed = self._commit(proposals[:accepted] + [extra])
         self.stats.iterations.append(stats)
         return stats

@@ -187,6 +187,14 @@ def test_continuation_cache_reuses_the_targets_greedy_output_and_only_for_that_t
     prompt = [5, 9, 14]
     assert cache.continuation(target, prompt, 12) == target_greedy(target, prompt, 12) and cache.misses == 1
     assert ContinuationCache(cache_file, root / "code").target != cache.target  # other weights never hit
+    # two runs that loaded the file before either saved keep each other's entries
+    first, second = ContinuationCache(cache_file, root / "target"), ContinuationCache(cache_file, root / "target")
+    first.continuation(target, [7, 8], 6)
+    second.continuation(target, [9, 10], 6)
+    first.save()
+    second.save()
+    merged = ContinuationCache(cache_file, root / "target")
+    assert merged.continuation(target, [7, 8], 6) and merged.continuation(target, [9, 10], 6) and merged.misses == 0
 
 
 def test_trained_predictor_drives_memspec_losslessly(trained):

@@ -94,7 +94,10 @@ class ContinuationCache:
         if self.path is None or not self.misses:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
+        # merge what another run saved since this one loaded: two runs sharing the file keep both
+        if self.path.is_file():
+            self.entries = {**json.loads(self.path.read_text()), **self.entries}
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.entries))
         os.replace(tmp, self.path)  # atomic: an interrupted run never leaves half a file
 

@@ -35,6 +35,8 @@ def _build_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--target-layers", type=int, default=16)
     p.add_argument("--target-hidden", type=int, default=256)
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--draft-hidden", type=int, default=128)
 
 
 def _run_build(a) -> int:
@@ -54,6 +56,14 @@ def _run_build(a) -> int:
         intermediate_size=int(a.target_hidden * 688 / 256),
         num_heads=max(1, a.target_hidden // 64),
         num_kv_heads=max(1, a.target_hidden // 64),
+    )
+    cfg.draft_arch = replace(
+        cfg.draft_arch,
+        hidden_size=a.draft_hidden,
+        num_layers=a.draft_layers,
+        intermediate_size=int(a.draft_hidden * 344 / 128),
+        num_heads=max(1, a.draft_hidden // 64),
+        num_kv_heads=max(1, a.draft_hidden // 64),
     )
     ZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])
     return 0

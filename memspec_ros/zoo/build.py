@@ -35,8 +35,8 @@ class BuildConfig:
     target_arch: ArchConfig = field(default_factory=lambda: TARGET_ARCH)
     draft_arch: ArchConfig = field(default_factory=lambda: DRAFT_ARCH)
     target_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=30, lr=2e-3, warmup_steps=30))
-    general_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=8, lr=3e-3, warmup_steps=20))
-    domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=4, lr=1.5e-3, warmup_steps=10))
+    general_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=32, lr=3e-3, warmup_steps=20))
+    domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=7, lr=1.5e-3, warmup_steps=10))
     mixed_train_docs: int = 3000
     mixed_weight: float = 0.5
     corpus: CorpusConfig = field(default_factory=CorpusConfig)

@@ -223,7 +223,7 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         "`workloads/train_prompts.jsonl` (for the draft-ranking predictor) comes from training documents only.",
         "`mixed` texts interleave segments of two domains (general->code, general->math, law->code,",
         "medical->math, general->medical); the target trains on such texts built from training documents,",
-        "and a `mixed` prompt is one segment of A, one of B and the first sentence/line of the next A segment.",
+        "and a `mixed` prompt is one segment of A, one of B and the first sentence/line of the next A segment (its last 128 tokens, so it always ends in A after the switch).",
         "",
         "| domain | source | licence | train tokens | held-out tokens |",
         "|---|---|---|---:|---:|",

@@ -177,3 +177,12 @@ def test_mixed_prompts_end_inside_the_first_domain_after_one_switch():
         assert len(tok(row["prompt"], add_special_tokens=False)["input_ids"]) <= 48
         last = row["prompt"].rstrip().split("\n\n")[-1]
         assert last.startswith(words[a]) and words[b] in row["prompt"]  # ends in A, after a B segment
+
+
+def test_build_cli_default_sizes_are_the_committed_zoo_shapes():
+    from memspec_ros.zoo.cli import _resized
+    from memspec_ros.zoo.train import DRAFT_ARCH, TARGET_ARCH
+
+    assert _resized(TARGET_ARCH, 256, 16) == TARGET_ARCH and _resized(DRAFT_ARCH, 128, 2) == DRAFT_ARCH
+    small = _resized(DRAFT_ARCH, 64, 2)
+    assert (small.num_heads, small.intermediate_size) == (1, 172)

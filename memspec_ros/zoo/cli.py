@@ -39,6 +39,15 @@ def _build_parser(sub) -> None:
     p.add_argument("--draft-hidden", type=int, default=128)
 
 
+def _resized(arch, hidden: int, layers: int):
+    """``arch`` at another width and depth: the same FFN ratio, 64-wide attention heads."""
+    from dataclasses import replace
+
+    heads = max(1, hidden // 64)
+    return replace(arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+                   intermediate_size=int(hidden * arch.intermediate_size / arch.hidden_size))
+
+
 def _run_build(a) -> int:
     from dataclasses import replace
 
@@ -49,22 +58,8 @@ def _run_build(a) -> int:
     cfg.target_train = replace(cfg.target_train, max_minutes=a.target_minutes, max_steps=a.target_steps, **common)
     cfg.general_train = replace(cfg.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps, **common)
     cfg.domain_train = replace(cfg.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps, **common)
-    cfg.target_arch = replace(
-        cfg.target_arch,
-        hidden_size=a.target_hidden,
-        num_layers=a.target_layers,
-        intermediate_size=int(a.target_hidden * 688 / 256),
-        num_heads=max(1, a.target_hidden // 64),
-        num_kv_heads=max(1, a.target_hidden // 64),
-    )
-    cfg.draft_arch = replace(
-        cfg.draft_arch,
-        hidden_size=a.draft_hidden,
-        num_layers=a.draft_layers,
-        intermediate_size=int(a.draft_hidden * 344 / 128),
-        num_heads=max(1, a.draft_hidden // 64),
-        num_kv_heads=max(1, a.draft_hidden // 64),
-    )
+    cfg.target_arch = _resized(cfg.target_arch, a.target_hidden, a.target_layers)
+    cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
     ZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])
     return 0
 

@@ -5,8 +5,8 @@ each layer reallocates and copies its whole cache every iteration; with the
 engine's crop-and-append pattern (propose, verify, roll back) that is a fresh
 allocation of a slightly different size per layer per forward. This layer keeps
 one buffer per layer that grows by doubling, writes new keys and values into it
-and hands attention a view of the valid prefix, so cropping is free and the
-steady state allocates nothing.
+and hands attention a view of the valid prefix, so cropping is free and,
+once a buffer is large enough, the cache allocates no new memory.
 """
 
 from __future__ import annotations

@@ -68,12 +68,12 @@ class ContinuationCache:
     not decode the target again; on the zoo that is most of the time such a run
     takes. Entries are keyed by a digest of the target's weight and config
     files, the prompt and the token budget, so another target never hits.
-    ``path`` None keeps nothing on disk.
+    ``path`` None keeps nothing on disk (and skips hashing the weights).
     """
 
     def __init__(self, path: str | Path | None, target_dir: str | Path) -> None:
         self.path = Path(path) if path else None
-        self.target = _weights_digest(target_dir)
+        self.target = _weights_digest(target_dir) if self.path is not None else ""
         self.entries: dict[str, list[int]] = {}
         self.hits = self.misses = 0
         if self.path is not None and self.path.is_file():

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .oracle import ContinuationCache, draft_agreement, interval_walk, target_greedy
+from .oracle import ContinuationCache, draft_agreement, interval_walk
 from .predictor import ENCODERS, INPUTS, HeadConfig, MiniLMEncoder, RankingHead, mask_input, pooled_hidden_features
 
 
@@ -75,12 +75,10 @@ def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[lis
                    cache: ContinuationCache | None = None) -> list[PromptTrace]:
     from tqdm import tqdm
 
+    cache = cache or ContinuationCache(None, "")  # in memory only
     traces = []
     for index, prompt_ids in enumerate(tqdm(prompts, desc="traces", disable=not progress, file=sys.stderr, mininterval=2)):
-        if cache is not None:
-            continuation = cache.continuation(target, prompt_ids, max_new_tokens, eos_token_ids)
-        else:
-            continuation = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
+        continuation = cache.continuation(target, prompt_ids, max_new_tokens, eos_token_ids)
         if len(continuation) < 2:
             continue
         agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}

@@ -11,18 +11,19 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from .corpora import DOMAINS, CorpusConfig, Document, build_domain
+from .rollouts import RolloutConfig, RolloutStreams, make_rollouts
 from .tokenizer import TokenizerConfig, encode_documents, load_tokenizer, train_tokenizer
 from .train import DRAFT_ARCH, TARGET_ARCH, ArchConfig, TokenStreams, TrainConfig, train
 from .workloads import WorkloadConfig, mixed_documents, write_workloads
 
-STAGES = ("corpora", "tokenizer", "encode", "workloads", "target", "general", "domains", "export")
+STAGES = ("corpora", "tokenizer", "encode", "workloads", "target", "general", "rollouts", "onpolicy", "domains", "export")
 
 
 @dataclass
@@ -36,7 +37,9 @@ class BuildConfig:
     draft_arch: ArchConfig = field(default_factory=lambda: DRAFT_ARCH)
     target_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=30, lr=2e-3, warmup_steps=30))
     general_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=32, lr=3e-3, warmup_steps=20))
+    onpolicy_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=10, lr=1.5e-3, warmup_steps=10))
     domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=7, lr=1.5e-3, warmup_steps=10))
+    rollouts: RolloutConfig = field(default_factory=RolloutConfig)
     mixed_train_docs: int = 3000
     mixed_weight: float = 0.5
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
@@ -160,25 +163,44 @@ class ZooBuild:
         self._save("target", model.cpu(), meta)
 
     def general(self) -> None:
-        if (self.hf_dir("general").joinpath("config.json")).exists():
-            return _log("general: cached")
+        """The general draft's first phase: distilled from scratch on the corpus mixture (logit KL)."""
+        if (self.hf_dir("general-base") / "config.json").exists():
+            return _log("general-base: cached")
         teacher = self._load("target")
         model = self._new_model(self.cfg.draft_arch)
         tc = TrainConfig(**{**asdict(self.cfg.general_train), "device": self.cfg.device, "seed": self.cfg.seed + 1})
         meta = train(model, self._streams(self._mix_weights(), self.cfg.seed + 1), tc, self.w / "ckpt" / "general", teacher=teacher, desc="general", log=_log)
-        self._save("general", model.cpu(), meta)
+        self._save("general-base", model.cpu(), meta)
+
+    @property
+    def rollouts_path(self) -> Path:
+        return self.w / "data" / "rollouts.safetensors"
+
+    def rollouts(self) -> None:
+        """The target's greedy continuations of training prompts, per domain and mixed."""
+        if self.rollouts_path.exists():
+            return _log("rollouts: cached")
+        streams = load_file(str(self.w / "data" / "train.safetensors"))
+        rc = replace(self.cfg.rollouts, seed=self.cfg.seed + 11)
+        make_rollouts(self._load("target").to(self.cfg.device), {k: v.to(self.cfg.device) for k, v in streams.items()}, rc, self.rollouts_path, log=_log)
+
+    def _onpolicy(self, name: str, start: str, weights: dict[str, float], tc: TrainConfig, seed: int) -> None:
+        if (self.hf_dir(name) / "config.json").exists():
+            return _log(f"{name}: cached")
+        model = self._load(start)
+        tc = TrainConfig(**{**asdict(tc), "device": self.cfg.device, "seed": seed})
+        meta = train(model, RolloutStreams(self.rollouts_path, weights, seed), tc, self.w / "ckpt" / name, desc=name, log=_log)
+        meta["start"] = start
+        self._save(name, model.cpu(), meta)
+
+    def onpolicy(self) -> None:
+        """The general draft's second phase: the target's continuations of every source."""
+        self._onpolicy("general", "general-base", self._mix_weights(), self.cfg.onpolicy_train, self.cfg.seed + 12)
 
     def domains(self) -> None:
-        teacher = None
+        """Each domain draft: the general draft trained on its domain's continuations only."""
         for i, d in enumerate(DOMAINS[1:]):
-            if (self.hf_dir(d) / "config.json").exists():
-                _log(f"{d}: cached")
-                continue
-            teacher = teacher or self._load("target")
-            model = self._load("general")
-            tc = TrainConfig(**{**asdict(self.cfg.domain_train), "device": self.cfg.device, "seed": self.cfg.seed + 2 + i})
-            meta = train(model, self._streams({d: 1.0}, self.cfg.seed + 2 + i), tc, self.w / "ckpt" / d, teacher=teacher, desc=d, log=_log)
-            self._save(d, model.cpu(), meta)
+            self._onpolicy(d, "general", {d: 1.0}, self.cfg.domain_train, self.cfg.seed + 2 + i)
 
     def export(self) -> None:
         """fp16 copies + the shared tokenizer files into models/, and the registry."""

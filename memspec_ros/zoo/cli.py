@@ -28,9 +28,11 @@ def _build_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (a larger/longer zoo on a GPU)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    for name, minutes in (("target", 30.0), ("general", 32.0), ("domain", 7.0)):
+    for name, minutes in (("target", 30.0), ("general", 32.0), ("onpolicy", 10.0), ("domain", 7.0)):
         p.add_argument(f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model")
         p.add_argument(f"--{name}-steps", type=int, default=100_000, help=f"step budget per {name} model")
+    p.add_argument("--rollouts-per-source", type=int, default=1024,
+                   help="target continuations of training prompts per domain (and mixed) for on-policy distillation")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--target-layers", type=int, default=16)
@@ -57,7 +59,9 @@ def _run_build(a) -> int:
     common = dict(batch_size=a.batch_size, seq_len=a.seq_len)
     cfg.target_train = replace(cfg.target_train, max_minutes=a.target_minutes, max_steps=a.target_steps, **common)
     cfg.general_train = replace(cfg.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps, **common)
+    cfg.onpolicy_train = replace(cfg.onpolicy_train, max_minutes=a.onpolicy_minutes, max_steps=a.onpolicy_steps, **common)
     cfg.domain_train = replace(cfg.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps, **common)
+    cfg.rollouts = replace(cfg.rollouts, sequences_per_source=a.rollouts_per_source)
     cfg.target_arch = _resized(cfg.target_arch, a.target_hidden, a.target_layers)
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
     ZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from .rollouts import IGNORE, RolloutStreams
+
 
 @dataclass
 class ArchConfig:
@@ -152,7 +154,7 @@ def _load_checkpoint(path: Path, model, opt, data: TokenStreams) -> dict | None:
 
 def train(
     model,
-    data: TokenStreams,
+    data: TokenStreams | RolloutStreams,
     cfg: TrainConfig,
     ckpt_dir: Path,
     teacher=None,
@@ -163,6 +165,9 @@ def train(
 
     With a ``teacher`` the loss is KL(teacher || student) over the vocabulary
     at every position (distillation); without, next-token cross-entropy.
+    With ``RolloutStreams`` data the loss is cross-entropy on the target's
+    argmax labels of its own continuations (on-policy distillation, no
+    teacher forward needed: the labels were computed when the data was made).
     """
     torch.manual_seed(cfg.seed)
     dev = torch.device(cfg.device)
@@ -187,13 +192,19 @@ def train(
     t0 = time.time() - elapsed
     ema = None
     while step < total and (time.time() - t0) < budget_s:
-        x = data.batch(cfg.batch_size, cfg.seq_len + 1).to(dev)
+        batch = data.batch(cfg.batch_size, cfg.seq_len + 1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
-        if teacher is None:
+        if isinstance(batch, tuple):
+            # rollouts (see rollouts.py): the labels are the target's argmax
+            x, y = batch[0].to(dev), batch[1].to(dev)
+            logits = model(input_ids=x[:, :-1]).logits.float()
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        elif teacher is None:
+            x = batch.to(dev)
             loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
         else:
-            inp = x[:, :-1]
+            inp = batch[:, :-1].to(dev)
             with torch.no_grad():
                 t_logits = teacher(input_ids=inp).logits.float() / cfg.temperature
             s_logits = model(input_ids=inp).logits.float() / cfg.temperature

@@ -80,6 +80,22 @@ def _agreement(model, data: RolloutStreams) -> float:
     return hit / n
 
 
+def test_validation_split_is_every_tenth_rollout_and_agreement_is_per_position(rollouts, target):
+    _, _, path, _ = rollouts
+    every = RolloutStreams(path, {"code": 1.0}, seed=0)
+    train_, val = (RolloutStreams(path, {"code": 1.0}, seed=0, split=s) for s in ("train", "val"))
+    rows = every.seqs["code"]
+    assert [r[0].tolist() for r in val.seqs["code"]] == [r[0].tolist() for r in rows[::10]]
+    assert len(train_.seqs["code"]) + len(val.seqs["code"]) == len(rows)
+    assert {tuple(r[0].tolist()) for r in train_.seqs["code"]}.isdisjoint({tuple(r[0].tolist()) for r in val.seqs["code"]})
+    # the labels are the target's own argmax: it agrees everywhere, a fresh model does not
+    assert every.agreement(target) == 1.0
+    student = _student()
+    assert every.agreement(student) == pytest.approx(_agreement(student, every))
+    with pytest.raises(ValueError, match="split must be"):
+        RolloutStreams(path, {"code": 1.0}, seed=0, split="test")
+
+
 def test_training_on_rollouts_learns_the_targets_argmax(rollouts, tmp_path):
     _, _, path, _ = rollouts
     student = _student()
@@ -117,19 +133,39 @@ class _StopAfter:
 
 def test_interrupted_training_resumes_to_the_same_weights(rollouts, tmp_path):
     _, _, path, _ = rollouts
-    cfg = TrainConfig(max_steps=8, max_minutes=1e6, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=2, checkpoint_every=3)
+    cfg = TrainConfig(max_steps=8, max_minutes=1e6, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=2, checkpoint_every=3,
+                      validate_every=2)
+    val = RolloutStreams(path, {"code": 1.0}, seed=0, split="val")
 
     def fresh():
         return _student(), RolloutStreams(path, {"code": 1.0, "law": 1.0}, seed=1)
 
     straight, data = fresh()
-    train(straight, data, cfg, tmp_path / "a", log=lambda m: None)
+    straight_meta = train(straight, data, cfg, tmp_path / "a", log=lambda m: None, validate=val.agreement)
 
     resumed, data = fresh()
     with pytest.raises(_Interrupt):
-        train(resumed, _StopAfter(data, 7), cfg, tmp_path / "b", log=lambda m: None)  # last checkpoint: step 6
+        train(resumed, _StopAfter(data, 7), cfg, tmp_path / "b", log=lambda m: None, validate=val.agreement)  # checkpoint: step 6
     resumed, data = fresh()
-    meta = train(resumed, data, cfg, tmp_path / "b", log=lambda m: None)
-    assert meta["step"] == 8
+    meta = train(resumed, data, cfg, tmp_path / "b", log=lambda m: None, validate=val.agreement)
+    assert meta["step"] == 8 and meta["validation"] == straight_meta["validation"]
     for (n, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_early_stopping_keeps_the_best_validated_parameters(rollouts, tmp_path):
+    _, _, path, _ = rollouts
+    student = _student()
+    scores = iter([0.1, 0.5, 0.3, 0.2, 0.4])  # best at the 2nd validation (step 4)
+    snapshots = []
+
+    def validate(model):
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return next(scores)
+
+    cfg = TrainConfig(max_steps=10, max_minutes=1e6, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=2, validate_every=2)
+    meta = train(student, RolloutStreams(path, {"code": 1.0}, seed=1), cfg, tmp_path / "c", log=lambda m: None, validate=validate)
+    assert meta["best_step"] == 4 and [v[0] for v in meta["validation"]] == [2, 4, 6, 8, 10]
+    for n, p in student.named_parameters():
+        assert torch.equal(p, snapshots[1][n]), n
+    assert not all(torch.equal(p, snapshots[-1][n]) for n, p in student.named_parameters())

@@ -4,6 +4,13 @@ Each stage writes its output into ``work_dir`` and is skipped when that output
 exists, so an interrupted ``memspec-zoo build`` picks up where it stopped
 (training stages resume from their last checkpoint).  Only ``export`` writes
 into ``models/``.
+
+The drafts are made in three runs: ``general`` distils a draft from scratch on
+the corpus mixture (logit KL, saved as ``general-base``); ``rollouts`` has the
+target continue training prompts of every domain greedily; ``onpolicy``
+trains ``general-base`` on all of those continuations (the exported
+``general``); ``domains`` trains a copy of ``general`` on each domain's
+continuations only (the paper's domain drafts distilled from the target).
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ class BuildConfig:
     draft_arch: ArchConfig = field(default_factory=lambda: DRAFT_ARCH)
     target_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=30, lr=2e-3, warmup_steps=30))
     general_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=32, lr=3e-3, warmup_steps=20))
-    onpolicy_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=10, lr=1.5e-3, warmup_steps=10))
-    domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=7, lr=1.5e-3, warmup_steps=10))
+    onpolicy_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=10, lr=1.5e-3, warmup_steps=10, validate_every=250))
+    domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=7, lr=1.5e-3, warmup_steps=10, validate_every=50))
     rollouts: RolloutConfig = field(default_factory=RolloutConfig)
     mixed_train_docs: int = 3000
     mixed_weight: float = 0.5
@@ -189,7 +196,10 @@ class ZooBuild:
             return _log(f"{name}: cached")
         model = self._load(start)
         tc = TrainConfig(**{**asdict(tc), "device": self.cfg.device, "seed": seed})
-        meta = train(model, RolloutStreams(self.rollouts_path, weights, seed), tc, self.w / "ckpt" / name, desc=name, log=_log)
+        # every 10th rollout of each source is held out for early stopping
+        data = RolloutStreams(self.rollouts_path, weights, seed, split="train")
+        val = RolloutStreams(self.rollouts_path, weights, seed, split="val")
+        meta = train(model, data, tc, self.w / "ckpt" / name, desc=name, log=_log, validate=val.agreement)
         meta["start"] = start
         self._save(name, model.cpu(), meta)
 

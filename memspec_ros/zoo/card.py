@@ -93,8 +93,6 @@ def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int 
     heldout = {d: encode_documents(tok, read_docs(work_dir / "corpora" / f"{d}.heldout.jsonl")) for d in DOMAINS}
     for name, m in models.items():
         path = models_dir / ("target" if name == "target" else f"drafts/{name}")
-        meta_path = work_dir / "hf" / name / "train_meta.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         c = m.config
         out["models"][name] = {
             "params": sum(p.numel() for p in m.parameters()),
@@ -102,18 +100,36 @@ def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int 
             "fp16_bytes": dir_bytes(path),
             "latency_ms_1tok": lat[name]["1"],
             "latency_ms_5tok": lat[name]["5"],
-            "train_steps": meta.get("step"),
-            "train_minutes": round(meta.get("elapsed_s", 0) / 60, 1),
-            "train_seconds": meta.get("elapsed_s", 0),
-            "train_tokens": (meta.get("step") or 0) * meta.get("config", {}).get("batch_size", 0) * meta.get("config", {}).get("seq_len", 0),
-            "final_loss": meta.get("final_loss"),
-            "train_config": meta.get("config", {}),
             "perplexity": {d: perplexity(m, heldout[d], max_tokens=ppl_tokens) for d in DOMAINS},
         }
         print(name, out["models"][name], flush=True)
+    out["phases"] = build_phases(work_dir)
     stats_path = work_dir / "data" / "stats.json"
     out["data"] = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     out["vocab_size"] = len(tok)
+    return out
+
+
+PHASES = ("target", "general-base", *DOMAINS)
+"""Every training run of a build, in order (``general-base``: the general draft's corpus phase)."""
+
+
+def build_phases(work_dir: Path) -> dict[str, dict]:
+    """What each training run of the build did, from the ``train_meta.json`` it saved."""
+    out = {}
+    for name in PHASES:
+        path = work_dir / "hf" / name / "train_meta.json"
+        if not path.exists():
+            continue
+        meta = json.loads(path.read_text())
+        if name == "target":
+            objective = "next-token CE on the corpus mixture"
+        elif "start" in meta:
+            objective = f"from `{meta['start']}`: CE on the target's argmax over its own continuations (on-policy)"
+        else:
+            objective = "from scratch: KL(target || draft) on the corpus mixture"
+        out[name] = {"steps": meta.get("step"), "seconds": meta.get("elapsed_s", 0), "config": meta.get("config", {}),
+                     "final_loss": meta.get("final_loss"), "objective": objective}
     return out
 
 
@@ -135,14 +151,13 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         "",
         "## Models",
         "",
-        "| model | shape | params | fp16 bytes | 1-token fwd (ms) | 5-token fwd (ms) | train steps | train min | tokens seen | final loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | shape | params | fp16 bytes | 1-token fwd (ms) | 5-token fwd (ms) |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for name, r in m["models"].items():
         L.append(
             f"| {name} | {r['shape']} | {r['params'] / 1e6:.2f} M | {r['fp16_bytes'] / 1e6:.1f} MB | "
-            f"{r['latency_ms_1tok']:.2f} | {r['latency_ms_5tok']:.2f} | {r['train_steps']} | {r['train_minutes']} | "
-            f"{r['train_tokens'] / 1e6:.2f} M | {r['final_loss'] if r['final_loss'] is None else round(r['final_loss'], 3)} |"
+            f"{r['latency_ms_1tok']:.2f} | {r['latency_ms_5tok']:.2f} |"
         )
     total = sum(r["fp16_bytes"] for r in m["models"].values())
     L += [
@@ -151,7 +166,7 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         f"fp32 compute, {m['threads']} threads, on the (shared, 2-core) build machine. Target / general-draft",
         f"forward cost ratio: **{t['latency_ms_1tok'] / d0['latency_ms_1tok']:.1f}x** (1 token), "
         f"{t['latency_ms_5tok'] / d0['latency_ms_1tok']:.1f}x (target verifying 5 tokens vs one draft token).",
-        "Losses: target = next-token cross-entropy; drafts = KL(target || draft) on logits.",
+        "Training runs, budgets and objectives: see *Build as run* below.",
         "",
         "## Held-out perplexity per domain",
         "",
@@ -238,15 +253,15 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         "",
         "## Build as run",
         "",
-        "| model | budget (min) | steps | s/step | batch x seq | peak lr | loss |",
-        "|---|---:|---:|---:|---|---:|---|",
+        "| run | budget (min) | steps | s/step | batch x seq | peak lr | final loss | objective |",
+        "|---|---:|---:|---:|---|---:|---:|---|",
     ]
-    for name, r in m["models"].items():
-        c = r.get("train_config") or {}
-        steps = r["train_steps"] or 0
+    for name, r in m.get("phases", {}).items():
+        c, steps = r["config"], r["steps"] or 0
+        loss = "-" if r["final_loss"] is None else f"{r['final_loss']:.3f}"
         L.append(
-            f"| {name} | {c.get('max_minutes')} | {steps} | {r.get('train_seconds', 0) / max(steps, 1):.2f} | "
-            f"{c.get('batch_size')} x {c.get('seq_len')} | {c.get('lr')} | {'CE' if name == 'target' else 'KL from target'} |"
+            f"| {name} | {c.get('max_minutes')} | {steps} | {r['seconds'] / max(steps, 1):.2f} | "
+            f"{c.get('batch_size')} x {c.get('seq_len')} | {c.get('lr')} | {loss} | {r['objective']} |"
         )
     if notes:
         L += ["", notes.strip()]

@@ -112,6 +112,17 @@ def make_rollouts(
     return summary
 
 
+def _padded(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad (ids, labels) rows to one width; padded labels are ``IGNORE``."""
+    width = max(len(r[0]) for r in rows)
+    x = torch.zeros(len(rows), width, dtype=torch.long)
+    y = torch.full((len(rows), width - 1), IGNORE, dtype=torch.long)
+    for i, (ids, labels) in enumerate(rows):
+        x[i, : len(ids)] = ids
+        y[i, : len(labels)] = labels
+    return x, y
+
+
 class RolloutStreams:
     """Batches of whole rollouts (right-padded, padding labelled ``IGNORE``) by source weight.
 
@@ -119,21 +130,43 @@ class RolloutStreams:
     so ``train.train`` resumes either; a batch is ``(ids, labels)``.
     """
 
-    def __init__(self, path: Path, weights: dict[str, float], seed: int):
+    def __init__(self, path: Path, weights: dict[str, float], seed: int, split: str = "all", val_every: int = 10):
+        """``split``: ``train`` / ``val`` (every ``val_every``-th rollout of a source) / ``all``."""
+        if split not in ("train", "val", "all"):
+            raise ValueError(f"split must be train, val or all, got {split!r}")
         tensors = load_file(str(path))
-        self.seqs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for key in tensors:
-            if key.endswith(".ids"):
-                src = key.split(".")[0]
-                ids, labels = tensors[key], tensors[key[: -len("ids")] + "labels"]
-                self.seqs.setdefault(src, []).extend(zip(ids, labels, strict=True))
-        unknown = [n for n in weights if weights[n] > 0 and n not in self.seqs]
+        keys = sorted((k for k in tensors if k.endswith(".ids")), key=lambda k: (k.split(".")[0], int(k.split(".")[1])))
+        every: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for key in keys:
+            ids, labels = tensors[key], tensors[key[: -len("ids")] + "labels"]
+            every.setdefault(key.split(".")[0], []).extend(zip(ids, labels, strict=True))
+        unknown = [n for n in weights if weights[n] > 0 and n not in every]
         if unknown:
-            raise ValueError(f"no rollouts for {unknown} in {path} (has {sorted(self.seqs)})")
+            raise ValueError(f"no rollouts for {unknown} in {path} (has {sorted(every)})")
+        keep = {"all": lambda i: True, "val": lambda i: i % val_every == 0, "train": lambda i: i % val_every != 0}[split]
         self.names = [n for n in weights if weights[n] > 0]
+        self.seqs = {n: [r for i, r in enumerate(every[n]) if keep(i)] for n in self.names}
         w = torch.tensor([weights[n] for n in self.names], dtype=torch.float64)
         self.probs = w / w.sum()
         self.gen = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def agreement(self, model, batch_size: int = 32) -> float:
+        """Fraction of labelled positions where ``model``'s argmax is the target's (each source weighted alike)."""
+        was_training = model.training
+        model.eval()
+        dev = next(model.parameters()).device
+        per_source = []
+        for name in self.names:
+            rows, hit, n = self.seqs[name], 0, 0
+            for i in range(0, len(rows), batch_size):
+                x, y = _padded(rows[i : i + batch_size])
+                pred = model(input_ids=x[:, :-1].to(dev)).logits.argmax(-1).cpu()
+                mask = y != IGNORE
+                hit, n = hit + int((pred == y)[mask].sum()), n + int(mask.sum())
+            per_source.append(hit / max(n, 1))
+        model.train(was_training)
+        return sum(per_source) / len(per_source)
 
     def batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``seq_len`` caps the length (rollouts are cut from the right)."""
@@ -143,13 +176,7 @@ class RolloutStreams:
             pool = self.seqs[self.names[k]]
             ids, labels = pool[int(torch.randint(0, len(pool), (1,), generator=self.gen))]
             rows.append((ids[:seq_len], labels[: seq_len - 1]))
-        width = max(len(r[0]) for r in rows)
-        x = torch.zeros(len(rows), width, dtype=torch.long)
-        y = torch.full((len(rows), width - 1), IGNORE, dtype=torch.long)
-        for i, (ids, labels) in enumerate(rows):
-            x[i, : len(ids)] = ids
-            y[i, : len(labels)] = labels
-        return x, y
+        return _padded(rows)
 
     def state(self) -> torch.Tensor:
         return self.gen.get_state()

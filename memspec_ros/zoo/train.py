@@ -77,6 +77,7 @@ class TrainConfig:
     seed: int = 0
     temperature: float = 1.0  # distillation temperature
     checkpoint_every: int = 50
+    validate_every: int = 100  # steps between validations when train() gets a ``validate``
     # the cosine schedule needs a horizon; with a minutes budget it is estimated
     # from the measured step time after ``warmup_steps``
     device: str = "cpu"
@@ -115,10 +116,11 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _save_checkpoint(path: Path, model, opt, data: TokenStreams, meta: dict) -> None:
+def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, torch.Tensor] | None = None) -> None:
     path.mkdir(parents=True, exist_ok=True)
     # named_parameters() lists tied weights (embedding = LM head) once; safetensors refuses aliases
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.named_parameters()}
+    tensors.update({f"best.{k}": v.cpu().contiguous() for k, v in (best or {}).items()})
     names = {p: n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for k, v in st.items():
@@ -131,9 +133,10 @@ def _save_checkpoint(path: Path, model, opt, data: TokenStreams, meta: dict) -> 
     (path / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def _load_checkpoint(path: Path, model, opt, data: TokenStreams) -> dict | None:
+def _load_checkpoint(path: Path, model, opt, data) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
+    """Restores model, optimizer and data state; returns (meta, best validated parameters or None)."""
     if not (path / "meta.json").exists():
-        return None
+        return None, None
     tensors = load_file(str(path / "state.safetensors"))
     missing, unexpected = model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
     if unexpected or any(k != "lm_head.weight" and "rotary" not in k for k in missing):
@@ -149,7 +152,8 @@ def _load_checkpoint(path: Path, model, opt, data: TokenStreams) -> dict | None:
         if st:
             opt.state[p] = st
     data.load_state(tensors["rng.data"])
-    return json.loads((path / "meta.json").read_text())
+    best = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")} or None
+    return json.loads((path / "meta.json").read_text()), best
 
 
 def train(
@@ -160,6 +164,7 @@ def train(
     teacher=None,
     desc: str = "train",
     log: Callable[[str], None] = print,
+    validate: Callable[[torch.nn.Module], float] | None = None,
 ) -> dict:
     """Train in place; resumable from ``ckpt_dir``. Returns the run's summary.
 
@@ -168,6 +173,10 @@ def train(
     With ``RolloutStreams`` data the loss is cross-entropy on the target's
     argmax labels of its own continuations (on-policy distillation, no
     teacher forward needed: the labels were computed when the data was made).
+
+    ``validate`` (higher is better) runs every ``cfg.validate_every`` steps and
+    at the end; the model ends with the best validated parameters (early
+    stopping: a domain's continuations are few enough to memorise).
     """
     torch.manual_seed(cfg.seed)
     dev = torch.device(cfg.device)
@@ -181,7 +190,17 @@ def train(
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
-    meta = _load_checkpoint(ckpt_dir, model, opt, data) or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": []}
+    meta, best = _load_checkpoint(ckpt_dir, model, opt, data)
+    meta = meta or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": [], "validation": []}
+
+    def check() -> None:
+        nonlocal best
+        score = validate(model)
+        meta.setdefault("validation", []).append([step, round(score, 5)])
+        if meta.get("best_step") is None or score > meta["best_score"]:
+            meta.update(best_step=step, best_score=score)
+            best = {n: p.detach().clone() for n, p in model.named_parameters()}
+
     if meta.get("done"):
         log(f"{desc}: already trained ({meta['step']} steps), skipping")
         return meta
@@ -232,12 +251,22 @@ def train(
             log(f"{desc}: {per_step:.2f} s/step -> cosine horizon {total} steps")
         if step % 50 == 0:
             meta["losses"].append([step, round(ema, 4)])
+        if validate is not None and step % cfg.validate_every == 0:
+            check()
         if step % cfg.checkpoint_every == 0:
             meta.update(step=step, elapsed_s=time.time() - t0, total=total)
-            _save_checkpoint(ckpt_dir, model, opt, data, meta)
+            _save_checkpoint(ckpt_dir, model, opt, data, meta, best)
     bar.close()
     meta.update(step=step, elapsed_s=time.time() - t0, total=total, done=True, final_loss=ema, config=asdict(cfg))
-    _save_checkpoint(ckpt_dir, model, opt, data, meta)
+    if validate is not None:
+        if not meta.get("validation") or meta["validation"][-1][0] != step:
+            check()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(best[n])
+        log(f"{desc}: validation {meta['validation'][-1][1]:.4f} at the last step, best {meta['best_score']:.4f} "
+            f"at step {meta['best_step']}: keeping step {meta['best_step']}")
+    _save_checkpoint(ckpt_dir, model, opt, data, meta, best)
     log(f"{desc}: {step} steps in {meta['elapsed_s'] / 60:.1f} min, loss {ema:.3f}")
     return meta
 

@@ -45,7 +45,7 @@ class BuildConfig:
     target_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=30, lr=2e-3, warmup_steps=30))
     general_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=32, lr=3e-3, warmup_steps=20))
     onpolicy_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=10, lr=1.5e-3, warmup_steps=10, validate_every=250))
-    domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=7, lr=1.5e-3, warmup_steps=10, validate_every=50))
+    domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=4, lr=1.5e-3, warmup_steps=10, validate_every=50))
     rollouts: RolloutConfig = field(default_factory=RolloutConfig)
     mixed_train_docs: int = 3000
     mixed_weight: float = 0.5
@@ -188,7 +188,7 @@ class ZooBuild:
         if self.rollouts_path.exists():
             return _log("rollouts: cached")
         streams = load_file(str(self.w / "data" / "train.safetensors"))
-        rc = replace(self.cfg.rollouts, seed=self.cfg.seed + 11)
+        rc = replace(self.cfg.rollouts, seed=self.cfg.seed)
         make_rollouts(self._load("target").to(self.cfg.device), {k: v.to(self.cfg.device) for k, v in streams.items()}, rc, self.rollouts_path, log=_log)
 
     def _onpolicy(self, name: str, start: str, weights: dict[str, float], tc: TrainConfig, seed: int) -> None:

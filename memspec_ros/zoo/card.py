@@ -104,6 +104,8 @@ def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int 
         }
         print(name, out["models"][name], flush=True)
     out["phases"] = build_phases(work_dir)
+    rollouts = work_dir / "data" / "rollouts.json"
+    out["rollouts"] = json.loads(rollouts.read_text()) if rollouts.exists() else None
     stats_path = work_dir / "data" / "stats.json"
     out["data"] = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     out["vocab_size"] = len(tok)
@@ -249,6 +251,16 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         L.append(f"| {d} | {src} | {lic} | {s.get('train_tokens', 0) / 1e6:.2f} M | {s.get('heldout_tokens', 0) / 1e6:.2f} M |")
     if "mixed" in data:
         L.append(f"| mixed | interleaved training segments | as above | {data['mixed']['train_tokens'] / 1e6:.2f} M | - |")
+    r = m.get("rollouts")
+    if r:
+        c = r["config"]
+        L += [
+            "",
+            f"On-policy distillation data (`data/rollouts.safetensors` in the work dir): {c['sequences_per_source']} prompts per",
+            f"source ({', '.join(r['sources'])}) of {c['min_prompt_tokens']}-{c['max_prompt_tokens']} tokens cut from the *training*",
+            f"streams, each continued by the target for {c['new_tokens']} greedy tokens and labelled with its argmax at every",
+            f"position ({r['seconds'] / 60:.0f} minutes); every 10th rollout per source is held out for early stopping.",
+        ]
     L += [
         "",
         "## Build as run",

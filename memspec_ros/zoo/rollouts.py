@@ -98,8 +98,8 @@ def make_rollouts(
             # from one full forward: they agree but for float ties, which we count
             agree += int((labels[:, plen - 1 :] == ids[:, plen:]).sum())
             total += labels[:, plen - 1 :].numel()
-            tensors[f"{name}.{k}.ids"] = ids.to(torch.int32)
-            tensors[f"{name}.{k}.labels"] = labels.to(torch.int32)
+            tensors[f"{name}.{k}.ids"] = ids.to(torch.int32).cpu()
+            tensors[f"{name}.{k}.labels"] = labels.to(torch.int32).cpu()
             done, k = done + b, k + 1
             bar.update(b)
         bar.close()

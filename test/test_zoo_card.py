@@ -1,0 +1,47 @@
+"""The model card's goal lines are computed from the acceptance JSON, never written by hand."""
+
+from __future__ import annotations
+
+import json
+
+from memspec_ros.zoo.card import build_phases, render
+from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS
+
+
+def _measurements(phases: dict) -> dict:
+    model = {"params": 1e6, "shape": "8x1", "fp16_bytes": 2e6, "latency_ms_1tok": 1.0, "latency_ms_5tok": 1.5,
+             "perplexity": {d: 10.0 for d in DOMAINS}}
+    return {"threads": 2, "vocab_size": 2048, "models": {n: dict(model) for n in ("target", *DOMAINS)},
+            "data": {}, "phases": phases, "rollouts": None}
+
+
+def _acceptance(own: float, off: float, static: float, dynamic: float) -> dict:
+    matrix = {d: {w: 2.0 for w in WORKLOADS} for d in DOMAINS}
+    gains = {d: {w: (own if w == d else off) for w in DOMAINS} for d in DOMAINS[1:]}
+    return {"matrix": matrix, "config": {"gamma": 4, "max_new_tokens": 128, "prompts_per_workload": 100},
+            "domain_gain_over_general": gains, "oracle_static_gain": static,
+            "oracle_static_gain_by_workload": {w: static for w in DOMAINS}, "oracle_dynamic_gain_mixed": dynamic,
+            "oracle_dynamic_mixed": 2.2, "best_fixed_per_prompt": {"mixed": 2.0},
+            "mean_generated_tokens": {w: 128 for w in WORKLOADS}}
+
+
+def test_goal_lines_follow_the_measurements():
+    met = render(_measurements({}), _acceptance(own=0.3, off=-0.2, static=0.25, dynamic=0.12))
+    assert "by >= 25%: code +30%" in met and "-> met" in met and "loses to it on the other domains: met" in met
+    assert "oracle_static_gain >= 0.20: **0.250** (met" in met and "oracle_dynamic_gain_mixed >= 0.10: **0.120** (met" in met
+    missed = render(_measurements({}), _acceptance(own=0.1, off=0.05, static=0.02, dynamic=0.07))
+    assert "NOT met for code, math, law, medical" in missed and "NOT everywhere: also beats `general` code on general (+5%)" in missed
+    assert "**0.020** (NOT met" in missed and "**0.070** (NOT met" in missed
+
+
+def test_build_runs_are_listed_with_their_objective(tmp_path):
+    for name, meta in {"target": {"step": 10}, "general-base": {"step": 20},
+                       "general": {"step": 30, "start": "general-base"}, "code": {"step": 5, "start": "general"}}.items():
+        (tmp_path / "hf" / name).mkdir(parents=True)
+        (tmp_path / "hf" / name / "train_meta.json").write_text(json.dumps({**meta, "elapsed_s": 60.0, "final_loss": 0.5,
+                                                                          "config": {"max_minutes": 1, "batch_size": 16, "seq_len": 256, "lr": 1e-3}}))
+    phases = build_phases(tmp_path)
+    assert list(phases) == ["target", "general-base", "general", "code"]
+    card = render(_measurements(phases), None)
+    assert "| general-base | 1 | 20 | 3.00 | 16 x 256 | 0.001 | 0.500 | from scratch: KL(target || draft) on the corpus mixture |" in card
+    assert "| code | 1 | 5 | 12.00 | 16 x 256 | 0.001 | 0.500 | from `general`: CE on the target's argmax over its own continuations (on-policy) |" in card

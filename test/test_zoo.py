@@ -75,6 +75,16 @@ def test_prose_filter():
 # --------------------------------------------------------------------------- acceptance walk
 
 
+def test_repeated_ngram_fraction_hand_computed():
+    from memspec_ros.zoo.acceptance import repeated_ngram_fraction
+
+    # 7 8 7 8 7 8 9: 2-grams (7,8)(8,7)(7,8)*(8,7)*(7,8)*(8,9) -> 3 of 6 repeat
+    assert repeated_ngram_fraction([7, 8, 7, 8, 7, 8, 9], n=2) == 0.5
+    assert repeated_ngram_fraction(list(range(20)), n=4) == 0.0
+    assert repeated_ngram_fraction([5] * 10, n=4) == 6 / 7
+    assert repeated_ngram_fraction([1, 2], n=4) == 0.0
+
+
 def test_static_walk_hand_computed():
     # agreement of the draft with the continuation, position 0 is made by prefill
     agree = [True, True, True, False, True, True, True, True, True, True, False, False]

@@ -58,6 +58,20 @@ def static_score(agree: list[bool], gamma: int) -> tuple[float, int]:
     return (sum(accepted) / len(accepted) if accepted else 0.0), len(accepted)
 
 
+def repeated_ngram_fraction(tokens: list[int], n: int = 4) -> float:
+    """Fraction of ``tokens`` (from the n-th on) that complete an n-gram already seen earlier in them.
+
+    A measure of how loop-like a greedy continuation is: loops are what any
+    small draft predicts, whatever its domain.
+    """
+    seen, hits = set(), 0
+    for t in range(n - 1, len(tokens)):
+        gram = tuple(tokens[t - n + 1 : t + 1])
+        hits += gram in seen
+        seen.add(gram)
+    return hits / max(len(tokens) - n + 1, 1)
+
+
 def dynamic_walk(agreement: dict[str, list[bool]], gamma: int, interval: int) -> tuple[float, list[str]]:
     """Best draft per N-iteration interval: (accepted per iteration, draft chosen per interval)."""
     names = list(agreement)
@@ -108,7 +122,7 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
             cont = cache.continuation(target, ids, cfg.max_new_tokens, [tok.eos_token_id])
             agreement = {d: draft_agreement(drafts[d], ids, cont) for d in names}
             scores = {d: static_score(agreement[d], cfg.gamma)[0] for d in names}
-            rec = {"tokens": len(cont), "accepted_per_iteration": scores}
+            rec = {"tokens": len(cont), "accepted_per_iteration": scores, "repeated_4gram": repeated_ngram_fraction(cont)}
             if w == "mixed":
                 dyn, chosen = dynamic_walk(agreement, cfg.gamma, cfg.interval)
                 rec.update(dynamic=dyn, dynamic_choices=chosen, pair=row.get("pair"))
@@ -130,6 +144,9 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
         "domain_gain_over_general": {
             d: {w: matrix[d][w] / matrix["general"][w] - 1 for w in DOMAINS} for d in names if d != "general"
         },
+        # no draft accepts more than gamma per iteration: the most any draft could gain over general
+        "gain_ceiling_over_general": {w: cfg.gamma / matrix["general"][w] - 1 for w in WORKLOADS},
+        "repeated_4gram_fraction": {w: mean(r["repeated_4gram"] for r in per_prompt[w]) for w in WORKLOADS},
         "mean_generated_tokens": {w: mean(r["tokens"] for r in per_prompt[w]) for w in WORKLOADS},
         "wall_seconds": round(time.time() - t0, 1),
         "per_prompt": per_prompt,

@@ -226,6 +226,15 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
             f"({'met' if acc['oracle_dynamic_gain_mixed'] >= 0.1 else 'NOT met'}; dynamic {acc['oracle_dynamic_mixed']:.2f} vs "
             f"best fixed {acc['best_fixed_per_prompt']['mixed']:.2f} accepted/iteration)",
             "",
+            *([
+                "Ceiling: no draft accepts more than gamma tokens per iteration, so no draft can beat `general` by more than "
+                + ", ".join(f"{w} {_fmt_pct(v)}" for w, v in acc["gain_ceiling_over_general"].items()) + ".",
+                "",
+                "Share of the target's generated tokens that complete a 4-token sequence it already generated in the same"
+                " continuation (loops, which any draft predicts): "
+                + ", ".join(f"{w} {v:.0%}" for w, v in acc["repeated_4gram_fraction"].items()) + ".",
+                "",
+            ] if "repeated_4gram_fraction" in acc else []),
             "Mean generated tokens per prompt (the target stops at `</s>`): "
             + ", ".join(f"{w} {v:.0f}" for w, v in acc["mean_generated_tokens"].items()),
             "",

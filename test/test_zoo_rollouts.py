@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from memspec_ros.bench.tiny_models import tiny_llama
 from memspec_ros.runtime.oracle import target_greedy
-from memspec_ros.zoo.rollouts import IGNORE, RolloutConfig, RolloutStreams, make_rollouts
+from memspec_ros.zoo.rollouts import IGNORE, RolloutConfig, RolloutStreams, make_rollouts, topk_kl
 from memspec_ros.zoo.train import TrainConfig, train
 
 
@@ -17,10 +17,14 @@ def rollouts(tmp_path_factory, target):
     gen = torch.Generator().manual_seed(3)
     streams = {"code": torch.randint(3, 64, (400,), generator=gen, dtype=torch.int32),
                "law": torch.randint(3, 64, (300,), generator=gen, dtype=torch.int32)}
-    cfg = RolloutConfig(sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=9, new_tokens=12, batch_size=4)
+    cfg = RolloutConfig(sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=9, new_tokens=12, batch_size=4, top_k=5)
     path = tmp_path_factory.mktemp("rollouts") / "rollouts.safetensors"
     summary = make_rollouts(target, streams, cfg, path, log=lambda m: None)
     return streams, cfg, path, summary
+
+
+def i_row(batch: torch.Tensor, row: torch.Tensor) -> int:
+    return next(i for i in range(len(batch)) if torch.equal(batch[i], row))
 
 
 def _windows_of(stream: torch.Tensor, w: torch.Tensor) -> bool:
@@ -43,27 +47,58 @@ def test_rollouts_are_the_targets_own_greedy_continuations_of_training_windows(r
                 assert _windows_of(stream.long(), prompt)  # a window of the training stream
                 # batched generation = the per-prompt greedy loop the engine is checked against
                 assert row[plen:].tolist() == target_greedy(target, prompt.tolist(), cfg.new_tokens)
-                # each label is the target's argmax given the prefix
+                # each label is the target's argmax given the prefix, the soft labels its top-k log-probs
                 with torch.no_grad():
-                    full = target(input_ids=row[None]).logits[0, :-1].argmax(-1)
-                assert torch.equal(lab, full)
+                    logp = torch.log_softmax(target(input_ids=row[None]).logits[0, :-1], -1)
+                assert torch.equal(lab, logp.argmax(-1))
+                top = logp.topk(cfg.top_k, -1)
+                assert torch.equal(tensors[k.replace(".ids", ".top_ids")][i_row(ids, row)].long(), top.indices)
+                torch.testing.assert_close(tensors[k.replace(".ids", ".top_logp")][i_row(ids, row)].float(), top.values,
+                                           atol=2e-2, rtol=2e-3)  # stored in fp16
         assert summary["sources"][name]["label_agreement"] == 1.0
 
 
 def test_rollout_batches_pad_with_ignored_labels_and_name_missing_sources(rollouts):
     _, _, path, _ = rollouts
     data = RolloutStreams(path, {"code": 1.0, "law": 1.0}, seed=0)
-    stored = {tuple(ids.tolist()): labels for src in data.seqs.values() for ids, labels in src}
-    x, y = data.batch(8, 1000)
-    assert y.shape == (8, x.shape[1] - 1)
-    for row, lab in zip(x, y, strict=True):
+    stored = {tuple(r[0].tolist()): r for src in data.seqs.values() for r in src}
+    x, y, tid, tlp = data.batch(8, 1000)
+    assert y.shape == (8, x.shape[1] - 1) and tid.shape == tlp.shape == (8, x.shape[1] - 1, 5)
+    for row, lab, ti, tl in zip(x, y, tid, tlp, strict=True):
         n = int((lab != IGNORE).sum()) + 1  # real tokens in this row
-        assert torch.equal(stored[tuple(row[:n].tolist())].long(), lab[: n - 1])
+        _, labels, top_ids, top_logp = stored[tuple(row[:n].tolist())]
+        assert torch.equal(labels.long(), lab[: n - 1]) and torch.equal(top_ids.long(), ti[: n - 1])
+        assert torch.equal(top_logp.float(), tl[: n - 1])
         assert (row[n:] == 0).all() and (lab[n - 1 :] == IGNORE).all()
-    x, y = data.batch(4, 10)  # seq_len caps the width
-    assert x.shape[1] == 10 and y.shape[1] == 9
+    x, y, tid, _ = data.batch(4, 10)  # seq_len caps the width
+    assert x.shape[1] == 10 and y.shape[1] == 9 and tid.shape[1] == 9
     with pytest.raises(ValueError, match=r"no rollouts for \['math'\]"):
         RolloutStreams(path, {"code": 1.0, "math": 0.5}, seed=0)
+    hard_only = {k: v for k, v in load_file(str(path)).items() if not k.endswith(("top_ids", "top_logp"))}
+    save_file(hard_only, str(path.with_name("old.safetensors")))
+    with pytest.raises(ValueError, match="no soft labels .* rerun the rollouts stage"):
+        RolloutStreams(path.with_name("old.safetensors"), {"code": 1.0}, seed=0)
+
+
+def test_topk_kl_is_the_kl_on_the_coarsened_distribution():
+    gen = torch.Generator().manual_seed(0)
+    t_logits, s_logits = torch.randn(2, 3, 11, generator=gen) * 2, torch.randn(2, 3, 11, generator=gen)
+    logp = torch.log_softmax(t_logits, -1)
+    top = logp.topk(4, -1)
+    labels = torch.tensor([[1, 2, IGNORE], [3, IGNORE, IGNORE]])
+    got = topk_kl(s_logits, labels, top.indices, top.values)
+    # by hand: the 4 top tokens kept, the other 7 merged into one outcome, on the 3 labelled positions
+    logq = torch.log_softmax(s_logits, -1)
+    kls = []
+    for b, t in [(0, 0), (0, 1), (1, 0)]:
+        keep = top.indices[b, t]
+        rest = torch.ones(11, dtype=torch.bool)
+        rest[keep] = False
+        p = torch.cat([logp[b, t, keep].exp(), logp[b, t, rest].exp().sum()[None]])
+        q = torch.cat([logq[b, t, keep].exp(), logq[b, t, rest].exp().sum()[None]])
+        kls.append((p * (p.log() - q.log())).sum())
+    torch.testing.assert_close(got, torch.stack(kls).mean(), atol=1e-5, rtol=1e-4)
+    assert topk_kl(t_logits, labels, top.indices, top.values) < 1e-5  # the target itself: zero
 
 
 def _student():
@@ -74,7 +109,7 @@ def _agreement(model, data: RolloutStreams) -> float:
     hit = n = 0
     with torch.no_grad():
         for src in data.seqs.values():
-            for ids, labels in src:
+            for ids, labels, _, _ in src:
                 pred = model(input_ids=ids[None, :-1].long()).logits[0].argmax(-1)
                 hit, n = hit + int((pred == labels.long()).sum()), n + len(labels)
     return hit / n

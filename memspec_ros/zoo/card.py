@@ -127,7 +127,7 @@ def build_phases(work_dir: Path) -> dict[str, dict]:
         if name == "target":
             objective = "next-token CE on the corpus mixture"
         elif "start" in meta:
-            objective = f"from `{meta['start']}`: CE on the target's argmax over its own continuations (on-policy)"
+            objective = f"from `{meta['start']}`: KL(target || draft) over the target's top-k on its own continuations (on-policy)"
         else:
             objective = "from scratch: KL(target || draft) on the corpus mixture"
         out[name] = {"steps": meta.get("step"), "seconds": meta.get("elapsed_s", 0), "config": meta.get("config", {}),
@@ -267,7 +267,7 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
             "",
             f"On-policy distillation data (`data/rollouts.safetensors` in the work dir): {c['sequences_per_source']} prompts per",
             f"source ({', '.join(r['sources'])}) of {c['min_prompt_tokens']}-{c['max_prompt_tokens']} tokens cut from the *training*",
-            f"streams, each continued by the target for {c['new_tokens']} greedy tokens and labelled with its argmax at every",
+            f"streams, each continued by the target for {c['new_tokens']} greedy tokens and labelled with its top-{c.get('top_k', '?')} log-probabilities at every",
             f"position ({r['seconds'] / 60:.0f} minutes); every 10th rollout per source is held out for early stopping.",
         ]
     L += [

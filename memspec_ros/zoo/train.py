@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from .rollouts import IGNORE, RolloutStreams
+from .rollouts import RolloutStreams, topk_kl
 
 
 @dataclass
@@ -170,9 +170,10 @@ def train(
 
     With a ``teacher`` the loss is KL(teacher || student) over the vocabulary
     at every position (distillation); without, next-token cross-entropy.
-    With ``RolloutStreams`` data the loss is cross-entropy on the target's
-    argmax labels of its own continuations (on-policy distillation, no
-    teacher forward needed: the labels were computed when the data was made).
+    With ``RolloutStreams`` data the loss is the same KL on the target's own
+    continuations, over its top-k tokens stored with them (on-policy
+    distillation, no teacher forward needed: the labels were computed when
+    the data was made).
 
     ``validate`` (higher is better) runs every ``cfg.validate_every`` steps and
     at the end; the model ends with the best validated parameters (early
@@ -215,10 +216,9 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
         if isinstance(batch, tuple):
-            # rollouts (see rollouts.py): the labels are the target's argmax
-            x, y = batch[0].to(dev), batch[1].to(dev)
-            logits = model(input_ids=x[:, :-1]).logits.float()
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+            # rollouts (see rollouts.py): the target's distribution on its own continuations
+            x, y, top_ids, top_logp = (t.to(dev) for t in batch)
+            loss = topk_kl(model(input_ids=x[:, :-1]).logits, y, top_ids, top_logp)
         elif teacher is None:
             x = batch.to(dev)
             loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss

@@ -85,6 +85,27 @@ def test_repeated_ngram_fraction_hand_computed():
     assert repeated_ngram_fraction([1, 2], n=4) == 0.0
 
 
+def test_sampling_overlap_is_one_for_the_target_itself_and_the_min_sum_otherwise():
+    import torch
+
+    from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama
+    from memspec_ros.zoo.acceptance import sampling_overlap
+
+    target = tiny_llama(layers=1, hidden=32, seed=0)
+    draft = noisy_copy(target, 0.5, seed=1)
+    ids = [1, 5, 9, 4, 7, 7, 3, 12, 30]
+    with torch.no_grad():
+        t_logits = target(input_ids=torch.tensor([ids])).logits[0]
+        d_logits = draft(input_ids=torch.tensor([ids])).logits[0]
+    assert sampling_overlap(t_logits, target, ids, 4, 0.7) == pytest.approx(1.0, abs=1e-5)
+    p = torch.softmax(t_logits[3:8] / 0.7, -1)
+    q = torch.softmax(d_logits[3:8] / 0.7, -1)
+    expected = sum(min(a, b) for row_p, row_q in zip(p.tolist(), q.tolist(), strict=True)
+                   for a, b in zip(row_p, row_q, strict=True)) / 5
+    got = sampling_overlap(t_logits, draft, ids, 4, 0.7)
+    assert got == pytest.approx(expected, rel=1e-5) and 0.0 < got < 0.999
+
+
 def test_static_walk_hand_computed():
     # agreement of the draft with the continuation, position 0 is made by prefill
     agree = [True, True, True, False, True, True, True, True, True, True, False, False]

@@ -50,12 +50,30 @@ class AcceptanceConfig:
     interval: int = 4
     threads: int = 2
     continuations: Path | None = None  # ContinuationCache file: reruns skip the target's decoding
+    sampling_temperature: float = 0.7  # for sampling_overlap; 0 skips it
 
 
 def static_score(agree: list[bool], gamma: int) -> tuple[float, int]:
     """(accepted per iteration, iterations) for one draft over the whole generation."""
     _, accepted = interval_walk(agree, 1, gamma, len(agree))
     return (sum(accepted) / len(accepted) if accepted else 0.0), len(accepted)
+
+
+@torch.no_grad()
+def sampling_overlap(target_logits: torch.Tensor, draft, ids: list[int], n_prompt: int, temperature: float) -> float:
+    """Mean of sum_v min(p_v, q_v) over the continuation's positions, at ``temperature``.
+
+    The probability that speculative sampling accepts the draft's token at a
+    position (Leviathan et al. 2023, Thm 3.5), here evaluated along the greedy
+    continuation.  Greedy acceptance only asks the argmax to match; this says
+    whether the draft's *distribution* is still usable when users sample.
+    ``target_logits``: the target's logits over ``ids`` (prompt + continuation).
+    """
+    q_logits = draft(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    span = slice(n_prompt - 1, len(ids) - 1)
+    p = torch.softmax(target_logits[span].float() / temperature, -1)
+    q = torch.softmax(q_logits[span].float() / temperature, -1)
+    return torch.minimum(p, q).sum(-1).mean().item()
 
 
 def repeated_ngram_fraction(tokens: list[int], n: int = 4) -> float:
@@ -123,6 +141,12 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
             agreement = {d: draft_agreement(drafts[d], ids, cont) for d in names}
             scores = {d: static_score(agreement[d], cfg.gamma)[0] for d in names}
             rec = {"tokens": len(cont), "accepted_per_iteration": scores, "repeated_4gram": repeated_ngram_fraction(cont)}
+            if cfg.sampling_temperature > 0 and cont:
+                with torch.no_grad():
+                    t_logits = target(input_ids=torch.tensor([ids + cont]), use_cache=False).logits[0]
+                rec["sampling_overlap"] = {
+                    d: sampling_overlap(t_logits, drafts[d], ids + cont, len(ids), cfg.sampling_temperature) for d in names
+                }
             if w == "mixed":
                 dyn, chosen = dynamic_walk(agreement, cfg.gamma, cfg.interval)
                 rec.update(dynamic=dyn, dynamic_choices=chosen, pair=row.get("pair"))
@@ -148,6 +172,11 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
         "gain_ceiling_over_general": {w: cfg.gamma / matrix["general"][w] - 1 for w in WORKLOADS},
         "repeated_4gram_fraction": {w: mean(r["repeated_4gram"] for r in per_prompt[w]) for w in WORKLOADS},
         "mean_generated_tokens": {w: mean(r["tokens"] for r in per_prompt[w]) for w in WORKLOADS},
+        "sampling_temperature": cfg.sampling_temperature,
+        "sampling_overlap": {
+            d: {w: mean(r["sampling_overlap"][d] for r in per_prompt[w] if "sampling_overlap" in r) for w in WORKLOADS}
+            for d in names
+        } if cfg.sampling_temperature > 0 else None,
         "wall_seconds": round(time.time() - t0, 1),
         "per_prompt": per_prompt,
     }

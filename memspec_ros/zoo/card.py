@@ -235,6 +235,15 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
                 + ", ".join(f"{w} {v:.0%}" for w, v in acc["repeated_4gram_fraction"].items()) + ".",
                 "",
             ] if "repeated_4gram_fraction" in acc else []),
+            *([
+                f"Expected acceptance when sampling at temperature {acc['sampling_temperature']} (mean of sum_v min(p_v, q_v)"
+                " over the continuation's positions: the probability that speculative sampling accepts the draft's token):",
+                "",
+                "| draft | " + " | ".join(WORKLOADS) + " |",
+                "|---|" + "---:|" * len(WORKLOADS),
+                *(f"| {d} | " + " | ".join(f"{row[w]:.2f}" for w in WORKLOADS) + " |" for d, row in acc["sampling_overlap"].items()),
+                "",
+            ] if acc.get("sampling_overlap") else []),
             "Mean generated tokens per prompt (the target stops at `</s>`): "
             + ", ".join(f"{w} {v:.0f}" for w, v in acc["mean_generated_tokens"].items()),
             "",

@@ -78,6 +78,8 @@ def _acceptance_parser(sub) -> None:
     p.add_argument("--interval", type=int, default=4, help="N iterations per interval of the dynamic oracle")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default=None, help="heatmap PNG (default: next to the registry)")
+    p.add_argument("--sampling-temperature", type=float, default=0.7,
+                   help="also report each draft's expected speculative-sampling acceptance at this temperature (0: skip)")
     p.add_argument("--continuations", default=None, metavar="JSON",
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
                         " rebuilt drafts skip decoding the target (default: no cache)")
@@ -94,6 +96,7 @@ def _run_acceptance(a) -> int:
         interval=a.interval,
         threads=a.threads,
         continuations=Path(a.continuations) if a.continuations else None,
+        sampling_temperature=a.sampling_temperature,
     )
     run_acceptance(cfg, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
     return 0

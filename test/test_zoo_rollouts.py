@@ -204,3 +204,37 @@ def test_early_stopping_keeps_the_best_validated_parameters(rollouts, tmp_path):
     for n, p in student.named_parameters():
         assert torch.equal(p, snapshots[1][n]), n
     assert not all(torch.equal(p, snapshots[-1][n]) for n, p in student.named_parameters())
+
+
+class _DiesOnSource:
+    """A target that raises once it is asked to continue a prompt from ``stream`` (a build killed mid-source)."""
+
+    def __init__(self, target, stream: torch.Tensor):
+        self.target, self.stream = target, stream.long()
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids, **kw):
+        if input_ids.shape[1] > 1 and _windows_of(self.stream, input_ids[0]):
+            raise _Interrupt
+        return self.target(input_ids=input_ids, **kw)
+
+
+def test_interrupted_rollouts_resume_at_the_unfinished_source_and_write_the_same_file(rollouts, target, tmp_path):
+    streams, cfg, path, _ = rollouts
+    out = tmp_path / "r.safetensors"
+    with pytest.raises(_Interrupt):
+        make_rollouts(_DiesOnSource(target, streams["law"]), streams, cfg, out, log=lambda m: None)
+    assert (tmp_path / "r.safetensors.parts" / "code.safetensors").exists() and not out.exists()
+    logs = []
+    make_rollouts(target, streams, cfg, out, log=logs.append)
+    assert any("code cached" in m for m in logs) and not any("law cached" in m for m in logs)
+    a, b = load_file(str(path)), load_file(str(out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "r.safetensors.parts").exists()
+    # a changed configuration cannot reuse parts made with another one
+    with pytest.raises(_Interrupt):
+        make_rollouts(_DiesOnSource(target, streams["law"]), streams, cfg, out, log=lambda m: None)
+    with pytest.raises(ValueError, match="delete .*parts to start over"):
+        make_rollouts(target, streams, RolloutConfig(**{**cfg.__dict__, "new_tokens": 5}), out, log=lambda m: None)

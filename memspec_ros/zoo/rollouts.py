@@ -20,6 +20,7 @@ Held-out text is never touched.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -65,6 +66,18 @@ def target_labels(target, ids: torch.Tensor, top_k: int) -> tuple[torch.Tensor, 
     return logp.argmax(-1), top.indices, top.values
 
 
+def _prompt_windows(name: str, stream_len: int, cfg: RolloutConfig, gen: torch.Generator):
+    """(prompt length, window offsets) per batch: only the random draws, so a resumed build replays them."""
+    done = 0
+    while done < cfg.sequences_per_source:
+        b = min(cfg.batch_size, cfg.sequences_per_source - done)
+        plen = int(torch.randint(cfg.min_prompt_tokens, cfg.max_prompt_tokens + 1, (1,), generator=gen))
+        if stream_len <= plen + 1:
+            raise ValueError(f"source {name!r} has {stream_len} tokens, fewer than one prompt of {plen}")
+        yield plen, torch.randint(0, stream_len - plen, (b,), generator=gen).tolist()
+        done += b
+
+
 def make_rollouts(
     target,
     streams: dict[str, torch.Tensor],
@@ -72,29 +85,39 @@ def make_rollouts(
     out: Path,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Write ``out`` (safetensors: ``{source}.{k}.ids`` / ``.labels``, int32) and return its summary.
+    """Write ``out`` (safetensors: ``{source}.{k}.ids`` / ``.labels`` / ``.top_ids`` / ``.top_logp``) and return its summary.
 
     Each batch shares one prompt length (no padding, so batched forwards
     compute exactly what unpadded ones do); lengths are drawn per batch.
+    Every finished source is kept in ``<out>.parts/``, so an interrupted run
+    resumes at the first unfinished source and writes the same file.
     """
     if cfg.min_prompt_tokens < 1 or cfg.max_prompt_tokens < cfg.min_prompt_tokens:
         raise ValueError(f"prompt tokens must satisfy 1 <= min <= max, got {cfg.min_prompt_tokens}..{cfg.max_prompt_tokens}")
-    if cfg.new_tokens < 1 or cfg.sequences_per_source < 1 or cfg.batch_size < 1:
-        raise ValueError("new_tokens, sequences_per_source and batch_size must be positive")
+    if cfg.new_tokens < 1 or cfg.sequences_per_source < 1 or cfg.batch_size < 1 or cfg.top_k < 1:
+        raise ValueError("new_tokens, sequences_per_source, batch_size and top_k must be positive")
     target.eval()
     gen = torch.Generator().manual_seed(cfg.seed)
     tensors: dict[str, torch.Tensor] = {}
     summary = {"config": asdict(cfg), "sources": {}}
+    parts = out.parent / (out.name + ".parts")
+    parts.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     for name, stream in streams.items():
-        done, k, agree, total = 0, 0, 0, 0
+        windows = list(_prompt_windows(name, len(stream), cfg, gen))
+        part = parts / f"{name}.safetensors"
+        if part.exists():
+            done = json.loads(part.with_suffix(".json").read_text())
+            if done["config"] != asdict(cfg):
+                raise ValueError(f"{part} was made with {done['config']}, not {asdict(cfg)}: delete {parts} to start over")
+            tensors.update(load_file(str(part)))
+            summary["sources"][name] = done["summary"]
+            log(f"rollouts: {name} cached in {part}")
+            continue
+        own: dict[str, torch.Tensor] = {}
+        agree = total = 0
         bar = tqdm(total=cfg.sequences_per_source, desc=f"rollouts {name}", mininterval=5, dynamic_ncols=True)
-        while done < cfg.sequences_per_source:
-            b = min(cfg.batch_size, cfg.sequences_per_source - done)
-            plen = int(torch.randint(cfg.min_prompt_tokens, cfg.max_prompt_tokens + 1, (1,), generator=gen))
-            if len(stream) <= plen + 1:
-                raise ValueError(f"source {name!r} has {len(stream)} tokens, fewer than one prompt of {plen}")
-            offs = torch.randint(0, len(stream) - plen, (b,), generator=gen).tolist()
+        for k, (plen, offs) in enumerate(windows):
             x = torch.stack([stream[o : o + plen] for o in offs]).long()
             ids = greedy_continue(target, x, cfg.new_tokens)
             labels, top_ids, top_logp = target_labels(target, ids, cfg.top_k)
@@ -102,19 +125,22 @@ def make_rollouts(
             # from one full forward: they agree but for float ties, which we count
             agree += int((labels[:, plen - 1 :] == ids[:, plen:]).sum())
             total += labels[:, plen - 1 :].numel()
-            tensors[f"{name}.{k}.ids"] = ids.to(torch.int32).cpu()
-            tensors[f"{name}.{k}.labels"] = labels.to(torch.int32).cpu()
-            tensors[f"{name}.{k}.top_ids"] = top_ids.to(torch.int32).cpu()
-            tensors[f"{name}.{k}.top_logp"] = top_logp.half().cpu()
-            done, k = done + b, k + 1
-            bar.update(b)
+            own[f"{name}.{k}.ids"] = ids.to(torch.int32).cpu()
+            own[f"{name}.{k}.labels"] = labels.to(torch.int32).cpu()
+            own[f"{name}.{k}.top_ids"] = top_ids.to(torch.int32).cpu()
+            own[f"{name}.{k}.top_logp"] = top_logp.half().cpu()
+            bar.update(len(offs))
         bar.close()
-        summary["sources"][name] = {"sequences": done, "batches": k, "label_agreement": agree / max(total, 1)}
-        log(f"rollouts: {name} {done} sequences, full-forward labels agree with the greedy tokens on {agree / max(total, 1):.4%}")
+        summary["sources"][name] = {"sequences": cfg.sequences_per_source, "batches": len(windows),
+                                    "label_agreement": agree / max(total, 1)}
+        save_file(own, str(part))
+        part.with_suffix(".json").write_text(json.dumps({"config": asdict(cfg), "summary": summary["sources"][name]}))
+        tensors.update(own)
+        log(f"rollouts: {name} {cfg.sequences_per_source} sequences, full-forward labels agree with the greedy tokens on {agree / max(total, 1):.4%}")
     summary["seconds"] = round(time.time() - t_start, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out))
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    shutil.rmtree(parts)
     return summary
 
 

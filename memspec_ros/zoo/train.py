@@ -177,7 +177,8 @@ def train(
 
     ``validate`` (higher is better) runs every ``cfg.validate_every`` steps and
     at the end; the model ends with the best validated parameters (early
-    stopping: a domain's continuations are few enough to memorise).
+    stopping: a domain's ~900 training continuations can be memorised, as
+    argmax-only training did within 50 steps on code).
     """
     torch.manual_seed(cfg.seed)
     dev = torch.device(cfg.device)

@@ -89,6 +89,7 @@ def test_sampling_overlap_is_one_for_the_target_itself_and_the_min_sum_otherwise
     import torch
 
     from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama
+    from memspec_ros.runtime.oracle import continuation_logits
     from memspec_ros.zoo.acceptance import sampling_overlap
 
     target = tiny_llama(layers=1, hidden=32, seed=0)
@@ -97,12 +98,14 @@ def test_sampling_overlap_is_one_for_the_target_itself_and_the_min_sum_otherwise
     with torch.no_grad():
         t_logits = target(input_ids=torch.tensor([ids])).logits[0]
         d_logits = draft(input_ids=torch.tensor([ids])).logits[0]
-    assert sampling_overlap(t_logits, target, ids, 4, 0.7) == pytest.approx(1.0, abs=1e-5)
+    # continuation_logits row j predicts ids[4 + j]: full-forward rows 3..7
+    t_cont, d_cont = (continuation_logits(m, ids[:4], ids[4:]) for m in (target, draft))
+    assert sampling_overlap(t_cont, t_cont, 0.7) == pytest.approx(1.0, abs=1e-5)
     p = torch.softmax(t_logits[3:8] / 0.7, -1)
     q = torch.softmax(d_logits[3:8] / 0.7, -1)
     expected = sum(min(a, b) for row_p, row_q in zip(p.tolist(), q.tolist(), strict=True)
                    for a, b in zip(row_p, row_q, strict=True)) / 5
-    got = sampling_overlap(t_logits, draft, ids, 4, 0.7)
+    got = sampling_overlap(t_cont, d_cont, 0.7)
     assert got == pytest.approx(expected, rel=1e-5) and 0.0 < got < 0.999
 
 

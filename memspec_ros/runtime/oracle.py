@@ -103,13 +103,25 @@ class ContinuationCache:
 
 
 @torch.inference_mode()
-def draft_agreement(draft: torch.nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int]) -> list[bool]:
-    """agree[j]: the draft's greedy next token after prompt + continuation[:j] equals continuation[j]."""
+@torch.no_grad()
+def continuation_logits(model: torch.nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """[len(continuation), vocab]: row j is ``model``'s next-token logits after prompt + continuation[:j]."""
     ids = list(prompt_ids) + list(continuation)
-    device = next(draft.parameters()).device
-    logits = draft(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
     # logits at position len(prompt)-1+j predict continuation[j]
-    preds = logits[len(prompt_ids) - 1 : len(ids) - 1].argmax(-1).tolist()
+    return logits[len(prompt_ids) - 1 : len(ids) - 1]
+
+
+def draft_agreement(draft: torch.nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int],
+                    logits: torch.Tensor | None = None) -> list[bool]:
+    """agree[j]: the draft's greedy next token after prompt + continuation[:j] equals continuation[j].
+
+    ``logits``: the draft's ``continuation_logits`` when the caller already has them.
+    """
+    if logits is None:
+        logits = continuation_logits(draft, prompt_ids, continuation)
+    preds = logits.argmax(-1).tolist()
     return [int(p) == int(t) for p, t in zip(preds, continuation, strict=False)]
 
 

@@ -35,7 +35,7 @@ from statistics import mean
 
 import torch
 
-from memspec_ros.runtime.oracle import ContinuationCache, draft_agreement, interval_walk
+from memspec_ros.runtime.oracle import ContinuationCache, continuation_logits, draft_agreement, interval_walk
 
 from .corpora import DOMAINS, WORKLOADS
 from .workloads import read_jsonl
@@ -59,20 +59,16 @@ def static_score(agree: list[bool], gamma: int) -> tuple[float, int]:
     return (sum(accepted) / len(accepted) if accepted else 0.0), len(accepted)
 
 
-@torch.no_grad()
-def sampling_overlap(target_logits: torch.Tensor, draft, ids: list[int], n_prompt: int, temperature: float) -> float:
-    """Mean of sum_v min(p_v, q_v) over the continuation's positions, at ``temperature``.
+def sampling_overlap(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float) -> float:
+    """Mean over positions of sum_v min(p_v, q_v) at ``temperature`` (rows: ``continuation_logits``).
 
     The probability that speculative sampling accepts the draft's token at a
     position (Leviathan et al. 2023, Thm 3.5), here evaluated along the greedy
     continuation.  Greedy acceptance only asks the argmax to match; this says
     whether the draft's *distribution* is still usable when users sample.
-    ``target_logits``: the target's logits over ``ids`` (prompt + continuation).
     """
-    q_logits = draft(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
-    span = slice(n_prompt - 1, len(ids) - 1)
-    p = torch.softmax(target_logits[span].float() / temperature, -1)
-    q = torch.softmax(q_logits[span].float() / temperature, -1)
+    p = torch.softmax(target_logits.float() / temperature, -1)
+    q = torch.softmax(draft_logits.float() / temperature, -1)
     return torch.minimum(p, q).sum(-1).mean().item()
 
 
@@ -138,15 +134,13 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
         for row in tqdm(rows, desc=f"acceptance {w}", mininterval=10):
             ids = [tok.bos_token_id] + tok(row["prompt"], add_special_tokens=False)["input_ids"]
             cont = cache.continuation(target, ids, cfg.max_new_tokens, [tok.eos_token_id])
-            agreement = {d: draft_agreement(drafts[d], ids, cont) for d in names}
+            logits = {d: continuation_logits(drafts[d], ids, cont) for d in names}  # one forward per draft
+            agreement = {d: draft_agreement(drafts[d], ids, cont, logits[d]) for d in names}
             scores = {d: static_score(agreement[d], cfg.gamma)[0] for d in names}
             rec = {"tokens": len(cont), "accepted_per_iteration": scores, "repeated_4gram": repeated_ngram_fraction(cont)}
             if cfg.sampling_temperature > 0 and cont:
-                with torch.no_grad():
-                    t_logits = target(input_ids=torch.tensor([ids + cont]), use_cache=False).logits[0]
-                rec["sampling_overlap"] = {
-                    d: sampling_overlap(t_logits, drafts[d], ids + cont, len(ids), cfg.sampling_temperature) for d in names
-                }
+                t_logits = continuation_logits(target, ids, cont)
+                rec["sampling_overlap"] = {d: sampling_overlap(t_logits, logits[d], cfg.sampling_temperature) for d in names}
             if w == "mixed":
                 dyn, chosen = dynamic_walk(agreement, cfg.gamma, cfg.interval)
                 rec.update(dynamic=dyn, dynamic_choices=chosen, pair=row.get("pair"))

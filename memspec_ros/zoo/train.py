@@ -193,7 +193,7 @@ def train(
         betas=(0.9, 0.95),
     )
     meta, best = _load_checkpoint(ckpt_dir, model, opt, data)
-    meta = meta or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": [], "validation": []}
+    meta = meta or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": []}
 
     def check() -> None:
         nonlocal best

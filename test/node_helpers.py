@@ -46,13 +46,13 @@ class Harness:
     def __init__(self, context, name: str = "memspec", overrides: dict | None = None) -> None:
         import rclpy
         import torch
-        from lifecycle_msgs.srv import ChangeState, GetState
         from rcl_interfaces.srv import GetParameters, SetParameters
         from rclpy.action import ActionClient
         from rclpy.executors import MultiThreadedExecutor
         from rclpy.parameter import Parameter
 
         from memspec_interfaces.action import Generate
+        from memspec_ros.ros.lifecycle_client import LifecycleClient
         from memspec_ros.ros.node import MemSpecNode
 
         self._torch_threads = torch.get_num_threads()  # model.threads changes it process-wide: restored in close()
@@ -78,8 +78,7 @@ class Harness:
         self._thread = threading.Thread(target=self.executor.spin, daemon=True)
         self._thread.start()
         self.action = ActionClient(self.client, Generate, f"/{name}/generate")
-        self.change_state_client = self.client.create_client(ChangeState, f"/{name}/change_state")
-        self.get_state_client = self.client.create_client(GetState, f"/{name}/get_state")
+        self.lifecycle = LifecycleClient(self.client, f"/{name}", time.sleep)  # the executor thread spins
         self.set_params_client = self.client.create_client(SetParameters, f"/{name}/set_parameters")
         self.get_params_client = self.client.create_client(GetParameters, f"/{name}/get_parameters")
 
@@ -95,16 +94,10 @@ class Harness:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def transition(self, transition_id: int, timeout: float = 60.0) -> bool:
-        from lifecycle_msgs.msg import Transition
-        from lifecycle_msgs.srv import ChangeState
-
-        request = ChangeState.Request(transition=Transition(id=transition_id))
-        return bool(self.call(self.change_state_client, request, timeout).success)
+        return self.lifecycle.change_state(transition_id, timeout)
 
     def state(self) -> str:
-        from lifecycle_msgs.srv import GetState
-
-        return self.call(self.get_state_client, GetState.Request()).current_state.label
+        return self.lifecycle.state(TIMEOUT)
 
     def activate(self) -> None:
         from lifecycle_msgs.msg import Transition

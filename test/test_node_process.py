@@ -21,7 +21,6 @@ require_ros()
 
 import rclpy
 from lifecycle_msgs.msg import Transition
-from lifecycle_msgs.srv import ChangeState
 from rcl_interfaces.srv import GetParameters
 from rclpy.context import Context
 from rclpy.executors import SingleThreadedExecutor
@@ -29,6 +28,7 @@ from rclpy.parameter import parameter_value_to_python
 
 from memspec_ros.ros import params as P
 from memspec_ros.ros.client import format_result, send_goal
+from memspec_ros.ros.lifecycle_client import LifecycleClient
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "memspec_proc"
@@ -105,9 +105,9 @@ def test_the_node_executable_with_a_params_file(tmp_path):
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(node)
     try:
-        change = node.create_client(ChangeState, f"/{NAME}/change_state")
+        lifecycle = LifecycleClient(node, f"/{NAME}", lambda seconds: executor.spin_once(timeout_sec=seconds))
         for tid in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
-            assert call(executor, change, ChangeState.Request(transition=Transition(id=tid)), 120.0).success
+            assert lifecycle.change_state(tid, 120.0)
         get = node.create_client(GetParameters, f"/{NAME}/get_parameters")
         values = call(executor, get, GetParameters.Request(names=["memspec.interval", "memspec.capacity"])).values
         assert [parameter_value_to_python(v) for v in values] == [3, 2]  # from the file; the rest defaults

@@ -85,41 +85,6 @@ def stop_process(proc: subprocess.Popen) -> int | None:
     return proc.poll()
 
 
-def call(executor, client, request, timeout: float):
-    deadline = time.monotonic() + timeout
-    while not client.service_is_ready():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"service {client.srv_name} did not appear within {timeout:g} s")
-        executor.spin_once(timeout_sec=0.1)
-    future = client.call_async(request)
-    while not future.done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"service {client.srv_name} did not answer within {timeout:g} s")
-        executor.spin_once(timeout_sec=0.1)
-    return future.result()
-
-
-def transition(executor, node, name: str, transition_id: int, timeout: float) -> bool:
-    from lifecycle_msgs.msg import Transition
-    from lifecycle_msgs.srv import ChangeState
-
-    client = node.create_client(ChangeState, f"/{name}/change_state")
-    try:
-        return bool(call(executor, client, ChangeState.Request(transition=Transition(id=transition_id)), timeout).success)
-    finally:
-        node.destroy_client(client)
-
-
-def get_state(executor, node, name: str, timeout: float) -> str:
-    from lifecycle_msgs.srv import GetState
-
-    client = node.create_client(GetState, f"/{name}/get_state")
-    try:
-        return call(executor, client, GetState.Request(), timeout).current_state.label
-    finally:
-        node.destroy_client(client)
-
-
 def print_diagnostics(array) -> None:
     for status in array.status:
         level = LEVELS.get(status.level[0] if isinstance(status.level, bytes) else status.level, "?")
@@ -167,6 +132,7 @@ def run(args) -> int:
     from memspec_interfaces.action import Generate
 
     from .client import format_result, send_goal
+    from .lifecycle_client import LifecycleClient
 
     failed = ""
     rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
@@ -175,13 +141,14 @@ def run(args) -> int:
     executor.add_node(node)
     diagnostics: list = []
     node.create_subscription(DiagnosticArray, "/diagnostics", diagnostics.append, 10)
+    lifecycle = LifecycleClient(node, f"/{NODE_NAME}", lambda seconds: executor.spin_once(timeout_sec=seconds))
     try:
         say("configure (loads tokenizer, target, predictor and the draft registry)")
         t0 = time.monotonic()
-        if not transition(executor, node, NODE_NAME, Transition.TRANSITION_CONFIGURE, args.timeout):
+        if not lifecycle.change_state(Transition.TRANSITION_CONFIGURE, args.timeout):
             raise RuntimeError(f"configure failed: see {log_path}")
         say(f"configured in {time.monotonic() - t0:.1f} s; activate")
-        if not transition(executor, node, NODE_NAME, Transition.TRANSITION_ACTIVATE, 30.0):
+        if not lifecycle.change_state(Transition.TRANSITION_ACTIVATE, 30.0):
             raise RuntimeError(f"activate failed: see {log_path}")
         prompt = args.prompt or demo_prompt(zoo)
         say(f"goal: {args.max_new_tokens} tokens after the prompt\n{'-' * 72}\n{prompt}\033[36m")
@@ -208,13 +175,14 @@ def run(args) -> int:
                      "unconfigured": Transition.TRANSITION_UNCONFIGURED_SHUTDOWN}
             try:
                 for _ in range(3):  # down from wherever the node is: deactivate, cleanup, shutdown
-                    label = get_state(executor, node, NODE_NAME, 10.0)
-                    if label not in steps or not transition(executor, node, NODE_NAME, steps[label], 15.0):
+                    label = lifecycle.state(10.0)
+                    if label not in steps or not lifecycle.change_state(steps[label], 15.0):
                         break
-                say(f"node brought down to {get_state(executor, node, NODE_NAME, 10.0)}; stopping the process")
+                say(f"node brought down to {lifecycle.state(10.0)}; stopping the process")
             except Exception as exc:
                 say(f"could not bring the node down through its lifecycle ({exc}); stopping the process")
         code = stop_process(proc)
+        lifecycle.destroy()
         node.destroy_node()
         rclpy.try_shutdown()
     if proc.poll() is None:

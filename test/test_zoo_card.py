@@ -12,7 +12,7 @@ def _measurements(phases: dict) -> dict:
     model = {"params": 1e6, "shape": "8x1", "fp16_bytes": 2e6, "latency_ms_1tok": 1.0, "latency_ms_5tok": 1.5,
              "perplexity": {d: 10.0 for d in DOMAINS}}
     return {"threads": 2, "vocab_size": 2048, "models": {n: dict(model) for n in ("target", *DOMAINS)},
-            "data": {}, "phases": phases, "rollouts": None}
+            "data": {}, "phases": phases, "rollouts": None, "domain_rollouts": None}
 
 
 def _acceptance(own: float, off: float, static: float, dynamic: float) -> dict:
@@ -49,3 +49,16 @@ def test_build_runs_are_listed_with_their_objective(tmp_path):
     card = render(_measurements(phases), None)
     assert "| general-base | 1 | 20 | 3.00 | 16 x 256 | 0.001 | 0.500 | from scratch: KL(target || draft) on the corpus mixture |" in card
     assert "| code | 1 | 5 | 12.00 | 16 x 256 | 0.001 | 0.500 | from `general`: KL(target || draft) over the target's top-k on its own continuations (on-policy) |" in card
+
+
+def test_rollout_data_lines_count_the_domain_drafts_extra_continuations():
+    shared = {"config": {"sequences_per_source": 1024, "min_prompt_tokens": 32, "max_prompt_tokens": 96, "new_tokens": 128,
+                         "top_k": 32}, "sources": {n: {} for n in (*DOMAINS, "mixed")}, "seconds": 1200}
+    m = {**_measurements({}), "rollouts": shared}
+    assert "1024 prompts per\nsource (general, code, math, law, medical, mixed)" in render(m, None)
+    assert "domain_rollouts" not in render(m, None)
+    extra = {"config": {**shared["config"], "sequences_per_source": 3072}, "sources": {d: {} for d in DOMAINS[1:]},
+             "seconds": 2400}
+    card = render({**m, "domain_rollouts": extra}, None)
+    assert "3072 more prompts per domain\n(code, math, law, medical)" in card and "(40 minutes)" in card
+    assert "distilled on 4096 continuations of its domain, where the general\ndraft saw 1024 of each" in card

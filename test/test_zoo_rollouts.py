@@ -238,3 +238,52 @@ def test_interrupted_rollouts_resume_at_the_unfinished_source_and_write_the_same
         make_rollouts(_DiesOnSource(target, streams["law"]), streams, cfg, out, log=lambda m: None)
     with pytest.raises(ValueError, match="delete .*parts to start over"):
         make_rollouts(target, streams, RolloutConfig(**{**cfg.__dict__, "new_tokens": 5}), out, log=lambda m: None)
+
+
+def test_domain_rollouts_stage_adds_other_windows_that_only_the_domain_drafts_see(target, tmp_path):
+    """``domain_rollouts`` continues more prompts of the four domains (another seed, so other
+    windows); ``RolloutStreams`` joins both files per source, and the general draft's file is unchanged."""
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+
+    gen = torch.Generator().manual_seed(5)
+    names = ("general", "code", "math", "law", "medical", "mixed")
+    streams = {n: torch.randint(3, 64, (200,), generator=gen, dtype=torch.int32) for n in names}
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    save_file(streams, str(work / "data" / "train.safetensors"))
+    target.save_pretrained(str(work / "hf" / "target"), safe_serialization=True)
+    shared = RolloutConfig(sequences_per_source=6, min_prompt_tokens=4, max_prompt_tokens=6, new_tokens=5, batch_size=3, top_k=4)
+    cfg = BuildConfig(work_dir=work, out_dir=tmp_path / "models", threads=1, rollouts=shared, domain_rollouts_per_source=16)
+    threads = torch.get_num_threads()
+    build = ZooBuild(cfg)  # sets torch's threads process-wide: restored below
+    try:
+        _check_domain_rollouts(build, streams, shared, target, work)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_domain_rollouts(build, streams, shared, target, work) -> None:
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+
+    with pytest.raises(FileNotFoundError, match="run the domain_rollouts stage first"):
+        build.domains()
+    build.rollouts()
+    build.domain_rollouts()
+    extra = load_file(str(build.domain_rollouts_path))
+    assert {k.split(".")[0] for k in extra} == {"code", "math", "law", "medical"}  # not general, not mixed
+    both = RolloutStreams([build.rollouts_path, build.domain_rollouts_path], {"code": 1.0, "general": 1.0}, seed=0)
+    first = RolloutStreams(build.rollouts_path, {"code": 1.0, "general": 1.0}, seed=0)
+    assert len(both.seqs["code"]) == 16 and len(both.seqs["general"]) == 6  # 6 shared + 10 more for the domain
+    for a, b in zip(first.seqs["code"], both.seqs["code"][:6], strict=True):  # the shared ones come first, unchanged
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    prompts = lambda rows: {tuple(r[0][:4].tolist()) for r in rows}  # noqa: E731
+    assert prompts(both.seqs["code"][6:]) - prompts(first.seqs["code"])  # new windows, not a replay
+    for ids, *_ in both.seqs["code"][6:]:
+        plen = len(ids) - shared.new_tokens
+        assert _windows_of(streams["code"].long(), ids[:plen].long())  # training windows only
+        assert ids[plen:].tolist() == target_greedy(target, ids[:plen].tolist(), shared.new_tokens)
+    assert len(RolloutStreams([build.rollouts_path, build.domain_rollouts_path], {"code": 1.0}, 0, split="val").seqs["code"]) == 2
+    build.domain_rollouts()  # cached: unchanged
+    assert load_file(str(build.domain_rollouts_path)).keys() == extra.keys()
+    with pytest.raises(ValueError, match=r"domain rollouts per source \(4\) must be at least the rollouts per source \(6\)"):
+        ZooBuild(BuildConfig(work_dir=work, threads=1, rollouts=shared, domain_rollouts_per_source=4)).domain_rollouts()

@@ -9,8 +9,10 @@ The drafts are made in three runs: ``general`` distils a draft from scratch on
 the corpus mixture (logit KL, saved as ``general-base``); ``rollouts`` has the
 target continue training prompts of every domain greedily; ``onpolicy``
 trains ``general-base`` on all of those continuations (the exported
-``general``); ``domains`` trains a copy of ``general`` on each domain's
-continuations only (the paper's domain drafts distilled from the target).
+``general``); ``domain_rollouts`` adds more continuations of each domain's
+prompts and ``domains`` trains a copy of ``general`` on its domain's
+continuations only, the general draft's share and those extra ones (the
+paper's domain drafts, distilled from the target on domain data).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from .tokenizer import TokenizerConfig, encode_documents, load_tokenizer, train_
 from .train import DRAFT_ARCH, TARGET_ARCH, ArchConfig, TokenStreams, TrainConfig, train
 from .workloads import WorkloadConfig, mixed_documents, write_workloads
 
-STAGES = ("corpora", "tokenizer", "encode", "workloads", "target", "general", "rollouts", "onpolicy", "domains", "export")
+STAGES = ("corpora", "tokenizer", "encode", "workloads", "target", "general", "rollouts", "domain_rollouts", "onpolicy",
+          "domains", "export")
 
 
 @dataclass
@@ -47,6 +50,9 @@ class BuildConfig:
     onpolicy_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=10, lr=1.5e-3, warmup_steps=10, validate_every=250))
     domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=4, lr=1.5e-3, warmup_steps=10, validate_every=50))
     rollouts: RolloutConfig = field(default_factory=RolloutConfig)
+    # continuations per domain the domain drafts learn from; the general draft sees only the first
+    # rollouts.sequences_per_source of them (as the paper's domain drafts see domain data the general did not)
+    domain_rollouts_per_source: int = 1024
     mixed_train_docs: int = 3000
     mixed_weight: float = 0.5
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
@@ -191,26 +197,52 @@ class ZooBuild:
         rc = replace(self.cfg.rollouts, seed=self.cfg.seed)
         make_rollouts(self._load("target").to(self.cfg.device), {k: v.to(self.cfg.device) for k, v in streams.items()}, rc, self.rollouts_path, log=_log)
 
-    def _onpolicy(self, name: str, start: str, weights: dict[str, float], tc: TrainConfig, seed: int) -> None:
+    @property
+    def domain_rollouts_path(self) -> Path:
+        return self.w / "data" / "domain_rollouts.safetensors"
+
+    def domain_rollouts(self) -> None:
+        """More continuations of each domain's training prompts (other windows: another seed), for the domain drafts only."""
+        extra = self.cfg.domain_rollouts_per_source - self.cfg.rollouts.sequences_per_source
+        if extra < 0:
+            raise ValueError(f"domain rollouts per source ({self.cfg.domain_rollouts_per_source}) must be at least the"
+                             f" rollouts per source ({self.cfg.rollouts.sequences_per_source}) the general draft sees")
+        if extra == 0:
+            return _log("domain_rollouts: none beyond the shared rollouts")
+        if self.domain_rollouts_path.exists():
+            return _log("domain_rollouts: cached")
+        streams = load_file(str(self.w / "data" / "train.safetensors"))
+        rc = replace(self.cfg.rollouts, sequences_per_source=extra, seed=self.cfg.seed + 1)
+        make_rollouts(self._load("target").to(self.cfg.device),
+                      {d: streams[d].to(self.cfg.device) for d in DOMAINS[1:]}, rc, self.domain_rollouts_path, log=_log)
+
+    def _onpolicy(self, name: str, start: str, weights: dict[str, float], tc: TrainConfig, seed: int,
+                  paths: list[Path]) -> None:
         if (self.hf_dir(name) / "config.json").exists():
             return _log(f"{name}: cached")
         model = self._load(start)
         tc = TrainConfig(**{**asdict(tc), "device": self.cfg.device, "seed": seed})
         # every 10th rollout of each source is held out for early stopping
-        data = RolloutStreams(self.rollouts_path, weights, seed, split="train")
-        val = RolloutStreams(self.rollouts_path, weights, seed, split="val")
+        data = RolloutStreams(paths, weights, seed, split="train")
+        val = RolloutStreams(paths, weights, seed, split="val")
         meta = train(model, data, tc, self.w / "ckpt" / name, desc=name, log=_log, validate=val.agreement)
         meta["start"] = start
         self._save(name, model.cpu(), meta)
 
     def onpolicy(self) -> None:
         """The general draft's second phase: the target's continuations of every source."""
-        self._onpolicy("general", "general-base", self._mix_weights(), self.cfg.onpolicy_train, self.cfg.seed + 12)
+        self._onpolicy("general", "general-base", self._mix_weights(), self.cfg.onpolicy_train, self.cfg.seed + 12,
+                       [self.rollouts_path])
 
     def domains(self) -> None:
         """Each domain draft: the general draft trained on its domain's continuations only."""
+        paths = [self.rollouts_path]
+        if self.cfg.domain_rollouts_per_source > self.cfg.rollouts.sequences_per_source:
+            if not self.domain_rollouts_path.exists():
+                raise FileNotFoundError(f"{self.domain_rollouts_path} is missing: run the domain_rollouts stage first")
+            paths.append(self.domain_rollouts_path)
         for i, d in enumerate(DOMAINS[1:]):
-            self._onpolicy(d, "general", {d: 1.0}, self.cfg.domain_train, self.cfg.seed + 2 + i)
+            self._onpolicy(d, "general", {d: 1.0}, self.cfg.domain_train, self.cfg.seed + 2 + i, paths)
 
     def export(self) -> None:
         """fp16 copies + the shared tokenizer files into models/, and the registry."""

@@ -106,6 +106,8 @@ def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int 
     out["phases"] = build_phases(work_dir)
     rollouts = work_dir / "data" / "rollouts.json"
     out["rollouts"] = json.loads(rollouts.read_text()) if rollouts.exists() else None
+    extra = work_dir / "data" / "domain_rollouts.json"
+    out["domain_rollouts"] = json.loads(extra.read_text()) if extra.exists() else None
     stats_path = work_dir / "data" / "stats.json"
     out["data"] = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     out["vocab_size"] = len(tok)
@@ -279,6 +281,15 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
             f"streams, each continued by the target for {c['new_tokens']} greedy tokens and labelled with its top-{c.get('top_k', '?')} log-probabilities at every",
             f"position ({r['seconds'] / 60:.0f} minutes); every 10th rollout per source is held out for early stopping.",
         ]
+        e = m.get("domain_rollouts")
+        if e:
+            more = e["config"]["sequences_per_source"]
+            L += [
+                f"The domain drafts also learn from `data/domain_rollouts.safetensors`: {more} more prompts per domain",
+                f"({', '.join(e['sources'])}), other windows of the same training streams, labelled alike ({e['seconds'] / 60:.0f} minutes).",
+                f"So each domain draft is distilled on {c['sequences_per_source'] + more} continuations of its domain, where the general",
+                f"draft saw {c['sequences_per_source']} of each (as the paper's domain drafts see domain data the general draft did not).",
+            ]
     L += [
         "",
         "## Build as run",

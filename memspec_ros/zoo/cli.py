@@ -33,6 +33,9 @@ def _build_parser(sub) -> None:
         p.add_argument(f"--{name}-steps", type=int, default=100_000, help=f"step budget per {name} model")
     p.add_argument("--rollouts-per-source", type=int, default=1024,
                    help="target continuations of training prompts per domain (and mixed) for on-policy distillation")
+    p.add_argument("--domain-rollouts-per-source", type=int, default=1024,
+                   help="continuations per domain that domain drafts learn from: the general draft's share plus"
+                        " more of the same domain (must be >= --rollouts-per-source)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--target-layers", type=int, default=16)
@@ -62,6 +65,10 @@ def _run_build(a) -> int:
     cfg.onpolicy_train = replace(cfg.onpolicy_train, max_minutes=a.onpolicy_minutes, max_steps=a.onpolicy_steps, **common)
     cfg.domain_train = replace(cfg.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps, **common)
     cfg.rollouts = replace(cfg.rollouts, sequences_per_source=a.rollouts_per_source)
+    if a.domain_rollouts_per_source < a.rollouts_per_source:
+        raise SystemExit(f"--domain-rollouts-per-source ({a.domain_rollouts_per_source}) must be at least"
+                         f" --rollouts-per-source ({a.rollouts_per_source}): domain drafts see the general draft's share too")
+    cfg.domain_rollouts_per_source = a.domain_rollouts_per_source
     cfg.target_arch = _resized(cfg.target_arch, a.target_hidden, a.target_layers)
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
     ZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])

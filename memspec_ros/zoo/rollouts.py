@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -188,22 +188,27 @@ class RolloutStreams:
     so ``train.train`` resumes either; a batch is ``(ids, labels, top_ids, top_logp)``.
     """
 
-    def __init__(self, path: Path, weights: dict[str, float], seed: int, split: str = "all", val_every: int = 10):
-        """``split``: ``train`` / ``val`` (every ``val_every``-th rollout of a source) / ``all``."""
+    def __init__(self, paths: Path | Sequence[Path], weights: dict[str, float], seed: int, split: str = "all",
+                 val_every: int = 10):
+        """``paths``: one rollouts file or several, whose rollouts of a source are joined in order;
+        ``split``: ``train`` / ``val`` (every ``val_every``-th rollout of a source) / ``all``."""
         if split not in ("train", "val", "all"):
             raise ValueError(f"split must be train, val or all, got {split!r}")
-        tensors = load_file(str(path))
-        keys = sorted((k for k in tensors if k.endswith(".ids")), key=lambda k: (k.split(".")[0], int(k.split(".")[1])))
+        paths = [paths] if isinstance(paths, Path) else list(paths)
         every: dict[str, list[Row]] = {}
-        for key in keys:
-            base = key[: -len("ids")]
-            if base + "top_logp" not in tensors:
-                raise ValueError(f"{path} has no soft labels ({base}top_logp): it predates them; delete it and rerun the rollouts stage")
-            parts = (tensors[key], tensors[base + "labels"], tensors[base + "top_ids"], tensors[base + "top_logp"])
-            every.setdefault(key.split(".")[0], []).extend(zip(*parts, strict=True))
+        for path in paths:
+            tensors = load_file(str(path))
+            keys = sorted((k for k in tensors if k.endswith(".ids")), key=lambda k: (k.split(".")[0], int(k.split(".")[1])))
+            for key in keys:
+                base = key[: -len("ids")]
+                if base + "top_logp" not in tensors:
+                    raise ValueError(f"{path} has no soft labels ({base}top_logp): it predates them; delete it and rerun"
+                                     " the rollouts stage")
+                parts = (tensors[key], tensors[base + "labels"], tensors[base + "top_ids"], tensors[base + "top_logp"])
+                every.setdefault(key.split(".")[0], []).extend(zip(*parts, strict=True))
         unknown = [n for n in weights if weights[n] > 0 and n not in every]
         if unknown:
-            raise ValueError(f"no rollouts for {unknown} in {path} (has {sorted(every)})")
+            raise ValueError(f"no rollouts for {unknown} in {', '.join(map(str, paths))} (has {sorted(every)})")
         keep = {"all": lambda i: True, "val": lambda i: i % val_every == 0, "train": lambda i: i % val_every != 0}[split]
         self.names = [n for n in weights if weights[n] > 0]
         self.seqs = {n: [r for i, r in enumerate(every[n]) if keep(i)] for n in self.names}

@@ -220,3 +220,49 @@ def test_build_cli_default_sizes_are_the_committed_zoo_shapes():
     assert _resized(TARGET_ARCH, 256, 16) == TARGET_ARCH and _resized(DRAFT_ARCH, 128, 2) == DRAFT_ARCH
     small = _resized(DRAFT_ARCH, 64, 2)
     assert (small.num_heads, small.intermediate_size) == (1, 172)
+
+
+@needs_zoo
+def test_target_stage_continues_a_given_target(tmp_path):
+    """``--target-init``: the target stage trains the given model further instead of a random one,
+    records where it started, and refuses a model of another shape or one without safetensors."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+    from memspec_ros.zoo.card import build_phases
+    from memspec_ros.zoo.tokenizer import load_tokenizer
+    from memspec_ros.zoo.train import ArchConfig, TrainConfig
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "tokenizer").symlink_to(MODELS / "target")  # the zoo's tokenizer files
+    tok = load_tokenizer(work / "tokenizer")
+    gen = torch.Generator().manual_seed(0)
+    save_file({n: torch.randint(3, len(tok), (400,), generator=gen, dtype=torch.int32)
+               for n in ("general", "code", "math", "law", "medical", "mixed")}, str(work / "data" / "train.safetensors"))
+    arch = ArchConfig(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=1, num_kv_heads=1)
+    torch.manual_seed(1)
+    LlamaForCausalLM(arch.llama_config(tok)).save_pretrained(str(tmp_path / "init"), safe_serialization=True)
+    init = LlamaForCausalLM.from_pretrained(str(tmp_path / "init"), use_safetensors=True)
+    tc = TrainConfig(max_steps=3, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1)
+    threads = torch.get_num_threads()
+    try:
+        ZooBuild(BuildConfig(work_dir=work, threads=1, target_arch=arch, target_train=tc, target_init=tmp_path / "init")).target()
+        with pytest.raises(ValueError, match=r"does not fit this build: hidden_size 32 \(this build: 64\)"):
+            wide = ArchConfig(hidden_size=64, num_layers=1, intermediate_size=64, num_heads=1, num_kv_heads=1)
+            ZooBuild(BuildConfig(work_dir=work, threads=1, target_arch=wide))._continued_target(tmp_path / "init")
+        with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+            ZooBuild(BuildConfig(work_dir=work, threads=1, target_arch=arch))._continued_target(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    trained = LlamaForCausalLM.from_pretrained(str(work / "hf" / "target"), use_safetensors=True)
+    before, after = init.state_dict(), trained.state_dict()
+    assert before.keys() == after.keys()
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    # trained from the init (3 small steps move it a little), not re-initialised
+    assert moved and all((before[k] - after[k]).abs().max() < 0.05 for k in before)
+    meta = json.loads((work / "hf" / "target" / "train_meta.json").read_text())
+    assert meta["start"] == str(tmp_path / "init") and meta["step"] == 3
+    assert build_phases(work)["target"]["objective"] == f"continued from `{tmp_path / 'init'}`: next-token CE on the corpus mixture"

@@ -111,9 +111,9 @@ def load_zoo(models_dir: Path):
     reg = yaml.safe_load((models_dir / "registry.yaml").read_text())
     tpath = models_dir / (reg["target"]["path"] if isinstance(reg["target"], dict) else reg["target"])
     tok = PreTrainedTokenizerFast.from_pretrained(str(tpath))
-    target = LlamaForCausalLM.from_pretrained(str(tpath), dtype=torch.float32).eval()
+    target = LlamaForCausalLM.from_pretrained(str(tpath), dtype=torch.float32, use_safetensors=True).eval()
     drafts = {
-        d["name"]: LlamaForCausalLM.from_pretrained(str(models_dir / d["path"]), dtype=torch.float32).eval()
+        d["name"]: LlamaForCausalLM.from_pretrained(str(models_dir / d["path"]), dtype=torch.float32, use_safetensors=True).eval()
         for d in reg["drafts"]
     }
     return tok, target, drafts, tpath

@@ -46,6 +46,9 @@ class BuildConfig:
     target_arch: ArchConfig = field(default_factory=lambda: TARGET_ARCH)
     draft_arch: ArchConfig = field(default_factory=lambda: DRAFT_ARCH)
     target_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=30, lr=2e-3, warmup_steps=30))
+    # a target (Hugging Face dir, safetensors) to continue training instead of starting from random weights:
+    # the target is what limits the zoo, and on a CPU its training spans several builds
+    target_init: Path | None = None
     general_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=32, lr=3e-3, warmup_steps=20))
     onpolicy_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=10, lr=1.5e-3, warmup_steps=10, validate_every=250))
     domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=4, lr=1.5e-3, warmup_steps=10, validate_every=50))
@@ -157,7 +160,7 @@ class ZooBuild:
     def _load(self, name: str):
         from transformers import LlamaForCausalLM
 
-        return LlamaForCausalLM.from_pretrained(str(self.hf_dir(name)), dtype=torch.float32)
+        return LlamaForCausalLM.from_pretrained(str(self.hf_dir(name)), dtype=torch.float32, use_safetensors=True)
 
     def _save(self, name: str, model, meta: dict) -> None:
         d = self.hf_dir(name)
@@ -170,10 +173,32 @@ class ZooBuild:
     def target(self) -> None:
         if (self.hf_dir("target") / "config.json").exists():
             return _log("target: cached")
-        model = self._new_model(self.cfg.target_arch)
+        init = self.cfg.target_init
+        model = self._new_model(self.cfg.target_arch) if init is None else self._continued_target(Path(init))
         tc = TrainConfig(**{**asdict(self.cfg.target_train), "device": self.cfg.device, "seed": self.cfg.seed})
         meta = train(model, self._streams(self._mix_weights(), self.cfg.seed), tc, self.w / "ckpt" / "target", desc="target", log=_log)
+        if init is not None:
+            meta["start"] = str(init)
         self._save("target", model.cpu(), meta)
+
+    def _continued_target(self, init: Path):
+        """The target at ``init``, checked against this build's tokenizer and target shape."""
+        from transformers import LlamaForCausalLM
+
+        if not (init / "model.safetensors").is_file():
+            raise FileNotFoundError(f"--target-init {init} has no model.safetensors (a Hugging Face model directory"
+                                    " saved with safe_serialization, e.g. <work dir>/hf/target of an earlier build)")
+        model = LlamaForCausalLM.from_pretrained(str(init), dtype=torch.float32, use_safetensors=True)
+        want = self.cfg.target_arch.llama_config(load_tokenizer(self.tok_dir))
+        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads")
+        wrong = [f"{k} {getattr(model.config, k)} (this build: {getattr(want, k)})" for k in keys
+                 if getattr(model.config, k) != getattr(want, k)]
+        if wrong:
+            raise ValueError(f"--target-init {init} does not fit this build: {', '.join(wrong)}; pass --target-hidden /"
+                             " --target-layers of that model, and the tokenizer it was trained with")
+        _log(f"target: continuing from {init}")
+        return model
 
     def general(self) -> None:
         """The general draft's first phase: distilled from scratch on the corpus mixture (logit KL)."""

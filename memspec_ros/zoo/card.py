@@ -128,6 +128,8 @@ def build_phases(work_dir: Path) -> dict[str, dict]:
         meta = json.loads(path.read_text())
         if name == "target":
             objective = "next-token CE on the corpus mixture"
+            if "start" in meta:
+                objective = f"continued from `{meta['start']}`: {objective}"
         elif "start" in meta:
             objective = f"from `{meta['start']}`: KL(target || draft) over the target's top-k on its own continuations (on-policy)"
         else:

@@ -31,6 +31,10 @@ def _build_parser(sub) -> None:
     for name, minutes in (("target", 30.0), ("general", 32.0), ("onpolicy", 10.0), ("domain", 4.0)):
         p.add_argument(f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model")
         p.add_argument(f"--{name}-steps", type=int, default=100_000, help=f"step budget per {name} model")
+    p.add_argument("--target-init", default=None, metavar="DIR",
+                   help="continue training this target (a Hugging Face dir with model.safetensors, e.g. an earlier"
+                        " build's <work dir>/hf/target) for --target-minutes instead of starting from random weights")
+    p.add_argument("--target-lr", type=float, default=2e-3, help="peak learning rate of the target's run")
     p.add_argument("--rollouts-per-source", type=int, default=1024,
                    help="target continuations of training prompts per domain (and mixed) for on-policy distillation")
     p.add_argument("--domain-rollouts-per-source", type=int, default=1024,
@@ -60,7 +64,9 @@ def _run_build(a) -> int:
 
     cfg = BuildConfig(work_dir=Path(a.work_dir), out_dir=Path(a.out), device=a.device, threads=a.threads, seed=a.seed)
     common = dict(batch_size=a.batch_size, seq_len=a.seq_len)
-    cfg.target_train = replace(cfg.target_train, max_minutes=a.target_minutes, max_steps=a.target_steps, **common)
+    cfg.target_train = replace(cfg.target_train, max_minutes=a.target_minutes, max_steps=a.target_steps, lr=a.target_lr,
+                               **common)
+    cfg.target_init = Path(a.target_init) if a.target_init else None
     cfg.general_train = replace(cfg.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps, **common)
     cfg.onpolicy_train = replace(cfg.onpolicy_train, max_minutes=a.onpolicy_minutes, max_steps=a.onpolicy_steps, **common)
     cfg.domain_train = replace(cfg.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps, **common)

@@ -58,9 +58,8 @@ def test_random_rankings_keep_invariants_at_every_instant(capacity, budget):
     active = ""
     for _ in range(60):
         ranking = rng.sample(NAMES, len(NAMES))
-        t0 = time.perf_counter()
+        # (that update() never waits for a load is shown with a gated loader below, not by a clock)
         w = cache.update([(n, rng.random()) for n in ranking], active=active or None)
-        assert time.perf_counter() - t0 < 0.05, "update() must not wait for loads"
         assert len(w) <= capacity
         resident = cache.resident()
         if resident and rng.random() < 0.7:

@@ -3,8 +3,9 @@ the DDS discovery race.
 
 A ROS 2 client reports a service ready once *its* writer has matched the server's reader; the server
 may not have matched the client yet. On Fast DDS a request (or the reply) sent in that window is
-dropped and never resent: CI saw exactly this, a configure request that the node never received
-(its log stayed empty, it was still `unconfigured` 180 s later). GetState is idempotent, so it may
+dropped and never resent. CI once saw what that looks like: a configure request unanswered for
+180 s, after which the node answered GetState and shut down from a state the configure had
+evidently never reached. GetState is idempotent, so it may
 be retried freely; ChangeState is not, so this module
 1. first gets one GetState answer (a round trip proves both sides have matched),
 2. then sends ChangeState and, while waiting, asks GetState every few seconds: reaching the

@@ -83,6 +83,9 @@ class ZooBuild:
     """The stages of one build; ``run(stages)`` runs the requested ones in order."""
 
     def __init__(self, cfg: BuildConfig):
+        if cfg.domain_rollouts_per_source < cfg.rollouts.sequences_per_source:
+            raise ValueError(f"domain rollouts per source ({cfg.domain_rollouts_per_source}) must be at least the"
+                             f" rollouts per source ({cfg.rollouts.sequences_per_source}) the general draft sees")
         self.cfg = cfg
         self.w = Path(cfg.work_dir)
         self.w.mkdir(parents=True, exist_ok=True)
@@ -229,9 +232,6 @@ class ZooBuild:
     def domain_rollouts(self) -> None:
         """More continuations of each domain's training prompts (other windows: another seed), for the domain drafts only."""
         extra = self.cfg.domain_rollouts_per_source - self.cfg.rollouts.sequences_per_source
-        if extra < 0:
-            raise ValueError(f"domain rollouts per source ({self.cfg.domain_rollouts_per_source}) must be at least the"
-                             f" rollouts per source ({self.cfg.rollouts.sequences_per_source}) the general draft sees")
         if extra == 0:
             return _log("domain_rollouts: none beyond the shared rollouts")
         if self.domain_rollouts_path.exists():

@@ -71,13 +71,14 @@ def _run_build(a) -> int:
     cfg.onpolicy_train = replace(cfg.onpolicy_train, max_minutes=a.onpolicy_minutes, max_steps=a.onpolicy_steps, **common)
     cfg.domain_train = replace(cfg.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps, **common)
     cfg.rollouts = replace(cfg.rollouts, sequences_per_source=a.rollouts_per_source)
-    if a.domain_rollouts_per_source < a.rollouts_per_source:
-        raise SystemExit(f"--domain-rollouts-per-source ({a.domain_rollouts_per_source}) must be at least"
-                         f" --rollouts-per-source ({a.rollouts_per_source}): domain drafts see the general draft's share too")
     cfg.domain_rollouts_per_source = a.domain_rollouts_per_source
     cfg.target_arch = _resized(cfg.target_arch, a.target_hidden, a.target_layers)
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
-    ZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])
+    try:
+        build = ZooBuild(cfg)  # checks the configuration before any work
+    except ValueError as exc:
+        raise SystemExit(f"memspec-zoo build: {exc}") from None
+    build.run([s.strip() for s in a.stages.split(",") if s.strip()])
     return 0
 
 

@@ -266,3 +266,50 @@ def test_target_stage_continues_a_given_target(tmp_path):
     meta = json.loads((work / "hf" / "target" / "train_meta.json").read_text())
     assert meta["start"] == str(tmp_path / "init") and meta["step"] == 3
     assert build_phases(work)["target"]["objective"] == f"continued from `{tmp_path / 'init'}`: next-token CE on the corpus mixture"
+
+
+@needs_zoo
+def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
+    """The corpus phase (``general-base``) and the on-policy phase (``general``) keep separate
+    checkpoints: the second trains from the first's weights instead of resuming the first's finished
+    run and skipping (what a shared ``ckpt/general`` did); a checkpoint of another run is refused."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+    from memspec_ros.zoo.rollouts import RolloutConfig, RolloutStreams
+    from memspec_ros.zoo.tokenizer import load_tokenizer
+    from memspec_ros.zoo.train import ArchConfig, TrainConfig, train
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "tokenizer").symlink_to(MODELS / "target")
+    tok = load_tokenizer(work / "tokenizer")
+    gen = torch.Generator().manual_seed(0)
+    save_file({n: torch.randint(3, len(tok), (400,), generator=gen, dtype=torch.int32)
+               for n in ("general", "code", "math", "law", "medical", "mixed")}, str(work / "data" / "train.safetensors"))
+    arch = ArchConfig(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=1, num_kv_heads=1)
+    torch.manual_seed(1)
+    LlamaForCausalLM(arch.llama_config(tok)).save_pretrained(str(work / "hf" / "target"), safe_serialization=True)
+    tc = TrainConfig(max_steps=3, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1, validate_every=2)
+    cfg = BuildConfig(work_dir=work, threads=1, draft_arch=arch, general_train=tc, onpolicy_train=tc,
+                      rollouts=RolloutConfig(sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=6,
+                                             new_tokens=4, batch_size=5, top_k=4))
+    threads = torch.get_num_threads()
+    try:
+        build = ZooBuild(cfg)
+        for stage in ("general", "rollouts", "onpolicy"):
+            getattr(build, stage)()
+        with pytest.raises(RuntimeError, match=r"belongs to the run 'general-base', not 'general'"):
+            train(build._load("general-base"), RolloutStreams(build.rollouts_path, {"code": 1.0}, 0), tc,
+                  work / "ckpt" / "general-base", desc="general", log=lambda m: None)
+    finally:
+        torch.set_num_threads(threads)
+    base = json.loads((work / "hf" / "general-base" / "train_meta.json").read_text())
+    onpolicy = json.loads((work / "hf" / "general" / "train_meta.json").read_text())
+    assert base["step"] == 3 and onpolicy["step"] == 3 and onpolicy["start"] == "general-base"
+    assert "validation" in onpolicy  # it ran: the on-policy loop validates, the corpus phase does not
+    before = LlamaForCausalLM.from_pretrained(str(work / "hf" / "general-base"), use_safetensors=True).state_dict()
+    after = LlamaForCausalLM.from_pretrained(str(work / "hf" / "general"), use_safetensors=True).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -210,7 +210,10 @@ class ZooBuild:
         teacher = self._load("target")
         model = self._new_model(self.cfg.draft_arch)
         tc = TrainConfig(**{**asdict(self.cfg.general_train), "device": self.cfg.device, "seed": self.cfg.seed + 1})
-        meta = train(model, self._streams(self._mix_weights(), self.cfg.seed + 1), tc, self.w / "ckpt" / "general", teacher=teacher, desc="general", log=_log)
+        # its own checkpoint directory: the on-policy phase that follows trains the draft named
+        # "general" and would otherwise resume from this finished run and skip its training
+        meta = train(model, self._streams(self._mix_weights(), self.cfg.seed + 1), tc, self.w / "ckpt" / "general-base",
+                     teacher=teacher, desc="general-base", log=_log)
         self._save("general-base", model.cpu(), meta)
 
     @property

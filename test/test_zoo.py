@@ -222,18 +222,15 @@ def test_build_cli_default_sizes_are_the_committed_zoo_shapes():
     assert (small.num_heads, small.intermediate_size) == (1, 172)
 
 
-@needs_zoo
-def test_target_stage_continues_a_given_target(tmp_path):
-    """``--target-init``: the target stage trains the given model further instead of a random one,
-    records where it started, and refuses a model of another shape or one without safetensors."""
+def _tiny_work_dir(tmp_path: Path, model_dir: Path):
+    """A build work dir with the zoo's tokenizer, random training streams for every source, and a
+    tiny random Llama saved at ``model_dir``; returns (work dir, that model's ArchConfig)."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    from memspec_ros.zoo.build import BuildConfig, ZooBuild
-    from memspec_ros.zoo.card import build_phases
     from memspec_ros.zoo.tokenizer import load_tokenizer
-    from memspec_ros.zoo.train import ArchConfig, TrainConfig
+    from memspec_ros.zoo.train import ArchConfig
 
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
@@ -244,7 +241,22 @@ def test_target_stage_continues_a_given_target(tmp_path):
                for n in ("general", "code", "math", "law", "medical", "mixed")}, str(work / "data" / "train.safetensors"))
     arch = ArchConfig(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=1, num_kv_heads=1)
     torch.manual_seed(1)
-    LlamaForCausalLM(arch.llama_config(tok)).save_pretrained(str(tmp_path / "init"), safe_serialization=True)
+    LlamaForCausalLM(arch.llama_config(tok)).save_pretrained(str(model_dir), safe_serialization=True)
+    return work, arch
+
+
+@needs_zoo
+def test_target_stage_continues_a_given_target(tmp_path):
+    """``--target-init``: the target stage trains the given model further instead of a random one,
+    records where it started, and refuses a model of another shape or one without safetensors."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+    from memspec_ros.zoo.card import build_phases
+    from memspec_ros.zoo.train import ArchConfig, TrainConfig
+
+    work, arch = _tiny_work_dir(tmp_path, tmp_path / "init")
     init = LlamaForCausalLM.from_pretrained(str(tmp_path / "init"), use_safetensors=True)
     tc = TrainConfig(max_steps=3, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1)
     threads = torch.get_num_threads()
@@ -274,24 +286,13 @@ def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
     checkpoints: the second trains from the first's weights instead of resuming the first's finished
     run and skipping (what a shared ``ckpt/general`` did); a checkpoint of another run is refused."""
     import torch
-    from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
     from memspec_ros.zoo.build import BuildConfig, ZooBuild
     from memspec_ros.zoo.rollouts import RolloutConfig, RolloutStreams
-    from memspec_ros.zoo.tokenizer import load_tokenizer
-    from memspec_ros.zoo.train import ArchConfig, TrainConfig, train
+    from memspec_ros.zoo.train import TrainConfig, train
 
-    work = tmp_path / "work"
-    (work / "data").mkdir(parents=True)
-    (work / "tokenizer").symlink_to(MODELS / "target")
-    tok = load_tokenizer(work / "tokenizer")
-    gen = torch.Generator().manual_seed(0)
-    save_file({n: torch.randint(3, len(tok), (400,), generator=gen, dtype=torch.int32)
-               for n in ("general", "code", "math", "law", "medical", "mixed")}, str(work / "data" / "train.safetensors"))
-    arch = ArchConfig(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=1, num_kv_heads=1)
-    torch.manual_seed(1)
-    LlamaForCausalLM(arch.llama_config(tok)).save_pretrained(str(work / "hf" / "target"), safe_serialization=True)
+    work, arch = _tiny_work_dir(tmp_path, tmp_path / "work" / "hf" / "target")
     tc = TrainConfig(max_steps=3, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1, validate_every=2)
     cfg = BuildConfig(work_dir=work, threads=1, draft_arch=arch, general_train=tc, onpolicy_train=tc,
                       rollouts=RolloutConfig(sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=6,

@@ -302,9 +302,12 @@ def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
         build = ZooBuild(cfg)
         for stage in ("general", "rollouts", "onpolicy"):
             getattr(build, stage)()
+        model = build._load("general")
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(RuntimeError, match=r"belongs to the run 'general-base', not 'general'"):
-            train(build._load("general-base"), RolloutStreams(build.rollouts_path, {"code": 1.0}, 0), tc,
+            train(model, RolloutStreams(build.rollouts_path, {"code": 1.0}, 0), tc,
                   work / "ckpt" / "general-base", desc="general", log=lambda m: None)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())  # refused before loading
     finally:
         torch.set_num_threads(threads)
     base = json.loads((work / "hf" / "general-base" / "train_meta.json").read_text())

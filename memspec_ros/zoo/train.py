@@ -192,11 +192,13 @@ def train(
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
-    meta, best = _load_checkpoint(ckpt_dir, model, opt, data)
-    if meta is not None and meta.get("desc", desc) != desc:
-        # a finished run of another phase would otherwise be taken for this one and "skipped"
-        raise RuntimeError(f"checkpoint {ckpt_dir} belongs to the run '{meta['desc']}', not '{desc}': move it away"
+    owner = json.loads((ckpt_dir / "meta.json").read_text()).get("desc", desc) if (ckpt_dir / "meta.json").exists() else desc
+    if owner != desc:
+        # checked before loading anything: a finished run of another phase would otherwise be
+        # taken for this one and "skipped"
+        raise RuntimeError(f"checkpoint {ckpt_dir} belongs to the run '{owner}', not '{desc}': move it away"
                            " or use a fresh --work-dir")
+    meta, best = _load_checkpoint(ckpt_dir, model, opt, data)
     meta = meta or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": [], "desc": desc}
 
     def check() -> None:

@@ -133,10 +133,16 @@ def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, t
     (path / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def _load_checkpoint(path: Path, model, opt, data) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
-    """Restores model, optimizer and data state; returns (meta, best validated parameters or None)."""
+def _load_checkpoint(path: Path, model, opt, data, desc: str) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
+    """Restores model, optimizer and data state of the run ``desc``; returns (meta, best validated parameters or None)."""
     if not (path / "meta.json").exists():
         return None, None
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("desc", desc) != desc:
+        # checked before loading anything: a finished run of another phase would otherwise be
+        # taken for this one and "skipped"
+        raise RuntimeError(f"checkpoint {path} belongs to the run '{meta['desc']}', not '{desc}': move it away"
+                           " or use a fresh --work-dir")
     tensors = load_file(str(path / "state.safetensors"))
     missing, unexpected = model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
     if unexpected or any(k != "lm_head.weight" and "rotary" not in k for k in missing):
@@ -153,7 +159,7 @@ def _load_checkpoint(path: Path, model, opt, data) -> tuple[dict | None, dict[st
             opt.state[p] = st
     data.load_state(tensors["rng.data"])
     best = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")} or None
-    return json.loads((path / "meta.json").read_text()), best
+    return meta, best
 
 
 def train(
@@ -192,13 +198,7 @@ def train(
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
-    owner = json.loads((ckpt_dir / "meta.json").read_text()).get("desc", desc) if (ckpt_dir / "meta.json").exists() else desc
-    if owner != desc:
-        # checked before loading anything: a finished run of another phase would otherwise be
-        # taken for this one and "skipped"
-        raise RuntimeError(f"checkpoint {ckpt_dir} belongs to the run '{owner}', not '{desc}': move it away"
-                           " or use a fresh --work-dir")
-    meta, best = _load_checkpoint(ckpt_dir, model, opt, data)
+    meta, best = _load_checkpoint(ckpt_dir, model, opt, data, desc)
     meta = meta or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": [], "desc": desc}
 
     def check() -> None:

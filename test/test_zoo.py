@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -282,8 +283,8 @@ def test_target_stage_continues_a_given_target(tmp_path):
 
 @needs_zoo
 def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
-    """The corpus phase (``general-base``) and the on-policy phase (``general``) keep separate
-    checkpoints: the second trains from the first's weights instead of resuming the first's finished
+    """The corpus phase (``general-base``) and the on-policy phase (``general``, shared recipe) keep
+    separate checkpoints: the second trains from the first's weights instead of resuming the first's finished
     run and skipping (what a shared ``ckpt/general`` did); a checkpoint of another run is refused."""
     import torch
     from transformers import LlamaForCausalLM
@@ -295,8 +296,8 @@ def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
     work, arch = _tiny_work_dir(tmp_path, tmp_path / "work" / "hf" / "target")
     tc = TrainConfig(max_steps=3, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1, validate_every=2)
     cfg = BuildConfig(work_dir=work, threads=1, draft_arch=arch, general_train=tc, onpolicy_train=tc,
-                      rollouts=RolloutConfig(sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=6,
-                                             new_tokens=4, batch_size=5, top_k=4))
+                      domain_train=tc, draft_recipe="shared", rollouts=RolloutConfig(sequences_per_source=10, min_prompt_tokens=4,
+                                                             max_prompt_tokens=6, new_tokens=4, batch_size=5, top_k=4))
     threads = torch.get_num_threads()
     try:
         build = ZooBuild(cfg)
@@ -317,3 +318,53 @@ def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
     before = LlamaForCausalLM.from_pretrained(str(work / "hf" / "general-base"), use_safetensors=True).state_dict()
     after = LlamaForCausalLM.from_pretrained(str(work / "hf" / "general"), use_safetensors=True).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@needs_zoo
+@pytest.mark.parametrize("recipe", ["paper", "shared"])
+def test_draft_recipe_decides_what_each_draft_learns_and_from_which_start(tmp_path, recipe):
+    """``paper`` (default): the general draft is ``general-base`` unchanged and each domain draft starts
+    from ``general-base`` and learns its own domain's continuations only; ``shared``: general learns
+    every source's for the on-policy budget and each domain draft starts from it. A recipe of another
+    name is refused before any work."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+    from memspec_ros.zoo.card import build_phases
+    from memspec_ros.zoo.rollouts import RolloutConfig
+    from memspec_ros.zoo.train import TrainConfig
+
+    work, arch = _tiny_work_dir(tmp_path, tmp_path / "work" / "hf" / "target")
+    onpolicy = TrainConfig(max_steps=2, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1, validate_every=2)
+    domain = replace(onpolicy, max_steps=3)  # told apart by the steps each draft ran
+    cfg = BuildConfig(work_dir=work, threads=1, draft_arch=arch, general_train=onpolicy, onpolicy_train=onpolicy,
+                      domain_train=domain, draft_recipe=recipe, domain_rollouts_per_source=10,
+                      rollouts=RolloutConfig(sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=6,
+                                             new_tokens=4, batch_size=5, top_k=4))
+    threads = torch.get_num_threads()
+    try:
+        build = ZooBuild(cfg)
+        for stage in ("general", "rollouts", "onpolicy", "domains"):
+            getattr(build, stage)()
+    finally:
+        torch.set_num_threads(threads)
+    meta = {n: json.loads((work / "hf" / n / "train_meta.json").read_text())
+            for n in ("general", "code", "math", "law", "medical")}
+    state = lambda name: LlamaForCausalLM.from_pretrained(str(work / "hf" / name), use_safetensors=True).state_dict()  # noqa: E731
+    base, general, code = state("general-base"), state("general"), state("code")
+    assert any(not torch.equal(base[k], code[k]) for k in base)  # the domain draft trained
+    phases = build_phases(work)
+    if recipe == "paper":
+        assert all(torch.equal(base[k], general[k]) for k in base) and meta["general"]["copy_of"] == "general-base"
+        assert "`general-base` as it is" in phases["general"]["objective"]
+        assert all(meta[d]["start"] == "general-base" for d in ("code", "math", "law", "medical"))
+    else:
+        assert any(not torch.equal(base[k], general[k]) for k in base)
+        assert meta["general"]["start"] == "general-base" and meta["general"]["step"] == 2
+        assert meta["general"]["sources"] == ["code", "general", "law", "math", "medical", "mixed"]
+        assert all(meta[d]["start"] == "general" for d in ("code", "math", "law", "medical"))
+    assert all(meta[d]["sources"] == [d] and meta[d]["step"] == 3 for d in ("code", "math", "law", "medical"))
+    assert "of code prompts (on-policy)" in phases["code"]["objective"]
+    with pytest.raises(ValueError, match=r"draft recipe 'own-domain' is not one of paper, shared"):
+        ZooBuild(replace(cfg, draft_recipe="own-domain"))

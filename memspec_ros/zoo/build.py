@@ -5,14 +5,23 @@ exists, so an interrupted ``memspec-zoo build`` picks up where it stopped
 (training stages resume from their last checkpoint).  Only ``export`` writes
 into ``models/``.
 
-The drafts are made in three runs: ``general`` distils a draft from scratch on
-the corpus mixture (logit KL, saved as ``general-base``); ``rollouts`` has the
-target continue training prompts of every domain greedily; ``onpolicy``
-trains ``general-base`` on all of those continuations (the exported
-``general``); ``domain_rollouts`` adds more continuations of each domain's
-prompts and ``domains`` trains a copy of ``general`` on its domain's
-continuations only, the general draft's share and those extra ones (the
-paper's domain drafts, distilled from the target on domain data).
+The drafts start from one run: ``general`` distils a draft from scratch on the
+corpus mixture (logit KL, saved as ``general-base``); ``rollouts`` has the
+target continue training prompts of every domain greedily.  What follows is the
+draft recipe:
+
+* ``paper`` (default, the paper's zoo): the general draft is ``general-base``,
+  trained on the mix only (``onpolicy`` copies it); each domain draft is
+  ``general-base`` distilled on-policy on the target's continuations of its
+  own domain (``domains``).
+* ``shared``: ``general`` is ``general-base`` distilled on-policy on the
+  continuations of every source (``--onpolicy-minutes``) and each domain draft
+  is that ``general`` trained further on its domain.  The strongest single
+  draft, but at 0.66 M parameters it leaves the specialists +4-11% on their own
+  domains (measured; see the model card), too little for MemSpec to use.
+
+``domain_rollouts`` adds more continuations of each domain's prompts that only
+the domain drafts see.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from .tokenizer import TokenizerConfig, encode_documents, load_tokenizer, train_
 from .train import DRAFT_ARCH, TARGET_ARCH, ArchConfig, TokenStreams, TrainConfig, train
 from .workloads import WorkloadConfig, mixed_documents, write_workloads
 
+DRAFT_RECIPES = ("paper", "shared")
 STAGES = ("corpora", "tokenizer", "encode", "workloads", "target", "general", "rollouts", "domain_rollouts", "onpolicy",
           "domains", "export")
 
@@ -56,6 +66,9 @@ class BuildConfig:
     # continuations per domain the domain drafts learn from; the general draft sees only the first
     # rollouts.sequences_per_source of them (as the paper's domain drafts see domain data the general did not)
     domain_rollouts_per_source: int = 1024
+    # "paper": general = general-base, each domain draft general-base distilled on its domain;
+    # "shared": general distilled on every source, each domain draft from it (module docstring)
+    draft_recipe: str = "paper"
     mixed_train_docs: int = 3000
     mixed_weight: float = 0.5
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
@@ -86,6 +99,8 @@ class ZooBuild:
         if cfg.domain_rollouts_per_source < cfg.rollouts.sequences_per_source:
             raise ValueError(f"domain rollouts per source ({cfg.domain_rollouts_per_source}) must be at least the"
                              f" rollouts per source ({cfg.rollouts.sequences_per_source}) the general draft sees")
+        if cfg.draft_recipe not in DRAFT_RECIPES:
+            raise ValueError(f"draft recipe {cfg.draft_recipe!r} is not one of {', '.join(DRAFT_RECIPES)}")
         self.cfg = cfg
         self.w = Path(cfg.work_dir)
         self.w.mkdir(parents=True, exist_ok=True)
@@ -255,22 +270,32 @@ class ZooBuild:
         val = RolloutStreams(paths, weights, seed, split="val")
         meta = train(model, data, tc, self.w / "ckpt" / name, desc=name, log=_log, validate=val.agreement)
         meta["start"] = start
+        meta["sources"] = sorted(weights)
         self._save(name, model.cpu(), meta)
 
     def onpolicy(self) -> None:
-        """The general draft's second phase: the target's continuations of every source."""
-        self._onpolicy("general", "general-base", self._mix_weights(), self.cfg.onpolicy_train, self.cfg.seed + 12,
-                       [self.rollouts_path])
+        """The general draft: ``general-base`` as it is (paper) or distilled on-policy on the target's
+        continuations of every source (shared)."""
+        if self.cfg.draft_recipe == "shared":
+            return self._onpolicy("general", "general-base", self._mix_weights(), self.cfg.onpolicy_train,
+                                  self.cfg.seed + 12, [self.rollouts_path])
+        if (self.hf_dir("general") / "config.json").exists():
+            return _log("general: cached")
+        base = json.loads((self.hf_dir("general-base") / "train_meta.json").read_text())
+        self._save("general", self._load("general-base"), {**base, "copy_of": "general-base"})
+        _log("general: general-base as it is (paper recipe)")
 
     def domains(self) -> None:
-        """Each domain draft: the general draft trained on its domain's continuations only."""
+        """Each domain draft: trained on its domain's continuations only, from ``general-base``
+        (paper) or from the general draft (shared)."""
         paths = [self.rollouts_path]
         if self.cfg.domain_rollouts_per_source > self.cfg.rollouts.sequences_per_source:
             if not self.domain_rollouts_path.exists():
                 raise FileNotFoundError(f"{self.domain_rollouts_path} is missing: run the domain_rollouts stage first")
             paths.append(self.domain_rollouts_path)
+        start = "general-base" if self.cfg.draft_recipe == "paper" else "general"
         for i, d in enumerate(DOMAINS[1:]):
-            self._onpolicy(d, "general", {d: 1.0}, self.cfg.domain_train, self.cfg.seed + 2 + i, paths)
+            self._onpolicy(d, start, {d: 1.0}, self.cfg.domain_train, self.cfg.seed + 2 + i, paths)
 
     def export(self) -> None:
         """fp16 copies + the shared tokenizer files into models/, and the registry."""

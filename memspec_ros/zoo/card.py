@@ -130,8 +130,12 @@ def build_phases(work_dir: Path) -> dict[str, dict]:
             objective = "next-token CE on the corpus mixture"
             if "start" in meta:
                 objective = f"continued from `{meta['start']}`: {objective}"
+        elif "copy_of" in meta:
+            objective = f"`{meta['copy_of']}` as it is (the paper recipe: not trained on the target's continuations)"
         elif "start" in meta:
-            objective = f"from `{meta['start']}`: KL(target || draft) over the target's top-k on its own continuations (on-policy)"
+            which = f" of {', '.join(meta['sources'])} prompts" if meta.get("sources") else ""
+            objective = (f"from `{meta['start']}`: KL(target || draft) over the target's top-k on its own continuations"
+                         f"{which} (on-policy)")
         else:
             objective = "from scratch: KL(target || draft) on the corpus mixture"
         out[name] = {"steps": meta.get("step"), "seconds": meta.get("elapsed_s", 0), "config": meta.get("config", {}),

@@ -40,6 +40,10 @@ def _build_parser(sub) -> None:
     p.add_argument("--domain-rollouts-per-source", type=int, default=1024,
                    help="continuations per domain that domain drafts learn from: the general draft's share plus"
                         " more of the same domain (must be >= --rollouts-per-source)")
+    p.add_argument("--draft-recipe", choices=("paper", "shared"), default="paper",
+                   help="paper: general = the draft distilled on the corpus mix, each domain draft that draft"
+                        " distilled on-policy on its domain's target continuations; shared: general distilled"
+                        " on-policy on every source's, each domain draft from it (see the model card)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--target-layers", type=int, default=16)
@@ -72,6 +76,7 @@ def _run_build(a) -> int:
     cfg.domain_train = replace(cfg.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps, **common)
     cfg.rollouts = replace(cfg.rollouts, sequences_per_source=a.rollouts_per_source)
     cfg.domain_rollouts_per_source = a.domain_rollouts_per_source
+    cfg.draft_recipe = a.draft_recipe
     cfg.target_arch = _resized(cfg.target_arch, a.target_hidden, a.target_layers)
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
     try:

@@ -62,3 +62,28 @@ def test_rollout_data_lines_count_the_domain_drafts_extra_continuations():
     card = render({**m, "domain_rollouts": extra}, None)
     assert "3072 more prompts per domain\n(code, math, law, medical)" in card and "(40 minutes)" in card
     assert "distilled on 4096 continuations of its domain, where the general\ndraft saw 1024 of each" in card
+
+
+def test_cached_measurements_are_reused_only_for_the_same_weight_files(tmp_path, monkeypatch):
+    """``memspec-zoo card`` re-measures when any weight file changed, even if the registry did not
+    (drafts copied into models/ after an export), and reuses the cache otherwise."""
+    import os
+
+    from memspec_ros.zoo import card
+
+    models, work = tmp_path / "models", tmp_path / "work"
+    (models / "drafts" / "code").mkdir(parents=True)
+    work.mkdir()
+    (models / "registry.yaml").write_text("drafts: []\n")
+    weights = models / "drafts" / "code" / "model.safetensors"
+    weights.write_bytes(b"first")
+    calls = []
+    monkeypatch.setattr(card, "measure", lambda *a: calls.append(1) or {"n": len(calls)})
+    monkeypatch.setattr(card, "render", lambda m, acc, notes: f"measured {m['n']}")
+    card.write_card(models, work, None)
+    card.write_card(models, work, None)
+    assert len(calls) == 1 and (models / "MODEL_CARD.md").read_text() == "measured 1"
+    weights.write_bytes(b"other weights")  # new draft weights, registry untouched and older
+    os.utime(models / "registry.yaml", ns=(1, 1))
+    card.write_card(models, work, None)
+    assert len(calls) == 2 and (models / "MODEL_CARD.md").read_text() == "measured 2"

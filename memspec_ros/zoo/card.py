@@ -7,6 +7,7 @@ fp32 (CPU inference runs fp32), perplexities on held-out documents.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -316,14 +317,25 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
     return "\n".join(L)
 
 
+def models_fingerprint(models_dir: Path) -> str:
+    """Digest of every weight file's path, size and modification time under ``models_dir``: the
+    cached measurements are reused only for the very files they measured (drafts copied in after an
+    export leave the registry untouched, so its age alone would not tell)."""
+    h = hashlib.sha256()
+    for f in sorted(models_dir.rglob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.relative_to(models_dir)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 def write_card(
     models_dir: Path, work_dir: Path, acceptance_json: Path | None, threads: int = 2, notes_file: Path | None = None
 ) -> Path:
     cache = work_dir / "card_measurements.json"
-    if cache.exists() and cache.stat().st_mtime > (models_dir / "registry.yaml").stat().st_mtime:
-        m = json.loads(cache.read_text())
-    else:
-        m = measure(models_dir, work_dir, threads)
+    key = models_fingerprint(models_dir)
+    m = json.loads(cache.read_text()) if cache.exists() else {}
+    if m.get("models_fingerprint") != key:
+        m = {**measure(models_dir, work_dir, threads), "models_fingerprint": key}
         cache.write_text(json.dumps(m, indent=1))
     acc = json.loads(acceptance_json.read_text()) if acceptance_json else None
     out = models_dir / "MODEL_CARD.md"

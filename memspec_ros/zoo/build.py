@@ -64,8 +64,8 @@ class BuildConfig:
     # 8 minutes: from general-base (paper recipe) a domain draft's held-out agreement still rose at 4
     domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=8, lr=1.5e-3, warmup_steps=10, validate_every=50))
     rollouts: RolloutConfig = field(default_factory=RolloutConfig)
-    # continuations per domain the domain drafts learn from; the general draft sees only the first
-    # rollouts.sequences_per_source of them (as the paper's domain drafts see domain data the general did not)
+    # continuations per domain the domain drafts learn from; the shared recipe's general draft sees only
+    # the first rollouts.sequences_per_source of them (the paper recipe's general draft sees none)
     domain_rollouts_per_source: int = 1024
     # "paper": general = general-base, each domain draft general-base distilled on its domain;
     # "shared": general distilled on every source, each domain draft from it (module docstring)

@@ -29,7 +29,8 @@ def _build_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     for name, minutes in (("target", 30.0), ("general", 32.0), ("onpolicy", 10.0), ("domain", 8.0)):
-        p.add_argument(f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model")
+        only = " (--draft-recipe shared only)" if name == "onpolicy" else ""
+        p.add_argument(f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model{only}")
         p.add_argument(f"--{name}-steps", type=int, default=100_000, help=f"step budget per {name} model")
     p.add_argument("--target-init", default=None, metavar="DIR",
                    help="continue training this target (a Hugging Face dir with model.safetensors, e.g. an earlier"

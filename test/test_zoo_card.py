@@ -62,6 +62,10 @@ def test_rollout_data_lines_count_the_domain_drafts_extra_continuations():
     card = render({**m, "domain_rollouts": extra}, None)
     assert "3072 more prompts per domain\n(code, math, law, medical)" in card and "(40 minutes)" in card
     assert "distilled on 4096 continuations of its domain, where the general\ndraft saw 1024 of each" in card
+    # the paper recipe's general draft is general-base unchanged: it saw none of the continuations
+    paper = {**m, "domain_rollouts": extra, "phases": {"general": {
+        "steps": 20, "seconds": 3, "config": {}, "final_loss": None, "objective": "-", "copy_of": "general-base"}}}
+    assert "where the general\ndraft saw none (paper recipe" in render(paper, None)
 
 
 def test_cached_measurements_are_reused_only_for_the_same_weight_files(tmp_path, monkeypatch):

@@ -140,7 +140,7 @@ def build_phases(work_dir: Path) -> dict[str, dict]:
         else:
             objective = "from scratch: KL(target || draft) on the corpus mixture"
         out[name] = {"steps": meta.get("step"), "seconds": meta.get("elapsed_s", 0), "config": meta.get("config", {}),
-                     "final_loss": meta.get("final_loss"), "objective": objective}
+                     "final_loss": meta.get("final_loss"), "objective": objective, "copy_of": meta.get("copy_of")}
     return out
 
 
@@ -295,7 +295,9 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
                 f"The domain drafts also learn from `data/domain_rollouts.safetensors`: {more} more prompts per domain",
                 f"({', '.join(e['sources'])}), other windows of the same training streams, labelled alike ({e['seconds'] / 60:.0f} minutes).",
                 f"So each domain draft is distilled on {c['sequences_per_source'] + more} continuations of its domain, where the general",
-                f"draft saw {c['sequences_per_source']} of each (as the paper's domain drafts see domain data the general draft did not).",
+                # the paper recipe's general draft is general-base unchanged: it saw no continuations at all
+                ("draft saw none (paper recipe: it is `general-base`)." if m.get("phases", {}).get("general", {}).get("copy_of")
+                 else f"draft saw {c['sequences_per_source']} of each (as the paper's domain drafts see domain data the general draft did not)."),
             ]
     L += [
         "",

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _build_parser(sub) -> None:
-    from .build import STAGES
+    from .build import DRAFT_RECIPES, STAGES
 
     p = sub.add_parser("build", help="build corpora, tokenizer, workloads and train the zoo (resumable)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list out of {','.join(STAGES)}")
@@ -39,9 +39,9 @@ def _build_parser(sub) -> None:
     p.add_argument("--rollouts-per-source", type=int, default=1024,
                    help="target continuations of training prompts per domain (and mixed) for on-policy distillation")
     p.add_argument("--domain-rollouts-per-source", type=int, default=1024,
-                   help="continuations per domain that domain drafts learn from: the general draft's share plus"
+                   help="continuations per domain that domain drafts learn from: the shared rollouts plus"
                         " more of the same domain (must be >= --rollouts-per-source)")
-    p.add_argument("--draft-recipe", choices=("paper", "shared"), default="paper",
+    p.add_argument("--draft-recipe", choices=DRAFT_RECIPES, default="paper",
                    help="paper: general = the draft distilled on the corpus mix, each domain draft that draft"
                         " distilled on-policy on its domain's target continuations; shared: general distilled"
                         " on-policy on every source's, each domain draft from it (see the model card)")

@@ -365,6 +365,11 @@ def test_draft_recipe_decides_what_each_draft_learns_and_from_which_start(tmp_pa
         assert meta["general"]["sources"] == ["code", "general", "law", "math", "medical", "mixed"]
         assert all(meta[d]["start"] == "general" for d in ("code", "math", "law", "medical"))
     assert all(meta[d]["sources"] == [d] and meta[d]["step"] == 3 for d in ("code", "math", "law", "medical"))
+    from safetensors.torch import load_file
+
+    # continuations are made only for the sources some draft learns from (the paper's general draft: none)
+    made = {k.split(".")[0] for k in load_file(str(build.rollouts_path))}
+    assert made == ({"code", "math", "law", "medical"} if recipe == "paper" else {*DOMAINS, "mixed"})
     assert "of code prompts (on-policy)" in phases["code"]["objective"]
     with pytest.raises(ValueError, match=r"draft recipe 'own-domain' is not one of paper, shared"):
         ZooBuild(replace(cfg, draft_recipe="own-domain"))

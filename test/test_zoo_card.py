@@ -41,12 +41,14 @@ def test_goal_lines_follow_the_measurements():
 def test_build_runs_are_listed_with_their_objective(tmp_path):
     for name, meta in {"target": {"step": 10}, "general-base": {"step": 20},
                        "general": {"step": 30, "start": "general-base"}, "code": {"step": 5, "start": "general"}}.items():
+        config = {"max_minutes": 1, "batch_size": 16, "seq_len": 256, "lr": 1e-3, "compile": name == "target"}
         (tmp_path / "hf" / name).mkdir(parents=True)
         (tmp_path / "hf" / name / "train_meta.json").write_text(json.dumps({**meta, "elapsed_s": 60.0, "final_loss": 0.5,
-                                                                          "config": {"max_minutes": 1, "batch_size": 16, "seq_len": 256, "lr": 1e-3}}))
+                                                                          "config": config}))
     phases = build_phases(tmp_path)
     assert list(phases) == ["target", "general-base", "general", "code"]
     card = render(_measurements(phases), None)
+    assert "| target | 1 | 10 | 6.00 | 16 x 256 | 0.001 | 0.500 | next-token CE on the corpus mixture, torch.compile'd step |" in card
     assert "| general-base | 1 | 20 | 3.00 | 16 x 256 | 0.001 | 0.500 | from scratch: KL(target || draft) on the corpus mixture |" in card
     assert "| code | 1 | 5 | 12.00 | 16 x 256 | 0.001 | 0.500 | from `general`: KL(target || draft) over the target's top-k on its own continuations (on-policy) |" in card
 

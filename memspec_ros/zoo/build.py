@@ -55,7 +55,7 @@ class BuildConfig:
     seed: int = 0
     target_arch: ArchConfig = field(default_factory=lambda: TARGET_ARCH)
     draft_arch: ArchConfig = field(default_factory=lambda: DRAFT_ARCH)
-    target_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=30, lr=2e-3, warmup_steps=30))
+    target_train: TrainConfig = field(default_factory=lambda: TrainConfig(max_minutes=30, lr=2e-3, warmup_steps=30, compile=True))
     # a target (Hugging Face dir, safetensors) to continue training instead of starting from random weights:
     # the target is what limits the zoo, and on a CPU its training spans several builds
     target_init: Path | None = None
@@ -236,13 +236,19 @@ class ZooBuild:
     def rollouts_path(self) -> Path:
         return self.w / "data" / "rollouts.safetensors"
 
+    def rollout_sources(self) -> list[str]:
+        """The sources whose continuations some draft learns from: only the domains under the
+        paper recipe (its general draft sees none), every source and mixed under shared."""
+        return list(DOMAINS[1:]) if self.cfg.draft_recipe == "paper" else [*DOMAINS, "mixed"]
+
     def rollouts(self) -> None:
-        """The target's greedy continuations of training prompts, per domain and mixed."""
+        """The target's greedy continuations of training prompts, for ``rollout_sources()``."""
         if self.rollouts_path.exists():
             return _log("rollouts: cached")
         streams = load_file(str(self.w / "data" / "train.safetensors"))
         rc = replace(self.cfg.rollouts, seed=self.cfg.seed)
-        make_rollouts(self._load("target").to(self.cfg.device), {k: v.to(self.cfg.device) for k, v in streams.items()}, rc, self.rollouts_path, log=_log)
+        make_rollouts(self._load("target").to(self.cfg.device),
+                      {k: streams[k].to(self.cfg.device) for k in self.rollout_sources()}, rc, self.rollouts_path, log=_log)
 
     @property
     def domain_rollouts_path(self) -> Path:

@@ -139,6 +139,8 @@ def build_phases(work_dir: Path) -> dict[str, dict]:
                          f"{which} (on-policy)")
         else:
             objective = "from scratch: KL(target || draft) on the corpus mixture"
+        if meta.get("config", {}).get("compile"):
+            objective += ", torch.compile'd step"
         out[name] = {"steps": meta.get("step"), "seconds": meta.get("elapsed_s", 0), "config": meta.get("config", {}),
                      "final_loss": meta.get("final_loss"), "objective": objective, "copy_of": meta.get("copy_of")}
     return out

@@ -36,6 +36,9 @@ def _build_parser(sub) -> None:
                    help="continue training this target (a Hugging Face dir with model.safetensors, e.g. an earlier"
                         " build's <work dir>/hf/target) for --target-minutes instead of starting from random weights")
     p.add_argument("--target-lr", type=float, default=2e-3, help="peak learning rate of the target's run")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile the target's training step (about 1.2x faster on a 2-core CPU after a minute"
+                        " of compiling; training falls back to eager where it cannot compile)")
     p.add_argument("--rollouts-per-source", type=int, default=1024,
                    help="target continuations of training prompts per domain (and mixed) for on-policy distillation")
     p.add_argument("--domain-rollouts-per-source", type=int, default=1024,
@@ -70,6 +73,7 @@ def _run_build(a) -> int:
     cfg = BuildConfig(work_dir=Path(a.work_dir), out_dir=Path(a.out), device=a.device, threads=a.threads, seed=a.seed)
     common = dict(batch_size=a.batch_size, seq_len=a.seq_len)
     cfg.target_train = replace(cfg.target_train, max_minutes=a.target_minutes, max_steps=a.target_steps, lr=a.target_lr,
+                               compile=a.compile,
                                **common)
     cfg.target_init = Path(a.target_init) if a.target_init else None
     cfg.general_train = replace(cfg.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps, **common)

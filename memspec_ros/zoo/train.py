@@ -81,6 +81,9 @@ class TrainConfig:
     # the cosine schedule needs a horizon; with a minutes budget it is estimated
     # from the measured step time after ``warmup_steps``
     device: str = "cpu"
+    # torch.compile the training forward: 2.31 -> 1.95 s per target step on the 2-core CPU
+    # (measured), after ~1 minute of compiling; falls back to eager where it cannot compile
+    compile: bool = False
 
 
 class TokenStreams:
@@ -218,28 +221,41 @@ def train(
     bar = tqdm(total=total, initial=step, desc=desc, mininterval=5, dynamic_ncols=True)
     t0 = time.time() - elapsed
     ema = None
+
+    def loss_of(fwd, batch) -> torch.Tensor:
+        if isinstance(batch, tuple):
+            # rollouts (see rollouts.py): the target's distribution on its own continuations
+            x, y, top_ids, top_logp = (t.to(dev) for t in batch)
+            return topk_kl(fwd(input_ids=x[:, :-1]).logits, y, top_ids, top_logp)
+        if teacher is None:
+            x = batch.to(dev)
+            return fwd(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+        inp = batch[:, :-1].to(dev)
+        with torch.no_grad():
+            t_logits = teacher(input_ids=inp).logits.float() / cfg.temperature
+        s_logits = fwd(input_ids=inp).logits.float() / cfg.temperature
+        return F.kl_div(
+            F.log_softmax(s_logits, -1).flatten(0, 1),
+            F.log_softmax(t_logits, -1).flatten(0, 1),
+            log_target=True,
+            reduction="batchmean",
+        ) * (cfg.temperature**2)
+
+    # the compiled module shares the model's parameters: checkpoints and validation use ``model``
+    fwd = torch.compile(model) if cfg.compile else model
     while step < total and (time.time() - t0) < budget_s:
         batch = data.batch(cfg.batch_size, cfg.seq_len + 1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
-        if isinstance(batch, tuple):
-            # rollouts (see rollouts.py): the target's distribution on its own continuations
-            x, y, top_ids, top_logp = (t.to(dev) for t in batch)
-            loss = topk_kl(model(input_ids=x[:, :-1]).logits, y, top_ids, top_logp)
-        elif teacher is None:
-            x = batch.to(dev)
-            loss = model(input_ids=x[:, :-1], labels=x[:, :-1]).loss
-        else:
-            inp = batch[:, :-1].to(dev)
-            with torch.no_grad():
-                t_logits = teacher(input_ids=inp).logits.float() / cfg.temperature
-            s_logits = model(input_ids=inp).logits.float() / cfg.temperature
-            loss = F.kl_div(
-                F.log_softmax(s_logits, -1).flatten(0, 1),
-                F.log_softmax(t_logits, -1).flatten(0, 1),
-                log_target=True,
-                reduction="batchmean",
-            ) * (cfg.temperature**2)
+        try:
+            loss = loss_of(fwd, batch)
+        except Exception as e:
+            if fwd is model:
+                raise
+            # inductor needs a working C++ compiler; the eager step computes the same loss
+            log(f"{desc}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); training eagerly")
+            fwd = model
+            loss = loss_of(fwd, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

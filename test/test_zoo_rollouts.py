@@ -253,7 +253,9 @@ def test_domain_rollouts_stage_adds_other_windows_that_only_the_domain_drafts_se
     save_file(streams, str(work / "data" / "train.safetensors"))
     target.save_pretrained(str(work / "hf" / "target"), safe_serialization=True)
     shared = RolloutConfig(sequences_per_source=6, min_prompt_tokens=4, max_prompt_tokens=6, new_tokens=5, batch_size=3, top_k=4)
-    cfg = BuildConfig(work_dir=work, out_dir=tmp_path / "models", threads=1, rollouts=shared, domain_rollouts_per_source=16)
+    # the shared recipe: its general draft learns the shared rollouts of every source, general's among them
+    cfg = BuildConfig(work_dir=work, out_dir=tmp_path / "models", threads=1, rollouts=shared, domain_rollouts_per_source=16,
+                      draft_recipe="shared")
     threads = torch.get_num_threads()
     build = ZooBuild(cfg)  # sets torch's threads process-wide: restored below
     try:

@@ -1,6 +1,6 @@
 """``memspec-zoo``: build the bundled zoo, measure it, write its card.
 
-    memspec-zoo build [--stages corpora,tokenizer,...] [--target-minutes 30] [--device cuda]
+    memspec-zoo build [--stages corpora,tokenizer,...] [--target-minutes 60] [--device cuda]
     memspec-zoo acceptance --json OUT [--prompts-per-workload 100]
     memspec-zoo card            # latencies, perplexities, acceptance -> models/MODEL_CARD.md
 """
@@ -19,7 +19,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _build_parser(sub) -> None:
-    from .build import DRAFT_RECIPES, STAGES
+    from .build import DRAFT_RECIPES, STAGES, BuildConfig
+
+    defaults = BuildConfig()
 
     p = sub.add_parser("build", help="build corpora, tokenizer, workloads and train the zoo (resumable)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list out of {','.join(STAGES)}")
@@ -28,7 +30,8 @@ def _build_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (a larger/longer zoo on a GPU)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    for name, minutes in (("target", 30.0), ("general", 32.0), ("onpolicy", 10.0), ("domain", 8.0)):
+    for name, minutes in (("target", defaults.target_train.max_minutes), ("general", defaults.general_train.max_minutes),
+                          ("onpolicy", defaults.onpolicy_train.max_minutes), ("domain", defaults.domain_train.max_minutes)):
         only = " (--draft-recipe shared only)" if name == "onpolicy" else ""
         p.add_argument(f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model{only}")
         p.add_argument(f"--{name}-steps", type=int, default=100_000, help=f"step budget per {name} model")

@@ -43,7 +43,8 @@ def _build_parser(sub) -> None:
                    help="torch.compile the target's training step (about 1.2x faster on a 2-core CPU after a minute"
                         " of compiling; training falls back to eager where it cannot compile)")
     p.add_argument("--rollouts-per-source", type=int, default=1024,
-                   help="target continuations of training prompts per domain (and mixed) for on-policy distillation")
+                   help="target continuations of training prompts per source a draft learns from, for on-policy"
+                        " distillation: the four domains (--draft-recipe shared: also general and mixed)")
     p.add_argument("--domain-rollouts-per-source", type=int, default=1024,
                    help="continuations per domain that domain drafts learn from: the shared rollouts plus"
                         " more of the same domain (must be >= --rollouts-per-source)")

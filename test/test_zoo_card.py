@@ -93,3 +93,32 @@ def test_cached_measurements_are_reused_only_for_the_same_weight_files(tmp_path,
     os.utime(models / "registry.yaml", ns=(1, 1))
     card.write_card(models, work, None)
     assert len(calls) == 2 and (models / "MODEL_CARD.md").read_text() == "measured 2"
+
+
+def test_forward_cost_ratio_is_printed_for_both_forward_paths():
+    """The card gives the target / draft cost through transformers and through the lean forward the
+    engine runs drafts with (same code for both), each from the measured medians."""
+    m = _measurements({})
+    m["models"]["target"].update(latency_ms_1tok=9.0, latency_ms_5tok=12.0, latency_ms_1tok_lean=7.5, latency_ms_5tok_lean=9.0)
+    m["models"]["general"].update(latency_ms_1tok=1.2, latency_ms_1tok_lean=0.75)
+    card = render(m, None)
+    assert "forward cost ratio: **7.5x** (1 token), 10.0x" in card
+    assert "target 7.50 ms, `general` 0.75 ms, **10.0x** (1 token), 12.0x (5 tokens vs one)." in card
+    assert "lean forward" not in render(_measurements({}), None)  # older measurements: no such line
+
+
+def test_lean_latency_is_measured_on_the_lean_path(monkeypatch):
+    from memspec_ros.bench.tiny_models import tiny_llama
+    from memspec_ros.runtime import draft_forward
+    from memspec_ros.zoo.card import forward_latency_ms
+
+    calls = []
+    real = draft_forward.LeanLlamaForward.__call__
+    monkeypatch.setattr(draft_forward.LeanLlamaForward, "__call__",
+                        lambda self, ids, cache, start, keep: calls.append((len(ids), start, keep)) or real(self, ids, cache, start, keep))
+    model = tiny_llama()
+    assert forward_latency_ms(model, n_prefix=8, repeats=3, new_tokens=5, lean=True) > 0
+    assert calls == [(8, 0, 1), (5, 8, 5)] * 5  # prefix, then the timed 5-token forward after it
+    calls.clear()
+    forward_latency_ms(model, n_prefix=8, repeats=3, new_tokens=1)
+    assert calls == []  # the transformers path does not touch it

@@ -52,7 +52,6 @@ SOURCES = {
 
 
 @torch.inference_mode()
-@torch.no_grad()
 def forward_latency_ms(model, n_prefix: int = 64, repeats: int = 60, new_tokens: int = 1, lean: bool = False) -> float:
     """Median ms of one batch-1 forward of ``new_tokens`` tokens on top of a KV cache of n_prefix.
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from memspec_ros.zoo.card import build_phases, render
 from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS
 
 
 def _measurements(phases: dict) -> dict:
-    model = {"params": 1e6, "shape": "8x1", "fp16_bytes": 2e6, "latency_ms_1tok": 1.0, "latency_ms_5tok": 1.5,
+    latency = {"1": 1.0, "5": 1.5, "lean1": 0.8, "lean5": 1.2}
+    model = {"params": 1e6, "shape": "8x1", "fp16_bytes": 2e6, "latency_ms": {"1": dict(latency), "2": dict(latency)},
              "perplexity": {d: 10.0 for d in DOMAINS}}
-    return {"threads": 2, "vocab_size": 2048, "models": {n: dict(model) for n in ("target", *DOMAINS)},
+    return {"threads": 2, "latency_threads": [1, 2], "vocab_size": 2048, "models": {n: dict(model) for n in ("target", *DOMAINS)},
             "data": {}, "phases": phases, "rollouts": None, "domain_rollouts": None}
 
 
@@ -95,16 +98,46 @@ def test_cached_measurements_are_reused_only_for_the_same_weight_files(tmp_path,
     assert len(calls) == 2 and (models / "MODEL_CARD.md").read_text() == "measured 2"
 
 
-def test_forward_cost_ratio_is_printed_for_both_forward_paths():
+def test_forward_cost_ratio_is_printed_per_thread_count_and_forward_path():
     """The card gives the target / draft cost through transformers and through the lean forward the
-    engine runs drafts with (same code for both), each from the measured medians."""
-    m = _measurements({})
-    m["models"]["target"].update(latency_ms_1tok=9.0, latency_ms_5tok=12.0, latency_ms_1tok_lean=7.5, latency_ms_5tok_lean=9.0)
-    m["models"]["general"].update(latency_ms_1tok=1.2, latency_ms_1tok_lean=0.75)
+    engine runs drafts with (same code for both), at each measured thread count, from the medians."""
+    import copy
+
+    m = copy.deepcopy(_measurements({}))
+    m["models"]["target"]["latency_ms"] = {"1": {"1": 9.0, "5": 12.0, "lean1": 7.5, "lean5": 9.0},
+                                           "2": {"1": 18.0, "5": 20.0, "lean1": 16.0, "lean5": 17.0}}
+    m["models"]["general"]["latency_ms"] = {"1": {"1": 1.2, "5": 1.3, "lean1": 0.75, "lean5": 0.8},
+                                            "2": {"1": 2.5, "5": 2.6, "lean1": 2.0, "lean5": 2.1}}
     card = render(m, None)
-    assert "forward cost ratio: **7.5x** (1 token), 10.0x" in card
-    assert "target 7.50 ms, `general` 0.75 ms, **10.0x** (1 token), 12.0x (5 tokens vs one)." in card
-    assert "lean forward" not in render(_measurements({}), None)  # older measurements: no such line
+    assert "| 1 | transformers | 9.00 | 12.00 | 1.20 | **7.5x** | 10.0x |" in card
+    assert "| 1 | lean | 7.50 | 9.00 | 0.75 | **10.0x** | 12.0x |" in card
+    assert "| 2 | transformers | 18.00 | 20.00 | 2.50 | **7.2x** | 8.0x |" in card
+    assert "| 2 | lean | 16.00 | 17.00 | 2.00 | **8.0x** | 8.5x |" in card
+    assert "| target | 8x1 | 1.00 M | 2.0 MB | 9.00 | 18.00 |" in card
+
+
+def test_latencies_are_measured_at_each_thread_count(monkeypatch, tmp_path):
+    """measure() sets torch's threads before each interleaved latency run and goes back to the
+    perplexity threads after, so the 1- and 2-thread columns are what they say."""
+    from memspec_ros.bench.tiny_models import tiny_llama
+    from memspec_ros.zoo import card
+
+    seen = []
+    monkeypatch.setattr(card, "load_zoo", lambda d: (list(range(64)), tiny_llama(), {"general": tiny_llama()}, None))
+    monkeypatch.setattr(card, "interleaved_latencies", lambda models: seen.append(torch.get_num_threads()) or {
+        n: {"1": float(seen[-1]), "5": 1.0, "lean1": 1.0, "lean5": 1.0} for n in models})
+    monkeypatch.setattr(card, "read_docs", lambda p: [])
+    monkeypatch.setattr(card, "encode_documents", lambda tok, docs: [])
+    monkeypatch.setattr(card, "perplexity", lambda *a, **k: seen.append(("ppl", torch.get_num_threads())) or 1.0)
+    monkeypatch.setattr(card, "dir_bytes", lambda p: 0)
+    before = torch.get_num_threads()
+    try:
+        m = card.measure(tmp_path, tmp_path, threads=2, latency_threads=(1, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert seen[:2] == [1, 2] and set(seen[2:]) == {("ppl", 2)}
+    assert m["latency_threads"] == [1, 2]
+    assert m["models"]["target"]["latency_ms"]["1"]["1"] == 1.0 and m["models"]["target"]["latency_ms"]["2"]["1"] == 2.0
 
 
 def test_lean_latency_is_measured_on_the_lean_path(monkeypatch):

@@ -135,7 +135,8 @@ def _card_parser(sub) -> None:
     p.add_argument("--models", default="models")
     p.add_argument("--work-dir", default="artifacts/zoo-build")
     p.add_argument("--acceptance-json", default=None)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the perplexities (default 2); latencies are"
+                                                          " measured at 1 and 2 threads")
     p.add_argument("--notes", default=None, help="markdown appended to the 'Build as run' section")
 
 

@@ -1,6 +1,6 @@
 """``memspec-zoo``: build the bundled zoo, measure it, write its card.
 
-    memspec-zoo build [--stages corpora,tokenizer,...] [--target-minutes 60] [--device cuda]
+    memspec-zoo build [--stages corpora,tokenizer,...] [--target-minutes 72] [--device cuda]
     memspec-zoo acceptance --json OUT [--prompts-per-workload 100]
     memspec-zoo card            # latencies, perplexities, acceptance -> models/MODEL_CARD.md
 """

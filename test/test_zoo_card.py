@@ -11,10 +11,11 @@ from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS
 
 
 def _measurements(phases: dict) -> dict:
-    latency = {"1": 1.0, "5": 1.5, "lean1": 0.8, "lean5": 1.2}
-    model = {"params": 1e6, "shape": "8x1", "fp16_bytes": 2e6, "latency_ms": {"1": dict(latency), "2": dict(latency)},
-             "perplexity": {d: 10.0 for d in DOMAINS}}
-    return {"threads": 2, "latency_threads": [1, 2], "vocab_size": 2048, "models": {n: dict(model) for n in ("target", *DOMAINS)},
+    def model() -> dict:  # a fresh one per name, so a test can change one model's figures
+        latency = {"1": 1.0, "5": 1.5, "lean1": 0.8, "lean5": 1.2}
+        return {"params": 1e6, "shape": "8x1", "fp16_bytes": 2e6, "latency_ms": {"1": dict(latency), "2": dict(latency)},
+                "perplexity": {d: 10.0 for d in DOMAINS}}
+    return {"threads": 2, "latency_threads": [1, 2], "vocab_size": 2048, "models": {n: model() for n in ("target", *DOMAINS)},
             "data": {}, "phases": phases, "rollouts": None, "domain_rollouts": None}
 
 
@@ -101,9 +102,7 @@ def test_cached_measurements_are_reused_only_for_the_same_weight_files(tmp_path,
 def test_forward_cost_ratio_is_printed_per_thread_count_and_forward_path():
     """The card gives the target / draft cost through transformers and through the lean forward the
     engine runs drafts with (same code for both), at each measured thread count, from the medians."""
-    import copy
-
-    m = copy.deepcopy(_measurements({}))
+    m = _measurements({})
     m["models"]["target"]["latency_ms"] = {"1": {"1": 9.0, "5": 12.0, "lean1": 7.5, "lean5": 9.0},
                                            "2": {"1": 18.0, "5": 20.0, "lean1": 16.0, "lean5": 17.0}}
     m["models"]["general"]["latency_ms"] = {"1": {"1": 1.2, "5": 1.3, "lean1": 0.75, "lean5": 0.8},

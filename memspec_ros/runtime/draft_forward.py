@@ -30,9 +30,13 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
+from .draft_vocab import DraftVocab, ReducedVocabDraft
+
 
 def unsupported_reason(model: torch.nn.Module) -> str:
     """Why ``model`` cannot take the lean path ('' when it can)."""
+    if isinstance(model, ReducedVocabDraft):
+        model = model.inner
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", "") != "llama":
         return f"architecture {getattr(config, 'model_type', type(model).__name__)!r} is not 'llama'"
@@ -88,6 +92,9 @@ class LeanLlamaForward:
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"the lean draft forward does not support this model: {reason}")
+        # a reduced-vocabulary draft: map target ids in and scatter its logits back out
+        self.vocab: DraftVocab | None = model.vocab if isinstance(model, ReducedVocabDraft) else None
+        model = model.inner if isinstance(model, ReducedVocabDraft) else model
         config = model.config
         inner = model.model
         self.heads = config.num_attention_heads
@@ -108,7 +115,8 @@ class LeanLlamaForward:
 
     def __call__(self, ids: Sequence[int], cache: Cache, start: int, keep: int) -> torch.Tensor:
         n, end = len(ids), start + len(ids)
-        x = F.embedding(torch.tensor([list(ids)], device=self.embed.device), self.embed)
+        tokens = torch.tensor([list(ids)], device=self.embed.device)
+        x = F.embedding(tokens if self.vocab is None else self.vocab.inputs(tokens), self.embed)
         positions = torch.arange(start, end, device=x.device)[None]
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None], sin[:, None]
@@ -128,7 +136,8 @@ class LeanLlamaForward:
             h = _rms_norm(x, layer.mlp_norm, self.eps)
             x = x + _linear(layer.down, self.act(_linear(layer.gate, h)) * _linear(layer.up, h))
         x = _rms_norm(x[:, -keep:], self.norm, self.eps)
-        return _linear(self.lm_head, x)[0].float()
+        logits = _linear(self.lm_head, x)[0].float()
+        return logits if self.vocab is None else self.vocab.logits(logits)
 
 
 _LEAN: weakref.WeakKeyDictionary[torch.nn.Module, LeanLlamaForward | None] = weakref.WeakKeyDictionary()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     """Load one causal LM from a local directory into eval mode, gradients off."""
     from transformers import AutoModelForCausalLM
 
+    from .draft_vocab import wrap_if_reduced
+    from .model_source import is_model_source, resolve_model_path
+
+    if is_model_source(spec.path):  # a GGUF file or pkg:... resource: its cached safetensors directory
+        spec = replace(spec, path=str(resolve_model_path(spec.path)))
     config = read_config(spec.path)
     _check_architecture(config, spec.path, spec.trust_remote_code)
     _check_quantization(config, spec)
@@ -198,11 +203,12 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
+    model, vocab_size = wrap_if_reduced(model, spec.path)  # a reduced-vocabulary draft speaks target ids
     return LoadedModel(
         model=model,
         spec=spec,
         size_bytes=parameter_bytes(model),
-        vocab_size=int(model.config.vocab_size),
+        vocab_size=vocab_size,
         max_positions=int(getattr(model.config, "max_position_embeddings", 0) or 0),
     )
 
@@ -211,7 +217,9 @@ def load_tokenizer(path: str | Path):
     """The tokenizer stored beside a model (no network, no remote code)."""
     from transformers import AutoTokenizer
 
-    root = Path(path)
+    from .model_source import is_model_source, resolve_model_path
+
+    root = resolve_model_path(path) if is_model_source(str(path)) else Path(path)
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ModelDirectoryError(f"no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {root}: copy the target's tokenizer there")
     try:

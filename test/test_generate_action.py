@@ -24,7 +24,7 @@ from rclpy.qos import QoSDurabilityPolicy, QoSProfile
 from unique_identifier_msgs.msg import UUID
 
 from memspec_interfaces.action import Generate
-from memspec_interfaces.msg import CacheState, DraftState, GenerationStats
+from memspec_interfaces.msg import CacheState, ChatMessage, DraftState, GenerationStats
 
 ACTION = "generate"
 FEEDBACK_TOPIC = f"/{ACTION}/_action/feedback"  # where rcl_action publishes a goal's feedback
@@ -115,6 +115,8 @@ def test_goal_defaults_are_the_documented_node_default_sentinels():
     assert goal.top_p <= 0.0
     assert goal.seed == -1
     assert list(goal.stop) == []
+    assert list(goal.messages) == [] and goal.raw is False  # prompt only; chat template when the model has one
+    assert (ChatMessage.ROLE_SYSTEM, ChatMessage.ROLE_USER, ChatMessage.ROLE_ASSISTANT) == ("system", "user", "assistant")
     constants = {
         Generate.Result.FINISH_STOP: "stop",
         Generate.Result.FINISH_LENGTH: "length",
@@ -129,7 +131,9 @@ def test_goal_feedback_result_round_trip_over_dds(pair, executor):
     feedback: list[Generate.Feedback] = []
     server, client = pair(client_received=lambda: len(feedback))
     prompt = "draft and verify four tokens"
-    goal = Generate.Goal(prompt=prompt, max_new_tokens=16, stop=["\n\n", "###"], temperature=0.0, top_p=0.9, seed=7)
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")]
+    goal = Generate.Goal(prompt=prompt, max_new_tokens=16, stop=["\n\n", "###"], temperature=0.0, top_p=0.9, seed=7,
+                         messages=messages, raw=True)
 
     handle = spin_until_complete(
         executor, client.send_goal_async(goal, feedback_callback=lambda msg: feedback.append(msg.feedback)),
@@ -158,6 +162,8 @@ def test_goal_feedback_result_round_trip_over_dds(pair, executor):
     assert received.prompt == prompt
     assert (received.max_new_tokens, received.seed) == (16, 7)
     assert list(received.stop) == ["\n\n", "###"]
+    assert [(m.role, m.content) for m in received.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert received.raw is True
     assert received.temperature == 0.0
     assert received.top_p == pytest.approx(0.9)
 

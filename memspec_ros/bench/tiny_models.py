@@ -57,8 +57,25 @@ def noisy_copy(model, noise: float, seed: int = 0):
     return clone
 
 
-def tiny_tokenizer(vocab_size: int = 300):
-    """A byte-level BPE tokenizer trained on a few sentences (fast, deterministic)."""
+# A ChatML-like template (the shape of SmolLM2-Instruct's): role markers, the end-of-turn special token
+# <|im_end|>, and a default system turn when the conversation has none.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a tiny test model.<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def tiny_tokenizer(vocab_size: int = 300, chat: bool = False):
+    """A byte-level BPE tokenizer trained on a few sentences (fast, deterministic).
+
+    ``chat``: also the special tokens <|im_start|> and <|im_end|> (ids 3 and 4) and CHAT_TEMPLATE as
+    its chat template, like an instruct model's tokenizer (the eos token stays </s>: set it as needed)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,12 +84,16 @@ def tiny_tokenizer(vocab_size: int = 300):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],
+        special_tokens=["<pad>", "<s>", "</s>", *(CHAT_TOKENS if chat else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(TINY_TEXT * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    if chat:
+        fast.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})  # already in the vocabulary
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def save_model_dir(model, tokenizer, path: str | Path) -> Path:

@@ -5,8 +5,11 @@
     <dir>/drafts/<name>/           one-layer cuts of the target plus noise (they agree on some tokens)
     <dir>/predictor/               an untrained target-hidden ranking head (a real PredictionEngine)
 
-The tokenizer has no end-of-sequence token, so greedy generations run to max_new_tokens (tests
-that cancel or deactivate mid-goal need goals that last).
+The tokenizer has no end-of-sequence token and the target's generation_config no eos_token_id, so
+greedy generations run to max_new_tokens (tests that cancel or deactivate mid-goal need goals that
+last). ``chat=True``: the tokenizer is an instruct model's (a ChatML-like chat template, special tokens
+<|im_start|> and <|im_end|>) and the target's generation_config lists <|im_end|> as its eos_token_id,
+as instruct models do; the random target rarely emits it.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ DRAFTS = (("general", 0.05), ("code", 0.02), ("math", 0.01))
 
 
 def build_tiny_zoo(root: str | Path, hidden: int = 256, layers: int = 6, max_positions: int = 4096,
-                   drafts=DRAFTS, predictor: bool = True, draft_layers: int = 1) -> Path:
+                   drafts=DRAFTS, predictor: bool = True, draft_layers: int = 1, chat: bool = False) -> Path:
     from ..runtime.predictor import HeadConfig, RankingHead
 
     root = Path(root)
-    tok = tiny_tokenizer()
+    tok = tiny_tokenizer(chat=chat)
     tok.eos_token = None  # no EOS: goals run to max_new_tokens
     target = tiny_llama(vocab_size=len(tok), hidden=hidden, layers=layers, seed=0, init_range=0.1,
                         max_positions=max_positions)
+    end = [tok.convert_tokens_to_ids("<|im_end|>")] if chat else None  # the node stops at these ids too
+    target.config.eos_token_id = target.generation_config.eos_token_id = end
     save_model_dir(target, tok, root / "target")
     lines = ["target:", "  path: target", "drafts:"]
     for i, (name, noise) in enumerate(drafts):

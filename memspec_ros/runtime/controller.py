@@ -368,13 +368,15 @@ def load_runtime(
     quantization: str = "none",
 ) -> RuntimeController:
     """Everything from files: target + tokenizer, the registry (validated against the target's
-    tokenizer), the predictor (when ``predictor_path`` holds one), and the controller.
+    tokenizer), the predictor (when ``predictor_path`` holds one), and the controller (generation ends
+    at the tokenizer's eos token and at the target's generation_config eos_token_id ids).
 
     ``predictor_path`` is a trained head directory (models/predictor/target-hidden or
     models/predictor/minilm). A policy that needs a predictor without one raises PolicyError.
     """
     from pathlib import Path
 
+    from .chat import end_token_ids
     from .models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
     from .predictor import PredictionEngine
 
@@ -389,4 +391,4 @@ def load_runtime(
     if predictor_path and (Path(predictor_path) / "predictor.json").is_file():
         predictor = PredictionEngine.load(predictor_path, target=loaded.model, tokenizer=tokenizer)
     return RuntimeController(config, loaded.model, tokenizer, registry, predictor, max_positions=loaded.max_positions,
-                             draft_dtype=dtype, device=device)
+                             draft_dtype=dtype, device=device, eos_token_ids=end_token_ids(tokenizer, loaded.model))

@@ -1,0 +1,118 @@
+"""Prompt construction for a Generate goal, in one place: prompt text or chat messages -> token ids.
+
+    ids = prompt_ids(tokenizer, prompt, messages, raw=False, system_prompt="")
+
+* ``raw``: ``prompt`` is tokenized as is (plain continuation); ``messages`` must be empty.
+* The tokenizer has a chat template (an instruct model): the conversation is ``messages``, or one
+  user turn holding ``prompt``; a system turn with ``system_prompt`` goes first when that is not
+  empty and the conversation has no system message of its own (empty: the template's own default,
+  if it has one). It is rendered with ``apply_chat_template(add_generation_prompt=True)``, so the
+  model answers as the assistant.
+* No chat template: ``prompt`` is tokenized as is, and a goal with ``messages`` is refused.
+
+Templates come from model files and are rendered only through transformers' ``apply_chat_template``,
+which runs Jinja in an ImmutableSandboxedEnvironment: a template that reaches for Python internals
+raises (jinja2's SecurityError), which becomes a :class:`ChatTemplateError` with the reason.
+
+:func:`end_token_ids` gives the ids that end a generation (the tokenizer's eos token and the
+model's ``generation_config.eos_token_id``, where instruct models list their end-of-turn token).
+
+No ROS here: the node calls :func:`check_request` in its goal callback (cheap, no tokenizer work)
+and then :func:`prompt_ids`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
+ROLES = (SYSTEM, USER, ASSISTANT)
+
+
+class ChatError(ValueError):
+    """The goal's prompt / messages / raw cannot make a prompt; the message says why and what to send."""
+
+
+class ChatTemplateError(ChatError):
+    """The model's chat template failed to render (template error, or sandbox refusal)."""
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def check_request(prompt: str, messages: Sequence[tuple[str, str]], raw: bool, templated: bool) -> str:
+    """'' when the request is well formed, else the reason (roles, emptiness, raw with messages,
+    messages without a chat template). No tokenizer work: cheap enough for a goal callback."""
+    if raw:
+        if messages:
+            return ("raw is set but messages are given: a raw goal continues `prompt` as plain text;"
+                    " send raw with a prompt only, or messages without raw")
+        return "" if prompt else "the prompt is empty (raw goals continue `prompt`): set prompt"
+    if not messages:
+        return "" if prompt else "the prompt is empty and there are no messages: set prompt or messages"
+    if prompt:
+        return ("both prompt and messages are set: send the conversation in messages (the last one a user turn),"
+                " or a single user turn in prompt")
+    if not templated:
+        return ("the model has no chat template (its tokenizer defines none), so messages cannot be rendered:"
+                " send the text in prompt instead (plain continuation)")
+    for i, (role, content) in enumerate(messages):
+        if role not in ROLES:
+            return f"messages[{i}] has unknown role {role!r}: use one of {', '.join(ROLES)}"
+        if not content:
+            return f"messages[{i}] ({role}) has empty content"
+    last = messages[-1][0]
+    if last != USER:
+        return (f"the last message is from the {last}, not the user: end the conversation with the user turn"
+                " the model should answer")
+    return ""
+
+
+def conversation(prompt: str, messages: Sequence[tuple[str, str]], system_prompt: str = "") -> list[dict[str, str]]:
+    """The turns given to the template: ``messages`` (or one user turn with ``prompt``), after a
+    system turn with ``system_prompt`` when that is set and no message is a system message."""
+    turns = [{"role": role, "content": content} for role, content in messages] or [{"role": USER, "content": prompt}]
+    if system_prompt and not any(t["role"] == SYSTEM for t in turns):
+        turns.insert(0, {"role": SYSTEM, "content": system_prompt})
+    return turns
+
+
+def prompt_ids(tokenizer, prompt: str, messages: Sequence[tuple[str, str]] = (), raw: bool = False,
+               system_prompt: str = "") -> list[int]:
+    """The token ids to generate from (see the module docstring). Raises ChatError (ChatTemplateError
+    when the template itself fails) with the reason."""
+    messages = [(str(role), str(content)) for role, content in messages]
+    templated = has_chat_template(tokenizer)
+    reason = check_request(prompt, messages, raw, templated)
+    if reason:
+        raise ChatError(reason)
+    if raw or not templated:
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    turns = conversation(prompt, messages, system_prompt)
+    try:
+        encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
+    except Exception as exc:  # jinja2 SecurityError / TemplateError / raise_exception() in the template
+        raise ChatTemplateError(f"the model's chat template failed: {type(exc).__name__}: {exc}") from exc
+    ids = [int(t) for t in encoded["input_ids"]]
+    if not ids:
+        raise ChatTemplateError("the model's chat template rendered the conversation as no tokens at all")
+    return ids
+
+
+def end_token_ids(tokenizer, model=None) -> list[int]:
+    """Ids that end a generation: the tokenizer's eos token, then every id of the model's
+    ``generation_config.eos_token_id`` (an int or a list; instruct models put their end-of-turn
+    token there), without repeats."""
+    ids: list[int] = []
+    _extend(ids, [getattr(tokenizer, "eos_token_id", None)] if tokenizer is not None else [])
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    _extend(ids, eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids
+
+
+def _extend(ids: list[int], values: Iterable) -> None:
+    for value in values:
+        if value is not None and int(value) >= 0 and int(value) not in ids:
+            ids.append(int(value))

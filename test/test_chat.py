@@ -1,0 +1,161 @@
+"""Prompt construction for Generate goals (memspec_ros/runtime/chat.py): chat template or plain text,
+the validation reasons, the sandboxed template rendering, and the ids that end a generation."""
+
+from __future__ import annotations
+
+import types
+
+import jinja2.exceptions
+import pytest
+
+from memspec_ros.bench.tiny_models import CHAT_TEMPLATE, tiny_tokenizer
+from memspec_ros.runtime.chat import (
+    ChatError,
+    ChatTemplateError,
+    check_request,
+    end_token_ids,
+    has_chat_template,
+    prompt_ids,
+)
+
+DEFAULT_SYSTEM = "You are a tiny test model."  # CHAT_TEMPLATE's own system turn
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    return tiny_tokenizer(chat=True)
+
+
+@pytest.fixture(scope="module")
+def plain_tok():
+    return tiny_tokenizer()
+
+
+def templated(tok, turns: list[dict[str, str]]) -> list[int]:
+    return list(tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+
+def text(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+def test_the_test_tokenizers(chat_tok, plain_tok):
+    assert has_chat_template(chat_tok) and chat_tok.chat_template == CHAT_TEMPLATE
+    assert not has_chat_template(plain_tok)
+    assert chat_tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [3, 4]
+
+
+def test_a_prompt_only_goal_is_one_user_turn(chat_tok):
+    ids = prompt_ids(chat_tok, "What is 2 + 2?")
+    assert ids == templated(chat_tok, [{"role": "user", "content": "What is 2 + 2?"}])
+    rendered = text(chat_tok, ids)
+    assert rendered.endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    assert DEFAULT_SYSTEM in rendered  # empty system_prompt: the template's own default system turn
+    assert ids != chat_tok("What is 2 + 2?", add_special_tokens=True)["input_ids"]
+
+
+def test_the_system_prompt_goes_first(chat_tok):
+    ids = prompt_ids(chat_tok, "Hi", system_prompt="Answer in one word.")
+    assert ids == templated(chat_tok, [{"role": "system", "content": "Answer in one word."},
+                                       {"role": "user", "content": "Hi"}])
+    assert DEFAULT_SYSTEM not in text(chat_tok, ids)
+    messages = [("user", "Hi"), ("assistant", "Hello."), ("user", "And now?")]
+    ids = prompt_ids(chat_tok, "", messages, system_prompt="Be kind.")
+    assert ids == templated(chat_tok, [{"role": "system", "content": "Be kind."}]
+                            + [{"role": r, "content": c} for r, c in messages])
+
+
+def test_messages_with_their_own_system_turn(chat_tok):
+    messages = [("system", "You control a robot arm."), ("user", "Pick up the cup.")]
+    turns = [{"role": r, "content": c} for r, c in messages]
+    ids = prompt_ids(chat_tok, "", messages)
+    assert ids == templated(chat_tok, turns)
+    assert text(chat_tok, ids).startswith("<|im_start|>system\nYou control a robot arm.<|im_end|>")
+    # the goal's system message replaces the node's system prompt (never two system turns)
+    assert prompt_ids(chat_tok, "", messages, system_prompt="Node default.") == ids
+
+
+def test_raw_is_plain_continuation(chat_tok):
+    ids = prompt_ids(chat_tok, "def add(a, b):", raw=True)
+    assert ids == chat_tok("def add(a, b):", add_special_tokens=True)["input_ids"]
+    assert 3 not in ids and 4 not in ids  # no role markers
+    with pytest.raises(ChatError, match="raw is set but messages are given"):
+        prompt_ids(chat_tok, "", [("user", "Hi")], raw=True)
+    with pytest.raises(ChatError, match="raw is set but messages are given"):
+        prompt_ids(chat_tok, "text", [("user", "Hi")], raw=True)
+    with pytest.raises(ChatError, match="prompt is empty"):
+        prompt_ids(chat_tok, "", raw=True)
+
+
+def test_without_a_chat_template_the_prompt_is_plain_text_and_messages_are_refused(plain_tok):
+    assert prompt_ids(plain_tok, "The licensee may") == plain_tok("The licensee may", add_special_tokens=True)["input_ids"]
+    assert prompt_ids(plain_tok, "The licensee may", system_prompt="ignored") == prompt_ids(plain_tok, "The licensee may")
+    with pytest.raises(ChatError, match="the model has no chat template"):
+        prompt_ids(plain_tok, "", [("user", "Hi")])
+
+
+@pytest.mark.parametrize(("prompt", "messages", "reason"), [
+    ("", [], "the prompt is empty and there are no messages"),
+    ("Hi", [("user", "Hi")], "both prompt and messages are set"),
+    ("", [("robot", "Hi")], "messages[0] has unknown role 'robot': use one of system, user, assistant"),
+    ("", [("system", "Be brief."), ("User", "Hi")], "messages[1] has unknown role 'User'"),
+    ("", [("user", "Hi"), ("assistant", "")], "messages[1] (assistant) has empty content"),
+    ("", [("user", "")], "messages[0] (user) has empty content"),
+    ("", [("user", "Hi"), ("assistant", "Hello.")], "the last message is from the assistant, not the user"),
+    ("", [("system", "Be brief.")], "the last message is from the system, not the user"),
+])
+def test_every_rejection_reason(chat_tok, prompt, messages, reason):
+    assert reason in check_request(prompt, messages, False, True)
+    with pytest.raises(ChatError) as info:
+        prompt_ids(chat_tok, prompt, messages)
+    assert reason in str(info.value)
+
+
+def test_check_request_accepts_well_formed_requests():
+    assert check_request("Hi", [], False, True) == ""
+    assert check_request("Hi", [], False, False) == ""
+    assert check_request("Hi", [], True, True) == ""
+    assert check_request("", [("system", "s"), ("user", "u"), ("assistant", "a"), ("user", "u")], False, True) == ""
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages.__class__.__mro__ }}",
+    "{{ ''.__class__.__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.system('touch {marker}') }}",
+])
+def test_a_template_reaching_for_python_internals_raises_instead_of_running(tmp_path, template):
+    tok = tiny_tokenizer(chat=True)
+    marker = tmp_path / "template-ran-code"
+    tok.chat_template = template.replace("{marker}", str(marker))
+    with pytest.raises(ChatTemplateError, match="chat template failed: SecurityError") as info:
+        prompt_ids(tok, "Hi")
+    assert isinstance(info.value.__cause__, jinja2.exceptions.SecurityError)
+    assert not marker.exists()
+
+
+def test_a_template_error_becomes_a_chat_template_error(chat_tok):
+    tok = tiny_tokenizer(chat=True)
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(ChatTemplateError, match="Conversation roles must alternate"):
+        prompt_ids(tok, "Hi")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }"  # does not parse
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        prompt_ids(tok, "Hi")
+
+
+def test_end_token_ids_join_the_tokenizer_eos_and_the_generation_config(chat_tok):
+    tok = tiny_tokenizer(chat=True)  # eos </s> = 2
+
+    def model(eos):
+        return types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=eos))
+
+    assert end_token_ids(tok) == [2]
+    assert end_token_ids(tok, model(4)) == [2, 4]
+    assert end_token_ids(tok, model([4, 2, 0])) == [2, 4, 0]
+    assert end_token_ids(tok, model(None)) == [2]
+    tok.eos_token = None
+    assert end_token_ids(tok, model([4])) == [4]
+    assert end_token_ids(tok, types.SimpleNamespace()) == []
+    assert end_token_ids(None, model(4)) == [4]
+    tok.eos_token = "<|im_end|>"  # SmolLM2-Instruct: eos is the end-of-turn token, listed in both places
+    assert end_token_ids(tok, model(4)) == [4]

@@ -34,6 +34,22 @@ def tiny_zoo() -> Path:
         return _ZOO
 
 
+_CHAT_ZOO: Path | None = None
+
+
+def tiny_chat_zoo() -> Path:
+    """Like tiny_zoo(), with an instruct model's tokenizer: a ChatML-like chat template, <|im_start|> and
+    <|im_end|>, and <|im_end|> as the target's generation_config eos_token_id (the tokenizer has no eos)."""
+    global _CHAT_ZOO
+    with _ZOO_LOCK:
+        if _CHAT_ZOO is None:
+            from memspec_ros.bench.tiny_zoo import build_tiny_zoo
+
+            _CHAT_ZOO = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_test_chat_zoo_")), hidden=64, layers=2,
+                                       draft_layers=2, chat=True)
+        return _CHAT_ZOO
+
+
 def node_overrides(zoo: Path, **extra) -> dict:
     values = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": 1}
     values.update(extra)
@@ -155,14 +171,14 @@ class Harness:
 
 
 @contextmanager
-def active_harness(**kwargs) -> Iterator[Harness]:
-    """A node on the tiny zoo, activated in its own rclpy context; torn down afterwards."""
+def active_harness(zoo: Path | None = None, **kwargs) -> Iterator[Harness]:
+    """A node on the tiny zoo (or ``zoo``), activated in its own rclpy context; torn down afterwards."""
     import rclpy
     from rclpy.context import Context
 
     context = Context()
     rclpy.init(context=context)
-    harness = Harness(context, overrides=node_overrides(tiny_zoo()), **kwargs)
+    harness = Harness(context, overrides=node_overrides(zoo or tiny_zoo()), **kwargs)
     harness.activate()
     try:
         yield harness

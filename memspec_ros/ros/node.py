@@ -9,7 +9,9 @@
     cleanup / shutdown / error   every model is freed (parameter bytes back to 0)
 
 The action server ``~/generate`` exists from configure to cleanup. Its goal callback only checks
-(state, prompt, context length, queue room) and answers at once; accepted goals wait in a bounded
+(state, prompt / messages / raw, context length, queue room) and builds the prompt's token ids
+(runtime/chat.py: the chat template when the target's tokenizer has one, else plain text) and answers
+at once; accepted goals wait in a bounded
 FIFO and one worker thread runs them one at a time through RuntimeController.generate, so the
 executor's threads stay free for lifecycle, parameter and diagnostics services. Cancellation is
 accepted and honoured at the next draft-and-verify iteration with the partial text.
@@ -37,6 +39,7 @@ from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import CacheState
 from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
 
+from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids
 from ..runtime.stats import GenerationStats
 from . import params as P
 from .diagnostics import (
@@ -173,7 +176,9 @@ class MemSpecNode(LifecycleNode):
         self.get_logger().info(
             f"configured in {time.perf_counter() - t0:.1f} s: target {lo.paths.target}"
             f" ({lo.target.size_bytes / 1e6:.1f} MB), drafts {', '.join(lo.registry.names()) or 'none'},"
-            f" predictor {lo.paths.predictor or 'none'}, policy {lo.controller.config.policy}"
+            f" predictor {lo.paths.predictor or 'none'}, policy {lo.controller.config.policy},"
+            f" chat template {'yes' if has_chat_template(lo.tokenizer) else 'no (prompts are continued as text)'},"
+            f" end token ids {lo.controller.eos_token_ids or 'none'}"
         )
         return TransitionCallbackReturn.SUCCESS
 
@@ -240,6 +245,7 @@ class MemSpecNode(LifecycleNode):
     def _load(self) -> Loaded:
         import torch
 
+        from ..runtime.chat import end_token_ids
         from ..runtime.controller import RuntimeConfig, RuntimeController
         from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
         from ..runtime.predictor import PredictionEngine
@@ -259,9 +265,10 @@ class MemSpecNode(LifecycleNode):
         if paths.predictor:
             predictor = RecordingRanker(PredictionEngine.load(paths.predictor, target=target.model, tokenizer=tokenizer))
         config = RuntimeConfig(**{field_: v[name] for name, field_ in P.RUNTIME_FIELDS.items()})
+        # an instruct model ends its turn with a token its generation_config lists (SmolLM2: <|im_end|>)
         controller = RuntimeController(config, target.model, tokenizer, registry, predictor,
                                        max_positions=target.max_positions, draft_dtype=v["model.dtype"],
-                                       device=v["model.device"])
+                                       device=v["model.device"], eos_token_ids=end_token_ids(tokenizer, target.model))
         return Loaded(paths, tokenizer, target, registry, predictor, controller, target.max_positions)
 
     @staticmethod
@@ -393,11 +400,19 @@ class MemSpecNode(LifecycleNode):
         lo = self._loaded
         if not self._active or lo is None:
             return f"the node is not active (state {self.lifecycle_state}): activate it first", []
-        if not goal.prompt:
-            return "the prompt is empty", []
+        messages = [(m.role, m.content) for m in goal.messages]
+        reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
+        if reason:  # cheap checks first: roles, emptiness, raw with messages, messages without a template
+            return reason, []
         if not math.isfinite(goal.temperature) or not (math.isfinite(goal.top_p) and goal.top_p <= 1.0):
             return f"temperature {goal.temperature} / top_p {goal.top_p} out of range (top_p must be <= 1)", []
-        ids = lo.tokenizer(goal.prompt, add_special_tokens=True)["input_ids"]
+        try:
+            ids = prompt_ids(lo.tokenizer, goal.prompt, messages, goal.raw,
+                             self.get_parameter("generation.system_prompt").value)
+        except ChatError as exc:  # the chat template failed (a sandbox refusal included)
+            return str(exc), []
+        except Exception as exc:  # never let a tokenizer error escape the goal callback
+            return f"the prompt could not be tokenized: {type(exc).__name__}: {exc}", []
         limit = self.get_parameter("generation.max_prompt_tokens").value
         if lo.max_positions:
             limit = min(limit, lo.max_positions - 1)
@@ -603,6 +618,8 @@ class MemSpecNode(LifecycleNode):
         s.add("quantization", spec.quantization)
         s.add("parameter bytes", lo.target.size_bytes)
         s.add("context tokens", lo.max_positions)
+        s.add("chat template", has_chat_template(lo.tokenizer))
+        s.add("end token ids", lo.controller.eos_token_ids or "none")
         s.summary(OK, f"loaded ({self.lifecycle_state})")
         if self._last_goal_error:
             s.merge(ERROR, f"the last goal failed: {self._last_goal_error}")

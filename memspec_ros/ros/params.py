@@ -113,6 +113,7 @@ PARAMS: tuple[Param, ...] = (
     Param("generation.temperature", 0.0, "Default sampling temperature (0: greedy, the paper's setting).", float_range=(0.0, 100.0)),
     Param("generation.top_p", 1.0, "Default nucleus sampling mass (1: no truncation).", float_range=(0.0, 1.0)),
     Param("generation.seed", -1, "Default sampling seed (-1: a fresh random seed per goal).", int_range=(-1, I64)),
+    Param("generation.system_prompt", "", "System message put first in chat goals (target tokenizer with a chat template, goal not raw, no system message in the goal's messages). Empty: none, so the template's own default system turn applies, if it has one."),
     Param("action.max_queued_goals", 4, "Goals accepted but waiting while one runs; more are rejected at once.", int_range=(0, 1000)),
     Param("action.feedback_period", 0.1, "Minimum seconds between feedback messages of a goal (0: one per committed chunk; chunks in between are merged).", float_range=(0.0, 60.0)),
     # -- diagnostics ------------------------------------------------------------------------------

@@ -1,0 +1,200 @@
+# ruff: noqa: E402 - the ROS imports follow require_ros()
+"""Chat goals on memspec_node over DDS, with a tiny instruct-style zoo (ChatML-like template,
+<|im_end|> in the target's generation_config): a prompt-only goal is one user turn, messages with a
+system turn, generation.system_prompt at run time, raw goals, every rejection reason (fast), the
+end-of-turn token ending a goal with finish_reason "eos", a chat template that reaches for Python
+internals rejected with its reason, and messages refused by a model without a chat template."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from node_helpers import active_harness, goal, tiny_chat_zoo
+from ros_helpers import require_ros
+
+require_ros()
+
+from action_msgs.msg import GoalStatus
+
+from memspec_interfaces.action import Generate
+from memspec_interfaces.msg import ChatMessage
+from memspec_ros.runtime.models import load_tokenizer
+
+GOAL_RESPONSE_LIMIT = 0.050  # the goal callback's answer, measured in the server (as test_node_action.py)
+
+
+@pytest.fixture(scope="module")
+def h():
+    with active_harness(zoo=tiny_chat_zoo(), name="memspec_chat") as harness:
+        harness.calls = record_generate(harness)
+        yield harness
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(tiny_chat_zoo() / "target")
+
+
+def record_generate(harness) -> list[dict]:
+    """Wrap the node's controller.generate (in-process) to see the prompt ids and output ids of each goal."""
+    controller = harness.node._loaded.controller
+    inner = controller.generate
+    calls: list[dict] = []
+
+    def generate(prompt, *args, **kwargs):
+        out = inner(prompt, *args, **kwargs)
+        calls.append({"prompt_ids": list(prompt), "token_ids": list(out.token_ids)})
+        return out
+
+    controller.generate = generate
+    return calls
+
+
+def msgs(*turns: tuple[str, str]) -> list[ChatMessage]:
+    return [ChatMessage(role=role, content=content) for role, content in turns]
+
+
+def templated(tok, turns) -> list[int]:
+    return list(tok.apply_chat_template([{"role": r, "content": c} for r, c in turns], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"])
+
+
+def run(h, request):
+    h.calls.clear()
+    h.goal_callback_seconds.clear()
+    handle, seconds = h.send(request)
+    assert handle.accepted, h.node.last_rejection
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_SUCCEEDED, response.result.error_message
+    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
+    assert len(h.calls) == 1
+    return response.result, h.calls[0]
+
+
+def test_the_chat_zoo_is_an_instruct_model(h, tok):
+    assert tok.chat_template and tok.eos_token is None
+    assert h.node._loaded.controller.eos_token_ids == [tok.convert_tokens_to_ids("<|im_end|>")]  # generation_config
+
+
+def test_a_prompt_only_goal_is_sent_as_one_user_turn(h, tok):
+    result, call = run(h, goal(prompt="What is 2 + 2?", max_new_tokens=6))
+    expected = templated(tok, [("user", "What is 2 + 2?")])
+    assert call["prompt_ids"] == expected
+    assert result.prompt_tokens == len(expected)
+    assert tok.decode(expected).endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_messages_with_a_system_turn(h, tok):
+    turns = [("system", "You control a robot arm."), ("user", "Pick up the cup."), ("assistant", "Done."),
+             ("user", "Now the plate.")]
+    result, call = run(h, goal(prompt="", messages=msgs(*turns), max_new_tokens=6))
+    assert call["prompt_ids"] == templated(tok, turns)
+    assert result.prompt_tokens == len(call["prompt_ids"])
+
+
+def test_the_system_prompt_parameter_changes_at_run_time(h, tok):
+    assert all(r.successful for r in h.set_params(**{"generation.system_prompt": "Answer in one word."}))
+    try:
+        assert h.get_param("generation.system_prompt") == "Answer in one word."
+        _, call = run(h, goal(prompt="Hi", max_new_tokens=4))
+        assert call["prompt_ids"] == templated(tok, [("system", "Answer in one word."), ("user", "Hi")])
+        _, call = run(h, goal(prompt="", messages=msgs(("user", "Hi")), max_new_tokens=4))
+        assert call["prompt_ids"] == templated(tok, [("system", "Answer in one word."), ("user", "Hi")])
+        # a goal's own system message replaces the parameter
+        _, call = run(h, goal(prompt="", messages=msgs(("system", "Be kind."), ("user", "Hi")), max_new_tokens=4))
+        assert call["prompt_ids"] == templated(tok, [("system", "Be kind."), ("user", "Hi")])
+    finally:
+        assert all(r.successful for r in h.set_params(**{"generation.system_prompt": ""}))
+    _, call = run(h, goal(prompt="Hi", max_new_tokens=4))
+    assert call["prompt_ids"] == templated(tok, [("user", "Hi")])  # back to the template's default system turn
+
+
+def test_a_raw_goal_is_plain_continuation(h, tok):
+    result, call = run(h, goal(prompt="def add(a, b):", raw=True, max_new_tokens=6))
+    assert call["prompt_ids"] == tok("def add(a, b):", add_special_tokens=True)["input_ids"]
+    assert result.prompt_tokens == len(call["prompt_ids"])
+
+
+def test_every_rejection_reason_answers_fast(h):
+    cases = {
+        "empty prompt, no messages": (goal(prompt=""), "the prompt is empty and there are no messages"),
+        "prompt and messages": (goal(prompt="Hi", messages=msgs(("user", "Hi"))), "both prompt and messages are set"),
+        "unknown role": (goal(prompt="", messages=msgs(("robot", "Hi"))), "messages[0] has unknown role 'robot'"),
+        "empty content": (goal(prompt="", messages=msgs(("system", "Be brief."), ("user", ""))),
+                          "messages[1] (user) has empty content"),
+        "last not user": (goal(prompt="", messages=msgs(("user", "Hi"), ("assistant", "Hello."))),
+                          "the last message is from the assistant, not the user"),
+        "raw with messages": (goal(prompt="", raw=True, messages=msgs(("user", "Hi"))), "raw is set but messages are given"),
+        "raw, empty prompt": (goal(prompt="", raw=True), "the prompt is empty"),
+    }
+    h.goal_callback_seconds.clear()
+    rejected_before = h.node.goals_rejected
+    for label, (request, reason) in cases.items():
+        handle, seconds = h.send(request)
+        assert not handle.accepted, label
+        assert reason in h.node.last_rejection, (label, h.node.last_rejection)
+        assert seconds < 1.0, (label, seconds)
+    assert h.node.goals_rejected - rejected_before == len(cases)
+    assert max(h.goal_callback_seconds) < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
+
+
+def test_the_end_of_turn_token_ends_the_goal_with_eos(h, tok):
+    """Greedy decoding is deterministic: swap the target's output rows of the 4th generated token and
+    <|im_end|>, and the target produces <|im_end|> there (the logits are only permuted)."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompt = "Tell me about robots."
+    result, call = run(h, goal(prompt=prompt, max_new_tokens=12))
+    assert result.finish_reason == Generate.Result.FINISH_LENGTH
+    tokens = call["token_ids"]
+    k = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
+    assert im_end not in tokens
+    weight = h.node._loaded.target.model.lm_head.weight
+    rows = [tokens[k], im_end]
+    with torch.no_grad():
+        weight[rows] = weight[rows[::-1]]
+    try:
+        ended, call = run(h, goal(prompt=prompt, max_new_tokens=12))
+    finally:
+        with torch.no_grad():
+            weight[rows] = weight[rows[::-1]]
+    assert ended.finish_reason == Generate.Result.FINISH_EOS
+    assert call["token_ids"] == tokens[:k] + [im_end]
+    assert ended.completion_tokens == k + 1
+    assert "<|im_end|>" not in ended.text
+    assert ended.text == tok.decode(tokens[:k], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages.__class__.__mro__ }}",
+    "{{ ''.__class__.__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.system('touch {marker}') }}",
+])
+def test_a_chat_template_reaching_for_python_internals_rejects_the_goal(h, tmp_path, template):
+    marker = tmp_path / "template-ran-code"
+    tokenizer = h.node._loaded.tokenizer
+    original = tokenizer.chat_template
+    tokenizer.chat_template = template.replace("{marker}", str(marker))  # as if the model files carried it
+    try:
+        handle, seconds = h.send(goal(prompt="Hi"))
+        assert not handle.accepted
+        assert "chat template failed: SecurityError" in h.node.last_rejection, h.node.last_rejection
+        assert seconds < 1.0
+    finally:
+        tokenizer.chat_template = original
+    assert not marker.exists()
+    assert h.state() == "active"
+    result, _ = run(h, goal(prompt="Hi", max_new_tokens=4))  # the node goes on serving
+    assert result.completion_tokens == 4
+
+
+def test_a_model_without_a_chat_template_continues_prompts_and_refuses_messages():
+    with active_harness(name="memspec_plain") as plain:
+        calls = record_generate(plain)
+        tokenizer = plain.node._loaded.tokenizer
+        assert not tokenizer.chat_template
+        handle, _ = plain.send(goal(prompt="The licensee may", max_new_tokens=4))
+        assert plain.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+        assert calls[-1]["prompt_ids"] == tokenizer("The licensee may", add_special_tokens=True)["input_ids"]
+        handle, _ = plain.send(goal(prompt="", messages=msgs(("user", "Hi"))))
+        assert not handle.accepted
+        assert "the model has no chat template" in plain.node.last_rejection

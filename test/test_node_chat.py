@@ -198,3 +198,56 @@ def test_a_model_without_a_chat_template_continues_prompts_and_refuses_messages(
         handle, _ = plain.send(goal(prompt="", messages=msgs(("user", "Hi"))))
         assert not handle.accepted
         assert "the model has no chat template" in plain.node.last_rejection
+
+
+def test_memspec_client_system_and_raw(h, tok):
+    from memspec_ros.ros.client import build_goal, parse_args
+
+    request = build_goal(parse_args(["Which cup is closer?", "--system", "Be brief.", "--max-new-tokens", "4"]))
+    assert request.prompt == "" and not request.raw
+    assert [(m.role, m.content) for m in request.messages] == [("system", "Be brief."), ("user", "Which cup is closer?")]
+    _, call = run(h, request)
+    assert call["prompt_ids"] == templated(tok, [("system", "Be brief."), ("user", "Which cup is closer?")])
+    request = build_goal(parse_args(["--raw", "Once upon a time", "--max-new-tokens", "4"]))
+    assert request.raw and request.prompt == "Once upon a time" and not request.messages
+    _, call = run(h, request)
+    assert call["prompt_ids"] == tok("Once upon a time", add_special_tokens=True)["input_ids"]
+    _, call = run(h, build_goal(parse_args(["Hi", "--max-new-tokens", "4"])))
+    assert call["prompt_ids"] == templated(tok, [("user", "Hi")])
+    for argv in (["--raw", "--system", "Be brief.", "Hi"], ["--system", "", "Hi"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+
+
+def test_the_behaviour_tree_client_sends_messages_and_raw(h, tok):
+    import time
+
+    import py_trees
+    from py_trees.common import Status
+
+    from memspec_ros.ros.bt_example import Generate as GenerateBehaviour
+
+    def tick(**kwargs):
+        h.calls.clear()
+        b = GenerateBehaviour("generate", h.client, action_name="/memspec_chat/generate", max_new_tokens=4, **kwargs)
+        b.setup()
+        deadline = time.monotonic() + 60.0
+        while b.tick_once() or b.status == Status.RUNNING:
+            assert time.monotonic() < deadline, "behaviour still RUNNING"
+            time.sleep(0.01)
+        return b
+
+    try:
+        b = tick(prompt="Hi")  # a BT sets only the prompt: one user turn
+        assert b.status == Status.SUCCESS and h.calls[-1]["prompt_ids"] == templated(tok, [("user", "Hi")])
+        turns = [("system", "You are a kitchen robot."), ("user", "Hi")]
+        b = tick(messages=turns)
+        assert b.status == Status.SUCCESS and h.calls[-1]["prompt_ids"] == templated(tok, turns)
+        b = tick(prompt="Hi", raw=True)
+        assert b.status == Status.SUCCESS
+        assert h.calls[-1]["prompt_ids"] == tok("Hi", add_special_tokens=True)["input_ids"]
+        b = tick(prompt="", messages=[("user", "Hi"), ("assistant", "Hello.")])  # rejected: ends on the assistant
+        assert b.status == Status.FAILURE and b.outcome == "rejected"
+    finally:
+        py_trees.blackboard.Blackboard.clear()

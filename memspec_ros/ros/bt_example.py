@@ -6,8 +6,12 @@ Generate goal on its first tick and returns RUNNING until the result, then
 * SUCCESS   the goal SUCCEEDED; ``result`` holds the Generate.Result (text and statistics) and the
             text is written to the blackboard key ``result_key``;
 * FAILURE   the server is missing (``server_timeout``), the goal was REJECTED (node not active,
-            empty or too long prompt, queue full), ABORTED (``error_message``) or CANCELED;
+            empty or too long prompt, bad messages, queue full), ABORTED (``error_message``) or CANCELED;
             ``feedback_message`` says which.
+
+A BT only needs ``prompt`` (or ``prompt_key``): the node sends it to an instruct model as one user
+turn. ``messages`` ((role, content) pairs; then no prompt) and ``raw`` are passed on as the goal's
+fields of the same names.
 
 When a parent preempts it (``terminate(INVALID)`` while RUNNING) the goal is cancelled, and the
 node answers with the partial text. The behaviour never spins: like py_trees_ros, whoever ticks
@@ -19,6 +23,7 @@ the tree also spins the ROS node (an executor thread, or spin_once between ticks
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import py_trees
 from py_trees.common import Status
@@ -31,10 +36,13 @@ class Generate(py_trees.behaviour.Behaviour):
 
     def __init__(self, name: str, node, prompt: str = "", *, action_name: str = "/memspec/generate",
                  prompt_key: str = "", result_key: str = "generated_text", max_new_tokens: int = 0,
+                 messages: Sequence[tuple[str, str]] = (), raw: bool = False,
                  server_timeout: float = SERVER_TIMEOUT) -> None:
         super().__init__(name)
         self.node = node
         self.prompt = prompt
+        self.messages = [(str(role), str(content)) for role, content in messages]
+        self.raw = raw
         self.prompt_key = prompt_key
         self.result_key = result_key
         self.action_name = action_name
@@ -70,9 +78,11 @@ class Generate(py_trees.behaviour.Behaviour):
 
     def _send(self) -> None:
         from memspec_interfaces.action import Generate as GenerateAction
+        from memspec_interfaces.msg import ChatMessage
 
         prompt = self.blackboard.get(self.prompt_key) if self.prompt_key else self.prompt
-        goal = GenerateAction.Goal(prompt=prompt, max_new_tokens=self.max_new_tokens)
+        messages = [ChatMessage(role=role, content=content) for role, content in self.messages]
+        goal = GenerateAction.Goal(prompt=prompt, messages=messages, raw=self.raw, max_new_tokens=self.max_new_tokens)
         self.goal_future = self.client.send_goal_async(goal, feedback_callback=self._on_feedback)
         self.feedback_message = "goal sent"
 
@@ -126,10 +136,12 @@ class Generate(py_trees.behaviour.Behaviour):
             self.feedback_message = "preempted: goal cancelled"
 
 
-def create_example_tree(node, prompt: str, action_name: str = "/memspec/generate") -> py_trees.trees.BehaviourTree:
-    """answer = Selector[Generate(prompt), canned reply]: the robot always says something."""
+def create_example_tree(node, prompt: str, action_name: str = "/memspec/generate",
+                        **goal_fields) -> py_trees.trees.BehaviourTree:
+    """answer = Selector[Generate(prompt), canned reply]: the robot always says something.
+    ``goal_fields``: messages, raw, max_new_tokens for the Generate behaviour."""
     root = py_trees.composites.Selector("answer", memory=False)
-    generate = Generate("generate", node, prompt, action_name=action_name)
+    generate = Generate("generate", node, prompt, action_name=action_name, **goal_fields)
     canned = py_trees.behaviours.Success("canned reply")
     root.add_children([generate, canned])
     tree = py_trees.trees.BehaviourTree(root)
@@ -147,13 +159,21 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt")
     parser.add_argument("--node", default="/memspec")
+    parser.add_argument("--system", metavar="TEXT", help="system message before the prompt (chat-template models)")
+    parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
     args = parser.parse_args(argv)
+    if args.raw and args.system:
+        parser.error("--raw cannot take a --system message")
+    fields = {"raw": args.raw}
+    if args.system:
+        fields["messages"] = [("system", args.system), ("user", args.prompt)]
     rclpy.init()
     node = rclpy.create_node("memspec_bt_example")
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        tree = create_example_tree(node, args.prompt, args.node.rstrip("/") + "/generate")
+        prompt = "" if args.system else args.prompt
+        tree = create_example_tree(node, prompt, args.node.rstrip("/") + "/generate", **fields)
         generate = tree.root.children[0]
         while True:
             tree.tick()

@@ -2,6 +2,12 @@
 
     memspec_client "def fibonacci(n):" --max-new-tokens 64
     echo "The licensee may" | memspec_client --node /robot/memspec
+    memspec_client "Which cup is closer?" --system "You are the voice of a kitchen robot. Be brief."
+    memspec_client --raw "Once upon a time"
+
+With an instruct model (its tokenizer has a chat template) the node sends the prompt as one user
+turn and the model answers it; --system sends a system message before it (both in the goal's
+`messages`); --raw continues the text as is, without the template.
 
 Like ``ros2 action send_goal --feedback``: the text is printed as it is generated, then the
 result's statistics. Exit status: 0 succeeded, 1 rejected / aborted / no server, 2 usage,
@@ -79,8 +85,8 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             return outcome
         handle = future.result()
         if not handle.accepted:
-            print("goal REJECTED by the node (not active, empty or too long prompt, or queue full: see the node's log)",
-                  file=log)
+            print("goal REJECTED by the node (not active, empty or too long prompt, messages to a model without a chat"
+                  " template, or queue full: the node's log and /diagnostics say which)", file=log)
             outcome.status = "rejected"
             return outcome
         result_future = handle.get_result_async()
@@ -122,10 +128,16 @@ def _spin_until(executor, future, timeout: float) -> None:
 
 
 def build_goal(args):
+    """The goal: the prompt alone, or with --system a system message and the prompt as the user's."""
     from memspec_interfaces.action import Generate
+    from memspec_interfaces.msg import ChatMessage
 
-    return Generate.Goal(prompt=args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop or [],
-                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    prompt, messages = args.prompt, []
+    if args.system is not None:
+        prompt, messages = "", [ChatMessage(role=ChatMessage.ROLE_SYSTEM, content=args.system),
+                                ChatMessage(role=ChatMessage.ROLE_USER, content=args.prompt)]
+    return Generate.Goal(prompt=prompt, messages=messages, raw=args.raw, max_new_tokens=args.max_new_tokens,
+                         stop=args.stop or [], temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
 
 def parse_args(argv: list[str] | None):
@@ -138,9 +150,19 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--top-p", type=float, default=0.0, help="0: the node's default")
     parser.add_argument("--seed", type=int, default=-1, help="-1: the node's default")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--system", metavar="TEXT",
+                        help="system message sent before the prompt (chat-template models; replaces the node's"
+                             " generation.system_prompt for this goal)")
+    parser.add_argument("--raw", action="store_true",
+                        help="plain continuation of the prompt, no chat template (not with --system)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the action server (default 10)")
     parser.add_argument("--quiet", action="store_true", help="print only the text")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.raw and args.system is not None:
+        parser.error("--raw continues the prompt as plain text: it cannot take a --system message")
+    if args.system == "":
+        parser.error("--system needs a text (leave it out for the node's generation.system_prompt)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
+from ..runtime.model_source import relative_to
 from ..runtime.models import DTYPES, QUANTIZATIONS
 from ..runtime.policies import POLICIES
 
@@ -242,7 +243,7 @@ def resolve_paths(v: dict[str, Any]) -> ModelPaths:
         rel = entry.get("path") if isinstance(entry, dict) else entry
         if not rel:
             raise ValueError(f"{registry_file} names no target: set model.target_path")
-        target = str((Path(registry_file).parent / str(rel)).resolve())
+        target = relative_to(Path(registry_file).parent, str(rel))
     predictor = v["predictor.path"]
     if predictor == "none":
         predictor = ""

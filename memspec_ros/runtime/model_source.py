@@ -166,6 +166,11 @@ def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
     return path
 
 
+def relative_to(base: str | os.PathLike[str], spec: str) -> str:
+    """``spec`` read from a file in ``base``: package resources as they are, paths resolved from ``base``."""
+    return spec if spec.startswith(PKG_PREFIX) else str((Path(base) / spec).resolve())
+
+
 def is_model_source(spec: str) -> bool:
     """True for specs this module turns into a directory (GGUF files and package resources)."""
     return spec.startswith(PKG_PREFIX) or spec.lower().endswith(".gguf")

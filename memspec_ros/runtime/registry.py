@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .model_source import relative_to
 from .models import ModelDirectoryError, TokenizerMismatchError, load_tokenizer, read_config, tokenizer_fingerprint
 
 
@@ -114,9 +115,9 @@ class DraftRegistry:
         target = data.get("target")
         target_path = None
         if isinstance(target, dict) and target.get("path"):
-            target_path = (base / str(target["path"])).resolve()
+            target_path = relative_to(base, str(target["path"]))
         elif isinstance(target, str):
-            target_path = (base / target).resolve()
+            target_path = relative_to(base, target)
         if target_fingerprint is not None or not validate:
             target_path_arg = None
         else:

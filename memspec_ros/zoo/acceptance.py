@@ -206,9 +206,12 @@ def plot_matrix(result: dict, path: Path) -> None:
             if d == w:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=2))
     fig.colorbar(im, ax=ax, label="mean accepted tokens / iteration")
+    def pct(gain: float | None) -> str:
+        return "n/a" if gain is None else f"{gain:+.0%}"
+
     ax.set_title(
         f"Acceptance (greedy, gamma={result['config']['gamma']}); "
-        f"static oracle +{result['oracle_static_gain']:.0%}, dynamic on mixed +{result['oracle_dynamic_gain_mixed']:.0%}",
+        f"static oracle {pct(result['oracle_static_gain'])}, dynamic on mixed {pct(result['oracle_dynamic_gain_mixed'])}",
         fontsize=9,
     )
     fig.tight_layout()

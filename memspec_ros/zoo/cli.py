@@ -1,13 +1,15 @@
 """``memspec-zoo``: build the bundled zoo, measure it, write its card.
 
-    memspec-zoo build [--stages corpora,tokenizer,...] [--target-minutes 72] [--device cuda]
-    memspec-zoo acceptance --json OUT [--prompts-per-workload 100]
+    memspec-zoo build [--stages workloads,teacher,...] [--general-minutes 20]   # drafts for the real target
+    memspec-zoo acceptance --json OUT [--answers DIR]
+    memspec-zoo build-toy [--stages corpora,tokenizer,...]   # the earlier 13 M trained-here target and its zoo
     memspec-zoo card            # latencies, perplexities, acceptance -> models/MODEL_CARD.md
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -23,7 +25,7 @@ def _build_parser(sub) -> None:
 
     defaults = BuildConfig()
 
-    p = sub.add_parser("build", help="build corpora, tokenizer, workloads and train the zoo (resumable)")
+    p = sub.add_parser("build-toy", help="the earlier toy zoo: corpora, tokenizer, a 13 M target trained here (resumable)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list out of {','.join(STAGES)}")
     p.add_argument("--work-dir", default="artifacts/zoo-build")
     p.add_argument("--out", default="models")
@@ -58,6 +60,53 @@ def _build_parser(sub) -> None:
     p.add_argument("--target-hidden", type=int, default=256)
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--draft-hidden", type=int, default=128)
+
+
+def _chat_build_parser(sub) -> None:
+    from .chat_build import CHAT_STAGES, DEFAULT_TARGET, ChatBuildConfig
+
+    d = ChatBuildConfig()
+    p = sub.add_parser("build", help="chat workloads, the target's answers, reduced-vocabulary drafts (resumable)")
+    p.add_argument("--stages", default=",".join(CHAT_STAGES), help=f"comma list out of {','.join(CHAT_STAGES)}")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target: HF directory, .gguf file or pkg:<package>/<file>")
+    p.add_argument("--work-dir", default=str(d.work_dir))
+    p.add_argument("--out", default=str(d.out_dir))
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--train-per-domain", type=int, default=d.workloads.train_per_domain,
+                   help="training requests written per domain")
+    p.add_argument("--teacher-requests", type=int, default=d.teacher_train_requests,
+                   help="training requests the target answers (0: all; else a domain-balanced prefix)")
+    p.add_argument("--teacher-batch", type=int, default=d.teacher.batch_size)
+    p.add_argument("--max-new-tokens", type=int, default=d.teacher.max_new_tokens)
+    p.add_argument("--general-minutes", type=float, default=d.general_train.max_minutes)
+    p.add_argument("--domain-minutes", type=float, default=d.domain_train.max_minutes)
+    p.add_argument("--draft-rows", type=int, default=d.arch.rows, help="draft vocabulary size (target ids kept)")
+    p.add_argument("--draft-hidden", type=int, default=d.arch.hidden_size)
+    p.add_argument("--draft-layers", type=int, default=d.arch.num_layers)
+
+
+def _run_chat_build(a) -> int:
+    from dataclasses import replace
+
+    from .chat_build import ChatBuildConfig, ChatZooBuild
+
+    d = ChatBuildConfig()
+    cfg = ChatBuildConfig(
+        work_dir=Path(a.work_dir), out_dir=Path(a.out), target=a.target, threads=a.threads, seed=a.seed,
+        workloads=replace(d.workloads, train_per_domain=a.train_per_domain),
+        teacher=replace(d.teacher, batch_size=a.teacher_batch, max_new_tokens=a.max_new_tokens),
+        teacher_train_requests=a.teacher_requests,
+        arch=replace(d.arch, rows=a.draft_rows, hidden_size=a.draft_hidden, num_layers=a.draft_layers,
+                     intermediate_size=3 * a.draft_hidden),
+        general_train=replace(d.general_train, max_minutes=a.general_minutes),
+        domain_train=replace(d.domain_train, max_minutes=a.domain_minutes),
+    )
+    try:
+        ChatZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])
+    except ValueError as exc:
+        raise SystemExit(f"memspec-zoo build: {exc}") from None
+    return 0
 
 
 def _resized(arch, hidden: int, layers: int):
@@ -111,11 +160,46 @@ def _acceptance_parser(sub) -> None:
     p.add_argument("--continuations", default=None, metavar="JSON",
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
                         " rebuilt drafts skip decoding the target (default: no cache)")
+    p.add_argument("--answers", default=None, metavar="DIR",
+                   help="chat zoo (target from a GGUF or package): the target's stored held-out answers"
+                        " (<build work dir>/teacher); made there from <models>/workloads when missing")
+
+
+def _run_chat_acceptance(a) -> int:
+    import torch
+
+    from memspec_ros.runtime.model_source import is_model_source
+    from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    from .chat_acceptance import chat_acceptance, write_acceptance
+    from .corpora import WORKLOADS
+    from .teacher import TeacherConfig, answer_requests, load_answers
+
+    torch.set_num_threads(a.threads)
+    registry = DraftRegistry.from_yaml(Path(a.models) / "registry.yaml", validate=False)
+    answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
+    if not list(answers_dir.glob("heldout-*.safetensors")):
+        if not is_model_source(registry.target_path or ""):
+            raise SystemExit("memspec-zoo acceptance: no stored answers and no target to make them")
+        rows = [json.loads(line) for w in WORKLOADS
+                for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines() if line.strip()]
+        target = load_model(ModelSpec(registry.target_path)).model
+        answer_requests(target, load_tokenizer(registry.target_path), rows, answers_dir, "heldout",
+                        TeacherConfig(max_new_tokens=a.max_new_tokens))
+    drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
+    result = chat_acceptance(drafts, load_answers(answers_dir, "heldout"), a.gamma, a.interval, a.prompts_per_workload)
+    write_acceptance(result, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
+    print(json.dumps({k: result[k] for k in ("matrix", "oracle_static_gain", "oracle_dynamic_gain_mixed",
+                                             "domain_gain_over_general")}, indent=1))
+    return 0
 
 
 def _run_acceptance(a) -> int:
     from .acceptance import AcceptanceConfig, run_acceptance
 
+    if _is_chat_zoo(Path(a.models)):
+        return _run_chat_acceptance(a)
     cfg = AcceptanceConfig(
         models_dir=Path(a.models),
         prompts_per_workload=a.prompts_per_workload,
@@ -128,6 +212,16 @@ def _run_acceptance(a) -> int:
     )
     run_acceptance(cfg, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
     return 0
+
+
+def _is_chat_zoo(models: Path) -> bool:
+    """A zoo whose target is a model source (a GGUF or a package's file) rather than a folder in it."""
+    import yaml
+
+    from memspec_ros.runtime.model_source import is_model_source
+
+    target = (yaml.safe_load((models / "registry.yaml").read_text()) or {}).get("target") or {}
+    return is_model_source(str(target.get("path", "") if isinstance(target, dict) else target))
 
 
 def _card_parser(sub) -> None:
@@ -156,11 +250,12 @@ def _run_card(a) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="memspec-zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    _chat_build_parser(sub)
     _build_parser(sub)
     _acceptance_parser(sub)
     _card_parser(sub)
     a = ap.parse_args(argv)
-    return {"build": _run_build, "acceptance": _run_acceptance, "card": _run_card}[a.cmd](a)
+    return {"build": _run_chat_build, "build-toy": _run_build, "acceptance": _run_acceptance, "card": _run_card}[a.cmd](a)
 
 
 if __name__ == "__main__":

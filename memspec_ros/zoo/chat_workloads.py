@@ -1,0 +1,301 @@
+"""Chat requests per domain for an instruct target, written from this machine's own sources.
+
+An instruct model such as SmolLM2-135M-Instruct answers *requests*: given raw
+code or licence text to continue it loops on one sentence, but asked through
+its chat template it writes a function, explains a clause, solves a problem.
+So its workloads are chat requests, as a robot's users would send them:
+
+- ``code``: "Write a Python function ``name(args)`` that ...", from the
+  docstrings of the Python standard library, and "Explain what this function
+  does" over short stdlib functions;
+- ``math``: the generated problems of :mod:`.corpora` (arithmetic, fractions,
+  linear and quadratic equations, word problems), asked to be solved;
+- ``law``: paragraphs of the licences in ``/usr/share/common-licenses`` and of
+  Debian copyright files, to be explained or summarised;
+- ``medical``: ICD-10-CM conditions (``simple-icd-10-cm``), asked about
+  symptoms, causes, treatment;
+- ``general``: prose paragraphs of local manuals to summarise, and everyday
+  requests;
+- ``mixed``: one request that asks for two things of different domains, so
+  the answer changes domain part-way and the best draft changes with it.
+
+Each request has an id from its source; the held-out/train split is a pure
+function of that id (:func:`.corpora.split_of`), so the held-out requests
+never share a source with the training ones.  Rows are JSONL with ``domain``,
+``prompt`` (the user turn as text, what a behaviour-tree client would send),
+``messages`` (the chat) and ``source``.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import random
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .corpora import _GENERATORS, DOMAINS, WORKLOADS, CorpusConfig, _read, is_prose, split_of
+
+MIXED_PAIRS: tuple[tuple[str, str], ...] = (
+    ("general", "code"),
+    ("law", "code"),
+    ("medical", "math"),
+    ("code", "medical"),
+    ("math", "law"),
+    ("general", "medical"),
+)
+"""(first, second) domain of each mixed request."""
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    domain: str
+    source: str
+    content: str
+
+    def row(self) -> dict:
+        return {"domain": self.domain, "prompt": self.content,
+                "messages": [{"role": "user", "content": self.content}], "source": self.source}
+
+
+@dataclass
+class ChatWorkloadConfig:
+    heldout_per_workload: int = 100
+    train_per_domain: int = 1000
+    heldout_fraction: float = 0.15
+    seed: int = 2026
+    max_quote_chars: int = 700
+    corpus: CorpusConfig | None = None
+
+    @property
+    def sources(self) -> CorpusConfig:
+        return self.corpus or CorpusConfig()
+
+
+def _clip(text: str, limit: int) -> str:
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    end = max(cut.rfind(". "), cut.rfind("\n"))
+    return (cut[: end + 1] if end > limit // 2 else cut).strip()
+
+
+# --------------------------------------------------------------------------- code
+
+
+def _stdlib_functions(cfg: CorpusConfig) -> Iterator[tuple[str, str, str, str]]:
+    """(id, signature, first docstring paragraph, source) of public stdlib functions."""
+    skip = re.compile(r"(^|/)(test|tests|idlelib|site-packages|lib2to3|__pycache__|turtledemo|encodings)(/|$)")
+    for path in sorted(glob.glob(os.path.join(cfg.stdlib_dir, "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(path, cfg.stdlib_dir)
+        if skip.search(rel):
+            continue
+        text = _read(path)
+        if not text:
+            continue
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node) or ""
+            first = " ".join(doc.split("\n\n")[0].split())
+            if not 30 <= len(first) <= 400:
+                continue
+            args = ", ".join(a.arg for a in node.args.args)
+            source = ast.get_source_segment(text, node) or ""
+            yield f"code:{rel}:{node.name}", f"{node.name}({args})", first, source
+
+
+def code_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
+    for rid, sig, doc, source in _stdlib_functions(cfg.sources):
+        # the template is a function of the id, so a source always yields the same request
+        if len(source) <= cfg.max_quote_chars and split_of(rid + "#explain", 0.5) == "heldout":
+            content = f"Explain what this Python function does:\n\n```python\n{source}\n```"
+        else:
+            content = f"Write a Python function `{sig}` that does this: {doc}"
+        yield ChatRequest("code", rid, content)
+
+
+# --------------------------------------------------------------------------- math
+
+_MATH_ASKS = ("Solve this step by step: {p}", "{p} Show your work.", "Can you help me with this? {p}", "{p}")
+
+
+def math_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
+    r = random.Random(cfg.seed)
+    for i in range(20 * (cfg.train_per_domain + cfg.heldout_per_workload)):
+        problem = r.choice(_GENERATORS)(r).split("\n")[0].removeprefix("Problem: ")
+        yield ChatRequest("math", f"math:{cfg.seed}:{i}", r.choice(_MATH_ASKS).format(p=problem))
+
+
+# --------------------------------------------------------------------------- law
+
+_LAW_ASKS = (
+    "Explain in plain words what this licence clause means:\n\n{q}",
+    "What does this clause allow, and what does it forbid?\n\n{q}",
+    "Summarize this part of a software licence for a developer:\n\n{q}",
+    "I am not a lawyer. What are my obligations under this text?\n\n{q}",
+)
+
+
+def law_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
+    src = cfg.sources
+    paths = sorted(glob.glob(os.path.join(src.licence_dir, "*")))
+    for g in src.doc_globs:
+        paths += sorted(glob.glob(g))
+    seen: set[str] = set()
+    for path in paths:
+        if os.path.islink(path) or not os.path.isfile(path):
+            continue
+        text = _read(path) or ""
+        for k, para in enumerate(re.split(r"\n\s*\n", text)):
+            para = " ".join(para.split())
+            letters = sum(c.isalpha() for c in para)
+            if len(para) < 160 or letters / len(para) < 0.7 or para in seen:
+                continue  # short headers, file lists, and boiler-plate already seen in another file
+            seen.add(para)
+            rid = f"law:{path}#{k}"
+            ask = _LAW_ASKS[int(split_of(rid + "#t", 0.5) == "heldout") + 2 * int(split_of(rid + "#u", 0.5) == "heldout")]
+            yield ChatRequest("law", rid, ask.format(q=_clip(para, cfg.max_quote_chars)))
+
+
+# --------------------------------------------------------------------------- medical
+
+_MED_ASKS = (
+    "What is {c}? Describe its usual symptoms and treatment.",
+    "Explain {c} to a patient in simple words.",
+    "What causes {c}, and how is it diagnosed?",
+    "How is {c} treated, and can it be prevented?",
+)
+
+
+def medical_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
+    try:
+        import simple_icd_10_cm as cm
+    except ImportError as e:
+        raise RuntimeError("the medical requests need simple-icd-10-cm: pip install -r requirements-zoo.txt") from e
+    for code in cm.get_all_codes(False):
+        if not (cm.is_category(code) or cm.is_subcategory(code)) or cm.is_extended_subcategory(code):
+            continue
+        desc = cm.get_description(code)
+        if not desc or "other" in desc.lower().split() or "unspecified" in desc.lower() or len(desc) > 90:
+            continue  # residual classes ("Other specified ...") are not conditions a person asks about
+        rid = f"medical:{code}"
+        ask = _MED_ASKS[int(split_of(rid + "#t", 0.5) == "heldout") + 2 * int(split_of(rid + "#u", 0.5) == "heldout")]
+        yield ChatRequest("medical", rid, ask.format(c=desc[0].lower() + desc[1:]))
+
+
+# --------------------------------------------------------------------------- general
+
+_ACTIVITIES = ("cooking dinner for friends", "learning a new language", "keeping a small garden", "saving money",
+               "sleeping better", "running a first 5 km race", "moving to a new city", "studying for an exam",
+               "organising a birthday party", "working from home", "training a puppy", "travelling by train")
+_SUBJECTS = ("a lighthouse keeper", "a lost cat", "a robot that learns to paint", "two friends on a mountain",
+             "a rainy market day", "an old clock", "a child's first day at school", "a baker who wakes up late",
+             "a ship in a storm", "a forgotten letter")
+_EVERYDAY = ("Give me three practical tips for {a}.", "Write a short story about {s}.",
+             "Describe {s} in a few sentences.", "What should I think about before {a}?")
+
+
+def general_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
+    src = cfg.sources
+    paths: list[str] = []
+    for g in src.prose_globs:
+        paths += sorted(glob.glob(g, recursive=True))
+    for path in paths:
+        for k, para in enumerate(re.split(r"\n\s*\n", _read(path) or "")):
+            if is_prose(para):
+                text = _clip(" ".join(para.split()), cfg.max_quote_chars)
+                yield ChatRequest("general", f"general:{path}#{k}", f"Summarize this paragraph in plain words:\n\n{text}")
+    for i, template in enumerate(_EVERYDAY):
+        for j, a in enumerate(_ACTIVITIES):
+            for m, s in enumerate(_SUBJECTS):
+                if "{a}" in template and m or "{s}" in template and j:
+                    continue  # each template once per value it uses
+                yield ChatRequest("general", f"general:everyday:{i}:{j}:{m}", template.format(a=a, s=s))
+
+
+SOURCES: dict[str, Callable[[ChatWorkloadConfig], Iterator[ChatRequest]]] = {
+    "general": general_requests,
+    "code": code_requests,
+    "math": math_requests,
+    "law": law_requests,
+    "medical": medical_requests,
+}
+
+
+# --------------------------------------------------------------------------- splits
+
+
+def _split(requests: list[ChatRequest], cfg: ChatWorkloadConfig, domain: str) -> tuple[list, list]:
+    r = random.Random(f"{cfg.seed}:{domain}")
+    train = [q for q in requests if split_of(q.source, cfg.heldout_fraction) == "train"]
+    heldout = [q for q in requests if split_of(q.source, cfg.heldout_fraction) == "heldout"]
+    r.shuffle(train)
+    r.shuffle(heldout)
+    return train, heldout
+
+
+def _mixed(a: ChatRequest, b: ChatRequest) -> ChatRequest:
+    return ChatRequest("mixed", f"mixed:{a.source}+{b.source}",
+                       f"I have two questions. First: {a.content}\n\nSecond: {b.content}")
+
+
+def build_chat_workloads(cfg: ChatWorkloadConfig) -> tuple[dict[str, list[ChatRequest]], dict[str, list[ChatRequest]]]:
+    """(held-out requests per workload, training requests per domain), deterministic.
+
+    ``mixed`` requests pair two requests of different domains from the *same*
+    split (they use requests beyond the per-domain quota), so held-out mixed
+    requests share no source with any training request.
+    """
+    heldout: dict[str, list[ChatRequest]] = {}
+    train: dict[str, list[ChatRequest]] = {}
+    spare_train: dict[str, list[ChatRequest]] = {}
+    spare_held: dict[str, list[ChatRequest]] = {}
+    n_mixed = cfg.heldout_per_workload // len(MIXED_PAIRS) + 1
+    n_mixed_train = cfg.train_per_domain // (2 * len(MIXED_PAIRS)) + 1
+    for domain in DOMAINS:
+        tr, ho = _split(list(SOURCES[domain](cfg)), cfg, domain)
+        need_ho = cfg.heldout_per_workload + 2 * n_mixed
+        if len(ho) < need_ho:
+            raise RuntimeError(f"only {len(ho)} held-out {domain} requests on this machine, {need_ho} needed:"
+                               " lower --heldout-per-workload or install the sources (requirements-zoo.txt)")
+        heldout[domain], spare_held[domain] = ho[: cfg.heldout_per_workload], ho[cfg.heldout_per_workload :]
+        train[domain], spare_train[domain] = tr[: cfg.train_per_domain], tr[cfg.train_per_domain :]
+    r = random.Random(cfg.seed)
+    mixed_held, mixed_train = [], []
+    for a, b in MIXED_PAIRS:
+        for _ in range(n_mixed):
+            mixed_held.append(_mixed(spare_held[a].pop(), spare_held[b].pop()))
+        for _ in range(n_mixed_train):
+            if spare_train[a] and spare_train[b]:
+                mixed_train.append(_mixed(spare_train[a].pop(), spare_train[b].pop()))
+    r.shuffle(mixed_held)
+    heldout["mixed"] = mixed_held[: cfg.heldout_per_workload]
+    train["mixed"] = mixed_train
+    return {w: heldout[w] for w in WORKLOADS}, train
+
+
+def write_jsonl(path: Path, requests: list[ChatRequest]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for q in requests:
+            f.write(json.dumps(q.row(), ensure_ascii=False) + "\n")
+
+
+def write_chat_workloads(out_dir: Path, cfg: ChatWorkloadConfig) -> dict[str, int]:
+    """``<workload>.jsonl`` (held-out) and ``train_requests.jsonl`` in ``out_dir``; returns the counts."""
+    heldout, train = build_chat_workloads(cfg)
+    for name, rows in heldout.items():
+        write_jsonl(out_dir / f"{name}.jsonl", rows)
+    write_jsonl(out_dir / "train_requests.jsonl", [q for rows in train.values() for q in rows])
+    return {**{name: len(rows) for name, rows in heldout.items()},
+            **{f"train_{name}": len(rows) for name, rows in train.items()}}

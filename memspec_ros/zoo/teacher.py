@@ -1,0 +1,199 @@
+"""The target's own answers to chat requests, computed once and stored with top-k soft labels.
+
+Distilling a draft from a 49,152-token target with the target run live costs
+two full-vocabulary softmaxes per position per step (about 6 s per 8x128-token
+step here); running the teacher once and storing its greedy answer and its
+top-k log-probabilities per answer position makes every later training step
+a small draft's own cost.  The same answers are the held-out references of
+the acceptance matrix (teacher-forced, which is exact for greedy acceptance).
+
+Requests are answered in batches of similar prompt length, left-padded, with a
+logits processor that records the top-k of the target's raw logits at each
+step.  Batched padded greedy decoding can differ from unpadded decoding in a
+late digit; the answers are training data and references for draft agreement,
+never a claim about losslessness (the engine's tests check that).
+
+Output: ``<out_dir>/<split>-<chunk>.safetensors`` shards (resumable: finished
+shards are skipped) holding, for each request, its prompt ids and answer ids
+concatenated flat with offsets, and ``top_ids``/``top_logp`` per answer token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class TeacherConfig:
+    max_new_tokens: int = 128
+    batch_size: int = 32
+    top_k: int = 8
+    chunk_requests: int = 128  # requests per shard: the unit of resumption
+    threads: int = 0  # 0: torch's default
+
+
+@dataclass
+class Answer:
+    """One request answered: prompt and answer token ids, top-k labels per answer token."""
+
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    top_ids: torch.Tensor  # [len(answer_ids), k] int32
+    top_logp: torch.Tensor  # [len(answer_ids), k] float16
+    domain: str = ""
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[dict], system_prompt: str | None = None) -> list[int]:
+    """The token ids the target sees for a chat: its template, ending where the assistant answers."""
+    chat = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + list(messages)
+    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+class _TopK:
+    """A logits processor that keeps the top-k log-probabilities of every step and changes nothing."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        values, ids = logp.topk(self.k, dim=-1)
+        self.steps.append((ids.to(torch.int32), values.to(torch.float16)))
+        return scores
+
+
+@torch.inference_mode()
+def answer_batch(model, prompts: list[list[int]], cfg: TeacherConfig, eos_ids: set[int], pad_id: int) -> list[Answer]:
+    from transformers import LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    recorder = _TopK(cfg.top_k)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=cfg.max_new_tokens,
+                         logits_processor=LogitsProcessorList([recorder]), pad_token_id=pad_id,
+                         eos_token_id=sorted(eos_ids))
+    top_ids = torch.stack([s[0] for s in recorder.steps], dim=1)  # [B, steps, k]
+    top_logp = torch.stack([s[1] for s in recorder.steps], dim=1)
+    answers = []
+    for i, p in enumerate(prompts):
+        gen = out[i, width:].tolist()
+        n = len(gen)
+        for j, t in enumerate(gen):
+            if t in eos_ids:
+                n = j + 1  # keep the end-of-turn token: drafts should learn to propose it
+                break
+        answers.append(Answer(p, gen[:n], top_ids[i, :n].clone(), top_logp[i, :n].clone()))
+    return answers
+
+
+def save_shard(path: Path, answers: list[Answer], meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    def offsets(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+
+    tensors = {
+        "prompt_ids": torch.tensor([t for a in answers for t in a.prompt_ids], dtype=torch.int32),
+        "prompt_offsets": offsets([len(a.prompt_ids) for a in answers]),
+        "answer_ids": torch.tensor([t for a in answers for t in a.answer_ids], dtype=torch.int32),
+        "answer_offsets": offsets([len(a.answer_ids) for a in answers]),
+        "top_ids": torch.cat([a.top_ids for a in answers]).contiguous(),
+        "top_logp": torch.cat([a.top_logp for a in answers]).contiguous(),
+    }
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)})
+    tmp.replace(path)
+
+
+def load_shard(path: Path) -> list[Answer]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+        domains = json.loads(f.metadata()["meta"])["domains"]
+    po, ao = t["prompt_offsets"].tolist(), t["answer_offsets"].tolist()
+    return [Answer(t["prompt_ids"][po[i]:po[i + 1]].tolist(), t["answer_ids"][ao[i]:ao[i + 1]].tolist(),
+                   t["top_ids"][ao[i]:ao[i + 1]], t["top_logp"][ao[i]:ao[i + 1]], domains[i])
+            for i in range(len(domains))]
+
+
+def load_answers(out_dir: Path, split: str) -> list[Answer]:
+    return [a for shard in sorted(out_dir.glob(f"{split}-*.safetensors")) for a in load_shard(shard)]
+
+
+def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: str, cfg: TeacherConfig,
+                    progress=None) -> int:
+    """Answer every row (``domain``, ``messages``) into shards; returns the number of answer tokens made now."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eos_ids = {int(tokenizer.eos_token_id)} | {int(t) for t in ([model.generation_config.eos_token_id] if isinstance(
+        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))}
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    made = 0
+    for start in range(0, len(rows), cfg.chunk_requests):
+        path = out_dir / f"{split}-{start // cfg.chunk_requests:05d}.safetensors"
+        chunk = rows[start:start + cfg.chunk_requests]
+        if path.is_file():
+            if progress is not None:
+                progress.update(len(chunk))
+            continue
+        prompts = [chat_prompt_ids(tokenizer, r["messages"]) for r in chunk]
+        order = sorted(range(len(chunk)), key=lambda i: len(prompts[i]))  # similar lengths pad little
+        answers: list[Answer | None] = [None] * len(chunk)
+        t0 = time.perf_counter()
+        for b in range(0, len(order), cfg.batch_size):
+            idx = order[b:b + cfg.batch_size]
+            for i, a in zip(idx, answer_batch(model, [prompts[i] for i in idx], cfg, eos_ids, pad_id), strict=True):
+                a.domain = chunk[i]["domain"]
+                answers[i] = a
+            if progress is not None:
+                progress.update(len(idx))
+        tokens = sum(len(a.answer_ids) for a in answers)
+        made += tokens
+        save_shard(path, answers, {"domains": [r["domain"] for r in chunk], "seconds": time.perf_counter() - t0,
+                                   "tokens": tokens, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens})
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from tqdm import tqdm
+
+    from ..runtime.model_source import resolve_model_path
+    from ..runtime.models import ModelSpec, load_model, load_tokenizer
+
+    ap = argparse.ArgumentParser(description="answer chat requests with the target, store top-k labels")
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--requests", type=Path, nargs="+", required=True, help="JSONL files of chat requests")
+    ap.add_argument("--split", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batch-size", type=int, default=TeacherConfig.batch_size)
+    ap.add_argument("--max-new-tokens", type=int, default=TeacherConfig.max_new_tokens)
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    path = resolve_model_path(a.target)
+    model = load_model(ModelSpec(str(path))).model
+    tok = load_tokenizer(path)
+    rows = [json.loads(line) for f in a.requests for line in f.read_text().splitlines() if line.strip()]
+    cfg = TeacherConfig(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
+    with tqdm(total=len(rows), desc=f"teacher {a.split}", unit="req") as bar:
+        made = answer_requests(model, tok, rows, a.out, a.split, cfg, bar)
+    print(f"{made} answer tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

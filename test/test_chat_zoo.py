@@ -1,0 +1,153 @@
+"""The chat zoo's build: requests from this machine's sources, the target's stored answers, reduced-vocabulary
+drafts distilled from them, export, and the acceptance matrix, on a tiny instruct-style target."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+from memspec_ros.runtime.draft_vocab import ReducedVocabDraft
+from memspec_ros.runtime.models import ModelSpec, load_model
+from memspec_ros.runtime.speculative import generate
+from memspec_ros.zoo import chat_workloads as cw
+from memspec_ros.zoo.chat_acceptance import chat_acceptance
+from memspec_ros.zoo.chat_build import ChatBuildConfig, ChatZooBuild
+from memspec_ros.zoo.chat_drafts import AnswerStreams, ChatDraftArch, new_draft, select_vocab
+from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS, split_of
+from memspec_ros.zoo.rollouts import IGNORE
+from memspec_ros.zoo.teacher import Answer, TeacherConfig, answer_requests, chat_prompt_ids, load_answers
+from memspec_ros.zoo.train import TrainConfig
+
+
+@pytest.fixture(scope="module")
+def workloads():
+    return cw.build_chat_workloads(cw.ChatWorkloadConfig(heldout_per_workload=20, train_per_domain=40))
+
+
+def test_requests_cover_every_workload_and_held_out_sources_never_train(workloads):
+    heldout, train = workloads
+    assert set(heldout) == set(WORKLOADS) and all(len(rows) == 20 for rows in heldout.values())
+    assert all(len(train[d]) == 40 for d in DOMAINS) and train["mixed"]
+    train_sources = {q.source for rows in train.values() for q in rows}
+    for w, rows in heldout.items():
+        for q in rows:
+            assert q.domain == w and q.content.strip()
+            parts = q.source.removeprefix("mixed:").split("+")
+            assert all(split_of(p, cw.ChatWorkloadConfig().heldout_fraction) == "heldout" for p in parts), q.source
+            assert q.source not in train_sources
+    # a mixed request asks two things of different domains
+    for q in heldout["mixed"]:
+        first, second = (p.split(":", 1)[0] for p in q.source.removeprefix("mixed:").split("+"))
+        assert first != second and "First:" in q.content and "Second:" in q.content
+    row = heldout["code"][0].row()
+    assert row["messages"] == [{"role": "user", "content": row["prompt"]}]
+
+
+def test_requests_are_deterministic(workloads):
+    again = cw.build_chat_workloads(cw.ChatWorkloadConfig(heldout_per_workload=20, train_per_domain=40))
+    assert [q.source for q in again[0]["mixed"]] == [q.source for q in workloads[0]["mixed"]]
+    assert [q.content for q in again[1]["law"]] == [q.content for q in workloads[1]["law"]]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    tok = tiny_tokenizer(chat=True)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    tok.eos_token = "<|im_end|>"
+    model = tiny_llama(vocab_size=len(tok), hidden=64, layers=2, seed=0, init_range=0.2, max_positions=1024)
+    model.generation_config.eos_token_id = end
+    path = save_model_dir(model, tok, tmp_path_factory.mktemp("target") / "target")
+    return path, tok, model
+
+
+ROWS = [{"domain": d, "messages": [{"role": "user", "content": f"{d} question number {i}: what is it?"}]}
+        for i in range(3) for d in (*DOMAINS, "mixed")]
+
+
+def test_teacher_stores_greedy_answers_with_their_top_k_and_resumes(tiny_target, tmp_path):
+    path, tok, model = tiny_target
+    cfg = TeacherConfig(max_new_tokens=12, batch_size=4, top_k=5, chunk_requests=8)
+    made = answer_requests(model, tok, ROWS, tmp_path, "t", cfg)
+    assert made > 0 and len(list(tmp_path.glob("t-*.safetensors"))) == 3
+    assert answer_requests(model, tok, ROWS, tmp_path, "t", cfg) == 0  # every shard done: nothing recomputed
+    answers = load_answers(tmp_path, "t")
+    assert [a.domain for a in answers] == [r["domain"] for r in ROWS]
+    for a, row in zip(answers, ROWS, strict=True):
+        assert a.prompt_ids == chat_prompt_ids(tok, row["messages"])
+        assert 1 <= len(a.answer_ids) <= 12 and a.top_ids.shape == (len(a.answer_ids), 5)
+        with torch.no_grad():
+            logits = model(torch.tensor([a.prompt_ids + a.answer_ids])).logits[0, len(a.prompt_ids) - 1:-1]
+        # unpadded greedy equals the stored answer, and the labels are its top-5 log-probabilities
+        assert logits.argmax(-1).tolist() == a.answer_ids
+        top = torch.log_softmax(logits, -1).topk(5)
+        assert torch.equal(top.indices.int(), a.top_ids)
+        assert torch.allclose(top.values, a.top_logp.float(), atol=2e-2)
+
+
+def test_answer_rows_label_answer_tokens_only_and_drop_ids_outside_the_vocabulary():
+    answer = Answer([1, 3, 5], [7, 8, 9, 4], torch.tensor([[7, 2]] * 4, dtype=torch.int32),
+                    torch.tensor([[-0.1, -2.5]] * 4, dtype=torch.float16))
+    ids = select_vocab([answer], rows=4, always=[4])  # keeps 4 first, then the most frequent: 7, 8, 9
+    assert ids[0] == 4 and set(ids) == {4, 7, 8, 9}
+    target = tiny_llama(vocab_size=16, hidden=32, layers=1)
+    draft = new_draft(target, ids, ChatDraftArch(rows=4, hidden_size=32, num_layers=1, intermediate_size=64,
+                                                 num_heads=2, num_kv_heads=2))
+    x, y, top_ids, top_logp = AnswerStreams([answer], draft.vocab, 0).batch(1, 64)
+    unk = len(ids)
+    assert x[0].tolist() == [unk, unk, unk, ids.index(7), ids.index(8), ids.index(9), ids.index(4)]
+    # position 2 (the last request token) predicts the first answer token; request positions carry no label
+    assert y[0].tolist() == [IGNORE, IGNORE, ids.index(7), ids.index(8), ids.index(9), ids.index(4)]
+    assert top_ids[0, 2].tolist() == [ids.index(7), unk] and top_logp[0, 2, 1] == float("-inf")  # id 2 has no row
+
+
+def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, tmp_path):
+    path, tok, _ = tiny_target
+    work = tmp_path / "work"
+    (work / "workloads").mkdir(parents=True)
+    for w in WORKLOADS:
+        rows = [{"domain": w, "prompt": f"{w} request {i}", "messages": [{"role": "user", "content": f"{w} request {i}"}]}
+                for i in range(4)]
+        (work / "workloads" / f"{w}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = [{"domain": d, "prompt": f"{d} training {i}", "messages": [{"role": "user", "content": f"{d} training {i}"}]}
+             for i in range(6) for d in (*DOMAINS, "mixed")]
+    (work / "workloads" / "train_requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    steps = TrainConfig(max_steps=6, max_minutes=5, batch_size=4, seq_len=64, warmup_steps=2, validate_every=3,
+                        checkpoint_every=3)
+    cfg = ChatBuildConfig(work_dir=work, out_dir=tmp_path / "out", target=str(path), threads=1,
+                          teacher=TeacherConfig(max_new_tokens=10, batch_size=8, chunk_requests=16),
+                          arch=ChatDraftArch(rows=120, hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2,
+                                             num_kv_heads=2),
+                          general_train=steps, domain_train=replace(steps, max_steps=3), validation_answers=4)
+    build = ChatZooBuild(cfg)
+    build.run(["workloads", "teacher", "vocab", "general", "domains", "export"])
+    vocab = json.loads((work / "vocab.json").read_text())
+    assert len(vocab["target_ids"]) == 120 and vocab["train_coverage"] > 0.5
+    general_meta = json.loads((work / "ckpt" / "general" / "final" / "train_meta.json").read_text())
+    assert general_meta["step"] == 6 and general_meta["answers"] > 0
+    out = tmp_path / "out"
+    registry = (out / "registry.yaml").read_text()
+    assert f"path: {path}" in registry and all(f"path: drafts/{d}" in registry for d in DOMAINS)
+    assert (out / "workloads" / "mixed.jsonl").is_file()
+    target = load_model(ModelSpec(str(path))).model
+    prompt = chat_prompt_ids(tok, [{"role": "user", "content": "code request 0"}])
+    reference = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=None,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+    drafts = {}
+    for d in DOMAINS:
+        loaded = load_model(ModelSpec(str(out / "drafts" / d)))
+        assert isinstance(loaded.model, ReducedVocabDraft) and loaded.vocab_size == len(tok)
+        assert loaded.size_bytes < 400_000  # fp16 on disk, a 121-row head
+        drafts[d] = loaded.model
+        assert generate(target, prompt, loaded.model, gamma=3, max_new_tokens=16).generated_ids == reference
+    # a second run finds every stage done and changes nothing
+    before = (out / "drafts" / "code" / "model.safetensors").read_bytes()
+    ChatZooBuild(cfg).run(["teacher", "vocab", "general", "domains", "export"])
+    assert (out / "drafts" / "code" / "model.safetensors").read_bytes() == before
+    result = chat_acceptance(drafts, load_answers(work / "teacher", "heldout"), gamma=4, interval=2)
+    assert set(result["matrix"]) == set(DOMAINS) and set(result["matrix"]["general"]) == set(WORKLOADS)
+    assert all(0.0 <= v <= 4.0 for row in result["matrix"].values() for v in row.values())
+    assert result["oracle_dynamic_mixed"] >= result["matrix"]["general"]["mixed"] - 1e-9

@@ -49,7 +49,7 @@ setup(
             "memspec_client = memspec_ros.ros.client:main",
             "memspec-bench = memspec_ros.bench.cli:main",
             "memspec-zoo = memspec_ros.zoo.cli:main",
-            "memspec-train-predictor = memspec_ros.runtime.predictor_training:main",
+            "memspec-train-predictor = memspec_ros.zoo.predictor_training:main",
         ],
     },
 )

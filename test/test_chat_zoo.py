@@ -104,8 +104,10 @@ def test_answer_rows_label_answer_tokens_only_and_drop_ids_outside_the_vocabular
     assert top_ids[0, 2].tolist() == [ids.index(7), unk] and top_logp[0, 2, 1] == float("-inf")  # id 2 has no row
 
 
-def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_build(tiny_target, tmp_path_factory):
     path, tok, _ = tiny_target
+    tmp_path = tmp_path_factory.mktemp("build")
     work = tmp_path / "work"
     (work / "workloads").mkdir(parents=True)
     for w in WORKLOADS:
@@ -122,13 +124,18 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
                           arch=ChatDraftArch(rows=120, hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2,
                                              num_kv_heads=2),
                           general_train=steps, domain_train=replace(steps, max_steps=3), validation_answers=4)
-    build = ChatZooBuild(cfg)
-    build.run(["workloads", "teacher", "vocab", "general", "domains", "export"])
+    ChatZooBuild(cfg).run(["workloads", "teacher", "vocab", "general", "domains", "export"])
+    return cfg
+
+
+def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, tiny_build):
+    path, tok, _ = tiny_target
+    cfg = tiny_build
+    work, out = cfg.work_dir, cfg.out_dir
     vocab = json.loads((work / "vocab.json").read_text())
     assert len(vocab["target_ids"]) == 120 and vocab["train_coverage"] > 0.5
     general_meta = json.loads((work / "ckpt" / "general" / "final" / "train_meta.json").read_text())
     assert general_meta["step"] == 6 and general_meta["answers"] > 0
-    out = tmp_path / "out"
     registry = (out / "registry.yaml").read_text()
     assert f"path: {path}" in registry and all(f"path: drafts/{d}" in registry for d in DOMAINS)
     assert (out / "workloads" / "mixed.jsonl").is_file()
@@ -151,3 +158,18 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     assert set(result["matrix"]) == set(DOMAINS) and set(result["matrix"]["general"]) == set(WORKLOADS)
     assert all(0.0 <= v <= 4.0 for row in result["matrix"].values() for v in row.values())
     assert result["oracle_dynamic_mixed"] >= result["matrix"]["general"]["mixed"] - 1e-9
+
+
+def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build, tmp_path, monkeypatch):
+    from memspec_ros.runtime import oracle
+    from memspec_ros.zoo import predictor_training
+
+    monkeypatch.setattr(oracle.ContinuationCache, "continuation", lambda *a, **k: pytest.fail("decoded the target"))
+    out = tmp_path / "predictor"
+    args = ["--registry", str(tiny_build.out_dir / "registry.yaml"), "--answers", str(tiny_build.work_dir / "teacher"),
+            "--out", str(out), "--encoders", "target-hidden", "--epochs", "5", "--quiet"]
+    assert predictor_training.main(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["prompts"] == len(load_answers(tiny_build.work_dir / "teacher", "train"))
+    assert report["contexts"] >= report["prompts"] and set(report["label_counts"]) == set(DOMAINS)
+    assert (out / "target-hidden").is_dir()

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from memspec_ros.bench.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
-from memspec_ros.runtime import predictor_training
 from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
 from memspec_ros.runtime.oracle import ContinuationCache, GreedyOracle, interval_walk, target_greedy
 from memspec_ros.runtime.policies import PolicyError
@@ -28,6 +27,7 @@ from memspec_ros.runtime.predictor import (
 )
 from memspec_ros.runtime.registry import DraftRegistry
 from memspec_ros.runtime.speculative import SpeculativeSession
+from memspec_ros.zoo import predictor_training
 
 PROMPT = [1, 5, 7, 9, 11, 13]
 

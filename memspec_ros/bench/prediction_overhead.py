@@ -23,9 +23,9 @@ import torch
 from ..runtime.controller import RuntimeConfig, RuntimeController
 from ..runtime.models import ModelSpec, load_model, load_tokenizer
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
-from ..runtime.predictor_training import read_prompts
 from ..runtime.registry import DraftRegistry
 from ..runtime.stats import GenerationStats
+from ..zoo.predictor_training import read_prompts
 
 VARIANTS = [("minilm", False), ("minilm", True), ("target-hidden", False), ("target-hidden", True)]
 

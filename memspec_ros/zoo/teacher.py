@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.runtime.chat import end_token_ids, prompt_ids
+
 
 @dataclass
 class TeacherConfig:
@@ -49,10 +51,9 @@ class Answer:
     domain: str = ""
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[dict], system_prompt: str | None = None) -> list[int]:
-    """The token ids the target sees for a chat: its template, ending where the assistant answers."""
-    chat = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + list(messages)
-    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+def chat_prompt_ids(tokenizer, messages: Sequence[dict], system_prompt: str = "") -> list[int]:
+    """The token ids the target sees for a chat, built exactly as the node builds a goal's."""
+    return prompt_ids(tokenizer, "", [(m["role"], m["content"]) for m in messages], system_prompt=system_prompt)
 
 
 class _TopK:
@@ -136,8 +137,7 @@ def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: st
                     progress=None) -> int:
     """Answer every row (``domain``, ``messages``) into shards; returns the number of answer tokens made now."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    eos_ids = {int(tokenizer.eos_token_id)} | {int(t) for t in ([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))}
+    eos_ids = set(end_token_ids(tokenizer, model))
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     made = 0
     for start in range(0, len(rows), cfg.chunk_requests):

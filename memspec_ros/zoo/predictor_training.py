@@ -26,13 +26,21 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .oracle import ContinuationCache, draft_agreement, interval_walk
-from .predictor import ENCODERS, INPUTS, HeadConfig, MiniLMEncoder, RankingHead, mask_input, pooled_hidden_features
+from memspec_ros.runtime.oracle import ContinuationCache, draft_agreement, interval_walk
+from memspec_ros.runtime.predictor import (
+    ENCODERS,
+    INPUTS,
+    HeadConfig,
+    MiniLMEncoder,
+    RankingHead,
+    mask_input,
+    pooled_hidden_features,
+)
 
 
 @dataclass
@@ -193,9 +201,25 @@ def read_prompts(path: str | Path, limit: int = 0, seed: int | None = None) -> l
     return rows
 
 
+def traces_from_answers(drafts: dict[str, torch.nn.Module], answers, gamma: int, interval: int,
+                        progress: bool = True) -> list[PromptTrace]:
+    """Traces over the target's stored chat answers (``memspec-zoo build``'s teacher): no decoding here."""
+    from tqdm import tqdm
+
+    from .chat_drafts import answer_agreement
+
+    traces = []
+    for index, a in enumerate(tqdm(answers, desc="traces", disable=not progress, file=sys.stderr, mininterval=2)):
+        if len(a.answer_ids) < 2:
+            continue
+        agreement = {name: answer_agreement(model, a) for name, model in drafts.items()}
+        traces.append(trace_prompt(index, a.prompt_ids, a.answer_ids, agreement, list(drafts), gamma, interval))
+    return traces
+
+
 def run(args: argparse.Namespace) -> dict:
-    from .models import ModelSpec, load_model, load_tokenizer
-    from .registry import DraftRegistry
+    from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
+    from memspec_ros.runtime.registry import DraftRegistry
 
     torch.manual_seed(args.seed)
     registry = DraftRegistry.from_yaml(args.registry, validate=False)
@@ -205,14 +229,25 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(target_path)
     target = load_model(ModelSpec(str(target_path))).model
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
-    rows = read_prompts(args.prompts, args.max_prompts, seed=args.seed)
-    prompts = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-args.max_prompt_tokens:] for r in rows]
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     t0 = time.perf_counter()
     cache = ContinuationCache(args.continuations or None, target_path)
-    traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
-                            progress=not args.quiet, cache=cache)
-    cache.save()
+    if args.answers:
+        from .teacher import load_answers
+
+        answers = load_answers(Path(args.answers), "train")
+        if args.max_prompts and args.max_prompts < len(answers):
+            keep = sorted(random.Random(args.seed).sample(range(len(answers)), args.max_prompts))
+            answers = [answers[i] for i in keep]
+        traces = traces_from_answers(drafts, answers, args.gamma, args.interval, progress=not args.quiet)
+        prompts = [t.prompt_ids for t in traces]
+        traces = [replace(t, contexts=[replace(c, prompt_index=i) for c in t.contexts]) for i, t in enumerate(traces)]
+    else:
+        rows = read_prompts(args.prompts, args.max_prompts, seed=args.seed)
+        prompts = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-args.max_prompt_tokens:] for r in rows]
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
+                                progress=not args.quiet, cache=cache)
+        cache.save()
     trace_seconds = time.perf_counter() - t0
     names = list(drafts)
     contexts = [c for t in traces for c in t.contexts]
@@ -277,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--continuations", default=None, metavar="JSON",
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
                         " rebuilt drafts skip decoding the target (default: no cache)")
+    p.add_argument("--answers", default=None, metavar="DIR",
+                   help="a chat zoo's stored answers (<memspec-zoo build work dir>/teacher, split 'train'): trace"
+                        " those instead of decoding --prompts with the target")
     p.add_argument("--encoders", nargs="+", default=list(ENCODERS), choices=ENCODERS)
     p.add_argument("--max-prompts", type=int, default=0, help="0: all; else a seeded random subset")
     p.add_argument("--max-prompt-tokens", type=int, default=256)

@@ -15,6 +15,8 @@ require_ros()
 
 from action_msgs.msg import GoalStatus
 from lifecycle_msgs.msg import Transition
+from rclpy.action import ActionClient
+from rclpy.qos import QoSProfile
 
 from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import GenerationStats
@@ -140,6 +142,37 @@ def test_every_rejection_answers_fast_while_a_goal_runs(h):
         assert h.result(queued, 30.0).status == GoalStatus.STATUS_CANCELED
     finally:
         h.set_params(**{"action.max_queued_goals": 4, "generation.max_prompt_tokens": 1024})
+
+
+def test_a_burst_of_goal_requests_is_answered_in_full(h):
+    """20 goal requests sent at once while a goal runs, against a queue of 2: the server's goal service
+    holds the whole burst (with rclpy's default depth of 10 the rest went unanswered and their clients
+    waited forever), so exactly 2 are accepted, the 18 others rejected, all answered in bounded time.
+    The client gets a deep queue for its answers too, so that only the server's queue is under test."""
+    burst, room = 20, 2
+    deep = QoSProfile(depth=100)
+    client = ActionClient(h.client, Generate, "/memspec/generate", goal_service_qos_profile=deep,
+                          result_service_qos_profile=deep, cancel_service_qos_profile=deep)
+    assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": room}))
+    try:
+        running = start_long_goal(h, [])
+        wait_until(client.server_is_ready, 30.0, "the action server (burst client)")
+        futures = [client.send_goal_async(goal(max_new_tokens=8)) for _ in range(burst)]
+        try:
+            wait_until(lambda: all(f.done() for f in futures), 20.0, "answers to every goal request")
+        except AssertionError:
+            raise AssertionError(f"{sum(f.done() for f in futures)} of {burst} goal requests answered in 20 s") from None
+        handles = [f.result() for f in futures]
+        accepted = [g for g in handles if g.accepted]
+        assert len(accepted) == room, [g.accepted for g in handles]
+        assert "queue is full" in h.node.last_rejection
+        for handle in [*accepted, running]:
+            h.wait(handle.cancel_goal_async(), 10.0, "cancel")
+        for handle in [*accepted, running]:
+            assert h.wait(handle.get_result_async(), 30.0, "a result").status == GoalStatus.STATUS_CANCELED
+    finally:
+        h.set_params(**{"action.max_queued_goals": 4})
+        client.destroy()
 
 
 def test_deactivate_during_a_goal_aborts_it_with_the_partial_text_and_rejects_new_goals(h):

@@ -34,6 +34,7 @@ from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import CacheState
@@ -64,6 +65,11 @@ NODE_NAME = "memspec"
 ACTION_NAME = "~/generate"
 CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this often (off the decode thread)
 DEACTIVATE_WAIT_SECONDS = 30.0
+# The action's goal, cancel and result services: rclpy's default keeps 10 requests, so a burst of goals
+# sent at once lost the rest unanswered (their clients waited forever). 100 holds any realistic burst
+# between two takes of the executor while bounding what a flood of large prompts can hold in memory.
+ACTION_SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
+                                durability=DurabilityPolicy.VOLATILE)
 
 
 class RecordingRanker:
@@ -171,6 +177,9 @@ class MemSpecNode(LifecycleNode):
             handle_accepted_callback=self._on_accepted,
             cancel_callback=self._on_cancel,
             callback_group=self._group,
+            goal_service_qos_profile=ACTION_SERVICE_QOS,
+            result_service_qos_profile=ACTION_SERVICE_QOS,
+            cancel_service_qos_profile=ACTION_SERVICE_QOS,
         )
         lo = self._loaded
         self.get_logger().info(

@@ -175,6 +175,36 @@ def test_a_burst_of_goal_requests_is_answered_in_full(h):
         client.destroy()
 
 
+def test_cancelling_queued_goals_frees_their_slots_at_once(h):
+    """Cancelled queued goals end CANCELED at once (result sent) while the running goal goes on, and
+    their queue slots are free again: a new goal is accepted, not rejected as "queue full"."""
+    assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": 2}))
+    try:
+        feedback = []
+        running, _ = h.send(goal(max_new_tokens=4000), feedback)  # longer than LONG: it must outlast the checks
+        wait_until(lambda: len(feedback) >= 2, 30.0, "the long goal's feedback")
+        queued = [h.send(goal(max_new_tokens=8))[0] for _ in range(2)]
+        assert all(q.accepted for q in queued)
+        full, _ = h.send(goal(max_new_tokens=8))
+        assert not full.accepted and "queue is full" in h.node.last_rejection
+        for handle in queued:
+            assert len(h.wait(handle.cancel_goal_async(), 10.0, "the cancel response").goals_canceling) == 1
+        for handle in queued:
+            response = h.result(handle, 10.0)
+            assert response.status == GoalStatus.STATUS_CANCELED
+            assert response.result.finish_reason == Generate.Result.FINISH_CANCELLED
+            assert response.result.completion_tokens == 0 and response.result.prompt_tokens > 0
+        assert running.status == GoalStatus.STATUS_EXECUTING  # not waited for
+        again = [h.send(goal(max_new_tokens=8))[0] for _ in range(2)]
+        assert all(g.accepted for g in again), h.node.last_rejection
+        for handle in (*again, running):
+            h.wait(handle.cancel_goal_async(), 10.0, "cancel")
+        for handle in (*again, running):
+            assert h.result(handle, 30.0).status == GoalStatus.STATUS_CANCELED
+    finally:
+        h.set_params(**{"action.max_queued_goals": 4})
+
+
 def test_deactivate_during_a_goal_aborts_it_with_the_partial_text_and_rejects_new_goals(h):
     handle = start_long_goal(h, [])
     assert h.transition(Transition.TRANSITION_DEACTIVATE)

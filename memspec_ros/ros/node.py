@@ -99,6 +99,7 @@ class Job:
     prompt_ids: list[int]
     accepted_at: float = field(default_factory=time.perf_counter)
     abort_reason: str | None = None  # set by deactivate/shutdown: end with the partial text
+    cancelled_in_queue: bool = False  # cancelled before it ran: _execute marks it CANCELED
     result: Generate.Result | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -457,13 +458,39 @@ class MemSpecNode(LifecycleNode):
             self._queue.append(Job(goal_handle, ids))
             self._cv.notify_all()
 
-    def _on_cancel(self, cancel_request) -> CancelResponse:
-        return CancelResponse.ACCEPT  # honoured at the next iteration boundary (rclpy's default rejects)
+    def _on_cancel(self, goal_handle) -> CancelResponse:
+        """Accept every cancel (rclpy's default rejects). The running goal stops at its next iteration
+        boundary with the partial text; a queued goal leaves the queue now, so its slot is free at once,
+        and ends CANCELED without waiting for the running goal."""
+        with self._cv:
+            job = next((j for j in self._queue if j.goal_handle is goal_handle), None)
+            if job is not None:
+                self._queue.remove(job)
+                self._outstanding -= 1
+        if job is not None:
+            job.cancelled_in_queue = True
+            job.result = Generate.Result(prompt_tokens=len(job.prompt_ids),
+                                         finish_reason=Generate.Result.FINISH_CANCELLED)
+            self._publish_stats(job, None, job.result.finish_reason, "")
+            job.done.set()
+            goal_handle._memspec_job = job
+            # _execute's return value becomes the result rclpy sends; no EXECUTING state for a goal that never ran
+            self._action_server.notify_execute(goal_handle, self._execute)
+        return CancelResponse.ACCEPT
 
     def _execute(self, goal_handle) -> Generate.Result:
         """Runs on an executor thread only to hand the worker's result to rclpy; never generates."""
         job = goal_handle._memspec_job
         job.done.wait()
+        if job.cancelled_in_queue:
+            # rclpy marks the goal CANCELING once _on_cancel has returned, maybe after this thread got here
+            deadline = time.monotonic() + 5.0
+            while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if goal_handle.is_cancel_requested:
+                goal_handle.canceled()
+            else:
+                goal_handle.abort()
         return job.result
 
     # -- the worker -----------------------------------------------------------------------
@@ -541,12 +568,16 @@ class MemSpecNode(LifecycleNode):
             self._last_goal_error = ""
         if stats is not None:
             self._window.add(stats)
-        if self._stats_pub is not None:
-            self._stats_pub.publish(generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
-                                                         gh.goal_id, result.finish_reason, error,
-                                                         self.get_clock().now().to_msg()))
+        self._publish_stats(job, stats, result.finish_reason, error)
         job.result = result
         job.done.set()
+
+    def _publish_stats(self, job: Job, stats: GenerationStats | None, finish_reason: str, error: str) -> None:
+        """One ~/generation_stats message per finished goal."""
+        if self._stats_pub is not None:
+            self._stats_pub.publish(generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
+                                                         job.goal_handle.goal_id, finish_reason, error,
+                                                         self.get_clock().now().to_msg()))
 
     def _sampling(self, goal: Generate.Goal):
         from ..runtime.speculative import SamplingConfig

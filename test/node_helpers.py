@@ -76,7 +76,7 @@ class Harness:
         params = [Parameter(k, value=v) for k, v in (overrides or {}).items()]
         self.node = MemSpecNode(name, context=context, parameter_overrides=params)
         self.client = rclpy.create_node(f"{name}_test_client", context=context)
-        # time the goal callback on the server side (wrapped before configure creates the server)
+        # time the goal callback on the server side (the node's action server exists from its construction)
         self.goal_callback_seconds: list[float] = []
         on_goal = self.node._on_goal
 
@@ -87,7 +87,7 @@ class Harness:
             finally:
                 self.goal_callback_seconds.append(time.perf_counter() - t0)
 
-        self.node._on_goal = timed_on_goal
+        self.node._action_server.register_goal_callback(timed_on_goal)
         self.executor = MultiThreadedExecutor(num_threads=4, context=context)
         self.executor.add_node(self.node)
         self.executor.add_node(self.client)

@@ -73,6 +73,34 @@ def test_every_transition_through_the_services_and_cleanup_frees_the_models(harn
     assert h.node.loaded_parameter_bytes() == 0
 
 
+def test_a_goal_is_rejected_at_once_with_the_reason_in_every_state_but_active(harness):
+    """The action server exists in every lifecycle state: a goal to an unconfigured, inactive or
+    finalized node is rejected at once with a logged reason (before, nobody answered it)."""
+    h = harness()
+
+    def rejected_in(state: str, words: str) -> None:
+        assert h.state() == state
+        h.goal_callback_seconds.clear()
+        handle, seconds = h.send(goal(max_new_tokens=4))
+        assert not handle.accepted, state
+        assert f"state {state}" in h.node.last_rejection and words in h.node.last_rejection, h.node.last_rejection
+        assert h.goal_callback_seconds[-1] < 0.050 and seconds < 1.0, (state, h.goal_callback_seconds, seconds)
+
+    rejected_in("unconfigured", "configure and activate")
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    rejected_in("inactive", "activate")
+    assert h.transition(Transition.TRANSITION_ACTIVATE)
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    rejected_in("inactive", "activate")
+    assert h.transition(Transition.TRANSITION_CLEANUP)
+    rejected_in("unconfigured", "configure and activate")
+    assert h.transition(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
+    rejected_in("finalized", "start the node again")
+    assert h.node.goals_rejected == 5
+
+
 def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     h = harness(**{"model.target_path": "/nonexistent/target"})
     assert not h.transition(Transition.TRANSITION_CONFIGURE)

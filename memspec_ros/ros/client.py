@@ -64,7 +64,7 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         while not client.server_is_ready():
             if time.monotonic() > deadline:
                 print(f"no Generate action server at {action_name} after {server_timeout:g} s: is memspec_node running"
-                      " and configured (ros2 lifecycle set <node> configure)? Check ROS_DOMAIN_ID too.", file=log)
+                      " under that name? Check ROS_DOMAIN_ID too.", file=log)
                 outcome.status = "no-server"
                 return outcome
             executor.spin_once(timeout_sec=0.1)

@@ -8,7 +8,9 @@
                 are rejected
     cleanup / shutdown / error   every model is freed (parameter bytes back to 0)
 
-The action server ``~/generate`` exists from configure to cleanup. Its goal callback only checks
+The action server ``~/generate`` exists in every lifecycle state, from the node's construction to
+destroy_node, so that a goal sent to an unconfigured, inactive or finalized node is rejected at once
+with a logged reason. Its goal callback only checks
 (state, prompt / messages / raw, context length, queue room) and builds the prompt's token ids
 (runtime/chat.py: the chat template when the target's tokenizer has one, else plain text) and answers
 at once; accepted goals wait in a bounded
@@ -128,7 +130,6 @@ class MemSpecNode(LifecycleNode):
         self._active = False
         self._configure_error = ""
         self._last_goal_error = ""
-        self._action_server: ActionServer | None = None
         self._cache_pub = None
         self._stats_pub = None
         self._last_cache_key: tuple | None = None
@@ -157,6 +158,17 @@ class MemSpecNode(LifecycleNode):
         self._diag_timer = self.create_timer(v["diagnostic_updater.period"], self._publish_diagnostics,
                                              callback_group=self._group)
         self._cache_timer = self.create_timer(CACHE_POLL_SECONDS, self._poll_cache, callback_group=self._group)
+        self._action_server = ActionServer(
+            self, Generate, ACTION_NAME,
+            execute_callback=self._execute,
+            goal_callback=self._on_goal,
+            handle_accepted_callback=self._on_accepted,
+            cancel_callback=self._on_cancel,
+            callback_group=self._group,
+            goal_service_qos_profile=ACTION_SERVICE_QOS,
+            result_service_qos_profile=ACTION_SERVICE_QOS,
+            cancel_service_qos_profile=ACTION_SERVICE_QOS,
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -171,17 +183,6 @@ class MemSpecNode(LifecycleNode):
         self._configure_error = ""
         self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)
         self._stats_pub = self.create_lifecycle_publisher(GenerationStatsMsg, "~/generation_stats", 10)
-        self._action_server = ActionServer(
-            self, Generate, ACTION_NAME,
-            execute_callback=self._execute,
-            goal_callback=self._on_goal,
-            handle_accepted_callback=self._on_accepted,
-            cancel_callback=self._on_cancel,
-            callback_group=self._group,
-            goal_service_qos_profile=ACTION_SERVICE_QOS,
-            result_service_qos_profile=ACTION_SERVICE_QOS,
-            cancel_service_qos_profile=ACTION_SERVICE_QOS,
-        )
         lo = self._loaded
         self.get_logger().info(
             f"configured in {time.perf_counter() - t0:.1f} s: target {lo.paths.target}"
@@ -293,9 +294,6 @@ class MemSpecNode(LifecycleNode):
 
     def _release(self) -> None:
         """Free every model: the controller (its cache and loader thread), drafts, target, predictor."""
-        if self._action_server is not None:
-            self._action_server.destroy()
-            self._action_server = None
         for pub in (self._cache_pub, self._stats_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
@@ -409,7 +407,10 @@ class MemSpecNode(LifecycleNode):
         """('' , prompt ids) to accept, else (reason, [])."""
         lo = self._loaded
         if not self._active or lo is None:
-            return f"the node is not active (state {self.lifecycle_state}): activate it first", []
+            state = self.lifecycle_state
+            todo = {"unconfigured": "configure and activate it", "inactive": "activate it",
+                    "finalized": "start the node again"}.get(state, "wait for its transition and activate it")
+            return f"the node is not active (state {state}): {todo} first", []
         messages = [(m.role, m.content) for m in goal.messages]
         reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
         if reason:  # cheap checks first: roles, emptiness, raw with messages, messages without a template
@@ -609,6 +610,7 @@ class MemSpecNode(LifecycleNode):
         self._end_goals("the node is being destroyed")
         self.stop_worker()
         self._release()
+        self._action_server.destroy()
         super().destroy_node()
 
     # -- periodic publications ----------------------------------------------------------------

@@ -15,6 +15,7 @@ from memspec_ros.runtime.chat import (
     check_request,
     end_token_ids,
     has_chat_template,
+    max_token_chars,
     prompt_ids,
 )
 
@@ -159,3 +160,23 @@ def test_end_token_ids_join_the_tokenizer_eos_and_the_generation_config(chat_tok
     assert end_token_ids(None, model(4)) == [4]
     tok.eos_token = "<|im_end|>"  # SmolLM2-Instruct: eos is the end-of-turn token, listed in both places
     assert end_token_ids(tok, model(4)) == [4]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_no_text_fits_in_fewer_tokens_than_its_length_over_max_token_chars(chat):
+    """The goal callback's pre-check rejects a prompt of more than limit * max_token_chars characters
+    untokenized: that must never reject one that would fit, so chars <= tokens * max_token_chars."""
+    import random
+
+    tok = tiny_tokenizer(chat=chat)
+    longest = max_token_chars(tok)
+    assert longest == max(len(t) for t in tok.get_vocab())
+    rng = random.Random(0)
+    alphabet = list("abcdefghijklmnopqrstuvwxyz     \n\t.,;:()[]{}=+-*/0123456789") + ["é", "ß", "€", "日本", "🙂"]
+    specials = [t for t in tok.get_vocab() if t.startswith("<")]
+    entries = [t for t in tok.get_vocab() if len(t) == longest]
+    for _ in range(200):
+        parts = rng.choices(alphabet + specials + entries, k=rng.randint(1, 400))
+        text = "".join(parts)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(text) <= len(ids) * longest, (text, len(ids), longest)

@@ -144,6 +144,18 @@ def test_every_rejection_answers_fast_while_a_goal_runs(h):
         h.set_params(**{"action.max_queued_goals": 4, "generation.max_prompt_tokens": 1024})
 
 
+def test_a_megabyte_prompt_is_rejected_before_it_is_tokenized(h):
+    """A 1 MB prompt was tokenized whole in the goal callback before its length was checked (451 ms and
+    350 MB of RSS); a character count that no max_prompt_tokens-token prompt can reach now rejects it first."""
+    h.goal_callback_seconds.clear()
+    handle, seconds = h.send(goal(prompt="word " * 200_000))
+    assert not handle.accepted
+    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
+    assert "the prompt has 1000000 characters" in h.node.last_rejection, h.node.last_rejection
+    assert "more than the limit of 1024" in h.node.last_rejection
+    assert seconds < 1.0
+
+
 def test_a_burst_of_goal_requests_is_answered_in_full(h):
     """20 goal requests sent at once while a goal runs, against a queue of 2: the server's goal service
     holds the whole burst (with rclpy's default depth of 10 the rest went unanswered and their clients

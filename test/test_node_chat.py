@@ -251,3 +251,15 @@ def test_the_behaviour_tree_client_sends_messages_and_raw(h, tok):
         assert b.status == Status.FAILURE and b.outcome == "rejected"
     finally:
         py_trees.blackboard.Blackboard.clear()
+
+
+def test_a_megabyte_of_messages_is_rejected_before_it_is_tokenized(h):
+    """The pre-check counts the characters of every message (a 1 MB conversation was rendered and tokenized
+    whole before its length was checked)."""
+    h.goal_callback_seconds.clear()
+    request = goal(prompt="", messages=msgs(("system", "x" * 500_000), ("user", "y" * 500_000)))
+    handle, seconds = h.send(request)
+    assert not handle.accepted
+    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
+    assert "the messages have 1000000 characters" in h.node.last_rejection, h.node.last_rejection
+    assert seconds < 1.0

@@ -69,6 +69,23 @@ def check_request(prompt: str, messages: Sequence[tuple[str, str]], raw: bool, t
     return ""
 
 
+def max_token_chars(tokenizer) -> int:
+    """The most characters of input text that one token can stand for: the longest vocabulary entry
+    (added and special tokens included), at least 1.
+
+    A text of n characters therefore needs at least n / max_token_chars tokens, and one longer than
+    ``limit * max_token_chars`` characters can never fit in ``limit`` tokens: the goal callback rejects
+    it on its length alone, before any tokenization. For byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen)
+    an entry spells its bytes one character per byte and a text has at least as many bytes as
+    characters, so the bound holds exactly; likewise for byte-fallback SentencePiece (Llama 2). It
+    assumes the tokenizer keeps every input character: a normalizer that folds characters together (NFC
+    composing a letter and its accents, whitespace folding), unknown characters merged into one token, or
+    a chat template that trims the content could in principle let a longer text fit. The bundled
+    tokenizers have none of these."""
+    vocab = tokenizer.get_vocab()
+    return max(1, max((len(entry) for entry in vocab), default=1))
+
+
 def conversation(prompt: str, messages: Sequence[tuple[str, str]], system_prompt: str = "") -> list[dict[str, str]]:
     """The turns given to the template: ``messages`` (or one user turn with ``prompt``), after a
     system turn with ``system_prompt`` when that is set and no message is a system message."""

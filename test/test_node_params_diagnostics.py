@@ -201,6 +201,51 @@ def test_a_draft_that_fails_to_load_is_an_error_and_the_goal_still_succeeds(h, t
         h.node._loaded.controller.cache.clear_failed()
 
 
+def test_a_failed_draft_is_tried_again_once_its_cause_is_gone(h, tmp_path):
+    """A draft marked failed stayed failed, and /diagnostics in ERROR, after its cause was gone. Now a
+    budget change retries the drafts that did not fit (the reason names memspec.budget_bytes), and
+    setting the registry again retries one whose file was damaged and is restored."""
+    def cache_status():
+        return {s.name: s for s in h.node._diagnostics.collect()}["memspec: draft cache"]
+
+    def run_goal():
+        handle, _ = h.send(goal(max_new_tokens=8))
+        response = h.result(handle)
+        assert response.status == GoalStatus.STATUS_SUCCEEDED
+        return list(response.result.drafts_used)
+
+    assert h.set_params(**{"memspec.budget_bytes": 1})[0].successful
+    try:
+        assert run_goal() == []  # no draft fits: the target decodes alone
+        status = cache_status()
+        assert status.level == ERROR and "memspec.budget_bytes" in status.message, status.message
+    finally:
+        assert h.set_params(**{"memspec.budget_bytes": 0})[0].successful
+    status = cache_status()
+    assert status.level != ERROR and not h.node._loaded.controller.cache.failed(), status.message
+    assert run_goal()  # the drafts load again
+    assert cache_status().level != ERROR
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_zoo() / "drafts" / "general", damaged)
+    good = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(bytes(len(good)))  # zeros of the same size: the same registry entry
+    registry = {"drafts.names": ["damaged"], "drafts.paths": [str(damaged)], "drafts.domains": ["general"]}
+    assert h.set_params_atomically(**registry, **{"memspec.policy": "general-static",
+                                                  "memspec.general_draft": "damaged"}).successful
+    try:
+        assert run_goal() == []
+        assert cache_status().level == ERROR and "damaged" in cache_status().message
+        (damaged / "model.safetensors").write_bytes(good)  # the file is restored ...
+        assert h.set_params_atomically(**registry).successful  # ... and the registry set again
+        assert cache_status().level != ERROR
+        assert run_goal() == ["damaged"]
+        assert cache_status().level != ERROR
+    finally:
+        assert h.set_params_atomically(**registry_file_params(), **{"memspec.policy": "memspec",
+                                                                  "memspec.general_draft": "general"}).successful
+
+
 # -- levels, without DDS ------------------------------------------------------------------------
 
 def _stats(fallback: bool) -> GenerationStats:

@@ -123,6 +123,51 @@ def test_failed_load_marks_draft_failed_and_is_skipped():
     cache.close()
 
 
+def test_a_budget_change_retries_the_drafts_that_did_not_fit():
+    cache = DraftCacheManager(2, fake_loader(), budget_bytes=100, size_of=SIZES.get)
+    cache.update(["medical", "law"])
+    cache.drain()
+    assert cache.resident() == ["law"]
+    error = cache.failed()["medical"]
+    assert isinstance(error, DraftTooLargeError) and "memspec.budget_bytes" in str(error)  # the node's parameter
+    assert cache.update(["medical", "law"]) == ["law"]  # skipped while the budget is the same
+    cache.reconfigure(budget_bytes=500)
+    assert cache.failed() == {} and cache.snapshot().failed == {}  # diagnostics see no stale failure
+    cache.update(["medical", "law"])
+    cache.drain()
+    assert sorted(cache.resident()) == ["law", "medical"]
+    cache.close()
+
+
+def test_a_failed_draft_is_retried_after_the_back_off():
+    """A load that failed (a damaged file) is tried again by a later update once retry_seconds have
+    passed, not earlier, and the draft becomes resident once its cause is gone (the file restored)."""
+    broken = {"math"}
+    attempts = []
+
+    def load(name: str) -> LoadedModel:
+        attempts.append(name)
+        if name in broken:
+            raise OSError(f"damaged file for {name}")
+        return LoadedModel(torch.nn.Linear(1, 1), ModelSpec(name), 0, 64, 512)
+
+    cache = DraftCacheManager(2, load, retry_seconds=0.3)
+    cache.update(["math", "code"])
+    cache.drain()
+    assert "math" in cache.failed() and attempts.count("math") == 1
+    cache.update(["math", "code"])
+    cache.drain()
+    assert "math" in cache.failed() and attempts.count("math") == 1  # within the back-off: skipped
+    broken.clear()  # the file is restored
+    time.sleep(0.35)
+    assert "math" not in cache.failed()  # the back-off is over: viable again for the policy
+    cache.update(["math", "code"])
+    cache.drain()
+    assert attempts.count("math") == 2 and sorted(cache.resident()) == ["code", "math"]
+    assert cache.snapshot().failed == {}
+    cache.close()
+
+
 def test_byte_budget_reserves_before_load_and_refuses_oversized():
     cache = DraftCacheManager(3, fake_loader(0.01), budget_bytes=450, size_of=SIZES.get)
     cache.update({"general": 3, "code": 2, "law": 1})  # 300 + 200 > 450: code skipped, law fits

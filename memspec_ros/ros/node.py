@@ -372,6 +372,7 @@ class MemSpecNode(LifecycleNode):
             with self._cv:  # the worker cannot start a goal meanwhile
                 idle = self._running is None
                 self._apply_registry(lo.registry, registry, lo.controller.cache if idle else None)
+            lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
         if "diagnostic_updater.period" in new:
             self.destroy_timer(self._diag_timer)
             self._diag_timer = self.create_timer(new["diagnostic_updater.period"], self._publish_diagnostics,

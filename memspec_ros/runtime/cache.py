@@ -9,7 +9,10 @@ budget; a load reserves its bytes *before* it starts, so the count and the byte
 budget hold at every instant, loads in flight included.
 
 A failed load marks that draft failed (with its error) and is skipped by later
-updates; decoding continues on whatever is resident (or the target alone).
+updates; decoding continues on whatever is resident (or the target alone). A failure is
+not forever: a budget change forgets every failure, clear_failed() forgets them on demand
+(the node calls it when the draft registry is set), and after ``retry_seconds`` a failed
+draft is viable again, so a file restored meanwhile loads at the next prefetch.
 
 All state changes happen under one lock. Evictions happen only on the caller's
 thread (update/request/remove/reconfigure), so the ``on_evict`` callbacks (the
@@ -31,6 +34,7 @@ from .stats import CacheStats
 
 Loader = Callable[[str], LoadedModel]
 Ranking = Sequence[str] | Sequence[tuple[str, float]] | Mapping[str, float]
+RETRY_SECONDS = 30.0  # back-off before a failed draft is tried again
 
 
 class DraftLoadError(RuntimeError):
@@ -53,6 +57,7 @@ class _Slot:
     used: bool = False  # ran at least once since it became resident (for wasted-prefetch counting)
     discard: bool = False  # removed/evicted while in flight: drop it when the load completes
     load_started: float = 0.0
+    failed_at: float = 0.0  # time.monotonic() of the failure (for the retry back-off)
 
 
 def normalise_ranking(ranking: Ranking) -> list[tuple[str, float]]:
@@ -80,13 +85,16 @@ class DraftCacheManager:
         budget_bytes: int = 0,
         size_of: Callable[[str], int] | None = None,
         on_change: Callable[[CacheStats], None] | None = None,
+        retry_seconds: float = RETRY_SECONDS,
     ) -> None:
         """``loader(name)`` loads a draft into fast memory (runs on the loader thread);
         ``size_of(name)`` estimates its bytes for the reservation made before the load;
-        ``on_change`` sees a snapshot after every state change (tests check invariants there)."""
+        ``on_change`` sees a snapshot after every state change (tests check invariants there);
+        ``retry_seconds``: a failed draft is viable again (failed(), update()) after this long."""
         _check_capacity(capacity, budget_bytes)
         self.capacity = capacity
         self.budget_bytes = budget_bytes
+        self.retry_seconds = retry_seconds
         self.loader = loader
         self.size_of = size_of or (lambda name: 0)
         self.on_change = on_change
@@ -111,7 +119,9 @@ class DraftCacheManager:
             return [n for n, s in self._slots.items() if s.future is not None and s.model is None and s.error is None]
 
     def failed(self) -> dict[str, BaseException]:
+        """Drafts whose load failed less than ``retry_seconds`` ago (older failures are forgotten here)."""
         with self._lock:
+            self._forget_failures(older_than=self.retry_seconds)
             return {n: s.error for n, s in self._slots.items() if s.error is not None}
 
     def is_resident(self, name: str) -> bool:
@@ -160,9 +170,10 @@ class DraftCacheManager:
     def update(self, ranking: Ranking, active: str | None = None) -> list[str]:
         """Align G with W = top-K of ``ranking``: evict, then prefetch asynchronously. Never blocks.
 
-        Failed drafts and names not in ``ranking`` are skipped. Returns W.
+        Drafts that failed less than ``retry_seconds`` ago and names not in ``ranking`` are skipped. Returns W.
         """
         with self._lock:
+            self._forget_failures(older_than=self.retry_seconds)
             if active is not None:
                 self._active = active
             pairs = normalise_ranking(ranking)
@@ -247,23 +258,23 @@ class DraftCacheManager:
             self._changed()
 
     def clear_failed(self, name: str | None = None) -> None:
-        """Let a failed draft be tried again (after fixing its files)."""
+        """Let a failed draft (every one when ``name`` is None) be tried again (after fixing its files)."""
         with self._lock:
-            for n in [name] if name else list(self._slots):
-                slot = self._slots.get(n)
-                if slot is not None and slot.error is not None:
-                    del self._slots[n]
+            self._forget_failures(name=name)
             self._changed()
 
     def reconfigure(self, capacity: int | None = None, budget_bytes: int | None = None) -> None:
         """Change K and/or the byte budget; shrinking evicts the lowest-scored non-active drafts now.
 
         Loads already in flight are not interrupted; if they no longer fit they are dropped when they complete.
+        A new budget forgets every failure: a draft that did not fit may fit now, and is tried again.
         """
         capacity = self.capacity if capacity is None else capacity
         budget_bytes = self.budget_bytes if budget_bytes is None else budget_bytes
         _check_capacity(capacity, budget_bytes)
         with self._lock:
+            if budget_bytes != self.budget_bytes:
+                self._forget_failures()
             self.capacity, self.budget_bytes = capacity, budget_bytes
             for name in sorted(self.loading(), key=lambda n: self._scores.get(n, float("-inf"))):
                 if self._count() > capacity or not self._fits(0):
@@ -348,6 +359,18 @@ class DraftCacheManager:
     def _fits(self, extra: int) -> bool:
         return not self.budget_bytes or self._reserved() + extra <= self.budget_bytes
 
+    def _forget_failures(self, name: str | None = None, older_than: float = 0.0) -> None:
+        """Drop failed slots (``name``'s only, if given; failed at least ``older_than`` s ago): tried again later."""
+        now = time.monotonic()
+        for n in [name] if name else list(self._slots):
+            slot = self._slots.get(n)
+            if slot is not None and slot.error is not None and now - slot.failed_at >= older_than:
+                del self._slots[n]
+
+    def _fail(self, slot: _Slot, error: BaseException) -> None:
+        slot.error, slot.future, slot.failed_at = error, None, time.monotonic()
+        self._counters.load_failures += 1
+
     def _victim(self, protect: set[str]) -> str | None:
         """Lowest-scored resident draft outside ``protect`` and the active draft (Algorithm 2, line 6)."""
         candidates = [
@@ -360,10 +383,10 @@ class DraftCacheManager:
     def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
         size = max(0, int(self.size_of(name)))
         if self.budget_bytes and size > self.budget_bytes:
-            self._slots[name] = _Slot(name, 0, error=DraftTooLargeError(
+            self._slots[name] = slot = _Slot(name, 0)
+            self._fail(slot, DraftTooLargeError(
                 f"draft {name!r} needs {size} B but the draft memory budget is {self.budget_bytes} B:"
-                " raise cache.budget_bytes or remove the draft"))
-            self._counters.load_failures += 1
+                " raise memspec.budget_bytes or remove the draft"))
             return False
         while self._count() >= self.capacity or not self._fits(size):
             victim = self._victim(protect)
@@ -393,9 +416,7 @@ class DraftCacheManager:
             loaded = self.loader(slot.name)
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
-                slot.error = exc if isinstance(exc, Exception) else DraftLoadError(str(exc))
-                slot.future = None
-                self._counters.load_failures += 1
+                self._fail(slot, exc if isinstance(exc, Exception) else DraftLoadError(str(exc)))
                 if slot.discard and self._slots.get(slot.name) is slot:
                     del self._slots[slot.name]
                 self._changed()
@@ -413,12 +434,10 @@ class DraftCacheManager:
             if actual > slot.reserved_bytes:
                 others = self._reserved() - slot.reserved_bytes
                 if self.budget_bytes and others + actual > self.budget_bytes:
-                    slot.error = DraftTooLargeError(
+                    self._fail(slot, DraftTooLargeError(
                         f"draft {slot.name!r} occupies {actual} B in memory, more than the {slot.reserved_bytes} B"
-                        f" reserved and the {self.budget_bytes} B budget allows: set its size_bytes in the registry"
-                    )
-                    slot.future = None
-                    self._counters.load_failures += 1
+                        f" reserved and the {self.budget_bytes} B budget (memspec.budget_bytes) allows: set its"
+                        " size_bytes in the registry"))
                     self._changed()
                     return
             if actual > 0:

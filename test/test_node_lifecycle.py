@@ -8,7 +8,7 @@ import gc
 
 import pytest
 from node_helpers import Harness, goal, node_overrides, tiny_zoo
-from ros_helpers import require_ros
+from ros_helpers import require_ros, wait_until
 
 require_ros()
 
@@ -16,6 +16,7 @@ from action_msgs.msg import GoalStatus
 from lifecycle_msgs.msg import Transition
 from rclpy.lifecycle import TransitionCallbackReturn
 
+from memspec_interfaces.action import Generate
 from memspec_ros.ros.diagnostics import ERROR
 
 
@@ -99,6 +100,29 @@ def test_a_goal_is_rejected_at_once_with_the_reason_in_every_state_but_active(ha
     assert h.transition(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN)
     rejected_in("finalized", "start the node again")
     assert h.node.goals_rejected == 5
+
+
+def test_shutdown_during_a_goal_sends_the_results_of_the_running_and_the_queued_goal(harness):
+    """The shutdown transition while a goal runs and another waits: both end ABORTED (the running one
+    with its partial text) and the client receives both results (before, the action server was gone
+    before rclpy sent them)."""
+    h = harness()
+    h.activate()
+    feedback = []
+    running, _ = h.send(goal(max_new_tokens=3000), feedback)
+    wait_until(lambda: len(feedback) >= 2, 30.0, "the running goal's feedback")
+    queued, _ = h.send(goal(max_new_tokens=8))
+    assert running.accepted and queued.accepted
+    results = [handle.get_result_async() for handle in (running, queued)]
+    assert h.transition(Transition.TRANSITION_ACTIVE_SHUTDOWN)
+    assert h.state() == "finalized"
+    ran, waited = (h.wait(r, 10.0, "a result after shutdown") for r in results)
+    for response in (ran, waited):
+        assert response.status == GoalStatus.STATUS_ABORTED
+        assert response.result.finish_reason == Generate.Result.FINISH_ERROR
+        assert "shutting down" in response.result.error_message, response.result.error_message
+    assert ran.result.text and 0 < ran.result.completion_tokens < 3000
+    assert waited.result.completion_tokens == 0
 
 
 def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):

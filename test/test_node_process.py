@@ -20,6 +20,7 @@ from ros_helpers import require_ros, wait_until
 require_ros()
 
 import rclpy
+from action_msgs.msg import GoalStatus
 from lifecycle_msgs.msg import Transition
 from rcl_interfaces.srv import GetParameters
 from rclpy.context import Context
@@ -145,6 +146,67 @@ def test_the_node_executable_with_a_params_file(tmp_path):
     assert proc.returncode == 0, out
     assert "Traceback" not in out
     assert "configured in" in out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_cleanly(tmp_path, sig):
+    """SIGINT or SIGTERM while a goal runs: the goal ends ABORTED with its partial text and the client
+    receives that result before the node goes; exit status 0, no traceback or RCLError in the log
+    (rclpy's own handler shut the context down first: "Failed to send result response", "feedback
+    publisher is invalid", "'NoneType' object has no attribute 'trigger'")."""
+    from rclpy.action import ActionClient
+
+    from memspec_interfaces.action import Generate
+
+    name = "memspec_sigint"
+    cmd = [executable("memspec_node"), "--ros-args", "-r", f"__node:={name}", "--params-file", str(params_file(tmp_path))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    context = Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node("sigint_test_client", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(node)
+
+    def spin_until(condition, what, timeout=TIMEOUT):
+        wait_until(lambda: (executor.spin_once(timeout_sec=0.05), condition())[1], timeout, what)
+
+    try:
+        lifecycle = LifecycleClient(node, f"/{name}", lambda seconds: executor.spin_once(timeout_sec=seconds))
+        for tid in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
+            assert lifecycle.change_state(tid, 120.0)
+        client = ActionClient(node, Generate, f"/{name}/generate")
+        spin_until(client.server_is_ready, "the action server")
+        feedback = []
+        sent = client.send_goal_async(Generate.Goal(prompt="def add(a, b):", max_new_tokens=3000, temperature=0.0),
+                                      feedback_callback=feedback.append)
+        spin_until(sent.done, "the goal response")
+        assert sent.result().accepted
+        result = sent.result().get_result_async()
+        spin_until(lambda: len(feedback) >= 2, "feedback")
+        os.killpg(proc.pid, sig)
+        spin_until(result.done, f"the goal's result after {sig.name}")
+        response = result.result()
+        assert response.status == GoalStatus.STATUS_ABORTED, response.status
+        assert response.result.finish_reason == Generate.Result.FINISH_ERROR
+        assert sig.name in response.result.error_message, response.result.error_message
+        assert response.result.text and 0 < response.result.completion_tokens < 3000
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"memspec_node did not exit after {sig.name}:\n{out}")
+    sys.stdout.write(out[-2000:])
+    assert proc.returncode == 0, out
+    for bad in ("Traceback", "RCLError", "Failed to send result", "has no attribute"):
+        assert bad not in out, out
 
 
 @pytest.mark.timeout(240)

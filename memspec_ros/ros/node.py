@@ -7,6 +7,7 @@
     deactivate  the running goal ends ABORTED with its partial text, queued goals too; new goals
                 are rejected
     cleanup / shutdown / error   every model is freed (parameter bytes back to 0)
+    SIGINT / SIGTERM   like deactivate, the goals end ABORTED and their results are sent; then the node goes
 
 The action server ``~/generate`` exists in every lifecycle state, from the node's construction to
 destroy_node, so that a goal sent to an unconfigured, inactive or finalized node is rejected at once
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import math
+import signal
 import threading
 import time
 import weakref
@@ -36,6 +38,8 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.signals import SignalHandlerOptions
+from rclpy.task import Future
 
 from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import CacheState
@@ -66,6 +70,11 @@ NODE_NAME = "memspec"
 ACTION_NAME = "~/generate"
 CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this often (off the decode thread)
 DEACTIVATE_WAIT_SECONDS = 30.0
+# Before the action server goes (SIGINT/SIGTERM, destroy_node): how long ended goals may take to hand
+# rclpy their results, then how long the executor gets to send them to the clients that asked for them
+# (rclpy sends a result from an executor task of its own, after the execute callback returned).
+RESULTS_OUT_SECONDS = 5.0
+RESULT_SEND_SECONDS = 0.5
 # The action's goal, cancel and result services: rclpy's default keeps 10 requests, so a burst of goals
 # sent at once lost the rest unanswered (their clients waited forever). 100 holds any realistic burst
 # between two takes of the executor while bounding what a flood of large prompts can hold in memory.
@@ -101,6 +110,7 @@ class Job:
     accepted_at: float = field(default_factory=time.perf_counter)
     abort_reason: str | None = None  # set by deactivate/shutdown: end with the partial text
     cancelled_in_queue: bool = False  # cancelled before it ran: _execute marks it CANCELED
+    answered: threading.Event = field(default_factory=threading.Event)  # _execute handed rclpy the result
     result: Generate.Result | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -144,6 +154,7 @@ class MemSpecNode(LifecycleNode):
         self.last_rejection = ""  # the reason of the latest rejected goal (also on /diagnostics)
         self._cache_baseline = None  # cache counters at activation: CacheState counts since then
         self._stopping = False
+        self._closing = ""  # why the node takes no more goals before it goes (close_goals)
         self._worker = threading.Thread(target=self._work, name="memspec-generation", daemon=True)
         self._worker.start()
         # diagnostics (published in every lifecycle state, like diagnostic_updater)
@@ -408,6 +419,8 @@ class MemSpecNode(LifecycleNode):
     def _goal_rejection(self, goal: Generate.Goal) -> tuple[str, list[int]]:
         """('' , prompt ids) to accept, else (reason, [])."""
         lo = self._loaded
+        if self._closing:
+            return f"{self._closing}: no new goals", []
         if not self._active or lo is None:
             state = self.lifecycle_state
             todo = {"unconfigured": "configure and activate it", "inactive": "activate it",
@@ -502,6 +515,7 @@ class MemSpecNode(LifecycleNode):
                 goal_handle.canceled()
             else:
                 goal_handle.abort()
+        job.answered.set()  # rclpy sets the result as this returns, then sends it from an executor task
         return job.result
 
     # -- the worker -----------------------------------------------------------------------
@@ -598,16 +612,34 @@ class MemSpecNode(LifecycleNode):
         seed = goal.seed if goal.seed >= 0 else self.get_parameter("generation.seed").value
         return SamplingConfig(float(temperature), float(top_p), int(seed) if seed >= 0 else None)
 
-    def _end_goals(self, reason: str) -> None:
-        """End the running goal (at its next iteration) and every queued one, ABORTED with ``reason``."""
+    def _end_goals(self, reason: str) -> list[Job]:
+        """End the running goal (at its next iteration) and every queued one, ABORTED with ``reason``;
+        returns them once the worker is done with them."""
+        ended: dict[int, Job] = {}
         with self._cv:
-            for job in ([self._running] if self._running else []) + list(self._queue):
-                job.abort_reason = reason
             deadline = time.monotonic() + DEACTIVATE_WAIT_SECONDS
-            while self._outstanding > 0 and time.monotonic() < deadline:
-                self._cv.wait(timeout=0.1)
-                for job in list(self._queue):  # goals accepted while we waited
+            while True:
+                for job in ([self._running] if self._running else []) + list(self._queue):  # and any accepted meanwhile
                     job.abort_reason = reason
+                    ended[id(job)] = job
+                if self._outstanding <= 0 or time.monotonic() >= deadline:
+                    return list(ended.values())
+                self._cv.wait(timeout=0.1)
+
+    def close_goals(self, reason: str) -> None:
+        """Take no more goals, end the running and queued ones ABORTED with ``reason`` and wait until their
+        results are out, so that the action server can go (SIGINT/SIGTERM in main(), destroy_node).
+
+        The executor must still spin: rclpy sends each result from an executor task after _execute
+        returned it (a server destroyed or an executor shut down earlier lost them)."""
+        self._closing = reason
+        self._active = False
+        jobs = self._end_goals(reason)
+        deadline = time.monotonic() + RESULTS_OUT_SECONDS
+        for job in jobs:
+            job.answered.wait(max(0.0, deadline - time.monotonic()))
+        if jobs:
+            time.sleep(RESULT_SEND_SECONDS)  # the executor sends the results to the clients that asked
 
     def stop_worker(self) -> None:
         with self._cv:
@@ -616,8 +648,7 @@ class MemSpecNode(LifecycleNode):
         self._worker.join(timeout=5.0)
 
     def destroy_node(self) -> None:
-        self._active = False
-        self._end_goals("the node is being destroyed")
+        self.close_goals(self._closing or "the node is being destroyed")
         self.stop_worker()
         self._release()
         self._action_server.destroy()
@@ -813,14 +844,36 @@ def _quiet_libraries() -> None:
 
 def main(args: list[str] | None = None) -> None:
     _quiet_libraries()
-    rclpy.init(args=args)
+    # SIGINT/SIGTERM are ours, not rclpy's: its handler shuts the context down at once, so the results of
+    # the goals still running or queued were never sent. Ours ends those goals and lets the executor send
+    # their results (close_goals, on a thread of its own while the executor spins), then the node goes.
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     node = MemSpecNode()
     executor = MultiThreadedExecutor(num_threads=4)
     executor.add_node(node)
+    closing = threading.Event()
+    closed = Future()
+
+    def close(reason: str) -> None:
+        try:
+            node.close_goals(reason)
+        finally:
+            closed.set_result(True)  # wakes the executor: main() goes on to destroy the node
+
+    def on_signal(signum, _frame) -> None:
+        if closing.is_set():
+            raise KeyboardInterrupt  # a second signal: stop without waiting for the results
+        closing.set()
+        reason = f"the node is shutting down ({signal.Signals(signum).name})"
+        node.get_logger().info(f"{reason}: ending the goals and sending their results")
+        threading.Thread(target=close, args=(reason,), name="memspec-close", daemon=True).start()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
-        while rclpy.ok():
+        while rclpy.ok() and not closed.done():
             try:
-                executor.spin()
+                executor.spin_until_future_complete(closed)
             except (KeyboardInterrupt, ExternalShutdownException):
                 break
             except Exception as exc:  # a failing callback is logged, never the end of the node

@@ -173,3 +173,23 @@ def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build,
     assert report["prompts"] == len(load_answers(tiny_build.work_dir / "teacher", "train"))
     assert report["contexts"] >= report["prompts"] and set(report["label_counts"]) == set(DOMAINS)
     assert (out / "target-hidden").is_dir()
+
+
+def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(tiny_build):
+    from memspec_ros.zoo.chat_card import render
+
+    lat = {"1": 30.0, "5": 60.0, "lean1": 25.0, "lean5": 50.0}
+    measured = {"threads": 1, "target_parameters": 134_500_000,
+                "latency_ms": {"target": lat, **{d: {"1": 1.0, "5": 1.2, "lean1": 0.5, "lean5": 0.6} for d in DOMAINS}},
+                "drafts": {d: {"parameters": 2_500_000, "bytes_on_disk": 5_000_000} for d in DOMAINS}}
+    matrix = {d: {w: (1.5 if d == w else 1.0) for w in WORKLOADS} for d in DOMAINS}
+    acceptance = {"matrix": matrix, "oracle_static_gain": 0.25, "oracle_dynamic_gain_mixed": 0.05,
+                  "domain_gain_over_general": {d: {w: matrix[d][w] - 1 for w in DOMAINS} for d in DOMAINS if d != "general"}}
+    text = render(measured, acceptance, tiny_build.work_dir)
+    assert "| code | 1.00 | 1.20 | 0.50 | 60.0x |" in text  # target 1 token / the draft's lean forward
+    assert "Drafts total 25.0 MB" in text
+    assert "| oracle_static_gain >= 0.20 | 0.250 | yes |" in text
+    assert "| oracle_dynamic_gain_mixed >= 0.10 | 0.050 | no |" in text
+    assert "code +50%, math +50%, law +50%, medical +50% | yes |" in text
+    general_meta = json.loads((tiny_build.work_dir / "ckpt" / "general" / "final" / "train_meta.json").read_text())
+    assert f"| {general_meta['best_step']} of {general_meta['step']} |" in text

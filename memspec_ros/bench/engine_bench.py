@@ -164,6 +164,8 @@ def default_prompts(tokenizer, workloads_dir: Path, per_domain: int) -> list[lis
     """A few held-out prompts of every workload, round-robin, tokenised."""
     import json
 
+    from ..runtime.chat import prompt_ids
+
     files = sorted(workloads_dir.glob("*.jsonl"))
     files = [f for f in files if not f.stem.startswith("train")]
     per_file = [[json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()] for f in files]
@@ -171,5 +173,5 @@ def default_prompts(tokenizer, workloads_dir: Path, per_domain: int) -> list[lis
     for k in range(per_domain):
         for texts in per_file:
             if k < len(texts):
-                prompts.append(tokenizer(texts[k])["input_ids"])
+                prompts.append(prompt_ids(tokenizer, texts[k]))  # the chat template where the target has one
     return prompts

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..runtime.cache import registry_loader
+from ..runtime.chat import end_token_ids, prompt_ids
 from ..runtime.controller import RuntimeConfig, RuntimeController
 from ..runtime.models import LoadedModel, ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
 from ..runtime.oracle import GreedyOracle
@@ -126,12 +127,12 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
         predictor = PredictionEngine.load(predictor_dir, target=target.model, tokenizer=tokenizer)
     policies = [p for p in cfg.policies if predictor is not None or p not in ("memspec", "prediction-only")]
     skipped = sorted(set(cfg.policies) - set(policies))
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eos = end_token_ids(tokenizer, target.model)
 
     # future knowledge for the oracles (exact under greedy): every draft once, outside the timed runs
     drafts = {e.name: load_model(ModelSpec(str(e.path))).model for e in registry}
-    prompts = {w: [tokenizer(t)["input_ids"] for t in read_workload(zoo / "workloads" / f"{w}.jsonl", cfg.prompts)]
-               for w in cfg.workloads}
+    prompts = {w: [prompt_ids(tokenizer, t) for t in read_workload(zoo / "workloads" / f"{w}.jsonl", cfg.prompts)]
+               for w in cfg.workloads}  # the chat template where the target has one, as the node sends them
     oracles: dict[tuple[int, ...], GreedyOracle] = {}
     for ids_list in prompts.values():
         for ids in ids_list:

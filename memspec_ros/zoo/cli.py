@@ -237,6 +237,13 @@ def _card_parser(sub) -> None:
 def _run_card(a) -> int:
     from .card import write_card
 
+    if _is_chat_zoo(Path(a.models)):
+        from .chat_card import write_chat_card
+
+        acceptance = Path(a.acceptance_json) if a.acceptance_json else Path(a.models) / "acceptance.json"
+        print(write_chat_card(Path(a.models), Path(a.work_dir), acceptance, Path(a.notes) if a.notes else None))
+        return 0
+
     write_card(
         Path(a.models),
         Path(a.work_dir),

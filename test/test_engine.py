@@ -150,7 +150,7 @@ def test_text_stream_is_incremental_and_joins_to_the_full_decode():
     from memspec_ros.runtime.models import load_tokenizer
     from memspec_ros.runtime.speculative import _TextStream
 
-    tokenizer = load_tokenizer(Path(__file__).resolve().parents[1] / "models" / "target")  # byte-level BPE
+    tokenizer = load_tokenizer(Path(__file__).resolve().parent / "data" / "toy_tokenizer")  # byte-level BPE
     window = []
 
     class Recording:  # records how many tokens each decode call sees

@@ -1,11 +1,10 @@
-"""The bundled zoo: corpus splitting, the committed models and workloads, the acceptance walk.
+"""The toy zoo recipe (memspec-zoo build-toy): corpus splitting, workloads, build stages, the acceptance walk.
 
-Fast (no training, no generation): the committed zoo is only loaded and checked.
+The committed real-target zoo is checked in test_bundled_zoo.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +14,6 @@ import pytest
 from memspec_ros.zoo.acceptance import dynamic_walk, static_score
 from memspec_ros.zoo.corpora import (
     DOMAINS,
-    WORKLOADS,
     CorpusConfig,
     Document,
     dedupe_paragraphs,
@@ -26,7 +24,6 @@ from memspec_ros.zoo.corpora import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ROOT / "models"
 
 
 # --------------------------------------------------------------------------- corpora
@@ -130,73 +127,17 @@ def test_dynamic_walk_switches_draft_per_interval():
     assert dyn > best_fixed
 
 
-# --------------------------------------------------------------------------- committed zoo
+# ------------------------------------------------------------------ the toy recipe (memspec-zoo build-toy)
 
-needs_zoo = pytest.mark.skipif(not (MODELS / "registry.yaml").exists(), reason="the zoo is not built")
-
-
-@needs_zoo
-def test_registry_paths_resolve_and_sizes_match():
-    import yaml
-
-    reg = yaml.safe_load((MODELS / "registry.yaml").read_text())
-    assert (MODELS / reg["target"]["path"] / "config.json").is_file()
-    assert [d["name"] for d in reg["drafts"]] == list(DOMAINS)
-    for d in reg["drafts"]:
-        path = MODELS / d["path"]
-        assert (path / "model.safetensors").is_file(), path
-        assert d["size_bytes"] == sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    total = sum(f.stat().st_size for f in MODELS.rglob("*.safetensors"))
-    assert total < 60e6
-
-
-@needs_zoo
-def test_all_six_models_load_with_one_tokenizer():
-    import torch
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
-
-    dirs = [MODELS / "target"] + [MODELS / "drafts" / d for d in DOMAINS]
-    digests = {hashlib.sha256((p / "tokenizer.json").read_bytes()).hexdigest() for p in dirs}
-    assert len(digests) == 1, "every model directory must carry the same tokenizer"
-    tok = PreTrainedTokenizerFast.from_pretrained(str(dirs[0]))
-    assert len(tok) == 2048 and tok.bos_token == "<s>" and tok.eos_token == "</s>"
-    ids = torch.tensor([[tok.bos_token_id] + tok("def f(x):\n    return x", add_special_tokens=False)["input_ids"]])
-    params = {}
-    for p in dirs:
-        m = LlamaForCausalLM.from_pretrained(str(p), dtype=torch.float32)
-        assert m.config.vocab_size == len(tok)
-        with torch.no_grad():
-            assert torch.isfinite(m(input_ids=ids).logits).all()
-        params[p.name] = sum(x.numel() for x in m.parameters())
-    assert params["target"] > 8 * params["general"]
-
-
-def _rows(name: str) -> list[dict]:
-    return [json.loads(line) for line in (MODELS / "workloads" / name).read_text().splitlines() if line.strip()]
-
-
-@needs_zoo
-def test_workloads_are_held_out_and_complete():
-    train_rows = _rows("train_prompts.jsonl")
-    train_prompts = {r["prompt"] for r in train_rows}
-    for w in WORKLOADS:
-        rows = _rows(f"{w}.jsonl")
-        assert len(rows) == 100 and {r["domain"] for r in rows} == {w}
-        assert not train_prompts & {r["prompt"] for r in rows}
-        if w != "mixed":
-            assert all(split_of(r["source"]) == "heldout" for r in rows)
-            assert len({r["source"] for r in rows}) == 100
-        else:
-            assert all(split_of(s) == "heldout" for r in rows for s in r["source"].split("|"))
-    assert {r["domain"] for r in train_rows} == set(WORKLOADS)
-    assert all(split_of(s) == "train" for r in train_rows for s in r["source"].split("|"))
+# the byte-level BPE (2048) of the earlier toy zoo, kept for the build-toy tests
+TOY_TOKENIZER = ROOT / "test" / "data" / "toy_tokenizer"
 
 
 def test_mixed_prompts_end_inside_the_first_domain_after_one_switch():
     from memspec_ros.runtime.models import load_tokenizer
     from memspec_ros.zoo.workloads import MIXED_PAIRS, WorkloadConfig, mixed_prompts
 
-    tok = load_tokenizer(MODELS / "target")
+    tok = load_tokenizer(TOY_TOKENIZER)
     words = {d: f"{d}word" for d in DOMAINS}
 
     def doc(domain: str, i: int) -> Document:  # long documents: every text overflows a 48-token prompt
@@ -235,7 +176,7 @@ def _tiny_work_dir(tmp_path: Path, model_dir: Path):
 
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
-    (work / "tokenizer").symlink_to(MODELS / "target")  # the zoo's tokenizer files
+    (work / "tokenizer").symlink_to(TOY_TOKENIZER)  # the toy zoo's tokenizer files
     tok = load_tokenizer(work / "tokenizer")
     gen = torch.Generator().manual_seed(0)
     save_file({n: torch.randint(3, len(tok), (400,), generator=gen, dtype=torch.int32)
@@ -246,7 +187,7 @@ def _tiny_work_dir(tmp_path: Path, model_dir: Path):
     return work, arch
 
 
-@needs_zoo
+
 def test_target_stage_continues_a_given_target(tmp_path):
     """``--target-init``: the target stage trains the given model further instead of a random one,
     records where it started, and refuses a model of another shape or one without safetensors."""
@@ -281,7 +222,7 @@ def test_target_stage_continues_a_given_target(tmp_path):
     assert build_phases(work)["target"]["objective"] == f"continued from `{tmp_path / 'init'}`: next-token CE on the corpus mixture"
 
 
-@needs_zoo
+
 def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
     """The corpus phase (``general-base``) and the on-policy phase (``general``, shared recipe) keep
     separate checkpoints: the second trains from the first's weights instead of resuming the first's finished
@@ -320,7 +261,7 @@ def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-@needs_zoo
+
 @pytest.mark.parametrize("recipe", ["paper", "shared"])
 def test_draft_recipe_decides_what_each_draft_learns_and_from_which_start(tmp_path, recipe):
     """``paper`` (default): the general draft is ``general-base`` unchanged and each domain draft starts

@@ -56,13 +56,16 @@ class ChatBuildConfig:
     seed: int = 0
     workloads: ChatWorkloadConfig = field(default_factory=lambda: ChatWorkloadConfig(train_per_domain=800))
     teacher: TeacherConfig = field(default_factory=lambda: TeacherConfig(batch_size=48))
-    # 0: every training request; else the first N of the domain-interleaved list (a balanced prefix)
-    teacher_train_requests: int = 0
+    # 0: every training request; else the first N of the domain-interleaved list (a balanced prefix).
+    # 2176 (17 shards) is what the committed zoo was built with: about 37 minutes of the target's
+    # batched decoding on this 2-core CPU; more answers per domain is the lever for the domain drafts
+    teacher_train_requests: int = 2176
     arch: ChatDraftArch = field(default_factory=ChatDraftArch)
     general_train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        max_minutes=20.0, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=30, validate_every=100, checkpoint_every=100))
+        max_minutes=12.0, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=30, validate_every=100, checkpoint_every=100))
+    # a low rate: at 1e-3 each domain's few hundred answers pulled the draft below its start within 50 steps
     domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        max_minutes=6.0, batch_size=16, seq_len=256, lr=1e-3, warmup_steps=10, validate_every=50, checkpoint_every=50))
+        max_minutes=4.0, batch_size=16, seq_len=256, lr=2e-4, warmup_steps=20, validate_every=25, checkpoint_every=50))
     max_prompt_tokens: int = 96  # request tokens kept before each answer in training (its end: what a draft uses most)
     gamma: int = 4
     validation_answers: int = 48
@@ -163,12 +166,19 @@ class ChatZooBuild:
             draft = ReducedVocabDraft(inner, DraftVocab(self.vocab_ids(), draft.vocab.target_vocab_size))
         return draft
 
-    def _distil(self, name: str, start, answers, cfg: TrainConfig) -> None:
+    def _split(self, domain: str | None = None):
+        """(training, validation) answers of ``domain`` (None: all), from ONE split of every answer:
+        a domain draft is validated on answers its starting point (``general``) never trained on."""
+        train_set, val = split_validation(self.train_answers(), seed=self.cfg.seed)
+        if domain is not None:
+            train_set, val = [a for a in train_set if a.domain == domain], [a for a in val if a.domain == domain]
+        return train_set, val[: self.cfg.validation_answers]
+
+    def _distil(self, name: str, start, split, cfg: TrainConfig) -> None:
         final = self.w / "ckpt" / name / "final"
         if (final / "model.safetensors").is_file():
             return _log(f"{name}: cached")
-        train_set, val = split_validation(answers, seed=self.cfg.seed)
-        val = val[: self.cfg.validation_answers]
+        train_set, val = split
         data = AnswerStreams(train_set, start.vocab, self.cfg.seed, self.cfg.max_prompt_tokens)
         before = mean_accepted(start, val, self.cfg.gamma)
         meta = train(start.inner, data, cfg, self.w / "ckpt" / name / "run", desc=name, log=_log,
@@ -180,15 +190,13 @@ class ChatZooBuild:
 
     def general(self) -> None:
         draft = new_draft(self.target(), self.vocab_ids(), self.cfg.arch, seed=self.cfg.seed)
-        self._distil("general", draft, self.train_answers(), self.cfg.general_train)
+        self._distil("general", draft, self._split(), self.cfg.general_train)
 
     def domains(self) -> None:
-        answers = self.train_answers()
         for domain in DOMAINS:
-            if domain == "general":
-                continue
-            own = [a for a in answers if a.domain == domain]
-            self._distil(domain, self._draft("general"), own, replace(self.cfg.domain_train, seed=self.cfg.seed + 1))
+            if domain != "general":
+                self._distil(domain, self._draft("general"), self._split(domain),
+                             replace(self.cfg.domain_train, seed=self.cfg.seed + 1))
 
     def export(self) -> None:
         from .registry_io import write_registry

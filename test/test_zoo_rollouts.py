@@ -206,6 +206,20 @@ def test_early_stopping_keeps_the_best_validated_parameters(rollouts, tmp_path):
     assert not all(torch.equal(p, snapshots[-1][n]) for n, p in student.named_parameters())
 
 
+def test_validate_start_keeps_the_starting_point_when_training_only_hurts(rollouts, tmp_path):
+    _, _, path, _ = rollouts
+    student = _student()
+    start = {n: p.detach().clone() for n, p in student.named_parameters()}
+    scores = iter([0.9, 0.5, 0.4, 0.3])  # the start (step 0) scores best
+
+    cfg = TrainConfig(max_steps=6, max_minutes=1e6, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=2, validate_every=2,
+                      validate_start=True)
+    meta = train(student, RolloutStreams(path, {"code": 1.0}, seed=1), cfg, tmp_path / "c", log=lambda m: None,
+                 validate=lambda model: next(scores))
+    assert [v[0] for v in meta["validation"]] == [0, 2, 4, 6] and meta["best_step"] == 0
+    assert all(torch.equal(p, start[n]) for n, p in student.named_parameters())
+
+
 class _DiesOnSource:
     """A target that raises once it is asked to continue a prompt from ``stream`` (a build killed mid-source)."""
 

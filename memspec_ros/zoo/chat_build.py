@@ -65,7 +65,8 @@ class ChatBuildConfig:
         max_minutes=12.0, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=30, validate_every=100, checkpoint_every=100))
     # a low rate: at 1e-3 each domain's few hundred answers pulled the draft below its start within 50 steps
     domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        max_minutes=4.0, batch_size=16, seq_len=256, lr=2e-4, warmup_steps=20, validate_every=25, checkpoint_every=50))
+        max_minutes=4.0, batch_size=16, seq_len=256, lr=2e-4, warmup_steps=20, validate_every=25, checkpoint_every=50,
+        validate_start=True))
     max_prompt_tokens: int = 96  # request tokens kept before each answer in training (its end: what a draft uses most)
     gamma: int = 4
     validation_answers: int = 48

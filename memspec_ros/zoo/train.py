@@ -84,6 +84,8 @@ class TrainConfig:
     # torch.compile the training forward: 2.31 -> 1.95 s per target step on the 2-core CPU
     # (measured), after ~1 minute of compiling; falls back to eager where it cannot compile
     compile: bool = False
+    # validate before the first step too, so a fine-tuning that only hurts ends at its start
+    validate_start: bool = False
 
 
 class TokenStreams:
@@ -216,7 +218,7 @@ def train(
         log(f"{desc}: already trained ({meta['step']} steps), skipping")
         return meta
     step, elapsed, total = meta["step"], meta["elapsed_s"], meta["total"]
-    if validate is not None and step == 0 and not meta.get("validation"):
+    if cfg.validate_start and validate is not None and step == 0 and not meta.get("validation"):
         check()  # the starting point competes too: fine-tuning that only hurts keeps the start
     meta_start, t_first = step, time.time()
     budget_s = cfg.max_minutes * 60

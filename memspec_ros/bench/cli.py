@@ -66,8 +66,8 @@ def cmd_engine(args) -> int:
         Path(args.json).write_text(text + "\n")
     print(text)
     print(
-        f"\nengine {result.engine_tps:.1f} tok/s | HF assisted {result.hf_assisted_tps:.1f} | "
-        f"autoregressive {result.autoregressive_tps:.1f} | ratio vs HF {result.ratio_vs_hf:.2f} "
+        f"\nengine {result.engine_tps:.1f} tok/s | HF assisted {_num(result.hf_assisted_tps, '.1f')} | "
+        f"autoregressive {result.autoregressive_tps:.1f} | ratio vs HF {_num(result.ratio_vs_hf, '.2f')} "
         f"(goal >= 1.2) | vs AR {result.ratio_vs_autoregressive:.2f} | E[A] {result.mean_accepted:.2f} | "
         f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9) | identical {result.outputs_identical}"
         f" | draft forward: {result.draft_forward}"
@@ -191,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="emulated storage: extra load time per MB of draft weights (default 25; 0: page cache speed)")
     pol.set_defaults(func=cmd_policies)
     return parser
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:

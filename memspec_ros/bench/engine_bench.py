@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from ..runtime.draft_forward import lean_forward_for, unsupported_reason
 from ..runtime.speculative import _forward, _KVState, generate
@@ -45,10 +46,10 @@ class EngineBenchResult:
     runs: int
     draft_forward: str  # "lean" or "transformers (<why>)": how the engine ran the draft
     autoregressive_tps: float
-    hf_assisted_tps: float
+    hf_assisted_tps: float | None  # None: transformers cannot run this draft (a reduced-vocabulary head)
     engine_tps: float
     engine_decode_tps: float
-    ratio_vs_hf: float
+    ratio_vs_hf: float | None
     ratio_vs_autoregressive: float
     mean_accepted: float
     outputs_identical: bool
@@ -94,11 +95,14 @@ def configure_assistant(draft, gamma: int) -> None:
 def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchConfig, names=("target", "draft"), progress=None) -> EngineBenchResult:
     torch.set_num_threads(cfg.threads)
     device = next(target.parameters()).device
-    configure_assistant(draft, cfg.gamma)
+    # transformers' assisted generation needs a draft with the target's vocabulary width
+    hf_can = isinstance(draft, PreTrainedModel)
+    if hf_can:
+        configure_assistant(draft, cfg.gamma)
     lean = lean_forward_for(draft) if cfg.lean_drafts else None
     why_not = "switched off" if not cfg.lean_drafts else unsupported_reason(draft)
     draft_forward = "lean" if lean is not None else f"transformers ({why_not})"
-    methods = ("autoregressive", "hf_assisted", "engine")
+    methods = ("autoregressive", "hf_assisted", "engine") if hf_can else ("autoregressive", "engine")
     per_run: dict[str, list[float]] = {m: [] for m in methods}
     decode_tps: list[float] = []
     accepted: list[float] = []
@@ -107,14 +111,16 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     identical = True
     # warm-up: first calls pay for allocation and lazy initialisation
     generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8, lean_drafts=cfg.lean_drafts)
-    _hf_generate(target, draft, prompts[0], 8, cfg.gamma)
+    if hf_can:
+        _hf_generate(target, draft, prompts[0], 8, cfg.gamma)
     for run in range(cfg.runs):
         seconds = dict.fromkeys(methods, 0.0)
         tokens = dict.fromkeys(methods, 0)
         run_decode_s, run_decode_tokens = 0.0, 0
         for i, ids in enumerate(prompts):
             outputs = {}
-            order = methods[(i + run) % 3 :] + methods[: (i + run) % 3]
+            shift = (i + run) % len(methods)
+            order = methods[shift:] + methods[:shift]
             for method in order:
                 start = time.perf_counter()
                 if method == "autoregressive":
@@ -131,7 +137,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 seconds[method] += time.perf_counter() - start
                 tokens[method] += len(out)
                 outputs[method] = out
-            identical &= outputs["autoregressive"] == outputs["hf_assisted"] == outputs["engine"]
+            identical &= all(out == outputs["autoregressive"] for out in outputs.values())
             # per-forward times for the bound, measured between the generations at a context this
             # prompt really reached (its prompt plus half its output), so load drifts hit them too
             context = ids + outputs["engine"][: len(outputs["engine"]) // 2]
@@ -150,9 +156,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     return EngineBenchResult(
         target=names[0], draft=names[1], gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens,
         prompts=len(prompts), runs=cfg.runs, draft_forward=draft_forward,
-        autoregressive_tps=med["autoregressive"], hf_assisted_tps=med["hf_assisted"], engine_tps=med["engine"],
+        autoregressive_tps=med["autoregressive"], hf_assisted_tps=med.get("hf_assisted"), engine_tps=med["engine"],
         engine_decode_tps=engine_decode,
-        ratio_vs_hf=med["engine"] / med["hf_assisted"],
+        ratio_vs_hf=med["engine"] / med["hf_assisted"] if hf_can else None,
         ratio_vs_autoregressive=med["engine"] / med["autoregressive"],
         mean_accepted=mean_accepted, outputs_identical=identical,
         t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound, bound_fraction=engine_decode / bound,

@@ -85,6 +85,11 @@ def _clip(text: str, limit: int) -> str:
     return (cut[: end + 1] if end > limit // 2 else cut).strip()
 
 
+def _ask(asks: tuple[str, ...], rid: str) -> str:
+    """One of four phrasings, a pure function of the request id (two independent hash bits)."""
+    return asks[int(split_of(rid + "#t", 0.5) == "heldout") + 2 * int(split_of(rid + "#u", 0.5) == "heldout")]
+
+
 # --------------------------------------------------------------------------- code
 
 
@@ -163,8 +168,7 @@ def law_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
                 continue  # short headers, file lists, and boiler-plate already seen in another file
             seen.add(para)
             rid = f"law:{path}#{k}"
-            ask = _LAW_ASKS[int(split_of(rid + "#t", 0.5) == "heldout") + 2 * int(split_of(rid + "#u", 0.5) == "heldout")]
-            yield ChatRequest("law", rid, ask.format(q=_clip(para, cfg.max_quote_chars)))
+            yield ChatRequest("law", rid, _ask(_LAW_ASKS, rid).format(q=_clip(para, cfg.max_quote_chars)))
 
 
 # --------------------------------------------------------------------------- medical
@@ -189,8 +193,7 @@ def medical_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
         if not desc or "other" in desc.lower().split() or "unspecified" in desc.lower() or len(desc) > 90:
             continue  # residual classes ("Other specified ...") are not conditions a person asks about
         rid = f"medical:{code}"
-        ask = _MED_ASKS[int(split_of(rid + "#t", 0.5) == "heldout") + 2 * int(split_of(rid + "#u", 0.5) == "heldout")]
-        yield ChatRequest("medical", rid, ask.format(c=desc[0].lower() + desc[1:]))
+        yield ChatRequest("medical", rid, _ask(_MED_ASKS, rid).format(c=desc[0].lower() + desc[1:]))
 
 
 # --------------------------------------------------------------------------- general

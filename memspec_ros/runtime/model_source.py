@@ -146,6 +146,8 @@ def converted_dir(path: Path) -> Path:
     try:
         convert_gguf(path, tmp)
         (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}, indent=1))
+        if (out / CONVERTED_MARKER).is_file():  # another process finished the same conversion meanwhile
+            return out
         if out.exists():  # an interrupted earlier conversion
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from memspec_ros.runtime.draft_vocab import DraftVocab, ReducedVocabDraft, write_vocab_map
-from memspec_ros.runtime.oracle import interval_walk
 
+from .acceptance import static_score
 from .rollouts import IGNORE
 from .teacher import Answer
 
@@ -173,10 +173,7 @@ def mean_accepted(draft: torch.nn.Module, answers: Sequence[Answer], gamma: int 
     """Mean over answers of accepted tokens per iteration in the engine's greedy walk."""
     was_training = draft.training
     draft.eval()
-    scores = []
-    for a in answers:
-        _, accepted = interval_walk(answer_agreement(draft, a), 1, gamma, len(a.answer_ids))
-        scores.append(sum(accepted) / len(accepted) if accepted else 0.0)
+    scores = [static_score(answer_agreement(draft, a), gamma)[0] for a in answers]
     draft.train(was_training)
     return sum(scores) / max(len(scores), 1)
 

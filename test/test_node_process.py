@@ -64,6 +64,23 @@ def call(executor, client, request, timeout=TIMEOUT):
     return future.result()
 
 
+
+def _stop(proc, executor, node, context, failure: str) -> str:
+    """Tear down the client side, SIGINT the node process if it still runs; its output (fails if it hangs)."""
+    executor.shutdown(timeout_sec=1.0)
+    node.destroy_node()
+    rclpy.try_shutdown(context=context)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"memspec_node {failure}:\n{out}")
+    return out
+
+
 def test_config_file_declares_every_parameter_with_its_default():
     data = yaml.safe_load((REPO / "config" / "memspec.yaml").read_text())["/**"]["ros__parameters"]
 
@@ -131,17 +148,7 @@ def test_the_node_executable_with_a_params_file(tmp_path):
                                  capture_output=True, text=True, timeout=120)
         assert missing.returncode == 1 and "no Generate action server at /nobody/generate" in missing.stderr
     finally:
-        executor.shutdown(timeout_sec=1.0)
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"memspec_node ignored SIGINT:\n{out}")
+        out = _stop(proc, executor, node, context, "ignored SIGINT")
     sys.stdout.write(out[-2000:])
     assert proc.returncode == 0, out
     assert "Traceback" not in out
@@ -192,17 +199,7 @@ def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_clea
         assert sig.name in response.result.error_message, response.result.error_message
         assert response.result.text and 0 < response.result.completion_tokens < 3000
     finally:
-        executor.shutdown(timeout_sec=1.0)
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"memspec_node did not exit after {sig.name}:\n{out}")
+        out = _stop(proc, executor, node, context, f"did not exit after {sig.name}")
     sys.stdout.write(out[-2000:])
     assert proc.returncode == 0, out
     for bad in ("Traceback", "RCLError", "Failed to send result", "has no attribute"):

@@ -37,6 +37,9 @@ TASK_CACHE = "draft cache"
 TASK_THROUGHPUT = "throughput"
 TASK_PREDICTOR = "predictor"
 TASKS = (TASK_TARGET, TASK_CACHE, TASK_THROUGHPUT, TASK_PREDICTOR)
+# diagnostic_updater's texts: a status no task has set yet, and what each task shows when it is added
+NO_MESSAGE = "No message was set"
+STARTING_UP = "Node starting up"
 
 # ~/cache_state: late joiners get the current state at once.
 LATCHED = QoSProfile(depth=1, durability=QoSDurabilityPolicy.TRANSIENT_LOCAL)
@@ -44,22 +47,28 @@ LATCHED = QoSProfile(depth=1, durability=QoSDurabilityPolicy.TRANSIENT_LOCAL)
 
 @dataclass
 class Status:
-    """One task's status under construction (diagnostic_updater's DiagnosticStatusWrapper)."""
+    """One task's status under construction (diagnostic_updater's DiagnosticStatusWrapper).
 
-    level: int = OK
-    message: str = "OK"
+    It starts as the real Updater hands a task its status: ERROR "No message was set", so a task that
+    forgets its summary shows up instead of passing for OK.
+    """
+
+    level: bytes = ERROR
+    message: str = NO_MESSAGE
     values: list[tuple[str, str]] = field(default_factory=list)
 
-    def summary(self, level: int, message: str) -> None:
+    def summary(self, level: bytes, message: str) -> None:
         self.level, self.message = level, message
 
-    def merge(self, level: int, message: str) -> None:
-        """Raise the level to ``level`` if higher, keeping every message (the wrapper's mergeSummary)."""
-        if level > self.level:
-            self.level = level
-            self.message = message if self.message in ("", "OK") else f"{self.message}; {message}"
-        elif level == self.level and level != OK:
-            self.message = f"{self.message}; {message}"
+    def merge(self, level: bytes, message: str) -> None:
+        """DiagnosticStatusWrapper.mergeSummary: the level becomes the higher of the two. When both levels
+        are OK, or both are not, the texts are joined with "; " (the new one alone if the old is empty);
+        when only one is not OK, its text alone is kept (an OK text never hides a problem's)."""
+        if (level > OK) == (self.level > OK):
+            self.message = f"{self.message}; {message}" if self.message else message
+        elif level > self.level:
+            self.message = message
+        self.level = max(self.level, level)
 
     def add(self, key: str, value) -> None:
         if isinstance(value, float):

@@ -1,0 +1,119 @@
+"""GenerationStats and CacheStats on hand-built records: every expected number below is worked out
+by hand in the comments, so a wrong formula (denominator, filter, sum) fails here, not in a benchmark."""
+
+from __future__ import annotations
+
+import pytest
+
+from memspec_ros.runtime.stats import CacheStats, GenerationStats, IterationStats
+
+
+def it(draft, proposed, accepted, committed, *, preferred="", fallback=False, draft_s=0.0, verify_s=0.0,
+       catchup_s=0.0, catchup_tokens=0, prediction_s=0.0, wait_s=0.0) -> IterationStats:
+    return IterationStats(draft=draft, proposed=proposed, accepted=accepted, committed=committed,
+                          draft_seconds=draft_s, verify_seconds=verify_s, catchup_tokens=catchup_tokens,
+                          catchup_seconds=catchup_s, preferred=preferred, fallback=fallback,
+                          prediction_seconds=prediction_s, load_wait_seconds=wait_s)
+
+
+@pytest.fixture
+def stats() -> GenerationStats:
+    """Five iterations of the kinds the controller records (times are exact binary fractions):
+
+    #  draft  preferred  fallback  proposed accepted committed  seconds (draft+verify+catchup+pred+wait)
+    1  a      a          no        4        2        3          0.25 + 0.25                    = 0.5
+    2  b      a          yes       4        1        2          0.125 + 0.25 + 0.125 (catchup) = 0.5
+    3  -      a          yes       0        0        1          0.25 verify + 0.25 wait        = 0.5
+       (a target-only step: nothing resident; the controller marks it a fallback)
+    4  a      a          no        3        3        4          0.25 + 0.25 + 0.5 (prediction) = 1.0
+    5  b      -          no        4        0        1          0.25 + 0.25                    = 0.5
+       (no preference: the engine alone, no policy)
+    """
+    s = GenerationStats(prompt_tokens=7, completion_tokens=12, prefill_seconds=0.5, setup_seconds=0.5,
+                        decode_seconds=2.0, finish_reason="length")
+    s.iterations = [
+        it("a", 4, 2, 3, preferred="a", draft_s=0.25, verify_s=0.25),
+        it("b", 4, 1, 2, preferred="a", fallback=True, draft_s=0.125, verify_s=0.25, catchup_s=0.125,
+           catchup_tokens=5),
+        it("", 0, 0, 1, preferred="a", fallback=True, verify_s=0.25, wait_s=0.25),
+        it("a", 3, 3, 4, preferred="a", draft_s=0.25, verify_s=0.25, prediction_s=0.5),
+        it("b", 4, 0, 1, draft_s=0.25, verify_s=0.25),
+    ]
+    return s
+
+
+def test_throughput(stats):
+    # decode tokens: 3 + 2 + 1 + 4 + 1 = 11 (the 12th, first, token came from prefill)
+    assert stats.decode_tokens == 11
+    assert stats.tokens_per_second == 11 / 2.0 == 5.5  # decode tokens over decode time only
+    # end to end: all 12 tokens over setup 0.5 + prefill 0.5 + decode 2.0 = 3.0 s
+    assert stats.end_to_end_seconds == 3.0
+    assert stats.end_to_end_tokens_per_second == 4.0
+    assert stats.time_to_first_token == 1.0
+    assert GenerationStats().tokens_per_second == 0.0 and GenerationStats().end_to_end_tokens_per_second == 0.0
+
+
+def test_speculation_counts_only_iterations_that_proposed(stats):
+    # speculative iterations: 1, 2, 4, 5 (3 proposed nothing)
+    assert [i.draft for i in stats.speculative_iterations] == ["a", "b", "a", "b"]
+    # E[A] = (2 + 1 + 3 + 0) / 4 = 1.5; over all five iterations it would be 6 / 5 = 1.2
+    assert stats.mean_accepted == 1.5
+    # acceptance rate = accepted / proposed = 6 / (4 + 4 + 3 + 4) = 6 / 15 = 0.4
+    assert stats.acceptance_rate == pytest.approx(0.4)
+    assert stats.drafts_used == ["a", "b"]
+    assert stats.draft_switches == 3  # a -> b -> a -> b (the target-only step between is not a draft)
+
+
+def test_fallback_and_desired_fractions(stats):
+    # denominator: speculative iterations that had a preferred draft: 1, 2, 4 (not 3: it proposed nothing,
+    # not 5: no preference). Fallbacks among them: 2 only -> 1/3. A wrong denominator (all speculative: 1/4),
+    # or counting target-only step 3 (2/4), gives another number.
+    assert stats.fallback_fraction == pytest.approx(1 / 3)
+    assert stats.desired_fraction == pytest.approx(2 / 3)
+    # seconds: desired = iterations 1 and 4 = 0.5 + 1.0; fallback = iteration 2 only = 0.5
+    assert stats.desired_seconds == 1.5
+    assert stats.fallback_seconds == 0.5
+
+
+def test_where_the_time_went(stats):
+    assert stats.catchup_seconds == 0.125 and stats.catchup_tokens == 5
+    assert stats.prediction_seconds == 0.5
+    assert stats.prediction_overhead == 0.5 / 2.0
+    assert stats.load_wait_seconds == 0.25
+    assert stats.load_wait_fraction == 0.25 / 2.0
+    assert [i.seconds for i in stats.iterations] == [0.5, 0.5, 0.5, 1.0, 0.5]
+
+
+def test_summary_carries_the_same_numbers(stats):
+    s = stats.summary()
+    assert s["tokens_per_second"] == 5.5 and s["mean_accepted"] == 1.5
+    assert s["fallback_fraction"] == pytest.approx(1 / 3) and s["iterations"] == 5
+    assert s["draft_switches"] == 3 and s["drafts_used"] == ["a", "b"]
+
+
+def test_no_speculation_gives_zeros_not_errors():
+    s = GenerationStats(completion_tokens=3, decode_seconds=1.0)
+    s.iterations = [it("", 0, 0, 1, preferred="a", fallback=True), it("", 0, 0, 1)]
+    assert s.mean_accepted == 0.0 and s.acceptance_rate == 0.0
+    assert s.fallback_fraction == 0.0 and s.desired_fraction == 0.0  # no speculative iteration had a preference
+    assert s.draft_switches == 0 and s.drafts_used == []
+    assert s.tokens_per_second == 2.0
+
+
+def test_cache_stats_hit_rate_and_since():
+    before = CacheStats(capacity=2, hits=3, misses=1, loads=2, load_failures=0, load_seconds=0.5, wait_seconds=0.25,
+                        evictions=1, wasted_prefetches=1, resident=["a"])
+    after = CacheStats(capacity=2, budget_bytes=100, hits=10, misses=4, loads=5, load_failures=1, load_seconds=2.0,
+                       wait_seconds=0.75, evictions=3, wasted_prefetches=1, resident=["a", "b"], active="b",
+                       bytes_resident=80, bytes_reserved=90)
+    assert after.hit_rate == 10 / 14
+    delta = after.since(before)
+    # counters: after - before; state (resident, active, capacity, bytes) is the later snapshot's
+    assert (delta.hits, delta.misses, delta.loads, delta.load_failures) == (7, 3, 3, 1)
+    assert (delta.load_seconds, delta.wait_seconds, delta.evictions, delta.wasted_prefetches) == (1.5, 0.5, 2, 0)
+    assert delta.hit_rate == 7 / 10
+    assert delta.resident == ["a", "b"] and delta.active == "b" and delta.capacity == 2
+    assert (delta.budget_bytes, delta.bytes_resident, delta.bytes_reserved) == (100, 80, 90)
+    assert CacheStats().hit_rate == 0.0
+    summary = delta.summary()
+    assert summary["cache_hits"] == 7 and summary["cache_hit_rate"] == 0.7 and summary["cache_loads"] == 3

@@ -38,13 +38,18 @@ class Recorder:
         self.snaps.append(snap)
 
 
-def check_invariants(snaps, capacity, budget):
+def check_invariants(snaps, capacity, budget, sizes=None):
+    """|G| + loads <= K and reserved bytes <= budget in every snapshot; with ``sizes`` (what each draft
+    really occupies), every load in flight has reserved its real size, not 0, before it started."""
     assert snaps, "the cache reported no state changes"
     for s in snaps:
         assert len(s.resident) + len(s.loading) <= capacity, s
         if budget:
             assert s.bytes_reserved <= budget, s
             assert s.bytes_resident <= s.bytes_reserved
+        if sizes is not None:
+            assert s.bytes_resident == sum(sizes[n] for n in s.resident), s
+            assert s.bytes_reserved == sum(sizes[n] for n in s.resident + s.loading), s
 
 
 @pytest.mark.parametrize("capacity,budget", [(1, 0), (2, 0), (3, 0), (2, 500), (3, 600), (5, 400)])
@@ -68,7 +73,8 @@ def test_random_rankings_keep_invariants_at_every_instant(capacity, budget):
             cache.set_active(active)
         time.sleep(rng.uniform(0, 0.006))
     cache.drain()
-    check_invariants(rec.snaps, capacity, budget)
+    check_invariants(rec.snaps, capacity, budget, SIZES)
+    assert any(s.loading for s in rec.snaps), "no snapshot caught a load in flight"
     assert evicted_while_active == []
     snap = cache.snapshot()
     assert snap.loads >= 1 and snap.load_seconds > 0
@@ -182,6 +188,35 @@ def test_byte_budget_reserves_before_load_and_refuses_oversized():
     assert isinstance(small.failed()["medical"], DraftTooLargeError)
     cache.close()
     small.close()
+
+
+def test_a_load_larger_than_reserved_is_refused_when_it_breaks_the_budget():
+    """The registry's size is only an estimate: the reservation is made from it before the load, and the
+    cache checks the loaded draft's real size afterwards (the over-reservation branch)."""
+    claimed = {"general": 300, "code": 100, "law": 100, "math": 60}
+    real = {"general": 300, "code": 350, "law": 150, "math": 60}
+    rec = Recorder()
+    cache = DraftCacheManager(3, fake_loader(sizes=real), budget_bytes=500, size_of=claimed.get, on_change=rec)
+    cache.update(["general", "code"])  # reserves 300 + 100 = 400 <= 500
+    assert cache.snapshot().bytes_reserved == 400
+    cache.drain()
+    # code really occupies 350: 300 + 350 > 500, so it is refused, never resident, with the reason
+    assert cache.resident() == ["general"]
+    error = cache.failed()["code"]
+    assert isinstance(error, DraftTooLargeError)
+    assert "350 B" in str(error) and "size_bytes" in str(error) and "memspec.budget_bytes" in str(error)
+    assert cache.snapshot().load_failures == 1
+    # a draft larger than its estimate that still fits is accounted at its real size from then on
+    cache.update(["general", "law"])  # reserves 300 + 100, occupies 300 + 150
+    cache.drain()
+    assert sorted(cache.resident()) == ["general", "law"]
+    assert cache.snapshot().bytes_reserved == cache.snapshot().bytes_resident == 450
+    # so a third draft claiming 60 B does not fit beside them (300 + 150 + 60 > 500): law (outside W) goes first
+    cache.update({"general": 3, "math": 2}, active="general")
+    cache.drain()
+    assert sorted(cache.resident()) == ["general", "math"]
+    assert all(s.bytes_resident <= s.bytes_reserved <= 500 for s in rec.snaps)
+    cache.close()
 
 
 def test_wait_for_blocks_and_records_wait():

@@ -6,12 +6,30 @@ diagnostic_aggregator's GenericAnalyzer reads it. No models are loaded here."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 from ros_helpers import require_ros
 
 require_ros()
 
-from memspec_ros.ros.diagnostics import ERROR, NO_MESSAGE, OK, WARN, Status
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.parameter import Parameter
+
+from memspec_ros.ros import params as P
+from memspec_ros.ros.diagnostics import (
+    ERROR,
+    NO_MESSAGE,
+    OK,
+    PERIOD_PARAM,
+    STARTING_UP,
+    USE_FQN_PARAM,
+    WARN,
+    Status,
+    Updater,
+    UpstreamUpdater,
+)
 
 FIRST, SECOND = "first text", "second text"
 
@@ -53,3 +71,195 @@ def test_a_status_no_task_set_is_an_error():
     assert (s.level, s.message) == (ERROR, NO_MESSAGE)
     s.merge(WARN, SECOND)  # both not OK: joined, as the real wrapper does with its preset status
     assert (s.level, s.message) == (ERROR, f"{NO_MESSAGE}; {SECOND}")
+
+
+# -- the Updater ---------------------------------------------------------------------------------
+
+LONG_PERIOD = 3600.0  # no timer tick during a test: what is published comes from construction or force_update
+
+
+class Recorder:
+    """Stands in for the updater's /diagnostics publisher: a subscriber cannot see what is published in the
+    constructor, before discovery has matched it."""
+
+    def __init__(self) -> None:
+        self.arrays: list[DiagnosticArray] = []
+
+    def publish(self, msg: DiagnosticArray) -> None:
+        self.arrays.append(msg)
+
+    def summaries(self, index: int) -> list[tuple[str, bytes, str]]:
+        return [(s.name, s.level, s.message) for s in self.arrays[index].status]
+
+
+def recorded(node) -> Recorder:
+    recorder = Recorder()
+    node.create_publisher = lambda *args, **kwargs: recorder
+    return recorder
+
+
+def _ok(s: Status) -> None:
+    s.summary(OK, "fine")
+    s.add("answer", 42)
+
+
+def _unset(s: Status) -> None:
+    s.add("touched", "values only")
+
+
+def _broken(s: Status) -> None:
+    raise RuntimeError("boom")
+
+
+def updater_node(make_node, **overrides):
+    params = [Parameter(PERIOD_PARAM, value=LONG_PERIOD)] + [Parameter(k, value=v) for k, v in overrides.items()]
+    return make_node("diag_test", namespace="/robot", parameter_overrides=params)
+
+
+def test_each_task_publishes_node_starting_up_at_once(make_node):
+    node = updater_node(make_node)
+    recorder = recorded(node)
+    Updater(node, [("a", _ok), ("b", _unset)], hardware_id="hw")
+    # one array per added task, as the real Updater's addedTaskCallback publishes, before any period
+    assert [recorder.summaries(i) for i in range(len(recorder.arrays))] == [
+        [("diag_test: a", OK, STARTING_UP)], [("diag_test: b", OK, STARTING_UP)]]
+    assert all(a.status[0].hardware_id == "hw" for a in recorder.arrays)
+
+
+def test_force_update_publishes_every_task_now(make_node):
+    node = updater_node(make_node)
+    recorder = recorded(node)
+    updater = Updater(node, [("a", _ok), ("unset", _unset), ("broken", _broken)], hardware_id="hw")
+    starting = len(recorder.arrays)
+    updater.force_update()
+    assert len(recorder.arrays) == starting + 1
+    assert recorder.summaries(-1) == [
+        ("diag_test: a", OK, "fine"),
+        ("diag_test: unset", ERROR, NO_MESSAGE),  # no task set it: the real Updater's preset
+        ("diag_test: broken", ERROR, "diagnostic task failed: RuntimeError: boom"),  # deliberate: not raised
+    ]
+    assert [(kv.key, kv.value) for kv in recorder.arrays[-1].status[0].values] == [("answer", "42")]
+    assert recorder.arrays[-1].header.stamp.sec > 0
+
+
+def test_use_fqn_names_the_statuses_with_the_fully_qualified_node_name(make_node):
+    node = updater_node(make_node, **{USE_FQN_PARAM: True})
+    updater = Updater(node, [("a", _ok)])
+    assert [s.name for s in updater.collect()] == ["/robot/diag_test: a"]
+    assert P.BY_NAME[USE_FQN_PARAM].default is False  # the real Updater's default: the plain name
+
+
+def test_the_updater_declares_its_parameters_from_the_table(make_node):
+    node = make_node("diag_plain")
+    recorded(node)
+    updater = Updater(node, [("a", _ok)])
+    assert node.get_parameter(PERIOD_PARAM).value == P.BY_NAME[PERIOD_PARAM].default
+    assert node.describe_parameter(PERIOD_PARAM).floating_point_range[0].from_value == P.BY_NAME[PERIOD_PARAM].float_range[0]
+    assert node.get_parameter(USE_FQN_PARAM).value is False
+    assert [s.name for s in updater.collect()] == ["diag_plain: a"]
+    updater.set_period(0.5)
+    assert updater.timer.timer_period_ns == int(0.5 * 1e9)
+    assert list(node.timers) == [updater.timer]  # the old timer is gone
+
+
+def test_declare_all_leaves_the_period_to_the_updater(make_node):
+    """The real Python Updater declares diagnostic_updater.period unconditionally: declaring it first
+    raised ParameterAlreadyDeclaredException."""
+    node = make_node("diag_declared")
+    P.declare_all(node)
+    assert not node.has_parameter(PERIOD_PARAM) and node.has_parameter(USE_FQN_PARAM)
+    UpstreamStub(node)  # the real Updater's parameter handling on a node with the table declared
+    assert node.get_parameter(PERIOD_PARAM).value == P.BY_NAME[PERIOD_PARAM].default
+
+
+# -- the real diagnostic_updater, where it imports ---------------------------------------------------
+
+class WrapperStub(DiagnosticStatus):
+    """diagnostic_updater.DiagnosticStatusWrapper's summary() and add(), as the adapter uses them."""
+
+    def summary(self, level: bytes, message: str) -> None:
+        self.level, self.message = level, message
+
+    def add(self, key: str, value: str) -> None:
+        self.values.append(KeyValue(key=key, value=value))
+
+
+class UpstreamStub:
+    """diagnostic_updater.Updater (ros2-jazzy) as far as the node relies on it, from reading its source:
+    it declares diagnostic_updater.period without looking, reads use_fqn when declared, publishes "Node
+    starting up" for each task as it is added, hands each task a wrapper preset to ERROR "No message was
+    set" and publishes the one returned; its period setter starts a new timer and only resets the old."""
+
+    instances: list[UpstreamStub] = []
+
+    def __init__(self, node, period: float = 1.0) -> None:
+        self.node = node
+        self.timer = node.create_timer(node.declare_parameter(PERIOD_PARAM, period).value, self.update)
+        use_fqn = (node.get_parameter(USE_FQN_PARAM).value if node.has_parameter(USE_FQN_PARAM)
+                   else node.declare_parameter(USE_FQN_PARAM, False).value)
+        self.node_name = node.get_fully_qualified_name() if use_fqn else node.get_name()
+        self.publisher = node.create_publisher(DiagnosticArray, "/diagnostics", 1)
+        self.hwid = ""
+        self.tasks: list = []
+        self.published: list[list[DiagnosticStatus]] = []
+        UpstreamStub.instances.append(self)
+
+    def setHardwareID(self, hwid: str) -> None:  # noqa: N802 - the real API's name
+        self.hwid = hwid
+
+    def add(self, name: str, fn) -> None:
+        self.tasks.append((name, fn))
+        self.published.append([DiagnosticStatus(level=OK, name=f"{self.node_name}: {name}", message=STARTING_UP)])
+
+    def update(self) -> None:
+        out = []
+        for name, fn in self.tasks:
+            stat = fn(WrapperStub(level=ERROR, name=name, message=NO_MESSAGE, hardware_id=self.hwid))
+            stat.name = f"{self.node_name}: {stat.name}"
+            out.append(stat)
+        self.published.append(out)
+
+    def force_update(self) -> None:
+        self.update()
+
+    @property
+    def period(self) -> float:
+        return self.timer.timer_period_ns / 1e9
+
+    @period.setter
+    def period(self, seconds: float) -> None:
+        self.timer.reset()
+        self.timer = self.node.create_timer(seconds, self.update)
+
+
+@pytest.fixture
+def upstream(monkeypatch):
+    module = types.ModuleType("diagnostic_updater")
+    module.Updater = UpstreamStub
+    module.DiagnosticStatusWrapper = WrapperStub
+    monkeypatch.setitem(sys.modules, "diagnostic_updater", module)
+    UpstreamStub.instances.clear()
+    yield UpstreamStub.instances
+    UpstreamStub.instances.clear()
+
+
+def test_the_node_runs_its_tasks_on_the_real_updater_when_it_imports(make_node, upstream):
+    from memspec_ros.ros.node import MemSpecNode
+
+    node = make_node("memspec", node_class=MemSpecNode)  # no ParameterAlreadyDeclaredException
+    assert isinstance(node._diagnostics, UpstreamUpdater)
+    [real] = upstream
+    assert [[(s.name, s.message) for s in array] for array in real.published] == [
+        [(f"memspec: {task}", STARTING_UP)] for task in ("target model", "draft cache", "throughput", "predictor")]
+    assert real.hwid  # the host name (deliberate difference)
+    node._diagnostics.force_update()
+    by_name = {s.name: s for s in real.published[-1]}
+    target = by_name["memspec: target model"]
+    assert (target.level, target.message) == (OK, "unconfigured: no model loaded")
+    assert {kv.key: kv.value for kv in target.values}["lifecycle state"] == "unconfigured"
+    assert [s.name for s in node._diagnostics.collect()] == list(by_name)
+    # a live period change replaces the real updater's timer (its setter alone leaves the old one firing)
+    old = real.timer
+    assert node.set_parameters([Parameter(PERIOD_PARAM, value=0.5)])[0].successful
+    assert real.timer is not old and old not in list(node.timers)
+    assert real.timer.timer_period_ns == int(0.5 * 1e9)

@@ -1,11 +1,19 @@
 """Diagnostics on diagnostic_updater's contract, and the node's typed status messages.
 
-diagnostic_updater itself is not installable here (ROS from PyPI wheels), so this module
-publishes exactly what its Python ``Updater`` publishes: a ``DiagnosticArray`` on the absolute
-topic ``/diagnostics`` (depth 1), one ``DiagnosticStatus`` per task named
-``"<node name>: <task>"``, ``hardware_id`` set, string ``KeyValue`` pairs and byte levels, every
-``diagnostic_updater.period`` seconds. diagnostic_aggregator and rqt_robot_monitor on a robot treat
-the node like any other (config/diagnostic_analyzers.yaml groups its entries).
+Where the real diagnostic_updater imports (apt ROS) the node's tasks run on its ``Updater``
+(:class:`UpstreamUpdater`); ROS from PyPI wheels has no such package, so :class:`Updater` here
+publishes what the real Python ``Updater`` publishes: a ``DiagnosticArray`` on the absolute topic
+``/diagnostics`` (depth 1), one OK "Node starting up" status per task as it is added, then one
+``DiagnosticStatus`` per task named ``"<node name>: <task>"`` every ``diagnostic_updater.period``
+seconds (the fully qualified name with ``diagnostic_updater.use_fqn``), each starting at ERROR "No
+message was set", ``hardware_id`` set, string ``KeyValue`` pairs and byte levels.
+diagnostic_aggregator and rqt_robot_monitor on a robot treat the node like any other
+(config/diagnostic_analyzers.yaml groups its entries). Deliberate differences, in both updaters:
+``hardware_id`` defaults to the host name, a period change applies at once, and a task that raises
+is published as ERROR instead of stopping the update.
+
+The updater, not params.py, declares ``diagnostic_updater.period``: the real Python Updater declares
+it unconditionally and would raise ParameterAlreadyDeclaredException on a node that had.
 
 Every figure comes from memspec_ros.runtime.stats: the throughput window is one
 ``GenerationStats`` built from the window's goals (their iterations and decode times), so
@@ -15,12 +23,14 @@ definition.
 
 from __future__ import annotations
 
+import functools
 import math
 import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.qos import QoSDurabilityPolicy, QoSProfile
@@ -29,9 +39,12 @@ from memspec_interfaces.msg import CacheState, DraftState
 from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
 
 from ..runtime.stats import CacheStats, GenerationStats
+from . import params as P
 
 OK, WARN, ERROR, STALE = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR, DiagnosticStatus.STALE
 DIAGNOSTICS_TOPIC = "/diagnostics"  # absolute: never namespaced (diagnostic_updater's rule)
+PERIOD_PARAM = "diagnostic_updater.period"
+USE_FQN_PARAM = "diagnostic_updater.use_fqn"
 TASK_TARGET = "target model"
 TASK_CACHE = "draft cache"
 TASK_THROUGHPUT = "throughput"
@@ -126,41 +139,159 @@ class ThroughputWindow:
         return out
 
 
-class DiagnosticsPublisher:
-    """Publishes the node's tasks on /diagnostics, diagnostic_updater style."""
+Task = Callable[[Status], None]
 
-    def __init__(self, node, tasks: Sequence[tuple[str, Callable[[Status], None]]], hardware_id: str = "") -> None:
+
+def run_task(fill: Task) -> Status:
+    """The status ``fill`` leaves, starting from the real Updater's preset (ERROR "No message was set")."""
+    status = Status()
+    try:
+        fill(status)
+    except Exception as exc:  # deliberate: the real Updater lets it escape into the executor; here one broken
+        # task shows as ERROR and the others still publish
+        status = Status(ERROR, f"diagnostic task failed: {type(exc).__name__}: {exc}")
+    return status
+
+
+def _updater_parameter(node, name: str) -> Any:
+    """A diagnostic_updater.* parameter's value: read if declared already, else declared from params.py's
+    table (as the C++ Updater does; this keeps the table's description and range)."""
+    if node.has_parameter(name):
+        return node.get_parameter(name).value
+    p = P.BY_NAME[name]
+    return node.declare_parameter(name, p.default, p.descriptor()).value
+
+
+class _TaskList:
+    """The named tasks and how one becomes a DiagnosticStatus (shared by both updaters below)."""
+
+    def __init__(self, node, hardware_id: str) -> None:
         self.node = node
-        self.tasks = list(tasks)
+        # deliberate: the real Updater leaves it empty and logs a warning; the host name is what a robot's
+        # monitor needs to tell two machines' nodes apart
         self.hardware_id = hardware_id or socket.gethostname() or "none"
-        self.publisher = node.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 1)
+        self.node_name = node.get_name()
+        self.tasks: list[tuple[str, Task]] = []
+        self._lock = threading.Lock()  # the timer may fire on another executor thread while tasks are added
 
     def collect(self) -> list[DiagnosticStatus]:
-        out = []
-        prefix = self.node.get_name()
-        for name, fill in self.tasks:
-            status = Status()
-            try:
-                fill(status)
-            except Exception as exc:  # a broken task must not stop the others (nor print a traceback)
-                status = Status(ERROR, f"diagnostic task failed: {type(exc).__name__}: {exc}")
-            out.append(DiagnosticStatus(
-                level=bytes([status.level]) if isinstance(status.level, int) else status.level,
-                name=f"{prefix}: {name}",
-                message=status.message,
-                hardware_id=self.hardware_id,
-                values=[KeyValue(key=k, value=v) for k, v in status.values],
-            ))
-        return out
+        """Every task's status now, as it would be published (names, hardware_id, string values)."""
+        with self._lock:
+            tasks = list(self.tasks)
+        return [self.status_msg(name, run_task(fill)) for name, fill in tasks]
 
-    def publish(self) -> DiagnosticArray:
-        msg = DiagnosticArray(status=self.collect())
-        msg.header.stamp = self.node.get_clock().now().to_msg()
-        self.publisher.publish(msg)
-        return msg
+    def status_msg(self, task: str, status: Status) -> DiagnosticStatus:
+        return DiagnosticStatus(
+            level=bytes([status.level]) if isinstance(status.level, int) else status.level,
+            name=f"{self.node_name}: {task}",
+            message=status.message,
+            hardware_id=self.hardware_id,
+            values=[KeyValue(key=k, value=v) for k, v in status.values],
+        )
+
+
+class Updater(_TaskList):
+    """diagnostic_updater.Updater for the node's tasks, where that package is not installed.
+
+    As the real one: a ``DiagnosticArray`` with one "Node starting up" OK status per task as it is added,
+    then every task's status each ``diagnostic_updater.period`` seconds (and on ``force_update()``), names
+    prefixed with the node's name (fully qualified when ``diagnostic_updater.use_fqn``). It declares both
+    parameters itself unless the node has (the real Python Updater always declares the period).
+    """
+
+    def __init__(self, node, tasks: Sequence[tuple[str, Task]] = (), hardware_id: str = "",
+                 callback_group=None) -> None:
+        super().__init__(node, hardware_id)
+        self.publisher = node.create_publisher(DiagnosticArray, DIAGNOSTICS_TOPIC, 1)
+        if _updater_parameter(node, USE_FQN_PARAM):
+            self.node_name = node.get_fully_qualified_name()  # "/ns/name", as the C++ Updater names it
+        self._callback_group = callback_group
+        self.timer = node.create_timer(_updater_parameter(node, PERIOD_PARAM), self.update,
+                                       callback_group=callback_group)
+        for name, fill in tasks:
+            self.add(name, fill)
+
+    def add(self, name: str, fill: Task) -> None:
+        """Add a task; its "Node starting up" status goes out at once, before the first period."""
+        with self._lock:
+            self.tasks.append((name, fill))
+        self._publish([self.status_msg(name, Status(OK, STARTING_UP))])
+
+    def update(self) -> None:
+        self._publish(self.collect())
+
+    def force_update(self) -> None:
+        """Publish every task's status now, between periods."""
+        self.update()
+
+    def set_period(self, seconds: float) -> None:
+        """Deliberate: the real Updater reads its period once; here a parameter change applies at once."""
+        self.node.destroy_timer(self.timer)
+        self.timer = self.node.create_timer(seconds, self.update, callback_group=self._callback_group)
 
     def destroy(self) -> None:
+        self.node.destroy_timer(self.timer)
         self.node.destroy_publisher(self.publisher)
+
+    def _publish(self, statuses: list[DiagnosticStatus]) -> None:
+        msg = DiagnosticArray(status=statuses)
+        msg.header.stamp = self.node.get_clock().now().to_msg()
+        self.publisher.publish(msg)
+
+
+def _filled(fill: Task, stat):
+    """A task for the real Updater: it hands a DiagnosticStatusWrapper preset to ERROR "No message was set"
+    and publishes the one returned."""
+    status = run_task(fill)
+    stat.summary(status.level, status.message)
+    for key, value in status.values:
+        stat.add(key, value)
+    return stat
+
+
+class UpstreamUpdater(_TaskList):
+    """The node's tasks on the real diagnostic_updater.Updater (apt ROS), keeping this module's deliberate
+    differences (hardware_id, live period, a failing task as ERROR)."""
+
+    def __init__(self, upstream_cls: type, node, tasks: Sequence[tuple[str, Task]] = (),
+                 hardware_id: str = "") -> None:
+        super().__init__(node, hardware_id)
+        # it declares diagnostic_updater.period (params.py leaves that to the updater) and reads use_fqn
+        self.upstream = upstream_cls(node, period=P.BY_NAME[PERIOD_PARAM].default)
+        self.upstream.setHardwareID(self.hardware_id)
+        self.node_name = self.upstream.node_name
+        for name, fill in tasks:
+            self.add(name, fill)
+
+    def add(self, name: str, fill: Task) -> None:
+        with self._lock:
+            self.tasks.append((name, fill))
+        self.upstream.add(name, functools.partial(_filled, fill))  # publishes "Node starting up"
+
+    def update(self) -> None:
+        self.upstream.update()
+
+    def force_update(self) -> None:
+        self.upstream.force_update()
+
+    def set_period(self, seconds: float) -> None:
+        old = self.upstream.timer
+        self.upstream.period = seconds  # its setter starts a new timer but only resets the old one ...
+        self.node.destroy_timer(old)  # ... which would go on firing
+
+    def destroy(self) -> None:
+        self.node.destroy_timer(self.upstream.timer)
+        self.node.destroy_publisher(self.upstream.publisher)
+
+
+def make_updater(node, tasks: Sequence[tuple[str, Task]], hardware_id: str = "",
+                 callback_group=None) -> Updater | UpstreamUpdater:
+    """The real diagnostic_updater where it imports (apt ROS), else this module's :class:`Updater`."""
+    try:
+        from diagnostic_updater import Updater as upstream_cls
+    except ImportError:  # ROS from PyPI wheels has no diagnostic_updater
+        return Updater(node, tasks, hardware_id, callback_group)
+    return UpstreamUpdater(upstream_cls, node, tasks, hardware_id)
 
 
 # -- the tasks' contents (pure functions of runtime state, tested without DDS) --------------------

@@ -52,11 +52,11 @@ from .diagnostics import (
     ERROR,
     LATCHED,
     OK,
+    PERIOD_PARAM,
     TASK_CACHE,
     TASK_PREDICTOR,
     TASK_TARGET,
     TASK_THROUGHPUT,
-    DiagnosticsPublisher,
     Status,
     ThroughputWindow,
     cache_state_key,
@@ -64,6 +64,7 @@ from .diagnostics import (
     fill_cache_status,
     fill_throughput_status,
     generation_stats_msg,
+    make_updater,
 )
 
 NODE_NAME = "memspec"
@@ -157,17 +158,16 @@ class MemSpecNode(LifecycleNode):
         self._closing = ""  # why the node takes no more goals before it goes (close_goals)
         self._worker = threading.Thread(target=self._work, name="memspec-generation", daemon=True)
         self._worker.start()
-        # diagnostics (published in every lifecycle state, like diagnostic_updater)
-        v = P.values(self)
-        self._window = ThroughputWindow(v["diagnostics.window_goals"])
-        self._diagnostics = DiagnosticsPublisher(self, [
+        # diagnostics (published in every lifecycle state, like diagnostic_updater; the updater declares
+        # diagnostic_updater.period, so P.values() works only from here on)
+        self._window = ThroughputWindow(self.get_parameter("diagnostics.window_goals").value)
+        self._diagnostics = None  # its declaring the period passes through _on_set_parameters before it exists
+        self._diagnostics = make_updater(self, [
             (TASK_TARGET, self._fill_target),
             (TASK_CACHE, self._fill_cache),
             (TASK_THROUGHPUT, self._fill_throughput),
             (TASK_PREDICTOR, self._fill_predictor),
-        ], v["diagnostics.hardware_id"])
-        self._diag_timer = self.create_timer(v["diagnostic_updater.period"], self._publish_diagnostics,
-                                             callback_group=self._group)
+        ], self.get_parameter("diagnostics.hardware_id").value, callback_group=self._group)
         self._cache_timer = self.create_timer(CACHE_POLL_SECONDS, self._poll_cache, callback_group=self._group)
         self._action_server = ActionServer(
             self, Generate, ACTION_NAME,
@@ -384,10 +384,8 @@ class MemSpecNode(LifecycleNode):
                 idle = self._running is None
                 self._apply_registry(lo.registry, registry, lo.controller.cache if idle else None)
             lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
-        if "diagnostic_updater.period" in new:
-            self.destroy_timer(self._diag_timer)
-            self._diag_timer = self.create_timer(new["diagnostic_updater.period"], self._publish_diagnostics,
-                                                 callback_group=self._group)
+        if PERIOD_PARAM in new and self._diagnostics is not None:
+            self._diagnostics.set_period(new[PERIOD_PARAM])
         if "diagnostics.window_goals" in new:
             self._window.resize(new["diagnostics.window_goals"])
         if runtime or registry is not None:
@@ -655,9 +653,6 @@ class MemSpecNode(LifecycleNode):
         super().destroy_node()
 
     # -- periodic publications ----------------------------------------------------------------
-    def _publish_diagnostics(self) -> None:
-        self._diagnostics.publish()
-
     def _poll_cache(self) -> None:
         lo = self._loaded
         if lo is None or not self._active or self._cache_pub is None:

@@ -8,7 +8,8 @@ Groups follow llama_ros' dotted style. Three kinds of parameter, by when a chang
 * ``memspec.*`` (policy, K, N, T, gamma, budget ...) and ``drafts.*`` (the registry): applied by the
   runtime controller at the next scheduling point, also in the middle of a running goal.
 * ``generation.*``, ``action.*``, ``diagnostics.*``, ``diagnostic_updater.period``: read per goal or
-  per publication, so they apply at once.
+  per publication, so they apply at once (``diagnostic_updater.use_fqn`` and
+  ``diagnostics.hardware_id`` are read-only).
 
 Paths left empty use the bundled zoo (see :func:`default_zoo_dir`): ``drafts.registry_file`` ->
 ``<zoo>/registry.yaml``, ``model.target_path`` -> the registry's ``target``, ``predictor.path`` ->
@@ -48,6 +49,9 @@ class Param:
     choices: tuple[str, ...] = ()
     read_only: bool = False
     runtime_field: str = ""  # RuntimeConfig field it maps onto (memspec.* only)
+    # declared by the diagnostics updater, not declare_all: the real diagnostic_updater's Python Updater
+    # declares it unconditionally (ParameterAlreadyDeclaredException if the node had)
+    updater_declares: bool = False
 
     def descriptor(self) -> ParameterDescriptor:
         d = ParameterDescriptor(name=self.name, description=self.description, read_only=self.read_only)
@@ -118,7 +122,12 @@ PARAMS: tuple[Param, ...] = (
     Param("action.max_queued_goals", 4, "Goals accepted but waiting while one runs; more are rejected at once.", int_range=(0, 1000)),
     Param("action.feedback_period", 0.1, "Minimum seconds between feedback messages of a goal (0: one per committed chunk; chunks in between are merged).", float_range=(0.0, 60.0)),
     # -- diagnostics ------------------------------------------------------------------------------
-    Param("diagnostic_updater.period", 1.0, "Seconds between /diagnostics publications (diagnostic_updater's parameter).", float_range=(0.01, 3600.0)),
+    Param("diagnostic_updater.period", 1.0,
+          "Seconds between /diagnostics publications (diagnostic_updater's parameter).",
+          float_range=(0.01, 3600.0), updater_declares=True),
+    Param("diagnostic_updater.use_fqn", False,
+          "Name the /diagnostics statuses with the fully qualified node name, '/ns/name: task' (diagnostic_updater's"
+          " parameter).", read_only=True),
     Param("diagnostics.hardware_id", "", "hardware_id of the diagnostic statuses (empty: the host name).", read_only=True),
     Param("diagnostics.fallback_warn_fraction", 0.2, "WARN when the window's fallback fraction exceeds this.", float_range=(0.0, 1.0)),
     Param("diagnostics.window_goals", 20, "Finished goals in the throughput window.", int_range=(1, 10_000)),
@@ -131,8 +140,10 @@ REGISTRY_PARAMS = ("drafts.registry_file", "drafts.names", "drafts.paths", "draf
 
 
 def declare_all(node) -> None:
+    """Every parameter but those the diagnostics updater declares (values() reads them once it has)."""
     for p in PARAMS:
-        node.declare_parameter(p.name, p.default, p.descriptor())
+        if not p.updater_declares:
+            node.declare_parameter(p.name, p.default, p.descriptor())
 
 
 def values(node) -> dict[str, Any]:

@@ -14,9 +14,11 @@ from ros_helpers import require_ros
 
 require_ros()
 
+from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.parameter import Parameter
 
+from memspec_interfaces.msg import DraftState
 from memspec_ros.ros import params as P
 from memspec_ros.ros.diagnostics import (
     ERROR,
@@ -29,7 +31,9 @@ from memspec_ros.ros.diagnostics import (
     Status,
     Updater,
     UpstreamUpdater,
+    cache_state_msg,
 )
+from memspec_ros.runtime.stats import CacheStats
 
 FIRST, SECOND = "first text", "second text"
 
@@ -263,3 +267,14 @@ def test_the_node_runs_its_tasks_on_the_real_updater_when_it_imports(make_node, 
     assert node.set_parameters([Parameter(PERIOD_PARAM, value=0.5)])[0].successful
     assert real.timer is not old and old not in list(node.timers)
     assert real.timer.timer_period_ns == int(0.5 * 1e9)
+
+
+# -- ~/cache_state ---------------------------------------------------------------------------------
+
+def test_cache_state_bytes_resident_counts_loaded_drafts_only():
+    """bytes_resident was filled from bytes_reserved, which also counts loads in flight."""
+    entries = [types.SimpleNamespace(name=n, domain=n, size_bytes=size) for n, size in (("code", 80), ("math", 10))]
+    snap = CacheStats(capacity=2, resident=["code"], loading=["math"], bytes_resident=80, bytes_reserved=90)
+    msg = cache_state_msg(snap, entries, {}, Time())
+    assert msg.bytes_resident == 80
+    assert [d.state for d in msg.drafts] == [DraftState.RESIDENT, DraftState.LOADING]

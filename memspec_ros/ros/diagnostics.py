@@ -352,7 +352,7 @@ def fill_throughput_status(status: Status, window: GenerationStats | None, goals
 def cache_state_msg(snap: CacheStats, entries: Sequence, scores: dict[str, float], stamp) -> CacheState:
     """CacheState from a cache snapshot, the registry entries (in order) and the latest scores."""
     msg = CacheState(capacity=int(snap.capacity), budget_bytes=int(snap.budget_bytes),
-                     bytes_resident=int(snap.bytes_reserved), active_draft=snap.active,
+                     bytes_resident=int(snap.bytes_resident), active_draft=snap.active,
                      hits=int(snap.hits), misses=int(snap.misses), loads=int(snap.loads),
                      evictions=int(snap.evictions), wasted_prefetches=int(snap.wasted_prefetches),
                      load_seconds=float(snap.load_seconds))

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
+import yaml
 from ros_helpers import require_ros
 
 require_ros()
@@ -26,6 +28,7 @@ from memspec_ros.ros.diagnostics import (
     OK,
     PERIOD_PARAM,
     STARTING_UP,
+    TASKS,
     USE_FQN_PARAM,
     WARN,
     Status,
@@ -278,3 +281,37 @@ def test_cache_state_bytes_resident_counts_loaded_drafts_only():
     msg = cache_state_msg(snap, entries, {}, Time())
     assert msg.bytes_resident == 80
     assert [d.state for d in msg.drafts] == [DraftState.RESIDENT, DraftState.LOADING]
+
+
+# -- config/diagnostic_analyzers.yaml, as diagnostic_aggregator's GenericAnalyzer reads it ----------
+
+ANALYZERS = Path(__file__).resolve().parents[1] / "config" / "diagnostic_analyzers.yaml"
+
+
+def _aggregated_name(base: str, path: str, status_name: str, chaff: list[str]) -> str:
+    """The name GenericAnalyzer (ros2-jazzy) gives a matched status: "/" in it shown as " ", put under the
+    analyzer's path, then each remove_prefix dropped after the last "/" with a following ":" and spaces."""
+    name = f"/{base}/{path}/{status_name.replace('/', ' ')}"
+    for prefix in chaff:
+        head, tail = name[:name.rindex("/") + 1], name[name.rindex("/") + 1:]
+        if prefix and tail.startswith(prefix):
+            tail = tail[len(prefix):]
+        tail = tail.removeprefix(":").lstrip(" ")
+        name = head + tail
+    return name
+
+
+def test_the_analyzer_groups_every_task_under_memspec():
+    from memspec_ros.ros.node import NODE_NAME
+
+    config = yaml.safe_load(ANALYZERS.read_text())["analyzers"]["ros__parameters"]
+    analyzer = config["memspec"]
+    names = [f"{NODE_NAME}: {task}" for task in TASKS]  # what the node publishes (use_fqn false)
+    assert all(any(n.startswith(s) for s in analyzer["startswith"]) for n in names)
+    assert analyzer["expected"] == names
+    # expected checks nothing on Jazzy (ros/diagnostics#656): the count of items does
+    assert analyzer["num_items"] == len(TASKS)
+    assert [_aggregated_name(config["path"], analyzer["path"], n, analyzer["remove_prefix"]) for n in names] == [
+        f"/Robot/MemSpec/{task}" for task in TASKS]
+    # an entry goes STALE after `timeout` seconds without an update
+    assert analyzer["timeout"] > P.BY_NAME[PERIOD_PARAM].default

@@ -38,11 +38,13 @@ def model_dirs(tmp_path_factory, tokenizer):
 
 def test_loads_and_generates_in_every_dtype(model_dirs):
     target_dir, draft_dir = model_dirs
-    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    # fp16 is transformers' own cast; bf16 is the bf16 forward path: bf16 linear weights, the rest fp32
+    for dtype, weight_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         target = load_model(ModelSpec(str(target_dir), dtype=dtype))
-        assert next(target.model.parameters()).dtype == torch_dtype
+        assert target.model.model.layers[0].mlp.up_proj.weight.dtype == weight_dtype
+        assert target.forward_path == dtype
         assert not any(p.requires_grad for p in target.model.parameters())
-        tensors = [*target.model.parameters(), *target.model.buffers()]  # buffers: rotary tables, packed INT4
+        tensors = [*target.model.parameters(), *target.model.buffers()]  # buffers: rotary tables, packed weights
         assert target.size_bytes == sum(t.numel() * t.element_size() for t in tensors)
     target = load_model(ModelSpec(str(target_dir)))
     draft = load_model(ModelSpec(str(draft_dir)))

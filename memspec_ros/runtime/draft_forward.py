@@ -31,6 +31,10 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from .draft_vocab import DraftVocab, ReducedVocabDraft
+from .forward_paths import FAST_LINEARS, concat_linears
+
+# what the lean path can call: plain linears and the forward paths' modules (runtime/forward_paths.py)
+_LINEARS = (torch.nn.Linear, *FAST_LINEARS)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str:
@@ -48,9 +52,9 @@ def unsupported_reason(model: torch.nn.Module) -> str:
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return "not a LlamaForCausalLM layout (model.model.layers, lm_head)"
     for name, module in model.named_modules():
-        if name and "proj" in name.rsplit(".", 1)[-1] and type(module) is not torch.nn.Linear:
-            return f"{name} is {type(module).__name__}, not a plain nn.Linear (quantized?)"
-    if type(model.lm_head) is not torch.nn.Linear:
+        if name and "proj" in name.rsplit(".", 1)[-1] and type(module) not in _LINEARS:
+            return f"{name} is {type(module).__name__}, not nn.Linear or a forward-path linear (GPTQ?)"
+    if type(model.lm_head) not in _LINEARS:
         return f"lm_head is {type(model.lm_head).__name__}"
     return ""
 
@@ -58,14 +62,32 @@ def unsupported_reason(model: torch.nn.Module) -> str:
 @dataclass(frozen=True)
 class _Layer:
     attn_norm: torch.Tensor
-    q: torch.nn.Linear
-    k: torch.nn.Linear
-    v: torch.nn.Linear
-    o: torch.nn.Linear
+    qkv: torch.nn.Module  # q, k and v projections side by side: one matmul instead of three
+    o: torch.nn.Module
     mlp_norm: torch.Tensor
-    gate: torch.nn.Linear
-    up: torch.nn.Linear
-    down: torch.nn.Linear
+    gate_up: torch.nn.Module  # gate and up side by side
+    down: torch.nn.Module
+
+
+def _fused(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """A forward-path module's parts fused into one matmul; plain fp32 linears are left as they are
+    (fusing them would change their sums' order, and fp32 stays numerically transformers' forward)."""
+    if type(parts[0]) is not torch.nn.Linear:
+        fused = concat_linears(parts)
+        if fused is not None:
+            return fused
+    return _Side(parts)
+
+
+class _Side(torch.nn.Module):
+    """Unfused parts computed one after another and concatenated along the last dimension."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_linear(p, x) for p in self.parts], dim=-1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,8 +103,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+def _linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # F.linear directly skips nn.Module.__call__'s hook machinery on the hot path
+    if type(layer) is torch.nn.Linear:
+        return F.linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 class LeanLlamaForward:
@@ -106,12 +131,16 @@ class LeanLlamaForward:
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head
         self.act = inner.layers[0].mlp.act_fn
+        self.q_width = self.heads * self.head_dim
+        self.kv_width = self.kv_heads * self.head_dim
         self.layers = [
-            _Layer(layer.input_layernorm.weight, layer.self_attn.q_proj, layer.self_attn.k_proj,
-                   layer.self_attn.v_proj, layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
-                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+            _Layer(layer.input_layernorm.weight,
+                   _fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                   layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
+                   _fused([layer.mlp.gate_proj, layer.mlp.up_proj]), layer.mlp.down_proj)
             for layer in inner.layers
         ]
+        self.intermediate = inner.layers[0].mlp.gate_proj.out_features
 
     def __call__(self, ids: Sequence[int], cache: Cache, start: int, keep: int) -> torch.Tensor:
         n, end = len(ids), start + len(ids)
@@ -125,16 +154,18 @@ class LeanLlamaForward:
         gqa = self.heads != self.kv_heads
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, self.eps)
-            q = _linear(layer.q, h).view(1, n, self.heads, self.head_dim).transpose(1, 2)
-            k = _linear(layer.k, h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = _linear(layer.v, h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k, v = _linear(layer.qkv, h).split((self.q_width, self.kv_width, self.kv_width), dim=-1)
+            q = q.reshape(1, n, self.heads, self.head_dim).transpose(1, 2)
+            k = k.reshape(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.reshape(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, index)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
             x = x + _linear(layer.o, attn.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
             h = _rms_norm(x, layer.mlp_norm, self.eps)
-            x = x + _linear(layer.down, self.act(_linear(layer.gate, h)) * _linear(layer.up, h))
+            gate, up = _linear(layer.gate_up, h).split(self.intermediate, dim=-1)
+            x = x + _linear(layer.down, self.act(gate) * up)
         x = _rms_norm(x[:, -keep:], self.norm, self.eps)
         logits = _linear(self.lm_head, x)[0].float()
         return logits if self.vocab is None else self.vocab.logits(logits)

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from .forward_paths import PATHS, apply_path
+from .path_choice import PathChoice, choose_path
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -29,7 +32,10 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-QUANTIZATIONS = ("none", "gptq")
+AUTO = "auto"  # measure the candidate forward paths at load time and keep the fastest
+DTYPE_CHOICES = ("fp32", "bf16", "fp16", AUTO)
+# none: the dtype's weights; int8 / int4: runtime/forward_paths.py; gptq: a GPT-QModel checkpoint
+QUANTIZATIONS = ("none", "int8", "int4", "gptq", AUTO)
 
 
 class ModelLoadError(RuntimeError):
@@ -57,10 +63,11 @@ class ModelSpec:
     """Where a model lives and how to place it in memory."""
 
     path: str
-    dtype: str = "fp32"
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 | auto
     device: str = "cpu"
-    quantization: str = "none"  # "none" | "gptq"
+    quantization: str = "none"  # none | int8 | int4 | gptq | auto
     trust_remote_code: bool = False
+    gamma: int = 4  # auto measures a forward of 1 and of gamma + 1 tokens (a verify)
 
 
 @dataclass
@@ -72,6 +79,29 @@ class LoadedModel:
     size_bytes: int
     vocab_size: int
     max_positions: int
+    forward_path: str = ""  # fp32 | bf16 | int8 | int4 (runtime/forward_paths.py), gptq, or the HF dtype
+    path_choice: PathChoice | None = None  # the measurements behind an auto choice
+
+
+def forward_path_for(spec: ModelSpec) -> str:
+    """The forward path a spec asks for ('auto' when it must be measured); raises on a contradiction."""
+    dtype, quantization = spec.dtype.lower(), spec.quantization
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if dtype not in DTYPES and dtype != AUTO:
+        raise ValueError(f"unknown dtype {spec.dtype!r}: use one of {', '.join(DTYPE_CHOICES)}")
+    if AUTO in (dtype, quantization):
+        if quantization not in (AUTO, "none") or dtype not in (AUTO, "fp32"):
+            raise ValueError(f"dtype {spec.dtype!r} with quantization {quantization!r}: 'auto' chooses both, set the other"
+                             " to its default (dtype fp32, quantization none) or to auto")
+        return AUTO
+    if quantization in ("int8", "int4"):
+        if DTYPES[dtype] != torch.float32:
+            raise ValueError(f"quantization {quantization!r} keeps its own weight format: set dtype fp32 (got {spec.dtype!r})")
+        return quantization
+    if quantization == "gptq":
+        return "gptq"
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[DTYPES[dtype]]
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -185,8 +215,18 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     _check_architecture(config, spec.path, spec.trust_remote_code)
     _check_quantization(config, spec)
     safetensors_files(spec.path)
-    dtype = resolve_dtype(spec.dtype)
+    path = forward_path_for(spec)
     device = resolve_device(spec.device)
+    if config.get("quantization_config"):
+        if path in (*PATHS[2:], AUTO):
+            raise ValueError(f"{spec.path} is already quantized ({config['quantization_config'].get('quant_method')}):"
+                             f" quantization {spec.quantization!r} cannot apply to it, use 'none' or 'gptq'")
+        path = "gptq"
+    # the CPU forward paths start from fp32 weights; GPUs, fp16 and GPTQ keep transformers' own cast
+    cpu_path = device.type == "cpu" and path in (*PATHS, AUTO)
+    if not cpu_path and path in (*PATHS[2:], AUTO):
+        raise ValueError(f"quantization {spec.quantization!r} uses CPU kernels: on {device} use quantization none")
+    dtype = torch.float32 if cpu_path else resolve_dtype(spec.dtype)
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
         use_safetensors=True,
@@ -203,6 +243,12 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
+    choice = None
+    if path == AUTO:
+        choice = choose_path(model, spec.gamma)
+        path = choice.path
+    if cpu_path:
+        apply_path(model, path)
     model, vocab_size = wrap_if_reduced(model, spec.path)  # a reduced-vocabulary draft speaks target ids
     return LoadedModel(
         model=model,
@@ -210,6 +256,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         size_bytes=parameter_bytes(model),
         vocab_size=vocab_size,
         max_positions=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+        forward_path=path,
+        path_choice=choice,
     )
 
 

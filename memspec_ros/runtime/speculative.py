@@ -195,6 +195,7 @@ class SpeculativeSession:
         on_chunk: ChunkCallback | None = None,
         max_positions: int = 0,
         lean_drafts: bool = True,
+        lean_target: bool = True,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -215,6 +216,9 @@ class SpeculativeSession:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.on_chunk = on_chunk
         self.lean_drafts = lean_drafts  # drafts run runtime/draft_forward.py where it applies
+        # the target too: prefill, plain steps and verifies all take the same path, so the verify of
+        # gamma + 1 tokens and one-token decoding compute each row alike (tests compare both)
+        self._target_lean = lean_forward_for(target) if lean_target else None
         self._gamma = 1
         self.gamma = gamma
         self.generator = torch.Generator(device=self.device)
@@ -278,7 +282,7 @@ class SpeculativeSession:
         if self.started:
             raise RuntimeError("prefill() was already called for this session")
         t0 = time.perf_counter()
-        logits = _forward(self.target, self.tokens, self._target_kv, 1, self.device)
+        logits = _forward(self.target, self.tokens, self._target_kv, 1, self.device, self._target_lean)
         token = self._pick(logits[-1])
         self.stats.prefill_seconds = time.perf_counter() - t0
         self._decode_started = time.perf_counter()
@@ -325,7 +329,7 @@ class SpeculativeSession:
             self._last_draft = draft_name
         t0 = time.perf_counter()
         feed = self.tokens[self._target_kv.length :] + proposals
-        logits = _forward(self.target, feed, self._target_kv, len(proposals) + 1, self.device)
+        logits = _forward(self.target, feed, self._target_kv, len(proposals) + 1, self.device, self._target_lean)
         if self.sampling.greedy:
             choices = logits.argmax(dim=-1).tolist()
             accepted = 0

@@ -1,0 +1,188 @@
+"""Forward paths (fp32, bf16, int8, int4): each computes its layer, and the engine stays lossless on each."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine import _chi2_critical, _chi2_ok
+
+from memspec_ros.bench.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
+from memspec_ros.runtime.draft_forward import lean_forward_for
+from memspec_ros.runtime.forward_paths import (
+    INT4_GROUP,
+    PATHS,
+    Bf16Linear,
+    ForwardPathError,
+    Int4Linear,
+    Int8Linear,
+    apply_path,
+    check_path,
+    concat_linears,
+    cpu_has_bf16,
+)
+from memspec_ros.runtime.models import ModelSpec, forward_path_for, load_model
+from memspec_ros.runtime.path_choice import choose_path
+from memspec_ros.runtime.speculative import SamplingConfig, generate, warp_probs
+
+KINDS = (Bf16Linear, Int8Linear, Int4Linear)
+# relative error of a random Gaussian layer's output in each format: bf16 keeps 8 significant bits,
+# int8 7 bits of the row's largest value, int4 16 levels per group of 32
+FORMAT_ERROR = {Bf16Linear: 0.02, Int8Linear: 0.05, Int4Linear: 0.2}
+RUNNABLE = [p for p in PATHS if p != "bf16" or cpu_has_bf16()]
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
+def test_each_format_computes_its_layer(kind):
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(2, 3, 64, generator=gen)
+    layer = kind(weight, bias)
+    got = layer(x)
+    assert got.shape == (2, 3, 96) and got.dtype == torch.float32
+    assert _relative_error(got, F.linear(x, weight, bias)) < FORMAT_ERROR[kind]
+
+
+def test_int4_keeps_weights_already_on_its_grid():
+    """A Q4_1 GGUF's weights (scale * q + minimum per group of 32) come back to bf16 precision, unlike random ones."""
+    gen = torch.Generator().manual_seed(1)
+    rows, cols = 32, 64
+    q = torch.randint(0, 16, (rows, cols // INT4_GROUP, INT4_GROUP), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # every group spans the whole grid, as Q4_1's quantizer makes it
+    scale = torch.rand(rows, cols // INT4_GROUP, 1, generator=gen) * 0.1 + 0.01
+    low = torch.randn(rows, cols // INT4_GROUP, 1, generator=gen) * 0.1
+    on_grid = (q * scale + low).view(rows, cols)
+    x = torch.randn(4, cols, generator=gen)
+    want = F.linear(x.bfloat16().float(), on_grid)  # the kernel multiplies bf16 inputs
+    on_grid_error = _relative_error(Int4Linear(on_grid, None)(x), want)
+    random_weight = torch.randn(rows, cols, generator=gen) * on_grid.std()
+    random_error = _relative_error(Int4Linear(random_weight, None)(x), F.linear(x.bfloat16().float(), random_weight))
+    assert on_grid_error < 0.01 < random_error
+
+
+def test_int8_rows_are_computed_independently_bit_for_bit():
+    """Per-row input scales and integer sums: a verify's rows equal one-token forwards exactly."""
+    gen = torch.Generator().manual_seed(2)
+    layer = Int8Linear(torch.randn(48, 64, generator=gen), None)
+    x = torch.randn(5, 64, generator=gen) * torch.logspace(-2, 2, 5)[:, None]  # rows of very different scale
+    together = layer(x)
+    for i in range(5):
+        assert torch.equal(together[i : i + 1], layer(x[i : i + 1]))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
+def test_fused_projections_equal_their_parts(kind):
+    gen = torch.Generator().manual_seed(3)
+    parts = [kind(torch.randn(n, 64, generator=gen), torch.randn(n, generator=gen)) for n in (128, 64, 64)]
+    fused = concat_linears(parts)
+    assert type(fused) is kind and fused.out_features == 256
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert concat_linears([parts[0], Int8Linear(torch.randn(8, 64), None) if kind is not Int8Linear
+                           else Int4Linear(torch.randn(16, 64), None)]) is None  # different kinds: not fused
+
+
+def test_apply_path_converts_every_linear_and_reports_what_it_kept():
+    model = tiny_llama(vocab_size=64, hidden=64)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    report = apply_path(model, "int4")
+    assert report.converted == linears and not report.kept_fp32
+    assert type(model.lm_head) is Int8Linear and report.head == "Int8Linear"  # the head keeps 8 bits
+    assert type(model.model.layers[0].mlp.down_proj) is Int4Linear
+    odd = tiny_llama(vocab_size=64, hidden=48)  # 48 input features: not a multiple of the group of 32
+    report = apply_path(odd, "int4")
+    assert report.kept_fp32 and all(type(odd.get_submodule(n)) is torch.nn.Linear for n in report.kept_fp32)
+    assert apply_path(tiny_llama(), "fp32").converted == 0
+    with pytest.raises(ForwardPathError, match="unknown forward path"):
+        check_path("int3")
+
+
+def test_spec_combinations_are_checked():
+    assert forward_path_for(ModelSpec("x")) == "fp32"
+    assert forward_path_for(ModelSpec("x", dtype="bf16")) == "bf16"
+    assert forward_path_for(ModelSpec("x", quantization="int4")) == "int4"
+    assert forward_path_for(ModelSpec("x", quantization="auto")) == "auto"
+    assert forward_path_for(ModelSpec("x", dtype="auto")) == "auto"
+    with pytest.raises(ValueError, match="set dtype fp32"):
+        forward_path_for(ModelSpec("x", dtype="bf16", quantization="int8"))
+    with pytest.raises(ValueError, match="'auto' chooses both"):
+        forward_path_for(ModelSpec("x", dtype="bf16", quantization="auto"))
+    with pytest.raises(ValueError, match="unknown quantization"):
+        forward_path_for(ModelSpec("x", quantization="int2"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    tokenizer = tiny_tokenizer()
+    root = tmp_path_factory.mktemp("paths")
+    target = tiny_llama(vocab_size=len(tokenizer), seed=0)
+    return (save_model_dir(target, tokenizer, root / "target"),
+            save_model_dir(noisy_copy(target, 0.05, seed=1), tokenizer, root / "draft"))
+
+
+@pytest.mark.parametrize("path", RUNNABLE)
+def test_engine_output_equals_the_configured_targets_own_greedy_output(tiny_dirs, path):
+    spec = {"bf16": dict(dtype="bf16")}.get(path, dict(quantization=path if path != "fp32" else "none"))
+    target = load_model(ModelSpec(str(tiny_dirs[0]), **spec))
+    draft = load_model(ModelSpec(str(tiny_dirs[1]), **spec))
+    assert target.forward_path == path and lean_forward_for(target.model) is not None
+    prompt = [1, 5, 7, 9, 11, 13]
+    alone = generate(target.model, prompt, None, max_new_tokens=40).generated_ids  # one token per forward
+    hf = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()  # transformers' forward, same modules
+    assert alone == hf
+    accepted = 0
+    for gamma in (1, 3, 6):
+        session = generate(target.model, prompt, draft.model, gamma=gamma, max_new_tokens=40)
+        assert session.generated_ids == alone, (path, gamma)
+        accepted += sum(it.accepted for it in session.stats.iterations)
+    assert accepted > 0  # the draft really drafted: verifies of several rows were compared
+
+
+@pytest.mark.parametrize("path", RUNNABLE)
+def test_sampled_output_keeps_the_configured_targets_distribution(path):
+    """Joint distribution of the first three generated tokens equals the converted target's exact one (chi-square)."""
+    vocab = 5
+    target = tiny_llama(vocab_size=vocab, hidden=32, seed=7, init_range=0.3)
+    draft = tiny_llama(vocab_size=vocab, hidden=32, layers=1, seed=8, init_range=0.3)
+    apply_path(target, path)
+    apply_path(draft, path)
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    prompt = [1, 3]
+    exact: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        for seq in product(range(vocab), repeat=3):
+            logits = target(torch.tensor([prompt + list(seq)])).logits[0]
+            prob = 1.0
+            for j, token in enumerate(seq):  # p(t1 | prompt) p(t2 | prompt, t1) p(t3 | prompt, t1, t2)
+                prob *= float(warp_probs(logits[len(prompt) - 1 + j], sampling)[token])
+            exact[seq] = prob
+    n = 2000
+    counts = Counter(
+        tuple(generate(target, prompt, draft, gamma=2, max_new_tokens=3,
+                       sampling=SamplingConfig(seed=seed, temperature=0.8, top_p=0.9)).generated_ids)
+        for seed in range(n)
+    )
+    stat, dof = _chi2_ok(counts, exact, n)
+    assert stat < _chi2_critical(dof), (path, stat, dof)
+
+
+def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs):
+    model = load_model(ModelSpec(str(tiny_dirs[0]))).model
+    before = copy.deepcopy(model.state_dict())
+    choice = choose_path(model, gamma=3)
+    assert {t.path for t in choice.timings} | set(choice.skipped) == set(PATHS)
+    assert all(t.one_token_ms > 0 and t.verify_ms > 0 for t in choice.timings)
+    assert choice.path == min(choice.timings, key=lambda t: t.one_token_ms + t.verify_ms).path
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # measured on copies
+    loaded = load_model(ModelSpec(str(tiny_dirs[0]), quantization="auto", gamma=3))
+    assert loaded.forward_path in PATHS and loaded.path_choice is not None
+    assert loaded.path_choice.as_dict()["chosen"] == loaded.forward_path

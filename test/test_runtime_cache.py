@@ -245,6 +245,217 @@ def test_remove_and_reconfigure():
     cache.close()
 
 
+class Monitor:
+    """White-box invariant monitor for concurrent use (the cache calls on_change under its lock).
+
+    At every state change:
+    - the drafts that can become resident (resident, and loads in flight not marked for dropping) fit K
+      and the byte budget now in force;
+    - a load just started fit together with everything still in memory, loads being dropped included;
+    - every load on the loader thread still holds its reservation (it is in the cache's table), and no
+      two loads of one draft are in flight at once.
+    """
+
+    def __init__(self, cache: DraftCacheManager) -> None:
+        self.cache = cache
+        self.violations: list[str] = []
+        self.changes = 0
+        self.running: dict[int, object] = {}  # id -> slot whose load runs on the loader thread now
+        self._seen: set[int] = set()
+        load = cache._load
+
+        def tracked(slot):  # cache._load, wrapped: submitted as self._load by the cache
+            with cache._lock:
+                self.running[id(slot)] = slot
+            try:
+                load(slot)
+            finally:
+                with cache._lock:
+                    self.running.pop(id(slot), None)
+
+        cache._load = tracked
+        cache.on_change = self
+
+    def __call__(self, snap: CacheStats) -> None:
+        c = self.cache
+        self.changes += 1
+        slots = list(c._slots.values())
+        held = [s for s in slots if s.error is None]
+        live = [s for s in held if not s.discard]
+        if len(live) > c.capacity:
+            self.violations.append(f"{len(live)} drafts live, K={c.capacity}: {snap}")
+        if c.budget_bytes and sum(s.reserved_bytes for s in live) > c.budget_bytes:
+            self.violations.append(f"live bytes over the budget {c.budget_bytes}: {snap}")
+        new = [s for s in held if id(s) not in self._seen and s.model is None]
+        self._seen.update(id(s) for s in slots)
+        if new:
+            if len(held) > c.capacity or (c.budget_bytes and sum(s.reserved_bytes for s in held) > c.budget_bytes):
+                self.violations.append(f"load of {[s.name for s in new]} started beyond the limits: {snap}")
+        for slot in self.running.values():
+            if slot.future is not None and c._slots.get(slot.name) is not slot:
+                self.violations.append(f"load of {slot.name!r} in flight without its reservation: {snap}")
+        names = [s.name for s in self.running.values() if s.future is not None]
+        if len(names) != len(set(names)):
+            self.violations.append(f"two loads of one draft in flight: {names}")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_concurrent_reconfigure_remove_and_reset_while_loads_are_in_flight(seed):
+    """A decode thread runs the controller's cache calls (update, get, set_active, wait_for) while another
+    thread changes K and the budget, removes drafts (a registry change) and resets the cache, with loads
+    of random duration in flight. The monitor checks the invariants at every change; afterwards nothing
+    is stuck loading and every draft can still be made resident (none lost)."""
+    rng, ros_rng = random.Random(seed), random.Random(seed + 100)
+    cache = DraftCacheManager(3, fake_loader(0.008, jitter=random.Random(seed + 200)), budget_bytes=700,
+                              size_of=SIZES.get)
+    monitor = Monitor(cache)
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def decoder():
+        active = ""
+        try:
+            while not stop.is_set():
+                cache.update([(n, rng.random()) for n in NAMES], active=active or None)
+                resident = cache.resident()
+                active = rng.choice(resident) if resident else ""
+                if active and cache.get(active) is not None:
+                    cache.set_active(active)
+                if rng.random() < 0.1:
+                    try:
+                        cache.wait_for(rng.choice(NAMES), timeout=5)
+                    except DraftLoadError:
+                        pass  # removed meanwhile, or no room beside the loads in flight: decoding goes on
+                time.sleep(0.001)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"decode thread: {exc!r}")
+
+    def ros():
+        try:
+            while not stop.is_set():
+                roll = ros_rng.random()
+                if roll < 0.45:
+                    cache.remove(ros_rng.choice(NAMES))
+                elif roll < 0.9:
+                    cache.reconfigure(capacity=ros_rng.randint(1, 4), budget_bytes=ros_rng.choice([0, 400, 700, 1000]))
+                else:
+                    cache.reset()
+                time.sleep(ros_rng.uniform(0, 0.004))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"parameter thread: {exc!r}")
+
+    threads = [threading.Thread(target=decoder), threading.Thread(target=ros)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    cache.drain()
+    assert errors == []
+    assert monitor.changes > 100
+    assert monitor.violations == [], monitor.violations[:3]
+    assert cache.loading() == [], "a load is stuck in flight"
+    # none lost: with room for all, every draft becomes resident, each exactly once
+    cache.reconfigure(capacity=len(NAMES), budget_bytes=0)
+    assert cache.update(NAMES) == NAMES
+    cache.drain()
+    assert sorted(cache.resident()) == sorted(NAMES) and cache.failed() == {}
+    snap = cache.snapshot()
+    assert snap.bytes_resident == sum(SIZES.values())
+    cache.close()
+
+
+def test_a_draft_removed_and_wanted_again_while_its_load_runs_is_not_lost():
+    """remove() while the draft loads marks the load for dropping; a registry that adds the draft back
+    before the load ends must get it: update() keeps it (it stays in W and becomes resident) and a
+    blocking wait_for() returns it, instead of waiting for a load that is then thrown away."""
+    gate = threading.Event()
+
+    def gated(name):
+        gate.wait(5)
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(2, gated, size_of=SIZES.get)
+    cache.update(["math"])
+    cache.remove("math")
+    assert cache.update(["math", "code"]) == ["math", "code"]
+    gate.set()
+    cache.drain()
+    assert sorted(cache.resident()) == ["code", "math"]
+    gate.clear()
+    cache.update(["law", "code"])  # evicts math, starts law
+    cache.remove("law")
+    waiter = threading.Thread(target=lambda: gate.set() if not time.sleep(0.05) else None)
+    waiter.start()
+    model, _ = cache.wait_for("law", timeout=5)
+    waiter.join()
+    assert model.spec.path == "law" and cache.is_resident("law")
+    cache.close()
+
+
+def test_a_smaller_k_counts_loads_being_dropped_once():
+    """A load marked for dropping (its draft removed) still occupies memory until it ends, so no new load
+    starts beside it beyond K; but it is going, so lowering K does not also evict a resident draft for it."""
+    gate = threading.Event()
+
+    def gated(name):
+        if name == "law":
+            gate.wait(5)
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(3, gated, size_of=SIZES.get)
+    cache.update(["general", "code"])
+    cache.drain()
+    cache.set_active("general")
+    cache.update({"general": 3, "code": 2, "law": 1}, active="general")  # law in flight
+    cache.remove("law")  # marked for dropping, its slot still taken
+    cache.reconfigure(capacity=2)
+    assert sorted(cache.resident()) == ["code", "general"]  # live drafts: 2 <= K, nothing evicted
+    cache.update({"general": 3, "math": 2}, active="general")
+    assert "math" not in cache.loading()  # 3 slots in memory (law still loading): no room for a new load
+    gate.set()
+    cache.drain()
+    assert "law" not in cache.resident()
+    cache.update({"general": 3, "math": 2}, active="general")
+    cache.drain()
+    assert sorted(cache.resident()) == ["general", "math"]
+    cache.close()
+
+
+def test_reset_while_another_thread_starts_a_load_keeps_its_reservation():
+    """reset() waits for the loads it sees; a load started meanwhile by another thread must stay
+    accounted (reserved) until it ends, never vanish from the table while it still runs."""
+    gates = {name: threading.Event() for name in NAMES}
+
+    def gated(name):
+        gates[name].wait(5)
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(2, gated, budget_bytes=500, size_of=SIZES.get)
+    monitor = Monitor(cache)
+    cache.update(["general"])  # 300 B, in flight
+    resetter = threading.Thread(target=cache.reset)
+    resetter.start()
+    time.sleep(0.05)  # reset() is waiting for general
+    cache.update({"general": 2, "law": 1})  # law (100 B) starts while reset waits
+    gates["general"].set()
+    resetter.join(5)
+    assert not resetter.is_alive()
+    # law is still loading: its 100 B stay reserved, so medical (400 B) cannot start beside it
+    cache.update(["medical"])
+    assert cache.snapshot().bytes_reserved <= 500
+    gates["law"].set()
+    gates["medical"].set()
+    cache.drain()
+    cache.update(["medical"])
+    cache.drain()
+    assert monitor.violations == [], monitor.violations
+    assert "medical" in cache.resident() and cache.snapshot().bytes_reserved <= 500
+    cache.close()
+
+
 def test_normalise_ranking_forms():
     assert [n for n, _ in normalise_ranking(["x", "y"])] == ["x", "y"]
     assert [n for n, _ in normalise_ranking({"x": 0.1, "y": 0.9})] == ["y", "x"]

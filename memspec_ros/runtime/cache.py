@@ -17,6 +17,14 @@ draft is viable again, so a file restored meanwhile loads at the next prefetch.
 All state changes happen under one lock. Evictions happen only on the caller's
 thread (update/request/remove/reconfigure), so the ``on_evict`` callbacks (the
 controller drops the evicted draft's KV cache there) run on the decode thread.
+
+A load in flight cannot be interrupted. When it is no longer wanted (remove, a smaller K or
+budget, reset) it is marked for dropping and keeps its reservation until the loader ends, so
+no new load starts while its memory is still in use; wanted again before it ends (a registry
+that adds the draft back), it is kept instead, if there is room. So, at every instant and with
+any thread calling: the drafts that can become resident (resident + loads not marked) fit K and
+the budget in force, and everything in memory, marked loads included, fit the limits that were
+in force when each load started.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ class _Slot:
     future: Future | None = None
     error: BaseException | None = None
     used: bool = False  # ran at least once since it became resident (for wasted-prefetch counting)
-    discard: bool = False  # removed/evicted while in flight: drop it when the load completes
+    discard: bool = False  # no longer wanted while in flight: drop it when the load completes (unless wanted again)
     load_started: float = 0.0
     failed_at: float = 0.0  # time.monotonic() of the failure (for the retry back-off)
 
@@ -182,9 +190,11 @@ class DraftCacheManager:
             self._working_set = viable[: self.capacity]
             for name in self._working_set:
                 slot = self._slots.get(name)
-                if slot is not None:
-                    continue  # resident or being prefetched
-                self._make_room_and_load(name, protect=set(self._working_set))
+                if slot is None:
+                    self._make_room_and_load(name, protect=set(self._working_set))
+                elif slot.discard:
+                    self._keep(slot, protect=set(self._working_set))  # dropped, and wanted again
+                # else: resident or being prefetched
             self._changed()
             return list(self._working_set)
 
@@ -196,7 +206,7 @@ class DraftCacheManager:
                 self._active = active
             slot = self._slots.get(name)
             if slot is not None and slot.error is None:
-                return True
+                return self._keep(slot, protect={name}) if slot.discard else True
             if slot is not None:  # failed before: an explicit request retries it
                 del self._slots[name]
             started = self._make_room_and_load(name, protect={name})
@@ -217,7 +227,7 @@ class DraftCacheManager:
                 slot.used = True
                 return slot.model, 0.0
             self._counters.misses += 1
-            if slot is None or slot.error is not None:
+            if slot is None or slot.error is not None or slot.discard:
                 if not self.request(name):
                     raise DraftLoadError(
                         f"draft {name!r} cannot be loaded: the cache (K={self.capacity}, budget={self.budget_bytes} B)"
@@ -276,10 +286,11 @@ class DraftCacheManager:
             if budget_bytes != self.budget_bytes:
                 self._forget_failures()
             self.capacity, self.budget_bytes = capacity, budget_bytes
-            for name in sorted(self.loading(), key=lambda n: self._scores.get(n, float("-inf"))):
-                if self._count() > capacity or not self._fits(0):
-                    self._slots[name].discard = True
-            while self._count() > capacity or not self._fits(0):
+            live_loads = [s for s in self._live() if s.model is None]
+            for slot in sorted(live_loads, key=lambda s: self._scores.get(s.name, float("-inf"))):
+                if not self._live_fit(0, 0):
+                    slot.discard = True
+            while not self._live_fit(0, 0):
                 victim = self._victim(protect=set())
                 if victim is None:
                     break
@@ -288,7 +299,10 @@ class DraftCacheManager:
             self._changed()
 
     def reset(self) -> None:
-        """Empty the cache (the paper resets runtime state per prompt); waits for loads in flight."""
+        """Empty the cache (the paper resets runtime state per prompt); waits for loads in flight.
+
+        A load another thread starts meanwhile is marked for dropping, not forgotten: it keeps its
+        reservation until the loader ends."""
         with self._lock:
             futures = [s.future for s in self._slots.values() if s.future is not None and s.model is None]
         for f in futures:
@@ -301,6 +315,8 @@ class DraftCacheManager:
                 slot = self._slots[name]
                 if slot.model is not None:
                     self._evict(name)
+                elif slot.error is None and slot.future is not None:
+                    slot.discard = True  # started after the wait above: still in memory until it ends
                 else:
                     del self._slots[name]
             self._active, self._scores, self._working_set = "", {}, []
@@ -358,6 +374,30 @@ class DraftCacheManager:
 
     def _fits(self, extra: int) -> bool:
         return not self.budget_bytes or self._reserved() + extra <= self.budget_bytes
+
+    def _live(self) -> list[_Slot]:
+        """Slots that can become (or are) resident: not failed, not marked for dropping."""
+        return [s for s in self._slots.values() if s.error is None and not s.discard]
+
+    def _live_fit(self, count: int, size: int) -> bool:
+        """Would the live slots plus ``count`` more drafts of ``size`` bytes fit K and the budget?"""
+        live = self._live()
+        return len(live) + count <= self.capacity and (
+            not self.budget_bytes or sum(s.reserved_bytes for s in live) + size <= self.budget_bytes)
+
+    def _keep(self, slot: _Slot, protect: set[str]) -> bool:
+        """A load marked for dropping is wanted again: keep it if the live drafts leave room (evicting
+        the lowest-scored resident drafts outside ``protect`` as for a new load). Its bytes are still
+        reserved, so nothing is loaded twice and the memory in use does not grow."""
+        if self.budget_bytes and slot.reserved_bytes > self.budget_bytes:
+            return False  # larger than the whole budget now: let it drop
+        while not self._live_fit(1, slot.reserved_bytes):
+            victim = self._victim(protect | {slot.name})
+            if victim is None:
+                return False
+            self._evict(victim)
+        slot.discard = False
+        return True
 
     def _forget_failures(self, name: str | None = None, older_than: float = 0.0) -> None:
         """Drop failed slots (``name``'s only, if given; failed at least ``older_than`` s ago): tried again later."""

@@ -281,7 +281,8 @@ class MemSpecNode(LifecycleNode):
         if v["model.threads"]:
             torch.set_num_threads(v["model.threads"])
         tokenizer = load_tokenizer(paths.tokenizer)
-        target = load_model(ModelSpec(paths.target, v["model.dtype"], v["model.device"], v["model.quantization"]))
+        target = load_model(ModelSpec(paths.target, v["model.dtype"], v["model.device"], v["model.quantization"],
+                                      gamma=v["memspec.gamma"]))
         registry = self._build_registry(v, paths, tokenizer_fingerprint(tokenizer))
         predictor = None
         if paths.predictor:
@@ -289,7 +290,8 @@ class MemSpecNode(LifecycleNode):
         config = RuntimeConfig(**{field_: v[name] for name, field_ in P.RUNTIME_FIELDS.items()})
         # an instruct model ends its turn with a token its generation_config lists (SmolLM2: <|im_end|>)
         controller = RuntimeController(config, target.model, tokenizer, registry, predictor,
-                                       max_positions=target.max_positions, draft_dtype=v["model.dtype"],
+                                       max_positions=target.max_positions,
+                                       draft_dtype="fp32" if v["model.dtype"] == "auto" else v["model.dtype"],
                                        device=v["model.device"], eos_token_ids=end_token_ids(tokenizer, target.model))
         return Loaded(paths, tokenizer, target, registry, predictor, controller, target.max_positions,
                       max_token_chars(tokenizer))
@@ -694,6 +696,10 @@ class MemSpecNode(LifecycleNode):
         s.add("dtype", spec.dtype)
         s.add("device", spec.device)
         s.add("quantization", spec.quantization)
+        s.add("forward path", lo.target.forward_path)
+        if lo.target.path_choice is not None:  # auto: what was measured at configure
+            for timing in lo.target.path_choice.timings:
+                s.add(f"auto {timing.path} ms (1 / gamma+1 tokens)", f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}")
         s.add("parameter bytes", lo.target.size_bytes)
         s.add("context tokens", lo.max_positions)
         s.add("chat template", has_chat_template(lo.tokenizer))

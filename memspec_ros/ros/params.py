@@ -26,7 +26,7 @@ from typing import Any
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
 from ..runtime.model_source import relative_to
-from ..runtime.models import DTYPES, QUANTIZATIONS
+from ..runtime.models import DTYPE_CHOICES, QUANTIZATIONS
 from ..runtime.policies import POLICIES
 
 PACKAGE = "memspec_ros"
@@ -84,15 +84,15 @@ def _ros_type(default: Any) -> int:
 
 
 I64 = 2**63 - 1
-DTYPE_NAMES = ("fp32", "bf16", "fp16")
-assert all(d in DTYPES for d in DTYPE_NAMES)
 
 PARAMS: tuple[Param, ...] = (
     # -- what configure loads -------------------------------------------------------------------
     Param("model.target_path", "", "Target model directory (Hugging Face format, safetensors). Empty: the registry file's target.", AT_CONFIGURE),
     Param("model.tokenizer_path", "", "Tokenizer directory. Empty: the target's directory.", AT_CONFIGURE),
-    Param("model.dtype", "fp32", "Weights dtype of target and drafts (fp32 is fastest on CPU).", AT_CONFIGURE, choices=DTYPE_NAMES),
-    Param("model.quantization", "none", "Target quantization: none, or gptq (GPT-QModel INT4 checkpoint).", AT_CONFIGURE, choices=QUANTIZATIONS),
+    Param("model.dtype", "fp32", "Target weights: fp32, bf16 (bf16 linear layers on CPUs with bf16 matmul), fp16 (GPU), or auto (see model.quantization). Drafts use it too unless auto (then fp32).",
+          AT_CONFIGURE, choices=DTYPE_CHOICES),
+    Param("model.quantization", "none", "Target forward path: none (the dtype's), int8, int4 (groups of 32, Q4_1's grid), gptq (a GPT-QModel INT4 checkpoint), or auto: time fp32/bf16/int8/int4 for 1 and gamma+1 tokens at configure and keep the fastest (reported on /diagnostics).",
+          AT_CONFIGURE, choices=QUANTIZATIONS),
     Param("model.device", "cpu", "Device for target and drafts: cpu or cuda[:N].", AT_CONFIGURE),
     Param("model.threads", 0, "torch CPU threads (0: leave torch's default).", AT_CONFIGURE, int_range=(0, 256)),
     Param("predictor.path", "", "Trained predictor directory (memspec-train-predictor). Empty: <registry dir>/predictor (or its target-hidden / minilm subfolder) if present; 'none': no predictor.", AT_CONFIGURE),

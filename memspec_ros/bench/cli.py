@@ -75,6 +75,67 @@ def cmd_engine(args) -> int:
     return 0 if result.outputs_identical else 1
 
 
+def cmd_llamacpp(args) -> int:
+    import json as _json
+
+    from tqdm import tqdm
+
+    from ..runtime.chat import end_token_ids, prompt_ids
+    from ..runtime.forward_paths import PATHS
+    from ..runtime.model_source import package_file
+    from ..runtime.models import ModelSpec, load_model, load_tokenizer
+    from ..runtime.registry import DraftRegistry
+    from .llamacpp_bench import LlamaCppBenchConfig, LlamaCppMissing, llamacpp_program, run_llamacpp_bench
+
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise SystemExit(f"unknown forward path(s) {', '.join(unknown)}: use {', '.join(PATHS)}")
+    cfg = LlamaCppBenchConfig(paths=paths, threads=tuple(int(t) for t in args.threads.split(",")),
+                              max_new_tokens=args.max_new_tokens, gamma=args.gamma, runs=args.runs,
+                              llamacpp_bin=Path(args.llamacpp_bin),
+                              llamacpp_draft=Path(args.llamacpp_draft) if args.llamacpp_draft else None)
+    try:
+        llamacpp_program(cfg.llamacpp_bin, "llama-completion")
+    except LlamaCppMissing as exc:
+        raise SystemExit(str(exc)) from None
+    registry = DraftRegistry.from_yaml(Path(args.zoo) / "registry.yaml", validate=False)
+    source = args.gguf or registry.target_path
+    gguf = package_file(source) if source.startswith("pkg:") else Path(source)
+    if gguf.suffix != ".gguf":
+        raise SystemExit(f"llama.cpp needs the target as a GGUF file; {source} is not one: pass --gguf FILE")
+    tokenizer = load_tokenizer(source)
+    targets = {}
+    for path in tqdm(paths, desc="loading target paths", unit="path"):
+        spec = ModelSpec(source, dtype="bf16") if path == "bf16" else ModelSpec(source, quantization="none" if path == "fp32" else path)
+        targets[path] = load_model(spec).model
+    drafts = {e.domain: load_model(ModelSpec(e.path)).model for e in registry.entries()}
+    prompts = []
+    for domain in args.domains.split(","):
+        rows = [_json.loads(line) for line in (Path(args.zoo) / "workloads" / f"{domain}.jsonl").read_text().splitlines() if line.strip()]
+        for row in rows[: args.prompts]:
+            ids = prompt_ids(tokenizer, row["prompt"])
+            prompts.append((domain, ids, tokenizer.decode(ids, skip_special_tokens=False)))
+    eos = end_token_ids(tokenizer, next(iter(targets.values())))
+    with tqdm(total=len(cfg.threads) * cfg.runs * len(prompts), desc="llama.cpp bench", unit="prompt") as bar:
+        result = run_llamacpp_bench(gguf, targets, drafts, prompts, cfg, eos, tokenizer.decode, progress=bar)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    for threads, row in result["threads"].items():
+        print(f"\n{threads} thread(s): llama.cpp {row['llamacpp_tps']:.1f} tok/s")
+        for path, p in row["paths"].items():
+            print(f"  {path:5s} alone {p['target_alone_tps']:6.1f} ({p['target_alone_vs_llamacpp']:.2f}x)"
+                  f" | speculative {p['speculative_tps']:6.1f} ({p['speculative_vs_llamacpp']:.2f}x, E[A] {p['mean_accepted']:.2f})"
+                  f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
+                  f" t_verify {p['forward']['verify_ms']:.1f} ms matmul share {p['forward']['matmul_share']:.0%}")
+        print(f"  goals: target alone >= 0.5x llama.cpp: {row['target_alone_vs_llamacpp']:.2f}x ({row['best_target_alone_path']});"
+              f" speculative >= 1.0x: {row['speculative_vs_llamacpp']:.2f}x ({row['best_speculative_path']})")
+    return 0 if all(row["outputs_identical"] for row in result["threads"].values()) else 1
+
+
 def cmd_action(args) -> int:
     from tqdm import tqdm
 
@@ -172,6 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--transformers-draft-forward", action="store_true",
                      help="run the draft through model(...) instead of the engine's lean Llama draft forward")
     eng.set_defaults(func=cmd_engine)
+    lcp = sub.add_parser("llamacpp", help="this engine (every forward path, alone and speculative) beside llama.cpp on the same GGUF")
+    lcp.add_argument("--json", help="write the result JSON here")
+    lcp.add_argument("--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled zoo)")
+    lcp.add_argument("--gguf", help="the target GGUF (default: the zoo registry's target, which must be a GGUF)")
+    lcp.add_argument("--paths", default="fp32,bf16,int8,int4", help="forward paths to run (default: all four)")
+    lcp.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    lcp.add_argument("--domains", default="code,math,law,medical,general", help="workloads the prompts come from")
+    lcp.add_argument("--prompts", type=int, default=1, help="held-out prompts per workload (default 1)")
+    lcp.add_argument("--runs", type=int, default=1, help="repetitions; medians are reported (default 1)")
+    lcp.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    lcp.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
+    lcp.add_argument("--llamacpp-bin", default=str(Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"),
+                     help="folder with llama-completion (scripts/build_llamacpp.sh builds it)")
+    lcp.add_argument("--llamacpp-draft", help="a same-vocabulary draft GGUF for llama.cpp's speculative example")
+    lcp.set_defaults(func=cmd_llamacpp)
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",
                       zoo_help="; a generated tiny zoo when it is missing", threads_help=": best on a busy 2-core CPU")

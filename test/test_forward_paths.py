@@ -186,3 +186,41 @@ def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs):
     loaded = load_model(ModelSpec(str(tiny_dirs[0]), quantization="auto", gamma=3))
     assert loaded.forward_path in PATHS and loaded.path_choice is not None
     assert loaded.path_choice.as_dict()["chosen"] == loaded.forward_path
+
+
+@pytest.mark.parametrize("path", RUNNABLE)
+def test_a_verify_computes_each_row_as_one_token_decoding_does(path):
+    """The lean forward's rows after a cached prefix equal one-token forwards bit for bit (int8 by its
+    arithmetic; int4 and bf16 where their kernel is row-exact, else one row at a time)."""
+    from memspec_ros.runtime.speculative import _forward, _KVState
+
+    model = tiny_llama(vocab_size=64, hidden=64, seed=5)
+    apply_path(model, path)
+    lean = lean_forward_for(model)
+    prompt, rows = list(range(3, 20)), [7, 21, 9, 40, 2]
+    together, alone = _KVState(), _KVState()
+    with torch.inference_mode():
+        _forward(model, prompt, together, 1, "cpu", lean)
+        _forward(model, prompt, alone, 1, "cpu", lean)
+        verify = _forward(model, rows, together, len(rows), "cpu", lean)
+        steps = torch.cat([_forward(model, [t], alone, 1, "cpu", lean) for t in rows])
+    if path == "fp32":  # plain fp32 matmuls sum a row differently with others: close, not exact
+        torch.testing.assert_close(verify, steps, atol=1e-4, rtol=1e-4)
+    else:
+        assert torch.equal(verify, steps)
+
+
+def test_a_kernel_that_is_not_row_exact_gets_its_rows_one_by_one(monkeypatch):
+    from memspec_ros.runtime import forward_paths
+
+    class Drifting(Int8Linear):  # stands in for a kernel whose sums depend on how many rows come together
+        def _matmul(self, rows):
+            return super()._matmul(rows) + 1e-3 * (rows.shape[0] - 1)
+
+    monkeypatch.setattr(forward_paths, "_ROWS_CHECKED", {})
+    layer = Drifting(torch.randn(32, 64), None)
+    assert not forward_paths.check_rows(layer) and not layer.rows_at_once
+    x = torch.randn(4, 64)
+    assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(4)]))
+    exact = Int8Linear(torch.randn(32, 64), None)
+    assert forward_paths.check_rows(exact) and exact.rows_at_once

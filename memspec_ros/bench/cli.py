@@ -128,7 +128,8 @@ def cmd_llamacpp(args) -> int:
         print(f"\n{threads} thread(s): llama.cpp {row['llamacpp_tps']:.1f} tok/s")
         for path, p in row["paths"].items():
             print(f"  {path:5s} alone {p['target_alone_tps']:6.1f} ({p['target_alone_vs_llamacpp']:.2f}x)"
-                  f" | speculative {p['speculative_tps']:6.1f} ({p['speculative_vs_llamacpp']:.2f}x, E[A] {p['mean_accepted']:.2f})"
+                  f" | speculative fixed {p['speculative_fixed_gamma_tps']:6.1f} (E[A] {p['mean_accepted']:.2f})"
+                  f" adaptive {p['speculative_adaptive_gamma_tps']:6.1f} ({p['speculative_vs_llamacpp']:.2f}x best)"
                   f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
                   f" t_verify {p['forward']['verify_ms']:.1f} ms matmul share {p['forward']['matmul_share']:.0%}")
         print(f"  goals: target alone >= 0.5x llama.cpp: {row['target_alone_vs_llamacpp']:.2f}x ({row['best_target_alone_path']});"

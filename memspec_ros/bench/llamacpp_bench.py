@@ -6,7 +6,8 @@ every method alike), the bench runs:
 
 * llama.cpp's ``llama-completion`` on the GGUF file itself, greedy (``--temp 0``);
 * this engine's target alone (one token per forward), on every forward path asked for;
-* this engine with speculation, on every path, with the prompt's own domain draft.
+* this engine with speculation, on every path, with the prompt's own domain draft, at a fixed
+  gamma and with gamma chosen per iteration from measured costs (runtime/gamma_choice.py).
 
 Every throughput is the same quantity: tokens generated after the first, over the
 wall time of decoding them (prompt encoding excluded). llama.cpp reports it as
@@ -140,7 +141,7 @@ def run_llamacpp_bench(
                     "threads": {}}
     for threads in cfg.threads:
         torch.set_num_threads(threads)
-        methods = ["llamacpp"] + [f"{p}:{kind}" for p in targets for kind in ("alone", "speculative")]
+        methods = ["llamacpp"] + [f"{p}:{kind}" for p in targets for kind in ("alone", "speculative", "adaptive")]
         if cfg.llamacpp_draft:
             methods.append("llamacpp_speculative")
         tally = {m: _Tally() for m in methods}
@@ -165,15 +166,16 @@ def run_llamacpp_bench(
                             cfg.llamacpp_bin, gguf, cfg.llamacpp_draft, text, cfg.max_new_tokens, threads, cfg.gamma))
                         continue
                     path, kind = method.split(":")
-                    draft = drafts.get(domain) if kind == "speculative" else None
+                    draft = drafts.get(domain) if kind != "alone" else None
                     session = generate(targets[path], ids, draft, draft_name=domain, gamma=cfg.gamma,
-                                       max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_token_ids)
+                                       max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_token_ids,
+                                       adaptive_gamma=kind == "adaptive")
                     tally[method].tps.append(session.stats.tokens_per_second)
-                    if kind == "speculative":
+                    if kind != "alone":
                         tally[method].accepted.append(session.stats.mean_accepted)
                     outputs[method] = session.generated_ids
                 for path in targets:
-                    identical[path] &= outputs[f"{path}:speculative"] == outputs[f"{path}:alone"]
+                    identical[path] &= outputs[f"{path}:speculative"] == outputs[f"{path}:adaptive"] == outputs[f"{path}:alone"]
                     same_text[path] += decode(outputs[f"{path}:alone"]).strip() == llama_text.strip()
                 if progress is not None:
                     progress.update(1)
@@ -183,11 +185,16 @@ def run_llamacpp_bench(
             row["llamacpp_speculative_tps"] = statistics.median(tally["llamacpp_speculative"].tps)
         for path, target in targets.items():
             alone = statistics.median(tally[f"{path}:alone"].tps)
-            spec = statistics.median(tally[f"{path}:speculative"].tps)
+            fixed = statistics.median(tally[f"{path}:speculative"].tps)
+            adaptive = statistics.median(tally[f"{path}:adaptive"].tps)
+            spec = max(fixed, adaptive)
             row["paths"][path] = {
                 "target_alone_tps": alone,
+                "speculative_fixed_gamma_tps": fixed,
+                "speculative_adaptive_gamma_tps": adaptive,
                 "speculative_tps": spec,
                 "mean_accepted": statistics.fmean(tally[f"{path}:speculative"].accepted),
+                "adaptive_vs_fixed_gamma": adaptive / fixed,
                 "target_alone_vs_llamacpp": alone / llama,
                 "speculative_vs_llamacpp": spec / llama,
                 "speculative_vs_target_alone": spec / alone,

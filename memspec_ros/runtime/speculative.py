@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .draft_forward import LeanLlamaForward, lean_forward_for
+from .gamma_choice import GammaChooser, measure_costs
 from .stats import GenerationStats, IterationStats
 
 FINISH_LENGTH = "length"
@@ -196,6 +197,7 @@ class SpeculativeSession:
         max_positions: int = 0,
         lean_drafts: bool = True,
         lean_target: bool = True,
+        adaptive_gamma: bool = False,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -221,6 +223,9 @@ class SpeculativeSession:
         self._target_lean = lean_forward_for(target) if lean_target else None
         self._gamma = 1
         self.gamma = gamma
+        # adaptive: ``gamma`` is the most a draft may propose; each iteration picks 0..gamma from the
+        # measured forward costs and the draft's running acceptance (runtime/gamma_choice.py)
+        self._gamma_chooser = GammaChooser(gamma) if adaptive_gamma else None
         self.generator = torch.Generator(device=self.device)
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator.manual_seed(seed)
@@ -297,7 +302,7 @@ class SpeculativeSession:
         if self.finished:
             raise RuntimeError(f"the generation has finished ({self.finish_reason}); start a new session")
         remaining = self.max_new_tokens - len(self.generated_ids)
-        gamma = min(self.gamma, remaining - 1) if draft is not None else 0
+        gamma = min(self._gamma_for(draft_name, draft), remaining - 1) if draft is not None else 0
         stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
                                draft_seconds=0.0, verify_seconds=0.0)
         proposals: list[int] = []
@@ -342,6 +347,8 @@ class SpeculativeSession:
             accepted, extra = speculative_accept(p, q, proposals, self.generator)
         stats.verify_seconds = time.perf_counter() - t0
         stats.proposed, stats.accepted = len(proposals), accepted
+        if self._gamma_chooser is not None and draft is not None:
+            self._gamma_chooser.observe(draft_name, len(proposals), accepted)
         base = len(self.tokens)
         # roll back: both caches keep only committed tokens (all but the newest one)
         self._target_kv.crop_to(base + accepted)
@@ -351,6 +358,12 @@ class SpeculativeSession:
         stats.committed = self._commit(proposals[:accepted] + [extra])
         self.stats.iterations.append(stats)
         return stats
+
+    def _gamma_for(self, draft_name: str, draft: torch.nn.Module) -> int:
+        if self._gamma_chooser is None:
+            return self.gamma
+        self._gamma_chooser.max_gamma = self.gamma  # a reconfigured gamma bounds the choice from now on
+        return self._gamma_chooser.choose(measure_costs(self.target, draft, self.gamma), draft_name)
 
     def _commit(self, new_tokens: list[int]) -> int:
         """Append tokens up to EOS / max_new_tokens, stream the text, detect stop strings."""

@@ -1,0 +1,115 @@
+"""γ from measured costs: how many tokens the draft should propose, iteration by iteration.
+
+With per-token acceptance rate α, an iteration that proposes γ tokens commits
+on average ``(1 - α^(γ+1)) / (1 - α)`` tokens (the accepted run plus the target's
+own token) and costs ``γ·t_draft + t_verify(γ+1)``. The best γ maximises their
+ratio, and γ = 0 (the target alone, ``1 / t_verify(1)``) is one of the
+candidates: where verifying extra rows is expensive (the int4 kernel pays for
+every row) or the draft is poor, not drafting is the fastest choice.
+
+The costs are measured once per model on this machine (the same timing the
+``auto`` forward path uses), α is estimated per draft from the running
+acceptance, with recent iterations weighted more (acceptance changes within an
+answer), and a draft that is not being run is probed with γ = 1 now and then so
+its estimate can recover. This is the rule of adaptive-lookahead work (SpecDec++,
+DISCO) reduced to its measured parts.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from .path_choice import time_forward
+
+PRIOR_TRIALS = 2.0  # the estimate starts at alpha = 0.5 worth two proposals, so one iteration cannot swing it
+DECAY = 0.9  # weight of past evidence per iteration: about the last ten iterations count
+PROBE_EVERY = 8  # while gamma is 0, propose one token every this many iterations to keep alpha current
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens an iteration commits on average: the accepted prefix of gamma proposals plus one."""
+    if gamma == 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class ForwardCosts:
+    """Measured milliseconds: ``verify_ms[k - 1]`` for a k-token target forward, ``draft_ms`` per draft token."""
+
+    verify_ms: list[float]
+    draft_ms: float
+
+    def iteration_ms(self, gamma: int) -> float:
+        return gamma * self.draft_ms + self.verify_ms[min(gamma, len(self.verify_ms) - 1)]
+
+
+def best_gamma(costs: ForwardCosts, alpha: float, max_gamma: int) -> int:
+    """The gamma in 0..max_gamma with the most committed tokens per millisecond."""
+    return max(range(max_gamma + 1), key=lambda g: expected_tokens(alpha, g) / costs.iteration_ms(g))
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-token acceptance from (proposed, accepted) counts, decayed so recent iterations count more.
+
+    A proposal position is a trial up to and including the first rejection: an iteration that accepts
+    ``a`` of ``g`` proposals ran ``a`` successful trials and, if ``a < g``, one failed one."""
+
+    successes: float = PRIOR_TRIALS / 2
+    trials: float = PRIOR_TRIALS
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.successes = DECAY * self.successes + accepted
+        self.trials = DECAY * self.trials + accepted + (1 if accepted < proposed else 0)
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / self.trials
+
+
+_TARGET_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, list[float]] = weakref.WeakKeyDictionary()
+_DRAFT_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, float] = weakref.WeakKeyDictionary()
+
+
+def measure_costs(target: torch.nn.Module, draft: torch.nn.Module, max_gamma: int) -> ForwardCosts:
+    """The pair's forward times, measured once per model object (a second or two for a 135 M target)."""
+    vocab = int(getattr(target.config, "vocab_size", 2))
+    known = _TARGET_COSTS.get(target, [])
+    if len(known) < max_gamma + 1:
+        known = known + [time_forward(target, k, vocab) for k in range(len(known) + 1, max_gamma + 2)]
+        _TARGET_COSTS[target] = known
+    if draft not in _DRAFT_COSTS:
+        _DRAFT_COSTS[draft] = time_forward(draft, 1, vocab)
+    return ForwardCosts(verify_ms=known[: max_gamma + 1], draft_ms=_DRAFT_COSTS[draft])
+
+
+@dataclass
+class GammaChooser:
+    """Chooses each iteration's gamma for a generation from measured costs and running acceptance."""
+
+    max_gamma: int
+    estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict)
+    _idle: int = 0  # iterations since the draft last proposed
+
+    def choose(self, costs: ForwardCosts, draft_name: str) -> int:
+        alpha = self.estimates.setdefault(draft_name, AcceptanceEstimate()).alpha
+        gamma = best_gamma(costs, alpha, self.max_gamma)
+        if gamma == 0:
+            self._idle += 1
+            if self._idle >= PROBE_EVERY:
+                self._idle = 0
+                return 1
+        return gamma
+
+    def observe(self, draft_name: str, proposed: int, accepted: int) -> None:
+        if proposed > 0:
+            self._idle = 0
+        self.estimates.setdefault(draft_name, AcceptanceEstimate()).observe(proposed, accepted)

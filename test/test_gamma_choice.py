@@ -1,0 +1,76 @@
+"""γ from measured costs: the expected-tokens model, the choice, the acceptance estimate, and the engine using it."""
+
+from __future__ import annotations
+
+import pytest
+
+from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama
+from memspec_ros.runtime import gamma_choice
+from memspec_ros.runtime.gamma_choice import (
+    PROBE_EVERY,
+    AcceptanceEstimate,
+    ForwardCosts,
+    GammaChooser,
+    best_gamma,
+    expected_tokens,
+)
+from memspec_ros.runtime.speculative import generate
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_best_gamma_weighs_acceptance_against_measured_costs():
+    flat = ForwardCosts(verify_ms=[10.0] * 9, draft_ms=0.5)  # a verify costs the same for any rows (bf16-like)
+    assert best_gamma(flat, 0.9, 8) == 8
+    # by hand, alpha 0.5: g=1: 1.5/10.5=.143, g=2: 1.75/11=.159, g=3: 1.875/11.5=.163, g=4: 1.9375/12=.161
+    assert best_gamma(flat, 0.5, 8) == 3
+    per_row = ForwardCosts(verify_ms=[10.0 * k for k in range(1, 10)], draft_ms=2.0)  # every row costs (int4-like)
+    # alpha 0.5: g=0: 1/10=.1, g=1: 1.5/22=.068: not drafting wins
+    assert best_gamma(per_row, 0.5, 8) == 0
+    assert best_gamma(per_row, 1.0, 8) == 0  # even all accepted: g=1 gives 2/22 = .091 < 1/10
+    cheap_rows = ForwardCosts(verify_ms=[10.0 + 3.0 * (k - 1) for k in range(1, 10)], draft_ms=0.5)
+    # alpha 0.8: g=2: 2.44/17 = .1435, g=3: 2.952/20.5 = .1440, g=4: 3.3616/24 = .1401
+    assert best_gamma(cheap_rows, 0.8, 8) == 3
+
+
+def test_acceptance_estimate_counts_trials_up_to_the_first_rejection():
+    est = AcceptanceEstimate(successes=0.0, trials=0.0)
+    est.observe(proposed=4, accepted=2)  # two successes and the failed third: 3 trials
+    assert est.alpha == pytest.approx(2 / 3)
+    est = AcceptanceEstimate(successes=0.0, trials=0.0)
+    est.observe(proposed=4, accepted=4)  # all accepted: 4 trials, no failure
+    assert est.alpha == 1.0
+    drifting = AcceptanceEstimate()
+    for _ in range(40):
+        drifting.observe(4, 0)
+    assert drifting.alpha < 0.05  # recent iterations outweigh the prior and the past
+
+
+def test_an_idle_draft_is_probed():
+    costly = ForwardCosts(verify_ms=[10.0 * k for k in range(1, 10)], draft_ms=5.0)
+    chooser = GammaChooser(max_gamma=4)
+    picks = [chooser.choose(costly, "d") for _ in range(3 * PROBE_EVERY)]
+    assert picks.count(1) == 3 and set(picks) == {0, 1}
+
+
+def test_adaptive_generation_stays_lossless_and_uses_the_choice(monkeypatch):
+    target = tiny_llama(vocab_size=64, seed=0)
+    draft = noisy_copy(target, 0.02, seed=1)
+    prompt = [1, 5, 7, 9]
+    reference = generate(target, prompt, None, max_new_tokens=40).generated_ids
+    adaptive = generate(target, prompt, draft, gamma=6, max_new_tokens=40, adaptive_gamma=True)
+    assert adaptive.generated_ids == reference
+    assert all(it.proposed <= 6 for it in adaptive.stats.iterations)
+    # costs where drafting never pays: only the probes propose, one token each
+    monkeypatch.setattr(gamma_choice, "time_forward", lambda model, k, vocab: 10.0 * k)
+    gamma_choice._TARGET_COSTS.clear()
+    gamma_choice._DRAFT_COSTS.clear()
+    never = generate(target, prompt, draft, gamma=6, max_new_tokens=40, adaptive_gamma=True)
+    assert never.generated_ids == reference
+    proposed = [it.proposed for it in never.stats.iterations]
+    assert set(proposed) <= {0, 1} and 0 < proposed.count(1) <= len(proposed) // PROBE_EVERY + 1

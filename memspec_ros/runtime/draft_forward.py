@@ -1,4 +1,4 @@
-"""A lean forward pass for Llama-architecture drafts.
+"""A lean forward pass for Llama-architecture models (drafts and the target).
 
 A draft proposes ``gamma`` tokens one forward at a time, and for the small
 drafts MemSpec keeps resident most of a transformers forward is per-module
@@ -10,10 +10,13 @@ parameters and rotary-embedding module, writing keys and values into the
 engine's preallocated KV cache, so nothing about the draft changes but its
 speed.
 
-Used for drafts only, on purpose: the draft's numbers decide only *which*
-tokens are proposed, never what is committed (the target verifies every one,
-through transformers), so losslessness cannot depend on this code. The tests
-still check that its logits equal transformers' own.
+The target runs it too (prefill, plain steps, verifies), with the forward
+paths' compact linears (runtime/forward_paths.py) and q/k/v and gate/up fused
+where the fused module provably equals its parts; rows fed after a cached
+prefix attend one by one, so a verify's rows are computed exactly as one-token
+decoding computes them. The tests check its logits against transformers' and
+the engine's output against the target's own one-token greedy output on every
+path.
 
 Anything it does not reproduce exactly falls back to the transformers forward:
 another architecture, quantized or otherwise non-``nn.Linear`` projections,

@@ -21,11 +21,14 @@ and multiplies with a kernel ATen already ships for CPUs:
           at 8 bits too.
 
 Speculative decoding is lossless relative to the model it runs, so the verify
-of γ+1 tokens must compute, row for row, what one-token decoding computes. That
-is why every path multiplies each row independently of the others: int8 with
-per-row input scales and integer accumulation is exact; the int4 and bf16
-kernels were checked to give bit-identical rows for 1 and 5 inputs
-(``tests``: every path's engine output equals its own target-alone output).
+of γ+1 tokens must compute, row for row, what one-token decoding computes. int8
+does by its arithmetic (per-row input scales, exact integer sums). For the int4
+and bf16 kernels that is a property of the kernel on this CPU, so every module
+is checked once per shape at load (:func:`check_rows`: 2..9 rows at once against
+each row alone, bit for bit) and runs its rows one at a time where the check
+fails. Attention is made row-exact in the lean forward (runtime/draft_forward.py).
+Plain fp32 matmuls are not row-exact (they sum a row differently with others);
+fp32 stays as transformers runs it, identical in practice, not by construction.
 
 Layers whose shapes a kernel cannot take (int4 needs in_features % 32 == 0 and
 out_features % 16 == 0) keep fp32 and are counted in :class:`PathReport`.

@@ -1,0 +1,436 @@
+"""The goals of ``~/generate``: checked, queued, run one at a time, answered.
+
+rclpy's pattern for queued goals (ros2/examples ``rclpy/actions/server_queue_goals.py``)::
+
+    goal callback      checks only (node active, the request, its characters before any tokenizing,
+                       its tokens, the context, room in the FIFO) and answers at once; an accepted
+                       request reserves its place as a Job carrying the prompt's token ids
+    accepted callback  the goal handle takes its Job: executed at once when no goal runs, else queued
+    execute callback   an executor task: RuntimeController.generate on the checked token ids, feedback
+                       published from that thread (throttled), the outcome mapped onto the goal's state,
+                       its result and ~/generation_stats; then the next queued goal is executed
+    cancel callback    accepts: the running goal stops at its next iteration with its partial text; a
+                       queued goal leaves the FIFO at once (its slot free) and ends CANCELED
+
+So exactly one generation runs, on the executor thread of its execute callback; the executor's other
+threads stay free for goal requests, lifecycle, parameter and diagnostics services.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+
+from memspec_interfaces.action import Generate
+
+from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids
+from ..runtime.stats import GenerationStats
+from .diagnostics import ThroughputWindow, generation_stats_msg
+
+ACTION_NAME = "~/generate"
+DEACTIVATE_WAIT_SECONDS = 30.0  # how long ending the goals waits for the running one's next iteration
+# The action's goal, cancel and result services: rclpy's default keeps 10 requests, so a burst of goals
+# sent at once lost the rest unanswered (their clients waited forever). 100 holds any realistic burst
+# between two takes of the executor while bounding what a flood of large prompts can hold in memory.
+ACTION_SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
+                                durability=DurabilityPolicy.VOLATILE)
+CANCELING_WAIT_SECONDS = 5.0  # rclpy marks a goal CANCELING only after the cancel callback returned
+NOT_ACTIVE_TODO = {"unconfigured": "configure and activate it", "inactive": "activate it",
+                   "finalized": "start the node again"}
+
+ERROR = Generate.Result.FINISH_ERROR
+CANCELLED = Generate.Result.FINISH_CANCELLED
+
+
+@dataclass(eq=False)
+class Job:
+    """One accepted goal: reserved by the goal callback, given its handle by the accepted callback."""
+
+    request: Generate.Goal
+    prompt_ids: list[int]  # tokenized and checked once, in the goal callback
+    goal_handle: Any = None
+    abort_reason: str | None = None  # the node is deactivating or going: end with the partial text
+    result: Generate.Result | None = None  # set when the goal ended before it ran
+
+
+def ros_text(text: str) -> str:
+    """ROS strings cannot carry NUL (the C layer would cut the text there): drop it."""
+    return text.replace("\x00", "") if "\x00" in text else text
+
+
+def fill_result(result: Generate.Result, stats: GenerationStats) -> None:
+    result.prompt_tokens = int(stats.prompt_tokens)
+    result.completion_tokens = int(stats.completion_tokens)
+    result.tokens_per_second = float(stats.tokens_per_second)
+    result.time_to_first_token = float(stats.time_to_first_token)
+    result.mean_accepted_tokens = float(stats.mean_accepted)
+    result.drafts_used = list(stats.drafts_used)
+    result.draft_switches = int(stats.draft_switches)
+
+
+def settle(goal_handle, finish_reason: str) -> None:
+    """The goal's terminal state for its finish reason."""
+    if finish_reason == ERROR:
+        goal_handle.abort()
+    elif finish_reason == CANCELLED:
+        goal_handle.canceled()
+    else:
+        goal_handle.succeed()
+
+
+class FeedbackThrottle:
+    """Feedback per committed chunk, published on the generation thread, at most one message per ``period`` s.
+
+    Chunks that come sooner join the next message; ``flush`` publishes what is left before the result.
+    A DDS write takes microseconds and happens at most once a period, so it stays off the hot path.
+    """
+
+    def __init__(self, goal_handle, cache, period: float, logger) -> None:
+        self.goal_handle, self.cache, self.period, self.logger = goal_handle, cache, period, logger
+        self._chunks: list[str] = []  # the whole text so far (an aborted goal's partial result)
+        self._sent = 0  # chunks already published
+        self._tokens = 0
+        self._first = self._latest = 0.0
+        self._last_publish = -math.inf
+        self._broken = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self._chunks)
+
+    def on_chunk(self, delta: str, token_ids: list[int]) -> None:
+        now = time.perf_counter()
+        if not self._tokens:
+            self._first = now  # the first token comes from prefill; throughput counts the ones after it
+        self._tokens += len(token_ids)
+        self._latest = now
+        self._chunks.append(delta)
+        if now - self._last_publish >= self.period:
+            self._publish(now)
+
+    def flush(self) -> None:
+        if self._sent < len(self._chunks):
+            self._publish(time.perf_counter())
+
+    def _publish(self, now: float) -> None:
+        if self._broken:
+            return
+        delta, self._sent = "".join(self._chunks[self._sent:]), len(self._chunks)
+        elapsed = self._latest - self._first
+        try:
+            self.goal_handle.publish_feedback(Generate.Feedback(
+                delta_text=ros_text(delta), tokens_so_far=self._tokens,
+                tokens_per_second=(self._tokens - 1) / elapsed if elapsed > 0 and self._tokens > 1 else 0.0,
+                active_draft=self.cache.active,
+            ))
+        except Exception as exc:  # the server went under us (shutdown): the result still goes out
+            self._broken = True
+            self.logger.warning(f"feedback stopped for this goal: {type(exc).__name__}: {exc}")
+        self._last_publish = now
+
+
+class GoalRunner:
+    """The Generate action server, its FIFO of accepted goals and the one generation that runs.
+
+    ``open`` (activate) hands it the loaded runtime: goals are accepted from then on. ``end_goals``
+    (deactivate, shutdown, error) refuses new goals and ends the running and queued ones ABORTED with a
+    reason; ``close`` (SIGINT/SIGTERM, destroy_node) does so for good and waits until their results are
+    with rclpy.
+    """
+
+    def __init__(self, node, window: ThroughputWindow, callback_group) -> None:
+        self._node = node
+        self._window = window
+        self._cv = threading.Condition()
+        self._reserved: list[Job] = []  # accepted by the goal callback, waiting for their handles
+        self._queue: deque[Job] = deque()
+        self._running: Job | None = None
+        self._unanswered = 0  # accepted goals whose result rclpy does not have yet
+        self._loaded = None  # the runtime while goals are accepted (open .. end_goals)
+        self._stats_pub = None
+        self._ended_with = ""  # why the goals were ended: for a goal accepted just before
+        self._closing = ""  # why no goal is taken again (close)
+        self.goals_rejected = 0
+        self.last_rejection = ""  # the latest rejection's reason (also on /diagnostics)
+        self.last_error = ""  # why the latest goal failed, '' once one succeeds
+        self.server = ActionServer(
+            node, Generate, ACTION_NAME,
+            execute_callback=self.execute,
+            goal_callback=self.on_goal,
+            handle_accepted_callback=self.on_accepted,
+            cancel_callback=self.on_cancel,
+            callback_group=callback_group,
+            goal_service_qos_profile=ACTION_SERVICE_QOS,
+            result_service_qos_profile=ACTION_SERVICE_QOS,
+            cancel_service_qos_profile=ACTION_SERVICE_QOS,
+        )
+
+    # -- what the node calls ----------------------------------------------------------------------
+    def open(self, loaded, stats_pub) -> None:
+        with self._cv:
+            self._loaded, self._stats_pub = loaded, stats_pub
+
+    def end_goals(self, reason: str) -> None:
+        """Refuse new goals; end the queued goals now and the running one at its next iteration, ABORTED
+        with ``reason``; returns once the running goal is over (at most DEACTIVATE_WAIT_SECONDS)."""
+        with self._cv:
+            self._loaded, self._ended_with = None, reason
+            queued, self._queue = list(self._queue), deque()
+            if self._running is not None:
+                self._running.abort_reason = reason
+        for job in queued:
+            self._end_unrun(job, reason)
+        with self._cv:
+            self._cv.wait_for(lambda: self._running is None and not self._reserved, DEACTIVATE_WAIT_SECONDS)
+            self._stats_pub = None
+
+    def close(self, reason: str, results_out_seconds: float) -> bool:
+        """Take no goal again, end the goals (``end_goals``) and wait up to ``results_out_seconds`` until
+        rclpy has their results; True if there were any. The executor must still spin: rclpy sends a
+        result from a task of its own after the execute callback returned it."""
+        self._closing = self._closing or reason
+        with self._cv:
+            had_goals = self._unanswered > 0
+        self.end_goals(self._closing)
+        with self._cv:
+            self._cv.wait_for(lambda: self._unanswered <= 0, results_out_seconds)
+        return had_goals
+
+    def counts(self) -> tuple[bool, int]:
+        """(a goal runs, goals queued)."""
+        with self._cv:
+            return self._running is not None, len(self._queue)
+
+    @contextmanager
+    def no_goal_starting(self) -> Iterator[bool]:
+        """Holds back the start of a goal; yields whether one runs now."""
+        with self._cv:
+            yield self._running is not None
+
+    def destroy(self) -> None:
+        self.server.destroy()
+
+    # -- goal callback: checks only -----------------------------------------------------------------
+    def on_goal(self, goal: Generate.Goal) -> GoalResponse:
+        reason = self._check(goal)
+        if reason:
+            self.goals_rejected += 1
+            self.last_rejection = reason
+            self._node.get_logger().warning(f"goal rejected: {reason}")
+            return GoalResponse.REJECT
+        return GoalResponse.ACCEPT
+
+    def _check(self, goal: Generate.Goal) -> str:
+        """'' when accepted (its Job reserved), else the reason; cheap checks first."""
+        lo = self._loaded
+        if self._closing:
+            return f"{self._closing}: no new goals"
+        if lo is None:
+            state = self._node.lifecycle_state
+            todo = NOT_ACTIVE_TODO.get(state, "wait for its transition and activate it")
+            return f"the node is not active (state {state}): {todo} first"
+        messages = [(m.role, m.content) for m in goal.messages]
+        reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
+        if reason:  # roles, emptiness, raw with messages, messages without a template
+            return reason
+        if not math.isfinite(goal.temperature) or not (math.isfinite(goal.top_p) and goal.top_p <= 1.0):
+            return f"temperature {goal.temperature} / top_p {goal.top_p} out of range (top_p must be <= 1)"
+        limit = self._param("generation.max_prompt_tokens")
+        if lo.max_positions:
+            limit = min(limit, lo.max_positions - 1)
+        reason = self._characters_error(goal, messages, limit, lo.max_token_chars)
+        if reason:
+            return reason
+        try:
+            ids = prompt_ids(lo.tokenizer, goal.prompt, messages, goal.raw, self._param("generation.system_prompt"))
+        except ChatError as exc:  # the chat template failed (a sandbox refusal included)
+            return str(exc)
+        except Exception as exc:  # never let a tokenizer error escape the goal callback
+            return f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
+        return self._tokens_error(goal, ids, limit, lo.max_positions) or self._reserve(goal, ids)
+
+    @staticmethod
+    def _characters_error(goal: Generate.Goal, messages: list, limit: int, max_token_chars: int) -> str:
+        """Before any tokenizing (a 1 MB prompt took 0.5 s and 350 MB to tokenize): a text longer than
+        ``limit`` times the most characters one token stands for can never fit in ``limit`` tokens."""
+        chars = len(goal.prompt) + sum(len(content) for _, content in messages)
+        if chars <= limit * max_token_chars:
+            return ""
+        what = "the messages have" if messages else "the prompt has"
+        return (f"{what} {chars} characters, more than the limit of {limit} tokens can hold (at most"
+                f" {max_token_chars} characters per token for this tokenizer; generation.max_prompt_tokens"
+                " / the target's context)")
+
+    def _tokens_error(self, goal: Generate.Goal, ids: list[int], limit: int, max_positions: int) -> str:
+        """The prompt's tokens against generation.max_prompt_tokens and, with the new tokens, the context."""
+        if len(ids) > limit:
+            return (f"the prompt has {len(ids)} tokens, more than the limit of {limit}"
+                    " (generation.max_prompt_tokens / the target's context)")
+        new_tokens = self._max_new_tokens(goal)
+        if max_positions and len(ids) + new_tokens > max_positions:
+            return (f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens}) exceeds the target's context of"
+                    f" {max_positions} tokens: shorten the prompt or ask for fewer tokens")
+        return ""
+
+    def _reserve(self, goal: Generate.Goal, ids: list[int]) -> str:
+        """A place for the goal now, so that concurrent goal callbacks see it; else why not."""
+        room = 1 + self._param("action.max_queued_goals")
+        with self._cv:
+            taken = len(self._reserved) + len(self._queue) + (self._running is not None)
+            if taken >= room:
+                waiting = taken - (self._running is not None)
+                return f"the goal queue is full ({waiting} waiting, action.max_queued_goals {room - 1}): retry later"
+            self._reserved.append(Job(goal, ids))
+            self._unanswered += 1
+        return ""
+
+    # -- accepted callback: queue the handle ----------------------------------------------------------
+    def on_accepted(self, goal_handle) -> None:
+        with self._cv:
+            # rclpy hands this callback the very request object the goal callback checked
+            job = next(j for j in self._reserved if j.request is goal_handle.request)
+            self._reserved.remove(job)
+            job.goal_handle = goal_handle
+            ended = self._loaded is None  # the goals were ended between the two callbacks
+            start = not ended and self._running is None
+            if start:
+                self._running = job
+            elif not ended:
+                self._queue.append(job)
+            self._cv.notify_all()
+        if ended:
+            self._end_unrun(job, self._ended_with)
+        elif start:
+            goal_handle.execute()
+
+    # -- cancel callback --------------------------------------------------------------------------------
+    def on_cancel(self, goal_handle) -> CancelResponse:
+        """Accept every cancel (rclpy's default rejects). The running goal stops at its next iteration with
+        the partial text; a queued goal leaves the FIFO now and ends CANCELED without waiting for it."""
+        with self._cv:
+            job = next((j for j in self._queue if j.goal_handle is goal_handle), None)
+            if job is not None:
+                self._queue.remove(job)
+        if job is not None:
+            self._end_unrun(job, "", cancelled=True)
+        return CancelResponse.ACCEPT
+
+    # -- execute callbacks ------------------------------------------------------------------------------
+    def execute(self, goal_handle) -> Generate.Result:
+        """The execute callback: the running goal's generation, on this executor thread; then the next goal."""
+        job = self._running  # set when its handle was executed; only this callback clears it
+        try:
+            result = self._generate(job)
+        except Exception as exc:  # a goal ends with a result, whatever happened
+            error = f"{type(exc).__name__}: {exc}"
+            self._node.get_logger().error(f"goal failed unexpectedly: {error}")
+            self.last_error = error
+            result = Generate.Result(prompt_tokens=len(job.prompt_ids), finish_reason=ERROR, error_message=error)
+            if goal_handle.is_active:
+                goal_handle.abort()
+        finally:
+            with self._cv:
+                self._running = self._queue.popleft() if self._queue else None
+                following = self._running
+                self._unanswered -= 1
+                self._cv.notify_all()
+            if following is not None:
+                following.goal_handle.execute()
+        return result
+
+    def _generate(self, job: Job) -> Generate.Result:
+        lo, gh = self._loaded, job.goal_handle
+        if job.abort_reason or lo is None:
+            return self._end(job, ERROR, error=job.abort_reason or "the node was cleaned up before the goal started")
+        if gh.is_cancel_requested:
+            return self._end(job, CANCELLED)
+        feedback = FeedbackThrottle(gh, lo.controller.cache, self._param("action.feedback_period"),
+                                    self._node.get_logger())
+        goal = job.request
+        try:
+            out = lo.controller.generate(
+                job.prompt_ids, self._max_new_tokens(goal), self._sampling(goal), list(goal.stop), feedback.on_chunk,
+                lambda: job.abort_reason is not None or gh.is_cancel_requested,
+            )
+        except Exception as exc:  # a failed goal is ABORTED with the reason, never a traceback
+            feedback.flush()
+            error = self.last_error = f"{type(exc).__name__}: {exc}"
+            self._node.get_logger().error(f"goal aborted: {error}")
+            return self._end(job, ERROR, feedback.text, error=error)
+        feedback.flush()
+        if job.abort_reason is not None:  # deactivate / shutdown: the partial text, ABORTED
+            return self._end(job, ERROR, out.text, out.stats, job.abort_reason)
+        return self._end(job, out.finish_reason, out.text, out.stats)
+
+    def _end(self, job: Job, finish_reason: str, text: str = "", stats: GenerationStats | None = None,
+             error: str = "") -> Generate.Result:
+        """The outcome of a goal that ran: its terminal state, result, ~/generation_stats and throughput."""
+        result = self._result(job, finish_reason, text, stats, error)
+        settle(job.goal_handle, finish_reason)
+        if finish_reason not in (ERROR, CANCELLED):
+            self.last_error = ""
+        if stats is not None:
+            self._window.add(stats)
+        return result
+
+    def _result(self, job: Job, finish_reason: str, text: str = "", stats: GenerationStats | None = None,
+                error: str = "") -> Generate.Result:
+        result = Generate.Result(prompt_tokens=len(job.prompt_ids), text=ros_text(text), finish_reason=finish_reason,
+                                 error_message=error)
+        if stats is not None:
+            fill_result(result, stats)
+        pub = self._stats_pub
+        if pub is not None:  # one ~/generation_stats message per finished goal
+            pub.publish(generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
+                                             job.goal_handle.goal_id, finish_reason, error,
+                                             self._node.get_clock().now().to_msg()))
+        return result
+
+    def _end_unrun(self, job: Job, reason: str, cancelled: bool = False) -> None:
+        """A goal that ends before it ran (cancelled in the FIFO, or the goals ended): its result now, its
+        slot free; rclpy gets the result from the execute callback ``_answer``."""
+        job.abort_reason = reason or None
+        job.result = self._result(job, CANCELLED if cancelled else ERROR, error=reason)
+        if cancelled:  # no EXECUTING state for a goal that never ran
+            self.server.notify_execute(job.goal_handle, functools.partial(self._answer, job))
+        else:
+            job.goal_handle.execute(functools.partial(self._answer, job))
+
+    def _answer(self, job: Job, goal_handle) -> Generate.Result:
+        """The execute callback of a goal that ended before it ran."""
+        if job.result.finish_reason == CANCELLED:
+            deadline = time.monotonic() + CANCELING_WAIT_SECONDS
+            while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+                time.sleep(0.001)
+            settle(goal_handle, CANCELLED if goal_handle.is_cancel_requested else ERROR)
+        else:
+            settle(goal_handle, ERROR)
+        with self._cv:
+            self._unanswered -= 1
+            self._cv.notify_all()
+        return job.result
+
+    # -- per-goal settings ---------------------------------------------------------------------------
+    def _param(self, name: str):
+        return self._node.get_parameter(name).value
+
+    def _max_new_tokens(self, goal: Generate.Goal) -> int:
+        return goal.max_new_tokens or self._param("generation.max_new_tokens")
+
+    def _sampling(self, goal: Generate.Goal):
+        from ..runtime.speculative import SamplingConfig
+
+        temperature = goal.temperature if goal.temperature >= 0.0 else self._param("generation.temperature")
+        top_p = goal.top_p if goal.top_p > 0.0 else self._param("generation.top_p")
+        seed = goal.seed if goal.seed >= 0 else self._param("generation.seed")
+        return SamplingConfig(float(temperature), float(top_p), int(seed) if seed >= 0 else None)

@@ -29,8 +29,13 @@ def _engine_models(args):
                 draft_path = Path(registry.get(args.draft).path)
             except UnknownDraftError as exc:
                 raise SystemExit(str(exc)) from None
-        target = load_model(ModelSpec(str(target_path), dtype=args.dtype))
-        draft = load_model(ModelSpec(str(draft_path), dtype=args.dtype))
+        target = load_model(ModelSpec(str(target_path), dtype=args.dtype, quantization=args.quantization,
+                                      gamma=args.gamma))
+        # drafts keep fp32 under auto: the choice is the target's, measured for it
+        draft = load_model(ModelSpec(str(draft_path), dtype="fp32" if args.dtype == "auto" else args.dtype,
+                                     quantization=args.draft_quantization))
+        args.forward_paths = {"target": target.forward_path, "draft": draft.forward_path,
+                              "target_auto": target.path_choice.as_dict() if target.path_choice else None}
         tokenizer = load_tokenizer(target_path)
         workloads = Path(args.zoo) / "workloads"
         prompts = default_prompts(tokenizer, workloads, args.prompts)[: args.prompts] if workloads.is_dir() else []
@@ -55,11 +60,12 @@ def cmd_engine(args) -> int:
 
     cfg = EngineBenchConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, runs=args.runs,
                             prompts=args.prompts, threads=args.threads, draft=args.draft,
-                            lean_drafts=not args.transformers_draft_forward)
+                            lean_drafts=not args.transformers_draft_forward, adaptive_gamma=args.adaptive_gamma)
     target, draft, prompts, names = _engine_models(args)
     with tqdm(total=cfg.runs * len(prompts), desc="engine bench", unit="prompt") as bar:
         result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
     data = asdict(result)
+    data["forward_paths"] = getattr(args, "forward_paths", None)
     text = json.dumps(data, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--target", help="target model directory (overrides the zoo; needs --draft-path)")
     eng.add_argument("--draft-path", help="draft model directory, with --target")
     eng.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
-    eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32: fastest on CPU)")
+    eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 | auto (default fp32)")
+    eng.add_argument("--quantization", default="none",
+                     help="target forward path: none | int8 | int4 | gptq | auto (time every path, keep the fastest)")
+    eng.add_argument("--draft-quantization", default="none", help="draft forward path: none | int8 | int4")
+    eng.add_argument("--adaptive-gamma", action="store_true",
+                     help="choose gamma per iteration from measured costs (--gamma is then the most)")
     eng.add_argument("--transformers-draft-forward", action="store_true",
                      help="run the draft through model(...) instead of the engine's lean Llama draft forward")
     eng.set_defaults(func=cmd_engine)

@@ -34,6 +34,7 @@ class EngineBenchConfig:
     threads: int = 1
     draft: str = "general"
     lean_drafts: bool = True  # the engine's lean draft forward (runtime/draft_forward.py) where it applies
+    adaptive_gamma: bool = False  # gamma per iteration from measured costs (runtime/gamma_choice.py)
 
 
 @dataclass
@@ -129,7 +130,8 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                     out = _hf_generate(target, draft, ids, cfg.max_new_tokens, cfg.gamma)
                 else:
                     session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma,
-                                       max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts)
+                                       max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
+                                       adaptive_gamma=cfg.adaptive_gamma)
                     out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens
@@ -142,7 +144,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
             # prompt really reached (its prompt plus half its output), so load drifts hit them too
             context = ids + outputs["engine"][: len(outputs["engine"]) // 2]
             draft_ms.append(_forward_ms(draft, context, 1, device, lean))
-            verify_ms.append(_forward_ms(target, context, cfg.gamma + 1, device))
+            verify_ms.append(_forward_ms(target, context, cfg.gamma + 1, device, lean_forward_for(target)))
             if progress is not None:
                 progress.update(1)
         for method in methods:

@@ -38,6 +38,7 @@ from rclpy.qos import QoSDurabilityPolicy, QoSProfile
 from memspec_interfaces.msg import CacheState, DraftState
 from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
 
+from ..runtime.chat import has_chat_template
 from ..runtime.stats import CacheStats, GenerationStats
 from . import params as P
 
@@ -345,6 +346,96 @@ def fill_throughput_status(status: Status, window: GenerationStats | None, goals
     if window.fallback_fraction > fallback_warn:
         status.merge(WARN, f"fallback fraction {window.fallback_fraction:.2f} > {fallback_warn:.2f}:"
                            " the preferred draft is often not resident (raise K or the budget)")
+
+
+# -- the node's tasks --------------------------------------------------------------------------------
+
+class NodeTasks:
+    """memspec_node's four tasks (target model, draft cache, throughput, predictor) for ``make_updater``.
+
+    They read the node (``lifecycle_state``, ``loaded``: what configure loaded or None, ``configure_error``,
+    ``cache_snapshot``), its goal runner (``counts``, rejections, the last goal's error) and its throughput
+    window of finished goals.
+    """
+
+    def __init__(self, node, runner, window: ThroughputWindow) -> None:
+        self.node, self.runner, self.window = node, runner, window
+
+    def items(self) -> list[tuple[str, Task]]:
+        return [(TASK_TARGET, self.fill_target), (TASK_CACHE, self.fill_cache),
+                (TASK_THROUGHPUT, self.fill_throughput), (TASK_PREDICTOR, self.fill_predictor)]
+
+    def fill_target(self, s: Status) -> None:
+        state = self.node.lifecycle_state
+        s.add("lifecycle state", state)
+        running, queued = self.runner.counts()
+        s.add("goal running", running)
+        s.add("goals queued", queued)
+        s.add("goals rejected", self.runner.goals_rejected)
+        s.add("last rejection", self.runner.last_rejection or "none")
+        lo = self.node.loaded
+        if self.node.configure_error:
+            s.summary(ERROR, f"configure failed: {self.node.configure_error}")
+            return
+        if lo is None:
+            s.summary(OK, "unconfigured: no model loaded")
+            return
+        spec = lo.target.spec
+        s.add("path", spec.path)
+        s.add("dtype", spec.dtype)
+        s.add("device", spec.device)
+        s.add("quantization", spec.quantization)
+        s.add("forward path", lo.target.forward_path)
+        if lo.target.path_choice is not None:  # auto: what was measured at configure
+            for timing in lo.target.path_choice.timings:
+                s.add(f"auto {timing.path} ms (1 / gamma+1 tokens)", f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}")
+        s.add("parameter bytes", lo.target.size_bytes)
+        s.add("context tokens", lo.max_positions)
+        s.add("chat template", has_chat_template(lo.tokenizer))
+        s.add("end token ids", lo.controller.eos_token_ids or "none")
+        s.summary(OK, f"loaded ({state})")
+        if self.runner.last_error:
+            s.merge(ERROR, f"the last goal failed: {self.runner.last_error}")
+
+    def fill_cache(self, s: Status) -> None:
+        lo = self.node.loaded
+        snap = self.node.cache_snapshot(lo) if lo is not None else None
+        names = lo.registry.names() if lo is not None else []
+        window = self.window.combined() if len(self.window) else None
+        fill_cache_status(s, snap, window, names)
+        if lo is not None:
+            s.add("policy", lo.controller.config.policy)
+
+    def fill_throughput(self, s: Status) -> None:
+        goals = len(self.window)
+        fill_throughput_status(s, self.window.combined() if goals else None, goals, self.window.total_goals,
+                               self.node.get_parameter("diagnostics.fallback_warn_fraction").value)
+
+    def fill_predictor(self, s: Status) -> None:
+        lo = self.node.loaded
+        if lo is None:
+            s.summary(OK, "unconfigured")
+            return
+        policy = lo.controller.config.policy
+        s.add("policy", policy)
+        if lo.predictor is None:
+            s.summary(OK, f"no predictor (policy {policy} needs none)")
+            return
+        engine = lo.predictor.inner
+        head = getattr(engine, "head", None)
+        s.add("path", lo.paths.predictor)
+        if head is not None:
+            s.add("encoder", head.config.encoder)
+            s.add("input", head.config.input)
+            s.add("classes", head.config.drafts)
+            for key, value in sorted(head.config.metrics.items()):
+                s.add(f"trained {key}", value)
+        calls, seconds = getattr(engine, "calls", 0), getattr(engine, "seconds", 0.0)
+        s.add("calls", calls)
+        s.add("mean seconds per call", seconds / calls if calls else 0.0)
+        s.add("latest ranking", [f"{n}={v:.3f}" for n, v in sorted(lo.predictor.latest.items(), key=lambda kv: -kv[1])]
+              or "none yet")
+        s.summary(OK, f"{calls} rankings")
 
 
 # -- typed messages ------------------------------------------------------------------------------

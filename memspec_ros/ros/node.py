@@ -14,7 +14,7 @@ The parts it wires together:
     goal_runner.py     the action server ``~/generate`` (in every lifecycle state, from construction to
                        destroy_node, so a goal to an inactive node is rejected at once with the reason):
                        the checks, the FIFO, the one generation, cancellation, results
-    diagnostics.py     the /diagnostics updater, the ~/cache_state message
+    diagnostics.py     the /diagnostics updater and its tasks, the ~/cache_state message
 """
 
 from __future__ import annotations
@@ -41,20 +41,12 @@ from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
 from ..runtime.chat import has_chat_template, max_token_chars
 from . import params as P
 from .diagnostics import (
-    ERROR,
     LATCHED,
-    OK,
     PERIOD_PARAM,
-    TASK_CACHE,
-    TASK_PREDICTOR,
-    TASK_TARGET,
-    TASK_THROUGHPUT,
-    Status,
+    NodeTasks,
     ThroughputWindow,
     cache_state_key,
     cache_state_msg,
-    fill_cache_status,
-    fill_throughput_status,
     make_updater,
 )
 from .goal_runner import GoalRunner
@@ -128,12 +120,8 @@ class MemSpecNode(LifecycleNode):
         # diagnostic_updater.period, so P.values() works only from here on
         group = ReentrantCallbackGroup()  # timers: never behind a goal callback
         self._diagnostics = None  # its declaring the period passes through _on_set_parameters before it exists
-        self._diagnostics = make_updater(self, [
-            (TASK_TARGET, self._fill_target),
-            (TASK_CACHE, self._fill_cache),
-            (TASK_THROUGHPUT, self._fill_throughput),
-            (TASK_PREDICTOR, self._fill_predictor),
-        ], self.get_parameter("diagnostics.hardware_id").value, callback_group=group)
+        self._diagnostics = make_updater(self, NodeTasks(self, self._runner, self._window).items(),
+                                         self.get_parameter("diagnostics.hardware_id").value, callback_group=group)
         self._cache_timer = self.create_timer(CACHE_POLL_SECONDS, self._poll_cache, callback_group=group)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -414,79 +402,6 @@ class MemSpecNode(LifecycleNode):
         self._last_cache_key, self._last_cache_publish = key, now
         scores = lo.predictor.latest if lo.predictor is not None else {}
         self._cache_pub.publish(cache_state_msg(snap, lo.registry.entries(), scores, self.get_clock().now().to_msg()))
-
-
-    # -- diagnostic tasks ---------------------------------------------------------------------
-    def _fill_target(self, s: Status) -> None:
-        s.add("lifecycle state", self.lifecycle_state)
-        running, queued = self._runner.counts()
-        s.add("goal running", running)
-        s.add("goals queued", queued)
-        s.add("goals rejected", self.goals_rejected)
-        s.add("last rejection", self.last_rejection or "none")
-        lo = self._loaded
-        if self._configure_error:
-            s.summary(ERROR, f"configure failed: {self._configure_error}")
-            return
-        if lo is None:
-            s.summary(OK, "unconfigured: no model loaded")
-            return
-        spec = lo.target.spec
-        s.add("path", spec.path)
-        s.add("dtype", spec.dtype)
-        s.add("device", spec.device)
-        s.add("quantization", spec.quantization)
-        s.add("forward path", lo.target.forward_path)
-        if lo.target.path_choice is not None:  # auto: what was measured at configure
-            for timing in lo.target.path_choice.timings:
-                s.add(f"auto {timing.path} ms (1 / gamma+1 tokens)", f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}")
-        s.add("parameter bytes", lo.target.size_bytes)
-        s.add("context tokens", lo.max_positions)
-        s.add("chat template", has_chat_template(lo.tokenizer))
-        s.add("end token ids", lo.controller.eos_token_ids or "none")
-        s.summary(OK, f"loaded ({self.lifecycle_state})")
-        if self._runner.last_error:
-            s.merge(ERROR, f"the last goal failed: {self._runner.last_error}")
-
-    def _fill_cache(self, s: Status) -> None:
-        lo = self._loaded
-        snap = self.cache_snapshot(lo) if lo is not None else None
-        names = lo.registry.names() if lo is not None else []
-        window = self._window.combined() if len(self._window) else None
-        fill_cache_status(s, snap, window, names)
-        if lo is not None:
-            s.add("policy", lo.controller.config.policy)
-
-    def _fill_throughput(self, s: Status) -> None:
-        goals = len(self._window)
-        fill_throughput_status(s, self._window.combined() if goals else None, goals, self._window.total_goals,
-                               self.get_parameter("diagnostics.fallback_warn_fraction").value)
-
-    def _fill_predictor(self, s: Status) -> None:
-        lo = self._loaded
-        if lo is None:
-            s.summary(OK, "unconfigured")
-            return
-        policy = lo.controller.config.policy
-        s.add("policy", policy)
-        if lo.predictor is None:
-            s.summary(OK, f"no predictor (policy {policy} needs none)")
-            return
-        engine = lo.predictor.inner
-        head = getattr(engine, "head", None)
-        s.add("path", lo.paths.predictor)
-        if head is not None:
-            s.add("encoder", head.config.encoder)
-            s.add("input", head.config.input)
-            s.add("classes", head.config.drafts)
-            for key, value in sorted(head.config.metrics.items()):
-                s.add(f"trained {key}", value)
-        calls, seconds = getattr(engine, "calls", 0), getattr(engine, "seconds", 0.0)
-        s.add("calls", calls)
-        s.add("mean seconds per call", seconds / calls if calls else 0.0)
-        s.add("latest ranking", [f"{n}={v:.3f}" for n, v in sorted(lo.predictor.latest.items(), key=lambda kv: -kv[1])]
-              or "none yet")
-        s.summary(OK, f"{calls} rankings")
 
 
 def _quiet_libraries() -> None:

@@ -14,6 +14,7 @@ The parts it wires together:
     goal_runner.py     the action server ``~/generate`` (in every lifecycle state, from construction to
                        destroy_node, so a goal to an inactive node is rejected at once with the reason):
                        the checks, the FIFO, the one generation, cancellation, results
+    param_handler.py   validation and live application of parameter changes
     diagnostics.py     the /diagnostics updater and its tasks, the ~/cache_state message
 """
 
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import rclpy
-from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
@@ -50,6 +50,7 @@ from .diagnostics import (
     make_updater,
 )
 from .goal_runner import GoalRunner
+from .param_handler import ParameterHandler, registry_from_params
 
 NODE_NAME = "memspec"
 CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this often (off the decode thread)
@@ -104,7 +105,6 @@ class MemSpecNode(LifecycleNode):
     def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
         super().__init__(node_name, **kwargs)
         P.declare_all(self)
-        self.add_on_set_parameters_callback(self._on_set_parameters)
         self._guard_change_state()
         self._loaded: Loaded | None = None
         self._configure_error = ""
@@ -116,12 +116,14 @@ class MemSpecNode(LifecycleNode):
         self._window = ThroughputWindow(self.get_parameter("diagnostics.window_goals").value)
         self._runner = GoalRunner(self, self._window, ReentrantCallbackGroup())  # the action's own group
         self._action_server, self._on_goal = self._runner.server, self._runner.on_goal
+        self._params = ParameterHandler(self, lambda: self._loaded, self._runner)
         # diagnostics publish in every lifecycle state, like diagnostic_updater; the updater declares
         # diagnostic_updater.period, so P.values() works only from here on
         group = ReentrantCallbackGroup()  # timers: never behind a goal callback
-        self._diagnostics = None  # its declaring the period passes through _on_set_parameters before it exists
         self._diagnostics = make_updater(self, NodeTasks(self, self._runner, self._window).items(),
                                          self.get_parameter("diagnostics.hardware_id").value, callback_group=group)
+        self._params.apply_at_once(PERIOD_PARAM, self._diagnostics.set_period)
+        self._params.apply_at_once("diagnostics.window_goals", self._window.resize)
         self._cache_timer = self.create_timer(CACHE_POLL_SECONDS, self._poll_cache, callback_group=group)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -246,18 +248,14 @@ class MemSpecNode(LifecycleNode):
         from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
         from ..runtime.predictor import PredictionEngine
 
-        v = P.values(self)
-        for name in P.BY_NAME:
-            reason = P.check_value(name, v[name])
-            if reason:
-                raise ValueError(reason)
+        v = self._params.checked_values()
         paths = P.resolve_paths(v)
         if v["model.threads"]:
             torch.set_num_threads(v["model.threads"])
         tokenizer = load_tokenizer(paths.tokenizer)
         target = load_model(ModelSpec(paths.target, v["model.dtype"], v["model.device"], v["model.quantization"],
                                       gamma=v["memspec.gamma"]))
-        registry = self._build_registry(v, paths, tokenizer_fingerprint(tokenizer))
+        registry = registry_from_params(v, paths, tokenizer_fingerprint(tokenizer))
         predictor = None
         if paths.predictor:
             predictor = RecordingRanker(PredictionEngine.load(paths.predictor, target=target.model, tokenizer=tokenizer))
@@ -269,16 +267,6 @@ class MemSpecNode(LifecycleNode):
                                        device=v["model.device"], eos_token_ids=end_token_ids(tokenizer, target.model))
         return Loaded(paths, tokenizer, target, registry, predictor, controller, target.max_positions,
                       max_token_chars(tokenizer))
-
-    @staticmethod
-    def _build_registry(v: dict, paths: P.ModelPaths, fingerprint: str):
-        from ..runtime.registry import DraftRegistry
-
-        names = P.non_empty(v["drafts.names"])
-        if names:
-            return DraftRegistry.from_lists(names, P.non_empty(v["drafts.paths"]), P.non_empty(v["drafts.domains"]),
-                                            target_fingerprint=fingerprint)
-        return DraftRegistry.from_yaml(v["drafts.registry_file"] or paths.registry_file, target_fingerprint=fingerprint)
 
     def _release(self) -> None:
         """Free every model: the controller (its cache and loader thread), drafts, target, predictor."""
@@ -324,69 +312,6 @@ class MemSpecNode(LifecycleNode):
         refs = [weakref.ref(lo.target.model)]
         refs += [weakref.ref(m.model) for n in lo.controller.cache.resident() if (m := lo.controller.cache.get(n))]
         return refs
-
-    # -- parameters ---------------------------------------------------------------------------
-    def _on_set_parameters(self, changed) -> SetParametersResult:
-        """Validate everything first; apply only if all is valid (nothing changes otherwise)."""
-        new = {p.name: P._plain(p.value) for p in changed}
-        for name, value in new.items():
-            reason = P.check_value(name, value)
-            if reason:
-                return self._reject_params(reason)
-        lo = self._loaded
-        at_configure = [n for n in new if n in P.BY_NAME and P.BY_NAME[n].when == P.AT_CONFIGURE]
-        if at_configure and lo is not None:
-            return self._reject_params(
-                f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded, state"
-                f" {self.lifecycle_state}): deactivate and cleanup, set it, then configure again"
-            )
-        registry = None
-        if lo is not None and any(n in P.REGISTRY_PARAMS for n in new):
-            v = {**P.values(self), **new}
-            try:
-                from ..runtime.models import tokenizer_fingerprint
-
-                registry = self._build_registry(v, lo.paths, tokenizer_fingerprint(lo.tokenizer))
-            except Exception as exc:
-                return self._reject_params(f"draft registry not changed: {exc}")
-        runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS}
-        if lo is not None and runtime:
-            try:
-                lo.controller.reconfigure(**runtime)  # at the next scheduling point if a goal runs
-            except Exception as exc:  # ValueError / PolicyError naming the field; nothing changed
-                return self._reject_params(str(exc))
-        if registry is not None:
-            with self._runner.no_goal_starting() as running:
-                self._apply_registry(lo.registry, registry, None if running else lo.controller.cache)
-            lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
-        if PERIOD_PARAM in new and self._diagnostics is not None:
-            self._diagnostics.set_period(new[PERIOD_PARAM])
-        if "diagnostics.window_goals" in new:
-            self._window.resize(new["diagnostics.window_goals"])
-        if runtime or registry is not None:
-            self.get_logger().info(f"parameters set: {', '.join(f'{k}={v!r}' for k, v in new.items())}"
-                                   + (" (applied at the next scheduling point)" if self._runner.counts()[0] else ""))
-        return SetParametersResult(successful=True)
-
-    def _reject_params(self, reason: str) -> SetParametersResult:
-        self.get_logger().warning(f"parameter change rejected: {reason}")
-        return SetParametersResult(successful=False, reason=reason)
-
-    @staticmethod
-    def _apply_registry(live, wanted, cache) -> None:
-        """Make the live registry equal to ``wanted``; a running goal sees it at its next scheduling point.
-
-        With no goal running (``cache`` given), removed drafts also leave the cache now: the runtime
-        syncs its cache with the registry only at the scheduling points of a running goal."""
-        want = {e.name: e for e in wanted.entries()}
-        for entry in live.entries():
-            if entry.name not in want or want[entry.name] != entry:
-                live.remove(entry.name)
-                if cache is not None:
-                    cache.remove(entry.name)
-        for name, entry in want.items():
-            if name not in live:
-                live.add(entry)
 
     # -- periodic publications ----------------------------------------------------------------
     def _poll_cache(self) -> None:

@@ -1,0 +1,131 @@
+"""Parameter changes: every value checked against params.py's table, then applied where it lands.
+
+* ``model.*``, ``drafts.dtype``, ``predictor.path`` choose what configure loads: refused while models
+  are loaded (cleanup, set, configure again);
+* ``memspec.*``: ``RuntimeController.reconfigure``, which a running goal sees at its next scheduling point;
+* ``drafts.*``: a registry built from the new values, whose entries replace the live registry's;
+* ``diagnostic_updater.period``, ``diagnostics.window_goals``: the setters the node registers;
+* the rest are read per goal or per publication.
+
+A change is all or nothing: it is refused with the reason, and nothing applied, unless every value is valid
+and the runtime takes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rcl_interfaces.msg import SetParametersResult
+
+from . import params as P
+
+
+class Refused(Exception):
+    """A parameter change refused with its reason; nothing was applied."""
+
+
+def registry_from_params(v: dict[str, Any], paths: P.ModelPaths, fingerprint: str):
+    """The draft registry the parameters describe: drafts.names/paths/domains if set, else the registry file."""
+    from ..runtime.registry import DraftRegistry
+
+    names = P.non_empty(v["drafts.names"])
+    if names:
+        return DraftRegistry.from_lists(names, P.non_empty(v["drafts.paths"]), P.non_empty(v["drafts.domains"]),
+                                        target_fingerprint=fingerprint)
+    return DraftRegistry.from_yaml(v["drafts.registry_file"] or paths.registry_file, target_fingerprint=fingerprint)
+
+
+def replace_entries(live, wanted, cache) -> None:
+    """Make the live registry equal to ``wanted``; a running goal sees it at its next scheduling point.
+
+    With no goal running (``cache`` given), removed drafts also leave the cache now: the runtime syncs its
+    cache with the registry only at the scheduling points of a running goal."""
+    want = {e.name: e for e in wanted.entries()}
+    for entry in live.entries():
+        if entry.name not in want or want[entry.name] != entry:
+            live.remove(entry.name)
+            if cache is not None:
+                cache.remove(entry.name)
+    for name, entry in want.items():
+        if name not in live:
+            live.add(entry)
+
+
+class ParameterHandler:
+    """The node's on-set-parameters callback. ``loaded()`` gives what configure loaded (None when
+    unconfigured); ``runner`` says whether a goal runs and holds one back while the registry changes."""
+
+    def __init__(self, node, loaded: Callable[[], Any], runner) -> None:
+        self._node, self._loaded, self._runner = node, loaded, runner
+        self._setters: dict[str, Callable[[Any], None]] = {}
+        node.add_on_set_parameters_callback(self.on_set)
+
+    def apply_at_once(self, name: str, setter: Callable[[Any], None]) -> None:
+        """``setter(value)`` applies a valid change of ``name``."""
+        self._setters[name] = setter
+
+    def checked_values(self) -> dict[str, Any]:
+        """Every parameter's value (configure); ValueError with the first invalid one's reason."""
+        v = P.values(self._node)
+        for name in P.BY_NAME:
+            reason = P.check_value(name, v[name])
+            if reason:
+                raise ValueError(reason)
+        return v
+
+    def on_set(self, changed) -> SetParametersResult:
+        """Check everything first; apply only if all is valid."""
+        new = {p.name: p.value for p in changed}
+        lo = self._loaded()
+        try:
+            self._check(new, lo)
+            registry = self._registry(new, lo)
+            runtime = self._reconfigure(new, lo)
+        except Refused as exc:
+            self._node.get_logger().warning(f"parameter change rejected: {exc}")
+            return SetParametersResult(successful=False, reason=str(exc))
+        if registry is not None:
+            with self._runner.no_goal_starting() as running:
+                replace_entries(lo.registry, registry, None if running else lo.controller.cache)
+            lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
+        for name, value in new.items():
+            if name in self._setters:
+                self._setters[name](value)
+        if runtime or registry is not None:
+            running, _ = self._runner.counts()
+            self._node.get_logger().info(f"parameters set: {', '.join(f'{k}={v!r}' for k, v in new.items())}"
+                                         + (" (applied at the next scheduling point)" if running else ""))
+        return SetParametersResult(successful=True)
+
+    def _check(self, new: dict[str, Any], lo) -> None:
+        for name, value in new.items():
+            reason = P.check_value(name, value)
+            if reason:
+                raise Refused(reason)
+        at_configure = [n for n in new if n in P.BY_NAME and P.BY_NAME[n].when == P.AT_CONFIGURE]
+        if at_configure and lo is not None:
+            raise Refused(f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded,"
+                          f" state {self._node.lifecycle_state}): deactivate and cleanup, set it, then configure again")
+
+    def _registry(self, new: dict[str, Any], lo):
+        """The registry a drafts.* change asks for, built before anything is applied; None if none changed."""
+        if lo is None or not any(n in P.REGISTRY_PARAMS for n in new):
+            return None
+        from ..runtime.models import tokenizer_fingerprint
+
+        try:
+            return registry_from_params({**P.values(self._node), **new}, lo.paths, tokenizer_fingerprint(lo.tokenizer))
+        except Exception as exc:  # a missing or mismatched draft: the change is refused with the cause
+            raise Refused(f"draft registry not changed: {exc}") from exc
+
+    @staticmethod
+    def _reconfigure(new: dict[str, Any], lo) -> dict[str, Any]:
+        """memspec.* changes handed to the controller (at the next scheduling point if a goal runs)."""
+        runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS}
+        if lo is not None and runtime:
+            try:
+                lo.controller.reconfigure(**runtime)
+            except Exception as exc:  # ValueError / PolicyError naming the field; nothing changed
+                raise Refused(str(exc)) from exc
+        return runtime

@@ -1,0 +1,329 @@
+"""The storage tier drafts are loaded from: real reads, paced to an edge medium's bandwidth and latency.
+
+The paper's premise is an edge device whose drafts live on slow storage, so that
+loading a non-resident draft costs several decoding iterations. This machine's
+disk and page cache are much faster than an edge robot's storage, so a draft
+load here reads the weights for real, cold, and paces that read to a medium:
+
+1. ``posix_fadvise(POSIX_FADV_DONTNEED)`` drops the file from the page cache, so
+   the bytes come from the disk and not from an earlier load (the fraction of the
+   file still cached afterwards is measured with ``mincore`` and recorded: a
+   filesystem that cannot drop, such as tmpfs, shows up there);
+2. the file is read in requests of ``request_bytes``; after each request the
+   reader sleeps until ``requests * request_latency + bytes / bandwidth`` has
+   passed since the first byte, so a read of N bytes takes at least
+   ``N / bandwidth + ceil(N / request_bytes) * latency`` (a lower bound by
+   construction; a slower real disk makes it slower, never faster);
+3. the model is built from those bytes (``safetensors.torch.load``: no pickle, no
+   second read of the file).
+
+``local`` does steps 1 and 3 and reads unpaced: this machine's disk as it is. The
+other media are emulated; every figure and results page says so.
+
+The media (sources in the comments): each request costs ``request_latency`` on
+top of the transfer; the latency is derived from the medium's rated 4 KiB random
+read IOPS as ``1 / IOPS - 4096 / bandwidth`` (one request's service time minus
+its transfer), which is what a request costs beyond its bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .models import LoadedModel, ModelSpec
+
+KIB, MB = 1024, 1_000_000
+REQUEST_BYTES = 512 * KIB  # one read request: a common Linux max_sectors_kb for MMC and NVMe block devices
+
+
+def _latency(iops: float, bandwidth: float) -> float:
+    """A request's cost beyond its bytes, from the rated 4 KiB random read IOPS (queue depth 1 where rated)."""
+    return 1.0 / iops - 4 * KIB / bandwidth
+
+
+@dataclass(frozen=True)
+class StorageMedium:
+    """Where draft weights come from: sustained read bandwidth and a fixed cost per read request."""
+
+    name: str
+    read_bytes_per_second: float  # 0: unpaced (this machine's storage as it is)
+    request_latency_seconds: float
+    request_bytes: int = REQUEST_BYTES
+    emulated: bool = True
+    source: str = ""
+
+    def min_read_seconds(self, nbytes: int) -> float:
+        """The least time a read of ``nbytes`` takes on this medium (what the pacing enforces)."""
+        requests = math.ceil(nbytes / self.request_bytes) if nbytes > 0 else 0
+        return self._due(nbytes, requests)
+
+    def _due(self, nbytes: int, requests: int) -> float:
+        if self.read_bytes_per_second <= 0:
+            return 0.0
+        return requests * self.request_latency_seconds + nbytes / self.read_bytes_per_second
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+MEDIA: dict[str, StorageMedium] = {
+    "local": StorageMedium("local", 0.0, 0.0, emulated=False,
+                           source="this machine's own storage, read cold and unpaced"),
+    # eMMC 5.1 (JEDEC JESD84-B51, HS400 bus: 400 MB/s at most). Samsung's first eMMC 5.1 parts (64 GB),
+    # announced with the standard in Feb 2015: up to 250 MB/s sequential read and 11,000 IOPS random read
+    # (https://cdrinfo.com/d7/content/samsung-develops-first-emmc-51-flash-memory). Latency 1/11000 - 4 KiB/250 MB/s.
+    "emmc": StorageMedium("emmc", 250 * MB, _latency(11_000, 250 * MB),
+                          source="eMMC 5.1: 250 MB/s sequential read, 11,000 random read IOPS (Samsung eMMC 5.1"
+                                 " 64 GB, 2015; JEDEC JESD84-B51 HS400 bus 400 MB/s)"),
+    # UHS-I microSD card: the UHS-I bus (SD Physical Layer 3.01, SDR104) carries 104 MB/s at most
+    # (http://www.panasonic.net/avc/sdcard/industrial_sd/performance.html). SanDisk Extreme A2 microSD on UHS-I:
+    # up to 90 MB/s sequential read; A2 (SD 6.0 App Performance Class 2) guarantees >= 4,000 random read IOPS
+    # (https://www.anandtech.com/show/13441, https://www.custompcreview.com/news/sd-association-introduces-a2-memory-card-specification/).
+    # Latency 1/4000 - 4 KiB/90 MB/s. The Jetson Orin Nano developer kit boots from such a card.
+    "sd": StorageMedium("sd", 90 * MB, _latency(4_000, 90 * MB),
+                        source="UHS-I microSD (A2): 90 MB/s sequential read (SanDisk Extreme A2 on UHS-I; bus"
+                               " 104 MB/s SDR104), 4,000 random read IOPS (A2 minimum, SD 6.0)"),
+    # NVMe SSD on PCIe Gen3 x4 (the Jetson Orin Nano developer kit's M.2 Key M slot). Samsung 970 EVO Plus
+    # 500 GB / 1 TB: 3,500 MB/s sequential read, 19,000 IOPS 4 KiB random read at QD1
+    # (https://www.cdrinfo.com/d7/content/samsung-sets-new-performance-levels-consumer-nvme-ssds-970-evo-plus,
+    # digit.in review table of Samsung's datasheet). Latency 1/19000 - 4 KiB/3500 MB/s.
+    "nvme": StorageMedium("nvme", 3500 * MB, _latency(19_000, 3500 * MB),
+                          source="NVMe SSD, PCIe Gen3 x4: 3,500 MB/s sequential read, 19,000 random read IOPS at"
+                                 " QD1 (Samsung 970 EVO Plus 500 GB/1 TB datasheet)"),
+}
+STORAGE_CHOICES = tuple(MEDIA)
+
+
+def storage_medium(medium: str | StorageMedium) -> StorageMedium:
+    """A preset by name (local, emmc, sd, nvme), or the medium given."""
+    if isinstance(medium, StorageMedium):
+        return medium
+    try:
+        return MEDIA[medium]
+    except KeyError:
+        raise ValueError(f"unknown storage medium {medium!r}: use one of {', '.join(STORAGE_CHOICES)}") from None
+
+
+# -- the page cache ------------------------------------------------------------------------------
+
+def drop_page_cache(fd: int) -> None:
+    """Ask the kernel to drop the file's clean pages from the page cache (the next read goes to the disk)."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def cached_fraction(fd: int, size: int) -> float | None:
+    """Fraction of the file's pages in the page cache now (mincore); None where it cannot be asked."""
+    if size <= 0:
+        return 0.0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        import mmap
+
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = ctypes.create_string_buffer(pages)
+            if libc.mincore(addr, size, vec) != 0:
+                return None
+            return sum(b & 1 for b in vec.raw) / pages
+        finally:
+            libc.munmap(addr, size)
+    except (OSError, AttributeError):
+        return None
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+@dataclass
+class FileRead:
+    """One cold, paced read of a whole file."""
+
+    path: str
+    nbytes: int
+    requests: int
+    seconds: float
+    cached_after_drop: float | None  # page-cache fraction right after the drop (0: a true cold read)
+
+
+def read_cold(path: str | Path, medium: StorageMedium) -> tuple[bytes, FileRead]:
+    """The file's bytes, read after dropping it from the page cache, paced to ``medium``."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        drop_page_cache(fd)
+        cached = cached_fraction(fd, size)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = requests = 0
+        t0 = time.perf_counter()
+        while done < size:
+            n = os.readv(fd, [view[done:done + medium.request_bytes]])
+            if n <= 0:
+                raise OSError(f"{path}: file ended after {done} of {size} bytes")
+            done += n
+            requests += 1
+            wait = t0 + medium._due(done, requests) - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)  # releases the GIL, as a blocked read does
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return bytes(buf), FileRead(str(path), size, requests, seconds, cached)
+
+
+# -- building a draft from bytes ---------------------------------------------------------------------
+
+def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
+    """A draft built from its safetensors bytes, as :func:`models.load_model` builds it from the directory.
+
+    Covers what draft loading uses: plain weights on the CPU forward paths (fp32, bf16, int8, int4) or fp16,
+    reduced-vocabulary drafts included. Quantized checkpoints and ``auto`` are refused (load those with
+    models.load_model).
+    """
+    from safetensors.torch import load as load_safetensors
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .draft_vocab import wrap_if_reduced
+    from .forward_paths import PATHS, apply_path
+    from .models import ModelDirectoryError, forward_path_for, parameter_bytes, read_config, resolve_device
+
+    raw = read_config(spec.path)
+    path = forward_path_for(spec)
+    if raw.get("quantization_config") or path not in (*PATHS, "fp16"):
+        raise ValueError(f"{spec.path}: the storage loader builds plain drafts (fp32, bf16, fp16, int8, int4),"
+                         f" not {raw.get('quantization_config', {}).get('quant_method') or path!r}")
+    state: dict[str, torch.Tensor] = {}
+    for blob in blobs:
+        state.update(load_safetensors(blob))
+    try:
+        config = AutoConfig.from_pretrained(spec.path, local_files_only=True, trust_remote_code=False)
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        dtype = torch.float16 if path == "fp16" else torch.float32
+        model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ModelDirectoryError(f"could not build the model in {spec.path} from its weights: {exc}") from exc
+    model = model.to(resolve_device(spec.device))
+    model.eval()
+    model.requires_grad_(False)
+    if path in PATHS:
+        apply_path(model, path)
+    model, vocab_size = wrap_if_reduced(model, spec.path)
+    return LoadedModel(model=model, spec=spec, size_bytes=parameter_bytes(model), vocab_size=vocab_size,
+                       max_positions=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+                       forward_path=path)
+
+
+@dataclass
+class LoadRecord:
+    """One draft load through the storage tier."""
+
+    name: str
+    nbytes: int
+    requests: int
+    read_seconds: float  # the paced cold read
+    build_seconds: float  # bytes -> model in fast memory
+    cached_after_drop: float | None
+
+    @property
+    def seconds(self) -> float:
+        return self.read_seconds + self.build_seconds
+
+
+@dataclass
+class DraftStorage:
+    """Loads drafts through a medium and keeps a record of every load (safe from the loader thread)."""
+
+    medium: StorageMedium
+    records: list[LoadRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def load(self, spec: ModelSpec, name: str = "") -> LoadedModel:
+        """Read the draft's safetensors cold through the medium, then build it from the bytes."""
+        from .model_source import is_model_source, resolve_model_path
+        from .models import safetensors_files
+
+        if is_model_source(spec.path):
+            spec = replace(spec, path=str(resolve_model_path(spec.path)))
+        files = safetensors_files(spec.path)  # checks the headers (and refuses pickles) before the timed read
+        reads = [read_cold(f, self.medium) for f in files]
+        t0 = time.perf_counter()
+        loaded = build_model(spec, [blob for blob, _ in reads])
+        build = time.perf_counter() - t0
+        cached = [r.cached_after_drop for _, r in reads]
+        record = LoadRecord(
+            name=name or Path(spec.path).name, nbytes=sum(r.nbytes for _, r in reads),
+            requests=sum(r.requests for _, r in reads), read_seconds=sum(r.seconds for _, r in reads),
+            build_seconds=build, cached_after_drop=None if None in cached else max(cached, default=0.0))
+        with self._lock:
+            self.records.append(record)
+        return loaded
+
+    def take_records(self) -> list[LoadRecord]:
+        """The loads recorded so far, and forget them (a bench keeps only its timed runs' loads)."""
+        with self._lock:
+            records, self.records = self.records, []
+        return records
+
+    def summary(self, records: Sequence[LoadRecord], iteration_seconds: float) -> dict:
+        """The medium, the measured load time per draft and its ratio to one speculative iteration."""
+        by_draft: dict[str, list[LoadRecord]] = {}
+        for r in records:
+            by_draft.setdefault(r.name, []).append(r)
+
+        def mean(xs: Sequence[float]) -> float:
+            return sum(xs) / len(xs) if xs else 0.0
+
+        drafts = {}
+        for name, rs in sorted(by_draft.items()):
+            seconds = mean([r.seconds for r in rs])
+            cached = [r.cached_after_drop for r in rs if r.cached_after_drop is not None]
+            drafts[name] = {
+                "loads": len(rs), "bytes": rs[0].nbytes,
+                "load_seconds": seconds, "read_seconds": mean([r.read_seconds for r in rs]),
+                "build_seconds": mean([r.build_seconds for r in rs]),
+                "min_read_seconds": self.medium.min_read_seconds(rs[0].nbytes),
+                "load_to_iteration": seconds / iteration_seconds if iteration_seconds > 0 else None,
+                "page_cache_after_drop": max(cached) if cached else None,
+            }
+        overall = mean([r.seconds for r in records])
+        return {
+            "medium": self.medium.name, "emulated": self.medium.emulated, **{
+                k: v for k, v in self.medium.describe().items() if k not in ("name", "emulated")},
+            "iteration_seconds": iteration_seconds,
+            "load_seconds": overall,
+            "load_to_iteration": overall / iteration_seconds if iteration_seconds > 0 and records else None,
+            "drafts": drafts,
+        }
+
+
+def draft_storage(storage: str | StorageMedium | DraftStorage | None) -> DraftStorage | None:
+    """A DraftStorage for a medium name or medium (None: none; a DraftStorage is used as given)."""
+    if storage is None or isinstance(storage, DraftStorage):
+        return storage
+    return DraftStorage(storage_medium(storage))
+
+
+def mean_load_seconds(records: Sequence[LoadRecord]) -> Mapping[str, float]:
+    """Mean measured load time per draft name."""
+    sums: dict[str, list[float]] = {}
+    for r in records:
+        sums.setdefault(r.name, []).append(r.seconds)
+    return {name: sum(v) / len(v) for name, v in sums.items()}

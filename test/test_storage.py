@@ -1,0 +1,135 @@
+"""The storage tier: cold reads (page cache dropped), pacing as a lower bound, drafts built from the bytes.
+
+No timing beyond lower bounds that hold by construction: a paced read of N bytes cannot end before
+N / bandwidth + requests * latency has passed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from memspec_ros.runtime.cache import registry_loader
+from memspec_ros.runtime.models import ModelSpec, load_model
+from memspec_ros.runtime.registry import DraftRegistry
+from memspec_ros.runtime.storage import (
+    MEDIA,
+    STORAGE_CHOICES,
+    DraftStorage,
+    StorageMedium,
+    cached_fraction,
+    drop_page_cache,
+    read_cold,
+    storage_medium,
+)
+
+BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "models" / "drafts" / "code"
+
+
+def test_presets_are_the_edge_media_with_sourced_figures():
+    assert STORAGE_CHOICES == ("local", "emmc", "sd", "nvme")
+    assert not MEDIA["local"].emulated and MEDIA["local"].min_read_seconds(10**9) == 0.0
+    for name in ("emmc", "sd", "nvme"):
+        m = MEDIA[name]
+        assert m.emulated and m.source and m.read_bytes_per_second > 0 and m.request_latency_seconds > 0
+    # the order edge robots know: an SD card is slower than eMMC, which is slower than NVMe
+    size = 8 * 10**6
+    assert MEDIA["sd"].min_read_seconds(size) > MEDIA["emmc"].min_read_seconds(size) > MEDIA["nvme"].min_read_seconds(size)
+    with pytest.raises(ValueError, match="local, emmc, sd, nvme"):
+        storage_medium("floppy")
+
+
+def test_a_paced_read_returns_the_bytes_and_takes_at_least_bytes_over_bandwidth(tmp_path):
+    data = os.urandom(600_000)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data)
+    slow = StorageMedium("test", read_bytes_per_second=20e6, request_latency_seconds=1e-3, request_bytes=100_000)
+    got, read = read_cold(path, slow)
+    assert got == data
+    assert read.nbytes == len(data) and read.requests == 6
+    assert read.seconds >= len(data) / 20e6 + 6 * 1e-3  # 36 ms: the lower bound the pacing enforces
+    assert slow.min_read_seconds(len(data)) == pytest.approx(len(data) / 20e6 + 6e-3)
+
+
+def _filesystem(path: Path) -> str:
+    best, kind = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mount, fstype, *_ = line.split()
+        if str(path.resolve()).startswith(mount) and len(mount) > len(best):
+            best, kind = mount, fstype
+    return kind
+
+
+def test_a_cold_read_drops_the_file_from_the_page_cache_first(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages only can be dropped
+        os.read(fd, 1 << 20)
+        before = cached_fraction(fd, 1 << 20)
+        if before is None:
+            pytest.skip("mincore is not available here")
+        assert before == 1.0  # just read: every page cached
+        if _filesystem(tmp_path) in ("tmpfs", "ramfs"):
+            pytest.skip("a RAM filesystem has no disk to drop its pages to")
+        drop_page_cache(fd)
+        assert cached_fraction(fd, 1 << 20) == 0.0
+    finally:
+        os.close(fd)
+    _, read = read_cold(path, MEDIA["local"])
+    assert read.cached_after_drop == 0.0  # what the bench records: this load really read the disk
+
+
+def _same_model(a, b) -> None:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    assert (a.forward_path, a.size_bytes, a.vocab_size, a.max_positions) == (
+        b.forward_path, b.size_bytes, b.vocab_size, b.max_positions)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.inference_mode():
+        assert torch.equal(a.model(input_ids=ids).logits, b.model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_draft_built_from_the_read_bytes_equals_load_model(tiny_zoo, dtype):
+    spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), dtype=dtype)
+    storage = DraftStorage(MEDIA["local"])
+    _same_model(storage.load(spec, "code"), load_model(spec))
+    (record,) = storage.records
+    assert record.name == "code" and record.nbytes == (tiny_zoo / "drafts" / "code" / "model.safetensors").stat().st_size
+
+
+@pytest.mark.skipif(not BUNDLED_DRAFT.is_dir(), reason="the bundled zoo is not built")
+def test_a_reduced_vocabulary_draft_built_from_bytes_equals_load_model():
+    spec = ModelSpec(str(BUNDLED_DRAFT))
+    _same_model(DraftStorage(MEDIA["local"]).load(spec, "code"), load_model(spec))
+
+
+def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny_zoo):
+    registry = DraftRegistry.from_yaml(tiny_zoo / "registry.yaml", validate=False)
+    medium = StorageMedium("test", read_bytes_per_second=50e6, request_latency_seconds=1e-4)
+    storage = DraftStorage(medium)
+    load = registry_loader(registry, storage=storage)
+    for name in ("general", "math", "general"):
+        assert load(name).model is not None
+    records = storage.take_records()
+    assert [r.name for r in records] == ["general", "math", "general"]  # every load is cold, repeats too
+    assert all(r.read_seconds >= medium.min_read_seconds(r.nbytes) for r in records)
+    summary = storage.summary(records, iteration_seconds=0.01)
+    assert summary["medium"] == "test" and summary["drafts"]["general"]["loads"] == 2
+    general = summary["drafts"]["general"]
+    assert general["load_to_iteration"] == pytest.approx(general["load_seconds"] / 0.01)
+    assert storage.take_records() == []
+
+
+@pytest.fixture(scope="module")
+def tiny_zoo(tmp_path_factory):
+    from memspec_ros.bench.tiny_zoo import build_tiny_zoo
+
+    return build_tiny_zoo(tmp_path_factory.mktemp("zoo"), hidden=64, layers=2, predictor=False)

@@ -28,6 +28,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from ..runtime.model_source import relative_to
 from ..runtime.models import DTYPE_CHOICES, QUANTIZATIONS
 from ..runtime.policies import POLICIES
+from ..runtime.storage import STORAGE_CHOICES
 
 PACKAGE = "memspec_ros"
 ZOO_ENV = "MEMSPEC_ZOO_DIR"
@@ -96,6 +97,8 @@ PARAMS: tuple[Param, ...] = (
     Param("model.device", "cpu", "Device for target and drafts: cpu or cuda[:N].", AT_CONFIGURE),
     Param("model.threads", 0, "torch CPU threads (0: leave torch's default).", AT_CONFIGURE, int_range=(0, 256)),
     Param("predictor.path", "", "Trained predictor directory (memspec-train-predictor). Empty: <registry dir>/predictor (or its target-hidden / minilm subfolder) if present; 'none': no predictor.", AT_CONFIGURE),
+    Param("cache.storage", "local", "Storage the drafts are read from, cold (page cache dropped) at every load: local (this machine's, unpaced), or emulated edge media paced to their bandwidth and latency: emmc (eMMC 5.1), sd (UHS-I microSD), nvme (PCIe Gen3 NVMe). See runtime/storage.py.",
+          AT_CONFIGURE, choices=STORAGE_CHOICES),
     # -- the draft registry (scheduling point) --------------------------------------------------
     Param("drafts.registry_file", "", "Draft registry YAML (name, path, domain per draft). Empty: the bundled zoo's models/registry.yaml. Ignored when drafts.names is set.", AT_SCHEDULING_POINT),
     Param("drafts.names", [""], "Draft names (parallel to drafts.paths and drafts.domains); [''] or []: use drafts.registry_file.", AT_SCHEDULING_POINT),

@@ -232,3 +232,103 @@ def test_deactivate_during_a_goal_aborts_it_with_the_partial_text_and_rejects_ne
     assert h.transition(Transition.TRANSITION_ACTIVATE)
     handle, _ = h.send(goal(max_new_tokens=4))
     assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+
+
+# -- the goal runner's shape (ros/goal_runner.py) ---------------------------------------------------
+
+def test_a_goal_is_tokenized_once_and_runs_on_one_executor_thread_with_no_thread_of_its_own(h, monkeypatch):
+    """rclpy's queued-goals pattern: the generation runs in the execute callback on an executor thread and
+    publishes its feedback from that thread; no worker, feedback or parked thread; the controller gets the
+    token ids the goal callback tokenized and checked."""
+    import threading
+
+    from rclpy.action.server import ServerGoalHandle
+
+    from memspec_ros.ros import goal_runner
+
+    h.result(h.send(goal(max_new_tokens=4))[0])  # the executor's pool and the draft loader are started
+    seen = {"tokenized": [], "generate": [], "feedback": set()}
+    tokenize = goal_runner.prompt_ids
+
+    def counting_prompt_ids(*args, **kwargs):
+        ids = tokenize(*args, **kwargs)
+        seen["tokenized"].append(ids)
+        return ids
+
+    controller = h.node._loaded.controller
+    generate = controller.generate
+
+    def recording_generate(prompt, *args, **kwargs):
+        seen["generate"].append((prompt, threading.current_thread()))
+        return generate(prompt, *args, **kwargs)
+
+    publish = ServerGoalHandle.publish_feedback
+
+    def recording_publish(self, feedback):
+        seen["feedback"].add(threading.current_thread())
+        return publish(self, feedback)
+
+    monkeypatch.setattr(goal_runner, "prompt_ids", counting_prompt_ids)
+    monkeypatch.setattr(controller, "generate", recording_generate)
+    monkeypatch.setattr(ServerGoalHandle, "publish_feedback", recording_publish)
+    before = set(threading.enumerate())
+    handle = start_long_goal(h, [])
+    during = set(threading.enumerate())
+    h.wait(handle.cancel_goal_async(), 10.0, "cancel")
+    assert h.result(handle, 30.0).status == GoalStatus.STATUS_CANCELED
+    [(prompt, thread)] = seen["generate"]
+    assert seen["tokenized"] == [prompt]  # once, and these very ids reach the controller
+    assert seen["feedback"] == {thread}
+    assert thread.name.startswith("ThreadPoolExecutor")  # an rclpy executor thread, not one of ours
+    assert all(t.name.startswith("ThreadPoolExecutor") for t in during - before), during - before
+
+
+class _Handle:
+    def __init__(self, fail: bool = False) -> None:
+        self.sent: list[Generate.Feedback] = []
+        self.fail = fail
+
+    def publish_feedback(self, feedback) -> None:
+        if self.fail:
+            raise RuntimeError("the action server is gone")
+        self.sent.append(feedback)
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def warning(self, text: str) -> None:
+        self.warnings.append(text)
+
+
+def test_feedback_is_throttled_on_the_calling_thread_and_flushed_in_order():
+    from types import SimpleNamespace
+
+    from memspec_ros.ros.goal_runner import FeedbackThrottle
+
+    cache = SimpleNamespace(active="code")
+    handle = _Handle()
+    feedback = FeedbackThrottle(handle, cache, period=60.0, logger=_Logger())
+    for delta in ("a", "b", "c"):
+        feedback.on_chunk(delta, [1])
+    assert [(f.delta_text, f.tokens_so_far, f.active_draft) for f in handle.sent] == [("a", 1, "code")]
+    feedback.flush()  # the rest, in one message, before the result
+    assert [(f.delta_text, f.tokens_so_far) for f in handle.sent] == [("a", 1), ("bc", 3)]
+    assert feedback.text == "abc"
+    feedback.flush()
+    assert len(handle.sent) == 2  # nothing left
+
+    every = _Handle()
+    unthrottled = FeedbackThrottle(every, cache, period=0.0, logger=_Logger())
+    for delta in ("x", "y\x00"):
+        unthrottled.on_chunk(delta, [1, 2])
+    assert [(f.delta_text, f.tokens_so_far) for f in every.sent] == [("x", 2), ("y", 4)]
+    assert every.sent[-1].tokens_per_second > 0
+
+    logger = _Logger()
+    broken = FeedbackThrottle(_Handle(fail=True), cache, period=0.0, logger=logger)
+    broken.on_chunk("a", [1])
+    broken.on_chunk("b", [1])  # no exception into the decode loop; logged once
+    assert len(logger.warnings) == 1 and "the action server is gone" in logger.warnings[0]
+    assert broken.text == "ab"

@@ -18,6 +18,7 @@ import argparse
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,19 +94,20 @@ def print_diagnostics(array) -> None:
             print(f"          {kv.key}: {kv.value}")
 
 
-def run(args) -> int:
+def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
+    """The zoo (the bundled one, else a generated tiny zoo: True when generated) and the node's overrides."""
     from ..bench.tiny_zoo import build_tiny_zoo
     from .params import default_zoo_dir, find_predictor
 
     zoo = Path(args.zoo) if args.zoo else default_zoo_dir()
-    overrides: dict[str, str] = {"model.threads": str(args.threads)}
-    if not (zoo / "registry.yaml").is_file():
+    generated = not (zoo / "registry.yaml").is_file()
+    if generated:
         tiny = Path(tempfile.mkdtemp(prefix="memspec_demo_zoo_"))
         say(f"no bundled zoo at {zoo} (build it with `memspec-zoo build`): using a generated tiny zoo in {tiny};"
             " its text is noise, the ROS path is the real one")
         build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
         zoo = tiny
-    overrides["drafts.registry_file"] = str(zoo / "registry.yaml")
+    overrides = {"model.threads": str(args.threads), "drafts.registry_file": str(zoo / "registry.yaml")}
     if not find_predictor(zoo / "predictor"):
         say(f"the zoo has no trained predictor ({zoo / 'predictor'}; train one with memspec-train-predictor):"
             " running policy general-static instead of memspec")
@@ -115,84 +117,98 @@ def run(args) -> int:
         if not sep:
             raise SystemExit(f"--param wants NAME:=VALUE, got {item!r}")
         overrides[key] = value
-    domain, _lock = claim_domain_id()
-    os.environ["ROS_DOMAIN_ID"] = str(domain)
-    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
-    log_path = Path(tempfile.gettempdir()) / f"memspec_demo_node_{os.getpid()}.log"
-    cleanup_dirs = [zoo] if zoo.name.startswith("memspec_demo_zoo_") else []
-    say(f"starting memspec_node (zoo {zoo}, ROS_DOMAIN_ID {domain}, log {log_path})")
-    proc = start_node(Path(args.params_file), overrides, log_path)
+    return zoo, overrides, generated
 
-    import rclpy
-    from diagnostic_msgs.msg import DiagnosticArray
+
+class Client:
+    """The demo's own ROS node: a lifecycle client for the node and a /diagnostics subscription."""
+
+    def __init__(self) -> None:
+        import rclpy
+        from diagnostic_msgs.msg import DiagnosticArray
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.signals import SignalHandlerOptions
+
+        from .lifecycle_client import LifecycleClient
+
+        rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
+        self.node = rclpy.create_node("memspec_demo")
+        self.executor = SingleThreadedExecutor()
+        self.executor.add_node(self.node)
+        self.diagnostics: list = []
+        self.node.create_subscription(DiagnosticArray, "/diagnostics", self.diagnostics.append, 10)
+        self.lifecycle = LifecycleClient(self.node, f"/{NODE_NAME}",
+                                         lambda seconds: self.executor.spin_once(timeout_sec=seconds))
+
+    def close(self) -> None:
+        import rclpy
+
+        self.lifecycle.destroy()
+        self.node.destroy_node()
+        rclpy.try_shutdown()
+
+
+def bring_up(client: Client, configure_timeout: float, log_path: Path) -> None:
     from lifecycle_msgs.msg import Transition
-    from rclpy.executors import SingleThreadedExecutor
-    from rclpy.signals import SignalHandlerOptions
 
+    say("configure (loads tokenizer, target, predictor and the draft registry)")
+    t0 = time.monotonic()
+    if not client.lifecycle.change_state(Transition.TRANSITION_CONFIGURE, configure_timeout):
+        raise RuntimeError(f"configure failed: see {log_path}")
+    say(f"configured in {time.monotonic() - t0:.1f} s; activate")
+    if not client.lifecycle.change_state(Transition.TRANSITION_ACTIVATE, 30.0):
+        raise RuntimeError(f"activate failed: see {log_path}")
+
+
+def generate(client: Client, prompt: str, max_new_tokens: int) -> None:
+    """One goal through the Generate action, its text streamed as feedback arrives, then its statistics."""
     from memspec_interfaces.action import Generate
 
     from .client import format_result, send_goal
-    from .lifecycle_client import LifecycleClient
 
-    failed = ""
-    rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
-    node = rclpy.create_node("memspec_demo")
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    diagnostics: list = []
-    node.create_subscription(DiagnosticArray, "/diagnostics", diagnostics.append, 10)
-    lifecycle = LifecycleClient(node, f"/{NODE_NAME}", lambda seconds: executor.spin_once(timeout_sec=seconds))
+    say(f"goal: {max_new_tokens} tokens after the prompt\n{'-' * 72}\n{prompt}\033[36m")
+    goal = Generate.Goal(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0.0)
+    outcome = send_goal(client.node, client.executor, goal, f"/{NODE_NAME}/generate", server_timeout=20.0)
+    print("\033[0m" + "-" * 72)
+    if outcome.result is None or not outcome.ok:
+        raise RuntimeError(f"the goal did not succeed ({outcome.status})")
+    say(format_result(outcome.result))
+    say(f"{outcome.feedback_messages} feedback messages; goal answered in {outcome.goal_response_seconds * 1e3:.0f} ms")
+
+
+def show_diagnostics(client: Client, wait_seconds: float = 5.0) -> None:
+    client.diagnostics.clear()
+    deadline = time.monotonic() + wait_seconds
+    while not client.diagnostics and time.monotonic() < deadline:
+        client.executor.spin_once(timeout_sec=0.1)
+    if not client.diagnostics:
+        raise RuntimeError(f"no /diagnostics message within {wait_seconds:.0f} s")
+    say("/diagnostics snapshot:")
+    print_diagnostics(client.diagnostics[-1])
+
+
+def bring_down(client: Client) -> None:
+    """Down from wherever the node is: deactivate, cleanup, shutdown."""
+    from lifecycle_msgs.msg import Transition
+
+    steps = {"active": Transition.TRANSITION_DEACTIVATE, "inactive": Transition.TRANSITION_CLEANUP,
+             "unconfigured": Transition.TRANSITION_UNCONFIGURED_SHUTDOWN}
     try:
-        say("configure (loads tokenizer, target, predictor and the draft registry)")
-        t0 = time.monotonic()
-        if not lifecycle.change_state(Transition.TRANSITION_CONFIGURE, args.timeout):
-            raise RuntimeError(f"configure failed: see {log_path}")
-        say(f"configured in {time.monotonic() - t0:.1f} s; activate")
-        if not lifecycle.change_state(Transition.TRANSITION_ACTIVATE, 30.0):
-            raise RuntimeError(f"activate failed: see {log_path}")
-        prompt = args.prompt or demo_prompt(zoo)
-        say(f"goal: {args.max_new_tokens} tokens after the prompt\n{'-' * 72}\n{prompt}\033[36m")
-        goal = Generate.Goal(prompt=prompt, max_new_tokens=args.max_new_tokens, temperature=0.0)
-        outcome = send_goal(node, executor, goal, f"/{NODE_NAME}/generate", server_timeout=20.0)
-        print("\033[0m" + "-" * 72)
-        if outcome.result is None or not outcome.ok:
-            raise RuntimeError(f"the goal did not succeed ({outcome.status})")
-        say(format_result(outcome.result))
-        say(f"{outcome.feedback_messages} feedback messages; goal answered in {outcome.goal_response_seconds * 1e3:.0f} ms")
-        diagnostics.clear()
-        deadline = time.monotonic() + 5.0
-        while not diagnostics and time.monotonic() < deadline:
-            executor.spin_once(timeout_sec=0.1)
-        if not diagnostics:
-            raise RuntimeError("no /diagnostics message within 5 s")
-        say("/diagnostics snapshot:")
-        print_diagnostics(diagnostics[-1])
-    except Exception as exc:  # a failed step: say which, then still shut down cleanly
-        failed = str(exc)
-    finally:
-        if proc.poll() is None:
-            steps = {"active": Transition.TRANSITION_DEACTIVATE, "inactive": Transition.TRANSITION_CLEANUP,
-                     "unconfigured": Transition.TRANSITION_UNCONFIGURED_SHUTDOWN}
-            try:
-                for _ in range(3):  # down from wherever the node is: deactivate, cleanup, shutdown
-                    label = lifecycle.state(10.0)
-                    if label not in steps or not lifecycle.change_state(steps[label], 15.0):
-                        break
-                say(f"node brought down to {lifecycle.state(10.0)}; stopping the process")
-            except Exception as exc:
-                say(f"could not bring the node down through its lifecycle ({exc}); stopping the process")
-        code = stop_process(proc)
-        lifecycle.destroy()
-        node.destroy_node()
-        rclpy.try_shutdown()
+        for _ in range(3):
+            label = client.lifecycle.state(10.0)
+            if label not in steps or not client.lifecycle.change_state(steps[label], 15.0):
+                break
+        say(f"node brought down to {client.lifecycle.state(10.0)}; stopping the process")
+    except Exception as exc:
+        say(f"could not bring the node down through its lifecycle ({exc}); stopping the process")
+
+
+def report(failed: str, proc: subprocess.Popen, code: int | None, log_path: Path) -> int:
+    """Exit status 0 only if every step worked and the node process exited cleanly."""
     if proc.poll() is None:
         failed = failed or "the node process did not exit"
     elif code not in (0, -signal.SIGINT) and not failed:
         failed = f"the node process exited with status {code}: see {log_path}"
-    import shutil
-
-    for directory in cleanup_dirs:
-        shutil.rmtree(directory, ignore_errors=True)
     if failed:
         say(f"FAILED: {failed}")
         tail = log_path.read_text().splitlines()[-15:] if log_path.is_file() else []
@@ -202,6 +218,32 @@ def run(args) -> int:
     log_path.unlink(missing_ok=True)
     say("demo finished: node process exited cleanly")
     return 0
+
+
+def run(args) -> int:
+    zoo, overrides, generated = choose_zoo(args)
+    domain, _lock = claim_domain_id()
+    os.environ["ROS_DOMAIN_ID"] = str(domain)
+    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    log_path = Path(tempfile.gettempdir()) / f"memspec_demo_node_{os.getpid()}.log"
+    say(f"starting memspec_node (zoo {zoo}, ROS_DOMAIN_ID {domain}, log {log_path})")
+    proc = start_node(Path(args.params_file), overrides, log_path)
+    client = Client()
+    failed = ""
+    try:
+        bring_up(client, args.timeout, log_path)
+        generate(client, args.prompt or demo_prompt(zoo), args.max_new_tokens)
+        show_diagnostics(client)
+    except Exception as exc:  # a failed step: say which, then still shut down cleanly
+        failed = str(exc)
+    finally:
+        if proc.poll() is None:
+            bring_down(client)
+        code = stop_process(proc)
+        client.close()
+    if generated:
+        shutil.rmtree(zoo, ignore_errors=True)
+    return report(failed, proc, code, log_path)
 
 
 def main(argv: list[str] | None = None) -> int:

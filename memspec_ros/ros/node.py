@@ -132,10 +132,7 @@ class MemSpecNode(LifecycleNode):
         try:
             self._loaded = self._load()
         except Exception as exc:  # every load error becomes a failed transition with its reason
-            self._release()
-            self._configure_error = f"{type(exc).__name__}: {exc}"
-            self.get_logger().error(f"configure failed, staying unconfigured: {self._configure_error}")
-            return TransitionCallbackReturn.FAILURE
+            return self._configure_failed(exc)
         self._configure_error = ""
         self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)
         self._stats_pub = self.create_lifecycle_publisher(GenerationStatsMsg, "~/generation_stats", 10)
@@ -172,6 +169,12 @@ class MemSpecNode(LifecycleNode):
         self._release()
         self.get_logger().error("error processed: models freed, back to unconfigured")
         return TransitionCallbackReturn.SUCCESS
+
+    def _configure_failed(self, exc: Exception) -> TransitionCallbackReturn:
+        self._release()
+        self._configure_error = f"{type(exc).__name__}: {exc}"
+        self.get_logger().error(f"configure failed, staying unconfigured: {self._configure_error}")
+        return TransitionCallbackReturn.FAILURE
 
     def _end_goals(self, reason: str) -> None:
         self._active = False

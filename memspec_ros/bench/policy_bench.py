@@ -31,7 +31,7 @@ from ..runtime.chat import end_token_ids, prompt_ids
 from ..runtime.controller import RuntimeConfig, RuntimeController
 from ..runtime.models import LoadedModel, ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
 from ..runtime.oracle import GreedyOracle
-from ..runtime.policies import POLICIES
+from ..runtime.policies import PAPER_POLICIES
 from ..runtime.predictor import PredictionEngine
 from ..runtime.registry import DraftRegistry
 
@@ -40,7 +40,7 @@ WORKLOADS = ("code", "math", "law", "medical", "general", "mixed")
 
 @dataclass
 class PolicyBenchConfig:
-    policies: Sequence[str] = POLICIES
+    policies: Sequence[str] = PAPER_POLICIES
     workloads: Sequence[str] = WORKLOADS
     prompts: int = 4  # per workload (the paper: 100; pass --prompts 100 for the full protocol)
     runs: int = 1

@@ -6,8 +6,16 @@ the teacher-forced argmax of the draft over that continuation. One draft forward
 over [prompt ; continuation] therefore tells how many tokens the draft gets
 accepted from ANY position: the run of agreements starting there, capped at
 gamma. Walking N iterations from a position gives a draft's utility for the next
-interval (tokens committed), which Oracle-Static sums over the whole output and
-Oracle-Dynamic looks up at each scheduling point.
+interval (tokens committed), which Oracle-Static sums over the whole output.
+
+Oracle-Dynamic is the best SCHEDULE over those per-interval utilities under the
+same K and costs as every other policy (:class:`ScheduleSolver`): a dynamic
+program over (position, active draft, resident set, load in flight) that pays
+each switch's catch-up and waits for loads the cache could not overlap, and
+minimises the decoding time of the fixed greedy output. Running one draft
+throughout is one of its schedules, so it is never worse than Oracle-Static
+under its cost model. Oracle-next-interval is the myopic variant: the best draft
+for the next interval alone, with MemSpec's mechanics.
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +159,28 @@ def interval_walk(agree: Sequence[bool], position: int, gamma: int, iterations: 
     return position - start, accepted
 
 
+@dataclass(frozen=True)
+class ScheduleCosts:
+    """What Oracle-Dynamic's schedule pays, as measured on this machine and storage (the bench fills it).
+
+    Times are in seconds; the schedule counts them in speculative iterations (draft + verify), the
+    unit every interval's cost is in. Without ``iteration_seconds`` switches and loads are free.
+    """
+
+    capacity: int = 2  # K
+    iteration_seconds: float = 0.0  # one speculative iteration (draft + verify), any draft (one architecture)
+    catchup_seconds: float = 0.0  # an incoming draft's KV catch-up at a switch
+    load_seconds: Mapping[str, float] = field(default_factory=dict)  # storage -> fast memory, per draft
+
+    def catchup_iterations(self) -> float:
+        return self.catchup_seconds / self.iteration_seconds if self.iteration_seconds > 0 else 0.0
+
+    def load_iterations(self) -> dict[str, float]:
+        if self.iteration_seconds <= 0:
+            return {}
+        return {d: s / self.iteration_seconds for d, s in self.load_seconds.items()}
+
+
 @dataclass
 class GreedyOracle:
     """Per-prompt future knowledge: the continuation and every draft's agreement with it."""
@@ -159,6 +190,7 @@ class GreedyOracle:
     gamma: int = 4
     interval: int = 4
     scores: dict[str, float] = field(default_factory=dict)  # whole-output utility, cached
+    costs: ScheduleCosts | None = None  # what Oracle-Dynamic's schedule pays (None: free switches and loads)
 
     @classmethod
     def compute(cls, target: torch.nn.Module, drafts: Mapping[str, torch.nn.Module], prompt_ids: Sequence[int],
@@ -191,3 +223,198 @@ class GreedyOracle:
         """Drafts by their utility over the next interval (ties: better whole-output draft first)."""
         scored = [(d, self.utility(d, position) + 1e-3 * self.static_utility(d)) for d in candidates]
         return sorted(scored, key=lambda p: -p[1])
+
+
+# -- Oracle-Dynamic: the best schedule by dynamic programming ------------------------------------
+
+START = "start"  # the first choice: its load is setup (before prefill), not decoding time
+RESIDENT = "resident"  # run a resident draft (optionally prefetch one, evicting one)
+WAIT = "wait"  # wait for the draft being prefetched, then run it
+LOAD = "load"  # blocking load of a draft neither resident nor on its way (evicting one), then run it
+
+
+@dataclass(frozen=True)
+class ScheduleAction:
+    """One scheduling point's decision: the draft to run for the next interval and the cache's moves."""
+
+    kind: str  # START | RESIDENT | WAIT | LOAD
+    run: str
+    prefetch: str = ""  # a load started now, in the background (START / RESIDENT only)
+    evict: tuple[str, ...] = ()  # drafts whose slots the blocking load and the prefetch take
+
+
+State = tuple[int, str, frozenset, tuple[str, int] | None]  # position, active, resident set, (loading, intervals since)
+
+
+class ScheduleSolver:
+    """The fastest schedule of drafts over one greedy output, by dynamic programming.
+
+    Cost model (in speculative iterations, the unit every interval is measured in):
+
+    * running draft d for an interval from position p costs the iterations of its walk
+      (``step(d, p)`` -> (next position, iterations)); all drafts cost the same per iteration;
+    * a switch (the draft differs from the last interval's, the first interval included) costs
+      ``catchup`` iterations: the incoming draft's KV catch-up;
+    * at most ``capacity`` drafts are resident or loading; one load at a time (one loader thread);
+      a load of d takes ``load[d]`` iterations and overlaps decoding: started at a scheduling point,
+      it is complete k points later when k * interval >= load[d] (catch-ups and waits in between
+      are not counted as overlap: the model never credits a load with time it may not have had);
+    * what the runtime controller can do at a scheduling point, no more: run a resident draft and
+      align the cache (prefetch one draft, evicting one that is neither the new nor the last active
+      draft, which the controller protects); or wait for the draft in flight and run it; or, with no
+      load in flight, block on loading a draft and run it (evicting any resident one). The first
+      draft's load happens before prefill (setup time, outside the decode metric) and is free.
+
+    ``value(state)`` is the least cost from any state, memoised, so the policy can re-plan from
+    where the real run is. Running one draft throughout is a schedule of this model, so
+    ``cost() <= min(static_cost(d))`` by construction.
+    """
+
+    def __init__(self, drafts: Sequence[str], step: Callable[[str, int], tuple[int, int]], start: int, end: int,
+                 interval: int, capacity: int, catchup: float = 0.0, load: Mapping[str, float] | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity K must be >= 1, got {capacity}")
+        self.drafts = tuple(drafts)
+        self.start, self.end, self.interval, self.capacity = start, end, interval, capacity
+        self.catchup = catchup
+        self.load = {d: max(0.0, float((load or {}).get(d, 0.0))) for d in self.drafts}
+        self._step_fn = step
+        self._steps: dict[tuple[str, int], tuple[int, int]] = {}
+        self._memo: dict[State, tuple[float, ScheduleAction | None, State | None]] = {}
+
+    @classmethod
+    def for_oracle(cls, oracle: GreedyOracle, drafts: Sequence[str], costs: ScheduleCosts | None = None) -> ScheduleSolver:
+        costs = costs or oracle.costs or ScheduleCosts()
+        agree = {d: oracle.agreement[d] for d in drafts if d in oracle.agreement}
+
+        def step(d: str, p: int) -> tuple[int, int]:
+            tokens, accepted = interval_walk(agree[d], p, oracle.gamma, oracle.interval)
+            return p + tokens, len(accepted)
+
+        return cls(list(agree), step, 1, len(oracle.continuation), oracle.interval, costs.capacity,
+                   costs.catchup_iterations(), costs.load_iterations())
+
+    # -- the model -----------------------------------------------------------------------------
+    def step(self, d: str, p: int) -> tuple[int, int]:
+        key = (d, p)
+        if key not in self._steps:
+            self._steps[key] = self._step_fn(d, p)
+        return self._steps[key]
+
+    def initial_state(self) -> State:
+        return (self.start, "", frozenset(), None)
+
+    def normalise(self, state: State) -> State:
+        """A load whose time has passed is resident."""
+        p, a, resident, loading = state
+        if loading is not None and loading[1] * self.interval >= self.load.get(loading[0], 0.0):
+            return (p, a, resident | {loading[0]}, None)
+        return state
+
+    def static_cost(self, draft: str) -> float:
+        """One draft throughout (Oracle-Static's schedule) in this model: its iterations plus the first catch-up."""
+        p, total = self.start, self.catchup
+        while p < self.end:
+            p, n = self.step(draft, p)
+            total += n
+        return total
+
+    def _run(self, x: str, p: int, a: str) -> tuple[int, float]:
+        nxt, iterations = self.step(x, p)
+        return nxt, iterations + (self.catchup if x != a else 0.0)
+
+    def _prefetches(self, resident: frozenset, protect: set[str]):
+        """(draft to prefetch, victims, resident set left) for each prefetch the cache could start now."""
+        for b in self.drafts:
+            if b in resident:
+                continue
+            if len(resident) < self.capacity:
+                yield b, (), resident
+            else:
+                for v in sorted(resident - protect):
+                    yield b, (v,), resident - {v}
+
+    def _options(self, state: State):
+        """(cost now, action, next state) for every decision the controller can carry out here."""
+        p, a, resident, loading = state
+        if p == self.start and a == "":  # the first choice: its load is setup, before prefill
+            for x in self.drafts:
+                nxt, cost = self._run(x, p, a)
+                if x in resident or len(resident) < self.capacity:
+                    starts = [((), resident | {x})]
+                else:
+                    starts = [((v,), (resident - {v}) | {x}) for v in sorted(resident)]
+                for gone, now in starts:
+                    yield cost, ScheduleAction(START, x, evict=gone), (nxt, x, now, None)
+                    if loading is None:
+                        for b, v, left in self._prefetches(now, {x}):
+                            yield cost, ScheduleAction(START, x, b, gone + v), (nxt, x, left, (b, 1))
+            return
+        k_next = None if loading is None else (loading[0], loading[1] + 1)
+        for x in sorted(resident):
+            nxt, cost = self._run(x, p, a)
+            yield cost, ScheduleAction(RESIDENT, x), (nxt, x, resident, k_next)
+            if loading is None:
+                for b, v, left in self._prefetches(resident, {x, a}):
+                    yield cost, ScheduleAction(RESIDENT, x, b, v), (nxt, x, left, (b, 1))
+        if loading is not None:
+            b, k = loading
+            nxt, cost = self._run(b, p, a)
+            wait = max(0.0, self.load[b] - k * self.interval)
+            yield wait + cost, ScheduleAction(WAIT, b), (nxt, b, resident | {b}, None)
+            return
+        for x in self.drafts:
+            if x in resident:
+                continue
+            nxt, cost = self._run(x, p, a)
+            victims = [()] if len(resident) < self.capacity else [(v,) for v in sorted(resident)]
+            for v in victims:
+                yield self.load[x] + cost, ScheduleAction(LOAD, x, evict=v), (nxt, x, (resident - set(v)) | {x}, None)
+
+    # -- the dynamic program ---------------------------------------------------------------------
+    def _solve(self, state: State) -> tuple[float, ScheduleAction | None, State | None]:
+        state = self.normalise(state)
+        if state in self._memo:
+            return self._memo[state]
+        best: tuple[float, ScheduleAction | None, State | None] = (0.0, None, None)
+        if state[0] < self.end and self.drafts:
+            best = (float("inf"), None, None)
+            for cost, action, nxt in self._options(state):
+                total = cost + self._solve(nxt)[0]
+                if total < best[0] - 1e-12:
+                    best = (total, action, nxt)
+        self._memo[state] = best
+        return best
+
+    def _with_depth(self, fn, *args):
+        limit = sys.getrecursionlimit()
+        need = 4 * (self.end - self.start + 2) + 200  # each interval advances >= 1 token
+        if need > limit:
+            sys.setrecursionlimit(need)
+        try:
+            return fn(*args)
+        finally:
+            sys.setrecursionlimit(limit)
+
+    def value(self, state: State | None = None) -> float:
+        """Least cost (iterations) from ``state`` (default: the start) to the end of the output."""
+        return self._with_depth(self._solve, state or self.initial_state())[0]
+
+    def best_action(self, state: State) -> ScheduleAction | None:
+        return self._with_depth(self._solve, state)[1]
+
+    def cost(self) -> float:
+        return self.value()
+
+    def plan(self, state: State | None = None) -> list[tuple[int, ScheduleAction]]:
+        """The optimal decisions from ``state`` on: (position, action) per scheduling point."""
+        state = state or self.initial_state()
+        self.value(state)
+        steps = []
+        while True:
+            state = self.normalise(state)
+            _, action, nxt = self._memo[state]
+            if action is None or nxt is None:
+                return steps
+            steps.append((state[0], action))
+            state = nxt

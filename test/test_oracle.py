@@ -1,0 +1,223 @@
+"""Oracle-Dynamic is the best schedule under the same K and costs: never worse than Oracle-Static by
+construction, equal to an exhaustive search where one is possible, and carried out by the controller.
+
+Every cost here is in the model's unit (speculative iterations); nothing is timed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from functools import cache
+
+import pytest
+import torch
+
+from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama
+from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
+from memspec_ros.runtime.oracle import GreedyOracle, ScheduleCosts, ScheduleSolver, interval_walk, target_greedy
+from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+
+
+def random_table(rng: random.Random, drafts: int, length: int, gamma: int, interval: int):
+    """Agreement arrays of drafts with different strengths, and the interval walk over them."""
+    agree = {f"d{i}": [rng.random() < rng.choice([0.2, 0.5, 0.8, 0.95]) for _ in range(length)] for i in range(drafts)}
+
+    def step(d: str, p: int) -> tuple[int, int]:
+        tokens, accepted = interval_walk(agree[d], p, gamma, interval)
+        return p + tokens, len(accepted)
+
+    return list(agree), step
+
+
+def random_solver(seed: int, capacity: int | None = None, drafts: int = 5, length: int = 96) -> ScheduleSolver:
+    rng = random.Random(seed)
+    interval = rng.choice([1, 2, 4])
+    names, step = random_table(rng, drafts, length, rng.choice([2, 4]), interval)
+    load = {d: rng.choice([0.0, rng.uniform(0, 3 * interval), rng.uniform(0, 40)]) for d in names}
+    return ScheduleSolver(names, step, 1, length, interval, capacity or rng.randint(1, 4),
+                          catchup=rng.choice([0.0, rng.uniform(0, 2)]), load=load)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_schedule_is_never_slower_than_the_best_static_draft(seed):
+    solver = random_solver(seed)
+    static = min(solver.static_cost(d) for d in solver.drafts)
+    assert solver.cost() <= static + 1e-9
+    # the plan it reports is a schedule of the model that costs what the DP says
+    assert simulate(solver, solver.plan()) == pytest.approx(solver.cost())
+
+
+def simulate(solver: ScheduleSolver, plan) -> float:
+    """Replay a plan with plain rules, independently of the solver's transition code."""
+    p, active, resident, loading, cost, points = solver.start, "", set(), None, 0.0, 0
+    for position, action in plan:
+        assert position == p
+        if loading is not None and (points - loading[1]) * solver.interval >= solver.load[loading[0]]:
+            resident.add(loading[0])
+            loading = None
+        x, victims = action.run, iter(action.evict)
+        if action.kind == "start":
+            if x not in resident and len(resident) >= solver.capacity:
+                resident.remove(next(victims))
+            resident.add(x)
+        elif action.kind == "resident":
+            assert x in resident
+        elif action.kind == "wait":
+            assert loading is not None and loading[0] == x
+            cost += max(0.0, solver.load[x] - (points - loading[1]) * solver.interval)
+            resident.add(x)
+            loading = None
+        else:
+            assert action.kind == "load" and loading is None and x not in resident
+            cost += solver.load[x]
+            if len(resident) >= solver.capacity:
+                resident.remove(next(victims))
+            resident.add(x)
+        if action.prefetch:
+            assert loading is None and action.prefetch not in resident and action.kind in ("start", "resident")
+            if len(resident) >= solver.capacity:
+                victim = next(victims)
+                assert victim not in (x, active)  # the controller protects the new and the last active draft
+                resident.remove(victim)
+            loading = (action.prefetch, points)
+        assert len(resident) + (loading is not None) <= solver.capacity
+        nxt, iterations = solver.step(x, p)
+        cost += iterations + (solver.catchup if x != active else 0.0)
+        p, active, points = nxt, x, points + 1
+    assert p >= solver.end
+    return cost
+
+
+def exhaustive(solver: ScheduleSolver) -> float:
+    """The least cost over every sequence of decisions, by plain recursion (no shared code with the DP)."""
+    drafts, cap, n = solver.drafts, solver.capacity, solver.interval
+
+    @cache
+    def best(p: int, active: str, resident: frozenset, loading: tuple[str, int] | None) -> float:
+        if p >= solver.end:
+            return 0.0
+        if loading is not None and loading[1] * n >= solver.load[loading[0]]:
+            resident, loading = resident | {loading[0]}, None
+        out = math.inf
+        for x in drafts:
+            runs = []  # (wait, resident after, loading after, may prefetch, evictable for the prefetch)
+            if p == solver.start and active == "":
+                runs.append((0.0, resident | {x}, None, True, {x}))
+            elif x in resident:
+                runs.append((0.0, resident, None if loading is None else (loading[0], loading[1] + 1),
+                             loading is None, {x, active}))
+            elif loading is not None and loading[0] == x:
+                runs.append((max(0.0, solver.load[x] - loading[1] * n), resident | {x}, None, False, set()))
+            elif loading is None:
+                victims = [None] if len(resident) < cap else list(resident)
+                runs += [(solver.load[x], (resident - {v}) | {x}, None, False, set()) for v in victims]
+            nxt, iterations = solver.step(x, p)
+            run_cost = iterations + (solver.catchup if x != active else 0.0)
+            for wait, res, load_after, may_prefetch, protect in runs:
+                out = min(out, wait + run_cost + best(nxt, x, frozenset(res), load_after))
+                if not may_prefetch or cap < 2:
+                    continue
+                for b in drafts:
+                    if b in res:
+                        continue
+                    lefts = [res] if len(res) < cap else [res - {v} for v in res - protect]
+                    for left in lefts:
+                        out = min(out, wait + run_cost + best(nxt, x, frozenset(left), (b, 1)))
+        return out
+
+    return best(solver.start, "", frozenset(), None)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_dynamic_program_equals_an_exhaustive_search(seed):
+    solver = random_solver(1000 + seed, capacity=random.Random(seed).randint(1, 3), drafts=3, length=28)
+    assert solver.cost() == pytest.approx(exhaustive(solver))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_more_memory_never_makes_the_schedule_slower(seed):
+    costs = [random_solver(2000 + seed, capacity=k).cost() for k in (1, 2, 3, 4)]
+    assert all(b <= a + 1e-9 for a, b in zip(costs, costs[1:], strict=False))
+
+
+def test_with_free_switches_it_takes_the_best_draft_of_every_interval_path():
+    rng = random.Random(7)
+    names, step = random_table(rng, 4, 80, 4, 2)
+    solver = ScheduleSolver(names, step, 1, 80, 2, capacity=4)
+
+    @cache
+    def shortest(p: int) -> int:  # any draft at every interval, nothing to pay
+        return 0 if p >= 80 else min(step(d, p)[1] + shortest(step(d, p)[0]) for d in names)
+
+    assert solver.cost() == shortest(1)
+
+
+def test_loads_that_never_pay_keep_one_draft():
+    rng = random.Random(3)
+    names, step = random_table(rng, 5, 128, 4, 4)
+    solver = ScheduleSolver(names, step, 1, 128, 4, capacity=2, catchup=1.0, load=dict.fromkeys(names, 1e6))
+    runs = {action.run for _, action in solver.plan()}
+    assert len(runs) == 1 and solver.cost() == min(solver.static_cost(d) for d in names)
+
+
+# -- the policy carries out the schedule through the real controller ----------------------------------
+
+PROMPT = [1, 5, 7, 9, 11, 13]
+NEW = 48
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    target = tiny_llama(layers=2, hidden=32, seed=0)
+    drafts = {"general": tiny_llama(layers=1, hidden=32, seed=1), "code": noisy_copy(target, 0.03, seed=2),
+              "math": noisy_copy(target, 0.01, seed=3), "law": noisy_copy(target, 0.02, seed=4)}
+    return target, drafts
+
+
+def controller(target, drafts, oracle, capacity=2):
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+
+    def load(name):
+        model = drafts[name]
+        return LoadedModel(model, ModelSpec(name), parameter_bytes(model), 64, 512)
+
+    config = RuntimeConfig(policy="oracle-dynamic", capacity=capacity, interval=oracle.interval, gamma=oracle.gamma,
+                           reset_cache_per_generation=True)
+    return RuntimeController(config, target, None, registry, loader=load, oracle_for=lambda ids: oracle,
+                             eos_token_ids=[])
+
+
+def per_interval_drafts(stats, interval: int) -> list[str]:
+    return [stats.iterations[i].draft for i in range(0, len(stats.iterations), interval)]
+
+
+@pytest.mark.parametrize("load_iterations", [1.0, 6.0])
+def test_oracle_dynamic_runs_its_schedule_losslessly(models, load_iterations):
+    target, drafts = models
+    oracle = GreedyOracle.compute(target, drafts, PROMPT, NEW, gamma=4, interval=2)
+    oracle.costs = ScheduleCosts(capacity=2, iteration_seconds=1.0, catchup_seconds=0.25,
+                                 load_seconds=dict.fromkeys(drafts, load_iterations))
+    solver = ScheduleSolver.for_oracle(oracle, list(drafts))
+    plan = solver.plan()
+    ctl = controller(target, drafts, oracle)
+    try:
+        result = ctl.generate(PROMPT, NEW)
+    finally:
+        ctl.close()
+    assert result.token_ids == target_greedy(target, PROMPT, NEW)
+    if result.stats.load_wait_seconds == 0.0:  # the loader kept up with the model: the run IS the plan
+        assert per_interval_drafts(result.stats, oracle.interval) == [a.run for _, a in plan]
+        assert len(result.stats.iterations) == sum(solver.step(a.run, p)[1] for p, a in plan)
+
+
+def test_oracle_next_interval_is_the_myopic_variant(models):
+    from memspec_ros.runtime.policies import POLICIES, make_policy
+
+    target, drafts = models
+    oracle = GreedyOracle.compute(target, drafts, PROMPT, NEW, gamma=4, interval=2)
+    assert "oracle-next-interval" in POLICIES
+    policy = make_policy("oracle-next-interval", oracle_for=lambda ids: oracle)
+    assert policy.name == "oracle-next-interval"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from memspec_ros.bench.cli import main
 from memspec_ros.bench.tiny_zoo import build_tiny_zoo
 
@@ -30,10 +32,104 @@ def test_policy_bench_runs_every_policy_losslessly(tmp_path):
         (zoo / "workloads" / f"{workload}.jsonl").write_text(json.dumps({"domain": workload, "prompt": prompt}) + "\n")
     out = tmp_path / "policies.json"
     assert main(["policies", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--workloads", "code,math",
-                 "--prompts", "1", "--max-new-tokens", "16", "--load-ms-per-mb", "5", "--json", str(out)]) == 0
+                 "--prompts", "1", "--max-new-tokens", "16", "--storage", "sd", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["config"]["policies"]) == {"general-static", "oracle-static", "mab-sync", "mab-async",
                                                  "prediction-only", "oracle-dynamic", "memspec"}
     assert result["lossless"] is True
     assert all(v > 0 for v in result["gmean_tokens_per_second"].values())
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def _chat_and_prompt_workloads(folder):
+    """A workload folder as any user may bring one: a prompt-row file, a chat-row file, training data to skip."""
+    folder.mkdir()
+    (folder / "robotics.jsonl").write_text("".join(json.dumps({"domain": "robotics", "prompt": p}) + "\n"
+                                                   for p in ("Plan a path around the box.", "Grip the cup.")))
+    (folder / "chat.jsonl").write_text(json.dumps({"domain": "chat", "messages": [
+        {"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Again, louder."}]}) + "\n")
+    (folder / "train_requests.jsonl").write_text(json.dumps({"domain": "x", "prompt": "not a workload"}) + "\n")
+    return folder
+
+
+def test_policy_bench_reads_any_workload_folder_through_a_storage_tier(tmp_path):
+    from memspec_ros.runtime.stats import BREAKDOWN
+    from memspec_ros.runtime.storage import MEDIA
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, chat=True)
+    folder = _chat_and_prompt_workloads(tmp_path / "mine")
+    out = tmp_path / "policies.json"
+    assert main(["policies", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--workloads-dir", str(folder),
+                 "--policies", "general-static,oracle-static,oracle-dynamic,memspec", "--prompts", "2",
+                 "--max-new-tokens", "12", "--storage", "sd", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["workloads"] == ["chat", "robotics"]  # every <name>.jsonl, training files skipped
+    assert result["config"]["workloads_dir"] == str(folder)
+    # the schema the figures read is unchanged
+    for key in ("gmean_tokens_per_second", "gmean_end_to_end_tokens_per_second", "ratios", "lossless"):
+        assert key in result
+    assert result["lossless"] is True
+    # the medium, each draft's measured cold load, and its ratio to one speculative iteration
+    storage = result["storage"]
+    assert storage["medium"] == "sd" and storage["emulated"] is True
+    assert storage["drafts"] and storage["iteration_seconds"] > 0
+    for draft in storage["drafts"].values():
+        assert draft["read_seconds"] >= MEDIA["sd"].min_read_seconds(draft["bytes"])  # paced: never faster
+        assert draft["load_to_iteration"] == draft["load_seconds"] / storage["iteration_seconds"]
+    costs = result["oracle_costs"]
+    assert costs["capacity"] == 2 and costs["iteration_seconds"] > 0 and set(costs["load_seconds"]) == {
+        "general", "code", "math"}
+    # the breakdown accounts for all decode time, in the named parts
+    for rows in result["workloads"].values():
+        for row in rows.values():
+            parts = row["time_breakdown_seconds"]
+            assert list(parts) == list(BREAKDOWN)
+            assert sum(parts.values()) == pytest.approx(row["decode_seconds"], rel=1e-6, abs=1e-9)
+            assert row["load_wait_seconds"] == parts["load_wait"]
+    assert set(result["time_breakdown"]) == set(result["config"]["policies"])
+
+
+def test_policy_bench_names_a_missing_workload(tmp_path):
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, predictor=False)
+    folder = _chat_and_prompt_workloads(tmp_path / "mine")
+    with pytest.raises(SystemExit, match="law.jsonl.*chat, robotics"):
+        main(["policies", "--zoo", str(zoo), "--workloads-dir", str(folder), "--workloads", "law",
+              "--policies", "general-static", "--prompts", "1", "--max-new-tokens", "8"])
+
+
+def test_engine_bench_takes_a_workload_folder_and_reports_the_draft_load(tmp_path):
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, predictor=False, chat=True)
+    folder = _chat_and_prompt_workloads(tmp_path / "mine")
+    out = tmp_path / "engine.json"
+    assert main(["engine", "--zoo", str(zoo), "--workloads-dir", str(folder), "--prompts", "3", "--runs", "1",
+                 "--max-new-tokens", "8", "--storage", "nvme", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 3 and result["outputs_identical"] is True
+    assert result["storage"]["medium"] == "nvme" and result["storage"]["drafts"]["general"]["loads"] == 1
+
+
+def test_time_breakdown_and_totals_follow_their_definitions():
+    """stats.py: the breakdown's parts by hand, and a workload's rate is its sums' (not a mean of rates)."""
+    from memspec_ros.runtime.stats import GenerationStats, GenerationTotals, IterationStats
+
+    def it(draft, fallback=False, **kw):
+        return IterationStats(draft=draft, proposed=4, accepted=2, committed=3, preferred="a", fallback=fallback, **kw)
+
+    s = GenerationStats(completion_tokens=10, prefill_seconds=0.5, setup_seconds=0.25, decode_seconds=2.0, iterations=[
+        it("a", draft_seconds=0.1, verify_seconds=0.3, catchup_seconds=0.05, catchup_tokens=9),
+        it("b", fallback=True, draft_seconds=0.2, verify_seconds=0.3, prediction_seconds=0.1),
+        it("a", draft_seconds=0.1, verify_seconds=0.3, load_wait_seconds=0.4),
+    ])
+    parts = s.time_breakdown()
+    assert parts == pytest.approx({"desired_draft": 0.2, "fallback_draft": 0.2, "prediction": 0.1, "load_wait": 0.4,
+                                   "catchup": 0.05, "verify": 0.9, "other": 0.15})
+    assert s.tokens_per_second == 9 / 2.0 and s.end_to_end_tokens_per_second == 10 / 2.75
+    fast = GenerationStats(completion_tokens=4, decode_seconds=0.1, iterations=[it("a", draft_seconds=0.01,
+                                                                                   verify_seconds=0.02)])
+    totals = GenerationTotals()
+    totals.add(s)
+    totals.add(fast)
+    assert totals.tokens_per_second == (9 + 3) / (2.0 + 0.1)
+    assert totals.mean_iteration_seconds == pytest.approx((0.4 + 0.5 + 0.4 + 0.03) / 4)
+    assert sum(totals.breakdown.values()) == pytest.approx(2.1)

@@ -18,7 +18,6 @@ def _engine_models(args):
     registry_file = Path(args.zoo) / "registry.yaml"
     if args.target or registry_file.is_file():
         from ..runtime.registry import DraftRegistry, UnknownDraftError
-        from .engine_bench import default_prompts
 
         if args.target:
             target_path, draft_path = Path(args.target), Path(args.draft_path)
@@ -37,8 +36,10 @@ def _engine_models(args):
         args.forward_paths = {"target": target.forward_path, "draft": draft.forward_path,
                               "target_auto": target.path_choice.as_dict() if target.path_choice else None}
         tokenizer = load_tokenizer(target_path)
-        workloads = Path(args.zoo) / "workloads"
-        prompts = default_prompts(tokenizer, workloads, args.prompts)[: args.prompts] if workloads.is_dir() else []
+        workloads = Path(args.workloads_dir) if args.workloads_dir else Path(args.zoo) / "workloads"
+        prompts = _round_robin_prompts(tokenizer, workloads, args.prompts) if workloads.is_dir() else []
+        if args.workloads_dir and not prompts:
+            raise SystemExit(f"--workloads-dir {workloads}: no workload rows there (<name>.jsonl files)")
         if not prompts:
             prompts = [tokenizer("The robot")["input_ids"]]
         return target.model, draft.model, prompts, (str(target_path), str(draft_path))
@@ -51,6 +52,30 @@ def _engine_models(args):
     draft.config.num_hidden_layers = 1
     prompts = [[1, 7 + i, 9 + i, 20 + i] for i in range(args.prompts)]
     return target, draft, prompts, ("tiny-target", "tiny-draft")
+
+
+def _round_robin_prompts(tokenizer, folder: Path, count: int) -> list[list[int]]:
+    """``count`` prompts taken in turn from each workload of ``folder`` (any <name>.jsonl rows, chat rows too)."""
+    from .policy_bench import read_workload, row_prompt_ids, workloads_in
+
+    per_file = [read_workload(folder / f"{w}.jsonl", count) for w in workloads_in(folder)]
+    rows = [rows[k] for k in range(count) for rows in per_file if k < len(rows)][:count]
+    return [row_prompt_ids(tokenizer, row) for row in rows]
+
+
+def _draft_load(args, names, result) -> dict | None:
+    """The draft's cold load through ``--storage``, once per run, with its ratio to one speculative iteration."""
+    from ..runtime.models import ModelSpec
+    from ..runtime.storage import DraftStorage, storage_medium
+
+    if not Path(names[1]).is_dir():
+        return None  # generated tiny models: no file to load
+    storage = DraftStorage(storage_medium(args.storage))
+    spec = ModelSpec(names[1], dtype="fp32" if args.dtype == "auto" else args.dtype, quantization=args.draft_quantization)
+    for _ in range(max(1, args.runs)):
+        storage.load(spec, args.draft)
+    iteration = (result.gamma * result.t_draft_ms + result.t_verify_ms) / 1000
+    return storage.summary(storage.take_records(), iteration)
 
 
 def cmd_engine(args) -> int:
@@ -66,6 +91,7 @@ def cmd_engine(args) -> int:
         result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
     data = asdict(result)
     data["forward_paths"] = getattr(args, "forward_paths", None)
+    data["storage"] = _draft_load(args, names, result)
     text = json.dumps(data, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -181,19 +207,33 @@ def cmd_action(args) -> int:
 def cmd_policies(args) -> int:
     from tqdm import tqdm
 
-    from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench
+    from ..runtime.policies import POLICIES
+    from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench, workloads_in
 
     zoo = Path(args.zoo)
     if not (zoo / "registry.yaml").is_file():
         raise SystemExit(f"no zoo at {zoo} (registry.yaml missing): build it with `memspec-zoo build` or pass --zoo")
     policies = args.policies.split(",") if args.policies else list(PolicyBenchConfig.policies)
-    workloads = args.workloads.split(",") if args.workloads else list(PolicyBenchConfig.workloads)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policy {', '.join(unknown)}: use {', '.join(POLICIES)}")
+    folder = Path(args.workloads_dir) if args.workloads_dir else None
+    if folder is not None and not folder.is_dir():
+        raise SystemExit(f"--workloads-dir {folder} is not a directory")
+    if args.workloads:
+        workloads = args.workloads.split(",")
+    else:
+        workloads = workloads_in(folder) if folder is not None else list(PolicyBenchConfig.workloads)
     cfg = PolicyBenchConfig(policies=policies, workloads=workloads, prompts=args.prompts, runs=args.runs,
                             max_new_tokens=args.max_new_tokens, capacity=args.capacity, interval=args.interval,
-                            gamma=args.gamma, load_ms_per_mb=args.load_ms_per_mb, threads=args.threads)
+                            gamma=args.gamma, storage=args.storage, workloads_dir=str(folder or ""),
+                            threads=args.threads)
     predictor = Path(args.predictor) if args.predictor else zoo / "predictor" / "target-hidden"
     with tqdm(total=len(policies) * len(workloads) * args.prompts * args.runs, desc="policies", unit="gen") as bar:
-        result = run_policy_bench(zoo, cfg, predictor, progress=bar)
+        try:
+            result = run_policy_bench(zoo, cfg, predictor, progress=bar)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"memspec-bench policies: {exc}") from None
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -208,6 +248,14 @@ def cmd_policies(args) -> int:
         print(f"{p:>16} {cells} {result['gmean_tokens_per_second'][p]:8.1f}")
     for key, value in result["ratios"].items():
         print(f"{key}: {value:.3f}")
+    storage = result["storage"]
+    print(f"storage {storage['medium']}{' (emulated)' if storage['emulated'] else ''}: a draft load took"
+          f" {storage['load_seconds'] * 1000:.0f} ms = {storage['load_to_iteration'] or 0:.1f} speculative iterations"
+          f" ({storage['iteration_seconds'] * 1000:.1f} ms each)")
+    print("decode time breakdown (" + ", ".join(result["time_breakdown"][names[0]]["parts"]) + "):")
+    for p in names:
+        parts = result["time_breakdown"][p]["fraction"]
+        print(f"{p:>16} " + " ".join(f"{parts[k]:6.1%}" for k in parts))
     if result["config"]["skipped_policies"]:
         print(f"skipped (no trained predictor at {predictor}): {', '.join(result['config']['skipped_policies'])}")
     print(f"lossless (every output equals the target's greedy output): {result['lossless']}")
@@ -226,6 +274,21 @@ def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_
     parser.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default {threads}{threads_help})")
 
 
+def _workloads_dir_argument(parser) -> None:
+    parser.add_argument("--workloads-dir", metavar="DIR",
+                        help="any folder of <name>.jsonl workloads ({\"domain\", \"prompt\"} rows or chat rows with"
+                             " \"messages\"; train*.jsonl skipped) (default: the zoo's held-out workloads, <zoo>/workloads)")
+
+
+def _storage_argument(parser, what: str) -> None:
+    from ..runtime.storage import STORAGE_CHOICES
+
+    parser.add_argument("--storage", choices=STORAGE_CHOICES, default="emmc",
+                        help=f"storage tier the drafts are read from ({what}): local (this machine's disk, cold), or"
+                             " emulated edge media paced to their bandwidth and latency: emmc (eMMC 5.1), sd (UHS-I"
+                             " microSD), nvme (PCIe Gen3 NVMe); runtime/storage.py cites the figures (default emmc)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memspec-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--draft-quantization", default="none", help="draft forward path: none | int8 | int4")
     eng.add_argument("--adaptive-gamma", action="store_true",
                      help="choose gamma per iteration from measured costs (--gamma is then the most)")
+    _workloads_dir_argument(eng)
+    _storage_argument(eng, "the draft's cold load is measured through it and reported beside one iteration")
     eng.add_argument("--transformers-draft-forward", action="store_true",
                      help="run the draft through model(...) instead of the engine's lean Llama draft forward")
     eng.set_defaults(func=cmd_engine)
@@ -271,12 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     _common_arguments(pol, prompts=4, runs=1, threads=1, prompts_help="prompts per workload (the paper: 100)")
     pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
     pol.add_argument("--policies", help="comma-separated subset (default: all seven)")
-    pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")
+    pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed,"
+                                         " or every <name>.jsonl of --workloads-dir)")
+    _workloads_dir_argument(pol)
     pol.add_argument("--capacity", type=int, default=2, help="K, drafts resident at once (default 2)")
     pol.add_argument("--interval", type=int, default=4, help="N, iterations between scheduling points (default 4)")
     pol.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
-    pol.add_argument("--load-ms-per-mb", type=float, default=25.0,
-                     help="emulated storage: extra load time per MB of draft weights (default 25; 0: page cache speed)")
+    _storage_argument(pol, "every draft load reads its weights cold through it")
     pol.set_defaults(func=cmd_policies)
     return parser
 

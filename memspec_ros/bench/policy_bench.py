@@ -2,18 +2,28 @@
 
 Protocol (the paper's section 4.1, scaled to the bundled zoo): greedy, batch 1,
 N = 4, K = 2, gamma = 4, 128 new tokens, runtime state (draft cache, bandit
-statistics) reset per prompt; throughput is generated tokens per second of
-steady-state decoding, prompt encoding excluded; per workload the tokens/s
-over all its prompts, then the geometric mean across workloads. All policies run
-in one process through the same controller loop, interleaved prompt by prompt
-with a rotating order, so machine noise hits them alike.
+statistics) reset per prompt; per workload the tokens/s over all its prompts,
+then the geometric mean across workloads. All policies run in one process
+through the same controller loop, interleaved prompt by prompt with a rotating
+order, so machine noise hits them alike.
 
-Storage emulation: the zoo's drafts are a few MB and load from this machine's
-page cache in milliseconds, while the paper's premise is an edge device where
-loading a draft costs more than several decoding iterations. ``load_ms_per_mb``
-adds a sleep to every draft load on the cache's loader thread (it releases the
-GIL, like real I/O), scaled to the draft's size, so the load-to-iteration cost
-ratio matches that premise. It is reported in the JSON; 0 disables it.
+Metrics (defined once, in runtime/stats.py): ``tokens_per_second`` is the
+paper's (generated tokens per second of decoding: draft, verify and every wait,
+switch and catch-up included; prompt encoding excluded); ``end_to_end`` adds
+prefill and the first draft load. Each row also breaks its decode time down
+(desired draft, fallback draft, prediction, load wait, catch-up, target verify,
+other).
+
+Storage: drafts are read through the storage tier ``storage`` (runtime/storage.py):
+each load drops the file from the page cache and reads it paced to the medium
+(emmc, sd, nvme: emulated edge media; local: this machine's disk). The JSON
+records the medium, the measured load time per draft and its ratio to one
+speculative iteration.
+
+Oracle-Dynamic plans with measured costs: before the timed runs one untimed
+General-Static generation measures an iteration and a catch-up, and each draft
+is loaded once through the storage tier; those costs (and K) go with every
+prompt's oracle (``oracle_costs`` in the JSON).
 """
 
 from __future__ import annotations
@@ -21,21 +31,28 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..runtime.cache import registry_loader
 from ..runtime.chat import end_token_ids, prompt_ids
 from ..runtime.controller import RuntimeConfig, RuntimeController
-from ..runtime.models import LoadedModel, ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
-from ..runtime.oracle import GreedyOracle
+from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
+from ..runtime.oracle import GreedyOracle, ScheduleCosts
 from ..runtime.policies import PAPER_POLICIES
 from ..runtime.predictor import PredictionEngine
 from ..runtime.registry import DraftRegistry
+from ..runtime.stats import BREAKDOWN, GenerationTotals
+from ..runtime.storage import DraftStorage, storage_medium
 
 WORKLOADS = ("code", "math", "law", "medical", "general", "mixed")
+METRICS = {
+    "tokens_per_second": "the paper's: tokens committed by draft-and-verify iterations over the decode wall time"
+                         " (draft, verify, every wait, switch and catch-up included; prompt encoding excluded)",
+    "end_to_end_tokens_per_second": "every generated token over setup + prefill + decoding (the first draft load"
+                                    " and prompt encoding included)",
+}
 
 
 @dataclass
@@ -49,7 +66,8 @@ class PolicyBenchConfig:
     interval: int = 4
     gamma: int = 4
     recent_tokens: int = 32
-    load_ms_per_mb: float = 25.0
+    storage: str = "emmc"  # local | emmc | sd | nvme (runtime/storage.py)
+    workloads_dir: str = ""  # folder of <name>.jsonl; empty: the zoo's held-out workloads (<zoo>/workloads)
     threads: int = 1
 
 
@@ -57,36 +75,27 @@ class PolicyBenchConfig:
 class PolicyRow:
     """One policy on one workload, summed over its prompts and runs."""
 
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    completion_tokens: int = 0
-    end_to_end_seconds: float = 0.0
+    totals: GenerationTotals = field(default_factory=GenerationTotals)
     accepted: list[float] = field(default_factory=list)
     fallback: list[float] = field(default_factory=list)
     prediction_overhead: list[float] = field(default_factory=list)
-    load_wait_seconds: float = 0.0
     switches: int = 0
     lossless: bool = True
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def end_to_end_tokens_per_second(self) -> float:
-        return self.completion_tokens / self.end_to_end_seconds if self.end_to_end_seconds else 0.0
 
     def summary(self) -> dict:
         mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
         return {
-            "tokens_per_second": self.tokens_per_second,
-            "end_to_end_tokens_per_second": self.end_to_end_tokens_per_second,
+            "tokens_per_second": self.totals.tokens_per_second,
+            "end_to_end_tokens_per_second": self.totals.end_to_end_tokens_per_second,
             "mean_accepted": mean(self.accepted),
             "fallback_fraction": mean(self.fallback),
             "prediction_overhead": mean(self.prediction_overhead),
-            "load_wait_seconds": self.load_wait_seconds,
+            "load_wait_seconds": self.totals.breakdown["load_wait"],
             "draft_switches": self.switches,
             "lossless": self.lossless,
+            "decode_seconds": self.totals.decode_seconds,
+            "time_breakdown_seconds": dict(self.totals.breakdown),
+            "time_breakdown_fraction": self.totals.breakdown_fractions(),
         }
 
 
@@ -95,28 +104,68 @@ def gmean(values: Sequence[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else 0.0
 
 
-def slow_storage(loader: Callable[[str], LoadedModel], load_ms_per_mb: float) -> Callable[[str], LoadedModel]:
-    """Wrap a loader so each load also takes ``load_ms_per_mb`` per MB of weights (emulated storage)."""
-    if load_ms_per_mb <= 0:
-        return loader
+# -- workloads: any folder of <name>.jsonl ------------------------------------------------------------
 
-    def load(name: str) -> LoadedModel:
-        loaded = loader(name)
-        time.sleep(loaded.size_bytes / 1e6 * load_ms_per_mb / 1000)
-        return loaded
-
-    return load
+def workloads_in(folder: Path) -> list[str]:
+    """The workload names in a folder: its <name>.jsonl files, training files (train*) left out."""
+    return sorted(p.stem for p in Path(folder).glob("*.jsonl") if not p.stem.startswith("train"))
 
 
-def read_workload(path: Path, limit: int) -> list[str]:
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return [json.loads(line)["prompt"] for line in lines[:limit]]
+def read_workload(path: Path, limit: int) -> list[dict]:
+    """The first ``limit`` rows of a workload file: {"domain", "prompt"} rows or chat rows ({"messages": [...]})."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not (row.get("prompt") or row.get("messages")):
+            raise ValueError(f"{path}:{n}: a workload row needs a \"prompt\" or chat \"messages\"")
+        rows.append(row)
+        if len(rows) >= limit:
+            break
+    return rows
+
+
+def row_prompt_ids(tokenizer, row: dict) -> list[int]:
+    """A row's token ids as the node builds a goal's: its prompt, else its chat messages (chat template)."""
+    if row.get("prompt"):
+        return prompt_ids(tokenizer, row["prompt"])
+    return prompt_ids(tokenizer, "", [(m["role"], m["content"]) for m in row["messages"]])
+
+
+def workload_prompts(folder: Path, names: Sequence[str], limit: int, tokenizer) -> dict[str, list[list[int]]]:
+    """Token ids of the first ``limit`` prompts of each named workload in ``folder``."""
+    missing = [w for w in names if not (Path(folder) / f"{w}.jsonl").is_file()]
+    if missing:
+        raise FileNotFoundError(f"no {', '.join(w + '.jsonl' for w in missing)} in {folder}"
+                                f" (it has: {', '.join(workloads_in(folder)) or 'no workload files'})")
+    return {w: [row_prompt_ids(tokenizer, r) for r in read_workload(Path(folder) / f"{w}.jsonl", limit)] for w in names}
+
+
+def measure_costs(controller: RuntimeController, storage: DraftStorage, registry: DraftRegistry, ids: list[int],
+                  max_new_tokens: int, capacity: int) -> ScheduleCosts:
+    """Oracle-Dynamic's costs, measured here and now: one untimed General-Static generation (an iteration,
+    a catch-up) and one cold load of every draft through the storage tier."""
+    controller.reconfigure(policy="general-static")
+    stats = controller.generate(ids, max_new_tokens).stats
+    totals = GenerationTotals()
+    totals.add(stats)
+    catchups = [it.catchup_seconds for it in stats.iterations if it.catchup_tokens > 0]
+    loads = {}
+    for entry in registry:
+        storage.load(ModelSpec(str(entry.path)), entry.name)
+    for record in storage.take_records():
+        loads[record.name] = record.seconds
+    return ScheduleCosts(capacity=capacity, iteration_seconds=totals.mean_iteration_seconds,
+                         catchup_seconds=statistics.fmean(catchups) if catchups else 0.0, load_seconds=loads)
 
 
 def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | None, progress=None) -> dict:
     import torch
 
     torch.set_num_threads(cfg.threads)
+    folder = Path(cfg.workloads_dir) if cfg.workloads_dir else zoo / "workloads"
+    storage = DraftStorage(storage_medium(cfg.storage))
     registry_file = zoo / "registry.yaml"
     probe = DraftRegistry.from_yaml(registry_file, validate=False)
     tokenizer = load_tokenizer(probe.target_path)
@@ -131,8 +180,8 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
 
     # future knowledge for the oracles (exact under greedy): every draft once, outside the timed runs
     drafts = {e.name: load_model(ModelSpec(str(e.path))).model for e in registry}
-    prompts = {w: [prompt_ids(tokenizer, t) for t in read_workload(zoo / "workloads" / f"{w}.jsonl", cfg.prompts)]
-               for w in cfg.workloads}  # the chat template where the target has one, as the node sends them
+    # the chat template where the target has one, as the node sends them
+    prompts = workload_prompts(folder, cfg.workloads, cfg.prompts, tokenizer)
     oracles: dict[tuple[int, ...], GreedyOracle] = {}
     for ids_list in prompts.values():
         for ids in ids_list:
@@ -144,11 +193,17 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
                            recent_tokens=cfg.recent_tokens, reset_cache_per_generation=True)
     controller = RuntimeController(
         config, target.model, tokenizer, registry, predictor,
-        loader=slow_storage(registry_loader(registry), cfg.load_ms_per_mb),
+        loader=registry_loader(registry, storage=storage),
         oracle_for=lambda ids: oracles[tuple(ids)], eos_token_ids=eos, max_positions=target.max_positions,
     )
     rows = {w: {p: PolicyRow() for p in policies} for w in cfg.workloads}
     try:
+        first = next((ids for w in cfg.workloads for ids in prompts[w]), None)
+        if first is None:
+            raise ValueError(f"the workloads {', '.join(cfg.workloads)} in {folder} have no prompts")
+        costs = measure_costs(controller, storage, registry, first, cfg.max_new_tokens, cfg.capacity)
+        for oracle in oracles.values():
+            oracle.costs = costs
         for run in range(cfg.runs):
             for w in cfg.workloads:
                 for i, ids in enumerate(prompts[w]):
@@ -157,20 +212,19 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
                         controller.reconfigure(policy=policy)
                         result = controller.generate(ids, cfg.max_new_tokens)
                         s, row = result.stats, rows[w][policy]
-                        row.decode_tokens += s.decode_tokens
-                        row.decode_seconds += s.decode_seconds
-                        row.completion_tokens += s.completion_tokens
-                        row.end_to_end_seconds += s.end_to_end_seconds
+                        row.totals.add(s)
                         row.accepted.append(s.mean_accepted)
                         row.fallback.append(s.fallback_fraction)
                         row.prediction_overhead.append(s.prediction_overhead)
-                        row.load_wait_seconds += s.load_wait_seconds
                         row.switches += s.draft_switches
                         row.lossless &= result.token_ids == oracles[tuple(ids)].continuation
                         if progress is not None:
                             progress.update(1)
     finally:
         controller.close()
+    loads = storage.take_records()  # the timed runs' loads only
+    per_policy = {p: _merged(rows[w][p].totals for w in cfg.workloads) for p in policies}
+    everything = _merged(per_policy.values())
     table = {w: {p: rows[w][p].summary() for p in policies} for w in cfg.workloads}
     geo = {p: gmean([table[w][p]["tokens_per_second"] for w in cfg.workloads]) for p in policies}
     geo_e2e = {p: gmean([table[w][p]["end_to_end_tokens_per_second"] for w in cfg.workloads]) for p in policies}
@@ -178,13 +232,26 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
     if "memspec" in geo:
         ratios = {f"memspec_vs_{p}": geo["memspec"] / geo[p] for p in policies if p != "memspec" and geo[p] > 0}
     return {
-        "config": asdict(cfg) | {"zoo": str(zoo), "policies": policies, "workloads": list(cfg.workloads), "skipped_policies": skipped},
+        "config": asdict(cfg) | {"zoo": str(zoo), "policies": policies, "workloads": list(cfg.workloads),
+                                 "workloads_dir": str(folder), "skipped_policies": skipped},
+        "metrics": METRICS,
         "workloads": table,
         "gmean_tokens_per_second": geo,
         "gmean_end_to_end_tokens_per_second": geo_e2e,
         "ratios": ratios,
+        "time_breakdown": {p: {"parts": list(BREAKDOWN), "fraction": per_policy[p].breakdown_fractions(),
+                               "seconds": per_policy[p].breakdown} for p in policies},
+        "storage": storage.summary(loads, everything.mean_iteration_seconds),
+        "oracle_costs": asdict(costs) | {"load_seconds": dict(costs.load_seconds)},
         "lossless": all(table[w][p]["lossless"] for w in cfg.workloads for p in policies),
     }
+
+
+def _merged(totals) -> GenerationTotals:
+    out = GenerationTotals()
+    for t in totals:
+        out = out.merge(t)
+    return out
 
 
 def plot_policy_bench(result: dict, path: Path) -> None:
@@ -205,8 +272,10 @@ def plot_policy_bench(result: dict, path: Path) -> None:
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups)
     ax.set_ylabel("steady-state tokens/s")
     cfg = result["config"]
+    storage = result.get("storage", {})
+    medium = f"storage {storage.get('medium', cfg.get('storage'))}" + (" (emulated)" if storage.get("emulated") else "")
     ax.set_title(f"Policies on {Path(cfg['zoo']).name}/ (K={cfg['capacity']}, N={cfg['interval']}, gamma={cfg['gamma']}, "
-                 f"{cfg['max_new_tokens']} tokens, {cfg['prompts']} prompts/workload, load {cfg['load_ms_per_mb']} ms/MB)")
+                 f"{cfg['max_new_tokens']} tokens, {cfg['prompts']} prompts/workload, {medium})", fontsize=9)
     ax.legend(ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

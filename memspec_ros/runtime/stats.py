@@ -3,11 +3,51 @@
 The node, the benchmarks and the tests all read these properties, so a number
 a user sees (tokens/s, mean accepted tokens, fallback fraction, ...) has one
 definition. Times are seconds from ``time.perf_counter``.
+
+Two throughput metrics, both generated tokens over wall time:
+
+* **tokens_per_second**, the paper's metric (its section 4.1, "steady-state
+  generation throughput"): the tokens committed by the draft-and-verify
+  iterations over the wall time from the first token to the end of the
+  generation. That time includes draft execution, target verification and every
+  wait, switch and catch-up inside decoding (the incoming draft's KV catch-up,
+  the predictor's work on the decode thread, blocking load waits, the
+  controller's scheduling points). It excludes prompt encoding: the target's
+  prefill (which also yields the first token, so that token is not counted) and
+  the setup before it (the first prediction and the first draft load).
+  :func:`decode_tokens_per_second`.
+* **end_to_end_tokens_per_second**, what a user feels: every generated token
+  (the prefill's first one included) over setup + prefill + decoding, so the
+  first draft load and prompt encoding count. :func:`end_to_end_tokens_per_second`.
+
+Several generations (a workload's prompts) combine by summing tokens and
+seconds first (:class:`GenerationTotals`), not by averaging per-prompt rates.
+
+Where decoding time goes (:data:`BREAKDOWN`, :meth:`GenerationStats.time_breakdown`):
+desired draft (draft forwards of iterations that ran the draft the policy
+wanted), fallback draft (draft forwards of iterations that ran another resident
+draft because the wanted one was not resident), prediction (on the decode
+thread), load wait (blocked on a draft load), catch-up (an incoming draft
+rebuilding its KV cache), target verify (the target's forward over the
+proposals, target-only steps included), and other (the rest of the decode wall
+time: scheduling, streaming, bookkeeping). The parts sum to ``decode_seconds``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+BREAKDOWN = ("desired_draft", "fallback_draft", "prediction", "load_wait", "catchup", "verify", "other")
+
+
+def decode_tokens_per_second(decode_tokens: int, decode_seconds: float) -> float:
+    """The paper's metric: tokens committed by iterations over the decode wall time (module docstring)."""
+    return decode_tokens / decode_seconds if decode_seconds > 0 else 0.0
+
+
+def end_to_end_tokens_per_second(completion_tokens: int, end_to_end_seconds: float) -> float:
+    """Every generated token over setup + prefill + decoding (module docstring)."""
+    return completion_tokens / end_to_end_seconds if end_to_end_seconds > 0 else 0.0
 
 
 @dataclass
@@ -37,6 +77,11 @@ class IterationStats:
             + self.prediction_seconds
             + self.load_wait_seconds
         )
+
+    @property
+    def iteration_seconds(self) -> float:
+        """One speculative iteration as the paper's figure 2 counts it: draft + verify (no switch costs)."""
+        return self.draft_seconds + self.verify_seconds
 
 
 @dataclass
@@ -124,8 +169,8 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
-        """Steady-state decoding throughput, prompt encoding excluded (the paper's metric)."""
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """The paper's metric: decode throughput, prompt encoding excluded (module docstring)."""
+        return decode_tokens_per_second(self.decode_tokens, self.decode_seconds)
 
     @property
     def end_to_end_seconds(self) -> float:
@@ -133,9 +178,8 @@ class GenerationStats:
 
     @property
     def end_to_end_tokens_per_second(self) -> float:
-        """All generated tokens over the whole call, prefill and initial load included."""
-        total = self.end_to_end_seconds
-        return self.completion_tokens / total if total > 0 else 0.0
+        """All generated tokens over the whole call, prefill and the first draft load included."""
+        return end_to_end_tokens_per_second(self.completion_tokens, self.end_to_end_seconds)
 
     @property
     def time_to_first_token(self) -> float:
@@ -198,9 +242,21 @@ class GenerationStats:
         """Share of decoding time spent on prediction on the decode thread."""
         return self._fraction(self.prediction_seconds)
 
+    def time_breakdown(self) -> dict[str, float]:
+        """Decode seconds by where they went (:data:`BREAKDOWN`, module docstring); they sum to decode_seconds."""
+        parts = dict.fromkeys(BREAKDOWN, 0.0)
+        for it in self.iterations:
+            parts["fallback_draft" if it.fallback else "desired_draft"] += it.draft_seconds
+            parts["prediction"] += it.prediction_seconds
+            parts["load_wait"] += it.load_wait_seconds
+            parts["catchup"] += it.catchup_seconds
+            parts["verify"] += it.verify_seconds
+        parts["other"] = max(0.0, self.decode_seconds - sum(parts.values()))
+        return parts
+
     @property
     def desired_seconds(self) -> float:
-        """Time in iterations that ran the preferred draft (the paper's desired execution)."""
+        """Time in iterations that ran the preferred draft, whole iterations (the paper's desired execution)."""
         return sum(it.seconds for it in self.speculative_iterations if it.preferred and not it.fallback)
 
     @property
@@ -253,3 +309,58 @@ class GenerationStats:
             "background_prediction_seconds": self.background_prediction_seconds,
             **(self.cache.summary() if self.cache is not None else {}),
         }
+
+
+@dataclass
+class GenerationTotals:
+    """Several generations summed (a workload's prompts and runs): rates of the sums, not means of rates."""
+
+    generations: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    completion_tokens: int = 0
+    end_to_end_seconds: float = 0.0
+    speculative_iterations: int = 0
+    speculative_iteration_seconds: float = 0.0  # their draft + verify
+    breakdown: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
+
+    def add(self, stats: GenerationStats) -> None:
+        self.generations += 1
+        self.decode_tokens += stats.decode_tokens
+        self.decode_seconds += stats.decode_seconds
+        self.completion_tokens += stats.completion_tokens
+        self.end_to_end_seconds += stats.end_to_end_seconds
+        its = stats.speculative_iterations
+        self.speculative_iterations += len(its)
+        self.speculative_iteration_seconds += sum(it.iteration_seconds for it in its)
+        for key, seconds in stats.time_breakdown().items():
+            self.breakdown[key] += seconds
+
+    def merge(self, other: GenerationTotals) -> GenerationTotals:
+        """These totals plus another's (a policy over every workload)."""
+        out = GenerationTotals(breakdown=dict(self.breakdown))
+        for name in ("generations", "decode_tokens", "decode_seconds", "completion_tokens", "end_to_end_seconds",
+                     "speculative_iterations", "speculative_iteration_seconds"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        for key, seconds in other.breakdown.items():
+            out.breakdown[key] += seconds
+        return out
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The paper's metric over all these generations."""
+        return decode_tokens_per_second(self.decode_tokens, self.decode_seconds)
+
+    @property
+    def end_to_end_tokens_per_second(self) -> float:
+        return end_to_end_tokens_per_second(self.completion_tokens, self.end_to_end_seconds)
+
+    @property
+    def mean_iteration_seconds(self) -> float:
+        """One speculative iteration (draft + verify), averaged over every iteration."""
+        n = self.speculative_iterations
+        return self.speculative_iteration_seconds / n if n else 0.0
+
+    def breakdown_fractions(self) -> dict[str, float]:
+        """Each part of the breakdown as a share of the decode time."""
+        return {k: (v / self.decode_seconds if self.decode_seconds > 0 else 0.0) for k, v in self.breakdown.items()}

@@ -84,7 +84,7 @@ def executor(rclpy_context):
 @pytest.fixture(scope="module")
 def target():
     """The tiny target the engine and controller tests share (drafts are made from it per module)."""
-    from memspec_ros.bench.tiny_models import tiny_llama
+    from memspec_ros.testing.tiny_models import tiny_llama
 
     return tiny_llama(layers=2, hidden=64, seed=0)
 

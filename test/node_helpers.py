@@ -27,7 +27,7 @@ def tiny_zoo() -> Path:
     global _ZOO
     with _ZOO_LOCK:
         if _ZOO is None:
-            from memspec_ros.bench.tiny_zoo import build_tiny_zoo
+            from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
             _ZOO = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_test_zoo_")), hidden=64, layers=2,
                                   draft_layers=2)
@@ -43,7 +43,7 @@ def tiny_chat_zoo() -> Path:
     global _CHAT_ZOO
     with _ZOO_LOCK:
         if _CHAT_ZOO is None:
-            from memspec_ros.bench.tiny_zoo import build_tiny_zoo
+            from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
             _CHAT_ZOO = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_test_chat_zoo_")), hidden=64, layers=2,
                                        draft_layers=2, chat=True)

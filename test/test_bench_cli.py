@@ -11,7 +11,7 @@ import json
 import pytest
 
 from memspec_ros.bench.cli import main
-from memspec_ros.bench.tiny_zoo import build_tiny_zoo
+from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
 
 def test_engine_bench_reports_every_figure(tmp_path):

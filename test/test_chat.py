@@ -8,7 +8,6 @@ import types
 import jinja2.exceptions
 import pytest
 
-from memspec_ros.bench.tiny_models import CHAT_TEMPLATE, tiny_tokenizer
 from memspec_ros.runtime.chat import (
     ChatError,
     ChatTemplateError,
@@ -18,6 +17,7 @@ from memspec_ros.runtime.chat import (
     max_token_chars,
     prompt_ids,
 )
+from memspec_ros.testing.tiny_models import CHAT_TEMPLATE, tiny_tokenizer
 
 DEFAULT_SYSTEM = "You are a tiny test model."  # CHAT_TEMPLATE's own system turn
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime.draft_vocab import ReducedVocabDraft
 from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.runtime.speculative import generate
+from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.zoo import chat_workloads as cw
 from memspec_ros.zoo.chat_acceptance import chat_acceptance
 from memspec_ros.zoo.chat_build import ChatBuildConfig, ChatZooBuild

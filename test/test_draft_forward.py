@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memspec_ros.bench.tiny_models import tiny_llama
 from memspec_ros.runtime.draft_forward import LeanLlamaForward, lean_forward_for, unsupported_reason
 from memspec_ros.runtime.speculative import _forward, _KVState
+from memspec_ros.testing.tiny_models import tiny_llama
 
 
 def _llama(**overrides) -> LlamaForCausalLM:

@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_engine import _chi2_critical, _chi2_ok
 
-from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.draft_vocab import DraftVocab, DraftVocabError, ReducedVocabDraft, write_vocab_map
 from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.runtime.speculative import SamplingConfig, SpeculativeSession, generate, warp_probs
+from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 
 VOCAB = 64
 PROMPT = [1, 5, 7, 9, 11, 13]

@@ -9,7 +9,6 @@ from itertools import product
 import pytest
 import torch
 
-from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime.speculative import (
     ContextLengthError,
     SamplingConfig,
@@ -18,6 +17,7 @@ from memspec_ros.runtime.speculative import (
     speculative_accept,
     warp_probs,
 )
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 
 PROMPT = [1, 5, 7, 9, 11, 13]
 NEW = 48

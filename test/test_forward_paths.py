@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from test_engine import _chi2_critical, _chi2_ok
 
-from memspec_ros.bench.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.forward_paths import (
     INT4_GROUP,
@@ -28,6 +27,7 @@ from memspec_ros.runtime.forward_paths import (
 from memspec_ros.runtime.models import ModelSpec, forward_path_for, load_model
 from memspec_ros.runtime.path_choice import choose_path
 from memspec_ros.runtime.speculative import SamplingConfig, generate, warp_probs
+from memspec_ros.testing.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
 
 KINDS = (Bf16Linear, Int8Linear, Int4Linear)
 # relative error of a random Gaussian layer's output in each format: bf16 keeps 8 significant bits,

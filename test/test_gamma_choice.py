@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama
 from memspec_ros.runtime import gamma_choice
 from memspec_ros.runtime.gamma_choice import (
     PROBE_EVERY,
@@ -15,6 +14,7 @@ from memspec_ros.runtime.gamma_choice import (
     expected_tokens,
 )
 from memspec_ros.runtime.speculative import generate
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
 
 
 def test_expected_tokens_by_hand():

@@ -3,8 +3,8 @@
 import torch
 from transformers import DynamicCache
 
-from memspec_ros.bench.tiny_models import tiny_llama
 from memspec_ros.runtime.kv_cache import PreallocatedLayer, preallocated_cache
+from memspec_ros.testing.tiny_models import tiny_llama
 
 
 def _states(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime.models import (
     ModelDirectoryError,
     ModelSpec,
@@ -21,6 +20,7 @@ from memspec_ros.runtime.models import (
     load_tokenizer,
 )
 from memspec_ros.runtime.speculative import generate
+from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ from functools import cache
 import pytest
 import torch
 
-from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama
 from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
 from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
 from memspec_ros.runtime.oracle import GreedyOracle, ScheduleCosts, ScheduleSolver, interval_walk, target_greedy
 from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
 
 
 def random_table(rng: random.Random, drafts: int, length: int, gamma: int, interval: int):

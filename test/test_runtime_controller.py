@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama
 from memspec_ros.runtime.cache import DraftCacheManager
 from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
 from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
@@ -17,6 +16,7 @@ from memspec_ros.runtime.oracle import GreedyOracle, target_greedy
 from memspec_ros.runtime.policies import POLICIES, PolicyError
 from memspec_ros.runtime.predictor import FixedRanker
 from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
 
 PROMPT = [1, 5, 7, 9, 11, 13]
 NEW = 40

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from memspec_ros.bench.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
 from memspec_ros.runtime.oracle import ContinuationCache, GreedyOracle, interval_walk, target_greedy
 from memspec_ros.runtime.policies import PolicyError
@@ -27,6 +26,7 @@ from memspec_ros.runtime.predictor import (
 )
 from memspec_ros.runtime.registry import DraftRegistry
 from memspec_ros.runtime.speculative import SpeculativeSession
+from memspec_ros.testing.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.zoo import predictor_training
 
 PROMPT = [1, 5, 7, 9, 11, 13]

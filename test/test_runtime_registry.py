@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memspec_ros.bench.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.runtime.cache import registry_loader
 from memspec_ros.runtime.models import ModelDirectoryError, TokenizerMismatchError, tokenizer_fingerprint
 from memspec_ros.runtime.registry import (
@@ -15,6 +14,7 @@ from memspec_ros.runtime.registry import (
     RegistryError,
     UnknownDraftError,
 )
+from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -130,6 +130,6 @@ def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny
 
 @pytest.fixture(scope="module")
 def tiny_zoo(tmp_path_factory):
-    from memspec_ros.bench.tiny_zoo import build_tiny_zoo
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
     return build_tiny_zoo(tmp_path_factory.mktemp("zoo"), hidden=64, layers=2, predictor=False)

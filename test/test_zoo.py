@@ -86,8 +86,8 @@ def test_repeated_ngram_fraction_hand_computed():
 def test_sampling_overlap_is_one_for_the_target_itself_and_the_min_sum_otherwise():
     import torch
 
-    from memspec_ros.bench.tiny_models import noisy_copy, tiny_llama
     from memspec_ros.runtime.oracle import continuation_logits
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
     from memspec_ros.zoo.acceptance import sampling_overlap
 
     target = tiny_llama(layers=1, hidden=32, seed=0)

@@ -118,7 +118,7 @@ def test_forward_cost_ratio_is_printed_per_thread_count_and_forward_path():
 def test_latencies_are_measured_at_each_thread_count(monkeypatch, tmp_path):
     """measure() sets torch's threads before each interleaved latency run and goes back to the
     perplexity threads after, so the 1- and 2-thread columns are what they say."""
-    from memspec_ros.bench.tiny_models import tiny_llama
+    from memspec_ros.testing.tiny_models import tiny_llama
     from memspec_ros.zoo import card
 
     seen = []
@@ -140,8 +140,8 @@ def test_latencies_are_measured_at_each_thread_count(monkeypatch, tmp_path):
 
 
 def test_lean_latency_is_measured_on_the_lean_path(monkeypatch):
-    from memspec_ros.bench.tiny_models import tiny_llama
     from memspec_ros.runtime import draft_forward
+    from memspec_ros.testing.tiny_models import tiny_llama
     from memspec_ros.zoo.card import forward_latency_ms
 
     calls = []

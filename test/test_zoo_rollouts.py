@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from memspec_ros.bench.tiny_models import tiny_llama
 from memspec_ros.runtime.oracle import target_greedy
+from memspec_ros.testing.tiny_models import tiny_llama
 from memspec_ros.zoo.rollouts import IGNORE, RolloutConfig, RolloutStreams, make_rollouts, topk_kl
 from memspec_ros.zoo.train import TrainConfig, train
 

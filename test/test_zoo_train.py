@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from memspec_ros.bench.tiny_models import tiny_llama
+from memspec_ros.testing.tiny_models import tiny_llama
 from memspec_ros.zoo.train import TokenStreams, TrainConfig, train
 
 

@@ -44,7 +44,7 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
                      predictor: str = "", domain_id: int | None = None, progress=None) -> dict:
 
     from ..ros.demo import claim_domain_id
-    from .tiny_zoo import build_tiny_zoo
+    from ..testing.tiny_zoo import build_tiny_zoo
 
     note = ""
     if zoo is None or not (zoo / "registry.yaml").is_file():

@@ -43,7 +43,7 @@ def _engine_models(args):
         if not prompts:
             prompts = [tokenizer("The robot")["input_ids"]]
         return target.model, draft.model, prompts, (str(target_path), str(draft_path))
-    from .tiny_models import noisy_copy, tiny_llama
+    from ..testing.tiny_models import noisy_copy, tiny_llama
 
     print("no zoo found: benchmarking generated tiny models (speed-ups here say little)", file=sys.stderr)
     target = tiny_llama(vocab_size=512, hidden=256, layers=8, seed=0, init_range=0.1)

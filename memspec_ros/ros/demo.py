@@ -96,7 +96,7 @@ def print_diagnostics(array) -> None:
 
 def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
     """The zoo (the bundled one, else a generated tiny zoo: True when generated) and the node's overrides."""
-    from ..bench.tiny_zoo import build_tiny_zoo
+    from ..testing.tiny_zoo import build_tiny_zoo
     from .params import default_zoo_dir, find_predictor
 
     zoo = Path(args.zoo) if args.zoo else default_zoo_dir()

@@ -49,7 +49,7 @@ def selftest(workdir: Path) -> dict:
     """
     import torch
 
-    from ..bench.tiny_models import TINY_TEXT, save_model_dir, tiny_llama, tiny_tokenizer
+    from ..testing.tiny_models import TINY_TEXT, save_model_dir, tiny_llama, tiny_tokenizer
     from .speculative import generate
 
     torch.manual_seed(0)

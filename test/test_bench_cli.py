@@ -7,6 +7,7 @@ benchmarks print ratios measured side by side, quoted in the issue notes.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,38 @@ def test_time_breakdown_and_totals_follow_their_definitions():
     assert totals.tokens_per_second == (9 + 3) / (2.0 + 0.1)
     assert totals.mean_iteration_seconds == pytest.approx((0.4 + 0.5 + 0.4 + 0.03) / 4)
     assert sum(totals.breakdown.values()) == pytest.approx(2.1)
+
+
+def test_zoo_acceptance_workload_rows_come_from_any_folder(tmp_path):
+    from memspec_ros.zoo.chat_acceptance import answers_cache_dir, workload_rows
+
+    rows = workload_rows(_chat_and_prompt_workloads(tmp_path / "mine"), per_workload=1)
+    assert list(rows) == ["chat", "robotics"]  # one workload per file, training files skipped
+    assert rows["robotics"] == [{"domain": "robotics", "prompt": "Plan a path around the box.",
+                                 "messages": [{"role": "user", "content": "Plan a path around the box."}]}]
+    assert rows["chat"][0]["domain"] == "chat" and rows["chat"][0]["messages"][-1]["content"] == "Again, louder."
+    # answers are kept per content, budget and target: another folder or budget never reuses them
+    assert answers_cache_dir(rows, 16, "t") == answers_cache_dir(rows, 16, "t")
+    assert len({answers_cache_dir(rows, 16, "t"), answers_cache_dir(rows, 32, "t"), answers_cache_dir(rows, 16, "u"),
+                answers_cache_dir({"chat": rows["chat"]}, 16, "t")}) == 4
+
+
+BUNDLED = Path(__file__).resolve().parents[1] / "models"
+
+
+@pytest.mark.skipif(not (BUNDLED / "registry.yaml").is_file(), reason="the bundled zoo is not built")
+def test_zoo_acceptance_measures_the_bundled_drafts_on_a_workload_folder(tmp_path):
+    from memspec_ros.zoo.cli import main as zoo_main
+
+    folder = _chat_and_prompt_workloads(tmp_path / "mine")
+    (folder / "mixed.jsonl").write_text(json.dumps({"domain": "mixed", "prompt": "Add 2 and 3 in Python."}) + "\n")
+    out = tmp_path / "acceptance.json"
+    assert zoo_main(["acceptance", "--json", str(out), "--plot", str(tmp_path / "m.png"), "--models", str(BUNDLED),
+                     "--workloads-dir", str(folder), "--answers", str(tmp_path / "answers"),
+                     "--prompts-per-workload", "1", "--max-new-tokens", "12", "--threads", "1"]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["workloads"] == ["chat", "mixed", "robotics"]
+    assert set(result["matrix"]["general"]) == {"chat", "mixed", "robotics"}
+    assert set(result["oracle_static_gain_by_workload"]) == {"chat", "robotics"}  # every workload but mixed
+    assert result["oracle_dynamic_mixed"] is not None
+    assert (tmp_path / "m.png").stat().st_size > 0

@@ -7,11 +7,21 @@ teacher stored it (chat template applied, up to the end-of-turn token or
 forward over request + answer.  For greedy decoding this is exactly the
 engine's acceptance: a draft that agrees with the answer on the next k tokens
 proposes exactly those tokens.
+
+Workloads are the zoo's held-out ones by default; ``--workloads-dir`` takes any
+folder of ``<name>.jsonl`` files ({"domain", "prompt"} rows or chat rows with
+"messages"), each file one workload named by its file (:func:`workload_rows`); the
+target's answers to them are made once and kept under a key of their content
+(:func:`answers_cache_dir`). The domain figures (oracle-static gain, domain gains)
+then cover every workload but ``mixed``, and the dynamic figures need a ``mixed``
+file (null without one).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,12 +40,44 @@ def _gain(value: float, base: float) -> float | None:
     return value / base - 1 if base > 0 else None
 
 
+def workload_rows(folder: Path, per_workload: int) -> dict[str, list[dict]]:
+    """The first ``per_workload`` rows of every <name>.jsonl in ``folder`` (train* skipped), as chat rows
+    whose ``domain`` is the workload (the file's name): a prompt row becomes one user turn."""
+    out: dict[str, list[dict]] = {}
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        if path.stem.startswith("train"):
+            continue
+        rows = []
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            messages = row.get("messages") or ([{"role": "user", "content": row["prompt"]}] if row.get("prompt") else None)
+            if not messages:
+                raise ValueError(f"{path}: a workload row needs a \"prompt\" or chat \"messages\"")
+            rows.append({**row, "domain": path.stem, "messages": messages})
+            if len(rows) >= per_workload:
+                break
+        if rows:
+            out[path.stem] = rows
+    if not out:
+        raise ValueError(f"no workload rows in {folder} (<name>.jsonl files with prompt or messages rows)")
+    return out
+
+
+def answers_cache_dir(rows: dict[str, list[dict]], max_new_tokens: int, target: str) -> Path:
+    """Where the target's answers to these rows are kept: a folder keyed by the rows, the budget and the target."""
+    key = hashlib.sha256(json.dumps([rows, max_new_tokens, target], sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "memspec_ros" / "answers" / key
+
+
 def chat_acceptance(drafts: dict[str, torch.nn.Module], answers: Sequence[Answer], gamma: int = 4,
-                    interval: int = 4, per_workload: int = 100) -> dict:
+                    interval: int = 4, per_workload: int = 100, workloads: Sequence[str] = WORKLOADS) -> dict:
     """The matrix and the oracle gains over ``answers`` grouped by their ``domain`` (= workload)."""
     from tqdm import tqdm
 
-    by_workload: dict[str, list[Answer]] = {w: [] for w in WORKLOADS}
+    by_workload: dict[str, list[Answer]] = {w: [] for w in workloads}
     for a in answers:
         if a.domain in by_workload and len(by_workload[a.domain]) < per_workload:
             by_workload[a.domain].append(a)
@@ -59,12 +101,16 @@ def chat_acceptance(drafts: dict[str, torch.nn.Module], answers: Sequence[Answer
             if w == "mixed":
                 rec["dynamic"], rec["dynamic_choices"] = dynamic_walk(agreement, gamma, interval)
             per_prompt[w].append(rec)
-    matrix = {d: {w: mean(r["accepted_per_iteration"][d] for r in per_prompt[w]) for w in WORKLOADS} for d in names}
-    best_static = {w: mean(max(r["accepted_per_iteration"].values()) for r in per_prompt[w]) for w in WORKLOADS}
-    static_gain = {w: _gain(best_static[w], matrix["general"][w]) for w in DOMAINS}
-    dyn_mixed = mean(r["dynamic"] for r in per_prompt["mixed"])
+    empty = [w for w, recs in per_prompt.items() if not recs]
+    if empty:
+        raise ValueError(f"no answers of two or more tokens for workload(s) {', '.join(empty)}")
+    domains = [w for w in workloads if w != "mixed"] if list(workloads) != list(WORKLOADS) else list(DOMAINS)
+    matrix = {d: {w: mean(r["accepted_per_iteration"][d] for r in per_prompt[w]) for w in workloads} for d in names}
+    best_static = {w: mean(max(r["accepted_per_iteration"].values()) for r in per_prompt[w]) for w in workloads}
+    static_gain = {w: _gain(best_static[w], matrix["general"][w]) for w in domains}
+    dyn_mixed = mean(r["dynamic"] for r in per_prompt["mixed"]) if "mixed" in per_prompt else None
     return {
-        "config": {"gamma": gamma, "interval": interval, "per_workload": per_workload,
+        "config": {"gamma": gamma, "interval": interval, "per_workload": per_workload, "workloads": list(workloads),
                    "continuations": "the target's stored greedy chat answers (teacher)"},
         "definitions": __doc__,
         "matrix": matrix,
@@ -73,12 +119,12 @@ def chat_acceptance(drafts: dict[str, torch.nn.Module], answers: Sequence[Answer
         "oracle_static_gain": mean(g for g in static_gain.values() if g is not None) if all(
             g is not None for g in static_gain.values()) else None,
         "oracle_dynamic_mixed": dyn_mixed,
-        "oracle_dynamic_gain_mixed": _gain(dyn_mixed, best_static["mixed"]),
-        "domain_gain_over_general": {d: {w: _gain(matrix[d][w], matrix["general"][w]) for w in DOMAINS}
+        "oracle_dynamic_gain_mixed": _gain(dyn_mixed, best_static["mixed"]) if dyn_mixed is not None else None,
+        "domain_gain_over_general": {d: {w: _gain(matrix[d][w], matrix["general"][w]) for w in domains}
                                      for d in names if d != "general"},
-        "gain_ceiling_over_general": {w: _gain(gamma, matrix["general"][w]) for w in WORKLOADS},
-        "repeated_4gram_fraction": {w: mean(r["repeated_4gram"] for r in per_prompt[w]) for w in WORKLOADS},
-        "mean_generated_tokens": {w: mean(r["tokens"] for r in per_prompt[w]) for w in WORKLOADS},
+        "gain_ceiling_over_general": {w: _gain(gamma, matrix["general"][w]) for w in workloads},
+        "repeated_4gram_fraction": {w: mean(r["repeated_4gram"] for r in per_prompt[w]) for w in workloads},
+        "mean_generated_tokens": {w: mean(r["tokens"] for r in per_prompt[w]) for w in workloads},
         "wall_seconds": round(time.time() - t0, 1),
         "per_prompt": per_prompt,
     }
@@ -87,5 +133,36 @@ def chat_acceptance(drafts: dict[str, torch.nn.Module], answers: Sequence[Answer
 def write_acceptance(result: dict, out_json: Path, plot_path: Path | None = None) -> None:
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=1))
-    if plot_path is not None:
+    if plot_path is None:
+        return
+    if set(result["config"].get("workloads", WORKLOADS)) == set(WORKLOADS):
         plot_matrix(result, plot_path)
+    else:
+        _plot_workloads(result, plot_path)
+
+
+def _plot_workloads(result: dict, path: Path) -> None:
+    """The matrix over a workload folder's own workloads (columns in their order)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    matrix, workloads = result["matrix"], result["config"]["workloads"]
+    drafts = list(matrix)
+    data = [[matrix[d][w] for w in workloads] for d in drafts]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(workloads), 4.5))
+    im = ax.imshow(data, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(workloads)), workloads, rotation=30, ha="right")
+    ax.set_yticks(range(len(drafts)), drafts)
+    ax.set_xlabel("workload")
+    ax.set_ylabel("draft")
+    top = max(map(max, data)) if data else 0.0
+    for i in range(len(drafts)):
+        for j in range(len(workloads)):
+            ax.text(j, i, f"{data[i][j]:.2f}", ha="center", va="center", color="white" if data[i][j] < top * 0.6 else "black")
+    fig.colorbar(im, ax=ax, label="mean accepted tokens / iteration")
+    ax.set_title(f"Acceptance (greedy, gamma={result['config']['gamma']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -163,6 +163,10 @@ def _acceptance_parser(sub) -> None:
     p.add_argument("--answers", default=None, metavar="DIR",
                    help="chat zoo (target from a GGUF or package): the target's stored held-out answers"
                         " (<build work dir>/teacher); made there from <models>/workloads when missing")
+    p.add_argument("--workloads-dir", default=None, metavar="DIR",
+                   help="chat zoo: any folder of <name>.jsonl workloads ({\"domain\", \"prompt\"} rows or chat rows;"
+                        " train* skipped) instead of <models>/workloads; the target answers them once (kept under"
+                        " ~/.cache/memspec_ros/answers, or --answers)")
 
 
 def _run_chat_acceptance(a) -> int:
@@ -172,23 +176,36 @@ def _run_chat_acceptance(a) -> int:
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
     from memspec_ros.runtime.registry import DraftRegistry
 
-    from .chat_acceptance import chat_acceptance, write_acceptance
+    from .chat_acceptance import answers_cache_dir, chat_acceptance, workload_rows, write_acceptance
     from .corpora import WORKLOADS
     from .teacher import TeacherConfig, answer_requests, load_answers
 
     torch.set_num_threads(a.threads)
     registry = DraftRegistry.from_yaml(Path(a.models) / "registry.yaml", validate=False)
-    answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
+    workloads = list(WORKLOADS)
+    if a.workloads_dir:
+        try:
+            by_workload = workload_rows(Path(a.workloads_dir), a.prompts_per_workload)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
+        workloads = list(by_workload)
+        rows = [r for rs in by_workload.values() for r in rs]
+        answers_dir = Path(a.answers) if a.answers else answers_cache_dir(by_workload, a.max_new_tokens,
+                                                                          registry.target_path or "")
+    else:
+        answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
+        rows = None
     if not list(answers_dir.glob("heldout-*.safetensors")):
         if not is_model_source(registry.target_path or ""):
             raise SystemExit("memspec-zoo acceptance: no stored answers and no target to make them")
-        rows = [json.loads(line) for w in WORKLOADS
-                for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines() if line.strip()]
+        rows = rows or [json.loads(line) for w in WORKLOADS
+                        for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines() if line.strip()]
         target = load_model(ModelSpec(registry.target_path)).model
         answer_requests(target, load_tokenizer(registry.target_path), rows, answers_dir, "heldout",
                         TeacherConfig(max_new_tokens=a.max_new_tokens))
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
-    result = chat_acceptance(drafts, load_answers(answers_dir, "heldout"), a.gamma, a.interval, a.prompts_per_workload)
+    result = chat_acceptance(drafts, load_answers(answers_dir, "heldout"), a.gamma, a.interval, a.prompts_per_workload,
+                             workloads)
     write_acceptance(result, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
     print(json.dumps({k: result[k] for k in ("matrix", "oracle_static_gain", "oracle_dynamic_gain_mixed",
                                              "domain_gain_over_general")}, indent=1))
@@ -200,6 +217,9 @@ def _run_acceptance(a) -> int:
 
     if _is_chat_zoo(Path(a.models)):
         return _run_chat_acceptance(a)
+    if a.workloads_dir:
+        raise SystemExit("memspec-zoo acceptance: --workloads-dir applies to a chat zoo (the bundled one); the toy"
+                         " zoo reads <models>/workloads")
     cfg = AcceptanceConfig(
         models_dir=Path(a.models),
         prompts_per_workload=a.prompts_per_workload,

@@ -87,7 +87,8 @@ MEDIA: dict[str, StorageMedium] = {
     # UHS-I microSD card: the UHS-I bus (SD Physical Layer 3.01, SDR104) carries 104 MB/s at most
     # (http://www.panasonic.net/avc/sdcard/industrial_sd/performance.html). SanDisk Extreme A2 microSD on UHS-I:
     # up to 90 MB/s sequential read; A2 (SD 6.0 App Performance Class 2) guarantees >= 4,000 random read IOPS
-    # (https://www.anandtech.com/show/13441, https://www.custompcreview.com/news/sd-association-introduces-a2-memory-card-specification/).
+    # (AnandTech article 13441, "SanDisk Unveils Extreme microSD Cards with A2 Spec";
+    # https://www.custompcreview.com/news/sd-association-introduces-a2-memory-card-specification/).
     # Latency 1/4000 - 4 KiB/90 MB/s. The Jetson Orin Nano developer kit boots from such a card.
     "sd": StorageMedium("sd", 90 * MB, _latency(4_000, 90 * MB),
                         source="UHS-I microSD (A2): 90 MB/s sequential read (SanDisk Extreme A2 on UHS-I; bus"
@@ -95,7 +96,8 @@ MEDIA: dict[str, StorageMedium] = {
     # NVMe SSD on PCIe Gen3 x4 (the Jetson Orin Nano developer kit's M.2 Key M slot). Samsung 970 EVO Plus
     # 500 GB / 1 TB: 3,500 MB/s sequential read, 19,000 IOPS 4 KiB random read at QD1
     # (https://www.cdrinfo.com/d7/content/samsung-sets-new-performance-levels-consumer-nvme-ssds-970-evo-plus,
-    # digit.in review table of Samsung's datasheet). Latency 1/19000 - 4 KiB/3500 MB/s.
+    # https://digit.in/reviews/general/samsung-970-evo-plus-nvme-m-2-ssd-250-gb-review-177943.html, the spec table
+    # of Samsung's datasheet). Latency 1/19000 - 4 KiB/3500 MB/s.
     "nvme": StorageMedium("nvme", 3500 * MB, _latency(19_000, 3500 * MB),
                           source="NVMe SSD, PCIe Gen3 x4: 3,500 MB/s sequential read, 19,000 random read IOPS at"
                                  " QD1 (Samsung 970 EVO Plus 500 GB/1 TB datasheet)"),

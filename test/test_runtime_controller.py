@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from itertools import product
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from memspec_ros.runtime.oracle import GreedyOracle, target_greedy
 from memspec_ros.runtime.policies import POLICIES, PolicyError
 from memspec_ros.runtime.predictor import FixedRanker
 from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+from memspec_ros.runtime.speculative import SamplingConfig, warp_probs
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
 
 PROMPT = [1, 5, 7, 9, 11, 13]
@@ -110,6 +113,88 @@ def test_memspec_never_blocks_on_a_slow_load(target, drafts):
     assert stats.cache.wait_seconds <= stats.setup_seconds + 1e-6  # only the initial draft (Algorithm 3, line 3)
     assert any(it.fallback for it in stats.iterations), "decoding must go on with a fallback while loads run"
     ctl.close()
+
+
+class StuckLoader:
+    """The first load (the initial draft's) goes through; every later one hangs until ``release`` (or
+    ``limit`` seconds, so that a controller that wrongly waits still ends the test). ``waits`` records
+    each wait_for() the controller makes on a draft that is not resident, and the drafts resident then."""
+
+    def __init__(self, drafts, limit=30.0):
+        self.drafts, self.limit = drafts, limit
+        self.release = threading.Event()
+        self.done: list[str] = []
+        self.waits: list[str] = []
+        self.blocked = threading.Event()  # a wait_for on a non-resident draft happened after the first load
+
+    def __call__(self, name):
+        if self.done:
+            self.release.wait(self.limit)
+        self.done.append(name)
+        return Loader(self.drafts)(name)
+
+    def watch(self, cache):
+        wait_for = cache.wait_for
+
+        def watched(name, timeout=None):
+            if not cache.is_resident(name):
+                self.waits.append(name)
+                if self.done:
+                    self.blocked.set()
+            return wait_for(name, timeout)
+
+        cache.wait_for = watched
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("capacity", [1, 2])
+def test_memspec_finishes_generations_while_every_prefetch_is_stuck(target, drafts, expected, capacity, overlap):
+    """No clock: the loader hangs every load after the initial draft's until the test releases it, and two
+    whole MemSpec generations still finish, lossless, on what is resident. The only blocking load is the
+    initial draft's (Algorithm 3, line 3), and it was waited for once."""
+    loader = StuckLoader(drafts, limit=2.0)  # only a controller that wrongly waits ever meets the limit
+    ctl = make(target, drafts, "memspec", loader=loader, capacity=capacity, interval=1, overlap_prediction=overlap)
+    loader.watch(ctl.cache)
+    try:
+        for _ in range(2):
+            result = ctl.generate(PROMPT, NEW)
+            assert result.token_ids == expected
+            assert result.stats.load_wait_seconds == 0.0
+        assert not loader.release.is_set() and len(loader.done) == 1  # no prefetch finished meanwhile
+        assert loader.waits == [loader.done[0]]  # the initial draft, once: never a wait after it
+        if capacity == 2:
+            assert ctl.cache.loading(), "a prefetch should be stuck in flight"
+            assert any(it.fallback for it in result.stats.iterations)  # it decoded on, on a fallback
+    finally:
+        loader.release.set()
+        ctl.close()
+
+
+@pytest.mark.parametrize("policy", ["mab-sync", "prediction-only", "general-static"])
+def test_a_blocking_policy_stalls_on_a_stuck_load(target, drafts, expected, policy):
+    """The counterpart, also without a clock: a policy that blocks by design is caught inside wait_for on a
+    load that cannot finish, so its generation cannot have ended; released, it ends lossless having
+    recorded the wait. (general-static blocks only for its one draft: here the first load is its own.)"""
+    loader = StuckLoader(drafts)
+    ctl = make(target, drafts, policy, loader=loader, capacity=1, interval=1, general_draft="math")
+    loader.watch(ctl.cache)
+    out = {}
+    worker = threading.Thread(target=lambda: out.setdefault("result", ctl.generate(PROMPT, NEW)))
+    worker.start()
+    try:
+        if policy == "general-static":
+            worker.join(60)
+            assert out["result"].token_ids == expected and not loader.blocked.is_set()
+            assert loader.waits == ["math"] and out["result"].stats.drafts_used == ["math"]
+            return
+        assert loader.blocked.wait(30), f"{policy} never waited for a draft that was not resident"
+        assert "result" not in out  # blocked on the stuck load: it cannot have finished
+    finally:
+        loader.release.set()
+        worker.join(60)
+        ctl.close()
+    assert out["result"].token_ids == expected
+    assert out["result"].stats.load_wait_seconds > 0
 
 
 def test_mab_sync_blocks_and_mab_async_does_not(target, drafts):
@@ -278,6 +363,134 @@ def test_byte_budget_through_controller(target, drafts, expected):
     assert ctl.generate(PROMPT, NEW).token_ids == expected
     assert all(s.bytes_reserved <= 350 and len(s.resident) + len(s.loading) <= 3 for s in seen)
     ctl.close()
+
+
+# -- one seed, one output -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["general-static", "mab-sync", "prediction-only", "memspec"])
+def test_one_seed_gives_one_output(target, drafts, expected, policy):
+    """The same seed gives the same sampled output, on a fresh controller and on a warm one, and other
+    seeds give other outputs (the settings reach the engine). Sampled speculative decoding draws its random
+    numbers along the drafts that run, so this holds when the same drafts run at the same points: with
+    a policy that waits for its draft, or with every draft resident (MemSpec with K = all drafts, warm);
+    asynchronous prefetch timing may otherwise change the drafts, and so the output, of one seed."""
+    capacity = len(drafts) if policy == "memspec" else 2
+
+    def fresh():
+        ctl = make(target, drafts, policy, capacity=capacity)
+        if policy == "memspec":  # warm: every draft resident, so the preferred one always runs
+            ctl.generate(PROMPT, 4)
+            ctl.cache.drain()
+            assert len(ctl.cache.resident()) == len(drafts)
+        return ctl
+
+    sampling = SamplingConfig(temperature=0.9, seed=11)
+    a, b = fresh(), fresh()
+    try:
+        first = a.generate(PROMPT, NEW, sampling)
+        assert first.token_ids != expected  # sampled, not greedy
+        assert b.generate(PROMPT, NEW, sampling).token_ids == first.token_ids  # another controller
+        assert a.generate(PROMPT, NEW, sampling).token_ids == first.token_ids  # the same one again
+        others = {tuple(a.generate(PROMPT, NEW, SamplingConfig(temperature=0.9, seed=s)).token_ids) for s in (12, 13)}
+        assert tuple(first.token_ids) not in others
+        assert any(it.proposed for it in first.stats.iterations)
+    finally:
+        a.close()
+        b.close()
+
+
+# -- sampling through the controller -------------------------------------------------------------
+# A 4-token vocabulary, so the exact joint distribution of the first tokens is small enough to test with
+# a chi-square: the engine's acceptance rule is tested alone in test_engine.py; here it is the controller
+# that must hand the goal's sampling settings to every iteration, across draft switches, for every policy.
+
+S_VOCAB = 4
+S_PROMPT = [1, 3]
+S_NEW = 4
+S_SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+S_RUNS = 500
+SWITCHING = {"memspec", "mab-sync", "mab-async", "prediction-only"}  # switch drafts at K = 2 here
+BLOCKING = {"mab-sync", "prediction-only"}  # switch at K = 1 too, by stalling
+
+
+def chi2(observed: Counter, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic with the bins expected below 5 pooled into one; (statistic, degrees of freedom)."""
+    stat, pooled_obs, pooled_exp, bins = 0.0, 0, 0.0, 0
+    for key, prob in expected.items():
+        exp = prob * n
+        if exp < 5:
+            pooled_obs += observed.get(key, 0)
+            pooled_exp += exp
+            continue
+        stat += (observed.get(key, 0) - exp) ** 2 / exp
+        bins += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        bins += 1
+    assert sum(observed.values()) == n and set(observed) <= set(expected)
+    return stat, bins - 1
+
+
+def chi2_critical(dof: int, z: float = 3.72) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at normal quantile z (3.72: 0.9999).
+    Seeds are fixed, so a run fails only on real bias (or, on other CPUs, at most 1 in 10,000 per test)."""
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+@pytest.fixture(scope="module")
+def sampled():
+    """A tiny target and four drafts over 4 tokens, and the exact probability of every 4-token output."""
+    target = tiny_llama(vocab_size=S_VOCAB, hidden=32, seed=7, init_range=0.3)
+    drafts = {
+        "general": tiny_llama(vocab_size=S_VOCAB, hidden=32, layers=1, seed=8, init_range=0.3),  # unrelated
+        "code": noisy_copy(target, 0.3, seed=2),
+        "math": noisy_copy(target, 0.1, seed=3),
+        "law": noisy_copy(target, 0.6, seed=4),
+    }
+    outputs = list(product(range(S_VOCAB), repeat=S_NEW))
+    with torch.no_grad():
+        logits = target(torch.tensor([S_PROMPT + list(o) for o in outputs])).logits
+    # the target's own distribution: warped softmax at the positions that predict each output token
+    probs = warp_probs(logits[:, len(S_PROMPT) - 1 : -1], SamplingConfig(**S_SAMPLING))
+    exact = {o: float(torch.prod(probs[i, torch.arange(S_NEW), torch.tensor(o)])) for i, o in enumerate(outputs)}
+    assert sum(exact.values()) == pytest.approx(1.0)
+    first3: dict[tuple[int, ...], float] = Counter()
+    last2: dict[tuple[int, ...], float] = Counter()
+    for o, p in exact.items():
+        first3[o[:3]] += p
+        last2[o[2:]] += p
+    oracle = GreedyOracle.compute(target, drafts, S_PROMPT, 2 * S_NEW, gamma=2, interval=1)
+    return target, drafts, oracle, dict(first3), dict(last2)
+
+
+@pytest.mark.parametrize("capacity", [1, 2])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sampled_output_has_the_targets_distribution_under_every_policy(sampled, policy, capacity):
+    """The first three tokens' joint distribution, and the last two's, over S_RUNS seeds equal the target's
+    own (chi-square), with a scheduling point every iteration so the drafts switch mid-output."""
+    target, drafts, oracle, exact3, exact2 = sampled
+    ctl = make(target, drafts, policy, oracle, capacity=capacity, interval=1, gamma=2)
+    first3: Counter = Counter()
+    last2: Counter = Counter()
+    switches = accepted = rejected = 0
+    for seed in range(S_RUNS):
+        result = ctl.generate(S_PROMPT, S_NEW, SamplingConfig(seed=seed, **S_SAMPLING))
+        ids = tuple(result.token_ids)
+        assert len(ids) == S_NEW and result.finish_reason == "length"
+        first3[ids[:3]] += 1
+        last2[ids[2:]] += 1
+        switches += result.stats.draft_switches
+        spec = result.stats.speculative_iterations
+        accepted += sum(it.accepted for it in spec)
+        rejected += sum(1 for it in spec if it.accepted < it.proposed)
+    ctl.close()
+    assert accepted > 0 and rejected > 0, "both the accept and the reject path of sampling must run"
+    if policy in BLOCKING or (capacity == 2 and policy in SWITCHING):
+        assert switches > 0, "the drafts must switch for this test to mean anything"
+    for name, observed, exact in (("tokens 1-3", first3, exact3), ("tokens 3-4", last2, exact2)):
+        stat, dof = chi2(observed, exact, S_RUNS)
+        assert stat < chi2_critical(dof), (name, stat, dof)
 
 
 torch.set_num_threads(1)

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memspec_ros.runtime.draft_forward import LeanLlamaForward, lean_forward_for, unsupported_reason
-from memspec_ros.runtime.speculative import _forward, _KVState
+from memspec_ros.runtime.speculative import KVState, forward_once
 from memspec_ros.testing.tiny_models import tiny_llama
 
 
@@ -31,12 +31,12 @@ def test_logits_match_transformers_through_prefill_steps_catchup_and_rollback(na
     model = MODELS[name]()
     lean = lean_forward_for(model)
     assert isinstance(lean, LeanLlamaForward)
-    ref, mine = _KVState(), _KVState()
+    ref, mine = KVState(), KVState()
     feeds = [list(range(3, 40)), [7], [9], [11, 12, 13], [5]]  # prompt, two steps, a 3-token catch-up, a step
     with torch.inference_mode():
         for i, feed in enumerate(feeds):
-            want = _forward(model, feed, ref, len(feed), "cpu")
-            got = _forward(model, feed, mine, len(feed), "cpu", lean)
+            want = forward_once(model, feed, ref, len(feed), "cpu")
+            got = forward_once(model, feed, mine, len(feed), "cpu", lean)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
             if i == 2:  # roll both caches back two tokens, as after a rejection

@@ -49,15 +49,15 @@ def test_logits_are_the_drafts_own_on_its_rows_and_minus_inf_elsewhere():
 
 
 def test_lean_forward_maps_ids_and_logits_like_the_module():
-    from memspec_ros.runtime.speculative import _forward, _KVState
+    from memspec_ros.runtime.speculative import KVState, forward_once
 
     draft = reduced(list(range(0, VOCAB, 2)), hidden=64)
     lean = lean_forward_for(draft)
     assert lean is not None and lean.vocab is draft.vocab
-    a, b = _KVState(), _KVState()
+    a, b = KVState(), KVState()
     ids = [1, 2, 3, 63, 8]
-    plain = _forward(draft, ids, a, len(ids), torch.device("cpu"))
-    fast = _forward(draft, ids, b, len(ids), torch.device("cpu"), lean)
+    plain = forward_once(draft, ids, a, len(ids), torch.device("cpu"))
+    fast = forward_once(draft, ids, b, len(ids), torch.device("cpu"), lean)
     finite = torch.isfinite(plain)
     assert torch.equal(finite, torch.isfinite(fast))
     assert torch.allclose(plain[finite], fast[finite], atol=1e-5)

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..runtime.draft_forward import lean_forward_for, unsupported_reason
-from ..runtime.speculative import _forward, _KVState, generate
+from ..runtime.speculative import KVState, forward_once, generate
 
 
 @dataclass
@@ -65,12 +65,12 @@ def _forward_ms(model, context: list[int], feed: int, device, lean=None, repeats
     """Median time of one forward of ``feed`` tokens after a cached ``context``, as the engine runs it."""
     times = []
     with torch.inference_mode():
-        kv = _KVState()
-        _forward(model, context, kv, 1, device, lean)
+        kv = KVState()
+        forward_once(model, context, kv, 1, device, lean)
         for _ in range(repeats):
             kv.crop_to(len(context) - feed)
             start = time.perf_counter()
-            _forward(model, context[-feed:], kv, feed, device, lean)
+            forward_once(model, context[-feed:], kv, feed, device, lean)
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
 

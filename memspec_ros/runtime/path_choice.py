@@ -65,18 +65,18 @@ def candidate_paths() -> tuple[list[str], dict[str, str]]:
 @torch.inference_mode()
 def time_forward(model: torch.nn.Module, tokens: int, vocab_size: int) -> float:
     """Median milliseconds of a ``tokens``-token forward after a cached context, as the engine runs it."""
-    from .speculative import _forward, _KVState  # the engine's own forward; imported late (it imports us)
+    from .speculative import KVState, forward_once  # the engine's own forward; imported late (it imports us)
 
     lean = lean_forward_for(model)
     device = next(model.parameters()).device
     ids = [i % vocab_size for i in range(1, CONTEXT_TOKENS + 1)]
-    kv = _KVState()
-    _forward(model, ids, kv, 1, device, lean)
+    kv = KVState()
+    forward_once(model, ids, kv, 1, device, lean)
     feed = [i % vocab_size for i in range(3, 3 + tokens)]
     times = []
     for repeat in range(WARMUP + REPEATS):
         start = time.perf_counter()
-        _forward(model, feed, kv, tokens, device, lean)
+        forward_once(model, feed, kv, tokens, device, lean)
         if repeat >= WARMUP:
             times.append(time.perf_counter() - start)
         kv.crop_to(CONTEXT_TOKENS)

@@ -114,6 +114,23 @@ def test_overlapped_prediction_arrives_one_interval_late_without_blocking():
     over.close()
 
 
+def test_a_failed_background_prediction_is_logged_counted_and_keeps_the_previous_ranking(caplog):
+    def flaky(c):
+        if c.interval == 1:
+            raise RuntimeError("encoder broke")
+        return ["a", "b"]
+
+    over = OverlappedPredictor(FixedRanker(flaky))
+    over.begin(PROMPT)
+    over.rank(ctx(0))
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.predictor"):
+        over.submit(ctx(1))
+        over.close()  # settles the failed prediction
+    assert [n for n, _ in over.latest(["a", "b"])] == ["a", "b"]  # interval 0's ranking stays
+    assert over.failures == 1 and over.last_error == "RuntimeError: encoder broke"
+    assert "encoder broke" in caplog.text
+
+
 def test_oracle_walk_matches_the_engine_exactly():
     """The teacher-forced acceptance walk (used for traces and oracles) equals real engine runs."""
     target = tiny_llama(layers=2, hidden=64, seed=0)
@@ -206,7 +223,7 @@ def test_continuation_cache_reuses_the_targets_greedy_output_and_only_for_that_t
 
 def test_trained_predictor_drives_memspec_losslessly(trained):
     root, _, _, tok = trained
-    from memspec_ros.runtime.models import ModelSpec, load_model
+    from memspec_ros.runtime.models import ModelSpec, load_model, parameter_bytes
 
     target = load_model(ModelSpec(str(root / "target"))).model
     registry = DraftRegistry.from_yaml(root / "registry.yaml")
@@ -220,6 +237,10 @@ def test_trained_predictor_drives_memspec_losslessly(trained):
         assert result.token_ids == expected
         assert result.stats.predictions >= 2
         ctl.close()
+    assert engine.parameter_bytes() == parameter_bytes(engine.head) > 0
+    hooks = len(target.model._forward_hooks)
+    engine.close()  # the encoder's hook on the target goes
+    assert len(target.model._forward_hooks) == hooks - 1
     with pytest.raises(PredictorError, match="target"):
         PredictionEngine.load(root / "predictor" / "target-hidden")
 

@@ -421,21 +421,23 @@ class NodeTasks:
         if lo.predictor is None:
             s.summary(OK, f"no predictor (policy {policy} needs none)")
             return
-        engine = lo.predictor.inner
-        head = getattr(engine, "head", None)
+        engine = lo.predictor.engine
+        config = engine.config
         s.add("path", lo.paths.predictor)
-        if head is not None:
-            s.add("encoder", head.config.encoder)
-            s.add("input", head.config.input)
-            s.add("classes", head.config.drafts)
-            for key, value in sorted(head.config.metrics.items()):
-                s.add(f"trained {key}", value)
-        calls, seconds = getattr(engine, "calls", 0), getattr(engine, "seconds", 0.0)
+        s.add("encoder", config.encoder)
+        s.add("input", config.input)
+        s.add("classes", config.drafts)
+        for key, value in sorted(config.metrics.items()):
+            s.add(f"trained {key}", value)
+        calls, seconds = engine.calls, engine.seconds
         s.add("calls", calls)
         s.add("mean seconds per call", seconds / calls if calls else 0.0)
+        s.add("failed rankings", lo.predictor.failures)
         s.add("latest ranking", [f"{n}={v:.3f}" for n, v in sorted(lo.predictor.latest.items(), key=lambda kv: -kv[1])]
               or "none yet")
         s.summary(OK, f"{calls} rankings")
+        if lo.predictor.failures:
+            s.merge(WARN, f"{lo.predictor.failures} rankings failed, the last: {lo.predictor.last_error}")
 
 
 # -- typed messages ------------------------------------------------------------------------------

@@ -62,22 +62,33 @@ RESULT_SEND_SECONDS = 0.5
 
 
 class RecordingRanker:
-    """Passes the predictor through and keeps its latest scores for ~/cache_state."""
+    """The node's predictor: passes rankings through, keeps the latest scores for ~/cache_state and counts
+    failed rankings for /diagnostics (a background one is otherwise only logged by OverlappedPredictor)."""
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
+    def __init__(self, engine) -> None:
+        self.engine = engine  # the PredictionEngine
         self.latest: dict[str, float] = {}
+        self.failures = 0
+        self.last_error = ""
 
-    def begin(self, prompt_ids, prompt_text: str = "") -> None:
-        self.inner.begin(prompt_ids, prompt_text)
+    def begin(self, prompt_ids) -> None:
+        self.engine.begin(prompt_ids)
 
     def rank(self, context):
-        ranking = self.inner.rank(context)
+        try:
+            ranking = self.engine.rank(context)
+        except Exception as exc:
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise
         self.latest = {name: float(score) for name, score in ranking}
         return ranking
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    def parameter_bytes(self) -> int:
+        return self.engine.parameter_bytes()
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 @dataclass
@@ -284,9 +295,8 @@ class MemSpecNode(LifecycleNode):
                 loaded.controller.close()
             except Exception as exc:
                 self.get_logger().warning(f"closing the runtime: {exc}")
-            encoder = getattr(getattr(loaded.predictor, "inner", None), "encoder", None)
-            if hasattr(encoder, "close"):
-                encoder.close()  # the target-hidden encoder's forward hook holds the target
+            if loaded.predictor is not None:
+                loaded.predictor.close()  # the target-hidden encoder's forward hook holds the target
             del loaded
         gc.collect()
 
@@ -302,9 +312,8 @@ class MemSpecNode(LifecycleNode):
             model = lo.controller.cache.get(name)
             if model is not None:
                 total += parameter_bytes(model.model)
-        head = getattr(getattr(lo.predictor, "inner", None), "head", None)
-        if head is not None:
-            total += parameter_bytes(head)
+        if lo.predictor is not None:
+            total += lo.predictor.parameter_bytes()
         return total
 
     def model_refs(self) -> list[weakref.ref]:

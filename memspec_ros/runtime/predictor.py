@@ -25,6 +25,7 @@ draft is ranked like the trained one), else the lowest score.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -40,6 +41,12 @@ ENCODERS = ("minilm", "target-hidden")
 INPUTS = ("prompt+recent", "prompt", "recent")
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "predictor.json"
+UNKNOWN_SCORE = -1.0  # a candidate the ranking does not know: below every probability
+STAND_IN_FACTOR = 0.999  # a same-domain stand-in ranks just below the draft the head was trained on
+PREFILL_TAIL_SLACK = 8  # rows of a forward kept beyond the T recent ones (a long prefill keeps only its tail)
+KEEP_EXTRA_POSITIONS = 80  # positions kept beyond the T recent ones: more than one verify feeds (gamma <= 64)
+
+log = logging.getLogger(__name__)
 
 
 class PredictorError(RuntimeError):
@@ -61,7 +68,7 @@ class PredictionContext:
 class Ranker(Protocol):
     """What the controller's policies need from a predictor: scores for the candidates, best first."""
 
-    def begin(self, prompt_ids: Sequence[int], prompt_text: str = "") -> None: ...
+    def begin(self, prompt_ids: Sequence[int]) -> None: ...
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]: ...
 
@@ -181,9 +188,9 @@ class TargetHiddenEncoder:
         with self._lock:
             if start == 0 and self._prompt_vec is None and self._prompt_len:
                 self._prompt_vec = rows[: self._prompt_len].mean(0)  # the prefill: prompt positions
-            for j in range(max(0, n - self.recent_tokens - 8), n):
+            for j in range(max(0, n - self.recent_tokens - PREFILL_TAIL_SLACK), n):
                 self._positions[start + j] = rows[j]
-            horizon = total - self.recent_tokens - 80  # keeps the window for gamma <= 64
+            horizon = total - self.recent_tokens - KEEP_EXTRA_POSITIONS
             for pos in [p for p in self._positions if p < horizon]:
                 del self._positions[pos]
 
@@ -345,7 +352,24 @@ class PredictionEngine:
             encoder = TargetHiddenEncoder(target, head.config.recent_tokens)
         return cls(head, encoder)
 
-    def begin(self, prompt_ids: Sequence[int], prompt_text: str = "") -> None:
+    @property
+    def config(self) -> HeadConfig:
+        """The head's configuration (encoder, input, classes, training metrics)."""
+        return self.head.config
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the trained head's weights (the encoder is the target's or MiniLM's, counted apart)."""
+        from .models import parameter_bytes
+
+        return parameter_bytes(self.head)
+
+    def close(self) -> None:
+        """Release the encoder (the target-hidden encoder's forward hook holds the target)."""
+        close = getattr(self.encoder, "close", None)
+        if close is not None:
+            close()
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
         self.encoder.begin(prompt_ids)
 
     def features(self, context: PredictionContext) -> torch.Tensor:
@@ -381,9 +405,9 @@ def rank_candidates(probs: Mapping[str, float], candidates: Sequence[str], domai
         if name in probs:
             score = probs[name]
         elif domains.get(name) in probs:
-            score = probs[domains[name]] * 0.999  # a same-domain stand-in ranks just below the trained draft
+            score = probs[domains[name]] * STAND_IN_FACTOR
         else:
-            score = -1.0
+            score = UNKNOWN_SCORE
         scored.append((name, float(score), i))
     scored.sort(key=lambda t: (-t[1], t[2]))
     return [(n, s) for n, s, _ in scored]
@@ -395,7 +419,7 @@ class FixedRanker:
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def begin(self, prompt_ids: Sequence[int], prompt_text: str = "") -> None:
+    def begin(self, prompt_ids: Sequence[int]) -> None:
         pass
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
@@ -404,7 +428,7 @@ class FixedRanker:
         result = normalise_ranking(self.fn(context))
         known = {n for n, _ in result}
         return [p for p in result if p[0] in context.candidates] + [
-            (n, -1.0) for n in context.candidates if n not in known
+            (n, UNKNOWN_SCORE) for n in context.candidates if n not in known
         ]
 
 
@@ -413,10 +437,9 @@ class OverlappedPredictor:
 
     ``submit`` starts a prediction for the current context; ``latest`` returns the
     newest finished ranking (usually the previous interval's), so the ranking steers
-    prefetch one interval late. Interval 0 is always predicted synchronously.
+    prefetch one interval late. Interval 0 is always predicted synchronously. A background
+    prediction that fails keeps the previous ranking; it is logged and counted in ``failures``.
     """
-
-    overlapped = True
 
     def __init__(self, ranker: Ranker) -> None:
         self.ranker = ranker
@@ -424,11 +447,13 @@ class OverlappedPredictor:
         self._pending: Future | None = None
         self._latest: list[tuple[str, float]] | None = None
         self.background_seconds = 0.0
+        self.failures = 0  # background predictions that raised
+        self.last_error = ""
 
-    def begin(self, prompt_ids: Sequence[int], prompt_text: str = "") -> None:
+    def begin(self, prompt_ids: Sequence[int]) -> None:
         self._settle()
         self._latest = None
-        self.ranker.begin(prompt_ids, prompt_text)
+        self.ranker.begin(prompt_ids)
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
         """Synchronous (interval 0)."""
@@ -449,13 +474,22 @@ class OverlappedPredictor:
         finally:
             self.background_seconds += time.perf_counter() - t0
 
+    def _result(self) -> list[tuple[str, float]] | None:
+        """The pending prediction's ranking (waiting for it), or None if it failed (logged and counted)."""
+        pending, self._pending = self._pending, None
+        try:
+            return pending.result()
+        except Exception as exc:
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning("background prediction failed, the previous ranking stays: %s", self.last_error)
+            return None
+
     def _collect(self) -> None:
         if self._pending is not None and self._pending.done():
-            try:
-                self._latest = self._pending.result()
-            except Exception:
-                pass  # a failed prediction keeps the previous ranking
-            self._pending = None
+            ranking = self._result()
+            if ranking is not None:
+                self._latest = ranking
 
     def latest(self, candidates: Sequence[str]) -> list[tuple[str, float]] | None:
         """Newest finished ranking restricted to ``candidates`` (registry may have changed)."""
@@ -463,15 +497,14 @@ class OverlappedPredictor:
         if self._latest is None:
             return None
         known = {n for n, _ in self._latest}
-        return [p for p in self._latest if p[0] in candidates] + [(n, -1.0) for n in candidates if n not in known]
+        return [p for p in self._latest if p[0] in candidates] + [
+            (n, UNKNOWN_SCORE) for n in candidates if n not in known
+        ]
 
     def _settle(self) -> None:
+        """Wait for the prediction in flight and drop it (a new generation or a synchronous ranking follows)."""
         if self._pending is not None:
-            try:
-                self._pending.result()
-            except Exception:
-                pass
-            self._pending = None
+            self._result()
 
     def close(self) -> None:
         self._settle()

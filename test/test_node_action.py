@@ -85,6 +85,41 @@ def test_goal_defaults_come_from_the_parameters(h):
         h.set_params(**{"generation.max_new_tokens": 128})
 
 
+def test_a_sampled_goal_honours_its_temperature_and_seed(h):
+    """A goal with temperature > 0 and a seed gives exactly what the runtime samples for those settings
+    (the node's own controller, called directly with the same prompt ids), one seed gives one output, and
+    other seeds other outputs; temperature 0 gives the greedy output. general-static runs one draft, so
+    the same draws are made each time (see test_runtime_controller's one-seed test for why that matters)."""
+    from memspec_ros.runtime.chat import prompt_ids
+    from memspec_ros.runtime.speculative import SamplingConfig
+
+    prompt, new = "The patient presented with", 24
+    assert all(r.successful for r in h.set_params(**{"memspec.policy": "general-static"}))
+    try:
+        def run(temperature, seed=-1):
+            handle, _ = h.send(Generate.Goal(prompt=prompt, max_new_tokens=new, temperature=temperature, seed=seed))
+            response = h.result(handle)
+            assert response.status == GoalStatus.STATUS_SUCCEEDED, response.result.error_message
+            return response.result
+
+        greedy = run(0.0)
+        sampled = {seed: run(1.5, seed) for seed in (7, 8, 9)}
+        assert run(1.5, 7).text == sampled[7].text  # one seed, one output
+        assert len({r.text for r in sampled.values()}) > 1  # the seed reaches the sampler
+        assert any(r.text != greedy.text for r in sampled.values())  # the temperature does too
+        lo = h.node._loaded
+        ids = prompt_ids(lo.tokenizer, prompt)
+
+        def same(result, own) -> bool:  # a ROS string cannot carry NUL, which the random tiny models emit
+            return result.text == own.text.replace("\x00", "") and result.completion_tokens == len(own.token_ids)
+
+        assert same(greedy, lo.controller.generate(ids, new))
+        for seed, result in sampled.items():
+            assert same(result, lo.controller.generate(ids, new, SamplingConfig(temperature=1.5, top_p=1.0, seed=seed))), seed
+    finally:
+        h.set_params(**{"memspec.policy": "memspec"})
+
+
 def test_stop_string_ends_the_goal(h):
     handle, _ = h.send(goal(max_new_tokens=64))
     text = h.result(handle).result.text

@@ -96,8 +96,9 @@ def print_diagnostics(array) -> None:
 
 def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
     """The zoo (the bundled one, else a generated tiny zoo: True when generated) and the node's overrides."""
+    from ..runtime.loader import find_predictor
     from ..testing.tiny_zoo import build_tiny_zoo
-    from .params import default_zoo_dir, find_predictor
+    from .params import default_zoo_dir
 
     zoo = Path(args.zoo) if args.zoo else default_zoo_dir()
     generated = not (zoo / "registry.yaml").is_file()

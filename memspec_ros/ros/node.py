@@ -50,7 +50,7 @@ from .diagnostics import (
     make_updater,
 )
 from .goal_runner import GoalRunner
-from .param_handler import ParameterHandler, registry_from_params
+from .param_handler import ParameterHandler
 
 NODE_NAME = "memspec"
 CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this often (off the decode thread)
@@ -97,6 +97,7 @@ class Loaded:
 
     paths: P.ModelPaths
     tokenizer: Any
+    fingerprint: str  # the target tokenizer's: drafts set later are checked against it
     target: Any  # LoadedModel
     registry: Any  # DraftRegistry
     predictor: RecordingRanker | None
@@ -257,30 +258,19 @@ class MemSpecNode(LifecycleNode):
     def _load(self) -> Loaded:
         import torch
 
-        from ..runtime.chat import end_token_ids
-        from ..runtime.controller import RuntimeConfig, RuntimeController
-        from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
-        from ..runtime.predictor import PredictionEngine
+        from ..runtime.loader import load_models
 
         v = self._params.checked_values()
         paths = P.resolve_paths(v)
         if v["model.threads"]:
             torch.set_num_threads(v["model.threads"])
-        tokenizer = load_tokenizer(paths.tokenizer)
-        target = load_model(ModelSpec(paths.target, v["model.dtype"], v["model.device"], v["model.quantization"],
-                                      gamma=v["memspec.gamma"]))
-        registry = registry_from_params(v, paths, tokenizer_fingerprint(tokenizer))
-        predictor = None
-        if paths.predictor:
-            predictor = RecordingRanker(PredictionEngine.load(paths.predictor, target=target.model, tokenizer=tokenizer))
-        config = RuntimeConfig(**{field_: v[name] for name, field_ in P.RUNTIME_FIELDS.items()})
-        # an instruct model ends its turn with a token its generation_config lists (SmolLM2: <|im_end|>)
-        controller = RuntimeController(config, target.model, tokenizer, registry, predictor,
-                                       max_positions=target.max_positions,
-                                       draft_dtype="fp32" if v["model.dtype"] == "auto" else v["model.dtype"],
-                                       device=v["model.device"], eos_token_ids=end_token_ids(tokenizer, target.model))
-        return Loaded(paths, tokenizer, target, registry, predictor, controller, target.max_positions,
-                      max_token_chars(tokenizer))
+        models = load_models(paths.registry_file or None, drafts=P.draft_lists(v), target_path=paths.target,
+                             tokenizer_path=paths.tokenizer, predictor_path=paths.predictor, dtype=v["model.dtype"],
+                             device=v["model.device"], quantization=v["model.quantization"], gamma=v["memspec.gamma"])
+        predictor = RecordingRanker(models.predictor) if models.predictor is not None else None
+        controller = models.controller(P.runtime_config(v), predictor)
+        return Loaded(paths, models.tokenizer, models.fingerprint, models.target, models.registry, predictor,
+                      controller, models.target.max_positions, max_token_chars(models.tokenizer))
 
     def _release(self) -> None:
         """Free every model: the controller (its cache and loader thread), drafts, target, predictor."""

@@ -1,6 +1,6 @@
 """Parameter changes: every value checked against params.py's table, then applied where it lands.
 
-* ``model.*``, ``drafts.dtype``, ``predictor.path`` choose what configure loads: refused while models
+* ``model.*``, ``cache.storage``, ``predictor.path`` choose what configure loads: refused while models
   are loaded (cleanup, set, configure again);
 * ``memspec.*``: ``RuntimeController.reconfigure``, which a running goal sees at its next scheduling point;
 * ``drafts.*``: a registry built from the new values, whose entries replace the live registry's;
@@ -27,13 +27,9 @@ class Refused(Exception):
 
 def registry_from_params(v: dict[str, Any], paths: P.ModelPaths, fingerprint: str):
     """The draft registry the parameters describe: drafts.names/paths/domains if set, else the registry file."""
-    from ..runtime.registry import DraftRegistry
+    from ..runtime.loader import open_registry
 
-    names = P.non_empty(v["drafts.names"])
-    if names:
-        return DraftRegistry.from_lists(names, P.non_empty(v["drafts.paths"]), P.non_empty(v["drafts.domains"]),
-                                        target_fingerprint=fingerprint)
-    return DraftRegistry.from_yaml(v["drafts.registry_file"] or paths.registry_file, target_fingerprint=fingerprint)
+    return open_registry(v["drafts.registry_file"] or paths.registry_file, P.draft_lists(v), fingerprint=fingerprint)
 
 
 def replace_entries(live, wanted, cache) -> None:
@@ -112,10 +108,8 @@ class ParameterHandler:
         """The registry a drafts.* change asks for, built before anything is applied; None if none changed."""
         if lo is None or not any(n in P.REGISTRY_PARAMS for n in new):
             return None
-        from ..runtime.models import tokenizer_fingerprint
-
         try:
-            return registry_from_params({**P.values(self._node), **new}, lo.paths, tokenizer_fingerprint(lo.tokenizer))
+            return registry_from_params({**P.values(self._node), **new}, lo.paths, lo.fingerprint)
         except Exception as exc:  # a missing or mismatched draft: the change is refused with the cause
             raise Refused(f"draft registry not changed: {exc}") from exc
 

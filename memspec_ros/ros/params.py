@@ -2,7 +2,7 @@
 
 Groups follow llama_ros' dotted style. Three kinds of parameter, by when a change may land:
 
-* ``model.*``, ``drafts.dtype``, ``predictor.path``: they choose what configure loads, so they change
+* ``model.*``, ``cache.storage``, ``predictor.path``: they choose what configure loads, so they change
   only while the node is unconfigured (cleanup, set, configure again); a change while models are
   loaded is rejected with that reason.
 * ``memspec.*`` (policy, K, N, T, gamma, budget ...) and ``drafts.*`` (the registry): applied by the
@@ -25,7 +25,8 @@ from typing import Any
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
-from ..runtime.model_source import relative_to
+from ..runtime.controller import I64, LIMITS, RuntimeConfig
+from ..runtime.loader import DraftLists, find_predictor, registry_target
 from ..runtime.models import DTYPE_CHOICES, QUANTIZATIONS
 from ..runtime.policies import POLICIES
 from ..runtime.storage import STORAGE_CHOICES
@@ -84,8 +85,6 @@ def _ros_type(default: Any) -> int:
     raise TypeError(f"no ROS parameter type for {default!r}")
 
 
-I64 = 2**63 - 1
-
 PARAMS: tuple[Param, ...] = (
     # -- what configure loads -------------------------------------------------------------------
     Param("model.target_path", "", "Target model directory (Hugging Face format, safetensors). Empty: the registry file's target.", AT_CONFIGURE),
@@ -106,14 +105,14 @@ PARAMS: tuple[Param, ...] = (
     Param("drafts.domains", [""], "Draft domains, one per name ([''] or []: the names).", AT_SCHEDULING_POINT),
     # -- MemSpec runtime (scheduling point) -----------------------------------------------------
     Param("memspec.policy", "memspec", "Draft-selection policy.", AT_SCHEDULING_POINT, choices=tuple(p for p in POLICIES if not p.startswith("oracle")), runtime_field="policy"),
-    Param("memspec.capacity", 2, "K: drafts resident at once.", AT_SCHEDULING_POINT, int_range=(1, 64), runtime_field="capacity"),
-    Param("memspec.budget_bytes", 0, "Memory budget for resident drafts in bytes (0: only K limits).", AT_SCHEDULING_POINT, int_range=(0, I64), runtime_field="budget_bytes"),
-    Param("memspec.interval", 4, "N: draft-and-verify iterations between scheduling points.", AT_SCHEDULING_POINT, int_range=(1, 1024), runtime_field="interval"),
-    Param("memspec.recent_tokens", 32, "T: recent generated tokens the predictor sees.", AT_SCHEDULING_POINT, int_range=(0, 4096), runtime_field="recent_tokens"),
-    Param("memspec.gamma", 4, "Draft tokens proposed per iteration.", AT_SCHEDULING_POINT, int_range=(1, 64), runtime_field="gamma"),
+    Param("memspec.capacity", 2, "K: drafts resident at once.", AT_SCHEDULING_POINT, int_range=LIMITS["capacity"], runtime_field="capacity"),
+    Param("memspec.budget_bytes", 0, "Memory budget for resident drafts in bytes (0: only K limits).", AT_SCHEDULING_POINT, int_range=LIMITS["budget_bytes"], runtime_field="budget_bytes"),
+    Param("memspec.interval", 4, "N: draft-and-verify iterations between scheduling points.", AT_SCHEDULING_POINT, int_range=LIMITS["interval"], runtime_field="interval"),
+    Param("memspec.recent_tokens", 32, "T: recent generated tokens the predictor sees.", AT_SCHEDULING_POINT, int_range=LIMITS["recent_tokens"], runtime_field="recent_tokens"),
+    Param("memspec.gamma", 4, "Draft tokens proposed per iteration.", AT_SCHEDULING_POINT, int_range=LIMITS["gamma"], runtime_field="gamma"),
     Param("memspec.overlap_prediction", False, "Run the predictor on a background thread (its ranking arrives one interval late).", AT_SCHEDULING_POINT, runtime_field="overlap_prediction"),
     Param("memspec.general_draft", "general", "The draft general-static runs.", AT_SCHEDULING_POINT, runtime_field="general_draft"),
-    Param("memspec.ucb_c", 2.0, "UCB exploration coefficient of the bandit policies.", AT_SCHEDULING_POINT, float_range=(0.0, 100.0), runtime_field="ucb_c"),
+    Param("memspec.ucb_c", 2.0, "UCB exploration coefficient of the bandit policies.", AT_SCHEDULING_POINT, float_range=LIMITS["ucb_c"], runtime_field="ucb_c"),
     Param("memspec.reset_cache_per_generation", False, "Empty the draft cache before every goal (the paper's protocol); a robot keeps it warm.", AT_SCHEDULING_POINT, runtime_field="reset_cache_per_generation"),
     # -- per goal ---------------------------------------------------------------------------------
     Param("generation.max_new_tokens", 128, "Default tokens per goal (a goal's max_new_tokens 0 means this).", int_range=(1, 1_000_000)),
@@ -216,18 +215,6 @@ def non_empty(items: list[str]) -> list[str]:
     return [s for s in items if s != ""]
 
 
-PREDICTOR_PREFERENCE = ("", "target-hidden", "minilm")  # target-hidden needs no encoder pass
-
-
-def find_predictor(root: Path) -> str:
-    """A trained head in ``root`` itself or in its encoder subfolders (the zoo ships both), else ''."""
-    for sub in PREDICTOR_PREFERENCE:
-        candidate = root / sub if sub else root
-        if (candidate / "predictor.json").is_file():
-            return str(candidate)
-    return ""
-
-
 @dataclass
 class ModelPaths:
     registry_file: str  # "" when the registry comes from drafts.names/paths
@@ -238,8 +225,6 @@ class ModelPaths:
 
 def resolve_paths(v: dict[str, Any]) -> ModelPaths:
     """Fill empty paths from the bundled zoo; raises ValueError saying which parameter to set."""
-    import yaml
-
     registry_file = ""
     target = v["model.target_path"]
     if not non_empty(v["drafts.names"]):
@@ -251,13 +236,11 @@ def resolve_paths(v: dict[str, Any]) -> ModelPaths:
             )
     if not target:
         if not registry_file:
-            raise ValueError("model.target_path is empty and there is no registry file to take the target from: set model.target_path")
-        data = yaml.safe_load(Path(registry_file).read_text()) or {}
-        entry = data.get("target")
-        rel = entry.get("path") if isinstance(entry, dict) else entry
-        if not rel:
+            raise ValueError("model.target_path is empty and there is no registry file to take the target from:"
+                             " set model.target_path")
+        target = registry_target(registry_file)
+        if not target:
             raise ValueError(f"{registry_file} names no target: set model.target_path")
-        target = relative_to(Path(registry_file).parent, str(rel))
     predictor = v["predictor.path"]
     if predictor == "none":
         predictor = ""
@@ -265,3 +248,14 @@ def resolve_paths(v: dict[str, Any]) -> ModelPaths:
         base = Path(registry_file).parent if registry_file else Path(target).parent
         predictor = find_predictor(base / "predictor")
     return ModelPaths(registry_file, target, v["model.tokenizer_path"] or target, predictor)
+
+
+def draft_lists(v: dict[str, Any]) -> DraftLists | None:
+    """The drafts drafts.names/paths/domains give, or None when the registry file holds them."""
+    names = non_empty(v["drafts.names"])
+    return DraftLists(names, non_empty(v["drafts.paths"]), non_empty(v["drafts.domains"])) if names else None
+
+
+def runtime_config(v: dict[str, Any]) -> RuntimeConfig:
+    """The RuntimeConfig the memspec.* parameters describe."""
+    return RuntimeConfig(**{field_: v[name] for name, field_ in RUNTIME_FIELDS.items()})

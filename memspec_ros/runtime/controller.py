@@ -43,6 +43,18 @@ from .speculative import ChunkCallback, SamplingConfig, SpeculativeSession
 from .stats import GenerationStats
 
 GREEDY = SamplingConfig()
+I64 = 2**63 - 1
+
+# Each numeric setting's range, in one place: RuntimeConfig.validate checks it and the node declares its
+# memspec.* parameters with it.
+LIMITS: dict[str, tuple[int, int] | tuple[float, float]] = {
+    "capacity": (1, 64),
+    "budget_bytes": (0, I64),
+    "interval": (1, 1024),
+    "recent_tokens": (0, 4096),
+    "gamma": (1, 64),
+    "ucb_c": (0.0, 100.0),
+}
 
 
 @dataclass(frozen=True)
@@ -61,18 +73,17 @@ class RuntimeConfig:
     reset_cache_per_generation: bool = False  # the paper's protocol; a robot keeps its cache warm
 
     def validate(self) -> RuntimeConfig:
-        def need(ok: bool, field_name: str, what: str) -> None:
-            if not ok:
-                raise ValueError(f"{field_name} {what}, got {getattr(self, field_name)!r}")
-
-        need(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")
-        need(isinstance(self.capacity, int) and self.capacity >= 1, "capacity", "(K) must be an integer >= 1")
-        need(isinstance(self.budget_bytes, int) and self.budget_bytes >= 0, "budget_bytes", "must be an integer >= 0 (0: no byte budget)")
-        need(isinstance(self.interval, int) and self.interval >= 1, "interval", "(N) must be an integer >= 1")
-        need(isinstance(self.recent_tokens, int) and self.recent_tokens >= 0, "recent_tokens", "(T) must be an integer >= 0")
-        need(isinstance(self.gamma, int) and 1 <= self.gamma <= 64, "gamma", "must be an integer in [1, 64]")
-        need(self.ucb_c >= 0, "ucb_c", "must be >= 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name, (lo, hi) in LIMITS.items():
+            value, kind = getattr(self, name), "a number" if isinstance(lo, float) else "an integer"
+            types = (int, float) if isinstance(lo, float) else int
+            if not (isinstance(value, types) and not isinstance(value, bool) and lo <= value <= hi):
+                raise ValueError(f"{_LABELS.get(name, name)} must be {kind} in [{lo}, {hi}], got {value!r}")
         return self
+
+
+_LABELS = {"capacity": "capacity (K)", "interval": "interval (N)", "recent_tokens": "recent_tokens (T)"}
 
 
 @dataclass
@@ -367,28 +378,16 @@ def load_runtime(
     device: str = "cpu",
     quantization: str = "none",
 ) -> RuntimeController:
-    """Everything from files: target + tokenizer, the registry (validated against the target's
-    tokenizer), the predictor (when ``predictor_path`` holds one), and the controller (generation ends
-    at the tokenizer's eos token and at the target's generation_config eos_token_id ids).
+    """Everything from files (runtime/loader.py): target + tokenizer, the registry (validated against the
+    target's tokenizer), the predictor (when ``predictor_path`` or one of its encoder subfolders holds one),
+    and the controller (generation ends at the tokenizer's eos token and at the target's generation_config
+    eos_token_id ids).
 
     ``predictor_path`` is a trained head directory (models/predictor/target-hidden or
     models/predictor/minilm). A policy that needs a predictor without one raises PolicyError.
     """
-    from pathlib import Path
+    from .loader import find_predictor, load_models  # imported here: the loader builds on this module
 
-    from .chat import end_token_ids
-    from .models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
-    from .predictor import PredictionEngine
-
-    probe = DraftRegistry.from_yaml(registry_path, validate=False)
-    target_dir = target_path or probe.target_path
-    if not target_dir:
-        raise ValueError(f"{registry_path} names no target and no target path was given: set model.path")
-    tokenizer = load_tokenizer(target_dir)
-    loaded = load_model(ModelSpec(str(target_dir), dtype=dtype, device=device, quantization=quantization))
-    registry = DraftRegistry.from_yaml(registry_path, target_fingerprint=tokenizer_fingerprint(tokenizer))
-    predictor = None
-    if predictor_path and (Path(predictor_path) / "predictor.json").is_file():
-        predictor = PredictionEngine.load(predictor_path, target=loaded.model, tokenizer=tokenizer)
-    return RuntimeController(config, loaded.model, tokenizer, registry, predictor, max_positions=loaded.max_positions,
-                             draft_dtype=dtype, device=device, eos_token_ids=end_token_ids(tokenizer, loaded.model))
+    models = load_models(registry_path, target_path=target_path, predictor_path=find_predictor(predictor_path),
+                         dtype=dtype, device=device, quantization=quantization, gamma=config.gamma)
+    return models.controller(config)

@@ -1,0 +1,137 @@
+"""Loading a runtime from files, in one place: tokenizer, target, draft registry, predictor, controller.
+
+The node's configure, every benchmark and :func:`load_runtime` load through here, so a zoo directory
+means the same everywhere: the registry file names the target (read by :class:`DraftRegistry` only),
+drafts are checked against the target tokenizer's fingerprint, drafts keep fp32 when the target's
+dtype is ``auto`` (the measured choice is the target's), and a generation ends at the ids
+:func:`end_token_ids` gives.
+
+    models = load_models("models/registry.yaml", predictor_path=find_predictor(Path("models/predictor")))
+    controller = models.controller(RuntimeConfig(policy="memspec"))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .chat import end_token_ids
+from .controller import RuntimeConfig, RuntimeController
+from .models import LoadedModel, ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
+from .predictor import HEAD_CONFIG, PredictionEngine
+from .registry import DraftRegistry
+
+# Where a zoo keeps its trained predictor heads, in order of preference: the folder itself, then its encoder
+# subfolders (target-hidden first: it needs no encoder pass).
+PREDICTOR_PREFERENCE = ("", "target-hidden", "minilm")
+
+
+@dataclass(frozen=True)
+class DraftLists:
+    """Drafts given as parallel lists (ROS parameters cannot hold a list of mappings)."""
+
+    names: Sequence[str]
+    paths: Sequence[str]
+    domains: Sequence[str] = ()
+
+
+def find_predictor(root: str | Path | None) -> str:
+    """A trained head in ``root`` itself or in its encoder subfolders, else ''."""
+    if not root:
+        return ""
+    for sub in PREDICTOR_PREFERENCE:
+        candidate = Path(root) / sub if sub else Path(root)
+        if (candidate / HEAD_CONFIG).is_file():
+            return str(candidate)
+    return ""
+
+
+def registry_target(registry_file: str | Path) -> str | None:
+    """The target path a registry file names (resolved from the file's folder), or None."""
+    return DraftRegistry.from_yaml(registry_file, validate=False).target_path
+
+
+def draft_dtype(dtype: str) -> str:
+    """Drafts load in the target's dtype, but fp32 under ``auto`` (the measured choice is the target's)."""
+    return "fp32" if dtype == "auto" else dtype
+
+
+def open_registry(registry_file: str | Path | None = None, drafts: DraftLists | None = None, *,
+                  fingerprint: str | None = None, validate: bool = True) -> DraftRegistry:
+    """The draft registry from lists if given, else from the file; drafts checked against ``fingerprint``."""
+    if drafts is not None:
+        return DraftRegistry.from_lists(drafts.names, drafts.paths, drafts.domains, target_fingerprint=fingerprint,
+                                        validate=validate)
+    if registry_file is None:
+        raise ValueError("no draft registry: give a registry file or draft lists")
+    return DraftRegistry.from_yaml(registry_file, target_fingerprint=fingerprint, validate=validate)
+
+
+@dataclass
+class RuntimeModels:
+    """What a runtime loads from files; ``controller()`` puts a RuntimeController on top."""
+
+    tokenizer: Any
+    target: LoadedModel
+    registry: DraftRegistry
+    fingerprint: str  # the target tokenizer's: drafts added later are checked against it
+    predictor: PredictionEngine | None
+    draft_dtype: str
+    device: str
+
+    @property
+    def end_token_ids(self) -> list[int]:
+        """The ids that end a generation (the tokenizer's eos and the target's generation_config ones)."""
+        return end_token_ids(self.tokenizer, self.target.model)
+
+    def controller(self, config: RuntimeConfig, predictor: Any = None, **kwargs) -> RuntimeController:
+        """A controller over these models; ``predictor`` replaces the loaded one (e.g. a wrapper of it)."""
+        ranker = predictor if predictor is not None else self.predictor
+        options = dict(max_positions=self.target.max_positions, draft_dtype=self.draft_dtype, device=self.device,
+                       eos_token_ids=self.end_token_ids)
+        return RuntimeController(config, self.target.model, self.tokenizer, self.registry, ranker,
+                                 **(options | kwargs))
+
+    def close(self) -> None:
+        """Release the predictor's hold on the target (the target-hidden encoder's forward hook)."""
+        if self.predictor is not None:
+            self.predictor.close()
+
+
+def load_models(
+    registry_file: str | Path | None = None,
+    *,
+    drafts: DraftLists | None = None,
+    target_path: str | Path | None = None,
+    tokenizer_path: str | Path | None = None,
+    predictor_path: str | Path | None = None,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    quantization: str = "none",
+    gamma: int = 4,
+    validate: bool = True,
+) -> RuntimeModels:
+    """Tokenizer, target, registry and predictor.
+
+    The target is ``target_path``, else the one ``registry_file`` names; the tokenizer is
+    ``tokenizer_path``, else the target's. The registry comes from ``drafts`` if given, else from
+    ``registry_file``, each draft checked against the target's tokenizer (``validate=False``: not
+    checked, for benchmarks that load only some drafts). ``predictor_path`` is a trained head
+    directory (see :func:`find_predictor`); empty: no predictor. ``gamma`` is what ``quantization``
+    ``auto`` times the verify forward with.
+    """
+    target_dir = target_path or (registry_target(registry_file) if registry_file is not None else None)
+    if not target_dir:
+        raise ValueError(f"{registry_file or 'the draft lists'} name no target and no target path was given:"
+                         " set the target path (model.target_path)")
+    tokenizer = load_tokenizer(tokenizer_path or target_dir)
+    target = load_model(ModelSpec(str(target_dir), dtype, device, quantization, gamma=gamma))
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    registry = open_registry(registry_file, drafts, fingerprint=fingerprint if validate else None, validate=validate)
+    predictor = None
+    if predictor_path:
+        predictor = PredictionEngine.load(predictor_path, target=target.model, tokenizer=tokenizer)
+    return RuntimeModels(tokenizer, target, registry, fingerprint, predictor, draft_dtype(dtype), device)
+

@@ -117,8 +117,8 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
     rows = []
     try:
         if node.trigger_configure().name != "SUCCESS" or node.trigger_activate().name != "SUCCESS":
-            raise RuntimeError(f"the node did not configure/activate: {node._configure_error}")
-        controller = node._loaded.controller
+            raise RuntimeError(f"the node did not configure/activate: {node.configure_error}")
+        controller = node.loaded.controller
         # the action client is its own process, as a robot's client is: its feedback handling and
         # executor are not charged to the server's process
         client = subprocess.Popen([sys.executable, "-m", "memspec_ros.bench.action_bench", "/memspec_bench/generate"],

@@ -13,36 +13,31 @@ DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "models"
 
 def _engine_models(args):
     """The zoo's target and one draft, or generated tiny models when no zoo is there."""
-    from ..runtime.models import ModelSpec, load_model, load_tokenizer
+    from ..runtime.models import ModelSpec, load_model
 
     registry_file = Path(args.zoo) / "registry.yaml"
     if args.target or registry_file.is_file():
-        from ..runtime.registry import DraftRegistry, UnknownDraftError
+        from ..runtime.loader import DraftLists, load_models
+        from ..runtime.registry import UnknownDraftError
 
-        if args.target:
-            target_path, draft_path = Path(args.target), Path(args.draft_path)
-        else:
-            registry = DraftRegistry.from_yaml(registry_file, validate=False)
-            target_path = Path(registry.target_path)
-            try:
-                draft_path = Path(registry.get(args.draft).path)
-            except UnknownDraftError as exc:
-                raise SystemExit(str(exc)) from None
-        target = load_model(ModelSpec(str(target_path), dtype=args.dtype, quantization=args.quantization,
-                                      gamma=args.gamma))
-        # drafts keep fp32 under auto: the choice is the target's, measured for it
-        draft = load_model(ModelSpec(str(draft_path), dtype="fp32" if args.dtype == "auto" else args.dtype,
-                                     quantization=args.draft_quantization))
+        drafts = DraftLists([args.draft], [args.draft_path]) if args.target else None
+        models = load_models(None if args.target else registry_file, drafts=drafts, target_path=args.target,
+                             dtype=args.dtype, quantization=args.quantization, gamma=args.gamma, validate=False)
+        try:
+            draft_path = models.registry.get(args.draft).path
+        except UnknownDraftError as exc:
+            raise SystemExit(str(exc)) from None
+        target, tokenizer, target_path = models.target, models.tokenizer, models.target.spec.path
+        draft = load_model(ModelSpec(draft_path, dtype=models.draft_dtype, quantization=args.draft_quantization))
         args.forward_paths = {"target": target.forward_path, "draft": draft.forward_path,
                               "target_auto": target.path_choice.as_dict() if target.path_choice else None}
-        tokenizer = load_tokenizer(target_path)
         workloads = Path(args.workloads_dir) if args.workloads_dir else Path(args.zoo) / "workloads"
         prompts = _round_robin_prompts(tokenizer, workloads, args.prompts) if workloads.is_dir() else []
         if args.workloads_dir and not prompts:
             raise SystemExit(f"--workloads-dir {workloads}: no workload rows there (<name>.jsonl files)")
         if not prompts:
             prompts = [tokenizer("The robot")["input_ids"]]
-        return target.model, draft.model, prompts, (str(target_path), str(draft_path))
+        return target.model, draft.model, prompts, (target_path, draft_path)
     from ..testing.tiny_models import noisy_copy, tiny_llama
 
     print("no zoo found: benchmarking generated tiny models (speed-ups here say little)", file=sys.stderr)
@@ -65,13 +60,14 @@ def _round_robin_prompts(tokenizer, folder: Path, count: int) -> list[list[int]]
 
 def _draft_load(args, names, result) -> dict | None:
     """The draft's cold load through ``--storage``, once per run, with its ratio to one speculative iteration."""
+    from ..runtime.loader import draft_dtype
     from ..runtime.models import ModelSpec
     from ..runtime.storage import DraftStorage, storage_medium
 
     if not Path(names[1]).is_dir():
         return None  # generated tiny models: no file to load
     storage = DraftStorage(storage_medium(args.storage))
-    spec = ModelSpec(names[1], dtype="fp32" if args.dtype == "auto" else args.dtype, quantization=args.draft_quantization)
+    spec = ModelSpec(names[1], dtype=draft_dtype(args.dtype), quantization=args.draft_quantization)
     for _ in range(max(1, args.runs)):
         storage.load(spec, args.draft)
     iteration = (result.gamma * result.t_draft_ms + result.t_verify_ms) / 1000

@@ -36,17 +36,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..runtime.cache import registry_loader
-from ..runtime.chat import end_token_ids, prompt_ids
+from ..runtime.chat import prompt_ids
 from ..runtime.controller import RuntimeConfig, RuntimeController
-from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
+from ..runtime.loader import find_predictor, load_models
+from ..runtime.models import ModelSpec, load_model
 from ..runtime.oracle import GreedyOracle, ScheduleCosts
 from ..runtime.policies import PAPER_POLICIES
-from ..runtime.predictor import PredictionEngine
 from ..runtime.registry import DraftRegistry
 from ..runtime.stats import BREAKDOWN, GenerationTotals
 from ..runtime.storage import DraftStorage, storage_medium
+from ..zoo.corpora import WORKLOADS
 
-WORKLOADS = ("code", "math", "law", "medical", "general", "mixed")
 METRICS = {
     "tokens_per_second": "the paper's: tokens committed by draft-and-verify iterations over the decode wall time"
                          " (draft, verify, every wait, switch and catch-up included; prompt encoding excluded)",
@@ -166,17 +166,11 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
     torch.set_num_threads(cfg.threads)
     folder = Path(cfg.workloads_dir) if cfg.workloads_dir else zoo / "workloads"
     storage = DraftStorage(storage_medium(cfg.storage))
-    registry_file = zoo / "registry.yaml"
-    probe = DraftRegistry.from_yaml(registry_file, validate=False)
-    tokenizer = load_tokenizer(probe.target_path)
-    target = load_model(ModelSpec(str(probe.target_path)))
-    registry = DraftRegistry.from_yaml(registry_file, target_fingerprint=tokenizer_fingerprint(tokenizer))
-    predictor = None
-    if predictor_dir is not None and (predictor_dir / "predictor.json").is_file():
-        predictor = PredictionEngine.load(predictor_dir, target=target.model, tokenizer=tokenizer)
+    models = load_models(zoo / "registry.yaml", predictor_path=find_predictor(predictor_dir))
+    tokenizer, target, registry, predictor = models.tokenizer, models.target, models.registry, models.predictor
     policies = [p for p in cfg.policies if predictor is not None or p not in ("memspec", "prediction-only")]
     skipped = sorted(set(cfg.policies) - set(policies))
-    eos = end_token_ids(tokenizer, target.model)
+    eos = models.end_token_ids
 
     # future knowledge for the oracles (exact under greedy): every draft once, outside the timed runs
     drafts = {e.name: load_model(ModelSpec(str(e.path))).model for e in registry}
@@ -191,11 +185,8 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
 
     config = RuntimeConfig(policy=policies[0], capacity=cfg.capacity, interval=cfg.interval, gamma=cfg.gamma,
                            recent_tokens=cfg.recent_tokens, reset_cache_per_generation=True)
-    controller = RuntimeController(
-        config, target.model, tokenizer, registry, predictor,
-        loader=registry_loader(registry, storage=storage),
-        oracle_for=lambda ids: oracles[tuple(ids)], eos_token_ids=eos, max_positions=target.max_positions,
-    )
+    controller = models.controller(config, loader=registry_loader(registry, storage=storage),
+                                   oracle_for=lambda ids: oracles[tuple(ids)])
     rows = {w: {p: PolicyRow() for p in policies} for w in cfg.workloads}
     try:
         first = next((ids for w in cfg.workloads for ids in prompts[w]), None)

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.controller import RuntimeConfig, RuntimeController
-from ..runtime.models import ModelSpec, load_model, load_tokenizer
+from ..runtime.controller import RuntimeConfig
+from ..runtime.loader import load_models
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
-from ..runtime.registry import DraftRegistry
 from ..runtime.stats import GenerationStats
 from ..zoo.predictor_training import read_prompts
 
@@ -60,9 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    registry = DraftRegistry.from_yaml(args.registry, validate=False)
-    tokenizer = load_tokenizer(registry.target_path)
-    target = load_model(ModelSpec(registry.target_path)).model
+    models = load_models(args.registry, validate=False)
+    tokenizer, target, registry = models.tokenizer, models.target.model, models.registry
     rows = read_prompts(args.workload, args.prompts)
     prompts = [tokenizer(r["prompt"])["input_ids"][-256:] for r in rows]
     predictor_dir = None if args.untrained else Path(args.predictor)
@@ -71,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = build_engine(encoder_name, predictor_dir, target, tokenizer, registry.names(), 32)
         config = RuntimeConfig(policy="memspec", capacity=args.capacity, interval=args.interval,
                                overlap_prediction=overlap)
-        ctl = RuntimeController(config, target, tokenizer, registry, engine, eos_token_ids=[])
+        ctl = models.controller(config, engine, eos_token_ids=[])
         ctl.generate(prompts[0], 16)  # warm-up: loads, first-call overheads
         hook0 = getattr(engine.encoder, "hook_seconds", 0.0)
         runs: list[GenerationStats] = [ctl.generate(ids, args.max_new_tokens).stats for ids in prompts]
@@ -89,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             "fallback_fraction": sum(s.fallback_fraction for s in runs) / len(runs),
         }
         ctl.close()
-        if isinstance(engine.encoder, TargetHiddenEncoder):
-            engine.encoder.close()
+        engine.close()
     print(f"{'variant':<28}{'overhead':>10}{'background':>12}{'tok/s':>9}{'E[A]':>7}{'fallback':>10}")
     for key, r in results.items():
         print(f"{key:<28}{100 * r['prediction_overhead']:>9.2f}%{100 * r['background_prediction_share']:>11.2f}%"

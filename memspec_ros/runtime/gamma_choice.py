@@ -75,20 +75,25 @@ class AcceptanceEstimate:
         return self.successes / self.trials
 
 
-_TARGET_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, list[float]] = weakref.WeakKeyDictionary()
-_DRAFT_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, float] = weakref.WeakKeyDictionary()
+# per model object and torch thread count (the costs change with the threads a forward gets)
+_TARGET_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, list[float]]] = weakref.WeakKeyDictionary()
+_DRAFT_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, float]] = weakref.WeakKeyDictionary()
 
 
 def measure_costs(target: torch.nn.Module, draft: torch.nn.Module, max_gamma: int) -> ForwardCosts:
-    """The pair's forward times, measured once per model object (a second or two for a 135 M target)."""
+    """The pair's forward times, measured once per model object and thread count (a second or two for a
+    135 M target)."""
     vocab = int(getattr(target.config, "vocab_size", 2))
-    known = _TARGET_COSTS.get(target, [])
+    threads = torch.get_num_threads()
+    per_target = _TARGET_COSTS.setdefault(target, {})
+    known = per_target.get(threads, [])
     if len(known) < max_gamma + 1:
         known = known + [time_forward(target, k, vocab) for k in range(len(known) + 1, max_gamma + 2)]
-        _TARGET_COSTS[target] = known
-    if draft not in _DRAFT_COSTS:
-        _DRAFT_COSTS[draft] = time_forward(draft, 1, vocab)
-    return ForwardCosts(verify_ms=known[: max_gamma + 1], draft_ms=_DRAFT_COSTS[draft])
+        per_target[threads] = known
+    per_draft = _DRAFT_COSTS.setdefault(draft, {})
+    if threads not in per_draft:
+        per_draft[threads] = time_forward(draft, 1, vocab)
+    return ForwardCosts(verify_ms=known[: max_gamma + 1], draft_ms=per_draft[threads])
 
 
 @dataclass

@@ -107,7 +107,7 @@ def test_a_sampled_goal_honours_its_temperature_and_seed(h):
         assert run(1.5, 7).text == sampled[7].text  # one seed, one output
         assert len({r.text for r in sampled.values()}) > 1  # the seed reaches the sampler
         assert any(r.text != greedy.text for r in sampled.values())  # the temperature does too
-        lo = h.node._loaded
+        lo = h.node.loaded
         ids = prompt_ids(lo.tokenizer, prompt)
 
         def same(result, own) -> bool:  # a ROS string cannot carry NUL, which the random tiny models emit
@@ -290,7 +290,7 @@ def test_a_goal_is_tokenized_once_and_runs_on_one_executor_thread_with_no_thread
         seen["tokenized"].append(ids)
         return ids
 
-    controller = h.node._loaded.controller
+    controller = h.node.loaded.controller
     generate = controller.generate
 
     def recording_generate(prompt, *args, **kwargs):

@@ -37,7 +37,7 @@ def tok():
 
 def record_generate(harness) -> list[dict]:
     """Wrap the node's controller.generate (in-process) to see the prompt ids and output ids of each goal."""
-    controller = harness.node._loaded.controller
+    controller = harness.node.loaded.controller
     inner = controller.generate
     calls: list[dict] = []
 
@@ -73,7 +73,7 @@ def run(h, request):
 
 def test_the_chat_zoo_is_an_instruct_model(h, tok):
     assert tok.chat_template and tok.eos_token is None
-    assert h.node._loaded.controller.eos_token_ids == [tok.convert_tokens_to_ids("<|im_end|>")]  # generation_config
+    assert h.node.loaded.controller.eos_token_ids == [tok.convert_tokens_to_ids("<|im_end|>")]  # generation_config
 
 
 def test_a_prompt_only_goal_is_sent_as_one_user_turn(h, tok):
@@ -148,7 +148,7 @@ def test_the_end_of_turn_token_ends_the_goal_with_eos(h, tok):
     tokens = call["token_ids"]
     k = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
     assert im_end not in tokens
-    weight = h.node._loaded.target.model.lm_head.weight
+    weight = h.node.loaded.target.model.lm_head.weight
     rows = [tokens[k], im_end]
     with torch.no_grad():
         weight[rows] = weight[rows[::-1]]
@@ -171,7 +171,7 @@ def test_the_end_of_turn_token_ends_the_goal_with_eos(h, tok):
 ])
 def test_a_chat_template_reaching_for_python_internals_rejects_the_goal(h, tmp_path, template):
     marker = tmp_path / "template-ran-code"
-    tokenizer = h.node._loaded.tokenizer
+    tokenizer = h.node.loaded.tokenizer
     original = tokenizer.chat_template
     tokenizer.chat_template = template.replace("{marker}", str(marker))  # as if the model files carried it
     try:
@@ -190,7 +190,7 @@ def test_a_chat_template_reaching_for_python_internals_rejects_the_goal(h, tmp_p
 def test_a_model_without_a_chat_template_continues_prompts_and_refuses_messages():
     with active_harness(name="memspec_plain") as plain:
         calls = record_generate(plain)
-        tokenizer = plain.node._loaded.tokenizer
+        tokenizer = plain.node.loaded.tokenizer
         assert not tokenizer.chat_template
         handle, _ = plain.send(goal(prompt="The licensee may", max_new_tokens=4))
         assert plain.result(handle).status == GoalStatus.STATUS_SUCCEEDED

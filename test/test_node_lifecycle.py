@@ -142,7 +142,7 @@ def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
 def test_policy_without_predictor_fails_configure_with_the_reason(harness):
     h = harness(**{"predictor.path": "none", "memspec.policy": "memspec"})
     assert not h.transition(Transition.TRANSITION_CONFIGURE)
-    assert "needs a trained predictor" in h.node._configure_error
+    assert "needs a trained predictor" in h.node.configure_error
     assert h.node.loaded_parameter_bytes() == 0
 
 

@@ -49,7 +49,7 @@ def test_valid_values_apply_and_invalid_ones_are_rejected_with_a_reason(h):
     [ok] = h.set_params(**{"memspec.capacity": 1})
     assert ok.successful
     assert h.get_param("memspec.capacity") == 1
-    assert h.node._loaded.controller.config.capacity == 1
+    assert h.node.loaded.controller.config.capacity == 1
     try:
         for name, value, words in [
             ("memspec.capacity", 0, "memspec.capacity"),
@@ -66,13 +66,13 @@ def test_valid_values_apply_and_invalid_ones_are_rejected_with_a_reason(h):
         [wrong_type] = h.set_params(**{"memspec.gamma": "four"})
         assert not wrong_type.successful
         assert h.get_param("memspec.capacity") == 1 and h.get_param("memspec.policy") == "memspec"
-        assert h.node._loaded.controller.config.capacity == 1
-        assert h.node._loaded.controller.config.gamma == 4
+        assert h.node.loaded.controller.config.capacity == 1
+        assert h.node.loaded.controller.config.gamma == 4
         # a registry that cannot be built is rejected as a whole, nothing changes
         result = h.set_params_atomically(**{"drafts.names": ["x"], "drafts.paths": ["/nonexistent/x"],
                                             "drafts.domains": ["code"]})
         assert not result.successful and "/nonexistent/x" in result.reason
-        assert h.node._loaded.registry.names() == ["general", "code", "math"]
+        assert h.node.loaded.registry.names() == ["general", "code", "math"]
     finally:
         h.set_params(**{"memspec.capacity": 2})
 
@@ -99,12 +99,12 @@ def test_gamma_and_registry_changes_reach_a_running_goal(h):
         assert its[0].proposed == 4  # before the change
         assert all(it.proposed <= 2 for it in its[-5:])  # gamma 2 from a scheduling point on
         assert all(it.draft == "general" for it in its[-5:])  # the registry now has only general
-        assert h.node._loaded.registry.names() == ["general"]
-        assert set(h.node._loaded.controller.cache.resident()) <= {"general"}
+        assert h.node.loaded.registry.names() == ["general"]
+        assert set(h.node.loaded.controller.cache.resident()) <= {"general"}
     finally:
         assert h.set_params_atomically(**registry_file_params()).successful
         h.set_params(**{"memspec.gamma": 4})
-    assert h.node._loaded.registry.names() == ["general", "code", "math"]
+    assert h.node.loaded.registry.names() == ["general", "code", "math"]
 
 
 # -- diagnostics --------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_a_draft_that_fails_to_load_is_an_error_and_the_goal_still_succeeds(h, t
     finally:
         assert h.set_params_atomically(**registry_file_params(), **{"memspec.policy": "memspec",
                                                                   "memspec.general_draft": "general"}).successful
-        h.node._loaded.controller.cache.clear_failed()
+        h.node.loaded.controller.cache.clear_failed()
 
 
 def test_a_failed_draft_is_tried_again_once_its_cause_is_gone(h, tmp_path):
@@ -224,7 +224,7 @@ def test_a_failed_draft_is_tried_again_once_its_cause_is_gone(h, tmp_path):
     finally:
         assert h.set_params(**{"memspec.budget_bytes": 0})[0].successful
     status = cache_status()
-    assert status.level != ERROR and not h.node._loaded.controller.cache.failed(), status.message
+    assert status.level != ERROR and not h.node.loaded.controller.cache.failed(), status.message
     assert run_goal()  # the drafts load again
     assert cache_status().level != ERROR
 

@@ -135,8 +135,7 @@ class ThroughputWindow:
         out.cache = CacheStats()
         for g in goals:
             if g.cache is not None:
-                for name in CacheStats._COUNTERS:
-                    setattr(out.cache, name, getattr(out.cache, name) + getattr(g.cache, name))
+                out.cache.add_counters(g.cache)
         return out
 
 
@@ -473,14 +472,22 @@ def cache_state_key(snap: CacheStats) -> tuple:
             snap.active, snap.capacity, snap.budget_bytes)
 
 
-def generation_stats_msg(stats: GenerationStats, goal_id, finish_reason: str, error_message: str, stamp) -> GenerationStatsMsg:
+def stats_fields(stats: GenerationStats) -> dict[str, Any]:
+    """The fields a Generate result and a GenerationStats message share, filled from one GenerationStats."""
+    return {
+        "prompt_tokens": int(stats.prompt_tokens), "completion_tokens": int(stats.completion_tokens),
+        "tokens_per_second": float(stats.tokens_per_second), "time_to_first_token": float(stats.time_to_first_token),
+        "mean_accepted_tokens": float(stats.mean_accepted), "drafts_used": list(stats.drafts_used),
+        "draft_switches": int(stats.draft_switches),
+    }
+
+
+def generation_stats_msg(stats: GenerationStats, goal_id, finish_reason: str, error_message: str,
+                         stamp) -> GenerationStatsMsg:
     msg = GenerationStatsMsg(
-        goal_id=goal_id, finish_reason=finish_reason, error_message=error_message,
-        prompt_tokens=int(stats.prompt_tokens), completion_tokens=int(stats.completion_tokens),
-        tokens_per_second=float(stats.tokens_per_second), time_to_first_token=float(stats.time_to_first_token),
-        mean_accepted_tokens=float(stats.mean_accepted), drafts_used=list(stats.drafts_used),
-        draft_switches=int(stats.draft_switches), policy=stats.policy, iterations=len(stats.iterations),
-        prefill_seconds=float(stats.prefill_seconds), decode_seconds=float(stats.decode_seconds),
+        goal_id=goal_id, finish_reason=finish_reason, error_message=error_message, **stats_fields(stats),
+        policy=stats.policy, iterations=len(stats.iterations), prefill_seconds=float(stats.prefill_seconds),
+        decode_seconds=float(stats.decode_seconds),
     )
     msg.header.stamp = stamp
     return msg

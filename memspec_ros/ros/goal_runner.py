@@ -35,7 +35,7 @@ from memspec_interfaces.action import Generate
 
 from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids
 from ..runtime.stats import GenerationStats
-from .diagnostics import ThroughputWindow, generation_stats_msg
+from .diagnostics import ThroughputWindow, generation_stats_msg, stats_fields
 
 ACTION_NAME = "~/generate"
 DEACTIVATE_WAIT_SECONDS = 30.0  # how long ending the goals waits for the running one's next iteration
@@ -69,13 +69,8 @@ def ros_text(text: str) -> str:
 
 
 def fill_result(result: Generate.Result, stats: GenerationStats) -> None:
-    result.prompt_tokens = int(stats.prompt_tokens)
-    result.completion_tokens = int(stats.completion_tokens)
-    result.tokens_per_second = float(stats.tokens_per_second)
-    result.time_to_first_token = float(stats.time_to_first_token)
-    result.mean_accepted_tokens = float(stats.mean_accepted)
-    result.drafts_used = list(stats.drafts_used)
-    result.draft_switches = int(stats.draft_switches)
+    for name, value in stats_fields(stats).items():
+        setattr(result, name, value)
 
 
 def settle(goal_handle, finish_reason: str) -> None:

@@ -51,6 +51,7 @@ from .diagnostics import (
 )
 from .goal_runner import GoalRunner
 from .param_handler import ParameterHandler
+from .rclpy_internals import guard_change_state, lifecycle_state_label
 
 NODE_NAME = "memspec"
 CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this often (off the decode thread)
@@ -207,30 +208,19 @@ class MemSpecNode(LifecycleNode):
         super().destroy_node()
 
     def _guard_change_state(self) -> None:
-        """rclpy raises out of the ChangeState service for a transition the current state does not
-        have (``ros2 lifecycle set /memspec cleanup`` while active), which would end the node: answer
-        success=False with a log line instead, as rclcpp does. rclpy has no public hook for this."""
-        service = getattr(self, "_service_change_state", None)
-        if service is None:
-            return
-        handler = service.callback
+        """A transition the current state does not have (``ros2 lifecycle set /memspec cleanup`` while
+        active) is refused with a log line, as rclcpp does, instead of ending the node."""
 
-        def guarded(request, response):
-            try:
-                return handler(request, response)
-            except Exception as exc:
-                self.get_logger().warning(
-                    f"transition {request.transition.label or request.transition.id} refused in state"
-                    f" {self.lifecycle_state}: {exc}")
-                response.success = False
-                return response
+        def refused(request, exc: Exception) -> None:
+            self.get_logger().warning(f"transition {request.transition.label or request.transition.id} refused in"
+                                      f" state {self.lifecycle_state}: {exc}")
 
-        service.callback = guarded
+        guard_change_state(self, refused)
 
     # -- what the parts read ------------------------------------------------------------------
     @property
     def lifecycle_state(self) -> str:
-        return self._state_machine.current_state[1]  # rclpy has no public getter of the current state
+        return lifecycle_state_label(self)
 
     @property
     def loaded(self) -> Loaded | None:

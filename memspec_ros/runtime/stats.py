@@ -110,8 +110,8 @@ class CacheStats:
     evictions: int = 0
     wasted_prefetches: int = 0  # loaded, then evicted before ever running
 
-    _COUNTERS = ("hits", "misses", "loads", "load_failures", "load_seconds", "wait_seconds", "evictions",
-                 "wasted_prefetches")
+    COUNTERS = ("hits", "misses", "loads", "load_failures", "load_seconds", "wait_seconds", "evictions",
+                "wasted_prefetches")  # cumulative: since() subtracts them, add_counters() sums them
 
     @property
     def hit_rate(self) -> float:
@@ -121,9 +121,14 @@ class CacheStats:
     def since(self, before: CacheStats) -> CacheStats:
         """This snapshot's state with counters relative to an earlier snapshot."""
         delta = CacheStats(**{k: getattr(self, k) for k in self.__dataclass_fields__})
-        for name in self._COUNTERS:
+        for name in self.COUNTERS:
             setattr(delta, name, getattr(self, name) - getattr(before, name))
         return delta
+
+    def add_counters(self, other: CacheStats) -> None:
+        """Add ``other``'s counters to this snapshot's (several generations' shares summed)."""
+        for name in self.COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self) -> dict[str, float | int | str | list[str]]:
         return {

@@ -74,3 +74,28 @@ def test_adaptive_generation_stays_lossless_and_uses_the_choice(monkeypatch):
     assert never.generated_ids == reference
     proposed = [it.proposed for it in never.stats.iterations]
     assert set(proposed) <= {0, 1} and 0 < proposed.count(1) <= len(proposed) // PROBE_EVERY + 1
+
+
+def test_the_controller_runs_adaptive_gamma_losslessly_under_every_policy():
+    from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+    from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
+    from memspec_ros.runtime.oracle import GreedyOracle
+    from memspec_ros.runtime.policies import POLICIES
+    from memspec_ros.runtime.predictor import FixedRanker
+    from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+
+    target = tiny_llama(vocab_size=64, seed=0)
+    drafts = {"general": noisy_copy(target, 0.05, seed=1), "code": noisy_copy(target, 0.01, seed=2)}
+    prompt = [1, 5, 7, 9]
+    reference = generate(target, prompt, None, max_new_tokens=32).generated_ids
+    oracle = GreedyOracle.compute(target, drafts, prompt, 32, gamma=4, interval=4)
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+    for policy in POLICIES:
+        ctl = RuntimeController(
+            RuntimeConfig(policy=policy, adaptive_gamma=True, gamma=6), target, None, registry,
+            FixedRanker(lambda context: ["code", "general"]), eos_token_ids=[], oracle_for=lambda p: oracle,
+            loader=lambda name: LoadedModel(drafts[name], ModelSpec(name), parameter_bytes(drafts[name]), 64, 512))
+        result = ctl.generate(prompt, 32)
+        assert result.token_ids == reference, policy
+        assert all(it.proposed <= 6 for it in result.stats.iterations)
+        ctl.close()

@@ -524,23 +524,24 @@ def to_device_via_pinned(model: torch.nn.Module, device: torch.device) -> torch.
     return model
 
 
-def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=None) -> Loader:
+def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=None, quantization: str = "none") -> Loader:
     """A loader for :class:`DraftCacheManager`: reads the registry entry's safetensors into fast memory.
 
     ``storage`` (a medium name, StorageMedium or DraftStorage; runtime/storage.py): read the weights cold
-    through that storage tier; None: load_model as it is."""
+    through that storage tier; None: load_model as it is. ``quantization``: the drafts' forward path
+    (none, int8, int4: runtime/forward_paths.py)."""
     from .storage import draft_storage
 
     reader = draft_storage(storage)
 
     def load(name: str) -> LoadedModel:
         entry = registry.get(name)
-        spec = ModelSpec(path=entry.path, dtype=dtype, device="cpu")
+        spec = ModelSpec(path=entry.path, dtype=dtype, device="cpu", quantization=quantization)
         loaded = reader.load(spec, name) if reader is not None else load_model(spec)
         target = torch.device(device)
         if target.type == "cuda":
             loaded.model = to_device_via_pinned(loaded.model, target)
-            loaded.spec = ModelSpec(path=entry.path, dtype=dtype, device=device)
+            loaded.spec = ModelSpec(path=entry.path, dtype=dtype, device=device, quantization=quantization)
         return loaded
 
     return load

@@ -71,6 +71,7 @@ class RuntimeConfig:
     general_draft: str = "general"  # General-Static's draft
     ucb_c: float = 2.0  # MAB exploration coefficient (the paper's best)
     reset_cache_per_generation: bool = False  # the paper's protocol; a robot keeps its cache warm
+    adaptive_gamma: bool = False  # gamma per iteration (0..gamma) from measured costs (runtime/gamma_choice.py)
 
     def validate(self) -> RuntimeConfig:
         if self.policy not in POLICIES:
@@ -111,6 +112,8 @@ class RuntimeController:
         eos_token_ids: Sequence[int] | None = None,
         max_positions: int = 0,
         draft_dtype: str = "fp32",
+        draft_quantization: str = "none",
+        storage: str | None = None,
         device: str = "cpu",
     ) -> None:
         self.config = config.validate()
@@ -126,7 +129,7 @@ class RuntimeController:
         self.max_positions = max_positions or int(getattr(target.config, "max_position_embeddings", 0) or 0)
         self.cache = cache or DraftCacheManager(
             config.capacity,
-            loader or registry_loader(registry, draft_dtype, device),
+            loader or registry_loader(registry, draft_dtype, device, storage=storage, quantization=draft_quantization),
             budget_bytes=config.budget_bytes,
             size_of=self._size_of,
         )
@@ -209,7 +212,7 @@ class RuntimeController:
             session = SpeculativeSession(
                 self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,
-                max_positions=self.max_positions,
+                max_positions=self.max_positions, adaptive_gamma=self.config.adaptive_gamma,
             )
             return self._run(session, prompt_ids, should_cancel)
         finally:

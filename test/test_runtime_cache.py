@@ -115,13 +115,15 @@ def test_lowest_scored_outside_working_set_is_evicted_and_active_protected():
     cache.close()
 
 
-def test_failed_load_marks_draft_failed_and_is_skipped():
+def test_failed_load_marks_draft_failed_and_is_skipped(caplog):
     cache = DraftCacheManager(2, fake_loader(fail={"math"}))
-    cache.update(["math", "code"])
-    cache.drain()
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.cache"):
+        cache.update(["math", "code"])
+        cache.drain()
     assert cache.resident() == ["code"]
     assert "math" in cache.failed() and "disk error" in str(cache.failed()["math"])
     assert cache.snapshot().load_failures == 1
+    assert "'math' failed to load" in caplog.text and "disk error" in caplog.text  # logged, not swallowed
     # a later update skips the failed draft: W fills with the next viable ones
     assert cache.update(["math", "law", "code"]) == ["law", "code"]
     with pytest.raises(DraftLoadError, match="disk error"):

@@ -29,6 +29,7 @@ in force when each load started.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +44,8 @@ from .stats import CacheStats
 Loader = Callable[[str], LoadedModel]
 Ranking = Sequence[str] | Sequence[tuple[str, float]] | Mapping[str, float]
 RETRY_SECONDS = 30.0  # back-off before a failed draft is tried again
+
+log = logging.getLogger(__name__)
 
 
 class DraftLoadError(RuntimeError):
@@ -238,7 +241,7 @@ class DraftCacheManager:
         if future is not None:
             try:
                 future.result(timeout=timeout)
-            except Exception:  # the error is recorded on the slot by the completion handler
+            except Exception:  # _load recorded, counted and logged it (_fail); the slot says what happened
                 pass
         waited = time.perf_counter() - t0
         with self._lock:
@@ -308,7 +311,7 @@ class DraftCacheManager:
         for f in futures:
             try:
                 f.result()
-            except Exception:
+            except Exception:  # recorded, counted and logged by _fail; the cache is emptied anyway
                 pass
         with self._lock:
             for name in list(self._slots):
@@ -333,7 +336,7 @@ class DraftCacheManager:
         for f in futures:
             try:
                 f.result(timeout=timeout)
-            except Exception:
+            except Exception:  # recorded, counted and logged by _fail
                 pass
 
     # -- diagnostics --------------------------------------------------------------------
@@ -408,8 +411,12 @@ class DraftCacheManager:
                 del self._slots[n]
 
     def _fail(self, slot: _Slot, error: BaseException) -> None:
+        """Every failed load ends here: recorded on the slot (CacheStats.failed), counted (load_failures, on
+        /diagnostics) and logged."""
         slot.error, slot.future, slot.failed_at = error, None, time.monotonic()
         self._counters.load_failures += 1
+        log.warning("draft %r failed to load (retried after %.0f s): %s: %s", slot.name, self.retry_seconds,
+                    type(error).__name__, error)
 
     def _victim(self, protect: set[str]) -> str | None:
         """Lowest-scored resident draft outside ``protect`` and the active draft (Algorithm 2, line 6)."""

@@ -38,6 +38,11 @@ def test_gptq_int4_target_is_lossless_through_the_engine(tmp_path):
     assert report["int4_bytes"] < report["fp32_bytes"] / 2  # packed INT4 weights really are smaller
     for gamma, result in report["gammas"].items():
         assert result["identical"], f"gamma {gamma}: engine output differs from the INT4 target's greedy output"
+    # bf16 activations (GPT-QModel's fused CPU kernel) after gptq.prepare_for_engine: the engine
+    # reproduces the target's own one-token greedy decoding there too
+    for gamma, result in report["bf16"]["gammas"].items():
+        assert result["identical"], f"bf16, gamma {gamma}: engine output differs from the INT4 target's own greedy output"
+        assert result["proposed"] > 0
     # The draft really drafted: every gamma ran draft proposals through the verify, and the target
     # accepted some of them. How many depends on the INT4 kernel's numerics, which differ by CPU
     # (0.38 vs 0.5+ mean accepted seen on two AMD EPYC machines), so no rate is asserted.

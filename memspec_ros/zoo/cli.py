@@ -4,6 +4,7 @@
     memspec-zoo acceptance --json OUT [--answers DIR]
     memspec-zoo build-toy [--stages corpora,tokenizer,...]   # the earlier 13 M trained-here target and its zoo
     memspec-zoo card            # latencies, perplexities, acceptance -> models/MODEL_CARD.md
+    memspec-zoo gptq quantize|report [--json OUT]   # GPTQ INT4 of the target (GPT-QModel, in .venv-gptq)
 """
 
 from __future__ import annotations
@@ -274,14 +275,31 @@ def _run_card(a) -> int:
     return 0
 
 
+def _gptq_parser(sub) -> None:
+    from .gptq_target import add_arguments
+
+    add_arguments(sub.add_parser("gptq", help="GPTQ INT4 of the target calibrated on the training requests, and its"
+                                              " report against fp32 and the engine's int4 (runs in .venv-gptq)"))
+
+
+def _run_gptq(a, argv: list[str]) -> int:
+    from .gptq_target import cli
+
+    return cli(a, argv[argv.index("gptq") + 1:])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="memspec-zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _chat_build_parser(sub)
     _build_parser(sub)
     _acceptance_parser(sub)
     _card_parser(sub)
+    _gptq_parser(sub)
     a = ap.parse_args(argv)
+    if a.cmd == "gptq":
+        return _run_gptq(a, argv)
     return {"build": _run_chat_build, "build-toy": _run_build, "acceptance": _run_acceptance, "card": _run_card}[a.cmd](a)
 
 

@@ -258,7 +258,8 @@ class MemSpecNode(LifecycleNode):
                              tokenizer_path=paths.tokenizer, predictor_path=paths.predictor, dtype=v["model.dtype"],
                              device=v["model.device"], quantization=v["model.quantization"], gamma=v["memspec.gamma"])
         predictor = RecordingRanker(models.predictor) if models.predictor is not None else None
-        controller = models.controller(P.runtime_config(v), predictor)
+        controller = models.controller(P.runtime_config(v), predictor, draft_quantization=v["drafts.quantization"],
+                                       storage=v["cache.storage"])
         return Loaded(paths, models.tokenizer, models.fingerprint, models.target, models.registry, predictor,
                       controller, models.target.max_positions, max_token_chars(models.tokenizer))
 

@@ -1,0 +1,50 @@
+# ruff: noqa: E402 - the ROS imports follow require_ros()
+"""The node's forward-path and gamma parameters reach what it loads and runs."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from node_helpers import Harness, goal, node_overrides, tiny_zoo
+from ros_helpers import require_ros
+
+require_ros()
+
+from action_msgs.msg import GoalStatus
+
+
+@contextmanager
+def harness_with(**params):
+    import rclpy
+    from rclpy.context import Context
+
+    context = Context()
+    rclpy.init(context=context)
+    h = Harness(context, overrides=node_overrides(tiny_zoo(), **params))
+    h.activate()
+    try:
+        yield h
+    finally:
+        h.close()
+        rclpy.try_shutdown(context=context)
+
+
+def test_target_and_draft_paths_and_adaptive_gamma_are_configured_and_the_goal_is_lossless():
+    from memspec_ros.runtime.speculative import generate
+
+    with harness_with(**{"model.quantization": "int8", "drafts.quantization": "int4",
+                         "memspec.adaptive_gamma": True}) as h:
+        loaded = h.node._loaded
+        assert loaded.target.forward_path == "int8"
+        handle, _ = h.send(goal(max_new_tokens=24))
+        result = h.result(handle)
+        assert result.status == GoalStatus.STATUS_SUCCEEDED
+        drafts = [loaded.controller.cache.get(name) for name in loaded.controller.cache.resident()]
+        assert drafts and all(d.forward_path == "int4" for d in drafts)
+        # the node's answer is the int8 target's own greedy continuation of the same prompt ids
+        from memspec_ros.runtime.chat import prompt_ids
+
+        ids = prompt_ids(loaded.tokenizer, "def add(a, b):")
+        alone = generate(loaded.target.model, ids, None, max_new_tokens=24,
+                         eos_token_ids=loaded.controller.eos_token_ids).generated_ids
+        assert result.result.text == loaded.tokenizer.decode(alone, skip_special_tokens=True)

@@ -52,5 +52,38 @@ def test_gptq_int4_target_is_lossless_through_the_engine(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_target_calibration_is_balanced_and_never_held_out():
+    """``memspec-zoo gptq`` calibrates on training requests only, every domain alike (no quantizing here)."""
+    from collections import Counter
+
+    from memspec_ros.zoo.corpora import WORKLOADS
+    from memspec_ros.zoo.gptq_target import calibration_rows, read_rows
+
+    models = ROOT / "models"
+    rows, skipped = calibration_rows(models, 128)
+    heldout = {r["prompt"] for w in WORKLOADS for r in read_rows(models / "workloads" / f"{w}.jsonl")}
+    assert len(rows) == 128 and not [r for r in rows if r["prompt"] in heldout]
+    per_domain = Counter(r["domain"] for r in rows)
+    assert set(per_domain) == set(WORKLOADS) and max(per_domain.values()) - min(per_domain.values()) <= 1
+    train = read_rows(models / "workloads" / "train_requests.jsonl")
+    assert skipped == sum(r["prompt"] in heldout for r in train[:len(rows) + skipped])
+
+
+def test_zoo_gptq_runs_in_the_gptq_environment_with_the_target_resolved(tmp_path, monkeypatch):
+    """Without gptqmodel here, ``memspec-zoo gptq`` re-runs itself in .venv-gptq, naming the target's directory."""
+    from memspec_ros.zoo import cli, gptq_target
+
+    calls = []
+    monkeypatch.setattr(gptq_target, "gptq_python", lambda: Path("/venv-gptq/bin/python"))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env: calls.append((cmd, env)) or subprocess.CompletedProcess(cmd, 0))
+    (tmp_path / "target").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["gptq", "report", "--json", "out.json", "--target", "target", "--requests", "8"]) == 0
+    cmd, env = calls[0]
+    assert cmd[:3] == ["/venv-gptq/bin/python", "-m", "memspec_ros.zoo.gptq_target"]
+    assert cmd[3:] == ["report", "--json", "out.json", "--requests", "8", "--target", str(tmp_path / "target")]
+    assert env["PYTHONPATH"] == str(ROOT) and env["HF_HUB_OFFLINE"] == "1"
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -174,6 +174,14 @@ def _fmt_pct(x: float) -> str:
 
 
 def render(m: dict, acc: dict | None, notes: str = "") -> str:
+    """The card's Markdown: models and their forward cost, perplexity, the acceptance matrix and goals (when
+    ``acc`` is given), data, build runs (with ``notes``) and how to reproduce."""
+    sections = [_models_section(m), _perplexity_section(m), _acceptance_section(acc) if acc is not None else [],
+                _data_section(m), _build_section(m, notes), _reproduce_section()]
+    return "\n".join(line for section in sections for line in section)
+
+
+def _models_section(m: dict) -> list[str]:
     t = m["models"]["target"]
     d0 = m["models"]["general"]
     threads = [str(n) for n in m["latency_threads"]]
@@ -215,7 +223,11 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         for path, key in (("transformers", ""), ("lean", "lean")):
             L.append(f"| {n} | {path} | {tl[key + '1']:.2f} | {tl[key + '5']:.2f} | {dl[key + '1']:.2f} | "
                      f"**{tl[key + '1'] / dl[key + '1']:.1f}x** | {tl[key + '5'] / dl[key + '1']:.1f}x |")
-    L += [
+    return L
+
+
+def _perplexity_section(m: dict) -> list[str]:
+    L = [
         "",
         "Training runs, budgets and objectives: see *Build as run* below.",
         "",
@@ -231,74 +243,84 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         "Perplexity is per token of the shared tokenizer over held-out documents (first 20k tokens per domain).",
         "",
     ]
-    if acc is not None:
-        mat = acc["matrix"]
-        L += [
-            "## Acceptance matrix",
+    return L
+
+
+def _acceptance_section(acc: dict) -> list[str]:
+    mat = acc["matrix"]
+    L = [
+        "## Acceptance matrix",
+        "",
+        f"Mean accepted draft tokens per iteration (greedy, gamma={acc['config']['gamma']}, "
+        f"{acc['config']['max_new_tokens']} new tokens, {acc['config']['prompts_per_workload']} prompts per workload; "
+        "computed exactly by teacher forcing over the target's greedy continuation, see "
+        "`memspec_ros/zoo/acceptance.py`). Rows: drafts; columns: held-out workloads.",
+        "",
+        "![acceptance matrix](acceptance_matrix.png)",
+        "",
+        "| draft | " + " | ".join(WORKLOADS) + " |",
+        "|---|" + "---:|" * len(WORKLOADS),
+    ]
+    for d, row in mat.items():
+        L.append(f"| {d} | " + " | ".join(f"**{row[w]:.2f}**" if w == d else f"{row[w]:.2f}" for w in WORKLOADS) + " |")
+    L += ["", "Gain of each domain draft over `general` (own domain in bold):", "", "| draft | " + " | ".join(DOMAINS) + " |", "|---|" + "---:|" * len(DOMAINS)]
+    for d, row in acc["domain_gain_over_general"].items():
+        L.append(f"| {d} | " + " | ".join(f"**{_fmt_pct(row[w])}**" if w == d else _fmt_pct(row[w]) for w in DOMAINS) + " |")
+    return L + _acceptance_goals(acc)
+
+
+def _acceptance_goals(acc: dict) -> list[str]:
+    own = {d: acc["domain_gain_over_general"][d][d] for d in acc["domain_gain_over_general"]}
+    wins_off = [
+        f"{d} on {w} ({_fmt_pct(acc['domain_gain_over_general'][d][w])})"
+        for d in own
+        for w in DOMAINS
+        if w != d and acc["domain_gain_over_general"][d][w] >= 0
+    ]
+    return [
+        "",
+        "### Goals",
+        "",
+        "* each domain draft beats `general` on its own domain by >= 25%: "
+        + ", ".join(f"{d} {_fmt_pct(g)}" for d, g in own.items())
+        + f" -> {'met' if all(g >= 0.25 for g in own.values()) else 'NOT met for ' + ', '.join(d for d, g in own.items() if g < 0.25)}",
+        "* ... and loses to it on the other domains: "
+        + ("met" if not wins_off else "NOT everywhere: also beats `general` " + ", ".join(wins_off)),
+        f"* oracle_static_gain >= 0.20: **{acc['oracle_static_gain']:.3f}** "
+        f"({'met' if acc['oracle_static_gain'] >= 0.2 else 'NOT met'}; per workload "
+        + ", ".join(f"{w} {v:+.2f}" for w, v in acc["oracle_static_gain_by_workload"].items())
+        + ")",
+        f"* oracle_dynamic_gain_mixed >= 0.10: **{acc['oracle_dynamic_gain_mixed']:.3f}** "
+        f"({'met' if acc['oracle_dynamic_gain_mixed'] >= 0.1 else 'NOT met'}; dynamic {acc['oracle_dynamic_mixed']:.2f} vs "
+        f"best fixed {acc['best_fixed_per_prompt']['mixed']:.2f} accepted/iteration)",
+        "",
+        *([
+            "Ceiling: no draft accepts more than gamma tokens per iteration, so no draft can beat `general` by more than "
+            + ", ".join(f"{w} {_fmt_pct(v)}" for w, v in acc["gain_ceiling_over_general"].items()) + ".",
             "",
-            f"Mean accepted draft tokens per iteration (greedy, gamma={acc['config']['gamma']}, "
-            f"{acc['config']['max_new_tokens']} new tokens, {acc['config']['prompts_per_workload']} prompts per workload; "
-            "computed exactly by teacher forcing over the target's greedy continuation, see "
-            "`memspec_ros/zoo/acceptance.py`). Rows: drafts; columns: held-out workloads.",
+            "Share of the target's generated tokens that complete a 4-token sequence it already generated in the same"
+            " continuation (loops, which any draft predicts): "
+            + ", ".join(f"{w} {v:.0%}" for w, v in acc["repeated_4gram_fraction"].items()) + ".",
             "",
-            "![acceptance matrix](acceptance_matrix.png)",
+        ] if "repeated_4gram_fraction" in acc else []),
+        *([
+            f"Expected acceptance when sampling at temperature {acc['sampling_temperature']} (mean of sum_v min(p_v, q_v)"
+            " over the continuation's positions: the probability that speculative sampling accepts the draft's token):",
             "",
             "| draft | " + " | ".join(WORKLOADS) + " |",
             "|---|" + "---:|" * len(WORKLOADS),
-        ]
-        for d, row in mat.items():
-            L.append(f"| {d} | " + " | ".join(f"**{row[w]:.2f}**" if w == d else f"{row[w]:.2f}" for w in WORKLOADS) + " |")
-        L += ["", "Gain of each domain draft over `general` (own domain in bold):", "", "| draft | " + " | ".join(DOMAINS) + " |", "|---|" + "---:|" * len(DOMAINS)]
-        for d, row in acc["domain_gain_over_general"].items():
-            L.append(f"| {d} | " + " | ".join(f"**{_fmt_pct(row[w])}**" if w == d else _fmt_pct(row[w]) for w in DOMAINS) + " |")
-        own = {d: acc["domain_gain_over_general"][d][d] for d in acc["domain_gain_over_general"]}
-        wins_off = [
-            f"{d} on {w} ({_fmt_pct(acc['domain_gain_over_general'][d][w])})"
-            for d in own
-            for w in DOMAINS
-            if w != d and acc["domain_gain_over_general"][d][w] >= 0
-        ]
-        L += [
+            *(f"| {d} | " + " | ".join(f"{row[w]:.2f}" for w in WORKLOADS) + " |" for d, row in acc["sampling_overlap"].items()),
             "",
-            "### Goals",
-            "",
-            "* each domain draft beats `general` on its own domain by >= 25%: "
-            + ", ".join(f"{d} {_fmt_pct(g)}" for d, g in own.items())
-            + f" -> {'met' if all(g >= 0.25 for g in own.values()) else 'NOT met for ' + ', '.join(d for d, g in own.items() if g < 0.25)}",
-            "* ... and loses to it on the other domains: "
-            + ("met" if not wins_off else "NOT everywhere: also beats `general` " + ", ".join(wins_off)),
-            f"* oracle_static_gain >= 0.20: **{acc['oracle_static_gain']:.3f}** "
-            f"({'met' if acc['oracle_static_gain'] >= 0.2 else 'NOT met'}; per workload "
-            + ", ".join(f"{w} {v:+.2f}" for w, v in acc["oracle_static_gain_by_workload"].items())
-            + ")",
-            f"* oracle_dynamic_gain_mixed >= 0.10: **{acc['oracle_dynamic_gain_mixed']:.3f}** "
-            f"({'met' if acc['oracle_dynamic_gain_mixed'] >= 0.1 else 'NOT met'}; dynamic {acc['oracle_dynamic_mixed']:.2f} vs "
-            f"best fixed {acc['best_fixed_per_prompt']['mixed']:.2f} accepted/iteration)",
-            "",
-            *([
-                "Ceiling: no draft accepts more than gamma tokens per iteration, so no draft can beat `general` by more than "
-                + ", ".join(f"{w} {_fmt_pct(v)}" for w, v in acc["gain_ceiling_over_general"].items()) + ".",
-                "",
-                "Share of the target's generated tokens that complete a 4-token sequence it already generated in the same"
-                " continuation (loops, which any draft predicts): "
-                + ", ".join(f"{w} {v:.0%}" for w, v in acc["repeated_4gram_fraction"].items()) + ".",
-                "",
-            ] if "repeated_4gram_fraction" in acc else []),
-            *([
-                f"Expected acceptance when sampling at temperature {acc['sampling_temperature']} (mean of sum_v min(p_v, q_v)"
-                " over the continuation's positions: the probability that speculative sampling accepts the draft's token):",
-                "",
-                "| draft | " + " | ".join(WORKLOADS) + " |",
-                "|---|" + "---:|" * len(WORKLOADS),
-                *(f"| {d} | " + " | ".join(f"{row[w]:.2f}" for w in WORKLOADS) + " |" for d, row in acc["sampling_overlap"].items()),
-                "",
-            ] if acc.get("sampling_overlap") else []),
-            "Mean generated tokens per prompt (the target stops at `</s>`): "
-            + ", ".join(f"{w} {v:.0f}" for w, v in acc["mean_generated_tokens"].items()),
-            "",
-        ]
+        ] if acc.get("sampling_overlap") else []),
+        "Mean generated tokens per prompt (the target stops at `</s>`): "
+        + ", ".join(f"{w} {v:.0f}" for w, v in acc["mean_generated_tokens"].items()),
+        "",
+    ]
+
+
+def _data_section(m: dict) -> list[str]:
     data = m.get("data", {})
-    L += [
+    L = [
         "## Data",
         "",
         "Train / held-out split by document (SHA-256 of the document id, 10% held out); paragraphs are",
@@ -339,7 +361,11 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
                 ("draft saw none (paper recipe: it is `general-base`)." if m.get("phases", {}).get("general", {}).get("copy_of")
                  else f"draft saw {c['sequences_per_source']} of each (as the paper's domain drafts see domain data the general draft did not)."),
             ]
-    L += [
+    return L
+
+
+def _build_section(m: dict, notes: str) -> list[str]:
+    L = [
         "",
         "## Build as run",
         "",
@@ -355,8 +381,11 @@ def render(m: dict, acc: dict | None, notes: str = "") -> str:
         )
     if notes:
         L += ["", notes.strip()]
-    L += ["", "## Reproduce", "", "```", "pip install -r requirements-zoo.txt", "memspec-zoo build            # resumable; work dir artifacts/zoo-build", "memspec-zoo acceptance --json artifacts/acceptance.json", "memspec-zoo card --acceptance-json artifacts/acceptance.json", "```", ""]
-    return "\n".join(L)
+    return L
+
+
+def _reproduce_section() -> list[str]:
+    return ["", "## Reproduce", "", "```", "pip install -r requirements-zoo.txt", "memspec-zoo build            # resumable; work dir artifacts/zoo-build", "memspec-zoo acceptance --json artifacts/acceptance.json", "memspec-zoo card --acceptance-json artifacts/acceptance.json", "```", ""]
 
 
 # bumped whenever measure() records something new, so cached measurements without it are redone

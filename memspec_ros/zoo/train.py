@@ -167,6 +167,84 @@ def _load_checkpoint(path: Path, model, opt, data, desc: str) -> tuple[dict | No
     return meta, best
 
 
+ADAM_BETAS = (0.9, 0.95)
+LOSS_EMA = (0.98, 0.02)  # the loss shown and logged: weights of its running value and of the new step's loss
+LOSS_LOG_EVERY = 50  # steps between entries of meta["losses"]
+TIMED_FROM_STEP = 2  # steps up to this one include allocator/thread warm-up: time per step is measured after
+HORIZON_MARGIN = 0.97  # the cosine horizon fitted to the time budget keeps 3% of it spare
+FIT_HORIZON_AT = 6  # earliest step the horizon is fitted at (its time per step measured over >= 4 steps)
+NO_TIME_BUDGET = 1e6  # max_minutes at or above this: only max_steps ends the run (its horizon is not fitted)
+
+
+class _BestParameters:
+    """Early stopping: ``validate(model)`` (higher is better) at a step; the best step's parameters are kept."""
+
+    def __init__(self, model, meta: dict, validate: Callable[[torch.nn.Module], float] | None,
+                 best: dict[str, torch.Tensor] | None) -> None:
+        self.model, self.meta, self.validate, self.best = model, meta, validate, best
+
+    def check(self, step: int) -> None:
+        score = self.validate(self.model)
+        self.meta.setdefault("validation", []).append([step, round(score, 5)])
+        if self.meta.get("best_step") is None or score > self.meta["best_score"]:
+            self.meta.update(best_step=step, best_score=score)
+            self.best = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def keep_best(self, step: int, desc: str, log: Callable[[str], None]) -> None:
+        """Validate the last step (unless just done) and put the best step's parameters back."""
+        meta = self.meta
+        if not meta.get("validation") or meta["validation"][-1][0] != step:
+            self.check(step)
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(self.best[n])
+        log(f"{desc}: validation {meta['validation'][-1][1]:.4f} at the last step, best {meta['best_score']:.4f} "
+            f"at step {meta['best_step']}: keeping step {meta['best_step']}")
+
+
+def _optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=ADAM_BETAS,
+    )
+
+
+def _loss(fwd, batch, teacher, cfg: TrainConfig, dev: torch.device) -> torch.Tensor:
+    """The step's loss: top-k KL on rollouts, next-token CE without a teacher, full KL to the teacher."""
+    if isinstance(batch, tuple):
+        # rollouts (see rollouts.py): the target's distribution on its own continuations
+        x, y, top_ids, top_logp = (t.to(dev) for t in batch)
+        return topk_kl(fwd(input_ids=x[:, :-1]).logits, y, top_ids, top_logp)
+    if teacher is None:
+        x = batch.to(dev)
+        return fwd(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+    inp = batch[:, :-1].to(dev)
+    with torch.no_grad():
+        t_logits = teacher(input_ids=inp).logits.float() / cfg.temperature
+    s_logits = fwd(input_ids=inp).logits.float() / cfg.temperature
+    return F.kl_div(
+        F.log_softmax(s_logits, -1).flatten(0, 1),
+        F.log_softmax(t_logits, -1).flatten(0, 1),
+        log_target=True,
+        reduction="batchmean",
+    ) * (cfg.temperature**2)
+
+
+def _step_loss(fwd, model, batch, loss_of: Callable, desc: str, log: Callable[[str], None]):
+    """(forward used, loss): the compiled forward, or the model's own if compiling fails (same loss)."""
+    try:
+        return fwd, loss_of(fwd, batch)
+    except Exception as e:
+        if fwd is model:
+            raise
+        # inductor needs a working C++ compiler; the eager step computes the same loss
+        log(f"{desc}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); training eagerly")
+        return model, loss_of(model, batch)
+
+
 def train(
     model,
     data: TokenStreams | RolloutStreams,
@@ -196,30 +274,16 @@ def train(
     model.to(dev).train()
     if teacher is not None:
         teacher.to(dev).eval()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = _optimizer(model, cfg)
     meta, best = _load_checkpoint(ckpt_dir, model, opt, data, desc)
     meta = meta or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": [], "desc": desc}
-
-    def check() -> None:
-        nonlocal best
-        score = validate(model)
-        meta.setdefault("validation", []).append([step, round(score, 5)])
-        if meta.get("best_step") is None or score > meta["best_score"]:
-            meta.update(best_step=step, best_score=score)
-            best = {n: p.detach().clone() for n, p in model.named_parameters()}
-
     if meta.get("done"):
         log(f"{desc}: already trained ({meta['step']} steps), skipping")
         return meta
+    keeper = _BestParameters(model, meta, validate, best)
     step, elapsed, total = meta["step"], meta["elapsed_s"], meta["total"]
     if cfg.validate_start and validate is not None and step == 0 and not meta.get("validation"):
-        check()  # the starting point competes too: fine-tuning that only hurts keeps the start
+        keeper.check(step)  # the starting point competes too: fine-tuning that only hurts keeps the start
     meta_start, t_first = step, time.time()
     budget_s = cfg.max_minutes * 60
     bar = tqdm(total=total, initial=step, desc=desc, mininterval=5, dynamic_ncols=True)
@@ -227,23 +291,7 @@ def train(
     ema = None
 
     def loss_of(fwd, batch) -> torch.Tensor:
-        if isinstance(batch, tuple):
-            # rollouts (see rollouts.py): the target's distribution on its own continuations
-            x, y, top_ids, top_logp = (t.to(dev) for t in batch)
-            return topk_kl(fwd(input_ids=x[:, :-1]).logits, y, top_ids, top_logp)
-        if teacher is None:
-            x = batch.to(dev)
-            return fwd(input_ids=x[:, :-1], labels=x[:, :-1]).loss
-        inp = batch[:, :-1].to(dev)
-        with torch.no_grad():
-            t_logits = teacher(input_ids=inp).logits.float() / cfg.temperature
-        s_logits = fwd(input_ids=inp).logits.float() / cfg.temperature
-        return F.kl_div(
-            F.log_softmax(s_logits, -1).flatten(0, 1),
-            F.log_softmax(t_logits, -1).flatten(0, 1),
-            log_target=True,
-            reduction="batchmean",
-        ) * (cfg.temperature**2)
+        return _loss(fwd, batch, teacher, cfg, dev)
 
     # the compiled module shares the model's parameters: checkpoints and validation use ``model``
     fwd = torch.compile(model) if cfg.compile else model
@@ -251,49 +299,35 @@ def train(
         batch = data.batch(cfg.batch_size, cfg.seq_len + 1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, cfg)
-        try:
-            loss = loss_of(fwd, batch)
-        except Exception as e:
-            if fwd is model:
-                raise
-            # inductor needs a working C++ compiler; the eager step computes the same loss
-            log(f"{desc}: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); training eagerly")
-            fwd = model
-            loss = loss_of(fwd, batch)
+        fwd, loss = _step_loss(fwd, model, batch, loss_of, desc, log)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        ema = loss.item() if ema is None else LOSS_EMA[0] * ema + LOSS_EMA[1] * loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
-        if step == 2:
-            t_first = time.time()  # steps 1-2 include allocator/thread warm-up: time from here
-        if step == max(cfg.warmup_steps, 6) and cfg.max_minutes < 1e6 and meta_start == 0:
+        if step == TIMED_FROM_STEP:
+            t_first = time.time()
+        if step == max(cfg.warmup_steps, FIT_HORIZON_AT) and cfg.max_minutes < NO_TIME_BUDGET and meta_start == 0:
             # fit the cosine horizon to the time budget, measured on this machine
-            per_step = (time.time() - t_first) / (step - 2)
-            total = min(cfg.max_steps, step + int((budget_s - (time.time() - t0)) / per_step * 0.97))
+            per_step = (time.time() - t_first) / (step - TIMED_FROM_STEP)
+            total = min(cfg.max_steps, step + int((budget_s - (time.time() - t0)) / per_step * HORIZON_MARGIN))
             bar.total = total
             log(f"{desc}: {per_step:.2f} s/step -> cosine horizon {total} steps")
-        if step % 50 == 0:
+        if step % LOSS_LOG_EVERY == 0:
             meta["losses"].append([step, round(ema, 4)])
         if validate is not None and step % cfg.validate_every == 0:
-            check()
+            keeper.check(step)
         if step % cfg.checkpoint_every == 0:
             meta.update(step=step, elapsed_s=time.time() - t0, total=total)
-            _save_checkpoint(ckpt_dir, model, opt, data, meta, best)
+            _save_checkpoint(ckpt_dir, model, opt, data, meta, keeper.best)
     bar.close()
     meta.update(step=step, elapsed_s=time.time() - t0, total=total, done=True, final_loss=ema, config=asdict(cfg))
     if validate is not None:
-        if not meta.get("validation") or meta["validation"][-1][0] != step:
-            check()
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(best[n])
-        log(f"{desc}: validation {meta['validation'][-1][1]:.4f} at the last step, best {meta['best_score']:.4f} "
-            f"at step {meta['best_step']}: keeping step {meta['best_step']}")
-    _save_checkpoint(ckpt_dir, model, opt, data, meta, best)
+        keeper.keep_best(step, desc, log)
+    _save_checkpoint(ckpt_dir, model, opt, data, meta, keeper.best)
     log(f"{desc}: {step} steps in {meta['elapsed_s'] / 60:.1f} min, loss {ema:.3f}")
     return meta
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -125,6 +125,28 @@ def forward_once(model: torch.nn.Module, ids: Sequence[int], kv: KVState, keep: 
 
 
 _KVState, _forward = KVState, forward_once  # the engine's own names for them
+
+
+@dataclass
+class _Proposal:
+    """A draft's proposed tokens, the distributions they were drawn from (sampling), and its cache."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    kv: _KVState | None = None
+
+
+class _Stopwatch:
+    """``with _Stopwatch() as w: ...`` then ``w.seconds``: the one timer of the hot path."""
+
+    seconds = 0.0
+
+    def __enter__(self) -> _Stopwatch:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._start
 
 
 class _TextStream:
@@ -279,22 +301,24 @@ class SpeculativeSession:
         """Forget a draft's KV cache (its model was evicted); it catches up if it returns."""
         self._draft_kv.pop(name, None)
 
-    # -- sampling helpers -----------------------------------------------------
-    def _pick(self, logits: torch.Tensor) -> int:
+    # -- the algorithm: propose -> verify -> accept -> commit ---------------------
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One token from a row of logits, for draft and target alike: the argmax, or a draw from the
+        warped distribution (returned too: the acceptance rule needs the draft's q)."""
         if self.sampling.greedy:
-            return int(logits.argmax())
-        return int(torch.multinomial(warp_probs(logits, self.sampling), 1, generator=self.generator))
+            return int(logits.argmax()), None
+        probs = warp_probs(logits, self.sampling)
+        return int(torch.multinomial(probs, 1, generator=self.generator)), probs
 
-    # -- the algorithm --------------------------------------------------------
     @torch.inference_mode()
     def prefill(self) -> int:
         """Encode the prompt with the target and commit the first token."""
         if self.started:
             raise RuntimeError("prefill() was already called for this session")
-        t0 = time.perf_counter()
-        logits = _forward(self.target, self.tokens, self._target_kv, 1, self.device, self._target_lean)
-        token = self._pick(logits[-1])
-        self.stats.prefill_seconds = time.perf_counter() - t0
+        with _Stopwatch() as watch:
+            logits = _forward(self.target, self.tokens, self._target_kv, 1, self.device, self._target_lean)
+            token, _ = self._choose(logits[-1])
+        self.stats.prefill_seconds = watch.seconds
         self._decode_started = time.perf_counter()
         self._commit([token])
         return token
@@ -310,59 +334,67 @@ class SpeculativeSession:
         gamma = min(self._gamma_for(draft_name, draft), remaining - 1) if draft is not None else 0
         stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
                                draft_seconds=0.0, verify_seconds=0.0)
-        proposals: list[int] = []
-        draft_probs: list[torch.Tensor] = []
-        if gamma > 0:
-            kv = self._draft_kv.get(draft_name)
-            # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
-            catching_up = kv is None or draft_name != self._last_draft
-            if kv is None:
-                kv = self._draft_kv[draft_name] = _KVState()
-            feed = self.tokens[kv.length :]
-            lean = lean_forward_for(draft) if self.lean_drafts else None
-            for _ in range(gamma):
-                t0 = time.perf_counter()
-                logits = _forward(draft, feed, kv, 1, self.device, lean)[-1]
-                if self.sampling.greedy:
-                    token = int(logits.argmax())
-                else:
-                    q = warp_probs(logits, self.sampling)
-                    token = int(torch.multinomial(q, 1, generator=self.generator))
-                    draft_probs.append(q)
-                elapsed = time.perf_counter() - t0
-                if catching_up and not proposals:
-                    stats.catchup_tokens, stats.catchup_seconds = len(feed), elapsed
-                else:
-                    stats.draft_seconds += elapsed
-                proposals.append(token)
-                feed = [token]
-            self._last_draft = draft_name
-        t0 = time.perf_counter()
+        proposal = self._propose(draft_name, draft, gamma, stats) if gamma > 0 else _Proposal()
+        with _Stopwatch() as watch:
+            logits = self._verify(proposal.tokens)
+            accepted, extra = self._accept(logits, proposal)
+        stats.verify_seconds = watch.seconds
+        stats.proposed, stats.accepted = len(proposal.tokens), accepted
+        if self._gamma_chooser is not None and draft is not None:
+            self._gamma_chooser.observe(draft_name, len(proposal.tokens), accepted)
+        stats.committed = self._commit_accepted(proposal, accepted, extra)
+        self.stats.iterations.append(stats)
+        return stats
+
+    def _propose(self, draft_name: str, draft: torch.nn.Module, gamma: int, stats: IterationStats) -> _Proposal:
+        """The draft proposes ``gamma`` tokens, first catching up on what it has not seen."""
+        kv = self._draft_kv.get(draft_name)
+        # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
+        catching_up = kv is None or draft_name != self._last_draft
+        if kv is None:
+            kv = self._draft_kv[draft_name] = _KVState()
+        proposal = _Proposal(kv=kv)
+        feed = self.tokens[kv.length :]
+        lean = lean_forward_for(draft) if self.lean_drafts else None
+        for _ in range(gamma):
+            with _Stopwatch() as watch:
+                token, q = self._choose(_forward(draft, feed, kv, 1, self.device, lean)[-1])
+            if catching_up and not proposal.tokens:
+                stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds
+            else:
+                stats.draft_seconds += watch.seconds
+            proposal.tokens.append(token)
+            if q is not None:
+                proposal.probs.append(q)
+            feed = [token]
+        self._last_draft = draft_name
+        return proposal
+
+    def _verify(self, proposals: list[int]) -> torch.Tensor:
+        """The target scores the uncached committed tokens and every proposal in one forward."""
         feed = self.tokens[self._target_kv.length :] + proposals
-        logits = _forward(self.target, feed, self._target_kv, len(proposals) + 1, self.device, self._target_lean)
+        return _forward(self.target, feed, self._target_kv, len(proposals) + 1, self.device, self._target_lean)
+
+    def _accept(self, logits: torch.Tensor, proposal: _Proposal) -> tuple[int, int]:
+        """How many proposals stand, and the target's own next token (greedy match, or the sampling rule)."""
         if self.sampling.greedy:
             choices = logits.argmax(dim=-1).tolist()
             accepted = 0
-            while accepted < len(proposals) and proposals[accepted] == choices[accepted]:
+            while accepted < len(proposal.tokens) and proposal.tokens[accepted] == choices[accepted]:
                 accepted += 1
-            extra = choices[accepted]
-        else:
-            p = warp_probs(logits, self.sampling)
-            q = torch.stack(draft_probs) if draft_probs else p[:0]
-            accepted, extra = speculative_accept(p, q, proposals, self.generator)
-        stats.verify_seconds = time.perf_counter() - t0
-        stats.proposed, stats.accepted = len(proposals), accepted
-        if self._gamma_chooser is not None and draft is not None:
-            self._gamma_chooser.observe(draft_name, len(proposals), accepted)
+            return accepted, choices[accepted]
+        p = warp_probs(logits, self.sampling)
+        q = torch.stack(proposal.probs) if proposal.probs else p[:0]
+        return speculative_accept(p, q, proposal.tokens, self.generator)
+
+    def _commit_accepted(self, proposal: _Proposal, accepted: int, extra: int) -> int:
+        """Roll both caches back to the committed text (all but the newest token), then commit."""
         base = len(self.tokens)
-        # roll back: both caches keep only committed tokens (all but the newest one)
         self._target_kv.crop_to(base + accepted)
-        if gamma > 0:
-            # the local ``kv``: an eviction on the loader thread may have dropped the dict entry meanwhile
-            kv.crop_to(base + accepted)
-        stats.committed = self._commit(proposals[:accepted] + [extra])
-        self.stats.iterations.append(stats)
-        return stats
+        if proposal.kv is not None:
+            # the proposal's own ``kv``: an eviction on the loader thread may have dropped the dict entry meanwhile
+            proposal.kv.crop_to(base + accepted)
+        return self._commit(proposal.tokens[:accepted] + [extra])
 
     def _gamma_for(self, draft_name: str, draft: torch.nn.Module) -> int:
         if self._gamma_chooser is None:

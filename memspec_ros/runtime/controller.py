@@ -312,6 +312,7 @@ class RuntimeController:
             resident=self.cache.resident(),
             active=active,
             failed=list(self.cache.failed()),
+            max_new_tokens=session.max_new_tokens,
         )
 
     def _sync_registry(self, active: str) -> bool:

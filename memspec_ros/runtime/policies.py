@@ -33,6 +33,7 @@ c = 2.0 (the paper's best), every arm tried once before UCB applies.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +44,8 @@ from .stats import IterationStats
 # the paper's seven (its figures compare these), then the myopic oracle kept for comparison
 PAPER_POLICIES = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only", "oracle-dynamic",
                   "memspec")
-POLICIES = (*PAPER_POLICIES, "oracle-next-interval")
+COST_AWARE = "memspec-cost-aware"  # beyond the paper: MemSpec whose switches and prefetches pay for themselves
+POLICIES = (*PAPER_POLICIES, "oracle-next-interval", COST_AWARE)
 ORACLE_POLICIES = ("oracle-static", "oracle-dynamic", "oracle-next-interval")
 LOAD_WAIT, LOAD_REQUEST, LOAD_PREFETCH = "wait", "request", "prefetch"
 
@@ -65,6 +67,7 @@ class SchedulingPoint:
     resident: list[str]  # G now
     active: str  # the draft that ran the last interval ("" none)
     failed: list[str] = field(default_factory=list)  # drafts whose load failed (skip them)
+    max_new_tokens: int = 0  # the generation's token budget (0: unknown)
 
     def prediction_context(self) -> PredictionContext:
         return PredictionContext(
@@ -331,6 +334,115 @@ class MemSpecPolicy(_Predicted):
         return Choice(ranking[0][0], LOAD_PREFETCH, ranking)
 
 
+class CostAwareMemSpecPolicy(_Predicted):
+    """MemSpec whose switches and prefetches must pay for themselves (beyond the paper).
+
+    The paper's MemSpec runs the best-ranked resident draft and prefetches the top K, whatever the
+    ranking's margin, the tokens left, or what a switch costs. This policy values each other draft
+    ``b`` against the active draft ``a`` at every scheduling point, in tokens, from what it has
+    measured in this generation (``observe``) and the prediction:
+
+    * predicted gain = (p(b) - p(a)) * E[A] * (R - delay(b)): the ranking margin is the confidence,
+      read as the expected relative change in accepted tokens per iteration (E[A], measured so far);
+      R = iterations left = (max_new_tokens - generated) / (1 + E[A]); delay(b) = 0 for a resident
+      draft, else its load time in iterations (measured: scheduling points from asking for a
+      prefetch to seeing it resident, times N; one interval before any is measured, the earliest a
+      prefetched draft can run);
+    * cost = the catch-up b needs (its KV cache lacks every token since it last ran, or the whole
+      context if it never ran or was evicted) * the measured catch-up seconds per token, in tokens:
+      / (draft + verify seconds per iteration) * (1 + E[A]).
+
+    It switches to the resident draft of largest positive value, prefetches a non-resident draft
+    only when its value is positive (evicting the lowest-valued resident draft, never the active
+    one), and otherwise keeps the resident set as it is. Free slots are filled from the ranking as
+    MemSpec does (no eviction and no catch-up until the draft runs), so the first choice is MemSpec's.
+    Nothing here is a constant fitted to a workload: every quantity is measured while it runs.
+    """
+
+    name = COST_AWARE
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        super().start(prompt_ids)
+        self._prompt_len = len(prompt_ids)
+        self._kv: dict[str, int] = {}  # draft -> context tokens its KV cache holds (while resident)
+        self._accepted = self._iterations = self._catchup_tokens = 0
+        self._iteration_seconds = self._catchup_seconds = 0.0
+        self._interval_length = 0  # N, as observed
+        self._asked: dict[str, int] = {}  # non-resident draft -> scheduling point its prefetch was asked at
+        self._load_points: list[int] = []  # measured: points from asking to resident
+        self.declined = 0  # switches or prefetches MemSpec would have made and this rule did not
+
+    def observe(self, draft: str, iterations: Sequence[IterationStats]) -> None:
+        self._interval_length = max(self._interval_length, len(iterations))
+        for it in iterations:
+            if it.proposed <= 0:
+                continue
+            self._iterations += 1
+            self._accepted += it.accepted
+            self._iteration_seconds += it.draft_seconds + it.verify_seconds
+            if it.catchup_tokens:
+                self._catchup_tokens += it.catchup_tokens
+                self._catchup_seconds += it.catchup_seconds
+
+    def values(self, point: SchedulingPoint, probs: dict[str, float]) -> dict[str, float]:
+        """Each other viable draft's net value (tokens) of switching to it from the active draft."""
+        active = point.active
+        generated = len(point.generated_ids)
+        mean_accepted = self._accepted / self._iterations
+        per_iteration = 1.0 + mean_accepted
+        budget = point.max_new_tokens or 2 * generated  # unknown budget: assume as many tokens again
+        left = max(0, budget - generated) / per_iteration
+        seconds = self._iteration_seconds / self._iterations
+        per_token = self._catchup_seconds / self._catchup_tokens if self._catchup_tokens else 0.0
+        interval = self._interval_length or 1
+        delay = interval * (statistics.fmean(self._load_points) if self._load_points else 1.0)
+        context = self._prompt_len + generated
+        out = {}
+        for b, p in probs.items():
+            if b == active:
+                continue
+            wait = 0.0 if b in point.resident else delay
+            gain = (p - probs.get(active, 0.0)) * mean_accepted * max(0.0, left - wait)
+            catchup = (context - self._kv.get(b, 0)) * per_token
+            cost = catchup / seconds * per_iteration if seconds > 0 else 0.0
+            out[b] = gain - cost
+        return out
+
+    def choose(self, point: SchedulingPoint) -> Choice:
+        ranking = [p for p in self.ranking(point) if p[0] in point.viable]
+        if not ranking:
+            return Choice("", LOAD_PREFETCH, [])
+        resident = [d for d, _ in ranking if d in point.resident]
+        for d in [d for d in self._asked if d in resident]:
+            self._load_points.append(point.interval - self._asked.pop(d))
+        for d in [d for d in self._kv if d not in point.resident]:
+            del self._kv[d]  # evicted: its KV cache went with it
+        active = point.active if point.active in point.resident else ""
+        if active:
+            self._kv[active] = self._prompt_len + len(point.generated_ids) - 1
+        if point.interval == 0 or not active or not self._iterations:
+            self._ask([d for d, _ in ranking[1:2] if d not in point.resident], point.interval)
+            return Choice(ranking[0][0], LOAD_PREFETCH, ranking)  # MemSpec's choice: nothing measured yet
+        values = self.values(point, dict(ranking))
+        worth = sorted((d for d, v in values.items() if v > 0), key=lambda d: -values[d])
+        preferred = worth[0] if worth else active
+        best_resident = next((d for d in worth if d in point.resident), active)
+        if preferred != ranking[0][0]:
+            self.declined += 1
+        # what the cache should hold, best first (W = top-K of this order, runtime/cache.py): the
+        # preferred draft, what runs until it is resident, every resident draft (so only the preferred
+        # draft, when worth it, evicts one: the lowest-valued), then free-slot fillers by the ranking
+        others = sorted((d for d in resident if d not in (preferred, best_resident, active)), key=lambda d: -values[d])
+        fill = [d for d, _ in ranking if d not in point.resident]
+        order = list(dict.fromkeys([preferred, best_resident, active, *others, *fill]))
+        self._ask([preferred] if preferred not in point.resident else [], point.interval)
+        return Choice(preferred, LOAD_PREFETCH, [(d, float(len(order) - i)) for i, d in enumerate(order)])
+
+    def _ask(self, drafts: Sequence[str], interval: int) -> None:
+        """Note when each draft's prefetch was asked for (earlier asks for other drafts lapse)."""
+        self._asked = {d: self._asked.get(d, interval) for d in drafts}
+
+
 def make_policy(
     name: str,
     *,
@@ -357,4 +469,6 @@ def make_policy(
         return PredictionOnlyPolicy(predictor)
     if name == "memspec":
         return MemSpecPolicy(predictor)
+    if name == COST_AWARE:
+        return CostAwareMemSpecPolicy(predictor)
     raise PolicyError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")

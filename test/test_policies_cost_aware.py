@@ -1,0 +1,119 @@
+"""memspec-cost-aware: a switch or a prefetch happens only when its predicted gain pays for its cost.
+
+The policy is driven directly with scheduling points and iteration records, so every quantity it
+measures is set by the test; nothing is timed.
+"""
+
+from __future__ import annotations
+
+from memspec_ros.runtime.policies import COST_AWARE, LOAD_PREFETCH, MemSpecPolicy, SchedulingPoint, make_policy
+from memspec_ros.runtime.predictor import FixedRanker
+from memspec_ros.runtime.stats import IterationStats
+
+DRAFTS = ["general", "code", "math"]
+PROMPT = list(range(50))
+N = 4
+
+
+def ranker(probs: dict[str, float]) -> FixedRanker:
+    return FixedRanker(lambda context: dict(probs))
+
+
+def point(interval: int, generated: int, active: str, resident: list[str], budget: int = 128) -> SchedulingPoint:
+    gen = list(range(generated))
+    return SchedulingPoint(interval=interval, prompt_ids=PROMPT, generated_ids=gen, recent_ids=gen[-32:],
+                           candidates=DRAFTS, domains={d: d for d in DRAFTS}, resident=resident, active=active,
+                           max_new_tokens=budget)
+
+
+def interval_of(draft: str, accepted: int = 1, catchup_tokens: int = 0, catchup_seconds: float = 0.0,
+                seconds: float = 0.1) -> list[IterationStats]:
+    """N iterations of ``draft``, each accepting ``accepted`` of 4 proposals; the first one caught up."""
+    its = []
+    for i in range(N):
+        it = IterationStats(draft=draft, proposed=4, accepted=accepted, committed=accepted + 1,
+                            draft_seconds=seconds * 0.1, verify_seconds=seconds * 0.9)
+        if i == 0 and catchup_tokens:
+            it.catchup_tokens, it.catchup_seconds = catchup_tokens, catchup_seconds
+        its.append(it)
+    return its
+
+
+def started(probs: dict[str, float], catchup_seconds_per_token: float, seconds: float = 0.1):
+    """A cost-aware policy after its first choice and one interval of ``general`` (catch-up over the prompt)."""
+    policy = make_policy(COST_AWARE, predictor=ranker(probs))
+    policy.start(PROMPT)
+    policy.choose(point(0, 0, "", []))
+    policy.observe("general", interval_of("general", catchup_tokens=len(PROMPT) + 1,
+                                          catchup_seconds=catchup_seconds_per_token * (len(PROMPT) + 1),
+                                          seconds=seconds))
+    return policy
+
+
+def test_its_first_choice_is_memspecs():
+    probs = {"code": 0.6, "math": 0.3, "general": 0.1}
+    cost_aware = make_policy(COST_AWARE, predictor=ranker(probs))
+    memspec = MemSpecPolicy(ranker(probs))
+    for p in (cost_aware, memspec):
+        p.start(PROMPT)
+    a, b = cost_aware.choose(point(0, 0, "", [])), memspec.choose(point(0, 0, "", []))
+    assert (a.preferred, a.load, a.ranking) == (b.preferred, b.load, b.ranking)
+
+
+def test_a_cheap_switch_with_a_clear_margin_is_taken():
+    policy = started({"code": 0.8, "general": 0.1, "math": 0.1}, catchup_seconds_per_token=1e-5)
+    choice = policy.choose(point(1, 10, "general", ["general", "code"]))
+    assert choice.preferred == "code" and choice.load == LOAD_PREFETCH
+
+
+def test_a_switch_whose_catch_up_costs_more_than_it_gains_is_declined():
+    # the same margin; a catch-up over the context now costs many iterations' worth of tokens
+    policy = started({"code": 0.8, "general": 0.1, "math": 0.1}, catchup_seconds_per_token=0.05)
+    choice = policy.choose(point(1, 10, "general", ["general", "code"]))
+    assert choice.preferred == "general"
+    # and MemSpec, which does not weigh costs, switches
+    memspec = MemSpecPolicy(ranker({"code": 0.8, "general": 0.1, "math": 0.1}))
+    memspec.start(PROMPT)
+    assert memspec.choose(point(1, 10, "general", ["general", "code"])).preferred == "code"
+
+
+def test_near_the_end_of_the_budget_nothing_pays():
+    probs = {"code": 0.8, "general": 0.1, "math": 0.1}
+    early = started(probs, catchup_seconds_per_token=2e-3).choose(point(1, 10, "general", ["general", "code"]))
+    late = started(probs, catchup_seconds_per_token=2e-3).choose(point(1, 124, "general", ["general", "code"]))
+    assert early.preferred == "code" and late.preferred == "general"
+
+
+def test_a_small_margin_does_not_move_the_cache():
+    """Without a draft worth prefetching, the resident set stays: the ranking handed to the cache puts
+    every resident draft before any non-resident one, so W = top-K evicts nothing."""
+    policy = started({"math": 0.36, "general": 0.35, "code": 0.29}, catchup_seconds_per_token=1e-3)
+    choice = policy.choose(point(1, 10, "general", ["general", "code"]))
+    assert choice.preferred == "general"
+    order = [d for d, _ in choice.ranking]
+    assert set(order[:2]) == {"general", "code"}  # K = 2: the resident pair is W; math is not loaded
+
+
+def test_a_worthwhile_non_resident_draft_is_prefetched_and_the_active_one_runs_meanwhile():
+    policy = started({"math": 0.9, "general": 0.05, "code": 0.05}, catchup_seconds_per_token=1e-5)
+    choice = policy.choose(point(1, 10, "general", ["general", "code"]))
+    order = [d for d, _ in choice.ranking]
+    assert choice.preferred == "math" and order[:2] == ["math", "general"]  # W = {math, general}: code goes
+    # its load is measured: asked at point 1, resident at point 3 -> two intervals (after the runner-up
+    # MemSpec's first choice prefetched: asked at point 0, resident at point 1)
+    policy.observe("general", interval_of("general"))
+    policy.choose(point(2, 20, "general", ["general"]))
+    policy.observe("general", interval_of("general"))
+    policy.choose(point(3, 30, "general", ["general", "math"]))
+    assert policy._load_points == [1, 2]
+
+
+def test_the_catch_up_a_returning_draft_needs_is_what_it_missed():
+    """A draft that ran and stayed resident only catches up on the tokens since; an evicted one on everything."""
+    policy = started({"code": 0.5, "general": 0.45, "math": 0.05}, catchup_seconds_per_token=1e-3)
+    probs = {"code": 0.5, "general": 0.45, "math": 0.05}
+    # general is active at 10 tokens; code never ran: it must catch up on the whole context
+    never_ran = policy.values(point(1, 10, "general", ["general", "code"]), probs)["code"]
+    policy._kv["code"] = len(PROMPT) + 8  # code ran until 2 tokens ago and stayed resident
+    returning = policy.values(point(1, 10, "general", ["general", "code"]), probs)["code"]
+    assert returning > never_ran

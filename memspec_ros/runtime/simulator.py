@@ -1,0 +1,555 @@
+"""Trace-driven simulator: the real policy objects, replayed over recorded utilities and measured costs.
+
+Under greedy decoding the output does not depend on the draft, so one recorded trace per prompt
+(the target's greedy continuation and every draft's agreement with it, :class:`oracle.GreedyOracle`)
+says how many tokens any draft gets accepted from any position. The simulator runs the controller's
+loop (runtime/controller.py's ``_run`` and ``_resolve``) over such a trace in virtual time: the
+SAME :class:`~runtime.policies.DraftPolicy` objects choose at every scheduling point, a
+:class:`SimCache` with the draft cache's rules (runtime/cache.py: K slots, W = top-K, lowest-scored
+eviction, the active draft protected, ONE loader thread) holds the drafts, and every piece of time
+comes from a :class:`CostModel` measured on real runs (verify per proposal count, draft forward per
+token, catch-up per token fed, scheduling-point work per policy, prefill per prompt token, each
+draft's load through the storage medium). Each simulated generation is a real
+:class:`~runtime.stats.GenerationStats`, so both throughput metrics, the fallback fraction and the
+time breakdown have the same definitions as for real runs (runtime/stats.py).
+
+The predictor is replayed too: the minilm encoder works on token ids as it is, and the
+target-hidden encoder's hook (which records the target's hidden states while it verifies) is
+replaced by :class:`TraceHiddenEncoder`, which pools the same positions of ONE teacher-forced target
+pass over prompt + continuation, so the same ranking head ranks the same contexts.
+
+What it leaves out, by design: the real loader competes with decoding for the CPU while it builds
+a draft, and the machine's own noise. The policy bench measures how far that takes the simulator
+from real runs (``simulator_validation`` in its JSON) on the same prompts; sweeps are only as good
+as that validation.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cache import normalise_ranking
+from .oracle import GreedyOracle, ScheduleCosts
+from .policies import LOAD_PREFETCH, LOAD_REQUEST, LOAD_WAIT, Choice, DraftPolicy, SchedulingPoint
+from .predictor import PredictionEngine, recent_window
+from .stats import GenerationStats, GenerationTotals, IterationStats
+
+EPSILON = 1e-9  # a load that ends now is resident only strictly after it started (the loader is a thread)
+
+
+# -- traces ---------------------------------------------------------------------------------------
+
+@dataclass
+class PromptTrace:
+    """One prompt's recorded future: the target's greedy continuation and each draft's agreement with it.
+
+    ``eos``: the continuation ends with an end token (it stopped before any budget); otherwise it
+    was cut at ``len(continuation)`` tokens and budgets up to that length can be replayed.
+    ``hidden``: the target's final hidden states over prompt + continuation (target-hidden predictor).
+    """
+
+    workload: str
+    prompt_ids: list[int]
+    continuation: list[int]
+    agreement: dict[str, list[bool]]
+    eos: bool = False
+    hidden: torch.Tensor | None = None
+
+    @classmethod
+    def from_oracle(cls, workload: str, prompt_ids: Sequence[int], oracle: GreedyOracle,
+                    eos_token_ids: Iterable[int] = ()) -> PromptTrace:
+        cont = list(oracle.continuation)
+        eos = bool(cont) and cont[-1] in set(eos_token_ids)
+        return cls(workload, list(prompt_ids), cont, {d: list(a) for d, a in oracle.agreement.items()}, eos)
+
+    def budget(self, max_new_tokens: int) -> int:
+        """Tokens a generation with this budget outputs (the continuation may end sooner, at its end token)."""
+        if max_new_tokens > len(self.continuation) and not self.eos:
+            raise ValueError(f"the trace has {len(self.continuation)} tokens without an end token: it cannot"
+                             f" replay a budget of {max_new_tokens}; record it with a larger budget")
+        return min(max_new_tokens, len(self.continuation))
+
+    def oracle(self, max_new_tokens: int, gamma: int, interval: int, costs: ScheduleCosts | None) -> GreedyOracle:
+        """The oracle a real run with this budget gets (the continuation cut to the budget)."""
+        n = self.budget(max_new_tokens)
+        return GreedyOracle(self.continuation[:n], {d: a[:n] for d, a in self.agreement.items()}, gamma, interval,
+                            costs=costs)
+
+    def accepted(self, draft: str, position: int, proposed: int) -> int:
+        """Proposals the target accepts from ``position`` (greedy: the run of agreements, capped)."""
+        agree = self.agreement.get(draft, [])
+        k = 0
+        while k < proposed and position + k < len(agree) and agree[position + k]:
+            k += 1
+        return k
+
+
+@torch.inference_mode()
+def target_hidden_states(target: torch.nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """[len(prompt) + len(continuation), hidden]: the target's final hidden state at every position (one pass)."""
+    ids = list(prompt_ids) + list(continuation)
+    device = next(target.parameters()).device
+    decoder = getattr(target, "model", None) or target.get_decoder()
+    out = decoder(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[0].detach().float().cpu()
+
+
+class TraceHiddenEncoder:
+    """The target-hidden encoder fed from recorded hidden states instead of a hook on the live target.
+
+    It pools the positions the live encoder pools (runtime/predictor.py: the prompt's mean, and the
+    mean over :func:`recent_window`), so the same ranking head sees the same features.
+    ``recent=False`` replays a live encoder whose hook sees no decoding forwards (its recent half
+    stays zero: :func:`live_recent_features` tells which one a runtime has).
+    """
+
+    name = "target-hidden"
+
+    def __init__(self, dim: int, traces: Iterable[PromptTrace], recent: bool = True) -> None:
+        self.dim = dim
+        self.recent = recent
+        self._hidden = {tuple(t.prompt_ids): t.hidden for t in traces if t.hidden is not None}
+        self._current: torch.Tensor | None = None
+        self._prompt_len = 0
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        key = tuple(prompt_ids)
+        if key not in self._hidden:
+            raise KeyError("no recorded hidden states for this prompt: record its trace with the target first")
+        self._current, self._prompt_len = self._hidden[key], len(key)
+
+    def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        assert self._current is not None
+        return self._current[: self._prompt_len].mean(0)
+
+    def recent_features(self, recent_ids: Sequence[int], generated: int) -> torch.Tensor:
+        if not recent_ids or self._current is None or not self.recent:
+            return torch.zeros(self.dim)
+        window = recent_window(self._prompt_len, generated, len(recent_ids))
+        rows = self._current[window.start : window.stop]
+        return rows.mean(0) if len(rows) else torch.zeros(self.dim)
+
+
+def live_recent_features(engine: PredictionEngine, prompt_ids: Sequence[int], generated_ids: Sequence[int]) -> bool:
+    """Whether a live predictor saw the recent tokens of the generation it just ran (its recent half is
+    not all zero): call it right after ``generated_ids`` were generated from ``prompt_ids``."""
+    if not generated_ids:
+        return False
+    recent = list(generated_ids[-engine.recent_tokens :])
+    features = engine.encoder.recent_features(recent, len(generated_ids))
+    return bool(features.abs().sum() > 0)
+
+
+def replay_predictor(engine: PredictionEngine | None, traces: Sequence[PromptTrace],
+                     recent: bool = True) -> PredictionEngine | None:
+    """The same ranking head over recorded contexts (target-hidden), or the engine itself (minilm: ids only).
+
+    ``recent``: whether the live encoder's recent half is live (:func:`live_recent_features`)."""
+    if engine is None or engine.config.encoder != "target-hidden":
+        return engine
+    return PredictionEngine(engine.head, TraceHiddenEncoder(engine.encoder.dim, traces, recent), engine.recent_tokens)
+
+
+# -- measured costs ------------------------------------------------------------------------------------
+
+def _mean(xs: Sequence[float], default: float = 0.0) -> float:
+    return statistics.fmean(xs) if xs else default
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys on xs; the mean as intercept where xs do not vary."""
+    if not xs:
+        return 0.0, 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= 0:
+        return my, 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    return my - slope * mx, slope
+
+
+@dataclass
+class CostModel:
+    """Every time the simulator charges, measured on real runs of this machine (seconds).
+
+    Pooled over every measured policy (one machine, one target, drafts of one architecture), except
+    the work each policy does on the decode thread at its scheduling points and before prefill, which
+    is its own.
+    """
+
+    verify_seconds: dict[int, float] = field(default_factory=dict)  # by proposals verified (0: a target-only step)
+    draft_token_seconds: float = 0.0  # one draft forward of one token
+    catchup_base_seconds: float = 0.0  # a catch-up forward (it also yields the first proposal) ...
+    catchup_token_seconds: float = 0.0  # ... plus this per token fed
+    other_iteration_seconds: float = 0.0  # the rest of the decode wall time, per iteration
+    prefill_base_seconds: float = 0.0
+    prefill_token_seconds: float = 0.0
+    point_seconds: dict[str, float] = field(default_factory=dict)  # per policy: one scheduling point's work
+    setup_seconds: dict[str, float] = field(default_factory=dict)  # per policy: the first choice, first load excluded
+    load_seconds: dict[str, float] = field(default_factory=dict)  # per draft, through the storage medium
+    medium: str = ""
+
+    def verify(self, proposed: int) -> float:
+        if proposed in self.verify_seconds:
+            return self.verify_seconds[proposed]
+        known = sorted(self.verify_seconds)
+        if not known:
+            return 0.0
+        nearest = min(known, key=lambda k: abs(k - proposed))
+        return self.verify_seconds[nearest]
+
+    def catchup(self, tokens: int) -> float:
+        return max(0.0, self.catchup_base_seconds + self.catchup_token_seconds * tokens)
+
+    def prefill(self, prompt_tokens: int) -> float:
+        return max(0.0, self.prefill_base_seconds + self.prefill_token_seconds * prompt_tokens)
+
+    def load(self, draft: str) -> float:
+        if draft in self.load_seconds:
+            return self.load_seconds[draft]
+        return _mean(list(self.load_seconds.values()))
+
+    def with_loads(self, load_seconds: Mapping[str, float], medium: str) -> CostModel:
+        """The same machine reading its drafts from another medium."""
+        return CostModel(**{**asdict(self), "load_seconds": dict(load_seconds), "medium": medium})
+
+    def iteration_seconds(self, gamma: int) -> float:
+        """A full speculative iteration (gamma draft tokens + their verify): the unit ScheduleCosts counts in."""
+        return gamma * self.draft_token_seconds + self.verify(gamma)
+
+    def schedule_costs(self, capacity: int, gamma: int, catchup_tokens: int = 0) -> ScheduleCosts:
+        """What Oracle-Dynamic plans with, from this model (a catch-up over ``catchup_tokens``)."""
+        return ScheduleCosts(capacity=capacity, iteration_seconds=self.iteration_seconds(gamma),
+                             catchup_seconds=self.catchup(catchup_tokens), load_seconds=dict(self.load_seconds))
+
+    @classmethod
+    def measure(cls, runs: Iterable[tuple[str, GenerationStats]], load_seconds: Mapping[str, float],
+                medium: str = "") -> CostModel:
+        """Fit the model to real generations: ``runs`` = (policy, stats) of every measured generation."""
+        verify: dict[int, list[float]] = {}
+        draft_tok: list[float] = []
+        catch_x: list[float] = []
+        catch_y: list[float] = []
+        other: list[float] = []
+        prefill_x: list[float] = []
+        prefill_y: list[float] = []
+        point: dict[str, list[float]] = {}
+        setup: dict[str, list[float]] = {}
+        mean_load = _mean(list(load_seconds.values()))
+        for policy, stats in runs:
+            its = stats.iterations
+            for it in its:
+                verify.setdefault(it.proposed, []).append(it.verify_seconds)
+                tokens = it.proposed - (1 if it.catchup_tokens else 0)
+                if tokens > 0:
+                    draft_tok.append(it.draft_seconds / tokens)
+                if it.catchup_tokens:
+                    catch_x.append(it.catchup_tokens)
+                    catch_y.append(it.catchup_seconds)
+            parts = stats.time_breakdown()
+            if its:
+                other.append(parts["other"] / len(its))
+            # the work at scheduling points (intervals >= 1): choose + resolve, waits excluded
+            points = stats.predictions - 1
+            if points > 0:
+                point.setdefault(policy, []).append(stats.prediction_seconds / points)
+            prefill_x.append(stats.prompt_tokens)
+            prefill_y.append(stats.prefill_seconds)
+            setup.setdefault(policy, []).append(max(0.0, stats.setup_seconds - mean_load))
+        catch_base, catch_tok = _line(catch_x, catch_y)
+        pre_base, pre_tok = _line(prefill_x, prefill_y)
+        return cls(
+            verify_seconds={k: statistics.median(v) for k, v in sorted(verify.items())},
+            draft_token_seconds=statistics.median(draft_tok) if draft_tok else 0.0,
+            catchup_base_seconds=catch_base, catchup_token_seconds=catch_tok,
+            other_iteration_seconds=_mean(other),
+            prefill_base_seconds=pre_base, prefill_token_seconds=pre_tok,
+            point_seconds={p: _mean(v) for p, v in point.items()},
+            setup_seconds={p: statistics.median(v) for p, v in setup.items()},
+            load_seconds=dict(load_seconds), medium=medium,
+        )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> CostModel:
+        data = dict(data)
+        data["verify_seconds"] = {int(k): v for k, v in data.get("verify_seconds", {}).items()}
+        return cls(**data)
+
+
+# -- the draft cache, in virtual time -----------------------------------------------------------------
+
+@dataclass
+class _SimSlot:
+    name: str
+    ready_at: float  # virtual time the load completes (resident strictly after it started)
+    started: float
+    used: bool = False
+
+
+class SimCache:
+    """:class:`runtime.cache.DraftCacheManager`'s rules in virtual time (count capacity; loads never fail).
+
+    One loader: a load starts when the previous one ends, and takes the draft's measured load time.
+    """
+
+    def __init__(self, capacity: int, load_seconds: Callable[[str], float], clock: Callable[[], float]) -> None:
+        self.capacity = capacity
+        self.load_seconds = load_seconds
+        self.clock = clock
+        self._slots: dict[str, _SimSlot] = {}
+        self._scores: dict[str, float] = {}
+        self._active = ""
+        self._loader_free = 0.0
+        self.on_evict: list[Callable[[str], None]] = []
+        self.loads = self.evictions = self.hits = self.misses = 0
+
+    def _is_ready(self, slot: _SimSlot) -> bool:
+        now = self.clock()
+        return slot.ready_at <= now and now > slot.started
+
+    # -- queries
+    def resident(self) -> list[str]:
+        return [n for n, s in self._slots.items() if self._is_ready(s)]
+
+    def failed(self) -> dict:
+        return {}
+
+    def is_resident(self, name: str) -> bool:
+        slot = self._slots.get(name)
+        return slot is not None and self._is_ready(slot)
+
+    def is_available(self, name: str) -> bool:
+        return name in self._slots
+
+    def get(self, name: str) -> str | None:
+        if self.is_resident(name):
+            self.hits += 1
+            self._slots[name].used = True
+            return name
+        self.misses += 1
+        return None
+
+    def set_scores(self, ranking) -> None:
+        self._scores = dict(normalise_ranking(ranking))
+
+    def set_active(self, name: str) -> None:
+        self._active = name
+
+    # -- Algorithm 2
+    def update(self, ranking, active: str | None = None) -> list[str]:
+        if active is not None:
+            self._active = active
+        pairs = normalise_ranking(ranking)
+        self._scores = dict(pairs)
+        working = [n for n, _ in pairs][: self.capacity]
+        for name in working:
+            if name not in self._slots:
+                self._make_room_and_load(name, protect=set(working))
+        return working
+
+    def request(self, name: str, active: str | None = None) -> bool:
+        if active is not None:
+            self._active = active
+        if name in self._slots:
+            return True
+        return self._make_room_and_load(name, protect={name})
+
+    def wait_for(self, name: str) -> float:
+        """Seconds the decode thread blocks until ``name`` is resident (loading it if needed)."""
+        slot = self._slots.get(name)
+        if slot is None:
+            if not self.request(name):
+                return 0.0
+            slot = self._slots[name]
+        now = self.clock()
+        slot.used = True
+        return max(0.0, slot.ready_at - now) if not self._is_ready(slot) else 0.0
+
+    def _victim(self, protect: set[str]) -> str | None:
+        candidates = [n for n, s in self._slots.items() if self._is_ready(s) and n not in protect and n != self._active]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda n: self._scores.get(n, float("-inf")))
+
+    def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
+        while len(self._slots) >= self.capacity:
+            victim = self._victim(protect)
+            if victim is None:
+                return False
+            self._evict(victim)
+        now = self.clock()
+        start = max(now, self._loader_free)
+        self._loader_free = ready = start + self.load_seconds(name)
+        self._slots[name] = _SimSlot(name, max(ready, now + EPSILON), now)
+        self.loads += 1
+        return True
+
+    def _evict(self, name: str) -> None:
+        self._slots.pop(name)
+        self.evictions += 1
+        for callback in list(self.on_evict):
+            callback(name)
+
+
+# -- the controller's loop, in virtual time ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class SimConfig:
+    capacity: int = 2  # K
+    interval: int = 4  # N
+    gamma: int = 4
+    recent_tokens: int = 32  # T
+    max_new_tokens: int = 128
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _resolve(cache: SimCache, clock: _Clock, choice: Choice, *, initial: bool = False,
+             current: str = "") -> tuple[str, str, bool, float]:
+    """runtime/controller.py's ``_resolve`` on the simulated cache: (draft to run, preferred, fallback?, waited).
+
+    A blocking wait advances the clock, so the cache sees the load done afterwards."""
+    preferred, waited = choice.preferred, 0.0
+    if choice.load != LOAD_PREFETCH and choice.ranking:
+        cache.set_scores(choice.ranking)
+    if preferred and (choice.load == LOAD_WAIT or initial) and not cache.is_resident(preferred):
+        cache.set_active("")
+        waited = cache.wait_for(preferred)
+        if waited > 0:
+            clock.now += waited + EPSILON  # past the load's end, float rounding aside
+    if choice.load == LOAD_PREFETCH and choice.ranking is not None:
+        cache.update(choice.ranking, active=current if current in cache.resident() else None)
+    elif choice.load == LOAD_REQUEST and preferred and not cache.is_available(preferred):
+        cache.request(preferred, active=current or None)
+    if preferred and cache.get(preferred) is not None:
+        cache.set_active(preferred)
+        return preferred, preferred, False, waited
+    if not preferred:
+        cache.set_active("")
+        return "", "", False, waited
+    order = [n for n, _ in choice.ranking] if choice.ranking else []
+    if choice.load == LOAD_REQUEST and current:
+        order = [current] + order
+    elif current and current not in order:
+        order.append(current)
+    resident = set(cache.resident())
+    for name in order + sorted(resident):
+        if name in resident and name != preferred and cache.get(name) is not None:
+            cache.set_active(name)
+            return name, preferred, True, waited
+    cache.set_active("")
+    return "", preferred, True, waited
+
+
+class Simulator:
+    """Replays generations of any policy over recorded traces with a measured :class:`CostModel`."""
+
+    def __init__(self, costs: CostModel, config: SimConfig, domains: Mapping[str, str],
+                 candidates: Sequence[str] | None = None) -> None:
+        self.costs = costs
+        self.config = config
+        self.domains = dict(domains)
+        self.candidates = list(candidates or domains)
+
+    def generate(self, policy: DraftPolicy, trace: PromptTrace) -> GenerationStats:
+        """One generation of ``trace``'s prompt under ``policy``, in virtual time (its GenerationStats)."""
+        cfg, costs = self.config, self.costs
+        clock = _Clock()
+        cache = SimCache(cfg.capacity, costs.load, clock)
+        budget = trace.budget(cfg.max_new_tokens)
+        prompt = list(trace.prompt_ids)
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        stats.policy = policy.name
+        kv: dict[str, int] = {}  # draft -> tokens in its KV cache (prompt + generated positions)
+        cache.on_evict.append(lambda name: kv.pop(name, None))
+
+        def point_at(interval: int, generated: int, active: str) -> SchedulingPoint:
+            gen = trace.continuation[:generated]
+            t = cfg.recent_tokens
+            return SchedulingPoint(interval=interval, prompt_ids=prompt, generated_ids=list(gen),
+                                   recent_ids=list(gen[-t:]) if t else [], candidates=list(self.candidates),
+                                   domains=self.domains, resident=cache.resident(), active=active,
+                                   max_new_tokens=cfg.max_new_tokens)
+
+        policy.start(prompt)
+        choice = policy.choose(point_at(0, 0, ""))
+        stats.predictions += 1
+        clock.now += costs.setup_seconds.get(policy.name, 0.0)
+        active, preferred, fallback, _ = _resolve(cache, clock, choice, initial=True)
+        stats.setup_seconds = clock.now
+        clock.now += costs.prefill(len(prompt))
+        stats.prefill_seconds = clock.now - stats.setup_seconds
+        decode_start = clock.now
+        position = 1  # the prefill committed the first token
+        stats.completion_tokens = 1
+        interval, interval_its, last_draft = 0, [], ""
+        pending_point, pending_wait = 0.0, 0.0
+        while position < budget:
+            if len(interval_its) >= cfg.interval:
+                policy.observe(active, interval_its)
+                interval += 1
+                interval_its = []
+                choice = policy.choose(point_at(interval, position, active))
+                stats.predictions += 1
+                work = costs.point_seconds.get(policy.name, 0.0)
+                clock.now += work
+                active, preferred, fallback, waited = _resolve(cache, clock, choice, current=active)
+                pending_point, pending_wait = work, waited
+            remaining = cfg.max_new_tokens - position
+            proposed = min(cfg.gamma, remaining - 1) if active else 0
+            it = IterationStats(draft=active if proposed > 0 else "", proposed=max(0, proposed), accepted=0,
+                                committed=0, draft_seconds=0.0, verify_seconds=0.0)
+            if proposed > 0:
+                total = len(prompt) + position
+                fed = total - kv.get(active, 0)
+                if active not in kv or active != last_draft:
+                    it.catchup_tokens, it.catchup_seconds = fed, costs.catchup(fed)
+                    it.draft_seconds = (proposed - 1) * costs.draft_token_seconds
+                else:
+                    it.draft_seconds = proposed * costs.draft_token_seconds
+                last_draft = active
+                it.accepted = trace.accepted(active, position, proposed)
+            else:
+                it.proposed = 0
+            it.verify_seconds = costs.verify(it.proposed)
+            it.committed = min(it.accepted + 1, budget - position)
+            if proposed > 0:
+                # the engine crops the draft's KV cache to the committed tokens; the last proposal was never fed
+                kv[active] = len(prompt) + position + min(it.accepted, proposed - 1)
+            position += it.committed
+            it.preferred, it.fallback = preferred, fallback
+            it.prediction_seconds, it.load_wait_seconds = pending_point, pending_wait
+            pending_point = pending_wait = 0.0
+            # the point's work and any wait are already on the clock (they are charged to this iteration)
+            clock.now += it.draft_seconds + it.verify_seconds + it.catchup_seconds + costs.other_iteration_seconds
+            stats.iterations.append(it)
+            interval_its.append(it)
+        if interval_its:
+            policy.observe(active, interval_its)
+        policy.close()
+        stats.completion_tokens = position
+        stats.decode_seconds = clock.now - decode_start
+        stats.finish_reason = "eos" if budget < cfg.max_new_tokens else "length"
+        return stats
+
+    def run(self, policy_for: Callable[[], DraftPolicy], traces: Sequence[PromptTrace]) -> dict[str, GenerationTotals]:
+        """Totals per workload of one policy over ``traces`` (a fresh policy object per prompt, as the controller)."""
+        totals: dict[str, GenerationTotals] = {}
+        for trace in traces:
+            stats = self.generate(policy_for(), trace)
+            totals.setdefault(trace.workload, GenerationTotals()).add(stats)
+        return totals

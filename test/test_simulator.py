@@ -1,0 +1,249 @@
+"""The trace-driven simulator replays the controller: same policy objects, same decisions, same accounting.
+
+Nothing here is timed: the simulator's clock is virtual and the real runs are compared on decisions
+(which draft ran, fallback or not, how many tokens were accepted and caught up), not on seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
+from memspec_ros.runtime.oracle import GreedyOracle, ScheduleCosts
+from memspec_ros.runtime.policies import COST_AWARE, PAPER_POLICIES, make_policy
+from memspec_ros.runtime.predictor import (
+    FixedRanker,
+    HeadConfig,
+    PredictionContext,
+    PredictionEngine,
+    RankingHead,
+    TargetHiddenEncoder,
+)
+from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+from memspec_ros.runtime.simulator import (
+    CostModel,
+    PromptTrace,
+    SimCache,
+    SimConfig,
+    Simulator,
+    TraceHiddenEncoder,
+    live_recent_features,
+    replay_predictor,
+    target_hidden_states,
+)
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
+
+PROMPTS = ([1, 5, 7, 9, 11, 13], [3, 4, 8, 16, 32, 63, 3])
+NEW, GAMMA, INTERVAL = 40, 4, 2
+DOMAINS = {"general": "general", "code": "code", "math": "math", "law": "law"}
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    target = tiny_llama(layers=2, hidden=32, seed=0)
+    drafts = {"general": tiny_llama(layers=1, hidden=32, seed=1), "code": noisy_copy(target, 0.03, seed=2),
+              "math": noisy_copy(target, 0.01, seed=3), "law": noisy_copy(target, 0.02, seed=4)}
+    return target, drafts
+
+
+@pytest.fixture(scope="module")
+def traces(models):
+    target, drafts = models
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        oracle = GreedyOracle.compute(target, drafts, prompt, NEW, GAMMA, INTERVAL)
+        trace = PromptTrace.from_oracle(f"w{i}", prompt, oracle)
+        trace.hidden = target_hidden_states(target, prompt, trace.continuation)
+        out.append(trace)
+    return out
+
+
+def context_ranker() -> FixedRanker:
+    """A deterministic ranking that changes with the recent tokens (so policies switch), no model."""
+    names = list(DOMAINS)
+
+    def rank(context: PredictionContext):
+        seed = sum(context.recent_ids[-3:]) + len(context.prompt_ids)
+        order = names[seed % len(names):] + names[: seed % len(names)]
+        return [(n, 1.0 - 0.2 * i) for i, n in enumerate(order)]
+
+    return FixedRanker(rank)
+
+
+def real_controller(target, drafts, oracles, policy, predictor, capacity=2):
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+
+    def load(name):  # in memory: a load ends long before the next scheduling point
+        model = drafts[name]
+        return LoadedModel(model, ModelSpec(name), parameter_bytes(model), 64, 512)
+
+    config = RuntimeConfig(policy=policy, capacity=capacity, interval=INTERVAL, gamma=GAMMA,
+                           reset_cache_per_generation=True)
+    return RuntimeController(config, target, None, registry, predictor, loader=load,
+                             oracle_for=lambda ids: oracles[tuple(ids)], eos_token_ids=[])
+
+
+def decisions(stats):
+    return [(it.draft, it.fallback, it.accepted, it.committed, it.catchup_tokens) for it in stats.iterations]
+
+
+def tiny_costs(drafts) -> CostModel:
+    """Loads far shorter than an interval (as the in-memory loader), everything else some time."""
+    return CostModel(verify_seconds={k: 1.0 + 0.1 * k for k in range(GAMMA + 1)}, draft_token_seconds=0.1,
+                     catchup_base_seconds=0.1, catchup_token_seconds=0.01, prefill_base_seconds=0.5,
+                     prefill_token_seconds=0.01, load_seconds=dict.fromkeys(drafts, 1e-4))
+
+
+@pytest.mark.parametrize("policy", PAPER_POLICIES)
+@pytest.mark.parametrize("capacity", [1, 2, 3])
+def test_the_simulator_makes_the_controllers_decisions(models, traces, policy, capacity):
+    target, drafts = models
+    costs = ScheduleCosts(capacity=capacity, iteration_seconds=1.0, catchup_seconds=0.3,
+                          load_seconds=dict.fromkeys(drafts, 0.5))
+    oracles = {tuple(t.prompt_ids): t.oracle(NEW, GAMMA, INTERVAL, costs) for t in traces}
+    ranker = context_ranker()
+    ctl = real_controller(target, drafts, oracles, policy, ranker, capacity)
+    sim = Simulator(tiny_costs(drafts), SimConfig(capacity=capacity, interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW),
+                    DOMAINS, list(drafts))
+    try:
+        for trace in traces:
+            real = ctl.generate(trace.prompt_ids, NEW)
+            assert real.token_ids == trace.continuation  # the trace is the run's output
+            replay = sim.generate(make_policy(policy, predictor=ranker, oracle_for=lambda ids: oracles[tuple(ids)]),
+                                  trace)
+            assert decisions(replay) == decisions(real.stats)
+            assert replay.completion_tokens == real.stats.completion_tokens
+            assert replay.predictions == real.stats.predictions
+    finally:
+        ctl.close()
+
+
+def test_the_replayed_hidden_state_predictor_sees_the_live_features(models, traces):
+    """One teacher-forced pass gives the features the live encoder gives at every scheduling point
+    (with its recent half live or not, as :func:`live_recent_features` finds it in this runtime)."""
+    target, drafts = models
+    torch.manual_seed(0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=list(drafts), in_dim=64, hidden=8,
+                                  recent_tokens=8, interval=INTERVAL)).eval()
+    live = PredictionEngine(head, TargetHiddenEncoder(target, 8))
+    seen: list[tuple[PredictionContext, torch.Tensor]] = []
+
+    class Recording:
+        def begin(self, prompt_ids):
+            live.begin(prompt_ids)
+
+        def rank(self, context):
+            seen.append((context, live.features(context)))
+            return live.rank(context)
+
+    ctl = real_controller(target, drafts, {}, "memspec", Recording())
+    try:
+        for trace in traces:
+            seen.clear()
+            ctl.generate(trace.prompt_ids, NEW)
+            replay = TraceHiddenEncoder(32, traces, recent=live_recent_features(live, trace.prompt_ids,
+                                                                                trace.continuation))
+            replay.begin(trace.prompt_ids)
+            assert len(seen) > 3
+            for context, features in seen:
+                expected = torch.cat([replay.prompt_features(context.prompt_ids),
+                                      replay.recent_features(context.recent_ids[-8:], context.generated)])
+                if context.interval == 0:  # the live encoder's prompt pass comes before prefill: same features
+                    assert not features[32:].any()
+                torch.testing.assert_close(features, expected, atol=1e-4, rtol=1e-4)
+    finally:
+        ctl.close()
+        live.close()
+    engine = replay_predictor(PredictionEngine(head, TargetHiddenEncoder(target, 8)), traces)
+    assert isinstance(engine.encoder, TraceHiddenEncoder)
+
+
+def test_a_cost_model_fitted_to_simulated_runs_is_the_model_that_made_them(models, traces):
+    _, drafts = models
+    truth = tiny_costs(drafts)
+    truth.point_seconds = {"memspec": 0.05, "mab-async": 0.002}
+    truth.setup_seconds = {"memspec": 0.3, "mab-async": 0.0}
+    truth.load_seconds = dict.fromkeys(drafts, 0.2)
+    sim = Simulator(truth, SimConfig(interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW), DOMAINS, list(drafts))
+    ranker = context_ranker()
+    runs = [(p, sim.generate(make_policy(p, predictor=ranker), t)) for p in ("memspec", "mab-async") for t in traces]
+    fitted = CostModel.measure(runs, truth.load_seconds)
+    for k in fitted.verify_seconds:
+        assert fitted.verify_seconds[k] == pytest.approx(truth.verify(k))
+    assert fitted.draft_token_seconds == pytest.approx(truth.draft_token_seconds)
+    assert fitted.catchup_token_seconds == pytest.approx(truth.catchup_token_seconds)
+    assert fitted.catchup_base_seconds == pytest.approx(truth.catchup_base_seconds)
+    assert fitted.prefill_token_seconds == pytest.approx(truth.prefill_token_seconds)
+    assert fitted.point_seconds == pytest.approx(truth.point_seconds)
+    # setup = the first choice's own work plus the first (blocking) load
+    assert fitted.setup_seconds == pytest.approx(truth.setup_seconds, abs=1e-6)
+    # re-simulating with the fitted model gives the same runs
+    again = Simulator(fitted, sim.config, DOMAINS, list(drafts))
+    for policy, stats in runs[:2]:
+        trace = traces[runs.index((policy, stats)) % len(traces)]
+        assert again.generate(make_policy(policy, predictor=ranker), trace).decode_seconds == pytest.approx(
+            stats.decode_seconds)
+
+
+def test_blocking_loads_are_charged_as_load_wait_and_slower_media_never_help(models, traces):
+    _, drafts = models
+    results = {}
+    for load in (0.0, 0.5, 5.0):
+        costs = tiny_costs(drafts).with_loads(dict.fromkeys(drafts, load), f"{load}s")
+        sim = Simulator(costs, SimConfig(interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW), DOMAINS, list(drafts))
+        stats = sim.generate(make_policy("mab-sync"), traces[0])
+        assert stats.load_wait_seconds == pytest.approx(stats.time_breakdown()["load_wait"])
+        results[load] = stats
+        general = sim.generate(make_policy("general-static"), traces[0])
+        assert general.setup_seconds >= load  # the first draft's load is setup, outside the paper's metric
+        assert general.load_wait_seconds == 0.0
+    # MAB-Sync blocks on every load it needs: the same decisions, waits that grow with the load time
+    assert decisions(results[0.0]) == decisions(results[5.0])
+    assert results[5.0].load_wait_seconds > results[0.5].load_wait_seconds > 0
+    assert results[5.0].end_to_end_seconds > results[0.5].end_to_end_seconds > results[0.0].end_to_end_seconds
+
+
+def test_the_cache_loads_one_draft_at_a_time_and_never_evicts_the_active_one():
+    clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
+    cache = SimCache(2, lambda name: 1.0, clock)
+    cache.update([("a", 3), ("b", 2), ("c", 1)])
+    assert cache.resident() == []
+    clock.now = 1.5
+    assert cache.resident() == ["a"]  # b waits for a's load on the one loader
+    clock.now = 2.5
+    assert sorted(cache.resident()) == ["a", "b"]
+    cache.set_active("a")
+    cache.update([("c", 3), ("b", 2), ("a", 1)], active="a")  # W = {c, b}: no room, a is active, b in W
+    assert sorted(cache.resident()) == ["a", "b"] and not cache.is_available("c")
+    cache.update([("c", 3), ("a", 2), ("b", 1)], active="a")  # W = {c, a}: b makes room
+    assert cache.is_resident("a") and not cache.is_available("b") and cache.is_available("c")
+    assert cache.wait_for("c") == pytest.approx(1.0)
+
+
+def test_a_trace_replays_only_the_budgets_it_recorded(traces):
+    trace = traces[0]
+    assert trace.budget(NEW) == NEW
+    assert trace.budget(NEW // 2) == NEW // 2
+    with pytest.raises(ValueError, match="cannot replay"):
+        trace.budget(NEW + 1)
+    ended = PromptTrace("w", [1], [5, 6, 7], {"d": [True, True, True]}, eos=True)
+    assert ended.budget(100) == 3  # it stopped at its end token: any larger budget outputs the same
+
+
+def test_the_cost_aware_policy_replays_losslessly_in_both(models, traces):
+    """memspec-cost-aware decides from measured times, so the decisions may differ; the output may not."""
+    target, drafts = models
+    ranker = context_ranker()
+    ctl = real_controller(target, drafts, {}, COST_AWARE, ranker)
+    sim = Simulator(tiny_costs(drafts), SimConfig(interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW), DOMAINS,
+                    list(drafts))
+    try:
+        for trace in traces:
+            assert ctl.generate(trace.prompt_ids, NEW).token_ids == trace.continuation
+            stats = sim.generate(make_policy(COST_AWARE, predictor=ranker), trace)
+            assert stats.completion_tokens == len(trace.continuation)
+    finally:
+        ctl.close()

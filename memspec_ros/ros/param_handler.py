@@ -68,6 +68,9 @@ class ParameterHandler:
             reason = P.check_value(name, v[name])
             if reason:
                 raise ValueError(reason)
+        reason = P.check_paths(P.paths_in_use(v, v), P.allowed_roots(self._node))  # model.allowed_roots
+        if reason:
+            raise ValueError(reason)
         return v
 
     def on_set(self, changed) -> SetParametersResult:
@@ -103,6 +106,12 @@ class ParameterHandler:
         if at_configure and lo is not None:
             raise Refused(f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded,"
                           f" state {self._node.lifecycle_state}): deactivate and cleanup, set it, then configure again")
+        changed = {n: P._plain(v) for n, v in new.items()}
+        if any(n in P.PATH_PARAMS or n in P.REGISTRY_PARAMS for n in changed):  # model.allowed_roots
+            current = {n: P._plain(self._node.get_parameter(n).value) for n in P.REGISTRY_PARAMS}
+            reason = P.check_paths(P.paths_in_use(changed, current), P.allowed_roots(self._node))
+            if reason:  # a path outside the roots, also one a registry file brought into use lists
+                raise Refused(reason)
 
     def _registry(self, new: dict[str, Any], lo):
         """The registry a drafts.* change asks for, built before anything is applied; None if none changed."""

@@ -14,11 +14,19 @@ Groups follow llama_ros' dotted style. Three kinds of parameter, by when a chang
 Paths left empty use the bundled zoo (see :func:`default_zoo_dir`): ``drafts.registry_file`` ->
 ``<zoo>/registry.yaml``, ``model.target_path`` -> the registry's ``target``, ``predictor.path`` ->
 ``<registry dir>/predictor`` when it exists ("none" disables the predictor).
+
+Paths are confined (:func:`check_paths`): a path parameter set after the node started, and every path a
+registry file it names lists, must resolve (symlinks and ``..`` followed) inside ``model.allowed_roots``
+(read-only; [''] = the bundled zoo, the user's cache directory, the working directory unless it is ``/``,
+and ``$MEMSPEC_ALLOWED_ROOTS``) or inside a location the node was started with (launch file, params file,
+command line: the operator's). ``pkg:<package>/<file>`` sources stay allowed: they resolve inside their
+installed package, which ``model_source.package_file`` enforces.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,7 @@ from ..runtime.storage import STORAGE_CHOICES
 
 PACKAGE = "memspec_ros"
 ZOO_ENV = "MEMSPEC_ZOO_DIR"
+ROOTS_ENV = "MEMSPEC_ALLOWED_ROOTS"  # os.pathsep-separated directories added to model.allowed_roots' default
 
 # Where a change lands (see the module docstring).
 AT_CONFIGURE = "configure"
@@ -97,6 +106,8 @@ PARAMS: tuple[Param, ...] = (
           AT_CONFIGURE, choices=("none", "int8", "int4")),
     Param("model.device", "cpu", "Device for target and drafts: cpu or cuda[:N].", AT_CONFIGURE),
     Param("model.threads", 0, "torch CPU threads (0: leave torch's default).", AT_CONFIGURE, int_range=(0, 256)),
+    Param("model.allowed_roots", [""], "Directories every model, tokenizer, predictor and registry path set after start (and every path a registry file lists) must resolve into, symlinks and '..' followed; others are refused. [''] or []: the bundled zoo, the user's cache directory ($XDG_CACHE_HOME or ~/.cache), the working directory unless it is '/', and $MEMSPEC_ALLOWED_ROOTS. The locations the node was started with are always allowed, and so are pkg:<package>/<file> sources.",
+          AT_CONFIGURE, read_only=True),
     Param("predictor.path", "", "Trained predictor directory (memspec-train-predictor). Empty: <registry dir>/predictor (or its target-hidden / minilm subfolder) if present; 'none': no predictor.", AT_CONFIGURE),
     Param("cache.storage", "local", "Storage the drafts are read from, cold (page cache dropped) at every load: local (this machine's, unpaced), or emulated edge media paced to their bandwidth and latency: emmc (eMMC 5.1), sd (UHS-I microSD), nvme (PCIe Gen3 NVMe). See runtime/storage.py.",
           AT_CONFIGURE, choices=STORAGE_CHOICES),
@@ -145,10 +156,12 @@ REGISTRY_PARAMS = ("drafts.registry_file", "drafts.names", "drafts.paths", "draf
 
 
 def declare_all(node) -> None:
-    """Every parameter but those the diagnostics updater declares (values() reads them once it has)."""
+    """Every parameter but those the diagnostics updater declares (values() reads them once it has).
+    Records the locations the path parameters start with (launch values are the operator's: trusted)."""
     for p in PARAMS:
         if not p.updater_declares:
             node.declare_parameter(p.name, p.default, p.descriptor())
+    _LAUNCH_ROOTS[node] = launch_roots({n: _plain(node.get_parameter(n).value) for n in PATH_PARAMS})
 
 
 def values(node) -> dict[str, Any]:
@@ -216,6 +229,123 @@ def default_zoo_dir() -> Path:
 def non_empty(items: list[str]) -> list[str]:
     """String-array parameters cannot be declared empty in YAML-less defaults: [''] means none."""
     return [s for s in items if s != ""]
+
+
+# -- path confinement ----------------------------------------------------------------------------
+
+PATH_PARAMS = ("model.target_path", "model.tokenizer_path", "predictor.path", "drafts.registry_file", "drafts.paths")
+PKG_PREFIX = "pkg:"  # runtime/model_source.py: a file inside an installed package, confined to it there
+_LAUNCH_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node -> locations it started with
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(path).expanduser().resolve()  # follows every symlink, removes every '..'
+
+
+def default_allowed_roots() -> list[Path]:
+    """model.allowed_roots' default: the bundled zoo, the user's cache directory (Hugging Face's and the
+    GGUF conversions'), the working directory unless it is the filesystem root (a service started in /
+    would allow everything), and the directories in $MEMSPEC_ALLOWED_ROOTS."""
+    roots = [default_zoo_dir(), Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")]
+    if os.environ.get("MEMSPEC_CACHE_DIR"):
+        roots.append(Path(os.environ["MEMSPEC_CACHE_DIR"]))
+    cwd = Path.cwd().resolve()
+    if cwd != Path(cwd.anchor):
+        roots.append(cwd)
+    roots += [Path(p) for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p]
+    return roots
+
+
+def _registry_paths(registry_file: str | Path) -> list[tuple[str, str]]:
+    """(what, path) for the target and each draft a registry file names; [] if it cannot be read (the
+    registry's own loading reports that)."""
+    from ..runtime.registry import DraftRegistry
+
+    try:
+        registry = DraftRegistry.from_yaml(registry_file, validate=False)
+    except Exception:
+        return []
+    found = [(f"draft {e.name!r} in {registry_file}", e.path) for e in registry.entries()]
+    if registry.target_path:
+        found.append((f"the target named in {registry_file}", registry.target_path))
+    return found
+
+
+def _path_values(v: dict[str, Any]) -> list[tuple[str, str]]:
+    """(parameter, path) for every path the values in ``v`` name (path parameters only, empty ones skipped)."""
+    found = []
+    for name in PATH_PARAMS:
+        if name not in v:
+            continue
+        value = v[name]
+        for item in (value if isinstance(value, list) else [value]):
+            if item and not (name == "predictor.path" and item == "none"):
+                found.append((name, str(item)))
+    return found
+
+
+def launch_roots(v: dict[str, Any]) -> list[Path]:
+    """The locations the path parameters name at start: each path, a registry file's folder and every
+    path it lists."""
+    roots = []
+    for name, path in _path_values(v):
+        if path.startswith(PKG_PREFIX):
+            continue
+        roots.append(_resolved(path).parent if name == "drafts.registry_file" else _resolved(path))
+        if name == "drafts.registry_file":
+            roots += [_resolved(p) for _, p in _registry_paths(path) if not p.startswith(PKG_PREFIX)]
+    return roots
+
+
+def allowed_roots(node) -> list[Path]:
+    """Where the node's path parameters may point: model.allowed_roots (or its default), plus the
+    locations the node started with."""
+    configured = non_empty(_plain(node.get_parameter("model.allowed_roots").value))
+    roots = [Path(r) for r in configured] if configured else default_allowed_roots()
+    return [_resolved(r) for r in roots] + list(_LAUNCH_ROOTS.get(node, []))
+
+
+def path_outside_roots(what: str, path: str, roots: list[Path]) -> str:
+    """'' if ``path`` resolves inside one of ``roots`` (or is a pkg: source), else the reason."""
+    if path.startswith(PKG_PREFIX):
+        return ""
+    resolved = _resolved(path)
+    if any(resolved == root or root in resolved.parents for root in roots):
+        return ""
+    return (f"{what} {path!r} resolves to {resolved}, outside model.allowed_roots"
+            f" ({', '.join(str(r) for r in roots)}): move the model under one of them, or start the node with"
+            " model.allowed_roots (read-only) naming its directory")
+
+
+def paths_in_use(new: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """The path values that the parameter values ``new`` (a change, or every value at configure) bring into
+    use, on top of ``current``: their path parameters, but the registry file only while drafts.names is
+    empty (the node reads it then), and drafts.paths only while drafts.names is set. A drafts.* change
+    that makes the node read the registry file brings the file in, even when the file itself is unchanged."""
+    merged = {**current, **new}
+    uses_file = not non_empty(merged["drafts.names"])
+    found = {n: new[n] for n in PATH_PARAMS if n in new and n not in ("drafts.registry_file", "drafts.paths")}
+    if any(n in REGISTRY_PARAMS for n in new):
+        if uses_file:
+            found["drafts.registry_file"] = merged["drafts.registry_file"]
+        else:
+            found["drafts.paths"] = merged["drafts.paths"]
+    return found
+
+
+def check_paths(v: dict[str, Any], roots: list[Path]) -> str:
+    """'' if every path the path parameters in ``v`` name, and every path a registry file among them lists,
+    resolves inside ``roots``; else the first reason."""
+    for name, path in _path_values(v):
+        reason = path_outside_roots(name, path, roots)
+        if reason:
+            return reason
+        if name == "drafts.registry_file":
+            for what, listed in _registry_paths(path):
+                reason = path_outside_roots(what, listed, roots)
+                if reason:
+                    return reason
+    return ""
 
 
 @dataclass

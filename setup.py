@@ -20,7 +20,9 @@ def zoo_data_files(root: str = "models") -> list[tuple[str, list[str]]]:
     entries = []
     for folder, _, files in sorted(os.walk(root)):
         if files:
-            entries.append((os.path.join("share", package_name, folder), sorted(os.path.join(folder, f) for f in files)))
+            entries.append(
+                (os.path.join("share", package_name, folder), sorted(os.path.join(folder, f) for f in files))
+            )
     return entries
 
 

@@ -126,7 +126,9 @@ class Harness:
         from rcl_interfaces.srv import SetParameters
         from rclpy.parameter import Parameter
 
-        request = SetParameters.Request(parameters=[Parameter(k, value=v).to_parameter_msg() for k, v in values.items()])
+        request = SetParameters.Request(
+            parameters=[Parameter(k, value=v).to_parameter_msg() for k, v in values.items()]
+        )
         return self.call(self.set_params_client, request).results
 
     def set_params_atomically(self, **values):

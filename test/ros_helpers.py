@@ -100,7 +100,8 @@ def spin_until_complete(spinner: Any, future: Any, timeout_sec: float = 10.0, wh
     return future.result()
 
 
-def spin_until(executor: Any, condition: Callable[[], bool], timeout_sec: float = 10.0, what: str = "the condition") -> None:
+def spin_until(executor: Any, condition: Callable[[], bool], timeout_sec: float = 10.0,
+               what: str = "the condition") -> None:
     """Spin ``executor`` in short slices until ``condition()`` is true, or fail after the timeout."""
     deadline = time.monotonic() + timeout_sec
     while not condition():

@@ -51,7 +51,9 @@ def test_drafts_load_as_target_width_drafts_sharing_the_targets_tokenizer():
 
 
 def _rows(name: str) -> list[dict]:
-    return [json.loads(line) for line in (MODELS / "workloads" / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in (MODELS / "workloads" / f"{name}.jsonl").read_text().splitlines() if line.strip()
+    ]
 
 
 def test_workloads_are_chat_requests_held_out_from_training():

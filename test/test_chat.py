@@ -33,7 +33,9 @@ def plain_tok():
 
 
 def templated(tok, turns: list[dict[str, str]]) -> list[int]:
-    return list(tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    return list(
+        tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    )
 
 
 def text(tok, ids: list[int]) -> str:
@@ -89,8 +91,12 @@ def test_raw_is_plain_continuation(chat_tok):
 
 
 def test_without_a_chat_template_the_prompt_is_plain_text_and_messages_are_refused(plain_tok):
-    assert prompt_ids(plain_tok, "The licensee may") == plain_tok("The licensee may", add_special_tokens=True)["input_ids"]
-    assert prompt_ids(plain_tok, "The licensee may", system_prompt="ignored") == prompt_ids(plain_tok, "The licensee may")
+    assert (
+        prompt_ids(plain_tok, "The licensee may") == plain_tok("The licensee may", add_special_tokens=True)["input_ids"]
+    )
+    assert prompt_ids(plain_tok, "The licensee may", system_prompt="ignored") == prompt_ids(
+        plain_tok, "The licensee may"
+    )
     with pytest.raises(ChatError, match="the model has no chat template"):
         prompt_ids(plain_tok, "", [("user", "Hi")])
 

@@ -111,11 +111,16 @@ def tiny_build(tiny_target, tmp_path_factory):
     work = tmp_path / "work"
     (work / "workloads").mkdir(parents=True)
     for w in WORKLOADS:
-        rows = [{"domain": w, "prompt": f"{w} request {i}", "messages": [{"role": "user", "content": f"{w} request {i}"}]}
-                for i in range(4)]
+        rows = [
+            {"domain": w, "prompt": f"{w} request {i}", "messages": [{"role": "user", "content": f"{w} request {i}"}]}
+            for i in range(4)
+        ]
         (work / "workloads" / f"{w}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train = [{"domain": d, "prompt": f"{d} training {i}", "messages": [{"role": "user", "content": f"{d} training {i}"}]}
-             for i in range(6) for d in (*DOMAINS, "mixed")]
+    train = [
+        {"domain": d, "prompt": f"{d} training {i}", "messages": [{"role": "user", "content": f"{d} training {i}"}]}
+        for i in range(6)
+        for d in (*DOMAINS, "mixed")
+    ]
     (work / "workloads" / "train_requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     steps = TrainConfig(max_steps=6, max_minutes=5, batch_size=4, seq_len=64, warmup_steps=2, validate_every=3,
                         checkpoint_every=3)
@@ -183,8 +188,12 @@ def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(ti
                 "latency_ms": {"target": lat, **{d: {"1": 1.0, "5": 1.2, "lean1": 0.5, "lean5": 0.6} for d in DOMAINS}},
                 "drafts": {d: {"parameters": 2_500_000, "bytes_on_disk": 5_000_000} for d in DOMAINS}}
     matrix = {d: {w: (1.5 if d == w else 1.0) for w in WORKLOADS} for d in DOMAINS}
-    acceptance = {"matrix": matrix, "oracle_static_gain": 0.25, "oracle_dynamic_gain_mixed": 0.05,
-                  "domain_gain_over_general": {d: {w: matrix[d][w] - 1 for w in DOMAINS} for d in DOMAINS if d != "general"}}
+    acceptance = {
+        "matrix": matrix,
+        "oracle_static_gain": 0.25,
+        "oracle_dynamic_gain_mixed": 0.05,
+        "domain_gain_over_general": {d: {w: matrix[d][w] - 1 for w in DOMAINS} for d in DOMAINS if d != "general"},
+    }
     text = render(measured, acceptance, tiny_build.work_dir)
     assert "| code | 1.00 | 1.20 | 0.50 | 60.0x |" in text  # target 1 token / the draft's lean forward
     assert "Drafts total 25.0 MB" in text

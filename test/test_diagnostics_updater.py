@@ -161,7 +161,10 @@ def test_the_updater_declares_its_parameters_from_the_table(make_node):
     recorded(node)
     updater = Updater(node, [("a", _ok)])
     assert node.get_parameter(PERIOD_PARAM).value == P.BY_NAME[PERIOD_PARAM].default
-    assert node.describe_parameter(PERIOD_PARAM).floating_point_range[0].from_value == P.BY_NAME[PERIOD_PARAM].float_range[0]
+    assert (
+        node.describe_parameter(PERIOD_PARAM).floating_point_range[0].from_value
+        == P.BY_NAME[PERIOD_PARAM].float_range[0]
+    )
     assert node.get_parameter(USE_FQN_PARAM).value is False
     assert [s.name for s in updater.collect()] == ["diag_plain: a"]
     updater.set_period(0.5)

@@ -30,7 +30,9 @@ def reduced(rows: list[int], seed: int = 1, target_vocab: int = VOCAB, hidden: i
 
 
 def reference(target, new: int = 40) -> list[int]:
-    out = target.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    out = target.generate(
+        torch.tensor([PROMPT]), do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0
+    )
     return out[0, len(PROMPT):].tolist()
 
 
@@ -82,7 +84,9 @@ def test_sampled_generation_with_a_reduced_draft_matches_the_target_distribution
     draft = reduced([0, 2, 4], seed=8, target_vocab=vocab)
     sampling = dict(temperature=0.8, top_p=0.9)
     prompt = [1, 3]
-    first = int(generate(target, prompt, None, max_new_tokens=1, sampling=SamplingConfig(seed=0, **sampling)).generated_ids[0])
+    first = int(
+        generate(target, prompt, None, max_new_tokens=1, sampling=SamplingConfig(seed=0, **sampling)).generated_ids[0]
+    )
     exact: dict[tuple[int, ...], float] = {}
     with torch.no_grad():
         for seq in product(range(vocab), repeat=3):
@@ -94,7 +98,9 @@ def test_sampled_generation_with_a_reduced_draft_matches_the_target_distribution
     counts: Counter = Counter()
     n = proposed_outside = 0
     for seed in range(3500):
-        session = generate(target, prompt, draft, gamma=2, max_new_tokens=4, sampling=SamplingConfig(seed=seed, **sampling))
+        session = generate(
+            target, prompt, draft, gamma=2, max_new_tokens=4, sampling=SamplingConfig(seed=seed, **sampling)
+        )
         ids = session.generated_ids
         if ids[0] != first:
             continue

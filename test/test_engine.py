@@ -243,7 +243,11 @@ def test_sampled_generation_matches_target_distribution():
     sampling_kwargs = dict(temperature=0.8, top_p=0.9)
     prompt = [1, 3]
     # exact target probabilities of every continuation (t1 fixed by conditioning on it)
-    first = int(generate(target, prompt, None, max_new_tokens=1, sampling=SamplingConfig(seed=0, **sampling_kwargs)).generated_ids[0])
+    first = int(
+        generate(
+            target, prompt, None, max_new_tokens=1, sampling=SamplingConfig(seed=0, **sampling_kwargs)
+        ).generated_ids[0]
+    )
     exact: dict[tuple[int, ...], float] = {}
     with torch.no_grad():
         for seq in product(range(vocab), repeat=3):

@@ -116,7 +116,11 @@ def test_goal_defaults_are_the_documented_node_default_sentinels():
     assert goal.seed == -1
     assert list(goal.stop) == []
     assert list(goal.messages) == [] and goal.raw is False  # prompt only; chat template when the model has one
-    assert (ChatMessage.ROLE_SYSTEM, ChatMessage.ROLE_USER, ChatMessage.ROLE_ASSISTANT) == ("system", "user", "assistant")
+    assert (ChatMessage.ROLE_SYSTEM, ChatMessage.ROLE_USER, ChatMessage.ROLE_ASSISTANT) == (
+        "system",
+        "user",
+        "assistant",
+    )
     constants = {
         Generate.Result.FINISH_STOP: "stop",
         Generate.Result.FINISH_LENGTH: "length",
@@ -201,7 +205,9 @@ def test_cache_state_and_generation_stats_cross_dds(make_node, executor):
     latched = QoSProfile(depth=1, durability=QoSDurabilityPolicy.TRANSIENT_LOCAL)
     received: dict[str, object] = {}
     subscriber_node.create_subscription(CacheState, "cache_state", lambda m: received.setdefault("cache", m), latched)
-    subscriber_node.create_subscription(GenerationStats, "generation_stats", lambda m: received.setdefault("stats", m), latched)
+    subscriber_node.create_subscription(
+        GenerationStats, "generation_stats", lambda m: received.setdefault("stats", m), latched
+    )
     executor.add_node(subscriber_node)
 
     drafts = [

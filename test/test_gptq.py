@@ -41,7 +41,9 @@ def test_gptq_int4_target_is_lossless_through_the_engine(tmp_path):
     # bf16 activations (GPT-QModel's fused CPU kernel) after gptq.prepare_for_engine: the engine
     # reproduces the target's own one-token greedy decoding there too
     for gamma, result in report["bf16"]["gammas"].items():
-        assert result["identical"], f"bf16, gamma {gamma}: engine output differs from the INT4 target's own greedy output"
+        assert result["identical"], (
+            f"bf16, gamma {gamma}: engine output differs from the INT4 target's own greedy output"
+        )
         assert result["proposed"] > 0
     # The draft really drafted: every gamma ran draft proposals through the verify, and the target
     # accepted some of them. How many depends on the INT4 kernel's numerics, which differ by CPU
@@ -75,7 +77,9 @@ def test_zoo_gptq_runs_in_the_gptq_environment_with_the_target_resolved(tmp_path
 
     calls = []
     monkeypatch.setattr(gptq_target, "gptq_python", lambda: Path("/venv-gptq/bin/python"))
-    monkeypatch.setattr(subprocess, "run", lambda cmd, env: calls.append((cmd, env)) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, env: calls.append((cmd, env)) or subprocess.CompletedProcess(cmd, 0)
+    )
     (tmp_path / "target").mkdir()
     monkeypatch.chdir(tmp_path)
     assert cli.main(["gptq", "report", "--json", "out.json", "--target", "target", "--requests", "8"]) == 0

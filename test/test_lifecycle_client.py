@@ -46,7 +46,11 @@ class FakeLifecycleNode:
     def __init__(self, state: str = "unconfigured", drop_requests: int = 0, drop_replies: int = 0,
                  drop_state_requests: int = 0, refuse: bool = False) -> None:
         self.state = state
-        self.drop_requests, self.drop_replies, self.drop_state_requests = drop_requests, drop_replies, drop_state_requests
+        self.drop_requests, self.drop_replies, self.drop_state_requests = (
+            drop_requests,
+            drop_replies,
+            drop_state_requests,
+        )
         self.refuse = refuse
         self.transitions_run: list[int] = []
         self.services: dict[str, FakeService] = {}

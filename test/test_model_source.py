@@ -88,7 +88,9 @@ def test_missing_accelerate_gives_the_install_hint(tmp_path, monkeypatch):
     path = tmp_path / "tiny.gguf"
     _tiny_gguf(path)
     real = importlib.util.find_spec
-    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    monkeypatch.setattr(
+        model_source.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a)
+    )
     monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(GGUFConversionError, match="'accelerate'.*requirements.txt"):
         resolve_model_path(str(path))
@@ -129,7 +131,9 @@ def test_the_converted_model_has_the_gguf_models_logits(converted):
 
     path, _ = converted
     gguf_file = package_file(SMOLLM2)
-    reference = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+    )
     ours = load_model(ModelSpec(str(path))).model
     ids = torch.tensor([[1, 9690, 198, 2683, 314, 253, 5356, 30]])
     with torch.no_grad():

@@ -32,7 +32,9 @@ def tokenizer():
 def model_dirs(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("models")
     target = save_model_dir(tiny_llama(vocab_size=len(tokenizer), seed=0), tokenizer, root / "target")
-    draft = save_model_dir(tiny_llama(vocab_size=len(tokenizer), layers=1, hidden=32, seed=1), tokenizer, root / "draft")
+    draft = save_model_dir(
+        tiny_llama(vocab_size=len(tokenizer), layers=1, hidden=32, seed=1), tokenizer, root / "draft"
+    )
     return target, draft
 
 
@@ -51,7 +53,9 @@ def test_loads_and_generates_in_every_dtype(model_dirs):
     check_draft_compatible(target, draft)
     check_shared_tokenizer(target_dir, draft_dir)
     session = generate(target.model, [1, 4, 9], draft.model, gamma=3, max_new_tokens=16)
-    reference = target.model.generate(torch.tensor([[1, 4, 9]]), do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    reference = target.model.generate(
+        torch.tensor([[1, 4, 9]]), do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0
+    )
     assert session.generated_ids == reference[0, 3:].tolist()
 
 

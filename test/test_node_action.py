@@ -68,7 +68,9 @@ def test_goal_streams_feedback_and_the_result_carries_the_statistics(h):
     assert counts == sorted(counts) and counts[-1] <= 48
     assert all(f.active_draft in ("", "general", "code", "math") for f in feedback)
     # one GenerationStats per finished goal, with the result's numbers
-    wait_until(lambda: any(bytes(s.goal_id.uuid) == bytes(handle.goal_id.uuid) for s in h.stats), 10.0, "generation_stats")
+    wait_until(
+        lambda: any(bytes(s.goal_id.uuid) == bytes(handle.goal_id.uuid) for s in h.stats), 10.0, "generation_stats"
+    )
     msg = next(s for s in h.stats if bytes(s.goal_id.uuid) == bytes(handle.goal_id.uuid))
     assert msg.completion_tokens == 48 and msg.finish_reason == "length"
     assert msg.tokens_per_second == pytest.approx(result.tokens_per_second)
@@ -115,7 +117,9 @@ def test_a_sampled_goal_honours_its_temperature_and_seed(h):
 
         assert same(greedy, lo.controller.generate(ids, new))
         for seed, result in sampled.items():
-            assert same(result, lo.controller.generate(ids, new, SamplingConfig(temperature=1.5, top_p=1.0, seed=seed))), seed
+            assert same(
+                result, lo.controller.generate(ids, new, SamplingConfig(temperature=1.5, top_p=1.0, seed=seed))
+            ), seed
     finally:
         h.set_params(**{"memspec.policy": "memspec"})
 
@@ -157,8 +161,13 @@ def test_every_rejection_answers_fast_while_a_goal_runs(h):
             "over the context": goal(max_new_tokens=4096 - 3),
             "top_p out of range": goal(top_p=1.5),
         }
-        reasons = {"queue full": "queue is full", "empty prompt": "empty", "prompt too long": "more than the limit of 32",
-                   "over the context": "exceeds the target's context", "top_p out of range": "top_p"}
+        reasons = {
+            "queue full": "queue is full",
+            "empty prompt": "empty",
+            "prompt too long": "more than the limit of 32",
+            "over the context": "exceeds the target's context",
+            "top_p out of range": "top_p",
+        }
         for label, request in cases.items():
             handle, seconds = h.send(request)
             assert not handle.accepted, label
@@ -208,7 +217,9 @@ def test_a_burst_of_goal_requests_is_answered_in_full(h):
         try:
             wait_until(lambda: all(f.done() for f in futures), 20.0, "answers to every goal request")
         except AssertionError:
-            raise AssertionError(f"{sum(f.done() for f in futures)} of {burst} goal requests answered in 20 s") from None
+            raise AssertionError(
+                f"{sum(f.done() for f in futures)} of {burst} goal requests answered in 20 s"
+            ) from None
         handles = [f.result() for f in futures]
         accepted = [g for g in handles if g.accepted]
         assert len(accepted) == room, [g.accepted for g in handles]

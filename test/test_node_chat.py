@@ -120,11 +120,18 @@ def test_every_rejection_reason_answers_fast(h):
         "empty prompt, no messages": (goal(prompt=""), "the prompt is empty and there are no messages"),
         "prompt and messages": (goal(prompt="Hi", messages=msgs(("user", "Hi"))), "both prompt and messages are set"),
         "unknown role": (goal(prompt="", messages=msgs(("robot", "Hi"))), "messages[0] has unknown role 'robot'"),
-        "empty content": (goal(prompt="", messages=msgs(("system", "Be brief."), ("user", ""))),
-                          "messages[1] (user) has empty content"),
-        "last not user": (goal(prompt="", messages=msgs(("user", "Hi"), ("assistant", "Hello."))),
-                          "the last message is from the assistant, not the user"),
-        "raw with messages": (goal(prompt="", raw=True, messages=msgs(("user", "Hi"))), "raw is set but messages are given"),
+        "empty content": (
+            goal(prompt="", messages=msgs(("system", "Be brief."), ("user", ""))),
+            "messages[1] (user) has empty content",
+        ),
+        "last not user": (
+            goal(prompt="", messages=msgs(("user", "Hi"), ("assistant", "Hello."))),
+            "the last message is from the assistant, not the user",
+        ),
+        "raw with messages": (
+            goal(prompt="", raw=True, messages=msgs(("user", "Hi"))),
+            "raw is set but messages are given",
+        ),
         "raw, empty prompt": (goal(prompt="", raw=True), "the prompt is empty"),
     }
     h.goal_callback_seconds.clear()
@@ -205,7 +212,10 @@ def test_memspec_client_system_and_raw(h, tok):
 
     request = build_goal(parse_args(["Which cup is closer?", "--system", "Be brief.", "--max-new-tokens", "4"]))
     assert request.prompt == "" and not request.raw
-    assert [(m.role, m.content) for m in request.messages] == [("system", "Be brief."), ("user", "Which cup is closer?")]
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("system", "Be brief."),
+        ("user", "Which cup is closer?"),
+    ]
     _, call = run(h, request)
     assert call["prompt_ids"] == templated(tok, [("system", "Be brief."), ("user", "Which cup is closer?")])
     request = build_goal(parse_args(["--raw", "Once upon a time", "--max-new-tokens", "4"]))

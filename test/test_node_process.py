@@ -108,14 +108,23 @@ def test_launch_file_is_the_humble_and_jazzy_lifecycle_pattern():
             "DeclareLaunchArgument", "LaunchConfiguration"} <= calls
     keywords = {k.arg: k.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords}
     assert isinstance(keywords["goal_state"], ast.Constant) and keywords["goal_state"].value == "inactive"
-    node_call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LifecycleNode")
+    node_call = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LifecycleNode"
+    )
     assert {"name", "namespace", "package", "executable", "parameters"} <= {k.arg for k in node_call.keywords}
     assert "autostart" not in keywords  # Jazzy-only
 
 
 @pytest.mark.timeout(240)
 def test_the_node_executable_with_a_params_file(tmp_path):
-    cmd = [executable("memspec_node"), "--ros-args", "-r", f"__node:={NAME}", "--params-file", str(params_file(tmp_path))]
+    cmd = [
+        executable("memspec_node"),
+        "--ros-args",
+        "-r",
+        f"__node:={NAME}",
+        "--params-file",
+        str(params_file(tmp_path)),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     context = Context()
     rclpy.init(context=context)
@@ -167,7 +176,14 @@ def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_clea
     from memspec_interfaces.action import Generate
 
     name = "memspec_sigint"
-    cmd = [executable("memspec_node"), "--ros-args", "-r", f"__node:={name}", "--params-file", str(params_file(tmp_path))]
+    cmd = [
+        executable("memspec_node"),
+        "--ros-args",
+        "-r",
+        f"__node:={name}",
+        "--params-file",
+        str(params_file(tmp_path)),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     context = Context()
     rclpy.init(context=context)
@@ -231,8 +247,23 @@ def test_demo_runs_end_to_end_and_leaves_no_process():
     The demo claims a domain of its own (as `make demo` does), not this session's: a node named
     /memspec that a test in this process left behind must not be able to answer for the demo's."""
     env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
-    done = subprocess.run([sys.executable, "-m", "memspec_ros.ros.demo", "--zoo", str(tiny_zoo()), "--max-new-tokens", "8",
-                           "--prompt", "def add(a, b):"], capture_output=True, text=True, timeout=200, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memspec_ros.ros.demo",
+            "--zoo",
+            str(tiny_zoo()),
+            "--max-new-tokens",
+            "8",
+            "--prompt",
+            "def add(a, b):",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     for expected in ("configured in", "finish: length", "generated 8 tok", "/diagnostics snapshot",

@@ -58,7 +58,9 @@ def test_interface_package_is_a_rosidl_interface_package():
 def test_every_interface_file_is_generated():
     cmake = (INTERFACES / "CMakeLists.txt").read_text()
     listed = set(re.findall(r'"((?:msg|srv|action)/\w+\.(?:msg|srv|action))"', cmake))
-    on_disk = {str(p.relative_to(INTERFACES)) for kind in ("msg", "srv", "action") for p in (INTERFACES / kind).glob("*")}
+    on_disk = {
+        str(p.relative_to(INTERFACES)) for kind in ("msg", "srv", "action") for p in (INTERFACES / kind).glob("*")
+    }
     assert listed == on_disk, "rosidl_generate_interfaces in memspec_interfaces/CMakeLists.txt must list every file"
 
 

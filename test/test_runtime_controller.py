@@ -66,7 +66,11 @@ def registry_of(drafts):
 
 def alternating(context):
     """A predictor stand-in whose favourite changes every interval (exercises prefetch/eviction)."""
-    orders = [["math", "law", "code", "general"], ["code", "math", "law", "general"], ["law", "code", "math", "general"]]
+    orders = [
+        ["math", "law", "code", "general"],
+        ["code", "math", "law", "general"],
+        ["law", "code", "math", "general"],
+    ]
     return orders[context.interval % 3]
 
 

@@ -37,7 +37,9 @@ def test_presets_are_the_edge_media_with_sourced_figures():
         assert m.emulated and m.source and m.read_bytes_per_second > 0 and m.request_latency_seconds > 0
     # the order edge robots know: an SD card is slower than eMMC, which is slower than NVMe
     size = 8 * 10**6
-    assert MEDIA["sd"].min_read_seconds(size) > MEDIA["emmc"].min_read_seconds(size) > MEDIA["nvme"].min_read_seconds(size)
+    assert (
+        MEDIA["sd"].min_read_seconds(size) > MEDIA["emmc"].min_read_seconds(size) > MEDIA["nvme"].min_read_seconds(size)
+    )
     with pytest.raises(ValueError, match="local, emmc, sd, nvme"):
         storage_medium("floppy")
 
@@ -102,7 +104,9 @@ def test_a_draft_built_from_the_read_bytes_equals_load_model(tiny_zoo, dtype):
     storage = DraftStorage(MEDIA["local"])
     _same_model(storage.load(spec, "code"), load_model(spec))
     (record,) = storage.records
-    assert record.name == "code" and record.nbytes == (tiny_zoo / "drafts" / "code" / "model.safetensors").stat().st_size
+    assert (
+        record.name == "code" and record.nbytes == (tiny_zoo / "drafts" / "code" / "model.safetensors").stat().st_size
+    )
 
 
 @pytest.mark.skipif(not BUNDLED_DRAFT.is_dir(), reason="the bundled zoo is not built")

@@ -179,8 +179,13 @@ def _tiny_work_dir(tmp_path: Path, model_dir: Path):
     (work / "tokenizer").symlink_to(TOY_TOKENIZER)  # the toy zoo's tokenizer files
     tok = load_tokenizer(work / "tokenizer")
     gen = torch.Generator().manual_seed(0)
-    save_file({n: torch.randint(3, len(tok), (400,), generator=gen, dtype=torch.int32)
-               for n in ("general", "code", "math", "law", "medical", "mixed")}, str(work / "data" / "train.safetensors"))
+    save_file(
+        {
+            n: torch.randint(3, len(tok), (400,), generator=gen, dtype=torch.int32)
+            for n in ("general", "code", "math", "law", "medical", "mixed")
+        },
+        str(work / "data" / "train.safetensors"),
+    )
     arch = ArchConfig(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=1, num_kv_heads=1)
     torch.manual_seed(1)
     LlamaForCausalLM(arch.llama_config(tok)).save_pretrained(str(model_dir), safe_serialization=True)
@@ -203,7 +208,9 @@ def test_target_stage_continues_a_given_target(tmp_path):
     tc = TrainConfig(max_steps=3, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1)
     threads = torch.get_num_threads()
     try:
-        ZooBuild(BuildConfig(work_dir=work, threads=1, target_arch=arch, target_train=tc, target_init=tmp_path / "init")).target()
+        ZooBuild(
+            BuildConfig(work_dir=work, threads=1, target_arch=arch, target_train=tc, target_init=tmp_path / "init")
+        ).target()
         with pytest.raises(ValueError, match=r"does not fit this build: hidden_size 32 \(this build: 64\)"):
             wide = ArchConfig(hidden_size=64, num_layers=1, intermediate_size=64, num_heads=1, num_kv_heads=1)
             ZooBuild(BuildConfig(work_dir=work, threads=1, target_arch=wide))._continued_target(tmp_path / "init")
@@ -219,7 +226,10 @@ def test_target_stage_continues_a_given_target(tmp_path):
     assert moved and all((before[k] - after[k]).abs().max() < 0.05 for k in before)
     meta = json.loads((work / "hf" / "target" / "train_meta.json").read_text())
     assert meta["start"] == str(tmp_path / "init") and meta["step"] == 3
-    assert build_phases(work)["target"]["objective"] == f"continued from `{tmp_path / 'init'}`: next-token CE on the corpus mixture"
+    assert (
+        build_phases(work)["target"]["objective"]
+        == f"continued from `{tmp_path / 'init'}`: next-token CE on the corpus mixture"
+    )
 
 
 
@@ -236,9 +246,18 @@ def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
 
     work, arch = _tiny_work_dir(tmp_path, tmp_path / "work" / "hf" / "target")
     tc = TrainConfig(max_steps=3, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1, validate_every=2)
-    cfg = BuildConfig(work_dir=work, threads=1, draft_arch=arch, general_train=tc, onpolicy_train=tc,
-                      domain_train=tc, draft_recipe="shared", rollouts=RolloutConfig(sequences_per_source=10, min_prompt_tokens=4,
-                                                             max_prompt_tokens=6, new_tokens=4, batch_size=5, top_k=4))
+    cfg = BuildConfig(
+        work_dir=work,
+        threads=1,
+        draft_arch=arch,
+        general_train=tc,
+        onpolicy_train=tc,
+        domain_train=tc,
+        draft_recipe="shared",
+        rollouts=RolloutConfig(
+            sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=6, new_tokens=4, batch_size=5, top_k=4
+        ),
+    )
     threads = torch.get_num_threads()
     try:
         build = ZooBuild(cfg)
@@ -277,7 +296,9 @@ def test_draft_recipe_decides_what_each_draft_learns_and_from_which_start(tmp_pa
     from memspec_ros.zoo.train import TrainConfig
 
     work, arch = _tiny_work_dir(tmp_path, tmp_path / "work" / "hf" / "target")
-    onpolicy = TrainConfig(max_steps=2, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1, validate_every=2)
+    onpolicy = TrainConfig(
+        max_steps=2, max_minutes=1, batch_size=2, seq_len=16, lr=1e-3, warmup_steps=1, validate_every=2
+    )
     domain = replace(onpolicy, max_steps=3)  # told apart by the steps each draft ran
     cfg = BuildConfig(work_dir=work, threads=1, draft_arch=arch, general_train=onpolicy, onpolicy_train=onpolicy,
                       domain_train=domain, draft_recipe=recipe, domain_rollouts_per_source=10,

@@ -13,53 +13,106 @@ from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS
 def _measurements(phases: dict) -> dict:
     def model() -> dict:  # a fresh one per name, so a test can change one model's figures
         latency = {"1": 1.0, "5": 1.5, "lean1": 0.8, "lean5": 1.2}
-        return {"params": 1e6, "shape": "8x1", "fp16_bytes": 2e6, "latency_ms": {"1": dict(latency), "2": dict(latency)},
-                "perplexity": {d: 10.0 for d in DOMAINS}}
-    return {"threads": 2, "latency_threads": [1, 2], "vocab_size": 2048, "models": {n: model() for n in ("target", *DOMAINS)},
-            "data": {}, "phases": phases, "rollouts": None, "domain_rollouts": None}
+        return {
+            "params": 1e6,
+            "shape": "8x1",
+            "fp16_bytes": 2e6,
+            "latency_ms": {"1": dict(latency), "2": dict(latency)},
+            "perplexity": {d: 10.0 for d in DOMAINS},
+        }
+    return {
+        "threads": 2,
+        "latency_threads": [1, 2],
+        "vocab_size": 2048,
+        "models": {n: model() for n in ("target", *DOMAINS)},
+        "data": {},
+        "phases": phases,
+        "rollouts": None,
+        "domain_rollouts": None,
+    }
 
 
 def _acceptance(own: float, off: float, static: float, dynamic: float) -> dict:
     matrix = {d: {w: 2.0 for w in WORKLOADS} for d in DOMAINS}
     gains = {d: {w: (own if w == d else off) for w in DOMAINS} for d in DOMAINS[1:]}
-    return {"matrix": matrix, "config": {"gamma": 4, "max_new_tokens": 128, "prompts_per_workload": 100},
-            "domain_gain_over_general": gains, "oracle_static_gain": static,
-            "oracle_static_gain_by_workload": {w: static for w in DOMAINS}, "oracle_dynamic_gain_mixed": dynamic,
-            "oracle_dynamic_mixed": 2.2, "best_fixed_per_prompt": {"mixed": 2.0},
-            "mean_generated_tokens": {w: 128 for w in WORKLOADS},
-            "gain_ceiling_over_general": {w: 0.1 for w in WORKLOADS}, "repeated_4gram_fraction": {w: 0.5 for w in WORKLOADS},
-            "sampling_temperature": 0.7, "sampling_overlap": {d: {w: 0.875 for w in WORKLOADS} for d in DOMAINS}}
+    return {
+        "matrix": matrix,
+        "config": {"gamma": 4, "max_new_tokens": 128, "prompts_per_workload": 100},
+        "domain_gain_over_general": gains,
+        "oracle_static_gain": static,
+        "oracle_static_gain_by_workload": {w: static for w in DOMAINS},
+        "oracle_dynamic_gain_mixed": dynamic,
+        "oracle_dynamic_mixed": 2.2,
+        "best_fixed_per_prompt": {"mixed": 2.0},
+        "mean_generated_tokens": {w: 128 for w in WORKLOADS},
+        "gain_ceiling_over_general": {w: 0.1 for w in WORKLOADS},
+        "repeated_4gram_fraction": {w: 0.5 for w in WORKLOADS},
+        "sampling_temperature": 0.7,
+        "sampling_overlap": {d: {w: 0.875 for w in WORKLOADS} for d in DOMAINS},
+    }
 
 
 def test_goal_lines_follow_the_measurements():
     met = render(_measurements({}), _acceptance(own=0.3, off=-0.2, static=0.25, dynamic=0.12))
     assert "by >= 25%: code +30%" in met and "-> met" in met and "loses to it on the other domains: met" in met
-    assert "oracle_static_gain >= 0.20: **0.250** (met" in met and "oracle_dynamic_gain_mixed >= 0.10: **0.120** (met" in met
+    assert (
+        "oracle_static_gain >= 0.20: **0.250** (met" in met
+        and "oracle_dynamic_gain_mixed >= 0.10: **0.120** (met" in met
+    )
     missed = render(_measurements({}), _acceptance(own=0.1, off=0.05, static=0.02, dynamic=0.07))
-    assert "NOT met for code, math, law, medical" in missed and "NOT everywhere: also beats `general` code on general (+5%)" in missed
+    assert (
+        "NOT met for code, math, law, medical" in missed
+        and "NOT everywhere: also beats `general` code on general (+5%)" in missed
+    )
     assert "**0.020** (NOT met" in missed and "**0.070** (NOT met" in missed
     assert "| math | 0.88 | 0.88 | 0.88 | 0.88 | 0.88 | 0.88 |" in missed
-    assert "no draft can beat `general` by more than code +10%" in missed and "continuation (loops, which any draft predicts): code 50%" in missed
+    assert (
+        "no draft can beat `general` by more than code +10%" in missed
+        and "continuation (loops, which any draft predicts): code 50%" in missed
+    )
 
 
 def test_build_runs_are_listed_with_their_objective(tmp_path):
-    for name, meta in {"target": {"step": 10}, "general-base": {"step": 20},
-                       "general": {"step": 30, "start": "general-base"}, "code": {"step": 5, "start": "general"}}.items():
+    runs = {"target": {"step": 10}, "general-base": {"step": 20}, "general": {"step": 30, "start": "general-base"},
+            "code": {"step": 5, "start": "general"}}
+    for name, meta in runs.items():
         config = {"max_minutes": 1, "batch_size": 16, "seq_len": 256, "lr": 1e-3, "compile": name == "target"}
         (tmp_path / "hf" / name).mkdir(parents=True)
-        (tmp_path / "hf" / name / "train_meta.json").write_text(json.dumps({**meta, "elapsed_s": 60.0, "final_loss": 0.5,
-                                                                          "config": config}))
+        (tmp_path / "hf" / name / "train_meta.json").write_text(
+            json.dumps({**meta, "elapsed_s": 60.0, "final_loss": 0.5, "config": config})
+        )
     phases = build_phases(tmp_path)
     assert list(phases) == ["target", "general-base", "general", "code"]
     card = render(_measurements(phases), None)
-    assert "| target | 1 | 10 | 6.00 | 16 x 256 | 0.001 | 0.500 | next-token CE on the corpus mixture, torch.compile'd step |" in card
-    assert "| general-base | 1 | 20 | 3.00 | 16 x 256 | 0.001 | 0.500 | from scratch: KL(target || draft) on the corpus mixture |" in card
-    assert "| code | 1 | 5 | 12.00 | 16 x 256 | 0.001 | 0.500 | from `general`: KL(target || draft) over the target's top-k on its own continuations (on-policy) |" in card
+    assert (
+        "| target | 1 | 10 | 6.00 | 16 x 256 | 0.001 | 0.500 |"
+        " next-token CE on the corpus mixture, torch.compile'd step |"
+        in card
+    )
+    assert (
+        "| general-base | 1 | 20 | 3.00 | 16 x 256 | 0.001 | 0.500 |"
+        " from scratch: KL(target || draft) on the corpus mixture |"
+        in card
+    )
+    assert (
+        "| code | 1 | 5 | 12.00 | 16 x 256 | 0.001 | 0.500 |"
+        " from `general`: KL(target || draft) over the target's top-k on its own continuations (on-policy) |"
+        in card
+    )
 
 
 def test_rollout_data_lines_count_the_domain_drafts_extra_continuations():
-    shared = {"config": {"sequences_per_source": 1024, "min_prompt_tokens": 32, "max_prompt_tokens": 96, "new_tokens": 128,
-                         "top_k": 32}, "sources": {n: {} for n in (*DOMAINS, "mixed")}, "seconds": 1200}
+    shared = {
+        "config": {
+            "sequences_per_source": 1024,
+            "min_prompt_tokens": 32,
+            "max_prompt_tokens": 96,
+            "new_tokens": 128,
+            "top_k": 32,
+        },
+        "sources": {n: {} for n in (*DOMAINS, "mixed")},
+        "seconds": 1200,
+    }
     m = {**_measurements({}), "rollouts": shared}
     assert "1024 prompts per\nsource (general, code, math, law, medical, mixed)" in render(m, None)
     assert "domain_rollouts" not in render(m, None)
@@ -146,8 +199,13 @@ def test_lean_latency_is_measured_on_the_lean_path(monkeypatch):
 
     calls = []
     real = draft_forward.LeanLlamaForward.__call__
-    monkeypatch.setattr(draft_forward.LeanLlamaForward, "__call__",
-                        lambda self, ids, cache, start, keep: calls.append((len(ids), start, keep)) or real(self, ids, cache, start, keep))
+    monkeypatch.setattr(
+        draft_forward.LeanLlamaForward,
+        "__call__",
+        lambda self, ids, cache, start, keep: (
+            calls.append((len(ids), start, keep)) or real(self, ids, cache, start, keep)
+        ),
+    )
     model = tiny_llama()
     assert forward_latency_ms(model, n_prefix=8, repeats=3, new_tokens=5, lean=True) > 0
     assert calls == [(8, 0, 1), (5, 8, 5)] * 5  # prefix, then the timed 5-token forward after it

@@ -17,7 +17,9 @@ def rollouts(tmp_path_factory, target):
     gen = torch.Generator().manual_seed(3)
     streams = {"code": torch.randint(3, 64, (400,), generator=gen, dtype=torch.int32),
                "law": torch.randint(3, 64, (300,), generator=gen, dtype=torch.int32)}
-    cfg = RolloutConfig(sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=9, new_tokens=12, batch_size=4, top_k=5)
+    cfg = RolloutConfig(
+        sequences_per_source=10, min_prompt_tokens=4, max_prompt_tokens=9, new_tokens=12, batch_size=4, top_k=5
+    )
     path = tmp_path_factory.mktemp("rollouts") / "rollouts.safetensors"
     summary = make_rollouts(target, streams, cfg, path, log=lambda m: None)
     return streams, cfg, path, summary
@@ -122,7 +124,9 @@ def test_validation_split_is_every_tenth_rollout_and_agreement_is_per_position(r
     rows = every.seqs["code"]
     assert [r[0].tolist() for r in val.seqs["code"]] == [r[0].tolist() for r in rows[::10]]
     assert len(train_.seqs["code"]) + len(val.seqs["code"]) == len(rows)
-    assert {tuple(r[0].tolist()) for r in train_.seqs["code"]}.isdisjoint({tuple(r[0].tolist()) for r in val.seqs["code"]})
+    assert {tuple(r[0].tolist()) for r in train_.seqs["code"]}.isdisjoint(
+        {tuple(r[0].tolist()) for r in val.seqs["code"]}
+    )
     # the labels are the target's own argmax: it agrees everywhere, a fresh model does not
     assert every.agreement(target) == 1.0
     student = _student()
@@ -136,7 +140,9 @@ def test_training_on_rollouts_learns_the_targets_argmax(rollouts, tmp_path):
     student = _student()
     data = RolloutStreams(path, {"code": 1.0, "law": 1.0}, seed=1)
     before = _agreement(student, data)
-    cfg = TrainConfig(max_steps=80, max_minutes=1e6, batch_size=8, seq_len=64, lr=1e-2, warmup_steps=5, checkpoint_every=1000)
+    cfg = TrainConfig(
+        max_steps=80, max_minutes=1e6, batch_size=8, seq_len=64, lr=1e-2, warmup_steps=5, checkpoint_every=1000
+    )
     meta = train(student, data, cfg, tmp_path / "ckpt", log=lambda m: None)
     after = _agreement(student.eval(), data)
     assert meta["done"] and meta["step"] == 80
@@ -168,8 +174,16 @@ class _StopAfter:
 
 def test_interrupted_training_resumes_to_the_same_weights(rollouts, tmp_path):
     _, _, path, _ = rollouts
-    cfg = TrainConfig(max_steps=8, max_minutes=1e6, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=2, checkpoint_every=3,
-                      validate_every=2)
+    cfg = TrainConfig(
+        max_steps=8,
+        max_minutes=1e6,
+        batch_size=4,
+        seq_len=64,
+        lr=5e-3,
+        warmup_steps=2,
+        checkpoint_every=3,
+        validate_every=2,
+    )
     val = RolloutStreams(path, {"code": 1.0}, seed=0, split="val")
 
     def fresh():
@@ -180,7 +194,9 @@ def test_interrupted_training_resumes_to_the_same_weights(rollouts, tmp_path):
 
     resumed, data = fresh()
     with pytest.raises(_Interrupt):
-        train(resumed, _StopAfter(data, 7), cfg, tmp_path / "b", log=lambda m: None, validate=val.agreement)  # checkpoint: step 6
+        train(
+            resumed, _StopAfter(data, 7), cfg, tmp_path / "b", log=lambda m: None, validate=val.agreement
+        )  # checkpoint: step 6
     resumed, data = fresh()
     meta = train(resumed, data, cfg, tmp_path / "b", log=lambda m: None, validate=val.agreement)
     assert meta["step"] == 8 and meta["validation"] == straight_meta["validation"]
@@ -198,8 +214,12 @@ def test_early_stopping_keeps_the_best_validated_parameters(rollouts, tmp_path):
         snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
         return next(scores)
 
-    cfg = TrainConfig(max_steps=10, max_minutes=1e6, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=2, validate_every=2)
-    meta = train(student, RolloutStreams(path, {"code": 1.0}, seed=1), cfg, tmp_path / "c", log=lambda m: None, validate=validate)
+    cfg = TrainConfig(
+        max_steps=10, max_minutes=1e6, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=2, validate_every=2
+    )
+    meta = train(
+        student, RolloutStreams(path, {"code": 1.0}, seed=1), cfg, tmp_path / "c", log=lambda m: None, validate=validate
+    )
     assert meta["best_step"] == 4 and [v[0] for v in meta["validation"]] == [2, 4, 6, 8, 10]
     for n, p in student.named_parameters():
         assert torch.equal(p, snapshots[1][n]), n
@@ -266,10 +286,18 @@ def test_domain_rollouts_stage_adds_other_windows_that_only_the_domain_drafts_se
     (work / "data").mkdir(parents=True)
     save_file(streams, str(work / "data" / "train.safetensors"))
     target.save_pretrained(str(work / "hf" / "target"), safe_serialization=True)
-    shared = RolloutConfig(sequences_per_source=6, min_prompt_tokens=4, max_prompt_tokens=6, new_tokens=5, batch_size=3, top_k=4)
+    shared = RolloutConfig(
+        sequences_per_source=6, min_prompt_tokens=4, max_prompt_tokens=6, new_tokens=5, batch_size=3, top_k=4
+    )
     # the shared recipe: its general draft learns the shared rollouts of every source, general's among them
-    cfg = BuildConfig(work_dir=work, out_dir=tmp_path / "models", threads=1, rollouts=shared, domain_rollouts_per_source=16,
-                      draft_recipe="shared")
+    cfg = BuildConfig(
+        work_dir=work,
+        out_dir=tmp_path / "models",
+        threads=1,
+        rollouts=shared,
+        domain_rollouts_per_source=16,
+        draft_recipe="shared",
+    )
     threads = torch.get_num_threads()
     build = ZooBuild(cfg)  # sets torch's threads process-wide: restored below
     try:
@@ -298,8 +326,16 @@ def _check_domain_rollouts(build, streams, shared, target, work) -> None:
         plen = len(ids) - shared.new_tokens
         assert _windows_of(streams["code"].long(), ids[:plen].long())  # training windows only
         assert ids[plen:].tolist() == target_greedy(target, ids[:plen].tolist(), shared.new_tokens)
-    assert len(RolloutStreams([build.rollouts_path, build.domain_rollouts_path], {"code": 1.0}, 0, split="val").seqs["code"]) == 2
+    assert (
+        len(
+            RolloutStreams([build.rollouts_path, build.domain_rollouts_path], {"code": 1.0}, 0, split="val").seqs[
+                "code"
+            ]
+        )
+        == 2
+    )
     build.domain_rollouts()  # cached: unchanged
     assert load_file(str(build.domain_rollouts_path)).keys() == extra.keys()
-    with pytest.raises(ValueError, match=r"domain rollouts per source \(4\) must be at least the rollouts per source \(6\)"):
+    too_few = r"domain rollouts per source \(4\) must be at least the rollouts per source \(6\)"
+    with pytest.raises(ValueError, match=too_few):
         ZooBuild(BuildConfig(work_dir=work, threads=1, rollouts=shared, domain_rollouts_per_source=4)).domain_rollouts()

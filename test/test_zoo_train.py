@@ -52,7 +52,9 @@ def test_a_step_that_cannot_compile_trains_eagerly_and_says_so(tmp_path, monkeyp
     logs: list[str] = []
     fallback, meta = _run(tmp_path, "fallback", True, logs)
     assert [m for m in logs if "torch.compile failed" in m] == [
-        "train: torch.compile failed (RuntimeError: InvalidCxxCompiler: No working C++ compiler found); training eagerly"]
+        "train: torch.compile failed (RuntimeError:"
+        " InvalidCxxCompiler: No working C++ compiler found); training eagerly"
+    ]
     assert meta["step"] == 4 and meta["final_loss"] == eager_meta["final_loss"]
     for (n, a), (_, b) in zip(eager.state_dict().items(), fallback.state_dict().items(), strict=True):
         assert torch.equal(a, b), n

@@ -135,12 +135,20 @@ def cmd_llamacpp(args) -> int:
     tokenizer = load_tokenizer(source)
     targets = {}
     for path in tqdm(paths, desc="loading target paths", unit="path"):
-        spec = ModelSpec(source, dtype="bf16") if path == "bf16" else ModelSpec(source, quantization="none" if path == "fp32" else path)
+        spec = (
+            ModelSpec(source, dtype="bf16")
+            if path == "bf16"
+            else ModelSpec(source, quantization="none" if path == "fp32" else path)
+        )
         targets[path] = load_model(spec).model
     drafts = {e.domain: load_model(ModelSpec(e.path)).model for e in registry.entries()}
     prompts = []
     for domain in args.domains.split(","):
-        rows = [_json.loads(line) for line in (Path(args.zoo) / "workloads" / f"{domain}.jsonl").read_text().splitlines() if line.strip()]
+        rows = [
+            _json.loads(line)
+            for line in (Path(args.zoo) / "workloads" / f"{domain}.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
         for row in rows[: args.prompts]:
             ids = prompt_ids(tokenizer, row["prompt"])
             prompts.append((domain, ids, tokenizer.decode(ids, skip_special_tokens=False)))
@@ -160,8 +168,11 @@ def cmd_llamacpp(args) -> int:
                   f" adaptive {p['speculative_adaptive_gamma_tps']:6.1f} ({p['speculative_vs_llamacpp']:.2f}x best)"
                   f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
                   f" t_verify {p['forward']['verify_ms']:.1f} ms matmul share {p['forward']['matmul_share']:.0%}")
-        print(f"  goals: target alone >= 0.5x llama.cpp: {row['target_alone_vs_llamacpp']:.2f}x ({row['best_target_alone_path']});"
-              f" speculative >= 1.0x: {row['speculative_vs_llamacpp']:.2f}x ({row['best_speculative_path']})")
+        print(
+            "  goals: target alone >= 0.5x llama.cpp:"
+            f" {row['target_alone_vs_llamacpp']:.2f}x ({row['best_target_alone_path']});"
+            f" speculative >= 1.0x: {row['speculative_vs_llamacpp']:.2f}x ({row['best_speculative_path']})"
+        )
     return 0 if all(row["outputs_identical"] for row in result["threads"].values()) else 1
 
 
@@ -267,13 +278,18 @@ def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_
     parser.add_argument("--prompts", type=int, default=prompts, help=f"{prompts_help} (default {prompts})")
     parser.add_argument("--runs", type=int, default=runs, help=f"repetitions; medians are reported (default {runs})")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128, the paper's)")
-    parser.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default {threads}{threads_help})")
+    parser.add_argument(
+        "--threads", type=int, default=threads, help=f"torch CPU threads (default {threads}{threads_help})"
+    )
 
 
 def _workloads_dir_argument(parser) -> None:
-    parser.add_argument("--workloads-dir", metavar="DIR",
-                        help="any folder of <name>.jsonl workloads ({\"domain\", \"prompt\"} rows or chat rows with"
-                             " \"messages\"; train*.jsonl skipped) (default: the zoo's held-out workloads, <zoo>/workloads)")
+    parser.add_argument(
+        "--workloads-dir",
+        metavar="DIR",
+        help='any folder of <name>.jsonl workloads ({"domain", "prompt"} rows or chat rows with'
+        ' "messages"; train*.jsonl skipped) (default: the zoo\'s held-out workloads, <zoo>/workloads)',
+    )
 
 
 def _storage_argument(parser, what: str) -> None:
@@ -306,9 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--transformers-draft-forward", action="store_true",
                      help="run the draft through model(...) instead of the engine's lean Llama draft forward")
     eng.set_defaults(func=cmd_engine)
-    lcp = sub.add_parser("llamacpp", help="this engine (every forward path, alone and speculative) beside llama.cpp on the same GGUF")
+    lcp = sub.add_parser(
+        "llamacpp", help="this engine (every forward path, alone and speculative) beside llama.cpp on the same GGUF"
+    )
     lcp.add_argument("--json", help="write the result JSON here")
-    lcp.add_argument("--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled zoo)")
+    lcp.add_argument(
+        "--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled zoo)"
+    )
     lcp.add_argument("--gguf", help="the target GGUF (default: the zoo registry's target, which must be a GGUF)")
     lcp.add_argument("--paths", default="fp32,bf16,int8,int4", help="forward paths to run (default: all four)")
     lcp.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
@@ -317,18 +337,28 @@ def build_parser() -> argparse.ArgumentParser:
     lcp.add_argument("--runs", type=int, default=1, help="repetitions; medians are reported (default 1)")
     lcp.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     lcp.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
-    lcp.add_argument("--llamacpp-bin", default=str(Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"),
-                     help="folder with llama-completion (scripts/build_llamacpp.sh builds it)")
+    lcp.add_argument(
+        "--llamacpp-bin",
+        default=str(Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"),
+        help="folder with llama-completion (scripts/build_llamacpp.sh builds it)",
+    )
     lcp.add_argument("--llamacpp-draft", help="a same-vocabulary draft GGUF for llama.cpp's speculative example")
     lcp.set_defaults(func=cmd_llamacpp)
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",
                       zoo_help="; a generated tiny zoo when it is missing", threads_help=": best on a busy 2-core CPU")
-    act.add_argument("--feedback-period", type=float, default=0.1, help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)")
+    act.add_argument(
+        "--feedback-period",
+        type=float,
+        default=0.1,
+        help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)",
+    )
     act.add_argument("--policy", default="memspec", help="memspec.policy (default memspec)")
     act.add_argument("--predictor", help="predictor.path (default: the zoo's predictor/)")
     act.set_defaults(func=cmd_action)
-    pol = sub.add_parser("policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)")
+    pol = sub.add_parser(
+        "policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)"
+    )
     _common_arguments(pol, prompts=4, runs=1, threads=1, prompts_help="prompts per workload (the paper: 100)")
     pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
     pol.add_argument("--policies", help="comma-separated subset (default: all seven)")

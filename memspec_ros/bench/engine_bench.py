@@ -93,7 +93,8 @@ def configure_assistant(draft, gamma: int) -> None:
     config.assistant_confidence_threshold = 0.0
 
 
-def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchConfig, names=("target", "draft"), progress=None) -> EngineBenchResult:
+def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchConfig, names=("target", "draft"),
+                     progress=None) -> EngineBenchResult:
     torch.set_num_threads(cfg.threads)
     device = next(target.parameters()).device
     # transformers' assisted generation needs a draft with the target's vocabulary width

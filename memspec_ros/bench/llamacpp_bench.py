@@ -178,7 +178,9 @@ def run_llamacpp_bench(
                         tally[method].accepted.append(session.stats.mean_accepted)
                     outputs[method] = session.generated_ids
                 for path in targets:
-                    identical[path] &= outputs[f"{path}:speculative"] == outputs[f"{path}:adaptive"] == outputs[f"{path}:alone"]
+                    identical[path] &= (
+                        outputs[f"{path}:speculative"] == outputs[f"{path}:adaptive"] == outputs[f"{path}:alone"]
+                    )
                     same_text[path] += decode(outputs[f"{path}:alone"]).strip() == llama_text.strip()
                 if progress is not None:
                     progress.update(1)

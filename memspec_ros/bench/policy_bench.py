@@ -265,8 +265,11 @@ def plot_policy_bench(result: dict, path: Path) -> None:
     cfg = result["config"]
     storage = result.get("storage", {})
     medium = f"storage {storage.get('medium', cfg.get('storage'))}" + (" (emulated)" if storage.get("emulated") else "")
-    ax.set_title(f"Policies on {Path(cfg['zoo']).name}/ (K={cfg['capacity']}, N={cfg['interval']}, gamma={cfg['gamma']}, "
-                 f"{cfg['max_new_tokens']} tokens, {cfg['prompts']} prompts/workload, {medium})", fontsize=9)
+    ax.set_title(
+        f"Policies on {Path(cfg['zoo']).name}/ (K={cfg['capacity']}, N={cfg['interval']}, gamma={cfg['gamma']}, "
+        f"{cfg['max_new_tokens']} tokens, {cfg['prompts']} prompts/workload, {medium})",
+        fontsize=9,
+    )
     ax.legend(ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         results[key] = {
             "prediction_overhead": (sum(s.prediction_seconds for s in runs) + hook) / decode if decode else 0.0,
             "hook_share": hook / decode if decode else 0.0,
-            "background_prediction_share": sum(s.background_prediction_seconds for s in runs) / decode if decode else 0.0,
+            "background_prediction_share": sum(s.background_prediction_seconds for s in runs) / decode
+            if decode
+            else 0.0,
             "tokens_per_second": sum(s.decode_tokens for s in runs) / decode if decode else 0.0,
             "predictions": sum(s.predictions for s in runs),
             "mean_accepted": sum(s.mean_accepted for s in runs) / len(runs),

@@ -41,9 +41,11 @@ class Outcome:
 def format_result(result) -> str:
     """The statistics line printed after the text (every figure is the node's, from its runtime stats)."""
     drafts = ", ".join(result.drafts_used) or "none (target only)"
-    line = (f"finish: {result.finish_reason} | prompt {result.prompt_tokens} tok | generated {result.completion_tokens} tok"
-            f" | {result.tokens_per_second:.1f} tok/s | time to first token {result.time_to_first_token:.3f} s"
-            f" | mean accepted {result.mean_accepted_tokens:.2f} | drafts {drafts} | switches {result.draft_switches}")
+    line = (
+        f"finish: {result.finish_reason} | prompt {result.prompt_tokens} tok | generated {result.completion_tokens} tok"
+        f" | {result.tokens_per_second:.1f} tok/s | time to first token {result.time_to_first_token:.3f} s"
+        f" | mean accepted {result.mean_accepted_tokens:.2f} | drafts {drafts} | switches {result.draft_switches}"
+    )
     if result.error_message:
         line += f"\nerror: {result.error_message}"
     return line
@@ -155,7 +157,9 @@ def parse_args(argv: list[str] | None):
                              " generation.system_prompt for this goal)")
     parser.add_argument("--raw", action="store_true",
                         help="plain continuation of the prompt, no chat template (not with --system)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the action server (default 10)")
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for the action server (default 10)"
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the text")
     args = parser.parse_args(argv)
     if args.raw and args.system is not None:

@@ -387,7 +387,9 @@ class NodeTasks:
         s.add("forward path", lo.target.forward_path)
         if lo.target.path_choice is not None:  # auto: what was measured at configure
             for timing in lo.target.path_choice.timings:
-                s.add(f"auto {timing.path} ms (1 / gamma+1 tokens)", f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}")
+                s.add(
+                    f"auto {timing.path} ms (1 / gamma+1 tokens)", f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}"
+                )
         s.add("parameter bytes", lo.target.size_bytes)
         s.add("context tokens", lo.max_positions)
         s.add("chat template", has_chat_template(lo.tokenizer))

@@ -531,7 +531,8 @@ def to_device_via_pinned(model: torch.nn.Module, device: torch.device) -> torch.
     return model
 
 
-def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=None, quantization: str = "none") -> Loader:
+def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=None,
+                    quantization: str = "none") -> Loader:
     """A loader for :class:`DraftCacheManager`: reads the registry entry's safetensors into fast memory.
 
     ``storage`` (a medium name, StorageMedium or DraftStorage; runtime/storage.py): read the weights cold

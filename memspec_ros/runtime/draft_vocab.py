@@ -93,7 +93,9 @@ class ReducedVocabDraft(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, **kwargs):
         out = self.inner(input_ids=self.vocab.inputs(input_ids), **kwargs)
-        return SimpleNamespace(logits=self.vocab.logits(out.logits), past_key_values=getattr(out, "past_key_values", None))
+        return SimpleNamespace(
+            logits=self.vocab.logits(out.logits), past_key_values=getattr(out, "past_key_values", None)
+        )
 
 
 def wrap_if_reduced(model: torch.nn.Module, path: str | Path) -> tuple[torch.nn.Module, int]:

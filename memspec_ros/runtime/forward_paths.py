@@ -137,15 +137,21 @@ class Int4Linear(FastLinear):
         low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / INT4_LEVELS).clamp(min=_TINY)
         q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, INT4_LEVELS).to(torch.int32)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1))
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1)
+        )
         # the kernel dequantizes (q - 8) * scale + zero, so zero is the minimum plus 8 steps
         zero = low + 8 * scale
-        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.register_buffer(
+            "scale_zero", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        )
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = in_features, out_features
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zero
+        )
 
     @classmethod
     def concat(cls, parts: list[Int4Linear]) -> Int4Linear:
@@ -232,7 +238,9 @@ def check_path(path: str) -> str:
     if path not in PATHS:
         raise ForwardPathError(f"unknown forward path {path!r}: use one of {', '.join(PATHS)} (or auto)")
     if path == "bf16" and not cpu_has_bf16():
-        raise ForwardPathError("forward path 'bf16' needs a CPU with bf16 matmul (avx512_bf16 or AMX): use int8, int4 or fp32")
+        raise ForwardPathError(
+            "forward path 'bf16' needs a CPU with bf16 matmul (avx512_bf16 or AMX): use int8, int4 or fp32"
+        )
     return path
 
 

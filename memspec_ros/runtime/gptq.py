@@ -126,7 +126,9 @@ def selftest(workdir: Path) -> dict:
     target = load_model(ModelSpec(str(q_dir), quantization="gptq"))
     draft = load_model(ModelSpec(str(fp_dir)))
     # layers GPT-QModel swapped in (e.g. TorchCpuAvx512Linear): proof the INT4 kernel really runs
-    quantized_layers = sorted({type(m).__name__ for m in target.model.modules() if type(m).__module__.startswith("gptqmodel")})
+    quantized_layers = sorted(
+        {type(m).__name__ for m in target.model.modules() if type(m).__module__.startswith("gptqmodel")}
+    )
     prompt = tokenizer("The patient presented with")["input_ids"]
     ids = torch.tensor([prompt])  # an explicit mask: generate() would mask prompt tokens equal to the pad id
     reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,

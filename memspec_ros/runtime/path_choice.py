@@ -96,7 +96,9 @@ def choose_path(model: torch.nn.Module, gamma: int, paths: list[str] | None = No
         trial = copy.deepcopy(model)
         try:
             apply_path(trial, path)
-            choice.timings.append(PathTiming(path, time_forward(trial, 1, vocab), time_forward(trial, gamma + 1, vocab)))
+            choice.timings.append(
+                PathTiming(path, time_forward(trial, 1, vocab), time_forward(trial, gamma + 1, vocab))
+            )
         except (RuntimeError, ValueError) as exc:  # a kernel this build of torch lacks, a shape it refuses
             choice.skipped[path] = f"{type(exc).__name__}: {exc}"
         finally:

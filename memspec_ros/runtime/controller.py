@@ -324,7 +324,8 @@ class RuntimeController:
         return active in gone
 
     def _resolve(self, choice: Choice, point: SchedulingPoint, *, initial: bool = False,
-                 current: tuple[str, LoadedModel | None] = ("", None)) -> tuple[str, LoadedModel | None, str, bool, float]:
+                 current: tuple[str, LoadedModel | None] = ("", None),
+                 ) -> tuple[str, LoadedModel | None, str, bool, float]:
         """Apply a choice to the cache; return (draft to run, its model, preferred, fallback?, seconds waited)."""
         cache = self.cache
         preferred = choice.preferred

@@ -81,7 +81,8 @@ class DraftRegistry:
 
     # -- construction -----------------------------------------------------------
     @classmethod
-    def from_yaml(cls, path: str | Path, *, target_fingerprint: str | None = None, validate: bool = True) -> DraftRegistry:
+    def from_yaml(cls, path: str | Path, *, target_fingerprint: str | None = None,
+                  validate: bool = True) -> DraftRegistry:
         """Read a registry file; relative paths resolve from the file's directory."""
         import yaml
 
@@ -171,7 +172,8 @@ class DraftRegistry:
                 if tokenizer_fingerprint(load_tokenizer(entry.path)) != self.target_fingerprint:
                     raise TokenizerMismatchError(
                         f"draft {entry.name!r} in {entry.path} has a different tokenizer from the target:"
-                        " speculative decoding needs one shared vocabulary; use a draft trained with the target's tokenizer"
+                        " speculative decoding needs one shared vocabulary;"
+                        " use a draft trained with the target's tokenizer"
                     )
         if entry.size_bytes <= 0 and Path(entry.path).is_dir():
             entry = DraftEntry(entry.name, entry.path, entry.domain, weights_bytes(entry.path))

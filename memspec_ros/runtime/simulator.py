@@ -89,7 +89,8 @@ class PromptTrace:
 
 
 @torch.inference_mode()
-def target_hidden_states(target: torch.nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+def target_hidden_states(target: torch.nn.Module, prompt_ids: Sequence[int],
+                         continuation: Sequence[int]) -> torch.Tensor:
     """[len(prompt) + len(continuation), hidden]: the target's final hidden state at every position (one pass)."""
     ids = list(prompt_ids) + list(continuation)
     device = next(target.parameters()).device

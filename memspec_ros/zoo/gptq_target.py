@@ -168,7 +168,8 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
     try:
         tokens = sum(map(len, ids))
         _log(f"quantizing {target_dir} to INT{bits} (groups of {group_size}) on {len(ids)} calibration sequences,"
-             f" {tokens} tokens ({hits} answers stored, {len(ids) - hits} made here); GPT-QModel shows per-layer progress")
+             f" {tokens} tokens ({hits} answers stored, {len(ids) - hits} made here);"
+             " GPT-QModel shows per-layer progress")
         t0 = time.perf_counter()
         with contextlib.chdir(tmp):  # GPT-QModel writes a logs/ folder into the working directory
             quantize_gptq(target_dir, tmp / "model", ids, bits, group_size)
@@ -254,7 +255,8 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
         loaded[name] = load_model(spec)
         if name in prepare:
             prepared[name] = prepare_for_engine(loaded[name].model)
-        _log(f"{name}: loaded in {time.perf_counter() - t0:.1f} s ({loaded[name].forward_path}) {prepared.get(name, '')}")
+        _log(f"{name}: loaded in {time.perf_counter() - t0:.1f} s ({loaded[name].forward_path})"
+             f" {prepared.get(name, '')}")
     draft = load_model(ModelSpec(str(draft_dir))).model
     gptq_layers = sorted({type(m).__name__ for m in loaded["gptq_int4"].model.modules()
                           if type(m).__module__.startswith("gptqmodel")})
@@ -290,8 +292,9 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
                 # an explicit mask: without one, generate() masks every prompt token equal to the pad id,
                 # and SmolLM2's pad id is <|im_end|>, which ends each chat turn of the prompt
                 t = torch.tensor([ids])
-                hf = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=max_new_tokens,
-                                    eos_token_id=None, pad_token_id=tokenizer.pad_token_id or 0)[0, len(ids):].tolist()
+                hf = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                                    max_new_tokens=max_new_tokens, eos_token_id=None,
+                                    pad_token_id=tokenizer.pad_token_id or 0)[0, len(ids):].tolist()
                 run["hf_identical"] = hf == alone.generated_ids
             runs[name].append(run)
             _log(f"prompt {i + 1}/{len(prompts)} {row['domain']:8s} {name:12s} alone {run['tok_s']:6.1f} tok/s,"
@@ -309,7 +312,8 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
             "speculative_mean_accepted": round(statistics.mean(r["mean_accepted"] for r in rs), 3),
             "outputs_identical": all(r["identical"] for r in rs),
             "speed_prompts": len(rs),
-            "tokens_agreeing_with_fp32_greedy": [_common_prefix(r["tokens"], f) for r, f in zip(rs, fp32_tokens, strict=False)],
+            "tokens_agreeing_with_fp32_greedy": [_common_prefix(r["tokens"], f)
+                                                 for r, f in zip(rs, fp32_tokens, strict=False)],
         })
         if name in prepared:
             results[name]["prepare_for_engine"] = prepared[name]
@@ -325,7 +329,8 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     quant = json.loads((gptq_dir / "config.json").read_text()).get("quantization_config", {})
     return {
         "what": "SmolLM2-135M-Instruct (the bundled target) in fp32, the engine's own int4 path (Q4_1 grid, groups"
-                " of 32, ATen kernel, head int8) and GPTQ INT4 from GPT-QModel (groups of 32, LM head not quantized), run"
+                " of 32, ATen kernel, head int8) and GPTQ INT4 from GPT-QModel (groups of 32, LM head not quantized),"
+                " run"
                 " with bf16 activations (its fused AVX512 kernel; embeddings, norms and head bf16) and with fp32"
                 " activations (its layers dequantize the weight on each call)",
         "command": "memspec-zoo gptq report --json docs/results/gptq-smollm2.json",
@@ -368,7 +373,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         ("report", "quantize if needed, then compare fp32 / engine int4 / GPTQ INT4 (JSON)")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--target", default=None,
-                       help="HF directory (in the node's environment also .gguf / pkg:); default: the zoo's registry target")
+                       help="HF directory (in the node's environment also .gguf / pkg:);"
+                            " default: the zoo's registry target")
         p.add_argument("--models", default=str(ROOT / "models"), help="the zoo: workloads, build_config.json, drafts")
         p.add_argument("--requests", type=int, default=128, help="training requests to calibrate on")
         p.add_argument("--answers", default=None, metavar="DIR",

@@ -27,7 +27,7 @@ def test_gptq_int4_target_is_lossless_through_the_engine(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), GPTQMODEL_CPU_WORKERS="2", HF_HUB_OFFLINE="1")
     env.pop("PYTHONHOME", None)
     proc = subprocess.run(
-        [str(GPTQ_PYTHON), "-m", "memspec_ros.runtime.gptq", "selftest", "--workdir", str(tmp_path)],
+        [str(GPTQ_PYTHON), "-m", "memspec_ros.zoo.gptq_cli", "selftest", "--workdir", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,  # GPT-QModel writes logs/ to cwd
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("SELFTEST ")]
@@ -38,7 +38,7 @@ def test_gptq_int4_target_is_lossless_through_the_engine(tmp_path):
     assert report["int4_bytes"] < report["fp32_bytes"] / 2  # packed INT4 weights really are smaller
     for gamma, result in report["gammas"].items():
         assert result["identical"], f"gamma {gamma}: engine output differs from the INT4 target's greedy output"
-    # bf16 activations (GPT-QModel's fused CPU kernel) after gptq.prepare_for_engine: the engine
+    # bf16 activations (GPT-QModel's fused CPU kernel) after runtime.gptq.prepare_for_engine: the engine
     # reproduces the target's own one-token greedy decoding there too
     for gamma, result in report["bf16"]["gammas"].items():
         assert result["identical"], (

@@ -30,10 +30,7 @@ ALLOWED = {
 ROS_BENCHES = {"memspec_ros/bench/action_bench.py"}
 ROS_MODULES = {"rclpy", "rcl_interfaces", "ament_index_python", "diagnostic_updater", "launch", "launch_ros"}
 # Imports waiting for a move, each with the reason; the test fails once one is no longer needed.
-PENDING: dict[tuple[str, str], str] = {
-    ("memspec_ros/runtime/gptq.py", "testing"): "the GPTQ self-test and its CLI move out of runtime/ (issue 19,"
-                                                " point 5) once the engineer editing runtime/gptq.py is done",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> list[Path]:

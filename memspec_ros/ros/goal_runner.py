@@ -39,9 +39,7 @@ from .diagnostics import ThroughputWindow, generation_stats_msg, stats_fields
 
 ACTION_NAME = "~/generate"
 DEACTIVATE_WAIT_SECONDS = 30.0  # how long ending the goals waits for the running one's next iteration
-# The action's goal, cancel and result services: rclpy's default keeps 10 requests, so a burst of goals
-# sent at once lost the rest unanswered (their clients waited forever). 100 holds any realistic burst
-# between two takes of the executor while bounding what a flood of large prompts can hold in memory.
+# goal/cancel/result services: rclpy's 10 drops a burst of goals unanswered; 100 holds one, memory bounded
 ACTION_SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
                                 durability=DurabilityPolicy.VOLATILE)
 CANCELING_WAIT_SECONDS = 5.0  # rclpy marks a goal CANCELING only after the cancel callback returned

@@ -335,9 +335,7 @@ def _quiet_libraries() -> None:
 
 def main(args: list[str] | None = None) -> None:
     _quiet_libraries()
-    # SIGINT/SIGTERM are ours, not rclpy's: its handler shuts the context down at once, so the results of
-    # the goals still running or queued were never sent. Ours ends those goals and lets the executor send
-    # their results (close_goals, on a thread of its own while the executor spins), then the node goes.
+    # our SIGINT/SIGTERM handler, not rclpy's (which stops the context before the goals' results are sent)
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     node = MemSpecNode()
     executor = MultiThreadedExecutor(num_threads=4)

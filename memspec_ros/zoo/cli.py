@@ -15,9 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-# On a small machine shared with other processes, OpenMP threads that spin at
-# barriers while a sibling is descheduled made a 2-thread training step ~8x
-# slower than a 1-thread one (measured here); passive waiting removes that.
+# OpenMP threads spinning at barriers on a shared CPU made 2-thread training ~8x slower than 1 thread
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

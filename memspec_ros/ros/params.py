@@ -308,7 +308,9 @@ _LAUNCH_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node -
 
 
 def _resolved(path: str | Path) -> Path:
-    return Path(path).expanduser().resolve()  # follows every symlink, removes every '..'
+    """Where a path really points: every symlink followed, every '..' removed (no '~' expansion: the
+    loaders take a path parameter literally, so the check must too)."""
+    return Path(path).resolve()
 
 
 def default_allowed_roots() -> list[Path]:
@@ -371,7 +373,7 @@ def allowed_roots(node) -> list[Path]:
     locations the node started with."""
     configured = non_empty(_plain(node.get_parameter("model.allowed_roots").value))
     roots = [Path(r) for r in configured] if configured else default_allowed_roots()
-    return [_resolved(r) for r in roots] + list(_LAUNCH_ROOTS.get(node, []))
+    return [_resolved(r.expanduser()) for r in roots] + list(_LAUNCH_ROOTS.get(node, []))
 
 
 def path_outside_roots(what: str, path: str, roots: list[Path]) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from ..runtime.chat import end_token_ids
 from ..runtime.draft_forward import lean_forward_for, unsupported_reason
 from ..runtime.speculative import KVState, forward_once, generate
 
@@ -35,6 +36,7 @@ class EngineBenchConfig:
     draft: str = "general"
     lean_drafts: bool = True  # the engine's lean draft forward (runtime/draft_forward.py) where it applies
     adaptive_gamma: bool = False  # gamma per iteration from measured costs (runtime/gamma_choice.py)
+    stop_at_end: bool = True  # every method stops at the target's end tokens (an instruct model's end of turn)
 
 
 @dataclass
@@ -75,9 +77,9 @@ def _forward_ms(model, context: list[int], feed: int, device, lean=None, repeats
     return statistics.median(times) * 1000
 
 
-def _hf_generate(target, draft, ids: list[int], new: int, gamma: int) -> list[int]:
+def _hf_generate(target, draft, ids: list[int], new: int, gamma: int, eos: list[int]) -> list[int]:
     inputs = torch.tensor([ids], device=next(target.parameters()).device)
-    kwargs = dict(do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    kwargs = dict(do_sample=False, max_new_tokens=new, eos_token_id=eos or None, pad_token_id=0)
     if draft is not None:
         kwargs["assistant_model"] = draft
     with torch.inference_mode():
@@ -112,9 +114,11 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     verify_ms: list[float] = []
     identical = True
     # warm-up: first calls pay for allocation and lazy initialisation
-    generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8, lean_drafts=cfg.lean_drafts)
+    eos = end_token_ids(None, target) if cfg.stop_at_end else []
+    generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8, lean_drafts=cfg.lean_drafts,
+             adaptive_gamma=cfg.adaptive_gamma)  # adaptive: its one-off forward timings happen here
     if hf_can:
-        _hf_generate(target, draft, prompts[0], 8, cfg.gamma)
+        _hf_generate(target, draft, prompts[0], 8, cfg.gamma, eos)
     for run in range(cfg.runs):
         seconds = dict.fromkeys(methods, 0.0)
         tokens = dict.fromkeys(methods, 0)
@@ -126,13 +130,13 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
             for method in order:
                 start = time.perf_counter()
                 if method == "autoregressive":
-                    out = _hf_generate(target, None, ids, cfg.max_new_tokens, cfg.gamma)
+                    out = _hf_generate(target, None, ids, cfg.max_new_tokens, cfg.gamma, eos)
                 elif method == "hf_assisted":
-                    out = _hf_generate(target, draft, ids, cfg.max_new_tokens, cfg.gamma)
+                    out = _hf_generate(target, draft, ids, cfg.max_new_tokens, cfg.gamma, eos)
                 else:
                     session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma,
                                        max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
-                                       adaptive_gamma=cfg.adaptive_gamma)
+                                       adaptive_gamma=cfg.adaptive_gamma, eos_token_ids=eos)
                     out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens

@@ -245,8 +245,20 @@ def check_path(path: str) -> str:
 
 
 def cpu_has_bf16() -> bool:
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability in ("AVX512", "AMX") or torch.cuda.is_available()
+    """Whether this CPU multiplies bf16 natively (x86 avx512_bf16 or AMX, Arm bf16); elsewhere bf16 is emulated
+    and slower than fp32, so ``auto`` leaves it out."""
+    if torch.cuda.is_available():
+        return True
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # not Linux: trust torch's own report of the vector ISA
+        return torch.backends.cpu.get_cpu_capability() == "AMX"
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _is_head(name: str) -> bool:

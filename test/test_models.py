@@ -41,7 +41,10 @@ def model_dirs(tmp_path_factory, tokenizer):
 def test_loads_and_generates_in_every_dtype(model_dirs):
     target_dir, draft_dir = model_dirs
     # fp16 is transformers' own cast; bf16 is the bf16 forward path: bf16 linear weights, the rest fp32
-    for dtype, weight_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    from memspec_ros.runtime.forward_paths import cpu_has_bf16
+
+    cases = [("fp32", torch.float32), ("fp16", torch.float16)] + ([("bf16", torch.bfloat16)] if cpu_has_bf16() else [])
+    for dtype, weight_dtype in cases:
         target = load_model(ModelSpec(str(target_dir), dtype=dtype))
         assert target.model.model.layers[0].mlp.up_proj.weight.dtype == weight_dtype
         assert target.forward_path == dtype

@@ -40,7 +40,7 @@ from .policies import (
 from .predictor import OverlappedPredictor, Ranker
 from .registry import DraftRegistry
 from .speculative import ChunkCallback, SamplingConfig, SpeculativeSession
-from .stats import GenerationStats
+from .stats import GenerationStats, IterationStats
 
 GREEDY = SamplingConfig()
 I64 = 2**63 - 1
@@ -85,6 +85,22 @@ class RuntimeConfig:
 
 
 _LABELS = {"capacity": "capacity (K)", "interval": "interval (N)", "recent_tokens": "recent_tokens (T)"}
+
+
+@dataclass
+class _Run:
+    """One generation's loop state between scheduling points."""
+
+    policy: DraftPolicy
+    registry_version: int  # the registry's version the cache was last synced with
+    active: str = ""  # the draft decoding ("" : the target alone)
+    model: LoadedModel | None = None
+    preferred: str = ""  # the policy's choice (active differs when it fell back)
+    fallback: bool = False
+    interval: int = 0
+    iterations: list[IterationStats] = dataclasses.field(default_factory=list)  # this interval's
+    prediction_seconds: float = 0.0  # the last scheduling point's work, charged to the next iteration
+    wait_seconds: float = 0.0  # its blocking load wait, likewise
 
 
 @dataclass
@@ -239,64 +255,75 @@ class RuntimeController:
         cache = self.cache
         cache.on_evict.append(session.drop_draft)
         before = cache.snapshot()
-        policy = self._make_policy()
-        stats.policy = policy.name
-        registry_version = self.registry.version
-        self._sync_registry("")  # drafts removed while idle leave the cache before this generation
-
-        # setup: prediction on the prompt, initial draft load, cache preparation (lines 2-5)
-        t_setup = time.perf_counter()
-        policy.start(prompt_ids)
-        point = self._point(0, session, prompt_ids, active="")
-        choice = policy.choose(point)
-        stats.predictions += 1
-        active, model, preferred, fallback, _ = self._resolve(choice, point, initial=True)
-        stats.setup_seconds = time.perf_counter() - t_setup
-
+        run = self._setup(session, prompt_ids)
         session.prefill()
-        interval, interval_its, pending_prediction, pending_wait = 0, [], 0.0, 0.0
         while not session.finished:
             if should_cancel is not None and should_cancel():
                 session.cancel()
                 break
-            if len(interval_its) >= self.config.interval:
-                # -- scheduling point ------------------------------------------------------
-                policy.observe(active, interval_its)
-                interval += 1
-                interval_its = []
-                t0 = time.perf_counter()
-                if self._take_pending() is not None:
-                    session.gamma = self.config.gamma
-                    if policy.name != self.config.policy:
-                        policy.close()
-                        policy = self._make_policy()
-                        policy.start(prompt_ids)
-                        stats.policy = f"{stats.policy}>{policy.name}"
-                if self.registry.version != registry_version:
-                    registry_version = self.registry.version
-                    if self._sync_registry(active):
-                        active, model = "", None  # the active draft was removed: pick anew below
-                point = self._point(interval, session, prompt_ids, active)
-                choice = policy.choose(point)
-                stats.predictions += 1
-                active, model, preferred, fallback, waited = self._resolve(choice, point, current=(active, model))
-                pending_prediction = time.perf_counter() - t0 - waited
-                pending_wait = waited
-            draft = model.model if model is not None else None
-            it = session.step(active if draft is not None else "", draft)
-            it.preferred = preferred
-            it.fallback = fallback
-            it.prediction_seconds, it.load_wait_seconds = pending_prediction, pending_wait
-            pending_prediction = pending_wait = 0.0
-            interval_its.append(it)
-        if interval_its:
-            policy.observe(active, interval_its)
-        policy.close()
+            if len(run.iterations) >= self.config.interval:
+                self._scheduling_point(run, session, prompt_ids)
+            run.iterations.append(self._step(run, session))
+        if run.iterations:
+            run.policy.observe(run.active, run.iterations)
+        run.policy.close()
         if isinstance(self._overlapped, OverlappedPredictor):
             stats.background_prediction_seconds = self._overlapped.background_seconds
             self._overlapped.background_seconds = 0.0
         stats.cache = cache.snapshot().since(before)
         return GenerationResult(session.text, session.finish_reason, stats, session.generated_ids)
+
+    def _setup(self, session: SpeculativeSession, prompt_ids: list[int]) -> _Run:
+        """Prediction on the prompt, the initial draft load, cache preparation (Algorithm 3, lines 2-5)."""
+        stats = session.stats
+        policy = self._make_policy()
+        stats.policy = policy.name
+        run = _Run(policy, self.registry.version)
+        self._sync_registry("")  # drafts removed while idle leave the cache before this generation
+        t_setup = time.perf_counter()
+        policy.start(prompt_ids)
+        point = self._point(0, session, prompt_ids, active="")
+        choice = policy.choose(point)
+        stats.predictions += 1
+        run.active, run.model, run.preferred, run.fallback, _ = self._resolve(choice, point, initial=True)
+        stats.setup_seconds = time.perf_counter() - t_setup
+        return run
+
+    def _scheduling_point(self, run: _Run, session: SpeculativeSession, prompt_ids: list[int]) -> None:
+        """Every N iterations: pending reconfiguration and registry edits land, the policy chooses, the cache acts."""
+        stats = session.stats
+        run.policy.observe(run.active, run.iterations)
+        run.interval += 1
+        run.iterations = []
+        t0 = time.perf_counter()
+        if self._take_pending() is not None:
+            session.gamma = self.config.gamma
+            if run.policy.name != self.config.policy:
+                run.policy.close()
+                run.policy = self._make_policy()
+                run.policy.start(prompt_ids)
+                stats.policy = f"{stats.policy}>{run.policy.name}"
+        if self.registry.version != run.registry_version:
+            run.registry_version = self.registry.version
+            if self._sync_registry(run.active):
+                run.active, run.model = "", None  # the active draft was removed: pick anew below
+        point = self._point(run.interval, session, prompt_ids, run.active)
+        choice = run.policy.choose(point)
+        stats.predictions += 1
+        run.active, run.model, run.preferred, run.fallback, waited = self._resolve(
+            choice, point, current=(run.active, run.model))
+        run.prediction_seconds = time.perf_counter() - t0 - waited
+        run.wait_seconds = waited
+
+    def _step(self, run: _Run, session: SpeculativeSession) -> IterationStats:
+        """One draft-and-verify iteration on the chosen draft (or the target alone), with what led to it."""
+        draft = run.model.model if run.model is not None else None
+        it = session.step(run.active if draft is not None else "", draft)
+        it.preferred = run.preferred
+        it.fallback = run.fallback
+        it.prediction_seconds, it.load_wait_seconds = run.prediction_seconds, run.wait_seconds
+        run.prediction_seconds = run.wait_seconds = 0.0
+        return it
 
     def _point(self, interval: int, session: SpeculativeSession, prompt_ids: list[int], active: str) -> SchedulingPoint:
         generated = session.generated_ids

@@ -48,12 +48,14 @@ class EngineBenchResult:
     prompts: int
     runs: int
     draft_forward: str  # "lean" or "transformers (<why>)": how the engine ran the draft
-    autoregressive_tps: float
+    autoregressive_tps: float  # transformers' generate, target alone
+    target_alone_tps: float  # this engine without a draft (its own forward)
     hf_assisted_tps: float | None  # None: transformers cannot run this draft (a reduced-vocabulary head)
     engine_tps: float
     engine_decode_tps: float
     ratio_vs_hf: float | None
     ratio_vs_autoregressive: float
+    ratio_vs_target_alone: float
     mean_accepted: float
     outputs_identical: bool
     t_draft_ms: float
@@ -106,7 +108,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     lean = lean_forward_for(draft) if cfg.lean_drafts else None
     why_not = "switched off" if not cfg.lean_drafts else unsupported_reason(draft)
     draft_forward = "lean" if lean is not None else f"transformers ({why_not})"
-    methods = ("autoregressive", "hf_assisted", "engine") if hf_can else ("autoregressive", "engine")
+    # target_alone: this engine's own one-token decoding (its lean forward), the speed to beat
+    methods = ("autoregressive", "target_alone", "hf_assisted", "engine") if hf_can else (
+        "autoregressive", "target_alone", "engine")
     per_run: dict[str, list[float]] = {m: [] for m in methods}
     decode_tps: list[float] = []
     accepted: list[float] = []
@@ -131,6 +135,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 start = time.perf_counter()
                 if method == "autoregressive":
                     out = _hf_generate(target, None, ids, cfg.max_new_tokens, cfg.gamma, eos)
+                elif method == "target_alone":
+                    out = generate(target, ids, None, max_new_tokens=cfg.max_new_tokens,
+                                   eos_token_ids=eos).generated_ids
                 elif method == "hf_assisted":
                     out = _hf_generate(target, draft, ids, cfg.max_new_tokens, cfg.gamma, eos)
                 else:
@@ -163,10 +170,12 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     return EngineBenchResult(
         target=names[0], draft=names[1], gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens,
         prompts=len(prompts), runs=cfg.runs, draft_forward=draft_forward,
-        autoregressive_tps=med["autoregressive"], hf_assisted_tps=med.get("hf_assisted"), engine_tps=med["engine"],
+        autoregressive_tps=med["autoregressive"], target_alone_tps=med["target_alone"],
+        hf_assisted_tps=med.get("hf_assisted"), engine_tps=med["engine"],
         engine_decode_tps=engine_decode,
         ratio_vs_hf=med["engine"] / med["hf_assisted"] if hf_can else None,
         ratio_vs_autoregressive=med["engine"] / med["autoregressive"],
+        ratio_vs_target_alone=med["engine"] / med["target_alone"],
         mean_accepted=mean_accepted, outputs_identical=identical,
         t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound, bound_fraction=engine_decode / bound,
         per_run=per_run,

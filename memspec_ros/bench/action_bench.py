@@ -97,7 +97,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
     from rclpy.executors import MultiThreadedExecutor
     from rclpy.parameter import Parameter
 
-    from ..ros.node import MemSpecNode
+    from ..ros.node import EXECUTOR_THREADS, MemSpecNode
     from ..runtime.speculative import SamplingConfig
 
     context = Context()
@@ -109,7 +109,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
         overrides["predictor.path"] = predictor
     node = MemSpecNode("memspec_bench", context=context,
                        parameter_overrides=[Parameter(k, value=v) for k, v in overrides.items()])
-    executor = MultiThreadedExecutor(num_threads=4, context=context)  # as memspec_node's main()
+    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS, context=context)  # as memspec_node's main()
     executor.add_node(node)
     spinner = threading.Thread(target=executor.spin, daemon=True)
     spinner.start()

@@ -43,6 +43,7 @@ DEACTIVATE_WAIT_SECONDS = 30.0  # how long ending the goals waits for the runnin
 ACTION_SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reliability=ReliabilityPolicy.RELIABLE,
                                 durability=DurabilityPolicy.VOLATILE)
 CANCELING_WAIT_SECONDS = 5.0  # rclpy marks a goal CANCELING only after the cancel callback returned
+CANCELING_POLL_SECONDS = 0.001
 NOT_ACTIVE_TODO = {"unconfigured": "configure and activate it", "inactive": "activate it",
                    "finalized": "start the node again"}
 
@@ -404,7 +405,7 @@ class GoalRunner:
         if job.result.finish_reason == CANCELLED:
             deadline = time.monotonic() + CANCELING_WAIT_SECONDS
             while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
-                time.sleep(0.001)
+                time.sleep(CANCELING_POLL_SECONDS)
             settle(goal_handle, CANCELLED if goal_handle.is_cancel_requested else ERROR)
         else:
             settle(goal_handle, ERROR)

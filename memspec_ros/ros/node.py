@@ -60,6 +60,9 @@ CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this 
 # (rclpy sends a result from an executor task of its own, after the execute callback returned).
 RESULTS_OUT_SECONDS = 5.0
 RESULT_SEND_SECONDS = 0.5
+# Executor threads: the generation (the action's execute callback), goal/cancel callbacks beside it, timers.
+EXECUTOR_THREADS = 4
+EXECUTOR_SHUTDOWN_SECONDS = 1.0
 
 
 class RecordingRanker:
@@ -338,7 +341,7 @@ def main(args: list[str] | None = None) -> None:
     # our SIGINT/SIGTERM handler, not rclpy's (which stops the context before the goals' results are sent)
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     node = MemSpecNode()
-    executor = MultiThreadedExecutor(num_threads=4)
+    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
     executor.add_node(node)
     closing = threading.Event()
     closed = Future()
@@ -368,7 +371,7 @@ def main(args: list[str] | None = None) -> None:
             except Exception as exc:  # a failing callback is logged, never the end of the node
                 node.get_logger().error(f"a callback failed: {type(exc).__name__}: {exc}")
     finally:
-        executor.shutdown(timeout_sec=1.0)
+        executor.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_SECONDS)
         node.destroy_node()
         rclpy.try_shutdown()
 

@@ -5,6 +5,7 @@ and the launch file use): every transition, a failed configure, on_error, and me
 from __future__ import annotations
 
 import gc
+import shutil
 
 import pytest
 from node_helpers import Harness, goal, node_overrides, tiny_zoo
@@ -139,11 +140,34 @@ def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     assert h.state() == "inactive"
 
 
-def test_policy_without_predictor_fails_configure_with_the_reason(harness):
-    h = harness(**{"predictor.path": "none", "memspec.policy": "memspec"})
-    assert not h.transition(Transition.TRANSITION_CONFIGURE)
-    assert "needs a trained predictor" in h.node.configure_error
-    assert h.node.loaded_parameter_bytes() == 0
+@pytest.mark.parametrize("predictor", ["none", "missing", "corrupt"])
+def test_a_policy_without_its_predictor_runs_general_static_with_a_warning(harness, tmp_path, predictor):
+    """A missing predictor (predictor.path 'none', a directory that is gone, or files that do not load) is
+    not a failed configure: memspec runs as general-static, /diagnostics says why (WARN), goals succeed,
+    and memspec.policy cannot be set back to a predictor policy until a predictor is configured."""
+    from memspec_ros.ros.diagnostics import WARN
+
+    path = {"none": "none", "missing": str(tmp_path / "gone"), "corrupt": str(tmp_path / "corrupt")}[predictor]
+    if predictor == "corrupt":
+        shutil.copytree(tiny_zoo() / "predictor", tmp_path / "corrupt")
+        for head in (tmp_path / "corrupt").rglob("*.safetensors"):
+            head.write_bytes(b"not safetensors")
+    h = harness(**{"predictor.path": path, "memspec.policy": "memspec"})
+    h.activate()
+    assert h.node.loaded.controller.config.policy == "general-static"
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: predictor"]
+    assert status.level == WARN, status.message
+    assert "runs as general-static" in status.message and "needs a trained predictor" in status.message
+    if predictor == "none":
+        assert "predictor.path is 'none'" in status.message
+    else:
+        assert "failed to load" in status.message and path in status.message
+    handle, _ = h.send(goal(max_new_tokens=8))
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_SUCCEEDED and list(response.result.drafts_used) == ["general"]
+    [refused] = h.set_params(**{"memspec.policy": "memspec"})
+    assert not refused.successful and "needs a trained predictor" in refused.reason
+    assert h.node.loaded.controller.config.policy == "general-static"
 
 
 def test_an_exception_in_a_transition_goes_through_on_error_back_to_unconfigured(harness, monkeypatch):

@@ -419,8 +419,13 @@ class NodeTasks:
             return
         policy = lo.controller.config.policy
         s.add("policy", policy)
+        if lo.predictor_note:  # none found, or it failed to load: what runs instead
+            s.add("problem", lo.predictor_note)
         if lo.predictor is None:
-            s.summary(OK, f"no predictor (policy {policy} needs none)")
+            if lo.predictor_note:
+                s.summary(WARN, lo.predictor_note)
+            else:
+                s.summary(OK, f"no predictor (policy {policy} needs none)")
             return
         engine = lo.predictor.engine
         config = engine.config

@@ -46,6 +46,14 @@ CANCELING_WAIT_SECONDS = 5.0  # rclpy marks a goal CANCELING only after the canc
 CANCELING_POLL_SECONDS = 0.001
 NOT_ACTIVE_TODO = {"unconfigured": "configure and activate it", "inactive": "activate it",
                    "finalized": "start the node again"}
+# A goal's bounds (Generate.action documents them): stop strings are matched against the text at every
+# committed chunk, so their number and length are bounded; temperatures above the parameter's range are
+# refused, and positive ones below GREEDY_BELOW decode greedily (softmax(logits / T) is the argmax's one-hot
+# long before T reaches float32's smallest values, where it turns into NaN; vLLM draws the same line).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000
+MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5
 
 ERROR = Generate.Result.FINISH_ERROR
 CANCELLED = Generate.Result.FINISH_CANCELLED
@@ -237,8 +245,9 @@ class GoalRunner:
         reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
         if reason:  # roles, emptiness, raw with messages, messages without a template
             return reason
-        if not math.isfinite(goal.temperature) or not (math.isfinite(goal.top_p) and goal.top_p <= 1.0):
-            return f"temperature {goal.temperature} / top_p {goal.top_p} out of range (top_p must be <= 1)"
+        reason = self._settings_error(goal)
+        if reason:
+            return reason
         limit = self._param("generation.max_prompt_tokens")
         if lo.max_positions:
             limit = min(limit, lo.max_positions - 1)
@@ -252,6 +261,21 @@ class GoalRunner:
         except Exception as exc:  # never let a tokenizer error escape the goal callback
             return f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
         return self._tokens_error(goal, ids, limit, lo.max_positions) or self._reserve(goal, ids)
+
+    @staticmethod
+    def _settings_error(goal: Generate.Goal) -> str:
+        """Sampling values and stop strings out of their documented ranges (no tokenizer work)."""
+        if not math.isfinite(goal.temperature) or goal.temperature > MAX_TEMPERATURE:
+            return (f"temperature {goal.temperature} out of range: 0 (greedy), up to {MAX_TEMPERATURE:g}, or negative"
+                    " for the node default")
+        if not (math.isfinite(goal.top_p) and goal.top_p <= 1.0):
+            return f"top_p {goal.top_p} out of range: (0, 1], or 0 / negative for the node default"
+        if len(goal.stop) > MAX_STOP_STRINGS:
+            return f"{len(goal.stop)} stop strings, more than the limit of {MAX_STOP_STRINGS}"
+        longest = max((len(s) for s in goal.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            return f"a stop string has {longest} characters, more than the limit of {MAX_STOP_CHARS}"
+        return ""
 
     @staticmethod
     def _characters_error(goal: Generate.Goal, messages: list, limit: int, max_token_chars: int) -> str:
@@ -425,6 +449,8 @@ class GoalRunner:
         from ..runtime.speculative import SamplingConfig
 
         temperature = goal.temperature if goal.temperature >= 0.0 else self._param("generation.temperature")
+        if temperature < GREEDY_BELOW:
+            temperature = 0.0
         top_p = goal.top_p if goal.top_p > 0.0 else self._param("generation.top_p")
         seed = goal.seed if goal.seed >= 0 else self._param("generation.seed")
         return SamplingConfig(float(temperature), float(top_p), int(seed) if seed >= 0 else None)

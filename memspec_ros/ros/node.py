@@ -20,6 +20,7 @@ The parts it wires together:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import signal
 import threading
@@ -39,6 +40,7 @@ from memspec_interfaces.msg import CacheState
 from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
 
 from ..runtime.chat import has_chat_template, max_token_chars
+from ..runtime.policies import PolicyError
 from . import params as P
 from .diagnostics import (
     LATCHED,
@@ -76,17 +78,27 @@ class RecordingRanker:
         self.last_error = ""
 
     def begin(self, prompt_ids) -> None:
-        self.engine.begin(prompt_ids)
+        try:
+            self.engine.begin(prompt_ids)
+        except Exception as exc:  # the rankings of this goal fall back (rank below)
+            self._failed(exc)
 
     def rank(self, context):
+        """The predictor's ranking; if it raises, general-static's order (drafts of domain "general" first,
+        then registry order), so that a broken predictor costs speed, never a goal."""
         try:
             ranking = self.engine.rank(context)
         except Exception as exc:
-            self.failures += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            raise
+            self._failed(exc)
+            general = [d for d in context.candidates if context.domains.get(d) == "general"]
+            order = general + [d for d in context.candidates if d not in general]
+            return [(name, float(len(order) - i)) for i, name in enumerate(order)]
         self.latest = {name: float(score) for name, score in ranking}
         return ranking
+
+    def _failed(self, exc: Exception) -> None:
+        self.failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
 
     def parameter_bytes(self) -> int:
         return self.engine.parameter_bytes()
@@ -108,6 +120,7 @@ class Loaded:
     controller: Any  # RuntimeController
     max_positions: int
     max_token_chars: int  # the most characters one token stands for (runtime/chat.py): the goal pre-check
+    predictor_note: str = ""  # why there is no predictor, or what runs instead (a WARN on /diagnostics)
 
     def summary(self) -> str:
         return (f"target {self.paths.target} ({self.target.size_bytes / 1e6:.1f} MB),"
@@ -258,13 +271,39 @@ class MemSpecNode(LifecycleNode):
         if v["model.threads"]:
             torch.set_num_threads(v["model.threads"])
         models = load_models(paths.registry_file or None, drafts=P.draft_lists(v), target_path=paths.target,
-                             tokenizer_path=paths.tokenizer, predictor_path=paths.predictor, dtype=v["model.dtype"],
-                             device=v["model.device"], quantization=v["model.quantization"], gamma=v["memspec.gamma"])
-        predictor = RecordingRanker(models.predictor) if models.predictor is not None else None
-        controller = models.controller(P.runtime_config(v), predictor, draft_quantization=v["drafts.quantization"],
-                                       storage=v["cache.storage"])
+                             tokenizer_path=paths.tokenizer, dtype=v["model.dtype"], device=v["model.device"],
+                             quantization=v["model.quantization"], gamma=v["memspec.gamma"])
+        engine, missing = self._load_predictor(paths.predictor, v["predictor.path"], models)
+        note = missing if engine is None and paths.predictor else ""  # a predictor that failed to load
+        predictor = RecordingRanker(engine) if engine is not None else None
+        config = P.runtime_config(v)
+        P.check_general_draft(config.policy, config.general_draft, models.registry.names())
+        options = {"draft_quantization": v["drafts.quantization"], "storage": v["cache.storage"]}
+        try:
+            controller = models.controller(config, predictor, **options)
+        except PolicyError as exc:  # the policy needs a predictor and there is none: general-static, with a WARN
+            if predictor is not None:
+                raise
+            note = f"{missing}: memspec.policy {config.policy} runs as {P.PREDICTOR_FALLBACK} ({exc})"
+            controller = models.controller(dataclasses.replace(config, policy=P.PREDICTOR_FALLBACK), **options)
+        if note:
+            self.get_logger().warning(note)
         return Loaded(paths, models.tokenizer, models.fingerprint, models.target, models.registry, predictor,
-                      controller, models.target.max_positions, max_token_chars(models.tokenizer))
+                      controller, models.target.max_positions, max_token_chars(models.tokenizer), note)
+
+    @staticmethod
+    def _load_predictor(path: str, parameter: str, models) -> tuple[Any, str]:
+        """The trained predictor at ``path``, or None and why not (missing or failing to load: not a failed
+        configure, see _load)."""
+        from ..runtime.predictor import PredictionEngine
+
+        if not path:
+            return None, ("no predictor (predictor.path is 'none')" if parameter == "none"
+                          else "no trained predictor found beside the registry (predictor.path empty)")
+        try:
+            return PredictionEngine.load(path, target=models.target.model, tokenizer=models.tokenizer), ""
+        except Exception as exc:
+            return None, f"the predictor at {path} failed to load: {type(exc).__name__}: {exc}"
 
     def _release(self) -> None:
         """Free every model: the controller (its cache and loader thread), drafts, target, predictor."""

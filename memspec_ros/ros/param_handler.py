@@ -80,6 +80,7 @@ class ParameterHandler:
         try:
             self._check(new, lo)
             registry = self._registry(new, lo)
+            self._check_general_draft(new, lo, registry)
             runtime = self._reconfigure(new, lo)
         except Refused as exc:
             self._node.get_logger().warning(f"parameter change rejected: {exc}")
@@ -121,6 +122,18 @@ class ParameterHandler:
             return registry_from_params({**P.values(self._node), **new}, lo.paths, lo.fingerprint)
         except Exception as exc:  # a missing or mismatched draft: the change is refused with the cause
             raise Refused(f"draft registry not changed: {exc}") from exc
+
+    def _check_general_draft(self, new: dict[str, Any], lo, registry) -> None:
+        """A change that leaves general-static without its draft (the registry, the policy or the name) is refused."""
+        if lo is None or not {"memspec.policy", "memspec.general_draft", *P.REGISTRY_PARAMS} & set(new):
+            return
+        current = {n: self._node.get_parameter(n).value for n in ("memspec.policy", "memspec.general_draft")}
+        merged = {**current, **new}
+        try:
+            P.check_general_draft(merged["memspec.policy"], merged["memspec.general_draft"],
+                                  (registry or lo.registry).names())
+        except ValueError as exc:
+            raise Refused(str(exc)) from exc
 
     @staticmethod
     def _reconfigure(new: dict[str, Any], lo) -> dict[str, Any]:

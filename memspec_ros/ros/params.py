@@ -454,6 +454,18 @@ def resolve_paths(v: dict[str, Any]) -> ModelPaths:
     return ModelPaths(registry_file, target, v["model.tokenizer_path"] or target, predictor)
 
 
+# The policy a predictor policy (memspec, prediction-only, ...) runs as when configure finds no usable predictor.
+PREDICTOR_FALLBACK = "general-static"
+
+
+def check_general_draft(policy: str, general_draft: str, names: list[str]) -> None:
+    """general-static runs memspec.general_draft: ValueError with the reason if the registry lacks it."""
+    if policy == "general-static" and general_draft not in names:
+        raise ValueError(f"memspec.general_draft {general_draft!r} is not in the draft registry"
+                         f" ({', '.join(names) or 'no drafts'}): policy general-static runs that draft; add it to the"
+                         " registry or set memspec.general_draft to one of its drafts")
+
+
 def draft_lists(v: dict[str, Any]) -> DraftLists | None:
     """The drafts drafts.names/paths/domains give, or None when the registry file holds them."""
     names = non_empty(v["drafts.names"])

@@ -48,9 +48,9 @@ def check_request(prompt: str, messages: Sequence[tuple[str, str]], raw: bool, t
         if messages:
             return ("raw is set but messages are given: a raw goal continues `prompt` as plain text;"
                     " send raw with a prompt only, or messages without raw")
-        return "" if prompt else "the prompt is empty (raw goals continue `prompt`): set prompt"
+        return _prompt_error(prompt, "the prompt is empty (raw goals continue `prompt`): set prompt")
     if not messages:
-        return "" if prompt else "the prompt is empty and there are no messages: set prompt or messages"
+        return _prompt_error(prompt, "the prompt is empty and there are no messages: set prompt or messages")
     if prompt:
         return ("both prompt and messages are set: send the conversation in messages (the last one a user turn),"
                 " or a single user turn in prompt")
@@ -62,11 +62,19 @@ def check_request(prompt: str, messages: Sequence[tuple[str, str]], raw: bool, t
             return f"messages[{i}] has unknown role {role!r}: use one of {', '.join(ROLES)}"
         if not content:
             return f"messages[{i}] ({role}) has empty content"
+        if content.isspace():
+            return f"messages[{i}] ({role}) has only whitespace: give it some text"
     last = messages[-1][0]
     if last != USER:
         return (f"the last message is from the {last}, not the user: end the conversation with the user turn"
                 " the model should answer")
     return ""
+
+
+def _prompt_error(prompt: str, empty: str) -> str:
+    if not prompt:
+        return empty
+    return "the prompt is only whitespace: give it some text" if prompt.isspace() else ""
 
 
 def max_token_chars(tokenizer) -> int:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .corpora import _GENERATORS, DOMAINS, WORKLOADS, CorpusConfig, _read, is_prose, split_of
+from .corpora import DOMAINS, MATH_GENERATORS, WORKLOADS, CorpusConfig, is_prose, read_text_file, split_of
 
 MIXED_PAIRS: tuple[tuple[str, str], ...] = (
     ("general", "code"),
@@ -100,7 +100,7 @@ def _stdlib_functions(cfg: CorpusConfig) -> Iterator[tuple[str, str, str, str]]:
         rel = os.path.relpath(path, cfg.stdlib_dir)
         if skip.search(rel):
             continue
-        text = _read(path)
+        text = read_text_file(path)
         if not text:
             continue
         try:
@@ -137,7 +137,7 @@ _MATH_ASKS = ("Solve this step by step: {p}", "{p} Show your work.", "Can you he
 def math_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
     r = random.Random(cfg.seed)
     for i in range(20 * (cfg.train_per_domain + cfg.heldout_per_workload)):
-        problem = r.choice(_GENERATORS)(r).split("\n")[0].removeprefix("Problem: ")
+        problem = r.choice(MATH_GENERATORS)(r).split("\n")[0].removeprefix("Problem: ")
         yield ChatRequest("math", f"math:{cfg.seed}:{i}", r.choice(_MATH_ASKS).format(p=problem))
 
 
@@ -160,7 +160,7 @@ def law_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
     for path in paths:
         if os.path.islink(path) or not os.path.isfile(path):
             continue
-        text = _read(path) or ""
+        text = read_text_file(path) or ""
         for k, para in enumerate(re.split(r"\n\s*\n", text)):
             para = " ".join(para.split())
             letters = sum(c.isalpha() for c in para)
@@ -214,7 +214,7 @@ def general_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
     for g in src.prose_globs:
         paths += sorted(glob.glob(g, recursive=True))
     for path in paths:
-        for k, para in enumerate(re.split(r"\n\s*\n", _read(path) or "")):
+        for k, para in enumerate(re.split(r"\n\s*\n", read_text_file(path) or "")):
             if is_prose(para):
                 text = _clip(" ".join(para.split()), cfg.max_quote_chars)
                 yield ChatRequest(

@@ -131,7 +131,8 @@ def _chunks(domain: str, doc_id: str, text: str, chunk_chars: int) -> Iterator[D
         yield Document(domain, f"{doc_id}#{k}", "\n\n".join(buf).strip())
 
 
-def _read(path: str) -> str | None:
+def read_text_file(path: str) -> str | None:
+    """The file's text, or None if it is unreadable or not UTF-8 (a source's files vary by installation)."""
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -150,7 +151,7 @@ def code_documents(cfg: CorpusConfig) -> Iterator[Document]:
         rel = os.path.relpath(path, root)
         if skip.search(rel):
             continue
-        text = _read(path)
+        text = read_text_file(path)
         if text and len(text) > 500:
             yield from _chunks("code", f"code:{rel}", text, cfg.chunk_chars)
 
@@ -166,7 +167,7 @@ def law_documents(cfg: CorpusConfig) -> Iterator[Document]:
     for path in paths:
         if os.path.islink(path) or not os.path.isfile(path):
             continue
-        text = _read(path)
+        text = read_text_file(path)
         if text and len(text) > 300:
             yield from _chunks("law", f"law:{path}", text, cfg.chunk_chars)
 
@@ -337,7 +338,7 @@ def _quadratic(r: random.Random) -> str:
     )
 
 
-_GENERATORS: tuple[Callable[[random.Random], str], ...] = (
+MATH_GENERATORS: tuple[Callable[[random.Random], str], ...] = (
     _arithmetic,
     _fractions,
     _linear,
@@ -350,7 +351,7 @@ def math_documents(cfg: CorpusConfig) -> Iterator[Document]:
     """Seeded worksheets of 3-6 worked problems each (generated, no licence)."""
     r = random.Random(cfg.math_seed)
     for i in range(cfg.math_documents):
-        probs = [r.choice(_GENERATORS)(r) for _ in range(r.randint(3, 6))]
+        probs = [r.choice(MATH_GENERATORS)(r) for _ in range(r.randint(3, 6))]
         yield Document("math", f"math:{cfg.math_seed}:{i}", "\n\n".join(probs))
 
 
@@ -381,7 +382,7 @@ def general_documents(cfg: CorpusConfig) -> Iterator[Document]:
     for g in cfg.prose_globs:
         paths += sorted(glob.glob(g, recursive=True))
     for path in paths:
-        text = _read(path)
+        text = read_text_file(path)
         if not text:
             continue
         paras = [

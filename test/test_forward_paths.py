@@ -192,18 +192,18 @@ def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs):
 def test_a_verify_computes_each_row_as_one_token_decoding_does(path):
     """The lean forward's rows after a cached prefix equal one-token forwards bit for bit (int8 by its
     arithmetic; int4 and bf16 where their kernel is row-exact, else one row at a time)."""
-    from memspec_ros.runtime.speculative import _forward, _KVState
+    from memspec_ros.runtime.speculative import KVState, forward_once
 
     model = tiny_llama(vocab_size=64, hidden=64, seed=5)
     apply_path(model, path)
     lean = lean_forward_for(model)
     prompt, rows = list(range(3, 20)), [7, 21, 9, 40, 2]
-    together, alone = _KVState(), _KVState()
+    together, alone = KVState(), KVState()
     with torch.inference_mode():
-        _forward(model, prompt, together, 1, "cpu", lean)
-        _forward(model, prompt, alone, 1, "cpu", lean)
-        verify = _forward(model, rows, together, len(rows), "cpu", lean)
-        steps = torch.cat([_forward(model, [t], alone, 1, "cpu", lean) for t in rows])
+        forward_once(model, prompt, together, 1, "cpu", lean)
+        forward_once(model, prompt, alone, 1, "cpu", lean)
+        verify = forward_once(model, rows, together, len(rows), "cpu", lean)
+        steps = torch.cat([forward_once(model, [t], alone, 1, "cpu", lean) for t in rows])
     if path == "fp32":  # plain fp32 matmuls sum a row differently with others: close, not exact
         torch.testing.assert_close(verify, steps, atol=1e-4, rtol=1e-4)
     else:

@@ -6,7 +6,8 @@
     runtime    engine, cache, predictor, policies         imports nothing of memspec_ros above it, and no ROS
 
 The ROS layer is the only one that imports rclpy, ROS messages or ament, except the action bench, whose
-subject is the ROS action path. Nothing in runtime/ reaches for a fixture, a benchmark or a tool.
+subject is the ROS action path. Nothing in runtime/ reaches for a fixture, a benchmark or a tool, and no
+module imports another's private (_underscored) names.
 """
 
 from __future__ import annotations
@@ -95,6 +96,22 @@ def test_no_module_imports_from_a_layer_above():
     found = _violations()
     unexpected = [f"{f}:{line} imports {m} ({layer})" for f, line, m, layer in found if (f, layer) not in PENDING]
     assert not unexpected, "imports from a higher layer:\n" + "\n".join(unexpected)
+
+
+def test_no_module_imports_another_modules_private_names():
+    """``from x import _name`` reaches into x: a name another module needs is public there."""
+    found = []
+    for path in _modules():
+        package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = f"{base}.{node.module}" if base and node.module else (node.module or base)
+            if module.startswith("memspec_ros"):
+                found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {a.name} from {module}"
+                          for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("key", sorted(PENDING))

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from ..runtime.chat import end_token_ids
 from ..runtime.draft_forward import lean_forward_for, unsupported_reason
 from ..runtime.speculative import KVState, forward_once, generate
+from ..runtime.stats import decode_tokens_per_second
 
 
 @dataclass
@@ -161,7 +162,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 progress.update(1)
         for method in methods:
             per_run[method].append(tokens[method] / seconds[method])
-        decode_tps.append(run_decode_tokens / run_decode_s)
+        decode_tps.append(decode_tokens_per_second(run_decode_tokens, run_decode_s))
     mean_accepted = statistics.fmean(accepted)
     t_draft, t_verify = statistics.median(draft_ms), statistics.median(verify_ms)
     bound = (mean_accepted + 1) / ((cfg.gamma * t_draft + t_verify) / 1000)

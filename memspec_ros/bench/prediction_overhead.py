@@ -23,7 +23,7 @@ import torch
 from ..runtime.controller import RuntimeConfig
 from ..runtime.loader import load_models
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
-from ..runtime.stats import GenerationStats
+from ..runtime.stats import GenerationStats, decode_tokens_per_second
 from ..zoo.predictor_training import read_prompts
 
 VARIANTS = [("minilm", False), ("minilm", True), ("target-hidden", False), ("target-hidden", True)]
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             "background_prediction_share": sum(s.background_prediction_seconds for s in runs) / decode
             if decode
             else 0.0,
-            "tokens_per_second": sum(s.decode_tokens for s in runs) / decode if decode else 0.0,
+            "tokens_per_second": decode_tokens_per_second(sum(s.decode_tokens for s in runs), decode),
             "predictions": sum(s.predictions for s in runs),
             "mean_accepted": sum(s.mean_accepted for s in runs) / len(runs),
             "fallback_fraction": sum(s.fallback_fraction for s in runs) / len(runs),

@@ -133,6 +133,11 @@ def test_every_rejection_reason_answers_fast(h):
             "raw is set but messages are given",
         ),
         "raw, empty prompt": (goal(prompt="", raw=True), "the prompt is empty"),
+        "whitespace content": (
+            goal(prompt="", messages=msgs(("system", "Be brief."), ("user", " \n\t"))),
+            "messages[1] (user) has only whitespace",
+        ),
+        "no messages, whitespace prompt": (goal(prompt="\n \n"), "the prompt is only whitespace"),
     }
     h.goal_callback_seconds.clear()
     rejected_before = h.node.goals_rejected

@@ -247,3 +247,31 @@ def test_the_cost_aware_policy_replays_losslessly_in_both(models, traces):
             assert stats.completion_tokens == len(trace.continuation)
     finally:
         ctl.close()
+
+
+def test_the_policy_bench_reports_the_simulators_validation(tmp_path, capsys):
+    """`memspec-bench policies` replays its own runs and prints the comparison (the numbers are the machine's)."""
+    import json
+
+    from memspec_ros.bench.cli import main
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2)
+    (zoo / "workloads").mkdir()
+    for workload, prompt in (("code", "def add(a, b):"), ("math", "Solve 3x + 5 = 20.")):
+        (zoo / "workloads" / f"{workload}.jsonl").write_text(json.dumps({"domain": workload, "prompt": prompt}) + "\n")
+    out = tmp_path / "policies.json"
+    policies = ["general-static", "mab-sync", "oracle-dynamic", "memspec", COST_AWARE]
+    assert main(["policies", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--workloads", "code,math",
+                 "--policies", ",".join(policies), "--prompts", "1", "--max-new-tokens", "16",
+                 "--json", str(out)]) == 0
+    validation = json.loads(out.read_text())["simulator_validation"]
+    assert list(validation["policies"]) == policies
+    for kind in (validation, validation["pooled"]):
+        for row in kind["policies"].values():
+            assert row["simulated_end_to_end"] > 0 and row["measured_end_to_end"] > 0
+            ratio = row["simulated_end_to_end"] / row["measured_end_to_end"]
+            assert row["error_end_to_end"] == pytest.approx(ratio - 1)
+            assert set(row["workloads"]) == {"code", "math"}
+    assert validation["within_tolerance"] == (validation["max_abs_error_end_to_end"] <= validation["tolerance"])
+    assert "simulator vs measured" in capsys.readouterr().out

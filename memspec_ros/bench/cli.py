@@ -215,7 +215,7 @@ def cmd_policies(args) -> int:
     from tqdm import tqdm
 
     from ..runtime.policies import POLICIES
-    from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench, workloads_in
+    from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench, validation_table, workloads_in
 
     zoo = Path(args.zoo)
     if not (zoo / "registry.yaml").is_file():
@@ -234,7 +234,7 @@ def cmd_policies(args) -> int:
     cfg = PolicyBenchConfig(policies=policies, workloads=workloads, prompts=args.prompts, runs=args.runs,
                             max_new_tokens=args.max_new_tokens, capacity=args.capacity, interval=args.interval,
                             gamma=args.gamma, storage=args.storage, workloads_dir=str(folder or ""),
-                            threads=args.threads)
+                            threads=args.threads, simulate=not args.no_simulator)
     predictor = Path(args.predictor) if args.predictor else zoo / "predictor" / "target-hidden"
     with tqdm(total=len(policies) * len(workloads) * args.prompts * args.runs, desc="policies", unit="gen") as bar:
         try:
@@ -249,10 +249,10 @@ def cmd_policies(args) -> int:
     print(text)
     names = result["config"]["policies"]
     print("\nsteady-state tokens/s per workload (GMEAN last):")
-    print(f"{'policy':>16} " + " ".join(f"{w:>8}" for w in result["workloads"]) + f" {'GMEAN':>8}")
+    print(f"{'policy':>20} " + " ".join(f"{w:>8}" for w in result["workloads"]) + f" {'GMEAN':>8}")
     for p in names:
         cells = " ".join(f"{result['workloads'][w][p]['tokens_per_second']:8.1f}" for w in result["workloads"])
-        print(f"{p:>16} {cells} {result['gmean_tokens_per_second'][p]:8.1f}")
+        print(f"{p:>20} {cells} {result['gmean_tokens_per_second'][p]:8.1f}")
     for key, value in result["ratios"].items():
         print(f"{key}: {value:.3f}")
     storage = result["storage"]
@@ -262,7 +262,13 @@ def cmd_policies(args) -> int:
     print("decode time breakdown (" + ", ".join(result["time_breakdown"][names[0]]["parts"]) + "):")
     for p in names:
         parts = result["time_breakdown"][p]["fraction"]
-        print(f"{p:>16} " + " ".join(f"{parts[k]:6.1%}" for k in parts))
+        print(f"{p:>20} " + " ".join(f"{parts[k]:6.1%}" for k in parts))
+    live = (result.get("predictor") or {}).get("recent_features_live")
+    if live is False:
+        print("WARNING: the live target-hidden predictor saw no recent tokens (its forward hook never fired while"
+              " decoding): the predicted policies ranked from the prompt alone")
+    if "simulator_validation" in result:
+        print(validation_table(result["simulator_validation"]))
     if result["config"]["skipped_policies"]:
         print(f"skipped (no trained predictor at {predictor}): {', '.join(result['config']['skipped_policies'])}")
     print(f"lossless (every output equals the target's greedy output): {result['lossless']}")
@@ -361,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common_arguments(pol, prompts=4, runs=1, threads=1, prompts_help="prompts per workload (the paper: 100)")
     pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
-    pol.add_argument("--policies", help="comma-separated subset (default: all seven)")
+    pol.add_argument("--policies",
+                     help="comma-separated subset (default: the paper's seven; memspec-cost-aware on request)")
     pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed,"
                                          " or every <name>.jsonl of --workloads-dir)")
     _workloads_dir_argument(pol)
@@ -369,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--interval", type=int, default=4, help="N, iterations between scheduling points (default 4)")
     pol.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
     _storage_argument(pol, "every draft load reads its weights cold through it")
+    pol.add_argument("--no-simulator", action="store_true",
+                     help="skip replaying the runs in the trace-driven simulator (simulator_validation)")
     pol.set_defaults(func=cmd_policies)
     return parser
 

@@ -24,6 +24,13 @@ Oracle-Dynamic plans with measured costs: before the timed runs one untimed
 General-Static generation measures an iteration and a catch-up, and each draft
 is loaded once through the storage tier; those costs (and K) go with every
 prompt's oracle (``oracle_costs`` in the JSON).
+
+Simulator validation (``simulator_validation``): every prompt's trace (the
+target's greedy continuation and each draft's agreement, recorded for the
+oracles) is replayed through runtime/simulator.py with the same policy objects
+and a cost model fitted to these runs' own measurements; the JSON and the
+printed table compare simulated with measured throughput per policy (end to end
+and the paper's metric). Sweeps run on the simulator only as far as this holds.
 """
 
 from __future__ import annotations
@@ -41,9 +48,18 @@ from ..runtime.controller import RuntimeConfig, RuntimeController
 from ..runtime.loader import find_predictor, load_models
 from ..runtime.models import ModelSpec, load_model
 from ..runtime.oracle import GreedyOracle, ScheduleCosts
-from ..runtime.policies import PAPER_POLICIES
+from ..runtime.policies import COST_AWARE, PAPER_POLICIES, DraftPolicy, make_policy
 from ..runtime.registry import DraftRegistry
-from ..runtime.stats import BREAKDOWN, GenerationTotals
+from ..runtime.simulator import (
+    CostModel,
+    PromptTrace,
+    SimConfig,
+    Simulator,
+    live_recent_features,
+    replay_predictor,
+    target_hidden_states,
+)
+from ..runtime.stats import BREAKDOWN, GenerationStats, GenerationTotals
 from ..runtime.storage import DraftStorage, storage_medium
 from ..zoo.corpora import WORKLOADS
 
@@ -55,9 +71,13 @@ METRICS = {
 }
 
 
+PREDICTED = ("memspec", "prediction-only", COST_AWARE)  # policies that need a trained predictor
+VALIDATION_TOLERANCE = 0.10  # simulated vs measured end-to-end throughput per policy (issue 17)
+
+
 @dataclass
 class PolicyBenchConfig:
-    policies: Sequence[str] = PAPER_POLICIES
+    policies: Sequence[str] = PAPER_POLICIES  # memspec-cost-aware on request (the paper harness runs it)
     workloads: Sequence[str] = WORKLOADS
     prompts: int = 4  # per workload (the paper: 100; pass --prompts 100 for the full protocol)
     runs: int = 1
@@ -69,6 +89,8 @@ class PolicyBenchConfig:
     storage: str = "emmc"  # local | emmc | sd | nvme (runtime/storage.py)
     workloads_dir: str = ""  # folder of <name>.jsonl; empty: the zoo's held-out workloads (<zoo>/workloads)
     threads: int = 1
+    trace_tokens: int = 0  # record each prompt's trace this far (0: max_new_tokens): the longest budget simulated
+    simulate: bool = True  # replay the runs in the simulator and report how close it comes (simulator_validation)
 
 
 @dataclass
@@ -160,7 +182,53 @@ def measure_costs(controller: RuntimeController, storage: DraftStorage, registry
                          catchup_seconds=statistics.fmean(catchups) if catchups else 0.0, load_seconds=loads)
 
 
+@dataclass
+class BenchRun:
+    """A policy bench's result and what the simulator needs to replay it (runtime/simulator.py)."""
+
+    result: dict
+    cfg: PolicyBenchConfig
+    traces: list[PromptTrace]
+    costs: CostModel  # fitted to the timed runs
+    schedule_costs: ScheduleCosts  # what Oracle-Dynamic planned with
+    predictor: object | None  # the ranking head over recorded contexts (the live one's view)
+    domains: dict[str, str]
+    registry: DraftRegistry
+    runs: list[tuple[str, str, tuple[int, ...], GenerationStats]]  # (policy, workload, prompt, stats), every timed run
+
+    def sim_config(self, **changes) -> SimConfig:
+        base = dict(capacity=self.cfg.capacity, interval=self.cfg.interval, gamma=self.cfg.gamma,
+                    recent_tokens=self.cfg.recent_tokens, max_new_tokens=self.cfg.max_new_tokens)
+        return SimConfig(**(base | changes))
+
+    def policy(self, name: str, config: SimConfig, costs: CostModel | None = None) -> DraftPolicy:
+        """A fresh policy object, as the controller makes one per generation (oracles get this config's costs)."""
+        costs = costs or self.costs
+        schedule = ScheduleCosts(capacity=config.capacity, iteration_seconds=self.schedule_costs.iteration_seconds,
+                                 catchup_seconds=self.schedule_costs.catchup_seconds,
+                                 load_seconds=dict(costs.load_seconds))
+        by_prompt = {tuple(t.prompt_ids): t for t in self.traces}
+
+        def oracle_for(ids):
+            return by_prompt[tuple(ids)].oracle(config.max_new_tokens, config.gamma, config.interval, schedule)
+
+        return make_policy(name, predictor=self.predictor, oracle_for=oracle_for)
+
+    def simulate(self, policies: Sequence[str], costs: CostModel | None = None, **changes) -> dict:
+        """{policy: {workload: GenerationTotals}} for ``policies`` replayed with ``changes`` to K, N, budget, ..."""
+        config = self.sim_config(**changes)
+        sim = Simulator(costs or self.costs, config, self.domains, list(self.domains))
+        return {p: sim.run(lambda p=p: self.policy(p, config, costs), self.traces) for p in policies}
+
+
 def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | None, progress=None) -> dict:
+    return collect_policy_bench(zoo, cfg, predictor_dir, progress).result
+
+
+def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | None, progress=None) -> BenchRun:
+    """The timed runs (and, with ``cfg.simulate``, the simulator's validation against them)."""
+    import time
+
     import torch
 
     torch.set_num_threads(cfg.threads)
@@ -168,26 +236,35 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
     storage = DraftStorage(storage_medium(cfg.storage))
     models = load_models(zoo / "registry.yaml", predictor_path=find_predictor(predictor_dir))
     tokenizer, target, registry, predictor = models.tokenizer, models.target, models.registry, models.predictor
-    policies = [p for p in cfg.policies if predictor is not None or p not in ("memspec", "prediction-only")]
+    policies = [p for p in cfg.policies if predictor is not None or p not in PREDICTED]
     skipped = sorted(set(cfg.policies) - set(policies))
     eos = models.end_token_ids
+    trace_tokens = max(cfg.trace_tokens, cfg.max_new_tokens)
 
-    # future knowledge for the oracles (exact under greedy): every draft once, outside the timed runs
+    # future knowledge for the oracles (exact under greedy): every draft once, outside the timed runs;
+    # recorded to trace_tokens, a budget's oracle is its prefix (greedy output does not depend on the budget)
     drafts = {e.name: load_model(ModelSpec(str(e.path))).model for e in registry}
     # the chat template where the target has one, as the node sends them
     prompts = workload_prompts(folder, cfg.workloads, cfg.prompts, tokenizer)
-    oracles: dict[tuple[int, ...], GreedyOracle] = {}
-    for ids_list in prompts.values():
+    traces: list[PromptTrace] = []
+    hidden = predictor is not None and predictor.config.encoder == "target-hidden"
+    for w, ids_list in prompts.items():
         for ids in ids_list:
-            oracles[tuple(ids)] = GreedyOracle.compute(target.model, drafts, ids, cfg.max_new_tokens,
-                                                       cfg.gamma, cfg.interval, eos)
+            oracle = GreedyOracle.compute(target.model, drafts, ids, trace_tokens, cfg.gamma, cfg.interval, eos)
+            trace = PromptTrace.from_oracle(w, ids, oracle, eos)
+            if hidden:
+                trace.hidden = target_hidden_states(target.model, ids, trace.continuation)
+            traces.append(trace)
     del drafts
+    oracles = {tuple(t.prompt_ids): t.oracle(cfg.max_new_tokens, cfg.gamma, cfg.interval, None) for t in traces}
 
     config = RuntimeConfig(policy=policies[0], capacity=cfg.capacity, interval=cfg.interval, gamma=cfg.gamma,
                            recent_tokens=cfg.recent_tokens, reset_cache_per_generation=True)
     controller = models.controller(config, loader=registry_loader(registry, storage=storage),
                                    oracle_for=lambda ids: oracles[tuple(ids)])
     rows = {w: {p: PolicyRow() for p in policies} for w in cfg.workloads}
+    runs: list[tuple[str, str, tuple[int, ...], GenerationStats]] = []
+    live_recent = None
     try:
         first = next((ids for w in cfg.workloads for ids in prompts[w]), None)
         if first is None:
@@ -203,6 +280,7 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
                         controller.reconfigure(policy=policy)
                         result = controller.generate(ids, cfg.max_new_tokens)
                         s, row = result.stats, rows[w][policy]
+                        runs.append((policy, w, tuple(ids), s))
                         row.totals.add(s)
                         row.accepted.append(s.mean_accepted)
                         row.fallback.append(s.fallback_fraction)
@@ -211,18 +289,25 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
                         row.lossless &= result.token_ids == oracles[tuple(ids)].continuation
                         if progress is not None:
                             progress.update(1)
+        loads = storage.take_records()  # the timed runs' loads only
+        if hidden and any(p in PREDICTED for p in policies):
+            # does the live predictor see the recent tokens? (its hook needs the target's module forward)
+            controller.reconfigure(policy="memspec")
+            probe = controller.generate(first, min(cfg.max_new_tokens, 6 * cfg.interval))
+            live_recent = live_recent_features(predictor, first, probe.token_ids)
+            storage.take_records()
     finally:
         controller.close()
-    loads = storage.take_records()  # the timed runs' loads only
     per_policy = {p: _merged(rows[w][p].totals for w in cfg.workloads) for p in policies}
     everything = _merged(per_policy.values())
     table = {w: {p: rows[w][p].summary() for p in policies} for w in cfg.workloads}
     geo = {p: gmean([table[w][p]["tokens_per_second"] for w in cfg.workloads]) for p in policies}
     geo_e2e = {p: gmean([table[w][p]["end_to_end_tokens_per_second"] for w in cfg.workloads]) for p in policies}
     ratios = {}
-    if "memspec" in geo:
-        ratios = {f"memspec_vs_{p}": geo["memspec"] / geo[p] for p in policies if p != "memspec" and geo[p] > 0}
-    return {
+    for mine in ("memspec", COST_AWARE):
+        if mine in geo:
+            ratios |= {f"{mine}_vs_{p}": geo[mine] / geo[p] for p in policies if p != mine and geo[p] > 0}
+    result = {
         "config": asdict(cfg) | {"zoo": str(zoo), "policies": policies, "workloads": list(cfg.workloads),
                                  "workloads_dir": str(folder), "skipped_policies": skipped},
         "metrics": METRICS,
@@ -234,8 +319,108 @@ def run_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path | No
                                "seconds": per_policy[p].breakdown} for p in policies},
         "storage": storage.summary(loads, everything.mean_iteration_seconds),
         "oracle_costs": asdict(costs) | {"load_seconds": dict(costs.load_seconds)},
+        "predictor": None if predictor is None else {
+            "encoder": predictor.config.encoder, "input": predictor.config.input,
+            "recent_features_live": live_recent},
         "lossless": all(table[w][p]["lossless"] for w in cfg.workloads for p in policies),
     }
+    bench = BenchRun(
+        result=result, cfg=cfg, traces=traces,
+        costs=CostModel.measure([(p, s) for p, _, _, s in runs], costs.load_seconds, storage.medium.name),
+        schedule_costs=costs,
+        predictor=replay_predictor(predictor, traces, recent=live_recent is not False),
+        domains={e.name: e.domain for e in registry.entries()}, registry=registry, runs=runs,
+    )
+    models.close()
+    if cfg.simulate:
+        t0 = time.perf_counter()
+        result["simulator_validation"] = validate_simulator(bench)
+        result["simulator_validation"]["simulation_seconds"] = time.perf_counter() - t0
+    return bench
+
+
+def validate_simulator(bench: BenchRun) -> dict:
+    """Simulated vs measured throughput per policy, run for run on the same prompts.
+
+    Two replays of every timed generation, both with the cost model fitted to these runs:
+    ``speed_matched`` scales its compute times by the speed the machine had during that generation
+    (its measured target verify time over the model's, CostModel.speed_of: on a shared machine the
+    other jobs change it from run to run), ``pooled`` uses the model as it is. Everything a policy
+    decides (drafts, switches, waits, catch-ups, accepted tokens) comes from the replay.
+    """
+    result = bench.result
+    policies = result["config"]["policies"]
+    workloads = result["config"]["workloads"]
+    config = bench.sim_config()
+    sim = Simulator(bench.costs, config, bench.domains, list(bench.domains))
+    by_prompt = {tuple(t.prompt_ids): t for t in bench.traces}
+    totals = {kind: {p: {w: GenerationTotals() for w in workloads} for p in policies}
+              for kind in ("speed_matched", "pooled")}
+    speeds = []
+    for policy, w, ids, stats in bench.runs:
+        speed = bench.costs.speed_of(stats)
+        speeds.append(speed)
+        totals["speed_matched"][policy][w].add(sim.generate(bench.policy(policy, config), by_prompt[ids],
+                                                            bench.costs.scaled(speed)))
+        totals["pooled"][policy][w].add(sim.generate(bench.policy(policy, config), by_prompt[ids]))
+
+    def compare(kind: str) -> dict:
+        rows = {}
+        for p in policies:
+            per_workload = {w: {"measured_end_to_end": result["workloads"][w][p]["end_to_end_tokens_per_second"],
+                                "simulated_end_to_end": totals[kind][p][w].end_to_end_tokens_per_second,
+                                "measured_tokens_per_second": result["workloads"][w][p]["tokens_per_second"],
+                                "simulated_tokens_per_second": totals[kind][p][w].tokens_per_second}
+                            for w in workloads}
+            measured_e2e = result["gmean_end_to_end_tokens_per_second"][p]
+            measured_tps = result["gmean_tokens_per_second"][p]
+            sim_e2e = gmean([per_workload[w]["simulated_end_to_end"] for w in workloads])
+            sim_tps = gmean([per_workload[w]["simulated_tokens_per_second"] for w in workloads])
+            rows[p] = {
+                "measured_end_to_end": measured_e2e, "simulated_end_to_end": sim_e2e,
+                "error_end_to_end": sim_e2e / measured_e2e - 1 if measured_e2e > 0 else None,
+                "measured_tokens_per_second": measured_tps, "simulated_tokens_per_second": sim_tps,
+                "error_tokens_per_second": sim_tps / measured_tps - 1 if measured_tps > 0 else None,
+                "workloads": per_workload,
+            }
+        errors = [abs(r["error_end_to_end"]) for r in rows.values() if r["error_end_to_end"] is not None]
+        return {"policies": rows, "max_abs_error_end_to_end": max(errors) if errors else None,
+                "within_tolerance": bool(errors) and max(errors) <= VALIDATION_TOLERANCE}
+
+    matched, pooled = compare("speed_matched"), compare("pooled")
+    return {
+        "definition": "per policy, the GMEAN over the workloads of simulated vs measured throughput, each timed"
+                      " generation replayed once on its prompt's recorded trace with the same policy object and a"
+                      " cost model fitted to these runs (runtime/simulator.py); speed_matched scales each replay's"
+                      " compute times by the machine speed measured in that generation (its target verify time"
+                      " over the model's), pooled does not",
+        "tolerance": VALIDATION_TOLERANCE,
+        **matched,
+        "pooled": pooled,
+        "machine_speed": {"min": min(speeds, default=1.0), "max": max(speeds, default=1.0),
+                          "stdev": statistics.pstdev(speeds) if speeds else 0.0},
+        "cost_model": bench.costs.to_json(),
+    }
+
+
+def validation_table(validation: dict) -> str:
+    """The validation as printed by the benches."""
+    speed = validation.get("machine_speed", {})
+    lines = [f"simulator vs measured, speed-matched (GMEAN over workloads; tolerance {validation['tolerance']:.0%}"
+             f" end to end; this machine's speed ranged {speed.get('min', 1):.2f}x-{speed.get('max', 1):.2f}x"
+             " of the fitted model over the runs):",
+             f"{'policy':>20} {'e2e real':>9} {'e2e sim':>9} {'error':>7} {'decode real':>12} {'decode sim':>11}"
+             f" {'error':>7}"]
+    for p, r in validation["policies"].items():
+        lines.append(f"{p:>20} {r['measured_end_to_end']:9.2f} {r['simulated_end_to_end']:9.2f}"
+                     f" {r['error_end_to_end'] or 0:+7.1%} {r['measured_tokens_per_second']:12.2f}"
+                     f" {r['simulated_tokens_per_second']:11.2f} {r['error_tokens_per_second'] or 0:+7.1%}")
+    worst = validation["max_abs_error_end_to_end"]
+    lines.append(f"largest end-to-end error {worst or 0:.1%}: "
+                 + ("within" if validation["within_tolerance"] else "OUTSIDE") + " the tolerance"
+                 + (f"; pooled (no speed matching): {validation['pooled']['max_abs_error_end_to_end'] or 0:.1%}"
+                    if "pooled" in validation else ""))
+    return "\n".join(lines)
 
 
 def _merged(totals) -> GenerationTotals:

@@ -219,6 +219,23 @@ class CostModel:
         """The same machine reading its drafts from another medium."""
         return CostModel(**{**asdict(self), "load_seconds": dict(load_seconds), "medium": medium})
 
+    def scaled(self, speed: float) -> CostModel:
+        """The same model on a machine ``speed`` times slower at computing (loads, paced I/O, unchanged)."""
+        data = asdict(self)
+        for key in ("draft_token_seconds", "catchup_base_seconds", "catchup_token_seconds", "other_iteration_seconds",
+                    "prefill_base_seconds", "prefill_token_seconds"):
+            data[key] *= speed
+        for key in ("verify_seconds", "point_seconds", "setup_seconds"):
+            data[key] = {k: v * speed for k, v in data[key].items()}
+        return CostModel(**data)
+
+    def speed_of(self, stats: GenerationStats) -> float:
+        """How much slower than this model a real generation's machine was: its measured target verify time
+        over the model's for the same proposal counts (1.0 where nothing was verified)."""
+        measured = sum(it.verify_seconds for it in stats.iterations)
+        modelled = sum(self.verify(it.proposed) for it in stats.iterations)
+        return measured / modelled if measured > 0 and modelled > 0 else 1.0
+
     def iteration_seconds(self, gamma: int) -> float:
         """A full speculative iteration (gamma draft tokens + their verify): the unit ScheduleCosts counts in."""
         return gamma * self.draft_token_seconds + self.verify(gamma)
@@ -466,9 +483,11 @@ class Simulator:
         self.domains = dict(domains)
         self.candidates = list(candidates or domains)
 
-    def generate(self, policy: DraftPolicy, trace: PromptTrace) -> GenerationStats:
-        """One generation of ``trace``'s prompt under ``policy``, in virtual time (its GenerationStats)."""
-        cfg, costs = self.config, self.costs
+    def generate(self, policy: DraftPolicy, trace: PromptTrace, costs: CostModel | None = None) -> GenerationStats:
+        """One generation of ``trace``'s prompt under ``policy``, in virtual time (its GenerationStats).
+
+        ``costs``: this generation's own cost model (default: the simulator's)."""
+        cfg, costs = self.config, costs or self.costs
         clock = _Clock()
         cache = SimCache(cfg.capacity, costs.load, clock)
         budget = trace.budget(cfg.max_new_tokens)

@@ -26,7 +26,7 @@ sliding-window attention, tensor-parallel pretraining splits.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +123,7 @@ class LeanLlamaForward:
         # a reduced-vocabulary draft: map target ids in and scatter its logits back out
         self.vocab: DraftVocab | None = model.vocab if isinstance(model, ReducedVocabDraft) else None
         model = model.inner if isinstance(model, ReducedVocabDraft) else model
+        self.model = model
         config = model.config
         inner = model.model
         self.heads = config.num_attention_heads
@@ -178,12 +179,42 @@ class LeanLlamaForward:
             h = _rms_norm(x, layer.mlp_norm, self.eps)
             gate, up = _linear(layer.gate_up, h).split(self.intermediate, dim=-1)
             x = x + _linear(layer.down, self.act(gate) * up)
+        observers = _OBSERVERS.get(self.model)
+        if observers:  # what a forward hook on the decoder would see: every fed row, final-normed
+            hidden = _rms_norm(x, self.norm, self.eps)[0]
+            for observe in list(observers):
+                observe(hidden, start)
         x = _rms_norm(x[:, -keep:], self.norm, self.eps)
         logits = _linear(self.lm_head, x)[0].float()
         return logits if self.vocab is None else self.vocab.logits(logits)
 
 
 _LEAN: weakref.WeakKeyDictionary[torch.nn.Module, LeanLlamaForward | None] = weakref.WeakKeyDictionary()
+
+
+HiddenObserver = Callable[[torch.Tensor, int], None]  # (final-normed hidden rows [n, d], first position)
+_OBSERVERS: weakref.WeakKeyDictionary[torch.nn.Module, list[HiddenObserver]] = weakref.WeakKeyDictionary()
+
+
+class ObserverHandle:
+    """``remove()`` stops the observer, as a torch hook handle does."""
+
+    def __init__(self, model: torch.nn.Module, observer: HiddenObserver) -> None:
+        self._model, self._observer = weakref.ref(model), observer
+
+    def remove(self) -> None:
+        model = self._model()
+        if model is not None and self._observer in _OBSERVERS.get(model, []):
+            _OBSERVERS[model].remove(self._observer)
+
+
+def observe_hidden(model: torch.nn.Module, observer: HiddenObserver) -> ObserverHandle:
+    """Call ``observer`` with the final hidden states of every row the lean forward feeds ``model``.
+
+    The lean forward bypasses module hooks, so a reader of the target's hidden states (the
+    target-hidden predictor) registers here as well as on the decoder's forward hook."""
+    _OBSERVERS.setdefault(model, []).append(observer)
+    return ObserverHandle(model, observer)
 
 
 def lean_forward_for(model: torch.nn.Module) -> LeanLlamaForward | None:

@@ -37,6 +37,8 @@ from typing import Protocol
 
 import torch
 
+from .draft_forward import observe_hidden
+
 ENCODERS = ("minilm", "target-hidden")
 INPUTS = ("prompt+recent", "prompt", "recent")
 HEAD_WEIGHTS = "head.safetensors"
@@ -168,10 +170,21 @@ class TargetHiddenEncoder:
         self._lock = threading.Lock()
         self.hook_seconds = 0.0
         decoder = getattr(target, "model", None) or target.get_decoder()
-        self._handle = decoder.register_forward_hook(self._hook, with_kwargs=True)
+        # transformers' forward (GPTQ targets, other architectures) runs the decoder's hooks; the
+        # engine's lean forward (runtime/draft_forward.py) bypasses them and calls observers instead
+        self._handles = [decoder.register_forward_hook(self._hook, with_kwargs=True),
+                         observe_hidden(target, self._observe)]
 
     def close(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
+
+    def _observe(self, hidden: torch.Tensor, start: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._record_rows(hidden.detach().float(), start, start + hidden.shape[0])
+        finally:
+            self.hook_seconds += time.perf_counter() - t0
 
     def _hook(self, module, args, kwargs, output) -> None:
         t0 = time.perf_counter()
@@ -184,9 +197,10 @@ class TargetHiddenEncoder:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
         cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
         total = int(cache.get_seq_length()) if cache is not None else hidden.shape[1]
-        n = hidden.shape[1]
-        start = total - n
-        rows = hidden[0].detach().float()
+        self._record_rows(hidden[0].detach().float(), total - hidden.shape[1], total)
+
+    def _record_rows(self, rows: torch.Tensor, start: int, total: int) -> None:
+        n = rows.shape[0]
         with self._lock:
             if start == 0 and self._prompt_vec is None and self._prompt_len:
                 self._prompt_vec = rows[: self._prompt_len].mean(0)  # the prefill: prompt positions

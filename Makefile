@@ -5,6 +5,7 @@
 #   make test    setup if needed (.venv-gptq too), build, lint, then the whole pytest suite
 #   make clean   remove build/ install/ log/      make distclean   ... and .venv, .venv-gptq
 #   make demo    the node on the bundled zoo: configure, activate, one streamed goal, /diagnostics, clean stop
+#   make bench   the paper's evaluation (figures 6-12, table 2, storage media, goals) into docs/results/ (~30 min)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -15,10 +16,10 @@ SETUP_FLAGS := $(if $(FORCE),--force,)
 # pytest's own exit codes pass through: 5 ("no tests collected") fails the target like any other.
 PYTEST_ARGS ?=
 
-.PHONY: help setup deps build gptq lint test demo clean distclean
+.PHONY: help setup deps build gptq lint test demo bench clean distclean
 
 help:
-	@sed -n '2,7p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
 
 setup:
 	$(SETUP) all
@@ -48,6 +49,13 @@ test: build gptq
 DEMO_ARGS ?=
 demo: build
 	source ./env.sh && python -m memspec_ros.ros.demo $(DEMO_ARGS)
+
+# The paper's evaluation (issue 17): one timed policy bench on the bundled zoo (real runs: figures 6-9, the goals)
+# and the trace-driven simulator validated against it (figures 10-12, the storage media); every item as JSON + PNG
+# in docs/results/ and the generated part of docs/results/README.md. BENCH_ARGS: e.g. --prompts 1 --storage sd.
+BENCH_ARGS ?=
+bench: build
+	source ./env.sh && time nice -n 5 python -m memspec_ros.bench.cli paper $(BENCH_ARGS)
 
 clean:
 	rm -rf build install log

@@ -275,3 +275,38 @@ def test_the_policy_bench_reports_the_simulators_validation(tmp_path, capsys):
             assert set(row["workloads"]) == {"code", "math"}
     assert validation["within_tolerance"] == (validation["max_abs_error_end_to_end"] <= validation["tolerance"])
     assert "simulator vs measured" in capsys.readouterr().out
+
+
+def test_the_paper_harness_writes_every_item_and_the_results_page(tmp_path):
+    """`memspec-bench paper`: each item a JSON (and a PNG), every figure naming its medium, the README's part
+    between its markers replaced, the rest of the page kept."""
+    import json
+
+    from memspec_ros.bench.cli import main
+    from memspec_ros.bench.figures import BEGIN, END
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2)
+    (zoo / "workloads").mkdir()
+    for workload, prompt in (("code", "def add(a, b):"), ("math", "Solve 3x + 5 = 20.")):
+        (zoo / "workloads" / f"{workload}.jsonl").write_text(json.dumps({"domain": workload, "prompt": prompt}) + "\n")
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "README.md").write_text(f"# Results\n\nhand-written\n\n{BEGIN}\nstale\n{END}\n\nafter\n")
+    assert main(["paper", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--out", str(out),
+                 "--prompts", "1", "--workloads", "code,math", "--storage", "sd"]) == 0
+    index = json.loads((out / "paper.json").read_text())
+    assert {"fig6", "fig7", "fig8_9", "fig10", "fig11", "fig12", "table2", "storage", "goals"} <= set(index["items"])
+    for name in index["items"]:
+        item = json.loads((out / f"{name}.json").read_text())
+        assert item["source"]
+        if name.startswith("fig"):
+            assert item["medium"] == "sd" and (out / f"{name}.png").stat().st_size > 0
+    sweep = json.loads((out / "fig12.json").read_text())
+    assert sweep["source"] == "simulator" and [int(v) for v in sweep["rows"]] == [2, 3, 4]
+    assert json.loads((out / "fig6.json").read_text())["source"] == "real runs"
+    storage = json.loads((out / "storage.json").read_text())
+    assert storage["media"] == ["local", "nvme", "emmc", "sd"] and storage["rows"]["sd"]["emulated"] is True
+    page = (out / "README.md").read_text()
+    assert page.startswith("# Results\n\nhand-written") and page.rstrip().endswith("after")
+    assert "stale" not in page and page.count(BEGIN) == 1 and "emulated" in page and "![" in page

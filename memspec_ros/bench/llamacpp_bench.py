@@ -65,7 +65,7 @@ def llamacpp_program(bin_dir: Path, name: str) -> Path:
     program = Path(bin_dir) / name
     if not program.is_file():
         raise LlamaCppMissing(f"{program} is missing: build llama.cpp once with scripts/build_llamacpp.sh"
-                              " (about 45 minutes on 2 cores; optional, only this benchmark needs it)")
+                              " (minutes; optional, only this benchmark needs it)")
     return program
 
 

@@ -63,11 +63,11 @@ class Harness:
         import rclpy
         import torch
         from rcl_interfaces.srv import GetParameters, SetParameters
-        from rclpy.action import ActionClient
         from rclpy.executors import MultiThreadedExecutor
         from rclpy.parameter import Parameter
 
         from memspec_interfaces.action import Generate
+        from memspec_ros.ros.action_client import SafeActionClient
         from memspec_ros.ros.lifecycle_client import LifecycleClient
         from memspec_ros.ros.node import MemSpecNode
 
@@ -93,7 +93,7 @@ class Harness:
         self.executor.add_node(self.client)
         self._thread = threading.Thread(target=self.executor.spin, daemon=True)
         self._thread.start()
-        self.action = ActionClient(self.client, Generate, f"/{name}/generate")
+        self.action = SafeActionClient(self.client, Generate, f"/{name}/generate")  # ros2/rclpy#1123
         self.lifecycle = LifecycleClient(self.client, f"/{name}", time.sleep)  # the executor thread spins
         self.set_params_client = self.client.create_client(SetParameters, f"/{name}/set_parameters")
         self.get_params_client = self.client.create_client(GetParameters, f"/{name}/get_parameters")

@@ -15,11 +15,11 @@ require_ros()
 
 from action_msgs.msg import GoalStatus
 from lifecycle_msgs.msg import Transition
-from rclpy.action import ActionClient
 from rclpy.qos import QoSProfile
 
 from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import GenerationStats
+from memspec_ros.ros.action_client import SafeActionClient
 
 LONG = 3000  # tokens: a goal that runs for seconds with the tiny zoo (no EOS token)
 GOAL_RESPONSE_LIMIT = 0.050  # the goal callback's answer, measured in the server
@@ -207,7 +207,7 @@ def test_a_burst_of_goal_requests_is_answered_in_full(h):
     The client gets a deep queue for its answers too, so that only the server's queue is under test."""
     burst, room = 20, 2
     deep = QoSProfile(depth=100)
-    client = ActionClient(h.client, Generate, "/memspec/generate", goal_service_qos_profile=deep,
+    client = SafeActionClient(h.client, Generate, "/memspec/generate", goal_service_qos_profile=deep,
                           result_service_qos_profile=deep, cancel_service_qos_profile=deep)
     assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": room}))
     try:

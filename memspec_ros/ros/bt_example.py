@@ -65,11 +65,12 @@ class Generate(py_trees.behaviour.Behaviour):
         self._started = 0.0
 
     def setup(self, **kwargs) -> None:
-        from rclpy.action import ActionClient
-
         from memspec_interfaces.action import Generate as GenerateAction
 
-        self.client = ActionClient(self.node, GenerateAction, self.action_name)
+        from .action_client import SafeActionClient
+
+        # the tree's node usually spins on another thread: rclpy's own client can lose the goal's answer
+        self.client = SafeActionClient(self.node, GenerateAction, self.action_name)
 
     def initialise(self) -> None:
         self._reset()

@@ -99,6 +99,8 @@ class ParameterHandler:
         return SetParametersResult(successful=True)
 
     def _check(self, new: dict[str, Any], lo) -> None:
+        if "" in new:  # rclpy would declare a parameter without a name (found by test_node_fuzz)
+            raise Refused("a parameter name cannot be empty")
         for name, value in new.items():
             reason = P.check_value(name, value)
             if reason:

@@ -322,7 +322,7 @@ def fill_cache_status(status: Status, snap: CacheStats | None, window: Generatio
     if wasted:
         status.merge(WARN, f"{wasted} prefetched draft(s) evicted unused in the recent goals")
     for name, why in sorted(snap.failed.items()):
-        status.merge(ERROR, f"draft {name!r} failed to load: {why}")
+        status.merge(ERROR, f"draft {name!r} failed (out of service until retried): {why}")
 
 
 def fill_throughput_status(status: Status, window: GenerationStats | None, goals: int, total_goals: int,

@@ -270,6 +270,25 @@ class DraftCacheManager:
             self._working_set = [n for n in self._working_set if n != name]
             self._changed()
 
+    def fail(self, name: str, error: BaseException) -> None:
+        """Take a draft out of service after it failed in use (its forward raised, its logits were not finite):
+        evicted now (``on_evict`` runs), then failed with ``error`` as a failed load is, so it is skipped until
+        the retry back-off, a budget change or clear_failed()."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is not None and slot.future is not None and slot.model is None and slot.error is None:
+                slot.discard = True  # a reload in flight: dropped when it lands, its bytes reserved until then
+            elif slot is not None:
+                self._evict(name)
+            failed = _Slot(name, 0)
+            if name not in self._slots:
+                self._slots[name] = failed
+            self._fail(failed, error, "failed in use")
+            if self._active == name:
+                self._active = ""
+            self._working_set = [n for n in self._working_set if n != name]
+            self._changed()
+
     def clear_failed(self, name: str | None = None) -> None:
         """Let a failed draft (every one when ``name`` is None) be tried again (after fixing its files)."""
         with self._lock:
@@ -410,12 +429,12 @@ class DraftCacheManager:
             if slot is not None and slot.error is not None and now - slot.failed_at >= older_than:
                 del self._slots[n]
 
-    def _fail(self, slot: _Slot, error: BaseException) -> None:
+    def _fail(self, slot: _Slot, error: BaseException, what: str = "failed to load") -> None:
         """Every failed load ends here: recorded on the slot (CacheStats.failed), counted (load_failures, on
         /diagnostics) and logged."""
         slot.error, slot.future, slot.failed_at = error, None, time.monotonic()
         self._counters.load_failures += 1
-        log.warning("draft %r failed to load (retried after %.0f s): %s: %s", slot.name, self.retry_seconds,
+        log.warning("draft %r %s (retried after %.0f s): %s: %s", slot.name, what, self.retry_seconds,
                     type(error).__name__, error)
 
     def _victim(self, protect: set[str]) -> str | None:
@@ -463,11 +482,14 @@ class DraftCacheManager:
             loaded = self.loader(slot.name)
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
-                self._fail(slot, exc if isinstance(exc, Exception) else DraftLoadError(str(exc)))
+                self._fail(slot, exc if isinstance(exc, Exception) else DraftLoadError(
+                    f"the loader raised {type(exc).__name__}: {exc}"))
                 if slot.discard and self._slots.get(slot.name) is slot:
                     del self._slots[slot.name]
                 self._changed()
-            raise
+            if isinstance(exc, Exception):
+                raise  # the future carries it; whoever waits on it reads the slot
+            return  # SystemExit, KeyboardInterrupt: the future would hand them to a waiting decode thread
         elapsed = time.perf_counter() - t0
         with self._lock:
             self._counters.load_seconds += elapsed

@@ -39,7 +39,7 @@ from .policies import (
 )
 from .predictor import OverlappedPredictor, Ranker
 from .registry import DraftRegistry
-from .speculative import ChunkCallback, SamplingConfig, SpeculativeSession
+from .speculative import ChunkCallback, DraftFailure, SamplingConfig, SpeculativeSession
 from .stats import GenerationStats, IterationStats
 
 GREEDY = SamplingConfig()
@@ -316,9 +316,16 @@ class RuntimeController:
         run.wait_seconds = waited
 
     def _step(self, run: _Run, session: SpeculativeSession) -> IterationStats:
-        """One draft-and-verify iteration on the chosen draft (or the target alone), with what led to it."""
+        """One draft-and-verify iteration on the chosen draft (or the target alone), with what led to it. A draft
+        that fails while proposing is taken out of service and the iteration runs on the target alone."""
         draft = run.model.model if run.model is not None else None
-        it = session.step(run.active if draft is not None else "", draft)
+        try:
+            it = session.step(run.active if draft is not None else "", draft)
+        except DraftFailure as exc:  # nothing was committed: the target's state is as before the step
+            self.cache.fail(exc.draft, exc)  # evicted (its KV cache dropped) and failed, with the reason
+            session.drop_draft(exc.draft)
+            run.active, run.model, run.fallback = "", None, True
+            it = session.step("", None)
         it.preferred = run.preferred
         it.fallback = run.fallback
         it.prediction_seconds, it.load_wait_seconds = run.prediction_seconds, run.wait_seconds

@@ -20,6 +20,7 @@ normalised max(p - q, 0)), which leaves the target's distribution unchanged.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,16 @@ ChunkCallback = Callable[[str, list[int]], None]
 
 class ContextLengthError(ValueError):
     """Prompt plus requested tokens do not fit the target's context window."""
+
+
+class DraftFailure(RuntimeError):
+    """A draft failed while proposing: its forward raised (out of memory, say) or its logits are not usable
+    (NaN, +inf, no finite value). Nothing of the iteration was committed and the target's cache is untouched;
+    the caller takes the draft out of service and runs the iteration without it."""
+
+    def __init__(self, draft: str, why: str) -> None:
+        super().__init__(f"draft {draft!r} taken out of service: {why}")
+        self.draft = draft
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,20 @@ def forward_once(model: torch.nn.Module, ids: Sequence[int], kv: KVState, keep: 
 
 
 _KVState, _forward = KVState, forward_once  # the engine's own names for them
+
+
+def _checked_draft_row(draft_name: str, *forward_args) -> torch.Tensor:
+    """The draft's last logits row (``forward_once(*forward_args)``), or DraftFailure. -inf is allowed (a reduced
+    vocabulary's absent ids), so the test is the row's maximum: NaN, +inf and -inf (no finite value) there are all
+    unusable."""
+    try:
+        row = _forward(*forward_args)[-1]
+    except Exception as exc:
+        raise DraftFailure(draft_name, f"its forward raised {type(exc).__name__}: {exc}") from exc
+    top = float(row.max())
+    if not math.isfinite(top):
+        raise DraftFailure(draft_name, f"its logits are not finite (maximum {top})")
+    return row
 
 
 @dataclass
@@ -358,7 +383,8 @@ class SpeculativeSession:
         lean = lean_forward_for(draft) if self.lean_drafts else None
         for _ in range(gamma):
             with _Stopwatch() as watch:
-                token, q = self._choose(_forward(draft, feed, kv, 1, self.device, lean)[-1])
+                row = _checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean)
+                token, q = self._choose(row)
             if catching_up and not proposal.tokens:
                 stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds
             else:

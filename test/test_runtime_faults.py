@@ -1,0 +1,199 @@
+"""Faults inside the runtime, without ROS: a draft whose forward runs out of memory, a numerically broken
+draft (NaN or infinite weights), the target running out of memory, any exception on the loader thread, and
+cache.remove() hammered from another thread while generations run. After each: greedy output is still the
+target's own, sampling finishes, the failed draft is out of service with the cause, and the next
+generation succeeds."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
+from memspec_ros.runtime.oracle import target_greedy
+from memspec_ros.runtime.predictor import FixedRanker
+from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+from memspec_ros.runtime.speculative import SamplingConfig
+from memspec_ros.testing.tiny_models import noisy_copy
+
+PROMPT = [1, 5, 7, 9, 11, 13]
+NEW = 40
+NAMES = ("broken", "code", "math")
+SAMPLED = SamplingConfig(temperature=0.9, seed=7)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    return {name: noisy_copy(target, 0.01, seed=i + 1) for i, name in enumerate(NAMES)}
+
+
+@pytest.fixture(scope="module")
+def expected(target):
+    return target_greedy(target, PROMPT, NEW)
+
+
+class Loader:
+    """Hands out the given modules (the test swaps in broken ones); ``fault`` raises from the loader thread."""
+
+    def __init__(self, drafts) -> None:
+        self.drafts, self.fault = dict(drafts), None
+
+    def __call__(self, name: str) -> LoadedModel:
+        if self.fault is not None and name == "broken":
+            raise self.fault
+        model = self.drafts[name]
+        return LoadedModel(model, ModelSpec(name), parameter_bytes(model), 64, 512)
+
+
+def make(target, loader, policy="memspec", **cfg) -> RuntimeController:
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in NAMES], validate=False)
+    return RuntimeController(RuntimeConfig(policy=policy, general_draft="broken", **cfg), target, None, registry,
+                             FixedRanker(lambda c: list(NAMES)), loader=loader, eos_token_ids=[])
+
+
+def fail_forward(monkeypatch, model, error: BaseException, after: int = 0) -> None:
+    """The engine's one forward (lean or transformers') raises ``error`` for ``model`` from its ``after``-th call
+    on (0: every call): what an out-of-memory error in the middle of decoding looks like to the engine."""
+    from memspec_ros.runtime import speculative
+
+    forward, calls = speculative._forward, {"n": 0}
+
+    def failing(m, *args, **kwargs):
+        if m is model:
+            calls["n"] += 1
+            if calls["n"] > after:
+                raise error
+        return forward(m, *args, **kwargs)
+
+    monkeypatch.setattr(speculative, "_forward", failing)
+
+
+def _broken_copy(draft, how: str):
+    model = noisy_copy(draft, 0.0)
+    with torch.no_grad():
+        if how == "nan":
+            for param in model.parameters():
+                param.fill_(float("nan"))
+        elif how == "inf":
+            model.model.layers[0].mlp.down_proj.weight.mul_(float("inf"))
+        else:  # a head that overflows float32: +inf logits
+            model.lm_head.weight.fill_(3e38)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["memspec", "general-static"])
+@pytest.mark.parametrize("fault", ["out of memory", "nan", "inf", "overflow"])
+def test_a_failing_draft_is_taken_out_of_service_and_decoding_goes_on(target, drafts, expected, policy, fault,
+                                                                      monkeypatch):
+    loader = Loader(drafts)
+    if fault == "out of memory":
+        loader.drafts["broken"] = noisy_copy(drafts["broken"], 0.0)
+        fail_forward(monkeypatch, loader.drafts["broken"], torch.OutOfMemoryError("CUDA out of memory. Tried to"
+                                                                                  " allocate 2.00 GiB"))
+        why = "OutOfMemoryError"
+    else:
+        loader.drafts["broken"] = _broken_copy(drafts["broken"], fault)
+        why = "logits are not finite"
+    ctl = make(target, loader, policy, capacity=2, interval=2)
+    try:
+        greedy = ctl.generate(PROMPT, NEW)
+        assert greedy.token_ids == expected  # lossless: the iteration went on without the draft
+        assert "broken" in ctl.cache.failed() and "broken" not in ctl.cache.resident()
+        failed = greedy.stats.cache.failed["broken"]
+        assert "taken out of service" in failed and why in failed, failed
+        assert "broken" not in greedy.stats.drafts_used
+        if policy == "memspec":
+            assert greedy.stats.drafts_used, "the other drafts take over"
+        ctl.cache.clear_failed()
+        sampled = ctl.generate(PROMPT, NEW, SAMPLED)  # meets the broken draft again: no abort
+        assert sampled.finish_reason == "length" and len(sampled.token_ids) == NEW
+        assert "broken" in ctl.cache.failed()
+        # the cause gone and the failure forgotten (the back-off, or clear_failed), the draft serves again
+        monkeypatch.undo()
+        loader.drafts["broken"] = drafts["broken"]
+        ctl.cache.clear_failed()
+        again = ctl.generate(PROMPT, NEW)
+        assert again.token_ids == expected and "broken" in again.stats.drafts_used
+    finally:
+        ctl.close()
+
+
+def test_the_target_running_out_of_memory_ends_that_generation_only(target, drafts, expected, monkeypatch):
+    ctl = make(target, Loader(drafts), capacity=2)
+    with monkeypatch.context() as patch:
+        fail_forward(patch, target, torch.OutOfMemoryError("CUDA out of memory (target)"), after=4)
+        with pytest.raises(torch.OutOfMemoryError):
+            ctl.generate(PROMPT, NEW)
+    try:
+        assert ctl.generate(PROMPT, NEW).token_ids == expected  # the controller is free and whole again
+    finally:
+        ctl.close()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("disk controller reset"), ValueError("bad header"),
+                                   MemoryError(), SystemExit(3), KeyboardInterrupt()],
+                         ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("policy", ["memspec", "general-static"])
+def test_any_exception_on_the_loader_thread_stays_there(target, drafts, expected, error, policy):
+    """SystemExit and KeyboardInterrupt included: they reached the decode thread through the load's future
+    (wait_for, reset, drain swallow Exception only) and ended the generation, and in the node the executor."""
+    loader = Loader(drafts)
+    loader.fault = error
+    ctl = make(target, loader, policy, capacity=2, interval=2)
+    try:
+        result = ctl.generate(PROMPT, NEW)
+        assert result.token_ids == expected
+        assert type(error).__name__ in result.stats.cache.failed["broken"]
+        ctl.cache.drain()
+        ctl.cache.reset()
+        loader.fault = None
+        ctl.cache.clear_failed()
+        again = ctl.generate(PROMPT, NEW)  # the same loader thread loads it now
+        assert again.token_ids == expected and "broken" in again.stats.drafts_used
+    finally:
+        ctl.close()
+
+
+@pytest.mark.parametrize("policy", ["memspec", "mab-async", "mab-sync", "prediction-only", "general-static"])
+def test_cache_remove_from_another_thread_during_generations(target, drafts, expected, policy):
+    """A registry change removes drafts from the cache on the parameter thread while a goal decodes (and loads
+    run): every generation stays lossless, none raises, and the cache's limits hold afterwards."""
+    ctl = make(target, Loader(drafts), policy, capacity=2, interval=1)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    removed = {"n": 0}
+
+    def hammer() -> None:
+        rng = random.Random(0)
+        while not stop.is_set():
+            try:
+                ctl.cache.remove(rng.choice(NAMES))
+                removed["n"] += 1
+                if rng.random() < 0.3:
+                    ctl.cache.clear_failed()
+            except BaseException as exc:  # noqa: BLE001 - any escape is the failure under test
+                errors.append(exc)
+            stop.wait(rng.uniform(0.0, 0.002))
+
+    worker = threading.Thread(target=hammer, daemon=True)
+    worker.start()
+    try:
+        for _ in range(4):
+            assert ctl.generate(PROMPT, NEW).token_ids == expected
+        assert ctl.generate(PROMPT, NEW, SAMPLED).finish_reason == "length"
+    finally:
+        stop.set()
+        worker.join(10)
+    try:
+        assert not errors, errors
+        assert removed["n"] > 0
+        ctl.cache.drain()
+        snap = ctl.cache.snapshot()
+        assert len(snap.resident) + len(snap.loading) <= 2 and set(snap.resident) <= set(NAMES)
+        assert ctl.generate(PROMPT, NEW).token_ids == expected
+    finally:
+        ctl.close()

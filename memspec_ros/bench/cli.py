@@ -278,9 +278,13 @@ def cmd_policies(args) -> int:
 def cmd_paper(args) -> int:
     from tqdm import tqdm
 
-    from .figures import REAL_POLICIES, run_paper
+    from .figures import REAL_POLICIES, rerender, run_paper
     from .policy_bench import PolicyBenchConfig
 
+    if args.render_only:
+        rerender(Path(args.out))
+        print(f"{Path(args.out) / 'README.md'}: regenerated from the items in {args.out}")
+        return 0
     zoo = Path(args.zoo)
     if not (zoo / "registry.yaml").is_file():
         raise SystemExit(f"no zoo at {zoo} (registry.yaml missing): build it with `memspec-zoo build` or pass --zoo")
@@ -416,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     pap.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")
     pap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     _storage_argument(pap, "the real runs read every draft load through it; the storage item measures all four")
+    pap.add_argument("--render-only", action="store_true",
+                     help="only regenerate README.md's generated part from the items already in --out")
     pap.set_defaults(func=cmd_paper)
     return parser
 

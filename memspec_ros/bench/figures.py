@@ -247,7 +247,8 @@ def table2(report_path: Path) -> dict:
             if name in inputs:
                 rows.setdefault(encoder, {})[name] = {"top1": inputs[name]["top1"], "top2": inputs[name]["top2"],
                                                       "contexts": inputs[name].get("contexts")}
-    return {"item": "table2", "source": f"{report_path} (the predictor's held-out training contexts; reused)",
+    shown = Path(*report_path.parts[-3:]) if len(report_path.parts) >= 3 else report_path
+    return {"item": "table2", "source": f"{shown} (the predictor's held-out training contexts; reused)",
             "title": "Predictor quality: top-1 accuracy and top-2 recall by input", "rows": rows,
             "majority_top1": report.get("majority_top1"), "heldout_prompts": report.get("heldout_prompts")}
 
@@ -416,7 +417,7 @@ def plot(item: dict, path: Path, context: str) -> None:
               {p: [item["rows"][m]["end_to_end_seconds_per_generation"][p] for m in media] for p in item["policies"]},
               "end-to-end seconds per generation")
         ax.lines[0].set_visible(False)
-        fig.suptitle(f"{item['title']}\n[{item['source']}; eMMC, SD and NVMe are emulated media; {context}]",
+        fig.suptitle(f"{item['title']}\n[{item['source']};\neMMC, SD and NVMe are emulated media; {context}]",
                      fontsize=8)
     elif kind == "recent":
         fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -505,6 +506,15 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.1%}"
 
 
+def rerender(out: Path) -> None:
+    """Redraw the PNGs and regenerate the README part from the items already in ``out`` (no runs)."""
+    index = json.loads((out / "paper.json").read_text())
+    items = {name: json.loads((out / f"{name}.json").read_text()) for name in index["items"]}
+    for name, item in items.items():
+        plot(item, out / f"{name}.png", item.get("context", ""))
+    write_readme(out, items, json.loads((out / "policies.json").read_text()), index)
+
+
 def write_readme(out: Path, items: dict, result: dict, index: dict) -> None:
     """Replace the generated part of ``out``/README.md (between the markers) with the items."""
     readme = out / "README.md"
@@ -552,10 +562,22 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
               f" {h['oracle_static_vs_general_static']:.3f}x. No policy can beat the DP schedule in its cost model,"
               " so MemSpec >= 1.3x General-Static would need a zoo whose drafts differ far more.",
               f"- A draft load costs {h['load_to_iteration'] or 0:.2f} speculative iterations here (the paper's"
-              " Jetson: 2.7), so waiting for or working around loads costs little, and MAB-Async loses mostly to"
-              " its exploration of weak drafts, not to fallback.",
+              " Jetson: 2.7), so a load waited for or worked around costs little; what separates the policies is"
+              " which drafts they run (E[A] below): MAB-Async tries every draft and runs the previous arm while"
+              " its choice loads.",
               "- Mean accepted draft tokens per iteration (E[A]): " + ", ".join(
                   f"{LABELS.get(p, p)} {a:.2f}" for p, a in h["mean_accepted"].items()) + "."]
+    setup = index.get("cost_model", {}).get("setup_seconds", {})
+    if setup.get(MS) is not None and setup.get(GS) is not None:
+        lines.append(f"- End to end, MemSpec pays its first ranking before prefill: {setup[MS]:.2f} s per generation"
+                     f" (the target-hidden encoder's own pass over the prompt) against General-Static's"
+                     f" {setup[GS]:.2f} s, besides the same first draft load.")
+    ms = items["fig7"]["summaries"].get(MS) if "fig7" in items else None
+    if ms is not None:
+        lines.append(f"- MemSpec never waits: when the ranking's top draft is not resident it runs a resident fallback"
+                     f" for the whole interval (N = {cfg['interval']} iterations), although the load takes"
+                     f" {h['load_to_iteration'] or 0:.2f} iterations: {ms['fallback_fraction_of_iterations']:.1%} of"
+                     " its speculative iterations ran on a fallback draft.")
     if h.get("predictor_recent_features_live") is False:
         lines.append("- **The live target-hidden predictor ranks from the prompt alone**: its forward hook on the"
                      " target's decoder never fires during decoding (the engine's lean target forward bypasses"

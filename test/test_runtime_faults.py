@@ -197,3 +197,26 @@ def test_cache_remove_from_another_thread_during_generations(target, drafts, exp
         assert ctl.generate(PROMPT, NEW).token_ids == expected
     finally:
         ctl.close()
+
+
+def test_a_model_that_ran_the_lean_forward_is_freed_when_dropped(target, drafts, expected):
+    """The lean forward is cached per model in a WeakKeyDictionary; its value held the model, so no draft that
+    ever decoded (each reload of an evicted draft is a new object) and no cleaned-up target was ever freed."""
+    import gc
+    import weakref
+
+    from memspec_ros.testing.tiny_models import tiny_llama
+
+    loader = Loader(drafts)
+    loader.drafts = {name: noisy_copy(model, 0.0) for name, model in drafts.items()}
+    refs = [weakref.ref(model) for model in loader.drafts.values()]
+    own_target = tiny_llama(layers=2, hidden=64, seed=0)
+    refs.append(weakref.ref(own_target))
+    ctl = make(own_target, loader, capacity=3)
+    result = ctl.generate(PROMPT, NEW)
+    assert result.token_ids == expected and result.stats.drafts_used
+    ctl.cache.reset()
+    ctl.close()
+    del ctl, loader, own_target, result
+    gc.collect()
+    assert all(ref() is None for ref in refs), "a model that ran the lean forward outlived every reference to it"

@@ -123,7 +123,9 @@ class LeanLlamaForward:
         # a reduced-vocabulary draft: map target ids in and scatter its logits back out
         self.vocab: DraftVocab | None = model.vocab if isinstance(model, ReducedVocabDraft) else None
         model = model.inner if isinstance(model, ReducedVocabDraft) else model
-        self.model = model
+        # weakly: this object is the value of _LEAN, a WeakKeyDictionary keyed by the model, and a strong
+        # reference back would keep every model that ever ran (each evicted draft, a cleaned-up target) alive
+        self._model = weakref.ref(model)
         config = model.config
         inner = model.model
         self.heads = config.num_attention_heads
@@ -179,7 +181,8 @@ class LeanLlamaForward:
             h = _rms_norm(x, layer.mlp_norm, self.eps)
             gate, up = _linear(layer.gate_up, h).split(self.intermediate, dim=-1)
             x = x + _linear(layer.down, self.act(gate) * up)
-        observers = _OBSERVERS.get(self.model)
+        model = self._model()
+        observers = _OBSERVERS.get(model) if model is not None else None
         if observers:  # what a forward hook on the decoder would see: every fed row, final-normed
             hidden = _rms_norm(x, self.norm, self.eps)[0]
             for observe in list(observers):

@@ -67,6 +67,41 @@ def _one_row_at_a_time(module: torch.nn.Module) -> None:
     module.forward = rowwise
 
 
+ROWWISE_SDPA = "memspec_rowwise_sdpa"
+
+
+def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, except that a call of 2..MAX_VERIFY_ROWS query rows after a cached
+    prefix (a verify) runs each row alone over its own prefix, as the one-token step for that position
+    does: same key/value views, and no mask where that row attends to its whole prefix (a one-token
+    step gets none)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if not 1 < q_len <= MAX_VERIFY_ROWS or kv_len == q_len:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outs = []
+    for i in range(q_len):
+        end = kv_len - q_len + i + 1
+        mask = None
+        if attention_mask is not None:
+            row = attention_mask[..., i:i + 1, :end]
+            whole = bool(row.all()) if row.dtype == torch.bool else bool((row == 0).all())
+            mask = None if whole else row
+        out, _ = sdpa_attention_forward(module, query[:, :, i:i + 1], key[:, :, :end], value[:, :, :end], mask,
+                                        **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+def _register_rowwise_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ROWWISE_SDPA, _rowwise_sdpa)
+    AttentionMaskInterface.register(ROWWISE_SDPA, sdpa_mask)
+
+
 def prepare_for_engine(model: torch.nn.Module) -> dict:
     """Make a loaded GPTQ model compute a verify's rows exactly as one-token steps, so that
     speculative decoding reproduces its own greedy output; returns what was done.
@@ -75,15 +110,20 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
     only). Measured on SmolLM2-135M with bf16 activations (GPT-QModel's fused AVX512 kernel):
     transformers' SDPA attention over a cached prefix gives a 5-row verify other last digits than
     five one-row steps (29 of 36 probes), and the engine's output then differed from the target's
-    own on 2 of 6 prompts; eager attention (q.k^T, fp32 softmax, .v as separate matmuls) matched in
-    36 of 36 and on every prompt. So attention becomes eager. GPT-QModel's linears are probed per
-    shape with 2..MAX_VERIFY_ROWS rows against one row at a time, and a shape whose kernel differs
-    runs such calls row by row (the engine's forward paths do the same, runtime/forward_paths.py).
+    own on 7 of 12 held-out prompts. So an SDPA model gets ``memspec_rowwise_sdpa``: SDPA as before,
+    except that a verify's rows attend one by one to their own prefix, each the very call its
+    one-token step makes (0 of 36 probes differ; the engine's lean path does the same); another
+    implementation becomes eager. GPT-QModel's linears are probed per shape with 2..MAX_VERIFY_ROWS
+    rows against one row at a time, and a shape whose kernel differs runs such calls row by row (as
+    the engine's forward paths do, runtime/forward_paths.py); none did here.
     """
     done = {"attention": getattr(model.config, "_attn_implementation", None), "rows_one_by_one": []}
-    if done["attention"] != "eager":
+    if done["attention"] == "sdpa":
+        _register_rowwise_sdpa()
+        model.set_attn_implementation(ROWWISE_SDPA)
+    elif done["attention"] not in ("eager", ROWWISE_SDPA):
         model.set_attn_implementation("eager")
-        done["attention"] = "eager"
+    done["attention"] = model.config._attn_implementation
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float16, torch.bfloat16):
         dtype = torch.float32

@@ -432,10 +432,15 @@ class DraftCacheManager:
     def _fail(self, slot: _Slot, error: BaseException, what: str = "failed to load") -> None:
         """Every failed load ends here: recorded on the slot (CacheStats.failed), counted (load_failures, on
         /diagnostics) and logged."""
+        # kept without tracebacks: their frames hold the draft's model (a failure in use) or a half-loaded one,
+        # which would stay in memory while the failure is remembered; the log gets text for the same reason
+        for exc in (error, error.__cause__, error.__context__):
+            if exc is not None:
+                exc.__traceback__ = None
         slot.error, slot.future, slot.failed_at = error, None, time.monotonic()
         self._counters.load_failures += 1
         log.warning("draft %r %s (retried after %.0f s): %s: %s", slot.name, what, self.retry_seconds,
-                    type(error).__name__, error)
+                    type(error).__name__, str(error))
 
     def _victim(self, protect: set[str]) -> str | None:
         """Lowest-scored resident draft outside ``protect`` and the active draft (Algorithm 2, line 6)."""

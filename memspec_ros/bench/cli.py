@@ -211,6 +211,39 @@ def cmd_action(args) -> int:
     return 0 if result["outputs_identical"] and result["ratio_steady_state"] >= 0.97 else 1
 
 
+def cmd_soak(args) -> int:
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from .soak_bench import CI, LONG, RSS_GROWTH_LIMIT, run_soak, summary
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    config = LONG if args.long else CI
+    changes = {k: v for k, v in (("goals", args.goals), ("bursts", args.bursts), ("storm_rounds", args.storm_rounds),
+                                 ("threads", args.threads)) if v is not None}
+    config = replace(config, **changes)
+    zoo = None if args.zoo == "tiny" else Path(args.zoo)
+    with tqdm(total=config.goals, desc="soak (sequential goals)", unit="goal") as bar:
+        result = run_soak(zoo, config, progress=bar)
+    result["mode"] = "long" if args.long else "ci"
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    if result["note"]:
+        print(result["note"], file=sys.stderr)
+    print(summary(result))
+    memory_ok = not args.long or result["rss_growth"] <= RSS_GROWTH_LIMIT
+    print(f"ok: {result['ok'] and memory_ok} (RSS growth bound {RSS_GROWTH_LIMIT:.0%} checked in --long)")
+    return 0 if result["ok"] and memory_ok else 1
+
+
 def cmd_policies(args) -> int:
     from tqdm import tqdm
 
@@ -390,6 +423,19 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--policy", default="memspec", help="memspec.policy (default memspec)")
     act.add_argument("--predictor", help="predictor.path (default: the zoo's predictor/)")
     act.set_defaults(func=cmd_action)
+    soak = sub.add_parser("soak", help="the node under load: sequential goals, bursts against the queue, a cancel"
+                                       " storm; lost goals, cache budget, RSS growth, acceptance latency")
+    soak.add_argument("--json", help="write the result JSON here")
+    soak.add_argument("--zoo", default=str(DEFAULT_ZOO),
+                      help="zoo directory with registry.yaml, or 'tiny' for a generated tiny zoo (default: the"
+                           " bundled zoo)")
+    soak.add_argument("--long", action="store_true",
+                      help="the README's run: 1,000 sequential goals, 10 bursts, 20 storm rounds (RSS bound checked)")
+    soak.add_argument("--goals", type=int, help="sequential goals (default 200, --long 1000)")
+    soak.add_argument("--bursts", type=int, help="bursts of 20 goal requests against a queue of 4 (default 3)")
+    soak.add_argument("--storm-rounds", type=int, help="cancel storm rounds of queue + 1 goals (default 5)")
+    soak.add_argument("--threads", type=int, help="torch CPU threads of the node (default 1)")
+    soak.set_defaults(func=cmd_soak)
     pol = sub.add_parser(
         "policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)"
     )

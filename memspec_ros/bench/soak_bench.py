@@ -117,11 +117,11 @@ def soak_prompts(zoo: Path, count: int = 40) -> list[str]:
     return workload_prompts(workloads, count)
 
 
-def largest_draft_bytes(registry_file: Path) -> int:
-    from ..runtime.registry import DraftRegistry, weights_bytes
-
-    entries = DraftRegistry.from_yaml(registry_file, validate=False).entries()
-    return max((e.size_bytes or weights_bytes(e.path) for e in entries), default=0)
+def largest_draft_in_memory(node) -> int:
+    """The most bytes a draft occupies once loaded (each loaded once, outside the cache): its file size can be
+    half of it (fp16 weights on storage, fp32 in memory), and the budget must bind on what the cache accounts."""
+    cache, names = node.loaded.controller.cache, node.loaded.registry.names()
+    return max((int(cache.loader(name).size_bytes) for name in names), default=0)
 
 
 def run_soak(zoo: Path | None, config: SoakConfig = CI, *, domain_id: int | None = None,
@@ -160,11 +160,10 @@ def _soak(zoo: Path, config: SoakConfig, progress) -> dict:
 
     from ..ros.node import EXECUTOR_THREADS, MemSpecNode
 
-    budget = int(config.budget_drafts * largest_draft_bytes(zoo / "registry.yaml"))
     overrides = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": config.threads,
                  "memspec.policy": config.policy, "memspec.capacity": config.capacity,
-                 "memspec.interval": config.interval, "memspec.budget_bytes": budget,
-                 "action.max_queued_goals": config.queue, "generation.max_new_tokens": config.max_new_tokens}
+                 "memspec.interval": config.interval, "action.max_queued_goals": config.queue,
+                 "generation.max_new_tokens": config.max_new_tokens}
     context = Context()
     rclpy.init(context=context)
     node = MemSpecNode("memspec_soak", context=context,
@@ -191,6 +190,10 @@ def _soak(zoo: Path, config: SoakConfig, progress) -> dict:
         if node.trigger_configure().name != "SUCCESS" or node.trigger_activate().name != "SUCCESS":
             raise RuntimeError(f"the node did not configure/activate: {node.configure_error}")
         cache = node.loaded.controller.cache
+        budget = int(config.budget_drafts * largest_draft_in_memory(node))
+        result = node.set_parameters([Parameter("memspec.budget_bytes", value=budget)])[0]
+        if not result.successful:
+            raise RuntimeError(f"memspec.budget_bytes {budget} refused: {result.reason}")
         monitor = InvariantMonitor(config.capacity, budget)
         cache.on_change = monitor
 

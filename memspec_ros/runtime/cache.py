@@ -116,6 +116,7 @@ class DraftCacheManager:
         self._working_set: list[str] = []
         self._active = ""
         self._counters = CacheStats()
+        self._measured: dict[str, int] = {}  # bytes each draft occupied when last loaded (estimates can be low)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memspec-draft-loader")
         self._closed = False
 
@@ -452,7 +453,7 @@ class DraftCacheManager:
         return min(candidates, key=lambda n: self._scores.get(n, float("-inf")))
 
     def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
-        size = max(0, int(self.size_of(name)))
+        size = max(0, int(self.size_of(name)), self._measured.get(name, 0))  # a load taught what it really takes
         if self.budget_bytes and size > self.budget_bytes:
             self._slots[name] = slot = _Slot(name, 0)
             self._fail(slot, DraftTooLargeError(
@@ -505,6 +506,8 @@ class DraftCacheManager:
                 self._changed()
                 return
             actual = int(getattr(loaded, "size_bytes", 0) or 0)
+            if actual > 0:
+                self._measured[slot.name] = actual  # later loads of it reserve this much: refused once at most
             if actual > slot.reserved_bytes:
                 others = self._reserved() - slot.reserved_bytes
                 if self.budget_bytes and others + actual > self.budget_bytes:

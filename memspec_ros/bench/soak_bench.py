@@ -307,7 +307,8 @@ class _Client:
                                        result_service_qos_profile=deep, cancel_service_qos_profile=deep)
         self.executor = MultiThreadedExecutor(num_threads=2)
         self.executor.add_node(self.node)
-        threading.Thread(target=self.executor.spin, daemon=True).start()
+        self.spinner = threading.Thread(target=self.executor.spin, daemon=True)
+        self.spinner.start()
         self.latencies: list[float] = []
         self.phase_latencies: dict[str, list[float]] = {}
         self.phase = "warm-up"
@@ -315,6 +316,16 @@ class _Client:
         self.sent = self.answered = self.accepted = 0
         self.lost = self.unanswered = 0  # never reset: a lost goal or an unanswered request is a failure anywhere
         self.feedback: dict[bytes, int] = {}
+
+    def close(self) -> None:
+        """Stop spinning before anything is destroyed (a spin left inside rcl at exit aborted the process)."""
+        import rclpy
+
+        self.executor.shutdown(timeout_sec=5.0)
+        self.spinner.join(5.0)
+        self.action.destroy()
+        self.node.destroy_node()
+        rclpy.try_shutdown()
 
     @staticmethod
     def wait(futures: list, seconds: float) -> None:
@@ -429,7 +440,7 @@ def client_main(plan: dict) -> int:
         terminal=dict(client.outcomes), lost=client.lost, unanswered=client.unanswered,
         bursts_accepted=bursts_accepted, accept_latencies=client.latencies,
         phase_latencies=client.phase_latencies, seconds=time.monotonic() - t0)
-    client.executor.shutdown(timeout_sec=2.0)
+    client.close()
     return 0
 
 

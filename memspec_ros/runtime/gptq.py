@@ -19,11 +19,12 @@ from .models import load_tokenizer, read_config
 
 
 def quantize_gptq(src: str | Path, out: str | Path, texts: Sequence[str | Sequence[int]], bits: int = 4,
-                  group_size: int = 32) -> Path:
+                  group_size: int = 32, sym: bool = True) -> Path:
     """Quantize the model in ``src`` with calibration ``texts`` and save it (safetensors) to ``out``.
 
     Each calibration item is a text (tokenized with the model's tokenizer) or a sequence of token
     ids used as it is (e.g. a chat request through the template followed by the model's answer).
+    ``sym=False`` gives each group a zero point as well as a scale (asymmetric grid).
     """
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(2, os.cpu_count() or 1))))
     from .models import gptq_backend_available
@@ -39,7 +40,7 @@ def quantize_gptq(src: str | Path, out: str | Path, texts: Sequence[str | Sequen
                    for text in texts if (text.strip() if isinstance(text, str) else len(text))]
     if not calibration:
         raise ValueError("no calibration text: give a few hundred tokens of representative text")
-    model = GPTQModel.load(str(src), QuantizeConfig(bits=bits, group_size=group_size), device="cpu")
+    model = GPTQModel.load(str(src), QuantizeConfig(bits=bits, group_size=group_size, sym=sym), device="cpu")
     model.quantize(calibration, batch_size=1)
     model.save(str(out))
     tokenizer.save_pretrained(str(out))

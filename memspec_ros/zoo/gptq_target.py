@@ -140,7 +140,7 @@ def calibration_rows(models: Path, requests: int) -> tuple[list[dict], int]:
 
 
 def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: Path | None, bits: int = 4,
-                    group_size: int = 32, threads: int = 2, out_root: Path | None = None) -> Path:
+                    group_size: int = 32, threads: int = 2, out_root: Path | None = None, sym: bool = True) -> Path:
     """The GPTQ checkpoint of ``target_dir`` calibrated on ``requests`` training requests (cached)."""
     import gptqmodel
     import torch
@@ -155,8 +155,8 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
     ids = [p + a for p, a in seqs]
     h = hashlib.sha256()
     h.update(weights_digest(target_dir).encode())
-    h.update(json.dumps({"ids": ids, "bits": bits, "group_size": group_size,
-                         "gptqmodel": gptqmodel.__version__}).encode())
+    h.update(json.dumps({"ids": ids, "bits": bits, "group_size": group_size, "gptqmodel": gptqmodel.__version__}
+                        | ({} if sym else {"sym": False})).encode())
     digest = h.hexdigest()
     out = root / digest[:24]
     if (out / MARKER).is_file():
@@ -172,12 +172,12 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
              " GPT-QModel shows per-layer progress")
         t0 = time.perf_counter()
         with contextlib.chdir(tmp):  # GPT-QModel writes a logs/ folder into the working directory
-            quantize_gptq(target_dir, tmp / "model", ids, bits, group_size)
+            quantize_gptq(target_dir, tmp / "model", ids, bits, group_size, sym)
         seconds = time.perf_counter() - t0
         model_dir = tmp / "model"
         (model_dir / MARKER).write_text(json.dumps({
             "source": str(target_dir), "source_sha256": weights_digest(target_dir), "digest": digest,
-            "bits": bits, "group_size": group_size, "gptqmodel": gptqmodel.__version__,
+            "bits": bits, "group_size": group_size, "sym": sym, "gptqmodel": gptqmodel.__version__,
             "torch": torch.__version__, "threads": threads, "seconds": round(seconds, 1),
             "calibration": {"requests": len(ids), "tokens": tokens, "stored_answers": hits,
                             "skipped_as_heldout_text": skipped,
@@ -271,6 +271,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     speed_rows = [r for w in WORKLOADS for r in heldout[w][:speed_per_workload]]
     prompts = [chat_prompt_ids(tokenizer, r["messages"]) for r in speed_rows]
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     names = list(loaded)
     for name in names:  # warm-up: first-call allocations and kernel selection stay out of the timings
         generate(loaded[name].model, prompts[0][:16], None, max_new_tokens=8)
@@ -300,6 +301,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
             _log(f"prompt {i + 1}/{len(prompts)} {row['domain']:8s} {name:12s} alone {run['tok_s']:6.1f} tok/s,"
                  f" with draft {run['spec_tok_s']:6.1f} tok/s, identical {run['identical']}")
 
+    load_after = os.getloadavg()
     fp32_tokens = [r["tokens"] for r in runs["fp32"]]
     for name in names:
         rs = runs[name]
@@ -323,6 +325,9 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     fp = results["fp32"]
     for name in names[1:]:
         results[name]["speedup_vs_fp32"] = round(results[name]["decode_tok_s_1thread"] / fp["decode_tok_s_1thread"], 3)
+        # per prompt against fp32 on the same prompt moments apart: steadier on a shared machine
+        per_prompt = [r["tok_s"] / f["tok_s"] for r, f in zip(runs[name], runs["fp32"], strict=False)]
+        results[name]["speedup_vs_fp32_median_per_prompt"] = round(statistics.median(per_prompt), 3)
         results[name]["answer_perplexity_ratio_vs_fp32"] = round(
             results[name]["perplexity"]["answer"] / fp["perplexity"]["answer"], 4)
     gptq_meta = json.loads((gptq_dir / MARKER).read_text()) if (gptq_dir / MARKER).is_file() else {}
@@ -342,7 +347,9 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
         "speed": {"threads": 1, "max_new_tokens": max_new_tokens, "greedy": True, "eos_stop": False,
                   "prompts": len(prompts), "per_workload": speed_per_workload,
                   "metric": "decode tokens/s of generate(target, ids, None), prompt encoding excluded; models"
-                            " interleaved per prompt", "draft": str(draft_dir.relative_to(ROOT))
+                            " interleaved per prompt",
+                  "loadavg_1_5_15_before_after": [[round(v, 2) for v in load] for load in (load_before, load_after)],
+                  "cpus": os.cpu_count(), "draft": str(draft_dir.relative_to(ROOT))
                   if draft_dir.is_relative_to(ROOT) else str(draft_dir), "gamma": gamma},
         "outputs_identical": {n: results[n]["outputs_identical"] for n in names},
         "gptq": {"quantization_config": {k: quant.get(k) for k in ("quant_method", "bits", "group_size", "desc_act",
@@ -381,6 +388,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="stored teacher answers (train-*/heldout-*.safetensors); default: the zoo build's")
         p.add_argument("--bits", type=int, default=4)
         p.add_argument("--group-size", type=int, default=32)
+        p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
+                       help="symmetric grid (a scale per group); --no-sym adds a zero point per group")
         p.add_argument("--threads", type=int, default=2, help="threads for quantizing and perplexities")
         p.add_argument("--out-root", default=None, help="default: $XDG_CACHE_HOME/memspec_ros/gptq")
         if name == "report":
@@ -397,7 +406,7 @@ def run(a: argparse.Namespace) -> int:
     answers = Path(a.answers) if a.answers else default_answers_dir(models)
     target = _resolved(a.target or registry_target(models))
     out = quantize_target(target, models, a.requests, answers, a.bits, a.group_size, a.threads,
-                          Path(a.out_root) if a.out_root else None)
+                          Path(a.out_root) if a.out_root else None, a.sym)
     print(f"GPTQ INT{a.bits} checkpoint: {out}")
     if a.gptq_command == "report":
         draft = (Path(a.draft) if a.draft else models / "drafts" / "general").resolve()

@@ -205,7 +205,7 @@ def _soak(zoo: Path, config: SoakConfig, progress) -> dict:
         sampler.start()
         plan = {"config": asdict(config), "prompts": soak_prompts(zoo), "action": "/memspec_soak/generate"}
         client = subprocess.Popen([sys.executable, "-m", "memspec_ros.bench.soak_bench", json.dumps(plan)],
-                                  stdout=subprocess.PIPE, text=True, bufsize=1)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         rss_warm = warm_at = threads_warm = None
         done: dict = {}
         for line in client.stdout:
@@ -214,6 +214,8 @@ def _soak(zoo: Path, config: SoakConfig, progress) -> dict:
                 gc.collect()
                 rss_warm, warm_at, threads_warm = rss_bytes(), time.monotonic(), own_threads()
                 callback_seconds.clear()
+                client.stdin.write("go\n")  # the client waits: a goal sent during gc.collect() would wait for it
+                client.stdin.flush()
             elif message["phase"] == "goal" and progress is not None:
                 progress.update(1)
             elif message["phase"] == "done":
@@ -418,6 +420,7 @@ def client_main(plan: dict) -> int:
     client.outcomes.clear()
     client.sent = client.answered = client.accepted = 0
     say(phase="warm")
+    sys.stdin.readline()  # until the node's process has taken its baselines
     client.phase = "sequential"
     for i in range(config.goals):
         client.finish(client.send([prompts[i % len(prompts)]], config.max_new_tokens))

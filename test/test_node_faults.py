@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import threading
-import time
 import weakref
 from collections import Counter
 from contextlib import contextmanager
@@ -385,20 +384,20 @@ def test_cache_remove_from_another_thread_mid_goal(h):
         assert run(h).completion_tokens == NEW
 
 
-def _slow_prefetches(h, seconds: float) -> threading.Event:
-    """Loads after the first take ``seconds``; returns an event that is set once one of them started."""
+def _held_prefetches(h) -> tuple[threading.Event, threading.Event]:
+    """Loads after the first are held until ``release`` is set; ``started`` is set once one is held."""
     cache = h.node.loaded.controller.cache
-    good, started, slow_started = cache.loader, [], threading.Event()
+    good, loads, started, release = cache.loader, [], threading.Event(), threading.Event()
 
-    def slow(name):
-        started.append(name)
-        if len(started) > 1:
-            slow_started.set()
-            time.sleep(seconds)
+    def held(name):
+        loads.append(name)
+        if len(loads) > 1:
+            started.set()
+            release.wait(60.0)
         return good(name)
 
-    cache.loader = slow
-    return slow_started
+    cache.loader = held
+    return started, release
 
 
 @pytest.mark.parametrize("during", ["generation", "prefetch"])
@@ -419,7 +418,7 @@ def test_lifecycle_transitions_during_a_generation_or_a_prefetch(rclpy_context, 
         node.node.loaded.controller.cache.reset()
         gc.collect()
         threads, rss = own_threads(), rss_bytes()
-        prefetching = _slow_prefetches(node, 1.5)
+        prefetching, release = _held_prefetches(node)
         refs = [weakref.ref(node.node.loaded.target.model)]
         feedback: list = []
         handle, _ = node.send(goal(max_new_tokens=3000 if during == "generation" else 8), feedback)
@@ -432,6 +431,7 @@ def test_lifecycle_transitions_during_a_generation_or_a_prefetch(rclpy_context, 
         refs += [weakref.ref(model) for model in resident_models(node.node.loaded.controller.cache)]
         loaders = Counter(t.name for t in threading.enumerate() if t.name.startswith(LOADER_THREAD))
         assert loaders, "this node's loader thread runs"
+        threading.Timer(1.0, release.set).start()  # the transitions begin with the load in flight; it lands later
         for transition in transitions:
             assert node.transition(ids[transition]), transition
         if during == "generation":

@@ -81,14 +81,16 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     q_len, kv_len = query.shape[2], key.shape[2]
     if not 1 < q_len <= MAX_VERIFY_ROWS or kv_len == q_len:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    start = kv_len - q_len  # row i attends to keys [0, start + i]
+    masks: list[torch.Tensor | None] = [None] * q_len
+    if attention_mask is not None:
+        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        causal = torch.arange(kv_len, device=key.device) <= torch.arange(start, kv_len, device=key.device)[:, None]
+        if not bool((allowed == causal).all()):  # padding or another pattern: each row keeps its own mask
+            masks = [attention_mask[..., i:i + 1, :start + i + 1] for i in range(q_len)]
     outs = []
-    for i in range(q_len):
-        end = kv_len - q_len + i + 1
-        mask = None
-        if attention_mask is not None:
-            row = attention_mask[..., i:i + 1, :end]
-            whole = bool(row.all()) if row.dtype == torch.bool else bool((row == 0).all())
-            mask = None if whole else row
+    for i, mask in enumerate(masks):
+        end = start + i + 1
         out, _ = sdpa_attention_forward(module, query[:, :, i:i + 1], key[:, :, :end], value[:, :, :end], mask,
                                         **kwargs)
         outs.append(out)

@@ -113,7 +113,7 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
     only). Measured on SmolLM2-135M with bf16 activations (GPT-QModel's fused AVX512 kernel):
     transformers' SDPA attention over a cached prefix gives a 5-row verify other last digits than
     five one-row steps (29 of 36 probes), and the engine's output then differed from the target's
-    own on 7 of 12 held-out prompts. So an SDPA model gets ``memspec_rowwise_sdpa``: SDPA as before,
+    own on 8 of 12 held-out prompts. So an SDPA model gets ``memspec_rowwise_sdpa``: SDPA as before,
     except that a verify's rows attend one by one to their own prefix, each the very call its
     one-token step makes (0 of 36 probes differ; the engine's lean path does the same); another
     implementation becomes eager. GPT-QModel's linears are probed per shape with 2..MAX_VERIFY_ROWS

@@ -38,8 +38,12 @@ def test_gptq_int4_target_is_lossless_through_the_engine(tmp_path):
     assert report["int4_bytes"] < report["fp32_bytes"] / 2  # packed INT4 weights really are smaller
     for gamma, result in report["gammas"].items():
         assert result["identical"], f"gamma {gamma}: engine output differs from the INT4 target's greedy output"
-    # bf16 activations (GPT-QModel's fused CPU kernel) after runtime.gptq.prepare_for_engine: the engine
-    # reproduces the target's own one-token greedy decoding there too
+    # bf16 activations (GPT-QModel's fused CPU kernel): load_model runs runtime.gptq.prepare_for_engine
+    # itself (a second call changes nothing), and the engine reproduces the target's own one-token
+    # greedy decoding there too
+    assert report["bf16"]["prepared_by_load_model"], "load_model did not prepare the GPTQ target for the engine"
+    assert report["bf16"]["prepared"]["attention"] in ("memspec_rowwise_sdpa", "eager")
+    assert report["bf16"]["idempotent"]
     for gamma, result in report["bf16"]["gammas"].items():
         assert result["identical"], (
             f"bf16, gamma {gamma}: engine output differs from the INT4 target's own greedy output"

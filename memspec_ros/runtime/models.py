@@ -81,6 +81,7 @@ class LoadedModel:
     max_positions: int
     forward_path: str = ""  # fp32 | bf16 | int8 | int4 (runtime/forward_paths.py), gptq, or the HF dtype
     path_choice: PathChoice | None = None  # the measurements behind an auto choice
+    prepared: dict | None = None  # what runtime/gptq.py:prepare_for_engine did to a GPTQ model
 
 
 def forward_path_for(spec: ModelSpec) -> str:
@@ -263,6 +264,14 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         path = choice.path
     if cpu_path:
         apply_path(model, path)
+    prepared = None
+    if path == "gptq":
+        # GPT-QModel's kernels and transformers' SDPA over a cached prefix compute a verify's rows
+        # otherwise than one-token steps: without this a bf16 GPTQ target's speculative output
+        # differed from its own greedy output on 8 of 12 prompts (docs/results/gptq-smollm2.json)
+        from .gptq import prepare_for_engine
+
+        prepared = prepare_for_engine(model)
     model, vocab_size = wrap_if_reduced(model, spec.path)  # a reduced-vocabulary draft speaks target ids
     return LoadedModel(
         model=model,
@@ -272,6 +281,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         max_positions=int(getattr(model.config, "max_position_embeddings", 0) or 0),
         forward_path=path,
         path_choice=choice,
+        prepared=prepared,
     )
 
 

@@ -53,16 +53,18 @@ def selftest(workdir: Path) -> dict:
                           "proposed": sum(it.proposed for it in iterations),
                           "accepted": sum(it.accepted for it in iterations)}
     # bf16 activations: GPT-QModel's fused CPU kernel (fp32 ones dequantize each call), made
-    # row-consistent for the engine by prepare_for_engine
+    # row-consistent for the engine by load_model itself (prepare_for_engine; calling it again changes nothing)
     target16 = load_model(ModelSpec(str(q_dir), dtype="bf16", quantization="gptq"))
-    prepared = prepare_for_engine(target16.model)
+    prepared = target16.prepared
+    bf16_again = prepare_for_engine(target16.model)
     alone16 = generate(target16.model, prompt, None, max_new_tokens=48).generated_ids
-    bf16 = {"prepared": prepared, "gammas": {}}
+    bf16 = {"prepared": prepared, "prepared_by_load_model": prepared is not None and target.prepared is not None,
+            "idempotent": bf16_again == prepared, "gammas": {}}
     for gamma in (1, 3, 5):
         session = generate(target16.model, prompt, draft.model, gamma=gamma, max_new_tokens=48)
         bf16["gammas"][gamma] = {"identical": session.generated_ids == alone16,
                                  "proposed": sum(it.proposed for it in session.stats.iterations)}
-    bf16["identical"] = all(r["identical"] for r in bf16["gammas"].values())
+    bf16["identical"] = all(r["identical"] for r in bf16["gammas"].values()) and bf16["idempotent"]
     quantization = read_config(q_dir)["quantization_config"]
     return {
         "quant_method": quantization["quant_method"],

@@ -23,9 +23,11 @@ default); every linear of the 30 decoder layers is INT4, groups of 32.
 
 The report (every figure measured in one process, under .venv-gptq's torch) compares fp32 (the
 engine's lean path), the engine's own int4 path (runtime/forward_paths.py, Q4_1 grid) and the GPTQ
-checkpoint, the latter run three ways: ``gptq_int4`` in bf16 after gptq.prepare_for_engine (GPT-QModel's
-fused AVX512 kernel takes bf16 activations only; eager attention), ``gptq_int4_sdpa`` in bf16 as
-load_model gives it, and ``gptq_int4_fp32_activations`` (its layers dequantize each call; one prompt):
+checkpoint, the latter run two ways, each prepared by load_model (gptq.prepare_for_engine: a verify's
+rows attend one by one): ``gptq_int4`` in bf16 (GPT-QModel's fused AVX512 kernel takes bf16
+activations only) and ``gptq_int4_fp32_activations`` (its layers dequantize each call; one prompt).
+docs/results/gptq-smollm2.json also has ``gptq_int4_sdpa``, measured before load_model prepared GPTQ
+targets (plain SDPA: not lossless, 8 of 12 prompts differed):
 
 * perplexity of the held-out requests' fp32 greedy answers (the zoo's stored teacher answers, or made
   here), each after its templated request: the same token ids for every model; ``answer`` counts the
@@ -229,7 +231,6 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
            ppl_per_workload: int, speed_per_workload: int, max_new_tokens: int, gamma: int, threads: int) -> dict:
     import torch
 
-    from memspec_ros.runtime.gptq import prepare_for_engine
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer, parameter_bytes
     from memspec_ros.runtime.speculative import generate
     from memspec_ros.zoo.teacher import chat_prompt_ids
@@ -241,20 +242,18 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     torch.set_num_threads(threads)
     # GPT-QModel's fused CPU kernel (TorchCpuAvx512Linear) takes bf16 activations only: with fp32 ones
     # its layers dequantize the whole weight on every call instead (measured ~3 tok/s here), so the
-    # GPTQ checkpoint runs in bf16, made row-consistent by gptq.prepare_for_engine; as load_model
-    # gives it (SDPA attention) and with fp32 activations (first speed prompt only) it is measured too
+    # GPTQ checkpoint runs in bf16 (load_model makes it row-consistent with gptq.prepare_for_engine);
+    # with fp32 activations (first speed prompt only) it is measured too
     specs = {"fp32": ModelSpec(str(target_dir)), "engine_int4": ModelSpec(str(target_dir), quantization="int4"),
              "gptq_int4": ModelSpec(str(gptq_dir), dtype="bf16", quantization="gptq"),
-             "gptq_int4_sdpa": ModelSpec(str(gptq_dir), dtype="bf16", quantization="gptq"),
              "gptq_int4_fp32_activations": ModelSpec(str(gptq_dir), quantization="gptq")}
-    prepare = {"gptq_int4"}
     speed_limit = {"gptq_int4_fp32_activations": 1}  # prompts; the others run every speed prompt
     loaded, prepared = {}, {}
     for name, spec in specs.items():
         t0 = time.perf_counter()
         loaded[name] = load_model(spec)
-        if name in prepare:
-            prepared[name] = prepare_for_engine(loaded[name].model)
+        if loaded[name].prepared is not None:
+            prepared[name] = loaded[name].prepared
         _log(f"{name}: loaded in {time.perf_counter() - t0:.1f} s ({loaded[name].forward_path})"
              f" {prepared.get(name, '')}")
     draft = load_model(ModelSpec(str(draft_dir))).model

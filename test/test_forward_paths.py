@@ -19,6 +19,7 @@ from memspec_ros.runtime.forward_paths import (
     ForwardPathError,
     Int4Linear,
     Int8Linear,
+    Q8Embedding,
     apply_path,
     check_path,
     concat_linears,
@@ -103,6 +104,58 @@ def test_apply_path_converts_every_linear_and_reports_what_it_kept():
     assert apply_path(tiny_llama(), "fp32").converted == 0
     with pytest.raises(ForwardPathError, match="unknown forward path"):
         check_path("int3")
+
+
+def _q8_grid_table(rows: int, dim: int, seed: int) -> torch.Tensor:
+    """A table as a Q8_0 GGUF de-quantizes it: fp16 scale x int8 value, each block's largest magnitude 127."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(-126, 127, (rows, dim // 32, 32), generator=gen).float()
+    values[..., 0] = 127 * torch.where(torch.rand(rows, dim // 32, generator=gen) < 0.5, -1.0, 1.0)
+    scales = (torch.rand(rows, dim // 32, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    return (values * scales).view(rows, dim)
+
+
+def test_q8_embedding_gives_back_a_table_on_its_grid_bit_for_bit_and_refuses_any_other():
+    table = _q8_grid_table(300, 64, seed=4)
+    compact = Q8Embedding.exact_from(table)
+    assert compact is not None
+    assert torch.equal(compact(torch.arange(300)), table)
+    ids = torch.tensor([[5, 0, 299], [7, 7, 1]])
+    assert torch.equal(compact(ids), F.embedding(ids, table))
+    compact_bytes = sum(t.numel() * t.element_size() for t in compact.buffers())
+    assert compact_bytes < table.numel() * 4 / 3.5  # 1 byte a value plus 2 bytes per 32
+    off_grid = table.clone()
+    off_grid[3, 5] += 1e-3  # one value off the grid: the whole table stays as it is
+    assert Q8Embedding.exact_from(off_grid) is None
+    assert Q8Embedding.exact_from(torch.randn(300, 64)) is None  # trained in fp32
+    assert Q8Embedding.exact_from(torch.randn(300, 48)) is None  # 48 is not a number of blocks
+
+
+@pytest.mark.parametrize("path", [p for p in RUNNABLE if p != "fp32"])
+def test_a_q8_grid_embedding_is_kept_compact_and_the_model_computes_the_same(path, monkeypatch):
+    """On a quantized path an embedding on GGUF's Q8_0 grid (the bundled target's) shrinks to int8 + scales,
+    and the model's logits and greedy output (lean forward and transformers') are those of the fp32 table."""
+    def snapped():
+        model = tiny_llama(vocab_size=96, hidden=64, seed=5)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(_q8_grid_table(96, 64, seed=6))
+        return model
+
+    compact_model = snapped()
+    report = apply_path(compact_model, path)
+    assert report.embedding == "q8_0" and type(compact_model.get_input_embeddings()) is Q8Embedding
+    with monkeypatch.context() as patch:
+        patch.setattr(Q8Embedding, "exact_from", classmethod(lambda cls, weight: None))
+        plain_model = snapped()
+        assert apply_path(plain_model, path).embedding == "fp32"
+    prompt = [1, 5, 7, 9, 11, 13]
+    with torch.no_grad():
+        assert torch.equal(compact_model(torch.tensor([prompt])).logits, plain_model(torch.tensor([prompt])).logits)
+    for model in (compact_model, plain_model):
+        assert lean_forward_for(model) is not None
+    assert (generate(compact_model, prompt, None, max_new_tokens=30).generated_ids
+            == generate(plain_model, prompt, None, max_new_tokens=30).generated_ids)
+    assert apply_path(snapped(), "fp32").embedding == "fp32"  # fp32 is the weights as loaded
 
 
 def test_spec_combinations_are_checked():

@@ -390,6 +390,8 @@ class NodeTasks:
                 s.add(
                     f"auto {timing.path} ms (1 / gamma+1 tokens)", f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}"
                 )
+        if lo.target.path_report is not None:  # fp32, or q8_0 where the table is on GGUF's Q8_0 grid
+            s.add("embedding", lo.target.path_report.embedding)
         s.add("parameter bytes", lo.target.size_bytes)
         s.add("context tokens", lo.max_positions)
         s.add("chat template", has_chat_template(lo.tokenizer))

@@ -132,7 +132,8 @@ class LeanLlamaForward:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
-        self.embed = inner.embed_tokens.weight
+        self.embed = inner.embed_tokens  # an nn.Embedding, or forward_paths.Q8Embedding
+        self.device = inner.norm.weight.device
         self.rotary = inner.rotary_emb  # the model's own module: every RoPE variant it supports
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head
@@ -150,8 +151,8 @@ class LeanLlamaForward:
 
     def __call__(self, ids: Sequence[int], cache: Cache, start: int, keep: int) -> torch.Tensor:
         n, end = len(ids), start + len(ids)
-        tokens = torch.tensor([list(ids)], device=self.embed.device)
-        x = F.embedding(tokens if self.vocab is None else self.vocab.inputs(tokens), self.embed)
+        tokens = torch.tensor([list(ids)], device=self.device)
+        x = self.embed(tokens if self.vocab is None else self.vocab.inputs(tokens))
         positions = torch.arange(start, end, device=x.device)[None]
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None], sin[:, None]

@@ -30,6 +30,12 @@ fails. Attention is made row-exact in the lean forward (runtime/draft_forward.py
 Plain fp32 matmuls are not row-exact (they sum a row differently with others);
 fp32 stays as transformers runs it, identical in practice, not by construction.
 
+The token embedding is a lookup, not a matmul, but it is the largest tensor of a small model (the
+bundled target's 49,152 x 576 table is 113 MB in fp32, more than its 30 int4 layers). A GGUF holds
+it as Q8_0 (int8 values, one fp16 scale per 32), so on every path but fp32 a table that lies exactly
+on that grid is kept in that form (:class:`Q8Embedding`, 30 MB): its rows come back bit for bit, so
+the model computes what it computed before. A table off the grid (a model trained in fp32) stays.
+
 Layers whose shapes a kernel cannot take (int4 needs in_features % 32 == 0 and
 out_features % 16 == 0) keep fp32 and are counted in :class:`PathReport`.
 """
@@ -169,6 +175,42 @@ class Int4Linear(FastLinear):
 
 
 FAST_LINEARS = (Bf16Linear, Int8Linear, Int4Linear)
+Q8_BLOCK = 32  # GGUF's Q8_0: one fp16 scale per 32 int8 values
+
+
+class Q8Embedding(torch.nn.Module):
+    """An embedding table held as a GGUF's Q8_0 holds it: int8 values and one fp16 scale per block of 32.
+    Built only by :meth:`exact_from`, which refuses a table its rows would not reproduce bit for bit."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("values", values)  # [rows, dim] int8
+        self.register_buffer("scales", scales)  # [rows, dim // Q8_BLOCK] fp16
+        self.num_embeddings, self.embedding_dim = values.shape
+
+    @classmethod
+    def exact_from(cls, weight: torch.Tensor) -> Q8Embedding | None:
+        """The Q8_0 form of ``weight``, or None when ``weight`` is not exactly on that grid."""
+        w = weight.detach()
+        rows, dim = w.shape
+        if w.dtype != torch.float32 or dim % Q8_BLOCK:
+            return None
+        blocks = w.view(rows, dim // Q8_BLOCK, Q8_BLOCK)
+        # Q8_0's quantizer maps each block's largest magnitude to 127, so that value over 127 is the scale
+        scales = blocks.abs().amax(-1) / INT8_MAX
+        if not torch.equal(scales.half().float(), scales):
+            return None
+        values = torch.round(blocks / scales.clamp(min=_TINY)[..., None]).clamp(-INT8_MAX, INT8_MAX)
+        compact = cls(values.to(torch.int8).view(rows, dim), scales.half())
+        for start in range(0, rows, 4096):  # checked in slices: no second full fp32 table at once
+            ids = torch.arange(start, min(start + 4096, rows))
+            if not torch.equal(compact(ids), w[start : start + 4096]):
+                return None
+        return compact
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        values = self.values[ids].view(*ids.shape, -1, Q8_BLOCK).float()
+        return (values * self.scales[ids].float()[..., None]).view(*ids.shape, self.embedding_dim)
 
 
 def _concat_bias(parts) -> torch.nn.Parameter | None:
@@ -232,6 +274,7 @@ class PathReport:
     kept_fp32: list[str] = field(default_factory=list)  # layers the path's kernel cannot take
     rows_one_by_one: list[str] = field(default_factory=list)  # layers whose kernel is not row-exact here
     head: str = ""  # the LM head's form
+    embedding: str = "fp32"  # the token embedding's form: fp32, or q8_0 where the table is on that grid
 
 
 def check_path(path: str) -> str:
@@ -286,4 +329,10 @@ def apply_path(model: torch.nn.Module, path: str) -> PathReport:
         report.converted += 1
         if _is_head(full_name):
             report.head = kind.__name__
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if type(embeddings) is torch.nn.Embedding:
+        compact = Q8Embedding.exact_from(embeddings.weight)
+        if compact is not None:  # its fp32 table (the head's, when tied) is freed: the head was converted above
+            model.set_input_embeddings(compact)
+            report.embedding = "q8_0"
     return report

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .forward_paths import PATHS, apply_path
+from .forward_paths import PATHS, PathReport, apply_path
 from .path_choice import PathChoice, choose_path
 
 DTYPES: dict[str, torch.dtype] = {
@@ -82,6 +82,7 @@ class LoadedModel:
     forward_path: str = ""  # fp32 | bf16 | int8 | int4 (runtime/forward_paths.py), gptq, or the HF dtype
     path_choice: PathChoice | None = None  # the measurements behind an auto choice
     prepared: dict | None = None  # what runtime/gptq.py:prepare_for_engine did to a GPTQ model
+    path_report: PathReport | None = None  # what runtime/forward_paths.py:apply_path converted
 
 
 def forward_path_for(spec: ModelSpec) -> str:
@@ -262,8 +263,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if path == AUTO:
         choice = choose_path(model, spec.gamma)
         path = choice.path
-    if cpu_path:
-        apply_path(model, path)
+    path_report = apply_path(model, path) if cpu_path else None
     prepared = None
     if path == "gptq":
         # GPT-QModel's kernels and transformers' SDPA over a cached prefix compute a verify's rows
@@ -282,6 +282,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         forward_path=path,
         path_choice=choice,
         prepared=prepared,
+        path_report=path_report,
     )
 
 

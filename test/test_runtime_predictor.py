@@ -114,6 +114,32 @@ def test_overlapped_prediction_arrives_one_interval_late_without_blocking():
     over.close()
 
 
+def test_a_points_answer_is_never_its_own_ranking_however_fast_that_finishes():
+    """Policies submit a point's context and then read the latest ranking: an overlapped ranker answers with
+    what had finished when the point submitted, even when the point's own ranking is done by the time it reads."""
+    done = threading.Event()
+
+    def instant(c):
+        if c.interval > 0:
+            done.set()
+        return ["a", "b"] if c.interval % 2 == 0 else ["b", "a"]
+
+    over = OverlappedPredictor(FixedRanker(instant))
+    over.begin(PROMPT)
+    over.submit(ctx(0, candidates=("a", "b")))  # interval 0: ranked there and then
+    assert [n for n, _ in over.latest(["a", "b"])] == ["a", "b"]
+    over.submit(ctx(1, candidates=("a", "b")))
+    assert done.wait(10)
+    time.sleep(0.05)  # interval 1's ranking has finished
+    assert [n for n, _ in over.latest(["a", "b"])] == ["a", "b"]  # the answer for point 1: interval 0's
+    deadline = time.monotonic() + 10.0
+    while [n for n, _ in over.latest(["a", "b"])] != ["b", "a"]:  # read again: the newest
+        assert time.monotonic() < deadline, "interval 1's ranking never arrived"
+        time.sleep(0.01)
+    assert over.take_background_seconds() > 0 and over.take_background_seconds() == 0.0
+    over.close()
+
+
 def test_a_failed_background_prediction_is_logged_counted_and_keeps_the_previous_ranking(caplog):
     def flaky(c):
         if c.interval == 1:

@@ -37,7 +37,7 @@ from .policies import (
     SchedulingPoint,
     make_policy,
 )
-from .predictor import OverlappedPredictor, Ranker
+from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor
 from .registry import DraftRegistry
 from .speculative import ChunkCallback, DraftFailure, SamplingConfig, SpeculativeSession
 from .stats import GenerationStats, IterationStats
@@ -120,7 +120,7 @@ class RuntimeController:
         target: torch.nn.Module,
         tokenizer,
         registry: DraftRegistry,
-        predictor: Ranker | None = None,
+        predictor: RankingModel | None = None,
         *,
         loader: Loader | None = None,
         cache: DraftCacheManager | None = None,
@@ -152,7 +152,8 @@ class RuntimeController:
         self._lock = threading.Lock()
         self._pending: RuntimeConfig | None = None
         self._running = False
-        self._overlapped: OverlappedPredictor | None = None
+        # the predictor as the policies use it, by overlap_prediction: ranking on the decode thread or overlapped
+        self._rankers: dict[bool, SynchronousPredictor | OverlappedPredictor] = {}
         self._check_policy(self.config)  # fail now, not at the first goal
 
     # -- configuration -------------------------------------------------------------------
@@ -196,12 +197,14 @@ class RuntimeController:
             return pending
 
     def _make_policy(self) -> DraftPolicy:
-        predictor = self.predictor
-        if self.config.overlap_prediction and predictor is not None:
-            if self._overlapped is None or self._overlapped.ranker is not predictor:
-                self._overlapped = OverlappedPredictor(predictor)
-            predictor = self._overlapped
-        return make_policy(self.config.policy, predictor=predictor, oracle_for=self.oracle_for,
+        ranker = None
+        if self.predictor is not None:
+            overlap = self.config.overlap_prediction
+            ranker = self._rankers.get(overlap)
+            if ranker is None or ranker.ranker is not self.predictor:
+                kind = OverlappedPredictor if overlap else SynchronousPredictor
+                ranker = self._rankers[overlap] = kind(self.predictor)
+        return make_policy(self.config.policy, predictor=ranker, oracle_for=self.oracle_for,
                            general_draft=self.config.general_draft, ucb_c=self.config.ucb_c)
 
     # -- the loop (Algorithm 3) --------------------------------------------------------------
@@ -267,9 +270,7 @@ class RuntimeController:
         if run.iterations:
             run.policy.observe(run.active, run.iterations)
         run.policy.close()
-        if isinstance(self._overlapped, OverlappedPredictor):
-            stats.background_prediction_seconds = self._overlapped.background_seconds
-            self._overlapped.background_seconds = 0.0
+        stats.background_prediction_seconds = sum((r.take_background_seconds() for r in self._rankers.values()), 0.0)
         stats.cache = cache.snapshot().since(before)
         return GenerationResult(session.text, session.finish_reason, stats, session.generated_ids)
 
@@ -403,8 +404,8 @@ class RuntimeController:
 
     def close(self) -> None:
         self.cache.close()
-        if self._overlapped is not None:
-            self._overlapped.close()
+        for ranker in self._rankers.values():
+            ranker.close()
 
 
 def load_runtime(

@@ -24,6 +24,11 @@ their first draft: bringing in another one needs a second slot while the active
 draft decodes, and the active draft is never evicted. Blocking policies switch by
 stalling. That is the paper's trade-off at its sharpest, not a bug.
 
+Predicted policies ask their ranker at every scheduling point the same way
+(``submit`` the context, use the ``latest`` ranking): a plain ranker ranks it there
+and then, an overlapped one (runtime/predictor.py) answers with the ranking it
+finished before, one interval late.
+
 Bandit reward (MAB-Sync/Async): the mean number of accepted draft tokens per
 iteration over the interval the arm ran (E[A] of equation 1), counted for the
 draft that actually ran. UCB1 uses per-arm counts: score = mean + c*sqrt(ln t / n_arm),
@@ -38,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .oracle import LOAD, RESIDENT, START, WAIT, GreedyOracle, ScheduleAction, ScheduleSolver
-from .predictor import OverlappedPredictor, PredictionContext, Ranker
+from .predictor import PredictionContext, Ranker
 from .stats import IterationStats
 
 # the paper's seven (its figures compare these), then the myopic oracle kept for comparison
@@ -300,14 +305,13 @@ class _Predicted(DraftPolicy):
         self.predictor.begin(prompt_ids)
 
     def ranking(self, point: SchedulingPoint) -> list[tuple[str, float]]:
+        """The ranker's latest ranking for this point (an overlapped ranker's is one interval late)."""
         context = point.prediction_context()
-        if isinstance(self.predictor, OverlappedPredictor) and point.interval > 0:
-            late = self.predictor.latest(context.candidates)  # last interval's ranking, never waited for
-            self.predictor.submit(context)
-            if late is not None:
-                return late
+        self.predictor.submit(context)
+        ranking = self.predictor.latest(context.candidates)
+        if ranking is None:
             return [(d, 0.0) for d in context.candidates]  # nothing finished yet: keep registry order
-        return self.predictor.rank(context)
+        return ranking
 
 
 class PredictionOnlyPolicy(_Predicted):

@@ -67,12 +67,69 @@ class PredictionContext:
     generated: int = 0  # tokens generated so far (the hidden-state encoder indexes positions with it)
 
 
-class Ranker(Protocol):
-    """What the controller's policies need from a predictor: scores for the candidates, best first."""
+class RankingModel(Protocol):
+    """A predictor as the controller is given it: scores for the candidates, best first, computed on the caller's
+    thread (:class:`PredictionEngine`, :class:`FixedRanker`, the ROS node's wrapper of an engine)."""
 
     def begin(self, prompt_ids: Sequence[int]) -> None: ...
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]: ...
+
+
+class Ranker(RankingModel, Protocol):
+    """What a policy asks of a predictor at each scheduling point: ``submit`` the point's context, then use the
+    ``latest`` ranking there is. A synchronous ranker (:class:`SynchronousRanking`) ranks the context when it
+    is submitted; :class:`OverlappedPredictor` ranks it in the background and answers with the one it finished
+    before (one interval late). ``take_background_seconds`` hands over (and zeroes) the seconds spent ranking
+    off the decode thread."""
+
+    def submit(self, context: PredictionContext) -> None: ...
+
+    def latest(self, candidates: Sequence[str]) -> list[tuple[str, float]] | None: ...
+
+    def take_background_seconds(self) -> float: ...
+
+
+def restrict_ranking(ranking: Sequence[tuple[str, float]], candidates: Sequence[str]) -> list[tuple[str, float]]:
+    """``ranking`` over ``candidates`` only, in its order; candidates it does not name last, with UNKNOWN_SCORE."""
+    known = {n for n, _ in ranking}
+    return [p for p in ranking if p[0] in candidates] + [(n, UNKNOWN_SCORE) for n in candidates if n not in known]
+
+
+class SynchronousRanking:
+    """:class:`Ranker`'s ``submit``/``latest`` for a ranker that ranks on the caller's thread: ``submit`` ranks the
+    context there and then and ``latest`` is that ranking; nothing runs in the background."""
+
+    _submitted: list[tuple[str, float]] | None = None
+
+    def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
+        raise NotImplementedError
+
+    def submit(self, context: PredictionContext) -> None:
+        self._submitted = self.rank(context)
+
+    def latest(self, candidates: Sequence[str]) -> list[tuple[str, float]] | None:
+        """The ranking of the context last submitted (over that context's candidates)."""
+        return self._submitted
+
+    def take_background_seconds(self) -> float:
+        return 0.0
+
+
+class SynchronousPredictor(SynchronousRanking):
+    """Any :class:`RankingModel` as a :class:`Ranker` that ranks on the decode thread (overlap_prediction off)."""
+
+    def __init__(self, ranker: RankingModel) -> None:
+        self.ranker = ranker
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.ranker.begin(prompt_ids)
+
+    def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
+        return self.ranker.rank(context)
+
+    def close(self) -> None:
+        """Nothing to release: the ranking model is its owner's to close."""
 
 
 # -- encoders -----------------------------------------------------------------------------
@@ -334,7 +391,7 @@ def mask_input(features: torch.Tensor, which: str) -> torch.Tensor:
 
 # -- the engine ---------------------------------------------------------------------------------
 
-class PredictionEngine:
+class PredictionEngine(SynchronousRanking):
     """Algorithm 1: context -> ranked drafts. Called by the controller every N iterations."""
 
     def __init__(self, head: RankingHead, encoder: ContextEncoder, recent_tokens: int | None = None) -> None:
@@ -432,7 +489,7 @@ def rank_candidates(probs: Mapping[str, float], candidates: Sequence[str],
     return [(n, s) for n, s, _ in scored]
 
 
-class FixedRanker:
+class FixedRanker(SynchronousRanking):
     """A ranking from a function of the context (tests, oracles, ablations); no model."""
 
     def __init__(self, fn) -> None:
@@ -444,27 +501,26 @@ class FixedRanker:
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
         from .cache import normalise_ranking
 
-        result = normalise_ranking(self.fn(context))
-        known = {n for n, _ in result}
-        return [p for p in result if p[0] in context.candidates] + [
-            (n, UNKNOWN_SCORE) for n in context.candidates if n not in known
-        ]
+        return restrict_ranking(normalise_ranking(self.fn(context)), context.candidates)
 
 
 class OverlappedPredictor:
     """Runs a ranker on a background thread so decoding never waits for prediction.
 
-    ``submit`` starts a prediction for the current context; ``latest`` returns the
-    newest finished ranking (usually the previous interval's), so the ranking steers
-    prefetch one interval late. Interval 0 is always predicted synchronously. A background
+    ``submit`` starts a prediction for the current context (unless the last one is still running: it is
+    skipped, never queued behind the decoder); ``latest`` returns the newest finished ranking. Right after a
+    ``submit`` that is the newest one finished when it was submitted, never the submitted context's own: the
+    ranking steers prefetch one interval late (or more, when a prediction outlasts an interval). Interval 0 is
+    always predicted synchronously (``submit`` ranks it there and then, as ``rank`` does). A background
     prediction that fails keeps the previous ranking; it is logged and counted in ``failures``.
     """
 
-    def __init__(self, ranker: Ranker) -> None:
+    def __init__(self, ranker: RankingModel) -> None:
         self.ranker = ranker
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memspec-predictor")
         self._pending: Future | None = None
         self._latest: list[tuple[str, float]] | None = None
+        self._answer_held = False  # latest() answers for the point that just submitted: nothing newer
         self.background_seconds = 0.0
         self.failures = 0  # background predictions that raised
         self.last_error = ""
@@ -481,10 +537,17 @@ class OverlappedPredictor:
         return self._latest
 
     def submit(self, context: PredictionContext) -> None:
-        if self._pending is not None and not self._pending.done():
-            return  # still busy with the last one: skip, never queue up behind the decoder
-        self._collect()
-        self._pending = self._pool.submit(self._timed, context)
+        if context.interval == 0:
+            self.rank(context)
+            return
+        self._collect()  # what finished by now is the answer for this point
+        self._answer_held = True
+        if self._pending is None:  # else still busy with the last one: skip, never queue up behind the decoder
+            self._pending = self._pool.submit(self._timed, context)
+
+    def take_background_seconds(self) -> float:
+        seconds, self.background_seconds = self.background_seconds, 0.0
+        return seconds
 
     def _timed(self, context: PredictionContext) -> list[tuple[str, float]]:
         t0 = time.perf_counter()
@@ -512,13 +575,11 @@ class OverlappedPredictor:
 
     def latest(self, candidates: Sequence[str]) -> list[tuple[str, float]] | None:
         """Newest finished ranking restricted to ``candidates`` (registry may have changed)."""
-        self._collect()
-        if self._latest is None:
-            return None
-        known = {n for n, _ in self._latest}
-        return [p for p in self._latest if p[0] in candidates] + [
-            (n, UNKNOWN_SCORE) for n in candidates if n not in known
-        ]
+        if self._answer_held:
+            self._answer_held = False
+        else:
+            self._collect()
+        return restrict_ranking(self._latest, candidates) if self._latest is not None else None
 
     def _settle(self) -> None:
         """Wait for the prediction in flight and drop it (a new generation or a synchronous ranking follows)."""

@@ -375,6 +375,7 @@ class DraftCacheManager:
             failed={n: f"{type(s.error).__name__}: {s.error}" for n, s in self._slots.items() if s.error is not None},
             working_set=list(self._working_set),
             active=self._active,
+            # a resident slot's reservation is its measured in-memory size (set when its load finished)
             bytes_resident=sum(self._slots[n].reserved_bytes for n in resident),
             bytes_reserved=self._reserved(),
             hits=c.hits,

@@ -6,7 +6,8 @@ measures is set by the test; nothing is timed.
 
 from __future__ import annotations
 
-from memspec_ros.runtime.policies import COST_AWARE, LOAD_PREFETCH, MemSpecPolicy, SchedulingPoint, make_policy
+from memspec_ros.runtime.choice import CACHE_PREFETCH
+from memspec_ros.runtime.policies import COST_AWARE, MemSpecPolicy, SchedulingPoint, make_policy
 from memspec_ros.runtime.predictor import FixedRanker
 from memspec_ros.runtime.stats import IterationStats
 
@@ -57,13 +58,13 @@ def test_its_first_choice_is_memspecs():
     for p in (cost_aware, memspec):
         p.start(PROMPT)
     a, b = cost_aware.choose(point(0, 0, "", [])), memspec.choose(point(0, 0, "", []))
-    assert (a.preferred, a.load, a.ranking) == (b.preferred, b.load, b.ranking)
+    assert a == b  # the same draft, ranking, blocking, fallback order and cache action
 
 
 def test_a_cheap_switch_with_a_clear_margin_is_taken():
     policy = started({"code": 0.8, "general": 0.1, "math": 0.1}, catchup_seconds_per_token=1e-5)
     choice = policy.choose(point(1, 10, "general", ["general", "code"]))
-    assert choice.preferred == "code" and choice.load == LOAD_PREFETCH
+    assert choice.preferred == "code" and choice.cache_action == CACHE_PREFETCH and not choice.block
 
 
 def test_a_switch_whose_catch_up_costs_more_than_it_gains_is_declined():

@@ -1,11 +1,12 @@
 """The Runtime Controller (the paper's Algorithm 3): one shared loop for every policy.
 
 Every N iterations (a scheduling point) the controller asks the policy for a
-choice, updates the cache the way the choice says, and picks the draft to run:
-the preferred one if resident, otherwise (without waiting, unless the policy
-blocks by design) the best resident draft by the policy's ranking, the current
-draft, or the target alone. Between scheduling points nothing changes, which is
-where registry edits, reconfiguration and policy switches take effect.
+Choice and carries it out (runtime/choice.py's ``carry_out``, which the simulator
+shares): the cache acts as the Choice says, decoding blocks only if it says so, and
+the draft that runs is the preferred one if resident, otherwise the first resident
+draft of the Choice's fallback order, any other resident draft, or the target
+alone. Between scheduling points nothing changes, which is where registry edits,
+reconfiguration and policy switches take effect.
 
 This is the single entry point the ROS node calls::
 
@@ -25,18 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
+from .choice import Choice, Resolution, carry_out
 from .models import LoadedModel
 from .oracle import GreedyOracle
-from .policies import (
-    LOAD_PREFETCH,
-    LOAD_REQUEST,
-    LOAD_WAIT,
-    POLICIES,
-    Choice,
-    DraftPolicy,
-    SchedulingPoint,
-    make_policy,
-)
+from .policies import POLICIES, DraftPolicy, SchedulingPoint, make_policy
 from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor
 from .registry import DraftRegistry
 from .speculative import ChunkCallback, DraftFailure, SamplingConfig, SpeculativeSession
@@ -101,6 +94,11 @@ class _Run:
     iterations: list[IterationStats] = dataclasses.field(default_factory=list)  # this interval's
     prediction_seconds: float = 0.0  # the last scheduling point's work, charged to the next iteration
     wait_seconds: float = 0.0  # its blocking load wait, likewise
+
+    def follow(self, resolution: Resolution) -> None:
+        """Decode on what a carried-out Choice picked until the next scheduling point."""
+        self.active, self.model = resolution.draft, resolution.model
+        self.preferred, self.fallback = resolution.preferred, resolution.fallback
 
 
 @dataclass
@@ -286,7 +284,7 @@ class RuntimeController:
         point = self._point(0, session, prompt_ids, active="")
         choice = policy.choose(point)
         stats.predictions += 1
-        run.active, run.model, run.preferred, run.fallback, _ = self._resolve(choice, point, initial=True)
+        run.follow(self._carry_out(choice, current=""))  # the first draft: the choice blocks for it
         stats.setup_seconds = time.perf_counter() - t_setup
         return run
 
@@ -311,10 +309,10 @@ class RuntimeController:
         point = self._point(run.interval, session, prompt_ids, run.active)
         choice = run.policy.choose(point)
         stats.predictions += 1
-        run.active, run.model, run.preferred, run.fallback, waited = self._resolve(
-            choice, point, current=(run.active, run.model))
-        run.prediction_seconds = time.perf_counter() - t0 - waited
-        run.wait_seconds = waited
+        resolution = self._carry_out(choice, current=run.active)
+        run.follow(resolution)
+        run.prediction_seconds = time.perf_counter() - t0 - resolution.waited
+        run.wait_seconds = resolution.waited
 
     def _step(self, run: _Run, session: SpeculativeSession) -> IterationStats:
         """One draft-and-verify iteration on the chosen draft (or the target alone), with what led to it. A draft
@@ -358,49 +356,17 @@ class RuntimeController:
             self.cache.remove(name)
         return active in gone
 
-    def _resolve(self, choice: Choice, point: SchedulingPoint, *, initial: bool = False,
-                 current: tuple[str, LoadedModel | None] = ("", None),
-                 ) -> tuple[str, LoadedModel | None, str, bool, float]:
-        """Apply a choice to the cache; return (draft to run, its model, preferred, fallback?, seconds waited)."""
-        cache = self.cache
-        preferred = choice.preferred
-        waited = 0.0
-        cur_name, cur_model = current
-        if choice.load != LOAD_PREFETCH and choice.ranking:
-            cache.set_scores(choice.ranking)  # on-demand loads evict the policy's lowest-scored draft
-        if preferred and (choice.load == LOAD_WAIT or initial) and not cache.is_resident(preferred):
-            # blocking load: the policy stalls by design, or any policy's first draft (Algorithm 3, line 3)
-            cache.set_active("")  # the idle current draft may be evicted to make room
-            try:
-                _, waited = cache.wait_for(preferred)
-            except DraftLoadError:
-                pass  # recorded as failed in the cache; decoding goes on without it
-        if choice.load == LOAD_PREFETCH and choice.ranking is not None:
-            cache.update(choice.ranking, active=cur_name if cur_name in cache.resident() else None)
-        elif choice.load == LOAD_REQUEST and preferred and not cache.is_available(preferred):
-            cache.request(preferred, active=cur_name or None)
-        # run: the preferred draft if resident, else the best resident fallback (never wait here)
-        model = cache.get(preferred) if preferred else None
-        if model is not None:
-            cache.set_active(preferred)
-            return preferred, model, preferred, False, waited
-        if not preferred:
-            cache.set_active("")
-            return "", None, "", False, waited
-        order = [n for n, _ in choice.ranking] if choice.ranking else []
-        if choice.load == LOAD_REQUEST and cur_name:
-            order = [cur_name] + order  # MAB-Async keeps decoding on the current draft
-        elif cur_name and cur_name not in order:
-            order.append(cur_name)
-        resident = set(cache.resident())
-        for name in order + sorted(resident):
-            if name in resident and name != preferred:
-                fallback = cache.get(name)
-                if fallback is not None:
-                    cache.set_active(name)
-                    return name, fallback, preferred, True, waited
-        cache.set_active("")
-        return "", None, preferred, True, waited  # nothing resident: the target decodes alone
+    def _carry_out(self, choice: Choice, current: str) -> Resolution:
+        return carry_out(choice, self.cache, wait=self._wait, current=current)
+
+    def _wait(self, name: str) -> float:
+        """Block until ``name`` is resident: the seconds waited (0.0 if its load failed: the cache records the
+        failure, and decoding goes on without it)."""
+        try:
+            _, waited = self.cache.wait_for(name)
+        except DraftLoadError:
+            return 0.0
+        return waited
 
     def close(self) -> None:
         self.cache.close()

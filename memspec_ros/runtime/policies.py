@@ -1,22 +1,26 @@
 """Draft-selection policies behind ONE interface, so the shared controller loop compares them fairly.
 
 At every scheduling point (every N iterations) the controller asks the policy for
-a :class:`Choice`: which draft it would like to run (``preferred``), how that
-draft should reach fast memory (``load``), and optionally a ranking of all drafts.
-The controller then does the same thing for every policy: update the cache, block
-or not, and run the preferred draft if it is resident, else the best resident
-fallback. After the interval it reports the iterations back (``observe``).
+a :class:`~runtime.choice.Choice`: which draft it would like to run (``preferred``),
+whether decoding blocks until that draft is resident (``block``), what the cache
+does meanwhile (``cache_action``: nothing, request the draft, or prefetch the
+ranking's top K), in which order to fall back while it is not resident
+(``fallback``), and optionally a ranking of all drafts. The controller carries
+out every policy's Choice the same way (runtime/choice.py's ``carry_out``).
+After the interval it reports the iterations back (``observe``).
 
-Load modes:
+The policies' three ways, each a function here that fills in the whole Choice:
 
-* ``wait``: block until the preferred draft is resident (General/Oracle-Static's
+* :func:`wait_choice`: block until the preferred draft is resident (General/Oracle-Static's
   one load, MAB-Sync, Prediction-Only). The wait is recorded as load wait time.
-* ``request``: load the preferred draft in the background, evicting the
+* :func:`request_choice`: load the preferred draft in the background, evicting the
   lowest-scored other draft; decode meanwhile on the current draft (MAB-Async).
-* ``prefetch``: hand the whole ranking to the cache (Algorithm 2: W = top-K), run
+* :func:`prefetch_choice`: hand the whole ranking to the cache (Algorithm 2: W = top-K), run
   the best RESIDENT draft, never wait (MemSpec, Oracle-next-interval).
 
-Oracle-Dynamic uses ``prefetch`` and ``wait`` as its schedule says (runtime/oracle.py:
+Every policy's first draft blocks, whatever its way (Algorithm 3, line 3: the initial
+draft is loaded before decoding starts); the three functions see to it at interval 0.
+Oracle-Dynamic prefetches and waits as its schedule says (runtime/oracle.py:
 the best schedule under the same K and measured costs, by dynamic programming).
 
 With K = 1 the non-blocking policies (memspec, mab-async, oracle-next-interval) keep
@@ -42,6 +46,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .choice import CACHE_NONE, CACHE_PREFETCH, CACHE_REQUEST, Choice
 from .oracle import LOAD, RESIDENT, START, WAIT, GreedyOracle, ScheduleAction, ScheduleSolver
 from .predictor import PredictionContext, Ranker
 from .stats import IterationStats
@@ -52,7 +57,6 @@ PAPER_POLICIES = ("general-static", "oracle-static", "mab-sync", "mab-async", "p
 COST_AWARE = "memspec-cost-aware"  # beyond the paper: MemSpec whose switches and prefetches pay for themselves
 POLICIES = (*PAPER_POLICIES, "oracle-next-interval", COST_AWARE)
 ORACLE_POLICIES = ("oracle-static", "oracle-dynamic", "oracle-next-interval")
-LOAD_WAIT, LOAD_REQUEST, LOAD_PREFETCH = "wait", "request", "prefetch"
 
 
 class PolicyError(ValueError):
@@ -88,12 +92,35 @@ class SchedulingPoint:
     def viable(self) -> list[str]:
         return [d for d in self.candidates if d not in self.failed]
 
+    @property
+    def first(self) -> bool:
+        """The generation's first choice: its draft is loaded before decoding starts, blocking (Algorithm 3,
+        line 3), whatever the policy's way."""
+        return self.interval == 0
 
-@dataclass
-class Choice:
-    preferred: str  # "" = no draft (plain target decoding)
-    load: str = LOAD_WAIT
-    ranking: list[tuple[str, float]] | None = None  # best first; steers prefetch/eviction and fallback
+
+def _ranked_then_current(point: SchedulingPoint, ranking: list[tuple[str, float]] | None) -> tuple[str, ...]:
+    names = tuple(n for n, _ in ranking) if ranking else ()
+    return names + ((point.active,) if point.active and point.active not in names else ())
+
+
+def wait_choice(point: SchedulingPoint, preferred: str, ranking: list[tuple[str, float]] | None = None) -> Choice:
+    """Block until ``preferred`` is resident (its load evicts the lowest-scored draft of ``ranking``); should the
+    load fail, run the best resident draft by ``ranking``, then the current one."""
+    return Choice(preferred, block=True, fallback=_ranked_then_current(point, ranking), cache_action=CACHE_NONE,
+                  ranking=ranking)
+
+
+def request_choice(point: SchedulingPoint, preferred: str, ranking: list[tuple[str, float]]) -> Choice:
+    """Load ``preferred`` in the background and decode on the current draft meanwhile (then by ``ranking``)."""
+    fallback = ((point.active,) if point.active else ()) + tuple(n for n, _ in ranking)
+    return Choice(preferred, block=point.first, fallback=fallback, cache_action=CACHE_REQUEST, ranking=ranking)
+
+
+def prefetch_choice(point: SchedulingPoint, preferred: str, ranking: list[tuple[str, float]]) -> Choice:
+    """Hand ``ranking`` to the cache (W = top-K) and run the best resident draft by it, then the current one."""
+    return Choice(preferred, block=point.first, fallback=_ranked_then_current(point, ranking),
+                  cache_action=CACHE_PREFETCH, ranking=ranking)
 
 
 class DraftPolicy:
@@ -125,11 +152,11 @@ class GeneralStaticPolicy(DraftPolicy):
     def choose(self, point: SchedulingPoint) -> Choice:
         viable = point.viable
         if not viable:
-            return Choice("", LOAD_WAIT)
+            return wait_choice(point, "")
         if self.general_draft in viable:
-            return Choice(self.general_draft, LOAD_WAIT)
+            return wait_choice(point, self.general_draft)
         general = [d for d in viable if point.domains.get(d) == "general"]
-        return Choice(general[0] if general else viable[0], LOAD_WAIT)
+        return wait_choice(point, general[0] if general else viable[0])
 
 
 class OracleStaticPolicy(DraftPolicy):
@@ -148,10 +175,10 @@ class OracleStaticPolicy(DraftPolicy):
     def choose(self, point: SchedulingPoint) -> Choice:
         viable = point.viable
         if not viable:
-            return Choice("", LOAD_WAIT)
+            return wait_choice(point, "")
         if self._choice not in viable:
             self._choice = self._oracle.best_static(viable)
-        return Choice(self._choice, LOAD_WAIT)
+        return wait_choice(point, self._choice)
 
 
 class OracleDynamicPolicy(DraftPolicy):
@@ -178,7 +205,7 @@ class OracleDynamicPolicy(DraftPolicy):
     def choose(self, point: SchedulingPoint) -> Choice:
         viable = [d for d in point.viable if d in self._oracle.agreement]
         if not viable:
-            return Choice("", LOAD_PREFETCH, [])
+            return prefetch_choice(point, "", [])
         if self._solver is None or tuple(viable) != self._drafts:
             self._solver, self._drafts = ScheduleSolver.for_oracle(self._oracle, viable), tuple(viable)
         resident = frozenset(d for d in point.resident if d in viable)
@@ -193,23 +220,23 @@ class OracleDynamicPolicy(DraftPolicy):
         active = point.active if point.active in resident else ""
         action = self._solver.best_action((position, active, resident, loading))
         if action is None:  # nothing left to schedule
-            return Choice(active, LOAD_PREFETCH, [(active, 1.0)] if active else [])
-        return self._carry_out(action, point, resident, loading)
+            return prefetch_choice(point, active, [(active, 1.0)] if active else [])
+        return self._choice_for(action, point, resident, loading)
 
-    def _carry_out(self, action: ScheduleAction, point: SchedulingPoint, resident: frozenset,
-                   loading: tuple[str, int] | None) -> Choice:
-        """The controller's Choice that does what the schedule says (runtime/controller.py's _resolve)."""
+    def _choice_for(self, action: ScheduleAction, point: SchedulingPoint, resident: frozenset,
+                    loading: tuple[str, int] | None) -> Choice:
+        """The Choice that does what the schedule says (carried out by runtime/choice.py's carry_out)."""
         keep = sorted((resident | ({loading[0]} if loading else set())) - set(action.evict) - {action.run})
         ranking = [(action.run, 3.0)] + ([(action.prefetch, 2.0)] if action.prefetch else []) + [(d, 1.0) for d in keep]
         if action.kind == WAIT or (action.kind == RESIDENT and action.run not in point.resident):
             self._loading = None  # waiting for it (also a load the model thought was done)
-            return Choice(action.run, LOAD_WAIT, ranking)
+            return wait_choice(point, action.run, ranking)
         if action.kind == LOAD:  # blocking load: set_scores + wait_for evict the lowest-scored draft
-            return Choice(action.run, LOAD_WAIT, ranking + [(v, 0.0) for v in action.evict])
+            return wait_choice(point, action.run, ranking + [(v, 0.0) for v in action.evict])
         assert action.kind in (START, RESIDENT)
         if action.prefetch:
             self._loading = (action.prefetch, point.interval)
-        return Choice(action.run, LOAD_PREFETCH, ranking)
+        return prefetch_choice(point, action.run, ranking)
 
 
 class OracleNextIntervalPolicy(DraftPolicy):
@@ -231,15 +258,13 @@ class OracleNextIntervalPolicy(DraftPolicy):
     def choose(self, point: SchedulingPoint) -> Choice:
         viable = point.viable
         if not viable:
-            return Choice("", LOAD_PREFETCH, [])
+            return prefetch_choice(point, "", [])
         ranking = self._oracle.ranking_at(len(point.generated_ids) if point.interval else 1, viable)
-        return Choice(ranking[0][0], LOAD_PREFETCH, ranking)
+        return prefetch_choice(point, ranking[0][0], ranking)
 
 
 class _UCB1(DraftPolicy):
     """UCB1 with per-arm counts (not BanditSpec's shared count), each arm tried once first."""
-
-    load = LOAD_WAIT
 
     def __init__(self, c: float = 2.0) -> None:
         self.c = c
@@ -258,7 +283,7 @@ class _UCB1(DraftPolicy):
     def choose(self, point: SchedulingPoint) -> Choice:
         arms = point.viable
         if not arms:
-            return Choice("", self.load, [])
+            return self.arm_choice(point, "", [])
         total = sum(self.pulls.get(a, 0) for a in arms)
         scores = {a: self.ucb(a, total) for a in arms}
         untried = [a for a in arms if self.pulls.get(a, 0) == 0]
@@ -269,7 +294,11 @@ class _UCB1(DraftPolicy):
         finite = {a: (s if math.isfinite(s) else 1e9) for a, s in scores.items()}
         finite[best] = max(finite.values()) + 1.0
         ranking = sorted(finite.items(), key=lambda p: -p[1])
-        return Choice(best, self.load, ranking)
+        return self.arm_choice(point, best, ranking)
+
+    def arm_choice(self, point: SchedulingPoint, arm: str, ranking: list[tuple[str, float]]) -> Choice:
+        """How the chosen arm reaches fast memory."""
+        raise NotImplementedError
 
     def observe(self, draft: str, iterations: Sequence[IterationStats]) -> None:
         spec = [it for it in iterations if it.proposed > 0 and it.draft == draft]
@@ -284,14 +313,18 @@ class MABSyncPolicy(_UCB1):
     """UCB1 that blocks to load its choice (MAB-Sync)."""
 
     name = "mab-sync"
-    load = LOAD_WAIT
+
+    def arm_choice(self, point: SchedulingPoint, arm: str, ranking: list[tuple[str, float]]) -> Choice:
+        return wait_choice(point, arm, ranking)
 
 
 class MABAsyncPolicy(_UCB1):
     """UCB1 whose non-resident choice loads in the background while the current draft keeps decoding (MAB-Async)."""
 
     name = "mab-async"
-    load = LOAD_REQUEST
+
+    def arm_choice(self, point: SchedulingPoint, arm: str, ranking: list[tuple[str, float]]) -> Choice:
+        return request_choice(point, arm, ranking)
 
 
 class _Predicted(DraftPolicy):
@@ -322,8 +355,8 @@ class PredictionOnlyPolicy(_Predicted):
     def choose(self, point: SchedulingPoint) -> Choice:
         ranking = [p for p in self.ranking(point) if p[0] in point.viable]
         if not ranking:
-            return Choice("", LOAD_WAIT, [])
-        return Choice(ranking[0][0], LOAD_WAIT, ranking)
+            return wait_choice(point, "", [])
+        return wait_choice(point, ranking[0][0], ranking)
 
 
 class MemSpecPolicy(_Predicted):
@@ -334,8 +367,8 @@ class MemSpecPolicy(_Predicted):
     def choose(self, point: SchedulingPoint) -> Choice:
         ranking = [p for p in self.ranking(point) if p[0] in point.viable]
         if not ranking:
-            return Choice("", LOAD_PREFETCH, [])
-        return Choice(ranking[0][0], LOAD_PREFETCH, ranking)
+            return prefetch_choice(point, "", [])
+        return prefetch_choice(point, ranking[0][0], ranking)
 
 
 class CostAwareMemSpecPolicy(_Predicted):
@@ -415,7 +448,7 @@ class CostAwareMemSpecPolicy(_Predicted):
     def choose(self, point: SchedulingPoint) -> Choice:
         ranking = [p for p in self.ranking(point) if p[0] in point.viable]
         if not ranking:
-            return Choice("", LOAD_PREFETCH, [])
+            return prefetch_choice(point, "", [])
         resident = [d for d, _ in ranking if d in point.resident]
         for d in [d for d in self._asked if d in resident]:
             self._load_points.append(point.interval - self._asked.pop(d))
@@ -426,7 +459,7 @@ class CostAwareMemSpecPolicy(_Predicted):
             self._kv[active] = self._prompt_len + len(point.generated_ids) - 1
         if point.interval == 0 or not active or not self._iterations:
             self._ask([d for d, _ in ranking[1:2] if d not in point.resident], point.interval)
-            return Choice(ranking[0][0], LOAD_PREFETCH, ranking)  # MemSpec's choice: nothing measured yet
+            return prefetch_choice(point, ranking[0][0], ranking)  # MemSpec's choice: nothing measured yet
         values = self.values(point, dict(ranking))
         worth = sorted((d for d, v in values.items() if v > 0), key=lambda d: -values[d])
         preferred = worth[0] if worth else active
@@ -440,7 +473,7 @@ class CostAwareMemSpecPolicy(_Predicted):
         fill = [d for d, _ in ranking if d not in point.resident]
         order = list(dict.fromkeys([preferred, best_resident, active, *others, *fill]))
         self._ask([preferred] if preferred not in point.resident else [], point.interval)
-        return Choice(preferred, LOAD_PREFETCH, [(d, float(len(order) - i)) for i, d in enumerate(order)])
+        return prefetch_choice(point, preferred, [(d, float(len(order) - i)) for i, d in enumerate(order)])
 
     def _ask(self, drafts: Sequence[str], interval: int) -> None:
         """Note when each draft's prefetch was asked for (earlier asks for other drafts lapse)."""

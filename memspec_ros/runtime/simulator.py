@@ -3,10 +3,11 @@
 Under greedy decoding the output does not depend on the draft, so one recorded trace per prompt
 (the target's greedy continuation and every draft's agreement with it, :class:`oracle.GreedyOracle`)
 says how many tokens any draft gets accepted from any position. The simulator runs the controller's
-loop (runtime/controller.py's ``_run`` and ``_resolve``) over such a trace in virtual time: the
-SAME :class:`~runtime.policies.DraftPolicy` objects choose at every scheduling point, a
+loop (runtime/controller.py's ``_run``) over such a trace in virtual time: the SAME
+:class:`~runtime.policies.DraftPolicy` objects choose at every scheduling point, the SAME
+:func:`~runtime.choice.carry_out` carries out their choices on a
 :class:`SimCache` with the draft cache's rules (runtime/cache.py: K slots, W = top-K, lowest-scored
-eviction, the active draft protected, ONE loader thread) holds the drafts, and every piece of time
+eviction, the active draft protected, ONE loader thread), and every piece of time
 comes from a :class:`CostModel` measured on real runs (verify per proposal count, draft forward per
 token, catch-up per token fed, scheduling-point work per policy, prefill per prompt token, each
 draft's load through the storage medium). Each simulated generation is a real
@@ -33,8 +34,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .cache import normalise_ranking
+from .choice import Choice, Resolution, carry_out
 from .oracle import GreedyOracle, ScheduleCosts
-from .policies import LOAD_PREFETCH, LOAD_REQUEST, LOAD_WAIT, Choice, DraftPolicy, SchedulingPoint
+from .policies import DraftPolicy, SchedulingPoint
 from .predictor import PredictionEngine, recent_window
 from .stats import GenerationStats, GenerationTotals, IterationStats
 
@@ -436,41 +438,17 @@ class _Clock:
         return self.now
 
 
-def _resolve(cache: SimCache, clock: _Clock, choice: Choice, *, initial: bool = False,
-             current: str = "") -> tuple[str, str, bool, float]:
-    """runtime/controller.py's ``_resolve`` on the simulated cache: (draft to run, preferred, fallback?, waited).
+def _carry_out(cache: SimCache, clock: _Clock, choice: Choice, current: str = "") -> Resolution:
+    """runtime/choice.py's ``carry_out`` on the simulated cache: a blocking wait advances the clock, so the
+    cache sees the load done afterwards."""
 
-    A blocking wait advances the clock, so the cache sees the load done afterwards."""
-    preferred, waited = choice.preferred, 0.0
-    if choice.load != LOAD_PREFETCH and choice.ranking:
-        cache.set_scores(choice.ranking)
-    if preferred and (choice.load == LOAD_WAIT or initial) and not cache.is_resident(preferred):
-        cache.set_active("")
-        waited = cache.wait_for(preferred)
+    def wait(name: str) -> float:
+        waited = cache.wait_for(name)
         if waited > 0:
             clock.now += waited + EPSILON  # past the load's end, float rounding aside
-    if choice.load == LOAD_PREFETCH and choice.ranking is not None:
-        cache.update(choice.ranking, active=current if current in cache.resident() else None)
-    elif choice.load == LOAD_REQUEST and preferred and not cache.is_available(preferred):
-        cache.request(preferred, active=current or None)
-    if preferred and cache.get(preferred) is not None:
-        cache.set_active(preferred)
-        return preferred, preferred, False, waited
-    if not preferred:
-        cache.set_active("")
-        return "", "", False, waited
-    order = [n for n, _ in choice.ranking] if choice.ranking else []
-    if choice.load == LOAD_REQUEST and current:
-        order = [current] + order
-    elif current and current not in order:
-        order.append(current)
-    resident = set(cache.resident())
-    for name in order + sorted(resident):
-        if name in resident and name != preferred and cache.get(name) is not None:
-            cache.set_active(name)
-            return name, preferred, True, waited
-    cache.set_active("")
-    return "", preferred, True, waited
+        return waited
+
+    return carry_out(choice, cache, wait=wait, current=current)
 
 
 class Simulator:
@@ -509,7 +487,8 @@ class Simulator:
         choice = policy.choose(point_at(0, 0, ""))
         stats.predictions += 1
         clock.now += costs.setup_seconds.get(policy.name, 0.0)
-        active, preferred, fallback, _ = _resolve(cache, clock, choice, initial=True)
+        first = _carry_out(cache, clock, choice)  # the first draft: the choice blocks for it
+        active, preferred, fallback = first.draft, first.preferred, first.fallback
         stats.setup_seconds = clock.now
         clock.now += costs.prefill(len(prompt))
         stats.prefill_seconds = clock.now - stats.setup_seconds
@@ -527,8 +506,9 @@ class Simulator:
                 stats.predictions += 1
                 work = costs.point_seconds.get(policy.name, 0.0)
                 clock.now += work
-                active, preferred, fallback, waited = _resolve(cache, clock, choice, current=active)
-                pending_point, pending_wait = work, waited
+                resolution = _carry_out(cache, clock, choice, current=active)
+                active, preferred, fallback = resolution.draft, resolution.preferred, resolution.fallback
+                pending_point, pending_wait = work, resolution.waited
             remaining = cfg.max_new_tokens - position
             proposed = min(cfg.gamma, remaining - 1) if active else 0
             it = IterationStats(draft=active if proposed > 0 else "", proposed=max(0, proposed), accepted=0,

@@ -1,0 +1,115 @@
+"""What a policy decides at a scheduling point (:class:`Choice`), and carrying it out (:func:`carry_out`).
+
+A policy (runtime/policies.py) owns its behaviour: its Choice names the draft it prefers, whether
+decoding blocks until that draft is resident, what the cache does meanwhile, and in which order to
+fall back while the preferred draft is not resident. :func:`carry_out` does just that, the same way
+for every policy, on the real draft cache (runtime/controller.py) and on the simulator's cache in
+virtual time (runtime/simulator.py); it returns a :class:`Resolution`: what runs next, and why.
+
+Cache actions:
+
+* ``none``: the cache is left as it is; the ranking's scores only steer which draft a blocking load
+  evicts (General/Oracle-Static, MAB-Sync, Prediction-Only).
+* ``request``: load the preferred draft in the background, evicting the lowest-scored other draft
+  (MAB-Async).
+* ``prefetch``: hand the whole ranking to the cache (Algorithm 2: W = top-K), which loads and evicts
+  in the background (MemSpec, Oracle-next-interval, Oracle-Dynamic's prefetches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .cache import Ranking
+
+CACHE_NONE, CACHE_REQUEST, CACHE_PREFETCH = "none", "request", "prefetch"
+CACHE_ACTIONS = (CACHE_NONE, CACHE_REQUEST, CACHE_PREFETCH)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A policy's decision at one scheduling point."""
+
+    preferred: str  # "" = no draft (plain target decoding)
+    block: bool = True  # wait until ``preferred`` is resident before decoding on
+    fallback: tuple[str, ...] = ()  # what runs while ``preferred`` is not resident, first resident one wins
+    cache_action: str = CACHE_NONE  # one of CACHE_ACTIONS
+    ranking: list[tuple[str, float]] | None = None  # best first: the cache's scores (eviction) and prefetch order
+
+    def __post_init__(self) -> None:
+        if self.cache_action not in CACHE_ACTIONS:
+            raise ValueError(f"cache_action must be one of {', '.join(CACHE_ACTIONS)}, got {self.cache_action!r}")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What a carried-out Choice runs: ``draft`` ("" = the target alone) and its ``model`` (the cache's handle),
+    the ``preferred`` draft, whether ``draft`` is a ``fallback`` for it, and the seconds a blocking load ``waited``."""
+
+    draft: str
+    model: Any
+    preferred: str
+    fallback: bool
+    waited: float
+
+
+class ChoiceCache(Protocol):
+    """What :func:`carry_out` needs of a draft cache (runtime/cache.py's DraftCacheManager, simulator.py's SimCache)."""
+
+    def resident(self) -> list[str]: ...
+
+    def is_resident(self, name: str) -> bool: ...
+
+    def is_available(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> Any: ...
+
+    def set_scores(self, ranking: Ranking) -> None: ...
+
+    def set_active(self, name: str) -> None: ...
+
+    def update(self, ranking: Ranking, active: str | None = None) -> list[str]: ...
+
+    def request(self, name: str, active: str | None = None) -> bool: ...
+
+
+def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float], current: str = "") -> Resolution:
+    """Do what ``choice`` says on ``cache`` and pick the draft that runs until the next scheduling point.
+
+    ``current``: the draft that ran the last interval ("" none), protected from eviction while it may go on
+    decoding. ``wait(name)``: block until ``name`` is resident and return the seconds waited (0.0 if its load
+    failed: the cache records the failure and decoding goes on without it).
+
+    In order: the ranking's scores (unless the cache action is a prefetch, which sets them itself); the
+    blocking load, with no draft active so the idle current one may make room; the cache action; then the
+    preferred draft if resident, else the first resident draft of ``choice.fallback``, else any other resident
+    draft (by name), else the target alone. Nothing here waits but the blocking load.
+    """
+    preferred, waited = choice.preferred, 0.0
+    if choice.cache_action != CACHE_PREFETCH and choice.ranking:
+        cache.set_scores(choice.ranking)  # on-demand loads evict the policy's lowest-scored draft
+    if preferred and choice.block and not cache.is_resident(preferred):
+        cache.set_active("")  # the idle current draft may be evicted to make room
+        waited = wait(preferred)
+    if choice.cache_action == CACHE_PREFETCH and choice.ranking is not None:
+        cache.update(choice.ranking, active=current if current in cache.resident() else None)
+    elif choice.cache_action == CACHE_REQUEST and preferred and not cache.is_available(preferred):
+        cache.request(preferred, active=current or None)
+    if not preferred:
+        cache.set_active("")
+        return Resolution("", None, "", False, waited)
+    model = cache.get(preferred)
+    if model is not None:
+        cache.set_active(preferred)
+        return Resolution(preferred, model, preferred, False, waited)
+    resident = set(cache.resident())
+    for name in [*choice.fallback, *sorted(resident)]:
+        if name in resident and name != preferred:
+            model = cache.get(name)
+            if model is not None:
+                cache.set_active(name)
+                return Resolution(name, model, preferred, True, waited)
+    cache.set_active("")
+    return Resolution("", None, preferred, True, waited)  # nothing resident: the target decodes alone

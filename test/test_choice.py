@@ -1,0 +1,101 @@
+"""A policy's Choice says whether to block and in which order to fall back; carry_out does just that.
+
+The Choices come from the real policies; they are carried out on the simulator's cache in virtual time,
+so nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from memspec_ros.runtime.choice import CACHE_NONE, CACHE_PREFETCH, CACHE_REQUEST, Choice, carry_out
+from memspec_ros.runtime.oracle import ScheduleCosts
+from memspec_ros.runtime.policies import POLICIES, SchedulingPoint, make_policy, request_choice, wait_choice
+from memspec_ros.runtime.predictor import FixedRanker
+from memspec_ros.runtime.simulator import PromptTrace, SimCache
+
+DRAFTS = ["general", "code", "math"]
+PROMPT = [1, 2, 3, 4]
+BLOCKING = {"general-static", "oracle-static", "mab-sync", "prediction-only"}
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def point(interval: int, active: str = "", resident: tuple[str, ...] = ()) -> SchedulingPoint:
+    generated = list(range(5 * interval))
+    return SchedulingPoint(interval=interval, prompt_ids=PROMPT, generated_ids=generated, recent_ids=generated[-8:],
+                           candidates=list(DRAFTS), domains={d: d for d in DRAFTS}, resident=list(resident),
+                           active=active, max_new_tokens=40)
+
+
+def policies():
+    trace = PromptTrace("w", PROMPT, list(range(40)), {d: [i % (2 + k) > 0 for i in range(40)]
+                                                     for k, d in enumerate(DRAFTS)})
+    oracle = trace.oracle(40, 4, 2, ScheduleCosts(capacity=2, iteration_seconds=1.0, catchup_seconds=0.1,
+                                                  load_seconds=dict.fromkeys(DRAFTS, 0.5)))
+    ranker = FixedRanker(lambda context: {"code": 0.6, "math": 0.3, "general": 0.1})
+    for name in POLICIES:
+        yield name, make_policy(name, predictor=ranker, oracle_for=lambda ids: oracle)
+
+
+def test_every_policys_first_draft_blocks_and_later_ones_only_if_the_policy_blocks():
+    for name, policy in policies():
+        policy.start(PROMPT)
+        first = policy.choose(point(0))
+        assert first.block and first.preferred, name  # Algorithm 3, line 3: whatever the policy's way
+        later = policy.choose(point(1, "general", ("general",)))
+        if name in BLOCKING:
+            assert later.block and later.cache_action == CACHE_NONE, name
+        elif name in ("memspec", "oracle-next-interval", "mab-async"):
+            assert not later.block, name
+            assert later.cache_action == (CACHE_REQUEST if name == "mab-async" else CACHE_PREFETCH), name
+        if later.preferred != "general":
+            assert "general" in later.fallback, name  # the current draft is always a fallback
+
+
+def test_mab_async_decodes_on_the_current_draft_while_its_choice_loads():
+    clock = Clock()
+    cache = SimCache(2, lambda name: 1.0, clock)
+    cache.request("math")
+    clock.now = 2.0
+    ranking = [("code", 3.0), ("general", 2.0), ("math", 1.0)]
+    cache.request("general")
+    clock.now = 4.0
+    assert sorted(cache.resident()) == ["general", "math"]
+    choice = request_choice(point(1, active="math", resident=("general", "math")), "code", ranking)
+    assert choice.fallback[0] == "math" and not choice.block
+    resolution = carry_out(choice, cache, wait=pytest.fail, current="math")
+    # math goes on although general ranks above it; code loads in the background in general's slot
+    assert (resolution.draft, resolution.preferred, resolution.fallback, resolution.waited) == ("math", "code", True,
+                                                                                               0.0)
+    assert cache.is_available("code") and not cache.is_available("general")
+
+
+def test_a_blocking_choice_waits_for_its_draft_and_runs_it():
+    clock = Clock()
+    cache = SimCache(1, lambda name: 1.5, clock)
+    waits = []
+
+    def wait(name: str) -> float:
+        waited = cache.wait_for(name)
+        waits.append(name)
+        clock.now += waited + 1e-9
+        return waited
+
+    choice = wait_choice(point(2, active=""), "code", [("code", 1.0), ("math", 0.5)])
+    resolution = carry_out(choice, cache, wait=wait)
+    assert waits == ["code"] and resolution.waited == pytest.approx(1.5)
+    assert (resolution.draft, resolution.fallback, resolution.model) == ("code", False, "code")
+
+
+def test_no_draft_means_the_target_alone_and_a_bad_cache_action_is_refused():
+    cache = SimCache(2, lambda name: 1.0, Clock())
+    resolution = carry_out(Choice("", block=True), cache, wait=pytest.fail)
+    assert (resolution.draft, resolution.model, resolution.fallback) == ("", None, False)
+    with pytest.raises(ValueError, match="cache_action"):
+        Choice("code", cache_action="wait")

@@ -98,6 +98,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
     from rclpy.parameter import Parameter
 
     from ..ros.node import EXECUTOR_THREADS, MemSpecNode
+    from ..runtime.chat import prompt_ids
     from ..runtime.speculative import SamplingConfig
 
     context = Context()
@@ -138,9 +139,14 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
                 raise RuntimeError(f"{got['error']}: {node.last_rejection}")
             return {"tps": got["tps"], "e2e": got["tokens"] / got["wall"], "tokens": got["tokens"], "text": got["text"]}
 
+        system_prompt = node.get_parameter("generation.system_prompt").value
+
         def direct(prompt: str) -> dict:
             t0 = time.perf_counter()
-            out = controller.generate(prompt, max_new_tokens, SamplingConfig())
+            # the token ids the goal callback makes of a prompt-only goal (chat template and system prompt
+            # where the tokenizer has one), so both sides decode the same request to the same end of turn
+            ids = prompt_ids(node.loaded.tokenizer, prompt, system_prompt=system_prompt)
+            out = controller.generate(ids, max_new_tokens, SamplingConfig())
             wall = time.perf_counter() - t0
             return {"tps": out.stats.tokens_per_second, "e2e": out.stats.completion_tokens / wall,
                     "tokens": out.stats.completion_tokens, "text": out.text.replace("\x00", "")}

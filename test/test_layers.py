@@ -97,19 +97,34 @@ def test_no_module_imports_from_a_layer_above():
     assert not unexpected, "imports from a higher layer:\n" + "\n".join(unexpected)
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def test_no_module_imports_another_modules_private_names():
-    """``from x import _name`` reaches into x: a name another module needs is public there."""
+    """``from x import _name`` reaches into x, and so does ``x._name`` on a project module imported as ``x``:
+    a name another module needs is public there."""
     found = []
     for path in _modules():
         package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
-            module = f"{base}.{node.module}" if base and node.module else (node.module or base)
-            if module.startswith("memspec_ros"):
-                found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {a.name} from {module}"
-                          for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+        tree = ast.parse(path.read_text(), str(path))
+        module_aliases = set()  # names bound to project modules (``from . import params as P``)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                module = f"{base}.{node.module}" if base and node.module else (node.module or base)
+                if module.startswith("memspec_ros"):
+                    found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {a.name} from {module}"
+                              for a in node.names if _private(a.name)]
+                    if (PACKAGE.parent / module.replace(".", "/")).is_dir():  # ``from pkg import module``
+                        module_aliases |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                module_aliases |= {a.asname or a.name.split(".")[0] for a in node.names
+                                   if a.name.startswith("memspec_ros")}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in module_aliases):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} uses {node.value.id}.{node.attr}")
     assert not found, "\n".join(found)
 
 

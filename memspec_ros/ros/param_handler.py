@@ -109,9 +109,9 @@ class ParameterHandler:
         if at_configure and lo is not None:
             raise Refused(f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded,"
                           f" state {self._node.lifecycle_state}): deactivate and cleanup, set it, then configure again")
-        changed = {n: P._plain(v) for n, v in new.items()}
+        changed = {n: P.plain_value(v) for n, v in new.items()}
         if any(n in P.PATH_PARAMS or n in P.REGISTRY_PARAMS for n in changed):  # model.allowed_roots
-            current = {n: P._plain(self._node.get_parameter(n).value) for n in P.REGISTRY_PARAMS}
+            current = {n: P.plain_value(self._node.get_parameter(n).value) for n in P.REGISTRY_PARAMS}
             reason = P.check_paths(P.paths_in_use(changed, current), P.allowed_roots(self._node))
             if reason:  # a path outside the roots, also one a registry file brought into use lists
                 raise Refused(reason)

@@ -230,15 +230,16 @@ def declare_all(node) -> None:
     for p in PARAMS:
         if not p.updater_declares:
             node.declare_parameter(p.name, p.default, p.descriptor())
-    _LAUNCH_ROOTS[node] = launch_roots({n: _plain(node.get_parameter(n).value) for n in PATH_PARAMS})
+    _LAUNCH_ROOTS[node] = launch_roots({n: plain_value(node.get_parameter(n).value) for n in PATH_PARAMS})
 
 
 def values(node) -> dict[str, Any]:
     """Current values by name (string arrays as lists)."""
-    return {p.name: _plain(node.get_parameter(p.name).value) for p in PARAMS}
+    return {p.name: plain_value(node.get_parameter(p.name).value) for p in PARAMS}
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
+    """A parameter value as plain Python: rclpy gives array parameters as array.array, comparisons need lists."""
     if isinstance(value, (list, tuple)) or type(value).__name__ == "array":
         return list(value)
     return value
@@ -249,7 +250,7 @@ def check_value(name: str, value: Any) -> str:
     p = BY_NAME.get(name)
     if p is None:
         return ""  # undeclared parameters are rclpy's business
-    value = _plain(value)
+    value = plain_value(value)
     if isinstance(p.default, bool) != isinstance(value, bool):
         return f"{name} must be a bool, got {value!r}"
     if isinstance(p.default, list):
@@ -371,7 +372,7 @@ def launch_roots(v: dict[str, Any]) -> list[Path]:
 def allowed_roots(node) -> list[Path]:
     """Where the node's path parameters may point: model.allowed_roots (or its default), plus the
     locations the node started with."""
-    configured = non_empty(_plain(node.get_parameter("model.allowed_roots").value))
+    configured = non_empty(plain_value(node.get_parameter("model.allowed_roots").value))
     roots = [Path(r) for r in configured] if configured else default_allowed_roots()
     return [_resolved(r.expanduser()) for r in roots] + list(_LAUNCH_ROOTS.get(node, []))
 

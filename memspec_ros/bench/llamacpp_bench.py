@@ -7,7 +7,10 @@ every method alike), the bench runs:
 * llama.cpp's ``llama-completion`` on the GGUF file itself, greedy (``--temp 0``);
 * this engine's target alone (one token per forward), on every forward path asked for;
 * this engine with speculation, on every path, with the prompt's own domain draft, at a fixed
-  gamma and with gamma chosen per iteration from measured costs (runtime/gamma_choice.py).
+  gamma and with gamma chosen per iteration from measured costs (runtime/gamma_choice.py);
+* llama.cpp's ``llama-speculative-simple`` (``--spec-type draft-simple``) at the same gamma, with
+  the prompt's domain draft exported once as a full-vocabulary GGUF (zoo/draft_gguf.py, cached
+  by the draft's digest), or with one ``--llamacpp-draft FILE.gguf`` for every prompt.
 
 Every throughput is the same quantity: tokens generated after the first, over the
 wall time of decoding them (prompt encoding excluded). llama.cpp reports it as
@@ -38,6 +41,8 @@ LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::bmm")
 _EVAL = re.compile(r"^\S*\s*\S*\s*common_perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
 _SPEC = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", re.M)
+_DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
+_ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
 
 
 class LlamaCppMissing(RuntimeError):
@@ -53,6 +58,8 @@ class LlamaCppBenchConfig:
     runs: int = 1
     llamacpp_bin: Path = LLAMACPP_BIN
     llamacpp_draft: Path | None = None  # a same-vocabulary draft GGUF for llama.cpp's speculative example
+    export_drafts: bool = True  # without llamacpp_draft: export each prompt's domain draft to a GGUF (cached)
+    draft_gguf_cache: Path | None = None  # where exported drafts are kept (None: draft_gguf.default_cache_dir())
 
 
 @dataclass
@@ -82,17 +89,72 @@ def run_llamacpp(bin_dir: Path, gguf: Path, prompt: str, new_tokens: int, thread
     return LlamaCppRun(text=done.stdout, decode_tps=runs / (ms / 1000) if ms > 0 else 0.0)
 
 
+@dataclass
+class LlamaCppSpecRun:
+    decode_tps: float
+    drafted: int  # draft tokens proposed
+    accepted: int  # of which the target accepted
+
+
+def run_llamacpp_speculative_stats(bin_dir: Path, gguf: Path, draft: Path, prompt: str, new_tokens: int,
+                                   threads: int, gamma: int) -> LlamaCppSpecRun:
+    """llama.cpp's speculative example with ``draft`` (greedy): decode tokens/s, drafted and accepted tokens.
+
+    This llama.cpp picks a speculation type from the draft GGUF only for MTP/DFlash sidecars: a plain
+    draft model needs ``--spec-type draft-simple`` (without it: "failed to initialize speculative decoding")."""
+    cmd = [str(llamacpp_program(bin_dir, "llama-speculative-simple")), "-m", str(gguf), "-md", str(draft),
+           "--spec-type", "draft-simple", "-p", prompt, "-n", str(new_tokens), "--temp", "0", "-t", str(threads),
+           "-tb", str(threads), "-c", "2048", "--spec-draft-n-max", str(gamma), "--seed", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    log = done.stderr + done.stdout
+    match = _SPEC.search(log)
+    if done.returncode != 0 or match is None:
+        errors = [line.strip() for line in done.stderr.splitlines() if re.search(r"\sE\s|error|failed", line)]
+        raise RuntimeError(f"llama-speculative-simple failed (exit {done.returncode}): "
+                           + (" | ".join(errors[-5:]) if errors else done.stderr[-800:]))
+    drafted, accepted = _DRAFTED.search(log), _ACCEPTED.search(log)
+    return LlamaCppSpecRun(decode_tps=int(match.group(1)) / float(match.group(2)),
+                           drafted=int(drafted.group(1)) if drafted else 0,
+                           accepted=int(accepted.group(1)) if accepted else 0)
+
+
 def run_llamacpp_speculative(bin_dir: Path, gguf: Path, draft: Path, prompt: str, new_tokens: int, threads: int,
                              gamma: int) -> float:
     """Decode tokens/s of llama.cpp's speculative example with ``draft`` (greedy)."""
-    cmd = [str(llamacpp_program(bin_dir, "llama-speculative-simple")), "-m", str(gguf), "-md", str(draft),
-           "-p", prompt, "-n", str(new_tokens), "--temp", "0", "-t", str(threads), "-tb", str(threads),
-           "-c", "2048", "--spec-draft-n-max", str(gamma), "--seed", "0"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    match = _SPEC.search(done.stderr + done.stdout)
-    if done.returncode != 0 or match is None:
-        raise RuntimeError(f"llama-speculative-simple failed (exit {done.returncode}): {done.stderr[-800:]}")
-    return int(match.group(1)) / float(match.group(2))
+    return run_llamacpp_speculative_stats(bin_dir, gguf, draft, prompt, new_tokens, threads, gamma).decode_tps
+
+
+def draft_dir_of(draft: torch.nn.Module) -> Path | None:
+    """The Hugging Face directory a loaded draft came from (``config._name_or_path``), if it is one."""
+    name = getattr(getattr(draft, "config", None), "_name_or_path", "") or ""
+    path = Path(name) if name else None
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def llamacpp_drafts(gguf: Path, drafts: dict[str, torch.nn.Module], domains: list[str], cfg: LlamaCppBenchConfig,
+                    draft_dirs: dict[str, Path] | None = None) -> tuple[dict[str, Path], dict[str, str]]:
+    """(domain -> draft GGUF for llama.cpp, domain -> why it has none) for the prompts' domains.
+
+    ``--llamacpp-draft`` serves every domain; otherwise each domain's draft is exported once
+    (zoo/draft_gguf.py: full vocabulary, the target's tokenizer) and cached by its digest."""
+    if cfg.llamacpp_draft:
+        return dict.fromkeys(domains, Path(cfg.llamacpp_draft)), {}
+    found: dict[str, Path] = {}
+    missing: dict[str, str] = {}
+    if not cfg.export_drafts:
+        return found, dict.fromkeys(domains, "draft export turned off")
+    from ..zoo.draft_gguf import DraftGGUFError, cached_draft_gguf
+
+    for domain in domains:
+        folder = (draft_dirs or {}).get(domain) or (draft_dir_of(drafts[domain]) if domain in drafts else None)
+        if folder is None:
+            missing[domain] = "no draft directory to export (no draft for this domain, or not loaded from a folder)"
+            continue
+        try:
+            found[domain] = cached_draft_gguf(folder, gguf, cfg.draft_gguf_cache)
+        except (DraftGGUFError, OSError, KeyError, ValueError) as exc:
+            missing[domain] = f"{folder} cannot be exported as a GGUF: {exc}"
+    return found, missing
 
 
 @torch.inference_mode()
@@ -127,24 +189,39 @@ def run_llamacpp_bench(
     eos_token_ids: list[int],
     decode: Callable[[list[int]], str],
     progress=None,
+    draft_dirs: dict[str, Path] | None = None,  # domain -> the draft's folder (default: where it was loaded from)
 ) -> dict:
     from ..runtime.speculative import generate
 
     vocab = int(next(iter(targets.values())).config.vocab_size)
-    spec_reason = "" if cfg.llamacpp_draft else (
-        "no same-vocabulary draft GGUF: the bundled drafts have reduced-vocabulary heads (draft_vocab.json),"
-        " which llama.cpp's speculative example cannot load; pass --llamacpp-draft FILE.gguf to run it")
+    domains = list(dict.fromkeys(p[0] for p in prompts))
+    try:
+        llamacpp_program(cfg.llamacpp_bin, "llama-speculative-simple")
+        spec_drafts, no_draft = llamacpp_drafts(gguf, drafts, domains, cfg, draft_dirs)
+        spec_reason = "" if spec_drafts else (
+            "no same-vocabulary draft GGUF: " + "; ".join(f"{d}: {why}" for d, why in no_draft.items())
+            + "; pass --llamacpp-draft FILE.gguf to run it")
+    except LlamaCppMissing as exc:
+        spec_drafts, no_draft, spec_reason = {}, {}, str(exc)
+    spec_info = None if spec_reason else {
+        "source": "--llamacpp-draft" if cfg.llamacpp_draft else "the prompt's domain draft, exported to a"
+        " full-vocabulary GGUF (memspec-zoo draft-gguf; ids outside its subset: the shared input row, a zero head row)",
+        "drafts": {d: str(p) for d, p in spec_drafts.items()}, "not_run_for": no_draft,
+        "program": "llama-speculative-simple --spec-type draft-simple", "gamma": cfg.gamma,
+        "metric": "decode tokens/s from its 'decoded N tokens in S seconds' (prompt encoding excluded)",
+    }
     result: dict = {"gguf": str(gguf), "paths": list(targets), "gamma": cfg.gamma, "max_new_tokens": cfg.max_new_tokens,
                     "prompts": len(prompts), "runs": cfg.runs, "metric": "decode tokens/s: tokens after the first"
                     " over their decoding wall time (prompt encoding excluded), median over prompts and runs",
-                    "llamacpp_speculative": None if spec_reason else {}, "llamacpp_speculative_reason": spec_reason,
+                    "llamacpp_speculative": spec_info, "llamacpp_speculative_reason": spec_reason,
                     "threads": {}}
     for threads in cfg.threads:
         torch.set_num_threads(threads)
         methods = ["llamacpp"] + [f"{p}:{kind}" for p in targets for kind in ("alone", "speculative", "adaptive")]
-        if cfg.llamacpp_draft:
+        if result["llamacpp_speculative"] is not None:
             methods.append("llamacpp_speculative")
         tally = {m: _Tally() for m in methods}
+        spec_counts = [0, 0]  # llama.cpp's drafted, accepted tokens
         identical = dict.fromkeys(targets, True)
         same_text = dict.fromkeys(targets, 0)
         # warm-up: lazy initialisation, kernel packing, and adaptive gamma's one-off forward timings
@@ -165,8 +242,18 @@ def run_llamacpp_bench(
                         llama_text = out.text
                         continue
                     if method == "llamacpp_speculative":
-                        tally[method].tps.append(run_llamacpp_speculative(
-                            cfg.llamacpp_bin, gguf, cfg.llamacpp_draft, text, cfg.max_new_tokens, threads, cfg.gamma))
+                        if domain not in spec_drafts or result["llamacpp_speculative"] is None:
+                            continue
+                        try:
+                            spec = run_llamacpp_speculative_stats(cfg.llamacpp_bin, gguf, spec_drafts[domain], text,
+                                                                  cfg.max_new_tokens, threads, cfg.gamma)
+                        except RuntimeError as exc:  # e.g. the draft refused: report llama.cpp's own words
+                            result["llamacpp_speculative"] = None
+                            result["llamacpp_speculative_reason"] = f"{spec_drafts[domain]}: {exc}"
+                            continue
+                        tally[method].tps.append(spec.decode_tps)
+                        spec_counts[0] += spec.drafted
+                        spec_counts[1] += spec.accepted
                         continue
                     path, kind = method.split(":")
                     draft = drafts.get(domain) if kind != "alone" else None
@@ -186,8 +273,12 @@ def run_llamacpp_bench(
                     progress.update(1)
         llama = statistics.median(tally["llamacpp"].tps)
         row: dict = {"llamacpp_tps": llama, "paths": {}}
-        if cfg.llamacpp_draft:
-            row["llamacpp_speculative_tps"] = statistics.median(tally["llamacpp_speculative"].tps)
+        if result["llamacpp_speculative"] is not None and tally.get("llamacpp_speculative", _Tally()).tps:
+            spec_tps = statistics.median(tally["llamacpp_speculative"].tps)
+            row["llamacpp_speculative_tps"] = spec_tps
+            row["llamacpp_speculative_vs_llamacpp"] = spec_tps / llama
+            row["llamacpp_speculative_drafted"], row["llamacpp_speculative_accepted"] = spec_counts
+            row["llamacpp_speculative_accept_rate"] = spec_counts[1] / spec_counts[0] if spec_counts[0] else 0.0
         for path, target in targets.items():
             alone = statistics.median(tally[f"{path}:alone"].tps)
             fixed = statistics.median(tally[f"{path}:speculative"].tps)

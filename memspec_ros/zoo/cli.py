@@ -5,6 +5,8 @@
     memspec-zoo build-toy [--stages corpora,tokenizer,...]   # the earlier 13 M trained-here target and its zoo
     memspec-zoo card            # latencies, perplexities, acceptance -> models/MODEL_CARD.md
     memspec-zoo gptq quantize|report [--json OUT]   # GPTQ INT4 of the target (GPT-QModel, in .venv-gptq)
+    memspec-zoo draft-gguf --draft models/drafts/general --out artifacts/drafts-gguf/general.gguf
+                                # a draft as a full-vocabulary GGUF for llama.cpp's speculative example
 """
 
 from __future__ import annotations
@@ -305,6 +307,23 @@ def _run_gptq(a, argv: list[str]) -> int:
     return cli(a, argv[argv.index("gptq") + 1:])
 
 
+def _draft_gguf_parser(sub) -> None:
+    from .chat_build import DEFAULT_TARGET
+
+    p = sub.add_parser("draft-gguf", help="a (reduced-vocabulary) draft as a full-vocabulary llama GGUF that"
+                                          " llama.cpp accepts as a draft for the target")
+    p.add_argument("--draft", required=True, help="draft directory (Hugging Face Llama, optional draft_vocab.json)")
+    p.add_argument("--out", required=True, help="the GGUF to write")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="target GGUF (file or pkg:<package>/<file>) whose tokenizer metadata is copied")
+
+
+def _run_draft_gguf(a) -> int:
+    from .draft_gguf import main_cli
+
+    return main_cli(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(
@@ -316,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     _acceptance_parser(sub)
     _card_parser(sub)
     _gptq_parser(sub)
+    _draft_gguf_parser(sub)
     a = ap.parse_args(argv)
     if a.cmd == "gptq":
         return _run_gptq(a, argv)
-    return {"build": _run_chat_build, "build-toy": _run_build, "acceptance": _run_acceptance, "card": _run_card}[a.cmd](
-        a
-    )
+    return {"build": _run_chat_build, "build-toy": _run_build, "acceptance": _run_acceptance, "card": _run_card,
+            "draft-gguf": _run_draft_gguf}[a.cmd](a)
 
 
 if __name__ == "__main__":

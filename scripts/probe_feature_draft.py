@@ -463,8 +463,8 @@ def step_train(a, out: Path) -> None:
     if ck.is_file() and meta_path.is_file():
         draft.load_state_dict(load_file(str(ck)))
         meta = json.loads(meta_path.read_text())
-        if (out / "optim.pt").is_file():
-            opt.load_state_dict(torch.load(out / "optim.pt", weights_only=True))
+        if (out / "optim.safetensors").is_file():
+            load_optimizer(draft, opt, out / "optim.safetensors")
         log(f"resuming at step {meta['step']} ({meta['elapsed_s'] / 60:.1f} min done)")
     budget = a.train_minutes * 60
     if meta["elapsed_s"] >= budget:
@@ -550,8 +550,27 @@ def save_ckpt(draft, opt, meta, out: Path) -> None:
 
     save_file({k: v.detach().contiguous() for k, v in draft.state_dict().items()}, str(out / "draft.tmp"))
     (out / "draft.tmp").replace(out / "draft.safetensors")
-    torch.save(opt.state_dict(), out / "optim.pt")
+    # the optimizer state flattened into safetensors, as zoo/train.py checkpoints it: nothing is unpickled
+    names = {param: name for name, param in draft.named_parameters()}
+    save_file({f"{names[param]}.{key}": (value.reshape(-1) if value.dim() == 0 else value).detach().contiguous()
+               for param, state in opt.state.items() for key, value in state.items() if torch.is_tensor(value)},
+              str(out / "optim.tmp"))
+    (out / "optim.tmp").replace(out / "optim.safetensors")
     (out / "train_meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def load_optimizer(draft, opt, path: Path) -> None:
+    """AdamW's per-parameter state (step, exp_avg, exp_avg_sq) back from :func:`save_ckpt`'s safetensors."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    for name, param in draft.named_parameters():
+        state = {key: tensors[f"{name}.{key}"] for key in ("step", "exp_avg", "exp_avg_sq")
+                 if f"{name}.{key}" in tensors}
+        if "step" in state:
+            state["step"] = state["step"].reshape(())
+        if state:
+            opt.state[param] = state
 
 
 # ----------------------------------------------------------------------------------------------- eval

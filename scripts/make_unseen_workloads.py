@@ -46,6 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from memspec_ros.zoo import corpora
+from memspec_ros.zoo.chat_workloads import public_functions
 from memspec_ros.zoo.corpora import CorpusConfig, is_prose, read_text_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,29 +147,14 @@ _EXPLAIN = ("What does this Python code do? Walk me through it.\n\n```python\n{s
 
 def code_candidates() -> Iterator[tuple[str, str, str]]:
     """(source id, file, request) over public functions of the installed networkx package."""
-    root = os.path.join(SITE, "networkx")
     skip = re.compile(r"(^|/)(tests|__pycache__|drawing|readwrite)(/|$)")
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        rel = os.path.relpath(path, SITE)
-        if skip.search(rel):
-            continue
-        text = read_text_file(path) or ""
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
-            continue
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node) or ""
-            first = norm(doc.split("\n\n")[0])
-            src = ast.get_source_segment(text, node) or ""
-            sid = f"site-packages:{rel}:{node.name}"
-            if len(src) <= MAX_QUOTE and random.Random(sid + "#kind").random() < 0.5:
-                yield sid, rel, pick(sid, _EXPLAIN).format(src=src)
-            elif 40 <= len(first) <= 400:
-                sig = f"{node.name}({', '.join(a.arg for a in node.args.args)})"
-                yield sid, rel, pick(sid, _WRITE).format(sig=sig, doc=first)
+    for rel, node, first, src in public_functions(os.path.join(SITE, "networkx"), skip, rel_to=SITE):
+        sid = f"site-packages:{rel}:{node.name}"
+        if len(src) <= MAX_QUOTE and random.Random(sid + "#kind").random() < 0.5:
+            yield sid, rel, pick(sid, _EXPLAIN).format(src=src)
+        elif 40 <= len(first) <= 400:
+            sig = f"{node.name}({', '.join(a.arg for a in node.args.args)})"
+            yield sid, rel, pick(sid, _WRITE).format(sig=sig, doc=first)
 
 
 _MATH = ("Explain the mathematics in this passage and work through one small example:\n\n{q}",

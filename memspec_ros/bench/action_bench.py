@@ -18,7 +18,6 @@ The claim to check: action / direct >= 0.97.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
                      threads: int = 1, feedback_period: float = 0.1, policy: str = "memspec",
                      predictor: str = "", domain_id: int | None = None, progress=None) -> dict:
 
-    from ..ros.demo import claim_domain_id
+    from ..ros.demo import isolated_domain
     from ..testing.tiny_zoo import build_tiny_zoo
 
     note = ""
@@ -52,19 +51,8 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
         zoo = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_bench_zoo_")))
     texts = workload_prompts(Path(__file__).resolve().parents[2] / "models" / "workloads"
                              if not (zoo / "workloads").is_dir() else zoo / "workloads", prompts)
-    if domain_id is None:
-        domain_id, _lock = claim_domain_id()
-    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")}
-    os.environ["ROS_DOMAIN_ID"] = str(domain_id)  # read by rclpy.init and the client process
-    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
-    try:
+    with isolated_domain(domain_id):  # read by rclpy.init and the client process
         rows = _pairs(zoo, texts, runs, max_new_tokens, threads, feedback_period, policy, predictor, progress)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
     def med(path: str, key: str) -> float:
         return statistics.median(r[path][key] for r in rows)

@@ -74,6 +74,26 @@ def _draft_load(args, names, result) -> dict | None:
     return storage.summary(storage.take_records(), iteration)
 
 
+
+def _write_json(result: dict, path: str | None) -> str:
+    """``result`` as indented JSON; also written to ``path`` (its folder made) when one is given."""
+    text = json.dumps(result, indent=2)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+    return text
+
+
+def _quiet_transformers() -> None:
+    """No transformers progress bar per model load: one line per draft load would bury the bench's own bar."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def cmd_engine(args) -> int:
     from tqdm import tqdm
 
@@ -88,10 +108,7 @@ def cmd_engine(args) -> int:
     data = asdict(result)
     data["forward_paths"] = getattr(args, "forward_paths", None)
     data["storage"] = _draft_load(args, names, result)
-    text = json.dumps(data, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    text = _write_json(data, args.json)
     print(text)
     print(
         f"\nengine {result.engine_tps:.1f} tok/s | HF assisted {_num(result.hf_assisted_tps, '.1f')} | "
@@ -157,10 +174,7 @@ def cmd_llamacpp(args) -> int:
     with tqdm(total=len(cfg.threads) * cfg.runs * len(prompts), desc="llama.cpp bench", unit="prompt") as bar:
         result = run_llamacpp_bench(gguf, targets, drafts, prompts, cfg, eos, tokenizer.decode, progress=bar)
     result["draft_quantization"] = args.draft_quantization
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    text = _write_json(result, args.json)
     print(text)
     for threads, row in result["threads"].items():
         print(f"\n{threads} thread(s): llama.cpp {row['llamacpp_tps']:.1f} tok/s")
@@ -183,21 +197,13 @@ def cmd_action(args) -> int:
 
     from .action_bench import run_action_bench
 
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # one line per draft load would bury the progress bar
-    except ImportError:
-        pass
+    _quiet_transformers()
     zoo = Path(args.zoo) if args.zoo else None
     with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar:
         result = run_action_bench(zoo, prompts=args.prompts, runs=args.runs, max_new_tokens=args.max_new_tokens,
                                   threads=args.threads, feedback_period=args.feedback_period, policy=args.policy,
                                   predictor=args.predictor or "", progress=bar)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    _write_json(result, args.json)
     if result["note"]:
         print(result["note"], file=sys.stderr)
     print(
@@ -220,12 +226,7 @@ def cmd_soak(args) -> int:
 
     from .soak_bench import CI, LONG, RSS_GROWTH_LIMIT, run_soak, summary
 
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    _quiet_transformers()
     config = LONG if args.long else CI
     changes = {k: v for k, v in (("goals", args.goals), ("bursts", args.bursts), ("storm_rounds", args.storm_rounds),
                                  ("threads", args.threads)) if v is not None}
@@ -234,10 +235,7 @@ def cmd_soak(args) -> int:
     with tqdm(total=config.goals, desc="soak (sequential goals)", unit="goal") as bar:
         result = run_soak(zoo, config, progress=bar)
     result["mode"] = "long" if args.long else "ci"
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    _write_json(result, args.json)
     if result["note"]:
         print(result["note"], file=sys.stderr)
     print(summary(result))
@@ -276,10 +274,8 @@ def cmd_policies(args) -> int:
             result = run_policy_bench(zoo, cfg, predictor, progress=bar)
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"memspec-bench policies: {exc}") from None
-    text = json.dumps(result, indent=2)
+    text = _write_json(result, args.json)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
         plot_policy_bench(result, Path(args.json).with_suffix(".png"))
     print(text)
     names = result["config"]["policies"]

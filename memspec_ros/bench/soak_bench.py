@@ -127,7 +127,7 @@ def largest_draft_in_memory(node) -> int:
 def run_soak(zoo: Path | None, config: SoakConfig = CI, *, domain_id: int | None = None,
              progress=None) -> dict:
     """The soak on ``zoo`` (None or no registry: a generated tiny zoo); returns the figures (see the module)."""
-    from ..ros.demo import claim_domain_id
+    from ..ros.demo import isolated_domain
     from ..testing.tiny_zoo import build_tiny_zoo
 
     note = ""
@@ -135,19 +135,8 @@ def run_soak(zoo: Path | None, config: SoakConfig = CI, *, domain_id: int | None
         note = f"no zoo at {zoo}: generated tiny zoo"
         zoo = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_soak_zoo_")), hidden=64, layers=2,
                              draft_layers=2)
-    if domain_id is None:
-        domain_id, _lock = claim_domain_id()
-    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")}
-    os.environ["ROS_DOMAIN_ID"] = str(domain_id)  # read by rclpy.init and the client process
-    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
-    try:
+    with isolated_domain(domain_id):  # read by rclpy.init and the client process
         result = _soak(zoo, config, progress)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     result.update(zoo=str(zoo), note=note, config=asdict(config))
     return result
 

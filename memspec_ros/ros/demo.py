@@ -15,6 +15,7 @@ runs on a generated tiny zoo instead, so the ROS path can still be seen (the tex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +50,28 @@ def claim_domain_id() -> tuple[int, object]:
         except OSError:
             handle.close()
     raise RuntimeError("no free ROS_DOMAIN_ID in 150..229: set MEMSPEC_DEMO_DOMAIN_ID")
+
+
+@contextlib.contextmanager
+def isolated_domain(domain_id: int | None = None) -> Iterator[int]:
+    """ROS_DOMAIN_ID set to ``domain_id`` (or a free one, :func:`claim_domain_id`) and discovery kept on this
+    host, for rclpy.init in this process and the processes it starts; the environment is restored on exit."""
+    lock = None
+    if domain_id is None:
+        domain_id, lock = claim_domain_id()
+    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")}
+    os.environ["ROS_DOMAIN_ID"] = str(domain_id)
+    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    try:
+        yield domain_id
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if lock is not None:
+            lock.close()
 
 
 def demo_prompt(zoo: Path) -> str:

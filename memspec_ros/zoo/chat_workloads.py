@@ -93,11 +93,13 @@ def _ask(asks: tuple[str, ...], rid: str) -> str:
 # --------------------------------------------------------------------------- code
 
 
-def _stdlib_functions(cfg: CorpusConfig) -> Iterator[tuple[str, str, str, str]]:
-    """(id, signature, first docstring paragraph, source) of public stdlib functions."""
-    skip = re.compile(r"(^|/)(test|tests|idlelib|site-packages|lib2to3|__pycache__|turtledemo|encodings)(/|$)")
-    for path in sorted(glob.glob(os.path.join(cfg.stdlib_dir, "**", "*.py"), recursive=True)):
-        rel = os.path.relpath(path, cfg.stdlib_dir)
+def public_functions(root: str, skip: re.Pattern[str], rel_to: str | None = None,
+                     ) -> Iterator[tuple[str, ast.FunctionDef, str, str]]:
+    """(file path relative to ``rel_to`` (default ``root``), function node, first docstring paragraph with its
+    whitespace collapsed, source) of every public module-level function in the .py files under ``root``, in
+    sorted path order; files whose relative path matches ``skip``, unreadable or unparsable ones are left out."""
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(path, rel_to or root)
         if skip.search(rel):
             continue
         text = read_text_file(path)
@@ -108,14 +110,17 @@ def _stdlib_functions(cfg: CorpusConfig) -> Iterator[tuple[str, str, str, str]]:
         except (SyntaxError, ValueError):
             continue
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node) or ""
-            first = " ".join(doc.split("\n\n")[0].split())
-            if not 30 <= len(first) <= 400:
-                continue
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                first = " ".join((ast.get_docstring(node) or "").split("\n\n")[0].split())
+                yield rel, node, first, ast.get_source_segment(text, node) or ""
+
+
+def _stdlib_functions(cfg: CorpusConfig) -> Iterator[tuple[str, str, str, str]]:
+    """(id, signature, first docstring paragraph, source) of public stdlib functions."""
+    skip = re.compile(r"(^|/)(test|tests|idlelib|site-packages|lib2to3|__pycache__|turtledemo|encodings)(/|$)")
+    for rel, node, first, source in public_functions(cfg.stdlib_dir, skip):
+        if 30 <= len(first) <= 400:
             args = ", ".join(a.arg for a in node.args.args)
-            source = ast.get_source_segment(text, node) or ""
             yield f"code:{rel}:{node.name}", f"{node.name}({args})", first, source
 
 

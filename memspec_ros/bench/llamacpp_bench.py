@@ -96,7 +96,7 @@ class LlamaCppSpecRun:
     accepted: int  # of which the target accepted
 
 
-def run_llamacpp_speculative_stats(bin_dir: Path, gguf: Path, draft: Path, prompt: str, new_tokens: int,
+def run_llamacpp_speculative(bin_dir: Path, gguf: Path, draft: Path, prompt: str, new_tokens: int,
                                    threads: int, gamma: int) -> LlamaCppSpecRun:
     """llama.cpp's speculative example with ``draft`` (greedy): decode tokens/s, drafted and accepted tokens.
 
@@ -116,12 +116,6 @@ def run_llamacpp_speculative_stats(bin_dir: Path, gguf: Path, draft: Path, promp
     return LlamaCppSpecRun(decode_tps=int(match.group(1)) / float(match.group(2)),
                            drafted=int(drafted.group(1)) if drafted else 0,
                            accepted=int(accepted.group(1)) if accepted else 0)
-
-
-def run_llamacpp_speculative(bin_dir: Path, gguf: Path, draft: Path, prompt: str, new_tokens: int, threads: int,
-                             gamma: int) -> float:
-    """Decode tokens/s of llama.cpp's speculative example with ``draft`` (greedy)."""
-    return run_llamacpp_speculative_stats(bin_dir, gguf, draft, prompt, new_tokens, threads, gamma).decode_tps
 
 
 def draft_dir_of(draft: torch.nn.Module) -> Path | None:
@@ -245,7 +239,7 @@ def run_llamacpp_bench(
                         if domain not in spec_drafts or result["llamacpp_speculative"] is None:
                             continue
                         try:
-                            spec = run_llamacpp_speculative_stats(cfg.llamacpp_bin, gguf, spec_drafts[domain], text,
+                            spec = run_llamacpp_speculative(cfg.llamacpp_bin, gguf, spec_drafts[domain], text,
                                                                   cfg.max_new_tokens, threads, cfg.gamma)
                         except RuntimeError as exc:  # e.g. the draft refused: report llama.cpp's own words
                             result["llamacpp_speculative"] = None

@@ -308,8 +308,9 @@ def _is_head(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ("lm_head", "embed_out", "output")
 
 
-def apply_path(model: torch.nn.Module, path: str) -> PathReport:
-    """Replace ``model``'s ``nn.Linear`` layers in place by ``path``'s modules."""
+def apply_path(model: torch.nn.Module, path: str, compact_embedding: bool = True) -> PathReport:
+    """Replace ``model``'s ``nn.Linear`` layers in place by ``path``'s modules, and (``compact_embedding``) its
+    token embedding by a :class:`Q8Embedding` where the table is exactly on that grid."""
     check_path(path)
     report = PathReport(path)
     if path == "fp32":
@@ -329,7 +330,7 @@ def apply_path(model: torch.nn.Module, path: str) -> PathReport:
         report.converted += 1
         if _is_head(full_name):
             report.head = kind.__name__
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embeddings = model.get_input_embeddings() if compact_embedding and hasattr(model, "get_input_embeddings") else None
     if type(embeddings) is torch.nn.Embedding:
         compact = Q8Embedding.exact_from(embeddings.weight)
         if compact is not None:  # its fp32 table (the head's, when tied) is freed: the head was converted above

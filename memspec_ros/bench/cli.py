@@ -177,11 +177,16 @@ def cmd_llamacpp(args) -> int:
     text = _write_json(result, args.json)
     print(text)
     for threads, row in result["threads"].items():
-        print(f"\n{threads} thread(s): llama.cpp {row['llamacpp_tps']:.1f} tok/s")
+        extra = "".join(f" | {name} {row[name + '_tps']:.1f} ({row[name + '_vs_llamacpp']:.2f}x)"
+                        for name in ("llamacpp_lookup", "llamacpp_speculative") if name + "_tps" in row)
+        print(f"\n{threads} thread(s): llama.cpp {row['llamacpp_tps']:.1f} tok/s{extra}")
         for path, p in row["paths"].items():
             print(f"  {path:5s} alone {p['target_alone_tps']:6.1f} ({p['target_alone_vs_llamacpp']:.2f}x)"
                   f" | speculative fixed {p['speculative_fixed_gamma_tps']:6.1f} (E[A] {p['mean_accepted']:.2f})"
-                  f" adaptive {p['speculative_adaptive_gamma_tps']:6.1f} ({p['speculative_vs_llamacpp']:.2f}x best)"
+                  f" adaptive {p['speculative_adaptive_gamma_tps']:6.1f}"
+                  f" | lookup alone {p['lookup_alone_tps']:6.1f}, beside the draft"
+                  f" {p['speculative_adaptive_lookup_tps']:6.1f} ({p['lookup_share']:.0%} copied)"
+                  f" | best {p['speculative_vs_llamacpp']:.2f}x ({p['speculative_method']})"
                   f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
                   f" t_verify {p['forward']['verify_ms']:.1f} ms matmul share {p['forward']['matmul_share']:.0%}")
         print(

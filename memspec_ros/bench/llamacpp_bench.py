@@ -8,9 +8,13 @@ every method alike), the bench runs:
 * this engine's target alone (one token per forward), on every forward path asked for;
 * this engine with speculation, on every path, with the prompt's own domain draft, at a fixed
   gamma and with gamma chosen per iteration from measured costs (runtime/gamma_choice.py);
+* this engine with proposals copied from the context (runtime/lookup.py): alone (no draft model),
+  and beside the domain draft with adaptive gamma, which picks per iteration whichever is expected
+  to commit more per millisecond;
 * llama.cpp's ``llama-speculative-simple`` (``--spec-type draft-simple``) at the same gamma, with
   the prompt's domain draft exported once as a full-vocabulary GGUF (zoo/draft_gguf.py, cached
-  by the draft's digest), or with one ``--llamacpp-draft FILE.gguf`` for every prompt.
+  by the draft's digest), or with one ``--llamacpp-draft FILE.gguf`` for every prompt;
+* the same program's own context lookup (``--spec-type ngram-simple``), which needs no draft.
 
 Every throughput is the same quantity: tokens generated after the first, over the
 wall time of decoding them (prompt encoding excluded). llama.cpp reports it as
@@ -36,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.lookup import LookupConfig
+
 LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"
 # the ATen kernels that do a forward's matrix multiplies on each path
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::bmm")
@@ -43,6 +49,10 @@ _EVAL = re.compile(r"^\S*\s*\S*\s*common_perf_print:\s+eval time =\s*([\d.]+) ms
 _SPEC = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", re.M)
 _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
+# this engine's ways to decode, per forward path: the target alone, a draft at fixed and adaptive gamma,
+# copies from the context alone, and copies beside the draft (adaptive gamma chooses per iteration)
+KINDS = ("alone", "speculative", "adaptive", "lookup", "adaptive_lookup")
+_DRAFTED_KINDS = ("speculative", "adaptive", "adaptive_lookup")
 
 
 class LlamaCppMissing(RuntimeError):
@@ -96,15 +106,20 @@ class LlamaCppSpecRun:
     accepted: int  # of which the target accepted
 
 
-def run_llamacpp_speculative(bin_dir: Path, gguf: Path, draft: Path, prompt: str, new_tokens: int,
+def run_llamacpp_speculative(bin_dir: Path, gguf: Path, draft: Path | None, prompt: str, new_tokens: int,
                                    threads: int, gamma: int) -> LlamaCppSpecRun:
-    """llama.cpp's speculative example with ``draft`` (greedy): decode tokens/s, drafted and accepted tokens.
+    """llama.cpp's speculative example (greedy) with ``draft``, or without one its n-gram lookup from the
+    context (``ngram-simple``: the last 2 tokens looked up, up to gamma copied, as our context lookup's
+    shortest match): decode tokens/s, drafted and accepted tokens.
 
     This llama.cpp picks a speculation type from the draft GGUF only for MTP/DFlash sidecars: a plain
     draft model needs ``--spec-type draft-simple`` (without it: "failed to initialize speculative decoding")."""
-    cmd = [str(llamacpp_program(bin_dir, "llama-speculative-simple")), "-m", str(gguf), "-md", str(draft),
-           "--spec-type", "draft-simple", "-p", prompt, "-n", str(new_tokens), "--temp", "0", "-t", str(threads),
-           "-tb", str(threads), "-c", "2048", "--spec-draft-n-max", str(gamma), "--seed", "0"]
+    kind = (["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(gamma)] if draft is not None
+            else ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(LookupConfig().min_ngram),
+                  "--spec-ngram-simple-size-m", str(gamma)])
+    cmd = [str(llamacpp_program(bin_dir, "llama-speculative-simple")), "-m", str(gguf), *kind,
+           "-p", prompt, "-n", str(new_tokens), "--temp", "0", "-t", str(threads),
+           "-tb", str(threads), "-c", "2048", "--seed", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     log = done.stderr + done.stdout
     match = _SPEC.search(log)
@@ -211,11 +226,13 @@ def run_llamacpp_bench(
                     "threads": {}}
     for threads in cfg.threads:
         torch.set_num_threads(threads)
-        methods = ["llamacpp"] + [f"{p}:{kind}" for p in targets for kind in ("alone", "speculative", "adaptive")]
+        methods = ["llamacpp", "llamacpp_lookup"] + [f"{p}:{kind}" for p in targets for kind in KINDS]
         if result["llamacpp_speculative"] is not None:
             methods.append("llamacpp_speculative")
         tally = {m: _Tally() for m in methods}
-        spec_counts = [0, 0]  # llama.cpp's drafted, accepted tokens
+        spec_counts = {"llamacpp_speculative": [0, 0], "llamacpp_lookup": [0, 0]}  # drafted, accepted tokens
+        copied = dict.fromkeys(targets, 0)  # adaptive_lookup iterations whose proposals were copies
+        iterations = dict.fromkeys(targets, 0)
         identical = dict.fromkeys(targets, True)
         same_text = dict.fromkeys(targets, 0)
         # warm-up: lazy initialisation, kernel packing, and adaptive gamma's one-off forward timings
@@ -235,54 +252,72 @@ def run_llamacpp_bench(
                         tally[method].tps.append(out.decode_tps)
                         llama_text = out.text
                         continue
-                    if method == "llamacpp_speculative":
-                        if domain not in spec_drafts or result["llamacpp_speculative"] is None:
+                    if method in spec_counts:
+                        if method == "llamacpp_speculative" and (
+                                domain not in spec_drafts or result["llamacpp_speculative"] is None):
                             continue
+                        if method == "llamacpp_lookup" and "llamacpp_lookup_failed" in result:
+                            continue
+                        draft_gguf = spec_drafts[domain] if method == "llamacpp_speculative" else None
                         try:
-                            spec = run_llamacpp_speculative(cfg.llamacpp_bin, gguf, spec_drafts[domain], text,
-                                                                  cfg.max_new_tokens, threads, cfg.gamma)
+                            spec = run_llamacpp_speculative(cfg.llamacpp_bin, gguf, draft_gguf, text,
+                                                            cfg.max_new_tokens, threads, cfg.gamma)
                         except RuntimeError as exc:  # e.g. the draft refused: report llama.cpp's own words
-                            result["llamacpp_speculative"] = None
-                            result["llamacpp_speculative_reason"] = f"{spec_drafts[domain]}: {exc}"
+                            if method == "llamacpp_lookup":
+                                result["llamacpp_lookup_failed"] = str(exc)
+                            else:
+                                result["llamacpp_speculative"] = None
+                                result["llamacpp_speculative_reason"] = f"{draft_gguf}: {exc}"
                             continue
                         tally[method].tps.append(spec.decode_tps)
-                        spec_counts[0] += spec.drafted
-                        spec_counts[1] += spec.accepted
+                        spec_counts[method][0] += spec.drafted
+                        spec_counts[method][1] += spec.accepted
                         continue
                     path, kind = method.split(":")
-                    draft = drafts.get(domain) if kind != "alone" else None
+                    draft = drafts.get(domain) if kind in _DRAFTED_KINDS else None
                     session = generate(targets[path], ids, draft, draft_name=domain, gamma=cfg.gamma,
                                        max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_token_ids,
-                                       adaptive_gamma=kind == "adaptive")
+                                       adaptive_gamma=kind.startswith("adaptive"),
+                                       lookup=LookupConfig() if kind.endswith("lookup") else None)
                     tally[method].tps.append(session.stats.tokens_per_second)
                     if kind != "alone":
                         tally[method].accepted.append(session.stats.mean_accepted)
+                    if kind == "adaptive_lookup":
+                        copied[path] += session.stats.lookup_iterations
+                        iterations[path] += len(session.stats.iterations)
                     outputs[method] = session.generated_ids
                 for path in targets:
-                    identical[path] &= (
-                        outputs[f"{path}:speculative"] == outputs[f"{path}:adaptive"] == outputs[f"{path}:alone"]
-                    )
+                    identical[path] &= all(outputs[f"{path}:{kind}"] == outputs[f"{path}:alone"] for kind in KINDS)
                     same_text[path] += decode(outputs[f"{path}:alone"]).strip() == llama_text.strip()
                 if progress is not None:
                     progress.update(1)
         llama = statistics.median(tally["llamacpp"].tps)
         row: dict = {"llamacpp_tps": llama, "paths": {}}
-        if result["llamacpp_speculative"] is not None and tally.get("llamacpp_speculative", _Tally()).tps:
-            spec_tps = statistics.median(tally["llamacpp_speculative"].tps)
-            row["llamacpp_speculative_tps"] = spec_tps
-            row["llamacpp_speculative_vs_llamacpp"] = spec_tps / llama
-            row["llamacpp_speculative_drafted"], row["llamacpp_speculative_accepted"] = spec_counts
-            row["llamacpp_speculative_accept_rate"] = spec_counts[1] / spec_counts[0] if spec_counts[0] else 0.0
+        for name, (drafted, accepted) in spec_counts.items():
+            if not tally.get(name, _Tally()).tps:
+                continue
+            spec_tps = statistics.median(tally[name].tps)
+            row[f"{name}_tps"] = spec_tps
+            row[f"{name}_vs_llamacpp"] = spec_tps / llama
+            row[f"{name}_drafted"], row[f"{name}_accepted"] = drafted, accepted
+            row[f"{name}_accept_rate"] = accepted / drafted if drafted else 0.0
         for path, target in targets.items():
             alone = statistics.median(tally[f"{path}:alone"].tps)
             fixed = statistics.median(tally[f"{path}:speculative"].tps)
             adaptive = statistics.median(tally[f"{path}:adaptive"].tps)
-            spec = max(fixed, adaptive)
+            with_lookup = statistics.median(tally[f"{path}:adaptive_lookup"].tps)
+            spec_by = {"fixed gamma": fixed, "adaptive gamma": adaptive, "adaptive gamma + context lookup": with_lookup}
+            spec_method = max(spec_by, key=spec_by.get)
+            spec = spec_by[spec_method]
             row["paths"][path] = {
                 "target_alone_tps": alone,
                 "speculative_fixed_gamma_tps": fixed,
                 "speculative_adaptive_gamma_tps": adaptive,
+                "speculative_adaptive_lookup_tps": with_lookup,
+                "lookup_alone_tps": statistics.median(tally[f"{path}:lookup"].tps),
+                "lookup_share": copied[path] / iterations[path] if iterations[path] else 0.0,
                 "speculative_tps": spec,
+                "speculative_method": spec_method,
                 "mean_accepted": statistics.fmean(tally[f"{path}:speculative"].accepted),
                 "adaptive_vs_fixed_gamma": adaptive / fixed,
                 "target_alone_vs_llamacpp": alone / llama,

@@ -162,6 +162,10 @@ PARAMS: tuple[Param, ...] = (
           "Choose each iteration's gamma in 0..memspec.gamma from measured forward costs and the draft's running"
           " acceptance (from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="adaptive_gamma"),
+    Param("memspec.context_lookup", False,
+          "Where the text's last tokens occurred before, propose the tokens that followed them (no draft"
+          " forward; verified like a draft's, so the output is unchanged) (from the next goal).",
+          AT_SCHEDULING_POINT, runtime_field="context_lookup"),
     Param("memspec.gamma", 4,
           "Draft tokens proposed per iteration (with adaptive_gamma: the most).",
           AT_SCHEDULING_POINT, int_range=LIMITS["gamma"], runtime_field="gamma"),

@@ -28,6 +28,7 @@ import torch
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
 from .choice import Choice, Resolution, carry_out
 from .gamma_choice import target_costs
+from .lookup import LookupConfig
 from .models import LoadedModel
 from .oracle import GreedyOracle
 from .policies import POLICIES, DraftPolicy, SchedulingPoint, make_policy
@@ -66,6 +67,7 @@ class RuntimeConfig:
     ucb_c: float = 2.0  # MAB exploration coefficient (the paper's best)
     reset_cache_per_generation: bool = False  # the paper's protocol; a robot keeps its cache warm
     adaptive_gamma: bool = False  # gamma per iteration (0..gamma) from measured costs (runtime/gamma_choice.py)
+    context_lookup: bool = False  # copy proposals from the context where its last tokens recur (runtime/lookup.py)
 
     def validate(self) -> RuntimeConfig:
         if self.policy not in POLICIES:
@@ -240,6 +242,7 @@ class RuntimeController:
                 self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,
                 max_positions=self.max_positions, adaptive_gamma=self.config.adaptive_gamma,
+                lookup=LookupConfig() if self.config.context_lookup else None,
             )
             return self._run(session, prompt_ids, should_cancel)
         finally:

@@ -113,19 +113,27 @@ class GammaChooser:
 
     max_gamma: int
     estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict)
-    _idle: int = 0  # iterations since the draft last proposed
+    _idle: dict[str, int] = field(default_factory=dict)  # per draft: iterations since it last proposed
 
-    def choose(self, costs: ForwardCosts, draft_name: str) -> int:
-        alpha = self.estimates.setdefault(draft_name, AcceptanceEstimate()).alpha
-        gamma = best_gamma(costs, alpha, self.max_gamma)
-        if gamma == 0:
-            self._idle += 1
-            if self._idle >= PROBE_EVERY:
-                self._idle = 0
+    def alpha(self, draft_name: str) -> float:
+        return self.estimates.setdefault(draft_name, AcceptanceEstimate()).alpha
+
+    def tokens_per_ms(self, costs: ForwardCosts, draft_name: str, gamma: int) -> float:
+        """Expected committed tokens per millisecond of an iteration proposing ``gamma`` of this draft's tokens."""
+        return expected_tokens(self.alpha(draft_name), gamma) / costs.iteration_ms(gamma)
+
+    def choose(self, costs: ForwardCosts, draft_name: str, limit: int | None = None) -> int:
+        """The best gamma in 0..min(limit, max_gamma); now and then 1 instead of 0, to keep alpha current."""
+        most = self.max_gamma if limit is None else min(limit, self.max_gamma)
+        gamma = best_gamma(costs, self.alpha(draft_name), most)
+        if gamma == 0 and most > 0:
+            idle = self._idle[draft_name] = self._idle.get(draft_name, 0) + 1
+            if idle >= PROBE_EVERY:
+                self._idle[draft_name] = 0
                 return 1
         return gamma
 
     def observe(self, draft_name: str, proposed: int, accepted: int) -> None:
         if proposed > 0:
-            self._idle = 0
+            self._idle[draft_name] = 0
         self.estimates.setdefault(draft_name, AcceptanceEstimate()).observe(proposed, accepted)

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .choice import CACHE_NONE, CACHE_PREFETCH, CACHE_REQUEST, Choice
+from .lookup import LOOKUP_DRAFT
 from .oracle import LOAD, RESIDENT, START, WAIT, GreedyOracle, ScheduleAction, ScheduleSolver
 from .predictor import PredictionContext, Ranker
 from .stats import IterationStats
@@ -412,7 +413,7 @@ class CostAwareMemSpecPolicy(_Predicted):
     def observe(self, draft: str, iterations: Sequence[IterationStats]) -> None:
         self._interval_length = max(self._interval_length, len(iterations))
         for it in iterations:
-            if it.proposed <= 0:
+            if it.proposed <= 0 or it.draft == LOOKUP_DRAFT:  # copies from the context say nothing of a draft
                 continue
             self._iterations += 1
             self._accepted += it.accepted

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .draft_forward import LeanLlamaForward, lean_forward_for
-from .gamma_choice import GammaChooser, measure_costs
+from .gamma_choice import ForwardCosts, GammaChooser, best_gamma, measure_costs, target_costs
+from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from .stats import GenerationStats, IterationStats
 
 FINISH_LENGTH = "length"
@@ -159,6 +160,7 @@ class _Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
     kv: _KVState | None = None
+    copied: bool = False  # copied from the context (runtime/lookup.py): q is one-hot on each token
 
 
 class _Stopwatch:
@@ -250,6 +252,7 @@ class SpeculativeSession:
         lean_drafts: bool = True,
         lean_target: bool = True,
         adaptive_gamma: bool = False,
+        lookup: LookupConfig | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -278,6 +281,11 @@ class SpeculativeSession:
         # adaptive: ``gamma`` is the most a draft may propose; each iteration picks 0..gamma from the
         # measured forward costs and the draft's running acceptance (runtime/gamma_choice.py)
         self._gamma_chooser = GammaChooser(gamma) if adaptive_gamma else None
+        # context lookup: where the text's last tokens occurred before, copy what followed them as the
+        # proposal (free); the draft proposes only where nothing matches or it is expected to do better
+        self._lookup = NgramIndex(lookup) if lookup is not None else None
+        if self._lookup is not None:
+            self._lookup.extend(self.prompt_ids)
         self.generator = torch.Generator(device=self.device)
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator.manual_seed(seed)
@@ -356,16 +364,24 @@ class SpeculativeSession:
         if self.finished:
             raise RuntimeError(f"the generation has finished ({self.finish_reason}); start a new session")
         remaining = self.max_new_tokens - len(self.generated_ids)
-        gamma = min(self._gamma_for(draft_name, draft), remaining - 1) if draft is not None else 0
+        with _Stopwatch() as lookup_watch:
+            copied = self._copied_proposal(remaining - 1, draft_name, draft)
+        if copied.tokens:
+            gamma, draft_name = len(copied.tokens), LOOKUP_DRAFT
+        else:
+            gamma = min(self._gamma_for(draft_name, draft), remaining - 1) if draft is not None else 0
         stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
-                               draft_seconds=0.0, verify_seconds=0.0)
-        proposal = self._propose(draft_name, draft, gamma, stats) if gamma > 0 else _Proposal()
+                               draft_seconds=lookup_watch.seconds if copied.tokens else 0.0, verify_seconds=0.0)
+        if copied.tokens:
+            proposal = copied
+        else:
+            proposal = self._propose(draft_name, draft, gamma, stats) if gamma > 0 else _Proposal()
         with _Stopwatch() as watch:
             logits = self._verify(proposal.tokens)
             accepted, extra = self._accept(logits, proposal)
         stats.verify_seconds = watch.seconds
         stats.proposed, stats.accepted = len(proposal.tokens), accepted
-        if self._gamma_chooser is not None and draft is not None:
+        if self._gamma_chooser is not None and (draft is not None or proposal.copied):
             self._gamma_chooser.observe(draft_name, len(proposal.tokens), accepted)
         stats.committed = self._commit_accepted(proposal, accepted, extra)
         self.stats.iterations.append(stats)
@@ -396,6 +412,25 @@ class SpeculativeSession:
         self._last_draft = draft_name
         return proposal
 
+    def _copied_proposal(self, most: int, draft_name: str, draft: torch.nn.Module | None) -> _Proposal:
+        """Tokens copied from the context (none when nothing matches, or, with adaptive gamma, when the
+        draft is expected to commit more per millisecond): up to ``most`` and gamma."""
+        if self._lookup is None or most < 1:
+            return _Proposal()
+        tokens, _ = self._lookup.propose(min(self.gamma, most))
+        chooser = self._gamma_chooser
+        if tokens and chooser is not None:
+            chooser.max_gamma = self.gamma
+            free = ForwardCosts(verify_ms=target_costs(self.target, self.gamma), draft_ms=0.0)
+            gamma = chooser.choose(free, LOOKUP_DRAFT, len(tokens))
+            if gamma and draft is not None:
+                costs = measure_costs(self.target, draft, self.gamma)
+                drafted = best_gamma(costs, chooser.alpha(draft_name), self.gamma)
+                if chooser.tokens_per_ms(costs, draft_name, drafted) > chooser.tokens_per_ms(free, LOOKUP_DRAFT, gamma):
+                    gamma = 0
+            tokens = tokens[:gamma]
+        return _Proposal(tokens=tokens, copied=True) if tokens else _Proposal()
+
     def _verify(self, proposals: list[int]) -> torch.Tensor:
         """The target scores the uncached committed tokens and every proposal in one forward."""
         feed = self.tokens[self._target_kv.length :] + proposals
@@ -410,7 +445,10 @@ class SpeculativeSession:
                 accepted += 1
             return accepted, choices[accepted]
         p = warp_probs(logits, self.sampling)
-        q = torch.stack(proposal.probs) if proposal.probs else p[:0]
+        if proposal.copied:
+            q = torch.nn.functional.one_hot(torch.tensor(proposal.tokens, device=p.device), p.shape[-1]).to(p.dtype)
+        else:
+            q = torch.stack(proposal.probs) if proposal.probs else p[:0]
         return speculative_accept(p, q, proposal.tokens, self.generator)
 
     def _commit_accepted(self, proposal: _Proposal, accepted: int, extra: int) -> int:
@@ -440,6 +478,8 @@ class SpeculativeSession:
             if len(self.generated_ids) >= self.max_new_tokens:
                 self._finish(FINISH_LENGTH)
                 break
+        if self._lookup is not None:
+            self._lookup.extend(new_tokens[:committed])
         delta, stopped = self._text.update(self.generated_ids, final=self.finished)
         if stopped and not self.finished:
             self._finish(FINISH_STOP)

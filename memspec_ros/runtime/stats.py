@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .lookup import LOOKUP_DRAFT
+
 BREAKDOWN = ("desired_draft", "fallback_draft", "prediction", "load_wait", "catchup", "verify", "other")
 
 
@@ -217,9 +219,15 @@ class GenerationStats:
         return seen
 
     @property
+    def lookup_iterations(self) -> int:
+        """Iterations whose proposals were copied from the context (runtime/lookup.py) instead of drafted."""
+        return sum(1 for it in self.iterations if it.draft == LOOKUP_DRAFT)
+
+    @property
     def draft_switches(self) -> int:
-        """Times the active draft changed between consecutive speculative iterations."""
-        names = [it.draft for it in self.speculative_iterations]
+        """Times the active draft model changed between consecutive drafted iterations (copies from the
+        context in between change nothing resident)."""
+        names = [it.draft for it in self.speculative_iterations if it.draft != LOOKUP_DRAFT]
         return sum(1 for a, b in zip(names, names[1:], strict=False) if a != b)
 
     # -- where the time went ------------------------------------------------
@@ -300,6 +308,7 @@ class GenerationStats:
             "iterations": len(self.iterations),
             "drafts_used": self.drafts_used,
             "draft_switches": self.draft_switches,
+            "lookup_iterations": self.lookup_iterations,
             "catchup_seconds": self.catchup_seconds,
             "catchup_tokens": self.catchup_tokens,
             "prediction_overhead": self.prediction_overhead,

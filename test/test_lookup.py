@@ -1,0 +1,156 @@
+"""Context lookup (runtime/lookup.py): the n-gram index finds what a full search finds, and proposals copied
+from the context leave the output the target's own, greedy and sampled, alone or beside a draft."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+from test_engine import _chi2_critical, _chi2_ok
+
+from memspec_ros.runtime.lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
+from memspec_ros.runtime.speculative import SamplingConfig, generate, warp_probs
+from memspec_ros.runtime.stats import GenerationStats, IterationStats
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
+
+
+def _searched(tokens: list[int], limit: int, config: LookupConfig) -> tuple[list[int], int]:
+    """The proposal by brute force: the longest suffix seen earlier, its latest earlier occurrence."""
+    for n in range(config.max_ngram, config.min_ngram - 1, -1):
+        if len(tokens) < n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + limit], n
+    return [], 0
+
+
+@pytest.mark.parametrize("config", [LookupConfig(), LookupConfig(1, 3), LookupConfig(3, 5)])
+def test_the_index_proposes_what_a_full_search_finds(config):
+    rng = random.Random(0)
+    index = NgramIndex(config)
+    tokens: list[int] = []
+    found = 0
+    for _ in range(400):
+        chunk = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]  # 6 ids: n-grams recur often
+        index.extend(chunk)
+        tokens += chunk
+        for limit in (1, 4):
+            got = index.propose(limit)
+            assert got == _searched(tokens, limit, config)
+            found += bool(got[0])
+    assert found > 100  # the comparison covered matches, not only misses
+    assert index.propose(0) == ([], 0)
+
+
+def test_a_suffix_seen_only_at_the_end_proposes_nothing():
+    index = NgramIndex(LookupConfig(2, 3))
+    index.extend([1, 2, 3, 4])
+    assert index.propose(4) == ([], 0)
+    index.extend([1, 2])  # "1 2" occurred before, followed by 3 4 1 2
+    assert index.propose(4) == ([3, 4, 1, 2], 2)
+
+
+@pytest.mark.parametrize("bad", [(0, 2), (3, 2), (2, 9)])
+def test_bad_ngram_bounds_are_rejected(bad):
+    with pytest.raises(ValueError, match="min_ngram"):
+        LookupConfig(*bad)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(vocab_size=24, seed=3)
+    return target, noisy_copy(target, 0.03, seed=4)
+
+
+# a prompt with repeats: the tiny model's answer soon repeats itself too, so copies are proposed
+PROMPT = [1, 5, 7, 9, 1, 5, 7, 2, 3]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 4, 8])
+@pytest.mark.parametrize("with_draft", [False, True])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_output_is_the_targets_own_with_copies(pair, gamma, with_draft, adaptive):
+    target, draft = pair
+    reference = generate(target, PROMPT, None, max_new_tokens=60).generated_ids
+    session = generate(target, PROMPT, draft if with_draft else None, draft_name="noisy", gamma=gamma,
+                       max_new_tokens=60, adaptive_gamma=adaptive, lookup=LookupConfig())
+    assert session.generated_ids == reference
+    copies = [it for it in session.stats.iterations if it.draft == LOOKUP_DRAFT]
+    assert copies and session.stats.lookup_iterations == len(copies)
+    assert all(0 < it.proposed <= gamma and it.accepted <= it.proposed for it in copies)
+    if not adaptive:  # fixed gamma: a match is always copied, and a copy this repetitive answer mostly keeps
+        assert sum(it.accepted for it in copies) > 0
+
+
+def test_sampled_output_keeps_the_targets_distribution_with_copies():
+    """Joint distribution of generated tokens 2-4 equals the target's exact one when proposals are copies
+    (one-hot q) from one-token matches, which a 5-token vocabulary gives in most generations."""
+    vocab = 5
+    target = tiny_llama(vocab_size=vocab, hidden=32, seed=7, init_range=0.3)
+    sampling = dict(temperature=0.8, top_p=0.9)
+    prompt = [1, 3, 1, 3]
+    first = generate(target, prompt, None, max_new_tokens=1,
+                     sampling=SamplingConfig(seed=0, **sampling)).generated_ids[0]
+    exact: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        for seq in product(range(vocab), repeat=3):
+            logits = target(torch.tensor([prompt + [first, *seq]])).logits[0]
+            prob = 1.0
+            for j, token in enumerate(seq):
+                prob *= float(warp_probs(logits[len(prompt) + j], SamplingConfig(**sampling))[token])
+            exact[seq] = prob
+    counts: Counter = Counter()
+    copied = n = 0
+    for seed in range(3000):
+        session = generate(target, prompt, None, gamma=2, max_new_tokens=4, lookup=LookupConfig(1, 2),
+                           sampling=SamplingConfig(seed=seed, **sampling))
+        ids = session.generated_ids
+        if ids[0] != first:
+            continue
+        counts[tuple(ids[1:])] += 1
+        n += 1
+        copied += session.stats.lookup_iterations > 0
+    assert n > 800 and copied > n // 2, (n, copied)  # most generations copied at least once
+    stat, dof = _chi2_ok(counts, exact, n)
+    assert stat < _chi2_critical(dof), (stat, dof)
+
+
+def test_the_controller_copies_losslessly_under_every_policy(pair):
+    from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+    from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
+    from memspec_ros.runtime.oracle import GreedyOracle
+    from memspec_ros.runtime.policies import POLICIES
+    from memspec_ros.runtime.predictor import FixedRanker
+    from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+
+    target, _ = pair
+    drafts = {"general": noisy_copy(target, 0.05, seed=1), "code": noisy_copy(target, 0.01, seed=2)}
+    reference = generate(target, PROMPT, None, max_new_tokens=40).generated_ids
+    oracle = GreedyOracle.compute(target, drafts, PROMPT, 40, gamma=4, interval=4)
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+    for policy, adaptive in product(POLICIES, (False, True)):
+        ctl = RuntimeController(
+            RuntimeConfig(policy=policy, context_lookup=True, adaptive_gamma=adaptive), target, None, registry,
+            FixedRanker(lambda context: ["code", "general"]), eos_token_ids=[], oracle_for=lambda p: oracle,
+            loader=lambda name: LoadedModel(drafts[name], ModelSpec(name), parameter_bytes(drafts[name]), 64, 512))
+        result = ctl.generate(PROMPT, 40)
+        assert result.token_ids == reference, (policy, adaptive)
+        assert result.stats.lookup_iterations > 0, (policy, adaptive)
+        assert result.stats.summary()["lookup_iterations"] == result.stats.lookup_iterations
+        ctl.close()
+
+
+def test_copies_are_not_draft_switches():
+    def it(draft: str) -> IterationStats:
+        return IterationStats(draft=draft, proposed=2, accepted=1, committed=2, draft_seconds=0.0,
+                              verify_seconds=0.001)
+
+    stats = GenerationStats(prompt_tokens=3)
+    stats.iterations = [it("code"), it(LOOKUP_DRAFT), it("code"), it(LOOKUP_DRAFT), it("math")]
+    assert stats.draft_switches == 1  # code -> math; the copies in between load and evict nothing
+    assert stats.lookup_iterations == 2

@@ -108,6 +108,13 @@ def test_engine_bench_takes_a_workload_folder_and_reports_the_draft_load(tmp_pat
     result = json.loads(out.read_text())
     assert result["prompts"] == 3 and result["outputs_identical"] is True
     assert result["storage"]["medium"] == "nvme" and result["storage"]["drafts"]["general"]["loads"] == 1
+    assert result["context_lookup"] is False and result["bound_fraction"] > 0
+    # with copies from the context beside the draft: still the target's own output, and no draft-cost bound
+    assert main(["engine", "--zoo", str(zoo), "--workloads-dir", str(folder), "--prompts", "3", "--runs", "1",
+                 "--max-new-tokens", "24", "--context-lookup", "--adaptive-gamma", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["context_lookup"] is True and result["outputs_identical"] is True
+    assert result["bound_tps"] is None and result["bound_fraction"] is None
 
 
 def test_time_breakdown_and_totals_follow_their_definitions():

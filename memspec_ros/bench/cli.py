@@ -101,12 +101,14 @@ def cmd_engine(args) -> int:
 
     cfg = EngineBenchConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, runs=args.runs,
                             prompts=args.prompts, threads=args.threads, draft=args.draft,
-                            lean_drafts=not args.transformers_draft_forward, adaptive_gamma=args.adaptive_gamma)
+                            lean_drafts=not args.transformers_draft_forward, adaptive_gamma=args.adaptive_gamma,
+                            context_lookup=args.context_lookup)
     target, draft, prompts, names = _engine_models(args)
     with tqdm(total=cfg.runs * len(prompts), desc="engine bench", unit="prompt") as bar:
         result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
     data = asdict(result)
     data["forward_paths"] = getattr(args, "forward_paths", None)
+    data["context_lookup"] = cfg.context_lookup
     data["storage"] = _draft_load(args, names, result)
     text = _write_json(data, args.json)
     print(text)
@@ -114,7 +116,9 @@ def cmd_engine(args) -> int:
         f"\nengine {result.engine_tps:.1f} tok/s | HF assisted {_num(result.hf_assisted_tps, '.1f')} | "
         f"autoregressive {result.autoregressive_tps:.1f} | ratio vs HF {_num(result.ratio_vs_hf, '.2f')} "
         f"(goal >= 1.2) | vs AR {result.ratio_vs_autoregressive:.2f} | E[A] {result.mean_accepted:.2f} | "
-        f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9) | identical {result.outputs_identical}"
+        + (f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9)" if result.bound_fraction is not None
+           else "no draft-cost bound (context lookup)")
+        + f" | identical {result.outputs_identical}"
         f" | draft forward: {result.draft_forward}"
     )
     return 0 if result.outputs_identical else 1
@@ -387,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--draft-quantization", default="none", help="draft forward path: none | int8 | int4")
     eng.add_argument("--adaptive-gamma", action="store_true",
                      help="choose gamma per iteration from measured costs (--gamma is then the most)")
+    eng.add_argument("--context-lookup", action="store_true",
+                     help="the engine also proposes tokens copied from the context (memspec.context_lookup)")
     _workloads_dir_argument(eng)
     _storage_argument(eng, "the draft's cold load is measured through it and reported beside one iteration")
     eng.add_argument("--transformers-draft-forward", action="store_true",

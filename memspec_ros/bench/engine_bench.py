@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from ..runtime.chat import end_token_ids
 from ..runtime.draft_forward import lean_forward_for, unsupported_reason
+from ..runtime.lookup import LookupConfig
 from ..runtime.speculative import KVState, forward_once, generate
 from ..runtime.stats import decode_tokens_per_second
 
@@ -37,6 +38,7 @@ class EngineBenchConfig:
     draft: str = "general"
     lean_drafts: bool = True  # the engine's lean draft forward (runtime/draft_forward.py) where it applies
     adaptive_gamma: bool = False  # gamma per iteration from measured costs (runtime/gamma_choice.py)
+    context_lookup: bool = False  # proposals copied from the context beside the draft (runtime/lookup.py)
     stop_at_end: bool = True  # every method stops at the target's end tokens (an instruct model's end of turn)
 
 
@@ -61,8 +63,8 @@ class EngineBenchResult:
     outputs_identical: bool
     t_draft_ms: float
     t_verify_ms: float
-    bound_tps: float
-    bound_fraction: float
+    bound_tps: float | None  # None with context lookup: copied proposals cost no draft forward, so no such bound
+    bound_fraction: float | None
     per_run: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -120,8 +122,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     identical = True
     # warm-up: first calls pay for allocation and lazy initialisation
     eos = end_token_ids(None, target) if cfg.stop_at_end else []
+    lookup = LookupConfig() if cfg.context_lookup else None
     generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8, lean_drafts=cfg.lean_drafts,
-             adaptive_gamma=cfg.adaptive_gamma)  # adaptive: its one-off forward timings happen here
+             adaptive_gamma=cfg.adaptive_gamma, lookup=lookup)  # adaptive: its one-off forward timings happen here
     if hf_can:
         _hf_generate(target, draft, prompts[0], 8, cfg.gamma, eos)
     for run in range(cfg.runs):
@@ -144,7 +147,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 else:
                     session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma,
                                        max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
-                                       adaptive_gamma=cfg.adaptive_gamma, eos_token_ids=eos)
+                                       adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, eos_token_ids=eos)
                     out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens
@@ -165,7 +168,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         decode_tps.append(decode_tokens_per_second(run_decode_tokens, run_decode_s))
     mean_accepted = statistics.fmean(accepted)
     t_draft, t_verify = statistics.median(draft_ms), statistics.median(verify_ms)
-    bound = (mean_accepted + 1) / ((cfg.gamma * t_draft + t_verify) / 1000)
+    bound = None if cfg.context_lookup else (mean_accepted + 1) / ((cfg.gamma * t_draft + t_verify) / 1000)
     med = {m: statistics.median(v) for m, v in per_run.items()}
     engine_decode = statistics.median(decode_tps)
     return EngineBenchResult(
@@ -178,7 +181,8 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         ratio_vs_autoregressive=med["engine"] / med["autoregressive"],
         ratio_vs_target_alone=med["engine"] / med["target_alone"],
         mean_accepted=mean_accepted, outputs_identical=identical,
-        t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound, bound_fraction=engine_decode / bound,
+        t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound,
+        bound_fraction=engine_decode / bound if bound else None,
         per_run=per_run,
     )
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from itertools import product
 
 import pytest
 import torch
-from test_engine import _chi2_critical, _chi2_ok
+from test_engine import _chi2_critical, _chi2_ok, exact_joint
 
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.draft_vocab import DraftVocab, DraftVocabError, ReducedVocabDraft, write_vocab_map
@@ -87,14 +86,7 @@ def test_sampled_generation_with_a_reduced_draft_matches_the_target_distribution
     first = int(
         generate(target, prompt, None, max_new_tokens=1, sampling=SamplingConfig(seed=0, **sampling)).generated_ids[0]
     )
-    exact: dict[tuple[int, ...], float] = {}
-    with torch.no_grad():
-        for seq in product(range(vocab), repeat=3):
-            logits = target(torch.tensor([prompt + [first, *seq]])).logits[0]
-            prob = 1.0
-            for j, token in enumerate(seq):
-                prob *= float(warp_probs(logits[len(prompt) + j], SamplingConfig(**sampling))[token])
-            exact[seq] = prob
+    exact = exact_joint(target, prompt + [first], SamplingConfig(**sampling))
     counts: Counter = Counter()
     n = proposed_outside = 0
     for seed in range(3500):

@@ -220,6 +220,20 @@ def _chi2_critical(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
 
 
+def exact_joint(target, context: list[int], sampling: SamplingConfig, length: int = 3) -> dict[tuple[int, ...], float]:
+    """The target's exact probability of every ``length``-token continuation of ``context`` after warping:
+    p(t1 | context) p(t2 | context, t1) ..., for a chi-square against sampled generations."""
+    exact: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        for seq in product(range(target.config.vocab_size), repeat=length):
+            logits = target(torch.tensor([context + list(seq)])).logits[0]
+            prob = 1.0
+            for j, token in enumerate(seq):
+                prob *= float(warp_probs(logits[len(context) - 1 + j], sampling)[token])
+            exact[seq] = prob
+    return exact
+
+
 def test_acceptance_rule_reproduces_target_distribution():
     gen = torch.Generator().manual_seed(0)
     vocab = 6
@@ -248,15 +262,7 @@ def test_sampled_generation_matches_target_distribution():
             target, prompt, None, max_new_tokens=1, sampling=SamplingConfig(seed=0, **sampling_kwargs)
         ).generated_ids[0]
     )
-    exact: dict[tuple[int, ...], float] = {}
-    with torch.no_grad():
-        for seq in product(range(vocab), repeat=3):
-            ids = torch.tensor([prompt + [first, *seq]])
-            logits = target(ids).logits[0]
-            prob = 1.0
-            for j, token in enumerate(seq):
-                prob *= float(warp_probs(logits[len(prompt) + j], SamplingConfig(**sampling_kwargs))[token])
-            exact[seq] = prob
+    exact = exact_joint(target, prompt + [first], SamplingConfig(**sampling_kwargs))
     counts: Counter = Counter()
     n = 0
     for seed in range(3500):

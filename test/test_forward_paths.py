@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from itertools import product
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_engine import _chi2_critical, _chi2_ok
+from test_engine import _chi2_critical, _chi2_ok, exact_joint
 
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.forward_paths import (
@@ -27,7 +26,7 @@ from memspec_ros.runtime.forward_paths import (
 )
 from memspec_ros.runtime.models import ModelSpec, forward_path_for, load_model
 from memspec_ros.runtime.path_choice import choose_path
-from memspec_ros.runtime.speculative import SamplingConfig, generate, warp_probs
+from memspec_ros.runtime.speculative import SamplingConfig, generate
 from memspec_ros.testing.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
 
 KINDS = (Bf16Linear, Int8Linear, Int4Linear)
@@ -210,14 +209,7 @@ def test_sampled_output_keeps_the_configured_targets_distribution(path):
     apply_path(draft, path)
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
     prompt = [1, 3]
-    exact: dict[tuple[int, ...], float] = {}
-    with torch.no_grad():
-        for seq in product(range(vocab), repeat=3):
-            logits = target(torch.tensor([prompt + list(seq)])).logits[0]
-            prob = 1.0
-            for j, token in enumerate(seq):  # p(t1 | prompt) p(t2 | prompt, t1) p(t3 | prompt, t1, t2)
-                prob *= float(warp_probs(logits[len(prompt) - 1 + j], sampling)[token])
-            exact[seq] = prob
+    exact = exact_joint(target, prompt, sampling)
     n = 2000
     counts = Counter(
         tuple(generate(target, prompt, draft, gamma=2, max_new_tokens=3,

@@ -8,11 +8,10 @@ from collections import Counter
 from itertools import product
 
 import pytest
-import torch
-from test_engine import _chi2_critical, _chi2_ok
+from test_engine import _chi2_critical, _chi2_ok, exact_joint
 
 from memspec_ros.runtime.lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
-from memspec_ros.runtime.speculative import SamplingConfig, generate, warp_probs
+from memspec_ros.runtime.speculative import SamplingConfig, generate
 from memspec_ros.runtime.stats import GenerationStats, IterationStats
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
 
@@ -96,14 +95,7 @@ def test_sampled_output_keeps_the_targets_distribution_with_copies():
     prompt = [1, 3, 1, 3]
     first = generate(target, prompt, None, max_new_tokens=1,
                      sampling=SamplingConfig(seed=0, **sampling)).generated_ids[0]
-    exact: dict[tuple[int, ...], float] = {}
-    with torch.no_grad():
-        for seq in product(range(vocab), repeat=3):
-            logits = target(torch.tensor([prompt + [first, *seq]])).logits[0]
-            prob = 1.0
-            for j, token in enumerate(seq):
-                prob *= float(warp_probs(logits[len(prompt) + j], SamplingConfig(**sampling))[token])
-            exact[seq] = prob
+    exact = exact_joint(target, prompt + [first], SamplingConfig(**sampling))
     counts: Counter = Counter()
     copied = n = 0
     for seed in range(3000):

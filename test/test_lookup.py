@@ -146,3 +146,19 @@ def test_copies_are_not_draft_switches():
     stats.iterations = [it("code"), it(LOOKUP_DRAFT), it("code"), it(LOOKUP_DRAFT), it("math")]
     assert stats.draft_switches == 1  # code -> math; the copies in between load and evict nothing
     assert stats.lookup_iterations == 2
+
+
+def test_the_offline_replay_counts_what_the_engine_would_copy():
+    """scripts/lookup_acceptance.py: replayed on an answer that repeats its prompt, by hand."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "lookup_acceptance.py"
+    spec = importlib.util.spec_from_file_location("lookup_acceptance", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # prompt 1 2 3 4 5; answer 9 1 2 3 4 7: after "9" nothing matches; after "9 1"... "1" alone is too short;
+    # after "9 1 2" the suffix "1 2" was followed by 3 4 5 9 (into the answer) -> 3 and 4 stand, 5 != 7, and 7
+    # is the target's own token: the answer is complete after four iterations
+    steps = list(module.replay([1, 2, 3, 4, 5], [9, 1, 2, 3, 4, 7], 4, LookupConfig()))
+    assert steps == [(0, 0, 0), (0, 0, 0), (0, 0, 0), (2, 4, 2)]

@@ -1,0 +1,95 @@
+"""How often copies from the context would stand, replayed over recorded greedy answers (no model runs).
+
+For each held-out answer the target gave (the chat zoo's teacher shards: prompt ids and greedy answer
+ids), decoding is replayed as the engine does it with context lookup alone: at each step the
+``NgramIndex`` over prompt + answer so far proposes up to gamma tokens, the longest prefix equal to the
+answer stands, plus one token. It reports, per length of the matched suffix, how many iterations had a
+copy, the mean number accepted, and the chance that the first j copied tokens stand.
+
+    python scripts/lookup_acceptance.py artifacts/chatzoo/teacher --gamma 4 --json docs/results/lookup-acceptance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors import safe_open
+
+from memspec_ros.runtime.lookup import LookupConfig, NgramIndex
+
+
+def answers(folder: Path, split: str) -> Iterator[tuple[str, list[int], list[int]]]:
+    """(domain, prompt ids, answer ids) from ``<split>-*.safetensors`` teacher shards."""
+    shards = sorted(folder.glob(f"{split}-*.safetensors"))
+    if not shards:
+        raise SystemExit(f"no {split}-*.safetensors teacher shards in {folder} (memspec-zoo chat builds them)")
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            domains = json.loads(f.metadata()["meta"])["domains"]
+            answer, answer_at = f.get_tensor("answer_ids").tolist(), f.get_tensor("answer_offsets").tolist()
+            prompt, prompt_at = f.get_tensor("prompt_ids").tolist(), f.get_tensor("prompt_offsets").tolist()
+        for i, domain in enumerate(domains):
+            yield domain, prompt[prompt_at[i] : prompt_at[i + 1]], answer[answer_at[i] : answer_at[i + 1]]
+
+
+def replay(prompt: list[int], answer: list[int], gamma: int, config: LookupConfig) -> Iterator[tuple[int, int, int]]:
+    """(matched suffix length, tokens proposed, tokens accepted) for every iteration; 0, 0, 0 without a copy."""
+    index = NgramIndex(config)
+    index.extend(prompt)
+    at = 0
+    while at < len(answer):
+        proposal, matched = index.propose(gamma)
+        accepted = 0
+        while accepted < len(proposal) and at + accepted < len(answer) and proposal[accepted] == answer[at + accepted]:
+            accepted += 1
+        yield matched, len(proposal), accepted
+        index.extend(answer[at : at + accepted + 1])
+        at += accepted + 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("teacher", type=Path, help="folder of teacher shards (artifacts/chatzoo/teacher)")
+    parser.add_argument("--split", default="heldout", help="shard prefix (default heldout)")
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--min-ngram", type=int, default=LookupConfig().min_ngram)
+    parser.add_argument("--max-ngram", type=int, default=LookupConfig().max_ngram)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    config = LookupConfig(args.min_ngram, args.max_ngram)
+    by_length: dict[int, list[int]] = defaultdict(list)  # matched length -> accepted per copied iteration
+    iterations = 0
+    per_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # iterations, copied, accepted
+    for domain, prompt, answer in answers(args.teacher, args.split):
+        for matched, proposed, accepted in replay(prompt, answer, args.gamma, config):
+            iterations += 1
+            row = per_domain[domain]
+            row[0] += 1
+            if proposed:
+                by_length[matched].append(accepted)
+                row[1] += 1
+                row[2] += accepted
+    result = {
+        "teacher": str(args.teacher), "split": args.split, "gamma": args.gamma,
+        "min_ngram": config.min_ngram, "max_ngram": config.max_ngram, "iterations": iterations,
+        "copied_share": sum(len(v) for v in by_length.values()) / iterations if iterations else 0.0,
+        "by_match_length": {
+            str(n): {"iterations": len(v), "mean_accepted": sum(v) / len(v),
+                     "first_j_stand": [sum(1 for a in v if a >= j) / len(v) for j in range(1, args.gamma + 1)]}
+            for n, v in sorted(by_length.items())
+        },
+        "by_domain": {d: {"copied_share": c / i, "accepted_per_copy": a / c if c else 0.0}
+                      for d, (i, c, a) in sorted(per_domain.items())},
+    }
+    text = json.dumps(result, indent=1)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

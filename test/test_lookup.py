@@ -137,7 +137,7 @@ def test_the_controller_copies_losslessly_under_every_policy(pair):
         ctl.close()
 
 
-def test_copies_are_not_draft_switches():
+def test_copies_are_neither_drafts_used_nor_draft_switches():
     def it(draft: str) -> IterationStats:
         return IterationStats(draft=draft, proposed=2, accepted=1, committed=2, draft_seconds=0.0,
                               verify_seconds=0.001)
@@ -145,6 +145,7 @@ def test_copies_are_not_draft_switches():
     stats = GenerationStats(prompt_tokens=3)
     stats.iterations = [it("code"), it(LOOKUP_DRAFT), it("code"), it(LOOKUP_DRAFT), it("math")]
     assert stats.draft_switches == 1  # code -> math; the copies in between load and evict nothing
+    assert stats.drafts_used == ["code", "math"]
     assert stats.lookup_iterations == 2
 
 

@@ -48,3 +48,23 @@ def test_target_and_draft_paths_and_adaptive_gamma_are_configured_and_the_goal_i
         alone = generate(loaded.target.model, ids, None, max_new_tokens=24,
                          eos_token_ids=loaded.controller.eos_token_ids).generated_ids
         assert result.result.text == loaded.tokenizer.decode(alone, skip_special_tokens=True)
+
+
+def test_context_lookup_reaches_the_session_and_the_result_counts_its_copies():
+    from memspec_ros.runtime.chat import prompt_ids
+    from memspec_ros.runtime.speculative import generate
+
+    with harness_with(**{"memspec.context_lookup": True}) as h:
+        loaded = h.node._loaded
+        assert loaded.controller.config.context_lookup is True
+        handle, _ = h.send(goal(max_new_tokens=48))
+        result = h.result(handle)
+        assert result.status == GoalStatus.STATUS_SUCCEEDED
+        # the tiny zoo's target soon repeats itself, so copies happen; the answer stays the target's own
+        assert result.result.copied_iterations > 0
+        assert "lookup" not in result.result.drafts_used
+        ids = prompt_ids(loaded.tokenizer, "def add(a, b):")
+        alone = generate(loaded.target.model, ids, None, max_new_tokens=48,
+                         eos_token_ids=loaded.controller.eos_token_ids).generated_ids
+        # (a ROS string cannot hold NUL: the goal runner drops it, and the tiny tokenizer's noise has some)
+        assert result.result.text == loaded.tokenizer.decode(alone, skip_special_tokens=True).replace("\x00", "")

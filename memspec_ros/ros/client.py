@@ -45,6 +45,7 @@ def format_result(result) -> str:
         f"finish: {result.finish_reason} | prompt {result.prompt_tokens} tok | generated {result.completion_tokens} tok"
         f" | {result.tokens_per_second:.1f} tok/s | time to first token {result.time_to_first_token:.3f} s"
         f" | mean accepted {result.mean_accepted_tokens:.2f} | drafts {drafts} | switches {result.draft_switches}"
+        + (f" | copied iterations {result.copied_iterations}" if result.copied_iterations else "")
     )
     if result.error_message:
         line += f"\nerror: {result.error_message}"

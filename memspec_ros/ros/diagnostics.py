@@ -488,7 +488,7 @@ def stats_fields(stats: GenerationStats) -> dict[str, Any]:
         "prompt_tokens": int(stats.prompt_tokens), "completion_tokens": int(stats.completion_tokens),
         "tokens_per_second": float(stats.tokens_per_second), "time_to_first_token": float(stats.time_to_first_token),
         "mean_accepted_tokens": float(stats.mean_accepted), "drafts_used": list(stats.drafts_used),
-        "draft_switches": int(stats.draft_switches),
+        "draft_switches": int(stats.draft_switches), "copied_iterations": int(stats.lookup_iterations),
     }
 
 

@@ -211,10 +211,10 @@ class GenerationStats:
 
     @property
     def drafts_used(self) -> list[str]:
-        """Drafts that ran, in order of first use."""
+        """Draft models that ran, in order of first use (copies from the context are not a draft)."""
         seen: list[str] = []
         for it in self.iterations:
-            if it.draft and it.draft not in seen:
+            if it.draft and it.draft != LOOKUP_DRAFT and it.draft not in seen:
                 seen.append(it.draft)
         return seen
 

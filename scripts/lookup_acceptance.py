@@ -6,6 +6,12 @@ ids), decoding is replayed as the engine does it with context lookup alone: at e
 answer stands, plus one token. It reports, per length of the matched suffix, how many iterations had a
 copy, the mean number accepted, and the chance that the first j copied tokens stand.
 
+With ``--verify-ms`` (the target's measured 1..gamma+1-token forward times, as adaptive gamma measures
+them) it also replays adaptive gamma's choice (runtime/gamma_choice.py) over the same answers, with one
+acceptance estimate for all copies (what the engine does) and with one per match length, and reports
+the speed each would reach against the target alone under those costs: a comparison free of timing
+noise, since only the costs are measured.
+
     python scripts/lookup_acceptance.py artifacts/chatzoo/teacher --gamma 4 --json docs/results/lookup-acceptance.json
 """
 
@@ -19,6 +25,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from memspec_ros.runtime.gamma_choice import ForwardCosts, GammaChooser
 from memspec_ros.runtime.lookup import LookupConfig, NgramIndex
 
 
@@ -51,6 +58,29 @@ def replay(prompt: list[int], answer: list[int], gamma: int, config: LookupConfi
         at += accepted + 1
 
 
+def replay_adaptive(pairs: list[tuple[list[int], list[int]]], costs: ForwardCosts, gamma: int,
+                    config: LookupConfig, per_length: bool) -> float:
+    """Tokens per second of copies chosen by adaptive gamma over ``pairs`` (prompt ids, answer ids) under
+    ``costs``: one acceptance estimate for all copies, or (``per_length``) one per matched length."""
+    tokens, ms = 0, 0.0
+    for prompt, answer in pairs:
+        chooser, index, at = GammaChooser(gamma), NgramIndex(config), 0
+        index.extend(prompt)
+        while at < len(answer):
+            proposal, matched = index.propose(gamma)
+            name = f"lookup:{matched}" if per_length else "lookup"
+            chosen = chooser.choose(costs, name, len(proposal)) if proposal else 0
+            accepted = 0
+            while accepted < chosen and at + accepted < len(answer) and proposal[accepted] == answer[at + accepted]:
+                accepted += 1
+            if chosen:
+                chooser.observe(name, chosen, accepted)
+            tokens, ms = tokens + accepted + 1, ms + costs.verify_ms[chosen]
+            index.extend(answer[at : at + accepted + 1])
+            at += accepted + 1
+    return 1000.0 * tokens / ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("teacher", type=Path, help="folder of teacher shards (artifacts/chatzoo/teacher)")
@@ -58,13 +88,16 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--min-ngram", type=int, default=LookupConfig().min_ngram)
     parser.add_argument("--max-ngram", type=int, default=LookupConfig().max_ngram)
+    parser.add_argument("--verify-ms", help="comma-separated ms of a 1..gamma+1-token target forward: also replay"
+                        " adaptive gamma's choice under these costs")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     config = LookupConfig(args.min_ngram, args.max_ngram)
     by_length: dict[int, list[int]] = defaultdict(list)  # matched length -> accepted per copied iteration
-    iterations = 0
+    iterations = answered = 0
     per_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # iterations, copied, accepted
     for domain, prompt, answer in answers(args.teacher, args.split):
+        answered += 1
         for matched, proposed, accepted in replay(prompt, answer, args.gamma, config):
             iterations += 1
             row = per_domain[domain]
@@ -75,7 +108,7 @@ def main() -> None:
                 row[2] += accepted
     result = {
         "teacher": str(args.teacher), "split": args.split, "gamma": args.gamma,
-        "min_ngram": config.min_ngram, "max_ngram": config.max_ngram, "iterations": iterations,
+        "min_ngram": config.min_ngram, "max_ngram": config.max_ngram, "answers": answered, "iterations": iterations,
         "copied_share": sum(len(v) for v in by_length.values()) / iterations if iterations else 0.0,
         "by_match_length": {
             str(n): {"iterations": len(v), "mean_accepted": sum(v) / len(v),
@@ -85,6 +118,18 @@ def main() -> None:
         "by_domain": {d: {"copied_share": c / i, "accepted_per_copy": a / c if c else 0.0}
                       for d, (i, c, a) in sorted(per_domain.items())},
     }
+    if args.verify_ms:
+        verify_ms = [float(v) for v in args.verify_ms.split(",")]
+        if len(verify_ms) != args.gamma + 1:
+            raise SystemExit(f"--verify-ms needs {args.gamma + 1} times (1..gamma+1 tokens), got {len(verify_ms)}")
+        costs = ForwardCosts(verify_ms=verify_ms, draft_ms=0.0)
+        pairs = [(p, a) for _, p, a in answers(args.teacher, args.split)]
+        alone = 1000.0 / verify_ms[0]
+        result["adaptive_replay"] = {
+            "verify_ms": verify_ms, "target_alone_tps": alone,
+            **{f"{label}_vs_target_alone": replay_adaptive(pairs, costs, args.gamma, config, per_length) / alone
+               for label, per_length in (("one_estimate", False), ("per_match_length", True))},
+        }
     text = json.dumps(result, indent=1)
     if args.json:
         args.json.write_text(text + "\n")

@@ -66,6 +66,17 @@ def pair():
     return target, noisy_copy(target, 0.03, seed=4)
 
 
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """Adaptive gamma decides from measured forward times: fixed ones here (a draft token as dear as a verify
+    row), so whether a copy or the draft proposes does not depend on this machine's timing."""
+    from memspec_ros.runtime import gamma_choice
+
+    monkeypatch.setattr(gamma_choice, "time_forward", lambda model, k, vocab: 10.0 + k)
+    monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
+
+
 # a prompt with repeats: the tiny model's answer soon repeats itself too, so copies are proposed
 PROMPT = [1, 5, 7, 9, 1, 5, 7, 2, 3]
 
@@ -73,7 +84,7 @@ PROMPT = [1, 5, 7, 9, 1, 5, 7, 2, 3]
 @pytest.mark.parametrize("gamma", [1, 3, 4, 8])
 @pytest.mark.parametrize("with_draft", [False, True])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_output_is_the_targets_own_with_copies(pair, gamma, with_draft, adaptive):
+def test_greedy_output_is_the_targets_own_with_copies(pair, gamma, with_draft, adaptive, fixed_costs):
     target, draft = pair
     reference = generate(target, PROMPT, None, max_new_tokens=60).generated_ids
     session = generate(target, PROMPT, draft if with_draft else None, draft_name="noisy", gamma=gamma,
@@ -112,7 +123,7 @@ def test_sampled_output_keeps_the_targets_distribution_with_copies():
     assert stat < _chi2_critical(dof), (stat, dof)
 
 
-def test_the_controller_copies_losslessly_under_every_policy(pair):
+def test_the_controller_copies_losslessly_under_every_policy(pair, fixed_costs):
     from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
     from memspec_ros.runtime.models import LoadedModel, ModelSpec, parameter_bytes
     from memspec_ros.runtime.oracle import GreedyOracle

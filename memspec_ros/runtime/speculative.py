@@ -365,16 +365,15 @@ class SpeculativeSession:
             raise RuntimeError(f"the generation has finished ({self.finish_reason}); start a new session")
         remaining = self.max_new_tokens - len(self.generated_ids)
         with _Stopwatch() as lookup_watch:
-            copied = self._copied_proposal(remaining - 1, draft_name, draft)
-        if copied.tokens:
-            gamma, draft_name = len(copied.tokens), LOOKUP_DRAFT
+            proposal = self._copied_proposal(remaining - 1, draft_name, draft)
+        if proposal.copied:  # the lookup's time stands in for the draft's
+            draft_name = LOOKUP_DRAFT
+            stats = IterationStats(draft=LOOKUP_DRAFT, proposed=0, accepted=0, committed=0,
+                                   draft_seconds=lookup_watch.seconds, verify_seconds=0.0)
         else:
             gamma = min(self._gamma_for(draft_name, draft), remaining - 1) if draft is not None else 0
-        stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
-                               draft_seconds=lookup_watch.seconds if copied.tokens else 0.0, verify_seconds=0.0)
-        if copied.tokens:
-            proposal = copied
-        else:
+            stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
+                                   draft_seconds=0.0, verify_seconds=0.0)
             proposal = self._propose(draft_name, draft, gamma, stats) if gamma > 0 else _Proposal()
         with _Stopwatch() as watch:
             logits = self._verify(proposal.tokens)

@@ -12,6 +12,10 @@ acceptance estimate for all copies (what the engine does) and with one per match
 the speed each would reach against the target alone under those costs: a comparison free of timing
 noise, since only the costs are measured.
 
+With ``--corpus train`` every replay's context starts with the target's own answers to the training
+requests (a datastore as in REST, He et al. 2023; the held-out requests are not among them): how much
+more a lookup that also searched past answers would copy. The engine does not do this (yet).
+
     python scripts/lookup_acceptance.py artifacts/chatzoo/teacher --gamma 4 --json docs/results/lookup-acceptance.json
 """
 
@@ -81,6 +85,18 @@ def replay_adaptive(pairs: list[tuple[list[int], list[int]]], costs: ForwardCost
     return 1000.0 * tokens / ms
 
 
+SEPARATOR = -1  # between corpus answers and before the prompt: no token id, so no n-gram spans it
+
+
+def corpus_tokens(folder: Path, split: str) -> tuple[list[int], int]:
+    """Every answer of ``split`` followed by SEPARATOR, and how many answers that is."""
+    tokens, count = [], 0
+    for _, _, answer in answers(folder, split):
+        tokens += [*answer, SEPARATOR]
+        count += 1
+    return tokens, count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("teacher", type=Path, help="folder of teacher shards (artifacts/chatzoo/teacher)")
@@ -90,15 +106,17 @@ def main() -> None:
     parser.add_argument("--max-ngram", type=int, default=LookupConfig().max_ngram)
     parser.add_argument("--verify-ms", help="comma-separated ms of a 1..gamma+1-token target forward: also replay"
                         " adaptive gamma's choice under these costs")
+    parser.add_argument("--corpus", help="also search this split's answers (e.g. train) before each prompt")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     config = LookupConfig(args.min_ngram, args.max_ngram)
+    corpus, corpus_answers = corpus_tokens(args.teacher, args.corpus) if args.corpus else ([], 0)
     by_length: dict[int, list[int]] = defaultdict(list)  # matched length -> accepted per copied iteration
     iterations = answered = 0
     per_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # iterations, copied, accepted
     for domain, prompt, answer in answers(args.teacher, args.split):
         answered += 1
-        for matched, proposed, accepted in replay(prompt, answer, args.gamma, config):
+        for matched, proposed, accepted in replay(corpus + prompt, answer, args.gamma, config):
             iterations += 1
             row = per_domain[domain]
             row[0] += 1
@@ -109,6 +127,7 @@ def main() -> None:
     result = {
         "teacher": str(args.teacher), "split": args.split, "gamma": args.gamma,
         "min_ngram": config.min_ngram, "max_ngram": config.max_ngram, "answers": answered, "iterations": iterations,
+        "corpus": {"split": args.corpus, "answers": corpus_answers, "tokens": len(corpus)} if args.corpus else None,
         "copied_share": sum(len(v) for v in by_length.values()) / iterations if iterations else 0.0,
         "by_match_length": {
             str(n): {"iterations": len(v), "mean_accepted": sum(v) / len(v),
@@ -123,7 +142,7 @@ def main() -> None:
         if len(verify_ms) != args.gamma + 1:
             raise SystemExit(f"--verify-ms needs {args.gamma + 1} times (1..gamma+1 tokens), got {len(verify_ms)}")
         costs = ForwardCosts(verify_ms=verify_ms, draft_ms=0.0)
-        pairs = [(p, a) for _, p, a in answers(args.teacher, args.split)]
+        pairs = [(corpus + p, a) for _, p, a in answers(args.teacher, args.split)]
         alone = 1000.0 / verify_ms[0]
         result["adaptive_replay"] = {
             "verify_ms": verify_ms, "target_alone_tps": alone,

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from memspec_ros.zoo import corpora
-from memspec_ros.zoo.chat_workloads import public_functions
+from memspec_ros.zoo.chat_workloads import ChatRequest, clip_quote, public_functions
 from memspec_ros.zoo.corpora import CorpusConfig, is_prose, read_text_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,19 +61,8 @@ def norm(text: str) -> str:
     return " ".join(text.split())
 
 
-def clip(text: str, limit: int = MAX_QUOTE) -> str:
-    """At most ``limit`` characters, cut after a sentence where one ends past half of it."""
-    text = text.strip()
-    if len(text) <= limit:
-        return text
-    cut = text[:limit]
-    end = max(cut.rfind(". "), cut.rfind("\n"))
-    return (cut[: end + 1] if end > limit // 2 else cut).strip()
-
-
-def row(domain: str, source: str, content: str) -> dict:
-    return {"domain": domain, "prompt": content, "messages": [{"role": "user", "content": content}],
-            "source": source}
+def clip(text: str) -> str:
+    return clip_quote(text, MAX_QUOTE)
 
 
 def pick(key: str, options: tuple[str, ...]) -> str:
@@ -289,7 +278,7 @@ def select(domain: str, avoid: list[SpanIndex], n: int, per_file: int) -> list[d
             continue
         seen.add(key)
         per[file] = per.get(file, 0) + 1
-        rows.append(row(domain, sid, content))
+        rows.append(ChatRequest(domain, sid, content).row())
     if len(rows) < n:
         raise SystemExit(f"only {len(rows)} unseen {domain} requests on this machine, {n} wanted")
     return rows

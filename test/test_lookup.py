@@ -91,7 +91,7 @@ def test_greedy_output_is_the_targets_own_with_copies(pair, gamma, with_draft, a
                        max_new_tokens=60, adaptive_gamma=adaptive, lookup=LookupConfig())
     assert session.generated_ids == reference
     copies = [it for it in session.stats.iterations if it.draft == LOOKUP_DRAFT]
-    assert copies and session.stats.lookup_iterations == len(copies)
+    assert copies and session.stats.copied_iterations == len(copies)
     assert all(0 < it.proposed <= gamma and it.accepted <= it.proposed for it in copies)
     if not adaptive:  # fixed gamma: a match is always copied, and a copy this repetitive answer mostly keeps
         assert sum(it.accepted for it in copies) > 0
@@ -117,7 +117,7 @@ def test_sampled_output_keeps_the_targets_distribution_with_copies():
             continue
         counts[tuple(ids[1:])] += 1
         n += 1
-        copied += session.stats.lookup_iterations > 0
+        copied += session.stats.copied_iterations > 0
     assert n > 800 and copied > n // 2, (n, copied)  # most generations copied at least once
     stat, dof = _chi2_ok(counts, exact, n)
     assert stat < _chi2_critical(dof), (stat, dof)
@@ -143,8 +143,8 @@ def test_the_controller_copies_losslessly_under_every_policy(pair, fixed_costs):
             loader=lambda name: LoadedModel(drafts[name], ModelSpec(name), parameter_bytes(drafts[name]), 64, 512))
         result = ctl.generate(PROMPT, 40)
         assert result.token_ids == reference, (policy, adaptive)
-        assert result.stats.lookup_iterations > 0, (policy, adaptive)
-        assert result.stats.summary()["lookup_iterations"] == result.stats.lookup_iterations
+        assert result.stats.copied_iterations > 0, (policy, adaptive)
+        assert result.stats.summary()["copied_iterations"] == result.stats.copied_iterations
         ctl.close()
 
 
@@ -157,7 +157,7 @@ def test_copies_are_neither_drafts_used_nor_draft_switches():
     stats.iterations = [it("code"), it(LOOKUP_DRAFT), it("code"), it(LOOKUP_DRAFT), it("math")]
     assert stats.draft_switches == 1  # code -> math; the copies in between load and evict nothing
     assert stats.drafts_used == ["code", "math"]
-    assert stats.lookup_iterations == 2
+    assert stats.copied_iterations == 2
 
 
 def test_the_offline_replay_counts_what_the_engine_would_copy():

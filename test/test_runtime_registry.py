@@ -81,6 +81,8 @@ def test_validation_errors_name_the_problem(zoo):
         reg.remove("ghost")
     with pytest.raises(RegistryError, match="empty name"):
         reg.add(DraftEntry(" ", str(zoo / "drafts" / "code")))
+    with pytest.raises(RegistryError, match="reserved for copies"):
+        reg.add(DraftEntry("lookup", str(zoo / "drafts" / "code")))
     assert reg.names() == ["general"]  # failed adds changed nothing
     # the target's tokenizer is read from the registry's target when validating a YAML
     with_target = DraftRegistry.from_yaml(zoo / "registry.yaml")

@@ -224,6 +224,7 @@ def run_llamacpp_bench(
                     " over their decoding wall time (prompt encoding excluded), median over prompts and runs",
                     "llamacpp_speculative": spec_info, "llamacpp_speculative_reason": spec_reason,
                     "threads": {}}
+    halted: dict[str, str] = {}  # a llama.cpp speculative method that failed once -> llama.cpp's error
     for threads in cfg.threads:
         torch.set_num_threads(threads)
         methods = ["llamacpp", "llamacpp_lookup"] + [f"{p}:{kind}" for p in targets for kind in KINDS]
@@ -253,21 +254,14 @@ def run_llamacpp_bench(
                         llama_text = out.text
                         continue
                     if method in spec_counts:
-                        if method == "llamacpp_speculative" and (
-                                domain not in spec_drafts or result["llamacpp_speculative"] is None):
+                        draft_gguf = spec_drafts.get(domain) if method == "llamacpp_speculative" else None
+                        if method in halted or (method == "llamacpp_speculative" and draft_gguf is None):
                             continue
-                        if method == "llamacpp_lookup" and "llamacpp_lookup_failed" in result:
-                            continue
-                        draft_gguf = spec_drafts[domain] if method == "llamacpp_speculative" else None
                         try:
                             spec = run_llamacpp_speculative(cfg.llamacpp_bin, gguf, draft_gguf, text,
                                                             cfg.max_new_tokens, threads, cfg.gamma)
                         except RuntimeError as exc:  # e.g. the draft refused: report llama.cpp's own words
-                            if method == "llamacpp_lookup":
-                                result["llamacpp_lookup_failed"] = str(exc)
-                            else:
-                                result["llamacpp_speculative"] = None
-                                result["llamacpp_speculative_reason"] = f"{draft_gguf}: {exc}"
+                            halted[method] = f"{draft_gguf}: {exc}" if draft_gguf else str(exc)
                             continue
                         tally[method].tps.append(spec.decode_tps)
                         spec_counts[method][0] += spec.drafted
@@ -283,7 +277,7 @@ def run_llamacpp_bench(
                     if kind != "alone":
                         tally[method].accepted.append(session.stats.mean_accepted)
                     if kind == "adaptive_lookup":
-                        copied[path] += session.stats.lookup_iterations
+                        copied[path] += session.stats.copied_iterations
                         iterations[path] += len(session.stats.iterations)
                     outputs[method] = session.generated_ids
                 for path in targets:
@@ -334,5 +328,10 @@ def run_llamacpp_bench(
         row["best_target_alone_path"], row["best_speculative_path"] = best_alone, best_spec
         row["outputs_identical"] = all(identical.values())
         result["threads"][str(threads)] = row
+    if "llamacpp_speculative" in halted:
+        result["llamacpp_speculative"] = None
+        result["llamacpp_speculative_reason"] = halted["llamacpp_speculative"]
+    if "llamacpp_lookup" in halted:
+        result["llamacpp_lookup_failed"] = halted["llamacpp_lookup"]
     result["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return result

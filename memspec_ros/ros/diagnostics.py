@@ -341,7 +341,7 @@ def fill_throughput_status(status: Status, window: GenerationStats | None, goals
     status.add("completion tokens", window.completion_tokens)
     status.add("decode seconds", window.decode_seconds)
     status.add("draft switches", window.draft_switches)
-    status.add("copied iterations", window.lookup_iterations)  # memspec.context_lookup's copies
+    status.add("copied iterations", window.copied_iterations)
     status.summary(OK, f"{window.tokens_per_second:.1f} tok/s, E[A] {window.mean_accepted:.2f}")
     if window.fallback_fraction > fallback_warn:
         status.merge(WARN, f"fallback fraction {window.fallback_fraction:.2f} > {fallback_warn:.2f}:"
@@ -488,7 +488,7 @@ def stats_fields(stats: GenerationStats) -> dict[str, Any]:
         "prompt_tokens": int(stats.prompt_tokens), "completion_tokens": int(stats.completion_tokens),
         "tokens_per_second": float(stats.tokens_per_second), "time_to_first_token": float(stats.time_to_first_token),
         "mean_accepted_tokens": float(stats.mean_accepted), "drafts_used": list(stats.drafts_used),
-        "draft_switches": int(stats.draft_switches), "copied_iterations": int(stats.lookup_iterations),
+        "draft_switches": int(stats.draft_switches), "copied_iterations": int(stats.copied_iterations),
     }
 
 

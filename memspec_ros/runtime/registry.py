@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .lookup import LOOKUP_DRAFT
 from .model_source import relative_to
 from .models import ModelDirectoryError, TokenizerMismatchError, load_tokenizer, read_config, tokenizer_fingerprint
 
@@ -164,6 +165,9 @@ class DraftRegistry:
     def _checked(self, entry: DraftEntry) -> DraftEntry:
         if not entry.name or not entry.name.strip():
             raise RegistryError(f"a draft at {entry.path!r} has an empty name: give every draft a unique name")
+        if entry.name == LOOKUP_DRAFT:  # statistics tell copies from the context by this name
+            raise RegistryError(f"the draft name {LOOKUP_DRAFT!r} is reserved for copies from the context"
+                                f" (memspec.context_lookup): rename the draft at {entry.path!r}")
         if self.validate:
             read_config(entry.path)  # ModelDirectoryError: missing directory or config.json
             if not any(Path(entry.path).glob("*.safetensors")):

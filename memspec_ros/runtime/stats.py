@@ -219,7 +219,7 @@ class GenerationStats:
         return seen
 
     @property
-    def lookup_iterations(self) -> int:
+    def copied_iterations(self) -> int:
         """Iterations whose proposals were copied from the context (runtime/lookup.py) instead of drafted."""
         return sum(1 for it in self.iterations if it.draft == LOOKUP_DRAFT)
 
@@ -308,7 +308,7 @@ class GenerationStats:
             "iterations": len(self.iterations),
             "drafts_used": self.drafts_used,
             "draft_switches": self.draft_switches,
-            "lookup_iterations": self.lookup_iterations,
+            "copied_iterations": self.copied_iterations,
             "catchup_seconds": self.catchup_seconds,
             "catchup_tokens": self.catchup_tokens,
             "prediction_overhead": self.prediction_overhead,

@@ -76,7 +76,8 @@ class ChatWorkloadConfig:
         return self.corpus or CorpusConfig()
 
 
-def _clip(text: str, limit: int) -> str:
+def clip_quote(text: str, limit: int) -> str:
+    """At most ``limit`` characters, cut after a sentence where one ends past half of it."""
     text = text.strip()
     if len(text) <= limit:
         return text
@@ -173,7 +174,7 @@ def law_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
                 continue  # short headers, file lists, and boiler-plate already seen in another file
             seen.add(para)
             rid = f"law:{path}#{k}"
-            yield ChatRequest("law", rid, _ask(_LAW_ASKS, rid).format(q=_clip(para, cfg.max_quote_chars)))
+            yield ChatRequest("law", rid, _ask(_LAW_ASKS, rid).format(q=clip_quote(para, cfg.max_quote_chars)))
 
 
 # --------------------------------------------------------------------------- medical
@@ -221,7 +222,7 @@ def general_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
     for path in paths:
         for k, para in enumerate(re.split(r"\n\s*\n", read_text_file(path) or "")):
             if is_prose(para):
-                text = _clip(" ".join(para.split()), cfg.max_quote_chars)
+                text = clip_quote(" ".join(para.split()), cfg.max_quote_chars)
                 yield ChatRequest(
                     "general", f"general:{path}#{k}", f"Summarize this paragraph in plain words:\n\n{text}"
                 )

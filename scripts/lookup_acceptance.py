@@ -12,9 +12,9 @@ acceptance estimate for all copies (what the engine does) and with one per match
 the speed each would reach against the target alone under those costs: a comparison free of timing
 noise, since only the costs are measured.
 
-With ``--corpus train`` every replay's context starts with the target's own answers to the training
-requests (a datastore as in REST, He et al. 2023; the held-out requests are not among them): how much
-more a lookup that also searched past answers would copy. The engine does not do this (yet).
+With ``--corpus train`` the lookup also searches the target's own answers to the training requests (a
+``Datastore``, runtime/datastore.py, as the engine does with the zoo's ``datastore.safetensors``; the
+held-out requests are not among them): how much more a lookup that also searched past answers copies.
 
     python scripts/lookup_acceptance.py artifacts/chatzoo/teacher --gamma 4 --json docs/results/lookup-acceptance.json
 """
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from memspec_ros.runtime.datastore import Datastore
 from memspec_ros.runtime.gamma_choice import ForwardCosts, GammaChooser
 from memspec_ros.runtime.lookup import LookupConfig, NgramIndex
 
@@ -47,9 +48,10 @@ def answers(folder: Path, split: str) -> Iterator[tuple[str, list[int], list[int
             yield domain, prompt[prompt_at[i] : prompt_at[i + 1]], answer[answer_at[i] : answer_at[i + 1]]
 
 
-def replay(prompt: list[int], answer: list[int], gamma: int, config: LookupConfig) -> Iterator[tuple[int, int, int]]:
+def replay(prompt: list[int], answer: list[int], gamma: int, config: LookupConfig,
+           datastore: Datastore | None = None) -> Iterator[tuple[int, int, int]]:
     """(matched suffix length, tokens proposed, tokens accepted) for every iteration; 0, 0, 0 without a copy."""
-    index = NgramIndex(config)
+    index = NgramIndex(config, datastore)
     index.extend(prompt)
     at = 0
     while at < len(answer):
@@ -63,12 +65,12 @@ def replay(prompt: list[int], answer: list[int], gamma: int, config: LookupConfi
 
 
 def replay_adaptive(pairs: list[tuple[list[int], list[int]]], costs: ForwardCosts, gamma: int,
-                    config: LookupConfig, per_length: bool) -> float:
+                    config: LookupConfig, per_length: bool, datastore: Datastore | None = None) -> float:
     """Tokens per second of copies chosen by adaptive gamma over ``pairs`` (prompt ids, answer ids) under
     ``costs``: one acceptance estimate for all copies, or (``per_length``) one per matched length."""
     tokens, ms = 0, 0.0
     for prompt, answer in pairs:
-        chooser, index, at = GammaChooser(gamma), NgramIndex(config), 0
+        chooser, index, at = GammaChooser(gamma), NgramIndex(config, datastore), 0
         index.extend(prompt)
         while at < len(answer):
             proposal, matched = index.propose(gamma)
@@ -85,18 +87,6 @@ def replay_adaptive(pairs: list[tuple[list[int], list[int]]], costs: ForwardCost
     return 1000.0 * tokens / ms
 
 
-SEPARATOR = -1  # between corpus answers and before the prompt: no token id, so no n-gram spans it
-
-
-def corpus_tokens(folder: Path, split: str) -> tuple[list[int], int]:
-    """Every answer of ``split`` followed by SEPARATOR, and how many answers that is."""
-    tokens, count = [], 0
-    for _, _, answer in answers(folder, split):
-        tokens += [*answer, SEPARATOR]
-        count += 1
-    return tokens, count
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("teacher", type=Path, help="folder of teacher shards (artifacts/chatzoo/teacher)")
@@ -110,13 +100,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     config = LookupConfig(args.min_ngram, args.max_ngram)
-    corpus, corpus_answers = corpus_tokens(args.teacher, args.corpus) if args.corpus else ([], 0)
+    corpus = Datastore(a for _, _, a in answers(args.teacher, args.corpus)) if args.corpus else None
     by_length: dict[int, list[int]] = defaultdict(list)  # matched length -> accepted per copied iteration
     iterations = answered = 0
     per_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # iterations, copied, accepted
     for domain, prompt, answer in answers(args.teacher, args.split):
         answered += 1
-        for matched, proposed, accepted in replay(corpus + prompt, answer, args.gamma, config):
+        for matched, proposed, accepted in replay(prompt, answer, args.gamma, config, corpus):
             iterations += 1
             row = per_domain[domain]
             row[0] += 1
@@ -127,7 +117,8 @@ def main() -> None:
     result = {
         "teacher": str(args.teacher), "split": args.split, "gamma": args.gamma,
         "min_ngram": config.min_ngram, "max_ngram": config.max_ngram, "answers": answered, "iterations": iterations,
-        "corpus": {"split": args.corpus, "answers": corpus_answers, "tokens": len(corpus)} if args.corpus else None,
+        "corpus": {"split": args.corpus, "answers": corpus.answers, "tokens": corpus.token_count,
+                   "min_ngram": corpus.config.min_ngram, "max_ngram": corpus.config.max_ngram} if corpus else None,
         "copied_share": sum(len(v) for v in by_length.values()) / iterations if iterations else 0.0,
         "by_match_length": {
             str(n): {"iterations": len(v), "mean_accepted": sum(v) / len(v),
@@ -142,11 +133,11 @@ def main() -> None:
         if len(verify_ms) != args.gamma + 1:
             raise SystemExit(f"--verify-ms needs {args.gamma + 1} times (1..gamma+1 tokens), got {len(verify_ms)}")
         costs = ForwardCosts(verify_ms=verify_ms, draft_ms=0.0)
-        pairs = [(corpus + p, a) for _, p, a in answers(args.teacher, args.split)]
+        pairs = [(p, a) for _, p, a in answers(args.teacher, args.split)]
         alone = 1000.0 / verify_ms[0]
         result["adaptive_replay"] = {
             "verify_ms": verify_ms, "target_alone_tps": alone,
-            **{f"{label}_vs_target_alone": replay_adaptive(pairs, costs, args.gamma, config, per_length) / alone
+            **{f"{label}_vs_target_alone": replay_adaptive(pairs, costs, args.gamma, config, per_length, corpus) / alone
                for label, per_length in (("one_estimate", False), ("per_match_length", True))},
         }
     text = json.dumps(result, indent=1)

@@ -145,3 +145,27 @@ def target():
 
     return tiny_llama(layers=2, hidden=64, seed=0)
 
+
+@pytest.fixture(scope="module")
+def pair():
+    """A tiny target and a slightly noisy copy of it as a draft (context lookup and datastore tests)."""
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
+
+    target = tiny_llama(vocab_size=24, seed=3)
+    return target, noisy_copy(target, 0.03, seed=4)
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """Adaptive gamma decides from measured forward times and observed drafting times: fixed ones here (a
+    draft token as dear as a verify row), so whether a copy or the draft proposes does not depend on this
+    machine's timing."""
+    from memspec_ros.runtime import gamma_choice
+
+    monkeypatch.setattr(gamma_choice, "time_forward", lambda model, k, vocab: 10.0 + k)
+    monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
+    # what a draft's iterations took is observed too: 11 ms a token here, as time_forward says above
+    observe_cost = gamma_choice.GammaChooser.observe_cost
+    monkeypatch.setattr(gamma_choice.GammaChooser, "observe_cost",
+                        lambda self, name, proposed, draft_ms: observe_cost(self, name, proposed, 11.0 * proposed))

@@ -137,3 +137,40 @@ def test_the_controller_measures_the_target_before_any_generation_is_timed(monke
     assert ("draft", 1) in timed  # the draft's own cost (milliseconds) is measured at its first iteration
     assert result.token_ids == generate(target, [1, 5, 7, 9], None, max_new_tokens=24).generated_ids
     ctl.close()
+
+
+def test_a_drafts_observed_cost_replaces_its_isolated_timing():
+    """Catching up after copied iterations makes a draft's iterations dearer than its one-token timing:
+    the observed cost per proposed token is what the choice uses once there is one."""
+    measured = ForwardCosts(verify_ms=[10.0, 11.0, 12.0, 13.0, 14.0], draft_ms=0.5)
+    chooser = GammaChooser(max_gamma=4)
+    assert chooser.costs(measured, "d") is measured  # nothing observed yet
+    for _ in range(5):
+        chooser.observe("d", 4, 4)
+    assert chooser.choose(chooser.costs(measured, "d"), "d") == 4
+    for _ in range(40):
+        chooser.observe_cost("d", 2, 40.0)  # 20 ms a token, catch-up included
+    assert chooser.costs(measured, "d").draft_ms == pytest.approx(20.0, rel=0.02)
+    assert chooser.costs(measured, "d").verify_ms == measured.verify_ms
+    # by hand: g=1 commits at most 2 tokens in 31 ms < 1 in 10 ms: drafting no longer pays
+    assert best_gamma(chooser.costs(measured, "d"), chooser.alpha("d"), 4) == 0
+    assert chooser.costs(measured, "other") is measured  # per draft
+    chooser.observe_cost("other", 0, 99.0)  # nothing proposed: no cost per token to learn
+    assert chooser.costs(measured, "other") is measured
+
+
+def test_the_engine_reports_each_drafted_iterations_time_to_the_choice(monkeypatch):
+    target = tiny_llama(vocab_size=64, seed=0)
+    draft = noisy_copy(target, 0.02, seed=1)
+    seen: list[tuple[str, int, float]] = []
+    observe_cost = GammaChooser.observe_cost
+
+    def spy(self, name, proposed, draft_ms):
+        seen.append((name, proposed, draft_ms))
+        observe_cost(self, name, proposed, draft_ms)
+    monkeypatch.setattr(GammaChooser, "observe_cost", spy)
+    session = generate(target, [1, 5, 7, 9], draft, draft_name="d", gamma=4, max_new_tokens=30, adaptive_gamma=True)
+    drafted = [it for it in session.stats.iterations if it.proposed > 0]
+    assert drafted
+    assert [(n, p) for n, p, _ in seen if p > 0] == [("d", it.proposed) for it in drafted]
+    assert [ms for _, p, ms in seen if p > 0] == pytest.approx([1000.0 * it.draft_seconds for it in drafted])

@@ -60,23 +60,6 @@ def test_bad_ngram_bounds_are_rejected(bad):
         LookupConfig(*bad)
 
 
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_llama(vocab_size=24, seed=3)
-    return target, noisy_copy(target, 0.03, seed=4)
-
-
-@pytest.fixture
-def fixed_costs(monkeypatch):
-    """Adaptive gamma decides from measured forward times: fixed ones here (a draft token as dear as a verify
-    row), so whether a copy or the draft proposes does not depend on this machine's timing."""
-    from memspec_ros.runtime import gamma_choice
-
-    monkeypatch.setattr(gamma_choice, "time_forward", lambda model, k, vocab: 10.0 + k)
-    monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
-    monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
-
-
 # a prompt with repeats: the tiny model's answer soon repeats itself too, so copies are proposed
 PROMPT = [1, 5, 7, 9, 1, 5, 7, 2, 3]
 

@@ -130,9 +130,11 @@ def cmd_llamacpp(args) -> int:
     from tqdm import tqdm
 
     from ..runtime.chat import end_token_ids, prompt_ids
+    from ..runtime.datastore import Datastore, DatastoreError
     from ..runtime.forward_paths import PATHS
+    from ..runtime.loader import find_datastore
     from ..runtime.model_source import package_file
-    from ..runtime.models import ModelSpec, load_model, load_tokenizer
+    from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
     from ..runtime.registry import DraftRegistry
     from .llamacpp_bench import LlamaCppBenchConfig, LlamaCppMissing, llamacpp_program, run_llamacpp_bench
 
@@ -148,12 +150,18 @@ def cmd_llamacpp(args) -> int:
         llamacpp_program(cfg.llamacpp_bin, "llama-completion")
     except LlamaCppMissing as exc:
         raise SystemExit(str(exc)) from None
+    store_path = {"": find_datastore(args.zoo), "none": ""}.get(args.datastore, args.datastore)
     registry = DraftRegistry.from_yaml(Path(args.zoo) / "registry.yaml", validate=False)
     source = args.gguf or registry.target_path
     gguf = package_file(source) if source.startswith("pkg:") else Path(source)
     if gguf.suffix != ".gguf":
         raise SystemExit(f"llama.cpp needs the target as a GGUF file; {source} is not one: pass --gguf FILE")
     tokenizer = load_tokenizer(source)
+    if store_path:
+        try:
+            cfg.datastore = Datastore.load(store_path, fingerprint=tokenizer_fingerprint(tokenizer))
+        except DatastoreError as exc:
+            raise SystemExit(f"--datastore: {exc}") from None
     targets = {}
     for path in tqdm(paths, desc="loading target paths", unit="path"):
         spec = (
@@ -190,6 +198,9 @@ def cmd_llamacpp(args) -> int:
                   f" adaptive {p['speculative_adaptive_gamma_tps']:6.1f}"
                   f" | lookup alone {p['lookup_alone_tps']:6.1f}, beside the draft"
                   f" {p['speculative_adaptive_lookup_tps']:6.1f} ({p['lookup_share']:.0%} copied)"
+                  + (f" | with the datastore: alone {p['datastore_alone_tps']:6.1f}, beside the draft"
+                     f" {p['speculative_adaptive_datastore_tps']:6.1f} ({p['datastore_share']:.0%} copied)"
+                     if "datastore_alone_tps" in p else "") +
                   f" | best {p['speculative_vs_llamacpp']:.2f}x ({p['speculative_method']})"
                   f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
                   f" t_verify {p['forward']['verify_ms']:.1f} ms matmul share {p['forward']['matmul_share']:.0%}")
@@ -422,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     lcp.add_argument("--draft-quantization", default="none", choices=("none", "int8", "int4"),
                      help="the engine's drafts' forward path (drafts.quantization; default none: fp32). llama.cpp's"
                           " speculative example always gets the draft's own weights as f16")
+    lcp.add_argument("--datastore", default="",
+                     help="past answers the engine's lookup also searches, run as two more kinds (default: the zoo's"
+                          " datastore.safetensors if it has one; 'none': skip them)")
     lcp.set_defaults(func=cmd_llamacpp)
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",

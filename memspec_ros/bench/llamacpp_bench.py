@@ -9,8 +9,10 @@ every method alike), the bench runs:
 * this engine with speculation, on every path, with the prompt's own domain draft, at a fixed
   gamma and with gamma chosen per iteration from measured costs (runtime/gamma_choice.py);
 * this engine with proposals copied from the context (runtime/lookup.py): alone (no draft model),
-  and beside the domain draft with adaptive gamma, which picks per iteration whichever is expected
-  to commit more per millisecond;
+  and beside the domain draft, both with adaptive gamma, which picks per iteration whichever is
+  expected to commit more per millisecond (and how many tokens);
+* with a datastore (the target's answers to the zoo's training requests, runtime/datastore.py), the
+  same two again with the lookup also searching those past answers;
 * llama.cpp's ``llama-speculative-simple`` (``--spec-type draft-simple``) at the same gamma, with
   the prompt's domain draft exported once as a full-vocabulary GGUF (zoo/draft_gguf.py, cached
   by the draft's digest), or with one ``--llamacpp-draft FILE.gguf`` for every prompt;
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.datastore import Datastore
 from ..runtime.lookup import LookupConfig
 
 LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"
@@ -50,9 +53,15 @@ _SPEC = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", re.M)
 _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
 # this engine's ways to decode, per forward path: the target alone, a draft at fixed and adaptive gamma,
-# copies from the context alone, and copies beside the draft (adaptive gamma chooses per iteration)
+# copies from the context alone, and copies beside the draft (adaptive gamma chooses per iteration); with a
+# datastore, copies from the context and past answers, alone and beside the draft
 KINDS = ("alone", "speculative", "adaptive", "lookup", "adaptive_lookup")
-_DRAFTED_KINDS = ("speculative", "adaptive", "adaptive_lookup")
+DATASTORE_KINDS = ("datastore", "adaptive_datastore")
+_DRAFTED_KINDS = ("speculative", "adaptive", "adaptive_lookup", "adaptive_datastore")
+_LOOKUP_KINDS = ("lookup", "adaptive_lookup", "datastore", "adaptive_datastore")
+# adaptive gamma for every kind but the fixed-gamma draft: copies pay only where gamma is chosen per
+# iteration (at a fixed 4, datastore copies were verified even where they rarely stand)
+_ADAPTIVE_KINDS = ("adaptive", "lookup", "adaptive_lookup", "datastore", "adaptive_datastore")
 
 
 class LlamaCppMissing(RuntimeError):
@@ -70,6 +79,7 @@ class LlamaCppBenchConfig:
     llamacpp_draft: Path | None = None  # a same-vocabulary draft GGUF for llama.cpp's speculative example
     export_drafts: bool = True  # without llamacpp_draft: export each prompt's domain draft to a GGUF (cached)
     draft_gguf_cache: Path | None = None  # where exported drafts are kept (None: draft_gguf.default_cache_dir())
+    datastore: Datastore | None = None  # past answers: also run the engine's lookup searching them
 
 
 @dataclass
@@ -224,16 +234,20 @@ def run_llamacpp_bench(
                     " over their decoding wall time (prompt encoding excluded), median over prompts and runs",
                     "llamacpp_speculative": spec_info, "llamacpp_speculative_reason": spec_reason,
                     "threads": {}}
+    kinds = KINDS + (DATASTORE_KINDS if cfg.datastore is not None else ())
+    if cfg.datastore is not None:
+        result["datastore"] = {"answers": cfg.datastore.answers, "tokens": cfg.datastore.token_count}
     halted: dict[str, str] = {}  # a llama.cpp speculative method that failed once -> llama.cpp's error
     for threads in cfg.threads:
         torch.set_num_threads(threads)
-        methods = ["llamacpp", "llamacpp_lookup"] + [f"{p}:{kind}" for p in targets for kind in KINDS]
+        methods = ["llamacpp", "llamacpp_lookup"] + [f"{p}:{kind}" for p in targets for kind in kinds]
         if result["llamacpp_speculative"] is not None:
             methods.append("llamacpp_speculative")
         tally = {m: _Tally() for m in methods}
         spec_counts = {"llamacpp_speculative": [0, 0], "llamacpp_lookup": [0, 0]}  # drafted, accepted tokens
-        copied = dict.fromkeys(targets, 0)  # adaptive_lookup iterations whose proposals were copies
-        iterations = dict.fromkeys(targets, 0)
+        # per path and lookup kind: iterations whose proposals were copies, and all iterations
+        copied = {(p, k): 0 for p in targets for k in kinds if k in _LOOKUP_KINDS}
+        iterations = dict.fromkeys(copied, 0)
         identical = dict.fromkeys(targets, True)
         same_text = dict.fromkeys(targets, 0)
         # warm-up: lazy initialisation, kernel packing, and adaptive gamma's one-off forward timings
@@ -271,17 +285,18 @@ def run_llamacpp_bench(
                     draft = drafts.get(domain) if kind in _DRAFTED_KINDS else None
                     session = generate(targets[path], ids, draft, draft_name=domain, gamma=cfg.gamma,
                                        max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_token_ids,
-                                       adaptive_gamma=kind.startswith("adaptive"),
-                                       lookup=LookupConfig() if kind.endswith("lookup") else None)
+                                       adaptive_gamma=kind in _ADAPTIVE_KINDS,
+                                       lookup=LookupConfig() if kind in _LOOKUP_KINDS else None,
+                                       datastore=cfg.datastore if kind in DATASTORE_KINDS else None)
                     tally[method].tps.append(session.stats.tokens_per_second)
                     if kind != "alone":
                         tally[method].accepted.append(session.stats.mean_accepted)
-                    if kind == "adaptive_lookup":
-                        copied[path] += session.stats.copied_iterations
-                        iterations[path] += len(session.stats.iterations)
+                    if kind in _LOOKUP_KINDS:
+                        copied[path, kind] += session.stats.copied_iterations
+                        iterations[path, kind] += len(session.stats.iterations)
                     outputs[method] = session.generated_ids
                 for path in targets:
-                    identical[path] &= all(outputs[f"{path}:{kind}"] == outputs[f"{path}:alone"] for kind in KINDS)
+                    identical[path] &= all(outputs[f"{path}:{kind}"] == outputs[f"{path}:alone"] for kind in kinds)
                     same_text[path] += decode(outputs[f"{path}:alone"]).strip() == llama_text.strip()
                 if progress is not None:
                     progress.update(1)
@@ -301,6 +316,19 @@ def run_llamacpp_bench(
             adaptive = statistics.median(tally[f"{path}:adaptive"].tps)
             with_lookup = statistics.median(tally[f"{path}:adaptive_lookup"].tps)
             spec_by = {"fixed gamma": fixed, "adaptive gamma": adaptive, "adaptive gamma + context lookup": with_lookup}
+            share = {k: copied[path, k] / iterations[path, k] if iterations[path, k] else 0.0
+                     for p, k in copied if p == path}
+            with_store: dict = {}
+            if cfg.datastore is not None:
+                with_store = {
+                    "datastore_alone_tps": statistics.median(tally[f"{path}:datastore"].tps),
+                    "speculative_adaptive_datastore_tps": statistics.median(tally[f"{path}:adaptive_datastore"].tps),
+                    "datastore_share": share["adaptive_datastore"],
+                    "datastore_alone_share": share["datastore"],
+                }
+                spec_by["adaptive gamma + context lookup + datastore"] = \
+                    with_store["speculative_adaptive_datastore_tps"]
+                spec_by["context lookup + datastore, no draft"] = with_store["datastore_alone_tps"]
             spec_method = max(spec_by, key=spec_by.get)
             spec = spec_by[spec_method]
             row["paths"][path] = {
@@ -309,7 +337,9 @@ def run_llamacpp_bench(
                 "speculative_adaptive_gamma_tps": adaptive,
                 "speculative_adaptive_lookup_tps": with_lookup,
                 "lookup_alone_tps": statistics.median(tally[f"{path}:lookup"].tps),
-                "lookup_share": copied[path] / iterations[path] if iterations[path] else 0.0,
+                "lookup_alone_share": share["lookup"],
+                "lookup_share": share["adaptive_lookup"],
+                **with_store,
                 "speculative_tps": spec,
                 "speculative_method": spec_method,
                 "mean_accepted": statistics.fmean(tally[f"{path}:speculative"].accepted),

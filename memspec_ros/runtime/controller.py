@@ -27,6 +27,7 @@ import torch
 
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
 from .choice import Choice, Resolution, carry_out
+from .datastore import Datastore
 from .gamma_choice import target_costs
 from .lookup import LookupConfig
 from .models import LoadedModel
@@ -67,7 +68,9 @@ class RuntimeConfig:
     ucb_c: float = 2.0  # MAB exploration coefficient (the paper's best)
     reset_cache_per_generation: bool = False  # the paper's protocol; a robot keeps its cache warm
     adaptive_gamma: bool = False  # gamma per iteration (0..gamma) from measured costs (runtime/gamma_choice.py)
-    context_lookup: bool = False  # copy proposals from the context where its last tokens recur (runtime/lookup.py)
+    # copy proposals from the context where its last tokens recur (runtime/lookup.py), and from the
+    # controller's datastore of past answers if it has one
+    context_lookup: bool = False
 
     def validate(self) -> RuntimeConfig:
         if self.policy not in POLICIES:
@@ -132,8 +135,10 @@ class RuntimeController:
         draft_quantization: str = "none",
         storage: str | None = None,
         device: str = "cpu",
+        datastore: Datastore | None = None,
     ) -> None:
         self.config = config.validate()
+        self.datastore = datastore  # past answers context lookup also searches (runtime/datastore.py)
         self.target = target
         self.tokenizer = tokenizer
         self.registry = registry
@@ -243,6 +248,7 @@ class RuntimeController:
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,
                 max_positions=self.max_positions, adaptive_gamma=self.config.adaptive_gamma,
                 lookup=LookupConfig() if self.config.context_lookup else None,
+                datastore=self.datastore if self.config.context_lookup else None,
             )
             return self._run(session, prompt_ids, should_cancel)
         finally:

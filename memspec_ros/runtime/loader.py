@@ -19,6 +19,7 @@ from typing import Any
 
 from .chat import end_token_ids
 from .controller import RuntimeConfig, RuntimeController
+from .datastore import Datastore
 from .models import LoadedModel, ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
 from .predictor import HEAD_CONFIG, PredictionEngine
 from .registry import DraftRegistry
@@ -26,6 +27,7 @@ from .registry import DraftRegistry
 # Where a zoo keeps its trained predictor heads, in order of preference: the folder itself, then its encoder
 # subfolders (target-hidden first: it needs no encoder pass).
 PREDICTOR_PREFERENCE = ("", "target-hidden", "minilm")
+DATASTORE_FILE = "datastore.safetensors"  # a zoo's past answers for context lookup (memspec-zoo datastore)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,12 @@ def find_predictor(root: str | Path | None) -> str:
         if (candidate / HEAD_CONFIG).is_file():
             return str(candidate)
     return ""
+
+
+def find_datastore(folder: str | Path | None) -> str:
+    """``folder``'s datastore file (past answers for context lookup) if it has one, else ''."""
+    candidate = Path(folder) / DATASTORE_FILE if folder else None
+    return str(candidate) if candidate is not None and candidate.is_file() else ""
 
 
 def registry_target(registry_file: str | Path) -> str | None:
@@ -80,6 +88,7 @@ class RuntimeModels:
     predictor: PredictionEngine | None
     draft_dtype: str
     device: str
+    datastore: Datastore | None = None  # past answers context lookup searches (runtime/datastore.py)
 
     @property
     def end_token_ids(self) -> list[int]:
@@ -90,7 +99,7 @@ class RuntimeModels:
         """A controller over these models; ``predictor`` replaces the loaded one (e.g. a wrapper of it)."""
         ranker = predictor if predictor is not None else self.predictor
         options = dict(max_positions=self.target.max_positions, draft_dtype=self.draft_dtype, device=self.device,
-                       eos_token_ids=self.end_token_ids)
+                       eos_token_ids=self.end_token_ids, datastore=self.datastore)
         return RuntimeController(config, self.target.model, self.tokenizer, self.registry, ranker,
                                  **(options | kwargs))
 
@@ -112,6 +121,7 @@ def load_models(
     quantization: str = "none",
     gamma: int = 4,
     validate: bool = True,
+    datastore_path: str | Path | None = None,
 ) -> RuntimeModels:
     """Tokenizer, target, registry and predictor.
 
@@ -120,7 +130,8 @@ def load_models(
     ``registry_file``, each draft checked against the target's tokenizer (``validate=False``: not
     checked, for benchmarks that load only some drafts). ``predictor_path`` is a trained head
     directory (see :func:`find_predictor`); empty: no predictor. ``gamma`` is what ``quantization``
-    ``auto`` times the verify forward with.
+    ``auto`` times the verify forward with. ``datastore_path`` is a file of past answers made for this
+    target's tokenizer (see :func:`find_datastore`); empty: none.
     """
     target_dir = target_path or (registry_target(registry_file) if registry_file is not None else None)
     if not target_dir:
@@ -133,5 +144,6 @@ def load_models(
     predictor = None
     if predictor_path:
         predictor = PredictionEngine.load(predictor_path, target=target.model, tokenizer=tokenizer)
-    return RuntimeModels(tokenizer, target, registry, fingerprint, predictor, draft_dtype(dtype), device)
+    datastore = Datastore.load(datastore_path, fingerprint=fingerprint) if datastore_path else None
+    return RuntimeModels(tokenizer, target, registry, fingerprint, predictor, draft_dtype(dtype), device, datastore)
 

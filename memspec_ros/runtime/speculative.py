@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, lean_forward_for
 from .gamma_choice import ForwardCosts, GammaChooser, best_gamma, measure_costs, target_costs
 from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
@@ -253,6 +254,7 @@ class SpeculativeSession:
         lean_target: bool = True,
         adaptive_gamma: bool = False,
         lookup: LookupConfig | None = None,
+        datastore: Datastore | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -282,8 +284,11 @@ class SpeculativeSession:
         # measured forward costs and the draft's running acceptance (runtime/gamma_choice.py)
         self._gamma_chooser = GammaChooser(gamma) if adaptive_gamma else None
         # context lookup: where the text's last tokens occurred before, copy what followed them as the
-        # proposal (free); the draft proposes only where nothing matches or it is expected to do better
-        self._lookup = NgramIndex(lookup) if lookup is not None else None
+        # proposal (free); the draft proposes only where nothing matches or it is expected to do better.
+        # A datastore (past answers, runtime/datastore.py) is searched where the context has no match
+        if datastore is not None and lookup is None:
+            raise ValueError("a datastore is searched by context lookup: pass lookup=LookupConfig() with it")
+        self._lookup = NgramIndex(lookup, datastore) if lookup is not None else None
         if self._lookup is not None:
             self._lookup.extend(self.prompt_ids)
         self.generator = torch.Generator(device=self.device)
@@ -382,6 +387,8 @@ class SpeculativeSession:
         stats.proposed, stats.accepted = len(proposal.tokens), accepted
         if self._gamma_chooser is not None and (draft is not None or proposal.copied):
             self._gamma_chooser.observe(draft_name, len(proposal.tokens), accepted)
+            if not proposal.copied:
+                self._gamma_chooser.observe_cost(draft_name, len(proposal.tokens), 1000.0 * stats.draft_seconds)
         stats.committed = self._commit_accepted(proposal, accepted, extra)
         self.stats.iterations.append(stats)
         return stats
@@ -423,7 +430,7 @@ class SpeculativeSession:
             free = ForwardCosts(verify_ms=target_costs(self.target, self.gamma), draft_ms=0.0)
             gamma = chooser.choose(free, LOOKUP_DRAFT, len(tokens))
             if gamma and draft is not None:
-                costs = measure_costs(self.target, draft, self.gamma)
+                costs = chooser.costs(measure_costs(self.target, draft, self.gamma), draft_name)
                 drafted = best_gamma(costs, chooser.alpha(draft_name), self.gamma)
                 if chooser.tokens_per_ms(costs, draft_name, drafted) > chooser.tokens_per_ms(free, LOOKUP_DRAFT, gamma):
                     gamma = 0
@@ -463,7 +470,8 @@ class SpeculativeSession:
         if self._gamma_chooser is None:
             return self.gamma
         self._gamma_chooser.max_gamma = self.gamma  # a reconfigured gamma bounds the choice from now on
-        return self._gamma_chooser.choose(measure_costs(self.target, draft, self.gamma), draft_name)
+        costs = self._gamma_chooser.costs(measure_costs(self.target, draft, self.gamma), draft_name)
+        return self._gamma_chooser.choose(costs, draft_name)
 
     def _commit(self, new_tokens: list[int]) -> int:
         """Append tokens up to EOS / max_new_tokens, stream the text, detect stop strings."""

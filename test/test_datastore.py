@@ -186,11 +186,14 @@ def test_the_controller_passes_its_datastore_only_with_context_lookup(pair):
 
     target, _ = pair
     reference = generate(target, PROMPT, None, max_new_tokens=40).generated_ids
-    store = Datastore([reference])
-    for lookup in (False, True):
+    iterations = {}
+    for lookup, store in ((False, Datastore([reference])), (True, None), (True, Datastore([reference]))):
         ctl = RuntimeController(RuntimeConfig(policy="general-static", context_lookup=lookup), target, None,
                                 DraftRegistry([], validate=False), eos_token_ids=[], datastore=store)
         result = ctl.generate(PROMPT, 40)
         assert result.token_ids == reference
         assert (result.stats.copied_iterations > 0) == lookup
+        iterations[lookup, store is not None] = len(result.stats.iterations)
         ctl.close()
+    # its own answer among the past ones: copied where the context has no match, fewer target forwards
+    assert iterations[True, True] < iterations[True, False] < iterations[False, True]

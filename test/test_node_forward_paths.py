@@ -68,3 +68,60 @@ def test_context_lookup_reaches_the_session_and_the_result_counts_its_copies():
                          eos_token_ids=loaded.controller.eos_token_ids).generated_ids
         # (a ROS string cannot hold NUL: the goal runner drops it, and the tiny tokenizer's noise has some)
         assert result.result.text == loaded.tokenizer.decode(alone, skip_special_tokens=True).replace("\x00", "")
+
+
+def _tiny_datastore(path, answers, fingerprint: str | None = None):
+    from memspec_ros.runtime.datastore import Datastore
+    from memspec_ros.runtime.models import load_tokenizer, tokenizer_fingerprint
+
+    if fingerprint is None:
+        fingerprint = tokenizer_fingerprint(load_tokenizer(tiny_zoo() / "target"))
+    Datastore(answers, fingerprint=fingerprint).save(path)
+    return str(path)
+
+
+def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_path):
+    """datastore.path names past answers; with memspec.context_lookup the node copies from them, and the
+    answer stays the target's own."""
+    from memspec_ros.runtime.chat import prompt_ids
+    from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
+    from memspec_ros.runtime.speculative import generate
+
+    tokenizer = load_tokenizer(tiny_zoo() / "target")
+    target = load_model(ModelSpec(str(tiny_zoo() / "target"))).model
+    ids = prompt_ids(tokenizer, "def add(a, b):")
+    alone = generate(target, ids, None, max_new_tokens=48, eos_token_ids=[]).generated_ids
+    store = _tiny_datastore(tmp_path / "past.safetensors", [alone[:40]])
+    with harness_with(**{"memspec.context_lookup": True, "datastore.path": store}) as h:
+        loaded = h.node._loaded
+        assert loaded.controller.datastore is not None and loaded.controller.datastore.answers == 1
+        handle, _ = h.send(goal(max_new_tokens=48))
+        result = h.result(handle)
+        assert result.status == GoalStatus.STATUS_SUCCEEDED
+        expected = generate(loaded.target.model, ids, None, max_new_tokens=48,
+                            eos_token_ids=loaded.controller.eos_token_ids).generated_ids
+        assert result.result.text == loaded.tokenizer.decode(expected, skip_special_tokens=True).replace("\x00", "")
+        assert result.result.copied_iterations > 0  # (test_datastore shows the copies come from it)
+
+
+def test_a_datastore_for_another_tokenizer_fails_configure_with_the_reason(tmp_path):
+    import rclpy
+    from lifecycle_msgs.msg import Transition
+    from rclpy.context import Context
+
+    store = _tiny_datastore(tmp_path / "other.safetensors", [[1, 2, 3]], fingerprint="another-tokenizer")
+    context = Context()
+    rclpy.init(context=context)
+    h = Harness(context, overrides=node_overrides(tiny_zoo(), **{"datastore.path": store}))
+    try:
+        assert not h.transition(Transition.TRANSITION_CONFIGURE)
+        assert h.state() == "unconfigured"
+        status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+        assert "another tokenizer" in status.message and "--stages datastore" in status.message, status.message
+        # 'none' turns it off; configure then succeeds
+        assert h.set_params(**{"datastore.path": "none"})[0].successful
+        assert h.transition(Transition.TRANSITION_CONFIGURE)
+        assert h.node._loaded.controller.datastore is None
+    finally:
+        h.close()
+        rclpy.try_shutdown(context=context)

@@ -272,7 +272,8 @@ class MemSpecNode(LifecycleNode):
             torch.set_num_threads(v["model.threads"])
         models = load_models(paths.registry_file or None, drafts=P.draft_lists(v), target_path=paths.target,
                              tokenizer_path=paths.tokenizer, dtype=v["model.dtype"], device=v["model.device"],
-                             quantization=v["model.quantization"], gamma=v["memspec.gamma"])
+                             quantization=v["model.quantization"], gamma=v["memspec.gamma"],
+                             datastore_path=paths.datastore or None)
         engine, missing = self._load_predictor(paths.predictor, v["predictor.path"], models)
         note = missing if engine is None and paths.predictor else ""  # a predictor that failed to load
         predictor = RecordingRanker(engine) if engine is not None else None

@@ -1,7 +1,7 @@
 """Parameter changes: every value checked against params.py's table, then applied where it lands.
 
-* ``model.*``, ``cache.storage``, ``predictor.path`` choose what configure loads: refused while models
-  are loaded (cleanup, set, configure again);
+* ``model.*``, ``cache.storage``, ``predictor.path``, ``datastore.path`` choose what configure loads:
+  refused while models are loaded (cleanup, set, configure again);
 * ``memspec.*``: ``RuntimeController.reconfigure``, which a running goal sees at its next scheduling point;
 * ``drafts.*``: a registry built from the new values, whose entries replace the live registry's;
 * ``diagnostic_updater.period``, ``diagnostics.window_goals``: the setters the node registers;

@@ -2,9 +2,9 @@
 
 Groups follow llama_ros' dotted style. Three kinds of parameter, by when a change may land:
 
-* ``model.*``, ``cache.storage``, ``predictor.path``: they choose what configure loads, so they change
-  only while the node is unconfigured (cleanup, set, configure again); a change while models are
-  loaded is rejected with that reason.
+* ``model.*``, ``cache.storage``, ``predictor.path``, ``datastore.path``: they choose what configure
+  loads, so they change only while the node is unconfigured (cleanup, set, configure again); a change
+  while models are loaded is rejected with that reason.
 * ``memspec.*`` (policy, K, N, T, gamma, budget ...) and ``drafts.*`` (the registry): applied by the
   runtime controller at the next scheduling point, also in the middle of a running goal.
 * ``generation.*``, ``action.*``, ``diagnostics.*``, ``diagnostic_updater.period``: read per goal or
@@ -13,7 +13,8 @@ Groups follow llama_ros' dotted style. Three kinds of parameter, by when a chang
 
 Paths left empty use the bundled zoo (see :func:`default_zoo_dir`): ``drafts.registry_file`` ->
 ``<zoo>/registry.yaml``, ``model.target_path`` -> the registry's ``target``, ``predictor.path`` ->
-``<registry dir>/predictor`` when it exists ("none" disables the predictor).
+``<registry dir>/predictor`` when it exists ("none" disables the predictor), ``datastore.path`` ->
+``<registry dir>/datastore.safetensors`` when it exists ("none": no datastore).
 
 Paths are confined (:func:`check_paths`): a path parameter set after the node started, and every path a
 registry file it names lists, must resolve (symlinks and ``..`` followed) inside ``model.allowed_roots``
@@ -34,7 +35,7 @@ from typing import Any
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
 from ..runtime.controller import I64, LIMITS, RuntimeConfig
-from ..runtime.loader import DraftLists, find_predictor, registry_target
+from ..runtime.loader import DraftLists, find_datastore, find_predictor, registry_target
 from ..runtime.models import DTYPE_CHOICES, QUANTIZATIONS
 from ..runtime.policies import POLICIES
 from ..runtime.storage import STORAGE_CHOICES
@@ -125,6 +126,11 @@ PARAMS: tuple[Param, ...] = (
     Param("predictor.path", "",
           "Trained predictor directory (memspec-train-predictor). Empty: <registry dir>/predictor (or its"
           " target-hidden / minilm subfolder) if present; 'none': no predictor.",
+          AT_CONFIGURE),
+    Param("datastore.path", "",
+          "Past answers context lookup also searches where the context has no match (memspec-zoo build --stages"
+          " datastore; runtime/datastore.py). Empty: <registry dir>/datastore.safetensors if present; 'none': none."
+          " Used while memspec.context_lookup is true.",
           AT_CONFIGURE),
     Param("cache.storage", "local",
           "Storage the drafts are read from, cold (page cache dropped) at every load: local (this machine's, unpaced),"
@@ -307,7 +313,9 @@ def non_empty(items: list[str]) -> list[str]:
 
 # -- path confinement ----------------------------------------------------------------------------
 
-PATH_PARAMS = ("model.target_path", "model.tokenizer_path", "predictor.path", "drafts.registry_file", "drafts.paths")
+PATH_PARAMS = ("model.target_path", "model.tokenizer_path", "predictor.path", "datastore.path", "drafts.registry_file",
+               "drafts.paths")
+_NONE_ALLOWED = ("predictor.path", "datastore.path")  # 'none' is a choice, not a path
 PKG_PREFIX = "pkg:"  # runtime/model_source.py: a file inside an installed package, confined to it there
 _LAUNCH_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node -> locations it started with
 
@@ -355,7 +363,7 @@ def _path_values(v: dict[str, Any]) -> list[tuple[str, str]]:
             continue
         value = v[name]
         for item in (value if isinstance(value, list) else [value]):
-            if item and not (name == "predictor.path" and item == "none"):
+            if item and not (name in _NONE_ALLOWED and item == "none"):
                 found.append((name, str(item)))
     return found
 
@@ -430,6 +438,7 @@ class ModelPaths:
     target: str
     tokenizer: str
     predictor: str  # "" = no predictor
+    datastore: str = ""  # "" = no datastore
 
 
 def resolve_paths(v: dict[str, Any]) -> ModelPaths:
@@ -456,7 +465,12 @@ def resolve_paths(v: dict[str, Any]) -> ModelPaths:
     elif not predictor:
         base = Path(registry_file).parent if registry_file else Path(target).parent
         predictor = find_predictor(base / "predictor")
-    return ModelPaths(registry_file, target, v["model.tokenizer_path"] or target, predictor)
+    datastore = v["datastore.path"]
+    if datastore == "none":
+        datastore = ""
+    elif not datastore and registry_file:
+        datastore = find_datastore(Path(registry_file).parent)
+    return ModelPaths(registry_file, target, v["model.tokenizer_path"] or target, predictor, datastore)
 
 
 # The policy a predictor policy (memspec, prediction-only, ...) runs as when configure finds no usable predictor.

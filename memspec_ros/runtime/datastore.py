@@ -15,7 +15,7 @@ n-gram keys with, per key, the position right after its latest occurrence: about
 per length, built with a few numpy sorts, searched with one binary search per length. Keys are hashes,
 so a hit is confirmed against the tokens themselves before anything is copied.
 
-On disk (``memspec-zoo datastore``): a safetensors file with ``tokens`` (the answers concatenated,
+On disk (``memspec-zoo build --stages datastore``): a safetensors file with ``tokens`` (the answers concatenated,
 uint16 when the vocabulary fits) and ``offsets`` (answer boundaries), and the tokenizer's fingerprint in
 its metadata, so a datastore made for another vocabulary is refused instead of proposing nonsense.
 """
@@ -145,7 +145,7 @@ class Datastore:
 
         path = Path(path)
         if not path.is_file():
-            raise DatastoreError(f"no datastore file at {path} (memspec-zoo datastore writes one)")
+            raise DatastoreError(f"no datastore file at {path} (memspec-zoo build --stages datastore writes one)")
         try:
             with safe_open(str(path), "np") as f:
                 meta = f.metadata() or {}
@@ -157,7 +157,7 @@ class Datastore:
         if fingerprint is not None and meta.get("tokenizer_fingerprint") != fingerprint:
             raise DatastoreError(f"{path} was made with another tokenizer than the target's (fingerprint"
                                  f" {meta.get('tokenizer_fingerprint')!r}, target {fingerprint!r}): rebuild it"
-                                 " with memspec-zoo datastore for this target")
+                                 " with memspec-zoo build --stages datastore for this target")
         if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens) \
                 or (np.diff(offsets) < 0).any():
             raise DatastoreError(f"{path}: offsets do not split its {len(tokens)} tokens into answers")

@@ -83,3 +83,19 @@ def test_a_domain_draft_is_lossless_with_the_real_target(name):
     session = generate(target, ids, draft, draft_name=name, gamma=4, max_new_tokens=24)
     assert session.generated_ids == reference
     assert sum(it.accepted for it in session.stats.iterations) > 0  # the draft really drafted
+
+
+def test_the_datastore_holds_the_targets_training_answers_for_its_tokenizer():
+    """models/datastore.safetensors: one past answer per answered training request, made for the wheel's
+    tokenizer (a datastore for another vocabulary is refused), and found by the node's default."""
+    from memspec_ros.runtime.datastore import Datastore
+    from memspec_ros.runtime.loader import DATASTORE_FILE, find_datastore
+    from memspec_ros.runtime.models import tokenizer_fingerprint
+
+    registry = DraftRegistry.from_yaml(REGISTRY, validate=False)
+    store = Datastore.load(MODELS / DATASTORE_FILE,
+                           fingerprint=tokenizer_fingerprint(load_tokenizer(registry.target_path)))
+    built = json.loads((MODELS / "build_config.json").read_text())
+    assert store.answers == built["teacher_train_requests"]
+    assert 0 < store.token_count and int(store.tokens.max()) < 49_152
+    assert find_datastore(MODELS) == str(MODELS / DATASTORE_FILE)

@@ -75,6 +75,21 @@ def _draft_load(args, names, result) -> dict | None:
 
 
 
+def _datastore(args, fingerprint: str | None = None):
+    """``--datastore``: a file, 'none', or '' for the zoo's datastore.safetensors when it has one; with
+    ``fingerprint``, one made for another tokenizer is refused."""
+    from ..runtime.datastore import Datastore, DatastoreError
+    from ..runtime.loader import find_datastore
+
+    path = {"": find_datastore(args.zoo), "none": ""}.get(args.datastore, args.datastore)
+    if not path:
+        return None
+    try:
+        return Datastore.load(path, fingerprint=fingerprint)
+    except DatastoreError as exc:
+        raise SystemExit(f"--datastore: {exc}") from None
+
+
 def _write_json(result: dict, path: str | None) -> str:
     """``result`` as indented JSON; also written to ``path`` (its folder made) when one is given."""
     text = json.dumps(result, indent=2)
@@ -104,11 +119,15 @@ def cmd_engine(args) -> int:
                             lean_drafts=not args.transformers_draft_forward, adaptive_gamma=args.adaptive_gamma,
                             context_lookup=args.context_lookup)
     target, draft, prompts, names = _engine_models(args)
+    if cfg.context_lookup:
+        cfg.datastore = _datastore(args)
     with tqdm(total=cfg.runs * len(prompts), desc="engine bench", unit="prompt") as bar:
         result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
     data = asdict(result)
     data["forward_paths"] = getattr(args, "forward_paths", None)
     data["context_lookup"] = cfg.context_lookup
+    data["datastore"] = ({"answers": cfg.datastore.answers, "tokens": cfg.datastore.token_count}
+                         if cfg.datastore is not None else None)
     data["storage"] = _draft_load(args, names, result)
     text = _write_json(data, args.json)
     print(text)
@@ -130,9 +149,7 @@ def cmd_llamacpp(args) -> int:
     from tqdm import tqdm
 
     from ..runtime.chat import end_token_ids, prompt_ids
-    from ..runtime.datastore import Datastore, DatastoreError
     from ..runtime.forward_paths import PATHS
-    from ..runtime.loader import find_datastore
     from ..runtime.model_source import package_file
     from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
     from ..runtime.registry import DraftRegistry
@@ -150,18 +167,13 @@ def cmd_llamacpp(args) -> int:
         llamacpp_program(cfg.llamacpp_bin, "llama-completion")
     except LlamaCppMissing as exc:
         raise SystemExit(str(exc)) from None
-    store_path = {"": find_datastore(args.zoo), "none": ""}.get(args.datastore, args.datastore)
     registry = DraftRegistry.from_yaml(Path(args.zoo) / "registry.yaml", validate=False)
     source = args.gguf or registry.target_path
     gguf = package_file(source) if source.startswith("pkg:") else Path(source)
     if gguf.suffix != ".gguf":
         raise SystemExit(f"llama.cpp needs the target as a GGUF file; {source} is not one: pass --gguf FILE")
     tokenizer = load_tokenizer(source)
-    if store_path:
-        try:
-            cfg.datastore = Datastore.load(store_path, fingerprint=tokenizer_fingerprint(tokenizer))
-        except DatastoreError as exc:
-            raise SystemExit(f"--datastore: {exc}") from None
+    cfg.datastore = _datastore(args, tokenizer_fingerprint(tokenizer))
     targets = {}
     for path in tqdm(paths, desc="loading target paths", unit="path"):
         spec = (
@@ -404,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="choose gamma per iteration from measured costs (--gamma is then the most)")
     eng.add_argument("--context-lookup", action="store_true",
                      help="the engine also proposes tokens copied from the context (memspec.context_lookup)")
+    eng.add_argument("--datastore", default="",
+                     help="with --context-lookup: past answers searched too (default: the zoo's datastore.safetensors"
+                          " if it has one; 'none': the context only)")
     _workloads_dir_argument(eng)
     _storage_argument(eng, "the draft's cold load is measured through it and reported beside one iteration")
     eng.add_argument("--transformers-draft-forward", action="store_true",

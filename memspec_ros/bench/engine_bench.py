@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..runtime.chat import end_token_ids
+from ..runtime.datastore import Datastore
 from ..runtime.draft_forward import lean_forward_for, unsupported_reason
 from ..runtime.lookup import LookupConfig
 from ..runtime.speculative import KVState, forward_once, generate
@@ -39,6 +40,7 @@ class EngineBenchConfig:
     lean_drafts: bool = True  # the engine's lean draft forward (runtime/draft_forward.py) where it applies
     adaptive_gamma: bool = False  # gamma per iteration from measured costs (runtime/gamma_choice.py)
     context_lookup: bool = False  # proposals copied from the context beside the draft (runtime/lookup.py)
+    datastore: Datastore | None = None  # with context_lookup: past answers searched too (runtime/datastore.py)
     stop_at_end: bool = True  # every method stops at the target's end tokens (an instruct model's end of turn)
 
 
@@ -123,8 +125,10 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     # warm-up: first calls pay for allocation and lazy initialisation
     eos = end_token_ids(None, target) if cfg.stop_at_end else []
     lookup = LookupConfig() if cfg.context_lookup else None
+    store = cfg.datastore if cfg.context_lookup else None
+    # adaptive: its one-off forward timings happen here
     generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8, lean_drafts=cfg.lean_drafts,
-             adaptive_gamma=cfg.adaptive_gamma, lookup=lookup)  # adaptive: its one-off forward timings happen here
+             adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastore=store)
     if hf_can:
         _hf_generate(target, draft, prompts[0], 8, cfg.gamma, eos)
     for run in range(cfg.runs):
@@ -147,7 +151,8 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 else:
                     session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma,
                                        max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
-                                       adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, eos_token_ids=eos)
+                                       adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastore=store,
+                                       eos_token_ids=eos)
                     out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens

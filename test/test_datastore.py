@@ -21,25 +21,37 @@ from memspec_ros.runtime.speculative import SamplingConfig, generate
 from memspec_ros.testing.tiny_models import tiny_llama
 
 
+def _rank(flat: list[int], after: list[int], at: int) -> tuple[int, int, int]:
+    """How many occurrences share the next token, the next two (0 when the answer ends after one), and the
+    position: the brute-force order of which occurrence to copy."""
+    shared_one = sum(flat[q] == flat[at] for q in after)
+    two = flat[at + 1] != SEPARATOR
+    shared_two = sum(flat[q + 1] != SEPARATOR and flat[q : q + 2] == flat[at : at + 2] for q in after) if two else 0
+    return shared_one, shared_two, at
+
+
 def _searched(context: list[int], answers: list[list[int]], limit: int, config: LookupConfig,
               store: LookupConfig) -> tuple[list[int], int]:
     """By brute force: the longest suffix the context had before, at its latest occurrence; only without
-    one, the longest (of ``store``'s lengths) in the answers, at its latest occurrence followed by a token
-    of the same answer, copied up to that answer's end."""
+    one, the longest (of ``store``'s lengths) in the answers: of its occurrences followed by a token of the
+    same answer, the one whose next token most share, then next two, then the latest, copied up to that
+    answer's end."""
     for n in range(config.max_ngram, config.min_ngram - 1, -1):
         suffix = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):
             if len(context) >= n and context[start : start + n] == suffix:
                 return context[start + n : start + n + limit], n
-    flat = [t for answer in answers for t in [*answer, SEPARATOR]]
+    flat = [t for answer in answers for t in [*answer, SEPARATOR]] + [SEPARATOR]
     for n in range(store.max_ngram, store.min_ngram - 1, -1):
         if len(context) < n:
             continue
         suffix = context[-n:]
-        for start in range(len(flat) - n - 1, -1, -1):
-            if flat[start : start + n] == suffix and flat[start + n] != SEPARATOR:
-                window = flat[start + n : start + n + limit]
-                return window[: window.index(SEPARATOR)] if SEPARATOR in window else window, n
+        after = [start + n for start in range(len(flat) - n - 1)
+                 if flat[start : start + n] == suffix and flat[start + n] != SEPARATOR]
+        if after:
+            chosen = max(after, key=lambda at: _rank(flat, after, at))
+            window = flat[chosen : chosen + limit]
+            return window[: window.index(SEPARATOR)] if SEPARATOR in window else window, n
     return [], 0
 
 
@@ -92,8 +104,10 @@ def test_a_hash_collision_is_a_miss_not_a_wrong_copy(monkeypatch):
                         lambda tokens, n: np.zeros(max(len(tokens) - n + 1, 0), dtype=np.uint64))
     store = Datastore([[1, 2, 3, 4, 5, 6]], LookupConfig(2, 2))
     stored = [(a, b) for a, b in [(1, 2), (2, 3), (3, 4), (4, 5)] if store.find([a, b]) is not None]
-    assert len(stored) == 1  # one entry per key survives: the latest, (4, 5)
-    assert store.find([4, 5]) == 5 and store.find([1, 2]) is None and store.find([7, 8]) is None
+    assert len(stored) == 1  # one entry per key survives, and only that n-gram is found
+    (a, b), = stored
+    at = store.find([a, b])
+    assert store.tokens[at - 2 : at].tolist() == [a, b] and store.find([7, 8]) is None
 
 
 def test_the_file_keeps_the_answers_and_the_tokenizer(tmp_path):

@@ -95,6 +95,8 @@ def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_
     with harness_with(**{"memspec.context_lookup": True, "datastore.path": store}) as h:
         loaded = h.node._loaded
         assert loaded.controller.datastore is not None and loaded.controller.datastore.answers == 1
+        status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+        assert dict((v.key, v.value) for v in status.values)["datastore"].startswith(f"{store}: 1 answers")
         handle, _ = h.send(goal(max_new_tokens=48))
         result = h.result(handle)
         assert result.status == GoalStatus.STATUS_SUCCEEDED

@@ -137,7 +137,8 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
                  "model.quantization": args.quantization, "drafts.quantization": args.draft_quantization,
                  # gamma per iteration from measured costs: 46-49 against 43-46 tok/s fixed at 4 here
                  "memspec.adaptive_gamma": "true",
-                 # proposals copied from the context where its last tokens recur: free, and lossless
+                 # proposals copied from the context where its last tokens recur, or else from the zoo's
+                 # past answers (its datastore.safetensors, datastore.path's default): free, and lossless
                  "memspec.context_lookup": "true"}
     if not find_predictor(zoo / "predictor"):
         say(f"the zoo has no trained predictor ({zoo / 'predictor'}; train one with memspec-train-predictor):"

@@ -397,6 +397,10 @@ class NodeTasks:
         s.add("context tokens", lo.max_positions)
         s.add("chat template", has_chat_template(lo.tokenizer))
         s.add("end token ids", lo.controller.eos_token_ids or "none")
+        store = lo.controller.datastore
+        s.add("datastore", f"{lo.paths.datastore}: {store.answers} answers, {store.token_count} tokens"
+              + ("" if lo.controller.config.context_lookup else " (unused: memspec.context_lookup is off)")
+              if store is not None else "none")
         s.summary(OK, f"loaded ({state})")
         if self.runner.last_error:
             s.merge(ERROR, f"the last goal failed: {self.runner.last_error}")

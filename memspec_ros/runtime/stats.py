@@ -220,7 +220,8 @@ class GenerationStats:
 
     @property
     def copied_iterations(self) -> int:
-        """Iterations whose proposals were copied from the context (runtime/lookup.py) instead of drafted."""
+        """Iterations whose proposals were copied from the context or the datastore (runtime/lookup.py,
+        runtime/datastore.py) instead of drafted."""
         return sum(1 for it in self.iterations if it.draft == LOOKUP_DRAFT)
 
     @property

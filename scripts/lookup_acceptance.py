@@ -12,6 +12,9 @@ acceptance estimate for all copies (what the engine does) and with one per match
 the speed each would reach against the target alone under those costs: a comparison free of timing
 noise, since only the costs are measured.
 
+With ``--remember`` the adaptive replay runs once more over the held-out answers in a shuffled order,
+each searching the answers before it first (a node with ``memspec.remember_answers``).
+
 With ``--corpus train`` the lookup also searches the target's own answers to the training requests (a
 ``Datastore``, runtime/datastore.py, as the engine does with the zoo's ``datastore.safetensors``; the
 held-out requests are not among them): how much more a lookup that also searched past answers copies.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,7 +55,7 @@ def answers(folder: Path, split: str) -> Iterator[tuple[str, list[int], list[int
 def replay(prompt: list[int], answer: list[int], gamma: int, config: LookupConfig,
            datastore: Datastore | None = None) -> Iterator[tuple[int, int, int]]:
     """(matched suffix length, tokens proposed, tokens accepted) for every iteration; 0, 0, 0 without a copy."""
-    index = NgramIndex(config, datastore)
+    index = NgramIndex(config, [datastore] if datastore is not None else [])
     index.extend(prompt)
     at = 0
     while at < len(answer):
@@ -65,12 +69,17 @@ def replay(prompt: list[int], answer: list[int], gamma: int, config: LookupConfi
 
 
 def replay_adaptive(pairs: list[tuple[list[int], list[int]]], costs: ForwardCosts, gamma: int,
-                    config: LookupConfig, per_length: bool, datastore: Datastore | None = None) -> float:
+                    config: LookupConfig, per_length: bool, datastore: Datastore | None = None,
+                    remember: bool = False) -> float:
     """Tokens per second of copies chosen by adaptive gamma over ``pairs`` (prompt ids, answer ids) under
-    ``costs``: one acceptance estimate for all copies, or (``per_length``) one per matched length."""
+    ``costs``: one acceptance estimate for all copies, or (``per_length``) one per matched length. With
+    ``remember``, the answers before each one in ``pairs`` are searched first, as a controller with
+    ``remember_answers`` does (runtime/controller.py), then ``datastore``."""
     tokens, ms = 0, 0.0
-    for prompt, answer in pairs:
-        chooser, index, at = GammaChooser(gamma), NgramIndex(config, datastore), 0
+    for i, (prompt, answer) in enumerate(pairs):
+        stores = [Datastore(a for _, a in pairs[:i])] if remember and i else []
+        stores += [datastore] if datastore is not None else []
+        chooser, index, at = GammaChooser(gamma), NgramIndex(config, stores), 0
         index.extend(prompt)
         while at < len(answer):
             proposal, matched = index.propose(gamma)
@@ -97,6 +106,9 @@ def main() -> None:
     parser.add_argument("--verify-ms", help="comma-separated ms of a 1..gamma+1-token target forward: also replay"
                         " adaptive gamma's choice under these costs")
     parser.add_argument("--corpus", help="also search this split's answers (e.g. train) before each prompt")
+    parser.add_argument("--remember", action="store_true",
+                        help="with --verify-ms: also replay the held-out answers in a shuffled order, each searching"
+                             " the earlier ones first (memspec.remember_answers)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     config = LookupConfig(args.min_ngram, args.max_ngram)
@@ -140,6 +152,10 @@ def main() -> None:
             **{f"{label}_vs_target_alone": replay_adaptive(pairs, costs, args.gamma, config, per_length, corpus) / alone
                for label, per_length in (("one_estimate", False), ("per_match_length", True))},
         }
+        if args.remember:  # served one after another in a shuffled order, each remembering those before it
+            random.Random(0).shuffle(pairs)
+            result["adaptive_replay"]["remembering_earlier_answers_vs_target_alone"] = replay_adaptive(
+                pairs, costs, args.gamma, config, False, corpus, remember=True) / alone
     text = json.dumps(result, indent=1)
     if args.json:
         args.json.write_text(text + "\n")

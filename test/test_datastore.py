@@ -64,7 +64,7 @@ def test_lookup_with_a_datastore_proposes_what_a_full_search_finds(config, store
     store = Datastore(answers, store_config)
     from_store = checked = 0
     for _ in range(150):
-        index, context = NgramIndex(config, store), []
+        index, context = NgramIndex(config, [store]), []
         for _ in range(rng.randrange(1, 12)):
             chunk = [rng.randrange(7) for _ in range(rng.randrange(1, 4))]  # ids 5, 6: never in the answers
             index.extend(chunk)
@@ -79,7 +79,7 @@ def test_lookup_with_a_datastore_proposes_what_a_full_search_finds(config, store
 
 def test_a_copy_stops_at_the_end_of_its_answer():
     store = Datastore([[1, 2, 3, 4], [5, 6, 7, 8, 9]])  # searched from 3 tokens on
-    index = NgramIndex(LookupConfig(), store)
+    index = NgramIndex(LookupConfig(), [store])
     index.extend([9, 1, 2])
     assert index.propose(4) == ([], 0)  # "1 2" is too short a match in past answers
     index.extend([3])
@@ -90,10 +90,10 @@ def test_a_copy_stops_at_the_end_of_its_answer():
 
 def test_the_context_is_searched_before_past_answers():
     store = Datastore([[1, 2, 3, 4, 5]])
-    index = NgramIndex(LookupConfig(), store)
+    index = NgramIndex(LookupConfig(), [store])
     index.extend([7, 3, 8, 1, 2, 3])
     assert index.propose(2) == ([4, 5], 3)  # only past answers hold a match
-    index = NgramIndex(LookupConfig(), store)
+    index = NgramIndex(LookupConfig(), [store])
     index.extend([2, 3, 8, 1, 2, 3])
     assert index.propose(2) == ([8, 1], 2)  # the context's "2 3" wins over the past answers' "1 2 3"
 
@@ -154,7 +154,7 @@ def test_greedy_output_is_the_targets_own_with_copies_from_past_answers(pair, ga
     rng = random.Random(0)
     store = Datastore([other, [rng.randrange(24) for _ in range(200)], reference[5:30]])
     session = generate(target, PROMPT, draft if with_draft else None, draft_name="noisy", gamma=gamma,
-                       max_new_tokens=60, adaptive_gamma=adaptive, lookup=LookupConfig(), datastore=store)
+                       max_new_tokens=60, adaptive_gamma=adaptive, lookup=LookupConfig(), datastores=[store])
     assert session.generated_ids == reference
     assert session.stats.copied_iterations > 0
 
@@ -165,7 +165,7 @@ def test_past_answers_save_iterations_when_the_question_comes_again(pair):
     reference = generate(target, prompt, None, max_new_tokens=60)
     alone = generate(target, prompt, None, max_new_tokens=60, lookup=LookupConfig())
     remembered = generate(target, prompt, None, max_new_tokens=60, lookup=LookupConfig(),
-                          datastore=Datastore([reference.generated_ids]))
+                          datastores=[Datastore([reference.generated_ids])])
     assert remembered.generated_ids == reference.generated_ids
     # its own earlier answer matches from the first iterations on: fewer target forwards than context alone
     assert len(remembered.stats.iterations) < len(alone.stats.iterations)
@@ -186,7 +186,7 @@ def test_sampled_output_keeps_the_targets_distribution_with_copies_from_past_ans
     n = 3000
     for seed in range(n):
         session = generate(target, prompt, None, gamma=3, max_new_tokens=3, lookup=LookupConfig(),
-                           datastore=store, sampling=SamplingConfig(seed=seed, **sampling))
+                           datastores=[store], sampling=SamplingConfig(seed=seed, **sampling))
         counts[tuple(session.generated_ids)] += 1
         copied += session.stats.copied_iterations > 0
     assert copied > n // 2, copied  # most generations copied from the datastore
@@ -211,3 +211,23 @@ def test_the_controller_passes_its_datastore_only_with_context_lookup(pair):
         ctl.close()
     # its own answer among the past ones: copied where the context has no match, fewer target forwards
     assert iterations[True, True] < iterations[True, False] < iterations[False, True]
+
+
+def test_the_controller_remembers_its_last_answers_and_copies_from_them(pair):
+    from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    target, _ = pair
+    ctl = RuntimeController(RuntimeConfig(policy="general-static", context_lookup=True, remember_answers=2), target,
+                            None, DraftRegistry([], validate=False), eos_token_ids=[])
+    reference = generate(target, PROMPT, None, max_new_tokens=40).generated_ids
+    first, again = ctl.generate(PROMPT, 40), ctl.generate(PROMPT, 40)
+    assert first.token_ids == again.token_ids == reference
+    assert len(again.stats.iterations) < len(first.stats.iterations)  # the first answer is copied from
+    for prompt in ([2, 4, 6], [3, 5, 7]):
+        ctl.generate(prompt, 10)
+    assert ctl.remembered_answers == 2  # only the last two are kept
+    ctl.reconfigure(remember_answers=0)
+    ctl.generate(PROMPT, 40)
+    assert ctl.remembered_answers == 0 and ctl._datastores() == ()
+    ctl.close()

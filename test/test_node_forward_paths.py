@@ -92,7 +92,7 @@ def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_
     ids = prompt_ids(tokenizer, "def add(a, b):")
     alone = generate(target, ids, None, max_new_tokens=48, eos_token_ids=[]).generated_ids
     store = _tiny_datastore(tmp_path / "past.safetensors", [alone[:40]])
-    with harness_with(**{"memspec.context_lookup": True, "datastore.path": store}) as h:
+    with harness_with(**{"memspec.context_lookup": True, "datastore.path": store, "memspec.remember_answers": 3}) as h:
         loaded = h.node._loaded
         assert loaded.controller.datastore is not None and loaded.controller.datastore.answers == 1
         status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
@@ -104,6 +104,10 @@ def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_
                             eos_token_ids=loaded.controller.eos_token_ids).generated_ids
         assert result.result.text == loaded.tokenizer.decode(expected, skip_special_tokens=True).replace("\x00", "")
         assert result.result.copied_iterations > 0  # (test_datastore shows the copies come from it)
+        # memspec.remember_answers: the answer is kept for the next goals (test_datastore: copied from)
+        assert loaded.controller.remembered_answers == 1
+        status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+        assert dict((v.key, v.value) for v in status.values)["remembered answers"] == "1"
 
 
 def test_a_datastore_for_another_tokenizer_fails_configure_with_the_reason(tmp_path):

@@ -125,10 +125,10 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     # warm-up: first calls pay for allocation and lazy initialisation
     eos = end_token_ids(None, target) if cfg.stop_at_end else []
     lookup = LookupConfig() if cfg.context_lookup else None
-    store = cfg.datastore if cfg.context_lookup else None
+    stores = (cfg.datastore,) if cfg.context_lookup and cfg.datastore is not None else ()
     # adaptive: its one-off forward timings happen here
     generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8, lean_drafts=cfg.lean_drafts,
-             adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastore=store)
+             adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastores=stores)
     if hf_can:
         _hf_generate(target, draft, prompts[0], 8, cfg.gamma, eos)
     for run in range(cfg.runs):
@@ -151,7 +151,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 else:
                     session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma,
                                        max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
-                                       adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastore=store,
+                                       adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastores=stores,
                                        eos_token_ids=eos)
                     out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds

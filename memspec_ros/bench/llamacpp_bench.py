@@ -287,7 +287,7 @@ def run_llamacpp_bench(
                                        max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_token_ids,
                                        adaptive_gamma=kind in _ADAPTIVE_KINDS,
                                        lookup=LookupConfig() if kind in _LOOKUP_KINDS else None,
-                                       datastore=cfg.datastore if kind in DATASTORE_KINDS else None)
+                                       datastores=(cfg.datastore,) if kind in DATASTORE_KINDS else ())
                     tally[method].tps.append(session.stats.tokens_per_second)
                     if kind != "alone":
                         tally[method].accepted.append(session.stats.mean_accepted)

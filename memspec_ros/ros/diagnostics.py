@@ -401,6 +401,7 @@ class NodeTasks:
         s.add("datastore", f"{lo.paths.datastore}: {store.answers} answers, {store.token_count} tokens"
               + ("" if lo.controller.config.context_lookup else " (unused: memspec.context_lookup is off)")
               if store is not None else "none")
+        s.add("remembered answers", lo.controller.remembered_answers)
         s.summary(OK, f"loaded ({state})")
         if self.runner.last_error:
             s.merge(ERROR, f"the last goal failed: {self.runner.last_error}")

@@ -172,6 +172,10 @@ PARAMS: tuple[Param, ...] = (
           "Where the text's last tokens occurred before, propose the tokens that followed them (no draft"
           " forward; verified like a draft's, so the output is unchanged) (from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="context_lookup"),
+    Param("memspec.remember_answers", 0,
+          "With context_lookup: keep this node's last N answers in memory (never on disk; dropped at cleanup) and"
+          " copy from them like from the datastore, so a request asked again is answered faster (0: none).",
+          AT_SCHEDULING_POINT, int_range=LIMITS["remember_answers"], runtime_field="remember_answers"),
     Param("memspec.gamma", 4,
           "Draft tokens proposed per iteration (with adaptive_gamma: the most).",
           AT_SCHEDULING_POINT, int_range=LIMITS["gamma"], runtime_field="gamma"),

@@ -137,10 +137,6 @@ class GammaChooser:
     def alpha(self, draft_name: str) -> float:
         return self.estimates.setdefault(draft_name, AcceptanceEstimate()).alpha
 
-    def tokens_per_ms(self, costs: ForwardCosts, draft_name: str, gamma: int) -> float:
-        """Expected committed tokens per millisecond of an iteration proposing ``gamma`` of this draft's tokens."""
-        return expected_tokens(self.alpha(draft_name), gamma) / costs.iteration_ms(gamma)
-
     def choose(self, costs: ForwardCosts, draft_name: str, limit: int | None = None) -> int:
         """The best gamma in 0..min(limit, max_gamma); now and then 1 instead of 0, to keep alpha current."""
         most = self.max_gamma if limit is None else min(limit, self.max_gamma)

@@ -53,14 +53,14 @@ class NgramIndex:
     followed by a token. Kept up to date token by token (a few dictionary writes each), so a proposal
     costs a few lookups however long the context grows.
 
-    With a ``datastore`` (past answers, runtime/datastore.py) it is searched where the context has no
-    match at all, over its own n-gram lengths: the context's own matches are the more precise ones
+    ``datastores`` (past answers, runtime/datastore.py) are searched, in order, where the context has no
+    match at all, each over its own n-gram lengths: the context's own matches are the more precise ones
     (replayed over the zoo's held-out answers, context first and past answers from 3 tokens on reached
     1.40x the target alone, against 1.34x for the longest match wherever it is; scripts/lookup_acceptance.py)."""
 
-    def __init__(self, config: LookupConfig = LookupConfig(), datastore: Datastore | None = None) -> None:
+    def __init__(self, config: LookupConfig = LookupConfig(), datastores: Sequence[Datastore] = ()) -> None:
         self.config = config
-        self.datastore = datastore
+        self.datastores = tuple(datastores)
         self.tokens: list[int] = []
         self._after: dict[int, dict[tuple[int, ...], int]] = {
             n: {} for n in range(config.min_ngram, config.max_ngram + 1)
@@ -87,6 +87,8 @@ class NgramIndex:
             at = self._after[n].get(tuple(self.tokens[end - n :]))
             if at is not None:
                 return self.tokens[at : at + limit], n
-        if self.datastore is not None:
-            return self.datastore.propose(self.tokens, limit)
+        for datastore in self.datastores:
+            found = datastore.propose(self.tokens, limit)
+            if found[0]:
+                return found
         return [], 0

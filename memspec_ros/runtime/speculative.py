@@ -29,7 +29,7 @@ import torch
 
 from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, lean_forward_for
-from .gamma_choice import ForwardCosts, GammaChooser, best_gamma, measure_costs, target_costs
+from .gamma_choice import ForwardCosts, GammaChooser, measure_costs, target_costs
 from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from .stats import GenerationStats, IterationStats
 
@@ -254,7 +254,7 @@ class SpeculativeSession:
         lean_target: bool = True,
         adaptive_gamma: bool = False,
         lookup: LookupConfig | None = None,
-        datastore: Datastore | None = None,
+        datastores: Sequence[Datastore] = (),
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -284,11 +284,11 @@ class SpeculativeSession:
         # measured forward costs and the draft's running acceptance (runtime/gamma_choice.py)
         self._gamma_chooser = GammaChooser(gamma) if adaptive_gamma else None
         # context lookup: where the text's last tokens occurred before, copy what followed them as the
-        # proposal (free); the draft proposes only where nothing matches or it is expected to do better.
-        # A datastore (past answers, runtime/datastore.py) is searched where the context has no match
-        if datastore is not None and lookup is None:
+        # proposal (free); the draft proposes only where nothing worth copying matches.
+        # Datastores (past answers, runtime/datastore.py) are searched, in order, where the context has no match
+        if datastores and lookup is None:
             raise ValueError("a datastore is searched by context lookup: pass lookup=LookupConfig() with it")
-        self._lookup = NgramIndex(lookup, datastore) if lookup is not None else None
+        self._lookup = NgramIndex(lookup, datastores) if lookup is not None else None
         if self._lookup is not None:
             self._lookup.extend(self.prompt_ids)
         self.generator = torch.Generator(device=self.device)
@@ -370,7 +370,7 @@ class SpeculativeSession:
             raise RuntimeError(f"the generation has finished ({self.finish_reason}); start a new session")
         remaining = self.max_new_tokens - len(self.generated_ids)
         with _Stopwatch() as lookup_watch:
-            proposal = self._copied_proposal(remaining - 1, draft_name, draft)
+            proposal = self._copied_proposal(remaining - 1)
         if proposal.copied:  # the lookup's time stands in for the draft's
             draft_name = LOOKUP_DRAFT
             stats = IterationStats(draft=LOOKUP_DRAFT, proposed=0, accepted=0, committed=0,
@@ -418,9 +418,14 @@ class SpeculativeSession:
         self._last_draft = draft_name
         return proposal
 
-    def _copied_proposal(self, most: int, draft_name: str, draft: torch.nn.Module | None) -> _Proposal:
-        """Tokens copied from the context (none when nothing matches, or, with adaptive gamma, when the
-        draft is expected to commit more per millisecond): up to ``most`` and gamma."""
+    def _copied_proposal(self, most: int) -> _Proposal:
+        """Tokens copied from the context or a datastore, up to ``most`` and gamma: none when nothing
+        matches or, with adaptive gamma, when copying is not expected to beat a plain step.
+
+        A copy worth proposing is always preferred to the draft: measured on the real zoo (int4, 20
+        held-out prompts, interleaved), weighing each iteration's copy against the draft's expected
+        tokens per millisecond gave 1.21x the target alone, taking the copy 1.27x (the draft then
+        also skips catching up on tokens it would have proposed worse)."""
         if self._lookup is None or most < 1:
             return _Proposal()
         tokens, _ = self._lookup.propose(min(self.gamma, most))
@@ -428,13 +433,7 @@ class SpeculativeSession:
         if tokens and chooser is not None:
             chooser.max_gamma = self.gamma
             free = ForwardCosts(verify_ms=target_costs(self.target, self.gamma), draft_ms=0.0)
-            gamma = chooser.choose(free, LOOKUP_DRAFT, len(tokens))
-            if gamma and draft is not None:
-                costs = chooser.costs(measure_costs(self.target, draft, self.gamma), draft_name)
-                drafted = best_gamma(costs, chooser.alpha(draft_name), self.gamma)
-                if chooser.tokens_per_ms(costs, draft_name, drafted) > chooser.tokens_per_ms(free, LOOKUP_DRAFT, gamma):
-                    gamma = 0
-            tokens = tokens[:gamma]
+            tokens = tokens[: chooser.choose(free, LOOKUP_DRAFT, len(tokens))]
         return _Proposal(tokens=tokens, copied=True) if tokens else _Proposal()
 
     def _verify(self, proposals: list[int]) -> torch.Tensor:

@@ -231,3 +231,13 @@ def test_the_controller_remembers_its_last_answers_and_copies_from_them(pair):
     ctl.generate(PROMPT, 40)
     assert ctl.remembered_answers == 0 and ctl._datastores() == ()
     ctl.close()
+
+
+def test_of_several_datastores_the_longest_match_wins_then_the_first():
+    recent, shipped = Datastore([[1, 2, 3, 4, 5]]), Datastore([[9, 1, 2, 3, 4, 7], [2, 3, 4, 8]])
+    index = NgramIndex(LookupConfig(), [recent, shipped])
+    index.extend([6, 9, 1, 2, 3, 4])
+    assert index.propose(2) == ([7], 5)  # "9 1 2 3 4" only in the second: longer than the first's "1 2 3 4"
+    index = NgramIndex(LookupConfig(), [recent, shipped])
+    index.extend([6, 0, 2, 3, 4])
+    assert index.propose(2) == ([5], 3)  # "2 3 4" in both: the first datastore's continuation

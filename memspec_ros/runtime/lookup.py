@@ -53,10 +53,11 @@ class NgramIndex:
     followed by a token. Kept up to date token by token (a few dictionary writes each), so a proposal
     costs a few lookups however long the context grows.
 
-    ``datastores`` (past answers, runtime/datastore.py) are searched, in order, where the context has no
-    match at all, each over its own n-gram lengths: the context's own matches are the more precise ones
-    (replayed over the zoo's held-out answers, context first and past answers from 3 tokens on reached
-    1.40x the target alone, against 1.34x for the longest match wherever it is; scripts/lookup_acceptance.py)."""
+    ``datastores`` (past answers, runtime/datastore.py) are searched only where the context has no match
+    at all, each over its own n-gram lengths; the longest match wins, at equal length the earlier
+    datastore's. The context's own matches are the more precise ones: replayed over the zoo's held-out
+    answers, context first and past answers from 3 tokens on reached 1.40x the target alone, against
+    1.34x for the longest match wherever it is (scripts/lookup_acceptance.py)."""
 
     def __init__(self, config: LookupConfig = LookupConfig(), datastores: Sequence[Datastore] = ()) -> None:
         self.config = config
@@ -87,8 +88,10 @@ class NgramIndex:
             at = self._after[n].get(tuple(self.tokens[end - n :]))
             if at is not None:
                 return self.tokens[at : at + limit], n
+        # the longest match among the datastores; at equal length the earlier datastore's
+        best: tuple[list[int], int] = ([], 0)
         for datastore in self.datastores:
             found = datastore.propose(self.tokens, limit)
-            if found[0]:
-                return found
-        return [], 0
+            if found[0] and found[1] > best[1]:
+                best = found
+        return best

@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--verify-ms", help="comma-separated ms of a 1..gamma+1-token target forward: also replay"
                         " adaptive gamma's choice under these costs")
     parser.add_argument("--corpus", help="also search this split's answers (e.g. train) before each prompt")
+    parser.add_argument("--corpus-shares", help="with --corpus and --verify-ms: comma-separated shares of the corpus"
+                        " (its first answers) to replay adaptive gamma with too, e.g. 0.125,0.25,0.5,1")
     parser.add_argument("--remember", action="store_true",
                         help="with --verify-ms: also replay the held-out answers in a shuffled order, each searching"
                              " the earlier ones first (memspec.remember_answers)")
@@ -152,6 +154,12 @@ def main() -> None:
             **{f"{label}_vs_target_alone": replay_adaptive(pairs, costs, args.gamma, config, per_length, corpus) / alone
                for label, per_length in (("one_estimate", False), ("per_match_length", True))},
         }
+        if args.corpus and args.corpus_shares:  # how the gain grows with the datastore's size
+            every = [a for _, _, a in answers(args.teacher, args.corpus)]
+            result["adaptive_replay"]["by_corpus_share"] = {
+                share: replay_adaptive(pairs, costs, args.gamma, config, False,
+                                       Datastore(every[: round(len(every) * float(share))])) / alone
+                for share in args.corpus_shares.split(",")}
         if args.remember:  # served one after another in a shuffled order, each remembering those before it
             random.Random(0).shuffle(pairs)
             result["adaptive_replay"]["remembering_earlier_answers_vs_target_alone"] = replay_adaptive(

@@ -215,7 +215,9 @@ def cmd_llamacpp(args) -> int:
                      if "datastore_alone_tps" in p else "") +
                   f" | best {p['speculative_vs_llamacpp']:.2f}x ({p['speculative_method']})"
                   f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
-                  f" t_verify {p['forward']['verify_ms']:.1f} ms matmul share {p['forward']['matmul_share']:.0%}")
+                  f" t_verify {p['forward']['verify_ms']:.1f} ms | matmul kernels {p['forward']['matmul_ms']:.1f} ms"
+                  f" ({p['forward']['matmul_share']:.0%}) of 1 token, {p['forward']['verify_matmul_ms']:.1f} ms"
+                  f" ({p['forward']['verify_matmul_share']:.0%}) of the verify")
         print(
             "  goals: target alone >= 0.5x llama.cpp:"
             f" {row['target_alone_vs_llamacpp']:.2f}x ({row['best_target_alone_path']});"

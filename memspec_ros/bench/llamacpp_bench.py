@@ -178,19 +178,25 @@ def llamacpp_drafts(gguf: Path, drafts: dict[str, torch.nn.Module], domains: lis
 
 @torch.inference_mode()
 def forward_profile(model: torch.nn.Module, gamma: int, vocab_size: int) -> dict[str, float]:
-    """Milliseconds of a 1- and a gamma+1-token forward, and the matmul kernels' share of the 1-token one."""
+    """Milliseconds of a 1- and a gamma+1-token forward, and for each the matmul kernels' share of a
+    profiled forward and that share of the timed milliseconds: whether a verify's extra cost per row
+    is the kernels' or the rest's."""
     from torch.profiler import profile
 
     from ..runtime.path_choice import time_forward
 
-    one = time_forward(model, 1, vocab_size)
-    verify = time_forward(model, gamma + 1, vocab_size)
-    with profile() as prof:
-        time_forward(model, 1, vocab_size)
-    events = prof.key_averages()
-    matmul_us = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
-    total_us = sum(e.self_cpu_time_total for e in events)
-    return {"one_token_ms": one, "verify_ms": verify, "matmul_share": matmul_us / total_us if total_us else 0.0}
+    result = {"one_token_ms": time_forward(model, 1, vocab_size),
+              "verify_ms": time_forward(model, gamma + 1, vocab_size)}
+    for label, tokens in (("", 1), ("verify_", gamma + 1)):
+        with profile() as prof:
+            time_forward(model, tokens, vocab_size)
+        events = prof.key_averages()
+        matmul_us = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
+        total_us = sum(e.self_cpu_time_total for e in events)
+        share = matmul_us / total_us if total_us else 0.0
+        result[f"{label}matmul_share"] = share
+        result[f"{label}matmul_ms"] = share * result["one_token_ms" if tokens == 1 else "verify_ms"]
+    return result
 
 
 @dataclass

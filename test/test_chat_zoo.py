@@ -129,7 +129,7 @@ def tiny_build(tiny_target, tmp_path_factory):
                           arch=ChatDraftArch(rows=120, hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2,
                                              num_kv_heads=2),
                           general_train=steps, domain_train=replace(steps, max_steps=3), validation_answers=4)
-    ChatZooBuild(cfg).run(["workloads", "teacher", "vocab", "general", "domains", "export"])
+    ChatZooBuild(cfg).run(["workloads", "teacher", "vocab", "general", "domains", "export", "datastore"])
     return cfg
 
 
@@ -163,6 +163,20 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     assert set(result["matrix"]) == set(DOMAINS) and set(result["matrix"]["general"]) == set(WORKLOADS)
     assert all(0.0 <= v <= 4.0 for row in result["matrix"].values() for v in row.values())
     assert result["oracle_dynamic_mixed"] >= result["matrix"]["general"]["mixed"] - 1e-9
+
+
+def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokenizer(tiny_target, tiny_build):
+    from memspec_ros.runtime.datastore import Datastore, DatastoreError
+    from memspec_ros.runtime.loader import DATASTORE_FILE
+    from memspec_ros.runtime.models import tokenizer_fingerprint
+
+    _, tok, _ = tiny_target
+    train = load_answers(tiny_build.work_dir / "teacher", "train")
+    store = Datastore.load(tiny_build.out_dir / DATASTORE_FILE, fingerprint=tokenizer_fingerprint(tok))
+    assert store.answers == len(train) > 0  # the training answers, and only them (never the held-out ones)
+    assert store.tokens[store.tokens >= 0].tolist() == [t for a in train for t in a.answer_ids]
+    with pytest.raises(DatastoreError, match="another tokenizer"):
+        Datastore.load(tiny_build.out_dir / DATASTORE_FILE, fingerprint="another")
 
 
 def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build, tmp_path, monkeypatch):

@@ -285,7 +285,7 @@ class SpeculativeSession:
         self._gamma_chooser = GammaChooser(gamma) if adaptive_gamma else None
         # context lookup: where the text's last tokens occurred before, copy what followed them as the
         # proposal (free); the draft proposes only where nothing worth copying matches.
-        # Datastores (past answers, runtime/datastore.py) are searched, in order, where the context has no match
+        # Datastores (past answers, runtime/datastore.py) are searched where the context has no match
         if datastores and lookup is None:
             raise ValueError("a datastore is searched by context lookup: pass lookup=LookupConfig() with it")
         self._lookup = NgramIndex(lookup, datastores) if lookup is not None else None

@@ -2,14 +2,15 @@
 
 Context lookup (runtime/lookup.py) copies from the prompt and the answer so far. Answers also repeat
 *other* answers: the same request phrasings, the same explanations of a licence clause, the same code
-idioms. Replayed over the real zoo's 600 held-out answers, a lookup that also searched the target's own
-answers to the 2,176 training requests (which the held-out requests are not among) found a match in 79%
-of the iterations instead of 23%, accepted 0.94 tokens per iteration instead of 0.43, and reached 1.41x
-the target alone instead of 1.27x under its measured forward costs (scripts/lookup_acceptance.py
---corpus train, docs/results/lookup-acceptance-corpus.json). REST (He et al., 2023) calls this
-retrieval; the copies are verified like any draft's, so the output stays the target's own.
+idioms. Replayed over the real zoo's 600 held-out answers under the int4 target's measured forward
+times, a lookup that also searches the target's own answers to the 2,176 training requests (which the
+held-out requests are not among) copies in 61% of the iterations instead of 23%, and copies alone reach
+1.43x the target alone instead of 1.25x (scripts/lookup_acceptance.py --corpus train,
+docs/results/lookup-acceptance-corpus.json; in the engine, 1.39-1.44x: memspec-bench llamacpp).
+REST (He et al., 2023) calls this retrieval; the copies are verified like any draft's, so the output
+stays the target's own.
 
-Why not the context's dictionaries: 214 k tokens of answers as Python tuples per n-gram would take
+Why not the context's dictionaries: 212 k tokens of answers as Python tuples per n-gram would take
 hundreds of MB. Here the answers are one int array, and per n-gram length one sorted array of 64-bit
 n-gram keys with, per key, the position right after the occurrence to copy from: about 16 bytes per token
 per length, built with a few numpy sorts, searched with one binary search per length. Keys are hashes,
@@ -17,9 +18,10 @@ so a hit is confirmed against the tokens themselves before anything is copied. W
 occurred several times, the copy follows the continuation most of its occurrences share (as REST
 ranks by frequency), not merely the latest.
 
-On disk (``memspec-zoo build --stages datastore``): a safetensors file with ``tokens`` (the answers concatenated,
-uint16 when the vocabulary fits) and ``offsets`` (answer boundaries), and the tokenizer's fingerprint in
-its metadata, so a datastore made for another vocabulary is refused instead of proposing nonsense.
+On disk (``memspec-zoo build --stages datastore``): a safetensors file with ``tokens`` (the answers
+concatenated, uint16 when the vocabulary fits) and ``offsets`` (answer boundaries), and the tokenizer's
+fingerprint in its metadata, so a datastore made for another vocabulary is refused instead of
+proposing nonsense.
 """
 
 from __future__ import annotations

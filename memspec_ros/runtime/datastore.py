@@ -36,7 +36,8 @@ from .lookup import LookupConfig
 
 FORMAT = "memspec-datastore/1"
 # past answers are searched from 3 tokens up to 6: a 2-token match there is too often another answer's
-# phrase (replayed: 1.39x the target alone from 3 tokens on, 1.36x from 2; 1.40x up to 6 tokens against 4)
+# phrase (replayed in one-off variants of scripts/lookup_acceptance.py: 1.39x the target alone from 3
+# tokens on, 1.36x from 2; 1.40x up to 6 tokens against 4)
 DATASTORE_NGRAMS = LookupConfig(min_ngram=3, max_ngram=6)
 SEPARATOR = -1  # between answers: no token id, so no n-gram and no copy spans two answers
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: the key's polynomial is a bijection per position

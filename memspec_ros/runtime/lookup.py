@@ -57,7 +57,7 @@ class NgramIndex:
     at all, each over its own n-gram lengths; the longest match wins, at equal length the earlier
     datastore's. The context's own matches are the more precise ones: replayed over the zoo's held-out
     answers, context first and past answers from 3 tokens on reached 1.40x the target alone, against
-    1.34x for the longest match wherever it is (scripts/lookup_acceptance.py)."""
+    1.34x for the longest match wherever it is (one-off variants of scripts/lookup_acceptance.py's replay)."""
 
     def __init__(self, config: LookupConfig = LookupConfig(), datastores: Sequence[Datastore] = ()) -> None:
         self.config = config

@@ -98,10 +98,18 @@ def test_the_context_is_searched_before_past_answers():
     assert index.propose(2) == ([8, 1], 2)  # the context's "2 3" wins over the past answers' "1 2 3"
 
 
+def test_a_lookup_key_equals_the_index_key():
+    rng = random.Random(2)
+    for n in (1, 3, 6):
+        ngram = [rng.randrange(200_000) for _ in range(n)]
+        assert datastore_module._key(ngram) == int(datastore_module._keys(np.array(ngram, dtype=np.int64), n)[0])
+
+
 def test_a_hash_collision_is_a_miss_not_a_wrong_copy(monkeypatch):
     """With every n-gram given the same key, only the n-gram really stored may be found."""
     monkeypatch.setattr(datastore_module, "_keys",
                         lambda tokens, n: np.zeros(max(len(tokens) - n + 1, 0), dtype=np.uint64))
+    monkeypatch.setattr(datastore_module, "_key", lambda ngram: 0)
     store = Datastore([[1, 2, 3, 4, 5, 6]], LookupConfig(2, 2))
     stored = [(a, b) for a, b in [(1, 2), (2, 3), (3, 4), (4, 5)] if store.find([a, b]) is not None]
     assert len(stored) == 1  # one entry per key survives, and only that n-gram is found

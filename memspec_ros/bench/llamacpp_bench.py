@@ -52,16 +52,28 @@ _EVAL = re.compile(r"^\S*\s*\S*\s*common_perf_print:\s+eval time =\s*([\d.]+) ms
 _SPEC = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", re.M)
 _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
-# this engine's ways to decode, per forward path: the target alone, a draft at fixed and adaptive gamma,
-# copies from the context alone, and copies beside the draft (adaptive gamma chooses per iteration); with a
-# datastore, copies from the context and past answers, alone and beside the draft
-KINDS = ("alone", "speculative", "adaptive", "lookup", "adaptive_lookup")
-DATASTORE_KINDS = ("datastore", "adaptive_datastore")
-_DRAFTED_KINDS = ("speculative", "adaptive", "adaptive_lookup", "adaptive_datastore")
-_LOOKUP_KINDS = ("lookup", "adaptive_lookup", "datastore", "adaptive_datastore")
-# adaptive gamma for every kind but the fixed-gamma draft: copies pay only where gamma is chosen per
-# iteration (at a fixed 4, datastore copies were verified even where they rarely stand)
-_ADAPTIVE_KINDS = ("adaptive", "lookup", "adaptive_lookup", "datastore", "adaptive_datastore")
+@dataclass(frozen=True)
+class Kind:
+    """One of this engine's ways to decode, per forward path."""
+
+    draft: bool  # the prompt's domain draft proposes
+    adaptive: bool  # gamma chosen per iteration (runtime/gamma_choice.py)
+    lookup: bool  # copies from the context (runtime/lookup.py)
+    datastore: bool = False  # copies from past answers too (runtime/datastore.py); run only with a datastore
+
+
+# the target alone, a draft at fixed and adaptive gamma, copies from the context alone and beside the draft,
+# and with a datastore the same two again. Every kind with copies uses adaptive gamma: at a fixed 4,
+# datastore copies were verified even where they rarely stand
+KINDS = {
+    "alone": Kind(draft=False, adaptive=False, lookup=False),
+    "speculative": Kind(draft=True, adaptive=False, lookup=False),
+    "adaptive": Kind(draft=True, adaptive=True, lookup=False),
+    "lookup": Kind(draft=False, adaptive=True, lookup=True),
+    "adaptive_lookup": Kind(draft=True, adaptive=True, lookup=True),
+    "datastore": Kind(draft=False, adaptive=True, lookup=True, datastore=True),
+    "adaptive_datastore": Kind(draft=True, adaptive=True, lookup=True, datastore=True),
+}
 
 
 class LlamaCppMissing(RuntimeError):
@@ -240,7 +252,7 @@ def run_llamacpp_bench(
                     " over their decoding wall time (prompt encoding excluded), median over prompts and runs",
                     "llamacpp_speculative": spec_info, "llamacpp_speculative_reason": spec_reason,
                     "threads": {}}
-    kinds = KINDS + (DATASTORE_KINDS if cfg.datastore is not None else ())
+    kinds = [name for name, kind in KINDS.items() if cfg.datastore is not None or not kind.datastore]
     if cfg.datastore is not None:
         result["datastore"] = {"answers": cfg.datastore.answers, "tokens": cfg.datastore.token_count}
     halted: dict[str, str] = {}  # a llama.cpp speculative method that failed once -> llama.cpp's error
@@ -252,7 +264,7 @@ def run_llamacpp_bench(
         tally = {m: _Tally() for m in methods}
         spec_counts = {"llamacpp_speculative": [0, 0], "llamacpp_lookup": [0, 0]}  # drafted, accepted tokens
         # per path and lookup kind: iterations whose proposals were copies, and all iterations
-        copied = {(p, k): 0 for p in targets for k in kinds if k in _LOOKUP_KINDS}
+        copied = {(p, k): 0 for p in targets for k in kinds if KINDS[k].lookup}
         iterations = dict.fromkeys(copied, 0)
         identical = dict.fromkeys(targets, True)
         same_text = dict.fromkeys(targets, 0)
@@ -288,16 +300,16 @@ def run_llamacpp_bench(
                         spec_counts[method][1] += spec.accepted
                         continue
                     path, kind = method.split(":")
-                    draft = drafts.get(domain) if kind in _DRAFTED_KINDS else None
-                    session = generate(targets[path], ids, draft, draft_name=domain, gamma=cfg.gamma,
-                                       max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_token_ids,
-                                       adaptive_gamma=kind in _ADAPTIVE_KINDS,
-                                       lookup=LookupConfig() if kind in _LOOKUP_KINDS else None,
-                                       datastores=(cfg.datastore,) if kind in DATASTORE_KINDS else ())
+                    how = KINDS[kind]
+                    session = generate(targets[path], ids, drafts.get(domain) if how.draft else None,
+                                       draft_name=domain, gamma=cfg.gamma, max_new_tokens=cfg.max_new_tokens,
+                                       eos_token_ids=eos_token_ids, adaptive_gamma=how.adaptive,
+                                       lookup=LookupConfig() if how.lookup else None,
+                                       datastores=(cfg.datastore,) if how.datastore else ())
                     tally[method].tps.append(session.stats.tokens_per_second)
                     if kind != "alone":
                         tally[method].accepted.append(session.stats.mean_accepted)
-                    if kind in _LOOKUP_KINDS:
+                    if how.lookup:
                         copied[path, kind] += session.stats.copied_iterations
                         iterations[path, kind] += len(session.stats.iterations)
                     outputs[method] = session.generated_ids

@@ -30,6 +30,8 @@ setup(
     name=package_name,
     version="0.1.0",
     packages=find_packages(include=[package_name, f"{package_name}.*"]),
+    # the engine's CPU kernels are compiled from this source on the machine that runs them (runtime/cpu_kernels.py)
+    package_data={f"{package_name}.runtime": ["cpu_kernels.c"]},
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{package_name}"]),
         (f"share/{package_name}", ["package.xml"]),
@@ -38,7 +40,7 @@ setup(
         *zoo_data_files(),
     ],
     install_requires=["setuptools"],
-    zip_safe=True,
+    zip_safe=False,  # cpu_kernels.c must be a real file for the compiler
     maintainer="memspec_ros maintainers",
     maintainer_email="maintainers@users.noreply.a-seed-c56185d9.example",
     description="ROS 2 LLM generation node with MemSpec memory-aware multi-draft speculative decoding",

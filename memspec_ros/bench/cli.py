@@ -143,6 +143,13 @@ def cmd_engine(args) -> int:
     return 0 if result.outputs_identical else 1
 
 
+def _matmul_text(forward: dict) -> str:
+    if "matmul_ms" not in forward:  # the engine's C decoder: one call, no per-kernel profile
+        return f"layers: {forward['decoder']}"
+    return (f"matmul kernels {forward['matmul_ms']:.1f} ms ({forward['matmul_share']:.0%}) of 1 token,"
+            f" {forward['verify_matmul_ms']:.1f} ms ({forward['verify_matmul_share']:.0%}) of the verify")
+
+
 def cmd_llamacpp(args) -> int:
     import json as _json
 
@@ -215,9 +222,7 @@ def cmd_llamacpp(args) -> int:
                      if "datastore_alone_tps" in p else "") +
                   f" | best {p['speculative_vs_llamacpp']:.2f}x ({p['speculative_method']})"
                   f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
-                  f" t_verify {p['forward']['verify_ms']:.1f} ms | matmul kernels {p['forward']['matmul_ms']:.1f} ms"
-                  f" ({p['forward']['matmul_share']:.0%}) of 1 token, {p['forward']['verify_matmul_ms']:.1f} ms"
-                  f" ({p['forward']['verify_matmul_share']:.0%}) of the verify")
+                  f" t_verify {p['forward']['verify_ms']:.1f} ms | {_matmul_text(p['forward'])}")
         print(
             "  goals: target alone >= 0.5x llama.cpp:"
             f" {row['target_alone_vs_llamacpp']:.2f}x ({row['best_target_alone_path']});"

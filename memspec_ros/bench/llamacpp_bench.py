@@ -189,16 +189,21 @@ def llamacpp_drafts(gguf: Path, drafts: dict[str, torch.nn.Module], domains: lis
 
 
 @torch.inference_mode()
-def forward_profile(model: torch.nn.Module, gamma: int, vocab_size: int) -> dict[str, float]:
-    """Milliseconds of a 1- and a gamma+1-token forward, and for each the matmul kernels' share of a
-    profiled forward and that share of the timed milliseconds: whether a verify's extra cost per row
-    is the kernels' or the rest's."""
+def forward_profile(model: torch.nn.Module, gamma: int, vocab_size: int) -> dict:
+    """Milliseconds of a 1- and a gamma+1-token forward, how the layers ran (``decoder``), and for a forward
+    made of torch operations the matmul kernels' share of a profiled forward and that share of the timed
+    milliseconds: whether a verify's extra cost per row is the kernels' or the rest's. (The engine's C
+    decoder is one call that torch's profiler cannot see into: no shares then.)"""
     from torch.profiler import profile
 
+    from ..runtime.draft_forward import decoder_summary, lean_forward_for
     from ..runtime.path_choice import time_forward
 
-    result = {"one_token_ms": time_forward(model, 1, vocab_size),
-              "verify_ms": time_forward(model, gamma + 1, vocab_size)}
+    result: dict = {"one_token_ms": time_forward(model, 1, vocab_size),
+                    "verify_ms": time_forward(model, gamma + 1, vocab_size), "decoder": decoder_summary(model)}
+    lean = lean_forward_for(model)
+    if lean is not None and lean.decoder is not None:
+        return result
     for label, tokens in (("", 1), ("verify_", gamma + 1)):
         with profile() as prof:
             time_forward(model, tokens, vocab_size)

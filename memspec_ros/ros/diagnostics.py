@@ -39,6 +39,7 @@ from memspec_interfaces.msg import CacheState, DraftState
 from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
 
 from ..runtime.chat import has_chat_template
+from ..runtime.draft_forward import decoder_summary
 from ..runtime.stats import CacheStats, GenerationStats
 from . import params as P
 
@@ -393,6 +394,8 @@ class NodeTasks:
                 )
         if lo.target.path_report is not None:  # fp32, or q8_0 where the table is on GGUF's Q8_0 grid
             s.add("embedding", lo.target.path_report.embedding)
+            s.add("cpu kernels", lo.target.path_report.kernels)
+        s.add("decoder", decoder_summary(lo.target.model))
         s.add("parameter bytes", lo.target.size_bytes)
         s.add("context tokens", lo.max_positions)
         s.add("chat template", has_chat_template(lo.tokenizer))

@@ -33,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
+from . import cpu_kernels
 from .draft_vocab import DraftVocab, ReducedVocabDraft
 from .forward_paths import FAST_LINEARS, concat_linears
+from .kv_cache import claim_rows, is_preallocated
 
 # what the lean path can call: plain linears and the forward paths' modules (runtime/forward_paths.py)
 _LINEARS = (torch.nn.Linear, *FAST_LINEARS)
@@ -106,6 +108,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _is_silu(act: torch.nn.Module) -> bool:
+    # torch's module, or transformers' SiLUActivation (a module calling F.silu)
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
 def _linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # F.linear directly skips nn.Module.__call__'s hook machinery on the hot path
     if type(layer) is torch.nn.Linear:
@@ -148,6 +155,12 @@ class LeanLlamaForward:
             for layer in inner.layers
         ]
         self.intermediate = inner.layers[0].mlp.gate_proj.out_features
+        # the whole decoder in one C call where every linear runs on the engine's kernels (runtime/cpu_kernels.py)
+        built = (cpu_kernels.Decoder.build(self.layers, (config.hidden_size, self.heads, self.kv_heads,
+                                                         self.head_dim, self.intermediate), self.eps)
+                 if _is_silu(self.act) else f"activation {type(self.act).__name__}, not SiLU")
+        self.decoder = built if isinstance(built, cpu_kernels.Decoder) else None
+        self.decoder_reason = "" if self.decoder else built
 
     def __call__(self, ids: Sequence[int], cache: Cache, start: int, keep: int) -> torch.Tensor:
         n, end = len(ids), start + len(ids)
@@ -160,6 +173,12 @@ class LeanLlamaForward:
         # A prefill attends causally in one call. Rows fed after a cached prefix (a verify, a catch-up)
         # attend one by one, each to exactly its own prefix: the very call one-token decoding makes, so
         # a verify's rows equal one-token steps bit for bit (a masked batched call sums differently).
+        if self.decoder is not None and x.dtype == torch.float32 and is_preallocated(cache):
+            like = x.new_empty(1, self.kv_heads, n, self.head_dim)
+            rows = x[0].contiguous()
+            self.decoder(rows, start, cos[0, 0], sin[0, 0],
+                         [claim_rows(cache, index, like) for index in range(len(self.layers))])
+            return self._head(rows[None], start, keep)
         mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 and start == 0 else None
         rowwise = n > 1 and start > 0
         gqa = self.heads != self.kv_heads
@@ -182,6 +201,10 @@ class LeanLlamaForward:
             h = _rms_norm(x, layer.mlp_norm, self.eps)
             gate, up = _linear(layer.gate_up, h).split(self.intermediate, dim=-1)
             x = x + _linear(layer.down, self.act(gate) * up)
+        return self._head(x, start, keep)
+
+    def _head(self, x: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+        """The decoder's output rows ``x`` [1, n, hidden]: observers, final norm, and the last ``keep`` logits."""
         model = self._model()
         observers = _OBSERVERS.get(model) if model is not None else None
         if observers:  # what a forward hook on the decoder would see: every fed row, final-normed
@@ -219,6 +242,15 @@ def observe_hidden(model: torch.nn.Module, observer: HiddenObserver) -> Observer
     target-hidden predictor) registers here as well as on the decoder's forward hook."""
     _OBSERVERS.setdefault(model, []).append(observer)
     return ObserverHandle(model, observer)
+
+
+def decoder_summary(model: torch.nn.Module) -> str:
+    """How a forward runs the model's layers: one C call (runtime/cpu_kernels.py), the lean Python forward
+    (and why not the C one), or transformers'."""
+    lean = lean_forward_for(model)
+    if lean is None:
+        return f"transformers ({unsupported_reason(model)})"
+    return "memspec kernel: one C call per forward" if lean.decoder else f"lean python ({lean.decoder_reason})"
 
 
 def lean_forward_for(model: torch.nn.Module) -> LeanLlamaForward | None:

@@ -10,10 +10,12 @@ and multiplies with a kernel ATen already ships for CPUs:
 ``fp32``  the weights as loaded.
 ``bf16``  bf16 weights, bf16 inputs to the matmul, fp32 out: half the bytes.
 ``int8``  int8 weights per output channel; the input quantized per *row* at run
-          time and multiplied with exact int32 accumulation (``torch._int_mm``):
+          time and multiplied with exact int32 accumulation (``torch._int_mm``, or
+          the engine's VNNI kernel, which gives the same integers):
           the scheme of torchao's dynamic int8 activation/int8 weight config.
 ``int4``  4-bit weights in groups of 32 with a scale and a minimum per group
-          (``_weight_int4pack_mm_for_cpu``, bf16 inputs). This is Q4_1's grid, so
+          (the engine's AVX512-BF16 kernel, else ATen's ``_weight_int4pack_mm_for_cpu``;
+          bf16 inputs either way). This is Q4_1's grid, so
           for a Q4_1 GGUF such as the bundled target it holds the file's own
           4-bit weights exactly (only the per-group scale and minimum are rounded
           to bf16, the kernel's format). The LM head stays int8: at 4 bits the
@@ -36,6 +38,11 @@ it as Q8_0 (int8 values, one fp16 scale per 32), so on every path but fp32 a tab
 on that grid is kept in that form (:class:`Q8Embedding`, 30 MB): its rows come back bit for bit, so
 the model computes what it computed before. A table off the grid (a model trained in fp32) stays.
 
+The engine's own kernels (runtime/cpu_kernels.py, compiled on the machine that runs them) take the
+int4 and int8 layers where the CPU has the instructions they need; a model whose layers all run on
+them also runs its whole decoder in one C call (runtime/draft_forward.py). :class:`PathReport` says
+which kernels a model got.
+
 Layers whose shapes a kernel cannot take (int4 needs in_features % 32 == 0 and
 out_features % 16 == 0) keep fp32 and are counted in :class:`PathReport`.
 """
@@ -47,9 +54,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
+
 PATHS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32  # Q4_1's block size: one scale and one minimum per 32 weights
 INT4_LEVELS = 15  # 4 bits: 0..15
+I8_KERNEL_BLOCK = 64  # the VNNI kernel's step along the input (bytes per load)
 INT8_MAX = 127  # symmetric int8: -127..127 (keeps -128 unused so the grid is symmetric)
 _TINY = 1e-12  # guards an all-zero row or group against a zero scale
 
@@ -103,19 +113,37 @@ class Bf16Linear(FastLinear):
 
 
 class Int8Linear(FastLinear):
-    """int8 weights per output channel, inputs quantized per row, exact int32 accumulation."""
+    """int8 weights per output channel, inputs quantized per row, exact int32 accumulation.
+
+    Two kernels compute the same numbers (integer sums are exact in any order): the engine's VNNI kernel
+    (runtime/cpu_kernels.c, weights stored [out, in]) where this CPU has it, else ``torch._int_mm``
+    (weights stored [in, out], the layout it multiplies without a copy)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=_TINY) / INT8_MAX
-        # stored [in, out]: the layout torch._int_mm multiplies without a copy
-        self.register_buffer("qweight_t", torch.round(w / scale[:, None]).to(torch.int8).t().contiguous())
-        self.register_buffer("scale", scale)
+        self._store(torch.round(w / scale[:, None]).to(torch.int8), scale)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
+    def _store(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep the [out, in] int8 weights in the layout of the kernel that will multiply them."""
+        self.own_kernel = cpu_kernels.status().i8 and q.shape[1] % I8_KERNEL_BLOCK == 0
+        if self.own_kernel:
+            self.register_buffer("qweight", q.contiguous())
+            self.register_buffer("bias128", (128 * q.sum(dim=1, dtype=torch.int32)).to(torch.int32))
+        else:
+            self.register_buffer("qweight_t", q.t().contiguous())
+        self.register_buffer("scale", scale.contiguous())
+
+    def int8_weight(self) -> torch.Tensor:
+        """The [out, in] int8 weights, whichever layout holds them."""
+        return self.qweight if self.own_kernel else self.qweight_t.t()
+
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.own_kernel:
+            return cpu_kernels.i8_matmul(rows, self.qweight, self.bias128, self.scale)
         rows = rows.float()
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=_TINY) / INT8_MAX
         acc = torch._int_mm(torch.round(rows / row_scale).to(torch.int8), self.qweight_t)
@@ -125,15 +153,20 @@ class Int8Linear(FastLinear):
     def concat(cls, parts: list[Int8Linear]) -> Int8Linear:
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)
-        fused.register_buffer("qweight_t", torch.cat([p.qweight_t for p in parts], dim=1).contiguous())
-        fused.register_buffer("scale", torch.cat([p.scale for p in parts]))
+        fused._store(torch.cat([p.int8_weight() for p in parts]), torch.cat([p.scale for p in parts]))
         fused.bias = _concat_bias(parts)
         fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         return fused
 
 
 class Int4Linear(FastLinear):
-    """4-bit weights, groups of 32 along the input with a bf16 scale and minimum each (Q4_1's grid)."""
+    """4-bit weights, groups of 32 along the input with a bf16 scale and minimum each (Q4_1's grid).
+
+    Multiplied by the engine's kernel (runtime/cpu_kernels.c: each group's 16 weight values rounded to
+    bf16 once, then bf16 dot products; one pass over the weights for up to 8 rows) where this CPU has
+    AVX512-BF16, else by ATen's ``_weight_int4pack_mm_for_cpu`` (fp32 dequantization). The two round
+    differently, so a model's numbers depend on which ran: :func:`apply_path` reports it, and every
+    forward of one model uses the same one."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -143,18 +176,26 @@ class Int4Linear(FastLinear):
         low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / INT4_LEVELS).clamp(min=_TINY)
         q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, INT4_LEVELS).to(torch.int32)
-        self.register_buffer(
-            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1)
-        )
-        # the kernel dequantizes (q - 8) * scale + zero, so zero is the minimum plus 8 steps
-        zero = low + 8 * scale
-        self.register_buffer(
-            "scale_zero", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        )
+        self.own_kernel = cpu_kernels.status().w4
+        if self.own_kernel:
+            packed, scale_min = cpu_kernels.pack_w4(q, scale, low)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scale_min", scale_min)
+        else:
+            self.register_buffer(
+                "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1)
+            )
+            # the kernel dequantizes (q - 8) * scale + zero, so zero is the minimum plus 8 steps
+            zero = low + 8 * scale
+            self.register_buffer(
+                "scale_zero", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            )
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.in_features, self.out_features = in_features, out_features
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.own_kernel:
+            return cpu_kernels.w4_matmul(rows, self.packed, self.scale_min)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zero
         )
@@ -163,8 +204,12 @@ class Int4Linear(FastLinear):
     def concat(cls, parts: list[Int4Linear]) -> Int4Linear:
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)
+        fused.own_kernel = parts[0].own_kernel
         fused.register_buffer("packed", torch.cat([p.packed for p in parts]))  # one packed row per output
-        fused.register_buffer("scale_zero", torch.cat([p.scale_zero for p in parts], dim=1).contiguous())
+        if fused.own_kernel:
+            fused.register_buffer("scale_min", torch.cat([p.scale_min for p in parts]))
+        else:
+            fused.register_buffer("scale_zero", torch.cat([p.scale_zero for p in parts], dim=1).contiguous())
         fused.bias = _concat_bias(parts)
         fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         return fused
@@ -275,6 +320,7 @@ class PathReport:
     rows_one_by_one: list[str] = field(default_factory=list)  # layers whose kernel is not row-exact here
     head: str = ""  # the LM head's form
     embedding: str = "fp32"  # the token embedding's form: fp32, or q8_0 where the table is on that grid
+    kernels: str = "ATen"  # what multiplies the int4/int8 layers: the engine's kernels (runtime/cpu_kernels.py) or ATen
 
 
 def check_path(path: str) -> str:
@@ -330,6 +376,10 @@ def apply_path(model: torch.nn.Module, path: str, compact_embedding: bool = True
         report.converted += 1
         if _is_head(full_name):
             report.head = kind.__name__
+    if any(getattr(m, "own_kernel", False) for m in model.modules()):
+        report.kernels = cpu_kernels.status().describe()
+    elif path in ("int8", "int4"):
+        report.kernels = "ATen" + (f" ({cpu_kernels.status().reason})" if cpu_kernels.status().reason else "")
     embeddings = model.get_input_embeddings() if compact_embedding and hasattr(model, "get_input_embeddings") else None
     if type(embeddings) is torch.nn.Embedding:
         compact = Q8Embedding.exact_from(embeddings.weight)

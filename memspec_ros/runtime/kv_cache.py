@@ -50,6 +50,18 @@ class PreallocatedLayer(DynamicLayer):
         self.values = self._value_buffer[..., :end, :]
         return self.keys, self.values
 
+    def claim(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extend the cached prefix by ``like.shape[-2]`` rows that a kernel will write in place; returns the
+        whole key and value buffers ([..., capacity, head_dim]) to write them into."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        end = self._length + like.shape[-2]
+        self._reserve(like, like, end)
+        self._length = end
+        self.keys = self._key_buffer[..., :end, :]
+        self.values = self._value_buffer[..., :end, :]
+        return self._key_buffer, self._value_buffer
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of tokens to drop, got {tokens_to_remove}")
@@ -58,6 +70,19 @@ class PreallocatedLayer(DynamicLayer):
         self._length = max(0, self._length + tokens_to_remove)
         self.keys = self._key_buffer[..., : self._length, :]
         self.values = self._value_buffer[..., : self._length, :]
+
+
+def claim_rows(cache: Cache, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`PreallocatedLayer.claim` on layer ``layer_idx`` of a :func:`preallocated_cache`, creating the
+    layer as ``Cache.update`` would."""
+    while len(cache.layers) <= layer_idx:
+        cache.layers.append(PreallocatedLayer())
+    return cache.layers[layer_idx].claim(like)
+
+
+def is_preallocated(cache: Cache) -> bool:
+    return getattr(cache, "layer_class_to_replicate", None) is PreallocatedLayer and all(
+        type(layer) is PreallocatedLayer for layer in cache.layers)
 
 
 def preallocated_cache() -> Cache:

@@ -1,0 +1,239 @@
+"""The engine's own CPU kernels (runtime/cpu_kernels.c), compiled on the machine that runs them.
+
+At 1 thread the bundled target's forward is compute-bound: ATen's int4 kernel dequantizes each weight again
+for every 4 rows (a 5-row verify costs ~2x a 1-token step), and its attention and oneDNN's int8 GEMM spend
+tens of microseconds per call on set-up. The C file says what each kernel does and why its rows are exact.
+
+The file is compiled once per machine with the system C compiler (``$CC``, else ``cc``) and ``-march=native``
+into the cache folder (``$MEMSPEC_CACHE_DIR``, else ``~/.cache/memspec_ros``), keyed by the source, the
+compiler and this CPU's flags, and loaded with ctypes: nothing is downloaded, and no Python package is
+built. Where there is no compiler, or the CPU lacks an instruction set a kernel needs, the forward paths
+keep ATen's kernels and :func:`status` says why. ``MEMSPEC_CPU_KERNELS=0`` turns them off (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+FEATURE_W4, FEATURE_I8, FEATURE_DECODER = 1, 2, 4  # as memspec_kernel_features() reports them
+ENV_SWITCH = "MEMSPEC_CPU_KERNELS"
+COMPILE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which kernels this machine runs, and why any are missing."""
+
+    w4: bool = False  # 4-bit weights x bf16 rows (AVX512-BF16)
+    i8: bool = False  # int8 weights x int8 rows (AVX512-VNNI)
+    decoder: bool = False  # a whole w4/i8 decoder in one call (both instruction sets)
+    library: str = ""
+    reason: str = ""  # why some or all are missing ('' when all run)
+
+    def describe(self) -> str:
+        names = [name for name, on in (("w4", self.w4), ("i8", self.i8), ("decoder", self.decoder)) if on]
+        text = ("memspec " + ", ".join(names)) if names else "none (ATen's kernels)"
+        return f"{text}; {self.reason}" if self.reason else text
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _build(out_dir: Path) -> Path:
+    """The compiled library for this source, compiler and CPU; compiled once, reused after."""
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    library = out_dir / f"memspec_kernels-{key}.so"
+    if library.exists():
+        return library
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # compile to a temporary name and rename: a concurrent process never loads a half-written file
+    with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(partial, library)
+    finally:
+        partial.unlink(missing_ok=True)
+    return library
+
+
+def _bind(library: ctypes.CDLL) -> None:
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    library.memspec_kernel_features.restype = i
+    if hasattr(library, "w4_matmul"):
+        library.w4_matmul.argtypes = [p] * 4 + [i] * 3
+        library.w4_matmul.restype = i
+    if hasattr(library, "i8_matmul"):
+        library.i8_matmul.argtypes = [p] * 7 + [i] * 3
+        library.i8_matmul.restype = i
+    if hasattr(library, "decoder_forward"):
+        library.decoder_forward.argtypes = [p, i, p, i, i, p, p, i, i, i, i, i, f]
+        library.decoder_forward.restype = i
+
+
+@cache
+def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, KernelStatus(reason=f"turned off by {ENV_SWITCH}=0")
+    from .model_source import cache_root  # the one cache folder the runtime writes to
+
+    try:
+        path = _build(cache_root() / "kernels")
+        library = ctypes.CDLL(str(path))
+        _bind(library)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, KernelStatus(reason=f"not compiled ({type(exc).__name__}: {exc}); ATen's kernels run")
+    features = library.memspec_kernel_features()
+    missing = [why for bit, why in ((FEATURE_W4, "w4 needs AVX512-BF16"), (FEATURE_I8, "i8 needs AVX512-VNNI"))
+               if not features & bit]
+    return library, KernelStatus(w4=bool(features & FEATURE_W4), i8=bool(features & FEATURE_I8),
+                                 decoder=bool(features & FEATURE_DECODER), library=str(path),
+                                 reason="; ".join(missing) + (" (ATen's kernel runs instead)" if missing else ""))
+
+
+def status() -> KernelStatus:
+    return _load()[1]
+
+
+def _library() -> ctypes.CDLL:
+    library = _load()[0]
+    if library is None:
+        raise RuntimeError(f"the memspec CPU kernels are not loaded: {status().reason}")
+    return library
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] times 4-bit weights (``packed`` [O, K/32, 16] uint8, ``scale_min`` [O, K/32] int32 of bf16
+    pairs; see :func:`pack_w4`): float32 [M, O]."""
+    x = rows.to(torch.bfloat16).contiguous()
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+    _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1], packed.shape[0])
+    return out
+
+
+def pack_w4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit levels ``q`` [O, G, 32] (0..15) with a scale and minimum per group [O, G], in w4_matmul's layout:
+    byte j of a group holds weight j (low nibble) and j + 16 (high), and each group's bf16 scale and minimum
+    share one int32 (scale in the low half)."""
+    q = q.to(torch.uint8)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
+    scale_min = torch.stack([scale, low], -1).to(torch.bfloat16).contiguous().view(torch.int32)[..., 0]
+    return packed, scale_min.contiguous()
+
+
+def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Int8Linear's arithmetic: rows [M, K] quantized per row, times int8 ``weight`` [O, K], scaled: float32 [M, O].
+    ``bias128`` is 128 * weight.sum(1) as int32."""
+    x = rows.float().contiguous()
+    m, k = x.shape
+    o = weight.shape[0]
+    out = torch.empty(m, o, dtype=torch.float32)
+    scratch_x = torch.empty(8 * k, dtype=torch.uint8)
+    scratch_acc = torch.empty(8 * o, dtype=torch.int32)
+    _library().i8_matmul(_ptr(x), _ptr(weight), _ptr(bias128), _ptr(scale), _ptr(out), _ptr(scratch_x),
+                         _ptr(scratch_acc), m, k, o)
+    return out
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("in_features", ctypes.c_int), ("out_features", ctypes.c_int),
+                ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("capacity", ctypes.c_int)]
+
+
+def _kernel_linear(module: torch.nn.Module) -> _Linear | str:
+    """The C description of a forward-path linear that runs on this file's kernels, or why it cannot."""
+    from .forward_paths import Int4Linear, Int8Linear  # forward_paths imports this module
+
+    if getattr(module, "bias", None) is not None:
+        return f"{type(module).__name__} has a bias"
+    if isinstance(module, Int4Linear) and module.own_kernel:
+        return _Linear(4, module.in_features, module.out_features, _ptr(module.packed), _ptr(module.scale_min), None)
+    if isinstance(module, Int8Linear) and module.own_kernel:
+        return _Linear(8, module.in_features, module.out_features, _ptr(module.qweight), _ptr(module.bias128),
+                       _ptr(module.scale))
+    return f"{type(module).__name__} does not run on the memspec kernels"
+
+
+class Decoder:
+    """Every layer of a lean Llama forward (runtime/draft_forward.py) in one C call, for models whose linears
+    all run on this file's kernels. Build with :meth:`build`, which says why a model does not qualify."""
+
+    def __init__(self, layers: ctypes.Array, keep: list[torch.Tensor], dims: tuple[int, int, int, int, int],
+                 eps: float) -> None:
+        self._layers, self._keep = layers, keep  # keep: the tensors the C structs point into
+        self.dim, self.heads, self.kv_heads, self.head_dim, self.intermediate = dims
+        self.eps = eps
+
+    @classmethod
+    def build(cls, layers: list, dims: tuple[int, int, int, int, int], eps: float) -> Decoder | str:
+        if not status().decoder:
+            return "the decoder kernel is not compiled here: " + (status().reason or "no AVX512-BF16/VNNI")
+        dim, heads, kv_heads, head_dim, intermediate = dims
+        if dim % 64 or head_dim % 64 or intermediate % 64 or heads % kv_heads:
+            return f"shapes the kernel does not take (hidden {dim}, head_dim {head_dim}, intermediate {intermediate})"
+        table = (_Layer * len(layers))()
+        keep: list[torch.Tensor] = []
+        for slot, layer in zip(table, layers, strict=True):
+            for norm in (layer.attn_norm, layer.mlp_norm):
+                if norm.dtype != torch.float32 or not norm.is_contiguous():
+                    return "RMSNorm weights are not contiguous fp32"
+                keep.append(norm)
+            slot.attn_norm, slot.mlp_norm = _ptr(layer.attn_norm), _ptr(layer.mlp_norm)
+            for name in ("qkv", "o", "gate_up", "down"):
+                described = _kernel_linear(getattr(layer, name))
+                if isinstance(described, str):
+                    return f"{name}: {described}"
+                setattr(slot, name, described)
+        return cls(table, keep, dims, eps)
+
+    def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                 buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run every layer on ``x`` [n, dim] (fp32, contiguous, in place) at positions start..start+n-1; each
+        layer's keys and values go into ``buffers`` ([1, kv_heads, capacity, head_dim] fp32, as
+        kv_cache.claim_rows returns them, already extended by n rows)."""
+        for slot, (keys, values) in zip(self._layers, buffers, strict=True):
+            slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        if _library().decoder_forward(self._layers, len(buffers), _ptr(x), x.shape[0], start, _ptr(cos), _ptr(sin),
+                                      self.dim, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+                                      self.eps):
+            raise MemoryError("the decoder kernel could not allocate its scratch memory")

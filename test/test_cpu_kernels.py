@@ -1,0 +1,174 @@
+"""The engine's C kernels (runtime/cpu_kernels.c): each computes its layer, a multi-row call computes every row as
+that row alone (the losslessness of a verify rests on it), the one-call decoder equals the lean Python forward
+over the same layers, speculative decoding through it stays lossless, and a machine without them falls back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from memspec_ros.runtime import cpu_kernels
+from memspec_ros.runtime.draft_forward import decoder_summary, lean_forward_for
+from memspec_ros.runtime.forward_paths import INT4_GROUP, Int4Linear, Int8Linear, apply_path
+from memspec_ros.runtime.speculative import KVState, forward_once, generate
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
+
+STATUS = cpu_kernels.status()
+needs_w4 = pytest.mark.skipif(not STATUS.w4, reason=f"no w4 kernel here: {STATUS.reason}")
+needs_i8 = pytest.mark.skipif(not STATUS.i8, reason=f"no i8 kernel here: {STATUS.reason}")
+needs_decoder = pytest.mark.skipif(not STATUS.decoder, reason=f"no decoder kernel here: {STATUS.reason}")
+ROWS = range(1, 11)  # 1..8 rows take one pass over the weights, 9 and 10 two
+
+
+def _rows_alone(f, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([f(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+@needs_i8
+@pytest.mark.parametrize("rows", ROWS)
+def test_i8_kernel_equals_int_mm_bit_for_bit(rows):
+    """Integer sums are exact, and the kernel quantizes and scales rows with Int8Linear's own operations, so it
+    gives torch._int_mm's numbers exactly."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(80, 128, generator=gen), torch.randn(rows, 128, generator=gen) * 3
+    layer = Int8Linear(weight, None)
+    assert layer.own_kernel
+    q = layer.qweight
+    row_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    sums = torch._int_mm(torch.round(x / row_scale).to(torch.int8), q.t().contiguous())
+    want = sums.float() * row_scale * layer.scale
+    got = layer(x)
+    assert torch.equal(got, want)
+    assert torch.equal(got, _rows_alone(layer, x))
+
+
+@needs_w4
+@pytest.mark.parametrize("rows", ROWS)
+def test_w4_kernel_computes_the_bf16_rounded_layer_and_each_row_alone(rows):
+    gen = torch.Generator().manual_seed(10 + rows)
+    weight, x = torch.randn(48, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    layer = Int4Linear(weight, None)
+    assert layer.own_kernel
+    # what it multiplies: each group's levels q * scale + minimum rounded to bf16, times bf16 inputs
+    q = torch.cat([layer.packed & 15, layer.packed >> 4], -1).float()
+    pair = layer.scale_min.view(torch.bfloat16).view(*layer.scale_min.shape, 2).float()
+    levels = (q * pair[..., :1] + pair[..., 1:]).to(torch.bfloat16).double().view(48, 96)
+    want = x.to(torch.bfloat16).double() @ levels.t()
+    got = layer(x)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got, _rows_alone(layer, x))
+
+
+@needs_w4
+def test_w4_kernel_keeps_a_q4_1_layer_to_bf16_precision():
+    """Weights already on the 4-bit grid (a Q4_1 GGUF's) come back within bf16 rounding of the weights and inputs."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (32, 2, INT4_GROUP), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15
+    scale = torch.rand(32, 2, 1, generator=gen) * 0.1 + 0.01
+    weight = (q * scale - 0.3).view(32, 64)
+    x = torch.randn(3, 64, generator=gen)
+    err = (Int4Linear(weight, None)(x) - x @ weight.t()).norm() / (x @ weight.t()).norm()
+    assert err < 0.01
+
+
+def _decoder_model(path: str, seed: int = 7, noise: float = 0.0):
+    """A model the decoder takes (hidden 256, head_dim 64, intermediate 512), on ``path``; with ``noise``, the
+    seed's model plus Gaussian noise (a draft that agrees with it on some tokens)."""
+    model = tiny_llama(vocab_size=96, hidden=256, layers=2, seed=seed, init_range=0.2)
+    if noise:
+        model = noisy_copy(model, noise, seed=seed + 100)
+    apply_path(model, path)
+    return model
+
+
+@needs_decoder
+@pytest.mark.parametrize("path", ["int4", "int8"])
+def test_decoder_runs_the_layers_as_the_lean_forward_does(path):
+    model = _decoder_model(path)
+    lean = lean_forward_for(model)
+    assert lean.decoder is not None, lean.decoder_reason
+    assert decoder_summary(model).startswith("memspec kernel")
+    prompt, rows = [5, 9, 33, 2, 71, 40, 8, 8, 13], [7, 21, 9, 40, 2]
+    out, decoder = {}, lean.decoder
+    with torch.inference_mode():
+        for name, use in (("decoder", decoder), ("python", None)):  # python: the lean forward, same layers
+            lean.decoder = use
+            kv = KVState()
+            prefill = forward_once(model, prompt, kv, len(prompt), "cpu", lean)
+            verify = forward_once(model, rows, kv, len(rows), "cpu", lean)
+            out[name] = torch.cat([prefill, verify])
+    lean.decoder = decoder
+    # the same kernels multiply; RMSNorm, RoPE, attention and SiLU are loops in C instead of torch operations
+    scale = out["python"].abs().max()
+    assert (out["decoder"] - out["python"]).abs().max() < 2e-3 * scale
+    assert torch.equal(out["decoder"].argmax(-1), out["python"].argmax(-1))
+
+
+@needs_decoder
+@pytest.mark.parametrize("path", ["int4", "int8"])
+def test_decoder_verify_rows_equal_one_token_steps_bit_for_bit(path):
+    model = _decoder_model(path, seed=8)
+    lean = lean_forward_for(model)
+    assert lean.decoder is not None
+    prompt, rows = list(range(3, 30)), [7, 21, 9, 40, 2, 11, 60, 5, 17]  # 9 rows: two row blocks
+    together, alone = KVState(), KVState()
+    with torch.inference_mode():
+        forward_once(model, prompt, together, 1, "cpu", lean)
+        forward_once(model, prompt, alone, 1, "cpu", lean)
+        verify = forward_once(model, rows, together, len(rows), "cpu", lean)
+        steps = torch.cat([forward_once(model, [t], alone, 1, "cpu", lean) for t in rows])
+        # a rollback and a different continuation: the cache rows the kernel wrote are cropped like any others
+        together.crop_to(len(prompt) + 2)
+        again = forward_once(model, [50, 51], together, 2, "cpu", lean)
+        alone.crop_to(len(prompt) + 2)
+        again_steps = torch.cat([forward_once(model, [t], alone, 1, "cpu", lean) for t in (50, 51)])
+    assert torch.equal(verify, steps)
+    assert torch.equal(again, again_steps)
+
+
+@needs_decoder
+@pytest.mark.parametrize("path", ["int4", "int8"])
+def test_speculative_greedy_through_the_decoder_equals_the_target_alone(path):
+    target, draft = _decoder_model(path, seed=9), _decoder_model(path, seed=9, noise=0.02)
+    assert lean_forward_for(target).decoder is not None
+    prompt = [5, 9, 33, 2, 71, 40]
+    alone = generate(target, prompt, None, gamma=4, max_new_tokens=40, eos_token_ids=[])
+    for adaptive in (False, True):
+        spec = generate(target, prompt, draft, gamma=4, max_new_tokens=40, eos_token_ids=[], adaptive_gamma=adaptive)
+        assert spec.generated_ids == alone.generated_ids
+    assert spec.stats.mean_accepted > 0  # the draft agreed sometimes: verifies of several rows really ran
+
+
+def _status_in_subprocess(env: dict[str, str]) -> str:
+    code = ("from memspec_ros.runtime import cpu_kernels, forward_paths; import torch;"
+            "s = cpu_kernels.status(); l = forward_paths.Int4Linear(torch.randn(16, 64), None);"
+            "print(s.describe(), '|', l.own_kernel, '|', l(torch.randn(2, 64)).shape)")
+    import os
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_turned_off_the_paths_use_atens_kernels():
+    out = _status_in_subprocess({"MEMSPEC_CPU_KERNELS": "0"})
+    assert out.startswith("none (ATen's kernels); turned off by MEMSPEC_CPU_KERNELS=0")
+    assert "| False |" in out and out.endswith("torch.Size([2, 16])")
+
+
+def test_without_a_compiler_the_paths_use_atens_kernels_and_say_why(tmp_path):
+    out = _status_in_subprocess({"CC": "/bin/false", "MEMSPEC_CACHE_DIR": str(tmp_path)})
+    assert out.startswith("none (ATen's kernels); not compiled")
+    assert "/bin/false failed" in out and "| False |" in out
+
+
+def test_the_library_is_compiled_once_per_machine_and_source(tmp_path):
+    first = cpu_kernels._build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left behind

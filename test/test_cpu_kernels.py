@@ -172,3 +172,25 @@ def test_the_library_is_compiled_once_per_machine_and_source(tmp_path):
     stamp = first.stat().st_mtime_ns
     assert cpu_kernels._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left behind
+
+
+@needs_decoder
+@pytest.mark.parametrize("path", ["int4", "int8"])
+def test_the_thread_count_does_not_change_a_number(path):
+    """Threads split outputs (matmuls) and heads (attention); each is computed by the same operations whichever
+    thread runs it, so 1 and 3 threads give the same logits bit for bit (3: parts of unequal size)."""
+    model = _decoder_model(path, seed=11)
+    lean = lean_forward_for(model)
+    prompt, rows = list(range(3, 40)), [7, 21, 9, 40, 2]
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            kv = KVState()
+            with torch.inference_mode():
+                out.append(torch.cat([forward_once(model, prompt, kv, 4, "cpu", lean),
+                                      forward_once(model, rows, kv, len(rows), "cpu", lean)]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out[0], out[1])

@@ -22,8 +22,14 @@
  *               Python and dispatch around ~50 small tensor operations per layer cost as much as a third
  *               of the forward; here RMSNorm, RoPE, the KV cache write, attention (each query row over its
  *               own causal prefix), SiLU and the residuals are plain loops between the matmul kernels.
+ *
+ * Threads: each matmul splits its outputs, and attention its heads, among `threads` threads (the caller and
+ * a small pool). Every output is computed by the same operations whichever thread computes it, so the
+ * numbers do not depend on the thread count either.
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -50,6 +56,86 @@ int memspec_kernel_features(void) {
   return features;
 }
 
+
+/* ---------------------------------------------------------------- threads */
+typedef void (*RangeFn)(void* ctx, int begin, int end);
+#define MAX_THREADS 64
+#define SPINS 20000 /* polls before a waiting worker sleeps: forwards come back to back within a generation */
+
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t wake;
+  int workers; /* started so far */
+  atomic_uint generation;
+  atomic_int pending;
+  RangeFn fn;
+  void* ctx;
+  int total, parts, align;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 1};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+/* Part `part` of `parts` of [0, total), in chunks that are multiples of `align` (the kernels' output blocks). */
+static void run_part(RangeFn fn, void* ctx, int total, int parts, int align, int part) {
+  const int blocks = (total + align - 1) / align;
+  const int per = (blocks + parts - 1) / parts;
+  int begin = part * per * align, end = begin + per * align;
+  if (end > total) end = total;
+  if (begin < end) fn(ctx, begin, end);
+}
+
+static void* worker(void* arg) {
+  const int index = (int)(intptr_t)arg; /* 1.. (the caller is part 0) */
+  unsigned seen = 0;
+  for (;;) {
+    unsigned now;
+    int spins = 0;
+    while ((now = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
+      if (++spins < SPINS) {
+        cpu_relax();
+        continue;
+      }
+      pthread_mutex_lock(&pool.lock);
+      while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen)
+        pthread_cond_wait(&pool.wake, &pool.lock);
+      pthread_mutex_unlock(&pool.lock);
+    }
+    seen = now;
+    if (index < pool.parts) run_part(pool.fn, pool.ctx, pool.total, pool.parts, pool.align, index);
+    atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+  }
+  return NULL;
+}
+
+/* fn over [0, total) split among `threads` threads; returns when all parts are done. Called from one thread
+ * at a time (the engine's forwards are sequential; the Python wrapper holds a lock). */
+static void parallel_for(RangeFn fn, void* ctx, int total, int threads, int align) {
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  if (threads <= 1 || total <= align) {
+    fn(ctx, 0, total);
+    return;
+  }
+  while (pool.workers < threads - 1) {
+    pthread_t id;
+    if (pthread_create(&id, NULL, worker, (void*)(intptr_t)(pool.workers + 1)) != 0) break;
+    pthread_detach(id);
+    pool.workers++;
+  }
+  if (threads > pool.workers + 1) threads = pool.workers + 1;
+  pool.fn = fn, pool.ctx = ctx, pool.total = total, pool.parts = threads, pool.align = align;
+  atomic_store_explicit(&pool.pending, pool.workers, memory_order_relaxed);
+  pthread_mutex_lock(&pool.lock);
+  atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+  pthread_cond_broadcast(&pool.wake);
+  pthread_mutex_unlock(&pool.lock);
+  run_part(fn, ctx, total, threads, align, 0);
+  while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) cpu_relax();
+}
+
 /* ---------------------------------------------------------------- w4: 4-bit weights, bf16 rows */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 /* One group's 32 weights as bf16. q: 16 bytes, byte j holding weight j (low nibble) and j+16 (high);
@@ -70,10 +156,10 @@ static inline __m512i group_weights(const uint8_t* q, uint32_t scale_min) {
 /* OB output rows at a time share each row's input loads; MR rows share each group's unpacking. */
 #define DEFINE_W4(MR, OB)                                                                                   \
   static void w4_##MR(const uint8_t* restrict qw, const uint32_t* restrict sm, const uint16_t* restrict x, \
-                      float* restrict y, int K, int O) {                                                    \
+                      float* restrict y, int K, int O, int o_begin, int o_end) {                            \
     const int groups = K / 32;                                                                              \
-    int o = 0;                                                                                              \
-    for (; o + OB <= O; o += OB) {                                                                          \
+    int o = o_begin;                                                                                        \
+    for (; o + OB <= o_end; o += OB) {                                                                      \
       __m512 acc[OB][MR];                                                                                   \
       for (int r = 0; r < OB; r++)                                                                          \
         for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_ps();                                       \
@@ -92,7 +178,7 @@ static inline __m512i group_weights(const uint8_t* q, uint32_t scale_min) {
       for (int r = 0; r < OB; r++)                                                                          \
         for (int m = 0; m < MR; m++) y[(size_t)m * O + o + r] = _mm512_reduce_add_ps(acc[r][m]);            \
     }                                                                                                       \
-    for (; o < O; o++) { /* the rest one output at a time: the same operations per output */               \
+    for (; o < o_end; o++) { /* the rest one output at a time: the same operations per output */           \
       __m512 acc[MR];                                                                                       \
       for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();                                            \
       for (int g = 0; g < groups; g++) {                                                                    \
@@ -108,23 +194,37 @@ static inline __m512i group_weights(const uint8_t* q, uint32_t scale_min) {
 DEFINE_W4(1, 4) DEFINE_W4(2, 4) DEFINE_W4(3, 4) DEFINE_W4(4, 4)
 DEFINE_W4(5, 4) DEFINE_W4(6, 2) DEFINE_W4(7, 2) DEFINE_W4(8, 2)
 
-/* y[M][O] = x[M][K] (bf16) times the 4-bit weights' transpose. K % 32 == 0. */
-int w4_matmul(const uint8_t* qw, const uint32_t* sm, const uint16_t* x, float* y, int M, int K, int O) {
-  for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-    const int mr = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
-    const uint16_t* xs = x + (size_t)m0 * K;
-    float* ys = y + (size_t)m0 * O;
+typedef struct {
+  const uint8_t* qw;
+  const uint32_t* sm;
+  const uint16_t* x;
+  float* y;
+  int M, K, O;
+} W4Call;
+
+static void w4_range(void* ctx, int o_begin, int o_end) {
+  const W4Call* c = (const W4Call*)ctx;
+  for (int m0 = 0; m0 < c->M; m0 += ROW_BLOCK) {
+    const int mr = c->M - m0 < ROW_BLOCK ? c->M - m0 : ROW_BLOCK;
+    const uint16_t* xs = c->x + (size_t)m0 * c->K;
+    float* ys = c->y + (size_t)m0 * c->O;
     switch (mr) {
-      case 1: w4_1(qw, sm, xs, ys, K, O); break;
-      case 2: w4_2(qw, sm, xs, ys, K, O); break;
-      case 3: w4_3(qw, sm, xs, ys, K, O); break;
-      case 4: w4_4(qw, sm, xs, ys, K, O); break;
-      case 5: w4_5(qw, sm, xs, ys, K, O); break;
-      case 6: w4_6(qw, sm, xs, ys, K, O); break;
-      case 7: w4_7(qw, sm, xs, ys, K, O); break;
-      default: w4_8(qw, sm, xs, ys, K, O); break;
+      case 1: w4_1(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
+      case 2: w4_2(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
+      case 3: w4_3(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
+      case 4: w4_4(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
+      case 5: w4_5(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
+      case 6: w4_6(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
+      case 7: w4_7(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
+      default: w4_8(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
     }
   }
+}
+
+/* y[M][O] = x[M][K] (bf16) times the 4-bit weights' transpose. K % 32 == 0. */
+int w4_matmul(const uint8_t* qw, const uint32_t* sm, const uint16_t* x, float* y, int M, int K, int O, int threads) {
+  W4Call call = {qw, sm, x, y, M, K, O};
+  parallel_for(w4_range, &call, O, threads, 4);
   return 0;
 }
 #endif
@@ -132,12 +232,15 @@ int w4_matmul(const uint8_t* qw, const uint32_t* sm, const uint16_t* x, float* y
 /* ---------------------------------------------------------------- i8: int8 weights and rows */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 /* vpdpbusd multiplies unsigned by signed bytes: rows go in shifted by +128, and each output's
- * 128 * sum(weights) (bias128) is taken off again. All sums are exact int32. */
+ * 128 * sum(weights) (bias128) is taken off again. All sums are exact int32; each is then scaled as
+ * Int8Linear scales it: ((float)sum * row_scale) * scale, two roundings in torch's order. */
+#define I8_OUT(m, o, sum) y[(size_t)(m) * O + (o)] = ((float)((sum) - b128[o]) * row_scale[m]) * scale[o]
 #define DEFINE_I8(MR, OB)                                                                                  \
   static void i8_##MR(const uint8_t* restrict xu, const int8_t* restrict w, const int32_t* restrict b128, \
-                      int32_t* restrict acc_out, int K, int O) {                                           \
-    int o = 0;                                                                                             \
-    for (; o + OB <= O; o += OB) {                                                                         \
+                      const float* restrict row_scale, const float* restrict scale, float* restrict y,     \
+                      int K, int O, int o_begin, int o_end) {                                              \
+    int o = o_begin;                                                                                       \
+    for (; o + OB <= o_end; o += OB) {                                                                     \
       __m512i acc[OB][MR];                                                                                 \
       for (int r = 0; r < OB; r++)                                                                         \
         for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_si512();                                   \
@@ -150,10 +253,9 @@ int w4_matmul(const uint8_t* qw, const uint32_t* sm, const uint16_t* x, float* y
         }                                                                                                  \
       }                                                                                                    \
       for (int r = 0; r < OB; r++)                                                                         \
-        for (int m = 0; m < MR; m++)                                                                       \
-          acc_out[(size_t)m * O + o + r] = _mm512_reduce_add_epi32(acc[r][m]) - b128[o + r];               \
+        for (int m = 0; m < MR; m++) I8_OUT(m, o + r, _mm512_reduce_add_epi32(acc[r][m]));                 \
     }                                                                                                      \
-    for (; o < O; o++) {                                                                                   \
+    for (; o < o_end; o++) {                                                                               \
       __m512i acc[MR];                                                                                     \
       for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_si512();                                        \
       for (int k = 0; k < K; k += 64) {                                                                    \
@@ -161,46 +263,56 @@ int w4_matmul(const uint8_t* qw, const uint32_t* sm, const uint16_t* x, float* y
         for (int m = 0; m < MR; m++)                                                                       \
           acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(xu + (size_t)m * K + k), wv);            \
       }                                                                                                    \
-      for (int m = 0; m < MR; m++) acc_out[(size_t)m * O + o] = _mm512_reduce_add_epi32(acc[m]) - b128[o]; \
+      for (int m = 0; m < MR; m++) I8_OUT(m, o, _mm512_reduce_add_epi32(acc[m]));                          \
     }                                                                                                      \
   }
 DEFINE_I8(1, 4) DEFINE_I8(2, 4) DEFINE_I8(3, 4) DEFINE_I8(4, 4)
 DEFINE_I8(5, 2) DEFINE_I8(6, 2) DEFINE_I8(7, 2) DEFINE_I8(8, 2)
 
-/* y[M][O] = (sum_k q(x)[m][k] * w[o][k]) * row_scale[m] * scale[o], where row_scale = max|x[m]| / 127
- * (at least 1e-12 / 127) and q(x) = round-half-even(x / row_scale): Int8Linear's arithmetic, operation
- * for operation. K % 64 == 0. xu: scratch of M*K bytes; acc: scratch of M*O int32. */
-int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float* scale, float* y,
-              uint8_t* xu, int32_t* acc, int M, int K, int O) {
-  float row_scale[ROW_BLOCK];
-  for (int m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-    const int mr = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
-    for (int m = 0; m < mr; m++) {
-      const float* row = x + (size_t)(m0 + m) * K;
-      float top = 0.0f;
-      for (int k = 0; k < K; k++) top = fmaxf(top, fabsf(row[k]));
-      row_scale[m] = fmaxf(top, 1e-12f) / 127.0f;
-      for (int k = 0; k < K; k++) xu[(size_t)m * K + k] = (uint8_t)((int)nearbyintf(row[k] / row_scale[m]) + 128);
-    }
+typedef struct {
+  const uint8_t* xu;
+  const int8_t* w;
+  const int32_t* b128;
+  const float* row_scale;
+  const float* scale;
+  float* y;
+  int M, K, O;
+} I8Call;
+
+static void i8_range(void* ctx, int o_begin, int o_end) {
+  const I8Call* c = (const I8Call*)ctx;
+  for (int m0 = 0; m0 < c->M; m0 += ROW_BLOCK) {
+    const int mr = c->M - m0 < ROW_BLOCK ? c->M - m0 : ROW_BLOCK;
+    const uint8_t* xs = c->xu + (size_t)m0 * c->K;
+    const float* rs = c->row_scale + m0;
+    float* ys = c->y + (size_t)m0 * c->O;
     switch (mr) {
-      case 1: i8_1(xu, w, b128, acc, K, O); break;
-      case 2: i8_2(xu, w, b128, acc, K, O); break;
-      case 3: i8_3(xu, w, b128, acc, K, O); break;
-      case 4: i8_4(xu, w, b128, acc, K, O); break;
-      case 5: i8_5(xu, w, b128, acc, K, O); break;
-      case 6: i8_6(xu, w, b128, acc, K, O); break;
-      case 7: i8_7(xu, w, b128, acc, K, O); break;
-      default: i8_8(xu, w, b128, acc, K, O); break;
-    }
-    for (int m = 0; m < mr; m++) {
-      float* out = y + (size_t)(m0 + m) * O;
-      const int32_t* a = acc + (size_t)m * O;
-      for (int o = 0; o < O; o++) {
-        const float scaled = (float)a[o] * row_scale[m]; /* two roundings, in torch's order */
-        out[o] = scaled * scale[o];
-      }
+      case 1: i8_1(xs, c->w, c->b128, rs, c->scale, ys, c->K, c->O, o_begin, o_end); break;
+      case 2: i8_2(xs, c->w, c->b128, rs, c->scale, ys, c->K, c->O, o_begin, o_end); break;
+      case 3: i8_3(xs, c->w, c->b128, rs, c->scale, ys, c->K, c->O, o_begin, o_end); break;
+      case 4: i8_4(xs, c->w, c->b128, rs, c->scale, ys, c->K, c->O, o_begin, o_end); break;
+      case 5: i8_5(xs, c->w, c->b128, rs, c->scale, ys, c->K, c->O, o_begin, o_end); break;
+      case 6: i8_6(xs, c->w, c->b128, rs, c->scale, ys, c->K, c->O, o_begin, o_end); break;
+      case 7: i8_7(xs, c->w, c->b128, rs, c->scale, ys, c->K, c->O, o_begin, o_end); break;
+      default: i8_8(xs, c->w, c->b128, rs, c->scale, ys, c->K, c->O, o_begin, o_end); break;
     }
   }
+}
+
+/* y[M][O] = (sum_k q(x)[m][k] * w[o][k]) * row_scale[m] * scale[o], where row_scale = max|x[m]| / 127
+ * (at least 1e-12 / 127) and q(x) = round-half-even(x / row_scale): Int8Linear's arithmetic, operation
+ * for operation. K % 64 == 0. xu: scratch of M*K bytes; row_scale: scratch of M floats. */
+int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float* scale, float* y, uint8_t* xu,
+              float* row_scale, int M, int K, int O, int threads) {
+  for (int m = 0; m < M; m++) {
+    const float* row = x + (size_t)m * K;
+    float top = 0.0f;
+    for (int k = 0; k < K; k++) top = fmaxf(top, fabsf(row[k]));
+    row_scale[m] = fmaxf(top, 1e-12f) / 127.0f;
+    for (int k = 0; k < K; k++) xu[(size_t)m * K + k] = (uint8_t)((int)nearbyintf(row[k] / row_scale[m]) + 128);
+  }
+  I8Call call = {xu, w, b128, row_scale, scale, y, M, K, O};
+  parallel_for(i8_range, &call, O, threads, 4);
   return 0;
 }
 #endif
@@ -212,30 +324,38 @@ int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float*
 
 /* ---------------------------------------------------------------- attention over a KV cache */
 #define LANES 16
-static inline float dot(const float* restrict a, const float* restrict b, int d) {
-  float lane[LANES] = {0};
-  for (int j = 0; j < d; j += LANES)
-    for (int l = 0; l < LANES; l++) lane[l] += a[j + l] * b[j + l];
-  for (int width = LANES / 2; width >= 1; width /= 2)
-    for (int l = 0; l < width; l++) lane[l] += lane[l + width];
-  return lane[0];
+static inline float dot(const float* restrict a, const float* restrict b, int d) { /* d % 16 == 0 */
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+  for (int j = LANES; j < d; j += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
+  return _mm512_reduce_add_ps(acc);
 }
 
-/* out[i][h][:] = softmax(scale * q[h][i] . K[kv(h)][0..start+i]) V[kv(h)][0..start+i] for i < n.
- * q: [heads][n][d] contiguous; keys/values: [kv_heads][capacity][d] buffers (row stride d);
- * out: [n][heads][d]; scores: scratch of start + n floats. d % 16 == 0. */
-static int attend(const float* q, const float* keys, const float* values, float* out, float* scores,
-           int n, int heads, int kv_heads, int d, int start, int capacity, float scale) {
-  const int group = heads / kv_heads;
-  for (int i = 0; i < n; i++) {
-    const int length = start + i + 1;
-    for (int h = 0; h < heads; h++) {
-      const float* qi = q + ((size_t)h * n + i) * d;
-      const float* k = keys + (size_t)(h / group) * capacity * d;
-      const float* v = values + (size_t)(h / group) * capacity * d;
+typedef struct {
+  const float* q;
+  const float* keys;
+  const float* values;
+  float* out;
+  float* scores; /* [heads][start + n] */
+  int n, heads, kv_heads, d, start, capacity;
+  float scale;
+} AttendCall;
+
+/* out[i][h][:] = softmax(scale * q[h][i] . K[kv(h)][0..start+i]) V[kv(h)][0..start+i] for i < n, heads in
+ * [h_begin, h_end). q: [heads][n][d] contiguous; keys/values: [kv_heads][capacity][d] buffers (row stride d);
+ * out: [n][heads][d]. d % 16 == 0. */
+static void attend_range(void* ctx, int h_begin, int h_end) {
+  const AttendCall* c = (const AttendCall*)ctx;
+  const int d = c->d, group = c->heads / c->kv_heads;
+  for (int h = h_begin; h < h_end; h++) {
+    float* scores = c->scores + (size_t)h * (c->start + c->n);
+    const float* k = c->keys + (size_t)(h / group) * c->capacity * d;
+    const float* v = c->values + (size_t)(h / group) * c->capacity * d;
+    for (int i = 0; i < c->n; i++) {
+      const int length = c->start + i + 1;
+      const float* qi = c->q + ((size_t)h * c->n + i) * d;
       float top = -INFINITY;
       for (int t = 0; t < length; t++) {
-        scores[t] = dot(qi, k + (size_t)t * d, d) * scale;
+        scores[t] = dot(qi, k + (size_t)t * d, d) * c->scale;
         top = fmaxf(top, scores[t]);
       }
       float total = 0.0f;
@@ -243,7 +363,7 @@ static int attend(const float* q, const float* keys, const float* values, float*
         scores[t] = expf(scores[t] - top);
         total += scores[t];
       }
-      float* o = out + ((size_t)i * heads + h) * d;
+      float* o = c->out + ((size_t)i * c->heads + h) * d;
       for (int j = 0; j < d; j++) o[j] = 0.0f;
       for (int t = 0; t < length; t++) {
         const float p = scores[t];
@@ -254,7 +374,6 @@ static int attend(const float* q, const float* keys, const float* values, float*
       for (int j = 0; j < d; j++) o[j] *= inverse;
     }
   }
-  return 0;
 }
 
 /* One linear layer in a kernel's format: kind 4 = w4 (a: packed, b: scale_min), 8 = i8 (a: weights,
@@ -276,9 +395,10 @@ typedef struct {
 } Layer;
 
 typedef struct {
-  uint16_t* bf16; /* a row block's inputs in bf16 */
-  uint8_t* xu;    /* i8 scratch */
-  int32_t* acc;
+  uint16_t* bf16;   /* the rows in bf16 (w4) */
+  uint8_t* xu;      /* the rows quantized (i8) */
+  float* row_scale; /* their scales (i8) */
+  int threads;
 } Scratch;
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
@@ -292,10 +412,11 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .
 static void linear(const Linear* L, const float* x, float* y, int n, Scratch* s) {
   if (L->kind == 4) {
     for (size_t i = 0; i < (size_t)n * L->in_features; i++) s->bf16[i] = to_bf16(x[i]);
-    w4_matmul((const uint8_t*)L->a, (const uint32_t*)L->b, s->bf16, y, n, L->in_features, L->out_features);
+    w4_matmul((const uint8_t*)L->a, (const uint32_t*)L->b, s->bf16, y, n, L->in_features, L->out_features,
+              s->threads);
   } else {
-    i8_matmul(x, (const int8_t*)L->a, (const int32_t*)L->b, L->scale, y, s->xu, s->acc, n, L->in_features,
-              L->out_features);
+    i8_matmul(x, (const int8_t*)L->a, (const int32_t*)L->b, L->scale, y, s->xu, s->row_scale, n, L->in_features,
+              L->out_features, s->threads);
   }
 }
 
@@ -325,7 +446,7 @@ static void rope(const float* in, float* out, const float* cos, const float* sin
  * embedding). dim, head_dim and intermediate are multiples of 64. Returns 0, or -1 when out of memory. */
 int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int start, const float* cos,
                     const float* sin, int dim, int heads, int kv_heads, int head_dim, int intermediate,
-                    float eps) {
+                    float eps, int threads) {
   const int q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
   const int widest = 2 * intermediate > qkv_width ? 2 * intermediate : qkv_width;
   const size_t rows = (size_t)n;
@@ -334,12 +455,12 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
   float* q = malloc(rows * q_width * sizeof(float));
   float* attn = malloc(rows * q_width * sizeof(float));
   float* act = malloc(rows * intermediate * sizeof(float));
-  float* scores = malloc(((size_t)start + n) * sizeof(float));
+  float* scores = malloc((size_t)heads * ((size_t)start + n) * sizeof(float));
   const int widest_in = intermediate > dim ? intermediate : dim;
-  Scratch s = {malloc(rows * widest_in * sizeof(uint16_t)), malloc((size_t)ROW_BLOCK * widest_in),
-               malloc((size_t)ROW_BLOCK * widest * sizeof(int32_t))};
+  Scratch s = {malloc(rows * widest_in * sizeof(uint16_t)), malloc(rows * widest_in), malloc(rows * sizeof(float)),
+               threads};
   int status = 0;
-  if (!h || !wide || !q || !attn || !act || !scores || !s.bf16 || !s.xu || !s.acc) {
+  if (!h || !wide || !q || !attn || !act || !scores || !s.bf16 || !s.xu || !s.row_scale) {
     status = -1;
     goto done;
   }
@@ -359,8 +480,9 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
         memcpy(L->values + at, row + q_width + kv_width + kv * head_dim, head_dim * sizeof(float));
       }
     }
-    attend(q, L->keys, L->values, attn, scores, n, heads, kv_heads, head_dim, start, L->capacity,
-           1.0f / sqrtf((float)head_dim));
+    AttendCall call = {q, L->keys, L->values, attn, scores, n, heads, kv_heads, head_dim, start, L->capacity,
+                       1.0f / sqrtf((float)head_dim)};
+    parallel_for(attend_range, &call, heads, threads, 1);
     linear(&L->o, attn, h, n, &s);
     for (size_t j = 0; j < rows * dim; j++) x[j] += h[j];
     rms_norm(x, L->mlp_norm, h, n, dim, eps);
@@ -376,7 +498,7 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
   }
 done:
   free(h); free(wide); free(q); free(attn); free(act); free(scores);
-  free(s.bf16); free(s.xu); free(s.acc);
+  free(s.bf16); free(s.xu); free(s.row_scale);
   return status;
 }
 #endif

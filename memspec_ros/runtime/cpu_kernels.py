@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread")
 FEATURE_W4, FEATURE_I8, FEATURE_DECODER = 1, 2, 4  # as memspec_kernel_features() reports them
 ENV_SWITCH = "MEMSPEC_CPU_KERNELS"
 COMPILE_TIMEOUT_S = 120
@@ -90,13 +91,13 @@ def _bind(library: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     library.memspec_kernel_features.restype = i
     if hasattr(library, "w4_matmul"):
-        library.w4_matmul.argtypes = [p] * 4 + [i] * 3
+        library.w4_matmul.argtypes = [p] * 4 + [i] * 4
         library.w4_matmul.restype = i
     if hasattr(library, "i8_matmul"):
-        library.i8_matmul.argtypes = [p] * 7 + [i] * 3
+        library.i8_matmul.argtypes = [p] * 7 + [i] * 4
         library.i8_matmul.restype = i
     if hasattr(library, "decoder_forward"):
-        library.decoder_forward.argtypes = [p, i, p, i, i, p, p, i, i, i, i, i, f]
+        library.decoder_forward.argtypes = [p, i, p, i, i, p, p, i, i, i, i, i, f, i]
         library.decoder_forward.restype = i
 
 
@@ -135,12 +136,23 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+# ctypes lets go of the GIL during a call, and the C side's thread pool serves one call at a time
+_CALL = threading.Lock()
+
+
+def _threads() -> int:
+    """Threads a kernel call splits its work among: torch's intra-op count, so one setting governs both."""
+    return torch.get_num_threads()
+
+
 def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     """rows [M, K] times 4-bit weights (``packed`` [O, K/32, 16] uint8, ``scale_min`` [O, K/32] int32 of bf16
     pairs; see :func:`pack_w4`): float32 [M, O]."""
     x = rows.to(torch.bfloat16).contiguous()
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
-    _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1], packed.shape[0])
+    with _CALL:
+        _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1],
+                             packed.shape[0], _threads())
     return out
 
 
@@ -161,10 +173,11 @@ def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, s
     m, k = x.shape
     o = weight.shape[0]
     out = torch.empty(m, o, dtype=torch.float32)
-    scratch_x = torch.empty(8 * k, dtype=torch.uint8)
-    scratch_acc = torch.empty(8 * o, dtype=torch.int32)
-    _library().i8_matmul(_ptr(x), _ptr(weight), _ptr(bias128), _ptr(scale), _ptr(out), _ptr(scratch_x),
-                         _ptr(scratch_acc), m, k, o)
+    scratch_x = torch.empty(m * k, dtype=torch.uint8)
+    row_scale = torch.empty(m, dtype=torch.float32)
+    with _CALL:
+        _library().i8_matmul(_ptr(x), _ptr(weight), _ptr(bias128), _ptr(scale), _ptr(out), _ptr(scratch_x),
+                             _ptr(row_scale), m, k, o, _threads())
     return out
 
 
@@ -233,7 +246,9 @@ class Decoder:
         for slot, (keys, values) in zip(self._layers, buffers, strict=True):
             slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        if _library().decoder_forward(self._layers, len(buffers), _ptr(x), x.shape[0], start, _ptr(cos), _ptr(sin),
-                                      self.dim, self.heads, self.kv_heads, self.head_dim, self.intermediate,
-                                      self.eps):
+        with _CALL:
+            failed = _library().decoder_forward(self._layers, len(buffers), _ptr(x), x.shape[0], start, _ptr(cos),
+                                                _ptr(sin), self.dim, self.heads, self.kv_heads, self.head_dim,
+                                                self.intermediate, self.eps, _threads())
+        if failed:
             raise MemoryError("the decoder kernel could not allocate its scratch memory")

@@ -161,11 +161,29 @@ class LeanLlamaForward:
                  if _is_silu(self.act) else f"activation {type(self.act).__name__}, not SiLU")
         self.decoder = built if isinstance(built, cpu_kernels.Decoder) else None
         self.decoder_reason = "" if self.decoder else built
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the decoder's cos/sin table (_rope_rows)
+
+    def _rope_rows(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [end - start, head_dim] of positions start..end-1, from a table the model's rotary module
+        filled once (each entry is one product and a cos/sin, so a table row equals the module's own output for
+        that position). It spares the decoder kernel the module's small matmul, whose BLAS threads would spin
+        on the cores the kernel's threads run on."""
+        if self._rope is None or self._rope[0].shape[0] < end:
+            capacity = max(256, 2 * end)
+            cos, sin = self.rotary(x, torch.arange(capacity, device=x.device)[None])
+            self._rope = (cos[0].float().contiguous(), sin[0].float().contiguous())
+        return self._rope[0][start:end], self._rope[1][start:end]
 
     def __call__(self, ids: Sequence[int], cache: Cache, start: int, keep: int) -> torch.Tensor:
         n, end = len(ids), start + len(ids)
         tokens = torch.tensor([list(ids)], device=self.device)
         x = self.embed(tokens if self.vocab is None else self.vocab.inputs(tokens))
+        if self.decoder is not None and x.dtype == torch.float32 and is_preallocated(cache):
+            like = x.new_empty(1, self.kv_heads, n, self.head_dim)
+            rows = x[0].contiguous()
+            cos, sin = self._rope_rows(x, start, end)
+            self.decoder(rows, start, cos, sin, [claim_rows(cache, index, like) for index in range(len(self.layers))])
+            return self._head(rows[None], start, keep)
         positions = torch.arange(start, end, device=x.device)[None]
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None], sin[:, None]
@@ -173,12 +191,6 @@ class LeanLlamaForward:
         # A prefill attends causally in one call. Rows fed after a cached prefix (a verify, a catch-up)
         # attend one by one, each to exactly its own prefix: the very call one-token decoding makes, so
         # a verify's rows equal one-token steps bit for bit (a masked batched call sums differently).
-        if self.decoder is not None and x.dtype == torch.float32 and is_preallocated(cache):
-            like = x.new_empty(1, self.kv_heads, n, self.head_dim)
-            rows = x[0].contiguous()
-            self.decoder(rows, start, cos[0, 0], sin[0, 0],
-                         [claim_rows(cache, index, like) for index in range(len(self.layers))])
-            return self._head(rows[None], start, keep)
         mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 and start == 0 else None
         rowwise = n > 1 and start > 0
         gqa = self.heads != self.kv_heads

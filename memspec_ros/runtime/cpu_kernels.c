@@ -23,19 +23,20 @@
  *               of the forward; here RMSNorm, RoPE, the KV cache write, attention (each query row over its
  *               own causal prefix), SiLU and the residuals are plain loops between the matmul kernels.
  *
- * Threads: each matmul splits its outputs, and attention its heads, among `threads` threads (the caller and
- * a small pool). Every output is computed by the same operations whichever thread computes it, so the
+ * Threads: each matmul splits its outputs, and attention its heads, among `threads` OpenMP threads (torch's
+ * own pool, see parallel_for). Every output is computed by the same operations whichever thread computes it, so the
  * numbers do not depend on the thread count either.
  */
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
 #endif
 
 enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4 };
@@ -59,25 +60,6 @@ int memspec_kernel_features(void) {
 
 /* ---------------------------------------------------------------- threads */
 typedef void (*RangeFn)(void* ctx, int begin, int end);
-#define MAX_THREADS 64
-#define SPINS 20000 /* polls before a waiting worker sleeps: forwards come back to back within a generation */
-
-static struct {
-  pthread_mutex_t lock;
-  pthread_cond_t wake;
-  int workers; /* started so far */
-  atomic_uint generation;
-  atomic_int pending;
-  RangeFn fn;
-  void* ctx;
-  int total, parts, align;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 1};
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
 
 /* Part `part` of `parts` of [0, total), in chunks that are multiples of `align` (the kernels' output blocks). */
 static void run_part(RangeFn fn, void* ctx, int total, int parts, int align, int part) {
@@ -88,52 +70,19 @@ static void run_part(RangeFn fn, void* ctx, int total, int parts, int align, int
   if (begin < end) fn(ctx, begin, end);
 }
 
-static void* worker(void* arg) {
-  const int index = (int)(intptr_t)arg; /* 1.. (the caller is part 0) */
-  unsigned seen = 0;
-  for (;;) {
-    unsigned now;
-    int spins = 0;
-    while ((now = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
-      if (++spins < SPINS) {
-        cpu_relax();
-        continue;
-      }
-      pthread_mutex_lock(&pool.lock);
-      while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen)
-        pthread_cond_wait(&pool.wake, &pool.lock);
-      pthread_mutex_unlock(&pool.lock);
-    }
-    seen = now;
-    if (index < pool.parts) run_part(pool.fn, pool.ctx, pool.total, pool.parts, pool.align, index);
-    atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
-  }
-  return NULL;
-}
-
-/* fn over [0, total) split among `threads` threads; returns when all parts are done. Called from one thread
- * at a time (the engine's forwards are sequential; the Python wrapper holds a lock). */
+/* fn over [0, total) split among `threads` OpenMP threads. Compiled with -fopenmp, this file's OpenMP calls
+ * resolve to the libgomp torch has already loaded (same soname), so the kernels and torch's operations share
+ * one pool of threads: two pools on the same cores would spin against each other between calls. */
 static void parallel_for(RangeFn fn, void* ctx, int total, int threads, int align) {
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (threads <= 1 || total <= align) {
-    fn(ctx, 0, total);
+#ifdef _OPENMP
+  if (threads > 1 && total > align) {
+#pragma omp parallel num_threads(threads)
+    run_part(fn, ctx, total, omp_get_num_threads(), align, omp_get_thread_num());
     return;
   }
-  while (pool.workers < threads - 1) {
-    pthread_t id;
-    if (pthread_create(&id, NULL, worker, (void*)(intptr_t)(pool.workers + 1)) != 0) break;
-    pthread_detach(id);
-    pool.workers++;
-  }
-  if (threads > pool.workers + 1) threads = pool.workers + 1;
-  pool.fn = fn, pool.ctx = ctx, pool.total = total, pool.parts = threads, pool.align = align;
-  atomic_store_explicit(&pool.pending, pool.workers, memory_order_relaxed);
-  pthread_mutex_lock(&pool.lock);
-  atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
-  pthread_cond_broadcast(&pool.wake);
-  pthread_mutex_unlock(&pool.lock);
-  run_part(fn, ctx, total, threads, align, 0);
-  while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) cpu_relax();
+#endif
+  (void)threads, (void)align;
+  fn(ctx, 0, total);
 }
 
 /* ---------------------------------------------------------------- w4: 4-bit weights, bf16 rows */

@@ -27,7 +27,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+# threads through OpenMP, whose calls resolve to the libgomp torch loaded (runtime/cpu_kernels.c: parallel_for);
+# a compiler without OpenMP builds the same kernels single-threaded
+OPENMP = "-fopenmp"
 FEATURE_W4, FEATURE_I8, FEATURE_DECODER = 1, 2, 4  # as memspec_kernel_features() reports them
 ENV_SWITCH = "MEMSPEC_CPU_KERNELS"
 COMPILE_TIMEOUT_S = 120
@@ -67,7 +70,7 @@ def _build(out_dir: Path) -> Path:
     """The compiled library for this source, compiler and CPU; compiled once, reused after."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join((*FLAGS, OPENMP)), _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
     if library.exists():
@@ -77,9 +80,12 @@ def _build(out_dir: Path) -> Path:
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
-                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        if done.returncode != 0:
+        for flags in ((*FLAGS, OPENMP), FLAGS):
+            done = subprocess.run([compiler, *flags, "-o", str(partial), str(SOURCE), "-lm"],
+                                  capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            if done.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
         os.replace(partial, library)
     finally:
@@ -136,7 +142,7 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-# ctypes lets go of the GIL during a call, and the C side's thread pool serves one call at a time
+# ctypes lets go of the GIL during a call: one kernel call at a time keeps the thread counts as set
 _CALL = threading.Lock()
 
 

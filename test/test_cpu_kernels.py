@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from test_forward_paths import verify_and_steps
 
 from memspec_ros.runtime import cpu_kernels
 from memspec_ros.runtime.draft_forward import decoder_summary, lean_forward_for
@@ -112,22 +113,13 @@ def test_decoder_runs_the_layers_as_the_lean_forward_does(path):
 @pytest.mark.parametrize("path", ["int4", "int8"])
 def test_decoder_verify_rows_equal_one_token_steps_bit_for_bit(path):
     model = _decoder_model(path, seed=8)
-    lean = lean_forward_for(model)
-    assert lean.decoder is not None
+    assert lean_forward_for(model).decoder is not None
     prompt, rows = list(range(3, 30)), [7, 21, 9, 40, 2, 11, 60, 5, 17]  # 9 rows: two row blocks
-    together, alone = KVState(), KVState()
-    with torch.inference_mode():
-        forward_once(model, prompt, together, 1, "cpu", lean)
-        forward_once(model, prompt, alone, 1, "cpu", lean)
-        verify = forward_once(model, rows, together, len(rows), "cpu", lean)
-        steps = torch.cat([forward_once(model, [t], alone, 1, "cpu", lean) for t in rows])
-        # a rollback and a different continuation: the cache rows the kernel wrote are cropped like any others
-        together.crop_to(len(prompt) + 2)
-        again = forward_once(model, [50, 51], together, 2, "cpu", lean)
-        alone.crop_to(len(prompt) + 2)
-        again_steps = torch.cat([forward_once(model, [t], alone, 1, "cpu", lean) for t in (50, 51)])
+    verify, steps = verify_and_steps(model, prompt, rows)
     assert torch.equal(verify, steps)
-    assert torch.equal(again, again_steps)
+    # after a rollback (the kernel's cache rows cropped like any others), a different continuation
+    verify, steps = verify_and_steps(model, prompt, [50, 51, 52], crop=2)
+    assert torch.equal(verify, steps)
 
 
 @needs_decoder
@@ -194,3 +186,28 @@ def test_the_thread_count_does_not_change_a_number(path):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(out[0], out[1])
+
+
+@needs_decoder
+def test_sampled_output_through_the_decoder_keeps_the_targets_distribution():
+    """Sampling by the standard rule through the decoder: the joint distribution of the first three generated tokens
+    matches the target's (chi-square; the exact probabilities from transformers' forward over the same layers, which
+    differs from the decoder's only in float rounding)."""
+    from collections import Counter
+
+    from test_engine import _chi2_critical, _chi2_ok, exact_joint
+
+    from memspec_ros.runtime.speculative import SamplingConfig
+
+    target = tiny_llama(vocab_size=5, hidden=256, layers=1, seed=12, init_range=0.1)
+    draft = noisy_copy(target, 0.05, seed=13)
+    apply_path(target, "int4")
+    apply_path(draft, "int4")
+    assert lean_forward_for(target).decoder is not None and lean_forward_for(draft).decoder is not None
+    prompt, n = [1, 3], 2000
+    exact = exact_joint(target, prompt, SamplingConfig(temperature=0.8, top_p=0.9))
+    counts = Counter(tuple(generate(target, prompt, draft, gamma=2, max_new_tokens=3, eos_token_ids=[],
+                                    sampling=SamplingConfig(seed=seed, temperature=0.8, top_p=0.9)).generated_ids)
+                     for seed in range(n))
+    stat, dof = _chi2_ok(counts, exact, n)
+    assert stat < _chi2_critical(dof), (stat, dof)

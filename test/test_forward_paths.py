@@ -233,22 +233,31 @@ def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs):
     assert loaded.path_choice.as_dict()["chosen"] == loaded.forward_path
 
 
+def verify_and_steps(model, prompt: list[int], rows: list[int], crop: int | None = None):
+    """Logits of ``rows`` fed after ``prompt`` in one forward (a verify) and one token at a time; with ``crop``, both
+    caches are first cut to that length after the prompt (a rollback), as the engine does after a rejection."""
+    from memspec_ros.runtime.speculative import KVState, forward_once
+
+    lean = lean_forward_for(model)
+    together, alone = KVState(), KVState()
+    with torch.inference_mode():
+        for kv in (together, alone):
+            forward_once(model, prompt, kv, 1, "cpu", lean)
+            if crop is not None:
+                forward_once(model, rows, kv, 1, "cpu", lean)
+                kv.crop_to(len(prompt) + crop)
+        verify = forward_once(model, rows, together, len(rows), "cpu", lean)
+        steps = torch.cat([forward_once(model, [t], alone, 1, "cpu", lean) for t in rows])
+    return verify, steps
+
+
 @pytest.mark.parametrize("path", RUNNABLE)
 def test_a_verify_computes_each_row_as_one_token_decoding_does(path):
     """The lean forward's rows after a cached prefix equal one-token forwards bit for bit (int8 by its
     arithmetic; int4 and bf16 where their kernel is row-exact, else one row at a time)."""
-    from memspec_ros.runtime.speculative import KVState, forward_once
-
     model = tiny_llama(vocab_size=64, hidden=64, seed=5)
     apply_path(model, path)
-    lean = lean_forward_for(model)
-    prompt, rows = list(range(3, 20)), [7, 21, 9, 40, 2]
-    together, alone = KVState(), KVState()
-    with torch.inference_mode():
-        forward_once(model, prompt, together, 1, "cpu", lean)
-        forward_once(model, prompt, alone, 1, "cpu", lean)
-        verify = forward_once(model, rows, together, len(rows), "cpu", lean)
-        steps = torch.cat([forward_once(model, [t], alone, 1, "cpu", lean) for t in rows])
+    verify, steps = verify_and_steps(model, list(range(3, 20)), [7, 21, 9, 40, 2])
     if path == "fp32":  # plain fp32 matmuls sum a row differently with others: close, not exact
         torch.testing.assert_close(verify, steps, atol=1e-4, rtol=1e-4)
     else:

@@ -138,6 +138,7 @@ def cmd_engine(args) -> int:
         + (f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9)" if result.bound_fraction is not None
            else "no draft-cost bound (context lookup)")
         + f" | identical {result.outputs_identical}"
+        f" (transformers' generate the same on {result.same_as_transformers:.0%})"
         f" | draft forward: {result.draft_forward}"
     )
     return 0 if result.outputs_identical else 1

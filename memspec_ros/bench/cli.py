@@ -307,7 +307,8 @@ def cmd_policies(args) -> int:
     cfg = PolicyBenchConfig(policies=policies, workloads=workloads, prompts=args.prompts, runs=args.runs,
                             max_new_tokens=args.max_new_tokens, capacity=args.capacity, interval=args.interval,
                             gamma=args.gamma, storage=args.storage, workloads_dir=str(folder or ""),
-                            threads=args.threads, simulate=not args.no_simulator, trace_tokens=args.trace_tokens)
+                            threads=args.threads, simulate=not args.no_simulator, trace_tokens=args.trace_tokens,
+                            quantization=args.quantization, draft_quantization=args.draft_quantization)
     predictor = Path(args.predictor) if args.predictor else zoo / "predictor" / "target-hidden"
     with tqdm(total=len(policies) * len(workloads) * args.prompts * args.runs, desc="policies", unit="gen") as bar:
         try:
@@ -364,7 +365,8 @@ def cmd_paper(args) -> int:
     with tqdm(total=len(REAL_POLICIES) * len(workloads) * args.prompts, desc="paper: real runs", unit="gen") as bar:
         try:
             index = run_paper(zoo, Path(args.out), prompts=args.prompts, storage=args.storage, threads=args.threads,
-                              predictor_dir=predictor, workloads=workloads, progress=bar, log=tqdm.write)
+                              predictor_dir=predictor, workloads=workloads, quantization=args.quantization,
+                              draft_quantization=args.draft_quantization, progress=bar, log=tqdm.write)
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"memspec-bench paper: {exc}") from None
     print(json.dumps(index, indent=2))
@@ -503,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip replaying the runs in the trace-driven simulator (simulator_validation)")
     pol.add_argument("--trace-tokens", type=int, default=0,
                      help="record each prompt's greedy trace this far (default: --max-new-tokens)")
+    _paths_arguments(pol)
     pol.set_defaults(func=cmd_policies)
     pap = sub.add_parser("paper", help="the paper's evaluation (figures 6-12, table 2, storage media, issue 17's"
                                        " goals): real runs + the validated simulator, JSON + PNG + results page")
@@ -517,8 +520,16 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_argument(pap, "the real runs read every draft load through it; the storage item measures all four")
     pap.add_argument("--render-only", action="store_true",
                      help="only regenerate README.md's generated part from the items already in --out")
+    _paths_arguments(pap)
     pap.set_defaults(func=cmd_paper)
     return parser
+
+
+def _paths_arguments(parser) -> None:
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                        help="the target's forward path (model.quantization; default none: fp32)")
+    parser.add_argument("--draft-quantization", default="none", choices=("none", "int8", "int4"),
+                        help="the drafts' forward path (drafts.quantization; default none: fp32)")
 
 
 def _num(value: float | None, fmt: str) -> str:

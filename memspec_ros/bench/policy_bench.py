@@ -91,6 +91,8 @@ class PolicyBenchConfig:
     threads: int = 1
     trace_tokens: int = 0  # record each prompt's trace this far (0: max_new_tokens): the longest budget simulated
     simulate: bool = True  # replay the runs in the simulator and report how close it comes (simulator_validation)
+    quantization: str = "none"  # the target's forward path (model.quantization): none | int8 | int4
+    draft_quantization: str = "none"  # the drafts' (drafts.quantization): none | int8 | int4
 
 
 @dataclass
@@ -234,7 +236,8 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     torch.set_num_threads(cfg.threads)
     folder = Path(cfg.workloads_dir) if cfg.workloads_dir else zoo / "workloads"
     storage = DraftStorage(storage_medium(cfg.storage))
-    models = load_models(zoo / "registry.yaml", predictor_path=find_predictor(predictor_dir))
+    models = load_models(zoo / "registry.yaml", predictor_path=find_predictor(predictor_dir),
+                         quantization=cfg.quantization)
     tokenizer, target, registry, predictor = models.tokenizer, models.target, models.registry, models.predictor
     policies = [p for p in cfg.policies if predictor is not None or p not in PREDICTED]
     skipped = sorted(set(cfg.policies) - set(policies))
@@ -243,7 +246,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
 
     # future knowledge for the oracles (exact under greedy): every draft once, outside the timed runs;
     # recorded to trace_tokens, a budget's oracle is its prefix (greedy output does not depend on the budget)
-    drafts = {e.name: load_model(ModelSpec(str(e.path))).model for e in registry}
+    drafts = {e.name: load_model(ModelSpec(str(e.path), quantization=cfg.draft_quantization)).model for e in registry}
     # the chat template where the target has one, as the node sends them
     prompts = workload_prompts(folder, cfg.workloads, cfg.prompts, tokenizer)
     traces: list[PromptTrace] = []
@@ -260,7 +263,8 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
 
     config = RuntimeConfig(policy=policies[0], capacity=cfg.capacity, interval=cfg.interval, gamma=cfg.gamma,
                            recent_tokens=cfg.recent_tokens, reset_cache_per_generation=True)
-    controller = models.controller(config, loader=registry_loader(registry, storage=storage),
+    controller = models.controller(config, loader=registry_loader(registry, storage=storage,
+                                                                  quantization=cfg.draft_quantization),
                                    oracle_for=lambda ids: oracles[tuple(ids)])
     rows = {w: {p: PolicyRow() for p in policies} for w in cfg.workloads}
     runs: list[tuple[str, str, tuple[int, ...], GenerationStats]] = []

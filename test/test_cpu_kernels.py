@@ -46,26 +46,43 @@ def test_i8_kernel_equals_int_mm_bit_for_bit(rows):
     assert torch.equal(got, _rows_alone(layer, x))
 
 
+def _w4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the w4 kernel computes, in float64: each group's levels q * scale + minimum (bf16 scale and minimum)
+    times the rows, rounded to bf16 (AVX512-BF16: the levels too) or quantized to int8 per block of 32 with scale
+    max|x| / 127 (elsewhere: there the block sums are exact integers)."""
+    out_features, in_features = layer.out_features, layer.in_features
+    q = torch.cat([layer.packed & 15, layer.packed >> 4], -1).double()  # [O, G, 32]
+    pair = layer.scale_min.view(torch.bfloat16).view(*layer.scale_min.shape, 2).double()
+    scale, low = pair[..., :1], pair[..., 1:]
+    if STATUS.w4_bf16:
+        levels = (q.float() * scale.float() + low.float()).to(torch.bfloat16).double()
+        return x.to(torch.bfloat16).double() @ levels.view(out_features, in_features).t()
+    blocks = x.float().view(x.shape[0], in_features // INT4_GROUP, INT4_GROUP)
+    d = blocks.abs().amax(-1, keepdim=True) / 127  # fp32, as the kernel divides
+    xq = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks)).double()  # round half to even
+    # sum_j (q_j * scale + low) * xq_j * d, per group: scale * d * (q . xq) + low * d * sum(xq)
+    dots = torch.einsum("ogj,mgj->mog", q, xq)
+    return (dots * (scale[..., 0] * 1)[None] * d.double()[:, None, :, 0]
+            + low[..., 0][None] * (d.double()[..., 0] * xq.sum(-1))[:, None, :]).sum(-1)
+
+
 @needs_w4
 @pytest.mark.parametrize("rows", ROWS)
-def test_w4_kernel_computes_the_bf16_rounded_layer_and_each_row_alone(rows):
+def test_w4_kernel_computes_its_layer_and_each_row_alone(rows):
     gen = torch.Generator().manual_seed(10 + rows)
     weight, x = torch.randn(48, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    x[0, :32] = 0  # an all-zero block: scale 0, not a division by zero
     layer = Int4Linear(weight, None)
     assert layer.own_kernel
-    # what it multiplies: each group's levels q * scale + minimum rounded to bf16, times bf16 inputs
-    q = torch.cat([layer.packed & 15, layer.packed >> 4], -1).float()
-    pair = layer.scale_min.view(torch.bfloat16).view(*layer.scale_min.shape, 2).float()
-    levels = (q * pair[..., :1] + pair[..., 1:]).to(torch.bfloat16).double().view(48, 96)
-    want = x.to(torch.bfloat16).double() @ levels.t()
     got = layer(x)
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.double(), _w4_reference(layer, x), atol=1e-4, rtol=1e-4)
     assert torch.equal(got, _rows_alone(layer, x))
 
 
 @needs_w4
 def test_w4_kernel_keeps_a_q4_1_layer_to_bf16_precision():
-    """Weights already on the 4-bit grid (a Q4_1 GGUF's) come back within bf16 rounding of the weights and inputs."""
+    """Weights already on the 4-bit grid (a Q4_1 GGUF's) come back within the rounding of the rows (bf16, or int8
+    blocks: half a step of max|x| / 127 per value, as llama.cpp's Q8_1 blocks round them)."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randint(0, 16, (32, 2, INT4_GROUP), generator=gen).float()
     q[..., 0], q[..., 1] = 0, 15
@@ -211,3 +228,33 @@ def test_sampled_output_through_the_decoder_keeps_the_targets_distribution():
                      for seed in range(n))
     stat, dof = _chi2_ok(counts, exact, n)
     assert stat < _chi2_critical(dof), (stat, dof)
+
+
+def test_status_names_the_instruction_set_of_each_kernel():
+    """Every kernel exists on every CPU with a compiler: AVX512 or AVX2 code where -march=native has it, portable C
+    elsewhere; the status names which, and what w4 rounds its rows to."""
+    assert STATUS.w4 and STATUS.i8 and STATUS.decoder, STATUS.reason
+    parts = dict(part.split(" ", 1) for part in STATUS.isa.split(", "))
+    assert set(parts) == {"w4", "i8", "attention"}
+    assert set(parts.values()) <= {"AVX512-BF16", "AVX512-VNNI", "AVX512", "AVX2", "portable C"}
+    assert STATUS.w4_bf16 == (parts["w4"] == "AVX512-BF16")
+    assert STATUS.isa in STATUS.describe()
+
+
+@pytest.mark.skipif(cpu_kernels.os.environ.get(cpu_kernels.ENV_SWITCH) == cpu_kernels.PORTABLE,
+                    reason="this run is the portable one")
+def test_the_portable_kernels_pass_the_same_tests(tmp_path):
+    """The portable C (what an ARM robot compiles) is not what this machine runs by default, so the tests above run
+    again with it: the i8 sums bit-equal to torch._int_mm, w4 against its reference, every verify row equal to a
+    one-token step, the decoder against the lean forward, speculative greedy output equal to the target's own."""
+    import os
+
+    env = {**os.environ, cpu_kernels.ENV_SWITCH: cpu_kernels.PORTABLE, "MEMSPEC_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "not (sampled or portable_kernels or compiler or turned_off or once)"],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " skipped" not in done.stdout and " failed" not in done.stdout
+    code = "from memspec_ros.runtime import cpu_kernels as k; print(k.status().isa)"
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert probe.stdout.strip() == "w4 portable C, i8 portable C, attention portable C", probe.stderr

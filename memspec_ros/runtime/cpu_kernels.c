@@ -10,18 +10,25 @@
  * blocking), so a verify's rows equal one-token steps bit for bit: the losslessness of speculative
  * decoding rests on that, and the tests check it.
  *
- *   w4_matmul   4-bit weights, groups of 32 with a bf16 scale and minimum (Q4_1's grid); bf16 inputs.
- *               Each group's 16 possible weight values are made once (bf16(q*scale+min)), the nibbles
- *               index them (vpermw), and vdpbf16ps multiplies 32 weights by a row in one instruction, so
- *               the unpacking is shared by all rows of a call. Needs AVX512-BF16.
- *   i8_matmul   int8 weights x int8 inputs with exact int32 sums (vpdpbusd), the inputs quantized per row
- *               here exactly as runtime/forward_paths.py:Int8Linear quantizes them, and scaled as it
- *               scales them: the result equals torch._int_mm's path bit for bit. Needs AVX512-VNNI.
+ *   w4_matmul   4-bit weights, groups of 32 with a bf16 scale and minimum (Q4_1's grid), fp32 rows in.
+ *               With AVX512-BF16 the rows are rounded to bf16, each group's 16 possible weight values are
+ *               made once (bf16(q*scale+min)), the nibbles index them (vpermw), and vdpbf16ps multiplies
+ *               32 weights by a row in one instruction, so the unpacking is shared by all rows of a call.
+ *               Elsewhere (AVX2, or portable C for any other CPU) the rows are quantized to int8 per block
+ *               of 32 (scale max|x|/127, as llama.cpp's Q8_1 blocks) and each block's sum over the 4-bit
+ *               levels is an exact integer (vpmaddubsw: 15 * 127 * 2 fits int16), scaled in fp32.
+ *   i8_matmul   int8 weights x int8 inputs with exact int32 sums (vpdpbusd with AVX512-VNNI; vpmaddubsw on
+ *               |w| and the sign-adjusted rows with AVX2; plain integers elsewhere), the inputs quantized per row here exactly
+ *               as runtime/forward_paths.py:Int8Linear quantizes them, and scaled as it scales them: the
+ *               result equals torch._int_mm's path bit for bit, on every instruction set.
  *   decoder_forward
  *               every layer of a Llama decoder whose linears are w4 or i8, in one call: at 1 token the
  *               Python and dispatch around ~50 small tensor operations per layer cost as much as a third
  *               of the forward; here RMSNorm, RoPE, the KV cache write, attention (each query row over its
  *               own causal prefix), SiLU and the residuals are plain loops between the matmul kernels.
+ *
+ * Instruction sets: chosen at compile time from what -march=native enables (memspec_kernel_isa() says which
+ * each kernel got). -DMEMSPEC_PORTABLE builds the portable C alone (the tests run it on any machine).
  *
  * Threads: each matmul splits its outputs, and attention its heads, among `threads` OpenMP threads (torch's
  * own pool, see parallel_for). Every output is computed by the same operations whichever thread computes it, so the
@@ -30,33 +37,86 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#ifndef MEMSPEC_PORTABLE
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512 1
+#endif
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+#define W4_BF16 1 /* w4 multiplies bf16 rows by bf16 weight values */
+#endif
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__)
+#define I8_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#endif
+#endif
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4 };
+enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BF16 = 8 };
 #define ROW_BLOCK 8 /* rows per pass over the weights */
 
+/* Every kernel exists on every CPU (portable C where no SIMD code is written for it); FEATURE_W4_BF16 says which
+ * arithmetic w4 uses (bf16 rows, else int8 blocks). */
 int memspec_kernel_features(void) {
-  int features = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-  features |= FEATURE_W4;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-  features |= FEATURE_I8;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && \
-    defined(__AVX512VNNI__)
-  features |= FEATURE_DECODER;
+  int features = FEATURE_W4 | FEATURE_I8 | FEATURE_DECODER;
+#ifdef W4_BF16
+  features |= FEATURE_W4_BF16;
 #endif
   return features;
 }
 
+/* Which instruction set each kernel was compiled for, for the diagnostics. */
+const char* memspec_kernel_isa(void) {
+  return "w4 "
+#if defined(W4_BF16)
+         "AVX512-BF16"
+#elif defined(HAVE_AVX2)
+         "AVX2"
+#else
+         "portable C"
+#endif
+         ", i8 "
+#if defined(I8_VNNI)
+         "AVX512-VNNI"
+#elif defined(HAVE_AVX2)
+         "AVX2"
+#else
+         "portable C"
+#endif
+         ", attention "
+#if defined(HAVE_AVX512)
+         "AVX512"
+#elif defined(HAVE_AVX2)
+         "AVX2"
+#else
+         "portable C"
+#endif
+      ;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_float(uint32_t half) { /* half in the low 16 bits */
+  const uint32_t u = half << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
 
 /* ---------------------------------------------------------------- threads */
 typedef void (*RangeFn)(void* ctx, int begin, int end);
@@ -85,10 +145,31 @@ static void parallel_for(RangeFn fn, void* ctx, int total, int threads, int alig
   fn(ctx, 0, total);
 }
 
-/* ---------------------------------------------------------------- w4: 4-bit weights, bf16 rows */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-/* One group's 32 weights as bf16. q: 16 bytes, byte j holding weight j (low nibble) and j+16 (high);
- * scale_min: the group's bf16 scale (low half) and minimum (high half). */
+/* ---------------------------------------------------------------- w4: 4-bit weights */
+/* Weights: per output row, groups of 32 as 16 bytes (byte j: weight j in the low nibble, j+16 in the high)
+ * and one uint32 holding the group's bf16 scale (low half) and minimum (high half); weight = q*scale + min. */
+typedef struct {
+  const uint8_t* qw;
+  const uint32_t* sm;
+  const uint16_t* xb; /* the rows in bf16 (W4_BF16) */
+  const int8_t* xq;   /* else the rows as int8 blocks of 32, */
+  const float* xd;    /* each block's scale */
+  const float* xs;    /* and scale * (sum of its int8 values) */
+  float* y;
+  int M, K, O;
+} W4Call;
+
+#if defined(HAVE_AVX2)
+static inline float hsum8(__m256 v) { /* a fixed order of additions, so the same lanes always give the same sum */
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+#if defined(W4_BF16)
+/* One group's 32 weights as bf16. q: the group's 16 bytes; scale_min: its bf16 scale and minimum. */
 static inline __m512i group_weights(const uint8_t* q, uint32_t scale_min) {
   const __m512i pair = _mm512_set1_epi32((int)scale_min);
   const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
@@ -143,19 +224,11 @@ static inline __m512i group_weights(const uint8_t* q, uint32_t scale_min) {
 DEFINE_W4(1, 4) DEFINE_W4(2, 4) DEFINE_W4(3, 4) DEFINE_W4(4, 4)
 DEFINE_W4(5, 4) DEFINE_W4(6, 2) DEFINE_W4(7, 2) DEFINE_W4(8, 2)
 
-typedef struct {
-  const uint8_t* qw;
-  const uint32_t* sm;
-  const uint16_t* x;
-  float* y;
-  int M, K, O;
-} W4Call;
-
 static void w4_range(void* ctx, int o_begin, int o_end) {
   const W4Call* c = (const W4Call*)ctx;
   for (int m0 = 0; m0 < c->M; m0 += ROW_BLOCK) {
     const int mr = c->M - m0 < ROW_BLOCK ? c->M - m0 : ROW_BLOCK;
-    const uint16_t* xs = c->x + (size_t)m0 * c->K;
+    const uint16_t* xs = c->xb + (size_t)m0 * c->K;
     float* ys = c->y + (size_t)m0 * c->O;
     switch (mr) {
       case 1: w4_1(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
@@ -170,53 +243,149 @@ static void w4_range(void* ctx, int o_begin, int o_end) {
   }
 }
 
-/* y[M][O] = x[M][K] (bf16) times the 4-bit weights' transpose. K % 32 == 0. */
-int w4_matmul(const uint8_t* qw, const uint32_t* sm, const uint16_t* x, float* y, int M, int K, int O, int threads) {
-  W4Call call = {qw, sm, x, y, M, K, O};
-  parallel_for(w4_range, &call, O, threads, 4);
-  return 0;
+#else /* int8 blocks: each block's dot product with the 4-bit levels is an exact integer */
+
+/* Each row's blocks of 32 as int8, with scale d = max|x| / 127 (0 for an all-zero block) and d * (sum of the
+ * block's int8 values): a weight's minimum then adds min * d * sum for the whole block. */
+static void quantize_blocks(const float* x, int8_t* xq, float* xd, float* xs, int M, int K) {
+  const int groups = K / 32;
+  for (int m = 0; m < M; m++)
+    for (int g = 0; g < groups; g++) {
+      const size_t at = (size_t)m * K + (size_t)g * 32;
+      float top = 0.0f;
+      for (int j = 0; j < 32; j++) top = fmaxf(top, fabsf(x[at + j]));
+      const float d = top / 127.0f;
+      int sum = 0;
+      for (int j = 0; j < 32; j++) {
+        const int q = d > 0.0f ? (int)nearbyintf(x[at + j] / d) : 0;
+        xq[at + j] = (int8_t)q;
+        sum += q;
+      }
+      xd[(size_t)m * groups + g] = d;
+      xs[(size_t)m * groups + g] = d * (float)sum;
+    }
+}
+
+#if defined(HAVE_AVX2)
+#define ROW_BLOCK_Q 4 /* 16 ymm registers: OB x MR accumulators, MR row blocks, the weights and temporaries */
+
+/* One group's 32 levels (0..15) as bytes, in the order of the rows' int8 blocks. */
+static inline __m256i w4_levels(const uint8_t* q) {
+  const __m128i bytes = _mm_loadu_si128((const __m128i*)q), nibble = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+}
+
+/* Outputs o..o+OB-1 for MR rows. Per row and output: an exact int32 per block (levels x int8 row, 8 lanes),
+ * scaled by the group's scale times the block's d into 8 fp32 lanes; the minimums' part in one scalar. */
+#define DEFINE_W4Q_BLOCK(MR, OB)                                                                             \
+  static inline void w4q_##MR##_##OB(const W4Call* c, const int8_t* restrict xq, const float* restrict xd,   \
+                                     const float* restrict xs, float* restrict y, int o) {                   \
+    const int K = c->K, groups = K / 32;                                                                     \
+    const __m256i ones = _mm256_set1_epi16(1);                                                               \
+    __m256 acc[OB][MR];                                                                                      \
+    float mins[OB][MR];                                                                                      \
+    for (int r = 0; r < OB; r++)                                                                             \
+      for (int m = 0; m < MR; m++) acc[r][m] = _mm256_setzero_ps(), mins[r][m] = 0.0f;                       \
+    for (int g = 0; g < groups; g++) {                                                                       \
+      __m256i xv[MR];                                                                                        \
+      for (int m = 0; m < MR; m++) xv[m] = _mm256_loadu_si256((const __m256i*)(xq + (size_t)m * K + g * 32)); \
+      for (int r = 0; r < OB; r++) {                                                                         \
+        const size_t at = (size_t)(o + r) * groups + g;                                                      \
+        const __m256i w = w4_levels(c->qw + at * 16);                                                        \
+        const float scale = bf16_to_float(c->sm[at] & 0xFFFFu), low = bf16_to_float(c->sm[at] >> 16);       \
+        for (int m = 0; m < MR; m++) {                                                                       \
+          const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[m]), ones);                     \
+          const size_t b = (size_t)m * groups + g;                                                           \
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale * xd[b]), acc[r][m]);   \
+          mins[r][m] = fmaf(low, xs[b], mins[r][m]);                                                         \
+        }                                                                                                    \
+      }                                                                                                      \
+    }                                                                                                        \
+    for (int r = 0; r < OB; r++)                                                                             \
+      for (int m = 0; m < MR; m++) y[(size_t)m * c->O + o + r] = hsum8(acc[r][m]) + mins[r][m];             \
+  }
+#define DEFINE_W4Q(MR, OB)                                                                                   \
+  DEFINE_W4Q_BLOCK(MR, OB)                                                                                   \
+  DEFINE_W4Q_BLOCK(MR, 1)                                                                                    \
+  static void w4q_##MR(const W4Call* c, const int8_t* xq, const float* xd, const float* xs, float* y, int o_begin, \
+                       int o_end) {                                                                          \
+    int o = o_begin;                                                                                         \
+    for (; o + OB <= o_end; o += OB) w4q_##MR##_##OB(c, xq, xd, xs, y, o);                                   \
+    for (; o < o_end; o++) w4q_##MR##_1(c, xq, xd, xs, y, o); /* the same operations per output */          \
+  }
+DEFINE_W4Q(1, 4) DEFINE_W4Q(2, 4) DEFINE_W4Q(3, 2) DEFINE_W4Q(4, 2)
+
+static void w4q_range(void* ctx, int o_begin, int o_end) {
+  const W4Call* c = (const W4Call*)ctx;
+  const int groups = c->K / 32;
+  for (int m0 = 0; m0 < c->M; m0 += ROW_BLOCK_Q) {
+    const int mr = c->M - m0 < ROW_BLOCK_Q ? c->M - m0 : ROW_BLOCK_Q;
+    const int8_t* xq = c->xq + (size_t)m0 * c->K;
+    const float *xd = c->xd + (size_t)m0 * groups, *xs = c->xs + (size_t)m0 * groups;
+    float* y = c->y + (size_t)m0 * c->O;
+    switch (mr) {
+      case 1: w4q_1(c, xq, xd, xs, y, o_begin, o_end); break;
+      case 2: w4q_2(c, xq, xd, xs, y, o_begin, o_end); break;
+      case 3: w4q_3(c, xq, xd, xs, y, o_begin, o_end); break;
+      default: w4q_4(c, xq, xd, xs, y, o_begin, o_end); break;
+    }
+  }
+}
+
+#else /* portable C: what the compiler makes of plain loops for this CPU */
+static void w4q_range(void* ctx, int o_begin, int o_end) {
+  const W4Call* c = (const W4Call*)ctx;
+  const int K = c->K, groups = K / 32;
+  for (int o = o_begin; o < o_end; o++)
+    for (int m = 0; m < c->M; m++) {
+      float acc = 0.0f, mins = 0.0f;
+      for (int g = 0; g < groups; g++) {
+        const size_t at = (size_t)o * groups + g, b = (size_t)m * groups + g;
+        const uint8_t* q = c->qw + at * 16;
+        const int8_t* x = c->xq + (size_t)m * K + (size_t)g * 32;
+        int sum = 0;
+        for (int j = 0; j < 16; j++) sum += (q[j] & 15) * x[j] + (q[j] >> 4) * x[j + 16];
+        acc = fmaf((float)sum, bf16_to_float(c->sm[at] & 0xFFFFu) * c->xd[b], acc);
+        mins = fmaf(bf16_to_float(c->sm[at] >> 16), c->xs[b], mins);
+      }
+      c->y[(size_t)m * c->O + o] = acc + mins;
+    }
 }
 #endif
+#endif
+
+/* y[M][O] = x[M][K] (fp32) times the 4-bit weights' transpose. K % 32 == 0. Returns 0, or -1 when out of memory. */
+int w4_matmul(const uint8_t* qw, const uint32_t* sm, const float* x, float* y, int M, int K, int O, int threads) {
+  W4Call call = {qw, sm, NULL, NULL, NULL, NULL, y, M, K, O};
+#if defined(W4_BF16)
+  uint16_t* xb = malloc((size_t)M * K * sizeof(uint16_t));
+  if (!xb) return -1;
+  for (size_t i = 0; i < (size_t)M * K; i++) xb[i] = to_bf16(x[i]);
+  call.xb = xb;
+  parallel_for(w4_range, &call, O, threads, 4);
+  free(xb);
+#else
+  const size_t blocks = (size_t)M * (K / 32);
+  int8_t* xq = malloc((size_t)M * K);
+  float* scales = malloc(2 * blocks * sizeof(float));
+  if (!xq || !scales) {
+    free(xq), free(scales);
+    return -1;
+  }
+  quantize_blocks(x, xq, scales, scales + blocks, M, K);
+  call.xq = xq, call.xd = scales, call.xs = scales + blocks;
+  parallel_for(w4q_range, &call, O, threads, 4);
+  free(xq), free(scales);
+#endif
+  return 0;
+}
 
 /* ---------------------------------------------------------------- i8: int8 weights and rows */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-/* vpdpbusd multiplies unsigned by signed bytes: rows go in shifted by +128, and each output's
- * 128 * sum(weights) (bias128) is taken off again. All sums are exact int32; each is then scaled as
- * Int8Linear scales it: ((float)sum * row_scale) * scale, two roundings in torch's order. */
+/* Rows go in as unsigned bytes shifted by +128 (vpdpbusd multiplies unsigned by signed bytes), and each
+ * output's 128 * sum(weights) (bias128) is taken off again. All sums are exact int32, so every instruction set
+ * gives the same numbers; each is then scaled as Int8Linear scales it: ((float)sum * row_scale) * scale, two
+ * roundings in torch's order. */
 #define I8_OUT(m, o, sum) y[(size_t)(m) * O + (o)] = ((float)((sum) - b128[o]) * row_scale[m]) * scale[o]
-#define DEFINE_I8(MR, OB)                                                                                  \
-  static void i8_##MR(const uint8_t* restrict xu, const int8_t* restrict w, const int32_t* restrict b128, \
-                      const float* restrict row_scale, const float* restrict scale, float* restrict y,     \
-                      int K, int O, int o_begin, int o_end) {                                              \
-    int o = o_begin;                                                                                       \
-    for (; o + OB <= o_end; o += OB) {                                                                     \
-      __m512i acc[OB][MR];                                                                                 \
-      for (int r = 0; r < OB; r++)                                                                         \
-        for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_si512();                                   \
-      for (int k = 0; k < K; k += 64) {                                                                    \
-        __m512i wv[OB];                                                                                    \
-        for (int r = 0; r < OB; r++) wv[r] = _mm512_loadu_si512(w + (size_t)(o + r) * K + k);             \
-        for (int m = 0; m < MR; m++) {                                                                     \
-          const __m512i xv = _mm512_loadu_si512(xu + (size_t)m * K + k);                                   \
-          for (int r = 0; r < OB; r++) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv, wv[r]);             \
-        }                                                                                                  \
-      }                                                                                                    \
-      for (int r = 0; r < OB; r++)                                                                         \
-        for (int m = 0; m < MR; m++) I8_OUT(m, o + r, _mm512_reduce_add_epi32(acc[r][m]));                 \
-    }                                                                                                      \
-    for (; o < o_end; o++) {                                                                               \
-      __m512i acc[MR];                                                                                     \
-      for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_si512();                                        \
-      for (int k = 0; k < K; k += 64) {                                                                    \
-        const __m512i wv = _mm512_loadu_si512(w + (size_t)o * K + k);                                      \
-        for (int m = 0; m < MR; m++)                                                                       \
-          acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(xu + (size_t)m * K + k), wv);            \
-      }                                                                                                    \
-      for (int m = 0; m < MR; m++) I8_OUT(m, o, _mm512_reduce_add_epi32(acc[m]));                          \
-    }                                                                                                      \
-  }
-DEFINE_I8(1, 4) DEFINE_I8(2, 4) DEFINE_I8(3, 4) DEFINE_I8(4, 4)
-DEFINE_I8(5, 2) DEFINE_I8(6, 2) DEFINE_I8(7, 2) DEFINE_I8(8, 2)
 
 typedef struct {
   const uint8_t* xu;
@@ -227,6 +396,79 @@ typedef struct {
   float* y;
   int M, K, O;
 } I8Call;
+
+#if defined(I8_VNNI) || defined(HAVE_AVX2)
+#if defined(I8_VNNI)
+#define I8_STEP 64
+#define I8_VEC __m512i
+#define I8_ZERO() _mm512_setzero_si512()
+#define I8_W(p) _mm512_loadu_si512(p)
+#define I8_X(p) _mm512_loadu_si512(p)
+#define I8_DOT(acc, x, w) _mm512_dpbusd_epi32(acc, x, w)
+#define I8_SUM(v) _mm512_reduce_add_epi32(v)
+#else /* AVX2: rows as signed bytes (xu ^ 0x80 = xu - 128), and |w| x (row with w's sign) by vpmaddubsw: each pair of
+       * products is at most 2 * 128 * 127 = 32512, so the int16 pair sums never saturate and the sums stay exact */
+static inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+static inline __m256i i8_dot(__m256i acc, __m256i x, __m256i w) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#define I8_STEP 32
+#define I8_VEC __m256i
+#define I8_ZERO() _mm256_setzero_si256()
+#define I8_W(p) _mm256_loadu_si256((const __m256i*)(p))
+#define I8_X(p) _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p)), _mm256_set1_epi8((char)0x80))
+#define I8_DOT(acc, x, w) i8_dot(acc, x, w)
+#define I8_SUM(v) hsum_epi32(v)
+#define I8_SIGNED_ROWS /* the sums are of the signed rows already: no bias128 to take off */
+#endif
+#ifdef I8_SIGNED_ROWS
+#define I8_RESULT(m, o, sum) I8_OUT(m, o, (sum) + b128[o])
+#else
+#define I8_RESULT(m, o, sum) I8_OUT(m, o, sum)
+#endif
+#define DEFINE_I8(MR, OB)                                                                                  \
+  static void i8_##MR(const uint8_t* restrict xu, const int8_t* restrict w, const int32_t* restrict b128, \
+                      const float* restrict row_scale, const float* restrict scale, float* restrict y,     \
+                      int K, int O, int o_begin, int o_end) {                                              \
+    int o = o_begin;                                                                                       \
+    for (; o + OB <= o_end; o += OB) {                                                                     \
+      I8_VEC acc[OB][MR];                                                                                  \
+      for (int r = 0; r < OB; r++)                                                                         \
+        for (int m = 0; m < MR; m++) acc[r][m] = I8_ZERO();                                                \
+      for (int k = 0; k < K; k += I8_STEP) {                                                               \
+        I8_VEC wv[OB];                                                                                     \
+        for (int r = 0; r < OB; r++) wv[r] = I8_W(w + (size_t)(o + r) * K + k);                            \
+        for (int m = 0; m < MR; m++) {                                                                     \
+          const I8_VEC xv = I8_X(xu + (size_t)m * K + k);                                                  \
+          for (int r = 0; r < OB; r++) acc[r][m] = I8_DOT(acc[r][m], xv, wv[r]);                           \
+        }                                                                                                  \
+      }                                                                                                    \
+      for (int r = 0; r < OB; r++)                                                                         \
+        for (int m = 0; m < MR; m++) I8_RESULT(m, o + r, I8_SUM(acc[r][m]));                               \
+    }                                                                                                      \
+    for (; o < o_end; o++) {                                                                               \
+      I8_VEC acc[MR];                                                                                      \
+      for (int m = 0; m < MR; m++) acc[m] = I8_ZERO();                                                     \
+      for (int k = 0; k < K; k += I8_STEP) {                                                               \
+        const I8_VEC wv = I8_W(w + (size_t)o * K + k);                                                     \
+        for (int m = 0; m < MR; m++) acc[m] = I8_DOT(acc[m], I8_X(xu + (size_t)m * K + k), wv);            \
+      }                                                                                                    \
+      for (int m = 0; m < MR; m++) I8_RESULT(m, o, I8_SUM(acc[m]));                                        \
+    }                                                                                                      \
+  }
+#if defined(I8_VNNI)
+DEFINE_I8(1, 4) DEFINE_I8(2, 4) DEFINE_I8(3, 4) DEFINE_I8(4, 4)
+DEFINE_I8(5, 2) DEFINE_I8(6, 2) DEFINE_I8(7, 2) DEFINE_I8(8, 2)
+#else /* 16 ymm registers */
+DEFINE_I8(1, 4) DEFINE_I8(2, 4) DEFINE_I8(3, 2) DEFINE_I8(4, 2)
+DEFINE_I8(5, 1) DEFINE_I8(6, 1) DEFINE_I8(7, 1) DEFINE_I8(8, 1)
+#endif
 
 static void i8_range(void* ctx, int o_begin, int o_end) {
   const I8Call* c = (const I8Call*)ctx;
@@ -248,6 +490,24 @@ static void i8_range(void* ctx, int o_begin, int o_end) {
   }
 }
 
+#else /* portable C */
+static void i8_range(void* ctx, int o_begin, int o_end) {
+  const I8Call* c = (const I8Call*)ctx;
+  const int K = c->K, O = c->O;
+  const int32_t* b128 = c->b128;
+  const float *row_scale = c->row_scale, *scale = c->scale;
+  float* y = c->y;
+  for (int o = o_begin; o < o_end; o++)
+    for (int m = 0; m < c->M; m++) {
+      const uint8_t* x = c->xu + (size_t)m * K;
+      const int8_t* w = c->w + (size_t)o * K;
+      int32_t sum = 0;
+      for (int k = 0; k < K; k++) sum += (int32_t)x[k] * (int32_t)w[k];
+      I8_OUT(m, o, sum);
+    }
+}
+#endif
+
 /* y[M][O] = (sum_k q(x)[m][k] * w[o][k]) * row_scale[m] * scale[o], where row_scale = max|x[m]| / 127
  * (at least 1e-12 / 127) and q(x) = round-half-even(x / row_scale): Int8Linear's arithmetic, operation
  * for operation. K % 64 == 0. xu: scratch of M*K bytes; row_scale: scratch of M floats. */
@@ -264,19 +524,28 @@ int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float*
   parallel_for(i8_range, &call, O, threads, 4);
   return 0;
 }
-#endif
 
 /* ---------------------------------------------------------------- a whole decoder in one call */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && \
-    defined(__AVX512VNNI__)
-#include <stdlib.h>
 
 /* ---------------------------------------------------------------- attention over a KV cache */
 #define LANES 16
 static inline float dot(const float* restrict a, const float* restrict b, int d) { /* d % 16 == 0 */
+#if defined(HAVE_AVX512)
   __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
   for (int j = LANES; j < d; j += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
   return _mm512_reduce_add_ps(acc);
+#elif defined(HAVE_AVX2)
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+  for (int j = 8; j < d; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+  return hsum8(acc);
+#else
+  float lane[LANES] = {0};
+  for (int j = 0; j < d; j += LANES)
+    for (int l = 0; l < LANES; l++) lane[l] = fmaf(a[j + l], b[j + l], lane[l]);
+  for (int width = LANES / 2; width >= 1; width /= 2)
+    for (int l = 0; l < width; l++) lane[l] += lane[l + width];
+  return lane[0];
+#endif
 }
 
 typedef struct {
@@ -344,29 +613,17 @@ typedef struct {
 } Layer;
 
 typedef struct {
-  uint16_t* bf16;   /* the rows in bf16 (w4) */
   uint8_t* xu;      /* the rows quantized (i8) */
   float* row_scale; /* their scales (i8) */
   int threads;
 } Scratch;
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-static void linear(const Linear* L, const float* x, float* y, int n, Scratch* s) {
-  if (L->kind == 4) {
-    for (size_t i = 0; i < (size_t)n * L->in_features; i++) s->bf16[i] = to_bf16(x[i]);
-    w4_matmul((const uint8_t*)L->a, (const uint32_t*)L->b, s->bf16, y, n, L->in_features, L->out_features,
-              s->threads);
-  } else {
-    i8_matmul(x, (const int8_t*)L->a, (const int32_t*)L->b, L->scale, y, s->xu, s->row_scale, n, L->in_features,
-              L->out_features, s->threads);
-  }
+static int linear(const Linear* L, const float* x, float* y, int n, Scratch* s) {
+  if (L->kind == 4)
+    return w4_matmul((const uint8_t*)L->a, (const uint32_t*)L->b, x, y, n, L->in_features, L->out_features,
+                     s->threads);
+  return i8_matmul(x, (const int8_t*)L->a, (const int32_t*)L->b, L->scale, y, s->xu, s->row_scale, n,
+                   L->in_features, L->out_features, s->threads);
 }
 
 static void rms_norm(const float* x, const float* w, float* out, int n, int dim, float eps) {
@@ -406,17 +663,19 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
   float* act = malloc(rows * intermediate * sizeof(float));
   float* scores = malloc((size_t)heads * ((size_t)start + n) * sizeof(float));
   const int widest_in = intermediate > dim ? intermediate : dim;
-  Scratch s = {malloc(rows * widest_in * sizeof(uint16_t)), malloc(rows * widest_in), malloc(rows * sizeof(float)),
-               threads};
+  Scratch s = {malloc(rows * widest_in), malloc(rows * sizeof(float)), threads};
   int status = 0;
-  if (!h || !wide || !q || !attn || !act || !scores || !s.bf16 || !s.xu || !s.row_scale) {
+  if (!h || !wide || !q || !attn || !act || !scores || !s.xu || !s.row_scale) {
     status = -1;
     goto done;
   }
   for (int l = 0; l < n_layers; l++) {
     const Layer* L = layers + l;
     rms_norm(x, L->attn_norm, h, n, dim, eps);
-    linear(&L->qkv, h, wide, n, &s);
+    if (linear(&L->qkv, h, wide, n, &s)) {
+      status = -1;
+      goto done;
+    }
     for (int i = 0; i < n; i++) {
       const float* row = wide + (size_t)i * qkv_width;
       const float* c = cos + (size_t)i * head_dim;
@@ -432,22 +691,30 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
     AttendCall call = {q, L->keys, L->values, attn, scores, n, heads, kv_heads, head_dim, start, L->capacity,
                        1.0f / sqrtf((float)head_dim)};
     parallel_for(attend_range, &call, heads, threads, 1);
-    linear(&L->o, attn, h, n, &s);
+    if (linear(&L->o, attn, h, n, &s)) {
+      status = -1;
+      goto done;
+    }
     for (size_t j = 0; j < rows * dim; j++) x[j] += h[j];
     rms_norm(x, L->mlp_norm, h, n, dim, eps);
-    linear(&L->gate_up, h, wide, n, &s);
+    if (linear(&L->gate_up, h, wide, n, &s)) {
+      status = -1;
+      goto done;
+    }
     for (int i = 0; i < n; i++) {
       const float* gate = wide + (size_t)i * 2 * intermediate;
       const float* up = gate + intermediate;
       float* a = act + (size_t)i * intermediate;
       for (int j = 0; j < intermediate; j++) a[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
     }
-    linear(&L->down, act, h, n, &s);
+    if (linear(&L->down, act, h, n, &s)) {
+      status = -1;
+      goto done;
+    }
     for (size_t j = 0; j < rows * dim; j++) x[j] += h[j];
   }
 done:
   free(h); free(wide); free(q); free(attn); free(act); free(scores);
-  free(s.bf16); free(s.xu); free(s.row_scale);
+  free(s.xu); free(s.row_scale);
   return status;
 }
-#endif

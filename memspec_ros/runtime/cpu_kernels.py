@@ -3,12 +3,15 @@
 At 1 thread the bundled target's forward is compute-bound: ATen's int4 kernel dequantizes each weight again
 for every 4 rows (a 5-row verify costs ~2x a 1-token step), and its attention and oneDNN's int8 GEMM spend
 tens of microseconds per call on set-up. The C file says what each kernel does and why its rows are exact.
+Each kernel is written for AVX512 (BF16, VNNI), for AVX2, and in portable C for any other CPU (ARM robots);
+which one a machine got is in :func:`status` (``isa``). ``MEMSPEC_CPU_KERNELS=portable`` builds the portable
+C alone (tests, A/B runs).
 
 The file is compiled once per machine with the system C compiler (``$CC``, else ``cc``) and ``-march=native``
 into the cache folder (``$MEMSPEC_CACHE_DIR``, else ``~/.cache/memspec_ros``), keyed by the source, the
 compiler and this CPU's flags, and loaded with ctypes: nothing is downloaded, and no Python package is
-built. Where there is no compiler, or the CPU lacks an instruction set a kernel needs, the forward paths
-keep ATen's kernels and :func:`status` says why. ``MEMSPEC_CPU_KERNELS=0`` turns them off (for A/B runs).
+built. Where there is no compiler, the forward paths keep ATen's kernels and :func:`status` says why.
+``MEMSPEC_CPU_KERNELS=0`` turns them off (for A/B runs).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 # threads through OpenMP, whose calls resolve to the libgomp torch loaded (runtime/cpu_kernels.c: parallel_for);
 # a compiler without OpenMP builds the same kernels single-threaded
 OPENMP = "-fopenmp"
-FEATURE_W4, FEATURE_I8, FEATURE_DECODER = 1, 2, 4  # as memspec_kernel_features() reports them
-ENV_SWITCH = "MEMSPEC_CPU_KERNELS"
+# as memspec_kernel_features() reports them
+FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BF16 = 1, 2, 4, 8
+ENV_SWITCH = "MEMSPEC_CPU_KERNELS"  # 0: ATen's kernels; portable: the portable C even where SIMD code exists
+PORTABLE = "portable"
 COMPILE_TIMEOUT_S = 120
 
 
@@ -40,15 +45,21 @@ COMPILE_TIMEOUT_S = 120
 class KernelStatus:
     """Which kernels this machine runs, and why any are missing."""
 
-    w4: bool = False  # 4-bit weights x bf16 rows (AVX512-BF16)
-    i8: bool = False  # int8 weights x int8 rows (AVX512-VNNI)
-    decoder: bool = False  # a whole w4/i8 decoder in one call (both instruction sets)
+    w4: bool = False  # 4-bit weights x fp32 rows
+    i8: bool = False  # int8 weights x int8 rows
+    decoder: bool = False  # a whole w4/i8 decoder in one call
+    w4_bf16: bool = False  # w4 rounds rows to bf16 (AVX512-BF16); else it quantizes them to int8 blocks of 32
+    isa: str = ""  # the instruction set each kernel was compiled for
     library: str = ""
-    reason: str = ""  # why some or all are missing ('' when all run)
+    reason: str = ""  # why they are missing ('' when they run)
 
     def describe(self) -> str:
         names = [name for name, on in (("w4", self.w4), ("i8", self.i8), ("decoder", self.decoder)) if on]
-        text = ("memspec " + ", ".join(names)) if names else "none (ATen's kernels)"
+        if not names:
+            text = "none (ATen's kernels)"
+        else:
+            rows = "bf16 rows" if self.w4_bf16 else "int8-block rows"
+            text = f"memspec {', '.join(names)} ({self.isa}; w4 x {rows})"
         return f"{text}; {self.reason}" if self.reason else text
 
 
@@ -66,11 +77,12 @@ def _compiler() -> str:
     return os.environ.get("CC") or "cc"
 
 
-def _build(out_dir: Path) -> Path:
+def _build(out_dir: Path, portable: bool = False) -> Path:
     """The compiled library for this source, compiler and CPU; compiled once, reused after."""
     compiler = _compiler()
+    flags = (*FLAGS, "-DMEMSPEC_PORTABLE") if portable else FLAGS
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join((*FLAGS, OPENMP)), _cpu_flags(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join((*flags, OPENMP)), _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
     if library.exists():
@@ -80,8 +92,8 @@ def _build(out_dir: Path) -> Path:
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        for flags in ((*FLAGS, OPENMP), FLAGS):
-            done = subprocess.run([compiler, *flags, "-o", str(partial), str(SOURCE), "-lm"],
+        for tried in ((*flags, OPENMP), flags):
+            done = subprocess.run([compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"],
                                   capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             if done.returncode == 0:
                 break
@@ -96,35 +108,32 @@ def _build(out_dir: Path) -> Path:
 def _bind(library: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     library.memspec_kernel_features.restype = i
-    if hasattr(library, "w4_matmul"):
-        library.w4_matmul.argtypes = [p] * 4 + [i] * 4
-        library.w4_matmul.restype = i
-    if hasattr(library, "i8_matmul"):
-        library.i8_matmul.argtypes = [p] * 7 + [i] * 4
-        library.i8_matmul.restype = i
-    if hasattr(library, "decoder_forward"):
-        library.decoder_forward.argtypes = [p, i, p, i, i, p, p, i, i, i, i, i, f, i]
-        library.decoder_forward.restype = i
+    library.memspec_kernel_isa.restype = ctypes.c_char_p
+    library.w4_matmul.argtypes = [p] * 4 + [i] * 4
+    library.w4_matmul.restype = i
+    library.i8_matmul.argtypes = [p] * 7 + [i] * 4
+    library.i8_matmul.restype = i
+    library.decoder_forward.argtypes = [p, i, p, i, i, p, p, i, i, i, i, i, f, i]
+    library.decoder_forward.restype = i
 
 
 @cache
 def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if switch in ("0", "false", "no", "off"):
         return None, KernelStatus(reason=f"turned off by {ENV_SWITCH}=0")
     from .model_source import cache_root  # the one cache folder the runtime writes to
 
     try:
-        path = _build(cache_root() / "kernels")
+        path = _build(cache_root() / "kernels", portable=switch == PORTABLE)
         library = ctypes.CDLL(str(path))
         _bind(library)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, KernelStatus(reason=f"not compiled ({type(exc).__name__}: {exc}); ATen's kernels run")
     features = library.memspec_kernel_features()
-    missing = [why for bit, why in ((FEATURE_W4, "w4 needs AVX512-BF16"), (FEATURE_I8, "i8 needs AVX512-VNNI"))
-               if not features & bit]
     return library, KernelStatus(w4=bool(features & FEATURE_W4), i8=bool(features & FEATURE_I8),
-                                 decoder=bool(features & FEATURE_DECODER), library=str(path),
-                                 reason="; ".join(missing) + (" (ATen's kernel runs instead)" if missing else ""))
+                                 decoder=bool(features & FEATURE_DECODER), w4_bf16=bool(features & FEATURE_W4_BF16),
+                                 isa=library.memspec_kernel_isa().decode(), library=str(path))
 
 
 def status() -> KernelStatus:
@@ -153,12 +162,15 @@ def _threads() -> int:
 
 def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     """rows [M, K] times 4-bit weights (``packed`` [O, K/32, 16] uint8, ``scale_min`` [O, K/32] int32 of bf16
-    pairs; see :func:`pack_w4`): float32 [M, O]."""
-    x = rows.to(torch.bfloat16).contiguous()
+    pairs; see :func:`pack_w4`): float32 [M, O]. The rows are rounded to bf16 where ``status().w4_bf16``, else
+    quantized to int8 per block of 32 (runtime/cpu_kernels.c says why)."""
+    x = rows.float().contiguous()
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
     with _CALL:
-        _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1],
-                             packed.shape[0], _threads())
+        failed = _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1],
+                                      packed.shape[0], _threads())
+    if failed:
+        raise MemoryError("the w4 kernel could not allocate its scratch memory")
     return out
 
 
@@ -225,7 +237,7 @@ class Decoder:
     @classmethod
     def build(cls, layers: list, dims: tuple[int, int, int, int, int], eps: float) -> Decoder | str:
         if not status().decoder:
-            return "the decoder kernel is not compiled here: " + (status().reason or "no AVX512-BF16/VNNI")
+            return "the decoder kernel is not compiled here: " + status().reason
         dim, heads, kv_heads, head_dim, intermediate = dims
         if dim % 64 or head_dim % 64 or intermediate % 64 or heads % kv_heads:
             return f"shapes the kernel does not take (hidden {dim}, head_dim {head_dim}, intermediate {intermediate})"

@@ -11,11 +11,11 @@ and multiplies with a kernel ATen already ships for CPUs:
 ``bf16``  bf16 weights, bf16 inputs to the matmul, fp32 out: half the bytes.
 ``int8``  int8 weights per output channel; the input quantized per *row* at run
           time and multiplied with exact int32 accumulation (``torch._int_mm``, or
-          the engine's VNNI kernel, which gives the same integers):
+          the engine's kernel, which gives the same integers on every CPU):
           the scheme of torchao's dynamic int8 activation/int8 weight config.
 ``int4``  4-bit weights in groups of 32 with a scale and a minimum per group
-          (the engine's AVX512-BF16 kernel, else ATen's ``_weight_int4pack_mm_for_cpu``;
-          bf16 inputs either way). This is Q4_1's grid, so
+          (the engine's kernel: bf16 inputs with AVX512-BF16, int8 blocks of 32 elsewhere;
+          without it ATen's ``_weight_int4pack_mm_for_cpu``, bf16 inputs). This is Q4_1's grid, so
           for a Q4_1 GGUF such as the bundled target it holds the file's own
           4-bit weights exactly (only the per-group scale and minimum are rounded
           to bf16, the kernel's format). The LM head stays int8: at 4 bits the
@@ -38,9 +38,9 @@ it as Q8_0 (int8 values, one fp16 scale per 32), so on every path but fp32 a tab
 on that grid is kept in that form (:class:`Q8Embedding`, 30 MB): its rows come back bit for bit, so
 the model computes what it computed before. A table off the grid (a model trained in fp32) stays.
 
-The engine's own kernels (runtime/cpu_kernels.py, compiled on the machine that runs them) take the
-int4 and int8 layers where the CPU has the instructions they need; a model whose layers all run on
-them also runs its whole decoder in one C call (runtime/draft_forward.py). :class:`PathReport` says
+The engine's own kernels (runtime/cpu_kernels.py, compiled on the machine that runs them: AVX512, AVX2
+or portable C) take the int4 and int8 layers; a model whose layers all run on them also runs its
+whole decoder in one C call (runtime/draft_forward.py). :class:`PathReport` says
 which kernels a model got.
 
 Layers whose shapes a kernel cannot take (int4 needs in_features % 32 == 0 and
@@ -59,7 +59,7 @@ from . import cpu_kernels
 PATHS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP = 32  # Q4_1's block size: one scale and one minimum per 32 weights
 INT4_LEVELS = 15  # 4 bits: 0..15
-I8_KERNEL_BLOCK = 64  # the VNNI kernel's step along the input (bytes per load)
+I8_KERNEL_BLOCK = 64  # the kernels' step along the input (the VNNI kernel's bytes per load; AVX2 takes 32)
 INT8_MAX = 127  # symmetric int8: -127..127 (keeps -128 unused so the grid is symmetric)
 _TINY = 1e-12  # guards an all-zero row or group against a zero scale
 
@@ -115,8 +115,9 @@ class Bf16Linear(FastLinear):
 class Int8Linear(FastLinear):
     """int8 weights per output channel, inputs quantized per row, exact int32 accumulation.
 
-    Two kernels compute the same numbers (integer sums are exact in any order): the engine's VNNI kernel
-    (runtime/cpu_kernels.c, weights stored [out, in]) where this CPU has it, else ``torch._int_mm``
+    Two kernels compute the same numbers (integer sums are exact in any order): the engine's kernel
+    (runtime/cpu_kernels.c: VNNI, AVX2 or portable C; weights stored [out, in]) where it compiled, else
+    ``torch._int_mm``
     (weights stored [in, out], the layout it multiplies without a copy)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -162,9 +163,10 @@ class Int8Linear(FastLinear):
 class Int4Linear(FastLinear):
     """4-bit weights, groups of 32 along the input with a bf16 scale and minimum each (Q4_1's grid).
 
-    Multiplied by the engine's kernel (runtime/cpu_kernels.c: each group's 16 weight values rounded to
-    bf16 once, then bf16 dot products; one pass over the weights for up to 8 rows) where this CPU has
-    AVX512-BF16, else by ATen's ``_weight_int4pack_mm_for_cpu`` (fp32 dequantization). The two round
+    Multiplied by the engine's kernel (runtime/cpu_kernels.c) wherever it compiled: with AVX512-BF16 each
+    group's 16 weight values are rounded to bf16 once and multiplied by bf16 rows; elsewhere (AVX2,
+    portable C) the rows are quantized to int8 per block of 32 and each block's sum is an exact integer.
+    Without the kernels, ATen's ``_weight_int4pack_mm_for_cpu`` (fp32 dequantization). Each rounds
     differently, so a model's numbers depend on which ran: :func:`apply_path` reports it, and every
     forward of one model uses the same one."""
 

@@ -267,7 +267,9 @@ static void quantize_blocks(const float* x, int8_t* xq, float* xd, float* xs, in
 }
 
 #if defined(HAVE_AVX2)
-#define ROW_BLOCK_Q 4 /* 16 ymm registers: OB x MR accumulators, MR row blocks, the weights and temporaries */
+/* Rows per pass: every row of a verify in one pass, since at one thread a 135 M model's weights stream from DRAM
+ * (about 5 GB/s per core on the EPYC these were tuned on); accumulators beyond the 16 ymm registers spill to L1. */
+#define ROW_BLOCK_Q 8
 
 /* One group's 32 levels (0..15) as bytes, in the order of the rows' int8 blocks. */
 static inline __m256i w4_levels(const uint8_t* q) {
@@ -277,8 +279,8 @@ static inline __m256i w4_levels(const uint8_t* q) {
 
 /* Outputs o..o+OB-1 for MR rows. Per row and output: an exact int32 per block (levels x int8 row, 8 lanes),
  * scaled by the group's scale times the block's d into 8 fp32 lanes; the minimums' part in one scalar. */
-#define DEFINE_W4Q_BLOCK(MR, OB)                                                                             \
-  static inline void w4q_##MR##_##OB(const W4Call* c, const int8_t* restrict xq, const float* restrict xd,   \
+#define DEFINE_W4Q_BLOCK(NAME, MR, OB)                                                                       \
+  static inline void NAME(const W4Call* c, const int8_t* restrict xq, const float* restrict xd,   \
                                      const float* restrict xs, float* restrict y, int o) {                   \
     const int K = c->K, groups = K / 32;                                                                     \
     const __m256i ones = _mm256_set1_epi16(1);                                                               \
@@ -305,15 +307,22 @@ static inline __m256i w4_levels(const uint8_t* q) {
       for (int m = 0; m < MR; m++) y[(size_t)m * c->O + o + r] = hsum8(acc[r][m]) + mins[r][m];             \
   }
 #define DEFINE_W4Q(MR, OB)                                                                                   \
-  DEFINE_W4Q_BLOCK(MR, OB)                                                                                   \
-  DEFINE_W4Q_BLOCK(MR, 1)                                                                                    \
+  DEFINE_W4Q_BLOCK(w4q_##MR##_block, MR, OB)                                                                 \
+  DEFINE_W4Q_BLOCK(w4q_##MR##_one, MR, 1)                                                                    \
   static void w4q_##MR(const W4Call* c, const int8_t* xq, const float* xd, const float* xs, float* y, int o_begin, \
                        int o_end) {                                                                          \
     int o = o_begin;                                                                                         \
-    for (; o + OB <= o_end; o += OB) w4q_##MR##_##OB(c, xq, xd, xs, y, o);                                   \
-    for (; o < o_end; o++) w4q_##MR##_1(c, xq, xd, xs, y, o); /* the same operations per output */          \
+    for (; o + OB <= o_end; o += OB) w4q_##MR##_block(c, xq, xd, xs, y, o);                                  \
+    for (; o < o_end; o++) w4q_##MR##_one(c, xq, xd, xs, y, o); /* the same operations per output */        \
   }
-DEFINE_W4Q(1, 4) DEFINE_W4Q(2, 4) DEFINE_W4Q(3, 2) DEFINE_W4Q(4, 2)
+#ifndef W4Q_OB_SMALL
+#define W4Q_OB_SMALL 2 /* outputs per block for 1-2 rows */
+#endif
+#ifndef W4Q_OB_MID
+#define W4Q_OB_MID 2 /* for 3-4 rows */
+#endif
+DEFINE_W4Q(1, W4Q_OB_SMALL) DEFINE_W4Q(2, W4Q_OB_SMALL) DEFINE_W4Q(3, W4Q_OB_MID) DEFINE_W4Q(4, W4Q_OB_MID)
+DEFINE_W4Q(5, 1) DEFINE_W4Q(6, 1) DEFINE_W4Q(7, 1) DEFINE_W4Q(8, 1)
 
 static void w4q_range(void* ctx, int o_begin, int o_end) {
   const W4Call* c = (const W4Call*)ctx;
@@ -327,7 +336,11 @@ static void w4q_range(void* ctx, int o_begin, int o_end) {
       case 1: w4q_1(c, xq, xd, xs, y, o_begin, o_end); break;
       case 2: w4q_2(c, xq, xd, xs, y, o_begin, o_end); break;
       case 3: w4q_3(c, xq, xd, xs, y, o_begin, o_end); break;
-      default: w4q_4(c, xq, xd, xs, y, o_begin, o_end); break;
+      case 4: w4q_4(c, xq, xd, xs, y, o_begin, o_end); break;
+      case 5: w4q_5(c, xq, xd, xs, y, o_begin, o_end); break;
+      case 6: w4q_6(c, xq, xd, xs, y, o_begin, o_end); break;
+      case 7: w4q_7(c, xq, xd, xs, y, o_begin, o_end); break;
+      default: w4q_8(c, xq, xd, xs, y, o_begin, o_end); break;
     }
   }
 }
@@ -466,7 +479,10 @@ static inline __m256i i8_dot(__m256i acc, __m256i x, __m256i w) {
 DEFINE_I8(1, 4) DEFINE_I8(2, 4) DEFINE_I8(3, 4) DEFINE_I8(4, 4)
 DEFINE_I8(5, 2) DEFINE_I8(6, 2) DEFINE_I8(7, 2) DEFINE_I8(8, 2)
 #else /* 16 ymm registers */
-DEFINE_I8(1, 4) DEFINE_I8(2, 4) DEFINE_I8(3, 2) DEFINE_I8(4, 2)
+#ifndef I8_OB_SMALL
+#define I8_OB_SMALL 1 /* outputs per block for 1-2 rows */
+#endif
+DEFINE_I8(1, I8_OB_SMALL) DEFINE_I8(2, I8_OB_SMALL) DEFINE_I8(3, 1) DEFINE_I8(4, 1)
 DEFINE_I8(5, 1) DEFINE_I8(6, 1) DEFINE_I8(7, 1) DEFINE_I8(8, 1)
 #endif
 

@@ -271,6 +271,32 @@ def test_trained_predictor_drives_memspec_losslessly(trained):
         PredictionEngine.load(root / "predictor" / "target-hidden")
 
 
+def test_the_target_hidden_ranker_reads_the_prefill_not_a_second_prompt_pass(trained):
+    """The controller prefills before the first ranking, so the target-hidden encoder takes the prompt's hidden
+    states from the prefill: the target runs over the prompt once per generation, and decoding time starts after
+    the first choice and its load (setup, not decoding)."""
+    root, _, _, tok = trained
+    from memspec_ros.runtime.models import ModelSpec, load_model
+
+    target = load_model(ModelSpec(str(root / "target"))).model
+    registry = DraftRegistry.from_yaml(root / "registry.yaml")
+    engine = PredictionEngine.load(root / "predictor" / "target-hidden", target=target, tokenizer=tok)
+    passes = []  # the encoder's own prompt pass calls the target module; the engine's lean forward does not
+    handle = target.register_forward_hook(lambda module, args, output: passes.append(1))
+    ctl = RuntimeController(RuntimeConfig(policy="memspec"), target, tok, registry, engine, eos_token_ids=[])
+    try:
+        prompt = tok("Solve 2x = 8.")["input_ids"]
+        result = ctl.generate(prompt, 24)
+        assert passes == []
+        assert result.token_ids == target_greedy(target, prompt, 24)
+        assert result.stats.predictions >= 2 and result.stats.setup_seconds > 0
+        assert engine.encoder._prompt_vec is not None  # the ranking saw the prompt's features
+    finally:
+        handle.remove()
+        ctl.close()
+        engine.close()
+
+
 torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend
 
 

@@ -307,7 +307,6 @@ class RuntimeController:
         cache.on_evict.append(session.drop_draft)
         before = cache.snapshot()
         run = self._setup(session, prompt_ids)
-        session.prefill()
         while not session.finished:
             if should_cancel is not None and should_cancel():
                 session.cancel()
@@ -323,19 +322,27 @@ class RuntimeController:
         return GenerationResult(session.text, session.finish_reason, stats, session.generated_ids)
 
     def _setup(self, session: SpeculativeSession, prompt_ids: list[int]) -> _Run:
-        """Prediction on the prompt, the initial draft load, cache preparation (Algorithm 3, lines 2-5)."""
+        """Prediction on the prompt, the initial draft load, cache preparation (Algorithm 3, lines 2-5), with the
+        target's prefill between the policy's start and its first choice: a ranker that reads the target's hidden
+        states (the target-hidden encoder) then finds the prompt's already, instead of running the target over the
+        prompt a second time before prefill (0.71 s a generation with the int4 target on an AVX2 CPU). The prefill
+        needs no draft, and the first iteration waits for the first choice either way."""
         stats = session.stats
         policy = self._make_policy()
         stats.policy = policy.name
         run = _Run(policy, self.registry.version)
         self._sync_registry("")  # drafts removed while idle leave the cache before this generation
-        t_setup = time.perf_counter()
+        t_start = time.perf_counter()
         policy.start(prompt_ids)
+        setup = time.perf_counter() - t_start
+        session.prefill()
+        t_choose = time.perf_counter()
         point = self._point(0, session, prompt_ids, active="")
         choice = policy.choose(point)
         stats.predictions += 1
         run.follow(self._carry_out(choice, current=""))  # the first draft: the choice blocks for it
-        stats.setup_seconds = time.perf_counter() - t_setup
+        stats.setup_seconds = setup + time.perf_counter() - t_choose
+        session.restart_decode_clock()  # setup is not decoding (runtime/stats.py: the paper's metric)
         return run
 
     def _scheduling_point(self, run: _Run, session: SpeculativeSession, prompt_ids: list[int]) -> None:

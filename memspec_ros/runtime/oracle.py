@@ -227,7 +227,7 @@ class GreedyOracle:
 
 # -- Oracle-Dynamic: the best schedule by dynamic programming ------------------------------------
 
-START = "start"  # the first choice: its load is setup (before prefill), not decoding time
+START = "start"  # the first choice: its load is setup (after prefill, before decoding), not decoding time
 RESIDENT = "resident"  # run a resident draft (optionally prefetch one, evicting one)
 WAIT = "wait"  # wait for the draft being prefetched, then run it
 LOAD = "load"  # blocking load of a draft neither resident nor on its way (evicting one), then run it
@@ -263,7 +263,7 @@ class ScheduleSolver:
       align the cache (prefetch one draft, evicting one that is neither the new nor the last active
       draft, which the controller protects); or wait for the draft in flight and run it; or, with no
       load in flight, block on loading a draft and run it (evicting any resident one). The first
-      draft's load happens before prefill (setup time, outside the decode metric) and is free.
+      draft's load happens before decoding (setup time, outside the decode metric) and is free.
 
     ``value(state)`` is the least cost from any state, memoised, so the policy can re-plan from
     where the real run is. Running one draft throughout is a schedule of this model, so
@@ -338,7 +338,7 @@ class ScheduleSolver:
     def _options(self, state: State):
         """(cost now, action, next state) for every decision the controller can carry out here."""
         p, a, resident, loading = state
-        if p == self.start and a == "":  # the first choice: its load is setup, before prefill
+        if p == self.start and a == "":  # the first choice: its load is setup, before decoding
             for x in self.drafts:
                 nxt, cost = self._run(x, p, a)
                 if x in resident or len(resident) < self.capacity:

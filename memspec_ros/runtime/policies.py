@@ -68,7 +68,7 @@ class PolicyError(ValueError):
 class SchedulingPoint:
     """What a policy may look at when it chooses (the controller fills it)."""
 
-    interval: int  # i: 0 before prefill, then one per N iterations
+    interval: int  # i: 0 for the first choice (after prefill), then one per N iterations
     prompt_ids: list[int]
     generated_ids: list[int]  # committed output so far
     recent_ids: list[int]  # the last T generated tokens

@@ -276,7 +276,7 @@ class TargetHiddenEncoder:
     def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         with self._lock:
             vec = self._prompt_vec
-        if vec is None:  # prediction before prefill (interval 0): one prompt pass, counted as setup
+        if vec is None:  # ranked before the target saw the prompt (the controller prefills first): one prompt pass
             with torch.inference_mode():
                 ids = torch.tensor([list(prompt_ids)], device=next(self.target.parameters()).device)
                 self.target(input_ids=ids, use_cache=False, logits_to_keep=1)

@@ -181,8 +181,8 @@ class CostModel:
     """Every time the simulator charges, measured on real runs of this machine (seconds).
 
     Pooled over every measured policy (one machine, one target, drafts of one architecture), except
-    the work each policy does on the decode thread at its scheduling points and before prefill, which
-    is its own.
+    the work each policy does on the decode thread at its scheduling points and at its start and first
+    choice (setup), which is its own.
     """
 
     verify_seconds: dict[int, float] = field(default_factory=dict)  # by proposals verified (0: a target-only step)
@@ -483,15 +483,17 @@ class Simulator:
                                    domains=self.domains, resident=cache.resident(), active=active,
                                    max_new_tokens=cfg.max_new_tokens)
 
+        # the controller's order (runtime/controller.py: _setup): the policy starts, the target prefills (committing
+        # the first token), then the first choice is made and its draft loaded, blocking
         policy.start(prompt)
-        choice = policy.choose(point_at(0, 0, ""))
+        clock.now += costs.prefill(len(prompt))
+        stats.prefill_seconds = clock.now
+        choice = policy.choose(point_at(0, 1, ""))
         stats.predictions += 1
         clock.now += costs.setup_seconds.get(policy.name, 0.0)
         first = _carry_out(cache, clock, choice)  # the first draft: the choice blocks for it
         active, preferred, fallback = first.draft, first.preferred, first.fallback
-        stats.setup_seconds = clock.now
-        clock.now += costs.prefill(len(prompt))
-        stats.prefill_seconds = clock.now - stats.setup_seconds
+        stats.setup_seconds = clock.now - stats.prefill_seconds
         decode_start = clock.now
         position = 1  # the prefill committed the first token
         stats.completion_tokens = 1

@@ -361,6 +361,12 @@ class SpeculativeSession:
         self._commit([token])
         return token
 
+    def restart_decode_clock(self) -> None:
+        """Decoding time starts now: what ran after the prefill but before the first iteration (the first
+        prediction and draft load) is setup, not decoding (runtime/stats.py: the paper's metric)."""
+        if self.started and not self.generated_ids[1:]:
+            self._decode_started = time.perf_counter()
+
     @torch.inference_mode()
     def step(self, draft_name: str = "", draft: torch.nn.Module | None = None) -> IterationStats:
         """One iteration with ``draft`` (None: a plain target step). Returns its statistics."""

@@ -14,7 +14,7 @@ Two throughput metrics, both generated tokens over wall time:
   the predictor's work on the decode thread, blocking load waits, the
   controller's scheduling points). It excludes prompt encoding: the target's
   prefill (which also yields the first token, so that token is not counted) and
-  the setup before it (the first prediction and the first draft load).
+  the setup around it (the first prediction and the first draft load, made once the prefill is done).
   :func:`decode_tokens_per_second`.
 * **end_to_end_tokens_per_second**, what a user feels: every generated token
   (the prefill's first one included) over setup + prefill + decoding, so the
@@ -158,7 +158,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefill_seconds: float = 0.0  # target prefill (prompt encoding) + first token
-    setup_seconds: float = 0.0  # before prefill: initial draft load, first prediction
+    setup_seconds: float = 0.0  # not decoding: the policy's start, first prediction, initial draft load
     decode_seconds: float = 0.0  # wall time of the iterations after the first token
     finish_reason: str = ""
     iterations: list[IterationStats] = field(default_factory=list)

@@ -62,7 +62,7 @@ def _w4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     xq = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks)).double()  # round half to even
     # sum_j (q_j * scale + low) * xq_j * d, per group: scale * d * (q . xq) + low * d * sum(xq)
     dots = torch.einsum("ogj,mgj->mog", q, xq)
-    return (dots * (scale[..., 0] * 1)[None] * d.double()[:, None, :, 0]
+    return (dots * scale[..., 0][None] * d.double()[:, None, :, 0]
             + low[..., 0][None] * (d.double()[..., 0] * xq.sum(-1))[:, None, :]).sum(-1)
 
 

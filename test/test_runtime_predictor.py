@@ -273,8 +273,7 @@ def test_trained_predictor_drives_memspec_losslessly(trained):
 
 def test_the_target_hidden_ranker_reads_the_prefill_not_a_second_prompt_pass(trained):
     """The controller prefills before the first ranking, so the target-hidden encoder takes the prompt's hidden
-    states from the prefill: the target runs over the prompt once per generation, and decoding time starts after
-    the first choice and its load (setup, not decoding)."""
+    states from the prefill: the target runs over the prompt once per generation."""
     root, _, _, tok = trained
     from memspec_ros.runtime.models import ModelSpec, load_model
 

@@ -1,0 +1,202 @@
+"""How the bundled drafts' acceptance grows with the target answers they are trained on.
+
+Issue 16's acceptance goals (each domain draft +40% over ``general`` on its own workload,
+``oracle_static_gain`` >= 0.20) were missed with about 350 target answers per domain, and every
+probe since has said "more answers is the lever". This measures the lever instead of assuming it:
+the same recipe as ``memspec-zoo build`` (``general`` from scratch on every domain's answers, each
+domain draft fine-tuned from it on its own domain's), run on nested fractions of the same answers,
+with acceptance measured on answers that neither early stopping nor training saw.
+
+Data: the target's greedy answers to the zoo's training requests, recovered from the committed
+datastore (``models/datastore.safetensors`` holds answer ``i`` of ``models/workloads/train_requests.jsonl``
+row ``i``; the script checks a few against the target's own greedy output first). The datastore keeps
+only the greedy tokens, not the build's top-8 soft labels, so the drafts here are trained on hard labels
+(top-1 KL, i.e. cross-entropy on the target's greedy token): their absolute acceptance is not the
+bundled drafts', the slope over the data is what this measures.
+
+Split: every 10th answer (shuffled, seed 0) is held out; half of those stop training early, the other
+half are scored. Acceptance: mean accepted tokens per gamma-4 iteration in the engine's greedy walk,
+teacher-forced on the target's answers (``chat_drafts.mean_accepted``, the build's definition).
+
+    .venv/bin/python scripts/draft_data_scaling.py --fractions 0.25,0.5,1 \
+        --general-steps 420 --domain-steps 120 --json docs/results/draft-data-scaling.json
+
+Resumable: each run's final parameters go under ``--work`` and are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from memspec_ros.zoo.chat_build import ChatBuildConfig
+from memspec_ros.zoo.chat_drafts import AnswerStreams, mean_accepted, new_draft
+from memspec_ros.zoo.teacher import Answer, TeacherConfig, answer_batch, chat_prompt_ids
+from memspec_ros.zoo.train import NO_TIME_BUDGET, train
+
+ROOT = Path(__file__).resolve().parents[1]
+DOMAINS = ("code", "math", "law", "medical")
+
+
+def log(msg: str) -> None:
+    print(f"[scaling {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def load_answers(models: Path, tok) -> list[Answer]:
+    from safetensors import safe_open
+
+    with safe_open(str(models / "datastore.safetensors"), framework="pt") as f:
+        tokens, offsets = f.get_tensor("tokens").long(), f.get_tensor("offsets").tolist()
+    rows = [json.loads(line) for line in (models / "workloads" / "train_requests.jsonl").read_text().splitlines()]
+    answers = []
+    for i in range(len(offsets) - 1):
+        ids = tokens[offsets[i]:offsets[i + 1]].tolist()
+        answers.append(Answer(chat_prompt_ids(tok, rows[i]["messages"]), ids,
+                              torch.tensor(ids, dtype=torch.int32)[:, None],
+                              torch.zeros((len(ids), 1), dtype=torch.float16), rows[i]["domain"]))
+    return answers
+
+
+def check_pairing(target, tok, answers: list[Answer], n: int = 4, tokens: int = 24) -> None:
+    """The datastore's answers must be this target's greedy answers to these requests, in this order."""
+    from memspec_ros.runtime.chat import end_token_ids
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    picks = answers[:: max(1, len(answers) // n)][:n]
+    for a in picks:  # one at a time: no padding, so the greedy output is the target's own
+        got = answer_batch(target, [a.prompt_ids], TeacherConfig(max_new_tokens=tokens, top_k=1),
+                           set(end_token_ids(tok, target)), pad)[0].answer_ids
+        if got != a.answer_ids[:len(got)]:
+            raise SystemExit(f"the datastore's answers do not pair with train_requests.jsonl: "
+                             f"{tok.decode(got)!r} vs {tok.decode(a.answer_ids[:tokens])!r}")
+    log(f"pairing checked on {len(picks)} requests: the datastore holds the target's greedy answers")
+
+
+def plot(report: dict, path: Path) -> None:
+    """Left: mean accepted tokens vs answers trained on; right: each domain draft's gain over ``general``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [r["answers"] for r in runs]
+    left.plot(x, [r["general"]["accepted_all"] for r in runs], "o-", color="k", label="general, all held-out")
+    for d in DOMAINS:
+        left.plot(x, [r["domains"][d]["domain_accepted"] for r in runs], "o--", label=f"{d} draft on {d}")
+        right.plot(x, [100 * r["domains"][d]["gain"] for r in runs], "o-", label=d)
+    right.axhline(40, color="r", ls=":", label="goal +40%")
+    left.set_ylim(0, 1.35 * max(max(line.get_ydata()) for line in left.get_lines()))  # room for the legend
+    for ax, where in ((left, "upper left"), (right, "lower right")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("target answers trained on (all domains)")
+        ax.legend(fontsize=7, loc=where, ncol=2)
+    left.set_ylabel("mean accepted tokens / iteration (gamma 4)")
+    right.set_ylabel("domain draft vs general on its domain (%)")
+    fig.suptitle("Draft acceptance vs training answers (hard labels, same steps per run)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=Path, default=ROOT / "models")
+    p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "data_scaling")
+    p.add_argument("--fractions", default="0.25,0.5,1")
+    # step budgets, not minutes: every fraction gets the same compute whatever else runs on the machine
+    p.add_argument("--general-steps", type=int, default=420)
+    p.add_argument("--domain-steps", type=int, default=120)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=ROOT / "docs" / "results" / "draft-data-scaling.json")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from memspec_ros.runtime.draft_vocab import DraftVocab, ReducedVocabDraft
+    from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
+
+    build = json.loads((a.models / "build_config.json").read_text())
+    target_ref = build["target"]
+    tok = load_tokenizer(target_ref)
+    target = load_model(ModelSpec(target_ref)).model
+    answers = load_answers(a.models, tok)
+    check_pairing(target, tok, answers)
+    vocab_ids = json.loads((a.models / "drafts" / "general" / "draft_vocab.json").read_text())["target_ids"]
+
+    base = ChatBuildConfig()  # the build's dataclasses, with the values the bundled zoo was built with
+    arch = replace(base.arch, **build["arch"])
+    gtrain = replace(base.general_train, **{**build["general_train"], "max_steps": a.general_steps,
+                                             "max_minutes": NO_TIME_BUDGET, "validate_every": 60})
+    dtrain = replace(base.domain_train, **{**build["domain_train"], "max_steps": a.domain_steps,
+                                           "max_minutes": NO_TIME_BUDGET, "validate_every": 20,
+                                           "seed": build["seed"] + 1})
+    order = list(answers)
+    random.Random(0).shuffle(order)
+    held = [x for i, x in enumerate(order) if not i % 10]
+    pool = [x for i, x in enumerate(order) if i % 10]  # nested fractions: each is a prefix of this
+    stop, score = held[::2], held[1::2]
+    fractions = [float(f) for f in a.fractions.split(",")]
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("models", "work", "json"))
+    report = {"what": "mean accepted tokens per gamma-4 iteration vs the number of target answers trained on",
+              "command": f"scripts/draft_data_scaling.py {flags}",
+              "labels": "hard (the target's greedy token); the bundled drafts used top-8 soft labels",
+              "answers_total": len(answers), "stop_answers": len(stop), "score_answers": len(score),
+              "score_answers_by_domain": {d: sum(x.domain == d for x in score) for d in (*DOMAINS, "general", "mixed")},
+              "arch": asdict(arch), "general_train": asdict(gtrain), "domain_train": asdict(dtrain), "runs": []}
+
+    def fit(name: str, start, train_set, stop_set, tcfg):
+        final = a.work / name / "final.safetensors"
+        if final.is_file():
+            from safetensors.torch import load_model
+
+            load_model(start.inner, str(final))
+            return json.loads((a.work / name / "meta.json").read_text())
+        data = AnswerStreams(train_set, start.vocab, build["seed"], build["max_prompt_tokens"])
+        meta = train(start.inner, data, tcfg, a.work / name / "run", desc=name, log=log,
+                     validate=lambda _m: mean_accepted(start, stop_set, 4))
+        from safetensors.torch import save_model  # the draft's head is tied to its embedding
+
+        save_model(start.inner, str(final))
+        meta = {k: meta[k] for k in ("steps", "best_step", "best_score") if k in meta}
+        (a.work / name / "meta.json").write_text(json.dumps(meta))
+        return meta
+
+    def clone(d):
+        fresh = new_draft(target, vocab_ids, arch, seed=build["seed"])
+        fresh.inner.load_state_dict(d.inner.state_dict())
+        return ReducedVocabDraft(fresh.inner, DraftVocab(vocab_ids, d.vocab.target_vocab_size))
+
+    for f in fractions:
+        sub = pool[: round(f * len(pool))]
+        general = new_draft(target, vocab_ids, arch, seed=build["seed"])
+        gmeta = fit(f"general-{f}", general, sub, stop, gtrain)
+        run = {"fraction": f, "answers": len(sub), "answer_tokens": sum(len(x.answer_ids) for x in sub),
+               "general": {"train": gmeta, "accepted_all": round(mean_accepted(general, score), 4)}, "domains": {}}
+        for d in DOMAINS:
+            dsub = [x for x in sub if x.domain == d]
+            spec = clone(general)
+            dmeta = fit(f"{d}-{f}", spec, dsub, [x for x in stop if x.domain == d], dtrain)
+            own = [x for x in score if x.domain == d]
+            g, s = mean_accepted(general, own), mean_accepted(spec, own)
+            run["domains"][d] = {"answers": len(dsub), "train": dmeta, "general_accepted": round(g, 4),
+                                 "domain_accepted": round(s, 4), "gain": round(s / g - 1, 4) if g else None}
+            log(f"f={f} {d}: {len(dsub)} answers, general {g:.3f} -> {d} {s:.3f} ({s / g - 1:+.1%})")
+        gains = [v["gain"] for v in run["domains"].values() if v["gain"] is not None]
+        run["mean_domain_gain"] = round(sum(gains) / len(gains), 4)
+        report["runs"].append(run)
+        log(f"f={f}: {len(sub)} answers, general accepted {run['general']['accepted_all']:.3f}, "
+            f"mean domain gain {run['mean_domain_gain']:+.1%}")
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(report, indent=1))
+        plot(report, a.json.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

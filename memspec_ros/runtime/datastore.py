@@ -171,26 +171,32 @@ class Datastore:
     def load(cls, path: str | Path, config: LookupConfig | None = None,
              fingerprint: str | None = None) -> Datastore:
         """Read a file :meth:`save` wrote; with ``fingerprint``, refuse one made for another tokenizer."""
-        from safetensors import SafetensorError, safe_open
+        answers, meta = read_answers(path, fingerprint)
+        return cls(answers, config, meta.get("tokenizer_fingerprint", ""))
 
-        path = Path(path)
-        if not path.is_file():
-            raise DatastoreError(f"no datastore file at {path} (memspec-zoo build --stages datastore writes one)")
-        try:
-            with safe_open(str(path), "np") as f:
-                meta = f.metadata() or {}
-                tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
-        except (SafetensorError, OSError, KeyError) as exc:
-            raise DatastoreError(f"{path} is not a datastore (safetensors with tokens and offsets): {exc}") from exc
-        if meta.get("format") != FORMAT:
-            raise DatastoreError(f"{path} is not a {FORMAT} file (metadata format {meta.get('format')!r})")
-        if fingerprint is not None and meta.get("tokenizer_fingerprint") != fingerprint:
-            raise DatastoreError(f"{path} was made with another tokenizer than the target's (fingerprint"
-                                 f" {meta.get('tokenizer_fingerprint')!r}, target {fingerprint!r}): rebuild it"
-                                 " with memspec-zoo build --stages datastore for this target")
-        if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens) \
-                or (np.diff(offsets) < 0).any():
-            raise DatastoreError(f"{path}: offsets do not split its {len(tokens)} tokens into answers")
-        tokens = tokens.astype(np.int64)
-        return cls((tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)), config,
-                   meta.get("tokenizer_fingerprint", ""))
+
+def read_answers(path: str | Path, fingerprint: str | None = None) -> tuple[list[np.ndarray], dict[str, str]]:
+    """The answers (int64 token arrays, in the order saved) and metadata of a file :meth:`Datastore.save`
+    wrote, checked; with ``fingerprint``, refuse one made for another tokenizer."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise DatastoreError(f"no datastore file at {path} (memspec-zoo build --stages datastore writes one)")
+    try:
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata() or {}
+            tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
+    except (SafetensorError, OSError, KeyError) as exc:
+        raise DatastoreError(f"{path} is not a datastore (safetensors with tokens and offsets): {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise DatastoreError(f"{path} is not a {FORMAT} file (metadata format {meta.get('format')!r})")
+    if fingerprint is not None and meta.get("tokenizer_fingerprint") != fingerprint:
+        raise DatastoreError(f"{path} was made with another tokenizer than the target's (fingerprint"
+                             f" {meta.get('tokenizer_fingerprint')!r}, target {fingerprint!r}): rebuild it"
+                             " with memspec-zoo build --stages datastore for this target")
+    if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens) \
+            or (np.diff(offsets) < 0).any():
+        raise DatastoreError(f"{path}: offsets do not split its {len(tokens)} tokens into answers")
+    tokens = tokens.astype(np.int64)
+    return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)], meta

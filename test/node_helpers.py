@@ -50,8 +50,15 @@ def tiny_chat_zoo() -> Path:
         return _CHAT_ZOO
 
 
+# The tests' baseline: every iteration runs the scheduled draft at a fixed gamma, so what a test asserts about drafts,
+# switches and fallbacks does not hinge on adaptive gamma skipping a tiny random draft that never pays, or on copies
+# taking iterations from it. The node's own defaults (drafts int4, adaptive gamma, context lookup) have their own
+# test (test_node_forward_paths.py) and are what test_node_process.py runs.
+TEST_BASELINE = {"drafts.quantization": "none", "memspec.adaptive_gamma": False, "memspec.context_lookup": False}
+
+
 def node_overrides(zoo: Path, **extra) -> dict:
-    values = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": 1}
+    values = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": 1, **TEST_BASELINE}
     values.update(extra)
     return values
 

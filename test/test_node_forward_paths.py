@@ -14,13 +14,17 @@ from action_msgs.msg import GoalStatus
 
 
 @contextmanager
-def harness_with(**params):
+def harness_with(defaults: bool = False, **params):
+    """The node on the tiny zoo with the tests' baseline (node_helpers.TEST_BASELINE), or with its own declared
+    defaults for everything but the zoo and the thread count."""
     import rclpy
     from rclpy.context import Context
 
     context = Context()
     rclpy.init(context=context)
-    h = Harness(context, overrides=node_overrides(tiny_zoo(), **params))
+    overrides = ({"drafts.registry_file": str(tiny_zoo() / "registry.yaml"), "model.threads": 1, **params}
+                 if defaults else node_overrides(tiny_zoo(), **params))
+    h = Harness(context, overrides=overrides)
     h.activate()
     try:
         yield h
@@ -48,6 +52,29 @@ def test_target_and_draft_paths_and_adaptive_gamma_are_configured_and_the_goal_i
         alone = generate(loaded.target.model, ids, None, max_new_tokens=24,
                          eos_token_ids=loaded.controller.eos_token_ids).generated_ids
         assert result.result.text == loaded.tokenizer.decode(alone, skip_special_tokens=True)
+
+
+def test_the_declared_defaults_run_int4_drafts_adaptive_gamma_and_lookup_and_answer_as_the_target():
+    """A plain launch gets the settings that change only speed (drafts int4, adaptive gamma, context lookup),
+    and its answer is still the target's own greedy answer."""
+    from memspec_ros.runtime.chat import prompt_ids
+    from memspec_ros.runtime.speculative import generate
+
+    with harness_with(defaults=True) as h:
+        loaded = h.node._loaded
+        config = loaded.controller.config
+        assert config.adaptive_gamma is True and config.context_lookup is True
+        assert loaded.target.forward_path == "fp32"  # model.quantization none: the target computes as loaded
+        handle, _ = h.send(goal(max_new_tokens=48))
+        result = h.result(handle)
+        assert result.status == GoalStatus.STATUS_SUCCEEDED
+        drafts = [loaded.controller.cache.get(name) for name in loaded.controller.cache.resident()]
+        assert drafts and all(d.forward_path == "int4" for d in drafts)
+        assert result.result.copied_iterations > 0  # the tiny target repeats itself: lookup copies
+        ids = prompt_ids(loaded.tokenizer, "def add(a, b):")
+        alone = generate(loaded.target.model, ids, None, max_new_tokens=48,
+                         eos_token_ids=loaded.controller.eos_token_ids).generated_ids
+        assert result.result.text == loaded.tokenizer.decode(alone, skip_special_tokens=True).replace("\x00", "")
 
 
 def test_context_lookup_reaches_the_session_and_the_result_counts_its_copies():

@@ -110,9 +110,11 @@ PARAMS: tuple[Param, ...] = (
           " checkpoint), or auto: time fp32/bf16/int8/int4 for 1 and gamma+1 tokens at configure and keep the fastest"
           " (reported on /diagnostics).",
           AT_CONFIGURE, choices=QUANTIZATIONS),
-    Param("drafts.quantization", "none",
+    # The three defaults below change only speed, never the answer (the target verifies every proposal), and are
+    # each faster on the bundled zoo (README, "Forward paths beside llama.cpp"), so a plain launch gets them.
+    Param("drafts.quantization", "int4",
           "Drafts' forward path: none (model.dtype's), int8 or int4 (compact weights: a draft's cost is mostly its"
-          " head's bytes).",
+          " head's bytes). The answer is the target's whatever the drafts compute.",
           AT_CONFIGURE, choices=("none", "int8", "int4")),
     Param("model.device", "cpu", "Device for target and drafts: cpu or cuda[:N].", AT_CONFIGURE),
     Param("model.threads", 0, "torch CPU threads (0: leave torch's default).", AT_CONFIGURE, int_range=(0, 256)),
@@ -164,11 +166,11 @@ PARAMS: tuple[Param, ...] = (
     Param("memspec.recent_tokens", 32,
           "T: recent generated tokens the predictor sees.",
           AT_SCHEDULING_POINT, int_range=LIMITS["recent_tokens"], runtime_field="recent_tokens"),
-    Param("memspec.adaptive_gamma", False,
+    Param("memspec.adaptive_gamma", True,
           "Choose each iteration's gamma in 0..memspec.gamma from measured forward costs and the draft's running"
           " acceptance (from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="adaptive_gamma"),
-    Param("memspec.context_lookup", False,
+    Param("memspec.context_lookup", True,
           "Where the text's last tokens occurred before, propose the tokens that followed them (no draft"
           " forward; verified like a draft's, so the output is unchanged) (from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="context_lookup"),

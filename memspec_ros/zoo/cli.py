@@ -216,9 +216,13 @@ def _run_chat_acceptance(a) -> int:
             for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines()
             if line.strip()
         ]
+        from tqdm import tqdm
+
         target = load_model(ModelSpec(registry.target_path)).model
-        answer_requests(target, load_tokenizer(registry.target_path), rows, answers_dir, "heldout",
-                        TeacherConfig(max_new_tokens=a.max_new_tokens))
+        # the target answers every held-out request once (minutes on a CPU); later runs read the stored answers
+        with tqdm(total=len(rows), desc=f"target answers -> {answers_dir}", unit="req", mininterval=10) as bar:
+            answer_requests(target, load_tokenizer(registry.target_path), rows, answers_dir, "heldout",
+                            TeacherConfig(max_new_tokens=a.max_new_tokens), bar)
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
     result = chat_acceptance(drafts, load_answers(answers_dir, "heldout"), a.gamma, a.interval, a.prompts_per_workload,
                              workloads)

@@ -24,6 +24,11 @@ teacher-forced on the target's answers (``chat_drafts.mean_accepted``, the build
         --general-steps 420 --domain-steps 120 --json docs/results/draft-data-scaling.json
 
 Resumable: each run's final parameters go under ``--work`` and are reused.
+
+``--export-zoo DIR`` also writes the last fraction's drafts as a zoo beside the bundled one (same
+registry, workloads, datastore and predictor, linked; the drafts exported as the build exports them),
+so ``memspec-zoo acceptance --models DIR`` and ``memspec-bench engine --zoo DIR`` measure them on the
+zoo's held-out requests, which none of these runs trained on.
 """
 
 from __future__ import annotations
@@ -81,6 +86,26 @@ def check_pairing(target, tok, answers: list[Answer], n: int = 4, tokens: int = 
     log(f"pairing checked on {len(picks)} requests: the datastore holds the target's greedy answers")
 
 
+def export_zoo(models: Path, out: Path, drafts: dict, tok) -> None:
+    """``out``: the bundled zoo's files linked, ``drafts`` (name -> ReducedVocabDraft) exported in place of its own."""
+    import shutil
+
+    from memspec_ros.zoo.chat_drafts import export_draft
+
+    out.mkdir(parents=True, exist_ok=True)
+    for item in models.iterdir():
+        if item.name in ("drafts", "acceptance.json", "acceptance_matrix.png"):
+            continue  # the drafts are replaced; the acceptance files would describe the bundled ones
+        link = out / item.name
+        if item.name == "registry.yaml":  # copied: its draft paths are relative to where it lies
+            shutil.copyfile(item, link)
+        elif not link.exists():
+            link.symlink_to(item.resolve())
+    for name, draft in drafts.items():
+        export_draft(draft, tok, out / "drafts" / name)
+    log(f"zoo with these drafts: {out} (memspec-zoo acceptance --models {out})")
+
+
 def plot(report: dict, path: Path) -> None:
     """Left: mean accepted tokens vs answers trained on; right: each domain draft's gain over ``general``."""
     import matplotlib
@@ -120,6 +145,8 @@ def main() -> None:
     p.add_argument("--domain-steps", type=int, default=120)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=ROOT / "docs" / "results" / "draft-data-scaling.json")
+    p.add_argument("--export-zoo", type=Path, default=None,
+                   help="also write the last fraction's drafts as a zoo here (bundled zoo's other files linked)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -146,7 +173,8 @@ def main() -> None:
     pool = [x for i, x in enumerate(order) if i % 10]  # nested fractions: each is a prefix of this
     stop, score = held[::2], held[1::2]
     fractions = [float(f) for f in a.fractions.split(",")]
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("models", "work", "json"))
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
+                     if k not in ("models", "work", "json", "export_zoo"))
     report = {"what": "mean accepted tokens per gamma-4 iteration vs the number of target answers trained on",
               "command": f"scripts/draft_data_scaling.py {flags}",
               "labels": "hard (the target's greedy token); the bundled drafts used top-8 soft labels",
@@ -175,12 +203,14 @@ def main() -> None:
         sub = pool[: round(f * len(pool))]
         general = new_draft(target, vocab_ids, arch, seed=build["seed"])
         gmeta = fit(f"general-{f}", general, sub, stop, gtrain)
+        trained = {"general": general}
         run = {"fraction": f, "answers": len(sub), "answer_tokens": sum(len(x.answer_ids) for x in sub),
                "general": {"train": gmeta, "accepted_all": round(mean_accepted(general, score), 4)}, "domains": {}}
         for d in DOMAINS:
             dsub = [x for x in sub if x.domain == d]
             spec = copy.deepcopy(general)
             dmeta = fit(f"{d}-{f}", spec, dsub, [x for x in stop if x.domain == d], dtrain)
+            trained[d] = spec
             own = [x for x in score if x.domain == d]
             g, s = mean_accepted(general, own), mean_accepted(spec, own)
             gain = s / g - 1 if g else None  # no gain is defined over a general that accepts nothing
@@ -196,6 +226,8 @@ def main() -> None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(report, indent=1))
         plot(report, a.json.with_suffix(".png"))
+    if a.export_zoo:
+        export_zoo(a.models, a.export_zoo, trained, tok)
 
 
 if __name__ == "__main__":

@@ -58,3 +58,31 @@ def test_a_step_that_cannot_compile_trains_eagerly_and_says_so(tmp_path, monkeyp
     assert meta["step"] == 4 and meta["final_loss"] == eager_meta["final_loss"]
     for (n, a), (_, b) in zip(eager.state_dict().items(), fallback.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
+
+
+class _SlowData(TokenStreams):
+    """Batches that take 0.1 s each, so a few seconds' cap holds far fewer steps than the budget on any machine."""
+
+    def batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
+        import time
+
+        time.sleep(0.1)
+        return super().batch(batch_size, seq_len)
+
+
+@pytest.mark.parametrize("max_steps", [1000, TrainConfig.max_steps])
+def test_a_step_budget_cut_short_by_the_minutes_cap_is_said(tmp_path, max_steps):
+    """A step budget the minutes cannot hold ends early and the log says so; with the default max_steps the
+    minutes are the budget, and nothing is said."""
+    data = _data()
+    slow = _SlowData(data.streams, {"code": 1.0}, seed=0)
+    model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
+    cfg = TrainConfig(max_steps=max_steps, max_minutes=0.05, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1)
+    logs: list[str] = []
+    meta = train(model, slow, cfg, tmp_path / "run", log=logs.append)
+    assert meta["step"] < 40  # 3 s of 0.1 s batches
+    capped = [m for m in logs if "cap allows" in m]
+    if max_steps == TrainConfig.max_steps:
+        assert capped == []
+    else:
+        assert len(capped) == 1 and f"of the {max_steps} steps" in capped[0]

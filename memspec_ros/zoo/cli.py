@@ -1,6 +1,6 @@
 """``memspec-zoo``: build the bundled zoo, measure it, write its card.
 
-    memspec-zoo build [--stages workloads,teacher,...] [--general-minutes 20]   # drafts for the real target
+    memspec-zoo build [--stages workloads,teacher,...] [--general-steps 1800]   # drafts for the real target
     memspec-zoo acceptance --json OUT [--answers DIR]
     memspec-zoo build-toy [--stages corpora,tokenizer,...]   # the earlier 13 M trained-here target and its zoo
     memspec-zoo card            # latencies, perplexities, acceptance -> models/MODEL_CARD.md
@@ -85,8 +85,14 @@ def _chat_build_parser(sub) -> None:
                    help="training requests the target answers (0: all; else a domain-balanced prefix)")
     p.add_argument("--teacher-batch", type=int, default=d.teacher.batch_size)
     p.add_argument("--max-new-tokens", type=int, default=d.teacher.max_new_tokens)
-    p.add_argument("--general-minutes", type=float, default=d.general_train.max_minutes)
-    p.add_argument("--domain-minutes", type=float, default=d.domain_train.max_minutes)
+    p.add_argument("--general-steps", type=int, default=d.general_train.max_steps,
+                   help="training steps of the general draft (the budget: the drafts do not depend on the CPU's speed)")
+    p.add_argument("--domain-steps", type=int, default=d.domain_train.max_steps,
+                   help="fine-tuning steps of each domain draft (the best validated step is kept)")
+    p.add_argument("--general-minutes", type=float, default=d.general_train.max_minutes,
+                   help="cap on the general draft's training: fewer steps if the machine is too slow for them")
+    p.add_argument("--domain-minutes", type=float, default=d.domain_train.max_minutes,
+                   help="cap on each domain draft's fine-tuning")
     p.add_argument("--draft-rows", type=int, default=d.arch.rows, help="draft vocabulary size (target ids kept)")
     p.add_argument("--draft-hidden", type=int, default=d.arch.hidden_size)
     p.add_argument("--draft-layers", type=int, default=d.arch.num_layers)
@@ -105,8 +111,8 @@ def _run_chat_build(a) -> int:
         teacher_train_requests=a.teacher_requests,
         arch=replace(d.arch, rows=a.draft_rows, hidden_size=a.draft_hidden, num_layers=a.draft_layers,
                      intermediate_size=3 * a.draft_hidden),
-        general_train=replace(d.general_train, max_minutes=a.general_minutes),
-        domain_train=replace(d.domain_train, max_minutes=a.domain_minutes),
+        general_train=replace(d.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps),
+        domain_train=replace(d.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps),
     )
     try:
         ChatZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])

@@ -65,7 +65,7 @@ DRAFT_ARCH = ArchConfig(hidden_size=128, num_layers=2, intermediate_size=344, nu
 class TrainConfig:
     """One training run; stop at ``max_steps`` or ``max_minutes``, whichever comes first."""
 
-    max_steps: int = 100_000
+    max_steps: int = 100_000  # this default means "as many as the minutes allow": the minutes are the budget
     max_minutes: float = 30.0
     batch_size: int = 16
     seq_len: int = 256
@@ -318,9 +318,13 @@ def train(
         if step == max(cfg.warmup_steps, FIT_HORIZON_AT) and cfg.max_minutes < NO_TIME_BUDGET and meta_start == 0:
             # fit the cosine horizon to the time budget, measured on this machine
             per_step = (time.time() - t_first) / (step - TIMED_FROM_STEP)
-            total = min(cfg.max_steps, step + int((budget_s - (time.time() - t0)) / per_step * HORIZON_MARGIN))
+            fitted = step + int((budget_s - (time.time() - t0)) / per_step * HORIZON_MARGIN)
+            total = min(cfg.max_steps, fitted)
             bar.total = total
             log(f"{desc}: {per_step:.2f} s/step -> cosine horizon {total} steps")
+            if fitted < cfg.max_steps < TrainConfig.max_steps:  # a step budget the minutes cut short
+                log(f"{desc}: the {cfg.max_minutes:g}-minute cap allows {total} of the {cfg.max_steps} steps on this"
+                    " machine: the model trains less than its step budget intends (raise the minutes to keep it)")
         if step % LOSS_LOG_EVERY == 0:
             meta["losses"].append([step, round(ema, 4)])
         if validate is not None and step % cfg.validate_every == 0:

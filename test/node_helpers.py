@@ -57,8 +57,10 @@ def tiny_chat_zoo() -> Path:
 TEST_BASELINE = {"drafts.quantization": "none", "memspec.adaptive_gamma": False, "memspec.context_lookup": False}
 
 
-def node_overrides(zoo: Path, **extra) -> dict:
-    values = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": 1, **TEST_BASELINE}
+def node_overrides(zoo: Path, baseline: bool = True, **extra) -> dict:
+    """The zoo and one thread, plus TEST_BASELINE unless ``baseline`` is false (the node's declared defaults)."""
+    values = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": 1,
+              **(TEST_BASELINE if baseline else {})}
     values.update(extra)
     return values
 

@@ -22,9 +22,7 @@ def harness_with(defaults: bool = False, **params):
 
     context = Context()
     rclpy.init(context=context)
-    overrides = ({"drafts.registry_file": str(tiny_zoo() / "registry.yaml"), "model.threads": 1, **params}
-                 if defaults else node_overrides(tiny_zoo(), **params))
-    h = Harness(context, overrides=overrides)
+    h = Harness(context, overrides=node_overrides(tiny_zoo(), baseline=not defaults, **params))
     h.activate()
     try:
         yield h

@@ -25,6 +25,12 @@ teacher-forced on the target's answers (``chat_drafts.mean_accepted``, the build
 
 Resumable: each run's final parameters go under ``--work`` and are reused.
 
+``--general-data general`` runs the paper's recipe instead: ``general`` is distilled (and early-stopped) on the
+general workload's answers only, the paper's "general-purpose (i.e., not fine-tuned)" draft, and the domain
+drafts start from it (``--domain-lr`` raises their rate: they start near chance off the general domain).
+``--export-also NAME=DIR`` adds another run's draft to the exported zoo, so both kinds of ``general`` are
+scored in one matrix (docs/results/README.md, "The paper's General-Static draft").
+
 ``--export-zoo DIR`` also writes the last fraction's drafts as a zoo beside the bundled one (same
 registry, workloads, datastore and predictor, linked; the drafts exported as the build exports them),
 so ``memspec-zoo acceptance --models DIR`` and ``memspec-bench engine --zoo DIR`` measure them on the
@@ -86,10 +92,14 @@ def check_pairing(target, tok, answers: list[Answer], n: int = 4, tokens: int = 
     log(f"pairing checked on {len(picks)} requests: the datastore holds the target's greedy answers")
 
 
-def export_zoo(models: Path, out: Path, drafts: dict, tok) -> None:
-    """``out``: the bundled zoo's files linked, ``drafts`` (name -> ReducedVocabDraft) exported in place of its own."""
+def export_zoo(models: Path, out: Path, drafts: dict, tok, extra: tuple[str, ...] = ()) -> None:
+    """``out``: the bundled zoo's files linked, ``drafts`` (name -> ReducedVocabDraft) exported in place of its own;
+    the ``extra`` ones, which the bundled registry does not name, are added to the copied registry."""
     import shutil
 
+    import yaml
+
+    from memspec_ros.runtime.registry import weights_bytes
     from memspec_ros.zoo.chat_drafts import export_draft
 
     out.mkdir(parents=True, exist_ok=True)
@@ -103,6 +113,12 @@ def export_zoo(models: Path, out: Path, drafts: dict, tok) -> None:
             link.symlink_to(item.resolve())
     for name, draft in drafts.items():
         export_draft(draft, tok, out / "drafts" / name)
+    if extra:
+        registry = yaml.safe_load((out / "registry.yaml").read_text())
+        registry["drafts"] = [e for e in registry["drafts"] if e["name"] not in extra] + [
+            {"name": n, "path": f"drafts/{n}", "domain": "all", "size_bytes": weights_bytes(out / "drafts" / n)}
+            for n in extra]
+        (out / "registry.yaml").write_text(yaml.safe_dump(registry, sort_keys=False))
     log(f"zoo with these drafts: {out} (memspec-zoo acceptance --models {out})")
 
 
@@ -143,11 +159,24 @@ def main() -> None:
     # step budgets, not minutes: every fraction gets the same compute whatever else runs on the machine
     p.add_argument("--general-steps", type=int, default=420)
     p.add_argument("--domain-steps", type=int, default=120)
+    p.add_argument("--domain-lr", type=float, default=None,
+                   help="the domain drafts' peak learning rate (default: the build's fine-tuning rate); a `general` "
+                        "that never saw a domain starts it near chance, so a fine-tuning rate leaves it undertrained")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--general-data", choices=("all", "general"), default="all",
+                   help="what `general` is distilled on: every domain's answers (the build's recipe) or only the "
+                        "general workload's, the paper's general-purpose draft that is not fine-tuned on any domain")
     p.add_argument("--json", type=Path, default=ROOT / "docs" / "results" / "draft-data-scaling.json")
     p.add_argument("--export-zoo", type=Path, default=None,
                    help="also write the last fraction's drafts as a zoo here (bundled zoo's other files linked)")
+    p.add_argument("--export-also", action="append", default=[], metavar="NAME=DIR",
+                   help="with --export-zoo: also export the draft another run left in DIR (its <draft>-<fraction> "
+                        "folder under --work) as NAME, listed in the zoo's registry, e.g. a `general` distilled on "
+                        "every domain beside the paper's general-purpose one")
     a = p.parse_args()
+    also = dict(item.split("=", 1) for item in a.export_also)
+    if any(not (Path(d) / "final.safetensors").is_file() for d in also.values()) or (also and not a.export_zoo):
+        p.error("--export-also needs --export-zoo and NAME=DIR with a finished run in DIR (DIR/final.safetensors)")
     torch.set_num_threads(a.threads)
 
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
@@ -166,7 +195,8 @@ def main() -> None:
                                              "max_minutes": NO_TIME_BUDGET, "validate_every": 60})
     dtrain = replace(base.domain_train, **{**build["domain_train"], "max_steps": a.domain_steps,
                                            "max_minutes": NO_TIME_BUDGET, "validate_every": 20,
-                                           "seed": build["seed"] + 1})
+                                           "seed": build["seed"] + 1,
+                                           **({"lr": a.domain_lr} if a.domain_lr else {})})
     order = list(answers)
     random.Random(0).shuffle(order)
     held = [x for i, x in enumerate(order) if not i % 10]
@@ -174,11 +204,15 @@ def main() -> None:
     stop, score = held[::2], held[1::2]
     fractions = [float(f) for f in a.fractions.split(",")]
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
-                     if k not in ("models", "work", "json", "export_zoo"))
+                     if k not in ("models", "work", "json", "export_zoo", "export_also"))
+    # The paper's General-Static draft is "a single general-purpose (i.e., not fine-tuned) draft" (its Section
+    # 4.1): with --general-data general it neither trains nor stops early on a domain's answers.
+    general_only = a.general_data == "general"
     report = {"what": "mean accepted tokens per gamma-4 iteration vs the number of target answers trained on",
               "command": f"scripts/draft_data_scaling.py {flags}",
               "labels": "hard (the target's greedy token); the bundled drafts used top-8 soft labels",
-              "answers_total": len(answers), "stop_answers": len(stop), "score_answers": len(score),
+              "general_data": a.general_data, "answers_total": len(answers), "stop_answers": len(stop),
+              "score_answers": len(score),
               "score_answers_by_domain": {d: sum(x.domain == d for x in score) for d in (*DOMAINS, "general", "mixed")},
               "arch": asdict(arch), "general_train": asdict(gtrain), "domain_train": asdict(dtrain), "runs": []}
 
@@ -202,10 +236,13 @@ def main() -> None:
     for f in fractions:
         sub = pool[: round(f * len(pool))]
         general = new_draft(target, vocab_ids, arch, seed=build["seed"])
-        gmeta = fit(f"general-{f}", general, sub, stop, gtrain)
+        gsub = [x for x in sub if x.domain == "general"] if general_only else sub
+        gstop = [x for x in stop if x.domain == "general"] if general_only else stop
+        gmeta = fit(f"general-{f}", general, gsub, gstop, gtrain)
         trained = {"general": general}
         run = {"fraction": f, "answers": len(sub), "answer_tokens": sum(len(x.answer_ids) for x in sub),
-               "general": {"train": gmeta, "accepted_all": round(mean_accepted(general, score), 4)}, "domains": {}}
+               "general": {"answers": len(gsub), "train": gmeta,
+                           "accepted_all": round(mean_accepted(general, score), 4)}, "domains": {}}
         for d in DOMAINS:
             dsub = [x for x in sub if x.domain == d]
             spec = copy.deepcopy(general)
@@ -227,7 +264,12 @@ def main() -> None:
         a.json.write_text(json.dumps(report, indent=1))
         plot(report, a.json.with_suffix(".png"))
     if a.export_zoo:
-        export_zoo(a.models, a.export_zoo, trained, tok)
+        from safetensors.torch import load_model as load_weights
+
+        for name, run_dir in also.items():
+            trained[name] = new_draft(target, vocab_ids, arch, seed=build["seed"])
+            load_weights(trained[name].inner, str(Path(run_dir) / "final.safetensors"))
+        export_zoo(a.models, a.export_zoo, trained, tok, extra=tuple(also))
 
 
 if __name__ == "__main__":

@@ -163,6 +163,12 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     assert set(result["matrix"]) == set(DOMAINS) and set(result["matrix"]["general"]) == set(WORKLOADS)
     assert all(0.0 <= v <= 4.0 for row in result["matrix"].values() for v in row.values())
     assert result["oracle_dynamic_mixed"] >= result["matrix"]["general"]["mixed"] - 1e-9
+    # a draft named outside the domains (one distilled on every domain, say) is scored and is an oracle candidate
+    extra = chat_acceptance({**drafts, "all-domains": drafts["code"]}, load_answers(work / "teacher", "heldout"),
+                            gamma=4, interval=2)
+    assert list(extra["matrix"]) == [*DOMAINS, "all-domains"]
+    assert extra["matrix"]["all-domains"] == result["matrix"]["code"]
+    assert extra["domain_gain_over_general"]["all-domains"] == result["domain_gain_over_general"]["code"]
 
 
 def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokenizer(tiny_target, tiny_build):

@@ -49,12 +49,10 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.runtime.datastore import read_answers
-from memspec_ros.runtime.models import tokenizer_fingerprint
 from memspec_ros.zoo.chat_build import ChatBuildConfig
 from memspec_ros.zoo.chat_drafts import AnswerStreams, mean_accepted, new_draft
 from memspec_ros.zoo.corpora import DOMAINS as ALL_DOMAINS
-from memspec_ros.zoo.teacher import Answer, TeacherConfig, answer_batch, chat_prompt_ids
+from memspec_ros.zoo.teacher import Answer, TeacherConfig, answer_batch, datastore_answers
 from memspec_ros.zoo.train import NO_TIME_BUDGET, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,18 +61,6 @@ DOMAINS = tuple(d for d in ALL_DOMAINS if d != "general")  # the ones with a dra
 
 def log(msg: str) -> None:
     print(f"[scaling {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def load_answers(models: Path, tok) -> list[Answer]:
-    """The datastore's answers paired with their requests; the greedy token is the one label (top-1)."""
-    stored, _meta = read_answers(models / "datastore.safetensors", tokenizer_fingerprint(tok))
-    rows = [json.loads(line) for line in (models / "workloads" / "train_requests.jsonl").read_text().splitlines()]
-    answers = []
-    for row, tokens in zip(rows, stored, strict=False):  # the datastore holds the first len(stored) requests
-        ids = tokens.tolist()
-        answers.append(Answer(chat_prompt_ids(tok, row["messages"]), ids, torch.tensor(ids, dtype=torch.int32)[:, None],
-                              torch.zeros((len(ids), 1), dtype=torch.float16), row["domain"]))
-    return answers
 
 
 def check_pairing(target, tok, answers: list[Answer], n: int = 4, tokens: int = 24) -> None:
@@ -185,7 +171,7 @@ def main() -> None:
     target_ref = build["target"]
     tok = load_tokenizer(target_ref)
     target = load_model(ModelSpec(target_ref)).model
-    answers = load_answers(a.models, tok)
+    answers = datastore_answers(a.models, tok)
     check_pairing(target, tok, answers)
     vocab_ids = json.loads((a.models / "drafts" / "general" / "draft_vocab.json").read_text())["target_ids"]
 

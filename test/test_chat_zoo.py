@@ -19,7 +19,14 @@ from memspec_ros.zoo.chat_build import ChatBuildConfig, ChatZooBuild
 from memspec_ros.zoo.chat_drafts import AnswerStreams, ChatDraftArch, new_draft, select_vocab
 from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS, split_of
 from memspec_ros.zoo.rollouts import IGNORE
-from memspec_ros.zoo.teacher import Answer, TeacherConfig, answer_requests, chat_prompt_ids, load_answers
+from memspec_ros.zoo.teacher import (
+    Answer,
+    TeacherConfig,
+    answer_requests,
+    chat_prompt_ids,
+    datastore_answers,
+    load_answers,
+)
 from memspec_ros.zoo.train import TrainConfig
 
 
@@ -183,6 +190,10 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     assert store.tokens[store.tokens >= 0].tolist() == [t for a in train for t in a.answer_ids]
     with pytest.raises(DatastoreError, match="another tokenizer"):
         Datastore.load(tiny_build.out_dir / DATASTORE_FILE, fingerprint="another")
+    # read back as answers paired with the zoo's training requests: the teacher's, in its order
+    paired = datastore_answers(tiny_build.out_dir, tok)
+    assert [(a.prompt_ids, a.answer_ids, a.domain) for a in paired] == [
+        (a.prompt_ids, a.answer_ids, a.domain) for a in train]
 
 
 def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build, tmp_path, monkeypatch):
@@ -198,6 +209,13 @@ def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build,
     assert report["prompts"] == len(load_answers(tiny_build.work_dir / "teacher", "train"))
     assert report["contexts"] >= report["prompts"] and set(report["label_counts"]) == set(DOMAINS)
     assert (out / "target-hidden").is_dir()
+    # the datastore file holds the same answers' tokens: the same traces, so the same labels
+    again = tmp_path / "from-datastore"
+    args[args.index("--answers") + 1] = str(tiny_build.out_dir / "datastore.safetensors")
+    args[args.index("--out") + 1] = str(again)
+    assert predictor_training.main(args) == 0
+    from_store = json.loads((again / "report.json").read_text())
+    assert (from_store["prompts"], from_store["label_counts"]) == (report["prompts"], report["label_counts"])
 
 
 def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(tiny_build):

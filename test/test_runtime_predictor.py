@@ -312,3 +312,18 @@ def test_load_runtime_from_files(trained):
     ctl.close()
     with pytest.raises(PolicyError, match="predictor"):
         load_runtime(RuntimeConfig(policy="memspec"), str(root / "registry.yaml"))
+
+
+def test_the_label_horizon_decides_between_the_next_interval_and_the_rest_of_the_output():
+    """``a`` agrees on the first 21 tokens and nothing after; ``b`` misses the first three, then agrees on every
+    token: over the next interval ``a`` commits more (20 tokens against 12), over two intervals or the rest of
+    the output ``b`` does, so the paper's label (horizon 1) is ``a`` and horizons 2 and 0 (the rest) give ``b``."""
+    n = 80
+    agreement = {"a": [i < 21 for i in range(n)], "b": [i >= 3 for i in range(n)]}
+    ids = list(range(n))
+    first = {h: predictor_training.trace_prompt(0, [1, 2], ids, agreement, ["a", "b"], 4, 4, horizon=h).contexts[0]
+             for h in (1, 2, 0)}
+    assert interval_walk(agreement["a"], 1, 4, 4)[0] > interval_walk(agreement["b"], 1, 4, 4)[0]
+    assert first[1].label == "a" and first[2].label == "b" and first[0].label == "b"
+    # the utilities a context records stay the next interval's, whatever the horizon
+    assert first[0].utilities == first[1].utilities

@@ -63,15 +63,21 @@ class PromptTrace:
 
 
 def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agreement: dict[str, list[bool]],
-                 drafts: list[str], gamma: int, interval: int) -> PromptTrace:
-    """Label every scheduling point of one prompt with its best draft (ties: best whole-output draft)."""
+                 drafts: list[str], gamma: int, interval: int, horizon: int = 1) -> PromptTrace:
+    """Label every scheduling point of one prompt with its best draft (ties: best whole-output draft).
+
+    ``horizon``: the intervals a label looks ahead, 1 the paper's next interval, 0 the rest of the output;
+    the walk follows the labelled draft one interval at a time either way."""
     whole = {d: sum(interval_walk(agreement[d], 1, gamma, len(continuation))[1]) for d in drafts}
     order = sorted(drafts, key=lambda d: -whole[d])
     trace = PromptTrace(prompt_ids, continuation, agreement)
+    ahead = horizon * interval if horizon > 0 else len(continuation)  # iterations a label counts
     position, i = 1, 0  # the first token comes from prefill
     while position < len(continuation):
         utilities = {d: interval_walk(agreement[d], position, gamma, interval)[0] for d in drafts}
-        label = max(order, key=lambda d: utilities[d])  # max keeps the first of equals: whole-output order
+        scores = utilities if ahead == interval else {
+            d: interval_walk(agreement[d], position, gamma, ahead)[0] for d in drafts}
+        label = max(order, key=lambda d: scores[d])  # max keeps the first of equals: whole-output order
         trace.contexts.append(TraceContext(index, i, position, utilities, label))
         position += utilities[label]
         i += 1
@@ -80,7 +86,7 @@ def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agr
 
 def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[list[int]], max_new_tokens: int,
                    gamma: int, interval: int, eos_token_ids=(), progress: bool = True,
-                   cache: ContinuationCache | None = None) -> list[PromptTrace]:
+                   cache: ContinuationCache | None = None, horizon: int = 1) -> list[PromptTrace]:
     from tqdm import tqdm
 
     cache = cache or ContinuationCache(None, "")  # in memory only
@@ -91,7 +97,7 @@ def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[lis
         if len(continuation) < 2:
             continue
         agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}
-        traces.append(trace_prompt(index, prompt_ids, continuation, agreement, list(drafts), gamma, interval))
+        traces.append(trace_prompt(index, prompt_ids, continuation, agreement, list(drafts), gamma, interval, horizon))
     return traces
 
 
@@ -203,7 +209,7 @@ def read_prompts(path: str | Path, limit: int = 0, seed: int | None = None) -> l
 
 
 def traces_from_answers(drafts: dict[str, torch.nn.Module], answers, gamma: int, interval: int,
-                        progress: bool = True) -> list[PromptTrace]:
+                        progress: bool = True, horizon: int = 1) -> list[PromptTrace]:
     """Traces over the target's stored chat answers (``memspec-zoo build``'s teacher): no decoding here."""
     from tqdm import tqdm
 
@@ -214,7 +220,8 @@ def traces_from_answers(drafts: dict[str, torch.nn.Module], answers, gamma: int,
         if len(a.answer_ids) < 2:
             continue
         agreement = {name: answer_agreement(model, a) for name, model in drafts.items()}
-        traces.append(trace_prompt(index, a.prompt_ids, a.answer_ids, agreement, list(drafts), gamma, interval))
+        traces.append(trace_prompt(index, a.prompt_ids, a.answer_ids, agreement, list(drafts), gamma, interval,
+                                   horizon))
     return traces
 
 
@@ -233,13 +240,18 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     cache = ContinuationCache(args.continuations or None, target_path)
     if args.answers:
-        from .teacher import load_answers
+        from .teacher import datastore_answers, load_answers
 
-        answers = load_answers(Path(args.answers), "train")
+        source = Path(args.answers)
+        if source.is_file():  # a zoo's datastore: its greedy answers to the zoo's training requests
+            answers = datastore_answers(source.parent, tokenizer)
+        else:
+            answers = load_answers(source, "train")
         if args.max_prompts and args.max_prompts < len(answers):
             keep = sorted(random.Random(args.seed).sample(range(len(answers)), args.max_prompts))
             answers = [answers[i] for i in keep]
-        traces = traces_from_answers(drafts, answers, args.gamma, args.interval, progress=not args.quiet)
+        traces = traces_from_answers(drafts, answers, args.gamma, args.interval, progress=not args.quiet,
+                                     horizon=args.label_horizon)
         prompts = [t.prompt_ids for t in traces]
         traces = [replace(t, contexts=[replace(c, prompt_index=i) for c in t.contexts]) for i, t in enumerate(traces)]
     else:
@@ -247,7 +259,7 @@ def run(args: argparse.Namespace) -> dict:
         prompts = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-args.max_prompt_tokens:] for r in rows]
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
-                                progress=not args.quiet, cache=cache)
+                                progress=not args.quiet, cache=cache, horizon=args.label_horizon)
         cache.save()
     trace_seconds = time.perf_counter() - t0
     names = list(drafts)
@@ -262,6 +274,7 @@ def run(args: argparse.Namespace) -> dict:
     heldout_labels = labels[test_mask]
     majority_top1 = float((heldout_labels == majority).float().mean()) if len(heldout_labels) else 0.0
     report: dict = {"prompts": len(traces), "contexts": len(contexts), "heldout_prompts": len(heldout),
+                    "label_horizon_intervals": args.label_horizon,
                     "label_counts": label_counts, "majority_label": names[majority],
                     "majority_top1": majority_top1, "trace_seconds": trace_seconds,
                     "continuations_from_cache": cache.hits, "encoders": {}}
@@ -315,8 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--continuations", default=None, metavar="JSON",
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
                         " rebuilt drafts skip decoding the target (default: no cache)")
-    p.add_argument("--answers", default=None, metavar="DIR",
-                   help="a chat zoo's stored answers (<memspec-zoo build work dir>/teacher, split 'train'): trace"
+    p.add_argument("--answers", default=None, metavar="DIR|FILE",
+                   help="a chat zoo's stored answers (<memspec-zoo build work dir>/teacher, split 'train'), or its"
+                        " datastore file (models/datastore.safetensors: the same answers' greedy tokens): trace"
                         " those instead of decoding --prompts with the target")
     p.add_argument("--encoders", nargs="+", default=list(ENCODERS), choices=ENCODERS)
     p.add_argument("--max-prompts", type=int, default=0, help="0: all; else a seeded random subset")
@@ -325,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--interval", type=int, default=4, help="N: iterations per scheduling interval")
     p.add_argument("--recent-tokens", type=int, default=32, help="T")
+    p.add_argument("--label-horizon", type=int, default=1, metavar="H",
+                   help="a context's label is the draft that commits most over the next H intervals (1: the"
+                        " paper's next interval; 0: the rest of the output)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--epochs", type=int, default=300)
     p.add_argument("--heldout-fraction", type=float, default=0.2)

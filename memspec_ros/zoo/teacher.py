@@ -133,6 +133,24 @@ def load_answers(out_dir: Path, split: str) -> list[Answer]:
     return [a for shard in sorted(out_dir.glob(f"{split}-*.safetensors")) for a in load_shard(shard)]
 
 
+def datastore_answers(models: Path, tokenizer) -> list[Answer]:
+    """The training answers a zoo's datastore keeps, paired with their requests: the datastore holds the
+    target's greedy answer to row ``i`` of ``workloads/train_requests.jsonl`` as answer ``i`` (the build's
+    datastore stage). Only the greedy tokens are kept, so each answer's one label is its own token (top-1)."""
+    from memspec_ros.runtime.datastore import read_answers
+    from memspec_ros.runtime.models import tokenizer_fingerprint
+
+    stored, _meta = read_answers(models / "datastore.safetensors", tokenizer_fingerprint(tokenizer))
+    rows = [json.loads(line) for line in (models / "workloads" / "train_requests.jsonl").read_text().splitlines()]
+    answers = []
+    for row, tokens in zip(rows, stored, strict=False):  # the datastore holds the first len(stored) requests
+        ids = tokens.tolist()
+        answers.append(Answer(chat_prompt_ids(tokenizer, row["messages"]), ids,
+                              torch.tensor(ids, dtype=torch.int32)[:, None],
+                              torch.zeros((len(ids), 1), dtype=torch.float16), row["domain"]))
+    return answers
+
+
 def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: str, cfg: TeacherConfig,
                     progress=None) -> int:
     """Answer every row (``domain``, ``messages``) into shards; returns the number of answer tokens made now."""

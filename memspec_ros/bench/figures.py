@@ -248,9 +248,13 @@ def table2(report_path: Path) -> dict:
                 rows.setdefault(encoder, {})[name] = {"top1": inputs[name]["top1"], "top2": inputs[name]["top2"],
                                                       "contexts": inputs[name].get("contexts")}
     shown = Path(*report_path.parts[-3:]) if len(report_path.parts) >= 3 else report_path
+    # what a label is decides what the accuracy means (1: the paper's next interval; 0: the rest of the output;
+    # a report from before the option had 1)
+    horizon = report.get("label_horizon_intervals", 1) if report else None
     return {"item": "table2", "source": f"{shown} (the predictor's held-out training contexts; reused)",
             "title": "Predictor quality: top-1 accuracy and top-2 recall by input", "rows": rows,
-            "majority_top1": report.get("majority_top1"), "heldout_prompts": report.get("heldout_prompts")}
+            "majority_top1": report.get("majority_top1"), "heldout_prompts": report.get("heldout_prompts"),
+            "label_horizon_intervals": horizon}
 
 
 def recent_whatif(bench: BenchRun, medium: str) -> dict | None:
@@ -671,7 +675,11 @@ def _summary_line(name: str, item: dict) -> list[str]:
                                                           for p in item["policies"]) + " |"
             for m, r in item["rows"].items()] + [""]
     if name == "table2":
-        return ["| encoder | input | top-1 | top-2 |", "|---|---|---:|---:|"] + [
+        horizon = item.get("label_horizon_intervals")
+        label = ("the draft best over the rest of the output" if horizon == 0 else
+                 f"the draft best over the next {horizon} interval(s)" if horizon else "unknown")
+        return [f"Labels: {label} (`memspec-train-predictor --label-horizon`).", "",
+                "| encoder | input | top-1 | top-2 |", "|---|---|---:|---:|"] + [
             f"| {enc} | {inp} | {r['top1']:.1%} | {r['top2']:.1%} |" for enc, rows in item["rows"].items()
             for inp, r in rows.items()] + [""]
     if name == "recent":

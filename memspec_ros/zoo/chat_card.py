@@ -130,7 +130,7 @@ def render(measured: dict, acceptance: dict, build: Path) -> str:
         "```",
         "memspec-zoo build            # workloads, teacher, vocab, general, domains, export (resumable)",
         "memspec-zoo acceptance --answers <work dir>/teacher --json models/acceptance.json",
-        "memspec-train-predictor --answers <work dir>/teacher --out models/predictor",
+        "memspec-train-predictor --answers models/datastore.safetensors --max-prompts 900 --out models/predictor",
         "memspec-zoo card --work-dir <work dir>",
         "```",
         "",

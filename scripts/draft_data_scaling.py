@@ -171,7 +171,7 @@ def main() -> None:
     target_ref = build["target"]
     tok = load_tokenizer(target_ref)
     target = load_model(ModelSpec(target_ref)).model
-    answers = datastore_answers(a.models, tok)
+    answers = datastore_answers(a.models / "datastore.safetensors", tok)
     check_pairing(target, tok, answers)
     vocab_ids = json.loads((a.models / "drafts" / "general" / "draft_vocab.json").read_text())["target_ids"]
 

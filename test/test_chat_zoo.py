@@ -191,7 +191,7 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     with pytest.raises(DatastoreError, match="another tokenizer"):
         Datastore.load(tiny_build.out_dir / DATASTORE_FILE, fingerprint="another")
     # read back as answers paired with the zoo's training requests: the teacher's, in its order
-    paired = datastore_answers(tiny_build.out_dir, tok)
+    paired = datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok)
     assert [(a.prompt_ids, a.answer_ids, a.domain) for a in paired] == [
         (a.prompt_ids, a.answer_ids, a.domain) for a in train]
 

@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
 
         source = Path(args.answers)
         if source.is_file():  # a zoo's datastore: its greedy answers to the zoo's training requests
-            answers = datastore_answers(source.parent, tokenizer)
+            answers = datastore_answers(source, tokenizer)
         else:
             answers = load_answers(source, "train")
         if args.max_prompts and args.max_prompts < len(answers):

@@ -133,15 +133,20 @@ def load_answers(out_dir: Path, split: str) -> list[Answer]:
     return [a for shard in sorted(out_dir.glob(f"{split}-*.safetensors")) for a in load_shard(shard)]
 
 
-def datastore_answers(models: Path, tokenizer) -> list[Answer]:
-    """The training answers a zoo's datastore keeps, paired with their requests: the datastore holds the
-    target's greedy answer to row ``i`` of ``workloads/train_requests.jsonl`` as answer ``i`` (the build's
-    datastore stage). Only the greedy tokens are kept, so each answer's one label is its own token (top-1)."""
+def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) -> list[Answer]:
+    """The training answers a zoo's datastore file keeps, paired with their requests: it holds the target's
+    greedy answer to row ``i`` of the zoo's ``workloads/train_requests.jsonl`` (``requests``, by default beside
+    the file) as answer ``i`` (the build's datastore stage). Only the greedy tokens are kept, so each answer's
+    one label is its own token (top-1)."""
     from memspec_ros.runtime.datastore import read_answers
     from memspec_ros.runtime.models import tokenizer_fingerprint
 
-    stored, _meta = read_answers(models / "datastore.safetensors", tokenizer_fingerprint(tokenizer))
-    rows = [json.loads(line) for line in (models / "workloads" / "train_requests.jsonl").read_text().splitlines()]
+    requests = requests or Path(datastore).parent / "workloads" / "train_requests.jsonl"
+    if not requests.is_file():
+        raise FileNotFoundError(f"no training requests at {requests}: the datastore's answers pair with the zoo's"
+                                " workloads/train_requests.jsonl (pass the zoo's models/datastore.safetensors)")
+    stored, _meta = read_answers(datastore, tokenizer_fingerprint(tokenizer))
+    rows = [json.loads(line) for line in requests.read_text().splitlines()]
     answers = []
     for row, tokens in zip(rows, stored, strict=False):  # the datastore holds the first len(stored) requests
         ids = tokens.tolist()

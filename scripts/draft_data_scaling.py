@@ -161,8 +161,12 @@ def main() -> None:
                         "every domain beside the paper's general-purpose one")
     a = p.parse_args()
     also = dict(item.split("=", 1) for item in a.export_also)
-    if any(not (Path(d) / "final.safetensors").is_file() for d in also.values()) or (also and not a.export_zoo):
-        p.error("--export-also needs --export-zoo and NAME=DIR with a finished run in DIR (DIR/final.safetensors)")
+    if also and not a.export_zoo:
+        p.error("--export-also adds drafts to the zoo --export-zoo DIR writes: give --export-zoo too")
+    unfinished = [d for d in also.values() if not (Path(d) / "final.safetensors").is_file()]
+    if unfinished:
+        p.error(f"--export-also NAME=DIR needs a finished run in DIR, and {', '.join(unfinished)} has no "
+                "final.safetensors")
     torch.set_num_threads(a.threads)
 
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer

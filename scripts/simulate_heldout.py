@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.bench.figures import domain_workloads
+from memspec_ros.bench.figures import domain_workloads, policy_summary, simulated_table
 from memspec_ros.bench.policy_bench import BenchRun, PolicyBenchConfig, gmean
 from memspec_ros.runtime.loader import find_predictor, load_models
 from memspec_ros.runtime.models import ModelSpec, load_model
@@ -118,11 +118,9 @@ def hindsight(traces: list[PromptTrace], gamma: int, interval: int) -> dict:
 
 
 def summary(totals: dict, policies: list[str], workloads: list[str]) -> dict:
-    """Per workload and GMEAN over the domain workloads: both metrics, E[A], fallback, switches per generation."""
+    """Per workload (bench.figures.simulated_table) and GMEAN over the domain workloads: both metrics, the ratios."""
     domains = domain_workloads(workloads)
-    table = {w: {p: {"tokens_per_second": round(totals[p][w].tokens_per_second, 3),
-                     "end_to_end_tokens_per_second": round(totals[p][w].end_to_end_tokens_per_second, 3)}
-                 for p in policies} for w in workloads}
+    table = simulated_table(totals)
     geo = {p: gmean([table[w][p]["tokens_per_second"] for w in domains]) for p in policies}
     geo_e2e = {p: gmean([table[w][p]["end_to_end_tokens_per_second"] for w in domains]) for p in policies}
     ratios = {f"{mine}_vs_{p}": {"paper_metric": round(geo[mine] / geo[p], 4),
@@ -138,33 +136,28 @@ def summary(totals: dict, policies: list[str], workloads: list[str]) -> dict:
 
 def replay(bench: BenchRun, policies: list[str], workloads: list[str]) -> tuple[dict, dict]:
     """One replay of every policy on every trace: ({policy: {workload: GenerationTotals}}, and per policy over
-    the domain workloads E[A], the fallback share of speculative iterations and draft switches per generation)."""
+    the domain workloads E[A] and the fallback share as the bench's figures define them
+    (bench.figures.policy_summary), plus draft switches per generation)."""
     from memspec_ros.runtime.simulator import Simulator
     from memspec_ros.runtime.stats import GenerationTotals
 
     config = bench.sim_config()
     sim = Simulator(bench.costs, config, bench.domains, list(bench.domains))
-    domains = set(domain_workloads(workloads))
+    domains = domain_workloads(workloads)
     totals: dict = {p: {w: GenerationTotals() for w in workloads} for p in policies}
-    shares = {}
+    runs = []
     for p in policies:
-        accepted = spec = preferred = fallback = switches = generations = 0
         for trace in bench.traces:
             stats = sim.generate(bench.policy(p, config), trace)
             totals[p][trace.workload].add(stats)
-            if trace.workload not in domains:
-                continue
-            its = stats.speculative_iterations
-            accepted += sum(it.accepted for it in its)
-            spec += len(its)
-            wanted = [it for it in its if it.preferred]
-            preferred += len(wanted)
-            fallback += sum(1 for it in wanted if it.fallback)
-            switches += stats.draft_switches
-            generations += 1
-        shares[p] = {"mean_accepted": round(accepted / max(1, spec), 4),
-                     "fallback_fraction": round(fallback / max(1, preferred), 4),
-                     "switches_per_generation": round(switches / max(1, generations), 3)}
+            runs.append((p, trace.workload, tuple(trace.prompt_ids), stats))
+    shares = {}
+    for p in policies:
+        pooled = policy_summary(runs, p, domains)
+        switches = [s.draft_switches for q, w, _, s in runs if q == p and w in domains]
+        shares[p] = {"mean_accepted": round(pooled["mean_accepted"], 4),
+                     "fallback_fraction": round(pooled["fallback_fraction_of_iterations"], 4),
+                     "switches_per_generation": round(sum(switches) / max(1, len(switches)), 3)}
     return totals, shares
 
 
@@ -204,6 +197,8 @@ def main() -> None:
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("models", "json") and v),
               "prompts_by_workload": {w: sum(t.workload == w for t in traces) for w in workloads},
               "runs": {}}
+    first = committed_costs(ROOT / a.runs.split(",")[0])[2]  # the first run's gamma and N (the committed: 4, 4)
+    report["hindsight_mean_accepted"] = hindsight(traces, first["gamma"], first["interval"])
     for run_dir, (predictor_dir, predictor) in ((r, q) for r in a.runs.split(",") for q in predictors.items()):
         costs, schedule, cfg = committed_costs(ROOT / run_dir)
         bench_cfg = PolicyBenchConfig(policies=POLICIES, workloads=workloads, capacity=cfg["capacity"],
@@ -223,7 +218,6 @@ def main() -> None:
                                    sum(costs.load_seconds.values()) / len(costs.load_seconds)
                                    / schedule.iteration_seconds, 3)}
         entry["simulation_seconds"] = round(time.time() - t1, 1)
-        report.setdefault("hindsight_mean_accepted", hindsight(traces, cfg["gamma"], cfg["interval"]))
         entry["predictor"] = predictor_dir
         key = run_dir if len(predictors) == 1 else f"{run_dir} with {predictor_dir}"
         report["runs"][key] = entry

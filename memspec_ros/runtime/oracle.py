@@ -57,6 +57,24 @@ def target_greedy(target: torch.nn.Module, prompt_ids: Sequence[int], max_new_to
     return out
 
 
+@torch.inference_mode()
+def engine_greedy(target: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
+                  eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """The target's greedy continuation as the engine computes it: its own forward (runtime/draft_forward.py,
+    the C decoder where it applies), one token per forward, no draft.
+
+    On a quantized path this is the output a lossless run must reproduce, and it can differ from
+    :func:`target_greedy`: the activations are rounded to int8 per block, so the module forward's
+    float arithmetic (attention, norms) flips some roundings the decoder does not, and near-ties of
+    the argmax go the other way (on the bundled int4 target, about 0.3 in the logits either way from
+    fp32, a different first token on some prompts). The oracles need the run's own future, so
+    :meth:`GreedyOracle.compute` uses this."""
+    from .speculative import generate
+
+    return generate(target, prompt_ids, None, max_new_tokens=max_new_tokens,
+                    eos_token_ids=eos_token_ids).generated_ids
+
+
 def _weights_digest(model_dir: str | Path) -> str:
     """SHA-256 over a model directory's config and safetensors files: which target this is."""
     digest = hashlib.sha256()
@@ -120,6 +138,23 @@ def continuation_logits(model: torch.nn.Module, prompt_ids: Sequence[int], conti
     logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
     # logits at position len(prompt)-1+j predict continuation[j]
     return logits[len(prompt_ids) - 1 : len(ids) - 1]
+
+
+@torch.inference_mode()
+def engine_continuation_logits(model: torch.nn.Module, prompt_ids: Sequence[int],
+                               continuation: Sequence[int]) -> torch.Tensor:
+    """:func:`continuation_logits` on the forward the engine runs ``model`` with (its lean forward where it has
+    one), so that agreement is what the engine's draft proposes. The lean forward computes each row alike
+    however many come in one call (test_forward_paths.py), so one call over the whole continuation gives
+    the rows of the engine's catch-ups and one-token proposals."""
+    from .draft_forward import lean_forward_for
+    from .speculative import KVState
+
+    lean = lean_forward_for(model)
+    if lean is None or not continuation:
+        return continuation_logits(model, prompt_ids, continuation)
+    ids = list(prompt_ids) + list(continuation)
+    return lean(ids[:-1], KVState().cache, 0, len(continuation)).float()
 
 
 def draft_agreement(draft: torch.nn.Module, prompt_ids: Sequence[int], continuation: Sequence[int],
@@ -196,8 +231,11 @@ class GreedyOracle:
     def compute(cls, target: torch.nn.Module, drafts: Mapping[str, torch.nn.Module], prompt_ids: Sequence[int],
                 max_new_tokens: int, gamma: int = 4, interval: int = 4,
                 eos_token_ids: Sequence[int] = ()) -> GreedyOracle:
-        continuation = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
-        agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}
+        """The run's own future: the continuation and the agreements on the forwards the engine runs."""
+        continuation = engine_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
+        agreement = {name: draft_agreement(model, prompt_ids, continuation,
+                                           engine_continuation_logits(model, prompt_ids, continuation))
+                     for name, model in drafts.items()}
         return cls(continuation, agreement, gamma, interval)
 
     def utility(self, draft: str, position: int) -> int:

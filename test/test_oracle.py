@@ -236,7 +236,10 @@ def test_the_oracles_future_is_the_engines_own_run_on_the_bundled_int4_target():
     the simulator replays one (what made `make bench` on int4 report lossless false and miss its
     validation)."""
     from memspec_ros.bench.policy_bench import workload_prompts
+    from memspec_ros.runtime.draft_forward import observe_hidden
     from memspec_ros.runtime.loader import load_models
+    from memspec_ros.runtime.oracle import engine_greedy
+    from memspec_ros.runtime.simulator import target_hidden_states
     from memspec_ros.runtime.speculative import generate
 
     torch.set_num_threads(1)
@@ -259,5 +262,18 @@ def test_the_oracles_future_is_the_engines_own_run_on_the_bundled_int4_target():
                 position += it.committed
                 checked += it.proposed
         assert checked > 0  # the draft proposed: agreement was compared, not only the text
+        # the replayed predictor's view (runtime/simulator.py) is the live encoder's: the rows the engine's
+        # forward hands its observers while it decodes, not transformers' forward of the same text
+        seen: list[torch.Tensor] = []
+        handle = observe_hidden(target, lambda hidden, start: seen.append(hidden.detach().float().clone()))
+        try:
+            alone = engine_greedy(target, ids, 24, eos)
+        finally:
+            handle.remove()
+        fed = torch.cat(seen)  # the prompt, then every generated token but the last
+        # (row-exact on the kernels; the tolerance is for CPUs where the lean forward runs torch's attention,
+        # far below transformers' forward's 1e-2 differences on this int4 target)
+        torch.testing.assert_close(target_hidden_states(target, ids, alone)[: fed.shape[0]], fed, atol=1e-4,
+                                   rtol=1e-4)
     finally:
         models.close()

@@ -35,9 +35,11 @@ import torch
 
 from .cache import normalise_ranking
 from .choice import Choice, Resolution, carry_out
+from .draft_forward import lean_forward_for, observe_hidden
 from .oracle import GreedyOracle, ScheduleCosts
 from .policies import DraftPolicy, SchedulingPoint
 from .predictor import PredictionEngine, recent_window
+from .speculative import KVState
 from .stats import GenerationStats, GenerationTotals, IterationStats
 
 EPSILON = 1e-9  # a load that ends now is resident only strictly after it started (the loader is a thread)
@@ -93,8 +95,21 @@ class PromptTrace:
 @torch.inference_mode()
 def target_hidden_states(target: torch.nn.Module, prompt_ids: Sequence[int],
                          continuation: Sequence[int]) -> torch.Tensor:
-    """[len(prompt) + len(continuation), hidden]: the target's final hidden state at every position (one pass)."""
+    """[len(prompt) + len(continuation), hidden]: the target's final hidden state at every position (one pass).
+
+    Taken from the forward the engine runs the target with where it has one (its observers, which feed the
+    live encoder), so that on a quantized path the replayed predictor sees the rows the live one saw
+    (transformers' forward rounds the int8 activations differently, runtime/oracle.py: engine_greedy)."""
     ids = list(prompt_ids) + list(continuation)
+    lean = lean_forward_for(target)
+    if lean is not None:
+        rows: list[torch.Tensor] = []
+        handle = observe_hidden(target, lambda hidden, start: rows.append(hidden.detach().float().cpu()))
+        try:
+            lean(ids, KVState().cache, 0, 1)
+        finally:
+            handle.remove()
+        return torch.cat(rows)
     device = next(target.parameters()).device
     decoder = getattr(target, "model", None) or target.get_decoder()
     out = decoder(input_ids=torch.tensor([ids], device=device), use_cache=False)

@@ -321,3 +321,15 @@ def test_the_paper_harness_writes_every_item_and_the_results_page(tmp_path):
     page = (out / "README.md").read_text()
     assert page.startswith("# Results\n\nhand-written") and page.rstrip().endswith("after")
     assert "stale" not in page and page.count(BEGIN) == 1 and "emulated" in page and "![" in page
+    assert "no draft): **yes**" in page  # the runs were lossless, and the page says so
+
+
+def test_the_results_page_names_every_run_that_was_not_lossless():
+    from memspec_ros.bench.figures import _lossless_line
+
+    rows = {"code": {"memspec": {"lossless": True}, "general-static": {"lossless": True}},
+            "math": {"memspec": {"lossless": False}, "general-static": {"lossless": True}}}
+    line = _lossless_line({"workloads": rows})
+    assert "**NO**" in line and "memspec on math" in line and "general-static" not in line
+    rows["math"]["memspec"]["lossless"] = True
+    assert "**yes**" in _lossless_line({"workloads": rows})

@@ -537,6 +537,17 @@ def _path_name(quantization: str) -> str:
     return "fp32" if quantization == "none" else quantization
 
 
+def _lossless_line(result: dict) -> str:
+    """Whether every timed output equalled the target's own greedy output (the engine's forward, no draft)."""
+    broken = sorted({f"{p} on {w}" for w, row in result["workloads"].items() for p, r in row.items()
+                     if not r["lossless"]})
+    if not broken:
+        return ("Lossless: every timed output equals the target's own greedy output on this forward path (the"
+                " engine's forward, one token per step, no draft): **yes**.")
+    return ("Lossless: **NO**: some outputs differ from the target's own greedy output on this forward path ("
+            + ", ".join(broken) + "); the ratios below compare runs of different texts.")
+
+
 def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
     cfg = result["config"]
     storage = result["storage"]
@@ -554,6 +565,7 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
              f"{' (emulated)' if storage['emulated'] else ''}**: a draft load took"
              f" {storage['load_seconds'] * 1000:.0f} ms = {storage['load_to_iteration'] or 0:.2f} speculative"
              f" iterations of {storage['iteration_seconds'] * 1000:.0f} ms.", "",
+             _lossless_line(result), "",
              "Which numbers are real and which simulated:", "",
              "| item | source |", "|---|---|"]
     for name, item in items.items():

@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""How much each CPU forward path changes the bundled target's answers on this machine.
+
+The quantized paths (``model.quantization``: int8, int4) compute the target in another arithmetic:
+weights on a coarser grid and, on CPUs without AVX512-BF16, activations rounded to int8 (int8: one
+scale per row; int4: one per block of 32, as llama.cpp's Q8_1). Their greedy answers can differ
+from the model's as loaded. This scores each path on the as-loaded (fp32) target's own greedy
+answers to held-out requests, teacher-forced through the engine's forward:
+
+- answer perplexity (the as-loaded model scores its own answers lowest);
+- the share of answer positions where the path's argmax is the as-loaded answer's token;
+- how many whole greedy answers the path reproduces token for token (a smaller sample).
+
+    .venv/bin/python scripts/path_quality.py --answers artifacts/heldout_answers \\
+        --json docs/results/path-quality-avx2.json
+
+``--answers``: a folder of held-out answers (``memspec-zoo acceptance --answers DIR`` writes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from memspec_ros.runtime import cpu_kernels
+from memspec_ros.runtime.draft_forward import lean_forward_for
+from memspec_ros.runtime.loader import load_models
+from memspec_ros.runtime.speculative import KVState, generate
+from memspec_ros.zoo.teacher import load_answers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@torch.inference_mode()
+def score(target, answers, greedy_every: int, end_ids) -> dict:
+    lean = lean_forward_for(target)
+    nll = tokens = agree = same = greedy = 0
+    for i, a in enumerate(answers):
+        ids = a.prompt_ids + a.answer_ids
+        logits = lean(ids[:-1], KVState().cache, 0, len(a.answer_ids)).float()
+        want = torch.tensor(a.answer_ids)
+        nll += float(-torch.log_softmax(logits, -1).gather(1, want[:, None]).sum())
+        tokens += len(a.answer_ids)
+        agree += int((logits.argmax(-1) == want).sum())
+        if i % greedy_every == 0:
+            out = generate(target, a.prompt_ids, None, max_new_tokens=len(a.answer_ids), eos_token_ids=end_ids)
+            same += out.generated_ids == a.answer_ids
+            greedy += 1
+    return {"answer_perplexity": math.exp(nll / tokens), "argmax_agreement": agree / tokens,
+            "greedy_answers_identical": same, "greedy_answers_compared": greedy, "tokens": tokens}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--answers", type=Path, required=True, help="held-out answers (memspec-zoo acceptance --answers)")
+    p.add_argument("--registry", type=Path, default=ROOT / "models" / "registry.yaml")
+    p.add_argument("--per-workload", type=int, default=8, help="answers per workload (default 8)")
+    p.add_argument("--greedy-every", type=int, default=4, help="regenerate every k-th answer whole (default 4)")
+    p.add_argument("--paths", default="none,int8,int4")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    answers = load_answers(a.answers, "heldout")
+    if not answers:
+        raise SystemExit(f"no held-out answers in {a.answers} (memspec-zoo acceptance --answers DIR makes them)")
+    by_domain: dict[str, list] = {}
+    for ans in answers:
+        by_domain.setdefault(ans.domain, []).append(ans)
+    sample = [ans for d in sorted(by_domain) for ans in by_domain[d][: a.per_workload]]
+    rows = {}
+    for path in a.paths.split(","):
+        t0 = time.perf_counter()
+        models = load_models(a.registry, quantization=path)
+        try:
+            rows[path] = score(models.target.model, sample, a.greedy_every, models.end_token_ids)
+        finally:
+            models.close()
+        r = rows[path]
+        print(f"{path}: answer perplexity {r['answer_perplexity']:.4f}, argmax = the answer's token"
+              f" {r['argmax_agreement']:.2%}, whole answers identical {r['greedy_answers_identical']}"
+              f"/{r['greedy_answers_compared']} ({time.perf_counter() - t0:.0f} s)")
+    base = rows.get("none")
+    if base:
+        for r in rows.values():
+            r["perplexity_vs_as_loaded"] = r["answer_perplexity"] / base["answer_perplexity"] - 1
+    out = {"what": __doc__.split("\n\n")[0], "command": "scripts/path_quality.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None and k != "json"),
+           "machine": {"cpu": platform.processor() or platform.machine(), "kernels": str(cpu_kernels.status())},
+           "answers": len(sample), "workloads": sorted(by_domain), "paths": rows}
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from memspec_ros.runtime import cpu_kernels
-from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.loader import load_models
-from memspec_ros.runtime.speculative import KVState, generate
+from memspec_ros.runtime.oracle import engine_continuation_logits
+from memspec_ros.runtime.speculative import generate
 from memspec_ros.zoo.teacher import load_answers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,21 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @torch.inference_mode()
 def score(target, answers, greedy_every: int, end_ids) -> dict:
-    lean = lean_forward_for(target)
-    nll = tokens = agree = same = greedy = 0
-    for i, a in enumerate(answers):
-        ids = a.prompt_ids + a.answer_ids
-        logits = lean(ids[:-1], KVState().cache, 0, len(a.answer_ids)).float()
+    nll = tokens = agree = 0
+    for a in answers:
+        logits = engine_continuation_logits(target, a.prompt_ids, a.answer_ids)
         want = torch.tensor(a.answer_ids)
         nll += float(-torch.log_softmax(logits, -1).gather(1, want[:, None]).sum())
         tokens += len(a.answer_ids)
         agree += int((logits.argmax(-1) == want).sum())
-        if i % greedy_every == 0:
-            out = generate(target, a.prompt_ids, None, max_new_tokens=len(a.answer_ids), eos_token_ids=end_ids)
-            same += out.generated_ids == a.answer_ids
-            greedy += 1
+    regenerated = answers[::greedy_every]
+    same = sum(generate(target, a.prompt_ids, None, max_new_tokens=len(a.answer_ids),
+                        eos_token_ids=end_ids).generated_ids == a.answer_ids for a in regenerated)
     return {"answer_perplexity": math.exp(nll / tokens), "argmax_agreement": agree / tokens,
-            "greedy_answers_identical": same, "greedy_answers_compared": greedy, "tokens": tokens}
+            "greedy_answers_identical": same, "greedy_answers_compared": len(regenerated), "tokens": tokens}
 
 
 def main() -> None:

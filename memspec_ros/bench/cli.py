@@ -373,9 +373,8 @@ def cmd_paper(args) -> int:
     print(f"items ({', '.join(index['items'])}) and README.md written to {args.out} in {index['wall_seconds'] / 60:.1f}"
           f" min; simulator {'within' if index['validation']['within_tolerance'] else 'OUTSIDE'} its tolerance"
           f" (largest end-to-end error {index['validation']['max_abs_error_end_to_end']:.1%})")
-    lossless = json.loads((Path(args.out) / "policies.json").read_text())["lossless"]
-    print(f"lossless (every output equals the target's greedy output): {lossless}")
-    return 0 if lossless else 1
+    print(f"lossless (every output equals the target's greedy output): {index['lossless']}")
+    return 0 if index["lossless"] else 1
 
 
 def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_help: str,

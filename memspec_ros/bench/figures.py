@@ -500,7 +500,7 @@ def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", 
              "config": asdict(cfg) | {"policies": list(cfg.policies), "workloads": list(cfg.workloads)},
              "validation": {k: result["simulator_validation"][k] for k in ("max_abs_error_end_to_end",
                                                                            "within_tolerance", "tolerance")},
-             "cost_model": CostModel.to_json(bench.costs)}
+             "lossless": result["lossless"], "cost_model": CostModel.to_json(bench.costs)}
     (out / "paper.json").write_text(json.dumps(index, indent=2) + "\n")
     write_readme(out, {i["item"]: i for i in items}, result, index)
     return index

@@ -133,7 +133,7 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
         build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
         zoo = tiny
     # the target as loaded by default, the node's own default: a quantized path answers in another arithmetic
-    # (scripts/path_quality.py: on an AVX2 CPU int8 changed 8% of the answer tokens, int4 4%)
+    # (scripts/path_quality.py: on an AVX2 CPU int8 picked another token at 8% of answer positions, int4 at 4%)
     overrides = {"model.threads": str(args.threads), "drafts.registry_file": str(zoo / "registry.yaml"),
                  "model.quantization": args.quantization, "drafts.quantization": args.draft_quantization,
                  # gamma per iteration from measured costs: 46-49 against 43-46 tok/s fixed at 4 here

@@ -17,7 +17,8 @@
  *               Elsewhere (AVX2, or portable C for any other CPU) the rows are quantized to int8 per block
  *               of 32 (scale max|x|/127, as llama.cpp's Q8_1 blocks) and each block's sum over the 4-bit
  *               levels is an exact integer (vpmaddubsw: 15 * 127 * 2 fits int16), scaled in fp32.
- *   i8_matmul   int8 weights x int8 inputs with exact int32 sums (vpdpbusd with AVX512-VNNI; vpmaddubsw on
+ *   i8_matmul   int8 weights x int8 inputs with exact int32 sums (AMX tiles where the CPU has AMX-INT8 and Linux
+ *               grants them, else vpdpbusd with AVX512-VNNI; vpmaddubsw on
  *               |w| and the sign-adjusted rows with AVX2; plain integers elsewhere), the inputs quantized per row here exactly
  *               as runtime/forward_paths.py:Int8Linear quantizes them, and scaled as it scales them: the
  *               result equals torch._int_mm's path bit for bit, on every instruction set.
@@ -28,7 +29,7 @@
  *               own causal prefix), SiLU and the residuals are plain loops between the matmul kernels.
  *
  * Instruction sets: chosen at compile time from what -march=native enables (memspec_kernel_isa() says which
- * each kernel got). -DMEMSPEC_PORTABLE builds the portable C alone (the tests run it on any machine).
+ * each kernel got; AMX also needs the kernel's permission, asked at the first call; MEMSPEC_AMX=0 leaves it out). -DMEMSPEC_PORTABLE builds the portable C alone (the tests run it on any machine).
  *
  * Threads: each matmul splits its outputs, and attention its heads, among `threads` OpenMP threads (torch's
  * own pool, see parallel_for). Every output is computed by the same operations whichever thread computes it, so the
@@ -53,12 +54,19 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2 1
 #endif
+#if defined(I8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define I8_AMX 1 /* i8 on AMX tiles where Linux lets this process use them (amx_ready) */
+#endif
 #endif
 #if defined(HAVE_AVX512) || defined(HAVE_AVX2)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef I8_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BF16 = 8 };
@@ -75,32 +83,31 @@ int memspec_kernel_features(void) {
 }
 
 /* Which instruction set each kernel was compiled for, for the diagnostics. */
-const char* memspec_kernel_isa(void) {
-  return "w4 "
 #if defined(W4_BF16)
-         "AVX512-BF16"
+#define W4_ISA "AVX512-BF16"
 #elif defined(HAVE_AVX2)
-         "AVX2"
+#define W4_ISA "AVX2"
 #else
-         "portable C"
+#define W4_ISA "portable C"
 #endif
-         ", i8 "
 #if defined(I8_VNNI)
-         "AVX512-VNNI"
+#define I8_ISA "AVX512-VNNI"
 #elif defined(HAVE_AVX2)
-         "AVX2"
+#define I8_ISA "AVX2"
 #else
-         "portable C"
+#define I8_ISA "portable C"
 #endif
-         ", attention "
 #if defined(HAVE_AVX512)
-         "AVX512"
+#define ATTEND_ISA "AVX512"
 #elif defined(HAVE_AVX2)
-         "AVX2"
+#define ATTEND_ISA "AVX2"
 #else
-         "portable C"
+#define ATTEND_ISA "portable C"
 #endif
-      ;
+static int amx_ready(void);
+const char* memspec_kernel_isa(void) {
+  if (amx_ready()) return "w4 " W4_ISA ", i8 AMX-INT8 (" I8_ISA " for the last outputs), attention " ATTEND_ISA;
+  return "w4 " W4_ISA ", i8 " I8_ISA ", attention " ATTEND_ISA;
 }
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
@@ -402,6 +409,7 @@ int w4_matmul(const uint8_t* qw, const uint32_t* sm, const float* x, float* y, i
 
 typedef struct {
   const uint8_t* xu;
+  const int8_t* xt; /* AMX: the rows as signed bytes, laid out as B tiles (amx_rows) */
   const int8_t* w;
   const int32_t* b128;
   const float* row_scale;
@@ -524,6 +532,125 @@ static void i8_range(void* ctx, int o_begin, int o_end) {
 }
 #endif
 
+
+/* ---------------------------------------------------------------- i8 on AMX tiles */
+#ifdef I8_AMX
+/* AMX multiplies 16 x 64 signed bytes by 64 x 16 in one instruction (tdpbssd) with exact int32 sums, so it gives
+ * the same integers as the code above. Why: the VNNI kernel spends one instruction per 64 weights per row, so a
+ * 5-row verify costs several one-token steps in the int8 layers; a tile's product costs about the same for 1 row
+ * as for 16. Here the weights are the A tiles (16 outputs x 64 inputs, read in place, stride K) and the rows the
+ * B tiles (C = W x^T: 16 outputs x M rows), so the weights need no repacking. */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_OUT 16      /* outputs per tile */
+#define AMX_K 64        /* inputs per tile */
+#define AMX_ROWS 16     /* rows per pass (a tile's 16 columns of int32) */
+
+
+/* Linux hands AMX's tile state to a process only on request (arch_prctl); asked once. 1: usable, -1: not. */
+static int amx_ready(void) {
+  static int state = 0;
+  int now = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+  if (now == 0) {
+    const char* off = getenv("MEMSPEC_AMX"); /* 0: the VNNI/AVX2 code (A/B runs) */
+    now = (off && off[0] == '0') ? -1 : (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1);
+    __atomic_store_n(&state, now, __ATOMIC_RELEASE);
+  }
+  return now == 1;
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(int rows_in_pass) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 6; t++) { /* tmm0-1: C (16 outputs x the rows' int32), tmm2-3: A (weights), tmm4-5: B (rows) */
+    cfg.rows[t] = AMX_OUT;
+    cfg.colsb[t] = (uint16_t)(t == 2 || t == 3 ? AMX_K : rows_in_pass * 4);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+/* The rows as B tiles, packed: pass p's mr rows take bytes p*16*K.. (each pass starts at its first row times K),
+ * input block k is 16 lines of mr*4 bytes, line r holding row m's inputs 64k+4r..+3 at bytes 4m..4m+3, as
+ * signed bytes (xu - 128: the quantized values themselves). */
+static void amx_rows(const uint8_t* xu, int8_t* xt, int M, int K) {
+  for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
+    const int mr = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+    int8_t* pass = xt + (size_t)m0 * K;
+    for (int m = 0; m < mr; m++) {
+      const uint8_t* row = xu + (size_t)(m0 + m) * K;
+      for (int k = 0; k < K; k += 4) { /* 4 bytes at a time: k = 64 * block + 4 * line */
+        uint32_t four;
+        memcpy(&four, row + k, 4);
+        four ^= 0x80808080u;
+        memcpy(pass + (size_t)(k / 64) * 16 * mr * 4 + (size_t)((k % 64) / 4) * mr * 4 + m * 4, &four, 4);
+      }
+    }
+  }
+}
+
+/* Outputs o..o+15 for the pass's rows: the int32 sums over all inputs, then I8_OUT's scaling, 16 outputs at a time
+ * (a row's sums are a column of the C tile). Even and odd input blocks go to two accumulators (tmm0, tmm1; exact
+ * integers, so their sum is the same whatever the split) with their own A and B tiles, so one block's loads
+ * overlap the other's product. The next 16 outputs' weights (16 * K contiguous bytes) are fetched into the cache
+ * meanwhile, a slice per block: the tile loads read 16 lines K bytes apart, which the hardware prefetcher does not
+ * follow. */
+#define AMX_STEP(C, A, B, k)                                                   \
+  _tile_loadd(A, w + (k) * AMX_K, K);                                          \
+  _tile_loadd(B, xt + (size_t)(k) * AMX_OUT * mr * 4, mr * 4);                 \
+  _tile_dpbssd(C, A, B)
+static inline void amx_block(const I8Call* c, const int8_t* xt, int m0, int mr, int o, int prefetch) {
+  const int K = c->K, blocks = K / AMX_K;
+  const int8_t* w = c->w + (size_t)o * K;
+  const int lines = AMX_OUT * K / 64, per_block = (lines + blocks - 1) / blocks;
+  int32_t sums[2][AMX_OUT][AMX_ROWS];
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int k = 0; k < blocks; k++) {
+    if (prefetch)
+      for (int l = k * per_block; l < (k + 1) * per_block && l < lines; l++)
+        _mm_prefetch((const char*)(w + (size_t)AMX_OUT * K + (size_t)l * 64), _MM_HINT_T0);
+    if (k % 2 == 0) {
+      AMX_STEP(0, 2, 4, k);
+    } else {
+      AMX_STEP(1, 3, 5, k);
+    }
+  }
+  _tile_stored(0, sums[0], AMX_ROWS * 4);
+  _tile_stored(1, sums[1], AMX_ROWS * 4);
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __m512 scale = _mm512_loadu_ps(c->scale + o);
+  for (int m = 0; m < mr; m++) { /* ((float)sum * row_scale) * scale, I8_OUT's two roundings */
+    const __m512i even = _mm512_i32gather_epi32(column, &sums[0][0][m], 4);
+    const __m512i odd = _mm512_i32gather_epi32(column, &sums[1][0][m], 4);
+    const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+    const __m512 out = _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(c->row_scale[m0 + m])), scale);
+    _mm512_storeu_ps(c->y + (size_t)(m0 + m) * c->O + o, out);
+  }
+}
+
+static void i8_amx_range(void* ctx, int o_begin, int o_end) {
+  const I8Call* c = (const I8Call*)ctx;
+  const int full = o_begin + (o_end - o_begin) / AMX_OUT * AMX_OUT; /* the rest: the vector code above */
+  for (int m0 = 0; m0 < c->M; m0 += AMX_ROWS) {
+    const int mr = c->M - m0 < AMX_ROWS ? c->M - m0 : AMX_ROWS;
+    amx_configure(mr);
+    for (int o = o_begin; o < full; o += AMX_OUT)
+      amx_block(c, c->xt + (size_t)m0 * c->K, m0, mr, o, o + AMX_OUT < full);
+  }
+  _tile_release();
+  if (full < o_end) i8_range(ctx, full, o_end);
+}
+#else
+static int amx_ready(void) { return 0; }
+#endif
+
 /* y[M][O] = (sum_k q(x)[m][k] * w[o][k]) * row_scale[m] * scale[o], where row_scale = max|x[m]| / 127
  * (at least 1e-12 / 127) and q(x) = round-half-even(x / row_scale): Int8Linear's arithmetic, operation
  * for operation. K % 64 == 0. xu: scratch of M*K bytes; row_scale: scratch of M floats. */
@@ -536,7 +663,18 @@ int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float*
     row_scale[m] = fmaxf(top, 1e-12f) / 127.0f;
     for (int k = 0; k < K; k++) xu[(size_t)m * K + k] = (uint8_t)((int)nearbyintf(row[k] / row_scale[m]) + 128);
   }
-  I8Call call = {xu, w, b128, row_scale, scale, y, M, K, O};
+  I8Call call = {xu, NULL, w, b128, row_scale, scale, y, M, K, O};
+#ifdef I8_AMX
+  if (amx_ready() && O >= AMX_OUT) {
+    int8_t* xt = malloc((size_t)M * K);
+    if (!xt) return -1;
+    amx_rows(xu, xt, M, K);
+    call.xt = xt;
+    parallel_for(i8_amx_range, &call, O, threads, AMX_OUT);
+    free(xt);
+    return 0;
+  }
+#endif
   parallel_for(i8_range, &call, O, threads, 4);
   return 0;
 }

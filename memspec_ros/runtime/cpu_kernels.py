@@ -3,7 +3,8 @@
 At 1 thread the bundled target's forward is compute-bound: ATen's int4 kernel dequantizes each weight again
 for every 4 rows (a 5-row verify costs ~2x a 1-token step), and its attention and oneDNN's int8 GEMM spend
 tens of microseconds per call on set-up. The C file says what each kernel does and why its rows are exact.
-Each kernel is written for AVX512 (BF16, VNNI), for AVX2, and in portable C for any other CPU (untested on ARM);
+Each kernel is written for AVX512 (BF16, VNNI; the int8 one also for AMX tiles), for AVX2, and in portable C for any
+other CPU (untested on ARM);
 which one a machine got is in :func:`status` (``isa``). ``MEMSPEC_CPU_KERNELS=portable`` builds the portable
 C alone (tests, A/B runs).
 

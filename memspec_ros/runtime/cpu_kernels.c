@@ -125,6 +125,9 @@ static inline float bf16_to_float(uint32_t half) { /* half in the low 16 bits */
   return f;
 }
 
+/* fmaxf(top, fabsf(v)) (a NaN is passed over), written out: fmaxf stayed a library call at -O3 (3% of a forward) */
+#define MAX_ABS(top, v) (fabsf(v) > (top) ? fabsf(v) : (top))
+
 /* ---------------------------------------------------------------- threads */
 typedef void (*RangeFn)(void* ctx, int begin, int end);
 
@@ -260,7 +263,7 @@ static void quantize_blocks(const float* x, int8_t* xq, float* xd, float* xs, in
     for (int g = 0; g < groups; g++) {
       const size_t at = (size_t)m * K + (size_t)g * 32;
       float top = 0.0f;
-      for (int j = 0; j < 32; j++) top = fmaxf(top, fabsf(x[at + j]));
+      for (int j = 0; j < 32; j++) top = MAX_ABS(top, x[at + j]);
       const float d = top / 127.0f;
       int sum = 0;
       for (int j = 0; j < 32; j++) {
@@ -657,11 +660,15 @@ static int amx_ready(void) { return 0; }
 int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float* scale, float* y, uint8_t* xu,
               float* row_scale, int M, int K, int O, int threads) {
   for (int m = 0; m < M; m++) {
-    const float* row = x + (size_t)m * K;
-    float top = 0.0f;
-    for (int k = 0; k < K; k++) top = fmaxf(top, fabsf(row[k]));
-    row_scale[m] = fmaxf(top, 1e-12f) / 127.0f;
-    for (int k = 0; k < K; k++) xu[(size_t)m * K + k] = (uint8_t)((int)nearbyintf(row[k] / row_scale[m]) + 128);
+    const float* restrict row = x + (size_t)m * K;
+    uint8_t* restrict out = xu + (size_t)m * K;
+    float lane[16] = {0}, top = 0.0f; /* 16 running maxima (K % 64 == 0), so that the loop vectorizes */
+    for (int k = 0; k < K; k += 16)
+      for (int l = 0; l < 16; l++) lane[l] = MAX_ABS(lane[l], row[k + l]);
+    for (int l = 0; l < 16; l++) top = MAX_ABS(top, lane[l]);
+    const float s = fmaxf(top, 1e-12f) / 127.0f;
+    row_scale[m] = s;
+    for (int k = 0; k < K; k++) out[k] = (uint8_t)((int)nearbyintf(row[k] / s) + 128);
   }
   I8Call call = {xu, NULL, w, b128, row_scale, scale, y, M, K, O};
 #ifdef I8_AMX

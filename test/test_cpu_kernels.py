@@ -66,8 +66,9 @@ def _w4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     times the rows, rounded to bf16 (AVX512-BF16: the levels too) or quantized to int8 per block of 32 with scale
     max|x| / 127 (elsewhere: there the block sums are exact integers)."""
     out_features, in_features = layer.out_features, layer.in_features
-    q = torch.cat([layer.packed & 15, layer.packed >> 4], -1).double()  # [O, G, 32]
-    pair = layer.scale_min.view(torch.bfloat16).view(*layer.scale_min.shape, 2).double()
+    q, scale_min = cpu_kernels.unpack_w4(layer.packed, layer.scale_min)
+    q = q.double()  # [O, G, 32]
+    pair = scale_min.view(torch.bfloat16).view(*scale_min.shape, 2).double()
     scale, low = pair[..., :1], pair[..., 1:]
     if STATUS.w4_bf16:
         levels = (q.float() * scale.float() + low.float()).to(torch.bfloat16).double()
@@ -257,7 +258,8 @@ def test_status_names_the_instruction_set_of_each_kernel():
     parts = dict(part.split(" ", 1) for part in STATUS.isa.split(", "))
     assert set(parts) == {"w4", "i8", "attention"}
     amx = "AMX-INT8 (AVX512-VNNI for the last outputs)"  # where Linux lets the process use AMX's tiles
-    assert set(parts.values()) <= {"AVX512-BF16", "AVX512-VNNI", "AVX512", "AVX2", "portable C", amx}
+    assert set(parts.values()) <= {"AVX512-BF16", "AVX512-VNNI", "AVX512", "AVX2", "portable C", "AMX-INT8", amx}
+    assert STATUS.w4_amx == (parts["w4"] == "AMX-INT8")
     assert STATUS.w4_bf16 == (parts["w4"] == "AVX512-BF16")
     assert STATUS.isa in STATUS.describe()
 

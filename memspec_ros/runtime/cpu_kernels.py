@@ -36,7 +36,8 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 # a compiler without OpenMP builds the same kernels single-threaded
 OPENMP = "-fopenmp"
 # as memspec_kernel_features() reports them
-FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BF16 = 1, 2, 4, 8
+FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BF16, FEATURE_W4_AMX = 1, 2, 4, 8, 16
+AMX_BLOCK = 16  # outputs per block of w4's AMX layout
 ENV_SWITCH = "MEMSPEC_CPU_KERNELS"  # 0: ATen's kernels; portable: the portable C even where SIMD code exists
 PORTABLE = "portable"
 COMPILE_TIMEOUT_S = 120
@@ -50,6 +51,7 @@ class KernelStatus:
     i8: bool = False  # int8 weights x int8 rows
     decoder: bool = False  # a whole w4/i8 decoder in one call
     w4_bf16: bool = False  # w4 rounds rows to bf16 (AVX512-BF16); else it quantizes them to int8 blocks of 32
+    w4_amx: bool = False  # w4 runs on AMX tiles, its weights in the AMX layout (pack_w4)
     isa: str = ""  # the instruction set each kernel was compiled for
     library: str = ""
     reason: str = ""  # why they are missing ('' when they run)
@@ -134,6 +136,7 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
     features = library.memspec_kernel_features()
     return library, KernelStatus(w4=bool(features & FEATURE_W4), i8=bool(features & FEATURE_I8),
                                  decoder=bool(features & FEATURE_DECODER), w4_bf16=bool(features & FEATURE_W4_BF16),
+                                 w4_amx=bool(features & FEATURE_W4_AMX),
                                  isa=library.memspec_kernel_isa().decode(), library=str(path))
 
 
@@ -164,7 +167,7 @@ def _threads() -> int:
 def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     """rows [M, K] times 4-bit weights (``packed`` [O, K/32, 16] uint8, ``scale_min`` [O, K/32] int32 of bf16
     pairs; see :func:`pack_w4`): float32 [M, O]. The rows are rounded to bf16 where ``status().w4_bf16``, else
-    quantized to int8 per block of 32 (runtime/cpu_kernels.c says why)."""
+    quantized to int8 per block of 32 (runtime/cpu_kernels.c says why: on AMX tiles too)."""
     x = rows.float().contiguous()
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
     with _CALL:
@@ -177,12 +180,36 @@ def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor)
 
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit levels ``q`` [O, G, 32] (0..15) with a scale and minimum per group [O, G], in w4_matmul's layout:
-    byte j of a group holds weight j (low nibble) and j + 16 (high), and each group's bf16 scale and minimum
-    share one int32 (scale in the low half)."""
+    ``packed`` [O, G, 16] uint8 and ``scale_min`` [O, G] int32, each group's bf16 scale and minimum sharing one
+    int32 (scale in the low half). Byte j of a group holds weight j (low nibble) and j + 16 (high). Where w4 runs
+    on AMX tiles (``status().w4_amx``) the same bytes are ordered per 16 outputs and group as its B tile wants them
+    (runtime/cpu_kernels.c: w4_amx_range), and the scales per 16 outputs and group; O % 16 == 0 there. The shapes
+    are the same either way, so layers concatenate along outputs as before (in blocks of 16)."""
     q = q.to(torch.uint8)
-    packed = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
     scale_min = torch.stack([scale, low], -1).to(torch.bfloat16).contiguous().view(torch.int32)[..., 0]
-    return packed, scale_min.contiguous()
+    out_features, groups = scale_min.shape
+    if not status().w4_amx:
+        return (q[..., :16] | (q[..., 16:] << 4)).contiguous(), scale_min.contiguous()
+    if out_features % AMX_BLOCK:
+        raise ValueError(f"w4 on AMX takes outputs in blocks of {AMX_BLOCK}, got {out_features}")
+    blocks = out_features // AMX_BLOCK
+    # [block, output n, group, tile line r, byte j] -> [block, group, r, n, j]: line r holds levels 4r..4r+3 per output
+    tile = q.view(blocks, AMX_BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512)
+    packed = (tile[..., :256] | (tile[..., 256:] << 4)).reshape(out_features, groups, 16)
+    scale_min = scale_min.view(blocks, AMX_BLOCK, groups).permute(0, 2, 1).reshape(out_features, groups)
+    return packed.contiguous(), scale_min.contiguous()
+
+
+def unpack_w4(packed: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_w4` undone: levels [O, G, 32] and scale_min [O, G] in output order, whichever layout."""
+    if not status().w4_amx:
+        return torch.cat([packed & 15, packed >> 4], -1), scale_min
+    out_features, groups = scale_min.shape
+    blocks = out_features // AMX_BLOCK
+    half = packed.reshape(blocks, groups, 256)
+    tile = torch.cat([half & 15, half >> 4], -1).view(blocks, groups, 8, AMX_BLOCK, 4)
+    q = tile.permute(0, 3, 1, 2, 4).reshape(out_features, groups, 32)
+    return q, scale_min.view(blocks, groups, AMX_BLOCK).permute(0, 2, 1).reshape(out_features, groups)
 
 
 def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

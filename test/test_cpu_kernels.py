@@ -83,6 +83,21 @@ def _w4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_w4
+def test_w4_packing_is_undone_exactly_in_either_layout():
+    """pack_w4's layout (per output, or per 16 outputs as AMX's tiles want them) loses nothing: unpack_w4 gives the
+    levels and the bf16 scale and minimum back in output order."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (48, 3, INT4_GROUP), generator=gen)
+    scale, low = torch.rand(48, 3, generator=gen), torch.randn(48, 3, generator=gen)
+    packed, scale_min = cpu_kernels.pack_w4(q, scale, low)
+    assert packed.shape == (48, 3, 16) and scale_min.shape == (48, 3)
+    levels, pairs = cpu_kernels.unpack_w4(packed, scale_min)
+    assert torch.equal(levels, q.to(torch.uint8))
+    want = torch.stack([scale, low], -1).to(torch.bfloat16).view(torch.int32)[..., 0]
+    assert torch.equal(pairs, want)
+
+
+@needs_w4
 @pytest.mark.parametrize("rows", ROWS)
 def test_w4_kernel_computes_its_layer_and_each_row_alone(rows):
     gen = torch.Generator().manual_seed(10 + rows)

@@ -557,7 +557,6 @@ static void i8_range(void* ctx, int o_begin, int o_end) {
 }
 #endif
 
-
 /* ---------------------------------------------------------------- i8 on AMX tiles */
 #ifdef I8_AMX
 /* AMX multiplies 16 x 64 signed bytes by 64 x 16 in one instruction (tdpbssd) with exact int32 sums, so it gives
@@ -570,7 +569,6 @@ static void i8_range(void* ctx, int o_begin, int o_end) {
 #define AMX_OUT 16      /* outputs per tile */
 #define AMX_K 64        /* inputs per tile */
 #define AMX_ROWS 16     /* rows per pass (a tile's 16 columns of int32) */
-
 
 /* Linux hands AMX's tile state to a process only on request (arch_prctl); asked once. 1: usable, -1: not. */
 static int amx_ready(void) {

@@ -111,6 +111,19 @@ def test_w4_kernel_computes_its_layer_and_each_row_alone(rows):
 
 
 @needs_w4
+@pytest.mark.parametrize("rows", [1, 16, 17, 33])
+def test_w4_kernel_on_every_blocking_of_outputs_and_rows(rows):
+    """80 outputs (on AMX: a pass of four blocks of 16, then one of one block) and rows in passes of up to 16 (a
+    prompt's prefill): the layer's numbers, and each row its own."""
+    gen = torch.Generator().manual_seed(200 + rows)
+    weight, x = torch.randn(80, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    layer = Int4Linear(weight, None)
+    got = layer(x)
+    torch.testing.assert_close(got.double(), _w4_reference(layer, x), atol=1e-4, rtol=1e-4)
+    assert torch.equal(got, _rows_alone(layer, x))
+
+
+@needs_w4
 def test_w4_kernel_keeps_a_q4_1_layer_to_bf16_precision():
     """Weights already on the 4-bit grid (a Q4_1 GGUF's) come back within the rounding of the rows (bf16, or int8
     blocks: half a step of max|x| / 127 per value, as llama.cpp's Q8_1 blocks round them)."""

@@ -717,8 +717,9 @@ static void w4_amx_configure(int rows_in_pass) {
 #ifndef W4_VNNI_ROWS
 #define W4_VNNI_ROWS 5 /* calls with at most this many rows take this path (a gamma-4 verify) */
 #endif
-static void w4_vnni_rows(const W4Call* c, int o_begin, int o_end) {
-  const int K = c->K, O = c->O, groups = K / 32, M = c->M;
+/* M is a constant wherever this is inlined (w4_vnni_rows), so the rows' accumulators stay in registers */
+static inline __attribute__((always_inline)) void w4_vnni_body(const W4Call* c, int o_begin, int o_end, const int M) {
+  const int K = c->K, O = c->O, groups = K / 32;
   const __m512i nibble = _mm512_set1_epi8(15), high = _mm512_set1_epi32((int)0xFFFF0000u);
   for (int o = o_begin; o < o_end; o += AMX_W4_OUT) {
     const size_t block = (size_t)(o / AMX_W4_OUT) * groups;
@@ -753,6 +754,16 @@ static void w4_vnni_rows(const W4Call* c, int o_begin, int o_end) {
       }
     }
     for (int m = 0; m < M; m++) _mm512_storeu_ps(c->y + (size_t)m * O + o, acc[m]);
+  }
+}
+
+static void w4_vnni_rows(const W4Call* c, int o_begin, int o_end) {
+  switch (c->M) {
+    case 1: w4_vnni_body(c, o_begin, o_end, 1); break;
+    case 2: w4_vnni_body(c, o_begin, o_end, 2); break;
+    case 3: w4_vnni_body(c, o_begin, o_end, 3); break;
+    case 4: w4_vnni_body(c, o_begin, o_end, 4); break;
+    default: w4_vnni_body(c, o_begin, o_end, 5); break; /* W4_VNNI_ROWS */
   }
 }
 

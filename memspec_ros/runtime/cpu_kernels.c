@@ -56,7 +56,7 @@
 #define HAVE_AVX2 1
 #endif
 #if defined(I8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#define I8_AMX 1 /* i8 on AMX tiles where Linux lets this process use them (amx_ready) */
+#define HAVE_AMX 1 /* i8 and w4 on AMX tiles where Linux lets this process use them (amx_ready) */
 #endif
 #endif
 #if defined(HAVE_AVX512) || defined(HAVE_AVX2)
@@ -65,7 +65,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef I8_AMX
+#ifdef HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -386,7 +386,7 @@ static void w4q_range(void* ctx, int o_begin, int o_end) {
 #endif
 #endif
 
-#ifdef I8_AMX
+#ifdef HAVE_AMX
 #define AMX_W4_OUT 16 /* outputs per block of the AMX layout (pack_w4) */
 static void w4_amx_range(void* ctx, int o_begin, int o_end);
 #endif
@@ -415,7 +415,7 @@ int w4_matmul(const uint8_t* qw, const uint32_t* sm, const float* x, float* y, i
   }
   quantize_blocks(x, xq, scales, scales + blocks, M, K);
   call.xq = xq, call.xd = scales, call.xs = scales + blocks;
-#ifdef I8_AMX
+#ifdef HAVE_AMX
   if (amx) parallel_for(w4_amx_range, &call, O, threads, AMX_W4_OUT);
 #endif
 #if !defined(W4_BF16)
@@ -558,7 +558,7 @@ static void i8_range(void* ctx, int o_begin, int o_end) {
 #endif
 
 /* ---------------------------------------------------------------- i8 on AMX tiles */
-#ifdef I8_AMX
+#ifdef HAVE_AMX
 /* AMX multiplies 16 x 64 signed bytes by 64 x 16 in one instruction (tdpbssd) with exact int32 sums, so it gives
  * the same integers as the code above. Why: the VNNI kernel spends one instruction per 64 weights per row, so a
  * 5-row verify costs several one-token steps in the int8 layers; a tile's product costs about the same for 1 row
@@ -847,7 +847,7 @@ int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float*
     for (int k = 0; k < K; k++) out[k] = (uint8_t)((int)nearbyintf(row[k] / s) + 128);
   }
   I8Call call = {xu, NULL, w, b128, row_scale, scale, y, M, K, O};
-#ifdef I8_AMX
+#ifdef HAVE_AMX
   if (amx_ready() && O >= AMX_OUT) {
     int8_t* xt = malloc((size_t)M * K);
     if (!xt) return -1;

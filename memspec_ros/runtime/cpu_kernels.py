@@ -3,8 +3,8 @@
 At 1 thread the bundled target's forward is compute-bound: ATen's int4 kernel dequantizes each weight again
 for every 4 rows (a 5-row verify costs ~2x a 1-token step), and its attention and oneDNN's int8 GEMM spend
 tens of microseconds per call on set-up. The C file says what each kernel does and why its rows are exact.
-Each kernel is written for AVX512 (BF16, VNNI; the int8 one also for AMX tiles), for AVX2, and in portable C for any
-other CPU (untested on ARM);
+Each kernel is written for AVX512 (BF16, VNNI, and AMX tiles with VNNI for few rows where the CPU has AMX), for AVX2,
+and in portable C for any other CPU (untested on ARM);
 which one a machine got is in :func:`status` (``isa``). ``MEMSPEC_CPU_KERNELS=portable`` builds the portable
 C alone (tests, A/B runs).
 
@@ -51,7 +51,7 @@ class KernelStatus:
     i8: bool = False  # int8 weights x int8 rows
     decoder: bool = False  # a whole w4/i8 decoder in one call
     w4_bf16: bool = False  # w4 rounds rows to bf16 (AVX512-BF16); else it quantizes them to int8 blocks of 32
-    w4_amx: bool = False  # w4 runs on AMX tiles, its weights in the AMX layout (pack_w4)
+    w4_amx: bool = False  # w4 runs on the AMX build (tiles; vpdpbusd for few rows), its weights in that layout
     isa: str = ""  # the instruction set each kernel was compiled for
     library: str = ""
     reason: str = ""  # why they are missing ('' when they run)

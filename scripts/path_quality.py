@@ -2,7 +2,7 @@
 """How much each CPU forward path changes the bundled target's answers on this machine.
 
 The quantized paths (``model.quantization``: int8, int4) compute the target in another arithmetic:
-weights on a coarser grid and, on CPUs without AVX512-BF16, activations rounded to int8 (int8: one
+weights on a coarser grid and activations rounded to int8 (int8: one
 scale per row; int4: one per block of 32, as llama.cpp's Q8_1). Their greedy answers can differ
 from the model's as loaded. This scores each path on the as-loaded (fp32) target's own greedy
 answers to held-out requests, teacher-forced through the engine's forward:

@@ -10,14 +10,12 @@
  * blocking), so a verify's rows equal one-token steps bit for bit: the losslessness of speculative
  * decoding rests on that, and the tests check it.
  *
- *   w4_matmul   4-bit weights, groups of 32 with a bf16 scale and minimum (Q4_1's grid), fp32 rows in.
- *               On AMX (w4_amx_range) the rows are int8 blocks as below and each group's products are tiles.
- *               With AVX512-BF16 the rows are rounded to bf16, each group's 16 possible weight values are
- *               made once (bf16(q*scale+min)), the nibbles index them (vpermw), and vdpbf16ps multiplies
- *               32 weights by a row in one instruction, so the unpacking is shared by all rows of a call.
- *               Elsewhere (AVX2, or portable C for any other CPU) the rows are quantized to int8 per block
- *               of 32 (scale max|x|/127, as llama.cpp's Q8_1 blocks) and each block's sum over the 4-bit
- *               levels is an exact integer (vpmaddubsw: 15 * 127 * 2 fits int16), scaled in fp32.
+ *   w4_matmul   4-bit weights, groups of 32 with a bf16 scale and minimum (Q4_1's grid), fp32 rows in. The
+ *               rows are quantized to int8 per block of 32 (scale max|x|/127, as llama.cpp's Q8_1 blocks)
+ *               and each block's sum over the 4-bit levels is an exact integer, scaled in fp32: vpdpbusd
+ *               with AVX512-VNNI (the weights in blocks of 16 outputs; AMX tiles for calls of more than 5
+ *               rows where the CPU has them), vpmaddubsw with AVX2 (15 * 127 * 2 fits int16), plain
+ *               integers in portable C for any other CPU.
  *   i8_matmul   int8 weights x int8 inputs with exact int32 sums (AMX tiles where the CPU has AMX-INT8 and Linux
  *               grants them, else vpdpbusd with AVX512-VNNI; vpmaddubsw on
  *               |w| and the sign-adjusted rows with AVX2; plain integers elsewhere), the inputs quantized per row here exactly
@@ -46,11 +44,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512 1
 #endif
-#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
-#define W4_BF16 1 /* w4 multiplies bf16 rows by bf16 weight values */
-#endif
 #if defined(HAVE_AVX512) && defined(__AVX512VNNI__)
 #define I8_VNNI 1
+#define W4_VNNI 1 /* w4 on vpdpbusd, its weights in blocks of 16 outputs (pack_w4) */
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2 1
@@ -70,24 +66,23 @@
 #include <unistd.h>
 #endif
 
-enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BF16 = 8, FEATURE_W4_AMX = 16 };
+enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BLOCKED = 16 };
 #define ROW_BLOCK 8 /* rows per pass over the weights */
 
-/* Every kernel exists on every CPU (portable C where no SIMD code is written for it); FEATURE_W4_BF16 says which
- * arithmetic w4 uses (bf16 rows, else int8 blocks). */
+/* Every kernel exists on every CPU (portable C where no SIMD code is written for it); FEATURE_W4_BLOCKED says that
+ * w4 takes its weights in blocks of 16 outputs (pack_w4). */
 static int amx_ready(void);
 int memspec_kernel_features(void) {
   int features = FEATURE_W4 | FEATURE_I8 | FEATURE_DECODER;
-  if (amx_ready()) return features | FEATURE_W4_AMX; /* w4 then takes int8 blocks and its own layout (w4_amx) */
-#ifdef W4_BF16
-  features |= FEATURE_W4_BF16;
+#ifdef W4_VNNI
+  features |= FEATURE_W4_BLOCKED;
 #endif
   return features;
 }
 
 /* Which instruction set each kernel was compiled for, for the diagnostics. */
-#if defined(W4_BF16)
-#define W4_ISA "AVX512-BF16"
+#if defined(W4_VNNI)
+#define W4_ISA "AVX512-VNNI"
 #elif defined(HAVE_AVX2)
 #define W4_ISA "AVX2"
 #else
@@ -108,16 +103,9 @@ int memspec_kernel_features(void) {
 #define ATTEND_ISA "portable C"
 #endif
 const char* memspec_kernel_isa(void) {
-  if (amx_ready()) return "w4 AMX-INT8, i8 AMX-INT8 (" I8_ISA " for the last outputs), attention " ATTEND_ISA;
+  if (amx_ready())
+    return "w4 AMX-INT8 (" W4_ISA " up to 5 rows), i8 AMX-INT8 (" I8_ISA " for the last outputs), attention " ATTEND_ISA;
   return "w4 " W4_ISA ", i8 " I8_ISA ", attention " ATTEND_ISA;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
 }
 
 static inline float bf16_to_float(uint32_t half) { /* half in the low 16 bits */
@@ -191,8 +179,7 @@ static inline void quantize_blocks(const float* x, int8_t* xq, float* xd, float*
 typedef struct {
   const uint8_t* qw;
   const uint32_t* sm;
-  const uint16_t* xb; /* the rows in bf16 (W4_BF16) */
-  const int8_t* xq;   /* else the rows as int8 blocks of 32, */
+  const int8_t* xq; /* the rows as int8 blocks of 32, */
   const float* xd;    /* each block's scale */
   const float* xs;    /* and scale * (sum of its int8 values) */
   float* y;
@@ -208,82 +195,7 @@ static inline float hsum8(__m256 v) { /* a fixed order of additions, so the same
 }
 #endif
 
-#if defined(W4_BF16)
-/* One group's 32 weights as bf16. q: the group's 16 bytes; scale_min: its bf16 scale and minimum. */
-static inline __m512i group_weights(const uint8_t* q, uint32_t scale_min) {
-  const __m512i pair = _mm512_set1_epi32((int)scale_min);
-  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-  const __m512 low = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m256bh table = _mm512_cvtneps_pbh(_mm512_fmadd_ps(levels, scale, low));
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)q));
-  const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
-  const __m256i hi = _mm256_srli_epi16(bytes, 4);
-  const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512((__m256i)table));
-}
-
-/* OB output rows at a time share each row's input loads; MR rows share each group's unpacking. */
-#define DEFINE_W4(MR, OB)                                                                                   \
-  static void w4_##MR(const uint8_t* restrict qw, const uint32_t* restrict sm, const uint16_t* restrict x, \
-                      float* restrict y, int K, int O, int o_begin, int o_end) {                            \
-    const int groups = K / 32;                                                                              \
-    int o = o_begin;                                                                                        \
-    for (; o + OB <= o_end; o += OB) {                                                                      \
-      __m512 acc[OB][MR];                                                                                   \
-      for (int r = 0; r < OB; r++)                                                                          \
-        for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_ps();                                       \
-      for (int g = 0; g < groups; g++) {                                                                    \
-        __m512i w[OB];                                                                                      \
-        for (int r = 0; r < OB; r++) {                                                                      \
-          const size_t at = (size_t)(o + r) * groups + g;                                                   \
-          w[r] = group_weights(qw + at * 16, sm[at]);                                                       \
-        }                                                                                                   \
-        for (int m = 0; m < MR; m++) {                                                                      \
-          const __m512i xv = _mm512_loadu_si512(x + (size_t)m * K + g * 32);                                \
-          for (int r = 0; r < OB; r++)                                                                      \
-            acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)w[r], (__m512bh)xv);                         \
-        }                                                                                                   \
-      }                                                                                                     \
-      for (int r = 0; r < OB; r++)                                                                          \
-        for (int m = 0; m < MR; m++) y[(size_t)m * O + o + r] = _mm512_reduce_add_ps(acc[r][m]);            \
-    }                                                                                                       \
-    for (; o < o_end; o++) { /* the rest one output at a time: the same operations per output */           \
-      __m512 acc[MR];                                                                                       \
-      for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();                                            \
-      for (int g = 0; g < groups; g++) {                                                                    \
-        const size_t at = (size_t)o * groups + g;                                                           \
-        const __m512i w = group_weights(qw + at * 16, sm[at]);                                              \
-        for (int m = 0; m < MR; m++)                                                                        \
-          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)w,                                                    \
-                                    (__m512bh)_mm512_loadu_si512(x + (size_t)m * K + g * 32));             \
-      }                                                                                                     \
-      for (int m = 0; m < MR; m++) y[(size_t)m * O + o] = _mm512_reduce_add_ps(acc[m]);                     \
-    }                                                                                                       \
-  }
-DEFINE_W4(1, 4) DEFINE_W4(2, 4) DEFINE_W4(3, 4) DEFINE_W4(4, 4)
-DEFINE_W4(5, 4) DEFINE_W4(6, 2) DEFINE_W4(7, 2) DEFINE_W4(8, 2)
-
-static void w4_range(void* ctx, int o_begin, int o_end) {
-  const W4Call* c = (const W4Call*)ctx;
-  for (int m0 = 0; m0 < c->M; m0 += ROW_BLOCK) {
-    const int mr = c->M - m0 < ROW_BLOCK ? c->M - m0 : ROW_BLOCK;
-    const uint16_t* xs = c->xb + (size_t)m0 * c->K;
-    float* ys = c->y + (size_t)m0 * c->O;
-    switch (mr) {
-      case 1: w4_1(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
-      case 2: w4_2(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
-      case 3: w4_3(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
-      case 4: w4_4(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
-      case 5: w4_5(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
-      case 6: w4_6(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
-      case 7: w4_7(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
-      default: w4_8(c->qw, c->sm, xs, ys, c->K, c->O, o_begin, o_end); break;
-    }
-  }
-}
-
-#else /* int8 blocks: each block's dot product with the 4-bit levels is an exact integer */
+#if !defined(W4_VNNI) /* int8 blocks: each block's dot product with the 4-bit levels is an exact integer */
 
 #if defined(HAVE_AVX2)
 /* Rows per pass: every row of a verify in one pass over the weights (a 5-row int4 forward of the bundled target
@@ -386,26 +298,13 @@ static void w4q_range(void* ctx, int o_begin, int o_end) {
 #endif
 #endif
 
-#ifdef HAVE_AMX
-#define AMX_W4_OUT 16 /* outputs per block of the AMX layout (pack_w4) */
-static void w4_amx_range(void* ctx, int o_begin, int o_end);
+#ifdef W4_VNNI
+#define W4_BLOCK_OUT 16 /* outputs per block of the blocked layout (pack_w4) */
+static void w4_blocked_range(void* ctx, int o_begin, int o_end);
 #endif
 
 /* y[M][O] = x[M][K] (fp32) times the 4-bit weights' transpose. K % 32 == 0. Returns 0, or -1 when out of memory. */
 int w4_matmul(const uint8_t* qw, const uint32_t* sm, const float* x, float* y, int M, int K, int O, int threads) {
-  W4Call call = {qw, sm, NULL, NULL, NULL, NULL, y, M, K, O};
-  const int amx = amx_ready(); /* the weights are then in w4_amx's layout (memspec_kernel_features says so) */
-#if defined(W4_BF16)
-  if (!amx) {
-    uint16_t* xb = malloc((size_t)M * K * sizeof(uint16_t));
-    if (!xb) return -1;
-    for (size_t i = 0; i < (size_t)M * K; i++) xb[i] = to_bf16(x[i]);
-    call.xb = xb;
-    parallel_for(w4_range, &call, O, threads, 4);
-    free(xb);
-    return 0;
-  }
-#endif
   const size_t blocks = (size_t)M * (K / 32);
   int8_t* xq = malloc((size_t)M * K);
   float* scales = malloc(2 * blocks * sizeof(float));
@@ -414,12 +313,11 @@ int w4_matmul(const uint8_t* qw, const uint32_t* sm, const float* x, float* y, i
     return -1;
   }
   quantize_blocks(x, xq, scales, scales + blocks, M, K);
-  call.xq = xq, call.xd = scales, call.xs = scales + blocks;
-#ifdef HAVE_AMX
-  if (amx) parallel_for(w4_amx_range, &call, O, threads, AMX_W4_OUT);
-#endif
-#if !defined(W4_BF16)
-  if (!amx) parallel_for(w4q_range, &call, O, threads, 4);
+  W4Call call = {qw, sm, xq, scales, scales + blocks, y, M, K, O};
+#ifdef W4_VNNI
+  parallel_for(w4_blocked_range, &call, O, threads, W4_BLOCK_OUT);
+#else
+  parallel_for(w4q_range, &call, O, threads, 4);
 #endif
   free(xq), free(scales);
   return 0;
@@ -671,16 +569,15 @@ static void i8_amx_range(void* ctx, int o_begin, int o_end) {
   if (full < o_end) i8_range(ctx, full, o_end);
 }
 
-/* w4 on AMX tiles. Why: the AVX512-BF16 code turns every 32 weights into bf16 values (~10 instructions) for each
- * output, which at one row costs more than reading the weights; here the levels stay bytes. The rows are int8 blocks
+/* w4 on AMX tiles, for calls of more than W4_VNNI_ROWS rows (below: the layout and why). The rows are int8 blocks
  * of 32 (quantize_blocks, as on AVX2), and each group's integer dot products for 16 outputs and up to 16 rows are
  * one tdpbsud (signed rows x unsigned levels, exact int32), then scaled in fp32 per row:
  * acc += low * (d * sum) and acc += dot * (scale * d), the same operations for a row whatever rows share its call.
- * Layout (pack_w4 with the AMX layout): per 16 outputs and group, 256 bytes that unpack (low nibbles, then high)
+ * Layout (pack_w4's blocked layout): per 16 outputs and group, 256 bytes that unpack (low nibbles, then high)
  * into the 8 x 64-byte B tile, line r holding output n's levels 4r..4r+3 at bytes 4n..4n+3; scale_min per 16
  * outputs and group, 16 int32. Four blocks of 16 outputs go through each group together, in four C tiles, so
  * their tile work overlaps; their next groups are fetched ahead (four streams the hardware prefetcher did not
- * keep up with: a one-token int4 forward of the bundled target took 12.2 ms without, 9.5 with). */
+ * keep up with: a one-token int4 forward of the bundled target on tiles alone took 12.2 ms without, 9.5 with). */
 static void w4_amx_configure(int rows_in_pass) {
   TileConfig cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -707,22 +604,87 @@ static void w4_amx_configure(int rows_in_pass) {
 #define W4_AMX_AHEAD 2 /* groups fetched ahead */
 #endif
 
-/* The same layout and the same arithmetic for a few rows without tiles: line r of a group's unpacked B tile holds
- * 16 outputs' levels 4r..4r+3, which is vpdpbusd's layout (4 bytes per int32 lane), so 8 vpdpbusd with the row's
- * bytes 4r..4r+3 broadcast give the 16 outputs' exact int32 dots, the integers tdpbsud gives, and the scaling below
- * is the tile path's operation for operation: a row's numbers do not depend on which path its call took. Why:
- * with few rows the tiles' latency (zero, product, store, reload per group) is not hidden, and the levels stay in
- * registers here: all int4 layers of the bundled target took 5.0-5.5 ms at 1 row against 6.9 on tiles, 7.6 against
- * 8.5 at 5 rows, the same at 8. */
+static void w4_amx_range(void* ctx, int o_begin, int o_end) {
+  const W4Call* c = (const W4Call*)ctx;
+  const int K = c->K, O = c->O, groups = K / 32;
+  const __m512i nibble = _mm512_set1_epi8(15), high = _mm512_set1_epi32((int)0xFFFF0000u);
+  _Alignas(64) uint8_t levels[W4_AMX_BLOCKS][512];
+  _Alignas(64) int32_t dots[W4_AMX_BLOCKS][AMX_ROWS][16];
+  _Alignas(64) float acc[W4_AMX_BLOCKS][AMX_ROWS][16];
+  for (int m0 = 0; m0 < c->M; m0 += AMX_ROWS) {
+    const int mr = c->M - m0 < AMX_ROWS ? c->M - m0 : AMX_ROWS;
+    const float* xd = c->xd + (size_t)m0 * groups;
+    const float* xs = c->xs + (size_t)m0 * groups;
+    w4_amx_configure(mr);
+    for (int o = o_begin; o < o_end; o += W4_AMX_BLOCKS * W4_BLOCK_OUT) {
+      const int left = (o_end - o) / W4_BLOCK_OUT, blocks = left < W4_AMX_BLOCKS ? left : W4_AMX_BLOCKS;
+      const size_t first = (size_t)(o / W4_BLOCK_OUT) * groups;
+      memset(acc, 0, sizeof acc);
+      for (int g = 0; g < groups; g++) {
+        for (int i = 0; i < blocks && g + W4_AMX_AHEAD < groups; i++) { /* each block is its own stream */
+          const size_t ahead = first + (size_t)i * groups + g + W4_AMX_AHEAD;
+          for (int j = 0; j < 4; j++) _mm_prefetch((const char*)(c->qw + ahead * 256 + 64 * j), _MM_HINT_T0);
+          _mm_prefetch((const char*)(c->sm + ahead * 16), _MM_HINT_T0);
+        }
+        for (int i = 0; i < blocks; i++) {
+          const uint8_t* packed = c->qw + (first + (size_t)i * groups + g) * 256;
+          for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_loadu_si512(packed + 64 * j);
+            _mm512_store_si512(levels[i] + 64 * j, _mm512_and_si512(v, nibble));
+            _mm512_store_si512(levels[i] + 256 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+          }
+        }
+        _tile_loadd(4, c->xq + (size_t)m0 * K + (size_t)g * 32, K);
+        W4_AMX_BLOCK(0, 5)
+        W4_AMX_BLOCK(1, 6)
+        W4_AMX_BLOCK(2, 7)
+        W4_AMX_BLOCK(3, 5)
+        for (int i = 0; i < blocks; i++) {
+          const __m512i pair = _mm512_loadu_si512(c->sm + (first + (size_t)i * groups + g) * 16);
+          const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+          const __m512 low = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+          for (int m = 0; m < mr; m++) {
+            const size_t b = (size_t)m * groups + g;
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[i][m]));
+            __m512 sum = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[b]), _mm512_load_ps(acc[i][m]));
+            sum = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xd[b])), sum);
+            _mm512_store_ps(acc[i][m], sum);
+          }
+        }
+      }
+      for (int i = 0; i < blocks; i++)
+        for (int m = 0; m < mr; m++)
+          _mm512_storeu_ps(c->y + (size_t)(m0 + m) * O + o + i * W4_BLOCK_OUT, _mm512_load_ps(acc[i][m]));
+    }
+  }
+  _tile_release();
+}
+#else
+static int amx_ready(void) { return 0; }
+#endif
+
+#ifdef W4_VNNI
+/* ---------------------------------------------------------------- w4 on vpdpbusd (AVX512-VNNI) */
+/* The rows as int8 blocks of 32 (quantize_blocks, as on AVX2) and the weights in blocks of 16 outputs (pack_w4):
+ * per group, 256 bytes whose low nibbles, then high, are 8 lines of 64 bytes, line r holding the 16 outputs' levels
+ * 4r..4r+3 at bytes 4n..4n+3: vpdpbusd's layout (4 bytes per int32 lane) and AMX's B tile. So 8 vpdpbusd with the
+ * row's bytes 4r..4r+3 broadcast give the 16 outputs' exact int32 dots, unpacked once per group for all rows, and
+ * each dot is scaled in fp32: acc += low * (d * sum), acc += dot * (scale * d). The AMX tiles (w4_amx_range) give
+ * the same integers and scale them with the same operations, so a row's numbers do not depend on which path its
+ * call took. Why not bf16 rows (vdpbf16ps, what this CPU class ran before): making each group's 32 weights bf16
+ * costs ~10 instructions per output, more than reading them; on an AMX Xeon the bundled int4 target's one-token
+ * forward took 15.8 ms that way and 8.5 ms this way. With few rows these beat AMX's tiles, whose latency per group
+ * (zero, product, store, reload) is not hidden: all int4 layers of the target took 5.0-5.5 ms at 1 row against 6.9
+ * on tiles, 7.6 against 8.5 at 5 rows, the same at 8. */
 #ifndef W4_VNNI_ROWS
-#define W4_VNNI_ROWS 5 /* calls with at most this many rows take this path (a gamma-4 verify) */
+#define W4_VNNI_ROWS 5 /* rows per pass here; with AMX, calls of more rows go to the tiles */
 #endif
 /* M is a constant wherever this is inlined (w4_vnni_rows), so the rows' accumulators stay in registers */
 static inline __attribute__((always_inline)) void w4_vnni_body(const W4Call* c, int o_begin, int o_end, const int M) {
   const int K = c->K, O = c->O, groups = K / 32;
   const __m512i nibble = _mm512_set1_epi8(15), high = _mm512_set1_epi32((int)0xFFFF0000u);
-  for (int o = o_begin; o < o_end; o += AMX_W4_OUT) {
-    const size_t block = (size_t)(o / AMX_W4_OUT) * groups;
+  for (int o = o_begin; o < o_end; o += W4_BLOCK_OUT) {
+    const size_t block = (size_t)(o / W4_BLOCK_OUT) * groups;
     __m512 acc[W4_VNNI_ROWS];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
@@ -767,67 +729,24 @@ static void w4_vnni_rows(const W4Call* c, int o_begin, int o_end) {
   }
 }
 
-static void w4_amx_range(void* ctx, int o_begin, int o_end) {
+/* w4 in blocks of 16 outputs: few rows on vpdpbusd, more on AMX's tiles where granted, else vpdpbusd in passes. */
+static void w4_blocked_range(void* ctx, int o_begin, int o_end) {
   const W4Call* c = (const W4Call*)ctx;
-  if (c->M <= W4_VNNI_ROWS) {
-    w4_vnni_rows(c, o_begin, o_end);
+  if (c->M > W4_VNNI_ROWS && amx_ready()) {
+#ifdef HAVE_AMX
+    w4_amx_range(ctx, o_begin, o_end);
+#endif
     return;
   }
-  const int K = c->K, O = c->O, groups = K / 32;
-  const __m512i nibble = _mm512_set1_epi8(15), high = _mm512_set1_epi32((int)0xFFFF0000u);
-  _Alignas(64) uint8_t levels[W4_AMX_BLOCKS][512];
-  _Alignas(64) int32_t dots[W4_AMX_BLOCKS][AMX_ROWS][16];
-  _Alignas(64) float acc[W4_AMX_BLOCKS][AMX_ROWS][16];
-  for (int m0 = 0; m0 < c->M; m0 += AMX_ROWS) {
-    const int mr = c->M - m0 < AMX_ROWS ? c->M - m0 : AMX_ROWS;
-    const float* xd = c->xd + (size_t)m0 * groups;
-    const float* xs = c->xs + (size_t)m0 * groups;
-    w4_amx_configure(mr);
-    for (int o = o_begin; o < o_end; o += W4_AMX_BLOCKS * AMX_W4_OUT) {
-      const int left = (o_end - o) / AMX_W4_OUT, blocks = left < W4_AMX_BLOCKS ? left : W4_AMX_BLOCKS;
-      const size_t first = (size_t)(o / AMX_W4_OUT) * groups;
-      memset(acc, 0, sizeof acc);
-      for (int g = 0; g < groups; g++) {
-        for (int i = 0; i < blocks && g + W4_AMX_AHEAD < groups; i++) { /* each block is its own stream */
-          const size_t ahead = first + (size_t)i * groups + g + W4_AMX_AHEAD;
-          for (int j = 0; j < 4; j++) _mm_prefetch((const char*)(c->qw + ahead * 256 + 64 * j), _MM_HINT_T0);
-          _mm_prefetch((const char*)(c->sm + ahead * 16), _MM_HINT_T0);
-        }
-        for (int i = 0; i < blocks; i++) {
-          const uint8_t* packed = c->qw + (first + (size_t)i * groups + g) * 256;
-          for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_loadu_si512(packed + 64 * j);
-            _mm512_store_si512(levels[i] + 64 * j, _mm512_and_si512(v, nibble));
-            _mm512_store_si512(levels[i] + 256 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
-          }
-        }
-        _tile_loadd(4, c->xq + (size_t)m0 * K + (size_t)g * 32, K);
-        W4_AMX_BLOCK(0, 5)
-        W4_AMX_BLOCK(1, 6)
-        W4_AMX_BLOCK(2, 7)
-        W4_AMX_BLOCK(3, 5)
-        for (int i = 0; i < blocks; i++) {
-          const __m512i pair = _mm512_loadu_si512(c->sm + (first + (size_t)i * groups + g) * 16);
-          const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-          const __m512 low = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
-          for (int m = 0; m < mr; m++) {
-            const size_t b = (size_t)m * groups + g;
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[i][m]));
-            __m512 sum = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[b]), _mm512_load_ps(acc[i][m]));
-            sum = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xd[b])), sum);
-            _mm512_store_ps(acc[i][m], sum);
-          }
-        }
-      }
-      for (int i = 0; i < blocks; i++)
-        for (int m = 0; m < mr; m++)
-          _mm512_storeu_ps(c->y + (size_t)(m0 + m) * O + o + i * AMX_W4_OUT, _mm512_load_ps(acc[i][m]));
-    }
+  const int groups = c->K / 32;
+  for (int m0 = 0; m0 < c->M; m0 += W4_VNNI_ROWS) {
+    W4Call pass = *c;
+    pass.M = c->M - m0 < W4_VNNI_ROWS ? c->M - m0 : W4_VNNI_ROWS;
+    pass.xq += (size_t)m0 * c->K, pass.xd += (size_t)m0 * groups, pass.xs += (size_t)m0 * groups;
+    pass.y += (size_t)m0 * c->O;
+    w4_vnni_rows(&pass, o_begin, o_end);
   }
-  _tile_release();
 }
-#else
-static int amx_ready(void) { return 0; }
 #endif
 
 /* y[M][O] = (sum_k q(x)[m][k] * w[o][k]) * row_scale[m] * scale[o], where row_scale = max|x[m]| / 127

@@ -3,8 +3,8 @@
 At 1 thread the bundled target's forward is compute-bound: ATen's int4 kernel dequantizes each weight again
 for every 4 rows (a 5-row verify costs ~2x a 1-token step), and its attention and oneDNN's int8 GEMM spend
 tens of microseconds per call on set-up. The C file says what each kernel does and why its rows are exact.
-Each kernel is written for AVX512 (BF16, VNNI, and AMX tiles with VNNI for few rows where the CPU has AMX), for AVX2,
-and in portable C for any other CPU (untested on ARM);
+Each kernel is written for AVX512-VNNI (and AMX tiles where the CPU has AMX), for AVX2, and in portable C for any
+other CPU (untested on ARM);
 which one a machine got is in :func:`status` (``isa``). ``MEMSPEC_CPU_KERNELS=portable`` builds the portable
 C alone (tests, A/B runs).
 
@@ -36,8 +36,8 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 # a compiler without OpenMP builds the same kernels single-threaded
 OPENMP = "-fopenmp"
 # as memspec_kernel_features() reports them
-FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BF16, FEATURE_W4_AMX = 1, 2, 4, 8, 16
-AMX_BLOCK = 16  # outputs per block of w4's AMX layout
+FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BLOCKED = 1, 2, 4, 16
+W4_BLOCK = 16  # outputs per block of w4's blocked layout
 ENV_SWITCH = "MEMSPEC_CPU_KERNELS"  # 0: ATen's kernels; portable: the portable C even where SIMD code exists
 PORTABLE = "portable"
 COMPILE_TIMEOUT_S = 120
@@ -50,8 +50,7 @@ class KernelStatus:
     w4: bool = False  # 4-bit weights x fp32 rows
     i8: bool = False  # int8 weights x int8 rows
     decoder: bool = False  # a whole w4/i8 decoder in one call
-    w4_bf16: bool = False  # w4 rounds rows to bf16 (AVX512-BF16); else it quantizes them to int8 blocks of 32
-    w4_amx: bool = False  # w4 runs on the AMX build (tiles; vpdpbusd for few rows), its weights in that layout
+    w4_blocked: bool = False  # w4 takes its weights in blocks of 16 outputs (AVX512-VNNI, AMX; see pack_w4)
     isa: str = ""  # the instruction set each kernel was compiled for
     library: str = ""
     reason: str = ""  # why they are missing ('' when they run)
@@ -61,8 +60,7 @@ class KernelStatus:
         if not names:
             text = "none (ATen's kernels)"
         else:
-            rows = "bf16 rows" if self.w4_bf16 else "int8-block rows"
-            text = f"memspec {', '.join(names)} ({self.isa}; w4 x {rows})"
+            text = f"memspec {', '.join(names)} ({self.isa})"
         return f"{text}; {self.reason}" if self.reason else text
 
 
@@ -135,8 +133,8 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
         return None, KernelStatus(reason=f"not compiled ({type(exc).__name__}: {exc}); ATen's kernels run")
     features = library.memspec_kernel_features()
     return library, KernelStatus(w4=bool(features & FEATURE_W4), i8=bool(features & FEATURE_I8),
-                                 decoder=bool(features & FEATURE_DECODER), w4_bf16=bool(features & FEATURE_W4_BF16),
-                                 w4_amx=bool(features & FEATURE_W4_AMX),
+                                 decoder=bool(features & FEATURE_DECODER),
+                                 w4_blocked=bool(features & FEATURE_W4_BLOCKED),
                                  isa=library.memspec_kernel_isa().decode(), library=str(path))
 
 
@@ -166,8 +164,8 @@ def _threads() -> int:
 
 def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     """rows [M, K] times 4-bit weights (``packed`` [O, K/32, 16] uint8, ``scale_min`` [O, K/32] int32 of bf16
-    pairs; see :func:`pack_w4`): float32 [M, O]. The rows are rounded to bf16 where ``status().w4_bf16``, else
-    quantized to int8 per block of 32 (runtime/cpu_kernels.c says why: on AMX tiles too)."""
+    pairs; see :func:`pack_w4`): float32 [M, O]. The rows are quantized to int8 per block of 32 and each block's
+    dot product with the levels is an exact integer (runtime/cpu_kernels.c)."""
     x = rows.float().contiguous()
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
     with _CALL:
@@ -182,34 +180,34 @@ def pack_w4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[to
     """4-bit levels ``q`` [O, G, 32] (0..15) with a scale and minimum per group [O, G], in w4_matmul's layout:
     ``packed`` [O, G, 16] uint8 and ``scale_min`` [O, G] int32, each group's bf16 scale and minimum sharing one
     int32 (scale in the low half). Byte j of a group holds weight j (low nibble) and j + 16 (high). Where w4 runs
-    on AMX tiles (``status().w4_amx``) the same bytes are ordered per 16 outputs and group as its B tile wants them
-    (runtime/cpu_kernels.c: w4_amx_range), and the scales per 16 outputs and group; O % 16 == 0 there. The shapes
-    are the same either way, so layers concatenate along outputs as before (in blocks of 16)."""
+    on vpdpbusd or AMX tiles (``status().w4_blocked``) the same bytes are ordered per 16 outputs and group as
+    those want them (runtime/cpu_kernels.c: w4 on vpdpbusd), and the scales per 16 outputs and group; O % 16 == 0
+    there. The shapes are the same either way, so layers concatenate along outputs as before (in blocks of 16)."""
     q = q.to(torch.uint8)
     scale_min = torch.stack([scale, low], -1).to(torch.bfloat16).contiguous().view(torch.int32)[..., 0]
     out_features, groups = scale_min.shape
-    if not status().w4_amx:
+    if not status().w4_blocked:
         return (q[..., :16] | (q[..., 16:] << 4)).contiguous(), scale_min.contiguous()
-    if out_features % AMX_BLOCK:
-        raise ValueError(f"w4 on AMX takes outputs in blocks of {AMX_BLOCK}, got {out_features}")
-    blocks = out_features // AMX_BLOCK
+    if out_features % W4_BLOCK:
+        raise ValueError(f"w4's blocked layout takes outputs in blocks of {W4_BLOCK}, got {out_features}")
+    blocks = out_features // W4_BLOCK
     # [block, output n, group, tile line r, byte j] -> [block, group, r, n, j]: line r holds levels 4r..4r+3 per output
-    tile = q.view(blocks, AMX_BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512)
+    tile = q.view(blocks, W4_BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512)
     packed = (tile[..., :256] | (tile[..., 256:] << 4)).reshape(out_features, groups, 16)
-    scale_min = scale_min.view(blocks, AMX_BLOCK, groups).permute(0, 2, 1).reshape(out_features, groups)
+    scale_min = scale_min.view(blocks, W4_BLOCK, groups).permute(0, 2, 1).reshape(out_features, groups)
     return packed.contiguous(), scale_min.contiguous()
 
 
 def unpack_w4(packed: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pack_w4` undone: levels [O, G, 32] and scale_min [O, G] in output order, whichever layout."""
-    if not status().w4_amx:
+    if not status().w4_blocked:
         return torch.cat([packed & 15, packed >> 4], -1), scale_min
     out_features, groups = scale_min.shape
-    blocks = out_features // AMX_BLOCK
+    blocks = out_features // W4_BLOCK
     half = packed.reshape(blocks, groups, 256)
-    tile = torch.cat([half & 15, half >> 4], -1).view(blocks, groups, 8, AMX_BLOCK, 4)
+    tile = torch.cat([half & 15, half >> 4], -1).view(blocks, groups, 8, W4_BLOCK, 4)
     q = tile.permute(0, 3, 1, 2, 4).reshape(out_features, groups, 32)
-    return q, scale_min.view(blocks, groups, AMX_BLOCK).permute(0, 2, 1).reshape(out_features, groups)
+    return q, scale_min.view(blocks, groups, W4_BLOCK).permute(0, 2, 1).reshape(out_features, groups)
 
 
 def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

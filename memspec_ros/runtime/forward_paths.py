@@ -14,7 +14,7 @@ and multiplies with a kernel ATen already ships for CPUs:
           the engine's kernel, which gives the same integers on every CPU):
           the scheme of torchao's dynamic int8 activation/int8 weight config.
 ``int4``  4-bit weights in groups of 32 with a scale and a minimum per group
-          (the engine's kernel: bf16 inputs with AVX512-BF16, int8 blocks of 32 on AMX and elsewhere;
+          (the engine's kernel: the inputs quantized to int8 per block of 32;
           without it ATen's ``_weight_int4pack_mm_for_cpu``, bf16 inputs). This is Q4_1's grid, so
           for a Q4_1 GGUF such as the bundled target it holds the file's own
           4-bit weights exactly (only the per-group scale and minimum are rounded
@@ -163,9 +163,8 @@ class Int8Linear(FastLinear):
 class Int4Linear(FastLinear):
     """4-bit weights, groups of 32 along the input with a bf16 scale and minimum each (Q4_1's grid).
 
-    Multiplied by the engine's kernel (runtime/cpu_kernels.c) wherever it compiled: with AVX512-BF16 each
-    group's 16 weight values are rounded to bf16 once and multiplied by bf16 rows; elsewhere (AMX, AVX2,
-    portable C) the rows are quantized to int8 per block of 32 and each block's sum is an exact integer.
+    Multiplied by the engine's kernel (runtime/cpu_kernels.c) wherever it compiled: the rows are quantized to
+    int8 per block of 32 and each block's sum is an exact integer (AVX512-VNNI or AMX, AVX2, portable C).
     Without the kernels, ATen's ``_weight_int4pack_mm_for_cpu`` (fp32 dequantization). Each rounds
     differently, so a model's numbers depend on which ran: :func:`apply_path` reports it, and every
     forward of one model uses the same one."""

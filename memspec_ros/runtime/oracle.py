@@ -65,7 +65,7 @@ def engine_greedy(target: torch.nn.Module, prompt_ids: Sequence[int], max_new_to
 
     On a quantized path this is the output a lossless run must reproduce, and it can differ from
     :func:`target_greedy`: where the kernels round the activations (to int8: per row on the int8 path,
-    per block of 32 on int4 without AVX512-BF16), the module forward's float arithmetic (attention,
+    per block of 32 on int4), the module forward's float arithmetic (attention,
     norms) flips some roundings the decoder does not, and near-ties of the argmax go the other way (on
     the bundled int4 target on an AVX2 CPU, about 0.3 in the logits either way from fp32, and of six
     held-out prompts one had another first token). The oracles need the run's own future, so

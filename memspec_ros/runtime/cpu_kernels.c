@@ -155,7 +155,7 @@ static inline void quantize_blocks(const float* x, int8_t* xq, float* xd, float*
       const size_t at = (size_t)m * K + (size_t)g * 32;
       const float* restrict block = x + at;
       int8_t* restrict out = xq + at;
-      float lane[16] = {0}, top = 0.0f; /* 16 running maxima, so that the loops vectorize (as in i8_matmul) */
+      float lane[16] = {0}, top = 0.0f; /* 16 independent running maxima, as in i8_matmul */
       for (int j = 0; j < 32; j += 16)
         for (int l = 0; l < 16; l++) lane[l] = MAX_ABS(lane[l], block[j + l]);
       for (int l = 0; l < 16; l++) top = MAX_ABS(top, lane[l]);
@@ -455,6 +455,30 @@ static void i8_range(void* ctx, int o_begin, int o_end) {
 }
 #endif
 
+#ifdef W4_VNNI
+/* ---------------------------------------------------------------- w4's blocked layout, shared by its two paths */
+/* One group of a block of 16 outputs (pack_w4's blocked layout): its 256 bytes as the 8 lines of 64 level bytes
+ * (low nibbles, then high) that vpdpbusd and AMX's B tile both take. */
+static inline void w4_lines(const uint8_t* packed, __m512i line[8]) {
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int j = 0; j < 4; j++) {
+    const __m512i v = _mm512_loadu_si512(packed + 64 * j);
+    line[j] = _mm512_and_si512(v, nibble);
+    line[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  }
+}
+
+/* A group's exact int32 dots with one row, scaled onto that row's 16 accumulators: acc += low * (d * sum), then
+ * acc += dot * (scale * d). Both w4 paths (vpdpbusd, AMX tiles) scale through this, so a row's numbers do not
+ * depend on which path its call took. */
+static inline __m512 w4_scale_group(__m512 acc, __m512i dots, __m512i scale_min, float d, float d_sum) {
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(scale_min, 16));
+  const __m512 low = _mm512_castsi512_ps(_mm512_and_si512(scale_min, _mm512_set1_epi32((int)0xFFFF0000u)));
+  acc = _mm512_fmadd_ps(low, _mm512_set1_ps(d_sum), acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(scale, _mm512_set1_ps(d)), acc);
+}
+#endif
+
 /* ---------------------------------------------------------------- i8 on AMX tiles */
 #ifdef HAVE_AMX
 /* AMX multiplies 16 x 64 signed bytes by 64 x 16 in one instruction (tdpbssd) with exact int32 sums, so it gives
@@ -486,14 +510,13 @@ typedef struct {
   uint8_t rows[16];
 } TileConfig;
 
-static void amx_configure(int rows_in_pass) {
+/* Tiles 0..count-1 with these lines and bytes per line (palette 1), for this thread. */
+static void amx_configure(int count, const uint8_t* rows, const uint16_t* colsb) {
   TileConfig cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
-  for (int t = 0; t < 6; t++) { /* tmm0-1: C (16 outputs x the rows' int32), tmm2-3: A (weights), tmm4-5: B (rows) */
-    cfg.rows[t] = AMX_OUT;
-    cfg.colsb[t] = (uint16_t)(t == 2 || t == 3 ? AMX_K : rows_in_pass * 4);
-  }
+  memcpy(cfg.rows, rows, (size_t)count);
+  memcpy(cfg.colsb, colsb, (size_t)count * sizeof *colsb);
   _tile_loadconfig(&cfg);
 }
 
@@ -561,7 +584,9 @@ static void i8_amx_range(void* ctx, int o_begin, int o_end) {
   const int full = o_begin + (o_end - o_begin) / AMX_OUT * AMX_OUT; /* the rest: the vector code above */
   for (int m0 = 0; m0 < c->M; m0 += AMX_ROWS) {
     const int mr = c->M - m0 < AMX_ROWS ? c->M - m0 : AMX_ROWS;
-    amx_configure(mr);
+    const uint16_t b = (uint16_t)(mr * 4); /* tmm0-1: C (16 outputs x the rows' int32), tmm2-3: A (weights), tmm4-5: B */
+    amx_configure(6, (const uint8_t[]){AMX_OUT, AMX_OUT, AMX_OUT, AMX_OUT, AMX_OUT, AMX_OUT},
+                  (const uint16_t[]){b, b, AMX_K, AMX_K, b, b});
     for (int o = o_begin; o < full; o += AMX_OUT)
       amx_block(c, c->xt + (size_t)m0 * c->K, m0, mr, o, o + AMX_OUT < full);
   }
@@ -577,18 +602,8 @@ static void i8_amx_range(void* ctx, int o_begin, int o_end) {
  * into the 8 x 64-byte B tile, line r holding output n's levels 4r..4r+3 at bytes 4n..4n+3; scale_min per 16
  * outputs and group, 16 int32. Four blocks of 16 outputs go through each group together, in four C tiles, so
  * their tile work overlaps; their next groups are fetched ahead (four streams the hardware prefetcher did not
- * keep up with: a one-token int4 forward of the bundled target on tiles alone took 12.2 ms without, 9.5 with). */
-static void w4_amx_configure(int rows_in_pass) {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 8; t++) { /* tmm0-3: C (rows x 16 int32), tmm4: A (rows x 32 int8), tmm5-7: B (levels) */
-    cfg.rows[t] = (uint8_t)(t >= 5 ? 8 : rows_in_pass);
-    cfg.colsb[t] = (uint16_t)(t == 4 ? 32 : 64);
-  }
-  _tile_loadconfig(&cfg);
-}
-
+ * keep up with: a one-token int4 forward of the bundled target on tiles alone took 12.2 ms without, 9.5 with,
+ * other work running). */
 /* Block i's levels for group g into its B tile and its dot products into C tile i (the tile numbers must be
  * constants). Four blocks' products are independent, so their tile work overlaps. */
 #define W4_AMX_BLOCK(i, B)                                                     \
@@ -600,14 +615,11 @@ static void w4_amx_configure(int rows_in_pass) {
   }
 
 #define W4_AMX_BLOCKS 4 /* output blocks of 16 per pass over the rows' groups */
-#ifndef W4_AMX_AHEAD
-#define W4_AMX_AHEAD 2 /* groups fetched ahead */
-#endif
+#define W4_AMX_AHEAD 2  /* groups fetched ahead */
 
 static void w4_amx_range(void* ctx, int o_begin, int o_end) {
   const W4Call* c = (const W4Call*)ctx;
   const int K = c->K, O = c->O, groups = K / 32;
-  const __m512i nibble = _mm512_set1_epi8(15), high = _mm512_set1_epi32((int)0xFFFF0000u);
   _Alignas(64) uint8_t levels[W4_AMX_BLOCKS][512];
   _Alignas(64) int32_t dots[W4_AMX_BLOCKS][AMX_ROWS][16];
   _Alignas(64) float acc[W4_AMX_BLOCKS][AMX_ROWS][16];
@@ -615,7 +627,8 @@ static void w4_amx_range(void* ctx, int o_begin, int o_end) {
     const int mr = c->M - m0 < AMX_ROWS ? c->M - m0 : AMX_ROWS;
     const float* xd = c->xd + (size_t)m0 * groups;
     const float* xs = c->xs + (size_t)m0 * groups;
-    w4_amx_configure(mr);
+    const uint8_t r = (uint8_t)mr; /* tmm0-3: C (rows x 16 int32), tmm4: A (rows x 32 int8), tmm5-7: B (levels) */
+    amx_configure(8, (const uint8_t[]){r, r, r, r, r, 8, 8, 8}, (const uint16_t[]){64, 64, 64, 64, 32, 64, 64, 64});
     for (int o = o_begin; o < o_end; o += W4_AMX_BLOCKS * W4_BLOCK_OUT) {
       const int left = (o_end - o) / W4_BLOCK_OUT, blocks = left < W4_AMX_BLOCKS ? left : W4_AMX_BLOCKS;
       const size_t first = (size_t)(o / W4_BLOCK_OUT) * groups;
@@ -627,12 +640,9 @@ static void w4_amx_range(void* ctx, int o_begin, int o_end) {
           _mm_prefetch((const char*)(c->sm + ahead * 16), _MM_HINT_T0);
         }
         for (int i = 0; i < blocks; i++) {
-          const uint8_t* packed = c->qw + (first + (size_t)i * groups + g) * 256;
-          for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_loadu_si512(packed + 64 * j);
-            _mm512_store_si512(levels[i] + 64 * j, _mm512_and_si512(v, nibble));
-            _mm512_store_si512(levels[i] + 256 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
-          }
+          __m512i line[8];
+          w4_lines(c->qw + (first + (size_t)i * groups + g) * 256, line);
+          for (int j = 0; j < 8; j++) _mm512_store_si512(levels[i] + 64 * j, line[j]);
         }
         _tile_loadd(4, c->xq + (size_t)m0 * K + (size_t)g * 32, K);
         W4_AMX_BLOCK(0, 5)
@@ -641,14 +651,10 @@ static void w4_amx_range(void* ctx, int o_begin, int o_end) {
         W4_AMX_BLOCK(3, 5)
         for (int i = 0; i < blocks; i++) {
           const __m512i pair = _mm512_loadu_si512(c->sm + (first + (size_t)i * groups + g) * 16);
-          const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-          const __m512 low = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
           for (int m = 0; m < mr; m++) {
             const size_t b = (size_t)m * groups + g;
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[i][m]));
-            __m512 sum = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[b]), _mm512_load_ps(acc[i][m]));
-            sum = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xd[b])), sum);
-            _mm512_store_ps(acc[i][m], sum);
+            _mm512_store_ps(acc[i][m], w4_scale_group(_mm512_load_ps(acc[i][m]), _mm512_load_si512(dots[i][m]),
+                                                      pair, xd[b], xs[b]));
           }
         }
       }
@@ -676,13 +682,10 @@ static int amx_ready(void) { return 0; }
  * forward took 15.8 ms that way and 8.5 ms this way. With few rows these beat AMX's tiles, whose latency per group
  * (zero, product, store, reload) is not hidden: all int4 layers of the target took 5.0-5.5 ms at 1 row against 6.9
  * on tiles, 7.6 against 8.5 at 5 rows, the same at 8. */
-#ifndef W4_VNNI_ROWS
 #define W4_VNNI_ROWS 5 /* rows per pass here; with AMX, calls of more rows go to the tiles */
-#endif
 /* M is a constant wherever this is inlined (w4_vnni_rows), so the rows' accumulators stay in registers */
 static inline __attribute__((always_inline)) void w4_vnni_body(const W4Call* c, int o_begin, int o_end, const int M) {
   const int K = c->K, O = c->O, groups = K / 32;
-  const __m512i nibble = _mm512_set1_epi8(15), high = _mm512_set1_epi32((int)0xFFFF0000u);
   for (int o = o_begin; o < o_end; o += W4_BLOCK_OUT) {
     const size_t block = (size_t)(o / W4_BLOCK_OUT) * groups;
     __m512 acc[W4_VNNI_ROWS];
@@ -694,14 +697,8 @@ static inline __attribute__((always_inline)) void w4_vnni_body(const W4Call* c, 
       _mm_prefetch((const char*)(packed + 4 * 256 + 128), _MM_HINT_T0);
       _mm_prefetch((const char*)(packed + 4 * 256 + 192), _MM_HINT_T0);
       __m512i line[8];
-      for (int j = 0; j < 4; j++) {
-        const __m512i v = _mm512_loadu_si512(packed + 64 * j);
-        line[j] = _mm512_and_si512(v, nibble);
-        line[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
+      w4_lines(packed, line);
       const __m512i pair = _mm512_loadu_si512(c->sm + (block + g) * 16);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 low = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
       for (int m = 0; m < M; m++) {
         const int32_t* xr = (const int32_t*)(c->xq + (size_t)m * K + (size_t)g * 32);
         __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
@@ -710,9 +707,7 @@ static inline __attribute__((always_inline)) void w4_vnni_body(const W4Call* c, 
           odd = _mm512_dpbusd_epi32(odd, line[r + 1], _mm512_set1_epi32(xr[r + 1]));
         }
         const size_t b = (size_t)m * groups + g;
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-        acc[m] = _mm512_fmadd_ps(low, _mm512_set1_ps(c->xs[b]), acc[m]);
-        acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(c->xd[b])), acc[m]);
+        acc[m] = w4_scale_group(acc[m], _mm512_add_epi32(even, odd), pair, c->xd[b], c->xs[b]);
       }
     }
     for (int m = 0; m < M; m++) _mm512_storeu_ps(c->y + (size_t)m * O + o, acc[m]);
@@ -757,7 +752,9 @@ int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float*
   for (int m = 0; m < M; m++) {
     const float* restrict row = x + (size_t)m * K;
     uint8_t* restrict out = xu + (size_t)m * K;
-    float lane[16] = {0}, top = 0.0f; /* 16 running maxima (K % 64 == 0), so that the loop vectorizes */
+    /* 16 independent running maxima (K % 64 == 0): gcc keeps a float maximum scalar (NaN rules), so one chain of
+     * maxima would wait on itself; the division loop below vectorizes once the scale is a local */
+    float lane[16] = {0}, top = 0.0f;
     for (int k = 0; k < K; k += 16)
       for (int l = 0; l < 16; l++) lane[l] = MAX_ABS(lane[l], row[k + l]);
     for (int l = 0; l < 16; l++) top = MAX_ABS(top, lane[l]);

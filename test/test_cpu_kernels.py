@@ -109,8 +109,9 @@ def test_w4_kernel_computes_its_layer_and_each_row_alone(rows):
 @needs_w4
 @pytest.mark.parametrize("rows", [1, 16, 17, 33])
 def test_w4_kernel_on_every_blocking_of_outputs_and_rows(rows):
-    """80 outputs (on AMX: a pass of four blocks of 16, then one of one block) and rows in passes of up to 16 (a
-    prompt's prefill): the layer's numbers, and each row its own."""
+    """80 outputs (on AMX's tiles, calls of more than 5 rows: a pass of four blocks of 16, then one of one block;
+    rows in passes of 16, as a prefill makes them; on vpdpbusd alone, rows in passes of 5): the layer's numbers, and
+    each row its own."""
     gen = torch.Generator().manual_seed(200 + rows)
     weight, x = torch.randn(80, 96, generator=gen), torch.randn(rows, 96, generator=gen)
     layer = Int4Linear(weight, None)

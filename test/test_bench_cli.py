@@ -24,6 +24,7 @@ def test_engine_bench_reports_every_figure(tmp_path):
                 "mean_accepted", "bound_tps", "bound_fraction"):
         assert result[key] >= 0, key
     assert result["outputs_identical"] is True
+    assert 0 <= result["hf_assisted_same_as_generate"] <= 1  # transformers' own losslessness, reported
 
 
 def test_policy_bench_runs_every_policy_losslessly(tmp_path):

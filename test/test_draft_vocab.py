@@ -141,3 +141,26 @@ def test_a_session_runs_reduced_and_full_drafts_side_by_side(target):
             break
         session.step(*(("full", full) if k % 3 else ("small", small)))
     assert session.generated_ids == expected
+
+
+def test_transformers_assisted_generation_runs_a_reduced_draft_as_the_same_layers(target):
+    """The engine bench's baseline: transformers' own assisted generation with the very draft the engine runs."""
+    from transformers import PreTrainedModel
+
+    from memspec_ros.bench.engine_bench import configure_assistant
+    from memspec_ros.runtime.draft_vocab import as_transformers_assistant
+
+    expected = reference(target)
+    rows = [i for i in range(VOCAB) if i not in set(expected[1::3])]  # some of the target's tokens unproposable
+    draft = reduced(rows)
+    assistant = as_transformers_assistant(draft)
+    assert isinstance(assistant, PreTrainedModel) and assistant.config.vocab_size == VOCAB
+    # the same weights, not copies: quantizing or loading the draft changes both
+    assert assistant.lm_head.head.weight is draft.inner.lm_head.weight
+    ids = torch.tensor([PROMPT + expected[:7]])
+    assert torch.equal(assistant(ids).logits, draft(ids).logits)  # -inf outside the subset included
+    configure_assistant(assistant, 4)
+    with torch.inference_mode():
+        out = target.generate(torch.tensor([PROMPT]), assistant_model=assistant, do_sample=False,
+                              max_new_tokens=len(expected), eos_token_id=None, pad_token_id=0)
+    assert out[0, len(PROMPT):].tolist() == expected

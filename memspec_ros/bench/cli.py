@@ -134,12 +134,14 @@ def cmd_engine(args) -> int:
     print(
         f"\nengine {result.engine_tps:.1f} tok/s | HF assisted {_num(result.hf_assisted_tps, '.1f')} | "
         f"autoregressive {result.autoregressive_tps:.1f} | ratio vs HF {_num(result.ratio_vs_hf, '.2f')} "
-        f"(goal >= 1.2) | vs AR {result.ratio_vs_autoregressive:.2f} | E[A] {result.mean_accepted:.2f} | "
+        f"(goal >= 1.3) | vs AR {result.ratio_vs_autoregressive:.2f} | E[A] {result.mean_accepted:.2f} | "
         + (f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9)" if result.bound_fraction is not None
            else "no draft-cost bound (context lookup)")
         + f" | identical {result.outputs_identical}"
-        f" (transformers' generate the same on {result.same_as_transformers:.0%})"
-        f" | draft forward: {result.draft_forward}"
+        f" (transformers' generate the same on {result.same_as_transformers:.0%}"
+        + (f", its assisted generation the same as its generate on {result.hf_assisted_same_as_generate:.0%}"
+           if result.hf_assisted_same_as_generate is not None else "")
+        + f") | draft forward: {result.draft_forward}"
     )
     return 0 if result.outputs_identical else 1
 

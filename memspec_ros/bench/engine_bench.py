@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from ..runtime.chat import end_token_ids
 from ..runtime.datastore import Datastore
 from ..runtime.draft_forward import lean_forward_for, unsupported_reason
+from ..runtime.draft_vocab import ReducedVocabDraft, as_transformers_assistant
 from ..runtime.lookup import LookupConfig
 from ..runtime.speculative import KVState, forward_once, generate
 from ..runtime.stats import decode_tokens_per_second
@@ -55,19 +56,22 @@ class EngineBenchResult:
     draft_forward: str  # "lean" or "transformers (<why>)": how the engine ran the draft
     autoregressive_tps: float  # transformers' generate, target alone
     target_alone_tps: float  # this engine without a draft (its own forward)
-    hf_assisted_tps: float | None  # None: transformers cannot run this draft (a reduced-vocabulary head)
+    hf_assisted_tps: float | None  # None: transformers cannot run this draft
     engine_tps: float
     engine_decode_tps: float
     ratio_vs_hf: float | None
     ratio_vs_autoregressive: float
     ratio_vs_target_alone: float
     mean_accepted: float
-    # the engine's tokens equal its own target alone's (greedy, lossless), and transformers' assisted generation's
-    # equal its generate's
+    # the engine's tokens equal its own target alone's (greedy, lossless): this engine's claim
     outputs_identical: bool
     # share of prompts and runs where transformers' generate over the same layers gave those tokens too (1.0 unless
     # the engine's own forward, e.g. the C decoder, rounds a near-tie the other way)
     same_as_transformers: float
+    # share where transformers' assisted generation gave its own generate's tokens (None: not run). Its verify
+    # runs several rows through transformers' attention, whose rounding may differ from a one-row step's, so
+    # on a quantized target a near-tie can go the other way: transformers' property, not this engine's
+    hf_assisted_same_as_generate: float | None
     t_draft_ms: float
     t_verify_ms: float
     bound_tps: float | None  # None with context lookup: copied proposals cost no draft forward, so no such bound
@@ -111,10 +115,12 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                      progress=None) -> EngineBenchResult:
     torch.set_num_threads(cfg.threads)
     device = next(target.parameters()).device
-    # transformers' assisted generation needs a draft with the target's vocabulary width
-    hf_can = isinstance(draft, PreTrainedModel)
+    # transformers' assisted generation needs a draft with the target's vocabulary width: a
+    # reduced-vocabulary draft runs there as the same layers in a target-width shell
+    assistant = as_transformers_assistant(draft) if isinstance(draft, ReducedVocabDraft) else draft
+    hf_can = isinstance(assistant, PreTrainedModel)
     if hf_can:
-        configure_assistant(draft, cfg.gamma)
+        configure_assistant(assistant, cfg.gamma)
     lean = lean_forward_for(draft) if cfg.lean_drafts else None
     why_not = "switched off" if not cfg.lean_drafts else unsupported_reason(draft)
     draft_forward = "lean" if lean is not None else f"transformers ({why_not})"
@@ -128,6 +134,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     verify_ms: list[float] = []
     identical = True
     same_as_transformers = 0  # prompts where transformers' generate gave the engine's target-alone tokens
+    hf_same = 0  # prompts where transformers' assisted generation gave its generate's tokens
     # warm-up: first calls pay for allocation and lazy initialisation
     eos = end_token_ids(None, target) if cfg.stop_at_end else []
     lookup = LookupConfig() if cfg.context_lookup else None
@@ -136,7 +143,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     generate(target, prompts[0], draft, gamma=cfg.gamma, max_new_tokens=8, lean_drafts=cfg.lean_drafts,
              adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastores=stores)
     if hf_can:
-        _hf_generate(target, draft, prompts[0], 8, cfg.gamma, eos)
+        _hf_generate(target, assistant, prompts[0], 8, cfg.gamma, eos)
     for run in range(cfg.runs):
         seconds = dict.fromkeys(methods, 0.0)
         tokens = dict.fromkeys(methods, 0)
@@ -153,7 +160,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                     out = generate(target, ids, None, max_new_tokens=cfg.max_new_tokens,
                                    eos_token_ids=eos).generated_ids
                 elif method == "hf_assisted":
-                    out = _hf_generate(target, draft, ids, cfg.max_new_tokens, cfg.gamma, eos)
+                    out = _hf_generate(target, assistant, ids, cfg.max_new_tokens, cfg.gamma, eos)
                 else:
                     session = generate(target, ids, draft, draft_name=names[1], gamma=cfg.gamma,
                                        max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
@@ -169,8 +176,8 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
             # lossless means equal to this engine's own one-token greedy decoding of the target; transformers'
             # generate runs the same layers through another forward, whose float rounding (the C decoder's
             # RMSNorm, RoPE and attention, runtime/cpu_kernels.c) may break a near-tie the other way
-            identical &= outputs["engine"] == outputs["target_alone"] and (
-                outputs.get("hf_assisted", outputs["autoregressive"]) == outputs["autoregressive"])
+            identical &= outputs["engine"] == outputs["target_alone"]
+            hf_same += outputs.get("hf_assisted") == outputs["autoregressive"]
             same_as_transformers += outputs["target_alone"] == outputs["autoregressive"]
             # per-forward times for the bound, measured between the generations at a context this
             # prompt really reached (its prompt plus half its output), so load drifts hit them too
@@ -198,6 +205,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         ratio_vs_target_alone=med["engine"] / med["target_alone"],
         mean_accepted=mean_accepted, outputs_identical=identical,
         same_as_transformers=same_as_transformers / (len(prompts) * cfg.runs),
+        hf_assisted_same_as_generate=hf_same / (len(prompts) * cfg.runs) if hf_can else None,
         t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound,
         bound_fraction=engine_decode / bound if bound else None,
         per_run=per_run,

@@ -105,3 +105,61 @@ def wrap_if_reduced(model: torch.nn.Module, path: str | Path) -> tuple[torch.nn.
     ids, target_size = read_vocab_map(path, int(model.config.vocab_size))
     device = next(model.parameters()).device
     return ReducedVocabDraft(model, DraftVocab(ids, target_size).to(device)), target_size
+
+
+class _TargetWidthEmbedding(torch.nn.Module):
+    """The draft's input rows looked up by target id (every other id to the shared extra row)."""
+
+    def __init__(self, rows: torch.nn.Module, vocab: DraftVocab) -> None:
+        super().__init__()
+        self.rows = rows
+        self.vocab = vocab
+
+    @property
+    def weight(self) -> torch.Tensor:  # what transformers reads for the embeddings' dtype and device
+        return self.rows.weight
+
+    def forward(self, target_ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(self.vocab.inputs(target_ids))
+
+
+class _TargetWidthHead(torch.nn.Module):
+    """The draft's head, its logits scattered into a target-width row (-inf outside its subset)."""
+
+    def __init__(self, head: torch.nn.Module, vocab: DraftVocab) -> None:
+        super().__init__()
+        self.head = head
+        self.vocab = vocab
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.vocab.logits(self.head(hidden))
+
+
+def as_transformers_assistant(draft: ReducedVocabDraft):
+    """The same draft as a transformers causal LM over target ids, for ``generate(assistant_model=...)``.
+
+    Transformers' assisted generation takes only a ``PreTrainedModel`` whose vocabulary is the
+    target's. This one shares the draft's own layers and weights (nothing is copied, so any
+    quantization applies to both) inside a shell of the inner model's class with a target-width
+    config: the embedding maps target ids to draft rows and the head scatters the draft's logits as
+    ``ReducedVocabDraft`` does, so both propose the same tokens.
+    """
+    import copy
+
+    inner = draft.inner
+    config = copy.deepcopy(inner.config)
+    config.vocab_size = draft.vocab.target_vocab_size
+    config.tie_word_embeddings = False  # the head is a module of its own, not a transpose of the embedding
+    with torch.device("meta"):  # a shell: every module that holds weights is replaced by the draft's below
+        shell = type(inner)(config)
+    body, own = shell.model, inner.model
+    body.embed_tokens = _TargetWidthEmbedding(own.embed_tokens, draft.vocab)
+    for name, module in own.named_children():
+        if name != "embed_tokens":
+            setattr(body, name, module)
+    shell.lm_head = _TargetWidthHead(inner.lm_head, draft.vocab)
+    shell.generation_config = copy.deepcopy(inner.generation_config)
+    left = [name for name, t in [*shell.named_parameters(), *shell.named_buffers()] if t.is_meta]
+    if left:
+        raise TypeError(f"{type(inner).__name__} has parts the transformers shell does not take over: {left}")
+    return shell.eval()

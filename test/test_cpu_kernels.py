@@ -13,7 +13,7 @@ from test_forward_paths import verify_and_steps
 
 from memspec_ros.runtime import cpu_kernels
 from memspec_ros.runtime.draft_forward import decoder_summary, lean_forward_for
-from memspec_ros.runtime.forward_paths import INT4_GROUP, Int4Linear, Int8Linear, apply_path
+from memspec_ros.runtime.forward_paths import INT4_GROUP, Float32Linear, Int4Linear, Int8Linear, apply_path
 from memspec_ros.runtime.speculative import KVState, forward_once, generate
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
 
@@ -59,6 +59,41 @@ def test_i8_kernel_is_exact_on_every_blocking_of_outputs_and_rows(rows):
     got = layer(x)
     assert torch.equal(got, sums.float() * row_scale * layer.scale)
     assert torch.equal(got, _rows_alone(layer, x))
+
+
+@pytest.mark.parametrize("rows", [*ROWS, 16, 17, 33])
+def test_f32_kernel_computes_its_layer_and_each_row_alone(rows):
+    """fp32 weights as loaded: within fp32 rounding of the float64 product (the classic bound for a sum of K
+    products, K * 2^-24 of the sum of their magnitudes), and every row of a multi-row call bit-equal to that row
+    alone, whatever the rows' blocking (8 per pass over the weights) or the outputs' (83: not a multiple of 16)."""
+    assert STATUS.f32, STATUS.reason
+    gen = torch.Generator().manual_seed(200 + rows)
+    weight, x = torch.randn(83, 192, generator=gen), torch.randn(rows, 192, generator=gen) * 3
+    layer = Float32Linear(weight)
+    got = layer(x)
+    want = x.double() @ weight.double().t()
+    bound = 192 * 2.0**-24 * (x.double().abs() @ weight.double().abs().t())
+    assert ((got.double() - want).abs() <= bound).all()
+    assert torch.equal(got, _rows_alone(layer, x))
+
+
+def test_f32_fusion_shares_the_models_weights_and_leaves_transformers_forward_as_it_was():
+    """The lean forward fuses q/k/v and gate/up for the f32 kernel in place: the model's parameters become views of
+    the fused tensor (no second copy), and transformers' own forward of the model gives the same logits after."""
+    model = tiny_llama(vocab_size=96, hidden=256, layers=2, seed=14, init_range=0.2)
+    ids = torch.tensor([[5, 9, 33, 2, 71]])
+    with torch.inference_mode():
+        before = model(ids).logits
+        lean = lean_forward_for(model)
+        after = model(ids).logits
+    assert torch.equal(before, after)
+    attention = model.model.layers[0].self_attn
+    fused = lean.layers[0].qkv
+    assert isinstance(fused, Float32Linear) and lean.decoder is not None
+    storage = fused.weight.untyped_storage().data_ptr()
+    assert all(p.weight.untyped_storage().data_ptr() == storage
+               for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+    assert lean.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()  # the head itself, not a copy
 
 
 def _w4_reference(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +180,7 @@ def _decoder_model(path: str, seed: int = 7, noise: float = 0.0):
 
 
 @needs_decoder
-@pytest.mark.parametrize("path", ["int4", "int8"])
+@pytest.mark.parametrize("path", ["int4", "int8", "fp32"])
 def test_decoder_runs_the_layers_as_the_lean_forward_does(path):
     model = _decoder_model(path)
     lean = lean_forward_for(model)
@@ -165,7 +200,8 @@ def test_decoder_runs_the_layers_as_the_lean_forward_does(path):
     # the two round an activation differently now and then. Rounded again into the matmul's row format (int8 rows or
     # blocks: steps of 1/127 of their largest value), that difference can become one step of the format, and the
     # logits move by a few such steps, two layers amplifying them (an AMX Xeon, 12 seeds: 0, or up to 1.8e-2 of
-    # their scale on int4, 1.3e-3 on int8). A wrong layer (RoPE, mask, head mapping) moves them by their scale.
+    # their scale on int4, 1.3e-3 on int8; fp32 rows are not rounded again, so only float rounding remains there).
+    # A wrong layer (RoPE, mask, head mapping) moves them by their scale.
     row_step = 1 / 127
     scale = out["python"].abs().max()
     assert (out["decoder"] - out["python"]).abs().max() < 8 * row_step * scale
@@ -173,7 +209,7 @@ def test_decoder_runs_the_layers_as_the_lean_forward_does(path):
 
 
 @needs_decoder
-@pytest.mark.parametrize("path", ["int4", "int8"])
+@pytest.mark.parametrize("path", ["int4", "int8", "fp32"])
 def test_decoder_verify_rows_equal_one_token_steps_bit_for_bit(path):
     model = _decoder_model(path, seed=8)
     assert lean_forward_for(model).decoder is not None
@@ -186,7 +222,7 @@ def test_decoder_verify_rows_equal_one_token_steps_bit_for_bit(path):
 
 
 @needs_decoder
-@pytest.mark.parametrize("path", ["int4", "int8"])
+@pytest.mark.parametrize("path", ["int4", "int8", "fp32"])
 def test_speculative_greedy_through_the_decoder_equals_the_target_alone(path):
     target, draft = _decoder_model(path, seed=9), _decoder_model(path, seed=9, noise=0.02)
     assert lean_forward_for(target).decoder is not None
@@ -230,7 +266,7 @@ def test_the_library_is_compiled_once_per_machine_and_source(tmp_path):
 
 
 @needs_decoder
-@pytest.mark.parametrize("path", ["int4", "int8"])
+@pytest.mark.parametrize("path", ["int4", "int8", "fp32"])
 def test_the_thread_count_does_not_change_a_number(path):
     """Threads split outputs (matmuls) and heads (attention); each is computed by the same operations whichever
     thread runs it, so 1 and 3 threads give the same logits bit for bit (3: parts of unequal size)."""

@@ -37,7 +37,9 @@ def test_logits_match_transformers_through_prefill_steps_catchup_and_rollback(na
         for i, feed in enumerate(feeds):
             want = forward_once(model, feed, ref, len(feed), "cpu")
             got = forward_once(model, feed, mine, len(feed), "cpu", lean)
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            # the f32 kernel (runtime/cpu_kernels.c) sums in another order than transformers' matmuls: fp32
+            # rounding, ~1e-6 of the logits' scale per layer here; a wrong layer moves them by their whole scale
+            torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
             assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
             if i == 2:  # roll both caches back two tokens, as after a rejection
                 ref.crop_to(ref.length - 2)

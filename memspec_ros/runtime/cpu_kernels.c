@@ -21,8 +21,9 @@
  *               |w| and the sign-adjusted rows with AVX2; plain integers elsewhere), the inputs quantized per row here exactly
  *               as runtime/forward_paths.py:Int8Linear quantizes them, and scaled as it scales them: the
  *               result equals torch._int_mm's path bit for bit, on every instruction set.
+ *   f32_matmul  fp32 weights as loaded x fp32 rows, each sum in one fixed order (the model's own numbers, rows exact).
  *   decoder_forward
- *               every layer of a Llama decoder whose linears are w4 or i8, in one call: at 1 token the
+ *               every layer of a Llama decoder whose linears are w4, i8 or f32, in one call: at 1 token the
  *               Python and dispatch around ~50 small tensor operations per layer cost as much as a third
  *               of the forward; here RMSNorm, RoPE, the KV cache write, attention (each query row over its
  *               own causal prefix), SiLU and the residuals are plain loops between the matmul kernels.
@@ -66,14 +67,15 @@
 #include <unistd.h>
 #endif
 
-enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BLOCKED = 16 };
+enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BLOCKED = 16, FEATURE_F32 = 32 };
 #define ROW_BLOCK 8 /* rows per pass over the weights */
+#define LANES 16   /* fp32 sums in portable C: 16 lanes, as one AVX512 register */
 
 /* Every kernel exists on every CPU (portable C where no SIMD code is written for it); FEATURE_W4_BLOCKED says that
  * w4 takes its weights in blocks of 16 outputs (pack_w4). */
 static int amx_ready(void);
 int memspec_kernel_features(void) {
-  int features = FEATURE_W4 | FEATURE_I8 | FEATURE_DECODER;
+  int features = FEATURE_W4 | FEATURE_I8 | FEATURE_DECODER | FEATURE_F32;
 #ifdef W4_VNNI
   features |= FEATURE_W4_BLOCKED;
 #endif
@@ -778,10 +780,85 @@ int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float*
   return 0;
 }
 
+/* ---------------------------------------------------------------- f32: fp32 weights as loaded */
+/* y[M][O] = x[M][K] . w[O][K] in fp32, K % 16 == 0. Each (row, output) sum is one fixed sequence whatever M is:
+ * fused multiply-adds over K in order into 16 lanes (AVX512; 8 with AVX2; 16 scalar lanes in portable C), then
+ * a fixed reduction, so a verify's rows equal one-token steps bit for bit. The weights are read once per
+ * ROW_BLOCK rows: a BLAS sgemm packs the whole weight matrix again for a few rows (a 5-row call of the
+ * bundled target's fp32 head cost 2.1x a 1-row one), while at a few rows this call, memory-bound, costs
+ * about what one row costs. */
+#define F32_PREFETCH 2048 /* bytes ahead in the weight stream (AVX512 path) */
+typedef struct {
+  const float* x;
+  const float* w;
+  float* y;
+  int M, K, O;
+} F32Call;
+
+static inline __attribute__((always_inline)) void f32_body(const F32Call* c, int o_begin, int o_end, int m0,
+                                                           const int M) {
+  const int K = c->K;
+  const float* x = c->x + (size_t)m0 * K;
+  for (int o = o_begin; o < o_end; o++) {
+    const float* restrict w = c->w + (size_t)o * K;
+#if defined(HAVE_AVX512)
+    __m512 acc[ROW_BLOCK];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) {
+      /* the weight stream 2 KB ahead: with a few rows' multiply-adds per line the hardware prefetcher alone fell
+       * behind (head, 5 rows: 14.8 ms without, 11.4 with, 12.0 for 1 row; 1 KB and 4 KB ahead did no better) */
+      _mm_prefetch((const char*)(w + k) + F32_PREFETCH, _MM_HINT_T0);
+      const __m512 wk = _mm512_loadu_ps(w + k);
+      for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wk, _mm512_loadu_ps(x + (size_t)m * K + k), acc[m]);
+    }
+    for (int m = 0; m < M; m++) c->y[(size_t)(m0 + m) * c->O + o] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(HAVE_AVX2)
+    __m256 acc[ROW_BLOCK];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+      const __m256 wk = _mm256_loadu_ps(w + k);
+      for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + (size_t)m * K + k), acc[m]);
+    }
+    for (int m = 0; m < M; m++) c->y[(size_t)(m0 + m) * c->O + o] = hsum8(acc[m]);
+#else
+    for (int m = 0; m < M; m++) {
+      const float* restrict row = x + (size_t)m * K;
+      float lane[LANES] = {0};
+      for (int k = 0; k < K; k += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] = fmaf(w[k + l], row[k + l], lane[l]);
+      for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) lane[l] += lane[l + width];
+      c->y[(size_t)(m0 + m) * c->O + o] = lane[0];
+    }
+#endif
+  }
+}
+
+static void f32_range(void* ctx, int o_begin, int o_end) {
+  const F32Call* c = (const F32Call*)ctx;
+  for (int m0 = 0; m0 < c->M; m0 += ROW_BLOCK) {
+    switch (c->M - m0 < ROW_BLOCK ? c->M - m0 : ROW_BLOCK) { /* a constant row count per body: all in registers */
+      case 1: f32_body(c, o_begin, o_end, m0, 1); break;
+      case 2: f32_body(c, o_begin, o_end, m0, 2); break;
+      case 3: f32_body(c, o_begin, o_end, m0, 3); break;
+      case 4: f32_body(c, o_begin, o_end, m0, 4); break;
+      case 5: f32_body(c, o_begin, o_end, m0, 5); break;
+      case 6: f32_body(c, o_begin, o_end, m0, 6); break;
+      case 7: f32_body(c, o_begin, o_end, m0, 7); break;
+      default: f32_body(c, o_begin, o_end, m0, ROW_BLOCK); break;
+    }
+  }
+}
+
+int f32_matmul(const float* x, const float* w, float* y, int M, int K, int O, int threads) {
+  F32Call call = {x, w, y, M, K, O};
+  parallel_for(f32_range, &call, O, threads, 16);
+  return 0;
+}
+
 /* ---------------------------------------------------------------- a whole decoder in one call */
 
 /* ---------------------------------------------------------------- attention over a KV cache */
-#define LANES 16
 static inline float dot(const float* restrict a, const float* restrict b, int d) { /* d % 16 == 0 */
 #if defined(HAVE_AVX512)
   __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
@@ -848,7 +925,7 @@ static void attend_range(void* ctx, int h_begin, int h_end) {
 }
 
 /* One linear layer in a kernel's format: kind 4 = w4 (a: packed, b: scale_min), 8 = i8 (a: weights,
- * b: bias128, scale: per output). No bias (Llama has none). */
+ * b: bias128, scale: per output), 32 = f32 (a: fp32 weights [out][in]). No bias (Llama has none). */
 typedef struct {
   int kind, in_features, out_features;
   const void* a;
@@ -872,6 +949,7 @@ typedef struct {
 } Scratch;
 
 static int linear(const Linear* L, const float* x, float* y, int n, Scratch* s) {
+  if (L->kind == 32) return f32_matmul(x, (const float*)L->a, y, n, L->in_features, L->out_features, s->threads);
   if (L->kind == 4)
     return w4_matmul((const uint8_t*)L->a, (const uint32_t*)L->b, x, y, n, L->in_features, L->out_features,
                      s->threads);

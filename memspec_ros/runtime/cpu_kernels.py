@@ -36,7 +36,7 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 # a compiler without OpenMP builds the same kernels single-threaded
 OPENMP = "-fopenmp"
 # as memspec_kernel_features() reports them
-FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BLOCKED = 1, 2, 4, 16
+FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BLOCKED, FEATURE_F32 = 1, 2, 4, 16, 32
 W4_BLOCK = 16  # outputs per block of w4's blocked layout
 ENV_SWITCH = "MEMSPEC_CPU_KERNELS"  # 0: ATen's kernels; portable: the portable C even where SIMD code exists
 PORTABLE = "portable"
@@ -51,12 +51,14 @@ class KernelStatus:
     i8: bool = False  # int8 weights x int8 rows
     decoder: bool = False  # a whole w4/i8 decoder in one call
     w4_blocked: bool = False  # w4 takes its weights in blocks of 16 outputs (AVX512-VNNI, AMX; see pack_w4)
+    f32: bool = False  # fp32 weights x fp32 rows, each sum in one fixed order (rows exact)
     isa: str = ""  # the instruction set each kernel was compiled for
     library: str = ""
     reason: str = ""  # why they are missing ('' when they run)
 
     def describe(self) -> str:
-        names = [name for name, on in (("w4", self.w4), ("i8", self.i8), ("decoder", self.decoder)) if on]
+        names = [name for name, on in (("w4", self.w4), ("i8", self.i8), ("f32", self.f32), ("decoder", self.decoder))
+                 if on]
         if not names:
             text = "none (ATen's kernels)"
         else:
@@ -114,6 +116,8 @@ def _bind(library: ctypes.CDLL) -> None:
     library.w4_matmul.restype = i
     library.i8_matmul.argtypes = [p] * 7 + [i] * 4
     library.i8_matmul.restype = i
+    library.f32_matmul.argtypes = [p] * 3 + [i] * 4
+    library.f32_matmul.restype = i
     library.decoder_forward.argtypes = [p, i, p, i, i, p, p, i, i, i, i, i, f, i]
     library.decoder_forward.restype = i
 
@@ -134,7 +138,7 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
     features = library.memspec_kernel_features()
     return library, KernelStatus(w4=bool(features & FEATURE_W4), i8=bool(features & FEATURE_I8),
                                  decoder=bool(features & FEATURE_DECODER),
-                                 w4_blocked=bool(features & FEATURE_W4_BLOCKED),
+                                 w4_blocked=bool(features & FEATURE_W4_BLOCKED), f32=bool(features & FEATURE_F32),
                                  isa=library.memspec_kernel_isa().decode(), library=str(path))
 
 
@@ -225,6 +229,16 @@ def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, s
     return out
 
 
+def f32_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] times fp32 ``weight`` [O, K] (K % 16 == 0): float32 [M, O], each row's sums in the order a
+    row alone gets (runtime/cpu_kernels.c: f32), so a verify's rows equal one-token steps bit for bit."""
+    x = rows.float().contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    with _CALL:
+        _library().f32_matmul(_ptr(x), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], weight.shape[0], _threads())
+    return out
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("in_features", ctypes.c_int), ("out_features", ctypes.c_int),
                 ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
@@ -238,12 +252,14 @@ class _Layer(ctypes.Structure):
 
 def _kernel_linear(module: torch.nn.Module) -> _Linear | str:
     """The C description of a forward-path linear that runs on this file's kernels, or why it cannot."""
-    from .forward_paths import Int4Linear, Int8Linear  # forward_paths imports this module
+    from .forward_paths import Float32Linear, Int4Linear, Int8Linear  # forward_paths imports this module
 
     if getattr(module, "bias", None) is not None:
         return f"{type(module).__name__} has a bias"
     if isinstance(module, Int4Linear) and module.own_kernel:
         return _Linear(4, module.in_features, module.out_features, _ptr(module.packed), _ptr(module.scale_min), None)
+    if isinstance(module, Float32Linear):
+        return _Linear(32, module.in_features, module.out_features, _ptr(module.weight), None, None)
     if isinstance(module, Int8Linear) and module.own_kernel:
         return _Linear(8, module.in_features, module.out_features, _ptr(module.qweight), _ptr(module.bias128),
                        _ptr(module.scale))

@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache
 
 from . import cpu_kernels
 from .draft_vocab import DraftVocab, ReducedVocabDraft
-from .forward_paths import FAST_LINEARS, concat_linears
+from .forward_paths import FAST_LINEARS, concat_linears, f32_kernel_linear
 from .kv_cache import claim_rows, is_preallocated
 
 # what the lean path can call: plain linears and the forward paths' modules (runtime/forward_paths.py)
@@ -75,13 +75,16 @@ class _Layer:
 
 
 def _fused(parts: list[torch.nn.Module]) -> torch.nn.Module:
-    """A forward-path module's parts fused into one matmul; plain fp32 linears are left as they are
-    (fusing them would change their sums' order, and fp32 stays numerically transformers' forward)."""
-    if type(parts[0]) is not torch.nn.Linear:
-        fused = concat_linears(parts)
-        if fused is not None:
-            return fused
-    return _Side(parts)
+    """A layer's parts fused into one matmul: a forward path's modules, or plain fp32 linears on the f32 kernel
+    (their weights fused in place, forward_paths.f32_kernel_linear). Plain linears with no kernel here are left
+    as they are: fusing them for a BLAS sgemm would only change their sums' order."""
+    fused = f32_kernel_linear(parts) if type(parts[0]) is torch.nn.Linear else concat_linears(parts)
+    return fused if fused is not None else _Side(parts)
+
+
+def _single(layer: torch.nn.Module) -> torch.nn.Module:
+    """One linear as the lean forward runs it: a plain fp32 one on the f32 kernel where it applies."""
+    return (f32_kernel_linear([layer]) or layer) if type(layer) is torch.nn.Linear else layer
 
 
 class _Side(torch.nn.Module):
@@ -143,15 +146,15 @@ class LeanLlamaForward:
         self.device = inner.norm.weight.device
         self.rotary = inner.rotary_emb  # the model's own module: every RoPE variant it supports
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head
+        self.lm_head = _single(model.lm_head)
         self.act = inner.layers[0].mlp.act_fn
         self.q_width = self.heads * self.head_dim
         self.kv_width = self.kv_heads * self.head_dim
         self.layers = [
             _Layer(layer.input_layernorm.weight,
                    _fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                   layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
-                   _fused([layer.mlp.gate_proj, layer.mlp.up_proj]), layer.mlp.down_proj)
+                   _single(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
+                   _fused([layer.mlp.gate_proj, layer.mlp.up_proj]), _single(layer.mlp.down_proj))
             for layer in inner.layers
         ]
         self.intermediate = inner.layers[0].mlp.gate_proj.out_features

@@ -29,8 +29,11 @@ and bf16 kernels that is a property of the kernel on this CPU, so every module
 is checked once per shape at load (:func:`check_rows`: 2..9 rows at once against
 each row alone, bit for bit) and runs its rows one at a time where the check
 fails. Attention is made row-exact in the lean forward (runtime/draft_forward.py).
-Plain fp32 matmuls are not row-exact (they sum a row differently with others);
-fp32 stays as transformers runs it, identical in practice, not by construction.
+Plain fp32 matmuls (a BLAS sgemm) are not row-exact: they sum a row differently
+with others. Where the engine's kernels compiled, the lean forward runs the fp32
+path's layers on their f32 kernel instead (:class:`Float32Linear`: the same
+weights, each row summed as alone), so fp32 is row-exact by construction too, and
+a verify costs about one step; elsewhere fp32 stays as transformers runs it.
 
 The token embedding is a lookup, not a matmul, but it is the largest tensor of a small model (the
 bundled target's 49,152 x 576 table is 113 MB in fp32, more than its 30 int4 layers). A GGUF holds
@@ -221,6 +224,52 @@ class Int4Linear(FastLinear):
 
 
 FAST_LINEARS = (Bf16Linear, Int8Linear, Int4Linear)
+F32_KERNEL_BLOCK = 16  # the f32 kernel's step along the input (one AVX512 register)
+
+
+class Float32Linear(FastLinear):
+    """A plain fp32 ``nn.Linear``'s own weights (the same tensor, not a copy) on the engine's f32 kernel.
+
+    Not a path of its own: the lean forward runs the fp32 path's layers with it. A BLAS sgemm sums a row
+    in an order that depends on the rows beside it and packs the whole weight matrix for a few rows (a
+    5-row verify of the bundled target's fp32 head cost 2.1x one row); the kernel reads the weights once
+    per call and sums each row as it sums a row alone, so a verify costs about one step and its rows are
+    exact by construction. Its sums are in another order than transformers' forward, so greedy tokens may
+    differ from transformers' generate at a near-tie, as on the quantized paths (``same_as_transformers``)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach(), persistent=False)
+        self.bias = None
+        self.out_features, self.in_features = weight.shape
+        self.own_kernel = True
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.f32_matmul(rows, self.weight)
+
+
+def f32_kernel_linear(parts: list[torch.nn.Module]) -> Float32Linear | None:
+    """Plain fp32 linears (q/k/v, gate/up side by side; or one) on the f32 kernel, or None where it does not
+    apply (no kernel here, a bias, another dtype or device, an input width off its step).
+
+    Parts are fused *in place*: their weights are copied once into one tensor and each part's parameter becomes
+    a view of its rows, so the model (and transformers' forward of it) keeps working on the same memory and
+    the fused layer costs no second copy of the weights."""
+    if not cpu_kernels.status().f32 or any(type(p) is not torch.nn.Linear or p.bias is not None for p in parts):
+        return None
+    weights = [p.weight for p in parts]
+    if any(w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] != weights[0].shape[1]
+           for w in weights) or weights[0].shape[1] % F32_KERNEL_BLOCK:
+        return None
+    if len(parts) == 1:
+        return Float32Linear(weights[0].contiguous()) if weights[0].is_contiguous() else None
+    fused = torch.cat([w.detach() for w in weights])
+    row = 0
+    with torch.no_grad():
+        for part in parts:
+            part.weight.data = fused[row : row + part.out_features]
+            row += part.out_features
+    return Float32Linear(fused)
 Q8_BLOCK = 32  # GGUF's Q8_0: one fp16 scale per 32 int8 values
 
 

@@ -291,3 +291,16 @@ def test_draft_evicted_on_another_thread_mid_iteration_does_not_break_the_step(t
         hook.remove()
     assert session.generated_ids == reference(target)
     assert all(it.catchup_tokens > 0 for it in session.stats.iterations)  # every step started from scratch
+
+
+def test_argmax_rows_picks_torchs_indices_ties_and_nan_included():
+    from memspec_ros.runtime.speculative import argmax_rows
+
+    rows = torch.randn(5, 49152, generator=torch.Generator().manual_seed(0))
+    rows[1, [7, 900]] = 99.0  # a tie: the first
+    rows[2, 3000:] = float("-inf")  # a reduced-vocabulary draft's row
+    rows[3, [11, 40]] = float("nan")  # NaN counts as the largest, the first of them
+    assert argmax_rows(rows) == rows.argmax(dim=-1).tolist() == [argmax_rows(r) for r in rows]
+    assert argmax_rows(rows[1]) == 7 and argmax_rows(rows[3]) == 11
+    half = rows[:, :64].to(torch.bfloat16)  # another dtype: torch's own argmax
+    assert argmax_rows(half) == half.argmax(dim=-1).tolist()

@@ -344,7 +344,7 @@ class SpeculativeSession:
         """One token from a row of logits, for draft and target alike: the argmax, or a draw from the
         warped distribution (returned too: the acceptance rule needs the draft's q)."""
         if self.sampling.greedy:
-            return int(logits.argmax()), None
+            return argmax_rows(logits), None
         probs = warp_probs(logits, self.sampling)
         return int(torch.multinomial(probs, 1, generator=self.generator)), probs
 
@@ -449,7 +449,7 @@ class SpeculativeSession:
     def _accept(self, logits: torch.Tensor, proposal: _Proposal) -> tuple[int, int]:
         """How many proposals stand, and the target's own next token (greedy match, or the sampling rule)."""
         if self.sampling.greedy:
-            choices = logits.argmax(dim=-1).tolist()
+            choices = argmax_rows(logits)
             accepted = 0
             while accepted < len(proposal.tokens) and proposal.tokens[accepted] == choices[accepted]:
                 accepted += 1
@@ -504,6 +504,17 @@ class SpeculativeSession:
         self.stats.finish_reason = reason
         if self._decode_started:
             self.stats.decode_seconds = time.perf_counter() - self._decode_started
+
+
+def argmax_rows(logits: torch.Tensor):
+    """The argmax of a row of logits (an int), or of each row (a list): the first on a tie, as torch's.
+
+    On a CPU fp32 tensor numpy's vectorized argmax does it: torch's took 0.15 ms on one 49,152-wide row and
+    0.8 ms on a 5-row verify (1 thread), 6% of an int4 verify and about a third of each reduced-vocabulary draft
+    token's forward; numpy's takes 6 and 25 us, same indices (NaN, the largest for both, included)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def generate(

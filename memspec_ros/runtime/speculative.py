@@ -511,7 +511,8 @@ def argmax_rows(logits: torch.Tensor):
 
     On a CPU fp32 tensor numpy's vectorized argmax does it: torch's took 0.15 ms on one 49,152-wide row and
     0.8 ms on a 5-row verify (1 thread), 6% of an int4 verify and about a third of each reduced-vocabulary draft
-    token's forward; numpy's takes 6 and 25 us, same indices (NaN, the largest for both, included)."""
+    token's forward; numpy's takes 6 and 25 us, same indices (NaN, the largest for both, included). End to end
+    the saving was within noise (int4, 6 prompts interleaved in one process: engine 1.008x, target alone 0.988x)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(-1).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -320,14 +320,7 @@ def concat_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     kind = type(parts[0])
     if any(type(p) is not kind for p in parts) or len({p.in_features for p in parts}) != 1:
         return None
-    if kind is torch.nn.Linear:
-        weight = torch.cat([p.weight for p in parts])
-        fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=any(p.bias is not None for p in parts))
-        fused.weight = torch.nn.Parameter(weight, requires_grad=False)
-        if fused.bias is not None:
-            fused.bias = _concat_bias(parts)
-        return fused
-    if kind not in FAST_LINEARS:
+    if kind not in FAST_LINEARS:  # plain fp32 linears: f32_kernel_linear fuses them, in place
         return None
     fused = kind.concat(parts)
     # The packed int4 layout interleaves output rows in blocks whose size is the kernel's choice

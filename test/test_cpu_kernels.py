@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
-from test_forward_paths import verify_and_steps
+from test_forward_paths import _q8_grid_table, verify_and_steps
 
 from memspec_ros.runtime import cpu_kernels
-from memspec_ros.runtime.draft_forward import decoder_summary, lean_forward_for
+from memspec_ros.runtime.draft_forward import decoder_summary, lean_forward_for, observe_hidden
+from memspec_ros.runtime.draft_vocab import DraftVocab, ReducedVocabDraft
 from memspec_ros.runtime.forward_paths import INT4_GROUP, Float32Linear, Int4Linear, Int8Linear, apply_path
 from memspec_ros.runtime.speculative import KVState, forward_once, generate
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
@@ -21,6 +22,7 @@ STATUS = cpu_kernels.status()
 needs_w4 = pytest.mark.skipif(not STATUS.w4, reason=f"no w4 kernel here: {STATUS.reason}")
 needs_i8 = pytest.mark.skipif(not STATUS.i8, reason=f"no i8 kernel here: {STATUS.reason}")
 needs_decoder = pytest.mark.skipif(not STATUS.decoder, reason=f"no decoder kernel here: {STATUS.reason}")
+needs_step = pytest.mark.skipif(not STATUS.step, reason=f"no step kernel here: {STATUS.reason}")
 ROWS = range(1, 11)  # 1..8 rows take one pass over the weights, 9 and 10 two
 
 
@@ -232,6 +234,96 @@ def test_speculative_greedy_through_the_decoder_equals_the_target_alone(path):
         spec = generate(target, prompt, draft, gamma=4, max_new_tokens=40, eos_token_ids=[], adaptive_gamma=adaptive)
         assert spec.generated_ids == alone.generated_ids
     assert spec.stats.mean_accepted > 0  # the draft agreed sometimes: verifies of several rows really ran
+
+
+def _step_model(path: str, kind: str, seed: int = 7):
+    """A model the step kernel takes, as the engine meets them: ``plain`` (the decoder's model), ``q8`` (its
+    embedding on GGUF's Q8_0 grid, kept as int8 rows: the bundled target's), ``reduced`` (a draft over 40 of the
+    96 target ids: the bundled drafts')."""
+    if kind == "reduced":
+        inner = tiny_llama(vocab_size=41, hidden=256, layers=2, seed=seed, init_range=0.2)
+        apply_path(inner, path)
+        return ReducedVocabDraft(inner, DraftVocab(list(range(3, 83, 2)), 96)).eval()
+    model = tiny_llama(vocab_size=96, hidden=256, layers=2, seed=seed, init_range=0.2)
+    if kind == "q8":
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(_q8_grid_table(96, 256, seed=seed))
+    report = apply_path(model, path)
+    assert kind != "q8" or report.embedding == "q8_0"
+    return model
+
+
+STEP_CASES = [(p, k) for p in ("int4", "int8", "fp32") for k in ("plain", "q8", "reduced") if (p, k) != ("fp32", "q8")]
+
+
+def _prefill_and_verify(model, lean, prompt, rows):
+    kv = KVState()
+    with torch.inference_mode():
+        return torch.cat([forward_once(model, prompt, kv, len(prompt), "cpu", lean),
+                          forward_once(model, rows, kv, len(rows), "cpu", lean)])
+
+
+@needs_step
+@pytest.mark.parametrize(("path", "kind"), STEP_CASES)
+def test_the_step_kernel_runs_the_whole_forward_as_the_lean_forward_does(path, kind):
+    """Ids to logits in one C call (embedding rows, layers, final RMSNorm, head, the reduced vocabulary's scatter)
+    against the lean forward's own embedding, RMSNorm and head around the same decoder call."""
+    model = _step_model(path, kind)
+    lean = lean_forward_for(model)
+    assert lean.step is not None, lean.step_reason
+    prompt, rows = [5, 9, 33, 2, 71, 40, 8, 8, 13], [7, 21, 9, 40, 2]
+    stepped = _prefill_and_verify(model, lean, prompt, rows)
+    step, lean.step = lean.step, None
+    try:
+        python = _prefill_and_verify(model, lean, prompt, rows)
+    finally:
+        lean.step = step
+    # only the final RMSNorm's order of additions differs; on int4/int8 its rows are rounded again for the
+    # head's int8 row format, so as in the decoder test above a difference may become one step of it
+    finite = torch.isfinite(python)
+    assert torch.equal(torch.isfinite(stepped), finite)  # a reduced draft: -inf (q = 0) on the same ids
+    assert finite.sum(-1).min() == (40 if kind == "reduced" else 96)
+    scale = python[finite].abs().max()
+    assert (stepped[finite] - python[finite]).abs().max() < 8 / 127 * scale
+    assert torch.equal(stepped.argmax(-1), python.argmax(-1))
+    verify, steps = verify_and_steps(model, prompt, rows)
+    assert torch.equal(verify, steps)  # a verify's rows equal one-token steps, bit for bit
+
+
+@needs_step
+def test_the_step_kernel_shows_hidden_state_observers_every_fed_row():
+    """The target-hidden predictor reads the final-normed hidden state of every row the target is fed."""
+    model = _step_model("int8", "plain")
+    lean = lean_forward_for(model)
+    seen: dict[str, list] = {"step": [], "python": []}
+    prompt, rows = [5, 9, 33, 2, 71, 40], [7, 21, 9]
+    step = lean.step
+    for name in seen:
+        handle = observe_hidden(model, lambda hidden, start, name=name: seen[name].append((start, hidden.clone())))
+        lean.step = step if name == "step" else None
+        try:
+            _prefill_and_verify(model, lean, prompt, rows)
+        finally:
+            lean.step = step
+            handle.remove()
+    assert [(s, h.shape) for s, h in seen["step"]] == [(0, (6, 256)), (6, (3, 256))]
+    assert [s for s, _ in seen["python"]] == [0, 6]
+    for (_, a), (_, b) in zip(seen["step"], seen["python"], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_step
+@pytest.mark.parametrize("kind", ["plain", "reduced"])
+def test_the_step_kernel_refuses_an_id_outside_the_vocabulary_and_changes_no_cache(kind):
+    model = _step_model("int8", kind)
+    lean = lean_forward_for(model)
+    kv = KVState()
+    with torch.inference_mode():
+        forward_once(model, [5, 9, 33], kv, 1, "cpu", lean)
+        for bad in ([96], [-1], [7, 200]):
+            with pytest.raises(IndexError, match=r"token ids must lie in \[0, 96\)"):
+                forward_once(model, bad, kv, 1, "cpu", lean)
+            assert kv.length == 3 and kv.cache.get_seq_length() == 3
 
 
 def _status_in_subprocess(env: dict[str, str]) -> str:

@@ -27,6 +27,11 @@
  *               Python and dispatch around ~50 small tensor operations per layer cost as much as a third
  *               of the forward; here RMSNorm, RoPE, the KV cache write, attention (each query row over its
  *               own causal prefix), SiLU and the residuals are plain loops between the matmul kernels.
+ *   model_step  a whole forward, token ids to logits: the embedding rows, decoder_forward, the final RMSNorm
+ *               and the head, and a reduced vocabulary's rows scattered into target-width rows. In the engine's
+ *               loop each of a draft's forwards follows a target verify that streamed ~70 MB of weights, which
+ *               evicts the interpreter's and torch's dispatch state: a trivial tensor operation then costs
+ *               ~15-20 us instead of ~2, and the ~25 operations around decoder_forward cost 3x the layers.
  *
  * Instruction sets: chosen at compile time from what -march=native enables (memspec_kernel_isa() says which
  * each kernel got; AMX also needs the kernel's permission, asked at the first call; MEMSPEC_AMX=0 leaves it out). -DMEMSPEC_PORTABLE builds the portable C alone (the tests run it on any machine).
@@ -67,7 +72,8 @@
 #include <unistd.h>
 #endif
 
-enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BLOCKED = 16, FEATURE_F32 = 32 };
+enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BLOCKED = 16, FEATURE_F32 = 32,
+       FEATURE_STEP = 64 };
 #define ROW_BLOCK 8 /* rows per pass over the weights */
 #define LANES 16   /* fp32 sums in portable C: 16 lanes, as one AVX512 register */
 
@@ -75,7 +81,7 @@ enum { FEATURE_W4 = 1, FEATURE_I8 = 2, FEATURE_DECODER = 4, FEATURE_W4_BLOCKED =
  * w4 takes its weights in blocks of 16 outputs (pack_w4). */
 static int amx_ready(void);
 int memspec_kernel_features(void) {
-  int features = FEATURE_W4 | FEATURE_I8 | FEATURE_DECODER | FEATURE_F32;
+  int features = FEATURE_W4 | FEATURE_I8 | FEATURE_DECODER | FEATURE_F32 | FEATURE_STEP;
 #ifdef W4_VNNI
   features |= FEATURE_W4_BLOCKED;
 #endif
@@ -1046,6 +1052,97 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
   }
 done:
   free(h); free(wide); free(q); free(attn); free(act); free(scores);
+  free(s.xu); free(s.row_scale);
+  return status;
+}
+
+/* ---------------------------------------------------------------- a whole forward: ids in, logits out */
+static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> binary32, exact */
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa) { /* subnormal: normalize */
+    int e = -1;
+    uint32_t m = mantissa;
+    do {
+      e++;
+      m <<= 1;
+    } while (!(m & 0x400));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+  } else {
+    bits = sign;
+  }
+  float out;
+  memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+/* What model_step needs besides the layers. embed_kind: 32 = an fp32 table [rows][dim], 8 = Q8_0 rows (int8
+ * values [rows][dim] and one fp16 scale per 32, as forward_paths.Q8Embedding holds them). scatter: a reduced
+ * vocabulary's target id per head row (scatter_n of them; the head's further rows are dropped), written into rows
+ * of `width` logits that are -inf elsewhere; NULL: the head's rows are the logits. */
+typedef struct {
+  const Layer* layers;
+  int n_layers, dim, heads, kv_heads, head_dim, intermediate;
+  float eps;
+  int embed_kind, embed_rows;
+  const void* embed;
+  const uint16_t* embed_scales;
+  const float* final_norm;
+  Linear head;
+  const int64_t* scatter;
+  int scatter_n, width;
+} StepModel;
+
+/* logits [keep][width] of the last `keep` of n rows fed at positions start..start+n-1 (ids: embedding rows,
+ * checked by the caller); x [n][dim] is scratch. normed: NULL, or [n][dim] for every row's final-normed hidden
+ * state (the engine's hidden-state observers). cos/sin: [n][head_dim] from row `start` of the rotary table.
+ * Returns 0, or -1 when out of memory. */
+int model_step(const StepModel* m, const int32_t* ids, int n, int start, const float* cos, const float* sin,
+               int keep, float* x, float* normed, float* logits, int threads) {
+  const int dim = m->dim;
+  for (int i = 0; i < n; i++) {
+    float* row = x + (size_t)i * dim;
+    if (m->embed_kind == 32) {
+      memcpy(row, (const float*)m->embed + (size_t)ids[i] * dim, dim * sizeof(float));
+    } else {
+      const int8_t* values = (const int8_t*)m->embed + (size_t)ids[i] * dim;
+      const uint16_t* scales = m->embed_scales + (size_t)ids[i] * (dim / 32);
+      for (int j = 0; j < dim; j++) row[j] = (float)values[j] * half_to_float(scales[j / 32]);
+    }
+  }
+  if (decoder_forward(m->layers, m->n_layers, x, n, start, cos, sin, dim, m->heads, m->kv_heads, m->head_dim,
+                      m->intermediate, m->eps, threads))
+    return -1;
+  const int out = m->head.out_features, first = normed ? 0 : n - keep;
+  float* own = normed ? NULL : malloc((size_t)keep * dim * sizeof(float));
+  float* h = normed ? normed : own;
+  float* head_rows = m->scatter ? malloc((size_t)keep * out * sizeof(float)) : logits;
+  Scratch s = {malloc((size_t)keep * dim), malloc((size_t)keep * sizeof(float)), threads};
+  int status = 0;
+  if (!h || !head_rows || !s.xu || !s.row_scale) {
+    status = -1;
+    goto done;
+  }
+  rms_norm(x + (size_t)first * dim, m->final_norm, h, n - first, dim, m->eps);
+  if (linear(&m->head, h + (size_t)(n - keep - first) * dim, head_rows, keep, &s)) {
+    status = -1;
+    goto done;
+  }
+  if (m->scatter) {
+    for (int r = 0; r < keep; r++) {
+      float* row = logits + (size_t)r * m->width;
+      const float* mine = head_rows + (size_t)r * out;
+      for (int j = 0; j < m->width; j++) row[j] = -INFINITY;
+      for (int j = 0; j < m->scatter_n; j++) row[m->scatter[j]] = mine[j];
+    }
+  }
+done:
+  free(own);
+  if (m->scatter) free(head_rows);
   free(s.xu); free(s.row_scale);
   return status;
 }

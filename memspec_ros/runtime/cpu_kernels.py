@@ -36,7 +36,7 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 # a compiler without OpenMP builds the same kernels single-threaded
 OPENMP = "-fopenmp"
 # as memspec_kernel_features() reports them
-FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BLOCKED, FEATURE_F32 = 1, 2, 4, 16, 32
+FEATURE_W4, FEATURE_I8, FEATURE_DECODER, FEATURE_W4_BLOCKED, FEATURE_F32, FEATURE_STEP = 1, 2, 4, 16, 32, 64
 W4_BLOCK = 16  # outputs per block of w4's blocked layout
 ENV_SWITCH = "MEMSPEC_CPU_KERNELS"  # 0: ATen's kernels; portable: the portable C even where SIMD code exists
 PORTABLE = "portable"
@@ -50,6 +50,7 @@ class KernelStatus:
     w4: bool = False  # 4-bit weights x fp32 rows
     i8: bool = False  # int8 weights x int8 rows
     decoder: bool = False  # a whole w4/i8 decoder in one call
+    step: bool = False  # a whole forward, ids to logits, in one call (model_step)
     w4_blocked: bool = False  # w4 takes its weights in blocks of 16 outputs (AVX512-VNNI, AMX; see pack_w4)
     f32: bool = False  # fp32 weights x fp32 rows, each sum in one fixed order (rows exact)
     isa: str = ""  # the instruction set each kernel was compiled for
@@ -120,6 +121,8 @@ def _bind(library: ctypes.CDLL) -> None:
     library.f32_matmul.restype = i
     library.decoder_forward.argtypes = [p, i, p, i, i, p, p, i, i, i, i, i, f, i]
     library.decoder_forward.restype = i
+    library.model_step.argtypes = [p, p, i, i, p, p, i, p, p, p, i]
+    library.model_step.restype = i
 
 
 @cache
@@ -137,7 +140,7 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
         return None, KernelStatus(reason=f"not compiled ({type(exc).__name__}: {exc}); ATen's kernels run")
     features = library.memspec_kernel_features()
     return library, KernelStatus(w4=bool(features & FEATURE_W4), i8=bool(features & FEATURE_I8),
-                                 decoder=bool(features & FEATURE_DECODER),
+                                 decoder=bool(features & FEATURE_DECODER), step=bool(features & FEATURE_STEP),
                                  w4_blocked=bool(features & FEATURE_W4_BLOCKED), f32=bool(features & FEATURE_F32),
                                  isa=library.memspec_kernel_isa().decode(), library=str(path))
 
@@ -312,3 +315,91 @@ class Decoder:
                                                 self.intermediate, self.eps, _threads())
         if failed:
             raise MemoryError("the decoder kernel could not allocate its scratch memory")
+
+
+class _StepModel(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_void_p), ("n_layers", ctypes.c_int), ("dim", ctypes.c_int),
+                ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("intermediate", ctypes.c_int), ("eps", ctypes.c_float), ("embed_kind", ctypes.c_int),
+                ("embed_rows", ctypes.c_int), ("embed", ctypes.c_void_p), ("embed_scales", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("head", _Linear), ("scatter", ctypes.c_void_p),
+                ("scatter_n", ctypes.c_int), ("width", ctypes.c_int)]
+
+
+class Step:
+    """A whole lean forward in one C call (model_step): embedding rows, every layer, the final RMSNorm, the head
+    and a reduced vocabulary's scatter into target-width rows. Why: in the engine's loop each draft forward runs
+    right after a target verify has streamed the target's weights through the caches, and every small tensor
+    operation then costs ~15-20 us of cold dispatch; this leaves two allocations per forward. The arithmetic is
+    the decoder's and the linears' own kernels, so rows stay exact (a verify's rows equal one-token steps).
+    Build with :meth:`build`, which says why a model does not qualify."""
+
+    def __init__(self, decoder: Decoder, model: _StepModel, keep: list[torch.Tensor], width: int) -> None:
+        self.decoder, self._model, self._keep, self.width = decoder, model, keep, width
+        self.rows = model.embed_rows
+
+    @classmethod
+    def build(cls, decoder: Decoder, embed: torch.nn.Module, final_norm: torch.Tensor, head: torch.nn.Module,
+              scatter: torch.Tensor | None, width: int) -> Step | str:
+        from .forward_paths import Q8Embedding  # forward_paths imports this module
+
+        if not status().step:
+            return "the step kernel is not compiled here"
+        model = _StepModel(ctypes.cast(decoder._layers, ctypes.c_void_p), len(decoder._layers), decoder.dim,
+                           decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.intermediate, decoder.eps)
+        keep: list[torch.Tensor] = []
+        if type(embed) is torch.nn.Embedding and embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
+            model.embed_kind, model.embed = 32, _ptr(embed.weight)
+            keep.append(embed.weight)
+        elif isinstance(embed, Q8Embedding) and embed.values.is_contiguous() and embed.scales.is_contiguous():
+            model.embed_kind, model.embed, model.embed_scales = 8, _ptr(embed.values), _ptr(embed.scales)
+            keep += [embed.values, embed.scales]
+        else:
+            return f"embedding {type(embed).__name__} is not an fp32 table or Q8_0 rows"
+        if embed.embedding_dim != decoder.dim:
+            return f"embedding width {embed.embedding_dim} is not the hidden size {decoder.dim}"
+        model.embed_rows = embed.num_embeddings
+        if final_norm.dtype != torch.float32 or not final_norm.is_contiguous():
+            return "the final RMSNorm weight is not contiguous fp32"
+        model.final_norm = _ptr(final_norm)
+        described = _kernel_linear(head)
+        if isinstance(described, str):
+            return f"lm_head: {described}"
+        if described.in_features != decoder.dim:
+            return f"lm_head takes {described.in_features} inputs, not the hidden size {decoder.dim}"
+        model.head = described
+        if scatter is not None:
+            scatter = scatter.to(torch.int64).contiguous()
+            if scatter.numel() > described.out_features or (scatter.numel() and int(scatter.max()) >= width):
+                return "the reduced vocabulary's map does not fit its head or the target's width"
+            model.scatter, model.scatter_n = _ptr(scatter), scatter.numel()
+            keep.append(scatter)
+        elif width != described.out_features:
+            return f"lm_head has {described.out_features} outputs, not {width}"
+        model.width = width
+        keep += [final_norm, head]  # the head module holds the tensors its _Linear points into
+        return cls(decoder, model, keep, width)
+
+    def __call__(self, rows: list[int], start: int, rope: tuple[torch.Tensor, torch.Tensor], keep: int,
+                 buffers: list[tuple[torch.Tensor, torch.Tensor]], normed: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [keep, width] of the last ``keep`` of the embedding ``rows`` fed at positions start...;
+        ``rope``: the rotary table's cos and sin ([positions, head_dim] fp32, contiguous, covering every fed
+        position); ``buffers``: each layer's KV buffers, as :meth:`Decoder.__call__` takes them; ``normed``: an
+        [n, dim] tensor to receive every fed row's final-normed hidden state, or None."""
+        n = len(rows)
+        if n < 1 or not 1 <= keep <= n:
+            raise ValueError(f"a forward of {n} rows cannot keep the last {keep}")
+        if min(rows) < 0 or max(rows) >= self.rows:
+            raise IndexError(f"token row out of range: the embedding has {self.rows} rows")
+        for slot, (keys, values) in zip(self.decoder._layers, buffers, strict=True):
+            slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
+        x = torch.empty(n, self.decoder.dim)
+        logits = torch.empty(keep, self.width)
+        offset = start * self.decoder.head_dim * 4  # bytes: row ``start`` of the fp32 tables
+        with _CALL:
+            failed = _library().model_step(ctypes.byref(self._model), (ctypes.c_int32 * n)(*rows), n, start,
+                                           _ptr(rope[0]) + offset, _ptr(rope[1]) + offset, keep, _ptr(x),
+                                           _ptr(normed) if normed is not None else None, _ptr(logits), _threads())
+        if failed:
+            raise MemoryError("the step kernel could not allocate its scratch memory")
+        return logits

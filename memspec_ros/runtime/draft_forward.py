@@ -165,6 +165,17 @@ class LeanLlamaForward:
         self.decoder = built if isinstance(built, cpu_kernels.Decoder) else None
         self.decoder_reason = "" if self.decoder else built
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the decoder's cos/sin table (_rope_rows)
+        # the whole forward in one C call (cpu_kernels.Step) where the embedding and the head qualify too
+        step = (cpu_kernels.Step.build(self.decoder, self.embed, self.norm, self.lm_head,
+                                       self.vocab.target_ids if self.vocab is not None else None,
+                                       self.vocab.target_vocab_size if self.vocab is not None
+                                       else model.lm_head.out_features)
+                if self.decoder is not None else "no decoder kernel")
+        self.step = step if isinstance(step, cpu_kernels.Step) else None
+        self.step_reason = "" if self.step else step
+        # target id -> draft row, as a list: a Python lookup costs no tensor dispatch
+        self._to_draft = self.vocab.to_draft.tolist() if self.vocab is not None and self.step else None
+        self._likes: dict[int, torch.Tensor] = {}  # the KV claim's shape template per row count (_like)
 
     def _rope_rows(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [end - start, head_dim] of positions start..end-1, from a table the model's rotary module
@@ -177,7 +188,41 @@ class LeanLlamaForward:
             self._rope = (cos[0].float().contiguous(), sin[0].float().contiguous())
         return self._rope[0][start:end], self._rope[1][start:end]
 
+    def _like(self, n: int) -> torch.Tensor:
+        """An [1, kv_heads, n, head_dim] fp32 tensor: what kv_cache.claim_rows reads a claim's shape from."""
+        like = self._likes.get(n)
+        if like is None:
+            like = torch.empty(1, self.kv_heads, n, self.head_dim, device=self.device)
+            if n <= 16:  # a step's or a verify's row count: kept, so a forward allocates no template
+                self._likes[n] = like
+        return like
+
+    def _stepped(self, ids: Sequence[int], cache: Cache, start: int, keep: int) -> torch.Tensor:
+        """The forward as one C call (cpu_kernels.Step): what __call__ computes, bar the final RMSNorm's and the
+        embedding lookup's order of operations, with two tensor allocations instead of ~25 dispatches."""
+        rows = list(ids)
+        # checked before the cache is claimed, as the embedding lookup checks them first on the other paths
+        bound = len(self._to_draft) if self._to_draft is not None else self.step.rows
+        if not rows or min(rows) < 0 or max(rows) >= bound:
+            raise IndexError(f"token ids must lie in [0, {bound}), got {rows[:8]}{'...' if len(rows) > 8 else ''}")
+        if self._to_draft is not None:
+            rows = [self._to_draft[i] for i in rows]
+        n, end = len(rows), start + len(rows)
+        like = self._like(n)
+        buffers = [claim_rows(cache, index, like) for index in range(len(self.layers))]
+        if self._rope is None or self._rope[0].shape[0] < end:
+            self._rope_rows(like, start, end)  # the table covers every fed position
+        model = self._model()
+        observers = _OBSERVERS.get(model) if model is not None else None
+        normed = torch.empty(n, self.step.decoder.dim) if observers else None
+        logits = self.step(rows, start, self._rope, keep, buffers, normed)
+        for observe in list(observers or ()):
+            observe(normed, start)
+        return logits
+
     def __call__(self, ids: Sequence[int], cache: Cache, start: int, keep: int) -> torch.Tensor:
+        if self.step is not None and self.decoder is not None and is_preallocated(cache):  # no decoder: no step
+            return self._stepped(ids, cache, start, keep)
         n, end = len(ids), start + len(ids)
         tokens = torch.tensor([list(ids)], device=self.device)
         x = self.embed(tokens if self.vocab is None else self.vocab.inputs(tokens))

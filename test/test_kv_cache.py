@@ -64,3 +64,28 @@ def test_model_logits_identical_with_either_cache():
             outs.append((first, second))
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.allclose(outs[0][1], outs[1][1], atol=1e-6, rtol=0)
+
+
+def test_keys_and_values_read_the_valid_prefix_after_claims_crops_and_a_reset():
+    """The views are made when read (a kernel writes the buffers claim_rows hands out), so every read sees exactly
+    the rows written and not cropped, as DynamicLayer's would."""
+    from memspec_ros.runtime.kv_cache import claim_rows
+
+    cache = preallocated_cache()
+    rows = []
+    for seed, n in enumerate((5, 3, 1)):
+        keys, values = claim_rows(cache, 0, torch.empty(1, 2, n, 8))
+        k, v = _states(n, seed)
+        length = sum(r[0].shape[-2] for r in rows)
+        keys[..., length : length + n, :], values[..., length : length + n, :] = k, v
+        rows.append((k, v))
+        layer = cache.layers[0]
+        assert torch.equal(layer.keys, torch.cat([r[0] for r in rows], -2))
+        assert torch.equal(layer.values, torch.cat([r[1] for r in rows], -2))
+    cache.crop(-4)
+    assert cache.get_seq_length() == 5 and torch.equal(layer.keys, rows[0][0]) and torch.equal(layer.values, rows[0][1])
+    layer.reset()
+    assert cache.get_seq_length() == 0 and layer.keys is None and layer.values is None
+    k, v = _states(2, 9)
+    got_k, got_v = cache.update(k, v, 0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v) and cache.get_seq_length() == 2

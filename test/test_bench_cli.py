@@ -25,6 +25,11 @@ def test_engine_bench_reports_every_figure(tmp_path):
         assert result[key] >= 0, key
     assert result["outputs_identical"] is True
     assert 0 <= result["hf_assisted_same_as_generate"] <= 1  # transformers' own losslessness, reported
+    # the engine's own records, per draft token, per verify and per iteration besides: positive times that
+    # together cannot exceed the decode time they were taken from (tokens / decode tok/s)
+    loop = [result[k] for k in ("loop_draft_ms", "loop_verify_ms", "loop_other_ms")]
+    assert all(v > 0 for v in loop), loop
+    assert result["loop_verify_ms"] < 1000 * result["max_new_tokens"] / result["engine_decode_tps"]
 
 
 def test_policy_bench_runs_every_policy_losslessly(tmp_path):

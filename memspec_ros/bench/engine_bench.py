@@ -25,7 +25,7 @@ from ..runtime.chat import end_token_ids
 from ..runtime.datastore import Datastore
 from ..runtime.draft_forward import lean_forward_for, unsupported_reason
 from ..runtime.draft_vocab import ReducedVocabDraft, as_transformers_assistant
-from ..runtime.lookup import LookupConfig
+from ..runtime.lookup import LOOKUP_DRAFT, LookupConfig
 from ..runtime.speculative import KVState, forward_once, generate
 from ..runtime.stats import decode_tokens_per_second
 
@@ -76,7 +76,45 @@ class EngineBenchResult:
     t_verify_ms: float
     bound_tps: float | None  # None with context lookup: copied proposals cost no draft forward, so no such bound
     bound_fraction: float | None
+    # Where the engine's decode time went against the bound's isolated forwards (t_draft_ms, t_verify_ms, each
+    # repeated on its own, so warm in the caches): per draft token and per verify inside the loop, where each
+    # forward follows the other model's, and what each iteration spent outside both
+    loop_draft_ms: float | None = None  # per proposed token (a switch's catch-up forward left out)
+    loop_verify_ms: float | None = None
+    loop_other_ms: float | None = None  # per iteration: accepting, committing, streaming text, scheduling
     per_run: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class _LoopTimes:
+    """The engine's own iteration records (runtime/stats.py), summed over its generations."""
+
+    draft_s: float = 0.0
+    draft_tokens: int = 0
+    verify_s: float = 0.0
+    iterations: int = 0
+    other_s: float = 0.0
+
+    def add(self, stats) -> None:
+        for it in stats.iterations:
+            if it.draft != LOOKUP_DRAFT:  # copied proposals cost a lookup, not draft forwards
+                self.draft_s += it.draft_seconds
+                self.draft_tokens += it.proposed - (1 if it.catchup_tokens else 0)  # the catch-up yields one
+            self.verify_s += it.verify_seconds
+        self.iterations += len(stats.iterations)
+        self.other_s += stats.decode_seconds - sum(it.seconds for it in stats.iterations)
+
+    @property
+    def draft_ms(self) -> float | None:
+        return 1000 * self.draft_s / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def verify_ms(self) -> float | None:
+        return 1000 * self.verify_s / self.iterations if self.iterations else None
+
+    @property
+    def other_ms(self) -> float | None:
+        return 1000 * self.other_s / self.iterations if self.iterations else None
 
 
 def _forward_ms(model, context: list[int], feed: int, device, lean=None, repeats: int = 5) -> float:
@@ -133,6 +171,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     draft_ms: list[float] = []
     verify_ms: list[float] = []
     identical = True
+    loop = _LoopTimes()
     same_as_transformers = 0  # prompts where transformers' generate gave the engine's target-alone tokens
     hf_same = 0  # prompts where transformers' assisted generation gave its generate's tokens
     # warm-up: first calls pay for allocation and lazy initialisation
@@ -170,6 +209,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens
                     accepted.append(session.stats.mean_accepted)
+                    loop.add(session.stats)
                 seconds[method] += time.perf_counter() - start
                 tokens[method] += len(out)
                 outputs[method] = out
@@ -208,6 +248,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         hf_assisted_same_as_generate=hf_same / (len(prompts) * cfg.runs) if hf_can else None,
         t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound,
         bound_fraction=engine_decode / bound if bound else None,
+        loop_draft_ms=loop.draft_ms, loop_verify_ms=loop.verify_ms, loop_other_ms=loop.other_ms,
         per_run=per_run,
     )
 

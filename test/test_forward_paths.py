@@ -278,3 +278,17 @@ def test_a_kernel_that_is_not_row_exact_gets_its_rows_one_by_one(monkeypatch):
     assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(4)]))
     exact = Int8Linear(torch.randn(32, 64), None)
     assert forward_paths.check_rows(exact) and exact.rows_at_once
+
+
+def test_the_fp32_path_reports_the_kernel_its_lean_forward_multiplies_with():
+    """/diagnostics "cpu kernels": fp32 linears stay nn.Linear, and the lean forward runs them on the f32 kernel
+    where it compiled, so the report names it rather than ATen."""
+    from memspec_ros.runtime import cpu_kernels
+
+    model = tiny_llama(vocab_size=96, hidden=256, layers=1)
+    report = apply_path(model, "fp32")
+    if cpu_kernels.status().f32:
+        assert report.kernels == cpu_kernels.status().describe() and "f32" in report.kernels
+        assert lean_forward_for(model).decoder is not None  # and the forward does run on it
+    else:
+        assert report.kernels.startswith("ATen")

@@ -363,7 +363,7 @@ class PathReport:
     rows_one_by_one: list[str] = field(default_factory=list)  # layers whose kernel is not row-exact here
     head: str = ""  # the LM head's form
     embedding: str = "fp32"  # the token embedding's form: fp32, or q8_0 where the table is on that grid
-    kernels: str = "ATen"  # what multiplies the int4/int8 layers: the engine's kernels (runtime/cpu_kernels.py) or ATen
+    kernels: str = "ATen"  # what multiplies the layers: the engine's kernels (runtime/cpu_kernels.py) or ATen
 
 
 def check_path(path: str) -> str:
@@ -403,6 +403,9 @@ def apply_path(model: torch.nn.Module, path: str, compact_embedding: bool = True
     check_path(path)
     report = PathReport(path)
     if path == "fp32":
+        # its linears stay nn.Linear; the lean forward runs them on the f32 kernel, fused in place (f32_kernel_linear)
+        if cpu_kernels.status().f32:
+            report.kernels = cpu_kernels.status().describe()
         return report
     kind_for_path = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}[path]
     linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]

@@ -1,6 +1,7 @@
 """Interleaved A/B of the two per-forward overhead cuts, in one process on the same prompts (README: "Why the loop
 was slower than its forwards"): ``step`` toggles the one-call forward (cpu_kernels.Step) on the target and the
-drafts; ``views`` makes the KV cache slice its keys/values views at every claim and crop again, as it did before.
+drafts; ``views`` makes the KV cache slice its keys/values views at every claim and crop again, as it did before;
+``choice`` takes a greedy draft token through the checked row's torch max and a detached argmax again.
 Each held-out prompt (round-robin over the zoo's workloads, its domain's draft) runs the target alone and the engine
 (gamma 4) both ways, the order alternating per prompt; decode tokens/s summed over prompts.
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from memspec_ros.bench.cli import _round_robin_prompts
-from memspec_ros.runtime import kv_cache
+from memspec_ros.runtime import kv_cache, speculative
 from memspec_ros.runtime.chat import end_token_ids
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.loader import load_models
@@ -24,6 +25,12 @@ from memspec_ros.runtime.speculative import generate
 
 DOMAINS = ("code", "general", "law", "math", "medical", "mixed")  # the order _round_robin_prompts takes them in
 _CLAIM, _CROP = kv_cache.PreallocatedLayer.claim, kv_cache.PreallocatedLayer.crop
+_GREEDY = speculative._greedy_draft_token
+
+
+def _torch_choice(name: str, *forward_args) -> int:
+    row = speculative._checked_draft_row(name, *forward_args)
+    return row.detach().numpy().argmax(-1).tolist()  # argmax_rows as it was: a detach dispatch first
 
 
 def _eager_claim(self, like):
@@ -53,6 +60,8 @@ def main(path: str, count: int, what: str) -> None:
         if what == "views":
             kv_cache.PreallocatedLayer.claim = _CLAIM if on else _eager_claim
             kv_cache.PreallocatedLayer.crop = _CROP if on else _eager_crop
+        elif what == "choice":
+            speculative._greedy_draft_token = _GREEDY if on else _torch_choice
         else:
             for model, step in steps.items():
                 lean_forward_for(model).step = step if on else None

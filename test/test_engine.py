@@ -304,3 +304,31 @@ def test_argmax_rows_picks_torchs_indices_ties_and_nan_included():
     assert argmax_rows(rows[1]) == 7 and argmax_rows(rows[3]) == 11
     half = rows[:, :64].to(torch.bfloat16)  # another dtype: torch's own argmax
     assert argmax_rows(half) == half.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("row", ["reduced", "nan", "+inf", "all -inf", "bf16"])
+def test_the_greedy_draft_token_is_the_checked_rows_argmax_or_a_draft_failure(row, monkeypatch):
+    """The greedy loop's one-pass draft choice (_greedy_draft_token) against the checked row and argmax_rows it
+    stands in for: the same token, or the same DraftFailure."""
+    from memspec_ros.runtime import speculative
+
+    logits = torch.randn(2, 4096, generator=torch.Generator().manual_seed(1))
+    logits[-1, 2000:] = float("-inf")  # a reduced-vocabulary draft's absent ids
+    if row == "nan":
+        logits[-1, [5, 70]] = float("nan")
+    elif row == "+inf":
+        logits[-1, 9] = float("inf")
+    elif row == "all -inf":
+        logits[-1] = float("-inf")
+    elif row == "bf16":
+        logits = logits.to(torch.bfloat16)  # not a numpy row: torch's own max and argmax
+    monkeypatch.setattr(speculative, "_forward", lambda *args: logits)
+    if row in ("reduced", "bf16"):
+        expected = speculative.argmax_rows(speculative._checked_draft_row("d", None))
+        assert speculative._greedy_draft_token("d", None) == expected == int(logits[-1].float().argmax())
+        return
+    with pytest.raises(speculative.DraftFailure, match="not finite") as checked:
+        speculative._checked_draft_row("d", None)
+    with pytest.raises(speculative.DraftFailure, match="not finite") as greedy:
+        speculative._greedy_draft_token("d", None)
+    assert str(greedy.value) == str(checked.value)

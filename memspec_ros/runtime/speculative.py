@@ -140,18 +140,41 @@ def forward_once(model: torch.nn.Module, ids: Sequence[int], kv: KVState, keep: 
 _KVState, _forward = KVState, forward_once  # the engine's own names for them
 
 
-def _checked_draft_row(draft_name: str, *forward_args) -> torch.Tensor:
-    """The draft's last logits row (``forward_once(*forward_args)``), or DraftFailure. -inf is allowed (a reduced
-    vocabulary's absent ids), so the test is the row's maximum: NaN, +inf and -inf (no finite value) there are all
-    unusable."""
+def _draft_logits(draft_name: str, *forward_args) -> torch.Tensor:
     try:
-        row = _forward(*forward_args)[-1]
+        return _forward(*forward_args)
     except Exception as exc:
         raise DraftFailure(draft_name, f"its forward raised {type(exc).__name__}: {exc}") from exc
-    top = float(row.max())
+
+
+def _check_top(draft_name: str, top: float) -> None:
+    """-inf is allowed in a draft's row (a reduced vocabulary's absent ids), so the test is the row's maximum:
+    NaN, +inf and -inf (no finite value) there are all unusable."""
     if not math.isfinite(top):
         raise DraftFailure(draft_name, f"its logits are not finite (maximum {top})")
+
+
+def _checked_draft_row(draft_name: str, *forward_args) -> torch.Tensor:
+    """The draft's last logits row (``forward_once(*forward_args)``), or DraftFailure."""
+    row = _draft_logits(draft_name, *forward_args)[-1]
+    _check_top(draft_name, float(row.max()))
     return row
+
+
+def _greedy_draft_token(draft_name: str, *forward_args) -> int:
+    """What ``argmax_rows(_checked_draft_row(...))`` gives, from one numpy pass over the row and no tensor
+    operation: each costs a cold dispatch in the loop (README: why the loop was slower than its forwards). The
+    argmax's value is the row's maximum, NaN included (numpy's argmax, like torch's max, stops at the first NaN)."""
+    logits = _draft_logits(draft_name, *forward_args)
+    rows = _numpy_rows(logits)
+    if rows is None:
+        row = logits[-1]
+        _check_top(draft_name, float(row.max()))
+        return argmax_rows(row)
+    row = rows[-1]
+    token = int(row.argmax())
+    _check_top(draft_name, float(row[token]))
+    return token
 
 
 @dataclass
@@ -411,8 +434,10 @@ class SpeculativeSession:
         lean = lean_forward_for(draft) if self.lean_drafts else None
         for _ in range(gamma):
             with _Stopwatch() as watch:
-                row = _checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean)
-                token, q = self._choose(row)
+                if self.sampling.greedy:
+                    token, q = _greedy_draft_token(draft_name, draft, feed, kv, 1, self.device, lean), None
+                else:
+                    token, q = self._choose(_checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean))
             if catching_up and not proposal.tokens:
                 stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds
             else:
@@ -513,9 +538,15 @@ def argmax_rows(logits: torch.Tensor):
     0.8 ms on a 5-row verify (1 thread), 6% of an int4 verify and about a third of each reduced-vocabulary draft
     token's forward; numpy's takes 6 and 25 us, same indices (NaN, the largest for both, included). End to end
     the saving was within noise (int4, 6 prompts interleaved in one process: engine 1.008x, target alone 0.988x)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.detach().numpy().argmax(-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+    rows = _numpy_rows(logits)
+    return rows.argmax(-1).tolist() if rows is not None else logits.argmax(dim=-1).tolist()
+
+
+def _numpy_rows(logits: torch.Tensor):
+    """A CPU fp32 tensor's numpy view (no copy, and no detach dispatch where it needs none), else None."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    return (logits.detach() if logits.requires_grad else logits).numpy()
 
 
 def generate(

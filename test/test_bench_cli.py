@@ -182,3 +182,17 @@ def test_zoo_acceptance_measures_the_bundled_drafts_on_a_workload_folder(tmp_pat
     assert set(result["oracle_static_gain_by_workload"]) == {"chat", "robotics"}  # every workload but mixed
     assert result["oracle_dynamic_mixed"] is not None
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_the_engine_bound_counts_each_generations_own_forwards():
+    """The analytic bound's time for a generation: a verify per full iteration, a one-token forward per shorter
+    one (the end of the answer, a plain step), a draft forward per proposal, at that prompt's forward times."""
+    from memspec_ros.bench.engine_bench import _bound_seconds
+    from memspec_ros.runtime.stats import GenerationStats, IterationStats
+
+    stats = GenerationStats()
+    for proposed in (4, 4, 2, 0):
+        stats.iterations.append(IterationStats(draft="d" if proposed else "", proposed=proposed, accepted=0,
+                                               committed=1, draft_seconds=0.0, verify_seconds=0.0))
+    assert _bound_seconds(stats, 4, draft_ms=0.5, verify_ms=10.0, one_ms=6.0) == pytest.approx(
+        (2 * 10.0 + 2 * 6.0 + 10 * 0.5) / 1000)

@@ -324,6 +324,11 @@ def test_the_step_kernel_refuses_an_id_outside_the_vocabulary_and_changes_no_cac
             with pytest.raises(IndexError, match=r"token ids must lie in \[0, 96\)"):
                 forward_once(model, bad, kv, 1, "cpu", lean)
             assert kv.length == 3 and kv.cache.get_seq_length() == 3
+    step = lean.step  # called directly, it checks what the C call would read past: the rotary table too
+    with pytest.raises(ValueError, match="rotary table covers"):
+        step([1], 10_000, lean._rope, 1, [(torch.empty(1, 1, 1, 64),) * 2] * len(lean.layers))
+    with pytest.raises(IndexError, match="token row out of range"):
+        step([10_000], 3, lean._rope, 1, [])
 
 
 def _status_in_subprocess(env: dict[str, str]) -> str:

@@ -370,7 +370,8 @@ class Step:
         model.head = described
         if scatter is not None:
             scatter = scatter.to(torch.int64).contiguous()
-            if scatter.numel() > described.out_features or (scatter.numel() and int(scatter.max()) >= width):
+            if scatter.numel() > described.out_features or (
+                    scatter.numel() and (int(scatter.min()) < 0 or int(scatter.max()) >= width)):
                 return "the reduced vocabulary's map does not fit its head or the target's width"
             model.scatter, model.scatter_n = _ptr(scatter), scatter.numel()
             keep.append(scatter)
@@ -391,6 +392,8 @@ class Step:
             raise ValueError(f"a forward of {n} rows cannot keep the last {keep}")
         if min(rows) < 0 or max(rows) >= self.rows:
             raise IndexError(f"token row out of range: the embedding has {self.rows} rows")
+        if rope[0].shape[0] < start + n or rope[1].shape[0] < start + n:
+            raise ValueError(f"the rotary table covers {rope[0].shape[0]} positions, not {start + n}")
         for slot, (keys, values) in zip(self.decoder._layers, buffers, strict=True):
             slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
         x = torch.empty(n, self.decoder.dim)

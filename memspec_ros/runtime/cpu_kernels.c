@@ -31,7 +31,7 @@
  *               and the head, and a reduced vocabulary's rows scattered into target-width rows. In the engine's
  *               loop each of a draft's forwards follows a target verify that streamed ~70 MB of weights, which
  *               evicts the interpreter's and torch's dispatch state: a trivial tensor operation then costs
- *               ~15-20 us instead of ~2, and the ~25 operations around decoder_forward cost 3x the layers.
+ *               ~15-20 us instead of ~2, and the operations around decoder_forward cost 3x the layers.
  *
  * Instruction sets: chosen at compile time from what -march=native enables (memspec_kernel_isa() says which
  * each kernel got; AMX also needs the kernel's permission, asked at the first call; MEMSPEC_AMX=0 leaves it out). -DMEMSPEC_PORTABLE builds the portable C alone (the tests run it on any machine).

@@ -23,6 +23,20 @@ from transformers.cache_utils import Cache, DynamicLayer
 _MIN_CAPACITY = 256
 
 
+def _prefix_view(buffer: str, assigned: str) -> property:
+    """A layer attribute that reads as the valid prefix of its buffer once there is one (what was assigned
+    before that), sliced when read."""
+
+    def read(layer) -> torch.Tensor | None:
+        whole = getattr(layer, buffer)
+        return layer.__dict__.get(assigned) if whole is None else whole[..., : layer._length, :]
+
+    def assign(layer, value: torch.Tensor | None) -> None:
+        layer.__dict__[assigned] = value
+
+    return property(read, assign)
+
+
 class PreallocatedLayer(DynamicLayer):
     """A ``DynamicLayer`` backed by a doubling buffer; ``keys``/``values`` are views of its valid prefix."""
 
@@ -31,23 +45,8 @@ class PreallocatedLayer(DynamicLayer):
     _length = 0
 
     # transformers' base classes assign keys/values (None, an empty tensor); once a buffer exists, reads see it
-    @property
-    def keys(self) -> torch.Tensor | None:
-        buffer = self._key_buffer
-        return self.__dict__.get("_keys") if buffer is None else buffer[..., : self._length, :]
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._keys = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        buffer = self._value_buffer
-        return self.__dict__.get("_values") if buffer is None else buffer[..., : self._length, :]
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._values = value
+    keys = _prefix_view("_key_buffer", "_keys")
+    values = _prefix_view("_value_buffer", "_values")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)

@@ -154,11 +154,15 @@ def _check_top(draft_name: str, top: float) -> None:
         raise DraftFailure(draft_name, f"its logits are not finite (maximum {top})")
 
 
-def _checked_draft_row(draft_name: str, *forward_args) -> torch.Tensor:
-    """The draft's last logits row (``forward_once(*forward_args)``), or DraftFailure."""
-    row = _draft_logits(draft_name, *forward_args)[-1]
+def _last_checked_row(draft_name: str, logits: torch.Tensor) -> torch.Tensor:
+    row = logits[-1]
     _check_top(draft_name, float(row.max()))
     return row
+
+
+def _checked_draft_row(draft_name: str, *forward_args) -> torch.Tensor:
+    """The draft's last logits row (``forward_once(*forward_args)``), or DraftFailure."""
+    return _last_checked_row(draft_name, _draft_logits(draft_name, *forward_args))
 
 
 def _greedy_draft_token(draft_name: str, *forward_args) -> int:
@@ -167,10 +171,8 @@ def _greedy_draft_token(draft_name: str, *forward_args) -> int:
     argmax's value is the row's maximum, NaN included (numpy's argmax, like torch's max, stops at the first NaN)."""
     logits = _draft_logits(draft_name, *forward_args)
     rows = _numpy_rows(logits)
-    if rows is None:
-        row = logits[-1]
-        _check_top(draft_name, float(row.max()))
-        return argmax_rows(row)
+    if rows is None:  # not a CPU fp32 row: torch's own max and argmax
+        return argmax_rows(_last_checked_row(draft_name, logits))
     row = rows[-1]
     token = int(row.argmax())
     _check_top(draft_name, float(row[token]))

@@ -218,12 +218,15 @@ def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build,
     assert (from_store["prompts"], from_store["label_counts"]) == (report["prompts"], report["label_counts"])
 
 
-def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(tiny_build):
+def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(tiny_build, tmp_path):
     from memspec_ros.zoo.chat_card import render
 
-    lat = {"1": 30.0, "5": 60.0, "lean1": 25.0, "lean5": 50.0}
-    measured = {"threads": 1, "target_parameters": 134_500_000,
-                "latency_ms": {"target": lat, **{d: {"1": 1.0, "5": 1.2, "lean1": 0.5, "lean5": 0.6} for d in DOMAINS}},
+    def path_latency(target_ms: float, draft_ms: float) -> dict:
+        return {"target": {"1": target_ms, "5": 2 * target_ms}, **{d: {"1": draft_ms, "5": 1.5 * draft_ms} for d in DOMAINS}}
+
+    measured = {"threads": 1, "target_parameters": 134_500_000, "paths": ["none", "int4"],
+                "latency_ms": {"none": path_latency(30.0, 0.5), "int4": path_latency(4.0, 0.2)},
+                "vocab": {"rows": 8192, "train_coverage": 0.998, "heldout_coverage": 0.968},
                 "drafts": {d: {"parameters": 2_500_000, "bytes_on_disk": 5_000_000} for d in DOMAINS}}
     matrix = {d: {w: (1.5 if d == w else 1.0) for w in WORKLOADS} for d in DOMAINS}
     acceptance = {
@@ -233,10 +236,27 @@ def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(ti
         "domain_gain_over_general": {d: {w: matrix[d][w] - 1 for w in DOMAINS} for d in DOMAINS if d != "general"},
     }
     text = render(measured, acceptance, tiny_build.work_dir)
-    assert "| code | 1.00 | 1.20 | 0.50 | 60.0x |" in text  # target 1 token / the draft's lean forward
+    # per path: the draft's 1- and 5-token forwards and the target's 1-token forward over the draft's
+    assert "| code | 0.50 | 0.75 | 60.0x | 0.20 | 0.30 | 20.0x |" in text
+    assert "| target | 30.00 | 60.00 | 1.0x | 4.00 | 8.00 | 1.0x |" in text
+    assert "vocabulary of 8192 target ids" in text and "99.8% of the training answers' tokens" in text
     assert "Drafts total 25.0 MB" in text
     assert "| oracle_static_gain >= 0.20 | 0.250 | yes |" in text
     assert "| oracle_dynamic_gain_mixed >= 0.10 | 0.050 | no |" in text
     assert "code +50%, math +50%, law +50%, medical +50% | yes |" in text
     general_meta = json.loads((tiny_build.work_dir / "ckpt" / "general" / "final" / "train_meta.json").read_text())
     assert f"| {general_meta['best_step']} of {general_meta['step']} |" in text
+    # without the build's work directory, the steps come from the copies the zoo ships beside each draft
+    shipped = json.loads((tiny_build.out_dir / "drafts" / "general" / "train_meta.json").read_text())
+    alone = render(measured, acceptance, tmp_path / "no-build", tiny_build.out_dir)
+    assert f"| {shipped['best_step']} of {shipped['step']} |" in alone
+
+
+def test_the_model_card_needs_the_vocabulary_figures_from_the_build_or_kept_measurements(tmp_path):
+    from memspec_ros.zoo.chat_card import write_chat_card
+
+    models = tmp_path / "models"
+    models.mkdir()
+    with pytest.raises(FileNotFoundError, match="--work-dir"):
+        write_chat_card(models, tmp_path / "no-build", tmp_path / "acceptance.json")
+    assert not (models / "MODEL_CARD.md").exists() and not (models / "card_measurements.json").exists()

@@ -9,11 +9,11 @@ thread, the setting of ``make demo`` and the benchmarks).
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
 
-from .card import interleaved_latencies
 from .corpora import DOMAINS, WORKLOADS
 
 UPSTREAM = ("SmolLM2-135M-Instruct by Hugging Face (HuggingFaceTB), Apache-2.0, as the Q4_1 GGUF shipped in the"
@@ -22,32 +22,63 @@ UPSTREAM = ("SmolLM2-135M-Instruct by Hugging Face (HuggingFaceTB), Apache-2.0, 
 GOALS = {"own_domain_gain": 0.40, "oracle_static_gain": 0.20, "oracle_dynamic_gain_mixed": 0.10, "cost_ratio": 10.0}
 
 
-def measure_latencies(models_dir: Path, threads: int = 1, rounds: int = 8) -> dict:
+# the forward paths the card times: the node's default and the int4 path the benchmarks run
+CARD_PATHS = ("none", "int4")
+_LABEL = {"none": "fp32"}
+
+
+def measure_latencies(models_dir: Path, threads: int = 1, rounds: int = 12) -> dict:
+    """Each model's 1- and 5-token forward on each path, as the engine runs it (``path_choice.time_forward``:
+    its own forward over a cached context), target and drafts interleaved round by round so that a drift in the
+    machine's speed moves them together."""
     from memspec_ros.runtime.models import ModelSpec, load_model
+    from memspec_ros.runtime.path_choice import time_forward
     from memspec_ros.runtime.registry import DraftRegistry
 
     torch.set_num_threads(threads)
     registry = DraftRegistry.from_yaml(models_dir / "registry.yaml", validate=False)
-    models = {"target": load_model(ModelSpec(registry.target_path)).model}
-    sizes = {}
-    for e in registry.entries():
-        loaded = load_model(ModelSpec(e.path))
-        models[e.name] = loaded.model
-        sizes[e.name] = {"parameters": sum(p.numel() for p in loaded.model.parameters()),
-                         "bytes_on_disk": sum(f.stat().st_size for f in Path(e.path).glob("*.safetensors"))}
-    latency = interleaved_latencies(models, rounds=rounds, per_round=6)
-    return {"threads": threads, "latency_ms": latency, "drafts": sizes,
-            "target_parameters": sum(p.numel() for p in models["target"].parameters())}
+    sources = {"target": registry.target_path, **{e.name: e.path for e in registry.entries()}}
+    sizes, latency = {}, {}
+    target_parameters = 0
+    for path in CARD_PATHS:
+        models = {name: load_model(ModelSpec(str(src), quantization=path)).model for name, src in sources.items()}
+        vocab = models["target"].config.vocab_size
+        samples: dict[str, dict[str, list[float]]] = {name: {"1": [], "5": []} for name in models}
+        names = list(models)
+        for r in range(rounds):
+            # rotated, so each model follows the target equally often: a target forward evicts the caches
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                model = models[name]
+                for n in (1, 5):
+                    samples[name][str(n)].append(time_forward(model, n, vocab))
+        latency[path] = {name: {k: statistics.median(v) for k, v in s.items()} for name, s in samples.items()}
+        if path == "none":  # parameters and files of the models as shipped (CARD_PATHS starts with it)
+            target_parameters = sum(p.numel() for p in models["target"].parameters())
+            for e in registry.entries():
+                sizes[e.name] = {"parameters": sum(p.numel() for p in models[e.name].parameters()),
+                                 "bytes_on_disk": sum(f.stat().st_size for f in Path(e.path).glob("*.safetensors"))}
+        del models
+    return {"threads": threads, "paths": list(CARD_PATHS), "latency_ms": latency, "drafts": sizes,
+            "target_parameters": target_parameters}
 
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.0%}"
 
 
-def render(measured: dict, acceptance: dict, build: Path) -> str:
-    vocab = json.loads((build / "vocab.json").read_text())
-    lat = measured["latency_ms"]
-    t1, t5 = lat["target"]["1"], lat["target"]["5"]
+def _build_file(build: Path, models_dir: Path, name: str, shipped: str) -> dict:
+    """A build record from the build's work directory, else the copy the zoo ships (``shipped``, under models/):
+    the card can be measured again on a machine that has the zoo but not the hours-long build behind it."""
+    for f in (build / name, models_dir / shipped):
+        if f.is_file():
+            return json.loads(f.read_text())
+    return {}
+
+
+def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | None = None) -> str:
+    models_dir = models_dir or build / "out"
+    vocab = measured["vocab"]
+    lat, paths = measured["latency_ms"], measured["paths"]
     lines = [
         "# The bundled zoo: SmolLM2-135M-Instruct and five reduced-vocabulary drafts",
         "",
@@ -68,8 +99,7 @@ def render(measured: dict, acceptance: dict, build: Path) -> str:
         "|---|---:|---:|---|---:|---|",
     ]
     for name in DOMAINS:
-        meta_file = build / "ckpt" / name / "final" / "train_meta.json"
-        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+        meta = _build_file(build, models_dir, f"ckpt/{name}/final/train_meta.json", f"drafts/{name}/train_meta.json")
         size = measured["drafts"].get(name, {})
         source = "answers of every domain" if name == "general" else f"{name} answers, from `general`"
         lines.append(
@@ -82,21 +112,24 @@ def render(measured: dict, acceptance: dict, build: Path) -> str:
         "",
         f"Drafts total {total / 1e6:.1f} MB on disk.",
         "",
-        f"## Forward cost ({measured['threads']} thread, batch 1, 64-token KV cache, medians of interleaved rounds)",
+        f"## Forward cost ({measured['threads']} thread, batch 1, after a 64-token context, medians of interleaved"
+        " rounds)",
         "",
-        "| model | 1 token (ms) | 5 tokens (ms) | 1 token, lean forward (ms) | target 1 token / this |",
-        "|---|---:|---:|---:|---:|",
-        f"| target | {t1:.2f} | {t5:.2f} | {lat['target']['lean1']:.2f} | 1.0x |",
+        "Each forward as the engine runs it (`runtime/path_choice.time_forward`: the engine's own forward), on the node's default fp32 path and on the int4 path the benchmarks run; the"
+        " drafts on the same path as the target. The ratio of the target's 1-token forward to a draft's decides what"
+        f" a draft costs an iteration (goal: at least {GOALS['cost_ratio']:.0f}x); a 5-token forward is a gamma-4"
+        " verify.",
+        "",
+        "| model | " + " | ".join(f"{_LABEL.get(p, p)} 1 token (ms) | 5 tokens (ms) | target 1 token / this" for p in paths)
+        + " |",
+        "|---|" + "---:|---:|---:|" * len(paths),
     ]
-    for name in DOMAINS:
-        if name in lat:
-            d = lat[name]
-            lines.append(f"| {name} | {d['1']:.2f} | {d['5']:.2f} | {d['lean1']:.2f} | {t1 / d['lean1']:.1f}x |")
+    for name in ("target", *DOMAINS):
+        if all(name in lat[p] for p in paths):
+            cells = [f"{lat[p][name]['1']:.2f} | {lat[p][name]['5']:.2f} |"
+                     f" {lat[p]['target']['1'] / lat[p][name]['1']:.1f}x" for p in paths]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [
-        "",
-        "The engine runs drafts through the lean forward (`runtime/draft_forward.py`) and the target through"
-        " transformers, so the last column is the ratio that decides what a draft costs an iteration"
-        f" (goal: at least {GOALS['cost_ratio']:.0f}x).",
         "",
         "## Acceptance (held-out chat requests, greedy, gamma 4, teacher-forced on the target's own answers)",
         "",
@@ -135,23 +168,30 @@ def render(measured: dict, acceptance: dict, build: Path) -> str:
         "```",
         "",
     ]
-    config_file = build / "build_config.json"
-    if config_file.is_file():
-        lines += [
-            "Build configuration (`build_config.json`):",
-            "",
-            "```json",
-            config_file.read_text().strip(),
-            "```",
-            "",
-        ]
+    config = _build_file(build, models_dir, "build_config.json", "build_config.json")
+    if config:
+        lines += ["Build configuration (`build_config.json`):", "", "```json", json.dumps(config, indent=1), "```", ""]
     return "\n".join(lines)
 
 
+VOCAB_KEYS = ("rows", "train_coverage", "heldout_coverage")
+
+
 def write_chat_card(models_dir: Path, build: Path, acceptance_json: Path, notes: Path | None = None) -> Path:
-    measured = measure_latencies(models_dir)
-    (models_dir / "card_measurements.json").write_text(json.dumps(measured, indent=1))
-    text = render(measured, json.loads(acceptance_json.read_text()), build)
+    """Measure the forwards, keep the measurements in ``card_measurements.json`` and write ``MODEL_CARD.md``. The
+    reduced vocabulary's coverage comes from the build (``vocab.json``), else from the measurements kept before."""
+    kept = models_dir / "card_measurements.json"
+    vocab_file = build / "vocab.json"
+    if vocab_file.is_file():
+        vocab = {k: json.loads(vocab_file.read_text())[k] for k in VOCAB_KEYS}
+    elif kept.is_file() and "vocab" in json.loads(kept.read_text()):
+        vocab = json.loads(kept.read_text())["vocab"]
+    else:
+        raise FileNotFoundError(f"{vocab_file} is missing and {kept} keeps no vocabulary figures: pass the zoo"
+                                " build's work directory (--work-dir)")
+    measured = {**measure_latencies(models_dir), "vocab": vocab}
+    kept.write_text(json.dumps(measured, indent=1))
+    text = render(measured, json.loads(acceptance_json.read_text()), build, models_dir)
     if notes is not None:
         text += "\n" + notes.read_text()
     out = models_dir / "MODEL_CARD.md"

@@ -222,7 +222,8 @@ def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(ti
     from memspec_ros.zoo.chat_card import render
 
     def path_latency(target_ms: float, draft_ms: float) -> dict:
-        return {"target": {"1": target_ms, "5": 2 * target_ms}, **{d: {"1": draft_ms, "5": 1.5 * draft_ms} for d in DOMAINS}}
+        drafts = {d: {"1": draft_ms, "5": 1.5 * draft_ms} for d in DOMAINS}
+        return {"target": {"1": target_ms, "5": 2 * target_ms}, **drafts}
 
     measured = {"threads": 1, "target_parameters": 134_500_000, "paths": ["none", "int4"],
                 "latency_ms": {"none": path_latency(30.0, 0.5), "int4": path_latency(4.0, 0.2)},

@@ -325,7 +325,13 @@ def test_the_greedy_draft_token_is_the_checked_rows_argmax_or_a_draft_failure(ro
     monkeypatch.setattr(speculative, "_forward", lambda *args: logits)
     if row in ("reduced", "bf16"):
         expected = speculative.argmax_rows(speculative._checked_draft_row("d", None))
-        assert speculative._greedy_draft_token("d", None) == expected == int(logits[-1].float().argmax())
+        assert speculative._greedy_draft_token("d", None) == (expected, 1.0)
+        assert expected == int(logits[-1].float().argmax())
+        # with its confidence: the token's softmax probability, the absent ids' -inf counting for nothing
+        token, p = speculative._greedy_draft_token("d", None, confidence=True)
+        assert token == expected
+        assert p == pytest.approx(float(torch.softmax(logits[-1].float(), -1)[expected]), rel=1e-3)
+        assert p == pytest.approx(float(torch.softmax(logits[-1, :2000].float(), -1).max()), rel=1e-3)
         return
     with pytest.raises(speculative.DraftFailure, match="not finite") as checked:
         speculative._checked_draft_row("d", None)

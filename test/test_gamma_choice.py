@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from memspec_ros.runtime import gamma_choice
 from memspec_ros.runtime.gamma_choice import (
@@ -11,7 +12,9 @@ from memspec_ros.runtime.gamma_choice import (
     ForwardCosts,
     GammaChooser,
     best_gamma,
+    draft_pays,
     expected_tokens,
+    row_pays,
 )
 from memspec_ros.runtime.speculative import generate
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
@@ -66,14 +69,59 @@ def test_adaptive_generation_stays_lossless_and_uses_the_choice(monkeypatch):
     adaptive = generate(target, prompt, draft, gamma=6, max_new_tokens=40, adaptive_gamma=True)
     assert adaptive.generated_ids == reference
     assert all(it.proposed <= 6 for it in adaptive.stats.iterations)
-    # costs where drafting never pays: only the probes propose, one token each
+    # costs where drafting never pays: only the probes run the draft, and no row pays for its token (a row costs
+    # a whole target step), so the probe's token is dropped and nothing is proposed
     monkeypatch.setattr(gamma_choice, "time_forward", lambda model, k, vocab: 10.0 * k)
     gamma_choice._TARGET_COSTS.clear()
     gamma_choice._DRAFT_COSTS.clear()
     never = generate(target, prompt, draft, gamma=6, max_new_tokens=40, adaptive_gamma=True)
     assert never.generated_ids == reference
-    proposed = [it.proposed for it in never.stats.iterations]
-    assert set(proposed) <= {0, 1} and 0 < proposed.count(1) <= len(proposed) // PROBE_EVERY + 1
+    its = never.stats.iterations
+    assert {it.proposed for it in its} == {0} and {it.dropped for it in its} == {0, 1}
+    assert 0 < sum(it.dropped for it in its) <= len(its) // PROBE_EVERY + 1
+
+
+def test_a_row_pays_when_its_chance_buys_it_at_the_targets_own_rate():
+    costs = ForwardCosts(verify_ms=[10.0, 12.0, 15.0, 19.0], draft_ms=1.0)
+    # a first proposal's row costs 2 ms, a fifth of a target step: it pays from a 0.2 chance of acceptance
+    assert row_pays(costs, 1, 0.2) and not row_pays(costs, 1, 0.19)
+    assert row_pays(costs, 2, 0.3) and not row_pays(costs, 2, 0.29)
+    # drafting the next token costs its forward besides its row, and can be at most as likely as those before it
+    assert not draft_pays(costs, 2, 0.39) and draft_pays(costs, 2, 0.4)
+    assert not draft_pays(costs, 3, 0.49) and draft_pays(costs, 3, 0.5)
+
+
+def _sharpened(model, factor: float):
+    """A copy of ``model`` whose logits are ``factor`` times its own: the same argmax, sharper or flatter."""
+    copy = noisy_copy(model, 0.0, seed=0)
+    with torch.no_grad():
+        copy.model.norm.weight.mul_(factor)
+    return copy
+
+
+def _costs_by_model(target, verify_ms: list[float], draft_ms: float):
+    return lambda model, k, vocab: verify_ms[k - 1] if model is target else draft_ms
+
+
+def test_the_draft_proposes_while_its_confidence_pays_and_drops_the_token_that_does_not(monkeypatch):
+    target = tiny_llama(vocab_size=64, seed=0)
+    prompt = [1, 5, 7, 9]
+    reference = generate(target, prompt, None, max_new_tokens=30).generated_ids
+    monkeypatch.setattr(gamma_choice, "time_forward", _costs_by_model(target, [10.0 + 2 * k for k in range(6)], 0.1))
+    gamma_choice._TARGET_COSTS.clear()
+    gamma_choice._DRAFT_COSTS.clear()
+    # the target's own argmax, all but certain: every row pays, so the draft proposes as many as the
+    # per-iteration choice allows (it grows from the prior's 1 as proposals are accepted), and all stand
+    sure = generate(target, prompt, _sharpened(target, 50.0), gamma=4, max_new_tokens=30, adaptive_gamma=True)
+    assert sure.generated_ids == reference
+    its = sure.stats.iterations
+    assert [it.dropped for it in its] == [0] * len(its) and all(it.accepted == it.proposed > 0 for it in its)
+    assert max(it.proposed for it in its) == 4
+    # logits all zero, so 1/64 for any token: each iteration's first forward's token is dropped, nothing is
+    # proposed (the prefill commits the first token; the last iteration has room for none)
+    flat = generate(target, prompt, _sharpened(target, 0.0), gamma=4, max_new_tokens=30, adaptive_gamma=True)
+    assert flat.generated_ids == reference
+    assert [(it.proposed, it.dropped) for it in flat.stats.iterations] == [(0, 1)] * 28 + [(0, 0)]
 
 
 def test_the_controller_runs_adaptive_gamma_losslessly_under_every_policy():
@@ -172,5 +220,45 @@ def test_the_engine_reports_each_drafted_iterations_time_to_the_choice(monkeypat
     session = generate(target, [1, 5, 7, 9], draft, draft_name="d", gamma=4, max_new_tokens=30, adaptive_gamma=True)
     drafted = [it for it in session.stats.iterations if it.proposed > 0]
     assert drafted
-    assert [(n, p) for n, p, _ in seen if p > 0] == [("d", it.proposed) for it in drafted]
+    # each draft forward counts, the proposals' and the dropped token's (the catch-up aside)
+    drafted = [it for it in session.stats.iterations if it.proposed + it.dropped > 0]
+    assert [(n, p) for n, p, _ in seen if p > 0] == [("d", it.proposed + it.dropped) for it in drafted]
     assert [ms for _, p, ms in seen if p > 0] == pytest.approx([1000.0 * it.draft_seconds for it in drafted])
+
+
+def test_sampled_generation_with_the_confidence_stop_keeps_the_targets_distribution(monkeypatch):
+    """Where the draft stops depends only on its own draws and probabilities, so the standard acceptance rule
+    still gives the target's exact joint distribution (tokens 2-4, the first conditioned on)."""
+    from collections import Counter
+
+    from test_engine import _chi2_critical, _chi2_ok, exact_joint
+
+    from memspec_ros.runtime.speculative import SamplingConfig
+
+    vocab = 5
+    target = tiny_llama(vocab_size=vocab, hidden=32, seed=7, init_range=0.3)
+    draft = tiny_llama(vocab_size=vocab, hidden=32, layers=1, seed=8, init_range=0.3)
+    # a row pays from a 0.4 chance: about the draft's probabilities here, so the stop bites in some iterations
+    monkeypatch.setattr(gamma_choice, "time_forward", _costs_by_model(target, [10.0, 14.0, 18.0, 22.0], 0.1))
+    gamma_choice._TARGET_COSTS.clear()
+    gamma_choice._DRAFT_COSTS.clear()
+    sampling = dict(temperature=0.8, top_p=0.9)
+    prompt = [1, 3]
+    first = generate(target, prompt, None, max_new_tokens=1,
+                     sampling=SamplingConfig(seed=0, **sampling)).generated_ids[0]
+    exact = exact_joint(target, prompt + [first], SamplingConfig(**sampling))
+    counts: Counter = Counter()
+    n = dropped = proposed = 0
+    for seed in range(3500):
+        session = generate(target, prompt, draft, gamma=2, max_new_tokens=4, adaptive_gamma=True,
+                           sampling=SamplingConfig(seed=seed, **sampling))
+        dropped += sum(it.dropped for it in session.stats.iterations)
+        proposed += sum(it.proposed for it in session.stats.iterations)
+        ids = session.generated_ids
+        if ids[0] != first:
+            continue
+        counts[tuple(ids[1:])] += 1
+        n += 1
+    assert n > 800 and dropped > 100 and proposed > 100  # both ways taken, often
+    stat, dof = _chi2_ok(counts, exact, n)
+    assert stat < _chi2_critical(dof), (stat, dof)

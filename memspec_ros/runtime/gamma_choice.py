@@ -19,6 +19,16 @@ weighted more (acceptance changes within an answer), and a draft that is not
 being run is probed with γ = 1 now and then so its estimate can recover. This
 is the rule of adaptive-lookahead work (SpecDec++, DISCO) reduced to its
 measured parts.
+
+Within an iteration the draft also stops on its own confidence (:func:`row_pays`,
+:func:`draft_pays`): a proposal is verified only if the draft's probability that
+it and every proposal before it are accepted buys its verify row at the target's
+own rate. The distilled drafts' probabilities are calibrated: on 2,987 proposal
+positions of the int4 target's answers to held-out requests (teacher-forced, each
+domain's own draft), first proposals at draft probability 0.2-0.4 matched the
+target's token 41% of the time, 0.6-0.8 82%, above 0.9 99%. Replayed over those
+answers at this machine's int4 costs, the rule committed 1.09x the target
+alone's tokens per millisecond against 1.04x for the per-iteration gamma alone.
 """
 
 from __future__ import annotations
@@ -58,6 +68,19 @@ class ForwardCosts:
 def best_gamma(costs: ForwardCosts, alpha: float, max_gamma: int) -> int:
     """The gamma in 0..max_gamma with the most committed tokens per millisecond."""
     return max(range(max_gamma + 1), key=lambda g: expected_tokens(alpha, g) / costs.iteration_ms(g))
+
+
+def row_pays(costs: ForwardCosts, k: int, confidence: float) -> bool:
+    """Whether a k-th proposed token is worth its row in the verify. With ``confidence`` the chance that it is
+    accepted together with every proposal before it, the row's extra cost must buy at least the tokens a
+    one-token target forward commits in that time (one per ``verify_ms[0]``)."""
+    return confidence * costs.verify_ms[0] >= costs.verify_ms[k] - costs.verify_ms[k - 1]
+
+
+def draft_pays(costs: ForwardCosts, k: int, confidence: float) -> bool:
+    """Whether drafting a k-th token can pay: at best it is as likely as the proposals before it
+    (``confidence``), and it costs a draft forward besides its row."""
+    return confidence * costs.verify_ms[0] >= costs.verify_ms[k] - costs.verify_ms[k - 1] + costs.draft_ms
 
 
 @dataclass

@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, lean_forward_for
-from .gamma_choice import ForwardCosts, GammaChooser, measure_costs, target_costs
+from .gamma_choice import ForwardCosts, GammaChooser, draft_pays, measure_costs, row_pays, target_costs
 from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from .stats import GenerationStats, IterationStats
 
@@ -165,18 +166,23 @@ def _checked_draft_row(draft_name: str, *forward_args) -> torch.Tensor:
     return _last_checked_row(draft_name, _draft_logits(draft_name, *forward_args))
 
 
-def _greedy_draft_token(draft_name: str, *forward_args) -> int:
+def _greedy_draft_token(draft_name: str, *forward_args, confidence: bool = False) -> tuple[int, float]:
     """What ``argmax_rows(_checked_draft_row(...))`` gives, from one numpy pass over the row and no tensor
     operation: each costs a cold dispatch in the loop (README: why the loop was slower than its forwards). The
-    argmax's value is the row's maximum, NaN included (numpy's argmax, like torch's max, stops at the first NaN)."""
+    argmax's value is the row's maximum, NaN included (numpy's argmax, like torch's max, stops at the first NaN).
+    With ``confidence``, also the token's softmax probability (else 1.0)."""
     logits = _draft_logits(draft_name, *forward_args)
     rows = _numpy_rows(logits)
     if rows is None:  # not a CPU fp32 row: torch's own max and argmax
-        return argmax_rows(_last_checked_row(draft_name, logits))
+        row = _last_checked_row(draft_name, logits)
+        token = argmax_rows(row)
+        return token, float(torch.softmax(row.float(), -1)[token]) if confidence else 1.0
     row = rows[-1]
     token = int(row.argmax())
-    _check_top(draft_name, float(row[token]))
-    return token
+    top = float(row[token])
+    _check_top(draft_name, top)
+    # a reduced vocabulary's absent ids are -inf, exp 0: the sum is over the draft's own ids
+    return token, 1.0 / float(np.exp(row - top).sum()) if confidence else 1.0
 
 
 @dataclass
@@ -407,10 +413,11 @@ class SpeculativeSession:
             stats = IterationStats(draft=LOOKUP_DRAFT, proposed=0, accepted=0, committed=0,
                                    draft_seconds=lookup_watch.seconds, verify_seconds=0.0)
         else:
-            gamma = min(self._gamma_for(draft_name, draft), remaining - 1) if draft is not None else 0
+            gamma, costs = self._gamma_for(draft_name, draft) if draft is not None else (0, None)
+            gamma = min(gamma, remaining - 1)
             stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
                                    draft_seconds=0.0, verify_seconds=0.0)
-            proposal = self._propose(draft_name, draft, gamma, stats) if gamma > 0 else _Proposal()
+            proposal = self._propose(draft_name, draft, gamma, stats, costs) if gamma > 0 else _Proposal()
         with _Stopwatch() as watch:
             logits = self._verify(proposal.tokens)
             accepted, extra = self._accept(logits, proposal)
@@ -419,13 +426,17 @@ class SpeculativeSession:
         if self._gamma_chooser is not None and (draft is not None or proposal.copied):
             self._gamma_chooser.observe(draft_name, len(proposal.tokens), accepted)
             if not proposal.copied:
-                self._gamma_chooser.observe_cost(draft_name, len(proposal.tokens), 1000.0 * stats.draft_seconds)
+                self._gamma_chooser.observe_cost(draft_name, len(proposal.tokens) + stats.dropped,
+                                                 1000.0 * stats.draft_seconds)
         stats.committed = self._commit_accepted(proposal, accepted, extra)
         self.stats.iterations.append(stats)
         return stats
 
-    def _propose(self, draft_name: str, draft: torch.nn.Module, gamma: int, stats: IterationStats) -> _Proposal:
-        """The draft proposes ``gamma`` tokens, first catching up on what it has not seen."""
+    def _propose(self, draft_name: str, draft: torch.nn.Module, gamma: int, stats: IterationStats,
+                 costs: ForwardCosts | None = None) -> _Proposal:
+        """The draft proposes up to ``gamma`` tokens, first catching up on what it has not seen. With ``costs``
+        (adaptive gamma) it stops where its own confidence no longer pays for a verify row (gamma_choice.row_pays):
+        the token that fails the test is dropped, its forward counted in ``stats.dropped``."""
         kv = self._draft_kv.get(draft_name)
         # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
         catching_up = kv is None or draft_name != self._last_draft
@@ -434,16 +445,26 @@ class SpeculativeSession:
         proposal = _Proposal(kv=kv)
         feed = self.tokens[kv.length :]
         lean = lean_forward_for(draft) if self.lean_drafts else None
-        for _ in range(gamma):
+        confidence = 1.0  # the draft's chance that every proposal so far is accepted
+        for k in range(1, gamma + 1):
+            if costs is not None and k > 1 and not draft_pays(costs, k, confidence):
+                break
             with _Stopwatch() as watch:
                 if self.sampling.greedy:
-                    token, q = _greedy_draft_token(draft_name, draft, feed, kv, 1, self.device, lean), None
+                    token, p = _greedy_draft_token(draft_name, draft, feed, kv, 1, self.device, lean,
+                                                   confidence=costs is not None)
+                    q = None
                 else:
                     token, q = self._choose(_checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean))
-            if catching_up and not proposal.tokens:
+                    p = float(q[token])
+            if catching_up and k == 1:
                 stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds
             else:
                 stats.draft_seconds += watch.seconds
+            confidence *= p
+            if costs is not None and not row_pays(costs, k, confidence):
+                stats.dropped += 1
+                break
             proposal.tokens.append(token)
             if q is not None:
                 proposal.probs.append(q)
@@ -497,12 +518,13 @@ class SpeculativeSession:
             proposal.kv.crop_to(base + accepted)
         return self._commit(proposal.tokens[:accepted] + [extra])
 
-    def _gamma_for(self, draft_name: str, draft: torch.nn.Module) -> int:
+    def _gamma_for(self, draft_name: str, draft: torch.nn.Module) -> tuple[int, ForwardCosts | None]:
+        """This iteration's most proposals, and the costs its draft stops by (None: a fixed gamma, no stop)."""
         if self._gamma_chooser is None:
-            return self.gamma
+            return self.gamma, None
         self._gamma_chooser.max_gamma = self.gamma  # a reconfigured gamma bounds the choice from now on
         costs = self._gamma_chooser.costs(measure_costs(self.target, draft, self.gamma), draft_name)
-        return self._gamma_chooser.choose(costs, draft_name)
+        return self._gamma_chooser.choose(costs, draft_name), costs
 
     def _commit(self, new_tokens: list[int]) -> int:
         """Append tokens up to EOS / max_new_tokens, stream the text, detect stop strings."""

@@ -64,6 +64,7 @@ class IterationStats:
     verify_seconds: float  # the one target forward over all proposals
     catchup_tokens: int = 0  # committed tokens the incoming draft fed to rebuild its KV cache
     catchup_seconds: float = 0.0  # that catch-up forward (it also yields the first proposal)
+    dropped: int = 0  # draft forwards whose token was not worth a verify row (adaptive gamma's confidence stop)
     # Filled by the runtime controller (zero when the engine runs alone):
     preferred: str = ""  # the draft the policy wanted to run
     fallback: bool = False  # ran another draft because the preferred one was not resident

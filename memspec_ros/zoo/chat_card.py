@@ -115,13 +115,14 @@ def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | Non
         f"## Forward cost ({measured['threads']} thread, batch 1, after a 64-token context, medians of interleaved"
         " rounds)",
         "",
-        "Each forward as the engine runs it (`runtime/path_choice.time_forward`: the engine's own forward), on the node's default fp32 path and on the int4 path the benchmarks run; the"
-        " drafts on the same path as the target. The ratio of the target's 1-token forward to a draft's decides what"
+        "Each forward as the engine runs it (`runtime/path_choice.time_forward`: the engine's own forward), on the"
+        " node's default fp32 path and on the int4 path the benchmarks run; the drafts on the same path as the target."
+        " The ratio of the target's 1-token forward to a draft's decides what"
         f" a draft costs an iteration (goal: at least {GOALS['cost_ratio']:.0f}x); a 5-token forward is a gamma-4"
         " verify.",
         "",
-        "| model | " + " | ".join(f"{_LABEL.get(p, p)} 1 token (ms) | 5 tokens (ms) | target 1 token / this" for p in paths)
-        + " |",
+        "| model | "
+        + " | ".join(f"{_LABEL.get(p, p)} 1 token (ms) | 5 tokens (ms) | target 1 token / this" for p in paths) + " |",
         "|---|" + "---:|---:|---:|" * len(paths),
     ]
     for name in ("target", *DOMAINS):

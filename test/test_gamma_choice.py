@@ -210,12 +210,17 @@ def test_a_drafts_observed_cost_replaces_its_isolated_timing():
 def test_the_engine_reports_each_drafted_iterations_time_to_the_choice(monkeypatch):
     target = tiny_llama(vocab_size=64, seed=0)
     draft = noisy_copy(target, 0.02, seed=1)
+    # rows almost free: the draft proposes whatever this machine's timings, its confidence stop all but never binds
+    costs = _costs_by_model(target, [10.0 + 0.01 * k for k in range(6)], 0.01)
+    monkeypatch.setattr(gamma_choice, "time_forward", costs)
+    monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
     seen: list[tuple[str, int, float]] = []
     observe_cost = GammaChooser.observe_cost
 
     def spy(self, name, proposed, draft_ms):
         seen.append((name, proposed, draft_ms))
-        observe_cost(self, name, proposed, draft_ms)
+        observe_cost(self, name, proposed, 0.01 * proposed)  # what the choice then uses: fixed too
     monkeypatch.setattr(GammaChooser, "observe_cost", spy)
     session = generate(target, [1, 5, 7, 9], draft, draft_name="d", gamma=4, max_new_tokens=30, adaptive_gamma=True)
     drafted = [it for it in session.stats.iterations if it.proposed > 0]

@@ -123,6 +123,10 @@ def _bind(library: ctypes.CDLL) -> None:
     library.decoder_forward.restype = i
     library.model_step.argtypes = [p, p, i, i, p, p, i, p, p, p, i]
     library.model_step.restype = i
+    library.exp_shifted_sum.argtypes = [p, i, f]  # the decoder's e^x, bound for its tests
+    library.exp_shifted_sum.restype = f
+    library.silu_mul.argtypes = [p, p, p, i]
+    library.silu_mul.restype = None
 
 
 @cache

@@ -13,17 +13,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
+from ab_common import zoo
 
-from memspec_ros.bench.cli import _round_robin_prompts
-from memspec_ros.runtime.chat import end_token_ids
 from memspec_ros.runtime.datastore import Datastore
-from memspec_ros.runtime.loader import find_datastore, load_models
+from memspec_ros.runtime.loader import find_datastore
 from memspec_ros.runtime.lookup import LookupConfig
-from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.runtime.speculative import SpeculativeSession, generate
 
-DOMAINS = ("code", "general", "law", "math", "medical", "mixed")  # the order _round_robin_prompts takes them in
 _GAMMA_FOR = SpeculativeSession._gamma_for
 
 
@@ -32,14 +28,8 @@ def _without_stop(self, draft_name, draft):
 
 
 def main(path: str, count: int, lookup: bool) -> None:
-    torch.set_num_threads(1)
-    models = load_models(Path("models/registry.yaml"), quantization=path, validate=False)
-    target = models.target.model
-    drafts = {name: load_model(ModelSpec(models.registry.get(name).path, dtype=models.draft_dtype,
-                                         quantization=path)).model
-              for name in ("code", "math", "law", "medical", "general")}
-    prompts = _round_robin_prompts(models.tokenizer, Path("models/workloads"), count)
-    eos = end_token_ids(None, target)
+    z = zoo(path, count)
+    target, drafts, prompts, eos = z.target, z.drafts, z.prompts, z.eos
     extra = dict(lookup=LookupConfig(), datastores=(Datastore.load(find_datastore(Path("models"))),)) if lookup else {}
     arms = ("alone", "adaptive", "adaptive+stop")
     totals = {arm: [0.0, 0, 0, 0, 0] for arm in arms}  # seconds, tokens, drafted iterations, proposed, dropped
@@ -47,7 +37,7 @@ def main(path: str, count: int, lookup: bool) -> None:
     generate(target, prompts[0], drafts["general"], gamma=4, max_new_tokens=8, eos_token_ids=eos,
              adaptive_gamma=True)  # warm-up, and the one-off forward timings adaptive gamma uses
     for i, ids in enumerate(prompts):
-        draft = drafts.get(DOMAINS[i % len(DOMAINS)], drafts["general"])
+        draft = z.draft_for(i)
         outputs = set()
         for arm in arms[i % 3:] + arms[: i % 3]:
             SpeculativeSession._gamma_for = _GAMMA_FOR if arm == "adaptive+stop" else _without_stop

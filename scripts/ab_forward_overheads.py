@@ -11,26 +11,22 @@ Each held-out prompt (round-robin over the zoo's workloads, its domain's draft) 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
+from ab_common import zoo
 
-from memspec_ros.bench.cli import _round_robin_prompts
 from memspec_ros.runtime import kv_cache, speculative
-from memspec_ros.runtime.chat import end_token_ids
 from memspec_ros.runtime.draft_forward import lean_forward_for
-from memspec_ros.runtime.loader import load_models
-from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.runtime.speculative import generate
 
-DOMAINS = ("code", "general", "law", "math", "medical", "mixed")  # the order _round_robin_prompts takes them in
 _CLAIM, _CROP = kv_cache.PreallocatedLayer.claim, kv_cache.PreallocatedLayer.crop
 _GREEDY = speculative._greedy_draft_token
 
 
-def _torch_choice(name: str, *forward_args) -> int:
+def _torch_choice(name: str, *forward_args, confidence: bool = False) -> tuple[int, float]:
     row = speculative._checked_draft_row(name, *forward_args)
-    return row.detach().numpy().argmax(-1).tolist()  # argmax_rows as it was: a detach dispatch first
+    token = row.detach().numpy().argmax(-1).tolist()  # argmax_rows as it was: a detach dispatch first
+    return token, float(torch.softmax(row, -1)[token]) if confidence else 1.0
 
 
 def _eager_claim(self, like):
@@ -46,14 +42,8 @@ def _eager_crop(self, tokens: int) -> None:
 
 
 def main(path: str, count: int, what: str) -> None:
-    torch.set_num_threads(1)
-    models = load_models(Path("models/registry.yaml"), quantization=path, validate=False)
-    target = models.target.model
-    drafts = {name: load_model(ModelSpec(models.registry.get(name).path, dtype=models.draft_dtype,
-                                         quantization=path)).model
-              for name in ("code", "math", "law", "medical", "general")}
-    prompts = _round_robin_prompts(models.tokenizer, Path("models/workloads"), count)
-    eos = end_token_ids(None, target)
+    z = zoo(path, count)
+    target, drafts, prompts, eos = z.target, z.drafts, z.prompts, z.eos
     steps = {model: lean_forward_for(model).step for model in (target, *drafts.values())}
 
     def switch(on: bool) -> None:
@@ -70,7 +60,7 @@ def main(path: str, count: int, what: str) -> None:
     identical = True
     generate(target, prompts[0], drafts["general"], gamma=4, max_new_tokens=8, eos_token_ids=eos)  # warm-up
     for i, ids in enumerate(prompts):
-        draft = drafts.get(DOMAINS[i % len(DOMAINS)], drafts["general"])
+        draft = z.draft_for(i)
         outputs = set()
         for on in ((True, False) if i % 2 == 0 else (False, True)):
             switch(on)

@@ -19,16 +19,12 @@ import time
 from pathlib import Path
 
 import torch
+from ab_common import zoo
 
-from memspec_ros.bench.cli import _round_robin_prompts
 from memspec_ros.runtime import cpu_kernels
-from memspec_ros.runtime.chat import end_token_ids
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.loader import load_models
-from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.runtime.speculative import KVState, forward_once, generate
-
-DOMAINS = ("code", "general", "law", "math", "medical", "mixed")  # the order _round_robin_prompts takes them in
 
 
 def libraries(revision: str) -> dict:
@@ -62,14 +58,13 @@ def forward_ms(target, lean, context: int, rows: int, repeats: int = 11) -> floa
 
 
 def main(revision: str, path: str, count: int) -> None:
-    torch.set_num_threads(1)
     libs = libraries(revision)
 
     def use(which: str) -> None:
         cpu_kernels._load = lambda: libs[which]
 
-    models = load_models(Path("models/registry.yaml"), quantization=path, validate=False)
-    target = models.target.model
+    z = zoo(path, count)
+    target, prompts, eos = z.target, z.prompts, z.eos
     lean = lean_forward_for(target)
     for context in (64, 200):
         for rows in (1, 5):
@@ -81,10 +76,6 @@ def main(revision: str, path: str, count: int) -> None:
             old, new = (statistics.median(times[w]) for w in ("old", "new"))
             print(f"{path} forward, context {context}, {rows} rows: {revision} {old:.2f} ms, working tree {new:.2f} ms"
                   f" -> {old / new:.3f}x")
-    drafts = {d: load_model(ModelSpec(models.registry.get(d).path, quantization=path)).model
-              for d in ("code", "math", "law", "medical", "general")}
-    prompts = _round_robin_prompts(models.tokenizer, Path("models/workloads"), count)
-    eos = end_token_ids(None, target)
     totals = {(kind, w): [0.0, 0] for kind in ("alone", "adaptive") for w in libs}
     same = 0
     for i, ids in enumerate(prompts):
@@ -92,7 +83,7 @@ def main(revision: str, path: str, count: int) -> None:
         for w in (("old", "new") if i % 2 == 0 else ("new", "old")):
             use(w)
             for kind in ("alone", "adaptive"):
-                draft = drafts.get(DOMAINS[i % len(DOMAINS)], drafts["general"]) if kind == "adaptive" else None
+                draft = z.draft_for(i) if kind == "adaptive" else None
                 session = generate(target, ids, draft, gamma=4, max_new_tokens=128, eos_token_ids=eos,
                                    adaptive_gamma=kind == "adaptive")
                 totals[(kind, w)][0] += session.stats.decode_seconds

@@ -122,6 +122,7 @@ def test_the_draft_proposes_while_its_confidence_pays_and_drops_the_token_that_d
     flat = generate(target, prompt, _sharpened(target, 0.0), gamma=4, max_new_tokens=30, adaptive_gamma=True)
     assert flat.generated_ids == reference
     assert [(it.proposed, it.dropped) for it in flat.stats.iterations] == [(0, 1)] * 28 + [(0, 0)]
+    assert flat.stats.dropped_proposals == flat.stats.summary()["dropped_proposals"] == 28
 
 
 def test_the_controller_runs_adaptive_gamma_losslessly_under_every_policy():

@@ -343,6 +343,7 @@ def fill_throughput_status(status: Status, window: GenerationStats | None, goals
     status.add("decode seconds", window.decode_seconds)
     status.add("draft switches", window.draft_switches)
     status.add("copied iterations", window.copied_iterations)
+    status.add("dropped draft tokens", window.dropped_proposals)
     status.summary(OK, f"{window.tokens_per_second:.1f} tok/s, E[A] {window.mean_accepted:.2f}")
     if window.fallback_fraction > fallback_warn:
         status.merge(WARN, f"fallback fraction {window.fallback_fraction:.2f} > {fallback_warn:.2f}:"

@@ -226,6 +226,12 @@ class GenerationStats:
         return sum(1 for it in self.iterations if it.draft == LOOKUP_DRAFT)
 
     @property
+    def dropped_proposals(self) -> int:
+        """Draft tokens drafted but not verified: adaptive gamma's confidence stop judged their rows not worth it
+        (runtime/gamma_choice.py: row_pays). Each cost a draft forward."""
+        return sum(it.dropped for it in self.iterations)
+
+    @property
     def draft_switches(self) -> int:
         """Times the active draft model changed between consecutive drafted iterations (copies from the
         context in between change nothing resident)."""
@@ -311,6 +317,7 @@ class GenerationStats:
             "drafts_used": self.drafts_used,
             "draft_switches": self.draft_switches,
             "copied_iterations": self.copied_iterations,
+            "dropped_proposals": self.dropped_proposals,
             "catchup_seconds": self.catchup_seconds,
             "catchup_tokens": self.catchup_tokens,
             "prediction_overhead": self.prediction_overhead,

@@ -123,6 +123,11 @@ def test_the_draft_proposes_while_its_confidence_pays_and_drops_the_token_that_d
     assert flat.generated_ids == reference
     assert [(it.proposed, it.dropped) for it in flat.stats.iterations] == [(0, 1)] * 28 + [(0, 0)]
     assert flat.stats.dropped_proposals == flat.stats.summary()["dropped_proposals"] == 28
+    # the stop turned off (memspec.confidence_stop: false): the flat draft proposes what the choice allows
+    unstopped = generate(target, prompt, _sharpened(target, 0.0), gamma=4, max_new_tokens=30, adaptive_gamma=True,
+                         confidence_stop=False)
+    assert unstopped.generated_ids == reference
+    assert unstopped.stats.dropped_proposals == 0 and sum(it.proposed for it in unstopped.stats.iterations) > 0
 
 
 def test_the_controller_runs_adaptive_gamma_losslessly_under_every_policy():

@@ -61,7 +61,7 @@ def test_the_declared_defaults_run_int4_drafts_adaptive_gamma_and_lookup_and_ans
     with harness_with(defaults=True) as h:
         loaded = h.node._loaded
         config = loaded.controller.config
-        assert config.adaptive_gamma is True and config.context_lookup is True
+        assert config.adaptive_gamma is True and config.confidence_stop is True and config.context_lookup is True
         assert loaded.target.forward_path == "fp32"  # model.quantization none: the target computes as loaded
         handle, _ = h.send(goal(max_new_tokens=48))
         result = h.result(handle)

@@ -170,6 +170,11 @@ PARAMS: tuple[Param, ...] = (
           "Choose each iteration's gamma in 0..memspec.gamma from measured forward costs and the draft's running"
           " acceptance (from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="adaptive_gamma"),
+    Param("memspec.confidence_stop", True,
+          "With adaptive_gamma: the draft stops proposing where its own probability that a token is accepted no"
+          " longer pays for that token's verify row; off: it proposes the iteration's chosen gamma, for drafts whose"
+          " probabilities are not calibrated (from the next goal).",
+          AT_SCHEDULING_POINT, runtime_field="confidence_stop"),
     Param("memspec.context_lookup", True,
           "Where the text's last tokens occurred before, propose the tokens that followed them (no draft"
           " forward; verified like a draft's, so the output is unchanged) (from the next goal).",

@@ -72,6 +72,8 @@ class RuntimeConfig:
     ucb_c: float = 2.0  # MAB exploration coefficient (the paper's best)
     reset_cache_per_generation: bool = False  # the paper's protocol; a robot keeps its cache warm
     adaptive_gamma: bool = False  # gamma per iteration (0..gamma) from measured costs (runtime/gamma_choice.py)
+    # with adaptive_gamma: the draft stops where its own confidence no longer pays for a verify row (row_pays)
+    confidence_stop: bool = True
     # copy proposals from the context where its last tokens recur (runtime/lookup.py), and from the
     # controller's datastore of past answers if it has one
     context_lookup: bool = False
@@ -256,6 +258,7 @@ class RuntimeController:
                 self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,
                 max_positions=self.max_positions, adaptive_gamma=self.config.adaptive_gamma,
+                confidence_stop=self.config.confidence_stop,
                 lookup=LookupConfig() if self.config.context_lookup else None,
                 datastores=self._datastores() if self.config.context_lookup else (),
             )

@@ -284,6 +284,7 @@ class SpeculativeSession:
         lean_drafts: bool = True,
         lean_target: bool = True,
         adaptive_gamma: bool = False,
+        confidence_stop: bool = True,
         lookup: LookupConfig | None = None,
         datastores: Sequence[Datastore] = (),
     ) -> None:
@@ -314,6 +315,9 @@ class SpeculativeSession:
         # adaptive: ``gamma`` is the most a draft may propose; each iteration picks 0..gamma from the
         # measured forward costs and the draft's running acceptance (runtime/gamma_choice.py)
         self._gamma_chooser = GammaChooser(gamma) if adaptive_gamma else None
+        # with adaptive gamma, the draft also stops on its own confidence (gamma_choice.row_pays); off: it
+        # proposes the gamma chosen for the iteration, for a draft whose probabilities are not calibrated
+        self._confidence_stop = confidence_stop
         # context lookup: where the text's last tokens occurred before, copy what followed them as the
         # proposal (free); the draft proposes only where nothing worth copying matches.
         # Datastores (past answers, runtime/datastore.py) are searched where the context has no match
@@ -524,7 +528,7 @@ class SpeculativeSession:
             return self.gamma, None
         self._gamma_chooser.max_gamma = self.gamma  # a reconfigured gamma bounds the choice from now on
         costs = self._gamma_chooser.costs(measure_costs(self.target, draft, self.gamma), draft_name)
-        return self._gamma_chooser.choose(costs, draft_name), costs
+        return self._gamma_chooser.choose(costs, draft_name), costs if self._confidence_stop else None
 
     def _commit(self, new_tokens: list[int]) -> int:
         """Append tokens up to EOS / max_new_tokens, stream the text, detect stop strings."""

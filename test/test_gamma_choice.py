@@ -103,13 +103,21 @@ def _costs_by_model(target, verify_ms: list[float], draft_ms: float):
     return lambda model, k, vocab: verify_ms[k - 1] if model is target else draft_ms
 
 
+def _fixed_costs(monkeypatch, target, verify_ms: list[float], draft_ms: float) -> None:
+    """Forward times fixed, and what drafting is observed to cost too, so no choice depends on this machine."""
+    monkeypatch.setattr(gamma_choice, "time_forward", _costs_by_model(target, verify_ms, draft_ms))
+    monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
+    observe_cost = GammaChooser.observe_cost
+    monkeypatch.setattr(GammaChooser, "observe_cost",
+                        lambda self, name, proposed, ms: observe_cost(self, name, proposed, draft_ms * proposed))
+
+
 def test_the_draft_proposes_while_its_confidence_pays_and_drops_the_token_that_does_not(monkeypatch):
     target = tiny_llama(vocab_size=64, seed=0)
     prompt = [1, 5, 7, 9]
     reference = generate(target, prompt, None, max_new_tokens=30).generated_ids
-    monkeypatch.setattr(gamma_choice, "time_forward", _costs_by_model(target, [10.0 + 2 * k for k in range(6)], 0.1))
-    gamma_choice._TARGET_COSTS.clear()
-    gamma_choice._DRAFT_COSTS.clear()
+    _fixed_costs(monkeypatch, target, [10.0 + 2 * k for k in range(6)], 0.1)
     # the target's own argmax, all but certain: every row pays, so the draft proposes as many as the
     # per-iteration choice allows (it grows from the prior's 1 as proposals are accepted), and all stand
     sure = generate(target, prompt, _sharpened(target, 50.0), gamma=4, max_new_tokens=30, adaptive_gamma=True)
@@ -250,9 +258,7 @@ def test_sampled_generation_with_the_confidence_stop_keeps_the_targets_distribut
     target = tiny_llama(vocab_size=vocab, hidden=32, seed=7, init_range=0.3)
     draft = tiny_llama(vocab_size=vocab, hidden=32, layers=1, seed=8, init_range=0.3)
     # a row pays from a 0.4 chance: about the draft's probabilities here, so the stop bites in some iterations
-    monkeypatch.setattr(gamma_choice, "time_forward", _costs_by_model(target, [10.0, 14.0, 18.0, 22.0], 0.1))
-    gamma_choice._TARGET_COSTS.clear()
-    gamma_choice._DRAFT_COSTS.clear()
+    _fixed_costs(monkeypatch, target, [10.0, 14.0, 18.0, 22.0], 0.1)
     sampling = dict(temperature=0.8, top_p=0.9)
     prompt = [1, 3]
     first = generate(target, prompt, None, max_new_tokens=1,

@@ -155,17 +155,22 @@ def pair():
     return target, noisy_copy(target, 0.03, seed=4)
 
 
-@pytest.fixture
-def fixed_costs(monkeypatch):
-    """Adaptive gamma decides from measured forward times and observed drafting times: fixed ones here (a
-    draft token as dear as a verify row), so whether a copy or the draft proposes does not depend on this
-    machine's timing."""
+def fix_adaptive_costs(monkeypatch, time_forward, draft_ms: float) -> None:
+    """Adaptive gamma decides from measured forward times (``time_forward(model, tokens, vocab)`` in ms) and from
+    what drafting is observed to cost: both fixed here (``draft_ms`` a draft forward), so no choice depends on
+    this machine's timing."""
     from memspec_ros.runtime import gamma_choice
 
-    monkeypatch.setattr(gamma_choice, "time_forward", lambda model, k, vocab: 10.0 + k)
+    monkeypatch.setattr(gamma_choice, "time_forward", time_forward)
     monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
     monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
-    # what a draft's iterations took is observed too: 11 ms a token here, as time_forward says above
     observe_cost = gamma_choice.GammaChooser.observe_cost
     monkeypatch.setattr(gamma_choice.GammaChooser, "observe_cost",
-                        lambda self, name, proposed, draft_ms: observe_cost(self, name, proposed, 11.0 * proposed))
+                        lambda self, name, forwards, ms: observe_cost(self, name, forwards, draft_ms * forwards))
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """A draft token as dear as a verify row (11 ms), so whether a copy or the draft proposes does not depend on
+    this machine's timing."""
+    fix_adaptive_costs(monkeypatch, lambda model, k, vocab: 10.0 + k, 11.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fix_adaptive_costs
 
 from memspec_ros.runtime import gamma_choice
 from memspec_ros.runtime.gamma_choice import (
@@ -104,13 +105,7 @@ def _costs_by_model(target, verify_ms: list[float], draft_ms: float):
 
 
 def _fixed_costs(monkeypatch, target, verify_ms: list[float], draft_ms: float) -> None:
-    """Forward times fixed, and what drafting is observed to cost too, so no choice depends on this machine."""
-    monkeypatch.setattr(gamma_choice, "time_forward", _costs_by_model(target, verify_ms, draft_ms))
-    monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
-    monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
-    observe_cost = GammaChooser.observe_cost
-    monkeypatch.setattr(GammaChooser, "observe_cost",
-                        lambda self, name, proposed, ms: observe_cost(self, name, proposed, draft_ms * proposed))
+    fix_adaptive_costs(monkeypatch, _costs_by_model(target, verify_ms, draft_ms), draft_ms)
 
 
 def test_the_draft_proposes_while_its_confidence_pays_and_drops_the_token_that_does_not(monkeypatch):
@@ -225,22 +220,19 @@ def test_the_engine_reports_each_drafted_iterations_time_to_the_choice(monkeypat
     target = tiny_llama(vocab_size=64, seed=0)
     draft = noisy_copy(target, 0.02, seed=1)
     # rows almost free: the draft proposes whatever this machine's timings, its confidence stop all but never binds
-    costs = _costs_by_model(target, [10.0 + 0.01 * k for k in range(6)], 0.01)
-    monkeypatch.setattr(gamma_choice, "time_forward", costs)
-    monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
-    monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
+    _fixed_costs(monkeypatch, target, [10.0 + 0.01 * k for k in range(6)], 0.01)
     seen: list[tuple[str, int, float]] = []
-    observe_cost = GammaChooser.observe_cost
+    observe_cost = GammaChooser.observe_cost  # fixed by _fixed_costs: what the choice then uses
 
     def spy(self, name, proposed, draft_ms):
-        seen.append((name, proposed, draft_ms))
-        observe_cost(self, name, proposed, 0.01 * proposed)  # what the choice then uses: fixed too
+        seen.append((name, proposed, draft_ms))  # what the engine reports
+        observe_cost(self, name, proposed, draft_ms)
     monkeypatch.setattr(GammaChooser, "observe_cost", spy)
     session = generate(target, [1, 5, 7, 9], draft, draft_name="d", gamma=4, max_new_tokens=30, adaptive_gamma=True)
     drafted = [it for it in session.stats.iterations if it.proposed > 0]
     assert drafted
     # each draft forward counts, the proposals' and the dropped token's (the catch-up aside)
-    drafted = [it for it in session.stats.iterations if it.proposed + it.dropped > 0]
+    drafted = [it for it in session.stats.iterations if it.draft_forwards > 0]
     assert [(n, p) for n, p, _ in seen if p > 0] == [("d", it.proposed + it.dropped) for it in drafted]
     assert [ms for _, p, ms in seen if p > 0] == pytest.approx([1000.0 * it.draft_seconds for it in drafted])
 

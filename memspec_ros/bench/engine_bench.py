@@ -108,8 +108,8 @@ class _LoopTimes:
         self.iterations += len(stats.iterations)
         drafted = [it for it in stats.iterations if it.draft != LOOKUP_DRAFT]  # copies cost a lookup, no forward
         self.draft_s += sum(it.draft_seconds for it in drafted)
-        # a draft forward per proposal and per dropped token (confidence stop); the catch-up's is counted apart
-        self.draft_tokens += sum(it.proposed + it.dropped - (1 if it.catchup_tokens else 0) for it in drafted)
+        # the catch-up's forward is timed apart (catchup_seconds)
+        self.draft_tokens += sum(it.draft_forwards - (1 if it.catchup_tokens else 0) for it in drafted)
 
     @property
     def draft_ms(self) -> float | None:
@@ -130,7 +130,7 @@ def _bound_seconds(stats, gamma: int, draft_ms: float, verify_ms: float, one_ms:
     fewer than gamma (near the end, or a plain step) is costed as a one-token forward: its cost errs low, so the
     bound errs high."""
     full = sum(1 for it in stats.iterations if it.proposed >= gamma)
-    proposals = sum(it.proposed + it.dropped for it in stats.iterations)  # every draft forward
+    proposals = sum(it.draft_forwards for it in stats.iterations)
     return (full * verify_ms + (len(stats.iterations) - full) * one_ms + proposals * draft_ms) / 1000
 
 

@@ -73,17 +73,17 @@ def best_gamma(costs: ForwardCosts, alpha: float, max_gamma: int) -> int:
     return max(range(max_gamma + 1), key=lambda g: expected_tokens(alpha, g) / costs.iteration_ms(g))
 
 
-def row_pays(costs: ForwardCosts, k: int, confidence: float) -> bool:
-    """Whether a k-th proposed token is worth its row in the verify. With ``confidence`` the chance that it is
-    accepted together with every proposal before it, the row's extra cost must buy at least the tokens a
-    one-token target forward commits in that time (one per ``verify_ms[0]``)."""
-    return confidence * costs.verify_ms[0] >= costs.verify_ms[k] - costs.verify_ms[k - 1]
+def row_pays(costs: ForwardCosts, k: int, confidence: float, extra_ms: float = 0.0) -> bool:
+    """Whether a k-th proposed token is worth its row in the verify (and ``extra_ms`` besides). With
+    ``confidence`` the chance that it is accepted together with every proposal before it, the row's extra cost
+    must buy at least the tokens a one-token target forward commits in that time (one per ``verify_ms[0]``)."""
+    return confidence * costs.verify_ms[0] >= costs.verify_ms[k] - costs.verify_ms[k - 1] + extra_ms
 
 
 def draft_pays(costs: ForwardCosts, k: int, confidence: float) -> bool:
     """Whether drafting a k-th token can pay: at best it is as likely as the proposals before it
     (``confidence``), and it costs a draft forward besides its row."""
-    return confidence * costs.verify_ms[0] >= costs.verify_ms[k] - costs.verify_ms[k - 1] + costs.draft_ms
+    return row_pays(costs, k, confidence, costs.draft_ms)
 
 
 @dataclass

@@ -430,8 +430,7 @@ class SpeculativeSession:
         if self._gamma_chooser is not None and (draft is not None or proposal.copied):
             self._gamma_chooser.observe(draft_name, len(proposal.tokens), accepted)
             if not proposal.copied:
-                self._gamma_chooser.observe_cost(draft_name, len(proposal.tokens) + stats.dropped,
-                                                 1000.0 * stats.draft_seconds)
+                self._gamma_chooser.observe_cost(draft_name, stats.draft_forwards, 1000.0 * stats.draft_seconds)
         stats.committed = self._commit_accepted(proposal, accepted, extra)
         self.stats.iterations.append(stats)
         return stats
@@ -460,7 +459,7 @@ class SpeculativeSession:
                     q = None
                 else:
                     token, q = self._choose(_checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean))
-                    p = float(q[token])
+                    p = float(q[token]) if costs is not None else 1.0
             if catching_up and k == 1:
                 stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds
             else:

@@ -72,6 +72,11 @@ class IterationStats:
     load_wait_seconds: float = 0.0  # time blocked waiting for a draft load (never for MemSpec)
 
     @property
+    def draft_forwards(self) -> int:
+        """Draft forwards run: one per proposal and per dropped token (a switch's catch-up forward among them)."""
+        return self.proposed + self.dropped
+
+    @property
     def seconds(self) -> float:
         return (
             self.draft_seconds

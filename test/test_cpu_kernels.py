@@ -464,3 +464,26 @@ def test_the_portable_kernels_pass_the_same_tests(tmp_path):
     code = "from memspec_ros.runtime import cpu_kernels as k; print(k.status().isa)"
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert probe.stdout.strip() == "w4 portable C, i8 portable C, attention portable C", probe.stderr
+
+
+@pytest.mark.skipif(cpu_kernels._load()[0] is None, reason=f"the kernels are not loaded here: {STATUS.reason}")
+@pytest.mark.parametrize("dim", [24, 64])  # 24: rows of 48 and 20, not multiples of 16 (the dot's tail)
+def test_the_ranking_head_in_one_call_computes_the_modules_probabilities(dim):
+    from memspec_ros.runtime.predictor import HeadConfig, RankingHead, mean_rows
+
+    torch.manual_seed(0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=list("abcde"), in_dim=2 * dim, hidden=20)).eval()
+    with torch.no_grad():  # a LayerNorm that is not the identity
+        head.net[0].weight.uniform_(0.5, 1.5)
+        head.net[0].bias.normal_(0.0, 0.1)
+    kernel = head.kernel()
+    assert kernel is not None and head.kernel() is kernel  # built once
+    prompt, stream = torch.randn(dim), torch.randn(30, dim)
+    for parts in ([], [stream[:7]], [stream[:5], stream[5:9], stream[20:29]]):  # none: a prompt-only ranking
+        expected = torch.softmax(head(torch.cat([prompt, mean_rows(parts, dim)])[None])[0], -1)
+        got = torch.tensor(kernel(prompt, parts))
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got, expected)
+    with pytest.raises(ValueError, match="contiguous CPU fp32"):
+        kernel(prompt.double(), [])
+    with pytest.raises(ValueError, match="contiguous CPU fp32"):
+        kernel(prompt, [stream[:, :dim].t()])  # another width

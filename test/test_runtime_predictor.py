@@ -13,6 +13,7 @@ from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
 from memspec_ros.runtime.oracle import ContinuationCache, GreedyOracle, interval_walk, target_greedy
 from memspec_ros.runtime.policies import PolicyError
 from memspec_ros.runtime.predictor import (
+    KEEP_EXTRA_POSITIONS,
     FixedRanker,
     HeadConfig,
     OverlappedPredictor,
@@ -43,6 +44,9 @@ def test_head_roundtrip_and_candidate_mapping(tmp_path):
     again = RankingHead.load(tmp_path / "p")
     x = torch.randn(3, 8)
     assert torch.equal(head(x), again(x))
+    # the decode loop's functional path computes the module's numbers exactly
+    for row in x:
+        assert again.probabilities(row) == torch.softmax(again(row[None])[0], -1).tolist()
     assert json.loads((tmp_path / "p" / "predictor.json").read_text())["drafts"] == ["a", "b"]
     with pytest.raises(PredictorError, match="memspec-train-predictor"):
         RankingHead.load(tmp_path / "nothing")
@@ -51,12 +55,13 @@ def test_head_roundtrip_and_candidate_mapping(tmp_path):
     assert [n for n, _ in ranking] == ["b", "a", "c", "x"]
 
 
-def test_target_hidden_features_at_runtime_match_training_features():
+@pytest.mark.parametrize("new_tokens", [30, 240])  # 240: the encoder forgets old forwards as it goes
+def test_target_hidden_features_at_runtime_match_training_features(new_tokens):
     target = tiny_llama(layers=2, hidden=64, seed=0)
     draft = noisy_copy(target, 0.02, seed=1)
     encoder = TargetHiddenEncoder(target, recent_tokens=8)
     encoder.begin(PROMPT)
-    session = SpeculativeSession(target, PROMPT, max_new_tokens=30, gamma=4)
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=new_tokens, gamma=4)
     session.prefill()
     checked = 0
     while not session.finished:
@@ -70,8 +75,40 @@ def test_target_hidden_features_at_runtime_match_training_features():
         offline = pooled_hidden_features(hidden, len(PROMPT), len(gen), 8)
         assert torch.allclose(runtime, offline, atol=1e-4), (len(gen), (runtime - offline).abs().max())
         checked += 1
-    assert checked >= 3
+        # what it keeps stays bounded: the recent window, the margin, and the prefill until it falls behind
+        kept = sum(rows.shape[0] for _, rows in encoder._fed)
+        assert kept <= max(len(PROMPT) + len(gen), 8 + KEEP_EXTRA_POSITIONS + 5)
+    assert checked >= 3 and (new_tokens < 100 or checked > 40)
     encoder.close()
+
+
+def test_the_engine_ranks_in_one_kernel_call_as_torch_would():
+    """Where the CPU kernels load, the live target-hidden ranking is one C call (cpu_kernels.RankHead) over the
+    encoder's recorded rows; its probabilities are torch's on the same features, at every point of a generation."""
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    draft = noisy_copy(target, 0.02, seed=1)
+    torch.manual_seed(0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b", "c"], in_dim=128, hidden=16)).eval()
+    engine = PredictionEngine(head, TargetHiddenEncoder(target, 8))
+    if head.kernel() is None:
+        pytest.skip("the CPU kernels are not loaded here")
+    engine.begin(PROMPT)
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=40, gamma=4)
+    session.prefill()
+    points = 0
+    while not session.finished:
+        session.step("d", draft)
+        gen = session.generated_ids
+        context = PredictionContext(PROMPT, gen[-8:], interval=points % 3, candidates=["a", "b", "c"],
+                                    generated=len(gen))
+        kernel = engine._kernel_probabilities(context)
+        assert kernel is not None
+        with torch.inference_mode():
+            torch_probs = head.probabilities(engine._head_input(context))
+        assert torch.allclose(torch.tensor(kernel), torch.tensor(torch_probs), rtol=1e-5, atol=1e-6)
+        points += 1
+    assert points >= 5
+    engine.close()
 
 
 def test_minilm_encoder_is_local_and_frozen():

@@ -1288,3 +1288,49 @@ done:
   free(s.xu); free(s.row_scale);
   return status;
 }
+
+/* ---------------------------------------------------------------- the predictor's ranking head */
+static float dot_any(const float* a, const float* b, int d) { /* any d: dot() over the 16s, then the tail */
+  const int body = d - d % 16;
+  float sum = body >= 16 ? dot(a, b, body) : 0.0f;
+  for (int j = body; j < d; j++) sum = fmaf(a[j], b[j], sum);
+  return sum;
+}
+
+/* P(d | x) = softmax(W2 gelu(W1 layer_norm(x) + b1) + b2) for one context x = [prompt ; mean of the recent rows]
+ * (runtime/predictor.py: RankingHead on TargetHiddenEncoder's features), into probs[classes]. parts[i] points at
+ * part_rows[i] contiguous rows of dim floats, oldest first; no rows leave the recent half zero (a prompt-only
+ * ranking). Why here: a scheduling point comes right after a verify has streamed the target's weights, and the
+ * dozen tensor operations this replaces then cost ~0.4-0.6 ms of cold dispatch (see model_step); this is one call.
+ * x must hold 2 * dim floats and h hidden floats of scratch. */
+void rank_head(const float* prompt, const float* const* parts, const int* part_rows, int n_parts, int dim,
+               const float* ln_w, const float* ln_b, float eps, const float* w1, const float* b1, int hidden,
+               const float* w2, const float* b2, int classes, float* x, float* h, float* probs) {
+  const int n = 2 * dim;
+  float* recent = x + dim;
+  memcpy(x, prompt, sizeof(float) * (size_t)dim);
+  memset(recent, 0, sizeof(float) * (size_t)dim);
+  int count = 0;
+  for (int p = 0; p < n_parts; p++)
+    for (int r = 0; r < part_rows[p]; r++, count++)
+      for (int j = 0; j < dim; j++) recent[j] += parts[p][(size_t)r * dim + j];
+  if (count > 0)
+    for (int j = 0; j < dim; j++) recent[j] /= (float)count;
+  double mean = 0.0, var = 0.0; /* the statistics in double: n is small and this is not the hot path */
+  for (int j = 0; j < n; j++) mean += x[j];
+  mean /= n;
+  for (int j = 0; j < n; j++) var += (x[j] - mean) * (x[j] - mean);
+  const float scale = (float)(1.0 / sqrt(var / n + eps)), centre = (float)mean;
+  for (int j = 0; j < n; j++) x[j] = (x[j] - centre) * scale * ln_w[j] + ln_b[j];
+  for (int k = 0; k < hidden; k++) {
+    const float v = dot_any(w1 + (size_t)k * n, x, n) + b1[k];
+    h[k] = 0.5f * v * (1.0f + erff(v * (float)M_SQRT1_2)); /* exact GELU, as torch.nn.GELU() */
+  }
+  float top = -INFINITY, total = 0.0f;
+  for (int c = 0; c < classes; c++) {
+    probs[c] = dot_any(w2 + (size_t)c * hidden, h, hidden) + b2[c];
+    top = probs[c] > top ? probs[c] : top;
+  }
+  for (int c = 0; c < classes; c++) total += probs[c] = expf(probs[c] - top);
+  for (int c = 0; c < classes; c++) probs[c] /= total;
+}

@@ -127,6 +127,8 @@ def _bind(library: ctypes.CDLL) -> None:
     library.exp_shifted_sum.restype = f
     library.silu_mul.argtypes = [p, p, p, i]
     library.silu_mul.restype = None
+    library.rank_head.argtypes = [p, p, p, i, i, p, p, f, p, p, i, p, p, i, p, p, p]
+    library.rank_head.restype = None
 
 
 @cache
@@ -410,3 +412,45 @@ class Step:
         if failed:
             raise MemoryError("the step kernel could not allocate its scratch memory")
         return logits
+
+
+class RankHead:
+    """The predictor's ranking head in one C call (rank_head): P(d | [prompt ; mean of the recent rows]) over
+    LayerNorm, linear, GELU, linear and softmax, with the parameters of a :class:`~.predictor.RankingHead` in eval
+    mode. Why: a scheduling point comes right after a verify, when each small tensor operation costs tens of
+    microseconds of cold dispatch (see :class:`Step`); the dozen a ranking took cost ~0.5 ms, every N iterations.
+    Build with :meth:`build`, which says why a head does not qualify."""
+
+    def __init__(self, tensors: list[torch.Tensor], eps: float, dim: int, hidden: int, classes: int) -> None:
+        self._keep = tensors  # the pointers below point into these
+        self._weights = [_ptr(t) for t in tensors]
+        self.eps, self.dim, self.hidden, self.classes = eps, dim, hidden, classes
+
+    @classmethod
+    def build(cls, norm: torch.nn.LayerNorm, first: torch.nn.Linear, last: torch.nn.Linear) -> RankHead | str:
+        if _load()[0] is None:
+            return f"the memspec CPU kernels are not loaded: {status().reason}"
+        tensors = [norm.weight, norm.bias, first.weight, first.bias, last.weight, last.bias]
+        if any(t is None or t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+            return "the head's parameters are not CPU fp32 tensors with biases"
+        n = norm.normalized_shape[0]
+        if len(norm.normalized_shape) != 1 or n % 2 or first.in_features != n or last.in_features != first.out_features:
+            return "the head's layers do not chain as LayerNorm(2d) -> Linear -> Linear"
+        return cls([t.detach().contiguous() for t in tensors], float(norm.eps), n // 2, first.out_features,
+                   last.out_features)
+
+    def __call__(self, prompt: torch.Tensor, recent_rows: list[torch.Tensor]) -> list[float]:
+        """P(d | x) for x = [prompt ; mean over every row of ``recent_rows``] (none: the recent half is zero)."""
+        parts = [r for r in recent_rows if r.shape[0]]
+        for t in (prompt, *parts):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.shape[-1] != self.dim:
+                raise ValueError(f"rank_head takes contiguous CPU fp32 rows of width {self.dim}")
+        probs = (ctypes.c_float * self.classes)()
+        # scratch per call (ctypes arrays, no tensor operation): a head may serve a live and a replayed engine
+        scratch = ((ctypes.c_float * (2 * self.dim))(), (ctypes.c_float * self.hidden)())
+        w = self._weights
+        _library().rank_head(_ptr(prompt), (ctypes.c_void_p * max(1, len(parts)))(*[_ptr(r) for r in parts]),
+                             (ctypes.c_int * max(1, len(parts)))(*[r.shape[0] for r in parts]), len(parts), self.dim,
+                             w[0], w[1], self.eps, w[2], w[3], self.hidden, w[4], w[5], self.classes,
+                             *scratch, probs)
+        return list(probs)

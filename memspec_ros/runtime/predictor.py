@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
+from . import cpu_kernels
 from .draft_forward import observe_hidden
 
 ENCODERS = ("minilm", "target-hidden")
@@ -45,7 +47,6 @@ HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "predictor.json"
 UNKNOWN_SCORE = -1.0  # a candidate the ranking does not know: below every probability
 STAND_IN_FACTOR = 0.999  # a same-domain stand-in ranks just below the draft the head was trained on
-PREFILL_TAIL_SLACK = 8  # rows of a forward kept beyond the T recent ones (a long prefill keeps only its tail)
 KEEP_EXTRA_POSITIONS = 80  # positions kept beyond the T recent ones: more than one verify feeds (gamma <= 64)
 
 log = logging.getLogger(__name__)
@@ -221,7 +222,11 @@ class TargetHiddenEncoder:
         self.target = target
         self.dim = int(target.config.hidden_size)
         self.recent_tokens = recent_tokens
-        self._positions: dict[int, torch.Tensor] = {}
+        # what each forward fed, as (first position, its rows): the rows tensor itself, kept by reference, so
+        # recording a verify costs no tensor operation (in the decode loop each one is a cold dispatch of tens of
+        # microseconds, speculative.py) and pooling slices them at a scheduling point. Forwards start at
+        # increasing positions, and a position re-fed after a rejection belongs to the newer forward
+        self._fed: list[tuple[int, torch.Tensor]] = []
         self._prompt_len = 0
         self._prompt_vec: torch.Tensor | None = None
         self._lock = threading.Lock()
@@ -239,7 +244,8 @@ class TargetHiddenEncoder:
     def _observe(self, hidden: torch.Tensor, start: int) -> None:
         t0 = time.perf_counter()
         try:
-            self._record_rows(hidden.detach().float(), start, start + hidden.shape[0])
+            rows = hidden if hidden.dtype == torch.float32 and not hidden.requires_grad else hidden.detach().float()
+            self._record_rows(rows, start, start + hidden.shape[0])
         finally:
             self.hook_seconds += time.perf_counter() - t0
 
@@ -257,19 +263,21 @@ class TargetHiddenEncoder:
         self._record_rows(hidden[0].detach().float(), total - hidden.shape[1], total)
 
     def _record_rows(self, rows: torch.Tensor, start: int, total: int) -> None:
-        n = rows.shape[0]
         with self._lock:
             if start == 0 and self._prompt_vec is None and self._prompt_len:
                 self._prompt_vec = rows[: self._prompt_len].mean(0)  # the prefill: prompt positions
-            for j in range(max(0, n - self.recent_tokens - PREFILL_TAIL_SLACK), n):
-                self._positions[start + j] = rows[j]
+            fed = self._fed
+            while fed and fed[-1][0] >= start:  # re-fed from an earlier position: those rows are stale
+                fed.pop()
+            fed.append((start, rows))
+            # forget forwards whose every position the next forward re-fed or that lie before the recent window
             horizon = total - self.recent_tokens - KEEP_EXTRA_POSITIONS
-            for pos in [p for p in self._positions if p < horizon]:
-                del self._positions[pos]
+            while len(fed) > 1 and fed[1][0] <= horizon:
+                del fed[0]
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         with self._lock:
-            self._positions.clear()
+            self._fed = []
             self._prompt_len = len(prompt_ids)
             self._prompt_vec = None
 
@@ -282,16 +290,37 @@ class TargetHiddenEncoder:
                 self.target(input_ids=ids, use_cache=False, logits_to_keep=1)
             with self._lock:
                 vec = self._prompt_vec
-                self._positions.clear()  # that pass is not part of the generation's cache
+                self._fed = []  # that pass is not part of the generation's cache
         return vec if vec is not None else torch.zeros(self.dim)
 
-    def recent_features(self, recent_ids: Sequence[int], generated: int) -> torch.Tensor:
+    def recent_rows(self, recent_ids: Sequence[int], generated: int) -> list[torch.Tensor]:
+        """The hidden rows of the recent window, as slices of what the forwards fed, oldest first (a position
+        never fed is left out)."""
         if not recent_ids:
-            return torch.zeros(self.dim)
+            return []
         window = recent_window(self._prompt_len, generated, len(recent_ids))
+        parts = []  # newest positions first
+        end = window.stop
         with self._lock:
-            rows = [self._positions[p] for p in window if p in self._positions]
-        return torch.stack(rows).mean(0) if rows else torch.zeros(self.dim)
+            for start, rows in reversed(self._fed):
+                if end <= window.start:
+                    break
+                first = max(window.start, start)
+                last = min(end, start + rows.shape[0])
+                if first < last:
+                    parts.append(rows[first - start : last - start])
+                end = min(end, first)
+        return parts[::-1]
+
+    def recent_features(self, recent_ids: Sequence[int], generated: int) -> torch.Tensor:
+        return mean_rows(self.recent_rows(recent_ids, generated), self.dim)
+
+
+def mean_rows(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """The mean of every row of ``parts`` (zeros for none): the recent half of the target-hidden features."""
+    if not parts:
+        return torch.zeros(dim)
+    return (parts[0] if len(parts) == 1 else torch.cat(list(parts))).mean(0)
 
 
 def recent_window(prompt_len: int, generated: int, recent: int) -> range:
@@ -343,6 +372,23 @@ class RankingHead(torch.nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.net(features)
+
+    def kernel(self) -> cpu_kernels.RankHead | None:
+        """This head as one C call (built once), or None where the CPU kernels cannot take it."""
+        built = self.__dict__.get("_kernel")
+        if built is None:
+            norm, first, _, _, last = self.net
+            built = self.__dict__["_kernel"] = cpu_kernels.RankHead.build(norm, first, last)
+        return built if isinstance(built, cpu_kernels.RankHead) else None
+
+    def probabilities(self, features: torch.Tensor) -> list[float]:
+        """softmax(forward(features)) for one feature vector in eval mode, as five functional calls: the same
+        operations on the same parameters (so the same numbers) without nn.Sequential's per-module calls, each
+        a cold dispatch at a scheduling point in the decode loop."""
+        norm, first, _, _, last = self.net
+        x = F.layer_norm(features, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        x = F.linear(F.gelu(F.linear(x, first.weight, first.bias)), last.weight, last.bias)
+        return torch.softmax(x, dim=-1).tolist()
 
     def save(self, directory: str | Path) -> Path:
         from safetensors.torch import save_file
@@ -452,16 +498,36 @@ class PredictionEngine(SynchronousRanking):
         recent = self.encoder.recent_features(context.recent_ids[-self.recent_tokens :], context.generated)
         return torch.cat([prompt, recent])
 
+    def _head_input(self, context: PredictionContext) -> torch.Tensor:
+        """The features the head sees at this point: [prompt ; recent] with the half it must not see zeroed.
+        At interval 0 the recent half is zero without encoding it (mask_input's result, with no clone)."""
+        which = "prompt" if context.interval == 0 or not context.recent_ids else self.head.config.input
+        if which == "prompt":
+            prompt = self.encoder.prompt_features(context.prompt_ids)
+            return torch.cat([prompt, prompt.new_zeros(prompt.shape[-1])])
+        features = self.features(context)
+        return features if which == "prompt+recent" else mask_input(features, which)
+
     @torch.inference_mode()
     def probabilities(self, context: PredictionContext) -> dict[str, float]:
-        """P(d | x) over the head's classes (Algorithm 1, lines 3-6)."""
-        features = self.features(context)
-        if context.interval == 0 or not context.recent_ids:
-            features = mask_input(features, "prompt")
-        elif self.head.config.input != "prompt+recent":
-            features = mask_input(features, self.head.config.input)
-        probs = torch.softmax(self.head(features.unsqueeze(0))[0], dim=-1)
-        return dict(zip(self.head.config.drafts, probs.tolist(), strict=True))
+        """P(d | x) over the head's classes (Algorithm 1, lines 3-6): in one C call where the encoder gives its
+        recent rows and the CPU kernels are loaded (cpu_kernels.RankHead), else with torch's operations."""
+        probs = self._kernel_probabilities(context)
+        if probs is None:
+            probs = self.head.probabilities(self._head_input(context))
+        return dict(zip(self.head.config.drafts, probs, strict=True))
+
+    def _kernel_probabilities(self, context: PredictionContext) -> list[float] | None:
+        which = "prompt" if context.interval == 0 or not context.recent_ids else self.head.config.input
+        recent_rows = getattr(self.encoder, "recent_rows", None)
+        kernel = self.head.kernel()
+        if recent_rows is None or kernel is None or which == "recent":
+            return None
+        prompt = self.encoder.prompt_features(context.prompt_ids)
+        rows = recent_rows(context.recent_ids[-self.recent_tokens :], context.generated) if which != "prompt" else []
+        if any(t.device.type != "cpu" for t in (prompt, *rows)):
+            return None
+        return kernel(prompt, rows)
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
         """Candidates sorted by P(d | x), best first (Algorithm 1, line 7)."""

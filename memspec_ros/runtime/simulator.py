@@ -38,7 +38,7 @@ from .choice import Choice, Resolution, carry_out
 from .draft_forward import lean_forward_for, observe_hidden
 from .oracle import GreedyOracle, ScheduleCosts
 from .policies import DraftPolicy, SchedulingPoint
-from .predictor import PredictionEngine, recent_window
+from .predictor import PredictionEngine, mean_rows, recent_window
 from .speculative import KVState
 from .stats import GenerationStats, GenerationTotals, IterationStats
 
@@ -145,12 +145,15 @@ class TraceHiddenEncoder:
         assert self._current is not None
         return self._current[: self._prompt_len].mean(0)
 
-    def recent_features(self, recent_ids: Sequence[int], generated: int) -> torch.Tensor:
+    def recent_rows(self, recent_ids: Sequence[int], generated: int) -> list[torch.Tensor]:
         if not recent_ids or self._current is None or not self.recent:
-            return torch.zeros(self.dim)
+            return []
         window = recent_window(self._prompt_len, generated, len(recent_ids))
         rows = self._current[window.start : window.stop]
-        return rows.mean(0) if len(rows) else torch.zeros(self.dim)
+        return [rows] if len(rows) else []
+
+    def recent_features(self, recent_ids: Sequence[int], generated: int) -> torch.Tensor:
+        return mean_rows(self.recent_rows(recent_ids, generated), self.dim)
 
 
 def live_recent_features(engine: PredictionEngine, prompt_ids: Sequence[int], generated_ids: Sequence[int]) -> bool:

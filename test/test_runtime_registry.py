@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memspec_ros.runtime import draft_forward
 from memspec_ros.runtime.cache import registry_loader
 from memspec_ros.runtime.models import ModelDirectoryError, TokenizerMismatchError, tokenizer_fingerprint
 from memspec_ros.runtime.registry import (
@@ -43,6 +44,8 @@ def test_yaml_paths_relative_to_file_and_sizes(zoo):
     assert reg.target_path == str((zoo / "target").resolve())
     loaded = registry_loader(reg)("code")
     assert loaded.size_bytes > 0
+    # the engine's forward for it was built by the loader (its thread), not left to the first decode iteration
+    assert loaded.model in draft_forward._LEAN and draft_forward._LEAN[loaded.model] is not None
 
 
 def test_yaml_mapping_form_and_errors(zoo, tmp_path):

@@ -569,6 +569,7 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
     ``storage`` (a medium name, StorageMedium or DraftStorage; runtime/storage.py): read the weights cold
     through that storage tier; None: load_model as it is. ``quantization``: the drafts' forward path
     (none, int8, int4: runtime/forward_paths.py)."""
+    from .draft_forward import lean_forward_for
     from .storage import draft_storage
 
     reader = draft_storage(storage)
@@ -581,6 +582,9 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
         if target.type == "cuda":
             loaded.model = to_device_via_pinned(loaded.model, target)
             loaded.spec = ModelSpec(path=entry.path, dtype=dtype, device=device, quantization=quantization)
+        # the engine's forward for it (fused linears, the one-call kernels: runtime/draft_forward.py) is built here,
+        # on the loader thread, not by the decode thread at the draft's first iteration (1-5 ms there)
+        lean_forward_for(loaded.model)
         return loaded
 
     return load

@@ -498,10 +498,15 @@ class PredictionEngine(SynchronousRanking):
         recent = self.encoder.recent_features(context.recent_ids[-self.recent_tokens :], context.generated)
         return torch.cat([prompt, recent])
 
+    def _visible(self, context: PredictionContext) -> str:
+        """Which input the head sees at this point (INPUTS): the prompt alone at interval 0, else what it was
+        trained on."""
+        return "prompt" if context.interval == 0 or not context.recent_ids else self.head.config.input
+
     def _head_input(self, context: PredictionContext) -> torch.Tensor:
         """The features the head sees at this point: [prompt ; recent] with the half it must not see zeroed.
         At interval 0 the recent half is zero without encoding it (mask_input's result, with no clone)."""
-        which = "prompt" if context.interval == 0 or not context.recent_ids else self.head.config.input
+        which = self._visible(context)
         if which == "prompt":
             prompt = self.encoder.prompt_features(context.prompt_ids)
             return torch.cat([prompt, prompt.new_zeros(prompt.shape[-1])])
@@ -518,7 +523,7 @@ class PredictionEngine(SynchronousRanking):
         return dict(zip(self.head.config.drafts, probs, strict=True))
 
     def _kernel_probabilities(self, context: PredictionContext) -> list[float] | None:
-        which = "prompt" if context.interval == 0 or not context.recent_ids else self.head.config.input
+        which = self._visible(context)
         recent_rows = getattr(self.encoder, "recent_rows", None)
         kernel = self.head.kernel()
         if recent_rows is None or kernel is None or which == "recent":

@@ -111,9 +111,53 @@ def test_a_draft_built_from_the_read_bytes_equals_load_model(tiny_zoo, dtype):
 
 
 @pytest.mark.skipif(not BUNDLED_DRAFT.is_dir(), reason="the bundled zoo is not built")
-def test_a_reduced_vocabulary_draft_built_from_bytes_equals_load_model():
+def test_a_reduced_vocabulary_draft_built_from_bytes_equals_load_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
     spec = ModelSpec(str(BUNDLED_DRAFT))
-    _same_model(DraftStorage(MEDIA["local"]).load(spec, "code"), load_model(spec))
+    storage = DraftStorage(MEDIA["local"])
+    _same_model(storage.load(spec, "code"), load_model(spec))
+    # its runtime form: the fp16 file's weights, fp32 in memory, stored at fp16 again, and the reload equal
+    _same_model(storage.load(spec, "code"), load_model(spec))
+    (form,) = storage._forms.values()
+    assert form.widened and form.file.stat().st_size < 1.1 * (BUNDLED_DRAFT / "model.safetensors").stat().st_size
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, quantization, tmp_path, monkeypatch):
+    """The first load builds the draft from its safetensors and writes its runtime form; a reload reads that file
+    cold and fills a copy of the emptied model with its tensors: the same tensors (tied ones shared as before), the
+    same logits, the same speculative output, and no quantization on the way."""
+    from memspec_ros.runtime import forward_paths
+    from memspec_ros.runtime.speculative import generate
+
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
+    spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization=quantization)
+    storage = DraftStorage(MEDIA["local"])
+    first = storage.load(spec, "code")
+    (form,) = storage._forms.values()
+    assert form.file.is_file() and form.file.parent.parent == tmp_path
+    assert all(t is None for m in form.skeleton.modules() for t in (*m._parameters.values(), *m._buffers.values()))
+    quantized = []
+    monkeypatch.setattr(forward_paths, "apply_path", lambda *a, **k: quantized.append(a))
+    again = storage.load(spec, "code")
+    assert quantized == [] and again.model is not first.model
+    _same_model(again, first)
+    tied = [(n, t) for n, t in first.model.named_parameters(remove_duplicate=False)]
+    shared = {n for n, t in tied if sum(t is u for _, u in tied) > 1}
+    params = dict(again.model.named_parameters(remove_duplicate=False))
+    assert all(sum(params[n] is params[m] for m in shared) == len(shared) for n in shared)
+    first_record, again_record = storage.take_records()
+    assert again_record.nbytes == form.file.stat().st_size
+    assert first_record.nbytes == (tiny_zoo / "drafts" / "code" / "model.safetensors").stat().st_size
+    target = load_model(ModelSpec(str(tiny_zoo / "target"), quantization=quantization)).model
+    prompt = [1, 5, 9, 2, 7, 3]
+    outputs = [generate(target, prompt, d.model, max_new_tokens=24, gamma=4).generated_ids for d in (first, again)]
+    assert outputs[0] == outputs[1] == generate(target, prompt, max_new_tokens=24).generated_ids
+    # weights files that changed since (a new version, a repair) are built from again, not served from the old form
+    weights = tiny_zoo / "drafts" / "code" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    storage.load(spec, "code")
+    assert len(quantized) == 1
 
 
 def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny_zoo):

@@ -15,7 +15,10 @@ load here reads the weights for real, cold, and paces that read to a medium:
    ``N / bandwidth + ceil(N / request_bytes) * latency`` (a lower bound by
    construction; a slower real disk makes it slower, never faster);
 3. the model is built from those bytes (``safetensors.torch.load``: no pickle, no
-   second read of the file).
+   second read of the file). The first load of a draft builds it from its own files and
+   writes its runtime form (:class:`RuntimeForm`: the built tensors, packed as the forward
+   path keeps them); later loads read that file, so a load is a read and a ~3 ms assembly,
+   not a ~25 ms build whose CPU work slows the decoding on the other core.
 
 ``local`` does steps 1 and 3 and reads unpaced: this machine's disk as it is. The
 other media are emulated; every figure and results page says so.
@@ -231,6 +234,115 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
                        forward_path=path)
 
 
+RUNTIME_FORM_DIR = "runtime-drafts"  # under the cache root (model_source.cache_root)
+
+
+@dataclass
+class RuntimeForm:
+    """A draft as the engine holds it in fast memory, kept on disk so that a load is a read.
+
+    Building a draft from its safetensors (transformers' ``from_pretrained``, the forward path's quantization and
+    packing) costs ~25 ms of CPU per bundled draft, and on a 2-core machine that work on the loader thread slows
+    the decoding beside it by ~1.4x while it lasts (scripts/load_interference.py). So the first load builds it,
+    and writes every tensor of the built model (packed int4 weights, int8 head, Q8_0 embedding: the runtime's own
+    form, as an edge device would store them) to ``file``; ``skeleton`` is the model with every tensor slot
+    emptied, ``slots`` says which tensor fills each. Later loads read ``file`` cold through the medium and put
+    its tensors into a copy of the skeleton: the same tensors, so the same numbers. The file is written by this
+    process at its first load of the draft (never trusted from another run: the packed layout is this machine's
+    kernels' choice)."""
+
+    file: Path
+    skeleton: torch.nn.Module
+    slots: list[tuple[str, str, bool, str]]  # (module path, slot name, is a parameter, tensor key in the file)
+    record: LoadedModel  # the first load's record without its model: vocabulary size, positions, forward path
+    widened: frozenset[str] = frozenset()  # fp32 tensors the file holds as fp16 (exactly): widened back on build
+    source: tuple = ()  # the weights files it was built from (source_identity)
+
+    @classmethod
+    def write(cls, loaded: LoadedModel, file: Path, source: tuple = ()) -> RuntimeForm:
+        """The runtime form of a freshly built draft, its tensors written to ``file`` (atomically, synced)."""
+        import copy
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        keys: dict[int, str] = {}
+        slots = []
+        widened: set[str] = set()
+        for path, module in loaded.model.named_modules():
+            for is_parameter, table in ((True, module._parameters), (False, module._buffers)):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    key = keys.get(id(tensor))
+                    if key is None:  # a tied tensor is stored once and fills every slot it filled
+                        key = keys[id(tensor)] = f"{path}.{name}" if path else name
+                        tensor = tensor.detach().contiguous()
+                        # fp32 that fp16 holds exactly (weights loaded from an fp16 file) is stored at half the bytes
+                        if tensor.dtype == torch.float32 and torch.equal(tensor.half().float(), tensor):
+                            tensor = tensor.half()
+                            widened.add(key)
+                        tensors[key] = tensor
+                    slots.append((path, name, is_parameter, key))
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=file.parent, suffix=".safetensors", delete=False) as tmp:
+            partial = Path(tmp.name)
+        try:
+            save_file(tensors, str(partial))
+            with open(partial, "rb+") as handle:
+                os.fsync(handle.fileno())  # written back, so a cold read's page-cache drop really drops it
+            os.replace(partial, file)
+        finally:
+            partial.unlink(missing_ok=True)
+        skeleton = copy.deepcopy(loaded.model)
+        modules = dict(skeleton.named_modules())
+        for path, name, is_parameter, _ in slots:
+            (modules[path]._parameters if is_parameter else modules[path]._buffers)[name] = None
+        return cls(file, skeleton, slots, replace(loaded, model=None), frozenset(widened), source)
+
+    def build(self, blob: bytes) -> LoadedModel:
+        """The draft from the bytes of ``file``."""
+        import copy
+
+        from safetensors.torch import load as load_safetensors
+
+        from .models import parameter_bytes
+
+        tensors = load_safetensors(blob)
+        for key in self.widened:
+            tensors[key] = tensors[key].float()
+        model = copy.deepcopy(self.skeleton)
+        modules = dict(model.named_modules())
+        parameters: dict[str, torch.nn.Parameter] = {}
+        for path, name, is_parameter, key in self.slots:
+            if is_parameter:
+                if key not in parameters:
+                    parameters[key] = torch.nn.Parameter(tensors[key], requires_grad=False)
+                modules[path]._parameters[name] = parameters[key]
+            else:
+                modules[path]._buffers[name] = tensors[key]
+        return replace(self.record, model=model, size_bytes=parameter_bytes(model))
+
+
+def source_identity(files: Sequence[Path]) -> tuple:
+    """What tells a draft's weights files apart from their next version: path, size and modification time."""
+    return tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
+    """Where a draft's runtime form goes: named by its weights files (:func:`source_identity`), the forward path
+    and the kernels this process compiled."""
+    import hashlib
+
+    from . import cpu_kernels
+    from .model_source import cache_root
+    from .models import forward_path_for
+
+    key = repr((source, forward_path_for(spec), spec.dtype, cpu_kernels.status().isa, torch.__version__))
+    return cache_root() / RUNTIME_FORM_DIR / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+
+
 @dataclass
 class LoadRecord:
     """One draft load through the storage tier."""
@@ -254,20 +366,37 @@ class DraftStorage:
     medium: StorageMedium
     records: list[LoadRecord] = field(default_factory=list)
 
+    runtime_forms: bool = True  # keep each draft's runtime form on disk after its first build (RuntimeForm)
+
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        self._forms: dict[tuple, RuntimeForm] = {}
 
     def load(self, spec: ModelSpec, name: str = "") -> LoadedModel:
-        """Read the draft's safetensors cold through the medium, then build it from the bytes."""
+        """Read the draft cold through the medium and build it: its safetensors the first time (then its runtime
+        form is written), its runtime form after that (RuntimeForm)."""
         from .model_source import is_model_source, resolve_model_path
         from .models import safetensors_files
 
         if is_model_source(spec.path):
             spec = replace(spec, path=str(resolve_model_path(spec.path)))
         files = safetensors_files(spec.path)  # checks the headers (and refuses pickles) before the timed read
-        reads = [read_cold(f, self.medium) for f in files]
-        t0 = time.perf_counter()
-        loaded = build_model(spec, [blob for blob, _ in reads])
+        key = (str(Path(spec.path).resolve()), spec.dtype, spec.device, spec.quantization)
+        source = source_identity(files)  # a draft whose files changed is built from them again
+        with self._lock:
+            form = self._forms.get(key)
+        if form is not None and form.source == source and form.file.is_file():
+            reads = [read_cold(form.file, self.medium)]
+            t0 = time.perf_counter()
+            loaded = form.build(reads[0][0])
+        else:
+            reads = [read_cold(f, self.medium) for f in files]
+            t0 = time.perf_counter()
+            loaded = build_model(spec, [blob for blob, _ in reads])
+            if self.runtime_forms:
+                form = RuntimeForm.write(loaded, runtime_form_file(spec, source), source)
+                with self._lock:
+                    self._forms[key] = form
         build = time.perf_counter() - t0
         cached = [r.cached_after_drop for _, r in reads]
         record = LoadRecord(

@@ -160,6 +160,23 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     assert len(quantized) == 1
 
 
+def test_a_cache_that_cannot_take_the_runtime_form_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch, caplog):
+    """A full or read-only cache folder costs later loads their speed, never the load itself: each load builds the
+    draft from its safetensors, and the warning names the folder and what to set."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(blocked))
+    spec = ModelSpec(str(tiny_zoo / "drafts" / "code"))
+    storage = DraftStorage(MEDIA["local"])
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.storage"):
+        first, again = storage.load(spec, "code"), storage.load(spec, "code")
+    assert storage._forms == {}
+    _same_model(again, first)
+    weights = (tiny_zoo / "drafts" / "code" / "model.safetensors").stat().st_size
+    assert [r.nbytes for r in storage.take_records()] == [weights, weights]  # both read the source
+    assert "code's runtime form" in caplog.text and "MEMSPEC_CACHE_DIR" in caplog.text
+
+
 def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny_zoo):
     registry = DraftRegistry.from_yaml(tiny_zoo / "registry.yaml", validate=False)
     medium = StorageMedium("test", read_bytes_per_second=50e6, request_latency_seconds=1e-4)

@@ -32,6 +32,7 @@ its transfer), which is what a request costs beyond its bytes.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import threading
@@ -43,6 +44,8 @@ from pathlib import Path
 import torch
 
 from .models import LoadedModel, ModelSpec
+
+log = logging.getLogger(__name__)
 
 KIB, MB = 1024, 1_000_000
 REQUEST_BYTES = 512 * KIB  # one read request: a common Linux max_sectors_kb for MMC and NVMe block devices
@@ -394,9 +397,16 @@ class DraftStorage:
             t0 = time.perf_counter()
             loaded = build_model(spec, [blob for blob, _ in reads])
             if self.runtime_forms:
-                form = RuntimeForm.write(loaded, runtime_form_file(spec, source), source)
-                with self._lock:
-                    self._forms[key] = form
+                target = runtime_form_file(spec, source)
+                try:
+                    form = RuntimeForm.write(loaded, target, source)
+                except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
+                    log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
+                                "safetensors each time; point MEMSPEC_CACHE_DIR (or XDG_CACHE_HOME) at a "
+                                "writable folder to keep it", name or spec.path, target.parent, error)
+                else:
+                    with self._lock:
+                        self._forms[key] = form
         build = time.perf_counter() - t0
         cached = [r.cached_after_drop for _, r in reads]
         record = LoadRecord(

@@ -158,6 +158,10 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
     storage.load(spec, "code")
     assert len(quantized) == 1
+    # its form replaces the old version's, which would otherwise stay in the cache for good
+    (newer,) = storage._forms.values()
+    assert newer.file != form.file and newer.file.is_file() and not form.file.exists()
+    assert sorted(p.name for p in form.file.parent.iterdir()) == [newer.file.name]
 
 
 def test_a_cache_that_cannot_take_the_runtime_form_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch, caplog):

@@ -298,6 +298,7 @@ class RuntimeForm:
             os.replace(partial, file)
         finally:
             partial.unlink(missing_ok=True)
+        prune_stale_forms(file)
         skeleton = copy.deepcopy(loaded.model)
         modules = dict(skeleton.named_modules())
         for path, name, is_parameter, _ in slots:
@@ -334,16 +335,31 @@ def source_identity(files: Sequence[Path]) -> tuple:
 
 
 def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
-    """Where a draft's runtime form goes: named by its weights files (:func:`source_identity`), the forward path
-    and the kernels this process compiled."""
+    """Where a draft's runtime form goes: ``<draft>-<version>.safetensors``, ``<draft>`` naming the draft's folder,
+    its forward path and the kernels this process compiled, ``<version>`` its weights files
+    (:func:`source_identity`), so that a new version's form replaces the old one's (:func:`prune_stale_forms`)."""
     import hashlib
 
     from . import cpu_kernels
     from .model_source import cache_root
     from .models import forward_path_for
 
-    key = repr((source, forward_path_for(spec), spec.dtype, cpu_kernels.status().isa, torch.__version__))
-    return cache_root() / RUNTIME_FORM_DIR / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
+    def digest(value: object) -> str:
+        return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+
+    draft = (str(Path(spec.path).resolve()), forward_path_for(spec), spec.dtype, cpu_kernels.status().isa,
+             torch.__version__)
+    return cache_root() / RUNTIME_FORM_DIR / f"{digest(draft)}-{digest(source)}.safetensors"
+
+
+def prune_stale_forms(file: Path) -> None:
+    """Remove the runtime forms of older versions of ``file``'s draft (same ``<draft>-`` prefix): a draft updated
+    in place would otherwise leave one stale copy of itself per version in the cache. Another process that still
+    holds one of them finds it gone and builds the draft from its files again."""
+    prefix = file.name.split("-", 1)[0] + "-"
+    for other in file.parent.glob(f"{prefix}*.safetensors"):
+        if other != file:
+            other.unlink(missing_ok=True)
 
 
 @dataclass

@@ -164,6 +164,28 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     assert sorted(p.name for p in form.file.parent.iterdir()) == [newer.file.name]
 
 
+def test_a_damaged_runtime_form_is_built_again_from_the_source(tiny_zoo, tmp_path, monkeypatch, caplog):
+    """A form cut short after it was written (a full disk, another process) is not the draft: the load warns,
+    builds the draft from its safetensors, and writes the form again."""
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
+    spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization="int4")
+    storage = DraftStorage(MEDIA["local"])
+    first = storage.load(spec, "code")
+    (form,) = storage._forms.values()
+    size = form.file.stat().st_size
+    with open(form.file, "r+b") as handle:
+        handle.truncate(size // 2)
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.storage"):
+        again = storage.load(spec, "code")
+    _same_model(again, first)
+    assert "code's runtime form" in caplog.text and "building it from its safetensors again" in caplog.text
+    weights = (tiny_zoo / "drafts" / "code" / "model.safetensors").stat().st_size
+    assert [r.nbytes for r in storage.take_records()] == [weights, weights]
+    assert form.file.stat().st_size == size  # written again, and the next load reads it
+    storage.load(spec, "code")
+    assert [r.nbytes for r in storage.take_records()] == [size]
+
+
 def test_a_cache_that_cannot_take_the_runtime_form_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch, caplog):
     """A full or read-only cache folder costs later loads their speed, never the load itself: each load builds the
     draft from its safetensors, and the warning names the folder and what to set."""

@@ -404,11 +404,20 @@ class DraftStorage:
         source = source_identity(files)  # a draft whose files changed is built from them again
         with self._lock:
             form = self._forms.get(key)
+        loaded = None
         if form is not None and form.source == source and form.file.is_file():
-            reads = [read_cold(form.file, self.medium)]
-            t0 = time.perf_counter()
-            loaded = form.build(reads[0][0])
-        else:
+            from safetensors import SafetensorError
+
+            try:
+                reads = [read_cold(form.file, self.medium)]
+                t0 = time.perf_counter()
+                loaded = form.build(reads[0][0])
+            except (OSError, SafetensorError, KeyError) as error:  # removed or damaged since: the source still is
+                log.warning("%s's runtime form %s could not be read (%s): building it from its safetensors again",
+                            name or spec.path, form.file, error)
+                with self._lock:
+                    self._forms.pop(key, None)
+        if loaded is None:
             reads = [read_cold(f, self.medium) for f in files]
             t0 = time.perf_counter()
             loaded = build_model(spec, [blob for blob, _ in reads])

@@ -36,6 +36,16 @@ import tempfile  # noqa: E402
 
 os.environ.setdefault("MEMSPEC_ALLOWED_ROOTS", tempfile.gettempdir())
 
+# Drafts loaded through the storage tier keep their runtime forms (runtime/storage.py): the tests' are forms of
+# temporary zoos, kept in a folder of this session's (the node processes the tests start inherit it), not the
+# user's cache, and removed at the end.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+
+if "MEMSPEC_RUNTIME_FORMS_DIR" not in os.environ:
+    os.environ["MEMSPEC_RUNTIME_FORMS_DIR"] = tempfile.mkdtemp(prefix="memspec-runtime-forms-")
+    atexit.register(shutil.rmtree, os.environ["MEMSPEC_RUNTIME_FORMS_DIR"], ignore_errors=True)
+
 import pytest  # noqa: E402
 from ros_helpers import claim_ros_domain_id, isolate_ros_environment, require_ros
 

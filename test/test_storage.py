@@ -7,6 +7,7 @@ N / bandwidth + requests * latency has passed.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,7 @@ def test_a_draft_built_from_the_read_bytes_equals_load_model(tiny_zoo, dtype):
 @pytest.mark.skipif(not BUNDLED_DRAFT.is_dir(), reason="the bundled zoo is not built")
 def test_a_reduced_vocabulary_draft_built_from_bytes_equals_load_model(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MEMSPEC_RUNTIME_FORMS_DIR")  # the session's own folder (conftest): here the default layout
     spec = ModelSpec(str(BUNDLED_DRAFT))
     storage = DraftStorage(MEDIA["local"])
     _same_model(storage.load(spec, "code"), load_model(spec))
@@ -131,6 +133,7 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     from memspec_ros.runtime.speculative import generate
 
     monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MEMSPEC_RUNTIME_FORMS_DIR")  # the session's own folder (conftest): here the default layout
     spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization=quantization)
     storage = DraftStorage(MEDIA["local"])
     first = storage.load(spec, "code")
@@ -168,6 +171,7 @@ def test_a_damaged_runtime_form_is_built_again_from_the_source(tiny_zoo, tmp_pat
     """A form cut short after it was written (a full disk, another process) is not the draft: the load warns,
     builds the draft from its safetensors, and writes the form again."""
     monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MEMSPEC_RUNTIME_FORMS_DIR")  # the session's own folder (conftest): here the default layout
     spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization="int4")
     storage = DraftStorage(MEDIA["local"])
     first = storage.load(spec, "code")
@@ -186,12 +190,32 @@ def test_a_damaged_runtime_form_is_built_again_from_the_source(tiny_zoo, tmp_pat
     assert [r.nbytes for r in storage.take_records()] == [size]
 
 
+def test_forms_of_drafts_whose_files_are_gone_are_removed(tmp_path, monkeypatch):
+    """A draft deleted or moved (or a temporary zoo) leaves no form behind for good: the next form written removes
+    every form whose weights files are gone, and files that are not forms this code wrote; partial writes stay."""
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    forms = tmp_path / "forms"
+    monkeypatch.setenv("MEMSPEC_RUNTIME_FORMS_DIR", str(forms))
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1, predictor=False)
+    storage = DraftStorage(MEDIA["local"])
+    for name in ("code", "math"):
+        storage.load(ModelSpec(str(zoo / "drafts" / name)), name)
+    code, math = (form.file for form in storage._forms.values())
+    (forms / "stranger.safetensors").write_bytes(b"not a form")
+    (forms / "tmpwriting.partial").write_bytes(b"another process's form, half written")
+    shutil.rmtree(zoo / "drafts" / "code")
+    storage.load(ModelSpec(str(zoo / "drafts" / "general")), "general")
+    (general,) = (form.file for form in storage._forms.values() if form.file not in (code, math))
+    assert sorted(p.name for p in forms.iterdir()) == sorted([math.name, general.name, "tmpwriting.partial"])
+
+
 def test_a_cache_that_cannot_take_the_runtime_form_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch, caplog):
     """A full or read-only cache folder costs later loads their speed, never the load itself: each load builds the
     draft from its safetensors, and the warning names the folder and what to set."""
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the cache folder would go")
-    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(blocked))
+    monkeypatch.setenv("MEMSPEC_RUNTIME_FORMS_DIR", str(blocked))
     spec = ModelSpec(str(tiny_zoo / "drafts" / "code"))
     storage = DraftStorage(MEDIA["local"])
     with caplog.at_level("WARNING", logger="memspec_ros.runtime.storage"):
@@ -200,7 +224,7 @@ def test_a_cache_that_cannot_take_the_runtime_form_still_loads_the_draft(tiny_zo
     _same_model(again, first)
     weights = (tiny_zoo / "drafts" / "code" / "model.safetensors").stat().st_size
     assert [r.nbytes for r in storage.take_records()] == [weights, weights]  # both read the source
-    assert "code's runtime form" in caplog.text and "MEMSPEC_CACHE_DIR" in caplog.text
+    assert "code's runtime form" in caplog.text and "MEMSPEC_RUNTIME_FORMS_DIR" in caplog.text
 
 
 def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny_zoo):

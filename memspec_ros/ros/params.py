@@ -137,8 +137,8 @@ PARAMS: tuple[Param, ...] = (
     Param("cache.storage", "local",
           "Storage the drafts are read from, cold (page cache dropped) at every load: local (this machine's, unpaced),"
           " or emulated edge media paced to their bandwidth and latency: emmc (eMMC 5.1), sd (UHS-I microSD), nvme"
-          " (PCIe Gen3 NVMe). A draft's first load keeps its runtime form under $MEMSPEC_CACHE_DIR (default"
-          " ~/.cache/memspec_ros)/runtime-drafts, which later loads read. See runtime/storage.py.",
+          " (PCIe Gen3 NVMe). A draft's first load keeps its runtime form, which later loads read, in"
+          " $MEMSPEC_RUNTIME_FORMS_DIR (default ~/.cache/memspec_ros/runtime-drafts). See runtime/storage.py.",
           AT_CONFIGURE, choices=STORAGE_CHOICES),
     # -- the draft registry (scheduling point) --------------------------------------------------
     Param("drafts.registry_file", "",

@@ -32,6 +32,7 @@ its transfer), which is what a request costs beyond its bytes.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import math
 import os
@@ -238,6 +239,7 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
 
 
 RUNTIME_FORM_DIR = "runtime-drafts"  # under the cache root (model_source.cache_root)
+SOURCE_METADATA = "memspec_source"  # a runtime form's header metadata: the weights files it was built from
 
 
 @dataclass
@@ -289,10 +291,11 @@ class RuntimeForm:
                         tensors[key] = tensor
                     slots.append((path, name, is_parameter, key))
         file.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=file.parent, suffix=".safetensors", delete=False) as tmp:
+        # not *.safetensors until complete, so that another process's prune_stale_forms leaves it alone
+        with tempfile.NamedTemporaryFile(dir=file.parent, suffix=".partial", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            save_file(tensors, str(partial))
+            save_file(tensors, str(partial), metadata={SOURCE_METADATA: json.dumps(source)})
             with open(partial, "rb+") as handle:
                 os.fsync(handle.fileno())  # written back, so a cold read's page-cache drop really drops it
             os.replace(partial, file)
@@ -334,6 +337,15 @@ def source_identity(files: Sequence[Path]) -> tuple:
     return tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
 
+def runtime_form_root() -> Path:
+    """The folder of the runtime forms: ``$MEMSPEC_RUNTIME_FORMS_DIR``, else ``runtime-drafts`` in the cache root
+    (``$MEMSPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/memspec_ros``)."""
+    from .model_source import cache_root
+
+    override = os.environ.get("MEMSPEC_RUNTIME_FORMS_DIR")
+    return Path(override) if override else cache_root() / RUNTIME_FORM_DIR
+
+
 def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
     """Where a draft's runtime form goes: ``<draft>-<version>.safetensors``, ``<draft>`` naming the draft's folder,
     its forward path and the kernels this process compiled, ``<version>`` its weights files
@@ -341,7 +353,6 @@ def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
     import hashlib
 
     from . import cpu_kernels
-    from .model_source import cache_root
     from .models import forward_path_for
 
     def digest(value: object) -> str:
@@ -349,17 +360,31 @@ def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
 
     draft = (str(Path(spec.path).resolve()), forward_path_for(spec), spec.dtype, cpu_kernels.status().isa,
              torch.__version__)
-    return cache_root() / RUNTIME_FORM_DIR / f"{digest(draft)}-{digest(source)}.safetensors"
+    return runtime_form_root() / f"{digest(draft)}-{digest(source)}.safetensors"
 
 
 def prune_stale_forms(file: Path) -> None:
-    """Remove the runtime forms of older versions of ``file``'s draft (same ``<draft>-`` prefix): a draft updated
-    in place would otherwise leave one stale copy of itself per version in the cache. Another process that still
-    holds one of them finds it gone and builds the draft from its files again."""
+    """Remove the runtime forms that no load can use any more: older versions of ``file``'s draft (same
+    ``<draft>-`` prefix) and forms whose weights files are gone (a draft deleted or moved, a test's temporary zoo),
+    so that the cache holds about one form per draft on disk. Another process that still holds one of them finds it
+    gone and builds that draft from its files again."""
     prefix = file.name.split("-", 1)[0] + "-"
-    for other in file.parent.glob(f"{prefix}*.safetensors"):
-        if other != file:
+    for other in file.parent.glob("*.safetensors"):
+        if other != file and (other.name.startswith(prefix) or not _source_exists(other)):
             other.unlink(missing_ok=True)
+
+
+def _source_exists(form: Path) -> bool:
+    """Whether every weights file a runtime form was built from is still there (its header's metadata says which;
+    a file without it is not a form this code wrote)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(form), framework="pt") as handle:
+            source = json.loads((handle.metadata() or {})[SOURCE_METADATA])
+        return all(Path(path).is_file() for path, *_ in source)
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError):
+        return False
 
 
 @dataclass
@@ -427,8 +452,9 @@ class DraftStorage:
                     form = RuntimeForm.write(loaded, target, source)
                 except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
                     log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
-                                "safetensors each time; point MEMSPEC_CACHE_DIR (or XDG_CACHE_HOME) at a "
-                                "writable folder to keep it", name or spec.path, target.parent, error)
+                                "safetensors each time; point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
+                                "XDG_CACHE_HOME) at a writable folder to keep it",
+                                name or spec.path, target.parent, error)
                 else:
                     with self._lock:
                         self._forms[key] = form

@@ -112,9 +112,7 @@ def test_a_draft_built_from_the_read_bytes_equals_load_model(tiny_zoo, dtype):
 
 
 @pytest.mark.skipif(not BUNDLED_DRAFT.is_dir(), reason="the bundled zoo is not built")
-def test_a_reduced_vocabulary_draft_built_from_bytes_equals_load_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("MEMSPEC_RUNTIME_FORMS_DIR")  # the session's own folder (conftest): here the default layout
+def test_a_reduced_vocabulary_draft_built_from_bytes_equals_load_model(cache_root_in_tmp):
     spec = ModelSpec(str(BUNDLED_DRAFT))
     storage = DraftStorage(MEDIA["local"])
     _same_model(storage.load(spec, "code"), load_model(spec))
@@ -125,20 +123,19 @@ def test_a_reduced_vocabulary_draft_built_from_bytes_equals_load_model(tmp_path,
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, quantization, tmp_path, monkeypatch):
+def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, quantization, cache_root_in_tmp,
+                                                                   monkeypatch):
     """The first load builds the draft from its safetensors and writes its runtime form; a reload reads that file
     cold and fills a copy of the emptied model with its tensors: the same tensors (tied ones shared as before), the
     same logits, the same speculative output, and no quantization on the way."""
     from memspec_ros.runtime import forward_paths
     from memspec_ros.runtime.speculative import generate
 
-    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("MEMSPEC_RUNTIME_FORMS_DIR")  # the session's own folder (conftest): here the default layout
     spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization=quantization)
     storage = DraftStorage(MEDIA["local"])
     first = storage.load(spec, "code")
     (form,) = storage._forms.values()
-    assert form.file.is_file() and form.file.parent.parent == tmp_path
+    assert form.file.is_file() and form.file.parent.parent == cache_root_in_tmp
     assert all(t is None for m in form.skeleton.modules() for t in (*m._parameters.values(), *m._buffers.values()))
     quantized = []
     monkeypatch.setattr(forward_paths, "apply_path", lambda *a, **k: quantized.append(a))
@@ -167,11 +164,9 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     assert sorted(p.name for p in form.file.parent.iterdir()) == [newer.file.name]
 
 
-def test_a_damaged_runtime_form_is_built_again_from_the_source(tiny_zoo, tmp_path, monkeypatch, caplog):
+def test_a_damaged_runtime_form_is_built_again_from_the_source(tiny_zoo, cache_root_in_tmp, caplog):
     """A form cut short after it was written (a full disk, another process) is not the draft: the load warns,
     builds the draft from its safetensors, and writes the form again."""
-    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("MEMSPEC_RUNTIME_FORMS_DIR")  # the session's own folder (conftest): here the default layout
     spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization="int4")
     storage = DraftStorage(MEDIA["local"])
     first = storage.load(spec, "code")
@@ -242,6 +237,15 @@ def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny
     general = summary["drafts"]["general"]
     assert general["load_to_iteration"] == pytest.approx(general["load_seconds"] / 0.01)
     assert storage.take_records() == []
+
+
+@pytest.fixture
+def cache_root_in_tmp(tmp_path, monkeypatch):
+    """The cache root in a temporary folder, with the runtime forms in their default place under it (the session
+    keeps its own forms folder otherwise: conftest)."""
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MEMSPEC_RUNTIME_FORMS_DIR")
+    return tmp_path
 
 
 @pytest.fixture(scope="module")

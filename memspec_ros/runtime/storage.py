@@ -17,7 +17,7 @@ load here reads the weights for real, cold, and paces that read to a medium:
 3. the model is built from those bytes (``safetensors.torch.load``: no pickle, no
    second read of the file). The first load of a draft builds it from its own files and
    writes its runtime form (:class:`RuntimeForm`: the built tensors, packed as the forward
-   path keeps them); later loads read that file, so a load is a read and a ~3 ms assembly,
+   path keeps them); later loads read that file, so a load is a read and a few ms of assembly,
    not a ~25 ms build whose CPU work slows the decoding on the other core.
 
 ``local`` does steps 1 and 3 and reads unpaced: this machine's disk as it is. The
@@ -247,11 +247,11 @@ class RuntimeForm:
     """A draft as the engine holds it in fast memory, kept on disk so that a load is a read.
 
     Building a draft from its safetensors (transformers' ``from_pretrained``, the forward path's quantization and
-    packing) costs ~25 ms of CPU per bundled draft, and on a 2-core machine that work on the loader thread slows
-    the decoding beside it by ~1.4x while it lasts (scripts/load_interference.py). So the first load builds it,
-    and writes every tensor of the built model (packed int4 weights, int8 head, Q8_0 embedding: the runtime's own
-    form, as an edge device would store them) to ``file``; ``skeleton`` is the model with every tensor slot
-    emptied, ``slots`` says which tensor fills each. Later loads read ``file`` cold through the medium and put
+    packing) costs ~25 ms of CPU per bundled draft, and on a 2-core machine that work on the loader thread slows the
+    decoding beside it by ~1.4x while it lasts (scripts/load_interference.py). So the first load builds it, and
+    writes every tensor of the built model (on the int4 path: packed int4 weights, the int8 head, the embedding; the
+    runtime's own form, as an edge device would store them) to ``file``; ``skeleton`` is the model with every tensor
+    slot emptied, ``slots`` says which tensor fills each. Later loads read ``file`` cold through the medium and put
     its tensors into a copy of the skeleton: the same tensors, so the same numbers. The file is written by this
     process at its first load of the draft (never trusted from another run: the packed layout is this machine's
     kernels' choice)."""
@@ -309,12 +309,10 @@ class RuntimeForm:
         return cls(file, skeleton, slots, replace(loaded, model=None), frozenset(widened), source)
 
     def build(self, blob: bytes) -> LoadedModel:
-        """The draft from the bytes of ``file``."""
+        """The draft from the bytes of ``file`` (its record, sizes included, is the first load's: same tensors)."""
         import copy
 
         from safetensors.torch import load as load_safetensors
-
-        from .models import parameter_bytes
 
         tensors = load_safetensors(blob)
         for key in self.widened:
@@ -329,7 +327,7 @@ class RuntimeForm:
                 modules[path]._parameters[name] = parameters[key]
             else:
                 modules[path]._buffers[name] = tensors[key]
-        return replace(self.record, model=model, size_bytes=parameter_bytes(model))
+        return replace(self.record, model=model)
 
 
 def source_identity(files: Sequence[Path]) -> tuple:
@@ -410,8 +408,6 @@ class DraftStorage:
     medium: StorageMedium
     records: list[LoadRecord] = field(default_factory=list)
 
-    runtime_forms: bool = True  # keep each draft's runtime form on disk after its first build (RuntimeForm)
-
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._forms: dict[tuple, RuntimeForm] = {}
@@ -430,7 +426,7 @@ class DraftStorage:
         with self._lock:
             form = self._forms.get(key)
         loaded = None
-        if form is not None and form.source == source and form.file.is_file():
+        if form is not None and form.source == source:
             from safetensors import SafetensorError
 
             try:
@@ -446,18 +442,16 @@ class DraftStorage:
             reads = [read_cold(f, self.medium) for f in files]
             t0 = time.perf_counter()
             loaded = build_model(spec, [blob for blob, _ in reads])
-            if self.runtime_forms:
-                target = runtime_form_file(spec, source)
-                try:
-                    form = RuntimeForm.write(loaded, target, source)
-                except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
-                    log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
-                                "safetensors each time; point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
-                                "XDG_CACHE_HOME) at a writable folder to keep it",
-                                name or spec.path, target.parent, error)
-                else:
-                    with self._lock:
-                        self._forms[key] = form
+            target = runtime_form_file(spec, source)
+            try:
+                form = RuntimeForm.write(loaded, target, source)
+            except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
+                log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
+                            "safetensors each time; point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
+                            "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path, target.parent, error)
+            else:
+                with self._lock:
+                    self._forms[key] = form
         build = time.perf_counter() - t0
         cached = [r.cached_after_drop for _, r in reads]
         record = LoadRecord(

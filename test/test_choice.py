@@ -26,11 +26,11 @@ class Clock:
         return self.now
 
 
-def point(interval: int, active: str = "", resident: tuple[str, ...] = ()) -> SchedulingPoint:
+def point(interval: int, active: str = "", resident: tuple[str, ...] = (), wait_first: bool = False) -> SchedulingPoint:
     generated = list(range(5 * interval))
     return SchedulingPoint(interval=interval, prompt_ids=PROMPT, generated_ids=generated, recent_ids=generated[-8:],
                            candidates=list(DRAFTS), domains={d: d for d in DRAFTS}, resident=list(resident),
-                           active=active, max_new_tokens=40)
+                           active=active, max_new_tokens=40, wait_for_initial_draft=wait_first)
 
 
 def policies():
@@ -56,6 +56,40 @@ def test_every_policys_first_draft_blocks_and_later_ones_only_if_the_policy_bloc
             assert later.cache_action == (CACHE_REQUEST if name == "mab-async" else CACHE_PREFETCH), name
         if later.preferred != "general":
             assert "general" in later.fallback, name  # the current draft is always a fallback
+
+
+def test_on_a_warm_cache_only_blocking_policies_wait_for_the_first_draft():
+    """A generation that starts with a draft resident (the node keeps its cache between goals): the policies
+    that never stall run it while their choice loads; the blocking ones, and every policy configured with
+    wait_for_initial_draft, still wait."""
+    for name, policy in policies():
+        policy.start(PROMPT)
+        warm = policy.choose(point(0, resident=("general",)))
+        assert warm.preferred, name
+        if name in BLOCKING:
+            assert warm.block, name
+        elif name in ("memspec", "memspec-cost-aware", "oracle-next-interval", "mab-async"):
+            assert not warm.block and "general" in warm.fallback, name
+        policy.start(PROMPT)
+        assert policy.choose(point(0, resident=("general",), wait_first=True)).block, name
+
+
+def test_a_warm_first_choice_runs_the_best_resident_draft_and_keeps_it_while_the_top_k_load():
+    """MemSpec's first choice, both slots held by drafts outside its top K: the best resident draft by the
+    ranking runs and is protected like an active draft; the other slot makes room for the top draft."""
+    clock = Clock()
+    cache = SimCache(2, lambda name: 1.0, clock)
+    for name in ("general", "math"):
+        cache.request(name)
+        clock.now += 1.5
+    cache.set_active("general")  # the last goal's draft
+    ranking = [("code", 3.0), ("law", 2.0), ("math", 1.0), ("general", 0.5)]
+    choice = Choice("code", block=False, fallback=("code", "law", "math", "general"), cache_action=CACHE_PREFETCH,
+                    ranking=ranking)
+    resolution = carry_out(choice, cache, wait=pytest.fail)
+    assert (resolution.draft, resolution.preferred, resolution.fallback, resolution.waited) == ("math", "code", True,
+                                                                                               0.0)
+    assert cache.is_resident("math") and cache.is_available("code") and not cache.is_available("general")
 
 
 def test_mab_async_decodes_on_the_current_draft_while_its_choice_loads():

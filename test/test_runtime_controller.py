@@ -174,6 +174,69 @@ def test_memspec_finishes_generations_while_every_prefetch_is_stuck(target, draf
         ctl.close()
 
 
+class GatedLoader(Loader):
+    """Loads ``gated`` drafts only once ``gate`` is set (or after ``limit`` s, so a controller that wrongly
+    waits still ends the test); records the drafts whose load finished, in order."""
+
+    def __init__(self, drafts, gated, limit=30.0):
+        super().__init__(drafts)
+        self.gated, self.limit, self.gate, self.done = set(gated), limit, threading.Event(), []
+
+    def __call__(self, name):
+        if name in self.gated:
+            self.gate.wait(self.limit)
+        loaded = super().__call__(name)
+        self.done.append(name)
+        return loaded
+
+
+def by_prompt(context):
+    """The second prompt's favourite is a draft the first one's generation did not keep resident."""
+    return ["code", "math", "law", "general"] if context.prompt_ids == PROMPT_2 else ["math", "law", "general", "code"]
+
+
+PROMPT_2 = [2, 4, 6, 8, 10]
+
+
+@pytest.mark.parametrize("policy", ["memspec", "memspec-cost-aware"])
+def test_a_goal_on_a_warm_cache_runs_a_resident_draft_while_its_choice_loads(target, drafts, policy):
+    """The node keeps its cache between goals. A goal whose chosen draft is not resident does not wait for
+    it: it decodes on the best resident draft, lossless, while the load is held back (a controller that
+    waited would sit in it until the limit, and the load would be in ``done`` before the goal ended)."""
+    loader = GatedLoader(drafts, gated={"code"})
+    ctl = make(target, drafts, policy, loader=loader, capacity=2, interval=2, ranker=by_prompt)
+    try:
+        ctl.generate(PROMPT, 8)  # cold: waits for its first draft, leaves math (and law) resident
+        assert "code" not in ctl.cache.resident() and ctl.cache.resident()
+        t0 = time.perf_counter()
+        result = ctl.generate(PROMPT_2, NEW)
+        assert time.perf_counter() - t0 < loader.limit and "code" not in loader.done
+        assert result.token_ids == target_greedy(target, PROMPT_2, NEW)
+        first = result.stats.iterations[0]
+        assert first.draft in ("math", "law") and first.fallback and first.load_wait_seconds == 0.0
+        assert result.stats.cache.wait_seconds == 0.0 and result.stats.load_wait_seconds == 0.0
+    finally:
+        loader.gate.set()
+        ctl.close()
+
+
+def test_wait_for_initial_draft_makes_a_warm_goal_wait_for_its_choice(target, drafts):
+    loader = GatedLoader(drafts, gated={"code"})
+    ctl = make(target, drafts, "memspec", loader=loader, capacity=2, interval=2, ranker=by_prompt,
+               wait_for_initial_draft=True)
+    try:
+        ctl.generate(PROMPT, 8)
+        threading.Timer(0.2, loader.gate.set).start()
+        result = ctl.generate(PROMPT_2, NEW)
+        assert result.token_ids == target_greedy(target, PROMPT_2, NEW)
+        first = result.stats.iterations[0]
+        assert (first.draft, first.fallback) == ("code", False)  # it ran its choice from the first iteration
+        assert result.stats.cache.wait_seconds > 0.0
+    finally:
+        loader.gate.set()
+        ctl.close()
+
+
 @pytest.mark.parametrize("policy", ["mab-sync", "prediction-only", "general-static"])
 def test_a_blocking_policy_stalls_on_a_stuck_load(target, drafts, expected, policy):
     """The counterpart, also without a clock: a policy that blocks by design is caught inside wait_for on a
@@ -468,13 +531,19 @@ def sampled():
     return target, drafts, oracle, dict(first3), dict(last2)
 
 
+def flipping(context):
+    """Two drafts trade first place at every point: on the warm cache both stay resident, so MemSpec switches
+    within outputs of a few tokens, where a prefetch started mid-output rarely lands before the output ends."""
+    return ["math", "law", "code", "general"] if context.interval % 2 == 0 else ["law", "math", "code", "general"]
+
+
 @pytest.mark.parametrize("capacity", [1, 2])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_sampled_output_has_the_targets_distribution_under_every_policy(sampled, policy, capacity):
     """The first three tokens' joint distribution, and the last two's, over S_RUNS seeds equal the target's
     own (chi-square), with a scheduling point every iteration so the drafts switch mid-output."""
     target, drafts, oracle, exact3, exact2 = sampled
-    ctl = make(target, drafts, policy, oracle, capacity=capacity, interval=1, gamma=2)
+    ctl = make(target, drafts, policy, oracle, capacity=capacity, interval=1, gamma=2, ranker=flipping)
     first3: Counter = Counter()
     last2: Counter = Counter()
     switches = accepted = rejected = 0

@@ -199,6 +199,11 @@ PARAMS: tuple[Param, ...] = (
     Param("memspec.reset_cache_per_generation", False,
           "Empty the draft cache before every goal (the paper's protocol); a robot keeps it warm.",
           AT_SCHEDULING_POINT, runtime_field="reset_cache_per_generation"),
+    Param("memspec.wait_for_initial_draft", False,
+          "A goal's first iteration waits until its chosen draft is loaded even when another draft is resident;"
+          " off (default): memspec and mab-async run the best resident draft meanwhile and wait only when none is"
+          " (storage as fast as an NVMe SSD loads a draft within an iteration, where waiting can pay).",
+          AT_SCHEDULING_POINT, runtime_field="wait_for_initial_draft"),
     # -- per goal ---------------------------------------------------------------------------------
     Param("generation.max_new_tokens", 128,
           "Default tokens per goal (a goal's max_new_tokens 0 means this).",

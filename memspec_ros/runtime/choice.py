@@ -88,6 +88,10 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
     draft (by name), else the target alone. Nothing here waits but the blocking load.
     """
     preferred, waited = choice.preferred, 0.0
+    if not current and not choice.block:
+        # a generation's first choice on a warm cache: the resident draft it runs meanwhile is kept like an active
+        # one, so the prefetch below cannot evict it
+        current = next((n for n in (preferred, *choice.fallback) if n and cache.is_resident(n)), "")
     if choice.cache_action != CACHE_PREFETCH and choice.ranking:
         cache.set_scores(choice.ranking)  # on-demand loads evict the policy's lowest-scored draft
     if preferred and choice.block and not cache.is_resident(preferred):

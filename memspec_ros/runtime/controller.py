@@ -71,6 +71,9 @@ class RuntimeConfig:
     general_draft: str = "general"  # General-Static's draft
     ucb_c: float = 2.0  # MAB exploration coefficient (the paper's best)
     reset_cache_per_generation: bool = False  # the paper's protocol; a robot keeps its cache warm
+    # a generation's first choice waits for its draft even when another one is resident (policies.py: by default
+    # the non-blocking policies run the resident draft meanwhile and wait only on a cold cache)
+    wait_for_initial_draft: bool = False
     adaptive_gamma: bool = False  # gamma per iteration (0..gamma) from measured costs (runtime/gamma_choice.py)
     # with adaptive_gamma: the draft stops where its own confidence no longer pays for a verify row (row_pays)
     confidence_stop: bool = True
@@ -343,7 +346,7 @@ class RuntimeController:
         point = self._point(0, session, prompt_ids, active="")
         choice = policy.choose(point)
         stats.predictions += 1
-        run.follow(self._carry_out(choice, current=""))  # the first draft: the choice blocks for it
+        run.follow(self._carry_out(choice, current=""))  # the first draft: blocking on a cold cache
         stats.setup_seconds = setup + time.perf_counter() - t_choose
         session.restart_decode_clock()  # setup is not decoding (runtime/stats.py: the paper's metric)
         return run
@@ -406,6 +409,7 @@ class RuntimeController:
             active=active,
             failed=list(self.cache.failed()),
             max_new_tokens=session.max_new_tokens,
+            wait_for_initial_draft=self.config.wait_for_initial_draft,
         )
 
     def _sync_registry(self, active: str) -> bool:

@@ -18,8 +18,13 @@ The policies' three ways, each a function here that fills in the whole Choice:
 * :func:`prefetch_choice`: hand the whole ranking to the cache (Algorithm 2: W = top-K), run
   the best RESIDENT draft, never wait (MemSpec, Oracle-next-interval).
 
-Every policy's first draft blocks, whatever its way (Algorithm 3, line 3: the initial
-draft is loaded before decoding starts); the three functions see to it at interval 0.
+A generation's first draft blocks, whatever the policy's way, when no draft it could run is resident
+(Algorithm 3, line 3: the initial draft is loaded before decoding starts; the paper's protocol empties
+the cache per prompt, so there it always blocks). On a warm cache, as a robot's node keeps between goals,
+the non-blocking ways (request, prefetch) run the best resident draft while their choice loads, as at
+every later point: the controller never stalls for a non-resident draft. ``wait_for_initial_draft``
+(RuntimeConfig, the node's ``memspec.wait_for_initial_draft``) makes every generation's first choice
+block, for storage fast enough that waiting costs less than an interval on a weaker draft.
 Oracle-Dynamic prefetches and waits as its schedule says (runtime/oracle.py:
 the best schedule under the same K and measured costs, by dynamic programming).
 
@@ -78,6 +83,7 @@ class SchedulingPoint:
     active: str  # the draft that ran the last interval ("" none)
     failed: list[str] = field(default_factory=list)  # drafts whose load failed (skip them)
     max_new_tokens: int = 0  # the generation's token budget (0: unknown)
+    wait_for_initial_draft: bool = False  # the first choice blocks even when a draft is resident
 
     def prediction_context(self) -> PredictionContext:
         return PredictionContext(
@@ -95,9 +101,14 @@ class SchedulingPoint:
 
     @property
     def first(self) -> bool:
-        """The generation's first choice: its draft is loaded before decoding starts, blocking (Algorithm 3,
-        line 3), whatever the policy's way."""
+        """The generation's first choice (Algorithm 3, lines 2-5)."""
         return self.interval == 0
+
+    @property
+    def initial_wait(self) -> bool:
+        """The first choice blocks for its draft whatever the policy's way when no draft it could run is
+        resident (a cold cache: the initial draft load, Algorithm 3, line 3), or when configured to."""
+        return self.first and (self.wait_for_initial_draft or not any(d in self.resident for d in self.viable))
 
 
 def _ranked_then_current(point: SchedulingPoint, ranking: list[tuple[str, float]] | None) -> tuple[str, ...]:
@@ -115,12 +126,12 @@ def wait_choice(point: SchedulingPoint, preferred: str, ranking: list[tuple[str,
 def request_choice(point: SchedulingPoint, preferred: str, ranking: list[tuple[str, float]]) -> Choice:
     """Load ``preferred`` in the background and decode on the current draft meanwhile (then by ``ranking``)."""
     fallback = ((point.active,) if point.active else ()) + tuple(n for n, _ in ranking)
-    return Choice(preferred, block=point.first, fallback=fallback, cache_action=CACHE_REQUEST, ranking=ranking)
+    return Choice(preferred, block=point.initial_wait, fallback=fallback, cache_action=CACHE_REQUEST, ranking=ranking)
 
 
 def prefetch_choice(point: SchedulingPoint, preferred: str, ranking: list[tuple[str, float]]) -> Choice:
     """Hand ``ranking`` to the cache (W = top-K) and run the best resident draft by it, then the current one."""
-    return Choice(preferred, block=point.first, fallback=_ranked_then_current(point, ranking),
+    return Choice(preferred, block=point.initial_wait, fallback=_ranked_then_current(point, ranking),
                   cache_action=CACHE_PREFETCH, ranking=ranking)
 
 

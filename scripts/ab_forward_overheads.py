@@ -1,6 +1,7 @@
-"""Interleaved A/B of the two per-forward overhead cuts, in one process on the same prompts (README: "Why the loop
-was slower than its forwards"): ``step`` toggles the one-call forward (cpu_kernels.Step) on the target and the
-drafts; ``views`` makes the KV cache slice its keys/values views at every claim and crop again, as it did before;
+"""Interleaved A/B of the two per-forward overhead cuts, in one process on the same prompts
+(docs/results/measured-here.md: "Why the loop was slower than its forwards"): ``step`` toggles the one-call
+forward (cpu_kernels.Step) on the target and the drafts; ``views`` makes the KV cache slice its keys/values
+views at every claim and crop again, as it did before;
 ``choice`` takes a greedy draft token through the checked row's torch max and a detached argmax again.
 Each held-out prompt (round-robin over the zoo's workloads, its domain's draft) runs the target alone and the engine
 (gamma 4) both ways, the order alternating per prompt; decode tokens/s summed over prompts.

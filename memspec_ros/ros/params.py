@@ -111,7 +111,8 @@ PARAMS: tuple[Param, ...] = (
           " (reported on /diagnostics).",
           AT_CONFIGURE, choices=QUANTIZATIONS),
     # The three defaults below change only speed, never the answer (the target verifies every proposal), and are
-    # each faster on the bundled zoo (README, "Forward paths beside llama.cpp"), so a plain launch gets them.
+    # each faster on the bundled zoo (docs/results/measured-here.md, "Forward paths beside llama.cpp"), so a plain
+    # launch gets them.
     Param("drafts.quantization", "int4",
           "Drafts' forward path: none (model.dtype's), int8 or int4 (compact weights: a draft's cost is mostly its"
           " head's bytes). The answer is the target's whatever the drafts compute.",

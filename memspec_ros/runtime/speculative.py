@@ -168,9 +168,9 @@ def _checked_draft_row(draft_name: str, *forward_args) -> torch.Tensor:
 
 def _greedy_draft_token(draft_name: str, *forward_args, confidence: bool = False) -> tuple[int, float]:
     """What ``argmax_rows(_checked_draft_row(...))`` gives, from one numpy pass over the row and no tensor
-    operation: each costs a cold dispatch in the loop (README: why the loop was slower than its forwards). The
-    argmax's value is the row's maximum, NaN included (numpy's argmax, like torch's max, stops at the first NaN).
-    With ``confidence``, also the token's softmax probability (else 1.0)."""
+    operation: each costs a cold dispatch in the loop (docs/results/measured-here.md: why the loop was slower than
+    its forwards). The argmax's value is the row's maximum, NaN included (numpy's argmax, like torch's max, stops
+    at the first NaN). With ``confidence``, also the token's softmax probability (else 1.0)."""
     logits = _draft_logits(draft_name, *forward_args)
     rows = _numpy_rows(logits)
     if rows is None:  # not a CPU fp32 row: torch's own max and argmax

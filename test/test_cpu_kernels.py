@@ -394,7 +394,7 @@ def test_sampled_output_through_the_decoder_keeps_the_targets_distribution():
     differs from the decoder's only in float rounding)."""
     from collections import Counter
 
-    from test_engine import _chi2_critical, _chi2_ok, exact_joint
+    from sampling_checks import chi2, chi2_critical, exact_joint
 
     from memspec_ros.runtime.speculative import SamplingConfig
 
@@ -408,8 +408,8 @@ def test_sampled_output_through_the_decoder_keeps_the_targets_distribution():
     counts = Counter(tuple(generate(target, prompt, draft, gamma=2, max_new_tokens=3, eos_token_ids=[],
                                     sampling=SamplingConfig(seed=seed, temperature=0.8, top_p=0.9)).generated_ids)
                      for seed in range(n))
-    stat, dof = _chi2_ok(counts, exact, n)
-    assert stat < _chi2_critical(dof), (stat, dof)
+    stat, dof = chi2(counts, exact, n)
+    assert stat < chi2_critical(dof), (stat, dof)
 
 
 @needs_decoder

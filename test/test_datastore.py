@@ -11,7 +11,7 @@ from itertools import product
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from test_engine import _chi2_critical, _chi2_ok, exact_joint
+from sampling_checks import chi2, chi2_critical, exact_joint
 from test_lookup import PROMPT
 
 from memspec_ros.runtime import datastore as datastore_module
@@ -198,8 +198,8 @@ def test_sampled_output_keeps_the_targets_distribution_with_copies_from_past_ans
         counts[tuple(session.generated_ids)] += 1
         copied += session.stats.copied_iterations > 0
     assert copied > n // 2, copied  # most generations copied from the datastore
-    stat, dof = _chi2_ok(counts, exact, n)
-    assert stat < _chi2_critical(dof), (stat, dof)
+    stat, dof = chi2(counts, exact, n)
+    assert stat < chi2_critical(dof), (stat, dof)
 
 
 def test_the_controller_passes_its_datastore_only_with_context_lookup(pair):

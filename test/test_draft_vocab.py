@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_engine import _chi2_critical, _chi2_ok, exact_joint
+from sampling_checks import chi2, chi2_critical, exact_joint
 
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.draft_vocab import DraftVocab, DraftVocabError, ReducedVocabDraft, write_vocab_map
@@ -101,8 +101,8 @@ def test_sampled_generation_with_a_reduced_draft_matches_the_target_distribution
         proposed_outside += any(t in (1, 3) for t in ids[1:])
     assert n > 800
     assert proposed_outside > 0  # ids the draft can never propose still come out, from the residual
-    stat, dof = _chi2_ok(counts, exact, n)
-    assert stat < _chi2_critical(dof), (stat, dof)
+    stat, dof = chi2(counts, exact, n)
+    assert stat < chi2_critical(dof), (stat, dof)
 
 
 def test_a_reduced_draft_directory_loads_as_a_target_width_draft(tmp_path, target):

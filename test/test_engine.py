@@ -8,6 +8,7 @@ from itertools import product
 
 import pytest
 import torch
+from sampling_checks import chi2, chi2_critical, exact_joint
 
 from memspec_ros.runtime.speculative import (
     ContextLengthError,
@@ -15,7 +16,6 @@ from memspec_ros.runtime.speculative import (
     SpeculativeSession,
     generate,
     speculative_accept,
-    warp_probs,
 )
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 
@@ -197,43 +197,6 @@ def test_bad_arguments_are_rejected_with_reasons(target):
 # -- sampling: the target's distribution is preserved ------------------------
 
 
-def _chi2_ok(observed: Counter, expected: dict, n: int) -> tuple[float, int]:
-    """Pearson chi-square with bins of small expectation pooled; returns (statistic, dof)."""
-    stat, pooled_obs, pooled_exp, dof = 0.0, 0, 0.0, 0
-    for key, prob in expected.items():
-        exp = prob * n
-        if exp < 5:
-            pooled_obs += observed.get(key, 0)
-            pooled_exp += exp
-            continue
-        stat += (observed.get(key, 0) - exp) ** 2 / exp
-        dof += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        dof += 1
-    return stat, dof - 1
-
-
-def _chi2_critical(dof: int) -> float:
-    # Wilson-Hilferty approximation of the 0.999 quantile: a fixed-seed test that fails only on real bias
-    z = 3.09
-    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
-
-
-def exact_joint(target, context: list[int], sampling: SamplingConfig, length: int = 3) -> dict[tuple[int, ...], float]:
-    """The target's exact probability of every ``length``-token continuation of ``context`` after warping:
-    p(t1 | context) p(t2 | context, t1) ..., for a chi-square against sampled generations."""
-    exact: dict[tuple[int, ...], float] = {}
-    with torch.no_grad():
-        for seq in product(range(target.config.vocab_size), repeat=length):
-            logits = target(torch.tensor([context + list(seq)])).logits[0]
-            prob = 1.0
-            for j, token in enumerate(seq):
-                prob *= float(warp_probs(logits[len(context) - 1 + j], sampling)[token])
-            exact[seq] = prob
-    return exact
-
-
 def test_acceptance_rule_reproduces_target_distribution():
     gen = torch.Generator().manual_seed(0)
     vocab = 6
@@ -245,8 +208,8 @@ def test_acceptance_rule_reproduces_target_distribution():
         proposal = int(torch.multinomial(q[0], 1, generator=gen))
         accepted, extra = speculative_accept(p, q, [proposal], gen)
         counts[proposal if accepted else extra] += 1
-    stat, dof = _chi2_ok(counts, {i: float(p[0, i]) for i in range(vocab)}, n)
-    assert stat < _chi2_critical(dof), (stat, dof)
+    stat, dof = chi2(counts, {i: float(p[0, i]) for i in range(vocab)}, n)
+    assert stat < chi2_critical(dof), (stat, dof)
 
 
 def test_sampled_generation_matches_target_distribution():
@@ -274,8 +237,8 @@ def test_sampled_generation_matches_target_distribution():
         counts[tuple(ids[1:])] += 1
         n += 1
     assert n > 800
-    stat, dof = _chi2_ok(counts, exact, n)
-    assert stat < _chi2_critical(dof), (stat, dof)
+    stat, dof = chi2(counts, exact, n)
+    assert stat < chi2_critical(dof), (stat, dof)
 
 
 def test_draft_evicted_on_another_thread_mid_iteration_does_not_break_the_step(target, drafts):

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from test_engine import _chi2_critical, _chi2_ok, exact_joint
+from sampling_checks import chi2, chi2_critical, exact_joint
 
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.forward_paths import (
@@ -216,8 +216,8 @@ def test_sampled_output_keeps_the_configured_targets_distribution(path):
                        sampling=SamplingConfig(seed=seed, temperature=0.8, top_p=0.9)).generated_ids)
         for seed in range(n)
     )
-    stat, dof = _chi2_ok(counts, exact, n)
-    assert stat < _chi2_critical(dof), (path, stat, dof)
+    stat, dof = chi2(counts, exact, n)
+    assert stat < chi2_critical(dof), (path, stat, dof)
 
 
 def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs):

@@ -242,7 +242,7 @@ def test_sampled_generation_with_the_confidence_stop_keeps_the_targets_distribut
     still gives the target's exact joint distribution (tokens 2-4, the first conditioned on)."""
     from collections import Counter
 
-    from test_engine import _chi2_critical, _chi2_ok, exact_joint
+    from sampling_checks import chi2, chi2_critical, exact_joint
 
     from memspec_ros.runtime.speculative import SamplingConfig
 
@@ -269,5 +269,5 @@ def test_sampled_generation_with_the_confidence_stop_keeps_the_targets_distribut
         counts[tuple(ids[1:])] += 1
         n += 1
     assert n > 800 and dropped > 100 and proposed > 100  # both ways taken, often
-    stat, dof = _chi2_ok(counts, exact, n)
-    assert stat < _chi2_critical(dof), (stat, dof)
+    stat, dof = chi2(counts, exact, n)
+    assert stat < chi2_critical(dof), (stat, dof)

@@ -8,7 +8,7 @@ from collections import Counter
 from itertools import product
 
 import pytest
-from test_engine import _chi2_critical, _chi2_ok, exact_joint
+from sampling_checks import chi2, chi2_critical, exact_joint
 
 from memspec_ros.runtime.lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from memspec_ros.runtime.speculative import SamplingConfig, generate
@@ -102,8 +102,8 @@ def test_sampled_output_keeps_the_targets_distribution_with_copies():
         n += 1
         copied += session.stats.copied_iterations > 0
     assert n > 800 and copied > n // 2, (n, copied)  # most generations copied at least once
-    stat, dof = _chi2_ok(counts, exact, n)
-    assert stat < _chi2_critical(dof), (stat, dof)
+    stat, dof = chi2(counts, exact, n)
+    assert stat < chi2_critical(dof), (stat, dof)
 
 
 def test_the_controller_copies_losslessly_under_every_policy(pair, fixed_costs):

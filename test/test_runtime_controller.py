@@ -10,6 +10,7 @@ from itertools import product
 
 import pytest
 import torch
+from sampling_checks import chi2, chi2_critical
 
 from memspec_ros.runtime.cache import DraftCacheManager
 from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
@@ -481,30 +482,6 @@ SWITCHING = {"memspec", "mab-sync", "mab-async", "prediction-only"}  # switch dr
 BLOCKING = {"mab-sync", "prediction-only"}  # switch at K = 1 too, by stalling
 
 
-def chi2(observed: Counter, expected: dict, n: int) -> tuple[float, int]:
-    """Pearson's statistic with the bins expected below 5 pooled into one; (statistic, degrees of freedom)."""
-    stat, pooled_obs, pooled_exp, bins = 0.0, 0, 0.0, 0
-    for key, prob in expected.items():
-        exp = prob * n
-        if exp < 5:
-            pooled_obs += observed.get(key, 0)
-            pooled_exp += exp
-            continue
-        stat += (observed.get(key, 0) - exp) ** 2 / exp
-        bins += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        bins += 1
-    assert sum(observed.values()) == n and set(observed) <= set(expected)
-    return stat, bins - 1
-
-
-def chi2_critical(dof: int, z: float = 3.72) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile at normal quantile z (3.72: 0.9999).
-    Seeds are fixed, so a run fails only on real bias (or, on other CPUs, at most 1 in 10,000 per test)."""
-    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
-
-
 @pytest.fixture(scope="module")
 def sampled():
     """A tiny target and four drafts over 4 tokens, and the exact probability of every 4-token output."""
@@ -563,7 +540,7 @@ def test_sampled_output_has_the_targets_distribution_under_every_policy(sampled,
         assert switches > 0, "the drafts must switch for this test to mean anything"
     for name, observed, exact in (("tokens 1-3", first3, exact3), ("tokens 3-4", last2, exact2)):
         stat, dof = chi2(observed, exact, S_RUNS)
-        assert stat < chi2_critical(dof), (name, stat, dof)
+        assert stat < chi2_critical(dof, z=3.72), (name, stat, dof)  # 0.9999
 
 
 torch.set_num_threads(1)

@@ -26,11 +26,12 @@ class Clock:
         return self.now
 
 
-def point(interval: int, active: str = "", resident: tuple[str, ...] = (), wait_first: bool = False) -> SchedulingPoint:
+def point(interval: int, active: str = "", resident: tuple[str, ...] = (), wait_first: bool = False,
+          capacity: int = 2) -> SchedulingPoint:
     generated = list(range(5 * interval))
     return SchedulingPoint(interval=interval, prompt_ids=PROMPT, generated_ids=generated, recent_ids=generated[-8:],
                            candidates=list(DRAFTS), domains={d: d for d in DRAFTS}, resident=list(resident),
-                           active=active, max_new_tokens=40, wait_for_initial_draft=wait_first)
+                           active=active, max_new_tokens=40, wait_for_initial_draft=wait_first, capacity=capacity)
 
 
 def policies():
@@ -60,8 +61,8 @@ def test_every_policys_first_draft_blocks_and_later_ones_only_if_the_policy_bloc
 
 def test_on_a_warm_cache_only_blocking_policies_wait_for_the_first_draft():
     """A generation that starts with a draft resident (the node keeps its cache between goals): the policies
-    that never stall run it while their choice loads; the blocking ones, and every policy configured with
-    wait_for_initial_draft, still wait."""
+    that never stall run it while their choice loads; the blocking ones, every policy with K = 1 (the running
+    draft could not make room for the choice) and every policy configured with wait_for_initial_draft still wait."""
     for name, policy in policies():
         policy.start(PROMPT)
         warm = policy.choose(point(0, resident=("general",)))
@@ -72,6 +73,8 @@ def test_on_a_warm_cache_only_blocking_policies_wait_for_the_first_draft():
             assert not warm.block and "general" in warm.fallback, name
         policy.start(PROMPT)
         assert policy.choose(point(0, resident=("general",), wait_first=True)).block, name
+        policy.start(PROMPT)
+        assert policy.choose(point(0, resident=("general",), capacity=1)).block, name
 
 
 def test_a_warm_first_choice_runs_the_best_resident_draft_and_keeps_it_while_the_top_k_load():

@@ -221,10 +221,13 @@ def test_a_goal_on_a_warm_cache_runs_a_resident_draft_while_its_choice_loads(tar
         ctl.close()
 
 
-def test_wait_for_initial_draft_makes_a_warm_goal_wait_for_its_choice(target, drafts):
+@pytest.mark.parametrize("capacity,wait", [(2, True), (1, False)])
+def test_a_warm_goal_waits_for_its_choice_when_configured_or_with_one_slot(target, drafts, capacity, wait):
+    """wait_for_initial_draft; and K = 1, where the resident draft, once running, could not be evicted for the
+    chosen one before the goal ends."""
     loader = GatedLoader(drafts, gated={"code"})
-    ctl = make(target, drafts, "memspec", loader=loader, capacity=2, interval=2, ranker=by_prompt,
-               wait_for_initial_draft=True)
+    ctl = make(target, drafts, "memspec", loader=loader, capacity=capacity, interval=2, ranker=by_prompt,
+               wait_for_initial_draft=wait)
     try:
         ctl.generate(PROMPT, 8)
         threading.Timer(0.2, loader.gate.set).start()

@@ -26,12 +26,11 @@ class Clock:
         return self.now
 
 
-def point(interval: int, active: str = "", resident: tuple[str, ...] = (), wait_first: bool = False,
-          capacity: int = 2) -> SchedulingPoint:
+def point(interval: int, active: str = "", resident: tuple[str, ...] = (), wait_first: bool = False) -> SchedulingPoint:
     generated = list(range(5 * interval))
     return SchedulingPoint(interval=interval, prompt_ids=PROMPT, generated_ids=generated, recent_ids=generated[-8:],
                            candidates=list(DRAFTS), domains={d: d for d in DRAFTS}, resident=list(resident),
-                           active=active, max_new_tokens=40, wait_for_initial_draft=wait_first, capacity=capacity)
+                           active=active, max_new_tokens=40, wait_for_initial_draft=wait_first)
 
 
 def policies():
@@ -61,8 +60,8 @@ def test_every_policys_first_draft_blocks_and_later_ones_only_if_the_policy_bloc
 
 def test_on_a_warm_cache_only_blocking_policies_wait_for_the_first_draft():
     """A generation that starts with a draft resident (the node keeps its cache between goals): the policies
-    that never stall run it while their choice loads; the blocking ones, every policy with K = 1 (the running
-    draft could not make room for the choice) and every policy configured with wait_for_initial_draft still wait."""
+    that never stall run it while their choice loads; the blocking ones, and every policy configured with
+    wait_for_initial_draft, still wait."""
     for name, policy in policies():
         policy.start(PROMPT)
         warm = policy.choose(point(0, resident=("general",)))
@@ -73,8 +72,6 @@ def test_on_a_warm_cache_only_blocking_policies_wait_for_the_first_draft():
             assert not warm.block and "general" in warm.fallback, name
         policy.start(PROMPT)
         assert policy.choose(point(0, resident=("general",), wait_first=True)).block, name
-        policy.start(PROMPT)
-        assert policy.choose(point(0, resident=("general",), capacity=1)).block, name
 
 
 def test_a_warm_first_choice_runs_the_best_resident_draft_and_keeps_it_while_the_top_k_load():
@@ -93,6 +90,29 @@ def test_a_warm_first_choice_runs_the_best_resident_draft_and_keeps_it_while_the
     assert (resolution.draft, resolution.preferred, resolution.fallback, resolution.waited) == ("math", "code", True,
                                                                                                0.0)
     assert cache.is_resident("math") and cache.is_available("code") and not cache.is_available("general")
+
+
+@pytest.mark.parametrize("action", [CACHE_PREFETCH, CACHE_REQUEST])
+def test_a_warm_first_choice_with_no_room_beside_the_resident_draft_waits_for_its_draft(action):
+    """K = 1: the resident draft, once running, could not be evicted for the choice, so it would run the whole
+    generation; carry_out waits for the choice instead (evicting the idle draft), as on a cold cache."""
+    clock = Clock()
+    cache = SimCache(1, lambda name: 1.0, clock)
+    cache.request("general")
+    clock.now = 2.0
+    waits = []
+
+    def wait(name: str) -> float:
+        waited = cache.wait_for(name)
+        waits.append(name)
+        clock.now += waited + 1e-9
+        return waited
+
+    ranking = [("code", 2.0), ("general", 1.0)]
+    choice = Choice("code", block=False, fallback=("code", "general"), cache_action=action, ranking=ranking)
+    resolution = carry_out(choice, cache, wait=wait)
+    assert waits == ["code"] and resolution.waited == pytest.approx(1.0)
+    assert (resolution.draft, resolution.fallback) == ("code", False) and cache.resident() == ["code"]
 
 
 def test_mab_async_decodes_on_the_current_draft_while_its_choice_loads():

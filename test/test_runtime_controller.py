@@ -179,14 +179,17 @@ class GatedLoader(Loader):
     """Loads ``gated`` drafts only once ``gate`` is set (or after ``limit`` s, so a controller that wrongly
     waits still ends the test); records the drafts whose load finished, in order."""
 
-    def __init__(self, drafts, gated, limit=30.0):
+    def __init__(self, drafts, gated, limit=30.0, size_bytes=None):
         super().__init__(drafts)
         self.gated, self.limit, self.gate, self.done = set(gated), limit, threading.Event(), []
+        self.size_bytes = size_bytes  # what a load says it takes (None: the model's parameters)
 
     def __call__(self, name):
         if name in self.gated:
             self.gate.wait(self.limit)
         loaded = super().__call__(name)
+        if self.size_bytes is not None:
+            loaded.size_bytes = self.size_bytes
         self.done.append(name)
         return loaded
 
@@ -221,13 +224,13 @@ def test_a_goal_on_a_warm_cache_runs_a_resident_draft_while_its_choice_loads(tar
         ctl.close()
 
 
-@pytest.mark.parametrize("capacity,wait", [(2, True), (1, False)])
-def test_a_warm_goal_waits_for_its_choice_when_configured_or_with_one_slot(target, drafts, capacity, wait):
-    """wait_for_initial_draft; and K = 1, where the resident draft, once running, could not be evicted for the
-    chosen one before the goal ends."""
-    loader = GatedLoader(drafts, gated={"code"})
-    ctl = make(target, drafts, "memspec", loader=loader, capacity=capacity, interval=2, ranker=by_prompt,
-               wait_for_initial_draft=wait)
+@pytest.mark.parametrize("capacity,budget,wait", [(2, 0, True), (1, 0, False), (2, 1500, False)])
+def test_a_warm_goal_waits_for_its_choice_when_configured_or_without_room(target, drafts, capacity, budget, wait):
+    """wait_for_initial_draft; and no room to load the choice beside the resident draft (K = 1, or a byte budget
+    that holds one draft), where that draft, once running, could not be evicted before the goal ends."""
+    loader = GatedLoader(drafts, gated={"code"}, size_bytes=1000)  # the registry's size of every draft
+    ctl = make(target, drafts, "memspec", loader=loader, capacity=capacity, budget_bytes=budget, interval=2,
+               ranker=by_prompt, wait_for_initial_draft=wait)
     try:
         ctl.generate(PROMPT, 8)
         threading.Timer(0.2, loader.gate.set).start()

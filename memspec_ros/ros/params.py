@@ -203,8 +203,8 @@ PARAMS: tuple[Param, ...] = (
     Param("memspec.wait_for_initial_draft", False,
           "A goal's first iteration waits until its chosen draft is loaded even when another draft is resident;"
           " off (default): memspec and mab-async run the best resident draft meanwhile and wait only when none is,"
-          " or with capacity 1 (storage as fast as an NVMe SSD loads a draft within an iteration, where waiting can"
-          " pay).",
+          " or when the cache has no room for the chosen one beside it (storage as fast as an NVMe SSD loads a draft"
+          " within an iteration, where waiting can pay).",
           AT_SCHEDULING_POINT, runtime_field="wait_for_initial_draft"),
     # -- per goal ---------------------------------------------------------------------------------
     Param("generation.max_new_tokens", 128,

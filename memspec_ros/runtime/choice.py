@@ -88,7 +88,8 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
     draft (by name), else the target alone. Nothing here waits but the blocking load.
     """
     preferred, waited = choice.preferred, 0.0
-    if not current and not choice.block:
+    warm_start = not current and not choice.block and bool(preferred)
+    if warm_start:
         # a generation's first choice on a warm cache: the resident draft it runs meanwhile is kept like an active
         # one, so the prefetch below cannot evict it
         current = next((n for n in (preferred, *choice.fallback) if n and cache.is_resident(n)), "")
@@ -101,6 +102,11 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
         cache.update(choice.ranking, active=current if current in cache.resident() else None)
     elif choice.cache_action == CACHE_REQUEST and preferred and not cache.is_available(preferred):
         cache.request(preferred, active=current or None)
+    if warm_start and not cache.is_available(preferred):
+        # no room for the chosen draft beside the one kept running (K = 1, or a byte budget that holds one of
+        # them): that one would run the whole generation, so wait for the choice, as on a cold cache
+        cache.set_active("")
+        waited = wait(preferred)
     if not preferred:
         cache.set_active("")
         return Resolution("", None, "", False, waited)

@@ -410,7 +410,6 @@ class RuntimeController:
             failed=list(self.cache.failed()),
             max_new_tokens=session.max_new_tokens,
             wait_for_initial_draft=self.config.wait_for_initial_draft,
-            capacity=self.cache.capacity,
         )
 
     def _sync_registry(self, active: str) -> bool:

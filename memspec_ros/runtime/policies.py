@@ -24,8 +24,9 @@ the cache per prompt, so there it always blocks). On a warm cache, as a robot's 
 the non-blocking ways (request, prefetch) run the best resident draft while their choice loads, as at
 every later point: the controller never stalls for a non-resident draft. ``wait_for_initial_draft``
 (RuntimeConfig, the node's ``memspec.wait_for_initial_draft``) makes every generation's first choice
-block, for storage fast enough that waiting costs less than an interval on a weaker draft. With K = 1 it
-blocks too: the resident draft, once running, is never evicted, so it would run the whole generation.
+block, for storage fast enough that waiting costs less than an interval on a weaker draft. Where the cache
+has no room to load the choice beside the resident draft (K = 1, or a byte budget that holds one of them),
+carry_out waits for it too: the running draft is never evicted, so it would run the whole generation.
 Oracle-Dynamic prefetches and waits as its schedule says (runtime/oracle.py:
 the best schedule under the same K and measured costs, by dynamic programming).
 
@@ -85,7 +86,6 @@ class SchedulingPoint:
     failed: list[str] = field(default_factory=list)  # drafts whose load failed (skip them)
     max_new_tokens: int = 0  # the generation's token budget (0: unknown)
     wait_for_initial_draft: bool = False  # the first choice blocks even when a draft is resident
-    capacity: int = 0  # K (0: not known)
 
     def prediction_context(self) -> PredictionContext:
         return PredictionContext(
@@ -109,10 +109,9 @@ class SchedulingPoint:
     @property
     def initial_wait(self) -> bool:
         """The first choice blocks for its draft whatever the policy's way when no draft it could run is
-        resident (a cold cache: the initial draft load, Algorithm 3, line 3), with K = 1 (the resident draft,
-        once running, could not be evicted for the chosen one before the generation ends), or when configured to."""
-        return self.first and (self.wait_for_initial_draft or self.capacity == 1
-                               or not any(d in self.resident for d in self.viable))
+        resident (a cold cache: the initial draft load, Algorithm 3, line 3), or when configured to. (Where the
+        cache has no room for the choice beside the resident draft, carry_out waits for it too.)"""
+        return self.first and (self.wait_for_initial_draft or not any(d in self.resident for d in self.viable))
 
 
 def _ranked_then_current(point: SchedulingPoint, ranking: list[tuple[str, float]] | None) -> tuple[str, ...]:

@@ -85,7 +85,9 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
     In order: the ranking's scores (unless the cache action is a prefetch, which sets them itself); the
     blocking load, with no draft active so the idle current one may make room; the cache action; then the
     preferred draft if resident, else the first resident draft of ``choice.fallback``, else any other resident
-    draft (by name), else the target alone. Nothing here waits but the blocking load.
+    draft (by name), else the target alone. Nothing here waits but the blocking load, and a generation's
+    non-blocking first choice (``current`` "") whose draft the cache has no room to load beside the resident
+    draft kept running meanwhile.
     """
     preferred, waited = choice.preferred, 0.0
     warm_start = not current and not choice.block and bool(preferred)

@@ -33,6 +33,18 @@ def point(interval: int, active: str = "", resident: tuple[str, ...] = (), wait_
                            active=active, max_new_tokens=40, wait_for_initial_draft=wait_first)
 
 
+def recording_wait(cache: SimCache, clock: Clock, waits: list[str]):
+    """carry_out's ``wait`` on the simulated cache: blocks in virtual time and records which drafts it waited for."""
+
+    def wait(name: str) -> float:
+        waited = cache.wait_for(name)
+        waits.append(name)
+        clock.now += waited + 1e-9
+        return waited
+
+    return wait
+
+
 def policies():
     trace = PromptTrace("w", PROMPT, list(range(40)), {d: [i % (2 + k) > 0 for i in range(40)]
                                                      for k, d in enumerate(DRAFTS)})
@@ -100,13 +112,8 @@ def test_a_warm_first_choice_with_no_room_beside_the_resident_draft_waits_for_it
     cache = SimCache(1, lambda name: 1.0, clock)
     cache.request("general")
     clock.now = 2.0
-    waits = []
-
-    def wait(name: str) -> float:
-        waited = cache.wait_for(name)
-        waits.append(name)
-        clock.now += waited + 1e-9
-        return waited
+    waits: list[str] = []
+    wait = recording_wait(cache, clock, waits)
 
     ranking = [("code", 2.0), ("general", 1.0)]
     choice = Choice("code", block=False, fallback=("code", "general"), cache_action=action, ranking=ranking)
@@ -136,13 +143,8 @@ def test_mab_async_decodes_on_the_current_draft_while_its_choice_loads():
 def test_a_blocking_choice_waits_for_its_draft_and_runs_it():
     clock = Clock()
     cache = SimCache(1, lambda name: 1.5, clock)
-    waits = []
-
-    def wait(name: str) -> float:
-        waited = cache.wait_for(name)
-        waits.append(name)
-        clock.now += waited + 1e-9
-        return waited
+    waits: list[str] = []
+    wait = recording_wait(cache, clock, waits)
 
     choice = wait_choice(point(2, active=""), "code", [("code", 1.0), ("math", 0.5)])
     resolution = carry_out(choice, cache, wait=wait)

@@ -109,6 +109,25 @@ def test_a_worthwhile_non_resident_draft_is_prefetched_and_the_active_one_runs_m
     assert policy._load_points == [1, 2]
 
 
+def test_on_a_warm_cache_the_first_drafts_background_load_is_measured_too():
+    """A warm start: the top draft is not resident and loads in the background while general runs, so the
+    points until it is resident are a prefetch's load time; on a cold cache that first load is waited for and
+    only the runner-up's prefetch is measured."""
+    probs = {"code": 0.6, "math": 0.3, "general": 0.1}
+    warm = make_policy(COST_AWARE, predictor=ranker(probs))
+    warm.start(PROMPT)
+    assert not warm.choose(point(0, 0, "", ["general"])).block
+    warm.observe("general", interval_of("general", catchup_tokens=len(PROMPT) + 1, catchup_seconds=1e-3))
+    warm.choose(point(1, 10, "general", ["general", "math"]))  # math landed: asked at 0, resident at 1
+    warm.observe("general", interval_of("general"))
+    warm.choose(point(2, 20, "general", ["general", "math", "code"]))  # code: asked at 0, resident at 2
+    assert sorted(warm._load_points) == [1, 2]
+    cold = make_policy(COST_AWARE, predictor=ranker(probs))
+    cold.start(PROMPT)
+    assert cold.choose(point(0, 0, "", [])).block
+    assert set(cold._asked) == {"math"}
+
+
 def test_the_catch_up_a_returning_draft_needs_is_what_it_missed():
     """A draft that ran and stayed resident only catches up on the tokens since; an evicted one on everything."""
     policy = started({"code": 0.5, "general": 0.45, "math": 0.05}, catchup_seconds_per_token=1e-3)

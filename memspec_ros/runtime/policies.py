@@ -473,7 +473,10 @@ class CostAwareMemSpecPolicy(_Predicted):
         if active:
             self._kv[active] = self._prompt_len + len(point.generated_ids) - 1
         if point.interval == 0 or not active or not self._iterations:
-            self._ask([d for d, _ in ranking[1:2] if d not in point.resident], point.interval)
+            # the prefetches this asks for, whose loads are measured: the runner-up, and the top draft unless the
+            # choice waits for it (a cold cache's first draft is a blocking load, not a prefetch)
+            asked = ranking[1:2] if point.initial_wait else ranking[:2]
+            self._ask([d for d, _ in asked if d not in point.resident], point.interval)
             return prefetch_choice(point, ranking[0][0], ranking)  # MemSpec's choice: nothing measured yet
         values = self.values(point, dict(ranking))
         worth = sorted((d for d, v in values.items() if v > 0), key=lambda d: -values[d])

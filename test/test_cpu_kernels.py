@@ -241,22 +241,26 @@ def test_speculative_greedy_through_the_decoder_equals_the_target_alone(path):
 
 def _step_model(path: str, kind: str, seed: int = 7):
     """A model the step kernel takes, as the engine meets them: ``plain`` (the decoder's model), ``q8`` (its
-    embedding on GGUF's Q8_0 grid, kept as int8 rows: the bundled target's), ``reduced`` (a draft over 40 of the
-    96 target ids: the bundled drafts')."""
+    embedding on GGUF's Q8_0 grid, kept as int8 rows: the bundled target's), ``f16`` (an embedding fp16 holds
+    exactly, kept as fp16 rows), ``reduced`` (a draft over 40 of the 96 target ids: the bundled drafts')."""
     if kind == "reduced":
         inner = tiny_llama(vocab_size=41, hidden=256, layers=2, seed=seed, init_range=0.2)
         apply_path(inner, path)
         return ReducedVocabDraft(inner, DraftVocab(list(range(3, 83, 2)), 96)).eval()
     model = tiny_llama(vocab_size=96, hidden=256, layers=2, seed=seed, init_range=0.2)
-    if kind == "q8":
-        with torch.no_grad():
-            model.get_input_embeddings().weight.copy_(_q8_grid_table(96, 256, seed=seed))
+    with torch.no_grad():
+        table = model.get_input_embeddings().weight
+        if kind == "q8":
+            table.copy_(_q8_grid_table(96, 256, seed=seed))
+        elif kind == "f16":  # loaded from an fp16 file, as the bundled drafts are: kept as fp16 rows
+            table.copy_(table.half().float())
     report = apply_path(model, path)
-    assert kind != "q8" or report.embedding == "q8_0"
+    assert report.embedding == {"q8": "q8_0", "f16": "fp16"}.get(kind, "fp32") or path == "fp32"
     return model
 
 
-STEP_CASES = [(p, k) for p in ("int4", "int8", "fp32") for k in ("plain", "q8", "reduced") if (p, k) != ("fp32", "q8")]
+STEP_CASES = [(p, k) for p in ("int4", "int8", "fp32") for k in ("plain", "q8", "f16", "reduced")
+              if p != "fp32" or k in ("plain", "reduced")]
 
 
 def _prefill_and_verify(model, lean, prompt, rows):

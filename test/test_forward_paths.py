@@ -15,6 +15,7 @@ from memspec_ros.runtime.forward_paths import (
     INT4_GROUP,
     PATHS,
     Bf16Linear,
+    F16Embedding,
     ForwardPathError,
     Int4Linear,
     Int8Linear,
@@ -24,7 +25,7 @@ from memspec_ros.runtime.forward_paths import (
     concat_linears,
     cpu_has_bf16,
 )
-from memspec_ros.runtime.models import ModelSpec, forward_path_for, load_model
+from memspec_ros.runtime.models import ModelSpec, forward_path_for, load_model, parameter_bytes
 from memspec_ros.runtime.path_choice import choose_path
 from memspec_ros.runtime.speculative import SamplingConfig, generate
 from memspec_ros.testing.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
@@ -128,6 +129,47 @@ def test_q8_embedding_gives_back_a_table_on_its_grid_bit_for_bit_and_refuses_any
     assert Q8Embedding.exact_from(off_grid) is None
     assert Q8Embedding.exact_from(torch.randn(300, 64)) is None  # trained in fp32
     assert Q8Embedding.exact_from(torch.randn(300, 48)) is None  # 48 is not a number of blocks
+
+
+def test_f16_embedding_gives_back_a_table_fp16_holds_bit_for_bit_and_refuses_any_other():
+    table = torch.randn(300, 48).half().float()  # weights loaded from an fp16 file
+    compact = F16Embedding.exact_from(table)
+    assert compact is not None and compact.table.dtype == torch.float16
+    ids = torch.tensor([[5, 0, 299], [7, 7, 1]])
+    assert torch.equal(compact(ids), F.embedding(ids, table)) and compact(ids).dtype == torch.float32
+    assert torch.equal(compact.weight, table)
+    assert sum(t.numel() * t.element_size() for t in compact.buffers()) == table.numel() * 2
+    off = table.clone()
+    off[3, 5] += 1e-4  # one value fp16 cannot hold: the whole table stays as it is
+    assert F16Embedding.exact_from(off) is None
+    assert F16Embedding.exact_from(torch.randn(300, 48)) is None  # trained and stored in fp32
+
+
+@pytest.mark.parametrize("path", [p for p in RUNNABLE if p != "fp32"])
+def test_an_fp16_exact_embedding_is_kept_in_fp16_and_the_model_computes_the_same(path, monkeypatch):
+    """A table off Q8_0's grid that fp16 holds exactly (the bundled drafts') is kept in fp16 on a quantized path:
+    half its bytes, the same logits and greedy output as the fp32 table."""
+    def loaded_from_fp16():
+        model = tiny_llama(vocab_size=96, hidden=64, seed=5)
+        with torch.no_grad():
+            table = model.get_input_embeddings().weight
+            table.copy_(table.half().float())
+        return model
+
+    half_model = loaded_from_fp16()
+    assert apply_path(half_model, path).embedding == "fp16"
+    assert type(half_model.get_input_embeddings()) is F16Embedding
+    with monkeypatch.context() as patch:
+        patch.setattr(F16Embedding, "exact_from", classmethod(lambda cls, weight: None))
+        plain_model = loaded_from_fp16()
+        assert apply_path(plain_model, path).embedding == "fp32"
+    assert parameter_bytes(plain_model) - parameter_bytes(half_model) == 96 * 64 * 2
+    prompt = [1, 5, 7, 9, 11, 13]
+    with torch.no_grad():
+        assert torch.equal(half_model(torch.tensor([prompt])).logits, plain_model(torch.tensor([prompt])).logits)
+    assert lean_forward_for(half_model) is not None
+    assert (generate(half_model, prompt, None, max_new_tokens=30).generated_ids
+            == generate(plain_model, prompt, None, max_new_tokens=30).generated_ids)
 
 
 @pytest.mark.parametrize("path", [p for p in RUNNABLE if p != "fp32"])

@@ -393,7 +393,7 @@ class NodeTasks:
                 s.add(
                     f"auto {timing.path} ms (1 / gamma+1 tokens)", f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}"
                 )
-        if lo.target.path_report is not None:  # fp32, or q8_0 where the table is on GGUF's Q8_0 grid
+        if lo.target.path_report is not None:  # fp32; q8_0 on GGUF's Q8_0 grid; fp16 where fp16 holds it
             s.add("embedding", lo.target.path_report.embedding)
             s.add("cpu kernels", lo.target.path_report.kernels)
         s.add("decoder", decoder_summary(lo.target.model))

@@ -1222,7 +1222,8 @@ static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> binary32, ex
   return out;
 }
 
-/* What model_step needs besides the layers. embed_kind: 32 = an fp32 table [rows][dim], 8 = Q8_0 rows (int8
+/* What model_step needs besides the layers. embed_kind: 32 = an fp32 table [rows][dim], 16 = an fp16 table
+ * [rows][dim] (forward_paths.F16Embedding: values fp16 holds exactly, widened bit for bit), 8 = Q8_0 rows (int8
  * values [rows][dim] and one fp16 scale per 32, as forward_paths.Q8Embedding holds them). scatter: a reduced
  * vocabulary's target id per head row (scatter_n of them; the head's further rows are dropped), written into rows
  * of `width` logits that are -inf elsewhere; NULL: the head's rows are the logits. */
@@ -1250,6 +1251,9 @@ int model_step(const StepModel* m, const int32_t* ids, int n, int start, const f
     float* row = x + (size_t)i * dim;
     if (m->embed_kind == 32) {
       memcpy(row, (const float*)m->embed + (size_t)ids[i] * dim, dim * sizeof(float));
+    } else if (m->embed_kind == 16) {
+      const uint16_t* values = (const uint16_t*)m->embed + (size_t)ids[i] * dim;
+      for (int j = 0; j < dim; j++) row[j] = half_to_float(values[j]);
     } else {
       const int8_t* values = (const int8_t*)m->embed + (size_t)ids[i] * dim;
       const uint16_t* scales = m->embed_scales + (size_t)ids[i] * (dim / 32);

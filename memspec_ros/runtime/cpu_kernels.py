@@ -347,7 +347,7 @@ class Step:
     @classmethod
     def build(cls, decoder: Decoder, embed: torch.nn.Module, final_norm: torch.Tensor, head: torch.nn.Module,
               scatter: torch.Tensor | None, width: int) -> Step | str:
-        from .forward_paths import Q8Embedding  # forward_paths imports this module
+        from .forward_paths import F16Embedding, Q8Embedding  # forward_paths imports this module
 
         if not status().step:
             return "the step kernel is not compiled here"
@@ -357,11 +357,14 @@ class Step:
         if type(embed) is torch.nn.Embedding and embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
             model.embed_kind, model.embed = 32, _ptr(embed.weight)
             keep.append(embed.weight)
+        elif isinstance(embed, F16Embedding) and embed.table.is_contiguous():
+            model.embed_kind, model.embed = 16, _ptr(embed.table)
+            keep.append(embed.table)
         elif isinstance(embed, Q8Embedding) and embed.values.is_contiguous() and embed.scales.is_contiguous():
             model.embed_kind, model.embed, model.embed_scales = 8, _ptr(embed.values), _ptr(embed.scales)
             keep += [embed.values, embed.scales]
         else:
-            return f"embedding {type(embed).__name__} is not an fp32 table or Q8_0 rows"
+            return f"embedding {type(embed).__name__} is not an fp32 or fp16 table or Q8_0 rows"
         if embed.embedding_dim != decoder.dim:
             return f"embedding width {embed.embedding_dim} is not the hidden size {decoder.dim}"
         model.embed_rows = embed.num_embeddings

@@ -142,7 +142,7 @@ class LeanLlamaForward:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
-        self.embed = inner.embed_tokens  # an nn.Embedding, or forward_paths.Q8Embedding
+        self.embed = inner.embed_tokens  # an nn.Embedding, or forward_paths.Q8Embedding / F16Embedding
         self.device = inner.norm.weight.device
         self.rotary = inner.rotary_emb  # the model's own module: every RoPE variant it supports
         self.norm = inner.norm.weight

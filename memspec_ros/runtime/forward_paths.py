@@ -39,7 +39,9 @@ The token embedding is a lookup, not a matmul, but it is the largest tensor of a
 bundled target's 49,152 x 576 table is 113 MB in fp32, more than its 30 int4 layers). A GGUF holds
 it as Q8_0 (int8 values, one fp16 scale per 32), so on every path but fp32 a table that lies exactly
 on that grid is kept in that form (:class:`Q8Embedding`, 30 MB): its rows come back bit for bit, so
-the model computes what it computed before. A table off the grid (a model trained in fp32) stays.
+the model computes what it computed before. A table off that grid whose every value fp16 holds exactly (a
+model loaded from an fp16 file, as the bundled drafts are) is kept in fp16 (:class:`F16Embedding`, half the
+bytes, rows widened bit for bit); any other table (a model trained and stored in fp32) stays.
 
 The engine's own kernels (runtime/cpu_kernels.py, compiled on the machine that runs them: AVX512, AVX2
 or portable C) take the int4 and int8 layers; a model whose layers all run on them also runs its
@@ -308,6 +310,34 @@ class Q8Embedding(torch.nn.Module):
         return (values * self.scales[ids].float()[..., None]).view(*ids.shape, self.embedding_dim)
 
 
+class F16Embedding(torch.nn.Module):
+    """An embedding table kept in fp16 because fp16 holds each of its values exactly (weights loaded from an
+    fp16 file): half the bytes of the fp32 table, rows widened back bit for bit. Built only by
+    :meth:`exact_from`."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("table", table)  # [rows, dim] fp16
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    @classmethod
+    def exact_from(cls, weight: torch.Tensor) -> F16Embedding | None:
+        """The fp16 form of ``weight``, or None when fp16 does not hold every value exactly."""
+        w = weight.detach()
+        if w.dtype != torch.float32 or w.dim() != 2:
+            return None
+        table = w.half().contiguous()
+        return cls(table) if torch.equal(table.float(), w) else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table's values as the fp32 table had them (a copy): for code that reads an embedding's weight."""
+        return self.table.float()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids].float()
+
+
 def _concat_bias(parts) -> torch.nn.Parameter | None:
     if all(p.bias is None for p in parts):
         return None
@@ -362,7 +392,8 @@ class PathReport:
     kept_fp32: list[str] = field(default_factory=list)  # layers the path's kernel cannot take
     rows_one_by_one: list[str] = field(default_factory=list)  # layers whose kernel is not row-exact here
     head: str = ""  # the LM head's form
-    embedding: str = "fp32"  # the token embedding's form: fp32, or q8_0 where the table is on that grid
+    embedding: str = "fp32"  # the token embedding's form: fp32; q8_0 where the table is on that grid; else fp16
+    # where fp16 holds it exactly
     kernels: str = "ATen"  # what multiplies the layers: the engine's kernels (runtime/cpu_kernels.py) or ATen
 
 
@@ -399,7 +430,8 @@ def _is_head(name: str) -> bool:
 
 def apply_path(model: torch.nn.Module, path: str, compact_embedding: bool = True) -> PathReport:
     """Replace ``model``'s ``nn.Linear`` layers in place by ``path``'s modules, and (``compact_embedding``) its
-    token embedding by a :class:`Q8Embedding` where the table is exactly on that grid."""
+    token embedding by a :class:`Q8Embedding` where the table is exactly on that grid, else by an
+    :class:`F16Embedding` where fp16 holds it exactly."""
     check_path(path)
     report = PathReport(path)
     if path == "fp32":
@@ -429,7 +461,9 @@ def apply_path(model: torch.nn.Module, path: str, compact_embedding: bool = True
     embeddings = model.get_input_embeddings() if compact_embedding and hasattr(model, "get_input_embeddings") else None
     if type(embeddings) is torch.nn.Embedding:
         compact = Q8Embedding.exact_from(embeddings.weight)
+        if compact is None:
+            compact = F16Embedding.exact_from(embeddings.weight)
         if compact is not None:  # its fp32 table (the head's, when tied) is freed: the head was converted above
             model.set_input_embeddings(compact)
-            report.embedding = "q8_0"
+            report.embedding = "q8_0" if isinstance(compact, Q8Embedding) else "fp16"
     return report

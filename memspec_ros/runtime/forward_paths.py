@@ -310,6 +310,14 @@ class Q8Embedding(torch.nn.Module):
         return (values * self.scales[ids].float()[..., None]).view(*ids.shape, self.embedding_dim)
 
 
+def fp16_exact(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` (fp32) in fp16 when fp16 holds every value exactly (weights loaded from an fp16 file), else None."""
+    if tensor.dtype != torch.float32:
+        return None
+    half = tensor.detach().half().contiguous()
+    return half if torch.equal(half.float(), tensor) else None
+
+
 class F16Embedding(torch.nn.Module):
     """An embedding table kept in fp16 because fp16 holds each of its values exactly (weights loaded from an
     fp16 file): half the bytes of the fp32 table, rows widened back bit for bit. Built only by
@@ -323,11 +331,8 @@ class F16Embedding(torch.nn.Module):
     @classmethod
     def exact_from(cls, weight: torch.Tensor) -> F16Embedding | None:
         """The fp16 form of ``weight``, or None when fp16 does not hold every value exactly."""
-        w = weight.detach()
-        if w.dtype != torch.float32 or w.dim() != 2:
-            return None
-        table = w.half().contiguous()
-        return cls(table) if torch.equal(table.float(), w) else None
+        table = fp16_exact(weight) if weight.dim() == 2 else None
+        return cls(table) if table is not None else None
 
     @property
     def weight(self) -> torch.Tensor:

@@ -271,6 +271,8 @@ class RuntimeForm:
 
         from safetensors.torch import save_file
 
+        from .forward_paths import fp16_exact
+
         tensors: dict[str, torch.Tensor] = {}
         keys: dict[int, str] = {}
         slots = []
@@ -284,9 +286,9 @@ class RuntimeForm:
                     if key is None:  # a tied tensor is stored once and fills every slot it filled
                         key = keys[id(tensor)] = f"{path}.{name}" if path else name
                         tensor = tensor.detach().contiguous()
-                        # fp32 that fp16 holds exactly (weights loaded from an fp16 file) is stored at half the bytes
-                        if tensor.dtype == torch.float32 and torch.equal(tensor.half().float(), tensor):
-                            tensor = tensor.half()
+                        half = fp16_exact(tensor)  # fp32 that fp16 holds exactly is stored at half the bytes
+                        if half is not None:
+                            tensor = half
                             widened.add(key)
                         tensors[key] = tensor
                     slots.append((path, name, is_parameter, key))

@@ -1,7 +1,7 @@
 """Per-policy GMEANs and the goal ratios of a policies run, beside the held-out run's (issue 17).
 
-    python scripts/compare_unseen.py [--unseen docs/results/policies-unseen.json]
-        [--heldout docs/results/policies.json] [--goals docs/results/goals.json]
+    python scripts/compare_unseen.py [--unseen docs/results/fp32/policies-unseen.json]
+        [--heldout docs/results/fp32/policies.json] [--goals docs/results/fp32/goals.json]
 
 GMEAN over code, math, law, medical, general (the goals' workloads) of each policy's paper metric
 (``tokens_per_second``) and end-to-end tokens per second, from both ``memspec-bench policies``
@@ -55,9 +55,9 @@ def summary(result: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--unseen", type=Path, default=ROOT / "docs/results/policies-unseen.json")
-    ap.add_argument("--heldout", type=Path, default=ROOT / "docs/results/policies.json")
-    ap.add_argument("--goals", type=Path, default=ROOT / "docs/results/goals.json")
+    ap.add_argument("--unseen", type=Path, default=ROOT / "docs/results/fp32/policies-unseen.json")
+    ap.add_argument("--heldout", type=Path, default=ROOT / "docs/results/fp32/policies.json")
+    ap.add_argument("--goals", type=Path, default=ROOT / "docs/results/fp32/goals.json")
     a = ap.parse_args()
     un, ho = summary(json.loads(a.unseen.read_text())), summary(json.loads(a.heldout.read_text()))
     g = json.loads(a.goals.read_text())

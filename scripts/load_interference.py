@@ -1,6 +1,6 @@
 """How much a draft load on the cache's loader thread slows decoding on the other core.
 
-The policy bench's simulator validation (docs/results/int4-epyc) replays MemSpec, Oracle-Dynamic and MAB-Async 3-8%
+The policy bench's simulator validation (docs/results) replays MemSpec, Oracle-Dynamic and MAB-Async 3-8%
 faster than they ran when it assumes one machine speed for every generation ("pooled"), and within 3% when each
 generation's replay is scaled by the speed the target's verifies ran at in it: generations that load drafts run
 slower. This measures why, in one process: the same speculative generation (int4 target and its ``general`` draft,

@@ -20,7 +20,7 @@ times to them, so the replay with its costs is "these answers at that path's spe
 own greedy output. Drafts run in fp32 here, as in ``models/acceptance.json``.
 
     .venv/bin/python scripts/simulate_heldout.py --answers artifacts/heldout_answers \\
-        --runs docs/results,docs/results/int4 --json docs/results/simulated-heldout.json
+        --runs docs/results/fp32,docs/results/int4 --json docs/results/simulated-heldout.json
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def main() -> None:
     p.add_argument("--answers", type=Path, required=True, help="the held-out answers (memspec-zoo acceptance)")
     p.add_argument("--predictor", default="", metavar="DIR[,DIR...]",
                    help="trained predictors to replay, each in every run (default: <models>/predictor)")
-    p.add_argument("--runs", default="docs/results,docs/results/int4",
+    p.add_argument("--runs", default="docs/results/fp32,docs/results/int4",
                    help="committed `make bench` output folders whose costs to replay with (comma-separated)")
     p.add_argument("--prompts-per-workload", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)

@@ -133,6 +133,13 @@ def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_
         assert loaded.controller.remembered_answers == 1
         status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
         assert dict((v.key, v.value) for v in status.values)["remembered answers"] == "1"
+        # memspec.prompt_cache (on by default): the goal's KV is kept, or diagnostics say why it cannot be
+        shown = dict((v.key, v.value) for v in status.values)["prompt cache"]
+        if loaded.controller.prompt_cache_refused:
+            assert shown == f"off: {loaded.controller.prompt_cache_refused}"
+        else:
+            assert loaded.controller.prompt_cache.tokens > len(ids)
+            assert shown == f"{loaded.controller.prompt_cache.tokens} tokens of the last goal"
 
 
 def test_a_datastore_for_another_tokenizer_fails_configure_with_the_reason(tmp_path):

@@ -406,6 +406,10 @@ class NodeTasks:
               + ("" if lo.controller.config.context_lookup else " (unused: memspec.context_lookup is off)")
               if store is not None else "none")
         s.add("remembered answers", lo.controller.remembered_answers)
+        refused = lo.controller.prompt_cache_refused
+        s.add("prompt cache", f"off: {refused}" if refused else (
+            f"{lo.controller.prompt_cache.tokens} tokens of the last goal" if lo.controller.config.prompt_cache
+            else "off (memspec.prompt_cache)"))
         s.summary(OK, f"loaded ({state})")
         if self.runner.last_error:
             s.merge(ERROR, f"the last goal failed: {self.runner.last_error}")

@@ -83,6 +83,12 @@ class RecordingRanker:
         except Exception as exc:  # the rankings of this goal fall back (rank below)
             self._failed(exc)
 
+    def reuse_prefix(self, positions: int) -> None:
+        try:
+            self.engine.reuse_prefix(positions)
+        except Exception as exc:  # the prompt features then take a pass of the target
+            self._failed(exc)
+
     def rank(self, context):
         """The predictor's ranking; if it raises, general-static's order (drafts of domain "general" first,
         then registry order), so that a broken predictor costs speed, never a goal."""

@@ -35,6 +35,7 @@ from .models import LoadedModel
 from .oracle import GreedyOracle
 from .policies import POLICIES, DraftPolicy, SchedulingPoint, make_policy
 from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor
+from .prompt_cache import PromptCache, reuse_refused
 from .registry import DraftRegistry
 from .speculative import ChunkCallback, DraftFailure, SamplingConfig, SpeculativeSession
 from .stats import GenerationStats, IterationStats
@@ -83,6 +84,9 @@ class RuntimeConfig:
     # the last this many answers are kept in memory and searched like the datastore (0: none): a robot
     # asked again what it was asked before answers faster (runtime/datastore.py)
     remember_answers: int = 0
+    # keep the target's KV cache between generations and reuse it for a prompt that starts with the same tokens
+    # (a conversation's earlier turns, a fixed system prompt): runtime/prompt_cache.py. Outputs are unchanged
+    prompt_cache: bool = True
 
     def validate(self) -> RuntimeConfig:
         if self.policy not in POLICIES:
@@ -174,6 +178,9 @@ class RuntimeController:
         self._running = False
         # the predictor as the policies use it, by overlap_prediction: ranking on the decode thread or overlapped
         self._rankers: dict[bool, SynchronousPredictor | OverlappedPredictor] = {}
+        self.prompt_cache = PromptCache()  # the target's KV of the last generation (config.prompt_cache)
+        # why this target's KV cache is not reused ("" : it is): checked now, before any generation
+        self.prompt_cache_refused = reuse_refused(target)
         self._check_policy(self.config)  # fail now, not at the first goal
         self.calibrate()
 
@@ -257,6 +264,12 @@ class RuntimeController:
             self.calibrate()
             if self.config.reset_cache_per_generation:
                 self.cache.reset()
+            reuse = self.config.prompt_cache and not self.prompt_cache_refused
+            prefix = self.prompt_cache.take(prompt_ids) if reuse else None
+            self.prompt_cache.clear()  # also when it is off: a cache switched off frees its memory
+            keep_rows = getattr(self.predictor, "reuse_prefix", None)
+            if prefix is not None and keep_rows is not None:
+                keep_rows(prefix.length)  # a target-hidden encoder keeps those positions' hidden rows
             session = SpeculativeSession(
                 self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,
@@ -264,9 +277,12 @@ class RuntimeController:
                 confidence_stop=self.config.confidence_stop,
                 lookup=LookupConfig() if self.config.context_lookup else None,
                 datastores=self._datastores() if self.config.context_lookup else (),
+                prefix=prefix,
             )
             result = self._run(session, prompt_ids, should_cancel)
             self._remember(result.token_ids)
+            if reuse and session.started:  # a failed generation's KV is not kept
+                self.prompt_cache.keep(session.tokens, session.target_kv)
             return result
         finally:
             if session is not None and session.drop_draft in self.cache.on_evict:
@@ -433,6 +449,7 @@ class RuntimeController:
         return waited
 
     def close(self) -> None:
+        self.prompt_cache.clear()
         self.cache.close()
         for ranker in self._rankers.values():
             ranker.close()

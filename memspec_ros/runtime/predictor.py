@@ -76,6 +76,9 @@ class RankingModel(Protocol):
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]: ...
 
+    # optional: ``reuse_prefix(positions)`` before ``begin`` when the controller reuses the target's KV cache of
+    # the prompt's first positions (PredictionEngine.reuse_prefix); a ranker without it is not told
+
 
 class Ranker(RankingModel, Protocol):
     """What a policy asks of a predictor at each scheduling point: ``submit`` the point's context, then use the
@@ -227,6 +230,11 @@ class TargetHiddenEncoder:
         # microseconds, speculative.py) and pooling slices them at a scheduling point. Forwards start at
         # increasing positions, and a position re-fed after a rejection belongs to the newer forward
         self._fed: list[tuple[int, torch.Tensor]] = []
+        # forwards that left ``_fed`` (before the recent window): final, kept until the next begin() so that a
+        # prompt whose KV cache the controller reuses (runtime/prompt_cache.py) still has its hidden rows
+        self._history: list[tuple[int, torch.Tensor]] = []
+        self._reused_rows: torch.Tensor | None = None  # the next generation's reused prompt positions
+        self._reused = 0
         self._prompt_len = 0
         self._prompt_vec: torch.Tensor | None = None
         self._lock = threading.Lock()
@@ -264,20 +272,42 @@ class TargetHiddenEncoder:
 
     def _record_rows(self, rows: torch.Tensor, start: int, total: int) -> None:
         with self._lock:
-            if start == 0 and self._prompt_vec is None and self._prompt_len:
-                self._prompt_vec = rows[: self._prompt_len].mean(0)  # the prefill: prompt positions
+            if start == self._reused and self._prompt_vec is None and self._prompt_len:
+                # the prefill: prompt positions (after a reused prefix, whose rows begin() put first in _fed)
+                fresh = rows[: self._prompt_len - self._reused]
+                self._prompt_vec = (torch.cat([self._fed[0][1], fresh]) if self._reused else fresh).mean(0)
             fed = self._fed
             while fed and fed[-1][0] >= start:  # re-fed from an earlier position: those rows are stale
                 fed.pop()
             fed.append((start, rows))
-            # forget forwards whose every position the next forward re-fed or that lie before the recent window
+            # move forwards whose every position the next forward re-fed or that lie before the recent window
+            # out of the recent window's list
             horizon = total - self.recent_tokens - KEEP_EXTRA_POSITIONS
             while len(fed) > 1 and fed[1][0] <= horizon:
-                del fed[0]
+                self._history.append(fed.pop(0))
+
+    def reuse_prefix(self, positions: int) -> None:
+        """The next generation reuses the target's KV cache of its first ``positions`` positions from the
+        generation before (runtime/prompt_cache.py), so its prefill feeds only the rest: keep those positions'
+        hidden rows for its prompt features. Without them (they were never fed here) the prompt features take
+        one pass of the target over the prompt, as a ranking before the prefill does."""
+        with self._lock:
+            parts, end = [], 0
+            entries = self._history + self._fed
+            for i, (start, rows) in enumerate(entries):
+                if start != end or end >= positions:
+                    break
+                owned = rows.shape[0] if i + 1 == len(entries) else min(rows.shape[0], entries[i + 1][0] - start)
+                parts.append(rows[: min(owned, positions - start)])
+                end = start + parts[-1].shape[0]
+            self._reused_rows = torch.cat(parts) if end == positions and parts else None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         with self._lock:
-            self._fed = []
+            reused, self._reused_rows = self._reused_rows, None
+            self._history = []
+            self._fed = [(0, reused)] if reused is not None else []
+            self._reused = reused.shape[0] if reused is not None else 0
             self._prompt_len = len(prompt_ids)
             self._prompt_vec = None
 
@@ -492,6 +522,13 @@ class PredictionEngine(SynchronousRanking):
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.encoder.begin(prompt_ids)
+
+    def reuse_prefix(self, positions: int) -> None:
+        """The next prompt's first ``positions`` are the last generation's, their KV cache reused: an encoder
+        that reads the target's hidden states keeps theirs (TargetHiddenEncoder.reuse_prefix)."""
+        reuse = getattr(self.encoder, "reuse_prefix", None)
+        if reuse is not None:
+            reuse(positions)
 
     def features(self, context: PredictionContext) -> torch.Tensor:
         prompt = self.encoder.prompt_features(context.prompt_ids)

@@ -287,9 +287,14 @@ class SpeculativeSession:
         confidence_stop: bool = True,
         lookup: LookupConfig | None = None,
         datastores: Sequence[Datastore] = (),
+        prefix: KVState | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
+        if prefix is not None and not 0 < prefix.length < len(prompt_ids):
+            # the prefill must feed at least one token: its logits give the first generated token
+            raise ValueError(f"a reused prefix must hold 1 to {len(prompt_ids) - 1} of the prompt's"
+                             f" {len(prompt_ids)} tokens, got {prefix.length}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if max_positions and len(prompt_ids) + max_new_tokens > max_positions:
@@ -333,7 +338,12 @@ class SpeculativeSession:
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
         self.finish_reason = ""
         self._text = _TextStream(tokenizer, stop_strings)
-        self._target_kv = _KVState()
+        # ``prefix``: the target's KV of this prompt's first tokens, kept from a generation before
+        # (runtime/prompt_cache.py); the prefill feeds only the rest. Each row's keys and values do not depend
+        # on how many rows a forward fed (the same property that makes a verify equal one-token steps)
+        self._target_kv = prefix if prefix is not None else _KVState()
+        self._reused = prefix.length if prefix is not None else 0
+        self.stats.reused_prompt_tokens = self._reused
         self._draft_kv: dict[str, _KVState] = {}
         self._last_draft = ""
         self._decode_started = 0.0
@@ -363,7 +373,12 @@ class SpeculativeSession:
 
     @property
     def started(self) -> bool:
-        return self._target_kv.length > 0
+        return self._target_kv.length > self._reused
+
+    @property
+    def target_kv(self) -> KVState:
+        """The target's KV cache: it holds ``tokens[:target_kv.length]`` (the newest token is not fed yet)."""
+        return self._target_kv
 
     def cancel(self) -> None:
         """End the generation at the current iteration boundary; the output so far stays."""
@@ -389,7 +404,8 @@ class SpeculativeSession:
         if self.started:
             raise RuntimeError("prefill() was already called for this session")
         with _Stopwatch() as watch:
-            logits = _forward(self.target, self.tokens, self._target_kv, 1, self.device, self._target_lean)
+            logits = _forward(self.target, self.tokens[self._reused:], self._target_kv, 1, self.device,
+                              self._target_lean)
             token, _ = self._choose(logits[-1])
         self.stats.prefill_seconds = watch.seconds
         self._decode_started = time.perf_counter()

@@ -162,6 +162,9 @@ class GenerationStats:
     """A whole generation: prefill, iterations and how it ended."""
 
     prompt_tokens: int = 0
+    # of those, the leading tokens whose target KV came from the generation before (runtime/prompt_cache.py):
+    # the prefill encoded only the rest
+    reused_prompt_tokens: int = 0
     completion_tokens: int = 0
     prefill_seconds: float = 0.0  # target prefill (prompt encoding) + first token
     setup_seconds: float = 0.0  # not decoding: the policy's start, first prediction, initial draft load
@@ -311,6 +314,7 @@ class GenerationStats:
         """Flat numbers for JSON, logs and ROS messages."""
         return {
             "prompt_tokens": self.prompt_tokens,
+            "reused_prompt_tokens": self.reused_prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
             "tokens_per_second": self.tokens_per_second,

@@ -1,0 +1,247 @@
+"""The target's KV cache reused across generations (runtime/prompt_cache.py): same logits, same outputs, less
+prefill; the target-hidden predictor keeps the reused positions' hidden rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+from memspec_ros.runtime.draft_forward import lean_forward_for
+from memspec_ros.runtime.models import LoadedModel, ModelSpec, load_model, parameter_bytes
+from memspec_ros.runtime.predictor import FixedRanker, TargetHiddenEncoder
+from memspec_ros.runtime.prompt_cache import PromptCache, common_prefix, reuse_refused
+from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+from memspec_ros.runtime.speculative import KVState, SpeculativeSession, forward_once, generate
+from memspec_ros.testing.tiny_models import noisy_copy, save_model_dir, tiny_llama, tiny_tokenizer
+
+PATHS = ("none", "int8", "int4")
+
+
+# hidden 256: shapes the engine's C decoder takes (head_dim 64), so every forward path runs it
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    tokenizer = tiny_tokenizer()
+    return save_model_dir(tiny_llama(vocab_size=len(tokenizer), hidden=256, seed=0), tokenizer,
+                          tmp_path_factory.mktemp("prompt_cache") / "target")
+
+
+@pytest.fixture(scope="module")
+def c_target():
+    return tiny_llama(hidden=256, seed=0)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 60, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([7], [8]) == 0
+
+
+def _filled(model, ids: list[int]) -> KVState:
+    kv = KVState()
+    forward_once(model, ids, kv, 1, "cpu", lean_forward_for(model))
+    return kv
+
+
+def test_take_crops_to_the_shared_prefix_leaves_a_token_to_feed_and_empties_the_cache(target):
+    cache = PromptCache()
+    assert cache.take([1, 2, 3]) is None  # empty
+    tokens = _ids(20, 1)
+    cache.keep(tokens, _filled(target, tokens))
+    assert cache.tokens == 20
+    kv = cache.take(tokens[:12] + [99, 98])
+    assert kv is not None and kv.length == 12 and cache.tokens == 0  # the generation owns it now
+    assert cache.take(tokens) is None
+    cache.keep(tokens, _filled(target, tokens))
+    assert cache.take(tokens).length == 19  # the same prompt again: its last token is fed for the logits
+    cache.keep(tokens, _filled(target, tokens))
+    assert cache.take([99] + tokens) is None and cache.tokens == 0  # nothing shared: dropped
+    # a generation that ended inside an accepted run fed tokens it dropped: their positions go
+    kv = _filled(target, tokens)
+    cache.keep(tokens[:5], kv)
+    assert cache.tokens == 5 and kv.length == 5 and kv.cache.get_seq_length() == 5
+
+
+def test_a_session_refuses_a_prefix_that_leaves_nothing_to_feed(target):
+    prompt = _ids(8, 2)
+    with pytest.raises(ValueError, match="1 to 7"):
+        SpeculativeSession(target, prompt, prefix=_filled(target, prompt))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_reused_prefix_gives_the_logits_and_output_of_a_fresh_prefill(target_dir, path):
+    """Every split of the prompt: the prefill after the reused KV gives the fresh prefill's logits and KV bit for bit
+    (the C decoder computes each row on its own), and the generation (alone and with a draft) the fresh one's
+    tokens."""
+    model = load_model(ModelSpec(str(target_dir), quantization=path)).model
+    refused = reuse_refused(model)
+    if refused:  # no C decoder here (no compiler): reuse is off, and the controller says why
+        assert "C decoder" in refused
+        return
+    draft = noisy_copy(model, 0.05, seed=3) if path == "none" else None
+    prompt = _ids(40, 4)
+    fresh = KVState()
+    want = forward_once(model, prompt, fresh, 1, "cpu", lean_forward_for(model))
+    alone = generate(model, prompt, None, max_new_tokens=24).generated_ids
+    for split in (1, 5, 17, 39):
+        kv = _filled(model, prompt[:split])
+        got = forward_once(model, prompt[split:], kv, 1, "cpu", lean_forward_for(model))
+        same = torch.equal
+        assert same(got, want), (path, split)
+        for layer_a, layer_b in zip(fresh.cache.layers, kv.cache.layers, strict=True):
+            assert same(layer_a.keys, layer_b.keys) and same(layer_a.values, layer_b.values)
+        session = SpeculativeSession(model, prompt, max_new_tokens=24, prefix=_filled(model, prompt[:split]))
+        while not session.finished:
+            session.step()
+        assert session.generated_ids == alone and session.stats.reused_prompt_tokens == split
+        if draft is not None:
+            session = SpeculativeSession(model, prompt, max_new_tokens=24, prefix=_filled(model, prompt[:split]))
+            while not session.finished:
+                session.step("d", draft)
+            assert session.generated_ids == alone
+
+
+class _Loader:
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def __call__(self, name):
+        model = self.drafts[name]
+        return LoadedModel(model, ModelSpec(name), parameter_bytes(model), 64, 512)
+
+
+def _controller(target, drafts, **cfg):
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+    return RuntimeController(RuntimeConfig(policy="memspec", **cfg), target, None, registry,
+                             FixedRanker(lambda c: list(drafts)), loader=_Loader(drafts))
+
+
+def _conversation(controller, turns: list[list[int]], new: int = 16):
+    """Each goal's prompt is the one before, its answer and the next turn's tokens (a chat history)."""
+    history, results = [], []
+    for turn in turns:
+        history = history + turn
+        result = controller.generate(history, max_new_tokens=new)
+        results.append(result)
+        history = history + result.token_ids
+    return results
+
+
+def test_a_forward_whose_rows_depend_on_the_rows_beside_them_is_not_reused(target):
+    """The lean Python forward (shapes the C decoder does not take) rounds by the rows fed: refused, with why."""
+    assert "C decoder" in reuse_refused(target)
+    controller = _controller(target, {"general": noisy_copy(target, 0.05, seed=5)})
+    assert controller.prompt_cache_refused
+    prompt = _ids(10, 14)
+    first = controller.generate(prompt, max_new_tokens=4)
+    second = controller.generate(prompt + first.token_ids + [5], max_new_tokens=4)
+    assert second.stats.reused_prompt_tokens == 0 and controller.prompt_cache.tokens == 0
+
+
+def test_a_conversation_reuses_each_goals_kv_and_answers_as_without_it(c_target):
+    target = c_target
+    drafts = {"general": noisy_copy(target, 0.05, seed=5), "code": noisy_copy(target, 0.02, seed=6)}
+    turns = [_ids(12, 7), _ids(6, 8), _ids(9, 9)]
+    on = _controller(target, drafts)
+    off = _controller(target, drafts, prompt_cache=False)
+    if on.prompt_cache_refused:  # no C decoder on this machine: nothing is reused, outputs as always
+        assert [r.token_ids for r in _conversation(on, turns)] == [r.token_ids for r in _conversation(off, turns)]
+        return
+    with_cache, without = _conversation(on, turns), _conversation(off, turns)
+    assert [r.token_ids for r in with_cache] == [r.token_ids for r in without]
+    assert [r.stats.reused_prompt_tokens for r in without] == [0, 0, 0]
+    reused = [r.stats.reused_prompt_tokens for r in with_cache]
+    # goal 2 starts with goal 1's prompt and answer: all of it but the newest token was fed to the target
+    assert reused[0] == 0
+    assert reused[1] == len(turns[0]) + len(with_cache[0].token_ids) - 1
+    assert reused[2] == reused[1] + 1 + len(turns[1]) + len(with_cache[1].token_ids) - 1
+    assert on.prompt_cache.tokens > 0 and off.prompt_cache.tokens == 0
+    # switched off at run time: the next goal encodes everything and the cache is freed
+    on.reconfigure(prompt_cache=False)
+    result = on.generate(turns[0] + with_cache[0].token_ids + turns[1], max_new_tokens=4)
+    assert result.stats.reused_prompt_tokens == 0 and on.prompt_cache.tokens == 0
+
+
+def test_a_failed_generation_keeps_no_kv(c_target):
+    target = c_target
+    drafts = {"general": noisy_copy(target, 0.05, seed=5)}
+    controller = _controller(target, drafts)
+    prompt = _ids(10, 10)
+    controller.generate(prompt, max_new_tokens=4)
+    assert controller.prompt_cache.tokens > 0 or controller.prompt_cache_refused
+
+    def broken(*_):
+        raise RuntimeError("simulated failure inside the decode loop")
+
+    controller._step = broken
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        controller.generate(prompt + [5, 6], max_new_tokens=4)
+    assert controller.prompt_cache.tokens == 0
+
+
+def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target):
+    """With the prefix reused, the prompt features equal those of a fresh prefill, without a pass of its own."""
+    target = c_target
+    lean = lean_forward_for(target)
+    draft = noisy_copy(target, 0.05, seed=12)  # before the encoder's hook: a deep copy cannot copy its lock
+    encoder = TargetHiddenEncoder(target, recent_tokens=8)
+    try:
+        first = _ids(30, 11)
+        encoder.begin(first)
+        session = SpeculativeSession(target, first, max_new_tokens=20)
+        while not session.finished:
+            session.step("d", draft)
+        tokens, kv = session.tokens, session.target_kv
+        follow = tokens + _ids(7, 13)
+        fresh = KVState()
+        encoder.begin(follow)
+        forward_once(target, follow, fresh, 1, "cpu", lean)
+        want = encoder.prompt_features(follow)
+
+        calls = []
+        encoder.reuse_prefix(kv.length)  # the controller's order: reuse_prefix, begin, the prefill of the rest
+        encoder.begin(follow)
+        handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
+        try:
+            forward_once(target, follow[kv.length:], kv, 1, "cpu", lean)
+            got = encoder.prompt_features(follow)
+        finally:
+            handle.remove()
+        assert torch.allclose(got, want, atol=1e-6) and not calls  # no pass of the target over the prompt
+    finally:
+        encoder.close()
+
+
+def test_a_goal_that_ends_inside_an_accepted_run_hands_back_only_what_it_kept(c_target):
+    """An end token among accepted draft tokens: the rest were fed to the target but dropped. The next goal
+    reuses only the kept tokens' positions and answers as a controller without the cache does."""
+    import copy
+
+    target = c_target
+    prompt = _ids(12, 15)
+    alone = generate(target, prompt, None, max_new_tokens=12).generated_ids
+    end = alone[6]  # the 7th token ends the first goal, inside a run the exact draft proposed whole
+    drafts = {"general": copy.deepcopy(target)}
+    registry = DraftRegistry([DraftEntry("general", "/virtual/general", "general", 1000)], validate=False)
+
+    def make(cache_on: bool):
+        return RuntimeController(RuntimeConfig(policy="general-static", gamma=4, prompt_cache=cache_on), target,
+                                 None, registry, None, loader=_Loader(drafts), eos_token_ids=[end])
+
+    on, off = make(True), make(False)
+    first = on.generate(prompt, max_new_tokens=12)
+    assert first.finish_reason == "eos" and first.token_ids == off.generate(prompt, max_new_tokens=12).token_ids
+    assert sum(it.accepted for it in first.stats.iterations) > 0
+    if on.prompt_cache_refused:
+        return
+    held = on.prompt_cache.tokens  # the end token too when it was an accepted proposal (fed), never past it
+    assert len(prompt) < held <= len(prompt) + len(first.token_ids)
+    follow = prompt + first.token_ids + _ids(5, 16)
+    second = on.generate(follow, max_new_tokens=12)
+    assert second.stats.reused_prompt_tokens == held
+    assert second.token_ids == off.generate(follow, max_new_tokens=12).token_ids

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         loader(name)
     controllers = {
         name: models.controller(
-            RuntimeConfig(policy="memspec", capacity=2, interval=4, gamma=4, wait_for_initial_draft=wait),
+            RuntimeConfig(policy="memspec", capacity=2, interval=4, gamma=4, wait_for_initial_draft=wait,
+                          prompt_cache=False),
             loader=loader)
         for name, wait in VARIANTS.items()
     }

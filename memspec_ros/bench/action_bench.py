@@ -93,6 +93,8 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
     rclpy.init(context=context)
     overrides = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": threads,
                  "memspec.reset_cache_per_generation": True, "memspec.policy": policy,
+                 # both paths run each prompt in turn: the second would reuse the first's KV (runtime/prompt_cache)
+                 "memspec.prompt_cache": False,
                  "action.feedback_period": feedback_period, "generation.max_prompt_tokens": 4000}
     if predictor:
         overrides["predictor.path"] = predictor

@@ -261,8 +261,10 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     del drafts
     oracles = {tuple(t.prompt_ids): t.oracle(cfg.max_new_tokens, cfg.gamma, cfg.interval, None) for t in traces}
 
+    # the paper's protocol: every generation starts from nothing, the target's KV cache too (each policy runs the
+    # same prompt in turn, and all but the first would reuse its KV: runtime/prompt_cache.py)
     config = RuntimeConfig(policy=policies[0], capacity=cfg.capacity, interval=cfg.interval, gamma=cfg.gamma,
-                           recent_tokens=cfg.recent_tokens, reset_cache_per_generation=True)
+                           recent_tokens=cfg.recent_tokens, reset_cache_per_generation=True, prompt_cache=False)
     controller = models.controller(config, loader=registry_loader(registry, storage=storage,
                                                                   quantization=cfg.draft_quantization),
                                    oracle_for=lambda ids: oracles[tuple(ids)])

@@ -140,6 +140,13 @@ def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_
         else:
             assert loaded.controller.prompt_cache.tokens > len(ids)
             assert shown == f"{loaded.controller.prompt_cache.tokens} tokens of the last goal"
+        # the same goal again: all of its prompt but the last token is reused, and the answer is the same
+        assert result.result.reused_prompt_tokens == 0
+        handle, _ = h.send(goal(max_new_tokens=48))
+        again = h.result(handle)
+        assert again.status == GoalStatus.STATUS_SUCCEEDED and again.result.text == result.result.text
+        reused = 0 if loaded.controller.prompt_cache_refused else len(ids) - 1
+        assert again.result.reused_prompt_tokens == reused
 
 
 def test_a_datastore_for_another_tokenizer_fails_configure_with_the_reason(tmp_path):
@@ -160,6 +167,40 @@ def test_a_datastore_for_another_tokenizer_fails_configure_with_the_reason(tmp_p
         assert h.set_params(**{"datastore.path": "none"})[0].successful
         assert h.transition(Transition.TRANSITION_CONFIGURE)
         assert h.node._loaded.controller.datastore is None
+    finally:
+        h.close()
+        rclpy.try_shutdown(context=context)
+
+
+def test_a_goal_that_repeats_the_last_goals_tokens_reuses_their_encoding_and_answers_the_same(tmp_path):
+    """memspec.prompt_cache on a zoo whose target runs the C decoder (hidden 256): the second goal reuses its
+    prompt's KV from the first, reports it in the result, and answers identically."""
+    import tempfile
+    from pathlib import Path
+
+    import rclpy
+    from rclpy.context import Context
+
+    from memspec_ros.runtime.chat import prompt_ids
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(Path(tempfile.mkdtemp(dir=tmp_path)), hidden=256, layers=2, draft_layers=1)
+    context = Context()
+    rclpy.init(context=context)
+    h = Harness(context, overrides=node_overrides(zoo, baseline=True))
+    h.activate()
+    try:
+        controller = h.node._loaded.controller
+        ids = prompt_ids(h.node._loaded.tokenizer, "def add(a, b):")
+        results = []
+        for _ in range(2):
+            handle, _ = h.send(goal(max_new_tokens=16))
+            results.append(h.result(handle))
+        assert all(r.status == GoalStatus.STATUS_SUCCEEDED for r in results)
+        assert results[0].result.text == results[1].result.text
+        reused = 0 if controller.prompt_cache_refused else len(ids) - 1  # refused only without a C compiler
+        assert [r.result.reused_prompt_tokens for r in results] == [0, reused]
+        assert controller.prompt_cache_refused or reused > 0
     finally:
         h.close()
         rclpy.try_shutdown(context=context)

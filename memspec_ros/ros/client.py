@@ -42,7 +42,9 @@ def format_result(result) -> str:
     """The statistics line printed after the text (every figure is the node's, from its runtime stats)."""
     drafts = ", ".join(result.drafts_used) or "none (target only)"
     line = (
-        f"finish: {result.finish_reason} | prompt {result.prompt_tokens} tok | generated {result.completion_tokens} tok"
+        f"finish: {result.finish_reason} | prompt {result.prompt_tokens} tok"
+        + (f" ({result.reused_prompt_tokens} reused)" if result.reused_prompt_tokens else "")
+        + f" | generated {result.completion_tokens} tok"
         f" | {result.tokens_per_second:.1f} tok/s | time to first token {result.time_to_first_token:.3f} s"
         f" | mean accepted {result.mean_accepted_tokens:.2f} | drafts {drafts} | switches {result.draft_switches}"
         + (f" | copied iterations {result.copied_iterations}" if result.copied_iterations else "")

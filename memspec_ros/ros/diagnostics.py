@@ -498,7 +498,8 @@ def cache_state_key(snap: CacheStats) -> tuple:
 def stats_fields(stats: GenerationStats) -> dict[str, Any]:
     """The fields a Generate result and a GenerationStats message share, filled from one GenerationStats."""
     return {
-        "prompt_tokens": int(stats.prompt_tokens), "completion_tokens": int(stats.completion_tokens),
+        "prompt_tokens": int(stats.prompt_tokens), "reused_prompt_tokens": int(stats.reused_prompt_tokens),
+        "completion_tokens": int(stats.completion_tokens),
         "tokens_per_second": float(stats.tokens_per_second), "time_to_first_token": float(stats.time_to_first_token),
         "mean_accepted_tokens": float(stats.mean_accepted), "drafts_used": list(stats.drafts_used),
         "draft_switches": int(stats.draft_switches), "copied_iterations": int(stats.copied_iterations),

@@ -218,20 +218,12 @@ def perplexity(model, seqs: list[tuple[list[int], list[int]]]) -> dict:
     return {k: round(math.exp(nll[k] / count[k]), 4) for k in nll} | {f"{k}_tokens": count[k] for k in count}
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answers_dir: Path | None,
            ppl_per_workload: int, speed_per_workload: int, max_new_tokens: int, gamma: int, threads: int) -> dict:
     import torch
 
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer, parameter_bytes
+    from memspec_ros.runtime.prompt_cache import common_prefix
     from memspec_ros.runtime.speculative import generate
     from memspec_ros.zoo.teacher import chat_prompt_ids
 
@@ -313,7 +305,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
             "speculative_mean_accepted": round(statistics.mean(r["mean_accepted"] for r in rs), 3),
             "outputs_identical": all(r["identical"] for r in rs),
             "speed_prompts": len(rs),
-            "tokens_agreeing_with_fp32_greedy": [_common_prefix(r["tokens"], f)
+            "tokens_agreeing_with_fp32_greedy": [common_prefix(r["tokens"], f)
                                                  for r, f in zip(rs, fp32_tokens, strict=False)],
         })
         if name in prepared:

@@ -56,36 +56,38 @@ def build(cache: Path) -> None:
 
 
 def train_and_score(feats, names, rows, train: set[int], test: set[int], objective: str, tau: float) -> dict:
+    """memspec-train-predictor's head, trainer and settings; only the targets (or, for ``expected``, the loss)
+    differ."""
     from memspec_ros.runtime.predictor import HeadConfig, RankingHead, mask_input
+    from memspec_ros.zoo.predictor_training import TrainConfig, evaluate, train_head
 
     trace = torch.tensor([r["trace"] for r in rows])
     label = torch.tensor([r["label"] for r in rows])
     rest = torch.tensor([r["rest"] for r in rows], dtype=torch.float32)
     tr = torch.tensor([t in train for t in trace.tolist()])
     te = torch.tensor([t in test for t in trace.tolist()])
-    torch.manual_seed(0)
-    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=names, in_dim=feats.shape[-1], hidden=128,
-                                  input="prompt+recent", recent_tokens=32, interval=4))
-    head.train()
-    optim = torch.optim.AdamW(head.parameters(), lr=3e-3, weight_decay=1e-3)  # memspec-train-predictor's
-    x = mask_input(feats[tr], "prompt+recent")
+    config = HeadConfig(encoder="target-hidden", drafts=names, in_dim=feats.shape[-1], hidden=128,
+                        input="prompt+recent", recent_tokens=32, interval=4)
+    cfg = TrainConfig()
     share = rest[tr] / rest[tr].max(-1, keepdim=True).values.clamp(min=1)
-    for _ in range(300):
-        optim.zero_grad()
-        logits = head(x)
-        if objective == "hard":
-            loss = torch.nn.functional.cross_entropy(logits, label[tr])
-        elif objective == "soft":
-            loss = torch.nn.functional.cross_entropy(logits, torch.softmax((share - 1) / tau, -1))
-        else:
-            loss = -(torch.softmax(logits, -1) * share).sum(-1).mean()
-        loss.backward()
-        optim.step()
-    head.eval()
+    if objective == "expected":  # no target to fit: maximise the softmax choice's expected share, same optimiser
+        torch.manual_seed(cfg.seed)
+        head = RankingHead(config)
+        head.train()
+        optim = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        x = mask_input(feats[tr], config.input)
+        for _ in range(cfg.epochs):
+            optim.zero_grad()
+            (-(torch.softmax(head(x), -1) * share).sum(-1).mean()).backward()
+            optim.step()
+        head.eval()
+    else:  # cross-entropy on class indices (hard) or on class probabilities (soft)
+        targets = label[tr] if objective == "hard" else torch.softmax((share - 1) / tau, -1)
+        head = train_head(feats[tr], targets, config, cfg, progress=False)
     with torch.no_grad():
-        choice = head(mask_input(feats[te], "prompt+recent")).argmax(-1)
+        choice = head(mask_input(feats[te], config.input)).argmax(-1)
     got = rest[te][torch.arange(len(choice)), choice].sum()
-    return {"top1": round(float((choice == label[te]).float().mean()), 4),
+    return {"top1": round(evaluate(head, feats[te], label[te])["top1"], 4),
             "rest_util": round(float(got / rest[te].max(-1).values.sum()), 4),
             "rest_vs_general": round(float(got / rest[te][:, names.index("general")].sum()), 4)}
 

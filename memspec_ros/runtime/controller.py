@@ -265,8 +265,11 @@ class RuntimeController:
             if self.config.reset_cache_per_generation:
                 self.cache.reset()
             reuse = self.config.prompt_cache and not self.prompt_cache_refused
-            prefix = self.prompt_cache.take(prompt_ids) if reuse else None
-            self.prompt_cache.clear()  # also when it is off: a cache switched off frees its memory
+            if reuse:
+                prefix = self.prompt_cache.take(prompt_ids)  # the generation owns it until it hands it back
+            else:
+                prefix = None
+                self.prompt_cache.clear()  # a cache switched off frees its memory
             keep_rows = getattr(self.predictor, "reuse_prefix", None)
             if prefix is not None and keep_rows is not None:
                 keep_rows(prefix.length)  # a target-hidden encoder keeps those positions' hidden rows

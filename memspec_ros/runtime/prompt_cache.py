@@ -1,23 +1,25 @@
 """The target's KV cache kept from one generation to the next, for a prompt that starts the same way.
 
-A robot's conversation grows turn by turn: each goal sends the whole conversation (system prompt, the
-earlier turns and their answers, the new request), so without this the target encodes the same leading
-tokens again at every goal, and the prefill grows with the conversation. After a generation the
-controller keeps the target's KV cache and the tokens it holds; the next generation reuses it up to the
-longest common prefix of those tokens and its prompt (cropped there), and the prefill feeds only the
-rest. This is what llama.cpp's server calls prompt caching.
+A robot's conversation grows turn by turn: each goal sends the whole conversation (system prompt, the earlier
+turns and their answers, the new request), so without this the target encodes the same leading tokens again at
+every goal, and the prefill grows with the conversation. After a generation the controller keeps the target's KV
+cache and the tokens it holds; the next generation reuses it up to the longest common prefix of those tokens and
+its prompt (cropped there), and the prefill feeds only the rest. This is what llama.cpp's server calls prompt
+caching.
 
-Reuse changes no output where a row's keys and values do not depend on how many rows the forward that
-computed them fed: then the reused KV cache is bit for bit what a fresh prefill computes. The engine's C
-decoder (runtime/cpu_kernels.c, every forward path) computes each row on its own, so there it holds;
-transformers' forward and the lean Python one use BLAS calls that block by the number of rows, and round
-differently (measured: fp32 logits 1e-5 apart on a tiny model), which could change a greedy token at a
-near-tie. So :func:`reuse_refused` allows reuse only for a target whose forward is the C decoder *and* gives
-the same bits for a prompt fed whole or split (checked once per model, on this CPU); elsewhere the
-controller encodes every prompt in full and says why. ``test_prompt_cache.py`` checks logits, KV and
-outputs against a fresh prefill. The cache holds one conversation: a prompt that shares nothing with it
-starts from nothing and replaces it. Its memory is the KV cache a generation of that length uses anyway (the
-bundled target: 46 KB per token in fp32), kept between goals; ``clear`` frees it.
+Reuse changes no output where a row's keys and values do not depend on how many rows the forward that computed
+them fed: then the reused KV cache is bit for bit what a fresh prefill computes. The engine's C decoder
+(runtime/cpu_kernels.c) computes each row on its own, so there it holds (measured on the bundled target, fp32,
+int8 and int4: logits and KV equal after splits at 1, 5, 17, 150 and 299 of a 300-token prompt). The lean Python
+forward does not: its BLAS calls block by the number of rows and round differently (measured on a tiny model:
+fp32 logits 1e-5 apart, int8 and int4 too), which could change a greedy token at a near-tie; transformers'
+forward runs the same kind of calls and was not checked. So :func:`reuse_refused` allows reuse only for a target
+whose forward is the C decoder *and* gives the same bits for a prompt fed whole or split (checked once per
+model, on this CPU); elsewhere the controller encodes every prompt in full and says why.
+``test_prompt_cache.py`` checks logits, KV and outputs against a fresh prefill. The cache holds one
+conversation: a prompt that shares nothing with it starts from nothing and replaces it. Its memory is the KV
+cache a generation of that length uses anyway (the bundled target: 46 KB per token in fp32), kept between goals;
+``clear`` frees it.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class PromptCache:
     @property
     def tokens(self) -> int:
         """Tokens held (0: empty)."""
-        return len(self._tokens) if self._kv is not None else 0
+        return len(self._tokens)
 
     def take(self, prompt_ids: Sequence[int]) -> KVState | None:
         """The KV cache cropped to what ``prompt_ids`` shares with it, leaving at least one prompt token to

@@ -103,3 +103,73 @@ def test_add_remove_bump_version(zoo):
 
 
 torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend
+
+
+def test_a_resident_draft_whose_files_changed_is_evicted_on_request(zoo, tmp_path):
+    """evict_changed (the node calls it when the registry is set): a draft read before its files were restored or
+    replaced leaves memory, so the next prefetch reads the files as they are; unchanged drafts stay."""
+    import os
+    import shutil
+
+    from memspec_ros.runtime.cache import DraftCacheManager
+
+    for name in ("general", "code"):
+        shutil.copytree(zoo / "drafts" / name, tmp_path / name)
+    reg = DraftRegistry([DraftEntry(n, str(tmp_path / n), n, 0) for n in ("general", "code")])
+    evicted: list[str] = []
+    cache = DraftCacheManager(2, registry_loader(reg))
+    cache.on_evict.append(evicted.append)
+    try:
+        for name in ("general", "code"):
+            cache.request(name)
+            cache.wait_for(name)
+        assert cache.evict_changed() == [] and sorted(cache.resident()) == ["code", "general"]
+        weights = tmp_path / "code" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes())  # the same bytes written again: a restore
+        stat = weights.stat()
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        assert cache.evict_changed() == ["code"] and cache.resident() == ["general"] and evicted == ["code"]
+        cache.request("code")  # read again: now it matches its files
+        cache.wait_for("code")
+        assert cache.evict_changed() == []
+        shutil.rmtree(tmp_path / "general")  # gone from the disk: changed too
+        assert cache.evict_changed() == ["general"]
+    finally:
+        cache.close()
+
+
+def test_a_load_in_flight_when_files_change_is_dropped_when_it_lands(zoo, tmp_path):
+    import os
+    import shutil
+    import threading
+
+    from memspec_ros.runtime.cache import DraftCacheManager
+
+    shutil.copytree(zoo / "drafts" / "code", tmp_path / "code")
+    reg = DraftRegistry([DraftEntry("code", str(tmp_path / "code"), "code", 0)])
+    read, release = threading.Event(), threading.Event()
+    load = registry_loader(reg)
+
+    def slow(name):
+        loaded = load(name)  # the files as they were
+        read.set()
+        release.wait(10)
+        return loaded
+
+    cache = DraftCacheManager(1, slow)
+    try:
+        cache.request("code")
+        assert read.wait(10)
+        assert cache.evict_changed() == []  # nothing resident yet; the load is marked to be checked
+        weights = tmp_path / "code" / "model.safetensors"
+        stat = weights.stat()
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        release.set()
+        cache.drain(10)
+        assert cache.resident() == [] and cache.loading() == []
+        cache.request("code")  # the next prefetch reads the files as they are now
+        cache.wait_for("code")
+        assert cache.resident() == ["code"]
+    finally:
+        release.set()
+        cache.close()

@@ -88,6 +88,8 @@ class ParameterHandler:
         if registry is not None:
             with self._runner.no_goal_starting() as running:
                 replace_entries(lo.registry, registry, None if running else lo.controller.cache)
+                if not running:  # a resident draft whose files were restored or replaced is read again
+                    lo.controller.cache.evict_changed()
             lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
         for name, value in new.items():
             if name in self._setters:

@@ -69,6 +69,8 @@ class _Slot:
     discard: bool = False  # no longer wanted while in flight: drop it when the load completes (unless wanted again)
     load_started: float = 0.0
     failed_at: float = 0.0  # time.monotonic() of the failure (for the retry back-off)
+    files: tuple = ()  # its weights files when it was loaded (storage.weights_identity), to tell a changed file
+    recheck: bool = False  # evict_changed ran while it was in flight: it lands only if its files are unchanged
 
 
 def normalise_ranking(ranking: Ranking) -> list[tuple[str, float]]:
@@ -296,6 +298,30 @@ class DraftCacheManager:
             self._forget_failures(name=name)
             self._changed()
 
+    def evict_changed(self) -> list[str]:
+        """Evict the resident drafts whose weights files changed since they were loaded (an operator restored or
+        replaced them): the next prefetch reads the files as they are now. A load in flight is checked the same
+        way when it lands, and dropped if its files changed. Returns the names evicted. Call it with no generation
+        running (the node does when the draft registry is set): ``on_evict`` runs on this thread."""
+        from .storage import weights_identity
+
+        with self._lock:
+            resident = [(n, s.model.spec.path, s.files) for n, s in self._slots.items() if s.model is not None]
+            for slot in self._slots.values():
+                if slot.future is not None and slot.model is None:
+                    slot.recheck = True  # it may have read the files before they changed: checked when it lands
+        changed = [name for name, path, files in resident if weights_identity(path) != files]
+        with self._lock:
+            for name in changed:
+                slot = self._slots.get(name)
+                if slot is not None and slot.model is not None:
+                    self._evict(name)
+                    if self._active == name:
+                        self._active = ""
+            if changed:
+                self._changed()
+        return changed
+
     def reconfigure(self, capacity: int | None = None, budget_bytes: int | None = None) -> None:
         """Change K and/or the byte budget; shrinking evicts the lowest-scored non-active drafts now.
 
@@ -498,11 +524,16 @@ class DraftCacheManager:
                 raise  # the future carries it; whoever waits on it reads the slot
             return  # SystemExit, KeyboardInterrupt: the future would hand them to a waiting decode thread
         elapsed = time.perf_counter() - t0
+        from .storage import weights_identity
+
+        # the files as they were before the read (registry_loader records it); a loader that does not: as they are
+        files = getattr(loaded, "files", ()) or weights_identity(loaded.spec.path)
+        stale = slot.recheck and weights_identity(loaded.spec.path) != files
         with self._lock:
             self._counters.load_seconds += elapsed
-            if self._slots.get(slot.name) is not slot or slot.discard:
+            if self._slots.get(slot.name) is not slot or slot.discard or stale:
                 if self._slots.get(slot.name) is slot:
-                    del self._slots[slot.name]  # removed or over capacity while in flight
+                    del self._slots[slot.name]  # removed, over capacity, or its files changed while in flight
                 slot.future = None
                 self._changed()
                 return
@@ -520,7 +551,7 @@ class DraftCacheManager:
                     return
             if actual > 0:
                 slot.reserved_bytes = actual  # account what it really occupies from now on
-            slot.model = loaded
+            slot.model, slot.files = loaded, files
             self._counters.loads += 1
             self._changed()
 
@@ -570,12 +601,13 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
     through that storage tier; None: load_model as it is. ``quantization``: the drafts' forward path
     (none, int8, int4: runtime/forward_paths.py)."""
     from .draft_forward import lean_forward_for
-    from .storage import draft_storage
+    from .storage import draft_storage, weights_identity
 
     reader = draft_storage(storage)
 
     def load(name: str) -> LoadedModel:
         entry = registry.get(name)
+        files = weights_identity(entry.path)  # before the read: a file replaced meanwhile shows as changed later
         spec = ModelSpec(path=entry.path, dtype=dtype, device="cpu", quantization=quantization)
         loaded = reader.load(spec, name) if reader is not None else load_model(spec)
         target = torch.device(device)
@@ -585,6 +617,7 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
         # the engine's forward for it (fused linears, the one-call kernels: runtime/draft_forward.py) is built here,
         # on the loader thread, not by the decode thread at the draft's first iteration (1-5 ms there)
         lean_forward_for(loaded.model)
+        loaded.files = files
         return loaded
 
     return load

@@ -83,6 +83,7 @@ class LoadedModel:
     path_choice: PathChoice | None = None  # the measurements behind an auto choice
     prepared: dict | None = None  # what runtime/gptq.py:prepare_for_engine did to a GPTQ model
     path_report: PathReport | None = None  # what runtime/forward_paths.py:apply_path converted
+    files: tuple = ()  # its weights files before they were read (storage.weights_identity): tells a changed file
 
 
 def forward_path_for(spec: ModelSpec) -> str:

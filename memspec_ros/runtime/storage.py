@@ -337,6 +337,15 @@ def source_identity(files: Sequence[Path]) -> tuple:
     return tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
 
+def weights_identity(path: str | Path) -> tuple:
+    """:func:`source_identity` of a model directory's safetensors files (or of one file); ("missing",) if unreadable."""
+    root = Path(path)
+    try:
+        return source_identity(sorted(root.glob("*.safetensors")) if root.is_dir() else [root])
+    except OSError:
+        return ("missing",)
+
+
 def runtime_form_root() -> Path:
     """The folder of the runtime forms: ``$MEMSPEC_RUNTIME_FORMS_DIR``, else ``runtime-drafts`` in the cache root
     (``$MEMSPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/memspec_ros``)."""

@@ -6,7 +6,9 @@ request, as a Generate goal with ``messages`` does. The same conversations run o
 ``prompt_cache`` on and off, alternating which goes first, greedy, so every answer must be the same text; the
 bundled zoo, MemSpec, the draft cache kept between goals (a robot's setting, not the paper's per-prompt reset).
 Reported per turn: the time before the first generated token (setup + prefill), the prompt tokens the prefill
-encoded, end-to-end tokens per second; medians and the pooled ratio of on against off.
+encoded, the tokens and time of the first draft's catch-up at its first proposal (decoding, after the first
+token: the drafts' KV caches are kept too), end-to-end tokens per second; medians and the pooled ratio of on
+against off.
 
     .venv/bin/python scripts/prompt_cache_bench.py --conversations 8 --json docs/results/prompt-cache.json
 """
@@ -51,7 +53,10 @@ def converse(controller, tokenizer, turns: list[str], new_tokens: int) -> list[d
         result = controller.generate(ids, max_new_tokens=new_tokens)
         wall = time.perf_counter() - t0
         s = result.stats
+        first = next((it for it in s.iterations if it.catchup_tokens), None)  # the first draft's first proposal
         out.append({"prompt_tokens": len(ids), "reused": s.reused_prompt_tokens,
+                    "draft_catchup_tokens": first.catchup_tokens if first else 0,
+                    "draft_catchup_seconds": first.catchup_seconds if first else 0.0,
                     "first_token_seconds": s.setup_seconds + s.prefill_seconds, "prefill_seconds": s.prefill_seconds,
                     "wall_seconds": wall, "tokens": len(result.token_ids), "text": result.text})
         messages.append(("assistant", result.text))
@@ -92,12 +97,18 @@ def main() -> None:
                "first_token_ms_median_off": 1000 * statistics.median(t["first_token_seconds"] for t in off),
                "first_token_ratio_pooled": sum(t["first_token_seconds"] for t in off)
                / sum(t["first_token_seconds"] for t in on),
+               "draft_catchup_tokens_median_on": statistics.median(t["draft_catchup_tokens"] for t in on),
+               "draft_catchup_tokens_median_off": statistics.median(t["draft_catchup_tokens"] for t in off),
+               "draft_catchup_ms_median_on": 1000 * statistics.median(t["draft_catchup_seconds"] for t in on),
+               "draft_catchup_ms_median_off": 1000 * statistics.median(t["draft_catchup_seconds"] for t in off),
                "end_to_end_ratio_pooled": (sum(t["tokens"] for t in on) / sum(t["wall_seconds"] for t in on))
                / (sum(t["tokens"] for t in off) / sum(t["wall_seconds"] for t in off))}
         per_turn.append(row)
         print(f"turn {k + 1}: prompt {row['prompt_tokens_median']:.0f} tokens (reused {row['reused_median']:.0f}),"
               f" first token {row['first_token_ms_median_off']:.1f} -> {row['first_token_ms_median_on']:.1f} ms"
-              f" median, {row['first_token_ratio_pooled']:.2f}x pooled; end to end"
+              f" median, {row['first_token_ratio_pooled']:.2f}x pooled; the first draft's catch-up"
+              f" {row['draft_catchup_tokens_median_off']:.0f} -> {row['draft_catchup_tokens_median_on']:.0f} tokens,"
+              f" {row['draft_catchup_ms_median_off']:.1f} -> {row['draft_catchup_ms_median_on']:.1f} ms; end to end"
               f" {row['end_to_end_ratio_pooled']:.3f}x", flush=True)
     identical = all([t["text"] for t in x] == [t["text"] for t in y] for x, y in zip(runs["on"], runs["off"],
                                                                                        strict=True))

@@ -139,7 +139,10 @@ def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_
             assert shown == f"off: {loaded.controller.prompt_cache_refused}"
         else:
             assert loaded.controller.prompt_cache.tokens > len(ids)
-            assert shown == f"{loaded.controller.prompt_cache.tokens} tokens of the last goal"
+            drafts = loaded.controller.prompt_cache.drafts  # the drafts that ran keep theirs too
+            assert drafts and all(0 < n <= loaded.controller.prompt_cache.tokens for n in drafts.values())
+            assert shown == (f"{loaded.controller.prompt_cache.tokens} tokens of the last goal; drafts' tokens: "
+                             + ", ".join(f"{name} {n}" for name, n in sorted(drafts.items())))
         # the same goal again: all of its prompt but the last token is reused, and the answer is the same
         assert result.result.reused_prompt_tokens == 0
         handle, _ = h.send(goal(max_new_tokens=48))

@@ -1,5 +1,6 @@
 """The target's KV cache reused across generations (runtime/prompt_cache.py): same logits, same outputs, less
-prefill; the target-hidden predictor keeps the reused positions' hidden rows."""
+prefill; the target-hidden predictor keeps the reused positions' hidden rows; a draft still resident catches up
+only on the new tokens."""
 
 from __future__ import annotations
 
@@ -50,17 +51,17 @@ def _filled(model, ids: list[int]) -> KVState:
 
 def test_take_crops_to_the_shared_prefix_leaves_a_token_to_feed_and_empties_the_cache(target):
     cache = PromptCache()
-    assert cache.take([1, 2, 3]) is None  # empty
+    assert cache.take([1, 2, 3]).target is None  # empty
     tokens = _ids(20, 1)
     cache.keep(tokens, _filled(target, tokens))
     assert cache.tokens == 20
-    kv = cache.take(tokens[:12] + [99, 98])
+    kv = cache.take(tokens[:12] + [99, 98]).target
     assert kv is not None and kv.length == 12 and cache.tokens == 0  # the generation owns it now
-    assert cache.take(tokens) is None
+    assert cache.take(tokens).target is None
     cache.keep(tokens, _filled(target, tokens))
-    assert cache.take(tokens).length == 19  # the same prompt again: its last token is fed for the logits
+    assert cache.take(tokens).target.length == 19  # the same prompt again: its last token is fed for the logits
     cache.keep(tokens, _filled(target, tokens))
-    assert cache.take([99] + tokens) is None and cache.tokens == 0  # nothing shared: dropped
+    assert cache.take([99] + tokens).target is None and cache.tokens == 0  # nothing shared: dropped
     # a generation that ended inside an accepted run fed tokens it dropped: their positions go
     kv = _filled(target, tokens)
     cache.keep(tokens[:5], kv)
@@ -132,6 +133,62 @@ def _conversation(controller, turns: list[list[int]], new: int = 16):
     return results
 
 
+def _first_catchup(result) -> int:
+    """Tokens the first draft fed at its first proposal of a generation."""
+    return next(it.catchup_tokens for it in result.stats.iterations if it.catchup_tokens)
+
+
+def test_draft_kv_caches_are_kept_for_the_model_that_computed_them(target):
+    """``take`` crops each draft's KV cache to the shared prefix; a draft whose model is gone is not handed back;
+    a session adopts a draft's prefix only for the same model object."""
+    draft, other = noisy_copy(target, 0.05, seed=21), noisy_copy(target, 0.05, seed=22)
+    tokens = _ids(20, 23)
+    cache = PromptCache()
+    cache.keep(tokens, _filled(target, tokens), {"a": (draft, _filled(draft, tokens[:15])),
+                                                 "b": (other, _filled(other, tokens))})
+    assert cache.drafts == {"a": 15, "b": 20}
+    reuse = cache.take(tokens[:10] + [99])
+    assert reuse.target.length == 10 and cache.drafts == {}
+    assert {n: (m is {"a": draft, "b": other}[n], kv.length) for n, (m, kv) in reuse.drafts.items()} == {
+        "a": (True, 10), "b": (True, 10)}
+    # a draft KV longer than what the target kept (a goal that ended inside an accepted run) is cropped to it
+    cache.keep(tokens[:8], _filled(target, tokens), {"a": (draft, _filled(draft, tokens))})
+    assert cache.take(tokens).drafts["a"][1].length == 8
+
+    # the model was freed (evicted, replaced): its KV cache is not handed back
+    gone = noisy_copy(target, 0.05, seed=24)
+    cache.keep(tokens, _filled(target, tokens), {"gone": (gone, _filled(gone, tokens))})
+    del gone
+    import gc
+
+    gc.collect()
+    assert cache.take(tokens).drafts == {}
+
+    # a session: the same model takes its prefix and feeds only the rest; another object under that name does not
+    prompt = tokens + _ids(6, 25)
+    for model, fed in ((draft, len(prompt) + 1 - 15), (other, len(prompt) + 1)):
+        session = SpeculativeSession(target, prompt, max_new_tokens=6,
+                                     draft_prefixes={"a": (draft, _filled(draft, tokens[:15]))})
+        session.step("a", model)
+        assert session.stats.iterations[0].catchup_tokens == fed
+    with pytest.raises(ValueError, match="draft 'a'"):
+        SpeculativeSession(target, tokens, draft_prefixes={"a": (draft, _filled(draft, tokens))})
+
+
+def test_a_reused_draft_kv_changes_no_output(target):
+    """Whatever the draft's KV holds, the target verifies every token: outputs equal the target's own."""
+    draft = noisy_copy(target, 0.05, seed=26)
+    prompt = _ids(30, 27)
+    alone = generate(target, prompt, None, max_new_tokens=20).generated_ids
+    for split in (1, 12, 29):
+        session = SpeculativeSession(target, prompt, max_new_tokens=20,
+                                     draft_prefixes={"d": (draft, _filled(draft, prompt[:split]))})
+        while not session.finished:
+            session.step("d", draft)
+        assert session.generated_ids == alone
+        assert session.stats.iterations[0].catchup_tokens == len(prompt) + 1 - split
+
+
 def test_a_forward_whose_rows_depend_on_the_rows_beside_them_is_not_reused(target):
     """The lean Python forward (shapes the C decoder does not take) rounds by the rows fed: refused, with why."""
     assert "C decoder" in reuse_refused(target)
@@ -161,6 +218,21 @@ def test_a_conversation_reuses_each_goals_kv_and_answers_as_without_it(c_target)
     assert reused[1] == len(turns[0]) + len(with_cache[0].token_ids) - 1
     assert reused[2] == reused[1] + 1 + len(turns[1]) + len(with_cache[1].token_ids) - 1
     assert on.prompt_cache.tokens > 0 and off.prompt_cache.tokens == 0
+    # the drafts kept their KV caches too: a draft's first proposal in the next goal feeds only what its KV cache
+    # does not hold (the new prompt tokens and the prefill's token), where without the cache it feeds all of it
+    on.prompt_cache.clear()  # the conversation again, from an empty cache
+    history = []
+    for k, turn in enumerate(turns):
+        history = history + turn
+        held = on.prompt_cache.drafts
+        assert (k == 0) == (not held)
+        result = on.generate(history, max_new_tokens=16)
+        assert result.token_ids == without[k].token_ids
+        first = next(it for it in result.stats.iterations if it.catchup_tokens)
+        assert first.catchup_tokens == len(history) + 1 - held.get(first.draft, 0), k
+        assert (k == 0) or held.get(first.draft, 0) > len(history) // 2
+        assert _first_catchup(without[k]) == len(history) + 1
+        history = history + result.token_ids
     # switched off at run time: the next goal encodes everything and the cache is freed
     on.reconfigure(prompt_cache=False)
     result = on.generate(turns[0] + with_cache[0].token_ids + turns[1], max_new_tokens=4)

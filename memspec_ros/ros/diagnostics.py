@@ -406,10 +406,7 @@ class NodeTasks:
               + ("" if lo.controller.config.context_lookup else " (unused: memspec.context_lookup is off)")
               if store is not None else "none")
         s.add("remembered answers", lo.controller.remembered_answers)
-        refused = lo.controller.prompt_cache_refused
-        s.add("prompt cache", f"off: {refused}" if refused else (
-            f"{lo.controller.prompt_cache.tokens} tokens of the last goal" if lo.controller.config.prompt_cache
-            else "off (memspec.prompt_cache)"))
+        s.add("prompt cache", _prompt_cache_status(lo.controller))
         s.summary(OK, f"loaded ({state})")
         if self.runner.last_error:
             s.merge(ERROR, f"the last goal failed: {self.runner.last_error}")
@@ -515,3 +512,15 @@ def generation_stats_msg(stats: GenerationStats, goal_id, finish_reason: str, er
     )
     msg.header.stamp = stamp
     return msg
+
+
+def _prompt_cache_status(controller) -> str:
+    """What the prompt cache holds for the next goal (runtime/prompt_cache.py), or why it is off."""
+    if controller.prompt_cache_refused:
+        return f"off: {controller.prompt_cache_refused}"
+    if not controller.config.prompt_cache:
+        return "off (memspec.prompt_cache)"
+    cache = controller.prompt_cache
+    drafts = ", ".join(f"{name} {tokens}" for name, tokens in sorted(cache.drafts.items()))
+    return f"{cache.tokens} tokens of the last goal" + (f"; drafts' tokens: {drafts}" if drafts else "")
+

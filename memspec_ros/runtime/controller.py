@@ -35,7 +35,7 @@ from .models import LoadedModel
 from .oracle import GreedyOracle
 from .policies import POLICIES, DraftPolicy, SchedulingPoint, make_policy
 from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor
-from .prompt_cache import PromptCache, reuse_refused
+from .prompt_cache import PromptCache, Reuse, reuse_refused
 from .registry import DraftRegistry
 from .speculative import ChunkCallback, DraftFailure, SamplingConfig, SpeculativeSession
 from .stats import GenerationStats, IterationStats
@@ -84,8 +84,9 @@ class RuntimeConfig:
     # the last this many answers are kept in memory and searched like the datastore (0: none): a robot
     # asked again what it was asked before answers faster (runtime/datastore.py)
     remember_answers: int = 0
-    # keep the target's KV cache between generations and reuse it for a prompt that starts with the same tokens
-    # (a conversation's earlier turns, a fixed system prompt): runtime/prompt_cache.py. Outputs are unchanged
+    # keep the target's and the drafts' KV caches between generations and reuse them for a prompt that starts with
+    # the same tokens (a conversation's earlier turns, a fixed system prompt): runtime/prompt_cache.py. Outputs are
+    # unchanged
     prompt_cache: bool = True
 
     def validate(self) -> RuntimeConfig:
@@ -266,10 +267,11 @@ class RuntimeController:
                 self.cache.reset()
             reuse = self.config.prompt_cache and not self.prompt_cache_refused
             if reuse:
-                prefix = self.prompt_cache.take(prompt_ids)  # the generation owns it until it hands it back
+                reused = self.prompt_cache.take(prompt_ids)  # the generation owns it until it hands it back
             else:
-                prefix = None
+                reused = Reuse()
                 self.prompt_cache.clear()  # a cache switched off frees its memory
+            prefix = reused.target
             keep_rows = getattr(self.predictor, "reuse_prefix", None)
             if prefix is not None and keep_rows is not None:
                 keep_rows(prefix.length)  # a target-hidden encoder keeps those positions' hidden rows
@@ -280,12 +282,12 @@ class RuntimeController:
                 confidence_stop=self.config.confidence_stop,
                 lookup=LookupConfig() if self.config.context_lookup else None,
                 datastores=self._datastores() if self.config.context_lookup else (),
-                prefix=prefix,
+                prefix=prefix, draft_prefixes=reused.drafts,
             )
             result = self._run(session, prompt_ids, should_cancel)
             self._remember(result.token_ids)
             if reuse and session.started:  # a failed generation's KV is not kept
-                self.prompt_cache.keep(session.tokens, session.target_kv)
+                self.prompt_cache.keep(session.tokens, session.target_kv, session.draft_kvs)
             return result
         finally:
             if session is not None and session.drop_draft in self.cache.on_evict:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -288,6 +288,7 @@ class SpeculativeSession:
         lookup: LookupConfig | None = None,
         datastores: Sequence[Datastore] = (),
         prefix: KVState | None = None,
+        draft_prefixes: Mapping[str, tuple[torch.nn.Module, KVState]] | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -345,6 +346,15 @@ class SpeculativeSession:
         self._reused = prefix.length if prefix is not None else 0
         self.stats.reused_prompt_tokens = self._reused
         self._draft_kv: dict[str, _KVState] = {}
+        self._draft_model: dict[str, torch.nn.Module] = {}  # the model each of those KV caches belongs to
+        # ``draft_prefixes``: drafts' KV caches of this prompt's first tokens, kept from the generation before
+        # (runtime/prompt_cache.py) with the model that computed each; a draft takes its own only if it is still
+        # that model (an evicted and reloaded draft, or a replaced file, is another object and catches up in full)
+        self._draft_prefixes = dict(draft_prefixes or {})
+        for name, (_, kv) in self._draft_prefixes.items():
+            if not 0 < kv.length < len(self.prompt_ids):
+                raise ValueError(f"draft {name!r}: a reused prefix must hold 1 to {len(self.prompt_ids) - 1} of"
+                                 f" the prompt's {len(self.prompt_ids)} tokens, got {kv.length}")
         self._last_draft = ""
         self._decode_started = 0.0
 
@@ -385,9 +395,16 @@ class SpeculativeSession:
         if not self.finished:
             self._finish(FINISH_CANCELLED)
 
+    @property
+    def draft_kvs(self) -> dict[str, tuple[torch.nn.Module, KVState]]:
+        """Each draft that ran and is still held: its model and its KV cache (a prefix of ``tokens``)."""
+        return {name: (self._draft_model[name], kv) for name, kv in self._draft_kv.items()}
+
     def drop_draft(self, name: str) -> None:
         """Forget a draft's KV cache (its model was evicted); it catches up if it returns."""
         self._draft_kv.pop(name, None)
+        self._draft_model.pop(name, None)
+        self._draft_prefixes.pop(name, None)
 
     # -- the algorithm: propose -> verify -> accept -> commit ---------------------
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
@@ -460,7 +477,9 @@ class SpeculativeSession:
         # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
         catching_up = kv is None or draft_name != self._last_draft
         if kv is None:
-            kv = self._draft_kv[draft_name] = _KVState()
+            reused = self._draft_prefixes.pop(draft_name, None)
+            kv = reused[1] if reused is not None and reused[0] is draft else _KVState()
+            self._draft_kv[draft_name], self._draft_model[draft_name] = kv, draft
         proposal = _Proposal(kv=kv)
         feed = self.tokens[kv.length :]
         lean = lean_forward_for(draft) if self.lean_drafts else None

@@ -186,10 +186,10 @@ PARAMS: tuple[Param, ...] = (
           " copy from them like from the datastore, so a request asked again is answered faster (0: none).",
           AT_SCHEDULING_POINT, int_range=LIMITS["remember_answers"], runtime_field="remember_answers"),
     Param("memspec.prompt_cache", True,
-          "Keep the target's KV cache between goals and reuse it for a goal whose tokens start the same way (a"
-          " conversation's earlier turns, the system prompt): only the rest is encoded. Outputs are unchanged; it"
-          " holds the last goal's KV cache in memory between goals (false: freed at the next goal) (from the next"
-          " goal).",
+          "Keep the target's and the drafts' KV caches between goals and reuse them for a goal whose tokens start"
+          " the same way (a conversation's earlier turns, the system prompt): only the rest is encoded. Outputs are"
+          " unchanged; it holds the last goal's KV caches in memory between goals (false: freed at the next goal)"
+          " (from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="prompt_cache"),
     Param("memspec.gamma", 4,
           "Draft tokens proposed per iteration (with adaptive_gamma: the most).",

@@ -235,6 +235,46 @@ def test_memspec_client_system_and_raw(h, tok):
         assert exit_info.value.code == 2
 
 
+def test_memspec_client_chat_holds_a_conversation(h, tok):
+    """--chat: each line is the next user turn; each goal carries the system message, every turn before it and the
+    node's answers (what the node's prompt cache reuses, where the target runs the C decoder); a blank line is
+    skipped."""
+    import io
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    from memspec_ros.ros.client import chat, parse_args
+
+    args = parse_args(["--chat", "--system", "Be brief.", "--max-new-tokens", "4", "--node", "/memspec_chat"])
+    with pytest.raises(SystemExit):
+        parse_args(["--chat", "--raw"])
+    node = rclpy.create_node("memspec_chat_cli", context=h.client.context)
+    executor = SingleThreadedExecutor(context=h.client.context)
+    executor.add_node(node)
+    out = io.StringIO()
+    try:
+        h.calls.clear()
+        assert chat(node, executor, args, ["Hi\n", "\n", "And then?\n", "Thanks\n"], out=out) == 0
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+    assert len(h.calls) == 3
+    answers = [tok.decode(c["token_ids"], skip_special_tokens=True) for c in h.calls]
+    turns = [("system", "Be brief.")]
+    for k, text in enumerate(["Hi", "And then?", "Thanks"]):
+        turns.append(("user", text))
+        assert h.calls[k]["prompt_ids"] == templated(tok, turns)
+        turns.append(("assistant", answers[k].replace("\x00", "")))
+    assert out.getvalue().count("finish:") == 3
+    if h.node.loaded.controller.prompt_cache_refused:  # this tiny zoo's target does not run the C decoder
+        assert " reused)" not in out.getvalue()  # (reuse over the action: test_node_forward_paths.py)
+    else:
+        reused = [int(line.split("(")[1].split(" reused")[0]) for line in out.getvalue().splitlines()
+                  if " reused)" in line]
+        assert len(reused) == 2 and reused[1] > reused[0] > len(templated(tok, turns[:2])) // 2
+
+
 def test_the_behaviour_tree_client_sends_messages_and_raw(h, tok):
     import time
 

@@ -141,8 +141,12 @@ def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_
             assert loaded.controller.prompt_cache.tokens > len(ids)
             drafts = loaded.controller.prompt_cache.drafts  # the drafts that ran keep theirs too
             assert drafts and all(0 < n <= loaded.controller.prompt_cache.tokens for n in drafts.values())
-            assert shown == (f"{loaded.controller.prompt_cache.tokens} tokens of the last goal; drafts' tokens: "
-                             + ", ".join(f"{name} {n}" for name, n in sorted(drafts.items())))
+            cache = loaded.controller.prompt_cache
+            assert cache.conversations == 1 and cache.bytes > 0
+            assert shown == (f"{cache.tokens} tokens of the last goal; drafts' tokens: "
+                             + ", ".join(f"{name} {n}" for name, n in sorted(drafts.items()))
+                             + f"; goals held: 1, {cache.bytes / 1e6:.1f} MB (memspec.prompt_cache_bytes"
+                             f" {128 * 2**20})")
         # the same goal again: all of its prompt but the last token is reused, and the answer is the same
         assert result.result.reused_prompt_tokens == 0
         handle, _ = h.send(goal(max_new_tokens=48))

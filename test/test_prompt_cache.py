@@ -245,12 +245,22 @@ def test_a_failed_generation_keeps_no_kv(c_target):
     controller = _controller(target, drafts)
     prompt = _ids(10, 10)
     controller.generate(prompt, max_new_tokens=4)
-    assert controller.prompt_cache.tokens > 0 or controller.prompt_cache_refused
+    held = controller.prompt_cache.tokens
+    assert held > 0 or controller.prompt_cache_refused
 
     def broken(*_):
         raise RuntimeError("simulated failure inside the decode loop")
 
     controller._step = broken
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        controller.generate(prompt + [5, 6], max_new_tokens=4)  # shares the prompt, not the answer: a copy
+    # nothing of the failed goal is kept; the first goal's caches, which it only copied from, stay
+    assert controller.prompt_cache.conversations == (1 if held else 0) and controller.prompt_cache.tokens == held
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        controller.generate(prompt + controller.prompt_cache.tokens * [5], max_new_tokens=4)  # continues nothing
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        controller.generate(prompt, max_new_tokens=4)
+    controller.reconfigure(prompt_cache_bytes=0)  # one conversation: the goal takes the caches, and fails
     with pytest.raises(RuntimeError, match="simulated failure"):
         controller.generate(prompt + [5, 6], max_new_tokens=4)
     assert controller.prompt_cache.tokens == 0
@@ -276,7 +286,7 @@ def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target):
         want = encoder.prompt_features(follow)
 
         calls = []
-        encoder.reuse_prefix(kv.length)  # the controller's order: reuse_prefix, begin, the prefill of the rest
+        encoder.reuse_rows(encoder.prefix_rows(kv.length))  # the controller's order: rows, begin, the prefill
         encoder.begin(follow)
         handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
         try:
@@ -317,3 +327,125 @@ def test_a_goal_that_ends_inside_an_accepted_run_hands_back_only_what_it_kept(c_
     second = on.generate(follow, max_new_tokens=12)
     assert second.stats.reused_prompt_tokens == held
     assert second.token_ids == off.generate(follow, max_new_tokens=12).token_ids
+
+
+def test_the_cache_keeps_several_goals_within_its_budget_and_a_goal_takes_the_one_it_continues(target):
+    tokens_a, tokens_b = _ids(20, 31), [61, 62] + _ids(18, 32)
+    cache = PromptCache(budget_bytes=1 << 40)
+    cache.keep(tokens_a, _filled(target, tokens_a), hidden_rows=torch.full((20, 3), 1.0))
+    cache.keep(tokens_b, _filled(target, tokens_b), hidden_rows=torch.full((20, 3), 2.0))
+    assert cache.conversations == 2 and cache.tokens == 20 and cache.bytes > 0
+    reuse = cache.take(tokens_a[:15] + [99])  # shares 15 of A's tokens, then parts from it: copies, A stays
+    assert reuse.target.length == 15 and cache.conversations == 2
+    assert reuse.hidden_rows.shape == (15, 3) and bool((reuse.hidden_rows == 1.0).all())
+    reuse.target.crop_to(3)  # the copy is the goal's own: A is untouched
+    reuse = cache.take(tokens_a + [5])  # continues A (the goal before the last): takes A's caches
+    assert reuse.target.length == 20 and cache.conversations == 1 and cache.tokens == 20
+    assert bool((reuse.hidden_rows == 1.0).all())
+    want = forward_once(target, [5], _filled(target, tokens_a), 1, "cpu", lean_forward_for(target))
+    assert torch.equal(forward_once(target, [5], reuse.target, 1, "cpu", lean_forward_for(target)), want)
+    assert cache.take([99, 98]).target is None and cache.conversations == 1  # shares nothing: B stays
+    # the budget: older goals go, oldest first, until it holds; the last goal's is always kept
+    cache.keep(tokens_a, _filled(target, tokens_a))
+    one = PromptCache(budget_bytes=1 << 40)
+    one.keep(tokens_a, _filled(target, tokens_a))
+    size = one.bytes
+    cache.set_budget(size + 1)  # room for one of them
+    assert cache.conversations == 1 and cache.take(tokens_a + [5]).target.length == 20  # the newest stayed
+    cache.keep(tokens_b, _filled(target, tokens_b))
+    cache.keep(tokens_a, _filled(target, tokens_a))
+    assert cache.conversations == 1  # over budget: only the last goal's
+    cache.set_budget(0)  # one conversation: a prompt sharing nothing empties it
+    assert cache.take([99, 98]).target is None and cache.conversations == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        cache.set_budget(-1)
+
+
+class _RowsRanker(FixedRanker):
+    """Rankings as FixedRanker; hidden rows that say which goal's prompt they belong to (its first token)."""
+
+    def __init__(self, fn) -> None:
+        super().__init__(fn)
+        self.prompt: list[int] = []
+        self.reused: list[torch.Tensor | None] = []
+
+    def begin(self, prompt_ids) -> None:
+        self.prompt = list(prompt_ids)
+
+    def prefix_rows(self, positions: int) -> torch.Tensor:
+        return torch.full((positions, 1), float(self.prompt[0]))
+
+    def reuse_rows(self, rows) -> None:
+        self.reused.append(rows)
+
+
+def test_goals_alternating_between_two_conversations_each_continue_their_own(c_target):
+    """A behaviour tree's two skills, each with its own system prompt, called in turn: with a budget each goal
+    reuses its own skill's system prompt from the last goal of that skill (a copy: that goal's caches stay), and
+    the predictor the rows of those positions; with none (one conversation) only what the goal shares with the
+    goal before. Outputs as without a cache."""
+    target = c_target
+    drafts = {"general": noisy_copy(target, 0.05, seed=5)}
+    systems = {"plan": [7] + _ids(30, 33), "chat": [8] + _ids(30, 34)}
+    requests = [("plan", _ids(5, 35)), ("chat", _ids(6, 36)), ("plan", _ids(4, 37)), ("chat", _ids(5, 38)),
+                ("plan", _ids(6, 39))]
+
+    def run(**cfg):
+        registry = DraftRegistry([DraftEntry("general", "/virtual/general", "general", 1000)], validate=False)
+        ranker = _RowsRanker(lambda c: ["general"])
+        controller = RuntimeController(RuntimeConfig(policy="memspec", **cfg), target, None, registry, ranker,
+                                       loader=_Loader(drafts))
+        results = []
+        for skill, request in requests:
+            prompt = systems[skill] + request
+            results.append(controller.generate(prompt, max_new_tokens=8))
+        return controller, ranker, results
+
+    budget, ranker, with_budget = run()
+    _, _, single = run(prompt_cache_bytes=0)
+    _, _, off = run(prompt_cache=False)
+    assert [r.token_ids for r in with_budget] == [r.token_ids for r in off] == [r.token_ids for r in single]
+    if budget.prompt_cache_refused:
+        return
+    reused = [r.stats.reused_prompt_tokens for r in with_budget]
+    assert reused[:2] == [0, 0] and all(n == 31 for n in reused[2:]), reused  # each its own system prompt
+    assert [r.stats.reused_prompt_tokens for r in single] == [0] * 5  # the goal before is the other skill's
+    assert budget.prompt_cache.conversations == 5  # no goal continued another: each copied, all fit the budget
+    # the predictor got the rows of the conversation each goal continued (its first token tags them)
+    assert [None if rows is None else (rows.shape[0], float(rows[0, 0])) for rows in ranker.reused] == [
+        (31, 7.0), (31, 8.0), (31, 7.0)]
+
+
+def test_two_interleaved_conversations_each_continue_their_own_caches(c_target):
+    """Two people talking to the robot in turn: with a budget, each goal takes its own conversation's caches
+    (everything but the newest token); keeping only the last goal's, each goal reuses nothing."""
+    target = c_target
+    drafts = {"general": noisy_copy(target, 0.05, seed=5)}
+    firsts = {"a": [7] + _ids(9, 41), "b": [8] + _ids(9, 42)}
+    turns = [("a", _ids(4, 43)), ("b", _ids(5, 44)), ("a", _ids(3, 45)), ("b", _ids(4, 46)), ("a", _ids(2, 47))]
+
+    def run(**cfg):
+        controller = _controller(target, drafts, **cfg)
+        history = {name: list(tokens) for name, tokens in firsts.items()}
+        results = []
+        for who, turn in turns:
+            history[who] += turn
+            result = controller.generate(history[who], max_new_tokens=6)
+            results.append((who, len(history[who]), result))
+            history[who] += result.token_ids
+        return controller, results
+
+    budget, with_budget = run()
+    _, single = run(prompt_cache_bytes=0)
+    _, off = run(prompt_cache=False)
+    assert [r.token_ids for *_, r in with_budget] == [r.token_ids for *_, r in single] == [r.token_ids for *_, r in off]
+    if budget.prompt_cache_refused:
+        return
+    assert [r.stats.reused_prompt_tokens for *_, r in single] == [0] * 5
+    # each goal continues its conversation's last goal: all of that goal's prompt and answer but the newest token
+    last: dict[str, tuple[int, int]] = {}
+    for who, prompt_len, result in with_budget:
+        want = last[who][0] + last[who][1] - 1 if who in last else 0
+        assert result.stats.reused_prompt_tokens == want, (who, prompt_len)
+        last[who] = (prompt_len, len(result.token_ids))
+    assert budget.prompt_cache.conversations == 2  # each goal took its conversation's caches and gave them back

@@ -4,10 +4,13 @@
     echo "The licensee may" | memspec_client --node /robot/memspec
     memspec_client "Which cup is closer?" --system "You are the voice of a kitchen robot. Be brief."
     memspec_client --raw "Once upon a time"
+    memspec_client --chat --system "You are the voice of a kitchen robot. Be brief."
 
 With an instruct model (its tokenizer has a chat template) the node sends the prompt as one user
 turn and the model answers it; --system sends a system message before it (both in the goal's
-`messages`); --raw continues the text as is, without the template.
+`messages`); --raw continues the text as is, without the template. --chat holds a conversation:
+each line read (a prompt argument first) is the next user turn, each goal carries the whole
+conversation so far, so the node's prompt cache encodes only the new turn; end it with Ctrl-D.
 
 Like ``ros2 action send_goal --feedback``: the text is printed as it is generated, then the
 result's statistics. Exit status: 0 succeeded, 1 rejected / aborted / no server, 2 usage,
@@ -145,6 +148,51 @@ def build_goal(args):
                          stop=args.stop or [], temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
 
+def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
+    """--chat: each non-empty line of ``lines`` is a user turn of one conversation, sent with every turn before it
+    and the node's answers. A turn that fails is left out of the conversation. The exit status: 0 if every turn
+    succeeded, 1 if one did not, 130 interrupted."""
+    from memspec_interfaces.action import Generate
+    from memspec_interfaces.msg import ChatMessage
+
+    history = [ChatMessage(role=ChatMessage.ROLE_SYSTEM, content=args.system)] if args.system is not None else []
+    status = 0
+    action = args.node.rstrip("/") + "/generate"
+    for line in lines:
+        text = line.strip()
+        if not text:
+            continue
+        history.append(ChatMessage(role=ChatMessage.ROLE_USER, content=text))
+        goal = Generate.Goal(prompt="", messages=list(history), max_new_tokens=args.max_new_tokens,
+                             stop=args.stop or [], temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        outcome = send_goal(node, executor, goal, action, server_timeout=args.timeout, out=out, log=log)
+        if outcome.result is not None and not args.quiet:
+            print(format_result(outcome.result), file=out)
+        if outcome.status == "interrupted":
+            return 130
+        if not outcome.ok:
+            history.pop()  # the conversation goes on without the turn that got no answer
+            status = 1
+            if outcome.status in ("no-server", "timeout"):
+                return status
+        else:
+            history.append(ChatMessage(role=ChatMessage.ROLE_ASSISTANT, content=outcome.result.text))
+    return status
+
+
+def _chat_lines(first: str | None):
+    """The prompt argument, then stdin line by line (a prompt shown when stdin is a terminal)."""
+    if first is not None:
+        yield first
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        yield line
+
+
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="memspec_client", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,9 +212,13 @@ def parse_args(argv: list[str] | None):
         "--timeout", type=float, default=10.0, help="seconds to wait for the action server (default 10)"
     )
     parser.add_argument("--quiet", action="store_true", help="print only the text")
+    parser.add_argument("--chat", action="store_true",
+                        help="a conversation: each line on stdin is the next user turn (Ctrl-D ends it)")
     args = parser.parse_args(argv)
     if args.raw and args.system is not None:
         parser.error("--raw continues the prompt as plain text: it cannot take a --system message")
+    if args.raw and args.chat:
+        parser.error("--chat sends a conversation through the chat template: it cannot be --raw")
     if args.system == "":
         parser.error("--system needs a text (leave it out for the node's generation.system_prompt)")
     return args
@@ -176,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.utilities import remove_ros_args
 
     args = parse_args(remove_ros_args(sys.argv if argv is None else ["memspec_client", *argv])[1:])
-    if args.prompt is None:
+    if args.prompt is None and not args.chat:
         if sys.stdin.isatty():
             print("memspec_client: give a prompt as an argument or on stdin", file=sys.stderr)
             return 2
@@ -190,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
+        if args.chat:
+            return chat(node, executor, args, _chat_lines(args.prompt))
         outcome = send_goal(node, executor, build_goal(args), args.node.rstrip("/") + "/generate",
                             server_timeout=args.timeout)
         if outcome.result is not None and not args.quiet:

@@ -522,5 +522,7 @@ def _prompt_cache_status(controller) -> str:
         return "off (memspec.prompt_cache)"
     cache = controller.prompt_cache
     drafts = ", ".join(f"{name} {tokens}" for name, tokens in sorted(cache.drafts.items()))
-    return f"{cache.tokens} tokens of the last goal" + (f"; drafts' tokens: {drafts}" if drafts else "")
+    return (f"{cache.tokens} tokens of the last goal" + (f"; drafts' tokens: {drafts}" if drafts else "")
+            + f"; goals held: {cache.conversations}, {cache.bytes / 1e6:.1f} MB"
+              f" (memspec.prompt_cache_bytes {controller.config.prompt_cache_bytes})")
 

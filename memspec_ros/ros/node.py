@@ -83,9 +83,16 @@ class RecordingRanker:
         except Exception as exc:  # the rankings of this goal fall back (rank below)
             self._failed(exc)
 
-    def reuse_prefix(self, positions: int) -> None:
+    def prefix_rows(self, positions: int):
         try:
-            self.engine.reuse_prefix(positions)
+            return self.engine.prefix_rows(positions)
+        except Exception as exc:  # nothing kept: the prompt features of a goal continuing it take a target pass
+            self._failed(exc)
+            return None
+
+    def reuse_rows(self, rows) -> None:
+        try:
+            self.engine.reuse_rows(rows)
         except Exception as exc:  # the prompt features then take a pass of the target
             self._failed(exc)
 

@@ -191,6 +191,12 @@ PARAMS: tuple[Param, ...] = (
           " unchanged; it holds the last goal's KV caches in memory between goals (false: freed at the next goal)"
           " (from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="prompt_cache"),
+    Param("memspec.prompt_cache_bytes", 128 * 2**20,
+          "Bytes the prompt cache may hold for goals before the last (oldest dropped first), so goals that"
+          " alternate between conversations or system prompts each continue their own; the last goal's caches are"
+          " always kept. The bundled target's KV cache takes 46,080 bytes per token of buffer (grown by doubling)."
+          " 0: only the last goal's.",
+          AT_SCHEDULING_POINT, int_range=LIMITS["prompt_cache_bytes"], runtime_field="prompt_cache_bytes"),
     Param("memspec.gamma", 4,
           "Draft tokens proposed per iteration (with adaptive_gamma: the most).",
           AT_SCHEDULING_POINT, int_range=LIMITS["gamma"], runtime_field="gamma"),

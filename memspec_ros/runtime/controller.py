@@ -54,6 +54,7 @@ LIMITS: dict[str, tuple[int, int] | tuple[float, float]] = {
     # re-indexed after every goal, on the goal's thread: 1,000 answers of 128 tokens took 0.2 s to index
     # (timed once on the 2-core development machine)
     "remember_answers": (0, 1000),
+    "prompt_cache_bytes": (0, I64),
     "ucb_c": (0.0, 100.0),
 }
 
@@ -88,6 +89,10 @@ class RuntimeConfig:
     # the same tokens (a conversation's earlier turns, a fixed system prompt): runtime/prompt_cache.py. Outputs are
     # unchanged
     prompt_cache: bool = True
+    # the caches of goals before the last are kept while all together hold at most this many bytes (oldest dropped
+    # first), so goals that alternate between conversations or system prompts (a behaviour tree's skills, several
+    # people) each continue their own; the last goal's is always kept. 0: only the last goal's
+    prompt_cache_bytes: int = 128 * 2**20
 
     def validate(self) -> RuntimeConfig:
         if self.policy not in POLICIES:
@@ -179,7 +184,7 @@ class RuntimeController:
         self._running = False
         # the predictor as the policies use it, by overlap_prediction: ranking on the decode thread or overlapped
         self._rankers: dict[bool, SynchronousPredictor | OverlappedPredictor] = {}
-        self.prompt_cache = PromptCache()  # the target's KV of the last generation (config.prompt_cache)
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes)  # the last goals' KV caches (config.prompt_cache)
         # why this target's KV cache is not reused ("" : it is): checked now, before any generation
         self.prompt_cache_refused = reuse_refused(target)
         self._check_policy(self.config)  # fail now, not at the first goal
@@ -223,6 +228,8 @@ class RuntimeController:
     def _apply(self, new: RuntimeConfig) -> None:
         if (new.capacity, new.budget_bytes) != (self.config.capacity, self.config.budget_bytes):
             self.cache.reconfigure(new.capacity, new.budget_bytes)
+        if new.prompt_cache_bytes != self.prompt_cache.budget_bytes:
+            self.prompt_cache.set_budget(new.prompt_cache_bytes)
         self.config = new
 
     def _take_pending(self) -> RuntimeConfig | None:
@@ -272,9 +279,9 @@ class RuntimeController:
                 reused = Reuse()
                 self.prompt_cache.clear()  # a cache switched off frees its memory
             prefix = reused.target
-            keep_rows = getattr(self.predictor, "reuse_prefix", None)
-            if prefix is not None and keep_rows is not None:
-                keep_rows(prefix.length)  # a target-hidden encoder keeps those positions' hidden rows
+            reuse_rows = getattr(self.predictor, "reuse_rows", None)
+            if prefix is not None and reuse_rows is not None:
+                reuse_rows(reused.hidden_rows)  # a target-hidden encoder's rows of the reused positions
             session = SpeculativeSession(
                 self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,
@@ -287,7 +294,9 @@ class RuntimeController:
             result = self._run(session, prompt_ids, should_cancel)
             self._remember(result.token_ids)
             if reuse and session.started:  # a failed generation's KV is not kept
-                self.prompt_cache.keep(session.tokens, session.target_kv, session.draft_kvs)
+                prefix_rows = getattr(self.predictor, "prefix_rows", None)
+                rows = prefix_rows(session.target_kv.length) if prefix_rows is not None else None
+                self.prompt_cache.keep(session.tokens, session.target_kv, session.draft_kvs, rows)
             return result
         finally:
             if session is not None and session.drop_draft in self.cache.on_evict:

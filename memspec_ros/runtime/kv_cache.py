@@ -118,3 +118,18 @@ def is_preallocated(cache: Cache) -> bool:
 def preallocated_cache() -> Cache:
     """A cache whose layers (created lazily, one per model layer) are :class:`PreallocatedLayer`."""
     return Cache(layer_class_to_replicate=PreallocatedLayer)
+
+
+def copy_prefix(cache: Cache, length: int) -> Cache:
+    """A new :func:`preallocated_cache` holding copies of ``cache``'s first ``length`` positions: the two then
+    grow apart (runtime/prompt_cache.py hands a goal that diverges from a kept conversation a copy of what they
+    share, and keeps the conversation)."""
+    out = preallocated_cache()
+    for layer in cache.layers:
+        copy = PreallocatedLayer()
+        keys, values = layer.keys, layer.values
+        if keys is not None and keys.dim() == 4 and keys.shape[-2] >= length:
+            copy.update(keys[..., :length, :], values[..., :length, :])  # written into the copy's own buffers
+        out.layers.append(copy)
+    return out
+

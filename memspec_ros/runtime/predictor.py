@@ -76,8 +76,9 @@ class RankingModel(Protocol):
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]: ...
 
-    # optional: ``reuse_prefix(positions)`` before ``begin`` when the controller reuses the target's KV cache of
-    # the prompt's first positions (PredictionEngine.reuse_prefix); a ranker without it is not told
+    # optional: ``prefix_rows(positions)`` after a generation, what the prompt cache keeps for the predictor, and
+    # ``reuse_rows(rows)`` before ``begin`` when the controller reuses the target's KV cache of the prompt's first
+    # positions (PredictionEngine.prefix_rows / reuse_rows); a ranker without them is not told
 
 
 class Ranker(RankingModel, Protocol):
@@ -286,11 +287,9 @@ class TargetHiddenEncoder:
             while len(fed) > 1 and fed[1][0] <= horizon:
                 self._history.append(fed.pop(0))
 
-    def reuse_prefix(self, positions: int) -> None:
-        """The next generation reuses the target's KV cache of its first ``positions`` positions from the
-        generation before (runtime/prompt_cache.py), so its prefill feeds only the rest: keep those positions'
-        hidden rows for its prompt features. Without them (they were never fed here) the prompt features take
-        one pass of the target over the prompt, as a ranking before the prefill does."""
+    def prefix_rows(self, positions: int) -> torch.Tensor | None:
+        """The last generation's hidden rows of its first ``positions`` positions (None: not all were fed here),
+        for the prompt cache to keep beside the target's KV cache of them (runtime/prompt_cache.py)."""
         with self._lock:
             parts, end = [], 0
             entries = self._history + self._fed
@@ -300,7 +299,15 @@ class TargetHiddenEncoder:
                 owned = rows.shape[0] if i + 1 == len(entries) else min(rows.shape[0], entries[i + 1][0] - start)
                 parts.append(rows[: min(owned, positions - start)])
                 end = start + parts[-1].shape[0]
-            self._reused_rows = torch.cat(parts) if end == positions and parts else None
+            return torch.cat(parts) if end == positions and parts else None
+
+    def reuse_rows(self, rows: torch.Tensor | None) -> None:
+        """The next generation reuses the target's KV cache of its first ``len(rows)`` positions, so its prefill
+        feeds only the rest: these are those positions' hidden rows, for its prompt features. None (they were
+        not kept): the prompt features take one pass of the target over the prompt, as a ranking before the
+        prefill does."""
+        with self._lock:
+            self._reused_rows = rows
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         with self._lock:
@@ -523,12 +530,18 @@ class PredictionEngine(SynchronousRanking):
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.encoder.begin(prompt_ids)
 
-    def reuse_prefix(self, positions: int) -> None:
-        """The next prompt's first ``positions`` are the last generation's, their KV cache reused: an encoder
-        that reads the target's hidden states keeps theirs (TargetHiddenEncoder.reuse_prefix)."""
-        reuse = getattr(self.encoder, "reuse_prefix", None)
+    def prefix_rows(self, positions: int) -> torch.Tensor | None:
+        """An encoder that reads the target's hidden states: the last generation's rows of its first ``positions``
+        positions (TargetHiddenEncoder.prefix_rows); other encoders: None."""
+        rows = getattr(self.encoder, "prefix_rows", None)
+        return rows(positions) if rows is not None else None
+
+    def reuse_rows(self, rows: torch.Tensor | None) -> None:
+        """The next prompt's first positions come from the prompt cache: an encoder that reads the target's hidden
+        states takes their rows (TargetHiddenEncoder.reuse_rows)."""
+        reuse = getattr(self.encoder, "reuse_rows", None)
         if reuse is not None:
-            reuse(positions)
+            reuse(rows)
 
     def features(self, context: PredictionContext) -> torch.Tensor:
         prompt = self.encoder.prompt_features(context.prompt_ids)

@@ -1,4 +1,4 @@
-"""The target's KV cache kept from one generation to the next, for a prompt that starts the same way.
+"""The target's and drafts' KV caches kept from one generation for later ones, for a prompt that starts the same way.
 
 A robot's conversation grows turn by turn: each goal sends the whole conversation (system prompt, the earlier
 turns and their answers, the new request), so without this the target encodes the same leading tokens again at
@@ -20,12 +20,21 @@ model, on this CPU); elsewhere the controller encodes every prompt in full and s
 
 The drafts' KV caches are kept too, each with the model that computed it, so a draft that ran in the last goal
 and is still resident (the same model object: not evicted and reloaded, not replaced) does not catch up on the
-whole conversation again at its first proposal (27-38 ms at the fourth turn of a chat with the bundled zoo).
+whole conversation again at its first proposal (the fourth turn of a chat with the bundled zoo: 22.7 -> 4.0 ms,
+median; scripts/prompt_cache_bench.py).
 A draft only proposes, and the target verifies every token, so a draft's reused KV cannot change an output
-whatever its forward's rounding. The cache holds one
-conversation: a prompt that shares nothing with it starts from nothing and replaces it. Its memory is the KV
-cache a generation of that length uses anyway (the bundled target: 46 KB per token in fp32), kept between goals;
-``clear`` frees it.
+whatever its forward's rounding. With the target-hidden predictor, the target's hidden rows of the kept
+positions are kept too (2.3 KB per token for the bundled target), so the prompt features need no pass of their own.
+
+A robot rarely holds one conversation: a behaviour tree calls the model for several skills, each with its own
+fixed system prompt, and several people talk to it. So the caches of the last goals are kept within a byte budget
+(``RuntimeConfig.prompt_cache_bytes``, oldest dropped first; the last goal's is always kept), and a goal takes
+the one that shares the longest prefix with its prompt: the caches themselves if it continues that conversation
+(their tokens all begin its prompt), else a copy of the shared part (the system prompt another conversation
+shares, an edited turn), so the conversation stays for its own next turn (a copy of a 400-token prefix is 18 MB
+of memory copied, against a prefill of those tokens). Each holds the KV cache a generation of that length
+uses anyway (the bundled target: 46,080 bytes per token of buffer, which grows by doubling); ``clear`` frees
+them all.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .draft_forward import lean_forward_for
+from .kv_cache import copy_prefix
 from .speculative import KVState, forward_once
 
 _REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reuse_refused's answer
@@ -80,66 +90,150 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _prefix(kv: KVState, length: int, move: bool) -> KVState:
+    """``kv`` cropped to ``length`` (``move``: it is handed over) or a copy of its first ``length`` positions."""
+    if move:
+        kv.crop_to(length)
+        return kv
+    copy = KVState()
+    copy.cache, copy.length = copy_prefix(kv.cache, length), length
+    return copy
+
+
+def kv_bytes(kv: KVState) -> int:
+    """The memory a KV cache holds: its layers' key and value buffers (capacity, not only the valid length)."""
+    total = 0
+    for layer in getattr(kv.cache, "layers", ()):
+        for name in ("_key_buffer", "_value_buffer"):
+            buffer = getattr(layer, name, None)
+            if buffer is None:  # a layer of another kind: its current tensors
+                buffer = getattr(layer, name[1:].replace("_buffer", "s"), None)
+            total += buffer.nbytes if isinstance(buffer, torch.Tensor) else 0
+    return total
+
+
 @dataclass
 class Reuse:
     """What a generation takes from the cache: the target's KV cache of the prompt's first tokens (None: feed
-    the whole prompt) and, by draft name, a draft's model with its KV cache of (a part of) those tokens."""
+    the whole prompt), by draft name a draft's model with its KV cache of (a part of) those tokens, and the
+    target's hidden rows of those tokens where the predictor kept them (its prompt features need no pass)."""
 
     target: KVState | None = None
     drafts: dict[str, tuple[torch.nn.Module, KVState]] = field(default_factory=dict)
+    hidden_rows: torch.Tensor | None = None
+
+
+@dataclass
+class _Entry:
+    tokens: list[int]
+    kv: KVState
+    # name -> (the draft model, by weak reference: an evicted draft is not kept alive here, its KV cache)
+    drafts: dict[str, tuple[weakref.ref, KVState]]
+    hidden_rows: torch.Tensor | None
+
+    @property
+    def bytes(self) -> int:
+        rows = self.hidden_rows.nbytes if self.hidden_rows is not None else 0
+        return kv_bytes(self.kv) + sum(kv_bytes(kv) for _, kv in self.drafts.values()) + rows
 
 
 class PromptCache:
-    """The target's KV cache, the drafts', and the tokens they hold; a generation takes them and hands them back."""
+    """The KV caches of the last goals (target's, drafts') and the tokens they hold; a generation takes the one
+    that shares the most with its prompt and hands its own back.
 
-    def __init__(self) -> None:
-        self._tokens: list[int] = []
-        self._kv: KVState | None = None
-        # name -> (the draft model, by weak reference: an evicted draft is not kept alive here, its KV cache)
-        self._drafts: dict[str, tuple[weakref.ref, KVState]] = {}
+    ``budget_bytes``: the older goals' caches are kept while all of them together hold at most this many bytes
+    (oldest dropped first); the last goal's is always kept. 0: only the last goal's (one conversation)."""
+
+    def __init__(self, budget_bytes: int = 0) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"the prompt cache's budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._entries: list[_Entry] = []  # oldest first
+
+    # The reads below may come from another thread (the node's diagnostics): each works on a copy of the list.
+    @property
+    def conversations(self) -> int:
+        """Goals whose caches are held (each a conversation a later goal may continue)."""
+        return len(self._entries)
 
     @property
     def tokens(self) -> int:
-        """Tokens held (0: empty)."""
-        return len(self._tokens)
+        """Tokens held for the last goal (0: empty)."""
+        entries = list(self._entries)
+        return len(entries[-1].tokens) if entries else 0
 
     @property
     def drafts(self) -> dict[str, int]:
-        """The drafts whose KV caches are held, and the tokens each holds."""
-        return {name: kv.length for name, (_, kv) in self._drafts.items()}
+        """The drafts whose KV caches are held for the last goal, and the tokens each holds."""
+        entries = list(self._entries)
+        return {name: kv.length for name, (_, kv) in entries[-1].drafts.items()} if entries else {}
+
+    @property
+    def bytes(self) -> int:
+        """The memory the held caches take (buffers' capacity)."""
+        return sum(entry.bytes for entry in list(self._entries))
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget for the older goals' caches; a smaller one drops the oldest now."""
+        if budget_bytes < 0:
+            raise ValueError(f"the prompt cache's budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._trim()
+
+    def _trim(self) -> None:
+        entries = list(self._entries)
+        total = sum(entry.bytes for entry in entries)
+        while len(entries) > 1 and (not self.budget_bytes or total > self.budget_bytes):
+            total -= entries.pop(0).bytes
+        self._entries = entries
 
     def take(self, prompt_ids: Sequence[int]) -> Reuse:
-        """The KV caches cropped to what ``prompt_ids`` shares with them, leaving at least one prompt token to
-        feed; nothing when nothing is shared. Either way the cache is empty afterwards: the generation owns the
-        KV caches until ``keep`` hands them back."""
-        kv, tokens, drafts = self._kv, self._tokens, self._drafts
-        self.clear()
-        if kv is None:
+        """The caches of the goal that shares the longest prefix with ``prompt_ids`` (the latest of equals), cropped
+        to it, leaving at least one prompt token to feed; nothing when none shares a token. The generation owns
+        what it takes until ``keep`` hands its own back; with no budget for older goals, the cache is empty
+        afterwards."""
+        best, shared = None, 0
+        for entry in self._entries:
+            n = min(common_prefix(entry.tokens, prompt_ids), len(prompt_ids) - 1)
+            if n >= shared and n > 0:
+                best, shared = entry, n
+        # a goal that continues a kept conversation takes its caches (they grow on with it, and are kept again
+        # after it); one that only shares a part of them (another conversation with the same system prompt, a
+        # repeated or edited turn) gets copies of that part, and the conversation stays for its own next turn
+        move = best is not None and (not self.budget_bytes or shared == len(best.tokens))
+        if not self.budget_bytes:
+            self._entries = []
+        elif move:
+            self._entries = [e for e in self._entries if e is not best]
+        if best is None:
             return Reuse()
-        shared = min(common_prefix(tokens, prompt_ids), len(prompt_ids) - 1)
-        if shared < 1:
-            return Reuse()
-        kv.crop_to(shared)
-        reuse = Reuse(target=kv)
-        for name, (ref, draft_kv) in drafts.items():
+        reuse = Reuse(target=_prefix(best.kv, shared, move))
+        for name, (ref, draft_kv) in best.drafts.items():
             model = ref()
-            draft_kv.crop_to(shared)
-            if model is not None and draft_kv.length > 0:
-                reuse.drafts[name] = (model, draft_kv)
+            if model is not None and min(draft_kv.length, shared) > 0:
+                reuse.drafts[name] = (model, _prefix(draft_kv, min(draft_kv.length, shared), move))
+        if best.hidden_rows is not None and best.hidden_rows.shape[0] >= shared:
+            rows = best.hidden_rows[:shared]
+            reuse.hidden_rows = rows if move else rows.clone()
         return reuse
 
     def keep(self, tokens: Sequence[int], kv: KVState,
-             drafts: Mapping[str, tuple[torch.nn.Module, KVState]] | None = None) -> None:
-        """Hold ``kv`` (and the ``drafts``' KV caches) with the ``tokens`` it was fed (a finished generation's:
-        the newest is not fed yet). A generation that ended inside an accepted run (end token, stop string,
-        length) fed accepted tokens it then dropped: their positions are cropped."""
+             drafts: Mapping[str, tuple[torch.nn.Module, KVState]] | None = None,
+             hidden_rows: torch.Tensor | None = None) -> None:
+        """Hold ``kv`` (and the ``drafts``' KV caches, and the target's ``hidden_rows`` of those positions) with the
+        ``tokens`` it was fed (a finished generation's: the newest is not fed yet). A generation that ended inside
+        an accepted run (end token, stop string, length) fed accepted tokens it then dropped: their positions are
+        cropped. Older goals' caches then go, oldest first, until the budget holds."""
         kv.crop_to(len(tokens))
-        self._tokens, self._kv = list(tokens[: kv.length]), kv
-        self._drafts = {}
+        kept: dict[str, tuple[weakref.ref, KVState]] = {}
         for name, (model, draft_kv) in (drafts or {}).items():
             draft_kv.crop_to(kv.length)  # a draft's cache is a prefix of the target's tokens
             if draft_kv.length > 0:
-                self._drafts[name] = (weakref.ref(model), draft_kv)
+                kept[name] = (weakref.ref(model), draft_kv)
+        if hidden_rows is not None and hidden_rows.shape[0] != kv.length:
+            hidden_rows = hidden_rows[: kv.length] if hidden_rows.shape[0] > kv.length else None
+        self._entries = [*self._entries, _Entry(list(tokens[: kv.length]), kv, kept, hidden_rows)]
+        self._trim()
 
     def clear(self) -> None:
-        self._tokens, self._kv, self._drafts = [], None, {}
+        self._entries = []

@@ -5,6 +5,7 @@ where the two compute differently, how close each stays to the fp32 target (its 
 through the path: answer perplexity, share of positions whose argmax is the fp32 answer's token).
 
     .venv/bin/python scripts/ab_kernels.py HEAD int4 24      # revision, path (int4 | int8 | none), prompts
+    .venv/bin/python scripts/ab_kernels.py HEAD int4 0       # the forwards only (verify rows and prefills)
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ def libraries(revision: str) -> dict:
     return {"old": (old, status), "new": (new, status)}
 
 
-def forward_ms(target, lean, context: int, rows: int, repeats: int = 11) -> float:
+def forward_ms(target, lean, context: int, rows: int, repeats: int = 11, keep: int = 0) -> float:
+    """Median ms of a forward of ``rows`` after ``context`` cached positions, logits of the last ``keep`` (0: all,
+    as a verify; 1: a prefill's)."""
     kv, times = KVState(), []
     with torch.inference_mode():
         forward_once(target, [1000 + i for i in range(context)], kv, 1, "cpu", lean)
         for r in range(repeats + 2):
             start = time.perf_counter()
-            forward_once(target, [7 + i for i in range(rows)], kv, rows, "cpu", lean)
+            forward_once(target, [7 + i for i in range(rows)], kv, keep or rows, "cpu", lean)
             end = time.perf_counter()
             kv.crop_to(context)
             if r >= 2:
@@ -66,16 +69,18 @@ def main(revision: str, path: str, count: int) -> None:
     z = zoo(path, count)
     target, prompts, eos = z.target, z.prompts, z.eos
     lean = lean_forward_for(target)
-    for context in (64, 200):
-        for rows in (1, 5):
-            times = {w: [] for w in libs}
-            for rep in range(6):
-                for w in (("old", "new") if rep % 2 == 0 else ("new", "old")):
-                    use(w)
-                    times[w].append(forward_ms(target, lean, context, rows))
-            old, new = (statistics.median(times[w]) for w in ("old", "new"))
-            print(f"{path} forward, context {context}, {rows} rows: {revision} {old:.2f} ms, working tree {new:.2f} ms"
-                  f" -> {old / new:.3f}x")
+    for context, rows, keep in ((64, 1, 0), (64, 5, 0), (200, 1, 0), (200, 5, 0), (64, 8, 0), (1, 64, 1),
+                                (1, 256, 1)):
+        times = {w: [] for w in libs}
+        for rep in range(6):
+            for w in (("old", "new") if rep % 2 == 0 else ("new", "old")):
+                use(w)
+                times[w].append(forward_ms(target, lean, context, rows, repeats=11 if rows < 64 else 3, keep=keep))
+        old, new = (statistics.median(times[w]) for w in ("old", "new"))
+        kind = f"prefill of {rows} tokens" if keep else f"forward, context {context}, {rows} rows"
+        print(f"{path} {kind}: {revision} {old:.2f} ms, working tree {new:.2f} ms -> {old / new:.3f}x", flush=True)
+    if count == 0:
+        return
     totals = {(kind, w): [0.0, 0] for kind in ("alone", "adaptive") for w in libs}
     same = 0
     for i, ids in enumerate(prompts):

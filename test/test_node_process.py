@@ -247,11 +247,14 @@ def test_action_bench_runs_both_paths_with_identical_outputs(ros_domain_id, chat
 
 
 @pytest.mark.timeout(240)
-def test_demo_runs_end_to_end_and_leaves_no_process():
-    """`make demo`'s script on the tiny zoo: exit 0, streamed text, statistics, diagnostics, clean stop.
+@pytest.mark.parametrize("chat", [False, True], ids=["plain-zoo", "chat-zoo"])
+def test_demo_runs_end_to_end_and_leaves_no_process(chat):
+    """`make demo`'s script on the tiny zoo: exit 0, streamed text, statistics, diagnostics, clean stop; on a zoo
+    whose target has a chat template, a follow-up turn carrying the first turn and its answer.
 
     The demo claims a domain of its own (as `make demo` does), not this session's: a node named
     /memspec that a test in this process left behind must not be able to answer for the demo's."""
+    zoo = tiny_chat_zoo() if chat else tiny_zoo()
     env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
     done = subprocess.run(
         [
@@ -259,7 +262,7 @@ def test_demo_runs_end_to_end_and_leaves_no_process():
             "-m",
             "memspec_ros.ros.demo",
             "--zoo",
-            str(tiny_zoo()),
+            str(zoo),
             "--max-new-tokens",
             "8",
             "--prompt",
@@ -277,8 +280,13 @@ def test_demo_runs_end_to_end_and_leaves_no_process():
                      "node process exited cleanly"):
         assert expected in out, expected
     assert "Traceback" not in out + done.stderr
+    if chat:  # the follow-up turn: the first turn and its answer in the goal's messages, then the new one
+        assert "the conversation goes on" in out and "(2 earlier turns with it)" in out
+        assert out.count("finish: ") == 2, out
+    else:
+        assert "the model has no chat template: no follow-up turn" in out and out.count("finish: ") == 1
     import re
 
     assert 150 <= int(re.search(r"ROS_DOMAIN_ID (\d+)", out).group(1)) < 230  # its own, not this session's
-    leftover = subprocess.run(["pgrep", "-f", f"memspec_ros.ros.node.*{tiny_zoo()}"], capture_output=True, text=True)
+    leftover = subprocess.run(["pgrep", "-f", f"memspec_ros.ros.node.*{zoo}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", "the demo left a node process behind"

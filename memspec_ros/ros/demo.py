@@ -4,7 +4,8 @@
 2. bring it to active through the lifecycle services (ChangeState configure, then activate),
    exactly what ``ros2 lifecycle set`` or the launch file does;
 3. send a real prompt through the Generate action, text streamed as feedback arrives, then the
-   result's statistics (memspec_client's code path);
+   result's statistics (memspec_client's code path); with an instruct model, a follow-up turn of the same
+   conversation (the node's prompt cache reuses the first turn's encoding);
 4. print a snapshot of the node's /diagnostics;
 5. deactivate, cleanup, shutdown, then stop the process (its whole process group).
 
@@ -193,20 +194,42 @@ def bring_up(client: Client, configure_timeout: float, log_path: Path) -> None:
         raise RuntimeError(f"activate failed: see {log_path}")
 
 
-def generate(client: Client, prompt: str, max_new_tokens: int) -> None:
-    """One goal through the Generate action, its text streamed as feedback arrives, then its statistics."""
+FOLLOW_UP = "Thank you. Now say what it does in one sentence."
+
+
+def generate(client: Client, prompt: str, max_new_tokens: int, history: list[tuple[str, str]] = ()) -> str:
+    """One goal through the Generate action, its text streamed as feedback arrives, then its statistics; the
+    answer. With ``history`` (earlier (role, text) turns), the goal is that conversation and then ``prompt``."""
     from memspec_interfaces.action import Generate
+    from memspec_interfaces.msg import ChatMessage
 
     from .client import format_result, send_goal
 
-    say(f"goal: {max_new_tokens} tokens after the prompt\n{'-' * 72}\n{prompt}\033[36m")
-    goal = Generate.Goal(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0.0)
+    turns = [*history, ("user", prompt)] if history else []
+    say(f"goal: {max_new_tokens} tokens after the prompt" + (f" ({len(history)} earlier turns with it)" if history
+                                                              else "") + f"\n{'-' * 72}\n{prompt}\033[36m")
+    goal = Generate.Goal(prompt="" if turns else prompt, max_new_tokens=max_new_tokens, temperature=0.0,
+                         messages=[ChatMessage(role=role, content=text) for role, text in turns])
     outcome = send_goal(client.node, client.executor, goal, f"/{NODE_NAME}/generate", server_timeout=20.0)
     print("\033[0m" + "-" * 72)
     if outcome.result is None or not outcome.ok:
         raise RuntimeError(f"the goal did not succeed ({outcome.status})")
     say(format_result(outcome.result))
     say(f"{outcome.feedback_messages} feedback messages; goal answered in {outcome.goal_response_seconds * 1e3:.0f} ms")
+    return outcome.result.text
+
+
+def has_chat_template(client: Client, wait_seconds: float = 5.0) -> bool:
+    """The node's /diagnostics "chat template" (the model takes a conversation)."""
+    deadline = time.monotonic() + wait_seconds
+    while time.monotonic() < deadline:
+        for array in reversed(client.diagnostics):
+            for status in array.status:
+                for kv in status.values:
+                    if kv.key == "chat template":
+                        return kv.value == "True"
+        client.executor.spin_once(timeout_sec=0.1)
+    return False
 
 
 def show_diagnostics(client: Client, wait_seconds: float = 5.0) -> None:
@@ -265,7 +288,14 @@ def run(args) -> int:
     failed = ""
     try:
         bring_up(client, args.timeout, log_path)
-        generate(client, args.prompt or demo_prompt(zoo), args.max_new_tokens)
+        prompt = args.prompt or demo_prompt(zoo)
+        answer = generate(client, prompt, args.max_new_tokens)
+        if has_chat_template(client):  # the next turn of the conversation: the node reuses its encoding so far
+            say("the conversation goes on: the goal carries the first turn and its answer, so the node's prompt cache"
+                " encodes only the new turn")
+            generate(client, FOLLOW_UP, min(args.max_new_tokens, 64), history=[("user", prompt), ("assistant", answer)])
+        else:
+            say("the model has no chat template: no follow-up turn")
         show_diagnostics(client)
     except Exception as exc:  # a failed step: say which, then still shut down cleanly
         failed = str(exc)

@@ -233,10 +233,26 @@ def test_a_conversation_reuses_each_goals_kv_and_answers_as_without_it(c_target)
         assert (k == 0) or held.get(first.draft, 0) > len(history) // 2
         assert _first_catchup(without[k]) == len(history) + 1
         history = history + result.token_ids
-    # switched off at run time: the next goal encodes everything and the cache is freed
+    # switched off at run time, while idle: freed at once; the next goal encodes everything
+    assert on.prompt_cache.conversations > 0
     on.reconfigure(prompt_cache=False)
+    assert on.prompt_cache.conversations == 0 and on.prompt_cache.bytes == 0
     result = on.generate(turns[0] + with_cache[0].token_ids + turns[1], max_new_tokens=4)
     assert result.stats.reused_prompt_tokens == 0 and on.prompt_cache.tokens == 0
+    # switched off during a goal (at its first scheduling point): the goal keeps nothing when it ends
+    on.reconfigure(prompt_cache=True)
+    on.generate(turns[0], max_new_tokens=4)
+    assert on.prompt_cache.conversations == 1
+    inner = on._scheduling_point
+
+    def switch_off_then_schedule(*args):
+        on.reconfigure(prompt_cache=False)  # a goal runs: pending until this scheduling point applies it
+        return inner(*args)
+
+    on._scheduling_point = switch_off_then_schedule
+    result = on.generate(turns[0] + [5, 6], max_new_tokens=16)
+    assert result.stats.reused_prompt_tokens > 0  # it started with the cache on
+    assert on.prompt_cache.conversations == 0
 
 
 def test_a_failed_generation_keeps_no_kv(c_target):

@@ -188,8 +188,8 @@ PARAMS: tuple[Param, ...] = (
     Param("memspec.prompt_cache", True,
           "Keep the target's and the drafts' KV caches between goals and reuse them for a goal whose tokens start"
           " the same way (a conversation's earlier turns, the system prompt): only the rest is encoded. Outputs are"
-          " unchanged; it holds the last goal's KV caches in memory between goals (false: freed at the next goal)"
-          " (from the next goal).",
+          " unchanged; it holds the last goals' KV caches in memory (memspec.prompt_cache_bytes; false: freed at"
+          " once, a running goal's at its next scheduling point) (reuse from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="prompt_cache"),
     Param("memspec.prompt_cache_bytes", 128 * 2**20,
           "Bytes the prompt cache may hold for goals before the last (oldest dropped first), so goals that"

@@ -230,6 +230,8 @@ class RuntimeController:
             self.cache.reconfigure(new.capacity, new.budget_bytes)
         if new.prompt_cache_bytes != self.prompt_cache.budget_bytes:
             self.prompt_cache.set_budget(new.prompt_cache_bytes)
+        if not new.prompt_cache:
+            self.prompt_cache.clear()  # switched off: its memory goes now, not at the next goal
         self.config = new
 
     def _take_pending(self) -> RuntimeConfig | None:
@@ -293,7 +295,8 @@ class RuntimeController:
             )
             result = self._run(session, prompt_ids, should_cancel)
             self._remember(result.token_ids)
-            if reuse and session.started:  # a failed generation's KV is not kept
+            # a failed generation's KV is not kept, nor one whose cache was switched off while it ran
+            if reuse and session.started and self.config.prompt_cache:
                 prefix_rows = getattr(self.predictor, "prefix_rows", None)
                 rows = prefix_rows(session.target_kv.length) if prefix_rows is not None else None
                 self.prompt_cache.keep(session.tokens, session.target_kv, session.draft_kvs, rows)

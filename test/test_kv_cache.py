@@ -89,3 +89,23 @@ def test_keys_and_values_read_the_valid_prefix_after_claims_crops_and_a_reset():
     k, v = _states(2, 9)
     got_k, got_v = cache.update(k, v, 0)
     assert torch.equal(got_k, k) and torch.equal(got_v, v) and cache.get_seq_length() == 2
+
+
+def test_copy_prefix_copies_the_positions_and_refuses_more_than_held():
+    import pytest
+
+    from memspec_ros.runtime.kv_cache import copy_prefix
+
+    cache = preallocated_cache()
+    keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    for layer in range(2):
+        cache.update(keys + layer, values - layer, layer)
+    copy = copy_prefix(cache, 6)
+    assert copy.get_seq_length() == 6
+    for layer in range(2):
+        assert torch.equal(copy.layers[layer].keys, keys[..., :6, :] + layer)
+        assert torch.equal(copy.layers[layer].values, values[..., :6, :] - layer)
+    copy.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)  # they grow apart
+    assert cache.layers[0].keys.shape[-2] == 10 and torch.equal(cache.layers[0].keys, keys)
+    with pytest.raises(ValueError, match="fewer than the 11 positions"):
+        copy_prefix(cache, 11)

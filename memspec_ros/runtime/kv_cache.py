@@ -125,11 +125,13 @@ def copy_prefix(cache: Cache, length: int) -> Cache:
     grow apart (runtime/prompt_cache.py hands a goal that diverges from a kept conversation a copy of what they
     share, and keeps the conversation)."""
     out = preallocated_cache()
-    for layer in cache.layers:
-        copy = PreallocatedLayer()
+    for i, layer in enumerate(cache.layers):
         keys, values = layer.keys, layer.values
-        if keys is not None and keys.dim() == 4 and keys.shape[-2] >= length:
-            copy.update(keys[..., :length, :], values[..., :length, :])  # written into the copy's own buffers
+        if keys is None or keys.dim() != 4 or keys.shape[-2] < length:
+            held = None if keys is None else tuple(keys.shape)
+            raise ValueError(f"layer {i} holds keys of shape {held}: fewer than the {length} positions to copy")
+        copy = PreallocatedLayer()
+        copy.update(keys[..., :length, :], values[..., :length, :])  # written into the copy's own buffers
         out.layers.append(copy)
     return out
 

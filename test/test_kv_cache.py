@@ -109,3 +109,11 @@ def test_copy_prefix_copies_the_positions_and_refuses_more_than_held():
     assert cache.layers[0].keys.shape[-2] == 10 and torch.equal(cache.layers[0].keys, keys)
     with pytest.raises(ValueError, match="fewer than the 11 positions"):
         copy_prefix(cache, 11)
+
+
+def test_freed_memory_is_handed_back_where_the_c_library_can():
+    import platform
+
+    from memspec_ros.runtime.kv_cache import release_freed_memory
+
+    assert release_freed_memory() == (platform.libc_ver()[0] == "glibc")

@@ -17,6 +17,10 @@ apiece (measured: int4, 1 thread, ~0.56 ms per iteration for claims and crops to
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -134,4 +138,29 @@ def copy_prefix(cache: Cache, length: int) -> Cache:
         copy.update(keys[..., :length, :], values[..., :length, :])  # written into the copy's own buffers
         out.layers.append(copy)
     return out
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another C library, or none found)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the operating system (glibc's malloc_trim); False where there is none.
+
+    Why: KV buffers of a few hundred KB per layer come from the heap once glibc has raised its mmap threshold, and
+    when the prompt cache drops a goal's caches their pages stay with the process. Measured with the bundled zoo
+    (fp32, 240 goals, every sixth up to 600 tokens, the default 128 MiB budget; the cache held 131 MB throughout):
+    resident memory drifted between 1,492 and 1,759 MB without this and stayed at 1,340-1,380 MB with it after each
+    goal; a call took 2.4 ms (median, 8.8 at most)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .draft_forward import lean_forward_for
-from .kv_cache import copy_prefix
+from .kv_cache import copy_prefix, release_freed_memory
 from .speculative import KVState, forward_once
 
 _REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reuse_refused's answer
@@ -183,9 +183,13 @@ class PromptCache:
     def _trim(self) -> None:
         entries = list(self._entries)
         total = sum(entry.bytes for entry in entries)
+        dropped = 0
         while len(entries) > 1 and (not self.budget_bytes or total > self.budget_bytes):
             total -= entries.pop(0).bytes
+            dropped += 1
         self._entries = entries
+        if dropped:
+            release_freed_memory()  # their buffers' pages go back to the system (kv_cache.release_freed_memory)
 
     def take(self, prompt_ids: Sequence[int]) -> Reuse:
         """The caches of the goal that shares the longest prefix with ``prompt_ids`` (the latest of equals), cropped
@@ -236,4 +240,7 @@ class PromptCache:
         self._trim()
 
     def clear(self) -> None:
-        self._entries = []
+        held, self._entries = self._entries, []
+        if held:
+            del held
+            release_freed_memory()

@@ -20,8 +20,8 @@ model, on this CPU); elsewhere the controller encodes every prompt in full and s
 
 The drafts' KV caches are kept too, each with the model that computed it, so a draft that ran in the last goal
 and is still resident (the same model object: not evicted and reloaded, not replaced) does not catch up on the
-whole conversation again at its first proposal (the fourth turn of a chat with the bundled zoo: 22.7 -> 4.0 ms,
-median; scripts/prompt_cache_bench.py).
+whole conversation again at its first proposal (the fourth turn of a chat with the bundled zoo: 19.7 -> 4.7 ms,
+median; scripts/prompt_cache_bench.py, docs/results/prompt-cache.json).
 A draft only proposes, and the target verifies every token, so a draft's reused KV cannot change an output
 whatever its forward's rounding. With the target-hidden predictor, the target's hidden rows of the kept
 positions are kept too (2.3 KB per token for the bundled target), so the prompt features need no pass of their own.
@@ -34,7 +34,7 @@ the one that shares the longest prefix with its prompt: the caches themselves if
 shares, an edited turn), so the conversation stays for its own next turn (a copy of a 400-token prefix is 18 MB
 of memory copied, against a prefill of those tokens). Each holds the KV cache a generation of that length
 uses anyway (the bundled target: 46,080 bytes per token of buffer, which grows by doubling); ``clear`` frees
-them all.
+them all, and dropping any hands the freed pages back to the system (kv_cache.release_freed_memory).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ apiece (measured: int4, 1 thread, ~0.56 ms per iteration for claims and crops to
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 import torch
@@ -142,10 +141,10 @@ def copy_prefix(cache: Cache, length: int) -> Cache:
 
 @functools.cache
 def _malloc_trim():
-    """glibc's malloc_trim, or None (another C library, or none found)."""
+    """glibc's malloc_trim, or None (another C library). By its soname: ctypes.util.find_library would start
+    ldconfig or a compiler in a subprocess, here inside a goal."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
 

@@ -290,7 +290,9 @@ def run(args) -> int:
         bring_up(client, args.timeout, log_path)
         prompt = args.prompt or demo_prompt(zoo)
         answer = generate(client, prompt, args.max_new_tokens)
-        if has_chat_template(client):  # the next turn of the conversation: the node reuses its encoding so far
+        if not answer.strip():
+            say("the answer is empty: no follow-up turn (a conversation's turns must say something)")
+        elif has_chat_template(client):  # the next turn of the conversation: the node reuses its encoding so far
             say("the conversation goes on: the goal carries the first turn and its answer, so the node's prompt cache"
                 " encodes only the new turn")
             generate(client, FOLLOW_UP, min(args.max_new_tokens, 64), history=[("user", prompt), ("assistant", answer)])

@@ -137,22 +137,27 @@ def _spin_until(executor, future, timeout: float) -> None:
 
 def build_goal(args):
     """The goal: the prompt alone, or with --system a system message and the prompt as the user's."""
-    from memspec_interfaces.action import Generate
     from memspec_interfaces.msg import ChatMessage
 
-    prompt, messages = args.prompt, []
     if args.system is not None:
-        prompt, messages = "", [ChatMessage(role=ChatMessage.ROLE_SYSTEM, content=args.system),
-                                ChatMessage(role=ChatMessage.ROLE_USER, content=args.prompt)]
-    return Generate.Goal(prompt=prompt, messages=messages, raw=args.raw, max_new_tokens=args.max_new_tokens,
-                         stop=args.stop or [], temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        return goal_from_args(args, [ChatMessage(role=ChatMessage.ROLE_SYSTEM, content=args.system),
+                                     ChatMessage(role=ChatMessage.ROLE_USER, content=args.prompt)])
+    return goal_from_args(args)
+
+
+def goal_from_args(args, messages=None):
+    """A goal with the command line's settings: ``messages`` (a conversation), else the prompt as it is."""
+    from memspec_interfaces.action import Generate
+
+    return Generate.Goal(prompt="" if messages else args.prompt, messages=list(messages or []), raw=args.raw,
+                         max_new_tokens=args.max_new_tokens, stop=args.stop or [], temperature=args.temperature,
+                         top_p=args.top_p, seed=args.seed)
 
 
 def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
     """--chat: each non-empty line of ``lines`` is a user turn of one conversation, sent with every turn before it
     and the node's answers. A turn that fails is left out of the conversation. The exit status: 0 if every turn
     succeeded, 1 if one did not, 130 interrupted."""
-    from memspec_interfaces.action import Generate
     from memspec_interfaces.msg import ChatMessage
 
     history = [ChatMessage(role=ChatMessage.ROLE_SYSTEM, content=args.system)] if args.system is not None else []
@@ -163,9 +168,8 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
         if not text:
             continue
         history.append(ChatMessage(role=ChatMessage.ROLE_USER, content=text))
-        goal = Generate.Goal(prompt="", messages=list(history), max_new_tokens=args.max_new_tokens,
-                             stop=args.stop or [], temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        outcome = send_goal(node, executor, goal, action, server_timeout=args.timeout, out=out, log=log)
+        outcome = send_goal(node, executor, goal_from_args(args, history), action, server_timeout=args.timeout,
+                            out=out, log=log)
         if outcome.result is not None and not args.quiet:
             print(format_result(outcome.result), file=out)
         if outcome.status == "interrupted":

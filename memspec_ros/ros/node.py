@@ -77,24 +77,24 @@ class RecordingRanker:
         self.failures = 0
         self.last_error = ""
 
-    def begin(self, prompt_ids) -> None:
+    def _guarded(self, call, *args):
+        """``call(*args)``; if it raises, the failure is counted for /diagnostics and None returned: a broken
+        predictor costs speed, never a goal."""
         try:
-            self.engine.begin(prompt_ids)
-        except Exception as exc:  # the rankings of this goal fall back (rank below)
-            self._failed(exc)
-
-    def prefix_rows(self, positions: int):
-        try:
-            return self.engine.prefix_rows(positions)
-        except Exception as exc:  # nothing kept: the prompt features of a goal continuing it take a target pass
+            return call(*args)
+        except Exception as exc:
             self._failed(exc)
             return None
 
+    def begin(self, prompt_ids) -> None:
+        self._guarded(self.engine.begin, prompt_ids)  # failed: the rankings of this goal fall back (rank below)
+
+    def prefix_rows(self, positions: int):
+        # failed: nothing kept, and the prompt features of a goal continuing it take a target pass
+        return self._guarded(self.engine.prefix_rows, positions)
+
     def reuse_rows(self, rows) -> None:
-        try:
-            self.engine.reuse_rows(rows)
-        except Exception as exc:  # the prompt features then take a pass of the target
-            self._failed(exc)
+        self._guarded(self.engine.reuse_rows, rows)  # failed: the prompt features take a pass of the target
 
     def rank(self, context):
         """The predictor's ranking; if it raises, general-static's order (drafts of domain "general" first,

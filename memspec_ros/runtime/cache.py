@@ -40,6 +40,7 @@ import torch
 
 from .models import LoadedModel, ModelSpec, load_model
 from .stats import CacheStats
+from .storage import weights_identity
 
 Loader = Callable[[str], LoadedModel]
 Ranking = Sequence[str] | Sequence[tuple[str, float]] | Mapping[str, float]
@@ -303,8 +304,6 @@ class DraftCacheManager:
         replaced them): the next prefetch reads the files as they are now. A load in flight is checked the same
         way when it lands, and dropped if its files changed. Returns the names evicted. Call it with no generation
         running (the node does when the draft registry is set): ``on_evict`` runs on this thread."""
-        from .storage import weights_identity
-
         with self._lock:
             resident = [(n, s.model.spec.path, s.files) for n, s in self._slots.items() if s.model is not None]
             for slot in self._slots.values():
@@ -524,10 +523,8 @@ class DraftCacheManager:
                 raise  # the future carries it; whoever waits on it reads the slot
             return  # SystemExit, KeyboardInterrupt: the future would hand them to a waiting decode thread
         elapsed = time.perf_counter() - t0
-        from .storage import weights_identity
-
         # the files as they were before the read (registry_loader records it); a loader that does not: as they are
-        files = getattr(loaded, "files", ()) or weights_identity(loaded.spec.path)
+        files = loaded.files or weights_identity(loaded.spec.path)
         stale = slot.recheck and weights_identity(loaded.spec.path) != files
         with self._lock:
             self._counters.load_seconds += elapsed
@@ -601,7 +598,7 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
     through that storage tier; None: load_model as it is. ``quantization``: the drafts' forward path
     (none, int8, int4: runtime/forward_paths.py)."""
     from .draft_forward import lean_forward_for
-    from .storage import draft_storage, weights_identity
+    from .storage import draft_storage
 
     reader = draft_storage(storage)
 

@@ -275,11 +275,9 @@ class RuntimeController:
             if self.config.reset_cache_per_generation:
                 self.cache.reset()
             reuse = self.config.prompt_cache and not self.prompt_cache_refused
-            if reuse:
-                reused = self.prompt_cache.take(prompt_ids)  # the generation owns it until it hands it back
-            else:
-                reused = Reuse()
-                self.prompt_cache.clear()  # a cache switched off frees its memory
+            # the generation owns what it takes until it hands its own back (switched off, the cache is empty:
+            # _apply cleared it)
+            reused = self.prompt_cache.take(prompt_ids) if reuse else Reuse()
             prefix = reused.target
             reuse_rows = getattr(self.predictor, "reuse_rows", None)
             if prefix is not None and reuse_rows is not None:

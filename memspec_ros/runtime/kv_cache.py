@@ -123,6 +123,12 @@ def preallocated_cache() -> Cache:
     return Cache(layer_class_to_replicate=PreallocatedLayer)
 
 
+def buffer_bytes(cache: Cache) -> int:
+    """The memory a :func:`preallocated_cache` holds: its layers' key and value buffers (capacity, not length)."""
+    return sum(buffer.nbytes for layer in cache.layers for buffer in (layer._key_buffer, layer._value_buffer)
+               if buffer is not None)
+
+
 def copy_prefix(cache: Cache, length: int) -> Cache:
     """A new :func:`preallocated_cache` holding copies of ``cache``'s first ``length`` positions: the two then
     grow apart (runtime/prompt_cache.py hands a goal that diverges from a kept conversation a copy of what they
@@ -141,10 +147,10 @@ def copy_prefix(cache: Cache, length: int) -> Cache:
 
 @functools.cache
 def _malloc_trim():
-    """glibc's malloc_trim, or None (another C library). By its soname: ctypes.util.find_library would start
-    ldconfig or a compiler in a subprocess, here inside a goal."""
+    """glibc's malloc_trim from the process's own symbols (as storage.py reaches libc), or None (another C
+    library). Not ctypes.util.find_library: it would start ldconfig or a compiler in a subprocess, inside a goal."""
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
 

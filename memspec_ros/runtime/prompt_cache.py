@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .draft_forward import lean_forward_for
-from .kv_cache import copy_prefix, release_freed_memory
+from .kv_cache import buffer_bytes, copy_prefix, release_freed_memory
 from .speculative import KVState, forward_once
 
 _REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reuse_refused's answer
@@ -100,18 +100,6 @@ def _prefix(kv: KVState, length: int, move: bool) -> KVState:
     return copy
 
 
-def kv_bytes(kv: KVState) -> int:
-    """The memory a KV cache holds: its layers' key and value buffers (capacity, not only the valid length)."""
-    total = 0
-    for layer in getattr(kv.cache, "layers", ()):
-        for name in ("_key_buffer", "_value_buffer"):
-            buffer = getattr(layer, name, None)
-            if buffer is None:  # a layer of another kind: its current tensors
-                buffer = getattr(layer, name[1:].replace("_buffer", "s"), None)
-            total += buffer.nbytes if isinstance(buffer, torch.Tensor) else 0
-    return total
-
-
 @dataclass
 class Reuse:
     """What a generation takes from the cache: the target's KV cache of the prompt's first tokens (None: feed
@@ -134,7 +122,7 @@ class _Entry:
     @property
     def bytes(self) -> int:
         rows = self.hidden_rows.nbytes if self.hidden_rows is not None else 0
-        return kv_bytes(self.kv) + sum(kv_bytes(kv) for _, kv in self.drafts.values()) + rows
+        return buffer_bytes(self.kv.cache) + sum(buffer_bytes(kv.cache) for _, kv in self.drafts.values()) + rows
 
 
 class PromptCache:

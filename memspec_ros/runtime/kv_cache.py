@@ -160,9 +160,9 @@ def release_freed_memory() -> bool:
 
     Why: KV buffers of a few hundred KB per layer come from the heap once glibc has raised its mmap threshold, and
     when the prompt cache drops a goal's caches their pages stay with the process. Measured with the bundled zoo
-    (fp32, 240 goals, every sixth up to 600 tokens, the default 128 MiB budget; the cache held 131 MB throughout):
-    resident memory drifted between 1,492 and 1,759 MB without this and stayed at 1,340-1,380 MB with it after each
-    goal; a call took 2.4 ms (median, 8.8 at most)."""
+    (scripts/prompt_cache_memory.py: fp32, 240 goals, every sixth up to 600 tokens, the default 128 MiB budget; the
+    cache held 121-134 MB throughout): resident memory 1,562-1,642 MB without this, 1,385-1,414 MB with it; a call
+    took 3.0 ms (median of 189, 18.9 at most)."""
     trim = _malloc_trim()
     if trim is None:
         return False

@@ -275,6 +275,43 @@ def test_memspec_client_chat_holds_a_conversation(h, tok):
         assert len(reused) == 2 and reused[1] > reused[0] > len(templated(tok, turns[:2])) // 2
 
 
+def test_memspec_client_chat_leaves_out_a_turn_answered_with_no_text(h, tok, monkeypatch):
+    """The node refuses a conversation holding an empty turn, so an empty (or blank) answer must not join the
+    history: the turn after it is still accepted, and carries neither the blank answer nor its question."""
+    import dataclasses
+    import io
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    from memspec_ros.ros.client import chat, parse_args
+
+    controller = h.node.loaded.controller
+    recorded = controller.generate
+
+    def blank_for_silence(prompt, *args, **kwargs):
+        out = recorded(prompt, *args, **kwargs)
+        if "Say nothing" in tok.decode(prompt):
+            return dataclasses.replace(out, text=" \n")
+        return out
+
+    monkeypatch.setattr(controller, "generate", blank_for_silence)
+    args = parse_args(["--chat", "--max-new-tokens", "4", "--node", "/memspec_chat"])
+    node = rclpy.create_node("memspec_chat_cli_blank", context=h.client.context)
+    executor = SingleThreadedExecutor(context=h.client.context)
+    executor.add_node(node)
+    out, log = io.StringIO(), io.StringIO()
+    try:
+        h.calls.clear()
+        assert chat(node, executor, args, ["Hi\n", "Say nothing\n", "And then?\n"], out=out, log=log) == 0
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+    assert len(h.calls) == 3 and "left out of the conversation" in log.getvalue()
+    first = tok.decode(h.calls[0]["token_ids"], skip_special_tokens=True).replace("\x00", "")
+    assert h.calls[2]["prompt_ids"] == templated(tok, [("user", "Hi"), ("assistant", first), ("user", "And then?")])
+
+
 def test_the_behaviour_tree_client_sends_messages_and_raw(h, tok):
     import time
 

@@ -156,7 +156,7 @@ def goal_from_args(args, messages=None):
 
 def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
     """--chat: each non-empty line of ``lines`` is a user turn of one conversation, sent with every turn before it
-    and the node's answers. A turn that fails is left out of the conversation. The exit status: 0 if every turn
+    and the node's answers. A turn that fails, or is answered with no text, is left out of the conversation. The exit status: 0 if every turn
     succeeded, 1 if one did not, 130 interrupted."""
     from memspec_interfaces.msg import ChatMessage
 
@@ -179,6 +179,10 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
             status = 1
             if outcome.status in ("no-server", "timeout"):
                 return status
+        elif not outcome.result.text.strip():
+            # the node refuses a conversation with an empty turn: this one would reject every turn after it
+            history.pop()
+            print("(the answer was empty: this turn is left out of the conversation)", file=log)
         else:
             history.append(ChatMessage(role=ChatMessage.ROLE_ASSISTANT, content=outcome.result.text))
     return status

@@ -329,6 +329,91 @@ def test_a_goal_is_tokenized_once_and_runs_on_one_executor_thread_with_no_thread
     assert all(t.name.startswith("ThreadPoolExecutor") for t in during - before), during - before
 
 
+def test_a_goal_that_never_reaches_its_accepted_callback_gives_its_queue_place_back(h, monkeypatch):
+    """rclpy skips the accepted callback when it cannot send the goal response (the client went away) or make the
+    goal handle (a goal id taken): the goal callback's reservation is then an orphan. It must not hold a queue
+    place, nor make a deactivate wait for it, for longer than RESERVATION_TIMEOUT_SECONDS; an accepted callback
+    that still comes after that ends its goal ABORTED with a result."""
+    import time
+
+    from unique_identifier_msgs.msg import UUID
+
+    from memspec_ros.ros import goal_runner
+
+    runner = h.node._runner
+    monkeypatch.setattr(goal_runner, "RESERVATION_TIMEOUT_SECONDS", 1.0)
+    assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": 0}))
+    try:
+        orphan = goal(max_new_tokens=4)
+        assert runner.on_goal(orphan) == goal_runner.GoalResponse.ACCEPT  # what rclpy runs first; then nothing
+        refused, _ = h.send(goal(max_new_tokens=4))
+        assert not refused.accepted and "queue is full" in h.node.last_rejection  # the orphan holds the place
+        time.sleep(1.2)
+        accepted, _ = h.send(goal(max_new_tokens=4))
+        assert accepted.accepted, h.node.last_rejection
+        assert h.result(accepted).status == GoalStatus.STATUS_SUCCEEDED
+        assert runner.wait_idle(0.5) and not runner._reserved
+
+        class LateHandle:  # the orphan's accepted callback, coming after all
+            request, outcome, goal_id = orphan, [], UUID()
+
+            def execute(self, callback=None):
+                self.result = callback(self)
+
+            def abort(self):
+                self.outcome.append("aborted")
+
+        with runner._cv:
+            unanswered = runner._unanswered
+        late = LateHandle()
+        runner.on_accepted(late)
+        assert late.outcome == ["aborted"] and late.result.finish_reason == Generate.Result.FINISH_ERROR
+        assert "accepted callback came" in late.result.error_message
+        with runner._cv:
+            assert runner._unanswered == unanswered
+        assert runner.on_goal(goal(max_new_tokens=4)) == goal_runner.GoalResponse.ACCEPT  # another orphan
+        t0 = time.monotonic()
+        assert h.transition(Transition.TRANSITION_DEACTIVATE)
+        assert time.monotonic() - t0 < goal_runner.DEACTIVATE_WAIT_SECONDS / 2  # not held by the orphan
+        assert h.transition(Transition.TRANSITION_ACTIVATE)
+    finally:
+        h.set_params(**{"action.max_queued_goals": 4})
+
+
+def test_cleanup_never_frees_the_models_under_a_goal_that_has_not_ended_yet(h, monkeypatch):
+    """A goal told to end at deactivate ends at its next iteration; one that does not get there within the wait
+    (a long prefill on a loaded machine, here a generate call that blocks) leaves deactivate done with a warning,
+    and cleanup refused (FAILURE, still inactive) instead of freeing the models under it."""
+    import threading
+
+    from memspec_ros.ros import goal_runner
+    from memspec_ros.ros import node as node_module
+
+    monkeypatch.setattr(goal_runner, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(node_module, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    controller = h.node.loaded.controller
+    generate, entered, release = controller.generate, threading.Event(), threading.Event()
+
+    def blocking_generate(*args, **kwargs):
+        entered.set()
+        release.wait(30.0)  # deaf to the abort until released
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "generate", blocking_generate)
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert handle.accepted and entered.wait(10.0)
+    try:
+        assert h.transition(Transition.TRANSITION_DEACTIVATE)
+        assert not h.transition(Transition.TRANSITION_CLEANUP)
+        assert h.state() == "inactive" and h.node.loaded is not None
+    finally:
+        release.set()
+    response = h.result(handle, 30.0)
+    assert response.status == GoalStatus.STATUS_ABORTED and "deactivated" in response.result.error_message
+    assert h.transition(Transition.TRANSITION_CLEANUP) and h.node.loaded is None
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+
+
 class _Handle:
     def __init__(self, fail: bool = False) -> None:
         self.sent: list[Generate.Feedback] = []

@@ -156,8 +156,8 @@ def goal_from_args(args, messages=None):
 
 def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
     """--chat: each non-empty line of ``lines`` is a user turn of one conversation, sent with every turn before it
-    and the node's answers. A turn that fails, or is answered with no text, is left out of the conversation. The exit status: 0 if every turn
-    succeeded, 1 if one did not, 130 interrupted."""
+    and the node's answers. A turn that fails, or is answered with no text, is left out of the conversation. The
+    exit status: 0 if every turn succeeded, 1 if one did not, 130 interrupted."""
     from memspec_interfaces.msg import ChatMessage
 
     history = [ChatMessage(role=ChatMessage.ROLE_SYSTEM, content=args.system)] if args.system is not None else []

@@ -44,6 +44,10 @@ ACTION_SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100, reli
                                 durability=DurabilityPolicy.VOLATILE)
 CANCELING_WAIT_SECONDS = 5.0  # rclpy marks a goal CANCELING only after the cancel callback returned
 CANCELING_POLL_SECONDS = 0.001
+# rclpy calls the accepted callback in the same task, milliseconds after the goal callback, unless sending the
+# goal response failed (the client went away) or the goal handle could not be made (a duplicate goal id): then
+# never. A reservation older than this is such an orphan and gives its place back.
+RESERVATION_TIMEOUT_SECONDS = 10.0
 NOT_ACTIVE_TODO = {"unconfigured": "configure and activate it", "inactive": "activate it",
                    "finalized": "start the node again"}
 # A goal's bounds (Generate.action documents them): stop strings are matched against the text at every
@@ -66,6 +70,7 @@ class Job:
     request: Generate.Goal
     prompt_ids: list[int]  # tokenized and checked once, in the goal callback
     goal_handle: Any = None
+    reserved_at: float = 0.0  # time.monotonic() when the goal callback accepted it
     abort_reason: str | None = None  # the node is deactivating or going: end with the partial text
     result: Generate.Result | None = None  # set when the goal ended before it ran
 
@@ -182,9 +187,10 @@ class GoalRunner:
         with self._cv:
             self._loaded, self._stats_pub = loaded, stats_pub
 
-    def end_goals(self, reason: str) -> None:
+    def end_goals(self, reason: str) -> bool:
         """Refuse new goals; end the queued goals now and the running one at its next iteration, ABORTED
-        with ``reason``; returns once the running goal is over (at most DEACTIVATE_WAIT_SECONDS)."""
+        with ``reason``; returns once the running goal is over, True, or after DEACTIVATE_WAIT_SECONDS, False
+        (a goal that has not reached its next iteration yet: it still ends ABORTED when it does)."""
         with self._cv:
             self._loaded, self._ended_with = None, reason
             queued, self._queue = list(self._queue), deque()
@@ -192,9 +198,22 @@ class GoalRunner:
                 self._running.abort_reason = reason
         for job in queued:
             self._end_unrun(job, reason)
+        over = self.wait_idle(DEACTIVATE_WAIT_SECONDS)
         with self._cv:
-            self._cv.wait_for(lambda: self._running is None and not self._reserved, DEACTIVATE_WAIT_SECONDS)
             self._stats_pub = None
+        return over
+
+    def wait_idle(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` until no goal runs and none is between its two callbacks; True if so."""
+        deadline = time.monotonic() + seconds
+        with self._cv:
+            # in steps: an orphaned reservation turns stale with time alone, with nothing to notify
+            while self._running is not None or self._live_reservations():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 1.0))
+        return True
 
     def close(self, reason: str, results_out_seconds: float) -> bool:
         """Take no goal again, end the goals (``end_goals``) and wait up to ``results_out_seconds`` until
@@ -304,21 +323,45 @@ class GoalRunner:
         """A place for the goal now, so that concurrent goal callbacks see it; else why not."""
         room = 1 + self._param("action.max_queued_goals")
         with self._cv:
+            self._live_reservations()
             taken = len(self._reserved) + len(self._queue) + (self._running is not None)
             if taken >= room:
                 waiting = taken - (self._running is not None)
                 return f"the goal queue is full ({waiting} waiting, action.max_queued_goals {room - 1}): retry later"
-            self._reserved.append(Job(goal, ids))
+            self._reserved.append(Job(goal, ids, reserved_at=time.monotonic()))
             self._unanswered += 1
         return ""
+
+    def _live_reservations(self) -> list[Job]:
+        """The reservations still waiting for their accepted callback; orphans (see RESERVATION_TIMEOUT_SECONDS)
+        are dropped, so they hold no queue place and no deactivate waits for them. Called holding ``_cv``."""
+        stale = time.monotonic() - RESERVATION_TIMEOUT_SECONDS
+        orphans = [job for job in self._reserved if job.reserved_at < stale]
+        if orphans:
+            self._reserved = [job for job in self._reserved if job.reserved_at >= stale]
+            self._unanswered -= len(orphans)
+            self._node.get_logger().warning(
+                f"{len(orphans)} accepted goal(s) never reached the accepted callback within"
+                f" {RESERVATION_TIMEOUT_SECONDS:g} s (rclpy could not send the goal response: the client went"
+                " away, or the goal id was taken): their queue places are free again")
+        return self._reserved
 
     # -- accepted callback: queue the handle ----------------------------------------------------------
     def on_accepted(self, goal_handle) -> None:
         with self._cv:
             # rclpy hands this callback the very request object the goal callback checked
-            job = next(j for j in self._reserved if j.request is goal_handle.request)
-            self._reserved.remove(job)
-            job.goal_handle = goal_handle
+            job = next((j for j in self._reserved if j.request is goal_handle.request), None)
+            if job is None:  # so late that its reservation was dropped as an orphan: answered, never run
+                late = Job(goal_handle.request, [], goal_handle=goal_handle)
+                self._unanswered += 1
+            else:
+                self._reserved.remove(job)
+                job.goal_handle = goal_handle
+        if job is None:
+            self._end_unrun(late, f"its accepted callback came more than {RESERVATION_TIMEOUT_SECONDS:g} s after"
+                                  " the goal was accepted (an overloaded executor?): send it again")
+            return
+        with self._cv:
             ended = self._loaded is None  # the goals were ended between the two callbacks
             start = not ended and self._running is None
             if start:

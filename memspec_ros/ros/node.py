@@ -51,7 +51,7 @@ from .diagnostics import (
     cache_state_msg,
     make_updater,
 )
-from .goal_runner import GoalRunner
+from .goal_runner import DEACTIVATE_WAIT_SECONDS, GoalRunner
 from .param_handler import ParameterHandler
 from .rclpy_internals import guard_change_state, lifecycle_state_label
 
@@ -197,6 +197,12 @@ class MemSpecNode(LifecycleNode):
         return super().on_deactivate(state)
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        # a goal told to end at deactivate may not have reached its next iteration yet (a long prefill on a
+        # loaded machine): its models are not freed under it
+        if not self._runner.wait_idle(DEACTIVATE_WAIT_SECONDS):
+            self.get_logger().error(f"cleanup refused: a goal still runs {DEACTIVATE_WAIT_SECONDS:g} s after it was"
+                                    " told to end (it ends ABORTED at its next iteration): try cleanup again")
+            return TransitionCallbackReturn.FAILURE
         self._release()
         self.get_logger().info("cleaned up: every model freed")
         return TransitionCallbackReturn.SUCCESS
@@ -220,7 +226,9 @@ class MemSpecNode(LifecycleNode):
 
     def _end_goals(self, reason: str) -> None:
         self._active = False
-        self._runner.end_goals(reason)
+        if not self._runner.end_goals(reason):
+            self.get_logger().warning(f"the running goal has not reached its next iteration {DEACTIVATE_WAIT_SECONDS:g}"
+                                      " s after it was told to end; it ends ABORTED when it does")
 
     def close_goals(self, reason: str) -> None:
         """Take no more goals, end the running and queued ones ABORTED with ``reason`` and wait until their

@@ -168,6 +168,10 @@ def test_a_policy_without_its_predictor_runs_general_static_with_a_warning(harne
     [refused] = h.set_params(**{"memspec.policy": "memspec"})
     assert not refused.successful and "needs a trained predictor" in refused.reason
     assert h.node.loaded.controller.config.policy == "general-static"
+    if predictor == "none":  # the general draft's checks hold for the policy that runs, not the parameter's
+        [refused] = h.set_params(**{"memspec.general_draft": "no-such-draft"})
+        assert not refused.successful and "not in the draft registry" in refused.reason
+        assert h.get_param("memspec.general_draft") == "general"
 
 
 def test_an_exception_in_a_transition_goes_through_on_error_back_to_unconfigured(harness, monkeypatch):

@@ -307,6 +307,7 @@ class MemSpecNode(LifecycleNode):
             if predictor is not None:
                 raise
             note = f"{missing}: memspec.policy {config.policy} runs as {P.PREDICTOR_FALLBACK} ({exc})"
+            P.check_general_draft(P.PREDICTOR_FALLBACK, config.general_draft, models.registry.names())
             controller = models.controller(dataclasses.replace(config, policy=P.PREDICTOR_FALLBACK), **options)
         if note:
             self.get_logger().warning(note)

@@ -131,7 +131,9 @@ class ParameterHandler:
         """A change that leaves general-static without its draft (the registry, the policy or the name) is refused."""
         if lo is None or not {"memspec.policy", "memspec.general_draft", *P.REGISTRY_PARAMS} & set(new):
             return
-        current = {n: self._node.get_parameter(n).value for n in ("memspec.policy", "memspec.general_draft")}
+        # the policy that runs, which is general-static where a predictor policy had no predictor at configure
+        current = {"memspec.policy": lo.controller.next_config.policy,
+                   "memspec.general_draft": self._node.get_parameter("memspec.general_draft").value}
         merged = {**current, **new}
         try:
             P.check_general_draft(merged["memspec.policy"], merged["memspec.general_draft"],

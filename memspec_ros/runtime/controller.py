@@ -225,6 +225,12 @@ class RuntimeController:
                 self._apply(new)
             return new
 
+    @property
+    def next_config(self) -> RuntimeConfig:
+        """The settings the next scheduling point runs with: a change waiting for it, else the current ones."""
+        with self._lock:
+            return self._pending or self.config
+
     def _apply(self, new: RuntimeConfig) -> None:
         if (new.capacity, new.budget_bytes) != (self.config.capacity, self.config.budget_bytes):
             self.cache.reconfigure(new.capacity, new.budget_bytes)

@@ -472,7 +472,8 @@ class SpeculativeSession:
                  costs: ForwardCosts | None = None) -> _Proposal:
         """The draft proposes up to ``gamma`` tokens, first catching up on what it has not seen. With ``costs``
         (adaptive gamma) it stops where its own confidence no longer pays for a verify row (gamma_choice.row_pays):
-        the token that fails the test is dropped, its forward counted in ``stats.dropped``."""
+        greedy, the token that fails the test is dropped, its forward counted in ``stats.dropped``; sampled, the
+        test is made before each draw (draft_pays) and a drawn token is always proposed (see below)."""
         kv = self._draft_kv.get(draft_name)
         # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
         catching_up = kv is None or draft_name != self._last_draft
@@ -500,7 +501,10 @@ class SpeculativeSession:
             else:
                 stats.draft_seconds += watch.seconds
             confidence *= p
-            if costs is not None and not row_pays(costs, k, confidence):
+            # greedy only: a sampled token dropped for its own probability would leave the proposals drawn from q
+            # cut to its likelier tokens while the acceptance rule divides by q (biased output). Sampling keeps
+            # every drawn token; the stop then comes before the next draw (draft_pays), decided by the past alone.
+            if costs is not None and q is None and not row_pays(costs, k, confidence):
                 stats.dropped += 1
                 break
             proposal.tokens.append(token)

@@ -154,7 +154,8 @@ class GammaChooser:
         return measured if observed is None else ForwardCosts(verify_ms=measured.verify_ms, draft_ms=observed)
 
     def observe_cost(self, draft_name: str, proposed: int, draft_ms: float) -> None:
-        """An iteration's drafting time (catch-up included) for ``proposed`` tokens; recent ones weigh more."""
+        """An iteration's drafting time for the ``proposed`` draft forwards it timed (a switch's catch-up is not a
+        draft token's cost, and is timed apart); recent ones weigh more."""
         if proposed <= 0:
             return
         per_token = draft_ms / proposed

@@ -283,7 +283,7 @@ class CostModel:
             its = stats.iterations
             for it in its:
                 verify.setdefault(it.proposed, []).append(it.verify_seconds)
-                tokens = it.draft_forwards - (1 if it.catchup_tokens else 0)
+                tokens = it.timed_draft_forwards
                 if tokens > 0:
                     draft_tok.append(it.draft_seconds / tokens)
                 if it.catchup_tokens:

@@ -463,7 +463,8 @@ class SpeculativeSession:
         if self._gamma_chooser is not None and (draft is not None or proposal.copied):
             self._gamma_chooser.observe(draft_name, len(proposal.tokens), accepted)
             if not proposal.copied:
-                self._gamma_chooser.observe_cost(draft_name, stats.draft_forwards, 1000.0 * stats.draft_seconds)
+                self._gamma_chooser.observe_cost(draft_name, stats.timed_draft_forwards,
+                                                 1000.0 * stats.draft_seconds)
         stats.committed = self._commit_accepted(proposal, accepted, extra)
         self.stats.iterations.append(stats)
         return stats

@@ -77,6 +77,12 @@ class IterationStats:
         return self.proposed + self.dropped
 
     @property
+    def timed_draft_forwards(self) -> int:
+        """The draft forwards whose time is ``draft_seconds``: a switch's catch-up forward is timed apart
+        (``catchup_seconds``), so a draft token's cost is draft_seconds / this."""
+        return self.draft_forwards - (1 if self.catchup_tokens else 0)
+
+    @property
     def seconds(self) -> float:
         return (
             self.draft_seconds

@@ -122,6 +122,33 @@ def test_a_failing_draft_is_taken_out_of_service_and_decoding_goes_on(target, dr
         ctl.close()
 
 
+def test_a_draft_failing_in_adaptive_gammas_timing_forward_is_taken_out_of_service(target, drafts, expected,
+                                                                                 monkeypatch):
+    """Adaptive gamma times a draft's forward at its first iteration, outside the engine's proposal loop: a draft
+    that raises there is taken out of service like one that raises while proposing, not the goal's failure."""
+    from memspec_ros.runtime import speculative
+
+    loader = Loader(drafts)
+    broken = loader.drafts["broken"] = noisy_copy(drafts["broken"], 0.0)
+    forward = speculative.forward_once  # what path_choice.time_forward runs (the engine's loop runs _forward)
+
+    def failing(model, *args, **kwargs):
+        if model is broken:
+            raise torch.OutOfMemoryError("out of memory while timing")
+        return forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(speculative, "forward_once", failing)
+    ctl = make(target, loader, capacity=2, interval=2, adaptive_gamma=True)
+    try:
+        greedy = ctl.generate(PROMPT, NEW)
+        assert greedy.token_ids == expected
+        failed = greedy.stats.cache.failed["broken"]
+        assert "taken out of service" in failed and "OutOfMemoryError" in failed, failed
+        assert "broken" not in greedy.stats.drafts_used and greedy.stats.drafts_used
+    finally:
+        ctl.close()
+
+
 def test_the_target_running_out_of_memory_ends_that_generation_only(target, drafts, expected, monkeypatch):
     ctl = make(target, Loader(drafts), capacity=2)
     with monkeypatch.context() as patch:

@@ -566,7 +566,12 @@ class SpeculativeSession:
         if self._gamma_chooser is None:
             return self.gamma, None
         self._gamma_chooser.max_gamma = self.gamma  # a reconfigured gamma bounds the choice from now on
-        costs = self._gamma_chooser.costs(measure_costs(self.target, draft, self.gamma), draft_name)
+        target_costs(self.target, self.gamma)  # (cached) the target's own timing: its failure is the goal's
+        try:  # the draft's timing forwards, at its first iteration: a failure there is the draft's, as in _propose
+            measured = measure_costs(self.target, draft, self.gamma)
+        except Exception as exc:
+            raise DraftFailure(draft_name, f"its forward raised {type(exc).__name__}: {exc}") from exc
+        costs = self._gamma_chooser.costs(measured, draft_name)
         return self._gamma_chooser.choose(costs, draft_name), costs if self._confidence_stop else None
 
     def _commit(self, new_tokens: list[int]) -> int:

@@ -173,3 +173,28 @@ def test_a_load_in_flight_when_files_change_is_dropped_when_it_lands(zoo, tmp_pa
     finally:
         release.set()
         cache.close()
+
+
+def test_a_draft_of_the_same_tokenizer_but_another_logit_width_fails_to_load(zoo, tmp_path):
+    """The registry checks tokenizers; a draft scoring more ids than the target (a sibling model with padded rows)
+    would break the sampling rule's p - q, or propose ids the target has no row for. It fails to load with the
+    reason, and the goal goes on without it: greedy output is still the target's."""
+    from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+    from memspec_ros.runtime.models import ModelSpec, load_model
+    from memspec_ros.runtime.oracle import target_greedy
+
+    save_model_dir(tiny_llama(vocab_size=80, layers=1, hidden=32, seed=5), tiny_tokenizer(), tmp_path / "wide")
+    reg = DraftRegistry([DraftEntry("wide", str(tmp_path / "wide"), "general", 0)])  # tokenizers match
+    target = load_model(ModelSpec(str(zoo / "target"))).model
+    assert target.config.vocab_size == 64
+    with pytest.raises(TokenizerMismatchError, match="scores 80 token ids, the target 64"):
+        registry_loader(reg, target_vocab_size=64)("wide")
+    ctl = RuntimeController(RuntimeConfig(policy="general-static", general_draft="wide"), target, None, reg, None,
+                            eos_token_ids=[])
+    try:
+        prompt = [1, 5, 7, 9]
+        out = ctl.generate(prompt, 12)
+        assert out.token_ids == target_greedy(target, prompt, 12)
+        assert "scores 80 token ids" in str(ctl.cache.failed()["wide"])
+    finally:
+        ctl.close()

@@ -175,7 +175,8 @@ class RuntimeController:
         self.max_positions = max_positions or int(getattr(target.config, "max_position_embeddings", 0) or 0)
         self.cache = cache or DraftCacheManager(
             config.capacity,
-            loader or registry_loader(registry, draft_dtype, device, storage=storage, quantization=draft_quantization),
+            loader or registry_loader(registry, draft_dtype, device, storage=storage, quantization=draft_quantization,
+                                      target_vocab_size=int(getattr(target.config, "vocab_size", 0) or 0)),
             budget_bytes=config.budget_bytes,
             size_of=self._size_of,
         )

@@ -282,6 +282,26 @@ def test_a_failed_generation_keeps_no_kv(c_target):
     assert controller.prompt_cache.tokens == 0
 
 
+def test_a_refused_request_takes_nothing_from_the_prompt_cache(c_target):
+    """A request the session would refuse (no tokens to generate, past the context) is refused before the goal takes
+    its conversation's caches: with one conversation kept, taking them moves them out, and the next turn would
+    encode the whole conversation again."""
+    from memspec_ros.runtime.speculative import ContextLengthError
+
+    controller = _controller(c_target, {"general": noisy_copy(c_target, 0.05, seed=5)}, prompt_cache_bytes=0)
+    prompt = _ids(10, 10)
+    first = controller.generate(prompt, max_new_tokens=4)
+    held = controller.prompt_cache.tokens
+    assert held > 0 or controller.prompt_cache_refused  # (where the C kernels do not build: nothing kept)
+    follow = prompt + first.token_ids + [5, 6]
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        controller.generate(follow, max_new_tokens=0)
+    with pytest.raises(ContextLengthError):
+        controller.generate(follow, max_new_tokens=controller.max_positions)
+    assert controller.prompt_cache.tokens == held
+    assert controller.generate(follow, max_new_tokens=4).stats.reused_prompt_tokens == held
+
+
 def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target):
     """With the prefix reused, the prompt features equal those of a fresh prefill, without a pass of its own."""
     target = c_target
@@ -427,9 +447,10 @@ def test_goals_alternating_between_two_conversations_each_continue_their_own(c_t
     assert reused[:2] == [0, 0] and all(n == 31 for n in reused[2:]), reused  # each its own system prompt
     assert [r.stats.reused_prompt_tokens for r in single] == [0] * 5  # the goal before is the other skill's
     assert budget.prompt_cache.conversations == 5  # no goal continued another: each copied, all fit the budget
-    # the predictor got the rows of the conversation each goal continued (its first token tags them)
+    # the predictor got the rows of the conversation each goal continued (its first token tags them), and None for
+    # a goal that reused nothing (so no goal's rows are left for a later one)
     assert [None if rows is None else (rows.shape[0], float(rows[0, 0])) for rows in ranker.reused] == [
-        (31, 7.0), (31, 8.0), (31, 7.0)]
+        None, None, (31, 7.0), (31, 8.0), (31, 7.0)]
 
 
 def test_two_interleaved_conversations_each_continue_their_own_caches(c_target):

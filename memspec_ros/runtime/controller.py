@@ -37,7 +37,7 @@ from .policies import POLICIES, DraftPolicy, SchedulingPoint, make_policy
 from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor
 from .prompt_cache import PromptCache, Reuse, reuse_refused
 from .registry import DraftRegistry
-from .speculative import ChunkCallback, DraftFailure, SamplingConfig, SpeculativeSession
+from .speculative import ChunkCallback, DraftFailure, SamplingConfig, SpeculativeSession, check_generation
 from .stats import GenerationStats, IterationStats
 
 GREEDY = SamplingConfig()
@@ -271,6 +271,9 @@ class RuntimeController:
     ) -> GenerationResult:
         """One generation. ``on_chunk(text_delta, token_ids)`` streams; ``should_cancel()`` is polled per iteration."""
         prompt_ids = self._encode(prompt)
+        # before anything is taken for it (the prompt cache's entry, the predictor's rows): a refused request
+        # leaves them as they were
+        check_generation(prompt_ids, max_new_tokens, self.max_positions, stop, self.tokenizer)
         with self._lock:
             if self._running:
                 raise RuntimeError("a generation is already running on this controller: one goal at a time")
@@ -287,8 +290,8 @@ class RuntimeController:
             reused = self.prompt_cache.take(prompt_ids) if reuse else Reuse()
             prefix = reused.target
             reuse_rows = getattr(self.predictor, "reuse_rows", None)
-            if prefix is not None and reuse_rows is not None:
-                reuse_rows(reused.hidden_rows)  # a target-hidden encoder's rows of the reused positions
+            if reuse_rows is not None:  # a target-hidden encoder's rows of the reused positions; None without one
+                reuse_rows(reused.hidden_rows if prefix is not None else None)
             session = SpeculativeSession(
                 self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,

@@ -260,6 +260,24 @@ class _TextStream:
         return delta, stopped
 
 
+def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positions: int = 0,
+                     stop_strings: Sequence[str] = (), tokenizer=None) -> None:
+    """A generation's request against what a session can run: ValueError (ContextLengthError) with the reason.
+    Callers that take state for the session (a reused prompt prefix) check first, so a refused request takes
+    nothing."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_positions and len(prompt_ids) + max_new_tokens > max_positions:
+        raise ContextLengthError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
+            f" target's context of {max_positions} tokens: shorten the prompt or ask for fewer tokens"
+        )
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer to decode the output")
+
+
 class SpeculativeSession:
     """One generation: prefill the target, then draft-and-verify iterations.
 
@@ -290,21 +308,11 @@ class SpeculativeSession:
         prefix: KVState | None = None,
         draft_prefixes: Mapping[str, tuple[torch.nn.Module, KVState]] | None = None,
     ) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+        check_generation(prompt_ids, max_new_tokens, max_positions, stop_strings, tokenizer)
         if prefix is not None and not 0 < prefix.length < len(prompt_ids):
             # the prefill must feed at least one token: its logits give the first generated token
             raise ValueError(f"a reused prefix must hold 1 to {len(prompt_ids) - 1} of the prompt's"
                              f" {len(prompt_ids)} tokens, got {prefix.length}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if max_positions and len(prompt_ids) + max_new_tokens > max_positions:
-            raise ContextLengthError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
-                f" target's context of {max_positions} tokens: shorten the prompt or ask for fewer tokens"
-            )
-        if stop_strings and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to decode the output")
         self.target = target
         self.device = next(target.parameters()).device
         self.prompt_ids = list(prompt_ids)

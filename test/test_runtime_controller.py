@@ -550,3 +550,37 @@ def test_sampled_output_has_the_targets_distribution_under_every_policy(sampled,
 
 
 torch.set_num_threads(1)
+
+
+def test_a_draft_entry_given_another_path_mid_goal_replaces_the_model_in_memory(target, drafts):
+    """An operator points draft 'code' at new weights while a goal runs (the node's replace_entries: the entry is
+    removed and added under the same name). At the next scheduling point the old model leaves the cache and the
+    registered one is loaded; the output stays the target's."""
+    models = {"/virtual/code": drafts["code"], "/virtual/code-v2": noisy_copy(drafts["code"], 0.0)}
+    registry = DraftRegistry([DraftEntry("code", "/virtual/code", "code", 1000)], validate=False)
+    loaded_paths: list[str] = []
+
+    def loader(name: str) -> LoadedModel:
+        path = registry.get(name).path
+        loaded_paths.append(path)
+        model = models[path]
+        return LoadedModel(model, ModelSpec(path), parameter_bytes(model), 64, 512)
+
+    ctl = RuntimeController(RuntimeConfig(policy="memspec", capacity=1, interval=2), target, None, registry,
+                            FixedRanker(lambda c: ["code"]), loader=loader, eos_token_ids=[])
+    swapped: list[int] = []
+
+    def swap_after_some_tokens(_delta, ids):
+        swapped.append(len(ids))
+        if len(swapped) == 3:
+            registry.remove("code")
+            registry.add(DraftEntry("code", "/virtual/code-v2", "code", 1000))
+
+    try:
+        prompt = [1, 5, 7, 9, 11, 13]
+        out = ctl.generate(prompt, 40, on_chunk=swap_after_some_tokens)
+        assert out.token_ids == target_greedy(target, prompt, 40)
+        assert loaded_paths == ["/virtual/code", "/virtual/code-v2"]
+        assert ctl.cache.get("code").spec.path == "/virtual/code-v2"
+    finally:
+        ctl.close()

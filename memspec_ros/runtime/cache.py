@@ -271,6 +271,7 @@ class DraftCacheManager:
             if self._active == name:
                 self._active = ""
             self._scores.pop(name, None)
+            self._measured.pop(name, None)  # another model may come under this name: its size is learnt anew
             self._working_set = [n for n in self._working_set if n != name]
             self._changed()
 

@@ -166,6 +166,7 @@ class RuntimeController:
         self.target = target
         self.tokenizer = tokenizer
         self.registry = registry
+        self._synced_entries = {e.name: e for e in registry.entries()}  # the entries the cache was last synced with
         self.predictor = predictor
         self.oracle_for = oracle_for
         if eos_token_ids is None:
@@ -454,9 +455,12 @@ class RuntimeController:
         )
 
     def _sync_registry(self, active: str) -> bool:
-        """Drop drafts no longer registered from the cache; True if the active one went."""
-        registered = set(self.registry.names())
-        gone = [n for n in self.cache.resident() + self.cache.loading() if n not in registered]
+        """Drop from the cache the drafts no longer registered, and those whose entry changed (another path under
+        the same name: the model in memory is not the registered one); True if the active one went."""
+        registered = {e.name: e for e in self.registry.entries()}
+        before, self._synced_entries = self._synced_entries, registered
+        gone = [n for n in self.cache.resident() + self.cache.loading()
+                if n not in registered or (n in before and before[n] != registered[n])]
         for name in gone:
             self.cache.remove(name)
         return active in gone

@@ -75,6 +75,24 @@ def test_fallback_and_desired_fractions(stats):
     assert stats.fallback_seconds == 0.5
 
 
+def test_copies_from_the_context_are_neither_desired_nor_fallback_nor_draft_forwards(stats):
+    """A copied iteration (context lookup) ran no draft: the controller still stamps it with the run's preferred
+    draft and fallback flag, which must not move the fallback share, the drafts' seconds or the cost per draft
+    forward. Two copies added to the fixture, one marked a fallback: every draft figure as before."""
+    from memspec_ros.runtime.lookup import LOOKUP_DRAFT
+
+    before = (stats.fallback_fraction, stats.desired_fraction, stats.desired_seconds, stats.fallback_seconds,
+              stats.draft_switches, stats.drafts_used)
+    stats.iterations += [it(LOOKUP_DRAFT, 4, 4, 5, preferred="a", fallback=True, draft_s=0.001, verify_s=0.25),
+                         it(LOOKUP_DRAFT, 2, 1, 2, preferred="a", draft_s=0.001, verify_s=0.25)]
+    assert (stats.fallback_fraction, stats.desired_fraction, stats.desired_seconds, stats.fallback_seconds,
+            stats.draft_switches, stats.drafts_used) == before
+    assert [i.draft_forwards for i in stats.iterations] == [4, 4, 0, 3, 4, 0, 0]
+    # the catch-up forward of iteration 2 is timed apart: 3 of its 4 forwards are in its draft_seconds
+    assert [i.timed_draft_forwards for i in stats.iterations] == [4, 3, 0, 3, 4, 0, 0]
+    assert stats.copied_iterations == 2 and len(stats.speculative_iterations) == 6
+
+
 def test_where_the_time_went(stats):
     assert stats.catchup_seconds == 0.125 and stats.catchup_tokens == 5
     assert stats.prediction_seconds == 0.5

@@ -108,8 +108,7 @@ class _LoopTimes:
         self.iterations += len(stats.iterations)
         drafted = [it for it in stats.iterations if it.draft != LOOKUP_DRAFT]  # copies cost a lookup, no forward
         self.draft_s += sum(it.draft_seconds for it in drafted)
-        # the catch-up's forward is timed apart (catchup_seconds)
-        self.draft_tokens += sum(it.draft_forwards - (1 if it.catchup_tokens else 0) for it in drafted)
+        self.draft_tokens += sum(it.timed_draft_forwards for it in drafted)
 
     @property
     def draft_ms(self) -> float | None:

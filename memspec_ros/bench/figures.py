@@ -93,9 +93,8 @@ def policy_summary(runs: Sequence[tuple[str, str, tuple, GenerationStats]], poli
             parts[k] += v
         decode += stats.decode_seconds
         e2e += stats.end_to_end_seconds
-        its = [it for it in stats.speculative_iterations if it.preferred]
-        spec += len(its)
-        fallback += sum(1 for it in its if it.fallback)
+        spec += len(stats.preferred_iterations)  # pooled: GenerationStats.fallback_fraction's counts
+        fallback += stats.fallback_iterations
         accepted += sum(it.accepted for it in stats.speculative_iterations)
         n_spec += len(stats.speculative_iterations)
     return {

@@ -73,8 +73,9 @@ class IterationStats:
 
     @property
     def draft_forwards(self) -> int:
-        """Draft forwards run: one per proposal and per dropped token (a switch's catch-up forward among them)."""
-        return self.proposed + self.dropped
+        """Draft forwards run: one per proposal and per dropped token (a switch's catch-up forward among them);
+        none for a copy from the context or the datastore (its draft_seconds are the lookup's)."""
+        return 0 if self.draft == LOOKUP_DRAFT else self.proposed + self.dropped
 
     @property
     def timed_draft_forwards(self) -> int:
@@ -213,6 +214,22 @@ class GenerationStats:
         return [it for it in self.iterations if it.proposed > 0]
 
     @property
+    def drafted_iterations(self) -> list[IterationStats]:
+        """Speculative iterations whose proposals a draft model made (copies from the context or the datastore
+        are not: no draft ran, so they are neither the desired draft's nor a fallback's)."""
+        return [it for it in self.speculative_iterations if it.draft != LOOKUP_DRAFT]
+
+    @property
+    def preferred_iterations(self) -> list[IterationStats]:
+        """Drafted iterations under a policy that named a preferred draft: what the fallback share is of."""
+        return [it for it in self.drafted_iterations if it.preferred]
+
+    @property
+    def fallback_iterations(self) -> int:
+        """Drafted iterations that ran another draft because the preferred one was not resident."""
+        return sum(1 for it in self.preferred_iterations if it.fallback)
+
+    @property
     def mean_accepted(self) -> float:
         """Mean accepted draft tokens per draft-and-verify iteration (E[A])."""
         its = self.speculative_iterations
@@ -249,7 +266,7 @@ class GenerationStats:
     def draft_switches(self) -> int:
         """Times the active draft model changed between consecutive drafted iterations (copies from the
         context in between change nothing resident)."""
-        names = [it.draft for it in self.speculative_iterations if it.draft != LOOKUP_DRAFT]
+        names = [it.draft for it in self.drafted_iterations]
         return sum(1 for a, b in zip(names, names[1:], strict=False) if a != b)
 
     # -- where the time went ------------------------------------------------
@@ -292,12 +309,12 @@ class GenerationStats:
     @property
     def desired_seconds(self) -> float:
         """Time in iterations that ran the preferred draft, whole iterations (the paper's desired execution)."""
-        return sum(it.seconds for it in self.speculative_iterations if it.preferred and not it.fallback)
+        return sum(it.seconds for it in self.preferred_iterations if not it.fallback)
 
     @property
     def fallback_seconds(self) -> float:
         """Time in iterations that ran another draft because the preferred one was not resident."""
-        return sum(it.seconds for it in self.speculative_iterations if it.fallback)
+        return sum(it.seconds for it in self.preferred_iterations if it.fallback)
 
     @property
     def load_wait_fraction(self) -> float:
@@ -306,15 +323,15 @@ class GenerationStats:
 
     @property
     def fallback_fraction(self) -> float:
-        """Share of speculative iterations run on a draft other than the preferred one."""
-        its = [it for it in self.speculative_iterations if it.preferred]
-        return sum(1 for it in its if it.fallback) / len(its) if its else 0.0
+        """Share of drafted iterations run on a draft other than the preferred one."""
+        its = len(self.preferred_iterations)
+        return self.fallback_iterations / its if its else 0.0
 
     @property
     def desired_fraction(self) -> float:
-        """Share of speculative iterations that ran the preferred draft."""
-        its = [it for it in self.speculative_iterations if it.preferred]
-        return sum(1 for it in its if not it.fallback) / len(its) if its else 0.0
+        """Share of drafted iterations that ran the preferred draft."""
+        its = len(self.preferred_iterations)
+        return (its - self.fallback_iterations) / its if its else 0.0
 
     def summary(self) -> dict[str, float | int | str | list[str]]:
         """Flat numbers for JSON, logs and ROS messages."""

@@ -82,6 +82,35 @@ def test_target_hidden_features_at_runtime_match_training_features(new_tokens):
     encoder.close()
 
 
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+def test_a_timing_forward_mid_generation_leaves_the_recorded_rows_alone(forward, monkeypatch):
+    """Adaptive gamma may time the target in the middle of a generation (gamma raised at a scheduling point): those
+    forwards over made-up tokens reach neither the encoder's observer (lean forward) nor its decoder hook
+    (transformers' forward), so the features stay those of the generation's own tokens."""
+    from memspec_ros.runtime import path_choice
+
+    if forward == "transformers":
+        monkeypatch.setattr(path_choice, "lean_forward_for", lambda model: None)
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    draft = noisy_copy(target, 0.02, seed=1)
+    encoder = TargetHiddenEncoder(target, recent_tokens=8)
+    try:
+        encoder.begin(PROMPT)
+        session = SpeculativeSession(target, PROMPT, max_new_tokens=30, gamma=4)
+        session.prefill()
+        while len(session.generated_ids) < 12:
+            session.step("d", draft)
+        path_choice.time_forward(target, 3, target.config.vocab_size)
+        gen = session.generated_ids
+        runtime = torch.cat([encoder.prompt_features(PROMPT), encoder.recent_features(gen[-8:], len(gen))])
+        with torch.inference_mode():
+            hidden = target.model(input_ids=torch.tensor([PROMPT + gen])).last_hidden_state[0]
+        offline = pooled_hidden_features(hidden, len(PROMPT), len(gen), 8)
+        assert torch.allclose(runtime, offline, atol=1e-4), (runtime - offline).abs().max()
+    finally:
+        encoder.close()
+
+
 def test_the_engine_ranks_in_one_kernel_call_as_torch_would():
     """Where the CPU kernels load, the live target-hidden ranking is one C call (cpu_kernels.RankHead) over the
     encoder's recorded rows; its probabilities are torch's on the same features, at every point of a generation."""

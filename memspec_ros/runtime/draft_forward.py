@@ -26,7 +26,8 @@ sliding-window attention, tensor-parallel pretraining splits.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -212,11 +213,10 @@ class LeanLlamaForward:
         buffers = [claim_rows(cache, index, like) for index in range(len(self.layers))]
         if self._rope is None or self._rope[0].shape[0] < end:
             self._rope_rows(like, start, end)  # the table covers every fed position
-        model = self._model()
-        observers = _OBSERVERS.get(model) if model is not None else None
+        observers = observed(self._model())
         normed = torch.empty(n, self.step.decoder.dim) if observers else None
         logits = self.step(rows, start, self._rope, keep, buffers, normed)
-        for observe in list(observers or ()):
+        for observe in observers:
             observe(normed, start)
         return logits
 
@@ -265,11 +265,10 @@ class LeanLlamaForward:
 
     def _head(self, x: torch.Tensor, start: int, keep: int) -> torch.Tensor:
         """The decoder's output rows ``x`` [1, n, hidden]: observers, final norm, and the last ``keep`` logits."""
-        model = self._model()
-        observers = _OBSERVERS.get(model) if model is not None else None
+        observers = observed(self._model())
         if observers:  # what a forward hook on the decoder would see: every fed row, final-normed
             hidden = _rms_norm(x, self.norm, self.eps)[0]
-            for observe in list(observers):
+            for observe in observers:
                 observe(hidden, start)
         x = _rms_norm(x[:, -keep:], self.norm, self.eps)
         logits = _linear(self.lm_head, x)[0].float()
@@ -293,6 +292,27 @@ class ObserverHandle:
         model = self._model()
         if model is not None and self._observer in _OBSERVERS.get(model, []):
             _OBSERVERS[model].remove(self._observer)
+
+
+_PAUSED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose forwards no observer may see
+
+
+@contextmanager
+def observers_paused(model: torch.nn.Module) -> Iterator[None]:
+    """No observer of ``model`` sees the forwards run inside (a timing run over made-up tokens in the middle of a
+    generation would otherwise replace the rows a target-hidden predictor recorded). Not re-entrant per model."""
+    _PAUSED.add(model)
+    try:
+        yield
+    finally:
+        _PAUSED.discard(model)
+
+
+def observed(model: torch.nn.Module | None) -> list[HiddenObserver]:
+    """``model``'s observers, none while its observers are paused: a torch hook of an observer asks too."""
+    if model is None or model in _PAUSED:
+        return []
+    return list(_OBSERVERS.get(model, ()))
 
 
 def observe_hidden(model: torch.nn.Module, observer: HiddenObserver) -> ObserverHandle:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft_forward import lean_forward_for
+from .draft_forward import lean_forward_for, observers_paused
 from .forward_paths import PATHS, apply_path, cpu_has_bf16
 
 CONTEXT_TOKENS = 64  # a short chat prompt's worth of cache for the timed forwards to attend to
@@ -72,15 +72,16 @@ def time_forward(model: torch.nn.Module, tokens: int, vocab_size: int) -> float:
     device = next(model.parameters()).device
     ids = [i % vocab_size for i in range(1, CONTEXT_TOKENS + 1)]
     kv = KVState()
-    forward_once(model, ids, kv, 1, device, lean)
-    feed = [i % vocab_size for i in range(3, 3 + tokens)]
     times = []
-    for repeat in range(WARMUP + REPEATS):
-        start = time.perf_counter()
-        forward_once(model, feed, kv, tokens, device, lean)
-        if repeat >= WARMUP:
-            times.append(time.perf_counter() - start)
-        kv.crop_to(CONTEXT_TOKENS)
+    with observers_paused(model):  # made-up tokens: not rows for a target-hidden predictor (a goal may be running)
+        forward_once(model, ids, kv, 1, device, lean)
+        feed = [i % vocab_size for i in range(3, 3 + tokens)]
+        for repeat in range(WARMUP + REPEATS):
+            start = time.perf_counter()
+            forward_once(model, feed, kv, tokens, device, lean)
+            if repeat >= WARMUP:
+                times.append(time.perf_counter() - start)
+            kv.crop_to(CONTEXT_TOKENS)
     return 1000.0 * statistics.median(times)
 
 

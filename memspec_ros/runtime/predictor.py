@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
-from .draft_forward import observe_hidden
+from .draft_forward import observe_hidden, observed
 
 ENCODERS = ("minilm", "target-hidden")
 INPUTS = ("prompt+recent", "prompt", "recent")
@@ -259,6 +259,8 @@ class TargetHiddenEncoder:
             self.hook_seconds += time.perf_counter() - t0
 
     def _hook(self, module, args, kwargs, output) -> None:
+        if not observed(self.target):
+            return  # a timing forward over made-up tokens (draft_forward.observers_paused)
         t0 = time.perf_counter()
         try:
             self._record(kwargs, output)

@@ -584,3 +584,26 @@ def test_a_draft_entry_given_another_path_mid_goal_replaces_the_model_in_memory(
         assert ctl.cache.get("code").spec.path == "/virtual/code-v2"
     finally:
         ctl.close()
+
+
+def test_a_goal_the_prefill_ends_waits_for_no_draft(target, drafts):
+    """max_new_tokens 1 (a behaviour tree's yes/no): the prefill's token is the whole answer, so no draft is chosen,
+    loaded or waited for on a cold cache; the answer is the target's."""
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+    loads: list[str] = []
+
+    def loader(name: str) -> LoadedModel:
+        loads.append(name)
+        model = drafts[name]
+        return LoadedModel(model, ModelSpec(name), parameter_bytes(model), 64, 512)
+
+    ctl = RuntimeController(RuntimeConfig(policy="memspec", capacity=2), target, None, registry,
+                            FixedRanker(lambda c: list(drafts)), loader=loader, eos_token_ids=[])
+    try:
+        prompt = [1, 5, 7, 9, 11, 13]
+        out = ctl.generate(prompt, 1)
+        assert out.token_ids == target_greedy(target, prompt, 1) and out.finish_reason == "length"
+        assert loads == [] and out.stats.predictions == 0 and out.stats.iterations == []
+        assert len(ctl.generate(prompt, 8).token_ids) == 8 and loads  # a longer goal loads as before
+    finally:
+        ctl.close()

@@ -384,6 +384,9 @@ class RuntimeController:
         policy.start(prompt_ids)
         setup = time.perf_counter() - t_start
         session.prefill()
+        if session.finished:  # the prefill's token ended it (max_new_tokens 1, an end token): no draft will run,
+            stats.setup_seconds = setup  # so none is chosen or waited for (a behaviour tree's one-token answer)
+            return run
         t_choose = time.perf_counter()
         point = self._point(0, session, prompt_ids, active="")
         choice = policy.choose(point)

@@ -207,7 +207,8 @@ class UpstreamStub:
         self.timer = node.create_timer(node.declare_parameter(PERIOD_PARAM, period).value, self.update)
         use_fqn = (node.get_parameter(USE_FQN_PARAM).value if node.has_parameter(USE_FQN_PARAM)
                    else node.declare_parameter(USE_FQN_PARAM, False).value)
-        self.node_name = node.get_fully_qualified_name() if use_fqn else node.get_name()
+        self._name = node.get_fully_qualified_name() if use_fqn else node.get_name()
+        self.node_name = self._name  # the public attribute (from diagnostic_updater 3.2)
         self.publisher = node.create_publisher(DiagnosticArray, "/diagnostics", 1)
         self.hwid = ""
         self.tasks: list = []
@@ -219,13 +220,13 @@ class UpstreamStub:
 
     def add(self, name: str, fn) -> None:
         self.tasks.append((name, fn))
-        self.published.append([DiagnosticStatus(level=OK, name=f"{self.node_name}: {name}", message=STARTING_UP)])
+        self.published.append([DiagnosticStatus(level=OK, name=f"{self._name}: {name}", message=STARTING_UP)])
 
     def update(self) -> None:
         out = []
         for name, fn in self.tasks:
             stat = fn(WrapperStub(level=ERROR, name=name, message=NO_MESSAGE, hardware_id=self.hwid))
-            stat.name = f"{self.node_name}: {stat.name}"
+            stat.name = f"{self._name}: {stat.name}"
             out.append(stat)
         self.published.append(out)
 
@@ -268,11 +269,32 @@ def test_the_node_runs_its_tasks_on_the_real_updater_when_it_imports(make_node, 
     assert (target.level, target.message) == (OK, "unconfigured: no model loaded")
     assert {kv.key: kv.value for kv in target.values}["lifecycle state"] == "unconfigured"
     assert [s.name for s in node._diagnostics.collect()] == list(by_name)
+    # its timer runs in the node's reentrant group, not the default one the lifecycle services hold during a
+    # long configure or a deactivate's wait (there /diagnostics would stall until shown STALE)
+    group = node._cache_timer.callback_group
+    assert real.timer.callback_group is group and len([t for t in node.timers if t.callback == real.update]) == 1
     # a live period change replaces the real updater's timer (its setter alone leaves the old one firing)
     old = real.timer
     assert node.set_parameters([Parameter(PERIOD_PARAM, value=0.5)])[0].successful
     assert real.timer is not old and old not in list(node.timers)
-    assert real.timer.timer_period_ns == int(0.5 * 1e9)
+    assert real.timer.timer_period_ns == int(0.5 * 1e9) and real.timer.callback_group is group
+    assert len([t for t in node.timers if t.callback == real.update]) == 1
+
+
+def test_an_updater_from_before_use_fqn_is_named_by_the_node(make_node, upstream, monkeypatch):
+    """diagnostic_updater before 3.2 (older Humble installs) has no node_name: the node's name stands in."""
+    from memspec_ros.ros.node import MemSpecNode
+
+    init = UpstreamStub.__init__
+
+    def without_node_name(self, node, period=1.0):
+        init(self, node, period)
+        del self.node_name
+
+    monkeypatch.setattr(UpstreamStub, "__init__", without_node_name)
+    node = make_node("memspec_old", node_class=MemSpecNode)
+    assert isinstance(node._diagnostics, UpstreamUpdater)
+    assert node._diagnostics.node_name == "memspec_old"
 
 
 # -- ~/cache_state ---------------------------------------------------------------------------------

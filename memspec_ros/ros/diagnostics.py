@@ -255,14 +255,28 @@ class UpstreamUpdater(_TaskList):
     differences (hardware_id, live period, a failing task as ERROR)."""
 
     def __init__(self, upstream_cls: type, node, tasks: Sequence[tuple[str, Task]] = (),
-                 hardware_id: str = "") -> None:
+                 hardware_id: str = "", callback_group=None) -> None:
         super().__init__(node, hardware_id)
         # it declares diagnostic_updater.period (params.py leaves that to the updater) and reads use_fqn
         self.upstream = upstream_cls(node, period=P.BY_NAME[PERIOD_PARAM].default)
         self.upstream.setHardwareID(self.hardware_id)
-        self.node_name = self.upstream.node_name
+        # node_name came with use_fqn (diagnostic_updater 3.2, 2024); before it the plain node name is used
+        self.node_name = getattr(self.upstream, "node_name", self.node_name)
+        self._group = callback_group
+        self._regroup_timer()
         for name, fill in tasks:
             self.add(name, fill)
+
+    def _regroup_timer(self) -> None:
+        """The upstream timer, made again in ``callback_group``: upstream creates it in the node's default
+        mutually exclusive group, which the lifecycle and parameter services share, so a long configure or a
+        deactivate's wait for a goal would hold /diagnostics back until the aggregator shows it STALE."""
+        if self._group is None:
+            return
+        ungrouped = self.upstream.timer
+        self.upstream.timer = self.node.create_timer(self.upstream.period, self.upstream.update,
+                                                     callback_group=self._group)
+        self.node.destroy_timer(ungrouped)
 
     def add(self, name: str, fill: Task) -> None:
         with self._lock:
@@ -279,6 +293,7 @@ class UpstreamUpdater(_TaskList):
         old = self.upstream.timer
         self.upstream.period = seconds  # its setter starts a new timer but only resets the old one ...
         self.node.destroy_timer(old)  # ... which would go on firing
+        self._regroup_timer()
 
     def destroy(self) -> None:
         self.node.destroy_timer(self.upstream.timer)
@@ -292,7 +307,7 @@ def make_updater(node, tasks: Sequence[tuple[str, Task]], hardware_id: str = "",
         from diagnostic_updater import Updater as upstream_cls
     except ImportError:  # ROS from PyPI wheels has no diagnostic_updater
         return Updater(node, tasks, hardware_id, callback_group)
-    return UpstreamUpdater(upstream_cls, node, tasks, hardware_id)
+    return UpstreamUpdater(upstream_cls, node, tasks, hardware_id, callback_group)
 
 
 # -- the tasks' contents (pure functions of runtime state, tested without DDS) --------------------

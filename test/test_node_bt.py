@@ -84,6 +84,21 @@ def test_preemption_cancels_the_goal(h):
     assert response.status == GoalStatus.STATUS_CANCELED and response.result.text
 
 
+def test_preemption_before_the_goal_is_seen_accepted_cancels_it_when_it_is(h):
+    """Preempted in the tick that sent the goal: its acceptance is not in yet, and the goal, once accepted, would run
+    to its end holding the node's one generation. It is cancelled when the answer comes."""
+    b = behaviour(h, max_new_tokens=3000)
+    b.tick_once()  # sends the goal; the answer comes on the harness's executor thread
+    seen = b.goal_handle is not None
+    b.stop(Status.INVALID)
+    assert b.outcome == "canceled"
+    handle = h.wait(b.goal_future, 10.0, "the goal response")
+    assert handle.accepted
+    response = h.result(handle, 30.0)
+    assert response.status == GoalStatus.STATUS_CANCELED, seen
+    assert response.result.completion_tokens < 3000
+
+
 def test_missing_server_fails_after_the_timeout(h):
     b = Generate("generate", h.client, "hi", action_name="/nobody/generate", server_timeout=0.3)
     b.setup()

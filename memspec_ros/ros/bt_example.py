@@ -129,12 +129,26 @@ class Generate(py_trees.behaviour.Behaviour):
         return Status.FAILURE
 
     def terminate(self, new_status: Status) -> None:
-        """Preempted while RUNNING: cancel the goal (the node honours it at the next iteration)."""
-        if new_status == Status.INVALID and self.goal_handle is not None and self.goal_handle.accepted \
+        """Preempted while RUNNING: cancel the goal (the node honours it at the next iteration), also one whose
+        acceptance has not been seen yet: it is cancelled when the answer comes, else it would run to its end
+        and hold the node's one generation."""
+        if new_status != Status.INVALID:
+            return
+        if self.goal_handle is None and self.goal_future is not None:
+            self.goal_future.add_done_callback(_cancel_if_accepted)  # runs at once if the answer is in
+        elif self.goal_handle is not None and self.goal_handle.accepted \
                 and self.result_future is not None and not self.result_future.done():
             self.goal_handle.cancel_goal_async()
-            self.outcome = "canceled"
-            self.feedback_message = "preempted: goal cancelled"
+        else:
+            return
+        self.outcome = "canceled"
+        self.feedback_message = "preempted: goal cancelled"
+
+
+def _cancel_if_accepted(goal_future) -> None:
+    handle = goal_future.result() if not goal_future.cancelled() else None
+    if handle is not None and handle.accepted:
+        handle.cancel_goal_async()
 
 
 def create_example_tree(node, prompt: str, action_name: str = "/memspec/generate",

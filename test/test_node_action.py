@@ -414,6 +414,45 @@ def test_cleanup_never_frees_the_models_under_a_goal_that_has_not_ended_yet(h, m
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
 
 
+@pytest.mark.parametrize("how", ["result timeout", "interrupted before the answer"])
+def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatch):
+    """memspec_client gives up on a goal (its result timeout passes, or Ctrl-C lands while it waits for the goal's
+    answer): the goal is cancelled, not left to run to its end holding the node's one generation."""
+    import io
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    from memspec_ros.ros import client
+
+    if how == "interrupted before the answer":
+        spin_until, calls = client._spin_until, []
+
+        def interrupted_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:  # the first wait: for the goal's answer
+                raise KeyboardInterrupt
+            return spin_until(*args, **kwargs)
+
+        monkeypatch.setattr(client, "_spin_until", interrupted_once)
+    node = rclpy.create_node("memspec_client_gives_up", context=h.client.context)
+    executor = SingleThreadedExecutor(context=h.client.context)
+    executor.add_node(node)
+    log = io.StringIO()
+    stats_before = len(h.stats)
+    try:
+        outcome = client.send_goal(node, executor, goal(max_new_tokens=LONG), "/memspec/generate",
+                                   result_timeout=1.0, out=io.StringIO(), log=log)
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+    assert outcome.status == ("timeout" if how == "result timeout" else "interrupted")
+    assert "cancelling the goal" in log.getvalue()
+    wait_until(lambda: len(h.stats) > stats_before, 30.0, "the goal's end")
+    assert h.stats[-1].finish_reason == "cancelled" and h.stats[-1].completion_tokens < LONG
+    assert h.node._runner.wait_idle(10.0)
+
+
 class _Handle:
     def __init__(self, fail: bool = False) -> None:
         self.sent: list[Generate.Feedback] = []

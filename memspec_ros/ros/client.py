@@ -57,6 +57,15 @@ def format_result(result) -> str:
     return line
 
 
+CANCEL_WAIT_SECONDS = 5.0  # for the answer to a cancel (and to a goal request interrupted before its answer)
+
+
+def _cancel(executor, handle, result_future) -> None:
+    """Cancel an accepted goal and wait a little for its result (the node ends it at its next iteration)."""
+    _spin_until(executor, handle.cancel_goal_async(), CANCEL_WAIT_SECONDS)
+    _spin_until(executor, result_future, 2 * CANCEL_WAIT_SECONDS)
+
+
 def send_goal(node, executor, goal, action_name: str, *, server_timeout: float = 10.0, result_timeout: float = 900.0,
               out=sys.stdout, log=sys.stderr, stream: bool = True) -> Outcome:
     """Send ``goal`` and spin ``executor`` until the result; print streamed text to ``out``."""
@@ -86,7 +95,15 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
 
         t0 = time.monotonic()
         future = client.send_goal_async(goal, feedback_callback=on_feedback)
-        _spin_until(executor, future, server_timeout)
+        try:
+            _spin_until(executor, future, server_timeout)
+        except KeyboardInterrupt:  # the goal may be accepted all the same: it must not run on unwatched
+            print("\ninterrupted: cancelling the goal", file=log)
+            _spin_until(executor, future, CANCEL_WAIT_SECONDS)
+            if future.done() and future.result().accepted:
+                _cancel(executor, future.result(), future.result().get_result_async())
+            outcome.status = "interrupted"
+            return outcome
         outcome.goal_response_seconds = time.monotonic() - t0
         if not future.done():
             print("the server did not answer the goal request in time", file=log)
@@ -102,12 +119,11 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             _spin_until(executor, result_future, result_timeout)
         except KeyboardInterrupt:
             print("\ninterrupted: cancelling the goal", file=log)
-            cancel = handle.cancel_goal_async()
-            _spin_until(executor, cancel, 5.0)
-            _spin_until(executor, result_future, 10.0)
+            _cancel(executor, handle, result_future)
             outcome.status = "interrupted"
         if not result_future.done():
-            print(f"no result after {result_timeout:g} s", file=log)
+            print(f"no result after {result_timeout:g} s: cancelling the goal", file=log)
+            _cancel(executor, handle, result_future)
             return outcome
         response = result_future.result()
         result = response.result

@@ -186,3 +186,35 @@ def test_an_exception_in_a_transition_goes_through_on_error_back_to_unconfigured
     assert h.state() == "unconfigured"  # on_error freed everything and recovered
     assert h.node.loaded_parameter_bytes() == 0
     assert h.node.on_error(None) == TransitionCallbackReturn.SUCCESS
+
+
+def test_goals_run_with_model_threads_and_zero_restores_torchs_own_count(harness):
+    """torch's thread count is OpenMP's, per thread: a goal runs on an executor thread that may have run torch
+    before, so it takes model.threads itself; and 0 ("leave torch's default") after another value gives back the
+    count torch had before the node set one, not the last one."""
+    import torch
+
+    before = torch.get_num_threads()
+    h = harness(**{"model.threads": before + 1})
+    h.activate()
+    seen: list[int] = []
+
+    def run_goal() -> None:
+        controller = h.node.loaded.controller
+        generate = controller.generate
+
+        def recording(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return generate(*args, **kwargs)
+
+        controller.generate = recording
+        handle, _ = h.send(goal(max_new_tokens=4))
+        assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+
+    run_goal()
+    for tid in (Transition.TRANSITION_DEACTIVATE, Transition.TRANSITION_CLEANUP):
+        assert h.transition(tid)
+    assert all(r.successful for r in h.set_params(**{"model.threads": 0}))
+    h.activate()
+    run_goal()
+    assert seen == [before + 1, before]

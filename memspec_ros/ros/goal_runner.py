@@ -85,6 +85,15 @@ def fill_result(result: Generate.Result, stats: GenerationStats) -> None:
         setattr(result, name, value)
 
 
+def _use_threads(threads: int) -> None:
+    """torch's thread count is OpenMP's, kept per thread: an executor thread that ran torch before a configure set
+    model.threads would go on with its old count, and the kernels take the count from the calling thread."""
+    import torch
+
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def settle(goal_handle, finish_reason: str) -> None:
     """The goal's terminal state for its finish reason."""
     if finish_reason == ERROR:
@@ -418,6 +427,7 @@ class GoalRunner:
         feedback = FeedbackThrottle(gh, lo.controller.cache, self._param("action.feedback_period"),
                                     self._node.get_logger())
         goal = job.request
+        _use_threads(lo.threads)
         try:
             out = lo.controller.generate(
                 job.prompt_ids, self._max_new_tokens(goal), self._sampling(goal), list(goal.stop), feedback.on_chunk,
@@ -473,7 +483,13 @@ class GoalRunner:
             deadline = time.monotonic() + CANCELING_WAIT_SECONDS
             while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
                 time.sleep(CANCELING_POLL_SECONDS)
-            settle(goal_handle, CANCELLED if goal_handle.is_cancel_requested else ERROR)
+            if goal_handle.is_cancel_requested:
+                settle(goal_handle, CANCELLED)
+            else:  # ABORTED, so its result says error as Generate.action promises for that state
+                job.result.finish_reason = ERROR
+                job.result.error_message = (f"cancelled while queued, but rclpy did not mark the goal CANCELING within"
+                                            f" {CANCELING_WAIT_SECONDS:g} s: ended ABORTED instead")
+                settle(goal_handle, ERROR)
         else:
             settle(goal_handle, ERROR)
         with self._cv:

@@ -134,6 +134,7 @@ class Loaded:
     max_positions: int
     max_token_chars: int  # the most characters one token stands for (runtime/chat.py): the goal pre-check
     predictor_note: str = ""  # why there is no predictor, or what runs instead (a WARN on /diagnostics)
+    threads: int = 0  # torch's thread count for the goals (model.threads, or the count before the node set one)
 
     def summary(self) -> str:
         return (f"target {self.paths.target} ({self.target.size_bytes / 1e6:.1f} MB),"
@@ -156,6 +157,7 @@ class MemSpecNode(LifecycleNode):
         self._last_cache_key: tuple | None = None
         self._last_cache_publish = 0.0
         self._window = ThroughputWindow(self.get_parameter("diagnostics.window_goals").value)
+        self._default_threads = 0  # torch's thread count before a configure first set one: model.threads 0
         self._runner = GoalRunner(self, self._window, ReentrantCallbackGroup())  # the action's own group
         self._action_server, self._on_goal = self._runner.server, self._runner.on_goal
         self._params = ParameterHandler(self, lambda: self._loaded, self._runner)
@@ -289,8 +291,10 @@ class MemSpecNode(LifecycleNode):
 
         v = self._params.checked_values()
         paths = P.resolve_paths(v)
-        if v["model.threads"]:
-            torch.set_num_threads(v["model.threads"])
+        # 0 restores the count torch had before this node set one, not one an earlier configure set
+        self._default_threads = self._default_threads or torch.get_num_threads()
+        threads = v["model.threads"] or self._default_threads
+        torch.set_num_threads(threads)
         models = load_models(paths.registry_file or None, drafts=P.draft_lists(v), target_path=paths.target,
                              tokenizer_path=paths.tokenizer, dtype=v["model.dtype"], device=v["model.device"],
                              quantization=v["model.quantization"], gamma=v["memspec.gamma"],
@@ -312,7 +316,7 @@ class MemSpecNode(LifecycleNode):
         if note:
             self.get_logger().warning(note)
         return Loaded(paths, models.tokenizer, models.fingerprint, models.target, models.registry, predictor,
-                      controller, models.target.max_positions, max_token_chars(models.tokenizer), note)
+                      controller, models.target.max_positions, max_token_chars(models.tokenizer), note, threads)
 
     @staticmethod
     def _load_predictor(path: str, parameter: str, models) -> tuple[Any, str]:
@@ -373,8 +377,8 @@ class MemSpecNode(LifecycleNode):
 
     # -- periodic publications ----------------------------------------------------------------
     def _poll_cache(self) -> None:
-        lo = self._loaded
-        if lo is None or not self._active or self._cache_pub is None:
+        lo, pub = self._loaded, self._cache_pub  # read once: a transition may release them on another thread
+        if lo is None or not self._active or pub is None:
             return
         snap = self.cache_snapshot(lo)
         key = cache_state_key(snap)
@@ -384,7 +388,7 @@ class MemSpecNode(LifecycleNode):
             return
         self._last_cache_key, self._last_cache_publish = key, now
         scores = lo.predictor.latest if lo.predictor is not None else {}
-        self._cache_pub.publish(cache_state_msg(snap, lo.registry.entries(), scores, self.get_clock().now().to_msg()))
+        pub.publish(cache_state_msg(snap, lo.registry.entries(), scores, self.get_clock().now().to_msg()))
 
 
 def _quiet_libraries() -> None:

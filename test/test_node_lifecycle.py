@@ -218,3 +218,34 @@ def test_goals_run_with_model_threads_and_zero_restores_torchs_own_count(harness
     h.activate()
     run_goal()
     assert seen == [before + 1, before]
+
+
+def test_going_after_a_second_signal_waits_for_no_goal(rclpy_context):
+    """main() on a second SIGINT/SIGTERM: the node goes at once (ros2 launch escalates to SIGKILL if it lingers),
+    even with a goal that has not reached its next iteration; the goal is still told to end."""
+    import threading
+    import time
+
+    h = Harness(rclpy_context, overrides=node_overrides(tiny_zoo()))
+    release = threading.Event()
+    try:
+        h.activate()
+        controller = h.node.loaded.controller
+        generate, entered = controller.generate, threading.Event()
+
+        def blocking_generate(*args, **kwargs):
+            entered.set()
+            release.wait(60.0)  # deaf to the abort until released
+            return generate(*args, **kwargs)
+
+        controller.generate = blocking_generate
+        handle, _ = h.send(goal(max_new_tokens=4))
+        assert handle.accepted and entered.wait(10.0)
+        h.node.abandon_results()
+        job = h.node._runner._running
+        t0 = time.monotonic()
+    finally:
+        h.close()
+        release.set()
+    assert time.monotonic() - t0 < 15.0  # executor shutdown's 5 s at most, not the goal's 30 s wait
+    assert job.abort_reason and "second signal" in job.abort_reason

@@ -196,10 +196,11 @@ class GoalRunner:
         with self._cv:
             self._loaded, self._stats_pub = loaded, stats_pub
 
-    def end_goals(self, reason: str) -> bool:
+    def end_goals(self, reason: str, wait_seconds: float | None = None) -> bool:
         """Refuse new goals; end the queued goals now and the running one at its next iteration, ABORTED
-        with ``reason``; returns once the running goal is over, True, or after DEACTIVATE_WAIT_SECONDS, False
-        (a goal that has not reached its next iteration yet: it still ends ABORTED when it does)."""
+        with ``reason``; returns once the running goal is over, True, or after ``wait_seconds`` (default
+        DEACTIVATE_WAIT_SECONDS), False (a goal that has not reached its next iteration yet: it still ends ABORTED
+        when it does)."""
         with self._cv:
             self._loaded, self._ended_with = None, reason
             queued, self._queue = list(self._queue), deque()
@@ -207,7 +208,7 @@ class GoalRunner:
                 self._running.abort_reason = reason
         for job in queued:
             self._end_unrun(job, reason)
-        over = self.wait_idle(DEACTIVATE_WAIT_SECONDS)
+        over = self.wait_idle(DEACTIVATE_WAIT_SECONDS if wait_seconds is None else wait_seconds)
         with self._cv:
             self._stats_pub = None
         return over

@@ -158,6 +158,7 @@ class MemSpecNode(LifecycleNode):
         self._last_cache_publish = 0.0
         self._window = ThroughputWindow(self.get_parameter("diagnostics.window_goals").value)
         self._default_threads = 0  # torch's thread count before a configure first set one: model.threads 0
+        self._hurry = False  # abandon_results
         self._runner = GoalRunner(self, self._window, ReentrantCallbackGroup())  # the action's own group
         self._action_server, self._on_goal = self._runner.server, self._runner.on_goal
         self._params = ParameterHandler(self, lambda: self._loaded, self._runner)
@@ -240,9 +241,18 @@ class MemSpecNode(LifecycleNode):
         if self._runner.close(reason, RESULTS_OUT_SECONDS):
             time.sleep(RESULT_SEND_SECONDS)  # the executor sends the results to the clients that asked
 
+    def abandon_results(self) -> None:
+        """From now on, going (destroy_node) waits neither for the running goal nor for results to reach their
+        clients: a second SIGINT/SIGTERM, which ros2 launch escalates to SIGKILL if the node lingers."""
+        self._hurry = True
+
     def destroy_node(self) -> None:
-        self.close_goals("the node is being destroyed")
-        self._release()
+        if self._hurry:  # the goals are told to end; the process is going, so nothing is waited for or freed
+            self._active = False
+            self._runner.end_goals("the node was stopped (a second signal)", wait_seconds=0.0)
+        else:
+            self.close_goals("the node is being destroyed")
+            self._release()
         self._runner.destroy()
         super().destroy_node()
 
@@ -419,8 +429,9 @@ def main(args: list[str] | None = None) -> None:
             closed.set_result(True)  # wakes the executor: main() goes on to destroy the node
 
     def on_signal(signum, _frame) -> None:
-        if closing.is_set():
-            raise KeyboardInterrupt  # a second signal: stop without waiting for the results
+        if closing.is_set():  # a second signal: stop without waiting for the results
+            node.abandon_results()
+            raise KeyboardInterrupt
         closing.set()
         reason = f"the node is shutting down ({signal.Signals(signum).name})"
         node.get_logger().info(f"{reason}: ending the goals and sending their results")

@@ -1,9 +1,9 @@
 """Parameter changes: every value checked against params.py's table, then applied where it lands.
 
-* ``model.*``, ``cache.storage``, ``predictor.path``, ``datastore.path`` choose what configure loads:
-  refused while models are loaded (cleanup, set, configure again);
+* ``model.*``, ``drafts.quantization``, ``cache.storage``, ``predictor.path``, ``datastore.path`` choose what
+  configure loads: refused while models are loaded (cleanup, set, configure again);
 * ``memspec.*``: ``RuntimeController.reconfigure``, which a running goal sees at its next scheduling point;
-* ``drafts.*``: a registry built from the new values, whose entries replace the live registry's;
+* the other ``drafts.*``: a registry built from the new values, whose entries replace the live registry's;
 * ``diagnostic_updater.period``, ``diagnostics.window_goals``: the setters the node registers;
 * the rest are read per goal or per publication.
 

@@ -2,10 +2,10 @@
 
 Groups follow llama_ros' dotted style. Three kinds of parameter, by when a change may land:
 
-* ``model.*``, ``cache.storage``, ``predictor.path``, ``datastore.path``: they choose what configure
-  loads, so they change only while the node is unconfigured (cleanup, set, configure again); a change
-  while models are loaded is rejected with that reason.
-* ``memspec.*`` (policy, K, N, T, gamma, budget ...) and ``drafts.*`` (the registry): applied by the
+* ``model.*``, ``drafts.quantization``, ``cache.storage``, ``predictor.path``, ``datastore.path``: they choose
+  what configure loads, so they change only while the node is unconfigured (cleanup, set, configure again); a
+  change while models are loaded is rejected with that reason.
+* ``memspec.*`` (policy, K, N, T, gamma, budget ...) and the other ``drafts.*`` (the registry): applied by the
   runtime controller at the next scheduling point, also in the middle of a running goal.
 * ``generation.*``, ``action.*``, ``diagnostics.*``, ``diagnostic_updater.period``: read per goal or
   per publication, so they apply at once (``diagnostic_updater.use_fqn`` and

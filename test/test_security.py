@@ -98,6 +98,44 @@ def test_a_pickle_beside_the_safetensors_is_never_opened(zoo, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("shard", ["evil.bin", "../good/model.safetensors", "missing.safetensors"])
+def test_a_shard_index_may_name_only_safetensors_files_of_its_folder(zoo, tmp_path, shard):
+    """Beside any *.safetensors, a model.safetensors.index.json decides what transformers reads: a .bin shard would
+    go through torch.load (an unpickler), a path would read outside the folder and model.allowed_roots."""
+    from safetensors import safe_open
+
+    marker = tmp_path / "pickle-ran"
+    draft = copy_draft(zoo, f"index_{shard.replace('/', '_')}")
+    weights = draft / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as handle:
+        keys = list(handle.keys())
+    weights.rename(draft / "other.safetensors")  # no model.safetensors: transformers follows the index
+    plant_pickle(draft / "evil.bin", marker)
+    (draft / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(keys, shard)}))
+    why = {"evil.bin": "not safetensors", "../good/model.safetensors": "a path, not a file",
+           "missing.safetensors": "missing from"}[shard]
+    with pytest.raises(ModelDirectoryError, match=why):
+        load_model(ModelSpec(str(draft)))
+    with pytest.raises(ModelDirectoryError, match=why):
+        DraftStorage(MEDIA["local"]).load(ModelSpec(str(draft)), "indexed")
+    assert not marker.exists()
+
+
+def test_the_storage_path_reads_the_files_transformers_reads(zoo, tmp_path):
+    """A stray *.safetensors beside model.safetensors (an old copy, other weights) is not merged into the draft on
+    the storage path: both load paths build the same weights."""
+    from safetensors.torch import save_file
+
+    draft = copy_draft(zoo, "stray")
+    other = noisy_copy(zoo[1], 0.5, seed=9)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"},
+              str(draft / "z-old.safetensors"))  # sorts after model.safetensors
+    direct = load_model(ModelSpec(str(draft))).model.state_dict()
+    stored = DraftStorage(MEDIA["local"]).load(ModelSpec(str(draft)), "stray").model.state_dict()
+    for name, tensor in direct.items():
+        assert torch.equal(tensor, stored[name]), name
+
+
 @pytest.mark.parametrize("storage", [None, "local"])
 def test_a_pickle_renamed_to_safetensors_is_refused_as_a_draft_without_running_it(zoo, tmp_path, storage):
     """It passes the registry (its name looks right) and is refused where it is loaded: the draft is

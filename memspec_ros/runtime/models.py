@@ -152,7 +152,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
-    """The weight files of a directory; refuses pickled checkpoints and corrupt headers."""
+    """The weight files of a directory, those transformers reads: model.safetensors, else the shards its index
+    names, else every *.safetensors; refuses pickled checkpoints, an index naming anything else, corrupt headers."""
     from safetensors import safe_open
 
     root = Path(path)
@@ -166,6 +167,11 @@ def safetensors_files(path: str | Path) -> list[Path]:
             else ""
         )
         raise ModelDirectoryError(f"no *.safetensors weights in {root}.{hint}")
+    shards = _check_shard_index(root)
+    if (root / "model.safetensors").is_file():
+        files = [root / "model.safetensors"]
+    elif shards:
+        files = [root / shard for shard in shards]  # a stray file beside them would overwrite their tensors
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
@@ -175,6 +181,32 @@ def safetensors_files(path: str | Path) -> list[Path]:
                 f"{file} is not a readable safetensors file ({exc}): the download or copy is corrupt, restore it"
             ) from exc
     return files
+
+
+def _check_shard_index(root: Path) -> list[str]:
+    """A sharded checkpoint's index names the files transformers reads, whatever else the folder holds: each must be
+    a safetensors file in this folder. Any other name would be loaded with torch.load (an unpickler, if a restricted
+    one), and a name with a path in it reads outside the folder (and model.allowed_roots)."""
+    named: list[str] = []
+    for index in sorted(root.glob("*.safetensors.index.json")):  # (a .bin index: transformers ignores it here)
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+            raise ModelDirectoryError(f"{index} is not a valid shard index ({exc}): restore it from the original"
+                                      " model") from exc
+        for shard in sorted(map(str, shards)):
+            if Path(shard).name != shard or shard in ("", ".", ".."):
+                raise ModelDirectoryError(f"{index} names the shard {shard!r}, a path, not a file of {root}: refused")
+            if not shard.endswith(".safetensors"):
+                raise ModelDirectoryError(
+                    f"{index} names the shard {shard!r}, which is not safetensors: pickled weights are never loaded"
+                    " (unpickling runs code); convert the checkpoint where you trust it, with"
+                    " model.save_pretrained(dir, safe_serialization=True)")
+            if not (root / shard).is_file():
+                raise ModelDirectoryError(f"{index} names the shard {shard!r}, missing from {root}: the download or"
+                                          " copy is incomplete, restore it")
+            named.append(shard)
+    return sorted(set(named))
 
 
 def _check_architecture(config: dict[str, Any], path: str, trust_remote_code: bool) -> None:

@@ -175,7 +175,10 @@ class MiniLMEncoder:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModel, AutoTokenizer
 
+        from .models import safetensors_files
+
         root = str(path or minilm_path())
+        safetensors_files(root)  # safetensors only, a shard index naming nothing else
         self.tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
         self.model = AutoModel.from_pretrained(root, local_files_only=True, use_safetensors=True).eval()
         self.model.requires_grad_(False)

@@ -51,6 +51,20 @@ def test_package_specs_are_checked_before_anything_is_read(tmp_path):
         resolve_model_path(str(tmp_path / "absent.gguf"))
 
 
+def test_a_dotted_package_name_is_refused_without_importing_anything(tmp_path, monkeypatch):
+    """find_spec("a.b") imports the package a, running its code: a parameter set remotely must not do that."""
+    marker = tmp_path / "imported"
+    package = tmp_path / "plantedpkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelDirectoryError, match="not a top-level package name"):
+        package_file("pkg:plantedpkg.sub/m.gguf")
+    assert not marker.exists()
+
+
 def test_a_package_is_located_without_being_imported(monkeypatch):
     import sys
 

@@ -330,6 +330,21 @@ def test_default_roots_never_allow_the_whole_filesystem(monkeypatch, tmp_path):
     assert tmp_path.resolve() in [r.resolve() for r in P.default_allowed_roots()]
 
 
+def test_launch_locations_never_allow_the_whole_filesystem_and_a_symlink_loop_is_refused(tmp_path):
+    """A node started with drafts.registry_file:=/registry.yaml must not make / a root (every path would pass);
+    a path through a symlink loop is refused with a reason, not an exception out of the parameter callback."""
+    require_ros()
+    from memspec_ros.ros import params as P
+
+    assert Path("/") not in P.launch_roots({"drafts.registry_file": "/registry.yaml"})
+    assert tmp_path.resolve() in P.launch_roots({"drafts.registry_file": str(tmp_path / "registry.yaml")})
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    reason = P.check_paths({"model.target_path": str(loop / "model")}, [tmp_path.resolve()])
+    assert reason.startswith("model.target_path") and "cannot be resolved" in reason, reason
+    assert P.launch_roots({"model.target_path": str(loop / "model")}) == []
+
+
 @pytest.fixture
 def confined(rclpy_context, roots):
     """An unconfigured node (over DDS) whose model.allowed_roots is tmp/root only; started with no paths."""

@@ -351,10 +351,20 @@ PKG_PREFIX = "pkg:"  # runtime/model_source.py: a file inside an installed packa
 _LAUNCH_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node -> locations it started with
 
 
-def _resolved(path: str | Path) -> Path:
+def _resolved(path: str | Path) -> Path | None:
     """Where a path really points: every symlink followed, every '..' removed (no '~' expansion: the
-    loaders take a path parameter literally, so the check must too)."""
-    return Path(path).resolve()
+    loaders take a path parameter literally, so the check must too); None where it cannot be resolved (a
+    symlink loop: Path.resolve raises RuntimeError on Python 3.11)."""
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+
+
+def _a_root_that_confines(path: Path | None) -> bool:
+    """A launch location that can serve as a root: not the filesystem root (a registry file in / would
+    otherwise allow every path, as a service started in / would; see default_allowed_roots)."""
+    return path is not None and path != Path(path.anchor)
 
 
 def default_allowed_roots() -> list[Path]:
@@ -406,10 +416,11 @@ def launch_roots(v: dict[str, Any]) -> list[Path]:
     for name, path in _path_values(v):
         if path.startswith(PKG_PREFIX):
             continue
-        roots.append(_resolved(path).parent if name == "drafts.registry_file" else _resolved(path))
+        resolved = _resolved(path)
+        roots.append(resolved.parent if name == "drafts.registry_file" and resolved is not None else resolved)
         if name == "drafts.registry_file":
             roots += [_resolved(p) for _, p in _registry_paths(path) if not p.startswith(PKG_PREFIX)]
-    return roots
+    return [root for root in roots if _a_root_that_confines(root)]
 
 
 def allowed_roots(node) -> list[Path]:
@@ -417,7 +428,8 @@ def allowed_roots(node) -> list[Path]:
     locations the node started with."""
     configured = non_empty(plain_value(node.get_parameter("model.allowed_roots").value))
     roots = [Path(r) for r in configured] if configured else default_allowed_roots()
-    return [_resolved(r.expanduser()) for r in roots] + list(_LAUNCH_ROOTS.get(node, []))
+    resolved = [_resolved(r.expanduser()) for r in roots]
+    return [r for r in resolved if r is not None] + list(_LAUNCH_ROOTS.get(node, []))
 
 
 def path_outside_roots(what: str, path: str, roots: list[Path]) -> str:
@@ -425,6 +437,8 @@ def path_outside_roots(what: str, path: str, roots: list[Path]) -> str:
     if path.startswith(PKG_PREFIX):
         return ""
     resolved = _resolved(path)
+    if resolved is None:
+        return f"{what} {path!r} cannot be resolved (a symlink loop?): point it at the model's real location"
     if any(resolved == root or root in resolved.parents for root in roots):
         return ""
     return (f"{what} {path!r} resolves to {resolved}, outside model.allowed_roots"

@@ -54,6 +54,8 @@ def package_file(spec: str) -> Path:
     package, _, relative = rest.partition("/")
     if not package or not relative:
         raise ModelDirectoryError(f"{spec!r} is not of the form pkg:<package>/<file inside it>")
+    if not package.isidentifier():  # a dotted name: find_spec would import its parent package, running its code
+        raise ModelDirectoryError(f"{spec!r}: {package!r} is not a top-level package name (letters, digits, _)")
     try:
         found = importlib.util.find_spec(package)
     except (ImportError, ValueError):

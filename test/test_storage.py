@@ -187,7 +187,13 @@ def test_a_damaged_runtime_form_is_built_again_from_the_source(tiny_zoo, cache_r
 
 def test_forms_of_drafts_whose_files_are_gone_are_removed(tmp_path, monkeypatch):
     """A draft deleted or moved (or a temporary zoo) leaves no form behind for good: the next form written removes
-    every form whose weights files are gone, and files that are not forms this code wrote; partial writes stay."""
+    every form whose weights files are gone. Files that are not forms this code wrote stay (the folder may be one
+    the user pointed MEMSPEC_RUNTIME_FORMS_DIR at, holding their models), as do partial writes, but for one a
+    killed process left an hour ago."""
+    import time
+
+    from safetensors.torch import save_file
+
     from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
     forms = tmp_path / "forms"
@@ -198,11 +204,16 @@ def test_forms_of_drafts_whose_files_are_gone_are_removed(tmp_path, monkeypatch)
         storage.load(ModelSpec(str(zoo / "drafts" / name)), name)
     code, math = (form.file for form in storage._forms.values())
     (forms / "stranger.safetensors").write_bytes(b"not a form")
+    save_file({"w": torch.zeros(2)}, str(forms / "model.safetensors"))  # a user's model, no form metadata
     (forms / "tmpwriting.partial").write_bytes(b"another process's form, half written")
+    (forms / "tmpkilled.partial").write_bytes(b"a form a killed process left")
+    hour_ago = time.time() - 3700
+    os.utime(forms / "tmpkilled.partial", (hour_ago, hour_ago))
     shutil.rmtree(zoo / "drafts" / "code")
     storage.load(ModelSpec(str(zoo / "drafts" / "general")), "general")
     (general,) = (form.file for form in storage._forms.values() if form.file not in (code, math))
-    assert sorted(p.name for p in forms.iterdir()) == sorted([math.name, general.name, "tmpwriting.partial"])
+    assert sorted(p.name for p in forms.iterdir()) == sorted(
+        [math.name, general.name, "stranger.safetensors", "model.safetensors", "tmpwriting.partial"])
 
 
 def test_a_cache_that_cannot_take_the_runtime_form_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch, caplog):

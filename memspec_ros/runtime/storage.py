@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -332,6 +333,10 @@ class RuntimeForm:
         return replace(self.record, model=model)
 
 
+FORM_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.safetensors")  # runtime_form_file's names
+PARTIAL_STALE_SECONDS = 3600.0  # a form's write takes seconds: a .partial this old was left by a killed process
+
+
 def source_identity(files: Sequence[Path]) -> tuple:
     """What tells a draft's weights files apart from their next version: path, size and modification time."""
     return tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
@@ -379,20 +384,36 @@ def prune_stale_forms(file: Path) -> None:
     gone and builds that draft from its files again."""
     prefix = file.name.split("-", 1)[0] + "-"
     for other in file.parent.glob("*.safetensors"):
-        if other != file and (other.name.startswith(prefix) or not _source_exists(other)):
+        # only files named as runtime_form_file names them: the folder may be one the user pointed
+        # MEMSPEC_RUNTIME_FORMS_DIR at, holding models of their own
+        if other != file and FORM_NAME.fullmatch(other.name) and (
+                other.name.startswith(prefix) or not _source_exists(other)):
             other.unlink(missing_ok=True)
+    stale = time.time() - PARTIAL_STALE_SECONDS
+    for partial in file.parent.glob("tmp*.partial"):  # a write a killed process left (RuntimeForm.write)
+        try:
+            if partial.stat().st_mtime < stale:
+                partial.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _source_exists(form: Path) -> bool:
     """Whether every weights file a runtime form was built from is still there (its header's metadata says which;
-    a file without it is not a form this code wrote)."""
+    a file without it is not a form this code wrote: it is kept)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(form), framework="pt") as handle:
-            source = json.loads((handle.metadata() or {})[SOURCE_METADATA])
+            metadata = handle.metadata() or {}
+    except (OSError, SafetensorError):
+        return True  # unreadable now (being written, or not ours): not ours to remove
+    try:
+        source = json.loads(metadata[SOURCE_METADATA])
         return all(Path(path).is_file() for path, *_ in source)
-    except (OSError, SafetensorError, ValueError, KeyError, TypeError):
+    except KeyError:
+        return True
+    except (ValueError, TypeError):
         return False
 
 

@@ -489,3 +489,15 @@ def test_pinned_copy_is_a_plain_move_on_cpu():
 
 
 torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend
+
+
+def test_a_closed_cache_reserves_nothing():
+    """After close() (the controller's, at cleanup) a late ranking or request starts no load: its pool is gone, and
+    a slot reserved for it stayed "loading" with its bytes reserved for good."""
+    cache = DraftCacheManager(2, fake_loader(), budget_bytes=1000, size_of=SIZES.get)
+    cache.update(["code"])
+    cache.drain()
+    cache.close()
+    cache.update(["math", "law"])
+    snap = cache.snapshot()
+    assert snap.loading == [] and snap.resident == ["code"] and snap.bytes_reserved == SIZES["code"]

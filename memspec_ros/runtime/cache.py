@@ -372,7 +372,8 @@ class DraftCacheManager:
             self._changed()
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def drain(self, timeout: float | None = None) -> None:
@@ -480,6 +481,8 @@ class DraftCacheManager:
         return min(candidates, key=lambda n: self._scores.get(n, float("-inf")))
 
     def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
+        if self._closed:  # its loader pool is gone: a slot reserved now would stay "loading" for good
+            return False
         size = max(0, int(self.size_of(name)), self._measured.get(name, 0))  # a load taught what it really takes
         if self.budget_bytes and size > self.budget_bytes:
             self._slots[name] = slot = _Slot(name, 0)

@@ -130,6 +130,18 @@ def test_gptq_requested_for_a_plain_checkpoint(model_dirs):
         load_model(ModelSpec(str(model_dirs[0]), quantization="gptq"))
 
 
+@pytest.mark.parametrize("method", ["awq", "bitsandbytes"])
+def test_a_checkpoint_quantized_otherwise_than_gptq_is_refused_with_the_reason(tmp_path, model_dirs, method):
+    """Any other quantization_config was labelled gptq (and ran through its preparation), or raised a bare
+    ImportError for a backend this engine does not use."""
+    fake = _copy(model_dirs[0], tmp_path / method)
+    config = json.loads((fake / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (fake / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationBackendError, match=f"quantized with '{method}', which this engine does not run"):
+        load_model(ModelSpec(str(fake)))
+
+
 @pytest.mark.skipif(gptq_backend_available(), reason="only meaningful without the GPTQ backend")
 def test_gptq_checkpoint_without_backend(tmp_path, model_dirs):
     fake = _copy(model_dirs[0], tmp_path / "gptq")

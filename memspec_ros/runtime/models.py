@@ -237,6 +237,10 @@ def _check_quantization(config: dict[str, Any], spec: ModelSpec) -> None:
             f"quantization 'gptq' requested but {spec.path}/config.json has no GPTQ quantization_config"
             f" (found {method!r}): point to a GPTQ checkpoint or set quantization to 'none'"
         )
+    if method is not None and method != "gptq":  # the engine runs GPTQ checkpoints and its own CPU paths only
+        raise QuantizationBackendError(
+            f"{spec.path} is quantized with {method!r}, which this engine does not run: use the unquantized"
+            " checkpoint (quantization int8/int4 gives the CPU kernels' compact weights) or a GPTQ one")
     if method == "gptq" and not gptq_backend_available():
         raise QuantizationBackendError(
             f"{spec.path} is a GPTQ checkpoint but the GPT-QModel backend is not installed:"
@@ -286,6 +290,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         kwargs["device_map"] = str(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+    except ImportError as exc:  # a backend the checkpoint needs (GPTQ's optimum, say) that is not installed
+        raise QuantizationBackendError(f"could not load the model in {spec.path}: {exc}") from exc
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelDirectoryError(f"could not load the model in {spec.path}: {exc}") from exc
     if "device_map" not in kwargs:

@@ -82,6 +82,23 @@ def test_an_architecture_transformers_cannot_build_is_refused(tmp_path):
         check_gguf(path)
 
 
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "gpt-oss", "minimax-m2", "t5encoder"])
+def test_llama_cpp_spellings_of_architectures_transformers_builds_pass_the_check(tmp_path, arch):
+    """llama.cpp names these as transformers' loader renames them (qwen2moe -> qwen2_moe, ...): not refused."""
+    path = tmp_path / f"{arch}.gguf"
+    _tiny_gguf(path, arch=arch)
+    assert check_gguf(path) == arch
+
+
+def test_a_gguf_whose_architecture_is_general_is_refused(tmp_path):
+    """'general' and 'tokenizer' sit in transformers' table of GGUF sections, but name no model."""
+    path = tmp_path / "general.gguf"
+    _tiny_gguf(path, arch="general")
+    with pytest.raises(UnsupportedArchitectureError, match="'general'") as refused:
+        check_gguf(path)
+    assert "tokenizer" not in str(refused.value).split("supported:")[1]
+
+
 def test_an_unsupported_quantization_type_is_refused(tmp_path):
     import gguf
 

@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -89,6 +90,18 @@ def _require(module: str, why: str) -> None:
         )
 
 
+NOT_ARCHITECTURES = frozenset({"general", "tokenizer"})  # in transformers' table, not model architectures
+
+
+def gguf_architecture_names(arch: str) -> set[str]:
+    """The names transformers may know a llama.cpp architecture by: its own, and its spelling with '_' (llama.cpp
+    writes qwen2moe, gpt-oss, minimax-m2 for transformers' qwen2_moe, gpt_oss, minimax_m2), t5encoder as t5."""
+    names = {arch, arch.replace("-", "_"), re.sub(r"(?<=[0-9a-z])moe$", "_moe", arch)}
+    if arch == "t5encoder":
+        names.add("t5")
+    return names - NOT_ARCHITECTURES
+
+
 def check_gguf(path: Path) -> str:
     """Read the header; return the architecture or raise with what is unsupported."""
     _require("gguf", "to read the file")
@@ -104,10 +117,11 @@ def check_gguf(path: Path) -> str:
     if field is None:
         raise GGUFConversionError(f"{path} has no general.architecture: not a model GGUF")
     arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    supported = set(GGUF_SUPPORTED_ARCHITECTURES) - NOT_ARCHITECTURES
+    if not gguf_architecture_names(arch) & supported:
         raise UnsupportedArchitectureError(
             f"{path} holds a {arch!r} model, which transformers cannot build from GGUF"
-            f" (supported: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
+            f" (supported: {', '.join(sorted(supported))})")
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     bad = sorted(
         {t.tensor_type.name for t in reader.tensors if t.tensor_type not in plain and t.tensor_type not in _type_traits}

@@ -187,3 +187,29 @@ def test_an_interrupted_conversion_is_redone(tmp_path, monkeypatch):
     out = resolve_model_path(str(src))
     assert out == half and (out / CONVERTED_MARKER).is_file()
     assert json.loads((out / "config.json").read_text()) == {"model_type": "llama"}
+
+
+def test_a_killed_conversions_temporary_folder_is_removed_and_the_file_hashed_once(tmp_path, monkeypatch):
+    """A conversion killed mid-way (ros2 launch's SIGKILL) leaves its temporary folder, a whole fp32 model for a
+    big GGUF: the next conversion of that file removes it. The file's digest is computed once per version of the
+    file in a process (a configure resolves the target twice)."""
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    digest = model_source.file_digest(src)
+    left = tmp_path / "cache" / "gguf" / f".{digest[:24]}-killed"
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"half written")
+    other = tmp_path / "cache" / "gguf" / ".0123456789abcdef01234567-other"  # another file's: not ours to touch
+    other.mkdir()
+    hashed = []
+    digest_of = model_source.file_digest
+    monkeypatch.setattr(model_source, "file_digest", lambda p: hashed.append(p) or digest_of(p))
+    monkeypatch.setattr(model_source, "convert_gguf",
+                        lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
+    out = resolve_model_path(str(src))
+    assert (out / CONVERTED_MARKER).is_file() and not left.exists() and other.exists()
+    assert resolve_model_path(str(src)) == out and len(hashed) == 1
+    src.write_bytes(src.read_bytes() + b"\0")  # another version of the file: hashed again
+    resolve_model_path(str(src))
+    assert len(hashed) == 2

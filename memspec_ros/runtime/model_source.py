@@ -157,26 +157,68 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: a configure asks twice
+
+
+def cached_digest(path: Path) -> str:
+    """file_digest, computed once per version of the file in this process (hashing 100 MB takes a few tenths of a
+    second, and the target is resolved for its tokenizer and its weights)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = file_digest(path)
+    return _DIGESTS[key]
+
+
 def converted_dir(path: Path) -> Path:
-    """The cached safetensors directory for a GGUF file, converting it on first use."""
-    digest = file_digest(path)
+    """The cached safetensors directory for a GGUF file, converting it on first use.
+
+    One conversion per file at a time across processes (a lock file per digest: two nodes started together would
+    each de-quantize the model, doubling the peak memory); the files are on disk before the marker and the rename
+    that publish them (a power cut then leaves no marker over truncated weights); a conversion a killed process left
+    half done is removed by the next one."""
+    import fcntl
+
+    digest = cached_digest(path)
     out = cache_root() / "gguf" / digest[:24]
     if (out / CONVERTED_MARKER).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}-", dir=out.parent))
-    try:
-        convert_gguf(path, tmp)
-        (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}, indent=1))
-        if (out / CONVERTED_MARKER).is_file():  # another process finished the same conversion meanwhile
+    with open(out.parent / f".{digest[:24]}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process is killed
+        if (out / CONVERTED_MARKER).is_file():  # another process converted it while this one waited
             return out
-        if out.exists():  # an interrupted earlier conversion
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for stale in out.parent.glob(f".{digest[:24]}-*"):  # only a process holding this lock writes these
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}-", dir=out.parent))
+        try:
+            convert_gguf(path, tmp)
+            (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}, indent=1))
+            _sync_tree(tmp)
+            if out.exists():  # an interrupted earlier conversion (no marker)
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+            _sync_dir(out.parent)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _sync_tree(folder: Path) -> None:
+    for file in folder.iterdir():
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    _sync_dir(folder)
+
+
+def _sync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def resolve_model_path(spec: str | os.PathLike[str]) -> Path:

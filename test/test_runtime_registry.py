@@ -198,3 +198,39 @@ def test_a_draft_of_the_same_tokenizer_but_another_logit_width_fails_to_load(zoo
         assert "scores 80 token ids" in str(ctl.cache.failed()["wide"])
     finally:
         ctl.close()
+
+
+def test_a_gguf_draft_is_registered_sized_loaded_and_kept_until_its_file_changes(zoo, tmp_path, monkeypatch):
+    """A draft path may name a GGUF file (as the target's may): the registry checks its conversion (config,
+    safetensors, tokenizer) and reserves the converted weights' bytes, the cache loads it, and evict_changed judges
+    the GGUF file, not the conversion (which it compared with the GGUF's identity, so it always looked changed)."""
+    import os
+
+    from memspec_ros.runtime import model_source
+    from memspec_ros.runtime.cache import DraftCacheManager
+
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    tok = tiny_tokenizer()
+
+    def fake_convert(path, out):  # transformers' GGUF conversion is tested on the bundled model
+        save_model_dir(tiny_llama(layers=1, hidden=32, seed=4), tok, out)
+
+    monkeypatch.setattr(model_source, "convert_gguf", fake_convert)
+    gguf = tmp_path / "drafts" / "d.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF stand-in")
+    (tmp_path / "registry.yaml").write_text("drafts:\n  - {name: d, path: drafts/d.gguf, domain: code}\n")
+    reg = DraftRegistry.from_yaml(tmp_path / "registry.yaml",
+                                  target_fingerprint=tokenizer_fingerprint(tiny_tokenizer()))
+    entry = reg.get("d")
+    assert entry.path == str(gguf.resolve()) and entry.size_bytes > 1000  # the converted weights, not 0
+    cache = DraftCacheManager(1, registry_loader(reg))
+    try:
+        cache.request("d")
+        cache.wait_for("d")
+        assert cache.resident() == ["d"] and cache.evict_changed() == []
+        stat = gguf.stat()
+        os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        assert cache.evict_changed() == ["d"]
+    finally:
+        cache.close()

@@ -306,7 +306,8 @@ class DraftCacheManager:
         way when it lands, and dropped if its files changed. Returns the names evicted. Call it with no generation
         running (the node does when the draft registry is set): ``on_evict`` runs on this thread."""
         with self._lock:
-            resident = [(n, s.model.spec.path, s.files) for n, s in self._slots.items() if s.model is not None]
+            resident = [(n, s.model.source or s.model.spec.path, s.files) for n, s in self._slots.items()
+                        if s.model is not None]
             for slot in self._slots.values():
                 if slot.future is not None and slot.model is None:
                     slot.recheck = True  # it may have read the files before they changed: checked when it lands
@@ -528,8 +529,9 @@ class DraftCacheManager:
             return  # SystemExit, KeyboardInterrupt: the future would hand them to a waiting decode thread
         elapsed = time.perf_counter() - t0
         # the files as they were before the read (registry_loader records it); a loader that does not: as they are
-        files = loaded.files or weights_identity(loaded.spec.path)
-        stale = slot.recheck and weights_identity(loaded.spec.path) != files
+        source = loaded.source or loaded.spec.path  # what ``files`` is the identity of
+        files = loaded.files or weights_identity(source)
+        stale = slot.recheck and weights_identity(source) != files
         with self._lock:
             self._counters.load_seconds += elapsed
             if self._slots.get(slot.name) is not slot or slot.discard or stale:
@@ -626,7 +628,7 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
         # the engine's forward for it (fused linears, the one-call kernels: runtime/draft_forward.py) is built here,
         # on the loader thread, not by the decode thread at the draft's first iteration (1-5 ms there)
         lean_forward_for(loaded.model)
-        loaded.files = files
+        loaded.files, loaded.source = files, entry.path
         return loaded
 
     return load

@@ -84,6 +84,7 @@ class LoadedModel:
     prepared: dict | None = None  # what runtime/gptq.py:prepare_for_engine did to a GPTQ model
     path_report: PathReport | None = None  # what runtime/forward_paths.py:apply_path converted
     files: tuple = ()  # its weights files before they were read (storage.weights_identity): tells a changed file
+    source: str = ""  # the path ``files`` is of, when not spec.path (a GGUF file or pkg: resource, converted)
 
 
 def forward_path_for(spec: ModelSpec) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .lookup import LOOKUP_DRAFT
-from .model_source import relative_to
+from .model_source import is_model_source, relative_to, resolve_model_path
 from .models import ModelDirectoryError, TokenizerMismatchError, load_tokenizer, read_config, tokenizer_fingerprint
 
 
@@ -111,7 +111,7 @@ class DraftRegistry:
             entries.append(
                 DraftEntry(
                     name=str(item["name"]),
-                    path=str((base / str(item["path"])).resolve()),
+                    path=relative_to(base, str(item["path"])),  # a pkg: resource as it is
                     domain=str(item.get("domain", item["name"])),
                     size_bytes=int(item.get("size_bytes", 0) or 0),
                 )
@@ -154,7 +154,7 @@ class DraftRegistry:
         entries = [
             DraftEntry(
                 name=str(name),
-                path=str((base / p).resolve()) if base is not None and not Path(p).is_absolute() else str(p),
+                path=relative_to(base, p) if base is not None and not Path(p).is_absolute() else str(p),
                 domain=str(domains[i]) if domains else str(name),
             )
             for i, (name, p) in enumerate(zip(names, paths, strict=True))
@@ -168,19 +168,22 @@ class DraftRegistry:
         if entry.name == LOOKUP_DRAFT:  # statistics tell copies from the context by this name
             raise RegistryError(f"the draft name {LOOKUP_DRAFT!r} is reserved for copies from the context"
                                 f" (memspec.context_lookup): rename the draft at {entry.path!r}")
+        local = Path(entry.path)  # the directory loads read: a GGUF file or pkg: resource's conversion
         if self.validate:
-            read_config(entry.path)  # ModelDirectoryError: missing directory or config.json
-            if not any(Path(entry.path).glob("*.safetensors")):
-                raise ModelDirectoryError(f"draft {entry.name!r}: no *.safetensors weights in {entry.path}")
+            if is_model_source(entry.path):
+                local = resolve_model_path(entry.path)  # converted once, cached (runtime/model_source.py)
+            read_config(local)  # ModelDirectoryError: missing directory or config.json
+            if not any(local.glob("*.safetensors")):
+                raise ModelDirectoryError(f"draft {entry.name!r}: no *.safetensors weights in {local}")
             if self.target_fingerprint is not None:
-                if tokenizer_fingerprint(load_tokenizer(entry.path)) != self.target_fingerprint:
+                if tokenizer_fingerprint(load_tokenizer(local)) != self.target_fingerprint:
                     raise TokenizerMismatchError(
                         f"draft {entry.name!r} in {entry.path} has a different tokenizer from the target:"
                         " speculative decoding needs one shared vocabulary;"
                         " use a draft trained with the target's tokenizer"
                     )
-        if entry.size_bytes <= 0 and Path(entry.path).is_dir():
-            entry = DraftEntry(entry.name, entry.path, entry.domain, weights_bytes(entry.path))
+        if entry.size_bytes <= 0 and local.is_dir():
+            entry = DraftEntry(entry.name, entry.path, entry.domain, weights_bytes(local))
         return entry
 
     # -- mutation (takes effect at the next scheduling point) ---------------------

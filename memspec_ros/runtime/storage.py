@@ -343,8 +343,14 @@ def source_identity(files: Sequence[Path]) -> tuple:
 
 
 def weights_identity(path: str | Path) -> tuple:
-    """:func:`source_identity` of a model directory's safetensors files (or of one file); ("missing",) if unreadable."""
-    root = Path(path)
+    """:func:`source_identity` of a model directory's safetensors files (or of one file: a GGUF, or the file a pkg:
+    resource names); ("missing",) if unreadable."""
+    from .model_source import PKG_PREFIX, package_file
+
+    try:
+        root = package_file(str(path)) if str(path).startswith(PKG_PREFIX) else Path(path)
+    except Exception:  # not installed (any more)
+        return ("missing",)
     try:
         return source_identity(sorted(root.glob("*.safetensors")) if root.is_dir() else [root])
     except OSError:

@@ -243,7 +243,8 @@ def _figures(done: dict, monitor: InvariantMonitor, budget: int, callback_second
     figures = {
         "goals_sent": done["sent"],
         "goals_accepted": done["accepted"],
-        "goals_rejected": done["rejected"],
+        "goals_rejected": done["rejected"],  # by the queue's bound; a busy node's retried rejections apart:
+        "goal_retries_rejected": done.get("retried", 0),
         "terminal": done["terminal"],
         "goals_lost": done["lost"],
         "requests_unanswered": done["unanswered"],
@@ -305,6 +306,7 @@ class _Client:
         self.phase = "warm-up"
         self.outcomes: Counter = Counter()
         self.sent = self.answered = self.accepted = 0
+        self.retried = 0  # rejections of running()'s own retries: the node still ending a goal, not a queue test
         self.lost = self.unanswered = 0  # never reset: a lost goal or an unanswered request is a failure anywhere
         self.feedback: dict[bytes, int] = {}
 
@@ -376,10 +378,12 @@ class _Client:
         """A long goal, accepted and decoding (its first feedback came). The goals before it have their results,
         but the node may still be ending the last one: a rejection (queue full) is retried."""
         deadline = time.monotonic() + ANSWER_SECONDS
+        rejected_before = self.answered - self.accepted
         handles = self.send([prompt], long_tokens)
         while not handles and time.monotonic() < deadline:
             time.sleep(0.05)
             handles = self.send([prompt], long_tokens)
+        self.retried += self.answered - self.accepted - rejected_before
         if not handles:
             raise RuntimeError("the long goal of a burst or storm round was never accepted")
         handle = handles[0]
@@ -428,7 +432,8 @@ def client_main(plan: dict) -> int:
         first = client.running(prompts[r % len(prompts)], config.long_tokens)
         queued = client.send([prompts[(r + k) % len(prompts)] for k in range(config.queue)], config.long_tokens)
         client.finish([first, *queued], cancel=True)
-    say(phase="done", sent=client.sent, accepted=client.accepted, rejected=client.answered - client.accepted,
+    say(phase="done", sent=client.sent, accepted=client.accepted,
+        rejected=client.answered - client.accepted - client.retried, retried=client.retried,
         terminal=dict(client.outcomes), lost=client.lost, unanswered=client.unanswered,
         bursts_accepted=bursts_accepted, accept_latencies=client.latencies,
         phase_latencies=client.phase_latencies, seconds=time.monotonic() - t0)

@@ -264,3 +264,21 @@ def tiny_zoo(tmp_path_factory):
     from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
     return build_tiny_zoo(tmp_path_factory.mktemp("zoo"), hidden=64, layers=2, predictor=False)
+
+
+def test_steady_loads_time_what_a_running_node_reads_not_the_first_build(tiny_zoo):
+    """A bench's load times (Oracle-Dynamic's costs, the storage sweep, the engine bench) are loads as the timed runs
+    make them, in their forward path: after a draft's first load in the process built it, a load reads its runtime
+    form. The first build is not among the records."""
+    from memspec_ros.runtime.cache import draft_spec
+
+    storage = DraftStorage(MEDIA["local"])
+    spec = draft_spec(str(tiny_zoo / "drafts" / "code"), quantization="int8")
+    storage.load(draft_spec(str(tiny_zoo / "drafts" / "math")), "math")  # an earlier record: not returned
+    records = storage.steady_loads({"code": spec}, repeats=2)
+    (form,) = (f for key, f in storage._forms.items() if key[0].endswith("code"))
+    assert [r.name for r in records] == ["code", "code"]
+    assert all(r.nbytes == form.file.stat().st_size for r in records)  # the int8 form read, not the safetensors
+    weights = sum(f.stat().st_size for f in (tiny_zoo / "drafts" / "code").glob("*.safetensors"))
+    assert form.file.stat().st_size < weights
+    assert storage.take_records() == []

@@ -26,23 +26,31 @@ Every figure names its storage medium and says it is emulated where it is.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from ..runtime.models import ModelSpec
+from ..runtime.cache import draft_spec
 from ..runtime.policies import COST_AWARE
 from ..runtime.simulator import CostModel
 from ..runtime.stats import GenerationStats
 from ..runtime.storage import MEDIA, DraftStorage, storage_medium
-from .policy_bench import BenchRun, PolicyBenchConfig, collect_policy_bench, gmean, plot_policy_bench, validation_table
+from .policy_bench import (
+    BenchRun,
+    PolicyBenchConfig,
+    collect_policy_bench,
+    domain_workloads,
+    gmean,
+    plot_policy_bench,
+    validation_table,
+)
 
 GS, OS, MAB, PO, OD, MS, CA = ("general-static", "oracle-static", "mab-async", "prediction-only", "oracle-dynamic",
                                "memspec", COST_AWARE)
 REAL_POLICIES = (GS, OS, MAB, PO, OD, MS, CA)
-DOMAIN_WORKLOADS = ("code", "math", "law", "medical", "general")  # the goals' GMEAN (the paper's five)
 SWEEP_POLICIES = (GS, MAB, OD, MS, CA)
 MEDIA_ORDER = ("local", "nvme", "emmc", "sd")
 PAPER_LOAD_ITERATIONS = 2.7  # the paper's Jetson: a draft load over one speculative iteration
@@ -58,12 +66,6 @@ BEGIN, END = "<!-- paper-evaluation:begin (memspec-bench paper writes this part)
 def medium_note(medium: str) -> str:
     m = MEDIA[medium]
     return f"storage: {medium}" + (" (emulated)" if m.emulated else " (this machine's disk, not emulated)")
-
-
-def domain_workloads(workloads: Sequence[str]) -> list[str]:
-    """The goals' workloads: the paper's five domains where present, else every workload."""
-    domains = [w for w in DOMAIN_WORKLOADS if w in workloads]
-    return domains or list(workloads)
 
 
 def execution_parts(stats: GenerationStats) -> dict[str, float]:
@@ -295,7 +297,8 @@ def goals(bench: BenchRun, fig6: dict, validation_pooled: dict | None) -> dict:
 
     add("MemSpec / Oracle-Dynamic (paper's metric)", g(MS) / g(OD), 0.95)
     add("MemSpec / MAB-Async (paper's metric)", g(MS) / g(MAB), 1.3)
-    worst = min(table[w][MS]["tokens_per_second"] / table[w][MAB]["tokens_per_second"] for w in domains)
+    worst = min(table[w][MS]["tokens_per_second"] / table[w][MAB]["tokens_per_second"]
+                if table[w][MAB]["tokens_per_second"] > 0 else math.inf for w in domains)
     add("MemSpec / MAB-Async on the worst workload", worst, 1.0 + 1e-9)
     add("MemSpec / General-Static (paper's metric)", g(MS) / g(GS), 1.3)
     e2e = "end_to_end_tokens_per_second"
@@ -447,13 +450,13 @@ def plot(item: dict, path: Path, context: str) -> None:
 # -- the harness -----------------------------------------------------------------------------------------
 
 def measure_media(bench: BenchRun, media: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Each draft loaded once through each medium (cold, paced): the load times the storage sweep uses."""
+    """Each draft loaded once through each medium (cold, paced), as the timed runs load it: the load times the
+    storage sweep uses."""
+    specs = {e.name: draft_spec(str(e.path), quantization=bench.cfg.draft_quantization) for e in bench.registry}
     out = {}
     for medium in media:
         storage = DraftStorage(storage_medium(medium))
-        for entry in bench.registry:
-            storage.load(ModelSpec(str(entry.path)), entry.name)
-        out[medium] = {r.name: r.seconds for r in storage.take_records()}
+        out[medium] = {r.name: r.seconds for r in storage.steady_loads(specs)}
     return out
 
 
@@ -462,12 +465,19 @@ def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", 
               quantization: str = "none", draft_quantization: str = "none",
               progress=None, log: Callable[[str], None] = print) -> dict:
     """The whole evaluation; writes every item's JSON and PNG into ``out`` and returns the index."""
+    from ..runtime.loader import find_predictor
+
+    predictor_dir = predictor_dir or zoo / "predictor" / "target-hidden"
+    if not find_predictor(predictor_dir):  # the figures compare MemSpec: say so now, not after the timed runs
+        raise FileNotFoundError(f"no trained predictor in {predictor_dir}: the paper's evaluation runs MemSpec and"
+                                " Prediction-Only, which need one (memspec-zoo build trains it, or give"
+                                " --predictor-dir)")
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     cfg = PolicyBenchConfig(policies=REAL_POLICIES, prompts=prompts, storage=storage, threads=threads,
                             trace_tokens=256, quantization=quantization, draft_quantization=draft_quantization,
                             **({"workloads": tuple(workloads)} if workloads else {}))
-    bench = collect_policy_bench(zoo, cfg, predictor_dir or zoo / "predictor" / "target-hidden", progress)
+    bench = collect_policy_bench(zoo, cfg, predictor_dir, progress)
     real_seconds = time.perf_counter() - t0
     result = bench.result
     (out / "policies.json").write_text(json.dumps(result, indent=2) + "\n")

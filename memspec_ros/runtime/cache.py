@@ -596,6 +596,12 @@ def to_device_via_pinned(model: torch.nn.Module, device: torch.device) -> torch.
     return model
 
 
+def draft_spec(path: str, dtype: str = "fp32", quantization: str = "none") -> ModelSpec:
+    """How the draft cache loads a registered draft (registry_loader builds it on the CPU, then moves it): a bench
+    that times draft loads loads them this way too."""
+    return ModelSpec(path=path, dtype=dtype, device="cpu", quantization=quantization)
+
+
 def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=None,
                     quantization: str = "none", target_vocab_size: int = 0) -> Loader:
     """A loader for :class:`DraftCacheManager`: reads the registry entry's safetensors into fast memory.
@@ -614,7 +620,7 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
     def load(name: str) -> LoadedModel:
         entry = registry.get(name)
         files = weights_identity(entry.path)  # before the read: a file replaced meanwhile shows as changed later
-        spec = ModelSpec(path=entry.path, dtype=dtype, device="cpu", quantization=quantization)
+        spec = draft_spec(entry.path, dtype, quantization)
         loaded = reader.load(spec, name) if reader is not None else load_model(spec)
         if target_vocab_size and loaded.vocab_size != target_vocab_size:
             raise TokenizerMismatchError(

@@ -391,8 +391,10 @@ class RuntimeController:
         point = self._point(0, session, prompt_ids, active="")
         choice = policy.choose(point)
         stats.predictions += 1
-        run.follow(self._carry_out(choice, current=""))  # the first draft: blocking on a cold cache
+        first = self._carry_out(choice, current="")  # the first draft: blocking on a cold cache
+        run.follow(first)
         stats.setup_seconds = setup + time.perf_counter() - t_choose
+        stats.setup_wait_seconds = first.waited
         session.restart_decode_clock()  # setup is not decoding (runtime/stats.py: the paper's metric)
         return run
 

@@ -278,7 +278,6 @@ class CostModel:
         prefill_y: list[float] = []
         point: dict[str, list[float]] = {}
         setup: dict[str, list[float]] = {}
-        mean_load = _mean(list(load_seconds.values()))
         for policy, stats in runs:
             its = stats.iterations
             for it in its:
@@ -298,7 +297,8 @@ class CostModel:
                 point.setdefault(policy, []).append(stats.prediction_seconds / points)
             prefill_x.append(stats.prompt_tokens)
             prefill_y.append(stats.prefill_seconds)
-            setup.setdefault(policy, []).append(max(0.0, stats.setup_seconds - mean_load))
+            # the setup's own work: its wait for the first draft is what the replay charges as that draft's load
+            setup.setdefault(policy, []).append(max(0.0, stats.setup_seconds - stats.setup_wait_seconds))
         catch_base, catch_tok = _line(catch_x, catch_y)
         pre_base, pre_tok = _line(prefill_x, prefill_y)
         return cls(
@@ -506,11 +506,14 @@ class Simulator:
         policy.start(prompt)
         clock.now += costs.prefill(len(prompt))
         stats.prefill_seconds = clock.now
-        choice = policy.choose(point_at(0, 1, ""))
-        stats.predictions += 1
-        clock.now += costs.setup_seconds.get(policy.name, 0.0)
-        first = _carry_out(cache, clock, choice)  # the first draft: the choice blocks for it
-        active, preferred, fallback = first.draft, first.preferred, first.fallback
+        active, preferred, fallback = "", "", False
+        if budget > 1:  # else the prefill's token ended it: the controller chooses and loads nothing either
+            choice = policy.choose(point_at(0, 1, ""))
+            stats.predictions += 1
+            clock.now += costs.setup_seconds.get(policy.name, 0.0)
+            first = _carry_out(cache, clock, choice)  # the first draft: the choice blocks for it
+            active, preferred, fallback = first.draft, first.preferred, first.fallback
+            stats.setup_wait_seconds = first.waited
         stats.setup_seconds = clock.now - stats.prefill_seconds
         decode_start = clock.now
         position = 1  # the prefill committed the first token

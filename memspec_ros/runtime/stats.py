@@ -175,6 +175,7 @@ class GenerationStats:
     completion_tokens: int = 0
     prefill_seconds: float = 0.0  # target prefill (prompt encoding) + first token
     setup_seconds: float = 0.0  # not decoding: the policy's start, first prediction, initial draft load
+    setup_wait_seconds: float = 0.0  # of setup_seconds, the wait for that first draft's load (0 if resident)
     decode_seconds: float = 0.0  # wall time of the iterations after the first token
     finish_reason: str = ""
     iterations: list[IterationStats] = field(default_factory=list)

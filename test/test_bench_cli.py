@@ -196,3 +196,14 @@ def test_the_engine_bound_counts_each_generations_own_forwards():
                                                committed=1, draft_seconds=0.0, verify_seconds=0.0))
     assert _bound_seconds(stats, 4, draft_ms=0.5, verify_ms=10.0, one_ms=6.0) == pytest.approx(
         (2 * 10.0 + 2 * 6.0 + 10 * 0.5) / 1000)
+
+
+@pytest.mark.parametrize("argv", [["engine", "--runs", "0"], ["policies", "--prompts", "-1"],
+                                  ["llamacpp", "--max-new-tokens", "0"], ["soak", "--goals", "0"],
+                                  ["paper", "--threads", "0"]])
+def test_counts_below_one_are_refused_before_anything_runs(argv, capsys):
+    """Zero runs or prompts ran nothing and then failed on an empty median: argparse refuses them with the reason."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "is not a positive integer" in capsys.readouterr().err

@@ -380,17 +380,27 @@ def cmd_paper(args) -> int:
     return 0 if index["lossless"] else 1
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for counts: 0 or fewer ran nothing and then failed on an empty median."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_help: str,
                       zoo_help: str = "", threads_help: str = "") -> None:
     """The options every benchmark shares, with its own defaults."""
     parser.add_argument("--json", help="write the result JSON here")
     parser.add_argument("--zoo", default=str(DEFAULT_ZOO),
                         help=f"zoo directory with registry.yaml (default: the bundled zoo{zoo_help})")
-    parser.add_argument("--prompts", type=int, default=prompts, help=f"{prompts_help} (default {prompts})")
-    parser.add_argument("--runs", type=int, default=runs, help=f"repetitions; medians are reported (default {runs})")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128, the paper's)")
+    parser.add_argument("--prompts", type=positive_int, default=prompts, help=f"{prompts_help} (default {prompts})")
+    parser.add_argument("--runs", type=positive_int, default=runs,
+                        help=f"repetitions; medians are reported (default {runs})")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128,
+                        help="tokens per prompt (default 128, the paper's)")
     parser.add_argument(
-        "--threads", type=int, default=threads, help=f"torch CPU threads (default {threads}{threads_help})"
+        "--threads", type=positive_int, default=threads, help=f"torch CPU threads (default {threads}{threads_help})"
     )
 
 
@@ -421,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--draft", default="general", help="draft name from the zoo registry (default: general)")
     eng.add_argument("--target", help="target model directory (overrides the zoo; needs --draft-path)")
     eng.add_argument("--draft-path", help="draft model directory, with --target")
-    eng.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
+    eng.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per iteration (default 4)")
     eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 | auto (default fp32)")
     eng.add_argument("--quantization", default="none",
                      help="target forward path: none | int8 | int4 | gptq | auto (time every path, keep the fastest)")
@@ -449,10 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     lcp.add_argument("--paths", default="fp32,bf16,int8,int4", help="forward paths to run (default: all four)")
     lcp.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     lcp.add_argument("--domains", default="code,math,law,medical,general", help="workloads the prompts come from")
-    lcp.add_argument("--prompts", type=int, default=1, help="held-out prompts per workload (default 1)")
-    lcp.add_argument("--runs", type=int, default=1, help="repetitions; medians are reported (default 1)")
-    lcp.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
-    lcp.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
+    lcp.add_argument("--prompts", type=positive_int, default=1, help="held-out prompts per workload (default 1)")
+    lcp.add_argument("--runs", type=positive_int, default=1, help="repetitions; medians are reported (default 1)")
+    lcp.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per prompt (default 128)")
+    lcp.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per iteration (default 4)")
     lcp.add_argument(
         "--llamacpp-bin",
         default=str(Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"),
@@ -486,10 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
                            " bundled zoo)")
     soak.add_argument("--long", action="store_true",
                       help="the README's run: 1,000 sequential goals, 10 bursts, 20 storm rounds (RSS bound checked)")
-    soak.add_argument("--goals", type=int, help="sequential goals (default 200, --long 1000)")
-    soak.add_argument("--bursts", type=int, help="bursts of 20 goal requests against a queue of 4 (default 3)")
-    soak.add_argument("--storm-rounds", type=int, help="cancel storm rounds of queue + 1 goals (default 5)")
-    soak.add_argument("--threads", type=int, help="torch CPU threads of the node (default 1)")
+    soak.add_argument("--goals", type=positive_int, help="sequential goals (default 200, --long 1000)")
+    soak.add_argument("--bursts", type=positive_int, help="bursts of 20 goal requests against a queue of 4 (default 3)")
+    soak.add_argument("--storm-rounds", type=positive_int, help="cancel storm rounds of queue + 1 goals (default 5)")
+    soak.add_argument("--threads", type=positive_int, help="torch CPU threads of the node (default 1)")
     soak.set_defaults(func=cmd_soak)
     pol = sub.add_parser(
         "policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)"
@@ -501,9 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed,"
                                          " or every <name>.jsonl of --workloads-dir)")
     _workloads_dir_argument(pol)
-    pol.add_argument("--capacity", type=int, default=2, help="K, drafts resident at once (default 2)")
-    pol.add_argument("--interval", type=int, default=4, help="N, iterations between scheduling points (default 4)")
-    pol.add_argument("--gamma", type=int, default=4, help="draft tokens per iteration (default 4)")
+    pol.add_argument("--capacity", type=positive_int, default=2, help="K, drafts resident at once (default 2)")
+    pol.add_argument("--interval", type=positive_int, default=4,
+                     help="N, iterations between scheduling points (default 4)")
+    pol.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per iteration (default 4)")
     _storage_argument(pol, "every draft load reads its weights cold through it")
     pol.add_argument("--no-simulator", action="store_true",
                      help="skip replaying the runs in the trace-driven simulator (simulator_validation)")
@@ -518,9 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
     pap.add_argument("--zoo", default=str(DEFAULT_ZOO),
                      help="zoo directory with registry.yaml (default: the bundled zoo)")
     pap.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
-    pap.add_argument("--prompts", type=int, default=2, help="prompts per workload in the real runs (default 2)")
+    pap.add_argument("--prompts", type=positive_int, default=2,
+                     help="prompts per workload in the real runs (default 2)")
     pap.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")
-    pap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    pap.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     _storage_argument(pap, "the real runs read every draft load through it; the storage item measures all four")
     pap.add_argument("--render-only", action="store_true",
                      help="only regenerate README.md's generated part from the items already in --out")

@@ -606,7 +606,8 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
     setup = index.get("cost_model", {}).get("setup_seconds", {})
     if setup.get(MS) is not None and setup.get(GS) is not None:
         lines.append(f"- End to end, MemSpec's setup besides the first draft load (its policy's start and first"
-                     f" ranking) takes {setup[MS]:.2f} s per generation against General-Static's {setup[GS]:.2f} s.")
+                     f" ranking) takes {1e3 * setup[MS]:.2f} ms per generation against General-Static's"
+                     f" {1e3 * setup[GS]:.2f} ms.")
     ms = items["fig7"]["summaries"].get(MS) if "fig7" in items else None
     if ms is not None:
         lines.append(f"- Within decoding MemSpec never waits for a load (the first draft of a prompt, on the cold cache"

@@ -364,61 +364,78 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
 def validate_simulator(bench: BenchRun) -> dict:
     """Simulated vs measured throughput per policy, run for run on the same prompts.
 
-    Two replays of every timed generation, both with the cost model fitted to these runs:
-    ``speed_matched`` scales its compute times by the speed the machine had during that generation
-    (its measured target verify time over the model's, CostModel.speed_of: on a shared machine the
-    other jobs change it from run to run), ``pooled`` uses the model as it is. Everything a policy
-    decides (drafts, switches, waits, catch-ups, accepted tokens) comes from the replay.
+    Replays of every timed generation with the cost model fitted to these runs: ``speed_matched`` scales its compute
+    times by the speed the machine had during that generation (its measured target verify time over the model's,
+    CostModel.speed_of: on a shared machine the other jobs change it from run to run), ``pooled`` uses the model as
+    it is. ``held_out`` fits the model on the even-numbered prompts of each workload only and replays the others,
+    speed-matched, against those same generations' measurements: a model fitted on the runs it is checked against
+    would hide its own errors. Everything a policy decides (drafts, switches, waits, catch-ups, accepted tokens)
+    comes from the replay. Each GMEAN is over the same workloads on both sides (domain_workloads).
     """
     result = bench.result
     policies = result["config"]["policies"]
     workloads = result["config"]["workloads"]
+    over = domain_workloads(workloads)
     config = bench.sim_config()
-    sim = Simulator(bench.costs, config, bench.domains, list(bench.domains))
     by_prompt = {tuple(t.prompt_ids): t for t in bench.traces}
-    totals = {kind: {p: {w: GenerationTotals() for w in workloads} for p in policies}
-              for kind in ("speed_matched", "pooled")}
-    speeds = []
-    for policy, w, ids, stats in bench.runs:
-        speed = bench.costs.speed_of(stats)
-        speeds.append(speed)
-        totals["speed_matched"][policy][w].add(sim.generate(bench.policy(policy, config), by_prompt[ids],
-                                                            bench.costs.scaled(speed)))
-        totals["pooled"][policy][w].add(sim.generate(bench.policy(policy, config), by_prompt[ids]))
+    position: dict[tuple[int, ...], int] = {}  # each prompt's place in its workload
+    placed: dict[str, int] = {}
+    for trace in bench.traces:
+        if tuple(trace.prompt_ids) not in position:
+            position[tuple(trace.prompt_ids)] = placed.get(trace.workload, 0)
+            placed[trace.workload] = placed.get(trace.workload, 0) + 1
+    fitting = [(p, s) for p, _, ids, s in bench.runs if position[ids] % 2 == 0]
+    held_costs = CostModel.measure(fitting, bench.costs.load_seconds, bench.costs.medium)
 
-    def compare(kind: str) -> dict:
+    def replay(costs: CostModel, runs, speed_matched: bool) -> tuple[dict, dict, list[float]]:
+        sim = Simulator(costs, config, bench.domains, list(bench.domains))
+        measured = {p: {w: GenerationTotals() for w in workloads} for p in policies}
+        simulated = {p: {w: GenerationTotals() for w in workloads} for p in policies}
+        speeds = []
+        for policy, w, ids, stats in runs:
+            speed = costs.speed_of(stats) if speed_matched else 1.0
+            speeds.append(speed)
+            measured[policy][w].add(stats)
+            simulated[policy][w].add(sim.generate(bench.policy(policy, config), by_prompt[ids], costs.scaled(speed)))
+        return measured, simulated, speeds
+
+    def compare(measured: dict, simulated: dict) -> dict:
         rows = {}
         for p in policies:
-            per_workload = {w: {"measured_end_to_end": result["workloads"][w][p]["end_to_end_tokens_per_second"],
-                                "simulated_end_to_end": totals[kind][p][w].end_to_end_tokens_per_second,
-                                "measured_tokens_per_second": result["workloads"][w][p]["tokens_per_second"],
-                                "simulated_tokens_per_second": totals[kind][p][w].tokens_per_second}
+            per_workload = {w: {"measured_end_to_end": measured[p][w].end_to_end_tokens_per_second,
+                                "simulated_end_to_end": simulated[p][w].end_to_end_tokens_per_second,
+                                "measured_tokens_per_second": measured[p][w].tokens_per_second,
+                                "simulated_tokens_per_second": simulated[p][w].tokens_per_second}
                             for w in workloads}
-            measured_e2e = result["gmean_end_to_end_tokens_per_second"][p]
-            measured_tps = result["gmean_tokens_per_second"][p]
-            sim_e2e = gmean([per_workload[w]["simulated_end_to_end"] for w in workloads])
-            sim_tps = gmean([per_workload[w]["simulated_tokens_per_second"] for w in workloads])
-            rows[p] = {
-                "measured_end_to_end": measured_e2e, "simulated_end_to_end": sim_e2e,
-                "error_end_to_end": sim_e2e / measured_e2e - 1 if measured_e2e > 0 else None,
-                "measured_tokens_per_second": measured_tps, "simulated_tokens_per_second": sim_tps,
-                "error_tokens_per_second": sim_tps / measured_tps - 1 if measured_tps > 0 else None,
-                "workloads": per_workload,
-            }
+            row = {}
+            for metric in ("end_to_end", "tokens_per_second"):
+                name = "end_to_end" if metric == "end_to_end" else "tokens_per_second"
+                real = gmean([per_workload[w][f"measured_{name}"] for w in over])
+                sim = gmean([per_workload[w][f"simulated_{name}"] for w in over])
+                row |= {f"measured_{name}": real, f"simulated_{name}": sim,
+                        f"error_{name}": sim / real - 1 if real > 0 else None}
+            rows[p] = row | {"workloads": per_workload}
         errors = [abs(r["error_end_to_end"]) for r in rows.values() if r["error_end_to_end"] is not None]
         return {"policies": rows, "max_abs_error_end_to_end": max(errors) if errors else None,
                 "within_tolerance": bool(errors) and max(errors) <= VALIDATION_TOLERANCE}
 
-    matched, pooled = compare("speed_matched"), compare("pooled")
+    measured, matched_sim, speeds = replay(bench.costs, bench.runs, True)
+    _, pooled_sim, _ = replay(bench.costs, bench.runs, False)
+    held_runs = [run for run in bench.runs if position[run[2]] % 2 == 1]
+    held = compare(*replay(held_costs, held_runs, True)[:2]) if held_runs and fitting else None
     return {
-        "definition": "per policy, the GMEAN over the workloads of simulated vs measured throughput, each timed"
-                      " generation replayed once on its prompt's recorded trace with the same policy object and a"
-                      " cost model fitted to these runs (runtime/simulator.py); speed_matched scales each replay's"
-                      " compute times by the machine speed measured in that generation (its target verify time"
-                      " over the model's), pooled does not",
+        "definition": "per policy, the GMEAN over the workloads (the same ones on both sides: " + ", ".join(over)
+                      + ") of simulated vs measured throughput, each timed generation replayed once on its prompt's"
+                      " recorded trace with the same policy object and a cost model fitted to these runs"
+                      " (runtime/simulator.py); speed_matched scales each replay's compute times by the machine"
+                      " speed measured in that generation (its target verify time over the model's), pooled does"
+                      " not; held_out fits the model on each workload's even-numbered prompts and replays the"
+                      " others (speed-matched) against their own measurements",
+        "gmean_over": over,
         "tolerance": VALIDATION_TOLERANCE,
-        **matched,
-        "pooled": pooled,
+        **compare(measured, matched_sim),
+        "pooled": compare(measured, pooled_sim),
+        "held_out": held,
         "machine_speed": {"min": min(speeds, default=1.0), "max": max(speeds, default=1.0),
                           "stdev": statistics.pstdev(speeds) if speeds else 0.0},
         "cost_model": bench.costs.to_json(),
@@ -441,7 +458,10 @@ def validation_table(validation: dict) -> str:
     lines.append(f"largest end-to-end error {worst or 0:.1%}: "
                  + ("within" if validation["within_tolerance"] else "OUTSIDE") + " the tolerance"
                  + (f"; pooled (no speed matching): {validation['pooled']['max_abs_error_end_to_end'] or 0:.1%}"
-                    if "pooled" in validation else ""))
+                    if "pooled" in validation else "")
+                 + (f"; held out (fitted on the even-numbered prompts, replaying the others):"
+                    f" {validation['held_out']['max_abs_error_end_to_end'] or 0:.1%}"
+                    if validation.get("held_out") else ""))
     return "\n".join(lines)
 
 

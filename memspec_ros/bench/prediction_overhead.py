@@ -1,4 +1,7 @@
-"""Prediction overhead of each predictor variant, measured side by side in one run.
+"""Prediction overhead of each predictor variant, measured one variant after another in one run.
+
+Each variant's overhead is a share of its own decoding time, so a drift in the machine's speed between the
+variants cancels in it; their tokens/s are not interleaved and carry that drift.
 
 Variants: the paper's MiniLM encoder and the target-hidden encoder, each run
 synchronously on the decode thread or overlapped on a background thread. The

@@ -213,3 +213,31 @@ def test_a_killed_conversions_temporary_folder_is_removed_and_the_file_hashed_on
     src.write_bytes(src.read_bytes() + b"\0")  # another version of the file: hashed again
     resolve_model_path(str(src))
     assert len(hashed) == 2
+
+
+def test_a_conversion_waits_for_another_process_converting_the_same_file(tmp_path, monkeypatch):
+    """Two nodes started together: the second waits on the first's lock for that file, then uses its conversion
+    instead of de-quantizing the model a second time (the lock here is held as another process would hold it)."""
+    import fcntl
+    import threading
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    digest = model_source.file_digest(src)
+    gguf_dir = tmp_path / "cache" / "gguf"
+    gguf_dir.mkdir(parents=True)
+    conversions = []
+    monkeypatch.setattr(model_source, "convert_gguf", lambda path, out: conversions.append(out))
+    out: list = []
+    with open(gguf_dir / f".{digest[:24]}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: out.append(resolve_model_path(str(src))))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and conversions == []  # held back by the lock
+        done = gguf_dir / digest[:24]  # what the other process leaves
+        done.mkdir()
+        (done / CONVERTED_MARKER).write_text("{}")
+    waiter.join(10.0)
+    assert out == [done] and conversions == []

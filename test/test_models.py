@@ -53,7 +53,7 @@ def test_loads_and_generates_in_every_dtype(model_dirs):
         assert target.size_bytes == sum(t.numel() * t.element_size() for t in tensors)
     target = load_model(ModelSpec(str(target_dir)))
     draft = load_model(ModelSpec(str(draft_dir)))
-    check_draft_compatible(target, draft)
+    check_draft_compatible(target.vocab_size, draft)
     check_shared_tokenizer(target_dir, draft_dir)
     session = generate(target.model, [1, 4, 9], draft.model, gamma=3, max_new_tokens=16)
     reference = target.model.generate(
@@ -115,7 +115,8 @@ def test_tokenizer_mismatch(tmp_path, model_dirs):
     with pytest.raises(TokenizerMismatchError, match="different tokenizer"):
         check_shared_tokenizer(model_dirs[0], stranger)
     with pytest.raises(TokenizerMismatchError, match="vocab_size"):
-        check_draft_compatible(load_model(ModelSpec(str(model_dirs[0]))), load_model(ModelSpec(str(stranger))))
+        check_draft_compatible(load_model(ModelSpec(str(model_dirs[0]))).vocab_size,
+                               load_model(ModelSpec(str(stranger))))
 
 
 def test_missing_tokenizer(tmp_path, model_dirs):

@@ -60,14 +60,14 @@ def _round_robin_prompts(tokenizer, folder: Path, count: int) -> list[list[int]]
 
 def _draft_load(args, names, result) -> dict | None:
     """The draft's cold load through ``--storage``, once per run, with its ratio to one speculative iteration."""
+    from ..runtime.cache import draft_spec
     from ..runtime.loader import draft_dtype
-    from ..runtime.models import ModelSpec
     from ..runtime.storage import DraftStorage, storage_medium
 
     if not Path(names[1]).is_dir():
         return None  # generated tiny models: no file to load
     storage = DraftStorage(storage_medium(args.storage))
-    spec = ModelSpec(names[1], dtype=draft_dtype(args.dtype), quantization=args.draft_quantization)
+    spec = draft_spec(names[1], draft_dtype(args.dtype), args.draft_quantization)
     records = storage.steady_loads({args.draft: spec}, repeats=max(1, args.runs))  # not the first load's build
     iteration = (result.gamma * result.t_draft_ms + result.t_verify_ms) / 1000
     return storage.summary(records, iteration)

@@ -408,8 +408,7 @@ def validate_simulator(bench: BenchRun) -> dict:
                                 "simulated_tokens_per_second": simulated[p][w].tokens_per_second}
                             for w in workloads}
             row = {}
-            for metric in ("end_to_end", "tokens_per_second"):
-                name = "end_to_end" if metric == "end_to_end" else "tokens_per_second"
+            for name in ("end_to_end", "tokens_per_second"):
                 real = gmean([per_workload[w][f"measured_{name}"] for w in over])
                 sim = gmean([per_workload[w][f"simulated_{name}"] for w in over])
                 row |= {f"measured_{name}": real, f"simulated_{name}": sim,

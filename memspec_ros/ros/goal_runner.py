@@ -358,21 +358,19 @@ class GoalRunner:
 
     # -- accepted callback: queue the handle ----------------------------------------------------------
     def on_accepted(self, goal_handle) -> None:
+        late = ""  # why the goal ends unrun although the node takes goals
         with self._cv:
             # rclpy hands this callback the very request object the goal callback checked
             job = next((j for j in self._reserved if j.request is goal_handle.request), None)
             if job is None:  # so late that its reservation was dropped as an orphan: answered, never run
-                late = Job(goal_handle.request, [], goal_handle=goal_handle)
+                job, late = Job(goal_handle.request, []), (
+                    f"its accepted callback came more than {RESERVATION_TIMEOUT_SECONDS:g} s after the goal was"
+                    " accepted (an overloaded executor?): send it again")
                 self._unanswered += 1
             else:
                 self._reserved.remove(job)
-                job.goal_handle = goal_handle
-        if job is None:
-            self._end_unrun(late, f"its accepted callback came more than {RESERVATION_TIMEOUT_SECONDS:g} s after"
-                                  " the goal was accepted (an overloaded executor?): send it again")
-            return
-        with self._cv:
-            ended = self._loaded is None  # the goals were ended between the two callbacks
+            job.goal_handle = goal_handle
+            ended = bool(late) or self._loaded is None  # or the goals were ended between the two callbacks
             start = not ended and self._running is None
             if start:
                 self._running = job
@@ -380,7 +378,7 @@ class GoalRunner:
                 self._queue.append(job)
             self._cv.notify_all()
         if ended:
-            self._end_unrun(job, self._ended_with)
+            self._end_unrun(job, late or self._ended_with)
         elif start:
             goal_handle.execute()
 

@@ -362,8 +362,8 @@ def _resolved(path: str | Path) -> Path | None:
 
 
 def _a_root_that_confines(path: Path | None) -> bool:
-    """A launch location that can serve as a root: not the filesystem root (a registry file in / would
-    otherwise allow every path, as a service started in / would; see default_allowed_roots)."""
+    """A location that can serve as a root: not the filesystem root (a service started in /, or a registry file
+    in /, would otherwise allow every path)."""
     return path is not None and path != Path(path.anchor)
 
 
@@ -375,7 +375,7 @@ def default_allowed_roots() -> list[Path]:
     if os.environ.get("MEMSPEC_CACHE_DIR"):
         roots.append(Path(os.environ["MEMSPEC_CACHE_DIR"]))
     cwd = Path.cwd().resolve()
-    if cwd != Path(cwd.anchor):
+    if _a_root_that_confines(cwd):
         roots.append(cwd)
     roots += [Path(p) for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p]
     return roots

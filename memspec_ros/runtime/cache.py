@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import LoadedModel, ModelSpec, TokenizerMismatchError, load_model
+from .models import LoadedModel, ModelSpec, check_draft_compatible, load_model
 from .stats import CacheStats
 from .storage import weights_identity
 
@@ -608,10 +608,8 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
 
     ``storage`` (a medium name, StorageMedium or DraftStorage; runtime/storage.py): read the weights cold
     through that storage tier; None: load_model as it is. ``quantization``: the drafts' forward path
-    (none, int8, int4: runtime/forward_paths.py). ``target_vocab_size`` (0: unchecked): the target's logit width,
-    which a draft's must equal (a reduced-vocabulary draft's mapped back to target ids): the registry compares
-    tokenizers, and a draft of the same tokenizer but another width (a sibling model with padded rows) would
-    fail in the first sampled rejection, or propose ids the target has no row for; such a draft fails to load."""
+    (none, int8, int4: runtime/forward_paths.py). ``target_vocab_size`` (0: unchecked): the target's logit width;
+    a draft of another width fails to load (models.check_draft_compatible)."""
     from .draft_forward import lean_forward_for
     from .storage import draft_storage
 
@@ -622,11 +620,8 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
         files = weights_identity(entry.path)  # before the read: a file replaced meanwhile shows as changed later
         spec = draft_spec(entry.path, dtype, quantization)
         loaded = reader.load(spec, name) if reader is not None else load_model(spec)
-        if target_vocab_size and loaded.vocab_size != target_vocab_size:
-            raise TokenizerMismatchError(
-                f"draft {name!r} ({entry.path}) scores {loaded.vocab_size} token ids, the target {target_vocab_size}:"
-                " speculative decoding needs the same logit width (a reduced-vocabulary draft's vocab map must name"
-                " the target's vocabulary size)")
+        if target_vocab_size:
+            check_draft_compatible(target_vocab_size, loaded, name)
         target = torch.device(device)
         if target.type == "cuda":
             loaded.model = to_device_via_pinned(loaded.model, target)

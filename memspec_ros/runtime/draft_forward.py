@@ -308,9 +308,14 @@ def observers_paused(model: torch.nn.Module) -> Iterator[None]:
         _PAUSED.discard(model)
 
 
+def observers_are_paused(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forwards are hidden from its observers now (a torch hook of an observer asks too)."""
+    return model in _PAUSED
+
+
 def observed(model: torch.nn.Module | None) -> list[HiddenObserver]:
-    """``model``'s observers, none while its observers are paused: a torch hook of an observer asks too."""
-    if model is None or model in _PAUSED:
+    """``model``'s observers, none while they are paused."""
+    if model is None or observers_are_paused(model):
         return []
     return list(_OBSERVERS.get(model, ()))
 

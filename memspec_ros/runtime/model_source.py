@@ -161,8 +161,9 @@ _DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha2
 
 
 def cached_digest(path: Path) -> str:
-    """file_digest, computed once per version of the file in this process (hashing 100 MB takes a few tenths of a
-    second, and the target is resolved for its tokenizer and its weights)."""
+    """file_digest, computed once per version of the file in this process (the target is resolved for its tokenizer
+    and for its weights; hashing the bundled 98 MB GGUF took 0.08 s from the page cache, median of 3, more from a
+    cold disk)."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _DIGESTS:

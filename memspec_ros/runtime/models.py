@@ -365,10 +365,14 @@ def check_shared_tokenizer(target_path: str | Path, draft_path: str | Path,
         )
 
 
-def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """Logit widths must match so that draft and target probabilities line up token by token."""
-    if draft.vocab_size != target.vocab_size:
+def check_draft_compatible(target_vocab_size: int, draft: LoadedModel, name: str = "") -> None:
+    """Logit widths must match so that draft and target probabilities line up token by token (a reduced-vocabulary
+    draft's are its rows mapped back to target ids). The registry compares tokenizers; a draft of the same tokenizer
+    but another width (a sibling model with padded rows) would fail in the first sampled rejection, or propose ids
+    the target has no row for."""
+    if draft.vocab_size != target_vocab_size:
         raise TokenizerMismatchError(
-            f"the draft in {draft.spec.path} has vocab_size {draft.vocab_size} but the target in"
-            f" {target.spec.path} has {target.vocab_size}: they cannot share token ids"
+            f"draft {name or draft.spec.path!r} ({draft.spec.path}) scores {draft.vocab_size} token ids, the target"
+            f" {target_vocab_size} (vocab_size): they cannot share token ids (a reduced-vocabulary draft's vocab map"
+            " must name the target's vocabulary size)"
         )

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
-from .draft_forward import observe_hidden, observed
+from .draft_forward import observe_hidden, observers_are_paused
 
 ENCODERS = ("minilm", "target-hidden")
 INPUTS = ("prompt+recent", "prompt", "recent")
@@ -262,7 +262,7 @@ class TargetHiddenEncoder:
             self.hook_seconds += time.perf_counter() - t0
 
     def _hook(self, module, args, kwargs, output) -> None:
-        if not observed(self.target):
+        if observers_are_paused(self.target):
             return  # a timing forward over made-up tokens (draft_forward.observers_paused)
         t0 = time.perf_counter()
         try:

@@ -325,14 +325,14 @@ class GenerationStats:
     @property
     def fallback_fraction(self) -> float:
         """Share of drafted iterations run on a draft other than the preferred one."""
-        its = len(self.preferred_iterations)
-        return self.fallback_iterations / its if its else 0.0
+        its = self.preferred_iterations
+        return sum(1 for it in its if it.fallback) / len(its) if its else 0.0
 
     @property
     def desired_fraction(self) -> float:
         """Share of drafted iterations that ran the preferred draft."""
-        its = len(self.preferred_iterations)
-        return (its - self.fallback_iterations) / its if its else 0.0
+        its = self.preferred_iterations
+        return sum(1 for it in its if not it.fallback) / len(its) if its else 0.0
 
     def summary(self) -> dict[str, float | int | str | list[str]]:
         """Flat numbers for JSON, logs and ROS messages."""

@@ -346,10 +346,11 @@ def weights_identity(path: str | Path) -> tuple:
     """:func:`source_identity` of a model directory's safetensors files (or of one file: a GGUF, or the file a pkg:
     resource names); ("missing",) if unreadable."""
     from .model_source import PKG_PREFIX, package_file
+    from .models import ModelDirectoryError
 
     try:
         root = package_file(str(path)) if str(path).startswith(PKG_PREFIX) else Path(path)
-    except Exception:  # not installed (any more)
+    except ModelDirectoryError:  # not installed (any more)
         return ("missing",)
     try:
         return source_identity(sorted(root.glob("*.safetensors")) if root.is_dir() else [root])
@@ -503,8 +504,9 @@ class DraftStorage:
     def steady_loads(self, specs: Mapping[str, ModelSpec], repeats: int = 1) -> list[LoadRecord]:
         """``repeats`` cold loads of each draft as a running node loads it after its first time: a first load in
         a process builds the draft from its safetensors and keeps its runtime form, every later one reads that
-        form (4.09 eMMC iterations against ~9.6 for a build in the committed run). So each is loaded once untimed,
-        then timed; records taken before are dropped, as are the untimed loads'."""
+        form (eMMC, int4 drafts: 37-39 ms a read in the run at 76859ea, against 69-105 ms for the fp32 first builds
+        the bench timed before, docs/results). So each is loaded once untimed, then timed; records taken before are
+        dropped, as are the untimed loads'."""
         for name, spec in specs.items():
             self.load(spec, name)
         self.take_records()

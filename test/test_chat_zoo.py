@@ -60,6 +60,15 @@ def test_requests_are_deterministic(workloads):
     assert [q.content for q in again[1]["law"]] == [q.content for q in workloads[1]["law"]]
 
 
+def test_held_out_requests_do_not_depend_on_the_training_quota(workloads):
+    """A larger training set (a GPU build answers more requests) must leave the held-out requests, and so
+    every held-out answer and figure measured on them, as they were; the math pool once grew with the quota."""
+    more = cw.build_chat_workloads(cw.ChatWorkloadConfig(heldout_per_workload=20, train_per_domain=400))
+    for w in WORKLOADS:
+        assert [q.content for q in more[0][w]] == [q.content for q in workloads[0][w]], w
+    assert len(more[1]["math"]) == 400
+
+
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
     tok = tiny_tokenizer(chat=True)
@@ -178,7 +187,7 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     assert extra["domain_gain_over_general"]["all-domains"] == result["domain_gain_over_general"]["code"]
 
 
-def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokenizer(tiny_target, tiny_build):
+def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokenizer(tiny_target, tiny_build, tmp_path):
     from memspec_ros.runtime.datastore import Datastore, DatastoreError
     from memspec_ros.runtime.loader import DATASTORE_FILE
     from memspec_ros.runtime.models import tokenizer_fingerprint
@@ -194,6 +203,20 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     paired = datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok)
     assert [(a.prompt_ids, a.answer_ids, a.domain) for a in paired] == [
         (a.prompt_ids, a.answer_ids, a.domain) for a in train]
+    # the stage alone, into an output folder no export has made yet (a build that stores its answers first)
+    alone = replace(tiny_build, out_dir=tmp_path / "fresh")
+    ChatZooBuild(alone).run(["datastore"])
+    again = Datastore.load(alone.out_dir / DATASTORE_FILE, fingerprint=tokenizer_fingerprint(tok))
+    assert again.answers == store.answers and again.tokens.tolist() == store.tokens.tolist()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_cuda_build_on_a_machine_without_cuda_says_so_before_any_work(tmp_path):
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        main(["build", "--device", "cuda", "--work-dir", str(tmp_path / "w"), "--stages", "workloads"])
+    assert not (tmp_path / "w").exists()
 
 
 def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build, tmp_path, monkeypatch):

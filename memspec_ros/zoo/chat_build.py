@@ -57,6 +57,9 @@ class ChatBuildConfig:
     target: str = DEFAULT_TARGET
     threads: int = 2
     seed: int = 0
+    # "cuda": the teacher's answers and the drafts' training on a GPU (the exported drafts are the same files);
+    # on the CPU the teacher's answers are what limits the drafts' data (about 37 minutes per 2176 requests here)
+    device: str = "cpu"
     workloads: ChatWorkloadConfig = field(default_factory=lambda: ChatWorkloadConfig(train_per_domain=800))
     teacher: TeacherConfig = field(default_factory=lambda: TeacherConfig(batch_size=48))
     # 0: every training request; else the first N of the domain-interleaved list (a balanced prefix).
@@ -152,7 +155,7 @@ class ChatZooBuild:
     def teacher(self) -> None:
         from tqdm import tqdm
 
-        model, tok = self.target(), self.tokenizer()
+        model, tok = self.target().to(self.cfg.device), self.tokenizer()
         heldout = [r for w in WORKLOADS for r in self._rows(w)]
         train_rows = self._rows("train_requests")
         if self.cfg.teacher_train_requests:
@@ -202,6 +205,8 @@ class ChatZooBuild:
         if (final / "model.safetensors").is_file():
             return _log(f"{name}: cached")
         train_set, val = split
+        start.to(self.cfg.device)  # the wrapper with its vocabulary maps: validation runs where training does
+        cfg = replace(cfg, device=self.cfg.device)
         data = AnswerStreams(train_set, start.vocab, self.cfg.seed, self.cfg.max_prompt_tokens)
         before = mean_accepted(start, val, self.cfg.gamma)
         meta = train(start.inner, data, cfg, self.w / "ckpt" / name / "run", desc=name, log=_log,
@@ -251,6 +256,7 @@ class ChatZooBuild:
             raise ValueError(f"no training answers in {self.teacher_dir}: run the teacher stage first")
         store = Datastore((a.answer_ids for a in answers), fingerprint=tokenizer_fingerprint(self.tokenizer()))
         path = Path(self.cfg.out_dir) / DATASTORE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)  # the stage may run before (or without) export
         store.save(path, source="the target's greedy answers to the zoo's training requests")
         _log(f"datastore: {store.answers} answers, {store.token_count} tokens in {path}"
              f" ({path.stat().st_size / 1e6:.2f} MB)")

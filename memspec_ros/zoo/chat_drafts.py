@@ -92,7 +92,8 @@ def new_draft(target: torch.nn.Module, ids: list[int], arch: ChatDraftArch, seed
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        table = target.get_input_embeddings().weight[torch.tensor(ids)].float()
+        weight = target.get_input_embeddings().weight
+        table = weight[torch.tensor(ids, device=weight.device)].float().cpu()
         table = table - table.mean(0)
         _, _, vh = torch.linalg.svd(table, full_matrices=False)
         k = min(arch.hidden_size, vh.shape[0])  # fewer ids than dimensions: the rest stays zero
@@ -165,7 +166,8 @@ class AnswerStreams:
 def answer_agreement(draft: torch.nn.Module, answer: Answer) -> list[bool]:
     """agree[j]: the draft's greedy token after request + answer[:j] is answer[j] (target ids)."""
     ids = answer.prompt_ids + answer.answer_ids
-    logits = draft(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    dev = next(draft.parameters()).device
+    logits = draft(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0]
     preds = logits[len(answer.prompt_ids) - 1: len(ids) - 1].argmax(-1).tolist()
     return [p == t for p, t in zip(preds, answer.answer_ids, strict=False)]
 

@@ -84,6 +84,8 @@ def _chat_build_parser(sub) -> None:
     p.add_argument("--teacher-requests", type=int, default=d.teacher_train_requests,
                    help="training requests the target answers (0: all; else a domain-balanced prefix)")
     p.add_argument("--teacher-batch", type=int, default=d.teacher.batch_size)
+    p.add_argument("--teacher-chunk", type=int, default=d.teacher.chunk_requests,
+                   help="requests per teacher shard (the unit of resumption; a GPU wants batches this large)")
     p.add_argument("--max-new-tokens", type=int, default=d.teacher.max_new_tokens)
     p.add_argument("--general-steps", type=int, default=d.general_train.max_steps,
                    help="training steps of the general draft (the budget: the drafts do not depend on the CPU's speed)")
@@ -96,23 +98,37 @@ def _chat_build_parser(sub) -> None:
     p.add_argument("--draft-rows", type=int, default=d.arch.rows, help="draft vocabulary size (target ids kept)")
     p.add_argument("--draft-hidden", type=int, default=d.arch.hidden_size)
     p.add_argument("--draft-layers", type=int, default=d.arch.num_layers)
+    p.add_argument("--device", default=d.device,
+                   help="where the teacher answers and the drafts train: cpu, or cuda for many more answers")
+    p.add_argument("--train-batch", type=int, default=d.general_train.batch_size,
+                   help="answers per training step (general and domain drafts)")
+    p.add_argument("--general-lr", type=float, default=d.general_train.lr)
+    p.add_argument("--domain-lr", type=float, default=d.domain_train.lr)
 
 
 def _run_chat_build(a) -> int:
     from dataclasses import replace
 
+    import torch
+
     from .chat_build import ChatBuildConfig, ChatZooBuild
 
     d = ChatBuildConfig()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"memspec-zoo build: --device {a.device}, but torch sees no CUDA device on this machine")
     cfg = ChatBuildConfig(
         work_dir=Path(a.work_dir), out_dir=Path(a.out), target=a.target, threads=a.threads, seed=a.seed,
+        device=a.device,
         workloads=replace(d.workloads, train_per_domain=a.train_per_domain),
-        teacher=replace(d.teacher, batch_size=a.teacher_batch, max_new_tokens=a.max_new_tokens),
+        teacher=replace(d.teacher, batch_size=a.teacher_batch, max_new_tokens=a.max_new_tokens,
+                        chunk_requests=a.teacher_chunk),
         teacher_train_requests=a.teacher_requests,
         arch=replace(d.arch, rows=a.draft_rows, hidden_size=a.draft_hidden, num_layers=a.draft_layers,
                      intermediate_size=3 * a.draft_hidden),
-        general_train=replace(d.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps),
-        domain_train=replace(d.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps),
+        general_train=replace(d.general_train, max_minutes=a.general_minutes, max_steps=a.general_steps,
+                              batch_size=a.train_batch, lr=a.general_lr),
+        domain_train=replace(d.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps,
+                             batch_size=a.train_batch, lr=a.domain_lr),
     )
     try:
         ChatZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])

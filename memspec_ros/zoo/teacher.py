@@ -81,11 +81,12 @@ def answer_batch(model, prompts: list[list[int]], cfg: TeacherConfig, eos_ids: s
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     recorder = _TopK(cfg.top_k)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=cfg.max_new_tokens,
-                         logits_processor=LogitsProcessorList([recorder]), pad_token_id=pad_id,
-                         eos_token_id=sorted(eos_ids))
-    top_ids = torch.stack([s[0] for s in recorder.steps], dim=1)  # [B, steps, k]
-    top_logp = torch.stack([s[1] for s in recorder.steps], dim=1)
+    dev = next(model.parameters()).device  # a GPU answers a build's requests in minutes (--device cuda)
+    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=False,
+                         max_new_tokens=cfg.max_new_tokens, logits_processor=LogitsProcessorList([recorder]),
+                         pad_token_id=pad_id, eos_token_id=sorted(eos_ids)).cpu()
+    top_ids = torch.stack([s[0] for s in recorder.steps], dim=1).cpu()  # [B, steps, k]
+    top_logp = torch.stack([s[1] for s in recorder.steps], dim=1).cpu()
     answers = []
     for i, p in enumerate(prompts):
         gen = out[i, width:].tolist()

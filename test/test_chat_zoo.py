@@ -4,6 +4,7 @@ drafts distilled from them, export, and the acceptance matrix, on a tiny instruc
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -102,6 +103,21 @@ def test_teacher_stores_greedy_answers_with_their_top_k_and_resumes(tiny_target,
         top = torch.log_softmax(logits, -1).topk(5)
         assert torch.equal(top.indices.int(), a.top_ids)
         assert torch.allclose(top.values, a.top_logp.float(), atol=2e-2)
+
+
+def test_teacher_resumes_by_rows_with_another_chunk_size_and_refuses_other_requests(tiny_target, tmp_path):
+    """A build interrupted on a CPU (chunks of 8) and resumed on a GPU (chunks of 16) answers every row once, in
+    order; shards made for other requests are refused, not taken for these rows' answers."""
+    path, tok, model = tiny_target
+    small = TeacherConfig(max_new_tokens=6, batch_size=4, chunk_requests=8)
+    answer_requests(model, tok, ROWS[:8], tmp_path, "t", small)  # interrupted after one shard
+    answer_requests(model, tok, ROWS, tmp_path, "t", replace(small, chunk_requests=16))
+    answers = load_answers(tmp_path, "t")
+    assert [a.prompt_ids for a in answers] == [chat_prompt_ids(tok, r["messages"]) for r in ROWS]
+    assert answer_requests(model, tok, ROWS, tmp_path, "t", replace(small, chunk_requests=4)) == 0
+    assert len(load_answers(tmp_path, "t")) == len(ROWS)
+    with pytest.raises(ValueError, match="made for other requests"):
+        answer_requests(model, tok, ROWS[1:], tmp_path, "t", small)
 
 
 def test_answer_rows_label_answer_tokens_only_and_drop_ids_outside_the_vocabulary():
@@ -210,10 +226,10 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     assert again.answers == store.answers and again.tokens.tolist() == store.tokens.tolist()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_a_cuda_build_on_a_machine_without_cuda_says_so_before_any_work(tmp_path):
+def test_a_cuda_build_on_a_machine_without_cuda_says_so_before_any_work(tmp_path, monkeypatch):
     from memspec_ros.zoo.cli import main
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, wherever this runs
     with pytest.raises(SystemExit, match="no CUDA device"):
         main(["build", "--device", "cuda", "--work-dir", str(tmp_path / "w"), "--stages", "workloads"])
     assert not (tmp_path / "w").exists()
@@ -274,6 +290,60 @@ def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(ti
     shipped = json.loads((tiny_build.out_dir / "drafts" / "general" / "train_meta.json").read_text())
     alone = render(measured, acceptance, tmp_path / "no-build", tiny_build.out_dir)
     assert f"| {shipped['best_step']} of {shipped['step']} |" in alone
+
+
+def test_the_build_refuses_stages_that_would_ship_or_cache_untrained_results(tiny_target, tiny_build, tmp_path):
+    """export without trained drafts shipped random ones; vocab without answers cached a specials-only vocabulary."""
+    path, _, _ = tiny_target
+    work = tmp_path / "work"
+    shutil.copytree(tiny_build.work_dir / "workloads", work / "workloads")
+    fresh = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")
+    with pytest.raises(ValueError, match="before vocab"):
+        ChatZooBuild(fresh).run(["vocab"])
+    assert not (work / "vocab.json").exists()
+    shutil.copytree(tiny_build.work_dir / "teacher", work / "teacher")
+    shutil.copy(tiny_build.work_dir / "vocab.json", work / "vocab.json")
+    with pytest.raises(ValueError, match="no trained general, code, math, law, medical draft"):
+        ChatZooBuild(fresh).run(["export"])
+    assert not (tmp_path / "out" / "drafts").exists()
+
+
+def test_held_out_pool_check_counts_each_domains_mixed_pairs(monkeypatch):
+    """code and medical are in three mixed pairs: a pool enough for two failed with a bare IndexError."""
+    cfg = cw.ChatWorkloadConfig(heldout_per_workload=12, train_per_domain=5)
+    two_pairs = cfg.heldout_per_workload + 2 * (cfg.heldout_per_workload // len(cw.MIXED_PAIRS) + 1)
+
+    def source(domain):
+        def make(c):
+            held = 0
+            for i in range(5000):
+                q = cw.ChatRequest(domain, f"{domain}:{i}", f"{domain} request {i}")
+                if split_of(q.source, c.heldout_fraction) == "heldout":
+                    if held == two_pairs:
+                        continue  # every domain gets what the old check asked for, no more
+                    held += 1
+                yield q
+        return make
+
+    monkeypatch.setattr(cw, "SOURCES", {d: source(d) for d in DOMAINS})
+    with pytest.raises(RuntimeError, match="held-out code requests"):
+        cw.build_chat_workloads(cfg)
+
+
+def test_the_model_card_says_n_a_for_gains_it_cannot_compute_and_scores_extra_drafts(tiny_build):
+    from memspec_ros.zoo.chat_card import render
+
+    lat = {"target": {"1": 30.0, "5": 60.0}, **{d: {"1": 0.5, "5": 0.75} for d in DOMAINS}}
+    measured = {"threads": 1, "target_parameters": 1, "paths": ["none"], "latency_ms": {"none": lat},
+                "vocab": {"rows": 10, "train_coverage": 1.0, "heldout_coverage": 1.0},
+                "drafts": {d: {"parameters": 1, "bytes_on_disk": 1} for d in DOMAINS}}
+    names = (*DOMAINS, "all-domains")
+    acceptance = {"matrix": {d: dict.fromkeys(WORKLOADS, 0.0) for d in names}, "oracle_static_gain": None,
+                  "oracle_dynamic_gain_mixed": None,
+                  "domain_gain_over_general": {d: dict.fromkeys(DOMAINS) for d in names if d != "general"}}
+    text = render(measured, acceptance, tiny_build.work_dir)
+    assert "| oracle_static_gain >= 0.20 | n/a | no |" in text
+    assert "| oracle_dynamic_gain_mixed >= 0.10 | n/a | no |" in text
 
 
 def test_the_model_card_needs_the_vocabulary_figures_from_the_build_or_kept_measurements(tmp_path):

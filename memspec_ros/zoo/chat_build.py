@@ -135,7 +135,9 @@ class ChatZooBuild:
         return json.loads((self.w / "vocab.json").read_text())["target_ids"]
 
     def train_answers(self):
-        return load_answers(self.teacher_dir, "train")
+        answers = load_answers(self.teacher_dir, "train")
+        # the first N requests' answers: shards made by an earlier run with a larger N are not this build's data
+        return answers[: self.cfg.teacher_train_requests] if self.cfg.teacher_train_requests else answers
 
     # ------------------------------------------------------------------ stages
     def workloads(self) -> None:
@@ -172,6 +174,8 @@ class ChatZooBuild:
         if path.is_file():
             return _log("vocab: cached")
         answers = self.train_answers()
+        if not answers:  # a vocabulary of the special tokens alone would be cached and every draft built on it
+            raise ValueError(f"no training answers in {self.teacher_dir}: run the teacher stage before vocab")
         tok = self.tokenizer()
         special = sorted({int(i) for i in tok.all_special_ids})
         ids = select_vocab(answers, self.cfg.arch.rows, always=special)
@@ -198,6 +202,9 @@ class ChatZooBuild:
         train_set, val = split_validation(self.train_answers(), seed=self.cfg.seed)
         if domain is not None:
             train_set, val = [a for a in train_set if a.domain == domain], [a for a in val if a.domain == domain]
+        if not val:  # every step would score 0 and the fine-tuning would silently keep its start
+            raise ValueError(f"no validation answers for {domain or 'the general draft'}: the teacher answered too few"
+                             " requests (every 20th answer is kept for validation); answer more (--teacher-requests)")
         return train_set, val[: self.cfg.validation_answers]
 
     def _distil(self, name: str, start, split, cfg: TrainConfig) -> None:
@@ -231,6 +238,10 @@ class ChatZooBuild:
 
         out = Path(self.cfg.out_dir)
         tok = self.tokenizer()
+        missing = [n for n in DOMAINS if not (self.w / "ckpt" / n / "final" / "model.safetensors").is_file()]
+        if missing:  # _draft would hand back an untrained draft for them, and export would ship it
+            raise ValueError(f"no trained {', '.join(missing)} draft in {self.w / 'ckpt'}: run the general and"
+                             " domains stages before export")
         for name in DOMAINS:
             dest = out / "drafts" / name
             if dest.exists():

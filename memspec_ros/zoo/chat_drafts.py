@@ -182,10 +182,17 @@ def mean_accepted(draft: torch.nn.Module, answers: Sequence[Answer], gamma: int 
 
 
 def split_validation(answers: Sequence[Answer], every: int = 20, seed: int = 0) -> tuple[list[Answer], list[Answer]]:
-    """(train, validation): every ``every``-th answer of a shuffled copy is kept for early stopping."""
+    """(train, validation): within each domain, every ``every``-th answer of a shuffled copy is kept for early
+    stopping, the first included, so every domain with answers has validation answers (a domain draft without
+    any would score 0 at every step and silently keep its start)."""
     order = list(answers)
     random.Random(seed).shuffle(order)
-    return [a for i, a in enumerate(order) if i % every], [a for i, a in enumerate(order) if not i % every]
+    seen: Counter[str] = Counter()
+    train, val = [], []
+    for a in order:
+        (train if seen[a.domain] % every else val).append(a)
+        seen[a.domain] += 1
+    return train, val
 
 
 def export_draft(draft: ReducedVocabDraft, tokenizer, out: Path, dtype: torch.dtype = torch.float16) -> Path:

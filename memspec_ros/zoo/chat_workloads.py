@@ -281,10 +281,12 @@ def build_chat_workloads(cfg: ChatWorkloadConfig) -> tuple[dict[str, list[ChatRe
     n_mixed_train = cfg.train_per_domain // (2 * len(MIXED_PAIRS)) + 1
     for domain in DOMAINS:
         tr, ho = _split(list(SOURCES[domain](cfg)), cfg, domain)
-        need_ho = cfg.heldout_per_workload + 2 * n_mixed
+        # each mixed pair the domain is in takes n_mixed more of its held-out requests (code and medical: three)
+        need_ho = cfg.heldout_per_workload + n_mixed * sum(domain in pair for pair in MIXED_PAIRS)
         if len(ho) < need_ho:
             raise RuntimeError(f"only {len(ho)} held-out {domain} requests on this machine, {need_ho} needed:"
-                               " lower --heldout-per-workload or install the sources (requirements-zoo.txt)")
+                               " lower ChatWorkloadConfig.heldout_per_workload or install the sources"
+                               " (requirements-zoo.txt)")
         heldout[domain], spare_held[domain] = ho[: cfg.heldout_per_workload], ho[cfg.heldout_per_workload :]
         train[domain], spare_train[domain] = tr[: cfg.train_per_domain], tr[cfg.train_per_domain :]
     r = random.Random(cfg.seed)

@@ -212,7 +212,7 @@ def _run_chat_acceptance(a) -> int:
 
     from .chat_acceptance import answers_cache_dir, chat_acceptance, workload_rows, write_acceptance
     from .corpora import WORKLOADS
-    from .teacher import TeacherConfig, answer_requests, load_answers
+    from .teacher import TeacherConfig, answer_requests, answered_prompts, answered_rows, chat_prompt_ids, load_answers
 
     torch.set_num_threads(a.threads)
     registry = DraftRegistry.from_yaml(Path(a.models) / "registry.yaml", validate=False)
@@ -229,15 +229,23 @@ def _run_chat_acceptance(a) -> int:
     else:
         answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
         rows = None
-    if not list(answers_dir.glob("heldout-*.safetensors")):
-        if not is_model_source(registry.target_path or ""):
-            raise SystemExit("memspec-zoo acceptance: no stored answers and no target to make them")
-        rows = rows or [
-            json.loads(line)
-            for w in WORKLOADS
-            for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines()
-            if line.strip()
-        ]
+    rows = rows or [
+        json.loads(line)
+        for w in WORKLOADS
+        for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    has_target = is_model_source(registry.target_path or "")
+    try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
+        covered = (answered_rows([chat_prompt_ids(load_tokenizer(registry.target_path), r["messages"]) for r in rows],
+                                 answers_dir, "heldout") if has_target
+                   else len(answered_prompts(answers_dir, "heldout")))  # no tokenizer to compare the prompts with
+    except ValueError as exc:
+        raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
+    if covered < len(rows):
+        if not has_target:
+            raise SystemExit(f"memspec-zoo acceptance: {len(rows) - covered} held-out requests have no stored answer"
+                             f" in {answers_dir}, and no target to make them")
         from tqdm import tqdm
 
         target = load_model(ModelSpec(registry.target_path)).model
@@ -246,8 +254,8 @@ def _run_chat_acceptance(a) -> int:
             answer_requests(target, load_tokenizer(registry.target_path), rows, answers_dir, "heldout",
                             TeacherConfig(max_new_tokens=a.max_new_tokens), bar)
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
-    result = chat_acceptance(drafts, load_answers(answers_dir, "heldout"), a.gamma, a.interval, a.prompts_per_workload,
-                             workloads)
+    answers = load_answers(answers_dir, "heldout")[: len(rows)]
+    result = chat_acceptance(drafts, answers, a.gamma, a.interval, a.prompts_per_workload, workloads)
     write_acceptance(result, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
     print(json.dumps({k: result[k] for k in ("matrix", "oracle_static_gain", "oracle_dynamic_gain_mixed",
                                              "domain_gain_over_general")}, indent=1))

@@ -157,27 +157,59 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
     return answers
 
 
+def answered_prompts(out_dir: Path, split: str) -> list[list[int]]:
+    """The prompt ids of every answer already stored for ``split``, in shard order (the rows answered so far)."""
+    from safetensors import safe_open
+
+    prompts: list[list[int]] = []
+    for shard in sorted(Path(out_dir).glob(f"{split}-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            ids, offsets = f.get_tensor("prompt_ids").tolist(), f.get_tensor("prompt_offsets").tolist()
+        prompts += [ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    return prompts
+
+
+def answered_rows(prompts: list[list[int]], out_dir: Path, split: str) -> int:
+    """How many of the requests (their prompt ids, in order) the stored ``split`` answers already cover; raises if
+    the stored answers were made for other requests."""
+    done = answered_prompts(out_dir, split)
+    mismatch = next((i for i, (a, b) in enumerate(zip(done, prompts, strict=False)) if a != b), None)
+    if mismatch is not None:
+        raise ValueError(f"the {split} answers in {out_dir} were made for other requests (stored answer {mismatch}"
+                         f" has another prompt than request {mismatch}): answer these requests into another folder,"
+                         " or remove that one")
+    return min(len(done), len(prompts))
+
+
 def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: str, cfg: TeacherConfig,
                     progress=None) -> int:
-    """Answer every row (``domain``, ``messages``) into shards; returns the number of answer tokens made now."""
+    """Answer every row (``domain``, ``messages``) into shards; returns the number of answer tokens made now.
+
+    Resumable by rows, not by file names: the shards already there must hold the first rows' requests (their
+    stored prompts are compared), and only the rows after them are answered, in new shards numbered on. So a
+    resumed run may use another ``chunk_requests`` (a GPU wants larger ones), and shards made for another
+    request list are refused instead of being taken for these rows' answers."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = [chat_prompt_ids(tokenizer, r["messages"]) for r in rows]
+    covered = answered_rows(prompts, out_dir, split)
+    if progress is not None:
+        progress.update(covered)
     eos_ids = set(end_token_ids(tokenizer, model))
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     made = 0
-    for start in range(0, len(rows), cfg.chunk_requests):
-        path = out_dir / f"{split}-{start // cfg.chunk_requests:05d}.safetensors"
+    next_shard = len(list(out_dir.glob(f"{split}-*.safetensors")))
+    for start in range(covered, len(rows), cfg.chunk_requests):
+        path = out_dir / f"{split}-{next_shard:05d}.safetensors"
+        next_shard += 1
         chunk = rows[start:start + cfg.chunk_requests]
-        if path.is_file():
-            if progress is not None:
-                progress.update(len(chunk))
-            continue
-        prompts = [chat_prompt_ids(tokenizer, r["messages"]) for r in chunk]
-        order = sorted(range(len(chunk)), key=lambda i: len(prompts[i]))  # similar lengths pad little
+        chunk_prompts = prompts[start:start + cfg.chunk_requests]
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk_prompts[i]))  # similar lengths pad little
         answers: list[Answer | None] = [None] * len(chunk)
         t0 = time.perf_counter()
         for b in range(0, len(order), cfg.batch_size):
             idx = order[b:b + cfg.batch_size]
-            for i, a in zip(idx, answer_batch(model, [prompts[i] for i in idx], cfg, eos_ids, pad_id), strict=True):
+            batch = answer_batch(model, [chunk_prompts[i] for i in idx], cfg, eos_ids, pad_id)
+            for i, a in zip(idx, batch, strict=True):
                 a.domain = chunk[i]["domain"]
                 answers[i] = a
             if progress is not None:

@@ -286,7 +286,8 @@ def train(
         log(f"{desc}: already trained ({meta['step']} steps), skipping")
         return meta
     keeper = _BestParameters(model, meta, validate, best)
-    step, elapsed, total = meta["step"], meta["elapsed_s"], meta["total"]
+    # a resumed run keeps its fitted horizon but never exceeds the step budget it is given now
+    step, elapsed, total = meta["step"], meta["elapsed_s"], min(meta["total"], cfg.max_steps)
     if cfg.validate_start and validate is not None and step == 0 and not meta.get("validation"):
         keeper.check(step)  # the starting point competes too: fine-tuning that only hurts keeps the start
     meta_start, t_first = step, time.time()
@@ -337,7 +338,8 @@ def train(
     if validate is not None:
         keeper.keep_best(step, desc, log)
     _save_checkpoint(ckpt_dir, model, opt, data, meta, keeper.best)
-    log(f"{desc}: {step} steps in {meta['elapsed_s'] / 60:.1f} min, loss {ema:.3f}")
+    loss = "n/a (no step this run)" if ema is None else f"{ema:.3f}"  # a resumed run past its minutes
+    log(f"{desc}: {step} steps in {meta['elapsed_s'] / 60:.1f} min, loss {loss}")
     return meta
 
 

@@ -491,3 +491,41 @@ def test_the_ranking_head_in_one_call_computes_the_modules_probabilities(dim):
         kernel(prompt.double(), [])
     with pytest.raises(ValueError, match="contiguous CPU fp32"):
         kernel(prompt, [stream[:, :dim].t()])  # another width
+    with pytest.raises(ValueError, match="recent parts"):  # one row given 1-D: the C read dim rows of it
+        kernel(prompt, [stream[0]])
+
+
+def test_the_kernel_wrappers_refuse_operands_they_would_read_past():
+    """The C reads raw pointers: a weight of another width, a row length its loops do not step, or a packed
+    layout of other groups was read out of bounds (or gave silently wrong numbers)."""
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.f32_matmul(torch.randn(1, 24), torch.randn(8, 24))
+    with pytest.raises(ValueError, match="weight"):
+        cpu_kernels.f32_matmul(torch.randn(1, 32), torch.randn(8, 16))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_kernels.i8_matmul(torch.randn(1, 32), torch.zeros(16, 32, dtype=torch.int8),
+                              torch.zeros(16, dtype=torch.int32), torch.ones(16))
+    with pytest.raises(ValueError, match="weight"):
+        cpu_kernels.i8_matmul(torch.randn(1, 64), torch.zeros(16, 128, dtype=torch.int8),
+                              torch.zeros(16, dtype=torch.int32), torch.ones(16))
+    packed, scale_min = cpu_kernels.pack_w4(torch.randint(0, 16, (16, 1, 32)), torch.ones(16, 1), torch.zeros(16, 1))
+    with pytest.raises(ValueError, match="packed"):  # rows of two groups against weights packed for one
+        cpu_kernels.w4_matmul(torch.randn(1, 64), packed, scale_min)
+
+
+@needs_step
+def test_the_step_kernel_refuses_kv_buffers_it_would_write_past():
+    model = _step_model("int8", "plain")
+    lean = lean_forward_for(model)
+    with torch.inference_mode():
+        forward_once(model, [5, 9, 33], KVState(), 1, "cpu", lean)  # builds the rotary table the step reads
+    step, d = lean.step, lean.step.decoder
+    layers = len(lean.layers)
+    short = [(torch.zeros(1, d.kv_heads, 4, d.head_dim), torch.zeros(1, d.kv_heads, 4, d.head_dim))] * layers
+    with pytest.raises(ValueError, match=r"cannot take positions 3\.\.4"):
+        step([1, 2], 3, lean._rope, 1, short)
+    other_heads = [(torch.zeros(1, d.kv_heads + 1, 8, d.head_dim),) * 2] * layers
+    with pytest.raises(ValueError, match="KV buffer"):
+        step([1], 0, lean._rope, 1, other_heads)
+    with pytest.raises(ValueError, match="layers of KV buffers"):
+        step([1], 0, lean._rope, 1, short[:-1])

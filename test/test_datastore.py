@@ -149,6 +149,13 @@ def test_a_datastore_for_another_tokenizer_or_not_a_datastore_is_refused(tmp_pat
         Datastore.load(tmp_path / "bad.safetensors")
     with pytest.raises(DatastoreError, match="negative"):
         Datastore([[1, -5]])
+    # -1 is the separator: in an answer it split it in two when saved (one answer written, two read back)
+    with pytest.raises(DatastoreError, match="negative"):
+        Datastore([[5, 6, 7, -1, 8, 9]])
+    save_file({"tokens": np.array([5, 6, 7, -1, 8], dtype=np.int32), "offsets": np.array([0, 5])},
+              str(tmp_path / "sep.safetensors"), metadata={"format": datastore_module.FORMAT})
+    with pytest.raises(DatastoreError, match="negative"):
+        Datastore.load(tmp_path / "sep.safetensors")
 
 
 @pytest.mark.parametrize("gamma,adaptive,with_draft", list(product([1, 4], [False, True], [False, True])))

@@ -121,6 +121,9 @@ def test_a_reduced_draft_directory_loads_as_a_target_width_draft(tmp_path, targe
     ('{"target_vocab_size": 64, "target_ids": [1, 1, 2, 3, 4, 5, 6]}', "distinct"),
     ('{"target_vocab_size": 4, "target_ids": [0, 1, 2, 3, 4, 5, 6]}', "distinct and in"),
     ('not json', "not a valid draft vocabulary"),
+    # a string of seven digits was iterated into seven ids and accepted
+    ('{"target_vocab_size": 64, "target_ids": "1234567"}', "non-empty list of integers"),
+    ('{"target_vocab_size": 64, "target_ids": [1, 2, 3, 4, 5, 6, 7.5]}', "non-empty list of integers"),
 ])
 def test_a_bad_vocabulary_file_is_refused_with_the_reason(tmp_path, content, match):
     tok = tiny_tokenizer()

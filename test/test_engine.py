@@ -188,6 +188,9 @@ def test_bad_arguments_are_rejected_with_reasons(target):
         SpeculativeSession(target, [], max_new_tokens=4)
     with pytest.raises(ValueError, match="gamma"):
         SpeculativeSession(target, PROMPT, gamma=0)
+    # a verify of more rows than the forward paths check for row-exactness could change the output
+    with pytest.raises(ValueError, match=r"1\.\.8"):
+        SpeculativeSession(target, PROMPT, gamma=9)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(temperature=1.0, top_p=0.0)
     with pytest.raises(ContextLengthError, match="context of 512"):

@@ -322,6 +322,37 @@ def test_a_kernel_that_is_not_row_exact_gets_its_rows_one_by_one(monkeypatch):
     assert forward_paths.check_rows(exact) and exact.rows_at_once
 
 
+def test_a_kernel_that_rarely_sums_rows_differently_is_caught(monkeypatch):
+    """bf16's rounded outputs hide most of a kernel's other summation order for more rows: the difference shows
+    on a few inputs only. One probe missed it about half the time; the check must try enough inputs."""
+    from memspec_ros.runtime import forward_paths
+
+    first = torch.randn(forward_paths.MAX_VERIFY_ROWS, 48, generator=torch.Generator().manual_seed(1))
+    rare = float(first[1:, 0].max()) + 1e-3  # above anything the first probe's later rows hold
+
+    class RarelyDrifting(Int8Linear):  # differs only where a row after the first has a large first input
+        def _matmul(self, rows):
+            y = super()._matmul(rows)
+            if rows.shape[0] > 1:
+                y = y + 1e-3 * (rows[:, :1] > rare).float() * (torch.arange(rows.shape[0]) > 0).float()[:, None]
+            return y
+
+    monkeypatch.setattr(forward_paths, "_ROWS_CHECKED", {})
+    layer = RarelyDrifting(torch.randn(16, 48), None)
+    assert not forward_paths.check_rows(layer) and not layer.rows_at_once
+
+
+def test_the_bf16_path_is_judged_by_the_cpu_even_beside_a_gpu(monkeypatch):
+    from memspec_ros.runtime import forward_paths
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(forward_paths, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert not cpu_has_bf16()
+    with pytest.raises(ForwardPathError, match="bf16"):
+        check_path("bf16")
+    assert check_path("bf16", device="cuda") == "bf16"  # a model on the GPU multiplies there
+
+
 def test_the_fp32_path_reports_the_kernel_its_lean_forward_multiplies_with():
     """/diagnostics "cpu kernels": fp32 linears stay nn.Linear, and the lean forward runs them on the f32 kernel
     where it compiled, so the report names it rather than ATen."""

@@ -29,6 +29,7 @@ import torch
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
 from .choice import Choice, Resolution, carry_out
 from .datastore import Datastore
+from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import target_costs
 from .lookup import LookupConfig
 from .models import LoadedModel
@@ -50,7 +51,9 @@ LIMITS: dict[str, tuple[int, int] | tuple[float, float]] = {
     "budget_bytes": (0, I64),
     "interval": (1, 1024),
     "recent_tokens": (0, 4096),
-    "gamma": (1, 64),
+    # at most 8: a verify of gamma + 1 rows must equal one-token steps, and the forward paths check their
+    # kernels' rows up to forward_paths.MAX_VERIFY_ROWS (9); an unchecked 10+ row verify could differ
+    "gamma": (1, MAX_VERIFY_ROWS - 1),
     # re-indexed after every goal, on the goal's thread: 1,000 answers of 128 tokens took 0.2 s to index
     # (timed once on the 2-core development machine)
     "remember_answers": (0, 1000),

@@ -1142,7 +1142,9 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
   float* attn = malloc(rows * q_width * sizeof(float));
   float* act = malloc(rows * intermediate * sizeof(float));
   float* scores = malloc((size_t)heads * ((size_t)start + n) * sizeof(float));
-  const int widest_in = intermediate > dim ? intermediate : dim;
+  /* the int8 linears quantize their input rows here: dim (qkv, gate_up), q_width (o), intermediate (down) */
+  int widest_in = intermediate > dim ? intermediate : dim;
+  if (q_width > widest_in) widest_in = q_width;
   Scratch s = {malloc(rows * widest_in), malloc(rows * sizeof(float)), threads};
   int status = 0;
   if (!h || !wide || !q || !attn || !act || !scores || !s.xu || !s.row_scale) {

@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -77,17 +78,30 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str:
-    return os.environ.get("CC") or "cc"
+def _compiler() -> list[str]:
+    """The C compiler's command: ``$CC`` split as a shell would (``ccache gcc``, ``gcc -m64``), else ``cc``."""
+    return shlex.split(os.environ.get("CC") or "") or ["cc"]
+
+
+def _native_macros(compiler: list[str]) -> str:
+    """What ``-march=native`` turns on here (__AVX512F__, __AMX_TILE__, ...): exactly what selects the code paths
+    compiled in, so a cached library built on another CPU (a shared cache folder) is never loaded here (SIGILL)."""
+    try:
+        done = subprocess.run([*compiler, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return "\n".join(sorted(done.stdout.splitlines()))
 
 
 def _build(out_dir: Path, portable: bool = False) -> Path:
     """The compiled library for this source, compiler and CPU; compiled once, reused after."""
     compiler = _compiler()
     flags = (*FLAGS, "-DMEMSPEC_PORTABLE") if portable else FLAGS
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join((*flags, OPENMP)), _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(compiler), version, " ".join((*flags, OPENMP)),
+                                    _cpu_flags(), _native_macros(compiler), platform.machine()]).encode()
+                         ).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
     if library.exists():
         return library
@@ -95,14 +109,19 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
     # compile to a temporary name and rename: a concurrent process never loads a half-written file
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
+    # without OpenMP, then the portable C alone (no -march=native: an assembler too old for this CPU's
+    # instructions still gets a library); every attempt's error is kept for the one message
+    portable_flags = tuple(f for f in flags if f != "-march=native") + ("-DMEMSPEC_PORTABLE",) * (not portable)
+    errors = []
     try:
-        for tried in ((*flags, OPENMP), flags):
-            done = subprocess.run([compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"],
+        for tried in ((*flags, OPENMP), flags, portable_flags):
+            done = subprocess.run([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"],
                                   capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             if done.returncode == 0:
                 break
+            errors.append(f"[{' '.join(tried)}] {done.stderr.strip()[-300:]}")
         else:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+            raise RuntimeError(f"{' '.join(compiler)} failed: " + " | ".join(errors))
         os.replace(partial, library)
     finally:
         partial.unlink(missing_ok=True)
@@ -175,11 +194,39 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+def _check_operand(t: torch.Tensor, name: str, dims: int, dtype: torch.dtype = torch.float32,
+                   shape: tuple[int, ...] | None = None) -> None:
+    """The C kernels read raw pointers: a tensor of another shape, type or layout would be read out of bounds."""
+    if t.dim() != dims or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" or (
+            shape is not None and tuple(t.shape) != shape):
+        raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor"
+                         f" {'of shape ' + str(shape) if shape else f'of {dims} dimensions'}, got {t.dtype}"
+                         f" {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+def _check_buffers(buffers: list[tuple[torch.Tensor, torch.Tensor]], layers: int, kv_heads: int, head_dim: int,
+                   start: int, n: int) -> None:
+    """Each layer's KV buffers hold rows start..start+n-1: the kernels write there and attend over 0..start+n-1."""
+    if len(buffers) != layers:
+        raise ValueError(f"{len(buffers)} layers of KV buffers for a decoder of {layers}")
+    for keys, values in buffers:
+        for t in (keys, values):
+            _check_operand(t, "a KV buffer", 4, torch.float32, (1, kv_heads, keys.shape[2], head_dim))
+        if start < 0 or start + n > keys.shape[2]:
+            raise ValueError(f"KV buffers of {keys.shape[2]} rows cannot take positions {start}..{start + n - 1}")
+
+
 def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
     """rows [M, K] times 4-bit weights (``packed`` [O, K/32, 16] uint8, ``scale_min`` [O, K/32] int32 of bf16
     pairs; see :func:`pack_w4`): float32 [M, O]. The rows are quantized to int8 per block of 32 and each block's
     dot product with the levels is an exact integer (runtime/cpu_kernels.c)."""
     x = rows.float().contiguous()
+    _check_operand(x, "rows", 2)
+    o, groups = packed.shape[0], packed.shape[1] if packed.dim() == 3 else -1
+    _check_operand(packed, "packed", 3, torch.uint8, (o, x.shape[1] // 32, 16))
+    _check_operand(scale_min, "scale_min", 2, torch.int32, (o, groups))
+    if x.shape[1] != 32 * groups or (status().w4_blocked and o % 16):
+        raise ValueError(f"w4_matmul: rows of {x.shape[1]} inputs for {groups} groups of 32 and {o} outputs")
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
     with _CALL:
         failed = _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1],
@@ -227,14 +274,22 @@ def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, s
     """Int8Linear's arithmetic: rows [M, K] quantized per row, times int8 ``weight`` [O, K], scaled: float32 [M, O].
     ``bias128`` is 128 * weight.sum(1) as int32."""
     x = rows.float().contiguous()
+    _check_operand(x, "rows", 2)
     m, k = x.shape
     o = weight.shape[0]
+    _check_operand(weight, "weight", 2, torch.int8, (o, k))
+    _check_operand(bias128, "bias128", 1, torch.int32, (o,))
+    _check_operand(scale, "scale", 1, torch.float32, (o,))
+    if k % 64:  # the kernels step 64 bytes along a row (VNNI)
+        raise ValueError(f"i8_matmul: {k} inputs is not a multiple of 64")
     out = torch.empty(m, o, dtype=torch.float32)
     scratch_x = torch.empty(m * k, dtype=torch.uint8)
     row_scale = torch.empty(m, dtype=torch.float32)
     with _CALL:
-        _library().i8_matmul(_ptr(x), _ptr(weight), _ptr(bias128), _ptr(scale), _ptr(out), _ptr(scratch_x),
-                             _ptr(row_scale), m, k, o, _threads())
+        failed = _library().i8_matmul(_ptr(x), _ptr(weight), _ptr(bias128), _ptr(scale), _ptr(out), _ptr(scratch_x),
+                                      _ptr(row_scale), m, k, o, _threads())
+    if failed:  # nothing was written: an uninitialised ``out`` would pass for activations
+        raise MemoryError("the i8 kernel could not allocate its scratch memory")
     return out
 
 
@@ -242,6 +297,10 @@ def f32_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [M, K] times fp32 ``weight`` [O, K] (K % 16 == 0): float32 [M, O], each row's sums in the order a
     row alone gets (runtime/cpu_kernels.c: f32), so a verify's rows equal one-token steps bit for bit."""
     x = rows.float().contiguous()
+    _check_operand(x, "rows", 2)
+    _check_operand(weight, "weight", 2, torch.float32, (weight.shape[0], x.shape[1]))
+    if x.shape[1] % 16:
+        raise ValueError(f"f32_matmul: {x.shape[1]} inputs is not a multiple of 16")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     with _CALL:
         _library().f32_matmul(_ptr(x), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], weight.shape[0], _threads())
@@ -300,10 +359,16 @@ class Decoder:
                     return "RMSNorm weights are not contiguous fp32"
                 keep.append(norm)
             slot.attn_norm, slot.mlp_norm = _ptr(layer.attn_norm), _ptr(layer.mlp_norm)
+            q_width, kv_width = heads * head_dim, kv_heads * head_dim
+            widths = {"qkv": (dim, q_width + 2 * kv_width), "o": (q_width, dim), "gate_up": (dim, 2 * intermediate),
+                      "down": (intermediate, dim)}
             for name in ("qkv", "o", "gate_up", "down"):
                 described = _kernel_linear(getattr(layer, name))
                 if isinstance(described, str):
                     return f"{name}: {described}"
+                if (described.in_features, described.out_features) != widths[name]:  # the C sizes its buffers so
+                    return (f"{name} maps {described.in_features} -> {described.out_features}, not the"
+                            f" {widths[name][0]} -> {widths[name][1]} these dimensions give")
                 setattr(slot, name, described)
         return cls(table, keep, dims, eps)
 
@@ -312,10 +377,15 @@ class Decoder:
         """Run every layer on ``x`` [n, dim] (fp32, contiguous, in place) at positions start..start+n-1; each
         layer's keys and values go into ``buffers`` ([1, kv_heads, capacity, head_dim] fp32, as
         kv_cache.claim_rows returns them, already extended by n rows)."""
-        for slot, (keys, values) in zip(self._layers, buffers, strict=True):
-            slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
+        _check_operand(x, "x", 2, torch.float32, (x.shape[0], self.dim))
+        _check_buffers(buffers, len(self._layers), self.kv_heads, self.head_dim, start, x.shape[0])
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        with _CALL:
+        for t in (cos, sin):
+            if t.dim() != 2 or t.shape[0] < x.shape[0] or t.shape[1] != self.head_dim:
+                raise ValueError(f"the rotary tables must be [{x.shape[0]}+, {self.head_dim}], got {tuple(t.shape)}")
+        with _CALL:  # the layer table is shared: its buffer pointers are this call's only under the lock
+            for slot, (keys, values) in zip(self._layers, buffers, strict=True):
+                slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
             failed = _library().decoder_forward(self._layers, len(buffers), _ptr(x), x.shape[0], start, _ptr(cos),
                                                 _ptr(sin), self.dim, self.heads, self.kv_heads, self.head_dim,
                                                 self.intermediate, self.eps, _threads())
@@ -403,12 +473,17 @@ class Step:
             raise IndexError(f"token row out of range: the embedding has {self.rows} rows")
         if rope[0].shape[0] < start + n or rope[1].shape[0] < start + n:
             raise ValueError(f"the rotary table covers {rope[0].shape[0]} positions, not {start + n}")
-        for slot, (keys, values) in zip(self.decoder._layers, buffers, strict=True):
-            slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
+        for t in rope:  # read from row ``start`` by pointer arithmetic below
+            _check_operand(t, "a rotary table", 2, torch.float32, (t.shape[0], self.decoder.head_dim))
+        _check_buffers(buffers, len(self.decoder._layers), self.decoder.kv_heads, self.decoder.head_dim, start, n)
+        if normed is not None:
+            _check_operand(normed, "normed", 2, torch.float32, (n, self.decoder.dim))
         x = torch.empty(n, self.decoder.dim)
         logits = torch.empty(keep, self.width)
         offset = start * self.decoder.head_dim * 4  # bytes: row ``start`` of the fp32 tables
-        with _CALL:
+        with _CALL:  # the layer table is shared: its buffer pointers are this call's only under the lock
+            for slot, (keys, values) in zip(self.decoder._layers, buffers, strict=True):
+                slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
             failed = _library().model_step(ctypes.byref(self._model), (ctypes.c_int32 * n)(*rows), n, start,
                                            _ptr(rope[0]) + offset, _ptr(rope[1]) + offset, keep, _ptr(x),
                                            _ptr(normed) if normed is not None else None, _ptr(logits), _threads())
@@ -448,6 +523,8 @@ class RankHead:
         for t in (prompt, *parts):
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.shape[-1] != self.dim:
                 raise ValueError(f"rank_head takes contiguous CPU fp32 rows of width {self.dim}")
+        if prompt.numel() != self.dim or any(r.dim() != 2 for r in parts):  # the C reads shape[0] rows of each
+            raise ValueError(f"rank_head takes one prompt row and [rows, {self.dim}] recent parts")
         probs = (ctypes.c_float * self.classes)()
         # scratch per call (ctypes arrays, no tensor operation): a head may serve a live and a replayed engine
         scratch = ((ctypes.c_float * (2 * self.dim))(), (ctypes.c_float * self.hidden)())

@@ -89,11 +89,12 @@ class Datastore:
         self.fingerprint = fingerprint
         parts, self.answers = [], 0
         for answer in answers:
-            parts += [np.asarray(answer, dtype=np.int64), np.array([SEPARATOR], dtype=np.int64)]
+            ids = np.asarray(answer, dtype=np.int64)
+            if (ids < 0).any():  # -1 too: it is the separator, and would split the answer in two when saved
+                raise DatastoreError(f"datastore answer {self.answers} holds a negative token id")
+            parts += [ids, np.array([SEPARATOR], dtype=np.int64)]
             self.answers += 1
         self.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        if (self.tokens[self.tokens != SEPARATOR] < 0).any():
-            raise DatastoreError("a datastore answer holds a negative token id")
         self._tables = {n: self._table(n) for n in range(config.min_ngram, config.max_ngram + 1)}
 
     def _table(self, n: int) -> _Table:
@@ -199,4 +200,6 @@ def read_answers(path: str | Path, fingerprint: str | None = None) -> tuple[list
             or (np.diff(offsets) < 0).any():
         raise DatastoreError(f"{path}: offsets do not split its {len(tokens)} tokens into answers")
     tokens = tokens.astype(np.int64)
+    if (tokens < 0).any():  # a corrupt file: a negative id (-1 would split an answer) is no token
+        raise DatastoreError(f"{path} holds a negative token id: not a datastore this code wrote")
     return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)], meta

@@ -43,8 +43,11 @@ def read_vocab_map(path: str | Path, draft_vocab_size: int) -> tuple[list[int], 
     file = Path(path) / VOCAB_FILE
     try:
         data = json.loads(file.read_text())
-        ids = [int(i) for i in data["target_ids"]]
-        target_size = int(data["target_vocab_size"])
+        raw, target_size = data["target_ids"], int(data["target_vocab_size"])
+        # a list of integers, none empty: a string of digits iterated to ids, or [] min()-ed, slipped through
+        if not isinstance(raw, list) or not raw or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
+            raise ValueError("target_ids must be a non-empty list of integers")
+        ids = list(raw)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DraftVocabError(f"{file} is not a valid draft vocabulary ({exc}): rebuild the draft") from exc
     if len(ids) + 1 != draft_vocab_size:

@@ -96,7 +96,7 @@ class FastLinear(torch.nn.Module):
 
 
 class Bf16Linear(FastLinear):
-    """bf16 weights; fp32 in, fp32 out."""
+    """bf16 weights; fp32 in, bf16 products (ATen's CPU bf16 matmul has no fp32 output), fp32 out."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -369,21 +369,32 @@ def concat_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     return fused
 
 
-MAX_VERIFY_ROWS = 9  # a verify feeds gamma + 1 rows; checked up to gamma = 8, more rows go one by one
+MAX_VERIFY_ROWS = 9  # a verify feeds gamma + 1 rows: checked up to gamma = 8, the most the engine allows
+ROW_PROBES = 16  # random inputs per check: one probe missed bf16's rare differences (below)
 _ROWS_CHECKED: dict[tuple, bool] = {}
 
 
 def check_rows(module: FastLinear) -> bool:
     """Whether the kernel computes every row of a 2..MAX_VERIFY_ROWS-row call exactly as alone; sets
-    ``module.rows_at_once``. Kernels pick code paths by shape, not by values, so one probe per shape
-    decides (cached). Speculative decoding is lossless only if a verify's rows equal one-token steps."""
+    ``module.rows_at_once``. Kernels pick code paths by shape, not by values, so a check per shape decides
+    (cached). Speculative decoding is lossless only if a verify's rows equal one-token steps.
+
+    A kernel that sums in another order for more rows differs in most fp32 outputs, but bf16's outputs are
+    rounded to 8 bits, which hides most of it: on a 576x1536 layer about 1 output in 4,000 still differed,
+    so a single 9-row probe passed such a kernel about half the time (seen on this CPU's oneDNN). Sixteen
+    probes leave a miss at about e^-20."""
     key = (type(module).__name__, module.in_features, module.out_features)
     if key not in _ROWS_CHECKED:
-        probe = torch.randn(MAX_VERIFY_ROWS, module.in_features, generator=torch.Generator().manual_seed(1))
+        gen = torch.Generator().manual_seed(1)
+        exact = True
         with torch.no_grad():
-            alone = torch.cat([module._matmul(probe[i : i + 1]) for i in range(MAX_VERIFY_ROWS)])
-            _ROWS_CHECKED[key] = all(torch.equal(module._matmul(probe[:m]), alone[:m])
-                                     for m in range(2, MAX_VERIFY_ROWS + 1))
+            for _ in range(ROW_PROBES):
+                probe = torch.randn(MAX_VERIFY_ROWS, module.in_features, generator=gen)
+                alone = torch.cat([module._matmul(probe[i : i + 1]) for i in range(MAX_VERIFY_ROWS)])
+                if not all(torch.equal(module._matmul(probe[:m]), alone[:m]) for m in range(2, MAX_VERIFY_ROWS + 1)):
+                    exact = False
+                    break
+        _ROWS_CHECKED[key] = exact
     module.rows_at_once = _ROWS_CHECKED[key]
     return module.rows_at_once
 
@@ -402,21 +413,18 @@ class PathReport:
     kernels: str = "ATen"  # what multiplies the layers: the engine's kernels (runtime/cpu_kernels.py) or ATen
 
 
-def check_path(path: str) -> str:
+def check_path(path: str, device: str = "cpu") -> str:
     if path not in PATHS:
         raise ForwardPathError(f"unknown forward path {path!r}: use one of {', '.join(PATHS)} (or auto)")
-    if path == "bf16" and not cpu_has_bf16():
+    if path == "bf16" and device == "cpu" and not cpu_has_bf16():
         raise ForwardPathError(
             "forward path 'bf16' needs a CPU with bf16 matmul (avx512_bf16 or AMX): use int8, int4 or fp32"
         )
     return path
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (x86 avx512_bf16 or AMX, Arm bf16); elsewhere bf16 is emulated
-    and slower than fp32, so ``auto`` leaves it out."""
-    if torch.cuda.is_available():
-        return True
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where there is none (not Linux)."""
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as info:
@@ -424,7 +432,16 @@ def cpu_has_bf16() -> bool:
                 if line.startswith(("flags", "Features")):
                     flags.update(line.split(":", 1)[1].split())
                     break
-    except OSError:  # not Linux: trust torch's own report of the vector ISA
+    except OSError:
+        return None
+    return flags
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (x86 avx512_bf16 or AMX, Arm bf16); elsewhere bf16 is emulated
+    and slower than fp32, so ``auto`` leaves it out. About the CPU only: a GPU beside it says nothing of it."""
+    flags = _cpu_flags()
+    if flags is None:  # not Linux: trust torch's own report of the vector ISA
         return torch.backends.cpu.get_cpu_capability() == "AMX"
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
@@ -437,7 +454,8 @@ def apply_path(model: torch.nn.Module, path: str, compact_embedding: bool = True
     """Replace ``model``'s ``nn.Linear`` layers in place by ``path``'s modules, and (``compact_embedding``) its
     token embedding by a :class:`Q8Embedding` where the table is exactly on that grid, else by an
     :class:`F16Embedding` where fp16 holds it exactly."""
-    check_path(path)
+    params = next(model.parameters(), None)
+    check_path(path, params.device.type if params is not None else "cpu")
     report = PathReport(path)
     if path == "fp32":
         # its linears stay nn.Linear; the lean forward runs them on the f32 kernel, fused in place (f32_kernel_linear)

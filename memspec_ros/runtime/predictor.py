@@ -47,7 +47,7 @@ HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "predictor.json"
 UNKNOWN_SCORE = -1.0  # a candidate the ranking does not know: below every probability
 STAND_IN_FACTOR = 0.999  # a same-domain stand-in ranks just below the draft the head was trained on
-KEEP_EXTRA_POSITIONS = 80  # positions kept beyond the T recent ones: more than one verify feeds (gamma <= 64)
+KEEP_EXTRA_POSITIONS = 80  # positions kept beyond the T recent ones: more than one verify feeds (gamma <= 8)
 
 log = logging.getLogger(__name__)
 

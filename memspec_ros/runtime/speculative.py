@@ -30,6 +30,7 @@ import torch
 
 from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, lean_forward_for
+from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import ForwardCosts, GammaChooser, draft_pays, measure_costs, row_pays, target_costs
 from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from .stats import GenerationStats, IterationStats
@@ -373,8 +374,10 @@ class SpeculativeSession:
 
     @gamma.setter
     def gamma(self, value: int) -> None:
-        if value < 1:
-            raise ValueError(f"gamma (draft tokens per iteration) must be >= 1, got {value}")
+        if not 1 <= value <= MAX_VERIFY_ROWS - 1:
+            # a verify of gamma + 1 rows must compute each row as a one-token step does; the forward paths check
+            # their kernels for that up to MAX_VERIFY_ROWS rows, so a longer verify could change the output
+            raise ValueError(f"gamma (draft tokens per iteration) must be 1..{MAX_VERIFY_ROWS - 1}, got {value}")
         self._gamma = value
 
     @property

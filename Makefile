@@ -22,10 +22,10 @@ help:
 	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
 
 setup:
-	$(SETUP) all
+	$(SETUP) all $(SETUP_FLAGS)
 
 deps:
-	$(SETUP) deps
+	$(SETUP) deps $(SETUP_FLAGS)
 
 build:
 	$(SETUP) build $(SETUP_FLAGS)

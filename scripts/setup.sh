@@ -132,9 +132,15 @@ step_deps() {
 # ---------------------------------------------------------------------------------- colcon
 step_build() {
   local want
+  # the checkout's path too: --symlink-install links install/ into build/ and to absolute paths
   want="$(hash_inputs "$STAMPS/deps" memspec_interfaces package.xml setup.py setup.cfg resource models \
-          launch config scripts/setup.sh)"
-  if stamp_is "$BUILD_STAMP" "$want" "$force" && [ -f install/setup.bash ]; then
+          launch config scripts/setup.sh; echo "$ROOT")"
+  # ... and the links must still resolve (build/ removed, or a CI cache that restored install/ alone)
+  local marker
+  marker="$(compgen -G "install/memspec_interfaces/lib/python*/site-packages/memspec_interfaces/__init__.py" \
+            | head -1 || true)"
+  if stamp_is "$BUILD_STAMP" "$want" "$force" && [ -f install/setup.bash ] && [ -n "$marker" ] \
+      && [ -e "$marker" ]; then
     say "colcon build up to date (install/)"
     return
   fi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,3 +87,36 @@ def test_a_step_budget_cut_short_by_the_minutes_cap_is_said(tmp_path, max_steps)
         assert capped == []
     else:
         assert len(capped) == 1 and f"of the {max_steps} steps" in capped[0]
+
+
+class _Interrupted(TokenStreams):
+    """Stops the run (as Ctrl-C would) when the batch after ``after`` is asked for."""
+
+    def __init__(self, *args, after: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.after, self.served = after, 0
+
+    def batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
+        if self.served == self.after:
+            raise KeyboardInterrupt
+        self.served += 1
+        return super().batch(batch_size, seq_len)
+
+
+def test_a_resumed_run_keeps_the_new_step_budget_and_ends_even_without_a_step(tmp_path):
+    """A run interrupted after its checkpoint resumes under the budget it is given now (it kept the old one), and a
+    resume whose minutes are already spent ends with its checkpoint instead of failing to log a loss it never had."""
+    data = _data()
+    cfg = TrainConfig(max_steps=20, max_minutes=1e6, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1,
+                      checkpoint_every=2)
+    model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, _Interrupted(data.streams, {"code": 1.0}, seed=0, after=3), cfg, tmp_path / "run")
+    logs: list[str] = []
+    meta = train(model, data, replace(cfg, max_steps=4), tmp_path / "run", log=logs.append)
+    assert meta["done"] and meta["step"] == 4  # the new budget, not the checkpoint's 20
+    model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, _Interrupted(data.streams, {"code": 1.0}, seed=0, after=3), cfg, tmp_path / "spent")
+    meta = train(model, data, replace(cfg, max_minutes=0.0), tmp_path / "spent", log=logs.append)
+    assert meta["done"] and meta["step"] == 2 and "no step this run" in logs[-1]

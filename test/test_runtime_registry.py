@@ -234,3 +234,14 @@ def test_a_gguf_draft_is_registered_sized_loaded_and_kept_until_its_file_changes
         assert cache.evict_changed() == ["d"]
     finally:
         cache.close()
+
+
+def test_the_tokenizer_fingerprint_is_the_vocabulary_not_the_special_tokens_names():
+    """Converters name the special tokens differently for the same ids (transformers 5.17 and 5.23 on the bundled
+    GGUF): a datastore or draft made under one must not be refused under the other; another vocabulary must."""
+    tok = tiny_tokenizer(chat=True)
+    before = tokenizer_fingerprint(tok)
+    tok.eos_token, tok.pad_token = "<|im_start|>", None
+    assert tokenizer_fingerprint(tok) == before
+    tok.add_tokens(["a-brand-new-token"])
+    assert tokenizer_fingerprint(tok) != before

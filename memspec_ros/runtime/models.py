@@ -345,11 +345,12 @@ def load_tokenizer(path: str | Path):
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the vocabulary and special tokens: equal fingerprints mean interchangeable token ids."""
+    """A hash of the vocabulary (every token and its id, added tokens included): equal fingerprints mean
+    interchangeable token ids. Not the special tokens' roles: those say which id ends a turn, not what an id is,
+    and converters name them differently (transformers 5.17 and 5.23 make the same ids from the bundled GGUF
+    with other eos/pad names, and a datastore built under one was refused under the other)."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    special = sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())
-    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
-    return hashlib.sha256(blob).hexdigest()
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
 def check_shared_tokenizer(target_path: str | Path, draft_path: str | Path,

@@ -139,8 +139,7 @@ step_build() {
   local marker
   marker="$(compgen -G "install/memspec_interfaces/lib/python*/site-packages/memspec_interfaces/__init__.py" \
             | head -1 || true)"
-  if stamp_is "$BUILD_STAMP" "$want" "$force" && [ -f install/setup.bash ] && [ -n "$marker" ] \
-      && [ -e "$marker" ]; then
+  if stamp_is "$BUILD_STAMP" "$want" "$force" && [ -f install/setup.bash ] && [ -e "$marker" ]; then
     say "colcon build up to date (install/)"
     return
   fi

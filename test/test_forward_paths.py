@@ -324,7 +324,7 @@ def test_a_kernel_that_is_not_row_exact_gets_its_rows_one_by_one(monkeypatch):
 
 def test_a_kernel_that_rarely_sums_rows_differently_is_caught(monkeypatch):
     """bf16's rounded outputs hide most of a kernel's other summation order for more rows: the difference shows
-    on a few inputs only. One probe missed it about half the time; the check must try enough inputs."""
+    on a few inputs only, so one probe often missed it; the check must try enough inputs."""
     from memspec_ros.runtime import forward_paths
 
     first = torch.randn(forward_paths.MAX_VERIFY_ROWS, 48, generator=torch.Generator().manual_seed(1))
@@ -343,10 +343,10 @@ def test_a_kernel_that_rarely_sums_rows_differently_is_caught(monkeypatch):
 
 
 def test_the_bf16_path_is_judged_by_the_cpu_even_beside_a_gpu(monkeypatch):
-    from memspec_ros.runtime import forward_paths
+    from memspec_ros.runtime import cpu_kernels
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(forward_paths, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma"})
     assert not cpu_has_bf16()
     with pytest.raises(ForwardPathError, match="bf16"):
         check_path("bf16")

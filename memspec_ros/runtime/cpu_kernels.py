@@ -68,14 +68,16 @@ class KernelStatus:
         return f"{text}; {self.reason}" if self.reason else text
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags from /proc/cpuinfo (x86 ``flags``, Arm ``Features``), or None where there is none
+    (not Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return set(line.split(":", 1)[1].split())
     except OSError:
-        pass
-    return platform.processor()
+        return None
+    return set()
 
 
 def _compiler() -> list[str]:
@@ -100,7 +102,8 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
     flags = (*FLAGS, "-DMEMSPEC_PORTABLE") if portable else FLAGS
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(compiler), version, " ".join((*flags, OPENMP)),
-                                    _cpu_flags(), _native_macros(compiler), platform.machine()]).encode()
+                                    " ".join(sorted(cpu_flags() or {platform.processor()})), _native_macros(compiler),
+                                    platform.machine()]).encode()
                          ).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
     if library.exists():
@@ -204,29 +207,41 @@ def _check_operand(t: torch.Tensor, name: str, dims: int, dtype: torch.dtype = t
                          f" {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
 
 
-def _check_buffers(buffers: list[tuple[torch.Tensor, torch.Tensor]], layers: int, kv_heads: int, head_dim: int,
-                   start: int, n: int) -> None:
-    """Each layer's KV buffers hold rows start..start+n-1: the kernels write there and attend over 0..start+n-1."""
-    if len(buffers) != layers:
-        raise ValueError(f"{len(buffers)} layers of KV buffers for a decoder of {layers}")
-    for keys, values in buffers:
-        for t in (keys, values):
-            _check_operand(t, "a KV buffer", 4, torch.float32, (1, kv_heads, keys.shape[2], head_dim))
-        if start < 0 or start + n > keys.shape[2]:
-            raise ValueError(f"KV buffers of {keys.shape[2]} rows cannot take positions {start}..{start + n - 1}")
+def _point_at_buffers(table: ctypes.Array, buffers: list[tuple[torch.Tensor, torch.Tensor]], kv_heads: int,
+                      head_dim: int, start: int, n: int) -> None:
+    """Point each layer's slot at its KV buffers ([1, kv_heads, capacity, head_dim] fp32), which the C writes at
+    rows start..start+n-1 and attends over 0..start+n-1; called under ``_CALL``, the table being shared. On the
+    decode loop's path, so the first layer's buffers are checked whole and every layer's capacity: a forward's
+    buffers come from one cache (kv_cache.claim_rows), alike in all but their capacity."""
+    if len(buffers) != len(table):
+        raise ValueError(f"{len(buffers)} layers of KV buffers for a decoder of {len(table)}")
+    keys, values = buffers[0]
+    for t in (keys, values):
+        _check_operand(t, "a KV buffer", 4, torch.float32, (1, kv_heads, keys.shape[2], head_dim))
+    if start < 0:
+        raise ValueError(f"a forward cannot start at position {start}")
+    for slot, (keys, values) in zip(table, buffers, strict=True):
+        capacity = keys.shape[-2]
+        if start + n > capacity or values.shape[-2] != capacity:
+            raise ValueError(f"KV buffers of {capacity} rows cannot take positions {start}..{start + n - 1}")
+        slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), capacity
 
 
-def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, *, check: bool = True
+              ) -> torch.Tensor:
     """rows [M, K] times 4-bit weights (``packed`` [O, K/32, 16] uint8, ``scale_min`` [O, K/32] int32 of bf16
     pairs; see :func:`pack_w4`): float32 [M, O]. The rows are quantized to int8 per block of 32 and each block's
-    dot product with the levels is an exact integer (runtime/cpu_kernels.c)."""
+    dot product with the levels is an exact integer (runtime/cpu_kernels.c). ``check``: validate the operands,
+    which the C reads by pointer; a layer that built its own (forward_paths) skips it, since its linears run on
+    every forward transformers makes, the assisted-generation baseline's too (~1 us of ~30)."""
     x = rows.float().contiguous()
-    _check_operand(x, "rows", 2)
-    o, groups = packed.shape[0], packed.shape[1] if packed.dim() == 3 else -1
-    _check_operand(packed, "packed", 3, torch.uint8, (o, x.shape[1] // 32, 16))
-    _check_operand(scale_min, "scale_min", 2, torch.int32, (o, groups))
-    if x.shape[1] != 32 * groups or (status().w4_blocked and o % 16):
-        raise ValueError(f"w4_matmul: rows of {x.shape[1]} inputs for {groups} groups of 32 and {o} outputs")
+    if check:
+        o, k = packed.shape[0], x.shape[-1]
+        _check_operand(x, "rows", 2)
+        _check_operand(packed, "packed", 3, torch.uint8, (o, k // 32, 16))
+        _check_operand(scale_min, "scale_min", 2, torch.int32, (o, k // 32))
+        if k % 32 or (status().w4_blocked and o % 16):
+            raise ValueError(f"w4_matmul: rows of {k} inputs in groups of 32 for {o} outputs")
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
     with _CALL:
         failed = _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1],
@@ -270,18 +285,21 @@ def unpack_w4(packed: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tens
     return q, scale_min.view(blocks, groups, W4_BLOCK).permute(0, 2, 1).reshape(out_features, groups)
 
 
-def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, scale: torch.Tensor, *,
+              check: bool = True) -> torch.Tensor:
     """Int8Linear's arithmetic: rows [M, K] quantized per row, times int8 ``weight`` [O, K], scaled: float32 [M, O].
-    ``bias128`` is 128 * weight.sum(1) as int32."""
+    ``bias128`` is 128 * weight.sum(1) as int32. ``check``: as :func:`w4_matmul`'s."""
     x = rows.float().contiguous()
-    _check_operand(x, "rows", 2)
+    if check:
+        _check_operand(x, "rows", 2)
+        o = weight.shape[0]
+        _check_operand(weight, "weight", 2, torch.int8, (o, x.shape[1]))
+        _check_operand(bias128, "bias128", 1, torch.int32, (o,))
+        _check_operand(scale, "scale", 1, torch.float32, (o,))
+        if x.shape[1] % 64:  # the kernels step 64 bytes along a row (VNNI)
+            raise ValueError(f"i8_matmul: {x.shape[1]} inputs is not a multiple of 64")
     m, k = x.shape
     o = weight.shape[0]
-    _check_operand(weight, "weight", 2, torch.int8, (o, k))
-    _check_operand(bias128, "bias128", 1, torch.int32, (o,))
-    _check_operand(scale, "scale", 1, torch.float32, (o,))
-    if k % 64:  # the kernels step 64 bytes along a row (VNNI)
-        raise ValueError(f"i8_matmul: {k} inputs is not a multiple of 64")
     out = torch.empty(m, o, dtype=torch.float32)
     scratch_x = torch.empty(m * k, dtype=torch.uint8)
     row_scale = torch.empty(m, dtype=torch.float32)
@@ -293,14 +311,16 @@ def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, s
     return out
 
 
-def f32_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def f32_matmul(rows: torch.Tensor, weight: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """rows [M, K] times fp32 ``weight`` [O, K] (K % 16 == 0): float32 [M, O], each row's sums in the order a
-    row alone gets (runtime/cpu_kernels.c: f32), so a verify's rows equal one-token steps bit for bit."""
+    row alone gets (runtime/cpu_kernels.c: f32), so a verify's rows equal one-token steps bit for bit.
+    ``check``: as :func:`w4_matmul`'s."""
     x = rows.float().contiguous()
-    _check_operand(x, "rows", 2)
-    _check_operand(weight, "weight", 2, torch.float32, (weight.shape[0], x.shape[1]))
-    if x.shape[1] % 16:
-        raise ValueError(f"f32_matmul: {x.shape[1]} inputs is not a multiple of 16")
+    if check:
+        _check_operand(x, "rows", 2)
+        _check_operand(weight, "weight", 2, torch.float32, (weight.shape[0], x.shape[1]))
+        if x.shape[1] % 16:
+            raise ValueError(f"f32_matmul: {x.shape[1]} inputs is not a multiple of 16")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     with _CALL:
         _library().f32_matmul(_ptr(x), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], weight.shape[0], _threads())
@@ -378,14 +398,12 @@ class Decoder:
         layer's keys and values go into ``buffers`` ([1, kv_heads, capacity, head_dim] fp32, as
         kv_cache.claim_rows returns them, already extended by n rows)."""
         _check_operand(x, "x", 2, torch.float32, (x.shape[0], self.dim))
-        _check_buffers(buffers, len(self._layers), self.kv_heads, self.head_dim, start, x.shape[0])
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         for t in (cos, sin):
             if t.dim() != 2 or t.shape[0] < x.shape[0] or t.shape[1] != self.head_dim:
                 raise ValueError(f"the rotary tables must be [{x.shape[0]}+, {self.head_dim}], got {tuple(t.shape)}")
-        with _CALL:  # the layer table is shared: its buffer pointers are this call's only under the lock
-            for slot, (keys, values) in zip(self._layers, buffers, strict=True):
-                slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
+        with _CALL:
+            _point_at_buffers(self._layers, buffers, self.kv_heads, self.head_dim, start, x.shape[0])
             failed = _library().decoder_forward(self._layers, len(buffers), _ptr(x), x.shape[0], start, _ptr(cos),
                                                 _ptr(sin), self.dim, self.heads, self.kv_heads, self.head_dim,
                                                 self.intermediate, self.eps, _threads())
@@ -474,16 +492,15 @@ class Step:
         if rope[0].shape[0] < start + n or rope[1].shape[0] < start + n:
             raise ValueError(f"the rotary table covers {rope[0].shape[0]} positions, not {start + n}")
         for t in rope:  # read from row ``start`` by pointer arithmetic below
-            _check_operand(t, "a rotary table", 2, torch.float32, (t.shape[0], self.decoder.head_dim))
-        _check_buffers(buffers, len(self.decoder._layers), self.decoder.kv_heads, self.decoder.head_dim, start, n)
+            if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != self.decoder.head_dim or not t.is_contiguous():
+                raise ValueError(f"a rotary table must be contiguous fp32 [positions, {self.decoder.head_dim}]")
         if normed is not None:
             _check_operand(normed, "normed", 2, torch.float32, (n, self.decoder.dim))
         x = torch.empty(n, self.decoder.dim)
         logits = torch.empty(keep, self.width)
         offset = start * self.decoder.head_dim * 4  # bytes: row ``start`` of the fp32 tables
-        with _CALL:  # the layer table is shared: its buffer pointers are this call's only under the lock
-            for slot, (keys, values) in zip(self.decoder._layers, buffers, strict=True):
-                slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), keys.shape[-2]
+        with _CALL:
+            _point_at_buffers(self.decoder._layers, buffers, self.decoder.kv_heads, self.decoder.head_dim, start, n)
             failed = _library().model_step(ctypes.byref(self._model), (ctypes.c_int32 * n)(*rows), n, start,
                                            _ptr(rope[0]) + offset, _ptr(rope[1]) + offset, keep, _ptr(x),
                                            _ptr(normed) if normed is not None else None, _ptr(logits), _threads())

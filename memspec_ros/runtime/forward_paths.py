@@ -149,7 +149,7 @@ class Int8Linear(FastLinear):
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:
-            return cpu_kernels.i8_matmul(rows, self.qweight, self.bias128, self.scale)
+            return cpu_kernels.i8_matmul(rows, self.qweight, self.bias128, self.scale, check=False)  # built here
         rows = rows.float()
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=_TINY) / INT8_MAX
         acc = torch._int_mm(torch.round(rows / row_scale).to(torch.int8), self.qweight_t)
@@ -201,7 +201,7 @@ class Int4Linear(FastLinear):
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:
-            return cpu_kernels.w4_matmul(rows, self.packed, self.scale_min)
+            return cpu_kernels.w4_matmul(rows, self.packed, self.scale_min, check=False)  # built here by pack_w4
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zero
         )
@@ -247,7 +247,7 @@ class Float32Linear(FastLinear):
         self.own_kernel = True
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.f32_matmul(rows, self.weight)
+        return cpu_kernels.f32_matmul(rows, self.weight, check=False)  # its own contiguous fp32 weight
 
 
 def f32_kernel_linear(parts: list[torch.nn.Module]) -> Float32Linear | None:
@@ -380,9 +380,9 @@ def check_rows(module: FastLinear) -> bool:
     (cached). Speculative decoding is lossless only if a verify's rows equal one-token steps.
 
     A kernel that sums in another order for more rows differs in most fp32 outputs, but bf16's outputs are
-    rounded to 8 bits, which hides most of it: on a 576x1536 layer about 1 output in 4,000 still differed,
-    so a single 9-row probe passed such a kernel about half the time (seen on this CPU's oneDNN). Sixteen
-    probes leave a miss at about e^-20."""
+    rounded to 8 bits, which hides most of it: on 576x1536 layers 2-5 outputs in 10,000 still differed, so the
+    single 9-row probe (about 1.3 differing outputs expected) called 7 of 12 random weight sets exact, 3 of them
+    wrongly (a review's run on an AVX512-BF16 EPYC, oneDNN). Sixteen probes leave a miss at about e^-20."""
     key = (type(module).__name__, module.in_features, module.out_features)
     if key not in _ROWS_CHECKED:
         gen = torch.Generator().manual_seed(1)
@@ -423,24 +423,10 @@ def check_path(path: str, device: str = "cpu") -> str:
     return path
 
 
-def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo, or None where there is none (not Linux)."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith(("flags", "Features")):
-                    flags.update(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        return None
-    return flags
-
-
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (x86 avx512_bf16 or AMX, Arm bf16); elsewhere bf16 is emulated
     and slower than fp32, so ``auto`` leaves it out. About the CPU only: a GPU beside it says nothing of it."""
-    flags = _cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     if flags is None:  # not Linux: trust torch's own report of the vector ISA
         return torch.backends.cpu.get_cpu_capability() == "AMX"
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})

@@ -143,7 +143,7 @@ _MATH_ASKS = ("Solve this step by step: {p}", "{p} Show your work.", "Can you he
 MATH_PROBLEMS = 18_000
 """Math problems generated, whatever the training quota: the held-out requests are a shuffle of this pool's
 held-out share, so a pool that grew with ``train_per_domain`` changed them (18,000 is the pool the committed
-zoo's held-out requests were drawn from, 20 x (800 + 100)); 15,300 of them fall to training."""
+zoo's held-out requests were drawn from, 20 x (800 + 100)); 15,321 of them fall to training."""
 
 
 def math_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:

@@ -236,9 +236,9 @@ def _run_chat_acceptance(a) -> int:
         if line.strip()
     ]
     has_target = is_model_source(registry.target_path or "")
+    tok = load_tokenizer(registry.target_path) if has_target else None
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
-        covered = (answered_rows([chat_prompt_ids(load_tokenizer(registry.target_path), r["messages"]) for r in rows],
-                                 answers_dir, "heldout") if has_target
+        covered = (answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows], answers_dir, "heldout") if tok
                    else len(answered_prompts(answers_dir, "heldout")))  # no tokenizer to compare the prompts with
     except ValueError as exc:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
@@ -251,7 +251,7 @@ def _run_chat_acceptance(a) -> int:
         target = load_model(ModelSpec(registry.target_path)).model
         # the target answers every held-out request once (minutes on a CPU); later runs read the stored answers
         with tqdm(total=len(rows), desc=f"target answers -> {answers_dir}", unit="req", mininterval=10) as bar:
-            answer_requests(target, load_tokenizer(registry.target_path), rows, answers_dir, "heldout",
+            answer_requests(target, tok, rows, answers_dir, "heldout",
                             TeacherConfig(max_new_tokens=a.max_new_tokens), bar)
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
     answers = load_answers(answers_dir, "heldout")[: len(rows)]

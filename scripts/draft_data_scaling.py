@@ -149,6 +149,11 @@ def main() -> None:
                    help="the domain drafts' peak learning rate (default: the build's fine-tuning rate); a `general` "
                         "that never saw a domain starts it near chance, so a fine-tuning rate leaves it undertrained")
     p.add_argument("--threads", type=int, default=2)
+    # capacity: a draft too small to hold every domain may specialise where the bundled size does not
+    p.add_argument("--hidden-size", type=int, default=None, help="draft width (default: the bundled zoo's)")
+    p.add_argument("--num-layers", type=int, default=None, help="draft depth (default: the bundled zoo's)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the bundled zoo's)")
+    p.add_argument("--batch-size", type=int, default=None, help="training batch (default: the bundled build's)")
     p.add_argument("--general-data", choices=("all", "general"), default="all",
                    help="what `general` is distilled on: every domain's answers (the build's recipe) or only the "
                         "general workload's, the paper's general-purpose draft that is not fine-tuned on any domain")
@@ -180,12 +185,15 @@ def main() -> None:
     vocab_ids = json.loads((a.models / "drafts" / "general" / "draft_vocab.json").read_text())["target_ids"]
 
     base = ChatBuildConfig()  # the build's dataclasses, with the values the bundled zoo was built with
-    arch = replace(base.arch, **build["arch"])
+    sizes = {k: v for k, v in (("hidden_size", a.hidden_size), ("num_layers", a.num_layers),
+                               ("intermediate_size", a.intermediate_size)) if v is not None}
+    arch = replace(base.arch, **{**build["arch"], **sizes})
+    batch = {"batch_size": a.batch_size} if a.batch_size else {}
     gtrain = replace(base.general_train, **{**build["general_train"], "max_steps": a.general_steps,
-                                             "max_minutes": NO_TIME_BUDGET, "validate_every": 60})
+                                             "max_minutes": NO_TIME_BUDGET, "validate_every": 60, **batch})
     dtrain = replace(base.domain_train, **{**build["domain_train"], "max_steps": a.domain_steps,
                                            "max_minutes": NO_TIME_BUDGET, "validate_every": 20,
-                                           "seed": build["seed"] + 1,
+                                           "seed": build["seed"] + 1, **batch,
                                            **({"lr": a.domain_lr} if a.domain_lr else {})})
     order = list(answers)
     random.Random(0).shuffle(order)

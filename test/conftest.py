@@ -166,13 +166,23 @@ def pair():
     return target, noisy_copy(target, 0.03, seed=4)
 
 
+def patch_forward_times(monkeypatch, time_forward) -> None:
+    """Adaptive gamma's forward timings from ``time_forward(model, tokens, vocab)`` (ms): a draft's one-token
+    forward and the target's cost curve (1..n tokens) alike."""
+    from memspec_ros.runtime import gamma_choice
+
+    monkeypatch.setattr(gamma_choice, "time_forward", time_forward)
+    monkeypatch.setattr(gamma_choice, "forward_cost_curve",
+                        lambda model, n, vocab: [time_forward(model, k, vocab) for k in range(1, n + 1)])
+
+
 def fix_adaptive_costs(monkeypatch, time_forward, draft_ms: float) -> None:
     """Adaptive gamma decides from measured forward times (``time_forward(model, tokens, vocab)`` in ms) and from
     what drafting is observed to cost: both fixed here (``draft_ms`` a draft forward), so no choice depends on
     this machine's timing."""
     from memspec_ros.runtime import gamma_choice
 
-    monkeypatch.setattr(gamma_choice, "time_forward", time_forward)
+    patch_forward_times(monkeypatch, time_forward)
     monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", gamma_choice.weakref.WeakKeyDictionary())
     monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", gamma_choice.weakref.WeakKeyDictionary())
     observe_cost = gamma_choice.GammaChooser.observe_cost

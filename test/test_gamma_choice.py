@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fix_adaptive_costs
+from conftest import fix_adaptive_costs, patch_forward_times
 
 from memspec_ros.runtime import gamma_choice
 from memspec_ros.runtime.gamma_choice import (
@@ -72,7 +72,7 @@ def test_adaptive_generation_stays_lossless_and_uses_the_choice(monkeypatch):
     assert all(it.proposed <= 6 for it in adaptive.stats.iterations)
     # costs where drafting never pays: only the probes run the draft, and no row pays for its token (a row costs
     # a whole target step), so the probe's token is dropped and nothing is proposed
-    monkeypatch.setattr(gamma_choice, "time_forward", lambda model, k, vocab: 10.0 * k)
+    patch_forward_times(monkeypatch, lambda model, k, vocab: 10.0 * k)
     gamma_choice._TARGET_COSTS.clear()
     gamma_choice._DRAFT_COSTS.clear()
     never = generate(target, prompt, draft, gamma=6, max_new_tokens=40, adaptive_gamma=True)
@@ -174,7 +174,7 @@ def test_the_controller_measures_the_target_before_any_generation_is_timed(monke
     def fake_time_forward(model, tokens, vocab):
         timed.append(("target" if model is target else "draft", tokens))
         return 10.0 + tokens
-    monkeypatch.setattr(gamma_choice, "time_forward", fake_time_forward)
+    patch_forward_times(monkeypatch, fake_time_forward)
     gamma_choice._TARGET_COSTS.clear()
     gamma_choice._DRAFT_COSTS.clear()
     registry = DraftRegistry([DraftEntry("general", "/virtual/general", "general", 1000)], validate=False)
@@ -189,8 +189,9 @@ def test_the_controller_measures_the_target_before_any_generation_is_timed(monke
     def on_chunk(delta, ids):  # how many target timings had run by each streamed chunk
         during_generation.append(sum(kind == "target" for kind, _ in timed))
     result = ctl.generate([1, 5, 7, 9], 24, on_chunk=on_chunk)
-    assert [t for t in timed if t[0] == "target"] == [("target", 5), ("target", 6)]  # gamma grew: its new sizes
-    assert during_generation and set(during_generation) == {2}  # both before the first token, none after
+    # gamma grew: the whole curve again (its sizes are timed in the same rounds), before the first token
+    assert [t for t in timed if t[0] == "target"] == [("target", k) for k in range(1, 7)]
+    assert during_generation and set(during_generation) == {6}  # all before the first token, none after
     assert ("draft", 1) in timed  # the draft's own cost (milliseconds) is measured at its first iteration
     assert result.token_ids == generate(target, [1, 5, 7, 9], None, max_new_tokens=24).generated_ids
     ctl.close()
@@ -288,3 +289,40 @@ def test_sampled_generation_with_the_confidence_stop_keeps_the_targets_distribut
         second_exact[key[0]] += prob
     stat, dof = chi2(second, dict(second_exact), n)
     assert stat < chi2_critical(dof), (stat, dof)
+
+
+def test_non_decreasing_pools_the_runs_that_go_down():
+    from memspec_ros.runtime.path_choice import non_decreasing
+
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # the trace that stopped the math draft after one proposal: pooled, no row looks dearer than a target step
+    assert non_decreasing([12.3, 10.0, 16.5, 10.5, 10.1]) == pytest.approx([11.15, 11.15, 12.3667, 12.3667, 12.3667],
+                                                                         abs=1e-3)
+    assert non_decreasing([5.0, 4.0, 3.0]) == [4.0, 4.0, 4.0]
+    assert non_decreasing([]) == []
+
+
+def test_the_cost_curve_times_its_sizes_in_turns_so_a_burst_of_load_does_not_land_on_one(monkeypatch):
+    """A burst of other load on the machine (here: 8 consecutive forwards 3x slower, on a fake clock) inflated one
+    size of the curve when the sizes were timed one after another; timed in rounds, each size sees it once or
+    twice, the medians keep the real shape and no row comes out dearer than a whole target step."""
+    from memspec_ros.runtime import path_choice, speculative
+
+    clock = {"now": 0.0, "calls": 0}
+
+    def fake_forward(model, feed, kv, rows, device, lean):
+        clock["calls"] += 1
+        slow = 3.0 if 20 <= clock["calls"] < 28 else 1.0  # the burst
+        clock["now"] += slow * (10.0 + len(feed)) / 1000.0  # 10 ms a forward and 1 ms a row, at rest
+        return real_forward(model, feed, kv, rows, device, lean)
+
+    real_forward = speculative.forward_once
+    monkeypatch.setattr(speculative, "forward_once", fake_forward)
+    monkeypatch.setattr(path_choice.time, "perf_counter", lambda: clock["now"])
+    target = tiny_llama(vocab_size=64, seed=0)
+    curve = path_choice.forward_cost_curve(target, 5, 64)
+    assert curve == pytest.approx([11.0, 12.0, 13.0, 14.0, 15.0])
+    # what timing each size on its own made of the same burst: one size three times dearer than its neighbours
+    clock.update(now=0.0, calls=0)
+    one_by_one = [path_choice.time_forward(target, k, 64) for k in range(1, 6)]
+    assert max(b - a for a, b in zip(one_by_one, one_by_one[1:], strict=False)) > one_by_one[0]

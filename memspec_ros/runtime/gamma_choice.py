@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .path_choice import time_forward
+from .path_choice import forward_cost_curve, time_forward
 
 PRIOR_TRIALS = 2.0  # the estimate starts at alpha = 0.5 worth two proposals, so one iteration cannot swing it
 DECAY = 0.9  # weight of past evidence per iteration: about the last ten iterations count
@@ -123,8 +123,8 @@ def target_costs(target: torch.nn.Module, max_gamma: int) -> list[float]:
     threads = torch.get_num_threads()
     known = per_target.get(threads, [])
     if len(known) < max_gamma + 1:
-        known = known + [time_forward(target, k, vocab) for k in range(len(known) + 1, max_gamma + 2)]
-        per_target[threads] = known
+        # the whole curve again, not the new sizes alone: its sizes must be timed in the same interleaved rounds
+        known = per_target[threads] = forward_cost_curve(target, max_gamma + 1, vocab)
     return known[: max_gamma + 1]
 
 

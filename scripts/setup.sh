@@ -143,6 +143,12 @@ step_build() {
     say "colcon build up to date (install/)"
     return
   fi
+  # rosidl generates C and C++ for memspec_interfaces: without these colcon fails deep in CMake's output
+  local tool missing=()
+  for tool in cmake "${CC:-cc}" "${CXX:-c++}" make; do
+    command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+  done
+  [ ${#missing[@]} -eq 0 ] || die "colcon build of memspec_interfaces needs ${missing[*]} on PATH (Debian: sudo apt install cmake build-essential)"
   rm -f "$BUILD_STAMP"
   say "colcon build: memspec_interfaces, memspec_ros -> install/"
   # A clean environment: only the venv is the underlay, whatever the calling shell had sourced.

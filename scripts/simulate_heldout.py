@@ -56,7 +56,8 @@ def committed_costs(run_dir: Path) -> tuple[CostModel, ScheduleCosts, dict]:
     policies = json.loads((run_dir / "policies.json").read_text())
     cm = dict(paper["cost_model"])
     cm["verify_seconds"] = {int(k): v for k, v in cm["verify_seconds"].items()}
-    sc = policies["oracle_costs"]
+    sc = dict(policies["oracle_costs"])
+    sc["verify_seconds"] = {int(k): v for k, v in sc.get("verify_seconds", {}).items()}  # JSON's keys are strings
     return CostModel(**cm), ScheduleCosts(**sc), paper["config"]
 
 

@@ -38,7 +38,8 @@ def random_solver(seed: int, capacity: int | None = None, drafts: int = 5, lengt
     names, step = random_table(rng, drafts, length, rng.choice([2, 4]), interval)
     load = {d: rng.choice([0.0, rng.uniform(0, 3 * interval), rng.uniform(0, 40)]) for d in names}
     return ScheduleSolver(names, step, 1, length, interval, capacity or rng.randint(1, 4),
-                          catchup=rng.choice([0.0, rng.uniform(0, 2)]), load=load)
+                          catchup=rng.choice([0.0, rng.uniform(0, 2)]), load=load,
+                          catchup_per_token=rng.choice([0.0, rng.uniform(0, 0.05)]))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -85,7 +86,7 @@ def simulate(solver: ScheduleSolver, plan) -> float:
             loading = (action.prefetch, points)
         assert len(resident) + (loading is not None) <= solver.capacity
         nxt, iterations = solver.step(x, p)
-        cost += iterations + (solver.catchup if x != active else 0.0)
+        cost += iterations + (solver.catchup + solver.catchup_per_token * p if x != active else 0.0)
         p, active, points = nxt, x, points + 1
     assert p >= solver.end
     return cost
@@ -115,7 +116,7 @@ def exhaustive(solver: ScheduleSolver) -> float:
                 victims = [None] if len(resident) < cap else list(resident)
                 runs += [(solver.load[x], (resident - {v}) | {x}, None, False, set()) for v in victims]
             nxt, iterations = solver.step(x, p)
-            run_cost = iterations + (solver.catchup if x != active else 0.0)
+            run_cost = iterations + (solver.catchup + solver.catchup_per_token * p if x != active else 0.0)
             for wait, res, load_after, may_prefetch, protect in runs:
                 out = min(out, wait + run_cost + best(nxt, x, frozenset(res), load_after))
                 if not may_prefetch or cap < 2:

@@ -348,3 +348,38 @@ def test_the_results_page_names_every_run_that_was_not_lossless():
     assert "**NO**" in line and "memspec on math" in line and "general-static" not in line
     rows["math"]["memspec"]["lossless"] = True
     assert "**yes**" in _lossless_line({"workloads": rows})
+
+
+def test_oracle_dynamic_stays_above_oracle_static_where_a_late_catch_up_costs_more():
+    """A switch feeds the switched-in draft the prompt and the output so far, so a late switch costs more than the
+    first catch-up. Priced at the first catch-up's constant, the schedule switched for 4-token stretches late in a
+    long prompt's answer and came out below running one draft throughout (a reviewer's case, at the committed
+    bench's fitted costs: 202.8 against 204.2 tok/s)."""
+    new, gamma, interval, prompt = 128, 4, 4, 300
+    a, b = [True] * new, [False] * new
+    for start in range(40, new, 12):  # from token 40, every 12 tokens a 4-token stretch only b gets right
+        for j in range(start, min(start + 4, new)):
+            a[j], b[j] = False, True
+    costs = CostModel(verify_seconds={0: 0.0094, 1: 0.0098, 2: 0.0105, 3: 0.0113, 4: 0.0121},
+                      draft_token_seconds=0.00028, catchup_base_seconds=0.00061, catchup_token_seconds=0.0000296,
+                      other_iteration_seconds=0.0002, load_seconds={"a": 0.038, "b": 0.038})
+    trace = PromptTrace("w", list(range(1, prompt + 1)), list(range(1000, 1000 + new)), {"a": a, "b": b})
+    sim = Simulator(costs, SimConfig(capacity=2, interval=interval, gamma=gamma, max_new_tokens=new),
+                    {"a": "a", "b": "b"}, ["a", "b"])
+    plan = costs.schedule_costs(capacity=2, gamma=gamma)
+    assert plan.catchup_token_seconds == costs.catchup_token_seconds  # the line, not one catch-up's constant
+
+    def oracle_for(ids):
+        return trace.oracle(new, gamma, interval, plan)
+    tps = {p: sim.generate(make_policy(p, oracle_for=oracle_for, general_draft="a"), trace).tokens_per_second
+           for p in ("oracle-static", "oracle-dynamic")}
+    assert tps["oracle-dynamic"] >= tps["oracle-static"]
+    # the same schedule priced at the first catch-up alone (what the DP planned with before) falls below
+    flat = ScheduleCosts(capacity=2, iteration_seconds=plan.iteration_seconds,
+                         catchup_seconds=costs.catchup(prompt + 1), load_seconds=plan.load_seconds)
+
+    def flat_oracle(ids):
+        return trace.oracle(new, gamma, interval, flat)
+    flat_tps = sim.generate(make_policy("oracle-dynamic", oracle_for=flat_oracle, general_draft="a"),
+                            trace).tokens_per_second
+    assert flat_tps < tps["oracle-static"]

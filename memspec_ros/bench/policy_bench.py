@@ -21,8 +21,10 @@ records the medium, the measured load time per draft and its ratio to one
 speculative iteration.
 
 Oracle-Dynamic plans with measured costs: before the timed runs one untimed
-General-Static generation measures an iteration and a catch-up, and each draft
-is loaded once through the storage tier; those costs (and K) go with every
+General-Static generation measures the iterations (verify by proposals, draft
+token, the rest of the loop), a draft's catch-up forward is timed over 1/4 to 2
+times the prompts' median length (a switch's cost grows with the tokens the
+incoming draft feeds), and each draft is loaded once through the storage tier; those costs (and K) go with every
 prompt's oracle (``oracle_costs`` in the JSON).
 
 Simulator validation (``simulator_validation``): every prompt's trace (the
@@ -55,6 +57,7 @@ from ..runtime.simulator import (
     PromptTrace,
     SimConfig,
     Simulator,
+    fit_line,
     live_recent_features,
     replay_predictor,
     target_hidden_states,
@@ -180,20 +183,44 @@ def workload_prompts(folder: Path, names: Sequence[str], limit: int, tokenizer) 
     return {w: [row_prompt_ids(tokenizer, r) for r in read_workload(Path(folder) / f"{w}.jsonl", limit)] for w in names}
 
 
+def catchup_line(draft, tokens: int, rounds: int = 3) -> tuple[float, float]:
+    """(seconds at no tokens, seconds per token) of a draft's catch-up: one forward over a fresh KV cache, as a
+    draft switched in runs it, timed at 1/4, 1/2, 1 and 2 times ``tokens`` (the fastest of ``rounds`` per size:
+    other load only ever adds time), and a line fitted through them."""
+    import time
+
+    from ..runtime.draft_forward import lean_forward_for
+    from ..runtime.speculative import KVState, forward_once
+
+    lean = lean_forward_for(draft)
+    device = next(draft.parameters()).device
+    vocab = int(getattr(draft.config, "vocab_size", 2))
+    sizes = sorted({max(1, tokens // 4), max(1, tokens // 2), max(1, tokens), max(2, 2 * tokens)})
+    fastest = dict.fromkeys(sizes, math.inf)
+    for _ in range(rounds + 1):  # the first round warms up (allocator, kernel packing) and is not kept
+        for n in sizes:
+            ids = [(7 * i + 3) % vocab for i in range(n)]
+            start = time.perf_counter()
+            forward_once(draft, ids, KVState(), 1, device, lean)
+            fastest[n] = min(fastest[n], time.perf_counter() - start) if _ else fastest[n]
+    return fit_line(sizes, [fastest[n] for n in sizes])
+
+
 def measure_costs(controller: RuntimeController, storage: DraftStorage, registry: DraftRegistry, ids: list[int],
-                  max_new_tokens: int, capacity: int, draft_quantization: str = "none") -> ScheduleCosts:
-    """Oracle-Dynamic's costs, measured here and now: one untimed General-Static generation (an iteration,
-    a catch-up) and one cold load of every draft through the storage tier, loaded as the timed runs load it (their
-    forward path, after a first load: DraftStorage.steady_loads)."""
+                  max_new_tokens: int, capacity: int, gamma: int, draft_quantization: str = "none",
+                  catchup: tuple[float, float] = (0.0, 0.0)) -> ScheduleCosts:
+    """Oracle-Dynamic's costs, measured here and now: one untimed General-Static generation (its iterations: verify
+    by proposals, draft token, the rest of the loop), one cold load of every draft through the storage tier, loaded
+    as the timed runs load it (their forward path, after a first load: DraftStorage.steady_loads), and ``catchup``,
+    a draft's catch-up line (:func:`catchup_line`). Priced like the simulator's cost model, from which the replays'
+    Oracle-Dynamic plans (:meth:`BenchRun.policy`)."""
     controller.reconfigure(policy="general-static")
     stats = controller.generate(ids, max_new_tokens).stats
-    totals = GenerationTotals()
-    totals.add(stats)
-    catchups = [it.catchup_seconds for it in stats.iterations if it.catchup_tokens > 0]
     specs = {entry.name: draft_spec(str(entry.path), quantization=draft_quantization) for entry in registry}
     loads = {record.name: record.seconds for record in storage.steady_loads(specs)}
-    return ScheduleCosts(capacity=capacity, iteration_seconds=totals.mean_iteration_seconds,
-                         catchup_seconds=statistics.fmean(catchups) if catchups else 0.0, load_seconds=loads)
+    model = CostModel.measure([("general-static", stats)], loads)
+    model.catchup_base_seconds, model.catchup_token_seconds = catchup  # one generation has one catch-up: no line
+    return model.schedule_costs(capacity, gamma)
 
 
 @dataclass
@@ -216,11 +243,9 @@ class BenchRun:
         return SimConfig(**(base | changes))
 
     def policy(self, name: str, config: SimConfig, costs: CostModel | None = None) -> DraftPolicy:
-        """A fresh policy object, as the controller makes one per generation (oracles get this config's costs)."""
-        costs = costs or self.costs
-        schedule = ScheduleCosts(capacity=config.capacity, iteration_seconds=self.schedule_costs.iteration_seconds,
-                                 catchup_seconds=self.schedule_costs.catchup_seconds,
-                                 load_seconds=dict(costs.load_seconds))
+        """A fresh policy object, as the controller makes one per generation (oracles plan with the costs the
+        replay charges: Oracle-Dynamic is the best schedule under them)."""
+        schedule = (costs or self.costs).schedule_costs(config.capacity, config.gamma)
         by_prompt = {tuple(t.prompt_ids): t for t in self.traces}
 
         def oracle_for(ids):
@@ -270,6 +295,8 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
             if hidden:
                 trace.hidden = target_hidden_states(target.model, ids, trace.continuation)
             traces.append(trace)
+    # a switched-in draft's catch-up over prompts of this bench's lengths (every draft has one architecture)
+    catchup = catchup_line(next(iter(drafts.values())), round(statistics.median(len(t.prompt_ids) for t in traces)))
     del drafts
     oracles = {tuple(t.prompt_ids): t.oracle(cfg.max_new_tokens, cfg.gamma, cfg.interval, None) for t in traces}
 
@@ -287,8 +314,8 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
         first = next((ids for w in cfg.workloads for ids in prompts[w]), None)
         if first is None:
             raise ValueError(f"the workloads {', '.join(cfg.workloads)} in {folder} have no prompts")
-        costs = measure_costs(controller, storage, registry, first, cfg.max_new_tokens, cfg.capacity,
-                              cfg.draft_quantization)
+        costs = measure_costs(controller, storage, registry, first, cfg.max_new_tokens, cfg.capacity, cfg.gamma,
+                              cfg.draft_quantization, catchup)
         for oracle in oracles.values():
             oracle.costs = costs
         turn = 0  # one rotation over every prompt of every workload: each policy takes each place in the order

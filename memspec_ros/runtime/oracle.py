@@ -205,11 +205,33 @@ class ScheduleCosts:
 
     capacity: int = 2  # K
     iteration_seconds: float = 0.0  # one speculative iteration (draft + verify), any draft (one architecture)
-    catchup_seconds: float = 0.0  # an incoming draft's KV catch-up at a switch
+    # an incoming draft's KV catch-up at a switch: it feeds every token it has not seen (the prompt and the output
+    # so far, for a draft that has not run since it was loaded), in one forward that also yields its first
+    # proposal; beyond the draft forward an iteration already counts, it costs this much ...
+    catchup_seconds: float = 0.0
+    catchup_token_seconds: float = 0.0  # ... plus this per token fed
     load_seconds: Mapping[str, float] = field(default_factory=dict)  # storage -> fast memory, per draft
+    # an iteration's own cost by the proposals it verifies (fewer than gamma near the end of the output, none in
+    # the last): its draft forwards, its verify and the rest of the loop. Without them every iteration costs one
+    verify_seconds: Mapping[int, float] = field(default_factory=dict)
+    draft_token_seconds: float = 0.0
+    other_iteration_seconds: float = 0.0
 
-    def catchup_iterations(self) -> float:
-        return self.catchup_seconds / self.iteration_seconds if self.iteration_seconds > 0 else 0.0
+    def iteration_cost(self, proposed: int) -> float:
+        """An iteration that verifies ``proposed`` proposals, in speculative iterations."""
+        if not self.verify_seconds or self.iteration_seconds <= 0:
+            return 1.0
+        verify = self.verify_seconds.get(proposed)
+        if verify is None:  # the nearest size measured, as the simulator's cost model does
+            verify = self.verify_seconds[min(self.verify_seconds, key=lambda k: abs(k - proposed))]
+        seconds = proposed * self.draft_token_seconds + verify + self.other_iteration_seconds
+        return seconds / self.iteration_seconds
+
+    def catchup_iterations(self, tokens: int = 0) -> float:
+        """A catch-up over ``tokens`` tokens, in speculative iterations."""
+        if self.iteration_seconds <= 0:
+            return 0.0
+        return max(0.0, self.catchup_seconds + self.catchup_token_seconds * tokens) / self.iteration_seconds
 
     def load_iterations(self) -> dict[str, float]:
         if self.iteration_seconds <= 0:
@@ -227,6 +249,7 @@ class GreedyOracle:
     interval: int = 4
     scores: dict[str, float] = field(default_factory=dict)  # whole-output utility, cached
     costs: ScheduleCosts | None = None  # what Oracle-Dynamic's schedule pays (None: free switches and loads)
+    prompt_tokens: int = 0  # the prompt's length: a draft switched in catches up on it too
 
     @classmethod
     def compute(cls, target: torch.nn.Module, drafts: Mapping[str, torch.nn.Module], prompt_ids: Sequence[int],
@@ -237,7 +260,7 @@ class GreedyOracle:
         agreement = {name: draft_agreement(model, prompt_ids, continuation,
                                            engine_continuation_logits(model, prompt_ids, continuation))
                      for name, model in drafts.items()}
-        return cls(continuation, agreement, gamma, interval)
+        return cls(continuation, agreement, gamma, interval, prompt_tokens=len(prompt_ids))
 
     def utility(self, draft: str, position: int) -> int:
         """Tokens the draft would commit over the next interval from ``position`` (0 if unknown)."""
@@ -291,9 +314,17 @@ class ScheduleSolver:
     Cost model (in speculative iterations, the unit every interval is measured in):
 
     * running draft d for an interval from position p costs the iterations of its walk
-      (``step(d, p)`` -> (next position, iterations)); all drafts cost the same per iteration;
-    * a switch (the draft differs from the last interval's, the first interval included) costs
-      ``catchup`` iterations: the incoming draft's KV catch-up;
+      (``step(d, p)`` -> (next position, cost in iterations)); all drafts cost the same per iteration, and an
+      iteration that verifies fewer proposals (near the end) costs what it verifies
+      (:meth:`ScheduleCosts.iteration_cost`);
+    * a switch (the draft differs from the last interval's, the first interval included) at position p costs
+      ``catchup + catchup_per_token * p`` iterations: the incoming draft's KV catch-up, which feeds the tokens it
+      has not seen. That is every token for a draft that has not run since it was loaded, and fewer for one that
+      ran before and stayed resident; the model charges the former (an upper bound, exact for the first switch
+      and for Oracle-Static's one catch-up), since tracking each resident draft's last position would multiply
+      the states by the output's length. A catch-up priced at one constant (the first prompt's) let the schedule
+      switch where the catch-ups late in an answer cost it more than it gained (Oracle-Dynamic came out below
+      Oracle-Static on three workloads of the committed bench);
     * at most ``capacity`` drafts are resident or loading; one load at a time (one loader thread);
       a load of d takes ``load[d]`` iterations and overlaps decoding: started at a scheduling point,
       it is complete k points later when k * interval >= load[d] (catch-ups and waits in between
@@ -309,16 +340,17 @@ class ScheduleSolver:
     ``cost() <= min(static_cost(d))`` by construction.
     """
 
-    def __init__(self, drafts: Sequence[str], step: Callable[[str, int], tuple[int, int]], start: int, end: int,
-                 interval: int, capacity: int, catchup: float = 0.0, load: Mapping[str, float] | None = None) -> None:
+    def __init__(self, drafts: Sequence[str], step: Callable[[str, int], tuple[int, float]], start: int, end: int,
+                 interval: int, capacity: int, catchup: float = 0.0, load: Mapping[str, float] | None = None,
+                 catchup_per_token: float = 0.0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity K must be >= 1, got {capacity}")
         self.drafts = tuple(drafts)
         self.start, self.end, self.interval, self.capacity = start, end, interval, capacity
-        self.catchup = catchup
+        self.catchup, self.catchup_per_token = catchup, catchup_per_token
         self.load = {d: max(0.0, float((load or {}).get(d, 0.0))) for d in self.drafts}
         self._step_fn = step
-        self._steps: dict[tuple[str, int], tuple[int, int]] = {}
+        self._steps: dict[tuple[str, int], tuple[int, float]] = {}
         self._memo: dict[State, tuple[float, ScheduleAction | None, State | None]] = {}
 
     @classmethod
@@ -327,15 +359,22 @@ class ScheduleSolver:
         costs = costs or oracle.costs or ScheduleCosts()
         agree = {d: oracle.agreement[d] for d in drafts if d in oracle.agreement}
 
-        def step(d: str, p: int) -> tuple[int, int]:
-            tokens, accepted = interval_walk(agree[d], p, oracle.gamma, oracle.interval)
-            return p + tokens, len(accepted)
+        def step(d: str, p: int) -> tuple[int, float]:
+            # interval_walk's iterations, each priced by the proposals it verifies (capped like the engine's)
+            walk, n, cost = agree[d], len(agree[d]), 0.0
+            for _ in range(oracle.interval):
+                if p >= n:
+                    break
+                cost += costs.iteration_cost(max(0, min(oracle.gamma, n - p - 1)))
+                p += accepted_at(walk, p, oracle.gamma) + 1
+            return p, cost
 
+        per_token = costs.catchup_iterations(1) - costs.catchup_iterations(0) if costs.catchup_token_seconds else 0.0
         return cls(list(agree), step, 1, len(oracle.continuation), oracle.interval, costs.capacity,
-                   costs.catchup_iterations(), costs.load_iterations())
+                   costs.catchup_iterations(oracle.prompt_tokens), costs.load_iterations(), per_token)
 
     # -- the model -----------------------------------------------------------------------------
-    def step(self, d: str, p: int) -> tuple[int, int]:
+    def step(self, d: str, p: int) -> tuple[int, float]:
         key = (d, p)
         if key not in self._steps:
             self._steps[key] = self._step_fn(d, p)
@@ -351,9 +390,13 @@ class ScheduleSolver:
             return (p, a, resident | {loading[0]}, None)
         return state
 
+    def switch_cost(self, p: int) -> float:
+        """Iterations a draft switched in at position ``p`` spends catching up (see the class's cost model)."""
+        return self.catchup + self.catchup_per_token * p
+
     def static_cost(self, draft: str) -> float:
         """One draft throughout (Oracle-Static's schedule) in this model: its iterations plus the first catch-up."""
-        p, total = self.start, self.catchup
+        p, total = self.start, self.switch_cost(self.start)
         while p < self.end:
             p, n = self.step(draft, p)
             total += n
@@ -361,7 +404,7 @@ class ScheduleSolver:
 
     def _run(self, x: str, p: int, a: str) -> tuple[int, float]:
         nxt, iterations = self.step(x, p)
-        return nxt, iterations + (self.catchup if x != a else 0.0)
+        return nxt, iterations + (self.switch_cost(p) if x != a else 0.0)
 
     def _prefetches(self, resident: frozenset, protect: set[str]):
         """(draft to prefetch, victims, resident set left) for each prefetch the cache could start now."""

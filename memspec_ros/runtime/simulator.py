@@ -81,7 +81,7 @@ class PromptTrace:
         """The oracle a real run with this budget gets (the continuation cut to the budget)."""
         n = self.budget(max_new_tokens)
         return GreedyOracle(self.continuation[:n], {d: a[:n] for d, a in self.agreement.items()}, gamma, interval,
-                            costs=costs)
+                            costs=costs, prompt_tokens=len(self.prompt_ids))
 
     def accepted(self, draft: str, position: int, proposed: int) -> int:
         """Proposals the target accepts from ``position`` (greedy: the run of agreements, capped)."""
@@ -182,7 +182,7 @@ def _mean(xs: Sequence[float], default: float = 0.0) -> float:
     return statistics.fmean(xs) if xs else default
 
 
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares (intercept, slope) of ys on xs; the mean as intercept where xs do not vary."""
     if not xs:
         return 0.0, 0.0
@@ -260,10 +260,16 @@ class CostModel:
         """A full speculative iteration (gamma draft tokens + their verify): the unit ScheduleCosts counts in."""
         return gamma * self.draft_token_seconds + self.verify(gamma)
 
-    def schedule_costs(self, capacity: int, gamma: int, catchup_tokens: int = 0) -> ScheduleCosts:
-        """What Oracle-Dynamic plans with, from this model (a catch-up over ``catchup_tokens``)."""
+    def schedule_costs(self, capacity: int, gamma: int) -> ScheduleCosts:
+        """What Oracle-Dynamic plans with, from this model: every iteration priced as the replay prices it, and
+        the catch-up line net of the draft forward a catch-up replaces (the replay charges a switched-in draft
+        ``gamma - 1`` draft forwards besides it)."""
         return ScheduleCosts(capacity=capacity, iteration_seconds=self.iteration_seconds(gamma),
-                             catchup_seconds=self.catchup(catchup_tokens), load_seconds=dict(self.load_seconds))
+                             catchup_seconds=max(0.0, self.catchup_base_seconds - self.draft_token_seconds),
+                             catchup_token_seconds=max(0.0, self.catchup_token_seconds),
+                             load_seconds=dict(self.load_seconds), verify_seconds=dict(self.verify_seconds),
+                             draft_token_seconds=self.draft_token_seconds,
+                             other_iteration_seconds=self.other_iteration_seconds)
 
     @classmethod
     def measure(cls, runs: Iterable[tuple[str, GenerationStats]], load_seconds: Mapping[str, float],
@@ -299,8 +305,8 @@ class CostModel:
             prefill_y.append(stats.prefill_seconds)
             # the setup's own work: its wait for the first draft is what the replay charges as that draft's load
             setup.setdefault(policy, []).append(max(0.0, stats.setup_seconds - stats.setup_wait_seconds))
-        catch_base, catch_tok = _line(catch_x, catch_y)
-        pre_base, pre_tok = _line(prefill_x, prefill_y)
+        catch_base, catch_tok = fit_line(catch_x, catch_y)
+        pre_base, pre_tok = fit_line(prefill_x, prefill_y)
         return cls(
             verify_seconds={k: statistics.median(v) for k, v in sorted(verify.items())},
             draft_token_seconds=statistics.median(draft_tok) if draft_tok else 0.0,

@@ -207,3 +207,21 @@ def test_counts_below_one_are_refused_before_anything_runs(argv, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "is not a positive integer" in capsys.readouterr().err
+
+
+def test_round_robin_prompts_skip_a_file_that_repeats_anothers_rows(tmp_path):
+    from memspec_ros.bench.cli import _round_robin_prompts
+
+    class Chars:  # a tokenizer of characters, no chat template: the prompt's text is its ids
+        chat_template = None
+
+        def __call__(self, text, **_):
+            return {"input_ids": [ord(c) for c in text]}
+
+    rows = {"a": ["a0", "a1", "a2"], "b": ["b0", "b1"]}
+    for name, prompts in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"domain": name, "prompt": p}) + "\n"
+                                                        for p in prompts))
+    (tmp_path / "all.jsonl").write_text((tmp_path / "a.jsonl").read_text() + (tmp_path / "b.jsonl").read_text())
+    got = ["".join(map(chr, ids)) for ids in _round_robin_prompts(Chars(), tmp_path, 5)]
+    assert got == ["a0", "b0", "a1", "b1", "a2"]

@@ -56,6 +56,17 @@ def _rows(name: str) -> list[dict]:
     ]
 
 
+def test_the_workload_folder_holds_the_six_workloads_and_the_training_requests_only():
+    """The benches read every <name>.jsonl there (training files aside) as a workload: an aggregate file of the
+    six (a heldout_all.jsonl was once left there) made the engine bench's default prompts repeat (10 distinct in 12,
+    code 4 of them)."""
+    from memspec_ros.bench.policy_bench import workloads_in
+
+    assert workloads_in(MODELS / "workloads") == sorted(WORKLOADS)
+    assert sorted(p.name for p in (MODELS / "workloads").glob("*.jsonl")) == sorted(
+        [f"{w}.jsonl" for w in WORKLOADS] + ["train_requests.jsonl"])
+
+
 def test_workloads_are_chat_requests_held_out_from_training():
     fraction = ChatWorkloadConfig().heldout_fraction
     train_sources = {r["source"] for r in _rows("train_requests")}

@@ -54,8 +54,13 @@ def _round_robin_prompts(tokenizer, folder: Path, count: int) -> list[list[int]]
     from .policy_bench import read_workload, row_prompt_ids, workloads_in
 
     per_file = [read_workload(folder / f"{w}.jsonl", count) for w in workloads_in(folder)]
-    rows = [rows[k] for k in range(count) for rows in per_file if k < len(rows)][:count]
-    return [row_prompt_ids(tokenizer, row) for row in rows]
+    prompts: list[list[int]] = []
+    for k in range(count):
+        for rows in per_file:
+            ids = row_prompt_ids(tokenizer, rows[k]) if k < len(rows) else None
+            if ids is not None and ids not in prompts:  # a file that repeats another's rows adds nothing
+                prompts.append(ids)
+    return prompts[:count]
 
 
 def _draft_load(args, names, result) -> dict | None:

@@ -149,6 +149,33 @@ def test_time_breakdown_and_totals_follow_their_definitions():
     assert sum(totals.breakdown.values()) == pytest.approx(2.1)
 
 
+def test_a_policy_rows_shares_are_pooled_over_its_prompts_as_the_figures_pool_them():
+    """One generation with a single drafted iteration that fell back, one with thirty preferred iterations of
+    three accepted tokens: pooled, 1 fallback in 31 and E[A] 90/31 (a mean of per-generation shares said 0.5 and
+    1.5, beside the figures' pooled 0.032 and 2.90 for the same runs)."""
+    from memspec_ros.bench.figures import policy_summary
+    from memspec_ros.bench.policy_bench import PolicyRow
+    from memspec_ros.runtime.stats import GenerationStats, IterationStats
+
+    def it(fallback, accepted):
+        return IterationStats(draft="b" if fallback else "a", proposed=4, accepted=accepted, committed=accepted + 1,
+                              draft_seconds=0.001, verify_seconds=0.01, preferred="a", fallback=fallback,
+                              prediction_seconds=0.002 if fallback else 0.0)
+
+    short = GenerationStats(completion_tokens=2, decode_seconds=0.02, iterations=[it(True, 0)])
+    long = GenerationStats(completion_tokens=121, decode_seconds=0.4, iterations=[it(False, 3) for _ in range(30)])
+    row = PolicyRow()
+    for stats in (short, long):
+        row.totals.add(stats)
+    summary = row.summary()
+    assert summary["fallback_fraction"] == pytest.approx(1 / 31)
+    assert summary["mean_accepted"] == pytest.approx(90 / 31)
+    assert summary["prediction_overhead"] == pytest.approx(0.002 / 0.42)
+    pooled = policy_summary([("p", "w", (), short), ("p", "w", (), long)], "p", ["w"])
+    assert pooled["fallback_fraction_of_iterations"] == summary["fallback_fraction"]
+    assert pooled["mean_accepted"] == summary["mean_accepted"]
+
+
 def test_zoo_acceptance_workload_rows_come_from_any_folder(tmp_path):
     from memspec_ros.zoo.chat_acceptance import answers_cache_dir, workload_rows
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from ..runtime.cache import draft_spec
 from ..runtime.policies import COST_AWARE
 from ..runtime.simulator import CostModel
-from ..runtime.stats import GenerationStats
+from ..runtime.stats import GenerationStats, GenerationTotals
 from ..runtime.storage import MEDIA, DraftStorage, storage_medium
 from .policy_bench import (
     BenchRun,
@@ -86,27 +86,22 @@ def policy_summary(runs: Sequence[tuple[str, str, tuple, GenerationStats]], poli
                    workloads: Sequence[str]) -> dict:
     """Pooled over a policy's runs on ``workloads``: execution parts, fallback and prediction shares, E[A]."""
     parts = dict.fromkeys(EXEC_PARTS, 0.0)
-    decode = e2e = 0.0
-    spec = fallback = accepted = n_spec = 0
+    totals = GenerationTotals()  # the pooled shares, as the policy bench's rows report them
     for p, w, _, stats in runs:
         if p != policy or w not in workloads:
             continue
         for k, v in execution_parts(stats).items():
             parts[k] += v
-        decode += stats.decode_seconds
-        e2e += stats.end_to_end_seconds
-        spec += len(stats.preferred_iterations)  # pooled: GenerationStats.fallback_fraction's counts
-        fallback += stats.fallback_iterations
-        accepted += sum(it.accepted for it in stats.speculative_iterations)
-        n_spec += len(stats.speculative_iterations)
+        totals.add(stats)
+    decode, e2e = totals.decode_seconds, totals.end_to_end_seconds
     return {
         "execution_seconds": parts,
         "decode_seconds": decode,
         "end_to_end_seconds": e2e,
-        "fallback_fraction_of_iterations": fallback / spec if spec else 0.0,
+        "fallback_fraction_of_iterations": totals.fallback_fraction,
         "prediction_share_of_decode": parts["prediction"] / decode if decode else 0.0,
         "prediction_share_of_end_to_end": parts["prediction"] / e2e if e2e else 0.0,
-        "mean_accepted": accepted / n_spec if n_spec else 0.0,
+        "mean_accepted": totals.mean_accepted,
     }
 
 

@@ -103,20 +103,17 @@ class PolicyRow:
     """One policy on one workload, summed over its prompts and runs."""
 
     totals: GenerationTotals = field(default_factory=GenerationTotals)
-    accepted: list[float] = field(default_factory=list)
-    fallback: list[float] = field(default_factory=list)
-    prediction_overhead: list[float] = field(default_factory=list)
     switches: int = 0
     lossless: bool = True
 
     def summary(self) -> dict:
-        mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+        # every share pooled over the prompts (the figures' and goals' definition), not a mean of per-prompt shares
         return {
             "tokens_per_second": self.totals.tokens_per_second,
             "end_to_end_tokens_per_second": self.totals.end_to_end_tokens_per_second,
-            "mean_accepted": mean(self.accepted),
-            "fallback_fraction": mean(self.fallback),
-            "prediction_overhead": mean(self.prediction_overhead),
+            "mean_accepted": self.totals.mean_accepted,
+            "fallback_fraction": self.totals.fallback_fraction,
+            "prediction_overhead": self.totals.prediction_overhead,
             "load_wait_seconds": self.totals.breakdown["load_wait"],
             "draft_switches": self.switches,
             "lossless": self.lossless,
@@ -329,9 +326,6 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
                         s, row = result.stats, rows[w][policy]
                         runs.append((policy, w, tuple(ids), s))
                         row.totals.add(s)
-                        row.accepted.append(s.mean_accepted)
-                        row.fallback.append(s.fallback_fraction)
-                        row.prediction_overhead.append(s.prediction_overhead)
                         row.switches += s.draft_switches
                         row.lossless &= result.token_ids == oracles[tuple(ids)].continuation
                         if progress is not None:

@@ -378,6 +378,9 @@ class GenerationTotals:
     end_to_end_seconds: float = 0.0
     speculative_iterations: int = 0
     speculative_iteration_seconds: float = 0.0  # their draft + verify
+    accepted_tokens: int = 0  # over the speculative iterations
+    preferred_iterations: int = 0  # drafted under a policy that named a preferred draft ...
+    fallback_iterations: int = 0  # ... of which ran another one
     breakdown: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
 
     def add(self, stats: GenerationStats) -> None:
@@ -389,6 +392,9 @@ class GenerationTotals:
         its = stats.speculative_iterations
         self.speculative_iterations += len(its)
         self.speculative_iteration_seconds += sum(it.iteration_seconds for it in its)
+        self.accepted_tokens += sum(it.accepted for it in its)
+        self.preferred_iterations += len(stats.preferred_iterations)
+        self.fallback_iterations += stats.fallback_iterations
         for key, seconds in stats.time_breakdown().items():
             self.breakdown[key] += seconds
 
@@ -396,7 +402,8 @@ class GenerationTotals:
         """These totals plus another's (a policy over every workload)."""
         out = GenerationTotals(breakdown=dict(self.breakdown))
         for name in ("generations", "decode_tokens", "decode_seconds", "completion_tokens", "end_to_end_seconds",
-                     "speculative_iterations", "speculative_iteration_seconds"):
+                     "speculative_iterations", "speculative_iteration_seconds", "accepted_tokens",
+                     "preferred_iterations", "fallback_iterations"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for key, seconds in other.breakdown.items():
             out.breakdown[key] += seconds
@@ -416,6 +423,24 @@ class GenerationTotals:
         """One speculative iteration (draft + verify), averaged over every iteration."""
         n = self.speculative_iterations
         return self.speculative_iteration_seconds / n if n else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """E[A] over every speculative iteration of these generations (GenerationStats.mean_accepted, pooled)."""
+        n = self.speculative_iterations
+        return self.accepted_tokens / n if n else 0.0
+
+    @property
+    def fallback_fraction(self) -> float:
+        """GenerationStats.fallback_fraction pooled: a generation with one fallback iteration in two does not
+        weigh as much as one with thirty preferred iterations."""
+        n = self.preferred_iterations
+        return self.fallback_iterations / n if n else 0.0
+
+    @property
+    def prediction_overhead(self) -> float:
+        """GenerationStats.prediction_overhead pooled: prediction's share of all the decode time."""
+        return self.breakdown["prediction"] / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def breakdown_fractions(self) -> dict[str, float]:
         """Each part of the breakdown as a share of the decode time."""

@@ -45,6 +45,7 @@ from .policy_bench import (
     domain_workloads,
     gmean,
     plot_policy_bench,
+    share,
     validation_table,
 )
 
@@ -514,7 +515,7 @@ def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", 
 # -- the results page ------------------------------------------------------------------------------------
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:+.1%}"
+    return share(x, signed=True)
 
 
 def rerender(out: Path) -> None:
@@ -551,6 +552,36 @@ def _lossless_line(result: dict) -> str:
                 " engine's forward, one token per step, no draft): **yes**.")
     return ("Lossless: **NO**: some outputs differ from the target's own greedy output on this forward path ("
             + ", ".join(broken) + "); the ratios below compare runs of different texts.")
+
+
+def render_validation(v: dict) -> list[str]:
+    """The results page's simulator validation: its table and the largest errors (n/a where undefined)."""
+    held = v.get("held_out") or {}
+    lines = ["", "### Simulator validation", "",
+              f"Every timed generation replayed on its prompt's trace with the same policy object and the cost model"
+              f" fitted to these runs; GMEAN over {', '.join(v.get('gmean_over') or [])} on both sides (held out: over"
+              f" {', '.join(held.get('gmean_over') or []) or 'none'}, the workloads with a second prompt); tolerance"
+              f" {v['tolerance']:.0%} end to end. Speed-matched scales each replay's compute times by the machine"
+              " speed measured in that generation (its target verify time over the model's); pooled does not;"
+              " held out fits the cost model on each workload's even-numbered prompts only and replays the others"
+              " (speed-matched) against their own measurements.", "",
+              "| policy | e2e real | e2e sim | error | decode real | decode sim | error | pooled e2e error |"
+              " held-out e2e error |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p, r in v["policies"].items():
+        pooled = v["pooled"]["policies"][p]["error_end_to_end"]
+        held_error = held.get("policies", {}).get(p, {}).get("error_end_to_end")
+        lines.append(f"| {p} | {r['measured_end_to_end']:.2f} | {r['simulated_end_to_end']:.2f} |"
+                     f" {_pct(r['error_end_to_end'])} | {r['measured_tokens_per_second']:.2f} |"
+                     f" {r['simulated_tokens_per_second']:.2f} | {_pct(r['error_tokens_per_second'])} |"
+                     f" {_pct(pooled)} | {_pct(held_error)} |")
+    lines += ["", f"Largest speed-matched end-to-end error: {share(v['max_abs_error_end_to_end'])}"
+              f" ({'within' if v['within_tolerance'] else 'OUTSIDE'} the tolerance); pooled:"
+              f" {share(v['pooled']['max_abs_error_end_to_end'])}"
+              + (f"; held out: {share(held['max_abs_error_end_to_end'])}"
+                 f" ({'within' if held['within_tolerance'] else 'OUTSIDE'} the tolerance)" if held else "")
+              + ".", ""]
+    return lines
 
 
 def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
@@ -632,30 +663,7 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
                      f" {c['vs_memspec']:.3f}; end to end / General-Static {c['end_to_end_vs_general_static']:.3f};"
                      f" fallback {c['fallback_fraction_of_iterations']:.1%}, prediction"
                      f" {c['prediction_share_of_decode']:.1%} of decode time.")
-    lines += ["", "### Simulator validation", "",
-              f"Every timed generation replayed on its prompt's trace with the same policy object and the cost model"
-              f" fitted to these runs; GMEAN over {', '.join(v.get('gmean_over') or [])} on both sides; tolerance"
-              f" {v['tolerance']:.0%} end to end. Speed-matched scales each replay's compute times by the machine"
-              " speed measured in that generation (its target verify time over the model's); pooled does not;"
-              " held out fits the cost model on each workload's even-numbered prompts only and replays the others"
-              " (speed-matched) against their own measurements.", "",
-              "| policy | e2e real | e2e sim | error | decode real | decode sim | error | pooled e2e error |"
-              " held-out e2e error |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    held = v.get("held_out") or {}
-    for p, r in v["policies"].items():
-        pooled = v["pooled"]["policies"][p]["error_end_to_end"]
-        held_error = held.get("policies", {}).get(p, {}).get("error_end_to_end")
-        lines.append(f"| {p} | {r['measured_end_to_end']:.2f} | {r['simulated_end_to_end']:.2f} |"
-                     f" {_pct(r['error_end_to_end'])} | {r['measured_tokens_per_second']:.2f} |"
-                     f" {r['simulated_tokens_per_second']:.2f} | {_pct(r['error_tokens_per_second'])} |"
-                     f" {_pct(pooled)} | {_pct(held_error)} |")
-    lines += ["", f"Largest speed-matched end-to-end error: {v['max_abs_error_end_to_end']:.1%}"
-              f" ({'within' if v['within_tolerance'] else 'OUTSIDE'} the tolerance); pooled:"
-              f" {v['pooled']['max_abs_error_end_to_end']:.1%}"
-              + (f"; held out: {held['max_abs_error_end_to_end']:.1%}"
-                 f" ({'within' if held['within_tolerance'] else 'OUTSIDE'} the tolerance)" if held else "")
-              + ".", ""]
+    lines += render_validation(v)
     captions = {
         "fig6": "Figure 6: normalized throughput per workload and GMEAN",
         "fig7": "Figure 7: decode time breakdown, MAB-Async vs MemSpec",

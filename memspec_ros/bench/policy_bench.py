@@ -421,6 +421,9 @@ def validate_simulator(bench: BenchRun) -> dict:
         return measured, simulated, speeds
 
     def compare(measured: dict, simulated: dict) -> dict:
+        # the workloads every policy has runs on (the held-out half of a one-prompt workload has none): a GMEAN
+        # with a workload of no runs would be 0, and every error undefined
+        covered = [w for w in over if all(measured[p][w].generations for p in policies)]
         rows = {}
         for p in policies:
             per_workload = {w: {"measured_end_to_end": measured[p][w].end_to_end_tokens_per_second,
@@ -430,13 +433,13 @@ def validate_simulator(bench: BenchRun) -> dict:
                             for w in workloads}
             row = {}
             for name in ("end_to_end", "tokens_per_second"):
-                real = gmean([per_workload[w][f"measured_{name}"] for w in over])
-                sim = gmean([per_workload[w][f"simulated_{name}"] for w in over])
+                real = gmean([per_workload[w][f"measured_{name}"] for w in covered])
+                sim = gmean([per_workload[w][f"simulated_{name}"] for w in covered])
                 row |= {f"measured_{name}": real, f"simulated_{name}": sim,
                         f"error_{name}": sim / real - 1 if real > 0 else None}
             rows[p] = row | {"workloads": per_workload}
         errors = [abs(r["error_end_to_end"]) for r in rows.values() if r["error_end_to_end"] is not None]
-        return {"policies": rows, "max_abs_error_end_to_end": max(errors) if errors else None,
+        return {"policies": rows, "gmean_over": covered, "max_abs_error_end_to_end": max(errors) if errors else None,
                 "within_tolerance": bool(errors) and max(errors) <= VALIDATION_TOLERANCE}
 
     measured, matched_sim, speeds = replay(bench.costs, bench.runs, True)
@@ -451,7 +454,6 @@ def validate_simulator(bench: BenchRun) -> dict:
                       " speed measured in that generation (its target verify time over the model's), pooled does"
                       " not; held_out fits the model on each workload's even-numbered prompts and replays the"
                       " others (speed-matched) against their own measurements",
-        "gmean_over": over,
         "tolerance": VALIDATION_TOLERANCE,
         **compare(measured, matched_sim),
         "pooled": compare(measured, pooled_sim),
@@ -460,6 +462,11 @@ def validate_simulator(bench: BenchRun) -> dict:
                           "stdev": statistics.pstdev(speeds) if speeds else 0.0},
         "cost_model": bench.costs.to_json(),
     }
+
+
+def share(x: float | None, signed: bool = False) -> str:
+    """A share or an error as a percentage; n/a where it is undefined (no runs to compare)."""
+    return "n/a" if x is None else f"{x:+.1%}" if signed else f"{x:.1%}"
 
 
 def validation_table(validation: dict) -> str:
@@ -472,15 +479,15 @@ def validation_table(validation: dict) -> str:
              f" {'error':>7}"]
     for p, r in validation["policies"].items():
         lines.append(f"{p:>20} {r['measured_end_to_end']:9.2f} {r['simulated_end_to_end']:9.2f}"
-                     f" {r['error_end_to_end'] or 0:+7.1%} {r['measured_tokens_per_second']:12.2f}"
-                     f" {r['simulated_tokens_per_second']:11.2f} {r['error_tokens_per_second'] or 0:+7.1%}")
+                     f" {share(r['error_end_to_end'], True):>7} {r['measured_tokens_per_second']:12.2f}"
+                     f" {r['simulated_tokens_per_second']:11.2f} {share(r['error_tokens_per_second'], True):>7}")
     worst = validation["max_abs_error_end_to_end"]
-    lines.append(f"largest end-to-end error {worst or 0:.1%}: "
+    lines.append(f"largest end-to-end error {share(worst)}: "
                  + ("within" if validation["within_tolerance"] else "OUTSIDE") + " the tolerance"
-                 + (f"; pooled (no speed matching): {validation['pooled']['max_abs_error_end_to_end'] or 0:.1%}"
+                 + (f"; pooled (no speed matching): {share(validation['pooled']['max_abs_error_end_to_end'])}"
                     if "pooled" in validation else "")
                  + (f"; held out (fitted on the even-numbered prompts, replaying the others):"
-                    f" {validation['held_out']['max_abs_error_end_to_end'] or 0:.1%}"
+                    f" {share(validation['held_out']['max_abs_error_end_to_end'])}"
                     if validation.get("held_out") else ""))
     return "\n".join(lines)
 

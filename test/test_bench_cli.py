@@ -105,6 +105,18 @@ def test_policy_bench_names_a_missing_workload(tmp_path):
               "--policies", "general-static", "--prompts", "1", "--max-new-tokens", "8"])
 
 
+def test_policy_bench_refuses_a_predictor_it_cannot_find_and_a_run_with_no_policy_left(tmp_path):
+    """A --predictor with no head silently dropped memspec, prediction-only and the cost-aware variant (and with
+    only those asked for, raised IndexError after the oracles' traces were computed)."""
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, predictor=False)
+    folder = _chat_and_prompt_workloads(tmp_path / "mine")
+    args = ["policies", "--zoo", str(zoo), "--workloads-dir", str(folder), "--prompts", "1", "--max-new-tokens", "8"]
+    with pytest.raises(SystemExit, match="--predictor .*nowhere: no trained ranking head"):
+        main([*args, "--policies", "general-static,memspec", "--predictor", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match="memspec need the predictor and the zoo has none"):
+        main([*args, "--policies", "memspec"])
+
+
 def test_engine_bench_takes_a_workload_folder_and_reports_the_draft_load(tmp_path):
     zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, predictor=False, chat=True)
     folder = _chat_and_prompt_workloads(tmp_path / "mine")

@@ -296,6 +296,7 @@ def cmd_soak(args) -> int:
 def cmd_policies(args) -> int:
     from tqdm import tqdm
 
+    from ..runtime.loader import HEAD_CONFIG, PREDICTOR_PREFERENCE, find_predictor
     from ..runtime.policies import POLICIES
     from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench, validation_table, workloads_in
 
@@ -319,6 +320,10 @@ def cmd_policies(args) -> int:
                             threads=args.threads, simulate=not args.no_simulator, trace_tokens=args.trace_tokens,
                             quantization=args.quantization, draft_quantization=args.draft_quantization)
     predictor = Path(args.predictor) if args.predictor else zoo / "predictor" / "target-hidden"
+    if args.predictor and not find_predictor(predictor):
+        # a predictor named and not found would silently drop memspec, prediction-only and the cost-aware variant
+        raise SystemExit(f"--predictor {predictor}: no trained ranking head there ({HEAD_CONFIG} in it or in one of"
+                         f" its encoder folders: {', '.join(p for p in PREDICTOR_PREFERENCE if p)})")
     with tqdm(total=len(policies) * len(workloads) * args.prompts * args.runs, desc="policies", unit="gen") as bar:
         try:
             result = run_policy_bench(zoo, cfg, predictor, progress=bar)
@@ -395,14 +400,15 @@ def positive_int(text: str) -> int:
 
 
 def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_help: str,
-                      zoo_help: str = "", threads_help: str = "") -> None:
+                      zoo_help: str = "", threads_help: str = "",
+                      runs_help: str = "repetitions; medians are reported") -> None:
     """The options every benchmark shares, with its own defaults."""
     parser.add_argument("--json", help="write the result JSON here")
     parser.add_argument("--zoo", default=str(DEFAULT_ZOO),
                         help=f"zoo directory with registry.yaml (default: the bundled zoo{zoo_help})")
     parser.add_argument("--prompts", type=positive_int, default=prompts, help=f"{prompts_help} (default {prompts})")
     parser.add_argument("--runs", type=positive_int, default=runs,
-                        help=f"repetitions; medians are reported (default {runs})")
+                        help=f"{runs_help} (default {runs})")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128,
                         help="tokens per prompt (default 128, the paper's)")
     parser.add_argument(
@@ -510,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     pol = sub.add_parser(
         "policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)"
     )
-    _common_arguments(pol, prompts=4, runs=1, threads=1, prompts_help="prompts per workload (the paper: 100)")
+    _common_arguments(pol, prompts=4, runs=1, threads=1, prompts_help="prompts per workload (the paper: 100)",
+                      runs_help="repetitions; each workload's rate is over all of them (sums, not medians)")
     pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
     pol.add_argument("--policies",
                      help="comma-separated subset (default: the paper's seven; memspec-cost-aware on request)")

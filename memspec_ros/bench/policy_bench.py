@@ -275,6 +275,9 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     tokenizer, target, registry, predictor = models.tokenizer, models.target, models.registry, models.predictor
     policies = [p for p in cfg.policies if predictor is not None or p not in PREDICTED]
     skipped = sorted(set(cfg.policies) - set(policies))
+    if not policies:
+        raise ValueError(f"{', '.join(skipped)} need the predictor and the zoo has none: train one"
+                         " (memspec-train-predictor) or name it with --predictor")
     eos = models.end_token_ids
     trace_tokens = max(cfg.trace_tokens, cfg.max_new_tokens)
 

@@ -491,10 +491,11 @@ def test_feedback_is_throttled_on_the_calling_thread_and_flushed_in_order():
 
     every = _Handle()
     unthrottled = FeedbackThrottle(every, cache, period=0.0, logger=_Logger())
-    for delta in ("x", "y\x00"):
-        unthrottled.on_chunk(delta, [1, 2])
+    unthrottled.on_chunk("x", [1, 2])
+    unthrottled.on_decode_start()
+    unthrottled.on_chunk("y\x00", [1, 2])
     assert [(f.delta_text, f.tokens_so_far) for f in every.sent] == [("x", 2), ("y", 4)]
-    assert every.sent[-1].tokens_per_second > 0
+    assert every.sent[0].tokens_per_second == 0.0 and every.sent[-1].tokens_per_second > 0
 
     logger = _Logger()
     broken = FeedbackThrottle(_Handle(fail=True), cache, period=0.0, logger=logger)
@@ -502,3 +503,113 @@ def test_feedback_is_throttled_on_the_calling_thread_and_flushed_in_order():
     broken.on_chunk("b", [1])  # no exception into the decode loop; logged once
     assert len(logger.warnings) == 1 and "the action server is gone" in logger.warnings[0]
     assert broken.text == "ab"
+
+
+def test_feedbacks_rate_is_timed_from_the_decode_start_as_the_results(monkeypatch):
+    """The running rate counts the tokens after the decode start over the time since (the result's definition):
+    timed from the first token, it took in the first draft's choice and load (a 0.5 s load: feedback 203 tok/s
+    against the result's 465 in a reviewer's run)."""
+    from types import SimpleNamespace
+
+    from memspec_ros.ros import goal_runner
+
+    clock = {"now": 10.0}
+    monkeypatch.setattr(goal_runner.time, "perf_counter", lambda: clock["now"])
+    handle = _Handle()
+    feedback = goal_runner.FeedbackThrottle(handle, SimpleNamespace(active="code"), period=0.0, logger=_Logger())
+    feedback.on_chunk("a", [1])  # the prefill's token at 10.0
+    clock["now"] = 10.5  # the first draft's choice and load
+    feedback.on_decode_start()
+    for _ in range(4):  # four iterations of three tokens, 0.1 s each
+        clock["now"] += 0.1
+        feedback.on_chunk("bcd", [1, 1, 1])
+    assert feedback.first_at == 10.0
+    assert handle.sent[-1].tokens_per_second == pytest.approx(12 / 0.4)
+
+
+def test_a_queued_goal_runs_with_the_defaults_it_was_checked_with(h):
+    """A goal accepted with the node's default max_new_tokens, then the default raised past the context while it
+    waited: it ran with the default of its acceptance (it ended ABORTED with a context error, and /diagnostics
+    in ERROR)."""
+    before = h.get_param("generation.max_new_tokens")
+    feedback = []
+    running = start_long_goal(h, feedback)
+    queued, _ = h.send(Generate.Goal(prompt="hello"))  # max_new_tokens 0: the node's default, now
+    assert queued.accepted
+    try:
+        assert all(r.successful for r in h.set_params(
+            **{"generation.max_new_tokens": h.node.loaded.max_positions}))
+        h.wait(running.cancel_goal_async(), 10.0, "cancel")
+        response = h.result(queued, 60.0)
+        assert response.status == GoalStatus.STATUS_SUCCEEDED, response.result.error_message
+        assert response.result.completion_tokens <= before
+    finally:
+        h.set_params(**{"generation.max_new_tokens": before})
+    h.result(running, 30.0)
+
+
+def test_time_to_first_token_counts_from_the_goals_acceptance(h, monkeypatch):
+    """A goal that waited in the queue behind one that ran for a second reports that wait in its time to first
+    token (it reported only its own prefill: 2 ms in a reviewer's run)."""
+    import threading
+
+    controller = h.node.loaded.controller
+    generate, entered = controller.generate, threading.Event()
+
+    def slow_first(*args, **kwargs):
+        if not entered.is_set():
+            entered.set()
+            threading.Event().wait(1.0)  # the running goal holds the node for a second
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "generate", slow_first)
+    first, _ = h.send(goal(max_new_tokens=4))
+    assert first.accepted and entered.wait(10.0)
+    queued, _ = h.send(goal(max_new_tokens=2))
+    assert queued.accepted
+    assert h.result(first).status == GoalStatus.STATUS_SUCCEEDED
+    result = h.result(queued).result
+    assert result.time_to_first_token > 0.5
+
+
+def test_the_target_models_error_is_cleared_by_a_new_activation(h, monkeypatch):
+    """A failed goal's error stayed on /diagnostics (ERROR "the last goal failed") across deactivate and activate,
+    with no goal run since."""
+    from memspec_ros.ros.diagnostics import OK, NodeTasks, run_task
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("out of memory (simulated)")
+
+    monkeypatch.setattr(h.node.loaded.controller, "generate", out_of_memory)
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert h.result(handle).status == GoalStatus.STATUS_ABORTED
+    tasks = NodeTasks(h.node, h.node._runner, h.node._window)
+    assert "the last goal failed" in run_task(tasks.fill_target).message
+    monkeypatch.undo()
+    assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    status = run_task(tasks.fill_target)
+    assert "failed" not in status.message and status.level == OK
+
+
+def test_a_goal_checked_while_the_node_deactivates_is_rejected_not_accepted(h, monkeypatch):
+    """Deactivate landing while the goal callback tokenizes: the goal was ACCEPTED (its reservation came after
+    deactivate had ended the goals) and then aborted, where an inactive node must reject."""
+    from rclpy.action import GoalResponse
+
+    from memspec_ros.ros import goal_runner
+
+    runner = h.node._runner
+    tokenize = goal_runner.prompt_ids
+    ended = []
+
+    def deactivate_meanwhile(*args, **kwargs):
+        ended.append(runner.end_goals("the node was deactivated", wait_seconds=5.0))
+        return tokenize(*args, **kwargs)
+
+    loaded = runner._loaded
+    monkeypatch.setattr(goal_runner, "prompt_ids", deactivate_meanwhile)
+    try:
+        assert runner.on_goal(goal(max_new_tokens=4)) == GoalResponse.REJECT
+        assert ended == [True] and "not active" in runner.last_rejection and not runner._reserved
+    finally:
+        runner.open(loaded, h.node._stats_pub)  # as activate does

@@ -30,7 +30,7 @@ def stats() -> GenerationStats:
        (no preference: the engine alone, no policy)
     """
     s = GenerationStats(prompt_tokens=7, completion_tokens=12, prefill_seconds=0.5, setup_seconds=0.5,
-                        decode_seconds=2.0, finish_reason="length")
+                        start_seconds=0.125, decode_seconds=2.0, finish_reason="length")
     s.iterations = [
         it("a", 4, 2, 3, preferred="a", draft_s=0.25, verify_s=0.25),
         it("b", 4, 1, 2, preferred="a", fallback=True, draft_s=0.125, verify_s=0.25, catchup_s=0.125,
@@ -49,7 +49,8 @@ def test_throughput(stats):
     # end to end: all 12 tokens over setup 0.5 + prefill 0.5 + decode 2.0 = 3.0 s
     assert stats.end_to_end_seconds == 3.0
     assert stats.end_to_end_tokens_per_second == 4.0
-    assert stats.time_to_first_token == 1.0
+    # the first token is the prefill's: of the setup only the policy's start came before it
+    assert stats.time_to_first_token == 0.5 + 0.125 and stats.start_seconds == 0.125
     assert GenerationStats().tokens_per_second == 0.0 and GenerationStats().end_to_end_tokens_per_second == 0.0
 
 

@@ -507,21 +507,24 @@ def cache_state_key(snap: CacheStats) -> tuple:
             snap.active, snap.capacity, snap.budget_bytes)
 
 
-def stats_fields(stats: GenerationStats) -> dict[str, Any]:
-    """The fields a Generate result and a GenerationStats message share, filled from one GenerationStats."""
+def stats_fields(stats: GenerationStats, time_to_first_token: float | None = None) -> dict[str, Any]:
+    """The fields a Generate result and a GenerationStats message share, filled from one GenerationStats;
+    ``time_to_first_token`` from the goal's acceptance (the goal runner's), else the generation's own."""
+    ttft = stats.time_to_first_token if time_to_first_token is None else time_to_first_token
     return {
         "prompt_tokens": int(stats.prompt_tokens), "reused_prompt_tokens": int(stats.reused_prompt_tokens),
         "completion_tokens": int(stats.completion_tokens),
-        "tokens_per_second": float(stats.tokens_per_second), "time_to_first_token": float(stats.time_to_first_token),
+        "tokens_per_second": float(stats.tokens_per_second), "time_to_first_token": float(ttft),
         "mean_accepted_tokens": float(stats.mean_accepted), "drafts_used": list(stats.drafts_used),
         "draft_switches": int(stats.draft_switches), "copied_iterations": int(stats.copied_iterations),
     }
 
 
 def generation_stats_msg(stats: GenerationStats, goal_id, finish_reason: str, error_message: str,
-                         stamp) -> GenerationStatsMsg:
+                         stamp, time_to_first_token: float | None = None) -> GenerationStatsMsg:
     msg = GenerationStatsMsg(
-        goal_id=goal_id, finish_reason=finish_reason, error_message=error_message, **stats_fields(stats),
+        goal_id=goal_id, finish_reason=finish_reason, error_message=error_message,
+        **stats_fields(stats, time_to_first_token),
         policy=stats.policy, iterations=len(stats.iterations), prefill_seconds=float(stats.prefill_seconds),
         decode_seconds=float(stats.decode_seconds),
     )

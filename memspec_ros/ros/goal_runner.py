@@ -69,8 +69,13 @@ class Job:
 
     request: Generate.Goal
     prompt_ids: list[int]  # tokenized and checked once, in the goal callback
+    # the goal's settings with the node's generation.* defaults as they were at acceptance: the context check
+    # was made with them, and a queued goal runs with them whatever the defaults become while it waits
+    max_new_tokens: int = 0
+    sampling: Any = None  # runtime.speculative.SamplingConfig
     goal_handle: Any = None
     reserved_at: float = 0.0  # time.monotonic() when the goal callback accepted it
+    accepted_at: float = 0.0  # the same moment on time.perf_counter(): time to first token counts from it
     abort_reason: str | None = None  # the node is deactivating or going: end with the partial text
     result: Generate.Result | None = None  # set when the goal ended before it ran
 
@@ -80,8 +85,8 @@ def ros_text(text: str) -> str:
     return text.replace("\x00", "") if "\x00" in text else text
 
 
-def fill_result(result: Generate.Result, stats: GenerationStats) -> None:
-    for name, value in stats_fields(stats).items():
+def fill_result(result: Generate.Result, stats: GenerationStats, time_to_first_token: float | None = None) -> None:
+    for name, value in stats_fields(stats, time_to_first_token).items():
         setattr(result, name, value)
 
 
@@ -116,7 +121,9 @@ class FeedbackThrottle:
         self._chunks: list[str] = []  # the whole text so far (an aborted goal's partial result)
         self._sent = 0  # chunks already published
         self._tokens = 0
-        self._first = self._latest = 0.0
+        self.first_at = 0.0  # time.perf_counter() of the first token (the prefill's); 0 before it
+        self._latest = 0.0
+        self._decode_from, self._decode_base = 0.0, 0  # when decoding started, and the tokens before it
         self._last_publish = -math.inf
         self._broken = False
 
@@ -124,10 +131,16 @@ class FeedbackThrottle:
     def text(self) -> str:
         return "".join(self._chunks)
 
+    def on_decode_start(self) -> None:
+        """Decoding starts (RuntimeController.generate): the running rate is timed from here, as the result's
+        tokens_per_second is (the first token, the prefill's, and the first draft's choice and load before it
+        are not decoding)."""
+        self._decode_from, self._decode_base = time.perf_counter(), self._tokens
+
     def on_chunk(self, delta: str, token_ids: list[int]) -> None:
         now = time.perf_counter()
         if not self._tokens:
-            self._first = now  # the first token comes from prefill; throughput counts the ones after it
+            self.first_at = now
         self._tokens += len(token_ids)
         self._latest = now
         self._chunks.append(delta)
@@ -142,11 +155,11 @@ class FeedbackThrottle:
         if self._broken:
             return
         delta, self._sent = "".join(self._chunks[self._sent:]), len(self._chunks)
-        elapsed = self._latest - self._first
+        decoded, elapsed = self._tokens - self._decode_base, self._latest - self._decode_from
         try:
             self.goal_handle.publish_feedback(Generate.Feedback(
                 delta_text=ros_text(delta), tokens_so_far=self._tokens,
-                tokens_per_second=(self._tokens - 1) / elapsed if elapsed > 0 and self._tokens > 1 else 0.0,
+                tokens_per_second=decoded / elapsed if self._decode_from and elapsed > 0 and decoded > 0 else 0.0,
                 active_draft=self.cache.active,
             ))
         except Exception as exc:  # the server went under us (shutdown): the result still goes out
@@ -195,6 +208,7 @@ class GoalRunner:
     def open(self, loaded, stats_pub) -> None:
         with self._cv:
             self._loaded, self._stats_pub = loaded, stats_pub
+            self.last_error = ""  # a goal that failed before this activation is not its state (diagnostics)
 
     def end_goals(self, reason: str, wait_seconds: float | None = None) -> bool:
         """Refuse new goals; end the queued goals now and the running one at its next iteration, ABORTED
@@ -264,12 +278,8 @@ class GoalRunner:
     def _check(self, goal: Generate.Goal) -> str:
         """'' when accepted (its Job reserved), else the reason; cheap checks first."""
         lo = self._loaded
-        if self._closing:
-            return f"{self._closing}: no new goals"
-        if lo is None:
-            state = self._node.lifecycle_state
-            todo = NOT_ACTIVE_TODO.get(state, "wait for its transition and activate it")
-            return f"the node is not active (state {state}): {todo} first"
+        if self._closing or lo is None:
+            return self._not_taking()
         messages = [(m.role, m.content) for m in goal.messages]
         reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
         if reason:  # roles, emptiness, raw with messages, messages without a template
@@ -289,7 +299,17 @@ class GoalRunner:
             return str(exc)
         except Exception as exc:  # never let a tokenizer error escape the goal callback
             return f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
-        return self._tokens_error(goal, ids, limit, lo.max_positions) or self._reserve(goal, ids)
+        new_tokens = self._max_new_tokens(goal)
+        return (self._tokens_error(ids, new_tokens, limit, lo.max_positions)
+                or self._reserve(Job(goal, ids, new_tokens, self._sampling(goal)), lo))
+
+    def _not_taking(self) -> str:
+        """Why no goal is taken now (closing, or the node is not active)."""
+        if self._closing:
+            return f"{self._closing}: no new goals"
+        state = self._node.lifecycle_state
+        todo = NOT_ACTIVE_TODO.get(state, "wait for its transition and activate it")
+        return f"the node is not active (state {state}): {todo} first"
 
     @staticmethod
     def _settings_error(goal: Generate.Goal) -> str:
@@ -318,27 +338,32 @@ class GoalRunner:
                 f" {max_token_chars} characters per token for this tokenizer; generation.max_prompt_tokens"
                 " / the target's context)")
 
-    def _tokens_error(self, goal: Generate.Goal, ids: list[int], limit: int, max_positions: int) -> str:
+    @staticmethod
+    def _tokens_error(ids: list[int], new_tokens: int, limit: int, max_positions: int) -> str:
         """The prompt's tokens against generation.max_prompt_tokens and, with the new tokens, the context."""
         if len(ids) > limit:
             return (f"the prompt has {len(ids)} tokens, more than the limit of {limit}"
                     " (generation.max_prompt_tokens / the target's context)")
-        new_tokens = self._max_new_tokens(goal)
         if max_positions and len(ids) + new_tokens > max_positions:
             return (f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens}) exceeds the target's context of"
                     f" {max_positions} tokens: shorten the prompt or ask for fewer tokens")
         return ""
 
-    def _reserve(self, goal: Generate.Goal, ids: list[int]) -> str:
-        """A place for the goal now, so that concurrent goal callbacks see it; else why not."""
+    def _reserve(self, job: Job, loaded) -> str:
+        """A place for the goal now, so that concurrent goal callbacks see it; else why not. ``loaded``: the runtime
+        the goal was checked against; if the goals were ended meanwhile (deactivate while this callback tokenized),
+        the goal is rejected, not accepted to be aborted."""
         room = 1 + self._param("action.max_queued_goals")
         with self._cv:
+            if self._loaded is not loaded or self._closing:
+                return self._not_taking()
             self._live_reservations()
             taken = len(self._reserved) + len(self._queue) + (self._running is not None)
             if taken >= room:
                 waiting = taken - (self._running is not None)
                 return f"the goal queue is full ({waiting} waiting, action.max_queued_goals {room - 1}): retry later"
-            self._reserved.append(Job(goal, ids, reserved_at=time.monotonic()))
+            job.reserved_at, job.accepted_at = time.monotonic(), time.perf_counter()
+            self._reserved.append(job)
             self._unanswered += 1
         return ""
 
@@ -429,8 +454,8 @@ class GoalRunner:
         _use_threads(lo.threads)
         try:
             out = lo.controller.generate(
-                job.prompt_ids, self._max_new_tokens(goal), self._sampling(goal), list(goal.stop), feedback.on_chunk,
-                lambda: job.abort_reason is not None or gh.is_cancel_requested,
+                job.prompt_ids, job.max_new_tokens, job.sampling, list(goal.stop), feedback.on_chunk,
+                lambda: job.abort_reason is not None or gh.is_cancel_requested, feedback.on_decode_start,
             )
         except Exception as exc:  # a failed goal is ABORTED with the reason, never a traceback
             feedback.flush()
@@ -438,14 +463,16 @@ class GoalRunner:
             self._node.get_logger().error(f"goal aborted: {error}")
             return self._end(job, ERROR, feedback.text, error=error)
         feedback.flush()
+        # from acceptance, queue wait included, to the first token (the prefill's), as Generate.action defines it
+        ttft = feedback.first_at - job.accepted_at if feedback.first_at and job.accepted_at else None
         if job.abort_reason is not None:  # deactivate / shutdown: the partial text, ABORTED
-            return self._end(job, ERROR, out.text, out.stats, job.abort_reason)
-        return self._end(job, out.finish_reason, out.text, out.stats)
+            return self._end(job, ERROR, out.text, out.stats, job.abort_reason, ttft)
+        return self._end(job, out.finish_reason, out.text, out.stats, ttft=ttft)
 
     def _end(self, job: Job, finish_reason: str, text: str = "", stats: GenerationStats | None = None,
-             error: str = "") -> Generate.Result:
+             error: str = "", ttft: float | None = None) -> Generate.Result:
         """The outcome of a goal that ran: its terminal state, result, ~/generation_stats and throughput."""
-        result = self._result(job, finish_reason, text, stats, error)
+        result = self._result(job, finish_reason, text, stats, error, ttft)
         settle(job.goal_handle, finish_reason)
         if finish_reason not in (ERROR, CANCELLED):
             self.last_error = ""
@@ -454,16 +481,17 @@ class GoalRunner:
         return result
 
     def _result(self, job: Job, finish_reason: str, text: str = "", stats: GenerationStats | None = None,
-                error: str = "") -> Generate.Result:
+                error: str = "", ttft: float | None = None) -> Generate.Result:
+        """``ttft``: seconds from the goal's acceptance to its first token (None: the generation's own figure)."""
         result = Generate.Result(prompt_tokens=len(job.prompt_ids), text=ros_text(text), finish_reason=finish_reason,
                                  error_message=error)
         if stats is not None:
-            fill_result(result, stats)
+            fill_result(result, stats, ttft)
         pub = self._stats_pub
         if pub is not None:  # one ~/generation_stats message per finished goal
             pub.publish(generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
                                              job.goal_handle.goal_id, finish_reason, error,
-                                             self._node.get_clock().now().to_msg()))
+                                             self._node.get_clock().now().to_msg(), ttft))
         return result
 
     def _end_unrun(self, job: Job, reason: str, cancelled: bool = False) -> None:

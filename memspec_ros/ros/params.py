@@ -9,7 +9,8 @@ Groups follow llama_ros' dotted style. Three kinds of parameter, by when a chang
   runtime controller at the next scheduling point, also in the middle of a running goal.
 * ``generation.*``, ``action.*``, ``diagnostics.*``, ``diagnostic_updater.period``: read per goal or
   per publication, so they apply at once (``diagnostic_updater.use_fqn`` and
-  ``diagnostics.hardware_id`` are read-only).
+  ``diagnostics.hardware_id`` are read-only); a goal takes its ``generation.*`` defaults when it is accepted,
+  so a queued goal runs with those it was checked with.
 
 Paths left empty use the bundled zoo (see :func:`default_zoo_dir`): ``drafts.registry_file`` ->
 ``<zoo>/registry.yaml``, ``model.target_path`` -> the registry's ``target``, ``predictor.path`` ->

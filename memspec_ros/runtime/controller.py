@@ -272,8 +272,12 @@ class RuntimeController:
         stop: Sequence[str] = (),
         on_chunk: ChunkCallback | None = None,
         should_cancel: Callable[[], bool] | None = None,
+        on_decode_start: Callable[[], None] | None = None,
     ) -> GenerationResult:
-        """One generation. ``on_chunk(text_delta, token_ids)`` streams; ``should_cancel()`` is polled per iteration."""
+        """One generation. ``on_chunk(text_delta, token_ids)`` streams; ``should_cancel()`` is polled per iteration;
+        ``on_decode_start()`` is called when decoding starts (after the prefill's token and the first draft's
+        choice and load): the paper's metric is timed from there (runtime/stats.py), and a stream's running rate
+        can be too."""
         prompt_ids = self._encode(prompt)
         # before anything is taken for it (the prompt cache's entry, the predictor's rows): a refused request
         # leaves them as they were
@@ -305,7 +309,7 @@ class RuntimeController:
                 datastores=self._datastores() if self.config.context_lookup else (),
                 prefix=prefix, draft_prefixes=reused.drafts,
             )
-            result = self._run(session, prompt_ids, should_cancel)
+            result = self._run(session, prompt_ids, should_cancel, on_decode_start)
             self._remember(result.token_ids)
             # a failed generation's KV is not kept, nor one whose cache was switched off while it ran
             if reuse and session.started and self.config.prompt_cache:
@@ -351,13 +355,15 @@ class RuntimeController:
             raise ValueError("the prompt is empty: give at least one token")
         return ids
 
-    def _run(self, session: SpeculativeSession, prompt_ids: list[int],
-             should_cancel: Callable[[], bool] | None) -> GenerationResult:
+    def _run(self, session: SpeculativeSession, prompt_ids: list[int], should_cancel: Callable[[], bool] | None,
+             on_decode_start: Callable[[], None] | None = None) -> GenerationResult:
         stats = session.stats
         cache = self.cache
         cache.on_evict.append(session.drop_draft)
         before = cache.snapshot()
         run = self._setup(session, prompt_ids)
+        if on_decode_start is not None and not session.finished:
+            on_decode_start()
         while not session.finished:
             if should_cancel is not None and should_cancel():
                 session.cancel()
@@ -385,7 +391,7 @@ class RuntimeController:
         self._sync_registry("")  # drafts removed while idle leave the cache before this generation
         t_start = time.perf_counter()
         policy.start(prompt_ids)
-        setup = time.perf_counter() - t_start
+        setup = stats.start_seconds = time.perf_counter() - t_start
         session.prefill()
         if session.finished:  # the prefill's token ended it (max_new_tokens 1, an end token): no draft will run,
             stats.setup_seconds = setup  # so none is chosen or waited for (a behaviour tree's one-token answer)

@@ -176,6 +176,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0  # target prefill (prompt encoding) + first token
     setup_seconds: float = 0.0  # not decoding: the policy's start, first prediction, initial draft load
     setup_wait_seconds: float = 0.0  # of setup_seconds, the wait for that first draft's load (0 if resident)
+    start_seconds: float = 0.0  # of setup_seconds, the policy's start: the only setup before the prefill
     decode_seconds: float = 0.0  # wall time of the iterations after the first token
     finish_reason: str = ""
     iterations: list[IterationStats] = field(default_factory=list)
@@ -207,7 +208,9 @@ class GenerationStats:
 
     @property
     def time_to_first_token(self) -> float:
-        return self.setup_seconds + self.prefill_seconds
+        """From the call to the first generated token, which the target's prefill makes: the policy's start and
+        the prefill. The first prediction and draft load come after it (runtime/controller.py, _setup)."""
+        return self.start_seconds + self.prefill_seconds
 
     # -- speculation --------------------------------------------------------
     @property

@@ -274,3 +274,31 @@ def test_wasted_prefetches_warn_and_failed_drafts_are_errors():
     s = Status()
     fill_cache_status(s, CacheStats(capacity=2, failed={"math": "OSError: unreadable"}), window, ["code", "math"])
     assert s.level == ERROR and "math" in s.message
+
+
+def test_a_node_configured_from_draft_lists_goes_back_to_the_registry_file_it_would_have_resolved(monkeypatch):
+    """drafts.registry_file empty means the bundled zoo's registry.yaml at configure; setting drafts.names back
+    to [''] on a node configured from the lists looked for a registry at '' and was refused."""
+    import rclpy
+    from node_helpers import Harness, node_overrides
+    from rclpy.context import Context
+
+    from memspec_ros.runtime.loader import registry_target
+
+    zoo = tiny_zoo()
+    monkeypatch.setenv("MEMSPEC_ZOO_DIR", str(zoo))  # the "bundled" zoo of this test
+    lists = {"drafts.registry_file": "", "drafts.names": ["general"], "drafts.paths": [str(zoo / "drafts" / "general")],
+             "drafts.domains": ["general"], "model.target_path": registry_target(zoo / "registry.yaml"),
+             "memspec.policy": "general-static"}
+    context = Context()
+    rclpy.init(context=context)
+    harness = Harness(context, name="memspec_lists", overrides=node_overrides(zoo, **lists))  # beside h's node
+    try:
+        harness.activate()
+        assert harness.node.loaded.registry.names() == ["general"]
+        result = harness.set_params_atomically(**registry_file_params())
+        assert result.successful, result.reason
+        assert harness.node.loaded.registry.names() == ["general", "code", "math"]
+    finally:
+        harness.close()
+        rclpy.try_shutdown(context=context)

@@ -25,27 +25,23 @@ class Refused(Exception):
     """A parameter change refused with its reason; nothing was applied."""
 
 
-def registry_from_params(v: dict[str, Any], paths: P.ModelPaths, fingerprint: str):
-    """The draft registry the parameters describe: drafts.names/paths/domains if set, else the registry file."""
+def registry_from_params(v: dict[str, Any], fingerprint: str):
+    """The draft registry the parameters describe: drafts.names/paths/domains if set, else the registry file (the
+    bundled zoo's when drafts.registry_file is empty, as configure resolves it)."""
     from ..runtime.loader import open_registry
 
-    return open_registry(v["drafts.registry_file"] or paths.registry_file, P.draft_lists(v), fingerprint=fingerprint)
+    return open_registry(P.registry_file_of(v), P.draft_lists(v), fingerprint=fingerprint)
 
 
 def replace_entries(live, wanted, cache) -> None:
-    """Make the live registry equal to ``wanted``; a running goal sees it at its next scheduling point.
+    """Make the live registry equal to ``wanted`` (built and checked already: nothing is read here, since the
+    caller holds goals back meanwhile); a running goal sees it at its next scheduling point.
 
     With no goal running (``cache`` given), removed drafts also leave the cache now: the runtime syncs its
     cache with the registry only at the scheduling points of a running goal."""
-    want = {e.name: e for e in wanted.entries()}
-    for entry in live.entries():
-        if entry.name not in want or want[entry.name] != entry:
-            live.remove(entry.name)
-            if cache is not None:
-                cache.remove(entry.name)
-    for name, entry in want.items():
-        if name not in live:
-            live.add(entry)
+    for entry in live.replace_with(wanted):
+        if cache is not None:
+            cache.remove(entry.name)
 
 
 class ParameterHandler:
@@ -123,7 +119,7 @@ class ParameterHandler:
         if lo is None or not any(n in P.REGISTRY_PARAMS for n in new):
             return None
         try:
-            return registry_from_params({**P.values(self._node), **new}, lo.paths, lo.fingerprint)
+            return registry_from_params({**P.values(self._node), **new}, lo.fingerprint)
         except Exception as exc:  # a missing or mismatched draft: the change is refused with the cause
             raise Refused(f"draft registry not changed: {exc}") from exc
 

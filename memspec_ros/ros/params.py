@@ -487,12 +487,17 @@ class ModelPaths:
     datastore: str = ""  # "" = no datastore
 
 
+def registry_file_of(v: dict[str, Any]) -> str:
+    """The registry file the parameters name: drafts.registry_file, or the bundled zoo's when it is empty."""
+    return v["drafts.registry_file"] or str(default_zoo_dir() / "registry.yaml")
+
+
 def resolve_paths(v: dict[str, Any]) -> ModelPaths:
     """Fill empty paths from the bundled zoo; raises ValueError saying which parameter to set."""
     registry_file = ""
     target = v["model.target_path"]
     if not non_empty(v["drafts.names"]):
-        registry_file = v["drafts.registry_file"] or str(default_zoo_dir() / "registry.yaml")
+        registry_file = registry_file_of(v)
         if not Path(registry_file).is_file():
             raise ValueError(
                 f"draft registry {registry_file!r} does not exist: set drafts.registry_file (or drafts.names/paths),"

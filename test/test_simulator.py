@@ -303,6 +303,9 @@ def test_the_policy_bench_reports_the_simulators_validation(tmp_path, capsys):
     assert "held out: over code" in "\n".join(render_validation(validation))
     undefined = {**validation, "held_out": {**validation["held_out"], "max_abs_error_end_to_end": None}}
     assert "held out: n/a" in "\n".join(render_validation(undefined))  # it raised TypeError
+    # one iteration unit: the load ratios count in the fitted model's gamma iteration, as the figures and the plan do
+    fitted = CostModel.from_json(validation["cost_model"])
+    assert result["storage"]["iteration_seconds"] == pytest.approx(fitted.iteration_seconds(4))
     for p in policies:  # the published table is what the validation calls measured
         assert validation["policies"][p]["measured_end_to_end"] == pytest.approx(
             result["gmean_end_to_end_tokens_per_second"][p])

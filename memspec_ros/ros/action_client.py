@@ -1,6 +1,6 @@
 """An ActionClient whose goal, cancel and result requests always get their answer.
 
-rclpy's ActionClient (7.1.5, Jazzy's wheel here) sends a request and only then records its sequence
+rclpy's ActionClient (7.1.6, Jazzy's wheel here; found in 7.1.5) sends a request and only then records its sequence
 number; an executor spinning on another thread can take the server's answer in between, drop it as
 "unexpected" and leave the future pending forever (ros2/rclpy#1123, fixed upstream by #1308 and its
 backports). Clients that spin in another thread (a behaviour tree's node, the test harness, the soak

@@ -167,7 +167,7 @@ def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | Non
         "## Build as run",
         "",
         "```",
-        "memspec-zoo build            # workloads, teacher, vocab, general, domains, export (resumable)",
+        "memspec-zoo build            # workloads, teacher, vocab, general, domains, export, datastore (resumable)",
         "memspec-zoo acceptance --answers <work dir>/teacher --json models/acceptance.json",
         "memspec-train-predictor --answers models/datastore.safetensors --max-prompts 900 --out models/predictor",
         "memspec-zoo card --work-dir <work dir>",

@@ -501,3 +501,34 @@ def test_a_closed_cache_reserves_nothing():
     cache.update(["math", "law"])
     snap = cache.snapshot()
     assert snap.loading == [] and snap.resident == ["code"] and snap.bytes_reserved == SIZES["code"]
+
+
+def test_a_load_marked_to_be_dropped_is_not_available_so_a_choice_requests_it_again():
+    """K shrank while a draft was loading, so that load is dropped when it lands; a MAB-Async choice of that draft
+    at the same point saw it 'available', skipped the request that keeps it, and the load was thrown away (one
+    load wasted and the switch delayed to a later point)."""
+    from memspec_ros.runtime.choice import CACHE_REQUEST, Choice, carry_out
+
+    gate = threading.Event()
+
+    def loader(name):
+        if name == "c":
+            gate.wait(10)
+        return LoadedModel(object(), ModelSpec(name), 0, 0, 0)
+
+    cache = DraftCacheManager(3, loader)
+    cache.request("a")
+    cache.request("b")
+    cache.drain()
+    cache.set_scores({"a": 3, "b": 2, "c": 1})
+    cache.set_active("a")
+    cache.request("c", active="a")  # in flight
+    cache.reconfigure(capacity=2)  # c no longer fits: marked to be dropped when it lands
+    assert not cache.is_available("c")
+    choice = Choice("c", block=False, fallback=("a",), cache_action=CACHE_REQUEST,
+                    ranking=[("c", 9.0), ("a", 3.0), ("b", 1.0)])
+    carry_out(choice, cache, wait=lambda name: 0.0, current="a")
+    gate.set()
+    cache.drain()
+    assert "c" in cache.resident() and cache.snapshot().loads == 3
+    cache.close()

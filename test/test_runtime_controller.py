@@ -607,3 +607,94 @@ def test_a_goal_the_prefill_ends_waits_for_no_draft(target, drafts):
         assert len(ctl.generate(prompt, 8).token_ids) == 8 and loads  # a longer goal loads as before
     finally:
         ctl.close()
+
+
+def test_a_smaller_budget_binds_the_draft_that_ran_last_idle_and_mid_goal(target, drafts, expected):
+    """The draft that ran last stayed protected as 'active': after a goal (nothing decoding) a lowered
+    memspec.budget_bytes left it resident over budget, and the next goal ran on it; mid-goal the running draft kept
+    its slot past the new budget for the rest of the goal, and a draft that fits never loaded."""
+    from memspec_ros.runtime.models import parameter_bytes
+
+    def math_first(context):
+        return ["math", "law", "code", "general"]
+
+    small = parameter_bytes(drafts["general"]) + 10  # only the general draft fits
+    ctl = make(target, drafts, "memspec", ranker=math_first, capacity=2)
+    assert ctl.generate(PROMPT, NEW).token_ids == expected
+    ctl.cache.drain()
+    assert ctl.cache.snapshot().active == ""  # nothing decodes between goals
+    ctl.reconfigure(budget_bytes=small)
+    snap = ctl.cache.snapshot()
+    assert snap.bytes_resident <= snap.budget_bytes and "math" not in snap.resident
+    ctl.close()
+
+    ctl = make(target, drafts, "memspec", ranker=math_first, capacity=2)
+    seen = []
+
+    def shrink_once(delta, ids):
+        seen.extend(ids)
+        if 6 <= len(seen) and ctl.config.budget_bytes == 0 and ctl.next_config.budget_bytes == 0:
+            ctl.reconfigure(budget_bytes=small)
+
+    result = ctl.generate(PROMPT, NEW, on_chunk=shrink_once)
+    assert result.token_ids == expected
+    ctl.cache.drain()
+    snap = ctl.cache.snapshot()
+    assert snap.bytes_resident <= snap.budget_bytes == small
+    assert "math" not in {it.draft for it in result.stats.iterations[-3:]}
+    ctl.close()
+
+
+class CountingRanker(FixedRanker):
+    """A fixed ranking that counts the generations it was begun on."""
+
+    def __init__(self, fn) -> None:
+        super().__init__(fn)
+        self.begun = 0
+
+    def begin(self, prompt_ids) -> None:
+        self.begun += 1
+
+
+def _switch_after(ctl, tokens: int, **changes):
+    """An on_chunk that reconfigures once, after ``tokens`` generated tokens (a parameter set mid-goal)."""
+    seen = []
+
+    def on_chunk(delta, ids):
+        seen.extend(ids)
+        if len(seen) >= tokens and not on_chunk.done:
+            on_chunk.done = True
+            ctl.reconfigure(**changes)
+    on_chunk.done = False
+    return on_chunk
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_policy_taking_over_mid_goal_ranks_with_the_generations_predictor_not_a_restarted_one(
+        target, drafts, expected, overlap):
+    """memspec -> prediction-only mid-goal: the ranking model is begun once per generation (begun again, a
+    target-hidden encoder dropped the rows of this generation), and an overlapped ranker answers the first point
+    after the switch with its ranking, not registry order ('general' was preferred there, over 'law'); a policy
+    with no predictor of its own (mab-async) leaves the ranking model begun for one that takes over."""
+    ranker = CountingRanker(lambda context: ["law", "math", "code", "general"])
+    ctl = RuntimeController(RuntimeConfig(policy="memspec", overlap_prediction=overlap), target, None,
+                            registry_of(drafts), ranker, loader=Loader(drafts), eos_token_ids=[])
+    result = ctl.generate(PROMPT, NEW, on_chunk=_switch_after(ctl, 6, policy="prediction-only"))
+    assert result.token_ids == expected and result.stats.policy == "memspec>prediction-only"
+    assert ranker.begun == 1
+    assert {it.preferred for it in result.stats.iterations} == {"law"}
+    ctl.reconfigure(policy="mab-async")
+    result = ctl.generate(PROMPT, NEW, on_chunk=_switch_after(ctl, 6, policy="memspec"))
+    assert result.token_ids == expected and result.stats.policy == "mab-async>memspec"
+    assert ranker.begun == 2  # by the controller, at the generation's start
+    ctl.close()
+
+
+def test_general_draft_and_ucb_c_changed_mid_goal_reach_the_running_goal(target, drafts, expected):
+    """Only a new policy name made the policy anew mid-goal: general-static went on with its old draft after
+    memspec.general_draft changed (the config said the new one)."""
+    ctl = make(target, drafts, "general-static")
+    result = ctl.generate(PROMPT, NEW, on_chunk=_switch_after(ctl, 6, general_draft="math"))
+    assert result.token_ids == expected and result.stats.policy == "general-static"
+    assert result.stats.iterations[0].preferred == "general" and result.stats.iterations[-1].preferred == "math"
+    ctl.close()

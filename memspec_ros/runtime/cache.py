@@ -145,10 +145,11 @@ class DraftCacheManager:
             return slot is not None and slot.model is not None
 
     def is_available(self, name: str) -> bool:
-        """Resident or on its way (a later get() may hit)."""
+        """Resident or on its way (a later get() may hit); not a load marked to be dropped when it lands (a K
+        shrink, a removal): a caller that wants it must request() it, which keeps it."""
         with self._lock:
             slot = self._slots.get(name)
-            return slot is not None and slot.error is None
+            return slot is not None and slot.error is None and not slot.discard
 
     @property
     def active(self) -> str:

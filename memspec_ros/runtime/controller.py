@@ -140,6 +140,12 @@ class GenerationResult:
     token_ids: list[int]
 
 
+def policy_settings(config: RuntimeConfig) -> tuple:
+    """The settings a policy object is made with (RuntimeController._make_policy): a change of any of them mid-goal
+    makes the policy anew at the next scheduling point."""
+    return config.policy, config.general_draft, config.ucb_c, config.overlap_prediction
+
+
 class RuntimeController:
     """Owns the draft cache and runs generations with the configured policy."""
 
@@ -238,6 +244,9 @@ class RuntimeController:
 
     def _apply(self, new: RuntimeConfig) -> None:
         if (new.capacity, new.budget_bytes) != (self.config.capacity, self.config.budget_bytes):
+            # applied where nothing decodes (idle, or a scheduling point, which chooses the draft again): the K and
+            # budget in force bind the draft that ran last too, which the cache would otherwise keep as active
+            self.cache.set_active("")
             self.cache.reconfigure(new.capacity, new.budget_bytes)
         if new.prompt_cache_bytes != self.prompt_cache.budget_bytes:
             self.prompt_cache.set_budget(new.prompt_cache_bytes)
@@ -252,7 +261,7 @@ class RuntimeController:
                 self._apply(pending)
             return pending
 
-    def _make_policy(self) -> DraftPolicy:
+    def _make_policy(self) -> DraftPolicy:  # from policy_settings(self.config)
         ranker = None
         if self.predictor is not None:
             overlap = self.config.overlap_prediction
@@ -320,6 +329,7 @@ class RuntimeController:
         finally:
             if session is not None and session.drop_draft in self.cache.on_evict:
                 self.cache.on_evict.remove(session.drop_draft)
+            self.cache.set_active("")  # no draft decodes between goals: none is protected as the running one
             with self._lock:
                 self._running = False
             self._take_pending()
@@ -390,6 +400,10 @@ class RuntimeController:
         run = _Run(policy, self.registry.version)
         self._sync_registry("")  # drafts removed while idle leave the cache before this generation
         t_start = time.perf_counter()
+        if self.predictor is not None and not policy.begins_predictor:
+            # the ranking model follows every generation whatever the policy, so one that takes over mid-generation
+            # finds it there (a target-hidden encoder's rows of this prompt, its recent positions)
+            self.predictor.begin(prompt_ids)
         policy.start(prompt_ids)
         setup = stats.start_seconds = time.perf_counter() - t_start
         session.prefill()
@@ -414,13 +428,18 @@ class RuntimeController:
         run.interval += 1
         run.iterations = []
         t0 = time.perf_counter()
+        before = self.config
         if self._take_pending() is not None:
             session.gamma = self.config.gamma
-            if run.policy.name != self.config.policy:
+            if run.active and not self.cache.is_resident(run.active):
+                run.active, run.model = "", None  # a smaller K or budget evicted it: pick anew below
+            if policy_settings(before) != policy_settings(self.config):  # what the policy object is made with
+                renamed = run.policy.name != self.config.policy
                 run.policy.close()
                 run.policy = self._make_policy()
-                run.policy.start(prompt_ids)
-                stats.policy = f"{stats.policy}>{run.policy.name}"
+                run.policy.resume(prompt_ids)
+                if renamed:
+                    stats.policy = f"{stats.policy}>{run.policy.name}"
         if self.registry.version != run.registry_version:
             run.registry_version = self.registry.version
             if self._sync_registry(run.active):

@@ -142,9 +142,15 @@ class DraftPolicy:
     """Base class: ``choose`` at every scheduling point, ``observe`` after each interval."""
 
     name = ""
+    begins_predictor = False  # whether start() begins the predictor on the generation (the controller does if not)
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         """A new generation (the paper resets runtime state per prompt)."""
+
+    def resume(self, prompt_ids: Sequence[int]) -> None:
+        """This policy takes over a generation in its middle (memspec.policy changed while it ran): its own state
+        starts as for a new generation; what the generation already set up (the predictor's) stays."""
+        self.start(prompt_ids)
 
     def choose(self, point: SchedulingPoint) -> Choice:
         raise NotImplementedError
@@ -349,8 +355,20 @@ class _Predicted(DraftPolicy):
                               " and set predictor.path, or use general-static / mab-async")
         self.predictor = predictor
 
+    begins_predictor = True
+
     def start(self, prompt_ids: Sequence[int]) -> None:
         self.predictor.begin(prompt_ids)
+        self._reset(prompt_ids)
+
+    def resume(self, prompt_ids: Sequence[int]) -> None:
+        # begun again, a target-hidden encoder dropped the rows it had of this generation (an extra target pass over
+        # the prompt, recent features from nothing) and an overlapped ranker answered in registry order
+        self.predictor.resume()
+        self._reset(prompt_ids)
+
+    def _reset(self, prompt_ids: Sequence[int]) -> None:
+        """The policy's own per-generation state."""
 
     def ranking(self, point: SchedulingPoint) -> list[tuple[str, float]]:
         """The ranker's latest ranking for this point (an overlapped ranker's is one interval late)."""
@@ -413,8 +431,8 @@ class CostAwareMemSpecPolicy(_Predicted):
 
     name = COST_AWARE
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
-        super().start(prompt_ids)
+    def _reset(self, prompt_ids: Sequence[int]) -> None:
+        super()._reset(prompt_ids)
         self._prompt_len = len(prompt_ids)
         self._kv: dict[str, int] = {}  # draft -> context tokens its KV cache holds (while resident)
         self._accepted = self._iterations = self._catchup_tokens = 0

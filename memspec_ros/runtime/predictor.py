@@ -94,6 +94,10 @@ class Ranker(RankingModel, Protocol):
 
     def take_background_seconds(self) -> float: ...
 
+    def resume(self) -> None:
+        """A policy takes this ranker over in the middle of a generation the ranking model already follows (begun
+        at its start): nothing of the generation is restarted, only rankings from before are dropped."""
+
 
 def restrict_ranking(ranking: Sequence[tuple[str, float]], candidates: Sequence[str]) -> list[tuple[str, float]]:
     """``ranking`` over ``candidates`` only, in its order; candidates it does not name last, with UNKNOWN_SCORE."""
@@ -119,6 +123,9 @@ class SynchronousRanking:
 
     def take_background_seconds(self) -> float:
         return 0.0
+
+    def resume(self) -> None:
+        self._submitted = None
 
 
 class SynchronousPredictor(SynchronousRanking):
@@ -656,14 +663,18 @@ class OverlappedPredictor:
         self._latest = None
         self.ranker.begin(prompt_ids)
 
+    def resume(self) -> None:
+        self._settle()
+        self._latest = None  # another generation's, or this one's from before another policy ran: not an answer
+
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
-        """Synchronous (interval 0)."""
+        """Synchronous (interval 0, and the first point after begin or resume)."""
         self._settle()
         self._latest = self.ranker.rank(context)
         return self._latest
 
     def submit(self, context: PredictionContext) -> None:
-        if context.interval == 0:
+        if context.interval == 0 or self._latest is None:  # nothing to answer with yet: rank this point now
             self.rank(context)
             return
         self._collect()  # what finished by now is the answer for this point

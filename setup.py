@@ -18,11 +18,12 @@ package_name = "memspec_ros"
 def zoo_data_files(root: str = "models") -> list[tuple[str, list[str]]]:
     """The bundled zoo under share/memspec_ros/models, keeping its folder layout (the node's default)."""
     entries = []
-    for folder, _, files in sorted(os.walk(root)):
+    for folder, _, names in sorted(os.walk(root)):
+        # colcon's --symlink-install builds from links to the sources: a file removed from models/ leaves a link to
+        # nothing in build/, which setuptools cannot copy (os.path.isfile follows the link)
+        files = sorted(os.path.join(folder, f) for f in names if os.path.isfile(os.path.join(folder, f)))
         if files:
-            entries.append(
-                (os.path.join("share", package_name, folder), sorted(os.path.join(folder, f) for f in files))
-            )
+            entries.append((os.path.join("share", package_name, folder), files))
     return entries
 
 

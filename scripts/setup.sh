@@ -150,6 +150,9 @@ step_build() {
   done
   [ ${#missing[@]} -eq 0 ] || die "colcon build of memspec_interfaces needs ${missing[*]} on PATH (Debian: sudo apt install cmake build-essential)"
   rm -f "$BUILD_STAMP"
+  # --symlink-install links build/ and install/ to the sources: a file removed from the tree leaves links to
+  # nothing there, which setuptools cannot copy and the installed zoo would list
+  find build install -xtype l -delete 2>/dev/null || true
   say "colcon build: memspec_interfaces, memspec_ros -> install/"
   # A clean environment: only the venv is the underlay, whatever the calling shell had sourced.
   (

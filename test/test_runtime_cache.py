@@ -293,10 +293,14 @@ class Monitor:
         if new:
             if len(held) > c.capacity or (c.budget_bytes and sum(s.reserved_bytes for s in held) > c.budget_bytes):
                 self.violations.append(f"load of {[s.name for s in new]} started beyond the limits: {snap}")
-        for slot in self.running.values():
-            if slot.future is not None and c._slots.get(slot.name) is not slot:
+        # in flight: on the loader thread and not published yet. A load that published its model (or failure) is
+        # done although ``tracked`` has not returned: another thread may evict it meanwhile, as any resident draft
+        # (seen on a loaded machine: a resident draft evicted in that window was reported as a load in flight)
+        flying = [s for s in self.running.values() if s.future is not None and s.model is None and s.error is None]
+        for slot in flying:
+            if c._slots.get(slot.name) is not slot:
                 self.violations.append(f"load of {slot.name!r} in flight without its reservation: {snap}")
-        names = [s.name for s in self.running.values() if s.future is not None]
+        names = [s.name for s in flying]
         if len(names) != len(set(names)):
             self.violations.append(f"two loads of one draft in flight: {names}")
 

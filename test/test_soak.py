@@ -49,7 +49,11 @@ def test_the_soak_command(tmp_path):
     from memspec_ros.bench.cli import main
 
     out = tmp_path / "soak.json"
-    assert main(["soak", "--zoo", "tiny", "--goals", "5", "--bursts", "1", "--storm-rounds", "1",
-                 "--json", str(out)]) == 0
+    code = main(["soak", "--zoo", "tiny", "--goals", "5", "--bursts", "1", "--storm-rounds", "1", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["mode"] == "ci" and result["config"]["goals"] == 5 and result["goals_lost"] == 0
+    # the exit status is the bench's verdict; with five goals its latency p99 is one callback's time, which a
+    # loaded machine can push past the bound (51 ms once, with a training job beside the tests): the verdict's
+    # timing part is the 200-goal test's above, this one checks the command
+    assert code == (0 if result["ok"] else 1)
+    assert result["requests_unanswered"] == 0 and result["budget_violations"] == 0

@@ -157,3 +157,28 @@ def test_the_offline_replay_counts_what_the_engine_would_copy():
     # is the target's own token: the answer is complete after four iterations
     steps = list(module.replay([1, 2, 3, 4, 5], [9, 1, 2, 3, 4, 7], 4, LookupConfig()))
     assert steps == [(0, 0, 0), (0, 0, 0), (0, 0, 0), (2, 4, 2)]
+
+
+def test_a_copy_is_weighed_against_the_draft_that_would_run_instead(pair, monkeypatch):
+    """With adaptive gamma a copy is proposed when its expected tokens per millisecond reach the draft's, else
+    only every PROBE_EVERY declined copies (so the copies' acceptance stays current): taking every copy cost
+    the strong math draft most of its gain (1.67x the target alone against 2.35x)."""
+    from conftest import fix_adaptive_costs
+
+    from memspec_ros.runtime.gamma_choice import PROBE_EVERY, ForwardCosts
+    from memspec_ros.runtime.speculative import SpeculativeSession
+
+    target, draft = pair
+    fix_adaptive_costs(monkeypatch, lambda model, k, vocab: 10.0 + k if model is target else 0.1, 0.1)
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=40, gamma=4, adaptive_gamma=True,
+                                 lookup=LookupConfig())
+    chooser = session._gamma_chooser
+    free = ForwardCosts(verify_ms=[10.0 + k for k in range(1, 6)], draft_ms=0.0)
+    for _ in range(30):
+        chooser.observe("noisy", 4, 4)  # the draft: every proposal accepted
+        chooser.observe(LOOKUP_DRAFT, 4, 0)  # the copies: none
+    decisions = [session._copy_pays([1, 2, 3, 4], free, "noisy", draft) for _ in range(3 * PROBE_EVERY)]
+    assert decisions.count(True) == 3 and decisions[PROBE_EVERY - 1]  # only the probes
+    for _ in range(60):
+        chooser.observe(LOOKUP_DRAFT, 4, 4)  # copies as good as the draft, and free of draft forwards
+    assert session._copy_pays([1, 2, 3, 4], free, "noisy", draft)

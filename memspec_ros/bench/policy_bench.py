@@ -41,7 +41,7 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..runtime.cache import draft_spec, registry_loader
@@ -184,23 +184,12 @@ def catchup_line(draft, tokens: int, rounds: int = 3) -> tuple[float, float]:
     """(seconds at no tokens, seconds per token) of a draft's catch-up: one forward over a fresh KV cache, as a
     draft switched in runs it, timed at 1/4, 1/2, 1 and 2 times ``tokens`` (the fastest of ``rounds`` per size:
     other load only ever adds time), and a line fitted through them."""
-    import time
+    from ..runtime.path_choice import timed_forwards
 
-    from ..runtime.draft_forward import lean_forward_for
-    from ..runtime.speculative import KVState, forward_once
-
-    lean = lean_forward_for(draft)
-    device = next(draft.parameters()).device
-    vocab = int(getattr(draft.config, "vocab_size", 2))
     sizes = sorted({max(1, tokens // 4), max(1, tokens // 2), max(1, tokens), max(2, 2 * tokens)})
-    fastest = dict.fromkeys(sizes, math.inf)
-    for _ in range(rounds + 1):  # the first round warms up (allocator, kernel packing) and is not kept
-        for n in sizes:
-            ids = [(7 * i + 3) % vocab for i in range(n)]
-            start = time.perf_counter()
-            forward_once(draft, ids, KVState(), 1, device, lean)
-            fastest[n] = min(fastest[n], time.perf_counter() - start) if _ else fastest[n]
-    return fit_line(sizes, [fastest[n] for n in sizes])
+    vocab = int(getattr(draft.config, "vocab_size", 2))
+    times = timed_forwards(draft, sizes, vocab, rounds, context=0, keep=1)
+    return fit_line(sizes, [min(t) for t in times])
 
 
 def measure_costs(controller: RuntimeController, storage: DraftStorage, registry: DraftRegistry, ids: list[int],
@@ -216,8 +205,8 @@ def measure_costs(controller: RuntimeController, storage: DraftStorage, registry
     specs = {entry.name: draft_spec(str(entry.path), quantization=draft_quantization) for entry in registry}
     loads = {record.name: record.seconds for record in storage.steady_loads(specs)}
     model = CostModel.measure([("general-static", stats)], loads)
-    model.catchup_base_seconds, model.catchup_token_seconds = catchup  # one generation has one catch-up: no line
-    return model.schedule_costs(capacity, gamma)
+    base, per_token = catchup  # one generation has one catch-up: no line to fit from it
+    return replace(model, catchup_base_seconds=base, catchup_token_seconds=per_token).schedule_costs(capacity, gamma)
 
 
 @dataclass

@@ -74,8 +74,7 @@ class Job:
     max_new_tokens: int = 0
     sampling: Any = None  # runtime.speculative.SamplingConfig
     goal_handle: Any = None
-    reserved_at: float = 0.0  # time.monotonic() when the goal callback accepted it
-    accepted_at: float = 0.0  # the same moment on time.perf_counter(): time to first token counts from it
+    accepted_at: float = 0.0  # time.perf_counter() when the goal callback accepted it (time to first token, orphans)
     abort_reason: str | None = None  # the node is deactivating or going: end with the partial text
     result: Generate.Result | None = None  # set when the goal ended before it ran
 
@@ -362,7 +361,7 @@ class GoalRunner:
             if taken >= room:
                 waiting = taken - (self._running is not None)
                 return f"the goal queue is full ({waiting} waiting, action.max_queued_goals {room - 1}): retry later"
-            job.reserved_at, job.accepted_at = time.monotonic(), time.perf_counter()
+            job.accepted_at = time.perf_counter()
             self._reserved.append(job)
             self._unanswered += 1
         return ""
@@ -370,10 +369,10 @@ class GoalRunner:
     def _live_reservations(self) -> list[Job]:
         """The reservations still waiting for their accepted callback; orphans (see RESERVATION_TIMEOUT_SECONDS)
         are dropped, so they hold no queue place and no deactivate waits for them. Called holding ``_cv``."""
-        stale = time.monotonic() - RESERVATION_TIMEOUT_SECONDS
-        orphans = [job for job in self._reserved if job.reserved_at < stale]
+        stale = time.perf_counter() - RESERVATION_TIMEOUT_SECONDS
+        orphans = [job for job in self._reserved if job.accepted_at < stale]
         if orphans:
-            self._reserved = [job for job in self._reserved if job.reserved_at >= stale]
+            self._reserved = [job for job in self._reserved if job.accepted_at >= stale]
             self._unanswered -= len(orphans)
             self._node.get_logger().warning(
                 f"{len(orphans)} accepted goal(s) never reached the accepted callback within"

@@ -169,12 +169,29 @@ class GammaChooser:
         """The best gamma in 0..min(limit, max_gamma); now and then 1 instead of 0, to keep alpha current."""
         most = self.max_gamma if limit is None else min(limit, self.max_gamma)
         gamma = best_gamma(costs, self.alpha(draft_name), most)
-        if gamma == 0 and most > 0:
-            idle = self._idle[draft_name] = self._idle.get(draft_name, 0) + 1
-            if idle >= PROBE_EVERY:
-                self._idle[draft_name] = 0
-                return 1
+        if gamma == 0 and most > 0 and self._probe_due(draft_name):
+            return 1
         return gamma
+
+    def rate(self, costs: ForwardCosts, draft_name: str, limit: int | None = None) -> float:
+        """Committed tokens per millisecond expected of ``draft_name`` at its best gamma (0..min(limit, max_gamma))."""
+        most = self.max_gamma if limit is None else min(limit, self.max_gamma)
+        alpha = self.alpha(draft_name)
+        gamma = best_gamma(costs, alpha, most)
+        return expected_tokens(alpha, gamma) / costs.iteration_ms(gamma)
+
+    def prefers(self, name: str, costs: ForwardCosts, limit: int, rival: str, rival_costs: ForwardCosts) -> bool:
+        """Whether ``name`` (at most ``limit`` proposals) is expected to commit at least as fast as ``rival``; when
+        not, it is still preferred every PROBE_EVERY times, so its acceptance stays current (as choose() probes)."""
+        return self.rate(costs, name, limit) >= self.rate(rival_costs, rival) or self._probe_due(name)
+
+    def _probe_due(self, draft_name: str) -> bool:
+        """One more time ``draft_name`` was passed over; True (and the count restarts) every PROBE_EVERY times."""
+        idle = self._idle[draft_name] = self._idle.get(draft_name, 0) + 1
+        if idle >= PROBE_EVERY:
+            self._idle[draft_name] = 0
+            return True
+        return False
 
     def observe(self, draft_name: str, proposed: int, accepted: int) -> None:
         if proposed > 0:

@@ -195,6 +195,13 @@ def interval_walk(agree: Sequence[bool], position: int, gamma: int, iterations: 
     return position - start, accepted
 
 
+def nearest_size(seconds: Mapping[int, float], size: int) -> float:
+    """``seconds[size]``, or the entry of the nearest size measured (0 with none): verify times by proposals."""
+    if size in seconds:
+        return seconds[size]
+    return seconds[min(seconds, key=lambda k: abs(k - size))] if seconds else 0.0
+
+
 @dataclass(frozen=True)
 class ScheduleCosts:
     """What Oracle-Dynamic's schedule pays, as measured on this machine and storage (the bench fills it).
@@ -221,10 +228,8 @@ class ScheduleCosts:
         """An iteration that verifies ``proposed`` proposals, in speculative iterations."""
         if not self.verify_seconds or self.iteration_seconds <= 0:
             return 1.0
-        verify = self.verify_seconds.get(proposed)
-        if verify is None:  # the nearest size measured, as the simulator's cost model does
-            verify = self.verify_seconds[min(self.verify_seconds, key=lambda k: abs(k - proposed))]
-        seconds = proposed * self.draft_token_seconds + verify + self.other_iteration_seconds
+        seconds = (proposed * self.draft_token_seconds + nearest_size(self.verify_seconds, proposed)
+                   + self.other_iteration_seconds)
         return seconds / self.iteration_seconds
 
     def catchup_iterations(self, tokens: int = 0) -> float:
@@ -369,7 +374,7 @@ class ScheduleSolver:
                 p += accepted_at(walk, p, oracle.gamma) + 1
             return p, cost
 
-        per_token = costs.catchup_iterations(1) - costs.catchup_iterations(0) if costs.catchup_token_seconds else 0.0
+        per_token = costs.catchup_token_seconds / costs.iteration_seconds if costs.iteration_seconds > 0 else 0.0
         return cls(list(agree), step, 1, len(oracle.continuation), oracle.interval, costs.capacity,
                    costs.catchup_iterations(oracle.prompt_tokens), costs.load_iterations(), per_token)
 

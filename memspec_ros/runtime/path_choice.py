@@ -24,7 +24,7 @@ from .forward_paths import PATHS, apply_path, cpu_has_bf16
 CONTEXT_TOKENS = 64  # a short chat prompt's worth of cache for the timed forwards to attend to
 REPEATS = 5  # timed forwards per size; the median is kept
 WARMUP = 2  # untimed forwards first (allocator, kernel packing, caches)
-CURVE_ROUNDS = 7  # interleaved rounds of a cost curve (every size once a round); the median per size is kept
+CURVE_ROUNDS = 7  # interleaved rounds of a cost curve (every size once a round); the fastest per size is kept
 
 
 @dataclass
@@ -65,32 +65,37 @@ def candidate_paths() -> tuple[list[str], dict[str, str]]:
 
 
 @torch.inference_mode()
-def _timed_forwards(model: torch.nn.Module, sizes: list[int], vocab_size: int, rounds: int) -> list[list[float]]:
-    """Seconds of each ``sizes`` forward after a cached context, as the engine runs it: ``rounds`` timed rounds
-    (after ``WARMUP`` untimed ones), each round one forward of every size in turn."""
+def timed_forwards(model: torch.nn.Module, sizes: list[int], vocab_size: int, rounds: int,
+                   context: int = CONTEXT_TOKENS, keep: int | None = None) -> list[list[float]]:
+    """Seconds of each ``sizes`` forward, as the engine runs it: ``rounds`` timed rounds (after ``WARMUP`` untimed
+    ones), each round one forward of every size in turn. After a cached ``context`` of that many tokens (a decode
+    step or a verify), or over a fresh KV cache with ``context`` 0 (a switched-in draft's catch-up); logits of the
+    last ``keep`` positions (default: every fed one, as a verify keeps)."""
     from .speculative import KVState, forward_once  # the engine's own forward; imported late (it imports us)
 
     lean = lean_forward_for(model)
     device = next(model.parameters()).device
-    ids = [i % vocab_size for i in range(1, CONTEXT_TOKENS + 1)]
     kv = KVState()
     samples: list[list[float]] = [[] for _ in sizes]
     with observers_paused(model):  # made-up tokens: not rows for a target-hidden predictor (a goal may be running)
-        forward_once(model, ids, kv, 1, device, lean)
+        if context:
+            forward_once(model, [i % vocab_size for i in range(1, context + 1)], kv, 1, device, lean)
         for repeat in range(WARMUP + rounds):
             for times, tokens in zip(samples, sizes, strict=True):
                 feed = [i % vocab_size for i in range(3, 3 + tokens)]
+                cache = kv if context else KVState()
                 start = time.perf_counter()
-                forward_once(model, feed, kv, tokens, device, lean)
+                forward_once(model, feed, cache, tokens if keep is None else keep, device, lean)
                 if repeat >= WARMUP:
                     times.append(time.perf_counter() - start)
-                kv.crop_to(CONTEXT_TOKENS)
+                if context:
+                    kv.crop_to(context)
     return samples
 
 
 def time_forward(model: torch.nn.Module, tokens: int, vocab_size: int) -> float:
     """Median milliseconds of a ``tokens``-token forward after a cached context, as the engine runs it."""
-    return 1000.0 * statistics.median(_timed_forwards(model, [tokens], vocab_size, REPEATS)[0])
+    return 1000.0 * statistics.median(timed_forwards(model, [tokens], vocab_size, REPEATS)[0])
 
 
 def non_decreasing(values: list[float]) -> list[float]:
@@ -119,7 +124,7 @@ def forward_cost_curve(model: torch.nn.Module, tokens: int, vocab_size: int, rou
     fixed gamma of 4). Interleaved, the medians still wandered under that load (sizes 3-6 swapped places between
     three runs) while the fastest round per size gave the same curve each time (6.2-6.4, 6.7-7.0, 7.9-8.2,
     8.8-9.0, 9.2-9.4 ms): load only ever adds time, so the minimum is the forward's own cost."""
-    fastest = [1000.0 * min(times) for times in _timed_forwards(model, list(range(1, tokens + 1)), vocab_size, rounds)]
+    fastest = [1000.0 * min(times) for times in timed_forwards(model, list(range(1, tokens + 1)), vocab_size, rounds)]
     return non_decreasing(fastest)
 
 

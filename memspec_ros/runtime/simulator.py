@@ -36,7 +36,7 @@ import torch
 from .cache import normalise_ranking
 from .choice import Choice, Resolution, carry_out
 from .draft_forward import lean_forward_for, observe_hidden
-from .oracle import GreedyOracle, ScheduleCosts
+from .oracle import GreedyOracle, ScheduleCosts, nearest_size
 from .policies import DraftPolicy, SchedulingPoint
 from .predictor import PredictionEngine, mean_rows, recent_window
 from .speculative import KVState
@@ -216,13 +216,7 @@ class CostModel:
     medium: str = ""
 
     def verify(self, proposed: int) -> float:
-        if proposed in self.verify_seconds:
-            return self.verify_seconds[proposed]
-        known = sorted(self.verify_seconds)
-        if not known:
-            return 0.0
-        nearest = min(known, key=lambda k: abs(k - proposed))
-        return self.verify_seconds[nearest]
+        return nearest_size(self.verify_seconds, proposed)
 
     def catchup(self, tokens: int) -> float:
         return max(0.0, self.catchup_base_seconds + self.catchup_token_seconds * tokens)

@@ -31,17 +31,7 @@ import torch
 from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, lean_forward_for
 from .forward_paths import MAX_VERIFY_ROWS
-from .gamma_choice import (
-    PROBE_EVERY,
-    ForwardCosts,
-    GammaChooser,
-    best_gamma,
-    draft_pays,
-    expected_tokens,
-    measure_costs,
-    row_pays,
-    target_costs,
-)
+from .gamma_choice import ForwardCosts, GammaChooser, draft_pays, measure_costs, row_pays, target_costs
 from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from .stats import GenerationStats, IterationStats
 
@@ -349,7 +339,6 @@ class SpeculativeSession:
         if datastores and lookup is None:
             raise ValueError("a datastore is searched by context lookup: pass lookup=LookupConfig() with it")
         self._lookup = NgramIndex(lookup, datastores) if lookup is not None else None
-        self._declined_copies = 0  # copies the draft was expected to beat since the last one proposed
         if self._lookup is not None:
             self._lookup.extend(self.prompt_ids)
         self.generator = torch.Generator(device=self.device)
@@ -568,17 +557,7 @@ class SpeculativeSession:
             costs = chooser.costs(measure_costs(self.target, draft, self.gamma), draft_name)
         except Exception:  # the draft's own timing failed: the copy goes ahead, the draft's failure is _propose's
             return True
-        alpha = chooser.alpha(draft_name)
-        gamma = best_gamma(costs, alpha, self.gamma)
-        draft_rate = expected_tokens(alpha, gamma) / costs.iteration_ms(gamma)
-        copy_rate = expected_tokens(chooser.alpha(LOOKUP_DRAFT), len(tokens)) / free.iteration_ms(len(tokens))
-        if copy_rate >= draft_rate:
-            return True
-        declined = self._declined_copies = self._declined_copies + 1
-        if declined >= PROBE_EVERY:
-            self._declined_copies = 0
-            return True
-        return False
+        return chooser.prefers(LOOKUP_DRAFT, free, len(tokens), draft_name, costs)
 
     def _verify(self, proposals: list[int]) -> torch.Tensor:
         """The target scores the uncached committed tokens and every proposal in one forward."""

@@ -35,7 +35,7 @@ time: scheduling, streaming, bookkeeping). The parts sum to ``decode_seconds``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .lookup import LOOKUP_DRAFT
 
@@ -404,10 +404,9 @@ class GenerationTotals:
     def merge(self, other: GenerationTotals) -> GenerationTotals:
         """These totals plus another's (a policy over every workload)."""
         out = GenerationTotals(breakdown=dict(self.breakdown))
-        for name in ("generations", "decode_tokens", "decode_seconds", "completion_tokens", "end_to_end_seconds",
-                     "speculative_iterations", "speculative_iteration_seconds", "accepted_tokens",
-                     "preferred_iterations", "fallback_iterations"):
-            setattr(out, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):  # every count and sum but the breakdown, added below
+            if f.name != "breakdown":
+                setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
         for key, seconds in other.breakdown.items():
             out.breakdown[key] += seconds
         return out

@@ -295,7 +295,7 @@ class Monitor:
                 self.violations.append(f"load of {[s.name for s in new]} started beyond the limits: {snap}")
         # in flight: on the loader thread and not published yet. A load that published its model (or failure) is
         # done although ``tracked`` has not returned: another thread may evict it meanwhile, as any resident draft
-        # (seen on a loaded machine: a resident draft evicted in that window was reported as a load in flight)
+        # (the likely cause of the one failure seen, on a loaded machine; it was not reproduced to confirm it)
         flying = [s for s in self.running.values() if s.future is not None and s.model is None and s.error is None]
         for slot in flying:
             if c._slots.get(slot.name) is not slot:

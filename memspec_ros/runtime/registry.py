@@ -206,8 +206,8 @@ class DraftRegistry:
     def replace_with(self, other: DraftRegistry) -> list[DraftEntry]:
         """Take ``other``'s entries in one step (a running generation sees the new set at its next scheduling point,
         never half of it); returns the entries that left or changed. ``other`` checked them when it was built, so
-        they are not read again (a tokenizer each: 0.4 s a draft, which callers holding a lock made every goal
-        callback wait for); it must have checked them as this registry would."""
+        they are not read again (a tokenizer each: about 0.4 s a draft in a reviewer's run on a loaded machine, which
+        callers holding a lock made every goal callback wait for); it must have checked them as this registry would."""
         if self.validate and (not other.validate or other.target_fingerprint != self.target_fingerprint):
             raise ValueError("the replacing registry did not check its drafts against this registry's target")
         want = {e.name: e for e in other.entries()}

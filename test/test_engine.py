@@ -144,6 +144,41 @@ def test_stop_strings_and_streamed_chunks():
     assert "".join(chunks) == text
 
 
+def test_a_stop_string_inside_an_accepted_run_ends_where_the_target_alone_ends():
+    """The tokens after the one that completes a stop string are the target's own too, but one-token decoding
+    never commits them: with an exact copy as the draft (every proposal stands, gamma 6) the ids, the finish
+    reason and the text equal the target alone's for every stop string, also where an end token or the length
+    limit falls later in the same accepted run."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tokenizer), seed=5)
+    same = noisy_copy(target, 0.0)
+    prompt = tokenizer("The patient")["input_ids"]
+    free = generate(target, prompt, None, max_new_tokens=40, tokenizer=tokenizer)
+    text, ids = free.text, free.generated_ids
+    stops = {text[i : i + n] for i in range(0, len(text) - 3, 3) for n in (1, 3)} - {""}
+    checked = 0
+    for stop, new, eos in product(sorted(stops), (8, 40), ([], ids[6:7])):
+        kwargs = dict(max_new_tokens=new, tokenizer=tokenizer, stop_strings=[stop], eos_token_ids=eos)
+        alone = generate(target, prompt, None, **kwargs)
+        fast = generate(target, prompt, same, gamma=6, **kwargs)
+        assert (fast.generated_ids, fast.finish_reason, fast.text) == (
+            alone.generated_ids, alone.finish_reason, alone.text), (stop, new, eos)
+        assert all(it.accepted <= it.committed for it in fast.stats.iterations)
+        checked += alone.finish_reason == "stop" and len(alone.generated_ids) % 7 != 1
+    assert checked  # some stops fell inside an accepted run
+
+
+def test_a_run_cut_by_an_end_token_counts_only_its_committed_proposals(target):
+    """Proposals that stood after an end token were never committed: they are not accepted tokens."""
+    same = noisy_copy(target, 0.0)
+    ids = generate(target, PROMPT, None, max_new_tokens=NEW).generated_ids
+    eos = ids[3]
+    session = generate(target, PROMPT, same, gamma=8, max_new_tokens=NEW, eos_token_ids=[eos])
+    assert session.generated_ids == ids[: ids.index(eos) + 1] and session.finish_reason == "eos"
+    last = session.stats.iterations[-1]
+    assert last.accepted <= last.committed and last.proposed == 8
+
+
 def test_text_stream_is_incremental_and_joins_to_the_full_decode():
     from pathlib import Path
 

@@ -177,8 +177,33 @@ def test_a_copy_is_weighed_against_the_draft_that_would_run_instead(pair, monkey
     for _ in range(30):
         chooser.observe("noisy", 4, 4)  # the draft: every proposal accepted
         chooser.observe(LOOKUP_DRAFT, 4, 0)  # the copies: none
-    decisions = [session._copy_pays([1, 2, 3, 4], free, "noisy", draft) for _ in range(3 * PROBE_EVERY)]
-    assert decisions.count(True) == 3 and decisions[PROBE_EVERY - 1]  # only the probes
+    rival = session._draft_costs("noisy", draft)
+    decisions = [chooser.choose_copy(free, LOOKUP_DRAFT, 4, "noisy", rival) for _ in range(3 * PROBE_EVERY)]
+    assert sum(map(bool, decisions)) == 3 and decisions[PROBE_EVERY - 1]  # only the probes
     for _ in range(60):
         chooser.observe(LOOKUP_DRAFT, 4, 4)  # copies as good as the draft, and free of draft forwards
-    assert session._copy_pays([1, 2, 3, 4], free, "noisy", draft)
+    assert chooser.choose_copy(free, LOOKUP_DRAFT, 4, "noisy", rival) == 4
+
+
+def test_copies_too_poor_for_a_plain_step_are_still_probed_beside_a_draft(pair, monkeypatch):
+    """The probe that keeps a declined copy's acceptance current must be made: once the copies' estimate fell
+    below a plain step's worth, the gamma test granted the probe and the test against the draft declined it
+    again (restarting the count), so no copy was proposed for the rest of the generation."""
+    from conftest import fix_adaptive_costs
+
+    from memspec_ros.runtime.gamma_choice import PROBE_EVERY, ForwardCosts
+    from memspec_ros.runtime.speculative import SpeculativeSession
+
+    target, draft = pair
+    fix_adaptive_costs(monkeypatch, lambda model, k, vocab: 10.0 + 5 * k if model is target else 0.1, 0.1)
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=40, gamma=4, adaptive_gamma=True,
+                                 lookup=LookupConfig())
+    chooser = session._gamma_chooser
+    free = ForwardCosts(verify_ms=[10.0 + 5 * k for k in range(1, 6)], draft_ms=0.0)
+    for _ in range(6):
+        chooser.observe(LOOKUP_DRAFT, 4, 0)  # six failed copies: not worth a plain step's extra rows
+        chooser.observe("noisy", 4, 2)
+    rival = session._draft_costs("noisy", draft)
+    decisions = [chooser.choose_copy(free, LOOKUP_DRAFT, 4, "noisy", rival) for _ in range(4 * PROBE_EVERY)]
+    assert decisions.count(1) == 4 and set(decisions) == {0, 1}  # a one-token probe every PROBE_EVERY
+

@@ -397,6 +397,22 @@ def test_the_cache_keeps_several_goals_within_its_budget_and_a_goal_takes_the_on
         cache.set_budget(-1)
 
 
+def test_a_repeated_prompt_keeps_one_conversation_not_a_copy_per_goal(c_target):
+    """A behaviour-tree skill that sends the same prompt goal after goal gets copies of the kept conversation (it
+    shares all but the last prompt token); its own caches then hold everything the older goal's held, so the older
+    goal's are dropped instead of kept beside them, pushing other conversations out of the budget."""
+    controller = _controller(c_target, {"general": noisy_copy(c_target, 0.05, seed=5)}, prompt_cache_bytes=1 << 40)
+    other, prompt = _ids(12, 40), _ids(10, 41)
+    held = other + controller.generate(other, max_new_tokens=4).token_ids
+    if controller.prompt_cache_refused:
+        pytest.skip("the C kernels did not build: no caches are kept")
+    answers = [controller.generate(prompt, max_new_tokens=6).token_ids for _ in range(5)]
+    assert all(a == answers[0] for a in answers)  # greedy: the same answer each time, from reused caches too
+    assert controller.prompt_cache.conversations == 2  # the other conversation and one of these
+    reuse = controller.prompt_cache.take(held + [5])
+    assert reuse.target is not None and reuse.target.length == len(held) - 1  # the other one stayed whole
+
+
 class _RowsRanker(FixedRanker):
     """Rankings as FixedRanker; hidden rows that say which goal's prompt they belong to (its first token)."""
 

@@ -180,10 +180,20 @@ class GammaChooser:
         gamma = best_gamma(costs, alpha, most)
         return expected_tokens(alpha, gamma) / costs.iteration_ms(gamma)
 
-    def prefers(self, name: str, costs: ForwardCosts, limit: int, rival: str, rival_costs: ForwardCosts) -> bool:
-        """Whether ``name`` (at most ``limit`` proposals) is expected to commit at least as fast as ``rival``; when
-        not, it is still preferred every PROBE_EVERY times, so its acceptance stays current (as choose() probes)."""
-        return self.rate(costs, name, limit) >= self.rate(rival_costs, rival) or self._probe_due(name)
+    def choose_copy(self, costs: ForwardCosts, name: str, limit: int, rival: str = "",
+                    rival_costs: ForwardCosts | None = None) -> int:
+        """How many of ``limit`` copied tokens to propose (``name``: their acceptance estimate, ``costs``: the
+        target's with a free draft): the best gamma when it beats a plain step and, given a ``rival`` draft that
+        would run instead, that draft's expected rate too; else 0, but 1 (or the best gamma) every PROBE_EVERY
+        declined copies, so their acceptance stays current. One decision and one count: a probe that a second
+        test could decline again was never made, and the copies stayed off for the rest of the generation."""
+        most = min(limit, self.max_gamma)
+        alpha = self.alpha(name)
+        gamma = best_gamma(costs, alpha, most)
+        rate = expected_tokens(alpha, gamma) / costs.iteration_ms(gamma)
+        if gamma > 0 and (rival_costs is None or rate >= self.rate(rival_costs, rival)):
+            return gamma
+        return max(gamma, 1) if most > 0 and self._probe_due(name) else 0
 
     def _probe_due(self, draft_name: str) -> bool:
         """One more time ``draft_name`` was passed over; True (and the count restarts) every PROBE_EVERY times."""

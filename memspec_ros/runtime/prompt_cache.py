@@ -125,6 +125,20 @@ class _Entry:
         return buffer_bytes(self.kv.cache) + sum(buffer_bytes(kv.cache) for _, kv in self.drafts.values()) + rows
 
 
+def _covers(new: _Entry, old: _Entry) -> bool:
+    """Whether ``new`` serves every prompt at least as well as ``old``: it holds ``old``'s tokens as a prefix, and
+    every draft cache ``old`` holds, as far as ``old`` holds it."""
+    if len(old.tokens) > len(new.tokens) or common_prefix(old.tokens, new.tokens) < len(old.tokens):
+        return False
+    for name, (ref, kv) in old.drafts.items():
+        mine = new.drafts.get(name)
+        if ref() is not None and (mine is None or mine[0]() is not ref() or mine[1].length < kv.length):
+            return False
+    if old.hidden_rows is not None and (new.hidden_rows is None or new.hidden_rows.shape[0] < old.hidden_rows.shape[0]):
+        return False
+    return True
+
+
 class PromptCache:
     """The KV caches of the last goals (target's, drafts') and the tokens they hold; a generation takes the one
     that shares the most with its prompt and hands its own back.
@@ -224,7 +238,14 @@ class PromptCache:
                 kept[name] = (weakref.ref(model), draft_kv)
         if hidden_rows is not None and hidden_rows.shape[0] != kv.length:
             hidden_rows = hidden_rows[: kv.length] if hidden_rows.shape[0] > kv.length else None
-        self._entries = [*self._entries, _Entry(list(tokens[: kv.length]), kv, kept, hidden_rows)]
+        entry = _Entry(list(tokens[: kv.length]), kv, kept, hidden_rows)
+        # an older goal's caches that this one holds all of (a repeated or continued prompt that took copies: the
+        # same tokens, the same drafts) serve no prompt better: dropped, not kept twice in the budget
+        covered = [e for e in self._entries if _covers(entry, e)]
+        self._entries = [*(e for e in self._entries if not any(e is c for c in covered)), entry]
+        if covered:
+            del covered
+            release_freed_memory()
         self._trim()
 
     def clear(self) -> None:

@@ -156,6 +156,32 @@ def test_a_datastore_for_another_tokenizer_or_not_a_datastore_is_refused(tmp_pat
               str(tmp_path / "sep.safetensors"), metadata={"format": datastore_module.FORMAT})
     with pytest.raises(DatastoreError, match="negative"):
         Datastore.load(tmp_path / "sep.safetensors")
+    # malformed arrays: a clear DatastoreError, not a TypeError or numpy's ValueError from deep inside
+    save_file({"tokens": np.arange(4, dtype=np.int32), "offsets": np.array([0.0, 4.0])},
+              str(tmp_path / "float.safetensors"), metadata={"format": datastore_module.FORMAT})
+    with pytest.raises(DatastoreError, match="offsets"):
+        Datastore.load(tmp_path / "float.safetensors")
+    save_file({"tokens": np.arange(4, dtype=np.int32).reshape(2, 2), "offsets": np.array([0, 4])},
+              str(tmp_path / "2d.safetensors"), metadata={"format": datastore_module.FORMAT})
+    with pytest.raises(DatastoreError, match="not one row of integer ids"):
+        Datastore.load(tmp_path / "2d.safetensors")
+
+
+def test_a_datastore_with_ids_past_the_targets_vocabulary_is_refused_before_a_goal(pair):
+    """A copied id the target has no embedding row for would fail its verify and end the goal: a session and a
+    controller refuse such a datastore up front."""
+    from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    target, _ = pair
+    vocab = target.get_input_embeddings().num_embeddings
+    store = Datastore([[4, 5, 13, vocab + 75, 7]])
+    with pytest.raises(DatastoreError, match=f"token id {vocab + 75}, past the target's {vocab} tokens"):
+        generate(target, PROMPT, None, max_new_tokens=8, lookup=LookupConfig(), datastores=(store,))
+    with pytest.raises(DatastoreError, match="past the target's"):
+        RuntimeController(RuntimeConfig(policy="general-static", context_lookup=True), target, None,
+                          DraftRegistry([], validate=False), eos_token_ids=[], datastore=store)
+    Datastore([[4, 5, vocab - 1]]).check_vocab(vocab)  # the last row is a token
 
 
 @pytest.mark.parametrize("gamma,adaptive,with_draft", list(product([1, 4], [False, True], [False, True])))

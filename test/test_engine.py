@@ -179,6 +179,17 @@ def test_a_run_cut_by_an_end_token_counts_only_its_committed_proposals(target):
     assert last.accepted <= last.committed and last.proposed == 8
 
 
+def test_a_temperature_that_is_not_a_number_is_refused_and_a_tiny_one_samples_the_argmax(target, drafts):
+    """NaN or an infinite temperature is a clear error; a tiny positive one (logits / T overflowing to inf) samples
+    the greedy tokens instead of failing inside torch.multinomial on inf - inf."""
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a finite number"):
+            SamplingConfig(temperature=bad)
+    tiny = SamplingConfig(temperature=1e-39, seed=3)
+    session = generate(target, PROMPT, drafts["noisy"], gamma=4, max_new_tokens=16, sampling=tiny)
+    assert session.generated_ids == reference(target, new=16)
+
+
 def test_text_stream_is_incremental_and_joins_to_the_full_decode():
     from pathlib import Path
 

@@ -298,6 +298,10 @@ def test_a_refused_request_takes_nothing_from_the_prompt_cache(c_target):
         controller.generate(follow, max_new_tokens=0)
     with pytest.raises(ContextLengthError):
         controller.generate(follow, max_new_tokens=controller.max_positions)
+    vocab = c_target.get_input_embeddings().num_embeddings
+    for bad in (-1, vocab):  # a token id the target has no row for: refused before the prefill took the caches
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, "):
+            controller.generate(follow[:-1] + [bad], max_new_tokens=4)
     assert controller.prompt_cache.tokens == held
     assert controller.generate(follow, max_new_tokens=4).stats.reused_prompt_tokens == held
 

@@ -38,7 +38,14 @@ from .policies import POLICIES, DraftPolicy, SchedulingPoint, make_policy
 from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor
 from .prompt_cache import PromptCache, Reuse, reuse_refused
 from .registry import DraftRegistry
-from .speculative import ChunkCallback, DraftFailure, SamplingConfig, SpeculativeSession, check_generation
+from .speculative import (
+    ChunkCallback,
+    DraftFailure,
+    SamplingConfig,
+    SpeculativeSession,
+    check_generation,
+    input_rows,
+)
 from .stats import GenerationStats, IterationStats
 
 GREEDY = SamplingConfig()
@@ -169,6 +176,8 @@ class RuntimeController:
         datastore: Datastore | None = None,
     ) -> None:
         self.config = config.validate()
+        if datastore is not None:  # refused here, not by every goal's session
+            datastore.check_vocab(input_rows(target))
         self.datastore = datastore  # past answers context lookup also searches (runtime/datastore.py)
         self._answers: deque[list[int]] = deque()  # this controller's own latest answers (remember_answers)
         self._remembered: Datastore | None = None  # the index over them
@@ -290,7 +299,8 @@ class RuntimeController:
         prompt_ids = self._encode(prompt)
         # before anything is taken for it (the prompt cache's entry, the predictor's rows): a refused request
         # leaves them as they were
-        check_generation(prompt_ids, max_new_tokens, self.max_positions, stop, self.tokenizer)
+        check_generation(prompt_ids, max_new_tokens, self.max_positions, stop, self.tokenizer,
+                         input_rows(self.target))
         with self._lock:
             if self._running:
                 raise RuntimeError("a generation is already running on this controller: one goal at a time")

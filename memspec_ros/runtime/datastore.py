@@ -95,6 +95,7 @@ class Datastore:
             parts += [ids, np.array([SEPARATOR], dtype=np.int64)]
             self.answers += 1
         self.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        self.max_token = int(self.tokens.max()) if len(self.tokens) else -1  # a target needs a row for it
         self._tables = {n: self._table(n) for n in range(config.min_ngram, config.max_ngram + 1)}
 
     def _table(self, n: int) -> _Table:
@@ -120,6 +121,14 @@ class Datastore:
         last = np.ones(len(keys), dtype=bool)
         last[:-1] = keys[1:] != keys[:-1]
         return _Table(keys[last], after[last])
+
+    def check_vocab(self, vocab_size: int, where: str = "the datastore") -> None:
+        """DatastoreError unless every id held is one of a target's ``vocab_size`` tokens: a copied id past its
+        embedding would fail the target's verify and end the goal."""
+        if vocab_size and self.max_token >= vocab_size:  # max_token: the largest id held, -1 when empty
+            raise DatastoreError(f"{where} holds token id {self.max_token}, past the target's {vocab_size} tokens:"
+                                 " it was made for another model; rebuild it with memspec-zoo build --stages"
+                                 " datastore for this target")
 
     def find(self, suffix: Sequence[int]) -> int | None:
         """The position right after the chosen occurrence of ``suffix`` (an indexed length): of those
@@ -196,8 +205,10 @@ def read_answers(path: str | Path, fingerprint: str | None = None) -> tuple[list
         raise DatastoreError(f"{path} was made with another tokenizer than the target's (fingerprint"
                              f" {meta.get('tokenizer_fingerprint')!r}, target {fingerprint!r}): rebuild it"
                              " with memspec-zoo build --stages datastore for this target")
-    if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens) \
-            or (np.diff(offsets) < 0).any():
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise DatastoreError(f"{path}: its tokens are {tokens.ndim}-d {tokens.dtype}, not one row of integer ids")
+    if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer) or len(offsets) < 1 or offsets[0] != 0 \
+            or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any():
         raise DatastoreError(f"{path}: offsets do not split its {len(tokens)} tokens into answers")
     tokens = tokens.astype(np.int64)
     if (tokens < 0).any():  # a corrupt file: a negative id (-1 would split an answer) is no token

@@ -68,6 +68,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number (<= 0: greedy), got {self.temperature}")
 
     @property
     def greedy(self) -> bool:
@@ -76,7 +78,9 @@ class SamplingConfig:
 
 def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Probabilities after temperature and nucleus (top-p) filtering, row-wise."""
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    # shifted by the row's maximum first, so a tiny temperature gives 0 and -inf (the argmax), not inf - inf
+    logits = logits.float()
+    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / sampling.temperature, dim=-1)
     if sampling.top_p >= 1.0:
         return probs
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
@@ -261,13 +265,26 @@ class _TextStream:
         return delta, stopped
 
 
+def input_rows(model: torch.nn.Module) -> int:
+    """The token ids a model's embedding takes (0..rows-1); 0 where it cannot tell."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embed, "num_embeddings", None)
+    config = getattr(model, "config", None)
+    return int(rows if rows is not None else getattr(config, "vocab_size", 0) or 0)
+
+
 def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positions: int = 0,
-                     stop_strings: Sequence[str] = (), tokenizer=None) -> None:
+                     stop_strings: Sequence[str] = (), tokenizer=None, vocab_size: int = 0) -> None:
     """A generation's request against what a session can run: ValueError (ContextLengthError) with the reason.
     Callers that take state for the session (a reused prompt prefix) check first, so a refused request takes
-    nothing."""
+    nothing. ``vocab_size``: the target's token ids (0: not checked)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
+    if vocab_size:
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab_size}) (the target's vocabulary), got"
+                             f" {bad[:8]}{'...' if len(bad) > 8 else ''}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if max_positions and len(prompt_ids) + max_new_tokens > max_positions:
@@ -309,7 +326,7 @@ class SpeculativeSession:
         prefix: KVState | None = None,
         draft_prefixes: Mapping[str, tuple[torch.nn.Module, KVState]] | None = None,
     ) -> None:
-        check_generation(prompt_ids, max_new_tokens, max_positions, stop_strings, tokenizer)
+        check_generation(prompt_ids, max_new_tokens, max_positions, stop_strings, tokenizer, input_rows(target))
         if prefix is not None and not 0 < prefix.length < len(prompt_ids):
             # the prefill must feed at least one token: its logits give the first generated token
             raise ValueError(f"a reused prefix must hold 1 to {len(prompt_ids) - 1} of the prompt's"
@@ -338,6 +355,8 @@ class SpeculativeSession:
         # Datastores (past answers, runtime/datastore.py) are searched where the context has no match
         if datastores and lookup is None:
             raise ValueError("a datastore is searched by context lookup: pass lookup=LookupConfig() with it")
+        for store in datastores:
+            store.check_vocab(input_rows(target))
         self._lookup = NgramIndex(lookup, datastores) if lookup is not None else None
         if self._lookup is not None:
             self._lookup.extend(self.prompt_ids)

@@ -175,8 +175,8 @@ def test_an_interrupted_conversion_is_redone(tmp_path, monkeypatch):
     src = tmp_path / "tiny.gguf"
     _tiny_gguf(src)
     monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    digest = model_source.file_digest(src)
-    half = tmp_path / "cache" / "gguf" / digest[:24]
+    digest = model_source.conversion_key(model_source.file_digest(src))
+    half = tmp_path / "cache" / "gguf" / digest
     half.mkdir(parents=True)
     (half / "config.json").write_text("{}")  # no marker: a conversion that died
 
@@ -196,8 +196,8 @@ def test_a_killed_conversions_temporary_folder_is_removed_and_the_file_hashed_on
     src = tmp_path / "tiny.gguf"
     _tiny_gguf(src)
     monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    digest = model_source.file_digest(src)
-    left = tmp_path / "cache" / "gguf" / f".{digest[:24]}-killed"
+    key = model_source.conversion_key(model_source.file_digest(src))
+    left = tmp_path / "cache" / "gguf" / f".{key}-killed"
     left.mkdir(parents=True)
     (left / "model.safetensors").write_bytes(b"half written")
     other = tmp_path / "cache" / "gguf" / ".0123456789abcdef01234567-other"  # another file's: not ours to touch
@@ -224,20 +224,44 @@ def test_a_conversion_waits_for_another_process_converting_the_same_file(tmp_pat
     src = tmp_path / "tiny.gguf"
     _tiny_gguf(src)
     monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    digest = model_source.file_digest(src)
+    key = model_source.conversion_key(model_source.file_digest(src))
     gguf_dir = tmp_path / "cache" / "gguf"
     gguf_dir.mkdir(parents=True)
     conversions = []
     monkeypatch.setattr(model_source, "convert_gguf", lambda path, out: conversions.append(out))
     out: list = []
-    with open(gguf_dir / f".{digest[:24]}.lock", "a") as lock:
+    with open(gguf_dir / f".{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         waiter = threading.Thread(target=lambda: out.append(resolve_model_path(str(src))))
         waiter.start()
         waiter.join(0.5)
         assert waiter.is_alive() and conversions == []  # held back by the lock
-        done = gguf_dir / digest[:24]  # what the other process leaves
+        done = gguf_dir / key  # what the other process leaves
         done.mkdir()
         (done / CONVERTED_MARKER).write_text("{}")
     waiter.join(10.0)
     assert out == [done] and conversions == []
+
+
+def test_a_conversion_reads_only_the_gguf_file_not_its_folder(tmp_path):
+    """transformers loads a GGUF from its folder and reads the folder's own tokenizer.json: a stray one beside the
+    file became the converted model's tokenizer, cached under the file's digest wherever the file moved later."""
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    (folder / "model.gguf").symlink_to(package_file(SMOLLM2))
+    (folder / "tokenizer.json").write_text(json.dumps({  # a three-word WordLevel tokenizer: not the GGUF's
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}}))
+    assert len(model_source.load_gguf_tokenizer(folder / "model.gguf")) == 49152
+
+
+def test_a_conversion_is_cached_per_transformers_version(monkeypatch):
+    """The same GGUF converts differently between transformers releases (its special tokens' names): a conversion
+    made by another release is not reused."""
+    import transformers
+
+    key = model_source.conversion_key("ab" * 32)
+    assert model_source.conversion_key("ab" * 32) == key and model_source.conversion_key("cd" * 32) != key
+    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    assert model_source.conversion_key("ab" * 32) != key

@@ -13,8 +13,8 @@
 
 A GGUF file is converted once into an ordinary safetensors directory (weights
 de-quantized by transformers' GGUF loader, tokenizer with its chat template)
-in a cache keyed by the file's SHA-256, ``$XDG_CACHE_HOME/memspec_ros/gguf``
-(``~/.cache/...`` by default, ``MEMSPEC_CACHE_DIR`` overrides), so every later
+in a cache keyed by the file's SHA-256 with transformers' and the converter's versions,
+``$XDG_CACHE_HOME/memspec_ros/gguf`` (``~/.cache/...`` by default, ``MEMSPEC_CACHE_DIR`` overrides), so every later
 load is a plain safetensors load of a few seconds.  GGUF is a data format:
 ``gguf.GGUFReader`` memory-maps it with numpy and nothing in it is executed;
 the chat template it carries is Jinja, which transformers renders in a
@@ -30,12 +30,17 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError
 
 PKG_PREFIX = "pkg:"
 CONVERTED_MARKER = "memspec_gguf.json"  # written last: a directory without it is an interrupted conversion
+# part of a conversion's cache key, with the file's digest and transformers' version (its GGUF loader names the
+# same file's special tokens differently between releases, models.py): raise it when convert_gguf's output changes
+CONVERTER_VERSION = 2
 
 
 class GGUFConversionError(ModelLoadError):
@@ -132,18 +137,47 @@ def check_gguf(path: Path) -> str:
     return arch
 
 
+@contextmanager
+def _alone(path: Path) -> Iterator[tuple[str, str]]:
+    """``with _alone(path) as (folder, name)``: a private folder holding only a link to the GGUF file. transformers
+    loads a GGUF from its folder and still reads the folder's own files (a tokenizer.json, a config.json left beside
+    the file would be taken instead of the GGUF's), and the result is cached under the file's digest."""
+    folder = tempfile.mkdtemp(prefix="memspec-gguf-")
+    try:
+        os.symlink(path.resolve(), os.path.join(folder, "model.gguf"))
+        yield folder, "model.gguf"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer a GGUF file holds, read as convert_gguf reads it (only the file, not its folder)."""
+    from transformers import AutoTokenizer
+
+    with _alone(path) as (folder, name):
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+
+def conversion_key(digest: str) -> str:
+    """The cache folder name of a GGUF file's conversion: its digest, transformers' version and the converter's."""
+    import transformers
+
+    return hashlib.sha256(f"{digest}:{transformers.__version__}:{CONVERTER_VERSION}".encode()).hexdigest()[:24]
+
+
 def convert_gguf(path: Path, out_dir: Path) -> None:
     """De-quantize ``path`` into an fp32 safetensors directory ``out_dir`` (config, weights, tokenizer)."""
     import torch
 
     check_gguf(path)
     _require("accelerate", "transformers needs it to load GGUF weights")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(gguf_file=path.name, local_files_only=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
+        tokenizer = load_gguf_tokenizer(path)
+        with _alone(path) as (folder, name):
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
+                                                          dtype=torch.float32)
     except (OSError, ValueError, NotImplementedError) as exc:
         raise GGUFConversionError(f"transformers could not load {path}: {exc}") from exc
     # save_pretrained refuses a GGUF-loaded model ("quantized with gguf, not serializable"):
@@ -181,17 +215,22 @@ def converted_dir(path: Path) -> Path:
     import fcntl
 
     digest = cached_digest(path)
-    out = cache_root() / "gguf" / digest[:24]
+    key = conversion_key(digest)
+    out = cache_root() / "gguf" / key
     if (out / CONVERTED_MARKER).is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{digest[:24]}.lock", "a") as lock:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GGUFConversionError(f"cannot write the converted model under {out.parent} ({exc}): set"
+                                  " MEMSPEC_CACHE_DIR (or XDG_CACHE_HOME) to a writable folder") from exc
+    with open(out.parent / f".{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process is killed
         if (out / CONVERTED_MARKER).is_file():  # another process converted it while this one waited
             return out
-        for stale in out.parent.glob(f".{digest[:24]}-*"):  # only a process holding this lock writes these
+        for stale in out.parent.glob(f".{key}-*"):  # only a process holding this lock writes these
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}-", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
         try:
             convert_gguf(path, tmp)
             (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}, indent=1))

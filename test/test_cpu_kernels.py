@@ -369,6 +369,27 @@ def test_the_library_is_compiled_once_per_machine_and_source(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left behind
 
 
+def test_a_damaged_cached_library_is_built_again(tmp_path):
+    """A cached library cut short (a power cut between write and rename, before it was fsynced) failed to load on
+    every start and left ATen's kernels running, silently changing the model's numbers: it is built again."""
+    library = cpu_kernels._build(tmp_path / "kernels")
+    library.write_bytes(library.read_bytes()[:100])
+    out = _status_in_subprocess({"MEMSPEC_CACHE_DIR": str(tmp_path)})
+    assert out.startswith("memspec w4") and "| True |" in out, out
+    assert library.stat().st_size > 100
+
+
+def test_a_library_built_without_openmp_says_so(tmp_path):
+    """The fallback builds (no OpenMP, then portable C) are cached under the full build's key: the status says the
+    library is degraded and how to retry, instead of looking like the full build."""
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && exit 1; done\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    for _ in range(2):  # built, then loaded from the cache: both say it
+        out = _status_in_subprocess({"CC": str(cc), "MEMSPEC_CACHE_DIR": str(tmp_path / "cache")})
+        assert "built without OpenMP or -march=native" in out and "| True |" in out, out
+
+
 @needs_decoder
 @pytest.mark.parametrize("path", ["int4", "int8", "fp32"])
 def test_the_thread_count_does_not_change_a_number(path):

@@ -56,7 +56,7 @@ class KernelStatus:
     f32: bool = False  # fp32 weights x fp32 rows, each sum in one fixed order (rows exact)
     isa: str = ""  # the instruction set each kernel was compiled for
     library: str = ""
-    reason: str = ""  # why they are missing ('' when they run)
+    reason: str = ""  # why they are missing, or why they were built degraded ('' when they run as built)
 
     def describe(self) -> str:
         names = [name for name, on in (("w4", self.w4), ("i8", self.i8), ("f32", self.f32), ("decoder", self.decoder))
@@ -98,6 +98,8 @@ def _native_macros(compiler: list[str]) -> str:
 
 def _build(out_dir: Path, portable: bool = False) -> Path:
     """The compiled library for this source, compiler and CPU; compiled once, reused after."""
+    from .model_source import sync_dir  # (a module that imports torch's model code: only when building)
+
     compiler = _compiler()
     flags = (*FLAGS, "-DMEMSPEC_PORTABLE") if portable else FLAGS
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -125,9 +127,29 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
             errors.append(f"[{' '.join(tried)}] {done.stderr.strip()[-300:]}")
         else:
             raise RuntimeError(f"{' '.join(compiler)} failed: " + " | ".join(errors))
+        # on disk before the rename publishes it: a power cut must not leave a truncated library under the name
+        with open(partial, "rb") as handle:
+            os.fsync(handle.fileno())
+        fallback = _fallback_note(library)
+        if errors:  # a fallback build is kept, and says so on every load (status().reason)
+            fallback.write_text(" | ".join(errors))
+        else:
+            fallback.unlink(missing_ok=True)
         os.replace(partial, library)
+        sync_dir(out_dir)
     finally:
         partial.unlink(missing_ok=True)
+    return library
+
+
+def _fallback_note(library: Path) -> Path:
+    """Beside a library built without OpenMP or -march=native: why the full build failed."""
+    return library.with_suffix(".fallback.txt")
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    _bind(library)
     return library
 
 
@@ -160,17 +182,25 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
         return None, KernelStatus(reason=f"turned off by {ENV_SWITCH}=0")
     from .model_source import cache_root  # the one cache folder the runtime writes to
 
+    folder, portable = cache_root() / "kernels", switch == PORTABLE
     try:
-        path = _build(cache_root() / "kernels", portable=switch == PORTABLE)
-        library = ctypes.CDLL(str(path))
-        _bind(library)
+        path = _build(folder, portable=portable)
+        try:
+            library = _open(path)
+        except OSError:  # a damaged cached library (truncated, or from another toolchain): built again, once
+            path.unlink(missing_ok=True)
+            path = _build(folder, portable=portable)
+            library = _open(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, KernelStatus(reason=f"not compiled ({type(exc).__name__}: {exc}); ATen's kernels run")
+    note = _fallback_note(path)
+    reason = (f"built without OpenMP or -march=native, as the full build failed ({note.read_text()[:300]}); delete"
+              f" {path} to try again" if note.is_file() else "")
     features = library.memspec_kernel_features()
     return library, KernelStatus(w4=bool(features & FEATURE_W4), i8=bool(features & FEATURE_I8),
                                  decoder=bool(features & FEATURE_DECODER), step=bool(features & FEATURE_STEP),
                                  w4_blocked=bool(features & FEATURE_W4_BLOCKED), f32=bool(features & FEATURE_F32),
-                                 isa=library.memspec_kernel_isa().decode(), library=str(path))
+                                 isa=library.memspec_kernel_isa().decode(), library=str(path), reason=reason)
 
 
 def status() -> KernelStatus:

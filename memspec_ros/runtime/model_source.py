@@ -238,7 +238,7 @@ def converted_dir(path: Path) -> Path:
             if out.exists():  # an interrupted earlier conversion (no marker)
                 shutil.rmtree(out)
             os.replace(tmp, out)
-            _sync_dir(out.parent)
+            sync_dir(out.parent)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -250,10 +250,10 @@ def _sync_tree(folder: Path) -> None:
         if file.is_file():
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
-    _sync_dir(folder)
+    sync_dir(folder)
 
 
-def _sync_dir(folder: Path) -> None:
+def sync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -57,5 +57,11 @@ def test_unsupported_models_fall_back_with_the_reason():
     assert "sliding" in unsupported_reason(sliding)
     other = torch.nn.Linear(2, 2)
     assert "not 'llama'" in unsupported_reason(other)
+    # RoPE whose frequencies depend on the sequence length: the lean forward's table of positions cannot hold them
+    for kind in ("dynamic", "longrope"):
+        extra = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8} if kind == "longrope" else {}
+        scaled = _llama(max_position_embeddings=2048, rope_parameters={
+            "rope_type": kind, "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 64, **extra})
+        assert f"RoPE type {kind!r}" in unsupported_reason(scaled) and lean_forward_for(scaled) is None
     with pytest.raises(ValueError, match="does not support"):
         LeanLlamaForward(quantized)

@@ -43,6 +43,18 @@ from .kv_cache import claim_rows, is_preallocated
 _LINEARS = (torch.nn.Linear, *FAST_LINEARS)
 
 
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_type(config) -> str:
+    """The config's RoPE type (transformers 5's rope_parameters, or the older rope_scaling); 'default' if none."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, attr, None)
+        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
+            return str(params.get("rope_type") or params.get("type"))
+    return "default"
+
+
 def unsupported_reason(model: torch.nn.Module) -> str:
     """Why ``model`` cannot take the lean path ('' when it can)."""
     if isinstance(model, ReducedVocabDraft):
@@ -54,6 +66,12 @@ def unsupported_reason(model: torch.nn.Module) -> str:
         return "pretraining_tp > 1"
     if getattr(config, "sliding_window", None):
         return "sliding-window attention"
+    rope = rope_type(config)
+    if rope in LENGTH_DEPENDENT_ROPE:
+        # the lean forward reads cos/sin from a table filled once for many positions (_rope_rows): these types
+        # choose their frequencies from the longest position of a call, so the table's would differ from
+        # transformers' (2.0 apart in cos at position 1100 in a review's check) and the call changes the module
+        return f"RoPE type {rope!r} (its frequencies depend on the sequence length)"
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return "not a LlamaForCausalLM layout (model.model.layers, lm_head)"

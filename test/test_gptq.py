@@ -97,3 +97,32 @@ def test_zoo_gptq_runs_in_the_gptq_environment_with_the_target_resolved(tmp_path
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_row_probe_runs_on_the_models_device():
+    """A GPTQ model is placed on its device at load (device_map): the per-shape row probe was made on the CPU, so on
+    a CUDA target the first probe call failed with a device mismatch. Here a fake GPT-QModel linear on the meta
+    device checks where its input lives."""
+    import torch
+
+    from memspec_ros.runtime.gptq import prepare_for_engine
+    from memspec_ros.testing.tiny_models import tiny_llama
+
+    seen = []
+
+    class FakeQuantLinear(torch.nn.Module):
+        def __init__(self, n_in: int, n_out: int) -> None:
+            super().__init__()
+            self.in_features, self.out_features = n_in, n_out
+
+        def forward(self, x):
+            seen.append(x.device.type)
+            assert x.device.type == "meta", f"probe on {x.device}"
+            return torch.zeros(*x.shape[:-1], self.out_features)  # on the CPU, so the probe can compare rows
+
+    FakeQuantLinear.__module__ = "gptqmodel.nn_modules.fake"
+    model = tiny_llama(hidden=64).to("meta")
+    model.config._attn_implementation = "eager"
+    model.model.layers[0].mlp.up_proj = FakeQuantLinear(64, 128)
+    prepare_for_engine(model)
+    assert seen and set(seen) == {"meta"}

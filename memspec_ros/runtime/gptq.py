@@ -127,7 +127,8 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
     elif done["attention"] not in ("eager", ROWWISE_SDPA):
         model.set_attn_implementation("eager")
     done["attention"] = model.config._attn_implementation
-    dtype = next(model.parameters()).dtype
+    first_parameter = next(model.parameters())
+    dtype, device = first_parameter.dtype, first_parameter.device  # a GPTQ model is placed on its device at load
     if dtype not in (torch.float16, torch.bfloat16):
         dtype = torch.float32
     by_shape: dict[tuple, list[tuple[str, torch.nn.Module]]] = {}
@@ -135,7 +136,7 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
         by_shape.setdefault((type(module).__name__, module.in_features, module.out_features), []).append((name, module))
     with torch.inference_mode():
         for (_, n_in, _), modules in by_shape.items():
-            probe = torch.randn(1, MAX_VERIFY_ROWS, n_in, generator=torch.Generator().manual_seed(1)).to(dtype)
+            probe = torch.randn(1, MAX_VERIFY_ROWS, n_in, generator=torch.Generator().manual_seed(1)).to(device, dtype)
             first = modules[0][1]
             alone = torch.cat([first(probe[:, i:i + 1]) for i in range(MAX_VERIFY_ROWS)], dim=1)
             if not all(torch.equal(first(probe[:, :m]), alone[:, :m]) for m in range(2, MAX_VERIFY_ROWS + 1)):

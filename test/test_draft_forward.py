@@ -65,3 +65,25 @@ def test_unsupported_models_fall_back_with_the_reason():
         assert f"RoPE type {kind!r}" in unsupported_reason(scaled) and lean_forward_for(scaled) is None
     with pytest.raises(ValueError, match="does not support"):
         LeanLlamaForward(quantized)
+
+
+@pytest.mark.parametrize("hidden", [64, 256])
+def test_without_the_f32_kernel_a_verifys_rows_equal_one_token_steps(hidden, monkeypatch):
+    """Where the engine's f32 kernel does not take a plain fp32 linear (no compiler, a bias, a width off its step),
+    the lean forward ran it as one BLAS sgemm, which sums a row differently beside other rows (up to 5e-5 apart in
+    a review's check): a verify's rows then differed from one-token steps, and greedy output could part from the
+    target's own at a near-tie. Now such a layer's verify rows run one at a time where the library's are not
+    exact, so the logits are equal bit for bit."""
+    from memspec_ros.runtime import draft_forward
+
+    monkeypatch.setattr(draft_forward, "f32_kernel_linear", lambda parts: None)
+    model = tiny_llama(vocab_size=96, hidden=hidden, seed=7)
+    lean = LeanLlamaForward(model)
+    prompt, rows = list(range(3, 30)), [7, 21, 9, 40, 2]
+    with torch.inference_mode():
+        batched, stepped = KVState(), KVState()
+        forward_once(model, prompt, batched, 1, "cpu", lean)
+        forward_once(model, prompt, stepped, 1, "cpu", lean)
+        verify = forward_once(model, rows, batched, len(rows), "cpu", lean)
+        steps = torch.cat([forward_once(model, [t], stepped, 1, "cpu", lean) for t in rows])
+    assert torch.equal(verify, steps)

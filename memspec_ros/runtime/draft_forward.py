@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache
 
 from . import cpu_kernels
 from .draft_vocab import DraftVocab, ReducedVocabDraft
-from .forward_paths import FAST_LINEARS, concat_linears, f32_kernel_linear
+from .forward_paths import FAST_LINEARS, MAX_VERIFY_ROWS, blas_rows_exact, concat_linears, f32_kernel_linear
 from .kv_cache import claim_rows, is_preallocated
 
 # what the lean path can call: plain linears and the forward paths' modules (runtime/forward_paths.py)
@@ -138,6 +138,13 @@ def _is_silu(act: torch.nn.Module) -> bool:
 def _linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # F.linear directly skips nn.Module.__call__'s hook machinery on the hot path
     if type(layer) is torch.nn.Linear:
+        rows = x.numel() // x.shape[-1]
+        if 1 < rows <= MAX_VERIFY_ROWS and not blas_rows_exact(layer):
+            # a verify's rows one at a time, each the very call a one-token step makes (a BLAS sgemm sums a row
+            # differently beside others, so greedy output could part from the target's own at a near-tie)
+            flat = x.reshape(rows, x.shape[-1])
+            out = torch.cat([F.linear(flat[i : i + 1], layer.weight, layer.bias) for i in range(rows)])
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, layer.weight, layer.bias)
     return layer(x)
 

@@ -374,6 +374,19 @@ ROW_PROBES = 16  # random inputs per check: one probe missed bf16's rare differe
 _ROWS_CHECKED: dict[tuple, bool] = {}
 
 
+def rows_agree(matmul, in_features: int, probes: int = ROW_PROBES) -> bool:
+    """Whether ``matmul`` ([rows, in_features] -> [rows, out]) gives every row of a 2..MAX_VERIFY_ROWS-row call
+    bit for bit as that row alone, on ``probes`` random inputs."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _ in range(probes):
+            probe = torch.randn(MAX_VERIFY_ROWS, in_features, generator=gen)
+            alone = torch.cat([matmul(probe[i : i + 1]) for i in range(MAX_VERIFY_ROWS)])
+            if not all(torch.equal(matmul(probe[:m]), alone[:m]) for m in range(2, MAX_VERIFY_ROWS + 1)):
+                return False
+    return True
+
+
 def check_rows(module: FastLinear) -> bool:
     """Whether the kernel computes every row of a 2..MAX_VERIFY_ROWS-row call exactly as alone; sets
     ``module.rows_at_once``. Kernels pick code paths by shape, not by values, so a check per shape decides
@@ -385,18 +398,25 @@ def check_rows(module: FastLinear) -> bool:
     wrongly (a review's run on an AVX512-BF16 EPYC, oneDNN). Sixteen probes leave a miss at about e^-20."""
     key = (type(module).__name__, module.in_features, module.out_features)
     if key not in _ROWS_CHECKED:
-        gen = torch.Generator().manual_seed(1)
-        exact = True
-        with torch.no_grad():
-            for _ in range(ROW_PROBES):
-                probe = torch.randn(MAX_VERIFY_ROWS, module.in_features, generator=gen)
-                alone = torch.cat([module._matmul(probe[i : i + 1]) for i in range(MAX_VERIFY_ROWS)])
-                if not all(torch.equal(module._matmul(probe[:m]), alone[:m]) for m in range(2, MAX_VERIFY_ROWS + 1)):
-                    exact = False
-                    break
-        _ROWS_CHECKED[key] = exact
+        _ROWS_CHECKED[key] = rows_agree(module._matmul, module.in_features)
     module.rows_at_once = _ROWS_CHECKED[key]
     return module.rows_at_once
+
+
+def blas_rows_exact(linear: torch.nn.Linear) -> bool:
+    """Whether torch's own matmul (a BLAS sgemm on the CPU) computes this plain linear's rows of a
+    2..MAX_VERIFY_ROWS-row call as each alone, checked once per shape, dtype, device, bias and thread count (the
+    library picks its blocking by all of them). Where the engine's f32 kernel does not take a layer (no compiler,
+    a bias, a width off its step) this decides whether the lean forward computes a verify's rows one at a time.
+    fp32 sums in another order differ in most outputs, so one probe decides."""
+    weight = linear.weight
+    key = ("F.linear", linear.in_features, linear.out_features, weight.dtype, str(weight.device),
+           linear.bias is not None, torch.get_num_threads())
+    if key not in _ROWS_CHECKED:
+        _ROWS_CHECKED[key] = rows_agree(
+            lambda x: torch.nn.functional.linear(x.to(weight.device, weight.dtype), weight, linear.bias).cpu(),
+            linear.in_features, probes=1)
+    return _ROWS_CHECKED[key]
 
 
 @dataclass

@@ -167,6 +167,14 @@ static inline void quantize_blocks(const float* x, int8_t* xq, float* xd, float*
       for (int j = 0; j < 32; j += 16)
         for (int l = 0; l < 16; l++) lane[l] = MAX_ABS(lane[l], block[j + l]);
       for (int l = 0; l < 16; l++) top = MAX_ABS(top, lane[l]);
+      float poison = 0.0f; /* x - x: 0 for a finite value, NaN for NaN and inf (MAX_ABS passes NaN over) */
+      for (int j = 0; j < 32; j++) poison += block[j] - block[j];
+      if (poison != 0.0f) { /* a non-finite input makes its row's outputs NaN, as ATen's arithmetic does */
+        memset(out, 0, 32);
+        xd[(size_t)m * groups + g] = NAN;
+        xs[(size_t)m * groups + g] = NAN;
+        continue;
+      }
       const float d = top / 127.0f;
       int sum = 0;
       if (d > 0.0f)
@@ -766,6 +774,13 @@ int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float*
     for (int k = 0; k < K; k += 16)
       for (int l = 0; l < 16; l++) lane[l] = MAX_ABS(lane[l], row[k + l]);
     for (int l = 0; l < 16; l++) top = MAX_ABS(top, lane[l]);
+    float poison = 0.0f; /* as in quantize_blocks: NaN where the row holds a NaN or an inf */
+    for (int k = 0; k < K; k++) poison += row[k] - row[k];
+    if (poison != 0.0f) { /* the row's outputs NaN, as Int8Linear's scale of such a row makes them */
+      memset(out, 128, (size_t)K);
+      row_scale[m] = NAN;
+      continue;
+    }
     const float s = fmaxf(top, 1e-12f) / 127.0f;
     row_scale[m] = s;
     for (int k = 0; k < K; k++) out[k] = (uint8_t)((int)nearbyintf(row[k] / s) + 128);

@@ -110,3 +110,19 @@ def test_the_datastore_holds_the_targets_training_answers_for_its_tokenizer():
     assert store.answers == built["teacher_train_requests"]
     assert 0 < store.token_count and int(store.tokens.max()) < 49_152
     assert find_datastore(MODELS) == str(MODELS / DATASTORE_FILE)
+
+
+def test_the_datastore_holds_no_answer_to_a_request_a_held_out_one_asks():
+    """The committed zoo's split left 109 training requests asking what a held-out request asks (the same
+    paragraph, clause or problem): context lookup copied their answers into held-out answers. Their rows are empty."""
+    from memspec_ros.runtime.datastore import read_answers
+    from memspec_ros.runtime.loader import DATASTORE_FILE
+    from memspec_ros.zoo.chat_workloads import heldout_material, request_material
+
+    answers, meta = read_answers(MODELS / DATASTORE_FILE)
+    held = heldout_material(MODELS / "workloads")
+    rows = _rows("train_requests")[: len(answers)]
+    asks_held = [i for i, row in enumerate(rows) if request_material(row["prompt"]) & held]
+    assert asks_held and int(meta["withheld"]) == len(asks_held)
+    assert all(len(answers[i]) == 0 for i in asks_held)
+    assert sum(len(a) == 0 for a in answers) == len(asks_held)  # and no other answer is empty

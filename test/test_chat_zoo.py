@@ -55,6 +55,22 @@ def test_requests_cover_every_workload_and_held_out_sources_never_train(workload
     assert row["messages"] == [{"role": "user", "content": row["prompt"]}]
 
 
+def test_no_training_request_asks_about_what_a_held_out_one_asks(workloads):
+    """Splitting by source left the same material on both sides (a paragraph in two manuals, a problem drawn twice
+    and asked in other words): 15 of the committed zoo's 600 held-out requests were verbatim training requests, and
+    the drafts accepted far more on them. Requests that share their material are one request for the split."""
+    heldout, train = workloads
+    held = set().union(*(cw.request_material(q.content) for rows in heldout.values() for q in rows))
+    assert not [q.source for rows in train.values() for q in rows if cw.request_material(q.content) & held]
+    # the phrasing is not part of the material; both halves of a mixed request are
+    problem = "What is 12 + 30?"
+    asked = {a.format(p=problem) for a in cw._MATH_ASKS}
+    assert {cw.request_material(t) for t in asked} == {frozenset([problem])}
+    law = cw._LAW_ASKS[0].format(q="The licensee may copy the software.")
+    both = cw._mixed(cw.ChatRequest("math", "m", cw._MATH_ASKS[1].format(p=problem)), cw.ChatRequest("law", "l", law))
+    assert cw.request_material(both.content) == {problem, "The licensee may copy the software."}
+
+
 def test_requests_are_deterministic(workloads):
     again = cw.build_chat_workloads(cw.ChatWorkloadConfig(heldout_per_workload=20, train_per_domain=40))
     assert [q.source for q in again[0]["mixed"]] == [q.source for q in workloads[0]["mixed"]]
@@ -224,6 +240,33 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     ChatZooBuild(alone).run(["datastore"])
     again = Datastore.load(alone.out_dir / DATASTORE_FILE, fingerprint=tokenizer_fingerprint(tok))
     assert again.answers == store.answers and again.tokens.tolist() == store.tokens.tolist()
+
+
+def test_the_datastore_withholds_answers_to_requests_a_held_out_one_asks(tiny_target, tiny_build, tmp_path):
+    """A work dir split before training requests that ask what a held-out one asks were dropped (the committed zoo's:
+    109 of its 10,240) must not put their answers in the datastore, where context lookup copies them into held-out
+    answers: such a row is kept empty, so answer i still answers request i."""
+    from memspec_ros.runtime.datastore import Datastore
+    from memspec_ros.runtime.loader import DATASTORE_FILE
+    from memspec_ros.runtime.models import tokenizer_fingerprint
+
+    _, tok, _ = tiny_target
+    work = tmp_path / "work"
+    shutil.copytree(tiny_build.work_dir, work)
+    requests = work / "workloads" / "train_requests.jsonl"
+    rows = [json.loads(line) for line in requests.read_text().splitlines()]
+    held = json.loads((work / "workloads" / "code.jsonl").read_text().splitlines()[0])["prompt"]
+    rows[1]["prompt"] = cw._MATH_ASKS[0].format(p=held)  # the held-out request's material, asked in other words
+    requests.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")
+    ChatZooBuild(cfg).run(["datastore"])
+    store = Datastore.load(cfg.out_dir / DATASTORE_FILE, fingerprint=tokenizer_fingerprint(tok))
+    train = load_answers(tiny_build.work_dir / "teacher", "train")
+    assert store.answers == len(train)
+    kept = [a.answer_ids for i, a in enumerate(train) if i != 1]
+    assert store.tokens[store.tokens >= 0].tolist() == [t for a in kept for t in a]
+    paired = datastore_answers(cfg.out_dir / DATASTORE_FILE, tok, requests)
+    assert [a.answer_ids for a in paired] == kept
 
 
 def test_a_cuda_build_on_a_machine_without_cuda_says_so_before_any_work(tmp_path, monkeypatch):

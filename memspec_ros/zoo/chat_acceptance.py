@@ -108,15 +108,26 @@ def chat_acceptance(drafts: dict[str, torch.nn.Module], answers: Sequence[Answer
     empty = [w for w, recs in per_prompt.items() if not recs]
     if empty:
         raise ValueError(f"no answers of two or more tokens for workload(s) {', '.join(empty)}")
+    return {
+        "config": {"gamma": gamma, "interval": interval, "per_workload": per_workload, "workloads": list(workloads),
+                   "continuations": "the target's stored greedy chat answers (teacher)"},
+        "definitions": __doc__,
+        **acceptance_summary(per_prompt, names, list(workloads), gamma),
+        "wall_seconds": round(time.time() - t0, 1),
+        "per_prompt": per_prompt,
+    }
+
+
+def acceptance_summary(per_prompt: dict[str, list[dict]], names: list[str], workloads: list[str],
+                       gamma: int) -> dict:
+    """The matrix, the oracle gains and the workloads' statistics from per-prompt records (chat_acceptance's
+    ``per_prompt``; each workload's records may be any subset of its prompts, mixed's with their dynamic walk)."""
     domains = [w for w in workloads if w != "mixed"] if list(workloads) != list(WORKLOADS) else list(DOMAINS)
     matrix = {d: {w: mean(r["accepted_per_iteration"][d] for r in per_prompt[w]) for w in workloads} for d in names}
     best_static = {w: mean(max(r["accepted_per_iteration"].values()) for r in per_prompt[w]) for w in workloads}
     static_gain = {w: _gain(best_static[w], matrix["general"][w]) for w in domains}
     dyn_mixed = mean(r["dynamic"] for r in per_prompt["mixed"]) if "mixed" in per_prompt else None
     return {
-        "config": {"gamma": gamma, "interval": interval, "per_workload": per_workload, "workloads": list(workloads),
-                   "continuations": "the target's stored greedy chat answers (teacher)"},
-        "definitions": __doc__,
         "matrix": matrix,
         "best_fixed_per_prompt": best_static,
         "oracle_static_gain_by_workload": static_gain,
@@ -129,8 +140,6 @@ def chat_acceptance(drafts: dict[str, torch.nn.Module], answers: Sequence[Answer
         "gain_ceiling_over_general": {w: _gain(gamma, matrix["general"][w]) for w in workloads},
         "repeated_4gram_fraction": {w: mean(r["repeated_4gram"] for r in per_prompt[w]) for w in workloads},
         "mean_generated_tokens": {w: mean(r["tokens"] for r in per_prompt[w]) for w in workloads},
-        "wall_seconds": round(time.time() - t0, 1),
-        "per_prompt": per_prompt,
     }
 
 

@@ -41,7 +41,7 @@ from .chat_drafts import (
     select_vocab,
     split_validation,
 )
-from .chat_workloads import ChatWorkloadConfig, build_chat_workloads, write_jsonl
+from .chat_workloads import ChatWorkloadConfig, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
 from .teacher import TeacherConfig, answer_requests, load_answers
 from .train import TrainConfig, train
@@ -265,12 +265,16 @@ class ChatZooBuild:
         answers = self.train_answers()
         if not answers:
             raise ValueError(f"no training answers in {self.teacher_dir}: run the teacher stage first")
-        store = Datastore((a.answer_ids for a in answers), fingerprint=tokenizer_fingerprint(self.tokenizer()))
+        # a training request that asks what a held-out one asks (a work dir whose requests were split before
+        # chat_workloads dropped them) keeps its row, empty: answer i stays the answer to request i
+        kept, withheld = withhold_heldout([a.answer_ids for a in answers],
+                                          self.workload_dir / "train_requests.jsonl", self.workload_dir)
+        store = Datastore(kept, fingerprint=tokenizer_fingerprint(self.tokenizer()))
         path = Path(self.cfg.out_dir) / DATASTORE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)  # the stage may run before (or without) export
-        store.save(path, source="the target's greedy answers to the zoo's training requests")
-        _log(f"datastore: {store.answers} answers, {store.token_count} tokens in {path}"
-             f" ({path.stat().st_size / 1e6:.2f} MB)")
+        store.save(path, source="the target's greedy answers to the zoo's training requests", withheld=withheld)
+        _log(f"datastore: {store.answers} answers ({withheld} withheld: their requests ask what held-out ones ask),"
+             f" {store.token_count} tokens in {path} ({path.stat().st_size / 1e6:.2f} MB)")
 
     def run(self, stages: list[str]) -> None:
         unknown = [s for s in stages if s not in CHAT_STAGES]

@@ -151,6 +151,8 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
     answers = []
     for row, tokens in zip(rows, stored, strict=False):  # the datastore holds the first len(stored) requests
         ids = tokens.tolist()
+        if not ids:  # withheld (its request asks what a held-out one asks: chat_workloads.withhold_heldout)
+            continue
         answers.append(Answer(chat_prompt_ids(tokenizer, row["messages"]), ids,
                               torch.tensor(ids, dtype=torch.int32)[:, None],
                               torch.zeros((len(ids), 1), dtype=torch.float16), row["domain"]))

@@ -6,7 +6,8 @@ or problem as a training request it answered (chat_workloads.request_material). 
 whose material no training request of the build asked, with the same definitions (chat_acceptance.acceptance_summary),
 and beside it the same figures over every prompt (which must equal the committed ones) and over the contaminated ones.
 
-    python scripts/clean_acceptance.py --zoo models --json docs/results/acceptance-clean-heldout.json
+    python scripts/clean_acceptance.py --zoo models --json docs/results/acceptance-clean-heldout.json \
+        --write-workloads artifacts/clean-workloads    # the clean held-out requests, for --workloads-dir
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zoo", default="models")
     parser.add_argument("--acceptance", default="", help="default: <zoo>/acceptance.json")
     parser.add_argument("--json", default="")
+    parser.add_argument("--write-workloads", default="", metavar="DIR",
+                        help="also write each workload's clean held-out requests as DIR/<workload>.jsonl")
     args = parser.parse_args(argv)
     zoo = Path(args.zoo)
     result = json.loads(Path(args.acceptance or zoo / "acceptance.json").read_text())
@@ -43,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         if len(records) != len(rows):
             parser.error(f"{w}: {len(records)} per-prompt records for {len(rows)} requests: cannot pair them")
         dirty = [bool(request_material(r["prompt"]) & seen) for r in rows]
+        if args.write_workloads:
+            folder = Path(args.write_workloads)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{w}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                       for r, d in zip(rows, dirty, strict=True) if not d))
         split["all"][w] = records
         split["clean"][w] = [rec for rec, d in zip(records, dirty, strict=True) if not d]
         split["contaminated"][w] = [rec for rec, d in zip(records, dirty, strict=True) if d]

@@ -264,3 +264,24 @@ def test_round_robin_prompts_skip_a_file_that_repeats_anothers_rows(tmp_path):
     (tmp_path / "all.jsonl").write_text((tmp_path / "a.jsonl").read_text() + (tmp_path / "b.jsonl").read_text())
     got = ["".join(map(chr, ids)) for ids in _round_robin_prompts(Chars(), tmp_path, 5)]
     assert got == ["a0", "b0", "a1", "b1", "a2"]
+
+
+def test_the_papers_evaluation_reads_a_workload_folder(tmp_path, monkeypatch):
+    """memspec-bench paper --workloads-dir: the real runs take that folder's workloads (every <name>.jsonl), as
+    policies does; a folder that is not there is refused before anything runs."""
+    from memspec_ros.bench import figures
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, chat=True)
+    folder = _chat_and_prompt_workloads(tmp_path / "mine")
+    with pytest.raises(SystemExit, match="is not a directory"):
+        main(["paper", "--zoo", str(zoo), "--workloads-dir", str(tmp_path / "none")])
+    seen = {}
+
+    def fake_run_paper(zoo_dir, out, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(figures, "run_paper", fake_run_paper)
+    with pytest.raises(SystemExit, match="stopped here"):
+        main(["paper", "--zoo", str(zoo), "--workloads-dir", str(folder), "--out", str(tmp_path / "out")])
+    assert seen["workloads_dir"] == folder and seen["workloads"] == ["chat", "robotics"]

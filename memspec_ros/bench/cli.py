@@ -365,7 +365,7 @@ def cmd_paper(args) -> int:
     from tqdm import tqdm
 
     from .figures import REAL_POLICIES, rerender, run_paper
-    from .policy_bench import PolicyBenchConfig, share
+    from .policy_bench import PolicyBenchConfig, share, workloads_in
 
     if args.render_only:
         rerender(Path(args.out))
@@ -374,12 +374,19 @@ def cmd_paper(args) -> int:
     zoo = Path(args.zoo)
     if not (zoo / "registry.yaml").is_file():
         raise SystemExit(f"no zoo at {zoo} (registry.yaml missing): build it with `memspec-zoo build` or pass --zoo")
-    workloads = args.workloads.split(",") if args.workloads else list(PolicyBenchConfig.workloads)
+    folder = Path(args.workloads_dir) if args.workloads_dir else None
+    if folder is not None and not folder.is_dir():
+        raise SystemExit(f"--workloads-dir {folder} is not a directory")
+    if args.workloads:
+        workloads = args.workloads.split(",")
+    else:
+        workloads = workloads_in(folder) if folder is not None else list(PolicyBenchConfig.workloads)
     predictor = Path(args.predictor) if args.predictor else None
     with tqdm(total=len(REAL_POLICIES) * len(workloads) * args.prompts, desc="paper: real runs", unit="gen") as bar:
         try:
             index = run_paper(zoo, Path(args.out), prompts=args.prompts, storage=args.storage, threads=args.threads,
-                              predictor_dir=predictor, workloads=workloads, quantization=args.quantization,
+                              predictor_dir=predictor, workloads=workloads, workloads_dir=folder,
+                              quantization=args.quantization,
                               draft_quantization=args.draft_quantization, progress=bar, log=tqdm.write)
         except (FileNotFoundError, ValueError) as exc:
             raise SystemExit(f"memspec-bench paper: {exc}") from None
@@ -546,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompts per workload in the real runs (default 2)")
     pap.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")
     pap.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    _workloads_dir_argument(pap)
     _storage_argument(pap, "the real runs read every draft load through it; the storage item measures all four")
     pap.add_argument("--render-only", action="store_true",
                      help="only regenerate README.md's generated part from the items already in --out")

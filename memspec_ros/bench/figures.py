@@ -458,7 +458,7 @@ def measure_media(bench: BenchRun, media: Sequence[str]) -> dict[str, dict[str, 
 
 def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", threads: int = 1,
               predictor_dir: Path | None = None, workloads: Sequence[str] | None = None,
-              quantization: str = "none", draft_quantization: str = "none",
+              workloads_dir: Path | None = None, quantization: str = "none", draft_quantization: str = "none",
               progress=None, log: Callable[[str], None] = print) -> dict:
     """The whole evaluation; writes every item's JSON and PNG into ``out`` and returns the index."""
     from ..runtime.loader import find_predictor
@@ -472,6 +472,7 @@ def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", 
     out.mkdir(parents=True, exist_ok=True)
     cfg = PolicyBenchConfig(policies=REAL_POLICIES, prompts=prompts, storage=storage, threads=threads,
                             trace_tokens=256, quantization=quantization, draft_quantization=draft_quantization,
+                            workloads_dir=str(workloads_dir or ""),
                             **({"workloads": tuple(workloads)} if workloads else {}))
     bench = collect_policy_bench(zoo, cfg, predictor_dir, progress)
     real_seconds = time.perf_counter() - t0

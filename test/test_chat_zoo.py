@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -349,6 +350,10 @@ def test_the_build_refuses_stages_that_would_ship_or_cache_untrained_results(tin
     with pytest.raises(ValueError, match="no trained general, code, math, law, medical draft"):
         ChatZooBuild(fresh).run(["export"])
     assert not (tmp_path / "out" / "drafts").exists()
+    # domains without general: each domain draft started from random weights and was cached as trained
+    with pytest.raises(ValueError, match="run the general stage before domains"):
+        ChatZooBuild(fresh).run(["domains"])
+    assert not (work / "ckpt").exists()
 
 
 def test_held_out_pool_check_counts_each_domains_mixed_pairs(monkeypatch):
@@ -397,3 +402,110 @@ def test_the_model_card_needs_the_vocabulary_figures_from_the_build_or_kept_meas
     with pytest.raises(FileNotFoundError, match="--work-dir"):
         write_chat_card(models, tmp_path / "no-build", tmp_path / "acceptance.json")
     assert not (models / "MODEL_CARD.md").exists() and not (models / "card_measurements.json").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["build", "--teacher-requests", "-5"],  # sliced the last 5 requests off, silently
+    ["build", "--train-per-domain", "-1"],
+    ["build", "--teacher-chunk", "0"],  # failed inside the teacher with "range() arg 3 must not be zero"
+    ["build", "--teacher-batch", "0"],
+])
+def test_the_build_refuses_bad_counts_before_any_work(argv, tmp_path, capsys):
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--work-dir", str(tmp_path / "w"), "--stages", "workloads"])
+    assert exit_info.value.code == 2 and not (tmp_path / "w").exists()
+    assert "argument " + argv[1] in capsys.readouterr().err
+
+
+def test_a_stage_run_before_its_inputs_says_what_to_run_and_bad_predictor_settings_are_refused(
+        tiny_target, tmp_path, capsys):
+    from memspec_ros.zoo import predictor_training
+    from memspec_ros.zoo.cli import main
+
+    (tmp_path / "w" / "workloads").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="comes from the vocab stage; run it"):  # was a FileNotFoundError traceback
+        main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--stages", "general",
+              "--target", str(tiny_target[0])])
+    for bad in (["--heldout-fraction", "1"], ["--heldout-fraction", "0"], ["--max-prompts", "-1"]):
+        with pytest.raises(SystemExit) as exit_info:  # every prompt held out trained a head on nothing
+            predictor_training.main([*bad, "--out", str(tmp_path / "p")])
+        assert exit_info.value.code == 2 and bad[0] in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
+def test_settings_the_chat_zoo_would_drop_are_refused(tiny_build, tmp_path):
+    """The chat acceptance is greedy over stored answers: --sampling-temperature and --continuations were dropped
+    silently; stored answers cut at another max_new_tokens were reused as if made at the one asked for."""
+    from memspec_ros.zoo.cli import main
+    from memspec_ros.zoo.teacher import answered_prompts, answered_rows
+
+    for flag, value in (("--sampling-temperature", "0.9"), ("--continuations", str(tmp_path / "c.json"))):
+        with pytest.raises(SystemExit, match=f"{flag} apply to the toy zoo only"):
+            main(["acceptance", "--json", str(tmp_path / "a.json"), "--models",
+                  str(Path(__file__).resolve().parents[1] / "models"), flag, value])
+    teacher = tiny_build.work_dir / "teacher"
+    prompts = answered_prompts(teacher, "train")
+    assert answered_rows(prompts, teacher, "train", tiny_build.teacher.max_new_tokens) == len(prompts)
+    with pytest.raises(ValueError, match="made with max_new_tokens"):
+        answered_rows(prompts, teacher, "train", tiny_build.teacher.max_new_tokens + 1)
+
+
+def test_a_failed_export_leaves_the_zoo_as_it_was(tiny_build, tmp_path, monkeypatch):
+    """Export replaced each draft in place and wrote the registry last: a failure on the third draft (a full disk)
+    left new and old drafts mixed under a stale registry. Now nothing in the zoo changes unless all of it was
+    written."""
+    from memspec_ros.zoo import chat_build
+
+    out = tmp_path / "zoo"
+    shutil.copytree(tiny_build.out_dir, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    real = chat_build.export_draft
+
+    def failing(draft, tok, dest, *args, **kwargs):
+        if dest.name == "math":
+            raise OSError("No space left on device")
+        return real(draft, tok, dest, *args, **kwargs)
+
+    monkeypatch.setattr(chat_build, "export_draft", failing)
+    with pytest.raises(OSError, match="No space left"):
+        ChatZooBuild(replace(tiny_build, out_dir=out)).run(["export"])
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
+             if p.is_file() and ".export-partial" not in p.parts}
+    assert after == before
+    monkeypatch.setattr(chat_build, "export_draft", real)
+    ChatZooBuild(replace(tiny_build, out_dir=out)).run(["export"])  # and a rerun completes it
+    assert not (out / ".export-partial").exists() and (out / "drafts" / "math" / "model.safetensors").is_file()
+
+
+def test_the_validation_split_keeps_each_answer_on_its_side_when_more_are_answered():
+    """A shuffle of the whole answer list put other answers in validation when the build answered more requests:
+    domain drafts rebuilt on more answers were validated on answers `general` had trained on. The side of an answer
+    is now a function of its request; every domain still has validation answers."""
+    from memspec_ros.zoo.chat_drafts import split_validation
+
+    def answer(i: int, domain: str) -> Answer:
+        return Answer([1, i, i % 7], [5, 6], torch.zeros((2, 1), dtype=torch.int32),
+                      torch.zeros((2, 1), dtype=torch.float16), domain)
+
+    answers = [answer(i, DOMAINS[i % len(DOMAINS)]) for i in range(2000)]
+    small_train, small_val = split_validation(answers[:1000])
+    big_train, big_val = split_validation(answers)
+    ids = {id(a) for a in big_val}
+    assert {id(a) for a in small_val} <= ids and not {id(a) for a in small_train} & ids
+    assert 0.02 < len(big_val) / len(answers) < 0.08  # about one in 20
+    few = [answer(i, "law") for i in range(3)]  # a domain with few answers still gets one to validate on
+    assert len(split_validation(few + answers[:40])[1]) >= 1
+    assert any(a.domain == "law" for a in split_validation(few)[1])
+
+
+def test_a_cached_draft_trained_with_other_settings_is_not_taken_for_these(tiny_build, tmp_path):
+    """A rerun with more steps reported the draft "cached", and build_config.json then recorded the new steps."""
+    work = tmp_path / "work"
+    shutil.copytree(tiny_build.work_dir, work)
+    more = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out",
+                   general_train=replace(tiny_build.general_train, max_steps=tiny_build.general_train.max_steps + 5))
+    with pytest.raises(ValueError, match=r"cached general draft .* trained with other settings \(max_steps 6 -> 11\)"):
+        ChatZooBuild(more).run(["general"])
+    ChatZooBuild(replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")).run(["general"])  # same: cached

@@ -233,6 +233,28 @@ def test_target_stage_continues_a_given_target(tmp_path):
 
 
 
+def test_the_toy_build_writes_only_its_work_dir_before_export_and_names_an_unknown_stage(tmp_path, monkeypatch):
+    """The toy workloads stage wrote its prompt-only rows into out_dir/workloads, by default models/, replacing the
+    bundled chat zoo's held-out requests; a misspelt stage ran nothing and said nothing."""
+    from memspec_ros.zoo import build as build_module
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+    from memspec_ros.zoo.cli import main
+
+    out = tmp_path / "models"
+    written = []
+    monkeypatch.setattr(build_module, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(build_module, "write_workloads", lambda tok, tr, ho, folder, cfg: written.append(folder))
+    build = ZooBuild(BuildConfig(work_dir=tmp_path / "work", out_dir=out))
+    monkeypatch.setattr(build, "docs", lambda domain, split: [])
+    build.run(["workloads"])
+    assert written == [tmp_path / "work" / "workloads"] and not out.exists()
+    with pytest.raises(ValueError, match="unknown stage.*corprora"):
+        build.run(["corprora"])
+    with pytest.raises(SystemExit, match="unknown stage"):
+        main(["build-toy", "--work-dir", str(tmp_path / "w2"), "--out", str(out), "--stages", "corprora"])
+    assert not out.exists()
+
+
 def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
     """The corpus phase (``general-base``) and the on-policy phase (``general``, shared recipe) keep
     separate checkpoints: the second trains from the first's weights instead of resuming the first's finished

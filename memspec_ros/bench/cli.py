@@ -8,6 +8,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from ..argtypes import positive_int
+
 DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "models"
 
 
@@ -396,14 +398,6 @@ def cmd_paper(args) -> int:
           f" (largest end-to-end error {share(index['validation']['max_abs_error_end_to_end'])})")
     print(f"lossless (every output equals the target's greedy output): {index['lossless']}")
     return 0 if index["lossless"] else 1
-
-
-def positive_int(text: str) -> int:
-    """An argparse type for counts: 0 or fewer ran nothing and then failed on an empty median."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
 
 
 def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_help: str,

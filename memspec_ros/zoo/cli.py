@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..argtypes import non_negative_int, positive_int
+
 # OpenMP threads spinning at barriers on a shared CPU made 2-thread training ~8x slower than 1 thread
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -33,7 +35,7 @@ def _build_parser(sub) -> None:
     p.add_argument("--work-dir", default="artifacts/zoo-build")
     p.add_argument("--out", default="models")
     p.add_argument("--device", default="cpu", help="cpu or cuda (a larger/longer zoo on a GPU)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     budgets = {"target": defaults.target_train, "general": defaults.general_train, "onpolicy": defaults.onpolicy_train,
                "domain": defaults.domain_train}
@@ -64,8 +66,8 @@ def _build_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--target-layers", type=int, default=16)
     p.add_argument("--target-hidden", type=int, default=256)
-    p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--draft-hidden", type=int, default=128)
+    p.add_argument("--draft-layers", type=positive_int, default=2)
+    p.add_argument("--draft-hidden", type=positive_int, default=128)
 
 
 def _chat_build_parser(sub) -> None:
@@ -77,30 +79,31 @@ def _chat_build_parser(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="target: HF directory, .gguf file or pkg:<package>/<file>")
     p.add_argument("--work-dir", default=str(d.work_dir))
     p.add_argument("--out", default=str(d.out_dir))
-    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--threads", type=positive_int, default=d.threads)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--train-per-domain", type=int, default=d.workloads.train_per_domain,
+    p.add_argument("--train-per-domain", type=positive_int, default=d.workloads.train_per_domain,
                    help="training requests written per domain")
-    p.add_argument("--teacher-requests", type=int, default=d.teacher_train_requests,
+    p.add_argument("--teacher-requests", type=non_negative_int, default=d.teacher_train_requests,
                    help="training requests the target answers (0: all; else a domain-balanced prefix)")
-    p.add_argument("--teacher-batch", type=int, default=d.teacher.batch_size)
-    p.add_argument("--teacher-chunk", type=int, default=d.teacher.chunk_requests,
+    p.add_argument("--teacher-batch", type=positive_int, default=d.teacher.batch_size)
+    p.add_argument("--teacher-chunk", type=positive_int, default=d.teacher.chunk_requests,
                    help="requests per teacher shard (the unit of resumption; a GPU wants batches this large)")
-    p.add_argument("--max-new-tokens", type=int, default=d.teacher.max_new_tokens)
-    p.add_argument("--general-steps", type=int, default=d.general_train.max_steps,
+    p.add_argument("--max-new-tokens", type=positive_int, default=d.teacher.max_new_tokens)
+    p.add_argument("--general-steps", type=positive_int, default=d.general_train.max_steps,
                    help="training steps of the general draft (the budget: the drafts do not depend on the CPU's speed)")
-    p.add_argument("--domain-steps", type=int, default=d.domain_train.max_steps,
+    p.add_argument("--domain-steps", type=positive_int, default=d.domain_train.max_steps,
                    help="fine-tuning steps of each domain draft (the best validated step is kept)")
     p.add_argument("--general-minutes", type=float, default=d.general_train.max_minutes,
                    help="cap on the general draft's training: fewer steps if the machine is too slow for them")
     p.add_argument("--domain-minutes", type=float, default=d.domain_train.max_minutes,
                    help="cap on each domain draft's fine-tuning")
-    p.add_argument("--draft-rows", type=int, default=d.arch.rows, help="draft vocabulary size (target ids kept)")
-    p.add_argument("--draft-hidden", type=int, default=d.arch.hidden_size)
-    p.add_argument("--draft-layers", type=int, default=d.arch.num_layers)
+    p.add_argument("--draft-rows", type=positive_int, default=d.arch.rows,
+                   help="draft vocabulary size (target ids kept)")
+    p.add_argument("--draft-hidden", type=positive_int, default=d.arch.hidden_size)
+    p.add_argument("--draft-layers", type=positive_int, default=d.arch.num_layers)
     p.add_argument("--device", default=d.device,
                    help="where the teacher answers and the drafts train: cpu, or cuda for many more answers")
-    p.add_argument("--train-batch", type=int, default=d.general_train.batch_size,
+    p.add_argument("--train-batch", type=positive_int, default=d.general_train.batch_size,
                    help="answers per training step (general and domain drafts)")
     p.add_argument("--general-lr", type=float, default=d.general_train.lr)
     p.add_argument("--domain-lr", type=float, default=d.domain_train.lr)
@@ -132,7 +135,7 @@ def _run_chat_build(a) -> int:
     )
     try:
         ChatZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # a stage run before its inputs exist says which
         raise SystemExit(f"memspec-zoo build: {exc}") from None
     return 0
 
@@ -169,9 +172,9 @@ def _run_build(a) -> int:
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
     try:
         build = ZooBuild(cfg)  # checks the configuration before any work
+        build.run([s.strip() for s in a.stages.split(",") if s.strip()])
     except ValueError as exc:
-        raise SystemExit(f"memspec-zoo build: {exc}") from None
-    build.run([s.strip() for s in a.stages.split(",") if s.strip()])
+        raise SystemExit(f"memspec-zoo build-toy: {exc}") from None
     return 0
 
 
@@ -181,15 +184,16 @@ def _acceptance_parser(sub) -> None:
     p.add_argument("--models", default="models")
     p.add_argument("--prompts-per-workload", type=int, default=100)
     p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--interval", type=int, default=4, help="N iterations per interval of the dynamic oracle")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--plot", default=None, help="heatmap PNG (default: next to the registry)")
     p.add_argument(
         "--sampling-temperature",
         type=float,
-        default=0.7,
-        help="also report each draft's expected speculative-sampling acceptance at this temperature (0: skip)",
+        default=None,
+        help="toy zoo: also report each draft's expected speculative-sampling acceptance at this temperature"
+             " (default 0.7; 0: skip)",
     )
     p.add_argument("--continuations", default=None, metavar="JSON",
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
@@ -238,7 +242,8 @@ def _run_chat_acceptance(a) -> int:
     has_target = is_model_source(registry.target_path or "")
     tok = load_tokenizer(registry.target_path) if has_target else None
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
-        covered = (answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows], answers_dir, "heldout") if tok
+        covered = (answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows], answers_dir, "heldout",
+                                 a.max_new_tokens) if tok
                    else len(answered_prompts(answers_dir, "heldout")))  # no tokenizer to compare the prompts with
     except ValueError as exc:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
@@ -266,6 +271,11 @@ def _run_acceptance(a) -> int:
     from .acceptance import AcceptanceConfig, run_acceptance
 
     if _is_chat_zoo(Path(a.models)):
+        given = [flag for flag, value in (("--sampling-temperature", a.sampling_temperature),
+                                          ("--continuations", a.continuations)) if value is not None]
+        if given:  # the chat matrix is greedy over the target's stored answers: these were dropped silently
+            raise SystemExit(f"memspec-zoo acceptance: {', '.join(given)} apply to the toy zoo only; the chat zoo's"
+                             " matrix is greedy over the target's stored answers (--answers)")
         return _run_chat_acceptance(a)
     if a.workloads_dir:
         raise SystemExit("memspec-zoo acceptance: --workloads-dir applies to a chat zoo (the bundled one); the toy"
@@ -278,7 +288,7 @@ def _run_acceptance(a) -> int:
         interval=a.interval,
         threads=a.threads,
         continuations=Path(a.continuations) if a.continuations else None,
-        sampling_temperature=a.sampling_temperature,
+        sampling_temperature=0.7 if a.sampling_temperature is None else a.sampling_temperature,
     )
     run_acceptance(cfg, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
     return 0

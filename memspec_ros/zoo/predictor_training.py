@@ -46,6 +46,8 @@ from memspec_ros.runtime.predictor import (
     pooled_hidden_features,
 )
 
+from ..argtypes import non_negative_int, positive_int
+
 
 @dataclass
 class TraceContext:
@@ -322,6 +324,14 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _fraction(text: str) -> float:
+    """--heldout-fraction: strictly between 0 (nothing to score the head on) and 1 (nothing to train it on)."""
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not a fraction strictly between 0 and 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memspec-train-predictor", description=__doc__.split("\n\n")[0])
     p.add_argument("--registry", default="models/registry.yaml", help="draft registry YAML (names the target)")
@@ -337,21 +347,22 @@ def build_parser() -> argparse.ArgumentParser:
                         " datastore file (models/datastore.safetensors: the same answers' greedy tokens): trace"
                         " those instead of decoding --prompts with the target")
     p.add_argument("--encoders", nargs="+", default=list(ENCODERS), choices=ENCODERS)
-    p.add_argument("--max-prompts", type=int, default=0, help="0: all; else a seeded random subset")
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--interval", type=int, default=4, help="N: iterations per scheduling interval")
-    p.add_argument("--recent-tokens", type=int, default=32, help="T")
+    p.add_argument("--max-prompts", type=non_negative_int, default=0, help="0: all; else a seeded random subset")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=256)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--gamma", type=positive_int, default=4)
+    p.add_argument("--interval", type=positive_int, default=4, help="N: iterations per scheduling interval")
+    p.add_argument("--recent-tokens", type=positive_int, default=32, help="T")
     p.add_argument("--label-horizon", type=int, default=0, metavar="H",
                    help="a context's label is the draft that commits most over the next H intervals (0, the"
                         " default: the rest of the output; 1: the paper's next interval, whose winner is mostly"
                         " noise on drafts this alike: docs/results/README.md, 'The predictor's label horizon')")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--epochs", type=int, default=300)
-    p.add_argument("--heldout-fraction", type=float, default=0.2)
+    p.add_argument("--hidden", type=positive_int, default=128)
+    p.add_argument("--epochs", type=positive_int, default=300)
+    p.add_argument("--heldout-fraction", type=_fraction, default=0.2,
+                   help="share of the prompts held out to score the head, in (0, 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch intra-op threads (1: small models on a shared CPU run far faster without contention)")
     p.add_argument("--quiet", action="store_true")
     return p

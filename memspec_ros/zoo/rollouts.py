@@ -138,8 +138,11 @@ def make_rollouts(
         bar.close()
         summary["sources"][name] = {"sequences": cfg.sequences_per_source, "batches": len(windows),
                                     "label_agreement": agree / max(total, 1)}
-        save_file(own, str(part))
+        # the .json first, the tensors by a rename last: the part file's existence says the source is done
         part.with_suffix(".json").write_text(json.dumps({"config": asdict(cfg), "summary": summary["sources"][name]}))
+        partial = part.with_name(f".{part.name}.tmp")
+        save_file(own, str(partial))
+        partial.replace(part)
         tensors.update(own)
         log(
             f"rollouts: {name} {cfg.sequences_per_source} sequences, full-forward labels agree"

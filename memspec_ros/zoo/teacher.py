@@ -171,10 +171,27 @@ def answered_prompts(out_dir: Path, split: str) -> list[list[int]]:
     return prompts
 
 
-def answered_rows(prompts: list[list[int]], out_dir: Path, split: str) -> int:
+def answered_limits(out_dir: Path, split: str) -> set[int]:
+    """The max_new_tokens the stored ``split`` answers were made with (one value, unless folders were mixed)."""
+    from safetensors import safe_open
+
+    limits = set()
+    for shard in sorted(Path(out_dir).glob(f"{split}-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("meta", "{}"))
+        if "max_new_tokens" in meta:
+            limits.add(int(meta["max_new_tokens"]))
+    return limits
+
+
+def answered_rows(prompts: list[list[int]], out_dir: Path, split: str, max_new_tokens: int | None = None) -> int:
     """How many of the requests (their prompt ids, in order) the stored ``split`` answers already cover; raises if
     the stored answers were made for other requests."""
     done = answered_prompts(out_dir, split)
+    other = answered_limits(out_dir, split) - {max_new_tokens} if max_new_tokens is not None else set()
+    if other:  # the stored answers are cut at another length: resumed or reused, they were taken silently
+        raise ValueError(f"the {split} answers in {out_dir} were made with max_new_tokens {sorted(other)}, not"
+                         f" {max_new_tokens}: answer into another folder, or remove that one")
     mismatch = next((i for i, (a, b) in enumerate(zip(done, prompts, strict=False)) if a != b), None)
     if mismatch is not None:
         raise ValueError(f"the {split} answers in {out_dir} were made for other requests (stored answer {mismatch}"
@@ -193,7 +210,7 @@ def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: st
     request list are refused instead of being taken for these rows' answers."""
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = [chat_prompt_ids(tokenizer, r["messages"]) for r in rows]
-    covered = answered_rows(prompts, out_dir, split)
+    covered = answered_rows(prompts, out_dir, split, cfg.max_new_tokens)
     if progress is not None:
         progress.update(covered)
     eos_ids = set(end_token_ids(tokenizer, model))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -121,6 +122,13 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` by a rename: a reader (a resumed build) sees the old file or the new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, torch.Tensor] | None = None) -> None:
     path.mkdir(parents=True, exist_ok=True)
     # named_parameters() lists tied weights (embedding = LM head) once; safetensors refuses aliases
@@ -134,18 +142,26 @@ def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, t
                     v.detach().cpu().contiguous().reshape(-1) if v.dim() == 0 else v.detach().cpu().contiguous()
                 )
     tensors["rng.data"] = data.state()
+    # the counters travel inside the state file (one rename publishes weights and step together: a crash between
+    # two files resumed step-N weights with an older step); meta.json beside it is a readable copy
+    text = json.dumps(meta, indent=1)
     tmp = path / "state.safetensors.tmp"
-    save_file(tensors, str(tmp))
+    save_file(tensors, str(tmp), metadata={"meta": text})
     tmp.replace(path / "state.safetensors")
-    (path / "meta.json").write_text(json.dumps(meta, indent=1))
+    write_text_atomic(path / "meta.json", text)
 
 
 def _load_checkpoint(path: Path, model, opt, data, desc: str) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
     """Restores model, optimizer and data state of the run ``desc``; returns (meta, best validated parameters
     or None)."""
-    if not (path / "meta.json").exists():
+    if not (path / "state.safetensors").exists():
         return None, None
-    meta = json.loads((path / "meta.json").read_text())
+    from safetensors import safe_open
+
+    with safe_open(str(path / "state.safetensors"), framework="pt") as f:
+        stored = (f.metadata() or {}).get("meta")
+    # a checkpoint written before the counters moved into the state file: its meta.json
+    meta = json.loads(stored if stored is not None else (path / "meta.json").read_text())
     if meta.get("desc", desc) != desc:
         # checked before loading anything: a finished run of another phase would otherwise be
         # taken for this one and "skipped"

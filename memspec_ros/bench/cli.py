@@ -300,22 +300,13 @@ def cmd_policies(args) -> int:
 
     from ..runtime.loader import HEAD_CONFIG, PREDICTOR_PREFERENCE, find_predictor
     from ..runtime.policies import POLICIES
-    from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench, validation_table, workloads_in
+    from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench, validation_table
 
-    zoo = Path(args.zoo)
-    if not (zoo / "registry.yaml").is_file():
-        raise SystemExit(f"no zoo at {zoo} (registry.yaml missing): build it with `memspec-zoo build` or pass --zoo")
+    zoo, folder, workloads = _zoo_and_workloads(args)
     policies = args.policies.split(",") if args.policies else list(PolicyBenchConfig.policies)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policy {', '.join(unknown)}: use {', '.join(POLICIES)}")
-    folder = Path(args.workloads_dir) if args.workloads_dir else None
-    if folder is not None and not folder.is_dir():
-        raise SystemExit(f"--workloads-dir {folder} is not a directory")
-    if args.workloads:
-        workloads = args.workloads.split(",")
-    else:
-        workloads = workloads_in(folder) if folder is not None else list(PolicyBenchConfig.workloads)
     cfg = PolicyBenchConfig(policies=policies, workloads=workloads, prompts=args.prompts, runs=args.runs,
                             max_new_tokens=args.max_new_tokens, capacity=args.capacity, interval=args.interval,
                             gamma=args.gamma, storage=args.storage, workloads_dir=str(folder or ""),
@@ -363,16 +354,11 @@ def cmd_policies(args) -> int:
     return 0 if result["lossless"] else 1
 
 
-def cmd_paper(args) -> int:
-    from tqdm import tqdm
+def _zoo_and_workloads(args) -> tuple[Path, Path | None, list[str]]:
+    """policies' and paper's --zoo, --workloads-dir and --workloads, checked: the zoo, the workload folder (None:
+    the zoo's held-out workloads) and the workloads to run."""
+    from .policy_bench import PolicyBenchConfig, workloads_in
 
-    from .figures import REAL_POLICIES, rerender, run_paper
-    from .policy_bench import PolicyBenchConfig, share, workloads_in
-
-    if args.render_only:
-        rerender(Path(args.out))
-        print(f"{Path(args.out) / 'README.md'}: regenerated from the items in {args.out}")
-        return 0
     zoo = Path(args.zoo)
     if not (zoo / "registry.yaml").is_file():
         raise SystemExit(f"no zoo at {zoo} (registry.yaml missing): build it with `memspec-zoo build` or pass --zoo")
@@ -380,9 +366,21 @@ def cmd_paper(args) -> int:
     if folder is not None and not folder.is_dir():
         raise SystemExit(f"--workloads-dir {folder} is not a directory")
     if args.workloads:
-        workloads = args.workloads.split(",")
-    else:
-        workloads = workloads_in(folder) if folder is not None else list(PolicyBenchConfig.workloads)
+        return zoo, folder, args.workloads.split(",")
+    return zoo, folder, workloads_in(folder) if folder is not None else list(PolicyBenchConfig.workloads)
+
+
+def cmd_paper(args) -> int:
+    from tqdm import tqdm
+
+    from .figures import REAL_POLICIES, rerender, run_paper
+    from .policy_bench import share
+
+    if args.render_only:
+        rerender(Path(args.out))
+        print(f"{Path(args.out) / 'README.md'}: regenerated from the items in {args.out}")
+        return 0
+    zoo, folder, workloads = _zoo_and_workloads(args)
     predictor = Path(args.predictor) if args.predictor else None
     with tqdm(total=len(REAL_POLICIES) * len(workloads) * args.prompts, desc="paper: real runs", unit="gen") as bar:
         try:

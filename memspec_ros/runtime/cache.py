@@ -30,6 +30,7 @@ in force when each load started.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -85,7 +86,13 @@ def normalise_ranking(ranking: Ranking) -> list[tuple[str, float]]:
         else:
             n = len(items)
             pairs = [(str(name), float(n - i)) for i, name in enumerate(items)]  # type: ignore[arg-type]
-    return sorted(pairs, key=lambda p: -p[1])
+    best: dict[str, float] = {}
+    for name, score in pairs:
+        if math.isnan(score):
+            raise ValueError(f"ranking score of {name!r} is NaN")
+        # a name ranked twice is one draft: twice in W it took two of the K slots and loaded once
+        best[name] = max(score, best.get(name, score))
+    return sorted(best.items(), key=lambda p: -p[1])
 
 
 class DraftCacheManager:
@@ -115,6 +122,9 @@ class DraftCacheManager:
         self.on_evict: list[Callable[[str], None]] = []
         self._lock = threading.RLock()
         self._slots: dict[str, _Slot] = {}
+        # loads in flight of a draft removed or failed meanwhile: out of ``_slots`` (so its name can load anew, or stay
+        # failed), their bytes still reserved until the loader ends and drops them
+        self._detached: list[_Slot] = []
         self._scores: dict[str, float] = {}
         self._working_set: list[str] = []
         self._active = ""
@@ -266,7 +276,7 @@ class DraftCacheManager:
             if slot is None:
                 return
             if slot.model is None and slot.future is not None and slot.error is None:
-                slot.discard = True  # its bytes stay reserved until the loader finishes
+                self._detach(slot)  # its bytes stay reserved until the loader finishes; a new entry loads anew
             else:
                 self._evict(name)
             if self._active == name:
@@ -283,11 +293,11 @@ class DraftCacheManager:
         with self._lock:
             slot = self._slots.get(name)
             if slot is not None and slot.future is not None and slot.model is None and slot.error is None:
-                slot.discard = True  # a reload in flight: dropped when it lands, its bytes reserved until then
+                self._detach(slot)  # a reload in flight: dropped when it lands, its bytes reserved until then
             elif slot is not None:
                 self._evict(name)
             failed = _Slot(name, 0)
-            if name not in self._slots:
+            if name not in self._slots:  # (a failed slot already there keeps its time: the back-off counts from it)
                 self._slots[name] = failed
             self._fail(failed, error, "failed in use")
             if self._active == name:
@@ -355,7 +365,7 @@ class DraftCacheManager:
         A load another thread starts meanwhile is marked for dropping, not forgotten: it keeps its
         reservation until the loader ends."""
         with self._lock:
-            futures = [s.future for s in self._slots.values() if s.future is not None and s.model is None]
+            futures = [s.future for s in self._in_flight()]
         for f in futures:
             try:
                 f.result()
@@ -381,7 +391,7 @@ class DraftCacheManager:
     def drain(self, timeout: float | None = None) -> None:
         """Wait for every load in flight (tests, benchmarks and shutdown)."""
         with self._lock:
-            futures = [s.future for s in self._slots.values() if s.future is not None]
+            futures = [s.future for s in (*self._slots.values(), *self._detached) if s.future is not None]
         for f in futures:
             try:
                 f.result(timeout=timeout)
@@ -419,11 +429,22 @@ class DraftCacheManager:
 
     # -- internals (lock held) ------------------------------------------------------------
     def _count(self) -> int:
-        """Slots that occupy memory: resident plus loads in flight."""
-        return sum(1 for s in self._slots.values() if s.error is None)
+        """Slots that occupy memory: resident plus loads in flight (being dropped included)."""
+        return sum(1 for s in self._slots.values() if s.error is None) + len(self._detached)
 
     def _reserved(self) -> int:
-        return sum(s.reserved_bytes for s in self._slots.values() if s.error is None)
+        return (sum(s.reserved_bytes for s in self._slots.values() if s.error is None)
+                + sum(s.reserved_bytes for s in self._detached))
+
+    def _detach(self, slot: _Slot) -> None:
+        """Take a load in flight out of ``_slots`` for good: it is dropped when it lands (a later load of the name
+        is another slot, so the old files' model never lands under it)."""
+        slot.discard = True
+        del self._slots[slot.name]
+        self._detached.append(slot)
+
+    def _in_flight(self) -> list[_Slot]:
+        return [s for s in (*self._slots.values(), *self._detached) if s.future is not None and s.model is None]
 
     def _fits(self, extra: int) -> bool:
         return not self.budget_bytes or self._reserved() + extra <= self.budget_bytes
@@ -524,6 +545,7 @@ class DraftCacheManager:
                     f"the loader raised {type(exc).__name__}: {exc}"))
                 if slot.discard and self._slots.get(slot.name) is slot:
                     del self._slots[slot.name]
+                self._detached = [s for s in self._detached if s is not slot]
                 self._changed()
             if isinstance(exc, Exception):
                 raise  # the future carries it; whoever waits on it reads the slot
@@ -538,6 +560,7 @@ class DraftCacheManager:
             if self._slots.get(slot.name) is not slot or slot.discard or stale:
                 if self._slots.get(slot.name) is slot:
                     del self._slots[slot.name]  # removed, over capacity, or its files changed while in flight
+                self._detached = [s for s in self._detached if s is not slot]
                 slot.future = None
                 self._changed()
                 return

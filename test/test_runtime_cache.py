@@ -595,3 +595,61 @@ def test_a_load_marked_to_be_dropped_is_not_available_so_a_choice_requests_it_ag
     cache.drain()
     assert "c" in cache.resident() and cache.snapshot().loads == 3
     cache.close()
+
+
+def test_a_load_whose_files_change_as_it_lands_is_dropped(monkeypatch):
+    """evict_changed() between the loader's staleness test (read outside the lock) and its publishing: the slot was
+    not resident yet, so evict_changed skipped it, and the loader then published a model of the old files. The
+    test is made under the lock now. The interleaving is forced: the loader's lock runs evict_changed first."""
+    from memspec_ros.runtime import cache as cache_module
+
+    version = {"n": 0}
+    monkeypatch.setattr(cache_module, "weights_identity", lambda path: (path, version["n"]))
+    cache = DraftCacheManager(2, fake_loader(), size_of=SIZES.get)
+    real_lock = cache._lock
+
+    class Hooked:  # the loader thread, about to publish, lets an operator change the files and evict_changed run
+        armed = True
+
+        def __enter__(self):
+            if threading.current_thread().name.startswith("memspec-draft-loader") and Hooked.armed:
+                Hooked.armed = False
+                version["n"] += 1
+                other = threading.Thread(target=cache.evict_changed)
+                other.start()
+                other.join()
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    cache._lock = Hooked()
+    cache.update(["math"])
+    cache.drain()
+    assert not Hooked.armed and "math" not in cache.resident()
+    cache._lock = real_lock
+    cache.close()
+
+
+def test_load_seconds_sum_the_loads_that_became_resident():
+    """A load dropped in flight added its time to load_seconds but not to loads: load_seconds / loads, the mean
+    load time, came out high."""
+    gate = threading.Event()
+
+    def gated(name):
+        gate.wait(5)
+        time.sleep(0.05)
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(2, gated, size_of=SIZES.get)
+    cache.update(["math"])
+    cache.remove("math")
+    gate.set()
+    cache.drain()
+    snap = cache.snapshot()
+    assert snap.loads == 0 and snap.load_seconds == 0.0
+    cache.update(["code"])
+    cache.drain()
+    snap = cache.snapshot()
+    assert snap.loads == 1 and snap.load_seconds >= 0.05
+    cache.close()

@@ -554,9 +554,10 @@ class DraftCacheManager:
         # the files as they were before the read (registry_loader records it); a loader that does not: as they are
         source = loaded.source or loaded.spec.path  # what ``files`` is the identity of
         files = loaded.files or weights_identity(source)
-        stale = slot.recheck and weights_identity(source) != files
         with self._lock:
-            self._counters.load_seconds += elapsed
+            # under the lock: evict_changed sets ``recheck`` under it, so it either saw this load resident (and checks
+            # it there) or set the flag before this test (read outside, a change between them landed the old model)
+            stale = slot.recheck and weights_identity(source) != files
             if self._slots.get(slot.name) is not slot or slot.discard or stale:
                 if self._slots.get(slot.name) is slot:
                     del self._slots[slot.name]  # removed, over capacity, or its files changed while in flight
@@ -580,6 +581,7 @@ class DraftCacheManager:
                 slot.reserved_bytes = actual  # account what it really occupies from now on
             slot.model, slot.files = loaded, files
             self._counters.loads += 1
+            self._counters.load_seconds += elapsed  # the loads counted in ``loads``: load_seconds / loads is their mean
             self._changed()
 
     def _changed(self) -> None:

@@ -120,7 +120,7 @@ class CacheStats:
     misses: int = 0  # get() did not
     loads: int = 0  # loads completed
     load_failures: int = 0
-    load_seconds: float = 0.0  # storage -> fast memory, summed over loads (background)
+    load_seconds: float = 0.0  # storage -> fast memory, summed over the ``loads`` that became resident (background)
     wait_seconds: float = 0.0  # decode thread blocked in wait_for()
     evictions: int = 0
     wasted_prefetches: int = 0  # loaded, then evicted before ever running

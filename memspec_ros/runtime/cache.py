@@ -18,10 +18,12 @@ All state changes happen under one lock. Evictions happen only on the caller's
 thread (update/request/remove/reconfigure), so the ``on_evict`` callbacks (the
 controller drops the evicted draft's KV cache there) run on the decode thread.
 
-A load in flight cannot be interrupted. When it is no longer wanted (remove, a smaller K or
-budget, reset) it is marked for dropping and keeps its reservation until the loader ends, so
-no new load starts while its memory is still in use; wanted again before it ends (a registry
-that adds the draft back), it is kept instead, if there is room. So, at every instant and with
+A load in flight cannot be interrupted. When it is no longer wanted (a smaller K or budget,
+reset) it is marked for dropping and keeps its reservation until the loader ends, so no new
+load starts while its memory is still in use; wanted again before it ends, it is kept instead,
+if there is room. A draft removed (its registry entry may come back naming other files) or
+failed in use has its load detached from the name instead: still reserved until it ends, but
+never kept, so a later request loads anew. So, at every instant and with
 any thread calling: the drafts that can become resident (resident + loads not marked) fit K and
 the budget in force, and everything in memory, marked loads included, fit the limits that were
 in force when each load started.

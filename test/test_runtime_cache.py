@@ -28,6 +28,16 @@ def fake_loader(delay=0.0, fail=(), sizes=SIZES, jitter=None):
     return load
 
 
+def gated_loader(gate: threading.Event, delay: float = 0.0):
+    """fake_loader's loads, each held until ``gate`` is set (then ``delay`` s more): a load kept in flight."""
+    def load(name: str) -> LoadedModel:
+        gate.wait(5)
+        time.sleep(delay)
+        return fake_loader()(name)
+
+    return load
+
+
 class Recorder:
     """Collects a snapshot at every state change (the cache calls it under its lock)."""
 
@@ -385,12 +395,7 @@ def test_a_draft_removed_and_wanted_again_while_its_load_runs_is_not_lost():
     gets it loaded anew (its entry may name other files now): update() keeps it in W and it becomes resident, and
     a blocking wait_for() returns it. The dropped load counts toward K until it ends."""
     gate = threading.Event()
-
-    def gated(name):
-        gate.wait(5)
-        return fake_loader()(name)
-
-    cache = DraftCacheManager(2, gated, size_of=SIZES.get)
+    cache = DraftCacheManager(2, gated_loader(gate), size_of=SIZES.get)
     cache.update(["math"])
     cache.remove("math")
     assert cache.update(["math", "code"]) == ["math", "code"]
@@ -439,12 +444,7 @@ def test_a_draft_that_fails_in_use_while_it_reloads_stays_failed():
     """fail() during a reload of the same draft: the failure was not recorded (the reload held the name), so the
     next update() kept the reload and the draft that had just failed became resident with no back-off."""
     gate = threading.Event()
-
-    def gated(name):
-        gate.wait(5)
-        return fake_loader()(name)
-
-    cache = DraftCacheManager(2, gated, size_of=SIZES.get)
+    cache = DraftCacheManager(2, gated_loader(gate), size_of=SIZES.get)
     cache.update(["math"])
     cache.fail("math", RuntimeError("logits not finite"))
     assert "math" in cache.failed()
@@ -635,13 +635,7 @@ def test_load_seconds_sum_the_loads_that_became_resident():
     """A load dropped in flight added its time to load_seconds but not to loads: load_seconds / loads, the mean
     load time, came out high."""
     gate = threading.Event()
-
-    def gated(name):
-        gate.wait(5)
-        time.sleep(0.05)
-        return fake_loader()(name)
-
-    cache = DraftCacheManager(2, gated, size_of=SIZES.get)
+    cache = DraftCacheManager(2, gated_loader(gate, 0.05), size_of=SIZES.get)
     cache.update(["math"])
     cache.remove("math")
     gate.set()

@@ -647,3 +647,16 @@ def test_load_seconds_sum_the_loads_that_became_resident():
     snap = cache.snapshot()
     assert snap.loads == 1 and snap.load_seconds >= 0.05
     cache.close()
+
+
+def test_a_size_that_cannot_be_read_fails_the_draft_and_k_must_be_a_count():
+    """size_of ran unguarded on the decode thread: its exception ended the goal instead of failing the draft;
+    reconfigure(capacity=True) was taken as K = 1."""
+    cache = DraftCacheManager(2, fake_loader(), size_of=lambda name: 1 // 0 if name == "law" else SIZES[name])
+    cache.update(["law", "code"])
+    cache.drain()
+    assert "law" in cache.failed() and "size could not be read" in str(cache.failed()["law"])
+    assert cache.resident() == ["code"]
+    with pytest.raises(ValueError, match="integer >= 1"):
+        cache.reconfigure(capacity=True)
+    cache.close()

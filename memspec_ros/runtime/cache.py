@@ -508,7 +508,14 @@ class DraftCacheManager:
     def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
         if self._closed:  # its loader pool is gone: a slot reserved now would stay "loading" for good
             return False
-        size = max(0, int(self.size_of(name)), self._measured.get(name, 0))  # a load taught what it really takes
+        try:
+            estimate = int(self.size_of(name))
+        except Exception as exc:  # on the decode thread: a size that cannot be read fails the draft, not the goal
+            self._slots[name] = slot = _Slot(name, 0)
+            self._fail(slot, DraftLoadError(f"draft {name!r}: its size could not be read ({type(exc).__name__}:"
+                                            f" {exc})"))
+            return False
+        size = max(0, estimate, self._measured.get(name, 0))  # a load taught what it really takes
         if self.budget_bytes and size > self.budget_bytes:
             self._slots[name] = slot = _Slot(name, 0)
             self._fail(slot, DraftTooLargeError(
@@ -592,7 +599,7 @@ class DraftCacheManager:
 
 
 def _check_capacity(capacity: int, budget_bytes: int) -> None:
-    if not isinstance(capacity, int) or capacity < 1:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:  # True is an int to Python
         raise ValueError(f"cache capacity K must be an integer >= 1 (drafts resident at once), got {capacity!r}")
     if budget_bytes < 0:
         raise ValueError(f"cache budget_bytes must be >= 0 (0 = no byte budget), got {budget_bytes!r}")

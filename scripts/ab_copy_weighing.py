@@ -9,7 +9,8 @@ requests; the outputs must be identical (both are the target's own greedy output
         --json docs/results/ab-copy-weighing.json
 
 A one-off variant that kept one acceptance estimate per match length (a copy after a 4-token match stands more
-often than after a 2-token one) decoded 0.968-1.007x the shared estimate (GMEAN 0.997x), so it was not kept.
+often than after a 2-token one) was not better than the shared estimate: GMEAN 1.005x and 0.997x in two one-off
+interleaved runs (per domain 0.963-1.043x), so it was not kept.
 """
 
 from __future__ import annotations

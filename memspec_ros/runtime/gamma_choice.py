@@ -173,12 +173,17 @@ class GammaChooser:
             return 1
         return gamma
 
-    def rate(self, costs: ForwardCosts, draft_name: str, limit: int | None = None) -> float:
-        """Committed tokens per millisecond expected of ``draft_name`` at its best gamma (0..min(limit, max_gamma))."""
+    def _best(self, costs: ForwardCosts, draft_name: str, limit: int | None = None) -> tuple[int, float]:
+        """``draft_name``'s best gamma in 0..min(limit, max_gamma) and the committed tokens per millisecond expected
+        at it."""
         most = self.max_gamma if limit is None else min(limit, self.max_gamma)
         alpha = self.alpha(draft_name)
         gamma = best_gamma(costs, alpha, most)
-        return expected_tokens(alpha, gamma) / costs.iteration_ms(gamma)
+        return gamma, expected_tokens(alpha, gamma) / costs.iteration_ms(gamma)
+
+    def rate(self, costs: ForwardCosts, draft_name: str, limit: int | None = None) -> float:
+        """Committed tokens per millisecond expected of ``draft_name`` at its best gamma (0..min(limit, max_gamma))."""
+        return self._best(costs, draft_name, limit)[1]
 
     def choose_copy(self, costs: ForwardCosts, name: str, limit: int, rival: str = "",
                     rival_costs: ForwardCosts | None = None) -> int:
@@ -187,13 +192,10 @@ class GammaChooser:
         would run instead, that draft's expected rate too; else 0, but 1 (or the best gamma) every PROBE_EVERY
         declined copies, so their acceptance stays current. One decision and one count: a probe that a second
         test could decline again was never made, and the copies stayed off for the rest of the generation."""
-        most = min(limit, self.max_gamma)
-        alpha = self.alpha(name)
-        gamma = best_gamma(costs, alpha, most)
-        rate = expected_tokens(alpha, gamma) / costs.iteration_ms(gamma)
+        gamma, rate = self._best(costs, name, limit)
         if gamma > 0 and (rival_costs is None or rate >= self.rate(rival_costs, rival)):
             return gamma
-        return max(gamma, 1) if most > 0 and self._probe_due(name) else 0
+        return max(gamma, 1) if min(limit, self.max_gamma) > 0 and self._probe_due(name) else 0
 
     def _probe_due(self, draft_name: str) -> bool:
         """One more time ``draft_name`` was passed over; True (and the count restarts) every PROBE_EVERY times."""

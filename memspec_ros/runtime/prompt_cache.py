@@ -241,10 +241,10 @@ class PromptCache:
         entry = _Entry(list(tokens[: kv.length]), kv, kept, hidden_rows)
         # an older goal's caches that this one holds all of (a repeated or continued prompt that took copies: the
         # same tokens, the same drafts) serve no prompt better: dropped, not kept twice in the budget
-        covered = [e for e in self._entries if _covers(entry, e)]
-        self._entries = [*(e for e in self._entries if not any(e is c for c in covered)), entry]
-        if covered:
-            del covered
+        others = [e for e in self._entries if not _covers(entry, e)]
+        dropped = len(self._entries) - len(others)
+        self._entries = [*others, entry]
+        if dropped:
             release_freed_memory()
         self._trim()
 

@@ -18,6 +18,8 @@ each searching the answers before it first (a node with ``memspec.remember_answe
 With ``--corpus train`` the lookup also searches the target's own answers to the training requests (a
 ``Datastore``, runtime/datastore.py, as the engine does with the zoo's ``datastore.safetensors``; the
 held-out requests are not among them): how much more a lookup that also searched past answers copies.
+``--datastore FILE`` searches a zoo's datastore file instead (the bundled ``models/datastore.safetensors``: the
+same kind of answers, with those to training requests that ask what a held-out request asks withheld).
 
     python scripts/lookup_acceptance.py artifacts/chatzoo/teacher --gamma 4 --json docs/results/lookup-acceptance.json
 """
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from memspec_ros.runtime.datastore import Datastore
+from memspec_ros.runtime.datastore import Datastore, read_answers
 from memspec_ros.runtime.gamma_choice import ForwardCosts, GammaChooser
 from memspec_ros.runtime.lookup import LookupConfig, NgramIndex
 
@@ -106,6 +108,8 @@ def main() -> None:
     parser.add_argument("--verify-ms", help="comma-separated ms of a 1..gamma+1-token target forward: also replay"
                         " adaptive gamma's choice under these costs")
     parser.add_argument("--corpus", help="also search this split's answers (e.g. train) before each prompt")
+    parser.add_argument("--datastore", type=Path, help="also search this datastore file's answers (e.g. the bundled"
+                        " models/datastore.safetensors) before each prompt; instead of --corpus")
     parser.add_argument("--corpus-shares", help="with --corpus and --verify-ms: comma-separated shares of the corpus"
                         " (its first answers) to replay adaptive gamma with too, e.g. 0.125,0.25,0.5,1")
     parser.add_argument("--remember", action="store_true",
@@ -114,7 +118,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     config = LookupConfig(args.min_ngram, args.max_ngram)
-    corpus = Datastore(a for _, _, a in answers(args.teacher, args.corpus)) if args.corpus else None
+    if args.corpus and args.datastore:
+        raise SystemExit("--corpus and --datastore both name the answers to search: pass one")
+    if args.datastore:
+        every = [a for a in read_answers(args.datastore)[0] if len(a)]  # empty rows: withheld answers
+    else:
+        every = [a for _, _, a in answers(args.teacher, args.corpus)] if args.corpus else []
+    corpus = Datastore(every) if every else None
     by_length: dict[int, list[int]] = defaultdict(list)  # matched length -> accepted per copied iteration
     iterations = answered = 0
     per_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # iterations, copied, accepted
@@ -131,7 +141,8 @@ def main() -> None:
     result = {
         "teacher": str(args.teacher), "split": args.split, "gamma": args.gamma,
         "min_ngram": config.min_ngram, "max_ngram": config.max_ngram, "answers": answered, "iterations": iterations,
-        "corpus": {"split": args.corpus, "answers": corpus.answers, "tokens": corpus.token_count,
+        "corpus": {"split": args.corpus, "datastore": str(args.datastore) if args.datastore else None,
+                   "answers": corpus.answers, "tokens": corpus.token_count,
                    "min_ngram": corpus.config.min_ngram, "max_ngram": corpus.config.max_ngram} if corpus else None,
         "copied_share": sum(len(v) for v in by_length.values()) / iterations if iterations else 0.0,
         "by_match_length": {
@@ -154,8 +165,7 @@ def main() -> None:
             **{f"{label}_vs_target_alone": replay_adaptive(pairs, costs, args.gamma, config, per_length, corpus) / alone
                for label, per_length in (("one_estimate", False), ("per_match_length", True))},
         }
-        if args.corpus and args.corpus_shares:  # how the gain grows with the datastore's size
-            every = [a for _, _, a in answers(args.teacher, args.corpus)]
+        if corpus is not None and args.corpus_shares:  # how the gain grows with the datastore's size
             result["adaptive_replay"]["by_corpus_share"] = {
                 share: replay_adaptive(pairs, costs, args.gamma, config, False,
                                        Datastore(every[: round(len(every) * float(share))])) / alone

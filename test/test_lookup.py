@@ -207,3 +207,38 @@ def test_copies_too_poor_for_a_plain_step_are_still_probed_beside_a_draft(pair, 
     decisions = [chooser.choose_copy(free, LOOKUP_DRAFT, 4, "noisy", rival) for _ in range(4 * PROBE_EVERY)]
     assert decisions.count(1) == 4 and set(decisions) == {0, 1}  # a one-token probe every PROBE_EVERY
 
+
+
+def test_the_offline_replay_searches_a_datastore_file_without_its_withheld_rows(tmp_path, monkeypatch, capsys):
+    """scripts/lookup_acceptance.py --datastore: the bundled datastore's answers are searched (an answer
+    copied from it), its withheld (empty) rows are not counted, and --corpus beside it is refused."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    from memspec_ros.runtime.datastore import Datastore
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "lookup_acceptance.py"
+    spec = importlib.util.spec_from_file_location("lookup_acceptance", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompt, answer = [1, 2, 3], [20, 21, 22, 23, 24, 25, 26, 27]
+    save_file({"prompt_ids": torch.tensor(prompt), "prompt_offsets": torch.tensor([0, 3]),
+               "answer_ids": torch.tensor(answer), "answer_offsets": torch.tensor([0, 8])},
+              str(tmp_path / "heldout-00000.safetensors"), metadata={"meta": json.dumps({"domains": ["code"]})})
+    Datastore([[], [5, 20, 21, 22, 23, 24, 25, 26, 27], []]).save(tmp_path / "datastore.safetensors")
+    out = tmp_path / "replay.json"
+    argv = ["lookup_acceptance.py", str(tmp_path), "--datastore", str(tmp_path / "datastore.safetensors"),
+            "--json", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    module.main()
+    result = json.loads(out.read_text())
+    assert result["corpus"]["answers"] == 1 and result["corpus"]["tokens"] == 9
+    # after 20 21 22 (3 tokens, the datastore's shortest n-gram) the rest of the answer is copied
+    assert result["copied_share"] > 0 and result["by_domain"]["code"]["accepted_per_copy"] == 4
+    monkeypatch.setattr("sys.argv", argv + ["--corpus", "train"])
+    with pytest.raises(SystemExit, match="pass one"):
+        module.main()

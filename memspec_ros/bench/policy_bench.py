@@ -305,8 +305,11 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
             raise ValueError(f"the workloads {', '.join(cfg.workloads)} in {folder} have no prompts")
         costs = measure_costs(controller, storage, registry, first, cfg.max_new_tokens, cfg.capacity, cfg.gamma,
                               cfg.draft_quantization, catchup)
+        names = [e.name for e in registry]  # the controller's candidates, in registry order
         for oracle in oracles.values():
             oracle.costs = costs
+            if "oracle-dynamic" in policies:  # hindsight planning is no cost of decoding: solved before the timing
+                oracle.plan([d for d in names if d in oracle.agreement])
         turn = 0  # one rotation over every prompt of every workload: each policy takes each place in the order
         for _ in range(cfg.runs):
             for w in cfg.workloads:

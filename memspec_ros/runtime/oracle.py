@@ -255,6 +255,10 @@ class GreedyOracle:
     scores: dict[str, float] = field(default_factory=dict)  # whole-output utility, cached
     costs: ScheduleCosts | None = None  # what Oracle-Dynamic's schedule pays (None: free switches and loads)
     prompt_tokens: int = 0  # the prompt's length: a draft switched in catches up on it too
+    # Oracle-Dynamic's solved schedules, per drafts (with the costs they were solved under): planning in
+    # hindsight is no cost a real policy pays, so a bench solves it before its timed runs (plan()) and every
+    # run of this prompt reuses it
+    _solvers: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def compute(cls, target: torch.nn.Module, drafts: Mapping[str, torch.nn.Module], prompt_ids: Sequence[int],
@@ -282,6 +286,19 @@ class GreedyOracle:
                 _, accepted = interval_walk(agree, 1, self.gamma, len(agree))  # 1: prefill made the first token
                 self.scores[draft] = sum(accepted) / len(accepted) if accepted else 0.0
         return self.scores[draft]
+
+    def solver(self, drafts: Sequence[str]) -> ScheduleSolver:
+        """Oracle-Dynamic's schedule over ``drafts`` under this oracle's costs, solved once and kept (memoised
+        states stay valid: they depend only on the continuation, the agreements and the costs)."""
+        costs, solver = self._solvers.get(tuple(drafts), (None, None))
+        if solver is None or costs is not self.costs:  # costs set (or replaced) since: plan again
+            solver = ScheduleSolver.for_oracle(self, drafts)
+            self._solvers[tuple(drafts)] = (self.costs, solver)
+        return solver
+
+    def plan(self, drafts: Sequence[str]) -> None:
+        """Solve Oracle-Dynamic's schedule from the start now (outside any timed run: see ``_solvers``)."""
+        self.solver(drafts).value()
 
     def best_static(self, candidates: Sequence[str]) -> str:
         return max(candidates, key=lambda d: (self.static_utility(d), -list(candidates).index(d)))

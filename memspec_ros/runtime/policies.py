@@ -228,7 +228,7 @@ class OracleDynamicPolicy(DraftPolicy):
         if not viable:
             return prefetch_choice(point, "", [])
         if self._solver is None or tuple(viable) != self._drafts:
-            self._solver, self._drafts = ScheduleSolver.for_oracle(self._oracle, viable), tuple(viable)
+            self._solver, self._drafts = self._oracle.solver(viable), tuple(viable)
         resident = frozenset(d for d in point.resident if d in viable)
         loading = None
         if self._loading is not None:

@@ -285,3 +285,15 @@ def test_the_papers_evaluation_reads_a_workload_folder(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="stopped here"):
         main(["paper", "--zoo", str(zoo), "--workloads-dir", str(folder), "--out", str(tmp_path / "out")])
     assert seen["workloads_dir"] == folder and seen["workloads"] == ["chat", "robotics"]
+
+
+def test_the_action_and_soak_benches_send_held_out_requests_only():
+    """action_bench.domain_prompts skipped only a file named train_prompts, so the bundled zoo's
+    train_requests.jsonl sent training requests (2 of the first 12 prompts) as if held out."""
+    from memspec_ros.bench.action_bench import domain_prompts
+
+    folder = Path(__file__).resolve().parents[1] / "models" / "workloads"
+    held_out = {json.loads(line)["prompt"] for name in ("code", "math", "law", "medical", "general")
+                for line in (folder / f"{name}.jsonl").read_text().splitlines()}
+    prompts = domain_prompts(folder, 30)
+    assert len(prompts) == 30 and set(prompts) <= held_out

@@ -28,9 +28,12 @@ import time
 from pathlib import Path
 
 
-def workload_prompts(workloads: Path, count: int) -> list[str]:
-    """Round-robin over the domain workloads (first prompts of each), as the engine bench does."""
-    files = sorted(p for p in workloads.glob("*.jsonl") if p.stem not in ("train_prompts", "mixed"))
+def domain_prompts(workloads: Path, count: int) -> list[str]:
+    """Round-robin over the domain workloads (first prompts of each), as the engine bench does: the held-out
+    requests, never the training ones (train*.jsonl, policy_bench.workloads_in) nor the mixed workload."""
+    from .policy_bench import workloads_in
+
+    files = [workloads / f"{name}.jsonl" for name in workloads_in(workloads) if name != "mixed"]
     per_file = [[json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()] for f in files]
     prompts, i = [], 0
     while len(prompts) < count and any(i < len(p) for p in per_file):
@@ -50,7 +53,7 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
     if zoo is None or not (zoo / "registry.yaml").is_file():
         note = f"no zoo at {zoo}: generated tiny zoo (random 256x6 target, 1-layer drafts)"
         zoo = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_bench_zoo_")))
-    texts = workload_prompts(Path(__file__).resolve().parents[2] / "models" / "workloads"
+    texts = domain_prompts(Path(__file__).resolve().parents[2] / "models" / "workloads"
                              if not (zoo / "workloads").is_dir() else zoo / "workloads", prompts)
     with isolated_domain(domain_id):  # read by rclpy.init and the client process
         rows = _pairs(zoo, texts, runs, max_new_tokens, threads, feedback_period, policy, predictor, progress)

@@ -109,12 +109,12 @@ class InvariantMonitor:
 
 
 def soak_prompts(zoo: Path, count: int = 40) -> list[str]:
-    from .action_bench import workload_prompts
+    from .action_bench import domain_prompts
 
     workloads = zoo / "workloads"
     if not workloads.is_dir():
         workloads = Path(__file__).resolve().parents[2] / "models" / "workloads"
-    return workload_prompts(workloads, count)
+    return domain_prompts(workloads, count)
 
 
 def largest_draft_in_memory(node) -> int:

@@ -297,3 +297,31 @@ def test_the_action_and_soak_benches_send_held_out_requests_only():
                 for line in (folder / f"{name}.jsonl").read_text().splitlines()}
     prompts = domain_prompts(folder, 30)
     assert len(prompts) == 30 and set(prompts) <= held_out
+
+
+def test_the_engine_bench_pools_e_a_over_every_iteration(tmp_path, monkeypatch):
+    """E[A] is accepted tokens over all speculative iterations of the bench's generations (stats.py's
+    GenerationTotals), as the policies bench and the figures count it, not a mean of per-prompt means: a short
+    generation weighed as much as a long one."""
+    from memspec_ros.bench import engine_bench
+    from memspec_ros.runtime.stats import GenerationTotals
+
+    seen = []
+    real = engine_bench.generate
+
+    def recording(target, ids, draft=None, **kw):
+        session = real(target, ids, draft, **kw)
+        if draft is not None and kw.get("max_new_tokens") != 8:  # the bench's runs, not its warm-up
+            seen.append(session.stats)
+        return session
+
+    monkeypatch.setattr(engine_bench, "generate", recording)
+    out = tmp_path / "engine.json"
+    assert main(["engine", "--zoo", str(tmp_path / "no-zoo"), "--prompts", "3", "--runs", "1",
+                 "--max-new-tokens", "24", "--json", str(out)]) == 0
+    pooled = GenerationTotals()
+    for stats in seen:
+        pooled.add(stats)
+    per_prompt = sum(s.mean_accepted for s in seen) / len(seen)
+    assert len(seen) == 3 and pooled.mean_accepted != pytest.approx(per_prompt)  # the case tells them apart
+    assert json.loads(out.read_text())["mean_accepted"] == pytest.approx(pooled.mean_accepted)

@@ -33,7 +33,7 @@ from ..runtime.draft_forward import lean_forward_for, unsupported_reason
 from ..runtime.draft_vocab import ReducedVocabDraft, as_transformers_assistant
 from ..runtime.lookup import LOOKUP_DRAFT, LookupConfig
 from ..runtime.speculative import KVState, forward_once, generate
-from ..runtime.stats import decode_tokens_per_second
+from ..runtime.stats import GenerationTotals, decode_tokens_per_second
 
 
 @dataclass
@@ -184,7 +184,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     per_run: dict[str, list[float]] = {m: [] for m in methods}
     decode_tps: list[float] = []
     bound_tps: list[float] = []  # per run: its decode tokens at the bound's forward times (_bound_seconds)
-    accepted: list[float] = []
+    accepted = GenerationTotals()  # E[A] pooled over every iteration (stats.py), not a mean of per-prompt means
     draft_ms: list[float] = []
     verify_ms: list[float] = []
     identical = True
@@ -225,7 +225,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                     out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens
-                    accepted.append(session.stats.mean_accepted)
+                    accepted.add(session.stats)
                     loop.add(session.stats)
                 seconds[method] += time.perf_counter() - start
                 tokens[method] += len(out)
@@ -249,7 +249,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
             per_run[method].append(tokens[method] / seconds[method])
         decode_tps.append(decode_tokens_per_second(run_decode_tokens, run_decode_s))
         bound_tps.append(decode_tokens_per_second(run_decode_tokens, run_bound_s))
-    mean_accepted = statistics.fmean(accepted)
+    mean_accepted = accepted.mean_accepted
     t_draft, t_verify = statistics.median(draft_ms), statistics.median(verify_ms)
     bound = None if cfg.context_lookup else statistics.median(bound_tps)
     med = {m: statistics.median(v) for m, v in per_run.items()}

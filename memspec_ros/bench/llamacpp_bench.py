@@ -44,6 +44,7 @@ import torch
 
 from ..runtime.datastore import Datastore
 from ..runtime.lookup import LookupConfig
+from ..runtime.stats import GenerationTotals
 
 LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"
 # the ATen kernels that do a forward's matrix multiplies on each path
@@ -219,7 +220,7 @@ def forward_profile(model: torch.nn.Module, gamma: int, vocab_size: int) -> dict
 @dataclass
 class _Tally:
     tps: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
+    accepted: GenerationTotals = field(default_factory=GenerationTotals)  # E[A] pooled (stats.py)
 
 
 def run_llamacpp_bench(
@@ -313,7 +314,7 @@ def run_llamacpp_bench(
                                        datastores=(cfg.datastore,) if how.datastore else ())
                     tally[method].tps.append(session.stats.tokens_per_second)
                     if kind != "alone":
-                        tally[method].accepted.append(session.stats.mean_accepted)
+                        tally[method].accepted.add(session.stats)
                     if how.lookup:
                         copied[path, kind] += session.stats.copied_iterations
                         iterations[path, kind] += len(session.stats.iterations)
@@ -365,7 +366,7 @@ def run_llamacpp_bench(
                 **with_store,
                 "speculative_tps": spec,
                 "speculative_method": spec_method,
-                "mean_accepted": statistics.fmean(tally[f"{path}:speculative"].accepted),
+                "mean_accepted": tally[f"{path}:speculative"].accepted.mean_accepted,
                 "adaptive_vs_fixed_gamma": adaptive / fixed,
                 "target_alone_vs_llamacpp": alone / llama,
                 "speculative_vs_llamacpp": spec / llama,

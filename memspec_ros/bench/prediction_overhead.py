@@ -26,7 +26,7 @@ import torch
 from ..runtime.controller import RuntimeConfig
 from ..runtime.loader import load_models
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
-from ..runtime.stats import GenerationStats, decode_tokens_per_second
+from ..runtime.stats import GenerationStats, GenerationTotals, decode_tokens_per_second
 from ..zoo.predictor_training import read_prompts
 
 VARIANTS = [("minilm", False), ("minilm", True), ("target-hidden", False), ("target-hidden", True)]
@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         hook0 = getattr(engine.encoder, "hook_seconds", 0.0)
         runs: list[GenerationStats] = [ctl.generate(ids, args.max_new_tokens).stats for ids in prompts]
         decode = sum(s.decode_seconds for s in runs)
+        pooled = GenerationTotals()
+        for s in runs:
+            pooled.add(s)
         key = f"{encoder_name}{' (overlapped)' if overlap else ''}"
         # the hidden-state hook runs inside the target's verify forward: count it as prediction work too
         hook = getattr(engine.encoder, "hook_seconds", 0.0) - hook0
@@ -88,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             else 0.0,
             "tokens_per_second": decode_tokens_per_second(sum(s.decode_tokens for s in runs), decode),
             "predictions": sum(s.predictions for s in runs),
-            "mean_accepted": sum(s.mean_accepted for s in runs) / len(runs),
-            "fallback_fraction": sum(s.fallback_fraction for s in runs) / len(runs),
+            "mean_accepted": pooled.mean_accepted,  # pooled over every iteration, as the policies bench does
+            "fallback_fraction": pooled.fallback_fraction,
         }
         ctl.close()
         engine.close()

@@ -98,7 +98,7 @@ def test_a_warm_first_choice_runs_the_best_resident_draft_and_keeps_it_while_the
     ranking = [("code", 3.0), ("law", 2.0), ("math", 1.0), ("general", 0.5)]
     choice = Choice("code", block=False, fallback=("code", "law", "math", "general"), cache_action=CACHE_PREFETCH,
                     ranking=ranking)
-    resolution = carry_out(choice, cache, wait=pytest.fail)
+    resolution = carry_out(choice, cache, wait=pytest.fail, first=True)
     assert (resolution.draft, resolution.preferred, resolution.fallback, resolution.waited) == ("math", "code", True,
                                                                                                0.0)
     assert cache.is_resident("math") and cache.is_available("code") and not cache.is_available("general")
@@ -117,9 +117,24 @@ def test_a_warm_first_choice_with_no_room_beside_the_resident_draft_waits_for_it
 
     ranking = [("code", 2.0), ("general", 1.0)]
     choice = Choice("code", block=False, fallback=("code", "general"), cache_action=action, ranking=ranking)
-    resolution = carry_out(choice, cache, wait=wait)
+    resolution = carry_out(choice, cache, wait=wait, first=True)
     assert waits == ["code"] and resolution.waited == pytest.approx(1.0)
     assert (resolution.draft, resolution.fallback) == ("code", False) and cache.resident() == ["code"]
+
+
+@pytest.mark.parametrize("action", [CACHE_PREFETCH, CACHE_REQUEST])
+def test_a_later_non_blocking_choice_with_no_draft_running_never_waits(action):
+    """Mid-generation the target may decode alone (its draft removed, failed or evicted): a non-blocking choice
+    then runs what is resident meanwhile, even with no room for its draft, instead of waiting as a first
+    choice does."""
+    clock = Clock()
+    cache = SimCache(1, lambda name: 1.0, clock)
+    cache.request("general")
+    clock.now = 2.0
+    choice = Choice("code", block=False, fallback=("code", "general"), cache_action=action,
+                    ranking=[("code", 2.0), ("general", 1.0)])
+    resolution = carry_out(choice, cache, wait=pytest.fail)
+    assert resolution.waited == 0.0 and resolution.preferred == "code" and resolution.fallback
 
 
 def test_mab_async_decodes_on_the_current_draft_while_its_choice_loads():

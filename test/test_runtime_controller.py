@@ -331,6 +331,38 @@ def test_removing_the_active_draft_mid_generation(target, drafts, expected, poli
     ctl.close()
 
 
+def test_memspec_does_not_wait_mid_generation_after_its_running_draft_was_removed(target, drafts, expected):
+    """With the running draft removed the target decodes alone (no current draft), as at a generation's start;
+    carry_out took that for the first choice on a warm cache and, K = 1 having no room beside the resident
+    draft, blocked on the preferred draft's load: a stall in decoding MemSpec never makes."""
+    registry = registry_of(drafts)
+    ctl = None
+
+    def ranker(context):
+        if context.interval >= 2:
+            ctl.cache.drain()  # the background load started at point 1 has landed: one draft resident, not code
+            return ["code", "law", "general", "math"]
+        return ["math", "law", "code", "general"]
+
+    ctl = make(target, drafts, "memspec", loader=Loader(drafts, delay=0.2), registry=registry, ranker=ranker,
+               capacity=1, interval=2)
+    calls = []
+
+    def should_cancel():
+        if not calls:
+            registry.remove("math")  # an operator edits drafts.names mid-goal: the running draft goes
+        calls.append(1)
+        return False
+
+    try:
+        result = ctl.generate(PROMPT, NEW, should_cancel=should_cancel)
+    finally:
+        ctl.close()
+    assert result.token_ids == expected
+    assert result.stats.load_wait_seconds == 0.0
+    assert all(it.load_wait_seconds == 0.0 for it in result.stats.iterations)
+
+
 def test_adding_a_draft_mid_generation_makes_it_a_candidate(target, drafts, expected):
     registry = registry_of({k: v for k, v in drafts.items() if k != "math"})
     ctl = make(target, drafts, "memspec", registry=registry, ranker=lambda c: ["math", "law", "code", "general"])

@@ -75,7 +75,8 @@ class ChoiceCache(Protocol):
     def request(self, name: str, active: str | None = None) -> bool: ...
 
 
-def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float], current: str = "") -> Resolution:
+def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float], current: str = "",
+              first: bool = False) -> Resolution:
     """Do what ``choice`` says on ``cache`` and pick the draft that runs until the next scheduling point.
 
     ``current``: the draft that ran the last interval ("" none), protected from eviction while it may go on
@@ -86,11 +87,12 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
     blocking load, with no draft active so the idle current one may make room; the cache action; then the
     preferred draft if resident, else the first resident draft of ``choice.fallback``, else any other resident
     draft (by name), else the target alone. Nothing here waits but the blocking load, and a generation's
-    non-blocking first choice (``current`` "") whose draft the cache has no room to load beside the resident
-    draft kept running meanwhile.
+    non-blocking ``first`` choice whose draft the cache has no room to load beside the resident draft kept
+    running meanwhile. Only the first: later in a generation ``current`` is "" too where the target decoded
+    alone (its draft removed, failed or evicted by a smaller K), and a non-blocking policy must not wait there.
     """
     preferred, waited = choice.preferred, 0.0
-    warm_start = not current and not choice.block and bool(preferred)
+    warm_start = first and not current and not choice.block and bool(preferred)
     if warm_start:
         # a generation's first choice on a warm cache: the resident draft it runs meanwhile is kept like an active
         # one, so the prefetch below cannot evict it

@@ -424,7 +424,7 @@ class RuntimeController:
         point = self._point(0, session, prompt_ids, active="")
         choice = policy.choose(point)
         stats.predictions += 1
-        first = self._carry_out(choice, current="")  # the first draft: blocking on a cold cache
+        first = self._carry_out(choice, current="", first=True)  # the first draft: blocking on a cold cache
         run.follow(first)
         stats.setup_seconds = setup + time.perf_counter() - t_choose
         stats.setup_wait_seconds = first.waited
@@ -508,8 +508,8 @@ class RuntimeController:
             self.cache.remove(name)
         return active in gone
 
-    def _carry_out(self, choice: Choice, current: str) -> Resolution:
-        return carry_out(choice, self.cache, wait=self._wait, current=current)
+    def _carry_out(self, choice: Choice, current: str, first: bool = False) -> Resolution:
+        return carry_out(choice, self.cache, wait=self._wait, current=current, first=first)
 
     def _wait(self, name: str) -> float:
         """Block until ``name`` is resident: the seconds waited (0.0 if its load failed: the cache records the

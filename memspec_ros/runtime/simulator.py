@@ -456,7 +456,7 @@ class _Clock:
         return self.now
 
 
-def _carry_out(cache: SimCache, clock: _Clock, choice: Choice, current: str = "") -> Resolution:
+def _carry_out(cache: SimCache, clock: _Clock, choice: Choice, current: str = "", first: bool = False) -> Resolution:
     """runtime/choice.py's ``carry_out`` on the simulated cache: a blocking wait advances the clock, so the
     cache sees the load done afterwards."""
 
@@ -466,7 +466,7 @@ def _carry_out(cache: SimCache, clock: _Clock, choice: Choice, current: str = ""
             clock.now += waited + EPSILON  # past the load's end, float rounding aside
         return waited
 
-    return carry_out(choice, cache, wait=wait, current=current)
+    return carry_out(choice, cache, wait=wait, current=current, first=first)
 
 
 class Simulator:
@@ -511,7 +511,7 @@ class Simulator:
             choice = policy.choose(point_at(0, 1, ""))
             stats.predictions += 1
             clock.now += costs.setup_seconds.get(policy.name, 0.0)
-            first = _carry_out(cache, clock, choice)  # the first draft: the choice blocks for it
+            first = _carry_out(cache, clock, choice, first=True)  # the first draft: the choice blocks for it
             active, preferred, fallback = first.draft, first.preferred, first.fallback
             stats.setup_wait_seconds = first.waited
         stats.setup_seconds = clock.now - stats.prefill_seconds

@@ -137,6 +137,23 @@ def test_a_later_non_blocking_choice_with_no_draft_running_never_waits(action):
     assert resolution.waited == 0.0 and resolution.preferred == "code" and resolution.fallback
 
 
+def test_a_blocking_prefetch_choice_evicts_by_its_own_ranking_not_the_last_goals():
+    """A first choice that blocks and then prefetches (MemSpec told to wait for its first draft, Oracle-Dynamic's
+    planned first draft): its load must evict the draft its ranking drops. The prefetch sets the scores only after
+    the load, so the last goal's scores chose the victim: here the draft the new ranking keeps."""
+    clock = Clock()
+    cache = SimCache(2, lambda name: 1.0, clock)
+    for name in ("a", "b"):
+        cache.request(name)
+        clock.now += 1.5
+    cache.set_scores([("a", 2.0), ("b", 1.0)])  # the last goal's
+    waits: list[str] = []
+    choice = Choice("c", block=True, fallback=("c", "b"), cache_action=CACHE_PREFETCH, ranking=[("c", 3.0), ("b", 2.0)])
+    resolution = carry_out(choice, cache, wait=recording_wait(cache, clock, waits), first=True)
+    assert waits == ["c"] and resolution.draft == "c"
+    assert sorted(cache.resident()) == ["b", "c"]
+
+
 def test_mab_async_decodes_on_the_current_draft_while_its_choice_loads():
     clock = Clock()
     cache = SimCache(2, lambda name: 1.0, clock)

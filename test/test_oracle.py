@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -240,6 +241,40 @@ def test_oracle_dynamic_plans_once_per_prompt_outside_the_timed_runs(models, mon
     oracle.costs = replace(oracle.costs, catchup_seconds=0.5)
     oracle.plan(list(drafts))
     assert len(built) == 2
+
+
+def test_oracle_dynamic_on_a_warm_cache_loads_its_first_draft_at_setup_as_planned(models):
+    """The schedule's first draft loads during setup (the solver's START). On a warm cache the first choice did
+    not block, so a resident draft the schedule had not chosen decoded while the planned one loaded (Oracle-
+    Dynamic ran a draft accepting nothing for the whole answer, below Oracle-Static). Now the first iteration
+    runs the planned draft, and its load is setup, not decoding."""
+    target, drafts = models
+    oracle = GreedyOracle.compute(target, drafts, PROMPT, NEW, gamma=4, interval=2)
+    oracle.costs = ScheduleCosts(capacity=2, iteration_seconds=1.0, catchup_seconds=0.25,
+                                 load_seconds=dict.fromkeys(drafts, 2.0))
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+
+    def load(name):
+        time.sleep(0.05)
+        return LoadedModel(drafts[name], ModelSpec(name), parameter_bytes(drafts[name]), 64, 512)
+
+    config = RuntimeConfig(policy="general-static", capacity=2, interval=oracle.interval, gamma=oracle.gamma,
+                           general_draft="general")
+    ctl = RuntimeController(config, target, None, registry, loader=load, oracle_for=lambda ids: oracle,
+                            eos_token_ids=[])
+    try:
+        ctl.generate(PROMPT, 8)  # the last goal left "general" resident
+        ctl.cache.drain()
+        assert ctl.cache.resident() == ["general"]
+        planned = oracle.solver(list(drafts)).best_action((1, "", frozenset({"general"}), None))
+        assert planned.run != "general"  # the case: the plan starts on a draft that is not resident
+        ctl.reconfigure(policy="oracle-dynamic")
+        result = ctl.generate(PROMPT, NEW)
+    finally:
+        ctl.close()
+    assert result.token_ids == target_greedy(target, PROMPT, NEW)
+    assert result.stats.iterations[0].draft == planned.run and not result.stats.iterations[0].fallback
+    assert result.stats.setup_wait_seconds > 0  # loaded at setup, outside the decode metric
 
 
 def test_oracle_next_interval_is_the_myopic_variant(models):

@@ -97,9 +97,12 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
         # a generation's first choice on a warm cache: the resident draft it runs meanwhile is kept like an active
         # one, so the prefetch below cannot evict it
         current = next((n for n in (preferred, *choice.fallback) if n and cache.is_resident(n)), "")
-    if choice.cache_action != CACHE_PREFETCH and choice.ranking:
-        cache.set_scores(choice.ranking)  # on-demand loads evict the policy's lowest-scored draft
-    if preferred and choice.block and not cache.is_resident(preferred):
+    blocking = bool(preferred) and choice.block and not cache.is_resident(preferred)
+    if choice.ranking and (choice.cache_action != CACHE_PREFETCH or blocking):
+        # on-demand loads evict the policy's lowest-scored draft; so does a blocking load before a prefetch (which
+        # sets the scores itself, but only after the load: the last goal's scores chose its victim)
+        cache.set_scores(choice.ranking)
+    if blocking:
         cache.set_active("")  # the idle current draft may be evicted to make room
         waited = wait(preferred)
     if choice.cache_action == CACHE_PREFETCH and choice.ranking is not None:

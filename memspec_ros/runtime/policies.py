@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .choice import CACHE_NONE, CACHE_PREFETCH, CACHE_REQUEST, Choice
 from .lookup import LOOKUP_DRAFT
@@ -257,7 +257,13 @@ class OracleDynamicPolicy(DraftPolicy):
         assert action.kind in (START, RESIDENT)
         if action.prefetch:
             self._loading = (action.prefetch, point.interval)
-        return prefetch_choice(point, action.run, ranking)
+        choice = prefetch_choice(point, action.run, ranking)
+        if action.kind == START and action.run not in point.resident:
+            # the schedule's first draft loads during setup, evicting the drafts the schedule drops (the solver's
+            # model, and Oracle-Static's way): on a warm cache the first choice did not block, and another resident
+            # draft decoded while it loaded
+            choice = replace(choice, block=True)
+        return choice
 
 
 class OracleNextIntervalPolicy(DraftPolicy):

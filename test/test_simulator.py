@@ -395,3 +395,37 @@ def test_oracle_dynamic_stays_above_oracle_static_where_a_late_catch_up_costs_mo
     flat_tps = sim.generate(make_policy("oracle-dynamic", oracle_for=flat_oracle, general_draft="a"),
                             trace).tokens_per_second
     assert flat_tps < tps["oracle-static"]
+
+
+def test_the_held_out_validation_takes_nothing_from_the_runs_it_checks(tmp_path):
+    """The gate replays each checked run with the cost model fitted on the other prompts at the fitted speed:
+    the checked runs' own timings must not enter their replay. Speed-matched, the replay scaled each run's
+    compute by that run's own verify time (most of its decode time), so the verify part agreed by construction
+    and the held-out figure tested little. Here the checked runs' recorded verify times are doubled: their
+    held-out replay does not move (the speed-matched one does)."""
+    import json
+
+    from memspec_ros.bench.policy_bench import PolicyBenchConfig, collect_policy_bench, validate_simulator
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2)
+    (zoo / "workloads").mkdir()
+    (zoo / "workloads" / "code.jsonl").write_text("".join(
+        json.dumps({"domain": "code", "prompt": p}) + "\n" for p in ("def add(a, b):", "class Stack:")))
+    cfg = PolicyBenchConfig(policies=["general-static", "memspec"], workloads=["code"], prompts=2,
+                            max_new_tokens=16, storage="local", simulate=False)
+    bench = collect_policy_bench(zoo, cfg, zoo / "predictor")
+    before = validate_simulator(bench)
+    first = bench.traces[0].prompt_ids
+    for _, _, ids, stats in bench.runs:
+        if list(ids) != list(first):  # the odd-numbered prompt: the checked one
+            for it in stats.iterations:
+                it.verify_seconds *= 2
+    after = validate_simulator(bench)
+    for p in cfg.policies:
+        held = (before["held_out"]["policies"][p], after["held_out"]["policies"][p])
+        assert held[1]["simulated_end_to_end"] == pytest.approx(held[0]["simulated_end_to_end"])
+        matched = (before["held_out_speed_matched"]["policies"][p], after["held_out_speed_matched"]["policies"][p])
+        assert matched[1]["simulated_end_to_end"] < matched[0]["simulated_end_to_end"]
+    assert after["gate"]["kind"].startswith("held out")
+    assert after["gate"]["max_abs_error_end_to_end"] == after["held_out"]["max_abs_error_end_to_end"]

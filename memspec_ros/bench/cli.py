@@ -393,7 +393,8 @@ def cmd_paper(args) -> int:
     print(json.dumps(index, indent=2))
     print(f"items ({', '.join(index['items'])}) and README.md written to {args.out} in {index['wall_seconds'] / 60:.1f}"
           f" min; simulator {'within' if index['validation']['within_tolerance'] else 'OUTSIDE'} its tolerance"
-          f" (largest end-to-end error {share(index['validation']['max_abs_error_end_to_end'])})")
+          f" ({index['validation']['kind']}: largest end-to-end error"
+          f" {share(index['validation']['max_abs_error_end_to_end'])})")
     print(f"lossless (every output equals the target's greedy output): {index['lossless']}")
     return 0 if index["lossless"] else 1
 

@@ -325,3 +325,19 @@ def test_the_engine_bench_pools_e_a_over_every_iteration(tmp_path, monkeypatch):
     per_prompt = sum(s.mean_accepted for s in seen) / len(seen)
     assert len(seen) == 3 and pooled.mean_accepted != pytest.approx(per_prompt)  # the case tells them apart
     assert json.loads(out.read_text())["mean_accepted"] == pytest.approx(pooled.mean_accepted)
+
+
+def test_table2_reads_the_report_of_the_predictor_the_runs_used(tmp_path):
+    """`memspec-bench paper --predictor DIR`: Table 2 read <zoo>/predictor/report.json whatever DIR was."""
+    import shutil
+
+    from memspec_ros.bench.figures import predictor_report, table2
+
+    mine = tmp_path / "mine"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "models" / "predictor", mine)
+    report = json.loads((mine / "report.json").read_text())
+    report["majority_top1"] = 0.123
+    (mine / "report.json").write_text(json.dumps(report))
+    for given in (mine, mine / "target-hidden"):
+        assert predictor_report(given) == mine / "report.json"
+        assert table2(predictor_report(given))["majority_top1"] == 0.123

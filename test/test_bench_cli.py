@@ -341,3 +341,19 @@ def test_table2_reads_the_report_of_the_predictor_the_runs_used(tmp_path):
     for given in (mine, mine / "target-hidden"):
         assert predictor_report(given) == mine / "report.json"
         assert table2(predictor_report(given))["majority_top1"] == 0.123
+
+
+def test_the_engine_bench_refuses_a_datastore_of_another_tokenizer_or_without_lookup(tmp_path):
+    """`memspec-bench engine --datastore`: read with no tokenizer check (the llamacpp bench had one), and taken
+    then ignored without --context-lookup."""
+    from memspec_ros.runtime.datastore import Datastore
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, predictor=False, chat=True)
+    store = tmp_path / "other.safetensors"
+    Datastore([[5, 6, 7, 8]], fingerprint="another tokenizer").save(store)
+    common = ["engine", "--zoo", str(zoo), "--prompts", "1", "--runs", "1", "--max-new-tokens", "4",
+              "--datastore", str(store)]
+    with pytest.raises(SystemExit, match="add --context-lookup"):
+        main(common)
+    with pytest.raises(SystemExit, match="another tokenizer"):
+        main(common + ["--context-lookup"])

@@ -15,7 +15,7 @@ DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "models"
 
 def _engine_models(args):
     """The zoo's target and one draft, or generated tiny models when no zoo is there."""
-    from ..runtime.models import ModelSpec, load_model
+    from ..runtime.models import ModelSpec, load_model, tokenizer_fingerprint
 
     registry_file = Path(args.zoo) / "registry.yaml"
     if args.target or registry_file.is_file():
@@ -39,6 +39,7 @@ def _engine_models(args):
             raise SystemExit(f"--workloads-dir {workloads}: no workload rows there (<name>.jsonl files)")
         if not prompts:
             prompts = [tokenizer("The robot")["input_ids"]]
+        args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)  # a --datastore must be made for it
         return target.model, draft.model, prompts, (target_path, draft_path)
     from ..testing.tiny_models import noisy_copy, tiny_llama
 
@@ -124,9 +125,11 @@ def cmd_engine(args) -> int:
                             prompts=args.prompts, threads=args.threads, draft=args.draft,
                             lean_drafts=not args.transformers_draft_forward, adaptive_gamma=args.adaptive_gamma,
                             context_lookup=args.context_lookup)
+    if args.datastore and not cfg.context_lookup:  # it would be read by nothing
+        raise SystemExit("--datastore is searched by the context lookup: add --context-lookup")
     target, draft, prompts, names = _engine_models(args)
     if cfg.context_lookup:
-        cfg.datastore = _datastore(args)
+        cfg.datastore = _datastore(args, getattr(args, "tokenizer_fingerprint", None))
     with tqdm(total=cfg.runs * len(prompts), desc="engine bench", unit="prompt") as bar:
         result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
     data = asdict(result)

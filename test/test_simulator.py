@@ -312,7 +312,9 @@ def test_the_policy_bench_reports_the_simulators_validation(tmp_path, capsys):
     # held out: only the second prompt of each workload is replayed, against its own measurement
     assert validation["held_out"]["policies"]["memspec"]["measured_end_to_end"] != pytest.approx(
         validation["policies"]["memspec"]["measured_end_to_end"])
-    assert "held out" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "held out" in printed
+    assert "GMEAN last, over code, math only" in printed  # not over the mixed column beside it
 
 
 def test_the_paper_harness_writes_every_item_and_the_results_page(tmp_path):

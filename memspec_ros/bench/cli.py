@@ -330,7 +330,7 @@ def cmd_policies(args) -> int:
         plot_policy_bench(result, Path(args.json).with_suffix(".png"))
     print(text)
     names = result["config"]["policies"]
-    print("\nsteady-state tokens/s per workload (GMEAN last):")
+    print(f"\nsteady-state tokens/s per workload (GMEAN last, over {', '.join(result['gmean_workloads'])} only):")
     print(f"{'policy':>20} " + " ".join(f"{w:>8}" for w in result["workloads"]) + f" {'GMEAN':>8}")
     for p in names:
         cells = " ".join(f"{result['workloads'][w][p]['tokens_per_second']:8.1f}" for w in result["workloads"])

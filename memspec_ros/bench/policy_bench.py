@@ -516,7 +516,8 @@ def plot_policy_bench(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     policies = result["config"]["policies"]
-    groups = list(result["workloads"]) + ["GMEAN"]
+    # the GMEAN is over the domain workloads only (domain_workloads), not every bar beside it: say which
+    groups = list(result["workloads"]) + ["GMEAN of\n" + ", ".join(result["gmean_workloads"])]
     values = {p: [result["workloads"][w][p]["tokens_per_second"] for w in result["workloads"]]
               + [result["gmean_tokens_per_second"][p]] for p in policies}
     fig, ax = plt.subplots(figsize=(11, 4.2))
@@ -529,7 +530,9 @@ def plot_policy_bench(result: dict, path: Path) -> None:
     storage = result.get("storage", {})
     medium = f"storage {storage.get('medium', cfg.get('storage'))}" + (" (emulated)" if storage.get("emulated") else "")
     ax.set_title(
-        f"Policies on {Path(cfg['zoo']).name}/ (K={cfg['capacity']}, N={cfg['interval']}, gamma={cfg['gamma']}, "
+        f"Policies on {Path(cfg['zoo']).name}/"
+        + (f", workloads from {Path(cfg['workloads_dir']).name}/" if cfg.get("workloads_dir") else "")
+        + f" (K={cfg['capacity']}, N={cfg['interval']}, gamma={cfg['gamma']}, "
         f"{cfg['max_new_tokens']} tokens, {cfg['prompts']} prompts/workload, {medium})",
         fontsize=9,
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..argtypes import positive_int
 
 DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "models"
+ACTION_GOAL = 0.97  # the ROS path's steady-state tok/s over a direct call's (median of interleaved pairs)
 
 
 def _engine_models(args):
@@ -261,16 +262,16 @@ def cmd_action(args) -> int:
         print(result["note"], file=sys.stderr)
     print(
         f"\nsteady-state tok/s (median): action {result['action_tokens_per_second_median']:.1f} | direct"
-        f" {result['direct_tokens_per_second_median']:.1f} | ratio {result['ratio_steady_state']:.3f} (goal >= 0.97)"
+        f" {result['direct_tokens_per_second_median']:.1f} | ratio of the medians {result['ratio_steady_state']:.3f}"
         f"\nend-to-end tok/s (median):   action {result['action_end_to_end_tokens_per_second_median']:.1f} | direct"
         f" {result['direct_end_to_end_tokens_per_second_median']:.1f} | ratio {result['ratio_end_to_end']:.3f}"
-        f"\nmedian of per-pair steady-state ratios (robust to load bursts on a shared machine):"
-        f" {result['per_pair_steady_state_ratio_median']:.3f}"
+        f"\nmedian of per-pair steady-state ratios (robust to load bursts on a shared machine; the goal's figure):"
+        f" {result['per_pair_steady_state_ratio_median']:.3f} (goal >= {ACTION_GOAL})"
         f"\noutputs identical: {result['outputs_identical']} | {result['prompts']} prompts x {result['runs']} runs,"
         f" {result['max_new_tokens']} tokens, policy {result['policy']}, zoo {result['zoo']}"
     )
     # the goal judged on the per-pair median printed above (robust to a burst of load on one side of a pair)
-    return 0 if result["outputs_identical"] and result["per_pair_steady_state_ratio_median"] >= 0.97 else 1
+    return 0 if result["outputs_identical"] and result["per_pair_steady_state_ratio_median"] >= ACTION_GOAL else 1
 
 
 def cmd_soak(args) -> int:

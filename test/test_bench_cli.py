@@ -357,3 +357,16 @@ def test_the_engine_bench_refuses_a_datastore_of_another_tokenizer_or_without_lo
         main(common)
     with pytest.raises(SystemExit, match="another tokenizer"):
         main(common + ["--context-lookup"])
+
+
+@pytest.mark.parametrize("argv", [["--prompts", "0"], ["--prompts", "-3"], ["--interval", "0"],
+                                  ["--predictor", "/nonexistent/predictor"]])
+def test_the_prediction_overhead_bench_refuses_bad_counts_and_a_missing_predictor(argv, capsys):
+    """--prompts 0 ran every row (read_prompts' 0 is 'all'), -3 all but three; a mistyped --predictor fell back
+    to random heads and reported their E[A] and fallback as the trained predictor's."""
+    from memspec_ros.bench.prediction_overhead import main as overhead
+
+    with pytest.raises(SystemExit) as exc:
+        overhead(argv)
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..argtypes import positive_int
 from ..runtime.controller import RuntimeConfig
 from ..runtime.loader import load_models
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
@@ -34,7 +35,8 @@ VARIANTS = [("minilm", False), ("minilm", True), ("target-hidden", False), ("tar
 
 def build_engine(encoder_name: str, predictor_dir: Path | None, target, tokenizer, drafts: list[str],
                  recent_tokens: int) -> PredictionEngine:
-    if predictor_dir is not None and (predictor_dir / encoder_name / "predictor.json").is_file():
+    """The trained head in ``predictor_dir`` (main() checked it is there), or a random one (``--untrained``)."""
+    if predictor_dir is not None:
         return PredictionEngine.load(predictor_dir / encoder_name, target=target, tokenizer=tokenizer)
     if encoder_name == "minilm":
         encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -52,13 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="models/workloads/mixed.jsonl")
     p.add_argument("--predictor", default="models/predictor")
     p.add_argument("--untrained", action="store_true", help="random heads (same cost) instead of trained ones")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--interval", type=int, default=4)
-    p.add_argument("--capacity", type=int, default=2)
+    p.add_argument("--prompts", type=positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--interval", type=positive_int, default=4)
+    p.add_argument("--capacity", type=positive_int, default=2)
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)
+    if not args.untrained:  # a mistyped folder fell back to random heads, reported as if trained
+        missing = [e for e, _ in VARIANTS if not (Path(args.predictor) / e / "predictor.json").is_file()]
+        if missing:
+            p.error(f"--predictor {args.predictor} has no trained {', '.join(sorted(set(missing)))} head"
+                    " (<dir>/<encoder>/predictor.json): name the folder memspec-train-predictor wrote, or pass"
+                    " --untrained for random heads of the same cost")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 

@@ -263,6 +263,59 @@ def test_cancelling_queued_goals_frees_their_slots_at_once(h):
         h.set_params(**{"action.max_queued_goals": 4})
 
 
+def test_a_goal_cancelled_before_its_accepted_callback_ends_at_once_and_frees_its_slot(h, monkeypatch):
+    """rclpy sends the goal response and publishes the goal before it calls the accepted callback; a cancel taken in
+    that gap found the goal still reserved, not queued: the cancel callback accepted it and did nothing, and the
+    accepted callback then queued a goal already CANCELING, which held its queue slot until the running goal ended.
+    Here the accepted callback is held until the cancel is answered, and the running goal until the test ends."""
+    import threading
+
+    runner = h.node._runner
+    controller = h.node.loaded.controller
+    generate, entered, hold = controller.generate, threading.Event(), threading.Event()
+
+    def held_first(*args, **kwargs):
+        if not entered.is_set():
+            entered.set()
+            hold.wait(60.0)  # the running goal holds the node until the test lets it go
+        return generate(*args, **kwargs)
+
+    answered = threading.Event()
+
+    def delayed_on_accepted(goal_handle) -> None:
+        answered.wait(30.0)  # the cancel lands between the goal response and this callback
+        runner.on_accepted(goal_handle)
+
+    monkeypatch.setattr(controller, "generate", held_first)
+    assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": 1}))
+    running = None
+    try:
+        running, _ = h.send(goal(max_new_tokens=8))
+        assert running.accepted and entered.wait(10.0)
+        h.node._action_server.register_handle_accepted_callback(delayed_on_accepted)
+        try:
+            cancelled, _ = h.send(goal(max_new_tokens=8))
+            assert cancelled.accepted
+            cancel = h.wait(cancelled.cancel_goal_async(), 10.0, "the cancel response")
+            assert len(cancel.goals_canceling) == 1
+        finally:
+            h.node._action_server.register_handle_accepted_callback(runner.on_accepted)
+            answered.set()
+        response = h.result(cancelled, 10.0)
+        assert response.status == GoalStatus.STATUS_CANCELED
+        assert response.result.finish_reason == Generate.Result.FINISH_CANCELLED
+        assert response.result.completion_tokens == 0
+        assert running.status == GoalStatus.STATUS_EXECUTING  # not waited for
+        again, _ = h.send(goal(max_new_tokens=8))
+        assert again.accepted, h.node.last_rejection  # its slot is free
+        h.wait(again.cancel_goal_async(), 10.0, "cancel")
+        assert h.result(again, 10.0).status == GoalStatus.STATUS_CANCELED
+    finally:
+        hold.set()
+        h.set_params(**{"action.max_queued_goals": 4})
+    assert h.result(running, 30.0).status == GoalStatus.STATUS_SUCCEEDED
+
+
 def test_deactivate_during_a_goal_aborts_it_with_the_partial_text_and_rejects_new_goals(h):
     handle = start_long_goal(h, [])
     assert h.transition(Transition.TRANSITION_DEACTIVATE)

@@ -10,7 +10,8 @@ rclpy's pattern for queued goals (ros2/examples ``rclpy/actions/server_queue_goa
                        published from that thread (throttled), the outcome mapped onto the goal's state,
                        its result and ~/generation_stats; then the next queued goal is executed
     cancel callback    accepts: the running goal stops at its next iteration with its partial text; a
-                       queued goal leaves the FIFO at once (its slot free) and ends CANCELED
+                       queued goal leaves the FIFO at once (its slot free) and ends CANCELED, and so does one
+                       cancelled before its accepted callback came (rclpy answers the goal request first)
 
 So exactly one generation runs, on the executor thread of its execute callback; the executor's other
 threads stay free for goal requests, lifecycle, parameter and diagnostics services.
@@ -76,6 +77,7 @@ class Job:
     goal_handle: Any = None
     accepted_at: float = 0.0  # time.perf_counter() when the goal callback accepted it (time to first token, orphans)
     abort_reason: str | None = None  # the node is deactivating or going: end with the partial text
+    cancel_requested: bool = False  # cancelled while reserved: the accepted callback ends it instead of queueing it
     result: Generate.Result | None = None  # set when the goal ended before it ran
 
 
@@ -395,13 +397,16 @@ class GoalRunner:
                 self._reserved.remove(job)
             job.goal_handle = goal_handle
             ended = bool(late) or self._loaded is None  # or the goals were ended between the two callbacks
-            start = not ended and self._running is None
+            takes_place = not ended and not job.cancel_requested
+            start = takes_place and self._running is None
             if start:
                 self._running = job
-            elif not ended:
+            elif takes_place:
                 self._queue.append(job)
             self._cv.notify_all()
-        if ended:
+        if job.cancel_requested:  # the client asked first: CANCELED, whatever else happened meanwhile
+            self._end_unrun(job, "", cancelled=True)
+        elif ended:
             self._end_unrun(job, late or self._ended_with)
         elif start:
             goal_handle.execute()
@@ -414,9 +419,20 @@ class GoalRunner:
             job = next((j for j in self._queue if j.goal_handle is goal_handle), None)
             if job is not None:
                 self._queue.remove(job)
+            else:
+                self._mark_reserved_cancelled(goal_handle)
         if job is not None:
             self._end_unrun(job, "", cancelled=True)
         return CancelResponse.ACCEPT
+
+    def _mark_reserved_cancelled(self, goal_handle) -> None:
+        """rclpy sends the goal response and publishes the goal before it calls the accepted callback: a cancel taken
+        in that gap finds the goal still reserved, neither queued nor running. Marked, it ends CANCELED in its
+        accepted callback instead of being queued to hold a slot until the running goal ends. Called holding
+        ``_cv``."""
+        job = next((j for j in self._reserved if j.request is goal_handle.request), None)
+        if job is not None:
+            job.cancel_requested = True
 
     # -- execute callbacks ------------------------------------------------------------------------------
     def execute(self, goal_handle) -> Generate.Result:

@@ -644,6 +644,29 @@ def test_the_target_models_error_is_cleared_by_a_new_activation(h, monkeypatch):
     assert "failed" not in status.message and status.level == OK
 
 
+def test_a_goal_whose_generation_raises_counts_the_tokens_behind_its_partial_text(h, monkeypatch):
+    """A generation that raised after streaming text: the ABORTED result carried that text with completion_tokens 0
+    and time_to_first_token 0 (its runtime statistics died with it), where Generate.action counts the tokens behind
+    `text`; ~/generation_stats said the same."""
+    def fails_after_a_chunk(prompt_ids, max_new_tokens, sampling, stop, on_chunk, *rest):
+        on_chunk("partial text", [11, 12, 13])
+        raise RuntimeError("device lost (simulated)")
+
+    monkeypatch.setattr(h.node.loaded.controller, "generate", fails_after_a_chunk)
+    stats_before = len(h.stats)
+    handle, _ = h.send(goal(max_new_tokens=8))
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_ABORTED
+    result = response.result
+    assert result.finish_reason == Generate.Result.FINISH_ERROR and "device lost" in result.error_message
+    assert result.text == "partial text" and result.completion_tokens == 3
+    assert result.time_to_first_token > 0 and result.prompt_tokens > 0
+    wait_until(lambda: len(h.stats) > stats_before, 10.0, "generation_stats")
+    msg = h.stats[-1]
+    assert bytes(msg.goal_id.uuid) == bytes(handle.goal_id.uuid)
+    assert msg.completion_tokens == 3 and msg.time_to_first_token == pytest.approx(result.time_to_first_token)
+
+
 def test_a_goal_checked_while_the_node_deactivates_is_rejected_not_accepted(h, monkeypatch):
     """Deactivate landing while the goal callback tokenizes: the goal was ACCEPTED (its reservation came after
     deactivate had ended the goals) and then aborted, where an inactive node must reject."""

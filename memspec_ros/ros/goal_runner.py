@@ -132,6 +132,11 @@ class FeedbackThrottle:
     def text(self) -> str:
         return "".join(self._chunks)
 
+    @property
+    def tokens(self) -> int:
+        """The tokens behind ``text``."""
+        return self._tokens
+
     def on_decode_start(self) -> None:
         """Decoding starts (RuntimeController.generate): the running rate is timed from here, as the result's
         tokens_per_second is (the first token, the prefill's, and the first draft's choice and load before it
@@ -167,6 +172,18 @@ class FeedbackThrottle:
             self._broken = True
             self.logger.warning(f"feedback stopped for this goal: {type(exc).__name__}: {exc}")
         self._last_publish = now
+
+
+def _ttft(job: Job, feedback: FeedbackThrottle) -> float | None:
+    """From acceptance, queue wait included, to the first token (the prefill's), as Generate.action defines it;
+    None before the first token."""
+    return feedback.first_at - job.accepted_at if feedback.first_at and job.accepted_at else None
+
+
+def partial_stats(job: Job, feedback: FeedbackThrottle) -> GenerationStats:
+    """What a generation that raised got done: its runtime statistics died with it, but the tokens behind its
+    partial text were counted as they streamed (Generate.action: completion_tokens counts those behind ``text``)."""
+    return GenerationStats(prompt_tokens=len(job.prompt_ids), completion_tokens=feedback.tokens)
 
 
 class GoalRunner:
@@ -476,22 +493,23 @@ class GoalRunner:
             feedback.flush()
             error = self.last_error = f"{type(exc).__name__}: {exc}"
             self._node.get_logger().error(f"goal aborted: {error}")
-            return self._end(job, ERROR, feedback.text, error=error)
+            return self._end(job, ERROR, feedback.text, partial_stats(job, feedback), error, _ttft(job, feedback),
+                             measured=False)
         feedback.flush()
-        # from acceptance, queue wait included, to the first token (the prefill's), as Generate.action defines it
-        ttft = feedback.first_at - job.accepted_at if feedback.first_at and job.accepted_at else None
+        ttft = _ttft(job, feedback)
         if job.abort_reason is not None:  # deactivate / shutdown: the partial text, ABORTED
             return self._end(job, ERROR, out.text, out.stats, job.abort_reason, ttft)
         return self._end(job, out.finish_reason, out.text, out.stats, ttft=ttft)
 
     def _end(self, job: Job, finish_reason: str, text: str = "", stats: GenerationStats | None = None,
-             error: str = "", ttft: float | None = None) -> Generate.Result:
-        """The outcome of a goal that ran: its terminal state, result, ~/generation_stats and throughput."""
+             error: str = "", ttft: float | None = None, measured: bool = True) -> Generate.Result:
+        """The outcome of a goal that ran: its terminal state, result, ~/generation_stats and throughput
+        (``measured`` false: ``stats`` counts tokens but has no timings, so it stays out of the throughput window)."""
         result = self._result(job, finish_reason, text, stats, error, ttft)
         settle(job.goal_handle, finish_reason)
         if finish_reason not in (ERROR, CANCELLED):
             self.last_error = ""
-        if stats is not None:
+        if stats is not None and measured:
             self._window.add(stats)
         return result
 

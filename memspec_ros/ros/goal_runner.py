@@ -24,9 +24,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
@@ -79,6 +79,8 @@ class Job:
     abort_reason: str | None = None  # the node is deactivating or going: end with the partial text
     cancel_requested: bool = False  # cancelled while reserved: the accepted callback ends it instead of queueing it
     result: Generate.Result | None = None  # set when the goal ended before it ran
+    # called once the goal's execute callback is done with the models (release_when_over)
+    when_over: list[Callable[[], None]] = field(default_factory=list)
 
 
 def ros_text(text: str) -> str:
@@ -256,6 +258,17 @@ class GoalRunner:
                     return False
                 self._cv.wait(min(left, 1.0))
         return True
+
+    def release_when_over(self, free: Callable[[], None]) -> bool:
+        """``free()`` (the models' release) now if no goal runs, else once the running goal is done with the
+        models; True if now. For after ``end_goals``: no other goal can start with the models it ended."""
+        with self._cv:
+            job = self._running
+            if job is not None:
+                job.when_over.append(free)
+        if job is None:
+            free()
+        return job is None
 
     def close(self, reason: str, results_out_seconds: float) -> bool:
         """Take no goal again, end the goals (``end_goals``) and wait up to ``results_out_seconds`` until
@@ -468,11 +481,22 @@ class GoalRunner:
             with self._cv:
                 self._running = self._queue.popleft() if self._queue else None
                 following = self._running
+                when_over, job.when_over = job.when_over, []
                 self._unanswered -= 1
                 self._cv.notify_all()
+            self._run_when_over(when_over)
             if following is not None:
                 following.goal_handle.execute()
         return result
+
+    def _run_when_over(self, calls: list[Callable[[], None]]) -> None:
+        """What waited for this goal to be done with the models (release_when_over); a failure is logged, never
+        the end of the goals that follow."""
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:
+                self._node.get_logger().error(f"freeing the models after the goal: {type(exc).__name__}: {exc}")
 
     def _generate(self, job: Job) -> Generate.Result:
         lo, gh = self._loaded, job.goal_handle

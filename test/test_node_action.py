@@ -467,10 +467,11 @@ def test_cleanup_never_frees_the_models_under_a_goal_that_has_not_ended_yet(h, m
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
 
 
-@pytest.mark.parametrize("how", ["result timeout", "interrupted before the answer"])
+@pytest.mark.parametrize("how", ["result timeout", "interrupted before the answer", "goal answer late"])
 def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatch):
-    """memspec_client gives up on a goal (its result timeout passes, or Ctrl-C lands while it waits for the goal's
-    answer): the goal is cancelled, not left to run to its end holding the node's one generation."""
+    """memspec_client gives up on a goal (its result timeout passes, Ctrl-C lands while it waits for the goal's
+    answer, or the answer comes after --timeout): the goal is cancelled, not left to run to its end holding the
+    node's one generation."""
     import io
 
     import rclpy
@@ -478,16 +479,18 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
 
     from memspec_ros.ros import client
 
-    if how == "interrupted before the answer":
+    if how != "result timeout":
         spin_until, calls = client._spin_until, []
 
-        def interrupted_once(*args, **kwargs):
+        def first_wait_gives_up(*args, **kwargs):
             calls.append(1)
-            if len(calls) == 1:  # the first wait: for the goal's answer
-                raise KeyboardInterrupt
+            if len(calls) == 1:  # the first wait: for the goal's answer, which has not come
+                if how == "interrupted before the answer":
+                    raise KeyboardInterrupt
+                return None  # --timeout passed
             return spin_until(*args, **kwargs)
 
-        monkeypatch.setattr(client, "_spin_until", interrupted_once)
+        monkeypatch.setattr(client, "_spin_until", first_wait_gives_up)
     node = rclpy.create_node("memspec_client_gives_up", context=h.client.context)
     executor = SingleThreadedExecutor(context=h.client.context)
     executor.add_node(node)
@@ -499,7 +502,7 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
     finally:
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
-    assert outcome.status == ("timeout" if how == "result timeout" else "interrupted")
+    assert outcome.status == ("interrupted" if how == "interrupted before the answer" else "timeout")
     assert "cancelling the goal" in log.getvalue()
     wait_until(lambda: len(h.stats) > stats_before, 30.0, "the goal's end")
     assert h.stats[-1].finish_reason == "cancelled" and h.stats[-1].completion_tokens < LONG

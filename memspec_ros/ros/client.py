@@ -66,6 +66,18 @@ def _cancel(executor, handle, result_future) -> None:
     _spin_until(executor, result_future, 2 * CANCEL_WAIT_SECONDS)
 
 
+def _cancel_when_answered(executor, goal_future, log, note: str = "") -> None:
+    """Giving up before the goal's answer came: the node may accept the goal all the same, and it must not run on
+    unwatched holding the node's one generation. Wait a little for the answer and cancel the goal if accepted
+    (``note`` printed then)."""
+    _spin_until(executor, goal_future, CANCEL_WAIT_SECONDS)
+    if goal_future.done() and goal_future.result().accepted:
+        if note:
+            print(note, file=log)
+        handle = goal_future.result()
+        _cancel(executor, handle, handle.get_result_async())
+
+
 def send_goal(node, executor, goal, action_name: str, *, server_timeout: float = 10.0, result_timeout: float = 900.0,
               out=sys.stdout, log=sys.stderr, stream: bool = True) -> Outcome:
     """Send ``goal`` and spin ``executor`` until the result; print streamed text to ``out``."""
@@ -97,16 +109,15 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         future = client.send_goal_async(goal, feedback_callback=on_feedback)
         try:
             _spin_until(executor, future, server_timeout)
-        except KeyboardInterrupt:  # the goal may be accepted all the same: it must not run on unwatched
+        except KeyboardInterrupt:
             print("\ninterrupted: cancelling the goal", file=log)
-            _spin_until(executor, future, CANCEL_WAIT_SECONDS)
-            if future.done() and future.result().accepted:
-                _cancel(executor, future.result(), future.result().get_result_async())
+            _cancel_when_answered(executor, future, log)
             outcome.status = "interrupted"
             return outcome
         outcome.goal_response_seconds = time.monotonic() - t0
         if not future.done():
-            print("the server did not answer the goal request in time", file=log)
+            print(f"the server did not answer the goal request within {server_timeout:g} s", file=log)
+            _cancel_when_answered(executor, future, log, "the goal was accepted late: cancelling the goal")
             return outcome
         handle = future.result()
         if not handle.accepted:

@@ -509,6 +509,29 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
     assert h.node._runner.wait_idle(10.0)
 
 
+@pytest.mark.parametrize("flag, value", [
+    ("--max-new-tokens", "-1"), ("--max-new-tokens", str(2**32)),  # uint32: a traceback, and a silent wrap to 0
+    ("--seed", str(2**63)), ("--seed", str(-2**63 - 1)),  # int64
+    ("--temperature", "1e39"), ("--top-p", "nan"), ("--temperature", "-inf"),  # float32, finite
+    ("--timeout", "0"), ("--timeout", "nan"),  # seconds
+])
+def test_memspec_client_refuses_a_number_out_of_its_goal_fields_range(flag, value, capsys):
+    """A numeric flag out of its Generate goal field's type failed at serialization with a SystemError traceback
+    (exit status 1), or wrapped silently (--max-new-tokens 4294967296 became 0, the node's default): argparse now
+    refuses it, usage status 2 and the flag named."""
+    from rclpy.serialization import serialize_message
+
+    from memspec_ros.ros.client import build_goal, parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["hi", f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+    for edges in (["--max-new-tokens", str(2**32 - 1), "--seed", str(2**63 - 1), "--temperature", "3.4e38"],
+                  ["--max-new-tokens", "0", f"--seed={-2**63}", "--top-p=-3.4e38", "--timeout", "0.5"]):
+        assert serialize_message(build_goal(parse_args(["hi", *edges])))  # the edges are the fields' own
+
+
 class _Handle:
     def __init__(self, fail: bool = False) -> None:
         self.sent: list[Generate.Feedback] = []

@@ -20,11 +20,19 @@ result's statistics. Exit status: 0 succeeded, 1 rejected / aborted / no server,
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEFAULT_NODE = "/memspec"
+# The ranges of the Generate goal fields the numeric flags fill: outside them a value failed at serialization with
+# a SystemError traceback, or wrapped silently (uint32 4294967296 became 0, the node's default), so argparse refuses
+# it with the flag's name (exit status 2).
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: beyond it the field holds inf
 
 
 @dataclass
@@ -228,15 +236,44 @@ def _chat_lines(first: str | None):
         yield line
 
 
+def _integer_in(low: int, high: int, field_type: str) -> Callable[[str], int]:
+    """An argparse type: an integer the goal field of ``field_type`` holds."""
+    def integer(text: str) -> int:
+        value = int(text)  # ValueError: argparse's "invalid integer value"
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {low} to {high} (the goal's {field_type})")
+        return value
+    return integer
+
+
+def _float32(text: str) -> float:
+    """An argparse type: a finite number the goal's float32 field holds as it is (not turned into inf)."""
+    value = float(text)
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number within +-{FLOAT32_MAX:.7g} (the goal's"
+                                         " float32)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds (NaN waited forever, 0 or less not at all)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="memspec_client", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
     parser.add_argument("--node", default=DEFAULT_NODE, help=f"the node's full name (default {DEFAULT_NODE})")
-    parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the node's generation.max_new_tokens")
-    parser.add_argument("--temperature", type=float, default=-1.0, help="-1: the node's default; 0: greedy")
-    parser.add_argument("--top-p", type=float, default=0.0, help="0: the node's default")
-    parser.add_argument("--seed", type=int, default=-1, help="-1: the node's default")
+    parser.add_argument("--max-new-tokens", type=_integer_in(0, UINT32_MAX, "uint32"), default=0,
+                        help="0: the node's generation.max_new_tokens")
+    parser.add_argument("--temperature", type=_float32, default=-1.0, help="-1: the node's default; 0: greedy")
+    parser.add_argument("--top-p", type=_float32, default=0.0, help="0: the node's default")
+    parser.add_argument("--seed", type=_integer_in(INT64_MIN, INT64_MAX, "int64"), default=-1,
+                        help="-1: the node's default")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--system", metavar="TEXT",
                         help="system message sent before the prompt (chat-template models; replaces the node's"
@@ -244,7 +281,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--raw", action="store_true",
                         help="plain continuation of the prompt, no chat template (not with --system)")
     parser.add_argument(
-        "--timeout", type=float, default=10.0, help="seconds to wait for the action server (default 10)"
+        "--timeout", type=_seconds, default=10.0, help="seconds to wait for the action server (default 10)"
     )
     parser.add_argument("--quiet", action="store_true", help="print only the text")
     parser.add_argument("--chat", action="store_true",

@@ -263,6 +263,59 @@ def test_cancelling_queued_goals_frees_their_slots_at_once(h):
         h.set_params(**{"action.max_queued_goals": 4})
 
 
+def test_a_goal_cancelled_before_its_accepted_callback_ends_at_once_and_frees_its_slot(h, monkeypatch):
+    """rclpy sends the goal response and publishes the goal before it calls the accepted callback; a cancel taken in
+    that gap found the goal still reserved, not queued: the cancel callback accepted it and did nothing, and the
+    accepted callback then queued a goal already CANCELING, which held its queue slot until the running goal ended.
+    Here the accepted callback is held until the cancel is answered, and the running goal until the test ends."""
+    import threading
+
+    runner = h.node._runner
+    controller = h.node.loaded.controller
+    generate, entered, hold = controller.generate, threading.Event(), threading.Event()
+
+    def held_first(*args, **kwargs):
+        if not entered.is_set():
+            entered.set()
+            hold.wait(60.0)  # the running goal holds the node until the test lets it go
+        return generate(*args, **kwargs)
+
+    answered = threading.Event()
+
+    def delayed_on_accepted(goal_handle) -> None:
+        answered.wait(30.0)  # the cancel lands between the goal response and this callback
+        runner.on_accepted(goal_handle)
+
+    monkeypatch.setattr(controller, "generate", held_first)
+    assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": 1}))
+    running = None
+    try:
+        running, _ = h.send(goal(max_new_tokens=8))
+        assert running.accepted and entered.wait(10.0)
+        h.node._action_server.register_handle_accepted_callback(delayed_on_accepted)
+        try:
+            cancelled, _ = h.send(goal(max_new_tokens=8))
+            assert cancelled.accepted
+            cancel = h.wait(cancelled.cancel_goal_async(), 10.0, "the cancel response")
+            assert len(cancel.goals_canceling) == 1
+        finally:
+            h.node._action_server.register_handle_accepted_callback(runner.on_accepted)
+            answered.set()
+        response = h.result(cancelled, 10.0)
+        assert response.status == GoalStatus.STATUS_CANCELED
+        assert response.result.finish_reason == Generate.Result.FINISH_CANCELLED
+        assert response.result.completion_tokens == 0
+        assert running.status == GoalStatus.STATUS_EXECUTING  # not waited for
+        again, _ = h.send(goal(max_new_tokens=8))
+        assert again.accepted, h.node.last_rejection  # its slot is free
+        h.wait(again.cancel_goal_async(), 10.0, "cancel")
+        assert h.result(again, 10.0).status == GoalStatus.STATUS_CANCELED
+    finally:
+        hold.set()
+        h.set_params(**{"action.max_queued_goals": 4})
+    assert h.result(running, 30.0).status == GoalStatus.STATUS_SUCCEEDED
+
+
 def test_deactivate_during_a_goal_aborts_it_with_the_partial_text_and_rejects_new_goals(h):
     handle = start_long_goal(h, [])
     assert h.transition(Transition.TRANSITION_DEACTIVATE)
@@ -414,10 +467,11 @@ def test_cleanup_never_frees_the_models_under_a_goal_that_has_not_ended_yet(h, m
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
 
 
-@pytest.mark.parametrize("how", ["result timeout", "interrupted before the answer"])
+@pytest.mark.parametrize("how", ["result timeout", "interrupted before the answer", "goal answer late"])
 def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatch):
-    """memspec_client gives up on a goal (its result timeout passes, or Ctrl-C lands while it waits for the goal's
-    answer): the goal is cancelled, not left to run to its end holding the node's one generation."""
+    """memspec_client gives up on a goal (its result timeout passes, Ctrl-C lands while it waits for the goal's
+    answer, or the answer comes after --timeout): the goal is cancelled, not left to run to its end holding the
+    node's one generation."""
     import io
 
     import rclpy
@@ -425,16 +479,18 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
 
     from memspec_ros.ros import client
 
-    if how == "interrupted before the answer":
+    if how != "result timeout":
         spin_until, calls = client._spin_until, []
 
-        def interrupted_once(*args, **kwargs):
+        def first_wait_gives_up(*args, **kwargs):
             calls.append(1)
-            if len(calls) == 1:  # the first wait: for the goal's answer
-                raise KeyboardInterrupt
+            if len(calls) == 1:  # the first wait: for the goal's answer, which has not come
+                if how == "interrupted before the answer":
+                    raise KeyboardInterrupt
+                return None  # --timeout passed
             return spin_until(*args, **kwargs)
 
-        monkeypatch.setattr(client, "_spin_until", interrupted_once)
+        monkeypatch.setattr(client, "_spin_until", first_wait_gives_up)
     node = rclpy.create_node("memspec_client_gives_up", context=h.client.context)
     executor = SingleThreadedExecutor(context=h.client.context)
     executor.add_node(node)
@@ -446,11 +502,34 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
     finally:
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
-    assert outcome.status == ("timeout" if how == "result timeout" else "interrupted")
+    assert outcome.status == ("interrupted" if how == "interrupted before the answer" else "timeout")
     assert "cancelling the goal" in log.getvalue()
     wait_until(lambda: len(h.stats) > stats_before, 30.0, "the goal's end")
     assert h.stats[-1].finish_reason == "cancelled" and h.stats[-1].completion_tokens < LONG
     assert h.node._runner.wait_idle(10.0)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--max-new-tokens", "-1"), ("--max-new-tokens", str(2**32)),  # uint32: a traceback, and a silent wrap to 0
+    ("--seed", str(2**63)), ("--seed", str(-2**63 - 1)),  # int64
+    ("--temperature", "1e39"), ("--top-p", "nan"), ("--temperature", "-inf"),  # float32, finite
+    ("--timeout", "0"), ("--timeout", "nan"),  # seconds
+])
+def test_memspec_client_refuses_a_number_out_of_its_goal_fields_range(flag, value, capsys):
+    """A numeric flag out of its Generate goal field's type failed at serialization with a SystemError traceback
+    (exit status 1), or wrapped silently (--max-new-tokens 4294967296 became 0, the node's default): argparse now
+    refuses it, usage status 2 and the flag named."""
+    from rclpy.serialization import serialize_message
+
+    from memspec_ros.ros.client import build_goal, parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["hi", f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+    for edges in (["--max-new-tokens", str(2**32 - 1), "--seed", str(2**63 - 1), "--temperature", "3.4e38"],
+                  ["--max-new-tokens", "0", f"--seed={-2**63}", "--top-p=-3.4e38", "--timeout", "0.5"]):
+        assert serialize_message(build_goal(parse_args(["hi", *edges])))  # the edges are the fields' own
 
 
 class _Handle:
@@ -589,6 +668,29 @@ def test_the_target_models_error_is_cleared_by_a_new_activation(h, monkeypatch):
     assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_ACTIVATE)
     status = run_task(tasks.fill_target)
     assert "failed" not in status.message and status.level == OK
+
+
+def test_a_goal_whose_generation_raises_counts_the_tokens_behind_its_partial_text(h, monkeypatch):
+    """A generation that raised after streaming text: the ABORTED result carried that text with completion_tokens 0
+    and time_to_first_token 0 (its runtime statistics died with it), where Generate.action counts the tokens behind
+    `text`; ~/generation_stats said the same."""
+    def fails_after_a_chunk(prompt_ids, max_new_tokens, sampling, stop, on_chunk, *rest):
+        on_chunk("partial text", [11, 12, 13])
+        raise RuntimeError("device lost (simulated)")
+
+    monkeypatch.setattr(h.node.loaded.controller, "generate", fails_after_a_chunk)
+    stats_before = len(h.stats)
+    handle, _ = h.send(goal(max_new_tokens=8))
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_ABORTED
+    result = response.result
+    assert result.finish_reason == Generate.Result.FINISH_ERROR and "device lost" in result.error_message
+    assert result.text == "partial text" and result.completion_tokens == 3
+    assert result.time_to_first_token > 0 and result.prompt_tokens > 0
+    wait_until(lambda: len(h.stats) > stats_before, 10.0, "generation_stats")
+    msg = h.stats[-1]
+    assert bytes(msg.goal_id.uuid) == bytes(handle.goal_id.uuid)
+    assert msg.completion_tokens == 3 and msg.time_to_first_token == pytest.approx(result.time_to_first_token)
 
 
 def test_a_goal_checked_while_the_node_deactivates_is_rejected_not_accepted(h, monkeypatch):

@@ -164,6 +164,7 @@ def refused(h, words: str, atomically: bool = False, **values) -> None:
     ("memspec.ucb_c", math.nan),
     ("generation.temperature", math.inf),
     ("generation.top_p", math.nan),
+    ("generation.top_p", 0.0),  # the declared range excludes it, as the node's check does: (0, 1]
     ("action.max_queued_goals", -1),
 ])
 def test_out_of_range_runtime_parameters_are_refused(h, name, value):

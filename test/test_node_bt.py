@@ -99,6 +99,54 @@ def test_preemption_before_the_goal_is_seen_accepted_cancels_it_when_it_is(h):
     assert response.result.completion_tokens < 3000
 
 
+def test_ctrl_c_in_the_example_cancels_the_goal_in_flight(h, monkeypatch, capsys):
+    """bt_example's main() on Ctrl-C while its goal runs: the KeyboardInterrupt went straight out, nothing preempted
+    the tree, and the accepted goal ran on to max_new_tokens holding the node's one generation. The interrupt is
+    forced into the example's spin while the node runs the goal."""
+    import rclpy.executors
+
+    from memspec_ros.ros import bt_example, goal_runner
+
+    settled = []
+    settle = goal_runner.settle
+
+    def recording_settle(goal_handle, finish_reason):
+        settled.append(finish_reason)
+        settle(goal_handle, finish_reason)
+
+    class InterruptedWhileTheGoalRuns(rclpy.executors.SingleThreadedExecutor):
+        interrupted = False
+
+        def spin_once(self, timeout_sec=None):
+            if not InterruptedWhileTheGoalRuns.interrupted and h.node._runner.counts()[0]:
+                InterruptedWhileTheGoalRuns.interrupted = True
+                raise KeyboardInterrupt
+            super().spin_once(timeout_sec=timeout_sec)
+
+    create_tree = bt_example.create_example_tree
+
+    def patient_tree(*args, **kwargs):
+        tree = create_tree(*args, **kwargs)
+        tree.root.children[0].server_timeout = 30.0  # a fresh participant's discovery, on a busy machine
+        return tree
+
+    monkeypatch.setattr(goal_runner, "settle", recording_settle)
+    monkeypatch.setattr(rclpy.executors, "SingleThreadedExecutor", InterruptedWhileTheGoalRuns)
+    monkeypatch.setattr(bt_example, "create_example_tree", patient_tree)
+    assert h.node._runner.wait_idle(10.0)
+    assert all(r.successful for r in h.set_params(**{"generation.max_new_tokens": 3000}))  # runs for seconds
+    try:
+        code = bt_example.main(["def add(a, b):", "--node", "/memspec_bt", "--raw"])
+    except KeyboardInterrupt:  # not pytest's to take: the session would end here
+        pytest.fail("Ctrl-C went out of main() and left the goal running")
+    finally:
+        h.set_params(**{"generation.max_new_tokens": 128})
+    assert code == 130 and InterruptedWhileTheGoalRuns.interrupted
+    assert "interrupted: cancelling the goal" in capsys.readouterr().err
+    assert h.node._runner.wait_idle(30.0)
+    assert settled == [goal_runner.CANCELLED]  # not run on to its 3000 tokens
+
+
 def test_missing_server_fails_after_the_timeout(h):
     b = Generate("generate", h.client, "hi", action_name="/nobody/generate", server_timeout=0.3)
     b.setup()

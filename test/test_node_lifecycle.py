@@ -126,6 +126,69 @@ def test_shutdown_during_a_goal_sends_the_results_of_the_running_and_the_queued_
     assert waited.result.completion_tokens == 0
 
 
+@pytest.mark.parametrize("transition", ["shutdown", "error"])
+def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended(harness, monkeypatch, transition):
+    """shutdown and error must succeed, but a goal told to end may not reach its next iteration within the wait (a
+    long prefill on a loaded machine, here a generate call deaf to the abort): the models were freed under it (cache
+    reset, controller closed) while it still ran. Now the transition succeeds and they are freed when it ends."""
+    import threading
+
+    from memspec_ros.ros import goal_runner
+    from memspec_ros.ros import node as node_module
+
+    monkeypatch.setattr(goal_runner, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(node_module, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    h = harness()
+    h.activate()
+    controller = h.node.loaded.controller
+    generate, entered, release, ended = controller.generate, threading.Event(), threading.Event(), threading.Event()
+    freed: list[tuple[str, bool]] = []  # (what, whether the goal's generate had returned)
+
+    def blocking_generate(*args, **kwargs):
+        entered.set()
+        release.wait(30.0)  # deaf to the abort until released
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            ended.set()
+
+    def recording(what, call):
+        def wrapped(*args, **kwargs):
+            freed.append((what, ended.is_set()))
+            return call(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(controller, "generate", blocking_generate)
+    monkeypatch.setattr(controller.cache, "reset", recording("cache reset", controller.cache.reset))
+    monkeypatch.setattr(controller, "close", recording("controller closed", controller.close))
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert handle.accepted and entered.wait(10.0)
+    try:
+        if transition == "shutdown":
+            assert h.transition(Transition.TRANSITION_ACTIVE_SHUTDOWN)
+            assert h.state() == "finalized"
+        else:  # an exception in deactivate: on_error ends the goals and frees the models
+            end_goals, calls = h.node._runner.end_goals, []
+
+            def fails_once(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("simulated failure while deactivating")
+                return end_goals(*args, **kwargs)
+
+            monkeypatch.setattr(h.node._runner, "end_goals", fails_once)
+            assert not h.transition(Transition.TRANSITION_DEACTIVATE)
+            assert h.state() == "unconfigured"
+        assert h.node.loaded is None and h.node.loaded_parameter_bytes() == 0  # the node holds none of them now
+        assert freed == [], "models freed under a goal that still runs"
+    finally:
+        release.set()
+    response = h.result(handle, 30.0)
+    assert response.status == GoalStatus.STATUS_ABORTED
+    wait_until(lambda: len(freed) == 2, 10.0, "the models freed after the goal ended")
+    assert freed == [("cache reset", True), ("controller closed", True)]
+
+
 def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     h = harness(**{"model.target_path": "/nonexistent/target"})
     assert not h.transition(Transition.TRANSITION_CONFIGURE)

@@ -255,6 +255,28 @@ def _stats(fallback: bool) -> GenerationStats:
     return GenerationStats(completion_tokens=12, decode_seconds=0.01, iterations=its, cache=CacheStats())
 
 
+def test_every_declared_range_is_what_the_node_accepts():
+    """A parameter's descriptor (what `ros2 param describe` shows and rclpy enforces) and the node's own check agree
+    at both edges: generation.top_p declared [0, 1] and refused 0 ("must be in (0, 1]"). ROS ranges are closed, so
+    its range starts at the smallest positive double and its description says (0, 1]."""
+    import math
+
+    from memspec_ros.ros import params as P
+
+    for p in P.PARAMS:
+        d = p.descriptor()
+        for rng in d.integer_range:
+            assert P.check_value(p.name, rng.from_value) == "" and P.check_value(p.name, rng.to_value) == "", p.name
+            assert P.check_value(p.name, rng.from_value - 1) and P.check_value(p.name, rng.to_value + 1), p.name
+        for rng in d.floating_point_range:
+            assert P.check_value(p.name, rng.from_value) == "" and P.check_value(p.name, rng.to_value) == "", p.name
+            below, above = math.nextafter(rng.from_value, -math.inf), math.nextafter(rng.to_value, math.inf)
+            assert P.check_value(p.name, below) and P.check_value(p.name, above), p.name
+    top_p = P.BY_NAME["generation.top_p"].descriptor()
+    assert top_p.floating_point_range[0].from_value > 0.0 and "(0, 1]" in top_p.description
+    assert "(0, 1]" in P.check_value("generation.top_p", 0.0)
+
+
 def test_fallback_above_the_threshold_warns():
     s = Status()
     fill_throughput_status(s, _stats(fallback=True), 1, 1, fallback_warn=0.2)

@@ -18,10 +18,14 @@ node answers with the partial text. The behaviour never spins: like py_trees_ros
 the tree also spins the ROS node (an executor thread, or spin_once between ticks).
 
     python -m memspec_ros.ros.bt_example "def add(a, b):" --node /memspec
+
+Ctrl-C preempts the tree (:func:`preempt`): the goal in flight is cancelled before the example exits (status 130),
+so it does not run on to max_new_tokens holding the node's one generation.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 
@@ -29,6 +33,7 @@ import py_trees
 from py_trees.common import Status
 
 SERVER_TIMEOUT = 1.0  # BehaviorTree.ROS2's default wait for the server
+CANCEL_WAIT_SECONDS = 5.0  # after Ctrl-C, for the goal's answer and the cancel's (as memspec_client)
 
 
 class Generate(py_trees.behaviour.Behaviour):
@@ -59,6 +64,7 @@ class Generate(py_trees.behaviour.Behaviour):
         self.goal_future = None
         self.goal_handle = None
         self.result_future = None
+        self.cancel_future = None  # the node's answer to the cancel of a preempted goal
         self.result = None
         self.outcome = ""  # succeeded | rejected | aborted | canceled | no-server
         self.streamed = ""
@@ -135,20 +141,49 @@ class Generate(py_trees.behaviour.Behaviour):
         if new_status != Status.INVALID:
             return
         if self.goal_handle is None and self.goal_future is not None:
-            self.goal_future.add_done_callback(_cancel_if_accepted)  # runs at once if the answer is in
+            self.goal_future.add_done_callback(self._cancel_if_accepted)  # runs at once if the answer is in
         elif self.goal_handle is not None and self.goal_handle.accepted \
                 and self.result_future is not None and not self.result_future.done():
-            self.goal_handle.cancel_goal_async()
+            self.cancel_future = self.goal_handle.cancel_goal_async()
         else:
             return
         self.outcome = "canceled"
         self.feedback_message = "preempted: goal cancelled"
 
+    def _cancel_if_accepted(self, goal_future) -> None:
+        handle = goal_future.result() if not goal_future.cancelled() else None
+        if handle is not None and handle.accepted:
+            self.cancel_future = handle.cancel_goal_async()
 
-def _cancel_if_accepted(goal_future) -> None:
-    handle = goal_future.result() if not goal_future.cancelled() else None
-    if handle is not None and handle.accepted:
-        handle.cancel_goal_async()
+    def goal_settled(self) -> bool:
+        """Whether the node holds no goal of this behaviour's that nobody watches: none sent, rejected, ended, or
+        its cancel answered (the node then ends it at its next iteration)."""
+        if self.goal_future is None:
+            return True
+        if not self.goal_future.done():
+            return False
+        handle = None if self.goal_future.cancelled() else self.goal_future.result()
+        if handle is None or not handle.accepted:
+            return True
+        if self.result_future is not None and self.result_future.done():
+            return True
+        return self.cancel_future is not None and self.cancel_future.done()
+
+
+def preempt(tree: py_trees.trees.BehaviourTree, spin_once, wait_seconds: float = CANCEL_WAIT_SECONDS) -> bool:
+    """Stop ``tree`` as a parent preempting it would (Ctrl-C): every Generate cancels its goal, also one whose
+    acceptance has not been seen yet; ``spin_once()`` is called until the node has answered those cancels, at most
+    ``wait_seconds``. True if it has."""
+    generates = [b for b in tree.root.iterate() if isinstance(b, Generate)]
+    for behaviour in generates:  # also one interrupted inside its first tick, before it was marked RUNNING
+        behaviour.stop(Status.INVALID)
+    tree.root.stop(Status.INVALID)
+    deadline = time.monotonic() + wait_seconds
+    while not all(b.goal_settled() for b in generates):
+        if time.monotonic() > deadline:
+            return False
+        spin_once()
+    return True
 
 
 def create_example_tree(node, prompt: str, action_name: str = "/memspec/generate",
@@ -169,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
+    from rclpy.signals import SignalHandlerOptions
 
     parser = argparse.ArgumentParser(prog="bt_example", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -182,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     fields = {"raw": args.raw}
     if args.system:
         fields["messages"] = [("system", args.system), ("user", args.prompt)]
-    rclpy.init()
+    # our Ctrl-C, not rclpy's handler (which shuts the context down before the goal could be cancelled)
+    rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node("memspec_bt_example")
     executor = SingleThreadedExecutor()
     executor.add_node(node)
@@ -190,11 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         prompt = "" if args.system else args.prompt
         tree = create_example_tree(node, prompt, args.node.rstrip("/") + "/generate", **fields)
         generate = tree.root.children[0]
-        while True:
-            tree.tick()
-            if tree.root.status != Status.RUNNING:
-                break
-            executor.spin_once(timeout_sec=0.05)
+        try:
+            while True:
+                tree.tick()
+                if tree.root.status != Status.RUNNING:
+                    break
+                executor.spin_once(timeout_sec=0.05)
+        except KeyboardInterrupt:
+            print("\ninterrupted: cancelling the goal", file=sys.stderr)
+            if not preempt(tree, lambda: executor.spin_once(timeout_sec=0.05)):
+                print(f"the node did not answer the cancel within {CANCEL_WAIT_SECONDS:g} s", file=sys.stderr)
+            return 130
         print(py_trees.display.unicode_tree(tree.root, show_status=True))
         print(f"generate: {generate.outcome or 'not run'} - {generate.feedback_message}")
         if generate.result is not None:

@@ -20,11 +20,19 @@ result's statistics. Exit status: 0 succeeded, 1 rejected / aborted / no server,
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEFAULT_NODE = "/memspec"
+# The ranges of the Generate goal fields the numeric flags fill: outside them a value failed at serialization with
+# a SystemError traceback, or wrapped silently (uint32 4294967296 became 0, the node's default), so argparse refuses
+# it with the flag's name (exit status 2).
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: beyond it the field holds inf
 
 
 @dataclass
@@ -66,6 +74,18 @@ def _cancel(executor, handle, result_future) -> None:
     _spin_until(executor, result_future, 2 * CANCEL_WAIT_SECONDS)
 
 
+def _cancel_when_answered(executor, goal_future, log, note: str = "") -> None:
+    """Giving up before the goal's answer came: the node may accept the goal all the same, and it must not run on
+    unwatched holding the node's one generation. Wait a little for the answer and cancel the goal if accepted
+    (``note`` printed then)."""
+    _spin_until(executor, goal_future, CANCEL_WAIT_SECONDS)
+    if goal_future.done() and goal_future.result().accepted:
+        if note:
+            print(note, file=log)
+        handle = goal_future.result()
+        _cancel(executor, handle, handle.get_result_async())
+
+
 def send_goal(node, executor, goal, action_name: str, *, server_timeout: float = 10.0, result_timeout: float = 900.0,
               out=sys.stdout, log=sys.stderr, stream: bool = True) -> Outcome:
     """Send ``goal`` and spin ``executor`` until the result; print streamed text to ``out``."""
@@ -97,16 +117,15 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         future = client.send_goal_async(goal, feedback_callback=on_feedback)
         try:
             _spin_until(executor, future, server_timeout)
-        except KeyboardInterrupt:  # the goal may be accepted all the same: it must not run on unwatched
+        except KeyboardInterrupt:
             print("\ninterrupted: cancelling the goal", file=log)
-            _spin_until(executor, future, CANCEL_WAIT_SECONDS)
-            if future.done() and future.result().accepted:
-                _cancel(executor, future.result(), future.result().get_result_async())
+            _cancel_when_answered(executor, future, log)
             outcome.status = "interrupted"
             return outcome
         outcome.goal_response_seconds = time.monotonic() - t0
         if not future.done():
-            print("the server did not answer the goal request in time", file=log)
+            print(f"the server did not answer the goal request within {server_timeout:g} s", file=log)
+            _cancel_when_answered(executor, future, log, "the goal was accepted late: cancelling the goal")
             return outcome
         handle = future.result()
         if not handle.accepted:
@@ -217,15 +236,44 @@ def _chat_lines(first: str | None):
         yield line
 
 
+def _integer_in(low: int, high: int, field_type: str) -> Callable[[str], int]:
+    """An argparse type: an integer the goal field of ``field_type`` holds."""
+    def integer(text: str) -> int:
+        value = int(text)  # ValueError: argparse's "invalid integer value"
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {low} to {high} (the goal's {field_type})")
+        return value
+    return integer
+
+
+def _float32(text: str) -> float:
+    """An argparse type: a finite number the goal's float32 field holds as it is (not turned into inf)."""
+    value = float(text)
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number within +-{FLOAT32_MAX:.7g} (the goal's"
+                                         " float32)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds (NaN waited forever, 0 or less not at all)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="memspec_client", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
     parser.add_argument("--node", default=DEFAULT_NODE, help=f"the node's full name (default {DEFAULT_NODE})")
-    parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the node's generation.max_new_tokens")
-    parser.add_argument("--temperature", type=float, default=-1.0, help="-1: the node's default; 0: greedy")
-    parser.add_argument("--top-p", type=float, default=0.0, help="0: the node's default")
-    parser.add_argument("--seed", type=int, default=-1, help="-1: the node's default")
+    parser.add_argument("--max-new-tokens", type=_integer_in(0, UINT32_MAX, "uint32"), default=0,
+                        help="0: the node's generation.max_new_tokens")
+    parser.add_argument("--temperature", type=_float32, default=-1.0, help="-1: the node's default; 0: greedy")
+    parser.add_argument("--top-p", type=_float32, default=0.0, help="0: the node's default")
+    parser.add_argument("--seed", type=_integer_in(INT64_MIN, INT64_MAX, "int64"), default=-1,
+                        help="-1: the node's default")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--system", metavar="TEXT",
                         help="system message sent before the prompt (chat-template models; replaces the node's"
@@ -233,7 +281,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--raw", action="store_true",
                         help="plain continuation of the prompt, no chat template (not with --system)")
     parser.add_argument(
-        "--timeout", type=float, default=10.0, help="seconds to wait for the action server (default 10)"
+        "--timeout", type=_seconds, default=10.0, help="seconds to wait for the action server (default 10)"
     )
     parser.add_argument("--quiet", action="store_true", help="print only the text")
     parser.add_argument("--chat", action="store_true",

@@ -10,7 +10,8 @@ rclpy's pattern for queued goals (ros2/examples ``rclpy/actions/server_queue_goa
                        published from that thread (throttled), the outcome mapped onto the goal's state,
                        its result and ~/generation_stats; then the next queued goal is executed
     cancel callback    accepts: the running goal stops at its next iteration with its partial text; a
-                       queued goal leaves the FIFO at once (its slot free) and ends CANCELED
+                       queued goal leaves the FIFO at once (its slot free) and ends CANCELED, and so does one
+                       cancelled before its accepted callback came (rclpy answers the goal request first)
 
 So exactly one generation runs, on the executor thread of its execute callback; the executor's other
 threads stay free for goal requests, lifecycle, parameter and diagnostics services.
@@ -23,9 +24,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
@@ -76,7 +77,10 @@ class Job:
     goal_handle: Any = None
     accepted_at: float = 0.0  # time.perf_counter() when the goal callback accepted it (time to first token, orphans)
     abort_reason: str | None = None  # the node is deactivating or going: end with the partial text
+    cancel_requested: bool = False  # cancelled while reserved: the accepted callback ends it instead of queueing it
     result: Generate.Result | None = None  # set when the goal ended before it ran
+    # called once the goal's execute callback is done with the models (release_when_over)
+    when_over: list[Callable[[], None]] = field(default_factory=list)
 
 
 def ros_text(text: str) -> str:
@@ -130,6 +134,11 @@ class FeedbackThrottle:
     def text(self) -> str:
         return "".join(self._chunks)
 
+    @property
+    def tokens(self) -> int:
+        """The tokens behind ``text``."""
+        return self._tokens
+
     def on_decode_start(self) -> None:
         """Decoding starts (RuntimeController.generate): the running rate is timed from here, as the result's
         tokens_per_second is (the first token, the prefill's, and the first draft's choice and load before it
@@ -165,6 +174,18 @@ class FeedbackThrottle:
             self._broken = True
             self.logger.warning(f"feedback stopped for this goal: {type(exc).__name__}: {exc}")
         self._last_publish = now
+
+
+def _ttft(job: Job, feedback: FeedbackThrottle) -> float | None:
+    """From acceptance, queue wait included, to the first token (the prefill's), as Generate.action defines it;
+    None before the first token."""
+    return feedback.first_at - job.accepted_at if feedback.first_at and job.accepted_at else None
+
+
+def partial_stats(job: Job, feedback: FeedbackThrottle) -> GenerationStats:
+    """What a generation that raised got done: its runtime statistics died with it, but the tokens behind its
+    partial text were counted as they streamed (Generate.action: completion_tokens counts those behind ``text``)."""
+    return GenerationStats(prompt_tokens=len(job.prompt_ids), completion_tokens=feedback.tokens)
 
 
 class GoalRunner:
@@ -237,6 +258,17 @@ class GoalRunner:
                     return False
                 self._cv.wait(min(left, 1.0))
         return True
+
+    def release_when_over(self, free: Callable[[], None]) -> bool:
+        """``free()`` (the models' release) now if no goal runs, else once the running goal is done with the
+        models; True if now. For after ``end_goals``: no other goal can start with the models it ended."""
+        with self._cv:
+            job = self._running
+            if job is not None:
+                job.when_over.append(free)
+        if job is None:
+            free()
+        return job is None
 
     def close(self, reason: str, results_out_seconds: float) -> bool:
         """Take no goal again, end the goals (``end_goals``) and wait up to ``results_out_seconds`` until
@@ -395,13 +427,16 @@ class GoalRunner:
                 self._reserved.remove(job)
             job.goal_handle = goal_handle
             ended = bool(late) or self._loaded is None  # or the goals were ended between the two callbacks
-            start = not ended and self._running is None
+            takes_place = not ended and not job.cancel_requested
+            start = takes_place and self._running is None
             if start:
                 self._running = job
-            elif not ended:
+            elif takes_place:
                 self._queue.append(job)
             self._cv.notify_all()
-        if ended:
+        if job.cancel_requested:  # the client asked first: CANCELED, whatever else happened meanwhile
+            self._end_unrun(job, "", cancelled=True)
+        elif ended:
             self._end_unrun(job, late or self._ended_with)
         elif start:
             goal_handle.execute()
@@ -414,9 +449,20 @@ class GoalRunner:
             job = next((j for j in self._queue if j.goal_handle is goal_handle), None)
             if job is not None:
                 self._queue.remove(job)
+            else:
+                self._mark_reserved_cancelled(goal_handle)
         if job is not None:
             self._end_unrun(job, "", cancelled=True)
         return CancelResponse.ACCEPT
+
+    def _mark_reserved_cancelled(self, goal_handle) -> None:
+        """rclpy sends the goal response and publishes the goal before it calls the accepted callback: a cancel taken
+        in that gap finds the goal still reserved, neither queued nor running. Marked, it ends CANCELED in its
+        accepted callback instead of being queued to hold a slot until the running goal ends. Called holding
+        ``_cv``."""
+        job = next((j for j in self._reserved if j.request is goal_handle.request), None)
+        if job is not None:
+            job.cancel_requested = True
 
     # -- execute callbacks ------------------------------------------------------------------------------
     def execute(self, goal_handle) -> Generate.Result:
@@ -435,11 +481,22 @@ class GoalRunner:
             with self._cv:
                 self._running = self._queue.popleft() if self._queue else None
                 following = self._running
+                when_over, job.when_over = job.when_over, []
                 self._unanswered -= 1
                 self._cv.notify_all()
+            self._run_when_over(when_over)
             if following is not None:
                 following.goal_handle.execute()
         return result
+
+    def _run_when_over(self, calls: list[Callable[[], None]]) -> None:
+        """What waited for this goal to be done with the models (release_when_over); a failure is logged, never
+        the end of the goals that follow."""
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:
+                self._node.get_logger().error(f"freeing the models after the goal: {type(exc).__name__}: {exc}")
 
     def _generate(self, job: Job) -> Generate.Result:
         lo, gh = self._loaded, job.goal_handle
@@ -460,22 +517,23 @@ class GoalRunner:
             feedback.flush()
             error = self.last_error = f"{type(exc).__name__}: {exc}"
             self._node.get_logger().error(f"goal aborted: {error}")
-            return self._end(job, ERROR, feedback.text, error=error)
+            return self._end(job, ERROR, feedback.text, partial_stats(job, feedback), error, _ttft(job, feedback),
+                             measured=False)
         feedback.flush()
-        # from acceptance, queue wait included, to the first token (the prefill's), as Generate.action defines it
-        ttft = feedback.first_at - job.accepted_at if feedback.first_at and job.accepted_at else None
+        ttft = _ttft(job, feedback)
         if job.abort_reason is not None:  # deactivate / shutdown: the partial text, ABORTED
             return self._end(job, ERROR, out.text, out.stats, job.abort_reason, ttft)
         return self._end(job, out.finish_reason, out.text, out.stats, ttft=ttft)
 
     def _end(self, job: Job, finish_reason: str, text: str = "", stats: GenerationStats | None = None,
-             error: str = "", ttft: float | None = None) -> Generate.Result:
-        """The outcome of a goal that ran: its terminal state, result, ~/generation_stats and throughput."""
+             error: str = "", ttft: float | None = None, measured: bool = True) -> Generate.Result:
+        """The outcome of a goal that ran: its terminal state, result, ~/generation_stats and throughput
+        (``measured`` false: ``stats`` counts tokens but has no timings, so it stays out of the throughput window)."""
         result = self._result(job, finish_reason, text, stats, error, ttft)
         settle(job.goal_handle, finish_reason)
         if finish_reason not in (ERROR, CANCELLED):
             self.last_error = ""
-        if stats is not None:
+        if stats is not None and measured:
             self._window.add(stats)
         return result
 

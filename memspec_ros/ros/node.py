@@ -6,7 +6,8 @@
     activate    goals are accepted; ~/cache_state and ~/generation_stats publish
     deactivate  the running goal ends ABORTED with its partial text, queued goals too; new goals
                 are rejected
-    cleanup / shutdown / error   every model is freed (parameter bytes back to 0)
+    cleanup / shutdown / error   every model is freed (parameter bytes back to 0); shutdown and error succeed
+                even when a goal told to end has not ended yet, and its models are freed when it does
     SIGINT / SIGTERM   like deactivate, the goals end ABORTED and their results are sent; then the node goes
 
 The parts it wires together:
@@ -212,13 +213,13 @@ class MemSpecNode(LifecycleNode):
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._end_goals("the node is shutting down")
-        self._release()
+        self._release_after_goal()
         return TransitionCallbackReturn.SUCCESS
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._end_goals("the node hit an error")
-        self._release()
-        self.get_logger().error("error processed: models freed, back to unconfigured")
+        freed = "models freed" if self._release_after_goal() else "models freed once the running goal ends"
+        self.get_logger().error(f"error processed: {freed}, back to unconfigured")
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self, exc: Exception) -> TransitionCallbackReturn:
@@ -343,12 +344,30 @@ class MemSpecNode(LifecycleNode):
             return None, f"the predictor at {path} failed to load: {type(exc).__name__}: {exc}"
 
     def _release(self) -> None:
-        """Free every model: the controller (its cache and loader thread), drafts, target, predictor."""
+        """Free every model now (no goal runs: cleanup waited, configure and destroy_node ended them)."""
+        self._free(self._take_loaded())
+
+    def _release_after_goal(self) -> bool:
+        """shutdown / error: the transition must succeed, but a goal told to end may not have reached its next
+        iteration yet (cleanup refuses then): the node lets go of the models now and they are freed once that goal
+        is done with them, never under it. True if freed now."""
+        held = [self._take_loaded()]  # emptied by the release: its gc.collect() then finds the models unreferenced
+        freed = self._runner.release_when_over(lambda: self._free(held.pop()))
+        if not freed:
+            self.get_logger().warning("a goal still runs: its models are freed when it ends")
+        return freed
+
+    def _take_loaded(self) -> Loaded | None:
+        """What configure loaded, no longer the node's (nothing but a running goal reaches it after this)."""
         for pub in (self._cache_pub, self._stats_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
         self._cache_pub = self._stats_pub = None
         loaded, self._loaded = self._loaded, None
+        return loaded
+
+    def _free(self, loaded: Loaded | None) -> None:
+        """Free every model of ``loaded``: the controller (its cache and loader thread), drafts, target, predictor."""
         if loaded is not None:
             try:
                 loaded.controller.cache.reset()  # evicts resident drafts, waits for loads in flight

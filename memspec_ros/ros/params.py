@@ -27,6 +27,7 @@ installed package, which ``model_source.package_file`` enforces.
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -229,7 +230,9 @@ PARAMS: tuple[Param, ...] = (
     Param("generation.temperature", 0.0,
           "Default sampling temperature (0: greedy, the paper's setting).",
           float_range=(0.0, 100.0)),
-    Param("generation.top_p", 1.0, "Default nucleus sampling mass (1: no truncation).", float_range=(0.0, 1.0)),
+    # ROS ranges are closed: (0, 1] is declared from the smallest positive double, so rclpy refuses 0 as the node does
+    Param("generation.top_p", 1.0, "Default nucleus sampling mass in (0, 1]: 0 excluded, 1 no truncation.",
+          float_range=(math.ulp(0.0), 1.0)),
     Param("generation.seed", -1, "Default sampling seed (-1: a fresh random seed per goal).", int_range=(-1, I64)),
     Param("generation.system_prompt", "",
           "System message put first in chat goals (target tokenizer with a chat template, goal not raw, no system"
@@ -303,6 +306,8 @@ def check_value(name: str, value: Any) -> str:
         value = float(value)
     if type(value) is not type(p.default):
         return f"{name} must be a {type(p.default).__name__}, got {value!r}"
+    if name == "generation.top_p" and value <= 0.0:  # before the range's own message, which shows 5e-324
+        return f"generation.top_p must be in (0, 1], got {value}"
     if p.int_range and not p.int_range[0] <= value <= p.int_range[1]:
         return f"{name} must be in [{p.int_range[0]}, {p.int_range[1]}], got {value}"
     if p.float_range and not p.float_range[0] <= value <= p.float_range[1]:
@@ -311,8 +316,6 @@ def check_value(name: str, value: Any) -> str:
         return f"{name} must be one of {', '.join(p.choices)}, got {value!r}"
     if name == "model.device" and not (value == "cpu" or value == "cuda" or value.startswith("cuda:")):
         return f"model.device must be 'cpu' or 'cuda[:N]', got {value!r}"
-    if name == "generation.top_p" and value <= 0.0:
-        return "generation.top_p must be in (0, 1], got 0"
     return ""
 
 

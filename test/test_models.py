@@ -92,6 +92,34 @@ def test_corrupt_weights(tmp_path, model_dirs):
         load_model(ModelSpec(str(broken)))
 
 
+@pytest.mark.parametrize("drop", ["lm_head.weight", "model.layers.1.mlp.up_proj.weight"])
+def test_a_checkpoint_lacking_a_tensor_its_config_needs_is_refused(tmp_path, tokenizer, drop):
+    """transformers would initialise the missing tensor at random and only log it: both loaders (the directory's
+    and the storage tier's, from the read bytes) refuse, naming the tensor. A complete untied checkpoint and a tied
+    one (no lm_head.weight saved) load."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM
+
+    from memspec_ros.runtime.storage import MEDIA, DraftStorage
+
+    untied = tiny_llama(vocab_size=len(tokenizer), seed=2)  # tie_word_embeddings false: lm_head is its own tensor
+    folder = save_model_dir(untied, tokenizer, tmp_path / "untied")
+    weights = load_file(str(folder / "model.safetensors"))
+    assert drop in weights and "lm_head.weight" in weights
+    load_model(ModelSpec(str(folder)))
+    untied.config.tie_word_embeddings = True  # as SmolLM2 (and its GGUF conversion): lm_head is the embedding
+    tied = save_model_dir(LlamaForCausalLM(untied.config), tokenizer, tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
+    load_model(ModelSpec(str(tied)))
+    DraftStorage(MEDIA["local"]).load(ModelSpec(str(tied)))
+    save_file({k: v for k, v in weights.items() if k != drop}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ModelDirectoryError, match=rf"lack 1 tensor.*: {drop.replace('.', '[.]')}[.] .*randomly"):
+        load_model(ModelSpec(str(folder)))
+    with pytest.raises(ModelDirectoryError, match=rf"lack 1 tensor.*: {drop.replace('.', '[.]')}[.] "):
+        DraftStorage(MEDIA["local"]).load(ModelSpec(str(folder)))
+
+
 def test_pickled_weights_are_never_loaded(tmp_path, model_dirs):
     pickled = _copy(model_dirs[0], tmp_path / "pickled")
     (pickled / "model.safetensors").unlink()

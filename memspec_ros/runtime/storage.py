@@ -211,7 +211,14 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
 
     from .draft_vocab import wrap_if_reduced
     from .forward_paths import PATHS, apply_path
-    from .models import ModelDirectoryError, forward_path_for, parameter_bytes, read_config, resolve_device
+    from .models import (
+        ModelDirectoryError,
+        check_loading_info,
+        forward_path_for,
+        parameter_bytes,
+        read_config,
+        resolve_device,
+    )
 
     raw = read_config(spec.path)
     path = forward_path_for(spec)
@@ -225,9 +232,11 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
         config = AutoConfig.from_pretrained(spec.path, local_files_only=True, trust_remote_code=False)
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         dtype = torch.float16 if path == "fp16" else torch.float32
-        model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+        model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
+                                                  output_loading_info=True)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ModelDirectoryError(f"could not build the model in {spec.path} from its weights: {exc}") from exc
+    check_loading_info(info, spec.path)  # as load_model: a tensor missing from the weights is refused, not random
     model = model.to(resolve_device(spec.device))
     model.eval()
     model.requires_grad_(False)

@@ -282,3 +282,30 @@ def test_steady_loads_time_what_a_running_node_reads_not_the_first_build(tiny_zo
     weights = sum(f.stat().st_size for f in (tiny_zoo / "drafts" / "code").glob("*.safetensors"))
     assert form.file.stat().st_size < weights
     assert storage.take_records() == []
+
+
+def test_an_edited_vocabulary_map_or_config_is_read_by_the_next_load(tmp_path):
+    """The build reads config.json and a reduced draft's draft_vocab.json besides the weights: editing either (the
+    weights untouched) builds the draft again, and the cache manager's change detection (weights_identity) sees it.
+    Keyed on the safetensors alone, the runtime form kept the old id map and architecture."""
+    import json
+
+    from memspec_ros.runtime.draft_vocab import write_vocab_map
+    from memspec_ros.runtime.storage import weights_identity
+    from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+
+    rows = list(range(0, 60, 3))
+    path = save_model_dir(tiny_llama(vocab_size=len(rows) + 1, hidden=32, layers=1, seed=4), tiny_tokenizer(),
+                          tmp_path / "d")
+    write_vocab_map(path, rows, 64)
+    storage = DraftStorage(MEDIA["local"])
+    spec = ModelSpec(str(path))
+    assert storage.load(spec).model.vocab.target_ids.tolist() == rows
+    before = weights_identity(path)
+    write_vocab_map(path, [r + 1 for r in rows], 64)
+    assert weights_identity(path) != before
+    assert storage.load(spec).model.vocab.target_ids.tolist() == [r + 1 for r in rows]
+    config = json.loads((path / "config.json").read_text())
+    config["rms_norm_eps"] = 0.125
+    (path / "config.json").write_text(json.dumps(config))
+    assert storage.load(spec).model.config.rms_norm_eps == 0.125

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from .draft_vocab import VOCAB_FILE
 from .models import LoadedModel, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -346,14 +347,28 @@ FORM_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.safetensors")  # runtime_for
 PARTIAL_STALE_SECONDS = 3600.0  # a form's write takes seconds: a .partial this old was left by a killed process
 
 
+# Besides its weights, what a draft's build reads from its folder: the architecture (config.json), a reduced-vocabulary
+# draft's id map (draft_vocab.VOCAB_FILE) and a sharded checkpoint's index. An edit to any of them must rebuild the
+# draft (a new runtime form, the cache manager's change detection), as a new weights file does.
+BUILD_FILES = ("config.json", VOCAB_FILE)
+
+
+def build_inputs(root: str | Path) -> list[Path]:
+    """The files of a model directory other than the weights that its build depends on, those present."""
+    folder = Path(root)
+    named = [folder / name for name in BUILD_FILES] + sorted(folder.glob("*.safetensors.index.json"))
+    return [f for f in named if f.is_file()]
+
+
 def source_identity(files: Sequence[Path]) -> tuple:
-    """What tells a draft's weights files apart from their next version: path, size and modification time."""
+    """What tells a draft's files (weights, and the build inputs beside them) apart from their next version: path,
+    size and modification time."""
     return tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
 
 def weights_identity(path: str | Path) -> tuple:
-    """:func:`source_identity` of a model directory's safetensors files (or of one file: a GGUF, or the file a pkg:
-    resource names); ("missing",) if unreadable."""
+    """:func:`source_identity` of a model directory's safetensors files and :func:`build_inputs` (or of one file: a
+    GGUF, or the file a pkg: resource names); ("missing",) if unreadable."""
     from .model_source import PKG_PREFIX, package_file
     from .models import ModelDirectoryError
 
@@ -362,7 +377,7 @@ def weights_identity(path: str | Path) -> tuple:
     except ModelDirectoryError:  # not installed (any more)
         return ("missing",)
     try:
-        return source_identity(sorted(root.glob("*.safetensors")) if root.is_dir() else [root])
+        return source_identity(sorted(root.glob("*.safetensors")) + build_inputs(root) if root.is_dir() else [root])
     except OSError:
         return ("missing",)
 
@@ -470,7 +485,8 @@ class DraftStorage:
             spec = replace(spec, path=str(resolve_model_path(spec.path)))
         files = safetensors_files(spec.path)  # checks the headers (and refuses pickles) before the timed read
         key = (str(Path(spec.path).resolve()), spec.dtype, spec.device, spec.quantization)
-        source = source_identity(files)  # a draft whose files changed is built from them again
+        # a draft whose files changed (weights, config.json, its vocabulary map) is built from them again
+        source = source_identity(files + build_inputs(spec.path))
         with self._lock:
             form = self._forms.get(key)
         loaded = None

@@ -67,6 +67,35 @@ def test_missing_directory(tmp_path):
         load_model(ModelSpec(str(tmp_path / "nope")))
 
 
+def test_a_path_to_a_file_or_a_missing_folder_says_which_and_how_it_resolved(tmp_path, model_dirs, monkeypatch):
+    """A path to the model's weights file exists: it is not 'missing', it is a file; a missing relative path names
+    the directory it resolved from, a registry entry's (resolved from the registry file's folder) says so."""
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    weights = model_dirs[0] / "model.safetensors"
+    with pytest.raises(ModelDirectoryError, match=rf"is a file, not a model directory.*perhaps '{model_dirs[0]}'"):
+        load_model(ModelSpec(str(weights)))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelDirectoryError, match=rf"does not exist.*current directory, '{tmp_path}'"):
+        load_model(ModelSpec("nope"))
+    (tmp_path / "registry.yaml").write_text("drafts:\n  - {name: d, path: drafts/d}\n")
+    with pytest.raises(ModelDirectoryError, match=r"drafts/d' does not exist.*resolves from that file's folder"):
+        DraftRegistry.from_yaml(tmp_path / "registry.yaml")
+
+
+def test_the_storage_tier_names_an_architecture_it_cannot_build(tmp_path, model_dirs):
+    """As load_model does: a t5 draft through DraftStorage is an UnsupportedArchitectureError naming model_type,
+    not 'could not build the model ... <class T5Config>'."""
+    from memspec_ros.runtime.storage import MEDIA, DraftStorage
+
+    odd = _copy(model_dirs[1], tmp_path / "t5")
+    config = json.loads((odd / "config.json").read_text())
+    config["model_type"] = "t5"
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="model_type 't5'"):
+        DraftStorage(MEDIA["local"]).load(ModelSpec(str(odd)))
+
+
 def test_missing_config(tmp_path):
     with pytest.raises(ModelDirectoryError, match="config.json is missing"):
         load_model(ModelSpec(str(tmp_path)))

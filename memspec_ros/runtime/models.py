@@ -134,11 +134,17 @@ def resolve_device(name: str) -> torch.device:
 def read_config(path: str | Path) -> dict[str, Any]:
     """Check the directory and return its parsed ``config.json``."""
     root = Path(path)
-    if not root.is_dir():
+    if root.exists() and not root.is_dir():
+        # a path to one of its files (model.safetensors, config.json) rather than the folder that holds them
         raise ModelDirectoryError(
-            f"model directory {str(root)!r} does not exist:"
-            " check the path (relative paths resolve from the current directory)"
+            f"model path {str(root)!r} is a file, not a model directory: give the folder that holds config.json and"
+            f" the *.safetensors weights (here perhaps {str(root.parent)!r})"
         )
+    if not root.is_dir():
+        # registry entries arrive resolved from their registry file's folder, parameters as given: say which
+        hint = (f"a relative path resolves from the current directory, {str(Path.cwd())!r}"
+                if not root.is_absolute() else "a path in a registry file resolves from that file's folder")
+        raise ModelDirectoryError(f"model directory {str(root)!r} does not exist: check the path ({hint})")
     config_file = root / "config.json"
     if not config_file.is_file():
         raise ModelDirectoryError(

@@ -309,3 +309,21 @@ def test_an_edited_vocabulary_map_or_config_is_read_by_the_next_load(tmp_path):
     config["rms_norm_eps"] = 0.125
     (path / "config.json").write_text(json.dumps(config))
     assert storage.load(spec).model.config.rms_norm_eps == 0.125
+
+
+def test_the_node_s_storage_keeps_no_records_while_a_bench_s_does(tiny_zoo):
+    """registry_loader(storage="emmc") (the node's draft cache, memspec cache.storage) makes its DraftStorage with
+    draft_storage: nothing reads its records, so it keeps none (one LoadRecord a load accumulated for as long as
+    the node ran). A DraftStorage made by a bench records every load until take_records."""
+    from memspec_ros.runtime.cache import draft_spec
+    from memspec_ros.runtime.storage import draft_storage
+
+    spec = draft_spec(str(tiny_zoo / "drafts" / "code"))
+    node = draft_storage("local")
+    bench = DraftStorage(MEDIA["local"])
+    assert draft_storage(bench) is bench
+    for _ in range(3):
+        node.load(spec, "code")
+        bench.load(spec, "code")
+    assert node.records == [] and node.take_records() == []
+    assert [r.name for r in bench.take_records()] == ["code"] * 3

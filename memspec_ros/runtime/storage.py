@@ -470,10 +470,15 @@ class LoadRecord:
 
 @dataclass
 class DraftStorage:
-    """Loads drafts through a medium and keeps a record of every load (safe from the loader thread)."""
+    """Loads drafts through a medium and keeps a record of every load (safe from the loader thread).
+
+    ``keep_records`` False: no record is kept. A storage made from a medium's name (:func:`draft_storage`: the node's
+    draft cache) has no reader of its records, and kept one per load for as long as the node ran; the benches make
+    their own DraftStorage and take its records (take_records, steady_loads)."""
 
     medium: StorageMedium
     records: list[LoadRecord] = field(default_factory=list)
+    keep_records: bool = True
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -526,8 +531,9 @@ class DraftStorage:
             name=name or Path(spec.path).name, nbytes=sum(r.nbytes for _, r in reads),
             requests=sum(r.requests for _, r in reads), read_seconds=sum(r.seconds for _, r in reads),
             build_seconds=build, cached_after_drop=None if None in cached else max(cached, default=0.0))
-        with self._lock:
-            self.records.append(record)
+        if self.keep_records:
+            with self._lock:
+                self.records.append(record)
         return loaded
 
     def steady_loads(self, specs: Mapping[str, ModelSpec], repeats: int = 1) -> list[LoadRecord]:
@@ -583,10 +589,12 @@ class DraftStorage:
 
 
 def draft_storage(storage: str | StorageMedium | DraftStorage | None) -> DraftStorage | None:
-    """A DraftStorage for a medium name or medium (None: none; a DraftStorage is used as given)."""
+    """A DraftStorage for a medium name or medium, keeping no load records: nobody holds it to read them, and a
+    running node loads drafts for as long as it runs (None: none; a DraftStorage is used as given, records kept as
+    its maker chose)."""
     if storage is None or isinstance(storage, DraftStorage):
         return storage
-    return DraftStorage(storage_medium(storage))
+    return DraftStorage(storage_medium(storage), keep_records=False)
 
 
 def mean_load_seconds(records: Sequence[LoadRecord]) -> Mapping[str, float]:

@@ -63,3 +63,19 @@ def test_the_node_takes_the_target_from_the_registry_file(zoo, tmp_path):
     bare.write_text("drafts:\n  - {name: code, path: drafts/code}\n")
     with pytest.raises(ValueError, match="names no target"):
         P.resolve_paths(v | {"drafts.registry_file": str(bare)})
+
+
+def test_a_tokenizer_with_more_ids_than_the_target_has_rows_is_refused_at_load(zoo, tmp_path):
+    """A 300-id tokenizer over a 64-row target configured and then failed every goal holding an id past 63; it is
+    refused at load, naming both paths. The zoo's own tokenizer (as many ids as the target's rows) loads."""
+    from memspec_ros.runtime.models import TokenizerMismatchError
+    from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    assert len(tok) > 64
+    small = save_model_dir(tiny_llama(vocab_size=64, hidden=32, layers=1), tok, tmp_path / "small")
+    with pytest.raises(TokenizerMismatchError, match=rf"tokenizer in {small} has {len(tok)} token ids but the target"
+                                                     rf" in {small} reads only 64"):
+        load_models(drafts=DraftLists([], []), target_path=small)
+    models = load_models(drafts=DraftLists([], []), target_path=zoo / "target")
+    assert len(models.tokenizer) <= models.target.model.get_input_embeddings().num_embeddings

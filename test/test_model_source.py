@@ -51,6 +51,15 @@ def test_package_specs_are_checked_before_anything_is_read(tmp_path):
         resolve_model_path(str(tmp_path / "absent.gguf"))
 
 
+def test_an_installed_single_file_module_is_not_called_uninstalled(tmp_path, monkeypatch):
+    """pkg:<module>/<file> for a module installed as one .py file: it is there but holds no files; saying it was
+    not installed sent the user to reinstall it."""
+    (tmp_path / "plantedmodule.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelDirectoryError, match="'plantedmodule' is a single-file module .*plantedmodule.py"):
+        package_file("pkg:plantedmodule/m.gguf")
+
+
 def test_a_dotted_package_name_is_refused_without_importing_anything(tmp_path, monkeypatch):
     """find_spec("a.b") imports the package a, running its code: a parameter set remotely must not do that."""
     marker = tmp_path / "imported"

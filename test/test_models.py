@@ -67,6 +67,35 @@ def test_missing_directory(tmp_path):
         load_model(ModelSpec(str(tmp_path / "nope")))
 
 
+def test_a_path_to_a_file_or_a_missing_folder_says_which_and_how_it_resolved(tmp_path, model_dirs, monkeypatch):
+    """A path to the model's weights file exists: it is not 'missing', it is a file; a missing relative path names
+    the directory it resolved from, a registry entry's (resolved from the registry file's folder) says so."""
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    weights = model_dirs[0] / "model.safetensors"
+    with pytest.raises(ModelDirectoryError, match=rf"is a file, not a model directory.*perhaps '{model_dirs[0]}'"):
+        load_model(ModelSpec(str(weights)))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelDirectoryError, match=rf"does not exist.*current directory, '{tmp_path}'"):
+        load_model(ModelSpec("nope"))
+    (tmp_path / "registry.yaml").write_text("drafts:\n  - {name: d, path: drafts/d}\n")
+    with pytest.raises(ModelDirectoryError, match=r"drafts/d' does not exist.*resolves from that file's folder"):
+        DraftRegistry.from_yaml(tmp_path / "registry.yaml")
+
+
+def test_the_storage_tier_names_an_architecture_it_cannot_build(tmp_path, model_dirs):
+    """As load_model does: a t5 draft through DraftStorage is an UnsupportedArchitectureError naming model_type,
+    not 'could not build the model ... <class T5Config>'."""
+    from memspec_ros.runtime.storage import MEDIA, DraftStorage
+
+    odd = _copy(model_dirs[1], tmp_path / "t5")
+    config = json.loads((odd / "config.json").read_text())
+    config["model_type"] = "t5"
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="model_type 't5'"):
+        DraftStorage(MEDIA["local"]).load(ModelSpec(str(odd)))
+
+
 def test_missing_config(tmp_path):
     with pytest.raises(ModelDirectoryError, match="config.json is missing"):
         load_model(ModelSpec(str(tmp_path)))
@@ -90,6 +119,34 @@ def test_corrupt_weights(tmp_path, model_dirs):
     (broken / "model.safetensors").write_bytes(b"\x00\x01garbage")
     with pytest.raises(ModelDirectoryError, match="model.safetensors is not a readable safetensors file"):
         load_model(ModelSpec(str(broken)))
+
+
+@pytest.mark.parametrize("drop", ["lm_head.weight", "model.layers.1.mlp.up_proj.weight"])
+def test_a_checkpoint_lacking_a_tensor_its_config_needs_is_refused(tmp_path, tokenizer, drop):
+    """transformers would initialise the missing tensor at random and only log it: both loaders (the directory's
+    and the storage tier's, from the read bytes) refuse, naming the tensor. A complete untied checkpoint and a tied
+    one (no lm_head.weight saved) load."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM
+
+    from memspec_ros.runtime.storage import MEDIA, DraftStorage
+
+    untied = tiny_llama(vocab_size=len(tokenizer), seed=2)  # tie_word_embeddings false: lm_head is its own tensor
+    folder = save_model_dir(untied, tokenizer, tmp_path / "untied")
+    weights = load_file(str(folder / "model.safetensors"))
+    assert drop in weights and "lm_head.weight" in weights
+    load_model(ModelSpec(str(folder)))
+    untied.config.tie_word_embeddings = True  # as SmolLM2 (and its GGUF conversion): lm_head is the embedding
+    tied = save_model_dir(LlamaForCausalLM(untied.config), tokenizer, tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
+    load_model(ModelSpec(str(tied)))
+    DraftStorage(MEDIA["local"]).load(ModelSpec(str(tied)))
+    save_file({k: v for k, v in weights.items() if k != drop}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ModelDirectoryError, match=rf"lack 1 tensor.*: {drop.replace('.', '[.]')}[.] .*randomly"):
+        load_model(ModelSpec(str(folder)))
+    with pytest.raises(ModelDirectoryError, match=rf"lack 1 tensor.*: {drop.replace('.', '[.]')}[.] "):
+        DraftStorage(MEDIA["local"]).load(ModelSpec(str(folder)))
 
 
 def test_pickled_weights_are_never_loaded(tmp_path, model_dirs):

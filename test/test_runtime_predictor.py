@@ -393,3 +393,24 @@ def test_the_label_horizon_decides_between_the_next_interval_and_the_rest_of_the
     assert first[1].label == "a" and first[2].label == "b" and first[0].label == "b"
     # the utilities a context records stay the next interval's, whatever the horizon
     assert first[0].utilities == first[1].utilities
+
+
+def test_a_predictor_refused_at_load_leaves_the_target_unhooked(tmp_path):
+    """A head trained for another target (in_dim mismatch) is refused, and the encoder built for the check is
+    closed: no forward hook or observer stays on the target (the node keeps it and runs without a predictor),
+    and nothing keeps the target alive."""
+    import gc
+    import weakref
+
+    from memspec_ros.runtime import draft_forward
+
+    target = tiny_llama(layers=1, hidden=64, seed=0)
+    RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=96, hidden=4)).save(tmp_path / "p")
+    with pytest.raises(PredictorError, match="expects 96 features"):
+        PredictionEngine.load(tmp_path / "p", target=target)
+    assert not target.model._forward_hooks and not target.model._forward_hooks_with_kwargs
+    assert not draft_forward.observed(target)
+    ref = weakref.ref(target)
+    del target
+    gc.collect()
+    assert ref() is None

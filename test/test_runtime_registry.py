@@ -61,6 +61,44 @@ def test_yaml_mapping_form_and_errors(zoo, tmp_path):
         DraftRegistry.from_yaml(tmp_path / "noname.yaml")
 
 
+@pytest.mark.parametrize("text, match", [
+    # a null field was the string 'None': a draft named None, a path <registry dir>/None, a domain 'None'
+    ("drafts:\n  - {name: , path: drafts/code}\n", r"drafts\[0\] in .*r\.yaml: 'name' is None: give it a string"),
+    ("drafts:\n  - {name: code, path: }\n", r"drafts\[0\] \('code'\) in .*r\.yaml: 'path' is None.*the field is empty"),
+    ("drafts:\n  - {name: code, path: drafts/code, domain: }\n", r"drafts\[0\] \('code'\) in .*: 'domain' is None"),
+    ("drafts:\n  code: \n", r"drafts\[0\] \('code'\) in .*: 'path' is None"),
+    ("drafts:\n  - {name: code, path: ''}\n", r"'path' is empty"),
+    ("drafts:\n  - {name: [a], path: drafts/code}\n", r"'name' is \['a'\]: give it a string"),
+    # a mapping keeps the last of two equal keys: the first draft vanished, DuplicateDraftError never saw it
+    ("drafts:\n  code: drafts/code\n  code: drafts/general\n", r"r\.yaml: line 3: the key 'code' appears twice"),
+    ("drafts:\n  - {name: code, path: drafts/code, path: drafts/general}\n", r"line 2: the key 'path' appears twice"),
+    # a bare int() ValueError
+    ("drafts:\n  - {name: code, path: drafts/code, size_bytes: 7.6MB}\n",
+     r"drafts\[0\] \('code'\) in .*r\.yaml: 'size_bytes' is '7.6MB': give a whole number of bytes"),
+    ("drafts:\n  - {name: code, path: drafts/code, size_bytes: -5}\n", r"'size_bytes' is -5"),
+    ("drafts:\n  - {name: code, path: drafts/code, size_bytes: 7.5}\n", r"'size_bytes' is 7.5"),
+])
+def test_a_malformed_registry_entry_is_refused_naming_the_file_and_field(zoo, text, match):
+    (zoo / "r.yaml").write_text(text)
+    try:
+        with pytest.raises(RegistryError, match=match):
+            DraftRegistry.from_yaml(zoo / "r.yaml", validate=False)
+    finally:
+        (zoo / "r.yaml").unlink()
+
+
+def test_well_formed_registry_fields_still_read(zoo):
+    """What the checks keep: a quoted size, a null size (estimated), a numeric name, the domain defaulting."""
+    (zoo / "r.yaml").write_text("drafts:\n  - {name: code, path: drafts/code, size_bytes: '123'}\n"
+                                "  - {name: 7, path: drafts/general, size_bytes: }\n")
+    try:
+        reg = DraftRegistry.from_yaml(zoo / "r.yaml")
+    finally:
+        (zoo / "r.yaml").unlink()
+    assert reg.get("code").size_bytes == 123 and reg.get("code").domain == "code"
+    assert reg.get("7").size_bytes > 0 and reg.get("7").domain == "7"
+
+
 def test_lists_from_ros_parameters(zoo):
     reg = DraftRegistry.from_lists(["g", "c"], ["drafts/general", "drafts/code"], ["general", "code"], base_dir=zoo)
     assert reg.get("c").domain == "code"

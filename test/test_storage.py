@@ -282,3 +282,48 @@ def test_steady_loads_time_what_a_running_node_reads_not_the_first_build(tiny_zo
     weights = sum(f.stat().st_size for f in (tiny_zoo / "drafts" / "code").glob("*.safetensors"))
     assert form.file.stat().st_size < weights
     assert storage.take_records() == []
+
+
+def test_an_edited_vocabulary_map_or_config_is_read_by_the_next_load(tmp_path):
+    """The build reads config.json and a reduced draft's draft_vocab.json besides the weights: editing either (the
+    weights untouched) builds the draft again, and the cache manager's change detection (weights_identity) sees it.
+    Keyed on the safetensors alone, the runtime form kept the old id map and architecture."""
+    import json
+
+    from memspec_ros.runtime.draft_vocab import write_vocab_map
+    from memspec_ros.runtime.storage import weights_identity
+    from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+
+    rows = list(range(0, 60, 3))
+    path = save_model_dir(tiny_llama(vocab_size=len(rows) + 1, hidden=32, layers=1, seed=4), tiny_tokenizer(),
+                          tmp_path / "d")
+    write_vocab_map(path, rows, 64)
+    storage = DraftStorage(MEDIA["local"])
+    spec = ModelSpec(str(path))
+    assert storage.load(spec).model.vocab.target_ids.tolist() == rows
+    before = weights_identity(path)
+    write_vocab_map(path, [r + 1 for r in rows], 64)
+    assert weights_identity(path) != before
+    assert storage.load(spec).model.vocab.target_ids.tolist() == [r + 1 for r in rows]
+    config = json.loads((path / "config.json").read_text())
+    config["rms_norm_eps"] = 0.125
+    (path / "config.json").write_text(json.dumps(config))
+    assert storage.load(spec).model.config.rms_norm_eps == 0.125
+
+
+def test_the_node_s_storage_keeps_no_records_while_a_bench_s_does(tiny_zoo):
+    """registry_loader(storage="emmc") (the node's draft cache, memspec cache.storage) makes its DraftStorage with
+    draft_storage: nothing reads its records, so it keeps none (one LoadRecord a load accumulated for as long as
+    the node ran). A DraftStorage made by a bench records every load until take_records."""
+    from memspec_ros.runtime.cache import draft_spec
+    from memspec_ros.runtime.storage import draft_storage
+
+    spec = draft_spec(str(tiny_zoo / "drafts" / "code"))
+    node = draft_storage("local")
+    bench = DraftStorage(MEDIA["local"])
+    assert draft_storage(bench) is bench
+    for _ in range(3):
+        node.load(spec, "code")
+        bench.load(spec, "code")
+    assert node.records == [] and node.take_records() == []
+    assert [r.name for r in bench.take_records()] == ["code"] * 3

@@ -9,6 +9,14 @@
   if it has one). It is rendered with ``apply_chat_template(add_generation_prompt=True)``, so the
   model answers as the assistant.
 * No chat template: ``prompt`` is tokenized as is, and a goal with ``messages`` is refused.
+* With a chat template, a message (or the prompt as the user turn) that contains one of the tokenizer's
+  special-token strings (``<|im_end|>``, ``<|im_start|>``, ...) is refused: the rendered text is tokenized
+  with special tokens recognised, so such text would become real control ids and could close the user's
+  turn and open a system turn overriding ``system_prompt``. Refusing (rather than tokenizing content with
+  special-token parsing off) keeps the ids of ordinary content exactly apply_chat_template's. Raw goals and
+  models without a template keep special strings as control ids: there the sender writes the whole text
+  and no turn structure or system prompt is imposed, so there is nothing to forge (an expert may write
+  ChatML by hand).
 
 Templates come from model files and are rendered only through transformers' ``apply_chat_template``,
 which runs Jinja in an ImmutableSandboxedEnvironment: a template that reaches for Python internals
@@ -114,6 +122,9 @@ def prompt_ids(tokenizer, prompt: str, messages: Sequence[tuple[str, str]] = (),
         raise ChatError(reason)
     if raw or not templated:
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    reason = _special_token_error(tokenizer, prompt, messages)
+    if reason:
+        raise ChatError(reason)
     turns = conversation(prompt, messages, system_prompt)
     try:
         encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
@@ -123,6 +134,31 @@ def prompt_ids(tokenizer, prompt: str, messages: Sequence[tuple[str, str]] = (),
     if not ids:
         raise ChatTemplateError("the model's chat template rendered the conversation as no tokens at all")
     return ids
+
+
+def special_token_strings(tokenizer) -> list[str]:
+    """The text of every special token the tokenizer recognises in its input (bos/eos/pad/unk, the additional
+    special tokens and every added token marked special), longest first, without repeats."""
+    found = {str(t) for t in getattr(tokenizer, "all_special_tokens", ()) or ()}
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            found.add(str(added.content))
+    return sorted((t for t in found if t), key=lambda t: (-len(t), t))
+
+
+def _special_token_error(tokenizer, prompt: str, messages: Sequence[tuple[str, str]]) -> str:
+    """'' when no turn's content holds a special-token string, else which turn holds which token (its first)."""
+    specials = special_token_strings(tokenizer)
+    contents = [(f"messages[{i}] ({role})", content) for i, (role, content) in enumerate(messages)] or [
+        ("the prompt", prompt)]
+    for where, content in contents:
+        # the first one in reading order (longest first at one place: '<|im_end|>' over a shorter '<|im')
+        hits = [(content.find(token), -len(token), token) for token in specials if token in content]
+        if hits:
+            token = min(hits)[2]
+            return (f"{where} contains the special token {token!r}: the chat template would turn it into a"
+                    " control id (it could end the turn and forge another one); remove or reword it")
+    return ""
 
 
 def end_token_ids(tokenizer, model=None) -> list[int]:

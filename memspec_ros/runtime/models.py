@@ -134,11 +134,17 @@ def resolve_device(name: str) -> torch.device:
 def read_config(path: str | Path) -> dict[str, Any]:
     """Check the directory and return its parsed ``config.json``."""
     root = Path(path)
-    if not root.is_dir():
+    if root.exists() and not root.is_dir():
+        # a path to one of its files (model.safetensors, config.json) rather than the folder that holds them
         raise ModelDirectoryError(
-            f"model directory {str(root)!r} does not exist:"
-            " check the path (relative paths resolve from the current directory)"
+            f"model path {str(root)!r} is a file, not a model directory: give the folder that holds config.json and"
+            f" the *.safetensors weights (here perhaps {str(root.parent)!r})"
         )
+    if not root.is_dir():
+        # registry entries arrive resolved from their registry file's folder, parameters as given: say which
+        hint = (f"a relative path resolves from the current directory, {str(Path.cwd())!r}"
+                if not root.is_absolute() else "a path in a registry file resolves from that file's folder")
+        raise ModelDirectoryError(f"model directory {str(root)!r} does not exist: check the path ({hint})")
     config_file = root / "config.json"
     if not config_file.is_file():
         raise ModelDirectoryError(
@@ -250,6 +256,24 @@ def _check_quantization(config: dict[str, Any], spec: ModelSpec) -> None:
         )
 
 
+def check_loading_info(info: dict[str, Any], path: str | Path) -> None:
+    """Refuse a load that left parameters out of the checkpoint: transformers initialises a tensor the config
+    expects and the weights lack (``lm_head.weight`` with tie_word_embeddings false, a layer's weight) at random and
+    only logs a LOAD REPORT, so an incomplete or mismatched checkpoint would run as a model of noise. Tied weights
+    and non-persistent buffers (rotary inv_freq) are not in ``missing_keys``; tensors the config does not use
+    (``unexpected_keys``, such as an older checkpoint's saved inv_freq) are harmless and allowed."""
+    missing = sorted(str(k) for k in info.get("missing_keys") or ())
+    errors = [str(e) for e in info.get("error_msgs") or ()]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ModelDirectoryError(
+            f"the weights in {path} lack {len(missing)} tensor(s) that {path}/config.json needs: {shown}. They would"
+            " be randomly initialised: restore the complete checkpoint, or fix config.json if it describes another"
+            " model (a checkpoint without lm_head.weight needs tie_word_embeddings true)")
+    if errors:
+        raise ModelDirectoryError(f"the weights in {path} could not be loaded into the model: {'; '.join(errors)}")
+
+
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a model occupies (parameters and buffers such as packed INT4 tensors)."""
     tensors = list(model.parameters()) + list(model.buffers())
@@ -290,11 +314,12 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if config.get("quantization_config"):
         kwargs["device_map"] = str(device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(spec.path, output_loading_info=True, **kwargs)
     except ImportError as exc:  # a backend the checkpoint needs (GPTQ's optimum, say) that is not installed
         raise QuantizationBackendError(f"could not load the model in {spec.path}: {exc}") from exc
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelDirectoryError(f"could not load the model in {spec.path}: {exc}") from exc
+    check_loading_info(info, spec.path)
     if "device_map" not in kwargs:
         model = model.to(device)
     model.eval()

@@ -520,7 +520,16 @@ class PredictionEngine(SynchronousRanking):
             if target is None:
                 raise PredictorError("the target-hidden predictor needs the loaded target model")
             encoder = TargetHiddenEncoder(target, head.config.recent_tokens)
-        return cls(head, encoder)
+        try:
+            return cls(head, encoder)
+        except BaseException:
+            # the encoder already hooks the target (a forward hook and an observer): left in place, a caller that
+            # keeps the target (the node falls back to no predictor) would feed an orphan every forward, its
+            # history growing without bound, and the observer table would keep the target alive
+            close = getattr(encoder, "close", None)
+            if close is not None:
+                close()
+            raise
 
     @property
     def config(self) -> HeadConfig:

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from .lookup import LOOKUP_DRAFT
 from .model_source import is_model_source, relative_to, resolve_model_path
 from .models import ModelDirectoryError, TokenizerMismatchError, load_tokenizer, read_config, tokenizer_fingerprint
@@ -41,6 +43,60 @@ class UnknownDraftError(RegistryError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class _DuplicateKeyError(Exception):
+    """A YAML mapping names one key twice (the message says which and where)."""
+
+
+def _unique_mapping(loader, node, deep: bool = False) -> dict:
+    """SafeLoader's mapping, refusing a key given twice: PyYAML keeps the last silently, so a registry listing
+    ``drafts: {code: d1, code: d2}`` dropped d1 unseen (DuplicateDraftError never saw it), and an entry with two
+    ``path:`` keys loaded the second."""
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            repeated = key in seen
+            seen.add(key)
+        except TypeError:  # an unhashable key: SafeLoader's own construct_mapping reports it
+            continue
+        if repeated:
+            raise _DuplicateKeyError(
+                f"line {key_node.start_mark.line + 1}: the key {key!r} appears twice in one mapping (YAML would keep"
+                " only the last): give each draft a unique name and each field once")
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader (safe constructors only), with duplicate mapping keys refused."""
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _text(value: object, where: str) -> str:
+    """A name, path or domain from the YAML: a non-empty string (a number is taken as its text). A null field
+    (``name:`` with nothing after it) was the string 'None', a path '<registry dir>/None'."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RegistryError(f"{where} is {value!r}: give it a string" + (
+            " (the field is empty: write a value after the colon, or remove the key)" if value is None else ""))
+    text = str(value)
+    if not text.strip():
+        raise RegistryError(f"{where} is empty: give it a value")
+    return text
+
+
+def _size(value: object, where: str) -> int:
+    """``size_bytes``: a whole number of bytes (absent, null or 0: estimated from the safetensors files)."""
+    if value is None:
+        return 0
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RegistryError(f"{where} is {value!r}: give a whole number of bytes (7607384, not 7.6MB), or 0 to"
+                            " estimate it from the safetensors files")
+    return value
 
 
 @dataclass(frozen=True)
@@ -85,15 +141,15 @@ class DraftRegistry:
     def from_yaml(cls, path: str | Path, *, target_fingerprint: str | None = None,
                   validate: bool = True) -> DraftRegistry:
         """Read a registry file; relative paths resolve from the file's directory."""
-        import yaml
-
         file = Path(path)
         if not file.is_file():
             raise RegistryError(
                 f"draft registry {str(file)!r} does not exist: check the path (e.g. models/registry.yaml)"
             )
         try:
-            data = yaml.safe_load(file.read_text()) or {}
+            data = yaml.load(file.read_text(), Loader=_UniqueKeyLoader) or {}  # a SafeLoader
+        except _DuplicateKeyError as exc:
+            raise RegistryError(f"{file}: {exc}") from exc
         except yaml.YAMLError as exc:
             raise RegistryError(f"{file} is not valid YAML ({exc}): fix the syntax") from exc
         if not isinstance(data, dict) or "drafts" not in data:
@@ -108,12 +164,15 @@ class DraftRegistry:
         for i, item in enumerate(raw):
             if not isinstance(item, dict) or "name" not in item or "path" not in item:
                 raise RegistryError(f"drafts[{i}] in {file} needs at least 'name' and 'path' (got {item!r})")
+            where = f"drafts[{i}] in {file}"
+            name = _text(item["name"], f"{where}: 'name'")
+            where = f"drafts[{i}] ({name!r}) in {file}"
             entries.append(
                 DraftEntry(
-                    name=str(item["name"]),
-                    path=relative_to(base, str(item["path"])),  # a pkg: resource as it is
-                    domain=str(item.get("domain", item["name"])),
-                    size_bytes=int(item.get("size_bytes", 0) or 0),
+                    name=name,
+                    path=relative_to(base, _text(item["path"], f"{where}: 'path'")),  # a pkg: resource as it is
+                    domain=_text(item["domain"], f"{where}: 'domain'") if "domain" in item else name,
+                    size_bytes=_size(item.get("size_bytes"), f"{where}: 'size_bytes'"),
                 )
             )
         target = data.get("target")

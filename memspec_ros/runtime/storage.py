@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from .draft_vocab import VOCAB_FILE
 from .models import LoadedModel, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -211,9 +212,20 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
 
     from .draft_vocab import wrap_if_reduced
     from .forward_paths import PATHS, apply_path
-    from .models import ModelDirectoryError, forward_path_for, parameter_bytes, read_config, resolve_device
+    from .models import (
+        ModelDirectoryError,
+        _check_architecture,
+        check_loading_info,
+        forward_path_for,
+        parameter_bytes,
+        read_config,
+        resolve_device,
+    )
 
     raw = read_config(spec.path)
+    # as load_model: a config transformers cannot build as a causal LM (t5, a vision model) is named as such, not
+    # reported as a failed build of "<class T5Config>" (the KeyError of the mapping below)
+    _check_architecture(raw, spec.path, trust_remote_code=False)
     path = forward_path_for(spec)
     if raw.get("quantization_config") or path not in (*PATHS, "fp16"):
         raise ValueError(f"{spec.path}: the storage loader builds plain drafts (fp32, bf16, fp16, int8, int4),"
@@ -225,9 +237,11 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
         config = AutoConfig.from_pretrained(spec.path, local_files_only=True, trust_remote_code=False)
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         dtype = torch.float16 if path == "fp16" else torch.float32
-        model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+        model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
+                                                  output_loading_info=True)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ModelDirectoryError(f"could not build the model in {spec.path} from its weights: {exc}") from exc
+    check_loading_info(info, spec.path)  # as load_model: a tensor missing from the weights is refused, not random
     model = model.to(resolve_device(spec.device))
     model.eval()
     model.requires_grad_(False)
@@ -337,14 +351,28 @@ FORM_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.safetensors")  # runtime_for
 PARTIAL_STALE_SECONDS = 3600.0  # a form's write takes seconds: a .partial this old was left by a killed process
 
 
+# Besides its weights, what a draft's build reads from its folder: the architecture (config.json), a reduced-vocabulary
+# draft's id map (draft_vocab.VOCAB_FILE) and a sharded checkpoint's index. An edit to any of them must rebuild the
+# draft (a new runtime form, the cache manager's change detection), as a new weights file does.
+BUILD_FILES = ("config.json", VOCAB_FILE)
+
+
+def build_inputs(root: str | Path) -> list[Path]:
+    """The files of a model directory other than the weights that its build depends on, those present."""
+    folder = Path(root)
+    named = [folder / name for name in BUILD_FILES] + sorted(folder.glob("*.safetensors.index.json"))
+    return [f for f in named if f.is_file()]
+
+
 def source_identity(files: Sequence[Path]) -> tuple:
-    """What tells a draft's weights files apart from their next version: path, size and modification time."""
+    """What tells a draft's files (weights, and the build inputs beside them) apart from their next version: path,
+    size and modification time."""
     return tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
 
 def weights_identity(path: str | Path) -> tuple:
-    """:func:`source_identity` of a model directory's safetensors files (or of one file: a GGUF, or the file a pkg:
-    resource names); ("missing",) if unreadable."""
+    """:func:`source_identity` of a model directory's safetensors files and :func:`build_inputs` (or of one file: a
+    GGUF, or the file a pkg: resource names); ("missing",) if unreadable."""
     from .model_source import PKG_PREFIX, package_file
     from .models import ModelDirectoryError
 
@@ -353,7 +381,7 @@ def weights_identity(path: str | Path) -> tuple:
     except ModelDirectoryError:  # not installed (any more)
         return ("missing",)
     try:
-        return source_identity(sorted(root.glob("*.safetensors")) if root.is_dir() else [root])
+        return source_identity(sorted(root.glob("*.safetensors")) + build_inputs(root) if root.is_dir() else [root])
     except OSError:
         return ("missing",)
 
@@ -442,10 +470,15 @@ class LoadRecord:
 
 @dataclass
 class DraftStorage:
-    """Loads drafts through a medium and keeps a record of every load (safe from the loader thread)."""
+    """Loads drafts through a medium and keeps a record of every load (safe from the loader thread).
+
+    ``keep_records`` False: no record is kept. A storage made from a medium's name (:func:`draft_storage`: the node's
+    draft cache) has no reader of its records, and kept one per load for as long as the node ran; the benches make
+    their own DraftStorage and take its records (take_records, steady_loads)."""
 
     medium: StorageMedium
     records: list[LoadRecord] = field(default_factory=list)
+    keep_records: bool = True
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -461,7 +494,8 @@ class DraftStorage:
             spec = replace(spec, path=str(resolve_model_path(spec.path)))
         files = safetensors_files(spec.path)  # checks the headers (and refuses pickles) before the timed read
         key = (str(Path(spec.path).resolve()), spec.dtype, spec.device, spec.quantization)
-        source = source_identity(files)  # a draft whose files changed is built from them again
+        # a draft whose files changed (weights, config.json, its vocabulary map) is built from them again
+        source = source_identity(files + build_inputs(spec.path))
         with self._lock:
             form = self._forms.get(key)
         loaded = None
@@ -497,8 +531,9 @@ class DraftStorage:
             name=name or Path(spec.path).name, nbytes=sum(r.nbytes for _, r in reads),
             requests=sum(r.requests for _, r in reads), read_seconds=sum(r.seconds for _, r in reads),
             build_seconds=build, cached_after_drop=None if None in cached else max(cached, default=0.0))
-        with self._lock:
-            self.records.append(record)
+        if self.keep_records:
+            with self._lock:
+                self.records.append(record)
         return loaded
 
     def steady_loads(self, specs: Mapping[str, ModelSpec], repeats: int = 1) -> list[LoadRecord]:
@@ -554,10 +589,12 @@ class DraftStorage:
 
 
 def draft_storage(storage: str | StorageMedium | DraftStorage | None) -> DraftStorage | None:
-    """A DraftStorage for a medium name or medium (None: none; a DraftStorage is used as given)."""
+    """A DraftStorage for a medium name or medium, keeping no load records: nobody holds it to read them, and a
+    running node loads drafts for as long as it runs (None: none; a DraftStorage is used as given, records kept as
+    its maker chose)."""
     if storage is None or isinstance(storage, DraftStorage):
         return storage
-    return DraftStorage(storage_medium(storage))
+    return DraftStorage(storage_medium(storage), keep_records=False)
 
 
 def mean_load_seconds(records: Sequence[LoadRecord]) -> Mapping[str, float]:

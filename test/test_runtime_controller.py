@@ -372,6 +372,47 @@ def test_reconfigure_validates_and_applies_at_scheduling_points(target, drafts, 
     ctl.close()
 
 
+class _IdleHookLock:
+    """The controller's lock, running ``hook`` on another thread (once) right after a release that leaves the
+    controller idle: the moment a ROS parameter callback can call reconfigure() as a goal ends."""
+
+    def __init__(self, ctl) -> None:
+        self.ctl, self.lock, self.hook = ctl, threading.Lock(), None
+
+    def __enter__(self):
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+        if self.hook is not None and not self.ctl._running:
+            hook, self.hook = self.hook, None
+            thread = threading.Thread(target=hook)
+            thread.start()
+            thread.join()
+
+
+def test_a_reconfigure_as_a_goal_ends_is_not_lost_to_the_goals_pending_change(target, drafts):
+    """generate() marked itself idle, released the lock and only then applied the change pending from mid-goal: a
+    reconfigure() in between built on the pending change, applied both at once, and the older pending change was
+    then applied over it (gamma=2 lost)."""
+    ctl = make(target, drafts, "general-static", capacity=2, interval=4)
+    ctl._lock = _IdleHookLock(ctl)
+    returned = []
+    seen = []
+
+    def on_chunk(delta, ids):
+        seen.extend(ids)
+        if len(seen) >= 20 and ctl.next_config.interval != 8:  # the last commit: no scheduling point follows
+            ctl.reconfigure(interval=8)  # the goal runs: pending
+            ctl._lock.hook = lambda: returned.append(ctl.reconfigure(gamma=2))
+
+    ctl.generate(PROMPT, 20, on_chunk=on_chunk)
+    assert [c.gamma for c in returned] == [2] and returned[0].interval == 8
+    assert (ctl.config.gamma, ctl.config.interval) == (2, 8) and ctl.next_config == ctl.config
+    ctl.close()
+
+
 def test_cancel_and_streaming(target, drafts, expected):
     ctl = make(target, drafts, "memspec")
     chunks = []

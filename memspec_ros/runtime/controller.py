@@ -265,10 +265,14 @@ class RuntimeController:
 
     def _take_pending(self) -> RuntimeConfig | None:
         with self._lock:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                self._apply(pending)
-            return pending
+            return self._take_pending_locked()
+
+    def _take_pending_locked(self) -> RuntimeConfig | None:
+        """Apply the change waiting for a scheduling point, if any; the caller holds ``_lock``."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._apply(pending)
+        return pending
 
     def _make_policy(self) -> DraftPolicy:  # from policy_settings(self.config)
         ranker = None
@@ -342,7 +346,10 @@ class RuntimeController:
             self.cache.set_active("")  # no draft decodes between goals: none is protected as the running one
             with self._lock:
                 self._running = False
-            self._take_pending()
+                # in the same critical section: a reconfigure() from another thread (a parameter callback) between
+                # the two would see the controller idle, apply the pending change plus its own at once, and then
+                # have the older pending change applied over it, losing its own
+                self._take_pending_locked()
 
     def _datastores(self) -> tuple[Datastore, ...]:
         """What context lookup searches after the context: this controller's own answers, then the datastore."""

@@ -49,12 +49,13 @@ def oracle(target, drafts):
 class Loader:
     """Injected storage -> memory loader: optional delay, failures, and a count of calls."""
 
-    def __init__(self, drafts, delay=0.0, fail=()):
+    def __init__(self, drafts, delay=0.0, fail=(), delays=None):
         self.drafts, self.delay, self.fail, self.calls = drafts, delay, set(fail), []
+        self.delays = delays or {}  # per draft, instead of ``delay``
 
     def __call__(self, name):
         self.calls.append(name)
-        time.sleep(self.delay)
+        time.sleep(self.delays.get(name, self.delay))
         if name in self.fail:
             raise OSError(f"simulated read error for {name}")
         model = self.drafts[name]
@@ -426,6 +427,28 @@ def test_cancel_and_streaming(target, drafts, expected):
     result = ctl.generate(PROMPT, NEW, on_chunk=on_chunk, should_cancel=stop_after.is_set)
     assert result.finish_reason == "cancelled"
     assert chunks == result.token_ids == expected[: len(chunks)]
+    ctl.close()
+
+
+@pytest.mark.parametrize("policy", ["mab-sync", "prediction-only"])
+def test_a_wait_for_a_load_that_fails_is_a_load_wait(target, drafts, expected, policy):
+    """The controller's wait returned 0.0 when the load it blocked on failed: the cache had counted the wait, but a
+    scheduling point charged it to prediction (0.5 s) and the setup's first choice to setup_seconds, not
+    setup_wait_seconds. MAB-Sync tries 'code' at a scheduling point; Prediction-Only blocks on it (ranked first)
+    at the first choice."""
+    delay = 0.5
+    loader = Loader(drafts, delays={"code": delay}, fail={"code"})
+    ctl = make(target, drafts, policy, loader=loader, ranker=lambda context: ["code", "math", "law", "general"],
+               capacity=2, interval=2)
+    result = ctl.generate(PROMPT, NEW)
+    stats = result.stats
+    assert result.token_ids == expected
+    assert stats.cache.load_failures == 1 and loader.calls.count("code") == 1
+    # every second the cache counts as a wait is a wait in the generation's statistics, the failed one included
+    assert stats.setup_wait_seconds + stats.load_wait_seconds == pytest.approx(stats.cache.wait_seconds, abs=1e-6)
+    failed_wait = stats.setup_wait_seconds if policy == "prediction-only" else stats.load_wait_seconds
+    assert failed_wait >= delay
+    assert stats.prediction_seconds < delay / 2  # tiny rankings: the failed wait is not in them
     ctl.close()
 
 

@@ -519,12 +519,13 @@ class RuntimeController:
         return carry_out(choice, self.cache, wait=self._wait, current=current)
 
     def _wait(self, name: str) -> float:
-        """Block until ``name`` is resident: the seconds waited (0.0 if its load failed: the cache records the
-        failure, and decoding goes on without it)."""
+        """Block until ``name`` is resident or its load fails: the seconds waited either way. A failure is
+        recorded by the cache and decoding goes on without the draft; the time blocked on it is still a load wait
+        (setup_wait_seconds, load_wait_seconds), not the scheduling point's prediction or the setup's other work."""
         try:
             _, waited = self.cache.wait_for(name)
-        except DraftLoadError:
-            return 0.0
+        except DraftLoadError as exc:
+            return exc.waited
         return waited
 
     def close(self) -> None:

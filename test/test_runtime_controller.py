@@ -373,6 +373,35 @@ def test_reconfigure_validates_and_applies_at_scheduling_points(target, drafts, 
     ctl.close()
 
 
+@pytest.mark.parametrize("field,bad", [("adaptive_gamma", "false"), ("prompt_cache", "no"), ("general_draft", None),
+                                       ("overlap_prediction", []), ("reset_cache_per_generation", 1),
+                                       ("context_lookup", "true"), ("policy", 3)])
+def test_reconfigure_refuses_a_value_of_the_wrong_type_and_changes_nothing(target, drafts, field, bad):
+    """validate() checked only the policy name and the numeric limits: adaptive_gamma="false" passed and, a
+    non-empty string, turned adaptive gamma on; general_draft=None passed too."""
+    ctl = make(target, drafts, "memspec", capacity=2)
+    before = ctl.config
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        ctl.reconfigure(**{field: bad})
+    assert ctl.config == ctl.next_config == before
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        make(target, drafts, **{"policy": "memspec", field: bad})
+    ctl.close()
+
+
+def test_every_runtime_setting_has_a_type_check():
+    """validate() checks a field by its annotation, numbers by LIMITS: a new field of another type, or a number
+    without limits, would go unchecked."""
+    import dataclasses
+
+    from memspec_ros.runtime.controller import _FIELD_TYPES, LIMITS
+
+    for f in dataclasses.fields(RuntimeConfig):
+        assert f.type in _FIELD_TYPES, f.name
+        assert (f.type in ("int", "float")) == (f.name in LIMITS), f.name
+    RuntimeConfig().validate()
+
+
 class _IdleHookLock:
     """The controller's lock, running ``hook`` on another thread (once) right after a release that leaves the
     controller idle: the moment a ROS parameter callback can call reconfigure() as a goal ends."""

@@ -105,6 +105,17 @@ class RuntimeConfig:
     prompt_cache_bytes: int = 128 * 2**20
 
     def validate(self) -> RuntimeConfig:
+        """This config, or ValueError naming the first field whose value has the wrong type or range."""
+        for f in dataclasses.fields(self):
+            # a switch must be a bool: a string such as "false" (a YAML or command line slip) is truthy and would
+            # turn the feature on; a name must be a string
+            value, expected = getattr(self, f.name), _FIELD_TYPES.get(f.type)
+            if expected is None:
+                raise TypeError(f"RuntimeConfig.{f.name}: no check for its type {f.type!r}")
+            if expected is bool and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be true or false (a bool), got {value!r}")
+            if expected is str and not isinstance(value, str):
+                raise ValueError(f"{f.name} must be a string, got {value!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name, (lo, hi) in LIMITS.items():
@@ -116,6 +127,9 @@ class RuntimeConfig:
 
 
 _LABELS = {"capacity": "capacity (K)", "interval": "interval (N)", "recent_tokens": "recent_tokens (T)"}
+# RuntimeConfig's field annotations (strings: this module postpones annotations), each with the type validate()
+# requires; numbers are checked against LIMITS, which names every int and float field
+_FIELD_TYPES: dict[str, type] = {"bool": bool, "str": str, "int": int, "float": float}
 
 
 @dataclass

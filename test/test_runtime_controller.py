@@ -20,7 +20,7 @@ from memspec_ros.runtime.policies import POLICIES, PolicyError
 from memspec_ros.runtime.predictor import FixedRanker
 from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
 from memspec_ros.runtime.speculative import SamplingConfig, warp_probs
-from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 
 PROMPT = [1, 5, 7, 9, 11, 13]
 NEW = 40
@@ -500,6 +500,27 @@ def test_a_seed_out_of_range_is_refused_before_the_goal_changes_anything(target,
     assert (ctl.prompt_cache.conversations, ctl.prompt_cache.tokens) == kept
     for seed in (0, 2**64 - 1):
         assert len(ctl.generate(PROMPT, 4, sampling=SamplingConfig(temperature=0.7, seed=seed)).token_ids) == 4
+    ctl.close()
+
+
+def test_one_stop_string_not_in_a_list_is_refused(drafts):
+    """A plain string is a Sequence[str]: generate(stop="\n\nUser:") took each character for a stop string and
+    ended the output at the first of them, silently. Refused, like a stop that is no string, before the goal
+    starts."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tokenizer), seed=5)
+    draft = noisy_copy(target, 0.02, seed=6)
+    ctl = RuntimeController(RuntimeConfig(policy="general-static"), target, tokenizer, registry_of({"general": draft}),
+                            None, loader=Loader({"general": draft}), eos_token_ids=[])
+    prompt = tokenizer("The patient")["input_ids"]
+    free = ctl.generate(prompt, 24)
+    stop = "\n\nUser:" + free.text[6:8]  # one of its characters is in the output; the whole string is not
+    assert stop not in free.text and any(c in free.text for c in stop)
+    with pytest.raises(TypeError, match=r"stop strings must be a list of strings, got one string .*: pass \["):
+        ctl.generate(prompt, 24, stop=stop)
+    with pytest.raises(TypeError, match="stop strings must be strings, got None"):
+        ctl.generate(prompt, 24, stop=["ok", None])
+    assert ctl.generate(prompt, 24, stop=[stop]).text == free.text  # in a list: one stop string, not in the output
     ctl.close()
 
 

@@ -310,7 +310,8 @@ class RuntimeController:
         should_cancel: Callable[[], bool] | None = None,
         on_decode_start: Callable[[], None] | None = None,
     ) -> GenerationResult:
-        """One generation. ``on_chunk(text_delta, token_ids)`` streams; ``should_cancel()`` is polled per iteration;
+        """One generation. ``stop``: a list of stop strings (one string alone is refused: it would be one stop
+        string per character); ``on_chunk(text_delta, token_ids)`` streams; ``should_cancel()`` is polled per iteration;
         ``on_decode_start()`` is called when decoding starts (after the prefill's token and the first draft's
         choice and load): the paper's metric is timed from there (runtime/stats.py), and a stream's running rate
         can be too."""

@@ -305,6 +305,14 @@ def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positio
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
             f" target's context of {max_positions} tokens: shorten the prompt or ask for fewer tokens"
         )
+    if isinstance(stop_strings, (str, bytes)):
+        # a string is a sequence of strings too: taken as given, each of its characters would be a stop string
+        # and "\n\nUser:" would end the output at its first newline, 's', 'e', ... silently
+        raise TypeError(f"stop strings must be a list of strings, got one string {stop_strings!r}:"
+                        f" pass [{stop_strings!r}]")
+    wrong = [s for s in stop_strings if not isinstance(s, str)]
+    if wrong:
+        raise TypeError(f"stop strings must be strings, got {wrong[0]!r} ({type(wrong[0]).__name__})")
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need a tokenizer to decode the output")
 

@@ -315,6 +315,10 @@ class RuntimeController:
         ``on_decode_start()`` is called when decoding starts (after the prefill's token and the first draft's
         choice and load): the paper's metric is timed from there (runtime/stats.py), and a stream's running rate
         can be too."""
+        # end to end and time to first token count from here (runtime/stats.py): the request's checks, a pending
+        # reconfiguration, calibration and the cache reset of reset_cache_per_generation (which waits for loads
+        # still in flight) come before the policy starts, and a user waits for them too
+        t_call = time.perf_counter()
         prompt_ids = self._encode(prompt)
         # before anything is taken for it (the prompt cache's entry, the predictor's rows): a refused request
         # leaves them as they were
@@ -347,13 +351,14 @@ class RuntimeController:
                 datastores=self._datastores() if self.config.context_lookup else (),
                 prefix=prefix, draft_prefixes=reused.drafts,
             )
-            result = self._run(session, prompt_ids, should_cancel, on_decode_start)
+            result = self._run(session, prompt_ids, should_cancel, on_decode_start, t_call)
             self._remember(result.token_ids)
             # a failed generation's KV is not kept, nor one whose cache was switched off while it ran
             if reuse and session.started and self.config.prompt_cache:
                 prefix_rows = getattr(self.predictor, "prefix_rows", None)
                 rows = prefix_rows(session.target_kv.length) if prefix_rows is not None else None
                 self.prompt_cache.keep(session.tokens, session.target_kv, session.draft_kvs, rows)
+            result.stats.call_seconds = time.perf_counter() - t_call
             return result
         finally:
             if session is not None and session.drop_draft in self.cache.on_evict:
@@ -398,12 +403,12 @@ class RuntimeController:
         return ids
 
     def _run(self, session: SpeculativeSession, prompt_ids: list[int], should_cancel: Callable[[], bool] | None,
-             on_decode_start: Callable[[], None] | None = None) -> GenerationResult:
+             on_decode_start: Callable[[], None] | None, t_call: float) -> GenerationResult:
         stats = session.stats
         cache = self.cache
         cache.on_evict.append(session.drop_draft)
         before = cache.snapshot()
-        run = self._setup(session, prompt_ids)
+        run = self._setup(session, prompt_ids, t_call)
         if on_decode_start is not None and not session.finished:
             on_decode_start()
         while not session.finished:
@@ -420,7 +425,7 @@ class RuntimeController:
         stats.cache = cache.snapshot().since(before)
         return GenerationResult(session.text, session.finish_reason, stats, session.generated_ids)
 
-    def _setup(self, session: SpeculativeSession, prompt_ids: list[int]) -> _Run:
+    def _setup(self, session: SpeculativeSession, prompt_ids: list[int], t_call: float) -> _Run:
         """Prediction on the prompt, the initial draft load, cache preparation (Algorithm 3, lines 2-5), with the
         target's prefill between the policy's start and its first choice: a ranker that reads the target's hidden
         states (the target-hidden encoder) then finds the prompt's already, instead of running the target over the
@@ -432,6 +437,7 @@ class RuntimeController:
         run = _Run(policy, self.registry.version)
         self._sync_registry("")  # drafts removed while idle leave the cache before this generation
         t_start = time.perf_counter()
+        stats.prepare_seconds = t_start - t_call
         if self.predictor is not None and not policy.begins_predictor:
             # the ranking model follows every generation whatever the policy, so one that takes over mid-generation
             # finds it there (a target-hidden encoder's rows of this prompt, its recent positions)

@@ -20,7 +20,7 @@ from memspec_ros.runtime.policies import POLICIES, PolicyError
 from memspec_ros.runtime.predictor import FixedRanker
 from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
 from memspec_ros.runtime.speculative import SamplingConfig, warp_probs
-from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
+from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 
 PROMPT = [1, 5, 7, 9, 11, 13]
 NEW = 40
@@ -49,12 +49,13 @@ def oracle(target, drafts):
 class Loader:
     """Injected storage -> memory loader: optional delay, failures, and a count of calls."""
 
-    def __init__(self, drafts, delay=0.0, fail=()):
+    def __init__(self, drafts, delay=0.0, fail=(), delays=None):
         self.drafts, self.delay, self.fail, self.calls = drafts, delay, set(fail), []
+        self.delays = delays or {}  # per draft, instead of ``delay``
 
     def __call__(self, name):
         self.calls.append(name)
-        time.sleep(self.delay)
+        time.sleep(self.delays.get(name, self.delay))
         if name in self.fail:
             raise OSError(f"simulated read error for {name}")
         model = self.drafts[name]
@@ -404,6 +405,76 @@ def test_reconfigure_validates_and_applies_at_scheduling_points(target, drafts, 
     ctl.close()
 
 
+@pytest.mark.parametrize("field,bad", [("adaptive_gamma", "false"), ("prompt_cache", "no"), ("general_draft", None),
+                                       ("overlap_prediction", []), ("reset_cache_per_generation", 1),
+                                       ("context_lookup", "true"), ("policy", 3)])
+def test_reconfigure_refuses_a_value_of_the_wrong_type_and_changes_nothing(target, drafts, field, bad):
+    """validate() checked only the policy name and the numeric limits: adaptive_gamma="false" passed and, a
+    non-empty string, turned adaptive gamma on; general_draft=None passed too."""
+    ctl = make(target, drafts, "memspec", capacity=2)
+    before = ctl.config
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        ctl.reconfigure(**{field: bad})
+    assert ctl.config == ctl.next_config == before
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        make(target, drafts, **{"policy": "memspec", field: bad})
+    ctl.close()
+
+
+def test_every_runtime_setting_has_a_type_check():
+    """validate() checks a field by its annotation, numbers by LIMITS: a new field of another type, or a number
+    without limits, would go unchecked."""
+    import dataclasses
+
+    from memspec_ros.runtime.controller import _FIELD_TYPES, LIMITS
+
+    for f in dataclasses.fields(RuntimeConfig):
+        assert f.type in _FIELD_TYPES, f.name
+        assert (f.type in ("int", "float")) == (f.name in LIMITS), f.name
+    RuntimeConfig().validate()
+
+
+class _IdleHookLock:
+    """The controller's lock, running ``hook`` on another thread (once) right after a release that leaves the
+    controller idle: the moment a ROS parameter callback can call reconfigure() as a goal ends."""
+
+    def __init__(self, ctl) -> None:
+        self.ctl, self.lock, self.hook = ctl, threading.Lock(), None
+
+    def __enter__(self):
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+        if self.hook is not None and not self.ctl._running:
+            hook, self.hook = self.hook, None
+            thread = threading.Thread(target=hook)
+            thread.start()
+            thread.join()
+
+
+def test_a_reconfigure_as_a_goal_ends_is_not_lost_to_the_goals_pending_change(target, drafts):
+    """generate() marked itself idle, released the lock and only then applied the change pending from mid-goal: a
+    reconfigure() in between built on the pending change, applied both at once, and the older pending change was
+    then applied over it (gamma=2 lost)."""
+    ctl = make(target, drafts, "general-static", capacity=2, interval=4)
+    ctl._lock = _IdleHookLock(ctl)
+    returned = []
+    seen = []
+
+    def on_chunk(delta, ids):
+        seen.extend(ids)
+        if len(seen) >= 20 and ctl.next_config.interval != 8:  # the last commit: no scheduling point follows
+            ctl.reconfigure(interval=8)  # the goal runs: pending
+            ctl._lock.hook = lambda: returned.append(ctl.reconfigure(gamma=2))
+
+    ctl.generate(PROMPT, 20, on_chunk=on_chunk)
+    assert [c.gamma for c in returned] == [2] and returned[0].interval == 8
+    assert (ctl.config.gamma, ctl.config.interval) == (2, 8) and ctl.next_config == ctl.config
+    ctl.close()
+
+
 def test_cancel_and_streaming(target, drafts, expected):
     ctl = make(target, drafts, "memspec")
     chunks = []
@@ -417,6 +488,71 @@ def test_cancel_and_streaming(target, drafts, expected):
     result = ctl.generate(PROMPT, NEW, on_chunk=on_chunk, should_cancel=stop_after.is_set)
     assert result.finish_reason == "cancelled"
     assert chunks == result.token_ids == expected[: len(chunks)]
+    ctl.close()
+
+
+@pytest.mark.parametrize("policy", ["mab-sync", "prediction-only"])
+def test_a_wait_for_a_load_that_fails_is_a_load_wait(target, drafts, expected, policy):
+    """The controller's wait returned 0.0 when the load it blocked on failed: the cache had counted the wait, but a
+    scheduling point charged it to prediction (0.5 s) and the setup's first choice to setup_seconds, not
+    setup_wait_seconds. MAB-Sync tries 'code' at a scheduling point; Prediction-Only blocks on it (ranked first)
+    at the first choice."""
+    delay = 0.5
+    loader = Loader(drafts, delays={"code": delay}, fail={"code"})
+    ctl = make(target, drafts, policy, loader=loader, ranker=lambda context: ["code", "math", "law", "general"],
+               capacity=2, interval=2)
+    result = ctl.generate(PROMPT, NEW)
+    stats = result.stats
+    assert result.token_ids == expected
+    assert stats.cache.load_failures == 1 and loader.calls.count("code") == 1
+    # every second the cache counts as a wait is a wait in the generation's statistics, the failed one included
+    assert stats.setup_wait_seconds + stats.load_wait_seconds == pytest.approx(stats.cache.wait_seconds, abs=1e-6)
+    failed_wait = stats.setup_wait_seconds if policy == "prediction-only" else stats.load_wait_seconds
+    assert failed_wait >= delay
+    assert stats.prediction_seconds < delay / 2  # tiny rankings: the failed wait is not in them
+    ctl.close()
+
+
+def test_a_seed_out_of_range_is_refused_before_the_goal_changes_anything(target, drafts):
+    """A seed torch refuses (2**64) raised only where the session seeded its generator: after the controller had
+    reset its draft cache for the goal (reset_cache_per_generation) and taken its prompt-cache entry. Negative
+    seeds, which torch folds onto 2**64 + seed, bools and floats are refused with it; both ends of [0, 2**64) run."""
+    c_target = tiny_llama(hidden=256, seed=0)  # shapes the engine's C decoder takes: its KV caches are kept
+    ctl = make(c_target, {"general": drafts["general"]}, "general-static", capacity=2)
+    ctl.generate(PROMPT, 8)
+    ctl.reconfigure(reset_cache_per_generation=True)
+    config, resident = ctl.config, ctl.cache.resident()
+    evictions, kept = ctl.cache.snapshot().evictions, (ctl.prompt_cache.conversations, ctl.prompt_cache.tokens)
+    assert resident == ["general"] and kept[0] == (0 if ctl.prompt_cache_refused else 1)
+    for seed in (2**64, -1, True, 1.5):
+        with pytest.raises(ValueError, match=r"seed must be None .* or an integer in \[0, 2\*\*64\)"):
+            ctl.generate(PROMPT, 8, sampling=SamplingConfig(temperature=0.7, seed=seed))
+    assert ctl.config == ctl.next_config == config and ctl.cache.resident() == resident
+    assert ctl.cache.snapshot().evictions == evictions
+    assert (ctl.prompt_cache.conversations, ctl.prompt_cache.tokens) == kept
+    for seed in (0, 2**64 - 1):
+        assert len(ctl.generate(PROMPT, 4, sampling=SamplingConfig(temperature=0.7, seed=seed)).token_ids) == 4
+    ctl.close()
+
+
+def test_one_stop_string_not_in_a_list_is_refused(drafts):
+    """A plain string is a Sequence[str]: generate(stop="\n\nUser:") took each character for a stop string and
+    ended the output at the first of them, silently. Refused, like a stop that is no string, before the goal
+    starts."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tokenizer), seed=5)
+    draft = noisy_copy(target, 0.02, seed=6)
+    ctl = RuntimeController(RuntimeConfig(policy="general-static"), target, tokenizer, registry_of({"general": draft}),
+                            None, loader=Loader({"general": draft}), eos_token_ids=[])
+    prompt = tokenizer("The patient")["input_ids"]
+    free = ctl.generate(prompt, 24)
+    stop = "\n\nUser:" + free.text[6:8]  # one of its characters is in the output; the whole string is not
+    assert stop not in free.text and any(c in free.text for c in stop)
+    with pytest.raises(TypeError, match=r"stop strings must be a list of strings, got one string .*: pass \["):
+        ctl.generate(prompt, 24, stop=stop)
+    with pytest.raises(TypeError, match="stop strings must be strings, got None"):
+        ctl.generate(prompt, 24, stop=["ok", None])
+    assert ctl.generate(prompt, 24, stop=[stop]).text == free.text  # in a list: one stop string, not in the output
     ctl.close()
 
 
@@ -436,6 +572,42 @@ def test_every_iteration_is_accounted(target, drafts, oracle):
     assert all(it.preferred for it in spec)
     summary = stats.summary()
     assert summary["policy"] == "memspec" and "cache_hits" in summary
+    ctl.close()
+
+
+def test_end_to_end_and_first_token_count_the_wait_for_the_last_goals_prefetch(target, drafts, expected):
+    """With reset_cache_per_generation (the bench protocol) the cache's reset waits for prefetches still in flight
+    from the goal before; end_to_end_seconds (setup + prefill + decode) and time_to_first_token (start + prefill)
+    left that wait out (1.0 s of wall time reported as 0.5 s). They now count from generate()'s entry; the paper's
+    decode-only metric is unchanged. The goal before's first prefetch is held until a timer opens it."""
+    gate = threading.Event()
+
+    class HeldPrefetch(Loader):
+        def __call__(self, name):
+            if len(self.calls) == 1:  # the second load: goal 1's first prefetch (one loader thread)
+                gate.wait(timeout=30)
+            return super().__call__(name)
+
+    ctl = make(target, drafts, "memspec", loader=HeldPrefetch(drafts), capacity=2, interval=1,
+               reset_cache_per_generation=True)
+    assert ctl.generate(PROMPT, 8).token_ids == expected[:8]
+    assert ctl.cache.loading(), "goal 1 leaves its prefetch in flight"
+    held = 0.5
+    timer = threading.Timer(held, gate.set)
+    timer.start()
+    t0 = time.perf_counter()
+    result = ctl.generate(PROMPT, 8)
+    wall = time.perf_counter() - t0
+    timer.join()
+    stats = result.stats
+    assert result.token_ids == expected[:8]
+    assert wall - 0.2 * held <= stats.end_to_end_seconds <= wall  # all of the call but generate()'s last lines
+    assert stats.time_to_first_token >= 0.9 * held  # the first token came after the reset's wait
+    assert stats.prepare_seconds >= 0.9 * held  # which came before the policy's start
+    assert stats.end_to_end_seconds >= (stats.prepare_seconds + stats.setup_seconds + stats.prefill_seconds
+                                        + stats.decode_seconds)
+    assert stats.time_to_first_token == stats.prepare_seconds + stats.start_seconds + stats.prefill_seconds
+    assert stats.tokens_per_second == stats.decode_tokens / stats.decode_seconds  # the paper's metric: decode only
     ctl.close()
 
 

@@ -54,6 +54,17 @@ def test_throughput(stats):
     assert GenerationStats().tokens_per_second == 0.0 and GenerationStats().end_to_end_tokens_per_second == 0.0
 
 
+def test_end_to_end_is_the_controllers_whole_call_and_first_token_counts_what_came_before_the_policy(stats):
+    # the engine alone (no call measured): its parts; the controller's work before the policy's start counts
+    stats.prepare_seconds = 0.25
+    assert stats.end_to_end_seconds == 0.25 + 3.0
+    assert stats.time_to_first_token == 0.25 + 0.125 + 0.5
+    # the controller's generate() measured: its whole wall time, the bookkeeping between the parts included
+    stats.call_seconds = 4.0
+    assert stats.end_to_end_seconds == 4.0 and stats.end_to_end_tokens_per_second == 12 / 4.0
+    assert stats.tokens_per_second == 5.5  # the paper's metric: decoding only, as before
+
+
 def test_speculation_counts_only_iterations_that_proposed(stats):
     # speculative iterations: 1, 2, 4, 5 (3 proposed nothing)
     assert [i.draft for i in stats.speculative_iterations] == ["a", "b", "a", "b"]

@@ -53,7 +53,15 @@ log = logging.getLogger(__name__)
 
 
 class DraftLoadError(RuntimeError):
-    """A draft could not be made resident; the message carries the loader's error."""
+    """A draft could not be made resident; the message carries the loader's error.
+
+    ``waited``: the seconds :meth:`DraftCacheManager.wait_for` blocked before the failure (also counted in the
+    cache's ``wait_seconds``), so a caller's accounting charges them as a load wait, like a wait that succeeded.
+    """
+
+    def __init__(self, message: str, *, waited: float = 0.0) -> None:
+        super().__init__(message)
+        self.waited = waited
 
 
 class DraftTooLargeError(DraftLoadError):
@@ -266,7 +274,7 @@ class DraftCacheManager:
             slot = self._slots.get(name)
             if slot is None or slot.model is None:
                 error = slot.error if slot is not None else None
-                raise DraftLoadError(f"draft {name!r} did not become resident: {error}") from error
+                raise DraftLoadError(f"draft {name!r} did not become resident: {error}", waited=waited) from error
             slot.used = True
             return slot.model, waited
 

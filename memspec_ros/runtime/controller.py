@@ -105,6 +105,17 @@ class RuntimeConfig:
     prompt_cache_bytes: int = 128 * 2**20
 
     def validate(self) -> RuntimeConfig:
+        """This config, or ValueError naming the first field whose value has the wrong type or range."""
+        for f in dataclasses.fields(self):
+            # a switch must be a bool: a string such as "false" (a YAML or command line slip) is truthy and would
+            # turn the feature on; a name must be a string
+            value, expected = getattr(self, f.name), _FIELD_TYPES.get(f.type)
+            if expected is None:
+                raise TypeError(f"RuntimeConfig.{f.name}: no check for its type {f.type!r}")
+            if expected is bool and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be true or false (a bool), got {value!r}")
+            if expected is str and not isinstance(value, str):
+                raise ValueError(f"{f.name} must be a string, got {value!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name, (lo, hi) in LIMITS.items():
@@ -116,6 +127,9 @@ class RuntimeConfig:
 
 
 _LABELS = {"capacity": "capacity (K)", "interval": "interval (N)", "recent_tokens": "recent_tokens (T)"}
+# RuntimeConfig's field annotations (strings: this module postpones annotations), each with the type validate()
+# requires; numbers are checked against LIMITS, which names every int and float field
+_FIELD_TYPES: dict[str, type] = {"bool": bool, "str": str, "int": int, "float": float}
 
 
 @dataclass
@@ -265,10 +279,14 @@ class RuntimeController:
 
     def _take_pending(self) -> RuntimeConfig | None:
         with self._lock:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                self._apply(pending)
-            return pending
+            return self._take_pending_locked()
+
+    def _take_pending_locked(self) -> RuntimeConfig | None:
+        """Apply the change waiting for a scheduling point, if any; the caller holds ``_lock``."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._apply(pending)
+        return pending
 
     def _make_policy(self) -> DraftPolicy:  # from policy_settings(self.config)
         ranker = None
@@ -292,10 +310,15 @@ class RuntimeController:
         should_cancel: Callable[[], bool] | None = None,
         on_decode_start: Callable[[], None] | None = None,
     ) -> GenerationResult:
-        """One generation. ``on_chunk(text_delta, token_ids)`` streams; ``should_cancel()`` is polled per iteration;
+        """One generation. ``stop``: a list of stop strings (one string alone is refused: it would be one stop
+        string per character); ``on_chunk(text_delta, token_ids)`` streams; ``should_cancel()`` is polled per iteration;
         ``on_decode_start()`` is called when decoding starts (after the prefill's token and the first draft's
         choice and load): the paper's metric is timed from there (runtime/stats.py), and a stream's running rate
         can be too."""
+        # end to end and time to first token count from here (runtime/stats.py): the request's checks, a pending
+        # reconfiguration, calibration and the cache reset of reset_cache_per_generation (which waits for loads
+        # still in flight) come before the policy starts, and a user waits for them too
+        t_call = time.perf_counter()
         prompt_ids = self._encode(prompt)
         # before anything is taken for it (the prompt cache's entry, the predictor's rows): a refused request
         # leaves them as they were
@@ -328,13 +351,14 @@ class RuntimeController:
                 datastores=self._datastores() if self.config.context_lookup else (),
                 prefix=prefix, draft_prefixes=reused.drafts,
             )
-            result = self._run(session, prompt_ids, should_cancel, on_decode_start)
+            result = self._run(session, prompt_ids, should_cancel, on_decode_start, t_call)
             self._remember(result.token_ids)
             # a failed generation's KV is not kept, nor one whose cache was switched off while it ran
             if reuse and session.started and self.config.prompt_cache:
                 prefix_rows = getattr(self.predictor, "prefix_rows", None)
                 rows = prefix_rows(session.target_kv.length) if prefix_rows is not None else None
                 self.prompt_cache.keep(session.tokens, session.target_kv, session.draft_kvs, rows)
+            result.stats.call_seconds = time.perf_counter() - t_call
             return result
         finally:
             if session is not None and session.drop_draft in self.cache.on_evict:
@@ -342,7 +366,10 @@ class RuntimeController:
             self.cache.set_active("")  # no draft decodes between goals: none is protected as the running one
             with self._lock:
                 self._running = False
-            self._take_pending()
+                # in the same critical section: a reconfigure() from another thread (a parameter callback) between
+                # the two would see the controller idle, apply the pending change plus its own at once, and then
+                # have the older pending change applied over it, losing its own
+                self._take_pending_locked()
 
     def _datastores(self) -> tuple[Datastore, ...]:
         """What context lookup searches after the context: this controller's own answers, then the datastore."""
@@ -376,12 +403,12 @@ class RuntimeController:
         return ids
 
     def _run(self, session: SpeculativeSession, prompt_ids: list[int], should_cancel: Callable[[], bool] | None,
-             on_decode_start: Callable[[], None] | None = None) -> GenerationResult:
+             on_decode_start: Callable[[], None] | None, t_call: float) -> GenerationResult:
         stats = session.stats
         cache = self.cache
         cache.on_evict.append(session.drop_draft)
         before = cache.snapshot()
-        run = self._setup(session, prompt_ids)
+        run = self._setup(session, prompt_ids, t_call)
         if on_decode_start is not None and not session.finished:
             on_decode_start()
         while not session.finished:
@@ -398,7 +425,7 @@ class RuntimeController:
         stats.cache = cache.snapshot().since(before)
         return GenerationResult(session.text, session.finish_reason, stats, session.generated_ids)
 
-    def _setup(self, session: SpeculativeSession, prompt_ids: list[int]) -> _Run:
+    def _setup(self, session: SpeculativeSession, prompt_ids: list[int], t_call: float) -> _Run:
         """Prediction on the prompt, the initial draft load, cache preparation (Algorithm 3, lines 2-5), with the
         target's prefill between the policy's start and its first choice: a ranker that reads the target's hidden
         states (the target-hidden encoder) then finds the prompt's already, instead of running the target over the
@@ -410,6 +437,7 @@ class RuntimeController:
         run = _Run(policy, self.registry.version)
         self._sync_registry("")  # drafts removed while idle leave the cache before this generation
         t_start = time.perf_counter()
+        stats.prepare_seconds = t_start - t_call
         if self.predictor is not None and not policy.begins_predictor:
             # the ranking model follows every generation whatever the policy, so one that takes over mid-generation
             # finds it there (a target-hidden encoder's rows of this prompt, its recent positions)
@@ -512,12 +540,13 @@ class RuntimeController:
         return carry_out(choice, self.cache, wait=self._wait, current=current, first=first)
 
     def _wait(self, name: str) -> float:
-        """Block until ``name`` is resident: the seconds waited (0.0 if its load failed: the cache records the
-        failure, and decoding goes on without it)."""
+        """Block until ``name`` is resident or its load fails: the seconds waited either way. A failure is
+        recorded by the cache and decoding goes on without the draft; the time blocked on it is still a load wait
+        (setup_wait_seconds, load_wait_seconds), not the scheduling point's prediction or the setup's other work."""
         try:
             _, waited = self.cache.wait_for(name)
-        except DraftLoadError:
-            return 0.0
+        except DraftLoadError as exc:
+            return exc.waited
         return waited
 
     def close(self) -> None:

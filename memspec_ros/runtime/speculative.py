@@ -21,6 +21,7 @@ normalised max(p - q, 0)), which leaves the target's distribution unchanged.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,9 +58,15 @@ class DraftFailure(RuntimeError):
         self.draft = draft
 
 
+# torch.Generator.manual_seed takes [-2**63, 2**64) and folds a negative seed onto 2**64 + seed: seeds are refused
+# outside [0, 2**64), where each is one distinct generator state
+SEED_LIMIT = 2**64
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """temperature <= 0 means greedy; top_p in (0, 1]; seed None draws a random one."""
+    """temperature <= 0 means greedy; top_p in (0, 1]; seed None draws a random one, else an integer in
+    [0, 2**64)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -70,6 +77,12 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be a finite number (<= 0: greedy), got {self.temperature}")
+        # checked here, not where the session seeds its generator: that is after a controller has already reset
+        # its draft cache and taken the prompt cache's entry for the goal
+        seed = self.seed
+        if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+                                     and 0 <= seed < SEED_LIMIT):
+            raise ValueError(f"seed must be None (a fresh random seed) or an integer in [0, 2**64), got {seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -292,6 +305,14 @@ def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positio
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
             f" target's context of {max_positions} tokens: shorten the prompt or ask for fewer tokens"
         )
+    if isinstance(stop_strings, (str, bytes)):
+        # a string is a sequence of strings too: taken as given, each of its characters would be a stop string
+        # and "\n\nUser:" would end the output at its first newline, 's', 'e', ... silently
+        raise TypeError(f"stop strings must be a list of strings, got one string {stop_strings!r}:"
+                        f" pass [{stop_strings!r}]")
+    wrong = [s for s in stop_strings if not isinstance(s, str)]
+    if wrong:
+        raise TypeError(f"stop strings must be strings, got {wrong[0]!r} ({type(wrong[0]).__name__})")
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need a tokenizer to decode the output")
 
@@ -361,7 +382,7 @@ class SpeculativeSession:
         if self._lookup is not None:
             self._lookup.extend(self.prompt_ids)
         self.generator = torch.Generator(device=self.device)
-        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        seed = int(sampling.seed) if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator.manual_seed(seed)
         self.tokens: list[int] = list(prompt_ids)  # committed: prompt + generated
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))

@@ -17,8 +17,17 @@ Two throughput metrics, both generated tokens over wall time:
   the setup around it (the first prediction and the first draft load, made once the prefill is done).
   :func:`decode_tokens_per_second`.
 * **end_to_end_tokens_per_second**, what a user feels: every generated token
-  (the prefill's first one included) over setup + prefill + decoding, so the
-  first draft load and prompt encoding count. :func:`end_to_end_tokens_per_second`.
+  (the prefill's first one included) over the whole call, so prompt encoding,
+  the first draft load and everything before and after them count. With the
+  runtime controller that is the wall time of its ``generate()`` from entry to
+  result (``call_seconds``): the work before the policy's start
+  (``prepare_seconds``: the request's checks, a pending reconfiguration,
+  calibration, the draft cache's reset of reset_cache_per_generation, which
+  waits for loads still in flight from the goal before, the prompt cache's
+  entry), setup, prefill, decoding, and the bookkeeping after the last token.
+  The engine alone: setup + prefill + decoding. :func:`end_to_end_tokens_per_second`.
+* **time_to_first_token**: from the call to the first generated token, which the
+  prefill makes: ``prepare_seconds``, the policy's start and the prefill.
 
 Several generations (a workload's prompts) combine by summing tokens and
 seconds first (:class:`GenerationTotals`), not by averaging per-prompt rates.
@@ -48,7 +57,7 @@ def decode_tokens_per_second(decode_tokens: int, decode_seconds: float) -> float
 
 
 def end_to_end_tokens_per_second(completion_tokens: int, end_to_end_seconds: float) -> float:
-    """Every generated token over setup + prefill + decoding (module docstring)."""
+    """Every generated token over the whole call (module docstring)."""
     return completion_tokens / end_to_end_seconds if end_to_end_seconds > 0 else 0.0
 
 
@@ -174,10 +183,17 @@ class GenerationStats:
     reused_prompt_tokens: int = 0
     completion_tokens: int = 0
     prefill_seconds: float = 0.0  # target prefill (prompt encoding) + first token
+    # before the policy's start, from the controller's generate() entry: the request's checks, a pending
+    # reconfiguration, calibration, the draft cache's reset (reset_cache_per_generation: it waits for loads still in
+    # flight), the prompt cache's entry, the session made (0: the engine alone)
+    prepare_seconds: float = 0.0
     setup_seconds: float = 0.0  # not decoding: the policy's start, first prediction, initial draft load
     setup_wait_seconds: float = 0.0  # of setup_seconds, the wait for that first draft's load (0 if resident)
     start_seconds: float = 0.0  # of setup_seconds, the policy's start: the only setup before the prefill
     decode_seconds: float = 0.0  # wall time of the iterations after the first token
+    # the controller's whole generate() call, entry to result: prepare, setup, prefill, decode and the bookkeeping
+    # around them (the last chunk streamed, the answer remembered, the KV caches kept). 0: the engine alone
+    call_seconds: float = 0.0
     finish_reason: str = ""
     iterations: list[IterationStats] = field(default_factory=list)
     # Filled by the runtime controller:
@@ -199,7 +215,10 @@ class GenerationStats:
 
     @property
     def end_to_end_seconds(self) -> float:
-        return self.setup_seconds + self.prefill_seconds + self.decode_seconds
+        """What a user waits for the whole answer: the controller's call, else setup + prefill + decoding."""
+        if self.call_seconds > 0:
+            return self.call_seconds
+        return self.prepare_seconds + self.setup_seconds + self.prefill_seconds + self.decode_seconds
 
     @property
     def end_to_end_tokens_per_second(self) -> float:
@@ -208,9 +227,10 @@ class GenerationStats:
 
     @property
     def time_to_first_token(self) -> float:
-        """From the call to the first generated token, which the target's prefill makes: the policy's start and
-        the prefill. The first prediction and draft load come after it (runtime/controller.py, _setup)."""
-        return self.start_seconds + self.prefill_seconds
+        """From the call to the first generated token, which the target's prefill makes: what the controller did
+        before the policy's start, the policy's start and the prefill. The first prediction and draft load come
+        after it (runtime/controller.py, _setup)."""
+        return self.prepare_seconds + self.start_seconds + self.prefill_seconds
 
     # -- speculation --------------------------------------------------------
     @property

@@ -277,6 +277,25 @@ def test_oracle_dynamic_on_a_warm_cache_loads_its_first_draft_at_setup_as_planne
     assert result.stats.setup_wait_seconds > 0  # loaded at setup, outside the decode metric
 
 
+@pytest.mark.parametrize("capacity", [1, 3])
+def test_oracle_dynamic_plans_with_the_caches_k(models, monkeypatch, capacity):
+    """An oracle without costs planned with ScheduleCosts()'s K = 2 whatever the controller's K: prefetches into
+    slots a K = 1 cache does not have, a third draft a K = 3 cache could hold left out. The cache's K wins."""
+    target, drafts = models
+    oracle = GreedyOracle.compute(target, drafts, PROMPT, NEW, gamma=4, interval=2)
+    planned = []
+    real = ScheduleSolver.for_oracle.__func__
+    monkeypatch.setattr(ScheduleSolver, "for_oracle", classmethod(
+        lambda cls, o, d, costs=None: planned.append(costs.capacity) or real(cls, o, d, costs)))
+    ctl = controller(target, drafts, oracle, capacity=capacity)
+    try:
+        result = ctl.generate(PROMPT, NEW)
+    finally:
+        ctl.close()
+    assert result.token_ids == target_greedy(target, PROMPT, NEW)
+    assert planned and set(planned) == {capacity}
+
+
 def test_oracle_next_interval_is_the_myopic_variant(models):
     from memspec_ros.runtime.policies import POLICIES, make_policy
 

@@ -69,8 +69,9 @@ from ..zoo.corpora import WORKLOADS
 METRICS = {
     "tokens_per_second": "the paper's: tokens committed by draft-and-verify iterations over the decode wall time"
                          " (draft, verify, every wait, switch and catch-up included; prompt encoding excluded)",
-    "end_to_end_tokens_per_second": "every generated token over setup + prefill + decoding (the first draft load"
-                                    " and prompt encoding included)",
+    "end_to_end_tokens_per_second": "every generated token over the controller's whole call, from generate()'s"
+                                    " entry (a reset's wait for the goal before's loads, setup, the first draft"
+                                    " load, prompt encoding) to its result (runtime/stats.py)",
 }
 
 
@@ -309,7 +310,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
         for oracle in oracles.values():
             oracle.costs = costs
             if "oracle-dynamic" in policies:  # hindsight planning is no cost of decoding: solved before the timing
-                oracle.plan([d for d in names if d in oracle.agreement])
+                oracle.plan([d for d in names if d in oracle.agreement], cfg.capacity)
         turn = 0  # one rotation over every prompt of every workload: each policy takes each place in the order
         for _ in range(cfg.runs):
             for w in cfg.workloads:

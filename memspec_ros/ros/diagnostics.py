@@ -130,6 +130,8 @@ class ThroughputWindow:
             out.completion_tokens += g.completion_tokens
             out.prefill_seconds += g.prefill_seconds
             out.setup_seconds += g.setup_seconds
+            out.prepare_seconds += g.prepare_seconds
+            out.call_seconds += g.end_to_end_seconds  # so the window's end to end is its goals' summed
             out.decode_seconds += g.decode_seconds
             out.predictions += g.predictions
             out.iterations.extend(g.iterations)

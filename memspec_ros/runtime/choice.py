@@ -80,7 +80,7 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
     """Do what ``choice`` says on ``cache`` and pick the draft that runs until the next scheduling point.
 
     ``current``: the draft that ran the last interval ("" none), protected from eviction while it may go on
-    decoding. ``wait(name)``: block until ``name`` is resident and return the seconds waited (0.0 if its load
+    decoding. ``wait(name)``: block until ``name`` is resident and return the seconds waited (also when its load
     failed: the cache records the failure and decoding goes on without it).
 
     In order: the ranking's scores (unless the cache action is a prefetch, which sets them itself); the

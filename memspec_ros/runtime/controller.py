@@ -523,6 +523,7 @@ class RuntimeController:
             failed=list(self.cache.failed()),
             max_new_tokens=session.max_new_tokens,
             wait_for_initial_draft=self.config.wait_for_initial_draft,
+            capacity=self.config.capacity,
         )
 
     def _sync_registry(self, active: str) -> bool:

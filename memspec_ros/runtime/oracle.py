@@ -25,7 +25,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -287,18 +287,23 @@ class GreedyOracle:
                 self.scores[draft] = sum(accepted) / len(accepted) if accepted else 0.0
         return self.scores[draft]
 
-    def solver(self, drafts: Sequence[str]) -> ScheduleSolver:
-        """Oracle-Dynamic's schedule over ``drafts`` under this oracle's costs, solved once and kept (memoised
-        states stay valid: they depend only on the continuation, the agreements and the costs)."""
-        costs, solver = self._solvers.get(tuple(drafts), (None, None))
+    def solver(self, drafts: Sequence[str], capacity: int = 0) -> ScheduleSolver:
+        """Oracle-Dynamic's schedule over ``drafts`` under this oracle's costs with ``capacity`` drafts resident
+        (the cache's K; 0: the costs' own), solved once and kept (memoised states stay valid: they depend only on
+        the continuation, the agreements and the costs)."""
+        planned = self.costs or ScheduleCosts()
+        if capacity and capacity != planned.capacity:  # the cache's K, not the default of costs made without it
+            planned = replace(planned, capacity=capacity)
+        key = (tuple(drafts), planned.capacity)
+        costs, solver = self._solvers.get(key, (None, None))
         if solver is None or costs is not self.costs:  # costs set (or replaced) since: plan again
-            solver = ScheduleSolver.for_oracle(self, drafts)
-            self._solvers[tuple(drafts)] = (self.costs, solver)
+            solver = ScheduleSolver.for_oracle(self, drafts, planned)
+            self._solvers[key] = (self.costs, solver)
         return solver
 
-    def plan(self, drafts: Sequence[str]) -> None:
+    def plan(self, drafts: Sequence[str], capacity: int = 0) -> None:
         """Solve Oracle-Dynamic's schedule from the start now (outside any timed run: see ``_solvers``)."""
-        self.solver(drafts).value()
+        self.solver(drafts, capacity).value()
 
     def best_static(self, candidates: Sequence[str]) -> str:
         return max(candidates, key=lambda d: (self.static_utility(d), -list(candidates).index(d)))

@@ -86,6 +86,7 @@ class SchedulingPoint:
     failed: list[str] = field(default_factory=list)  # drafts whose load failed (skip them)
     max_new_tokens: int = 0  # the generation's token budget (0: unknown)
     wait_for_initial_draft: bool = False  # the first choice blocks even when a draft is resident
+    capacity: int = 0  # K, the drafts the cache holds now (0: unknown; Oracle-Dynamic then plans with its costs')
 
     def prediction_context(self) -> PredictionContext:
         return PredictionContext(
@@ -227,8 +228,9 @@ class OracleDynamicPolicy(DraftPolicy):
         viable = [d for d in point.viable if d in self._oracle.agreement]
         if not viable:
             return prefetch_choice(point, "", [])
-        if self._solver is None or tuple(viable) != self._drafts:
-            self._solver, self._drafts = self._oracle.solver(viable), tuple(viable)
+        if self._solver is None or tuple(viable) != self._drafts or (point.capacity
+                                                                   and point.capacity != self._solver.capacity):
+            self._solver, self._drafts = self._oracle.solver(viable, point.capacity), tuple(viable)
         resident = frozenset(d for d in point.resident if d in viable)
         loading = None
         if self._loading is not None:

@@ -499,7 +499,7 @@ class Simulator:
             return SchedulingPoint(interval=interval, prompt_ids=prompt, generated_ids=list(gen),
                                    recent_ids=list(gen[-t:]) if t else [], candidates=list(self.candidates),
                                    domains=self.domains, resident=cache.resident(), active=active,
-                                   max_new_tokens=cfg.max_new_tokens)
+                                   max_new_tokens=cfg.max_new_tokens, capacity=cfg.capacity)
 
         # the controller's order (runtime/controller.py: _setup): the policy starts, the target prefills (committing
         # the first token), then the first choice is made and its draft loaded, blocking

@@ -370,3 +370,28 @@ def test_the_prediction_overhead_bench_refuses_bad_counts_and_a_missing_predicto
         overhead(argv)
     assert exc.value.code == 2
     assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("trace", ["-4", "8"])
+def test_policies_trace_tokens_must_cover_the_output(trace, tmp_path, capsys):
+    """--trace-tokens below --max-new-tokens (or negative) was raised silently to it by a max(), while the JSON's
+    config recorded the value given."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["policies", "--zoo", str(tmp_path / "no-zoo"), "--max-new-tokens", "16", "--trace-tokens", trace])
+    assert exit_info.value.code == 2 or "below --max-new-tokens" in str(exit_info.value.code)
+
+
+def test_the_soak_is_not_ok_when_a_burst_takes_more_or_fewer_goals_than_the_queue_holds():
+    """The burst phase's point is the queue's bound: _figures judged the run without it (only the CI-size test
+    asserted it, so a --long run passed with a broken bound)."""
+    from collections import Counter
+
+    from memspec_ros.bench.soak_bench import InvariantMonitor, _figures
+
+    def figures(bursts):
+        done = {"sent": 10, "accepted": 10, "rejected": 0, "terminal": {"succeeded": 10}, "lost": 0, "unanswered": 0,
+                "bursts_accepted": bursts, "accept_latencies": [0.001], "phase_latencies": {}, "seconds": 1.0}
+        return _figures(done, InvariantMonitor(2, 100), 100, [0.001], 100, 100, [100], Counter(a=1), Counter(a=1), 4)
+
+    assert figures([4, 4])["ok"] is True
+    assert figures([4, 5])["ok"] is False and figures([3, 4])["ok"] is False

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..argtypes import positive_int
+from ..argtypes import non_negative_int, positive_int
 
 DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "models"
 ACTION_GOAL = 0.97  # the ROS path's steady-state tok/s over a direct call's (median of interleaved pairs)
@@ -306,6 +306,9 @@ def cmd_policies(args) -> int:
     from ..runtime.policies import POLICIES
     from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench, validation_table
 
+    if 0 < args.trace_tokens < args.max_new_tokens:  # the oracles' future must cover every generation
+        raise SystemExit(f"--trace-tokens {args.trace_tokens} is below --max-new-tokens {args.max_new_tokens}: the"
+                         " traces must cover the whole output (0: --max-new-tokens)")
     zoo, folder, workloads = _zoo_and_workloads(args)
     policies = args.policies.split(",") if args.policies else list(PolicyBenchConfig.policies)
     unknown = [p for p in policies if p not in POLICIES]
@@ -535,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_argument(pol, "every draft load reads its weights cold through it")
     pol.add_argument("--no-simulator", action="store_true",
                      help="skip replaying the runs in the trace-driven simulator (simulator_validation)")
-    pol.add_argument("--trace-tokens", type=int, default=0,
+    pol.add_argument("--trace-tokens", type=non_negative_int, default=0,
                      help="record each prompt's greedy trace this far (default: --max-new-tokens)")
     _paths_arguments(pol)
     pol.set_defaults(func=cmd_policies)

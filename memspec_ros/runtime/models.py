@@ -216,7 +216,7 @@ def _check_shard_index(root: Path) -> list[str]:
     return sorted(set(named))
 
 
-def _check_architecture(config: dict[str, Any], path: str, trust_remote_code: bool) -> None:
+def check_architecture(config: dict[str, Any], path: str, trust_remote_code: bool) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = config.get("model_type")
@@ -290,7 +290,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if is_model_source(spec.path):  # a GGUF file or pkg:... resource: its cached safetensors directory
         spec = replace(spec, path=str(resolve_model_path(spec.path)))
     config = read_config(spec.path)
-    _check_architecture(config, spec.path, spec.trust_remote_code)
+    check_architecture(config, spec.path, spec.trust_remote_code)
     _check_quantization(config, spec)
     safetensors_files(spec.path)
     path = forward_path_for(spec)

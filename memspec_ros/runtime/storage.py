@@ -214,7 +214,7 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
     from .forward_paths import PATHS, apply_path
     from .models import (
         ModelDirectoryError,
-        _check_architecture,
+        check_architecture,
         check_loading_info,
         forward_path_for,
         parameter_bytes,
@@ -225,7 +225,7 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
     raw = read_config(spec.path)
     # as load_model: a config transformers cannot build as a causal LM (t5, a vision model) is named as such, not
     # reported as a failed build of "<class T5Config>" (the KeyError of the mapping below)
-    _check_architecture(raw, spec.path, trust_remote_code=False)
+    check_architecture(raw, spec.path, trust_remote_code=False)
     path = forward_path_for(spec)
     if raw.get("quantization_config") or path not in (*PATHS, "fp16"):
         raise ValueError(f"{spec.path}: the storage loader builds plain drafts (fp32, bf16, fp16, int8, int4),"

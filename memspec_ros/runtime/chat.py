@@ -146,9 +146,28 @@ def special_token_strings(tokenizer) -> list[str]:
     return sorted((t for t in found if t), key=lambda t: (-len(t), t))
 
 
-def _special_token_error(tokenizer, prompt: str, messages: Sequence[tuple[str, str]]) -> str:
-    """'' when no turn's content holds a special-token string, else which turn holds which token (its first)."""
+def turn_token_strings(tokenizer) -> list[str]:
+    """The special tokens that mark a conversation's structure: those the chat template itself writes around the
+    turns of a probe conversation, and bos/eos. Others (SmolLM2's <filename>, <jupyter_code>, ...) end no turn,
+    so a request may mention them. If the template renders no probe, every special token (the safe side)."""
     specials = special_token_strings(tokenizer)
+    probes = ([{"role": SYSTEM, "content": "s"}, {"role": USER, "content": "u"}, {"role": "assistant", "content": "a"},
+               {"role": USER, "content": "u"}],
+              [{"role": USER, "content": "u"}, {"role": "assistant", "content": "a"}, {"role": USER, "content": "u"}])
+    for probe in probes:
+        try:
+            rendered = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that refuses a system turn, or the alternation: try the next probe
+            continue
+        ends = {str(t) for t in (getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None)) if t}
+        return [t for t in specials if t in rendered or t in ends]
+    return specials
+
+
+def _special_token_error(tokenizer, prompt: str, messages: Sequence[tuple[str, str]]) -> str:
+    """'' when no turn's content holds a special-token string that marks turns, else which turn holds which
+    token (its first)."""
+    specials = turn_token_strings(tokenizer)
     contents = [(f"messages[{i}] ({role})", content) for i, (role, content) in enumerate(messages)] or [
         ("the prompt", prompt)]
     for where, content in contents:

@@ -46,6 +46,7 @@ from .policy_bench import (
     gmean,
     plot_policy_bench,
     share,
+    validation_gate,
     validation_table,
 )
 
@@ -517,7 +518,7 @@ def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", 
     index = {"items": [i["item"] for i in items], "real_seconds": real_seconds,
              "simulated_seconds": time.perf_counter() - t1, "wall_seconds": time.perf_counter() - t0,
              "config": asdict(cfg) | {"policies": list(cfg.policies), "workloads": list(cfg.workloads)},
-             "validation": {**result["simulator_validation"]["gate"],
+             "validation": {**validation_gate(result["simulator_validation"]),
                             "tolerance": result["simulator_validation"]["tolerance"],
                             "speed_matched_max_abs_error_end_to_end":
                                 result["simulator_validation"]["max_abs_error_end_to_end"]},
@@ -580,7 +581,7 @@ def render_validation(v: dict) -> list[str]:
     """The results page's simulator validation: its table and the largest errors (n/a where undefined)."""
     held = v.get("held_out") or {}
     matched = v.get("held_out_speed_matched") or {}
-    gate = v["gate"]
+    gate = validation_gate(v)
     lines = ["", "### Simulator validation", "",
               f"Every timed generation replayed on its prompt's trace with the same policy object and a cost model"
               f" fitted to these runs; GMEAN over {', '.join(v.get('gmean_over') or [])} on both sides (held out: over"

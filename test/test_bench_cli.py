@@ -401,13 +401,23 @@ def test_every_timed_policy_run_starts_with_no_load_in_flight(tmp_path, monkeypa
     """The paper's protocol resets the cache per generation. Left to generate(), that reset waited for the run
     before's prefetch still in flight, inside the next policy's end-to-end time (the controller counts from its
     entry): the bench resets outside the timing, so each run starts with no load in flight."""
+    import time
+
     from memspec_ros.runtime.controller import RuntimeController
+    from memspec_ros.runtime.storage import DraftStorage
 
     zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2)
     (zoo / "workloads").mkdir()
     (zoo / "workloads" / "code.jsonl").write_text(json.dumps({"domain": "code", "prompt": "def add(a, b):"}) + "\n")
     in_flight = []
     real = RuntimeController.generate
+    load = DraftStorage.load
+
+    def slow_load(self, *args, **kwargs):  # a slow medium: MemSpec's last prefetches outlive its run
+        time.sleep(0.4)
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(DraftStorage, "load", slow_load)
 
     def generate(self, *args, **kwargs):
         in_flight.append(self.cache.loading())

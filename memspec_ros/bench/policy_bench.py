@@ -333,6 +333,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
         if hidden and any(p in PREDICTED for p in policies):
             # does the live predictor see the recent tokens? (its hook needs the target's module forward)
             controller.reconfigure(policy="memspec")
+            controller.cache.reset()
             probe = controller.generate(first, min(cfg.max_new_tokens, 6 * cfg.interval))
             live_recent = live_recent_features(predictor, first, probe.token_ids)
             storage.take_records()

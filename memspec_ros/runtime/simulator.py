@@ -214,6 +214,9 @@ class CostModel:
     setup_seconds: dict[str, float] = field(default_factory=dict)  # per policy: the first choice, first load excluded
     load_seconds: dict[str, float] = field(default_factory=dict)  # per draft, through the storage medium
     medium: str = ""
+    # per generation: the controller's call outside setup, prefill and decoding (its checks, calibration, the
+    # cache's reset, the prompt cache, the bookkeeping after the last token): end to end counts the whole call
+    call_other_seconds: float = 0.0
 
     def verify(self, proposed: int) -> float:
         return nearest_size(self.verify_seconds, proposed)
@@ -278,6 +281,7 @@ class CostModel:
         prefill_y: list[float] = []
         point: dict[str, list[float]] = {}
         setup: dict[str, list[float]] = {}
+        call_other: list[float] = []
         for policy, stats in runs:
             its = stats.iterations
             for it in its:
@@ -299,6 +303,9 @@ class CostModel:
             prefill_y.append(stats.prefill_seconds)
             # the setup's own work: its wait for the first draft is what the replay charges as that draft's load
             setup.setdefault(policy, []).append(max(0.0, stats.setup_seconds - stats.setup_wait_seconds))
+            if stats.call_seconds > 0:  # a controller's run: its whole call timed
+                call_other.append(max(0.0, stats.call_seconds - stats.setup_seconds - stats.prefill_seconds
+                                      - stats.decode_seconds))
         catch_base, catch_tok = fit_line(catch_x, catch_y)
         pre_base, pre_tok = fit_line(prefill_x, prefill_y)
         return cls(
@@ -310,6 +317,7 @@ class CostModel:
             point_seconds={p: _mean(v) for p, v in point.items()},
             setup_seconds={p: statistics.median(v) for p, v in setup.items()},
             load_seconds=dict(load_seconds), medium=medium,
+            call_other_seconds=statistics.median(call_other) if call_other else 0.0,
         )
 
     def to_json(self) -> dict:
@@ -567,6 +575,9 @@ class Simulator:
         stats.completion_tokens = position
         stats.decode_seconds = clock.now - decode_start
         stats.finish_reason = "eos" if budget < cfg.max_new_tokens else "length"
+        # end to end as the controller counts it: its whole call (runtime/stats.py)
+        stats.call_seconds = costs.call_other_seconds + stats.setup_seconds + stats.prefill_seconds \
+            + stats.decode_seconds
         return stats
 
     def run(self, policy_for: Callable[[], DraftPolicy], traces: Sequence[PromptTrace]) -> dict[str, GenerationTotals]:

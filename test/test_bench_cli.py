@@ -355,6 +355,7 @@ def test_the_engine_bench_refuses_a_datastore_of_another_tokenizer_or_without_lo
               "--datastore", str(store)]
     with pytest.raises(SystemExit, match="add --context-lookup"):
         main(common)
+    assert main(common[:-1] + ["none", "--json", str(tmp_path / "e.json")]) == 0  # 'none' asks for no datastore
     with pytest.raises(SystemExit, match="another tokenizer"):
         main(common + ["--context-lookup"])
 

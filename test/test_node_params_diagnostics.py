@@ -274,7 +274,9 @@ def test_every_declared_range_is_what_the_node_accepts():
             assert P.check_value(p.name, below) and P.check_value(p.name, above), p.name
     top_p = P.BY_NAME["generation.top_p"].descriptor()
     assert top_p.floating_point_range[0].from_value > 0.0 and "(0, 1]" in top_p.description
-    assert "(0, 1]" in P.check_value("generation.top_p", 0.0)
+    for bad in (0.0, 1.5, math.nan):  # the node's own message, not the range's [5e-324, 1.0]
+        assert "(0, 1]" in P.check_value("generation.top_p", bad) and "e-324" not in P.check_value(
+            "generation.top_p", bad)
 
 
 def test_fallback_above_the_threshold_warns():

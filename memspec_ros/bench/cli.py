@@ -126,7 +126,7 @@ def cmd_engine(args) -> int:
                             prompts=args.prompts, threads=args.threads, draft=args.draft,
                             lean_drafts=not args.transformers_draft_forward, adaptive_gamma=args.adaptive_gamma,
                             context_lookup=args.context_lookup)
-    if args.datastore and not cfg.context_lookup:  # it would be read by nothing
+    if args.datastore not in ("", "none") and not cfg.context_lookup:  # a file it names would be read by nothing
         raise SystemExit("--datastore is searched by the context lookup: add --context-lookup")
     target, draft, prompts, names = _engine_models(args)
     if cfg.context_lookup:

@@ -306,7 +306,7 @@ def check_value(name: str, value: Any) -> str:
         value = float(value)
     if type(value) is not type(p.default):
         return f"{name} must be a {type(p.default).__name__}, got {value!r}"
-    if name == "generation.top_p" and value <= 0.0:  # before the range's own message, which shows 5e-324
+    if name == "generation.top_p" and not 0.0 < value <= 1.0:  # not the range's message, which shows 5e-324
         return f"generation.top_p must be in (0, 1], got {value}"
     if p.int_range and not p.int_range[0] <= value <= p.int_range[1]:
         return f"{name} must be in [{p.int_range[0]}, {p.int_range[1]}], got {value}"

@@ -143,7 +143,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not root.is_dir():
         # registry entries arrive resolved from their registry file's folder, parameters as given: say which
         hint = (f"a relative path resolves from the current directory, {str(Path.cwd())!r}"
-                if not root.is_absolute() else "a path in a registry file resolves from that file's folder")
+                if not root.is_absolute() else "a relative path in a registry file resolves from that file's folder,"
+                " so an entry's path arrives here absolute")
         raise ModelDirectoryError(f"model directory {str(root)!r} does not exist: check the path ({hint})")
     config_file = root / "config.json"
     if not config_file.is_file():

@@ -179,6 +179,8 @@ def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended
             monkeypatch.setattr(h.node._runner, "end_goals", fails_once)
             assert not h.transition(Transition.TRANSITION_DEACTIVATE)
             assert h.state() == "unconfigured"
+            # configure would load a second target and drafts beside the ones the goal still holds: refused
+            assert not h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "unconfigured"
         assert h.node.loaded is None and h.node.loaded_parameter_bytes() == 0  # the node holds none of them now
         assert freed == [], "models freed under a goal that still runs"
     finally:
@@ -187,6 +189,8 @@ def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended
     assert response.status == GoalStatus.STATUS_ABORTED
     wait_until(lambda: len(freed) == 2, 10.0, "the models freed after the goal ended")
     assert freed == [("cache reset", True), ("controller closed", True)]
+    if transition == "error":  # the goal over and its models freed, configure loads again
+        assert h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "inactive"
 
 
 def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):

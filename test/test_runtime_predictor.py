@@ -82,6 +82,24 @@ def test_target_hidden_features_at_runtime_match_training_features(new_tokens):
     encoder.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (model.device: cuda)")
+def test_a_target_on_a_gpu_ranks_with_the_heads_cpu_weights():
+    """The head is loaded on the CPU; with the target on a GPU its hidden rows were CUDA tensors and every ranking
+    raised (the node's ranker fell back to general first, silently but for a diagnostics warning)."""
+    target = tiny_llama(layers=2, hidden=64, seed=0).cuda()
+    encoder = TargetHiddenEncoder(target, recent_tokens=8)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=128, recent_tokens=8)).eval()
+    engine = PredictionEngine(head, encoder)
+    engine.begin(PROMPT)
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=12, gamma=4)
+    session.prefill()
+    session.step("", None)
+    context = PredictionContext(prompt_ids=PROMPT, recent_ids=session.generated_ids[-8:], interval=1,
+                                candidates=["a", "b"], domains={}, generated=len(session.generated_ids))
+    assert {name for name, _ in engine.rank(context)} == {"a", "b"}
+    encoder.close()
+
+
 @pytest.mark.parametrize("forward", ["lean", "transformers"])
 def test_a_timing_forward_mid_generation_leaves_the_recorded_rows_alone(forward, monkeypatch):
     """Adaptive gamma may time the target in the middle of a generation (gamma raised at a scheduling point): those

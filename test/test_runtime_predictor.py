@@ -432,3 +432,30 @@ def test_a_predictor_refused_at_load_leaves_the_target_unhooked(tmp_path):
     del target
     gc.collect()
     assert ref() is None
+
+
+def test_a_recent_window_other_than_the_heads_t_is_refused():
+    """The engine cuts the recent window to its head's T: memspec.recent_tokens 64 with a head trained on 32 was
+    ignored silently, 8 gave features the head never saw in training. Refused, naming both; 0 (rank on the
+    prompt alone) and the head's own T run."""
+    from memspec_ros.runtime.registry import DraftEntry
+
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    drafts = {"a": noisy_copy(target, 0.02, seed=1), "b": noisy_copy(target, 0.05, seed=2)}
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=list(drafts), in_dim=128, recent_tokens=16)).eval()
+    engine = PredictionEngine(head, TargetHiddenEncoder(target, 16))
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+
+    def controller(t):
+        return RuntimeController(RuntimeConfig(policy="memspec", recent_tokens=t), target, None, registry, engine,
+                                 loader=lambda n: None, eos_token_ids=[])
+
+    for t in (8, 64):
+        with pytest.raises(ValueError, match=f"recent_tokens .T. {t} is not the predictor's T, 16"):
+            controller(t)
+    ctl = controller(16)
+    with pytest.raises(ValueError, match="is not the predictor's T"):
+        ctl.reconfigure(recent_tokens=32)
+    assert ctl.config.recent_tokens == 16 and ctl.reconfigure(recent_tokens=0).recent_tokens == 0
+    ctl.close()
+    engine.close()

@@ -236,6 +236,13 @@ class RuntimeController:
         return self.registry.get(name).size_bytes if name in self.registry else 0
 
     def _check_policy(self, config: RuntimeConfig) -> None:
+        trained = getattr(self.predictor, "recent_tokens", None)  # a trained head's T (a PredictionEngine's)
+        if isinstance(trained, int) and trained > 0 and config.recent_tokens not in (0, trained):
+            # the engine cuts the window to its own T: a larger one was ignored, a smaller one gave features the
+            # head never saw in training
+            raise ValueError(f"recent_tokens (T) {config.recent_tokens} is not the predictor's T, {trained}: it was"
+                             f" trained on the last {trained} generated tokens (set {trained}, or 0 to rank on the"
+                             " prompt alone)")
         make_policy(config.policy, predictor=self.predictor, oracle_for=self.oracle_for,
                     general_draft=config.general_draft, ucb_c=config.ucb_c).close()
 

@@ -341,8 +341,8 @@ def test_trained_predictor_drives_memspec_losslessly(trained):
     prompt = tok("Solve 2x = 8.")["input_ids"]
     expected = target_greedy(target, prompt, 32)
     for overlap in (False, True):
-        ctl = RuntimeController(RuntimeConfig(policy="memspec", overlap_prediction=overlap), target, tok, registry,
-                                engine, eos_token_ids=[])
+        ctl = RuntimeController(RuntimeConfig(policy="memspec", overlap_prediction=overlap, recent_tokens=8), target,
+                                tok, registry, engine, eos_token_ids=[])
         result = ctl.generate(prompt, 32)
         assert result.token_ids == expected
         assert result.stats.predictions >= 2
@@ -366,7 +366,8 @@ def test_the_target_hidden_ranker_reads_the_prefill_not_a_second_prompt_pass(tra
     engine = PredictionEngine.load(root / "predictor" / "target-hidden", target=target, tokenizer=tok)
     passes = []  # the encoder's own prompt pass calls the target module; the engine's lean forward does not
     handle = target.register_forward_hook(lambda module, args, output: passes.append(1))
-    ctl = RuntimeController(RuntimeConfig(policy="memspec"), target, tok, registry, engine, eos_token_ids=[])
+    ctl = RuntimeController(RuntimeConfig(policy="memspec", recent_tokens=8), target, tok, registry, engine,
+                            eos_token_ids=[])
     try:
         prompt = tok("Solve 2x = 8.")["input_ids"]
         result = ctl.generate(prompt, 24)
@@ -387,7 +388,7 @@ def test_load_runtime_from_files(trained):
     from memspec_ros.runtime.controller import load_runtime
 
     root, _, _, tok = trained
-    ctl = load_runtime(RuntimeConfig(policy="memspec", capacity=2), str(root / "registry.yaml"),
+    ctl = load_runtime(RuntimeConfig(policy="memspec", capacity=2, recent_tokens=8), str(root / "registry.yaml"),
                        predictor_path=str(root / "predictor" / "target-hidden"))
     prompt = tok("Solve 2x = 8.")["input_ids"]
     result = ctl.generate("Solve 2x = 8.", 16)
@@ -459,3 +460,15 @@ def test_a_recent_window_other_than_the_heads_t_is_refused():
     assert ctl.config.recent_tokens == 16 and ctl.reconfigure(recent_tokens=0).recent_tokens == 0
     ctl.close()
     engine.close()
+
+
+def test_a_prompt_given_twice_is_held_out_whole_or_not_at_all():
+    """The training requests repeat some requests (358 of 13,404): split by index, a held-out prompt's identical
+    twin could be trained on, with the same greedy contexts and labels (2 of the bundled head's 180)."""
+    prompts = [[1, 2, i % 7] for i in range(60)]  # seven distinct prompts, each given 8-9 times
+    for seed in range(5):
+        held = predictor_training.split_prompts(prompts, 0.3, seed)
+        held_ids = {tuple(prompts[i]) for i in held}
+        trained_ids = {tuple(p) for i, p in enumerate(prompts) if i not in held}
+        assert held and not held_ids & trained_ids
+        assert len(held_ids) == 2  # 30% of the seven distinct prompts

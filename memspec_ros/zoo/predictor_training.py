@@ -30,6 +30,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -157,12 +158,16 @@ class TrainConfig:
     heldout_fraction: float = 0.2
 
 
-def split_prompts(n_prompts: int, fraction: float, seed: int) -> set[int]:
-    """Held-out prompt indices (whole prompts, so no context of a held-out prompt is trained on)."""
-    rng = random.Random(seed)
-    indices = list(range(n_prompts))
-    rng.shuffle(indices)
-    return set(indices[: max(1, int(round(n_prompts * fraction)))])
+def split_prompts(prompts: Sequence[Sequence[int]], fraction: float, seed: int) -> set[int]:
+    """Held-out prompt indices: whole prompts, so no context of a held-out prompt is trained on, and a prompt
+    given twice (the training requests repeat some: greedy answers, so the same contexts and labels) on one side
+    only. About ``fraction`` of the distinct prompts are held out."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(prompts):
+        groups.setdefault(tuple(ids), []).append(i)
+    distinct = list(groups.values())
+    random.Random(seed).shuffle(distinct)
+    return {i for group in distinct[: max(1, int(round(len(distinct) * fraction)))] for i in group}
 
 
 def train_head(features: torch.Tensor, labels: torch.Tensor, head_config: HeadConfig, cfg: TrainConfig,
@@ -271,7 +276,7 @@ def run(args: argparse.Namespace) -> dict:
     names = list(drafts)
     contexts = [c for t in traces for c in t.contexts]
     labels = torch.tensor([names.index(c.label) for c in contexts])
-    heldout = split_prompts(len(prompts), args.heldout_fraction, args.seed)
+    heldout = split_prompts(prompts, args.heldout_fraction, args.seed)
     test_mask = torch.tensor([c.prompt_index in heldout for c in contexts])
     cfg = TrainConfig(hidden=args.hidden, epochs=args.epochs, seed=args.seed, heldout_fraction=args.heldout_fraction)
     label_counts = {n: int((labels == i).sum()) for i, n in enumerate(names)}

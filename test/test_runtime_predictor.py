@@ -472,3 +472,43 @@ def test_a_prompt_given_twice_is_held_out_whole_or_not_at_all():
         trained_ids = {tuple(p) for i, p in enumerate(prompts) if i not in held}
         assert held and not held_ids & trained_ids
         assert len(held_ids) == 2  # 30% of the seven distinct prompts
+
+
+@pytest.mark.parametrize("argv", [[], ["--prompts", "/nonexistent/train.jsonl"]])
+def test_training_needs_answers_or_an_existing_prompt_file_before_loading_models(argv, capsys, monkeypatch):
+    """The default --prompts named a file no zoo has (models/workloads/train_prompts.jsonl): training failed on
+    it only after loading the target and every draft."""
+    monkeypatch.setattr(predictor_training, "run", lambda args: pytest.fail("loaded models"))
+    with pytest.raises(SystemExit) as exit_info:
+        predictor_training.main(argv + ["--out", "/tmp/unused-predictor"])
+    assert exit_info.value.code == 2 and ("--answers" in capsys.readouterr().err or argv)
+
+
+def test_training_prompts_go_through_the_chat_template_as_the_node_sends_them(tmp_path):
+    """--prompts rows were tokenized as raw text and cut to their last 256 tokens, where the node sends the chat
+    template's ids: the features trained on were not the ones ranked on."""
+    from memspec_ros.runtime.chat import prompt_ids
+
+    tok = tiny_tokenizer(chat=True)
+    target = tiny_llama(vocab_size=len(tok), layers=2, hidden=64, seed=0)
+    root = tmp_path / "zoo"
+    save_model_dir(target, tok, root / "target")
+    save_model_dir(noisy_copy(target, 0.02, seed=1), tok, root / "general")
+    (root / "registry.yaml").write_text("target: {path: target}\ndrafts:\n  - {name: general, path: general,"
+                                        " domain: general}\n")
+    texts = ["def add(a, b): return a + b", "Solve 3x + 5 = 20.", "The licensee may copy the work."]
+    (root / "train.jsonl").write_text("".join(json.dumps({"domain": "d", "prompt": t}) + "\n" for t in texts))
+    seen = []
+    real = predictor_training.collect_traces
+
+    def recording(target, drafts, prompts, *args, **kwargs):
+        seen.extend(prompts)
+        return real(target, drafts, prompts, *args, **kwargs)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(predictor_training, "collect_traces", recording):
+        predictor_training.main(["--registry", str(root / "registry.yaml"), "--prompts", str(root / "train.jsonl"),
+                                 "--out", str(tmp_path / "p"), "--encoders", "target-hidden", "--max-new-tokens",
+                                 "12", "--epochs", "2", "--recent-tokens", "8", "--quiet"])
+    assert seen == [prompt_ids(tok, t) for t in texts] and seen[0] != tok(texts[0])["input_ids"]

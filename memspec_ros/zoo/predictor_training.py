@@ -19,8 +19,10 @@ accuracy is on prompts the head never saw. Three heads are trained per encoder t
 reproduce the paper's Table 2 (prompt only, recent only, prompt + recent); the
 prompt + recent head is saved as the runtime predictor.
 
-    memspec-train-predictor --registry models/registry.yaml \\
-        --prompts models/workloads/train_prompts.jsonl --out models/predictor
+    memspec-train-predictor --answers models/datastore.safetensors --max-prompts 900 --out models/predictor
+
+(the bundled zoo's: its datastore holds the target's answers to the training requests, so nothing is decoded),
+or ``--prompts FILE`` to decode the target on training requests of your own.
 """
 
 from __future__ import annotations
@@ -266,8 +268,21 @@ def run(args: argparse.Namespace) -> dict:
         prompts = [t.prompt_ids for t in traces]
         traces = [replace(t, contexts=[replace(c, prompt_index=i) for c in t.contexts]) for i, t in enumerate(traces)]
     else:
+        from memspec_ros.runtime.chat import prompt_ids
+
         rows = read_prompts(args.prompts, args.max_prompts, seed=args.seed)
-        prompts = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"][-args.max_prompt_tokens:] for r in rows]
+        # as the node sends them (the chat template where the target has one): the features the head is trained
+        # on are those it will rank on; a prompt past --max-prompt-tokens is left out, not cut (its hidden states
+        # would lack their left context)
+        every = [prompt_ids(tokenizer, r.get("prompt", ""), [(m["role"], m["content"]) for m in r.get("messages", [])])
+                 for r in rows]
+        prompts = [ids for ids in every if len(ids) <= args.max_prompt_tokens]
+        if not prompts:
+            raise SystemExit(f"every prompt of {args.prompts} is longer than --max-prompt-tokens"
+                             f" {args.max_prompt_tokens}")
+        if len(prompts) < len(every):
+            print(f"{len(every) - len(prompts)} of {len(every)} prompts longer than --max-prompt-tokens"
+                  f" {args.max_prompt_tokens} left out", file=sys.stderr)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
                                 progress=not args.quiet, cache=cache, horizon=args.label_horizon)
@@ -341,8 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memspec-train-predictor", description=__doc__.split("\n\n")[0])
     p.add_argument("--registry", default="models/registry.yaml", help="draft registry YAML (names the target)")
     p.add_argument("--target", default=None, help="target model directory (default: the registry's target)")
-    p.add_argument("--prompts", default="models/workloads/train_prompts.jsonl",
-                   help="training prompts, JSON lines with 'prompt' (disjoint from every evaluation workload)")
+    p.add_argument("--prompts", default=None,
+                   help="training prompts, JSON lines with 'prompt' or chat 'messages' (disjoint from every"
+                        " evaluation workload), sent through the chat template as the node sends them and decoded by"
+                        " the target here; or --answers")
     p.add_argument("--out", default="models/predictor", help="writes <out>/<encoder>/ and <out>/report.json")
     p.add_argument("--continuations", default=None, metavar="JSON",
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
@@ -374,7 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.answers and not args.prompts:  # before loading any model
+        parser.error("give --answers (a zoo's models/datastore.safetensors or teacher folder) or --prompts FILE")
+    if args.prompts and not Path(args.prompts).is_file():
+        parser.error(f"--prompts {args.prompts}: no such file")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)

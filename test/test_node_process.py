@@ -290,3 +290,28 @@ def test_demo_runs_end_to_end_and_leaves_no_process(chat):
     assert 150 <= int(re.search(r"ROS_DOMAIN_ID (\d+)", out).group(1)) < 230  # its own, not this session's
     leftover = subprocess.run(["pgrep", "-f", f"memspec_ros.ros.node.*{zoo}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", "the demo left a node process behind"
+
+
+def test_the_demo_fails_when_the_predictor_is_not_working():
+    """The demo claims MemSpec ran: a predictor that did not load (its /diagnostics status WARN, the node then
+    ranks nothing) passed it with exit 0."""
+    from types import SimpleNamespace
+
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+
+    from memspec_ros.ros.demo import show_diagnostics
+
+    def client(level: bytes):
+        status = DiagnosticStatus(level=level, name="memspec: predictor", message="failed to load: bad head")
+        return SimpleNamespace(diagnostics=[DiagnosticArray(status=[status])],
+                               executor=SimpleNamespace(spin_once=lambda timeout_sec: None))
+
+    fake = client(DiagnosticStatus.OK)
+    fake.diagnostics_source = list(fake.diagnostics)
+    fake.executor.spin_once = lambda timeout_sec: fake.diagnostics.extend(fake.diagnostics_source)
+    show_diagnostics(fake, wait_seconds=1.0)
+    broken = client(DiagnosticStatus.WARN)
+    broken.diagnostics_source = list(broken.diagnostics)
+    broken.executor.spin_once = lambda timeout_sec: broken.diagnostics.extend(broken.diagnostics_source)
+    with pytest.raises(RuntimeError, match="predictor is not working: failed to load"):
+        show_diagnostics(broken, wait_seconds=1.0)

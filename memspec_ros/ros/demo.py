@@ -197,9 +197,10 @@ def bring_up(client: Client, configure_timeout: float, log_path: Path) -> None:
 FOLLOW_UP = "Thank you. Now say what it does in one sentence."
 
 
-def generate(client: Client, prompt: str, max_new_tokens: int, history: list[tuple[str, str]] = ()) -> str:
+def generate(client: Client, prompt: str, max_new_tokens: int, history: list[tuple[str, str]] = ()):
     """One goal through the Generate action, its text streamed as feedback arrives, then its statistics; the
-    answer. With ``history`` (earlier (role, text) turns), the goal is that conversation and then ``prompt``."""
+    goal's result. With ``history`` (earlier (role, text) turns), the goal is that conversation and then
+    ``prompt``."""
     from memspec_interfaces.action import Generate
     from memspec_interfaces.msg import ChatMessage
 
@@ -216,23 +217,30 @@ def generate(client: Client, prompt: str, max_new_tokens: int, history: list[tup
         raise RuntimeError(f"the goal did not succeed ({outcome.status})")
     say(format_result(outcome.result))
     say(f"{outcome.feedback_messages} feedback messages; goal answered in {outcome.goal_response_seconds * 1e3:.0f} ms")
-    return outcome.result.text
+    return outcome.result
 
 
-def has_chat_template(client: Client, wait_seconds: float = 5.0) -> bool:
-    """The node's /diagnostics "chat template" (the model takes a conversation)."""
+def diagnostic_value(client: Client, key: str, wait_seconds: float = 5.0) -> str | None:
+    """The latest value of ``key`` in the node's /diagnostics, None if none came within ``wait_seconds``."""
     deadline = time.monotonic() + wait_seconds
     while time.monotonic() < deadline:
         for array in reversed(client.diagnostics):
             for status in array.status:
                 for kv in status.values:
-                    if kv.key == "chat template":
-                        return kv.value == "True"
+                    if kv.key == key:
+                        return kv.value
         client.executor.spin_once(timeout_sec=0.1)
-    return False
+    return None
+
+
+def has_chat_template(client: Client, wait_seconds: float = 5.0) -> bool:
+    """The node's /diagnostics "chat template" (the model takes a conversation)."""
+    return diagnostic_value(client, "chat template", wait_seconds) == "True"
 
 
 def show_diagnostics(client: Client, wait_seconds: float = 5.0) -> None:
+    """Print a /diagnostics snapshot; a predictor that did not load (a WARN or ERROR status: the node then ranks
+    nothing and runs general-static's choice) fails the demo, which claims MemSpec ran."""
     client.diagnostics.clear()
     deadline = time.monotonic() + wait_seconds
     while not client.diagnostics and time.monotonic() < deadline:
@@ -241,6 +249,10 @@ def show_diagnostics(client: Client, wait_seconds: float = 5.0) -> None:
         raise RuntimeError(f"no /diagnostics message within {wait_seconds:.0f} s")
     say("/diagnostics snapshot:")
     print_diagnostics(client.diagnostics[-1])
+    for status in client.diagnostics[-1].status:
+        level = status.level[0] if isinstance(status.level, bytes) else status.level
+        if status.name.endswith(": predictor") and level != 0:  # 0: OK
+            raise RuntimeError(f"the predictor is not working: {status.message}")
 
 
 def bring_down(client: Client) -> None:
@@ -289,13 +301,20 @@ def run(args) -> int:
     try:
         bring_up(client, args.timeout, log_path)
         prompt = args.prompt or demo_prompt(zoo)
-        answer = generate(client, prompt, args.max_new_tokens)
+        answer = generate(client, prompt, args.max_new_tokens).text
         if not answer.strip():
             say("the answer is empty: no follow-up turn (a conversation's turns must say something)")
         elif has_chat_template(client):  # the next turn of the conversation: the node reuses its encoding so far
+            cache = diagnostic_value(client, "prompt cache") or ""
+            cache_on = not cache.startswith("off")
             say("the conversation goes on: the goal carries the first turn and its answer, so the node's prompt cache"
-                " encodes only the new turn")
-            generate(client, FOLLOW_UP, min(args.max_new_tokens, 64), history=[("user", prompt), ("assistant", answer)])
+                " encodes only the new turn" if cache_on else
+                f"the conversation goes on: the goal carries the first turn and its answer (prompt cache {cache})")
+            follow = generate(client, FOLLOW_UP, min(args.max_new_tokens, 64),
+                              history=[("user", prompt), ("assistant", answer)])
+            if cache_on and follow.reused_prompt_tokens == 0:  # what the line above said the node would do
+                raise RuntimeError("the follow-up turn reused no prompt token: the node's prompt cache did not keep"
+                                   " the first turn")
         else:
             say("the model has no chat template: no follow-up turn")
         show_diagnostics(client)

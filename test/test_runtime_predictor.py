@@ -82,7 +82,7 @@ def test_target_hidden_features_at_runtime_match_training_features(new_tokens):
     encoder.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (model.device: cuda)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (model.device: cuda)")
 def test_a_target_on_a_gpu_ranks_with_the_heads_cpu_weights():
     """The head is loaded on the CPU; with the target on a GPU its hidden rows were CUDA tensors and every ranking
     raised (the node's ranker fell back to general first, silently but for a diagnostics warning)."""

@@ -107,7 +107,7 @@ def main() -> None:
     feats = load_file(str(a.cache / "features.safetensors"))["features"]
     meta = json.loads((a.cache / "contexts.json").read_text())
     names, rows, n = meta["drafts"], meta["rows"], meta["traces"]
-    held = split_prompts(n, 0.2, 0)
+    held = split_prompts([[i] for i in range(n)], 0.2, 0)  # the traces' prompts are distinct: split by index
     train_all = set(range(n)) - held
     train_720 = set(random.Random(0).sample(sorted(train_all), 720))
     rest = torch.tensor([r["rest"] for r in rows if r["trace"] in held], dtype=torch.float32)

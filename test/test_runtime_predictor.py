@@ -458,7 +458,17 @@ def test_a_recent_window_other_than_the_heads_t_is_refused():
     with pytest.raises(ValueError, match="is not the predictor's T"):
         ctl.reconfigure(recent_tokens=32)
     assert ctl.config.recent_tokens == 16 and ctl.reconfigure(recent_tokens=0).recent_tokens == 0
+    # a policy that does not rank may keep any T, until it hands over to one that does
+    assert ctl.reconfigure(policy="mab-async", recent_tokens=64).recent_tokens == 64
+    with pytest.raises(ValueError, match="is not the predictor's T"):
+        ctl.reconfigure(policy="memspec")
     ctl.close()
+    # the node hands the controller its RecordingRanker around the engine: it checks the engine's T the same way
+    from memspec_ros.ros.node import RecordingRanker
+
+    with pytest.raises(ValueError, match="is not the predictor's T, 16"):
+        RuntimeController(RuntimeConfig(policy="memspec", recent_tokens=64), target, None, registry,
+                          RecordingRanker(engine), loader=lambda n: None, eos_token_ids=[])
     engine.close()
 
 

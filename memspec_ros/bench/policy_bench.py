@@ -50,7 +50,7 @@ from ..runtime.controller import RuntimeConfig, RuntimeController
 from ..runtime.loader import find_predictor, load_models
 from ..runtime.models import ModelSpec, load_model
 from ..runtime.oracle import GreedyOracle, ScheduleCosts
-from ..runtime.policies import COST_AWARE, PAPER_POLICIES, DraftPolicy, make_policy
+from ..runtime.policies import COST_AWARE, PAPER_POLICIES, RANKING_POLICIES, DraftPolicy, make_policy
 from ..runtime.registry import DraftRegistry
 from ..runtime.simulator import (
     CostModel,
@@ -75,7 +75,7 @@ METRICS = {
 }
 
 
-PREDICTED = ("memspec", "prediction-only", COST_AWARE)  # policies that need a trained predictor
+PREDICTED = RANKING_POLICIES  # policies that need a trained predictor
 VALIDATION_TOLERANCE = 0.10  # simulated vs measured end-to-end throughput per policy (issue 17)
 
 
@@ -263,6 +263,8 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     models = load_models(zoo / "registry.yaml", predictor_path=find_predictor(predictor_dir),
                          quantization=cfg.quantization)
     tokenizer, target, registry, predictor = models.tokenizer, models.target, models.registry, models.predictor
+    if getattr(predictor, "recent_tokens", 0):  # the window T the head was trained on: the controller holds us to it
+        cfg = replace(cfg, recent_tokens=predictor.recent_tokens)
     policies = [p for p in cfg.policies if predictor is not None or p not in PREDICTED]
     skipped = sorted(set(cfg.policies) - set(policies))
     if not policies:

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for encoder_name, overlap in VARIANTS:
         engine = build_engine(encoder_name, predictor_dir, target, tokenizer, registry.names(), 32)
         config = RuntimeConfig(policy="memspec", capacity=args.capacity, interval=args.interval,
+                               recent_tokens=engine.recent_tokens,  # the head's T
                                overlap_prediction=overlap, prompt_cache=False)  # each prompt encoded in full
         ctl = models.controller(config, engine, eos_token_ids=[])
         ctl.generate(prompts[0], 16)  # warm-up: loads, first-call overheads

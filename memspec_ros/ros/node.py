@@ -78,6 +78,11 @@ class RecordingRanker:
         self.failures = 0
         self.last_error = ""
 
+    @property
+    def recent_tokens(self) -> int | None:
+        """The engine's T, which the controller holds memspec.recent_tokens to."""
+        return getattr(self.engine, "recent_tokens", None)
+
     def _guarded(self, call, *args):
         """``call(*args)``; if it raises, the failure is counted for /diagnostics and None returned: a broken
         predictor costs speed, never a goal."""

@@ -34,7 +34,7 @@ from .gamma_choice import target_costs
 from .lookup import LookupConfig
 from .models import LoadedModel
 from .oracle import GreedyOracle
-from .policies import POLICIES, DraftPolicy, SchedulingPoint, make_policy
+from .policies import POLICIES, RANKING_POLICIES, DraftPolicy, SchedulingPoint, make_policy
 from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor
 from .prompt_cache import PromptCache, Reuse, reuse_refused
 from .registry import DraftRegistry
@@ -237,7 +237,8 @@ class RuntimeController:
 
     def _check_policy(self, config: RuntimeConfig) -> None:
         trained = getattr(self.predictor, "recent_tokens", None)  # a trained head's T (a PredictionEngine's)
-        if isinstance(trained, int) and trained > 0 and config.recent_tokens not in (0, trained):
+        ranks = config.policy in RANKING_POLICIES
+        if ranks and isinstance(trained, int) and trained > 0 and config.recent_tokens not in (0, trained):
             # the engine cuts the window to its own T: a larger one was ignored, a smaller one gave features the
             # head never saw in training
             raise ValueError(f"recent_tokens (T) {config.recent_tokens} is not the predictor's T, {trained}: it was"

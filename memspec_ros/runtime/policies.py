@@ -63,6 +63,7 @@ from .stats import IterationStats
 PAPER_POLICIES = ("general-static", "oracle-static", "mab-sync", "mab-async", "prediction-only", "oracle-dynamic",
                   "memspec")
 COST_AWARE = "memspec-cost-aware"  # beyond the paper: MemSpec whose switches and prefetches pay for themselves
+RANKING_POLICIES = ("memspec", "prediction-only", COST_AWARE)  # the policies that rank with the trained predictor
 POLICIES = (*PAPER_POLICIES, "oracle-next-interval", COST_AWARE)
 ORACLE_POLICIES = ("oracle-static", "oracle-dynamic", "oracle-next-interval")
 

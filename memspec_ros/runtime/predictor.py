@@ -281,11 +281,12 @@ class TargetHiddenEncoder:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
         cache = kwargs.get("past_key_values") or getattr(output, "past_key_values", None)
         total = int(cache.get_seq_length()) if cache is not None else hidden.shape[1]
-        # kept on the CPU, where the head runs (a ranking's few hundred floats): with the target on a GPU the head's
-        # CPU weights met CUDA features and every ranking raised (the node fell back to general first)
-        self._record_rows(hidden[0].detach().float().cpu(), total - hidden.shape[1], total)
+        self._record_rows(hidden[0].detach().float(), total - hidden.shape[1], total)
 
     def _record_rows(self, rows: torch.Tensor, start: int, total: int) -> None:
+        # kept on the CPU, where the head runs (a ranking's few hundred floats), from the hook and the lean forward's
+        # observer alike: with the target on a GPU the head's CPU weights met CUDA features and every ranking raised
+        rows = rows.cpu()
         with self._lock:
             if start == self._reused and self._prompt_vec is None and self._prompt_len:
                 # the prefill: prompt positions (after a reused prefix, whose rows begin() put first in _fed)

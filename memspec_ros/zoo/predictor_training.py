@@ -268,14 +268,22 @@ def run(args: argparse.Namespace) -> dict:
         prompts = [t.prompt_ids for t in traces]
         traces = [replace(t, contexts=[replace(c, prompt_index=i) for c in t.contexts]) for i, t in enumerate(traces)]
     else:
-        from memspec_ros.runtime.chat import prompt_ids
+        from memspec_ros.runtime.chat import ChatError, prompt_ids
 
         rows = read_prompts(args.prompts, args.max_prompts, seed=args.seed)
         # as the node sends them (the chat template where the target has one): the features the head is trained
         # on are those it will rank on; a prompt past --max-prompt-tokens is left out, not cut (its hidden states
         # would lack their left context)
-        every = [prompt_ids(tokenizer, r.get("prompt", ""), [(m["role"], m["content"]) for m in r.get("messages", [])])
-                 for r in rows]
+        every, refused = [], []
+        for n, r in enumerate(rows, 1):
+            try:
+                every.append(prompt_ids(tokenizer, r.get("prompt", ""),
+                                        [(m["role"], m["content"]) for m in r.get("messages", [])]))
+            except ChatError as exc:  # a row the node would reject (a forged turn, prompt and messages both)
+                refused.append(f"row {n}: {exc}")
+        if refused:
+            print(f"{len(refused)} of {len(rows)} prompts left out, as the node would reject them; the first:"
+                  f" {refused[0]}", file=sys.stderr)
         prompts = [ids for ids in every if len(ids) <= args.max_prompt_tokens]
         if not prompts:
             raise SystemExit(f"every prompt of {args.prompts} is longer than --max-prompt-tokens"

@@ -75,7 +75,6 @@ METRICS = {
 }
 
 
-PREDICTED = RANKING_POLICIES  # policies that need a trained predictor
 VALIDATION_TOLERANCE = 0.10  # simulated vs measured end-to-end throughput per policy (issue 17)
 
 
@@ -265,7 +264,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     tokenizer, target, registry, predictor = models.tokenizer, models.target, models.registry, models.predictor
     if getattr(predictor, "recent_tokens", 0):  # the window T the head was trained on: the controller holds us to it
         cfg = replace(cfg, recent_tokens=predictor.recent_tokens)
-    policies = [p for p in cfg.policies if predictor is not None or p not in PREDICTED]
+    policies = [p for p in cfg.policies if predictor is not None or p not in RANKING_POLICIES]
     skipped = sorted(set(cfg.policies) - set(policies))
     if not policies:
         raise ValueError(f"{', '.join(skipped)} need the predictor and the zoo has none: train one"
@@ -332,7 +331,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
                         if progress is not None:
                             progress.update(1)
         loads = storage.take_records()  # the timed runs' loads only
-        if hidden and any(p in PREDICTED for p in policies):
+        if hidden and any(p in RANKING_POLICIES for p in policies):
             # does the live predictor see the recent tokens? (its hook needs the target's module forward)
             controller.reconfigure(policy="memspec")
             controller.cache.reset()

@@ -30,6 +30,7 @@ from .models import (
 )
 from .predictor import HEAD_CONFIG, PredictionEngine
 from .registry import DraftRegistry
+from .speculative import input_rows
 
 # Where a zoo keeps its trained predictor heads, in order of preference: the folder itself, then its encoder
 # subfolders (target-hidden first: it needs no encoder pass).
@@ -114,15 +115,6 @@ class RuntimeModels:
         """Release the predictor's hold on the target (the target-hidden encoder's forward hook)."""
         if self.predictor is not None:
             self.predictor.close()
-
-
-def input_rows(model: Any) -> int:
-    """How many token ids the model can read: its input embedding's rows (config.vocab_size where it has none)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    rows = getattr(embedding, "num_embeddings", None)
-    if rows is None and getattr(embedding, "weight", None) is not None:
-        rows = embedding.weight.shape[0]
-    return int(rows if rows is not None else getattr(model.config, "vocab_size", 0) or 0)
 
 
 def check_tokenizer_fits(tokenizer: Any, target: LoadedModel, tokenizer_path: str | Path) -> None:

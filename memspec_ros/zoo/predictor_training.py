@@ -111,7 +111,8 @@ def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[lis
 
 
 @torch.inference_mode()
-def hidden_features(target, traces: list[PromptTrace], recent_tokens: int, progress: bool = True) -> list[torch.Tensor]:
+def hidden_features(target, traces: list[PromptTrace], recent_tokens: int, progress: bool = True,
+                    prompt_tokens: int = 0) -> list[torch.Tensor]:
     """[prompt mean ; recent mean] of the target's final hidden states, as the runtime hook sees them."""
     from tqdm import tqdm
 
@@ -123,7 +124,7 @@ def hidden_features(target, traces: list[PromptTrace], recent_tokens: int, progr
         hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0].float()
         for ctx in trace.contexts:
             generated = ctx.position if ctx.interval > 0 else 0
-            rows.append(pooled_hidden_features(hidden, len(trace.prompt_ids), generated, recent_tokens))
+            rows.append(pooled_hidden_features(hidden, len(trace.prompt_ids), generated, recent_tokens, prompt_tokens))
     return rows
 
 
@@ -315,15 +316,18 @@ def run(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     for encoder_name in args.encoders:
         if encoder_name == "minilm":
-            encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                    prompt_tokens=args.prompt_tokens)
             feats = torch.stack(minilm_features(encoder, traces, args.recent_tokens, progress=not args.quiet))
         else:
-            feats = torch.stack(hidden_features(target, traces, args.recent_tokens, progress=not args.quiet))
+            feats = torch.stack(hidden_features(target, traces, args.recent_tokens, progress=not args.quiet,
+                                                prompt_tokens=args.prompt_tokens))
         results: dict[str, dict[str, float]] = {}
         best: RankingHead | None = None
         for which in INPUTS:
             config = HeadConfig(encoder=encoder_name, drafts=names, in_dim=int(feats.shape[-1]), hidden=args.hidden,
-                                input=which, recent_tokens=args.recent_tokens, interval=args.interval)
+                                input=which, recent_tokens=args.recent_tokens, prompt_tokens=args.prompt_tokens,
+                                interval=args.interval)
             head = train_head(feats[~test_mask], labels[~test_mask], config, cfg, progress=not args.quiet)
             results[which] = evaluate(head, feats[test_mask], labels[test_mask])
             if which == "prompt+recent":
@@ -383,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=positive_int, default=4)
     p.add_argument("--interval", type=positive_int, default=4, help="N: iterations per scheduling interval")
     p.add_argument("--recent-tokens", type=positive_int, default=32, help="T")
+    p.add_argument("--prompt-tokens", type=non_negative_int, default=0, metavar="W",
+                   help="the prompt half pools the prompt's last W positions (0: the whole prompt)")
     p.add_argument("--label-horizon", type=int, default=0, metavar="H",
                    help="a context's label is the draft that commits most over the next H intervals (0, the"
                         " default: the rest of the output; 1: the paper's next interval, whose winner is mostly"

@@ -533,9 +533,9 @@ class PredictionEngine(SynchronousRanking):
             )
         if getattr(encoder, "prompt_tokens", 0) != head.config.prompt_tokens:
             raise PredictorError(
-                f"the ranking head pools the prompt's last {head.config.prompt_tokens} positions (prompt_tokens, 0: all)"
-                f" but the {encoder.name} encoder pools {getattr(encoder, 'prompt_tokens', 0)}: build the encoder with"
-                " the head's prompt_tokens (PredictionEngine.load does)"
+                f"the ranking head pools the prompt's last {head.config.prompt_tokens} positions (prompt_tokens, 0:"
+                f" all) but the {encoder.name} encoder pools {getattr(encoder, 'prompt_tokens', 0)}: build the"
+                " encoder with the head's prompt_tokens (PredictionEngine.load does)"
             )
         self.head = head
         self.encoder = encoder

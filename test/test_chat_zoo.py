@@ -299,6 +299,15 @@ def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build,
     assert predictor_training.main(args) == 0
     from_store = json.loads((again / "report.json").read_text())
     assert (from_store["prompts"], from_store["label_counts"]) == (report["prompts"], report["label_counts"])
+    # the teacher's shards keep token ids only: no conversation forms, and the report says why; the datastore's
+    # requests file has the text: the held-out requests are also scored after an earlier turn (and trained on)
+    assert "token ids only" in report["conversations"]["skipped"]
+    scored = from_store["conversations"]
+    assert scored["trained_on"] and set(scored["encoders"]["target-hidden"]) == {"prompt", "recent", "prompt+recent"}
+    from memspec_ros.runtime.predictor import RankingHead
+
+    head = RankingHead.load(again / "target-hidden")
+    assert head.config.prompt_tokens == 16 and "prompt+recent/conversation_top1" in head.config.metrics
 
 
 def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(tiny_build, tmp_path):

@@ -544,6 +544,29 @@ def test_training_needs_answers_or_an_existing_prompt_file_before_loading_models
     assert exit_info.value.code == 2 and ("--answers" in capsys.readouterr().err or argv)
 
 
+def test_conversation_forms_put_each_request_after_another_requests_turn():
+    """Each request becomes the latest turn after another request and the target's answer to it, as the node
+    sends a goal with history; where that cannot be built the reason comes back instead."""
+    from memspec_ros.runtime.chat import prompt_ids
+
+    tok = tiny_tokenizer(chat=True)
+    texts = ["def add(a, b): return a + b", "Solve 3x + 5 = 20.", "The licensee may copy the work."]
+    answers = [tok("return the sum")["input_ids"], tok("x equals five")["input_ids"], tok("yes it may")["input_ids"]]
+    traces = [predictor_training.PromptTrace(prompt_ids(tok, t), a, {}, messages=[("user", t)])
+              for t, a in zip(texts, answers, strict=True)]
+    forms = predictor_training.conversation_forms(tok, traces, seed=0)
+    assert forms == predictor_training.conversation_forms(tok, traces, seed=0)  # seeded
+    for trace, form in zip(traces, forms, strict=True):
+        earlier = [t for t in traces if t is not trace and form.prompt_ids == prompt_ids(
+            tok, "", [*t.messages, ("assistant", tok.decode(t.continuation, skip_special_tokens=True)),
+                      *trace.messages])]
+        assert len(earlier) == 1  # another request's turn, never its own
+        assert form.continuation == trace.continuation and form.contexts is trace.contexts
+    assert "no chat template" in predictor_training.conversation_forms(tiny_tokenizer(), traces, 0)
+    unknown = [predictor_training.PromptTrace(t.prompt_ids, t.continuation, {}) for t in traces]
+    assert "token ids only" in predictor_training.conversation_forms(tok, unknown, 0)
+
+
 def test_training_prompts_go_through_the_chat_template_as_the_node_sends_them(tmp_path):
     """--prompts rows were tokenized as raw text and cut to their last 256 tokens, where the node sends the chat
     template's ids: the features trained on were not the ones ranked on."""

@@ -13,6 +13,13 @@ the next interval's winner is mostly noise (which draft wins it is not predictab
 even from the previous interval's exact outcome), and a head trained on the rest of
 the output ran MemSpec faster on every held-out workload (docs/results/README.md).
 
+The prompt half pools the prompt's last W positions (``--prompt-tokens``, 16): the latest request's end and
+the reply's header. Pooled over the whole prompt, a system prompt or an earlier turn outweighed the request
+the generation answers. Every training request is also traced as the latest turn after another request and
+the target's answer to it (:func:`conversation_forms`), trained on and scored on the held-out prompts
+("after an earlier turn" in the report). Both measured in session 35 on the bundled zoo's training split
+(scripts/predictor_window_features.py, docs/results/predictor-window.txt).
+
 The encoder stays frozen; only the small head is trained (full batch, seeded,
 deterministic). Held-out contexts come from held-out *prompts*, so the reported
 accuracy is on prompts the head never saw. Three heads are trained per encoder to
@@ -69,6 +76,7 @@ class PromptTrace:
     continuation: list[int]
     agreement: dict[str, list[bool]]
     contexts: list[TraceContext] = field(default_factory=list)
+    messages: list[tuple[str, str]] = field(default_factory=list)  # the request's turns, where known
 
 
 def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agreement: dict[str, list[bool]],
@@ -95,7 +103,9 @@ def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agr
 
 def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[list[int]], max_new_tokens: int,
                    gamma: int, interval: int, eos_token_ids=(), progress: bool = True,
-                   cache: ContinuationCache | None = None, horizon: int = 1) -> list[PromptTrace]:
+                   cache: ContinuationCache | None = None, horizon: int = 1,
+                   messages: Sequence[Sequence[tuple[str, str]]] | None = None) -> list[PromptTrace]:
+    """``messages``: each prompt's turns (for :func:`conversation_forms`), where known."""
     from tqdm import tqdm
 
     cache = cache or ContinuationCache(None, "")  # in memory only
@@ -107,6 +117,7 @@ def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[lis
             continue
         agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}
         traces.append(trace_prompt(index, prompt_ids, continuation, agreement, list(drafts), gamma, interval, horizon))
+        traces[-1].messages = list(messages[index]) if messages is not None else []
     return traces
 
 
@@ -236,7 +247,35 @@ def traces_from_answers(drafts: dict[str, torch.nn.Module], answers, gamma: int,
         agreement = {name: answer_agreement(model, a) for name, model in drafts.items()}
         traces.append(trace_prompt(index, a.prompt_ids, a.answer_ids, agreement, list(drafts), gamma, interval,
                                    horizon))
+        traces[-1].messages = list(a.messages)
     return traces
+
+
+def conversation_forms(tokenizer, traces: Sequence[PromptTrace], seed: int) -> list[PromptTrace] | str:
+    """Each trace's request as the latest turn of a conversation, as the node sends a goal with history: after
+    one earlier turn (another trace's request, seeded, and the target's own answer to it). Its continuation and
+    labels stay the request alone's: an approximation (after an earlier turn the target may answer a little
+    differently), kept because decoding every conversation again would cost the whole trace budget anew. A head
+    trained on these ranks a request, not the conversation's mean (scripts/predictor_conversations.py). Returns
+    the reason instead where they cannot be built (no chat template, requests known only as token ids)."""
+    from memspec_ros.runtime.chat import has_chat_template, prompt_ids
+
+    if not has_chat_template(tokenizer):
+        return "the target's tokenizer has no chat template"
+    if len(traces) < 2 or any(not t.messages for t in traces):
+        return "the requests' text is unknown (teacher shards keep token ids only: pass the datastore or --prompts)"
+    rng = random.Random(seed)
+    forms = []
+    for i, trace in enumerate(traces):
+        j = rng.randrange(len(traces) - 1)
+        earlier = traces[j + (j >= i)]
+        system = [m for m in trace.messages if m[0] == "system"]
+        turns = [m for m in earlier.messages if m[0] != "system"]
+        answer = tokenizer.decode(earlier.continuation, skip_special_tokens=True)
+        ids = prompt_ids(tokenizer, "", [*system, *turns, ("assistant", answer),
+                                         *(m for m in trace.messages if m[0] != "system")])
+        forms.append(replace(trace, prompt_ids=ids))
+    return forms
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -275,17 +314,20 @@ def run(args: argparse.Namespace) -> dict:
         # as the node sends them (the chat template where the target has one): the features the head is trained
         # on are those it will rank on; a prompt past --max-prompt-tokens is left out, not cut (its hidden states
         # would lack their left context)
-        every, refused = [], []
+        every, turns, refused = [], [], []
         for n, r in enumerate(rows, 1):
+            messages = [(m["role"], m["content"]) for m in r.get("messages", [])]
             try:
-                every.append(prompt_ids(tokenizer, r.get("prompt", ""),
-                                        [(m["role"], m["content"]) for m in r.get("messages", [])]))
+                every.append(prompt_ids(tokenizer, r.get("prompt", ""), messages))
             except ChatError as exc:  # a row the node would reject (a forged turn, prompt and messages both)
                 refused.append(f"row {n}: {exc}")
+                continue
+            turns.append(messages or [("user", r.get("prompt", ""))])  # a prompt-only goal is one user turn
         if refused:
             print(f"{len(refused)} of {len(rows)} prompts left out, as the node would reject them; the first:"
                   f" {refused[0]}", file=sys.stderr)
-        prompts = [ids for ids in every if len(ids) <= args.max_prompt_tokens]
+        kept = [i for i, ids in enumerate(every) if len(ids) <= args.max_prompt_tokens]
+        prompts, turns = [every[i] for i in kept], [turns[i] for i in kept]
         if not prompts:
             raise SystemExit(f"every prompt of {args.prompts} is longer than --max-prompt-tokens"
                              f" {args.max_prompt_tokens}")
@@ -294,7 +336,7 @@ def run(args: argparse.Namespace) -> dict:
                   f" {args.max_prompt_tokens} left out", file=sys.stderr)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
-                                progress=not args.quiet, cache=cache, horizon=args.label_horizon)
+                                progress=not args.quiet, cache=cache, horizon=args.label_horizon, messages=turns)
         cache.save()
     trace_seconds = time.perf_counter() - t0
     names = list(drafts)
@@ -312,30 +354,55 @@ def run(args: argparse.Namespace) -> dict:
                     "label_horizon_intervals": args.label_horizon,
                     "label_counts": label_counts, "majority_label": names[majority],
                     "majority_top1": majority_top1, "trace_seconds": trace_seconds,
-                    "continuations_from_cache": cache.hits, "encoders": {}}
-    out = Path(args.out)
-    for encoder_name in args.encoders:
+                    "continuations_from_cache": cache.hits, "prompt_tokens": args.prompt_tokens, "encoders": {}}
+    # every request again as the latest turn of a conversation: scored on the held-out prompts (their contexts
+    # and labels are the request alone's, so the rows line up with ``contexts``) and, by default, trained on
+    conversations = conversation_forms(tokenizer, traces, args.seed)
+    if isinstance(conversations, str):
+        print(f"no conversation forms: {conversations}", file=sys.stderr)
+        report["conversations"] = {"skipped": conversations}
+    else:
+        report["conversations"] = {"trained_on": args.conversation_training, "encoders": {}}
+
+    def features(encoder_name: str, chosen: list[PromptTrace]) -> torch.Tensor:
         if encoder_name == "minilm":
             encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                     prompt_tokens=args.prompt_tokens)
-            feats = torch.stack(minilm_features(encoder, traces, args.recent_tokens, progress=not args.quiet))
-        else:
-            feats = torch.stack(hidden_features(target, traces, args.recent_tokens, progress=not args.quiet,
-                                                prompt_tokens=args.prompt_tokens))
+            return torch.stack(minilm_features(encoder, chosen, args.recent_tokens, progress=not args.quiet))
+        return torch.stack(hidden_features(target, chosen, args.recent_tokens, progress=not args.quiet,
+                                           prompt_tokens=args.prompt_tokens))
+
+    out = Path(args.out)
+    for encoder_name in args.encoders:
+        feats = features(encoder_name, traces)
+        train_x, train_y = feats[~test_mask], labels[~test_mask]
+        conv_feats = None
+        if not isinstance(conversations, str):
+            conv_feats = features(encoder_name, conversations)
+            if args.conversation_training:
+                train_x = torch.cat([train_x, conv_feats[~test_mask]])
+                train_y = torch.cat([train_y, train_y])
         results: dict[str, dict[str, float]] = {}
+        conv_results: dict[str, dict[str, float]] = {}
         best: RankingHead | None = None
         for which in INPUTS:
             config = HeadConfig(encoder=encoder_name, drafts=names, in_dim=int(feats.shape[-1]), hidden=args.hidden,
                                 input=which, recent_tokens=args.recent_tokens, prompt_tokens=args.prompt_tokens,
                                 interval=args.interval)
-            head = train_head(feats[~test_mask], labels[~test_mask], config, cfg, progress=not args.quiet)
+            head = train_head(train_x, train_y, config, cfg, progress=not args.quiet)
             results[which] = evaluate(head, feats[test_mask], labels[test_mask])
+            if conv_feats is not None:
+                conv_results[which] = evaluate(head, conv_feats[test_mask], labels[test_mask])
             if which == "prompt+recent":
                 best = head
         assert best is not None
         best.config.metrics = {f"{which}/{m}": float(v) for which, r in results.items() for m, v in r.items()}
+        best.config.metrics.update({f"{which}/conversation_{m}": float(v)
+                                    for which, r in conv_results.items() for m, v in r.items() if m != "contexts"})
         best.save(out / encoder_name)
         report["encoders"][encoder_name] = results
+        if conv_results:
+            report["conversations"]["encoders"][encoder_name] = conv_results
     report["train_config"] = asdict(cfg)
     (out / "report.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -353,6 +420,15 @@ def format_report(report: dict) -> str:
     for enc, results in report["encoders"].items():
         for which, r in results.items():
             lines.append(f"{enc:<14}{which:<15}{100 * r['top1']:>7.1f}%{100 * r['top2']:>7.1f}%")
+    conversations = report.get("conversations", {})
+    if "skipped" in conversations:
+        lines.append(f"after an earlier turn: not scored ({conversations['skipped']})")
+    elif conversations.get("encoders"):
+        trained = "trained on" if conversations["trained_on"] else "not trained on"
+        lines.append(f"the same held-out requests after an earlier turn of another request ({trained}):")
+        for enc, results in conversations["encoders"].items():
+            for which, r in results.items():
+                lines.append(f"{enc:<14}{which:<15}{100 * r['top1']:>7.1f}%{100 * r['top2']:>7.1f}%")
     return "\n".join(lines)
 
 
@@ -387,8 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=positive_int, default=4)
     p.add_argument("--interval", type=positive_int, default=4, help="N: iterations per scheduling interval")
     p.add_argument("--recent-tokens", type=positive_int, default=32, help="T")
-    p.add_argument("--prompt-tokens", type=non_negative_int, default=0, metavar="W",
-                   help="the prompt half pools the prompt's last W positions (0: the whole prompt)")
+    p.add_argument("--prompt-tokens", type=non_negative_int, default=16, metavar="W",
+                   help="the prompt half pools the prompt's last W positions, the latest request's end and the"
+                        " reply's header, so earlier turns and a system prompt do not outweigh it (0: the whole"
+                        " prompt, as heads before session 35)")
+    p.add_argument("--conversation-training", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train on every training request as the latest turn after an earlier one (another"
+                        " request and the target's answer); the held-out score after an earlier turn is reported"
+                        " either way")
     p.add_argument("--label-horizon", type=int, default=0, metavar="H",
                    help="a context's label is the draft that commits most over the next H intervals (0, the"
                         " default: the rest of the output; 1: the paper's next interval, whose winner is mostly"

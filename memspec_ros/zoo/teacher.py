@@ -49,6 +49,8 @@ class Answer:
     top_ids: torch.Tensor  # [len(answer_ids), k] int32
     top_logp: torch.Tensor  # [len(answer_ids), k] float16
     domain: str = ""
+    # the request as (role, text) turns where known (a datastore's requests file; teacher shards keep ids only)
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict], system_prompt: str = "") -> list[int]:
@@ -155,7 +157,8 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
             continue
         answers.append(Answer(chat_prompt_ids(tokenizer, row["messages"]), ids,
                               torch.tensor(ids, dtype=torch.int32)[:, None],
-                              torch.zeros((len(ids), 1), dtype=torch.float16), row["domain"]))
+                              torch.zeros((len(ids), 1), dtype=torch.float16), row["domain"],
+                              tuple((m["role"], m["content"]) for m in row["messages"])))
     return answers
 
 

@@ -343,6 +343,23 @@ def test_table2_reads_the_report_of_the_predictor_the_runs_used(tmp_path):
         assert table2(predictor_report(given))["majority_top1"] == 0.123
 
 
+def test_table2_shows_the_score_after_an_earlier_turn_where_the_report_has_it(tmp_path):
+    from memspec_ros.bench.figures import _summary_line, table2
+
+    report = {"encoders": {"minilm": {"prompt": {"top1": 0.5, "top2": 0.75, "contexts": 8}}},
+              "label_horizon_intervals": 0, "prompt_tokens": 16,
+              "conversations": {"trained_on": True, "encoders": {"minilm": {"prompt": {"top1": 0.25, "top2": 0.5,
+                                                                                      "contexts": 8}}}}}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    lines = _summary_line("table2", table2(tmp_path / "report.json"))
+    assert "| minilm | prompt | 50.0% | 75.0% | 25.0% | 50.0% |" in lines
+    assert "the prompt's last 16 positions" in lines[0]
+    del report["conversations"], report["prompt_tokens"]  # a report from before either
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    lines = _summary_line("table2", table2(tmp_path / "report.json"))
+    assert "| minilm | prompt | 50.0% | 75.0% | n/a | n/a |" in lines and "the whole prompt" in lines[0]
+
+
 def test_the_engine_bench_refuses_a_datastore_of_another_tokenizer_or_without_lookup(tmp_path):
     """`memspec-bench engine --datastore`: read with no tokenizer check (the llamacpp bench had one), and taken
     then ignored without --context-lookup."""

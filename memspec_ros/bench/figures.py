@@ -258,6 +258,10 @@ def table2(report_path: Path) -> dict:
             if name in inputs:
                 rows.setdefault(encoder, {})[name] = {"top1": inputs[name]["top1"], "top2": inputs[name]["top2"],
                                                       "contexts": inputs[name].get("contexts")}
+    # the same held-out requests as the latest turn after an earlier one (memspec-train-predictor's conversation
+    # forms; a report from before them has none)
+    after_turn = {encoder: {name: {"top1": r["top1"], "top2": r["top2"]} for name, r in inputs.items()}
+                  for encoder, inputs in report.get("conversations", {}).get("encoders", {}).items()}
     shown = Path(*report_path.parts[-3:]) if len(report_path.parts) >= 3 else report_path
     # what a label is decides what the accuracy means (1: the paper's next interval; 0: the rest of the output;
     # a report from before the option had 1)
@@ -265,7 +269,8 @@ def table2(report_path: Path) -> dict:
     return {"item": "table2", "source": f"{shown} (the predictor's held-out training contexts; reused)",
             "title": "Predictor quality: top-1 accuracy and top-2 recall by input", "rows": rows,
             "majority_top1": report.get("majority_top1"), "heldout_prompts": report.get("heldout_prompts"),
-            "label_horizon_intervals": horizon}
+            "label_horizon_intervals": horizon, "after_an_earlier_turn": after_turn,
+            "prompt_tokens": report.get("prompt_tokens", 0) if report else None}
 
 
 def recent_whatif(bench: BenchRun, medium: str) -> dict | None:
@@ -444,10 +449,13 @@ def plot(item: dict, path: Path, context: str) -> None:
     elif kind == "table2":
         fig, ax = plt.subplots(figsize=(7, 1.2 + 0.3 * sum(len(v) for v in item["rows"].values())))
         ax.axis("off")
-        cells = [[enc, name, f"{r['top1']:.1%}", f"{r['top2']:.1%}"] for enc, rows in item["rows"].items()
-                 for name, r in rows.items()]
+        after = item.get("after_an_earlier_turn") or {}
+        cells = [[enc, name, f"{r['top1']:.1%}", f"{r['top2']:.1%}",
+                  f"{after[enc][name]['top1']:.1%}" if name in after.get(enc, {}) else "n/a"]
+                 for enc, rows in item["rows"].items() for name, r in rows.items()]
         if cells:
-            ax.table(cellText=cells, colLabels=["encoder", "input", "top-1 acc.", "top-2 recall"], loc="center")
+            ax.table(cellText=cells, colLabels=["encoder", "input", "top-1 acc.", "top-2 recall",
+                                                "top-1 after a turn"], loc="center")
         ax.set_title(f"{item['title']}\n[{item['source']}]", fontsize=8)
     else:
         return
@@ -744,10 +752,22 @@ def _summary_line(name: str, item: dict) -> list[str]:
         horizon = item.get("label_horizon_intervals")
         label = ("the draft best over the rest of the output" if horizon == 0 else
                  f"the draft best over the next {horizon} interval(s)" if horizon else "unknown")
-        return [f"Labels: {label} (`memspec-train-predictor --label-horizon`).", "",
-                "| encoder | input | top-1 | top-2 |", "|---|---|---:|---:|"] + [
-            f"| {enc} | {inp} | {r['top1']:.1%} | {r['top2']:.1%} |" for enc, rows in item["rows"].items()
-            for inp, r in rows.items()] + [""]
+        window = item.get("prompt_tokens")
+        pooled = ("the whole prompt" if window == 0 else f"the prompt's last {window} positions" if window
+                  else "unknown")
+        after = item.get("after_an_earlier_turn") or {}
+
+        def turn(enc: str, inp: str) -> str:
+            r = after.get(enc, {}).get(inp)
+            return f"{r['top1']:.1%} | {r['top2']:.1%}" if r else "n/a | n/a"
+
+        return [f"Labels: {label} (`memspec-train-predictor --label-horizon`). The prompt half pools {pooled}"
+                " (`--prompt-tokens`). After an earlier turn: the same held-out requests as the latest turn after"
+                " another request and the target's answer (n/a: not scored).", "",
+                "| encoder | input | top-1 | top-2 | after an earlier turn: top-1 | top-2 |",
+                "|---|---|---:|---:|---:|---:|"] + [
+            f"| {enc} | {inp} | {r['top1']:.1%} | {r['top2']:.1%} | {turn(enc, inp)} |"
+            for enc, rows in item["rows"].items() for inp, r in rows.items()] + [""]
     if name == "recent":
         return ["| features | " + " | ".join(LABELS[p] for p in item["policies"]) + " |",
                 "|---|" + "---:|" * len(item["policies"])] + [

@@ -353,7 +353,7 @@ def test_table2_shows_the_score_after_an_earlier_turn_where_the_report_has_it(tm
     (tmp_path / "report.json").write_text(json.dumps(report))
     lines = _summary_line("table2", table2(tmp_path / "report.json"))
     assert "| minilm | prompt | 50.0% | 75.0% | 25.0% | 50.0% |" in lines
-    assert "the prompt's last 16 positions" in lines[0]
+    assert "the prompt's last 16 positions" in lines[0] and "trained on such conversations too" in lines[0]
     del report["conversations"], report["prompt_tokens"]  # a report from before either
     (tmp_path / "report.json").write_text(json.dumps(report))
     lines = _summary_line("table2", table2(tmp_path / "report.json"))

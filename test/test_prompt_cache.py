@@ -321,6 +321,8 @@ def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target, pro
         while not session.finished:
             session.step("d", draft)
         tokens, kv = session.tokens, session.target_kv
+        # the controller's order: the rows the first generation's forwards recorded, kept; begin; the prefill
+        kept = encoder.prefix_rows(kv.length)
         follow = tokens + _ids(7, 13)
         fresh = KVState()
         encoder.begin(follow)
@@ -328,7 +330,7 @@ def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target, pro
         want = encoder.prompt_features(follow)
 
         calls = []
-        encoder.reuse_rows(encoder.prefix_rows(kv.length))  # the controller's order: rows, begin, the prefill
+        encoder.reuse_rows(kept)
         encoder.begin(follow)
         handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
         try:

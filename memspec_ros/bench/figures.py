@@ -270,7 +270,8 @@ def table2(report_path: Path) -> dict:
             "title": "Predictor quality: top-1 accuracy and top-2 recall by input", "rows": rows,
             "majority_top1": report.get("majority_top1"), "heldout_prompts": report.get("heldout_prompts"),
             "label_horizon_intervals": horizon, "after_an_earlier_turn": after_turn,
-            "prompt_tokens": report.get("prompt_tokens", 0) if report else None}
+            "prompt_tokens": report.get("prompt_tokens", 0) if report else None,
+            "trained_on_conversations": report.get("conversations", {}).get("trained_on")}
 
 
 def recent_whatif(bench: BenchRun, medium: str) -> dict | None:
@@ -753,8 +754,11 @@ def _summary_line(name: str, item: dict) -> list[str]:
         label = ("the draft best over the rest of the output" if horizon == 0 else
                  f"the draft best over the next {horizon} interval(s)" if horizon else "unknown")
         window = item.get("prompt_tokens")
-        pooled = ("the whole prompt" if window == 0 else f"the prompt's last {window} positions" if window
-                  else "unknown")
+        pooled = ("the whole prompt (MiniLM: its last 256 tokens' text)" if window == 0 else
+                  f"the prompt's last {window} positions (MiniLM: their text, the same whatever came before)"
+                  if window else "unknown")
+        trained = {True: " The head trained on such conversations too.", False: " The head did not train on"
+                   " conversations."}.get(item.get("trained_on_conversations"), "")
         after = item.get("after_an_earlier_turn") or {}
 
         def turn(enc: str, inp: str) -> str:
@@ -763,7 +767,7 @@ def _summary_line(name: str, item: dict) -> list[str]:
 
         return [f"Labels: {label} (`memspec-train-predictor --label-horizon`). The prompt half pools {pooled}"
                 " (`--prompt-tokens`). After an earlier turn: the same held-out requests as the latest turn after"
-                " another request and the target's answer (n/a: not scored).", "",
+                f" another request and the target's answer (n/a: not scored).{trained}", "",
                 "| encoder | input | top-1 | top-2 | after an earlier turn: top-1 | top-2 |",
                 "|---|---|---:|---:|---:|---:|"] + [
             f"| {enc} | {inp} | {r['top1']:.1%} | {r['top2']:.1%} | {turn(enc, inp)} |"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import positive_int
+from ..argtypes import non_negative_int, positive_int
 from ..runtime.controller import RuntimeConfig
 from ..runtime.loader import load_models
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
@@ -34,17 +34,19 @@ VARIANTS = [("minilm", False), ("minilm", True), ("target-hidden", False), ("tar
 
 
 def build_engine(encoder_name: str, predictor_dir: Path | None, target, tokenizer, drafts: list[str],
-                 recent_tokens: int) -> PredictionEngine:
+                 recent_tokens: int, prompt_tokens: int = 16) -> PredictionEngine:
     """The trained head in ``predictor_dir`` (main() checked it is there), or a random one (``--untrained``)."""
     if predictor_dir is not None:
         return PredictionEngine.load(predictor_dir / encoder_name, target=target, tokenizer=tokenizer)
     if encoder_name == "minilm":
-        encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                prompt_tokens=prompt_tokens)
     else:
-        encoder = TargetHiddenEncoder(target, recent_tokens)
+        encoder = TargetHiddenEncoder(target, recent_tokens, prompt_tokens)
     torch.manual_seed(0)
     head = RankingHead(HeadConfig(encoder=encoder_name, drafts=drafts, in_dim=2 * encoder.dim,
-                                  recent_tokens=recent_tokens)).eval()
+                                  recent_tokens=recent_tokens, prompt_tokens=prompt_tokens,
+                                  truncation_side="left")).eval()
     return PredictionEngine(head, encoder)
 
 
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="models/workloads/mixed.jsonl")
     p.add_argument("--predictor", default="models/predictor")
     p.add_argument("--untrained", action="store_true", help="random heads (same cost) instead of trained ones")
+    p.add_argument("--prompt-tokens", type=non_negative_int, default=16, metavar="W",
+                   help="--untrained heads: the prompt positions their prompt half pools, as memspec-train-predictor's"
+                        " (0: the whole prompt)")
     p.add_argument("--prompts", type=positive_int, default=4)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--interval", type=positive_int, default=4)
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     predictor_dir = None if args.untrained else Path(args.predictor)
     results = {}
     for encoder_name, overlap in VARIANTS:
-        engine = build_engine(encoder_name, predictor_dir, target, tokenizer, registry.names(), 32)
+        engine = build_engine(encoder_name, predictor_dir, target, tokenizer, registry.names(), 32,
+                              args.prompt_tokens)
         config = RuntimeConfig(policy="memspec", capacity=args.capacity, interval=args.interval,
                                recent_tokens=engine.recent_tokens,  # the head's T
                                overlap_prediction=overlap, prompt_cache=False)  # each prompt encoded in full

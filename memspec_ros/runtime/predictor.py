@@ -177,7 +177,8 @@ class MiniLMEncoder:
 
     name = "minilm"
 
-    def __init__(self, decode, max_length: int = 128, path: str | Path | None = None, prompt_tokens: int = 0) -> None:
+    def __init__(self, decode, max_length: int = 128, path: str | Path | None = None, prompt_tokens: int = 0,
+                 truncation_side: str = "left") -> None:
         """``decode(ids) -> str`` turns target token ids into text (the target tokenizer's decode); the prompt
         half embeds the prompt's last ``prompt_tokens`` tokens (W, :func:`prompt_window`; 0: its tail as long as
         the truncation keeps)."""
@@ -190,8 +191,10 @@ class MiniLMEncoder:
         safetensors_files(root)  # safetensors only, a shard index naming nothing else
         self.tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
         # cut a long text's head, not its tail: the prompt's tail is what the generation continues from (and the
-        # recent window's newest tokens are the freshest)
-        self.tokenizer.truncation_side = "left"
+        # recent window's newest tokens are the freshest). Heads trained before session 35 saw the tail cut
+        # ("right", their config's default): they get what they were trained on
+        self.tokenizer.truncation_side = truncation_side
+        self.truncation_side = truncation_side
         self.model = AutoModel.from_pretrained(root, local_files_only=True, use_safetensors=True).eval()
         self.model.requires_grad_(False)
         self.dim = int(self.model.config.hidden_size)
@@ -296,7 +299,9 @@ class TargetHiddenEncoder:
         # observer alike: with the target on a GPU the head's CPU weights met CUDA features and every ranking raised
         rows = rows.cpu()
         with self._lock:
-            if start == self._reused and self._prompt_vec is None and self._prompt_len:
+            if start == self._reused and self._prompt_vec is None and self._prompt_len \
+                    and total >= self._prompt_len:
+                # (a prefill fed in parts would leave it unset: prompt_features then takes its own prompt pass)
                 # the prefill: prompt positions (after a reused prefix, whose rows begin() put first in _fed)
                 fresh = rows[: self._prompt_len - self._reused]
                 window = prompt_window(self._prompt_len, self.prompt_tokens)
@@ -429,6 +434,7 @@ class HeadConfig:
     prompt_tokens: int = 0  # W: the prompt half pools the last W prompt positions (0: the whole prompt)
     interval: int = 4  # N the traces were cut at
     max_length: int = 128  # MiniLM truncation
+    truncation_side: str = "right"  # which end of a long text MiniLM cuts ("left" since session 35: keep the tail)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -495,6 +501,9 @@ class RankingHead(torch.nn.Module):
                 or config.prompt_tokens < 0:
             raise PredictorError(f"{root / HEAD_CONFIG}: prompt_tokens must be a whole number of positions >= 0 (0:"
                                  f" the whole prompt), not {config.prompt_tokens!r}: retrain the predictor")
+        if config.truncation_side not in ("left", "right"):
+            raise PredictorError(f"{root / HEAD_CONFIG}: truncation_side must be 'left' or 'right', not"
+                                 f" {config.truncation_side!r}: retrain the predictor")
         if config.encoder not in ENCODERS:
             raise PredictorError(f"{root / HEAD_CONFIG} names encoder {config.encoder!r}; known: {', '.join(ENCODERS)}")
         head = cls(config)
@@ -537,6 +546,13 @@ class PredictionEngine(SynchronousRanking):
                 f" all) but the {encoder.name} encoder pools {getattr(encoder, 'prompt_tokens', 0)}: build the"
                 " encoder with the head's prompt_tokens (PredictionEngine.load does)"
             )
+        cut = getattr(encoder, "truncation_side", None)
+        if cut is not None and cut != head.config.truncation_side:
+            raise PredictorError(
+                f"the ranking head was trained on texts cut on the {head.config.truncation_side} but the"
+                f" {encoder.name} encoder cuts on the {cut}: build it with the head's truncation_side"
+                " (PredictionEngine.load does)"
+            )
         self.head = head
         self.encoder = encoder
         self.recent_tokens = recent_tokens if recent_tokens is not None else head.config.recent_tokens
@@ -552,7 +568,7 @@ class PredictionEngine(SynchronousRanking):
                 raise PredictorError("the MiniLM predictor needs the target tokenizer to turn token ids into text")
             encoder: ContextEncoder = MiniLMEncoder(
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=True), max_length=head.config.max_length,
-                prompt_tokens=head.config.prompt_tokens,
+                prompt_tokens=head.config.prompt_tokens, truncation_side=head.config.truncation_side,
             )
         else:
             if target is None:

@@ -15,10 +15,12 @@ the output ran MemSpec faster on every held-out workload (docs/results/README.md
 
 The prompt half pools the prompt's last W positions (``--prompt-tokens``, 16): the latest request's end and
 the reply's header. Pooled over the whole prompt, a system prompt or an earlier turn outweighed the request
-the generation answers. Every training request is also traced as the latest turn after another request and
-the target's answer to it (:func:`conversation_forms`), trained on and scored on the held-out prompts
-("after an earlier turn" in the report). Both measured in session 35 on the bundled zoo's training split
-(scripts/predictor_window_features.py, docs/results/predictor-window.txt).
+the generation answers. Every training request is also traced as the latest turn after another training
+request of another domain and the target's answer to it (:func:`conversation_forms`), trained on and scored on
+the held-out prompts ("after an earlier turn" in the report). Why: docs/results/predictor-window.txt
+(scripts/predictor_window_features.py, session 35, on the bundled zoo's training split), where W = 16 alone took
+held-out top-1 after an earlier turn from 48.1% (whole prompt) to 82.9%, and training on conversation forms (there
+also under system prompts) to 84.5%.
 
 The encoder stays frozen; only the small head is trained (full batch, seeded,
 deterministic). Held-out contexts come from held-out *prompts*, so the reported
@@ -77,6 +79,7 @@ class PromptTrace:
     agreement: dict[str, list[bool]]
     contexts: list[TraceContext] = field(default_factory=list)
     messages: list[tuple[str, str]] = field(default_factory=list)  # the request's turns, where known
+    domain: str = ""  # where known (a conversation form's earlier turn is of another domain)
 
 
 def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agreement: dict[str, list[bool]],
@@ -104,8 +107,9 @@ def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agr
 def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[list[int]], max_new_tokens: int,
                    gamma: int, interval: int, eos_token_ids=(), progress: bool = True,
                    cache: ContinuationCache | None = None, horizon: int = 1,
-                   messages: Sequence[Sequence[tuple[str, str]]] | None = None) -> list[PromptTrace]:
-    """``messages``: each prompt's turns (for :func:`conversation_forms`), where known."""
+                   messages: Sequence[Sequence[tuple[str, str]]] | None = None,
+                   domains: Sequence[str] | None = None) -> list[PromptTrace]:
+    """``messages``, ``domains``: each prompt's turns and domain (for :func:`conversation_forms`), where known."""
     from tqdm import tqdm
 
     cache = cache or ContinuationCache(None, "")  # in memory only
@@ -118,6 +122,7 @@ def collect_traces(target, drafts: dict[str, torch.nn.Module], prompts: list[lis
         agreement = {name: draft_agreement(model, prompt_ids, continuation) for name, model in drafts.items()}
         traces.append(trace_prompt(index, prompt_ids, continuation, agreement, list(drafts), gamma, interval, horizon))
         traces[-1].messages = list(messages[index]) if messages is not None else []
+        traces[-1].domain = domains[index] if domains is not None else ""
     return traces
 
 
@@ -248,33 +253,50 @@ def traces_from_answers(drafts: dict[str, torch.nn.Module], answers, gamma: int,
         traces.append(trace_prompt(index, a.prompt_ids, a.answer_ids, agreement, list(drafts), gamma, interval,
                                    horizon))
         traces[-1].messages = list(a.messages)
+        traces[-1].domain = a.domain
     return traces
 
 
-def conversation_forms(tokenizer, traces: Sequence[PromptTrace], seed: int) -> list[PromptTrace] | str:
+def conversation_forms(tokenizer, traces: Sequence[PromptTrace], seed: int,
+                       earlier_pool: Sequence[int] | None = None) -> list[PromptTrace] | str:
     """Each trace's request as the latest turn of a conversation, as the node sends a goal with history: after
-    one earlier turn (another trace's request, seeded, and the target's own answer to it). Its continuation and
-    labels stay the request alone's: an approximation (after an earlier turn the target may answer a little
-    differently), kept because decoding every conversation again would cost the whole trace budget anew. A head
-    trained on these ranks a request, not the conversation's mean (scripts/predictor_conversations.py). Returns
-    the reason instead where they cannot be built (no chat template, requests known only as token ids)."""
-    from memspec_ros.runtime.chat import has_chat_template, prompt_ids
+    one earlier turn, a request drawn (seeded) from ``earlier_pool`` (trace indices, by default all: give the
+    training prompts', so that no held-out request's text is trained on) of another domain where the traces know
+    theirs, and the target's own answer to it. A candidate whose answer has no text, or that the node would
+    refuse (ChatError), is passed over. The continuation and labels stay the request alone's: an approximation
+    (after an earlier turn the target may answer a little differently), kept because decoding every conversation
+    again would cost the whole trace budget anew. A head trained on these ranks a request, not the conversation's
+    mean (scripts/predictor_conversations.py). Returns the reason instead where they cannot be built (no chat
+    template, requests known only as token ids)."""
+    from memspec_ros.runtime.chat import ChatError, has_chat_template, prompt_ids
 
     if not has_chat_template(tokenizer):
         return "the target's tokenizer has no chat template"
     if len(traces) < 2 or any(not t.messages for t in traces):
         return "the requests' text is unknown (teacher shards keep token ids only: pass the datastore or --prompts)"
+    answers = {}
+    for j in range(len(traces)) if earlier_pool is None else earlier_pool:
+        text = tokenizer.decode(traces[j].continuation, skip_special_tokens=True)
+        if text.strip():
+            answers[j] = text
     rng = random.Random(seed)
     forms = []
     for i, trace in enumerate(traces):
-        j = rng.randrange(len(traces) - 1)
-        earlier = traces[j + (j >= i)]
+        candidates = [j for j in answers if j != i and (not trace.domain or traces[j].domain != trace.domain)]
+        candidates = candidates or [j for j in answers if j != i]  # one domain only: any other request
+        rng.shuffle(candidates)
         system = [m for m in trace.messages if m[0] == "system"]
-        turns = [m for m in earlier.messages if m[0] != "system"]
-        answer = tokenizer.decode(earlier.continuation, skip_special_tokens=True)
-        ids = prompt_ids(tokenizer, "", [*system, *turns, ("assistant", answer),
-                                         *(m for m in trace.messages if m[0] != "system")])
-        forms.append(replace(trace, prompt_ids=ids))
+        request = [m for m in trace.messages if m[0] != "system"]
+        for j in candidates:
+            turns = [m for m in traces[j].messages if m[0] != "system"]
+            try:
+                ids = prompt_ids(tokenizer, "", [*system, *turns, ("assistant", answers[j]), *request])
+            except ChatError:
+                continue
+            forms.append(replace(trace, prompt_ids=ids))
+            break
+        else:
+            return f"no earlier request makes a conversation the node would take with request {i}"
     return forms
 
 
@@ -314,7 +336,7 @@ def run(args: argparse.Namespace) -> dict:
         # as the node sends them (the chat template where the target has one): the features the head is trained
         # on are those it will rank on; a prompt past --max-prompt-tokens is left out, not cut (its hidden states
         # would lack their left context)
-        every, turns, refused = [], [], []
+        every, turns, domains, refused = [], [], [], []
         for n, r in enumerate(rows, 1):
             messages = [(m["role"], m["content"]) for m in r.get("messages", [])]
             try:
@@ -323,11 +345,12 @@ def run(args: argparse.Namespace) -> dict:
                 refused.append(f"row {n}: {exc}")
                 continue
             turns.append(messages or [("user", r.get("prompt", ""))])  # a prompt-only goal is one user turn
+            domains.append(str(r.get("domain", "")))
         if refused:
             print(f"{len(refused)} of {len(rows)} prompts left out, as the node would reject them; the first:"
                   f" {refused[0]}", file=sys.stderr)
         kept = [i for i, ids in enumerate(every) if len(ids) <= args.max_prompt_tokens]
-        prompts, turns = [every[i] for i in kept], [turns[i] for i in kept]
+        prompts, turns, domains = [every[i] for i in kept], [turns[i] for i in kept], [domains[i] for i in kept]
         if not prompts:
             raise SystemExit(f"every prompt of {args.prompts} is longer than --max-prompt-tokens"
                              f" {args.max_prompt_tokens}")
@@ -336,7 +359,8 @@ def run(args: argparse.Namespace) -> dict:
                   f" {args.max_prompt_tokens} left out", file=sys.stderr)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
-                                progress=not args.quiet, cache=cache, horizon=args.label_horizon, messages=turns)
+                                progress=not args.quiet, cache=cache, horizon=args.label_horizon, messages=turns,
+                                domains=domains)
         cache.save()
     trace_seconds = time.perf_counter() - t0
     names = list(drafts)
@@ -357,7 +381,9 @@ def run(args: argparse.Namespace) -> dict:
                     "continuations_from_cache": cache.hits, "prompt_tokens": args.prompt_tokens, "encoders": {}}
     # every request again as the latest turn of a conversation: scored on the held-out prompts (their contexts
     # and labels are the request alone's, so the rows line up with ``contexts``) and, by default, trained on
-    conversations = conversation_forms(tokenizer, traces, args.seed)
+    # (a trace's contexts carry its prompt's index: with --prompts a prompt answered in under 2 tokens has none)
+    training = [i for i, t in enumerate(traces) if t.contexts and t.contexts[0].prompt_index not in heldout]
+    conversations = conversation_forms(tokenizer, traces, args.seed, training)
     if isinstance(conversations, str):
         print(f"no conversation forms: {conversations}", file=sys.stderr)
         report["conversations"] = {"skipped": conversations}
@@ -388,7 +414,7 @@ def run(args: argparse.Namespace) -> dict:
         for which in INPUTS:
             config = HeadConfig(encoder=encoder_name, drafts=names, in_dim=int(feats.shape[-1]), hidden=args.hidden,
                                 input=which, recent_tokens=args.recent_tokens, prompt_tokens=args.prompt_tokens,
-                                interval=args.interval)
+                                interval=args.interval, truncation_side="left")
             head = train_head(train_x, train_y, config, cfg, progress=not args.quiet)
             results[which] = evaluate(head, feats[test_mask], labels[test_mask])
             if conv_feats is not None:

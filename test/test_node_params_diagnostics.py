@@ -141,7 +141,9 @@ def test_diagnostics_follow_the_diagnostic_updater_contract(h):
                     "misses", "loads", "evictions", "wasted prefetches"):
             assert key in cache
         assert cache["capacity (K)"] == "2"
-        assert by_name["memspec: predictor"]["encoder"] == "target-hidden"
+        predictor = by_name["memspec: predictor"]
+        assert predictor["encoder"] == "target-hidden" and predictor["recent tokens (T)"] == "32"
+        assert predictor["prompt positions (W)"] == "whole prompt"  # the tiny zoo's head: HeadConfig's default 0
         assert by_name["memspec: target model"]["lifecycle state"] == "active"
     finally:
         h.set_params(**{"diagnostic_updater.period": 1.0})

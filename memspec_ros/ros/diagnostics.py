@@ -462,6 +462,10 @@ class NodeTasks:
         s.add("path", lo.paths.predictor)
         s.add("encoder", config.encoder)
         s.add("input", config.input)
+        s.add("recent tokens (T)", config.recent_tokens)
+        # which prompt positions the prompt half pools: 0 is the whole prompt (heads trained before session 35),
+        # which a system prompt or earlier turns outweigh
+        s.add("prompt positions (W)", config.prompt_tokens or "whole prompt")
         s.add("classes", config.drafts)
         for key, value in sorted(config.metrics.items()):
             s.add(f"trained {key}", value)

@@ -22,7 +22,7 @@ import torch
 from memspec_ros.runtime.chat import prompt_ids
 from memspec_ros.runtime.datastore import read_answers
 from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
-from memspec_ros.runtime.predictor import recent_window
+from memspec_ros.runtime.predictor import pooled_hidden_features
 from memspec_ros.runtime.registry import DraftRegistry
 from memspec_ros.zoo.predictor_training import split_prompts, traces_from_answers
 from memspec_ros.zoo.teacher import Answer
@@ -61,13 +61,6 @@ rng = random.Random(1)
 decoder = target.model
 
 
-def pool(hidden, plen, W, generated):
-    p = hidden[max(0, plen - W) if W else 0: plen].mean(0)
-    win = recent_window(plen, generated, 32) if generated > 0 else range(0)
-    r = hidden[win.start:win.stop].mean(0) if len(win) else torch.zeros_like(p)
-    return torch.cat([p, r])
-
-
 out = {"labels": [], "prompt": [], "heldout": [], "domain": [], "plen": [], "req_len": []}
 for variant in ("alone", "turn", "system"):
     out[variant] = {W: [] for W in WS}
@@ -91,7 +84,7 @@ with torch.inference_mode():
             for ctx in tr.contexts:
                 gen = ctx.position if ctx.interval > 0 else 0
                 for W in WS:
-                    out[variant][W].append(pool(hidden, len(pids), W, gen))
+                    out[variant][W].append(pooled_hidden_features(hidden, len(pids), gen, 32, W))
         for ctx in tr.contexts:
             out["labels"].append(names.index(ctx.label))
             out["prompt"].append(i)

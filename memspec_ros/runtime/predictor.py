@@ -194,7 +194,6 @@ class MiniLMEncoder:
         # recent window's newest tokens are the freshest). Heads trained before session 35 saw the tail cut
         # ("right", their config's default): they get what they were trained on
         self.tokenizer.truncation_side = truncation_side
-        self.truncation_side = truncation_side
         self.model = AutoModel.from_pretrained(root, local_files_only=True, use_safetensors=True).eval()
         self.model.requires_grad_(False)
         self.dim = int(self.model.config.hidden_size)
@@ -203,6 +202,11 @@ class MiniLMEncoder:
         self.prompt_tokens = prompt_tokens
         self._prompt_key: tuple[int, ...] | None = None
         self._prompt_vec: torch.Tensor | None = None
+
+    @property
+    def truncation_side(self) -> str:
+        """Which end of a long text the tokenizer cuts (the head's config must name the same)."""
+        return self.tokenizer.truncation_side
 
     @torch.inference_mode()
     def embed_texts(self, texts: Sequence[str]) -> torch.Tensor:
@@ -297,7 +301,8 @@ class TargetHiddenEncoder:
     def _record_rows(self, rows: torch.Tensor, start: int, total: int) -> None:
         # kept on the CPU, where the head runs (a ranking's few hundred floats), from the hook and the lean forward's
         # observer alike: with the target on a GPU the head's CPU weights met CUDA features and every ranking raised
-        rows = rows.cpu()
+        if rows.device.type != "cpu":  # (an attribute read: .cpu() itself would be a dispatch every verify)
+            rows = rows.cpu()
         with self._lock:
             if start == self._reused and self._prompt_vec is None and self._prompt_len \
                     and total >= self._prompt_len:

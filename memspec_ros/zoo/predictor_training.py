@@ -390,21 +390,23 @@ def run(args: argparse.Namespace) -> dict:
     else:
         report["conversations"] = {"trained_on": args.conversation_training, "encoders": {}}
 
-    def features(encoder_name: str, chosen: list[PromptTrace]) -> torch.Tensor:
-        if encoder_name == "minilm":
-            encoder = MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                    prompt_tokens=args.prompt_tokens)
-            return torch.stack(minilm_features(encoder, chosen, args.recent_tokens, progress=not args.quiet))
-        return torch.stack(hidden_features(target, chosen, args.recent_tokens, progress=not args.quiet,
-                                           prompt_tokens=args.prompt_tokens))
-
     out = Path(args.out)
     for encoder_name in args.encoders:
-        feats = features(encoder_name, traces)
+        # MiniLM loaded once for the requests alone and their conversation forms
+        minilm = (MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                prompt_tokens=args.prompt_tokens) if encoder_name == "minilm" else None)
+
+        def features(chosen: list[PromptTrace], minilm: MiniLMEncoder | None = minilm) -> torch.Tensor:
+            if minilm is not None:
+                return torch.stack(minilm_features(minilm, chosen, args.recent_tokens, progress=not args.quiet))
+            return torch.stack(hidden_features(target, chosen, args.recent_tokens, progress=not args.quiet,
+                                               prompt_tokens=args.prompt_tokens))
+
+        feats = features(traces)
         train_x, train_y = feats[~test_mask], labels[~test_mask]
         conv_feats = None
         if not isinstance(conversations, str):
-            conv_feats = features(encoder_name, conversations)
+            conv_feats = features(conversations)
             if args.conversation_training:
                 train_x = torch.cat([train_x, conv_feats[~test_mask]])
                 train_y = torch.cat([train_y, train_y])

@@ -306,10 +306,13 @@ def test_a_refused_request_takes_nothing_from_the_prompt_cache(c_target):
     assert controller.generate(follow, max_new_tokens=4).stats.reused_prompt_tokens == held
 
 
+@pytest.mark.parametrize("rows_kept", [True, False])
 @pytest.mark.parametrize("prompt_tokens", [0, 4, 20])
-def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target, prompt_tokens):
+def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target, prompt_tokens, rows_kept):
     """With the prefix reused, the prompt features equal those of a fresh prefill, without a pass of its own,
-    whichever prompt positions they pool (W 4: only fed ones, 20: reused and fed ones, 0: all)."""
+    whichever prompt positions they pool (W 4: only fed ones, 20: reused and fed ones, 0: all). With the reused
+    positions' rows not kept, still without a pass when the window lies in what the prefill fed (W 4); else one
+    pass gives the same features, and the prefill's rows stay recorded for the recent window."""
     target = c_target
     lean = lean_forward_for(target)
     draft = noisy_copy(target, 0.05, seed=12)  # before the encoder's hook: a deep copy cannot copy its lock
@@ -330,21 +333,32 @@ def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target, pro
         want = encoder.prompt_features(follow)
 
         calls = []
-        encoder.reuse_rows(kept)
+        reused = kv.length
+        encoder.reuse_rows(kept if rows_kept else None, reused)
         encoder.begin(follow)
         handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
         try:
-            forward_once(target, follow[kv.length:], kv, 1, "cpu", lean)
+            forward_once(target, follow[reused:], kv, 1, "cpu", lean)
             got = encoder.prompt_features(follow)
         finally:
             handle.remove()
-        assert torch.allclose(got, want, atol=1e-6) and not calls  # no pass of the target over the prompt
+        passes = 0 if rows_kept or 0 < prompt_tokens <= len(follow) - reused else 1
+        assert torch.allclose(got, want, atol=1e-5) and len(calls) == passes  # a pass over the prompt only if needed
+        last = encoder.recent_rows(follow[-1:], 1)  # the prompt's last position: what the first token's window pools
+        # (the prefill's rows are still recorded after a pass)
+        assert len(last) == 1 and torch.allclose(last[0][0], hidden_last(target, follow), atol=1e-4)
         if prompt_tokens:
             with torch.inference_mode():
                 hidden = target.model(input_ids=torch.tensor([follow])).last_hidden_state[0]
             assert torch.allclose(got, hidden[-prompt_tokens:].mean(0), atol=1e-4)
     finally:
         encoder.close()
+
+
+def hidden_last(target, ids) -> torch.Tensor:
+    """The target's final hidden state at the last position of ``ids`` (one plain pass)."""
+    with torch.inference_mode():
+        return target.model(input_ids=torch.tensor([list(ids)])).last_hidden_state[0, -1]
 
 
 def test_a_goal_that_ends_inside_an_accepted_run_hands_back_only_what_it_kept(c_target):
@@ -439,7 +453,7 @@ class _RowsRanker(FixedRanker):
     def prefix_rows(self, positions: int) -> torch.Tensor:
         return torch.full((positions, 1), float(self.prompt[0]))
 
-    def reuse_rows(self, rows) -> None:
+    def reuse_rows(self, rows, positions=None) -> None:
         self.reused.append(rows)
 
 

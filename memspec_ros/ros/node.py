@@ -99,8 +99,8 @@ class RecordingRanker:
         # failed: nothing kept, and the prompt features of a goal continuing it take a target pass
         return self._guarded(self.engine.prefix_rows, positions)
 
-    def reuse_rows(self, rows) -> None:
-        self._guarded(self.engine.reuse_rows, rows)  # failed: the prompt features take a pass of the target
+    def reuse_rows(self, rows, positions=None) -> None:
+        self._guarded(self.engine.reuse_rows, rows, positions)  # failed: the prompt features take a pass of the target
 
     def rank(self, context):
         """The predictor's ranking; if it raises, general-static's order (drafts of domain "general" first,

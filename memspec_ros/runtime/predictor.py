@@ -259,8 +259,9 @@ class TargetHiddenEncoder:
         # forwards that left ``_fed`` (before the recent window): final, kept until the next begin() so that a
         # prompt whose KV cache the controller reuses (runtime/prompt_cache.py) still has its hidden rows
         self._history: list[tuple[int, torch.Tensor]] = []
-        self._reused_rows: torch.Tensor | None = None  # the next generation's reused prompt positions
-        self._reused = 0
+        self._reused_rows: torch.Tensor | None = None  # the next generation's reused prompt positions' rows
+        self._reused_positions = 0  # how many positions the next generation reuses (rows kept or not)
+        self._reused = 0  # this generation's reused positions: its prefill feeds from there
         self._prompt_len = 0
         self._prompt_vec: torch.Tensor | None = None
         self._lock = threading.Lock()
@@ -311,10 +312,10 @@ class TargetHiddenEncoder:
                 fresh = rows[: self._prompt_len - self._reused]
                 window = prompt_window(self._prompt_len, self.prompt_tokens)
                 if window.start >= self._reused:  # the window lies in what this forward fed
-                    pooled = fresh[window.start - self._reused :]
-                else:
-                    pooled = torch.cat([self._fed[0][1][window.start :], fresh])
-                self._prompt_vec = pooled.mean(0)
+                    self._prompt_vec = fresh[window.start - self._reused :].mean(0)
+                elif self._fed and self._fed[0][0] == 0:  # and in the reused positions, whose rows were kept
+                    self._prompt_vec = torch.cat([self._fed[0][1][window.start :], fresh]).mean(0)
+                # (else reused positions without their rows: prompt_features takes its own prompt pass)
             fed = self._fed
             while fed and fed[-1][0] >= start:  # re-fed from an earlier position: those rows are stale
                 fed.pop()
@@ -339,33 +340,46 @@ class TargetHiddenEncoder:
                 end = start + parts[-1].shape[0]
             return torch.cat(parts) if end == positions and parts else None
 
-    def reuse_rows(self, rows: torch.Tensor | None) -> None:
-        """The next generation reuses the target's KV cache of its first ``len(rows)`` positions, so its prefill
-        feeds only the rest: these are those positions' hidden rows, for its prompt features. None (they were
-        not kept): the prompt features take one pass of the target over the prompt, as a ranking before the
-        prefill does."""
+    def reuse_rows(self, rows: torch.Tensor | None, positions: int | None = None) -> None:
+        """The next generation reuses the target's KV cache of its first ``positions`` positions (default
+        ``len(rows)``), so its prefill feeds only the rest: ``rows`` are those positions' hidden rows, for its
+        prompt features. None (they were not kept): the prompt features still come from the prefill when the
+        pooled window lies in what it feeds; otherwise they take one pass of the target over the prompt, as a
+        ranking before the prefill does."""
+        if rows is not None and positions is not None and positions != rows.shape[0]:
+            raise ValueError(f"{rows.shape[0]} hidden rows for {positions} reused positions")
         with self._lock:
             self._reused_rows = rows
+            self._reused_positions = rows.shape[0] if rows is not None else (positions or 0)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         with self._lock:
             reused, self._reused_rows = self._reused_rows, None
             self._history = []
             self._fed = [(0, reused)] if reused is not None else []
-            self._reused = reused.shape[0] if reused is not None else 0
+            # the prefill starts after the reused positions, whether or not their rows were kept
+            self._reused, self._reused_positions = self._reused_positions, 0
             self._prompt_len = len(prompt_ids)
             self._prompt_vec = None
 
     def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         with self._lock:
             vec = self._prompt_vec
-        if vec is None:  # ranked before the target saw the prompt (the controller prefills first): one prompt pass
-            with torch.inference_mode():
-                ids = torch.tensor([list(prompt_ids)], device=next(self.target.parameters()).device)
-                self.target(input_ids=ids, use_cache=False, logits_to_keep=1)
+        if vec is None:
+            # ranked before the target saw the prompt, after a prefill fed in parts, or with the pooled window
+            # reaching into reused positions whose rows were not kept: one pass of the target over the prompt,
+            # recorded as a prefill from position 0 would be, and then forgotten (not part of the generation's cache)
             with self._lock:
-                vec = self._prompt_vec
-                self._fed = []  # that pass is not part of the generation's cache
+                kept, self._fed, self._reused = (self._fed, self._history, self._reused), [], 0
+                self._history = []
+            try:
+                with torch.inference_mode():
+                    ids = torch.tensor([list(prompt_ids)], device=next(self.target.parameters()).device)
+                    self.target(input_ids=ids, use_cache=False, logits_to_keep=1)
+            finally:
+                with self._lock:
+                    vec = self._prompt_vec
+                    self._fed, self._history, self._reused = kept
         return vec if vec is not None else torch.zeros(self.dim)
 
     def recent_rows(self, recent_ids: Sequence[int], generated: int) -> list[torch.Tensor]:
@@ -616,12 +630,12 @@ class PredictionEngine(SynchronousRanking):
         rows = getattr(self.encoder, "prefix_rows", None)
         return rows(positions) if rows is not None else None
 
-    def reuse_rows(self, rows: torch.Tensor | None) -> None:
-        """The next prompt's first positions come from the prompt cache: an encoder that reads the target's hidden
-        states takes their rows (TargetHiddenEncoder.reuse_rows)."""
+    def reuse_rows(self, rows: torch.Tensor | None, positions: int | None = None) -> None:
+        """The next prompt's first ``positions`` positions come from the prompt cache: an encoder that reads the
+        target's hidden states takes their rows, if kept (TargetHiddenEncoder.reuse_rows)."""
         reuse = getattr(self.encoder, "reuse_rows", None)
         if reuse is not None:
-            reuse(rows)
+            reuse(rows, positions)
 
     def features(self, context: PredictionContext) -> torch.Tensor:
         prompt = self.encoder.prompt_features(context.prompt_ids)

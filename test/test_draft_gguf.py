@@ -175,3 +175,12 @@ def test_outside_wins_counts_positions_where_a_zero_row_would_win():
             return type("Out", (), {"logits": logits})()
 
     assert outside_wins(Fixed(), [[1, 2, 3]]) == (1, 3, -1.0)
+
+
+def test_the_llamacpp_bench_reports_its_worst_speculative_configuration_beside_the_best():
+    """The best of several medians is picked by the runs it reports; the worst is quoted beside it, each named."""
+    from memspec_ros.bench.llamacpp_bench import speculative_choice
+
+    choice = speculative_choice({"fixed gamma": 150.0, "adaptive gamma": 300.0, "lookup": 240.0}, 100.0)
+    assert choice == {"speculative_tps": 300.0, "speculative_method": "adaptive gamma", "speculative_vs_llamacpp": 3.0,
+                      "speculative_worst_method": "fixed gamma", "speculative_worst_vs_llamacpp": 1.5}

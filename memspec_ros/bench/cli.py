@@ -235,13 +235,15 @@ def cmd_llamacpp(args) -> int:
                   + (f" | with the datastore: alone {p['datastore_alone_tps']:6.1f}, beside the draft"
                      f" {p['speculative_adaptive_datastore_tps']:6.1f} ({p['datastore_share']:.0%} copied)"
                      if "datastore_alone_tps" in p else "") +
-                  f" | best {p['speculative_vs_llamacpp']:.2f}x ({p['speculative_method']})"
+                  f" | best {p['speculative_vs_llamacpp']:.2f}x ({p['speculative_method']}),"
+                  f" worst {p['speculative_worst_vs_llamacpp']:.2f}x ({p['speculative_worst_method']})"
                   f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
                   f" t_verify {p['forward']['verify_ms']:.1f} ms | {_matmul_text(p['forward'])}")
         print(
             "  goals: target alone >= 0.5x llama.cpp:"
             f" {row['target_alone_vs_llamacpp']:.2f}x ({row['best_target_alone_path']});"
-            f" speculative >= 1.0x: {row['speculative_vs_llamacpp']:.2f}x ({row['best_speculative_path']})"
+            f" speculative >= 1.0x: {row['speculative_vs_llamacpp']:.2f}x ({row['best_speculative_path']}; its worst"
+            f" configuration {row['paths'][row['best_speculative_path']]['speculative_worst_vs_llamacpp']:.2f}x)"
         )
     return 0 if all(row["outputs_identical"] for row in result["threads"].values()) else 1
 

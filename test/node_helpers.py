@@ -85,16 +85,22 @@ class Harness:
         params = [Parameter(k, value=v) for k, v in (overrides or {}).items()]
         self.node = MemSpecNode(name, context=context, parameter_overrides=params)
         self.client = rclpy.create_node(f"{name}_test_client", context=context)
-        # time the goal callback on the server side (the node's action server exists from its construction)
+        # watch the goal callback on the server side (the node's action server exists from its construction): its
+        # time, printed by tests (the latency bound is `memspec-bench soak`'s verdict, not a unit test's), and
+        # whether a goal was running both when it began and when it answered: an answer that waited for the
+        # running generation could not have come while it still ran
         self.goal_callback_seconds: list[float] = []
-        on_goal = self.node._on_goal
+        self.goal_callback_beside_a_goal: list[bool] = []
+        on_goal, runner = self.node._on_goal, self.node._runner
 
         def timed_on_goal(request):
             t0 = time.perf_counter()
+            running = runner.counts()[0]
             try:
                 return on_goal(request)
             finally:
                 self.goal_callback_seconds.append(time.perf_counter() - t0)
+                self.goal_callback_beside_a_goal.append(running and runner.counts()[0])
 
         self.node._action_server.register_goal_callback(timed_on_goal)
         self.executor = MultiThreadedExecutor(num_threads=4, context=context)
@@ -202,3 +208,23 @@ def goal(prompt: str = "def add(a, b):", max_new_tokens: int = 24, **kwargs):
     from memspec_interfaces.action import Generate
 
     return Generate.Goal(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
+
+
+@contextmanager
+def prompt_tokenizations() -> Iterator[list[int]]:
+    """The goal callback's prompt tokenizations (goal_runner.prompt_ids calls) while the block runs: a prompt too
+    long to take is to be refused by its character count, before any tokenizer work."""
+    from memspec_ros.ros import goal_runner
+
+    calls: list[int] = []
+    real = goal_runner.prompt_ids
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    goal_runner.prompt_ids = counted
+    try:
+        yield calls
+    finally:
+        goal_runner.prompt_ids = real

@@ -192,12 +192,10 @@ def test_cancel_returns_partial_text(pair, executor):
     assert response.result.completion_tokens < 200
 
 
-def test_invalid_goal_is_rejected_at_once(pair, executor):
-    _server, client = pair()
-    started = time.monotonic()
+def test_invalid_goal_is_rejected_and_never_executed(pair, executor):
+    server, client = pair()
     handle = spin_until_complete(executor, client.send_goal_async(Generate.Goal(prompt="")), TIMEOUT, "goal response")
-    assert not handle.accepted
-    assert time.monotonic() - started < 1.0  # BehaviorTree.ROS2 clients give up after 1000 ms
+    assert not handle.accepted and server.goals == []
 
 
 def test_cache_state_and_generation_stats_cross_dds(make_node, executor):

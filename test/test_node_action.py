@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from node_helpers import active_harness, goal
+from node_helpers import active_harness, goal, prompt_tokenizations
 from ros_helpers import require_ros, wait_until
 
 require_ros()
@@ -22,7 +22,6 @@ from memspec_interfaces.msg import GenerationStats
 from memspec_ros.ros.action_client import SafeActionClient
 
 LONG = 3000  # tokens: a goal that runs for seconds with the tiny zoo (no EOS token)
-GOAL_RESPONSE_LIMIT = 0.050  # the goal callback's answer, measured in the server
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +152,7 @@ def test_every_rejection_answers_fast_while_a_goal_runs(h):
         queued, _ = h.send(goal(max_new_tokens=8))
         assert queued.accepted  # one waiting place
         h.goal_callback_seconds.clear()
+        h.goal_callback_beside_a_goal.clear()
         latencies = {}
         cases = {
             "queue full": goal(max_new_tokens=8),
@@ -173,9 +173,9 @@ def test_every_rejection_answers_fast_while_a_goal_runs(h):
             assert not handle.accepted, label
             assert reasons[label] in h.node.last_rejection, (label, h.node.last_rejection)
             latencies[label] = seconds
-        assert len(h.goal_callback_seconds) == len(cases)
-        assert max(h.goal_callback_seconds) < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
-        assert max(latencies.values()) < 1.0, latencies  # BehaviorTree.ROS2 gives up after 1000 ms
+        # every answer came while the long goal still ran: none waited for the generation (the answer's latency
+        # is memspec-bench soak's verdict)
+        assert h.goal_callback_beside_a_goal == [True] * len(cases)
         print(f"goal callback while a goal runs: median {statistics.median(h.goal_callback_seconds) * 1e3:.2f} ms,"
               f" max {max(h.goal_callback_seconds) * 1e3:.2f} ms; client round trip max"
               f" {max(latencies.values()) * 1e3:.1f} ms")
@@ -191,13 +191,14 @@ def test_every_rejection_answers_fast_while_a_goal_runs(h):
 def test_a_megabyte_prompt_is_rejected_before_it_is_tokenized(h):
     """A 1 MB prompt was tokenized whole in the goal callback before its length was checked (451 ms and
     350 MB of RSS); a character count that no max_prompt_tokens-token prompt can reach now rejects it first."""
-    h.goal_callback_seconds.clear()
-    handle, seconds = h.send(goal(prompt="word " * 200_000))
-    assert not handle.accepted
-    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
+    with prompt_tokenizations() as tokenized:
+        handle, _ = h.send(goal(prompt="word " * 200_000))
+        assert not handle.accepted and not tokenized
+        handle, _ = h.send(goal(prompt="word " * 8, max_new_tokens=4))  # (the count sees a prompt that is taken)
+        assert handle.accepted and tokenized
     assert "the prompt has 1000000 characters" in h.node.last_rejection, h.node.last_rejection
     assert "more than the limit of 1024" in h.node.last_rejection
-    assert seconds < 1.0
+    assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
 
 
 def test_a_burst_of_goal_requests_is_answered_in_full(h):
@@ -324,10 +325,8 @@ def test_deactivate_during_a_goal_aborts_it_with_the_partial_text_and_rejects_ne
     assert response.result.finish_reason == Generate.Result.FINISH_ERROR
     assert "deactivated" in response.result.error_message
     assert response.result.text and 0 < response.result.completion_tokens < LONG
-    h.goal_callback_seconds.clear()
-    rejected, seconds = h.send(goal())
-    assert not rejected.accepted
-    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT and seconds < 1.0
+    rejected, _ = h.send(goal())
+    assert not rejected.accepted and "the node is not active" in h.node.last_rejection, h.node.last_rejection
     assert h.transition(Transition.TRANSITION_ACTIVATE)
     handle, _ = h.send(goal(max_new_tokens=4))
     assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED

@@ -21,7 +21,6 @@ from memspec_interfaces.action import Generate
 from memspec_ros.ros import params as P
 from memspec_ros.ros.goal_runner import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
-GOAL_RESPONSE_LIMIT = 0.050  # the goal callback's answer, measured in the server (as test_node_action.py)
 NEW = 12
 
 
@@ -40,19 +39,16 @@ def goal_with(request=None, **values):
 
 
 def rejected(h, request, reason: str) -> None:
-    h.goal_callback_seconds.clear()
-    handle, seconds = h.send(request)
+    before = h.node.goals_rejected
+    handle, _ = h.send(request)
     assert not handle.accepted, reason
     assert reason in h.node.last_rejection, (reason, h.node.last_rejection)
-    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT, (reason, h.goal_callback_seconds)
-    assert seconds < 1.0, (reason, seconds)
+    assert h.node.goals_rejected == before + 1  # counted once, for /diagnostics
 
 
 def succeeded(h, request) -> Generate.Result:
-    h.goal_callback_seconds.clear()
     handle, _ = h.send(request)
     assert handle.accepted, h.node.last_rejection
-    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
     response = h.result(handle)
     assert response.status == GoalStatus.STATUS_SUCCEEDED, response.result.error_message
     return response.result

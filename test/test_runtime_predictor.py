@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -303,7 +304,10 @@ def test_a_points_answer_is_never_its_own_ranking_however_fast_that_finishes():
     assert [n for n, _ in over.latest(["a", "b"])] == ["a", "b"]
     over.submit(ctx(1, candidates=("a", "b")))
     assert done.wait(10)
-    time.sleep(0.05)  # interval 1's ranking has finished
+    pending = over._pending
+    if pending is not None:  # interval 1's ranking has finished before the point reads (not only started)
+        concurrent.futures.wait([pending], timeout=10)
+        assert pending.done()
     assert [n for n, _ in over.latest(["a", "b"])] == ["a", "b"]  # the answer for point 1: interval 0's
     deadline = time.monotonic() + 10.0
     while [n for n, _ in over.latest(["a", "b"])] != ["b", "a"]:  # read again: the newest

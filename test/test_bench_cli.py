@@ -447,15 +447,21 @@ def test_every_timed_policy_run_starts_with_no_load_in_flight(tmp_path, monkeypa
 
     monkeypatch.setattr(DraftStorage, "load", slow_load)
 
+    after = []
+
     def generate(self, *args, **kwargs):
         in_flight.append(self.cache.loading())
-        return real(self, *args, **kwargs)
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            after.append(self.cache.loading())
 
     monkeypatch.setattr(RuntimeController, "generate", generate)
     assert main(["policies", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--workloads", "code",
                  "--policies", "memspec,general-static", "--prompts", "1", "--runs", "2", "--max-new-tokens", "16",
                  "--storage", "sd", "--no-simulator", "--json", str(tmp_path / "p.json")]) == 0
     assert len(in_flight) >= 4 and not any(in_flight)
+    assert any(after)  # a load outlived its run: the bench's reset is what cleared it
 
 
 def test_the_committed_results_page_rerenders(tmp_path):

@@ -135,12 +135,14 @@ def test_a_checkpoint_lacking_a_tensor_its_config_needs_is_refused(tmp_path, tok
     folder = save_model_dir(untied, tokenizer, tmp_path / "untied")
     weights = load_file(str(folder / "model.safetensors"))
     assert drop in weights and "lm_head.weight" in weights
-    load_model(ModelSpec(str(folder)))
+    loaded = load_model(ModelSpec(str(folder))).model  # every tensor the file's, none made up
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())
     untied.config.tie_word_embeddings = True  # as SmolLM2 (and its GGUF conversion): lm_head is the embedding
     tied = save_model_dir(LlamaForCausalLM(untied.config), tokenizer, tmp_path / "tied")
     assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
-    load_model(ModelSpec(str(tied)))
-    DraftStorage(MEDIA["local"]).load(ModelSpec(str(tied)))
+    for loaded in (load_model(ModelSpec(str(tied))), DraftStorage(MEDIA["local"]).load(ModelSpec(str(tied)))):
+        model = loaded.model
+        assert torch.equal(model.lm_head.weight, model.get_input_embeddings().weight)  # the head is the embedding
     save_file({k: v for k, v in weights.items() if k != drop}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     with pytest.raises(ModelDirectoryError, match=rf"lack 1 tensor.*: {drop.replace('.', '[.]')}[.] .*randomly"):

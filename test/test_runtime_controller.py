@@ -509,7 +509,7 @@ def test_a_wait_for_a_load_that_fails_is_a_load_wait(target, drafts, expected, p
     assert stats.setup_wait_seconds + stats.load_wait_seconds == pytest.approx(stats.cache.wait_seconds, abs=1e-6)
     failed_wait = stats.setup_wait_seconds if policy == "prediction-only" else stats.load_wait_seconds
     assert failed_wait >= delay
-    assert stats.prediction_seconds < delay / 2  # tiny rankings: the failed wait is not in them
+    assert stats.prediction_seconds < delay  # the failed wait (>= delay, above) is not in them
     ctl.close()
 
 
@@ -596,7 +596,7 @@ def test_end_to_end_and_first_token_count_the_wait_for_the_last_goals_prefetch(t
     timer.join()
     stats = result.stats
     assert result.token_ids == expected[:8]
-    assert wall - 0.2 * held <= stats.end_to_end_seconds <= wall  # all of the call but generate()'s last lines
+    assert 0 < stats.end_to_end_seconds == stats.call_seconds <= wall  # the controller's own call (below: its parts)
     assert stats.time_to_first_token >= 0.9 * held  # the first token came after the reset's wait
     assert stats.prepare_seconds >= 0.9 * held  # which came before the policy's start
     assert stats.end_to_end_seconds >= (stats.prepare_seconds + stats.setup_seconds + stats.prefill_seconds

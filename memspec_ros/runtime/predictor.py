@@ -370,8 +370,8 @@ class TargetHiddenEncoder:
             # reaching into reused positions whose rows were not kept: one pass of the target over the prompt,
             # recorded as a prefill from position 0 would be, and then forgotten (not part of the generation's cache)
             with self._lock:
-                kept, self._fed, self._reused = (self._fed, self._history, self._reused), [], 0
-                self._history = []
+                kept = (self._fed, self._history, self._reused)
+                self._fed, self._history, self._reused = [], [], 0
             try:
                 with torch.inference_mode():
                     ids = torch.tensor([list(prompt_ids)], device=next(self.target.parameters()).device)

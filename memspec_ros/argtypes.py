@@ -20,3 +20,36 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
+
+
+def int_in(lo: int, hi: int):
+    """An integer in [lo, hi] (e.g. a controller limit): one the engine would refuse after minutes of tracing, or
+    that ran nothing, is refused by the parser instead."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{lo}, {hi}]")
+        return value
+
+    parse.__name__ = f"{lo} to {hi}"  # argparse names the type in "invalid ... value"
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    """A period or a share where 0 is meaningful ('every time'): a negative one, or nan, is refused."""
+    value = float(text)
+    if not value >= 0:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"{value} is not a non-negative number")
+    return value
+
+
+def thread_counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of thread counts ('1,2'), each at least 1."""
+    try:
+        counts = tuple(positive_int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers") from None
+    if not counts:
+        raise argparse.ArgumentTypeError("no thread count given")
+    return counts

@@ -17,7 +17,7 @@ from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
 def test_engine_bench_reports_every_figure(tmp_path):
     out = tmp_path / "engine.json"
-    assert main(["engine", "--zoo", str(tmp_path / "no-zoo"), "--prompts", "2", "--runs", "1",
+    assert main(["engine", "--zoo", "tiny", "--prompts", "2", "--runs", "1",
                  "--max-new-tokens", "12", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     for key in ("autoregressive_tps", "hf_assisted_tps", "engine_tps", "engine_decode_tps", "bound_tps"):
@@ -256,7 +256,7 @@ def test_counts_below_one_are_refused_before_anything_runs(argv, capsys):
 
 
 def test_round_robin_prompts_skip_a_file_that_repeats_anothers_rows(tmp_path):
-    from memspec_ros.bench.cli import _round_robin_prompts
+    from memspec_ros.bench.cli import _round_robin_rows, _unique_prompt_ids
 
     class Chars:  # a tokenizer of characters, no chat template: the prompt's text is its ids
         chat_template = None
@@ -269,7 +269,7 @@ def test_round_robin_prompts_skip_a_file_that_repeats_anothers_rows(tmp_path):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"domain": name, "prompt": p}) + "\n"
                                                         for p in prompts))
     (tmp_path / "all.jsonl").write_text((tmp_path / "a.jsonl").read_text() + (tmp_path / "b.jsonl").read_text())
-    got = ["".join(map(chr, ids)) for ids in _round_robin_prompts(Chars(), tmp_path, 5)]
+    got = ["".join(map(chr, ids)) for ids in _unique_prompt_ids(Chars(), _round_robin_rows(tmp_path, 5), 5)]
     assert got == ["a0", "b0", "a1", "b1", "a2"]
 
 
@@ -324,7 +324,7 @@ def test_the_engine_bench_pools_e_a_over_every_iteration(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine_bench, "generate", recording)
     out = tmp_path / "engine.json"
-    assert main(["engine", "--zoo", str(tmp_path / "no-zoo"), "--prompts", "3", "--runs", "1",
+    assert main(["engine", "--zoo", "tiny", "--prompts", "3", "--runs", "1",
                  "--max-new-tokens", "24", "--json", str(out)]) == 0
     pooled = GenerationTotals()
     for stats in seen:

@@ -8,23 +8,65 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import int_in, non_negative_float, non_negative_int, positive_int, thread_counts
+from ..runtime import bundled_zoo_dir
 
-DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "models"
+DEFAULT_ZOO = bundled_zoo_dir()
+
+
+def _controller_limit(name: str):
+    """An argparse type bounded by the controller's own limit: a value the engine would refuse after minutes of
+    tracing is refused by the parser (the controller, and torch with it, imported only when an option is read)."""
+
+    def parse(text: str) -> int:
+        from ..runtime.controller import LIMITS
+
+        return int_in(*LIMITS[name])(text)
+
+    parse.__name__ = f"{name} (the controller's bounds)"
+    return parse
+
+
+_GAMMA, _CAPACITY, _INTERVAL = (_controller_limit(name) for name in ("gamma", "capacity", "interval"))
+TINY_ZOO = "tiny"  # --zoo tiny: generated tiny models (fast, their speed-ups say little)
 ACTION_GOAL = 0.97  # the ROS path's steady-state tok/s over a direct call's (median of interleaved pairs)
+
+
+def _bench_zoo(args) -> Path | None:
+    """--zoo of the engine, action and soak benches: a built zoo's folder, or None for generated tiny models
+    (--zoo tiny, or the bundled zoo's default when this install has none, said on stderr). A folder named
+    that holds no zoo is refused: a typo ran the tiny models and exited 0."""
+    if args.zoo == TINY_ZOO:
+        return None
+    zoo = Path(args.zoo)
+    if (zoo / "registry.yaml").is_file():
+        return zoo
+    if zoo == DEFAULT_ZOO:
+        print(f"no bundled zoo at {zoo}: generated tiny models (speed-ups here say little)", file=sys.stderr)
+        return None
+    raise SystemExit(f"--zoo {zoo}: no zoo there (registry.yaml missing): pass a built zoo's folder, or"
+                     f" '{TINY_ZOO}' for generated tiny models")
 
 
 def _engine_models(args):
     """The zoo's target and one draft, or generated tiny models when no zoo is there."""
     from ..runtime.models import ModelSpec, load_model, tokenizer_fingerprint
 
-    registry_file = Path(args.zoo) / "registry.yaml"
-    if args.target or registry_file.is_file():
+    zoo = _bench_zoo(args)
+    if args.target or zoo is not None:
         from ..runtime.loader import DraftLists, load_models
         from ..runtime.registry import UnknownDraftError
 
+        workloads = Path(args.workloads_dir) if args.workloads_dir else (zoo or Path()) / "workloads"
+        try:  # read before the models load: a bad row is named in seconds, not after the loads
+            rows = _round_robin_rows(workloads, args.prompts) if workloads.is_dir() else []
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"memspec-bench engine: {exc}") from None
+        if args.workloads_dir and not rows:
+            raise SystemExit(f"--workloads-dir {workloads}: no workload rows there (<name>.jsonl files)")
+        registry_file = None if args.target else zoo / "registry.yaml"
         drafts = DraftLists([args.draft], [args.draft_path]) if args.target else None
-        models = load_models(None if args.target else registry_file, drafts=drafts, target_path=args.target,
+        models = load_models(registry_file, drafts=drafts, target_path=args.target,
                              dtype=args.dtype, quantization=args.quantization, gamma=args.gamma, validate=False)
         try:
             draft_path = models.registry.get(args.draft).path
@@ -34,17 +76,11 @@ def _engine_models(args):
         draft = load_model(ModelSpec(draft_path, dtype=models.draft_dtype, quantization=args.draft_quantization))
         args.forward_paths = {"target": target.forward_path, "draft": draft.forward_path,
                               "target_auto": target.path_choice.as_dict() if target.path_choice else None}
-        workloads = Path(args.workloads_dir) if args.workloads_dir else Path(args.zoo) / "workloads"
-        prompts = _round_robin_prompts(tokenizer, workloads, args.prompts) if workloads.is_dir() else []
-        if args.workloads_dir and not prompts:
-            raise SystemExit(f"--workloads-dir {workloads}: no workload rows there (<name>.jsonl files)")
-        if not prompts:
-            prompts = [tokenizer("The robot")["input_ids"]]
+        prompts = _unique_prompt_ids(tokenizer, rows, args.prompts) or [tokenizer("The robot")["input_ids"]]
         args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)  # a --datastore must be made for it
         return target.model, draft.model, prompts, (target_path, draft_path)
     from ..testing.tiny_models import noisy_copy, tiny_llama
 
-    print("no zoo found: benchmarking generated tiny models (speed-ups here say little)", file=sys.stderr)
     target = tiny_llama(vocab_size=512, hidden=256, layers=8, seed=0, init_range=0.1)
     draft = noisy_copy(target, 0.02)
     draft.model.layers = draft.model.layers[:1]  # a one-layer cut of the target: cheap, partly agreeing
@@ -53,17 +89,25 @@ def _engine_models(args):
     return target, draft, prompts, ("tiny-target", "tiny-draft")
 
 
-def _round_robin_prompts(tokenizer, folder: Path, count: int) -> list[list[int]]:
-    """``count`` prompts taken in turn from each workload of ``folder`` (any <name>.jsonl rows, chat rows too)."""
-    from .policy_bench import read_workload, row_prompt_ids, workloads_in
+def _round_robin_rows(folder: Path, count: int) -> list[dict]:
+    """Rows taken in turn from each workload of ``folder`` (any <name>.jsonl rows, chat rows too), up to ``count``
+    of each: enough for ``count`` distinct prompts when files repeat each other's rows."""
+    from .policy_bench import read_workload, workloads_in
 
     per_file = [read_workload(folder / f"{w}.jsonl", count) for w in workloads_in(folder)]
+    return [rows[k] for k in range(count) for rows in per_file if k < len(rows)]
+
+
+def _unique_prompt_ids(tokenizer, rows: list[dict], count: int) -> list[list[int]]:
+    """The first ``count`` of the rows' prompts as the node tokenises them, each once: a file that repeats
+    another's rows adds nothing."""
+    from .policy_bench import row_prompt_ids
+
     prompts: list[list[int]] = []
-    for k in range(count):
-        for rows in per_file:
-            ids = row_prompt_ids(tokenizer, rows[k]) if k < len(rows) else None
-            if ids is not None and ids not in prompts:  # a file that repeats another's rows adds nothing
-                prompts.append(ids)
+    for row in rows:
+        ids = row_prompt_ids(tokenizer, row)
+        if ids not in prompts:
+            prompts.append(ids)
     return prompts[:count]
 
 
@@ -128,6 +172,9 @@ def cmd_engine(args) -> int:
                             context_lookup=args.context_lookup)
     if args.datastore not in ("", "none") and not cfg.context_lookup:  # a file it names would be read by nothing
         raise SystemExit("--datastore is searched by the context lookup: add --context-lookup")
+    if bool(args.target) != bool(args.draft_path):  # one without the other was ignored, or failed in the loader
+        raise SystemExit("--target and --draft-path go together (a target directory and a draft for it); without"
+                         " them the zoo's target and --draft run")
     target, draft, prompts, names = _engine_models(args)
     if cfg.context_lookup:
         cfg.datastore = _datastore(args, getattr(args, "tokenizer_fingerprint", None))
@@ -165,23 +212,65 @@ def _matmul_text(forward: dict) -> str:
             f" {forward['verify_matmul_ms']:.1f} ms ({forward['verify_matmul_share']:.0%}) of the verify")
 
 
-def cmd_llamacpp(args) -> int:
-    import json as _json
+def _llamacpp_rows(args) -> list[tuple[str, dict]]:
+    """(workload, row) of the first --prompts rows of each --domains workload of the zoo, read before any model
+    loads: an unknown workload or a bad row is named."""
+    from .policy_bench import read_workload, workloads_in
 
+    folder = Path(args.zoo) / "workloads"
+    rows = []
+    for domain in (d.strip() for d in args.domains.split(",") if d.strip()):
+        if not (folder / f"{domain}.jsonl").is_file():
+            raise SystemExit(f"--domains {domain}: no workload {folder / (domain + '.jsonl')}; the zoo has"
+                             f" {', '.join(workloads_in(folder)) if folder.is_dir() else 'none'}")
+        try:
+            rows += [(domain, row) for row in read_workload(folder / f"{domain}.jsonl", args.prompts)]
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"memspec-bench llamacpp: {exc}") from None
+    if not rows:
+        raise SystemExit(f"--domains {args.domains!r}: no workload rows to run")
+    return rows
+
+
+def _llamacpp_target(args) -> tuple[str, Path]:
+    """The target as the engine names it (file or pkg: resource) and as llama.cpp reads it (a .gguf file)."""
+    from ..runtime.model_source import package_file
+    from ..runtime.models import ModelDirectoryError
+    from ..runtime.registry import DraftRegistry, RegistryError
+
+    try:
+        registry = DraftRegistry.from_yaml(Path(args.zoo) / "registry.yaml", validate=False)
+    except RegistryError as exc:
+        raise SystemExit(f"memspec-bench llamacpp: {exc}") from None
+    source = args.gguf or registry.target_path
+    if not source:
+        raise SystemExit(f"{Path(args.zoo) / 'registry.yaml'} names no target: pass --gguf FILE")
+    try:
+        gguf = package_file(source) if source.startswith("pkg:") else Path(source)
+    except ModelDirectoryError as exc:
+        raise SystemExit(f"memspec-bench llamacpp: {exc}") from None
+    if gguf.suffix != ".gguf" or not gguf.is_file():
+        raise SystemExit(f"llama.cpp needs the target as a GGUF file; {source} is not one: pass --gguf FILE")
+    return source, gguf
+
+
+def cmd_llamacpp(args) -> int:
     from tqdm import tqdm
 
-    from ..runtime.chat import end_token_ids, prompt_ids
+    from ..runtime.chat import end_token_ids
     from ..runtime.forward_paths import PATHS
-    from ..runtime.model_source import package_file
     from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
     from ..runtime.registry import DraftRegistry
     from .llamacpp_bench import LlamaCppBenchConfig, LlamaCppMissing, llamacpp_program, run_llamacpp_bench
+    from .policy_bench import row_prompt_ids
 
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
     unknown = [p for p in paths if p not in PATHS]
-    if unknown:
-        raise SystemExit(f"unknown forward path(s) {', '.join(unknown)}: use {', '.join(PATHS)}")
-    cfg = LlamaCppBenchConfig(paths=paths, threads=tuple(int(t) for t in args.threads.split(",")),
+    if unknown or not paths:
+        raise SystemExit(f"unknown forward path(s) {', '.join(unknown) or repr(args.paths)}: use {', '.join(PATHS)}")
+    rows = _llamacpp_rows(args)
+    source, gguf = _llamacpp_target(args)
+    cfg = LlamaCppBenchConfig(paths=paths, threads=args.threads,
                               max_new_tokens=args.max_new_tokens, gamma=args.gamma, runs=args.runs,
                               llamacpp_bin=Path(args.llamacpp_bin),
                               llamacpp_draft=Path(args.llamacpp_draft) if args.llamacpp_draft else None)
@@ -190,10 +279,6 @@ def cmd_llamacpp(args) -> int:
     except LlamaCppMissing as exc:
         raise SystemExit(str(exc)) from None
     registry = DraftRegistry.from_yaml(Path(args.zoo) / "registry.yaml", validate=False)
-    source = args.gguf or registry.target_path
-    gguf = package_file(source) if source.startswith("pkg:") else Path(source)
-    if gguf.suffix != ".gguf":
-        raise SystemExit(f"llama.cpp needs the target as a GGUF file; {source} is not one: pass --gguf FILE")
     tokenizer = load_tokenizer(source)
     cfg.datastore = _datastore(args, tokenizer_fingerprint(tokenizer))
     targets = {}
@@ -207,15 +292,9 @@ def cmd_llamacpp(args) -> int:
     drafts = {e.domain: load_model(ModelSpec(e.path, quantization=args.draft_quantization)).model
               for e in registry.entries()}
     prompts = []
-    for domain in args.domains.split(","):
-        rows = [
-            _json.loads(line)
-            for line in (Path(args.zoo) / "workloads" / f"{domain}.jsonl").read_text().splitlines()
-            if line.strip()
-        ]
-        for row in rows[: args.prompts]:
-            ids = prompt_ids(tokenizer, row["prompt"])
-            prompts.append((domain, ids, tokenizer.decode(ids, skip_special_tokens=False)))
+    for domain, row in rows:
+        ids = row_prompt_ids(tokenizer, row)  # as the node sends it: a prompt row or a chat row
+        prompts.append((domain, ids, tokenizer.decode(ids, skip_special_tokens=False)))
     eos = end_token_ids(tokenizer, next(iter(targets.values())))
     with tqdm(total=len(cfg.threads) * cfg.runs * len(prompts), desc="llama.cpp bench", unit="prompt") as bar:
         result = run_llamacpp_bench(gguf, targets, drafts, prompts, cfg, eos, tokenizer.decode, progress=bar)
@@ -254,7 +333,11 @@ def cmd_action(args) -> int:
     from .action_bench import run_action_bench
 
     _quiet_transformers()
-    zoo = Path(args.zoo) if args.zoo else None
+    from ..runtime.policies import POLICIES
+
+    if args.policy not in POLICIES:  # before the node and its client start
+        raise SystemExit(f"--policy {args.policy}: unknown; use one of {', '.join(POLICIES)}")
+    zoo = _bench_zoo(args)
     with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar:
         result = run_action_bench(zoo, prompts=args.prompts, runs=args.runs, max_new_tokens=args.max_new_tokens,
                                   threads=args.threads, feedback_period=args.feedback_period, policy=args.policy,
@@ -288,7 +371,7 @@ def cmd_soak(args) -> int:
     changes = {k: v for k, v in (("goals", args.goals), ("bursts", args.bursts), ("storm_rounds", args.storm_rounds),
                                  ("threads", args.threads)) if v is not None}
     config = replace(config, **changes)
-    zoo = None if args.zoo == "tiny" else Path(args.zoo)
+    zoo = _bench_zoo(args)
     with tqdm(total=config.goals, desc="soak (sequential goals)", unit="goal") as bar:
         result = run_soak(zoo, config, progress=bar)
     result["mode"] = "long" if args.long else "ci"
@@ -366,7 +449,7 @@ def cmd_policies(args) -> int:
 def _zoo_and_workloads(args) -> tuple[Path, Path | None, list[str]]:
     """policies' and paper's --zoo, --workloads-dir and --workloads, checked: the zoo, the workload folder (None:
     the zoo's held-out workloads) and the workloads to run."""
-    from .policy_bench import PolicyBenchConfig, workloads_in
+    from .policy_bench import PolicyBenchConfig, read_workloads, workloads_in
 
     zoo = Path(args.zoo)
     if not (zoo / "registry.yaml").is_file():
@@ -375,8 +458,18 @@ def _zoo_and_workloads(args) -> tuple[Path, Path | None, list[str]]:
     if folder is not None and not folder.is_dir():
         raise SystemExit(f"--workloads-dir {folder} is not a directory")
     if args.workloads:
-        return zoo, folder, args.workloads.split(",")
-    return zoo, folder, workloads_in(folder) if folder is not None else list(PolicyBenchConfig.workloads)
+        workloads = args.workloads.split(",")
+    else:
+        workloads = workloads_in(folder) if folder is not None else list(PolicyBenchConfig.workloads)
+    where = folder if folder is not None else zoo / "workloads"
+    try:  # every row read now: an empty folder or file, or a bad line, is named before the models load
+        empty = [w for w, rows in read_workloads(where, workloads, args.prompts).items() if not rows]
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"memspec-bench {args.command}: {exc}") from None
+    if not workloads or empty:
+        raise SystemExit(f"{where}: no workload rows{' in ' + ', '.join(empty) if empty else ''} (<name>.jsonl files"
+                         " of {\"domain\", \"prompt\"} or chat rows; train* skipped)")
+    return zoo, folder, workloads
 
 
 def cmd_paper(args) -> int:
@@ -452,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--draft", default="general", help="draft name from the zoo registry (default: general)")
     eng.add_argument("--target", help="target model directory (overrides the zoo; needs --draft-path)")
     eng.add_argument("--draft-path", help="draft model directory, with --target")
-    eng.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per iteration (default 4)")
+    eng.add_argument("--gamma", type=_GAMMA, default=4, help="draft tokens per iteration (default 4)")
     eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 | auto (default fp32)")
     eng.add_argument("--quantization", default="none",
                      help="target forward path: none | int8 | int4 | gptq | auto (time every path, keep the fastest)")
@@ -478,12 +571,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lcp.add_argument("--gguf", help="the target GGUF (default: the zoo registry's target, which must be a GGUF)")
     lcp.add_argument("--paths", default="fp32,bf16,int8,int4", help="forward paths to run (default: all four)")
-    lcp.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    lcp.add_argument("--threads", type=thread_counts, default=(1, 2),
+                     help="comma-separated thread counts (default 1,2)")
     lcp.add_argument("--domains", default="code,math,law,medical,general", help="workloads the prompts come from")
     lcp.add_argument("--prompts", type=positive_int, default=1, help="held-out prompts per workload (default 1)")
     lcp.add_argument("--runs", type=positive_int, default=1, help="repetitions; medians are reported (default 1)")
     lcp.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per prompt (default 128)")
-    lcp.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per iteration (default 4)")
+    lcp.add_argument("--gamma", type=_GAMMA, default=4, help="draft tokens per iteration (default 4)")
     lcp.add_argument(
         "--llamacpp-bin",
         default=str(Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"),
@@ -502,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
                       zoo_help="; a generated tiny zoo when it is missing", threads_help=": best on a busy 2-core CPU")
     act.add_argument(
         "--feedback-period",
-        type=float,
+        type=non_negative_float,
         default=0.1,
         help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)",
     )
@@ -533,10 +627,11 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed,"
                                          " or every <name>.jsonl of --workloads-dir)")
     _workloads_dir_argument(pol)
-    pol.add_argument("--capacity", type=positive_int, default=2, help="K, drafts resident at once (default 2)")
-    pol.add_argument("--interval", type=positive_int, default=4,
+    pol.add_argument("--capacity", type=_CAPACITY, default=2,
+                     help="K, drafts resident at once (default 2)")
+    pol.add_argument("--interval", type=_INTERVAL, default=4,
                      help="N, iterations between scheduling points (default 4)")
-    pol.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per iteration (default 4)")
+    pol.add_argument("--gamma", type=_GAMMA, default=4, help="draft tokens per iteration (default 4)")
     _storage_argument(pol, "every draft load reads its weights cold through it")
     pol.add_argument("--no-simulator", action="store_true",
                      help="skip replaying the runs in the trace-driven simulator (simulator_validation)")
@@ -577,8 +672,6 @@ def _num(value: float | None, fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "target", None) and not args.draft_path:
-        raise SystemExit("--target needs --draft-path (the draft model directory)")
     return args.func(args)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -271,20 +270,3 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         loop_draft_ms=loop.draft_ms, loop_verify_ms=loop.verify_ms, loop_other_ms=loop.other_ms,
         per_run=per_run,
     )
-
-
-def default_prompts(tokenizer, workloads_dir: Path, per_domain: int) -> list[list[int]]:
-    """A few held-out prompts of every workload, round-robin, tokenised."""
-    import json
-
-    from ..runtime.chat import prompt_ids
-
-    files = sorted(workloads_dir.glob("*.jsonl"))
-    files = [f for f in files if not f.stem.startswith("train")]
-    per_file = [[json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()] for f in files]
-    prompts = []
-    for k in range(per_domain):
-        for texts in per_file:
-            if k < len(texts):
-                prompts.append(prompt_ids(tokenizer, texts[k]))  # the chat template where the target has one
-    return prompts

@@ -37,7 +37,6 @@ and the paper's metric). Sweeps run on the simulator only as far as this holds.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -151,17 +150,9 @@ def workloads_in(folder: Path) -> list[str]:
 
 def read_workload(path: Path, limit: int) -> list[dict]:
     """The first ``limit`` rows of a workload file: {"domain", "prompt"} rows or chat rows ({"messages": [...]})."""
-    rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if not isinstance(row, dict) or not (row.get("prompt") or row.get("messages")):
-            raise ValueError(f"{path}:{n}: a workload row needs a \"prompt\" or chat \"messages\"")
-        rows.append(row)
-        if len(rows) >= limit:
-            break
-    return rows
+    from ..zoo.workloads import read_jsonl, request_problem
+
+    return read_jsonl(path, limit, request_problem)
 
 
 def row_prompt_ids(tokenizer, row: dict) -> list[int]:
@@ -171,13 +162,18 @@ def row_prompt_ids(tokenizer, row: dict) -> list[int]:
     return prompt_ids(tokenizer, "", [(m["role"], m["content"]) for m in row["messages"]])
 
 
-def workload_prompts(folder: Path, names: Sequence[str], limit: int, tokenizer) -> dict[str, list[list[int]]]:
-    """Token ids of the first ``limit`` prompts of each named workload in ``folder``."""
+def read_workloads(folder: Path, names: Sequence[str], limit: int) -> dict[str, list[dict]]:
+    """The first ``limit`` rows of each named workload in ``folder``; a missing file names the ones there."""
     missing = [w for w in names if not (Path(folder) / f"{w}.jsonl").is_file()]
     if missing:
         raise FileNotFoundError(f"no {', '.join(w + '.jsonl' for w in missing)} in {folder}"
                                 f" (it has: {', '.join(workloads_in(folder)) or 'no workload files'})")
-    return {w: [row_prompt_ids(tokenizer, r) for r in read_workload(Path(folder) / f"{w}.jsonl", limit)] for w in names}
+    return {w: read_workload(Path(folder) / f"{w}.jsonl", limit) for w in names}
+
+
+def workload_prompts(folder: Path, names: Sequence[str], limit: int, tokenizer) -> dict[str, list[list[int]]]:
+    """Token ids of the first ``limit`` prompts of each named workload in ``folder``."""
+    return {w: [row_prompt_ids(tokenizer, r) for r in rows] for w, rows in read_workloads(folder, names, limit).items()}
 
 
 def catchup_line(draft, tokens: int, rounds: int = 3) -> tuple[float, float]:

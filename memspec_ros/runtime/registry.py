@@ -29,6 +29,18 @@ from .lookup import LOOKUP_DRAFT
 from .model_source import is_model_source, relative_to, resolve_model_path
 from .models import ModelDirectoryError, TokenizerMismatchError, load_tokenizer, read_config, tokenizer_fingerprint
 
+# the keys a registry file may hold: any other (a misspelt 'domian', a 'tokenizer' nothing reads) was ignored
+REGISTRY_KEYS = ("target", "drafts")
+DRAFT_KEYS = ("name", "path", "domain", "size_bytes")
+TARGET_KEYS = ("path",)
+
+
+def _known_keys(mapping: dict, known: Sequence[str], where: str) -> None:
+    unknown = [str(k) for k in mapping if k not in known]
+    if unknown:
+        raise RegistryError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                            f" (a registry entry here has {', '.join(known)}): fix the name or remove it")
+
 
 class RegistryError(ValueError):
     """The draft registry (YAML or parameter lists) is malformed; the message says what to fix."""
@@ -154,6 +166,7 @@ class DraftRegistry:
             raise RegistryError(f"{file} is not valid YAML ({exc}): fix the syntax") from exc
         if not isinstance(data, dict) or "drafts" not in data:
             raise RegistryError(f"{file} has no 'drafts' key: list drafts as `drafts: [{{name, path, domain}}]`")
+        _known_keys(data, REGISTRY_KEYS, str(file))
         base = file.parent
         raw = data["drafts"]
         if isinstance(raw, dict):
@@ -167,6 +180,7 @@ class DraftRegistry:
             where = f"drafts[{i}] in {file}"
             name = _text(item["name"], f"{where}: 'name'")
             where = f"drafts[{i}] ({name!r}) in {file}"
+            _known_keys(item, DRAFT_KEYS, where)
             entries.append(
                 DraftEntry(
                     name=name,
@@ -177,6 +191,8 @@ class DraftRegistry:
             )
         target = data.get("target")
         target_path = None
+        if isinstance(target, dict):
+            _known_keys(target, TARGET_KEYS, f"'target' in {file}")
         if isinstance(target, dict) and target.get("path"):
             target_path = relative_to(base, str(target["path"]))
         elif isinstance(target, str):

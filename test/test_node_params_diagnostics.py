@@ -205,6 +205,34 @@ def test_a_draft_that_fails_to_load_is_an_error_and_the_goal_still_succeeds(h, t
         h.node.loaded.controller.cache.clear_failed()
 
 
+def test_a_registry_file_that_brings_another_target_or_predictor_is_refused_at_run_time(h, tmp_path):
+    """drafts.registry_file set to another zoo's registry swapped the drafts and kept the target, predictor and
+    datastore configure had loaded from the first zoo, silently. A registry file that would bring other ones is
+    refused with what to do; another registry beside the same target and predictor is taken."""
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = tiny_zoo()
+    other = build_tiny_zoo(tmp_path / "other", hidden=64, layers=2, draft_layers=2)  # same tokenizer, own target
+    before = h.get_param("drafts.registry_file")
+    [result] = h.set_params(**{"drafts.registry_file": str(other / "registry.yaml")})
+    assert not result.successful
+    assert "model.target_path" in result.reason and "predictor.path" in result.reason
+    assert "cleanup" in result.reason and "configure" in result.reason
+    assert h.get_param("drafts.registry_file") == before and h.node.loaded.registry.names() == ["general", "code",
+                                                                                                   "math"]
+    subset = zoo / "registry-general-code.yaml"  # beside the zoo's own: the same target and predictor
+    subset.write_text("\n".join(line for line in (zoo / "registry.yaml").read_text().splitlines()
+                                if "math" not in line) + "\n")
+    try:
+        [result] = h.set_params(**{"drafts.registry_file": str(subset)})
+        assert result.successful, result.reason
+        assert h.node.loaded.registry.names() == ["general", "code"]
+    finally:
+        [result] = h.set_params(**{"drafts.registry_file": before})
+        assert result.successful, result.reason
+        subset.unlink()
+
+
 def test_a_failed_draft_is_tried_again_once_its_cause_is_gone(h, tmp_path):
     """A draft marked failed stayed failed, and /diagnostics in ERROR, after its cause was gone. Now a
     budget change retries the drafts that did not fit (the reason names memspec.budget_bytes), and

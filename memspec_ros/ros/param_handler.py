@@ -118,10 +118,33 @@ class ParameterHandler:
         """The registry a drafts.* change asks for, built before anything is applied; None if none changed."""
         if lo is None or not any(n in P.REGISTRY_PARAMS for n in new):
             return None
+        merged = {**P.values(self._node), **new}
         try:
-            return registry_from_params({**P.values(self._node), **new}, lo.fingerprint)
+            registry = registry_from_params(merged, lo.fingerprint)
         except Exception as exc:  # a missing or mismatched draft: the change is refused with the cause
             raise Refused(f"draft registry not changed: {exc}") from exc
+        if not P.non_empty(merged["drafts.names"]):
+            self._check_same_models(merged, lo)
+        return registry
+
+    @staticmethod
+    def _check_same_models(merged: dict[str, Any], lo) -> None:
+        """A registry file brings its target, and its predictor and datastore beside it where those parameters are
+        empty; configure loaded them, and a run-time change swaps only the drafts. One that would bring others is
+        refused: kept silently, a predictor ranked drafts it was not trained for."""
+        try:
+            wanted = P.resolve_paths(merged)
+        except ValueError as exc:
+            raise Refused(f"draft registry not changed: {exc}") from exc
+        moved = [f"{name} {now or 'none'!r} (loaded: {was or 'none'!r})"
+                 for name, was, now in (("model.target_path", lo.paths.target, wanted.target),
+                                        ("predictor.path", lo.paths.predictor, wanted.predictor),
+                                        ("datastore.path", lo.paths.datastore, wanted.datastore))
+                 if not P.same_path(was, now)]
+        if moved:
+            raise Refused(f"draft registry not changed: {wanted.registry_file} brings {'; '.join(moved)}, which"
+                          " configure loads: deactivate and cleanup, set drafts.registry_file, then configure"
+                          " again (or give a registry beside the loaded target and predictor)")
 
     def _check_general_draft(self, new: dict[str, Any], lo, registry) -> None:
         """A change that leaves general-static without its draft (the registry, the policy or the name) is refused."""

@@ -36,6 +36,7 @@ from typing import Any
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
+from ..runtime import ZOO_ENV, bundled_zoo_dir
 from ..runtime.controller import I64, LIMITS, RuntimeConfig
 from ..runtime.loader import DraftLists, find_datastore, find_predictor, registry_target
 from ..runtime.models import DTYPE_CHOICES, QUANTIZATIONS
@@ -43,7 +44,6 @@ from ..runtime.policies import POLICIES
 from ..runtime.storage import STORAGE_CHOICES
 
 PACKAGE = "memspec_ros"
-ZOO_ENV = "MEMSPEC_ZOO_DIR"
 ROOTS_ENV = "MEMSPEC_ALLOWED_ROOTS"  # os.pathsep-separated directories added to model.allowed_roots' default
 
 # Where a change lands (see the module docstring).
@@ -324,21 +324,19 @@ def check_value(name: str, value: Any) -> str:
 def default_zoo_dir() -> Path:
     """The bundled zoo: $MEMSPEC_ZOO_DIR, else <share>/memspec_ros/models (a colcon install that
     ships the zoo), else the source tree's models/ (the dev checkout and symlink installs)."""
-    env = os.environ.get(ZOO_ENV)
-    if env:
-        return Path(env)
-    try:
-        from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
-
+    if not os.environ.get(ZOO_ENV):
         try:
-            share = Path(get_package_share_directory(PACKAGE)) / "models"
-            if (share / "registry.yaml").is_file():
-                return share
-        except PackageNotFoundError:
+            from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
+
+            try:
+                share = Path(get_package_share_directory(PACKAGE)) / "models"
+                if (share / "registry.yaml").is_file():
+                    return share
+            except PackageNotFoundError:
+                pass
+        except ImportError:
             pass
-    except ImportError:
-        pass
-    return Path(__file__).resolve().parents[2] / "models"
+    return bundled_zoo_dir()
 
 
 def non_empty(items: list[str]) -> list[str]:
@@ -488,6 +486,15 @@ class ModelPaths:
     tokenizer: str
     predictor: str  # "" = no predictor
     datastore: str = ""  # "" = no datastore
+
+
+def same_path(a: str, b: str) -> bool:
+    """Two model paths name the same thing: equal text (pkg: resources, '' for none) or the same file."""
+    if a == b:
+        return True
+    if not a or not b or a.startswith(PKG_PREFIX) or b.startswith(PKG_PREFIX):
+        return False
+    return Path(a).resolve() == Path(b).resolve()
 
 
 def registry_file_of(v: dict[str, Any]) -> str:

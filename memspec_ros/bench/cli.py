@@ -507,7 +507,8 @@ def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_
     """The options every benchmark shares, with its own defaults."""
     parser.add_argument("--json", help="write the result JSON here")
     parser.add_argument("--zoo", default=str(DEFAULT_ZOO),
-                        help=f"zoo directory with registry.yaml (default: the bundled zoo{zoo_help})")
+                        help=f"zoo directory with registry.yaml (default: the bundled zoo{zoo_help}); '{TINY_ZOO}'"
+                             " on the engine and action benches: generated tiny models")
     parser.add_argument("--prompts", type=positive_int, default=prompts, help=f"{prompts_help} (default {prompts})")
     parser.add_argument("--runs", type=positive_int, default=runs,
                         help=f"{runs_help} (default {runs})")
@@ -593,7 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     lcp.set_defaults(func=cmd_llamacpp)
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",
-                      zoo_help="; a generated tiny zoo when it is missing", threads_help=": best on a busy 2-core CPU")
+                      zoo_help="; a generated tiny zoo when this install has none",
+                      threads_help=": best on a busy 2-core CPU")
     act.add_argument(
         "--feedback-period",
         type=non_negative_float,

@@ -146,7 +146,8 @@ PARAMS: tuple[Param, ...] = (
     # -- the draft registry (scheduling point) --------------------------------------------------
     Param("drafts.registry_file", "",
           "Draft registry YAML (name, path, domain per draft). Empty: the bundled zoo's models/registry.yaml. Ignored"
-          " when drafts.names is set.",
+          " when drafts.names is set. Changed while configured, it swaps the drafts only: a file that brings another"
+          " target (or predictor, datastore beside it) than configure loaded is refused.",
           AT_SCHEDULING_POINT),
     Param("drafts.names", [""],
           "Draft names (parallel to drafts.paths and drafts.domains); [''] or []: use drafts.registry_file.",

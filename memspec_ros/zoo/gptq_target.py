@@ -54,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..argtypes import controller_limit, positive_int
 from .corpora import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -377,22 +378,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="HF directory (in the node's environment also .gguf / pkg:);"
                             " default: the zoo's registry target")
         p.add_argument("--models", default=str(ROOT / "models"), help="the zoo: workloads, build_config.json, drafts")
-        p.add_argument("--requests", type=int, default=128, help="training requests to calibrate on")
+        p.add_argument("--requests", type=positive_int, default=128, help="training requests to calibrate on")
         p.add_argument("--answers", default=None, metavar="DIR",
                        help="stored teacher answers (train-*/heldout-*.safetensors); default: the zoo build's")
-        p.add_argument("--bits", type=int, default=4)
+        p.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4, help="GPTQ bits (default 4)")
         p.add_argument("--group-size", type=int, default=32)
         p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                        help="symmetric grid (a scale per group); --no-sym adds a zero point per group")
-        p.add_argument("--threads", type=int, default=2, help="threads for quantizing and perplexities")
+        p.add_argument("--threads", type=positive_int, default=2, help="threads for quantizing and perplexities")
         p.add_argument("--out-root", default=None, help="default: $XDG_CACHE_HOME/memspec_ros/gptq")
         if name == "report":
             p.add_argument("--json", required=True)
             p.add_argument("--draft", default=None, help="default: <models>/drafts/general")
-            p.add_argument("--ppl-per-workload", type=int, default=25)
-            p.add_argument("--speed-per-workload", type=int, default=2)
-            p.add_argument("--max-new-tokens", type=int, default=128)
-            p.add_argument("--gamma", type=int, default=4)
+            p.add_argument("--ppl-per-workload", type=positive_int, default=25)
+            p.add_argument("--speed-per-workload", type=positive_int, default=2)
+            p.add_argument("--max-new-tokens", type=positive_int, default=128)
+            p.add_argument("--gamma", type=controller_limit("gamma"), default=4)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -450,7 +451,10 @@ def registry_target(models: Path) -> str:
 
     from memspec_ros.runtime.model_source import relative_to
 
-    target = (yaml.safe_load((models / "registry.yaml").read_text()) or {}).get("target") or {}
+    registry = models / "registry.yaml"
+    if not registry.is_file():
+        raise SystemExit(f"no zoo at {models} (registry.yaml missing): pass --models, or --target")
+    target = (yaml.safe_load(registry.read_text()) or {}).get("target") or {}
     path = target.get("path", "") if isinstance(target, dict) else str(target)
     if not path:
         raise SystemExit(f"{models}/registry.yaml names no target: give --target")

@@ -67,3 +67,11 @@ def controller_limit(name: str):
 
     parse.__name__ = f"{name} (the controller's bounds)"
     return parse
+
+
+def positive_float(text: str) -> float:
+    """A time budget or a learning rate: 0 or less trained nothing and exported untrained weights."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):  # nan and inf fail too
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value

@@ -418,6 +418,9 @@ def test_the_model_card_needs_the_vocabulary_figures_from_the_build_or_kept_meas
     ["build", "--train-per-domain", "-1"],
     ["build", "--teacher-chunk", "0"],  # failed inside the teacher with "range() arg 3 must not be zero"
     ["build", "--teacher-batch", "0"],
+    ["build", "--general-minutes", "0"],  # trained nothing and exported the untrained draft
+    ["build", "--domain-lr", "-1e-3"],
+    ["build", "--domain-minutes", "nan"],
 ])
 def test_the_build_refuses_bad_counts_before_any_work(argv, tmp_path, capsys):
     from memspec_ros.zoo.cli import main

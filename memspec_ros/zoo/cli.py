@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..argtypes import controller_limit, non_negative_int, positive_int
+from ..argtypes import controller_limit, non_negative_int, positive_float, positive_int
 
 # OpenMP threads spinning at barriers on a shared CPU made 2-thread training ~8x slower than 1 thread
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -93,9 +93,9 @@ def _chat_build_parser(sub) -> None:
                    help="training steps of the general draft (the budget: the drafts do not depend on the CPU's speed)")
     p.add_argument("--domain-steps", type=positive_int, default=d.domain_train.max_steps,
                    help="fine-tuning steps of each domain draft (the best validated step is kept)")
-    p.add_argument("--general-minutes", type=float, default=d.general_train.max_minutes,
+    p.add_argument("--general-minutes", type=positive_float, default=d.general_train.max_minutes,
                    help="cap on the general draft's training: fewer steps if the machine is too slow for them")
-    p.add_argument("--domain-minutes", type=float, default=d.domain_train.max_minutes,
+    p.add_argument("--domain-minutes", type=positive_float, default=d.domain_train.max_minutes,
                    help="cap on each domain draft's fine-tuning")
     p.add_argument("--draft-rows", type=positive_int, default=d.arch.rows,
                    help="draft vocabulary size (target ids kept)")
@@ -105,8 +105,8 @@ def _chat_build_parser(sub) -> None:
                    help="where the teacher answers and the drafts train: cpu, or cuda for many more answers")
     p.add_argument("--train-batch", type=positive_int, default=d.general_train.batch_size,
                    help="answers per training step (general and domain drafts)")
-    p.add_argument("--general-lr", type=float, default=d.general_train.lr)
-    p.add_argument("--domain-lr", type=float, default=d.domain_train.lr)
+    p.add_argument("--general-lr", type=positive_float, default=d.general_train.lr)
+    p.add_argument("--domain-lr", type=positive_float, default=d.domain_train.lr)
 
 
 def _run_chat_build(a) -> int:

@@ -70,8 +70,8 @@ def controller_limit(name: str):
 
 
 def positive_float(text: str) -> float:
-    """A time budget or a learning rate: 0 or less trained nothing and exported untrained weights."""
+    """A time budget or a learning rate: 0 or less trained nothing and exported untrained weights ('inf': no cap)."""
     value = float(text)
-    if not value > 0 or value == float("inf"):  # nan and inf fail too
+    if not value > 0:  # nan fails too
         raise argparse.ArgumentTypeError(f"{value} is not a positive number")
     return value

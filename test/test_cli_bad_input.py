@@ -21,8 +21,12 @@ def _no_model_loads(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(models, "load_model", refuse)
-    monkeypatch.setattr(models, "load_tokenizer", refuse)
+    from memspec_ros.runtime import loader
+
+    for module in (models, loader):  # loader binds its own names at import
+        monkeypatch.setattr(module, "load_model", refuse)
+        monkeypatch.setattr(module, "load_tokenizer", refuse)
+    monkeypatch.setattr(loader, "load_models", refuse)
 
 
 # -- the zoo's folder: the bundled one wherever the command runs, and a folder without a zoo said so ------------
@@ -34,6 +38,7 @@ def test_zoo_commands_default_to_the_bundled_zoo_outside_the_source_tree(tmp_pat
     from memspec_ros.zoo.cli import main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MEMSPEC_ZOO_DIR", raising=False)
     seen = {}
     monkeypatch.setattr(chat_card, "write_chat_card", lambda models, *_: seen.setdefault("card", models) and "")
     assert main(["card"]) == 0
@@ -114,13 +119,14 @@ def test_a_malformed_workload_line_is_named_by_file_and_line(text, line, what, t
             read_jsonl(path)
 
 
-def test_the_engine_bench_names_a_malformed_workload_line(tmp_path, capsys):
+def test_the_engine_bench_names_a_malformed_workload_line(tmp_path, monkeypatch):
     from memspec_ros.bench.cli import main
     from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
     zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "code.jsonl").write_text('{"prompt": "def f():"}\n{"prompt": \n')
+    _no_model_loads(monkeypatch)
     with pytest.raises(SystemExit, match=r"code.jsonl:2: not valid JSON"):
         main(["engine", "--zoo", str(zoo), "--workloads-dir", str(tmp_path / "w"), "--prompts", "2", "--runs", "1",
               "--max-new-tokens", "4", "--json", str(tmp_path / "e.json")])
@@ -290,13 +296,14 @@ def test_a_registry_key_nothing_reads_is_refused(tmp_path):
     from memspec_ros.runtime.registry import DraftRegistry, RegistryError
 
     for text, key in (("drafts:\n  - {name: code, path: d, domian: code}\n", "'domian'"),
-                      ("tokenizer: t\ndrafts:\n  - {name: code, path: d}\n", "'tokenizer'"),
+                      ("tokenizers: t\ndrafts:\n  - {name: code, path: d}\n", "'tokenizers'"),
                       ("target: {path: t, dtype: bf16}\ndrafts:\n  - {name: code, path: d}\n", "'dtype'")):
         (tmp_path / "registry.yaml").write_text(text)
         with pytest.raises(RegistryError, match=f"unknown key {key}"):
             DraftRegistry.from_yaml(tmp_path / "registry.yaml", validate=False)
-    (tmp_path / "registry.yaml").write_text("target: {path: t}\ndrafts:\n  - {name: code, path: d, domain: c,"
-                                            " size_bytes: 10}\n")
+    # every key a registry reads, and the 'tokenizer' zoos built before this check wrote (nothing reads it)
+    (tmp_path / "registry.yaml").write_text("target: {path: t}\ntokenizer: t\ndrafts:\n  - {name: code, path: d,"
+                                            " domain: c, size_bytes: 10}\n")
     assert DraftRegistry.from_yaml(tmp_path / "registry.yaml", validate=False).names() == ["code"]
 
 

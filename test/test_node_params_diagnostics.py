@@ -206,9 +206,9 @@ def test_a_draft_that_fails_to_load_is_an_error_and_the_goal_still_succeeds(h, t
 
 
 def test_a_registry_file_that_brings_another_target_or_predictor_is_refused_at_run_time(h, tmp_path):
-    """drafts.registry_file set to another zoo's registry swapped the drafts and kept the target, predictor and
-    datastore configure had loaded from the first zoo, silently. A registry file that would bring other ones is
-    refused with what to do; another registry beside the same target and predictor is taken."""
+    """drafts.registry_file set to another zoo's registry swapped the drafts and kept the target and predictor
+    configure had loaded from the first zoo, silently. A registry file that would bring other ones is refused with
+    what to do; another registry beside the same target and predictor is taken."""
     from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
     zoo = tiny_zoo()
@@ -231,6 +231,22 @@ def test_a_registry_file_that_brings_another_target_or_predictor_is_refused_at_r
         [result] = h.set_params(**{"drafts.registry_file": before})
         assert result.successful, result.reason
         subset.unlink()
+
+
+def test_same_path_sees_a_folder_of_links_to_the_same_files_as_that_folder(tmp_path):
+    """A colcon --symlink-install share folder is a real folder holding a link per file: the same predictor."""
+    from memspec_ros.ros.params import same_path
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "head.json").write_text("{}")
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "head.json").symlink_to(tmp_path / "src" / "head.json")
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "head.json").write_text("{}")
+    assert same_path(str(tmp_path / "src"), str(tmp_path / "links"))
+    assert same_path(str(tmp_path / "src"), str(tmp_path / "src" / ".." / "src"))
+    assert not same_path(str(tmp_path / "src"), str(tmp_path / "copy"))  # equal text, other files
+    assert not same_path(str(tmp_path / "src"), "") and same_path("pkg:p/f.gguf", "pkg:p/f.gguf")
 
 
 def test_a_failed_draft_is_tried_again_once_its_cause_is_gone(h, tmp_path):

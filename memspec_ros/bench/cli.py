@@ -98,6 +98,11 @@ def _unique_prompt_ids(tokenizer, rows: list[dict], count: int) -> list[list[int
     return prompts[:count]
 
 
+def _round_robin_prompts(tokenizer, folder: Path, count: int) -> list[list[int]]:
+    """``count`` distinct prompts taken in turn from each workload of ``folder`` (the scripts' A/B runs)."""
+    return _unique_prompt_ids(tokenizer, _round_robin_rows(folder, count), count)
+
+
 def _draft_load(args, names, result) -> dict | None:
     """The draft's cold load through ``--storage``, once per run, with its ratio to one speculative iteration."""
     from ..runtime.cache import draft_spec
@@ -494,8 +499,7 @@ def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_
     """The options every benchmark shares, with its own defaults."""
     parser.add_argument("--json", help="write the result JSON here")
     parser.add_argument("--zoo", default=str(DEFAULT_ZOO),
-                        help=f"zoo directory with registry.yaml (default: the bundled zoo{zoo_help}); '{TINY_ZOO}'"
-                             " on the engine and action benches: generated tiny models")
+                        help=f"zoo directory with registry.yaml (default: the bundled zoo{zoo_help})")
     parser.add_argument("--prompts", type=positive_int, default=prompts, help=f"{prompts_help} (default {prompts})")
     parser.add_argument("--runs", type=positive_int, default=runs,
                         help=f"{runs_help} (default {runs})")
@@ -529,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     eng = sub.add_parser("engine", help="target-only vs transformers assisted generation vs this engine")
     _common_arguments(eng, prompts=12, runs=3, threads=1, prompts_help="number of prompts, spread over the workloads",
+                      zoo_help=f"; '{TINY_ZOO}': generated tiny models, also used when this install has none",
                       threads_help=": small models on a shared 2-core CPU run fastest on one")
     eng.add_argument("--draft", default="general", help="draft name from the zoo registry (default: general)")
     eng.add_argument("--target", help="target model directory (overrides the zoo; needs --draft-path)")
@@ -581,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     lcp.set_defaults(func=cmd_llamacpp)
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",
-                      zoo_help="; a generated tiny zoo when this install has none",
+                      zoo_help=f"; '{TINY_ZOO}': a generated tiny zoo, also used when this install has none",
                       threads_help=": best on a busy 2-core CPU")
     act.add_argument(
         "--feedback-period",

@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..argtypes import positive_float, positive_int
+
 REPO = Path(__file__).resolve().parents[2]
 NODE_NAME = "memspec"
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -127,6 +129,9 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
 
     zoo = Path(args.zoo) if args.zoo else default_zoo_dir()
     generated = not (zoo / "registry.yaml").is_file()
+    if generated and args.zoo:  # a zoo named and not there (a typo) is not replaced by noise
+        raise SystemExit(f"--zoo {zoo}: no zoo there (registry.yaml missing): pass a built zoo's folder, or leave"
+                         " --zoo out for the bundled one")
     if generated:
         tiny = Path(tempfile.mkdtemp(prefix="memspec_demo_zoo_"))
         say(f"no bundled zoo at {zoo} (build it with `memspec-zoo build`): using a generated tiny zoo in {tiny};"
@@ -330,16 +335,23 @@ def run(args) -> int:
     return report(failed, proc, code, log_path)
 
 
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memspec-demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", help="zoo directory with registry.yaml (default: the bundled zoo)")
-    parser.add_argument("--params-file", default=str(REPO / "config" / "memspec.yaml"))
+    parser.add_argument("--params-file", type=_existing_file, default=str(REPO / "config" / "memspec.yaml"),
+                        help="the node's parameters file (default config/memspec.yaml)")
     parser.add_argument("--prompt", help="prompt (default: the zoo's first code workload prompt)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("MEMSPEC_THREADS", "1")),
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--threads", type=positive_int, default=os.environ.get("MEMSPEC_THREADS", "1"),
                         help="torch CPU threads of the node (default 1: fastest on a busy 2-core machine)")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds allowed for configure")
+    parser.add_argument("--timeout", type=positive_float, default=180.0, help="seconds allowed for configure")
     parser.add_argument("--quantization", default="none",
                         help="model.quantization (default none, the node's: the target computes as loaded; auto: the"
                              " fastest CPU path timed at configure, int8/int4: faster, in another arithmetic)")

@@ -129,18 +129,19 @@ class ParameterHandler:
 
     @staticmethod
     def _check_same_models(merged: dict[str, Any], lo) -> None:
-        """A registry file brings its target, and its predictor and datastore beside it where those parameters are
-        empty; configure loaded them, and a run-time change swaps only the drafts. One that would bring others is
-        refused: kept silently, a predictor ranked drafts it was not trained for."""
+        """A registry file brings its target, and its predictor beside it where predictor.path is empty; configure
+        loaded them, and a run-time change swaps only the drafts. One that would bring others is refused: kept
+        silently, a predictor ranked drafts it was not trained for."""
         try:
             wanted = P.resolve_paths(merged)
         except ValueError as exc:
             raise Refused(f"draft registry not changed: {exc}") from exc
-        moved = [f"{name} {now or 'none'!r} (loaded: {was or 'none'!r})"
+        # only what configure did load can be contradicted: a node running without a predictor stays without one
+        # (its /diagnostics says so), and the datastore holds past answers, whatever the drafts
+        moved = [f"{name} {now or 'none'!r} (loaded: {was!r})"
                  for name, was, now in (("model.target_path", lo.paths.target, wanted.target),
-                                        ("predictor.path", lo.paths.predictor, wanted.predictor),
-                                        ("datastore.path", lo.paths.datastore, wanted.datastore))
-                 if not P.same_path(was, now)]
+                                        ("predictor.path", lo.paths.predictor, wanted.predictor))
+                 if was and not P.same_path(was, now)]
         if moved:
             raise Refused(f"draft registry not changed: {wanted.registry_file} brings {'; '.join(moved)}, which"
                           " configure loads: deactivate and cleanup, set drafts.registry_file, then configure"

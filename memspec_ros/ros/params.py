@@ -147,7 +147,7 @@ PARAMS: tuple[Param, ...] = (
     Param("drafts.registry_file", "",
           "Draft registry YAML (name, path, domain per draft). Empty: the bundled zoo's models/registry.yaml. Ignored"
           " when drafts.names is set. Changed while configured, it swaps the drafts only: a file that brings another"
-          " target (or predictor, datastore beside it) than configure loaded is refused.",
+          " target (or predictor beside it) than configure loaded is refused.",
           AT_SCHEDULING_POINT),
     Param("drafts.names", [""],
           "Draft names (parallel to drafts.paths and drafts.domains); [''] or []: use drafts.registry_file.",
@@ -490,12 +490,19 @@ class ModelPaths:
 
 
 def same_path(a: str, b: str) -> bool:
-    """Two model paths name the same thing: equal text (pkg: resources, '' for none) or the same file."""
+    """Two model paths name the same thing: equal text (pkg: resources, '' for none), the same file, or folders
+    whose files are the same files (a colcon --symlink-install share folder holds a link per file)."""
     if a == b:
         return True
     if not a or not b or a.startswith(PKG_PREFIX) or b.startswith(PKG_PREFIX):
         return False
-    return Path(a).resolve() == Path(b).resolve()
+    pa, pb = Path(a), Path(b)
+    if pa.resolve() == pb.resolve():
+        return True
+    if pa.is_dir() and pb.is_dir():
+        files = [({f.name: f.resolve() for f in p.rglob("*") if f.is_file()}) for p in (pa, pb)]
+        return bool(files[0]) and files[0] == files[1]
+    return False
 
 
 def registry_file_of(v: dict[str, Any]) -> str:

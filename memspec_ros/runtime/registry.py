@@ -29,8 +29,9 @@ from .lookup import LOOKUP_DRAFT
 from .model_source import is_model_source, relative_to, resolve_model_path
 from .models import ModelDirectoryError, TokenizerMismatchError, load_tokenizer, read_config, tokenizer_fingerprint
 
-# the keys a registry file may hold: any other (a misspelt 'domian', a 'tokenizer' nothing reads) was ignored
-REGISTRY_KEYS = ("target", "drafts")
+# the keys a registry file may hold: any other (a misspelt 'domian', say) was ignored. 'tokenizer' is read by
+# nothing (the target's tokenizer is used) but zoos built before session 37 wrote it: they keep loading.
+REGISTRY_KEYS = ("target", "drafts", "tokenizer")
 DRAFT_KEYS = ("name", "path", "domain", "size_bytes")
 TARGET_KEYS = ("path",)
 

@@ -333,3 +333,34 @@ def test_the_gptq_command_names_a_missing_zoo_and_bounds_its_counts(tmp_path, mo
         with pytest.raises(SystemExit) as exit_info:
             main(["gptq", *argv])
         assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["action", "soak"])
+def test_the_ros_benches_name_a_workload_row_without_a_prompt(bench, tmp_path):
+    """They send a goal's prompt: a chat-only row raised KeyError, a bad line JSONDecodeError, both as tracebacks."""
+    from memspec_ros.bench.cli import main
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    (zoo / "workloads").mkdir()
+    chat_only = '{"messages": [{"role": "user", "content": "Hi."}]}\n'
+    for text, said in ((chat_only, r'code.jsonl:1: a row needs a "prompt"'),
+                       ('{"prompt": \n', r"code.jsonl:1: not valid JSON")):
+        (zoo / "workloads" / "code.jsonl").write_text(text)
+        with pytest.raises(SystemExit, match=said):
+            main([bench, "--zoo", str(zoo), "--json", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_the_demo_names_a_zoo_prompt_it_cannot_send(tmp_path):
+    from memspec_ros.ros.demo import DEFAULT_PROMPT, demo_prompt
+
+    (tmp_path / "workloads").mkdir()
+    assert demo_prompt(tmp_path) == DEFAULT_PROMPT
+    (tmp_path / "workloads" / "code.jsonl").write_text('\n{"prompt": "def f():"}\n')
+    assert demo_prompt(tmp_path) == "def f():"
+    for text, said in (("{oops\n", "code.jsonl:1: not valid JSON"),
+                       ('{"messages": []}\n', 'code.jsonl:1: the demo sends a row\'s "prompt"')):
+        (tmp_path / "workloads" / "code.jsonl").write_text(text)
+        with pytest.raises(SystemExit, match=said):
+            demo_prompt(tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict
@@ -17,6 +18,17 @@ DEFAULT_ZOO = bundled_zoo_dir()
 _GAMMA, _CAPACITY, _INTERVAL = (controller_limit(name) for name in ("gamma", "capacity", "interval"))
 TINY_ZOO = "tiny"  # --zoo tiny: generated tiny models (fast, their speed-ups say little)
 ACTION_GOAL = 0.97  # the ROS path's steady-state tok/s over a direct call's (median of interleaved pairs)
+
+
+@contextlib.contextmanager
+def _named_row_errors(bench: str):
+    """A workload line the bench cannot use ends it with the file and line, not a traceback."""
+    from ..zoo.workloads import WorkloadFileError
+
+    try:
+        yield
+    except WorkloadFileError as exc:
+        raise SystemExit(f"memspec-bench {bench}: {exc}") from None
 
 
 def _bench_zoo(args) -> Path | None:
@@ -330,7 +342,7 @@ def cmd_action(args) -> int:
     if args.policy not in POLICIES:  # before the node and its client start
         raise SystemExit(f"--policy {args.policy}: unknown; use one of {', '.join(POLICIES)}")
     zoo = _bench_zoo(args)
-    with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar:
+    with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar, _named_row_errors("action"):
         result = run_action_bench(zoo, prompts=args.prompts, runs=args.runs, max_new_tokens=args.max_new_tokens,
                                   threads=args.threads, feedback_period=args.feedback_period, policy=args.policy,
                                   predictor=args.predictor or "", progress=bar)
@@ -364,7 +376,7 @@ def cmd_soak(args) -> int:
                                  ("threads", args.threads)) if v is not None}
     config = replace(config, **changes)
     zoo = _bench_zoo(args)
-    with tqdm(total=config.goals, desc="soak (sequential goals)", unit="goal") as bar:
+    with tqdm(total=config.goals, desc="soak (sequential goals)", unit="goal") as bar, _named_row_errors("soak"):
         result = run_soak(zoo, config, progress=bar)
     result["mode"] = "long" if args.long else "ci"
     _write_json(result, args.json)

@@ -75,9 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
+    try:  # read before the models load; this bench tokenises a row's "prompt" as text
+        rows = read_prompts(args.workload, args.prompts)
+    except ValueError as exc:
+        p.error(str(exc))
+    if any(not r.get("prompt") for r in rows):
+        p.error(f"{args.workload}: every row needs a \"prompt\" here (chat-only rows are not measured)")
     models = load_models(args.registry, validate=False)
     tokenizer, target, registry = models.tokenizer, models.target.model, models.registry
-    rows = read_prompts(args.workload, args.prompts)
     prompts = [tokenizer(r["prompt"])["input_ids"][-256:] for r in rows]
     predictor_dir = None if args.untrained else Path(args.predictor)
     results = {}

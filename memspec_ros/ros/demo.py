@@ -82,9 +82,16 @@ def demo_prompt(zoo: Path) -> str:
     for name in ("code.jsonl", "mixed.jsonl"):
         path = zoo / "workloads" / name
         if path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    return json.loads(line)["prompt"]
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise SystemExit(f"{path}:{n}: not valid JSON ({exc.msg}): fix it, or give --prompt") from None
+                if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"]:
+                    return row["prompt"]
+                raise SystemExit(f'{path}:{n}: the demo sends a row\'s "prompt" and this one has none: give --prompt')
     return DEFAULT_PROMPT
 
 

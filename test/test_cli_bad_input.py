@@ -364,3 +364,30 @@ def test_the_demo_names_a_zoo_prompt_it_cannot_send(tmp_path):
         (tmp_path / "workloads" / "code.jsonl").write_text(text)
         with pytest.raises(SystemExit, match=said):
             demo_prompt(tmp_path)
+
+
+def test_the_engine_bench_names_an_unknown_draft_or_a_bad_registry_before_loading(tmp_path, monkeypatch):
+    from memspec_ros.bench.cli import main
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    _no_model_loads(monkeypatch)
+    with pytest.raises(SystemExit, match=r"--draft lawyer: not in .*registry.yaml; use one of general, code, math"):
+        main(["engine", "--zoo", str(zoo), "--draft", "lawyer"])
+    (zoo / "registry.yaml").write_text((zoo / "registry.yaml").read_text().replace("domain:", "domian:"))
+    with pytest.raises(SystemExit, match=r"memspec-bench engine: .*unknown key 'domian'"):
+        main(["engine", "--zoo", str(zoo)])
+
+
+@pytest.mark.parametrize(("row", "said"), [
+    ({"messages": "Hi."}, '"messages" must be a list'),
+    ({"messages": [{"role": "user"}]}, '"messages" must be a list'),
+    ({"prompt": 7}, '"prompt" must be a string'),
+])
+def test_a_workload_row_of_the_wrong_shape_is_named(row, said, tmp_path):
+    """These passed the row check and failed later with TypeError/KeyError, after the models had loaded."""
+    from memspec_ros.bench.policy_bench import read_workload
+
+    (tmp_path / "w.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=f"w.jsonl:1: {said}"):
+        read_workload(tmp_path / "w.jsonl", 5)

@@ -51,26 +51,30 @@ def _engine_models(args):
     """The zoo's target and one draft, or generated tiny models when no zoo is there."""
     from ..runtime.models import ModelSpec, load_model, tokenizer_fingerprint
 
-    zoo = _bench_zoo(args)
+    # with --target the zoo only lends its workloads (if it has them); else it is the models' source
+    zoo = (None if args.zoo == TINY_ZOO else Path(args.zoo)) if args.target else _bench_zoo(args)
     if args.target or zoo is not None:
         from ..runtime.loader import DraftLists, load_models
-        from ..runtime.registry import UnknownDraftError
+        from ..runtime.registry import DraftRegistry, RegistryError
 
-        workloads = Path(args.workloads_dir) if args.workloads_dir else (zoo or Path()) / "workloads"
-        try:  # read before the models load: a bad row is named in seconds, not after the loads
-            rows = _round_robin_rows(workloads, args.prompts) if workloads.is_dir() else []
-        except (OSError, ValueError) as exc:
+        workloads = Path(args.workloads_dir) if args.workloads_dir else zoo / "workloads" if zoo else None
+        try:  # read before the models load: a bad row or registry is named in seconds, not after the loads
+            rows = _round_robin_rows(workloads, args.prompts) if workloads and workloads.is_dir() else []
+            registry_file = None if args.target else zoo / "registry.yaml"
+            names = DraftRegistry.from_yaml(registry_file, validate=False).names() if registry_file else [args.draft]
+        except (OSError, ValueError) as exc:  # RegistryError is a ValueError
             raise SystemExit(f"memspec-bench engine: {exc}") from None
         if args.workloads_dir and not rows:
             raise SystemExit(f"--workloads-dir {workloads}: no workload rows there (<name>.jsonl files)")
-        registry_file = None if args.target else zoo / "registry.yaml"
+        if args.draft not in names:  # before the target loads
+            raise SystemExit(f"--draft {args.draft}: not in {registry_file}; use one of {', '.join(names)}")
         drafts = DraftLists([args.draft], [args.draft_path]) if args.target else None
-        models = load_models(registry_file, drafts=drafts, target_path=args.target,
-                             dtype=args.dtype, quantization=args.quantization, gamma=args.gamma, validate=False)
         try:
-            draft_path = models.registry.get(args.draft).path
-        except UnknownDraftError as exc:
-            raise SystemExit(str(exc)) from None
+            models = load_models(registry_file, drafts=drafts, target_path=args.target, dtype=args.dtype,
+                                 quantization=args.quantization, gamma=args.gamma, validate=False)
+        except RegistryError as exc:
+            raise SystemExit(f"memspec-bench engine: {exc}") from None
+        draft_path = models.registry.get(args.draft).path
         target, tokenizer, target_path = models.target, models.tokenizer, models.target.spec.path
         draft = load_model(ModelSpec(draft_path, dtype=models.draft_dtype, quantization=args.draft_quantization))
         args.forward_paths = {"target": target.forward_path, "draft": draft.forward_path,

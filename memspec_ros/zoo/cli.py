@@ -222,7 +222,10 @@ def _run_chat_acceptance(a) -> int:
     from .workloads import read_jsonl, request_problem
 
     torch.set_num_threads(a.threads)
-    registry = DraftRegistry.from_yaml(Path(a.models) / "registry.yaml", validate=False)
+    try:
+        registry = DraftRegistry.from_yaml(Path(a.models) / "registry.yaml", validate=False)
+    except ValueError as exc:  # RegistryError: the file says what to fix
+        raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
     workloads = list(WORKLOADS)
     if a.workloads_dir:
         try:

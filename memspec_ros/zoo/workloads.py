@@ -199,7 +199,14 @@ def read_jsonl(path: str | Path, limit: int = 0, row_check=None) -> list[dict]:
 
 def request_problem(row: dict) -> str | None:
     """What a workload or request row lacks: a \"prompt\" or chat \"messages\" (None: it has one)."""
-    if row.get("prompt") or row.get("messages"):
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if prompt is not None and not isinstance(prompt, str):
+        return '"prompt" must be a string'
+    if messages is not None and not (isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        return '"messages" must be a list of {"role": str, "content": str} turns'
+    if prompt or messages:
         return None
     return 'a row needs a "prompt" or chat "messages"'
 

@@ -391,3 +391,23 @@ def test_a_workload_row_of_the_wrong_shape_is_named(row, said, tmp_path):
     (tmp_path / "w.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(ValueError, match=f"w.jsonl:1: {said}"):
         read_workload(tmp_path / "w.jsonl", 5)
+
+
+def test_the_bundled_zoo_is_found_beside_a_copied_install(tmp_path, monkeypatch):
+    """A colcon install that copies the package puts it in <prefix>/lib/pythonX.Y/site-packages and the zoo in
+    <prefix>/share/memspec_ros/models: the command lines looked for site-packages/models."""
+    from memspec_ros.runtime import bundled_zoo_dir
+
+    monkeypatch.delenv("MEMSPEC_ZOO_DIR", raising=False)
+    module = tmp_path / "lib" / "python3.11" / "site-packages" / "memspec_ros" / "runtime" / "__init__.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("")
+    share = tmp_path / "share" / "memspec_ros" / "models"
+    assert bundled_zoo_dir(module) == tmp_path / "lib" / "python3.11" / "site-packages" / "models"  # none: named
+    share.mkdir(parents=True)
+    (share / "registry.yaml").write_text("drafts: []\n")
+    assert bundled_zoo_dir(module) == share
+    monkeypatch.setenv("MEMSPEC_ZOO_DIR", str(tmp_path / "mine"))
+    assert bundled_zoo_dir(module) == tmp_path / "mine"
+    monkeypatch.delenv("MEMSPEC_ZOO_DIR")
+    assert bundled_zoo_dir() == BUNDLED  # this checkout

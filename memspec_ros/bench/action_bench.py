@@ -31,14 +31,12 @@ from pathlib import Path
 def domain_prompts(workloads: Path, count: int) -> list[str]:
     """Round-robin over the domain workloads (first prompts of each), as the engine bench does: the held-out
     requests, never the training ones (train*.jsonl, policy_bench.workloads_in) nor the mixed workload."""
-    from ..zoo.workloads import read_jsonl
+    from ..zoo.workloads import prompt_problem, read_jsonl
     from .policy_bench import workloads_in
 
-    def has_prompt(row: dict) -> str | None:  # these benches send a goal's prompt field, not chat messages
-        return None if isinstance(row.get("prompt"), str) and row["prompt"] else 'a row needs a "prompt" here'
-
     files = [workloads / f"{name}.jsonl" for name in workloads_in(workloads) if name != "mixed"]
-    per_file = [[r["prompt"] for r in read_jsonl(f, count, has_prompt)] for f in files]
+    # these benches send a goal's prompt field, not chat messages
+    per_file = [[r["prompt"] for r in read_jsonl(f, count, prompt_problem)] for f in files]
     prompts, i = [], 0
     while len(prompts) < count and any(i < len(p) for p in per_file):
         prompts += [p[i] for p in per_file if i < len(p)]

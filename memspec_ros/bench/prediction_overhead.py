@@ -29,6 +29,7 @@ from ..runtime.loader import load_models
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
 from ..runtime.stats import GenerationStats, GenerationTotals, decode_tokens_per_second
 from ..zoo.predictor_training import read_prompts
+from ..zoo.workloads import prompt_problem
 
 VARIANTS = [("minilm", False), ("minilm", True), ("target-hidden", False), ("target-hidden", True)]
 
@@ -75,12 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    try:  # read before the models load; this bench tokenises a row's "prompt" as text
-        rows = read_prompts(args.workload, args.prompts)
+    try:  # read before the models load; this bench tokenises a row's "prompt" as text (chat rows not measured)
+        rows = read_prompts(args.workload, args.prompts, row_check=prompt_problem)
     except ValueError as exc:
         p.error(str(exc))
-    if any(not r.get("prompt") for r in rows):
-        p.error(f"{args.workload}: every row needs a \"prompt\" here (chat-only rows are not measured)")
     models = load_models(args.registry, validate=False)
     tokenizer, target, registry = models.tokenizer, models.target.model, models.registry
     prompts = [tokenizer(r["prompt"])["input_ids"][-256:] for r in rows]

@@ -309,16 +309,17 @@ def _models_argument(p) -> None:
 
 def _is_chat_zoo(models: Path) -> bool:
     """A zoo whose target is a model source (a GGUF or a package's file) rather than a folder in it."""
-    import yaml
-
+    from memspec_ros.runtime.loader import registry_target
     from memspec_ros.runtime.model_source import is_model_source
 
     registry = models / "registry.yaml"
     if not registry.is_file():
         raise SystemExit(f"no zoo at {models} (registry.yaml missing): build it with `memspec-zoo build` or pass"
                          " --models")
-    target = (yaml.safe_load(registry.read_text()) or {}).get("target") or {}
-    return is_model_source(str(target.get("path", "") if isinstance(target, dict) else target))
+    try:
+        return is_model_source(registry_target(registry) or "")
+    except ValueError as exc:  # RegistryError: the file says what to fix
+        raise SystemExit(f"memspec-zoo: {exc}") from None
 
 
 def _card_parser(sub) -> None:

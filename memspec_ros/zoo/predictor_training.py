@@ -219,12 +219,12 @@ def evaluate(head: RankingHead, features: torch.Tensor, labels: torch.Tensor) ->
     return {"top1": top1, "top2": top2, "contexts": int(len(labels))}
 
 
-def read_prompts(path: str | Path, limit: int = 0, seed: int | None = None) -> list[dict]:
+def read_prompts(path: str | Path, limit: int = 0, seed: int | None = None, row_check=None) -> list[dict]:
     """JSON-lines prompts; with ``limit`` the first N, or a seeded random N (file order kept) when
     ``seed`` is given, so a subset of a domain-sorted file still covers every domain."""
     from .workloads import read_jsonl, request_problem
 
-    rows = read_jsonl(path, row_check=request_problem)
+    rows = read_jsonl(path, row_check=row_check or request_problem)
     if not rows:
         raise ValueError(f"{path} has no prompts: expected JSON lines with a 'prompt' field")
     if limit and limit < len(rows):

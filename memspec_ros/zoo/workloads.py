@@ -197,6 +197,11 @@ def read_jsonl(path: str | Path, limit: int = 0, row_check=None) -> list[dict]:
     return rows
 
 
+def prompt_problem(row: dict) -> str | None:
+    """What a row lacks for a command that sends its text as a goal's prompt (not chat messages)."""
+    return None if isinstance(row.get("prompt"), str) and row["prompt"] else 'a row needs a "prompt" here'
+
+
 def request_problem(row: dict) -> str | None:
     """What a workload or request row lacks: a \"prompt\" or chat \"messages\" (None: it has one)."""
     prompt, messages = row.get("prompt"), row.get("messages")

@@ -18,7 +18,7 @@ from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tok
 from memspec_ros.zoo import chat_workloads as cw
 from memspec_ros.zoo.chat_acceptance import chat_acceptance
 from memspec_ros.zoo.chat_build import ChatBuildConfig, ChatZooBuild
-from memspec_ros.zoo.chat_drafts import AnswerStreams, ChatDraftArch, new_draft, select_vocab
+from memspec_ros.zoo.chat_drafts import AnswerStreams, ChatDraftArch, new_draft, select_vocab, split_validation
 from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS, split_of
 from memspec_ros.zoo.rollouts import IGNORE
 from memspec_ros.zoo.teacher import (
@@ -190,6 +190,9 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     assert len(vocab["target_ids"]) == 120 and vocab["train_coverage"] > 0.5
     general_meta = json.loads((work / "ckpt" / "general" / "final" / "train_meta.json").read_text())
     assert general_meta["step"] == 6 and general_meta["answers"] > 0
+    # the general-purpose draft learns from the general requests' answers only (the paper's; --general-domains)
+    general_answers = [a for a in split_validation(load_answers(work / "teacher", "train"))[0] if a.domain == "general"]
+    assert general_meta["domains"] == ["general"] and general_meta["answers"] == len(general_answers)
     registry = (out / "registry.yaml").read_text()
     assert f"path: {path}" in registry and all(f"path: drafts/{d}" in registry for d in DOMAINS)
     assert (out / "workloads" / "mixed.jsonl").is_file()
@@ -421,6 +424,8 @@ def test_the_model_card_needs_the_vocabulary_figures_from_the_build_or_kept_meas
     ["build", "--general-minutes", "0"],  # trained nothing and exported the untrained draft
     ["build", "--domain-lr", "-1e-3"],
     ["build", "--domain-minutes", "nan"],
+    ["build", "--general-domains", "codee"],  # a typo would have trained the general draft on nothing
+    ["build", "--general-domains", "all,code"],
 ])
 def test_the_build_refuses_bad_counts_before_any_work(argv, tmp_path, capsys):
     from memspec_ros.zoo.cli import main
@@ -495,7 +500,6 @@ def test_the_validation_split_keeps_each_answer_on_its_side_when_more_are_answer
     """A shuffle of the whole answer list put other answers in validation when the build answered more requests:
     domain drafts rebuilt on more answers were validated on answers `general` had trained on. The side of an answer
     is now a function of its request; every domain still has validation answers."""
-    from memspec_ros.zoo.chat_drafts import split_validation
 
     def answer(i: int, domain: str) -> Answer:
         return Answer([1, i, i % 7], [5, 6], torch.zeros((2, 1), dtype=torch.int32),
@@ -521,3 +525,8 @@ def test_a_cached_draft_trained_with_other_settings_is_not_taken_for_these(tiny_
     with pytest.raises(ValueError, match=r"cached general draft .* trained with other settings \(max_steps 6 -> 11\)"):
         ChatZooBuild(more).run(["general"])
     ChatZooBuild(replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")).run(["general"])  # same: cached
+    every = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out", general_domains=("all",))
+    with pytest.raises(ValueError, match=r"cached general draft .* other settings \(domains general -> general,code"):
+        ChatZooBuild(every).run(["general"])
+    with pytest.raises(ValueError, match="unknown general-draft domain"):
+        ChatZooBuild(replace(every, general_domains=("prose",))).general_domains()

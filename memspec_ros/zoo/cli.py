@@ -107,6 +107,27 @@ def _chat_build_parser(sub) -> None:
                    help="answers per training step (general and domain drafts)")
     p.add_argument("--general-lr", type=positive_float, default=d.general_train.lr)
     p.add_argument("--domain-lr", type=positive_float, default=d.domain_train.lr)
+    p.add_argument("--general-domains", type=_general_domains, default=",".join(d.general_domains),
+                   help="comma list of the domains whose answers the general draft learns from, or 'all'"
+                        f" (default {','.join(d.general_domains)}: the paper's general-purpose draft has not seen the"
+                        " domain data its specialists are fine-tuned on)")
+
+
+def _general_domains(text: str) -> str:
+    """argparse type of --general-domains: 'all' or known domains (a typo would train on nothing)."""
+    import argparse
+
+    from .corpora import DOMAINS, WORKLOADS
+
+    known = list(dict.fromkeys(DOMAINS + WORKLOADS))
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return text
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown domain(s) {', '.join(unknown) or '(none)'}: use 'all' or a comma"
+                                         f" list out of {', '.join(known)}")
+    return text
 
 
 def _run_chat_build(a) -> int:
@@ -132,6 +153,7 @@ def _run_chat_build(a) -> int:
                               batch_size=a.train_batch, lr=a.general_lr),
         domain_train=replace(d.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps,
                              batch_size=a.train_batch, lr=a.domain_lr),
+        general_domains=tuple(n.strip() for n in a.general_domains.split(",") if n.strip()),
     )
     try:
         ChatZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])

@@ -190,9 +190,9 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     assert len(vocab["target_ids"]) == 120 and vocab["train_coverage"] > 0.5
     general_meta = json.loads((work / "ckpt" / "general" / "final" / "train_meta.json").read_text())
     assert general_meta["step"] == 6 and general_meta["answers"] > 0
-    # the general-purpose draft learns from the general requests' answers only (the paper's; --general-domains)
-    general_answers = [a for a in split_validation(load_answers(work / "teacher", "train"))[0] if a.domain == "general"]
-    assert general_meta["domains"] == ["general"] and general_meta["answers"] == len(general_answers)
+    # the general draft learns from every domain's answers (the default --general-domains all)
+    assert set(general_meta["domains"]) == {*DOMAINS, "mixed"}
+    assert general_meta["answers"] == len(split_validation(load_answers(work / "teacher", "train"))[0])
     registry = (out / "registry.yaml").read_text()
     assert f"path: {path}" in registry and all(f"path: drafts/{d}" in registry for d in DOMAINS)
     assert (out / "workloads" / "mixed.jsonl").is_file()
@@ -346,6 +346,13 @@ def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(ti
     shipped = json.loads((tiny_build.out_dir / "drafts" / "general" / "train_meta.json").read_text())
     alone = render(measured, acceptance, tmp_path / "no-build", tiny_build.out_dir)
     assert f"| {shipped['best_step']} of {shipped['step']} |" in alone
+    assert "| answers of every domain (" in text
+    # a general draft of the paper's recipe (--general-domains general) says what it learnt from
+    paper_build = tmp_path / "paper"
+    (paper_build / "ckpt" / "general" / "final").mkdir(parents=True)
+    (paper_build / "ckpt" / "general" / "final" / "train_meta.json").write_text(
+        json.dumps({**general_meta, "domains": ["general"]}))
+    assert "| general answers only (" in render(measured, acceptance, paper_build, tiny_build.out_dir)
 
 
 def test_the_build_refuses_stages_that_would_ship_or_cache_untrained_results(tiny_target, tiny_build, tmp_path):
@@ -525,8 +532,14 @@ def test_a_cached_draft_trained_with_other_settings_is_not_taken_for_these(tiny_
     with pytest.raises(ValueError, match=r"cached general draft .* trained with other settings \(max_steps 6 -> 11\)"):
         ChatZooBuild(more).run(["general"])
     ChatZooBuild(replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")).run(["general"])  # same: cached
-    every = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out", general_domains=("all",))
-    with pytest.raises(ValueError, match=r"cached general draft .* other settings \(domains general -> general,code"):
-        ChatZooBuild(every).run(["general"])
+    paper = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out", general_domains=("general",))
+    with pytest.raises(ValueError, match=r"cached general draft .* \(domains general,code,.* -> general\)"):
+        ChatZooBuild(paper).run(["general"])  # the paper's recipe (general answers only) is not this draft
+    shutil.rmtree(work / "ckpt" / "general")
+    ChatZooBuild(paper).run(["general"])
+    meta = json.loads((work / "ckpt" / "general" / "final" / "train_meta.json").read_text())
+    assert meta["domains"] == ["general"]
+    kept = split_validation(load_answers(work / "teacher", "train"))[0]
+    assert meta["answers"] == sum(a.domain == "general" for a in kept)
     with pytest.raises(ValueError, match="unknown general-draft domain"):
-        ChatZooBuild(replace(every, general_domains=("prose",))).general_domains()
+        ChatZooBuild(replace(paper, general_domains=("prose",))).general_domains()

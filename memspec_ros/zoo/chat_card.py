@@ -106,7 +106,11 @@ def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | Non
     for name in DOMAINS:
         meta = _build_file(build, models_dir, f"ckpt/{name}/final/train_meta.json", f"drafts/{name}/train_meta.json")
         size = measured["drafts"].get(name, {})
-        source = "answers of every domain" if name == "general" else f"{name} answers, from `general`"
+        source = f"{name} answers, from `general`"
+        if name == "general":  # train_meta records its domains since --general-domains; before, it was every one
+            learnt = meta.get("domains") or list(WORKLOADS)
+            source = ("answers of every domain" if set(learnt) >= set(WORKLOADS)
+                      else f"{', '.join(learnt)} answers only")
         lines.append(
             f"| {name} | {size.get('parameters', 0) / 1e6:.2f} M | {size.get('bytes_on_disk', 0) / 1e6:.1f} MB |"
             f" {source} ({meta.get('answers', '?')}) | {meta.get('best_step', '?')} of {meta.get('step', '?')} |"

@@ -108,9 +108,9 @@ def _chat_build_parser(sub) -> None:
     p.add_argument("--general-lr", type=positive_float, default=d.general_train.lr)
     p.add_argument("--domain-lr", type=positive_float, default=d.domain_train.lr)
     p.add_argument("--general-domains", type=_general_domains, default=",".join(d.general_domains),
-                   help="comma list of the domains whose answers the general draft learns from, or 'all'"
-                        f" (default {','.join(d.general_domains)}: the paper's general-purpose draft has not seen the"
-                        " domain data its specialists are fine-tuned on)")
+                   help="comma list of the domains whose answers the general draft learns from, or 'all' (the"
+                        " default); 'general' is the paper's recipe: a general-purpose draft that never saw the"
+                        " domains its specialists are fine-tuned on")
 
 
 def _general_domains(text: str) -> str:

@@ -20,6 +20,7 @@ from rclpy.qos import QoSProfile
 from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import GenerationStats
 from memspec_ros.ros.action_client import SafeActionClient
+from memspec_ros.ros.diagnostics import Status, fill_throughput_status
 
 LONG = 3000  # tokens: a goal that runs for seconds with the tiny zoo (no EOS token)
 
@@ -246,6 +247,8 @@ def test_cancelling_queued_goals_frees_their_slots_at_once(h):
         assert all(q.accepted for q in queued)
         full, _ = h.send(goal(max_new_tokens=8))
         assert not full.accepted and "queue is full" in h.node.last_rejection
+        window = h.node._window
+        finished, measured = window.finished_goals, window.measured_goals
         for handle in queued:
             assert len(h.wait(handle.cancel_goal_async(), 10.0, "the cancel response").goals_canceling) == 1
         for handle in queued:
@@ -254,6 +257,12 @@ def test_cancelling_queued_goals_frees_their_slots_at_once(h):
             assert response.result.finish_reason == Generate.Result.FINISH_CANCELLED
             assert response.result.completion_tokens == 0 and response.result.prompt_tokens > 0
         assert running.status == GoalStatus.STATUS_EXECUTING  # not waited for
+        # /diagnostics counts them as finished goals, not as measured ones (it counted measured goals only, as
+        # "goals since activation", so a dashboard showed fewer goals than ~/generation_stats had reported)
+        assert (window.finished_goals, window.measured_goals) == (finished + 2, measured)
+        status = Status()
+        fill_throughput_status(status, None, 0, window.measured_goals, 0.2, window.finished_goals)
+        assert ("goals finished since activation", str(finished + 2)) in status.values
         again = [h.send(goal(max_new_tokens=8))[0] for _ in range(2)]
         assert all(g.accepted for g in again), h.node.last_rejection
         for handle in (*again, running):

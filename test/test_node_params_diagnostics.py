@@ -134,7 +134,8 @@ def test_diagnostics_follow_the_diagnostic_updater_contract(h):
         by_name = {s.name: {kv.key: kv.value for kv in s.values} for s in array.status}
         throughput = by_name["memspec: throughput"]
         assert float(throughput["tokens per second"]) > 0
-        for key in ("mean accepted tokens", "fallback fraction", "prediction overhead", "goals in window"):
+        for key in ("mean accepted tokens", "fallback fraction", "prediction overhead", "goals in window",
+                    "goals finished since activation", "goals measured since activation"):
             assert key in throughput
         cache = by_name["memspec: draft cache"]
         for key in ("resident", "loading", "failed", "capacity (K)", "bytes resident", "budget bytes", "hits",
@@ -371,4 +372,24 @@ def test_a_node_configured_from_draft_lists_goes_back_to_the_registry_file_it_wo
         assert harness.node.loaded.registry.names() == ["general", "code", "math"]
     finally:
         harness.close()
+        rclpy.try_shutdown(context=context)
+
+
+def test_an_empty_list_given_for_a_string_array_parameter_means_its_documented_default():
+    """`names: []` in a params file (or `-p drafts.names:=[]`) reaches rclpy without an element type, and the
+    parameter was declared unset: drafts.paths broke the constructor, the others failed configure with
+    ParameterUninitializedException, which names no fix. The descriptions offer [] as meaning what [''] means."""
+    import rclpy
+    from rclpy.context import Context
+
+    from memspec_ros.ros.node import MemSpecNode
+
+    names = ("model.allowed_roots", "drafts.names", "drafts.paths", "drafts.domains")
+    context = Context()
+    rclpy.init(context=context, args=["memspec", "--ros-args", *[a for n in names for a in ("-p", f"{n}:=[]")]])
+    node = MemSpecNode("memspec_empty_lists", context=context)
+    try:
+        assert {n: list(node.get_parameter(n).value) for n in names} == {n: [""] for n in names}
+    finally:
+        node.destroy_node()
         rclpy.try_shutdown(context=context)

@@ -101,7 +101,16 @@ class ThroughputWindow:
     def __init__(self, size: int) -> None:
         self._lock = threading.Lock()
         self._goals: deque[GenerationStats] = deque(maxlen=size)
-        self.total_goals = 0
+        self.measured_goals = 0  # goals whose timings entered the window since activation
+        self.finished_goals = 0  # every goal answered since activation: cancelled, aborted and unrun ones too
+
+    def count_finished(self) -> None:
+        with self._lock:
+            self.finished_goals += 1
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.measured_goals = self.finished_goals = 0
 
     def resize(self, size: int) -> None:
         with self._lock:
@@ -110,7 +119,7 @@ class ThroughputWindow:
     def add(self, stats: GenerationStats) -> None:
         with self._lock:
             self._goals.append(stats)
-            self.total_goals += 1
+            self.measured_goals += 1
 
     def clear(self) -> None:
         with self._lock:
@@ -343,10 +352,14 @@ def fill_cache_status(status: Status, snap: CacheStats | None, window: Generatio
         status.merge(ERROR, f"draft {name!r} failed (out of service until retried): {why}")
 
 
-def fill_throughput_status(status: Status, window: GenerationStats | None, goals: int, total_goals: int,
-                           fallback_warn: float) -> None:
+def fill_throughput_status(status: Status, window: GenerationStats | None, goals: int, measured_goals: int,
+                           fallback_warn: float, finished_goals: int | None = None) -> None:
+    """``finished_goals``: every goal answered since activation; ``measured_goals``: those whose timings the
+    throughput figures count (a goal cancelled or ended before it ran, or one that failed, has none)."""
     status.add("goals in window", goals)
-    status.add("goals since activation", total_goals)
+    if finished_goals is not None:
+        status.add("goals finished since activation", finished_goals)
+    status.add("goals measured since activation", measured_goals)
     if window is None or goals == 0:
         status.summary(OK, "no finished goal yet")
         return
@@ -439,8 +452,9 @@ class NodeTasks:
 
     def fill_throughput(self, s: Status) -> None:
         goals = len(self.window)
-        fill_throughput_status(s, self.window.combined() if goals else None, goals, self.window.total_goals,
-                               self.node.get_parameter("diagnostics.fallback_warn_fraction").value)
+        fill_throughput_status(s, self.window.combined() if goals else None, goals, self.window.measured_goals,
+                               self.node.get_parameter("diagnostics.fallback_warn_fraction").value,
+                               self.window.finished_goals)
 
     def fill_predictor(self, s: Status) -> None:
         lo = self.node.loaded

@@ -544,6 +544,7 @@ class GoalRunner:
                                  error_message=error)
         if stats is not None:
             fill_result(result, stats, ttft)
+        self._window.count_finished()  # every ending path comes here, once per goal
         pub = self._stats_pub
         if pub is not None:  # one ~/generation_stats message per finished goal
             pub.publish(generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),

@@ -196,7 +196,7 @@ class MemSpecNode(LifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._window.clear()
-        self._window.total_goals = 0
+        self._window.reset_counts()
         self._last_cache_key, self._cache_baseline = None, self._loaded.controller.cache.snapshot()
         self._active = True
         self._runner.open(self._loaded, self._stats_pub)

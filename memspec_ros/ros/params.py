@@ -273,9 +273,22 @@ REGISTRY_PARAMS = ("drafts.registry_file", "drafts.names", "drafts.paths", "draf
 def declare_all(node) -> None:
     """Every parameter but those the diagnostics updater declares (values() reads them once it has).
     Records the locations the path parameters start with (launch values are the operator's: trusted)."""
+    from rclpy.parameter import Parameter
+
+    # An override of [] (a params file's `names: []`, `-p drafts.names:=[]`) carries no element type, so rclpy
+    # declared the parameter unset: every read of it raised (configure failed naming no fix, drafts.paths broke the
+    # constructor) and read-only ones cannot be set after. Every string-array parameter documents [] as meaning
+    # what its default [''] means, so such an override declares the default (rclpy keeps the overrides in this
+    # dict on every distribution; a typed [] cannot be declared: rclpy reads an empty list as a byte array).
+    overrides = getattr(node, "_parameter_overrides", None)
     for p in PARAMS:
         if not p.updater_declares:
-            node.declare_parameter(p.name, p.default, p.descriptor())
+            given = overrides.get(p.name) if isinstance(overrides, dict) else None
+            untyped_empty = given is not None and given.type_ == Parameter.Type.NOT_SET
+            if isinstance(p.default, list) and p.default == [""] and untyped_empty:
+                node.declare_parameter(p.name, p.default, p.descriptor(), ignore_override=True)
+            else:
+                node.declare_parameter(p.name, p.default, p.descriptor())
     _LAUNCH_ROOTS[node] = launch_roots({n: plain_value(node.get_parameter(n).value) for n in PATH_PARAMS})
 
 

@@ -897,3 +897,43 @@ def test_general_draft_and_ucb_c_changed_mid_goal_reach_the_running_goal(target,
     assert result.token_ids == expected and result.stats.policy == "general-static"
     assert result.stats.iterations[0].preferred == "general" and result.stats.iterations[-1].preferred == "math"
     ctl.close()
+
+
+@pytest.mark.parametrize("policy", ["prediction-only", "memspec"])
+def test_the_hit_rate_counts_one_lookup_of_the_preferred_draft_per_scheduling_point(target, drafts, policy):
+    """A blocking load counted a miss in wait_for and then a hit in the get after it, and a fallback draft's get
+    counted a hit: mab-sync loading at 7 of 8 points showed a hit rate of 0.53. With K = 1 and a favourite that
+    changes at every point, each point asks for one draft that is not resident."""
+    ctl = make(target, drafts, policy, loader=Loader(drafts, delay=0.01), capacity=1, interval=4)
+    stats = ctl.generate(PROMPT, NEW).stats
+    cache = stats.cache
+    assert cache.hits + cache.misses == stats.predictions > 2
+    assert cache.misses >= stats.predictions - 1 and cache.hit_rate <= 1 / stats.predictions
+    ctl.close()
+
+
+def test_a_failed_draft_given_other_files_is_tried_again_at_once(target, drafts, expected):
+    """'math' failed to load from broken files; the operator points it at good ones (through the runtime API, as
+    the node's replace_entries does). The failure stayed recorded for the cache's retry back-off (30 s), so the
+    next goal still ran without 'math' although the failure was about other files."""
+    registry = DraftRegistry([DraftEntry("math", "/virtual/broken-math", "math", 1000),
+                              DraftEntry("law", "/virtual/law", "law", 1000)], validate=False)
+
+    def loader(name: str) -> LoadedModel:
+        path = registry.get(name).path
+        if "broken" in path:
+            raise OSError(f"{path}: corrupt safetensors")
+        return LoadedModel(drafts[name], ModelSpec(path), parameter_bytes(drafts[name]), 64, 512)
+
+    ctl = RuntimeController(RuntimeConfig(policy="memspec", capacity=2, interval=2), target, None, registry,
+                            FixedRanker(lambda c: ["math", "law"]), loader=loader, eos_token_ids=[])
+    try:
+        first = ctl.generate(PROMPT, NEW)
+        assert "math" not in first.stats.drafts_used and "math" in ctl.cache.failed()
+        registry.remove("math")
+        registry.add(DraftEntry("math", "/virtual/math", "math", 1000))
+        second = ctl.generate(PROMPT, NEW)
+        assert second.token_ids == expected
+        assert "math" in second.stats.drafts_used and "math" not in ctl.cache.failed()
+    finally:
+        ctl.close()

@@ -180,15 +180,16 @@ class DraftCacheManager:
         with self._lock:
             return list(self._working_set)
 
-    def get(self, name: str) -> LoadedModel | None:
-        """The resident draft, or None right away if it is not resident (counts a hit or miss)."""
+    def get(self, name: str, count: bool = True) -> LoadedModel | None:
+        """The resident draft, or None right away if it is not resident (``count``: a hit or miss of the hit
+        rate; choice.carry_out counts one lookup per scheduling point)."""
         with self._lock:
             slot = self._slots.get(name)
             if slot is not None and slot.model is not None:
-                self._counters.hits += 1
+                self._counters.hits += count
                 slot.used = True
                 return slot.model
-            self._counters.misses += 1
+            self._counters.misses += count
             return None
 
     def set_scores(self, ranking: Ranking) -> None:

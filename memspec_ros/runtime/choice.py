@@ -64,7 +64,7 @@ class ChoiceCache(Protocol):
 
     def is_available(self, name: str) -> bool: ...
 
-    def get(self, name: str) -> Any: ...
+    def get(self, name: str, count: bool = True) -> Any: ...
 
     def set_scores(self, ranking: Ranking) -> None: ...
 
@@ -102,9 +102,13 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
         # on-demand loads evict the policy's lowest-scored draft; so does a blocking load before a prefetch (which
         # sets the scores itself, but only after the load: the last goal's scores chose its victim)
         cache.set_scores(choice.ranking)
+    # the cache's hit rate counts ONE lookup per scheduling point, of the preferred draft: a blocking wait counts
+    # it (a miss where it loads), so the get after it does not, and the fallback gets never do (a point that had
+    # to load read as a miss and a hit, so a run that loaded at every point showed a 50% hit rate)
+    counted = False
     if blocking:
         cache.set_active("")  # the idle current draft may be evicted to make room
-        waited = wait(preferred)
+        waited, counted = wait(preferred), True
     if choice.cache_action == CACHE_PREFETCH and choice.ranking is not None:
         cache.update(choice.ranking, active=current if current in cache.resident() else None)
     elif choice.cache_action == CACHE_REQUEST and preferred and not cache.is_available(preferred):
@@ -113,18 +117,18 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
         # no room for the chosen draft beside the one kept running (K = 1, or a byte budget that holds one of
         # them): that one would run the whole generation, so wait for the choice, as on a cold cache
         cache.set_active("")
-        waited = wait(preferred)
+        waited, counted = wait(preferred), True
     if not preferred:
         cache.set_active("")
         return Resolution("", None, "", False, waited)
-    model = cache.get(preferred)
+    model = cache.get(preferred, count=not counted)
     if model is not None:
         cache.set_active(preferred)
         return Resolution(preferred, model, preferred, False, waited)
     resident = set(cache.resident())
     for name in [*choice.fallback, *sorted(resident)]:
         if name in resident and name != preferred:
-            model = cache.get(name)
+            model = cache.get(name, count=False)
             if model is not None:
                 cache.set_active(name)
                 return Resolution(name, model, preferred, True, waited)

@@ -539,10 +539,16 @@ class RuntimeController:
         the same name: the model in memory is not the registered one); True if the active one went."""
         registered = {e.name: e for e in self.registry.entries()}
         before, self._synced_entries = self._synced_entries, registered
-        gone = [n for n in self.cache.resident() + self.cache.loading()
-                if n not in registered or (n in before and before[n] != registered[n])]
+        def changed(name: str) -> bool:
+            return name not in registered or (name in before and before[name] != registered[name])
+
+        gone = [n for n in self.cache.resident() + self.cache.loading() if changed(n)]
         for name in gone:
             self.cache.remove(name)
+        # a failure was about the files of the entry that failed: a draft given other files (or removed) may be
+        # tried at once, not after the cache's retry back-off
+        for name in [n for n in self.cache.failed() if changed(n)]:
+            self.cache.clear_failed(name)
         return active in gone
 
     def _carry_out(self, choice: Choice, current: str, first: bool = False) -> Resolution:

@@ -378,12 +378,12 @@ class SimCache:
     def is_available(self, name: str) -> bool:
         return name in self._slots
 
-    def get(self, name: str) -> str | None:
+    def get(self, name: str, count: bool = True) -> str | None:
         if self.is_resident(name):
-            self.hits += 1
+            self.hits += count
             self._slots[name].used = True
             return name
-        self.misses += 1
+        self.misses += count
         return None
 
     def set_scores(self, ranking) -> None:
@@ -412,8 +412,12 @@ class SimCache:
         return self._make_room_and_load(name, protect={name})
 
     def wait_for(self, name: str) -> float:
-        """Seconds the decode thread blocks until ``name`` is resident (loading it if needed)."""
+        """Seconds the decode thread blocks until ``name`` is resident (loading it if needed); a hit or a miss, as
+        the real cache's wait_for counts it."""
         slot = self._slots.get(name)
+        resident = slot is not None and self._is_ready(slot)
+        self.hits += resident
+        self.misses += not resident
         if slot is None:
             if not self.request(name):
                 return 0.0

@@ -660,3 +660,24 @@ def test_a_size_that_cannot_be_read_fails_the_draft_and_k_must_be_a_count():
     with pytest.raises(ValueError, match="integer >= 1"):
         cache.reconfigure(capacity=True)
     cache.close()
+
+
+def test_a_blocking_wait_names_why_the_load_was_refused():
+    """wait_for said "has no draft it may evict" whatever refused the load: a draft larger than the byte budget,
+    a size that could not be read, or a closed cache; the first two are recorded on the draft and now raised."""
+    cache = DraftCacheManager(2, fake_loader(), budget_bytes=100, size_of=lambda name: 1000)
+    with pytest.raises(DraftLoadError, match=r"needs 1000 B but the draft memory budget is 100 B"):
+        cache.wait_for("big")
+    cache.close()
+
+    def unreadable(name):
+        raise OSError("no such file")
+
+    cache = DraftCacheManager(2, fake_loader(), size_of=unreadable)
+    with pytest.raises(DraftLoadError, match="its size could not be read"):
+        cache.wait_for("a")
+    cache.close()
+    closed = DraftCacheManager(2, fake_loader(), size_of=SIZES.get)
+    closed.close()
+    with pytest.raises(DraftLoadError, match="the draft cache is closed"):
+        closed.wait_for("a")

@@ -258,6 +258,13 @@ class DraftCacheManager:
             self._counters.misses += 1
             if slot is None or slot.error is not None or slot.discard:
                 if not self.request(name):
+                    # the reason the load was refused: a draft too large for the budget, or a size that could not
+                    # be read, is recorded on its slot; "no draft it may evict" hid those and sent the user to K
+                    refused = self._slots.get(name)
+                    if refused is not None and refused.error is not None:
+                        raise DraftLoadError(str(refused.error)) from refused.error
+                    if self._closed:
+                        raise DraftLoadError(f"draft {name!r} cannot be loaded: the draft cache is closed")
                     raise DraftLoadError(
                         f"draft {name!r} cannot be loaded: the cache (K={self.capacity}, budget={self.budget_bytes} B)"
                         " has no draft it may evict"

@@ -520,13 +520,26 @@ class RankingHead(torch.nn.Module):
                 or config.prompt_tokens < 0:
             raise PredictorError(f"{root / HEAD_CONFIG}: prompt_tokens must be a whole number of positions >= 0 (0:"
                                  f" the whole prompt), not {config.prompt_tokens!r}: retrain the predictor")
+        for name in ("recent_tokens", "interval", "max_length", "in_dim", "hidden"):
+            value = getattr(config, name)  # 0 recent tokens sliced the WHOLE window ([-0:]), -3 all but three
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PredictorError(f"{root / HEAD_CONFIG}: {name} must be a whole number >= 1, not {value!r}:"
+                                     " retrain the predictor")
+        names = config.drafts
+        if not isinstance(names, list) or not names or not all(isinstance(d, str) for d in names):
+            raise PredictorError(f"{root / HEAD_CONFIG}: drafts must be a non-empty list of draft names, not"
+                                 f" {config.drafts!r}: retrain the predictor")
         if config.truncation_side not in ("left", "right"):
             raise PredictorError(f"{root / HEAD_CONFIG}: truncation_side must be 'left' or 'right', not"
                                  f" {config.truncation_side!r}: retrain the predictor")
         if config.encoder not in ENCODERS:
             raise PredictorError(f"{root / HEAD_CONFIG} names encoder {config.encoder!r}; known: {', '.join(ENCODERS)}")
         head = cls(config)
-        head.load_state_dict(load_file(str(root / HEAD_WEIGHTS)))
+        try:
+            head.load_state_dict(load_file(str(root / HEAD_WEIGHTS)))
+        except (RuntimeError, OSError) as exc:  # weights of another shape than the config says, or not safetensors
+            raise PredictorError(f"{root / HEAD_WEIGHTS} does not fit {root / HEAD_CONFIG} ({str(exc)[:300]}):"
+                                 " retrain the predictor") from exc
         return head.eval().requires_grad_(False)
 
 

@@ -95,6 +95,7 @@ def test_copies_from_the_context_are_neither_desired_nor_fallback_nor_draft_forw
 
     before = (stats.fallback_fraction, stats.desired_fraction, stats.desired_seconds, stats.fallback_seconds,
               stats.draft_switches, stats.drafts_used)
+    parts = stats.time_breakdown()
     stats.iterations += [it(LOOKUP_DRAFT, 4, 4, 5, preferred="a", fallback=True, draft_s=0.001, verify_s=0.25),
                          it(LOOKUP_DRAFT, 2, 1, 2, preferred="a", draft_s=0.001, verify_s=0.25)]
     assert (stats.fallback_fraction, stats.desired_fraction, stats.desired_seconds, stats.fallback_seconds,
@@ -103,6 +104,9 @@ def test_copies_from_the_context_are_neither_desired_nor_fallback_nor_draft_forw
     # the catch-up forward of iteration 2 is timed apart: 3 of its 4 forwards are in its draft_seconds
     assert [i.timed_draft_forwards for i in stats.iterations] == [4, 3, 0, 3, 4, 0, 0]
     assert stats.copied_iterations == 2 and len(stats.speculative_iterations) == 6
+    # nor in the time breakdown (a copy's time went to desired or fallback draft by the run's flag)
+    after = stats.time_breakdown()
+    assert (after["desired_draft"], after["fallback_draft"]) == (parts["desired_draft"], parts["fallback_draft"])
 
 
 def test_where_the_time_went(stats):

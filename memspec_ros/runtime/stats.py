@@ -39,7 +39,9 @@ draft because the wanted one was not resident), prediction (on the decode
 thread), load wait (blocked on a draft load), catch-up (an incoming draft
 rebuilding its KV cache), target verify (the target's forward over the
 proposals, target-only steps included), and other (the rest of the decode wall
-time: scheduling, streaming, bookkeeping). The parts sum to ``decode_seconds``.
+time: scheduling, streaming, bookkeeping, and copying proposals from the context
+or the datastore, where no draft ran: a copy is neither the desired draft's nor a
+fallback's, as in ``fallback_iterations``). The parts sum to ``decode_seconds``.
 """
 
 from __future__ import annotations
@@ -322,7 +324,8 @@ class GenerationStats:
         """Decode seconds by where they went (:data:`BREAKDOWN`, module docstring); they sum to decode_seconds."""
         parts = dict.fromkeys(BREAKDOWN, 0.0)
         for it in self.iterations:
-            parts["fallback_draft" if it.fallback else "desired_draft"] += it.draft_seconds
+            if it.draft != LOOKUP_DRAFT:  # a copy's time stays in "other", as the fallback figures leave it out
+                parts["fallback_draft" if it.fallback else "desired_draft"] += it.draft_seconds
             parts["prediction"] += it.prediction_seconds
             parts["load_wait"] += it.load_wait_seconds
             parts["catchup"] += it.catchup_seconds

@@ -937,3 +937,21 @@ def test_a_failed_draft_given_other_files_is_tried_again_at_once(target, drafts,
         assert "math" in second.stats.drafts_used and "math" not in ctl.cache.failed()
     finally:
         ctl.close()
+
+
+def test_a_goals_background_ranking_time_is_reported_by_that_goal(target, drafts):
+    """The last scheduling point's background ranking was still running when the goal took its seconds, so they
+    landed on the next goal (which waited for that ranking as it began): the first goal reported none."""
+    def slow(context):
+        time.sleep(0.05)
+        return ["math", "law", "code", "general"]
+
+    ctl = make(target, drafts, "memspec", ranker=slow, capacity=2, interval=1, overlap_prediction=True)
+    try:
+        for _ in range(2):
+            stats = ctl.generate(PROMPT, 6).stats
+            # interval 0 ranks on the decode thread; each later point starts a background ranking unless one is
+            # still running, and every background ranking sleeps 50 ms: at least one ran in this goal
+            assert stats.predictions >= 3 and stats.background_prediction_seconds >= 0.05
+    finally:
+        ctl.close()

@@ -778,6 +778,10 @@ class OverlappedPredictor:
             self._pending = self._pool.submit(self._timed, context)
 
     def take_background_seconds(self) -> float:
+        """The background rankings' seconds since the last take, the one still in flight included: it is waited
+        for (one ranking, at a generation's end), so its time is the generation's that asked for it; it was
+        reported by the next generation, whose begin() waited for it."""
+        self._settle()
         seconds, self.background_seconds = self.background_seconds, 0.0
         return seconds
 

@@ -217,3 +217,30 @@ def test_bad_dtype_and_device(model_dirs):
         load_model(ModelSpec(str(model_dirs[0]), dtype="int3"))
     with pytest.raises(ValueError, match="unsupported device"):
         load_model(ModelSpec(str(model_dirs[0]), device="tpu"))
+
+
+def test_a_target_on_transformers_forward_scores_a_verifys_rows_as_one_token_steps(tmp_path):
+    """A Qwen2 target (not the lean Llama forward: transformers' own, batched matmuls and SDPA) loaded as a plain
+    model scored a 5-row verify with other last digits than five one-token steps, and in bf16 the engine's greedy
+    output then differed from the target's own on 5 of 20 prompts. load_model now makes it row-exact."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from memspec_ros.runtime.draft_forward import lean_forward_for
+    from memspec_ros.runtime.speculative import KVState, forward_once
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    path = save_model_dir(Qwen2ForCausalLM(config), tiny_tokenizer(300), tmp_path / "qwen2")
+    loaded = load_model(ModelSpec(str(path)))
+    model = loaded.model
+    assert lean_forward_for(model) is None and loaded.prepared is not None
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    for rows in (2, 5, 9):
+        batched, single = KVState(), KVState()
+        forward_once(model, ids[:30], batched, 1, "cpu")
+        forward_once(model, ids[:30], single, 1, "cpu")
+        verify = forward_once(model, ids[30:30 + rows], batched, rows, "cpu")
+        steps = torch.stack([forward_once(model, [t], single, 1, "cpu")[-1] for t in ids[30:30 + rows]])
+        assert torch.equal(verify, steps), rows

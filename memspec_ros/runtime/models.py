@@ -81,7 +81,7 @@ class LoadedModel:
     max_positions: int
     forward_path: str = ""  # fp32 | bf16 | int8 | int4 (runtime/forward_paths.py), gptq, or the HF dtype
     path_choice: PathChoice | None = None  # the measurements behind an auto choice
-    prepared: dict | None = None  # what runtime/gptq.py:prepare_for_engine did to a GPTQ model
+    prepared: dict | None = None  # what runtime/row_exact.py:prepare_for_engine did to a model on transformers' forward
     path_report: PathReport | None = None  # what runtime/forward_paths.py:apply_path converted
     files: tuple = ()  # its weights files before they were read (storage.weights_identity): tells a changed file
     source: str = ""  # the path ``files`` is of, when not spec.path (a GGUF file or pkg: resource, converted)
@@ -331,11 +331,14 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         path = choice.path
     path_report = apply_path(model, path) if cpu_path else None
     prepared = None
-    if path == "gptq":
-        # GPT-QModel's kernels and transformers' SDPA over a cached prefix compute a verify's rows
-        # otherwise than one-token steps: without this a bf16 GPTQ target's speculative output
-        # differed from its own greedy output on 8 of 12 prompts (docs/results/gptq-smollm2.json)
-        from .gptq import prepare_for_engine
+    from .draft_forward import unsupported_reason
+
+    if path == "gptq" or unsupported_reason(model):
+        # the model runs on transformers' forward, not the engine's lean Llama forward: GPT-QModel's kernels, a
+        # plain head and transformers' attention over a cached prefix compute a verify's rows otherwise than
+        # one-token steps. Without this a bf16 GPTQ target's speculative output differed from its own greedy
+        # output on 8 of 12 prompts (docs/results/gptq-smollm2.json), a bf16 Qwen2 one on 5 of 20
+        from .row_exact import prepare_for_engine
 
         prepared = prepare_for_engine(model)
     model, vocab_size = wrap_if_reduced(model, spec.path)  # a reduced-vocabulary draft speaks target ids

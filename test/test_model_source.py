@@ -274,3 +274,24 @@ def test_a_conversion_is_cached_per_transformers_version(monkeypatch):
     assert model_source.conversion_key("ab" * 32) == key and model_source.conversion_key("cd" * 32) != key
     monkeypatch.setattr(transformers, "__version__", "0.0.1")
     assert model_source.conversion_key("ab" * 32) != key
+
+
+def test_a_file_that_changes_during_its_conversion_is_not_cached_under_the_old_digest(tmp_path, monkeypatch):
+    """The digest names the cache folder and is taken before the conversion reads the file: a file rewritten in
+    between (a download still running, an operator copying a new model over it) was published under the old
+    file's digest, and later loads of the old file got the new weights."""
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def convert_while_rewritten(path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+        src.write_bytes(src.read_bytes())  # the same bytes written again: another version all the same
+
+    monkeypatch.setattr(model_source, "convert_gguf", convert_while_rewritten)
+    with pytest.raises(model_source.GGUFConversionError, match="changed while it was being converted"):
+        resolve_model_path(str(src))
+    assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")]
+    monkeypatch.setattr(model_source, "convert_gguf",
+                        lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
+    assert (resolve_model_path(str(src)) / CONVERTED_MARKER).is_file()  # left alone, it converts

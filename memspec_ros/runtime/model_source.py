@@ -196,15 +196,22 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-_DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256: a configure asks twice
+_DIGESTS: dict[tuple, str] = {}  # file_version -> sha256: a configure asks twice
+
+
+def file_version(path: Path) -> tuple:
+    """What tells one version of a file from another without reading it: a file replaced (another inode) or
+    rewritten (its ctime moves, which user space cannot set back) is another version, even at the same size and
+    modification time."""
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns
 
 
 def cached_digest(path: Path) -> str:
     """file_digest, computed once per version of the file in this process (the target is resolved for its tokenizer
     and for its weights; hashing the bundled 98 MB GGUF took 0.08 s from the page cache, median of 3, more from a
     cold disk)."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = file_version(path)
     if key not in _DIGESTS:
         _DIGESTS[key] = file_digest(path)
     return _DIGESTS[key]
@@ -219,6 +226,7 @@ def converted_dir(path: Path) -> Path:
     half done is removed by the next one."""
     import fcntl
 
+    version = file_version(path)
     digest = cached_digest(path)
     key = conversion_key(digest)
     out = cache_root() / "gguf" / key
@@ -238,6 +246,9 @@ def converted_dir(path: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
         try:
             convert_gguf(path, tmp)
+            if file_version(path) != version:  # the weights converted may not be the ones the digest names
+                raise GGUFConversionError(f"{path} changed while it was being converted: nothing was cached;"
+                                          " load it again once the file is complete")
             (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}, indent=1))
             _sync_tree(tmp)
             if out.exists():  # an interrupted earlier conversion (no marker)

@@ -1,6 +1,6 @@
 # memspec_ros developer entry points (this Debian 12 / Python 3.11 machine, ROS 2 from PyPI wheels).
 #   make setup   .venv + ROS 2 Jazzy wheels + Python libraries + colcon build + .venv-gptq (idempotent, fast when unchanged)
-#   make build   the same steps; FORCE=1 redoes the colcon build even when nothing changed
+#   make build   the same steps but .venv-gptq; FORCE=1 redoes the colcon build even when nothing changed
 #   make lint    ruff over the whole tree
 #   make test    setup if needed (.venv-gptq too), build, lint, then the whole pytest suite
 #   make clean   remove build/ install/ log/      make distclean   ... and .venv, .venv-gptq

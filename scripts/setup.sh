@@ -7,7 +7,7 @@
 #   scripts/setup.sh [all|deps|build] [--force]
 #     deps   .venv, torch (only when none imports), pinned requirements, editable memspec_ros,
 #            CMake prefix patch of the wheels
-#     build  deps, then `colcon build` of both packages (the default `all` is the same)
+#     build  deps, then `colcon build` of both packages (the default `all` is the same plus gptq)
 #     gptq   the separate GPTQ environment .venv-gptq (requirements-gptq.txt: GPT-QModel needs
 #            torch>=2.14.1 while .venv pins torch 2.13.0 CPU); `all` includes it unless
 #            MEMSPEC_GPTQ=0

@@ -1,4 +1,6 @@
-"""The only place memspec_ros touches rclpy internals, because rclpy (Humble to Jazzy) has no public API for them.
+"""The node's lifecycle internals of rclpy, because rclpy (Humble to Jazzy) has no public API for them (two other
+places read rclpy internals: params.declare_all its parameter overrides, action_client.py ActionClient's request
+methods).
 
 * The current lifecycle state: ``LifecycleNode`` keeps it in ``_state_machine`` and offers no getter (only the
   ~/get_state service, which a node cannot call on itself from inside a callback).

@@ -134,9 +134,9 @@ def test_a_prepared_model_computes_a_verifys_rows_as_one_token_steps():
     both change last digits against one-token steps, which a near tie turns into another greedy token. Here a
     tiny fp32 Llama through transformers' forward (the path a GPTQ target takes), eager before preparing."""
     import torch
+    from row_checks import assert_verify_rows_equal_steps
 
     from memspec_ros.runtime.row_exact import ROWWISE_SDPA, prepare_for_engine
-    from memspec_ros.runtime.speculative import KVState, forward_once
     from memspec_ros.testing.tiny_models import tiny_llama
 
     torch.set_num_threads(1)
@@ -144,11 +144,4 @@ def test_a_prepared_model_computes_a_verifys_rows_as_one_token_steps():
     model.set_attn_implementation("eager")
     done = prepare_for_engine(model)
     assert done["attention"] == ROWWISE_SDPA  # which linears go row by row depends on the CPU's BLAS
-    ids = torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    for rows in (2, 5, 9):
-        batched, single = KVState(), KVState()
-        forward_once(model, ids[:30], batched, 1, "cpu")
-        forward_once(model, ids[:30], single, 1, "cpu")
-        verify = forward_once(model, ids[30:30 + rows], batched, rows, "cpu")
-        steps = torch.stack([forward_once(model, [t], single, 1, "cpu")[-1] for t in ids[30:30 + rows]])
-        assert torch.equal(verify, steps), rows
+    assert_verify_rows_equal_steps(model, 2048)

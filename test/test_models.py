@@ -223,10 +223,10 @@ def test_a_target_on_transformers_forward_scores_a_verifys_rows_as_one_token_ste
     """A Qwen2 target (not the lean Llama forward: transformers' own, batched matmuls and SDPA) loaded as a plain
     model scored a 5-row verify with other last digits than five one-token steps, and in bf16 the engine's greedy
     output then differed from the target's own on 5 of 20 prompts. load_model now makes it row-exact."""
+    from row_checks import assert_verify_rows_equal_steps
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from memspec_ros.runtime.draft_forward import lean_forward_for
-    from memspec_ros.runtime.speculative import KVState, forward_once
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -236,11 +236,4 @@ def test_a_target_on_transformers_forward_scores_a_verifys_rows_as_one_token_ste
     loaded = load_model(ModelSpec(str(path)))
     model = loaded.model
     assert lean_forward_for(model) is None and loaded.prepared is not None
-    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    for rows in (2, 5, 9):
-        batched, single = KVState(), KVState()
-        forward_once(model, ids[:30], batched, 1, "cpu")
-        forward_once(model, ids[:30], single, 1, "cpu")
-        verify = forward_once(model, ids[30:30 + rows], batched, rows, "cpu")
-        steps = torch.stack([forward_once(model, [t], single, 1, "cpu")[-1] for t in ids[30:30 + rows]])
-        assert torch.equal(verify, steps), rows
+    assert_verify_rows_equal_steps(model, 300)

@@ -480,3 +480,45 @@ def test_the_committed_results_page_rerenders(tmp_path):
     (out / "policies.json").write_text(json.dumps(data))
     rerender(out)
     assert "Gate (speed-matched (a run from before the held-out gate))" in (out / "README.md").read_text()
+
+
+def test_the_gmean_is_over_every_workload_but_mixed():
+    """Picking the paper's five names out of a folder judged `code, kitchen, navigation` on code alone, and a
+    folder without those names put `mixed` into the GMEAN."""
+    from memspec_ros.bench.policy_bench import domain_workloads
+
+    assert domain_workloads(["code", "kitchen", "navigation"]) == ["code", "kitchen", "navigation"]
+    assert domain_workloads(["kitchen", "navigation", "mixed"]) == ["kitchen", "navigation"]
+    assert domain_workloads(["code", "math", "law", "medical", "general", "mixed"]) == [
+        "code", "math", "law", "medical", "general"]
+    assert domain_workloads(["mixed"]) == ["mixed"]
+
+
+def test_a_step_without_a_proposal_is_target_only_time_even_when_flagged_fallback():
+    """Nothing resident (or a failed draft) gives a target-only step with the fallback flag: figures 7 and 9 drew
+    its verify as fallback execution while the fallback share beside them left it out."""
+    from memspec_ros.bench.figures import execution_parts
+    from memspec_ros.runtime.stats import GenerationStats, IterationStats
+
+    stats = GenerationStats(decode_seconds=1.0)
+    stats.iterations = [
+        IterationStats(draft="a", proposed=4, accepted=2, committed=3, draft_seconds=0.1, verify_seconds=0.2,
+                       preferred="a"),
+        IterationStats(draft="", proposed=0, accepted=0, committed=1, draft_seconds=0.0, verify_seconds=0.3,
+                       preferred="b", fallback=True),
+    ]
+    parts = execution_parts(stats)
+    assert parts["fallback"] == 0.0 and parts["target_only"] == pytest.approx(0.3)
+    assert parts["desired"] == pytest.approx(0.3) and stats.fallback_fraction == 0.0
+
+
+def test_a_ratio_over_a_zero_rate_passes_no_goal_and_a_gmean_covers_every_workload():
+    """A zero MAB-Async rate on one workload made the worst-workload ratio inf ("met"), a zero GMEAN raised after
+    every run, and `normalized` averaged a policy over the workloads where the base was not zero."""
+    from memspec_ros.bench.figures import normalized, ratio
+
+    assert ratio(1.0, 0.0) is None and ratio(3.0, 2.0) == 1.5
+    table = {"code": {"general-static": {"tps": 0.0}, "memspec": {"tps": 5.0}},
+             "math": {"general-static": {"tps": 10.0}, "memspec": {"tps": 5.0}}}
+    out = normalized(table, ["general-static", "memspec"], ["code", "math"], "tps")
+    assert out["math"]["memspec"] == 0.5 and out["GMEAN"]["memspec"] == 0.0  # was 0.5, over math alone

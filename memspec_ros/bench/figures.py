@@ -26,7 +26,6 @@ Every figure names its storage medium and says it is emulated where it is.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -77,7 +76,9 @@ def execution_parts(stats: GenerationStats) -> dict[str, float]:
     parts = dict.fromkeys(EXEC_PARTS, 0.0)
     for it in stats.iterations:
         run = it.draft_seconds + it.verify_seconds + it.catchup_seconds
-        parts["fallback" if it.fallback else ("desired" if it.proposed > 0 else "target_only")] += run
+        # a step with no proposal is target-only even when flagged fallback (nothing was resident, or the draft
+        # failed): the fallback share beside the bars leaves those steps out too
+        parts["target_only" if it.proposed == 0 else ("fallback" if it.fallback else "desired")] += run
         parts["prediction"] += it.prediction_seconds
         parts["load_wait"] += it.load_wait_seconds
     parts["other"] = max(0.0, stats.decode_seconds - sum(parts.values()))
@@ -107,11 +108,17 @@ def policy_summary(runs: Sequence[tuple[str, str, tuple, GenerationStats]], poli
     }
 
 
+def ratio(value: float, base: float) -> float | None:
+    """value / base, None where the base is 0 (no goal passes on it, no figure divides by zero after the runs)."""
+    return value / base if base > 0 else None
+
+
 def normalized(table: dict, policies: Sequence[str], workloads: Sequence[str], key: str, base: str = GS) -> dict:
     """Per workload, each policy's ``key`` over the base policy's; GMEAN over ``workloads``."""
     out = {w: {p: table[w][p][key] / table[w][base][key] for p in policies if table[w][base][key] > 0}
            for w in table}
-    out["GMEAN"] = {p: gmean([out[w][p] for w in workloads if p in out[w]]) for p in policies}
+    # a workload without its base ratio makes the GMEAN 0, as gmean's own rule: never one over fewer workloads
+    out["GMEAN"] = {p: gmean([out[w][p] if p in out[w] else 0.0 for w in workloads]) for p in policies}
     return out
 
 
@@ -305,20 +312,21 @@ def goals(bench: BenchRun, fig6: dict, validation_pooled: dict | None) -> dict:
     ms = policy_summary(bench.runs, MS, domains)
     rows = []
 
-    def add(name: str, value: float, goal: float, at_most: bool = False) -> None:
-        met = value <= goal if at_most else value >= goal
+    def add(name: str, value: float | None, goal: float, at_most: bool = False) -> None:
+        # None: a ratio over a zero rate (a baseline that committed nothing), which no goal passes
+        met = value is not None and (value <= goal if at_most else value >= goal)
         rows.append({"goal": name, "measured": value, "target": goal, "met": met,
-                     "gap": (value - goal) if not met else 0.0})
+                     "gap": None if value is None else (value - goal) if not met else 0.0})
 
-    add("MemSpec / Oracle-Dynamic (paper's metric)", g(MS) / g(OD), 0.95)
-    add("MemSpec / MAB-Async (paper's metric)", g(MS) / g(MAB), 1.3)
-    worst = min(table[w][MS]["tokens_per_second"] / table[w][MAB]["tokens_per_second"]
-                if table[w][MAB]["tokens_per_second"] > 0 else math.inf for w in domains)
+    add("MemSpec / Oracle-Dynamic (paper's metric)", ratio(g(MS), g(OD)), 0.95)
+    add("MemSpec / MAB-Async (paper's metric)", ratio(g(MS), g(MAB)), 1.3)
+    per_workload = [ratio(table[w][MS]["tokens_per_second"], table[w][MAB]["tokens_per_second"]) for w in domains]
+    worst = None if None in per_workload else min(per_workload)  # a zero MAB-Async rate was inf: "met"
     add("MemSpec / MAB-Async on the worst workload", worst, 1.0 + 1e-9)
-    add("MemSpec / General-Static (paper's metric)", g(MS) / g(GS), 1.3)
+    add("MemSpec / General-Static (paper's metric)", ratio(g(MS), g(GS)), 1.3)
     e2e = "end_to_end_tokens_per_second"
-    add("MemSpec / General-Static (end to end)", g(MS, e2e) / g(GS, e2e), 1.2)
-    add("MemSpec / MAB-Async (end to end)", g(MS, e2e) / g(MAB, e2e), 1.2)
+    add("MemSpec / General-Static (end to end)", ratio(g(MS, e2e), g(GS, e2e)), 1.2)
+    add("MemSpec / MAB-Async (end to end)", ratio(g(MS, e2e), g(MAB, e2e)), 1.2)
     add("MemSpec fallback (share of speculative iterations)", ms["fallback_fraction_of_iterations"], 0.055, True)
     add("MemSpec prediction overhead (share of decode time)", ms["prediction_share_of_decode"], 0.04, True)
     cost_aware = {}
@@ -649,7 +657,8 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
               "| goal | measured | target | met | gap |", "|---|---:|---:|---|---:|"]
     for r in g["rows"]:
         percent = "share" in r["goal"]
-        fmt = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.3f}")
+        fmt = (lambda x: "n/a" if x is None else f"{x:.1%}") if percent else (
+            lambda x: "n/a (a zero baseline)" if x is None else f"{x:.3f}")
         lines.append(f"| {r['goal']} | {fmt(r['measured'])} | {'<=' if percent else '>='} {fmt(r['target'])}"
                      f" | {'yes' if r['met'] else 'no'} | {'' if r['met'] else fmt(r['gap'])} |")
     h = g["headroom"]

@@ -131,14 +131,13 @@ def gmean(values: Sequence[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
-DOMAIN_WORKLOADS = ("code", "math", "law", "medical", "general")  # the goals' GMEAN (the paper's five)
 
 
 def domain_workloads(workloads: Sequence[str]) -> list[str]:
-    """The workloads every GMEAN is over: the paper's five domains where present (not ``mixed``), else every
-    workload (a folder of other workloads)."""
-    domains = [w for w in DOMAIN_WORKLOADS if w in workloads]
-    return domains or list(workloads)
+    """The workloads every GMEAN is over: every one but ``mixed`` (the paper's five domains on the zoo's folder;
+    a folder of other workloads keeps all of its own: picking the five's names out of it judged ``code, kitchen,
+    navigation`` on ``code`` alone), or every one if ``mixed`` is all there is."""
+    return [w for w in workloads if w != "mixed"] or list(workloads)
 
 
 # -- workloads: any folder of <name>.jsonl ------------------------------------------------------------

@@ -407,7 +407,7 @@ def test_oracle_dynamic_stays_above_oracle_static_where_a_late_catch_up_costs_mo
     assert flat_tps < tps["oracle-static"]
 
 
-def test_the_held_out_validation_takes_nothing_from_the_runs_it_checks(tmp_path):
+def test_the_held_out_validation_takes_nothing_from_the_runs_it_checks(tmp_path, monkeypatch):
     """The gate replays each checked run with the cost model fitted on the other prompts at the fitted speed:
     the checked runs' own timings must not enter their replay. Speed-matched, the replay scaled each run's
     compute by that run's own verify time (most of its decode time), so the verify part agreed by construction
@@ -439,3 +439,10 @@ def test_the_held_out_validation_takes_nothing_from_the_runs_it_checks(tmp_path)
         assert matched[1]["simulated_end_to_end"] < matched[0]["simulated_end_to_end"]
     assert after["gate"]["kind"].startswith("held out")
     assert after["gate"]["max_abs_error_end_to_end"] == after["held_out"]["max_abs_error_end_to_end"]
+    # the oracles of the replays plan with what the timed Oracle-Dynamic planned with, not the fitted costs
+    planned = []
+    policy = type(bench).policy
+    monkeypatch.setattr(type(bench), "policy", lambda self, name, config, costs=None, schedule=None: (
+        planned.append(schedule) or policy(self, name, config, costs, schedule)))
+    validate_simulator(bench)
+    assert planned and all(s is bench.schedule_costs for s in planned)

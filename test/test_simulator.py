@@ -446,3 +446,22 @@ def test_the_held_out_validation_takes_nothing_from_the_runs_it_checks(tmp_path,
         planned.append(schedule) or policy(self, name, config, costs, schedule)))
     validate_simulator(bench)
     assert planned and all(s is bench.schedule_costs for s in planned)
+
+
+def test_the_cost_models_per_iteration_and_per_point_costs_are_pooled_over_the_runs():
+    """Each run's other-time per iteration (and prediction per scheduling point) was averaged with equal weight:
+    a 3-iteration answer at 0.5 ms and a 32-iteration one at 0.24 ms gave 0.37 ms per iteration, not 0.26."""
+    from memspec_ros.runtime.simulator import CostModel
+    from memspec_ros.runtime.stats import GenerationStats, IterationStats
+
+    def run(iterations: int, other_ms: float, points: int, prediction_ms: float) -> GenerationStats:
+        stats = GenerationStats(decode_seconds=iterations * other_ms / 1000, predictions=points + 1)
+        stats.iterations = [IterationStats(draft="a", proposed=4, accepted=1, committed=2, draft_seconds=0.0,
+                                           verify_seconds=0.0) for _ in range(iterations)]
+        stats.iterations[0].prediction_seconds = points * prediction_ms / 1000
+        stats.decode_seconds += stats.iterations[0].prediction_seconds
+        return stats
+
+    costs = CostModel.measure([("memspec", run(3, 0.5, 1, 1.0)), ("memspec", run(32, 0.24, 7, 0.2))], {}, "local")
+    assert costs.other_iteration_seconds == pytest.approx((3 * 0.5 + 32 * 0.24) / 35 / 1000)
+    assert costs.point_seconds["memspec"] == pytest.approx((1 * 1.0 + 7 * 0.2) / 8 / 1000)

@@ -279,10 +279,10 @@ class CostModel:
         draft_tok: list[float] = []
         catch_x: list[float] = []
         catch_y: list[float] = []
-        other: list[float] = []
+        other = [0.0, 0]  # seconds, iterations: pooled over the runs (sums first, as every figure)
         prefill_x: list[float] = []
         prefill_y: list[float] = []
-        point: dict[str, list[float]] = {}
+        point: dict[str, list[float]] = {}  # policy -> [seconds, points], pooled
         setup: dict[str, list[float]] = {}
         call_other: list[float] = []
         for policy, stats in runs:
@@ -296,12 +296,14 @@ class CostModel:
                     catch_x.append(it.catchup_tokens)
                     catch_y.append(it.catchup_seconds)
             parts = stats.time_breakdown()
-            if its:
-                other.append(parts["other"] / len(its))
+            other[0] += parts["other"]
+            other[1] += len(its)
             # the work at scheduling points (intervals >= 1): choose + resolve, waits excluded
             points = stats.predictions - 1
             if points > 0:
-                point.setdefault(policy, []).append(stats.prediction_seconds / points)
+                pooled = point.setdefault(policy, [0.0, 0])
+                pooled[0] += stats.prediction_seconds
+                pooled[1] += points
             prefill_x.append(stats.prompt_tokens)
             prefill_y.append(stats.prefill_seconds)
             # the setup's own work: its wait for the first draft is what the replay charges as that draft's load
@@ -315,9 +317,9 @@ class CostModel:
             verify_seconds={k: statistics.median(v) for k, v in sorted(verify.items())},
             draft_token_seconds=statistics.median(draft_tok) if draft_tok else 0.0,
             catchup_base_seconds=catch_base, catchup_token_seconds=catch_tok,
-            other_iteration_seconds=_mean(other),
+            other_iteration_seconds=other[0] / other[1] if other[1] else 0.0,
             prefill_base_seconds=pre_base, prefill_token_seconds=pre_tok,
-            point_seconds={p: _mean(v) for p, v in point.items()},
+            point_seconds={p: seconds / points for p, (seconds, points) in point.items()},
             setup_seconds={p: statistics.median(v) for p, v in setup.items()},
             load_seconds=dict(load_seconds), medium=medium,
             call_other_seconds=statistics.median(call_other) if call_other else 0.0,

@@ -6,7 +6,9 @@ variants cancels in it; their tokens/s are not interleaved and carry that drift.
 Variants: the paper's MiniLM encoder and the target-hidden encoder, each run
 synchronously on the decode thread or overlapped on a background thread. The
 figure is GenerationStats.prediction_overhead: seconds of scheduling work on the
-decode thread (prediction + cache update) as a share of decoding time. Heads
+decode thread (prediction + cache update) as a share of decoding time; the
+target-hidden encoder's hook time (inside the target's forwards, prefill
+included) is reported beside it (``hook_share``, ``prediction_overhead_with_hook``). Heads
 come from ``--predictor`` (models/predictor/<encoder>/); with ``--untrained`` a
 random head of the same shape is used, which costs exactly the same.
 
@@ -100,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         for s in runs:
             pooled.add(s)
         key = f"{encoder_name}{' (overlapped)' if overlap else ''}"
-        # the hidden-state hook runs inside the target's verify forward: count it as prediction work too
+        # the hidden-state hook runs inside the target's forwards (the prefill's too): reported beside the figure,
+        # which is GenerationStats.prediction_overhead's definition (the paper goal's), not added into it
         hook = getattr(engine.encoder, "hook_seconds", 0.0) - hook0
+        prediction = sum(s.prediction_seconds for s in runs)
         results[key] = {
-            "prediction_overhead": (sum(s.prediction_seconds for s in runs) + hook) / decode if decode else 0.0,
+            "prediction_overhead": prediction / decode if decode else 0.0,
             "hook_share": hook / decode if decode else 0.0,
+            "prediction_overhead_with_hook": (prediction + hook) / decode if decode else 0.0,
             "background_prediction_share": sum(s.background_prediction_seconds for s in runs) / decode
             if decode
             else 0.0,
@@ -115,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         ctl.close()
         engine.close()
-    print(f"{'variant':<28}{'overhead':>10}{'background':>12}{'tok/s':>9}{'E[A]':>7}{'fallback':>10}")
+    print(f"{'variant':<28}{'overhead':>10}{'hook':>8}{'background':>12}{'tok/s':>9}{'E[A]':>7}{'fallback':>10}")
     for key, r in results.items():
-        print(f"{key:<28}{100 * r['prediction_overhead']:>9.2f}%{100 * r['background_prediction_share']:>11.2f}%"
+        print(f"{key:<28}{100 * r['prediction_overhead']:>9.2f}%{100 * r['hook_share']:>7.2f}%"
+              f"{100 * r['background_prediction_share']:>11.2f}%"
               f"{r['tokens_per_second']:>9.1f}{r['mean_accepted']:>7.2f}{100 * r['fallback_fraction']:>9.1f}%")
     best = min(results, key=lambda k: results[k]["prediction_overhead"])
     print(f"lowest decode-thread overhead: {best}")

@@ -17,7 +17,7 @@ from memspec_ros.runtime.speculative import generate
 from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 from memspec_ros.zoo import chat_workloads as cw
 from memspec_ros.zoo.chat_acceptance import chat_acceptance
-from memspec_ros.zoo.chat_build import ChatBuildConfig, ChatZooBuild
+from memspec_ros.zoo.chat_build import ChatBuildConfig, ChatZooBuild, general_domains
 from memspec_ros.zoo.chat_drafts import AnswerStreams, ChatDraftArch, new_draft, select_vocab, split_validation
 from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS, split_of
 from memspec_ros.zoo.rollouts import IGNORE
@@ -542,4 +542,4 @@ def test_a_cached_draft_trained_with_other_settings_is_not_taken_for_these(tiny_
     kept = split_validation(load_answers(work / "teacher", "train"))[0]
     assert meta["answers"] == sum(a.domain == "general" for a in kept)
     with pytest.raises(ValueError, match="unknown general-draft domain"):
-        ChatZooBuild(replace(paper, general_domains=("prose",))).general_domains()
+        general_domains(("prose",))

@@ -328,11 +328,11 @@ def test_every_declared_range_is_what_the_node_accepts():
 
 def test_fallback_above_the_threshold_warns():
     s = Status()
-    fill_throughput_status(s, _stats(fallback=True), 1, 1, fallback_warn=0.2)
+    fill_throughput_status(s, _stats(fallback=True), 1, 1, fallback_warn=0.2, finished_goals=1)
     assert s.level == WARN and "fallback" in s.message
     assert ("dropped draft tokens", "0") in s.values  # the confidence stop's drops are reported (none here)
     s = Status()
-    fill_throughput_status(s, _stats(fallback=False), 1, 1, fallback_warn=0.2)
+    fill_throughput_status(s, _stats(fallback=False), 1, 1, fallback_warn=0.2, finished_goals=1)
     assert s.level == OK
 
 

@@ -131,8 +131,6 @@ def gmean(values: Sequence[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
-
-
 def domain_workloads(workloads: Sequence[str]) -> list[str]:
     """The workloads every GMEAN is over: every one but ``mixed`` (the paper's five domains on the zoo's folder;
     a folder of other workloads keeps all of its own: picking the five's names out of it judged ``code, kitchen,

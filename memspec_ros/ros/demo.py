@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 import signal
@@ -30,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..argtypes import positive_float, positive_int
+from ..runtime.jsonl import WorkloadFileError, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_NAME = "memspec"
@@ -77,21 +77,23 @@ def isolated_domain(domain_id: int | None = None) -> Iterator[int]:
             lock.close()
 
 
+def _sendable(row: dict) -> str | None:
+    if isinstance(row.get("prompt"), str) and row["prompt"]:
+        return None
+    return 'the demo sends a row\'s "prompt" and this one has none'
+
+
 def demo_prompt(zoo: Path) -> str:
     """The first code prompt of the zoo's workloads (the zoo is trained on these domains)."""
     for name in ("code.jsonl", "mixed.jsonl"):
         path = zoo / "workloads" / name
         if path.is_file():
-            for n, line in enumerate(path.read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise SystemExit(f"{path}:{n}: not valid JSON ({exc.msg}): fix it, or give --prompt") from None
-                if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"]:
-                    return row["prompt"]
-                raise SystemExit(f'{path}:{n}: the demo sends a row\'s "prompt" and this one has none: give --prompt')
+            try:
+                rows = read_jsonl(path, limit=1, row_check=_sendable)
+            except WorkloadFileError as exc:
+                raise SystemExit(f"{exc}: fix it, or give --prompt") from None
+            if rows:
+                return rows[0]["prompt"]
     return DEFAULT_PROMPT
 
 

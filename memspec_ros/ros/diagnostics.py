@@ -353,12 +353,11 @@ def fill_cache_status(status: Status, snap: CacheStats | None, window: Generatio
 
 
 def fill_throughput_status(status: Status, window: GenerationStats | None, goals: int, measured_goals: int,
-                           fallback_warn: float, finished_goals: int | None = None) -> None:
+                           fallback_warn: float, finished_goals: int) -> None:
     """``finished_goals``: every goal answered since activation; ``measured_goals``: those whose timings the
     throughput figures count (a goal cancelled or ended before it ran, or one that failed, has none)."""
     status.add("goals in window", goals)
-    if finished_goals is not None:
-        status.add("goals finished since activation", finished_goals)
+    status.add("goals finished since activation", finished_goals)
     status.add("goals measured since activation", measured_goals)
     if window is None or goals == 0:
         status.summary(OK, "no finished goal yet")

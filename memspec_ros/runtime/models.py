@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .draft_forward import unsupported_reason
 from .forward_paths import PATHS, PathReport, apply_path
 from .path_choice import PathChoice, choose_path
 
@@ -331,8 +332,6 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         path = choice.path
     path_report = apply_path(model, path) if cpu_path else None
     prepared = None
-    from .draft_forward import unsupported_reason
-
     if path == "gptq" or unsupported_reason(model):
         # the model runs on transformers' forward, not the engine's lean Llama forward: GPT-QModel's kernels, a
         # plain head and transformers' attention over a cached prefix compute a verify's rows otherwise than

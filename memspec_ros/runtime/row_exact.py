@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from .forward_paths import MAX_VERIFY_ROWS  # a verify feeds gamma + 1 rows, gamma up to 8
+from .forward_paths import MAX_VERIFY_ROWS, blas_rows_exact  # a verify feeds gamma + 1 rows, gamma up to 8
 
 log = logging.getLogger(__name__)
 
@@ -108,22 +108,22 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
     if dtype not in (torch.float16, torch.bfloat16):
         dtype = torch.float32
     by_shape: dict[tuple, list[tuple[str, torch.nn.Module]]] = {}
-    # GPT-QModel's linears and every plain one left (the head, which a GPTQ checkpoint usually keeps unquantized:
-    # fp32 and fp16 GEMMs over 5 rows differ from 1-row calls on this CPU); weights on the meta device hold no
-    # numbers to probe
-    plain = [(n, m) for n, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear) and m.weight.device.type != "meta"]
-    for name, module in _gptq_linears(model) + plain:
+    for name, module in _gptq_linears(model):
         by_shape.setdefault((type(module).__name__, module.in_features, module.out_features), []).append((name, module))
     with torch.inference_mode():
         for (_, n_in, _), modules in by_shape.items():
+            probe = torch.randn(1, MAX_VERIFY_ROWS, n_in, generator=torch.Generator().manual_seed(1)).to(device, dtype)
             first = modules[0][1]
-            weight = first.weight if isinstance(first, torch.nn.Linear) else None  # a plain one: its own dtype
-            probe = torch.randn(1, MAX_VERIFY_ROWS, n_in, generator=torch.Generator().manual_seed(1)).to(
-                weight.device if weight is not None else device, weight.dtype if weight is not None else dtype)
             alone = torch.cat([first(probe[:, i:i + 1]) for i in range(MAX_VERIFY_ROWS)], dim=1)
             if not all(torch.equal(first(probe[:, :m]), alone[:, :m]) for m in range(2, MAX_VERIFY_ROWS + 1)):
                 for name, module in modules:
                     _one_row_at_a_time(module)
                     done["rows_one_by_one"].append(name)
+    # every plain linear left (the head, which a GPTQ checkpoint usually keeps unquantized: fp32 and fp16 GEMMs over
+    # 5 rows differ from 1-row calls on this CPU), by the lean forward's own probe; weights on the meta device hold
+    # no numbers to probe
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.device.type != "meta" and not blas_rows_exact(module):
+            _one_row_at_a_time(module)
+            done["rows_one_by_one"].append(name)
     return done

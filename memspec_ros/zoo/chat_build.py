@@ -129,6 +129,20 @@ def _check_cached(name: str, final: Path, cfg: TrainConfig, domains: tuple[str, 
                          f" remove {final.parent} to train it again with these, or build in another --work-dir")
 
 
+def general_domains(wanted: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The domains the general draft learns from: ``wanted``, where ``all`` is every one; ValueError for an unknown
+    name or none (a typo would train the general draft on nothing)."""
+    known = tuple(DOMAINS) + tuple(w for w in WORKLOADS if w not in DOMAINS)
+    wanted = tuple(wanted)
+    if wanted == ("all",):
+        return known
+    unknown = [d for d in wanted if d not in known]
+    if unknown or not wanted:
+        raise ValueError(f"unknown general-draft domain(s) {', '.join(unknown) or '(none given)'}: use 'all' or"
+                         f" some of {', '.join(known)}")
+    return wanted
+
+
 class ChatZooBuild:
     def __init__(self, cfg: ChatBuildConfig) -> None:
         self.cfg = cfg
@@ -267,21 +281,9 @@ class ChatZooBuild:
         _log(f"{name}: validation accepted/iteration {before:.3f} -> {meta['best_score']:.3f}")
 
     def general(self) -> None:
-        domains = self.general_domains()
+        domains = general_domains(self.cfg.general_domains)
         draft = new_draft(self.target(), self.vocab_ids(), self.cfg.arch, seed=self.cfg.seed)
         self._distil("general", draft, self._split(domains), self.cfg.general_train, domains)
-
-    def general_domains(self) -> tuple[str, ...]:
-        """The domains the general draft learns from: ``cfg.general_domains``, where ``all`` is every one."""
-        known = tuple(DOMAINS) + tuple(w for w in WORKLOADS if w not in DOMAINS)
-        wanted = tuple(self.cfg.general_domains)
-        if wanted == ("all",):
-            return known
-        unknown = [d for d in wanted if d not in known]
-        if unknown or not wanted:
-            raise ValueError(f"unknown general-draft domain(s) {', '.join(unknown) or '(none given)'}: use 'all' or"
-                             f" some of {', '.join(known)}")
-        return wanted
 
     def domains(self) -> None:
         if not (self.w / "ckpt" / "general" / "final" / "model.safetensors").is_file():

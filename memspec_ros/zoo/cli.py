@@ -113,21 +113,18 @@ def _chat_build_parser(sub) -> None:
                         " domains its specialists are fine-tuned on")
 
 
-def _general_domains(text: str) -> str:
-    """argparse type of --general-domains: 'all' or known domains (a typo would train on nothing)."""
+def _general_domains(text: str) -> tuple[str, ...]:
+    """argparse type of --general-domains: 'all' or a comma list of known domains."""
     import argparse
 
-    from .corpora import DOMAINS, WORKLOADS
+    from .chat_build import general_domains
 
-    known = list(dict.fromkeys(DOMAINS + WORKLOADS))
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if names == ["all"]:
-        return text
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown domain(s) {', '.join(unknown) or '(none)'}: use 'all' or a comma"
-                                         f" list out of {', '.join(known)}")
-    return text
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    try:
+        general_domains(names)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
 
 
 def _run_chat_build(a) -> int:
@@ -153,7 +150,7 @@ def _run_chat_build(a) -> int:
                               batch_size=a.train_batch, lr=a.general_lr),
         domain_train=replace(d.domain_train, max_minutes=a.domain_minutes, max_steps=a.domain_steps,
                              batch_size=a.train_batch, lr=a.domain_lr),
-        general_domains=tuple(n.strip() for n in a.general_domains.split(",") if n.strip()),
+        general_domains=a.general_domains,
     )
     try:
         ChatZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])

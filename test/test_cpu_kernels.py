@@ -4,6 +4,8 @@ over the same layers, speculative decoding through it stays lossless, and a mach
 
 from __future__ import annotations
 
+import math
+import shutil
 import subprocess
 import sys
 
@@ -23,6 +25,15 @@ needs_w4 = pytest.mark.skipif(not STATUS.w4, reason=f"no w4 kernel here: {STATUS
 needs_i8 = pytest.mark.skipif(not STATUS.i8, reason=f"no i8 kernel here: {STATUS.reason}")
 needs_decoder = pytest.mark.skipif(not STATUS.decoder, reason=f"no decoder kernel here: {STATUS.reason}")
 needs_step = pytest.mark.skipif(not STATUS.step, reason=f"no step kernel here: {STATUS.reason}")
+# Where a C compiler is on PATH (and the kernels are not turned off) they must build: a broken build fails the tests
+# below instead of skipping them. Without a compiler the engine runs ATen's kernels, as the README says.
+_OFF = cpu_kernels.os.environ.get(cpu_kernels.ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+try:
+    _CC = shutil.which(cpu_kernels._compiler()[0])
+except RuntimeError:  # $CC is no command line: the kernels cannot build
+    _CC = None
+needs_compiler = pytest.mark.skipif(_OFF or _CC is None,
+                                    reason="no C compiler on PATH, or kernels turned off: ATen's kernels run")
 ROWS = range(1, 11)  # 1..8 rows take one pass over the weights, 9 and 10 two
 
 
@@ -63,6 +74,7 @@ def test_i8_kernel_is_exact_on_every_blocking_of_outputs_and_rows(rows):
     assert torch.equal(got, _rows_alone(layer, x))
 
 
+@needs_compiler
 @pytest.mark.parametrize("rows", [*ROWS, 16, 17, 33])
 def test_f32_kernel_computes_its_layer_and_each_row_alone(rows):
     """fp32 weights as loaded: within fp32 rounding of the float64 product (the classic bound for a sum of K
@@ -381,13 +393,23 @@ def test_without_a_compiler_the_paths_use_atens_kernels_and_say_why(tmp_path):
     assert "/bin/false failed" in out and "| False |" in out
 
 
+def test_a_cc_that_is_no_command_line_leaves_atens_kernels_and_says_what_to_fix(tmp_path):
+    """An unbalanced quote in $CC raised out of every status() call, so loading any model failed."""
+    out = _status_in_subprocess({"CC": 'gcc "-O2', "MEMSPEC_CACHE_DIR": str(tmp_path)})
+    assert out.startswith("none (ATen's kernels); not compiled") and "fix or unset CC" in out, out
+    assert "| False |" in out
+
+
+@needs_compiler
 def test_the_library_is_compiled_once_per_machine_and_source(tmp_path):
     first = cpu_kernels._build(tmp_path)
     stamp = first.stat().st_mtime_ns
     assert cpu_kernels._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left behind
+    # no partial files left behind: the library, and its note where only a fallback build (no OpenMP) succeeded
+    assert {p.name for p in tmp_path.iterdir()} <= {first.name, cpu_kernels._fallback_note(first).name}
 
 
+@needs_compiler
 def test_a_damaged_cached_library_is_built_again(tmp_path):
     """A cached library cut short (a power cut between write and rename, before it was fsynced) failed to load on
     every start and left ATen's kernels running, silently changing the model's numbers: it is built again."""
@@ -399,6 +421,7 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
     assert library.stat().st_size > 100
 
 
+@needs_compiler
 def test_a_library_built_without_openmp_says_so(tmp_path):
     """The fallback builds (no OpenMP, then portable C) are cached under the full build's key: the status says the
     library is degraded and how to retry, instead of looking like the full build."""
@@ -480,6 +503,21 @@ def test_the_decoders_exp_is_within_a_few_ulp_of_the_true_one_and_silu_follows()
     assert ((out.double() - exact).abs() <= 8 * ulp * exact.abs() + 1e-30).all()
 
 
+@needs_decoder
+def test_the_decoders_exp_keeps_a_nan_score_nan_as_libms_expf_does():
+    """A NaN attention score (a KV row a diverged token left) must make the softmax's sum NaN on every CPU: the
+    vector e^x's range clamp had turned NaN into e^-87 on AVX512/AVX2 only, so a diverged model kept giving finite
+    logits there and NaN in the portable C and ATen. Every lane position is tried (the vector body and the tail)."""
+    library = cpu_kernels._library()
+    for at in (0, 5, 15, 16, 33):
+        v = torch.zeros(37)
+        v[at] = float("nan")
+        v = v.contiguous()
+        assert math.isnan(library.exp_shifted_sum(v.data_ptr(), v.numel(), 0.0)), at
+        assert math.isnan(float(v[at])) and bool((v[torch.arange(37) != at] == 1.0).all())
+
+
+@needs_compiler
 def test_status_names_the_instruction_set_of_each_kernel():
     """Every kernel exists on every CPU with a compiler: AVX512 or AVX2 code where -march=native has it, portable C
     elsewhere; the status names which, and whether w4 takes the blocked layout."""
@@ -493,6 +531,7 @@ def test_status_names_the_instruction_set_of_each_kernel():
     assert STATUS.isa in STATUS.describe()
 
 
+@needs_compiler
 @pytest.mark.skipif(cpu_kernels.os.environ.get(cpu_kernels.ENV_SWITCH) == cpu_kernels.PORTABLE,
                     reason="this run is the portable one")
 def test_the_portable_kernels_pass_the_same_tests(tmp_path):

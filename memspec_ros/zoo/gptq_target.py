@@ -10,8 +10,8 @@ directory in the node's environment. ``python -m memspec_ros.zoo.gptq_target`` u
 with gptqmodel takes a directory directly.
 
 Calibration: the first ``--requests`` training requests (models/workloads/train_requests.jsonl is
-round-robin over domains, so any prefix is balanced; one whose text equals a held-out request's is
-passed over), each rendered through the chat template as the
+round-robin over domains, so any prefix is balanced; one that asks what a held-out request asks, in
+any words, is passed over), each rendered through the chat template as the
 node renders a goal, followed by the target's own greedy answer. Answers come from the zoo build's
 stored teacher shards when they hold that request (``--answers``, default: the build's work dir named
 in models/build_config.json), else the fp32 target answers it here once (cached beside the output).
@@ -127,15 +127,19 @@ def answered(target_dir: Path, rows: list[dict], answers_dir: Path | None, work:
 # -- quantize ----------------------------------------------------------------------------------------
 
 def calibration_rows(models: Path, requests: int) -> tuple[list[dict], int]:
-    """The first ``requests`` training requests whose text is not also a held-out request's, and how
-    many were passed over for that (training and held-out requests come from disjoint source files,
-    but a few files repeat a paragraph word for word)."""
-    heldout = {r["prompt"] for w in WORKLOADS for r in read_rows(models / "workloads" / f"{w}.jsonl")}
+    """The first ``requests`` training requests that ask nothing a held-out request asks, and how many
+    were passed over for that. Compared by material (chat_workloads.request_material: the problem,
+    clause or paragraph a request quotes), not by text: "Solve x^2 - 16x + 63 = 0." in training and
+    "Can you help me with this? Solve x^2 - 16x + 63 = 0." held out are one request, and the report's
+    perplexity is measured on the held-out ones."""
+    from .chat_workloads import heldout_material, request_material
+
+    heldout = heldout_material(models / "workloads")
     rows, skipped = [], 0
     for r in read_rows(models / "workloads" / "train_requests.jsonl"):
         if len(rows) == requests:
             break
-        if r["prompt"] in heldout:
+        if request_material(r["prompt"]) & heldout:
             skipped += 1
         else:
             rows.append(r)

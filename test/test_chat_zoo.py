@@ -619,3 +619,28 @@ def test_cached_workloads_written_with_other_settings_are_refused(tiny_build, tm
     more = replace(cfg, workloads=replace(cfg.workloads, train_per_domain=cfg.workloads.train_per_domain + 1))
     with pytest.raises(ValueError, match=r"written with other settings \(train_per_domain"):
         ChatZooBuild(more).run(["workloads"])
+
+
+@pytest.mark.parametrize("target", ["pkg:no_such_package_here/model.gguf", "pkg:bad.name/x.gguf", "no/such/dir"])
+def test_a_build_with_a_missing_target_says_so_before_any_stage_runs(target, tmp_path):
+    """A mistyped --target failed with a ModelLoadError traceback after the workloads stage had written its files."""
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["build", "--work-dir", str(tmp_path / "w"), "--target", target, "--stages", "workloads,teacher"])
+    assert str(exit_info.value).startswith(f"memspec-zoo build: --target {target}:")
+    assert not (tmp_path / "w" / "workloads").exists()
+
+
+def test_draft_gguf_with_a_target_that_is_no_gguf_says_so(tmp_path):
+    """A target that is no GGUF file, or a mistyped pkg: target, raised a bare ValueError / ModelDirectoryError."""
+    from memspec_ros.zoo.cli import main
+
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"not a gguf file at all" * 10)
+    draft = Path(__file__).parents[1] / "models" / "drafts" / "code"
+    for target in (str(not_gguf), "pkg:no_such_package_here/model.gguf"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["draft-gguf", "--draft", str(draft), "--target", target, "--out", str(tmp_path / "d.gguf")])
+        assert str(exit_info.value).startswith("memspec-zoo draft-gguf: "), exit_info.value
+    assert not (tmp_path / "d.gguf").exists()

@@ -176,6 +176,20 @@ class ChatZooBuild:
             self._target = load_model(ModelSpec(self.cfg.target)).model
         return self._target
 
+    def _check_target(self) -> None:
+        """ValueError naming the target setting unless it names an existing file or folder (loaded later)."""
+        from memspec_ros.runtime.model_source import PKG_PREFIX, package_file
+        from memspec_ros.runtime.models import ModelLoadError
+
+        text = str(self.cfg.target)
+        try:
+            path = package_file(text) if text.startswith(PKG_PREFIX) else Path(text)
+        except ModelLoadError as exc:
+            raise ValueError(f"--target {text}: {exc}") from None
+        if not path.exists():
+            raise ValueError(f"--target {text}: {path} does not exist (a model folder, a .gguf file or"
+                             " pkg:<package>/<file>)")
+
     def tokenizer(self):
         from memspec_ros.runtime.models import load_tokenizer
 
@@ -404,6 +418,8 @@ class ChatZooBuild:
         unknown = [s for s in stages if s not in CHAT_STAGES]
         if unknown:
             raise ValueError(f"unknown stage(s) {', '.join(unknown)}: use {', '.join(CHAT_STAGES)}")
+        if set(stages) - {"workloads"}:  # a mistyped target failed only after the workloads stage had run
+            self._check_target()
         t0 = time.time()
         for stage in CHAT_STAGES:
             if stage in stages:

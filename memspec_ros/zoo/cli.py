@@ -152,9 +152,11 @@ def _run_chat_build(a) -> int:
                              batch_size=a.train_batch, lr=a.domain_lr),
         general_domains=a.general_domains,
     )
+    from ..runtime.models import ModelLoadError
+
     try:
         ChatZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])
-    except (ValueError, FileNotFoundError) as exc:  # a stage run before its inputs exist says which
+    except (ValueError, FileNotFoundError, ModelLoadError) as exc:  # a stage run before its inputs says which
         raise SystemExit(f"memspec-zoo build: {exc}") from None
     return 0
 

@@ -265,12 +265,14 @@ def outside_wins(draft, token_ids: list[list[int]]) -> tuple[int, int, float]:
 def main_cli(a) -> int:
     """``memspec-zoo draft-gguf``."""
     from ..runtime.model_source import package_file
+    from ..runtime.models import ModelLoadError
 
     target = a.target
-    target_path = package_file(target) if target.startswith("pkg:") else Path(target)
     try:
+        target_path = package_file(target) if target.startswith("pkg:") else Path(target)
         out = export_draft_gguf(a.draft, target_path, a.out)
-    except (DraftGGUFError, OSError, KeyError) as exc:
+    # ValueError: a target that is no GGUF file (gguf's "GGUF magic invalid"), a bad draft_vocab.json
+    except (DraftGGUFError, OSError, KeyError, ValueError, ModelLoadError) as exc:
         raise SystemExit(f"memspec-zoo draft-gguf: {exc}") from None
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) from {a.draft}, tokenizer of {target_path}")
     return 0

@@ -137,6 +137,24 @@ def test_teacher_resumes_by_rows_with_another_chunk_size_and_refuses_other_reque
         answer_requests(model, tok, ROWS[1:], tmp_path, "t", small)
 
 
+def test_answers_made_by_another_target_are_refused(tiny_target, tmp_path):
+    """Shards did not name their target: a build or acceptance run given another model with the same tokenizer (a
+    larger SmolLM2, another quantization) took the old target's answers for the new one's."""
+    from memspec_ros.runtime.model_source import model_digest
+
+    path, tok, model = tiny_target
+    small = TeacherConfig(max_new_tokens=6, batch_size=4, chunk_requests=8)
+    digest = model_digest(path)
+    answer_requests(model, tok, ROWS[:8], tmp_path, "t", small, target_digest=digest)
+    assert answer_requests(model, tok, ROWS[:8], tmp_path, "t", small, target_digest=digest) == 0  # same: resumed
+    with pytest.raises(ValueError, match="made by another target"):
+        answer_requests(model, tok, ROWS, tmp_path, "t", small, target_digest="f" * 64)
+    assert len(load_answers(tmp_path, "t")) == 8
+    copy = tmp_path / "same-model-elsewhere"
+    shutil.copytree(path, copy)
+    assert model_digest(copy) == digest  # by content, not by path
+
+
 def test_answer_rows_label_answer_tokens_only_and_drop_ids_outside_the_vocabulary():
     answer = Answer([1, 3, 5], [7, 8, 9, 4], torch.tensor([[7, 2]] * 4, dtype=torch.int32),
                     torch.tensor([[-0.1, -2.5]] * 4, dtype=torch.float16))

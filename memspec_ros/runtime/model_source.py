@@ -217,6 +217,19 @@ def cached_digest(path: Path) -> str:
     return _DIGESTS[key]
 
 
+def model_digest(spec: str | os.PathLike[str]) -> str:
+    """What a model setting names, by content: a GGUF file's digest, or a folder's weights files' (names and
+    digests); the same model under another path or as pkg: gives the same value. ModelDirectoryError if absent."""
+    text = str(spec)
+    path = package_file(text) if text.startswith(PKG_PREFIX) else Path(text)
+    if path.is_file():
+        return cached_digest(path)
+    weights = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not weights:
+        raise ModelDirectoryError(f"{text!r} is neither a model file nor a folder with safetensors weights")
+    return hashlib.sha256("\n".join(f"{w.name}:{cached_digest(w)}" for w in weights).encode()).hexdigest()
+
+
 def converted_dir(path: Path) -> Path:
     """The cached safetensors directory for a GGUF file, converting it on first use.
 

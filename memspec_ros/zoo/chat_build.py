@@ -176,6 +176,12 @@ class ChatZooBuild:
             self._target = load_model(ModelSpec(self.cfg.target)).model
         return self._target
 
+    def target_digest(self) -> str:
+        """The target by content (model_source.model_digest): what the teacher's answers and the drafts record."""
+        from memspec_ros.runtime.model_source import model_digest
+
+        return model_digest(self.cfg.target)
+
     def _check_target(self) -> None:
         """ValueError naming the target setting unless it names an existing file or folder (loaded later)."""
         from memspec_ros.runtime.model_source import PKG_PREFIX, package_file
@@ -221,7 +227,7 @@ class ChatZooBuild:
                                  " were made for other requests; remove that folder and run the teacher stage again")
             tok = self.tokenizer()
             answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows[: len(answers)]], self.teacher_dir,
-                          "train")
+                          "train", target_digest=self.target_digest())
             self._train_answers = answers
         return self._train_answers
 
@@ -259,7 +265,8 @@ class ChatZooBuild:
         for split, rows in (("heldout", heldout), ("train", train_rows)):
             t0 = time.perf_counter()
             with tqdm(total=len(rows), desc=f"teacher {split}", unit="req", mininterval=10) as bar:
-                made = answer_requests(model, tok, rows, self.teacher_dir, split, self.cfg.teacher, bar)
+                made = answer_requests(model, tok, rows, self.teacher_dir, split, self.cfg.teacher, bar,
+                                       self.target_digest())
             if made:
                 _log(f"teacher {split}: {made} answer tokens in {time.perf_counter() - t0:.0f} s")
 
@@ -317,7 +324,7 @@ class ChatZooBuild:
                                                                   / "model.safetensors")
         vocab = hashlib.sha256(json.dumps(self.vocab_ids()).encode()).hexdigest()[:16]
         return run_identity(cfg, {"domains": sorted(domains), "answers": len(train_set), "validation_answers": len(val),
-                                  "teacher": self.cfg.target, "arch": asdict(self.cfg.arch), "vocab": vocab,
+                                  "teacher": self.target_digest(), "arch": asdict(self.cfg.arch), "vocab": vocab,
                                   "start": start, "max_prompt_tokens": self.cfg.max_prompt_tokens,
                                   "gamma": self.cfg.gamma})
 

@@ -233,7 +233,7 @@ def _acceptance_parser(sub) -> None:
 def _run_chat_acceptance(a) -> int:
     import torch
 
-    from memspec_ros.runtime.model_source import is_model_source
+    from memspec_ros.runtime.model_source import is_model_source, model_digest
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
     from memspec_ros.runtime.registry import DraftRegistry
 
@@ -267,9 +267,10 @@ def _run_chat_acceptance(a) -> int:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
     has_target = is_model_source(registry.target_path or "")
     tok = load_tokenizer(registry.target_path) if has_target else None
+    digest = model_digest(registry.target_path) if has_target else None  # answers by another target are refused
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
         covered = (answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows], answers_dir, "heldout",
-                                 a.max_new_tokens) if tok
+                                 a.max_new_tokens, digest) if tok
                    else len(answered_prompts(answers_dir, "heldout")))  # no tokenizer to compare the prompts with
     except ValueError as exc:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
@@ -283,7 +284,7 @@ def _run_chat_acceptance(a) -> int:
         # the target answers every held-out request once (minutes on a CPU); later runs read the stored answers
         with tqdm(total=len(rows), desc=f"target answers -> {answers_dir}", unit="req", mininterval=10) as bar:
             answer_requests(target, tok, rows, answers_dir, "heldout",
-                            TeacherConfig(max_new_tokens=a.max_new_tokens), bar)
+                            TeacherConfig(max_new_tokens=a.max_new_tokens), bar, digest)
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
     answers = load_answers(answers_dir, "heldout")[: len(rows)]
     result = chat_acceptance(drafts, answers, a.gamma, a.interval, a.prompts_per_workload, workloads)

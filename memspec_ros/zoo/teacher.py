@@ -187,9 +187,29 @@ def answered_limits(out_dir: Path, split: str) -> set[int]:
     return limits
 
 
-def answered_rows(prompts: list[list[int]], out_dir: Path, split: str, max_new_tokens: int | None = None) -> int:
+def answered_targets(out_dir: Path, split: str) -> set[str]:
+    """The digests (model_source.model_digest) of the targets the stored ``split`` answers were made by, where
+    their shards record one."""
+    from safetensors import safe_open
+
+    targets = set()
+    for shard in sorted(Path(out_dir).glob(f"{split}-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("meta", "{}"))
+        if meta.get("target_digest"):
+            targets.add(meta["target_digest"])
+    return targets
+
+
+def answered_rows(prompts: list[list[int]], out_dir: Path, split: str, max_new_tokens: int | None = None,
+                  target_digest: str | None = None) -> int:
     """How many of the requests (their prompt ids, in order) the stored ``split`` answers already cover; raises if
-    the stored answers were made for other requests."""
+    the stored answers were made for other requests, or (with ``target_digest``) by another target."""
+    other = answered_targets(out_dir, split) - {target_digest} if target_digest else set()
+    if other:  # another model with the same tokenizer (a larger SmolLM2, another quantization) was taken silently
+        raise ValueError(f"the {split} answers in {out_dir} were made by another target (digest"
+                         f" {', '.join(sorted(d[:12] for d in other))}, this one {target_digest[:12]}): answer into"
+                         " another folder, or remove that one")
     done = answered_prompts(out_dir, split)
     other = answered_limits(out_dir, split) - {max_new_tokens} if max_new_tokens is not None else set()
     if other:  # the stored answers are cut at another length: resumed or reused, they were taken silently
@@ -204,7 +224,7 @@ def answered_rows(prompts: list[list[int]], out_dir: Path, split: str, max_new_t
 
 
 def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: str, cfg: TeacherConfig,
-                    progress=None) -> int:
+                    progress=None, target_digest: str | None = None) -> int:
     """Answer every row (``domain``, ``messages``) into shards; returns the number of answer tokens made now.
 
     Resumable by rows, not by file names: the shards already there must hold the first rows' requests (their
@@ -213,7 +233,7 @@ def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: st
     request list are refused instead of being taken for these rows' answers."""
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = [chat_prompt_ids(tokenizer, r["messages"]) for r in rows]
-    covered = answered_rows(prompts, out_dir, split, cfg.max_new_tokens)
+    covered = answered_rows(prompts, out_dir, split, cfg.max_new_tokens, target_digest)
     if progress is not None:
         progress.update(covered)
     eos_ids = set(end_token_ids(tokenizer, model))
@@ -239,7 +259,8 @@ def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: st
         tokens = sum(len(a.answer_ids) for a in answers)
         made += tokens
         save_shard(path, answers, {"domains": [r["domain"] for r in chunk], "seconds": time.perf_counter() - t0,
-                                   "tokens": tokens, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens})
+                                   "tokens": tokens, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens,
+                                   **({"target_digest": target_digest} if target_digest else {})})
     return made
 
 
@@ -248,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from ..runtime.model_source import resolve_model_path
+    from ..runtime.model_source import model_digest, resolve_model_path
     from ..runtime.models import ModelSpec, load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(description="answer chat requests with the target, store top-k labels")
@@ -268,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for f in a.requests for line in f.read_text().splitlines() if line.strip()]
     cfg = TeacherConfig(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
     with tqdm(total=len(rows), desc=f"teacher {a.split}", unit="req") as bar:
-        made = answer_requests(model, tok, rows, a.out, a.split, cfg, bar)
+        made = answer_requests(model, tok, rows, a.out, a.split, cfg, bar, model_digest(a.target))
     print(f"{made} answer tokens")
     return 0
 

@@ -331,6 +331,29 @@ def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build,
     assert head.config.prompt_tokens == 16 and "prompt+recent/conversation_top1" in head.config.metrics
 
 
+def test_a_predictor_run_cut_before_its_last_encoder_leaves_the_predictor_as_it_was(tiny_build, tmp_path,
+                                                                                     monkeypatch):
+    """Each encoder's head was saved as soon as it was trained: a run cut during the second left one new head beside
+    an old one and the old report."""
+    from memspec_ros.zoo import predictor_training
+
+    out = tmp_path / "predictor"
+    args = ["--registry", str(tiny_build.out_dir / "registry.yaml"), "--answers", str(tiny_build.work_dir / "teacher"),
+            "--out", str(out), "--encoders", "target-hidden", "--epochs", "2", "--quiet"]
+    assert predictor_training.main(args) == 0
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def cut(*_a, **_k):
+        raise KeyboardInterrupt  # the user's Ctrl-C while the second encoder loads
+
+    monkeypatch.setattr(predictor_training, "MiniLMEncoder", cut)
+    args[args.index("--encoders") + 1: args.index("--encoders") + 2] = ["target-hidden", "minilm"]
+    args[args.index("--epochs") + 1] = "3"  # another head than the one kept
+    with pytest.raises(KeyboardInterrupt):
+        predictor_training.main(args)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(tiny_build, tmp_path):
     from memspec_ros.zoo.chat_card import render
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from itertools import product
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,6 +130,25 @@ def test_the_file_keeps_the_answers_and_the_tokenizer(tmp_path):
 
     with safe_open(str(tmp_path / "small.safetensors"), "np") as f:
         assert f.get_tensor("tokens").dtype == np.uint16  # a 49 k vocabulary's answers take 2 bytes a token
+
+
+def test_a_save_cut_short_leaves_the_datastore_that_was_there(tmp_path, monkeypatch):
+    """The build wrote straight over models/datastore.safetensors: a rebuild cut mid-write destroyed the file the
+    node reads by default."""
+    import safetensors.numpy
+
+    path = tmp_path / "datastore.safetensors"
+    Datastore([[1, 2, 3]], fingerprint="tok-a").save(path)
+    before = path.read_bytes()
+
+    def cut(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", cut)
+    with pytest.raises(OSError, match="No space"):
+        Datastore([[4, 5, 6, 7]], fingerprint="tok-a").save(path)
+    assert path.read_bytes() == before and Datastore.load(path, fingerprint="tok-a").answers == 1
 
 
 def test_a_datastore_for_another_tokenizer_or_not_a_datastore_is_refused(tmp_path):

@@ -26,6 +26,7 @@ proposing nonsense.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,9 +174,13 @@ class Datastore:
         lengths = np.diff(np.concatenate([[-1], np.flatnonzero(self.tokens == SEPARATOR)])) - 1
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         dtype = np.uint16 if (not len(flat) or flat.max() <= np.iinfo(np.uint16).max) else np.int32
-        save_file({"tokens": flat.astype(dtype), "offsets": offsets}, str(path),
+        # written aside and renamed: a cut rebuild must leave the datastore the node reads, not half of a new one
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.partial")
+        save_file({"tokens": flat.astype(dtype), "offsets": offsets}, str(tmp),
                   metadata={"format": FORMAT, "tokenizer_fingerprint": self.fingerprint,
                             "answers": str(self.answers), **{k: str(v) for k, v in metadata.items()}})
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | Path, config: LookupConfig | None = None,

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -391,6 +393,7 @@ def run(args: argparse.Namespace) -> dict:
         report["conversations"] = {"trained_on": args.conversation_training, "encoders": {}}
 
     out = Path(args.out)
+    heads: dict[str, RankingHead] = {}  # published together after the last encoder (_publish)
     for encoder_name in args.encoders:
         # MiniLM loaded once for the requests alone and their conversation forms
         minilm = (MiniLMEncoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -427,14 +430,31 @@ def run(args: argparse.Namespace) -> dict:
         best.config.metrics = {f"{which}/{m}": float(v) for which, r in results.items() for m, v in r.items()}
         best.config.metrics.update({f"{which}/conversation_{m}": float(v)
                                     for which, r in conv_results.items() for m, v in r.items() if m != "contexts"})
-        best.save(out / encoder_name)
+        heads[encoder_name] = best
         report["encoders"][encoder_name] = results
         if conv_results:
             report["conversations"]["encoders"][encoder_name] = conv_results
     report["train_config"] = asdict(cfg)
-    (out / "report.json").parent.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _publish(out, heads, report)
     return report
+
+
+def _publish(out: Path, heads: dict[str, RankingHead], report: dict) -> None:
+    """Every head and the report written aside, then moved into place: a run cut during its second encoder had left
+    one new head beside an old one and the old report."""
+    out.mkdir(parents=True, exist_ok=True)
+    staged = {name: out / f".{name}.partial" for name in heads}
+    for name, head in heads.items():
+        if staged[name].exists():
+            shutil.rmtree(staged[name])
+        head.save(staged[name])
+    report_tmp = out / ".report.json.partial"
+    report_tmp.write_text(json.dumps(report, indent=2) + "\n")
+    for name, path in staged.items():
+        if (out / name).exists():
+            shutil.rmtree(out / name)
+        os.replace(path, out / name)
+    os.replace(report_tmp, out / "report.json")
 
 
 def format_report(report: dict) -> str:

@@ -189,7 +189,11 @@ def test_the_predictor_trainer_refuses_prompts_beside_answers_and_a_negative_hor
 
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n")
     for argv, said in ((["--answers", str(tmp_path), "--prompts", str(tmp_path / "p.jsonl")], "not both"),
-                       (["--prompts", str(tmp_path / "p.jsonl"), "--label-horizon", "-1"], "argument --label-horizon")):
+                       (["--prompts", str(tmp_path / "p.jsonl"), "--label-horizon", "-1"], "argument --label-horizon"),
+                       # settings of the target's decoding were dropped silently with stored answers
+                       (["--answers", str(tmp_path), "--max-new-tokens", "64"], "--max-new-tokens only apply"),
+                       (["--answers", str(tmp_path), "--max-prompt-tokens", "64", "--continuations", "c.json"],
+                        "--max-prompt-tokens, --continuations only apply")):
         with pytest.raises(SystemExit) as exit_info:
             predictor_training.main([*argv, "--out", str(tmp_path / "out")])
         assert exit_info.value.code == 2 and said in capsys.readouterr().err

@@ -488,6 +488,10 @@ def _fraction(text: str) -> float:
     return value
 
 
+# what --prompts decodes with (the target decodes them here); --answers were decoded by the zoo build
+DECODE_DEFAULTS = {"max_prompt_tokens": 256, "max_new_tokens": 128, "continuations": None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memspec-train-predictor", description=__doc__.split("\n\n")[0])
     from memspec_ros.runtime import bundled_zoo_dir
@@ -510,8 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
                         " those instead of decoding --prompts with the target")
     p.add_argument("--encoders", nargs="+", default=list(ENCODERS), choices=ENCODERS)
     p.add_argument("--max-prompts", type=non_negative_int, default=0, help="0: all; else a seeded random subset")
-    p.add_argument("--max-prompt-tokens", type=positive_int, default=256)
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                   help=f"with --prompts: longer prompts are left out (default {DECODE_DEFAULTS['max_prompt_tokens']})")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
+                   help=f"with --prompts: tokens the target decodes per prompt (default"
+                        f" {DECODE_DEFAULTS['max_new_tokens']})")
     p.add_argument("--gamma", type=positive_int, default=4)
     p.add_argument("--interval", type=positive_int, default=4, help="N: iterations per scheduling interval")
     p.add_argument("--recent-tokens", type=positive_int, default=32, help="T")
@@ -565,6 +572,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --answers or --prompts, not both")
     if args.prompts and not Path(args.prompts).is_file():
         parser.error(f"--prompts {args.prompts}: no such file")
+    # settings of the target's decoding: stored answers were decoded already, so with --answers they would be dropped
+    given = [f"--{k.replace('_', '-')}" for k in DECODE_DEFAULTS if getattr(args, k) is not None]
+    if args.answers and given:
+        parser.error(f"{', '.join(given)} only apply to --prompts (where the target decodes): the stored --answers"
+                     " are decoded already")
+    for key, default in DECODE_DEFAULTS.items():
+        setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
     check_inputs(args)
     args.out = args.out or str(Path(args.registry).parent / "predictor")
     if args.threads > 0:

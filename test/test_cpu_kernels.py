@@ -369,6 +369,25 @@ def test_the_step_kernel_refuses_an_id_outside_the_vocabulary_and_changes_no_cac
         step([10_000], 3, lean._rope, 1, [])
 
 
+@needs_step
+def test_a_step_refused_after_the_cache_was_claimed_leaves_every_layer_as_it_was():
+    """The step claimed every layer's rows before its own checks and its scratch allocation: a refused call left
+    each layer's length ahead of KVState's, over rows no forward wrote, for anything reading the layers."""
+    model = _step_model("int8", "plain")
+    lean = lean_forward_for(model)
+    kv = KVState()
+    with torch.inference_mode():
+        forward_once(model, [5, 9, 33], kv, 1, "cpu", lean)
+        with pytest.raises(ValueError, match="cannot keep the last 3"):
+            lean([7, 21], kv.cache, 3, 3)  # keep more rows than fed: refused inside the step, after the claim
+        assert [layer.get_seq_length() for layer in kv.cache.layers] == [3] * len(lean.layers)
+        again = lean([7, 21], kv.cache, 3, 1)
+    fresh = KVState()
+    with torch.inference_mode():
+        forward_once(model, [5, 9, 33], fresh, 1, "cpu", lean)
+        assert torch.equal(again, lean([7, 21], fresh.cache, 3, 1))
+
+
 def _status_in_subprocess(env: dict[str, str]) -> str:
     code = ("from memspec_ros.runtime import cpu_kernels, forward_paths; import torch;"
             "s = cpu_kernels.status(); l = forward_paths.Int4Linear(torch.randn(16, 64), None);"

@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache
 from . import cpu_kernels
 from .draft_vocab import DraftVocab, ReducedVocabDraft
 from .forward_paths import FAST_LINEARS, MAX_VERIFY_ROWS, blas_rows_exact, concat_linears, f32_kernel_linear
-from .kv_cache import claim_rows, is_preallocated
+from .kv_cache import claimed_rows, is_preallocated
 
 # what the lean path can call: plain linears and the forward paths' modules (runtime/forward_paths.py)
 _LINEARS = (torch.nn.Linear, *FAST_LINEARS)
@@ -235,12 +235,12 @@ class LeanLlamaForward:
             rows = [self._to_draft[i] for i in rows]
         n, end = len(rows), start + len(rows)
         like = self._like(n)
-        buffers = [claim_rows(cache, index, like) for index in range(len(self.layers))]
-        if self._rope is None or self._rope[0].shape[0] < end:
-            self._rope_rows(like, start, end)  # the table covers every fed position
-        observers = observed(self._model())
-        normed = torch.empty(n, self.step.decoder.dim) if observers else None
-        logits = self.step(rows, start, self._rope, keep, buffers, normed)
+        with claimed_rows(cache, len(self.layers), like) as buffers:
+            if self._rope is None or self._rope[0].shape[0] < end:
+                self._rope_rows(like, start, end)  # the table covers every fed position
+            observers = observed(self._model())
+            normed = torch.empty(n, self.step.decoder.dim) if observers else None
+            logits = self.step(rows, start, self._rope, keep, buffers, normed)
         for observe in observers:
             observe(normed, start)
         return logits
@@ -255,7 +255,8 @@ class LeanLlamaForward:
             like = x.new_empty(1, self.kv_heads, n, self.head_dim)
             rows = x[0].contiguous()
             cos, sin = self._rope_rows(x, start, end)
-            self.decoder(rows, start, cos, sin, [claim_rows(cache, index, like) for index in range(len(self.layers))])
+            with claimed_rows(cache, len(self.layers), like) as buffers:
+                self.decoder(rows, start, cos, sin, buffers)
             return self._head(rows[None], start, keep)
         positions = torch.arange(start, end, device=x.device)[None]
         cos, sin = self.rotary(x, positions)

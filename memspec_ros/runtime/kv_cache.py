@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -111,6 +113,22 @@ def claim_rows(cache: Cache, layer_idx: int, like: torch.Tensor) -> tuple[torch.
     while len(cache.layers) <= layer_idx:
         cache.layers.append(PreallocatedLayer())
     return cache.layers[layer_idx].claim(like)
+
+
+@contextmanager
+def claimed_rows(cache: Cache, layers: int, like: torch.Tensor) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`claim_rows` on the first ``layers`` layers for the block; if the block raises (a forward refused after
+    the claim, its scratch memory not allocated) every layer's length goes back, so the cache does not hold rows
+    no forward wrote ahead of what its owner (speculative.KVState) counts."""
+    while len(cache.layers) < layers:
+        cache.layers.append(PreallocatedLayer())
+    lengths = [cache.layers[index]._length for index in range(layers)]
+    try:
+        yield [cache.layers[index].claim(like) for index in range(layers)]
+    except BaseException:
+        for index, length in enumerate(lengths):
+            cache.layers[index]._length = length
+        raise
 
 
 def is_preallocated(cache: Cache) -> bool:

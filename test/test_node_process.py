@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,30 @@ def test_demo_runs_end_to_end_and_leaves_no_process(chat):
 
     assert 150 <= int(re.search(r"ROS_DOMAIN_ID (\d+)", out).group(1)) < 230  # its own, not this session's
     leftover = subprocess.run(["pgrep", "-f", f"memspec_ros.ros.node.*{zoo}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "the demo left a node process behind"
+
+
+def test_a_demo_ended_by_sigterm_stops_its_node():
+    """The node runs in a session of its own, so a SIGTERM to the demo (a CI job's timeout) or a SIGHUP (its
+    terminal closed) ended the demo and left the node running with its models, answering on the demo's domain."""
+    zoo = tiny_zoo()
+    env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
+    demo = subprocess.Popen([sys.executable, "-m", "memspec_ros.ros.demo", "--zoo", str(zoo), "--max-new-tokens", "8",
+                             "--prompt", "def add(a, b):"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    pattern = f"memspec_ros.ros.node.*{zoo}"
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode != 0:  # the node is up
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo's node never started"
+            time.sleep(0.1)
+        demo.send_signal(signal.SIGTERM)
+        out, _ = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode != 0 and "Traceback" not in out, out[-3000:]
+    leftover = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", "the demo left a node process behind"
 
 

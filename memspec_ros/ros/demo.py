@@ -302,6 +302,10 @@ def report(failed: str, proc: subprocess.Popen, code: int | None, log_path: Path
     return 0
 
 
+def _exit_on_signal(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args) -> int:
     zoo, overrides, generated = choose_zoo(args)
     domain, _lock = claim_domain_id()
@@ -309,10 +313,14 @@ def run(args) -> int:
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     log_path = Path(tempfile.gettempdir()) / f"memspec_demo_node_{os.getpid()}.log"
     say(f"starting memspec_node (zoo {zoo}, ROS_DOMAIN_ID {domain}, log {log_path})")
+    # the node runs in its own session (a terminal's Ctrl-C reaches the demo only): a SIGTERM (a CI timeout) or a
+    # SIGHUP (the terminal closed) must end the demo through the `finally` below too, or the node outlives it
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     proc = start_node(Path(args.params_file), overrides, log_path)
-    client = Client()
+    client = None
     failed = ""
     try:
+        client = Client()
         bring_up(client, args.timeout, log_path)
         prompt = args.prompt or demo_prompt(zoo)
         answer = generate(client, prompt, args.max_new_tokens).text
@@ -335,10 +343,13 @@ def run(args) -> int:
     except Exception as exc:  # a failed step: say which, then still shut down cleanly
         failed = str(exc)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None and client is not None:
             bring_down(client)
         code = stop_process(proc)
-        client.close()
+        if client is not None:
+            client.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if generated:
         shutil.rmtree(zoo, ignore_errors=True)
     return report(failed, proc, code, log_path)

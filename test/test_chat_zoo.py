@@ -604,6 +604,10 @@ def test_drafts_built_on_a_changed_input_are_not_taken_as_cached(tiny_build, tmp
     shutil.copytree(tiny_build.work_dir, work)
     cfg = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")
     ChatZooBuild(cfg).run(["general", "domains"])  # unchanged: every draft cached
+    more_steps = replace(cfg, domain_train=replace(cfg.domain_train, max_steps=cfg.domain_train.max_steps + 1))
+    with pytest.raises(ValueError, match=r"cached code draft .* \(max_steps 3 -> 4\)"):
+        ChatZooBuild(more_steps).run(["export"])  # build_config.json would have recorded 4 steps
+    assert not cfg.out_dir.exists()
     _perturbed(work / "ckpt" / "general" / "final" / "model.safetensors")
     with pytest.raises(ValueError, match=r"cached code draft .* \(start [0-9a-f]+ -> [0-9a-f]+\)"):
         ChatZooBuild(cfg).run(["domains"])

@@ -354,10 +354,17 @@ class ChatZooBuild:
         os.replace(staging, final)
         _log(f"{name}: validation accepted/iteration {before:.3f} -> {meta['best_score']:.3f}")
 
+    def _plan(self, name: str) -> tuple[TrainConfig, tuple[str, ...], str | None]:
+        """How draft ``name`` is trained: its settings, the domains whose answers it learns from, and the draft it
+        is fine-tuned from (None: random weights)."""
+        if name == "general":
+            return self.cfg.general_train, general_domains(self.cfg.general_domains), None
+        return replace(self.cfg.domain_train, seed=self.cfg.seed + 1), (name,), "general"
+
     def general(self) -> None:
-        domains = general_domains(self.cfg.general_domains)
+        cfg, domains, _ = self._plan("general")
         draft = new_draft(self.target(), self.vocab_ids(), self.cfg.arch, seed=self.cfg.seed)
-        self._distil("general", draft, self._split(domains), self.cfg.general_train, domains)
+        self._distil("general", draft, self._split(domains), cfg, domains)
 
     def domains(self) -> None:
         if not (self.w / "ckpt" / "general" / "final" / "model.safetensors").is_file():
@@ -366,8 +373,8 @@ class ChatZooBuild:
                              " it; run the general stage before domains")
         for domain in DOMAINS:
             if domain != "general":
-                self._distil(domain, self._draft("general"), self._split((domain,)),
-                             replace(self.cfg.domain_train, seed=self.cfg.seed + 1), (domain,), start_from="general")
+                cfg, domains, start_from = self._plan(domain)
+                self._distil(domain, self._draft(start_from), self._split(domains), cfg, domains, start_from)
 
     def export(self) -> None:
         from .registry_io import write_registry
@@ -378,6 +385,10 @@ class ChatZooBuild:
         if missing:  # _draft would hand back an untrained draft for them, and export would ship it
             raise ValueError(f"no trained {', '.join(missing)} draft in {self.w / 'ckpt'}: run the general and"
                              " domains stages before export")
+        for name in DOMAINS:  # build_config.json records these settings: drafts trained with others are refused
+            cfg, domains, start_from = self._plan(name)
+            _check_cached(name, self.w / "ckpt" / name / "final",
+                          self._identity(cfg, domains, self._split(domains), start_from))
         # everything is written into a staging folder first and moved into place only when all of it was: a
         # failure (a full disk on the third draft) left new and old drafts mixed under a stale registry
         staging = out / ".export-partial"

@@ -311,6 +311,36 @@ def test_an_edited_vocabulary_map_or_config_is_read_by_the_next_load(tmp_path):
     assert storage.load(spec).model.config.rms_norm_eps == 0.125
 
 
+def test_weights_replaced_at_the_same_size_and_modification_time_are_read_by_the_next_load(tmp_path):
+    """Keyed on path, size and mtime, a weights file replaced by `cp -p` (same size, same mtime, other inode) kept
+    the old weights' runtime form, and the cache manager's change detection saw no change."""
+    import os
+    import shutil
+
+    import torch
+
+    from memspec_ros.runtime.storage import weights_identity
+    from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+
+    path = save_model_dir(tiny_llama(hidden=32, layers=1, seed=4), tiny_tokenizer(), tmp_path / "d")
+    other = save_model_dir(tiny_llama(hidden=32, layers=1, seed=5), tiny_tokenizer(), tmp_path / "e")
+    storage = DraftStorage(MEDIA["local"])
+    spec = ModelSpec(str(path))
+    ids = torch.tensor([[1, 2, 3]])
+    first = storage.load(spec).model(ids).logits
+    before = weights_identity(path)
+    weights = path / "model.safetensors"
+    stat = weights.stat()
+    assert (other / "model.safetensors").stat().st_size == stat.st_size
+    weights.unlink()
+    shutil.copyfile(other / "model.safetensors", weights)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as cp -p keeps it
+    assert weights_identity(path) != before
+    again = storage.load(spec).model(ids).logits
+    assert not torch.equal(again, first)
+    assert torch.equal(again, storage.load(ModelSpec(str(other))).model(ids).logits)
+
+
 def test_the_node_s_storage_keeps_no_records_while_a_bench_s_does(tiny_zoo):
     """registry_loader(storage="emmc") (the node's draft cache, memspec cache.storage) makes its DraftStorage with
     draft_storage: nothing reads its records, so it keeps none (one LoadRecord a load accumulated for as long as

@@ -365,9 +365,12 @@ def build_inputs(root: str | Path) -> list[Path]:
 
 
 def source_identity(files: Sequence[Path]) -> tuple:
-    """What tells a draft's files (weights, and the build inputs beside them) apart from their next version: path,
-    size and modification time."""
-    return tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    """What tells a draft's files (weights, and the build inputs beside them) apart from their next version
+    (model_source.file_version: path, size, modification time, inode and change time): a file replaced at the same
+    size and modification time (``cp -p``, tools that fix mtimes) kept the old weights' runtime form."""
+    from .model_source import file_version
+
+    return tuple(file_version(f) for f in files)
 
 
 def weights_identity(path: str | Path) -> tuple:

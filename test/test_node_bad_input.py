@@ -186,6 +186,12 @@ def test_registry_changes_that_cannot_work_are_refused(h, tmp_path):
         "drafts.names": ["general", "general"], "drafts.paths": [general, code], "drafts.domains": ["general", "code"]})
     refused(h, "drafts.names", atomically=True, **{  # lists of different lengths
         "drafts.names": ["general", "code"], "drafts.paths": [general], "drafts.domains": [""]})
+    # an empty entry among others: dropped, it paired code with math's path and math with code's (its domain too)
+    math = str(zoo / "drafts" / "math")
+    refused(h, "drafts.paths has an empty entry (position 1)", atomically=True, **{
+        "drafts.names": ["code", "math"], "drafts.paths": [math, "", code], "drafts.domains": ["code", "math"]})
+    refused(h, "drafts.domains has an empty entry (position 0)", atomically=True, **{
+        "drafts.names": ["code", "math"], "drafts.paths": [code, math], "drafts.domains": ["", "code", "math"]})
     empty = tmp_path / "no_weights"
     empty.mkdir()
     refused(h, str(empty), atomically=True, **{  # a draft directory without weights

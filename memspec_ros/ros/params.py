@@ -567,10 +567,24 @@ def check_general_draft(policy: str, general_draft: str, names: list[str]) -> No
                          " registry or set memspec.general_draft to one of its drafts")
 
 
+def listed(items: list[str], name: str) -> list[str]:
+    """A parallel list parameter's entries: [''] (the declared default) means none; an empty entry among others is
+    refused, since dropping it would pair every later name with the next one's path or domain."""
+    items = list(items)
+    if items == [""]:
+        return []
+    if "" in items:
+        raise ValueError(f"{name} has an empty entry (position {items.index('')}): drafts.names, drafts.paths and"
+                         " drafts.domains are read side by side, one entry per draft; remove it or fill it in")
+    return items
+
+
 def draft_lists(v: dict[str, Any]) -> DraftLists | None:
     """The drafts drafts.names/paths/domains give, or None when the registry file holds them."""
-    names = non_empty(v["drafts.names"])
-    return DraftLists(names, non_empty(v["drafts.paths"]), non_empty(v["drafts.domains"])) if names else None
+    names = listed(v["drafts.names"], "drafts.names")
+    if not names:
+        return None
+    return DraftLists(names, listed(v["drafts.paths"], "drafts.paths"), listed(v["drafts.domains"], "drafts.domains"))
 
 
 def runtime_config(v: dict[str, Any]) -> RuntimeConfig:

@@ -87,6 +87,29 @@ def test_a_malformed_registry_entry_is_refused_naming_the_file_and_field(zoo, te
         (zoo / "r.yaml").unlink()
 
 
+@pytest.mark.parametrize("text, match", [
+    ("aws_key: [AKIA_SECRET\n", r"r\.yaml is not valid YAML at line 2, column 1: fix the syntax$"),
+    ("drafts:\n  - token=hf_SECRET\n", r"drafts\[0\] in .*r\.yaml needs at least 'name' and 'path' \(got a str\)$"),
+    ("drafts:\n  - {name: code, token: hf_SECRET}\n", r"\(got keys name, token\)$"),
+    # the mapping form's key is the name: an inner 'name' silently renamed the draft
+    ("drafts:\n  code: {name: math, path: drafts/code}\n", r"drafts\.code in .*r\.yaml also names itself 'math'"),
+    # ignored, these left configure saying "names no target: set model.target_path"
+    ("target: 5\ndrafts:\n  - {name: code, path: drafts/code}\n", r"'target' in .*r\.yaml must be a path .*not a int"),
+    ("target: {path: }\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not a dict"),
+    ("target: ''\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not an empty one"),
+])
+def test_a_registry_error_says_where_without_echoing_the_files_text(zoo, text, match):
+    """Registry errors reach whoever sets drafts.registry_file (the reply and the log): PyYAML's message and the
+    entry's repr quoted the file, so naming a credentials file by mistake echoed its secrets."""
+    (zoo / "r.yaml").write_text(text)
+    try:
+        with pytest.raises(RegistryError, match=match) as info:
+            DraftRegistry.from_yaml(zoo / "r.yaml", validate=False)
+    finally:
+        (zoo / "r.yaml").unlink()
+    assert "SECRET" not in str(info.value) and info.value.__cause__ is None
+
+
 def test_well_formed_registry_fields_still_read(zoo):
     """What the checks keep: a quoted size, a null size (estimated), a numeric name, the domain defaulting."""
     (zoo / "r.yaml").write_text("drafts:\n  - {name: code, path: drafts/code, size_bytes: '123'}\n"

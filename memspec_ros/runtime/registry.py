@@ -164,20 +164,30 @@ class DraftRegistry:
         except _DuplicateKeyError as exc:
             raise RegistryError(f"{file}: {exc}") from exc
         except yaml.YAMLError as exc:
-            raise RegistryError(f"{file} is not valid YAML ({exc}): fix the syntax") from exc
+            # where, not what: the error goes back to whoever set drafts.registry_file, and PyYAML's message quotes
+            # the file's text (a credentials file named by mistake would be echoed in the reply and the log)
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise RegistryError(f"{file} is not valid YAML{at}: fix the syntax") from None
         if not isinstance(data, dict) or "drafts" not in data:
             raise RegistryError(f"{file} has no 'drafts' key: list drafts as `drafts: [{{name, path, domain}}]`")
         _known_keys(data, REGISTRY_KEYS, str(file))
         base = file.parent
         raw = data["drafts"]
         if isinstance(raw, dict):
-            raw = [{"name": name, **(spec if isinstance(spec, dict) else {"path": spec})} for name, spec in raw.items()]
+            # the mapping's key is the name: a 'name' inside the entry too would have replaced it silently
+            for name, spec in raw.items():
+                if isinstance(spec, dict) and "name" in spec and spec["name"] != name:
+                    raise RegistryError(f"drafts.{name} in {file} also names itself {spec['name']!r}: in the mapping"
+                                        " form the key is the draft's name; drop 'name' or make them equal")
+            raw = [{**(spec if isinstance(spec, dict) else {"path": spec}), "name": name} for name, spec in raw.items()]
         if not isinstance(raw, list):
             raise RegistryError(f"'drafts' in {file} must be a list of {{name, path, domain}} mappings")
         entries = []
         for i, item in enumerate(raw):
             if not isinstance(item, dict) or "name" not in item or "path" not in item:
-                raise RegistryError(f"drafts[{i}] in {file} needs at least 'name' and 'path' (got {item!r})")
+                got = f"keys {', '.join(map(str, item))}" if isinstance(item, dict) else f"a {type(item).__name__}"
+                raise RegistryError(f"drafts[{i}] in {file} needs at least 'name' and 'path' (got {got})")
             where = f"drafts[{i}] in {file}"
             name = _text(item["name"], f"{where}: 'name'")
             where = f"drafts[{i}] ({name!r}) in {file}"
@@ -192,6 +202,11 @@ class DraftRegistry:
             )
         target = data.get("target")
         target_path = None
+        if target is not None and not (isinstance(target, str) and target) and not (
+                isinstance(target, dict) and isinstance(target.get("path"), str) and target["path"]):
+            # ignored, it left configure to say "names no target: set model.target_path", the wrong fix
+            raise RegistryError(f"'target' in {file} must be a path (a string) or {{path: ...}}, not"
+                                f" {'an empty one' if target in ('', {}) else 'a ' + type(target).__name__}")
         if isinstance(target, dict):
             _known_keys(target, TARGET_KEYS, f"'target' in {file}")
         if isinstance(target, dict) and target.get("path"):

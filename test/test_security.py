@@ -385,6 +385,28 @@ def test_the_node_refuses_a_path_outside_its_roots_and_changes_nothing(confined)
     assert h.get_param("model.allowed_roots") == [str(root)]
 
 
+def test_a_predictor_found_beside_the_registry_is_confined_too(rclpy_context, roots):
+    """predictor.path and datastore.path empty: the node loads <registry dir>/predictor and datastore.safetensors.
+    Those skipped the allowed-roots check, so a predictor folder linked to outside the roots was loaded."""
+    from lifecycle_msgs.msg import Transition
+    from node_helpers import Harness, tiny_zoo
+
+    root, outside = roots
+    zoo = Path(shutil.copytree(tiny_zoo(), root / "zoo"))
+    shutil.move(str(zoo / "predictor"), str(outside / "predictor"))
+    (zoo / "predictor").symlink_to(outside / "predictor", target_is_directory=True)
+    h = Harness(rclpy_context, name="memspec_confined_predictor",
+                overrides={"model.allowed_roots": [str(root)], "model.threads": 1,
+                           "drafts.registry_file": str(zoo / "registry.yaml")})
+    try:
+        assert not h.transition(Transition.TRANSITION_CONFIGURE)
+        error = h.node.configure_error
+        assert "predictor.path '" in error and "outside model.allowed_roots" in error, error
+        assert "found beside the draft registry" in error and str(outside.resolve()) in error
+    finally:
+        h.close()
+
+
 def test_an_active_node_keeps_its_registry_when_a_change_points_outside(rclpy_context, roots):
     """Active on a zoo inside the root: a registry change through '..' or a symlink is refused while
     the old registry keeps running; one inside the root is taken."""

@@ -311,6 +311,11 @@ class MemSpecNode(LifecycleNode):
 
         v = self._params.checked_values()
         paths = P.resolve_paths(v)
+        # the predictor and datastore found beside the registry (their parameters empty) are confined too
+        reason = P.check_paths({"predictor.path": paths.predictor, "datastore.path": paths.datastore},
+                               P.allowed_roots(self))
+        if reason:
+            raise ValueError(f"{reason} (found beside the draft registry)")
         # 0 restores the count torch had before this node set one, not one an earlier configure set
         self._default_threads = self._default_threads or torch.get_num_threads()
         threads = v["model.threads"] or self._default_threads

@@ -154,6 +154,99 @@ def test_missing_server_fails_after_the_timeout(h):
     assert b.outcome == "no-server"
 
 
+class _Handle:
+    """A goal handle as SafeActionClient's future gives it: accepted, a result that never comes, a cancel."""
+
+    def __init__(self):
+        from rclpy.task import Future
+
+        self.accepted, self.result_future, self.cancels = True, Future(), 0
+
+    def get_result_async(self):
+        return self.result_future
+
+    def cancel_goal_async(self):
+        from rclpy.task import Future
+
+        self.cancels += 1
+        return Future()
+
+
+class _Client:
+    """The action client a Generate holds, with a server whose presence and answers the test decides."""
+
+    def __init__(self):
+        from rclpy.task import Future
+
+        self.ready, self.goal_future = True, Future()
+
+    def server_is_ready(self):
+        return self.ready
+
+    def send_goal_async(self, goal, feedback_callback=None):
+        return self.goal_future
+
+
+def _faked(client, **kwargs) -> Generate:
+    b = Generate("generate", None, "hi", **kwargs)
+    b.client = client  # setup() would make a real one
+    return b
+
+
+def test_a_goal_the_node_never_answers_fails_after_the_server_timeout_and_is_cancelled_if_it_lands():
+    """Once sent, a goal whose acknowledgement was lost left the behaviour RUNNING for ever: the Selector never
+    reached the canned reply (BehaviorTree.ROS2 fails with SEND_GOAL_TIMEOUT)."""
+    client = _Client()
+    b = _faked(client, server_timeout=0.2)
+    assert tick_until_done(b, 5.0) == Status.FAILURE
+    assert b.outcome == "send-goal-timeout" and "did not answer the goal within 0.2 s" in b.feedback_message
+    late = _Handle()
+    client.goal_future.set_result(late)  # the answer after all: that goal would hold the node's one generation
+    assert late.cancels == 1
+
+
+def test_a_goal_whose_server_went_away_fails_and_one_past_its_result_timeout_is_cancelled():
+    """The node died mid-goal (no result will come): the behaviour stayed RUNNING for ever. A result timeout, when
+    given, cancels the goal and fails."""
+    client = _Client()
+    handle = _Handle()
+    client.goal_future.set_result(handle)
+    b = _faked(client, server_timeout=0.2)
+    b.tick_once()
+    assert b.status == Status.RUNNING  # accepted, running
+    client.ready = False
+    assert tick_until_done(b, 5.0) == Status.FAILURE and b.outcome == "server-gone"
+    client.ready = True
+    b = _faked(client, server_timeout=0.2, result_timeout=0.3)
+    assert tick_until_done(b, 5.0) == Status.FAILURE and b.outcome == "result-timeout"
+    assert handle.cancels == 1 and "goal cancelled" in b.feedback_message
+    b = _faked(client, server_timeout=0.2)  # no result timeout, the server there: it waits
+    for _ in range(30):
+        b.tick_once()
+        time.sleep(0.01)
+    assert b.status == Status.RUNNING and handle.cancels == 1
+
+
+def test_the_example_takes_ros_arguments_and_its_timeouts_as_flags(monkeypatch):
+    """--ros-args (the README's enclave for the BT, a namespace remap) failed argparse with 'unrecognized
+    arguments'; the server timeout (1 s, shorter than discovery can take) had no flag."""
+    from memspec_ros.ros import bt_example
+
+    seen = {}
+
+    def stop_at_the_tree(node, prompt, action_name, **fields):
+        seen.update(fields, action_name=action_name)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bt_example, "create_example_tree", stop_at_the_tree)
+    with pytest.raises(SystemExit):
+        bt_example.main(["hi", "--node", "/robot/memspec", "--server-timeout", "2.5", "--result-timeout", "60",
+                         "--ros-args", "-r", "__ns:=/robot"])
+    assert seen == {"raw": False, "server_timeout": 2.5, "result_timeout": 60.0,
+                    "action_name": "/robot/memspec/generate"}
+    assert bt_example.SERVER_TIMEOUT >= 5.0
+
+
 def test_example_tree_falls_back_to_the_canned_reply(h):
     tree = create_example_tree(h.client, "", action_name="/memspec_bt/generate")  # rejected: empty prompt
     deadline = time.monotonic() + 10.0

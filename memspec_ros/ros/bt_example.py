@@ -5,9 +5,12 @@ Generate goal on its first tick and returns RUNNING until the result, then
 
 * SUCCESS   the goal SUCCEEDED; ``result`` holds the Generate.Result (text and statistics) and the
             text is written to the blackboard key ``result_key``;
-* FAILURE   the server is missing (``server_timeout``), the goal was REJECTED (node not active,
-            empty or too long prompt, bad messages, queue full), ABORTED (``error_message``) or CANCELED;
-            ``feedback_message`` says which.
+* FAILURE   the server is missing (``server_timeout``), the goal was not answered within ``server_timeout``
+            of sending it (a lost request or reply: as BehaviorTree.ROS2's SEND_GOAL_TIMEOUT), the server
+            went away while the goal ran (gone for ``server_timeout``), no result came within
+            ``result_timeout`` (0: no limit; the goal is then cancelled), or the goal was REJECTED (node not
+            active, empty or too long prompt, bad messages, queue full), ABORTED (``error_message``) or
+            CANCELED; ``outcome`` and ``feedback_message`` say which.
 
 A BT only needs ``prompt`` (or ``prompt_key``): the node sends it to an instruct model as one user
 turn. ``messages`` ((role, content) pairs; then no prompt) and ``raw`` are passed on as the goal's
@@ -32,7 +35,9 @@ from collections.abc import Sequence
 import py_trees
 from py_trees.common import Status
 
-SERVER_TIMEOUT = 1.0  # BehaviorTree.ROS2's default wait for the server
+# the wait for the server, and for its answer to a goal: BehaviorTree.ROS2's 1 s default failed a live node whose
+# discovery took 1.7-3 s in 2 of 7 starts measured on an idle machine (memspec_client waits 10 s too)
+SERVER_TIMEOUT = 10.0
 CANCEL_WAIT_SECONDS = 5.0  # after Ctrl-C, for the goal's answer and the cancel's (as memspec_client)
 
 
@@ -42,7 +47,7 @@ class Generate(py_trees.behaviour.Behaviour):
     def __init__(self, name: str, node, prompt: str = "", *, action_name: str = "/memspec/generate",
                  prompt_key: str = "", result_key: str = "generated_text", max_new_tokens: int = 0,
                  messages: Sequence[tuple[str, str]] = (), raw: bool = False,
-                 server_timeout: float = SERVER_TIMEOUT) -> None:
+                 server_timeout: float = SERVER_TIMEOUT, result_timeout: float = 0.0) -> None:
         super().__init__(name)
         self.node = node
         self.prompt = prompt
@@ -53,6 +58,7 @@ class Generate(py_trees.behaviour.Behaviour):
         self.action_name = action_name
         self.max_new_tokens = max_new_tokens
         self.server_timeout = server_timeout
+        self.result_timeout = result_timeout
         self.client = None
         self.blackboard = self.attach_blackboard_client(name=name)
         self.blackboard.register_key(result_key, access=py_trees.common.Access.WRITE)
@@ -66,9 +72,12 @@ class Generate(py_trees.behaviour.Behaviour):
         self.result_future = None
         self.cancel_future = None  # the node's answer to the cancel of a preempted goal
         self.result = None
-        self.outcome = ""  # succeeded | rejected | aborted | canceled | no-server
+        # succeeded | rejected | aborted | canceled | no-server | send-goal-timeout | server-gone | result-timeout
+        self.outcome = ""
         self.streamed = ""
         self._started = 0.0
+        self._sent = 0.0  # when the goal was sent, then when it was accepted
+        self._gone_since = None  # when the server was last seen gone while the goal ran
 
     def setup(self, **kwargs) -> None:
         from memspec_interfaces.action import Generate as GenerateAction
@@ -91,6 +100,7 @@ class Generate(py_trees.behaviour.Behaviour):
         messages = [ChatMessage(role=role, content=content) for role, content in self.messages]
         goal = GenerateAction.Goal(prompt=prompt, messages=messages, raw=self.raw, max_new_tokens=self.max_new_tokens)
         self.goal_future = self.client.send_goal_async(goal, feedback_callback=self._on_feedback)
+        self._sent = time.monotonic()
         self.feedback_message = "goal sent"
 
     def _on_feedback(self, msg) -> None:
@@ -110,6 +120,11 @@ class Generate(py_trees.behaviour.Behaviour):
             self._send()
         if self.goal_handle is None:
             if not self.goal_future.done():
+                if time.monotonic() - self._sent > self.server_timeout:  # the request or its reply was lost
+                    self.goal_future.add_done_callback(self._cancel_if_accepted)  # an answer after all: cancelled
+                    self.outcome = "send-goal-timeout"
+                    self.feedback_message = f"the node did not answer the goal within {self.server_timeout:g} s"
+                    return Status.FAILURE
                 return Status.RUNNING
             self.goal_handle = self.goal_future.result()
             if not self.goal_handle.accepted:
@@ -117,8 +132,9 @@ class Generate(py_trees.behaviour.Behaviour):
                 self.feedback_message = "goal rejected by the node (see its log / diagnostics)"
                 return Status.FAILURE
             self.result_future = self.goal_handle.get_result_async()
+            self._sent = time.monotonic()
         if not self.result_future.done():
-            return Status.RUNNING
+            return self._waiting_for_result()
         response = self.result_future.result()
         self.result = response.result
         if response.status == GoalStatus.STATUS_SUCCEEDED:
@@ -133,6 +149,25 @@ class Generate(py_trees.behaviour.Behaviour):
             self.outcome = "canceled"
             self.feedback_message = "goal cancelled"
         return Status.FAILURE
+
+    def _waiting_for_result(self) -> Status:
+        """RUNNING, or FAILURE once the server has been gone for ``server_timeout`` (the node died: no result will
+        come) or ``result_timeout`` has passed (the goal is cancelled)."""
+        now = time.monotonic()
+        if self.client.server_is_ready():
+            self._gone_since = None
+        elif self._gone_since is None:
+            self._gone_since = now
+        elif now - self._gone_since > self.server_timeout:
+            self.outcome = "server-gone"
+            self.feedback_message = f"the action server at {self.action_name} went away while the goal ran"
+            return Status.FAILURE
+        if self.result_timeout > 0 and now - self._sent > self.result_timeout:
+            self.cancel_future = self.goal_handle.cancel_goal_async()  # it would hold the node's one generation
+            self.outcome = "result-timeout"
+            self.feedback_message = f"no result within {self.result_timeout:g} s: goal cancelled"
+            return Status.FAILURE
+        return Status.RUNNING
 
     def terminate(self, new_status: Status) -> None:
         """Preempted while RUNNING: cancel the goal (the node honours it at the next iteration), also one whose
@@ -189,7 +224,7 @@ def preempt(tree: py_trees.trees.BehaviourTree, spin_once, wait_seconds: float =
 def create_example_tree(node, prompt: str, action_name: str = "/memspec/generate",
                         **goal_fields) -> py_trees.trees.BehaviourTree:
     """answer = Selector[Generate(prompt), canned reply]: the robot always says something.
-    ``goal_fields``: messages, raw, max_new_tokens for the Generate behaviour."""
+    ``goal_fields``: messages, raw, max_new_tokens, server_timeout, result_timeout for the Generate behaviour."""
     root = py_trees.composites.Selector("answer", memory=False)
     generate = Generate("generate", node, prompt, action_name=action_name, **goal_fields)
     canned = py_trees.behaviours.Success("canned reply")
@@ -205,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions
+    from rclpy.utilities import remove_ros_args
+
+    from ..argtypes import non_negative_float, positive_float
 
     parser = argparse.ArgumentParser(prog="bt_example", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,14 +250,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", default="/memspec")
     parser.add_argument("--system", metavar="TEXT", help="system message before the prompt (chat-template models)")
     parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
-    args = parser.parse_args(argv)
+    parser.add_argument("--server-timeout", type=positive_float, default=SERVER_TIMEOUT, metavar="SECONDS",
+                        help=f"wait for the server and for its answer to the goal (default {SERVER_TIMEOUT:g})")
+    parser.add_argument("--result-timeout", type=non_negative_float, default=0.0, metavar="SECONDS",
+                        help="cancel the goal and fail without a result by then (default 0: no limit)")
+    # --ros-args (an enclave, remaps) are rclpy's, as for memspec_client
+    full = sys.argv if argv is None else ["bt_example", *argv]
+    args = parser.parse_args(remove_ros_args(full)[1:])
     if args.raw and args.system:
         parser.error("--raw cannot take a --system message")
-    fields = {"raw": args.raw}
+    fields = {"raw": args.raw, "server_timeout": args.server_timeout, "result_timeout": args.result_timeout}
     if args.system:
         fields["messages"] = [("system", args.system), ("user", args.prompt)]
     # our Ctrl-C, not rclpy's handler (which shuts the context down before the goal could be cancelled)
-    rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
+    rclpy.init(args=full, signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node("memspec_bt_example")
     executor = SingleThreadedExecutor()
     executor.add_node(node)

@@ -475,7 +475,8 @@ def test_cleanup_never_frees_the_models_under_a_goal_that_has_not_ended_yet(h, m
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
 
 
-@pytest.mark.parametrize("how", ["result timeout", "interrupted before the answer", "goal answer late"])
+@pytest.mark.parametrize("how", ["result timeout", "interrupted before the answer", "goal answer late",
+                                 "interrupted while it runs"])
 def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatch):
     """memspec_client gives up on a goal (its result timeout passes, Ctrl-C lands while it waits for the goal's
     answer, or the answer comes after --timeout): the goal is cancelled, not left to run to its end holding the
@@ -492,6 +493,10 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
 
         def first_wait_gives_up(*args, **kwargs):
             calls.append(1)
+            if how == "interrupted while it runs":  # Ctrl-C in the wait for the result, whose answer then
+                if len(calls) == 2:  # does not come within the cancel's wait (a busy node)
+                    raise KeyboardInterrupt
+                return spin_until(*args, **kwargs) if len(calls) == 1 else None
             if len(calls) == 1:  # the first wait: for the goal's answer, which has not come
                 if how == "interrupted before the answer":
                     raise KeyboardInterrupt
@@ -510,8 +515,9 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
     finally:
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
-    assert outcome.status == ("interrupted" if how == "interrupted before the answer" else "timeout")
-    assert "cancelling the goal" in log.getvalue()
+    assert outcome.status == ("interrupted" if how.startswith("interrupted") else "timeout")
+    # said once: after Ctrl-C it had also said "no result after 1 s" and cancelled (and waited) a second time
+    assert log.getvalue().count("cancelling the goal") == 1, log.getvalue()
     wait_until(lambda: len(h.stats) > stats_before, 30.0, "the goal's end")
     assert h.stats[-1].finish_reason == "cancelled" and h.stats[-1].completion_tokens < LONG
     assert h.node._runner.wait_idle(10.0)
@@ -522,6 +528,7 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
     ("--seed", str(2**63)), ("--seed", str(-2**63 - 1)),  # int64
     ("--temperature", "1e39"), ("--top-p", "nan"), ("--temperature", "-inf"),  # float32, finite
     ("--timeout", "0"), ("--timeout", "nan"),  # seconds
+    ("--result-timeout", "-1"), ("--result-timeout", "inf"),  # 0 (no limit) or seconds
 ])
 def test_memspec_client_refuses_a_number_out_of_its_goal_fields_range(flag, value, capsys):
     """A numeric flag out of its Generate goal field's type failed at serialization with a SystemError traceback

@@ -267,6 +267,38 @@ def test_memspec_client_chat_holds_a_conversation(h, tok):
         assert len(reused) == 2 and reused[1] > reused[0] > len(templated(tok, turns[:2])) // 2
 
 
+def test_memspec_client_chat_drops_the_oldest_exchange_when_a_turn_is_rejected(monkeypatch):
+    """Every goal carries the whole conversation: once it outgrew generation.max_prompt_tokens every later turn was
+    rejected, for the rest of the chat. A rejected turn is sent again without the oldest exchange (the system
+    message kept), until it is accepted or nothing is left to drop."""
+    import io
+
+    from memspec_interfaces.action import Generate
+    from memspec_ros.ros import client
+
+    sent = []
+
+    def node_with_room_for_four_messages(node, executor, goal, action, **kwargs):
+        sent.append([(m.role, m.content) for m in goal.messages])
+        if len(goal.messages) > 4:
+            return client.Outcome("rejected")
+        return client.Outcome("succeeded", result=Generate.Result(text=f"answer {len(sent)}"))
+
+    monkeypatch.setattr(client, "send_goal", node_with_room_for_four_messages)
+    args = client.parse_args(["--chat", "--system", "Be brief.", "--quiet"])
+    log = io.StringIO()
+    assert client.chat(None, None, args, ["one\n", "two\n", "three\n"], out=io.StringIO(), log=log) == 0
+    assert sent[-2:] == [
+        [("system", "Be brief."), ("user", "one"), ("assistant", "answer 1"), ("user", "two"),
+         ("assistant", "answer 2"), ("user", "three")],
+        [("system", "Be brief."), ("user", "two"), ("assistant", "answer 2"), ("user", "three")]]
+    assert "oldest exchange is left out" in log.getvalue()
+    sent.clear()  # a turn rejected on its own (a node not active): no loop, the turn fails
+    monkeypatch.setattr(client, "send_goal", lambda *a, **k: sent.append(1) or client.Outcome("rejected"))
+    assert client.chat(None, None, args, ["alone\n"], out=io.StringIO(), log=io.StringIO()) == 1
+    assert len(sent) == 1
+
+
 def test_memspec_client_chat_leaves_out_a_turn_answered_with_no_text(h, tok, monkeypatch):
     """The node refuses a conversation holding an empty turn, so an empty (or blank) answer must not join the
     history: the turn after it is still accepted, and carries neither the blank answer nor its question."""

@@ -65,6 +65,7 @@ def format_result(result) -> str:
     return line
 
 
+RESULT_TIMEOUT = 900.0  # seconds for a goal's result before the client cancels it (--result-timeout; 0: none)
 CANCEL_WAIT_SECONDS = 5.0  # for the answer to a cancel (and to a goal request interrupted before its answer)
 
 
@@ -86,9 +87,10 @@ def _cancel_when_answered(executor, goal_future, log, note: str = "") -> None:
         _cancel(executor, handle, handle.get_result_async())
 
 
-def send_goal(node, executor, goal, action_name: str, *, server_timeout: float = 10.0, result_timeout: float = 900.0,
-              out=sys.stdout, log=sys.stderr, stream: bool = True) -> Outcome:
-    """Send ``goal`` and spin ``executor`` until the result; print streamed text to ``out``."""
+def send_goal(node, executor, goal, action_name: str, *, server_timeout: float = 10.0,
+              result_timeout: float = RESULT_TIMEOUT, out=sys.stdout, log=sys.stderr, stream: bool = True) -> Outcome:
+    """Send ``goal`` and spin ``executor`` until the result (at most ``result_timeout`` seconds, 0: no limit; then
+    the goal is cancelled); print streamed text to ``out``."""
     from action_msgs.msg import GoalStatus
     from rclpy.action import ActionClient
 
@@ -129,20 +131,24 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             return outcome
         handle = future.result()
         if not handle.accepted:
-            print("goal REJECTED by the node (not active, empty or too long prompt, messages to a model without a chat"
-                  " template, or queue full: the node's log and /diagnostics say which)", file=log)
+            print("goal REJECTED by the node: not active; an empty prompt, or one longer than"
+                  " generation.max_prompt_tokens; prompt + max_new_tokens past the target's context; messages to a"
+                  " model without a chat template, or a control token in the text; temperature above 100 or top_p"
+                  " above 1; too many or too long stop strings; or the goal queue full (the node's log says which)",
+                  file=log)
             outcome.status = "rejected"
             return outcome
         result_future = handle.get_result_async()
         try:
-            _spin_until(executor, result_future, result_timeout)
+            _spin_until(executor, result_future, result_timeout or math.inf)
         except KeyboardInterrupt:
             print("\ninterrupted: cancelling the goal", file=log)
-            _cancel(executor, handle, result_future)
+            _cancel(executor, handle, result_future)  # waits for the partial answer
             outcome.status = "interrupted"
         if not result_future.done():
-            print(f"no result after {result_timeout:g} s: cancelling the goal", file=log)
-            _cancel(executor, handle, result_future)
+            if outcome.status != "interrupted":  # (interrupted: cancelled once already, said so)
+                print(f"no result after {result_timeout:g} s: cancelling the goal (--result-timeout)", file=log)
+                _cancel(executor, handle, result_future)
             return outcome
         response = result_future.result()
         result = response.result
@@ -189,6 +195,16 @@ def goal_from_args(args, messages=None):
                          top_p=args.top_p, seed=args.seed)
 
 
+def _earlier_exchange(history: list) -> int | None:
+    """The index of the oldest user turn that has its answer after it and is not the latest turn, or None."""
+    from memspec_interfaces.msg import ChatMessage
+
+    for i in range(len(history) - 2):
+        if history[i].role == ChatMessage.ROLE_USER and history[i + 1].role == ChatMessage.ROLE_ASSISTANT:
+            return i
+    return None
+
+
 def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
     """--chat: each non-empty line of ``lines`` is a user turn of one conversation, sent with every turn before it
     and the node's answers. A turn that fails, or is answered with no text, is left out of the conversation. The
@@ -204,7 +220,16 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
             continue
         history.append(ChatMessage(role=ChatMessage.ROLE_USER, content=text))
         outcome = send_goal(node, executor, goal_from_args(args, history), action, server_timeout=args.timeout,
-                            out=out, log=log)
+                            result_timeout=args.result_timeout, out=out, log=log)
+        while outcome.status == "rejected" and _earlier_exchange(history) is not None:
+            # a conversation past generation.max_prompt_tokens had every later turn rejected: the oldest exchange
+            # goes (the system message stays) and the turn is sent again, until none is left to drop
+            first = _earlier_exchange(history)
+            del history[first:first + 2]
+            print("(the oldest exchange is left out of the conversation, in case it had grown too long for the"
+                  " node; the turn is sent again)", file=log)
+            outcome = send_goal(node, executor, goal_from_args(args, history), action, server_timeout=args.timeout,
+                                result_timeout=args.result_timeout, out=out, log=log)
         if outcome.result is not None and not args.quiet:
             print(format_result(outcome.result), file=out)
         if outcome.status == "interrupted":
@@ -263,6 +288,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _non_negative_seconds(text: str) -> float:
+    """An argparse type: 0 (no limit) or a positive, finite number of seconds."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is not 0 or a positive number of seconds")
+    return value
+
+
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="memspec_client", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,6 +316,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument(
         "--timeout", type=_seconds, default=10.0, help="seconds to wait for the action server (default 10)"
     )
+    parser.add_argument("--result-timeout", type=_non_negative_seconds, default=RESULT_TIMEOUT, metavar="SECONDS",
+                        help=f"cancel the goal if its result has not come by then (default {RESULT_TIMEOUT:g};"
+                             " 0: no limit)")
     parser.add_argument("--quiet", action="store_true", help="print only the text")
     parser.add_argument("--chat", action="store_true",
                         help="a conversation: each line on stdin is the next user turn (Ctrl-D ends it)")
@@ -317,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.chat:
             return chat(node, executor, args, _chat_lines(args.prompt))
         outcome = send_goal(node, executor, build_goal(args), args.node.rstrip("/") + "/generate",
-                            server_timeout=args.timeout)
+                            server_timeout=args.timeout, result_timeout=args.result_timeout)
         if outcome.result is not None and not args.quiet:
             print(format_result(outcome.result), file=sys.stderr if args.quiet else sys.stdout)
         if outcome.status == "interrupted":

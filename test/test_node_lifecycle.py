@@ -8,6 +8,7 @@ import gc
 import shutil
 
 import pytest
+import yaml
 from node_helpers import Harness, goal, node_overrides, tiny_zoo
 from ros_helpers import require_ros, wait_until
 
@@ -237,6 +238,27 @@ def test_a_policy_without_its_predictor_runs_general_static_with_a_warning(harne
         [refused] = h.set_params(**{"memspec.general_draft": "no-such-draft"})
         assert not refused.successful and "not in the draft registry" in refused.reason
         assert h.get_param("memspec.general_draft") == "general"
+
+
+def test_a_node_whose_predictor_failed_to_load_takes_a_registry_without_one(harness, tmp_path):
+    """A predictor found beside the registry that failed to load left its path in the node's loaded paths: a later
+    swap to a registry folder without a predictor was refused as one that 'brings predictor.path none', though the
+    node ran without a predictor and stays so."""
+    broken, plain = tmp_path / "broken", tmp_path / "plain"
+    shutil.copytree(tiny_zoo(), broken)
+    for head in (broken / "predictor").rglob("*.safetensors"):
+        head.write_bytes(b"not safetensors")
+    shutil.copytree(tiny_zoo(), plain)
+    shutil.rmtree(plain / "predictor")
+    registry = yaml.safe_load((plain / "registry.yaml").read_text())
+    registry["target"] = str(broken / "target")  # the loaded target: only the drafts change
+    (plain / "registry.yaml").write_text(yaml.safe_dump(registry))
+    h = harness(**{"drafts.registry_file": str(broken / "registry.yaml"), "predictor.path": ""})
+    h.activate()
+    assert h.node.loaded.predictor is None and h.node.loaded.paths.predictor  # found, not loaded
+    [result] = h.set_params(**{"drafts.registry_file": str(plain / "registry.yaml")})
+    assert result.successful, result.reason
+    assert h.node.loaded.predictor is None
 
 
 def test_an_exception_in_a_transition_goes_through_on_error_back_to_unconfigured(harness, monkeypatch):

@@ -138,9 +138,11 @@ class ParameterHandler:
             raise Refused(f"draft registry not changed: {exc}") from exc
         # only what configure did load can be contradicted: a node running without a predictor stays without one
         # (its /diagnostics says so), and the datastore holds past answers, whatever the drafts
+        # (a predictor configure found but could not load is not loaded: the node runs without one)
+        loaded_predictor = lo.paths.predictor if lo.predictor is not None else ""
         moved = [f"{name} {now or 'none'!r} (loaded: {was!r})"
                  for name, was, now in (("model.target_path", lo.paths.target, wanted.target),
-                                        ("predictor.path", lo.paths.predictor, wanted.predictor))
+                                        ("predictor.path", loaded_predictor, wanted.predictor))
                  if was and not P.same_path(was, now)]
         if moved:
             raise Refused(f"draft registry not changed: {wanted.registry_file} brings {'; '.join(moved)}, which"

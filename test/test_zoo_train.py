@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,21 +104,25 @@ class _Interrupted(TokenStreams):
         return super().batch(batch_size, seq_len)
 
 
-def test_a_resumed_run_keeps_the_new_step_budget_and_ends_even_without_a_step(tmp_path):
-    """A run interrupted after its checkpoint resumes under the budget it is given now (it kept the old one), and a
-    resume whose minutes are already spent ends with its checkpoint instead of failing to log a loss it never had."""
+def _interrupted_run(run: Path):
+    """(data, config, model) of a 20-step run interrupted after its checkpoint at step 2, in ``run``."""
     data = _data()
     cfg = TrainConfig(max_steps=20, max_minutes=1e6, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1,
                       checkpoint_every=2)
     model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
     with pytest.raises(KeyboardInterrupt):
-        train(model, _Interrupted(data.streams, {"code": 1.0}, seed=0, after=3), cfg, tmp_path / "run")
+        train(model, _Interrupted(data.streams, {"code": 1.0}, seed=0, after=3), cfg, run)
+    return data, cfg, model
+
+
+def test_a_resumed_run_keeps_the_new_step_budget_and_ends_even_without_a_step(tmp_path):
+    """A run interrupted after its checkpoint resumes under the budget it is given now (it kept the old one), and a
+    resume whose minutes are already spent ends with its checkpoint instead of failing to log a loss it never had."""
+    data, cfg, model = _interrupted_run(tmp_path / "run")
     logs: list[str] = []
     meta = train(model, data, replace(cfg, max_steps=4), tmp_path / "run", log=logs.append)
     assert meta["done"] and meta["step"] == 4  # the new budget, not the checkpoint's 20
-    model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
-    with pytest.raises(KeyboardInterrupt):
-        train(model, _Interrupted(data.streams, {"code": 1.0}, seed=0, after=3), cfg, tmp_path / "spent")
+    data, cfg, model = _interrupted_run(tmp_path / "spent")
     meta = train(model, data, replace(cfg, max_minutes=0.0), tmp_path / "spent", log=logs.append)
     assert meta["done"] and meta["step"] == 2 and "no step this run" in logs[-1]
 
@@ -125,12 +130,7 @@ def test_a_resumed_run_keeps_the_new_step_budget_and_ends_even_without_a_step(tm
 def test_a_resumed_run_with_a_higher_budget_or_other_settings_is_refused(tmp_path):
     """Resumed with more steps, a run stopped at its old horizon and recorded the new budget; with another rate it
     went on with the old optimiser state and recorded the new rate. Both are refused, naming the change."""
-    data = _data()
-    cfg = TrainConfig(max_steps=20, max_minutes=1e6, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1,
-                      checkpoint_every=2)
-    model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
-    with pytest.raises(KeyboardInterrupt):
-        train(model, _Interrupted(data.streams, {"code": 1.0}, seed=0, after=3), cfg, tmp_path / "run")
+    data, cfg, model = _interrupted_run(tmp_path / "run")
     with pytest.raises(ValueError, match=r"other settings \(max_steps 20 -> 30\)"):
         train(model, data, replace(cfg, max_steps=30), tmp_path / "run")
     with pytest.raises(ValueError, match=r"other settings \(lr 0.005 -> 0.001\)"):

@@ -955,3 +955,19 @@ def test_a_goals_background_ranking_time_is_reported_by_that_goal(target, drafts
             assert stats.predictions >= 3 and stats.background_prediction_seconds >= 0.05
     finally:
         ctl.close()
+
+
+def test_a_file_recheck_asked_for_during_a_generation_runs_when_the_next_one_starts(target, drafts, monkeypatch):
+    """The node evicts drafts whose files changed when the registry is set; while a goal ran it could not (the
+    cache is in use), and the request was dropped: replaced files were reloaded or not depending on timing."""
+    ctl = make(target, drafts, "general-static")
+    checked = []
+    monkeypatch.setattr(ctl.cache, "evict_changed", lambda: checked.append(ctl.cache.resident()) or [])
+    ctl.generate(PROMPT, 4)
+    assert checked == []
+    ctl.recheck_files_later()
+    ctl.generate(PROMPT, 4)
+    assert len(checked) == 1  # once, at the start of the next generation
+    ctl.generate(PROMPT, 4)
+    assert len(checked) == 1
+    ctl.close()

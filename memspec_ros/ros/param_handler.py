@@ -84,7 +84,11 @@ class ParameterHandler:
         if registry is not None:
             with self._runner.no_goal_starting() as running:
                 replace_entries(lo.registry, registry, None if running else lo.controller.cache)
-                if not running:  # a resident draft whose files were restored or replaced is read again
+                # a resident draft whose files were restored or replaced is read again: now, or when the next goal
+                # starts (evict_changed must not run beside a generation)
+                if running:
+                    lo.controller.recheck_files_later()
+                else:
                     lo.controller.cache.evict_changed()
             lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
         for name, value in new.items():

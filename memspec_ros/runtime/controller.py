@@ -215,6 +215,7 @@ class RuntimeController:
         )
         self._lock = threading.Lock()
         self._pending: RuntimeConfig | None = None
+        self._recheck_files = False  # recheck_files_later(): evict changed drafts when the next generation starts
         self._running = False
         # the predictor as the policies use it, by overlap_prediction: ranking on the decode thread or overlapped
         self._rankers: dict[bool, SynchronousPredictor | OverlappedPredictor] = {}
@@ -285,6 +286,13 @@ class RuntimeController:
             self.prompt_cache.clear()  # switched off: its memory goes now, not at the next goal
         self.config = new
 
+    def recheck_files_later(self) -> None:
+        """Have the next generation start by evicting the resident drafts whose files changed
+        (cache.evict_changed, which must not run beside a generation): a registry set again while a goal ran
+        reloaded replaced files only if it came while idle."""
+        with self._lock:
+            self._recheck_files = True
+
     def _take_pending(self) -> RuntimeConfig | None:
         with self._lock:
             return self._take_pending_locked()
@@ -339,6 +347,10 @@ class RuntimeController:
         session: SpeculativeSession | None = None
         try:
             self._take_pending()
+            with self._lock:
+                recheck, self._recheck_files = self._recheck_files, False
+            if recheck:  # before this generation uses the cache
+                self.cache.evict_changed()
             self.calibrate()
             if self.config.reset_cache_per_generation:
                 self.cache.reset()

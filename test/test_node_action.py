@@ -5,6 +5,7 @@ goal, and ~/generation_stats per finished goal."""
 
 from __future__ import annotations
 
+import io
 import statistics
 
 import pytest
@@ -542,9 +543,118 @@ def test_memspec_client_refuses_a_number_out_of_its_goal_fields_range(flag, valu
         parse_args(["hi", f"{flag}={value}"])
     assert exit_info.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
-    for edges in (["--max-new-tokens", str(2**32 - 1), "--seed", str(2**63 - 1), "--temperature", "3.4e38"],
-                  ["--max-new-tokens", "0", f"--seed={-2**63}", "--top-p=-3.4e38", "--timeout", "0.5"]):
+    for edges in (["--max-new-tokens", str(2**32 - 1), "--seed", str(2**63 - 1), "--temperature", "100"],
+                  ["--max-new-tokens", "0", f"--seed={-2**63}", "--top-p=-3.4e38", "--timeout", "0.5",
+                   "--temperature=-3.4e38"]):
         assert serialize_message(build_goal(parse_args(["hi", *edges])))  # the edges are the fields' own
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--temperature", "100.5"], "argument --temperature: 100.5 is above the node's limit of 100"),
+    (["--top-p", "1.01"], "argument --top-p: 1.01 is above 1"),
+    (["--stop", "x" * 1001], "argument --stop: a stop string of 1001 characters: the node's limit is 1000"),
+    ([f"--stop=s{i}" for i in range(65)], "65 --stop strings: the node takes at most 64"),
+])
+def test_memspec_client_refuses_what_the_node_would_reject_naming_the_limit(args, named, capsys):
+    """A temperature above 100, a top_p above 1, more than 64 stop strings or one over 1000 characters was sent, and
+    the node's rejection came back as a message that listed some reasons and not these: the parser refuses them (usage
+    status 2) with the node's own limit. At the limits the node's check takes the goal; past them it would not."""
+    import memspec_ros.ros.client as client
+    from memspec_ros.ros.goal_runner import GoalRunner
+
+    with pytest.raises(SystemExit) as exit_info:
+        client.parse_args(["hi", *args])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+    at_limits = client.build_goal(client.parse_args(
+        ["hi", "--temperature", "100", "--top-p", "1", "--stop", "x" * 1000, *[f"--stop=s{i}" for i in range(63)]]))
+    assert GoalRunner._settings_error(at_limits) == ""
+    for past in ({"temperature": 100.5}, {"top_p": 1.01}, {"stop": ["x" * 1001]}, {"stop": ["s"] * 65}):
+        goal = client.build_goal(client.parse_args(["hi"]))
+        for name, value in past.items():
+            setattr(goal, name, value)
+        assert GoalRunner._settings_error(goal)  # the node rejects what the parser now refuses
+
+
+def test_memspec_client_result_timeout_is_a_flag_900_s_by_default_and_0_waits_without_limit(monkeypatch, capsys):
+    """The 900 s limit on a goal's result was hard-coded and undocumented: --result-timeout sets it (in --help), 900 s
+    by default, 0 for none; send_goal waits for the result that long."""
+    import math
+
+    import rclpy.action
+    from rclpy.task import Future
+
+    import memspec_ros.ros.client as client
+
+    assert client.parse_args(["hi"]).result_timeout == 900.0
+    assert client.parse_args(["hi", "--result-timeout", "0"]).result_timeout == 0.0
+    with pytest.raises(SystemExit):
+        client.parse_args(["--help"])
+    assert "--result-timeout SECONDS" in capsys.readouterr().out
+
+    class Accepting:
+        def __init__(self, *args):
+            pass
+
+        def server_is_ready(self):
+            return True
+
+        def send_goal_async(self, goal, feedback_callback=None):
+            result = Future()
+            result.set_result(type("Response", (), {"status": GoalStatus.STATUS_SUCCEEDED,
+                                                    "result": Generate.Result(text="ok")})())
+            handle = type("Handle", (), {"accepted": True, "get_result_async": lambda self: result})()
+            answer = Future()
+            answer.set_result(handle)
+            return answer
+
+        def destroy(self):
+            pass
+
+    waits = []
+    monkeypatch.setattr(rclpy.action, "ActionClient", Accepting)
+    monkeypatch.setattr(client, "_spin_until", lambda executor, future, timeout: waits.append(timeout))
+    for given, waited in ((0.0, math.inf), (42.0, 42.0)):
+        outcome = client.send_goal(None, None, Generate.Goal(prompt="hi"), "/memspec/generate", server_timeout=3.0,
+                                   result_timeout=given, out=io.StringIO(), log=io.StringIO())
+        assert outcome.ok and waits[-2:] == [3.0, waited]
+
+
+def test_memspec_client_rejection_message_names_every_reason_with_the_nodes_limits(monkeypatch):
+    """The message printed for a rejected goal named only some of the node's reasons; every one is named, with the
+    node's limits (goal_runner.py)."""
+    import io
+
+    import rclpy.action
+    from rclpy.task import Future
+
+    from memspec_ros.ros.client import send_goal
+
+    class Rejecting:
+        def __init__(self, *args):
+            pass
+
+        def server_is_ready(self):
+            return True
+
+        def send_goal_async(self, goal, feedback_callback=None):
+            answer = Future()
+            answer.set_result(type("Handle", (), {"accepted": False})())
+            return answer
+
+        def destroy(self):
+            pass
+
+    monkeypatch.setattr(rclpy.action, "ActionClient", Rejecting)
+    log = io.StringIO()
+    executor = type("Executor", (), {"spin_once": lambda self, timeout_sec=None: None})()
+    outcome = send_goal(None, executor, Generate.Goal(prompt="hi"), "/memspec/generate", out=io.StringIO(), log=log)
+    assert outcome.status == "rejected"
+    said = " ".join(log.getvalue().split())
+    for reason in ("not active", "empty", "generation.max_prompt_tokens", "max_new_tokens exceed the target's context",
+                   "without a chat template", "control token", "temperature above 100", "top_p above 1",
+                   "more than 64 stop strings", "over 1000 characters", "queue is full"):
+        assert reason in said, reason
 
 
 class _Handle:

@@ -299,6 +299,41 @@ def test_memspec_client_chat_drops_the_oldest_exchange_when_a_turn_is_rejected(m
     assert len(sent) == 1
 
 
+def test_memspec_client_chat_keeps_the_conversation_when_a_turn_is_rejected_for_another_reason(monkeypatch):
+    """A rejection that was not the conversation's length (the node deactivated for a moment) had every earlier
+    exchange dropped, one retry each, and the conversation lost for good: when the turn is rejected even alone, the
+    exchanges are put back, the turn fails, and the next turn carries the whole conversation again."""
+    import io
+
+    from memspec_interfaces.action import Generate
+    from memspec_ros.ros import client
+
+    sent, active = [], {"now": True}
+
+    def node(node, executor, goal, action, **kwargs):
+        sent.append([(m.role, m.content) for m in goal.messages])
+        if not active["now"]:
+            return client.Outcome("rejected")
+        return client.Outcome("succeeded", result=Generate.Result(text=f"answer {len(sent)}"))
+
+    def turns():
+        yield "one\n"
+        yield "two\n"
+        active["now"] = False
+        yield "three\n"
+        active["now"] = True
+        yield "four\n"
+
+    monkeypatch.setattr(client, "send_goal", node)
+    args = client.parse_args(["--chat", "--system", "Be brief.", "--quiet"])
+    log = io.StringIO()
+    assert client.chat(None, None, args, turns(), out=io.StringIO(), log=log) == 1
+    assert len(sent) == 2 + 3 + 1  # "three": as is, without one exchange, without both; then "four"
+    assert sent[-1] == [("system", "Be brief."), ("user", "one"), ("assistant", "answer 1"), ("user", "two"),
+                        ("assistant", "answer 2"), ("user", "four")]
+    assert "they are put back" in log.getvalue()
+
+
 def test_memspec_client_chat_leaves_out_a_turn_answered_with_no_text(h, tok, monkeypatch):
     """The node refuses a conversation holding an empty turn, so an empty (or blank) answer must not join the
     history: the turn after it is still accepted, and carries neither the blank answer nor its question."""

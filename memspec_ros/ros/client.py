@@ -11,6 +11,9 @@ turn and the model answers it; --system sends a system message before it (both i
 `messages`); --raw continues the text as is, without the template. --chat holds a conversation:
 each line read (a prompt argument first) is the next user turn, each goal carries the whole
 conversation so far, so the node's prompt cache encodes only the new turn; end it with Ctrl-D.
+A turn the node rejects is sent again without the oldest exchange (the system message stays), as often as
+there is one to drop: a conversation that outgrew generation.max_prompt_tokens goes on. If the turn is
+rejected even alone, the rejection had another cause: the dropped exchanges are put back and the turn fails.
 
 Like ``ros2 action send_goal --feedback``: the text is printed as it is generated, then the
 result's statistics. Exit status: 0 succeeded, 1 rejected / aborted / no server, 2 usage,
@@ -25,6 +28,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+# a goal past the node's bounds was sent only to be rejected with a message that could not say which: the parser
+# refuses it, naming the limit
+from .goal_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P
 
 DEFAULT_NODE = "/memspec"
 # The ranges of the Generate goal fields the numeric flags fill: outside them a value failed at serialization with
@@ -131,11 +138,12 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             return outcome
         handle = future.result()
         if not handle.accepted:
-            print("goal REJECTED by the node: not active; an empty prompt, or one longer than"
-                  " generation.max_prompt_tokens; prompt + max_new_tokens past the target's context; messages to a"
-                  " model without a chat template, or a control token in the text; temperature above 100 or top_p"
-                  " above 1; too many or too long stop strings; or the goal queue full (the node's log says which)",
-                  file=log)
+            print("goal REJECTED by the node: it is not active; the prompt is empty or longer than"
+                  " generation.max_prompt_tokens; prompt + max_new_tokens exceed the target's context; messages to a"
+                  " model without a chat template, or a control token (<|im_start|>, ...) in the text of a"
+                  f" chat-template goal; temperature above {MAX_TEMPERATURE:g} or top_p above {MAX_TOP_P:g}; more than"
+                  f" {MAX_STOP_STRINGS} stop strings or one over {MAX_STOP_CHARS} characters; or the goal queue is"
+                  " full (the node's log and /diagnostics say which)", file=log)
             outcome.status = "rejected"
             return outcome
         result_future = handle.get_result_async()
@@ -221,6 +229,7 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
         history.append(ChatMessage(role=ChatMessage.ROLE_USER, content=text))
         outcome = send_goal(node, executor, goal_from_args(args, history), action, server_timeout=args.timeout,
                             result_timeout=args.result_timeout, out=out, log=log)
+        kept = list(history)  # put back if the turn is rejected even alone: then length was not the cause
         while outcome.status == "rejected" and _earlier_exchange(history) is not None:
             # a conversation past generation.max_prompt_tokens had every later turn rejected: the oldest exchange
             # goes (the system message stays) and the turn is sent again, until none is left to drop
@@ -230,6 +239,10 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
                   " node; the turn is sent again)", file=log)
             outcome = send_goal(node, executor, goal_from_args(args, history), action, server_timeout=args.timeout,
                                 result_timeout=args.result_timeout, out=out, log=log)
+        if outcome.status == "rejected" and len(history) < len(kept):
+            history[:] = kept
+            print("(the turn was rejected even without the earlier exchanges, so their length was not the cause:"
+                  " they are put back; the node's log says why)", file=log)
         if outcome.result is not None and not args.quiet:
             print(format_result(outcome.result), file=out)
         if outcome.status == "interrupted":
@@ -280,6 +293,32 @@ def _float32(text: str) -> float:
     return value
 
 
+def _temperature(text: str) -> float:
+    """An argparse type: a goal temperature the node takes: negative (its default), 0 (greedy), up to 100."""
+    value = _float32(text)
+    if value > MAX_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"{text} is above the node's limit of {MAX_TEMPERATURE:g} (0: greedy,"
+                                         " negative: the node's generation.temperature)")
+    return value
+
+
+def _top_p(text: str) -> float:
+    """An argparse type: a goal top_p the node takes: in (0, 1], or 0 / negative for its default."""
+    value = _float32(text)
+    if value > MAX_TOP_P:
+        raise argparse.ArgumentTypeError(f"{text} is above {MAX_TOP_P:g}: top_p is a probability mass in (0, 1]"
+                                         " (0: the node's generation.top_p)")
+    return value
+
+
+def _stop_string(text: str) -> str:
+    """An argparse type: a stop string no longer than the node takes."""
+    if len(text) > MAX_STOP_CHARS:
+        raise argparse.ArgumentTypeError(f"a stop string of {len(text)} characters: the node's limit is"
+                                         f" {MAX_STOP_CHARS}")
+    return text
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a positive, finite number of seconds (NaN waited forever, 0 or less not at all)."""
     value = float(text)
@@ -303,11 +342,14 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--node", default=DEFAULT_NODE, help=f"the node's full name (default {DEFAULT_NODE})")
     parser.add_argument("--max-new-tokens", type=_integer_in(0, UINT32_MAX, "uint32"), default=0,
                         help="0: the node's generation.max_new_tokens")
-    parser.add_argument("--temperature", type=_float32, default=-1.0, help="-1: the node's default; 0: greedy")
-    parser.add_argument("--top-p", type=_float32, default=0.0, help="0: the node's default")
+    parser.add_argument("--temperature", type=_temperature, default=-1.0,
+                        help=f"-1: the node's default; 0: greedy; at most {MAX_TEMPERATURE:g}")
+    parser.add_argument("--top-p", type=_top_p, default=0.0, help="in (0, 1]; 0: the node's default")
     parser.add_argument("--seed", type=_integer_in(INT64_MIN, INT64_MAX, "int64"), default=-1,
                         help="-1: the node's default")
-    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--stop", action="append", type=_stop_string,
+                        help=f"stop string (repeatable: at most {MAX_STOP_STRINGS}, each at most {MAX_STOP_CHARS}"
+                             " characters)")
     parser.add_argument("--system", metavar="TEXT",
                         help="system message sent before the prompt (chat-template models; replaces the node's"
                              " generation.system_prompt for this goal)")
@@ -327,6 +369,8 @@ def parse_args(argv: list[str] | None):
         parser.error("--raw continues the prompt as plain text: it cannot take a --system message")
     if args.raw and args.chat:
         parser.error("--chat sends a conversation through the chat template: it cannot be --raw")
+    if args.stop and len(args.stop) > MAX_STOP_STRINGS:
+        parser.error(f"{len(args.stop)} --stop strings: the node takes at most {MAX_STOP_STRINGS}")
     if args.system == "":
         parser.error("--system needs a text (leave it out for the node's generation.system_prompt)")
     return args

@@ -37,6 +37,7 @@ from memspec_interfaces.action import Generate
 from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids
 from ..runtime.stats import GenerationStats
 from .diagnostics import ThroughputWindow, generation_stats_msg, stats_fields
+from .goal_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P
 
 ACTION_NAME = "~/generate"
 DEACTIVATE_WAIT_SECONDS = 30.0  # how long ending the goals waits for the running one's next iteration
@@ -51,13 +52,9 @@ CANCELING_POLL_SECONDS = 0.001
 RESERVATION_TIMEOUT_SECONDS = 10.0
 NOT_ACTIVE_TODO = {"unconfigured": "configure and activate it", "inactive": "activate it",
                    "finalized": "start the node again"}
-# A goal's bounds (Generate.action documents them): stop strings are matched against the text at every
-# committed chunk, so their number and length are bounded; temperatures above the parameter's range are
-# refused, and positive ones below GREEDY_BELOW decode greedily (softmax(logits / T) is the argmax's one-hot
-# long before T reaches float32's smallest values, where it turns into NaN; vLLM draws the same line).
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 1000
-MAX_TEMPERATURE = 100.0
+# A goal's bounds: goal_limits.py. Positive temperatures below GREEDY_BELOW decode greedily (softmax(logits / T) is
+# the argmax's one-hot long before T reaches float32's smallest values, where it turns into NaN; vLLM draws the
+# same line).
 GREEDY_BELOW = 1e-5
 
 ERROR = Generate.Result.FINISH_ERROR
@@ -348,7 +345,7 @@ class GoalRunner:
         if not math.isfinite(goal.temperature) or goal.temperature > MAX_TEMPERATURE:
             return (f"temperature {goal.temperature} out of range: 0 (greedy), up to {MAX_TEMPERATURE:g}, or negative"
                     " for the node default")
-        if not (math.isfinite(goal.top_p) and goal.top_p <= 1.0):
+        if not (math.isfinite(goal.top_p) and goal.top_p <= MAX_TOP_P):
             return f"top_p {goal.top_p} out of range: (0, 1], or 0 / negative for the node default"
         if len(goal.stop) > MAX_STOP_STRINGS:
             return f"{len(goal.stop)} stop strings, more than the limit of {MAX_STOP_STRINGS}"

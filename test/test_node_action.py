@@ -551,7 +551,7 @@ def test_memspec_client_refuses_a_number_out_of_its_goal_fields_range(flag, valu
 
 @pytest.mark.parametrize("args, named", [
     (["--temperature", "100.5"], "argument --temperature: 100.5 is above the node's limit of 100"),
-    (["--top-p", "1.01"], "argument --top-p: 1.01 is above 1"),
+    (["--top-p", "1.01"], "argument --top-p: 1.01 is above the node's limit of 1"),
     (["--stop", "x" * 1001], "argument --stop: a stop string of 1001 characters: the node's limit is 1000"),
     ([f"--stop=s{i}" for i in range(65)], "65 --stop strings: the node takes at most 64"),
 ])

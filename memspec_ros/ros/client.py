@@ -293,22 +293,20 @@ def _float32(text: str) -> float:
     return value
 
 
-def _temperature(text: str) -> float:
-    """An argparse type: a goal temperature the node takes: negative (its default), 0 (greedy), up to 100."""
-    value = _float32(text)
-    if value > MAX_TEMPERATURE:
-        raise argparse.ArgumentTypeError(f"{text} is above the node's limit of {MAX_TEMPERATURE:g} (0: greedy,"
-                                         " negative: the node's generation.temperature)")
-    return value
+def _float32_at_most(limit: float, meaning: str) -> Callable[[str], float]:
+    """An argparse type: a _float32 no greater than ``limit`` (the node's bound on the field; ``meaning`` says what
+    the field's values mean)."""
+    def parse(text: str) -> float:
+        value = _float32(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{text} is above the node's limit of {limit:g} ({meaning})")
+        return value
+
+    return parse
 
 
-def _top_p(text: str) -> float:
-    """An argparse type: a goal top_p the node takes: in (0, 1], or 0 / negative for its default."""
-    value = _float32(text)
-    if value > MAX_TOP_P:
-        raise argparse.ArgumentTypeError(f"{text} is above {MAX_TOP_P:g}: top_p is a probability mass in (0, 1]"
-                                         " (0: the node's generation.top_p)")
-    return value
+_temperature = _float32_at_most(MAX_TEMPERATURE, "0: greedy, negative: the node's generation.temperature")
+_top_p = _float32_at_most(MAX_TOP_P, "top_p is a probability mass in (0, 1]; 0: the node's generation.top_p")
 
 
 def _stop_string(text: str) -> str:

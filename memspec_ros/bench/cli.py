@@ -242,7 +242,7 @@ def _llamacpp_rows(args) -> list[tuple[str, dict]]:
 
 def _llamacpp_target(args) -> tuple[str, Path]:
     """The target as the engine names it (file or pkg: resource) and as llama.cpp reads it (a .gguf file)."""
-    from ..runtime.model_source import package_file
+    from ..runtime.model_source import source_path
     from ..runtime.models import ModelDirectoryError
     from ..runtime.registry import DraftRegistry, RegistryError
 
@@ -254,7 +254,7 @@ def _llamacpp_target(args) -> tuple[str, Path]:
     if not source:
         raise SystemExit(f"{Path(args.zoo) / 'registry.yaml'} names no target: pass --gguf FILE")
     try:
-        gguf = package_file(source) if source.startswith("pkg:") else Path(source)
+        gguf = source_path(source)
     except ModelDirectoryError as exc:
         raise SystemExit(f"memspec-bench llamacpp: {exc}") from None
     if gguf.suffix != ".gguf" or not gguf.is_file():

@@ -35,8 +35,9 @@ from collections.abc import Sequence
 import py_trees
 from py_trees.common import Status
 
-# the wait for the server, and for its answer to a goal: BehaviorTree.ROS2's 1 s default failed a live node whose
-# discovery took 1.7-3 s in 2 of 7 starts measured on an idle machine (memspec_client waits 10 s too)
+# the wait for the server, and for its answer to a goal: BehaviorTree.ROS2's 1 s default failed live nodes, since
+# discovery of a fresh client can take seconds (a one-off timing this session: 1.7 s and 3.0 s in 7 starts);
+# memspec_client waits 10 s too
 SERVER_TIMEOUT = 10.0
 CANCEL_WAIT_SECONDS = 5.0  # after Ctrl-C, for the goal's answer and the cancel's (as memspec_client)
 

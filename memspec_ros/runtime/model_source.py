@@ -85,6 +85,12 @@ def package_file(spec: str) -> Path:
     return path
 
 
+def source_path(spec: str | os.PathLike[str]) -> Path:
+    """The file or folder a model setting names: a pkg: resource's file, else the path as given (not converted)."""
+    text = str(spec)
+    return package_file(text) if text.startswith(PKG_PREFIX) else Path(text)
+
+
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -221,7 +227,7 @@ def model_digest(spec: str | os.PathLike[str]) -> str:
     """What a model setting names, by content: a GGUF file's digest, or a folder's weights files' (names and
     digests); the same model under another path or as pkg: gives the same value. ModelDirectoryError if absent."""
     text = str(spec)
-    path = package_file(text) if text.startswith(PKG_PREFIX) else Path(text)
+    path = source_path(text)
     if path.is_file():
         return cached_digest(path)
     weights = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -293,7 +299,7 @@ def sync_dir(folder: Path) -> None:
 def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
     """The Hugging Face directory to load for ``spec`` (a directory, a .gguf file, or pkg:...)."""
     text = str(spec)
-    path = package_file(text) if text.startswith(PKG_PREFIX) else Path(text)
+    path = source_path(text)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelDirectoryError(f"GGUF file {str(path)!r} does not exist: check the path")

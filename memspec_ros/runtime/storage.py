@@ -376,11 +376,11 @@ def source_identity(files: Sequence[Path]) -> tuple:
 def weights_identity(path: str | Path) -> tuple:
     """:func:`source_identity` of a model directory's safetensors files and :func:`build_inputs` (or of one file: a
     GGUF, or the file a pkg: resource names); ("missing",) if unreadable."""
-    from .model_source import PKG_PREFIX, package_file
+    from .model_source import source_path
     from .models import ModelDirectoryError
 
     try:
-        root = package_file(str(path)) if str(path).startswith(PKG_PREFIX) else Path(path)
+        root = source_path(path)
     except ModelDirectoryError:  # not installed (any more)
         return ("missing",)
     try:

@@ -129,14 +129,6 @@ def _check_cached(name: str, final: Path, identity: dict) -> None:
                          " or build in another --work-dir")
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
 def general_domains(wanted: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     """The domains the general draft learns from: ``wanted``, where ``all`` is every one; ValueError for an unknown
     name or none (a typo would train the general draft on nothing)."""
@@ -184,12 +176,12 @@ class ChatZooBuild:
 
     def _check_target(self) -> None:
         """ValueError naming the target setting unless it names an existing file or folder (loaded later)."""
-        from memspec_ros.runtime.model_source import PKG_PREFIX, package_file
+        from memspec_ros.runtime.model_source import source_path
         from memspec_ros.runtime.models import ModelLoadError
 
         text = str(self.cfg.target)
         try:
-            path = package_file(text) if text.startswith(PKG_PREFIX) else Path(text)
+            path = source_path(text)
         except ModelLoadError as exc:
             raise ValueError(f"--target {text}: {exc}") from None
         if not path.exists():
@@ -319,9 +311,11 @@ class ChatZooBuild:
     def _identity(self, cfg: TrainConfig, domains: tuple[str, ...], split, start_from: str | None) -> dict:
         """What decides the draft ``_distil`` trains: besides ``cfg``, its answers, vocabulary, architecture and
         starting weights (``start_from``: the draft it is fine-tuned from, None for random weights)."""
+        from memspec_ros.runtime.model_source import cached_digest
+
         train_set, val = split
-        start = "random" if start_from is None else _file_digest(self.w / "ckpt" / start_from / "final"
-                                                                  / "model.safetensors")
+        start = "random" if start_from is None else cached_digest(self.w / "ckpt" / start_from / "final"
+                                                                   / "model.safetensors")[:16]
         vocab = hashlib.sha256(json.dumps(self.vocab_ids()).encode()).hexdigest()[:16]
         return run_identity(cfg, {"domains": sorted(domains), "answers": len(train_set), "validation_answers": len(val),
                                   "teacher": self.target_digest(), "arch": asdict(self.cfg.arch), "vocab": vocab,

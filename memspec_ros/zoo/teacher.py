@@ -174,31 +174,26 @@ def answered_prompts(out_dir: Path, split: str) -> list[list[int]]:
     return prompts
 
 
-def answered_limits(out_dir: Path, split: str) -> set[int]:
-    """The max_new_tokens the stored ``split`` answers were made with (one value, unless folders were mixed)."""
+def _shard_metas(out_dir: Path, split: str) -> list[dict]:
+    """The metadata ``save_shard`` stored in each ``split`` shard, in shard order."""
     from safetensors import safe_open
 
-    limits = set()
+    metas = []
     for shard in sorted(Path(out_dir).glob(f"{split}-*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("meta", "{}"))
-        if "max_new_tokens" in meta:
-            limits.add(int(meta["max_new_tokens"]))
-    return limits
+            metas.append(json.loads((f.metadata() or {}).get("meta", "{}")))
+    return metas
+
+
+def answered_limits(out_dir: Path, split: str) -> set[int]:
+    """The max_new_tokens the stored ``split`` answers were made with (one value, unless folders were mixed)."""
+    return {int(m["max_new_tokens"]) for m in _shard_metas(out_dir, split) if "max_new_tokens" in m}
 
 
 def answered_targets(out_dir: Path, split: str) -> set[str]:
     """The digests (model_source.model_digest) of the targets the stored ``split`` answers were made by, where
     their shards record one."""
-    from safetensors import safe_open
-
-    targets = set()
-    for shard in sorted(Path(out_dir).glob(f"{split}-*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("meta", "{}"))
-        if meta.get("target_digest"):
-            targets.add(meta["target_digest"])
-    return targets
+    return {m["target_digest"] for m in _shard_metas(out_dir, split) if m.get("target_digest")}
 
 
 def answered_rows(prompts: list[list[int]], out_dir: Path, split: str, max_new_tokens: int | None = None,

@@ -285,10 +285,15 @@ def bring_down(client: Client) -> None:
         say(f"could not bring the node down through its lifecycle ({exc}); stopping the process")
 
 
-def report(failed: str, proc: subprocess.Popen, code: int | None, log_path: Path) -> int:
-    """Exit status 0 only if every step worked and the node process exited cleanly."""
+def report(failed: str, proc: subprocess.Popen, code: int | None, log_path: Path, stopped_by: int = 0) -> int:
+    """Exit status 0 only if every step worked and the node process exited cleanly; 128 + the signal's number
+    if a signal (``stopped_by``) ended the demo and its node stopped."""
     if proc.poll() is None:
         failed = failed or "the node process did not exit"
+    elif stopped_by:  # the node was stopped wherever it was (even mid-import): its log is no failure of its own
+        say(f"stopped by {signal.Signals(stopped_by).name}: the node was stopped (exit status {code}); its log:"
+            f" {log_path}")
+        return 128 + stopped_by
     elif code not in (0, -signal.SIGINT) and not failed:
         failed = f"the node process exited with status {code}: see {log_path}"
     if failed:
@@ -302,10 +307,6 @@ def report(failed: str, proc: subprocess.Popen, code: int | None, log_path: Path
     return 0
 
 
-def _exit_on_signal(signum: int, _frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def run(args) -> int:
     zoo, overrides, generated = choose_zoo(args)
     domain, _lock = claim_domain_id()
@@ -313,9 +314,20 @@ def run(args) -> int:
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     log_path = Path(tempfile.gettempdir()) / f"memspec_demo_node_{os.getpid()}.log"
     say(f"starting memspec_node (zoo {zoo}, ROS_DOMAIN_ID {domain}, log {log_path})")
-    # the node runs in its own session (a terminal's Ctrl-C reaches the demo only): a SIGTERM (a CI timeout) or a
-    # SIGHUP (the terminal closed) must end the demo through the `finally` below too, or the node outlives it
-    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # the node runs in its own session (a terminal's Ctrl-C reaches the demo only): a Ctrl-C, a SIGTERM (a CI
+    # timeout) or a SIGHUP (the terminal closed) must end the demo through the `finally` below, or the node
+    # outlives it. The signal is recorded, not only raised: one that lands inside a C extension's import (rclpy's)
+    # surfaces as an ImportError, and must still read as "stopped", not as a failed step.
+    received: list[int] = []
+    shutting_down = False
+
+    def on_signal(signum: int, _frame) -> None:
+        if not received:
+            received.append(signum)
+            if not shutting_down:  # one that arrives during the node's shutdown must not cut it short
+                raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     proc = start_node(Path(args.params_file), overrides, log_path)
     client = None
     failed = ""
@@ -342,7 +354,11 @@ def run(args) -> int:
         show_diagnostics(client)
     except Exception as exc:  # a failed step: say which, then still shut down cleanly
         failed = str(exc)
+    except SystemExit:
+        if not received:
+            raise
     finally:
+        shutting_down = True
         if proc.poll() is None and client is not None:
             bring_down(client)
         code = stop_process(proc)
@@ -352,7 +368,7 @@ def run(args) -> int:
             signal.signal(sig, handler)
     if generated:
         shutil.rmtree(zoo, ignore_errors=True)
-    return report(failed, proc, code, log_path)
+    return report(failed, proc, code, log_path, received[0] if received else 0)
 
 
 def _existing_file(text: str) -> str:

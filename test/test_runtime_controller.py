@@ -475,6 +475,34 @@ def test_a_reconfigure_as_a_goal_ends_is_not_lost_to_the_goals_pending_change(ta
     ctl.close()
 
 
+@pytest.mark.parametrize("policy", ["mab-sync", "mab-async"])
+def test_a_bandit_keeps_what_it_learned_when_a_setting_it_does_not_use_changes(target, drafts, policy):
+    """Setting memspec.overlap_prediction or general_draft mid-goal made the bandit anew at the next scheduling
+    point: it forgot its pulls and tried every arm again (for MAB-Sync, a blocking load each). Its own setting
+    (ucb_c) still makes it anew."""
+    made = []
+    ctl = make(target, drafts, policy, capacity=2, interval=2)
+    original = ctl._make_policy
+    ctl._make_policy = lambda: made.append(original()) or made[-1]
+    seen = []
+
+    def change(setting):
+        def on_chunk(delta, ids):
+            seen.extend(ids)
+            if len(seen) >= 6 and not changed:
+                changed.append(ctl.reconfigure(**setting))
+        return on_chunk
+
+    for setting, remade in (({"overlap_prediction": True}, False), ({"general_draft": "code"}, False),
+                            ({"ucb_c": 0.5}, True)):
+        changed, seen[:] = [], []
+        before = len(made)
+        ctl.generate(PROMPT, 24, on_chunk=change(setting))
+        assert changed and ctl.config == changed[0]
+        assert len(made) - before == (2 if remade else 1), setting  # one per goal, one more if remade mid-goal
+    ctl.close()
+
+
 def test_cancel_and_streaming(target, drafts, expected):
     ctl = make(target, drafts, "memspec")
     chunks = []

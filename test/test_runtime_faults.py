@@ -273,3 +273,24 @@ def test_a_draft_refused_for_outgrowing_its_estimate_reserves_its_real_size_next
     assert sorted(cache.resident()) == ["a", "c"] and not cache.failed()
     assert cache.snapshot().bytes_reserved == 400 <= 500
     cache.close()
+
+
+def test_a_bandit_is_credited_for_the_iterations_its_draft_ran_before_failing(target, drafts, monkeypatch):
+    """A draft that failed mid-interval cleared the active draft, and the scheduling point then gave the bandit ""
+    as the interval's draft: the iterations it had run were never credited, and it came back from its retry
+    back-off with fewer pulls than it had, over-explored."""
+    loader = Loader(drafts)
+    loader.drafts["broken"] = noisy_copy(drafts["broken"], 0.0)
+    fail_forward(monkeypatch, loader.drafts["broken"], torch.OutOfMemoryError("out of memory"), after=6)
+    ctl = make(target, loader, "mab-sync", capacity=3, interval=8)
+    made = []
+    original = ctl._make_policy
+    ctl._make_policy = lambda: made.append(original()) or made[-1]
+    try:
+        stats = ctl.generate(PROMPT, NEW).stats
+        ran = [it for it in stats.iterations if it.draft == "broken" and it.proposed > 0]
+        assert ran and "broken" in ctl.cache.failed(), "the test needs 'broken' to run, then fail"
+        assert len(ran) < 8, "... within its first interval"
+        assert made[0].pulls.get("broken", 0) == 1
+    finally:
+        ctl.close()

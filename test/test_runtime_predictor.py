@@ -577,6 +577,48 @@ def test_a_recent_window_other_than_the_heads_t_is_refused():
     engine.close()
 
 
+def test_a_predictor_that_scores_no_registered_draft_is_refused():
+    """A head trained for other drafts (classes code-v1, math-v1) scored every registered draft UNKNOWN_SCORE: the
+    ranking policies ran the first registered drafts for every prompt and reported normal figures. Refused at
+    construction, at a policy change and for a registry change; a registry matching by name or by domain runs,
+    and policies that do not rank keep any registry."""
+    from memspec_ros.ros.node import RecordingRanker
+    from memspec_ros.runtime.registry import DraftEntry
+
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["code-v1", "math-v1"], in_dim=128,
+                                  recent_tokens=16)).eval()
+    engine = PredictionEngine(head, TargetHiddenEncoder(target, 16))
+
+    def registry(*entries):
+        return DraftRegistry([DraftEntry(n, f"/virtual/{n}", d, 1000) for n, d in entries], validate=False)
+
+    other = registry(("general", "general"), ("code", "code"), ("math", "math"))
+
+    def controller(policy, reg, ranker=engine):
+        return RuntimeController(RuntimeConfig(policy=policy, recent_tokens=16), target, None, reg, ranker,
+                                 loader=lambda n: None, eos_token_ids=[])
+
+    for policy in ("memspec", "prediction-only", "memspec-cost-aware"):
+        with pytest.raises(PolicyError, match="no registered draft has one of these names or domains"):
+            controller(policy, other)
+    with pytest.raises(PolicyError, match="code-v1, math-v1"):
+        controller("memspec", other, RecordingRanker(engine))  # as the node hands it over
+    ctl = controller("mab-async", other)  # a policy that does not rank
+    with pytest.raises(PolicyError, match="no registered draft"):
+        ctl.reconfigure(policy="memspec")
+    assert ctl.config.policy == "mab-async"
+    ctl.close()
+    by_domain = registry(("general", "general"), ("coder", "code-v1"))
+    ctl = controller("memspec", by_domain)
+    with pytest.raises(PolicyError, match="no registered draft"):
+        ctl.check_ranking("memspec", other)  # what the node asks before swapping its registry
+    ctl.check_ranking("mab-async", other)
+    ctl.close()
+    controller("memspec", registry(("math-v1", "math"))).close()
+    engine.close()
+
+
 def test_a_prompt_given_twice_is_held_out_whole_or_not_at_all():
     """The training requests repeat some requests (358 of 13,404): split by index, a held-out prompt's identical
     twin could be trained on, with the same greedy contexts and labels (2 of the bundled head's 180)."""

@@ -465,3 +465,16 @@ def test_the_cost_models_per_iteration_and_per_point_costs_are_pooled_over_the_r
     costs = CostModel.measure([("memspec", run(3, 0.5, 1, 1.0)), ("memspec", run(32, 0.24, 7, 0.2))], {}, "local")
     assert costs.other_iteration_seconds == pytest.approx((3 * 0.5 + 32 * 0.24) / 35 / 1000)
     assert costs.point_seconds["memspec"] == pytest.approx((1 * 1.0 + 7 * 0.2) / 8 / 1000)
+
+
+@pytest.mark.parametrize("bad, says", [({"capacity": 0}, r"capacity \(K\) must be an integer in \[1, 64\]"),
+                                       ({"interval": 0}, r"interval \(N\) must be"),
+                                       ({"gamma": 0}, "gamma must be"),
+                                       ({"recent_tokens": -1}, r"recent_tokens \(T\) must be"),
+                                       ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1")])
+def test_the_simulator_refuses_settings_the_runtime_refuses(bad, says):
+    """SimConfig checked nothing: with K = 0 no load could make room, every policy decoded on the target alone and
+    a sweep printed figures for a setting no real run can have."""
+    with pytest.raises(ValueError, match=says):
+        SimConfig(**bad)
+    assert SimConfig(capacity=64, interval=1, gamma=1, recent_tokens=0, max_new_tokens=1).capacity == 64

@@ -83,6 +83,11 @@ class RecordingRanker:
         """The engine's T, which the controller holds memspec.recent_tokens to."""
         return getattr(self.engine, "recent_tokens", None)
 
+    @property
+    def classes(self) -> tuple[str, ...] | None:
+        """What the engine's head scores, which the controller checks the registry against."""
+        return getattr(self.engine, "classes", None)
+
     def _guarded(self, call, *args):
         """``call(*args)``; if it raises, the failure is counted for /diagnostics and None returned: a broken
         predictor costs speed, never a goal."""

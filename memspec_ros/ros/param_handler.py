@@ -164,6 +164,8 @@ class ParameterHandler:
         try:
             P.check_general_draft(merged["memspec.policy"], merged["memspec.general_draft"],
                                   (registry or lo.registry).names())
+            if registry is not None:  # a policy change alone is checked by reconfigure, against the registry in use
+                lo.controller.check_ranking(merged["memspec.policy"], registry)
         except ValueError as exc:
             raise Refused(str(exc)) from exc
 

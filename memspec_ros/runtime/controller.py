@@ -31,11 +31,11 @@ from .choice import Choice, Resolution, carry_out
 from .datastore import Datastore
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import target_costs
-from .lookup import LookupConfig
+from .lookup import LOOKUP_DRAFT, LookupConfig
 from .models import LoadedModel
 from .oracle import GreedyOracle
-from .policies import POLICIES, RANKING_POLICIES, DraftPolicy, SchedulingPoint, make_policy
-from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor
+from .policies import POLICIES, RANKING_POLICIES, DraftPolicy, PolicyError, SchedulingPoint, make_policy
+from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor, check_ranks_registry
 from .prompt_cache import PromptCache, Reuse, reuse_refused
 from .registry import DraftRegistry
 from .speculative import (
@@ -162,9 +162,25 @@ class GenerationResult:
 
 
 def policy_settings(config: RuntimeConfig) -> tuple:
-    """The settings a policy object is made with (RuntimeController._make_policy): a change of any of them mid-goal
-    makes the policy anew at the next scheduling point."""
-    return config.policy, config.general_draft, config.ucb_c, config.overlap_prediction
+    """The settings the configured policy object is made with (RuntimeController._make_policy): a change of any of
+    them mid-goal makes the policy anew at the next scheduling point. Only those it uses: made anew, a bandit
+    forgets what it learned and tries every arm again (for MAB-Sync, a blocking load each)."""
+    name = config.policy
+    if name == "general-static":
+        return name, config.general_draft
+    if name in ("mab-sync", "mab-async"):
+        return name, config.ucb_c
+    if name in RANKING_POLICIES:
+        return name, config.overlap_prediction
+    return (name,)
+
+
+def interval_draft(run: _Run) -> str:
+    """The draft the interval just run proposed with: the active one, else (it failed mid-interval and the target
+    decoded alone since) the one its iterations name, so that a bandit is still credited for what it did."""
+    if run.active:
+        return run.active
+    return next((it.draft for it in reversed(run.iterations) if it.draft and it.draft != LOOKUP_DRAFT), "")
 
 
 class RuntimeController:
@@ -247,6 +263,17 @@ class RuntimeController:
                              " prompt alone)")
         make_policy(config.policy, predictor=self.predictor, oracle_for=self.oracle_for,
                     general_draft=config.general_draft, ucb_c=config.ucb_c).close()
+        self.check_ranking(config.policy, self.registry)
+
+    def check_ranking(self, policy: str, registry: DraftRegistry) -> None:
+        """PolicyError if ``policy`` ranks with the trained predictor and that predictor scores none of
+        ``registry``'s drafts (a head trained for other drafts)."""
+        classes = getattr(self.predictor, "classes", None)  # a trained head's (a PredictionEngine's)
+        if policy in RANKING_POLICIES and classes is not None:
+            try:
+                check_ranks_registry(classes, {e.name: e.domain for e in registry.entries()})
+            except ValueError as exc:
+                raise PolicyError(f"policy {policy}: {exc}") from exc
 
     def reconfigure(self, **changes) -> RuntimeConfig:
         """Validate and apply changes (K, N, T, gamma, policy, ...): now if idle, else at the next scheduling point.
@@ -439,7 +466,7 @@ class RuntimeController:
                 self._scheduling_point(run, session, prompt_ids)
             run.iterations.append(self._step(run, session))
         if run.iterations:
-            run.policy.observe(run.active, run.iterations)
+            run.policy.observe(interval_draft(run), run.iterations)
         run.policy.close()
         stats.background_prediction_seconds = sum((r.take_background_seconds() for r in self._rankers.values()), 0.0)
         stats.cache = cache.snapshot().since(before)
@@ -482,7 +509,7 @@ class RuntimeController:
     def _scheduling_point(self, run: _Run, session: SpeculativeSession, prompt_ids: list[int]) -> None:
         """Every N iterations: pending reconfiguration and registry edits land, the policy chooses, the cache acts."""
         stats = session.stats
-        run.policy.observe(run.active, run.iterations)
+        run.policy.observe(interval_draft(run), run.iterations)
         run.interval += 1
         run.iterations = []
         t0 = time.perf_counter()

@@ -464,6 +464,16 @@ class SimConfig:
     recent_tokens: int = 32  # T
     max_new_tokens: int = 128
 
+    def __post_init__(self) -> None:
+        # the runtime's ranges: K = 0 had every policy decode on the target alone and a sweep print figures for a
+        # setting no real run can have
+        from .controller import RuntimeConfig
+
+        RuntimeConfig(capacity=self.capacity, interval=self.interval, gamma=self.gamma,
+                      recent_tokens=self.recent_tokens).validate()
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+
 
 class _Clock:
     def __init__(self) -> None:

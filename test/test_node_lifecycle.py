@@ -19,7 +19,7 @@ from lifecycle_msgs.msg import Transition
 from rclpy.lifecycle import TransitionCallbackReturn
 
 from memspec_interfaces.action import Generate
-from memspec_ros.ros.diagnostics import ERROR
+from memspec_ros.ros.diagnostics import ERROR, OK, WARN
 
 
 @pytest.fixture
@@ -206,12 +206,42 @@ def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     assert h.state() == "inactive"
 
 
+@pytest.mark.parametrize("bad", [{"memspec.recent_tokens": 16},  # not the predictor's T (32)
+                                 {"memspec.policy": "general-static", "memspec.general_draft": "no-such-draft"}])
+def test_a_configure_failing_after_the_predictor_loaded_frees_the_target(harness, monkeypatch, bad):
+    """The target-hidden predictor registers with a module-level table of observers whose entry kept the target
+    alive; a configure failing after it loaded never closed it: every such failed configure kept a target in
+    memory for good (an edge device runs out after a few typos)."""
+    import weakref
+
+    from memspec_ros.runtime import draft_forward, loader
+
+    targets = []
+    load_models = loader.load_models
+
+    def recording(*args, **kwargs):
+        models = load_models(*args, **kwargs)
+        targets.append(weakref.ref(models.target.model))
+        return models
+
+    monkeypatch.setattr(loader, "load_models", recording)
+    h = harness(**bad)
+    observed = len(draft_forward._OBSERVERS)
+    for _ in range(2):
+        assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == "unconfigured" and len(targets) == 2
+    gc.collect()
+    assert [ref() for ref in targets] == [None, None], "a failed configure kept its target"
+    assert len(draft_forward._OBSERVERS) == observed
+    h.set_params(**{"memspec.recent_tokens": 32, "memspec.general_draft": "general"})
+    assert h.transition(Transition.TRANSITION_CONFIGURE)  # and the node still configures once it is fixed
+
+
 @pytest.mark.parametrize("predictor", ["none", "missing", "corrupt"])
 def test_a_policy_without_its_predictor_runs_general_static_with_a_warning(harness, tmp_path, predictor):
     """A missing predictor (predictor.path 'none', a directory that is gone, or files that do not load) is
     not a failed configure: memspec runs as general-static, /diagnostics says why (WARN), goals succeed,
     and memspec.policy cannot be set back to a predictor policy until a predictor is configured."""
-    from memspec_ros.ros.diagnostics import WARN
 
     path = {"none": "none", "missing": str(tmp_path / "gone"), "corrupt": str(tmp_path / "corrupt")}[predictor]
     if predictor == "corrupt":
@@ -272,7 +302,20 @@ def test_an_exception_in_a_transition_goes_through_on_error_back_to_unconfigured
     assert not h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.state() == "unconfigured"  # on_error freed everything and recovered
     assert h.node.loaded_parameter_bytes() == 0
+    # rclpy swallows the exception: the node keeps it, and /diagnostics says ERROR with the cause (it said OK,
+    # "unconfigured: no model loaded") until configure succeeds again
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    assert status.level == ERROR, status.message
+    assert "activate raised RuntimeError: simulated failure while activating" in status.message
     assert h.node.on_error(None) == TransitionCallbackReturn.SUCCESS
+    monkeypatch.undo()
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    assert status.level == OK and h.node.transition_error == "", status.message
+    # a node shut down never serves again: not OK either
+    assert h.transition(Transition.TRANSITION_INACTIVE_SHUTDOWN) and h.state() == "finalized"
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    assert status.level == WARN and "finalized" in status.message, status.message
 
 
 def test_goals_run_with_model_threads_and_zero_restores_torchs_own_count(harness):

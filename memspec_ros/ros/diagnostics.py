@@ -385,6 +385,7 @@ class NodeTasks:
     """memspec_node's four tasks (target model, draft cache, throughput, predictor) for ``make_updater``.
 
     They read the node (``lifecycle_state``, ``loaded``: what configure loaded or None, ``configure_error``,
+    ``transition_error``,
     ``cache_snapshot``), its goal runner (``counts``, rejections, the last goal's error) and its throughput
     window of finished goals.
     """
@@ -407,6 +408,13 @@ class NodeTasks:
         lo = self.node.loaded
         if self.node.configure_error:
             s.summary(ERROR, f"configure failed: {self.node.configure_error}")
+            return
+        if self.node.transition_error and lo is None:  # until configure succeeds again
+            s.summary(ERROR, f"{self.node.transition_error}; the models were freed and the node went back to"
+                             " unconfigured: configure it again")
+            return
+        if state == "finalized":  # a node that was shut down can never serve again
+            s.summary(WARN, "finalized (shut down): no model loaded and no goal served; restart the node to serve")
             return
         if lo is None:
             s.summary(OK, "unconfigured: no model loaded")

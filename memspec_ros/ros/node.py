@@ -22,10 +22,12 @@ The parts it wires together:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import signal
 import threading
 import time
+import traceback
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +68,33 @@ RESULT_SEND_SECONDS = 0.5
 # Executor threads: the generation (the action's execute callback), goal/cancel callbacks beside it, timers.
 EXECUTOR_THREADS = 4
 EXECUTOR_SHUTDOWN_SECONDS = 1.0
+
+
+def recorded(transition):
+    """A transition callback whose exception is logged and kept for /diagnostics before it propagates: rclpy then
+    runs on_error, but swallows the exception itself, so its cause was nowhere to be seen."""
+    step = transition.__name__.removeprefix("on_")
+
+    @functools.wraps(transition)
+    def run(node: MemSpecNode, state: LifecycleState) -> TransitionCallbackReturn:
+        try:
+            return transition(node, state)
+        except Exception as exc:
+            node._transition_error = f"{step} raised {type(exc).__name__}: {exc}"
+            node.get_logger().error(f"{node._transition_error}\n{traceback.format_exc()}")
+            raise
+    return run
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or while handling (``__cause__``, ``__context__``)."""
+    chain, todo = [], [exc]
+    while todo:
+        link = todo.pop()
+        if link is not None and all(link is not seen for seen in chain):
+            chain.append(link)
+            todo += [link.__cause__, link.__context__]
+    return chain
 
 
 class RecordingRanker:
@@ -162,6 +191,7 @@ class MemSpecNode(LifecycleNode):
         self._guard_change_state()
         self._loaded: Loaded | None = None
         self._configure_error = ""
+        self._transition_error = ""  # see transition_error
         self._active = False
         self._cache_pub = self._stats_pub = None
         self._cache_baseline = None  # cache counters at activation: CacheState counts since then
@@ -183,6 +213,7 @@ class MemSpecNode(LifecycleNode):
         self._cache_timer = self.create_timer(CACHE_POLL_SECONDS, self._poll_cache, callback_group=group)
 
     # -- lifecycle --------------------------------------------------------------------------
+    @recorded
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         t0 = time.perf_counter()
         if self._runner.counts()[0]:  # after error, a goal deaf to its end: its models are freed when it ends
@@ -192,13 +223,20 @@ class MemSpecNode(LifecycleNode):
         try:
             self._loaded = self._load()
         except Exception as exc:  # every load error becomes a failed transition with its reason
-            return self._configure_failed(exc)
-        self._configure_error = ""
+            failure = exc
+            for link in exception_chain(exc):  # their frames hold what the failed load made: freed below
+                link.__traceback__ = None
+        else:
+            failure = None
+        if failure is not None:  # outside the except block, whose traceback would keep those frames alive
+            return self._configure_failed(failure)
+        self._configure_error = self._transition_error = ""
         self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)
         self._stats_pub = self.create_lifecycle_publisher(GenerationStatsMsg, "~/generation_stats", 10)
         self.get_logger().info(f"configured in {time.perf_counter() - t0:.1f} s: {self._loaded.summary()}")
         return TransitionCallbackReturn.SUCCESS
 
+    @recorded
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._window.clear()
         self._window.reset_counts()
@@ -209,11 +247,13 @@ class MemSpecNode(LifecycleNode):
         self.get_logger().info("active: accepting goals on ~/generate")
         return result
 
+    @recorded
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._end_goals("the node was deactivated during the goal")
         self.get_logger().info("inactive: new goals are rejected")
         return super().on_deactivate(state)
 
+    @recorded
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         # a goal told to end at deactivate may not have reached its next iteration yet (a long prefill on a
         # loaded machine): its models are not freed under it
@@ -225,6 +265,7 @@ class MemSpecNode(LifecycleNode):
         self.get_logger().info("cleaned up: every model freed")
         return TransitionCallbackReturn.SUCCESS
 
+    @recorded
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._end_goals("the node is shutting down")
         self._release_after_goal()
@@ -233,7 +274,8 @@ class MemSpecNode(LifecycleNode):
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._end_goals("the node hit an error")
         freed = "models freed" if self._release_after_goal() else "models freed once the running goal ends"
-        self.get_logger().error(f"error processed: {freed}, back to unconfigured")
+        self.get_logger().error(f"error processed ({self._transition_error or 'no cause recorded'}): {freed}, back"
+                                " to unconfigured")
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self, exc: Exception) -> TransitionCallbackReturn:
@@ -295,6 +337,11 @@ class MemSpecNode(LifecycleNode):
         return self._configure_error
 
     @property
+    def transition_error(self) -> str:
+        """The exception that last sent a transition through on_error ("" once configure succeeds again)."""
+        return self._transition_error
+
+    @property
     def goals_rejected(self) -> int:
         return self._runner.goals_rejected
 
@@ -330,6 +377,18 @@ class MemSpecNode(LifecycleNode):
                              quantization=v["model.quantization"], gamma=v["memspec.gamma"],
                              datastore_path=paths.datastore or None)
         engine, missing = self._load_predictor(paths.predictor, v["predictor.path"], models)
+        try:
+            return self._load_controller(v, paths, models, engine, missing, threads)
+        except BaseException:
+            # the target-hidden engine hooks the target and registers in a module-level table of observers, whose
+            # entry keeps the target alive: unclosed, every failed configure left a target in memory for good
+            if engine is not None:
+                engine.close()
+            models.close()
+            raise
+
+    def _load_controller(self, v: dict[str, Any], paths, models, engine, missing: str, threads: int) -> Loaded:
+        """configure's last step: the controller over the loaded models, with the predictor or its fallback."""
         note = missing if engine is None and paths.predictor else ""  # a predictor that failed to load
         predictor = RecordingRanker(engine) if engine is not None else None
         config = P.runtime_config(v)

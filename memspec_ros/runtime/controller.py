@@ -238,8 +238,12 @@ class RuntimeController:
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)  # the last goals' KV caches (config.prompt_cache)
         # why this target's KV cache is not reused ("" : it is): checked now, before any generation
         self.prompt_cache_refused = reuse_refused(target)
-        self._check_policy(self.config)  # fail now, not at the first goal
-        self.calibrate()
+        try:
+            self._check_policy(self.config)  # fail now, not at the first goal
+            self.calibrate()
+        except BaseException:
+            self.close()  # a cache handed in may be loading already
+            raise
 
     def calibrate(self) -> None:
         """With adaptive gamma, measure the target's forward costs now (once per thread count; about a second

@@ -25,6 +25,7 @@ sliding-window attention, tensor-parallel pretraining splits.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -305,19 +306,22 @@ _LEAN: weakref.WeakKeyDictionary[torch.nn.Module, LeanLlamaForward | None] = wea
 
 
 HiddenObserver = Callable[[torch.Tensor, int], None]  # (final-normed hidden rows [n, d], first position)
-_OBSERVERS: weakref.WeakKeyDictionary[torch.nn.Module, list[HiddenObserver]] = weakref.WeakKeyDictionary()
+# a bound method is kept as a weakref.WeakMethod: its object (a predictor's encoder) holds the model, and held
+# strongly as this table's value it would keep its own key, the model, alive for good if never removed
+_OBSERVERS: weakref.WeakKeyDictionary[torch.nn.Module, list[Callable[[], HiddenObserver | None]]] = \
+    weakref.WeakKeyDictionary()
 
 
 class ObserverHandle:
     """``remove()`` stops the observer, as a torch hook handle does."""
 
-    def __init__(self, model: torch.nn.Module, observer: HiddenObserver) -> None:
-        self._model, self._observer = weakref.ref(model), observer
+    def __init__(self, model: torch.nn.Module, entry: Callable[[], HiddenObserver | None]) -> None:
+        self._model, self._entry = weakref.ref(model), entry
 
     def remove(self) -> None:
         model = self._model()
-        if model is not None and self._observer in _OBSERVERS.get(model, []):
-            _OBSERVERS[model].remove(self._observer)
+        if model is not None and self._entry in _OBSERVERS.get(model, []):
+            _OBSERVERS[model].remove(self._entry)
 
 
 _PAUSED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models whose forwards no observer may see
@@ -343,7 +347,8 @@ def observed(model: torch.nn.Module | None) -> list[HiddenObserver]:
     """``model``'s observers, none while they are paused."""
     if model is None or observers_are_paused(model):
         return []
-    return list(_OBSERVERS.get(model, ()))
+    found = [entry() for entry in _OBSERVERS.get(model, ())]
+    return [observer for observer in found if observer is not None]  # None: its object is gone
 
 
 def observe_hidden(model: torch.nn.Module, observer: HiddenObserver) -> ObserverHandle:
@@ -351,8 +356,13 @@ def observe_hidden(model: torch.nn.Module, observer: HiddenObserver) -> Observer
 
     The lean forward bypasses module hooks, so a reader of the target's hidden states (the
     target-hidden predictor) registers here as well as on the decoder's forward hook."""
-    _OBSERVERS.setdefault(model, []).append(observer)
-    return ObserverHandle(model, observer)
+    if inspect.ismethod(observer):
+        entry = weakref.WeakMethod(observer)
+    else:
+        def entry(observer=observer):
+            return observer
+    _OBSERVERS.setdefault(model, []).append(entry)
+    return ObserverHandle(model, entry)
 
 
 def decoder_summary(model: torch.nn.Module) -> str:

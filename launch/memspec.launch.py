@@ -5,8 +5,10 @@
 
 Auto-activation uses the event-handler pattern that works on Humble and Jazzy alike
 (``autostart=True`` is Jazzy-only): emit ChangeState(configure) at start, and when the node
-reaches ``inactive``, emit ChangeState(activate). A failed configure leaves it unconfigured with
-the reason in its log and on /diagnostics.
+reaches ``inactive``, emit ChangeState(activate), once: an operator who later takes the node down and
+configures it again (deactivate, cleanup, set model.*, configure) finds it inactive, as asked. A failed
+configure leaves it unconfigured with the reason in its log and on /diagnostics; the first configure that
+succeeds after it (the operator's) is still followed by activate.
 """
 
 import os
@@ -45,6 +47,7 @@ def generate_launch_description():
             lifecycle_node_matcher=matches_action(node),
             transition_id=Transition.TRANSITION_ACTIVATE,
         ))],
+        handle_once=True,  # launch's EventHandler option (Humble and Jazzy alike)
     ))
     return LaunchDescription([
         DeclareLaunchArgument("namespace", default_value="", description="namespace of the node"),

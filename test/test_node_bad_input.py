@@ -186,6 +186,8 @@ def test_registry_changes_that_cannot_work_are_refused(h, tmp_path):
         "drafts.names": ["general", "general"], "drafts.paths": [general, code], "drafts.domains": ["general", "code"]})
     refused(h, "drafts.names", atomically=True, **{  # lists of different lengths
         "drafts.names": ["general", "code"], "drafts.paths": [general], "drafts.domains": [""]})
+    # one list alone (`ros2 param set` sets one at a time): the refusal says how to change them together
+    refused(h, "change them together in one ~/set_parameters_atomically call", **{"drafts.names": ["general", "code"]})
     # an empty entry among others: dropped, it paired code with math's path and math with code's (its domain too)
     math = str(zoo / "drafts" / "math")
     refused(h, "drafts.paths has an empty entry (position 1)", atomically=True, **{

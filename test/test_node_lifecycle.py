@@ -268,6 +268,12 @@ def test_a_policy_without_its_predictor_runs_general_static_with_a_warning(harne
         [refused] = h.set_params(**{"memspec.general_draft": "no-such-draft"})
         assert not refused.successful and "not in the draft registry" in refused.reason
         assert h.get_param("memspec.general_draft") == "general"
+    # the operator then asks for a policy that needs no predictor: nothing is wrong any more (it stayed WARN)
+    for policy in ("mab-async", "general-static"):
+        [result] = h.set_params(**{"memspec.policy": policy})
+        assert result.successful, result.reason
+        status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: predictor"]
+        assert status.level == OK and f"policy {policy} needs none" in status.message, (policy, status.message)
 
 
 def test_a_node_whose_predictor_failed_to_load_takes_a_registry_without_one(harness, tmp_path):

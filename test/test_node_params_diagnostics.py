@@ -393,3 +393,41 @@ def test_an_empty_list_given_for_a_string_array_parameter_means_its_documented_d
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)
+
+
+def test_an_integer_given_for_a_double_parameter_is_taken_as_that_number():
+    """`ucb_c: 2` in a params file or `-p diagnostic_updater.period:=2` raised InvalidParameterTypeException out
+    of the node's constructor, a traceback for a value that means exactly 2.0."""
+    import rclpy
+    from rclpy.context import Context
+
+    from memspec_ros.ros import params as P
+    from memspec_ros.ros.node import MemSpecNode
+
+    doubles = [p.name for p in P.PARAMS if type(p.default) is float]
+    assert {"memspec.ucb_c", "diagnostic_updater.period"} <= set(doubles)
+    context = Context()
+    rclpy.init(context=context, args=["memspec", "--ros-args", "-p", "memspec.ucb_c:=3",
+                                      "-p", "diagnostic_updater.period:=2"])
+    node = MemSpecNode("memspec_int_doubles", context=context)
+    try:
+        values = {n: node.get_parameter(n).value for n in ("memspec.ucb_c", "diagnostic_updater.period")}
+        assert values == {"memspec.ucb_c": 3.0, "diagnostic_updater.period": 2.0}
+        assert all(type(v) is float for v in values.values())
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+
+
+@pytest.mark.parametrize("override, says", [("memspec.capacity:=0", "memspec.capacity"),
+                                            ("memspec.overlap_prediction:=maybe", "memspec.overlap_prediction")])
+def test_a_start_up_override_the_node_cannot_take_ends_it_with_one_line(override, says):
+    """Such an override (out of range, another type) ended the node's process with a traceback."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "memspec_ros.ros.node", "--ros-args", "-r", "__node:=memspec_bad",
+                          "-p", override], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "a start-up parameter was refused" in out.stderr and says in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-2000:]

@@ -109,6 +109,8 @@ def test_launch_file_is_the_humble_and_jazzy_lifecycle_pattern():
             "DeclareLaunchArgument", "LaunchConfiguration"} <= calls
     keywords = {k.arg: k.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords}
     assert isinstance(keywords["goal_state"], ast.Constant) and keywords["goal_state"].value == "inactive"
+    # activate follows the first successful configure only: a later manual configure leaves the node inactive
+    assert isinstance(keywords["handle_once"], ast.Constant) and keywords["handle_once"].value is True
     node_call = next(
         n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LifecycleNode"
     )

@@ -40,6 +40,7 @@ from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
 
 from ..runtime.chat import has_chat_template
 from ..runtime.draft_forward import decoder_summary
+from ..runtime.policies import RANKING_POLICIES
 from ..runtime.stats import CacheStats, GenerationStats
 from . import params as P
 
@@ -170,8 +171,7 @@ def _updater_parameter(node, name: str) -> Any:
     table (as the C++ Updater does; this keeps the table's description and range)."""
     if node.has_parameter(name):
         return node.get_parameter(name).value
-    p = P.BY_NAME[name]
-    return node.declare_parameter(name, p.default, p.descriptor()).value
+    return P.declare(node, P.BY_NAME[name])
 
 
 class _TaskList:
@@ -473,7 +473,10 @@ class NodeTasks:
         if lo.predictor_note:  # none found, or it failed to load: what runs instead
             s.add("problem", lo.predictor_note)
         if lo.predictor is None:
-            if lo.predictor_note:
+            # the policy asked for (memspec.policy), not the one running: a predictor policy falls back to
+            # general-static, and only while one is asked for is the missing predictor a problem
+            wanted = self.node.get_parameter("memspec.policy").value
+            if lo.predictor_note and wanted in RANKING_POLICIES:
                 s.summary(WARN, lo.predictor_note)
             else:
                 s.summary(OK, f"no predictor (policy {policy} needs none)")

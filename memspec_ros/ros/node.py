@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import gc
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -34,6 +35,7 @@ from typing import Any
 
 import rclpy
 from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.exceptions import ParameterException
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
@@ -513,7 +515,12 @@ def main(args: list[str] | None = None) -> None:
     _quiet_libraries()
     # our SIGINT/SIGTERM handler, not rclpy's (which stops the context before the goals' results are sent)
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
-    node = MemSpecNode()
+    try:
+        node = MemSpecNode()
+    except ParameterException as exc:  # a launch override of the wrong type or out of range: say which, no traceback
+        print(f"memspec_node: a start-up parameter was refused: {exc}", file=sys.stderr)
+        rclpy.try_shutdown()
+        raise SystemExit(2) from None
     executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
     executor.add_node(node)
     closing = threading.Event()

@@ -126,7 +126,12 @@ class ParameterHandler:
         try:
             registry = registry_from_params(merged, lo.fingerprint)
         except Exception as exc:  # a missing or mismatched draft: the change is refused with the cause
-            raise Refused(f"draft registry not changed: {exc}") from exc
+            alone = [n for n in P.DRAFT_LISTS if n in new]
+            hint = ("; the three lists are read side by side, so change them together in one"
+                    " ~/set_parameters_atomically call (`ros2 param set` and `ros2 param load` set one parameter at a"
+                    " time), or point drafts.registry_file at a registry YAML" if 0 < len(alone) < len(P.DRAFT_LISTS)
+                    else "")
+            raise Refused(f"draft registry not changed: {exc}{hint}") from exc
         if not P.non_empty(merged["drafts.names"]):
             self._check_same_models(merged, lo)
         return registry

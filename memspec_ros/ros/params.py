@@ -272,24 +272,34 @@ REGISTRY_PARAMS = ("drafts.registry_file", "drafts.names", "drafts.paths", "draf
 
 def declare_all(node) -> None:
     """Every parameter but those the diagnostics updater declares (values() reads them once it has).
-    Records the locations the path parameters start with (launch values are the operator's: trusted)."""
-    from rclpy.parameter import Parameter
+    Records the locations the path parameters start with (launch values are the operator's: trusted).
 
-    # An override of [] (a params file's `names: []`, `-p drafts.names:=[]`) carries no element type, so rclpy
-    # declared the parameter unset: every read of it raised (configure failed naming no fix, drafts.paths broke the
-    # constructor) and read-only ones cannot be set after. Every string-array parameter documents [] as meaning
-    # what its default [''] means, so such an override declares the default (rclpy keeps the overrides in this
-    # dict on every distribution; a typed [] cannot be declared: rclpy reads an empty list as a byte array).
-    overrides = getattr(node, "_parameter_overrides", None)
+    An override of [] (a params file's `names: []`, `-p drafts.names:=[]`) carries no element type, so rclpy
+    declared the parameter unset: every read of it raised (configure failed naming no fix, drafts.paths broke the
+    constructor) and read-only ones cannot be set after. Every string-array parameter documents [] as meaning
+    what its default [''] means, so such an override declares the default (rclpy keeps the overrides in this
+    dict on every distribution; a typed [] cannot be declared: rclpy reads an empty list as a byte array)."""
     for p in PARAMS:
         if not p.updater_declares:
-            given = overrides.get(p.name) if isinstance(overrides, dict) else None
-            untyped_empty = given is not None and given.type_ == Parameter.Type.NOT_SET
-            if isinstance(p.default, list) and p.default == [""] and untyped_empty:
-                node.declare_parameter(p.name, p.default, p.descriptor(), ignore_override=True)
-            else:
-                node.declare_parameter(p.name, p.default, p.descriptor())
+            declare(node, p)
     _LAUNCH_ROOTS[node] = launch_roots({n: plain_value(node.get_parameter(n).value) for n in PATH_PARAMS})
+
+
+def declare(node, p: Param) -> Any:
+    """Declare ``p`` on ``node`` (its default, or the launch override); its value.
+
+    Two overrides rclpy would refuse or misread are taken as meant: an untyped [] (declare_all) and an integer
+    for a double parameter (a params file's ``ucb_c: 2``, ``-p diagnostic_updater.period:=2``), which raised
+    InvalidParameterTypeException out of the node's constructor."""
+    from rclpy.parameter import Parameter
+
+    overrides = getattr(node, "_parameter_overrides", None)
+    given = overrides.get(p.name) if isinstance(overrides, dict) else None
+    if given is not None and given.type_ == Parameter.Type.NOT_SET and p.default == [""]:
+        return node.declare_parameter(p.name, p.default, p.descriptor(), ignore_override=True).value
+    if given is not None and given.type_ == Parameter.Type.INTEGER and type(p.default) is float:
+        return node.declare_parameter(p.name, float(given.value), p.descriptor(), ignore_override=True).value
+    return node.declare_parameter(p.name, p.default, p.descriptor()).value
 
 
 def values(node) -> dict[str, Any]:
@@ -565,6 +575,9 @@ def check_general_draft(policy: str, general_draft: str, names: list[str]) -> No
         raise ValueError(f"memspec.general_draft {general_draft!r} is not in the draft registry"
                          f" ({', '.join(names) or 'no drafts'}): policy general-static runs that draft; add it to the"
                          " registry or set memspec.general_draft to one of its drafts")
+
+
+DRAFT_LISTS = ("drafts.names", "drafts.paths", "drafts.domains")  # parallel: one entry per draft
 
 
 def listed(items: list[str], name: str) -> list[str]:

@@ -522,3 +522,26 @@ def test_a_ratio_over_a_zero_rate_passes_no_goal_and_a_gmean_covers_every_worklo
              "math": {"general-static": {"tps": 10.0}, "memspec": {"tps": 5.0}}}
     out = normalized(table, ["general-static", "memspec"], ["code", "math"], "tps")
     assert out["math"]["memspec"] == 0.5 and out["GMEAN"]["memspec"] == 0.0  # was 0.5, over math alone
+
+
+def test_goals_after_a_workload_where_every_policy_committed_nothing():
+    """A workload whose prompts all ended at their first token leaves every rate 0 there, so every GMEAN 0: the
+    cost-aware, headroom and replay ratios divided by it and raised ZeroDivisionError after every real run, and no
+    figure file was written. They are n/a, as the goal rows already were."""
+    from types import SimpleNamespace
+
+    from memspec_ros.bench.figures import CA, GS, MAB, MS, OD, OS, _x, goals
+
+    policies = [GS, OS, OD, MAB, MS, CA]
+    rates = {"code": 0.0, "math": 7.0}
+    table = {w: {p: {"tokens_per_second": r, "end_to_end_tokens_per_second": r} for p in policies}
+             for w, r in rates.items()}
+    sim = {p: {"workloads": {w: {"simulated_tokens_per_second": r, "simulated_end_to_end": r}
+                             for w, r in rates.items()}} for p in policies}
+    bench = SimpleNamespace(result={"workloads": table, "config": {"policies": policies}, "storage": {}}, runs=[])
+    out = goals(bench, {"gmean_over": list(rates)}, {"policies": sim})
+    assert out["headroom"]["oracle_dynamic_vs_general_static"] is None
+    assert set(out["cost_aware"].values()) == {None, 0.0}  # the ratios n/a, the shares of no time 0
+    assert set(out["noise_free_replay"].values()) == {None}
+    assert not any(row["met"] for row in out["rows"] if row["measured"] is None)
+    assert _x(None) == "n/a (a zero baseline)" and _x(1.25) == "1.250"

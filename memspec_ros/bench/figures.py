@@ -113,6 +113,15 @@ def ratio(value: float, base: float) -> float | None:
     return value / base if base > 0 else None
 
 
+def _x(value: float | None) -> str:
+    """A ratio as the README prints it; "n/a" where :func:`ratio` had a zero base."""
+    return "n/a (a zero baseline)" if value is None else f"{value:.3f}"
+
+
+def _times(value: float | None) -> str:
+    return "n/a (a zero baseline)" if value is None else f"{value:.3f}x"
+
+
 def normalized(table: dict, policies: Sequence[str], workloads: Sequence[str], key: str, base: str = GS) -> dict:
     """Per workload, each policy's ``key`` over the base policy's; GMEAN over ``workloads``."""
     out = {w: {p: table[w][p][key] / table[w][base][key] for p in policies if table[w][base][key] > 0}
@@ -332,15 +341,16 @@ def goals(bench: BenchRun, fig6: dict, validation_pooled: dict | None) -> dict:
     cost_aware = {}
     if CA in result["config"]["policies"]:
         ca = policy_summary(bench.runs, CA, domains)
-        cost_aware = {"vs_oracle_dynamic": g(CA) / g(OD), "vs_mab_async": g(CA) / g(MAB),
-                      "vs_general_static": g(CA) / g(GS), "vs_memspec": g(CA) / g(MS),
-                      "end_to_end_vs_general_static": g(CA, e2e) / g(GS, e2e),
-                      "end_to_end_vs_mab_async": g(CA, e2e) / g(MAB, e2e),
+        cost_aware = {"vs_oracle_dynamic": ratio(g(CA), g(OD)), "vs_mab_async": ratio(g(CA), g(MAB)),
+                      "vs_general_static": ratio(g(CA), g(GS)), "vs_memspec": ratio(g(CA), g(MS)),
+                      "end_to_end_vs_general_static": ratio(g(CA, e2e), g(GS, e2e)),
+                      "end_to_end_vs_mab_async": ratio(g(CA, e2e), g(MAB, e2e)),
                       "fallback_fraction_of_iterations": ca["fallback_fraction_of_iterations"],
                       "prediction_share_of_decode": ca["prediction_share_of_decode"]}
     # what bounds the goals on this zoo, measured
     storage = result["storage"]
-    headroom = {"oracle_dynamic_vs_general_static": g(OD) / g(GS), "oracle_static_vs_general_static": g(OS) / g(GS),
+    headroom = {"oracle_dynamic_vs_general_static": ratio(g(OD), g(GS)),
+                "oracle_static_vs_general_static": ratio(g(OS), g(GS)),
                 "load_to_iteration": storage.get("load_to_iteration"),
                 "mean_accepted": {p: policy_summary(bench.runs, p, domains)["mean_accepted"]
                                   for p in result["config"]["policies"]},
@@ -350,12 +360,12 @@ def goals(bench: BenchRun, fig6: dict, validation_pooled: dict | None) -> dict:
         sim = {w: {p: {"tokens_per_second": r["workloads"][w]["simulated_tokens_per_second"],
                        e2e: r["workloads"][w]["simulated_end_to_end"]}
                    for p, r in validation_pooled["policies"].items()} for w in table}
-        replay = {"memspec_vs_oracle_dynamic": g(MS, tab=sim) / g(OD, tab=sim),
-                  "memspec_vs_mab_async": g(MS, tab=sim) / g(MAB, tab=sim),
-                  "memspec_vs_general_static": g(MS, tab=sim) / g(GS, tab=sim),
-                  "end_to_end_memspec_vs_general_static": g(MS, e2e, sim) / g(GS, e2e, sim),
-                  "end_to_end_memspec_vs_mab_async": g(MS, e2e, sim) / g(MAB, e2e, sim),
-                  "oracle_dynamic_vs_general_static": g(OD, tab=sim) / g(GS, tab=sim)}
+        replay = {"memspec_vs_oracle_dynamic": ratio(g(MS, tab=sim), g(OD, tab=sim)),
+                  "memspec_vs_mab_async": ratio(g(MS, tab=sim), g(MAB, tab=sim)),
+                  "memspec_vs_general_static": ratio(g(MS, tab=sim), g(GS, tab=sim)),
+                  "end_to_end_memspec_vs_general_static": ratio(g(MS, e2e, sim), g(GS, e2e, sim)),
+                  "end_to_end_memspec_vs_mab_async": ratio(g(MS, e2e, sim), g(MAB, e2e, sim)),
+                  "oracle_dynamic_vs_general_static": ratio(g(OD, tab=sim), g(GS, tab=sim))}
     return {"item": "goals", "source": "real runs", "gmean_over": domains, "rows": rows, "cost_aware": cost_aware,
             "headroom": headroom, "noise_free_replay": replay}
 
@@ -662,11 +672,14 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
         lines.append(f"| {r['goal']} | {fmt(r['measured'])} | {'<=' if percent else '>='} {fmt(r['target'])}"
                      f" | {'yes' if r['met'] else 'no'} | {'' if r['met'] else fmt(r['gap'])} |")
     h = g["headroom"]
+    od_gs = h["oracle_dynamic_vs_general_static"]
+    bound = (" No policy can beat the DP schedule in its cost model, so MemSpec >= 1.3x General-Static would need a"
+             " zoo whose drafts differ far more." if od_gs is not None and od_gs < 1.3 else
+             " No policy can beat the DP schedule in its cost model: that is the most MemSpec could reach here.")
     lines += ["", "What bounds them on this zoo (measured in the same runs):", "",
               f"- Headroom: Oracle-Dynamic, the best schedule under the same K and costs, reaches"
-              f" {h['oracle_dynamic_vs_general_static']:.3f}x General-Static and Oracle-Static"
-              f" {h['oracle_static_vs_general_static']:.3f}x. No policy can beat the DP schedule in its cost model,"
-              " so MemSpec >= 1.3x General-Static would need a zoo whose drafts differ far more.",
+              f" {_times(od_gs)} General-Static and Oracle-Static"
+              f" {_times(h['oracle_static_vs_general_static'])}.{bound}",
               f"- A draft load costs {h['load_to_iteration'] or 0:.2f} speculative iterations here,"
               f" {'more' if (h['load_to_iteration'] or 0) > PAPER_LOAD_ITERATIONS else 'fewer'} than on the paper's"
               f" Jetson ({PAPER_LOAD_ITERATIONS}): a policy that waits for a load loses that many iterations, one that"
@@ -682,12 +695,16 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
                      f" {1e3 * setup[GS]:.2f} ms.")
     ms = items["fig7"]["summaries"].get(MS) if "fig7" in items else None
     if ms is not None:
-        lines.append(f"- Within decoding MemSpec never waits for a load (the first draft of a prompt, on the cold cache"
-                     " each prompt starts with here, is waited for before decoding and counted end to end): when the"
-                     " ranking's top draft is not resident it runs the best resident draft until the next scheduling"
-                     f" point (N = {cfg['interval']} iterations; a load takes {h['load_to_iteration'] or 0:.2f}):"
-                     f" {ms['fallback_fraction_of_iterations']:.1%} of its speculative iterations ran on a fallback"
-                     " draft.")
+        waited = ms["execution_seconds"]["load_wait"]
+        lines.append(("- Within decoding MemSpec never waited for a load (measured: 0 s; the first draft of a prompt,"
+                      " on the cold cache each prompt starts with here, is waited for before decoding and counted end"
+                      " to end)" if waited == 0 else
+                      f"- **Within decoding MemSpec waited {waited * 1000:.0f} ms for loads in all** (its design says"
+                      " it never does: see the per-iteration load_wait_seconds)")
+                     + ": when the ranking's top draft is not resident it runs the best resident draft until the next"
+                     f" scheduling point (N = {cfg['interval']} iterations; a load takes"
+                     f" {h['load_to_iteration'] or 0:.2f}): {ms['fallback_fraction_of_iterations']:.1%} of its"
+                     " speculative iterations ran on a fallback draft.")
     if h.get("predictor_recent_features_live") is False:
         lines.append("- **The live target-hidden predictor ranks from the prompt alone**: its forward hook on the"
                      " target's decoder never fires during decoding (the engine's lean target forward bypasses"
@@ -698,15 +715,15 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
         r = g["noise_free_replay"]
         lines.append(f"- The same runs replayed at constant machine speed (pooled cost model; this machine's speed"
                      f" varied {v['machine_speed']['min']:.2f}x-{v['machine_speed']['max']:.2f}x between"
-                     f" generations): MemSpec / Oracle-Dynamic {r['memspec_vs_oracle_dynamic']:.3f}, / MAB-Async"
-                     f" {r['memspec_vs_mab_async']:.3f}, / General-Static {r['memspec_vs_general_static']:.3f};"
-                     f" end to end / General-Static {r['end_to_end_memspec_vs_general_static']:.3f}, / MAB-Async"
-                     f" {r['end_to_end_memspec_vs_mab_async']:.3f}.")
+                     f" generations): MemSpec / Oracle-Dynamic {_x(r['memspec_vs_oracle_dynamic'])}, / MAB-Async"
+                     f" {_x(r['memspec_vs_mab_async'])}, / General-Static {_x(r['memspec_vs_general_static'])};"
+                     f" end to end / General-Static {_x(r['end_to_end_memspec_vs_general_static'])}, / MAB-Async"
+                     f" {_x(r['end_to_end_memspec_vs_mab_async'])}.")
     if g.get("cost_aware"):
         c = g["cost_aware"]
-        lines.append(f"- memspec-cost-aware: / Oracle-Dynamic {c['vs_oracle_dynamic']:.3f}, / MAB-Async"
-                     f" {c['vs_mab_async']:.3f}, / General-Static {c['vs_general_static']:.3f}, / MemSpec"
-                     f" {c['vs_memspec']:.3f}; end to end / General-Static {c['end_to_end_vs_general_static']:.3f};"
+        lines.append(f"- memspec-cost-aware: / Oracle-Dynamic {_x(c['vs_oracle_dynamic'])}, / MAB-Async"
+                     f" {_x(c['vs_mab_async'])}, / General-Static {_x(c['vs_general_static'])}, / MemSpec"
+                     f" {_x(c['vs_memspec'])}; end to end / General-Static {_x(c['end_to_end_vs_general_static'])};"
                      f" fallback {c['fallback_fraction_of_iterations']:.1%}, prediction"
                      f" {c['prediction_share_of_decode']:.1%} of decode time.")
     lines += render_validation(v)

@@ -42,12 +42,16 @@ def test_engine_bench_reports_every_figure(tmp_path):
 def test_policy_bench_runs_every_policy_losslessly(tmp_path):
     zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2)
     (zoo / "workloads").mkdir()
-    for workload, prompt in (("code", "def add(a, b):"), ("math", "Solve 3x + 5 = 20.")):
+    for workload, prompt in (("code", "def add(a, b):"), ("math", "Solve 3x + 5 = 20."), ("mixed", "Hello.")):
         (zoo / "workloads" / f"{workload}.jsonl").write_text(json.dumps({"domain": workload, "prompt": prompt}) + "\n")
     out = tmp_path / "policies.json"
-    assert main(["policies", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--workloads", "code,math",
-                 "--prompts", "1", "--max-new-tokens", "16", "--storage", "sd", "--json", str(out)]) == 0
+    assert main(["policies", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--workloads",
+                 "code,math,mixed", "--prompts", "1", "--max-new-tokens", "16", "--storage", "sd", "--json",
+                 str(out)]) == 0
     result = json.loads(out.read_text())
+    # the breakdown pools what the GMEAN does (it took `mixed` in too, unlike figure 7)
+    assert result["gmean_workloads"] == ["code", "math"]
+    assert all(pooled["over"] == ["code", "math"] for pooled in result["time_breakdown"].values())
     assert set(result["config"]["policies"]) == {"general-static", "oracle-static", "mab-sync", "mab-async",
                                                  "prediction-only", "oracle-dynamic", "memspec"}
     assert result["lossless"] is True
@@ -102,6 +106,12 @@ def test_policy_bench_reads_any_workload_folder_through_a_storage_tier(tmp_path)
             assert sum(parts.values()) == pytest.approx(row["decode_seconds"], rel=1e-6, abs=1e-9)
             assert row["load_wait_seconds"] == parts["load_wait"]
     assert set(result["time_breakdown"]) == set(result["config"]["policies"])
+    # pooled over the GMEAN's workloads, as the paper's figure 7 pools them (it took `mixed` in too), and says so
+    for policy, pooled in result["time_breakdown"].items():
+        assert pooled["over"] == result["gmean_workloads"]
+        for part, seconds in pooled["seconds"].items():
+            assert seconds == pytest.approx(sum(result["workloads"][w][policy]["time_breakdown_seconds"][part]
+                                                for w in pooled["over"]), rel=1e-9, abs=1e-12)
 
 
 def test_policy_bench_names_a_missing_workload(tmp_path):
@@ -385,7 +395,9 @@ def test_the_engine_bench_refuses_a_datastore_of_another_tokenizer_or_without_lo
 
 
 @pytest.mark.parametrize("argv", [["--prompts", "0"], ["--prompts", "-3"], ["--interval", "0"],
-                                  ["--predictor", "/nonexistent/predictor"]])
+                                  ["--predictor", "/nonexistent/predictor"], ["--threads", "-5"],
+                                  ["--registry", "/nonexistent/registry.yaml", "--untrained"],
+                                  ["--workload", "/nonexistent/w.jsonl", "--untrained"]])
 def test_the_prediction_overhead_bench_refuses_bad_counts_and_a_missing_predictor(argv, capsys):
     """--prompts 0 ran every row (read_prompts' 0 is 'all'), -3 all but three; a mistyped --predictor fell back
     to random heads and reported their E[A] and fallback as the trained predictor's."""
@@ -545,3 +557,83 @@ def test_goals_after_a_workload_where_every_policy_committed_nothing():
     assert set(out["noise_free_replay"].values()) == {None}
     assert not any(row["met"] for row in out["rows"] if row["measured"] is None)
     assert _x(None) == "n/a (a zero baseline)" and _x(1.25) == "1.250"
+
+
+@pytest.mark.parametrize("option, value, says", [("--workloads", "code,code,math", "names code more than once"),
+                                                 ("--workloads", "code,,math", "an empty name"),
+                                                 ("--policies", "memspec,memspec", "names memspec more than once")])
+def test_a_name_given_twice_is_refused_before_anything_runs(tmp_path, option, value, says):
+    """`--workloads code,code,math` ran every code prompt twice per round and weighed code double in every GMEAN;
+    `--policies memspec,memspec` ran MemSpec twice per prompt."""
+    (tmp_path / "registry.yaml").write_text("")
+    with pytest.raises(SystemExit, match=says):
+        main(["policies", "--zoo", str(tmp_path), option, value])
+
+
+def test_render_only_without_a_run_there_says_what_to_do(tmp_path):
+    with pytest.raises(SystemExit, match="no paper.json or policies.json.*run it first"):
+        main(["paper", "--render-only", "--out", str(tmp_path)])
+
+
+def test_the_paper_run_publishes_all_of_its_results_or_none(tmp_path, monkeypatch):
+    """policies.json was written as soon as the real runs ended and the items only at the very end: a failure or
+    Ctrl-C in between left the new real runs beside the old figures, and --render-only showed the two on one page.
+    The run writes into a folder beside the results, moved in once everything is made; stopped, the results are
+    unchanged and what was made is kept where the log says."""
+    import shutil
+
+    from memspec_ros.bench import figures
+
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results"
+    zoo = tmp_path / "zoo"
+    (zoo / "predictor" / "target-hidden").mkdir(parents=True)
+    shutil.copy(committed.parent.parent / "models" / "predictor" / "target-hidden" / "predictor.json",
+                zoo / "predictor" / "target-hidden")
+    out = tmp_path / "results"
+    shutil.copytree(committed, out)
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    logged = []
+
+    def stopped(zoo_dir, stage, t0, **kwargs):
+        (stage / "policies.json").write_text("{}")  # the real runs' result, then a failure
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(figures, "_evaluate", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        figures.run_paper(zoo, out, log=logged.append)
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
+    [stage] = [f for f in out.iterdir() if f.name.startswith(".paper-run-")]
+    assert (stage / "policies.json").read_text() == "{}"
+    assert f"{out} is unchanged" in logged[-1] and str(stage) in logged[-1]
+    shutil.rmtree(stage)
+
+    def finished(zoo_dir, stage, t0, **kwargs):  # every file a run makes (the committed ones, here)
+        index = json.loads((committed / "paper.json").read_text())
+        for name in ["paper", "policies", *index["items"]]:
+            shutil.copy(committed / f"{name}.json", stage)
+        index["wall_seconds"] = 12345.0
+        (stage / "paper.json").write_text(json.dumps(index))
+        items = {name: json.loads((committed / f"{name}.json").read_text()) for name in index["items"]}
+        return index, items, json.loads((committed / "policies.json").read_text())
+
+    monkeypatch.setattr(figures, "_evaluate", finished)
+    assert figures.run_paper(zoo, out, log=logged.append)["wall_seconds"] == 12345.0
+    assert json.loads((out / "paper.json").read_text())["wall_seconds"] == 12345.0
+    assert not [f for f in out.iterdir() if f.name.startswith(".paper-run-")]
+    assert "Generated by `memspec-bench paper` in 205.8 min" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("within, lossless, code", [(True, True, 0), (False, True, 1), (True, False, 1)])
+def test_the_paper_run_fails_when_the_simulator_is_outside_its_tolerance(tmp_path, monkeypatch, capsys, within,
+                                                                          lossless, code):
+    """The sweeps and storage figures come from the simulator alone, published "as far as validation holds": a
+    run whose held-out validation failed still exited 0, its only sign a word in the README."""
+    from memspec_ros.bench import figures
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, chat=True)
+    folder = _chat_and_prompt_workloads(tmp_path / "mine")
+    index = {"items": ["fig6"], "wall_seconds": 60.0, "lossless": lossless,
+             "validation": {"within_tolerance": within, "kind": "held out", "max_abs_error_end_to_end": 0.2}}
+    monkeypatch.setattr(figures, "run_paper", lambda *args, **kwargs: index)
+    assert main(["paper", "--zoo", str(zoo), "--workloads-dir", str(folder), "--out", str(tmp_path / "o")]) == code
+    assert ("simulator is outside its tolerance" in capsys.readouterr().err) == (not within)

@@ -52,13 +52,14 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
     from ..testing.tiny_zoo import build_tiny_zoo
 
     note = ""
-    if zoo is None or not (zoo / "registry.yaml").is_file():
-        note = f"no zoo at {zoo}: generated tiny zoo (random 256x6 target, 1-layer drafts)"
-        zoo = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_bench_zoo_")))
-    texts = domain_prompts(Path(__file__).resolve().parents[2] / "models" / "workloads"
-                             if not (zoo / "workloads").is_dir() else zoo / "workloads", prompts)
-    with isolated_domain(domain_id):  # read by rclpy.init and the client process
-        rows = _pairs(zoo, texts, runs, max_new_tokens, threads, feedback_period, policy, predictor, progress)
+    with tempfile.TemporaryDirectory(prefix="memspec_bench_zoo_") as scratch:  # a generated zoo goes with it
+        if zoo is None or not (zoo / "registry.yaml").is_file():
+            note = f"no zoo at {zoo}: generated tiny zoo (random 256x6 target, 1-layer drafts)"
+            zoo = build_tiny_zoo(Path(scratch))
+        texts = domain_prompts(Path(__file__).resolve().parents[2] / "models" / "workloads"
+                               if not (zoo / "workloads").is_dir() else zoo / "workloads", prompts)
+        with isolated_domain(domain_id):  # read by rclpy.init and the client process
+            rows = _pairs(zoo, texts, runs, max_new_tokens, threads, feedback_period, policy, predictor, progress)
 
     def med(path: str, key: str) -> float:
         return statistics.median(r[path][key] for r in rows)
@@ -170,6 +171,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
             except subprocess.TimeoutExpired:
                 client.kill()
         executor.shutdown(timeout_sec=5.0)
+        spinner.join(5.0)  # out of rcl before the node it spins is destroyed
         node.destroy_node()
         rclpy.try_shutdown(context=context)
     return rows

@@ -26,7 +26,9 @@ Every figure names its storage medium and says it is emulated where it is.
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -510,6 +512,34 @@ def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", 
                                 " --predictor)")
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
+    # everything is written into a folder beside the results and moved in at the end: a failure or Ctrl-C after the
+    # real runs (media, sweeps, plots) left a new policies.json beside the old figures, and --render-only then
+    # showed the two runs on one page. What was made stays there, named in the error.
+    stage = Path(tempfile.mkdtemp(prefix=".paper-run-", dir=out))
+    try:
+        index, items, result = _evaluate(zoo, stage, t0, prompts=prompts, storage=storage, threads=threads,
+                                         predictor_dir=predictor_dir, workloads=workloads,
+                                         workloads_dir=workloads_dir, quantization=quantization,
+                                         draft_quantization=draft_quantization, progress=progress, log=log)
+    except BaseException:
+        kept = sorted(f.name for f in stage.iterdir())
+        log(f"the evaluation stopped before publishing: {out} is unchanged"
+            + (f"; what it had made ({', '.join(kept)}) is in {stage}" if kept else ""))
+        if not kept:
+            stage.rmdir()
+        raise
+    for made in stage.iterdir():
+        os.replace(made, out / made.name)
+    stage.rmdir()
+    write_readme(out, items, result, index)
+    return index
+
+
+def _evaluate(zoo: Path, stage: Path, t0: float, *, prompts: int, storage: str, threads: int, predictor_dir: Path,
+              workloads: Sequence[str] | None, workloads_dir: Path | None, quantization: str,
+              draft_quantization: str, progress, log: Callable[[str], None]) -> tuple[dict, dict, dict]:
+    """run_paper's runs and items, written into ``stage``: (the index, the items by name, the real runs' result)."""
+    out = stage
     cfg = PolicyBenchConfig(policies=REAL_POLICIES, prompts=prompts, storage=storage, threads=threads,
                             trace_tokens=256, quantization=quantization, draft_quantization=draft_quantization,
                             workloads_dir=str(workloads_dir or ""),
@@ -544,15 +574,15 @@ def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", 
         plot(item, out / f"{item['item']}.png", context)
     index = {"items": [i["item"] for i in items], "real_seconds": real_seconds,
              "simulated_seconds": time.perf_counter() - t1, "wall_seconds": time.perf_counter() - t0,
-             "config": asdict(cfg) | {"policies": list(cfg.policies), "workloads": list(cfg.workloads)},
+             # the bench's own config: it takes the predictor's window T, which may not be the default
+             "config": asdict(bench.cfg) | {"policies": list(cfg.policies), "workloads": list(cfg.workloads)},
              "validation": {**validation_gate(result["simulator_validation"]),
                             "tolerance": result["simulator_validation"]["tolerance"],
                             "speed_matched_max_abs_error_end_to_end":
                                 result["simulator_validation"]["max_abs_error_end_to_end"]},
              "lossless": result["lossless"], "cost_model": CostModel.to_json(bench.costs)}
     (out / "paper.json").write_text(json.dumps(index, indent=2) + "\n")
-    write_readme(out, {i["item"]: i for i in items}, result, index)
-    return index
+    return index, {i["item"]: i for i in items}, result
 
 
 # -- the results page ------------------------------------------------------------------------------------
@@ -563,6 +593,10 @@ def _pct(x: float | None) -> str:
 
 def rerender(out: Path) -> None:
     """Redraw the PNGs and regenerate the README part from the items already in ``out`` (no runs)."""
+    missing = [name for name in ("paper.json", "policies.json") if not (out / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{out}: no {' or '.join(missing)}; --render-only redraws what `memspec-bench paper`"
+                                " wrote there (run it first, or give its --out)")
     index = json.loads((out / "paper.json").read_text())
     items = {name: json.loads((out / f"{name}.json").read_text()) for name in index["items"]}
     for name, item in items.items():

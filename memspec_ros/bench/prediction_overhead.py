@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..argtypes import non_negative_int, positive_int
+from ..runtime import bundled_zoo_dir
 from ..runtime.controller import RuntimeConfig
 from ..runtime.loader import load_models
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
@@ -55,9 +56,10 @@ def build_engine(encoder_name: str, predictor_dir: Path | None, target, tokenize
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--registry", default="models/registry.yaml")
-    p.add_argument("--workload", default="models/workloads/mixed.jsonl")
-    p.add_argument("--predictor", default="models/predictor")
+    zoo = bundled_zoo_dir()  # the defaults: the bundled zoo's, wherever this runs from
+    p.add_argument("--registry", default=str(zoo / "registry.yaml"))
+    p.add_argument("--workload", default=str(zoo / "workloads" / "mixed.jsonl"))
+    p.add_argument("--predictor", default=str(zoo / "predictor"))
     p.add_argument("--untrained", action="store_true", help="random heads (same cost) instead of trained ones")
     p.add_argument("--prompt-tokens", type=non_negative_int, default=16, metavar="W",
                    help="--untrained heads: the prompt positions their prompt half pools, as memspec-train-predictor's"
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=positive_int, default=4)
     p.add_argument("--capacity", type=positive_int, default=2)
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--threads", type=non_negative_int, default=1, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)
     if not args.untrained:  # a mistyped folder fell back to random heads, reported as if trained
         missing = [e for e, _ in VARIANTS if not (Path(args.predictor) / e / "predictor.json").is_file()]
@@ -78,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
+    if not Path(args.registry).is_file():
+        p.error(f"--registry {args.registry}: no such file (a zoo's registry.yaml)")
     try:  # read before the models load; this bench tokenises a row's "prompt" as text (chat rows not measured)
         rows = read_prompts(args.workload, args.prompts, row_check=prompt_problem)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         p.error(str(exc))
     models = load_models(args.registry, validate=False)
     tokenizer, target, registry = models.tokenizer, models.target.model, models.registry
@@ -94,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
                                recent_tokens=engine.recent_tokens,  # the head's T
                                overlap_prediction=overlap, prompt_cache=False)  # each prompt encoded in full
         ctl = models.controller(config, engine, eos_token_ids=[])
-        ctl.generate(prompts[0], 16)  # warm-up: loads, first-call overheads
-        hook0 = getattr(engine.encoder, "hook_seconds", 0.0)
-        runs: list[GenerationStats] = [ctl.generate(ids, args.max_new_tokens).stats for ids in prompts]
+        try:
+            ctl.generate(prompts[0], 16)  # warm-up: loads, first-call overheads
+            hook0 = getattr(engine.encoder, "hook_seconds", 0.0)
+            runs: list[GenerationStats] = [ctl.generate(ids, args.max_new_tokens).stats for ids in prompts]
+        finally:
+            ctl.close()
+            engine.close()
         decode = sum(s.decode_seconds for s in runs)
         pooled = GenerationTotals()
         for s in runs:
@@ -118,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
             "mean_accepted": pooled.mean_accepted,  # pooled over every iteration, as the policies bench does
             "fallback_fraction": pooled.fallback_fraction,
         }
-        ctl.close()
-        engine.close()
     print(f"{'variant':<28}{'overhead':>10}{'hook':>8}{'background':>12}{'tok/s':>9}{'E[A]':>7}{'fallback':>10}")
     for key, r in results.items():
         print(f"{key:<28}{100 * r['prediction_overhead']:>9.2f}%{100 * r['hook_share']:>7.2f}%"

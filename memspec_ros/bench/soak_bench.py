@@ -131,12 +131,12 @@ def run_soak(zoo: Path | None, config: SoakConfig = CI, *, domain_id: int | None
     from ..testing.tiny_zoo import build_tiny_zoo
 
     note = ""
-    if zoo is None or not (zoo / "registry.yaml").is_file():
-        note = f"no zoo at {zoo}: generated tiny zoo"
-        zoo = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_soak_zoo_")), hidden=64, layers=2,
-                             draft_layers=2)
-    with isolated_domain(domain_id):  # read by rclpy.init and the client process
-        result = _soak(zoo, config, progress)
+    with tempfile.TemporaryDirectory(prefix="memspec_soak_zoo_") as scratch:  # a generated zoo goes with it
+        if zoo is None or not (zoo / "registry.yaml").is_file():
+            note = f"no zoo at {zoo}: generated tiny zoo"
+            zoo = build_tiny_zoo(Path(scratch), hidden=64, layers=2, draft_layers=2)
+        with isolated_domain(domain_id):  # read by rclpy.init and the client process
+            result = _soak(zoo, config, progress)
     result.update(zoo=str(zoo), note=note, config=asdict(config))
     return result
 
@@ -227,7 +227,9 @@ def _soak(zoo: Path, config: SoakConfig, progress) -> dict:
         stop_sampling.set()
         if client is not None and client.poll() is None:
             client.kill()
+            client.wait(timeout=10)
         executor.shutdown(timeout_sec=5.0)
+        spinner.join(5.0)  # out of rcl before the node it spins is destroyed
         node.destroy_node()
         rclpy.try_shutdown(context=context)
     figures = _figures(done, monitor, budget, callback_seconds, rss_warm, rss_end, after_warm, threads_warm,

@@ -412,3 +412,48 @@ def test_a_megabyte_of_messages_is_rejected_before_it_is_tokenized(h):
         handle, _ = h.send(request)
     assert not handle.accepted and not tokenized
     assert "the messages have 1000000 characters" in h.node.last_rejection, h.node.last_rejection
+
+
+def test_memspec_client_chat_trims_only_for_a_length_rejection_named_on_diagnostics(h):
+    """Any rejected turn dropped the oldest exchanges: a queue full or a node deactivated for a moment that cleared
+    during the retries had a trimmed conversation taken and the dropped exchanges lost for good. The node's reason
+    is read from its /diagnostics: another reason keeps the conversation (the turn fails); a length one trims."""
+    import io
+
+    import rclpy
+    from lifecycle_msgs.msg import Transition
+    from rclpy.executors import SingleThreadedExecutor
+
+    from memspec_ros.ros.client import RejectionReasons, chat, parse_args
+
+    args = parse_args(["--chat", "--system", "Be brief.", "--max-new-tokens", "4", "--node", "/memspec_chat",
+                       "--quiet"])
+    node = rclpy.create_node("memspec_chat_reasons", context=h.client.context)
+    executor = SingleThreadedExecutor(context=h.client.context)
+    executor.add_node(node)
+    reasons = RejectionReasons(node, executor, args.node)
+
+    def turns():
+        yield "Hi\n"
+        assert h.transition(Transition.TRANSITION_DEACTIVATE)
+        yield "And then?\n"  # rejected: not active
+        assert h.transition(Transition.TRANSITION_ACTIVATE)
+        yield "Thanks\n"
+
+    try:
+        h.calls.clear()
+        log = io.StringIO()
+        assert chat(node, executor, args, turns(), out=io.StringIO(), log=log, reasons=reasons) == 1
+        assert "(rejected: the node is not active" in log.getvalue() and "left out" not in log.getvalue()
+        assert len(h.calls) == 2  # "Hi", then "Thanks" with "Hi" and its answer still in the conversation
+        assert h.calls[1]["prompt_ids"][:len(h.calls[0]["prompt_ids"])] == h.calls[0]["prompt_ids"]
+        # a conversation grown past generation.max_prompt_tokens: the oldest exchange goes, said so
+        assert h.set_params(**{"generation.max_prompt_tokens": len(h.calls[1]["prompt_ids"]) + 2})[0].successful
+        log = io.StringIO()
+        assert chat(node, executor, args, ["One\n", "Two more words\n"], out=io.StringIO(), log=log,
+                    reasons=reasons) == 0
+        assert "left out of the conversation: it had grown too long for the node" in log.getvalue()
+    finally:
+        h.set_params(**{"generation.max_prompt_tokens": 1024})
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 # a goal past the node's bounds was sent only to be rejected with a message that could not say which: the parser
 # refuses it, naming the limit
-from .goal_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P
+from .goal_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P, is_length_rejection
 
 DEFAULT_NODE = "/memspec"
 # The ranges of the Generate goal fields the numeric flags fill: outside them a value failed at serialization with
@@ -213,10 +213,46 @@ def _earlier_exchange(history: list) -> int | None:
     return None
 
 
-def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
+class RejectionReasons:
+    """Why the node rejected a goal: an action's goal response carries no reason, the node's /diagnostics do (its
+    target model status: 'goals rejected', 'last rejection'). ``mark()`` before sending, ``reason()`` after a
+    rejection: the reason once the count has grown past the mark, None if no such status came in time."""
+
+    def __init__(self, node, executor, node_path: str, wait_seconds: float = 3.0) -> None:
+        from diagnostic_msgs.msg import DiagnosticArray
+
+        self._executor, self._wait = executor, wait_seconds
+        self._status = f"{node_path.rstrip('/').rsplit('/', 1)[-1]}: target model"  # '<node name>: <task>'
+        self._latest: tuple[int, str] | None = None
+        self._mark: int | None = None
+        node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
+
+    def _on_diagnostics(self, msg) -> None:
+        for status in msg.status:
+            values = {kv.key: kv.value for kv in status.values}
+            if status.name == self._status and values.get("goals rejected", "").isdigit():
+                self._latest = (int(values["goals rejected"]), values.get("last rejection", ""))
+
+    def mark(self) -> None:
+        self._mark = self._latest[0] if self._latest is not None else None
+
+    def reason(self) -> str | None:
+        deadline = time.monotonic() + self._wait
+        while time.monotonic() < deadline:
+            latest = self._latest
+            # no count seen before sending: the first status after the rejection names the latest one, this one
+            if latest is not None and (self._mark is None or latest[0] > self._mark):
+                self._mark = latest[0]
+                return latest[1]
+            self._executor.spin_once(timeout_sec=0.1)
+        return None
+
+
+def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons=None) -> int:
     """--chat: each non-empty line of ``lines`` is a user turn of one conversation, sent with every turn before it
     and the node's answers. A turn that fails, or is answered with no text, is left out of the conversation. The
-    exit status: 0 if every turn succeeded, 1 if one did not, 130 interrupted."""
+    exit status: 0 if every turn succeeded, 1 if one did not, 130 interrupted. ``reasons``: a
+    :class:`RejectionReasons` (None: every rejection's reason unknown)."""
     from memspec_interfaces.msg import ChatMessage
 
     history = [ChatMessage(role=ChatMessage.ROLE_SYSTEM, content=args.system)] if args.system is not None else []
@@ -227,18 +263,31 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr) -> int:
         if not text:
             continue
         history.append(ChatMessage(role=ChatMessage.ROLE_USER, content=text))
-        outcome = send_goal(node, executor, goal_from_args(args, history), action, server_timeout=args.timeout,
-                            result_timeout=args.result_timeout, out=out, log=log)
+
+        def send():
+            if reasons is not None:
+                reasons.mark()
+            return send_goal(node, executor, goal_from_args(args, history), action, server_timeout=args.timeout,
+                             result_timeout=args.result_timeout, out=out, log=log)
+
+        outcome = send()
         kept = list(history)  # put back if the turn is rejected even alone: then length was not the cause
         while outcome.status == "rejected" and _earlier_exchange(history) is not None:
+            why = reasons.reason() if reasons is not None else None
+            if why is not None and not is_length_rejection(why):
+                # a full queue or a node deactivated for a moment: a shorter conversation would not help, and one
+                # taken once the cause cleared would have lost its exchanges for good
+                print(f"(rejected: {why}; the conversation is kept)", file=log)
+                break
             # a conversation past generation.max_prompt_tokens had every later turn rejected: the oldest exchange
             # goes (the system message stays) and the turn is sent again, until none is left to drop
             first = _earlier_exchange(history)
             del history[first:first + 2]
-            print("(the oldest exchange is left out of the conversation, in case it had grown too long for the"
-                  " node; the turn is sent again)", file=log)
-            outcome = send_goal(node, executor, goal_from_args(args, history), action, server_timeout=args.timeout,
-                                result_timeout=args.result_timeout, out=out, log=log)
+            print("(the oldest exchange is left out of the conversation: " + (
+                "it had grown too long for the node" if why is not None else
+                "the node's reason was not on /diagnostics, so in case it had grown too long") +
+                "; the turn is sent again)", file=log)
+            outcome = send()
         if outcome.status == "rejected" and len(history) < len(kept):
             history[:] = kept
             print("(the turn was rejected even without the earlier exchanges, so their length was not the cause:"
@@ -393,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     executor.add_node(node)
     try:
         if args.chat:
-            return chat(node, executor, args, _chat_lines(args.prompt))
+            return chat(node, executor, args, _chat_lines(args.prompt),
+                        reasons=RejectionReasons(node, executor, args.node))
         outcome = send_goal(node, executor, build_goal(args), args.node.rstrip("/") + "/generate",
                             server_timeout=args.timeout, result_timeout=args.result_timeout)
         if outcome.result is not None and not args.quiet:

@@ -9,3 +9,12 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1000
 MAX_TEMPERATURE = 100.0
 MAX_TOP_P = 1.0
+
+# every rejection for the prompt's length names this (goal_runner.py); memspec_client --chat drops its oldest
+# exchange only for such a rejection
+LENGTH_LIMITS = "generation.max_prompt_tokens / the target's context"
+
+
+def is_length_rejection(reason: str) -> bool:
+    """Whether a goal was rejected for its prompt's length (so a shorter conversation may be taken)."""
+    return LENGTH_LIMITS in reason

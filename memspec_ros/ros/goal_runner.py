@@ -37,7 +37,7 @@ from memspec_interfaces.action import Generate
 from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids
 from ..runtime.stats import GenerationStats
 from .diagnostics import ThroughputWindow, generation_stats_msg, stats_fields
-from .goal_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P
+from .goal_limits import LENGTH_LIMITS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P
 
 ACTION_NAME = "~/generate"
 DEACTIVATE_WAIT_SECONDS = 30.0  # how long ending the goals waits for the running one's next iteration
@@ -363,18 +363,16 @@ class GoalRunner:
             return ""
         what = "the messages have" if messages else "the prompt has"
         return (f"{what} {chars} characters, more than the limit of {limit} tokens can hold (at most"
-                f" {max_token_chars} characters per token for this tokenizer; generation.max_prompt_tokens"
-                " / the target's context)")
+                f" {max_token_chars} characters per token for this tokenizer; {LENGTH_LIMITS})")
 
     @staticmethod
     def _tokens_error(ids: list[int], new_tokens: int, limit: int, max_positions: int) -> str:
         """The prompt's tokens against generation.max_prompt_tokens and, with the new tokens, the context."""
         if len(ids) > limit:
-            return (f"the prompt has {len(ids)} tokens, more than the limit of {limit}"
-                    " (generation.max_prompt_tokens / the target's context)")
+            return f"the prompt has {len(ids)} tokens, more than the limit of {limit} ({LENGTH_LIMITS})"
         if max_positions and len(ids) + new_tokens > max_positions:
             return (f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens}) exceeds the target's context of"
-                    f" {max_positions} tokens: shorten the prompt or ask for fewer tokens")
+                    f" {max_positions} tokens: shorten the prompt or ask for fewer tokens ({LENGTH_LIMITS})")
         return ""
 
     def _reserve(self, job: Job, loaded) -> str:

@@ -78,6 +78,16 @@ def test_messages_with_their_own_system_turn(chat_tok):
     assert prompt_ids(chat_tok, "", messages, system_prompt="Node default.") == ids
 
 
+def test_a_system_message_later_in_the_conversation_keeps_the_nodes_system_prompt_first(chat_tok):
+    """A system message anywhere switched generation.system_prompt off, and the template then put its own default
+    system turn (SmolLM2's "You are a helpful AI assistant named SmolLM") first, in place of the robot's."""
+    messages = [("user", "Hi"), ("system", "Be brief now."), ("user", "Again.")]
+    ids = prompt_ids(chat_tok, "", messages, system_prompt="You control a robot arm.")
+    assert ids == templated(chat_tok, [{"role": "system", "content": "You control a robot arm."}]
+                            + [{"role": r, "content": c} for r, c in messages])
+    assert DEFAULT_SYSTEM not in text(chat_tok, ids)
+
+
 def test_raw_is_plain_continuation(chat_tok):
     ids = prompt_ids(chat_tok, "def add(a, b):", raw=True)
     assert ids == chat_tok("def add(a, b):", add_special_tokens=True)["input_ids"]

@@ -840,3 +840,21 @@ def test_a_goal_checked_while_the_node_deactivates_is_rejected_not_accepted(h, m
         assert ended == [True] and "not active" in runner.last_rejection and not runner._reserved
     finally:
         runner.open(loaded, h.node._stats_pub)  # as activate does
+
+
+def test_a_goal_that_finished_before_a_deactivate_landed_is_settled_as_finished(h, monkeypatch):
+    """Deactivate or shutdown landing after the goal's last iteration (its answer complete) turned the outcome into
+    ABORTED, 'the node was deactivated during the goal', with the whole answer as its text."""
+    controller = h.node.loaded.controller
+    generate = controller.generate
+
+    def deactivated_as_it_ends(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        h.node._runner._running.abort_reason = "the node was deactivated during the goal"  # what end_goals sets
+        return out
+
+    monkeypatch.setattr(controller, "generate", deactivated_as_it_ends)
+    handle, _ = h.send(goal(max_new_tokens=6))
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_SUCCEEDED, response.result.error_message
+    assert response.result.finish_reason == "length" and response.result.error_message == ""

@@ -257,3 +257,21 @@ def test_example_tree_falls_back_to_the_canned_reply(h):
         time.sleep(0.01)
     assert tree.root.status == Status.SUCCESS
     assert tree.root.children[0].status == Status.FAILURE and tree.root.children[1].status == Status.SUCCESS
+
+
+@pytest.mark.parametrize("value, says", [(None, "has no '/question'"), (42, "is a int, not text")])
+def test_a_prompt_key_without_text_fails_the_behaviour_not_the_tick(h, value, says):
+    """A prompt_key never written raised KeyError out of tree.tick(), ending the robot's tree loop; one holding no
+    text went out as the goal's prompt and broke the message."""
+    if value is not None:
+        writer = py_trees.blackboard.Client(name="writer")
+        writer.register_key("/question", access=py_trees.common.Access.WRITE)
+        writer.set("/question", value)
+    b = behaviour(h, prompt="", prompt_key="/question")
+    assert tick_until_done(b) == Status.FAILURE
+    assert b.outcome == "no-prompt" and says in b.feedback_message
+    writer = py_trees.blackboard.Client(name="writer2")
+    writer.register_key("/question", access=py_trees.common.Access.WRITE)
+    writer.set("/question", "def add(a, b):")
+    b = behaviour(h, prompt="", prompt_key="/question", max_new_tokens=4)
+    assert tick_until_done(b) == Status.SUCCESS

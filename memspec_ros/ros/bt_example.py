@@ -5,7 +5,8 @@ Generate goal on its first tick and returns RUNNING until the result, then
 
 * SUCCESS   the goal SUCCEEDED; ``result`` holds the Generate.Result (text and statistics) and the
             text is written to the blackboard key ``result_key``;
-* FAILURE   the server is missing (``server_timeout``), the goal was not answered within ``server_timeout``
+* FAILURE   ``prompt_key`` holds no text on the blackboard (nothing is sent), the server is missing
+            (``server_timeout``), the goal was not answered within ``server_timeout``
             of sending it (a lost request or reply: as BehaviorTree.ROS2's SEND_GOAL_TIMEOUT), the server
             went away while the goal ran (gone for ``server_timeout``), no result came within
             ``result_timeout`` (0: no limit; the goal is then cancelled), or the goal was REJECTED (node not
@@ -93,11 +94,25 @@ class Generate(py_trees.behaviour.Behaviour):
         self._started = time.monotonic()
         self.feedback_message = "waiting for the server"
 
-    def _send(self) -> None:
+    def _prompt(self) -> str | None:
+        """The prompt to send; None (with feedback_message saying why) when prompt_key holds no text."""
+        if not self.prompt_key:
+            return self.prompt
+        try:
+            prompt = self.blackboard.get(self.prompt_key)
+        except KeyError:  # never written: raised out of tree.tick() instead of failing this behaviour
+            self.feedback_message = f"the blackboard has no {self.prompt_key!r} (prompt_key): nothing to send"
+            return None
+        if not isinstance(prompt, str):
+            self.feedback_message = (f"the blackboard's {self.prompt_key!r} (prompt_key) is a {type(prompt).__name__},"
+                                     " not text: nothing to send")
+            return None
+        return prompt
+
+    def _send(self, prompt: str) -> None:
         from memspec_interfaces.action import Generate as GenerateAction
         from memspec_interfaces.msg import ChatMessage
 
-        prompt = self.blackboard.get(self.prompt_key) if self.prompt_key else self.prompt
         messages = [ChatMessage(role=role, content=content) for role, content in self.messages]
         goal = GenerateAction.Goal(prompt=prompt, messages=messages, raw=self.raw, max_new_tokens=self.max_new_tokens)
         self.goal_future = self.client.send_goal_async(goal, feedback_callback=self._on_feedback)
@@ -118,7 +133,11 @@ class Generate(py_trees.behaviour.Behaviour):
                     self.feedback_message = f"no action server at {self.action_name}"
                     return Status.FAILURE
                 return Status.RUNNING
-            self._send()
+            prompt = self._prompt()
+            if prompt is None:
+                self.outcome = "no-prompt"
+                return Status.FAILURE
+            self._send(prompt)
         if self.goal_handle is None:
             if not self.goal_future.done():
                 if time.monotonic() - self._sent > self.server_timeout:  # the request or its reply was lost

@@ -516,7 +516,9 @@ class GoalRunner:
                              measured=False)
         feedback.flush()
         ttft = _ttft(job, feedback)
-        if job.abort_reason is not None:  # deactivate / shutdown: the partial text, ABORTED
+        if job.abort_reason is not None and out.finish_reason == CANCELLED:
+            # deactivate / shutdown cut it: the partial text, ABORTED (one that landed after the last iteration
+            # leaves a finished answer, which is settled as what it is)
             return self._end(job, ERROR, out.text, out.stats, job.abort_reason, ttft)
         return self._end(job, out.finish_reason, out.text, out.stats, ttft=ttft)
 

@@ -104,9 +104,11 @@ def max_token_chars(tokenizer) -> int:
 
 def conversation(prompt: str, messages: Sequence[tuple[str, str]], system_prompt: str = "") -> list[dict[str, str]]:
     """The turns given to the template: ``messages`` (or one user turn with ``prompt``), after a
-    system turn with ``system_prompt`` when that is set and no message is a system message."""
+    system turn with ``system_prompt`` when that is set and the conversation does not open with a system message.
+    (A system message further on used to switch it off: the template then put its own default system turn first,
+    e.g. SmolLM2's "You are a helpful AI assistant named SmolLM", in place of the robot's.)"""
     turns = [{"role": role, "content": content} for role, content in messages] or [{"role": USER, "content": prompt}]
-    if system_prompt and not any(t["role"] == SYSTEM for t in turns):
+    if system_prompt and turns[0]["role"] != SYSTEM:
         turns.insert(0, {"role": SYSTEM, "content": system_prompt})
     return turns
 

@@ -142,12 +142,12 @@ class StuckLoader:
     def watch(self, cache):
         wait_for = cache.wait_for
 
-        def watched(name, timeout=None):
+        def watched(name, timeout=None, stop=None):
             if not cache.is_resident(name):
                 self.waits.append(name)
                 if self.done:
                     self.blocked.set()
-            return wait_for(name, timeout)
+            return wait_for(name, timeout, stop)
 
         cache.wait_for = watched
 
@@ -998,4 +998,41 @@ def test_a_file_recheck_asked_for_during_a_generation_runs_when_the_next_one_sta
     assert len(checked) == 1  # once, at the start of the next generation
     ctl.generate(PROMPT, 4)
     assert len(checked) == 1
+    ctl.close()
+
+
+class BlockedLoader(Loader):
+    """Loads only once ``release`` is set (storage slower than any wait a test would time)."""
+
+    def __init__(self, drafts):
+        super().__init__(drafts)
+        self.release, self.started = threading.Event(), threading.Event()
+
+    def __call__(self, name):
+        self.asked = getattr(self, "asked", None) or name
+        self.started.set()
+        assert self.release.wait(60), "the test never released the load"
+        return super().__call__(name)
+
+
+@pytest.mark.parametrize("policy", ["mab-sync", "prediction-only", "memspec"])
+def test_a_cancel_does_not_sit_out_a_blocking_draft_load(target, drafts, policy):
+    """should_cancel was polled only by the decode loop: a goal cancelled (a behaviour tree's halt) while its first
+    draft loaded from slow storage kept the node's one generation until that load ended. The wait gives up; the load
+    goes on, and the draft is resident for the next goal."""
+    loader = BlockedLoader(drafts)
+    ctl = make(target, drafts, policy, loader=loader, capacity=2)
+    try:
+        result = ctl.generate(PROMPT, NEW, should_cancel=loader.started.is_set)  # cancelled once the load began
+        assert not loader.release.is_set() and result.finish_reason == "cancelled"  # returned with the load held
+        assert len(result.token_ids) <= 1  # the prefill's token at most
+        loader.release.set()
+        assert ctl.cache.wait_for(loader.asked)[0] is not None and ctl.cache.is_resident(loader.asked)
+    finally:
+        loader.release.set()
+        ctl.close()
+    # cancelled once the prefill is done (no load begun): no draft is chosen or loaded
+    ctl = make(target, drafts, policy, loader=Loader(drafts), capacity=2)
+    result = ctl.generate(PROMPT, NEW, should_cancel=lambda: True)
+    assert result.finish_reason == "cancelled" and ctl.cache.resident() == []
     ctl.close()

@@ -48,6 +48,7 @@ from .storage import weights_identity
 Loader = Callable[[str], LoadedModel]
 Ranking = Sequence[str] | Sequence[tuple[str, float]] | Mapping[str, float]
 RETRY_SECONDS = 30.0  # back-off before a failed draft is tried again
+STOP_POLL_SECONDS = 0.05  # how often a blocking wait_for asks whether to give up (a cancelled goal)
 
 log = logging.getLogger(__name__)
 
@@ -242,11 +243,13 @@ class DraftCacheManager:
             self._changed()
             return started
 
-    def wait_for(self, name: str, timeout: float | None = None) -> tuple[LoadedModel, float]:
+    def wait_for(self, name: str, timeout: float | None = None,
+                 stop: Callable[[], bool] | None = None) -> tuple[LoadedModel, float]:
         """Block until ``name`` is resident (loading it if needed). Returns (model, seconds waited).
 
         For MAB-Sync and Prediction-Only, which stall for their choice; MemSpec never calls it.
-        Raises DraftLoadError if the load fails or no room can be made.
+        Raises DraftLoadError if the load fails or no room can be made, or once ``stop()`` is true (polled every
+        STOP_POLL_SECONDS: a cancelled goal does not sit out a load from slow storage; the load goes on).
         """
         t0 = time.perf_counter()
         with self._lock:
@@ -271,16 +274,32 @@ class DraftCacheManager:
                     )
                 slot = self._slots[name]
             future = slot.future
+        stopped = False
         if future is not None:
-            try:
-                future.result(timeout=timeout)
-            except Exception:  # _load recorded, counted and logged it (_fail); the slot says what happened
-                pass
+            deadline = None if timeout is None else t0 + timeout
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                step = left if stop is None else STOP_POLL_SECONDS if left is None else min(left, STOP_POLL_SECONDS)
+                try:
+                    future.result(timeout=step)
+                    break
+                except TimeoutError:
+                    if future.done():  # the load itself raised a TimeoutError: a failure, recorded by _fail
+                        break
+                    if stop is not None and stop():
+                        stopped = True
+                        break
+                    if left is not None and left <= step:
+                        break
+                except Exception:  # _load recorded, counted and logged it (_fail); the slot says what happened
+                    break
         waited = time.perf_counter() - t0
         with self._lock:
             self._counters.wait_seconds += waited
             slot = self._slots.get(name)
             if slot is None or slot.model is None:
+                if stopped:
+                    raise DraftLoadError(f"the wait for draft {name!r} was given up (its load goes on)", waited=waited)
                 error = slot.error if slot is not None else None
                 raise DraftLoadError(f"draft {name!r} did not become resident: {error}", waited=waited) from error
             slot.used = True

@@ -233,6 +233,7 @@ class RuntimeController:
         self._pending: RuntimeConfig | None = None
         self._recheck_files = False  # recheck_files_later(): evict changed drafts when the next generation starts
         self._running = False
+        self._should_cancel: Callable[[], bool] | None = None  # the running generation's (a blocking wait asks it)
         # the predictor as the policies use it, by overlap_prediction: ranking on the decode thread or overlapped
         self._rankers: dict[bool, SynchronousPredictor | OverlappedPredictor] = {}
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)  # the last goals' KV caches (config.prompt_cache)
@@ -402,6 +403,7 @@ class RuntimeController:
                 datastores=self._datastores() if self.config.context_lookup else (),
                 prefix=prefix, draft_prefixes=reused.drafts,
             )
+            self._should_cancel = should_cancel
             result = self._run(session, prompt_ids, should_cancel, on_decode_start, t_call)
             self._remember(result.token_ids)
             # a failed generation's KV is not kept, nor one whose cache was switched off while it ran
@@ -412,6 +414,7 @@ class RuntimeController:
             result.stats.call_seconds = time.perf_counter() - t_call
             return result
         finally:
+            self._should_cancel = None
             if session is not None and session.drop_draft in self.cache.on_evict:
                 self.cache.on_evict.remove(session.drop_draft)
             self.cache.set_active("")  # no draft decodes between goals: none is protected as the running one
@@ -496,8 +499,11 @@ class RuntimeController:
         policy.start(prompt_ids)
         setup = stats.start_seconds = time.perf_counter() - t_start
         session.prefill()
-        if session.finished:  # the prefill's token ended it (max_new_tokens 1, an end token): no draft will run,
-            stats.setup_seconds = setup  # so none is chosen or waited for (a behaviour tree's one-token answer)
+        cancelled = self._should_cancel is not None and self._should_cancel()
+        if session.finished or cancelled:  # the prefill's token ended it (max_new_tokens 1, an end token), or the
+            # goal was cancelled meanwhile: no draft will run, so none is chosen or waited for (a behaviour tree's
+            # one-token answer; a preempted goal ends at the decode loop's first check)
+            stats.setup_seconds = setup
             return run
         t_choose = time.perf_counter()
         point = self._point(0, session, prompt_ids, active="")
@@ -602,7 +608,7 @@ class RuntimeController:
         recorded by the cache and decoding goes on without the draft; the time blocked on it is still a load wait
         (setup_wait_seconds, load_wait_seconds), not the scheduling point's prediction or the setup's other work."""
         try:
-            _, waited = self.cache.wait_for(name)
+            _, waited = self.cache.wait_for(name, stop=self._should_cancel)  # a cancel gives the wait up
         except DraftLoadError as exc:
             return exc.waited
         return waited

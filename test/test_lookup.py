@@ -242,3 +242,30 @@ def test_the_offline_replay_searches_a_datastore_file_without_its_withheld_rows(
     monkeypatch.setattr("sys.argv", argv + ["--corpus", "train"])
     with pytest.raises(SystemExit, match="pass one"):
         module.main()
+
+
+def test_a_copied_iterations_time_is_the_lookups_alone(pair, monkeypatch):
+    """The draft's one-off timing runs (weighing a copy against it) ran inside the lookup's stopwatch: the first
+    copied iteration beside a new draft charged them as its draft time."""
+    import time as clock
+
+    from conftest import fix_adaptive_costs
+
+    target, _ = pair
+    draft = noisy_copy(target, 0.03, seed=5)  # a model object whose timing was never measured
+    slow = 0.5  # seconds a draft's timing run takes here: far more than any lookup
+
+    def timing(model, k, vocab):
+        if model is draft:
+            clock.sleep(slow)
+            return 50.0  # dear: the copies win
+        return 10.0 + k
+
+    fix_adaptive_costs(monkeypatch, timing, 50.0)
+    # every bigram (9, t) recurs: whatever the prefill's token, the first iteration finds a copy
+    prompt = [tok for t in range(24) for tok in (9, t, 3, 4)] + [9]
+    session = generate(target, prompt, draft, draft_name="noisy", gamma=4, max_new_tokens=24, adaptive_gamma=True,
+                       lookup=LookupConfig())
+    copied = [it for it in session.stats.iterations if it.draft == LOOKUP_DRAFT]
+    assert copied, "the test needs copied iterations"
+    assert all(it.draft_seconds < slow for it in copied), [it.draft_seconds for it in copied]

@@ -496,6 +496,10 @@ class SpeculativeSession:
         if self.finished:
             raise RuntimeError(f"the generation has finished ({self.finish_reason}); start a new session")
         remaining = self.max_new_tokens - len(self.generated_ids)
+        if self._lookup is not None and self._gamma_chooser is not None and draft is not None:
+            # the draft's one-off timing runs (cached after the first) weigh a copy against it: done before the
+            # lookup's stopwatch, whose seconds are a copied iteration's draft time
+            self._draft_costs(draft_name, draft)
         with _Stopwatch() as lookup_watch:
             proposal = self._copied_proposal(remaining - 1, draft_name, draft)
         if proposal.copied:  # the lookup's time stands in for the draft's

@@ -519,6 +519,23 @@ def test_the_label_horizon_decides_between_the_next_interval_and_the_rest_of_the
     assert first[0].utilities == first[1].utilities
 
 
+def test_the_rest_of_the_output_labels_each_context_by_what_follows_it():
+    """Over the rest of the output every draft commits everything left, so horizon 0 tied at every context and the
+    tie-break gave each one the request's best whole-output draft: ``b`` (right on tokens 0-49) labelled every
+    context, also those where only ``a`` (right on 50-79) accepts anything ahead."""
+    n = 80
+    agreement = {"a": [i >= 50 for i in range(n)], "b": [i < 50 for i in range(n)]}
+    contexts = predictor_training.trace_prompt(0, [1, 2], list(range(n)), agreement, ["a", "b"], 4, 4,
+                                               horizon=0).contexts
+    for c in contexts:
+        ahead = {d: sum(interval_walk(agreement[d], c.position, 4, n)[1]) for d in "ab"}
+        best = max("ab", key=lambda d: (ahead[d], d == "b"))  # ties: the whole-output best, b
+        assert c.label == best, (c.position, ahead, c.label)
+    assert {c.label for c in contexts} == {"a", "b"}
+    assert [c.label for c in contexts if c.position >= 45] and all(c.label == "a" for c in contexts
+                                                                   if c.position >= 45)
+
+
 def test_a_predictor_refused_at_load_leaves_the_target_unhooked(tmp_path):
     """A head trained for another target (in_dim mismatch) is refused, and the encoder built for the check is
     closed: no forward hook or observer stays on the target (the node keeps it and runs without a predictor),

@@ -287,7 +287,8 @@ def table2(report_path: Path) -> dict:
     return {"item": "table2", "source": f"{shown} (the predictor's held-out training contexts; reused)",
             "title": "Predictor quality: top-1 accuracy and top-2 recall by input", "rows": rows,
             "majority_top1": report.get("majority_top1"), "heldout_prompts": report.get("heldout_prompts"),
-            "label_horizon_intervals": horizon, "after_an_earlier_turn": after_turn,
+            "label_horizon_intervals": horizon, "label_rule": report.get("label_rule") if report else None,
+            "after_an_earlier_turn": after_turn,
             "prompt_tokens": report.get("prompt_tokens", 0) if report else None,
             "trained_on_conversations": report.get("conversations", {}).get("trained_on")}
 
@@ -811,7 +812,9 @@ def _summary_line(name: str, item: dict) -> list[str]:
             for m, r in item["rows"].items()] + [""]
     if name == "table2":
         horizon = item.get("label_horizon_intervals")
-        label = ("the draft best over the rest of the output" if horizon == 0 else
+        label = (("the draft that accepts most over the rest of the output" if item.get("label_rule") else
+                  "each request's best draft over its whole output, for every context of the request (a head"
+                  " trained before the rest-of-the-output labels were fixed)") if horizon == 0 else
                  f"the draft best over the next {horizon} interval(s)" if horizon else "unknown")
         window = item.get("prompt_tokens")
         pooled = ("the whole prompt (MiniLM: its last 256 tokens' text)" if window == 0 else

@@ -4,14 +4,15 @@ Greedy output does not depend on the draft, so for each training prompt the
 target's greedy continuation is fixed and every draft's acceptance at every
 position is known exactly from one teacher-forced draft forward (see oracle.py).
 Walking the continuation in scheduling intervals of N iterations, each context
-x_i = [prompt ; last T tokens] is labelled with the draft that commits the most
-tokens over the rest of the output (``--label-horizon 0``, the default) or over the
-next H intervals (1: the paper's highest decoding utility over the next interval);
-ties go to the draft that is best over the whole output. The walk follows the
-labelled draft one interval at a time, as Oracle-Dynamic would. On the bundled zoo
+x_i = [prompt ; last T tokens] is labelled with the draft that accepts the most
+tokens over the rest of the output (``--label-horizon 0``, the default) or commits the
+most over the next H intervals (1: the paper's highest decoding utility over the next
+interval); ties go to the draft that is best over the whole output. The walk follows
+the labelled draft one interval at a time, as Oracle-Dynamic would. On the bundled zoo
 the next interval's winner is mostly noise (which draft wins it is not predictable
-even from the previous interval's exact outcome), and a head trained on the rest of
-the output ran MemSpec faster on every held-out workload (docs/results/README.md).
+even from the previous interval's exact outcome), and a head trained on a longer
+horizon ran MemSpec faster on every held-out workload (docs/results/README.md; the
+bundled head's labels were each request's best whole-output draft, see there).
 
 The prompt half pools the prompt's last W positions (``--prompt-tokens``, 16): the latest request's end and
 the reply's header. Pooled over the whole prompt, a system prompt or an earlier turn outweighed the request
@@ -84,12 +85,28 @@ class PromptTrace:
     domain: str = ""  # where known (a conversation form's earlier turn is of another domain)
 
 
+# what a report's labels are (figures.py reads it): a report without it, from before window_score, labelled every
+# context of a request with that request's best whole-output draft at horizon 0
+LABEL_RULE = "committed, then accepted, over the window"
+
+
+def window_score(agree: Sequence[bool], position: int, gamma: int, iterations: int) -> tuple[int, int]:
+    """A draft over the next ``iterations`` from ``position``: (tokens committed, tokens accepted); the second
+    decides where every draft reaches the output's end inside the window."""
+    committed, accepted = interval_walk(agree, position, gamma, iterations)
+    return committed, sum(accepted)
+
+
 def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agreement: dict[str, list[bool]],
                  drafts: list[str], gamma: int, interval: int, horizon: int = 1) -> PromptTrace:
     """Label every scheduling point of one prompt with its best draft (ties: best whole-output draft).
 
-    ``horizon``: the intervals a label looks ahead, 1 the paper's next interval, 0 the rest of the output;
-    the walk follows the labelled draft one interval at a time either way."""
+    ``horizon``: the intervals a label looks ahead, 1 the paper's next interval (the most tokens committed in it),
+    H > 1 the next H intervals, 0 the rest of the output; the walk follows the labelled draft one interval at a
+    time either way. Over a window that reaches the output's end every draft commits all that is left, so there
+    the draft that needs the fewest iterations (accepts the most tokens) wins; over the rest of the output that is
+    every context (horizon 0 labelled every context of a request with its best whole-output draft until this
+    rule)."""
     whole = {d: sum(interval_walk(agreement[d], 1, gamma, len(continuation))[1]) for d in drafts}
     order = sorted(drafts, key=lambda d: -whole[d])
     trace = PromptTrace(prompt_ids, continuation, agreement)
@@ -97,8 +114,8 @@ def trace_prompt(index: int, prompt_ids: list[int], continuation: list[int], agr
     position, i = 1, 0  # the first token comes from prefill
     while position < len(continuation):
         utilities = {d: interval_walk(agreement[d], position, gamma, interval)[0] for d in drafts}
-        scores = utilities if ahead == interval else {
-            d: interval_walk(agreement[d], position, gamma, ahead)[0] for d in drafts}
+        scores = {d: (utilities[d],) for d in drafts} if ahead == interval else {
+            d: window_score(agreement[d], position, gamma, ahead) for d in drafts}
         label = max(order, key=lambda d: scores[d])  # max keeps the first of equals: whole-output order
         trace.contexts.append(TraceContext(index, i, position, utilities, label))
         position += utilities[label]
@@ -377,7 +394,7 @@ def run(args: argparse.Namespace) -> dict:
     heldout_labels = labels[test_mask]
     majority_top1 = float((heldout_labels == majority).float().mean()) if len(heldout_labels) else 0.0
     report: dict = {"prompts": len(traces), "contexts": len(contexts), "heldout_prompts": len(heldout),
-                    "label_horizon_intervals": args.label_horizon,
+                    "label_horizon_intervals": args.label_horizon, "label_rule": LABEL_RULE,
                     "label_counts": label_counts, "majority_label": names[majority],
                     "majority_top1": majority_top1, "trace_seconds": trace_seconds,
                     "continuations_from_cache": cache.hits, "prompt_tokens": args.prompt_tokens, "encoders": {}}
@@ -532,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
                         " either way")
     p.add_argument("--label-horizon", type=non_negative_int, default=0, metavar="H",
                    help="a context's label is the draft that commits most over the next H intervals (0, the"
-                        " default: the rest of the output; 1: the paper's next interval, whose winner is mostly"
+                        " default: accepts most over the rest of the output; 1: the paper's next interval, whose"
+                        " winner is mostly"
                         " noise on drafts this alike: docs/results/README.md, 'The predictor's label horizon')")
     p.add_argument("--hidden", type=positive_int, default=128)
     p.add_argument("--epochs", type=positive_int, default=300)

@@ -219,6 +219,58 @@ def test_bad_dtype_and_device(model_dirs):
         load_model(ModelSpec(str(model_dirs[0]), device="tpu"))
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_gpt2_target_scores_a_verifys_rows_as_one_token_steps(tmp_path, dtype):
+    """GPT-2's linears are transformers' Conv1D (addmm), which the row-exact preparation did not probe: a 5-row
+    verify differed from five one-token steps (4 of 4 seeds), though the error text names gpt2 as supported."""
+    from row_checks import assert_verify_rows_equal_steps
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memspec_ros.runtime.loader import check_target_rows
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=300, n_embd=128, n_layer=2, n_head=4, n_positions=256)
+    path = save_model_dir(GPT2LMHeadModel(config), tiny_tokenizer(300), tmp_path / "gpt2")
+    loaded = load_model(ModelSpec(str(path), dtype=dtype))
+    assert any(".c_" in name for name in loaded.prepared["rows_one_by_one"]) or dtype == "fp32"
+    assert_verify_rows_equal_steps(loaded.model, 300)
+    check_target_rows(loaded)  # as a target: accepted
+
+
+def test_a_mixture_of_experts_target_whose_rows_differ_is_refused_as_a_target_not_as_a_draft(tmp_path):
+    """A MoE layer batches the tokens routed to each expert: a verify's rows differed from one-token steps (4 of 4
+    seeds on a tiny Mixtral) and a target's speculative output could part from its own greedy output."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from memspec_ros.runtime.loader import check_target_rows
+    from memspec_ros.runtime.row_exact import verify_gap
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=256)
+    path = save_model_dir(MixtralForCausalLM(config), tiny_tokenizer(300), tmp_path / "mixtral")
+    loaded = load_model(ModelSpec(str(path)))  # as a draft: its numbers never decide the output
+    gap = verify_gap(loaded.model, 300)
+    if gap == 0.0:
+        pytest.skip("this machine's kernels happen to give a MoE verify's rows as one-token steps")
+    with pytest.raises(UnsupportedArchitectureError, match="verify rows differ from its one-token steps"):
+        check_target_rows(loaded)
+
+
+def test_a_model_that_keeps_its_context_outside_the_kv_cache_is_refused(tmp_path):
+    """transformers' Mamba keeps its state in cache_params and ignores the KV cache the engine hands every model:
+    it loaded, and each forward saw only the tokens of its own call (logits 1.18 off a whole forward), silently.
+    A transformer decoder on transformers' forward (Qwen2 here) still loads."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=300, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    path = save_model_dir(MambaForCausalLM(config), tiny_tokenizer(300), tmp_path / "mamba")
+    with pytest.raises(UnsupportedArchitectureError, match="does not keep its context in the KV cache|cached prefix"):
+        load_model(ModelSpec(str(path)))
+
+
 def test_a_target_on_transformers_forward_scores_a_verifys_rows_as_one_token_steps(tmp_path):
     """A Qwen2 target (not the lean Llama forward: transformers' own, batched matmuls and SDPA) loaded as a plain
     model scored a 5-row verify with other last digits than five one-token steps, and in bf16 the engine's greedy

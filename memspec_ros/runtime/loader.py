@@ -24,6 +24,7 @@ from .models import (
     LoadedModel,
     ModelSpec,
     TokenizerMismatchError,
+    UnsupportedArchitectureError,
     load_model,
     load_tokenizer,
     tokenizer_fingerprint,
@@ -117,6 +118,24 @@ class RuntimeModels:
             self.predictor.close()
 
 
+def check_target_rows(target: LoadedModel) -> None:
+    """UnsupportedArchitectureError for a target on transformers' forward whose verify rows still differ from its
+    one-token steps after load_model made it row-exact (a mixture-of-experts layer): its speculative output could
+    part from its own greedy output. The engine's lean and C forwards are row-exact by construction; a draft's
+    numbers never matter (only the target's decide the output)."""
+    from .row_exact import verify_gap
+
+    if target.prepared is None:
+        return
+    gap = verify_gap(target.model, target.vocab_size)
+    if gap != 0.0:
+        raise UnsupportedArchitectureError(
+            f"{target.spec.path}: as a target its verify rows differ from its one-token steps by {gap:.3g} (a"
+            f" {target.model.config.model_type} model; a mixture-of-experts layer batches the tokens routed to"
+            " each expert), so speculative decoding would not reproduce its own greedy output: use it as a draft,"
+            " or a dense target")
+
+
 def check_tokenizer_fits(tokenizer: Any, target: LoadedModel, tokenizer_path: str | Path) -> None:
     """Refuse a tokenizer with more ids than the target has embedding rows: a prompt holding one of the extra ids
     fails at the target's embedding lookup, goal after goal, instead of at configure. (More rows than ids is fine:
@@ -160,6 +179,7 @@ def load_models(
     tokenizer = load_tokenizer(tokenizer_path or target_dir)
     target = load_model(ModelSpec(str(target_dir), dtype, device, quantization, gamma=gamma))
     check_tokenizer_fits(tokenizer, target, tokenizer_path or target_dir)
+    check_target_rows(target)
     fingerprint = tokenizer_fingerprint(tokenizer)
     registry = open_registry(registry_file, drafts, fingerprint=fingerprint if validate else None, validate=validate)
     predictor = None

@@ -196,8 +196,10 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_dict)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict(), strict=True)
+    with torch.device("meta"):  # no second fp32 copy (twice the model in memory) to be overwritten at once
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+    plain.tie_weights()  # assign replaced the tied parameters one by one
     plain.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
 

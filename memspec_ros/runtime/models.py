@@ -88,6 +88,11 @@ class LoadedModel:
     source: str = ""  # the path ``files`` is of, when not spec.path (a GGUF file or pkg: resource, converted)
 
 
+def _asked(spec: ModelSpec) -> str:
+    """The setting that asked for a CPU forward path, as the user wrote it (dtype auto chooses one too)."""
+    return "dtype 'auto'" if spec.dtype.lower() == AUTO else f"quantization {spec.quantization!r}"
+
+
 def forward_path_for(spec: ModelSpec) -> str:
     """The forward path a spec asks for ('auto' when it must be measured); raises on a contradiction."""
     dtype, quantization = spec.dtype.lower(), spec.quantization
@@ -300,12 +305,13 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if config.get("quantization_config"):
         if path in (*PATHS[2:], AUTO):
             raise ValueError(f"{spec.path} is already quantized ({config['quantization_config'].get('quant_method')}):"
-                             f" quantization {spec.quantization!r} cannot apply to it, use 'none' or 'gptq'")
+                             f" {_asked(spec)} cannot apply to it, use quantization 'none' or 'gptq' (dtype not"
+                             " auto)")
         path = "gptq"
     # the CPU forward paths start from fp32 weights; GPUs, fp16 and GPTQ keep transformers' own cast
     cpu_path = device.type == "cpu" and path in (*PATHS, AUTO)
     if not cpu_path and path in (*PATHS[2:], AUTO):
-        raise ValueError(f"quantization {spec.quantization!r} uses CPU kernels: on {device} use quantization none")
+        raise ValueError(f"{_asked(spec)} uses CPU kernels: on {device} use quantization none (dtype not auto)")
     dtype = torch.float32 if cpu_path else resolve_dtype(spec.dtype)
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
@@ -340,6 +346,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         from .row_exact import prepare_for_engine
 
         prepared = prepare_for_engine(model)
+        check_incremental_forward(model, spec.path)
     model, vocab_size = wrap_if_reduced(model, spec.path)  # a reduced-vocabulary draft speaks target ids
     return LoadedModel(
         model=model,
@@ -352,6 +359,37 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         prepared=prepared,
         path_report=path_report,
     )
+
+
+def check_incremental_forward(model: torch.nn.Module, path: str) -> None:
+    """UnsupportedArchitectureError unless a forward over a cached prefix gives the logits one forward over the whole
+    sequence gives. The engine feeds every model that way (runtime/speculative.py's forward_once): a recurrent or
+    hybrid model keeps its state elsewhere than the KV cache it is handed (transformers' Mamba ignores it and saw
+    only the tokens of each call, silently; LFM2 raised at its first forward). The engine's own lean forward
+    (Llama-like decoders) needs no such check."""
+    from .kv_cache import preallocated_cache
+
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    device = next(model.parameters()).device
+    ids = torch.tensor([[t % max(vocab, 1) for t in (1, 2, 3, 4, 5)]], dtype=torch.long, device=device)
+    try:
+        with torch.inference_mode():
+            whole = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+            cache = preallocated_cache()
+            model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+            stepped = model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True).logits[0, -1].float()
+    except Exception as exc:
+        raise UnsupportedArchitectureError(
+            f"{path}: a forward over a cached prefix failed ({type(exc).__name__}: {exc}); the engine feeds every"
+            " model so (a recurrent or hybrid model's state is not a KV cache): use a transformer decoder") from exc
+    # the same numbers up to the order of sums (bf16 weights: about 1e-2 of the largest logit); a model that
+    # forgets its prefix is off by the logits' own size
+    gap = float((whole - stepped).abs().max())
+    if not gap <= 0.05 * (float(whole.abs().max()) + 1.0):
+        raise UnsupportedArchitectureError(
+            f"{path}: its logits after a cached prefix differ from one forward over the same tokens (by {gap:.3g}):"
+            f" the model ({model.config.model_type}) does not keep its context in the KV cache the engine hands it"
+            " (a recurrent or hybrid model); use a transformer decoder")
 
 
 def load_tokenizer(path: str | Path):

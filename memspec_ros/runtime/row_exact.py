@@ -16,14 +16,22 @@ import logging
 
 import torch
 
-from .forward_paths import MAX_VERIFY_ROWS, blas_rows_exact  # a verify feeds gamma + 1 rows, gamma up to 8
+from .forward_paths import MAX_VERIFY_ROWS, blas_rows_exact, probes_for, rows_agree  # gamma + 1 rows, up to 9
 
 log = logging.getLogger(__name__)
 
 
-def _gptq_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if type(m).__module__.startswith("gptqmodel")
-            and hasattr(m, "in_features") and hasattr(m, "out_features")]
+def _probed_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int, int]]:
+    """The linear layers whose kernels are not torch's plain F.linear: GPT-QModel's, and transformers' Conv1D
+    (GPT-2's addmm): (name, module, in_features, out_features)."""
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith("gptqmodel") and hasattr(module, "in_features") \
+                and hasattr(module, "out_features"):
+            found.append((name, module, module.in_features, module.out_features))
+        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.dim() == 2:
+            found.append((name, module, module.weight.shape[0], module.nf))
+    return found
 
 
 def _one_row_at_a_time(module: torch.nn.Module) -> None:
@@ -108,14 +116,13 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
     if dtype not in (torch.float16, torch.bfloat16):
         dtype = torch.float32
     by_shape: dict[tuple, list[tuple[str, torch.nn.Module]]] = {}
-    for name, module in _gptq_linears(model):
-        by_shape.setdefault((type(module).__name__, module.in_features, module.out_features), []).append((name, module))
+    for name, module, n_in, n_out in _probed_linears(model):
+        by_shape.setdefault((type(module).__name__, n_in, n_out), []).append((name, module))
     with torch.inference_mode():
         for (_, n_in, _), modules in by_shape.items():
-            probe = torch.randn(1, MAX_VERIFY_ROWS, n_in, generator=torch.Generator().manual_seed(1)).to(device, dtype)
             first = modules[0][1]
-            alone = torch.cat([first(probe[:, i:i + 1]) for i in range(MAX_VERIFY_ROWS)], dim=1)
-            if not all(torch.equal(first(probe[:, :m]), alone[:, :m]) for m in range(2, MAX_VERIFY_ROWS + 1)):
+            if not rows_agree(lambda x, first=first: first(x.to(device, dtype)[None])[0].float().cpu(), n_in,
+                              probes=probes_for(dtype)):
                 for name, module in modules:
                     _one_row_at_a_time(module)
                     done["rows_one_by_one"].append(name)
@@ -127,3 +134,22 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
             _one_row_at_a_time(module)
             done["rows_one_by_one"].append(name)
     return done
+
+
+def verify_gap(model: torch.nn.Module, vocab_size: int, prefix: int = 12) -> float:
+    """The largest difference between a verify's rows and the one-token steps for the same positions, after a
+    cached ``prefix``, through the engine's own forward (0.0: bit for bit, as losslessness needs). What
+    :func:`prepare_for_engine` cannot make row-exact shows here: a mixture-of-experts layer batches the tokens
+    routed to each expert, whatever its linears do."""
+    from .speculative import KVState, forward_once
+
+    device = next(model.parameters()).device
+    ids = torch.randint(0, max(vocab_size, 1), (prefix + MAX_VERIFY_ROWS,),
+                        generator=torch.Generator().manual_seed(3)).tolist()
+    batched, single = KVState(), KVState()
+    with torch.inference_mode():
+        forward_once(model, ids[:prefix], batched, 1, device)
+        forward_once(model, ids[:prefix], single, 1, device)
+        verify = forward_once(model, ids[prefix:], batched, MAX_VERIFY_ROWS, device)
+        steps = torch.stack([forward_once(model, [t], single, 1, device)[-1] for t in ids[prefix:]])
+    return float((verify - steps).abs().max())

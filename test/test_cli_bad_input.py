@@ -182,6 +182,35 @@ def test_the_predictor_trainer_refuses_an_answers_folder_without_answers(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("beside", [False, True])
+def test_the_predictor_trainer_checks_a_datastore_before_loading_models(tmp_path, monkeypatch, beside):
+    """A datastore file without the zoo's train_requests.jsonl beside it, or made for another tokenizer, failed
+    with a traceback once the target and every draft had loaded (minutes on a CPU)."""
+    import shutil
+
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo import predictor_training
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    store = tmp_path / "other" / "datastore.safetensors"
+    store.parent.mkdir()
+    shutil.copy(BUNDLED / "datastore.safetensors", store)  # the bundled target's tokenizer, not the tiny zoo's
+    if beside:
+        (store.parent / "workloads").mkdir()
+        shutil.copy(BUNDLED / "workloads" / "train_requests.jsonl", store.parent / "workloads")
+    from memspec_ros.runtime import models
+
+    tokenizer_loader = models.load_tokenizer
+    _no_model_loads(monkeypatch)
+    if beside:  # the tokenizer decides: it may load (it is no model)
+        monkeypatch.setattr(models, "load_tokenizer", tokenizer_loader)
+    says = "another tokenizer|tokenizer" if beside else "no training requests at"
+    with pytest.raises(SystemExit, match=says):
+        predictor_training.main(["--registry", str(zoo / "registry.yaml"), "--answers", str(store),
+                                 "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_predictor_trainer_refuses_prompts_beside_answers_and_a_negative_horizon(tmp_path, capsys):
     """--prompts was dropped silently when --answers was given; a negative --label-horizon labelled every context
     by a slice from the end."""
@@ -415,3 +444,26 @@ def test_the_bundled_zoo_is_found_beside_a_copied_install(tmp_path, monkeypatch)
     assert bundled_zoo_dir(module) == tmp_path / "mine"
     monkeypatch.delenv("MEMSPEC_ZOO_DIR")
     assert bundled_zoo_dir() == BUNDLED  # this checkout
+
+
+@pytest.mark.parametrize("flag", ["--answers", "--workloads-dir"])
+def test_the_toy_zoos_acceptance_refuses_the_chat_zoos_inputs(flag, tmp_path):
+    """--answers on the toy zoo was accepted and ignored (its target decodes every prompt itself)."""
+    from node_helpers import tiny_zoo
+
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit, match=f"{flag} apply to a chat zoo"):
+        main(["acceptance", "--json", str(tmp_path / "a.json"), "--models", str(tiny_zoo()), flag, str(tmp_path)])
+    assert not (tmp_path / "a.json").exists()
+
+
+def test_the_chat_acceptance_reads_a_prompt_row_as_one_user_turn():
+    """The default workloads' rows are checked with request_problem, which takes a {"prompt"} row; the chat
+    acceptance then read row["messages"] and ended in a KeyError."""
+    from memspec_ros.zoo.chat_acceptance import chat_row
+
+    row = chat_row({"prompt": "Hi."}, "code")
+    assert row["messages"] == [{"role": "user", "content": "Hi."}] and row["domain"] == "code"
+    turns = [{"role": "user", "content": "A"}]
+    assert chat_row({"messages": turns, "domain": "law"}, "law")["messages"] == turns

@@ -736,3 +736,16 @@ def test_training_prompts_go_through_the_chat_template_as_the_node_sends_them(tm
                                  "--out", str(tmp_path / "p"), "--encoders", "target-hidden", "--max-new-tokens",
                                  "12", "--epochs", "2", "--recent-tokens", "8", "--quiet"])
     assert seen == [prompt_ids(tok, t) for t in texts] and seen[0] != tok(texts[0])["input_ids"]
+
+
+def test_a_split_that_leaves_a_side_empty_is_refused(trained, tmp_path):
+    """One distinct prompt (or a held-out fraction that takes them all) left no training context: a random head
+    was published as the runtime's predictor, with held-out figures scored on it."""
+    root, args, _, _ = trained
+    (tmp_path / "one.jsonl").write_text(json.dumps({"domain": "d", "prompt": "def add(a, b): return a + b"}) + "\n")
+    argv = list(args)
+    argv[argv.index("--prompts") + 1] = str(tmp_path / "one.jsonl")
+    argv[argv.index("--out") + 1] = str(tmp_path / "predictor")
+    with pytest.raises(SystemExit, match="no context to train on"):
+        predictor_training.main(argv)
+    assert not (tmp_path / "predictor").exists()

@@ -41,6 +41,11 @@ def _gain(value: float, base: float) -> float | None:
     return value / base - 1 if base > 0 else None
 
 
+def chat_row(row: dict, domain: str) -> dict:
+    """A workload row as a chat row of ``domain``: a prompt row becomes one user turn."""
+    return {**row, "domain": domain, "messages": row.get("messages") or [{"role": "user", "content": row["prompt"]}]}
+
+
 def workload_rows(folder: Path, per_workload: int) -> dict[str, list[dict]]:
     """The first ``per_workload`` rows of every <name>.jsonl in ``folder`` (train* skipped), as chat rows
     whose ``domain`` is the workload (the file's name): a prompt row becomes one user turn."""
@@ -48,9 +53,7 @@ def workload_rows(folder: Path, per_workload: int) -> dict[str, list[dict]]:
     for path in sorted(Path(folder).glob("*.jsonl")):
         if path.stem.startswith("train"):
             continue
-        rows = [{**row, "domain": path.stem,
-                 "messages": row.get("messages") or [{"role": "user", "content": row["prompt"]}]}
-                for row in read_jsonl(path, per_workload, request_problem)]
+        rows = [chat_row(row, path.stem) for row in read_jsonl(path, per_workload, request_problem)]
         if rows:
             out[path.stem] = rows
     if not out:

@@ -141,7 +141,8 @@ def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | Non
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "## Acceptance (held-out chat requests, greedy, gamma 4, teacher-forced on the target's own answers)",
+        f"## Acceptance (held-out chat requests, greedy, gamma {acceptance.get('config', {}).get('gamma', 4)},"
+        " teacher-forced on the target's own answers)",
         "",
         "| draft | " + " | ".join(WORKLOADS) + " |",
         "|---|" + "---:|" * len(WORKLOADS),

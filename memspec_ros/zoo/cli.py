@@ -237,7 +237,7 @@ def _run_chat_acceptance(a) -> int:
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
     from memspec_ros.runtime.registry import DraftRegistry
 
-    from .chat_acceptance import answers_cache_dir, chat_acceptance, workload_rows, write_acceptance
+    from .chat_acceptance import answers_cache_dir, chat_acceptance, chat_row, workload_rows, write_acceptance
     from .corpora import WORKLOADS
     from .teacher import TeacherConfig, answer_requests, answered_prompts, answered_rows, chat_prompt_ids, load_answers
     from .workloads import read_jsonl, request_problem
@@ -261,7 +261,8 @@ def _run_chat_acceptance(a) -> int:
         answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
         rows = None
     try:
-        rows = rows or [row for w in WORKLOADS
+        # a {"prompt"} row (which request_problem accepts) as one user turn; a row's own domain kept
+        rows = rows or [chat_row(row, row.get("domain") or w) for w in WORKLOADS
                         for row in read_jsonl(Path(a.models) / "workloads" / f"{w}.jsonl", row_check=request_problem)]
     except (OSError, ValueError) as exc:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
@@ -304,9 +305,10 @@ def _run_acceptance(a) -> int:
             raise SystemExit(f"memspec-zoo acceptance: {', '.join(given)} apply to the toy zoo only; the chat zoo's"
                              " matrix is greedy over the target's stored answers (--answers)")
         return _run_chat_acceptance(a)
-    if a.workloads_dir:
-        raise SystemExit("memspec-zoo acceptance: --workloads-dir applies to a chat zoo (the bundled one); the toy"
-                         " zoo reads <models>/workloads")
+    given = [flag for flag, value in (("--workloads-dir", a.workloads_dir), ("--answers", a.answers)) if value]
+    if given:  # the toy zoo's target decodes every prompt itself: these were ignored silently
+        raise SystemExit(f"memspec-zoo acceptance: {', '.join(given)} apply to a chat zoo (the bundled one); the toy"
+                         " zoo reads <models>/workloads and decodes them")
     cfg = AcceptanceConfig(
         models_dir=Path(a.models),
         prompts_per_workload=a.prompts_per_workload,

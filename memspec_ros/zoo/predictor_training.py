@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.runtime.chat import end_token_ids
 from memspec_ros.runtime.oracle import ContinuationCache, draft_agreement, interval_walk
 from memspec_ros.runtime.predictor import (
     ENCODERS,
@@ -326,18 +327,25 @@ def run(args: argparse.Namespace) -> dict:
     if not target_path:
         raise SystemExit(f"{args.registry} names no target: pass --target DIR")
     tokenizer = load_tokenizer(target_path)
+    stored = None
+    if args.answers:  # read before the models load (minutes on a CPU): a datastore without its requests beside
+        # it, or made for another tokenizer, failed after them
+        from memspec_ros.runtime.datastore import DatastoreError
+
+        from .teacher import datastore_answers, load_answers
+
+        source = Path(args.answers)
+        try:
+            # a zoo's datastore: its greedy answers to the zoo's training requests
+            stored = datastore_answers(source, tokenizer) if source.is_file() else load_answers(source, "train")
+        except (OSError, DatastoreError) as exc:
+            raise SystemExit(f"memspec-train-predictor: --answers {source}: {exc}") from None
     target = load_model(ModelSpec(str(target_path))).model
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
     t0 = time.perf_counter()
     cache = ContinuationCache(args.continuations or None, target_path)
-    if args.answers:
-        from .teacher import datastore_answers, load_answers
-
-        source = Path(args.answers)
-        if source.is_file():  # a zoo's datastore: its greedy answers to the zoo's training requests
-            answers = datastore_answers(source, tokenizer)
-        else:
-            answers = load_answers(source, "train")
+    if stored is not None:
+        answers = stored
         if args.max_prompts and args.max_prompts < len(answers):
             keep = sorted(random.Random(args.seed).sample(range(len(answers)), args.max_prompts))
             answers = [answers[i] for i in keep]
@@ -376,7 +384,9 @@ def run(args: argparse.Namespace) -> dict:
         if len(prompts) < len(every):
             print(f"{len(every) - len(prompts)} of {len(every)} prompts longer than --max-prompt-tokens"
                   f" {args.max_prompt_tokens} left out", file=sys.stderr)
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        # every id that ends the node's generation (the model's generation_config too, as the teacher and the
+        # runtime use): the tokenizer's eos alone let an end-of-turn id listed only there run on to the budget
+        eos = end_token_ids(tokenizer, target)
         traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
                                 progress=not args.quiet, cache=cache, horizon=args.label_horizon, messages=turns,
                                 domains=domains)
@@ -387,6 +397,11 @@ def run(args: argparse.Namespace) -> dict:
     labels = torch.tensor([names.index(c.label) for c in contexts])
     heldout = split_prompts(prompts, args.heldout_fraction, args.seed)
     test_mask = torch.tensor([c.prompt_index in heldout for c in contexts])
+    if not len(contexts) or bool(test_mask.all()) or not bool(test_mask.any()):
+        # an empty side trained a random head (published as the runtime's) or scored nothing (0% shown as measured)
+        side = "no context to train on" if len(contexts) and bool(test_mask.all()) else "no held-out context to score"
+        raise SystemExit(f"{len(traces)} prompts with contexts, {len(heldout)} of {len(prompts)} held out: {side};"
+                         " give more distinct prompts (or another --heldout-fraction)")
     cfg = TrainConfig(hidden=args.hidden, epochs=args.epochs, seed=args.seed, heldout_fraction=args.heldout_fraction)
     label_counts = {n: int((labels == i).sum()) for i, n in enumerate(names)}
     train_counts = torch.bincount(labels[~test_mask], minlength=len(names))
@@ -579,6 +594,11 @@ def check_inputs(args: argparse.Namespace) -> None:
         raise SystemExit(f"memspec-train-predictor: --answers {answers}: no stored training answers"
                          " (train-*.safetensors) there; give a zoo build's teacher folder or its"
                          " models/datastore.safetensors")
+    requests = answers.parent / "workloads" / "train_requests.jsonl" if answers is not None else None
+    if requests is not None and answers.is_file() and not requests.is_file():
+        raise SystemExit(f"memspec-train-predictor: --answers {answers}: no training requests at {requests}: a"
+                         " datastore's answers pair with its zoo's workloads/train_requests.jsonl (give the zoo's"
+                         " models/datastore.safetensors)")
 
 
 def main(argv: list[str] | None = None) -> int:

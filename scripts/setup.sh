@@ -4,7 +4,7 @@
 # memspec_interfaces and memspec_ros into install/. A robot with apt ROS 2 does not use this
 # script: see README.md ("On a robot").
 #
-#   scripts/setup.sh [all|deps|build] [--force]
+#   scripts/setup.sh [all|deps|build|gptq] [--force]
 #     deps   .venv, torch (only when none imports), pinned requirements, editable memspec_ros,
 #            CMake prefix patch of the wheels
 #     build  deps, then `colcon build` of both packages (the default `all` is the same plus gptq)

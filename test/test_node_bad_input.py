@@ -115,7 +115,8 @@ def test_sampling_values_that_mean_the_default_or_greedy(h):
     small that it keeps only the most likely token samples that token, so the greedy text again."""
     greedy = succeeded(h, goal(prompt="The patient", max_new_tokens=NEW)).text
     for settings in ({"temperature": -3.0}, {"temperature": 1e-30}, {"temperature": 1e-6, "seed": 3},
-                     {"temperature": 0.0, "top_p": -2.0}, {"temperature": -1.0, "seed": -42},
+                     {"temperature": 0.0, "top_p": -2.0}, {"temperature": -1.0, "top_p": -math.inf},
+                     {"temperature": -1.0, "seed": -42},
                      {"temperature": 1.5, "top_p": 1e-30, "seed": 5}):
         request = goal_with(goal(prompt="The patient", max_new_tokens=NEW), **settings)
         assert succeeded(h, request).text == greedy, settings

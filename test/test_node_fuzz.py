@@ -116,7 +116,7 @@ def broken_rules(g: dict) -> list[str]:
     t, p = g["temperature"], g["top_p"]
     if not math.isfinite(t) or t > MAX_TEMPERATURE:
         broken.append("temperature")
-    if not math.isfinite(p) or p > 1.0:
+    if math.isnan(p) or p > 1.0:  # any negative, -inf too, is the node default
         broken.append("top_p")
     if len(g["stop"]) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in g["stop"]):
         broken.append("stop")

@@ -345,7 +345,7 @@ class GoalRunner:
         if not math.isfinite(goal.temperature) or goal.temperature > MAX_TEMPERATURE:
             return (f"temperature {goal.temperature} out of range: 0 (greedy), up to {MAX_TEMPERATURE:g}, or negative"
                     " for the node default")
-        if not (math.isfinite(goal.top_p) and goal.top_p <= MAX_TOP_P):
+        if math.isnan(goal.top_p) or goal.top_p > MAX_TOP_P:  # any negative, -inf too, means the node default
             return f"top_p {goal.top_p} out of range: (0, 1], or 0 / negative for the node default"
         if len(goal.stop) > MAX_STOP_STRINGS:
             return f"{len(goal.stop)} stop strings, more than the limit of {MAX_STOP_STRINGS}"

@@ -62,6 +62,7 @@ STRICT_ENV = "MEMSPEC_TEST_STRICT"
 STRICT_ALLOWED_SKIPS = (
     "needs CUDA",  # test_runtime_cache: the pinned-memory copy to a CUDA device
     "a RAM filesystem has no disk",  # test_storage: pages of tmpfs cannot be dropped
+    "this filesystem keeps its pages",  # test_storage: posix_fadvise(DONTNEED) is advice (ZFS, FUSE, 9p)
     "mincore is not available",  # test_storage: no page-cache residency query on this OS
     "only meaningful without the GPTQ backend",  # test_models: the backend is installed here
     "turned off (MEMSPEC_GPTQ=0)",  # test_gptq: make test's documented opt-out of .venv-gptq

@@ -20,19 +20,29 @@ from rclpy.executors import MultiThreadedExecutor
 from memspec_interfaces.action import Generate
 from memspec_ros.ros.action_client import SafeActionClient
 
-WINDOW = 0.3  # seconds between sending a request and recording it: the server answers well within it
+PATIENCE = 5.0  # seconds a request may wait to be recorded: the server's answer arrives well within it
 
 
 class _SlowSend:
-    """The client's rcl handle, with a pause after each goal request is sent (where the race is)."""
+    """The client's rcl handle, where a goal request is recorded only once its answer has been taken (the race,
+    made certain on any machine: a fixed pause let a slow server answer after it)."""
 
     def __init__(self, handle) -> None:
         self._handle = handle
+        self._answered = threading.Event()
 
     def send_goal_request(self, request):
         sequence = self._handle.send_goal_request(request)
-        time.sleep(WINDOW)
+        # rclpy's client takes the answer meanwhile (at once: the race is certain); SafeActionClient takes nothing
+        # while it records a request, so this waits out the patience, the answer waiting for it
+        self._answered.wait(PATIENCE)
         return sequence
+
+    def take_goal_response(self, *args):
+        taken = self._handle.take_goal_response(*args)
+        if all(taken):
+            self._answered.set()
+        return taken
 
     def __getattr__(self, name):
         return getattr(self._handle, name)

@@ -340,3 +340,24 @@ def test_the_analyzer_groups_every_task_under_memspec():
         f"/Robot/MemSpec/{task}" for task in TASKS]
     # an entry goes STALE after `timeout` seconds without an update
     assert analyzer["timeout"] > P.BY_NAME[PERIOD_PARAM].default
+
+
+def test_the_windows_figures_are_its_goals_own():
+    """The window joined its goals' iterations and counted a switch between the last draft of one goal and the
+    first of the next (no draft is active between goals); its time to first token left out the policy's start."""
+    from memspec_ros.ros.diagnostics import Status, ThroughputWindow, fill_throughput_status
+    from memspec_ros.runtime.stats import GenerationStats, IterationStats
+
+    window = ThroughputWindow(8)
+    for draft in ("code", "math"):
+        stats = GenerationStats(prompt_tokens=4, completion_tokens=9, prefill_seconds=0.2, start_seconds=0.2,
+                                decode_seconds=1.0)
+        stats.iterations = [IterationStats(draft, 4, 3, 4, 0.01, 0.02) for _ in range(2)]
+        window.add(stats)
+    assert window.draft_switches() == 0 and window.combined().time_to_first_token == pytest.approx(0.8)
+    status = Status()
+    fill_throughput_status(status, window.combined(), len(window), 2, 0.5, 2, window.draft_switches())
+    assert dict(status.values)["draft switches"] == "0"
+    unmeasured = Status()
+    fill_throughput_status(unmeasured, None, 0, 0, 0.5, 3)
+    assert "no measured goal yet (3 finished" in unmeasured.message

@@ -403,14 +403,17 @@ def test_a_goal_that_never_reaches_its_accepted_callback_gives_its_queue_place_b
     from memspec_ros.ros import goal_runner
 
     runner = h.node._runner
-    monkeypatch.setattr(goal_runner, "RESERVATION_TIMEOUT_SECONDS", 1.0)
     assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": 0}))
     try:
         orphan = goal(max_new_tokens=4)
         assert runner.on_goal(orphan) == goal_runner.GoalResponse.ACCEPT  # what rclpy runs first; then nothing
-        refused, _ = h.send(goal(max_new_tokens=4))
+        refused, _ = h.send(goal(max_new_tokens=4))  # within the 10 s timeout however slow the machine
         assert not refused.accepted and "queue is full" in h.node.last_rejection  # the orphan holds the place
-        time.sleep(1.2)
+        # then the orphan is older than the timeout (moved on, not slept through: a fixed pause raced the send)
+        monkeypatch.setattr(goal_runner, "RESERVATION_TIMEOUT_SECONDS", 1.0)
+        with runner._cv:
+            for job in runner._reserved:
+                job.accepted_at -= 2.0
         accepted, _ = h.send(goal(max_new_tokens=4))
         assert accepted.accepted, h.node.last_rejection
         assert h.result(accepted).status == GoalStatus.STATUS_SUCCEEDED
@@ -816,6 +819,7 @@ def test_a_goal_whose_generation_raises_counts_the_tokens_behind_its_partial_tex
     msg = h.stats[-1]
     assert bytes(msg.goal_id.uuid) == bytes(handle.goal_id.uuid)
     assert msg.completion_tokens == 3 and msg.time_to_first_token == pytest.approx(result.time_to_first_token)
+    assert msg.policy == h.node.loaded.controller.config.policy  # "the policy that ran the goal" (it was "")
 
 
 def test_a_goal_checked_while_the_node_deactivates_is_rejected_not_accepted(h, monkeypatch):

@@ -385,3 +385,33 @@ def test_going_after_a_second_signal_waits_for_no_goal(rclpy_context):
         release.set()
     assert time.monotonic() - t0 < 15.0  # executor shutdown's 5 s at most, not the goal's 30 s wait
     assert job.abort_reason and "second signal" in job.abort_reason
+
+
+def test_the_cache_counters_stay_since_the_last_activation_while_inactive(harness):
+    """/diagnostics and ~/cache_state count since activation; once deactivated they jumped back to the counts since
+    configure, every earlier activation's included."""
+    h = harness()
+    h.activate()
+    for _ in range(2):
+        assert h.result(h.send(goal(max_new_tokens=8))[0]).status == GoalStatus.STATUS_SUCCEEDED
+    assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.result(h.send(goal(max_new_tokens=8))[0]).status == GoalStatus.STATUS_SUCCEEDED
+    active = h.node.cache_snapshot(h.node.loaded)
+    total = h.node.loaded.controller.cache.snapshot()
+    assert active.hits + active.misses < total.hits + total.misses  # the first activation's are left out
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    assert h.node.loaded_parameter_bytes() > 0 and h.node.model_refs()  # observers: they count no hit
+    inactive = h.node.cache_snapshot(h.node.loaded)
+    assert (inactive.hits, inactive.misses, inactive.loads) == (active.hits, active.misses, active.loads)
+
+
+def test_activate_waits_for_a_goal_deaf_to_the_deactivate(harness, monkeypatch):
+    """A goal that had not reached its next iteration when deactivate gave up waiting went on running; activating
+    again put its figures into the new activation's window and ~/generation_stats. Refused until it ends."""
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    monkeypatch.setattr(h.node._runner, "counts", lambda: (1, 0))
+    assert not h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.state() == "inactive"
+    monkeypatch.undo()
+    assert h.transition(Transition.TRANSITION_ACTIVATE) and h.state() == "active"

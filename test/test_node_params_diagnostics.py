@@ -119,10 +119,11 @@ def test_diagnostics_follow_the_diagnostic_updater_contract(h):
         arrays.clear()
         wait_until(lambda: len(arrays) >= 6, 15.0, "six /diagnostics messages")
         # the period shows in the stamps the node puts on them (not in when this loaded machine delivers them):
-        # 0.2 s, not the default 1 s; the median shrugs off a tick the executor served late
+        # 0.2 s, not the default 1 s (what is asserted: the period changed, on any machine's timing); the median
+        # shrugs off a tick the executor served late
         stamps = [a.header.stamp.sec + a.header.stamp.nanosec * 1e-9 for a in arrays[1:6]]
         gaps = sorted(b - a for a, b in zip(stamps, stamps[1:], strict=False))
-        assert 0.05 < (gaps[1] + gaps[2]) / 2 < 0.6, gaps
+        assert 0.05 < (gaps[1] + gaps[2]) / 2 < 0.9, gaps
         array = arrays[-1]
         assert array.header.stamp.sec > 0
         names = [s.name for s in array.status]

@@ -157,9 +157,14 @@ def test_a_budget_change_retries_the_drafts_that_did_not_fit():
     cache.close()
 
 
-def test_a_failed_draft_is_retried_after_the_back_off():
+def test_a_failed_draft_is_retried_after_the_back_off(monkeypatch):
     """A load that failed (a damaged file) is tried again by a later update once retry_seconds have
-    passed, not earlier, and the draft becomes resident once its cause is gone (the file restored)."""
+    passed, not earlier, and the draft becomes resident once its cause is gone (the file restored).
+    The clock is moved on, not slept through (a 0.3 s back-off could pass early on a loaded machine)."""
+    from memspec_ros.runtime import cache as cache_module
+
+    real, later = cache_module.time.monotonic, {"by": 0.0}
+    monkeypatch.setattr(cache_module.time, "monotonic", lambda: real() + later["by"])
     broken = {"math"}
     attempts = []
 
@@ -169,7 +174,7 @@ def test_a_failed_draft_is_retried_after_the_back_off():
             raise OSError(f"damaged file for {name}")
         return LoadedModel(torch.nn.Linear(1, 1), ModelSpec(name), 0, 64, 512)
 
-    cache = DraftCacheManager(2, load, retry_seconds=0.3)
+    cache = DraftCacheManager(2, load, retry_seconds=30.0)
     cache.update(["math", "code"])
     cache.drain()
     assert "math" in cache.failed() and attempts.count("math") == 1
@@ -177,7 +182,7 @@ def test_a_failed_draft_is_retried_after_the_back_off():
     cache.drain()
     assert "math" in cache.failed() and attempts.count("math") == 1  # within the back-off: skipped
     broken.clear()  # the file is restored
-    time.sleep(0.35)
+    later["by"] = 31.0
     assert "math" not in cache.failed()  # the back-off is over: viable again for the policy
     cache.update(["math", "code"])
     cache.drain()
@@ -370,7 +375,10 @@ def test_concurrent_reconfigure_remove_and_reset_while_loads_are_in_flight(seed)
     threads = [threading.Thread(target=decoder), threading.Thread(target=ros)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60.0  # until every call has met a load in flight (1 s sufficed on one machine)
     time.sleep(1.0)
+    while not all(during_loads.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     stop.set()
     for t in threads:
         t.join(10)
@@ -507,8 +515,18 @@ def test_reset_while_another_thread_starts_a_load_keeps_its_reservation():
     monitor = Monitor(cache)
     cache.update(["general"])  # 300 B, in flight
     resetter = threading.Thread(target=cache.reset)
+    listed = threading.Event()  # reset() has listed the loads it waits for (general): law starts after that
+    in_flight = cache._in_flight
+
+    def watched():
+        found = in_flight()
+        if threading.current_thread() is resetter:
+            listed.set()
+        return found
+
+    cache._in_flight = watched
     resetter.start()
-    time.sleep(0.05)  # reset() is waiting for general
+    assert listed.wait(5)  # (a fixed pause lined the threads up on this machine's timing only)
     cache.update({"general": 2, "law": 1})  # law (100 B) starts while reset waits
     gates["general"].set()
     resetter.join(5)

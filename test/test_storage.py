@@ -58,11 +58,14 @@ def test_a_paced_read_returns_the_bytes_and_takes_at_least_bytes_over_bandwidth(
     assert slow.min_read_seconds(len(data)) == pytest.approx(len(data) / 20e6 + 6e-3)
 
 
+DROPS_PAGES = ("ext2", "ext3", "ext4", "xfs", "btrfs", "overlay")  # disk filesystems that honour DONTNEED
+
+
 def _filesystem(path: Path) -> str:
     best, kind = "", ""
     for line in Path("/proc/self/mounts").read_text().splitlines():
         _, mount, fstype, *_ = line.split()
-        if str(path.resolve()).startswith(mount) and len(mount) > len(best):
+        if path.resolve().is_relative_to(mount) and len(mount) > len(best):  # by path component: not /tmpfs for /tmp
             best, kind = mount, fstype
     return kind
 
@@ -81,7 +84,10 @@ def test_a_cold_read_drops_the_file_from_the_page_cache_first(tmp_path):
         if _filesystem(tmp_path) in ("tmpfs", "ramfs"):
             pytest.skip("a RAM filesystem has no disk to drop its pages to")
         drop_page_cache(fd)
-        assert cached_fraction(fd, 1 << 20) == 0.0
+        after = cached_fraction(fd, 1 << 20)
+        if after != 0.0 and _filesystem(tmp_path) not in DROPS_PAGES:  # fadvise is advice: ZFS, FUSE, 9p may keep them
+            pytest.skip(f"this filesystem keeps its pages ({_filesystem(tmp_path)})")
+        assert after == 0.0
     finally:
         os.close(fd)
     _, read = read_cold(path, MEDIA["local"])

@@ -130,8 +130,15 @@ class ThroughputWindow:
         with self._lock:
             return len(self._goals)
 
+    def draft_switches(self) -> int:
+        """Switches within the window's goals: the joined iterations of ``combined`` would also count the last
+        draft of one goal against the first of the next, and no draft is active between goals."""
+        with self._lock:
+            return sum(g.draft_switches for g in self._goals)
+
     def combined(self) -> GenerationStats:
-        """One GenerationStats over the window: its properties are the window's figures."""
+        """One GenerationStats over the window: its properties are the window's figures (draft switches aside:
+        :meth:`draft_switches`)."""
         with self._lock:
             goals = list(self._goals)
         out = GenerationStats()
@@ -140,7 +147,11 @@ class ThroughputWindow:
             out.completion_tokens += g.completion_tokens
             out.prefill_seconds += g.prefill_seconds
             out.setup_seconds += g.setup_seconds
+            out.setup_wait_seconds += g.setup_wait_seconds
+            out.start_seconds += g.start_seconds
             out.prepare_seconds += g.prepare_seconds
+            out.reused_prompt_tokens += g.reused_prompt_tokens
+            out.background_prediction_seconds += g.background_prediction_seconds
             out.call_seconds += g.end_to_end_seconds  # so the window's end to end is its goals' summed
             out.decode_seconds += g.decode_seconds
             out.predictions += g.predictions
@@ -353,14 +364,16 @@ def fill_cache_status(status: Status, snap: CacheStats | None, window: Generatio
 
 
 def fill_throughput_status(status: Status, window: GenerationStats | None, goals: int, measured_goals: int,
-                           fallback_warn: float, finished_goals: int) -> None:
+                           fallback_warn: float, finished_goals: int, draft_switches: int | None = None) -> None:
     """``finished_goals``: every goal answered since activation; ``measured_goals``: those whose timings the
-    throughput figures count (a goal cancelled or ended before it ran, or one that failed, has none)."""
+    throughput figures count (a goal cancelled or ended before it ran, or one that failed, has none);
+    ``draft_switches``: the window's, summed per goal (None: counted over ``window``'s iterations)."""
     status.add("goals in window", goals)
     status.add("goals finished since activation", finished_goals)
     status.add("goals measured since activation", measured_goals)
     if window is None or goals == 0:
-        status.summary(OK, "no finished goal yet")
+        status.summary(OK, f"no measured goal yet ({finished_goals} finished, none with timings)" if finished_goals
+                       else "no finished goal yet")
         return
     status.add("tokens per second", window.tokens_per_second)
     status.add("mean accepted tokens", window.mean_accepted)
@@ -370,7 +383,7 @@ def fill_throughput_status(status: Status, window: GenerationStats | None, goals
     status.add("load wait fraction", window.load_wait_fraction)
     status.add("completion tokens", window.completion_tokens)
     status.add("decode seconds", window.decode_seconds)
-    status.add("draft switches", window.draft_switches)
+    status.add("draft switches", window.draft_switches if draft_switches is None else draft_switches)
     status.add("copied iterations", window.copied_iterations)
     status.add("dropped draft tokens", window.dropped_proposals)
     status.summary(OK, f"{window.tokens_per_second:.1f} tok/s, E[A] {window.mean_accepted:.2f}")
@@ -461,7 +474,7 @@ class NodeTasks:
         goals = len(self.window)
         fill_throughput_status(s, self.window.combined() if goals else None, goals, self.window.measured_goals,
                                self.node.get_parameter("diagnostics.fallback_warn_fraction").value,
-                               self.window.finished_goals)
+                               self.window.finished_goals, self.window.draft_switches())
 
     def fill_predictor(self, s: Status) -> None:
         lo = self.node.loaded

@@ -179,10 +179,11 @@ def _ttft(job: Job, feedback: FeedbackThrottle) -> float | None:
     return feedback.first_at - job.accepted_at if feedback.first_at and job.accepted_at else None
 
 
-def partial_stats(job: Job, feedback: FeedbackThrottle) -> GenerationStats:
+def partial_stats(job: Job, feedback: FeedbackThrottle, policy: str) -> GenerationStats:
     """What a generation that raised got done: its runtime statistics died with it, but the tokens behind its
-    partial text were counted as they streamed (Generate.action: completion_tokens counts those behind ``text``)."""
-    return GenerationStats(prompt_tokens=len(job.prompt_ids), completion_tokens=feedback.tokens)
+    partial text were counted as they streamed (Generate.action: completion_tokens counts those behind ``text``),
+    and ``policy`` ran it (GenerationStats.msg)."""
+    return GenerationStats(prompt_tokens=len(job.prompt_ids), completion_tokens=feedback.tokens, policy=policy)
 
 
 class GoalRunner:
@@ -512,8 +513,8 @@ class GoalRunner:
             feedback.flush()
             error = self.last_error = f"{type(exc).__name__}: {exc}"
             self._node.get_logger().error(f"goal aborted: {error}")
-            return self._end(job, ERROR, feedback.text, partial_stats(job, feedback), error, _ttft(job, feedback),
-                             measured=False)
+            done = partial_stats(job, feedback, lo.controller.config.policy)
+            return self._end(job, ERROR, feedback.text, done, error, _ttft(job, feedback), measured=False)
         feedback.flush()
         ttft = _ttft(job, feedback)
         if job.abort_reason is not None and out.finish_reason == CANCELLED:

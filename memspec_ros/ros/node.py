@@ -233,6 +233,7 @@ class MemSpecNode(LifecycleNode):
         if failure is not None:  # outside the except block, whose traceback would keep those frames alive
             return self._configure_failed(failure)
         self._configure_error = self._transition_error = ""
+        self._cache_baseline = None  # the new cache's counters start at zero
         self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)
         self._stats_pub = self.create_lifecycle_publisher(GenerationStatsMsg, "~/generation_stats", 10)
         self.get_logger().info(f"configured in {time.perf_counter() - t0:.1f} s: {self._loaded.summary()}")
@@ -240,6 +241,10 @@ class MemSpecNode(LifecycleNode):
 
     @recorded
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        if self._runner.counts()[0]:  # a goal deaf to the deactivate: its figures would land in this activation's
+            self.get_logger().error("activate refused: a goal from before the deactivate still runs (it ends"
+                                    " ABORTED at its next iteration): activate again once it has ended")
+            return TransitionCallbackReturn.FAILURE
         self._window.clear()
         self._window.reset_counts()
         self._last_cache_key, self._cache_baseline = None, self._loaded.controller.cache.snapshot()
@@ -355,7 +360,9 @@ class MemSpecNode(LifecycleNode):
         """The cache now, counters since activation (as CacheState documents)."""
         snap = lo.controller.cache.snapshot()
         baseline = self._cache_baseline
-        return snap.since(baseline) if baseline is not None and self._active else snap
+        # since the last activation, inactive too (after a deactivate they jumped back to counts since configure);
+        # configure's cache starts from zero, so none until its first activation
+        return snap.since(baseline) if baseline is not None else snap
 
     # -- loading and freeing ----------------------------------------------------------------
     def _load(self) -> Loaded:
@@ -468,7 +475,7 @@ class MemSpecNode(LifecycleNode):
             return 0
         total = parameter_bytes(lo.target.model)
         for name in lo.controller.cache.resident():
-            model = lo.controller.cache.get(name)
+            model = lo.controller.cache.peek(name)  # an observer: no hit counted, no prefetch marked used
             if model is not None:
                 total += parameter_bytes(model.model)
         if lo.predictor is not None:
@@ -481,7 +488,7 @@ class MemSpecNode(LifecycleNode):
         if lo is None:
             return []
         refs = [weakref.ref(lo.target.model)]
-        refs += [weakref.ref(m.model) for n in lo.controller.cache.resident() if (m := lo.controller.cache.get(n))]
+        refs += [weakref.ref(m.model) for n in lo.controller.cache.resident() if (m := lo.controller.cache.peek(n))]
         return refs
 
     # -- periodic publications ----------------------------------------------------------------

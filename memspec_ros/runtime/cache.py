@@ -181,6 +181,13 @@ class DraftCacheManager:
         with self._lock:
             return list(self._working_set)
 
+    def peek(self, name: str) -> LoadedModel | None:
+        """The resident draft or None, for an observer (memory totals, tests): no hit counted, not marked as used
+        (a prefetch only looked at is still wasted)."""
+        with self._lock:
+            slot = self._slots.get(name)
+            return slot.model if slot is not None else None
+
     def get(self, name: str, count: bool = True) -> LoadedModel | None:
         """The resident draft, or None right away if it is not resident (``count``: a hit or miss of the hit
         rate; choice.carry_out counts one lookup per scheduling point)."""

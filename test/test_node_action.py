@@ -862,3 +862,22 @@ def test_a_goal_that_finished_before_a_deactivate_landed_is_settled_as_finished(
     response = h.result(handle)
     assert response.status == GoalStatus.STATUS_SUCCEEDED, response.result.error_message
     assert response.result.finish_reason == "length" and response.result.error_message == ""
+
+
+def test_a_goal_that_runs_past_max_goal_seconds_ends_aborted_with_its_text(h):
+    """A client that went away is invisible to the action server: its goal ran to max_new_tokens holding the node's
+    one generation. action.max_goal_seconds bounds it: ABORTED, the partial text and the reason; 0 is no limit."""
+    assert h.set_params(**{"action.max_goal_seconds": 0.1})[0].successful
+    try:
+        handle, _ = h.send(goal(max_new_tokens=LONG))
+        response = h.result(handle, 60.0)
+        assert response.status == GoalStatus.STATUS_ABORTED, response.result.finish_reason
+        result = response.result
+        assert "ran past action.max_goal_seconds (0.1 s)" in result.error_message
+        assert result.text and 0 < result.completion_tokens < LONG
+    finally:
+        assert h.set_params(**{"action.max_goal_seconds": 0.0})[0].successful
+    handle, _ = h.send(goal(max_new_tokens=8))
+    assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+    refused = h.set_params(**{"action.max_goal_seconds": -1.0})[0]
+    assert not refused.successful

@@ -504,10 +504,15 @@ class GoalRunner:
                                     self._node.get_logger())
         goal = job.request
         _use_threads(lo.threads)
+        # a client that went away is invisible to an action server: its goal would run to its budget holding the
+        # node's one generation, unless the operator bounds how long a goal may run
+        limit = self._param("action.max_goal_seconds")
+        deadline = time.perf_counter() + limit if limit > 0 else math.inf
         try:
             out = lo.controller.generate(
                 job.prompt_ids, job.max_new_tokens, job.sampling, list(goal.stop), feedback.on_chunk,
-                lambda: job.abort_reason is not None or gh.is_cancel_requested, feedback.on_decode_start,
+                lambda: job.abort_reason is not None or gh.is_cancel_requested or time.perf_counter() > deadline,
+                feedback.on_decode_start,
             )
         except Exception as exc:  # a failed goal is ABORTED with the reason, never a traceback
             feedback.flush()
@@ -521,6 +526,9 @@ class GoalRunner:
             # deactivate / shutdown cut it: the partial text, ABORTED (one that landed after the last iteration
             # leaves a finished answer, which is settled as what it is)
             return self._end(job, ERROR, out.text, out.stats, job.abort_reason, ttft)
+        if out.finish_reason == CANCELLED and not gh.is_cancel_requested and time.perf_counter() > deadline:
+            return self._end(job, ERROR, out.text, out.stats, f"the goal ran past action.max_goal_seconds"
+                             f" ({limit:g} s) and was ended with its partial text", ttft)
         return self._end(job, out.finish_reason, out.text, out.stats, ttft=ttft)
 
     def _end(self, job: Job, finish_reason: str, text: str = "", stats: GenerationStats | None = None,

@@ -242,6 +242,11 @@ PARAMS: tuple[Param, ...] = (
     Param("action.max_queued_goals", 4,
           "Goals accepted but waiting while one runs; more are rejected at once.",
           int_range=(0, 1000)),
+    Param("action.max_goal_seconds", 0.0,
+          "Seconds a goal may run (from its start, queue time left out) before it ends ABORTED with its partial text"
+          " (0: no limit). An action server cannot see a client that went away: its goal would otherwise run to"
+          " max_new_tokens holding the node's one generation. Read when a goal starts.",
+          float_range=(0.0, 86400.0)),
     Param("action.feedback_period", 0.1,
           "Minimum seconds between feedback messages of a goal (0: one per committed chunk; chunks in between are"
           " merged).",

@@ -137,3 +137,32 @@ def test_the_catch_up_a_returning_draft_needs_is_what_it_missed():
     policy._kv["code"] = len(PROMPT) + 8  # code ran until 2 tokens ago and stayed resident
     returning = policy.values(point(1, 10, "general", ["general", "code"]), probs)["code"]
     assert returning > never_ran
+
+
+def test_with_a_full_cache_it_stays_on_the_active_draft_while_the_preferred_one_loads():
+    """The preferred draft not resident, another resident one worth a switch, the cache full (K = 2): the order
+    [preferred, other, active] left the load only the active draft's slot, which the cache never evicts, so the
+    prefetch never started, yet its load was timed from then. It stays on the active draft; the other goes."""
+    import dataclasses
+
+    policy = started({"math": 0.6, "code": 0.3, "general": 0.1}, catchup_seconds_per_token=1e-5)
+    full = dataclasses.replace(point(1, 10, "general", ["general", "code"]), capacity=2)
+    choice = policy.choose(full)
+    order = [d for d, _ in choice.ranking]
+    assert choice.preferred == "math" and order[:2] == ["math", "general"], order
+
+
+def test_a_catch_up_whose_proposal_was_dropped_still_prices_a_switch():
+    """Adaptive gamma can drop a caught-up draft's only proposal (proposed 0): that iteration's catch-up was left
+    out, the catch-up seemed free, and every ranking margin switched."""
+    from memspec_ros.runtime.stats import IterationStats
+
+    probs = {"code": 0.8, "general": 0.1, "math": 0.1}
+    policy = make_policy(COST_AWARE, predictor=ranker(probs))
+    policy.start(PROMPT)
+    policy.choose(point(0, 0, "", []))
+    caught_up = IterationStats(draft="general", proposed=0, accepted=0, committed=1, draft_seconds=0.0,
+                               verify_seconds=0.09, catchup_tokens=len(PROMPT) + 1,
+                               catchup_seconds=0.05 * (len(PROMPT) + 1))
+    policy.observe("general", [caught_up, *interval_of("general")[1:]])
+    assert policy.choose(point(1, 10, "general", ["general", "code"])).preferred == "general"  # as when it proposed

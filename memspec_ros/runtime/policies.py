@@ -250,6 +250,13 @@ class OracleDynamicPolicy(DraftPolicy):
         ranking = [(action.run, 3.0)] + ([(action.prefetch, 2.0)] if action.prefetch else []) + [(d, 1.0) for d in keep]
         if action.kind == WAIT or (action.kind == RESIDENT and action.run not in point.resident):
             self._loading = None  # waiting for it (also a load the model thought was done)
+            if action.kind == RESIDENT and action.prefetch:
+                # a load that lands later than planned: wait for it, and still start the prefetch the plan has
+                # beside it (carry_out loads first, then hands the ranking to the cache), or the schedule run is
+                # not the one solved
+                self._loading = (action.prefetch, point.interval)
+                return Choice(action.run, block=True, fallback=_ranked_then_current(point, ranking),
+                              cache_action=CACHE_PREFETCH, ranking=ranking)
             return wait_choice(point, action.run, ranking)
         if action.kind == LOAD:  # blocking load: set_scores + wait_for evict the lowest-scored draft
             return wait_choice(point, action.run, ranking + [(v, 0.0) for v in action.evict])
@@ -450,14 +457,16 @@ class CostAwareMemSpecPolicy(_Predicted):
     def observe(self, draft: str, iterations: Sequence[IterationStats]) -> None:
         self._interval_length = max(self._interval_length, len(iterations))
         for it in iterations:
-            if it.proposed <= 0 or it.draft == LOOKUP_DRAFT:  # copies from the context say nothing of a draft
+            if it.draft == LOOKUP_DRAFT:  # copies from the context say nothing of a draft
+                continue
+            if it.catchup_tokens:  # also where adaptive gamma then dropped the caught-up draft's only proposal
+                self._catchup_tokens += it.catchup_tokens
+                self._catchup_seconds += it.catchup_seconds
+            if it.proposed <= 0:
                 continue
             self._iterations += 1
             self._accepted += it.accepted
             self._iteration_seconds += it.draft_seconds + it.verify_seconds
-            if it.catchup_tokens:
-                self._catchup_tokens += it.catchup_tokens
-                self._catchup_seconds += it.catchup_seconds
 
     def values(self, point: SchedulingPoint, probs: dict[str, float]) -> dict[str, float]:
         """Each other viable draft's net value (tokens) of switching to it from the active draft."""
@@ -473,11 +482,16 @@ class CostAwareMemSpecPolicy(_Predicted):
         delay = interval * (statistics.fmean(self._load_points) if self._load_points else 1.0)
         context = self._prompt_len + generated
         out = {}
-        for b, p in probs.items():
+        # scores as probabilities: a draft the head does not know scores UNKNOWN_SCORE (-1), which made every
+        # margin from it above 1, worth more than E[A] tokens an iteration
+        known = {d: min(1.0, max(0.0, p)) for d, p in probs.items()}
+        for b, p in known.items():
             if b == active:
                 continue
-            wait = 0.0 if b in point.resident else delay
-            gain = (p - probs.get(active, 0.0)) * mean_accepted * max(0.0, left - wait)
+            # a load asked for at an earlier point has only the rest of its measured time to go
+            since = point.interval - self._asked[b] if b in self._asked else 0
+            wait = 0.0 if b in point.resident else max(0.0, delay - interval * since)
+            gain = (p - known.get(active, 0.0)) * mean_accepted * max(0.0, left - wait)
             catchup = (context - self._kv.get(b, 0)) * per_token
             cost = catchup / seconds * per_iteration if seconds > 0 else 0.0
             out[b] = gain - cost
@@ -505,6 +519,11 @@ class CostAwareMemSpecPolicy(_Predicted):
         worth = sorted((d for d, v in values.items() if v > 0), key=lambda d: -values[d])
         preferred = worth[0] if worth else active
         best_resident = next((d for d in worth if d in point.resident), active)
+        if preferred not in point.resident and point.capacity and len(point.resident) >= point.capacity:
+            # a full cache, whose only slot the preferred draft's load could take besides the one kept running
+            # would be the active draft's, which the cache never evicts: switching to another resident draft now
+            # left the load no slot (it never started, yet was timed). Stay on the active draft while it loads.
+            best_resident = active
         if preferred != ranking[0][0]:
             self.declined += 1
         # what the cache should hold, best first (W = top-K of this order, runtime/cache.py): the

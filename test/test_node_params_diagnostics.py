@@ -432,3 +432,29 @@ def test_a_start_up_override_the_node_cannot_take_ends_it_with_one_line(override
     assert out.returncode == 2, out.stderr[-2000:]
     assert "a start-up parameter was refused" in out.stderr and says in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr + out.stdout, out.stderr[-2000:]
+
+
+def test_cache_state_follows_a_registry_change_at_once(h):
+    """~/cache_state lists the registry's drafts, but its 'changed' key left the registry out: a draft added or
+    removed at run time showed (latched, to late joiners too) only after diagnostics.cache_state_period."""
+    zoo = tiny_zoo()
+    subset = zoo / "registry-general-code-state.yaml"
+    subset.write_text("\n".join(line for line in (zoo / "registry.yaml").read_text().splitlines()
+                                if "math" not in line) + "\n")
+    before = h.get_param("drafts.registry_file")
+    period = h.get_param("diagnostics.cache_state_period")
+    got: list[CacheState] = []
+    sub = h.client.create_subscription(CacheState, "/memspec/cache_state", got.append, LATCHED)
+    try:
+        wait_until(lambda: got, 10.0, "the latched cache state")
+        assert h.set_params(**{"diagnostics.cache_state_period": 3600.0})[0].successful
+        time.sleep(1.5)  # past one publication at the old period, if one was due
+        [result] = h.set_params(**{"drafts.registry_file": str(subset)})
+        assert result.successful, result.reason
+        wait_until(lambda: sorted(d.name for d in got[-1].drafts) == ["code", "general"], 10.0,
+                   "a cache state listing the new registry's drafts")
+    finally:
+        h.client.destroy_subscription(sub)
+        assert h.set_params(**{"drafts.registry_file": before})[0].successful
+        assert h.set_params(**{"diagnostics.cache_state_period": period})[0].successful
+        subset.unlink()

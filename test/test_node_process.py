@@ -352,3 +352,37 @@ def test_the_demo_fails_when_the_predictor_is_not_working():
     broken.executor.spin_once = lambda timeout_sec: broken.diagnostics.extend(broken.diagnostics_source)
     with pytest.raises(RuntimeError, match="predictor is not working: failed to load"):
         show_diagnostics(broken, wait_seconds=1.0)
+
+
+def test_the_nodes_spin_loop_leaves_nothing_on_its_future():
+    """main() spun with spin_until_future_complete, to which rclpy's multi-threaded executor adds a done-callback at
+    every wake-up, kept until the future completes: the node's memory grew for its whole life. serve() adds none."""
+    import threading
+
+    from rclpy.context import Context
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.task import Future
+
+    from memspec_ros.ros.node import serve
+
+    context = Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node("spin_probe", context=context)
+    ticks = []
+    node.create_timer(0.001, lambda: ticks.append(1))
+    executor = MultiThreadedExecutor(num_threads=2, context=context)
+    executor.add_node(node)
+    closed = Future()
+    failed = []
+    node.create_timer(0.002, lambda: (_ for _ in ()).throw(RuntimeError("a failing callback")) if len(ticks) < 50
+                      else None)
+    threading.Timer(0.5, closed.set_result, args=(True,)).start()
+    try:
+        serve(executor, closed, type("Log", (), {"error": lambda self, text: failed.append(text)})())
+        assert closed.done() and len(ticks) > 10
+        assert not getattr(closed, "_callbacks", []), "the loop left callbacks on its future"
+        assert failed and "a failing callback" in failed[0]  # logged, and the loop went on
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)

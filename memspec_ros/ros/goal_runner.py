@@ -280,6 +280,11 @@ class GoalRunner:
             self._cv.wait_for(lambda: self._unanswered <= 0, results_out_seconds)
         return had_goals
 
+    @property
+    def closing(self) -> str:
+        """Why goals are no longer taken ("" while they are): close() has ended them for good."""
+        return self._closing
+
     def counts(self) -> tuple[bool, int]:
         """(a goal runs, goals queued)."""
         with self._cv:

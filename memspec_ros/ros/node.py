@@ -70,6 +70,7 @@ RESULT_SEND_SECONDS = 0.5
 # Executor threads: the generation (the action's execute callback), goal/cancel callbacks beside it, timers.
 EXECUTOR_THREADS = 4
 EXECUTOR_SHUTDOWN_SECONDS = 1.0
+SPIN_SECONDS = 0.1  # main() wakes this often to see whether a signal closed the goals
 
 
 def recorded(transition):
@@ -145,6 +146,7 @@ class RecordingRanker:
             ranking = self.engine.rank(context)
         except Exception as exc:
             self._failed(exc)
+            self.latest = {}  # no ranking now: ~/cache_state must not show the last good one as current
             general = [d for d in context.candidates if context.domains.get(d) == "general"]
             order = general + [d for d in context.candidates if d not in general]
             return [(name, float(len(order) - i)) for i, name in enumerate(order)]
@@ -248,9 +250,11 @@ class MemSpecNode(LifecycleNode):
         self._window.clear()
         self._window.reset_counts()
         self._last_cache_key, self._cache_baseline = None, self._loaded.controller.cache.snapshot()
-        self._active = True
+        if self._loaded.predictor is not None:
+            self._loaded.predictor.latest = {}  # ~/cache_state shows this activation's rankings only
         self._runner.open(self._loaded, self._stats_pub)
         result = super().on_activate(state)  # enables the lifecycle publishers
+        self._active = True  # after them: a cache poll before would record its key and have its message dropped
         self.get_logger().info("active: accepting goals on ~/generate")
         return result
 
@@ -315,8 +319,12 @@ class MemSpecNode(LifecycleNode):
             self._active = False
             self._runner.end_goals("the node was stopped (a second signal)", wait_seconds=0.0)
         else:
-            self.close_goals("the node is being destroyed")
-            self._release()
+            if self._runner.closing:  # main()'s close already ended the goals and waited for their results
+                self._active = False
+            else:
+                self.close_goals("the node is being destroyed")
+            # freed now, or once a goal deaf to its end is done with them: never under it (as shutdown and error)
+            self._release_after_goal()
         self._runner.destroy()
         super().destroy_node()
 
@@ -497,7 +505,7 @@ class MemSpecNode(LifecycleNode):
         if lo is None or not self._active or pub is None:
             return
         snap = self.cache_snapshot(lo)
-        key = cache_state_key(snap)
+        key = (cache_state_key(snap), lo.registry.version)  # the message lists the registry's drafts too
         now = time.monotonic()
         period = self.get_parameter("diagnostics.cache_state_period").value
         if key == self._last_cache_key and now - self._last_cache_publish < period:
@@ -516,6 +524,20 @@ def _quiet_libraries() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:
         pass
+
+
+def serve(executor, closed: Future, logger) -> None:
+    """Spin until ``closed`` is done (a signal closed the goals) or the context ends; a failing callback is logged,
+    never the end of the node. spin_once, not spin_until_future_complete: rclpy's multi-threaded executor adds a
+    done-callback to the future at every wake-up, kept until it completes, which grew the node's memory for its
+    whole life (tens of thousands of closures within seconds of a busy timer)."""
+    while rclpy.ok(context=executor.context) and not closed.done():
+        try:
+            executor.spin_once(timeout_sec=SPIN_SECONDS)
+        except (KeyboardInterrupt, ExternalShutdownException):
+            break
+        except Exception as exc:
+            logger.error(f"a callback failed: {type(exc).__name__}: {exc}")
 
 
 def main(args: list[str] | None = None) -> None:
@@ -551,13 +573,7 @@ def main(args: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        while rclpy.ok() and not closed.done():
-            try:
-                executor.spin_until_future_complete(closed)
-            except (KeyboardInterrupt, ExternalShutdownException):
-                break
-            except Exception as exc:  # a failing callback is logged, never the end of the node
-                node.get_logger().error(f"a callback failed: {type(exc).__name__}: {exc}")
+        serve(executor, closed, node.get_logger())
     finally:
         executor.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_SECONDS)
         node.destroy_node()

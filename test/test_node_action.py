@@ -881,3 +881,31 @@ def test_a_goal_that_runs_past_max_goal_seconds_ends_aborted_with_its_text(h):
     assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
     refused = h.set_params(**{"action.max_goal_seconds": -1.0})[0]
     assert not refused.successful
+
+
+def test_a_queued_cancel_rclpy_never_marks_publishes_what_its_result_says(h, monkeypatch):
+    """A goal cancelled in the queue had its ~/generation_stats sent at once, "cancelled"; when rclpy then never
+    marked it CANCELING, its result became an ABORTED "error" and the message no longer matched it
+    (GenerationStats.msg promises the same values). The message now waits for the final word."""
+    from types import SimpleNamespace
+
+    from unique_identifier_msgs.msg import UUID
+
+    from memspec_ros.ros import goal_runner
+
+    runner = h.node._runner
+    monkeypatch.setattr(goal_runner, "CANCELING_WAIT_SECONDS", 0.05)
+    outcome = []
+    handle = SimpleNamespace(goal_id=UUID(uuid=list(range(16))), is_cancel_requested=False,
+                             abort=lambda: outcome.append("aborted"), canceled=lambda: outcome.append("canceled"))
+    job = goal_runner.Job(goal(max_new_tokens=4), [1, 2, 3], 4, goal_handle=handle)
+    with runner._cv:
+        runner._unanswered += 1
+    job.result = runner._result(job, goal_runner.CANCELLED, error="cancelled while queued", publish=False)
+    before = len(h.stats)
+    result = runner._answer(job, handle)
+    assert outcome == ["aborted"] and result.finish_reason == Generate.Result.FINISH_ERROR
+    wait_until(lambda: len(h.stats) > before, 10.0, "its generation_stats")
+    msg = h.stats[-1]
+    assert bytes(msg.goal_id.uuid) == bytes(range(16))
+    assert msg.finish_reason == result.finish_reason and msg.error_message == result.error_message

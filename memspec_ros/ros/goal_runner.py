@@ -549,25 +549,33 @@ class GoalRunner:
         return result
 
     def _result(self, job: Job, finish_reason: str, text: str = "", stats: GenerationStats | None = None,
-                error: str = "", ttft: float | None = None) -> Generate.Result:
-        """``ttft``: seconds from the goal's acceptance to its first token (None: the generation's own figure)."""
+                error: str = "", ttft: float | None = None, publish: bool = True) -> Generate.Result:
+        """``ttft``: seconds from the goal's acceptance to its first token (None: the generation's own figure).
+        ``publish`` false: ~/generation_stats is sent later (:meth:`_publish`), once the outcome is final."""
         result = Generate.Result(prompt_tokens=len(job.prompt_ids), text=ros_text(text), finish_reason=finish_reason,
                                  error_message=error)
         if stats is not None:
             fill_result(result, stats, ttft)
         self._window.count_finished()  # every ending path comes here, once per goal
+        if publish:
+            self._publish(job, result.finish_reason, result.error_message, stats, ttft)
+        return result
+
+    def _publish(self, job: Job, finish_reason: str, error: str, stats: GenerationStats | None = None,
+                 ttft: float | None = None) -> None:
+        """One ~/generation_stats message per finished goal, saying what its result says."""
         pub = self._stats_pub
-        if pub is not None:  # one ~/generation_stats message per finished goal
+        if pub is not None:
             pub.publish(generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
                                              job.goal_handle.goal_id, finish_reason, error,
                                              self._node.get_clock().now().to_msg(), ttft))
-        return result
 
     def _end_unrun(self, job: Job, reason: str, cancelled: bool = False) -> None:
         """A goal that ends before it ran (cancelled in the FIFO, or the goals ended): its result now, its
         slot free; rclpy gets the result from the execute callback ``_answer``."""
         job.abort_reason = reason or None
-        job.result = self._result(job, CANCELLED if cancelled else ERROR, error=reason)
+        # a cancelled one's result may still turn into an error (_answer): its message waits for the final word
+        job.result = self._result(job, CANCELLED if cancelled else ERROR, error=reason, publish=not cancelled)
         if cancelled:  # no EXECUTING state for a goal that never ran
             self.server.notify_execute(job.goal_handle, functools.partial(self._answer, job))
         else:
@@ -586,6 +594,7 @@ class GoalRunner:
                 job.result.error_message = (f"cancelled while queued, but rclpy did not mark the goal CANCELING within"
                                             f" {CANCELING_WAIT_SECONDS:g} s: ended ABORTED instead")
                 settle(goal_handle, ERROR)
+            self._publish(job, job.result.finish_reason, job.result.error_message)
         else:
             settle(goal_handle, ERROR)
         with self._cv:

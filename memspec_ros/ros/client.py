@@ -213,12 +213,17 @@ def _earlier_exchange(history: list) -> int | None:
     return None
 
 
+# how long a rejected turn waits for the node's next /diagnostics (published every diagnostic_updater.period, 1 s by
+# default; a subscription just made may first need its discovery): it returns as soon as the status comes
+REASON_WAIT_SECONDS = 10.0
+
+
 class RejectionReasons:
     """Why the node rejected a goal: an action's goal response carries no reason, the node's /diagnostics do (its
     target model status: 'goals rejected', 'last rejection'). ``mark()`` before sending, ``reason()`` after a
     rejection: the reason once the count has grown past the mark, None if no such status came in time."""
 
-    def __init__(self, node, executor, node_path: str, wait_seconds: float = 3.0) -> None:
+    def __init__(self, node, executor, node_path: str, wait_seconds: float = REASON_WAIT_SECONDS) -> None:
         from diagnostic_msgs.msg import DiagnosticArray
 
         self._executor, self._wait = executor, wait_seconds

@@ -339,7 +339,7 @@ def test_a_client_that_disappears_mid_goal(h):
         client = SafeActionClient(node, Generate, "/memspec_faults/generate")
         feedback: list = []
         wait_until(client.server_is_ready, 30.0, "the action server")
-        sent = client.send_goal_async(goal(max_new_tokens=400), feedback_callback=feedback.append)
+        sent = client.send_goal_async(goal(max_new_tokens=3000), feedback_callback=feedback.append)
         wait_until(lambda: sent.done() and len(feedback) >= 2, 30.0, "the goal's feedback")
         executor.shutdown(timeout_sec=2.0)
         client.destroy()
@@ -347,6 +347,7 @@ def test_a_client_that_disappears_mid_goal(h):
         rclpy.try_shutdown(context=context)
         spinner.join(5.0)
         client = node = executor = sent = None  # the client's side is gone
+        assert h.node._runner.counts()[0], "the goal ended before its client went: the scenario did not happen"
         idle(h)  # the orphaned goal ended
         assert all(run(h).completion_tokens == NEW for _ in range(2))
         assert_lossless(h)

@@ -579,6 +579,28 @@ def test_memspec_client_refuses_what_the_node_would_reject_naming_the_limit(args
         assert GoalRunner._settings_error(goal)  # the node rejects what the parser now refuses
 
 
+def answering_client(handle):
+    """An ActionClient stand-in whose server is ready and answers every goal with ``handle``."""
+    from rclpy.task import Future
+
+    class Answering:
+        def __init__(self, *args):
+            pass
+
+        def server_is_ready(self):
+            return True
+
+        def send_goal_async(self, goal, feedback_callback=None):
+            answer = Future()
+            answer.set_result(handle)
+            return answer
+
+        def destroy(self):
+            pass
+
+    return Answering
+
+
 def test_memspec_client_result_timeout_is_a_flag_900_s_by_default_and_0_waits_without_limit(monkeypatch, capsys):
     """The 900 s limit on a goal's result was hard-coded and undocumented: --result-timeout sets it (in --help), 900 s
     by default, 0 for none; send_goal waits for the result that long."""
@@ -595,27 +617,12 @@ def test_memspec_client_result_timeout_is_a_flag_900_s_by_default_and_0_waits_wi
         client.parse_args(["--help"])
     assert "--result-timeout SECONDS" in capsys.readouterr().out
 
-    class Accepting:
-        def __init__(self, *args):
-            pass
-
-        def server_is_ready(self):
-            return True
-
-        def send_goal_async(self, goal, feedback_callback=None):
-            result = Future()
-            result.set_result(type("Response", (), {"status": GoalStatus.STATUS_SUCCEEDED,
-                                                    "result": Generate.Result(text="ok")})())
-            handle = type("Handle", (), {"accepted": True, "get_result_async": lambda self: result})()
-            answer = Future()
-            answer.set_result(handle)
-            return answer
-
-        def destroy(self):
-            pass
-
+    result = Future()
+    result.set_result(type("Response", (), {"status": GoalStatus.STATUS_SUCCEEDED,
+                                            "result": Generate.Result(text="ok")})())
     waits = []
-    monkeypatch.setattr(rclpy.action, "ActionClient", Accepting)
+    monkeypatch.setattr(rclpy.action, "ActionClient", answering_client(
+        type("Handle", (), {"accepted": True, "get_result_async": lambda self: result})()))
     monkeypatch.setattr(client, "_spin_until", lambda executor, future, timeout: waits.append(timeout))
     for given, waited in ((0.0, math.inf), (42.0, 42.0)):
         outcome = client.send_goal(None, None, Generate.Goal(prompt="hi"), "/memspec/generate", server_timeout=3.0,
@@ -629,26 +636,10 @@ def test_memspec_client_rejection_message_names_every_reason_with_the_nodes_limi
     import io
 
     import rclpy.action
-    from rclpy.task import Future
 
     from memspec_ros.ros.client import send_goal
 
-    class Rejecting:
-        def __init__(self, *args):
-            pass
-
-        def server_is_ready(self):
-            return True
-
-        def send_goal_async(self, goal, feedback_callback=None):
-            answer = Future()
-            answer.set_result(type("Handle", (), {"accepted": False})())
-            return answer
-
-        def destroy(self):
-            pass
-
-    monkeypatch.setattr(rclpy.action, "ActionClient", Rejecting)
+    monkeypatch.setattr(rclpy.action, "ActionClient", answering_client(type("Handle", (), {"accepted": False})()))
     log = io.StringIO()
     executor = type("Executor", (), {"spin_once": lambda self, timeout_sec=None: None})()
     outcome = send_goal(None, executor, Generate.Goal(prompt="hi"), "/memspec/generate", out=io.StringIO(), log=log)

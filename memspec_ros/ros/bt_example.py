@@ -74,7 +74,8 @@ class Generate(py_trees.behaviour.Behaviour):
         self.result_future = None
         self.cancel_future = None  # the node's answer to the cancel of a preempted goal
         self.result = None
-        # succeeded | rejected | aborted | canceled | no-server | send-goal-timeout | server-gone | result-timeout
+        # succeeded | rejected | aborted | canceled | no-server | no-prompt | send-goal-timeout | server-gone |
+        # result-timeout
         self.outcome = ""
         self.streamed = ""
         self._started = 0.0

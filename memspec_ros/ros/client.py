@@ -11,9 +11,10 @@ turn and the model answers it; --system sends a system message before it (both i
 `messages`); --raw continues the text as is, without the template. --chat holds a conversation:
 each line read (a prompt argument first) is the next user turn, each goal carries the whole
 conversation so far, so the node's prompt cache encodes only the new turn; end it with Ctrl-D.
-A turn the node rejects is sent again without the oldest exchange (the system message stays), as often as
-there is one to drop: a conversation that outgrew generation.max_prompt_tokens goes on. If the turn is
-rejected even alone, the rejection had another cause: the dropped exchanges are put back and the turn fails.
+A turn the node rejects for its length (the reason it puts on /diagnostics) is sent again without the oldest
+exchange (the system message stays), as often as there is one to drop: a conversation that outgrew
+generation.max_prompt_tokens goes on. Rejected for another reason, the turn fails and the conversation is kept;
+with no reason in time, exchanges are dropped anyway and put back if the turn is rejected even alone.
 
 Like ``ros2 action send_goal --feedback``: the text is printed as it is generated, then the
 result's statistics. Exit status: 0 succeeded, 1 rejected / aborted / no server, 2 usage,

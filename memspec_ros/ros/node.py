@@ -89,17 +89,6 @@ def recorded(transition):
     return run
 
 
-def exception_chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and every exception it was raised from or while handling (``__cause__``, ``__context__``)."""
-    chain, todo = [], [exc]
-    while todo:
-        link = todo.pop()
-        if link is not None and all(link is not seen for seen in chain):
-            chain.append(link)
-            todo += [link.__cause__, link.__context__]
-    return chain
-
-
 class RecordingRanker:
     """The node's predictor: passes rankings through, keeps the latest scores for ~/cache_state and counts
     failed rankings for /diagnostics (a background one is otherwise only logged by OverlappedPredictor)."""
@@ -227,13 +216,7 @@ class MemSpecNode(LifecycleNode):
         try:
             self._loaded = self._load()
         except Exception as exc:  # every load error becomes a failed transition with its reason
-            failure = exc
-            for link in exception_chain(exc):  # their frames hold what the failed load made: freed below
-                link.__traceback__ = None
-        else:
-            failure = None
-        if failure is not None:  # outside the except block, whose traceback would keep those frames alive
-            return self._configure_failed(failure)
+            return self._configure_failed(exc)
         self._configure_error = self._transition_error = ""
         self._cache_baseline = None  # the new cache's counters start at zero
         self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)

@@ -36,6 +36,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -282,24 +283,16 @@ class DraftCacheManager:
                 slot = self._slots[name]
             future = slot.future
         stopped = False
-        if future is not None:
-            deadline = None if timeout is None else t0 + timeout
-            while True:
-                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                step = left if stop is None else STOP_POLL_SECONDS if left is None else min(left, STOP_POLL_SECONDS)
-                try:
-                    future.result(timeout=step)
-                    break
-                except TimeoutError:
-                    if future.done():  # the load itself raised a TimeoutError: a failure, recorded by _fail
-                        break
-                    if stop is not None and stop():
-                        stopped = True
-                        break
-                    if left is not None and left <= step:
-                        break
-                except Exception:  # _load recorded, counted and logged it (_fail); the slot says what happened
-                    break
+        deadline = math.inf if timeout is None else t0 + timeout
+        # futures.wait never raises: a failed load is _load's to record (_fail), and the slot says what happened
+        while future is not None and not future.done() and time.perf_counter() < deadline:
+            step = None if stop is None else STOP_POLL_SECONDS
+            if deadline < math.inf:
+                step = min(step or math.inf, max(0.0, deadline - time.perf_counter()))
+            futures.wait([future], timeout=step)
+            if stop is not None and not future.done() and stop():
+                stopped = True
+                break
         waited = time.perf_counter() - t0
         with self._lock:
             self._counters.wait_seconds += waited

@@ -367,17 +367,17 @@ def check_incremental_forward(model: torch.nn.Module, path: str) -> None:
     hybrid model keeps its state elsewhere than the KV cache it is handed (transformers' Mamba ignores it and saw
     only the tokens of each call, silently; LFM2 raised at its first forward). The engine's own lean forward
     (Llama-like decoders) needs no such check."""
-    from .kv_cache import preallocated_cache
+    from .speculative import KVState, forward_once
 
-    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    vocab = max(int(getattr(model.config, "vocab_size", 0) or 0), 1)
     device = next(model.parameters()).device
-    ids = torch.tensor([[t % max(vocab, 1) for t in (1, 2, 3, 4, 5)]], dtype=torch.long, device=device)
+    ids = [t % vocab for t in (1, 2, 3, 4, 5)]
     try:
         with torch.inference_mode():
-            whole = model(input_ids=ids, use_cache=False).logits[0, -1].float()
-            cache = preallocated_cache()
-            model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
-            stepped = model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True).logits[0, -1].float()
+            whole = forward_once(model, ids, KVState(), 1, device)[-1]
+            cached = KVState()
+            forward_once(model, ids[:4], cached, 1, device)
+            stepped = forward_once(model, ids[4:], cached, 1, device)[-1]
     except Exception as exc:
         raise UnsupportedArchitectureError(
             f"{path}: a forward over a cached prefix failed ({type(exc).__name__}: {exc}); the engine feeds every"

@@ -520,9 +520,8 @@ class CostAwareMemSpecPolicy(_Predicted):
         preferred = worth[0] if worth else active
         best_resident = next((d for d in worth if d in point.resident), active)
         if preferred not in point.resident and point.capacity and len(point.resident) >= point.capacity:
-            # a full cache, whose only slot the preferred draft's load could take besides the one kept running
-            # would be the active draft's, which the cache never evicts: switching to another resident draft now
-            # left the load no slot (it never started, yet was timed). Stay on the active draft while it loads.
+            # a full cache keeps the active draft and the one switched to: the load would have no slot (it never
+            # started, yet was timed). Stay on the active draft; the other resident one makes room for the load.
             best_resident = active
         if preferred != ranking[0][0]:
             self.declined += 1

@@ -702,17 +702,11 @@ class PredictionEngine(SynchronousRanking):
         return ranking
 
 
-def ranked_drafts(classes: Sequence[str], domains: Mapping[str, str]) -> list[str]:
-    """The registered drafts (name -> domain) that a head with these classes scores, as :func:`rank_candidates`
-    maps them (by name, else by domain); the others all get UNKNOWN_SCORE."""
-    known = set(classes)
-    return [name for name, domain in domains.items() if name in known or domain in known]
-
-
 def check_ranks_registry(classes: Sequence[str], domains: Mapping[str, str]) -> None:
-    """ValueError unless the head scores at least one registered draft: otherwise every draft ties at
-    UNKNOWN_SCORE and a ranking policy quietly runs the first registered ones."""
-    if domains and not ranked_drafts(classes, domains):
+    """ValueError unless the head scores at least one registered draft (name -> domain) as :func:`rank_candidates`
+    maps them (by name, else by domain): otherwise every draft ties at UNKNOWN_SCORE and a ranking policy quietly
+    runs the first registered ones."""
+    if domains and not any(name in classes or domain in classes for name, domain in domains.items()):
         raise ValueError(f"the predictor ranks {', '.join(classes)}; no registered draft has one of these names or"
                          f" domains (drafts {', '.join(f'{n} ({d})' for n, d in domains.items())}): use the predictor"
                          " trained for these drafts (predictor.path) or name each draft's domain in the registry")

@@ -211,6 +211,7 @@ class _Proposal:
     probs: list[torch.Tensor] = field(default_factory=list)
     kv: _KVState | None = None
     copied: bool = False  # copied from the context (runtime/lookup.py): q is one-hot on each token
+    seconds: float = 0.0  # a copy's: the lookup's own time, which stands in for a draft's
 
 
 class _Stopwatch:
@@ -496,16 +497,11 @@ class SpeculativeSession:
         if self.finished:
             raise RuntimeError(f"the generation has finished ({self.finish_reason}); start a new session")
         remaining = self.max_new_tokens - len(self.generated_ids)
-        if self._lookup is not None and self._gamma_chooser is not None and draft is not None:
-            # the draft's one-off timing runs (cached after the first) weigh a copy against it: done before the
-            # lookup's stopwatch, whose seconds are a copied iteration's draft time
-            self._draft_costs(draft_name, draft)
-        with _Stopwatch() as lookup_watch:
-            proposal = self._copied_proposal(remaining - 1, draft_name, draft)
+        proposal = self._copied_proposal(remaining - 1, draft_name, draft)
         if proposal.copied:  # the lookup's time stands in for the draft's
             draft_name = LOOKUP_DRAFT
             stats = IterationStats(draft=LOOKUP_DRAFT, proposed=0, accepted=0, committed=0,
-                                   draft_seconds=lookup_watch.seconds, verify_seconds=0.0)
+                                   draft_seconds=proposal.seconds, verify_seconds=0.0)
         else:
             gamma, costs = self._gamma_for(draft_name, draft) if draft is not None else (0, None)
             gamma = min(gamma, remaining - 1)
@@ -589,14 +585,19 @@ class SpeculativeSession:
         math, 1.007x law, 1.005x general, 0.997x medical, 0.967x code (GMEAN 1.017x)."""
         if self._lookup is None or most < 1:
             return _Proposal()
+        t0 = time.perf_counter()
         tokens, _ = self._lookup.propose(min(self.gamma, most))
+        seconds = time.perf_counter() - t0
         chooser = self._gamma_chooser
         if tokens and chooser is not None:
+            # the rival's costs are not the lookup's time: a new draft's first call runs its one-off timing forwards
+            rival = self._draft_costs(draft_name, draft) if draft is not None else None
+            t0 = time.perf_counter()
             chooser.max_gamma = self.gamma
             free = ForwardCosts(verify_ms=target_costs(self.target, self.gamma), draft_ms=0.0)
-            rival = self._draft_costs(draft_name, draft) if draft is not None else None
             tokens = tokens[: chooser.choose_copy(free, LOOKUP_DRAFT, len(tokens), draft_name, rival)]
-        return _Proposal(tokens=tokens, copied=True) if tokens else _Proposal()
+            seconds += time.perf_counter() - t0
+        return _Proposal(tokens=tokens, copied=True, seconds=seconds) if tokens else _Proposal()
 
     def _draft_costs(self, draft_name: str, draft: torch.nn.Module) -> ForwardCosts | None:
         """The draft's costs as adaptive gamma sees them (measured, then observed); None when its timing fails

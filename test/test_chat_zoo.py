@@ -689,3 +689,43 @@ def test_draft_gguf_with_a_target_that_is_no_gguf_says_so(tmp_path):
             main(["draft-gguf", "--draft", str(draft), "--target", target, "--out", str(tmp_path / "d.gguf")])
         assert str(exit_info.value).startswith("memspec-zoo draft-gguf: "), exit_info.value
     assert not (tmp_path / "d.gguf").exists()
+
+
+def test_drafts_never_learn_answers_to_requests_a_held_out_one_asks(tiny_build, tmp_path):
+    """A work dir split before such requests were dropped kept their answers out of the datastore only: the
+    vocabulary, the drafts' training and their early stopping still learnt them, and cached drafts that had were
+    taken for this build's."""
+    work = tmp_path / "work"
+    shutil.copytree(tiny_build.work_dir, work)
+    requests = work / "workloads" / "train_requests.jsonl"
+    rows = [json.loads(line) for line in requests.read_text().splitlines()]
+    held = json.loads((work / "workloads" / "code.jsonl").read_text().splitlines()[0])["prompt"]
+    rows[1]["prompt"] = cw._MATH_ASKS[0].format(p=held)  # the held-out request's material, asked in other words
+    requests.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build = ChatZooBuild(replace(tiny_build, work_dir=work, out_dir=tmp_path / "out"))
+    contaminated = load_answers(work / "teacher", "train")[1]
+    train_set, val = build._split()
+    assert all(a.prompt_ids != contaminated.prompt_ids for a in [*train_set, *val])
+    assert len(build.learning_answers()) == len(build.train_answers()) - 1
+    with pytest.raises(ValueError, match=r"vocab.json was made for other settings \(answers"):
+        build.run(["vocab"])
+    with pytest.raises(ValueError, match=r"cached general draft .* \(answers"):
+        build.run(["general"])
+
+
+def test_drafts_distilled_on_answers_made_again_are_not_taken_as_cached(tiny_target, tiny_build, tmp_path):
+    """The teacher's answers made again (another length, as its own error told the user to) with the same count:
+    the vocabulary and every draft were reported cached and shipped as distilled on the new answers."""
+    work = tmp_path / "work"
+    shutil.copytree(tiny_build.work_dir, work)
+    cfg = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")
+    with pytest.raises(ValueError, match=r"made with max_new_tokens \[10\], not 11"):  # checked before any training
+        ChatZooBuild(replace(cfg, teacher=replace(cfg.teacher, max_new_tokens=11))).run(["general"])
+    shutil.rmtree(work / "teacher")
+    longer = replace(cfg, teacher=replace(cfg.teacher, max_new_tokens=12))
+    ChatZooBuild(longer).run(["teacher"])
+    assert len(load_answers(work / "teacher", "train")) == len(load_answers(tiny_build.work_dir / "teacher", "train"))
+    with pytest.raises(ValueError, match=r"vocab.json was made for other settings \(answers_digest"):
+        ChatZooBuild(longer).run(["vocab"])
+    with pytest.raises(ValueError, match=r"cached general draft .* \(answers_digest"):
+        ChatZooBuild(longer).run(["general"])

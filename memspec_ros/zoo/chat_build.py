@@ -45,7 +45,7 @@ from .chat_drafts import (
     select_vocab,
     split_validation,
 )
-from .chat_workloads import ChatWorkloadConfig, build_chat_workloads, withhold_heldout, write_jsonl
+from .chat_workloads import ChatWorkloadConfig, asks_heldout, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
 from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers
 from .train import RESULT_FIELDS, TrainConfig, identity_changes, run_identity, train, write_text_atomic
@@ -106,6 +106,15 @@ class ChatBuildConfig:
 
 def _log(msg: str) -> None:
     print(f"[zoo] {msg}", flush=True)
+
+
+def answers_digest(answers) -> str:
+    """The answers a vocabulary or a draft was made from, by content (prompt and answer ids, in order): their count
+    alone took drafts distilled on answers made again (another length, other requests) for this build's."""
+    h = hashlib.sha256()
+    for a in answers:
+        h.update(json.dumps([list(a.prompt_ids), list(a.answer_ids)]).encode())
+    return h.hexdigest()[:16]
 
 
 def _check_cached(name: str, final: Path, identity: dict) -> None:
@@ -218,10 +227,19 @@ class ChatZooBuild:
                                  f" {self.workload_dir / 'train_requests.jsonl'} only {len(rows)} requests: the answers"
                                  " were made for other requests; remove that folder and run the teacher stage again")
             tok = self.tokenizer()
+            # the teacher's length too: drafts distilled on answers cut at another length were taken for this build's
             answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows[: len(answers)]], self.teacher_dir,
-                          "train", target_digest=self.target_digest())
+                          "train", self.cfg.teacher.max_new_tokens, target_digest=self.target_digest())
             self._train_answers = answers
         return self._train_answers
+
+    def learning_answers(self):
+        """The training answers the vocabulary and the drafts learn from: ``train_answers`` less those to requests
+        that ask what a held-out request asks (a work dir split before chat_workloads dropped them). The datastore
+        withholds the same ones; drafts that learnt them were scored on held-out requests they had seen."""
+        answers = self.train_answers()
+        asks = asks_heldout(self.workload_dir / "train_requests.jsonl", self.workload_dir) if answers else []
+        return [a for a, held in zip(answers, asks, strict=False) if not held]
 
     # ------------------------------------------------------------------ stages
     def workloads(self) -> None:
@@ -264,11 +282,12 @@ class ChatZooBuild:
 
     def vocab(self) -> None:
         path = self.w / "vocab.json"
-        answers = self.train_answers()
+        answers = self.learning_answers()
         if path.is_file():
             was = json.loads(path.read_text())
-            made = {k: was[k] for k in ("requested_rows", "answers") if k in was}  # older builds: unrecorded
-            now = {"requested_rows": self.cfg.arch.rows, "answers": len(answers)}
+            made = {k: was[k] for k in ("requested_rows", "answers", "answers_digest") if k in was}  # older: unrecorded
+            now = {"requested_rows": self.cfg.arch.rows, "answers": len(answers),
+                   "answers_digest": answers_digest(answers)}
             if made != {k: now[k] for k in made}:  # drafts trained on it record its digest and refuse another
                 raise ValueError(f"{path} was made for other settings ({identity_changes(made, now)}): remove it"
                                  " (and the drafts trained on it, in ckpt/) to make it again")
@@ -280,6 +299,7 @@ class ChatZooBuild:
         ids = select_vocab(answers, self.cfg.arch.rows, always=special)
         heldout = load_answers(self.teacher_dir, "heldout")
         stats = {"rows": len(ids), "requested_rows": self.cfg.arch.rows, "answers": len(answers),
+                 "answers_digest": answers_digest(answers),
                  "train_coverage": coverage(answers, ids), "heldout_coverage": coverage(heldout, ids)}
         write_text_atomic(path, json.dumps({"target_ids": ids, **stats}))  # its existence says the stage is done
         _log(f"vocab: {stats}")
@@ -299,7 +319,7 @@ class ChatZooBuild:
     def _split(self, domains: tuple[str, ...] | None = None):
         """(training, validation) answers of ``domains`` (None: all), from ONE split of every answer:
         a domain draft is validated on answers its starting point (``general``) never trained on."""
-        train_set, val = split_validation(self.train_answers(), seed=self.cfg.seed)
+        train_set, val = split_validation(self.learning_answers(), seed=self.cfg.seed)
         if domains is not None:
             train_set, val = [a for a in train_set if a.domain in domains], [a for a in val if a.domain in domains]
         if not val:  # every step would score 0 and the fine-tuning would silently keep its start
@@ -318,6 +338,7 @@ class ChatZooBuild:
                                                                    / "model.safetensors")[:16]
         vocab = hashlib.sha256(json.dumps(self.vocab_ids()).encode()).hexdigest()[:16]
         return run_identity(cfg, {"domains": sorted(domains), "answers": len(train_set), "validation_answers": len(val),
+                                  "answers_digest": answers_digest([*train_set, *val]),
                                   "teacher": self.target_digest(), "arch": asdict(self.cfg.arch), "vocab": vocab,
                                   "start": start, "max_prompt_tokens": self.cfg.max_prompt_tokens,
                                   "gamma": self.cfg.gamma})

@@ -353,19 +353,19 @@ def heldout_material(folder: Path) -> set[str]:
     return held
 
 
+def asks_heldout(requests: Path, folder: Path) -> list[bool]:
+    """Per row of a ``requests`` file: does it ask what a held-out request in ``folder`` asks (its material)."""
+    held = heldout_material(folder)
+    rows = [json.loads(line) for line in Path(requests).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [bool(request_material(row["prompt"]) & held) for row in rows]
+
+
 def withhold_heldout(answers: list, requests: Path, folder: Path) -> tuple[list, int]:
     """``answers`` (answer ``i`` to row ``i`` of the ``requests`` file) with those to requests that ask what a
     held-out request in ``folder`` asks replaced by empty ones (the rows stay aligned), and how many were."""
-    held = heldout_material(folder)
-    rows = [json.loads(line) for line in Path(requests).read_text(encoding="utf-8").splitlines() if line.strip()]
-    out, withheld = [], 0
-    for i, answer in enumerate(answers):
-        if i < len(rows) and request_material(rows[i]["prompt"]) & held:
-            out.append([])
-            withheld += 1
-        else:
-            out.append(answer)
-    return out, withheld
+    asks = asks_heldout(requests, folder)
+    withheld = [i < len(asks) and asks[i] for i in range(len(answers))]
+    return [[] if w else answer for w, answer in zip(withheld, answers, strict=True)], sum(withheld)
 
 
 def write_jsonl(path: Path, requests: list[ChatRequest]) -> None:

@@ -257,6 +257,15 @@ def test_decoder_verify_rows_equal_one_token_steps_bit_for_bit(path):
 
 
 @needs_decoder
+def test_a_layer_whose_rows_differ_together_keeps_the_model_off_the_one_call_decoder():
+    """check_rows sends such a layer's verify rows through one at a time; the C decoder took all of them at once."""
+    model = _decoder_model("int8", seed=12)
+    model.model.layers[1].mlp.down_proj.rows_at_once = False  # not fused: q/k/v and gate/up are checked fused
+    lean = lean_forward_for(model)
+    assert lean.decoder is None and "computes rows differently together" in lean.decoder_reason
+
+
+@needs_decoder
 @pytest.mark.parametrize("path", ["int4", "int8", "fp32"])
 def test_speculative_greedy_through_the_decoder_equals_the_target_alone(path):
     target, draft = _decoder_model(path, seed=9), _decoder_model(path, seed=9, noise=0.02)

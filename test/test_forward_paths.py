@@ -322,6 +322,27 @@ def test_a_kernel_that_is_not_row_exact_gets_its_rows_one_by_one(monkeypatch):
     assert forward_paths.check_rows(exact) and exact.rows_at_once
 
 
+def test_a_kernel_checked_at_one_thread_count_is_checked_again_at_another(monkeypatch):
+    """The verdict was cached by shape alone: a node reconfigured to more threads kept a one-thread verdict for a
+    kernel that blocks its sums by the thread count."""
+    from memspec_ros.runtime import forward_paths
+
+    class ThreadDrifting(Int8Linear):  # rows summed together differ only when more than one thread splits them
+        def _matmul(self, rows):
+            return super()._matmul(rows) + 1e-3 * (rows.shape[0] > 1) * (torch.get_num_threads() > 1)
+
+    monkeypatch.setattr(forward_paths, "_ROWS_CHECKED", {})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert forward_paths.check_rows(ThreadDrifting(torch.randn(16, 48), None))
+        torch.set_num_threads(2)
+        layer = ThreadDrifting(torch.randn(16, 48), None)
+        assert not forward_paths.check_rows(layer) and not layer.rows_at_once
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_kernel_that_rarely_sums_rows_differently_is_caught(monkeypatch):
     """bf16's rounded outputs hide most of a kernel's other summation order for more rows: the difference shows
     on a few inputs only, so one probe often missed it; the check must try enough inputs."""

@@ -330,3 +330,17 @@ def test_the_tokenizer_fingerprint_is_the_vocabulary_not_the_special_tokens_name
     assert tokenizer_fingerprint(tok) == before
     tok.add_tokens(["a-brand-new-token"])
     assert tokenizer_fingerprint(tok) != before
+
+
+def test_quantized_drafts_load_in_fp32_and_are_refused_off_the_cpu(zoo):
+    """A bf16 target's drafts on the default int4 path failed at every load on the loader thread (the node decoded
+    with the target alone, the message naming the target's dtype), and on cuda the CPU kernels were handed device
+    memory: both are settled when the loader is made."""
+    reg = DraftRegistry.from_yaml(zoo / "registry.yaml")
+    loaded = registry_loader(reg, "bf16", quantization="int4")("code")
+    assert loaded.spec.quantization == "int4" and loaded.spec.dtype == "fp32"
+    for quantization in ("int8", "int4", "auto"):
+        with pytest.raises(ValueError, match="drafts on cuda need quantization 'none'"):
+            registry_loader(reg, "fp32", "cuda", quantization=quantization)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        registry_loader(reg, quantization="int3")

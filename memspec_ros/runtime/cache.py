@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import LoadedModel, ModelSpec, check_draft_compatible, load_model
+from .models import LoadedModel, ModelSpec, check_draft_compatible, forward_path_for, load_model
 from .stats import CacheStats
 from .storage import weights_identity
 
@@ -683,6 +683,13 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
     from .draft_forward import lean_forward_for
     from .storage import draft_storage
 
+    if quantization in ("int8", "int4"):  # their own weight format, made from fp32: a bf16 target's dtype cannot apply
+        dtype = "fp32"
+    if torch.device(device).type != "cpu" and quantization != "none":
+        # drafts are built on the CPU and moved: the engine's CPU kernels would then read device memory as host memory
+        raise ValueError(f"draft quantization {quantization!r} runs on the engine's CPU kernels: drafts on {device}"
+                         " need quantization 'none'")
+    forward_path_for(draft_spec("", dtype, quantization))  # a contradiction fails here, not at every load
     reader = draft_storage(storage)
 
     def load(name: str) -> LoadedModel:

@@ -377,6 +377,8 @@ def _kernel_linear(module: torch.nn.Module) -> _Linear | str:
 
     if getattr(module, "bias", None) is not None:
         return f"{type(module).__name__} has a bias"
+    if not getattr(module, "rows_at_once", True):  # the C call takes a verify's rows together: they would differ
+        return f"{type(module).__name__} computes rows differently together (forward_paths.check_rows)"
     if isinstance(module, Int4Linear) and module.own_kernel:
         return _Linear(4, module.in_features, module.out_features, _ptr(module.packed), _ptr(module.scale_min), None)
     if isinstance(module, Float32Linear):

@@ -401,8 +401,10 @@ def check_rows(module: FastLinear) -> bool:
     A kernel that sums in another order for more rows differs in most fp32 outputs, but bf16's outputs are
     rounded to 8 bits, which hides most of it: on 576x1536 layers 2-5 outputs in 10,000 still differed, so the
     single 9-row probe (about 1.3 differing outputs expected) called 7 of 12 random weight sets exact, 3 of them
-    wrongly (a review's run on an AVX512-BF16 EPYC, oneDNN). Sixteen probes leave a miss at about e^-20."""
-    key = (type(module).__name__, module.in_features, module.out_features)
+    wrongly (a review's run on an AVX512-BF16 EPYC, oneDNN). Sixteen probes leave a miss at about e^-20.
+    The thread count is in the key: ATen's fallbacks (bf16, int4) block by it, and a node reconfigured to more
+    threads reloads its target with the verdict of the old count."""
+    key = (type(module).__name__, module.in_features, module.out_features, torch.get_num_threads())
     if key not in _ROWS_CHECKED:
         _ROWS_CHECKED[key] = rows_agree(module._matmul, module.in_features)
     module.rows_at_once = _ROWS_CHECKED[key]

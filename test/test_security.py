@@ -490,3 +490,26 @@ def test_the_readme_lists_every_interface_an_sros2_policy_must_allow():
         for name in names:
             assert name.rsplit("/", 1)[-1] in section, name
     assert "--enclave" in section and "not tested" in section
+
+
+def test_gptq_quantization_refuses_a_pickle_only_source_before_gptqmodel_opens_it(zoo, tmp_path, monkeypatch):
+    """GPTQModel.load falls back to torch.load on a folder with only pytorch_model.bin: the check before it read
+    the config alone."""
+    import sys
+    import types
+
+    from memspec_ros.runtime import gptq, models
+
+    marker = tmp_path / "pickle-ran"
+    src = copy_draft(zoo, "gptq_source")
+    (src / "model.safetensors").unlink()
+    plant_pickle(src / "pytorch_model.bin", marker)
+    opened = []
+    fake = types.ModuleType("gptqmodel")
+    fake.GPTQModel = types.SimpleNamespace(load=lambda *a, **k: opened.append(a))
+    fake.QuantizeConfig = lambda **k: k
+    monkeypatch.setitem(sys.modules, "gptqmodel", fake)
+    monkeypatch.setattr(models, "gptq_backend_available", lambda: True)
+    with pytest.raises(ModelDirectoryError, match="pickled weights"):
+        gptq.quantize_gptq(src, tmp_path / "out", ["some calibration text"])
+    assert not opened and not marker.exists()

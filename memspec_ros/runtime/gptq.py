@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .models import load_tokenizer, read_config
+from .models import load_tokenizer, read_config, safetensors_files
 from .row_exact import prepare_for_engine  # noqa: F401 - the GPTQ library's other half (zoo/gptq_cli.py)
 
 
@@ -33,6 +33,7 @@ def quantize_gptq(src: str | Path, out: str | Path, texts: Sequence[str | Sequen
     from gptqmodel import GPTQModel, QuantizeConfig
 
     read_config(src)  # a clear error for a bad directory before gptqmodel's own
+    safetensors_files(src)  # pickled weights refused: GPTQModel.load would fall back to torch.load on them
     tokenizer = load_tokenizer(src)
     calibration = [dict(tokenizer(text)) if isinstance(text, str)
                    else {"input_ids": [int(t) for t in text], "attention_mask": [1] * len(text)}

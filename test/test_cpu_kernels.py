@@ -256,6 +256,26 @@ def test_decoder_verify_rows_equal_one_token_steps_bit_for_bit(path):
     assert torch.equal(verify, steps)
 
 
+@pytest.mark.parametrize("path", ["int4", "int8", "bf16"])
+def test_the_fused_linears_share_the_models_weights(path):
+    """The lean forward's q/k/v and gate/up were copies: an int4 target held them twice, uncounted."""
+    from memspec_ros.runtime.models import parameter_bytes
+
+    model = tiny_llama(vocab_size=96, hidden=256, layers=2, seed=3, init_range=0.2)
+    apply_path(model, path)
+    counted = parameter_bytes(model)
+    lean = lean_forward_for(model)
+    fused = [m for layer in lean.layers for m in (layer.qkv, layer.gate_up)]
+    assert all(type(m).__name__.endswith("Linear") for m in fused)  # fused, not computed part by part
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [*model.parameters(), *model.buffers(), *(b for m in fused for b in m.buffers())]}
+    # ATen's int4 layout (no kernels here) keeps its scale_zero by input group: that small buffer stays a copy
+    extra = sum(b.numel() * b.element_size() for m in fused for n, b in m.named_buffers() if n == "scale_zero")
+    assert sum(held.values()) <= counted + extra
+    x = torch.randn(3, 256)
+    assert torch.equal(model.model.layers[0].self_attn.k_proj(x), lean.layers[0].qkv(x)[:, 256:384])
+
+
 @needs_decoder
 def test_a_layer_whose_rows_differ_together_keeps_the_model_off_the_one_call_decoder():
     """check_rows sends such a layer's verify rows through one at a time; the C decoder took all of them at once."""

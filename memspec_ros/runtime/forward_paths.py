@@ -366,7 +366,28 @@ def concat_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
         if not torch.equal(fused(probe), torch.cat([p(probe) for p in parts], dim=-1)):
             return None
     check_rows(fused)
+    _share_storage(fused, parts, probe)
     return fused
+
+
+def _share_storage(fused: torch.nn.Module, parts: list[torch.nn.Module], probe: torch.Tensor) -> None:
+    """Each part's buffers laid out by output row become views of the fused module's (the model keeps its parts for
+    transformers' forward, the lean forward runs the fused one): one copy of the weights, as f32_kernel_linear keeps
+    on fp32. Without this an int4 target held its q/k/v and gate/up twice (about a third more than its
+    parameter_bytes). A buffer laid out otherwise (ATen's int4 scale_zero, by input group) keeps its copy."""
+    with torch.no_grad():
+        before = [p(probe) for p in parts]
+        for name, whole in fused.named_buffers(recurse=False):
+            sizes = [p._buffers[name].shape for p in parts]
+            if whole.dim() == 0 or any(s[1:] != whole.shape[1:] for s in sizes) or \
+                    sum(s[0] for s in sizes) != whole.shape[0]:
+                continue
+            start = 0
+            for part, size in zip(parts, sizes, strict=True):
+                part._buffers[name] = whole.narrow(0, start, size[0])
+                start += size[0]
+        if not all(torch.equal(p(probe), b) for p, b in zip(parts, before, strict=True)):
+            raise RuntimeError(f"{type(fused).__name__}: its parts changed when made views of the fused weights")
 
 
 MAX_VERIFY_ROWS = 9  # a verify feeds gamma + 1 rows: checked up to gamma = 8, the most the engine allows

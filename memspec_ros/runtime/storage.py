@@ -301,6 +301,8 @@ class RuntimeForm:
                     if key is None:  # a tied tensor is stored once and fills every slot it filled
                         key = keys[id(tensor)] = f"{path}.{name}" if path else name
                         tensor = tensor.detach().contiguous()
+                        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                            tensor = tensor.clone()  # a view of fused weights: safetensors refuses shared storage
                         half = fp16_exact(tensor)  # fp32 that fp16 holds exactly is stored at half the bytes
                         if half is not None:
                             tensor = half

@@ -149,6 +149,20 @@ def test_a_save_cut_short_leaves_the_datastore_that_was_there(tmp_path, monkeypa
     with pytest.raises(OSError, match="No space"):
         Datastore([[4, 5, 6, 7]], fingerprint="tok-a").save(path)
     assert path.read_bytes() == before and Datastore.load(path, fingerprint="tok-a").answers == 1
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no hidden partial file left in the zoo
+
+
+def test_a_datastore_takes_integer_token_ids_and_keeps_its_own_metadata(tmp_path):
+    """Floats were truncated to ids (1.7 -> 1) and booleans taken as 0/1, where the file loader refuses both; a
+    caller's metadata named like the file's own replaced it (a format the loader then refused, a wrong count)."""
+    for answer in ([1.5, 2.0], [True, False]):
+        with pytest.raises(DatastoreError, match="not token ids"):
+            Datastore([[1, 2], answer])
+    assert Datastore([np.array([1, 2], dtype=np.uint16), []]).answers == 2
+    for key in ("format", "answers", "tokenizer_fingerprint"):
+        with pytest.raises(ValueError, match=f"{key} is the file's own"):
+            Datastore([[1, 2, 3]]).save(tmp_path / "d.safetensors", **{key: "x"})
+        assert not list(tmp_path.iterdir())
 
 
 def test_a_datastore_for_another_tokenizer_or_not_a_datastore_is_refused(tmp_path):

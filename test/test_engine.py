@@ -290,6 +290,28 @@ def test_sampled_generation_matches_target_distribution():
     assert stat < chi2_critical(dof), (stat, dof)
 
 
+def test_a_draft_that_fails_mid_proposal_keeps_only_committed_tokens_in_its_cache(target, drafts, monkeypatch):
+    """Its forward advanced the cache over its first proposal before the second one's logits failed: a session kept
+    past the failure fed that draft a context with a token never committed."""
+    from memspec_ros.runtime import speculative
+
+    draft = drafts["close"]
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=3)
+    session.prefill()
+    session.step("close", draft)
+    real, calls = speculative._forward, []
+
+    def second_fails(model, *args):
+        logits = real(model, *args)
+        calls.append(model is draft)
+        return torch.full_like(logits, float("nan")) if calls.count(True) == 2 else logits
+
+    monkeypatch.setattr(speculative, "_forward", second_fails)
+    with pytest.raises(speculative.DraftFailure, match="not finite"):
+        session.step("close", draft)
+    assert session._draft_kv["close"].length == len(session.tokens)
+
+
 def test_draft_evicted_on_another_thread_mid_iteration_does_not_break_the_step(target, drafts):
     # the cache's loader thread calls drop_draft when it evicts; here it lands while the draft runs
     session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=3, lean_drafts=False)

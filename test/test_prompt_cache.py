@@ -75,6 +75,21 @@ def test_take_crops_to_the_shared_prefix_leaves_a_token_to_feed_and_empties_the_
     assert cache.tokens == 5 and kv.length == 5 and kv.cache.get_seq_length() == 5
 
 
+def test_a_goal_that_shares_nothing_hands_the_dropped_caches_pages_back(target, monkeypatch):
+    """With no budget for older goals, a goal sharing nothing with the kept conversation dropped its caches without
+    handing their pages back (as every other drop does)."""
+    from memspec_ros.runtime import prompt_cache
+
+    released = []
+    monkeypatch.setattr(prompt_cache, "release_freed_memory", lambda: released.append(1))
+    cache = PromptCache()
+    tokens = _ids(20, 1)
+    cache.keep(tokens, _filled(target, tokens))
+    released.clear()
+    assert cache.take([99, 98]).target is None and cache.tokens == 0
+    assert released == [1]
+
+
 def test_a_session_refuses_a_prefix_that_leaves_nothing_to_feed(target):
     prompt = _ids(8, 2)
     with pytest.raises(ValueError, match="1 to 7"):

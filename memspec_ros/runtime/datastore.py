@@ -90,7 +90,10 @@ class Datastore:
         self.fingerprint = fingerprint
         parts, self.answers = [], 0
         for answer in answers:
-            ids = np.asarray(answer, dtype=np.int64)
+            given = np.asarray(answer)
+            if given.size and given.dtype.kind not in "iu":  # int64 would truncate 1.7 to 1 and take True as 1
+                raise DatastoreError(f"datastore answer {self.answers} holds {given.dtype} values, not token ids")
+            ids = given.astype(np.int64).reshape(-1)
             if (ids < 0).any():  # -1 too: it is the separator, and would split the answer in two when saved
                 raise DatastoreError(f"datastore answer {self.answers} holds a negative token id")
             parts += [ids, np.array([SEPARATOR], dtype=np.int64)]
@@ -174,13 +177,19 @@ class Datastore:
         lengths = np.diff(np.concatenate([[-1], np.flatnonzero(self.tokens == SEPARATOR)])) - 1
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         dtype = np.uint16 if (not len(flat) or flat.max() <= np.iinfo(np.uint16).max) else np.int32
+        own = {"format": FORMAT, "tokenizer_fingerprint": self.fingerprint, "answers": str(self.answers)}
+        clash = sorted(set(own) & set(metadata))
+        if clash:  # a caller's value would replace the file's own: a format load refuses, a wrong count
+            raise ValueError(f"datastore metadata {', '.join(clash)} is the file's own; name it otherwise")
         # written aside and renamed: a cut rebuild must leave the datastore the node reads, not half of a new one
         path = Path(path)
         tmp = path.with_name(f".{path.name}.partial")
-        save_file({"tokens": flat.astype(dtype), "offsets": offsets}, str(tmp),
-                  metadata={"format": FORMAT, "tokenizer_fingerprint": self.fingerprint,
-                            "answers": str(self.answers), **{k: str(v) for k, v in metadata.items()}})
-        os.replace(tmp, path)
+        try:
+            save_file({"tokens": flat.astype(dtype), "offsets": offsets}, str(tmp),
+                      metadata={**own, **{k: str(v) for k, v in metadata.items()}})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed write leaves no hidden partial file in the zoo
 
     @classmethod
     def load(cls, path: str | Path, config: LookupConfig | None = None,

@@ -208,7 +208,11 @@ class PromptCache:
         # repeated or edited turn) gets copies of that part, and the conversation stays for its own next turn
         move = best is not None and (not self.budget_bytes or shared == len(best.tokens))
         if not self.budget_bytes:
+            dropped = [e for e in self._entries if e is not best]
             self._entries = []
+            if dropped:  # the others' caches are freed here, as _trim and clear free theirs
+                del dropped
+                release_freed_memory()
         elif move:
             self._entries = [e for e in self._entries if e is not best]
         if best is None:

@@ -542,32 +542,36 @@ class SpeculativeSession:
         feed = self.tokens[kv.length :]
         lean = lean_forward_for(draft) if self.lean_drafts else None
         confidence = 1.0  # the draft's chance that every proposal so far is accepted
-        for k in range(1, gamma + 1):
-            if costs is not None and k > 1 and not draft_pays(costs, k, confidence):
-                break
-            with _Stopwatch() as watch:
-                if self.sampling.greedy:
-                    token, p = _greedy_draft_token(draft_name, draft, feed, kv, 1, self.device, lean,
-                                                   confidence=costs is not None)
-                    q = None
+        try:
+            for k in range(1, gamma + 1):
+                if costs is not None and k > 1 and not draft_pays(costs, k, confidence):
+                    break
+                with _Stopwatch() as watch:
+                    if self.sampling.greedy:
+                        token, p = _greedy_draft_token(draft_name, draft, feed, kv, 1, self.device, lean,
+                                                       confidence=costs is not None)
+                        q = None
+                    else:
+                        token, q = self._choose(_checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean))
+                        p = float(q[token]) if costs is not None else 1.0
+                if catching_up and k == 1:
+                    stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds
                 else:
-                    token, q = self._choose(_checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean))
-                    p = float(q[token]) if costs is not None else 1.0
-            if catching_up and k == 1:
-                stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds
-            else:
-                stats.draft_seconds += watch.seconds
-            confidence *= p
-            # greedy only: a sampled token dropped for its own probability would leave the proposals drawn from q
-            # cut to its likelier tokens while the acceptance rule divides by q (biased output). Sampling keeps
-            # every drawn token; the stop then comes before the next draw (draft_pays), decided by the past alone.
-            if costs is not None and q is None and not row_pays(costs, k, confidence):
-                stats.dropped += 1
-                break
-            proposal.tokens.append(token)
-            if q is not None:
-                proposal.probs.append(q)
-            feed = [token]
+                    stats.draft_seconds += watch.seconds
+                confidence *= p
+                # greedy only: a sampled token dropped for its own probability would leave the proposals drawn from q
+                # cut to its likelier tokens while the acceptance rule divides by q (biased output). Sampling keeps
+                # every drawn token; the stop then comes before the next draw (draft_pays), decided by the past alone.
+                if costs is not None and q is None and not row_pays(costs, k, confidence):
+                    stats.dropped += 1
+                    break
+                proposal.tokens.append(token)
+                if q is not None:
+                    proposal.probs.append(q)
+                feed = [token]
+        except DraftFailure:  # its cache may hold its earlier proposals, never committed: keep a prefix of the text
+            kv.crop_to(min(kv.length, len(self.tokens)))
+            raise
         self._last_draft = draft_name
         return proposal
 

@@ -212,7 +212,7 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     assert set(general_meta["domains"]) == {*DOMAINS, "mixed"}
     assert general_meta["answers"] == len(split_validation(load_answers(work / "teacher", "train"))[0])
     registry = (out / "registry.yaml").read_text()
-    assert f"path: {path}" in registry and all(f"path: drafts/{d}" in registry for d in DOMAINS)
+    assert f'path: "{path}"' in registry and all(f"path: drafts/{d}" in registry for d in DOMAINS)
     assert (out / "workloads" / "mixed.jsonl").is_file()
     target = load_model(ModelSpec(str(path))).model
     prompt = chat_prompt_ids(tok, [{"role": "user", "content": "code request 0"}])
@@ -257,6 +257,11 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     paired = datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok)
     assert [(a.prompt_ids, a.answer_ids, a.domain) for a in paired] == [
         (a.prompt_ids, a.answer_ids, a.domain) for a in train]
+    fewer = tmp_path / "three_requests.jsonl"
+    fewer.write_text("".join((tiny_build.out_dir / "workloads" / "train_requests.jsonl").read_text()
+                             .splitlines(keepends=True)[:3]))
+    with pytest.raises(ValueError, match=r"holds \d+ answers but .* only 3 requests"):
+        datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok, fewer)
     # the stage alone, into an output folder no export has made yet (a build that stores its answers first)
     alone = replace(tiny_build, out_dir=tmp_path / "fresh")
     ChatZooBuild(alone).run(["datastore"])
@@ -515,6 +520,12 @@ def test_settings_the_chat_zoo_would_drop_are_refused(tiny_build, tmp_path):
     assert answered_rows(prompts, teacher, "train", tiny_build.teacher.max_new_tokens) == len(prompts)
     with pytest.raises(ValueError, match="made with max_new_tokens"):
         answered_rows(prompts, teacher, "train", tiny_build.teacher.max_new_tokens + 1)
+    # acceptance over a build's teacher folder: the fix is the length they were made with, not removing the folder
+    # (it holds the build's training answers too)
+    with pytest.raises(SystemExit, match=r"made with max_new_tokens \[10\].*--max-new-tokens 10\)"):
+        main(["acceptance", "--json", str(tmp_path / "a.json"), "--models", str(tiny_build.out_dir),
+              "--answers", str(teacher), "--max-new-tokens", "11"])
+    assert not (tmp_path / "a.json").exists()
 
 
 def test_a_failed_export_leaves_the_zoo_as_it_was(tiny_build, tmp_path, monkeypatch):
@@ -729,3 +740,31 @@ def test_drafts_distilled_on_answers_made_again_are_not_taken_as_cached(tiny_tar
         ChatZooBuild(longer).run(["vocab"])
     with pytest.raises(ValueError, match=r"cached general draft .* \(answers_digest"):
         ChatZooBuild(longer).run(["general"])
+
+
+def test_a_relative_target_is_written_where_the_registry_finds_it(tiny_target, tiny_build, tmp_path, monkeypatch):
+    """The registry reads a path from its own folder: a --target relative to where the build ran named a file
+    that was not there, and a '#' or ': ' in it broke the YAML."""
+    from memspec_ros.runtime.loader import registry_target
+
+    target = tmp_path / "target #1: tiny"
+    shutil.copytree(tiny_target[0], target)
+    monkeypatch.chdir(tmp_path)
+    cfg = replace(tiny_build, target=target.name, out_dir=tmp_path / "out")
+    ChatZooBuild(cfg).run(["export"])
+    assert registry_target(cfg.out_dir / "registry.yaml") == str(target.resolve())
+
+
+def test_a_zoo_built_from_a_hugging_face_folder_is_measured_as_a_chat_zoo(tiny_build, tmp_path):
+    """Only a GGUF or package target was recognised: acceptance and card took such a zoo for the toy one (its
+    reduced-vocabulary drafts loaded unwrapped, an IndexError on the first target id past their rows)."""
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo.cli import _is_chat_zoo, main
+
+    assert _is_chat_zoo(tiny_build.out_dir)
+    out = tmp_path / "acceptance.json"
+    assert main(["acceptance", "--json", str(out), "--models", str(tiny_build.out_dir), "--plot",
+                 str(tmp_path / "m.png"), "--answers", str(tiny_build.work_dir / "teacher"), "--max-new-tokens",
+                 str(tiny_build.teacher.max_new_tokens)]) == 0
+    assert set(json.loads(out.read_text())["matrix"]) == set(DOMAINS)
+    assert not _is_chat_zoo(build_tiny_zoo(tmp_path / "toy", hidden=32, layers=1))  # full-vocabulary drafts, a folder

@@ -392,6 +392,8 @@ class ChatZooBuild:
                 self._distil(domain, self._draft(start_from), self._split(domains), cfg, domains, start_from)
 
     def export(self) -> None:
+        from memspec_ros.runtime.model_source import PKG_PREFIX
+
         from .registry_io import write_registry
 
         out = Path(self.cfg.out_dir)
@@ -425,7 +427,8 @@ class ChatZooBuild:
                 shutil.rmtree(dest)
             os.replace(staging / rel, dest)
         shutil.rmtree(staging)
-        write_registry(out, target=self.cfg.target)
+        target = str(self.cfg.target)  # the registry reads a path from its own folder: a relative one is made absolute
+        write_registry(out, target=target if target.startswith(PKG_PREFIX) else str(Path(target).resolve()))
         _log(f"export: drafts, workloads and registry.yaml in {out}")
 
     def datastore(self) -> None:

@@ -239,7 +239,15 @@ def _run_chat_acceptance(a) -> int:
 
     from .chat_acceptance import answers_cache_dir, chat_acceptance, chat_row, workload_rows, write_acceptance
     from .corpora import WORKLOADS
-    from .teacher import TeacherConfig, answer_requests, answered_prompts, answered_rows, chat_prompt_ids, load_answers
+    from .teacher import (
+        TeacherConfig,
+        answer_requests,
+        answered_limits,
+        answered_prompts,
+        answered_rows,
+        chat_prompt_ids,
+        load_answers,
+    )
     from .workloads import read_jsonl, request_problem
 
     torch.set_num_threads(a.threads)
@@ -266,7 +274,8 @@ def _run_chat_acceptance(a) -> int:
                         for row in read_jsonl(Path(a.models) / "workloads" / f"{w}.jsonl", row_check=request_problem)]
     except (OSError, ValueError) as exc:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
-    has_target = is_model_source(registry.target_path or "")
+    target_path = registry.target_path or ""  # a GGUF, a package's file, or a Hugging Face folder (tests, users)
+    has_target = is_model_source(target_path) or Path(target_path).is_dir()
     tok = load_tokenizer(registry.target_path) if has_target else None
     digest = model_digest(registry.target_path) if has_target else None  # answers by another target are refused
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
@@ -274,7 +283,11 @@ def _run_chat_acceptance(a) -> int:
                                  a.max_new_tokens, digest) if tok
                    else len(answered_prompts(answers_dir, "heldout")))  # no tokenizer to compare the prompts with
     except ValueError as exc:
-        raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
+        # answers cut at another length are scored as made with that length: removing the folder (a build's
+        # teacher folder holds its training answers too) is not the fix the user needs first
+        made = answered_limits(answers_dir, "heldout") - {a.max_new_tokens}
+        hint = f" (or score them as made: --max-new-tokens {made.pop()})" if len(made) == 1 else ""
+        raise SystemExit(f"memspec-zoo acceptance: {exc}{hint}") from None
     if covered < len(rows):
         if not has_target:
             raise SystemExit(f"memspec-zoo acceptance: {len(rows) - covered} held-out requests have no stored answer"
@@ -332,16 +345,20 @@ def _models_argument(p) -> None:
 
 
 def _is_chat_zoo(models: Path) -> bool:
-    """A zoo whose target is a model source (a GGUF or a package's file) rather than a folder in it."""
-    from memspec_ros.runtime.loader import registry_target
+    """A zoo that `memspec-zoo build` made: its target is a model source (a GGUF or a package's file), or its
+    drafts have reduced vocabularies (a build from a Hugging Face folder); the toy zoo has neither."""
+    from memspec_ros.runtime.draft_vocab import VOCAB_FILE
     from memspec_ros.runtime.model_source import is_model_source
+    from memspec_ros.runtime.registry import DraftRegistry
 
     registry = models / "registry.yaml"
     if not registry.is_file():
         raise SystemExit(f"no zoo at {models} (registry.yaml missing): build it with `memspec-zoo build` or pass"
                          " --models")
     try:
-        return is_model_source(registry_target(registry) or "")
+        zoo = DraftRegistry.from_yaml(registry, validate=False)
+        return is_model_source(zoo.target_path or "") or any((Path(e.path) / VOCAB_FILE).is_file()
+                                                              for e in zoo.entries())
     except ValueError as exc:  # RegistryError: the file says what to fix
         raise SystemExit(f"memspec-zoo: {exc}") from None
 

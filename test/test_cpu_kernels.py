@@ -469,6 +469,12 @@ def test_a_damaged_cached_library_is_built_again(tmp_path):
     assert library.stat().st_size > 100
 
 
+def test_a_mistyped_kernel_switch_is_named_not_taken_for_on(tmp_path):
+    """MEMSPEC_CPU_KERNELS=portabel (meant for an A/B run against the portable C) built the SIMD kernels silently."""
+    out = _status_in_subprocess({"MEMSPEC_CACHE_DIR": str(tmp_path), cpu_kernels.ENV_SWITCH: "portabel"})
+    assert "'portabel' is none of 0, portable, 1" in out and "| True |" not in out, out
+
+
 @needs_compiler
 def test_a_library_built_without_openmp_says_so(tmp_path):
     """The fallback builds (no OpenMP, then portable C) are cached under the full build's key: the status says the

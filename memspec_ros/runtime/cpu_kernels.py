@@ -183,6 +183,9 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
     switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
     if switch in ("0", "false", "no", "off"):
         return None, KernelStatus(reason=f"turned off by {ENV_SWITCH}=0")
+    if switch not in ("1", "true", "yes", "on", "", PORTABLE):  # a typo meant for an A/B run built the SIMD kernels
+        return None, KernelStatus(reason=f"{ENV_SWITCH}={switch!r} is none of 0, {PORTABLE}, 1: kernels off until"
+                                         " it is")
     from .model_source import cache_root  # the one cache folder the runtime writes to
 
     folder, portable = cache_root() / "kernels", switch == PORTABLE

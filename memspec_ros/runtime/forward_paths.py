@@ -293,13 +293,19 @@ class Q8Embedding(torch.nn.Module):
         if w.dtype != torch.float32 or dim % Q8_BLOCK:
             return None
         blocks = w.view(rows, dim // Q8_BLOCK, Q8_BLOCK)
-        # Q8_0's quantizer maps each block's largest magnitude to 127, so that value over 127 is the scale
-        scales = blocks.abs().amax(-1) / INT8_MAX
-        if not torch.equal(scales.half().float(), scales):
-            return None
-        values = torch.round(blocks / scales.clamp(min=_TINY)[..., None]).clamp(-INT8_MAX, INT8_MAX)
-        compact = cls(values.to(torch.int8).view(rows, dim), scales.half())
-        for start in range(0, rows, 4096):  # checked in slices: no second full fp32 table at once
+        values = torch.empty(rows, dim, dtype=torch.int8)
+        scales = torch.empty(rows, dim // Q8_BLOCK, dtype=torch.float16)
+        # quantized and checked in slices of rows: no second full fp32 table at once (the bundled target's is 113 MB)
+        for start in range(0, rows, 4096):
+            part = blocks[start : start + 4096]
+            # Q8_0's quantizer maps each block's largest magnitude to 127, so that value over 127 is the scale
+            scale = part.abs().amax(-1) / INT8_MAX
+            if not torch.equal(scale.half().float(), scale):
+                return None
+            q = torch.round(part / scale.clamp(min=_TINY)[..., None]).clamp(-INT8_MAX, INT8_MAX)
+            values[start : start + 4096], scales[start : start + 4096] = q.to(torch.int8).view(-1, dim), scale.half()
+        compact = cls(values, scales)
+        for start in range(0, rows, 4096):
             ids = torch.arange(start, min(start + 4096, rows))
             if not torch.equal(compact(ids), w[start : start + 4096]):
                 return None

@@ -172,7 +172,8 @@ def patch_forward_times(monkeypatch, time_forward) -> None:
     forward and the target's cost curve (1..n tokens) alike."""
     from memspec_ros.runtime import gamma_choice
 
-    monkeypatch.setattr(gamma_choice, "time_forward", time_forward)
+    monkeypatch.setattr(gamma_choice, "time_forward", lambda model, tokens, vocab, lean=True:
+                        time_forward(model, tokens, vocab))
     monkeypatch.setattr(gamma_choice, "forward_cost_curve",
                         lambda model, n, vocab: [time_forward(model, k, vocab) for k in range(1, n + 1)])
 

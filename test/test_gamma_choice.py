@@ -326,3 +326,27 @@ def test_the_cost_curve_times_its_sizes_in_turns_so_a_burst_of_load_does_not_lan
     clock.update(now=0.0, calls=0)
     one_by_one = [path_choice.time_forward(target, k, 64) for k in range(1, 6)]
     assert max(b - a for a, b in zip(one_by_one, one_by_one[1:], strict=False)) > one_by_one[0]
+
+
+def test_a_draft_is_timed_on_the_forward_the_session_runs_it_with(monkeypatch):
+    """The draft's prior cost was always timed on the lean forward: a session on transformers' forward
+    (lean_drafts=False, about twice the time) started weighing rows and copies with half the draft's cost."""
+    from memspec_ros.runtime import speculative  # timed_forwards imports the engine's forward from it when timing
+
+    target = tiny_llama(vocab_size=64, seed=0)
+    draft = noisy_copy(target, 0.02, seed=1)
+    used = []
+    engine_forward = speculative.forward_once
+
+    def watched(model, ids, kv, keep, device, lean=None):
+        if model is draft:
+            used.append(lean)
+        return engine_forward(model, ids, kv, keep, device, lean)
+
+    monkeypatch.setattr(speculative, "forward_once", watched)
+    gamma_choice._DRAFT_COSTS.clear()
+    gamma_choice.measure_costs(target, draft, 3, lean_draft=False)
+    assert used and all(lean is None for lean in used)
+    used.clear()
+    gamma_choice.measure_costs(target, draft, 3)  # the lean forward's time is another entry, timed apart
+    assert used and all(lean is not None for lean in used)

@@ -109,7 +109,7 @@ class AcceptanceEstimate:
 
 # per model object and torch thread count (the costs change with the threads a forward gets)
 _TARGET_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, list[float]]] = weakref.WeakKeyDictionary()
-_DRAFT_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, float]] = weakref.WeakKeyDictionary()
+_DRAFT_COSTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, bool], float]] = weakref.WeakKeyDictionary()
 
 
 def target_costs(target: torch.nn.Module, max_gamma: int) -> list[float]:
@@ -128,15 +128,17 @@ def target_costs(target: torch.nn.Module, max_gamma: int) -> list[float]:
     return known[: max_gamma + 1]
 
 
-def measure_costs(target: torch.nn.Module, draft: torch.nn.Module, max_gamma: int) -> ForwardCosts:
+def measure_costs(target: torch.nn.Module, draft: torch.nn.Module, max_gamma: int,
+                  lean_draft: bool = True) -> ForwardCosts:
     """The pair's forward times: the target's from :func:`target_costs`, the draft's measured once per model
-    object and thread count (a few milliseconds, at the draft's first iteration)."""
+    object, thread count and forward (``lean_draft`` False: transformers', about twice the lean one's time) at
+    the draft's first iteration (a few milliseconds)."""
     verify_ms = target_costs(target, max_gamma)
     per_draft = _DRAFT_COSTS.setdefault(draft, {})
-    threads = torch.get_num_threads()
-    if threads not in per_draft:
-        per_draft[threads] = time_forward(draft, 1, int(getattr(target.config, "vocab_size", 2)))
-    return ForwardCosts(verify_ms=verify_ms, draft_ms=per_draft[threads])
+    key = (torch.get_num_threads(), lean_draft)
+    if key not in per_draft:
+        per_draft[key] = time_forward(draft, 1, int(getattr(target.config, "vocab_size", 2)), lean=lean_draft)
+    return ForwardCosts(verify_ms=verify_ms, draft_ms=per_draft[key])
 
 
 @dataclass

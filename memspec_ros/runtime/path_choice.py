@@ -66,14 +66,15 @@ def candidate_paths() -> tuple[list[str], dict[str, str]]:
 
 @torch.inference_mode()
 def timed_forwards(model: torch.nn.Module, sizes: list[int], vocab_size: int, rounds: int,
-                   context: int = CONTEXT_TOKENS, keep: int | None = None) -> list[list[float]]:
+                   context: int = CONTEXT_TOKENS, keep: int | None = None, lean: bool = True) -> list[list[float]]:
     """Seconds of each ``sizes`` forward, as the engine runs it: ``rounds`` timed rounds (after ``WARMUP`` untimed
     ones), each round one forward of every size in turn. After a cached ``context`` of that many tokens (a decode
     step or a verify), or over a fresh KV cache with ``context`` 0 (a switched-in draft's catch-up); logits of the
-    last ``keep`` positions (default: every fed one, as a verify keeps)."""
+    last ``keep`` positions (default: every fed one, as a verify keeps). ``lean`` False: transformers' forward, as
+    a session with ``lean_drafts=False`` runs its drafts."""
     from .speculative import KVState, forward_once  # the engine's own forward; imported late (it imports us)
 
-    lean = lean_forward_for(model)
+    lean = lean_forward_for(model) if lean else None
     device = next(model.parameters()).device
     kv = KVState()
     samples: list[list[float]] = [[] for _ in sizes]
@@ -93,9 +94,9 @@ def timed_forwards(model: torch.nn.Module, sizes: list[int], vocab_size: int, ro
     return samples
 
 
-def time_forward(model: torch.nn.Module, tokens: int, vocab_size: int) -> float:
+def time_forward(model: torch.nn.Module, tokens: int, vocab_size: int, lean: bool = True) -> float:
     """Median milliseconds of a ``tokens``-token forward after a cached context, as the engine runs it."""
-    return 1000.0 * statistics.median(timed_forwards(model, [tokens], vocab_size, REPEATS)[0])
+    return 1000.0 * statistics.median(timed_forwards(model, [tokens], vocab_size, REPEATS, lean=lean)[0])
 
 
 def non_decreasing(values: list[float]) -> list[float]:

@@ -607,7 +607,8 @@ class SpeculativeSession:
         """The draft's costs as adaptive gamma sees them (measured, then observed); None when its timing fails
         (the copy is then weighed against a plain step only, and the draft's failure is _propose's to report)."""
         try:
-            return self._gamma_chooser.costs(measure_costs(self.target, draft, self.gamma), draft_name)
+            measured = measure_costs(self.target, draft, self.gamma, self.lean_drafts)
+            return self._gamma_chooser.costs(measured, draft_name)
         except Exception:
             return None
 
@@ -647,7 +648,7 @@ class SpeculativeSession:
         self._gamma_chooser.max_gamma = self.gamma  # a reconfigured gamma bounds the choice from now on
         target_costs(self.target, self.gamma)  # (cached) the target's own timing: its failure is the goal's
         try:  # the draft's timing forwards, at its first iteration: a failure there is the draft's, as in _propose
-            measured = measure_costs(self.target, draft, self.gamma)
+            measured = measure_costs(self.target, draft, self.gamma, self.lean_drafts)
         except Exception as exc:
             raise DraftFailure(draft_name, f"its forward raised {type(exc).__name__}: {exc}") from exc
         costs = self._gamma_chooser.costs(measured, draft_name)

@@ -16,7 +16,14 @@ from test_forward_paths import _q8_grid_table, verify_and_steps
 from memspec_ros.runtime import cpu_kernels
 from memspec_ros.runtime.draft_forward import decoder_summary, lean_forward_for, observe_hidden
 from memspec_ros.runtime.draft_vocab import DraftVocab, ReducedVocabDraft
-from memspec_ros.runtime.forward_paths import INT4_GROUP, Float32Linear, Int4Linear, Int8Linear, apply_path
+from memspec_ros.runtime.forward_paths import (
+    INT4_GROUP,
+    Float32Linear,
+    Int4Linear,
+    Int8Linear,
+    apply_path,
+    cpu_has_bf16,
+)
 from memspec_ros.runtime.speculative import KVState, forward_once, generate
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
 
@@ -256,7 +263,7 @@ def test_decoder_verify_rows_equal_one_token_steps_bit_for_bit(path):
     assert torch.equal(verify, steps)
 
 
-@pytest.mark.parametrize("path", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("path", ["int4", "int8", "bf16"] if cpu_has_bf16() else ["int4", "int8"])
 def test_the_fused_linears_share_the_models_weights(path):
     """The lean forward's q/k/v and gate/up were copies: an int4 target held them twice, uncounted."""
     from memspec_ros.runtime.models import parameter_bytes

@@ -219,7 +219,7 @@ def test_bad_dtype_and_device(model_dirs):
         load_model(ModelSpec(str(model_dirs[0]), device="tpu"))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"])  # bf16: its CPU path needs it
 def test_a_gpt2_target_scores_a_verifys_rows_as_one_token_steps(tmp_path, dtype):
     """GPT-2's linears are transformers' Conv1D (addmm), which the row-exact preparation did not probe: a 5-row
     verify differed from five one-token steps (4 of 4 seeds), though the error text names gpt2 as supported."""
@@ -232,7 +232,8 @@ def test_a_gpt2_target_scores_a_verifys_rows_as_one_token_steps(tmp_path, dtype)
     config = GPT2Config(vocab_size=300, n_embd=128, n_layer=2, n_head=4, n_positions=256)
     path = save_model_dir(GPT2LMHeadModel(config), tiny_tokenizer(300), tmp_path / "gpt2")
     loaded = load_model(ModelSpec(str(path), dtype=dtype))
-    assert any(".c_" in name for name in loaded.prepared["rows_one_by_one"]) or dtype == "fp32"
+    # whether a Conv1D's rows differ together is the CPU's BLAS's matter (listed in rows_one_by_one where they do);
+    # that the verify's rows then equal one-token steps is the property, on every CPU
     assert_verify_rows_equal_steps(loaded.model, 300)
     check_target_rows(loaded)  # as a target: accepted
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from memspec_ros.runtime.forward_paths import cpu_has_bf16
 from memspec_ros.runtime.models import (
     ModelDirectoryError,
     ModelSpec,

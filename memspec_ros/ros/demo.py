@@ -41,18 +41,24 @@ def say(text: str) -> None:
     print(f"\033[1m[demo]\033[0m {text}", flush=True)
 
 
+DEMO_DOMAIN_IDS = range(215, 233)
+
+
 def claim_domain_id() -> tuple[int, object]:
     """A ROS_DOMAIN_ID no other demo or test on this host holds (the lock is held until exit)."""
     if os.environ.get("MEMSPEC_DEMO_DOMAIN_ID"):
         return int(os.environ["MEMSPEC_DEMO_DOMAIN_ID"]), None
-    for domain in range(150, 230):
+    # 215..232: the ids above Linux's ephemeral ports (DDS listens on 7400 + 250 x id and up; ids 102..214 land
+    # in 32768..60999, where another program's outgoing port can take one); the test sessions hold 1..101
+    for domain in DEMO_DOMAIN_IDS:
         handle = open(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"), "a")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return domain, handle
         except OSError:
             handle.close()
-    raise RuntimeError("no free ROS_DOMAIN_ID in 150..229: set MEMSPEC_DEMO_DOMAIN_ID")
+    raise RuntimeError(f"no free ROS_DOMAIN_ID in {DEMO_DOMAIN_IDS.start}..{DEMO_DOMAIN_IDS.stop - 1}: set"
+                       " MEMSPEC_DEMO_DOMAIN_ID")
 
 
 @contextlib.contextmanager

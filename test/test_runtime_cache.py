@@ -262,6 +262,25 @@ def test_remove_and_reconfigure():
     cache.close()
 
 
+def test_a_removed_draft_that_was_not_resident_leaves_no_measured_size_behind():
+    """Loaded once, evicted, then pointed at other files: remove() returned early for a name without a slot, so
+    the new, smaller draft was refused as the old one's size ("needs 900 B ... raise memspec.budget_bytes")."""
+    sizes = {"code": 900, "general": 100}
+    cache = DraftCacheManager(1, fake_loader(sizes=sizes), budget_bytes=1000)
+    cache.request("code")
+    cache.drain()
+    cache.request("general")  # K = 1: code is evicted
+    cache.drain()
+    assert cache.resident() == ["general"]
+    cache.remove("code")  # the registry entry replaced by other files
+    sizes["code"] = 100
+    cache.reconfigure(budget_bytes=500)
+    assert cache.request("code")
+    cache.drain()
+    assert cache.resident() == ["code"] and not cache.failed()
+    cache.close()
+
+
 class Monitor:
     """White-box invariant monitor for concurrent use (the cache calls on_change under its lock).
 

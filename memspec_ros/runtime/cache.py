@@ -310,12 +310,12 @@ class DraftCacheManager:
         """Forget a draft (removed from the registry), even the active one; a load in flight is discarded."""
         with self._lock:
             slot = self._slots.get(name)
-            if slot is None:
-                return
-            if slot.model is None and slot.future is not None and slot.error is None:
+            if slot is not None and slot.model is None and slot.future is not None and slot.error is None:
                 self._detach(slot)  # its bytes stay reserved until the loader finishes; a new entry loads anew
-            else:
+            elif slot is not None:
                 self._evict(name)
+            # what is known of the name goes with it, resident or not: a draft evicted earlier and now replaced
+            # kept its old measured size, so the new, smaller files were refused as too large for the budget
             if self._active == name:
                 self._active = ""
             self._scores.pop(name, None)

@@ -119,6 +119,19 @@ def test_a_malformed_workload_line_is_named_by_file_and_line(text, line, what, t
             read_jsonl(path)
 
 
+def test_a_workload_file_not_in_utf8_is_named_by_file_and_line(tmp_path):
+    """A Latin-1 byte raised a bare UnicodeDecodeError (the demo then printed a traceback)."""
+    from memspec_ros.bench.policy_bench import read_workload
+    from memspec_ros.zoo.predictor_training import read_prompts
+    from memspec_ros.zoo.workloads import read_jsonl
+
+    path = tmp_path / "robotics.jsonl"
+    path.write_bytes(b'{"prompt": "Hi."}\n{"prompt": "caf\xe9"}\n')
+    for read in (lambda: read_jsonl(path), lambda: read_workload(path, 10), lambda: read_prompts(path)):
+        with pytest.raises(ValueError, match=r"robotics.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+            read()
+
+
 def test_the_engine_bench_names_a_malformed_workload_line(tmp_path, monkeypatch):
     from memspec_ros.bench.cli import main
     from memspec_ros.testing.tiny_zoo import build_tiny_zoo

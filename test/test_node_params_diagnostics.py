@@ -346,6 +346,13 @@ def test_wasted_prefetches_warn_and_failed_drafts_are_errors():
     s = Status()
     fill_cache_status(s, CacheStats(capacity=2, failed={"math": "OSError: unreadable"}), window, ["code", "math"])
     assert s.level == ERROR and "math" in s.message
+    # no lookup yet (just activated): not a 0.0 hit rate, which reads as every lookup missed
+    s = Status()
+    fill_cache_status(s, CacheStats(capacity=2), None, ["code"])
+    assert ("hit rate", "n/a (no lookup yet)") in s.values
+    s = Status()
+    fill_cache_status(s, CacheStats(capacity=2, hits=3, misses=1), None, ["code"])
+    assert ("hit rate", "0.75") in s.values
 
 
 def test_a_node_configured_from_draft_lists_goes_back_to_the_registry_file_it_would_have_resolved(monkeypatch):

@@ -281,6 +281,28 @@ def test_a_removed_draft_that_was_not_resident_leaves_no_measured_size_behind():
     cache.close()
 
 
+def test_the_load_of_a_draft_removed_while_it_runs_is_not_a_load_failure():
+    """The registry loader looks the name up on the loader thread: a draft removed while its load waited failed
+    there, and was counted and logged as a load failure (a WARNING for a deliberate removal)."""
+    gate, names = threading.Event(), {"a", "b"}
+
+    def load(name: str) -> LoadedModel:
+        gate.wait(5)
+        if name not in names:
+            raise KeyError(f"unknown draft {name!r}")
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(2, load)
+    cache.update(["a", "b"])
+    names.discard("b")
+    cache.remove("b")
+    gate.set()
+    cache.drain()
+    snap = cache.snapshot()
+    assert snap.load_failures == 0 and not snap.failed and snap.resident == ["a"]
+    cache.close()
+
+
 class Monitor:
     """White-box invariant monitor for concurrent use (the cache calls on_change under its lock).
 

@@ -502,6 +502,10 @@ def test_load_runtime_from_files(trained):
     ctl.close()
     with pytest.raises(PolicyError, match="predictor"):
         load_runtime(RuntimeConfig(policy="memspec"), str(root / "registry.yaml"))
+    # a path that holds no head: named, not dropped for "set predictor.path"
+    with pytest.raises(ValueError, match=r"no trained predictor in .*predictr \(nor in its target-hidden"):
+        load_runtime(RuntimeConfig(policy="general-static"), str(root / "registry.yaml"),
+                     predictor_path=str(root / "predictr"))
 
 
 def test_the_label_horizon_decides_between_the_next_interval_and_the_rest_of_the_output():

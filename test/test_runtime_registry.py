@@ -95,7 +95,8 @@ def test_a_malformed_registry_entry_is_refused_naming_the_file_and_field(zoo, te
     ("drafts:\n  code: {name: math, path: drafts/code}\n", r"drafts\.code in .*r\.yaml also names itself 'math'"),
     # ignored, these left configure saying "names no target: set model.target_path"
     ("target: 5\ndrafts:\n  - {name: code, path: drafts/code}\n", r"'target' in .*r\.yaml must be a path .*not a int"),
-    ("target: {path: }\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not a dict"),
+    ("target: {path: }\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not an empty one"),
+    ("target: {pth: t}\ndrafts:\n  - {name: code, path: drafts/code}\n", r"'target' in .*unknown key 'pth'"),
     ("target: ''\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not an empty one"),
 ])
 def test_a_registry_error_says_where_without_echoing_the_files_text(zoo, text, match):

@@ -352,7 +352,8 @@ def fill_cache_status(status: Status, snap: CacheStats | None, window: Generatio
     status.add("budget bytes", snap.budget_bytes if snap.budget_bytes else "0 (no byte budget)")
     for key in ("hits", "misses", "loads", "load_failures", "evictions", "wasted_prefetches"):
         status.add(key.replace("_", " "), getattr(snap, key))
-    status.add("hit rate", snap.hit_rate)
+    # with no lookup yet, 0.0 read as every lookup missed
+    status.add("hit rate", snap.hit_rate if snap.hits + snap.misses else "n/a (no lookup yet)")
     status.add("load seconds", snap.load_seconds)
     status.summary(OK, f"{len(snap.resident)}/{snap.capacity} drafts resident")
     wasted = window.cache.wasted_prefetches if window is not None and window.cache is not None else 0

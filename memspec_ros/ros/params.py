@@ -236,9 +236,9 @@ PARAMS: tuple[Param, ...] = (
           float_range=(math.ulp(0.0), 1.0)),
     Param("generation.seed", -1, "Default sampling seed (-1: a fresh random seed per goal).", int_range=(-1, I64)),
     Param("generation.system_prompt", "",
-          "System message put first in chat goals (target tokenizer with a chat template, goal not raw, no system"
-          " message in the goal's messages). Empty: none, so the template's own default system turn applies, if it has"
-          " one."),
+          "System message put first in chat goals (target tokenizer with a chat template, goal not raw, the goal's"
+          " messages not starting with a system message). Empty: none, so the template's own default system turn"
+          " applies, if it has one."),
     Param("action.max_queued_goals", 4,
           "Goals accepted but waiting while one runs; more are rejected at once.",
           int_range=(0, 1000)),

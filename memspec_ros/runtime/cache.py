@@ -585,8 +585,12 @@ class DraftCacheManager:
             loaded = self.loader(slot.name)
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
-                self._fail(slot, exc if isinstance(exc, Exception) else DraftLoadError(
-                    f"the loader raised {type(exc).__name__}: {exc}"))
+                error = exc if isinstance(exc, Exception) else DraftLoadError(
+                    f"the loader raised {type(exc).__name__}: {exc}")
+                if any(s is slot for s in self._detached):  # removed meanwhile (its registry entry gone): no fault
+                    slot.error, slot.future = error, None
+                else:
+                    self._fail(slot, error)
                 if slot.discard and self._slots.get(slot.name) is slot:
                     del self._slots[slot.name]
                 self._detached = [s for s in self._detached if s is not slot]

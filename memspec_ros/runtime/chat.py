@@ -5,7 +5,7 @@
 * ``raw``: ``prompt`` is tokenized as is (plain continuation); ``messages`` must be empty.
 * The tokenizer has a chat template (an instruct model): the conversation is ``messages``, or one
   user turn holding ``prompt``; a system turn with ``system_prompt`` goes first when that is not
-  empty and the conversation has no system message of its own (empty: the template's own default,
+  empty and the conversation does not start with a system message of its own (empty: the template's own default,
   if it has one). It is rendered with ``apply_chat_template(add_generation_prompt=True)``, so the
   model answers as the assistant.
 * No chat template: ``prompt`` is tokenized as is, and a goal with ``messages`` is refused.

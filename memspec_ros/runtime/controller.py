@@ -640,6 +640,10 @@ def load_runtime(
     """
     from .loader import find_predictor, load_models  # imported here: the loader builds on this module
 
-    models = load_models(registry_path, target_path=target_path, predictor_path=find_predictor(predictor_path),
+    head = find_predictor(predictor_path)
+    if predictor_path and not head:  # dropped silently, then a ranking policy said to set the path it was given
+        raise ValueError(f"no trained predictor in {predictor_path} (nor in its target-hidden/ or minilm/"
+                         " subfolders): give the folder memspec-train-predictor wrote")
+    models = load_models(registry_path, target_path=target_path, predictor_path=head,
                          dtype=dtype, device=device, quantization=quantization, gamma=config.gamma)
     return models.controller(config)

@@ -18,8 +18,13 @@ def read_jsonl(path: str | Path, limit: int = 0, row_check=None) -> list[dict]:
     A line that is not a JSON object, or that ``row_check(row)`` rejects (it returns what is missing), raises a
     WorkloadFileError (a ValueError) naming the file and the line, the one thing a user needs to fix it."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:  # a Latin-1 file: a bare traceback, no file or line named
+                raise WorkloadFileError(f"{path}:{n}: not UTF-8 (byte {raw[exc.start]:#x} at column {exc.start + 1});"
+                                        " save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

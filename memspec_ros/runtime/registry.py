@@ -202,13 +202,14 @@ class DraftRegistry:
             )
         target = data.get("target")
         target_path = None
+        if isinstance(target, dict):  # a misspelt key first: "{pth: target}" was reported as "not a dict"
+            _known_keys(target, TARGET_KEYS, f"'target' in {file}")
         if target is not None and not (isinstance(target, str) and target) and not (
                 isinstance(target, dict) and isinstance(target.get("path"), str) and target["path"]):
             # ignored, it left configure to say "names no target: set model.target_path", the wrong fix
+            empty = target in ("", {}) or isinstance(target, dict)  # {path: } or {path: ''}: its keys are known
             raise RegistryError(f"'target' in {file} must be a path (a string) or {{path: ...}}, not"
-                                f" {'an empty one' if target in ('', {}) else 'a ' + type(target).__name__}")
-        if isinstance(target, dict):
-            _known_keys(target, TARGET_KEYS, f"'target' in {file}")
+                                f" {'an empty one' if empty else 'a ' + type(target).__name__}")
         if isinstance(target, dict) and target.get("path"):
             target_path = relative_to(base, str(target["path"]))
         elif isinstance(target, str):

@@ -354,9 +354,11 @@ def test_the_windows_figures_are_its_goals_own():
                                 decode_seconds=1.0)
         stats.iterations = [IterationStats(draft, 4, 3, 4, 0.01, 0.02) for _ in range(2)]
         window.add(stats)
-    assert window.draft_switches() == 0 and window.combined().time_to_first_token == pytest.approx(0.8)
+    view = window.view()
+    assert view.goals == view.measured_goals == 2 and view.finished_goals == 0
+    assert view.draft_switches == 0 and view.combined.time_to_first_token == pytest.approx(0.8)
     status = Status()
-    fill_throughput_status(status, window.combined(), len(window), 2, 0.5, 2, window.draft_switches())
+    fill_throughput_status(status, view.combined, view.goals, 2, 0.5, 2, view.draft_switches)
     assert dict(status.values)["draft switches"] == "0"
     unmeasured = Status()
     fill_throughput_status(unmeasured, None, 0, 0, 0.5, 3)

@@ -126,41 +126,51 @@ class ThroughputWindow:
         with self._lock:
             self._goals.clear()
 
-    def __len__(self) -> int:
+    def view(self) -> WindowView:
+        """The window's figures from one look at it (read one by one, a goal finishing in between made the goal
+        count, the combined figures and the switches describe different sets of goals). Its goals combined into
+        one GenerationStats, whose properties are the window's figures, draft switches aside: those are summed
+        within each goal, as the joined iterations would also count the last draft of one goal against the first
+        of the next, and no draft is active between goals."""
         with self._lock:
-            return len(self._goals)
+            goals, measured, finished = list(self._goals), self.measured_goals, self.finished_goals
+        return WindowView(len(goals), _combine(goals) if goals else None, sum(g.draft_switches for g in goals),
+                          measured, finished)
 
-    def draft_switches(self) -> int:
-        """Switches within the window's goals: the joined iterations of ``combined`` would also count the last
-        draft of one goal against the first of the next, and no draft is active between goals."""
-        with self._lock:
-            return sum(g.draft_switches for g in self._goals)
 
-    def combined(self) -> GenerationStats:
-        """One GenerationStats over the window: its properties are the window's figures (draft switches aside:
-        :meth:`draft_switches`)."""
-        with self._lock:
-            goals = list(self._goals)
-        out = GenerationStats()
-        for g in goals:
-            out.prompt_tokens += g.prompt_tokens
-            out.completion_tokens += g.completion_tokens
-            out.prefill_seconds += g.prefill_seconds
-            out.setup_seconds += g.setup_seconds
-            out.setup_wait_seconds += g.setup_wait_seconds
-            out.start_seconds += g.start_seconds
-            out.prepare_seconds += g.prepare_seconds
-            out.reused_prompt_tokens += g.reused_prompt_tokens
-            out.background_prediction_seconds += g.background_prediction_seconds
-            out.call_seconds += g.end_to_end_seconds  # so the window's end to end is its goals' summed
-            out.decode_seconds += g.decode_seconds
-            out.predictions += g.predictions
-            out.iterations.extend(g.iterations)
-        out.cache = CacheStats()
-        for g in goals:
-            if g.cache is not None:
-                out.cache.add_counters(g.cache)
-        return out
+@dataclass(frozen=True)
+class WindowView:
+    """ThroughputWindow's figures at one moment."""
+
+    goals: int
+    combined: GenerationStats | None  # None: no goal in the window
+    draft_switches: int
+    measured_goals: int
+    finished_goals: int
+
+
+def _combine(goals: list[GenerationStats]) -> GenerationStats:
+    """One GenerationStats over ``goals`` (ThroughputWindow.view)."""
+    out = GenerationStats()
+    for g in goals:
+        out.prompt_tokens += g.prompt_tokens
+        out.completion_tokens += g.completion_tokens
+        out.prefill_seconds += g.prefill_seconds
+        out.setup_seconds += g.setup_seconds
+        out.setup_wait_seconds += g.setup_wait_seconds
+        out.start_seconds += g.start_seconds
+        out.prepare_seconds += g.prepare_seconds
+        out.reused_prompt_tokens += g.reused_prompt_tokens
+        out.background_prediction_seconds += g.background_prediction_seconds
+        out.call_seconds += g.end_to_end_seconds  # so the window's end to end is its goals' summed
+        out.decode_seconds += g.decode_seconds
+        out.predictions += g.predictions
+        out.iterations.extend(g.iterations)
+    out.cache = CacheStats()
+    for g in goals:
+        if g.cache is not None:
+            out.cache.add_counters(g.cache)
+    return out
 
 
 Task = Callable[[Status], None]
@@ -466,16 +476,15 @@ class NodeTasks:
         lo = self.node.loaded
         snap = self.node.cache_snapshot(lo) if lo is not None else None
         names = lo.registry.names() if lo is not None else []
-        window = self.window.combined() if len(self.window) else None
-        fill_cache_status(s, snap, window, names)
+        fill_cache_status(s, snap, self.window.view().combined, names)
         if lo is not None:
             s.add("policy", lo.controller.config.policy)
 
     def fill_throughput(self, s: Status) -> None:
-        goals = len(self.window)
-        fill_throughput_status(s, self.window.combined() if goals else None, goals, self.window.measured_goals,
-                               self.node.get_parameter("diagnostics.fallback_warn_fraction").value,
-                               self.window.finished_goals, self.window.draft_switches())
+        w = self.window.view()
+        fill_throughput_status(s, w.combined, w.goals, w.measured_goals,
+                               self.node.get_parameter("diagnostics.fallback_warn_fraction").value, w.finished_goals,
+                               w.draft_switches)
 
     def fill_predictor(self, s: Status) -> None:
         lo = self.node.loaded

@@ -97,6 +97,8 @@ def test_a_malformed_registry_entry_is_refused_naming_the_file_and_field(zoo, te
     ("target: 5\ndrafts:\n  - {name: code, path: drafts/code}\n", r"'target' in .*r\.yaml must be a path .*not a int"),
     ("target: {path: }\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not an empty one"),
     ("target: {pth: t}\ndrafts:\n  - {name: code, path: drafts/code}\n", r"'target' in .*unknown key 'pth'"),
+    ("drafts:\n  - {name: code, path: drafts/code}\n  - {name: code, path: drafts/general}\n",
+     r"drafts\[1\] \('code'\) in .*r\.yaml has the name of drafts\[0\]"),
     ("target: ''\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not an empty one"),
 ])
 def test_a_registry_error_says_where_without_echoing_the_files_text(zoo, text, match):

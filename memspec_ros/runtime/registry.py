@@ -191,6 +191,9 @@ class DraftRegistry:
             where = f"drafts[{i}] in {file}"
             name = _text(item["name"], f"{where}: 'name'")
             where = f"drafts[{i}] ({name!r}) in {file}"
+            twin = next((j for j, e in enumerate(entries) if e.name == name), None)
+            if twin is not None:  # add() said "already registered: remove it first", with no file or entry named
+                raise RegistryError(f"{where} has the name of drafts[{twin}]: each draft needs a name of its own")
             _known_keys(item, DRAFT_KEYS, where)
             entries.append(
                 DraftEntry(

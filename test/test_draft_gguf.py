@@ -184,3 +184,42 @@ def test_the_llamacpp_bench_reports_its_worst_speculative_configuration_beside_t
     choice = speculative_choice({"fixed gamma": 150.0, "adaptive gamma": 300.0, "lookup": 240.0}, 100.0)
     assert choice == {"speculative_tps": 300.0, "speculative_method": "adaptive gamma", "speculative_vs_llamacpp": 3.0,
                       "speculative_worst_method": "fixed gamma", "speculative_worst_vs_llamacpp": 1.5}
+
+
+def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halted_method(monkeypatch, tmp_path):
+    """The engine's text kept its end-of-turn token and llama.cpp's its ' [end of text]' marker, so the one check
+    that both answered alike was 0 in every run; a llama.cpp method that failed halfway still reported its
+    partial median as a ratio to the plain decode over all prompts."""
+    from memspec_ros.bench import llamacpp_bench as lb
+    from memspec_ros.runtime.speculative import generate
+    from memspec_ros.testing.tiny_models import tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tok), seed=0)
+    prompts = [("code", tok(f"def f{i}(x):")["input_ids"], f"def f{i}(x):") for i in range(3)]
+    eos = [int(tok.eos_token_id)]
+    answers = {text: tok.decode(generate(target, ids, None, max_new_tokens=6, eos_token_ids=eos).generated_ids,
+                                skip_special_tokens=True) for _, ids, text in prompts}
+
+    def completion(bin_dir, gguf, prompt, new_tokens, threads):
+        return lb.LlamaCppRun(text=lb.llamacpp_answer(answers[prompt] + " [end of text]\n\n"), decode_tps=10.0)
+
+    calls = []
+
+    def lookup(bin_dir, gguf, draft, prompt, new_tokens, threads, gamma):
+        calls.append(prompt)
+        if len(calls) == 2:
+            raise RuntimeError("llama-speculative-simple failed (exit 1): out of memory")
+        return lb.LlamaCppSpecRun(decode_tps=12.0, drafted=8, accepted=4)
+
+    monkeypatch.setattr(lb, "run_llamacpp", completion)
+    monkeypatch.setattr(lb, "run_llamacpp_speculative", lookup)
+    cfg = lb.LlamaCppBenchConfig(paths=("fp32",), threads=(1,), max_new_tokens=6, llamacpp_bin=tmp_path)
+    result = lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, {}, prompts, cfg, eos, tok.decode)
+    row = result["threads"]["1"]
+    assert row["paths"]["fp32"]["same_text_as_llamacpp"] == 1.0
+    assert "llamacpp_lookup_tps" not in row and "llamacpp_lookup_vs_llamacpp" not in row
+    assert "out of memory" in result["llamacpp_lookup_failed"]
+    assert row["paths"]["fp32"]["speculative_worst_method"] in {"fixed gamma", "adaptive gamma",
+                                                                "adaptive gamma + context lookup",
+                                                                "context lookup, no draft"}

@@ -170,6 +170,7 @@ def _quiet_transformers() -> None:
 
 
 def cmd_engine(args) -> int:
+    import torch
     from tqdm import tqdm
 
     from .engine_bench import EngineBenchConfig, run_engine_bench
@@ -183,6 +184,7 @@ def cmd_engine(args) -> int:
     if bool(args.target) != bool(args.draft_path):  # one without the other was ignored, or failed in the loader
         raise SystemExit("--target and --draft-path go together (a target directory and a draft for it); without"
                          " them the zoo's target and --draft run")
+    torch.set_num_threads(cfg.threads)  # before the load: quantization auto times the paths at this thread count
     target, draft, prompts, names = _engine_models(args)
     if cfg.context_lookup:
         cfg.datastore = _datastore(args, getattr(args, "tokenizer_fingerprint", None))

@@ -18,9 +18,11 @@ every method alike), the bench runs:
   by the draft's digest), or with one ``--llamacpp-draft FILE.gguf`` for every prompt;
 * the same program's own context lookup (``--spec-type ngram-simple``), which needs no draft.
 
-Every throughput is the same quantity: tokens generated after the first, over the
-wall time of decoding them (prompt encoding excluded). llama.cpp reports it as
-"eval time ... runs"; the engine as ``GenerationStats.tokens_per_second``.
+Every throughput is tokens generated after the first over the time of decoding them (prompt encoding
+excluded). The engine's is its loop's wall time (``GenerationStats.tokens_per_second``); llama-completion's is
+its "eval time" plus its "sampling time" (the two parts of its decode loop it reports; with no sampling line,
+eval time alone, recorded in ``llamacpp_timing``); llama.cpp's speculative programs report "decoded N tokens in
+S seconds", wall time. A ratio to llama.cpp's plain decode is over the prompts both ran.
 
 Beside the ratios, a per-forward profile per path: the time of a 1-token and a
 gamma+1-token forward, and the share of a 1-token forward spent in matmul kernels
@@ -50,6 +52,8 @@ LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / 
 # the ATen kernels that do a forward's matrix multiplies on each path
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::bmm")
 _EVAL = re.compile(r"^\S*\s*\S*\s*common_perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
+_SAMPLING = re.compile(r"sampling time =\s*([\d.]+) ms", re.M)
+_END_OF_TEXT = " [end of text]"  # what llama-completion prints where the model ends its answer
 _SPEC = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", re.M)
 _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
@@ -97,8 +101,15 @@ class LlamaCppBenchConfig:
 
 @dataclass
 class LlamaCppRun:
-    text: str
+    text: str  # the answer as llama-completion printed it, its end-of-text marker removed
     decode_tps: float
+    sampling_timed: bool = True  # its sampling time was found and counted (else eval time alone)
+
+
+def llamacpp_answer(stdout: str) -> str:
+    """The answer llama-completion printed, without the marker it prints where the model ended it."""
+    text = stdout.rstrip()
+    return (text[: -len(_END_OF_TEXT.strip())] if text.endswith(_END_OF_TEXT.strip()) else text).strip()
 
 
 def llamacpp_program(bin_dir: Path, name: str) -> Path:
@@ -116,10 +127,17 @@ def run_llamacpp(bin_dir: Path, gguf: Path, prompt: str, new_tokens: int, thread
            "--no-display-prompt", "--simple-io", "--no-warmup"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     match = _EVAL.search(done.stderr)
-    if done.returncode != 0 or match is None:
+    if done.returncode != 0:
         raise RuntimeError(f"llama-completion failed (exit {done.returncode}): {done.stderr[-800:]}")
-    ms, runs = float(match.group(1)), int(match.group(2))
-    return LlamaCppRun(text=done.stdout, decode_tps=runs / (ms / 1000) if ms > 0 else 0.0)
+    if match is None:
+        raise RuntimeError("llama-completion's 'common_perf_print: eval time' line was not found: rebuild llama.cpp"
+                           f" with scripts/build_llamacpp.sh (the pinned version): {done.stderr[-800:]}")
+    sampling = _SAMPLING.search(done.stderr)
+    ms, runs = float(match.group(1)) + (float(sampling.group(1)) if sampling else 0.0), int(match.group(2))
+    if ms <= 0:
+        raise RuntimeError(f"llama-completion reported {runs} runs in {ms} ms: no decode time to divide by")
+    return LlamaCppRun(text=llamacpp_answer(done.stdout), decode_tps=runs / (ms / 1000),
+                       sampling_timed=sampling is not None)
 
 
 @dataclass
@@ -220,7 +238,18 @@ def forward_profile(model: torch.nn.Module, gamma: int, vocab_size: int) -> dict
 @dataclass
 class _Tally:
     tps: list[float] = field(default_factory=list)
+    keys: list[tuple[int, int]] = field(default_factory=list)  # (run, prompt) of each tps: pairs across methods
     accepted: GenerationTotals = field(default_factory=GenerationTotals)  # E[A] pooled (stats.py)
+
+    def add(self, key: tuple[int, int], tps: float) -> None:
+        self.tps.append(tps)
+        self.keys.append(key)
+
+    def median_over(self, keys: list[tuple[int, int]]) -> float:
+        """The median over the runs of these (run, prompt) keys: a method that ran on fewer prompts (no draft
+        for a domain, or halted) is compared with this one on the prompts it ran."""
+        wanted = set(keys)
+        return statistics.median(t for t, k in zip(self.tps, self.keys, strict=True) if k in wanted)
 
 
 def speculative_choice(tps_by_method: dict[str, float], llamacpp_tps: float) -> dict:
@@ -241,7 +270,7 @@ def run_llamacpp_bench(
     prompts: list[tuple[str, list[int], str]],  # (domain, token ids, the same prompt as text)
     cfg: LlamaCppBenchConfig,
     eos_token_ids: list[int],
-    decode: Callable[[list[int]], str],
+    decode: Callable[..., str],  # ids -> text, as tokenizer.decode (skip_special_tokens=True is passed)
     progress=None,
     draft_dirs: dict[str, Path] | None = None,  # domain -> the draft's folder (default: where it was loaded from)
 ) -> dict:
@@ -285,6 +314,7 @@ def run_llamacpp_bench(
         iterations = dict.fromkeys(copied, 0)
         identical = dict.fromkeys(targets, True)
         same_text = dict.fromkeys(targets, 0)
+        sampling_timed = True
         # warm-up: lazy initialisation, kernel packing, and adaptive gamma's one-off forward timings
         # for every target/draft pair (measured once per model object, outside the timed runs)
         for target in targets.values():
@@ -299,8 +329,9 @@ def run_llamacpp_bench(
                 for method in methods[shift:] + methods[:shift]:
                     if method == "llamacpp":
                         out = run_llamacpp(cfg.llamacpp_bin, gguf, text, cfg.max_new_tokens, threads)
-                        tally[method].tps.append(out.decode_tps)
+                        tally[method].add((run, i), out.decode_tps)
                         llama_text = out.text
+                        sampling_timed &= out.sampling_timed
                         continue
                     if method in spec_counts:
                         draft_gguf = spec_drafts.get(domain) if method == "llamacpp_speculative" else None
@@ -312,7 +343,7 @@ def run_llamacpp_bench(
                         except RuntimeError as exc:  # e.g. the draft refused: report llama.cpp's own words
                             halted[method] = f"{draft_gguf}: {exc}" if draft_gguf else str(exc)
                             continue
-                        tally[method].tps.append(spec.decode_tps)
+                        tally[method].add((run, i), spec.decode_tps)
                         spec_counts[method][0] += spec.drafted
                         spec_counts[method][1] += spec.accepted
                         continue
@@ -323,7 +354,7 @@ def run_llamacpp_bench(
                                        eos_token_ids=eos_token_ids, adaptive_gamma=how.adaptive,
                                        lookup=LookupConfig() if how.lookup else None,
                                        datastores=(cfg.datastore,) if how.datastore else ())
-                    tally[method].tps.append(session.stats.tokens_per_second)
+                    tally[method].add((run, i), session.stats.tokens_per_second)
                     if kind != "alone":
                         tally[method].accepted.add(session.stats)
                     if how.lookup:
@@ -332,25 +363,30 @@ def run_llamacpp_bench(
                     outputs[method] = session.generated_ids
                 for path in targets:
                     identical[path] &= all(outputs[f"{path}:{kind}"] == outputs[f"{path}:alone"] for kind in kinds)
-                    same_text[path] += decode(outputs[f"{path}:alone"]).strip() == llama_text.strip()
+                    # the engine's ids end at the end-of-turn token, which llama.cpp prints as nothing
+                    same_text[path] += decode(outputs[f"{path}:alone"], skip_special_tokens=True).strip() == llama_text
                 if progress is not None:
                     progress.update(1)
         llama = statistics.median(tally["llamacpp"].tps)
-        row: dict = {"llamacpp_tps": llama, "paths": {}}
+        row: dict = {"llamacpp_tps": llama, "paths": {},
+                     "llamacpp_timing": "eval + sampling time" if sampling_timed else "eval time (no sampling line)"}
         for name, (drafted, accepted) in spec_counts.items():
-            if not tally.get(name, _Tally()).tps:
+            if name in halted or not tally.get(name, _Tally()).tps:  # a halted one's partial runs: not a figure
                 continue
             spec_tps = statistics.median(tally[name].tps)
             row[f"{name}_tps"] = spec_tps
-            row[f"{name}_vs_llamacpp"] = spec_tps / llama
+            row[f"{name}_vs_llamacpp"] = spec_tps / tally["llamacpp"].median_over(tally[name].keys)
+            row[f"{name}_prompts"] = len(tally[name].tps)
             row[f"{name}_drafted"], row[f"{name}_accepted"] = drafted, accepted
-            row[f"{name}_accept_rate"] = accepted / drafted if drafted else 0.0
+            row[f"{name}_accept_rate"] = accepted / drafted if drafted else None
         for path, target in targets.items():
             alone = statistics.median(tally[f"{path}:alone"].tps)
             fixed = statistics.median(tally[f"{path}:speculative"].tps)
             adaptive = statistics.median(tally[f"{path}:adaptive"].tps)
             with_lookup = statistics.median(tally[f"{path}:adaptive_lookup"].tps)
-            spec_by = {"fixed gamma": fixed, "adaptive gamma": adaptive, "adaptive gamma + context lookup": with_lookup}
+            lookup_alone = statistics.median(tally[f"{path}:lookup"].tps)
+            spec_by = {"fixed gamma": fixed, "adaptive gamma": adaptive, "adaptive gamma + context lookup": with_lookup,
+                       "context lookup, no draft": lookup_alone}
             share = {k: copied[path, k] / iterations[path, k] if iterations[path, k] else 0.0
                      for p, k in copied if p == path}
             with_store: dict = {}
@@ -370,7 +406,7 @@ def run_llamacpp_bench(
                 "speculative_fixed_gamma_tps": fixed,
                 "speculative_adaptive_gamma_tps": adaptive,
                 "speculative_adaptive_lookup_tps": with_lookup,
-                "lookup_alone_tps": statistics.median(tally[f"{path}:lookup"].tps),
+                "lookup_alone_tps": lookup_alone,
                 "lookup_alone_share": share["lookup"],
                 "lookup_share": share["adaptive_lookup"],
                 **with_store,

@@ -138,3 +138,28 @@ def test_a_resumed_run_with_a_higher_budget_or_other_settings_is_refused(tmp_pat
     train(model, data, replace(cfg, max_steps=4), tmp_path / "done", identity={"data": "a"})
     with pytest.raises(ValueError, match=r"other settings \(data a -> b\)"):  # what the caller says decides it
         train(model, data, replace(cfg, max_steps=4), tmp_path / "done", identity={"data": "b"})
+
+
+def test_an_atomic_text_write_syncs_under_a_name_of_its_own_and_keeps_the_file_readable(tmp_path, monkeypatch):
+    """Two writers shared one temporary name (one could rename the other's half-written file into place), nothing
+    was synced before the rename, and a failed write left its temporary file."""
+    import os
+    import stat
+
+    from memspec_ros.zoo.train import write_text_atomic
+
+    path = tmp_path / "registry.yaml"
+    synced, made = [], []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (made.append(str(src)), real_replace(src, dst))[1])
+    write_text_atomic(path, "one")
+    write_text_atomic(path, "two")
+    assert path.read_text() == "two" and len(synced) == 2
+    assert len(set(made)) == 2 and all(Path(m).name.startswith(".registry.yaml.") for m in made)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("No space left on device")))
+    with pytest.raises(OSError, match="No space"):
+        write_text_atomic(path, "three")
+    assert path.read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["registry.yaml"]

@@ -123,10 +123,23 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` by a rename: a reader (a resumed build) sees the old file or the new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """``text`` into ``path`` by a rename: a reader (a resumed build) sees the old file or the new, never half. The
+    file is synced before the rename (after a power cut the new name could hold an empty file) and written under a
+    name of its own (two writers sharing one temporary name could rename each other's half-written file)."""
+    import tempfile
+
+    path = Path(path)
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
+                                     suffix=".tmp", delete=False) as tmp:
+        tmp.write(text)
+        tmp.flush()
+        os.fsync(tmp.fileno())
+    # mkstemp's 0600 would make a zoo file others cannot read: the old file's mode, else the usual 0644
+    os.chmod(tmp.name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+    try:
+        os.replace(tmp.name, path)
+    finally:
+        Path(tmp.name).unlink(missing_ok=True)
 
 
 def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, torch.Tensor] | None = None) -> None:

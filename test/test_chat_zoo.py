@@ -155,6 +155,24 @@ def test_answers_made_by_another_target_are_refused(tiny_target, tmp_path):
     assert model_digest(copy) == digest  # by content, not by path
 
 
+def test_the_gptq_report_refuses_stored_answers_of_another_target_or_length(tiny_target, tmp_path):
+    """Its answers were matched by prompt ids alone: another model's, or answers cut at another length, were
+    measured as this target's 128-token answers."""
+    from memspec_ros.runtime.model_source import model_digest
+    from memspec_ros.zoo.gptq_target import check_stored_answers
+
+    path, tok, model = tiny_target
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    answer_requests(model, tok, ROWS[:4], mine, "heldout", TeacherConfig(max_new_tokens=6, batch_size=4),
+                    target_digest=model_digest(path))
+    answer_requests(model, tok, ROWS[:4], other, "heldout", TeacherConfig(batch_size=4), target_digest="f" * 64)
+    with pytest.raises(SystemExit, match="made by another target"):
+        check_stored_answers(other, str(path))
+    with pytest.raises(SystemExit, match=r"cut at max_new_tokens \[6\], not the 128"):
+        check_stored_answers(mine, str(path))
+    check_stored_answers(tmp_path / "none", str(path))  # no stored answers: made anew, nothing to check
+
+
 def test_answer_rows_label_answer_tokens_only_and_drop_ids_outside_the_vocabulary():
     answer = Answer([1, 3, 5], [7, 8, 9, 4], torch.tensor([[7, 2]] * 4, dtype=torch.int32),
                     torch.tensor([[-0.1, -2.5]] * 4, dtype=torch.float16))

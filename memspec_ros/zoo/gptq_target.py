@@ -118,7 +118,9 @@ def answered(target_dir: Path, rows: list[dict], answers_dir: Path | None, work:
         model = load_model(ModelSpec(str(target_dir))).model
         _log(f"{len(missing)} {split} requests without a stored answer: the fp32 target answers them ({out})")
         with tqdm(total=len(missing), desc=f"answers {split}", unit="req") as bar:
-            answer_requests(model, tokenizer, missing, out, split, TeacherConfig(batch_size=16), bar)
+            # keyed by this target's weights too: answers another target made there are refused, not reused
+            answer_requests(model, tokenizer, missing, out, split, TeacherConfig(batch_size=16), bar,
+                            weights_digest(target_dir))
         del model
         stored.update({tuple(a.prompt_ids): a.answer_ids for a in load_answers(out, split)})
     return [(p, stored[tuple(p)]) for p in prompts], hits
@@ -400,10 +402,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--gamma", type=controller_limit("gamma"), default=4)
 
 
+def check_stored_answers(answers: Path | None, target_spec: str) -> None:
+    """SystemExit unless the stored answers (a zoo build's teacher folder) are this target's, cut at the length
+    this report describes: matched by prompt ids alone, another model's or longer answers were measured silently."""
+    from memspec_ros.runtime.model_source import model_digest
+
+    from .teacher import TeacherConfig, answered_limits, answered_targets
+
+    if answers is None or not answers.is_dir():
+        return
+    digest, length = model_digest(target_spec), TeacherConfig().max_new_tokens
+    for split in ("train", "heldout"):
+        others = answered_targets(answers, split) - {digest}
+        if others:
+            raise SystemExit(f"the {split} answers in {answers} were made by another target than {target_spec}:"
+                             " give that target's answers with --answers, or another folder (they are made anew)")
+        lengths = answered_limits(answers, split) - {length}
+        if lengths:
+            raise SystemExit(f"the {split} answers in {answers} were cut at max_new_tokens {sorted(lengths)}, not the"
+                             f" {length} this report measures: give --answers a folder of {length}-token answers")
+
+
 def run(a: argparse.Namespace) -> int:
     models = Path(a.models)
     answers = Path(a.answers) if a.answers else default_answers_dir(models)
-    target = _resolved(a.target or registry_target(models))
+    spec = a.target or registry_target(models)
+    check_stored_answers(answers, spec)
+    target = _resolved(spec)
     out = quantize_target(target, models, a.requests, answers, a.bits, a.group_size, a.threads,
                           Path(a.out_root) if a.out_root else None, a.sym)
     print(f"GPTQ INT{a.bits} checkpoint: {out}")

@@ -786,3 +786,15 @@ def test_a_zoo_built_from_a_hugging_face_folder_is_measured_as_a_chat_zoo(tiny_b
                  str(tiny_build.teacher.max_new_tokens)]) == 0
     assert set(json.loads(out.read_text())["matrix"]) == set(DOMAINS)
     assert not _is_chat_zoo(build_tiny_zoo(tmp_path / "toy", hidden=32, layers=1))  # full-vocabulary drafts, a folder
+
+
+def test_the_card_of_a_chat_zoo_reads_its_own_builds_work_dir(tiny_build, monkeypatch):
+    """The card's --work-dir defaulted to the toy build's folder: a chat zoo's card then found no vocab.json and
+    printed the figures kept from an earlier build, without a word."""
+    from memspec_ros.zoo import chat_card
+    from memspec_ros.zoo.cli import main
+
+    seen = []
+    monkeypatch.setattr(chat_card, "write_chat_card", lambda models, work, acceptance, notes: seen.append(work) or "")
+    assert main(["card", "--models", str(tiny_build.out_dir)]) == 0
+    assert seen == [Path(tiny_build.work_dir)]  # the work_dir its build_config.json records

@@ -366,13 +366,16 @@ def _is_chat_zoo(models: Path) -> bool:
 def _card_parser(sub) -> None:
     p = sub.add_parser("card", help="measure latencies and perplexities, write models/MODEL_CARD.md")
     _models_argument(p)
-    p.add_argument("--work-dir", default="artifacts/zoo-build")
+    p.add_argument("--work-dir", default=None,
+                   help="the build's work dir (its vocabulary and training figures): default, for a chat zoo the"
+                        " work_dir its build_config.json records where it exists, else artifacts/chat-zoo-build"
+                        " (`memspec-zoo build`'s); for the toy zoo artifacts/zoo-build (`build-toy`'s)")
     p.add_argument("--acceptance-json", default=None)
     p.add_argument(
         "--threads",
         type=int,
         default=2,
-        help="torch threads for the perplexities (default 2); latencies are measured at 1 and 2 threads",
+        help="toy zoo: torch threads for the perplexities (default 2); latencies are measured at 1 and 2 threads",
     )
     p.add_argument("--notes", default=None, help="markdown appended to the 'Build as run' section")
 
@@ -381,15 +384,21 @@ def _run_card(a) -> int:
     from .card import write_card
 
     if _is_chat_zoo(Path(a.models)):
+        from .chat_build import ChatBuildConfig
         from .chat_card import write_chat_card
 
+        work = a.work_dir
+        if work is None:  # the toy build's folder was the default: the card then showed the kept figures silently
+            config = Path(a.models) / "build_config.json"
+            recorded = json.loads(config.read_text()).get("work_dir") if config.is_file() else None
+            work = recorded if recorded and Path(recorded).is_dir() else ChatBuildConfig().work_dir
         acceptance = Path(a.acceptance_json) if a.acceptance_json else Path(a.models) / "acceptance.json"
-        print(write_chat_card(Path(a.models), Path(a.work_dir), acceptance, Path(a.notes) if a.notes else None))
+        print(write_chat_card(Path(a.models), Path(work), acceptance, Path(a.notes) if a.notes else None))
         return 0
 
     write_card(
         Path(a.models),
-        Path(a.work_dir),
+        Path(a.work_dir or "artifacts/zoo-build"),
         Path(a.acceptance_json) if a.acceptance_json else None,
         a.threads,
         Path(a.notes) if a.notes else None,

@@ -84,6 +84,8 @@ def test_build_runs_are_listed_with_their_objective(tmp_path):
     phases = build_phases(tmp_path)
     assert list(phases) == ["target", "general-base", "general", "code"]
     card = render(_measurements(phases), None)
+    # the toy zoo is built by build-toy (`memspec-zoo build` is the chat zoo's, and exports over models/)
+    assert "memspec-zoo build-toy --out artifacts/toy-zoo" in card and "memspec-zoo build " not in card
     assert (
         "| target | 1 | 10 | 6.00 | 16 x 256 | 0.001 | 0.500 |"
         " next-token CE on the corpus mixture, torch.compile'd step |"

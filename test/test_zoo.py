@@ -14,6 +14,7 @@ import pytest
 from memspec_ros.zoo.acceptance import dynamic_walk, static_score
 from memspec_ros.zoo.corpora import (
     DOMAINS,
+    WORKLOADS,
     CorpusConfig,
     Document,
     dedupe_paragraphs,
@@ -357,3 +358,37 @@ def test_draft_recipe_decides_what_each_draft_learns_and_from_which_start(tmp_pa
     assert "of code prompts (on-policy)" in phases["code"]["objective"]
     with pytest.raises(ValueError, match=r"draft recipe 'own-domain' is not one of paper, shared"):
         ZooBuild(replace(cfg, draft_recipe="own-domain"))
+
+
+def test_the_toy_acceptance_leaves_out_continuations_with_no_iteration_and_defines_its_figures_once(tmp_path,
+                                                                                                   monkeypatch):
+    """Its own copy of the figures scored a 0- or 1-token continuation as 0 for every draft (pulling the means
+    down) and divided by general's acceptance where that could be 0; the chat zoo's acceptance_summary did
+    neither. Both now use the one summary."""
+    from memspec_ros.runtime import oracle
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo.chat_acceptance import acceptance_summary
+    from memspec_ros.zoo.cli import main
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    (zoo / "workloads").mkdir(exist_ok=True)
+    for w in WORKLOADS:
+        (zoo / "workloads" / f"{w}.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"{w} text {i}"}) + "\n" for i in range(2)))
+    real = oracle.ContinuationCache.continuation
+
+    def one_token_for_law(self, target, ids, max_new_tokens, eos):
+        cont = real(self, target, ids, max_new_tokens, eos)
+        return cont[:1] if len(seen) == 5 else cont  # the first law prompt (after code's and math's two each)
+
+    seen: list = []
+    monkeypatch.setattr(oracle.ContinuationCache, "continuation",
+                        lambda *a: (seen.append(1), one_token_for_law(*a))[1])
+    out = tmp_path / "a.json"
+    assert main(["acceptance", "--json", str(out), "--models", str(zoo), "--prompts-per-workload", "2",
+                 "--max-new-tokens", "8", "--plot", str(tmp_path / "m.png")]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["per_prompt"]["law"]) == 1 and len(result["per_prompt"]["code"]) == 2
+    names = list(result["matrix"])
+    summary = acceptance_summary(result["per_prompt"], names, list(WORKLOADS), 4)
+    assert {k: result[k] for k in summary} == json.loads(json.dumps(summary))

@@ -136,6 +136,8 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
         for row in tqdm(rows, desc=f"acceptance {w}", mininterval=10):
             ids = [tok.bos_token_id] + tok(row["prompt"], add_special_tokens=False)["input_ids"]
             cont = cache.continuation(target, ids, cfg.max_new_tokens, [tok.eos_token_id])
+            if len(cont) < 2:  # no iteration to score: a 0 for every draft would pull its mean down (as chat skips)
+                continue
             logits = {d: continuation_logits(drafts[d], ids, cont) for d in names}  # one forward per draft
             agreement = {d: draft_agreement(drafts[d], ids, cont, logits[d]) for d in names}
             scores = {d: static_score(agreement[d], cfg.gamma)[0] for d in names}
@@ -154,26 +156,16 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
                 rec.update(dynamic=dyn, dynamic_choices=chosen, pair=row.get("pair"))
             per_prompt[w].append(rec)
         cache.save()
-    matrix = {d: {w: mean(r["accepted_per_iteration"][d] for r in per_prompt[w]) for w in WORKLOADS} for d in names}
-    best_static = {w: mean(max(r["accepted_per_iteration"].values()) for r in per_prompt[w]) for w in WORKLOADS}
-    static_gain_by_workload = {w: best_static[w] / matrix["general"][w] - 1 for w in DOMAINS}
-    dyn_mixed = mean(r["dynamic"] for r in per_prompt["mixed"])
+    from .chat_acceptance import acceptance_summary  # the figures, defined once (it imports this module)
+
+    empty = [w for w, recs in per_prompt.items() if not recs]
+    if empty:
+        raise ValueError(f"no continuations of two or more tokens for workload(s) {', '.join(empty)}")
     result = {
         "config": {k: str(v) for k, v in cfg.__dict__.items()},
         "definitions": __doc__,
-        "matrix": matrix,
-        "best_fixed_per_prompt": best_static,
-        "oracle_static_gain_by_workload": static_gain_by_workload,
-        "oracle_static_gain": mean(static_gain_by_workload.values()),
-        "oracle_dynamic_mixed": dyn_mixed,
-        "oracle_dynamic_gain_mixed": dyn_mixed / best_static["mixed"] - 1,
-        "domain_gain_over_general": {
-            d: {w: matrix[d][w] / matrix["general"][w] - 1 for w in DOMAINS} for d in names if d != "general"
-        },
-        # no draft accepts more than gamma per iteration: the most any draft could gain over general
-        "gain_ceiling_over_general": {w: cfg.gamma / matrix["general"][w] - 1 for w in WORKLOADS},
-        "repeated_4gram_fraction": {w: mean(r["repeated_4gram"] for r in per_prompt[w]) for w in WORKLOADS},
-        "mean_generated_tokens": {w: mean(r["tokens"] for r in per_prompt[w]) for w in WORKLOADS},
+        # the matrix, the oracle gains (n/a where general accepts nothing), the ceiling, the workloads' statistics
+        **acceptance_summary(per_prompt, names, list(WORKLOADS), cfg.gamma),
         "sampling_temperature": cfg.sampling_temperature,
         "sampling_overlap": {
             d: {w: mean(r["sampling_overlap"][d] for r in per_prompt[w] if "sampling_overlap" in r) for w in WORKLOADS}

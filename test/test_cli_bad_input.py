@@ -480,3 +480,20 @@ def test_the_chat_acceptance_reads_a_prompt_row_as_one_user_turn():
     assert row["messages"] == [{"role": "user", "content": "Hi."}] and row["domain"] == "code"
     turns = [{"role": "user", "content": "A"}]
     assert chat_row({"messages": turns, "domain": "law"}, "law")["messages"] == turns
+
+
+def test_gptq_quantize_names_a_calibration_line_without_text(tmp_path, monkeypatch, capsys):
+    """A chat row ({"messages": ...}) became "" and the run ended in "no calibration text", naming no line."""
+    from memspec_ros.zoo import gptq_cli
+
+    called = []
+    monkeypatch.setattr(gptq_cli, "quantize_gptq", lambda *a: called.append(a))
+    calibration = tmp_path / "calib.jsonl"
+    calibration.write_text('{"text": "some text"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        gptq_cli.main(["quantize", "src", "out", "--calibration", str(calibration)])
+    assert exit_info.value.code == 2 and not called
+    assert 'calib.jsonl:2: needs a "text" or "prompt"' in capsys.readouterr().err
+    calibration.write_text('{"text": "some text"}\n\n{"prompt": "more"}\n')
+    assert gptq_cli.main(["quantize", "src", "out", "--calibration", str(calibration)]) == 0
+    assert called[0][2] == ["some text", "more"]

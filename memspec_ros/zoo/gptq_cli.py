@@ -92,9 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--workdir", required=True)
     args = parser.parse_args(argv)
     if args.command == "quantize":
-        lines = Path(args.calibration).read_text().splitlines()
-        texts = [(rec.get("text") or rec.get("prompt") or "") for rec in map(json.loads, filter(str.strip, lines))]
-        quantize_gptq(args.src, args.out, texts, args.bits, args.group_size)
+        from memspec_ros.runtime.jsonl import WorkloadFileError, read_jsonl
+
+        def has_text(row: dict) -> str | None:  # a chat row ({"messages"}) became "" and then "no calibration text"
+            return None if isinstance(row.get("text") or row.get("prompt"), str) else 'needs a "text" or "prompt"'
+
+        try:
+            rows = read_jsonl(args.calibration, row_check=has_text)
+        except (OSError, WorkloadFileError) as exc:
+            parser.error(f"--calibration: {exc}")
+        quantize_gptq(args.src, args.out, [r.get("text") or r["prompt"] for r in rows], args.bits, args.group_size)
         return 0
     report = selftest(Path(args.workdir))
     print("SELFTEST " + json.dumps(report))

@@ -124,7 +124,8 @@ def test_a_resumed_run_keeps_the_new_step_budget_and_ends_even_without_a_step(tm
     assert meta["done"] and meta["step"] == 4  # the new budget, not the checkpoint's 20
     data, cfg, model = _interrupted_run(tmp_path / "spent")
     meta = train(model, data, replace(cfg, max_minutes=0.0), tmp_path / "spent", log=logs.append)
-    assert meta["done"] and meta["step"] == 2 and "no step this run" in logs[-1]
+    # no step this run: it logs the checkpoint's running loss (it once failed to format a loss it never had)
+    assert meta["done"] and meta["step"] == 2 and logs[-1].startswith("train: 2 steps") and "loss" in logs[-1]
 
 
 def test_a_resumed_run_with_a_higher_budget_or_other_settings_is_refused(tmp_path):
@@ -163,3 +164,27 @@ def test_an_atomic_text_write_syncs_under_a_name_of_its_own_and_keeps_the_file_r
     with pytest.raises(OSError, match="No space"):
         write_text_atomic(path, "three")
     assert path.read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["registry.yaml"]
+
+
+def test_a_resumed_run_ends_with_the_loss_of_the_run_it_continues(tmp_path):
+    """The running loss restarted from one batch after a resume, so a resumed run reported another final loss than
+    the same run uninterrupted (its weights, data and optimiser state the same)."""
+    data, cfg, model = _interrupted_run(tmp_path / "resumed")
+    resumed = train(model, data, replace(cfg, max_steps=4), tmp_path / "resumed")
+    straight = train(tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True), _data(),
+                     replace(cfg, max_steps=4), tmp_path / "straight")
+    assert resumed["step"] == straight["step"] == 4
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-5)
+
+
+def test_a_run_checkpointed_before_its_horizon_was_fitted_fits_it_after_the_resume(tmp_path):
+    """With a warm-up longer than the checkpoint interval, the checkpoint held the unfitted horizon (the step
+    budget) and a resumed run never fitted it: its rate stayed near the peak until the minutes ran out."""
+    data = _data()
+    cfg = TrainConfig(max_minutes=0.05, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=8, checkpoint_every=4)
+    model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, _Interrupted(data.streams, {"code": 1.0}, seed=0, after=5), cfg, tmp_path / "run")
+    logs: list[str] = []
+    meta = train(model, _SlowData(data.streams, {"code": 1.0}, seed=0), cfg, tmp_path / "run", log=logs.append)
+    assert any("cosine horizon" in m for m in logs) and meta["total"] < TrainConfig.max_steps

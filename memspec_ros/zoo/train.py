@@ -369,7 +369,13 @@ def train(
     budget_s = cfg.max_minutes * 60
     bar = tqdm(total=total, initial=step, desc=desc, mininterval=5, dynamic_ncols=True)
     t0 = time.time() - elapsed
-    ema = None
+    ema = meta.get("loss_ema")  # the running loss goes on from the checkpoint's: a resumed run's final loss is the same
+    # the cosine horizon is fitted once, a few timed steps into the run; a run checkpointed before that (warm-up
+    # longer than the checkpoint interval) fits it after its resume, timing the steps since (older checkpoints,
+    # which did not record it, had it fitted when they were past the fitting step)
+    timed_from = meta_start + TIMED_FROM_STEP
+    fit_at = max(cfg.warmup_steps, timed_from + FIT_HORIZON_AT - TIMED_FROM_STEP)
+    fitted = meta.get("horizon_fitted", meta_start >= max(cfg.warmup_steps, FIT_HORIZON_AT))
 
     def loss_of(fwd, batch) -> torch.Tensor:
         return _loss(fwd, batch, teacher, cfg, dev)
@@ -389,16 +395,16 @@ def train(
         ema = loss.item() if ema is None else LOSS_EMA[0] * ema + LOSS_EMA[1] * loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
-        if step == TIMED_FROM_STEP:
+        if step == timed_from:
             t_first = time.time()
-        if step == max(cfg.warmup_steps, FIT_HORIZON_AT) and cfg.max_minutes < NO_TIME_BUDGET and meta_start == 0:
+        if step == fit_at and cfg.max_minutes < NO_TIME_BUDGET and not fitted:
             # fit the cosine horizon to the time budget, measured on this machine
-            per_step = (time.time() - t_first) / (step - TIMED_FROM_STEP)
-            fitted = step + int((budget_s - (time.time() - t0)) / per_step * HORIZON_MARGIN)
-            total = min(cfg.max_steps, fitted)
+            per_step = (time.time() - t_first) / (step - timed_from)
+            horizon = step + int((budget_s - (time.time() - t0)) / per_step * HORIZON_MARGIN)
+            total, fitted = min(cfg.max_steps, horizon), True
             bar.total = total
             log(f"{desc}: {per_step:.2f} s/step -> cosine horizon {total} steps")
-            if fitted < cfg.max_steps < TrainConfig.max_steps:  # a step budget the minutes cut short
+            if horizon < cfg.max_steps < TrainConfig.max_steps:  # a step budget the minutes cut short
                 log(f"{desc}: the {cfg.max_minutes:g}-minute cap allows {total} of the {cfg.max_steps} steps on this"
                     " machine: the model trains less than its step budget intends (raise the minutes to keep it)")
         if step % LOSS_LOG_EVERY == 0:
@@ -406,10 +412,11 @@ def train(
         if validate is not None and step % cfg.validate_every == 0:
             keeper.check(step)
         if step % cfg.checkpoint_every == 0:
-            meta.update(step=step, elapsed_s=time.time() - t0, total=total)
+            meta.update(step=step, elapsed_s=time.time() - t0, total=total, loss_ema=ema, horizon_fitted=fitted)
             _save_checkpoint(ckpt_dir, model, opt, data, meta, keeper.best)
     bar.close()
-    meta.update(step=step, elapsed_s=time.time() - t0, total=total, done=True, final_loss=ema, config=asdict(cfg))
+    meta.update(step=step, elapsed_s=time.time() - t0, total=total, done=True, final_loss=ema, config=asdict(cfg),
+                loss_ema=ema, horizon_fitted=fitted)
     if validate is not None:
         keeper.keep_best(step, desc, log)
     _save_checkpoint(ckpt_dir, model, opt, data, meta, keeper.best)

@@ -417,6 +417,14 @@ def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(ti
     (paper_build / "ckpt" / "general" / "final" / "train_meta.json").write_text(
         json.dumps({**general_meta, "domains": ["general"]}))
     assert "| general answers only (" in render(measured, acceptance, paper_build, tiny_build.out_dir)
+    # a draft with no training record and no measured size: n/a, not "0.00 -> 0.00" beside "? of ?"
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_build.out_dir, bare)
+    (bare / "drafts" / "law" / "train_meta.json").unlink()
+    measured["drafts"]["law"] = {}
+    row = next(line for line in render(measured, acceptance, tmp_path / "no-build", bare).splitlines()
+               if line.startswith("| law |"))
+    assert row == "| law | n/a | n/a | law answers, from `general` (n/a) | n/a of n/a | n/a -> n/a |"
 
 
 def test_the_build_refuses_stages_that_would_ship_or_cache_untrained_results(tiny_target, tiny_build, tmp_path):

@@ -111,12 +111,16 @@ def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | Non
             learnt = meta.get("domains") or list(WORKLOADS)
             source = ("answers of every domain" if set(learnt) >= set(WORKLOADS)
                       else f"{', '.join(learnt)} answers only")
+        def figure(value, scale: float = 1.0, form: str = ".2f", unit: str = "") -> str:
+            return "n/a" if value is None else f"{value / scale:{form}}{unit}"  # not measured: not a 0
+
         lines.append(
-            f"| {name} | {size.get('parameters', 0) / 1e6:.2f} M | {size.get('bytes_on_disk', 0) / 1e6:.1f} MB |"
-            f" {source} ({meta.get('answers', '?')}) | {meta.get('best_step', '?')} of {meta.get('step', '?')} |"
-            f" {meta.get('start_accepted', 0):.2f} -> {meta.get('best_score', 0):.2f} |"
+            f"| {name} | {figure(size.get('parameters'), 1e6, unit=' M')} |"
+            f" {figure(size.get('bytes_on_disk'), 1e6, '.1f', ' MB')} | {source} ({meta.get('answers', 'n/a')}) |"
+            f" {meta.get('best_step', 'n/a')} of {meta.get('step', 'n/a')} |"
+            f" {figure(meta.get('start_accepted'))} -> {figure(meta.get('best_score'))} |"
         )
-    total = sum(s["bytes_on_disk"] for s in measured["drafts"].values())
+    total = sum(s.get("bytes_on_disk", 0) for s in measured["drafts"].values())
     lines += [
         "",
         f"Drafts total {total / 1e6:.1f} MB on disk.",

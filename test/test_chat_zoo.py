@@ -806,3 +806,21 @@ def test_the_card_of_a_chat_zoo_reads_its_own_builds_work_dir(tiny_build, monkey
     monkeypatch.setattr(chat_card, "write_chat_card", lambda models, work, acceptance, notes: seen.append(work) or "")
     assert main(["card", "--models", str(tiny_build.out_dir)]) == 0
     assert seen == [Path(tiny_build.work_dir)]  # the work_dir its build_config.json records
+
+
+def test_the_predictor_can_learn_from_answers_the_drafts_never_trained_on(tiny_build, tmp_path, capsys):
+    """Labels from the drafts' own training answers favour the domain drafts (fine-tuned on them) more than new
+    requests do: --unseen-by-drafts keeps the build's validation bucket only, which no draft trained on."""
+    from memspec_ros.zoo.predictor_training import main, unseen_by_drafts
+
+    answers = load_answers(tiny_build.work_dir / "teacher", "train")
+    train_set, val = ChatZooBuild(tiny_build)._split()
+    unseen = unseen_by_drafts(answers, tiny_build.out_dir)
+    assert [a.prompt_ids for a in unseen] == [a.prompt_ids for a in split_validation(answers)[1]]
+    assert not {tuple(a.prompt_ids) for a in unseen} & {tuple(a.prompt_ids) for a in train_set}
+    with pytest.raises(SystemExit, match="needs the zoo's build_config.json"):
+        unseen_by_drafts(answers, tmp_path)
+    with pytest.raises(SystemExit):
+        main(["--registry", str(tiny_build.out_dir / "registry.yaml"), "--prompts", str(tmp_path / "p.jsonl"),
+              "--unseen-by-drafts"])
+    assert "--unseen-by-drafts selects among a zoo's stored --answers" in capsys.readouterr().err

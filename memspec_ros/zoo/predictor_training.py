@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     cache = ContinuationCache(args.continuations or None, target_path)
     if stored is not None:
-        answers = stored
+        answers = unseen_by_drafts(stored, Path(args.registry).parent) if args.unseen_by_drafts else stored
         if args.max_prompts and args.max_prompts < len(answers):
             keep = sorted(random.Random(args.seed).sample(range(len(answers)), args.max_prompts))
             answers = [answers[i] for i in keep]
@@ -410,6 +410,7 @@ def run(args: argparse.Namespace) -> dict:
     majority_top1 = float((heldout_labels == majority).float().mean()) if len(heldout_labels) else 0.0
     report: dict = {"prompts": len(traces), "contexts": len(contexts), "heldout_prompts": len(heldout),
                     "label_horizon_intervals": args.label_horizon, "label_rule": LABEL_RULE,
+                    "answers_unseen_by_drafts": bool(getattr(args, "unseen_by_drafts", False)),
                     "label_counts": label_counts, "majority_label": names[majority],
                     "majority_top1": majority_top1, "trace_seconds": trace_seconds,
                     "continuations_from_cache": cache.hits, "prompt_tokens": args.prompt_tokens, "encoders": {}}
@@ -524,6 +525,23 @@ def _fraction(text: str) -> float:
 DECODE_DEFAULTS = {"max_prompt_tokens": 256, "max_new_tokens": 128, "continuations": None}
 
 
+def unseen_by_drafts(answers: list, zoo: Path) -> list:
+    """The answers the zoo's drafts never trained on: the build's validation bucket (chat_drafts.split_validation
+    with the seed its build_config.json records), which only early stopping read. A domain draft agrees more with
+    the answers it was fine-tuned on than with new ones, so labels from those favour it over ``general`` more than
+    held-out requests do."""
+    from .chat_drafts import split_validation
+
+    config = zoo / "build_config.json"
+    if not config.is_file():
+        raise SystemExit(f"memspec-train-predictor: --unseen-by-drafts needs the zoo's build_config.json (the seed of"
+                         f" its validation split) beside {zoo / 'registry.yaml'}")
+    unseen = split_validation(answers, seed=int(json.loads(config.read_text()).get("seed", 0)))[1]
+    if not unseen:
+        raise SystemExit("memspec-train-predictor: --unseen-by-drafts left no answer")
+    return unseen
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memspec-train-predictor", description=__doc__.split("\n\n")[0])
     from memspec_ros.runtime import bundled_zoo_dir
@@ -544,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a chat zoo's stored answers (<memspec-zoo build work dir>/teacher, split 'train'), or its"
                         " datastore file (models/datastore.safetensors: the same answers' greedy tokens): trace"
                         " those instead of decoding --prompts with the target")
+    p.add_argument("--unseen-by-drafts", action="store_true",
+                   help="with --answers: only the answers the zoo's drafts never trained on (its build's validation"
+                        " bucket, every 20th): the drafts agree more with their own training answers, which biases"
+                        " the labels towards the domain drafts")
     p.add_argument("--encoders", nargs="+", default=list(ENCODERS), choices=ENCODERS)
     p.add_argument("--max-prompts", type=non_negative_int, default=0, help="0: all; else a seeded random subset")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
@@ -608,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --answers (a zoo's models/datastore.safetensors or teacher folder) or --prompts FILE")
     if args.answers and args.prompts:  # one source of traces: the other was dropped silently
         parser.error("give --answers or --prompts, not both")
+    if args.unseen_by_drafts and not args.answers:
+        parser.error("--unseen-by-drafts selects among a zoo's stored --answers: give --answers")
     if args.prompts and not Path(args.prompts).is_file():
         parser.error(f"--prompts {args.prompts}: no such file")
     # settings of the target's decoding: stored answers were decoded already, so with --answers they would be dropped

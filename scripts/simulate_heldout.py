@@ -20,7 +20,7 @@ times to them, so the replay with its costs is "these answers at that path's spe
 own greedy output. Drafts run in fp32 here, as in ``models/acceptance.json``.
 
     .venv/bin/python scripts/simulate_heldout.py --answers artifacts/heldout_answers \\
-        --runs docs/results/fp32,docs/results/int4 --json docs/results/simulated-heldout.json
+        --runs docs/results,docs/results/fp32,docs/results/int4 --json docs/results/simulated-heldout.json
 """
 
 from __future__ import annotations

@@ -287,6 +287,19 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     assert again.answers == store.answers and again.tokens.tolist() == store.tokens.tolist()
 
 
+def _work_asking_heldout_material(build, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of ``build``'s work dir whose training request 1 asks a held-out request's material in other words
+    (a work dir split before chat_workloads dropped such requests); (the copy, its train_requests.jsonl)."""
+    work = tmp_path / "work"
+    shutil.copytree(build.work_dir, work)
+    requests = work / "workloads" / "train_requests.jsonl"
+    rows = [json.loads(line) for line in requests.read_text().splitlines()]
+    held = json.loads((work / "workloads" / "code.jsonl").read_text().splitlines()[0])["prompt"]
+    rows[1]["prompt"] = cw._MATH_ASKS[0].format(p=held)
+    requests.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return work, requests
+
+
 def test_the_datastore_withholds_answers_to_requests_a_held_out_one_asks(tiny_target, tiny_build, tmp_path):
     """A work dir split before training requests that ask what a held-out one asks were dropped (the committed zoo's:
     109 of its 10,240) must not put their answers in the datastore, where context lookup copies them into held-out
@@ -296,13 +309,7 @@ def test_the_datastore_withholds_answers_to_requests_a_held_out_one_asks(tiny_ta
     from memspec_ros.runtime.models import tokenizer_fingerprint
 
     _, tok, _ = tiny_target
-    work = tmp_path / "work"
-    shutil.copytree(tiny_build.work_dir, work)
-    requests = work / "workloads" / "train_requests.jsonl"
-    rows = [json.loads(line) for line in requests.read_text().splitlines()]
-    held = json.loads((work / "workloads" / "code.jsonl").read_text().splitlines()[0])["prompt"]
-    rows[1]["prompt"] = cw._MATH_ASKS[0].format(p=held)  # the held-out request's material, asked in other words
-    requests.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    work, requests = _work_asking_heldout_material(tiny_build, tmp_path)
     cfg = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")
     ChatZooBuild(cfg).run(["datastore"])
     store = Datastore.load(cfg.out_dir / DATASTORE_FILE, fingerprint=tokenizer_fingerprint(tok))
@@ -732,13 +739,7 @@ def test_drafts_never_learn_answers_to_requests_a_held_out_one_asks(tiny_build, 
     """A work dir split before such requests were dropped kept their answers out of the datastore only: the
     vocabulary, the drafts' training and their early stopping still learnt them, and cached drafts that had were
     taken for this build's."""
-    work = tmp_path / "work"
-    shutil.copytree(tiny_build.work_dir, work)
-    requests = work / "workloads" / "train_requests.jsonl"
-    rows = [json.loads(line) for line in requests.read_text().splitlines()]
-    held = json.loads((work / "workloads" / "code.jsonl").read_text().splitlines()[0])["prompt"]
-    rows[1]["prompt"] = cw._MATH_ASKS[0].format(p=held)  # the held-out request's material, asked in other words
-    requests.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    work, requests = _work_asking_heldout_material(tiny_build, tmp_path)
     build = ChatZooBuild(replace(tiny_build, work_dir=work, out_dir=tmp_path / "out"))
     contaminated = load_answers(work / "teacher", "train")[1]
     train_set, val = build._split()

@@ -30,8 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(cache: Path) -> None:
-    """Traces and target-hidden features over every datastore answer, written to ``cache`` (safetensors + JSON)."""
+def build(cache: Path, max_answers: int = 0) -> None:
+    """Traces and target-hidden features over every datastore answer (a seeded random ``max_answers`` of them when
+    set), written to ``cache`` (safetensors + JSON)."""
     from safetensors.torch import save_file
 
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
@@ -45,6 +46,8 @@ def build(cache: Path) -> None:
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
     names = list(drafts)
     answers = datastore_answers(ROOT / "models/datastore.safetensors", load_tokenizer(registry.target_path))
+    if max_answers and max_answers < len(answers):  # the GPU-built zoo's 10,240: about 2.5 CPU-hours for all
+        answers = random.Random(0).sample(answers, max_answers)
     traces = traces_from_answers(drafts, answers, 4, 4, horizon=0)
     feats = torch.stack(hidden_features(target, traces, 32))
     rows = [{"trace": i, "label": names.index(c.label),
@@ -100,10 +103,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", type=Path, default=ROOT / "artifacts/predictor-traces")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--max-answers", type=int, default=0, help="a seeded random subset of the datastore (0: all)")
     a = p.parse_args()
     torch.set_num_threads(1)
     if not (a.cache / "contexts.json").is_file():
-        build(a.cache)
+        build(a.cache, a.max_answers)
     feats = load_file(str(a.cache / "features.safetensors"))["features"]
     meta = json.loads((a.cache / "contexts.json").read_text())
     names, rows, n = meta["drafts"], meta["rows"], meta["traces"]

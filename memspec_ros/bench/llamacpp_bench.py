@@ -354,7 +354,8 @@ def run_llamacpp_bench(
                                        eos_token_ids=eos_token_ids, adaptive_gamma=how.adaptive,
                                        lookup=LookupConfig() if how.lookup else None,
                                        datastores=(cfg.datastore,) if how.datastore else ())
-                    tally[method].add((run, i), session.stats.tokens_per_second)
+                    if session.stats.decode_tokens:  # an answer of one token has no decode rate (not a 0 in medians)
+                        tally[method].add((run, i), session.stats.tokens_per_second)
                     if kind != "alone":
                         tally[method].accepted.add(session.stats)
                     if how.lookup:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -339,3 +341,27 @@ def _check_domain_rollouts(build, streams, shared, target, work) -> None:
     too_few = r"domain rollouts per source \(4\) must be at least the rollouts per source \(6\)"
     with pytest.raises(ValueError, match=too_few):
         ZooBuild(BuildConfig(work_dir=work, threads=1, rollouts=shared, domain_rollouts_per_source=4)).domain_rollouts()
+
+
+def test_a_rollouts_file_cut_mid_write_is_not_left_to_be_taken_as_done(rollouts, target, tmp_path, monkeypatch):
+    """The final file was written in place: a crash mid-write left a truncated rollouts.safetensors, which the
+    next build took for a finished stage."""
+    from memspec_ros.zoo import rollouts as ro
+
+    streams, cfg, _, _ = rollouts
+    real = ro.save_file
+
+    def cut_final(tensors, filename, *args, **kwargs):
+        if ".rollouts.safetensors" in filename:  # the final write, not a source's part
+            Path(filename).write_bytes(b"half a file")
+            raise OSError("No space left on device")
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(ro, "save_file", cut_final)
+    out = tmp_path / "rollouts.safetensors"
+    with pytest.raises(OSError, match="No space"):
+        make_rollouts(target, streams, cfg, out, log=lambda m: None)
+    assert not out.exists()
+    monkeypatch.setattr(ro, "save_file", real)
+    make_rollouts(target, streams, cfg, out, log=lambda m: None)  # the parts kept: rebuilt from them
+    assert out.is_file()

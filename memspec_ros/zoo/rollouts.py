@@ -149,8 +149,12 @@ def make_rollouts(
             f" with the greedy tokens on {agree / max(total, 1):.4%}"
         )
     summary["seconds"] = round(time.time() - t_start, 1)
-    save_file(tensors, str(out))
+    # the .json, then the tensors by a rename: the build takes an existing rollouts file for a finished stage, so a
+    # cut write must leave none (its parts/ stay and rebuild it), not a truncated file taken as done
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    partial = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(partial))
+    partial.replace(out)
     shutil.rmtree(parts)
     return summary
 

@@ -767,6 +767,14 @@ def test_drafts_distilled_on_answers_made_again_are_not_taken_as_cached(tiny_tar
         ChatZooBuild(longer).run(["vocab"])
     with pytest.raises(ValueError, match=r"cached general draft .* \(answers_digest"):
         ChatZooBuild(longer).run(["general"])
+    # a draft recorded before its answers were (an existing work dir): compared without them, not refused
+    meta_path = work / "ckpt" / "general" / "final" / "train_meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["identity"]["answers_digest"]
+    meta_path.write_text(json.dumps(meta))
+    shutil.rmtree(work / "teacher")
+    shutil.copytree(tiny_build.work_dir / "teacher", work / "teacher")
+    ChatZooBuild(cfg).run(["general"])  # cached
 
 
 def test_a_relative_target_is_written_where_the_registry_finds_it(tiny_target, tiny_build, tmp_path, monkeypatch):

@@ -78,16 +78,21 @@ def test_take_crops_to_the_shared_prefix_leaves_a_token_to_feed_and_empties_the_
 def test_a_goal_that_shares_nothing_hands_the_dropped_caches_pages_back(target, monkeypatch):
     """With no budget for older goals, a goal sharing nothing with the kept conversation dropped its caches without
     handing their pages back (as every other drop does)."""
+    import weakref
+
     from memspec_ros.runtime import prompt_cache
 
-    released = []
-    monkeypatch.setattr(prompt_cache, "release_freed_memory", lambda: released.append(1))
-    cache = PromptCache()
     tokens = _ids(20, 1)
-    cache.keep(tokens, _filled(target, tokens))
+    kv = _filled(target, tokens)
+    alive = weakref.ref(kv.cache)
+    released = []  # whether the dropped cache was already gone when the pages were handed back
+    monkeypatch.setattr(prompt_cache, "release_freed_memory", lambda: released.append(alive() is None))
+    cache = PromptCache()
+    cache.keep(tokens, kv)
+    del kv
     released.clear()
     assert cache.take([99, 98]).target is None and cache.tokens == 0
-    assert released == [1]
+    assert released == [True]
 
 
 def test_a_session_refuses_a_prefix_that_leaves_nothing_to_feed(target):

@@ -96,6 +96,7 @@ def test_a_malformed_registry_entry_is_refused_naming_the_file_and_field(zoo, te
     # ignored, these left configure saying "names no target: set model.target_path"
     ("target: 5\ndrafts:\n  - {name: code, path: drafts/code}\n", r"'target' in .*r\.yaml must be a path .*not a int"),
     ("target: {path: }\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not an empty one"),
+    ("target: {path: 5}\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not a int"),
     ("target: {pth: t}\ndrafts:\n  - {name: code, path: drafts/code}\n", r"'target' in .*unknown key 'pth'"),
     ("drafts:\n  - {name: code, path: drafts/code}\n  - {name: code, path: drafts/general}\n",
      r"drafts\[1\] \('code'\) in .*r\.yaml has the name of drafts\[0\]"),

@@ -65,6 +65,13 @@ def test_goal_lines_follow_the_measurements():
         and "NOT everywhere: also beats `general` code on general (+5%)" in missed
     )
     assert "**0.020** (NOT met" in missed and "**0.070** (NOT met" in missed
+    # general accepting nothing on a workload: its gains there are n/a (acceptance_summary), and meet no goal
+    none = _acceptance(own=0.3, off=-0.2, static=0.25, dynamic=0.12)
+    none["domain_gain_over_general"]["code"]["code"] = None
+    none["oracle_static_gain"] = none["oracle_static_gain_by_workload"]["law"] = None
+    text = render(_measurements({}), none)
+    assert "by >= 25%: code n/a" in text and "NOT met for code" in text
+    assert "oracle_static_gain >= 0.20: **n/a** (NOT met; per workload" in text and "math +0.25, law n/a" in text
     assert "| math | 0.88 | 0.88 | 0.88 | 0.88 | 0.88 | 0.88 |" in missed
     assert (
         "no draft can beat `general` by more than code +10%" in missed

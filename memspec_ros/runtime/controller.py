@@ -631,7 +631,8 @@ def load_runtime(
     quantization: str = "none",
 ) -> RuntimeController:
     """Everything from files (runtime/loader.py): target + tokenizer, the registry (validated against the
-    target's tokenizer), the predictor (when ``predictor_path`` or one of its encoder subfolders holds one),
+    target's tokenizer), the predictor (from ``predictor_path`` or one of its encoder subfolders; ValueError when
+    a path is given that holds none),
     and the controller (generation ends at the tokenizer's eos token and at the target's generation_config
     eos_token_id ids).
 

@@ -193,25 +193,30 @@ class PromptCache:
         if dropped:
             release_freed_memory()  # their buffers' pages go back to the system (kv_cache.release_freed_memory)
 
-    def take(self, prompt_ids: Sequence[int]) -> Reuse:
-        """The caches of the goal that shares the longest prefix with ``prompt_ids`` (the latest of equals), cropped
-        to it, leaving at least one prompt token to feed; nothing when none shares a token. The generation owns
-        what it takes until ``keep`` hands its own back; with no budget for older goals, the cache is empty
-        afterwards."""
+    def _longest_shared(self, prompt_ids: Sequence[int]):
+        """(the kept goal sharing the longest prefix with ``prompt_ids``, the latest of equals, or None; the tokens
+        shared, leaving one to feed)."""
         best, shared = None, 0
         for entry in self._entries:
             n = min(common_prefix(entry.tokens, prompt_ids), len(prompt_ids) - 1)
             if n >= shared and n > 0:
                 best, shared = entry, n
+        return best, shared
+
+    def take(self, prompt_ids: Sequence[int]) -> Reuse:
+        """The caches of the goal that shares the longest prefix with ``prompt_ids`` (the latest of equals), cropped
+        to it, leaving at least one prompt token to feed; nothing when none shares a token. The generation owns
+        what it takes until ``keep`` hands its own back; with no budget for older goals, the cache is empty
+        afterwards."""
+        best, shared = self._longest_shared(prompt_ids)
         # a goal that continues a kept conversation takes its caches (they grow on with it, and are kept again
         # after it); one that only shares a part of them (another conversation with the same system prompt, a
         # repeated or edited turn) gets copies of that part, and the conversation stays for its own next turn
         move = best is not None and (not self.budget_bytes or shared == len(best.tokens))
         if not self.budget_bytes:
-            dropped = [e for e in self._entries if e is not best]
-            self._entries = []
-            if dropped:  # the others' caches are freed here, as _trim and clear free theirs
-                del dropped
+            dropped = any(e is not best for e in self._entries)
+            self._entries = []  # the others' caches, no longer referenced, are freed here
+            if dropped:  # and their pages handed back, as _trim and clear hand theirs
                 release_freed_memory()
         elif move:
             self._entries = [e for e in self._entries if e is not best]

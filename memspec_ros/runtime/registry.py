@@ -210,9 +210,9 @@ class DraftRegistry:
         if target is not None and not (isinstance(target, str) and target) and not (
                 isinstance(target, dict) and isinstance(target.get("path"), str) and target["path"]):
             # ignored, it left configure to say "names no target: set model.target_path", the wrong fix
-            empty = target in ("", {}) or isinstance(target, dict)  # {path: } or {path: ''}: its keys are known
-            raise RegistryError(f"'target' in {file} must be a path (a string) or {{path: ...}}, not"
-                                f" {'an empty one' if empty else 'a ' + type(target).__name__}")
+            inner = target.get("path") if isinstance(target, dict) else target  # its keys are known by now
+            what = "an empty one" if inner in ("", None) or target == {} else "a " + type(inner).__name__
+            raise RegistryError(f"'target' in {file} must be a path (a string) or {{path: ...}}, not {what}")
         if isinstance(target, dict) and target.get("path"):
             target_path = relative_to(base, str(target["path"]))
         elif isinstance(target, str):

@@ -170,8 +170,17 @@ def build_phases(work_dir: Path) -> dict[str, dict]:
     return out
 
 
-def _fmt_pct(x: float) -> str:
-    return f"{x:+.0%}"
+def _fmt_pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.0%}"  # None: a gain over a general that accepts nothing
+
+
+def _fmt(x: float | None, form: str) -> str:
+    return "n/a" if x is None else f"{x:{form}}"
+
+
+def _at_least(x: float | None, goal: float) -> bool:
+    """A goal met by ``x``; a figure with no value (n/a) meets none."""
+    return x is not None and x >= goal
 
 
 def render(m: dict, acc: dict | None, notes: str = "") -> str:
@@ -282,12 +291,12 @@ def _acceptance_section(acc: dict) -> list[str]:
 
 def _acceptance_goals(acc: dict) -> list[str]:
     own = {d: acc["domain_gain_over_general"][d][d] for d in acc["domain_gain_over_general"]}
-    short = [d for d, g in own.items() if g < 0.25]  # domain drafts below the 25% goal on their own domain
+    short = [d for d, g in own.items() if not _at_least(g, 0.25)]  # below the 25% goal on their own domain
     wins_off = [
         f"{d} on {w} ({_fmt_pct(acc['domain_gain_over_general'][d][w])})"
         for d in own
         for w in DOMAINS
-        if w != d and acc["domain_gain_over_general"][d][w] >= 0
+        if w != d and _at_least(acc["domain_gain_over_general"][d][w], 0)
     ]
     return [
         "",
@@ -298,12 +307,12 @@ def _acceptance_goals(acc: dict) -> list[str]:
         + f" -> {'met' if not short else 'NOT met for ' + ', '.join(short)}",
         "* ... and loses to it on the other domains: "
         + ("met" if not wins_off else "NOT everywhere: also beats `general` " + ", ".join(wins_off)),
-        f"* oracle_static_gain >= 0.20: **{acc['oracle_static_gain']:.3f}** "
-        f"({'met' if acc['oracle_static_gain'] >= 0.2 else 'NOT met'}; per workload "
-        + ", ".join(f"{w} {v:+.2f}" for w, v in acc["oracle_static_gain_by_workload"].items())
+        f"* oracle_static_gain >= 0.20: **{_fmt(acc['oracle_static_gain'], '.3f')}** "
+        f"({'met' if _at_least(acc['oracle_static_gain'], 0.2) else 'NOT met'}; per workload "
+        + ", ".join(f"{w} {_fmt(v, '+.2f')}" for w, v in acc["oracle_static_gain_by_workload"].items())
         + ")",
-        f"* oracle_dynamic_gain_mixed >= 0.10: **{acc['oracle_dynamic_gain_mixed']:.3f}** "
-        f"({'met' if acc['oracle_dynamic_gain_mixed'] >= 0.1 else 'NOT met'};"
+        f"* oracle_dynamic_gain_mixed >= 0.10: **{_fmt(acc['oracle_dynamic_gain_mixed'], '.3f')}** "
+        f"({'met' if _at_least(acc['oracle_dynamic_gain_mixed'], 0.1) else 'NOT met'};"
         f" dynamic {acc['oracle_dynamic_mixed']:.2f} vs "
         f"best fixed {acc['best_fixed_per_prompt']['mixed']:.2f} accepted/iteration)",
         "",

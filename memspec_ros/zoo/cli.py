@@ -275,7 +275,7 @@ def _run_chat_acceptance(a) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
     target_path = registry.target_path or ""  # a GGUF, a package's file, or a Hugging Face folder (tests, users)
-    has_target = is_model_source(target_path) or Path(target_path).is_dir()
+    has_target = bool(target_path) and (is_model_source(target_path) or Path(target_path).is_dir())  # "" is cwd
     tok = load_tokenizer(registry.target_path) if has_target else None
     digest = model_digest(registry.target_path) if has_target else None  # answers by another target are refused
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)

@@ -185,11 +185,22 @@ def identity_changes(was: dict, now: dict) -> str:
     return ", ".join(f"{k} {shown(was.get(k, '(none)'))} -> {shown(now.get(k, '(none)'))}" for k in keys) or "none"
 
 
+# identity fields added after runs were recorded without them: such a record is compared without the field (its
+# build cannot say; refusing it would take every draft of an existing work dir for another run's)
+LATER_IDENTITY_FIELDS = ("answers_digest",)
+
+
+def as_recorded(was: dict, identity: dict) -> dict:
+    """``identity`` as the record ``was`` can be compared with: without the later fields it does not hold."""
+    return {k: v for k, v in identity.items() if k in was or k not in LATER_IDENTITY_FIELDS}
+
+
 def _resumable_as(meta: dict, identity: dict) -> bool:
     """Whether the checkpointed run ``meta`` may go on as the run ``identity``: the same run, or the same with a
     lower step budget while it is unfinished (its cosine horizon is cut to the budget; a higher one would still
     have ended at the old horizon, and a finished run cannot take back steps)."""
     was = meta["identity"]
+    identity = as_recorded(was, identity)
     if was == identity:
         return True
     others_same = {k: v for k, v in was.items() if k != "max_steps"} == \

@@ -167,10 +167,10 @@ def test_the_gptq_report_refuses_stored_answers_of_another_target_or_length(tiny
                     target_digest=model_digest(path))
     answer_requests(model, tok, ROWS[:4], other, "heldout", TeacherConfig(batch_size=4), target_digest="f" * 64)
     with pytest.raises(SystemExit, match="made by another target"):
-        check_stored_answers(other, str(path))
+        check_stored_answers(other, model_digest(path))
     with pytest.raises(SystemExit, match=r"cut at max_new_tokens \[6\], not the 128"):
-        check_stored_answers(mine, str(path))
-    check_stored_answers(tmp_path / "none", str(path))  # no stored answers: made anew, nothing to check
+        check_stored_answers(mine, model_digest(path))
+    check_stored_answers(tmp_path / "none", model_digest(path))  # no stored answers: made anew, nothing to check
 
 
 def test_answer_rows_label_answer_tokens_only_and_drop_ids_outside_the_vocabulary():

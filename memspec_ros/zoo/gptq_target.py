@@ -91,7 +91,7 @@ def weights_digest(model_dir: Path) -> str:
 
 
 def answered(target_dir: Path, rows: list[dict], answers_dir: Path | None, work: Path, split: str,
-             threads: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+             threads: int, target_digest: str | None = None) -> tuple[list[tuple[list[int], list[int]]], int]:
     """(prompt ids, fp32 greedy answer ids) per row, and how many of them were stored already.
 
     Stored answers (``answers_dir/<split>-*.safetensors``) are matched by prompt ids; the rest are
@@ -118,9 +118,9 @@ def answered(target_dir: Path, rows: list[dict], answers_dir: Path | None, work:
         model = load_model(ModelSpec(str(target_dir))).model
         _log(f"{len(missing)} {split} requests without a stored answer: the fp32 target answers them ({out})")
         with tqdm(total=len(missing), desc=f"answers {split}", unit="req") as bar:
-            # keyed by this target's weights too: answers another target made there are refused, not reused
-            answer_requests(model, tokenizer, missing, out, split, TeacherConfig(batch_size=16), bar,
-                            weights_digest(target_dir))
+            # marked with the target's digest (model_source.model_digest, as the build's answers): answers another
+            # target made there are refused, not reused
+            answer_requests(model, tokenizer, missing, out, split, TeacherConfig(batch_size=16), bar, target_digest)
         del model
         stored.update({tuple(a.prompt_ids): a.answer_ids for a in load_answers(out, split)})
     return [(p, stored[tuple(p)]) for p in prompts], hits
@@ -149,7 +149,8 @@ def calibration_rows(models: Path, requests: int) -> tuple[list[dict], int]:
 
 
 def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: Path | None, bits: int = 4,
-                    group_size: int = 32, threads: int = 2, out_root: Path | None = None, sym: bool = True) -> Path:
+                    group_size: int = 32, threads: int = 2, out_root: Path | None = None, sym: bool = True,
+                    target_digest: str | None = None) -> Path:
     """The GPTQ checkpoint of ``target_dir`` calibrated on ``requests`` training requests (cached)."""
     import gptqmodel
     import torch
@@ -160,7 +161,7 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
     root = Path(out_root) if out_root else cache_root() / "gptq"
     root.mkdir(parents=True, exist_ok=True)
     rows, skipped = calibration_rows(models, requests)
-    seqs, hits = answered(target_dir, rows, answers_dir, root, "train", threads)
+    seqs, hits = answered(target_dir, rows, answers_dir, root, "train", threads, target_digest)
     ids = [p + a for p, a in seqs]
     h = hashlib.sha256()
     h.update(weights_digest(target_dir).encode())
@@ -226,7 +227,8 @@ def perplexity(model, seqs: list[tuple[list[int], list[int]]]) -> dict:
 
 
 def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answers_dir: Path | None,
-           ppl_per_workload: int, speed_per_workload: int, max_new_tokens: int, gamma: int, threads: int) -> dict:
+           ppl_per_workload: int, speed_per_workload: int, max_new_tokens: int, gamma: int, threads: int,
+           target_digest: str | None = None) -> dict:
     import torch
 
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer, parameter_bytes
@@ -236,7 +238,8 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
 
     heldout = {w: read_rows(models / "workloads" / f"{w}.jsonl") for w in WORKLOADS}
     ppl_rows = [r for w in WORKLOADS for r in heldout[w][:ppl_per_workload]]
-    ppl_seqs, ppl_hits = answered(target_dir, ppl_rows, answers_dir, gptq_dir.parent, "heldout", threads)
+    ppl_seqs, ppl_hits = answered(target_dir, ppl_rows, answers_dir, gptq_dir.parent, "heldout", threads,
+                                  target_digest)
 
     torch.set_num_threads(threads)
     # GPT-QModel's fused CPU kernel (TorchCpuAvx512Linear) takes bf16 activations only: with fp32 ones
@@ -402,20 +405,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--gamma", type=controller_limit("gamma"), default=4)
 
 
-def check_stored_answers(answers: Path | None, target_spec: str) -> None:
-    """SystemExit unless the stored answers (a zoo build's teacher folder) are this target's, cut at the length
-    this report describes: matched by prompt ids alone, another model's or longer answers were measured silently."""
-    from memspec_ros.runtime.model_source import model_digest
-
+def check_stored_answers(answers: Path | None, digest: str) -> None:
+    """SystemExit unless the stored answers (a zoo build's teacher folder) are the target's of ``digest``
+    (model_source.model_digest), cut at the length this report describes: matched by prompt ids alone, another
+    model's or longer answers were measured silently."""
     from .teacher import TeacherConfig, answered_limits, answered_targets
 
     if answers is None or not answers.is_dir():
         return
-    digest, length = model_digest(target_spec), TeacherConfig().max_new_tokens
+    length = TeacherConfig().max_new_tokens
     for split in ("train", "heldout"):
         others = answered_targets(answers, split) - {digest}
         if others:
-            raise SystemExit(f"the {split} answers in {answers} were made by another target than {target_spec}:"
+            raise SystemExit(f"the {split} answers in {answers} were made by another target than this one:"
                              " give that target's answers with --answers, or another folder (they are made anew)")
         lengths = answered_limits(answers, split) - {length}
         if lengths:
@@ -426,16 +428,19 @@ def check_stored_answers(answers: Path | None, target_spec: str) -> None:
 def run(a: argparse.Namespace) -> int:
     models = Path(a.models)
     answers = Path(a.answers) if a.answers else default_answers_dir(models)
+    from memspec_ros.runtime.model_source import model_digest
+
     spec = a.target or registry_target(models)
-    check_stored_answers(answers, spec)
+    digest = model_digest(spec)  # what the build's answers record: a GGUF's own digest, not its converted folder's
+    check_stored_answers(answers, digest)
     target = _resolved(spec)
     out = quantize_target(target, models, a.requests, answers, a.bits, a.group_size, a.threads,
-                          Path(a.out_root) if a.out_root else None, a.sym)
+                          Path(a.out_root) if a.out_root else None, a.sym, digest)
     print(f"GPTQ INT{a.bits} checkpoint: {out}")
     if a.gptq_command == "report":
         draft = (Path(a.draft) if a.draft else models / "drafts" / "general").resolve()
         result = report(target, out, draft, models, answers, a.ppl_per_workload, a.speed_per_workload,
-                        a.max_new_tokens, a.gamma, a.threads)
+                        a.max_new_tokens, a.gamma, a.threads, digest)
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps({n: {k: m[k] for k in ("perplexity", "decode_tok_s_1thread", "outputs_identical")}

@@ -116,8 +116,9 @@ PARAMS: tuple[Param, ...] = (
     # each faster on the bundled zoo (docs/results/measured-here.md, "Forward paths beside llama.cpp"), so a plain
     # launch gets them.
     Param("drafts.quantization", "int4",
-          "Drafts' forward path: none (model.dtype's), int8 or int4 (compact weights: a draft's cost is mostly its"
-          " head's bytes). The answer is the target's whatever the drafts compute.",
+          "Drafts' forward path: none (model.dtype's), int8 or int4 (compact weights in fp32 activations, on the"
+          " engine's CPU kernels: set none with model.device cuda; a draft's cost is mostly its head's bytes). The"
+          " answer is the target's whatever the drafts compute.",
           AT_CONFIGURE, choices=("none", "int8", "int4")),
     Param("model.device", "cpu", "Device for target and drafts: cpu or cuda[:N].", AT_CONFIGURE),
     Param("model.threads", 0, "torch CPU threads (0: leave torch's default).", AT_CONFIGURE, int_range=(0, 256)),

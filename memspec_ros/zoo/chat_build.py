@@ -108,6 +108,19 @@ def _log(msg: str) -> None:
     print(f"[zoo] {msg}", flush=True)
 
 
+def recorded_work_dir(models: Path) -> Path | None:
+    """The work dir of the build that made the zoo in ``models`` (its build_config.json), if it exists here; a
+    relative one is read from the source tree's root, where `memspec-zoo build` runs."""
+    config = Path(models) / "build_config.json"
+    if not config.is_file():
+        return None
+    recorded = json.loads(config.read_text()).get("work_dir")
+    if not recorded:
+        return None
+    work = Path(recorded) if Path(recorded).is_absolute() else Path(__file__).resolve().parents[2] / recorded
+    return work if work.is_dir() else None
+
+
 def answers_digest(answers) -> str:
     """The answers a vocabulary or a draft was made from, by content (prompt and answer ids, in order): their count
     alone took drafts distilled on answers made again (another length, other requests) for this build's."""

@@ -384,14 +384,11 @@ def _run_card(a) -> int:
     from .card import write_card
 
     if _is_chat_zoo(Path(a.models)):
-        from .chat_build import ChatBuildConfig
+        from .chat_build import ChatBuildConfig, recorded_work_dir
         from .chat_card import write_chat_card
 
-        work = a.work_dir
-        if work is None:  # the toy build's folder was the default: the card then showed the kept figures silently
-            config = Path(a.models) / "build_config.json"
-            recorded = json.loads(config.read_text()).get("work_dir") if config.is_file() else None
-            work = recorded if recorded and Path(recorded).is_dir() else ChatBuildConfig().work_dir
+        # the toy build's folder was the default: the card then showed the kept figures silently
+        work = a.work_dir or recorded_work_dir(Path(a.models)) or ChatBuildConfig().work_dir
         acceptance = Path(a.acceptance_json) if a.acceptance_json else Path(a.models) / "acceptance.json"
         print(write_chat_card(Path(a.models), Path(work), acceptance, Path(a.notes) if a.notes else None))
         return 0

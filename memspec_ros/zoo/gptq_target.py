@@ -71,12 +71,10 @@ def read_rows(path: Path) -> list[dict]:
 
 def default_answers_dir(models: Path) -> Path | None:
     """``<work dir>/teacher`` of the build that made the zoo in ``models`` (build_config.json), if it exists."""
-    config = models / "build_config.json"
-    if not config.is_file():
-        return None
-    work = Path(json.loads(config.read_text()).get("work_dir") or "")
-    teacher = work / "teacher" if work.is_absolute() else ROOT / work / "teacher"
-    return teacher if teacher.is_dir() else None
+    from .chat_build import recorded_work_dir
+
+    work = recorded_work_dir(models)
+    return work / "teacher" if work is not None and (work / "teacher").is_dir() else None
 
 
 def weights_digest(model_dir: Path) -> str:

@@ -55,7 +55,8 @@ def build(cache: Path, max_answers: int = 0) -> None:
             for i, t in enumerate(traces) for c in t.contexts]
     cache.mkdir(parents=True, exist_ok=True)
     save_file({"features": feats.contiguous()}, str(cache / "features.safetensors"))
-    (cache / "contexts.json").write_text(json.dumps({"drafts": names, "traces": len(traces), "rows": rows}))
+    (cache / "contexts.json").write_text(json.dumps({"drafts": names, "traces": len(traces), "rows": rows,
+                                                      "max_answers": max_answers}))
 
 
 def train_and_score(feats, names, rows, train: set[int], test: set[int], objective: str, tau: float) -> dict:
@@ -110,10 +111,13 @@ def main() -> None:
         build(a.cache, a.max_answers)
     feats = load_file(str(a.cache / "features.safetensors"))["features"]
     meta = json.loads((a.cache / "contexts.json").read_text())
+    if meta.get("max_answers", 0) != a.max_answers:  # a rerun took the cached subset whatever it asked for
+        raise SystemExit(f"{a.cache} holds traces of --max-answers {meta.get('max_answers', 0)}: pass that, or"
+                         " another --cache")
     names, rows, n = meta["drafts"], meta["rows"], meta["traces"]
     held = split_prompts([[i] for i in range(n)], 0.2, 0)  # the traces' prompts are distinct: split by index
     train_all = set(range(n)) - held
-    train_720 = set(random.Random(0).sample(sorted(train_all), 720))
+    train_720 = set(random.Random(0).sample(sorted(train_all), min(720, len(train_all))))
     rest = torch.tensor([r["rest"] for r in rows if r["trace"] in held], dtype=torch.float32)
     g = names.index("general")
     out = {"heldout_prompts": len(held), "heldout_contexts": len(rest),

@@ -182,8 +182,12 @@ class Datastore:
         if clash:  # a caller's value would replace the file's own: a format load refuses, a wrong count
             raise ValueError(f"datastore metadata {', '.join(clash)} is the file's own; name it otherwise")
         # written aside and renamed: a cut rebuild must leave the datastore the node reads, not half of a new one
+        import tempfile
+
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.partial")
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".partial",
+                                         delete=False) as handle:  # a name of its own: two writers never share one
+            tmp = Path(handle.name)
         try:
             save_file({"tokens": flat.astype(dtype), "offsets": offsets}, str(tmp),
                       metadata={**own, **{k: str(v) for k, v in metadata.items()}})

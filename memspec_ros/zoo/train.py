@@ -134,9 +134,9 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.write(text)
         tmp.flush()
         os.fsync(tmp.fileno())
-    # mkstemp's 0600 would make a zoo file others cannot read: the old file's mode, else the usual 0644
-    os.chmod(tmp.name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
     try:
+        # mkstemp's 0600 would make a zoo file others cannot read: the old file's mode, else the usual 0644
+        os.chmod(tmp.name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(tmp.name, path)
     finally:
         Path(tmp.name).unlink(missing_ok=True)

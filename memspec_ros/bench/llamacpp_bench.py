@@ -53,7 +53,7 @@ LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::bmm")
 _EVAL = re.compile(r"^\S*\s*\S*\s*common_perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
 _SAMPLING = re.compile(r"sampling time =\s*([\d.]+) ms", re.M)
-_END_OF_TEXT = " [end of text]"  # what llama-completion prints where the model ends its answer
+_END_OF_TEXT = "[end of text]"  # what llama-completion prints where the model ends its answer
 _SPEC = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", re.M)
 _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
@@ -108,8 +108,7 @@ class LlamaCppRun:
 
 def llamacpp_answer(stdout: str) -> str:
     """The answer llama-completion printed, without the marker it prints where the model ended it."""
-    text = stdout.rstrip()
-    return (text[: -len(_END_OF_TEXT.strip())] if text.endswith(_END_OF_TEXT.strip()) else text).strip()
+    return stdout.rstrip().removesuffix(_END_OF_TEXT).strip()
 
 
 def llamacpp_program(bin_dir: Path, name: str) -> Path:

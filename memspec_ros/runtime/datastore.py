@@ -26,13 +26,13 @@ proposing nonsense.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .atomic_write import written_aside
 from .lookup import LookupConfig
 
 FORMAT = "memspec-datastore/1"
@@ -182,18 +182,9 @@ class Datastore:
         if clash:  # a caller's value would replace the file's own: a format load refuses, a wrong count
             raise ValueError(f"datastore metadata {', '.join(clash)} is the file's own; name it otherwise")
         # written aside and renamed: a cut rebuild must leave the datastore the node reads, not half of a new one
-        import tempfile
-
-        path = Path(path)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".partial",
-                                         delete=False) as handle:  # a name of its own: two writers never share one
-            tmp = Path(handle.name)
-        try:
+        with written_aside(path, suffix=".partial") as tmp:
             save_file({"tokens": flat.astype(dtype), "offsets": offsets}, str(tmp),
                       metadata={**own, **{k: str(v) for k, v in metadata.items()}})
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)  # a failed write leaves no hidden partial file in the zoo
 
     @classmethod
     def load(cls, path: str | Path, config: LookupConfig | None = None,

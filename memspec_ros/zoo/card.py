@@ -17,6 +17,7 @@ import torch
 
 from .acceptance import load_zoo
 from .build import read_docs
+from .chat_card import na_or
 from .corpora import DOMAINS, WORKLOADS
 from .registry_io import dir_bytes
 from .tokenizer import encode_documents
@@ -171,11 +172,7 @@ def build_phases(work_dir: Path) -> dict[str, dict]:
 
 
 def _fmt_pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:+.0%}"  # None: a gain over a general that accepts nothing
-
-
-def _fmt(x: float | None, form: str) -> str:
-    return "n/a" if x is None else f"{x:{form}}"
+    return na_or(x, "+.0%")
 
 
 def _at_least(x: float | None, goal: float) -> bool:
@@ -307,11 +304,11 @@ def _acceptance_goals(acc: dict) -> list[str]:
         + f" -> {'met' if not short else 'NOT met for ' + ', '.join(short)}",
         "* ... and loses to it on the other domains: "
         + ("met" if not wins_off else "NOT everywhere: also beats `general` " + ", ".join(wins_off)),
-        f"* oracle_static_gain >= 0.20: **{_fmt(acc['oracle_static_gain'], '.3f')}** "
+        f"* oracle_static_gain >= 0.20: **{na_or(acc['oracle_static_gain'], '.3f')}** "
         f"({'met' if _at_least(acc['oracle_static_gain'], 0.2) else 'NOT met'}; per workload "
-        + ", ".join(f"{w} {_fmt(v, '+.2f')}" for w, v in acc["oracle_static_gain_by_workload"].items())
+        + ", ".join(f"{w} {na_or(v, '+.2f')}" for w, v in acc["oracle_static_gain_by_workload"].items())
         + ")",
-        f"* oracle_dynamic_gain_mixed >= 0.10: **{_fmt(acc['oracle_dynamic_gain_mixed'], '.3f')}** "
+        f"* oracle_dynamic_gain_mixed >= 0.10: **{na_or(acc['oracle_dynamic_gain_mixed'], '.3f')}** "
         f"({'met' if _at_least(acc['oracle_dynamic_gain_mixed'], 0.1) else 'NOT met'};"
         f" dynamic {acc['oracle_dynamic_mixed']:.2f} vs "
         f"best fixed {acc['best_fixed_per_prompt']['mixed']:.2f} accepted/iteration)",

@@ -108,13 +108,16 @@ def _log(msg: str) -> None:
     print(f"[zoo] {msg}", flush=True)
 
 
+def recorded_build(models: Path) -> dict | None:
+    """The settings of the build that made the zoo in ``models`` (the build_config.json export writes), if any."""
+    config = Path(models) / "build_config.json"
+    return json.loads(config.read_text()) if config.is_file() else None
+
+
 def recorded_work_dir(models: Path) -> Path | None:
     """The work dir of the build that made the zoo in ``models`` (its build_config.json), if it exists here; a
     relative one is read from the source tree's root, where `memspec-zoo build` runs."""
-    config = Path(models) / "build_config.json"
-    if not config.is_file():
-        return None
-    recorded = json.loads(config.read_text()).get("work_dir")
+    recorded = (recorded_build(models) or {}).get("work_dir")
     if not recorded:
         return None
     work = Path(recorded) if Path(recorded).is_absolute() else Path(__file__).resolve().parents[2] / recorded
@@ -172,6 +175,7 @@ class ChatZooBuild:
         self.w = Path(cfg.work_dir)
         self.w.mkdir(parents=True, exist_ok=True)
         self._train_answers = None  # train_answers(), checked once per build
+        self._learning_answers = None  # learning_answers(), likewise
         torch.set_num_threads(cfg.threads)
         self._target = None
 
@@ -251,9 +255,11 @@ class ChatZooBuild:
         """The training answers the vocabulary and the drafts learn from: ``train_answers`` less those to requests
         that ask what a held-out request asks (a work dir split before chat_workloads dropped them). The datastore
         withholds the same ones; drafts that learnt them were scored on held-out requests they had seen."""
-        answers = self.train_answers()
-        asks = asks_heldout(self.workload_dir / "train_requests.jsonl", self.workload_dir) if answers else []
-        return [a for a, held in zip(answers, asks, strict=False) if not held]
+        if self._learning_answers is None:  # read once per build: the vocabulary and every draft's split ask
+            answers = self.train_answers()
+            asks = asks_heldout(self.workload_dir / "train_requests.jsonl", self.workload_dir) if answers else []
+            self._learning_answers = [a for a, held in zip(answers, asks, strict=False) if not held]
+        return self._learning_answers
 
     # ------------------------------------------------------------------ stages
     def workloads(self) -> None:

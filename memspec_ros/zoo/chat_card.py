@@ -27,6 +27,12 @@ CARD_PATHS = ("none", "int4")
 _LABEL = {"none": "fp32"}
 
 
+def na_or(x: float | None, form: str, scale: float = 1.0, unit: str = "") -> str:
+    """``x / scale`` formatted, or n/a where it has no value (a gain over a general that accepts nothing, a figure
+    not measured): not a 0."""
+    return "n/a" if x is None else f"{x / scale:{form}}{unit}"
+
+
 def measure_latencies(models_dir: Path, threads: int = 1, rounds: int = 12) -> dict:
     """Each model's 1- and 5-token forward on each path, as the engine runs it (``path_choice.time_forward``:
     its own forward over a cached context), target and drafts interleaved round by round so that a drift in the
@@ -111,14 +117,11 @@ def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | Non
             learnt = meta.get("domains") or list(WORKLOADS)
             source = ("answers of every domain" if set(learnt) >= set(WORKLOADS)
                       else f"{', '.join(learnt)} answers only")
-        def figure(value, scale: float = 1.0, form: str = ".2f", unit: str = "") -> str:
-            return "n/a" if value is None else f"{value / scale:{form}}{unit}"  # not measured: not a 0
-
         lines.append(
-            f"| {name} | {figure(size.get('parameters'), 1e6, unit=' M')} |"
-            f" {figure(size.get('bytes_on_disk'), 1e6, '.1f', ' MB')} | {source} ({meta.get('answers', 'n/a')}) |"
+            f"| {name} | {na_or(size.get('parameters'), '.2f', 1e6, ' M')} |"
+            f" {na_or(size.get('bytes_on_disk'), '.1f', 1e6, ' MB')} | {source} ({meta.get('answers', 'n/a')}) |"
             f" {meta.get('best_step', 'n/a')} of {meta.get('step', 'n/a')} |"
-            f" {figure(meta.get('start_accepted'))} -> {figure(meta.get('best_score'))} |"
+            f" {na_or(meta.get('start_accepted'), '.2f')} -> {na_or(meta.get('best_score'), '.2f')} |"
         )
     total = sum(s.get("bytes_on_disk", 0) for s in measured["drafts"].values())
     lines += [

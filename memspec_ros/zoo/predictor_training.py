@@ -530,13 +530,14 @@ def unseen_by_drafts(answers: list, zoo: Path) -> list:
     with the seed its build_config.json records), which only early stopping read. A domain draft agrees more with
     the answers it was fine-tuned on than with new ones, so labels from those favour it over ``general`` more than
     held-out requests do."""
+    from .chat_build import recorded_build
     from .chat_drafts import split_validation
 
-    config = zoo / "build_config.json"
-    if not config.is_file():
+    build = recorded_build(zoo)
+    if build is None:
         raise SystemExit(f"memspec-train-predictor: --unseen-by-drafts needs the zoo's build_config.json (the seed of"
                          f" its validation split) beside {zoo / 'registry.yaml'}")
-    unseen = split_validation(answers, seed=int(json.loads(config.read_text()).get("seed", 0)))[1]
+    unseen = split_validation(answers, seed=int(build.get("seed", 0)))[1]
     if not unseen:
         raise SystemExit("memspec-train-predictor: --unseen-by-drafts left no answer")
     return unseen

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -23,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
+
+from memspec_ros.runtime.atomic_write import written_aside
 
 from .rollouts import RolloutStreams, topk_kl
 
@@ -123,23 +124,10 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` by a rename: a reader (a resumed build) sees the old file or the new, never half. The
-    file is synced before the rename (after a power cut the new name could hold an empty file) and written under a
-    name of its own (two writers sharing one temporary name could rename each other's half-written file)."""
-    import tempfile
-
-    path = Path(path)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
-                                     suffix=".tmp", delete=False) as tmp:
-        tmp.write(text)
-        tmp.flush()
-        os.fsync(tmp.fileno())
-    try:
-        # mkstemp's 0600 would make a zoo file others cannot read: the old file's mode, else the usual 0644
-        os.chmod(tmp.name, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-        os.replace(tmp.name, path)
-    finally:
-        Path(tmp.name).unlink(missing_ok=True)
+    """``text`` into ``path`` by a rename: a reader (a resumed build) sees the old file or the new, never half
+    (runtime/atomic_write.py: synced, under a temporary name of its own, the file's mode kept)."""
+    with written_aside(path, sync=True) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, torch.Tensor] | None = None) -> None:

@@ -1,0 +1,33 @@
+"""A file replaced whole or not at all: written beside its path under a name of its own, then renamed onto it.
+
+A reader (the node loading a zoo file, a resumed build) sees the old file or the new one, never half of one; two
+writers never share a temporary name; a failed write leaves no temporary file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def written_aside(path: str | os.PathLike[str], suffix: str = ".tmp", sync: bool = False) -> Iterator[Path]:
+    """Yields a temporary path beside ``path`` to write; when the block ends without an error it is renamed onto
+    ``path`` (synced first with ``sync``: after a power cut the new name could hold an empty file), keeping the old
+    file's mode (else 0644, not mkstemp's 0600). The temporary file is gone afterwards either way."""
+    path = Path(path)
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        yield tmp
+        if sync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -147,7 +147,7 @@ def test_an_atomic_text_write_syncs_under_a_name_of_its_own_and_keeps_the_file_r
     import os
     import stat
 
-    from memspec_ros.zoo.train import write_text_atomic
+    from memspec_ros.runtime.atomic_write import write_text_atomic
 
     path = tmp_path / "registry.yaml"
     synced, made = [], []

@@ -31,3 +31,10 @@ def written_aside(path: str | os.PathLike[str], suffix: str = ".tmp", sync: bool
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """``text`` into ``path`` by a rename (:func:`written_aside`, synced): a reader (the node, a resumed build) sees
+    the old file or the new, never half."""
+    with written_aside(path, sync=True) as tmp:
+        tmp.write_text(text, encoding="utf-8")

@@ -138,7 +138,7 @@ def acceptance_summary(per_prompt: dict[str, list[dict]], names: list[str], work
 
 
 def write_acceptance(result: dict, out_json: Path, plot_path: Path | None = None) -> None:
-    from .train import write_text_atomic
+    from memspec_ros.runtime.atomic_write import write_text_atomic
 
     out_json.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out_json, json.dumps(result, indent=1))  # models/acceptance.json: a cut write left half

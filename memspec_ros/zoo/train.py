@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from memspec_ros.runtime.atomic_write import written_aside
+from memspec_ros.runtime.atomic_write import write_text_atomic
 
 from .rollouts import RolloutStreams, topk_kl
 
@@ -121,13 +121,6 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` by a rename: a reader (a resumed build) sees the old file or the new, never half
-    (runtime/atomic_write.py: synced, under a temporary name of its own, the file's mode kept)."""
-    with written_aside(path, sync=True) as tmp:
-        tmp.write_text(text, encoding="utf-8")
 
 
 def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, torch.Tensor] | None = None) -> None:

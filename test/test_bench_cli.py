@@ -441,7 +441,7 @@ def test_every_timed_policy_run_starts_with_no_load_in_flight(tmp_path, monkeypa
     """The paper's protocol resets the cache per generation. Left to generate(), that reset waited for the run
     before's prefetch still in flight, inside the next policy's end-to-end time (the controller counts from its
     entry): the bench resets outside the timing, so each run starts with no load in flight."""
-    import time
+    import threading
 
     from memspec_ros.runtime.controller import RuntimeController
     from memspec_ros.runtime.storage import DraftStorage
@@ -452,9 +452,17 @@ def test_every_timed_policy_run_starts_with_no_load_in_flight(tmp_path, monkeypa
     in_flight = []
     real = RuntimeController.generate
     load = DraftStorage.load
+    run_over = threading.Event()  # set once a run's end was recorded (and before any run)
+    run_over.set()
+    first_load = threading.Event()  # set at a run's start: its first load is the cold cache's blocking one
 
-    def slow_load(self, *args, **kwargs):  # a slow medium: MemSpec's last prefetches outlive its run
-        time.sleep(0.4)
+    def slow_load(self, *args, **kwargs):
+        # a slow medium: every prefetch lasts until its run has ended (whatever this machine's speed), so
+        # MemSpec's last prefetches outlive its run; the blocking first load of a run does not wait for that
+        if first_load.is_set():
+            first_load.clear()
+        else:
+            run_over.wait(30)
         return load(self, *args, **kwargs)
 
     monkeypatch.setattr(DraftStorage, "load", slow_load)
@@ -463,10 +471,13 @@ def test_every_timed_policy_run_starts_with_no_load_in_flight(tmp_path, monkeypa
 
     def generate(self, *args, **kwargs):
         in_flight.append(self.cache.loading())
+        run_over.clear()
+        first_load.set()
         try:
             return real(self, *args, **kwargs)
         finally:
             after.append(self.cache.loading())
+            run_over.set()
 
     monkeypatch.setattr(RuntimeController, "generate", generate)
     assert main(["policies", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--workloads", "code",

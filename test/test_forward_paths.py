@@ -145,6 +145,19 @@ def test_f16_embedding_gives_back_a_table_fp16_holds_bit_for_bit_and_refuses_any
     assert F16Embedding.exact_from(torch.randn(300, 48)) is None  # trained and stored in fp32
 
 
+@pytest.mark.parametrize("bad", [-1, 300])
+def test_compact_embeddings_refuse_an_id_outside_the_table_as_torch_does(bad):
+    """Indexing a tensor by -1 reads its last row: the compact tables would have embedded a bad id silently."""
+    q8 = Q8Embedding.exact_from(_q8_grid_table(300, 64, seed=4))
+    f16 = F16Embedding.exact_from(torch.randn(300, 48).half().float())
+    ids = torch.tensor([[5, bad]])
+    with pytest.raises(IndexError):
+        torch.nn.Embedding(300, 8)(ids)
+    for table in (q8, f16):
+        with pytest.raises(IndexError, match="300 rows"):
+            table(ids)
+
+
 @pytest.mark.parametrize("path", [p for p in RUNNABLE if p != "fp32"])
 def test_an_fp16_exact_embedding_is_kept_in_fp16_and_the_model_computes_the_same(path, monkeypatch):
     """A table off Q8_0's grid that fp16 holds exactly (the bundled drafts') is kept in fp16 on a quantized path:

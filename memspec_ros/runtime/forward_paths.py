@@ -275,6 +275,14 @@ def f32_kernel_linear(parts: list[torch.nn.Module]) -> Float32Linear | None:
 Q8_BLOCK = 32  # GGUF's Q8_0: one fp16 scale per 32 int8 values
 
 
+def check_ids(ids: torch.Tensor, rows: int) -> None:
+    """torch.nn.Embedding's IndexError for an id outside [0, rows): a tensor indexed by -1 gives the LAST row
+    silently, and the compact tables below index theirs (the C forward checks its rows the same way)."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise IndexError(f"token id out of range: the embedding has {rows} rows, got ids from {int(ids.min())}"
+                         f" to {int(ids.max())}")
+
+
 class Q8Embedding(torch.nn.Module):
     """An embedding table held as a GGUF's Q8_0 holds it: int8 values and one fp16 scale per block of 32.
     Built only by :meth:`exact_from`, which refuses a table its rows would not reproduce bit for bit."""
@@ -312,6 +320,7 @@ class Q8Embedding(torch.nn.Module):
         return compact
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_ids(ids, self.num_embeddings)
         values = self.values[ids].view(*ids.shape, -1, Q8_BLOCK).float()
         return (values * self.scales[ids].float()[..., None]).view(*ids.shape, self.embedding_dim)
 
@@ -346,6 +355,7 @@ class F16Embedding(torch.nn.Module):
         return self.table.float()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_ids(ids, self.num_embeddings)
         return self.table[ids].float()
 
 

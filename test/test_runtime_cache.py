@@ -209,19 +209,30 @@ def test_byte_budget_reserves_before_load_and_refuses_oversized():
 
 def test_a_load_larger_than_reserved_is_refused_when_it_breaks_the_budget():
     """The registry's size is only an estimate: the reservation is made from it before the load, and the
-    cache checks the loaded draft's real size afterwards (the over-reservation branch)."""
-    claimed = {"general": 300, "code": 100, "law": 100, "math": 60}
-    real = {"general": 300, "code": 350, "law": 150, "math": 60}
+    cache checks the loaded draft's real size afterwards (the over-reservation branch). A draft that fits the
+    budget alone but not beside the others is dropped, not failed, and loaded at its real size when next wanted
+    (it was failed for the retry back-off, 30 s, though evicting one draft made room for it)."""
+    claimed = {"general": 300, "code": 100, "law": 100, "math": 60, "medical": 100}
+    real = {"general": 300, "code": 350, "law": 150, "math": 60, "medical": 600}
     rec = Recorder()
     cache = DraftCacheManager(3, fake_loader(sizes=real), budget_bytes=500, size_of=claimed.get, on_change=rec)
     cache.update(["general", "code"])  # reserves 300 + 100 = 400 <= 500
     assert cache.snapshot().bytes_reserved == 400
     cache.drain()
-    # code really occupies 350: 300 + 350 > 500, so it is refused, never resident, with the reason
-    assert cache.resident() == ["general"]
-    error = cache.failed()["code"]
+    # code really occupies 350: 300 + 350 > 500, so it is dropped, never resident, and not failed
+    assert cache.resident() == ["general"] and cache.failed() == {} and not cache.is_available("code")
+    assert cache.snapshot().load_failures == 0
+    # wanted again, it reserves its real size: general (outside W) makes room
+    cache.update(["code"])
+    assert cache.snapshot().bytes_reserved == 350
+    cache.drain()
+    assert cache.resident() == ["code"] and cache.snapshot().bytes_resident == 350
+    # larger than the whole budget once loaded: that is a failure, with the reason
+    cache.update(["medical"])
+    cache.drain()
+    error = cache.failed()["medical"]
     assert isinstance(error, DraftTooLargeError)
-    assert "350 B" in str(error) and "size_bytes" in str(error) and "memspec.budget_bytes" in str(error)
+    assert "600 B" in str(error) and "memspec.budget_bytes" in str(error)
     assert cache.snapshot().load_failures == 1
     # a draft larger than its estimate that still fits is accounted at its real size from then on
     cache.update(["general", "law"])  # reserves 300 + 100, occupies 300 + 150
@@ -233,6 +244,47 @@ def test_a_load_larger_than_reserved_is_refused_when_it_breaks_the_budget():
     cache.drain()
     assert sorted(cache.resident()) == ["general", "math"]
     assert all(s.bytes_resident <= s.bytes_reserved <= 500 for s in rec.snaps)
+    cache.close()
+
+
+def test_a_waited_for_load_dropped_without_an_error_is_loaded_again():
+    """wait_for on a draft whose load was dropped without an error (it landed larger than its reservation beside
+    a resident draft) raised "did not become resident: None"; the blocking policies then decoded without it. It
+    is loaded again at its real size, evicting the idle draft, and the wait returns it."""
+    claimed, real = {"general": 300, "code": 100}, {"general": 300, "code": 350}
+    cache = DraftCacheManager(2, fake_loader(delay=0.01, sizes=real), budget_bytes=500, size_of=claimed.get)
+    cache.update(["general"])
+    cache.drain()
+    model, waited = cache.wait_for("code", timeout=10.0)
+    assert model is not None and waited >= 0.0
+    assert cache.resident() == ["code"] and cache.snapshot().load_failures == 0
+    cache.close()
+
+
+def test_a_warm_first_choice_does_not_wait_behind_the_last_goals_prefetch():
+    """The last goal left a prefetch in flight, filling the second slot. The next goal's first choice (MemSpec: a
+    draft not resident, the resident one second) waited for its draft: it evicted the resident draft it could
+    have run and sat out the other load too. It runs the resident draft and loads its choice at a later point."""
+    from memspec_ros.runtime.choice import CACHE_PREFETCH, Choice, carry_out
+
+    gate = threading.Event()
+    loads = {"general": fake_loader(), "math": gated_loader(gate), "code": fake_loader()}
+    cache = DraftCacheManager(2, lambda name: loads[name](name))
+    cache.update(["general"])
+    cache.drain()
+    cache.update({"general": 2, "math": 1}, active="general")  # the last goal's prefetch, held in flight
+    cache.set_active("")
+    assert cache.loading() == ["math"]
+    ranking = [("code", 3.0), ("general", 2.0), ("math", 1.0)]
+    choice = Choice("code", block=False, fallback=("code", "general", "math"), cache_action=CACHE_PREFETCH,
+                    ranking=ranking)
+    try:
+        resolution = carry_out(choice, cache, wait=lambda name: pytest.fail(f"waited for {name}"), first=True)
+        assert (resolution.draft, resolution.fallback, resolution.waited) == ("general", True, 0.0)
+        assert cache.is_resident("general") and cache.snapshot().evictions == 0
+    finally:
+        gate.set()
+        cache.close()
     cache.close()
 
 

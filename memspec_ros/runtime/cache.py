@@ -173,6 +173,22 @@ class DraftCacheManager:
             slot = self._slots.get(name)
             return slot is not None and slot.error is None and not slot.discard
 
+    def room_beside(self, current: str, name: str) -> bool:
+        """Whether K and the byte budget could hold ``name`` beside ``current`` once nothing else is in the way
+        (other drafts evicted, loads in flight landed): False where one of the two must go for the other."""
+        with self._lock:
+            if self.capacity < 2:
+                return False
+            if not self.budget_bytes:
+                return True
+            slot = self._slots.get(current)
+            held = slot.reserved_bytes if slot is not None and slot.error is None else 0
+            try:
+                size = max(0, int(self.size_of(name)), self._measured.get(name, 0))
+            except Exception:  # unreadable: the load fails as it would have (carry_out does not wait for it)
+                return True
+            return held + size <= self.budget_bytes
+
     @property
     def active(self) -> str:
         return self._active
@@ -257,7 +273,9 @@ class DraftCacheManager:
 
         For MAB-Sync and Prediction-Only, which stall for their choice; MemSpec never calls it.
         Raises DraftLoadError if the load fails or no room can be made, or once ``stop()`` is true (polled every
-        STOP_POLL_SECONDS: a cancelled goal does not sit out a load from slow storage; the load goes on).
+        STOP_POLL_SECONDS: a cancelled goal does not sit out a load from slow storage; the load goes on). A load
+        dropped without an error while waited for (its files changed as it read them, or it landed larger than its
+        reservation) is started again, once.
         """
         t0 = time.perf_counter()
         with self._lock:
@@ -267,6 +285,47 @@ class DraftCacheManager:
                 slot.used = True
                 return slot.model, 0.0
             self._counters.misses += 1
+        deadline = math.inf if timeout is None else t0 + timeout
+        for again in (False, True):
+            future = self._start_for_wait(name)
+            stopped = False
+            # futures.wait never raises: a failed load is _load's to record (_fail), and the slot says what happened
+            while future is not None and not future.done() and time.perf_counter() < deadline:
+                step = None if stop is None else STOP_POLL_SECONDS
+                if deadline < math.inf:
+                    step = min(step or math.inf, max(0.0, deadline - time.perf_counter()))
+                futures.wait([future], timeout=step)
+                if stop is not None and not future.done() and stop():
+                    stopped = True
+                    break
+            with self._lock:
+                waited = time.perf_counter() - t0
+                slot = self._slots.get(name)
+                if slot is not None and slot.model is not None:
+                    self._counters.wait_seconds += waited
+                    slot.used = True
+                    return slot.model, waited
+                dropped = slot is None and future is not None and future.done() and not self._closed
+                if dropped and not again and time.perf_counter() < deadline and not stopped:
+                    continue  # dropped without an error: load it again
+                self._counters.wait_seconds += waited
+                if stopped:
+                    raise DraftLoadError(f"the wait for draft {name!r} was given up (its load goes on)", waited=waited)
+                error = slot.error if slot is not None else None
+                if error is not None:
+                    raise DraftLoadError(f"draft {name!r} did not become resident: {error}", waited=waited) from error
+                why = ("the draft cache was closed" if self._closed else
+                       "its load was dropped twice (its files changed while it was read, or the cache changed)"
+                       if dropped else f"it was not resident after {waited:.1f} s (the wait's timeout)")
+                raise DraftLoadError(f"draft {name!r} did not become resident: {why}", waited=waited)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _start_for_wait(self, name: str):
+        """wait_for's load: the one in flight for ``name``, or a new one (DraftLoadError where none can start)."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is not None and slot.model is not None:
+                return None
             if slot is None or slot.error is not None or slot.discard:
                 if not self.request(name):
                     # the reason the load was refused: a draft too large for the budget, or a size that could not
@@ -281,29 +340,7 @@ class DraftCacheManager:
                         " has no draft it may evict"
                     )
                 slot = self._slots[name]
-            future = slot.future
-        stopped = False
-        deadline = math.inf if timeout is None else t0 + timeout
-        # futures.wait never raises: a failed load is _load's to record (_fail), and the slot says what happened
-        while future is not None and not future.done() and time.perf_counter() < deadline:
-            step = None if stop is None else STOP_POLL_SECONDS
-            if deadline < math.inf:
-                step = min(step or math.inf, max(0.0, deadline - time.perf_counter()))
-            futures.wait([future], timeout=step)
-            if stop is not None and not future.done() and stop():
-                stopped = True
-                break
-        waited = time.perf_counter() - t0
-        with self._lock:
-            self._counters.wait_seconds += waited
-            slot = self._slots.get(name)
-            if slot is None or slot.model is None:
-                if stopped:
-                    raise DraftLoadError(f"the wait for draft {name!r} was given up (its load goes on)", waited=waited)
-                error = slot.error if slot is not None else None
-                raise DraftLoadError(f"draft {name!r} did not become resident: {error}", waited=waited) from error
-            slot.used = True
-            return slot.model, waited
+            return slot.future
 
     # -- explicit residency changes ---------------------------------------------------
     def remove(self, name: str) -> None:
@@ -618,11 +655,22 @@ class DraftCacheManager:
                 self._measured[slot.name] = actual  # later loads of it reserve this much: refused once at most
             if actual > slot.reserved_bytes:
                 others = self._reserved() - slot.reserved_bytes
-                if self.budget_bytes and others + actual > self.budget_bytes:
+                if self.budget_bytes and actual > self.budget_bytes:
                     self._fail(slot, DraftTooLargeError(
                         f"draft {slot.name!r} occupies {actual} B in memory, more than the {slot.reserved_bytes} B"
-                        f" reserved and the {self.budget_bytes} B budget (memspec.budget_bytes) allows: set its"
-                        " size_bytes in the registry"))
+                        f" reserved and the whole {self.budget_bytes} B budget (memspec.budget_bytes): raise the"
+                        " budget or remove the draft"))
+                    self._changed()
+                    return
+                if self.budget_bytes and others + actual > self.budget_bytes:
+                    # it fits the budget alone, not beside the others: not a failure. Dropped now; the next load
+                    # of it reserves the size just measured, so it evicts what it needs (a registry whose
+                    # size_bytes is the file's, of fp16 weights run in fp32, reserves half of what they take)
+                    log.info("draft %r occupies %d B in memory, more than the %d B reserved: dropped, and loaded at"
+                             " that size when next wanted (set its size_bytes in the registry)", slot.name, actual,
+                             slot.reserved_bytes)
+                    del self._slots[slot.name]
+                    slot.future = None
                     self._changed()
                     return
             if actual > 0:

@@ -74,6 +74,10 @@ class ChoiceCache(Protocol):
 
     def request(self, name: str, active: str | None = None) -> bool: ...
 
+    def failed(self) -> dict: ...
+
+    def room_beside(self, current: str, name: str) -> bool: ...
+
 
 def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float], current: str = "",
               first: bool = False) -> Resolution:
@@ -113,9 +117,13 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
         cache.update(choice.ranking, active=current if current in cache.resident() else None)
     elif choice.cache_action == CACHE_REQUEST and preferred and not cache.is_available(preferred):
         cache.request(preferred, active=current or None)
-    if warm_start and not cache.is_available(preferred):
-        # no room for the chosen draft beside the one kept running (K = 1, or a byte budget that holds one of
-        # them): that one would run the whole generation, so wait for the choice, as on a cold cache
+    if (warm_start and not cache.is_available(preferred) and preferred not in cache.failed()
+            and not (current and cache.room_beside(current, preferred))):
+        # the cache can never hold the chosen draft beside the one kept running (K = 1, or a byte budget that holds
+        # one of them): that one would run the whole generation, so wait for the choice, as on a cold cache. Where
+        # room will come (a load the last goal left in flight fills the slot until it lands, when it may be
+        # evicted), the resident draft runs and a later point loads the choice: waiting evicted the draft that
+        # could run and sat out the other load too. A draft that just failed is not retried here (its back-off).
         cache.set_active("")
         waited, counted = wait(preferred), True
     if not preferred:

@@ -388,6 +388,10 @@ class SimCache:
         self.misses += count
         return None
 
+    def room_beside(self, current: str, name: str) -> bool:
+        """Whether K leaves room for ``name`` beside ``current`` once no other load is in the way (count capacity)."""
+        return self.capacity >= 2
+
     def set_scores(self, ranking) -> None:
         self._scores = dict(normalise_ranking(ranking))
 

@@ -985,6 +985,56 @@ def test_a_goals_background_ranking_time_is_reported_by_that_goal(target, drafts
         ctl.close()
 
 
+def test_a_goal_that_raises_takes_its_background_ranking_time_with_it(target, drafts, monkeypatch):
+    """A goal that raised mid-decode skipped the take of its rankers' background seconds: the next goal reported
+    them as its own."""
+    from memspec_ros.runtime.speculative import SpeculativeSession
+
+    def slow(context):
+        time.sleep(0.05)
+        return ["math", "law", "code", "general"]
+
+    ctl = make(target, drafts, "memspec", ranker=slow, capacity=2, interval=1, overlap_prediction=True)
+    step, steps = SpeculativeSession.step, []
+
+    def failing_step(self, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == 4:  # after the background rankings of three scheduling points
+            raise RuntimeError("the target ran out of memory")
+        return step(self, *args, **kwargs)
+
+    try:
+        monkeypatch.setattr(SpeculativeSession, "step", failing_step)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            ctl.generate(PROMPT, 40)
+        monkeypatch.setattr(SpeculativeSession, "step", step)
+        stats = ctl.generate(PROMPT, 1).stats  # one token: the prefill's, so no ranking of its own in background
+        assert stats.background_prediction_seconds == 0.0
+    finally:
+        ctl.close()
+
+
+def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, drafts, monkeypatch):
+    """Under adaptive gamma a larger gamma needs the target's longer forwards timed. Set mid-goal, only the
+    session's gamma changed, and the timing (about a second) ran inside the next iteration's draft step, counted
+    as decoding; it runs at the scheduling point that applies the change."""
+    ctl = make(target, drafts, "general-static", capacity=1, interval=2, adaptive_gamma=True, gamma=2)
+    calls = []
+    calibrate = ctl.calibrate
+    monkeypatch.setattr(ctl, "calibrate", lambda: calls.append(ctl.config.gamma) or calibrate())
+    raised = []
+
+    def on_chunk(text, ids):
+        if not raised:
+            raised.append(ctl.reconfigure(gamma=5))
+
+    try:
+        ctl.generate(PROMPT, 30, on_chunk=on_chunk)
+        assert calls == [2, 5]  # before the goal, then at the point that applied gamma 5
+    finally:
+        ctl.close()
+
+
 def test_a_file_recheck_asked_for_during_a_generation_runs_when_the_next_one_starts(target, drafts, monkeypatch):
     """The node evicts drafts whose files changed when the registry is set; while a goal ran it could not (the
     cache is in use), and the request was dropped: replaced files were reloaded or not depending on timing."""

@@ -465,13 +465,21 @@ class RuntimeController:
         run = self._setup(session, prompt_ids, t_call)
         if on_decode_start is not None and not session.finished:
             on_decode_start()
-        while not session.finished:
-            if should_cancel is not None and should_cancel():
-                session.cancel()
-                break
-            if len(run.iterations) >= self.config.interval:
-                self._scheduling_point(run, session, prompt_ids)
-            run.iterations.append(self._step(run, session))
+        try:
+            while not session.finished:
+                if should_cancel is not None and should_cancel():
+                    session.cancel()
+                    break
+                if len(run.iterations) >= self.config.interval:
+                    self._scheduling_point(run, session, prompt_ids)
+                run.iterations.append(self._step(run, session))
+        except BaseException:
+            # a goal that raised ends its policy too, and its rankers' background time goes with it (taken at the
+            # next goal's end, it was counted as that goal's)
+            run.policy.close()
+            for ranker in self._rankers.values():
+                ranker.take_background_seconds()
+            raise
         if run.iterations:
             run.policy.observe(interval_draft(run), run.iterations)
         run.policy.close()
@@ -526,6 +534,9 @@ class RuntimeController:
         before = self.config
         if self._take_pending() is not None:
             session.gamma = self.config.gamma
+            # a larger gamma under adaptive gamma needs the target's longer forwards timed: here, in this point's
+            # time, not inside the next iteration's draft step (about a second, hidden in "other" decode time)
+            self.calibrate()
             if run.active and not self.cache.is_resident(run.active):
                 run.active, run.model = "", None  # a smaller K or budget evicted it: pick anew below
             if policy_settings(before) != policy_settings(self.config):  # what the policy object is made with

@@ -6,7 +6,10 @@ resident drafts outside W (never the active one) and prefetches the missing
 members of W on ONE background loader thread, so decoding never waits for
 storage. Beyond the paper, drafts of different sizes share an optional byte
 budget; a load reserves its bytes *before* it starts, so the count and the byte
-budget hold at every instant, loads in flight included.
+budget hold at every instant, loads in flight included. (What a reservation holds is the
+loaded draft's size. While a draft is built, the loader thread briefly also holds what it
+read: the file's bytes through a storage tier, runtime/storage.py, or the file's tensors
+before a forward path converts them. That transient is not counted.)
 
 A failed load marks that draft failed (with its error) and is skipped by later
 updates; decoding continues on whatever is resident (or the target alone). A failure is

@@ -14,8 +14,12 @@ program over (position, active draft, resident set, load in flight) that pays
 each switch's catch-up and waits for loads the cache could not overlap, and
 minimises the decoding time of the fixed greedy output. Running one draft
 throughout is one of its schedules, so it is never worse than Oracle-Static
-under its cost model. Oracle-next-interval is the myopic variant: the best draft
-for the next interval alone, with MemSpec's mechanics.
+under its cost model. It is not a bound on every schedule the controller could
+carry out: the model has one load in flight at a time (the cache may queue up to
+K at one point) and charges a return to a draft that stayed resident the full
+catch-up (the engine feeds it only what it missed), so a policy could in
+principle beat it there. Oracle-next-interval is the myopic variant: the best
+draft for the next interval alone, with MemSpec's mechanics.
 """
 
 from __future__ import annotations

@@ -151,9 +151,13 @@ def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended
         finally:
             ended.set()
 
+    freeing = threading.Event()  # the cache reset (the first step of freeing) waits for it
+
     def recording(what, call):
         def wrapped(*args, **kwargs):
             freed.append((what, ended.is_set()))
+            if what == "cache reset":
+                freeing.wait(30.0)
             return call(*args, **kwargs)
         return wrapped
 
@@ -184,6 +188,12 @@ def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended
         assert freed == [], "models freed under a goal that still runs"
     finally:
         release.set()
+    try:
+        wait_until(lambda: len(freed) == 1, 30.0, "the models' freeing to start after the goal ended")
+        if transition == "error":  # the goal is over but its models are still being freed: configure is refused
+            assert not h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "unconfigured"
+    finally:
+        freeing.set()
     response = h.result(handle, 30.0)
     assert response.status == GoalStatus.STATUS_ABORTED
     wait_until(lambda: len(freed) == 2, 10.0, "the models freed after the goal ended")

@@ -203,6 +203,7 @@ class GoalRunner:
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
         self._unanswered = 0  # accepted goals whose result rclpy does not have yet
+        self._freeing = 0  # goals over whose models are being freed now (release_when_over's calls still running)
         self._loaded = None  # the runtime while goals are accepted (open .. end_goals)
         self._stats_pub = None
         self._ended_with = ""  # why the goals were ended: for a goal accepted just before
@@ -250,7 +251,7 @@ class GoalRunner:
         deadline = time.monotonic() + seconds
         with self._cv:
             # in steps: an orphaned reservation turns stale with time alone, with nothing to notify
-            while self._running is not None or self._live_reservations():
+            while self._running is not None or self._freeing or self._live_reservations():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -289,6 +290,12 @@ class GoalRunner:
         """(a goal runs, goals queued)."""
         with self._cv:
             return self._running is not None, len(self._queue)
+
+    def models_in_use(self) -> bool:
+        """A goal runs, or the models of one that just ended are still being freed (release_when_over): new models
+        loaded now would be a second set in memory."""
+        with self._cv:
+            return self._running is not None or self._freeing > 0
 
     @contextmanager
     def no_goal_starting(self) -> Iterator[bool]:
@@ -483,9 +490,16 @@ class GoalRunner:
                 self._running = self._queue.popleft() if self._queue else None
                 following = self._running
                 when_over, job.when_over = job.when_over, []
+                self._freeing += bool(when_over)  # in the same critical section: models_in_use() sees no gap
                 self._unanswered -= 1
                 self._cv.notify_all()
-            self._run_when_over(when_over)
+            try:
+                self._run_when_over(when_over)
+            finally:
+                if when_over:
+                    with self._cv:
+                        self._freeing -= 1
+                        self._cv.notify_all()
             if following is not None:
                 following.goal_handle.execute()
         return result

@@ -209,7 +209,7 @@ class MemSpecNode(LifecycleNode):
     @recorded
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         t0 = time.perf_counter()
-        if self._runner.counts()[0]:  # after error, a goal deaf to its end: its models are freed when it ends
+        if self._runner.models_in_use():  # after error, a goal deaf to its end: its models are freed when it ends
             return self._configure_failed(RuntimeError(
                 "a goal from before the error still runs on the previous models, which are freed when it ends:"
                 " configure again then (two sets of models are never loaded at once)"))

@@ -281,6 +281,17 @@ def test_the_node_runs_its_tasks_on_the_real_updater_when_it_imports(make_node, 
     assert len([t for t in node.timers if t.callback == real.update]) == 1
 
 
+def test_an_integer_period_override_starts_the_node_on_the_real_updater(make_node, upstream):
+    """`-p diagnostic_updater.period:=2` (or `period: 2` in a params file) is an INTEGER override; the real
+    Updater declares the period as a double itself, so rclpy raised InvalidParameterTypeException and the node
+    did not start on apt ROS (the pip wheels' own updater took it as 2.0)."""
+    from memspec_ros.ros.node import MemSpecNode
+
+    node = make_node("memspec_int", node_class=MemSpecNode, parameter_overrides=[Parameter(PERIOD_PARAM, value=2)])
+    assert isinstance(node._diagnostics, UpstreamUpdater)
+    assert node.get_parameter(PERIOD_PARAM).value == 2.0 and upstream[0].period == 2.0
+
+
 def test_an_updater_from_before_use_fqn_is_named_by_the_node(make_node, upstream, monkeypatch):
     """diagnostic_updater before 3.2 (older Humble installs) has no node_name: the node's name stands in."""
     from memspec_ros.ros.node import MemSpecNode

@@ -290,6 +290,7 @@ class UpstreamUpdater(_TaskList):
                  hardware_id: str = "", callback_group=None) -> None:
         super().__init__(node, hardware_id)
         # it declares diagnostic_updater.period (params.py leaves that to the updater) and reads use_fqn
+        P.take_int_override_as_double(node, P.BY_NAME[PERIOD_PARAM])
         self.upstream = upstream_cls(node, period=P.BY_NAME[PERIOD_PARAM].default)
         self.upstream.setHardwareID(self.hardware_id)
         # node_name came with use_fqn (diagnostic_updater 3.2, 2024); before it the plain node name is used

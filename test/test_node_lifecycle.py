@@ -425,3 +425,27 @@ def test_activate_waits_for_a_goal_deaf_to_the_deactivate(harness, monkeypatch):
     assert h.state() == "inactive"
     monkeypatch.undo()
     assert h.transition(Transition.TRANSITION_ACTIVATE) and h.state() == "active"
+
+
+def test_cleanup_and_configure_forget_the_freed_models_goal_figures(harness, monkeypatch):
+    """After a failed goal, deactivate, cleanup and configure: /diagnostics kept the old models' "the last goal
+    failed" ERROR on the new, inactive node, and while unconfigured the throughput task still showed the freed
+    models' tok/s."""
+    from memspec_ros.ros.diagnostics import NodeTasks, run_task
+
+    h = harness()
+    h.activate()
+    ok, _ = h.send(goal(max_new_tokens=4))
+    assert h.result(ok, 30.0).status == GoalStatus.STATUS_SUCCEEDED
+    monkeypatch.setattr(h.node.loaded.controller, "generate",
+                        lambda *a, **k: (_ for _ in ()).throw(MemoryError("out of memory (simulated)")))
+    failed, _ = h.send(goal(max_new_tokens=4))
+    assert h.result(failed, 30.0).status == GoalStatus.STATUS_ABORTED
+    monkeypatch.undo()
+    tasks = NodeTasks(h.node, h.node._runner, h.node._window)
+    assert "tok/s" in run_task(tasks.fill_throughput).message
+    assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_CLEANUP)
+    assert run_task(tasks.fill_throughput).message == "no finished goal yet"
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "inactive"
+    status = run_task(tasks.fill_target)
+    assert "failed" not in status.message and status.level == OK

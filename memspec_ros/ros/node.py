@@ -218,6 +218,7 @@ class MemSpecNode(LifecycleNode):
         except Exception as exc:  # every load error becomes a failed transition with its reason
             return self._configure_failed(exc)
         self._configure_error = self._transition_error = ""
+        self._forget_goal_figures()  # an error or throughput from the models before is not these models' state
         self._cache_baseline = None  # the new cache's counters start at zero
         self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)
         self._stats_pub = self.create_lifecycle_publisher(GenerationStatsMsg, "~/generation_stats", 10)
@@ -256,8 +257,15 @@ class MemSpecNode(LifecycleNode):
                                     " told to end (it ends ABORTED at its next iteration): try cleanup again")
             return TransitionCallbackReturn.FAILURE
         self._release()
+        self._forget_goal_figures()  # /diagnostics showed the freed models' throughput and last error
         self.get_logger().info("cleaned up: every model freed")
         return TransitionCallbackReturn.SUCCESS
+
+    def _forget_goal_figures(self) -> None:
+        """The goals' figures on /diagnostics (throughput window, goal counts, the last goal's error) start anew."""
+        self._window.clear()
+        self._window.reset_counts()
+        self._runner.last_error = ""
 
     @recorded
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:

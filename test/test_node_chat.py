@@ -457,3 +457,28 @@ def test_memspec_client_chat_trims_only_for_a_length_rejection_named_on_diagnost
         h.set_params(**{"generation.max_prompt_tokens": 1024})
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
+
+
+@pytest.mark.parametrize("published", ["memspec: target model", "/robot/memspec: target model",
+                                       "//robot/memspec: target model"])
+def test_the_clients_rejection_reason_is_found_under_either_diagnostic_name(published):
+    """With diagnostic_updater.use_fqn the node names its statuses '/ns/name: task' (the real updater with one
+    more '/'): the client matched the plain name only, never found the reason and trimmed the conversation for
+    any rejection. Another node of the same name in another namespace is not taken for it."""
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+
+    from memspec_ros.ros.client import RejectionReasons
+
+    class StubNode:
+        def create_subscription(self, *args):
+            pass
+
+    def array(name: str, rejected: int, why: str) -> DiagnosticArray:
+        return DiagnosticArray(status=[DiagnosticStatus(name=name, values=[
+            KeyValue(key="goals rejected", value=str(rejected)), KeyValue(key="last rejection", value=why)])])
+
+    reasons = RejectionReasons(StubNode(), None, "/robot/memspec", wait_seconds=0.0)
+    reasons._on_diagnostics(array("/other/memspec: target model", 7, "someone else's"))
+    assert reasons._latest is None
+    reasons._on_diagnostics(array(published, 3, "the queue is full"))
+    assert reasons._latest == (3, "the queue is full")

@@ -228,7 +228,10 @@ class RejectionReasons:
         from diagnostic_msgs.msg import DiagnosticArray
 
         self._executor, self._wait = executor, wait_seconds
-        self._status = f"{node_path.rstrip('/').rsplit('/', 1)[-1]}: target model"  # '<node name>: <task>'
+        # '<node name>: <task>', or with diagnostic_updater.use_fqn '/<ns>/<name>: <task>' (the real updater's with
+        # one more leading '/'): compared without the leading slashes
+        path = node_path.strip("/")
+        self._statuses = {f"{path.rsplit('/', 1)[-1]}: target model", f"{path}: target model"}
         self._latest: tuple[int, str] | None = None
         self._mark: int | None = None
         node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
@@ -236,7 +239,7 @@ class RejectionReasons:
     def _on_diagnostics(self, msg) -> None:
         for status in msg.status:
             values = {kv.key: kv.value for kv in status.values}
-            if status.name == self._status and values.get("goals rejected", "").isdigit():
+            if status.name.lstrip("/") in self._statuses and values.get("goals rejected", "").isdigit():
                 self._latest = (int(values["goals rejected"]), values.get("last rejection", ""))
 
     def mark(self) -> None:

@@ -327,6 +327,23 @@ def test_every_declared_range_is_what_the_node_accepts():
             "generation.top_p", bad)
 
 
+def test_each_descriptor_says_when_its_change_lands():
+    """`ros2 param describe` said "applies: at once" for generation.* (taken when a goal is accepted) and
+    action.max_goal_seconds (read when a goal starts), and "scheduling point" for the memspec.* settings a goal's
+    session is built with, which a running goal never sees."""
+    from memspec_ros.ros import params as P
+
+    def applies(name: str) -> str:
+        return P.BY_NAME[name].descriptor().additional_constraints.rsplit("applies: ", 1)[1]
+
+    assert all(applies(p.name) == P.AT_ACCEPTANCE for p in P.PARAMS if p.name.startswith("generation."))
+    assert applies("action.max_goal_seconds") == applies("action.feedback_period") == P.AT_GOAL_START
+    for name in ("adaptive_gamma", "confidence_stop", "context_lookup", "remember_answers",
+                 "reset_cache_per_generation", "wait_for_initial_draft"):
+        assert applies(f"memspec.{name}") == P.AT_NEXT_GOAL, name
+    assert applies("memspec.capacity") == applies("memspec.gamma") == P.AT_SCHEDULING_POINT
+
+
 def test_fallback_above_the_threshold_warns():
     s = Status()
     fill_throughput_status(s, _stats(fallback=True), 1, 1, fallback_warn=0.2, finished_goals=1)

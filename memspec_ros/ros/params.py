@@ -7,10 +7,13 @@ Groups follow llama_ros' dotted style. Three kinds of parameter, by when a chang
   change while models are loaded is rejected with that reason.
 * ``memspec.*`` (policy, K, N, T, gamma, budget ...) and the other ``drafts.*`` (the registry): applied by the
   runtime controller at the next scheduling point, also in the middle of a running goal.
+  Six of them (adaptive_gamma, confidence_stop, context_lookup, remember_answers, reset_cache_per_generation,
+  wait_for_initial_draft) shape a goal's session or its start, so they apply from the next goal.
 * ``generation.*``, ``action.*``, ``diagnostics.*``, ``diagnostic_updater.period``: read per goal or
-  per publication, so they apply at once (``diagnostic_updater.use_fqn`` and
-  ``diagnostics.hardware_id`` are read-only); a goal takes its ``generation.*`` defaults when it is accepted,
-  so a queued goal runs with those it was checked with.
+  per publication (``diagnostic_updater.use_fqn`` and ``diagnostics.hardware_id`` are read-only): a goal
+  takes its ``generation.*`` defaults when it is accepted, so a queued goal runs with those it was checked
+  with; ``action.max_goal_seconds`` and ``action.feedback_period`` are read when a goal starts; the rest
+  apply at once.
 
 Paths left empty use the bundled zoo (see :func:`default_zoo_dir`): ``drafts.registry_file`` ->
 ``<zoo>/registry.yaml``, ``model.target_path`` -> the registry's ``target``, ``predictor.path`` ->
@@ -50,6 +53,9 @@ ROOTS_ENV = "MEMSPEC_ALLOWED_ROOTS"  # os.pathsep-separated directories added to
 AT_CONFIGURE = "configure"
 AT_SCHEDULING_POINT = "scheduling point"
 AT_ONCE = "at once"
+AT_NEXT_GOAL = "next goal"  # memspec.* settings a running goal's session was made with
+AT_ACCEPTANCE = "when a goal is accepted"  # generation.*: a goal takes the defaults it was checked with
+AT_GOAL_START = "when a goal starts"
 
 
 @dataclass(frozen=True)
@@ -151,10 +157,12 @@ PARAMS: tuple[Param, ...] = (
           " target (or predictor beside it) than configure loaded is refused.",
           AT_SCHEDULING_POINT),
     Param("drafts.names", [""],
-          "Draft names (parallel to drafts.paths and drafts.domains); [''] or []: use drafts.registry_file.",
+          "Draft names (parallel to drafts.paths and drafts.domains); ['']: use drafts.registry_file ([] means the"
+          " same at start-up; at run time set [''], since rclpy refuses an untyped []).",
           AT_SCHEDULING_POINT),
     Param("drafts.paths", [""], "Draft model directories, one per name.", AT_SCHEDULING_POINT),
-    Param("drafts.domains", [""], "Draft domains, one per name ([''] or []: the names).", AT_SCHEDULING_POINT),
+    Param("drafts.domains", [""], "Draft domains, one per name (['']: the names; [] too at start-up).",
+          AT_SCHEDULING_POINT),
     # -- MemSpec runtime (scheduling point) -----------------------------------------------------
     Param("memspec.policy", "memspec",
           "Draft-selection policy.",
@@ -175,20 +183,20 @@ PARAMS: tuple[Param, ...] = (
     Param("memspec.adaptive_gamma", True,
           "Choose each iteration's gamma in 0..memspec.gamma from measured forward costs and the draft's running"
           " acceptance (from the next goal).",
-          AT_SCHEDULING_POINT, runtime_field="adaptive_gamma"),
+          AT_NEXT_GOAL, runtime_field="adaptive_gamma"),
     Param("memspec.confidence_stop", True,
           "With adaptive_gamma: the draft stops proposing where its own probability that a token is accepted no"
           " longer pays for that token's verify row; off: it proposes the iteration's chosen gamma, for drafts whose"
           " probabilities are not calibrated (from the next goal).",
-          AT_SCHEDULING_POINT, runtime_field="confidence_stop"),
+          AT_NEXT_GOAL, runtime_field="confidence_stop"),
     Param("memspec.context_lookup", True,
           "Where the text's last tokens occurred before, propose the tokens that followed them (no draft"
           " forward; verified like a draft's, so the output is unchanged) (from the next goal).",
-          AT_SCHEDULING_POINT, runtime_field="context_lookup"),
+          AT_NEXT_GOAL, runtime_field="context_lookup"),
     Param("memspec.remember_answers", 0,
           "With context_lookup: keep this node's last N answers in memory (never on disk; dropped at cleanup) and"
           " copy from them like from the datastore, so a request asked again is answered faster (0: none).",
-          AT_SCHEDULING_POINT, int_range=LIMITS["remember_answers"], runtime_field="remember_answers"),
+          AT_NEXT_GOAL, int_range=LIMITS["remember_answers"], runtime_field="remember_answers"),
     Param("memspec.prompt_cache", True,
           "Keep the target's and the drafts' KV caches between goals and reuse them for a goal whose tokens start"
           " the same way (a conversation's earlier turns, the system prompt): only the rest is encoded. Outputs are"
@@ -215,31 +223,33 @@ PARAMS: tuple[Param, ...] = (
           AT_SCHEDULING_POINT, float_range=LIMITS["ucb_c"], runtime_field="ucb_c"),
     Param("memspec.reset_cache_per_generation", False,
           "Empty the draft cache before every goal (the paper's protocol); a robot keeps it warm.",
-          AT_SCHEDULING_POINT, runtime_field="reset_cache_per_generation"),
+          AT_NEXT_GOAL, runtime_field="reset_cache_per_generation"),
     Param("memspec.wait_for_initial_draft", False,
           "A goal's first iteration waits until its chosen draft is loaded even when another draft is resident;"
           " off (default): memspec and mab-async run the best resident draft meanwhile and wait only when none is,"
           " or when the cache has no room for the chosen one beside it (storage as fast as an NVMe SSD loads a draft"
           " within an iteration, where waiting can pay).",
-          AT_SCHEDULING_POINT, runtime_field="wait_for_initial_draft"),
+          AT_NEXT_GOAL, runtime_field="wait_for_initial_draft"),
     # -- per goal ---------------------------------------------------------------------------------
     Param("generation.max_new_tokens", 128,
           "Default tokens per goal (a goal's max_new_tokens 0 means this).",
-          int_range=(1, 1_000_000)),
+          AT_ACCEPTANCE, int_range=(1, 1_000_000)),
     Param("generation.max_prompt_tokens", 1024,
           "Longest prompt accepted, in target tokens (also capped by the target's context).",
-          int_range=(1, 10_000_000)),
+          AT_ACCEPTANCE, int_range=(1, 10_000_000)),
     Param("generation.temperature", 0.0,
           "Default sampling temperature (0: greedy, the paper's setting).",
-          float_range=(0.0, 100.0)),
+          AT_ACCEPTANCE, float_range=(0.0, 100.0)),
     # ROS ranges are closed: (0, 1] is declared from the smallest positive double, so rclpy refuses 0 as the node does
     Param("generation.top_p", 1.0, "Default nucleus sampling mass in (0, 1]: 0 excluded, 1 no truncation.",
-          float_range=(math.ulp(0.0), 1.0)),
-    Param("generation.seed", -1, "Default sampling seed (-1: a fresh random seed per goal).", int_range=(-1, I64)),
+          AT_ACCEPTANCE, float_range=(math.ulp(0.0), 1.0)),
+    Param("generation.seed", -1, "Default sampling seed (-1: a fresh random seed per goal).", AT_ACCEPTANCE,
+          int_range=(-1, I64)),
     Param("generation.system_prompt", "",
           "System message put first in chat goals (target tokenizer with a chat template, goal not raw, the goal's"
           " messages not starting with a system message). Empty: none, so the template's own default system turn"
-          " applies, if it has one."),
+          " applies, if it has one.",
+          AT_ACCEPTANCE),
     Param("action.max_queued_goals", 4,
           "Goals accepted but waiting while one runs; more are rejected at once.",
           int_range=(0, 1000)),
@@ -247,11 +257,11 @@ PARAMS: tuple[Param, ...] = (
           "Seconds a goal may run (from its start, queue time left out) before it ends ABORTED with its partial text"
           " (0: no limit). An action server cannot see a client that went away: its goal would otherwise run to"
           " max_new_tokens holding the node's one generation. Read when a goal starts.",
-          float_range=(0.0, 86400.0)),
+          AT_GOAL_START, float_range=(0.0, 86400.0)),
     Param("action.feedback_period", 0.1,
           "Minimum seconds between feedback messages of a goal (0: one per committed chunk; chunks in between are"
           " merged).",
-          float_range=(0.0, 60.0)),
+          AT_GOAL_START, float_range=(0.0, 60.0)),
     # -- diagnostics ------------------------------------------------------------------------------
     Param("diagnostic_updater.period", 1.0,
           "Seconds between /diagnostics publications (diagnostic_updater's parameter).",

@@ -449,3 +449,35 @@ def test_cleanup_and_configure_forget_the_freed_models_goal_figures(harness, mon
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "inactive"
     status = run_task(tasks.fill_target)
     assert "failed" not in status.message and status.level == OK
+
+
+def test_destroying_the_node_waits_for_a_configure_in_progress(harness, monkeypatch):
+    """SIGINT during a slow configure: main() closed the goals and destroyed the node at once, while on_configure
+    still loaded models on an executor thread; it then created its publishers on the destroyed node and on_error
+    ran on a dead state machine. destroy_node now waits for the transition, which sees the node is going and fails
+    with that reason, freeing what it loaded."""
+    import threading
+    import time
+
+    h = harness()
+    gate, entered = threading.Event(), threading.Event()
+    load = h.node._load
+
+    def slow_load():
+        entered.set()
+        gate.wait(30.0)
+        return load()
+
+    monkeypatch.setattr(h.node, "_load", slow_load)
+    threading.Thread(target=lambda: h.transition(Transition.TRANSITION_CONFIGURE, timeout=5.0), daemon=True).start()
+    assert entered.wait(30.0)
+    h.node.close_goals("the node is shutting down (SIGINT)")  # what main()'s signal handler does first
+    destroyed = threading.Event()
+    threading.Thread(target=lambda: (h.node.destroy_node(), destroyed.set()), daemon=True).start()
+    time.sleep(0.5)
+    assert not destroyed.is_set(), "the node was destroyed under the configure"
+    gate.set()
+    assert destroyed.wait(30.0)
+    assert "shutting down (SIGINT) while configure loaded the models" in h.node.configure_error
+    assert h.node.loaded is None
+    h.node.destroy_node = lambda: None  # destroyed above: the harness's close must not destroy it again

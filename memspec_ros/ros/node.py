@@ -81,7 +81,8 @@ def recorded(transition):
     @functools.wraps(transition)
     def run(node: MemSpecNode, state: LifecycleState) -> TransitionCallbackReturn:
         try:
-            return transition(node, state)
+            with node._transitioning:  # destroy_node waits for it (a configure loading models when SIGINT came)
+                return transition(node, state)
         except Exception as exc:
             node._transition_error = f"{step} raised {type(exc).__name__}: {exc}"
             node.get_logger().error(f"{node._transition_error}\n{traceback.format_exc()}")
@@ -193,6 +194,7 @@ class MemSpecNode(LifecycleNode):
         self._window = ThroughputWindow(self.get_parameter("diagnostics.window_goals").value)
         self._default_threads = 0  # torch's thread count before a configure first set one: model.threads 0
         self._hurry = False  # abandon_results
+        self._transitioning = threading.RLock()  # held by a transition callback while it runs (recorded)
         self._runner = GoalRunner(self, self._window, ReentrantCallbackGroup())  # the action's own group
         self._action_server, self._on_goal = self._runner.server, self._runner.on_goal
         self._params = ParameterHandler(self, lambda: self._loaded, self._runner)
@@ -215,6 +217,8 @@ class MemSpecNode(LifecycleNode):
                 " configure again then (two sets of models are never loaded at once)"))
         try:
             self._loaded = self._load()
+            if self._runner.closing:  # a signal came while the models loaded: the node is going, not serving
+                raise RuntimeError(f"{self._runner.closing} while configure loaded the models")
         except Exception as exc:  # every load error becomes a failed transition with its reason
             return self._configure_failed(exc)
         self._configure_error = self._transition_error = ""
@@ -305,7 +309,28 @@ class MemSpecNode(LifecycleNode):
         clients: a second SIGINT/SIGTERM, which ros2 launch escalates to SIGKILL if the node lingers."""
         self._hurry = True
 
+    def _wait_for_transition(self) -> bool:
+        """Wait until no transition callback runs (True, then holding the lock) or abandon_results() asks to hurry
+        (False): a configure loading the models on an executor thread would otherwise go on with a destroyed node
+        (its publishers refused, on_error run on a dead state machine)."""
+        if self._transitioning.acquire(blocking=False):
+            return True
+        self.get_logger().info("waiting for the lifecycle transition in progress (configure loading the models) to"
+                               " end; a second signal stops at once")
+        while not self._hurry:
+            if self._transitioning.acquire(timeout=0.1):
+                return True
+        return False
+
     def destroy_node(self) -> None:
+        held = not self._hurry and self._wait_for_transition()
+        try:
+            self._destroy()
+        finally:
+            if held:
+                self._transitioning.release()
+
+    def _destroy(self) -> None:
         if self._hurry:  # the goals are told to end; the process is going, so nothing is waited for or freed
             self._active = False
             self._runner.end_goals("the node was stopped (a second signal)", wait_seconds=0.0)

@@ -309,7 +309,13 @@ def test_a_draft_that_fails_mid_proposal_keeps_only_committed_tokens_in_its_cach
     monkeypatch.setattr(speculative, "_forward", second_fails)
     with pytest.raises(speculative.DraftFailure, match="not finite"):
         session.step("close", draft)
-    assert session._draft_kv["close"].length == len(session.tokens)
+    assert session._draft_kv["close"].length == len(session.tokens) - 1  # as between iterations
+    # the same draft runs again in this session (its cache held every committed token: nothing left to feed, and it
+    # failed at its next step), and the output is still the target's
+    monkeypatch.setattr(speculative, "_forward", real)
+    while not session.finished:
+        session.step("close", draft)
+    assert session.generated_ids == reference(target)
 
 
 def test_draft_evicted_on_another_thread_mid_iteration_does_not_break_the_step(target, drafts):

@@ -569,8 +569,10 @@ class SpeculativeSession:
                 if q is not None:
                     proposal.probs.append(q)
                 feed = [token]
-        except DraftFailure:  # its cache may hold its earlier proposals, never committed: keep a prefix of the text
-            kv.crop_to(min(kv.length, len(self.tokens)))
+        except DraftFailure:  # its cache may hold its earlier proposals, never committed: keep a prefix of the text,
+            # all but the newest token, as between iterations (the next proposal feeds at least that one: a cache
+            # holding every committed token left it nothing to feed, and the draft failed again at its next step)
+            kv.crop_to(min(kv.length, len(self.tokens) - 1))
             raise
         self._last_draft = draft_name
         return proposal

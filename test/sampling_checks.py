@@ -52,3 +52,28 @@ def exact_joint(target, context: list[int], sampling: SamplingConfig, length: in
                 prob *= float(warp_probs(logits[len(context) - 1 + j], sampling)[token])
             exact[seq] = prob
     return exact
+
+
+def check_after_likeliest_first(target, prompt: list[int], sampling: SamplingConfig, run, draws: int,
+                                z: float = 3.09) -> None:
+    """Chi-square of generated tokens 2-4 against their exact distribution, over the ``draws`` generations
+    ``run(seed)`` (sessions of 4 new tokens) whose first token is the target's likeliest one. Four tokens, so that
+    after the prefill's token an iteration can verify two or more proposals: with three, the length cap left one
+    proposal per iteration, and a rule wrong only at a later proposal (a rejection after an accepted token, the
+    bonus row after several) went unseen. Asserts that such iterations happened."""
+    with torch.no_grad():
+        first = int(warp_probs(target(torch.tensor([prompt])).logits[0, -1], sampling).argmax())
+    exact = exact_joint(target, prompt + [first], sampling)
+    counts: Counter = Counter()
+    several = 0
+    for seed in range(draws):
+        session = run(seed)
+        ids = session.generated_ids
+        assert len(ids) == 4, ids
+        if ids[0] == first:
+            counts[tuple(ids[1:])] += 1
+        several += any(it.proposed >= 2 for it in session.stats.iterations)
+    n = sum(counts.values())
+    assert n > 500 and several > draws // 4, (n, several)
+    stat, dof = chi2(counts, exact, n)
+    assert stat < chi2_critical(dof, z), (stat, dof)

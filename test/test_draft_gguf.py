@@ -223,3 +223,45 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
     assert row["paths"]["fp32"]["speculative_worst_method"] in {"fixed gamma", "adaptive gamma",
                                                                 "adaptive gamma + context lookup",
                                                                 "context lookup, no draft"}
+
+
+def test_the_llamacpp_bench_pairs_its_ratios_and_drops_a_method_halted_at_a_later_thread_count(monkeypatch, tmp_path):
+    """The engine has no rate for a prompt answered in one token, yet its ratios to llama.cpp divided by llama.cpp's
+    median over every prompt; and a llama.cpp method that failed at the second thread count still reported its
+    figures at the first, while the result said it did not run."""
+    from memspec_ros.bench import llamacpp_bench as lb
+    from memspec_ros.runtime.speculative import generate
+    from memspec_ros.testing.tiny_models import tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tok), seed=0)
+    prompts = [("code", tok(f"def f{i}(x):")["input_ids"], f"def f{i}(x):") for i in range(5)]
+    firsts = [generate(target, ids, None, max_new_tokens=1).generated_ids[0] for _, ids, _ in prompts]
+    lone = next(i for i, f in enumerate(firsts) if firsts.count(f) == 1)
+    eos = [firsts[lone]]  # that prompt's answer is its end token alone: no decode rate in the engine
+    rates = {text: float(10 * i + 1) for i, (_, _, text) in enumerate(prompts)}  # 1, 11, 21, 31, 41
+    others = sorted(r for i, r in enumerate(rates.values()) if i != lone)
+    paired = (others[1] + others[2]) / 2  # llama.cpp's median over the four prompts the engine has a rate for
+    assert paired != 21.0  # its median over all five: the ratio tells which one was used
+
+    def completion(bin_dir, gguf, prompt, new_tokens, threads):
+        return lb.LlamaCppRun(text="", decode_tps=rates[prompt])
+
+    calls = []
+
+    def lookup(bin_dir, gguf, draft, prompt, new_tokens, threads, gamma):
+        calls.append(threads)
+        if threads == 2:
+            raise RuntimeError("llama-lookup failed (exit 1): out of memory")
+        return lb.LlamaCppSpecRun(decode_tps=12.0, drafted=8, accepted=4)
+
+    monkeypatch.setattr(lb, "run_llamacpp", completion)
+    monkeypatch.setattr(lb, "run_llamacpp_speculative", lookup)
+    cfg = lb.LlamaCppBenchConfig(paths=("fp32",), threads=(1, 2), max_new_tokens=4, llamacpp_bin=tmp_path)
+    result = lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, {}, prompts, cfg, eos, tok.decode)
+    for row in result["threads"].values():
+        path = row["paths"]["fp32"]
+        assert path["target_alone_vs_llamacpp"] == pytest.approx(path["target_alone_tps"] / paired)
+        assert path["speculative_vs_llamacpp"] == pytest.approx(path["speculative_tps"] / paired)
+        assert not any(k.startswith("llamacpp_lookup_") for k in row), row
+    assert 1 in calls and "out of memory" in result["llamacpp_lookup_failed"]

@@ -381,6 +381,9 @@ def run_llamacpp_bench(
             row[f"{name}_accept_rate"] = accepted / drafted if drafted else None
         for path, target in targets.items():
             alone = statistics.median(tally[f"{path}:alone"].tps)
+            # llama.cpp over the prompts this path's kinds have a rate for (an answer of one token has none; the
+            # kinds' outputs are the same, so are their prompts): a ratio over the prompts both ran
+            llama_here = tally["llamacpp"].median_over(tally[f"{path}:alone"].keys)
             fixed = statistics.median(tally[f"{path}:speculative"].tps)
             adaptive = statistics.median(tally[f"{path}:adaptive"].tps)
             with_lookup = statistics.median(tally[f"{path}:adaptive_lookup"].tps)
@@ -400,7 +403,7 @@ def run_llamacpp_bench(
                 spec_by["adaptive gamma + context lookup + datastore"] = \
                     with_store["speculative_adaptive_datastore_tps"]
                 spec_by["context lookup + datastore, no draft"] = with_store["datastore_alone_tps"]
-            choice = speculative_choice(spec_by, llama)
+            choice = speculative_choice(spec_by, llama_here)
             row["paths"][path] = {
                 "target_alone_tps": alone,
                 "speculative_fixed_gamma_tps": fixed,
@@ -413,7 +416,7 @@ def run_llamacpp_bench(
                 **choice,
                 "mean_accepted": tally[f"{path}:speculative"].accepted.mean_accepted,
                 "adaptive_vs_fixed_gamma": adaptive / fixed,
-                "target_alone_vs_llamacpp": alone / llama,
+                "target_alone_vs_llamacpp": alone / llama_here,
                 "speculative_vs_target_alone": choice["speculative_tps"] / alone,
                 "outputs_identical": identical[path],
                 "same_text_as_llamacpp": same_text[path] / (len(prompts) * cfg.runs),
@@ -426,6 +429,10 @@ def run_llamacpp_bench(
         row["best_target_alone_path"], row["best_speculative_path"] = best_alone, best_spec
         row["outputs_identical"] = all(identical.values())
         result["threads"][str(threads)] = row
+    for name in halted:  # halted at a later thread count: the rows of the earlier ones do not report it either
+        for row in result["threads"].values():
+            for key in [k for k in row if k.startswith(f"{name}_")]:
+                del row[key]
     if "llamacpp_speculative" in halted:
         result["llamacpp_speculative"] = None
         result["llamacpp_speculative_reason"] = halted["llamacpp_speculative"]

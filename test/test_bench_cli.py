@@ -648,3 +648,19 @@ def test_the_paper_run_fails_when_the_simulator_is_outside_its_tolerance(tmp_pat
     monkeypatch.setattr(figures, "run_paper", lambda *args, **kwargs: index)
     assert main(["paper", "--zoo", str(zoo), "--workloads-dir", str(folder), "--out", str(tmp_path / "o")]) == code
     assert ("simulator is outside its tolerance" in capsys.readouterr().err) == (not within)
+
+
+def test_the_engine_benchs_bound_fraction_and_loop_verify_are_like_for_like():
+    """bound_fraction divided the median decode rate by the median bound, of different runs; the loop's verify time
+    was averaged over every iteration (one-row target steps, short adaptive verifies) beside the isolated time of a
+    gamma + 1 row verify."""
+    from memspec_ros.bench.engine_bench import _LoopTimes, bound_fraction
+    from memspec_ros.runtime.stats import GenerationStats, IterationStats
+
+    # runs (decode, bound): (100, 110), (90, 120), (95, 100): per run 0.91, 0.75, 0.95; the medians' ratio 0.86
+    assert bound_fraction([100.0, 90.0, 95.0], [110.0, 120.0, 100.0]) == pytest.approx(100 / 110)
+    its = [IterationStats("d", 4, 2, 3, 0.001, 0.010), IterationStats("d", 4, 4, 5, 0.001, 0.010),
+           IterationStats("", 0, 0, 1, 0.0, 0.002), IterationStats("d", 1, 1, 2, 0.001, 0.004)]
+    loop = _LoopTimes(4)
+    loop.add(GenerationStats(completion_tokens=11, decode_seconds=0.05, iterations=its))
+    assert loop.verify_ms == pytest.approx(10.0) and loop.iterations == 4

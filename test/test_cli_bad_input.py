@@ -497,3 +497,14 @@ def test_gptq_quantize_names_a_calibration_line_without_text(tmp_path, monkeypat
     calibration.write_text('{"text": "some text"}\n\n{"prompt": "more"}\n')
     assert gptq_cli.main(["quantize", "src", "out", "--calibration", str(calibration)]) == 0
     assert called[0][2] == ["some text", "more"]
+
+
+@pytest.mark.parametrize("option", [["--quantization", "int4"], ["--draft-quantization", "int8"], ["--dtype", "bf16"],
+                                    ["--draft", "code"], ["--storage", "sd"]])
+def test_the_engine_bench_refuses_options_the_generated_tiny_models_would_ignore(option, capsys):
+    """`memspec-bench engine --zoo tiny --quantization int4` reported fp32 tiny-model speeds as if int4."""
+    from memspec_ros.bench.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["engine", "--zoo", "tiny", "--prompts", "1", "--runs", "1", *option])
+    assert option[0] in str(exc.value) and "tiny models" in str(exc.value)

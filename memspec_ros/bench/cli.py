@@ -47,6 +47,11 @@ def _bench_zoo(args) -> Path | None:
                      f" '{TINY_ZOO}' for generated tiny models")
 
 
+# engine options the generated tiny models cannot honour, with their defaults
+TINY_IGNORES = {"quantization": "none", "draft_quantization": "none", "dtype": "fp32", "workloads_dir": None,
+                "draft": "general", "storage": "emmc"}
+
+
 def _engine_models(args):
     """The zoo's target and one draft, or generated tiny models when no zoo is there."""
     from ..runtime.models import ModelSpec, load_model, tokenizer_fingerprint
@@ -80,10 +85,20 @@ def _engine_models(args):
         args.forward_paths = {"target": target.forward_path, "draft": draft.forward_path,
                               "target_auto": target.path_choice.as_dict() if target.path_choice else None}
         prompts = _unique_prompt_ids(tokenizer, rows, args.prompts) or [tokenizer("The robot")["input_ids"]]
+        if len(prompts) < args.prompts:
+            print(f"memspec-bench engine: {len(prompts)} distinct prompt(s), not the {args.prompts} asked for"
+                  + (f" (the workloads in {workloads} have no more)" if rows else
+                     " (no workloads: give --workloads-dir; 'The robot' stands in)"), file=sys.stderr)
         args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)  # a --datastore must be made for it
         return target.model, draft.model, prompts, (target_path, draft_path)
     from ..testing.tiny_models import noisy_copy, tiny_llama
 
+    # generated tiny models: the options that choose a zoo's models, paths and prompts would be ignored
+    ignored = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, default in TINY_IGNORES.items()
+               if getattr(args, name, default) != default]
+    if ignored:
+        raise SystemExit(f"memspec-bench engine: {', '.join(ignored)} has no effect on generated tiny models (no"
+                         " zoo): pass --zoo <a built zoo> or --target <model dir>, or leave them out")
     target = tiny_llama(vocab_size=512, hidden=256, layers=8, seed=0, init_range=0.1)
     draft = noisy_copy(target, 0.02)
     draft.model.layers = draft.model.layers[:1]  # a one-layer cut of the target: cheap, partly agreeing

@@ -69,8 +69,9 @@ METRICS = {
     "tokens_per_second": "the paper's: tokens committed by draft-and-verify iterations over the decode wall time"
                          " (draft, verify, every wait, switch and catch-up included; prompt encoding excluded)",
     "end_to_end_tokens_per_second": "every generated token over the controller's whole call, from generate()'s"
-                                    " entry (a reset's wait for the goal before's loads, setup, the first draft"
-                                    " load, prompt encoding) to its result (runtime/stats.py)",
+                                    " entry (setup, the first draft load, prompt encoding) to its result"
+                                    " (runtime/stats.py); this bench resets the draft cache before each timed"
+                                    " generation, outside the timing",
 }
 
 
@@ -250,6 +251,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     import time
 
     import torch
+    from tqdm import tqdm
 
     torch.set_num_threads(cfg.threads)
     folder = Path(cfg.workloads_dir) if cfg.workloads_dir else zoo / "workloads"
@@ -272,15 +274,19 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     drafts = {e.name: load_model(ModelSpec(str(e.path), quantization=cfg.draft_quantization)).model for e in registry}
     # the chat template where the target has one, as the node sends them
     prompts = workload_prompts(folder, cfg.workloads, cfg.prompts, tokenizer)
+    if progress is not None:  # the timed generations, now that the policies and the prompts read are known
+        progress.total = len(policies) * sum(len(v) for v in prompts.values()) * cfg.runs
+        progress.refresh()
     traces: list[PromptTrace] = []
     hidden = predictor is not None and predictor.config.encoder == "target-hidden"
-    for w, ids_list in prompts.items():
-        for ids in ids_list:
-            oracle = GreedyOracle.compute(target.model, drafts, ids, trace_tokens, cfg.gamma, cfg.interval, eos)
-            trace = PromptTrace.from_oracle(w, ids, oracle, eos)
-            if hidden:
-                trace.hidden = target_hidden_states(target.model, ids, trace.continuation)
-            traces.append(trace)
+    pairs = [(w, ids) for w, ids_list in prompts.items() for ids in ids_list]
+    # the target's greedy answer and every draft's agreement per prompt: minutes on the paper's 144 prompts
+    for w, ids in tqdm(pairs, desc="oracle traces", unit="prompt", disable=progress is None, leave=False):
+        oracle = GreedyOracle.compute(target.model, drafts, ids, trace_tokens, cfg.gamma, cfg.interval, eos)
+        trace = PromptTrace.from_oracle(w, ids, oracle, eos)
+        if hidden:
+            trace.hidden = target_hidden_states(target.model, ids, trace.continuation)
+        traces.append(trace)
     # a switched-in draft's catch-up over prompts of this bench's lengths (every draft has one architecture)
     catchup = catchup_line(next(iter(drafts.values())), round(statistics.median(len(t.prompt_ids) for t in traces)))
     del drafts
@@ -375,6 +381,8 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     )
     models.close()
     if cfg.simulate:
+        if progress is not None:
+            progress.write("replaying every timed generation in the simulator (its validation)")
         t0 = time.perf_counter()
         result["simulator_validation"] = validate_simulator(bench)
         result["simulator_validation"]["simulation_seconds"] = time.perf_counter() - t0

@@ -664,3 +664,17 @@ def test_the_engine_benchs_bound_fraction_and_loop_verify_are_like_for_like():
     loop = _LoopTimes(4)
     loop.add(GenerationStats(completion_tokens=11, decode_seconds=0.05, iterations=its))
     assert loop.verify_ms == pytest.approx(10.0) and loop.iterations == 4
+
+
+def test_measured_latency_per_generation_is_averaged_as_the_simulated_one():
+    """The measured end-to-end seconds per generation beside the simulated ones pooled every run, where the
+    simulated figures average per-workload means: with workloads of unequal prompt counts the two disagreed."""
+    from types import SimpleNamespace
+
+    from memspec_ros.bench.figures import measured_seconds_per_generation
+
+    def run(workload, seconds):
+        return ("memspec", workload, (1,), SimpleNamespace(end_to_end_seconds=seconds))
+
+    runs = [run("code", 1.0), run("code", 1.0), run("code", 1.0), run("math", 4.0), run("law", 9.0)]
+    assert measured_seconds_per_generation(runs, ["code", "math"], ["memspec"]) == {"memspec": 2.5}  # not 1.75

@@ -286,6 +286,18 @@ def test_a_policy_without_its_predictor_runs_general_static_with_a_warning(harne
         assert status.level == OK and f"policy {policy} needs none" in status.message, (policy, status.message)
 
 
+def test_predictor_path_may_name_the_folder_the_trainer_wrote(harness, tmp_path):
+    """memspec-train-predictor --out DIR writes its heads to DIR/<encoder>/; predictor.path:=DIR (what the trainer
+    printed and the parameter's help names) was 'no trained predictor', and memspec ran as general-static. It is
+    looked for in DIR's encoder subfolders, as an empty predictor.path looks beside the registry."""
+    shutil.copytree(tiny_zoo() / "predictor", tmp_path / "trained" / "target-hidden")
+    h = harness(**{"predictor.path": str(tmp_path / "trained"), "memspec.policy": "memspec"})
+    h.activate()
+    assert h.node.loaded.controller.config.policy == "memspec"
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: predictor"]
+    assert status.level == OK, status.message
+
+
 def test_a_node_whose_predictor_failed_to_load_takes_a_registry_without_one(harness, tmp_path):
     """A predictor found beside the registry that failed to load left its path in the node's loaded paths: a later
     swap to a registry folder without a predictor was refused as one that 'brings predictor.path none', though the

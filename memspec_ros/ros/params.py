@@ -585,6 +585,8 @@ def resolve_paths(v: dict[str, Any]) -> ModelPaths:
     elif not predictor:
         base = Path(registry_file).parent if registry_file else Path(target).parent
         predictor = find_predictor(base / "predictor")
+    else:  # the folder memspec-train-predictor wrote (--out) holds its heads in encoder subfolders
+        predictor = find_predictor(predictor) or predictor
     datastore = v["datastore.path"]
     if datastore == "none":
         datastore = ""

@@ -534,10 +534,18 @@ class RankingHead(torch.nn.Module):
                                  f" {config.truncation_side!r}: retrain the predictor")
         if config.encoder not in ENCODERS:
             raise PredictorError(f"{root / HEAD_CONFIG} names encoder {config.encoder!r}; known: {', '.join(ENCODERS)}")
+        if config.input not in INPUTS:  # the C kernel would have ranked any other value as prompt+recent
+            raise PredictorError(f"{root / HEAD_CONFIG}: input must be one of {', '.join(INPUTS)}, not"
+                                 f" {config.input!r}: retrain the predictor")
+        if len(set(names)) != len(names):
+            raise PredictorError(f"{root / HEAD_CONFIG}: drafts names one draft twice ({names}): retrain the predictor")
         head = cls(config)
+        from safetensors import SafetensorError
+
         try:
             head.load_state_dict(load_file(str(root / HEAD_WEIGHTS)))
-        except (RuntimeError, OSError) as exc:  # weights of another shape than the config says, or not safetensors
+        except (RuntimeError, OSError, SafetensorError) as exc:  # another shape than the config says, not safetensors
+            # (a git-lfs pointer, a truncated copy: safetensors' own error named neither the file nor the fix)
             raise PredictorError(f"{root / HEAD_WEIGHTS} does not fit {root / HEAD_CONFIG} ({str(exc)[:300]}):"
                                  " retrain the predictor") from exc
         return head.eval().requires_grad_(False)

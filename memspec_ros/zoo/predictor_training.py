@@ -51,9 +51,11 @@ from pathlib import Path
 import torch
 
 from memspec_ros.runtime.chat import end_token_ids
+from memspec_ros.runtime.loader import PREDICTOR_PREFERENCE
 from memspec_ros.runtime.oracle import ContinuationCache, draft_agreement, interval_walk
 from memspec_ros.runtime.predictor import (
     ENCODERS,
+    HEAD_CONFIG,
     INPUTS,
     HeadConfig,
     MiniLMEncoder,
@@ -408,7 +410,9 @@ def run(args: argparse.Namespace) -> dict:
     majority = int(train_counts.argmax())  # the baseline a head must beat: always the commonest label
     heldout_labels = labels[test_mask]
     majority_top1 = float((heldout_labels == majority).float().mean()) if len(heldout_labels) else 0.0
-    report: dict = {"prompts": len(traces), "contexts": len(contexts), "heldout_prompts": len(heldout),
+    # the held-out prompts among those traced (a prompt whose answer was too short for a context has no trace)
+    heldout_traced = sum(1 for t in traces if t.contexts and t.contexts[0].prompt_index in heldout)
+    report: dict = {"prompts": len(traces), "contexts": len(contexts), "heldout_prompts": heldout_traced,
                     "label_horizon_intervals": args.label_horizon, "label_rule": LABEL_RULE,
                     "answers_unseen_by_drafts": bool(getattr(args, "unseen_by_drafts", False)),
                     "label_counts": label_counts, "majority_label": names[majority],
@@ -488,6 +492,13 @@ def _publish(out: Path, heads: dict[str, RankingHead], report: dict) -> None:
             shutil.rmtree(out / name)
         os.replace(path, out / name)
     os.replace(report_tmp, out / "report.json")
+    # a head of another encoder left from an earlier run is not in this report, yet may be the one loaded
+    older = [sub for sub in PREDICTOR_PREFERENCE if sub and sub not in heads and (out / sub / HEAD_CONFIG).is_file()]
+    if older:
+        loaded = next(sub for sub in PREDICTOR_PREFERENCE if sub and (out / sub / HEAD_CONFIG).is_file())
+        print(f"note: {', '.join(str(out / sub) for sub in older)} is left from an earlier run (report.json no longer"
+              f" describes it); a node given {out} loads {out / loaded} first: remove it, or retrain it with"
+              " --encoders", file=sys.stderr)
 
 
 def format_report(report: dict) -> str:
@@ -612,6 +623,13 @@ def check_inputs(args: argparse.Namespace) -> None:
             read_prompts(args.prompts)
     except (RegistryError, ValueError) as exc:
         raise SystemExit(f"memspec-train-predictor: {exc}") from None
+    if "minilm" in args.encoders:  # a missing package ended the run after minutes of tracing, in a traceback
+        from memspec_ros.runtime.predictor import PredictorError, minilm_path
+
+        try:
+            minilm_path()
+        except PredictorError as exc:
+            raise SystemExit(f"memspec-train-predictor: {exc}; or leave it out: --encoders target-hidden") from None
     answers = Path(args.answers) if args.answers else None
     if answers is not None and not answers.is_file() and not any(answers.glob("train-*.safetensors")):
         raise SystemExit(f"memspec-train-predictor: --answers {answers}: no stored training answers"

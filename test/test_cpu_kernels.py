@@ -44,6 +44,13 @@ needs_compiler = pytest.mark.skipif(_OFF or _CC is None,
 ROWS = range(1, 11)  # 1..8 rows take one pass over the weights, 9 and 10 two
 
 
+def assert_same_choice(got: torch.Tensor, reference: torch.Tensor, tolerance: float) -> None:
+    """Each row's argmax in ``got`` is the reference's best token or one within ``tolerance`` of it: two forwards
+    that round differently may split a near-tie either way (another CPU's SIMD width changes the order of sums)."""
+    picked = reference.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+    assert bool((picked >= reference.max(-1).values - tolerance).all()), (picked, reference.max(-1).values)
+
+
 def _rows_alone(f, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([f(x[i : i + 1]) for i in range(x.shape[0])])
 
@@ -245,7 +252,8 @@ def test_decoder_runs_the_layers_as_the_lean_forward_does(path):
     row_step = 1 / 127
     scale = out["python"].abs().max()
     assert (out["decoder"] - out["python"]).abs().max() < 8 * row_step * scale
-    assert torch.equal(out["decoder"].argmax(-1), out["python"].argmax(-1))
+    # the same choice up to that difference: on another CPU's rounding a near-tie may fall either way
+    assert_same_choice(out["decoder"], out["python"], 8 * row_step * scale)
     if path == "fp32":  # float rounding alone, the C loops' vector e^x included: within a few ulp of the scale
         assert (out["decoder"] - out["python"]).abs().max() < 3e-5 * scale
 
@@ -359,7 +367,7 @@ def test_the_step_kernel_runs_the_whole_forward_as_the_lean_forward_does(path, k
     assert finite.sum(-1).min() == (40 if kind == "reduced" else 96)
     scale = python[finite].abs().max()
     assert (stepped[finite] - python[finite]).abs().max() < 8 / 127 * scale
-    assert torch.equal(stepped.argmax(-1), python.argmax(-1))
+    assert_same_choice(stepped, python, 8 / 127 * scale)
     verify, steps = verify_and_steps(model, prompt, rows)
     assert torch.equal(verify, steps)  # a verify's rows equal one-token steps, bit for bit
 
@@ -590,6 +598,7 @@ def test_status_names_the_instruction_set_of_each_kernel():
 @needs_compiler
 @pytest.mark.skipif(cpu_kernels.os.environ.get(cpu_kernels.ENV_SWITCH) == cpu_kernels.PORTABLE,
                     reason="this run is the portable one")
+@pytest.mark.timeout(960)  # its subprocess may take the 900 s it is given, past pytest's default of 600
 def test_the_portable_kernels_pass_the_same_tests(tmp_path):
     """The portable C (what an ARM robot compiles) is not what this machine runs by default, so the tests above run
     again with it: the i8 sums bit-equal to torch._int_mm, w4 against its reference, every verify row equal to a

@@ -23,7 +23,7 @@ from memspec_interfaces.msg import GenerationStats
 from memspec_ros.ros.action_client import SafeActionClient
 from memspec_ros.ros.diagnostics import Status, fill_throughput_status
 
-LONG = 3000  # tokens: a goal that runs for seconds with the tiny zoo (no EOS token)
+LONG = 3000  # tokens: a goal that runs for seconds (paced: node_helpers.PACED_FROM) until the test ends it
 
 
 @pytest.fixture(scope="module")
@@ -865,7 +865,8 @@ def test_a_goal_that_runs_past_max_goal_seconds_ends_aborted_with_its_text(h):
         assert response.status == GoalStatus.STATUS_ABORTED, response.result.finish_reason
         result = response.result
         assert "ran past action.max_goal_seconds (0.1 s)" in result.error_message
-        assert result.text and 0 < result.completion_tokens < LONG
+        # its partial answer: at least the prefill's token (whose text the tiny tokenizer may decode to nothing)
+        assert 0 < result.completion_tokens < LONG
     finally:
         assert h.set_params(**{"action.max_goal_seconds": 0.0})[0].successful
     handle, _ = h.send(goal(max_new_tokens=8))

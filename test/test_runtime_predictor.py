@@ -610,6 +610,35 @@ def test_a_recent_window_other_than_the_heads_t_is_refused():
     engine.close()
 
 
+def test_a_head_with_per_interval_labels_holds_the_interval_it_was_trained_at():
+    """A head trained with --label-horizon h > 0 ranks by the best draft over its next h intervals of ITS N: run at
+    another memspec.interval it ranked for a span it never saw, silently. Refused, naming both; a head of horizon 0
+    (the rest of the output, the bundled one's) runs at any N."""
+    from memspec_ros.ros.node import RecordingRanker
+    from memspec_ros.runtime.registry import DraftEntry
+
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in ("a", "b")], validate=False)
+    for horizon, refused in ((1, True), (0, False)):
+        head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=128, interval=4,
+                                      label_horizon=horizon)).eval()
+        engine = PredictionEngine(head, TargetHiddenEncoder(target, 32))
+        for ranker in (engine, RecordingRanker(engine)):
+            def controller(n, ranker=ranker):
+                return RuntimeController(RuntimeConfig(policy="memspec", interval=n), target, None, registry, ranker,
+                                         loader=lambda name: None, eos_token_ids=[])
+
+            if refused:
+                with pytest.raises(ValueError, match="interval .N. 8 is not the predictor's N, 4"):
+                    controller(8)
+            else:
+                controller(8).close()
+            ctl = controller(4)
+            assert ctl.reconfigure(policy="mab-async", interval=8).interval == 8  # a policy that does not rank
+            ctl.close()
+        engine.close()
+
+
 def test_a_predictor_that_scores_no_registered_draft_is_refused():
     """A head trained for other drafts (classes code-v1, math-v1) scored every registered draft UNKNOWN_SCORE: the
     ranking policies ran the first registered drafts for every prompt and reported normal figures. Refused at

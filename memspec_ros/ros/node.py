@@ -110,6 +110,16 @@ class RecordingRanker:
         """What the engine's head scores, which the controller checks the registry against."""
         return getattr(self.engine, "classes", None)
 
+    @property
+    def interval(self) -> int:
+        """The N the engine's head was trained at, which the controller holds memspec.interval to when its labels
+        are per interval (label_horizon > 0)."""
+        return getattr(self.engine, "interval", 0)
+
+    @property
+    def label_horizon(self) -> int:
+        return getattr(self.engine, "label_horizon", 0)
+
     def _guarded(self, call, *args):
         """``call(*args)``; if it raises, the failure is counted for /diagnostics and None returned: a broken
         predictor costs speed, never a goal."""

@@ -266,6 +266,14 @@ class RuntimeController:
             raise ValueError(f"recent_tokens (T) {config.recent_tokens} is not the predictor's T, {trained}: it was"
                              f" trained on the last {trained} generated tokens (set {trained}, or 0 to rank on the"
                              " prompt alone)")
+        horizon = getattr(self.predictor, "label_horizon", 0)
+        head_interval = getattr(self.predictor, "interval", 0)
+        if ranks and isinstance(horizon, int) and horizon > 0 and config.interval != head_interval:
+            # its labels name the best draft over the next intervals of ITS N: at another N it ranks for a span
+            # it was not trained on (a head of label horizon 0, the rest of the output, has no N of its own)
+            raise ValueError(f"interval (N) {config.interval} is not the predictor's N, {head_interval}: its labels"
+                             f" are the best draft over the next {horizon} interval(s) of {head_interval} iterations"
+                             f" (set {head_interval}, or retrain with --interval {config.interval})")
         make_policy(config.policy, predictor=self.predictor, oracle_for=self.oracle_for,
                     general_draft=config.general_draft, ucb_c=config.ucb_c).close()
         self.check_ranking(config.policy, self.registry)

@@ -452,6 +452,9 @@ class HeadConfig:
     recent_tokens: int = 32  # T
     prompt_tokens: int = 0  # W: the prompt half pools the last W prompt positions (0: the whole prompt)
     interval: int = 4  # N the traces were cut at
+    # labels over the next h intervals of N (0: the rest of the output, which N does not change); heads saved
+    # before it was recorded read 0
+    label_horizon: int = 0
     max_length: int = 128  # MiniLM truncation
     truncation_side: str = "right"  # which end of a long text MiniLM cuts ("left" since session 35: keep the tail)
     metrics: dict[str, float] = field(default_factory=dict)
@@ -597,6 +600,7 @@ class PredictionEngine(SynchronousRanking):
         self.encoder = encoder
         self.recent_tokens = recent_tokens if recent_tokens is not None else head.config.recent_tokens
         self.classes: tuple[str, ...] = tuple(head.config.drafts)  # what the head scores: drafts or domains
+        self.interval, self.label_horizon = head.config.interval, head.config.label_horizon
         self.calls = 0
         self.seconds = 0.0
 

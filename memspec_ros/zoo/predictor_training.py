@@ -456,7 +456,8 @@ def run(args: argparse.Namespace) -> dict:
         for which in INPUTS:
             config = HeadConfig(encoder=encoder_name, drafts=names, in_dim=int(feats.shape[-1]), hidden=args.hidden,
                                 input=which, recent_tokens=args.recent_tokens, prompt_tokens=args.prompt_tokens,
-                                interval=args.interval, truncation_side="left")
+                                interval=args.interval, label_horizon=args.label_horizon,
+                                truncation_side="left")
             head = train_head(train_x, train_y, config, cfg, progress=not args.quiet)
             results[which] = evaluate(head, feats[test_mask], labels[test_mask])
             if conv_feats is not None:

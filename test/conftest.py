@@ -197,3 +197,12 @@ def fixed_costs(monkeypatch):
     """A draft token as dear as a verify row (11 ms), so whether a copy or the draft proposes does not depend on
     this machine's timing."""
     fix_adaptive_costs(monkeypatch, lambda model, k, vocab: 10.0 + k, 11.0)
+
+
+@pytest.fixture(autouse=True)
+def _paced_long_goals(request, monkeypatch):
+    """The node tests' long goals last at least a pace per iteration on any machine (node_helpers.PACED_FROM)."""
+    if request.module.__name__.startswith("test_node_"):
+        from node_helpers import pace_long_goals
+
+        pace_long_goals(monkeypatch)

@@ -23,29 +23,24 @@ _ZOO_LOCK = threading.Lock()
 
 # A test's long goal (thousands of tokens on the tiny zoo, ended by a cancel, a deactivate or a timeout) must still
 # run while the test checks what it does beside it. Its length alone made that a speed: a CPU twice as fast
-# finished it first. Each of its iterations is paced instead, so it lasts at least PACE_SECONDS per iteration on
-# any machine (a slower one only makes it longer); short goals are not touched.
+# finished it first. Each of its iterations is paced instead (conftest.py, for the test_node_* modules), so it lasts
+# at least PACE_SECONDS per iteration on any machine (a slower one only makes it longer); short goals are not
+# touched. The soak is not paced: its latency check is about the decoder's contention at full speed.
 PACED_FROM = 1000  # new tokens
 PACE_SECONDS = 0.01
 
 
-def _pace_long_goals() -> None:
+def pace_long_goals(monkeypatch) -> None:
     from memspec_ros.runtime.speculative import SpeculativeSession
 
     step = SpeculativeSession.step
-    if getattr(step, "paced", False):
-        return
 
     def paced(self, *args, **kwargs):
         if self.max_new_tokens >= PACED_FROM:
             time.sleep(PACE_SECONDS)
         return step(self, *args, **kwargs)
 
-    paced.paced = True
-    SpeculativeSession.step = paced
-
-
-_pace_long_goals()
+    monkeypatch.setattr(SpeculativeSession, "step", paced)
 
 
 def tiny_zoo() -> Path:

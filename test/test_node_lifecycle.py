@@ -493,3 +493,37 @@ def test_destroying_the_node_waits_for_a_configure_in_progress(harness, monkeypa
     assert "shutting down (SIGINT) while configure loaded the models" in h.node.configure_error
     assert h.node.loaded is None
     h.node.destroy_node = lambda: None  # destroyed above: the harness's close must not destroy it again
+
+
+def test_a_second_signal_while_destroy_waits_for_a_transition_stops_the_wait(harness):
+    """main()'s handler for a second SIGINT sets _hurry and raises KeyboardInterrupt on the main thread, the one
+    waiting in destroy_node for the transition: the exception left destroy_node before its quick-exit branch (and
+    main()'s rclpy shutdown). The wait ends, returning False, so that branch runs."""
+    import signal
+    import threading
+
+    h = harness()
+    held, release = threading.Event(), threading.Event()
+
+    def transition():
+        with h.node._transitioning:
+            held.set()
+            release.wait(30.0)
+
+    worker = threading.Thread(target=transition, daemon=True)
+    worker.start()
+    assert held.wait(10.0)
+
+    def second_signal(signum, frame):
+        h.node.abandon_results()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, second_signal)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        assert h.node._wait_for_transition() is False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release.set()
+        worker.join(10.0)

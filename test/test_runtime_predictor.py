@@ -827,3 +827,7 @@ def test_publishing_one_encoder_warns_of_an_older_head_that_would_be_loaded_firs
     assert "target-hidden is left from an earlier run" in err and "loads" in err
     _publish(tmp_path, {"minilm": new, "target-hidden": old}, {"encoders": {}})
     assert "left from an earlier run" not in capsys.readouterr().err
+    # the new head is the one loaded first: the leftover is named, without telling to remove it for that reason
+    _publish(tmp_path, {"target-hidden": old}, {"encoders": {}})
+    err = capsys.readouterr().err
+    assert "minilm is left from an earlier run" in err and "loads that one first" not in err

@@ -327,9 +327,12 @@ class MemSpecNode(LifecycleNode):
             return True
         self.get_logger().info("waiting for the lifecycle transition in progress (configure loading the models) to"
                                " end; a second signal stops at once")
-        while not self._hurry:
-            if self._transitioning.acquire(timeout=0.1):
-                return True
+        try:
+            while not self._hurry:
+                if self._transitioning.acquire(timeout=0.1):
+                    return True
+        except KeyboardInterrupt:  # the second signal: main()'s handler set _hurry and raised it on this thread
+            pass
         return False
 
     def destroy_node(self) -> None:

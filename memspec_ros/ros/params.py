@@ -321,12 +321,11 @@ def declare(node, p: Param) -> Any:
     InvalidParameterTypeException out of the node's constructor."""
     from rclpy.parameter import Parameter
 
+    take_int_override_as_double(node, p)
     overrides = getattr(node, "_parameter_overrides", None)
     given = overrides.get(p.name) if isinstance(overrides, dict) else None
     if given is not None and given.type_ == Parameter.Type.NOT_SET and p.default == [""]:
         return node.declare_parameter(p.name, p.default, p.descriptor(), ignore_override=True).value
-    if given is not None and given.type_ == Parameter.Type.INTEGER and type(p.default) is float:
-        return node.declare_parameter(p.name, float(given.value), p.descriptor(), ignore_override=True).value
     return node.declare_parameter(p.name, p.default, p.descriptor()).value
 
 

@@ -290,7 +290,14 @@ class DraftCacheManager:
             self._counters.misses += 1
         deadline = math.inf if timeout is None else t0 + timeout
         for again in (False, True):
-            future = self._start_for_wait(name)
+            try:
+                waited_for = self._start_for_wait(name)
+            except DraftLoadError as exc:  # refused: on a retry, the first wait's time is still this wait's
+                waited = time.perf_counter() - t0
+                with self._lock:
+                    self._counters.wait_seconds += waited
+                raise DraftLoadError(str(exc), waited=waited) from exc.__cause__
+            future = waited_for.future if waited_for is not None else None
             stopped = False
             # futures.wait never raises: a failed load is _load's to record (_fail), and the slot says what happened
             while future is not None and not future.done() and time.perf_counter() < deadline:
@@ -308,7 +315,9 @@ class DraftCacheManager:
                     self._counters.wait_seconds += waited
                     slot.used = True
                     return slot.model, waited
-                dropped = slot is None and future is not None and future.done() and not self._closed
+                # dropped with no error and not on purpose (removed from the registry, or K shrank: those mark it)
+                dropped = (slot is None and future is not None and future.done() and not self._closed
+                           and not waited_for.discard)
                 if dropped and not again and time.perf_counter() < deadline and not stopped:
                     continue  # dropped without an error: load it again
                 self._counters.wait_seconds += waited
@@ -317,14 +326,18 @@ class DraftCacheManager:
                 error = slot.error if slot is not None else None
                 if error is not None:
                     raise DraftLoadError(f"draft {name!r} did not become resident: {error}", waited=waited) from error
+                landed = future is not None and future.done()
                 why = ("the draft cache was closed" if self._closed else
                        "its load was dropped twice (its files changed while it was read, or the cache changed)"
-                       if dropped else f"it was not resident after {waited:.1f} s (the wait's timeout)")
+                       if dropped else
+                       "its load was dropped (the draft was removed, or K or the budget shrank)" if landed else
+                       f"it was not resident after {waited:.1f} s (the wait's timeout)")
                 raise DraftLoadError(f"draft {name!r} did not become resident: {why}", waited=waited)
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _start_for_wait(self, name: str):
-        """wait_for's load: the one in flight for ``name``, or a new one (DraftLoadError where none can start)."""
+    def _start_for_wait(self, name: str) -> _Slot | None:
+        """wait_for's load: the slot of the one in flight for ``name``, or of a new one (None: resident already;
+        DraftLoadError where none can start)."""
         with self._lock:
             slot = self._slots.get(name)
             if slot is not None and slot.model is not None:
@@ -343,7 +356,7 @@ class DraftCacheManager:
                         " has no draft it may evict"
                     )
                 slot = self._slots[name]
-            return slot.future
+            return slot
 
     # -- explicit residency changes ---------------------------------------------------
     def remove(self, name: str) -> None:

@@ -481,17 +481,14 @@ class RuntimeController:
                 if len(run.iterations) >= self.config.interval:
                     self._scheduling_point(run, session, prompt_ids)
                 run.iterations.append(self._step(run, session))
-        except BaseException:
-            # a goal that raised ends its policy too, and its rankers' background time goes with it (taken at the
-            # next goal's end, it was counted as that goal's)
+            if run.iterations:
+                run.policy.observe(interval_draft(run), run.iterations)
+        finally:
+            # also when the goal raised: its policy ends, and its rankers' background time goes with it (left to the
+            # next goal's take, it was counted as that goal's)
             run.policy.close()
-            for ranker in self._rankers.values():
-                ranker.take_background_seconds()
-            raise
-        if run.iterations:
-            run.policy.observe(interval_draft(run), run.iterations)
-        run.policy.close()
-        stats.background_prediction_seconds = sum((r.take_background_seconds() for r in self._rankers.values()), 0.0)
+            background = sum((r.take_background_seconds() for r in self._rankers.values()), 0.0)
+        stats.background_prediction_seconds = background
         stats.cache = cache.snapshot().since(before)
         return GenerationResult(session.text, session.finish_reason, stats, session.generated_ids)
 

@@ -278,9 +278,10 @@ Q8_BLOCK = 32  # GGUF's Q8_0: one fp16 scale per 32 int8 values
 def check_ids(ids: torch.Tensor, rows: int) -> None:
     """torch.nn.Embedding's IndexError for an id outside [0, rows): a tensor indexed by -1 gives the LAST row
     silently, and the compact tables below index theirs (the C forward checks its rows the same way)."""
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-        raise IndexError(f"token id out of range: the embedding has {rows} rows, got ids from {int(ids.min())}"
-                         f" to {int(ids.max())}")
+    if ids.numel():
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= rows:
+            raise IndexError(f"token id out of range: the embedding has {rows} rows, got ids from {low} to {high}")
 
 
 class Q8Embedding(torch.nn.Module):

@@ -497,9 +497,10 @@ def _publish(out: Path, heads: dict[str, RankingHead], report: dict) -> None:
     older = [sub for sub in PREDICTOR_PREFERENCE if sub and sub not in heads and (out / sub / HEAD_CONFIG).is_file()]
     if older:
         loaded = next(sub for sub in PREDICTOR_PREFERENCE if sub and (out / sub / HEAD_CONFIG).is_file())
+        first = (f"; a node given {out} loads that one first: remove it, or retrain it with --encoders"
+                 if loaded not in heads else "")
         print(f"note: {', '.join(str(out / sub) for sub in older)} is left from an earlier run (report.json no longer"
-              f" describes it); a node given {out} loads {out / loaded} first: remove it, or retrain it with"
-              " --encoders", file=sys.stderr)
+              f" describes it){first}", file=sys.stderr)
 
 
 def format_report(report: dict) -> str:

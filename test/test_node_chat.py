@@ -419,6 +419,7 @@ def test_memspec_client_chat_trims_only_for_a_length_rejection_named_on_diagnost
     during the retries had a trimmed conversation taken and the dropped exchanges lost for good. The node's reason
     is read from its /diagnostics: another reason keeps the conversation (the turn fails); a length one trims."""
     import io
+    import time
 
     import rclpy
     from lifecycle_msgs.msg import Transition
@@ -431,7 +432,13 @@ def test_memspec_client_chat_trims_only_for_a_length_rejection_named_on_diagnost
     node = rclpy.create_node("memspec_chat_reasons", context=h.client.context)
     executor = SingleThreadedExecutor(context=h.client.context)
     executor.add_node(node)
-    reasons = RejectionReasons(node, executor, args.node)
+    reasons = RejectionReasons(node, executor, args.node, wait_seconds=30.0)
+    # the subscription matched first (discovery under a loaded suite took seconds): the wait for a reason is then
+    # only the node's next /diagnostics publication
+    deadline = time.monotonic() + 30.0
+    while reasons._latest is None and time.monotonic() < deadline:
+        executor.spin_once(timeout_sec=0.1)
+    assert reasons._latest is not None, "no /diagnostics status of the node within 30 s"
 
     def turns():
         yield "Hi\n"

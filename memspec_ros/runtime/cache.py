@@ -187,7 +187,7 @@ class DraftCacheManager:
             slot = self._slots.get(current)
             held = slot.reserved_bytes if slot is not None and slot.error is None else 0
             try:
-                size = max(0, int(self.size_of(name)), self._measured.get(name, 0))
+                size = self._size_needed(name)
             except Exception:  # unreadable: the load fails as it would have (carry_out does not wait for it)
                 return True
             return held + size <= self.budget_bytes
@@ -593,17 +593,20 @@ class DraftCacheManager:
             return None
         return min(candidates, key=lambda n: self._scores.get(n, float("-inf")))
 
+    def _size_needed(self, name: str) -> int:
+        """The bytes a load of ``name`` reserves: its estimate, or what a load of it measured if more."""
+        return max(0, int(self.size_of(name)), self._measured.get(name, 0))
+
     def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
         if self._closed:  # its loader pool is gone: a slot reserved now would stay "loading" for good
             return False
         try:
-            estimate = int(self.size_of(name))
+            size = self._size_needed(name)
         except Exception as exc:  # on the decode thread: a size that cannot be read fails the draft, not the goal
             self._slots[name] = slot = _Slot(name, 0)
             self._fail(slot, DraftLoadError(f"draft {name!r}: its size could not be read ({type(exc).__name__}:"
                                             f" {exc})"))
             return False
-        size = max(0, estimate, self._measured.get(name, 0))  # a load taught what it really takes
         if self.budget_bytes and size > self.budget_bytes:
             self._slots[name] = slot = _Slot(name, 0)
             self._fail(slot, DraftTooLargeError(

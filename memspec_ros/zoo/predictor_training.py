@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from memspec_ros.runtime.chat import end_token_ids
-from memspec_ros.runtime.loader import PREDICTOR_PREFERENCE
+from memspec_ros.runtime.loader import PREDICTOR_PREFERENCE, find_predictor
 from memspec_ros.runtime.oracle import ContinuationCache, draft_agreement, interval_walk
 from memspec_ros.runtime.predictor import (
     ENCODERS,
@@ -496,9 +496,8 @@ def _publish(out: Path, heads: dict[str, RankingHead], report: dict) -> None:
     # a head of another encoder left from an earlier run is not in this report, yet may be the one loaded
     older = [sub for sub in PREDICTOR_PREFERENCE if sub and sub not in heads and (out / sub / HEAD_CONFIG).is_file()]
     if older:
-        loaded = next(sub for sub in PREDICTOR_PREFERENCE if sub and (out / sub / HEAD_CONFIG).is_file())
         first = (f"; a node given {out} loads that one first: remove it, or retrain it with --encoders"
-                 if loaded not in heads else "")
+                 if Path(find_predictor(out)).name not in heads else "")
         print(f"note: {', '.join(str(out / sub) for sub in older)} is left from an earlier run (report.json no longer"
               f" describes it){first}", file=sys.stderr)
 

@@ -91,12 +91,22 @@ def test_an_architecture_transformers_cannot_build_is_refused(tmp_path):
         check_gguf(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "gpt-oss", "minimax-m2", "t5encoder"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "gpt-oss", "minimax-m2"])
 def test_llama_cpp_spellings_of_architectures_transformers_builds_pass_the_check(tmp_path, arch):
     """llama.cpp names these as transformers' loader renames them (qwen2moe -> qwen2_moe, ...): not refused."""
     path = tmp_path / f"{arch}.gguf"
     _tiny_gguf(path, arch=arch)
     assert check_gguf(path) == arch
+
+
+@pytest.mark.parametrize("arch", ["t5", "umt5", "t5encoder"])
+def test_an_architecture_transformers_builds_only_as_an_encoder_decoder_is_refused(tmp_path, arch):
+    """t5 and umt5 are in transformers' GGUF table but build no causal LM: they failed only at the conversion,
+    as a generic 'Unrecognized configuration class', not as the unsupported architecture they are."""
+    path = tmp_path / f"{arch}.gguf"
+    _tiny_gguf(path, arch=arch)
+    with pytest.raises(UnsupportedArchitectureError, match="causal LM"):
+        check_gguf(path)
 
 
 def test_a_gguf_whose_architecture_is_general_is_refused(tmp_path):
@@ -139,9 +149,15 @@ def test_missing_accelerate_gives_the_install_hint(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
+    """The bundled GGUF converted, from a working directory that holds another "model.gguf" (a file that is no
+    model): transformers read the weights from that name relative to the working directory, so such a decoy was
+    converted instead of the file asked for and cached under its digest."""
     cache = tmp_path_factory.mktemp("cache")
+    cwd = tmp_path_factory.mktemp("cwd")
+    (cwd / "model.gguf").write_bytes(b"GGUF decoy: not the model asked for")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MEMSPEC_CACHE_DIR", str(cache))
+        mp.chdir(cwd)
         yield resolve_model_path(SMOLLM2), cache
 
 
@@ -295,3 +311,77 @@ def test_a_file_that_changes_during_its_conversion_is_not_cached_under_the_old_d
     monkeypatch.setattr(model_source, "convert_gguf",
                         lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
     assert (resolve_model_path(str(src)) / CONVERTED_MARKER).is_file()  # left alone, it converts
+
+
+def _partial_gguf(path) -> None:
+    """The bundled GGUF's metadata (config, tokenizer) with only two of its tensors: a cut or vocabulary-only file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(package_file(SMOLLM2)))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+    for tensor in reader.tensors:
+        if tensor.name in ("token_embd.weight", "output_norm.weight"):
+            writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_that_lacks_tensors_is_refused_and_nothing_is_cached(tmp_path, monkeypatch):
+    """transformers initialises the tensors a GGUF lacks at random and only logs it: such a file was cached as a
+    complete model of noise, which every later load then reused."""
+    src = tmp_path / "partial.gguf"
+    _partial_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(GGUFConversionError, match=r"lacks 270 tensor\(s\).*model.layers.0"):
+        resolve_model_path(str(src))
+    assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_a_conversion_is_published_with_the_mode_a_folder_gets_not_mkdtemps(tmp_path, monkeypatch):
+    """mkdtemp's 0700 went into the cache with the rename: in a cache shared between users (filled by one, read by
+    the node's user), the reader's check of the marker failed with PermissionError."""
+    import os
+    import stat
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_source, "convert_gguf",
+                        lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
+    before = os.umask(0o022)
+    try:
+        out = resolve_model_path(str(src))
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+
+
+def test_a_cache_folder_that_cannot_be_written_says_which_setting_moves_it(tmp_path, monkeypatch):
+    """A read-only cache folder that exists passes the mkdir; the temporary folder then failed with a bare
+    PermissionError instead of the error that names MEMSPEC_CACHE_DIR (as root, chmod cannot show it: the
+    refusal is made here)."""
+    from pathlib import Path
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "gguf").mkdir(parents=True)
+    mkdir = Path.mkdir
+
+    def refused(self, *args, **kwargs):
+        if self.parent == tmp_path / "cache" / "gguf":
+            raise PermissionError(13, "Permission denied", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    monkeypatch.setattr(model_source, "convert_gguf", lambda *a: pytest.fail("converted in an unwritable cache"))
+    with pytest.raises(GGUFConversionError, match="MEMSPEC_CACHE_DIR"):
+        resolve_model_path(str(src))

@@ -111,10 +111,8 @@ NOT_ARCHITECTURES = frozenset({"general", "tokenizer"})  # in transformers' tabl
 
 def gguf_architecture_names(arch: str) -> set[str]:
     """The names transformers may know a llama.cpp architecture by: its own, and its spelling with '_' (llama.cpp
-    writes qwen2moe, gpt-oss, minimax-m2 for transformers' qwen2_moe, gpt_oss, minimax_m2), t5encoder as t5."""
+    writes qwen2moe, gpt-oss, minimax-m2 for transformers' qwen2_moe, gpt_oss, minimax_m2)."""
     names = {arch, arch.replace("-", "_"), re.sub(r"(?<=[0-9a-z])moe$", "_moe", arch)}
-    if arch == "t5encoder":
-        names.add("t5")
     return names - NOT_ARCHITECTURES
 
 
@@ -124,6 +122,7 @@ def check_gguf(path: Path) -> str:
     import gguf
     from gguf.quants import _type_traits  # the quant types gguf can de-quantize
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -133,10 +132,12 @@ def check_gguf(path: Path) -> str:
     if field is None:
         raise GGUFConversionError(f"{path} has no general.architecture: not a model GGUF")
     arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    supported = set(GGUF_SUPPORTED_ARCHITECTURES) - NOT_ARCHITECTURES
+    # the engine runs causal LMs: t5, umt5 and deci are in the GGUF table but build no causal LM (they failed later
+    # as "Unrecognized configuration class")
+    supported = (set(GGUF_SUPPORTED_ARCHITECTURES) - NOT_ARCHITECTURES) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if not gguf_architecture_names(arch) & supported:
         raise UnsupportedArchitectureError(
-            f"{path} holds a {arch!r} model, which transformers cannot build from GGUF"
+            f"{path} holds a {arch!r} model, which transformers cannot build as a causal LM from GGUF"
             f" (supported: {', '.join(sorted(supported))})")
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     bad = sorted(
@@ -152,11 +153,15 @@ def check_gguf(path: Path) -> str:
 def _alone(path: Path) -> Iterator[tuple[str, str]]:
     """``with _alone(path) as (folder, name)``: a private folder holding only a link to the GGUF file. transformers
     loads a GGUF from its folder and still reads the folder's own files (a tokenizer.json, a config.json left beside
-    the file would be taken instead of the GGUF's), and the result is cached under the file's digest."""
+    the file would be taken instead of the GGUF's), and the result is cached under the file's digest. The name is
+    absolute: transformers reads the weights from ``gguf_file`` itself wherever that names a file, so a bare
+    "model.gguf" was taken from the working directory when one lay there (another model's weights, cached under
+    this file's digest)."""
     folder = tempfile.mkdtemp(prefix="memspec-gguf-")
     try:
-        os.symlink(path.resolve(), os.path.join(folder, "model.gguf"))
-        yield folder, "model.gguf"
+        link = os.path.join(folder, "model.gguf")
+        os.symlink(path.resolve(), link)
+        yield folder, link
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -187,10 +192,19 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     try:
         tokenizer = load_gguf_tokenizer(path)
         with _alone(path) as (folder, name):
-            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
-                                                          dtype=torch.float32)
-    except (OSError, ValueError, NotImplementedError) as exc:
+            loaded, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
+                                                                dtype=torch.float32, output_loading_info=True)
+    # RuntimeError: a tensor of another shape than the config's; KeyError: metadata the reader expects is absent
+    except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError) as exc:
         raise GGUFConversionError(f"transformers could not load {path}: {exc}") from exc
+    # a tensor the file lacks is initialised at random and only logged: it would be cached as the model
+    missing = sorted(str(k) for k in info.get("missing_keys") or ())
+    if missing or info.get("error_msgs"):
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise GGUFConversionError(
+            f"{path} lacks {len(missing)} tensor(s) its model needs ({shown or 'none'};"
+            f" {'; '.join(map(str, info.get('error_msgs') or ())) or 'no load errors'}): it is not a complete model"
+            " (a vocabulary-only GGUF, a cut download): nothing was cached")
     # save_pretrained refuses a GGUF-loaded model ("quantized with gguf, not serializable"):
     # rebuild a plain model of the same config without quantization_config and copy the weights.
     config_dict = loaded.config.to_dict()
@@ -253,18 +267,28 @@ def converted_dir(path: Path) -> Path:
     out = cache_root() / "gguf" / key
     if (out / CONVERTED_MARKER).is_file():
         return out
-    try:
+    def unwritable(exc: OSError) -> GGUFConversionError:
+        return GGUFConversionError(f"cannot write the converted model under {out.parent} ({exc}): set"
+                                   " MEMSPEC_CACHE_DIR (or XDG_CACHE_HOME) to a writable folder")
+
+    try:  # a read-only cache folder that exists passes mkdir and fails at the lock or the temporary folder
         out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{key}.lock", "a")
     except OSError as exc:
-        raise GGUFConversionError(f"cannot write the converted model under {out.parent} ({exc}): set"
-                                  " MEMSPEC_CACHE_DIR (or XDG_CACHE_HOME) to a writable folder") from exc
-    with open(out.parent / f".{key}.lock", "a") as lock:
+        raise unwritable(exc) from exc
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process is killed
         if (out / CONVERTED_MARKER).is_file():  # another process converted it while this one waited
             return out
         for stale in out.parent.glob(f".{key}-*"):  # only a process holding this lock writes these
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
+        # a plain mkdir (the lock makes the name this process's): mkdtemp's mode 0700 went into the cache with the
+        # rename, and in a cache shared between users the reader's load failed with PermissionError
+        tmp = out.parent / f".{key}-{os.getpid()}"
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise unwritable(exc) from exc
         try:
             convert_gguf(path, tmp)
             if file_version(path) != version:  # the weights converted may not be the ones the digest names

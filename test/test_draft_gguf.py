@@ -26,7 +26,7 @@ VOCAB = 96
 ROWS = [5, 17, 3, 60, 0, 95, 42, 7, 33, 80, 11, 2]  # target ids the draft keeps, in its row order
 
 
-def target_gguf(path, vocab: int = VOCAB):
+def target_gguf(path, vocab: int = VOCAB, eos: int = 2):
     """A stand-in target GGUF: tokenizer metadata only (what the exporter copies)."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
@@ -35,7 +35,7 @@ def target_gguf(path, vocab: int = VOCAB):
     w.add_token_types([1] * vocab)
     w.add_token_merges(["t o", "to k"])
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(eos)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     w.write_header_to_file()
@@ -165,6 +165,36 @@ def test_the_bench_exports_each_domain_draft_once_and_reuses_it(tmp_path):
     assert cached_draft_gguf(draft_dir, target, tmp_path / "cache") == found["general"]
     given = LlamaCppBenchConfig(llamacpp_draft=tmp_path / "mine.gguf")
     assert llamacpp_drafts(target, {}, ["law"], given) == ({"law": tmp_path / "mine.gguf"}, {})
+
+
+def test_a_re_released_target_of_the_same_name_and_size_gets_its_own_export(tmp_path):
+    """The export copies the target's tokenizer metadata; its cache key named the target by file name and size,
+    so a corrected release (another eos id: the same name, the same size) reused the old export, which llama.cpp
+    then refused beside the new target (special tokens differ)."""
+    draft_dir = reduced_draft(tmp_path, tied=True)
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v2").mkdir()
+    old = target_gguf(tmp_path / "v1" / "target.gguf", eos=2)
+    new = target_gguf(tmp_path / "v2" / "target.gguf", eos=3)
+    assert old.stat().st_size == new.stat().st_size
+    first = cached_draft_gguf(draft_dir, old, tmp_path / "cache")
+    second = cached_draft_gguf(draft_dir, new, tmp_path / "cache")
+    assert second != first
+    assert int(field(gguf.GGUFReader(str(second)), "tokenizer.ggml.eos_token_id")) == 3
+
+
+def test_a_failed_export_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A write that fails (a full disk) left the cut .tmp<pid> file in the cache folder for good."""
+    draft_dir = reduced_draft(tmp_path, tied=True)
+    target = target_gguf(tmp_path / "target.gguf")
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full)
+    with pytest.raises(OSError, match="No space"):
+        export_draft_gguf(draft_dir, target, tmp_path / "out" / "draft.gguf")
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 def test_outside_wins_counts_positions_where_a_zero_row_would_win():

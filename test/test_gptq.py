@@ -91,13 +91,47 @@ def test_zoo_gptq_runs_in_the_gptq_environment_with_the_target_resolved(tmp_path
     monkeypatch.setattr(
         subprocess, "run", lambda cmd, env: calls.append((cmd, env)) or subprocess.CompletedProcess(cmd, 0)
     )
+    from memspec_ros.runtime.model_source import model_digest
+
     (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "model.safetensors").write_bytes(b"weights")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["gptq", "report", "--json", "out.json", "--target", "target", "--requests", "8"]) == 0
     cmd, env = calls[0]
     assert cmd[:3] == ["/venv-gptq/bin/python", "-m", "memspec_ros.zoo.gptq_target"]
-    assert cmd[3:] == ["report", "--json", "out.json", "--requests", "8", "--target", str(tmp_path / "target")]
+    assert cmd[3:] == ["report", "--json", "out.json", "--requests", "8", "--target", str(tmp_path / "target"),
+                       "--target-digest", model_digest("target")]
     assert env["PYTHONPATH"] == str(ROOT) and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_zoo_gptq_in_the_gptq_environment_checks_answers_against_the_ggufs_own_digest(tmp_path, monkeypatch):
+    """The zoo's answers record the GGUF's digest; the run in .venv-gptq is given the converted folder as --target,
+    whose digest is another: it refused the zoo's own answers as "made by another target". The parent now passes
+    the spec's digest along, and the child checks the answers against that."""
+    from memspec_ros.runtime import model_source
+    from memspec_ros.zoo import cli, gptq_target
+
+    gguf_file = tmp_path / "target.gguf"
+    gguf_file.write_bytes(b"a GGUF")
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "model.safetensors").write_bytes(b"its weights")
+    monkeypatch.setattr(gptq_target, "gptq_python", lambda: Path("/venv-gptq/bin/python"))
+    monkeypatch.setattr(model_source, "resolve_model_path", lambda spec: converted)
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    assert cli.main(["gptq", "quantize", "--target", str(gguf_file)]) == 0
+    args = calls[0][3:]
+    assert args[args.index("--target") + 1] == str(converted)
+    assert args[args.index("--target-digest") + 1] == model_source.file_digest(gguf_file)
+    # the child's run() checks the stored answers against that digest, not the folder's
+    checked = []
+    monkeypatch.setattr(gptq_target, "gptq_python", lambda: None)
+    monkeypatch.setattr(gptq_target, "check_stored_answers", lambda answers, digest: checked.append(digest))
+    monkeypatch.setattr(gptq_target, "quantize_target", lambda *a, **k: (_ for _ in ()).throw(SystemExit(0)))
+    with pytest.raises(SystemExit):
+        cli.main(["gptq", *args])
+    assert checked == [model_source.file_digest(gguf_file)] != [model_source.model_digest(converted)]
 
 
 if __name__ == "__main__":

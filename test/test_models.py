@@ -108,6 +108,13 @@ def test_corrupt_config(tmp_path, model_dirs):
         load_model(ModelSpec(str(tmp_path)))
 
 
+def test_a_config_that_is_json_but_no_object_is_refused(tmp_path):
+    """Valid JSON of another shape (a list) passed the JSON check and ended the load in an AttributeError."""
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ModelDirectoryError, match="holds a JSON list"):
+        load_model(ModelSpec(str(tmp_path)))
+
+
 def _copy(src, dst):
     import shutil
 

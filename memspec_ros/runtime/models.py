@@ -158,11 +158,15 @@ def read_config(path: str | Path) -> dict[str, Any]:
             f"{config_file} is missing: {root} is not a Hugging Face model directory (save it with save_pretrained)"
         )
     try:
-        return json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelDirectoryError(
             f"{config_file} is not valid JSON ({exc}): restore the file from the original model"
         ) from exc
+    if not isinstance(config, dict):  # every reader calls .get on it: a list ended the load in an AttributeError
+        raise ModelDirectoryError(f"{config_file} holds a JSON {type(config).__name__}, not the object of a model"
+                                  " config: restore the file from the original model")
+    return config
 
 
 def safetensors_files(path: str | Path) -> list[Path]:

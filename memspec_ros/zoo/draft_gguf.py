@@ -82,8 +82,11 @@ def draft_digest(draft_dir: str | Path, target_gguf: str | Path | None = None) -
                 for block in iter(lambda: f.read(1 << 20), b""):
                     h.update(block)
     if target_gguf is not None:
-        t = Path(target_gguf)
-        h.update(f"target {t.name} {t.stat().st_size}".encode())
+        # the target by content: its tokenizer metadata goes into the export, and a re-release of the same name and
+        # size (a corrected special-token id) reused an export llama.cpp then refused beside the new target
+        from memspec_ros.runtime.model_source import cached_digest
+
+        h.update(f"target {cached_digest(Path(target_gguf))}".encode())
     return h.hexdigest()
 
 
@@ -215,12 +218,17 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, out: str |
     writer.add_tensor("output_norm.weight", vector(tensors["model.norm.weight"]))
     writer.add_tensor("output.weight", matrix(output))
     try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
-    tmp.replace(out)
+        try:
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+        with open(tmp, "rb") as handle:  # on disk before the name that marks it whole
+            os.fsync(handle.fileno())
+        tmp.replace(out)
+    finally:  # a failed write (a full disk) left a cut .tmp<pid> beside the cache's exports
+        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -394,6 +394,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="symmetric grid (a scale per group); --no-sym adds a zero point per group")
         p.add_argument("--threads", type=positive_int, default=2, help="threads for quantizing and perplexities")
         p.add_argument("--out-root", default=None, help="default: $XDG_CACHE_HOME/memspec_ros/gptq")
+        # set by cli() for the run in .venv-gptq: --target is then the converted folder, whose digest is not the
+        # GGUF's that the build's answers record
+        p.add_argument("--target-digest", default=None, help=argparse.SUPPRESS)
         if name == "report":
             p.add_argument("--json", required=True)
             p.add_argument("--draft", default=None, help="default: <models>/drafts/general")
@@ -429,7 +432,8 @@ def run(a: argparse.Namespace) -> int:
     from memspec_ros.runtime.model_source import model_digest
 
     spec = a.target or registry_target(models)
-    digest = model_digest(spec)  # what the build's answers record: a GGUF's own digest, not its converted folder's
+    # what the build's answers record: a GGUF's own digest, not its converted folder's
+    digest = a.target_digest or model_digest(spec)
     check_stored_answers(answers, digest)
     target = _resolved(spec)
     out = quantize_target(target, models, a.requests, answers, a.bits, a.group_size, a.threads,
@@ -465,15 +469,21 @@ def cli(a: argparse.Namespace, argv: list[str]) -> int:
     ARGS`` in .venv-gptq, with the target resolved here (a pkg:/GGUF source needs this environment's packages)."""
     import subprocess
 
+    from memspec_ros.runtime.model_source import model_digest
+
     python = gptq_python()
     if python is None:
         return run(a)
-    target = str(_resolved(a.target or registry_target(Path(a.models))))
-    argv = [arg for i, arg in enumerate(argv)  # drop --target X / --target=X, then name the directory
-            if not (arg == "--target" or arg.startswith("--target=") or (i and argv[i - 1] == "--target"))]
+    spec = a.target or registry_target(Path(a.models))
+    target = str(_resolved(spec))
+    # drop --target X / --target=X (and a --target-digest), then name the directory and the spec's own digest
+    named = ("--target", "--target-digest")
+    argv = [arg for i, arg in enumerate(argv)
+            if not (arg in named or arg.split("=", 1)[0] in named or (i and argv[i - 1] in named))]
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     env.pop("PYTHONHOME", None)
-    cmd = [str(python), "-m", "memspec_ros.zoo.gptq_target", *argv, "--target", target]
+    cmd = [str(python), "-m", "memspec_ros.zoo.gptq_target", *argv, "--target", target,
+           "--target-digest", model_digest(spec)]
     return subprocess.run(cmd, env=env).returncode
 
 

@@ -75,3 +75,11 @@ def positive_float(text: str) -> float:
     if not value > 0:  # nan fails too
         raise argparse.ArgumentTypeError(f"{value} is not a positive number")
     return value
+
+
+def message_text(text: str) -> str:
+    """A chat message's text (``--system``): one that is empty or only whitespace, which the node rejects (every
+    turn of a --chat session then), is refused by the parser instead."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the text is empty or only whitespace (leave the option out instead)")
+    return text

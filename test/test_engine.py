@@ -168,6 +168,49 @@ def test_a_stop_string_inside_an_accepted_run_ends_where_the_target_alone_ends()
     assert checked  # some stops fell inside an accepted run
 
 
+def test_a_stop_string_the_last_allowed_token_completes_is_a_stop_not_a_length():
+    """The length limit was checked before the text: a stop string completed by the max_new_tokens-th token cut the
+    text there but reported "length"."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tokenizer), seed=5)
+    prompt = tokenizer("The patient")["input_ids"]
+    free = generate(target, prompt, None, max_new_tokens=40, tokenizer=tokenizer)
+    checked = 0
+    for n in range(2, 20):
+        before = tokenizer.decode(free.generated_ids[: n - 1], skip_special_tokens=True)
+        now = tokenizer.decode(free.generated_ids[:n], skip_special_tokens=True)
+        added = now[len(before):] if now.startswith(before) else ""
+        if not added or added in before:  # a string only the n-th token completes
+            continue
+        for draft in (None, noisy_copy(target, 0.0)):
+            session = generate(target, prompt, draft, gamma=4, max_new_tokens=n, tokenizer=tokenizer,
+                               stop_strings=[added])
+            assert (session.finish_reason, session.text, session.generated_ids) == (
+                "stop", before, free.generated_ids[:n]), n
+        checked += 1
+    assert checked
+
+
+def test_a_cancelled_generation_streams_the_text_its_result_holds():
+    """The text held back as a possible stop string's start was in the cancelled result but never streamed: the
+    feedback joined differed from the result's text."""
+    tokenizer = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tokenizer), seed=5)
+    prompt = tokenizer("The patient")["input_ids"]
+    free = generate(target, prompt, None, max_new_tokens=12, tokenizer=tokenizer)
+    stop = free.text[-1] + "\x01\x01"  # never completed: its first character is held back at the end
+    chunks: list[str] = []
+    session = SpeculativeSession(target, prompt, max_new_tokens=40, tokenizer=tokenizer, stop_strings=[stop],
+                                 on_chunk=lambda delta, ids: chunks.append(delta))
+    session.prefill()
+    while len(session.generated_ids) < 12:
+        session.step("draft", None)
+    assert session.text == free.text and "".join(chunks) == free.text[:-1]  # its last character held back
+    session.cancel()
+    assert session.finish_reason == "cancelled"
+    assert "".join(chunks) == session.text == free.text
+
+
 def test_a_run_cut_by_an_end_token_counts_only_its_committed_proposals(target):
     """Proposals that stood after an end token were never committed: they are not accepted tokens."""
     same = noisy_copy(target, 0.0)

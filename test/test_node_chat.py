@@ -227,6 +227,26 @@ def test_memspec_client_system_and_raw(h, tok):
         assert exit_info.value.code == 2
 
 
+def test_the_clients_refuse_a_blank_system_message_and_drop_stdins_last_newline():
+    """A --system of whitespace was sent and rejected by the node (in --chat, every turn); bt_example dropped an
+    empty one silently where memspec_client refused it. A prompt piped by echo kept echo's newline."""
+    import io
+
+    from memspec_ros.ros import bt_example
+    from memspec_ros.ros.client import parse_args, stdin_prompt
+
+    for argv in (["--system", "  ", "Hi"], ["--chat", "--system", "\n"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+    for text in ("", "  "):
+        with pytest.raises(SystemExit) as exit_info:
+            bt_example.main(["Hi", "--system", text, "--server-timeout", "0.1"])
+        assert exit_info.value.code == 2
+    assert stdin_prompt(io.StringIO("The licensee may\n")) == "The licensee may"
+    assert stdin_prompt(io.StringIO("two lines\nend\n\n")) == "two lines\nend"
+
+
 def test_memspec_client_chat_holds_a_conversation(h, tok):
     """--chat: each line is the next user turn; each goal carries the system message, every turn before it and the
     node's answers (what the node's prompt cache reuses, where the target runs the C decoder); a blank line is

@@ -263,13 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.signals import SignalHandlerOptions
     from rclpy.utilities import remove_ros_args
 
-    from ..argtypes import non_negative_float, positive_float
+    from ..argtypes import message_text, non_negative_float, positive_float
 
     parser = argparse.ArgumentParser(prog="bt_example", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt")
     parser.add_argument("--node", default="/memspec")
-    parser.add_argument("--system", metavar="TEXT", help="system message before the prompt (chat-template models)")
+    parser.add_argument("--system", metavar="TEXT", type=message_text,
+                        help="system message before the prompt (chat-template models)")
     parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
     parser.add_argument("--server-timeout", type=positive_float, default=SERVER_TIMEOUT, metavar="SECONDS",
                         help=f"wait for the server and for its answer to the goal (default {SERVER_TIMEOUT:g})")
@@ -278,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     # --ros-args (an enclave, remaps) are rclpy's, as for memspec_client
     full = sys.argv if argv is None else ["bt_example", *argv]
     args = parser.parse_args(remove_ros_args(full)[1:])
-    if args.raw and args.system:
+    if args.raw and args.system is not None:
         parser.error("--raw cannot take a --system message")
     fields = {"raw": args.raw, "server_timeout": args.server_timeout, "result_timeout": args.result_timeout}
-    if args.system:
+    if args.system is not None:
         fields["messages"] = [("system", args.system), ("user", args.prompt)]
     # our Ctrl-C, not rclpy's handler (which shuts the context down before the goal could be cancelled)
     rclpy.init(args=full, signal_handler_options=SignalHandlerOptions.NO)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        prompt = "" if args.system else args.prompt
+        prompt = "" if args.system is not None else args.prompt
         tree = create_example_tree(node, prompt, args.node.rstrip("/") + "/generate", **fields)
         generate = tree.root.children[0]
         try:

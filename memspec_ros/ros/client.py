@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 # a goal past the node's bounds was sent only to be rejected with a message that could not say which: the parser
 # refuses it, naming the limit
+from ..argtypes import message_text
 from .goal_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P, is_length_rejection
 
 DEFAULT_NODE = "/memspec"
@@ -406,7 +407,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--stop", action="append", type=_stop_string,
                         help=f"stop string (repeatable: at most {MAX_STOP_STRINGS}, each at most {MAX_STOP_CHARS}"
                              " characters)")
-    parser.add_argument("--system", metavar="TEXT",
+    parser.add_argument("--system", metavar="TEXT", type=message_text,
                         help="system message sent before the prompt (chat-template models; replaces the node's"
                              " generation.system_prompt for this goal)")
     parser.add_argument("--raw", action="store_true",
@@ -427,9 +428,15 @@ def parse_args(argv: list[str] | None):
         parser.error("--chat sends a conversation through the chat template: it cannot be --raw")
     if args.stop and len(args.stop) > MAX_STOP_STRINGS:
         parser.error(f"{len(args.stop)} --stop strings: the node takes at most {MAX_STOP_STRINGS}")
-    if args.system == "":
-        parser.error("--system needs a text (leave it out for the node's generation.system_prompt)")
     return args
+
+
+def stdin_prompt(stdin) -> str | None:
+    """The prompt piped on stdin, without the newline that echo and a heredoc end it with (it became part of the
+    prompt: a user turn of "...\\n", or a raw continuation starting a new line); None on a terminal."""
+    if stdin.isatty():
+        return None
+    return stdin.read().rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,10 +444,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(remove_ros_args(sys.argv if argv is None else ["memspec_client", *argv])[1:])
     if args.prompt is None and not args.chat:
-        if sys.stdin.isatty():
+        args.prompt = stdin_prompt(sys.stdin)
+        if args.prompt is None:
             print("memspec_client: give a prompt as an argument or on stdin", file=sys.stderr)
             return 2
-        args.prompt = sys.stdin.read()
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions

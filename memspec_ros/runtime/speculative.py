@@ -445,9 +445,14 @@ class SpeculativeSession:
         return self._target_kv
 
     def cancel(self) -> None:
-        """End the generation at the current iteration boundary; the output so far stays."""
+        """End the generation at the current iteration boundary; the output so far stays, and streams whole: the
+        text held back as a stop string's possible start is the output's (it was in the result but never streamed,
+        so the feedback joined differed from the result's text), flushed as an end by length flushes it."""
         if not self.finished:
             self._finish(FINISH_CANCELLED)
+            piece, _ = self._text.update(self.generated_ids, final=True)
+            if piece and self.on_chunk is not None:
+                self.on_chunk(piece, [])
 
     @property
     def draft_kvs(self) -> dict[str, tuple[torch.nn.Module, KVState]]:
@@ -665,15 +670,20 @@ class SpeculativeSession:
         for token in new_tokens:
             self.tokens.append(token)
             committed += 1
-            if token in self.eos_token_ids:
-                self._finish(FINISH_EOS)
-            elif len(self.generated_ids) >= self.max_new_tokens:
-                self._finish(FINISH_LENGTH)
-            if per_token or self.finished or committed == len(new_tokens):
-                piece, stopped = self._text.update(self.generated_ids, final=self.finished)
+            eos = token in self.eos_token_ids
+            at_end = eos or len(self.generated_ids) >= self.max_new_tokens
+            stopped = False
+            if per_token or at_end or committed == len(new_tokens):
+                piece, stopped = self._text.update(self.generated_ids, final=at_end)
                 delta += piece
-                if stopped and not self.finished:
-                    self._finish(FINISH_STOP)
+            # a stop string the last allowed token completes ends the text there: "stop", not "length" (a client
+            # that asks again for more tokens on "length" would act on a cut that did not happen)
+            if eos:
+                self._finish(FINISH_EOS)
+            elif stopped:
+                self._finish(FINISH_STOP)
+            elif at_end:
+                self._finish(FINISH_LENGTH)
             if self.finished:
                 break
         if self._lookup is not None:

@@ -698,6 +698,21 @@ def test_answers_made_for_other_requests_are_refused_not_paired_by_position(tiny
         ChatZooBuild(cfg).run(["general"])
 
 
+def test_drafts_are_not_distilled_on_a_teacher_run_that_stopped_part_way(tiny_build, tmp_path):
+    """A teacher killed after some shards, then `build --stages vocab,...`: the drafts were distilled on the answers
+    it had made while build_config.json recorded the full count."""
+    work = tmp_path / "work"
+    shutil.copytree(tiny_build.work_dir, work)
+    cfg = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")
+    shards = sorted(ChatZooBuild(cfg).teacher_dir.glob("train-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    (work / "vocab.json").unlink()
+    with pytest.raises(ValueError, match="the teacher stage did not finish"):
+        ChatZooBuild(cfg).run(["vocab"])
+    assert not (work / "vocab.json").exists()
+
+
 def test_cached_workloads_written_with_other_settings_are_refused(tiny_build, tmp_path):
     work = tmp_path / "work"
     shutil.copytree(tiny_build.work_dir, work)

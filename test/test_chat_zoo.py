@@ -4,6 +4,7 @@ drafts distilled from them, export, and the acceptance matrix, on a tiny instruc
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -813,11 +814,33 @@ def test_a_zoo_built_from_a_hugging_face_folder_is_measured_as_a_chat_zoo(tiny_b
 
     assert _is_chat_zoo(tiny_build.out_dir)
     out = tmp_path / "acceptance.json"
-    assert main(["acceptance", "--json", str(out), "--models", str(tiny_build.out_dir), "--plot",
-                 str(tmp_path / "m.png"), "--answers", str(tiny_build.work_dir / "teacher"), "--max-new-tokens",
-                 str(tiny_build.teacher.max_new_tokens)]) == 0
+    zoo_plot = tiny_build.out_dir / "acceptance_matrix.png"
+    before = zoo_plot.stat().st_mtime_ns if zoo_plot.exists() else None
+    assert main(["acceptance", "--json", str(out), "--models", str(tiny_build.out_dir), "--answers",
+                 str(tiny_build.work_dir / "teacher"), "--max-new-tokens", str(tiny_build.teacher.max_new_tokens)]) == 0
     assert set(json.loads(out.read_text())["matrix"]) == set(DOMAINS)
+    # the heatmap goes beside this JSON: the zoo's own, which its card shows, was overwritten
+    assert (tmp_path / "acceptance.png").is_file()
+    assert (zoo_plot.stat().st_mtime_ns if zoo_plot.exists() else None) == before
     assert not _is_chat_zoo(build_tiny_zoo(tmp_path / "toy", hidden=32, layers=1))  # full-vocabulary drafts, a folder
+
+
+def test_a_zoo_moved_away_from_its_target_still_checks_the_stored_answers(tiny_build, tmp_path):
+    """Export records a local target by its absolute path: on another machine the zoo has no target, and the stored
+    answers were then checked by their count alone (answers cut at another length scored silently). The drafts ship
+    the target's tokenizer, which checks them."""
+    from memspec_ros.zoo.cli import main
+
+    zoo = tmp_path / "zoo"
+    shutil.copytree(tiny_build.out_dir, zoo)
+    registry = zoo / "registry.yaml"
+    registry.write_text(re.sub(r'(?m)^  path: ".*"$', '  path: "/no/such/target"', registry.read_text()))
+    base = ["acceptance", "--json", str(tmp_path / "a.json"), "--models", str(zoo),
+            "--answers", str(tiny_build.work_dir / "teacher")]
+    with pytest.raises(SystemExit, match="--max-new-tokens 10"):  # answers cut at 10 tokens, scored as if 11
+        main([*base, "--max-new-tokens", str(tiny_build.teacher.max_new_tokens + 1)])
+    assert not (tmp_path / "a.json").exists()
+    assert main([*base, "--max-new-tokens", str(tiny_build.teacher.max_new_tokens)]) == 0
 
 
 def test_the_card_of_a_chat_zoo_reads_its_own_builds_work_dir(tiny_build, monkeypatch):

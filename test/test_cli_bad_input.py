@@ -471,6 +471,17 @@ def test_the_toy_zoos_acceptance_refuses_the_chat_zoos_inputs(flag, tmp_path):
     assert not (tmp_path / "a.json").exists()
 
 
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_acceptance_output_that_is_a_directory_is_refused_before_any_decoding(flag, tmp_path, monkeypatch):
+    """It failed as a traceback after minutes of the target's decoding and the scoring."""
+    from memspec_ros.zoo import cli
+
+    monkeypatch.setattr(cli, "_is_chat_zoo", lambda models: pytest.fail("went on past the outputs' check"))
+    paths = {"--json": str(tmp_path / "a.json"), "--plot": str(tmp_path / "m.png"), flag: str(tmp_path)}
+    with pytest.raises(SystemExit, match=f"{flag} {tmp_path} is a directory"):
+        cli.main(["acceptance", "--models", str(BUNDLED), *[x for kv in paths.items() for x in kv]])
+
+
 def test_the_chat_acceptance_reads_a_prompt_row_as_one_user_turn():
     """The default workloads' rows are checked with request_problem, which takes a {"prompt"} row; the chat
     acceptance then read row["messages"] and ended in a KeyError."""

@@ -392,3 +392,23 @@ def test_the_toy_acceptance_leaves_out_continuations_with_no_iteration_and_defin
     names = list(result["matrix"])
     summary = acceptance_summary(result["per_prompt"], names, list(WORKLOADS), 4)
     assert {k: result[k] for k in summary} == json.loads(json.dumps(summary))
+
+
+def test_a_toy_zoo_without_its_target_folder_is_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """transformers takes a folder that does not exist for a Hub repository id: the toy zoo's loaders went to the
+    network for it (nothing may be downloaded at run time)."""
+    import transformers.utils.hub as hub
+
+    from memspec_ros.zoo.acceptance import load_zoo
+    from memspec_ros.zoo.tokenizer import load_tokenizer
+
+    asked = []
+    real = hub.hf_hub_download
+    monkeypatch.setattr(hub, "hf_hub_download",
+                        lambda *a, **k: asked.append(k.get("local_files_only")) or real(*a, **k))
+    (tmp_path / "registry.yaml").write_text("target: {path: target}\ndrafts: []\n")
+    with pytest.raises(OSError):
+        load_zoo(tmp_path)
+    with pytest.raises(OSError):
+        load_tokenizer(tmp_path / "target")
+    assert asked and all(asked)  # every lookup stayed in the local cache

@@ -110,11 +110,13 @@ def load_zoo(models_dir: Path):
 
     reg = yaml.safe_load((models_dir / "registry.yaml").read_text())
     tpath = models_dir / (reg["target"]["path"] if isinstance(reg["target"], dict) else reg["target"])
-    tok = PreTrainedTokenizerFast.from_pretrained(str(tpath))
-    target = LlamaForCausalLM.from_pretrained(str(tpath), dtype=torch.float32, use_safetensors=True).eval()
+    # local_files_only: a folder that is missing was taken for a Hub repository id and fetched from the network
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tpath), local_files_only=True)
+    target = LlamaForCausalLM.from_pretrained(str(tpath), dtype=torch.float32, use_safetensors=True,
+                                              local_files_only=True).eval()
     drafts = {
         d["name"]: LlamaForCausalLM.from_pretrained(
-            str(models_dir / d["path"]), dtype=torch.float32, use_safetensors=True
+            str(models_dir / d["path"]), dtype=torch.float32, use_safetensors=True, local_files_only=True
         ).eval()
         for d in reg["drafts"]
     }
@@ -177,6 +179,7 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=1))
     if plot_path is not None:
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot_matrix(result, plot_path)
     return result
 

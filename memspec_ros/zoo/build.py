@@ -197,7 +197,8 @@ class ZooBuild:
     def _load(self, name: str):
         from transformers import LlamaForCausalLM
 
-        return LlamaForCausalLM.from_pretrained(str(self.hf_dir(name)), dtype=torch.float32, use_safetensors=True)
+        return LlamaForCausalLM.from_pretrained(str(self.hf_dir(name)), dtype=torch.float32, use_safetensors=True,
+                                                local_files_only=True)
 
     def _save(self, name: str, model, meta: dict) -> None:
         d = self.hf_dir(name)
@@ -232,7 +233,8 @@ class ZooBuild:
         if not (init / "model.safetensors").is_file():
             raise FileNotFoundError(f"--target-init {init} has no model.safetensors (a Hugging Face model directory"
                                     " saved with safe_serialization, e.g. <work dir>/hf/target of an earlier build)")
-        model = LlamaForCausalLM.from_pretrained(str(init), dtype=torch.float32, use_safetensors=True)
+        model = LlamaForCausalLM.from_pretrained(str(init), dtype=torch.float32, use_safetensors=True,
+                                                 local_files_only=True)
         want = self.cfg.target_arch.llama_config(load_tokenizer(self.tok_dir))
         keys = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads")

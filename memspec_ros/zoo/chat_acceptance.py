@@ -144,6 +144,7 @@ def write_acceptance(result: dict, out_json: Path, plot_path: Path | None = None
     write_text_atomic(out_json, json.dumps(result, indent=1))  # models/acceptance.json: a cut write left half
     if plot_path is None:
         return
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
     if set(result["config"].get("workloads", WORKLOADS)) == set(WORKLOADS):
         plot_matrix(result, plot_path)
     else:

@@ -342,7 +342,7 @@ class ChatZooBuild:
         if (ckpt / "model.safetensors").is_file():
             from transformers import LlamaForCausalLM
 
-            inner = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+            inner = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, local_files_only=True)
             draft = ReducedVocabDraft(inner, DraftVocab(self.vocab_ids(), draft.vocab.target_vocab_size))
         return draft
 

@@ -210,7 +210,9 @@ def _acceptance_parser(sub) -> None:
     p.add_argument("--interval", type=controller_limit("interval"), default=4,
                    help="N iterations per interval of the dynamic oracle (default 4)")
     p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--plot", default=None, help="heatmap PNG (default: next to the registry)")
+    p.add_argument("--plot", default=None,
+                   help="heatmap PNG (default: the zoo's acceptance_matrix.png where --json is its acceptance.json,"
+                        " else the --json path with .png)")
     p.add_argument(
         "--sampling-temperature",
         type=float,
@@ -228,6 +230,33 @@ def _acceptance_parser(sub) -> None:
                    help="chat zoo: any folder of <name>.jsonl workloads ({\"domain\", \"prompt\"} rows or chat rows;"
                         " train* skipped) instead of <models>/workloads; the target answers them once (kept under"
                         " ~/.cache/memspec_ros/answers, or --answers)")
+
+
+def _drafts_tokenizer(registry):
+    """The target's tokenizer as the exported drafts ship it, for a zoo whose target is not here (moved to another
+    machine, the target's absolute path recorded at export): without one, stored answers were checked by their count
+    only, and answers to other requests or cut at another length were scored silently."""
+    from memspec_ros.runtime.models import ModelLoadError, load_tokenizer
+
+    for entry in registry.entries():
+        try:
+            return load_tokenizer(entry.path)
+        except (ModelLoadError, OSError, ValueError):
+            continue
+    return None
+
+
+def _acceptance_outputs(a) -> tuple[Path, Path]:
+    """(JSON, heatmap) paths, checked before any decoding. The heatmap goes beside the JSON unless the JSON is the
+    zoo's own acceptance.json: scoring other workloads or answers overwrote the zoo's acceptance_matrix.png, the
+    picture its model card shows beside figures that no longer matched it."""
+    out = Path(a.json)
+    own = out.resolve() == (Path(a.models) / "acceptance.json").resolve()
+    plot = Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png" if own else out.with_suffix(".png")
+    for flag, path in (("--json", out), ("--plot", plot)):
+        if path.is_dir():  # found after minutes of decoding and scoring, as a traceback
+            raise SystemExit(f"memspec-zoo acceptance: {flag} {path} is a directory: give a file's path")
+    return out, plot
 
 
 def _run_chat_acceptance(a) -> int:
@@ -276,7 +305,7 @@ def _run_chat_acceptance(a) -> int:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
     target_path = registry.target_path or ""  # a GGUF, a package's file, or a Hugging Face folder (tests, users)
     has_target = bool(target_path) and (is_model_source(target_path) or Path(target_path).is_dir())  # "" is cwd
-    tok = load_tokenizer(registry.target_path) if has_target else None
+    tok = load_tokenizer(registry.target_path) if has_target else _drafts_tokenizer(registry)
     digest = model_digest(registry.target_path) if has_target else None  # answers by another target are refused
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
         covered = (answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows], answers_dir, "heldout",
@@ -302,7 +331,7 @@ def _run_chat_acceptance(a) -> int:
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
     answers = load_answers(answers_dir, "heldout")[: len(rows)]
     result = chat_acceptance(drafts, answers, a.gamma, a.interval, a.prompts_per_workload, workloads)
-    write_acceptance(result, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
+    write_acceptance(result, *_acceptance_outputs(a))
     print(json.dumps({k: result[k] for k in ("matrix", "oracle_static_gain", "oracle_dynamic_gain_mixed",
                                              "domain_gain_over_general")}, indent=1))
     return 0
@@ -310,6 +339,8 @@ def _run_chat_acceptance(a) -> int:
 
 def _run_acceptance(a) -> int:
     from .acceptance import AcceptanceConfig, run_acceptance
+
+    _acceptance_outputs(a)
 
     if _is_chat_zoo(Path(a.models)):
         given = [flag for flag, value in (("--sampling-temperature", a.sampling_temperature),
@@ -332,7 +363,7 @@ def _run_acceptance(a) -> int:
         continuations=Path(a.continuations) if a.continuations else None,
         sampling_temperature=0.7 if a.sampling_temperature is None else a.sampling_temperature,
     )
-    run_acceptance(cfg, Path(a.json), Path(a.plot) if a.plot else Path(a.models) / "acceptance_matrix.png")
+    run_acceptance(cfg, *_acceptance_outputs(a))
     return 0
 
 

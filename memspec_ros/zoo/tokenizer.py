@@ -70,7 +70,7 @@ def train_tokenizer(train_docs: dict[str, list[Document]], out_dir: str | Path, 
 def load_tokenizer(path: str | Path):
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)  # a missing folder: no Hub
 
 
 def encode_documents(tok, docs: Iterable[Document]) -> list[list[int]]:

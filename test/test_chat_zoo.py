@@ -513,6 +513,10 @@ def test_the_model_card_needs_the_vocabulary_figures_from_the_build_or_kept_meas
     ["build", "--domain-minutes", "nan"],
     ["build", "--general-domains", "codee"],  # a typo would have trained the general draft on nothing
     ["build", "--general-domains", "all,code"],
+    ["build-toy", "--rollouts-per-source", "0"],  # failed in the rollouts after an hour of training the target
+    ["build-toy", "--target-steps", "0"],  # saved an untrained target as done
+    ["build-toy", "--target-minutes", "0"],
+    ["build-toy", "--batch-size", "0"],
 ])
 def test_the_build_refuses_bad_counts_before_any_work(argv, tmp_path, capsys):
     from memspec_ros.zoo.cli import main
@@ -521,6 +525,15 @@ def test_the_build_refuses_bad_counts_before_any_work(argv, tmp_path, capsys):
         main([*argv, "--work-dir", str(tmp_path / "w"), "--stages", "workloads"])
     assert exit_info.value.code == 2 and not (tmp_path / "w").exists()
     assert "argument " + argv[1] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["build", "build-toy"])
+def test_a_misspelt_stage_is_refused_before_the_work_dir_is_made(command, tmp_path):
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit, match="unknown stage"):
+        main([command, "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--stages", "teachr"])
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_stage_run_before_its_inputs_says_what_to_run_and_bad_predictor_settings_are_refused(

@@ -115,7 +115,6 @@ class ZooBuild:
             raise ValueError(f"draft recipe {cfg.draft_recipe!r} is not one of {', '.join(DRAFT_RECIPES)}")
         self.cfg = cfg
         self.w = Path(cfg.work_dir)
-        self.w.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(cfg.threads)
 
     # ---------------------------------------------------------------- paths
@@ -364,6 +363,7 @@ class ZooBuild:
         unknown = [s for s in stages if s not in STAGES]
         if unknown:  # a misspelt stage ran nothing and said nothing
             raise ValueError(f"unknown stage(s) {', '.join(unknown)}: use {', '.join(STAGES)}")
+        self.w.mkdir(parents=True, exist_ok=True)  # once the request is known good
         for s in STAGES:
             if s in stages:
                 getattr(self, s)()

@@ -177,7 +177,6 @@ class ChatZooBuild:
     def __init__(self, cfg: ChatBuildConfig) -> None:
         self.cfg = cfg
         self.w = Path(cfg.work_dir)
-        self.w.mkdir(parents=True, exist_ok=True)
         self._train_answers = None  # train_answers(), checked once per build
         self._learning_answers = None  # learning_answers(), likewise
         torch.set_num_threads(cfg.threads)
@@ -486,6 +485,7 @@ class ChatZooBuild:
             raise ValueError(f"unknown stage(s) {', '.join(unknown)}: use {', '.join(CHAT_STAGES)}")
         if set(stages) - {"workloads"}:  # a mistyped target failed only after the workloads stage had run
             self._check_target()
+        self.w.mkdir(parents=True, exist_ok=True)  # once the request is known good
         t0 = time.time()
         for stage in CHAT_STAGES:
             if stage in stages:

@@ -42,30 +42,30 @@ def _build_parser(sub) -> None:
     for name, minutes in ((n, cfg.max_minutes) for n, cfg in budgets.items()):
         only = " (--draft-recipe shared only)" if name == "onpolicy" else ""
         p.add_argument(
-            f"--{name}-minutes", type=float, default=minutes, help=f"wall-clock budget per {name} model{only}"
+            f"--{name}-minutes", type=positive_float, default=minutes, help=f"wall-clock budget per {name} model{only}"
         )
-        p.add_argument(f"--{name}-steps", type=int, default=100_000, help=f"step budget per {name} model")
+        p.add_argument(f"--{name}-steps", type=positive_int, default=100_000, help=f"step budget per {name} model")
     p.add_argument("--target-init", default=None, metavar="DIR",
                    help="continue training this target (a Hugging Face dir with model.safetensors, e.g. an earlier"
                         " build's <work dir>/hf/target) for --target-minutes instead of starting from random weights")
-    p.add_argument("--target-lr", type=float, default=2e-3, help="peak learning rate of the target's run")
+    p.add_argument("--target-lr", type=positive_float, default=2e-3, help="peak learning rate of the target's run")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the target's training step (about 1.2x faster on a 2-core CPU after a minute"
                         " of compiling; training falls back to eager where it cannot compile)")
-    p.add_argument("--rollouts-per-source", type=int, default=1024,
+    p.add_argument("--rollouts-per-source", type=positive_int, default=1024,
                    help="target continuations of training prompts per source a draft learns from, for on-policy"
                         " distillation: the four domains (--draft-recipe shared: also general and mixed)")
-    p.add_argument("--domain-rollouts-per-source", type=int, default=1024,
+    p.add_argument("--domain-rollouts-per-source", type=positive_int, default=1024,
                    help="continuations per domain that domain drafts learn from: the shared rollouts plus"
                         " more of the same domain (must be >= --rollouts-per-source)")
     p.add_argument("--draft-recipe", choices=DRAFT_RECIPES, default="paper",
                    help="paper: general = the draft distilled on the corpus mix, each domain draft that draft"
                         " distilled on-policy on its domain's target continuations; shared: general distilled"
                         " on-policy on every source's, each domain draft from it (see the model card)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--target-layers", type=int, default=16)
-    p.add_argument("--target-hidden", type=int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--target-layers", type=positive_int, default=16)
+    p.add_argument("--target-hidden", type=positive_int, default=256)
     p.add_argument("--draft-layers", type=positive_int, default=2)
     p.add_argument("--draft-hidden", type=positive_int, default=128)
 

@@ -256,6 +256,47 @@ def test_the_toy_build_writes_only_its_work_dir_before_export_and_names_an_unkno
     assert not out.exists()
 
 
+def test_a_toy_work_dir_refuses_a_rebuild_with_other_settings(tmp_path, monkeypatch):
+    """Every toy stage is reused by its files: a rerun with another recipe or seed logged "cached" for each and
+    exported the first build's drafts."""
+    from memspec_ros.zoo import build as build_module
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+
+    monkeypatch.setattr(build_module, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(build_module, "write_workloads", lambda tok, tr, ho, folder, cfg: None)
+    monkeypatch.setattr(ZooBuild, "docs", lambda self, domain, split: [])
+    cfg = BuildConfig(work_dir=tmp_path / "work", out_dir=tmp_path / "models")
+    ZooBuild(cfg).run(["workloads"])
+    ZooBuild(replace(cfg, threads=1, out_dir=tmp_path / "elsewhere")).run(["workloads"])  # how, not what: the same
+    for other in (replace(cfg, draft_recipe="shared"), replace(cfg, seed=1)):
+        with pytest.raises(ValueError, match="holds a build with other settings"):
+            ZooBuild(other).run(["workloads"])
+
+
+def test_a_toy_model_is_published_whole(tmp_path, monkeypatch):
+    """config.json marks a toy model done, and save_pretrained writes it before the weights: a build killed while
+    writing them left a "cached" model without its weights."""
+    from memspec_ros.testing.tiny_models import tiny_llama
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+
+    build = ZooBuild(BuildConfig(work_dir=tmp_path / "work"))
+    model = tiny_llama(layers=1, hidden=32)
+
+    def killed(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    real = type(model).save_pretrained
+    monkeypatch.setattr(type(model), "save_pretrained",
+                        lambda self, d, **k: (real(self, d, **k), (Path(d) / "model.safetensors").unlink(),
+                                              killed(self)))
+    with pytest.raises(KeyboardInterrupt):
+        build._save("general", model, {"step": 1})
+    assert not (build.hf_dir("general") / "config.json").exists()
+    monkeypatch.setattr(type(model), "save_pretrained", real)
+    build._save("general", model, {"step": 1})
+    assert (build.hf_dir("general") / "model.safetensors").is_file()
+
+
 def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
     """The corpus phase (``general-base``) and the on-policy phase (``general``, shared recipe) keep
     separate checkpoints: the second trains from the first's weights instead of resuming the first's finished

@@ -93,10 +93,34 @@ def _log(msg: str) -> None:
 
 
 def _write_docs(path: Path, docs: list[Document]) -> None:
+    from memspec_ros.runtime.atomic_write import written_aside
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    # whole or not at all: mixed.train.jsonl marks the corpora stage done, and a cut one was taken for it
+    with written_aside(path, sync=True) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for d in docs:
             f.write(json.dumps({"domain": d.domain, "doc_id": d.doc_id, "text": d.text}, ensure_ascii=False) + "\n")
+
+
+def _publish(folder: Path, write) -> None:
+    """``write(staging)`` fills a folder beside ``folder``, which is then renamed onto it whole."""
+    staging = folder.with_name(folder.name + ".partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    write(staging)
+    if folder.exists():  # an older build's incomplete folder: not a result
+        shutil.rmtree(folder)
+    staging.replace(folder)
+
+
+# what a toy build's results depend on: a work dir holds one such build (its stages are reused by their files)
+UNRECORDED_SETTINGS = ("work_dir", "out_dir", "device", "threads")
+
+
+def build_settings(cfg: BuildConfig) -> dict:
+    return json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k not in UNRECORDED_SETTINGS},
+                                 default=str))
 
 
 def read_docs(path: Path) -> list[Document]:
@@ -154,7 +178,8 @@ class ZooBuild:
     def tokenizer(self) -> None:
         if (self.tok_dir / "tokenizer.json").exists():
             return _log("tokenizer: cached")
-        train_tokenizer({d: self.docs(d, "train") for d in DOMAINS}, self.tok_dir, self.cfg.tokenizer)
+        _publish(self.tok_dir, lambda staging: train_tokenizer({d: self.docs(d, "train") for d in DOMAINS}, staging,
+                                                               self.cfg.tokenizer))
         _log("tokenizer: trained")
 
     def encode(self) -> None:
@@ -172,7 +197,9 @@ class ZooBuild:
                 stats[name]["heldout_tokens"] = sum(len(x) for x in ho)
             _log(f"encode: {name} {stats[name]}")
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(streams, str(out))
+        tmp = out.with_name(out.name + ".partial")  # train.safetensors marks the stage done: renamed when whole
+        save_file(streams, str(tmp))
+        tmp.replace(out)
         (self.w / "data" / "stats.json").write_text(json.dumps(stats, indent=1))
 
     def workloads(self) -> None:
@@ -200,9 +227,13 @@ class ZooBuild:
                                                 local_files_only=True)
 
     def _save(self, name: str, model, meta: dict) -> None:
-        d = self.hf_dir(name)
-        model.save_pretrained(str(d), safe_serialization=True)
-        (d / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        # config.json marks the model done and save_pretrained writes it before the weights: the folder is written
+        # aside and renamed whole, so a build killed while writing leaves no "cached" model without its weights
+        def write(staging: Path) -> None:
+            model.save_pretrained(str(staging), safe_serialization=True)
+            (staging / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
+
+        _publish(self.hf_dir(name), write)
 
     def _mix_weights(self) -> dict[str, float]:
         return {**{d: 1.0 for d in DOMAINS}, "mixed": self.cfg.mixed_weight}
@@ -359,11 +390,28 @@ class ZooBuild:
             shutil.copytree(self.w / "workloads", out / "workloads")
         write_registry(out)
 
+    def _check_settings(self) -> None:
+        """Every stage is reused by its files alone: a rerun with another recipe, seed or budget logged "cached" for
+        each and exported the old build's drafts. The work dir records its settings and refuses others."""
+        from memspec_ros.runtime.atomic_write import write_text_atomic
+
+        from .train import identity_changes
+
+        recorded, now = self.w / "build_settings.json", build_settings(self.cfg)
+        if recorded.is_file():
+            was = json.loads(recorded.read_text())
+            if was != now:
+                raise ValueError(f"{self.w} holds a build with other settings ({identity_changes(was, now)}):"
+                                 " build in another --work-dir, or remove this one to build it again")
+        else:
+            write_text_atomic(recorded, json.dumps(now, indent=1))
+
     def run(self, stages: list[str]) -> None:
         unknown = [s for s in stages if s not in STAGES]
         if unknown:  # a misspelt stage ran nothing and said nothing
             raise ValueError(f"unknown stage(s) {', '.join(unknown)}: use {', '.join(STAGES)}")
         self.w.mkdir(parents=True, exist_ok=True)  # once the request is known good
+        self._check_settings()
         for s in STAGES:
             if s in stages:
                 getattr(self, s)()

@@ -420,11 +420,17 @@ def test_the_model_card_reports_the_builds_files_and_says_which_goals_are_met(ti
     assert f"| {shipped['best_step']} of {shipped['step']} |" in alone
     assert "| answers of every domain (" in text
     # a general draft of the paper's recipe (--general-domains general) says what it learnt from
-    paper_build = tmp_path / "paper"
-    (paper_build / "ckpt" / "general" / "final").mkdir(parents=True)
-    (paper_build / "ckpt" / "general" / "final" / "train_meta.json").write_text(
-        json.dumps({**general_meta, "domains": ["general"]}))
-    assert "| general answers only (" in render(measured, acceptance, paper_build, tiny_build.out_dir)
+    paper_zoo = tmp_path / "paper"
+    shutil.copytree(tiny_build.out_dir, paper_zoo)
+    (paper_zoo / "drafts" / "general" / "train_meta.json").write_text(json.dumps({**shipped, "domains": ["general"]}))
+    assert "| general answers only (" in render(measured, acceptance, tmp_path / "no-build", paper_zoo)
+    # the shipped record wins over the work dir's, which may be of a draft trained again and not exported
+    retrained = tmp_path / "retrained"
+    (retrained / "ckpt" / "general" / "final").mkdir(parents=True)
+    (retrained / "ckpt" / "general" / "final" / "train_meta.json").write_text(
+        json.dumps({**general_meta, "best_step": 12345, "step": 23456}))
+    assert f"| {shipped['best_step']} of {shipped['step']} |" in render(measured, acceptance, retrained,
+                                                                        tiny_build.out_dir)
     # a draft with no training record and no measured size: n/a, not "0.00 -> 0.00" beside "? of ?"
     bare = tmp_path / "bare"
     shutil.copytree(tiny_build.out_dir, bare)

@@ -78,9 +78,10 @@ def _pct(x: float | None) -> str:
 
 
 def _build_file(build: Path, models_dir: Path, name: str, shipped: str) -> dict:
-    """A build record from the build's work directory, else the copy the zoo ships (``shipped``, under models/):
-    the card can be measured again on a machine that has the zoo but not the hours-long build behind it."""
-    for f in (build / name, models_dir / shipped):
+    """A build record as the zoo ships it (``shipped``, under models/), else from the build's work directory: the
+    shipped copy is the record of what the zoo holds (the work dir's may be of a draft trained again and not
+    exported), and the card can be measured again on a machine without the hours-long build behind it."""
+    for f in (models_dir / shipped, build / name):
         if f.is_file():
             return json.loads(f.read_text())
     return {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import json
 import threading
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.runtime.oracle import ContinuationCache, GreedyOracle, interval_walk, target_greedy
 from memspec_ros.runtime.policies import PolicyError
 from memspec_ros.runtime.predictor import (
@@ -26,6 +28,7 @@ from memspec_ros.runtime.predictor import (
     TargetHiddenEncoder,
     pooled_hidden_features,
     rank_candidates,
+    target_fingerprint,
 )
 from memspec_ros.runtime.registry import DraftRegistry
 from memspec_ros.runtime.speculative import SpeculativeSession
@@ -571,6 +574,31 @@ def test_a_predictor_refused_at_load_leaves_the_target_unhooked(tmp_path):
     del target
     gc.collect()
     assert ref() is None
+
+
+def test_a_target_hidden_head_learnt_on_another_target_of_the_same_size_is_refused(trained, tmp_path):
+    """Only the hidden size was compared: a head trained on one model's hidden states ranked another model's of the
+    same width (a fine-tune of the target, say) without a word. The trainer records the target's fingerprint."""
+    import shutil
+
+    root, _, _, _ = trained
+    head_dir = root / "predictor" / "target-hidden"
+    recorded = RankingHead.load(head_dir).config.target
+    target = load_model(ModelSpec(str(root / "target"))).model
+    assert recorded == target_fingerprint(target)
+    PredictionEngine.load(head_dir, target=target).close()
+    PredictionEngine.load(head_dir, target=copy.deepcopy(target).to(torch.bfloat16)).close()  # the same model
+    tuned = copy.deepcopy(target)
+    with torch.no_grad():
+        tuned.model.layers[0].input_layernorm.weight.mul_(1.05)  # another model of the same shape
+    with pytest.raises(PredictorError, match="learnt the hidden states of another target"):
+        PredictionEngine.load(head_dir, target=tuned)
+    older = tmp_path / "older"  # a head saved before the fingerprint was recorded: loaded as before
+    shutil.copytree(head_dir, older)
+    config = json.loads((older / "predictor.json").read_text())
+    config.pop("target")
+    (older / "predictor.json").write_text(json.dumps(config))
+    PredictionEngine.load(older, target=tuned).close()
 
 
 def test_a_recent_window_other_than_the_heads_t_is_refused():

@@ -440,6 +440,28 @@ def pooled_hidden_features(hidden: torch.Tensor, prompt_len: int, generated: int
     return torch.cat([prompt_vec, recent_vec])
 
 
+def target_fingerprint(model: torch.nn.Module) -> list[float]:
+    """What tells one target's hidden states from another's: its shape and the mean of each normalisation weight
+    (a few dozen numbers, which every other model of the same size has elsewhere and no forward path quantizes).
+    The same model from a GGUF, its converted folder, another forward path or dtype gives the same values within
+    :data:`FINGERPRINT_RTOL` (bf16 keeps about three digits)."""
+    config = getattr(model, "config", None)
+    shape = [float(getattr(config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers", "vocab_size")]
+    means = [float(f"{p.detach().float().mean().item():.5g}") for name, p in sorted(model.named_parameters())
+             if name.endswith("norm.weight")]
+    return shape + means
+
+
+FINGERPRINT_RTOL = 1e-2  # bf16 rounding moves a weight's mean by well under this; another model's by far more
+
+
+def same_target(recorded: list[float], fingerprint: list[float]) -> bool:
+    if len(recorded) != len(fingerprint) or recorded[:3] != fingerprint[:3]:
+        return False
+    return all(abs(a - b) <= FINGERPRINT_RTOL * max(abs(a), abs(b)) for a, b in zip(recorded[3:], fingerprint[3:],
+                                                                                    strict=True))
+
+
 # -- the ranking head ------------------------------------------------------------------------
 
 @dataclass
@@ -458,6 +480,9 @@ class HeadConfig:
     max_length: int = 128  # MiniLM truncation
     truncation_side: str = "right"  # which end of a long text MiniLM cuts ("left" since session 35: keep the tail)
     metrics: dict[str, float] = field(default_factory=dict)
+    # target_fingerprint of the model whose hidden states a target-hidden head learnt (empty: MiniLM, or a head saved
+    # before it was recorded): the hidden size alone let a head rank on another model's features of that size
+    target: list[float] = field(default_factory=list)
 
 
 class RankingHead(torch.nn.Module):
@@ -542,6 +567,9 @@ class RankingHead(torch.nn.Module):
                                  f" {config.input!r}: retrain the predictor")
         if len(set(names)) != len(names):
             raise PredictorError(f"{root / HEAD_CONFIG}: drafts names one draft twice ({names}): retrain the predictor")
+        if not isinstance(config.target, list) or not all(isinstance(x, int | float) for x in config.target):
+            raise PredictorError(f"{root / HEAD_CONFIG}: target must be a list of numbers (the target's fingerprint),"
+                                 f" not {config.target!r}: retrain the predictor")
         head = cls(config)
         from safetensors import SafetensorError
 
@@ -618,6 +646,12 @@ class PredictionEngine(SynchronousRanking):
         else:
             if target is None:
                 raise PredictorError("the target-hidden predictor needs the loaded target model")
+            if head.config.target and not same_target(head.config.target, target_fingerprint(target)):
+                raise PredictorError(
+                    f"the ranking head in {directory} learnt the hidden states of another target (its fingerprint"
+                    f" in {HEAD_CONFIG}, 'target', does not match this target's): its rankings of this target's"
+                    " features would be noise; retrain it with memspec-train-predictor for this target, or use its"
+                    " minilm head")
             encoder = TargetHiddenEncoder(target, head.config.recent_tokens, head.config.prompt_tokens)
         try:
             return cls(head, encoder)

@@ -26,7 +26,7 @@ DRAFTS = (("general", 0.05), ("code", 0.02), ("math", 0.01))
 
 def build_tiny_zoo(root: str | Path, hidden: int = 256, layers: int = 6, max_positions: int = 4096,
                    drafts=DRAFTS, predictor: bool = True, draft_layers: int = 1, chat: bool = False) -> Path:
-    from ..runtime.predictor import HeadConfig, RankingHead
+    from ..runtime.predictor import HeadConfig, RankingHead, target_fingerprint
 
     root = Path(root)
     tok = tiny_tokenizer(chat=chat)
@@ -48,6 +48,6 @@ def build_tiny_zoo(root: str | Path, hidden: int = 256, layers: int = 6, max_pos
     if predictor:
         torch.manual_seed(0)
         head = RankingHead(HeadConfig(encoder="target-hidden", drafts=[n for n, _ in drafts], in_dim=2 * hidden,
-                                      hidden=16, recent_tokens=32, interval=4))
+                                      hidden=16, recent_tokens=32, interval=4, target=target_fingerprint(target)))
         head.eval().save(root / "predictor")
     return root

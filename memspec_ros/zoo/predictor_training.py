@@ -62,6 +62,7 @@ from memspec_ros.runtime.predictor import (
     RankingHead,
     mask_input,
     pooled_hidden_features,
+    target_fingerprint,
 )
 
 from ..argtypes import non_negative_int, positive_int
@@ -457,7 +458,8 @@ def run(args: argparse.Namespace) -> dict:
             config = HeadConfig(encoder=encoder_name, drafts=names, in_dim=int(feats.shape[-1]), hidden=args.hidden,
                                 input=which, recent_tokens=args.recent_tokens, prompt_tokens=args.prompt_tokens,
                                 interval=args.interval, label_horizon=args.label_horizon,
-                                truncation_side="left")
+                                truncation_side="left",
+                                target=target_fingerprint(target) if encoder_name == "target-hidden" else [])
             head = train_head(train_x, train_y, config, cfg, progress=not args.quiet)
             results[which] = evaluate(head, feats[test_mask], labels[test_mask])
             if conv_feats is not None:

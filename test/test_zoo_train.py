@@ -114,29 +114,18 @@ def test_a_run_the_minutes_cut_short_is_not_taken_as_done_for_a_larger_cap(tmp_p
     assert "cut_at_minutes" not in whole  # ended by its steps: any cap finds it done
 
 
-class _SlowInterrupted(_SlowData):
-    """Slow batches, and Ctrl-C when batch ``after`` + 1 is asked for."""
-
-    def __init__(self, *args, after: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.after, self.served = after, 0
-
-    def batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
-        if self.served == self.after:
-            raise KeyboardInterrupt
-        self.served += 1
-        return super().batch(batch_size, seq_len)
-
-
 def test_an_unfinished_run_whose_schedule_the_minutes_fitted_is_not_resumed_under_a_larger_cap(tmp_path):
     """Its cosine horizon was fitted to the old minutes: resumed with more, it went on to the old horizon and
     stopped there, short of what the new cap allows."""
+    class SlowInterrupted(_Interrupted, _SlowData):
+        """Slow batches, and Ctrl-C when batch ``after`` + 1 is asked for."""
+
     data = _data()
     model = tiny_llama(layers=1, hidden=32, seed=5, init_range=0.02).requires_grad_(True)
     cfg = TrainConfig(max_steps=1000, max_minutes=0.05, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1,
                       checkpoint_every=7)
     with pytest.raises(KeyboardInterrupt):
-        train(model, _SlowInterrupted(data.streams, {"code": 1.0}, seed=0, after=8), cfg, tmp_path / "run",
+        train(model, SlowInterrupted(data.streams, {"code": 1.0}, seed=0, after=8), cfg, tmp_path / "run",
               log=lambda m: None)
     with pytest.raises(ValueError, match="fitted its schedule to .* for a 0.05-minute cap"):
         train(model, _SlowData(data.streams, {"code": 1.0}, seed=0), replace(cfg, max_minutes=1.0),

@@ -359,3 +359,26 @@ def test_the_oracles_future_is_the_engines_own_run_on_the_bundled_int4_target():
                                    rtol=1e-4)
     finally:
         models.close()
+
+
+def test_a_load_is_credited_with_the_whole_time_an_interval_of_iterations_takes():
+    """Each iteration costs its draft, verify and the loop's other time, and a load runs through all of it; the
+    solver credited an interval with N iterations' draft and verify only, so it had the schedule wait on (or put
+    off) a load a prefetching policy found complete: the 'upper bound' could then be beaten."""
+    costs = ScheduleCosts(iteration_seconds=1.0, verify_seconds={0: .5, 1: .5, 2: .5, 3: .6, 4: .6},
+                          draft_token_seconds=.1, other_iteration_seconds=.3, load_seconds={"a": 0.0, "b": 4.5})
+    oracle = GreedyOracle([0] * 200, {"a": [False] * 200, "b": [True] * 200}, 4, 4, costs=costs)
+    solver = ScheduleSolver.for_oracle(oracle, ["a", "b"])
+    # an interval of 4 full iterations is 4 x 1.3 = 5.2 iterations of time, past b's 4.5: b is resident after one
+    assert solver.normalise((50, "a", frozenset({"a"}), ("b", 1)))[3] is None
+
+
+def test_the_oracle_prices_the_last_iterations_of_an_answer_that_ends_at_an_end_token_as_the_engine_runs_them():
+    """The engine proposes up to the token budget (it cannot know the end token comes); the solver priced the
+    last iterations of an answer shorter than the budget by the proposals left to the answer's end."""
+    costs = ScheduleCosts(iteration_seconds=1.0, verify_seconds={0: .5, 1: .5, 2: .5, 3: .6, 4: .6},
+                          draft_token_seconds=.1)
+    short = GreedyOracle([0] * 10, {"d": [False] * 10}, 4, 1, costs=costs, max_new_tokens=128)
+    assert ScheduleSolver.for_oracle(short, ["d"]).step("d", 7)[1] == pytest.approx(costs.iteration_cost(4))
+    at_budget = replace(short, max_new_tokens=0)  # cut by the budget: the proposals left are the budget's
+    assert ScheduleSolver.for_oracle(at_budget, ["d"]).step("d", 7)[1] == pytest.approx(costs.iteration_cost(2))

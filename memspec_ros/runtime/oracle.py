@@ -259,6 +259,7 @@ class GreedyOracle:
     scores: dict[str, float] = field(default_factory=dict)  # whole-output utility, cached
     costs: ScheduleCosts | None = None  # what Oracle-Dynamic's schedule pays (None: free switches and loads)
     prompt_tokens: int = 0  # the prompt's length: a draft switched in catches up on it too
+    max_new_tokens: int = 0  # the run's token budget (0: the continuation's length), which caps its proposals
     # Oracle-Dynamic's solved schedules, per drafts (with the costs they were solved under): planning in
     # hindsight is no cost a real policy pays, so a bench solves it before its timed runs (plan()) and every
     # run of this prompt reuses it
@@ -273,7 +274,8 @@ class GreedyOracle:
         agreement = {name: draft_agreement(model, prompt_ids, continuation,
                                            engine_continuation_logits(model, prompt_ids, continuation))
                      for name, model in drafts.items()}
-        return cls(continuation, agreement, gamma, interval, prompt_tokens=len(prompt_ids))
+        return cls(continuation, agreement, gamma, interval, prompt_tokens=len(prompt_ids),
+                   max_new_tokens=max_new_tokens)
 
     def utility(self, draft: str, position: int) -> int:
         """Tokens the draft would commit over the next interval from ``position`` (0 if unknown)."""
@@ -358,8 +360,12 @@ class ScheduleSolver:
       Oracle-Static on three workloads of the committed bench);
     * at most ``capacity`` drafts are resident or loading; one load at a time (one loader thread);
       a load of d takes ``load[d]`` iterations and overlaps decoding: started at a scheduling point,
-      it is complete k points later when k * interval >= load[d] (catch-ups and waits in between
-      are not counted as overlap: the model never credits a load with time it may not have had);
+      it is complete k points later when k * ``overlap`` >= load[d], ``overlap`` being what an interval of
+      full iterations costs (interval * iteration_cost(gamma): the loop's own time beside draft and verify
+      passes while the load runs, as the simulator's clock and the live run's pass it; crediting only
+      ``interval`` had the schedule wait for loads a prefetching policy found complete). Catch-ups and
+      waits in between are not counted as overlap: the model never credits a load with time it may not
+      have had;
     * what the runtime controller can do at a scheduling point, no more: run a resident draft and
       align the cache (prefetch one draft, evicting one that is neither the new nor the last active
       draft, which the controller protects); or wait for the draft in flight and run it; or, with no
@@ -373,11 +379,12 @@ class ScheduleSolver:
 
     def __init__(self, drafts: Sequence[str], step: Callable[[str, int], tuple[int, float]], start: int, end: int,
                  interval: int, capacity: int, catchup: float = 0.0, load: Mapping[str, float] | None = None,
-                 catchup_per_token: float = 0.0) -> None:
+                 catchup_per_token: float = 0.0, overlap: float | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity K must be >= 1, got {capacity}")
         self.drafts = tuple(drafts)
         self.start, self.end, self.interval, self.capacity = start, end, interval, capacity
+        self.overlap = float(interval if overlap is None else overlap)  # load time an interval hides
         self.catchup, self.catchup_per_token = catchup, catchup_per_token
         self.load = {d: max(0.0, float((load or {}).get(d, 0.0))) for d in self.drafts}
         self._step_fn = step
@@ -396,13 +403,17 @@ class ScheduleSolver:
             for _ in range(oracle.interval):
                 if p >= n:
                     break
-                cost += costs.iteration_cost(max(0, min(oracle.gamma, n - p - 1)))
+                # the engine proposes up to the token budget: an output that ends at an end token is not known
+                # to end until it does, so its last iterations verify gamma proposals all the same
+                cost += costs.iteration_cost(max(0, min(oracle.gamma, budget - p - 1)))
                 p += accepted_at(walk, p, oracle.gamma) + 1
             return p, cost
 
+        budget = oracle.max_new_tokens or len(oracle.continuation)
         per_token = costs.catchup_token_seconds / costs.iteration_seconds if costs.iteration_seconds > 0 else 0.0
         return cls(list(agree), step, 1, len(oracle.continuation), oracle.interval, costs.capacity,
-                   costs.catchup_iterations(oracle.prompt_tokens), costs.load_iterations(), per_token)
+                   costs.catchup_iterations(oracle.prompt_tokens), costs.load_iterations(), per_token,
+                   oracle.interval * costs.iteration_cost(oracle.gamma))
 
     # -- the model -----------------------------------------------------------------------------
     def step(self, d: str, p: int) -> tuple[int, float]:
@@ -417,7 +428,7 @@ class ScheduleSolver:
     def normalise(self, state: State) -> State:
         """A load whose time has passed is resident."""
         p, a, resident, loading = state
-        if loading is not None and loading[1] * self.interval >= self.load.get(loading[0], 0.0):
+        if loading is not None and loading[1] * self.overlap >= self.load.get(loading[0], 0.0):
             return (p, a, resident | {loading[0]}, None)
         return state
 
@@ -474,7 +485,7 @@ class ScheduleSolver:
         if loading is not None:
             b, k = loading
             nxt, cost = self._run(b, p, a)
-            wait = max(0.0, self.load[b] - k * self.interval)
+            wait = max(0.0, self.load[b] - k * self.overlap)
             yield wait + cost, ScheduleAction(WAIT, b), (nxt, b, resident | {b}, None)
             return
         for x in self.drafts:

@@ -81,7 +81,7 @@ class PromptTrace:
         """The oracle a real run with this budget gets (the continuation cut to the budget)."""
         n = self.budget(max_new_tokens)
         return GreedyOracle(self.continuation[:n], {d: a[:n] for d, a in self.agreement.items()}, gamma, interval,
-                            costs=costs, prompt_tokens=len(self.prompt_ids))
+                            costs=costs, prompt_tokens=len(self.prompt_ids), max_new_tokens=max_new_tokens)
 
     def accepted(self, draft: str, position: int, proposed: int) -> int:
         """Proposals the target accepts from ``position`` (greedy: the run of agreements, capped)."""

@@ -44,6 +44,12 @@ def test_presets_are_the_edge_media_with_sourced_figures():
     )
     with pytest.raises(ValueError, match="local, emmc, sd, nvme"):
         storage_medium("floppy")
+    # what a long read gets, reported beside the rated figure it falls short of (a request's latency each)
+    for name in ("emmc", "sd", "nvme"):
+        m, gb = MEDIA[name], 10**9
+        described = m.describe()["effective_read_bytes_per_second"]
+        assert described == pytest.approx(gb / m.min_read_seconds(gb), rel=1e-3) and described < m.read_bytes_per_second
+    assert MEDIA["local"].describe()["effective_read_bytes_per_second"] == 0
 
 
 def test_a_paced_read_returns_the_bytes_and_takes_at_least_bytes_over_bandwidth(tmp_path):

@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..runtime.cache import draft_spec, registry_loader
+from ..runtime.cache import registry_loader
 from ..runtime.chat import prompt_ids
 from ..runtime.controller import RuntimeConfig, RuntimeController
 from ..runtime.loader import find_predictor, load_models
@@ -191,13 +192,24 @@ def measure_costs(controller: RuntimeController, storage: DraftStorage, registry
                   catchup: tuple[float, float] = (0.0, 0.0)) -> ScheduleCosts:
     """Oracle-Dynamic's costs, measured here and now: one untimed General-Static generation (its iterations: verify
     by proposals, draft token, the rest of the loop), one cold load of every draft through the storage tier, loaded
-    as the timed runs load it (their forward path, after a first load: DraftStorage.steady_loads), and ``catchup``,
+    as the timed runs' cache loads it (its loader, after a first untimed load), and ``catchup``,
     a draft's catch-up line (:func:`catchup_line`). Priced like the simulator's cost model, from which the replays'
     Oracle-Dynamic plans (:meth:`BenchRun.policy`)."""
     controller.reconfigure(policy="general-static")
     stats = controller.generate(ids, max_new_tokens).stats
-    specs = {entry.name: draft_spec(str(entry.path), quantization=draft_quantization) for entry in registry}
-    loads = {record.name: record.seconds for record in storage.steady_loads(specs)}
+    # each draft loaded as the cache's loader loads it, the read through the storage tier and everything after it
+    # (the compatibility checks, the lean forward built on the loader thread: 1-5 ms the storage's own record of
+    # read and build left out), once untimed (a first load builds the runtime form that later ones read)
+    load = registry_loader(registry, storage=storage, quantization=draft_quantization)
+    names = [entry.name for entry in registry]
+    for name in names:
+        load(name)
+    loads = {}
+    for name in names:
+        t0 = time.perf_counter()
+        load(name)
+        loads[name] = time.perf_counter() - t0
+    storage.take_records()  # the timed runs' storage summary holds their own loads only
     model = CostModel.measure([("general-static", stats)], loads)
     base, per_token = catchup  # one generation has one catch-up: no line to fit from it
     return replace(model, catchup_base_seconds=base, catchup_token_seconds=per_token).schedule_costs(capacity, gamma)

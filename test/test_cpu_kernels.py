@@ -657,6 +657,18 @@ def test_the_kernel_wrappers_refuse_operands_they_would_read_past():
     packed, scale_min = cpu_kernels.pack_w4(torch.randint(0, 16, (16, 1, 32)), torch.ones(16, 1), torch.zeros(16, 1))
     with pytest.raises(ValueError, match="packed"):  # rows of two groups against weights packed for one
         cpu_kernels.w4_matmul(torch.randn(1, 64), packed, scale_min)
+    with pytest.raises(ValueError, match="positive multiple of 64"):  # the AMX path divided by K / 64: SIGFPE
+        cpu_kernels.i8_matmul(torch.randn(1, 0), torch.zeros(16, 0, dtype=torch.int8),
+                              torch.zeros(16, dtype=torch.int32), torch.ones(16))
+
+
+@pytest.mark.skipif(not cpu_kernels.status().w4, reason="no int4 kernel on this CPU")
+def test_a_block_of_subnormal_inputs_quantizes_to_zeros_not_to_wrapped_int8():
+    """A step of top/127 that is subnormal rounds down so far that x / step passed 127 and wrapped in int8: the
+    product came out with the wrong sign (at 1e-41, but wrong)."""
+    packed, scale_min = cpu_kernels.pack_w4(torch.full((16, 1, 32), 15), torch.ones(16, 1), torch.zeros(16, 1))
+    y = cpu_kernels.w4_matmul(torch.full((1, 32), 190 * 2.0**-149), packed, scale_min)
+    assert (y >= 0).all()
 
 
 @needs_step
@@ -673,5 +685,12 @@ def test_the_step_kernel_refuses_kv_buffers_it_would_write_past():
     other_heads = [(torch.zeros(1, d.kv_heads + 1, 8, d.head_dim),) * 2] * layers
     with pytest.raises(ValueError, match="KV buffer"):
         step([1], 0, lean._rope, 1, other_heads)
+    # a later layer unlike the first: only its capacity was checked, and the C wrote past its end
+    good = (torch.zeros(1, d.kv_heads, 8, d.head_dim), torch.zeros(1, d.kv_heads, 8, d.head_dim))
+    for bad in (torch.zeros(1, d.kv_heads, 8, d.head_dim, dtype=torch.float16),
+                torch.zeros(1, d.kv_heads, 1, d.head_dim).expand(1, d.kv_heads, 8, d.head_dim),
+                torch.zeros(1, d.kv_heads - 1 or 2, 8, d.head_dim)):
+        with pytest.raises(ValueError, match="layer 1's KV buffers"):
+            step([1], 0, lean._rope, 1, [good, (bad, bad)] + [good] * (layers - 2))
     with pytest.raises(ValueError, match="layers of KV buffers"):
         step([1], 0, lean._rope, 1, short[:-1])

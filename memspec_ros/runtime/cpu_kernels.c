@@ -177,7 +177,9 @@ static inline void quantize_blocks(const float* x, int8_t* xq, float* xd, float*
       }
       const float d = top / 127.0f;
       int sum = 0;
-      if (d > 0.0f)
+      /* a subnormal step rounds down so far that x / d passes 127 and wraps in int8 (a block of |x| < 1.5e-36):
+         such a block is zero, as one of zeros is */
+      if (d >= 1.17549435e-38f)
         for (int j = 0; j < 32; j++) {
           const int q = (int)nearbyintf(block[j] / d);
           out[j] = (int8_t)q;

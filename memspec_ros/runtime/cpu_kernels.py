@@ -247,8 +247,9 @@ def _point_at_buffers(table: ctypes.Array, buffers: list[tuple[torch.Tensor, tor
                       head_dim: int, start: int, n: int) -> None:
     """Point each layer's slot at its KV buffers ([1, kv_heads, capacity, head_dim] fp32), which the C writes at
     rows start..start+n-1 and attends over 0..start+n-1; called under ``_CALL``, the table being shared. On the
-    decode loop's path, so the first layer's buffers are checked whole and every layer's capacity: a forward's
-    buffers come from one cache (kv_cache.claim_rows), alike in all but their capacity."""
+    decode loop's path, so the first layer's buffers are checked whole (the device too) and every layer's by the
+    attributes the C's addressing rests on: a later layer of fp16, of fewer heads or a view (expand) was written
+    past its end, where only its capacity was checked."""
     if len(buffers) != len(table):
         raise ValueError(f"{len(buffers)} layers of KV buffers for a decoder of {len(table)}")
     keys, values = buffers[0]
@@ -256,9 +257,17 @@ def _point_at_buffers(table: ctypes.Array, buffers: list[tuple[torch.Tensor, tor
         _check_operand(t, "a KV buffer", 4, torch.float32, (1, kv_heads, keys.shape[2], head_dim))
     if start < 0:
         raise ValueError(f"a forward cannot start at position {start}")
-    for slot, (keys, values) in zip(table, buffers, strict=True):
-        capacity = keys.shape[-2]
-        if start + n > capacity or values.shape[-2] != capacity:
+    f32 = torch.float32
+    for layer, (slot, (keys, values)) in enumerate(zip(table, buffers, strict=True)):
+        shape = keys.shape
+        if (keys.dtype is not f32 or values.dtype is not f32 or values.shape != shape or len(shape) != 4
+                or shape[0] != 1 or shape[1] != kv_heads or shape[3] != head_dim
+                or not keys.is_contiguous() or not values.is_contiguous()):
+            raise ValueError(f"layer {layer}'s KV buffers: expected contiguous float32 tensors of shape"
+                             f" (1, {kv_heads}, capacity, {head_dim}), got {keys.dtype} {tuple(shape)} and"
+                             f" {values.dtype} {tuple(values.shape)}")
+        capacity = shape[2]
+        if start + n > capacity:
             raise ValueError(f"KV buffers of {capacity} rows cannot take positions {start}..{start + n - 1}")
         slot.keys, slot.values, slot.capacity = _ptr(keys), _ptr(values), capacity
 
@@ -332,8 +341,8 @@ def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, s
         _check_operand(weight, "weight", 2, torch.int8, (o, x.shape[1]))
         _check_operand(bias128, "bias128", 1, torch.int32, (o,))
         _check_operand(scale, "scale", 1, torch.float32, (o,))
-        if x.shape[1] % 64:  # the kernels step 64 bytes along a row (VNNI)
-            raise ValueError(f"i8_matmul: {x.shape[1]} inputs is not a multiple of 64")
+        if x.shape[1] % 64 or not x.shape[1]:  # the kernels step 64 bytes along a row (VNNI); AMX divides by K/64
+            raise ValueError(f"i8_matmul: {x.shape[1]} inputs is not a positive multiple of 64")
     m, k = x.shape
     o = weight.shape[0]
     out = torch.empty(m, o, dtype=torch.float32)

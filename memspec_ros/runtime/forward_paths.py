@@ -135,7 +135,7 @@ class Int8Linear(FastLinear):
 
     def _store(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Keep the [out, in] int8 weights in the layout of the kernel that will multiply them."""
-        self.own_kernel = cpu_kernels.status().i8 and q.shape[1] % I8_KERNEL_BLOCK == 0
+        self.own_kernel = cpu_kernels.status().i8 and q.shape[1] > 0 and q.shape[1] % I8_KERNEL_BLOCK == 0
         if self.own_kernel:
             self.register_buffer("qweight", q.contiguous())
             self.register_buffer("bias128", (128 * q.sum(dim=1, dtype=torch.int32)).to(torch.int32))

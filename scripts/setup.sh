@@ -75,6 +75,10 @@ pick_python() {
 }
 
 step_deps() {
+  # The ros-jazzy-* wheels on PyPI are tagged py3-none-any but hold x86-64 binaries (librcutils.so, rclpy's
+  # extension): on another architecture pip installs them and the build or `import rclpy` fails far from the cause.
+  [ "$(uname -m)" = x86_64 ] || die "the ROS 2 Jazzy wheels from PyPI hold x86-64 binaries and this machine is" \
+    "$(uname -m): use an apt ROS 2 Jazzy instead (README.md, \"On a robot\")"
   if [ ! -x "$VENV/bin/python" ]; then
     local py
     py="$(pick_python)"
@@ -149,6 +153,12 @@ step_build() {
     command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
   done
   [ ${#missing[@]} -eq 0 ] || die "colcon build of memspec_interfaces needs ${missing[*]} on PATH (Debian: sudo apt install cmake build-essential)"
+  # ... and the Python headers: rosidl's Python bindings compile against them (CMake: "Could NOT find Python3
+  # (missing: Development.Module)" otherwise; a pyenv Python brings them, Debian's python3.11 does not)
+  local include
+  include="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  [ -f "$include/Python.h" ] || die "colcon build of memspec_interfaces needs the Python headers ($include/Python.h" \
+    "is missing; Debian: sudo apt install python3-dev)"
   rm -f "$BUILD_STAMP"
   # --symlink-install links build/ and install/ to the sources: a file removed from the tree leaves links to
   # nothing there, which setuptools cannot copy and the installed zoo would list
@@ -178,7 +188,8 @@ step_build() {
 # test/test_gptq.py quantizes a tiny model with it and runs it through the engine.
 step_gptq() {
   local gvenv="$ROOT/.venv-gptq" want
-  want="$(hash_inputs requirements-gptq.txt; echo gptq)"
+  # how the environment is made counts too (this script: BUILD_CUDA_EXT, the interpreter it picks)
+  want="$(hash_inputs requirements-gptq.txt scripts/setup.sh; echo gptq; "$(pick_python)" --version 2>&1)"
   want="$(printf '%s' "$want" | sha256sum | cut -d' ' -f1)"
   if stamp_is "$gvenv/.memspec-stamp" "$want" "$([ "$target" = gptq ] && echo "$force" || echo 0)"; then
     say "GPTQ environment up to date (.venv-gptq)"

@@ -8,6 +8,8 @@ Importing this module never imports rclpy (tests call require_ros() first).
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 import threading
 import time
@@ -20,6 +22,14 @@ from ros_helpers import wait_until
 TIMEOUT = 30.0
 _ZOO: Path | None = None
 _ZOO_LOCK = threading.Lock()
+
+
+def _scratch_zoo_dir(prefix: str) -> Path:
+    """A folder for one process's tiny zoo, removed when the process exits (each test process left its zoos in
+    /tmp: hundreds of MB after a few runs on a persistent CI runner)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 # A test's long goal (thousands of tokens on the tiny zoo, ended by a cancel, a deactivate or a timeout) must still
 # run while the test checks what it does beside it. Its length alone made that a speed: a CPU twice as fast
@@ -50,7 +60,7 @@ def tiny_zoo() -> Path:
         if _ZOO is None:
             from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
-            _ZOO = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_test_zoo_")), hidden=64, layers=2,
+            _ZOO = build_tiny_zoo(_scratch_zoo_dir("memspec_test_zoo_"), hidden=64, layers=2,
                                   draft_layers=2)
         return _ZOO
 
@@ -66,7 +76,7 @@ def tiny_chat_zoo() -> Path:
         if _CHAT_ZOO is None:
             from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
-            _CHAT_ZOO = build_tiny_zoo(Path(tempfile.mkdtemp(prefix="memspec_test_chat_zoo_")), hidden=64, layers=2,
+            _CHAT_ZOO = build_tiny_zoo(_scratch_zoo_dir("memspec_test_chat_zoo_"), hidden=64, layers=2,
                                        draft_layers=2, chat=True)
         return _CHAT_ZOO
 

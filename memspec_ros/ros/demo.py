@@ -51,7 +51,10 @@ def claim_domain_id() -> tuple[int, object]:
     # 215..232: the ids above Linux's ephemeral ports (DDS listens on 7400 + 250 x id and up; ids 102..214 land
     # in 32768..60999, where another program's outgoing port can take one); the test sessions hold 1..101
     for domain in DEMO_DOMAIN_IDS:
-        handle = open(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"), "a")
+        try:  # another user's lock file (a shared host): not ours to open, so not ours to take
+            handle = open(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"), "a")
+        except OSError:
+            continue
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return domain, handle

@@ -40,7 +40,7 @@ PKG_PREFIX = "pkg:"
 CONVERTED_MARKER = "memspec_gguf.json"  # written last: a directory without it is an interrupted conversion
 # part of a conversion's cache key, with the file's digest and transformers' version (its GGUF loader names the
 # same file's special tokens differently between releases, models.py): raise it when convert_gguf's output changes
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: conversions made before the link name was absolute may hold a stray model.gguf's weights
 
 
 class GGUFConversionError(ModelLoadError):

@@ -11,7 +11,8 @@ no noise: an upper bound for any rule of this kind) and compares accepted tokens
 - `general` and the request's domain draft alone (what MemSpec's routing runs), and
 - the best draft per request in hindsight (Oracle-Static), over all drafts and over {domain draft, general}.
 
-Greedy gamma 4, N 4, as ``memspec-zoo acceptance``'s matrix (every draft teacher-forced on the target's answer).
+Greedy gamma 4, N 4, as ``memspec-zoo acceptance``'s matrix (every draft teacher-forced on the target's answer),
+over the held-out requests the build did not train on (chat_acceptance.clean_heldout_answers: 556 of 600).
 
     .venv/bin/python scripts/past_agreement.py --answers artifacts/heldout_answers \\
         --json docs/results/past-agreement.json
@@ -30,6 +31,7 @@ import torch
 from memspec_ros.runtime.loader import load_models
 from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.zoo.acceptance import interval_walk, static_score
+from memspec_ros.zoo.chat_acceptance import clean_heldout_answers
 from memspec_ros.zoo.chat_drafts import answer_agreement
 from memspec_ros.zoo.teacher import load_answers
 
@@ -90,10 +92,13 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from tqdm import tqdm
 
-    answers = [x for x in load_answers(a.answers, "heldout") if len(x.answer_ids) >= 2]
+    answers = load_answers(a.answers, "heldout")
     if not answers:
         raise SystemExit(f"no held-out answers in {a.answers} (memspec-zoo acceptance --answers DIR makes them)")
     models = load_models(a.models / "registry.yaml")
+    # the requests the build trained on (by material) are no held-out requests: left out
+    answers, dropped = clean_heldout_answers(a.models, answers, models.tokenizer)
+    answers = [x for x in answers if len(x.answer_ids) >= 2]
     drafts = {e.name: load_model(ModelSpec(str(e.path))).model for e in models.registry.entries()}
     models.close()
     if "general" not in drafts:
@@ -112,6 +117,7 @@ def main() -> None:
                       "its agreement over the generated tokens so far, known exactly for every draft",
               "command": f"scripts/past_agreement.py --answers {a.answers} --gamma {a.gamma} --interval {a.interval}",
               "answers_by_workload": {w: len(r["general"]) for w, r in per_workload.items()},
+              "left_out_as_trained_on": dropped,
               "gmean_over": domains, "gmean": gmean, "workloads": table}
     a.json.write_text(json.dumps(report, indent=1) + "\n")
     width = max(map(len, gmean))

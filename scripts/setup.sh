@@ -9,7 +9,7 @@
 #            CMake prefix patch of the wheels
 #     build  deps, then `colcon build` of both packages (the default `all` is the same plus gptq)
 #     gptq   the separate GPTQ environment .venv-gptq (requirements-gptq.txt: GPT-QModel needs
-#            torch>=2.14.1 while .venv pins torch 2.13.0 CPU); `all` includes it unless
+#            torch>=2.14.1 while .venv pins torch 2.13.0); `all` includes it unless
 #            MEMSPEC_GPTQ=0
 #     --force  redo the target's own step (pip installs for deps, colcon build otherwise) even
 #              when its inputs did not change
@@ -17,7 +17,8 @@
 # Each step records a hash of its inputs (stamp files) and is skipped when they are unchanged,
 # so a second run with nothing changed takes a few seconds.
 # Environment: MEMSPEC_PYTHON (interpreter for the venv; default python3.11 or python3),
-# MEMSPEC_TORCH_SPEC (default torch==2.13.0, the CPU wheel on this machine's disk).
+# MEMSPEC_TORCH_SPEC (default torch==2.13.0: the CPU build where pip is configured for it, as on the
+# development machine; from PyPI alone the CUDA build).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -194,6 +195,11 @@ step_gptq() {
   if stamp_is "$gvenv/.memspec-stamp" "$want" "$([ "$target" = gptq ] && echo "$force" || echo 0)"; then
     say "GPTQ environment up to date (.venv-gptq)"
     return
+  fi
+  # a venv of another interpreter than the one the stamp names is made again (pip would fill the old one)
+  if [ -x "$gvenv/bin/python" ] && [ "$("$gvenv/bin/python" --version 2>&1)" != "$("$(pick_python)" --version 2>&1)" ]; then
+    say "removing .venv-gptq: it was made with $("$gvenv/bin/python" --version 2>&1)"
+    rm -rf "$gvenv"
   fi
   if [ ! -x "$gvenv/bin/python" ]; then
     say "creating .venv-gptq (GPT-QModel + torch 2.14.1; a few minutes, once)"

@@ -4,8 +4,9 @@
 runs (docs/results/README.md, "Simulator validation"), too few for the ratios between policies, which move
 by several percent from one prompt to the next. This replays the same policy objects
 (runtime/simulator.py) over the target's stored greedy answers to all 100 held-out requests of each
-workload (``memspec-zoo acceptance --answers DIR`` makes them), so each ratio rests on 100 prompts per
-workload at a constant machine speed:
+workload (``memspec-zoo acceptance --answers DIR`` makes them) less the 44 that ask what a training request the
+build answered asks (chat_acceptance.clean_heldout_answers), so each ratio rests on 75-100 prompts per workload at a
+constant machine speed:
 
 - traces: each draft's agreement with the answer (one teacher-forced forward, as
   ``memspec-zoo acceptance``) and the target's final hidden states over request + answer (what the
@@ -39,6 +40,7 @@ from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.runtime.oracle import ScheduleCosts
 from memspec_ros.runtime.policies import COST_AWARE, PAPER_POLICIES
 from memspec_ros.runtime.simulator import CostModel, PromptTrace, replay_predictor, target_hidden_states
+from memspec_ros.zoo.chat_acceptance import clean_heldout_answers
 from memspec_ros.zoo.chat_drafts import answer_agreement
 from memspec_ros.zoo.teacher import load_answers
 
@@ -188,6 +190,8 @@ def main() -> None:
     answers = load_answers(a.answers, "heldout")
     if not answers:
         raise SystemExit(f"no held-out answers in {a.answers} (memspec-zoo acceptance --answers DIR makes them)")
+    # the requests the build trained on (by material) are no held-out requests: left out
+    answers, dropped = clean_heldout_answers(a.models, answers, models.tokenizer)
     t0 = time.time()
     traces = held_out_traces(models, answers, a.prompts_per_workload)
     workloads = list(dict.fromkeys(t.workload for t in traces))
@@ -197,6 +201,7 @@ def main() -> None:
               "command": "scripts/simulate_heldout.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("models", "json") and v),
               "prompts_by_workload": {w: sum(t.workload == w for t in traces) for w in workloads},
+              "left_out_as_trained_on": dropped,
               "runs": {}}
     first = committed_costs(ROOT / a.runs.split(",")[0])[2]  # the first run's gamma and N (the committed: 4, 4)
     report["hindsight_mean_accepted"] = hindsight(traces, first["gamma"], first["interval"])

@@ -578,7 +578,7 @@ def test_a_predictor_refused_at_load_leaves_the_target_unhooked(tmp_path):
 
 def test_a_target_hidden_head_learnt_on_another_target_of_the_same_size_is_refused(trained, tmp_path):
     """Only the hidden size was compared: a head trained on one model's hidden states ranked another model's of the
-    same width (a fine-tune of the target, say) without a word. The trainer records the target's fingerprint."""
+    same width without a word. The trainer records the target's fingerprint (shape and normalisation weights)."""
     import shutil
 
     root, _, _, _ = trained
@@ -590,7 +590,7 @@ def test_a_target_hidden_head_learnt_on_another_target_of_the_same_size_is_refus
     PredictionEngine.load(head_dir, target=copy.deepcopy(target).to(torch.bfloat16)).close()  # the same model
     tuned = copy.deepcopy(target)
     with torch.no_grad():
-        tuned.model.layers[0].input_layernorm.weight.mul_(1.05)  # another model of the same shape
+        tuned.model.layers[0].input_layernorm.weight.mul_(1.05)  # another model of the same shape and other norms
     with pytest.raises(PredictorError, match="learnt the hidden states of another target"):
         PredictionEngine.load(head_dir, target=tuned)
     older = tmp_path / "older"  # a head saved before the fingerprint was recorded: loaded as before

@@ -265,6 +265,7 @@ def test_a_toy_work_dir_refuses_a_rebuild_with_other_settings(tmp_path, monkeypa
     monkeypatch.setattr(build_module, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(build_module, "write_workloads", lambda tok, tr, ho, folder, cfg: None)
     monkeypatch.setattr(ZooBuild, "docs", lambda self, domain, split: [])
+    monkeypatch.setattr(build_module.torch, "set_num_threads", lambda n: None)  # the process's threads stay
     cfg = BuildConfig(work_dir=tmp_path / "work", out_dir=tmp_path / "models")
     ZooBuild(cfg).run(["workloads"])
     ZooBuild(replace(cfg, threads=1, out_dir=tmp_path / "elsewhere")).run(["workloads"])  # how, not what: the same
@@ -277,8 +278,10 @@ def test_a_toy_model_is_published_whole(tmp_path, monkeypatch):
     """config.json marks a toy model done, and save_pretrained writes it before the weights: a build killed while
     writing them left a "cached" model without its weights."""
     from memspec_ros.testing.tiny_models import tiny_llama
+    from memspec_ros.zoo import build as build_module
     from memspec_ros.zoo.build import BuildConfig, ZooBuild
 
+    monkeypatch.setattr(build_module.torch, "set_num_threads", lambda n: None)  # the process's threads stay
     build = ZooBuild(BuildConfig(work_dir=tmp_path / "work"))
     model = tiny_llama(layers=1, hidden=32)
 
@@ -453,3 +456,18 @@ def test_a_toy_zoo_without_its_target_folder_is_not_looked_up_on_the_hub(tmp_pat
     with pytest.raises(OSError):
         load_tokenizer(tmp_path / "target")
     assert asked and all(asked)  # every lookup stayed in the local cache
+
+
+def test_a_summary_over_some_of_the_drafts_takes_the_best_of_those_only():
+    """Oracle-Static per prompt took the best of every draft the records held, also of drafts left out of
+    ``names``: the paper-recipe zoo's oracle_static_gain counted the all-domains draft beside them (6.58, not 5.78)."""
+    from memspec_ros.zoo.chat_acceptance import acceptance_summary
+
+    def record(**accepted):
+        return {"accepted_per_iteration": accepted, "tokens": 10, "repeated_4gram": 0.0}
+
+    per_prompt = {w: [record(general=1.0, code=2.0, extra=4.0)] for w in ("code", "general")}
+    both = acceptance_summary(per_prompt, ["general", "code", "extra"], ["code", "general"], 4)
+    mine = acceptance_summary(per_prompt, ["general", "code"], ["code", "general"], 4)
+    assert both["best_fixed_per_prompt"]["code"] == 4.0 and mine["best_fixed_per_prompt"]["code"] == 2.0
+    assert mine["oracle_static_gain"] == 1.0  # (2 - 1) / 1 on both workloads

@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from ..runtime.cache import draft_spec
 from ..runtime.policies import COST_AWARE
 from ..runtime.simulator import CostModel
 from ..runtime.stats import GenerationStats, GenerationTotals
@@ -47,6 +46,7 @@ from .policy_bench import (
     gmean,
     plot_policy_bench,
     share,
+    timed_loads,
     validation_gate,
     validation_table,
 )
@@ -496,14 +496,10 @@ def plot(item: dict, path: Path, context: str) -> None:
 # -- the harness -----------------------------------------------------------------------------------------
 
 def measure_media(bench: BenchRun, media: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Each draft loaded once through each medium (cold, paced), as the timed runs load it: the load times the
-    storage sweep uses."""
-    specs = {e.name: draft_spec(str(e.path), quantization=bench.cfg.draft_quantization) for e in bench.registry}
-    out = {}
-    for medium in media:
-        storage = DraftStorage(storage_medium(medium))
-        out[medium] = {r.name: r.seconds for r in storage.steady_loads(specs)}
-    return out
+    """Each draft loaded once through each medium (cold, paced), as the timed runs' cache loads it
+    (policy_bench.timed_loads, as Oracle-Dynamic's costs are measured): the load times the storage sweep uses."""
+    return {medium: timed_loads(bench.registry, DraftStorage(storage_medium(medium)), bench.cfg.draft_quantization)
+            for medium in media}
 
 
 def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", threads: int = 1,

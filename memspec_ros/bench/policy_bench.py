@@ -187,6 +187,25 @@ def catchup_line(draft, tokens: int, rounds: int = 3) -> tuple[float, float]:
     return fit_line(sizes, [min(t) for t in times])
 
 
+def timed_loads(registry: DraftRegistry, storage: DraftStorage, quantization: str = "none") -> dict[str, float]:
+    """Seconds each draft's load takes as the cache's loader does it: the read through the storage tier and
+    everything after it (the compatibility checks, the lean forward built on the loader thread: 1-5 ms the
+    storage's own record of read and build left out). Each is loaded once untimed first (a first load builds the
+    runtime form later ones read); the storage's records of these loads are dropped (a bench's storage summary
+    holds its timed runs' loads only)."""
+    load = registry_loader(registry, storage=storage, quantization=quantization)
+    names = [entry.name for entry in registry]
+    for name in names:
+        load(name)
+    seconds = {}
+    for name in names:
+        t0 = time.perf_counter()
+        load(name)
+        seconds[name] = time.perf_counter() - t0
+    storage.take_records()
+    return seconds
+
+
 def measure_costs(controller: RuntimeController, storage: DraftStorage, registry: DraftRegistry, ids: list[int],
                   max_new_tokens: int, capacity: int, gamma: int, draft_quantization: str = "none",
                   catchup: tuple[float, float] = (0.0, 0.0)) -> ScheduleCosts:
@@ -197,19 +216,7 @@ def measure_costs(controller: RuntimeController, storage: DraftStorage, registry
     Oracle-Dynamic plans (:meth:`BenchRun.policy`)."""
     controller.reconfigure(policy="general-static")
     stats = controller.generate(ids, max_new_tokens).stats
-    # each draft loaded as the cache's loader loads it, the read through the storage tier and everything after it
-    # (the compatibility checks, the lean forward built on the loader thread: 1-5 ms the storage's own record of
-    # read and build left out), once untimed (a first load builds the runtime form that later ones read)
-    load = registry_loader(registry, storage=storage, quantization=draft_quantization)
-    names = [entry.name for entry in registry]
-    for name in names:
-        load(name)
-    loads = {}
-    for name in names:
-        t0 = time.perf_counter()
-        load(name)
-        loads[name] = time.perf_counter() - t0
-    storage.take_records()  # the timed runs' storage summary holds their own loads only
+    loads = timed_loads(registry, storage, draft_quantization)
     model = CostModel.measure([("general-static", stats)], loads)
     base, per_token = catchup  # one generation has one catch-up: no line to fit from it
     return replace(model, catchup_base_seconds=base, catchup_token_seconds=per_token).schedule_costs(capacity, gamma)

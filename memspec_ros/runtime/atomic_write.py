@@ -38,3 +38,21 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     the old file or the new, never half."""
     with written_aside(path, sync=True) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def publish_dir(folder: str | os.PathLike[str], write) -> Path:
+    """``write(staging)`` fills a folder beside ``folder``, which is then renamed onto it whole: a folder whose
+    presence (a config.json, a model.safetensors) marks work done is never seen half-written. A ``folder`` already
+    there (an older run's incomplete one) is replaced."""
+    import shutil
+
+    folder = Path(folder)
+    staging = folder.with_name(folder.name + ".partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    write(staging)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(staging, folder)
+    return folder

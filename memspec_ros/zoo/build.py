@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from memspec_ros.runtime.atomic_write import publish_dir
+
 from .corpora import DOMAINS, CorpusConfig, Document, build_domain
 from .rollouts import RolloutConfig, RolloutStreams, make_rollouts
 from .tokenizer import TokenizerConfig, encode_documents, load_tokenizer, train_tokenizer
@@ -102,25 +104,16 @@ def _write_docs(path: Path, docs: list[Document]) -> None:
             f.write(json.dumps({"domain": d.domain, "doc_id": d.doc_id, "text": d.text}, ensure_ascii=False) + "\n")
 
 
-def _publish(folder: Path, write) -> None:
-    """``write(staging)`` fills a folder beside ``folder``, which is then renamed onto it whole."""
-    staging = folder.with_name(folder.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    write(staging)
-    if folder.exists():  # an older build's incomplete folder: not a result
-        shutil.rmtree(folder)
-    staging.replace(folder)
-
-
 # what a toy build's results depend on: a work dir holds one such build (its stages are reused by their files)
 UNRECORDED_SETTINGS = ("work_dir", "out_dir", "device", "threads")
 
 
 def build_settings(cfg: BuildConfig) -> dict:
-    return json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k not in UNRECORDED_SETTINGS},
-                                 default=str))
+    settings = {k: v for k, v in asdict(cfg).items() if k not in UNRECORDED_SETTINGS}
+    for value in settings.values():  # torch.compile changes a run's speed, not its result
+        if isinstance(value, dict) and "compile" in value:
+            value.pop("compile")
+    return json.loads(json.dumps(settings, default=str))
 
 
 def read_docs(path: Path) -> list[Document]:
@@ -178,7 +171,7 @@ class ZooBuild:
     def tokenizer(self) -> None:
         if (self.tok_dir / "tokenizer.json").exists():
             return _log("tokenizer: cached")
-        _publish(self.tok_dir, lambda staging: train_tokenizer({d: self.docs(d, "train") for d in DOMAINS}, staging,
+        publish_dir(self.tok_dir, lambda staging: train_tokenizer({d: self.docs(d, "train") for d in DOMAINS}, staging,
                                                                self.cfg.tokenizer))
         _log("tokenizer: trained")
 
@@ -233,7 +226,7 @@ class ZooBuild:
             model.save_pretrained(str(staging), safe_serialization=True)
             (staging / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
 
-        _publish(self.hf_dir(name), write)
+        publish_dir(self.hf_dir(name), write)
 
     def _mix_weights(self) -> dict[str, float]:
         return {**{d: 1.0 for d in DOMAINS}, "mixed": self.cfg.mixed_weight}

@@ -46,6 +46,44 @@ def chat_row(row: dict, domain: str) -> dict:
     return {**row, "domain": domain, "messages": row.get("messages") or [{"role": "user", "content": row["prompt"]}]}
 
 
+def trained_material(zoo: Path) -> set[str]:
+    """What the training requests a zoo's build answered ask about (chat_workloads.request_material): a held-out
+    request with any of it was, in effect, trained on (the committed zoo split its workloads by source: 44 of its
+    600 held-out requests ask what a training request asked)."""
+    from .chat_workloads import request_material
+
+    built = json.loads((Path(zoo) / "build_config.json").read_text())
+    lines = (Path(zoo) / "workloads" / "train_requests.jsonl").read_text().splitlines()
+    lines = lines[: built.get("teacher_train_requests") or None]
+    return set().union(*(request_material(json.loads(line)["prompt"]) for line in lines))
+
+
+def clean_heldout_answers(zoo: Path, answers: list, tokenizer) -> tuple[list, dict[str, int]]:
+    """The stored answers to the zoo's held-out requests (``memspec-zoo acceptance --answers``, made in the
+    workload files' order) less those to requests the build trained on (:func:`trained_material`), and how many
+    were dropped per workload. Each answer is paired with its request by position and checked by its prompt ids."""
+    from .chat_workloads import request_material
+    from .corpora import WORKLOADS
+    from .teacher import chat_prompt_ids
+    from .workloads import read_jsonl, request_problem
+
+    seen = trained_material(zoo)
+    rows = [chat_row(row, w) for w in WORKLOADS
+            for row in read_jsonl(Path(zoo) / "workloads" / f"{w}.jsonl", row_check=request_problem)]
+    if len(answers) > len(rows):
+        raise ValueError(f"{len(answers)} held-out answers for the {len(rows)} held-out requests of {zoo}")
+    kept, dropped = [], {}
+    for answer, row in zip(answers, rows, strict=False):
+        if list(answer.prompt_ids) != chat_prompt_ids(tokenizer, row["messages"]):
+            raise ValueError(f"a held-out answer ({row['domain']}) is not to the request in its place in {zoo}'s"
+                             " workloads: these answers were made for other requests")
+        if request_material(row["prompt"]) & seen:
+            dropped[row["domain"]] = dropped.get(row["domain"], 0) + 1
+        else:
+            kept.append(answer)
+    return kept, dropped
+
+
 def workload_rows(folder: Path, per_workload: int) -> dict[str, list[dict]]:
     """The first ``per_workload`` rows of every <name>.jsonl in ``folder`` (train* skipped), as chat rows
     whose ``domain`` is the workload (the file's name): a prompt row becomes one user turn."""
@@ -118,7 +156,9 @@ def acceptance_summary(per_prompt: dict[str, list[dict]], names: list[str], work
     ``per_prompt``; each workload's records may be any subset of its prompts, mixed's with their dynamic walk)."""
     domains = [w for w in workloads if w != "mixed"] if list(workloads) != list(WORKLOADS) else list(DOMAINS)
     matrix = {d: {w: mean(r["accepted_per_iteration"][d] for r in per_prompt[w]) for w in workloads} for d in names}
-    best_static = {w: mean(max(r["accepted_per_iteration"].values()) for r in per_prompt[w]) for w in workloads}
+    # the best of ``names`` (a summary over some of the records' drafts took the best of all of them)
+    best_static = {w: mean(max(r["accepted_per_iteration"][d] for d in names) for r in per_prompt[w])
+                   for w in workloads}
     static_gain = {w: _gain(best_static[w], matrix["general"][w]) for w in domains}
     dyn_mixed = mean(r["dynamic"] for r in per_prompt["mixed"]) if "mixed" in per_prompt else None
     return {

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.runtime.atomic_write import write_text_atomic
+from memspec_ros.runtime.atomic_write import publish_dir, write_text_atomic
 
 from .chat_drafts import (
     AnswerStreams,
@@ -242,7 +242,7 @@ class ChatZooBuild:
             answers = load_answers(self.teacher_dir, "train")
             # the first N requests' answers: shards made by an earlier run with a larger N are not this build's data
             answers = answers[: self.cfg.teacher_train_requests] if self.cfg.teacher_train_requests else answers
-            rows = self._rows("train_requests")
+            rows = self._rows("train_requests") if answers else []  # without answers vocab says what to run
             wanted = min(self.cfg.teacher_train_requests or len(rows), len(rows))
             if 0 < len(answers) < wanted:  # a teacher stopped part way: drafts were distilled on its first shards
                 raise ValueError(f"{self.teacher_dir} holds {len(answers)} of the {wanted} training answers this build"
@@ -386,16 +386,15 @@ class ChatZooBuild:
         before = mean_accepted(start, val, self.cfg.gamma)
         meta = train(start.inner, data, cfg, self.w / "ckpt" / name / "run", desc=name, log=_log,
                      validate=lambda _m: mean_accepted(start, val, self.cfg.gamma), identity=identity)
-        # final/model.safetensors is what says the stage is done: the folder is written aside and renamed whole
-        staging = final.with_name("final.partial")
-        if staging.exists():
-            shutil.rmtree(staging)
-        start.inner.save_pretrained(str(staging), safe_serialization=True)
         meta.update(start_accepted=before, answers=len(train_set), validation_answers=len(val), domains=list(domains))
-        (staging / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        if final.exists():  # a folder without its model.safetensors (an older build's crash): not a result
-            shutil.rmtree(final)
-        os.replace(staging, final)
+
+        def write(staging: Path) -> None:
+            start.inner.save_pretrained(str(staging), safe_serialization=True)
+            (staging / "train_meta.json").write_text(json.dumps(meta, indent=1, default=str))
+
+        # final/model.safetensors is what says the stage is done: the folder is written aside and renamed whole (a
+        # folder without its model.safetensors, an older build's crash, is replaced)
+        publish_dir(final, write)
         _log(f"{name}: validation accepted/iteration {before:.3f} -> {meta['best_score']:.3f}")
 
     def _plan(self, name: str) -> tuple[TrainConfig, tuple[str, ...], str | None]:

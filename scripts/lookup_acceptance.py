@@ -58,10 +58,12 @@ def replay(prompt: list[int], answer: list[int], gamma: int, config: LookupConfi
            datastore: Datastore | None = None) -> Iterator[tuple[int, int, int]]:
     """(matched suffix length, tokens proposed, tokens accepted) for every iteration; 0, 0, 0 without a copy."""
     index = NgramIndex(config, [datastore] if datastore is not None else [])
-    index.extend(prompt)
-    at = 0
+    # the prefill commits the answer's first token (speculative.py), and no proposal runs past the answer's last
+    # token, after which the engine commits nothing more (it proposes at most the tokens left less one)
+    index.extend(prompt + answer[:1])
+    at = 1
     while at < len(answer):
-        proposal, matched = index.propose(gamma)
+        proposal, matched = index.propose(min(gamma, len(answer) - at - 1))
         accepted = 0
         while accepted < len(proposal) and at + accepted < len(answer) and proposal[accepted] == answer[at + accepted]:
             accepted += 1
@@ -81,10 +83,10 @@ def replay_adaptive(pairs: list[tuple[list[int], list[int]]], costs: ForwardCost
     for i, (prompt, answer) in enumerate(pairs):
         stores = [Datastore(a for _, a in pairs[:i])] if remember and i else []
         stores += [datastore] if datastore is not None else []
-        chooser, index, at = GammaChooser(gamma), NgramIndex(config, stores), 0
-        index.extend(prompt)
+        chooser, index, at = GammaChooser(gamma), NgramIndex(config, stores), 1
+        index.extend(prompt + answer[:1])  # as replay(): the prefill's token first, no proposal past the answer
         while at < len(answer):
-            proposal, matched = index.propose(gamma)
+            proposal, matched = index.propose(min(gamma, len(answer) - at - 1))
             name = f"lookup:{matched}" if per_length else "lookup"
             chosen = chooser.choose(costs, name, len(proposal)) if proposal else 0
             accepted = 0

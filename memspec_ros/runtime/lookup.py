@@ -9,7 +9,7 @@ output is the target's own either way.
 Why the engine needs it: on an edge CPU the target's verify of γ + 1 rows costs 1.4-1.9x a one-token step
 (the int4 kernel pays per row), and the bundled drafts accept ~0.76 tokens per iteration, so a model draft
 barely pays for its verify. On the real zoo's held-out answers a match of at least two tokens exists in
-23% of the iterations; after a 4-token match 2.81 of 4 copied tokens stand, after a 2-token one 1.33
+24% of the iterations; after a 4-token match 2.82 of 4 copied tokens stand, after a 2-token one 1.34
 (scripts/lookup_acceptance.py). It is not a draft in the cache's sense: it takes no memory, never loads,
 and cannot be evicted, so it sits beside MemSpec's draft choice rather than in it.
 
@@ -34,8 +34,8 @@ MAX_NGRAM_LIMIT = 8
 class LookupConfig:
     """Match the longest suffix of ``max_ngram`` down to ``min_ngram`` committed tokens seen before."""
 
-    # one-token matches are common and poor: their first copy stood 21% of the time against 54% after two
-    # tokens, and adding them replayed slower, 1.22x against 1.27x the target alone
+    # one-token matches are common and poor: their first copy stood 22% of the time against 54% after two
+    # tokens, and adding them replayed slower, 1.24x against 1.27x the target alone
     # (scripts/lookup_acceptance.py --min-ngram 1, docs/results/lookup-acceptance-min1.json)
     min_ngram: int = 2
     max_ngram: int = 4

@@ -152,11 +152,12 @@ def test_the_offline_replay_counts_what_the_engine_would_copy():
     spec = importlib.util.spec_from_file_location("lookup_acceptance", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    # prompt 1 2 3 4 5; answer 9 1 2 3 4 7: after "9" nothing matches; after "9 1"... "1" alone is too short;
-    # after "9 1 2" the suffix "1 2" was followed by 3 4 5 9 (into the answer) -> 3 and 4 stand, 5 != 7, and 7
-    # is the target's own token: the answer is complete after four iterations
+    # prompt 1 2 3 4 5; answer 9 1 2 3 4 7. The prefill commits "9" (no iteration). After "5 9" nothing matches;
+    # after "9 1", "1" alone is too short; after "1 2" (seen at the prompt's start, followed by 3 4 5 9) the copy is
+    # capped at the two tokens the answer leaves before its last (the engine proposes at most the tokens left less
+    # one): 3 and 4 stand, and 7 is the target's own token, so the answer is complete after three iterations
     steps = list(module.replay([1, 2, 3, 4, 5], [9, 1, 2, 3, 4, 7], 4, LookupConfig()))
-    assert steps == [(0, 0, 0), (0, 0, 0), (0, 0, 0), (2, 4, 2)]
+    assert steps == [(0, 0, 0), (0, 0, 0), (2, 2, 2)]
 
 
 def test_a_copy_is_weighed_against_the_draft_that_would_run_instead(pair, monkeypatch):

@@ -5,7 +5,7 @@ runs (docs/results/README.md, "Simulator validation"), too few for the ratios be
 by several percent from one prompt to the next. This replays the same policy objects
 (runtime/simulator.py) over the target's stored greedy answers to all 100 held-out requests of each
 workload (``memspec-zoo acceptance --answers DIR`` makes them) less the 44 that ask what a training request the
-build answered asks (chat_acceptance.clean_heldout_answers), so each ratio rests on 75-100 prompts per workload at a
+build answered asks (chat_acceptance.clean_heldout_answers), so each ratio rests on 75-99 prompts per workload at a
 constant machine speed:
 
 - traces: each draft's agreement with the answer (one teacher-forced forward, as

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from memspec_ros.zoo.chat_acceptance import acceptance_summary
+from memspec_ros.zoo.chat_acceptance import acceptance_summary, trained_material
 from memspec_ros.zoo.chat_workloads import request_material
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     built = json.loads((zoo / "build_config.json").read_text())
     trained = built.get("teacher_train_requests") or None
     lines = (zoo / "workloads" / "train_requests.jsonl").read_text().splitlines()[:trained]
-    seen = set().union(*(request_material(json.loads(line)["prompt"]) for line in lines))
+    seen = trained_material(zoo)
     workloads = result["config"]["workloads"]
     names = list(result["matrix"])
     gamma = result["config"]["gamma"]

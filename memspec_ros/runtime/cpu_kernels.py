@@ -247,14 +247,13 @@ def _point_at_buffers(table: ctypes.Array, buffers: list[tuple[torch.Tensor, tor
                       head_dim: int, start: int, n: int) -> None:
     """Point each layer's slot at its KV buffers ([1, kv_heads, capacity, head_dim] fp32), which the C writes at
     rows start..start+n-1 and attends over 0..start+n-1; called under ``_CALL``, the table being shared. On the
-    decode loop's path, so the first layer's buffers are checked whole (the device too) and every layer's by the
-    attributes the C's addressing rests on: a later layer of fp16, of fewer heads or a view (expand) was written
-    past its end, where only its capacity was checked."""
+    decode loop's path, so every layer's buffers are checked by the attributes the C's addressing rests on (a
+    later layer of fp16, of fewer heads or a view (expand) was written past its end, where only the first layer was
+    checked whole) and the first layer's device (a forward's buffers come from one cache, kv_cache.claim_rows)."""
     if len(buffers) != len(table):
         raise ValueError(f"{len(buffers)} layers of KV buffers for a decoder of {len(table)}")
-    keys, values = buffers[0]
-    for t in (keys, values):
-        _check_operand(t, "a KV buffer", 4, torch.float32, (1, kv_heads, keys.shape[2], head_dim))
+    if any(t.device.type != "cpu" for t in buffers[0]):
+        raise ValueError(f"a KV buffer on {buffers[0][0].device}: the C kernels read CPU memory")
     if start < 0:
         raise ValueError(f"a forward cannot start at position {start}")
     f32 = torch.float32

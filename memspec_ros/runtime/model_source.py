@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError
+from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
 
 PKG_PREFIX = "pkg:"
 CONVERTED_MARKER = "memspec_gguf.json"  # written last: a directory without it is an interrupted conversion
@@ -200,9 +200,8 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     # a tensor the file lacks is initialised at random and only logged: it would be cached as the model
     missing = sorted(str(k) for k in info.get("missing_keys") or ())
     if missing or info.get("error_msgs"):
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise GGUFConversionError(
-            f"{path} lacks {len(missing)} tensor(s) its model needs ({shown or 'none'};"
+            f"{path} lacks {len(missing)} tensor(s) its model needs ({first_names(missing) or 'none'};"
             f" {'; '.join(map(str, info.get('error_msgs') or ())) or 'no load errors'}): it is not a complete model"
             " (a vocabulary-only GGUF, a cut download): nothing was cached")
     # save_pretrained refuses a GGUF-loaded model ("quantized with gguf, not serializable"):

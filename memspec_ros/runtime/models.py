@@ -267,6 +267,11 @@ def _check_quantization(config: dict[str, Any], spec: ModelSpec) -> None:
         )
 
 
+def first_names(names: list[str], shown: int = 8) -> str:
+    """'a, b, c and 5 more': a long list of tensor names in an error message."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def check_loading_info(info: dict[str, Any], path: str | Path) -> None:
     """Refuse a load that left parameters out of the checkpoint: transformers initialises a tensor the config
     expects and the weights lack (``lm_head.weight`` with tie_word_embeddings false, a layer's weight) at random and
@@ -276,7 +281,7 @@ def check_loading_info(info: dict[str, Any], path: str | Path) -> None:
     missing = sorted(str(k) for k in info.get("missing_keys") or ())
     errors = [str(e) for e in info.get("error_msgs") or ()]
     if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        shown = first_names(missing)
         raise ModelDirectoryError(
             f"the weights in {path} lack {len(missing)} tensor(s) that {path}/config.json needs: {shown}. They would"
             " be randomly initialised: restore the complete checkpoint, or fix config.json if it describes another"

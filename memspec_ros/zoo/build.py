@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from memspec_ros.runtime.atomic_write import publish_dir
+from memspec_ros.runtime.atomic_write import publish_dir, written_aside
 
 from .corpora import DOMAINS, CorpusConfig, Document, build_domain
 from .rollouts import RolloutConfig, RolloutStreams, make_rollouts
 from .tokenizer import TokenizerConfig, encode_documents, load_tokenizer, train_tokenizer
 from .train import DRAFT_ARCH, TARGET_ARCH, ArchConfig, TokenStreams, TrainConfig, train
-from .workloads import WorkloadConfig, mixed_documents, write_workloads
+from .workloads import WorkloadConfig, mixed_documents, write_jsonl, write_workloads
 
 DRAFT_RECIPES = ("paper", "shared")
 STAGES = ("corpora", "tokenizer", "encode", "workloads", "target", "general", "rollouts", "domain_rollouts", "onpolicy",
@@ -95,13 +95,8 @@ def _log(msg: str) -> None:
 
 
 def _write_docs(path: Path, docs: list[Document]) -> None:
-    from memspec_ros.runtime.atomic_write import written_aside
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # whole or not at all: mixed.train.jsonl marks the corpora stage done, and a cut one was taken for it
-    with written_aside(path, sync=True) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps({"domain": d.domain, "doc_id": d.doc_id, "text": d.text}, ensure_ascii=False) + "\n")
+    # whole or not at all (write_jsonl): mixed.train.jsonl marks the corpora stage done, and a cut one was taken for it
+    write_jsonl(path, [{"domain": d.domain, "doc_id": d.doc_id, "text": d.text} for d in docs])
 
 
 # what a toy build's results depend on: a work dir holds one such build (its stages are reused by their files)
@@ -190,9 +185,8 @@ class ZooBuild:
                 stats[name]["heldout_tokens"] = sum(len(x) for x in ho)
             _log(f"encode: {name} {stats[name]}")
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".partial")  # train.safetensors marks the stage done: renamed when whole
-        save_file(streams, str(tmp))
-        tmp.replace(out)
+        with written_aside(out) as tmp:  # train.safetensors marks the stage done: renamed when whole
+            save_file(streams, str(tmp))
         (self.w / "data" / "stats.json").write_text(json.dumps(stats, indent=1))
 
     def workloads(self) -> None:

@@ -58,18 +58,25 @@ def trained_material(zoo: Path) -> set[str]:
     return set().union(*(request_material(json.loads(line)["prompt"]) for line in lines))
 
 
+def heldout_rows(zoo: Path) -> list[dict]:
+    """The zoo's held-out requests as chat rows, in the order ``memspec-zoo acceptance`` answers them (WORKLOADS,
+    then each file's rows); a {"prompt"} row is one user turn and keeps its own domain where it names one."""
+    from .corpora import WORKLOADS
+    from .workloads import read_jsonl, request_problem
+
+    return [chat_row(row, row.get("domain") or w) for w in WORKLOADS
+            for row in read_jsonl(Path(zoo) / "workloads" / f"{w}.jsonl", row_check=request_problem)]
+
+
 def clean_heldout_answers(zoo: Path, answers: list, tokenizer) -> tuple[list, dict[str, int]]:
     """The stored answers to the zoo's held-out requests (``memspec-zoo acceptance --answers``, made in the
     workload files' order) less those to requests the build trained on (:func:`trained_material`), and how many
     were dropped per workload. Each answer is paired with its request by position and checked by its prompt ids."""
     from .chat_workloads import request_material
-    from .corpora import WORKLOADS
     from .teacher import chat_prompt_ids
-    from .workloads import read_jsonl, request_problem
 
     seen = trained_material(zoo)
-    rows = [chat_row(row, w) for w in WORKLOADS
-            for row in read_jsonl(Path(zoo) / "workloads" / f"{w}.jsonl", row_check=request_problem)]
+    rows = heldout_rows(zoo)
     if len(answers) > len(rows):
         raise ValueError(f"{len(answers)} held-out answers for the {len(rows)} held-out requests of {zoo}")
     kept, dropped = [], {}

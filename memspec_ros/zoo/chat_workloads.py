@@ -369,12 +369,11 @@ def withhold_heldout(answers: list, requests: Path, folder: Path) -> tuple[list,
 
 
 def write_jsonl(path: Path, requests: list[ChatRequest]) -> None:
-    """Written aside and renamed: the build takes an existing train_requests.jsonl for a finished stage, so a cut
-    write must leave no file rather than a shorter one."""
-    from memspec_ros.runtime.atomic_write import write_text_atomic
+    """The requests' rows, written aside and renamed (workloads.write_jsonl): the build takes an existing
+    train_requests.jsonl for a finished stage, so a cut write must leave no file rather than a shorter one."""
+    from .workloads import write_jsonl as write_rows
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, "".join(json.dumps(q.row(), ensure_ascii=False) + "\n" for q in requests))
+    write_rows(path, [q.row() for q in requests])
 
 
 def write_chat_workloads(out_dir: Path, cfg: ChatWorkloadConfig) -> dict[str, int]:

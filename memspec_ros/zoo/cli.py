@@ -266,7 +266,7 @@ def _run_chat_acceptance(a) -> int:
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
     from memspec_ros.runtime.registry import DraftRegistry
 
-    from .chat_acceptance import answers_cache_dir, chat_acceptance, chat_row, workload_rows, write_acceptance
+    from .chat_acceptance import answers_cache_dir, chat_acceptance, heldout_rows, workload_rows, write_acceptance
     from .corpora import WORKLOADS
     from .teacher import (
         TeacherConfig,
@@ -277,7 +277,6 @@ def _run_chat_acceptance(a) -> int:
         chat_prompt_ids,
         load_answers,
     )
-    from .workloads import read_jsonl, request_problem
 
     torch.set_num_threads(a.threads)
     try:
@@ -298,9 +297,7 @@ def _run_chat_acceptance(a) -> int:
         answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
         rows = None
     try:
-        # a {"prompt"} row (which request_problem accepts) as one user turn; a row's own domain kept
-        rows = rows or [chat_row(row, row.get("domain") or w) for w in WORKLOADS
-                        for row in read_jsonl(Path(a.models) / "workloads" / f"{w}.jsonl", row_check=request_problem)]
+        rows = rows or heldout_rows(Path(a.models))
     except (OSError, ValueError) as exc:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
     target_path = registry.target_path or ""  # a GGUF, a package's file, or a Hugging Face folder (tests, users)

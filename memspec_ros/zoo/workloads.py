@@ -166,12 +166,10 @@ def mixed_prompts(tok, pools: dict[str, Sequence[Document]], cfg: WorkloadConfig
 def write_jsonl(path: str | Path, rows: Sequence[dict]) -> None:
     """One JSON object per line, replaced whole (a build's stage is done when its file exists: a cut write was
     taken for a finished one)."""
-    from memspec_ros.runtime.atomic_write import written_aside
+    from memspec_ros.runtime.atomic_write import write_text_atomic
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with written_aside(path, sync=True) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def prompt_problem(row: dict) -> str | None:

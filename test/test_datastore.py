@@ -313,3 +313,43 @@ def test_of_several_datastores_the_longest_match_wins_then_the_first():
     index = NgramIndex(LookupConfig(), [recent, shipped])
     index.extend([6, 0, 2, 3, 4])
     assert index.propose(2) == ([5], 3)  # "2 3 4" in both: the first datastore's continuation
+
+
+def _domain_datastores_script():
+    """scripts/domain_datastores.py, imported by path (scripts/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "domain_datastores.py"
+    spec = importlib.util.spec_from_file_location("domain_datastores", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_domain_datastore_probe_walks_and_combines_as_the_engine_would():
+    """scripts/domain_datastores.py, by hand: the walk from the prefill's token, the hindsight walk per interval,
+    the teacher-forced copies (the case test_lookup replays), and the two ways of combining copy and draft."""
+    probe = _domain_datastores_script()
+    # an iteration after 1 committed token accepts 2 (3 committed, next at 4), then 1 at 4: the answer is done
+    assert probe.walk([0, 2, 0, 0, 1, 0]) == (5, [2, 1])
+    assert probe.walk([0, 2, 0, 0, 1, 0], 1, 1) == (3, [2])
+    a, b = [0, 2, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 2, 0, 0]
+    assert probe.mean_walk(a) == pytest.approx(2 / 5) and probe.mean_walk(b) == pytest.approx(2 / 6)
+    # with hindsight every iteration: a's 2 at 1, then b's 2 at 6: four iterations, 4 tokens accepted
+    assert probe.dynamic_walk({"a": a, "b": b[:8]}, 1) == pytest.approx(1.0)
+    copied, proposed = probe.copy_accepted([1, 2, 3, 4, 5], [9, 1, 2, 3, 4, 7], None, 4)
+    assert copied == [0, 0, 0, 2, 1, 0] and proposed == [False, False, False, True, True, False]
+    rules = probe.combine([0, 1, 1, 0], [0, 0, 2, 0], [False, True, True, False])
+    assert rules == {"draft": [0, 1, 1, 0], "store": [0, 0, 2, 0], "copy_first": [0, 0, 2, 0],
+                     "best_of": [0, 1, 2, 0]}
+
+
+def test_the_domain_datastore_probe_gives_general_every_domain_at_the_same_budget():
+    probe = _domain_datastores_script()
+    by_domain = {"general": [np.array([1, 1, 1])], "code": [np.array([2, 2, 2, 2]), np.array([5, 5, 5])],
+                 "math": [np.array([3, 3, 3])]}
+    stores = probe.bundle_stores(by_domain, ["general", "code"], budget=100)
+    assert stores["general"].token_count == 13 and stores["code"].token_count == 7
+    assert set(stores["code"].tokens.tolist()) - {SEPARATOR} == {2, 5}  # a domain's bundle: its own answers only
+    # whole answers until the budget is reached: the one that passes it is the last
+    assert [len(a) for a in probe.sample_budget([np.zeros(4)] * 5, 9, seed=0)] == [4, 4, 4]

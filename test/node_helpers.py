@@ -40,17 +40,21 @@ PACED_FROM = 1000  # new tokens
 PACE_SECONDS = 0.01
 
 
-def pace_long_goals(monkeypatch) -> None:
-    from memspec_ros.runtime.speculative import SpeculativeSession
-
-    step = SpeculativeSession.step
+def paced_step(step):
+    """SpeculativeSession.step, paced for long goals."""
 
     def paced(self, *args, **kwargs):
         if self.max_new_tokens >= PACED_FROM:
             time.sleep(PACE_SECONDS)
         return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(SpeculativeSession, "step", paced)
+    return paced
+
+
+def pace_long_goals(monkeypatch) -> None:
+    from memspec_ros.runtime.speculative import SpeculativeSession
+
+    monkeypatch.setattr(SpeculativeSession, "step", paced_step(SpeculativeSession.step))
 
 
 def tiny_zoo() -> Path:

@@ -147,7 +147,7 @@ def test_cancel_mid_generation_returns_the_partial_text(h):
     assert 0 < response.result.completion_tokens < LONG
 
 
-def test_every_rejection_answers_fast_while_a_goal_runs(h):
+def test_every_rejection_is_answered_while_a_goal_runs(h):
     assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": 1, "generation.max_prompt_tokens": 32}))
     try:
         running = start_long_goal(h, [])

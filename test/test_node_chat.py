@@ -111,7 +111,7 @@ def test_a_raw_goal_is_plain_continuation(h, tok):
     assert result.prompt_tokens == len(call["prompt_ids"])
 
 
-def test_every_rejection_reason_answers_fast(h):
+def test_every_rejection_reason_is_given_by_the_goal_callback(h):
     cases = {
         "empty prompt, no messages": (goal(prompt=""), "the prompt is empty and there are no messages"),
         "prompt and messages": (goal(prompt="Hi", messages=msgs(("user", "Hi"))), "both prompt and messages are set"),
@@ -279,12 +279,10 @@ def test_memspec_client_chat_holds_a_conversation(h, tok):
         assert h.calls[k]["prompt_ids"] == templated(tok, turns)
         turns.append(("assistant", answers[k].replace("\x00", "")))
     assert out.getvalue().count("finish:") == 3
-    if h.node.loaded.controller.prompt_cache_refused:  # this tiny zoo's target does not run the C decoder
-        assert " reused)" not in out.getvalue()  # (reuse over the action: test_node_forward_paths.py)
-    else:
-        reused = [int(line.split("(")[1].split(" reused")[0]) for line in out.getvalue().splitlines()
-                  if " reused)" in line]
-        assert len(reused) == 2 and reused[1] > reused[0] > len(templated(tok, turns[:2])) // 2
+    # this tiny zoo's target (hidden 64) does not run the C decoder, so nothing is reused and the client shows no
+    # count; what a conversation reuses over the action: test_node_forward_paths.py
+    assert h.node.loaded.controller.prompt_cache_refused
+    assert " reused)" not in out.getvalue()
 
 
 def test_memspec_client_chat_drops_the_oldest_exchange_when_a_turn_is_rejected(monkeypatch):

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 from node_helpers import Harness, goal, node_overrides, tiny_zoo
 from ros_helpers import require_ros
+from test_prompt_cache import _needs_reuse
 
 require_ros()
 
@@ -134,27 +135,12 @@ def test_the_datastore_parameter_loads_past_answers_that_lookup_copies_from(tmp_
         assert loaded.controller.remembered_answers == 1
         status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
         assert dict((v.key, v.value) for v in status.values)["remembered answers"] == "1"
-        # memspec.prompt_cache (on by default): the goal's KV is kept, or diagnostics say why it cannot be
+        # memspec.prompt_cache (on by default): this target (hidden 64) is not the C decoder's, so nothing is kept
+        # and diagnostics say why (what is kept and shown where it runs: the hidden-256 test below)
         shown = dict((v.key, v.value) for v in status.values)["prompt cache"]
-        if loaded.controller.prompt_cache_refused:
-            assert shown == f"off: {loaded.controller.prompt_cache_refused}"
-        else:
-            assert loaded.controller.prompt_cache.tokens > len(ids)
-            drafts = loaded.controller.prompt_cache.drafts  # the drafts that ran keep theirs too
-            assert drafts and all(0 < n <= loaded.controller.prompt_cache.tokens for n in drafts.values())
-            cache = loaded.controller.prompt_cache
-            assert cache.conversations == 1 and cache.bytes > 0
-            assert shown == (f"{cache.tokens} tokens of the last goal; drafts' tokens: "
-                             + ", ".join(f"{name} {n}" for name, n in sorted(drafts.items()))
-                             + f"; goals held: 1, {cache.bytes / 1e6:.1f} MB (memspec.prompt_cache_bytes"
-                             f" {128 * 2**20})")
-        # the same goal again: all of its prompt but the last token is reused, and the answer is the same
+        assert loaded.controller.prompt_cache_refused
+        assert shown == f"off: {loaded.controller.prompt_cache_refused}"
         assert result.result.reused_prompt_tokens == 0
-        handle, _ = h.send(goal(max_new_tokens=48))
-        again = h.result(handle)
-        assert again.status == GoalStatus.STATUS_SUCCEEDED and again.result.text == result.result.text
-        reused = 0 if loaded.controller.prompt_cache_refused else len(ids) - 1
-        assert again.result.reused_prompt_tokens == reused
 
 
 def test_a_datastore_for_another_tokenizer_fails_configure_with_the_reason(tmp_path):
@@ -206,9 +192,18 @@ def test_a_goal_that_repeats_the_last_goals_tokens_reuses_their_encoding_and_ans
             results.append(h.result(handle))
         assert all(r.status == GoalStatus.STATUS_SUCCEEDED for r in results)
         assert results[0].result.text == results[1].result.text
-        reused = 0 if controller.prompt_cache_refused else len(ids) - 1  # refused only without a C compiler
-        assert [r.result.reused_prompt_tokens for r in results] == [0, reused]
-        assert controller.prompt_cache_refused or reused > 0
+        _needs_reuse(controller.prompt_cache_refused)  # refused only without a C compiler: strict mode fails it
+        assert len(ids) > 1 and [r.result.reused_prompt_tokens for r in results] == [0, len(ids) - 1]
+        # the goal's KV is kept, the drafts' that ran too, and diagnostics show it
+        cache = controller.prompt_cache
+        assert cache.tokens > len(ids) and cache.conversations == 1 and cache.bytes > 0
+        drafts = cache.drafts
+        assert drafts and all(0 < n <= cache.tokens for n in drafts.values())
+        status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+        assert dict((v.key, v.value) for v in status.values)["prompt cache"] == (
+            f"{cache.tokens} tokens of the last goal; drafts' tokens: "
+            + ", ".join(f"{name} {n}" for name, n in sorted(drafts.items()))
+            + f"; goals held: 1, {cache.bytes / 1e6:.1f} MB (memspec.prompt_cache_bytes {128 * 2**20})")
     finally:
         h.close()
         rclpy.try_shutdown(context=context)

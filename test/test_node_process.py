@@ -179,7 +179,9 @@ def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_clea
     from memspec_interfaces.action import Generate
 
     name = "memspec_sigint"
-    cmd = [
+    cmd = [  # paced (paced_node.py): the goal must still run when the signal comes, on any CPU
+        sys.executable,
+        str(Path(__file__).resolve().parent / "paced_node.py"),
         executable("memspec_node"),
         "--ros-args",
         "-r",

@@ -29,7 +29,9 @@ def test_engine_bench_reports_every_figure(tmp_path):
     assert result["bound_fraction"] == pytest.approx(result["engine_decode_tps"] / result["bound_tps"])
     assert 0 <= result["mean_accepted"] <= result["gamma"]
     assert result["outputs_identical"] is True
-    assert result["hf_assisted_same_as_generate"] in (0, 0.5, 1)  # transformers' own losslessness: of 2 prompts
+    # transformers' own losslessness is reported, not asserted (its assisted generation is not ours to fix)
+    same = result["hf_assisted_same_as_generate"]
+    assert isinstance(same, float) and 0 <= same <= 1
     # the engine's own records, per draft token, per verify and per iteration besides: positive times whose sum
     # over the iterations (at least max_new_tokens / (gamma + 1) of them) fits in the decode time they were
     # taken from (tokens / decode tok/s)

@@ -1,8 +1,13 @@
 # ruff: noqa: E402 - the ROS imports follow require_ros()
-"""memspec_ros.ros.diagnostics against the real diagnostic_updater (ros/diagnostics, ros2-jazzy):
+"""memspec_ros.ros.diagnostics against diagnostic_updater's behaviour (ros/diagnostics, ros2-jazzy):
 DiagnosticStatusWrapper.mergeSummary, the Updater's "Node starting up" and "No message was set",
 diagnostic_updater.use_fqn, force_update, and config/diagnostic_analyzers.yaml as
-diagnostic_aggregator's GenericAnalyzer reads it. No models are loaded here."""
+diagnostic_aggregator's GenericAnalyzer reads it. No models are loaded here.
+
+The package is not among the pip-installed ROS packages (and not in CI), so the node's path through the
+real Updater (UpstreamUpdater, taken where ``diagnostic_updater`` imports, as on apt ROS) runs here on
+UpstreamStub, written from that Updater's source: what these tests show is the adapter against that
+reading of its API, not against the package itself."""
 
 from __future__ import annotations
 
@@ -182,7 +187,7 @@ def test_declare_all_leaves_the_period_to_the_updater(make_node):
     assert node.get_parameter(PERIOD_PARAM).value == P.BY_NAME[PERIOD_PARAM].default
 
 
-# -- the real diagnostic_updater, where it imports ---------------------------------------------------
+# -- the node on diagnostic_updater's Updater (UpstreamStub) ---------------------------------------------------
 
 class WrapperStub(DiagnosticStatus):
     """diagnostic_updater.DiagnosticStatusWrapper's summary() and add(), as the adapter uses them."""
@@ -254,7 +259,7 @@ def upstream(monkeypatch):
     UpstreamStub.instances.clear()
 
 
-def test_the_node_runs_its_tasks_on_the_real_updater_when_it_imports(make_node, upstream):
+def test_the_node_runs_its_tasks_on_diagnostic_updaters_updater_where_it_imports(make_node, upstream):
     from memspec_ros.ros.node import MemSpecNode
 
     node = make_node("memspec", node_class=MemSpecNode)  # no ParameterAlreadyDeclaredException
@@ -281,7 +286,7 @@ def test_the_node_runs_its_tasks_on_the_real_updater_when_it_imports(make_node, 
     assert len([t for t in node.timers if t.callback == real.update]) == 1
 
 
-def test_an_integer_period_override_starts_the_node_on_the_real_updater(make_node, upstream):
+def test_an_integer_period_override_starts_the_node_on_diagnostic_updaters_updater(make_node, upstream):
     """`-p diagnostic_updater.period:=2` (or `period: 2` in a params file) is an INTEGER override; the real
     Updater declares the period as a double itself, so rclpy raised InvalidParameterTypeException and the node
     did not start on apt ROS (the pip wheels' own updater took it as 2.0)."""

@@ -5,7 +5,7 @@ Each test injects one fault, checks that /diagnostics names it (ERROR or WARN wi
 goal meeting it ends as documented (greedy output still the target's own, or ABORTED with the reason),
 removes the cause, and checks that later goals succeed and that nothing leaked: the node's own threads
 are the ones it had before (the executor's pool is bounded by its size), every draft model that left the
-cache is garbage, and resident memory grew by at most 5 % (the issue's bound after warm-up).
+cache is garbage (resident memory is not measured here: `memspec-bench soak --long` bounds its growth).
 
 Faults already covered elsewhere and not repeated here: shutdown during a goal (test_node_lifecycle),
 deactivate during a goal (test_node_action), SIGINT/SIGTERM during a goal (test_node_process), a draft

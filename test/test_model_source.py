@@ -255,11 +255,20 @@ def test_a_conversion_waits_for_another_process_converting_the_same_file(tmp_pat
     conversions = []
     monkeypatch.setattr(model_source, "convert_gguf", lambda path, out: conversions.append(out))
     out: list = []
+    flock, asking = fcntl.flock, threading.Event()
+
+    def observed_flock(fd, operation):
+        if threading.current_thread() is not threading.main_thread():
+            asking.set()  # the waiter asks for the lock (and blocks on it: the main thread holds it)
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", observed_flock)
     with open(gguf_dir / f".{key}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        flock(lock, fcntl.LOCK_EX)
         waiter = threading.Thread(target=lambda: out.append(resolve_model_path(str(src))))
         waiter.start()
-        waiter.join(0.5)
+        assert asking.wait(30.0), "the conversion did not take the lock"
+        waiter.join(0.2)
         assert waiter.is_alive() and conversions == []  # held back by the lock
         done = gguf_dir / key  # what the other process leaves
         done.mkdir()

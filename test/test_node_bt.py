@@ -87,15 +87,29 @@ def test_preemption_cancels_the_goal(h):
 def test_preemption_before_the_goal_is_seen_accepted_cancels_it_when_it_is(h):
     """Preempted in the tick that sent the goal: its acceptance is not in yet, and the goal, once accepted, would run
     to its end holding the node's one generation. It is cancelled when the answer comes."""
-    b = behaviour(h, max_new_tokens=3000)
-    b.tick_once()  # sends the goal; the answer comes on the harness's executor thread
-    seen = b.goal_handle is not None
-    b.stop(Status.INVALID)
-    assert b.outcome == "canceled"
+    import threading
+
+    answer = threading.Event()
+    server, on_goal = h.node._action_server, h.node._runner.on_goal
+
+    def held_on_goal(request):  # the node answers only once the behaviour has been preempted
+        answer.wait(30.0)
+        return on_goal(request)
+
+    server.register_goal_callback(held_on_goal)
+    try:
+        b = behaviour(h, max_new_tokens=3000)
+        b.tick_once()  # sends the goal; the answer comes on the harness's executor thread, once released
+        assert b.goal_future is not None and not b.goal_future.done()
+        b.stop(Status.INVALID)
+        assert b.outcome == "canceled"
+    finally:
+        answer.set()
+        server.register_goal_callback(on_goal)
     handle = h.wait(b.goal_future, 10.0, "the goal response")
     assert handle.accepted
     response = h.result(handle, 30.0)
-    assert response.status == GoalStatus.STATUS_CANCELED, seen
+    assert response.status == GoalStatus.STATUS_CANCELED
     assert response.result.completion_tokens < 3000
 
 

@@ -484,9 +484,18 @@ def test_destroying_the_node_waits_for_a_configure_in_progress(harness, monkeypa
     threading.Thread(target=lambda: h.transition(Transition.TRANSITION_CONFIGURE, timeout=5.0), daemon=True).start()
     assert entered.wait(30.0)
     h.node.close_goals("the node is shutting down (SIGINT)")  # what main()'s signal handler does first
-    destroyed = threading.Event()
+    destroyed, waiting = threading.Event(), threading.Event()
+    wait = h.node._wait_for_transition
+
+    def observed_wait():
+        waiting.set()
+        return wait()
+
+    monkeypatch.setattr(h.node, "_wait_for_transition", observed_wait)
     threading.Thread(target=lambda: (h.node.destroy_node(), destroyed.set()), daemon=True).start()
-    time.sleep(0.5)
+    assert waiting.wait(30.0), "destroy_node did not wait for the transition"
+    # the configure holds the transition until the gate opens: however slow the machine, destroy is still waiting
+    time.sleep(0.2)
     assert not destroyed.is_set(), "the node was destroyed under the configure"
     gate.set()
     assert destroyed.wait(30.0)

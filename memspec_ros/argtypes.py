@@ -36,6 +36,37 @@ def int_in(lo: int, hi: int):
     return parse
 
 
+def float_in(lo: float, hi: float):
+    """A number in [lo, hi] (e.g. a node parameter's range): one the node would refuse when it starts is refused by
+    the parser instead."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not lo <= value <= hi:  # nan fails this too
+            raise argparse.ArgumentTypeError(f"{value} is not in [{lo:g}, {hi:g}]")
+        return value
+
+    parse.__name__ = f"{lo:g} to {hi:g}"
+    return parse
+
+
+def node_range(name: str):
+    """A value within the node parameter ``name``'s declared range (ros/params.py), for an option that becomes that
+    parameter (a bench's --threads, --feedback-period): the node refused it with a traceback after starting. A
+    thread count is at least 1 here (the parameter's 0, torch's default, is no count to pass)."""
+
+    def parse(text: str):
+        from .ros.params import BY_NAME
+
+        param = BY_NAME[name]
+        if param.int_range:
+            return int_in(max(param.int_range[0], 1), param.int_range[1])(text)
+        return float_in(*param.float_range)(text)
+
+    parse.__name__ = f"{name} (the node's range)"
+    return parse
+
+
 def non_negative_float(text: str) -> float:
     """A period or a share where 0 is meaningful ('every time'): a negative one, or nan, is refused."""
     value = float(text)
@@ -82,4 +113,31 @@ def message_text(text: str) -> str:
     turn of a --chat session then), is refused by the parser instead."""
     if not text.strip():
         raise argparse.ArgumentTypeError("the text is empty or only whitespace (leave the option out instead)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file to write a result to (``--json``): a folder, or a path under an existing file, failed only once the
+    run had finished, and the result of minutes of work was lost. The folder is made at the write if missing."""
+    from pathlib import Path
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("no file named")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: name a file in it")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"{parent} is a file, so {text} cannot be made")
+            break
+    return text
+
+
+def json_output_file(text: str) -> str:
+    """``--json`` of a run that also writes a plot beside it (the same name, .png): a .png name would be overwritten
+    by that plot."""
+    text = output_file(text)
+    if text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"{text}: the plot is written beside the JSON as .png; name the JSON .json")
     return text

@@ -290,6 +290,14 @@ def test_the_engine_bench_takes_target_and_draft_path_together(given, tmp_path, 
     (["llamacpp", "--threads", "0"], "--threads"),
     (["llamacpp", "--threads", "1,x"], "--threads"),
     (["action", "--feedback-period", "-1"], "--feedback-period"),
+    # the node's own ranges (model.threads, action.feedback_period): it refused them with a traceback once started
+    (["action", "--threads", "257"], "--threads"),
+    (["action", "--feedback-period", "61"], "--feedback-period"),
+    (["soak", "--threads", "257"], "--threads"),
+    # free strings whose bad value failed with a traceback once the target had loaded
+    (["engine", "--quantization", "int3"], "--quantization"),
+    (["engine", "--dtype", "fp64"], "--dtype"),
+    (["engine", "--draft-quantization", "gptq"], "--draft-quantization"),
 ])
 def test_bench_options_past_the_controllers_limits_are_refused_by_the_parser(argv, flag, capsys):
     """A gamma of 9, a capacity of 100 or an interval of 2000 was refused by the controller only after minutes of
@@ -308,8 +316,49 @@ def test_the_action_bench_refuses_an_unknown_policy_before_starting_the_node(tmp
     from memspec_ros.bench.cli import main
 
     monkeypatch.setattr(action_bench, "run_action_bench", lambda *a, **k: pytest.fail("the bench started"))
-    with pytest.raises(SystemExit, match="--policy memspek: unknown; use one of .*memspec"):
+    with pytest.raises(SystemExit, match="--policy memspek: the node runs one of .*memspec"):
         main(["action", "--zoo", "tiny", "--policy", "memspek"])
+    # an oracle is a policy of the offline bench only: the node refused it with a traceback after starting
+    with pytest.raises(SystemExit, match="--policy oracle-static: the node runs one of"):
+        main(["action", "--zoo", "tiny", "--policy", "oracle-static"])
+    # a predictor that is not there: the node ran general-static and the result said memspec
+    with pytest.raises(SystemExit, match="--predictor .*typo: no trained ranking head there"):
+        main(["action", "--zoo", "tiny", "--predictor", str(tmp_path / "typo")])
+
+
+@pytest.mark.parametrize("bench", ["engine", "llamacpp", "action", "soak", "policies"])
+def test_a_json_output_that_cannot_be_written_is_refused_before_the_run(bench, tmp_path, capsys):
+    """--json naming a folder, or a path under a file, failed with a traceback once the run was over, and its
+    result was lost."""
+    from memspec_ros.bench.cli import main
+
+    (tmp_path / "file").write_text("")
+    for path, said in ((tmp_path, "is a folder"), (tmp_path / "file" / "out.json", "is a file, so")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([bench, "--json", str(path)])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_policies_json_may_not_be_named_as_its_plot(capsys):
+    """policies writes its plot beside the JSON with the suffix .png: a JSON named .png was overwritten by it."""
+    from memspec_ros.bench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["policies", "--json", "out.png"])
+    assert exit_info.value.code == 2 and "name the JSON .json" in capsys.readouterr().err
+
+
+def test_a_result_whose_write_fails_is_printed_before_the_error(tmp_path, monkeypatch, capsys):
+    """A --json write failing at the end (the disk full, the folder removed meanwhile) lost the run's figures."""
+    from memspec_ros.bench import cli
+
+    def full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(SystemExit, match="could not write the result .*No space left.*printed above"):
+        cli._write_json({"tokens_per_second": 12.5}, str(tmp_path / "r.json"))
+    assert json.loads(capsys.readouterr().out) == {"tokens_per_second": 12.5}
 
 
 def _zoo_without_target(root: Path, rows: dict[str, str]) -> Path:

@@ -229,9 +229,11 @@ def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_clea
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
-def test_action_bench_runs_both_paths_with_identical_outputs(ros_domain_id, chat):
+def test_action_bench_runs_both_paths_with_identical_outputs(ros_domain_id, chat, tmp_path):
     """A smoke run of `memspec-bench action` (the speed claim lives in the benchmark, not here). With an
-    instruct model's tokenizer the direct path must send what a goal sends (chat template, end of turn)."""
+    instruct model's tokenizer the direct path must send what a goal sends (chat template, end of turn). The
+    result names the policy the node ran: with a predictor that is not there it fell back to general-static,
+    and the result said memspec."""
     import torch
 
     from memspec_ros.bench.action_bench import run_action_bench
@@ -239,9 +241,15 @@ def test_action_bench_runs_both_paths_with_identical_outputs(ros_domain_id, chat
     threads = torch.get_num_threads()
     try:
         result = run_action_bench(tiny_chat_zoo() if chat else tiny_zoo(), prompts=2, runs=1, max_new_tokens=8,
-                                  domain_id=ros_domain_id)
+                                  domain_id=ros_domain_id, predictor="" if chat else str(tmp_path / "missing"))
     finally:
         torch.set_num_threads(threads)
+    assert result["policy_asked"] == "memspec"
+    if chat:
+        assert result["policy"] == "memspec" and not result["note"]
+    else:
+        assert result["policy"] == "general-static" and "policy memspec asked, the node ran general-static" in (
+            result["note"])
     assert result["outputs_identical"]
     assert len(result["rows"]) == 2
     assert all(0 < r["action_tokens"] == r["direct_tokens"] <= 8 for r in result["rows"])

@@ -59,14 +59,18 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
         texts = domain_prompts(Path(__file__).resolve().parents[2] / "models" / "workloads"
                                if not (zoo / "workloads").is_dir() else zoo / "workloads", prompts)
         with isolated_domain(domain_id):  # read by rclpy.init and the client process
-            rows = _pairs(zoo, texts, runs, max_new_tokens, threads, feedback_period, policy, predictor, progress)
+            rows, ran = _pairs(zoo, texts, runs, max_new_tokens, threads, feedback_period, policy, predictor,
+                               progress)
+    if ran["policy"] != policy:  # the node fell back (no predictor for a ranking policy): said, and recorded
+        note = "; ".join(filter(None, [note, f"policy {policy} asked, the node ran {ran['policy']}"
+                                             f" ({ran['predictor_note'] or 'no reason given'})"]))
 
     def med(path: str, key: str) -> float:
         return statistics.median(r[path][key] for r in rows)
 
     result = {
         "zoo": str(zoo), "note": note, "prompts": len(texts), "runs": runs, "max_new_tokens": max_new_tokens,
-        "threads": threads, "policy": policy, "feedback_period": feedback_period,
+        "threads": threads, "policy": ran["policy"], "policy_asked": policy, "feedback_period": feedback_period,
         "action_tokens_per_second_median": med("action", "tps"),
         "direct_tokens_per_second_median": med("direct", "tps"),
         "action_end_to_end_tokens_per_second_median": med("action", "e2e"),
@@ -91,8 +95,9 @@ def _ratio(mine: float, theirs: float) -> float:
 
 
 def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads: int, feedback_period: float,
-           policy: str, predictor: str, progress) -> list[dict]:
-    """The interleaved (action, direct) pairs, with the node and the client process up for their duration."""
+           policy: str, predictor: str, progress) -> tuple[list[dict], dict]:
+    """The interleaved (action, direct) pairs, with the node and the client process up for their duration, and the
+    policy the node ran (with why, where it is not the one asked for)."""
     import rclpy
     from rclpy.context import Context
     from rclpy.executors import MultiThreadedExecutor
@@ -123,6 +128,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
         if node.trigger_configure().name != "SUCCESS" or node.trigger_activate().name != "SUCCESS":
             raise RuntimeError(f"the node did not configure/activate: {node.configure_error}")
         controller = node.loaded.controller
+        ran = {"policy": controller.config.policy, "predictor_note": node.loaded.predictor_note}
         # the action client is its own process, as a robot's client is: its feedback handling and
         # executor are not charged to the server's process
         client = subprocess.Popen([sys.executable, "-m", "memspec_ros.bench.action_bench", "/memspec_bench/generate"],
@@ -174,7 +180,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
         spinner.join(5.0)  # out of rcl before the node it spins is destroyed
         node.destroy_node()
         rclpy.try_shutdown(context=context)
-    return rows
+    return rows, ran
 
 
 def client_main(action_name: str) -> int:

@@ -9,7 +9,15 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..argtypes import controller_limit, non_negative_float, non_negative_int, positive_int, thread_counts
+from ..argtypes import (
+    controller_limit,
+    json_output_file,
+    node_range,
+    non_negative_int,
+    output_file,
+    positive_int,
+    thread_counts,
+)
 from ..runtime import bundled_zoo_dir
 
 DEFAULT_ZOO = bundled_zoo_dir()
@@ -54,13 +62,13 @@ TINY_IGNORES = {"quantization": "none", "draft_quantization": "none", "dtype": "
 
 def _engine_models(args):
     """The zoo's target and one draft, or generated tiny models when no zoo is there."""
-    from ..runtime.models import ModelSpec, load_model, tokenizer_fingerprint
+    from ..runtime.models import ModelLoadError, ModelSpec, load_model, tokenizer_fingerprint
 
     # with --target the zoo only lends its workloads (if it has them); else it is the models' source
     zoo = (None if args.zoo == TINY_ZOO else Path(args.zoo)) if args.target else _bench_zoo(args)
     if args.target or zoo is not None:
         from ..runtime.loader import DraftLists, load_models
-        from ..runtime.registry import DraftRegistry, RegistryError
+        from ..runtime.registry import DraftRegistry
 
         workloads = Path(args.workloads_dir) if args.workloads_dir else zoo / "workloads" if zoo else None
         try:  # read before the models load: a bad row or registry is named in seconds, not after the loads
@@ -74,14 +82,14 @@ def _engine_models(args):
         if args.draft not in names:  # before the target loads
             raise SystemExit(f"--draft {args.draft}: not in {registry_file}; use one of {', '.join(names)}")
         drafts = DraftLists([args.draft], [args.draft_path]) if args.target else None
-        try:
+        try:  # a model that cannot load (a missing folder, a GPTQ path without its checkpoint) says why, no traceback
             models = load_models(registry_file, drafts=drafts, target_path=args.target, dtype=args.dtype,
                                  quantization=args.quantization, gamma=args.gamma, validate=False)
-        except RegistryError as exc:
+            draft_path = models.registry.get(args.draft).path
+            draft = load_model(ModelSpec(draft_path, dtype=models.draft_dtype, quantization=args.draft_quantization))
+        except (ModelLoadError, ValueError) as exc:  # RegistryError is a ValueError
             raise SystemExit(f"memspec-bench engine: {exc}") from None
-        draft_path = models.registry.get(args.draft).path
         target, tokenizer, target_path = models.target, models.tokenizer, models.target.spec.path
-        draft = load_model(ModelSpec(draft_path, dtype=models.draft_dtype, quantization=args.draft_quantization))
         args.forward_paths = {"target": target.forward_path, "draft": draft.forward_path,
                               "target_auto": target.path_choice.as_dict() if target.path_choice else None}
         prompts = _unique_prompt_ids(tokenizer, rows, args.prompts) or [tokenizer("The robot")["input_ids"]]
@@ -166,11 +174,17 @@ def _datastore(args, fingerprint: str | None = None):
 
 
 def _write_json(result: dict, path: str | None) -> str:
-    """``result`` as indented JSON; also written to ``path`` (its folder made) when one is given."""
+    """``result`` as indented JSON; also written to ``path`` (its folder made) when one is given. A write that
+    fails (the disk full, the folder removed during the run) prints the result before it says so: the run's
+    figures are not lost with the file."""
     text = json.dumps(result, indent=2)
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text + "\n")
+        except OSError as exc:
+            print(text)
+            raise SystemExit(f"--json {path}: could not write the result ({exc}); it is printed above") from None
     return text
 
 
@@ -358,10 +372,16 @@ def cmd_action(args) -> int:
     from .action_bench import run_action_bench
 
     _quiet_transformers()
-    from ..runtime.policies import POLICIES
+    from ..ros.params import BY_NAME
+    from ..runtime.loader import HEAD_CONFIG, find_predictor
+    from ..runtime.policies import RANKING_POLICIES
 
-    if args.policy not in POLICIES:  # before the node and its client start
-        raise SystemExit(f"--policy {args.policy}: unknown; use one of {', '.join(POLICIES)}")
+    node_policies = BY_NAME["memspec.policy"].choices  # the node's own (the oracles need the future: bench only)
+    if args.policy not in node_policies:  # before the node and its client start
+        raise SystemExit(f"--policy {args.policy}: the node runs one of {', '.join(node_policies)}")
+    if args.predictor and args.policy in RANKING_POLICIES and not find_predictor(args.predictor):
+        # the node would fall back to general-static: the figures would be another policy's under this one's name
+        raise SystemExit(f"--predictor {args.predictor}: no trained ranking head there ({HEAD_CONFIG})")
     zoo = _bench_zoo(args)
     with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar, _named_row_errors("action"):
         result = run_action_bench(zoo, prompts=args.prompts, runs=args.runs, max_new_tokens=args.max_new_tokens,
@@ -550,11 +570,12 @@ def cmd_paper(args) -> int:
     return 0 if index["lossless"] and within else 1
 
 
-def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_help: str,
+def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_help: str, json_type=output_file,
+                      threads_type=positive_int,
                       zoo_help: str = "", threads_help: str = "",
                       runs_help: str = "repetitions; medians are reported") -> None:
     """The options every benchmark shares, with its own defaults."""
-    parser.add_argument("--json", help="write the result JSON here")
+    parser.add_argument("--json", type=json_type, help="write the result JSON here")
     parser.add_argument("--zoo", default=str(DEFAULT_ZOO),
                         help=f"zoo directory with registry.yaml (default: the bundled zoo{zoo_help})")
     parser.add_argument("--prompts", type=positive_int, default=prompts, help=f"{prompts_help} (default {prompts})")
@@ -563,7 +584,7 @@ def _common_arguments(parser, *, prompts: int, runs: int, threads: int, prompts_
     parser.add_argument("--max-new-tokens", type=positive_int, default=128,
                         help="tokens per prompt (default 128, the paper's)")
     parser.add_argument(
-        "--threads", type=positive_int, default=threads, help=f"torch CPU threads (default {threads}{threads_help})"
+        "--threads", type=threads_type, default=threads, help=f"torch CPU threads (default {threads}{threads_help})"
     )
 
 
@@ -586,6 +607,8 @@ def _storage_argument(parser, what: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..runtime.models import DTYPE_CHOICES, QUANTIZATIONS
+
     parser = argparse.ArgumentParser(prog="memspec-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     eng = sub.add_parser("engine", help="target-only vs transformers assisted generation vs this engine")
@@ -596,10 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--target", help="target model directory (overrides the zoo; needs --draft-path)")
     eng.add_argument("--draft-path", help="draft model directory, with --target")
     eng.add_argument("--gamma", type=_GAMMA, default=4, help="draft tokens per iteration (default 4)")
-    eng.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 | auto (default fp32)")
-    eng.add_argument("--quantization", default="none",
+    eng.add_argument("--dtype", default="fp32", choices=DTYPE_CHOICES, help="fp32 | bf16 | fp16 | auto (default fp32)")
+    eng.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                      help="target forward path: none | int8 | int4 | gptq | auto (time every path, keep the fastest)")
-    eng.add_argument("--draft-quantization", default="none", help="draft forward path: none | int8 | int4")
+    eng.add_argument("--draft-quantization", default="none", choices=("none", "int8", "int4"),
+                     help="draft forward path: none | int8 | int4")
     eng.add_argument("--adaptive-gamma", action="store_true",
                      help="choose gamma per iteration from measured costs (--gamma is then the most)")
     eng.add_argument("--context-lookup", action="store_true",
@@ -615,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     lcp = sub.add_parser(
         "llamacpp", help="this engine (every forward path, alone and speculative) beside llama.cpp on the same GGUF"
     )
-    lcp.add_argument("--json", help="write the result JSON here")
+    lcp.add_argument("--json", type=output_file, help="write the result JSON here")
     lcp.add_argument(
         "--zoo", default=str(DEFAULT_ZOO), help="zoo directory with registry.yaml (default: the bundled zoo)"
     )
@@ -644,10 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",
                       zoo_help=f"; '{TINY_ZOO}': a generated tiny zoo, also used when this install has none",
-                      threads_help=": best on a busy 2-core CPU")
+                      threads_help=": best on a busy 2-core CPU", threads_type=node_range("model.threads"))
     act.add_argument(
         "--feedback-period",
-        type=non_negative_float,
+        type=node_range("action.feedback_period"),
         default=0.1,
         help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)",
     )
@@ -656,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     act.set_defaults(func=cmd_action)
     soak = sub.add_parser("soak", help="the node under load: sequential goals, bursts against the queue, a cancel"
                                        " storm; lost goals, cache budget, RSS growth, acceptance latency")
-    soak.add_argument("--json", help="write the result JSON here")
+    soak.add_argument("--json", type=output_file, help="write the result JSON here")
     soak.add_argument("--zoo", default=str(DEFAULT_ZOO),
                       help="zoo directory with registry.yaml, or 'tiny' for a generated tiny zoo (default: the"
                            " bundled zoo)")
@@ -665,12 +689,13 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--goals", type=positive_int, help="sequential goals (default 200, --long 1000)")
     soak.add_argument("--bursts", type=positive_int, help="bursts of 20 goal requests against a queue of 4 (default 3)")
     soak.add_argument("--storm-rounds", type=positive_int, help="cancel storm rounds of queue + 1 goals (default 5)")
-    soak.add_argument("--threads", type=positive_int, help="torch CPU threads of the node (default 1)")
+    soak.add_argument("--threads", type=node_range("model.threads"), help="torch CPU threads of the node (default 1)")
     soak.set_defaults(func=cmd_soak)
     pol = sub.add_parser(
         "policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)"
     )
     _common_arguments(pol, prompts=4, runs=1, threads=1, prompts_help="prompts per workload (the paper: 100)",
+                      json_type=json_output_file,
                       runs_help="repetitions; each workload's rate is over all of them (sums, not medians)")
     pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
     pol.add_argument("--policies",

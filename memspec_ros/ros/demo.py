@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..argtypes import positive_float, positive_int
+from ..argtypes import node_range, positive_float, positive_int
 from ..runtime.jsonl import WorkloadFileError, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the node's parameters file (default config/memspec.yaml)")
     parser.add_argument("--prompt", help="prompt (default: the zoo's first code workload prompt)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--threads", type=positive_int, default=os.environ.get("MEMSPEC_THREADS", "1"),
+    parser.add_argument("--threads", type=node_range("model.threads"), default=os.environ.get("MEMSPEC_THREADS", "1"),
                         help="torch CPU threads of the node (default 1: fastest on a busy 2-core machine)")
     parser.add_argument("--timeout", type=positive_float, default=180.0, help="seconds allowed for configure")
     parser.add_argument("--quantization", default="none",

@@ -151,6 +151,19 @@ def test_a_target_of_another_vocabulary_is_refused(tmp_path):
         export_draft_gguf(draft_dir, target_gguf(tmp_path / "small.gguf", vocab=80), tmp_path / "draft.gguf")
 
 
+def test_an_output_that_is_one_of_the_inputs_is_refused_and_nothing_changes(tmp_path):
+    """`memspec-zoo draft-gguf --out` naming the --target file replaced the 98 MB target with the draft, exit 0."""
+    draft_dir = reduced_draft(tmp_path, tied=True)
+    target = target_gguf(tmp_path / "target.gguf")
+    before = target.read_bytes()
+    draft_files = sorted(p.name for p in draft_dir.iterdir())
+    for out, said in ((target, "is the target GGUF itself"), (draft_dir / "draft.gguf", "inside the draft's folder"),
+                      (tmp_path, "is a folder")):
+        with pytest.raises(DraftGGUFError, match=said):
+            export_draft_gguf(draft_dir, target, out)
+    assert target.read_bytes() == before and sorted(p.name for p in draft_dir.iterdir()) == draft_files
+
+
 def test_the_bench_exports_each_domain_draft_once_and_reuses_it(tmp_path):
     draft_dir = reduced_draft(tmp_path, tied=True)
     target = target_gguf(tmp_path / "target.gguf")

@@ -163,6 +163,14 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, out: str |
     from gguf import GGUFValueType, GGUFWriter, LlamaFileType
 
     draft_dir, target_gguf, out = Path(draft_dir), Path(target_gguf), Path(out)
+    # the output replaced its own input without a word: the target model (--out naming the --target file), or a
+    # file of the draft being read
+    if out.is_dir():
+        raise DraftGGUFError(f"{out} is a folder: name the GGUF file to write")
+    if out.resolve() == target_gguf.resolve():
+        raise DraftGGUFError(f"{out} is the target GGUF itself: name another file to write the draft to")
+    if out.resolve().is_relative_to(draft_dir.resolve()):
+        raise DraftGGUFError(f"{out} is inside the draft's folder {draft_dir}: write the GGUF elsewhere")
     config, tensors = _read_draft(draft_dir)
     fields, target_vocab = _target_tokenizer_fields(target_gguf)
     token_embd, output, _ = full_vocab_tables(config, tensors, draft_dir, target_vocab)

@@ -242,6 +242,41 @@ def test_the_predictor_trainer_refuses_prompts_beside_answers_and_a_negative_hor
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--gamma", "9"), ("--interval", "1025"), ("--recent-tokens", "4097"),
+                                             ("--recent-tokens", "0")])
+def test_the_predictor_trainer_holds_its_settings_to_the_controllers_limits(flag, value, tmp_path, capsys):
+    """A head trained at T 5000 or N 2000 was published, and the node then refused to configure with it, asking
+    for a value its parameter ranges forbid."""
+    from memspec_ros.zoo import predictor_training
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        predictor_training.main(["--prompts", str(tmp_path / "p.jsonl"), flag, value, "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_the_predictor_trainers_output_is_checked_first_and_replacing_the_zoos_own_is_said(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """--out naming a file failed after minutes of training, in a traceback; the default replaced the predictor the
+    node loads without a word."""
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo import predictor_training
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n")
+    (tmp_path / "a-file").write_text("")
+    _no_model_loads(monkeypatch)
+    argv = ["--registry", str(zoo / "registry.yaml"), "--prompts", str(tmp_path / "p.jsonl")]
+    with pytest.raises(SystemExit, match="--out .*a-file is a file: name a folder"):
+        predictor_training.main([*argv, "--out", str(tmp_path / "a-file")])
+    ran = []
+    monkeypatch.setattr(predictor_training, "run", lambda args: (ran.append(args.out), {})[1])
+    monkeypatch.setattr(predictor_training, "format_report", lambda report: "")
+    predictor_training.main(argv)
+    assert ran == [str(zoo / "predictor")]
+    assert "replace the zoo's own in" in capsys.readouterr().err
+
+
 def test_prompts_the_node_would_refuse_are_reported_as_such(tmp_path, capsys):
     """Every prompt refused (a forged turn, say) was reported as 'every prompt is longer than --max-prompt-tokens'."""
     from memspec_ros.testing.tiny_zoo import build_tiny_zoo

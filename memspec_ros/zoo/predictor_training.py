@@ -65,7 +65,7 @@ from memspec_ros.runtime.predictor import (
     target_fingerprint,
 )
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import controller_limit, int_in, non_negative_int, positive_int
 
 
 @dataclass
@@ -588,9 +588,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help=f"with --prompts: tokens the target decodes per prompt (default"
                         f" {DECODE_DEFAULTS['max_new_tokens']})")
-    p.add_argument("--gamma", type=positive_int, default=4)
-    p.add_argument("--interval", type=positive_int, default=4, help="N: iterations per scheduling interval")
-    p.add_argument("--recent-tokens", type=positive_int, default=32, help="T")
+    # within the controller's limits: a head trained at a T or N the node cannot be set to was refused at configure
+    p.add_argument("--gamma", type=controller_limit("gamma"), default=4)
+    p.add_argument("--interval", type=controller_limit("interval"), default=4,
+                   help="N: iterations per scheduling interval")
+    p.add_argument("--recent-tokens", type=_recent_tokens, default=32, help="T")
     p.add_argument("--prompt-tokens", type=non_negative_int, default=16, metavar="W",
                    help="the prompt half pools the prompt's last W positions, the latest request's end and the"
                         " reply's header, so earlier turns and a system prompt do not outweigh it (0: the whole"
@@ -613,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads (1: small models on a shared CPU run far faster without contention)")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def _recent_tokens(text: str) -> int:
+    """T of a head: at least 1 (a head pools some recent tokens), at most the controller's recent_tokens."""
+    from memspec_ros.runtime.controller import LIMITS
+
+    return int_in(1, LIMITS["recent_tokens"][1])(text)
 
 
 def check_inputs(args: argparse.Namespace) -> None:
@@ -645,6 +654,21 @@ def check_inputs(args: argparse.Namespace) -> None:
                          " models/datastore.safetensors)")
 
 
+def _checked_out(given: str | None, default: Path) -> str:
+    """--out, checked before any work (a file in its place failed after minutes of training, in a traceback). The
+    default is the zoo's own predictor, the one the node loads: replacing it is said up front."""
+    out = Path(given) if given else default
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"memspec-train-predictor: --out {out} is a file: name a folder")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise SystemExit(f"memspec-train-predictor: --out {out}: {existing} cannot be written to")
+    if not given and find_predictor(out):
+        print(f"memspec-train-predictor: the heads trained here replace the zoo's own in {out} (the predictor the node"
+              " loads); give --out to write them elsewhere", file=sys.stderr)
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -664,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, default in DECODE_DEFAULTS.items():
         setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
     check_inputs(args)
-    args.out = args.out or str(Path(args.registry).parent / "predictor")
+    args.out = _checked_out(args.out, Path(args.registry).parent / "predictor")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)

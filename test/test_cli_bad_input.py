@@ -566,6 +566,18 @@ def test_an_acceptance_output_that_is_a_directory_is_refused_before_any_decoding
         cli.main(["acceptance", "--models", str(BUNDLED), *[x for kv in paths.items() for x in kv]])
 
 
+@pytest.mark.parametrize("flag", ["--plot", "--continuations"])
+def test_an_acceptance_output_named_as_the_json_is_refused_before_any_decoding(flag, tmp_path, monkeypatch):
+    """The JSON is written first, then the plot (or the toy zoo's continuations cache): one of the same name
+    replaced the matrix after the whole run."""
+    from memspec_ros.zoo import cli
+
+    monkeypatch.setattr(cli, "_is_chat_zoo", lambda models: pytest.fail("went on past the outputs' check"))
+    with pytest.raises(SystemExit, match=f"{flag} and --json name the same file"):
+        cli.main(["acceptance", "--models", str(BUNDLED), "--json", str(tmp_path / "a.json"), flag,
+                  str(tmp_path / "a.json")])
+
+
 def test_the_chat_acceptance_reads_a_prompt_row_as_one_user_turn():
     """The default workloads' rows are checked with request_problem, which takes a {"prompt"} row; the chat
     acceptance then read row["messages"] and ended in a KeyError."""

@@ -256,6 +256,11 @@ def _acceptance_outputs(a) -> tuple[Path, Path]:
     for flag, path in (("--json", out), ("--plot", plot)):
         if path.is_dir():  # found after minutes of decoding and scoring, as a traceback
             raise SystemExit(f"memspec-zoo acceptance: {flag} {path} is a directory: give a file's path")
+    # the JSON is written first: a plot of the same name replaced the matrix after the whole run; so did a
+    # continuations cache of that name (the toy zoo's), written after it
+    for flag, path in (("--plot", plot), ("--continuations", Path(a.continuations) if a.continuations else None)):
+        if path is not None and path.resolve() == out.resolve():
+            raise SystemExit(f"memspec-zoo acceptance: {flag} and --json name the same file ({out})")
     return out, plot
 
 

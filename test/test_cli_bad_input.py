@@ -578,6 +578,40 @@ def test_an_acceptance_output_named_as_the_json_is_refused_before_any_decoding(f
                   str(tmp_path / "a.json")])
 
 
+@pytest.mark.parametrize("argv", [["--acceptance-json", "{tmp}/typo.json"], ["--notes", "{tmp}/typo.md"],
+                                  ["--threads", "4"], ["--threads", "0"]])
+def test_the_card_checks_its_inputs_before_measuring_and_changes_nothing(argv, tmp_path, monkeypatch, capsys):
+    """A mistyped --acceptance-json or --notes failed after minutes of measuring, in a traceback, with the zoo's
+    card_measurements.json rewritten and its MODEL_CARD.md not; --threads was ignored on a chat zoo (and 0 failed
+    in torch after the measuring on the toy one)."""
+    from memspec_ros.zoo import chat_card
+    from memspec_ros.zoo.cli import main
+
+    monkeypatch.setattr(chat_card, "measure_latencies", lambda models: pytest.fail("measured before the check"))
+    before = {p.name: p.read_bytes() for p in BUNDLED.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["card", "--models", str(BUNDLED), *[a.format(tmp=tmp_path) for a in argv]])
+    said = str(exit_info.value.code) + capsys.readouterr().err
+    assert "no such file" in said or "--threads" in said
+    assert {p.name: p.read_bytes() for p in BUNDLED.iterdir() if p.is_file()} == before
+
+
+def test_the_chat_card_reads_its_inputs_before_writing_either_file(tmp_path, monkeypatch):
+    """write_chat_card wrote card_measurements.json, then failed on the acceptance JSON: the files disagreed."""
+    import shutil
+
+    from memspec_ros.zoo import chat_card
+
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    shutil.copy(BUNDLED / "card_measurements.json", zoo)
+    kept = (zoo / "card_measurements.json").read_bytes()
+    monkeypatch.setattr(chat_card, "measure_latencies", lambda models: {"measured": True})
+    with pytest.raises(FileNotFoundError):
+        chat_card.write_chat_card(zoo, tmp_path / "no-build", tmp_path / "missing.json")
+    assert (zoo / "card_measurements.json").read_bytes() == kept and not (zoo / "MODEL_CARD.md").exists()
+
+
 def test_the_chat_acceptance_reads_a_prompt_row_as_one_user_turn():
     """The default workloads' rows are checked with request_problem, which takes a {"prompt"} row; the chat
     acceptance then read row["messages"] and ended in a KeyError."""

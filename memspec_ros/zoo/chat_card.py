@@ -212,11 +212,15 @@ def write_chat_card(models_dir: Path, build: Path, acceptance_json: Path, notes:
     else:
         raise FileNotFoundError(f"{vocab_file} is missing and {kept} keeps no vocabulary figures: pass the zoo"
                                 " build's work directory (--work-dir)")
+    # what is read is read before the (minutes of) measuring, and both files are written at the end: a missing
+    # acceptance JSON or notes file failed after the measurements were written, the card not, so they disagreed
+    acceptance = json.loads(acceptance_json.read_text())
+    appended = notes.read_text() if notes is not None else None
     measured = {**measure_latencies(models_dir), "vocab": vocab}
+    text = render(measured, acceptance, build, models_dir)
+    if appended is not None:
+        text += "\n" + appended
     kept.write_text(json.dumps(measured, indent=1))
-    text = render(measured, json.loads(acceptance_json.read_text()), build, models_dir)
-    if notes is not None:
-        text += "\n" + notes.read_text()
     out = models_dir / "MODEL_CARD.md"
     out.write_text(text)
     return out

@@ -406,8 +406,8 @@ def _card_parser(sub) -> None:
     p.add_argument("--acceptance-json", default=None)
     p.add_argument(
         "--threads",
-        type=int,
-        default=2,
+        type=positive_int,
+        default=None,
         help="toy zoo: torch threads for the perplexities (default 2); latencies are measured at 1 and 2 threads",
     )
     p.add_argument("--notes", default=None, help="markdown appended to the 'Build as run' section")
@@ -416,7 +416,13 @@ def _card_parser(sub) -> None:
 def _run_card(a) -> int:
     from .card import write_card
 
+    for flag, given in (("--acceptance-json", a.acceptance_json), ("--notes", a.notes)):
+        if given and not Path(given).is_file():  # read after minutes of measuring, as a traceback
+            raise SystemExit(f"memspec-zoo card: {flag} {given}: no such file")
     if _is_chat_zoo(Path(a.models)):
+        if a.threads is not None:  # the chat card measures at 1 and 2 threads and has no perplexities: ignored
+            raise SystemExit("memspec-zoo card: --threads sets the toy zoo's perplexity threads; a chat zoo's card"
+                             " measures its latencies at 1 and 2 threads: leave it out")
         from .chat_build import ChatBuildConfig, recorded_work_dir
         from .chat_card import write_chat_card
 
@@ -430,7 +436,7 @@ def _run_card(a) -> int:
         Path(a.models),
         Path(a.work_dir or "artifacts/zoo-build"),
         Path(a.acceptance_json) if a.acceptance_json else None,
-        a.threads,
+        a.threads or 2,
         Path(a.notes) if a.notes else None,
     )
     return 0

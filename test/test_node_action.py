@@ -601,6 +601,27 @@ def answering_client(handle):
     return Answering
 
 
+def test_memspec_client_refuses_a_bad_node_name_and_a_blank_prompt_before_starting_ros(monkeypatch, capsys):
+    """`--node 'bad name'` ended in a traceback from the action client; an empty or whitespace prompt was sent and
+    the node's rejection came back as eight possible reasons."""
+    import io
+
+    import rclpy
+
+    import memspec_ros.ros.client as client
+
+    monkeypatch.setattr(rclpy, "init", lambda *a, **k: pytest.fail("ROS started for input refused locally"))
+    with pytest.raises(SystemExit) as exit_info:
+        client.parse_args(["hi", "--node", "bad name"])
+    assert exit_info.value.code == 2 and "argument --node: 'bad name' is no valid node name" in capsys.readouterr().err
+    assert client.parse_args(["hi", "--node", "/robot/memspec/"]).node == "/robot/memspec/"
+    for argv, stdin, said in ((["", "--raw"], "", "the prompt is empty"),
+                              ([], "  \n", "the prompt is only whitespace")):
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        assert client.main(argv) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_memspec_client_result_timeout_is_a_flag_900_s_by_default_and_0_waits_without_limit(monkeypatch, capsys):
     """The 900 s limit on a goal's result was hard-coded and undocumented: --result-timeout sets it (in --help), 900 s
     by default, 0 for none; send_goal waits for the result that long."""

@@ -392,11 +392,25 @@ def _non_negative_seconds(text: str) -> float:
     return value
 
 
+def _node_name(text: str) -> str:
+    """An argparse type: a node name whose action ``<name>/generate`` ROS can name (a space in it ended the client
+    in a traceback from the action client)."""
+    from rclpy.exceptions import InvalidTopicNameException
+    from rclpy.validate_topic_name import validate_topic_name
+
+    try:
+        validate_topic_name(text.rstrip("/") + "/generate")
+    except InvalidTopicNameException as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is no valid node name ({str(exc).splitlines()[0]})") from None
+    return text
+
+
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="memspec_client", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
-    parser.add_argument("--node", default=DEFAULT_NODE, help=f"the node's full name (default {DEFAULT_NODE})")
+    parser.add_argument("--node", type=_node_name, default=DEFAULT_NODE,
+                        help=f"the node's full name (default {DEFAULT_NODE})")
     parser.add_argument("--max-new-tokens", type=_integer_in(0, UINT32_MAX, "uint32"), default=0,
                         help="0: the node's generation.max_new_tokens")
     parser.add_argument("--temperature", type=_temperature, default=-1.0,
@@ -448,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt is None:
             print("memspec_client: give a prompt as an argument or on stdin", file=sys.stderr)
             return 2
+    if not args.chat and not args.prompt.strip():  # the node rejects it: its answer came as eight possible reasons
+        said = "empty" if not args.prompt else "only whitespace"
+        print(f"memspec_client: the prompt is {said}: give some text as an argument or on stdin", file=sys.stderr)
+        return 2
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.signals import SignalHandlerOptions

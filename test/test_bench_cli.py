@@ -595,6 +595,15 @@ def test_a_name_given_twice_is_refused_before_anything_runs(tmp_path, option, va
         main(["policies", "--zoo", str(tmp_path), option, value])
 
 
+def test_render_only_refuses_the_options_it_would_ignore(tmp_path):
+    """`paper --render-only --prompts 8 --storage sd` re-rendered the old page and exited 0, as if it had run."""
+    from memspec_ros.bench.cli import main
+
+    with pytest.raises(SystemExit, match=r"--render-only: --prompts, --storage have no effect"):
+        main(["paper", "--render-only", "--out", str(tmp_path), "--prompts", "8", "--storage", "sd"])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_render_only_without_a_run_there_says_what_to_do(tmp_path):
     with pytest.raises(SystemExit, match="no paper.json or policies.json.*run it first"):
         main(["paper", "--render-only", "--out", str(tmp_path)])

@@ -541,6 +541,13 @@ def cmd_paper(args) -> int:
     from .policy_bench import share
 
     if args.render_only:
+        # it only re-renders README.md from --out's items: every other option was dropped without a word
+        defaults = vars(build_parser().parse_args(["paper"]))
+        ignored = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                   if k not in ("out", "render_only", "func", "command") and v != defaults.get(k)]
+        if ignored:
+            raise SystemExit(f"memspec-bench paper --render-only: {', '.join(ignored)} have no effect: it only"
+                             " re-renders README.md from the items in --out; leave them out")
         try:
             rerender(Path(args.out))
         except (FileNotFoundError, ValueError) as exc:

@@ -141,3 +141,31 @@ def json_output_file(text: str) -> str:
     if text.lower().endswith(".png"):
         raise argparse.ArgumentTypeError(f"{text}: the plot is written beside the JSON as .png; name the JSON .json")
     return text
+
+
+def torch_device(text: str) -> str:
+    """``cpu`` or ``cuda[:N]`` that this machine has: 'gpu', or a CUDA index past the last device, failed in torch
+    (a traceback) once the target had loaded and a stage had run."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no device: use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu or cuda[:N]")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise argparse.ArgumentTypeError(f"{text}: torch sees no CUDA device on this machine")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s), 0 to {count - 1}")
+    return text
+
+
+def name_list(text: str) -> list[str]:
+    """A comma list of names (``--stages``): an empty one ran nothing and exited 0."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("no name given")
+    return names

@@ -322,12 +322,25 @@ def test_the_datastore_withholds_answers_to_requests_a_held_out_one_asks(tiny_ta
     assert [a.answer_ids for a in paired] == kept
 
 
-def test_a_cuda_build_on_a_machine_without_cuda_says_so_before_any_work(tmp_path, monkeypatch):
+@pytest.mark.parametrize("command", ["build", "build-toy"])
+def test_a_device_or_stage_list_the_build_cannot_use_is_refused_before_any_work(command, tmp_path, monkeypatch,
+                                                                                capsys):
+    """--device cuda without CUDA, 'gpu' or a CUDA index past the last device failed in torch (a traceback) after
+    the target had loaded and a stage had run; an empty --stages ran nothing and exited 0."""
     from memspec_ros.zoo.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, wherever this runs
-    with pytest.raises(SystemExit, match="no CUDA device"):
-        main(["build", "--device", "cuda", "--work-dir", str(tmp_path / "w"), "--stages", "workloads"])
+    cases = [(["--device", "cuda"], "torch sees no CUDA device"), (["--device", "gpu"], "use cpu or cuda"),
+             (["--stages", ""], "argument --stages: no name given")]
+    for argv, said in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--work-dir", str(tmp_path / "w"), *argv])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one CUDA device
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit):
+        main([command, "--work-dir", str(tmp_path / "w"), "--device", "cuda:1"])
+    assert "this machine has 1 CUDA device(s), 0 to 0" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
 
 

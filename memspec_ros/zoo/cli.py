@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..argtypes import controller_limit, non_negative_int, positive_float, positive_int
+from ..argtypes import controller_limit, name_list, non_negative_int, positive_float, positive_int, torch_device
 
 # OpenMP threads spinning at barriers on a shared CPU made 2-thread training ~8x slower than 1 thread
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -31,10 +31,10 @@ def _build_parser(sub) -> None:
     p = sub.add_parser(
         "build-toy", help="the earlier toy zoo: corpora, tokenizer, a 13 M target trained here (resumable)"
     )
-    p.add_argument("--stages", default=",".join(STAGES), help=f"comma list out of {','.join(STAGES)}")
+    p.add_argument("--stages", type=name_list, default=",".join(STAGES), help=f"comma list out of {','.join(STAGES)}")
     p.add_argument("--work-dir", default="artifacts/zoo-build")
     p.add_argument("--out", default="models")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (a larger/longer zoo on a GPU)")
+    p.add_argument("--device", type=torch_device, default="cpu", help="cpu or cuda (a larger/longer zoo on a GPU)")
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     budgets = {"target": defaults.target_train, "general": defaults.general_train, "onpolicy": defaults.onpolicy_train,
@@ -75,7 +75,8 @@ def _chat_build_parser(sub) -> None:
 
     d = ChatBuildConfig()
     p = sub.add_parser("build", help="chat workloads, the target's answers, reduced-vocabulary drafts (resumable)")
-    p.add_argument("--stages", default=",".join(CHAT_STAGES), help=f"comma list out of {','.join(CHAT_STAGES)}")
+    p.add_argument("--stages", type=name_list, default=",".join(CHAT_STAGES),
+                   help=f"comma list out of {','.join(CHAT_STAGES)}")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target: HF directory, .gguf file or pkg:<package>/<file>")
     p.add_argument("--work-dir", default=str(d.work_dir))
     p.add_argument("--out", default=str(d.out_dir))
@@ -101,7 +102,7 @@ def _chat_build_parser(sub) -> None:
                    help="draft vocabulary size (target ids kept)")
     p.add_argument("--draft-hidden", type=positive_int, default=d.arch.hidden_size)
     p.add_argument("--draft-layers", type=positive_int, default=d.arch.num_layers)
-    p.add_argument("--device", default=d.device,
+    p.add_argument("--device", type=torch_device, default=d.device,
                    help="where the teacher answers and the drafts train: cpu, or cuda for many more answers")
     p.add_argument("--train-batch", type=positive_int, default=d.general_train.batch_size,
                    help="answers per training step (general and domain drafts)")
@@ -130,13 +131,9 @@ def _general_domains(text: str) -> tuple[str, ...]:
 def _run_chat_build(a) -> int:
     from dataclasses import replace
 
-    import torch
-
     from .chat_build import ChatBuildConfig, ChatZooBuild
 
     d = ChatBuildConfig()
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"memspec-zoo build: --device {a.device}, but torch sees no CUDA device on this machine")
     cfg = ChatBuildConfig(
         work_dir=Path(a.work_dir), out_dir=Path(a.out), target=a.target, threads=a.threads, seed=a.seed,
         device=a.device,
@@ -155,7 +152,7 @@ def _run_chat_build(a) -> int:
     from ..runtime.models import ModelLoadError
 
     try:
-        ChatZooBuild(cfg).run([s.strip() for s in a.stages.split(",") if s.strip()])
+        ChatZooBuild(cfg).run(a.stages)
     except (ValueError, FileNotFoundError, ModelLoadError) as exc:  # a stage run before its inputs says which
         raise SystemExit(f"memspec-zoo build: {exc}") from None
     return 0
@@ -193,7 +190,7 @@ def _run_build(a) -> int:
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
     try:
         build = ZooBuild(cfg)  # checks the configuration before any work
-        build.run([s.strip() for s in a.stages.split(",") if s.strip()])
+        build.run(a.stages)
     except ValueError as exc:
         raise SystemExit(f"memspec-zoo build-toy: {exc}") from None
     return 0

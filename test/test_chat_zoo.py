@@ -594,6 +594,26 @@ def test_settings_the_chat_zoo_would_drop_are_refused(tiny_build, tmp_path):
     assert not (tmp_path / "a.json").exists()
 
 
+def test_acceptance_says_its_answers_folder_cannot_be_written_before_the_target_answers(tiny_build, tmp_path,
+                                                                                        monkeypatch):
+    """The target's answers to the held-out requests are stored in --answers (default <models>/answers): a folder
+    that cannot be written (an installed share/ folder) failed after the target's minutes of answering."""
+    import os
+
+    from memspec_ros.runtime import models
+    from memspec_ros.zoo import cli
+
+    def read_only(path, mode):
+        return mode != os.W_OK
+
+    monkeypatch.setattr(cli.os, "access", read_only)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the target loaded to answer"))
+    with pytest.raises(SystemExit, match=r"answers are stored in .*new.*cannot be written to: give --answers"):
+        cli.main(["acceptance", "--json", str(tmp_path / "a.json"), "--models", str(tiny_build.out_dir),
+                  "--answers", str(tmp_path / "new")])
+    assert not (tmp_path / "new").exists() and not (tmp_path / "a.json").exists()
+
+
 def test_a_failed_export_leaves_the_zoo_as_it_was(tiny_build, tmp_path, monkeypatch):
     """Export replaced each draft in place and wrote the registry last: a failure on the third draft (a full disk)
     left new and old drafts mixed under a stale registry. Now nothing in the zoo changes unless all of it was

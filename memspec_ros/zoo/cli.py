@@ -221,8 +221,9 @@ def _acceptance_parser(sub) -> None:
                    help="cache file of the target's greedy continuations (keyed by its weights): reruns with"
                         " rebuilt drafts skip decoding the target (default: no cache)")
     p.add_argument("--answers", default=None, metavar="DIR",
-                   help="chat zoo (target from a GGUF or package): the target's stored held-out answers"
-                        " (<build work dir>/teacher); made there from <models>/workloads when missing")
+                   help="chat zoo (target from a GGUF or package): the target's stored held-out answers, e.g. a"
+                        " build's <work dir>/teacher (default: <models>/answers); those missing are made there from"
+                        " <models>/workloads (the target answers each held-out request once: minutes on a CPU)")
     p.add_argument("--workloads-dir", default=None, metavar="DIR",
                    help="chat zoo: any folder of <name>.jsonl workloads ({\"domain\", \"prompt\"} rows or chat rows;"
                         " train* skipped) instead of <models>/workloads; the target answers them once (kept under"
@@ -320,6 +321,10 @@ def _run_chat_acceptance(a) -> int:
         if not has_target:
             raise SystemExit(f"memspec-zoo acceptance: {len(rows) - covered} held-out requests have no stored answer"
                              f" in {answers_dir}, and no target to make them")
+        existing = next(p for p in (answers_dir, *answers_dir.absolute().parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK):  # found after the target's minutes of answers
+            raise SystemExit(f"memspec-zoo acceptance: the target's answers are stored in {answers_dir}, and"
+                             f" {existing} cannot be written to: give --answers a folder you can write")
         from tqdm import tqdm
 
         target = load_model(ModelSpec(registry.target_path)).model

@@ -364,6 +364,71 @@ def test_a_draft_that_fails_mid_proposal_keeps_only_committed_tokens_in_its_cach
     assert session.generated_ids == reference(target)
 
 
+def test_a_verify_that_fails_leaves_the_drafts_cache_a_prefix_of_the_text(target, drafts, monkeypatch):
+    """The target's verify raising (a MemoryError, say) left the draft's cache over its uncommitted proposals: a
+    caller that stepped again fed the draft nothing, and the draft was taken out of service for it."""
+    draft = drafts["close"]
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=3)
+    session.step("close", draft)
+    verify = session._verify
+
+    def fails_once(proposals):
+        session._verify = verify
+        raise MemoryError("out of memory in the verify")
+
+    session._verify = fails_once
+    with pytest.raises(MemoryError):
+        session.step("close", draft)
+    assert session._draft_kv["close"].length == len(session.tokens) - 1  # as between iterations
+    while not session.finished:
+        session.step("close", draft)
+    assert session.generated_ids == reference(target)
+
+
+def test_another_model_under_a_drafts_name_does_not_continue_the_first_ones_cache(target, drafts):
+    """step("a", model2) after step("a", model1) fed model2 from model1's cache, and the session then reported that
+    cache as model2's."""
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=3)
+    session.step("a", drafts["random"])
+    session.step("a", drafts["close"])
+    assert session.draft_kvs["a"][0] is drafts["close"]
+    assert session.stats.iterations[-1].catchup_tokens == len(session.tokens) - session.stats.iterations[-1].committed
+    while not session.finished:
+        session.step("a", drafts["close"])
+    assert session.generated_ids == reference(target)
+
+
+def test_a_draft_with_a_shorter_position_table_stops_proposing_before_its_end(target):
+    """A GPT-2 draft of 32 positions beside a target of more: past them its forward raised IndexError, and the draft
+    was taken out of service (for later goals too). It now proposes while its table lasts, then the steps are plain."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=target.config.vocab_size, n_positions=32, n_embd=32, n_layer=1,
+                                      n_head=2)).eval()
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=4)
+    while not session.finished:
+        session.step("gpt2", gpt2)
+    assert session.generated_ids == reference(target)
+    ran = [len(PROMPT) + sum(it.committed for it in session.stats.iterations[:i]) + 1
+           for i, it in enumerate(session.stats.iterations) if it.draft == "gpt2"]
+    assert ran and max(ran) < 32  # it ran only while its positions lasted
+    assert session.stats.iterations[-1].draft == ""  # past them: plain steps, no failure
+
+
+def test_the_last_token_spends_no_draft_timing(target, drafts, monkeypatch):
+    """With one token left nothing can be proposed, yet adaptive gamma ran the draft's timing forwards first: a
+    timing failure there took the draft out of service for nothing."""
+    from memspec_ros.runtime import speculative
+
+    def fails(*_args, **_kwargs):
+        raise RuntimeError("the timing forward failed")
+
+    monkeypatch.setattr(speculative, "measure_costs", fails)
+    out = generate(target, PROMPT, drafts["close"], gamma=4, max_new_tokens=2, adaptive_gamma=True)
+    assert out.generated_ids == reference(target, new=2)
+
+
 def test_draft_evicted_on_another_thread_mid_iteration_does_not_break_the_step(target, drafts):
     # the cache's loader thread calls drop_draft when it evicts; here it lands while the draft runs
     session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=3, lean_drafts=False)

@@ -289,6 +289,28 @@ def input_rows(model: torch.nn.Module) -> int:
     return int(rows if rows is not None else getattr(config, "vocab_size", 0) or 0)
 
 
+# config fields of rotary position encodings: a model with any of them has no table of positions to run out of
+ROTARY_CONFIG_KEYS = ("rope_theta", "rope_parameters", "rope_scaling", "rotary_dim", "rotary_pct", "rotary_emb_base")
+
+
+def position_table_rows(model: torch.nn.Module) -> int:
+    """The rows of a model's learned absolute-position table (GPT-2's n_positions, OPT's max_position_embeddings):
+    the positions it cannot go past. 0 for a rotary model, whose positions have no table (past its trained length
+    it proposes worse, which the verify judges)."""
+    config = getattr(model, "config", None)
+    if config is None or any(getattr(config, key, None) is not None for key in ROTARY_CONFIG_KEYS):
+        return 0
+    return int(getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 0)
+
+
+def draft_room(draft: torch.nn.Module, tokens: int) -> int:
+    """How many tokens ``draft`` may propose after ``tokens`` committed ones without feeding a position its table
+    lacks: proposal k is fed at position tokens + k - 1 (the last is not fed; one row is kept spare). A GPT-2 draft
+    shorter than the target raised IndexError there, and was taken out of service for every later goal."""
+    rows = position_table_rows(draft)
+    return rows - tokens if rows else 1 << 62
+
+
 def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positions: int = 0,
                      stop_strings: Sequence[str] = (), tokenizer=None, vocab_size: int = 0) -> None:
     """A generation's request against what a session can run: ValueError (ContextLengthError) with the reason.
@@ -508,14 +530,25 @@ class SpeculativeSession:
             stats = IterationStats(draft=LOOKUP_DRAFT, proposed=0, accepted=0, committed=0,
                                    draft_seconds=proposal.seconds, verify_seconds=0.0)
         else:
-            gamma, costs = self._gamma_for(draft_name, draft) if draft is not None else (0, None)
-            gamma = min(gamma, remaining - 1)
+            # no proposal past the tokens left less one (the target's own token follows), nor past a draft's table of
+            # absolute positions; with no room the iteration is a plain step, and the draft's timing, probe and
+            # failure are not spent on it
+            room = remaining - 1 if draft is None else min(remaining - 1, draft_room(draft, len(self.tokens)))
+            gamma, costs = self._gamma_for(draft_name, draft, room) if draft is not None and room > 0 else (0, None)
+            gamma = min(gamma, room)
             stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
                                    draft_seconds=0.0, verify_seconds=0.0)
             proposal = self._propose(draft_name, draft, gamma, stats, costs) if gamma > 0 else _Proposal()
-        with _Stopwatch() as watch:
-            logits = self._verify(proposal.tokens)
-            accepted, extra = self._accept(logits, proposal)
+        try:
+            with _Stopwatch() as watch:
+                logits = self._verify(proposal.tokens)
+                accepted, extra = self._accept(logits, proposal)
+        except BaseException:
+            # the draft's cache holds its proposals, none committed: back to a prefix of the text, as between
+            # iterations (a caller that steps again had the draft fed nothing, and blamed for it)
+            if proposal.kv is not None:
+                proposal.kv.crop_to(min(proposal.kv.length, len(self.tokens) - 1))
+            raise
         stats.verify_seconds = watch.seconds
         stats.proposed, stats.accepted = len(proposal.tokens), accepted
         if self._gamma_chooser is not None and (draft is not None or proposal.copied):
@@ -537,6 +570,9 @@ class SpeculativeSession:
         greedy, the token that fails the test is dropped, its forward counted in ``stats.dropped``; sampled, the
         test is made before each draw (draft_pays) and a drawn token is always proposed (see below)."""
         kv = self._draft_kv.get(draft_name)
+        if kv is not None and self._draft_model.get(draft_name) is not draft:  # another model under that name:
+            self.drop_draft(draft_name)  # the cache is the other model's, and would be kept as this one's
+            kv = None
         # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
         catching_up = kv is None or draft_name != self._last_draft
         if kv is None:
@@ -648,8 +684,10 @@ class SpeculativeSession:
             proposal.kv.crop_to(base + accepted)
         return self._commit(proposal.tokens[:accepted] + [extra])
 
-    def _gamma_for(self, draft_name: str, draft: torch.nn.Module) -> tuple[int, ForwardCosts | None]:
-        """This iteration's most proposals, and the costs its draft stops by (None: a fixed gamma, no stop)."""
+    def _gamma_for(self, draft_name: str, draft: torch.nn.Module,
+                   room: int | None = None) -> tuple[int, ForwardCosts | None]:
+        """This iteration's most proposals (up to ``room``), and the costs its draft stops by (None: a fixed gamma,
+        no stop)."""
         if self._gamma_chooser is None:
             return self.gamma, None
         self._gamma_chooser.max_gamma = self.gamma  # a reconfigured gamma bounds the choice from now on
@@ -659,7 +697,7 @@ class SpeculativeSession:
         except Exception as exc:
             raise DraftFailure(draft_name, f"its forward raised {type(exc).__name__}: {exc}") from exc
         costs = self._gamma_chooser.costs(measured, draft_name)
-        return self._gamma_chooser.choose(costs, draft_name), costs if self._confidence_stop else None
+        return self._gamma_chooser.choose(costs, draft_name, room), costs if self._confidence_stop else None
 
     def _commit(self, new_tokens: list[int]) -> int:
         """Append tokens up to EOS / max_new_tokens / a stop string, stream the text. With stop strings the text

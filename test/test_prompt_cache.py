@@ -202,6 +202,25 @@ def test_draft_kv_caches_are_kept_for_the_model_that_computed_them(target):
         SpeculativeSession(target, tokens, draft_prefixes={"a": (draft, _filled(draft, tokens))})
 
 
+def test_an_evicted_drafts_cache_is_neither_counted_nor_held(target):
+    """A kept goal held its evicted drafts' KV caches and counted them in the budget: older conversations, still of
+    use, were dropped for memory nothing could take any more."""
+    import gc
+
+    tokens = _ids(20, 26)
+    gone, stays = noisy_copy(target, 0.05, seed=27), noisy_copy(target, 0.05, seed=28)
+    cache = PromptCache(budget_bytes=1 << 30)
+    cache.keep(tokens, _filled(target, tokens), {"gone": (gone, _filled(gone, tokens)),
+                                                 "stays": (stays, _filled(stays, tokens))})
+    held = cache.bytes
+    del gone
+    gc.collect()
+    assert cache.drafts == {"stays": 20} and cache.bytes < held  # no longer counted
+    other = _ids(12, 29)
+    cache.keep(other, _filled(target, other))  # the next keep lets the evicted draft's cache go
+    assert list(cache._entries[0].drafts) == ["stays"]
+
+
 def test_a_reused_draft_kv_changes_no_output(target):
     """Whatever the draft's KV holds, the target verifies every token: outputs equal the target's own."""
     draft = noisy_copy(target, 0.05, seed=26)

@@ -15,8 +15,10 @@ must first read the copies), which the isolated timing misses. In a one-off
 profile on the real zoo (int4, 10 held-out prompts, with a datastore) the bundled
 drafts took 4.4 ms per iteration for 2 tokens against 1 ms per token timed alone.
 α is estimated per draft from the running acceptance, with recent iterations
-weighted more (acceptance changes within an answer), and a draft that is not
-being run is probed with γ = 1 now and then so its estimate can recover. This
+weighted more (acceptance changes within an answer), and a draft whose best γ
+has fallen to 0 is still run with γ = 1 now and then (every PROBE_EVERY such
+iterations) so its estimate can recover; a draft the policy does not run is not
+probed. This
 is the rule of adaptive-lookahead work (SpecDec++, DISCO) reduced to its
 measured parts.
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft_forward import lean_forward_for
+from .draft_forward import lean_forward_for, observers_paused
 from .kv_cache import buffer_bytes, copy_prefix, release_freed_memory
 from .speculative import KVState, forward_once
 
@@ -71,12 +71,13 @@ def _split_check(model: torch.nn.Module, lean) -> str:
     """Feed 24 tokens whole and split three ways: the last logits must be the same bits."""
     vocab = int(model.config.vocab_size)
     ids = [(7 + 31 * i) % vocab for i in range(24)]
-    whole = forward_once(model, ids, KVState(), 1, "cpu", lean)
-    for split in (1, 5, 23):
-        kv = KVState()
-        forward_once(model, ids[:split], kv, 1, "cpu", lean)
-        if not torch.equal(forward_once(model, ids[split:], kv, 1, "cpu", lean), whole):
-            return f"on this CPU the target's logits after a split prefill ({split} + {24 - split} tokens) differ"
+    with observers_paused(model):  # made-up tokens: not rows for a target-hidden predictor
+        whole = forward_once(model, ids, KVState(), 1, "cpu", lean)
+        for split in (1, 5, 23):
+            kv = KVState()
+            forward_once(model, ids[:split], kv, 1, "cpu", lean)
+            if not torch.equal(forward_once(model, ids[split:], kv, 1, "cpu", lean), whole):
+                return f"on this CPU the target's logits after a split prefill ({split} + {24 - split} tokens) differ"
     return ""
 
 
@@ -115,14 +116,16 @@ class Reuse:
 class _Entry:
     tokens: list[int]
     kv: KVState
-    # name -> (the draft model, by weak reference: an evicted draft is not kept alive here, its KV cache)
+    # name -> (the draft model, by weak reference, and its KV cache): an evicted draft is not kept alive here, and
+    # its cache goes at the next keep or trim
     drafts: dict[str, tuple[weakref.ref, KVState]]
     hidden_rows: torch.Tensor | None
 
     @property
     def bytes(self) -> int:
         rows = self.hidden_rows.nbytes if self.hidden_rows is not None else 0
-        return buffer_bytes(self.kv.cache) + sum(buffer_bytes(kv.cache) for _, kv in self.drafts.values()) + rows
+        drafts = sum(buffer_bytes(kv.cache) for ref, kv in self.drafts.values() if ref() is not None)
+        return buffer_bytes(self.kv.cache) + drafts + rows
 
 
 def _covers(new: _Entry, old: _Entry) -> bool:
@@ -168,7 +171,8 @@ class PromptCache:
     def drafts(self) -> dict[str, int]:
         """The drafts whose KV caches are held for the last goal, and the tokens each holds."""
         entries = list(self._entries)
-        return {name: kv.length for name, (_, kv) in entries[-1].drafts.items()} if entries else {}
+        return {name: kv.length for name, (ref, kv) in entries[-1].drafts.items() if ref() is not None} if entries \
+            else {}
 
     @property
     def bytes(self) -> int:
@@ -184,6 +188,9 @@ class PromptCache:
 
     def _trim(self) -> None:
         entries = list(self._entries)
+        for entry in entries:  # an evicted draft's cache serves no prompt: it held memory and the budget's bytes
+            if any(ref() is None for ref, _ in entry.drafts.values()):
+                entry.drafts = {n: (ref, kv) for n, (ref, kv) in entry.drafts.items() if ref() is not None}
         total = sum(entry.bytes for entry in entries)
         dropped = 0
         while len(entries) > 1 and (not self.budget_bytes or total > self.budget_bytes):

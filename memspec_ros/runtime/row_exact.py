@@ -7,7 +7,8 @@ that runs through transformers' forward instead (a GPTQ checkpoint; an architect
 Llama) batches the rows in its matmuls and its attention, whose last digits then differ.
 :func:`prepare_for_engine` makes such a model row-exact: attention row by row over each row's own
 prefix, and every linear whose kernel gives a multi-row call other digits than one-row calls (probed
-per shape on this machine) run row by row for verify-sized calls; prefills stay batched.
+per shape on this machine) run row by row for calls of 2 to MAX_VERIFY_ROWS rows (a verify's size, and
+so a prefill that short too); longer prefills stay batched.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _probed_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
 
 
 def _one_row_at_a_time(module: torch.nn.Module) -> None:
-    """Make ``module`` compute a call of 2..MAX_VERIFY_ROWS rows one row at a time (prefills stay batched)."""
+    """Make ``module`` compute a call of 2..MAX_VERIFY_ROWS rows one row at a time (longer calls, prefills, stay
+    batched)."""
     forward = module.forward
 
     def rowwise(x: torch.Tensor) -> torch.Tensor:

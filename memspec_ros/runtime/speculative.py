@@ -680,7 +680,7 @@ class SpeculativeSession:
         base = len(self.tokens)
         self._target_kv.crop_to(base + accepted)
         if proposal.kv is not None:
-            # the proposal's own ``kv``: an eviction on the loader thread may have dropped the dict entry meanwhile
+            # the proposal's own ``kv``: a drop_draft (an eviction) since the proposal may have dropped the dict entry
             proposal.kv.crop_to(base + accepted)
         return self._commit(proposal.tokens[:accepted] + [extra])
 

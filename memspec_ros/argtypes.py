@@ -50,23 +50,6 @@ def float_in(lo: float, hi: float):
     return parse
 
 
-def node_range(name: str):
-    """A value within the node parameter ``name``'s declared range (ros/params.py), for an option that becomes that
-    parameter (a bench's --threads, --feedback-period): the node refused it with a traceback after starting. A
-    thread count is at least 1 here (the parameter's 0, torch's default, is no count to pass)."""
-
-    def parse(text: str):
-        from .ros.params import BY_NAME
-
-        param = BY_NAME[name]
-        if param.int_range:
-            return int_in(max(param.int_range[0], 1), param.int_range[1])(text)
-        return float_in(*param.float_range)(text)
-
-    parse.__name__ = f"{name} (the node's range)"
-    return parse
-
-
 def non_negative_float(text: str) -> float:
     """A period or a share where 0 is meaningful ('every time'): a negative one, or nan, is refused."""
     value = float(text)

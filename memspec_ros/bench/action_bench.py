@@ -44,6 +44,19 @@ def domain_prompts(workloads: Path, count: int) -> list[str]:
     return prompts[:count] or ["def fibonacci(n):\n"]
 
 
+def node_range(name: str):
+    """ros.params.node_range for the bench's command line (this bench may import the ROS layer; its parser may
+    not): the node parameter's range is read when the option is."""
+
+    def parse(text: str):
+        from ..ros.params import node_range as ranged
+
+        return ranged(name)(text)
+
+    parse.__name__ = f"{name} (the node's range)"
+    return parse
+
+
 def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_new_tokens: int = 128,
                      threads: int = 1, feedback_period: float = 0.1, policy: str = "memspec",
                      predictor: str = "", domain_id: int | None = None, progress=None) -> dict:

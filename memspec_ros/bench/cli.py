@@ -12,13 +12,13 @@ from pathlib import Path
 from ..argtypes import (
     controller_limit,
     json_output_file,
-    node_range,
     non_negative_int,
     output_file,
     positive_int,
     thread_counts,
 )
 from ..runtime import bundled_zoo_dir
+from .action_bench import node_range
 
 DEFAULT_ZOO = bundled_zoo_dir()
 
@@ -372,11 +372,10 @@ def cmd_action(args) -> int:
     from .action_bench import run_action_bench
 
     _quiet_transformers()
-    from ..ros.params import BY_NAME
     from ..runtime.loader import HEAD_CONFIG, find_predictor
-    from ..runtime.policies import RANKING_POLICIES
+    from ..runtime.policies import NODE_POLICIES, RANKING_POLICIES
 
-    node_policies = BY_NAME["memspec.policy"].choices  # the node's own (the oracles need the future: bench only)
+    node_policies = NODE_POLICIES  # memspec.policy's choices (the oracles need the future: the offline bench's only)
     if args.policy not in node_policies:  # before the node and its client start
         raise SystemExit(f"--policy {args.policy}: the node runs one of {', '.join(node_policies)}")
     if args.predictor and args.policy in RANKING_POLICIES and not find_predictor(args.predictor):

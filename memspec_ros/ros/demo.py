@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..argtypes import node_range, positive_float, positive_int
+from ..argtypes import positive_float, positive_int
 from ..runtime.jsonl import WorkloadFileError, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -387,6 +387,8 @@ def _existing_file(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .params import node_range
+
     parser = argparse.ArgumentParser(prog="memspec-demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", help="zoo directory with registry.yaml (default: the bundled zoo)")

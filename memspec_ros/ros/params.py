@@ -43,7 +43,7 @@ from ..runtime import ZOO_ENV, bundled_zoo_dir
 from ..runtime.controller import I64, LIMITS, RuntimeConfig
 from ..runtime.loader import DraftLists, find_datastore, find_predictor, registry_target
 from ..runtime.models import DTYPE_CHOICES, QUANTIZATIONS
-from ..runtime.policies import POLICIES
+from ..runtime.policies import NODE_POLICIES
 from ..runtime.storage import STORAGE_CHOICES
 
 PACKAGE = "memspec_ros"
@@ -166,7 +166,7 @@ PARAMS: tuple[Param, ...] = (
     # -- MemSpec runtime (scheduling point) -----------------------------------------------------
     Param("memspec.policy", "memspec",
           "Draft-selection policy.",
-          AT_SCHEDULING_POINT, choices=tuple(p for p in POLICIES if not p.startswith("oracle")),
+          AT_SCHEDULING_POINT, choices=NODE_POLICIES,
           runtime_field="policy"),
     Param("memspec.capacity", 2,
           "K: drafts resident at once.",
@@ -632,3 +632,18 @@ def draft_lists(v: dict[str, Any]) -> DraftLists | None:
 def runtime_config(v: dict[str, Any]) -> RuntimeConfig:
     """The RuntimeConfig the memspec.* parameters describe."""
     return RuntimeConfig(**{field_: v[name] for name, field_ in RUNTIME_FIELDS.items()})
+
+
+def node_range(name: str):
+    """An argparse type holding an option that becomes the node parameter ``name`` (a bench's or the demo's
+    --threads, --feedback-period) to that parameter's declared range: the node refused a value past it with a
+    traceback once started. A thread count is at least 1 here (the parameter's 0, torch's default, is no count)."""
+    from ..argtypes import float_in, int_in
+
+    param = BY_NAME[name]
+    if param.int_range:
+        parse = int_in(max(param.int_range[0], 1), param.int_range[1])
+    else:
+        parse = float_in(*param.float_range)
+    parse.__name__ = f"{name} (the node's range)"
+    return parse

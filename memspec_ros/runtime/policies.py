@@ -66,6 +66,8 @@ COST_AWARE = "memspec-cost-aware"  # beyond the paper: MemSpec whose switches an
 RANKING_POLICIES = ("memspec", "prediction-only", COST_AWARE)  # the policies that rank with the trained predictor
 POLICIES = (*PAPER_POLICIES, "oracle-next-interval", COST_AWARE)
 ORACLE_POLICIES = ("oracle-static", "oracle-dynamic", "oracle-next-interval")
+# what a live node can run (memspec.policy): the oracles need each goal's future, the offline bench's alone
+NODE_POLICIES = tuple(p for p in POLICIES if p not in ORACLE_POLICIES)
 
 
 class PolicyError(ValueError):

@@ -279,6 +279,19 @@ def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny
     assert storage.take_records() == []
 
 
+def test_a_load_in_iterations_weighs_every_draft_the_same_in_the_summary_and_the_figures():
+    """The bench's summary averaged over load records (a draft loaded more often weighed more) and the storage figure
+    over drafts: two ratios for one medium on the same results page."""
+    from memspec_ros.runtime.storage import LoadRecord, load_to_iteration, mean_load_seconds
+
+    records = [LoadRecord("general", 100, 1, 0.3, 0.0, None)] * 3 + [LoadRecord("math", 100, 1, 0.1, 0.0, None)]
+    storage = DraftStorage(MEDIA["local"])
+    summary = storage.summary(records, iteration_seconds=0.01)
+    assert summary["load_seconds"] == pytest.approx(0.2)  # (0.3 + 0.1) / 2, not (3 * 0.3 + 0.1) / 4
+    assert summary["load_to_iteration"] == pytest.approx(20.0) == load_to_iteration(mean_load_seconds(records), 0.01)
+    assert load_to_iteration({}, 0.01) is None and load_to_iteration({"a": 1.0}, 0.0) is None
+
+
 @pytest.fixture
 def cache_root_in_tmp(tmp_path, monkeypatch):
     """The cache root in a temporary folder, with the runtime forms in their default place under it (the session

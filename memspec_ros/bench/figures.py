@@ -37,7 +37,7 @@ from pathlib import Path
 from ..runtime.policies import COST_AWARE
 from ..runtime.simulator import CostModel
 from ..runtime.stats import GenerationStats, GenerationTotals
-from ..runtime.storage import MEDIA, DraftStorage, storage_medium
+from ..runtime.storage import MEDIA, DraftStorage, load_to_iteration, storage_medium
 from .policy_bench import (
     BenchRun,
     PolicyBenchConfig,
@@ -238,7 +238,7 @@ def storage_item(bench: BenchRun, media_loads: dict[str, dict[str, float]]) -> d
         rows[medium] = {
             "emulated": MEDIA[medium].emulated,
             "load_seconds_per_draft": statistics.fmean(loads.values()),
-            "load_to_iteration": statistics.fmean(loads.values()) / bench.costs.iteration_seconds(bench.cfg.gamma),
+            "load_to_iteration": load_to_iteration(loads, bench.costs.iteration_seconds(bench.cfg.gamma)),
             "end_to_end_seconds_per_generation": {
                 p: statistics.fmean([table[w][p]["end_to_end_seconds_per_generation"] for w in workloads])
                 for p in SWEEP_POLICIES},

@@ -84,7 +84,6 @@ class _Slot:
     error: BaseException | None = None
     used: bool = False  # ran at least once since it became resident (for wasted-prefetch counting)
     discard: bool = False  # no longer wanted while in flight: drop it when the load completes (unless wanted again)
-    load_started: float = 0.0
     failed_at: float = 0.0  # time.monotonic() of the failure (for the retry back-off)
     files: tuple = ()  # its weights files when it was loaded (storage.weights_identity), to tell a changed file
     recheck: bool = False  # evict_changed ran while it was in flight: it lands only if its files are unchanged
@@ -618,7 +617,7 @@ class DraftCacheManager:
             if victim is None:
                 return False  # Algorithm 2, lines 7-8: nothing may be evicted, skip this prefetch
             self._evict(victim)
-        slot = _Slot(name, size, load_started=time.perf_counter())
+        slot = _Slot(name, size)
         self._slots[name] = slot  # reserved before the load starts
         slot.future = self._pool.submit(self._load, slot)
         return True

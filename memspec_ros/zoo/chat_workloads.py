@@ -374,13 +374,3 @@ def write_jsonl(path: Path, requests: list[ChatRequest]) -> None:
     from .workloads import write_jsonl as write_rows
 
     write_rows(path, [q.row() for q in requests])
-
-
-def write_chat_workloads(out_dir: Path, cfg: ChatWorkloadConfig) -> dict[str, int]:
-    """``<workload>.jsonl`` (held-out) and ``train_requests.jsonl`` in ``out_dir``; returns the counts."""
-    heldout, train = build_chat_workloads(cfg)
-    for name, rows in heldout.items():
-        write_jsonl(out_dir / f"{name}.jsonl", rows)
-    write_jsonl(out_dir / "train_requests.jsonl", [q for rows in train.values() for q in rows])
-    return {**{name: len(rows) for name, rows in heldout.items()},
-            **{f"train_{name}": len(rows) for name, rows in train.items()}}

@@ -410,7 +410,3 @@ def build_domain(domain: str, cfg: CorpusConfig) -> tuple[list[Document], list[D
     """(train, held-out) documents of one domain, de-duplicated and capped."""
     docs = _capped(dedupe_paragraphs(SOURCES[domain](cfg)), cfg.max_chars[domain])
     return split_documents(docs, cfg.heldout_fraction)
-
-
-def build_corpora(cfg: CorpusConfig) -> dict[str, tuple[list[Document], list[Document]]]:
-    return {d: build_domain(d, cfg) for d in DOMAINS}

@@ -575,8 +575,9 @@ def test_goals_after_a_workload_where_every_policy_committed_nothing():
              for w, r in rates.items()}
     sim = {p: {"workloads": {w: {"simulated_tokens_per_second": r, "simulated_end_to_end": r}
                              for w, r in rates.items()}} for p in policies}
-    bench = SimpleNamespace(result={"workloads": table, "config": {"policies": policies}, "storage": {}}, runs=[])
-    out = goals(bench, {"gmean_over": list(rates)}, {"policies": sim})
+    bench = SimpleNamespace(result={"workloads": table, "config": {"policies": policies}, "storage": {},
+                                    "simulator_validation": {"pooled": {"policies": sim}}}, runs=[])
+    out = goals(bench, {"gmean_over": list(rates)})
     assert out["headroom"]["oracle_dynamic_vs_general_static"] is None
     assert set(out["cost_aware"].values()) == {None, 0.0}  # the ratios n/a, the shares of no time 0
     assert set(out["noise_free_replay"].values()) == {None}

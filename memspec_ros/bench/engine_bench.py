@@ -1,9 +1,10 @@
 """Engine benchmark: target-only decoding vs transformers' assisted generation vs this engine.
 
-All three run in one process, interleaved prompt by prompt (the order rotates
+All four methods (transformers' generate, this engine's target alone, transformers' assisted generation, this
+engine) run in one process, interleaved prompt by prompt (the order rotates
 each round) on the same target/draft pair, greedy, so machine noise hits them
 alike. Each method's throughput is generated tokens over the wall time of its
-calls (prefill included for all three, since transformers cannot report it
+calls (prefill included for all four, since transformers cannot report it
 apart); the engine's steady-state throughput (prefill excluded) is compared
 with the analytic bound (E[A] + 1) / (gamma * t_draft + t_verify) built from
 per-forward times measured in the same run: after each prompt, the median of a

@@ -257,8 +257,8 @@ def storage_item(bench: BenchRun, media_loads: dict[str, dict[str, float]]) -> d
 
 def measured_seconds_per_generation(runs, workloads: list[str], policies: list[str]) -> dict[str, float]:
     """Per policy, the timed runs' end-to-end seconds per generation as the simulated figures beside them are
-    averaged: a mean over the workloads of each workload's mean (pooled, a workload with fewer prompts weighed
-    less). ``runs``: (policy, workload, prompt, GenerationStats) of every timed generation."""
+    averaged: a mean over the workloads of each workload's mean (every workload weighs the same, whatever its
+    number of prompts). ``runs``: (policy, workload, prompt, GenerationStats) of every timed generation."""
     return {p: statistics.fmean([statistics.fmean([s.end_to_end_seconds for q, v, _, s in runs if q == p and v == w])
                                  for w in workloads]) for p in policies}
 
@@ -319,7 +319,7 @@ def recent_whatif(bench: BenchRun, medium: str) -> dict | None:
                      " General-Static, GMEAN)", "policies": policies, "gmean_over": workloads, "rows": rows}
 
 
-def goals(bench: BenchRun, fig6: dict, validation_pooled: dict | None) -> dict:
+def goals(bench: BenchRun, fig6: dict) -> dict:
     """Issue 17's goals on the real runs: measured value, goal, met, and the gap."""
     result = bench.result
     domains = fig6["gmean_over"]
@@ -366,10 +366,8 @@ def goals(bench: BenchRun, fig6: dict, validation_pooled: dict | None) -> dict:
                                   for p in result["config"]["policies"]},
                 "predictor_recent_features_live": (result.get("predictor") or {}).get("recent_features_live")}
     replay = None
-    if validation_pooled is not None:
-        sim = {w: {p: {"tokens_per_second": r["workloads"][w]["simulated_tokens_per_second"],
-                       e2e: r["workloads"][w]["simulated_end_to_end"]}
-                   for p, r in validation_pooled["policies"].items()} for w in table}
+    sim = replay_table(result)  # the validation's pooled replay, as figure 6 shows it
+    if sim is not None:
         replay = {"memspec_vs_oracle_dynamic": ratio(g(MS, tab=sim), g(OD, tab=sim)),
                   "memspec_vs_mab_async": ratio(g(MS, tab=sim), g(MAB, tab=sim)),
                   "memspec_vs_general_static": ratio(g(MS, tab=sim), g(GS, tab=sim)),
@@ -571,7 +569,7 @@ def _evaluate(zoo: Path, stage: Path, t0: float, *, prompts: int, storage: str, 
     whatif = recent_whatif(bench, storage)
     if whatif is not None:
         items.append(whatif)
-    items.append(goals(bench, fig6, result["simulator_validation"].get("pooled")))
+    items.append(goals(bench, fig6))
     for item in items:
         item.setdefault("context", context)
         (out / f"{item['item']}.json").write_text(json.dumps(item, indent=2) + "\n")

@@ -2,6 +2,8 @@
 
     ros2 launch memspec_ros memspec.launch.py
     ros2 launch memspec_ros memspec.launch.py namespace:=robot1 params_file:=/path/to/memspec.yaml
+    ros2 launch memspec_ros memspec.launch.py autostart:=false   # a lifecycle manager drives the transitions
+    ros2 launch memspec_ros memspec.launch.py log_level:=debug use_sim_time:=true
 
 Auto-activation uses the event-handler pattern that works on Humble and Jazzy alike
 (``autostart=True`` is Jazzy-only): emit ChangeState(configure) at start, and when the node
@@ -15,11 +17,13 @@ import os
 
 from ament_index_python.packages import get_package_share_directory
 from launch.actions import DeclareLaunchArgument, EmitEvent, RegisterEventHandler
+from launch.conditions import IfCondition
 from launch.events import matches_action
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
+from launch_ros.parameter_descriptions import ParameterValue
 from lifecycle_msgs.msg import Transition
 
 from launch import LaunchDescription
@@ -32,13 +36,18 @@ def generate_launch_description():
         executable="memspec_node",
         name=LaunchConfiguration("node_name"),
         namespace=LaunchConfiguration("namespace"),
-        parameters=[LaunchConfiguration("params_file")],
+        parameters=[LaunchConfiguration("params_file"),
+                    {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool)}],
+        arguments=["--ros-args", "--log-level", LaunchConfiguration("log_level")],
         output="screen",
     )
+    # autostart:=false leaves the node unconfigured for a lifecycle manager (nav2's, say): its own configure would
+    # race the launch's, and the loser's invalid transition stopped the manager's bringup
+    autostart = IfCondition(LaunchConfiguration("autostart"))
     configure = EmitEvent(event=ChangeState(
         lifecycle_node_matcher=matches_action(node),
         transition_id=Transition.TRANSITION_CONFIGURE,
-    ))
+    ), condition=autostart)
     activate_when_inactive = RegisterEventHandler(OnStateTransition(
         target_lifecycle_node=node,
         start_state="configuring",
@@ -48,12 +57,17 @@ def generate_launch_description():
             transition_id=Transition.TRANSITION_ACTIVATE,
         ))],
         handle_once=True,  # launch's EventHandler option (Humble and Jazzy alike)
-    ))
+    ), condition=autostart)
     return LaunchDescription([
         DeclareLaunchArgument("namespace", default_value="", description="namespace of the node"),
         DeclareLaunchArgument("node_name", default_value="memspec", description="name of the node"),
         DeclareLaunchArgument("params_file", default_value=default_params,
                               description="ROS parameter file (see config/memspec.yaml)"),
+        DeclareLaunchArgument("autostart", default_value="true",
+                              description="configure and activate the node at launch (false: leave the transitions"
+                                          " to a lifecycle manager)"),
+        DeclareLaunchArgument("log_level", default_value="info", description="the node's log level"),
+        DeclareLaunchArgument("use_sim_time", default_value="false", description="use the /clock topic's time"),
         node,
         activate_when_inactive,
         configure,

@@ -115,18 +115,32 @@ def test_launch_file_is_the_humble_and_jazzy_lifecycle_pattern():
         n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LifecycleNode"
     )
     assert {"name", "namespace", "package", "executable", "parameters"} <= {k.arg for k in node_call.keywords}
-    assert "autostart" not in keywords  # Jazzy-only
+    assert "autostart" not in keywords  # LifecycleNode's autostart= is Jazzy-only
+    # the conventional arguments, autostart among them as a launch argument: both transitions are conditional on it
+    declared = {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", "") == "DeclareLaunchArgument"}
+    assert declared == {"namespace", "node_name", "params_file", "autostart", "log_level", "use_sim_time"}
+    conditional = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") in (
+        "EmitEvent", "RegisterEventHandler") and any(k.arg == "condition" for k in n.keywords)]
+    assert len(conditional) == 2  # the configure and the activate-when-inactive handler; the inner activate is not
 
 
 @pytest.mark.timeout(240)
 def test_the_node_executable_with_a_params_file(tmp_path):
     cmd = [
         executable("memspec_node"),
+        # what launch/memspec.launch.py passes: its arguments first (log_level), then launch_ros's own section
+        # (name, the params file, and use_sim_time as a parameter)
+        "--ros-args",
+        "--log-level",
+        "info",
         "--ros-args",
         "-r",
         f"__node:={NAME}",
         "--params-file",
         str(params_file(tmp_path)),
+        "-p",
+        "use_sim_time:=true",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     context = Context()
@@ -139,8 +153,9 @@ def test_the_node_executable_with_a_params_file(tmp_path):
         for tid in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
             assert lifecycle.change_state(tid, 120.0)
         get = node.create_client(GetParameters, f"/{NAME}/get_parameters")
-        values = call(executor, get, GetParameters.Request(names=["memspec.interval", "memspec.capacity"])).values
-        assert [parameter_value_to_python(v) for v in values] == [3, 2]  # from the file; the rest defaults
+        names = ["memspec.interval", "memspec.capacity", "use_sim_time"]
+        values = call(executor, get, GetParameters.Request(names=names)).values
+        assert [parameter_value_to_python(v) for v in values] == [3, 2, True]  # from the file; the rest defaults
 
         from memspec_interfaces.action import Generate
 

@@ -42,7 +42,8 @@ def test_manifest_is_valid(package_dir, name, build_type):
 def test_node_package_declares_its_ros_dependencies():
     package = parse(ROOT)
     runtime = names(package.exec_depends) | names(package.build_export_depends)  # <depend> counts as both
-    for needed in ("rclpy", "lifecycle_msgs", "action_msgs", "diagnostic_msgs", "std_msgs", "memspec_interfaces"):
+    for needed in ("rclpy", "lifecycle_msgs", "action_msgs", "diagnostic_msgs", "std_msgs", "memspec_interfaces",
+                   "diagnostic_updater", "py_trees"):
         assert needed in runtime, f"memspec_ros/package.xml lacks <exec_depend>{needed}</exec_depend>"
     # never let rosdep replace the robot's torch (README: "On a robot")
     assert not any("torch" in dep for dep in runtime)

@@ -78,6 +78,29 @@ def test_goal_streams_feedback_and_the_result_carries_the_statistics(h):
     assert msg.policy == "memspec" and msg.iterations > 0 and msg.decode_seconds > 0
 
 
+def test_a_goal_that_fails_before_its_result_still_gets_one_stats_message(h, monkeypatch):
+    """An unexpected exception before the goal's result was built (its feedback set-up, its thread setting) ended it
+    ABORTED, but no ~/generation_stats message went out and the finished-goal count missed it: one message per
+    finished goal, as GenerationStats.msg promises."""
+    from memspec_ros.ros import goal_runner
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("the feedback could not be set up")
+
+    monkeypatch.setattr(goal_runner, "FeedbackThrottle", broken)
+    handle, _ = h.send(goal(max_new_tokens=8))
+    assert handle.accepted
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_ABORTED
+    assert response.result.finish_reason == Generate.Result.FINISH_ERROR
+    assert "RuntimeError: the feedback could not be set up" in response.result.error_message
+    wait_until(
+        lambda: any(bytes(s.goal_id.uuid) == bytes(handle.goal_id.uuid) for s in h.stats), 10.0, "generation_stats"
+    )
+    msg = next(s for s in h.stats if bytes(s.goal_id.uuid) == bytes(handle.goal_id.uuid))
+    assert msg.finish_reason == "error" and "could not be set up" in msg.error_message
+
+
 def test_goal_defaults_come_from_the_parameters(h):
     assert all(r.successful for r in h.set_params(**{"generation.max_new_tokens": 7}))
     try:

@@ -75,7 +75,8 @@ class Job:
     accepted_at: float = 0.0  # time.perf_counter() when the goal callback accepted it (time to first token, orphans)
     abort_reason: str | None = None  # the node is deactivating or going: end with the partial text
     cancel_requested: bool = False  # cancelled while reserved: the accepted callback ends it instead of queueing it
-    result: Generate.Result | None = None  # set when the goal ended before it ran
+    # its result once built: at the end of a run (before its terminal state is set) or when it ended before it ran
+    result: Generate.Result | None = None
     # called once the goal's execute callback is done with the models (release_when_over)
     when_over: list[Callable[[], None]] = field(default_factory=list)
 
@@ -482,7 +483,11 @@ class GoalRunner:
             error = f"{type(exc).__name__}: {exc}"
             self._node.get_logger().error(f"goal failed unexpectedly: {error}")
             self.last_error = error
-            result = Generate.Result(prompt_tokens=len(job.prompt_ids), finish_reason=ERROR, error_message=error)
+            if job.result is None:  # it failed before its result: one ~/generation_stats message for it still
+                result = self._result(job, ERROR, error=error)
+            else:  # its result and statistics went out, then setting its terminal state failed: the text stays
+                result = job.result
+                result.finish_reason, result.error_message = ERROR, error
             if goal_handle.is_active:
                 goal_handle.abort()
         finally:
@@ -554,7 +559,7 @@ class GoalRunner:
              error: str = "", ttft: float | None = None, measured: bool = True) -> Generate.Result:
         """The outcome of a goal that ran: its terminal state, result, ~/generation_stats and throughput
         (``measured`` false: ``stats`` counts tokens but has no timings, so it stays out of the throughput window)."""
-        result = self._result(job, finish_reason, text, stats, error, ttft)
+        result = job.result = self._result(job, finish_reason, text, stats, error, ttft)
         settle(job.goal_handle, finish_reason)
         if finish_reason not in (ERROR, CANCELLED):
             self.last_error = ""

@@ -504,6 +504,21 @@ def test_destroying_the_node_waits_for_a_configure_in_progress(harness, monkeypa
     h.node.destroy_node = lambda: None  # destroyed above: the harness's close must not destroy it again
 
 
+def test_destroying_an_active_node_takes_the_shutdown_transition(harness, monkeypatch):
+    """SIGINT, SIGTERM or a destroy freed the models but never took the lifecycle's shutdown transition: no
+    TransitionEvent to finalized, which launch's OnStateTransition handlers and lifecycle managers wait for."""
+    h = harness()
+    h.activate()
+    ended = []
+    end_goals = h.node._end_goals
+    monkeypatch.setattr(h.node, "_end_goals", lambda reason: (ended.append(reason), end_goals(reason))[1])
+    machine = h.node._state_machine
+    h.node.destroy_node()
+    assert "the node is shutting down" in ended  # on_shutdown ran
+    assert machine.current_state[1] == "finalized"
+    h.node.destroy_node = lambda: None  # destroyed above: the harness's close must not destroy it again
+
+
 def test_a_second_signal_while_destroy_waits_for_a_transition_stops_the_wait(harness):
     """main()'s handler for a second SIGINT sets _hurry and raises KeyboardInterrupt on the main thread, the one
     waiting in destroy_node for the transition: the exception left destroy_node before its quick-exit branch (and

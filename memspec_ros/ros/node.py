@@ -354,8 +354,20 @@ class MemSpecNode(LifecycleNode):
                 self.close_goals("the node is being destroyed")
             # freed now, or once a goal deaf to its end is done with them: never under it (as shutdown and error)
             self._release_after_goal()
+            self._shutdown_transition()
         self._runner.destroy()
         super().destroy_node()
+
+    def _shutdown_transition(self) -> None:
+        """The lifecycle's shutdown transition on the way out (SIGINT, SIGTERM, a destroy), as rclcpp leaves it to the
+        node's owner: its TransitionEvent to finalized is what launch's OnStateTransition handlers and lifecycle
+        managers wait for (the goals are ended and the models freed already: on_shutdown finds nothing left)."""
+        if self.lifecycle_state not in ("unconfigured", "inactive", "active"):
+            return
+        try:
+            self.trigger_shutdown()
+        except Exception as exc:  # the context is already gone (rclpy's own signal handler): nothing to tell
+            self.get_logger().warning(f"no shutdown transition on the way out: {type(exc).__name__}: {exc}")
 
     def _guard_change_state(self) -> None:
         """A transition the current state does not have (``ros2 lifecycle set /memspec cleanup`` while

@@ -30,7 +30,7 @@ from ..runtime import bundled_zoo_dir
 from ..runtime.controller import RuntimeConfig
 from ..runtime.loader import load_models
 from ..runtime.predictor import HeadConfig, MiniLMEncoder, PredictionEngine, RankingHead, TargetHiddenEncoder
-from ..runtime.stats import GenerationStats, GenerationTotals, decode_tokens_per_second
+from ..runtime.stats import GenerationStats, GenerationTotals
 from ..zoo.predictor_training import read_prompts
 from ..zoo.workloads import prompt_problem
 
@@ -105,23 +105,23 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ctl.close()
             engine.close()
-        decode = sum(s.decode_seconds for s in runs)
         pooled = GenerationTotals()
         for s in runs:
             pooled.add(s)
+        decode = pooled.decode_seconds
         key = f"{encoder_name}{' (overlapped)' if overlap else ''}"
         # the hidden-state hook runs inside the target's forwards (the prefill's too): reported beside the figure,
         # which is GenerationStats.prediction_overhead's definition (the paper goal's), not added into it
         hook = getattr(engine.encoder, "hook_seconds", 0.0) - hook0
-        prediction = sum(s.prediction_seconds for s in runs)
+        prediction = pooled.breakdown["prediction"]
         results[key] = {
-            "prediction_overhead": prediction / decode if decode else 0.0,
+            "prediction_overhead": pooled.prediction_overhead,  # the figure's one definition (runtime/stats.py)
             "hook_share": hook / decode if decode else 0.0,
             "prediction_overhead_with_hook": (prediction + hook) / decode if decode else 0.0,
             "background_prediction_share": sum(s.background_prediction_seconds for s in runs) / decode
             if decode
             else 0.0,
-            "tokens_per_second": decode_tokens_per_second(sum(s.decode_tokens for s in runs), decode),
+            "tokens_per_second": pooled.tokens_per_second,
             "predictions": sum(s.predictions for s in runs),
             "mean_accepted": pooled.mean_accepted,  # pooled over every iteration, as the policies bench does
             "fallback_fraction": pooled.fallback_fraction,

@@ -534,7 +534,6 @@ def test_the_gmean_is_over_every_workload_but_mixed():
 def test_a_step_without_a_proposal_is_target_only_time_even_when_flagged_fallback():
     """Nothing resident (or a failed draft) gives a target-only step with the fallback flag: figures 7 and 9 drew
     its verify as fallback execution while the fallback share beside them left it out."""
-    from memspec_ros.bench.figures import execution_parts
     from memspec_ros.runtime.stats import GenerationStats, IterationStats
 
     stats = GenerationStats(decode_seconds=1.0)
@@ -544,7 +543,7 @@ def test_a_step_without_a_proposal_is_target_only_time_even_when_flagged_fallbac
         IterationStats(draft="", proposed=0, accepted=0, committed=1, draft_seconds=0.0, verify_seconds=0.3,
                        preferred="b", fallback=True),
     ]
-    parts = execution_parts(stats)
+    parts = stats.execution_parts()
     assert parts["fallback"] == 0.0 and parts["target_only"] == pytest.approx(0.3)
     assert parts["desired"] == pytest.approx(0.3) and stats.fallback_fraction == 0.0
 

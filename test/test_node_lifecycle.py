@@ -463,6 +463,38 @@ def test_cleanup_and_configure_forget_the_freed_models_goal_figures(harness, mon
     assert "failed" not in status.message and status.level == OK
 
 
+def test_parameters_are_answered_during_a_configure_and_changes_refused_until_it_ends(harness, monkeypatch):
+    """The lifecycle services shared rclpy's default callback group with the parameter services: while configure
+    loaded the models (minutes for a large target), `ros2 param get`, rqt_reconfigure and a lifecycle manager's
+    get_state got no answer. They are answered now; a change waits for no transition, it is refused with the reason."""
+    import threading
+
+    h = harness()
+    gate, entered = threading.Event(), threading.Event()
+    load = h.node._load
+
+    def slow_load():
+        entered.set()
+        gate.wait(30.0)
+        return load()
+
+    monkeypatch.setattr(h.node, "_load", slow_load)
+    done = []
+    threading.Thread(target=lambda: done.append(h.transition(Transition.TRANSITION_CONFIGURE)), daemon=True).start()
+    try:
+        assert entered.wait(30.0)
+        gamma = h.get_param("memspec.gamma")  # answered under the configure
+        other = 3 if gamma != 3 else 2
+        [refused] = h.set_params(**{"memspec.gamma": other})
+        assert not refused.successful and "a lifecycle transition is in progress" in refused.reason
+        assert h.get_param("memspec.gamma") == gamma  # nothing changed
+    finally:
+        gate.set()
+    wait_until(lambda: done, 60.0, "the configure")
+    assert done == [True] and h.state() == "inactive"
+    assert h.set_params(**{"memspec.gamma": other})[0].successful  # once it has ended
+
+
 def test_destroying_the_node_waits_for_a_configure_in_progress(harness, monkeypatch):
     """SIGINT during a slow configure: main() closed the goals and destroyed the node at once, while on_configure
     still loaded models on an executor thread; it then created its publishers on the destroyed node and on_error

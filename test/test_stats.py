@@ -100,6 +100,11 @@ def test_copies_from_the_context_are_neither_desired_nor_fallback_nor_draft_forw
                          it(LOOKUP_DRAFT, 2, 1, 2, preferred="a", draft_s=0.001, verify_s=0.25)]
     assert (stats.fallback_fraction, stats.desired_fraction, stats.desired_seconds, stats.fallback_seconds,
             stats.draft_switches, stats.drafts_used) == before
+    # the paper's split: a copy's verify is target-only time (figures 7 and 9 drew it as desired execution, while
+    # the desired and fallback seconds of the summary left it out: one figure, two definitions)
+    parts_after = stats.execution_parts()
+    assert parts_after["target_only"] == pytest.approx(0.25 + 2 * (0.001 + 0.25))
+    assert (parts_after["desired"], parts_after["fallback"]) == (stats.desired_seconds, stats.fallback_seconds)
     assert [i.draft_forwards for i in stats.iterations] == [4, 4, 0, 3, 4, 0, 0]
     # the catch-up forward of iteration 2 is timed apart: 3 of its 4 forwards are in its draft_seconds
     assert [i.timed_draft_forwards for i in stats.iterations] == [4, 3, 0, 3, 4, 0, 0]

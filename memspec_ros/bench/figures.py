@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..runtime.policies import COST_AWARE
 from ..runtime.simulator import CostModel
-from ..runtime.stats import GenerationStats, GenerationTotals
+from ..runtime.stats import EXEC_PARTS, GenerationStats, GenerationTotals
 from ..runtime.storage import MEDIA, DraftStorage, load_to_iteration, storage_medium
 from .policy_bench import (
     BenchRun,
@@ -60,7 +60,6 @@ PAPER_LOAD_ITERATIONS = 2.7  # the paper's Jetson: a draft load over one specula
 LABELS = {GS: "General-Static", OS: "Oracle-Static", MAB: "MAB-Async", PO: "Prediction-Only", OD: "Oracle-Dynamic",
           MS: "MemSpec", CA: "MemSpec cost-aware"}
 COLORS = {GS: "#9e9e9e", OS: "#6a8caf", MAB: "#e39b3b", PO: "#b07cc6", OD: "#3b7d3b", MS: "#c0392b", CA: "#7f1d1d"}
-EXEC_PARTS = ("desired", "fallback", "target_only", "prediction", "load_wait", "other")
 BEGIN, END = "<!-- paper-evaluation:begin (memspec-bench paper writes this part) -->", "<!-- paper-evaluation:end -->"
 
 
@@ -71,22 +70,6 @@ def medium_note(medium: str) -> str:
     return f"storage: {medium}" + (" (emulated)" if m.emulated else " (this machine's disk, not emulated)")
 
 
-def execution_parts(stats: GenerationStats) -> dict[str, float]:
-    """Decode seconds as the paper's figures 4, 7 and 9 split them: whole iterations on the wanted draft
-    (desired execution) or on a resident stand-in (fallback execution), target-only steps, prediction on
-    the decode thread, blocking load waits, and the rest."""
-    parts = dict.fromkeys(EXEC_PARTS, 0.0)
-    for it in stats.iterations:
-        run = it.draft_seconds + it.verify_seconds + it.catchup_seconds
-        # a step with no proposal is target-only even when flagged fallback (nothing was resident, or the draft
-        # failed): the fallback share beside the bars leaves those steps out too
-        parts["target_only" if it.proposed == 0 else ("fallback" if it.fallback else "desired")] += run
-        parts["prediction"] += it.prediction_seconds
-        parts["load_wait"] += it.load_wait_seconds
-    parts["other"] = max(0.0, stats.decode_seconds - sum(parts.values()))
-    return parts
-
-
 def policy_summary(runs: Sequence[tuple[str, str, tuple, GenerationStats]], policy: str,
                    workloads: Sequence[str]) -> dict:
     """Pooled over a policy's runs on ``workloads``: execution parts, fallback and prediction shares, E[A]."""
@@ -95,7 +78,7 @@ def policy_summary(runs: Sequence[tuple[str, str, tuple, GenerationStats]], poli
     for p, w, _, stats in runs:
         if p != policy or w not in workloads:
             continue
-        for k, v in execution_parts(stats).items():
+        for k, v in stats.execution_parts().items():
             parts[k] += v
         totals.add(stats)
     decode, e2e = totals.decode_seconds, totals.end_to_end_seconds

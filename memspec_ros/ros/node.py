@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import rclpy
-from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.exceptions import ParameterException
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
-from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.lifecycle import LifecycleNode, LifecycleNodeMixin, LifecycleState, TransitionCallbackReturn
+from rclpy.node import Node
 from rclpy.signals import SignalHandlerOptions
 from rclpy.task import Future
 
@@ -190,7 +191,12 @@ class Loaded:
 
 class MemSpecNode(LifecycleNode):
     def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
-        super().__init__(node_name, **kwargs)
+        # LifecycleNode.__init__'s two steps, with the lifecycle services in a group of their own (it passes none): in
+        # the default group, rclpy's parameter services' too, a configure loading the models or a deactivate waiting
+        # for a goal left `ros2 param get`, rqt_reconfigure and a lifecycle manager's get_state unanswered until it
+        # ended
+        Node.__init__(self, node_name, **kwargs)
+        LifecycleNodeMixin.__init__(self, callback_group=MutuallyExclusiveCallbackGroup())
         P.declare_all(self)
         self._guard_change_state()
         self._loaded: Loaded | None = None
@@ -207,7 +213,7 @@ class MemSpecNode(LifecycleNode):
         self._transitioning = threading.RLock()  # held by a transition callback while it runs (recorded)
         self._runner = GoalRunner(self, self._window, ReentrantCallbackGroup())  # the action's own group
         self._action_server, self._on_goal = self._runner.server, self._runner.on_goal
-        self._params = ParameterHandler(self, lambda: self._loaded, self._runner)
+        self._params = ParameterHandler(self, lambda: self._loaded, self._runner, self._transitioning)
         # diagnostics publish in every lifecycle state, like diagnostic_updater; the updater declares
         # diagnostic_updater.period, so P.values() works only from here on
         group = ReentrantCallbackGroup()  # timers: never behind a goal callback

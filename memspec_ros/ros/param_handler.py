@@ -48,8 +48,11 @@ class ParameterHandler:
     """The node's on-set-parameters callback. ``loaded()`` gives what configure loaded (None when
     unconfigured); ``runner`` says whether a goal runs and holds one back while the registry changes."""
 
-    def __init__(self, node, loaded: Callable[[], Any], runner) -> None:
+    def __init__(self, node, loaded: Callable[[], Any], runner, transitioning=None) -> None:
         self._node, self._loaded, self._runner = node, loaded, runner
+        # held by a lifecycle transition while it runs: a change then is refused, not applied under it (the lifecycle
+        # services have their own callback group, so parameter calls are answered during a transition)
+        self._transitioning = transitioning
         self._setters: dict[str, Callable[[Any], None]] = {}
         node.add_on_set_parameters_callback(self.on_set)
 
@@ -70,7 +73,20 @@ class ParameterHandler:
         return v
 
     def on_set(self, changed) -> SetParametersResult:
-        """Check everything first; apply only if all is valid."""
+        """Check everything first; apply only if all is valid; refuse while a lifecycle transition runs."""
+        if self._transitioning is None:
+            return self._set(changed)
+        if not self._transitioning.acquire(blocking=False):
+            reason = ("a lifecycle transition is in progress (a configure loading the models, a deactivate or cleanup"
+                      " waiting for the running goal): set it again once it has ended")
+            self._node.get_logger().warning(f"parameter change rejected: {reason}")
+            return SetParametersResult(successful=False, reason=reason)
+        try:
+            return self._set(changed)
+        finally:
+            self._transitioning.release()
+
+    def _set(self, changed) -> SetParametersResult:
         new = {p.name: p.value for p in changed}
         lo = self._loaded()
         try:

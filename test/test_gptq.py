@@ -184,3 +184,21 @@ def test_a_prepared_model_computes_a_verifys_rows_as_one_token_steps():
     done = prepare_for_engine(model)
     assert done["attention"] == ROWWISE_SDPA  # which linears go row by row depends on the CPU's BLAS
     assert_verify_rows_equal_steps(model, 2048)
+
+
+def test_the_gptq_reports_rates_pool_the_prompts_tokens_and_seconds():
+    """The report's tok/s and E[A] were means of per-prompt rates: a short fast prompt weighed as much as a long one
+    (runtime/stats.py combines generations by summing first)."""
+    from memspec_ros.runtime.stats import GenerationStats, IterationStats
+    from memspec_ros.zoo.gptq_target import pooled
+
+    def run(committed: int, seconds: float, accepted: int) -> GenerationStats:
+        stats = GenerationStats(completion_tokens=committed + 1, decode_seconds=seconds)
+        stats.iterations = [IterationStats(draft="d", proposed=4, accepted=accepted, committed=committed,
+                                           draft_seconds=0.0, verify_seconds=seconds)]
+        return stats
+
+    short, long = run(2, 0.1, 1), run(18, 3.0, 4)  # 20 tok/s and 6 tok/s
+    totals = pooled([short, long])
+    assert totals.tokens_per_second == pytest.approx(20 / 3.1)  # not (20 + 6) / 2
+    assert totals.mean_accepted == pytest.approx(2.5)

@@ -53,9 +53,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..argtypes import controller_limit, positive_int
 from .corpora import WORKLOADS
+
+if TYPE_CHECKING:
+    from memspec_ros.runtime.stats import GenerationTotals
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "memspec_gptq.json"  # written last: a directory without it is an interrupted run
@@ -205,6 +209,16 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
 
 # -- report ------------------------------------------------------------------------------------------
 
+def pooled(stats) -> GenerationTotals:
+    """Generations summed (runtime/stats.py): their tokens over their seconds, one definition of a rate."""
+    from memspec_ros.runtime.stats import GenerationTotals
+
+    totals = GenerationTotals()
+    for s in stats:
+        totals.add(s)
+    return totals
+
+
 def perplexity(model, seqs: list[tuple[list[int], list[int]]]) -> dict:
     """Perplexity of the answer tokens (each after its prompt) and of the prompt tokens after the first."""
     import torch
@@ -285,8 +299,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
             alone = generate(model, ids, None, max_new_tokens=max_new_tokens)
             spec = generate(model, ids, draft, max_new_tokens=max_new_tokens, gamma=gamma)
             run = {"domain": row["domain"], "prompt_tokens": len(ids), "tokens": alone.generated_ids,
-                   "tok_s": alone.stats.tokens_per_second, "spec_tok_s": spec.stats.tokens_per_second,
-                   "mean_accepted": spec.stats.mean_accepted,
+                   "tok_s": alone.stats.tokens_per_second, "alone": alone.stats, "spec": spec.stats,
                    "identical": spec.generated_ids == alone.generated_ids}
             if name.startswith("gptq"):
                 # an explicit mask: without one, generate() masks every prompt token equal to the pad id,
@@ -307,10 +320,11 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
         results[name].update({
             "forward_path": loaded[name].forward_path,
             "weight_bytes": parameter_bytes(loaded[name].model),
-            "decode_tok_s_1thread": round(statistics.mean(r["tok_s"] for r in rs), 2),
+            # rates of the sums over the prompts (runtime/stats.py), not means of per-prompt rates
+            "decode_tok_s_1thread": round(pooled(r["alone"] for r in rs).tokens_per_second, 2),
             "decode_tok_s_per_prompt": [round(r["tok_s"], 2) for r in rs],
-            "speculative_tok_s_1thread": round(statistics.mean(r["spec_tok_s"] for r in rs), 2),
-            "speculative_mean_accepted": round(statistics.mean(r["mean_accepted"] for r in rs), 3),
+            "speculative_tok_s_1thread": round(pooled(r["spec"] for r in rs).tokens_per_second, 2),
+            "speculative_mean_accepted": round(pooled(r["spec"] for r in rs).mean_accepted, 3),
             "outputs_identical": all(r["identical"] for r in rs),
             "speed_prompts": len(rs),
             "tokens_agreeing_with_fp32_greedy": [common_prefix(r["tokens"], f)
@@ -325,7 +339,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     for name in names[1:]:
         # over the prompts both ran (a variant limited to fewer speed prompts against fp32's on the same ones)
         shared = len(runs[name])
-        fp_shared = statistics.mean(r["tok_s"] for r in runs["fp32"][:shared])
+        fp_shared = pooled(r["alone"] for r in runs["fp32"][:shared]).tokens_per_second
         results[name]["speedup_vs_fp32"] = round(results[name]["decode_tok_s_1thread"] / fp_shared, 3)
         # per prompt against fp32 on the same prompt moments apart: steadier on a shared machine
         per_prompt = [r["tok_s"] / f["tok_s"] for r, f in zip(runs[name], runs["fp32"], strict=False)]

@@ -29,8 +29,9 @@ from pathlib import Path
 
 
 def domain_prompts(workloads: Path, count: int) -> list[str]:
-    """Round-robin over the domain workloads (first prompts of each), as the engine bench does: the held-out
-    requests, never the training ones (train*.jsonl, policy_bench.workloads_in) nor the mixed workload."""
+    """Round-robin over the domain workloads (first prompts of each): the held-out requests, never the training ones
+    (train*.jsonl, policy_bench.workloads_in), and not the mixed workload (the engine bench's round robin takes it
+    too: these benches measure the ROS path's cost per goal, for which one domain's prompts do as well as two)."""
     from ..zoo.workloads import prompt_problem, read_jsonl
     from .policy_bench import workloads_in
 

@@ -6,30 +6,27 @@
 GMEAN over code, math, law, medical, general (the goals' workloads) of each policy's paper metric
 (``tokens_per_second``) and end-to-end tokens per second, from both ``memspec-bench policies``
 JSONs; then MemSpec over General-Static, MAB-Async and Oracle-Dynamic, and MemSpec's fallback
-share. The policies JSON keeps a per-workload mean of each generation's fallback share, not the
-pooled count ``goals.json`` reports, so the fallback row gives that mean for both runs and
-``goals.json``'s pooled value beside it.
+share: the mean over the workloads of each workload's pooled share (what the policies JSON keeps per
+workload), with ``goals.json``'s value pooled over all of them beside it. The GMEAN and the ratios are
+the bench's own (``policy_bench.gmean``, ``figures.ratio``: 0 and n/a where a rate is 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
+from memspec_ros.bench.figures import ratio
+from memspec_ros.bench.policy_bench import domain_workloads, gmean
+
 ROOT = Path(__file__).resolve().parents[1]
-DOMAINS = ("code", "math", "law", "medical", "general")
 GS, MAB, OD, MS = "general-static", "mab-async", "oracle-dynamic", "memspec"
-
-
-def gmean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def summary(result: dict) -> dict:
     table = result["workloads"]
-    domains = [w for w in DOMAINS if w in table]
+    domains = domain_workloads(list(table))
 
     def g(p: str, key: str) -> float:
         return gmean([table[w][p][key] for w in domains])
@@ -38,16 +35,16 @@ def summary(result: dict) -> dict:
     out = {"domains": domains, "prompts": result["config"]["prompts"],
            "tps": {p: g(p, "tokens_per_second") for p in pol},
            "e2e": {p: g(p, "end_to_end_tokens_per_second") for p in pol}}
+    worst = [ratio(table[w][MS]["tokens_per_second"], table[w][MAB]["tokens_per_second"]) for w in domains]
     out["ratios"] = {
-        "MemSpec / General-Static (paper's metric)": out["tps"][MS] / out["tps"][GS],
-        "MemSpec / General-Static (end to end)": out["e2e"][MS] / out["e2e"][GS],
-        "MemSpec / MAB-Async (paper's metric)": out["tps"][MS] / out["tps"][MAB],
-        "MemSpec / MAB-Async (end to end)": out["e2e"][MS] / out["e2e"][MAB],
-        "MemSpec / Oracle-Dynamic (paper's metric)": out["tps"][MS] / out["tps"][OD],
-        "Oracle-Dynamic / General-Static (paper's metric)": out["tps"][OD] / out["tps"][GS],
-        "MemSpec / MAB-Async on the worst workload": min(
-            table[w][MS]["tokens_per_second"] / table[w][MAB]["tokens_per_second"] for w in domains),
-        "MemSpec fallback (mean per-generation share)": sum(
+        "MemSpec / General-Static (paper's metric)": ratio(out["tps"][MS], out["tps"][GS]),
+        "MemSpec / General-Static (end to end)": ratio(out["e2e"][MS], out["e2e"][GS]),
+        "MemSpec / MAB-Async (paper's metric)": ratio(out["tps"][MS], out["tps"][MAB]),
+        "MemSpec / MAB-Async (end to end)": ratio(out["e2e"][MS], out["e2e"][MAB]),
+        "MemSpec / Oracle-Dynamic (paper's metric)": ratio(out["tps"][MS], out["tps"][OD]),
+        "Oracle-Dynamic / General-Static (paper's metric)": ratio(out["tps"][OD], out["tps"][GS]),
+        "MemSpec / MAB-Async on the worst workload": None if None in worst else min(worst),
+        "MemSpec fallback (mean over the workloads of each one's share)": sum(
             table[w][MS]["fallback_fraction"] for w in domains) / len(domains),
     }
     return out
@@ -75,7 +72,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for k, v in un["ratios"].items():
         pct = "fallback" in k
-        fmt = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: f"{x:.3f}")
+        fmt = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: "n/a" if x is None else f"{x:.3f}")
         gk = "MemSpec fallback (share of speculative iterations)" if pct else k
         gv = goals.get(gk)
         print(f"| {k} | {fmt(v)} | {fmt(ho['ratios'][k])} | {fmt(gv) if gv is not None else '-'}"

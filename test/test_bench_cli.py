@@ -701,3 +701,22 @@ def test_measured_latency_per_generation_is_averaged_as_the_simulated_one():
 
     runs = [run("code", 1.0), run("code", 1.0), run("code", 1.0), run("math", 4.0), run("law", 9.0)]
     assert measured_seconds_per_generation(runs, ["code", "math"], ["memspec"]) == {"memspec": 2.5}  # not 1.75
+
+
+def test_the_unseen_comparison_survives_a_zero_rate_and_takes_any_workload_folder():
+    """scripts/compare_unseen.py: its own GMEAN raised on a zero rate (math.log(0)), and it judged only the five
+    domains' names, so a run on other workloads compared nothing."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "compare_unseen.py"
+    spec = importlib.util.spec_from_file_location("compare_unseen", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    policies = ["general-static", "mab-async", "oracle-dynamic", "memspec"]
+    rates = {"kitchen": 10.0, "navigation": 0.0, "mixed": 5.0}
+    table = {w: {p: {"tokens_per_second": r, "end_to_end_tokens_per_second": r, "fallback_fraction": 0.1}
+                 for p in policies} for w, r in rates.items()}
+    out = module.summary({"workloads": table, "config": {"policies": policies, "prompts": 2}})
+    assert out["domains"] == ["kitchen", "navigation"] and out["tps"]["memspec"] == 0.0
+    assert out["ratios"]["MemSpec / General-Static (paper's metric)"] is None
+    assert out["ratios"]["MemSpec / MAB-Async on the worst workload"] is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from memspec_ros.runtime.stats import CacheStats, GenerationStats, IterationStats
+from memspec_ros.runtime.stats import CacheStats, GenerationStats, GenerationTotals, IterationStats
 
 
 def it(draft, proposed, accepted, committed, *, preferred="", fallback=False, draft_s=0.0, verify_s=0.0,
@@ -156,3 +156,19 @@ def test_cache_stats_hit_rate_and_since():
     assert CacheStats().hit_rate == 0.0
     summary = delta.summary()
     assert summary["cache_hits"] == 7 and summary["cache_hit_rate"] == 0.7 and summary["cache_loads"] == 3
+
+
+def test_goals_combined_give_their_pooled_figures(stats):
+    """GenerationStats.combined (the node's throughput window; it was a function of the diagnostics module, beside
+    GenerationTotals' own pooling): the combination's rates are the summed tokens over the summed seconds."""
+    other = GenerationStats(prompt_tokens=3, completion_tokens=2, decode_seconds=0.5, prefill_seconds=0.25)
+    other.iterations = [it("a", 4, 0, 1, preferred="a", draft_s=0.25, verify_s=0.25)]
+    both = GenerationStats.combined([stats, other])
+    totals = GenerationTotals()
+    for s in (stats, other):
+        totals.add(s)
+    assert both.decode_tokens == stats.decode_tokens + other.decode_tokens == totals.decode_tokens
+    assert both.tokens_per_second == pytest.approx(totals.tokens_per_second)
+    assert both.end_to_end_seconds == pytest.approx(stats.end_to_end_seconds + other.end_to_end_seconds)
+    assert both.mean_accepted == pytest.approx(totals.mean_accepted)
+    assert GenerationStats.combined([]).completion_tokens == 0

@@ -134,8 +134,8 @@ class ThroughputWindow:
         of the next, and no draft is active between goals."""
         with self._lock:
             goals, measured, finished = list(self._goals), self.measured_goals, self.finished_goals
-        return WindowView(len(goals), _combine(goals) if goals else None, sum(g.draft_switches for g in goals),
-                          measured, finished)
+        combined = GenerationStats.combined(goals) if goals else None
+        return WindowView(len(goals), combined, sum(g.draft_switches for g in goals), measured, finished)
 
 
 @dataclass(frozen=True)
@@ -147,30 +147,6 @@ class WindowView:
     draft_switches: int
     measured_goals: int
     finished_goals: int
-
-
-def _combine(goals: list[GenerationStats]) -> GenerationStats:
-    """One GenerationStats over ``goals`` (ThroughputWindow.view)."""
-    out = GenerationStats()
-    for g in goals:
-        out.prompt_tokens += g.prompt_tokens
-        out.completion_tokens += g.completion_tokens
-        out.prefill_seconds += g.prefill_seconds
-        out.setup_seconds += g.setup_seconds
-        out.setup_wait_seconds += g.setup_wait_seconds
-        out.start_seconds += g.start_seconds
-        out.prepare_seconds += g.prepare_seconds
-        out.reused_prompt_tokens += g.reused_prompt_tokens
-        out.background_prediction_seconds += g.background_prediction_seconds
-        out.call_seconds += g.end_to_end_seconds  # so the window's end to end is its goals' summed
-        out.decode_seconds += g.decode_seconds
-        out.predictions += g.predictions
-        out.iterations.extend(g.iterations)
-    out.cache = CacheStats()
-    for g in goals:
-        if g.cache is not None:
-            out.cache.add_counters(g.cache)
-    return out
 
 
 Task = Callable[[Status], None]

@@ -46,6 +46,7 @@ fallback's, as in ``fallback_iterations``). The parts sum to ``decode_seconds``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from .lookup import LOOKUP_DRAFT
@@ -377,6 +378,32 @@ class GenerationStats:
         """Share of drafted iterations that ran the preferred draft."""
         its = self.preferred_iterations
         return sum(1 for it in its if not it.fallback) / len(its) if its else 0.0
+
+    @classmethod
+    def combined(cls, goals: Sequence[GenerationStats]) -> GenerationStats:
+        """One GenerationStats over ``goals`` (a node's window of goals): their counts and seconds summed, their
+        iterations joined, so every figure of the combination is the same property as a goal's. End to end is
+        the goals' summed (as ``call_seconds``)."""
+        out = cls()
+        for g in goals:
+            out.prompt_tokens += g.prompt_tokens
+            out.completion_tokens += g.completion_tokens
+            out.prefill_seconds += g.prefill_seconds
+            out.setup_seconds += g.setup_seconds
+            out.setup_wait_seconds += g.setup_wait_seconds
+            out.start_seconds += g.start_seconds
+            out.prepare_seconds += g.prepare_seconds
+            out.reused_prompt_tokens += g.reused_prompt_tokens
+            out.background_prediction_seconds += g.background_prediction_seconds
+            out.call_seconds += g.end_to_end_seconds
+            out.decode_seconds += g.decode_seconds
+            out.predictions += g.predictions
+            out.iterations.extend(g.iterations)
+        out.cache = CacheStats()
+        for g in goals:
+            if g.cache is not None:
+                out.cache.add_counters(g.cache)
+        return out
 
     def summary(self) -> dict[str, float | int | str | list[str]]:
         """Flat numbers for JSON, logs and ROS messages."""

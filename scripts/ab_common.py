@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.bench.cli import _round_robin_prompts
+from memspec_ros.bench.cli import round_robin_prompts
 from memspec_ros.runtime.chat import end_token_ids
 from memspec_ros.runtime.loader import RuntimeModels, load_models
 from memspec_ros.runtime.models import ModelSpec, load_model
 
-DOMAINS = ("code", "general", "law", "math", "medical", "mixed")  # the order _round_robin_prompts takes them in
+DOMAINS = ("code", "general", "law", "math", "medical", "mixed")  # the order round_robin_prompts takes them in
 
 
 @dataclass
@@ -37,5 +37,5 @@ def zoo(path: str, count: int) -> Zoo:
     drafts = {name: load_model(ModelSpec(models.registry.get(name).path, dtype=models.draft_dtype,
                                          quantization=path)).model
               for name in ("code", "math", "law", "medical", "general")}
-    prompts = _round_robin_prompts(models.tokenizer, Path("models/workloads"), count)
+    prompts = round_robin_prompts(models.tokenizer, Path("models/workloads"), count)
     return Zoo(models, target, drafts, prompts, end_token_ids(None, target))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.bench.cli import _round_robin_prompts
+from memspec_ros.bench.cli import round_robin_prompts
 from memspec_ros.runtime import speculative as sp
 from memspec_ros.runtime.datastore import Datastore
 from memspec_ros.runtime.gamma_choice import GammaChooser
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = Path(args.work) / dom
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"{dom}.jsonl").write_text((zoo / "workloads" / f"{dom}.jsonl").read_text())
-            prompts = _round_robin_prompts(tok, folder, args.prompts)
+            prompts = round_robin_prompts(tok, folder, args.prompts)
 
             def run(ids, arm, dom=dom, draft=draft):
                 GammaChooser.choose_copy = _take if arm == "take" else WEIGH

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.bench.cli import _round_robin_prompts
+from memspec_ros.bench.cli import round_robin_prompts
 from memspec_ros.runtime.cache import registry_loader
 from memspec_ros.runtime.loader import load_models
 from memspec_ros.runtime.models import ModelSpec, safetensors_files
@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     models = load_models(Path("models/registry.yaml"), quantization="int4", validate=False)
-    prompt = _round_robin_prompts(models.tokenizer, Path("models/workloads"), 1)[0]
+    prompt = round_robin_prompts(models.tokenizer, Path("models/workloads"), 1)[0]
     storage = DraftStorage(storage_medium("emmc"))
     load = registry_loader(models.registry, storage=storage, quantization="int4")
     draft = load("general").model

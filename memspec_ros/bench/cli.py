@@ -137,7 +137,7 @@ def _unique_prompt_ids(tokenizer, rows: list[dict], count: int) -> list[list[int
     return prompts[:count]
 
 
-def _round_robin_prompts(tokenizer, folder: Path, count: int) -> list[list[int]]:
+def round_robin_prompts(tokenizer, folder: Path, count: int) -> list[list[int]]:
     """``count`` distinct prompts taken in turn from each workload of ``folder`` (the scripts' A/B runs)."""
     return _unique_prompt_ids(tokenizer, _round_robin_rows(folder, count), count)
 

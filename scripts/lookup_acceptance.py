@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--corpus", help="also search this split's answers (e.g. train) before each prompt")
     parser.add_argument("--datastore", type=Path, help="also search this datastore file's answers (e.g. the bundled"
                         " models/datastore.safetensors) before each prompt; instead of --corpus")
-    parser.add_argument("--corpus-shares", help="with --corpus and --verify-ms: comma-separated shares of the corpus"
+    parser.add_argument("--corpus-shares", help="with --corpus (or --datastore) and --verify-ms: comma-separated shares"
+                        " of the corpus"
                         " (its first answers) to replay adaptive gamma with too, e.g. 0.125,0.25,0.5,1")
     parser.add_argument("--remember", action="store_true",
                         help="with --verify-ms: also replay the held-out answers in a shuffled order, each searching"

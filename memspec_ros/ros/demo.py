@@ -389,7 +389,7 @@ def _existing_file(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from .params import node_range
 
-    parser = argparse.ArgumentParser(prog="memspec-demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m memspec_ros.ros.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", help="zoo directory with registry.yaml (default: the bundled zoo)")
     parser.add_argument("--params-file", type=_existing_file, default=str(REPO / "config" / "memspec.yaml"),

@@ -179,8 +179,12 @@ def render(measured: dict, acceptance: dict, build: Path, models_dir: Path | Non
         "",
         "## Build as run",
         "",
+        "The steps. `memspec-zoo build` alone runs them with its defaults, on the CPU; the settings this zoo was built"
+        " with are the `build_config.json` below, and where they differ from the defaults the notes after it give the"
+        " commands as run.",
+        "",
         "```",
-        "memspec-zoo build            # workloads, teacher, vocab, general, domains, export, datastore (resumable)",
+        "memspec-zoo build [settings]  # workloads, teacher, vocab, general, domains, export, datastore (resumable)",
         "memspec-zoo acceptance --answers <work dir>/teacher --json models/acceptance.json",
         "memspec-train-predictor --answers models/datastore.safetensors --max-prompts 900 --out models/predictor",
         "memspec-zoo card --work-dir <work dir>",

@@ -1,10 +1,10 @@
 """``memspec-zoo``: build the bundled zoo, measure it, write its card.
 
-    memspec-zoo build [--stages workloads,teacher,...] [--general-steps 1800]   # drafts for the real target
+    memspec-zoo build [--stages workloads,teacher,...] [--general-steps N]   # drafts for the real target
     memspec-zoo acceptance --json OUT [--answers DIR]
     memspec-zoo build-toy [--stages corpora,tokenizer,...]   # the earlier 13 M trained-here target and its zoo
     memspec-zoo card            # latencies, perplexities, acceptance -> models/MODEL_CARD.md
-    memspec-zoo gptq quantize|report [--json OUT]   # GPTQ INT4 of the target (GPT-QModel, in .venv-gptq)
+    memspec-zoo gptq quantize | report --json OUT   # GPTQ INT4 of the target (GPT-QModel, in .venv-gptq)
     memspec-zoo draft-gguf --draft models/drafts/general --out artifacts/drafts-gguf/general.gguf
                                 # a draft as a full-vocabulary GGUF for llama.cpp's speculative example
 """

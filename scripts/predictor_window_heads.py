@@ -6,7 +6,7 @@ from memspec_ros.runtime.predictor import HeadConfig
 from memspec_ros.zoo.predictor_training import TrainConfig, evaluate, train_head
 
 torch.set_num_threads(1)
-d = torch.load("artifacts/predictor-window-feats.pt", weights_only=False)
+d = torch.load("artifacts/predictor-window-feats.pt", weights_only=True)  # tensors only: never unpickle objects
 y = torch.tensor(d["labels"])
 held = torch.tensor(d["heldout"])
 first = torch.zeros(len(y), dtype=torch.bool)  # a prompt's first context: the first scheduling point

@@ -217,6 +217,20 @@ def test_a_model_needing_its_own_code_is_refused_without_running_it(zoo, tmp_pat
     assert not marker.exists()
 
 
+def test_a_tokenizer_with_its_own_code_is_refused_even_when_someone_answers_yes(zoo, tmp_path, monkeypatch):
+    """load_tokenizer left trust_remote_code to transformers, which asks on stdin when a tokenizer maps its own
+    code: in a command line tool on the main thread a "y" ran the folder's code."""
+    import io
+
+    marker = tmp_path / "tokenizer-code-ran"
+    draft = copy_draft(zoo, "custom_tokenizer")
+    plant_custom_code(draft, marker, "evil")
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 4))
+    with pytest.raises(ModelDirectoryError):
+        load_tokenizer(draft)
+    assert not marker.exists()
+
+
 def test_custom_code_beside_a_known_architecture_is_never_imported(zoo, tmp_path):
     """config.json names llama (a built-in class) and also maps the Auto classes to the directory's own
     code: the built-in class is used, the code is never imported."""

@@ -171,7 +171,7 @@ def load_gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     with _alone(path) as (folder, name):
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
 
 
 def conversion_key(digest: str) -> str:
@@ -193,7 +193,8 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
         tokenizer = load_gguf_tokenizer(path)
         with _alone(path) as (folder, name):
             loaded, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
-                                                                dtype=torch.float32, output_loading_info=True)
+                                                                trust_remote_code=False, dtype=torch.float32,
+                                                                output_loading_info=True)
     # RuntimeError: a tensor of another shape than the config's; KeyError: metadata the reader expects is absent
     except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError) as exc:
         raise GGUFConversionError(f"transformers could not load {path}: {exc}") from exc

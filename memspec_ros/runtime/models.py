@@ -414,7 +414,9 @@ def load_tokenizer(path: str | Path):
             " copy the target's tokenizer there"
         )
     try:
-        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        # trust_remote_code False, not left to transformers: with an auto_map it asked on stdin, and a "y" typed
+        # into a command line tool ran the folder's code
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ModelDirectoryError(f"the tokenizer in {root} could not be loaded: {exc}") from exc
 

@@ -189,12 +189,13 @@ class MiniLMEncoder:
 
         root = str(path or minilm_path())
         safetensors_files(root)  # safetensors only, a shard index naming nothing else
-        self.tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True, trust_remote_code=False)
         # cut a long text's head, not its tail: the prompt's tail is what the generation continues from (and the
         # recent window's newest tokens are the freshest). Heads trained before session 35 saw the tail cut
         # ("right", their config's default): they get what they were trained on
         self.tokenizer.truncation_side = truncation_side
-        self.model = AutoModel.from_pretrained(root, local_files_only=True, use_safetensors=True).eval()
+        self.model = AutoModel.from_pretrained(root, local_files_only=True, use_safetensors=True,
+                                               trust_remote_code=False).eval()
         self.model.requires_grad_(False)
         self.dim = int(self.model.config.hidden_size)
         self.decode = decode

@@ -318,6 +318,10 @@ def test_demo_runs_end_to_end_and_leaves_no_process(chat):
     from memspec_ros.ros.demo import DEMO_DOMAIN_IDS
 
     assert int(re.search(r"ROS_DOMAIN_ID (\d+)", out).group(1)) in DEMO_DOMAIN_IDS  # its own, not this session's
+    # the node's log: a file made for it (mkstemp), not the predictable /tmp name by pid a planted link could redirect
+    log = Path(re.search(r", log (\S+)\)", out).group(1))
+    assert log.name.startswith("memspec_demo_node_")
+    assert not re.fullmatch(r"memspec_demo_node_\d+\.log", log.name)
     leftover = subprocess.run(["pgrep", "-f", f"memspec_ros.ros.node.*{zoo}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", "the demo left a node process behind"
 

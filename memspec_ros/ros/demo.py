@@ -321,7 +321,11 @@ def run(args) -> int:
     domain, _lock = claim_domain_id()
     os.environ["ROS_DOMAIN_ID"] = str(domain)
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
-    log_path = Path(tempfile.gettempdir()) / f"memspec_demo_node_{os.getpid()}.log"
+    # a name of its own (mkstemp: created exclusively, 0600): a predictable one in /tmp was opened with "w", so a
+    # link planted under it by another user had the node's log written through it
+    fd, name = tempfile.mkstemp(prefix="memspec_demo_node_", suffix=".log")
+    os.close(fd)
+    log_path = Path(name)
     say(f"starting memspec_node (zoo {zoo}, ROS_DOMAIN_ID {domain}, log {log_path})")
     # the node runs in its own session (a terminal's Ctrl-C reaches the demo only): a Ctrl-C, a SIGTERM (a CI
     # timeout) or a SIGHUP (the terminal closed) must end the demo through the `finally` below, or the node

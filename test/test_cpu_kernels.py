@@ -694,3 +694,32 @@ def test_the_step_kernel_refuses_kv_buffers_it_would_write_past():
             step([1], 0, lean._rope, 1, [good, (bad, bad)] + [good] * (layers - 2))
     with pytest.raises(ValueError, match="layers of KV buffers"):
         step([1], 0, lean._rope, 1, short[:-1])
+
+
+def test_a_cached_library_someone_else_could_have_written_is_never_loaded(tmp_path, monkeypatch):
+    """The library's name is computed from public inputs (source, compiler, CPU): anyone who could write it in a
+    shared or misconfigured cache folder ran code in the node when it loaded. One that is not this user's alone is
+    left there, and this process builds its own."""
+    from memspec_ros.runtime import cpu_kernels
+
+    built = []
+
+    def fake_compile(out_dir, library, compiler, flags):
+        library.write_bytes(b"not a real library")
+        library.chmod(0o700)
+        built.append(library)
+
+    monkeypatch.setattr(cpu_kernels, "_compile", fake_compile)
+    cache = tmp_path / "kernels"
+    first = cpu_kernels._build(cache)
+    assert first.parent == cache and built == [first]
+    assert cpu_kernels._build(cache) == first and len(built) == 1  # ours alone: reused
+    first.chmod(0o766)  # writable by others: someone's could be under this name
+    private = cpu_kernels._build(cache)
+    assert private.parent != cache and private.name == first.name and len(built) == 2
+    first.chmod(0o700)
+    planted = tmp_path / "planted.so"
+    planted.write_bytes(b"someone's")
+    first.unlink()
+    first.symlink_to(planted)  # a link to a file elsewhere
+    assert cpu_kernels._build(cache).parent != cache and len(built) == 3

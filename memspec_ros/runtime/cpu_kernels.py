@@ -17,11 +17,14 @@ built. Where there is no compiler, the forward paths keep ATen's kernels and :fu
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import platform
 import shlex
+import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -100,9 +103,8 @@ def _native_macros(compiler: list[str]) -> str:
 
 
 def _build(out_dir: Path, portable: bool = False) -> Path:
-    """The compiled library for this source, compiler and CPU; compiled once, reused after."""
-    from .model_source import sync_dir  # (a module that imports torch's model code: only when building)
-
+    """The compiled library for this source, compiler and CPU; compiled once, reused after (only if it is this
+    user's alone: :func:`_ours_alone`)."""
     compiler = _compiler()
     flags = (*FLAGS, "-DMEMSPEC_PORTABLE") if portable else FLAGS
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -112,14 +114,41 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
                          ).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
     if library.exists():
-        return library
+        if _ours_alone(library):
+            return library
+        # anyone who can write a library under this name runs code in the node when it loads (its key is computed
+        # from public inputs): one that is not this user's alone is never loaded; this process builds its own
+        out_dir = Path(tempfile.mkdtemp(prefix="memspec_kernels_"))
+        atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+        library = out_dir / library.name
     out_dir.mkdir(parents=True, exist_ok=True)
+    _compile(out_dir, library, compiler, flags)
+    return library
+
+
+def _ours_alone(path: Path) -> bool:
+    """Whether ``path`` is this user's, writable by nobody else and no symlink, in a folder of this user's that not
+    every user can write to (group write allowed: a group per user, umask 002): a shared or misconfigured cache
+    folder must not hand the node a library someone else wrote."""
+    try:
+        st, folder = path.lstat(), path.parent.lstat()
+    except OSError:
+        return False
+    return (not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+            and folder.st_uid == os.geteuid() and not folder.st_mode & 0o002)
+
+
+def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...]) -> None:
+    """Compile the kernels into ``library`` (a temporary name in ``out_dir``, renamed when whole)."""
+    from .model_source import sync_dir  # (a module that imports torch's model code: only when building)
+
     # compile to a temporary name and rename: a concurrent process never loads a half-written file
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     # without OpenMP, then the portable C alone (no -march=native: an assembler too old for this CPU's
     # instructions still gets a library); every attempt's error is kept for the one message
-    portable_flags = tuple(f for f in flags if f != "-march=native") + ("-DMEMSPEC_PORTABLE",) * (not portable)
+    portable_flags = tuple(f for f in flags if f != "-march=native") + ("-DMEMSPEC_PORTABLE",) * (
+        "-DMEMSPEC_PORTABLE" not in flags)
     errors = []
     try:
         for tried in ((*flags, OPENMP), flags, portable_flags):
@@ -142,7 +171,6 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
         sync_dir(out_dir)
     finally:
         partial.unlink(missing_ok=True)
-    return library
 
 
 def _fallback_note(library: Path) -> Path:

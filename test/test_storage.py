@@ -214,6 +214,26 @@ def test_a_damaged_runtime_form_is_built_again_from_the_source(tiny_zoo, cache_r
     assert [r.nbytes for r in storage.take_records()] == [size]
 
 
+def test_a_runtime_form_whose_tensors_changed_is_built_again_not_handed_to_the_kernels(tiny_zoo, cache_root_in_tmp,
+                                                                                        caplog):
+    """A well-formed form file whose tensors were swapped for smaller ones (tampered with) was built as it was: the
+    C kernels take a tensor's size on trust, read past its end, and one run corrupted the heap."""
+    from safetensors.torch import load_file, save_file
+
+    spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization="int4")
+    storage = DraftStorage(MEDIA["local"])
+    first = storage.load(spec, "code")
+    (form,) = storage._forms.values()
+    tensors = load_file(str(form.file))
+    key = next(k for k, t in tensors.items() if t.dim() == 2 and t.shape[0] > 1)
+    tensors[key] = tensors[key][:1].clone()  # one row left
+    save_file(tensors, str(form.file))
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.storage"):
+        again = storage.load(spec, "code")
+    _same_model(again, first)
+    assert f"changed since this process wrote it ({key}" in caplog.text and "from its safetensors again" in caplog.text
+
+
 def test_forms_of_drafts_whose_files_are_gone_are_removed(tmp_path, monkeypatch):
     """A draft deleted or moved (or a temporary zoo) leaves no form behind for good: the next form written removes
     every form whose weights files are gone. Files that are not forms this code wrote stay (the folder may be one

@@ -285,6 +285,9 @@ class RuntimeForm:
     record: LoadedModel  # the first load's record without its model: vocabulary size, positions, forward path
     widened: frozenset[str] = frozenset()  # fp32 tensors the file holds as fp16 (exactly): widened back on build
     source: tuple = ()  # the weights files it was built from (source_identity)
+    # every tensor's shape and dtype as written: a file changed since (tampered with, or damaged) is refused, since the
+    # C kernels take the tensors' sizes on trust (a shrunk one was read past its end, and corrupted the heap)
+    layout: dict = field(default_factory=dict)
 
     @classmethod
     def write(cls, loaded: LoadedModel, file: Path, source: tuple = ()) -> RuntimeForm:
@@ -333,7 +336,8 @@ class RuntimeForm:
         modules = dict(skeleton.named_modules())
         for path, name, is_parameter, _ in slots:
             (modules[path]._parameters if is_parameter else modules[path]._buffers)[name] = None
-        return cls(file, skeleton, slots, replace(loaded, model=None), frozenset(widened), source)
+        layout = {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()}
+        return cls(file, skeleton, slots, replace(loaded, model=None), frozenset(widened), source, layout)
 
     def build(self, blob: bytes) -> LoadedModel:
         """The draft from the bytes of ``file`` (its record, sizes included, is the first load's: same tensors)."""
@@ -342,6 +346,11 @@ class RuntimeForm:
         from safetensors.torch import load as load_safetensors
 
         tensors = load_safetensors(blob)
+        found = {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()}
+        if self.layout and found != self.layout:
+            changed = sorted(k for k in set(found) | set(self.layout) if found.get(k) != self.layout.get(k))
+            raise ValueError(f"{self.file} changed since this process wrote it ({', '.join(changed[:3])}"
+                             f"{'...' if len(changed) > 3 else ''} differ): not loaded; remove it to build it again")
         for key in self.widened:
             tensors[key] = tensors[key].float()
         model = copy.deepcopy(self.skeleton)
@@ -519,7 +528,8 @@ class DraftStorage:
                 reads = [read_cold(form.file, self.medium)]
                 t0 = time.perf_counter()
                 loaded = form.build(reads[0][0])
-            except (OSError, SafetensorError, KeyError) as error:  # removed or damaged since: the source still is
+            # removed, damaged or changed since (ValueError: its layout differs): the source still is
+            except (OSError, SafetensorError, KeyError, ValueError) as error:
                 log.warning("%s's runtime form %s could not be read (%s): building it from its safetensors again",
                             name or spec.path, form.file, error)
                 with self._lock:

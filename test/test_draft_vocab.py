@@ -131,6 +131,8 @@ def test_a_reduced_draft_directory_loads_as_a_target_width_draft(tmp_path, targe
     # a string of seven digits was iterated into seven ids and accepted
     ('{"target_vocab_size": 64, "target_ids": "1234567"}', "non-empty list of integers"),
     ('{"target_vocab_size": 64, "target_ids": [1, 2, 3, 4, 5, 6, 7.5]}', "non-empty list of integers"),
+    # a width allocated before the target's is compared: 10^12 ids asked for 8 TB
+    ('{"target_vocab_size": 1000000000000, "target_ids": [0, 1, 2, 3, 4, 5, 6]}', "more than any tokenizer's"),
 ])
 def test_a_bad_vocabulary_file_is_refused_with_the_reason(tmp_path, content, match):
     tok = tiny_tokenizer()

@@ -32,6 +32,9 @@ from types import SimpleNamespace
 import torch
 
 VOCAB_FILE = "draft_vocab.json"
+# far past the widest real vocabularies (~262 k): a file claiming more would have a map of that width allocated (8 bytes
+# an id) before the draft's target width is compared with the target's
+MAX_TARGET_VOCAB = 1 << 22
 
 
 class DraftVocabError(ValueError):
@@ -55,6 +58,9 @@ def read_vocab_map(path: str | Path, draft_vocab_size: int) -> tuple[list[int], 
                               " (expected one more, the row for every other id): rebuild the draft")
     if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= target_size:
         raise DraftVocabError(f"{file}: target ids must be distinct and in [0, {target_size})")
+    if target_size > MAX_TARGET_VOCAB:  # a map of that width is allocated before the target's width is compared
+        raise DraftVocabError(f"{file}: a target vocabulary of {target_size} ids, more than any tokenizer's"
+                              f" ({MAX_TARGET_VOCAB}): rebuild the draft")
     return ids, target_size
 
 

@@ -266,6 +266,10 @@ def test_an_encoder_pooling_other_prompt_positions_than_the_head_is_refused(tmp_
     (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, "hidden": 64}))  # not the weights' 128
     with pytest.raises(PredictorError, match="does not fit"):
         RankingHead.load(tmp_path / "p")
+    # sizes far past the weights: compared before anything is built (its layers were 10^11 floats: out of memory)
+    (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, "hidden": 10**9}))
+    with pytest.raises(PredictorError, match="does not fit"):
+        RankingHead.load(tmp_path / "p")
     # an input the head does not know (the C kernel ranked it as prompt+recent) and a draft named twice are refused
     for key, bad, says in (("input", "prompt_recent", "input must be one of"), ("drafts", ["a", "a"], "twice")):
         (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, key: bad}))

@@ -571,9 +571,21 @@ class RankingHead(torch.nn.Module):
         if not isinstance(config.target, list) or not all(isinstance(x, int | float) for x in config.target):
             raise PredictorError(f"{root / HEAD_CONFIG}: target must be a list of numbers (the target's fingerprint),"
                                  f" not {config.target!r}: retrain the predictor")
-        head = cls(config)
-        from safetensors import SafetensorError
+        from safetensors import SafetensorError, safe_open
 
+        try:  # the config's sizes against the weights file's shapes before anything is allocated: a config with
+            # hidden 10^9 built layers of that size, running the node out of memory before the load could refuse it
+            with torch.device("meta"):
+                wanted = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+            with safe_open(str(root / HEAD_WEIGHTS), "pt") as f:
+                stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except (RuntimeError, OSError, SafetensorError) as exc:
+            raise PredictorError(f"{root / HEAD_WEIGHTS} cannot be read ({str(exc)[:300]}): retrain the"
+                                 " predictor") from exc
+        if stored != wanted:
+            raise PredictorError(f"{root / HEAD_WEIGHTS} does not fit {root / HEAD_CONFIG} (its tensors' shapes"
+                                 " differ from the config's sizes): retrain the predictor")
+        head = cls(config)
         try:
             head.load_state_dict(load_file(str(root / HEAD_WEIGHTS)))
         except (RuntimeError, OSError, SafetensorError) as exc:  # another shape than the config says, not safetensors

@@ -277,6 +277,31 @@ def test_a_conversion_waits_for_another_process_converting_the_same_file(tmp_pat
     assert out == [done] and conversions == []
 
 
+def test_a_conversion_lock_held_past_the_deadline_is_said_not_waited_on_forever(tmp_path, monkeypatch):
+    """A process that holds the conversion's lock and never ends (or anyone who can write the cache folder, holding
+    it on purpose) left configure waiting forever; and the lock file was opened through a planted link."""
+    import fcntl
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_source, "CONVERSION_WAIT_SECONDS", 0.3)
+    monkeypatch.setattr(model_source, "convert_gguf", lambda path, out: pytest.fail("converted under a held lock"))
+    key = model_source.conversion_key(model_source.file_digest(src))
+    gguf_dir = tmp_path / "cache" / "gguf"
+    gguf_dir.mkdir(parents=True)
+    with open(gguf_dir / f".{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with pytest.raises(model_source.GGUFConversionError, match="held .* for more than 0.3 s"):
+            resolve_model_path(str(src))
+    (gguf_dir / f".{key}.lock").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    (gguf_dir / f".{key}.lock").symlink_to(elsewhere)
+    with pytest.raises(model_source.GGUFConversionError, match="cannot write the converted model"):
+        resolve_model_path(str(src))
+    assert not elsewhere.exists()
+
+
 def test_a_conversion_reads_only_the_gguf_file_not_its_folder(tmp_path):
     """transformers loads a GGUF from its folder and reads the folder's own tokenizer.json: a stray one beside the
     file became the converted model's tokenizer, cached under the file's digest wherever the file moved later."""

@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -259,8 +260,6 @@ def converted_dir(path: Path) -> Path:
     each de-quantize the model, doubling the peak memory); the files are on disk before the marker and the rename
     that publish them (a power cut then leaves no marker over truncated weights); a conversion a killed process left
     half done is removed by the next one."""
-    import fcntl
-
     version = file_version(path)
     digest = cached_digest(path)
     key = conversion_key(digest)
@@ -271,13 +270,15 @@ def converted_dir(path: Path) -> Path:
         return GGUFConversionError(f"cannot write the converted model under {out.parent} ({exc}): set"
                                    " MEMSPEC_CACHE_DIR (or XDG_CACHE_HOME) to a writable folder")
 
+    lock_file = out.parent / f".{key}.lock"
     try:  # a read-only cache folder that exists passes mkdir and fails at the lock or the temporary folder
         out.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(out.parent / f".{key}.lock", "a")
+        # never through a link (one planted in a shared cache would have this process write where it points)
+        lock = os.fdopen(os.open(lock_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a")
     except OSError as exc:
         raise unwritable(exc) from exc
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process is killed
+        _wait_for_lock(lock, lock_file)  # released when the file closes, also if this process is killed
         if (out / CONVERTED_MARKER).is_file():  # another process converted it while this one waited
             return out
         for stale in out.parent.glob(f".{key}-*"):  # only a process holding this lock writes these
@@ -304,6 +305,28 @@ def converted_dir(path: Path) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# another process's conversion of a 7 B model takes minutes: a lock held longer than this is stuck
+CONVERSION_WAIT_SECONDS = 1800.0
+
+
+def _wait_for_lock(lock, lock_file: Path) -> None:
+    """The conversion's lock, waited for at most CONVERSION_WAIT_SECONDS: a process that holds it and never ends (or
+    anyone who can write the cache folder, holding it on purpose) left configure waiting forever."""
+    import fcntl
+
+    deadline = time.monotonic() + CONVERSION_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise GGUFConversionError(
+                    f"another process has held {lock_file} for more than {CONVERSION_WAIT_SECONDS:g} s while"
+                    " converting this GGUF: end it, or remove the lock file if no process converts it") from None
+            time.sleep(0.2)
 
 
 def _sync_tree(folder: Path) -> None:

@@ -3,7 +3,7 @@
     ros2 launch memspec_ros memspec.launch.py
     ros2 launch memspec_ros memspec.launch.py namespace:=robot1 params_file:=/path/to/memspec.yaml
     ros2 launch memspec_ros memspec.launch.py autostart:=false   # a lifecycle manager drives the transitions
-    ros2 launch memspec_ros memspec.launch.py log_level:=debug use_sim_time:=true
+    ros2 launch memspec_ros memspec.launch.py log_level:=debug
 
 Auto-activation uses the event-handler pattern that works on Humble and Jazzy alike
 (``autostart=True`` is Jazzy-only): emit ChangeState(configure) at start, and when the node
@@ -23,7 +23,6 @@ from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
-from launch_ros.parameter_descriptions import ParameterValue
 from lifecycle_msgs.msg import Transition
 
 from launch import LaunchDescription
@@ -36,8 +35,8 @@ def generate_launch_description():
         executable="memspec_node",
         name=LaunchConfiguration("node_name"),
         namespace=LaunchConfiguration("namespace"),
-        parameters=[LaunchConfiguration("params_file"),
-                    {"use_sim_time": ParameterValue(LaunchConfiguration("use_sim_time"), value_type=bool)}],
+        # use_sim_time goes in the params file (a launch argument for it overrode the file's value with its default)
+        parameters=[LaunchConfiguration("params_file")],
         arguments=["--ros-args", "--log-level", LaunchConfiguration("log_level")],
         output="screen",
     )
@@ -67,7 +66,6 @@ def generate_launch_description():
                               description="configure and activate the node at launch (false: leave the transitions"
                                           " to a lifecycle manager)"),
         DeclareLaunchArgument("log_level", default_value="info", description="the node's log level"),
-        DeclareLaunchArgument("use_sim_time", default_value="false", description="use the /clock topic's time"),
         node,
         activate_when_inactive,
         configure,

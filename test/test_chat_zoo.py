@@ -79,7 +79,7 @@ def test_a_training_quota_or_mixed_pair_the_sources_cannot_fill_is_said():
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a quota that fits says nothing
+        warnings.simplefilter("error", UserWarning)  # a quota that fits says nothing
         cw.build_chat_workloads(cw.ChatWorkloadConfig(heldout_per_workload=20, train_per_domain=40))
     with pytest.warns(UserWarning, match=r"fewer training requests than asked.*code \d+ of 1000000.*mixed "):
         cw.build_chat_workloads(cw.ChatWorkloadConfig(heldout_per_workload=20, train_per_domain=1_000_000))

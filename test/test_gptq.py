@@ -186,11 +186,28 @@ def test_a_prepared_model_computes_a_verifys_rows_as_one_token_steps():
     assert_verify_rows_equal_steps(model, 2048)
 
 
+def test_the_gptq_reports_speed_figures_pool_the_prompts_and_its_progress_line_runs():
+    """The report's tok/s and E[A] were means of per-prompt rates: a short fast prompt weighed as much as a long one
+    (runtime/stats.py combines generations by summing first). Its progress line read a key the runs no longer had
+    (a KeyError after the first prompt): the run, the line and the figures are run here on tiny models."""
+    from memspec_ros.runtime.stats import GenerationTotals
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
+    from memspec_ros.zoo.gptq_target import speed_figures, speed_line, speed_run
+
+    target = tiny_llama(hidden=32, layers=1, seed=0)
+    draft = noisy_copy(target, 0.05, seed=1)
+    runs = [speed_run(target, draft, ids, "code", 12, 3) for ids in ([1, 5, 7], [2, 4, 6, 8, 10])]
+    assert all(r["identical"] for r in runs) and "with draft" in speed_line(runs[0])
+    figures = speed_figures(runs)
+    assert figures["decode_tok_s_1thread"] == round(GenerationTotals.of(r["alone"] for r in runs).tokens_per_second, 2)
+    assert figures["speculative_mean_accepted"] == round(GenerationTotals.of(r["spec"] for r in runs).mean_accepted, 3)
+    assert figures["outputs_identical"] and figures["speed_prompts"] == 2
+
+
 def test_the_gptq_reports_rates_pool_the_prompts_tokens_and_seconds():
     """The report's tok/s and E[A] were means of per-prompt rates: a short fast prompt weighed as much as a long one
     (runtime/stats.py combines generations by summing first)."""
-    from memspec_ros.runtime.stats import GenerationStats, IterationStats
-    from memspec_ros.zoo.gptq_target import pooled
+    from memspec_ros.runtime.stats import GenerationStats, GenerationTotals, IterationStats
 
     def run(committed: int, seconds: float, accepted: int) -> GenerationStats:
         stats = GenerationStats(completion_tokens=committed + 1, decode_seconds=seconds)
@@ -199,6 +216,6 @@ def test_the_gptq_reports_rates_pool_the_prompts_tokens_and_seconds():
         return stats
 
     short, long = run(2, 0.1, 1), run(18, 3.0, 4)  # 20 tok/s and 6 tok/s
-    totals = pooled([short, long])
+    totals = GenerationTotals.of([short, long])
     assert totals.tokens_per_second == pytest.approx(20 / 3.1)  # not (20 + 6) / 2
     assert totals.mean_accepted == pytest.approx(2.5)

@@ -88,6 +88,7 @@ def test_a_goal_that_fails_before_its_result_still_gets_one_stats_message(h, mon
         raise RuntimeError("the feedback could not be set up")
 
     monkeypatch.setattr(goal_runner, "FeedbackThrottle", broken)
+    finished = h.node._window.finished_goals
     handle, _ = h.send(goal(max_new_tokens=8))
     assert handle.accepted
     response = h.result(handle)
@@ -99,6 +100,7 @@ def test_a_goal_that_fails_before_its_result_still_gets_one_stats_message(h, mon
     )
     msg = next(s for s in h.stats if bytes(s.goal_id.uuid) == bytes(handle.goal_id.uuid))
     assert msg.finish_reason == "error" and "could not be set up" in msg.error_message
+    assert h.node._window.finished_goals == finished + 1  # counted once
 
 
 def test_goal_defaults_come_from_the_parameters(h):

@@ -483,7 +483,8 @@ def test_parameters_are_answered_during_a_configure_and_changes_refused_until_it
     threading.Thread(target=lambda: done.append(h.transition(Transition.TRANSITION_CONFIGURE)), daemon=True).start()
     try:
         assert entered.wait(30.0)
-        gamma = h.get_param("memspec.gamma")  # answered under the configure
+        assert h.state() == "configuring"  # get_state answered under the configure (a lifecycle manager's probe)
+        gamma = h.get_param("memspec.gamma")  # and the parameters
         other = 3 if gamma != 3 else 2
         [refused] = h.set_params(**{"memspec.gamma": other})
         assert not refused.successful and "a lifecycle transition is in progress" in refused.reason
@@ -539,15 +540,21 @@ def test_destroying_the_node_waits_for_a_configure_in_progress(harness, monkeypa
 def test_destroying_an_active_node_takes_the_shutdown_transition(harness, monkeypatch):
     """SIGINT, SIGTERM or a destroy freed the models but never took the lifecycle's shutdown transition: no
     TransitionEvent to finalized, which launch's OnStateTransition handlers and lifecycle managers wait for."""
+    from lifecycle_msgs.msg import TransitionEvent
+
     h = harness()
     h.activate()
-    ended = []
-    end_goals = h.node._end_goals
-    monkeypatch.setattr(h.node, "_end_goals", lambda reason: (ended.append(reason), end_goals(reason))[1])
+    topic = f"/{h.name}/transition_event"
+    events = []
+    h.client.create_subscription(TransitionEvent, topic, events.append, 10)
+    wait_until(lambda: h.client.count_publishers(topic) > 0, 30.0, "the transition event publisher")
+    released = []
+    release = h.node._release_after_goal
+    monkeypatch.setattr(h.node, "_release_after_goal", lambda: (released.append(1), release())[1])
     machine = h.node._state_machine
     h.node.destroy_node()
-    assert "the node is shutting down" in ended  # on_shutdown ran
-    assert machine.current_state[1] == "finalized"
+    assert machine.current_state[1] == "finalized" and len(released) == 2  # destroy's own, then on_shutdown's
+    wait_until(lambda: any(e.goal_state.label == "finalized" for e in events), 30.0, "the event to finalized")
     h.node.destroy_node = lambda: None  # destroyed above: the harness's close must not destroy it again
 
 

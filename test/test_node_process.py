@@ -119,7 +119,7 @@ def test_launch_file_is_the_humble_and_jazzy_lifecycle_pattern():
     # the conventional arguments, autostart among them as a launch argument: both transitions are conditional on it
     declared = {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
                 and getattr(n.func, "id", "") == "DeclareLaunchArgument"}
-    assert declared == {"namespace", "node_name", "params_file", "autostart", "log_level", "use_sim_time"}
+    assert declared == {"namespace", "node_name", "params_file", "autostart", "log_level"}
     conditional = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") in (
         "EmitEvent", "RegisterEventHandler") and any(k.arg == "condition" for k in n.keywords)]
     assert len(conditional) == 2  # the configure and the activate-when-inactive handler; the inner activate is not
@@ -130,7 +130,7 @@ def test_the_node_executable_with_a_params_file(tmp_path):
     cmd = [
         executable("memspec_node"),
         # what launch/memspec.launch.py passes: its arguments first (log_level), then launch_ros's own section
-        # (name, the params file, and use_sim_time as a parameter)
+        # (name, the params file); use_sim_time as a params file or command line sets it
         "--ros-args",
         "--log-level",
         "info",

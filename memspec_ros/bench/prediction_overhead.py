@@ -105,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ctl.close()
             engine.close()
-        pooled = GenerationTotals()
-        for s in runs:
-            pooled.add(s)
+        pooled = GenerationTotals.of(runs)
         decode = pooled.decode_seconds
         key = f"{encoder_name}{' (overlapped)' if overlap else ''}"
         # the hidden-state hook runs inside the target's forwards (the prefill's too): reported beside the figure,

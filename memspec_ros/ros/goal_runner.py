@@ -77,6 +77,7 @@ class Job:
     cancel_requested: bool = False  # cancelled while reserved: the accepted callback ends it instead of queueing it
     # its result once built: at the end of a run (before its terminal state is set) or when it ended before it ran
     result: Generate.Result | None = None
+    counted: bool = False  # counted among the finished goals (once per goal, whatever fails after)
     # called once the goal's execute callback is done with the models (release_when_over)
     when_over: list[Callable[[], None]] = field(default_factory=list)
 
@@ -487,8 +488,14 @@ class GoalRunner:
             error = f"{type(exc).__name__}: {exc}"
             self._node.get_logger().error(f"goal failed unexpectedly: {error}")
             self.last_error = error
-            if job.result is None:  # it failed before its result: one ~/generation_stats message for it still
-                result = self._result(job, ERROR, error=error)
+            if job.result is None and not job.counted:  # it failed before its result: one stats message for it still
+                try:
+                    result = self._result(job, ERROR, error=error)
+                except Exception:  # the publisher gone too: a result all the same (rclpy's, never a traceback)
+                    result = Generate.Result(prompt_tokens=len(job.prompt_ids), finish_reason=ERROR,
+                                             error_message=error)
+            elif job.result is None:  # counted, then its message failed: the result alone
+                result = Generate.Result(prompt_tokens=len(job.prompt_ids), finish_reason=ERROR, error_message=error)
             else:  # its result and statistics went out, then setting its terminal state failed: the text stays
                 result = job.result
                 result.finish_reason, result.error_message = ERROR, error
@@ -580,6 +587,7 @@ class GoalRunner:
         if stats is not None:
             fill_result(result, stats, ttft)
         self._window.count_finished()  # every ending path comes here, once per goal
+        job.counted = True
         if publish:
             self._publish(job, result.finish_reason, result.error_message, stats, ttft)
         return result

@@ -59,7 +59,7 @@ from .diagnostics import (
 )
 from .goal_runner import DEACTIVATE_WAIT_SECONDS, GoalRunner
 from .param_handler import ParameterHandler
-from .rclpy_internals import guard_change_state, lifecycle_state_label
+from .rclpy_internals import answer_lifecycle_queries_apart, guard_change_state, lifecycle_state_label
 
 NODE_NAME = "memspec"
 CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this often (off the decode thread)
@@ -193,10 +193,13 @@ class MemSpecNode(LifecycleNode):
     def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
         # LifecycleNode.__init__'s two steps, with the lifecycle services in a group of their own (it passes none): in
         # the default group, rclpy's parameter services' too, a configure loading the models or a deactivate waiting
-        # for a goal left `ros2 param get`, rqt_reconfigure and a lifecycle manager's get_state unanswered until it
-        # ended
+        # for a goal left `ros2 param get` and rqt_reconfigure unanswered until it ended; and the read-only ones
+        # (get_state, ...) apart from change_state, so a lifecycle manager's get_state is answered meanwhile
+        communication = kwargs.pop("enable_communication_interface", True)
         Node.__init__(self, node_name, **kwargs)
-        LifecycleNodeMixin.__init__(self, callback_group=MutuallyExclusiveCallbackGroup())
+        LifecycleNodeMixin.__init__(self, enable_communication_interface=communication,
+                                    callback_group=MutuallyExclusiveCallbackGroup())
+        answer_lifecycle_queries_apart(self, ReentrantCallbackGroup())
         P.declare_all(self)
         self._guard_change_state()
         self._loaded: Loaded | None = None
@@ -289,13 +292,16 @@ class MemSpecNode(LifecycleNode):
 
     @recorded
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._end_goals("the node is shutting down")
+        if not self._runner.closing:  # on the way out (destroy) close_goals ended them and waited already
+            self._end_goals("the node is shutting down")
         self._release_after_goal()
         return TransitionCallbackReturn.SUCCESS
 
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._end_goals("the node hit an error")
-        freed = "models freed" if self._release_after_goal() else "models freed once the running goal ends"
+        with self._transitioning:  # (not @recorded: its own failure is rclpy's) parameter changes wait, as for the rest
+            self._end_goals("the node hit an error")
+            released = self._release_after_goal()
+        freed = "models freed" if released else "models freed once the running goal ends"
         self.get_logger().error(f"error processed ({self._transition_error or 'no cause recorded'}): {freed}, back"
                                 " to unconfigured")
         return TransitionCallbackReturn.SUCCESS
@@ -372,6 +378,8 @@ class MemSpecNode(LifecycleNode):
             return
         try:
             self.trigger_shutdown()
+        except KeyboardInterrupt:  # a second signal while it ran: the rest of the teardown still runs, in a hurry
+            self._hurry = True
         except Exception as exc:  # the context is already gone (rclpy's own signal handler): nothing to tell
             self.get_logger().warning(f"no shutdown transition on the way out: {type(exc).__name__}: {exc}")
 

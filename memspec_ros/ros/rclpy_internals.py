@@ -40,3 +40,26 @@ def guard_change_state(node, on_error: Callable[[Any, Exception], None]) -> bool
 
     service.callback = guarded
     return True
+
+
+READ_ONLY_LIFECYCLE_SERVICES = ("_service_get_state", "_service_get_available_states",
+                                "_service_get_available_transitions", "_service_get_transition_graph")
+
+
+def answer_lifecycle_queries_apart(node, group) -> int:
+    """Move ``node``'s read-only lifecycle services (get_state and the lists of states and transitions) into
+    ``group``: rclpy puts them in change_state's group, so a configure that loads the models left `ros2 lifecycle
+    get` and a lifecycle manager's get_state unanswered until it ended. Returns how many were moved (0 if this
+    rclpy names them otherwise: they then keep waiting behind a transition, as before)."""
+    import weakref
+
+    moved = 0
+    for name in READ_ONLY_LIFECYCLE_SERVICES:
+        service = getattr(node, name, None)
+        if service is None or not hasattr(service, "callback_group"):
+            continue
+        service.callback_group.entities.discard(weakref.ref(service))
+        service.callback_group = group
+        group.add_entity(service)
+        moved += 1
+    return moved

@@ -46,7 +46,7 @@ fallback's, as in ``fallback_iterations``). The parts sum to ``decode_seconds``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 from .lookup import LOOKUP_DRAFT
@@ -453,6 +453,14 @@ class GenerationTotals:
     preferred_iterations: int = 0  # drafted under a policy that named a preferred draft ...
     fallback_iterations: int = 0  # ... of which ran another one
     breakdown: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
+
+    @classmethod
+    def of(cls, generations: Iterable[GenerationStats]) -> GenerationTotals:
+        """``generations`` summed."""
+        totals = cls()
+        for stats in generations:
+            totals.add(stats)
+        return totals
 
     def add(self, stats: GenerationStats) -> None:
         self.generations += 1

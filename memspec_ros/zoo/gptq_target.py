@@ -53,13 +53,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..argtypes import controller_limit, positive_int
 from .corpora import WORKLOADS
-
-if TYPE_CHECKING:
-    from memspec_ros.runtime.stats import GenerationTotals
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "memspec_gptq.json"  # written last: a directory without it is an interrupted run
@@ -209,14 +205,34 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
 
 # -- report ------------------------------------------------------------------------------------------
 
-def pooled(stats) -> GenerationTotals:
-    """Generations summed (runtime/stats.py): their tokens over their seconds, one definition of a rate."""
+def speed_run(model, draft, ids: list[int], domain: str, max_new_tokens: int, gamma: int) -> dict:
+    """One prompt's timed generations: the model alone, then with the draft."""
+    from memspec_ros.runtime.speculative import generate
+
+    alone = generate(model, ids, None, max_new_tokens=max_new_tokens)
+    spec = generate(model, ids, draft, max_new_tokens=max_new_tokens, gamma=gamma)
+    return {"domain": domain, "prompt_tokens": len(ids), "tokens": alone.generated_ids,
+            "tok_s": alone.stats.tokens_per_second, "alone": alone.stats, "spec": spec.stats,
+            "identical": spec.generated_ids == alone.generated_ids}
+
+
+def speed_line(run: dict) -> str:
+    return (f"alone {run['tok_s']:6.1f} tok/s, with draft {run['spec'].tokens_per_second:6.1f} tok/s,"
+            f" identical {run['identical']}")
+
+
+def speed_figures(runs: list[dict]) -> dict:
+    """A model's speed figures over its prompts' :func:`speed_run` records: rates of the sums (runtime/stats.py),
+    not means of per-prompt rates (the report's before session 44: docs/results/gptq-smollm2.json)."""
     from memspec_ros.runtime.stats import GenerationTotals
 
-    totals = GenerationTotals()
-    for s in stats:
-        totals.add(s)
-    return totals
+    spec = GenerationTotals.of(r["spec"] for r in runs)
+    return {"decode_tok_s_1thread": round(GenerationTotals.of(r["alone"] for r in runs).tokens_per_second, 2),
+            "decode_tok_s_per_prompt": [round(r["tok_s"], 2) for r in runs],
+            "speculative_tok_s_1thread": round(spec.tokens_per_second, 2),
+            "speculative_mean_accepted": round(spec.mean_accepted, 3),
+            "outputs_identical": all(r["identical"] for r in runs),
+            "speed_prompts": len(runs)}
 
 
 def perplexity(model, seqs: list[tuple[list[int], list[int]]]) -> dict:
@@ -246,6 +262,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer, parameter_bytes
     from memspec_ros.runtime.prompt_cache import common_prefix
     from memspec_ros.runtime.speculative import generate
+    from memspec_ros.runtime.stats import GenerationTotals
     from memspec_ros.zoo.teacher import chat_prompt_ids
 
     heldout = {w: read_rows(models / "workloads" / f"{w}.jsonl") for w in WORKLOADS}
@@ -296,11 +313,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
             if i >= speed_limit.get(name, len(prompts)):
                 continue
             model = loaded[name].model
-            alone = generate(model, ids, None, max_new_tokens=max_new_tokens)
-            spec = generate(model, ids, draft, max_new_tokens=max_new_tokens, gamma=gamma)
-            run = {"domain": row["domain"], "prompt_tokens": len(ids), "tokens": alone.generated_ids,
-                   "tok_s": alone.stats.tokens_per_second, "alone": alone.stats, "spec": spec.stats,
-                   "identical": spec.generated_ids == alone.generated_ids}
+            run = speed_run(model, draft, ids, row["domain"], max_new_tokens, gamma)
             if name.startswith("gptq"):
                 # an explicit mask: without one, generate() masks every prompt token equal to the pad id,
                 # and SmolLM2's pad id is <|im_end|>, which ends each chat turn of the prompt
@@ -308,10 +321,9 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
                 hf = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
                                     max_new_tokens=max_new_tokens, eos_token_id=None,
                                     pad_token_id=tokenizer.pad_token_id or 0)[0, len(ids):].tolist()
-                run["hf_identical"] = hf == alone.generated_ids
+                run["hf_identical"] = hf == run["tokens"]
             runs[name].append(run)
-            _log(f"prompt {i + 1}/{len(prompts)} {row['domain']:8s} {name:12s} alone {run['tok_s']:6.1f} tok/s,"
-                 f" with draft {run['spec_tok_s']:6.1f} tok/s, identical {run['identical']}")
+            _log(f"prompt {i + 1}/{len(prompts)} {row['domain']:8s} {name:12s} {speed_line(run)}")
 
     load_after = os.getloadavg()
     fp32_tokens = [r["tokens"] for r in runs["fp32"]]
@@ -320,13 +332,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
         results[name].update({
             "forward_path": loaded[name].forward_path,
             "weight_bytes": parameter_bytes(loaded[name].model),
-            # rates of the sums over the prompts (runtime/stats.py), not means of per-prompt rates
-            "decode_tok_s_1thread": round(pooled(r["alone"] for r in rs).tokens_per_second, 2),
-            "decode_tok_s_per_prompt": [round(r["tok_s"], 2) for r in rs],
-            "speculative_tok_s_1thread": round(pooled(r["spec"] for r in rs).tokens_per_second, 2),
-            "speculative_mean_accepted": round(pooled(r["spec"] for r in rs).mean_accepted, 3),
-            "outputs_identical": all(r["identical"] for r in rs),
-            "speed_prompts": len(rs),
+            **speed_figures(rs),
             "tokens_agreeing_with_fp32_greedy": [common_prefix(r["tokens"], f)
                                                  for r, f in zip(rs, fp32_tokens, strict=False)],
         })
@@ -339,7 +345,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     for name in names[1:]:
         # over the prompts both ran (a variant limited to fewer speed prompts against fp32's on the same ones)
         shared = len(runs[name])
-        fp_shared = pooled(r["alone"] for r in runs["fp32"][:shared]).tokens_per_second
+        fp_shared = GenerationTotals.of(r["alone"] for r in runs["fp32"][:shared]).tokens_per_second
         results[name]["speedup_vs_fp32"] = round(results[name]["decode_tok_s_1thread"] / fp_shared, 3)
         # per prompt against fp32 on the same prompt moments apart: steadier on a shared machine
         per_prompt = [r["tok_s"] / f["tok_s"] for r, f in zip(runs[name], runs["fp32"], strict=False)]

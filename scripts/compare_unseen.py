@@ -4,11 +4,12 @@
         [--heldout docs/results/fp32/policies.json] [--goals docs/results/fp32/goals.json]
 
 GMEAN over code, math, law, medical, general (the goals' workloads) of each policy's paper metric
-(``tokens_per_second``) and end-to-end tokens per second, from both ``memspec-bench policies``
-JSONs; then MemSpec over General-Static, MAB-Async and Oracle-Dynamic, and MemSpec's fallback
-share: the mean over the workloads of each workload's pooled share (what the policies JSON keeps per
-workload), with ``goals.json``'s value pooled over all of them beside it. The GMEAN and the ratios are
-the bench's own (``policy_bench.gmean``, ``figures.ratio``: 0 and n/a where a rate is 0).
+(``tokens_per_second``) and end-to-end tokens per second, from both ``memspec-bench policies`` JSONs; then
+MemSpec over General-Static, MAB-Async and Oracle-Dynamic, and MemSpec's fallback share: the mean over the
+workloads of each workload's share as the policies JSON keeps it (pooled since 4 December; a JSON written
+before averages its generations' shares), with ``goals.json``'s value pooled over all of them beside it. The
+GMEAN and the ratios are the bench's own (``policy_bench.gmean``, ``figures.ratio``: 0 and n/a where a rate is
+0).
 """
 
 from __future__ import annotations

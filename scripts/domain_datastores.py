@@ -127,10 +127,15 @@ def resident_bytes(store: Datastore) -> int:
 def training_answers(models: Path) -> dict[str, list[np.ndarray]]:
     """The zoo's datastore answers by the domain of the training request each answers (rows aligned with
     ``workloads/train_requests.jsonl``; withheld rows are empty and skipped)."""
-    rows, _ = read_answers(models / "datastore.safetensors")
-    lines = (models / "workloads" / "train_requests.jsonl").read_text().splitlines()
+    from memspec_ros.zoo.teacher import requests_digest
+
+    requests = models / "workloads" / "train_requests.jsonl"
+    rows, meta = read_answers(models / "datastore.safetensors")
+    lines = [line for line in requests.read_text().splitlines() if line.strip()]  # as the datastore pairs them
     if len(lines) < len(rows):
         raise SystemExit(f"{models}: {len(rows)} datastore answers but {len(lines)} training requests")
+    if meta.get("requests_sha256") and meta["requests_sha256"] != requests_digest(requests, len(rows)):
+        raise SystemExit(f"{models}: its datastore was made for other training requests")
     by_domain: dict[str, list[np.ndarray]] = {}
     for line, answer in zip(lines, rows, strict=False):
         if len(answer):
@@ -262,8 +267,8 @@ def main() -> None:
         result["budgets"][str(budget)] = entry
         print(f"budget {budget} tokens ({time.time() - t0:.0f} s):", json.dumps(
             {rule: {"own_domain_gain": {d: round(g, 3) for d, g in entry[rule]["own_domain_gain"].items()},
-                    "oracle_static_gain": round(entry[rule]["oracle_static_gain"], 3),
-                    "oracle_dynamic_gain_mixed": round(entry[rule]["oracle_dynamic_gain_mixed"], 3)}
+                    "oracle_static_gain": round(entry[rule]["oracle_static_gain"] or 0.0, 3),
+                    "oracle_dynamic_gain_mixed": round(entry[rule]["oracle_dynamic_gain_mixed"] or 0.0, 3)}
              for rule in RULES}), flush=True)
     result["head_coverage"] = head_coverage(by_domain, {w: held[w] for w in names}, [
         int(r) for r in args.head_rows.split(",")], args.gamma)

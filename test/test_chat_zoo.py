@@ -947,3 +947,18 @@ def test_the_predictor_can_learn_from_answers_the_drafts_never_trained_on(tiny_b
         main(["--registry", str(tiny_build.out_dir / "registry.yaml"), "--prompts", str(tmp_path / "p.jsonl"),
               "--unseen-by-drafts"])
     assert "--unseen-by-drafts selects among a zoo's stored --answers" in capsys.readouterr().err
+
+
+def test_the_workload_overlap_script_groups_sources_by_file_module_and_icd_category():
+    """scripts/workload_overlap.py (docs/results/workload-overlap.json): what "the same file, module or ICD
+    category" means for each kind of source."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "workload_overlap.py"
+    spec = importlib.util.spec_from_file_location("workload_overlap", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.source_group("code:ntpath.py:commonpath") == module.source_group("code:ntpath.py:join")
+    assert module.source_group("medical:L414") == "L41" != module.source_group("medical:L501")
+    assert module.source_group("law:/usr/share/doc/x/copyright#8") == "/usr/share/doc/x/copyright"
+    assert module.spans("a b c d", 3) == {"a b c", "b c d"} and module.spans("a b", 3) == set()

@@ -361,6 +361,17 @@ def test_the_action_bench_refuses_an_unknown_policy_before_starting_the_node(tmp
         main(["action", "--zoo", "tiny", "--predictor", str(tmp_path / "typo")])
 
 
+def test_the_engine_bench_names_a_target_that_cannot_load(tmp_path):
+    """--target naming a folder that is no model failed with a ModelDirectoryError traceback ("copy the target's
+    tokenizer there"), since only a registry error was caught."""
+    from memspec_ros.bench.cli import main
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    with pytest.raises(SystemExit, match=r"memspec-bench engine: .*nowhere"):
+        main(["engine", "--target", str(tmp_path / "nowhere"), "--draft-path", str(draft), "--prompts", "1"])
+
+
 @pytest.mark.parametrize("bench", ["engine", "llamacpp", "action", "soak", "policies"])
 def test_a_json_output_that_cannot_be_written_is_refused_before_the_run(bench, tmp_path, capsys):
     """--json naming a folder, or a path under a file, failed with a traceback once the run was over, and its

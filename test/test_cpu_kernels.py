@@ -723,3 +723,7 @@ def test_a_cached_library_someone_else_could_have_written_is_never_loaded(tmp_pa
     first.unlink()
     first.symlink_to(planted)  # a link to a file elsewhere
     assert cpu_kernels._build(cache).parent != cache and len(built) == 3
+    first.unlink()
+    cache.chmod(0o777)  # a folder every user can write to: no library is built there to be swapped before it loads
+    assert cpu_kernels._build(cache).parent != cache and len(built) == 4 and not first.exists()
+    cache.chmod(0o755)

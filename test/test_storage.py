@@ -301,7 +301,8 @@ def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny
 
 def test_a_load_in_iterations_weighs_every_draft_the_same_in_the_summary_and_the_figures():
     """The bench's summary averaged over load records (a draft loaded more often weighed more) and the storage figure
-    over drafts: two ratios for one medium on the same results page."""
+    over drafts: two definitions of one ratio (the two figures for a medium on the results page also differ by their
+    load samples and iteration times, which no definition removes)."""
     from memspec_ros.runtime.storage import LoadRecord, load_to_iteration, mean_load_seconds
 
     records = [LoadRecord("general", 100, 1, 0.3, 0.0, None)] * 3 + [LoadRecord("math", 100, 1, 0.1, 0.0, None)]

@@ -17,6 +17,7 @@ The claim to check: action / direct >= 0.97.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -45,14 +46,16 @@ def domain_prompts(workloads: Path, count: int) -> list[str]:
     return prompts[:count] or ["def fibonacci(n):\n"]
 
 
-def node_range(name: str):
+def node_parameter_range(name: str):
     """ros.params.node_range for the bench's command line (this bench may import the ROS layer; its parser may
     not): the node parameter's range is read when the option is."""
 
     def parse(text: str):
-        from ..ros.params import node_range as ranged
-
-        return ranged(name)(text)
+        try:
+            from ..ros.params import node_range
+        except ImportError as exc:  # argparse turns only these into a usage error, not a traceback
+            raise argparse.ArgumentTypeError(f"needs ROS 2 (its Python packages: {exc})") from None
+        return node_range(name)(text)
 
     parse.__name__ = f"{name} (the node's range)"
     return parse

@@ -18,7 +18,7 @@ from ..argtypes import (
     thread_counts,
 )
 from ..runtime import bundled_zoo_dir
-from .action_bench import node_range
+from .action_bench import node_parameter_range
 
 DEFAULT_ZOO = bundled_zoo_dir()
 
@@ -375,9 +375,8 @@ def cmd_action(args) -> int:
     from ..runtime.loader import HEAD_CONFIG, find_predictor
     from ..runtime.policies import NODE_POLICIES, RANKING_POLICIES
 
-    node_policies = NODE_POLICIES  # memspec.policy's choices (the oracles need the future: the offline bench's only)
-    if args.policy not in node_policies:  # before the node and its client start
-        raise SystemExit(f"--policy {args.policy}: the node runs one of {', '.join(node_policies)}")
+    if args.policy not in NODE_POLICIES:  # before the node starts (the oracles need the future: the offline bench's)
+        raise SystemExit(f"--policy {args.policy}: the node runs one of {', '.join(NODE_POLICIES)}")
     if args.predictor and args.policy in RANKING_POLICIES and not find_predictor(args.predictor):
         # the node would fall back to general-static: the figures would be another policy's under this one's name
         raise SystemExit(f"--predictor {args.predictor}: no trained ranking head there ({HEAD_CONFIG})")
@@ -674,10 +673,11 @@ def build_parser() -> argparse.ArgumentParser:
     act = sub.add_parser("action", help="Generate through the ROS action server vs a direct runtime call (ratio)")
     _common_arguments(act, prompts=10, runs=3, threads=1, prompts_help="prompts, round-robin over the workloads",
                       zoo_help=f"; '{TINY_ZOO}': a generated tiny zoo, also used when this install has none",
-                      threads_help=": best on a busy 2-core CPU", threads_type=node_range("model.threads"))
+                      threads_help=": best on a busy 2-core CPU",
+                      threads_type=node_parameter_range("model.threads"))
     act.add_argument(
         "--feedback-period",
-        type=node_range("action.feedback_period"),
+        type=node_parameter_range("action.feedback_period"),
         default=0.1,
         help="action.feedback_period (default 0.1 s, the node default; 0: every chunk)",
     )
@@ -695,7 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--goals", type=positive_int, help="sequential goals (default 200, --long 1000)")
     soak.add_argument("--bursts", type=positive_int, help="bursts of 20 goal requests against a queue of 4 (default 3)")
     soak.add_argument("--storm-rounds", type=positive_int, help="cancel storm rounds of queue + 1 goals (default 5)")
-    soak.add_argument("--threads", type=node_range("model.threads"), help="torch CPU threads of the node (default 1)")
+    soak.add_argument("--threads", type=node_parameter_range("model.threads"),
+                      help="torch CPU threads of the node (default 1)")
     soak.set_defaults(func=cmd_soak)
     pol = sub.add_parser(
         "policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)"

@@ -113,11 +113,12 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
                                     platform.machine()]).encode()
                          ).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
-    if library.exists():
-        if _ours_alone(library):
-            return library
+    if library.exists() and _ours_alone(library):
+        return library
+    if library.exists() or (out_dir.exists() and not _folder_ours(out_dir)):
         # anyone who can write a library under this name runs code in the node when it loads (its key is computed
-        # from public inputs): one that is not this user's alone is never loaded; this process builds its own
+        # from public inputs): one that is not this user's alone is never loaded, and none is built where another
+        # user could swap it before it loads; this process builds its own
         out_dir = Path(tempfile.mkdtemp(prefix="memspec_kernels_"))
         atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
         library = out_dir / library.name
@@ -131,11 +132,20 @@ def _ours_alone(path: Path) -> bool:
     every user can write to (group write allowed: a group per user, umask 002): a shared or misconfigured cache
     folder must not hand the node a library someone else wrote."""
     try:
-        st, folder = path.lstat(), path.parent.lstat()
+        st = path.lstat()
     except OSError:
         return False
     return (not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-            and folder.st_uid == os.geteuid() and not folder.st_mode & 0o002)
+            and _folder_ours(path.parent))
+
+
+def _folder_ours(folder: Path) -> bool:
+    """This user's folder, no symlink, that not every user can write to."""
+    try:
+        st = folder.lstat()
+    except OSError:
+        return False
+    return not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o002
 
 
 def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...]) -> None:

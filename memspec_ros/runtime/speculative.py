@@ -545,7 +545,8 @@ class SpeculativeSession:
                 accepted, extra = self._accept(logits, proposal)
         except BaseException:
             # the draft's cache holds its proposals, none committed: back to a prefix of the text, as between
-            # iterations (a caller that steps again had the draft fed nothing, and blamed for it)
+            # iterations (a caller that steps again had the draft fed nothing, and blamed for it). A failure inside
+            # the target's forward on transformers' path may leave its layers' caches uneven: that session is done
             if proposal.kv is not None:
                 proposal.kv.crop_to(min(proposal.kv.length, len(self.tokens) - 1))
             raise

@@ -572,7 +572,9 @@ class SpeculativeSession:
         test is made before each draw (draft_pays) and a drawn token is always proposed (see below)."""
         kv = self._draft_kv.get(draft_name)
         if kv is not None and self._draft_model.get(draft_name) is not draft:  # another model under that name:
-            self.drop_draft(draft_name)  # the cache is the other model's, and would be kept as this one's
+            # the cache is the other model's, and would be kept as this one's. (Adaptive gamma's estimates stay: a
+            # name stands for its weights, and the cache loads an evicted draft again as a new object of the same)
+            self.drop_draft(draft_name)
             kv = None
         # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
         catching_up = kv is None or draft_name != self._last_draft

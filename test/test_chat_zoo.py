@@ -85,6 +85,20 @@ def test_a_training_quota_or_mixed_pair_the_sources_cannot_fill_is_said():
         cw.build_chat_workloads(cw.ChatWorkloadConfig(heldout_per_workload=20, train_per_domain=1_000_000))
 
 
+def test_a_workload_never_asks_the_same_thing_twice(workloads):
+    """A random problem drawn twice under two phrasings was two rows (math held out "Solve x^2 + 9x + 8 = 0."
+    twice), as was an ICD code the library lists twice: each material is kept once, the first, before the split."""
+    problem = "Solve x^2 + 9x + 8 = 0."
+    requests = [cw.ChatRequest("math", "math:1", cw._MATH_ASKS[0].format(p=problem)),
+                cw.ChatRequest("math", "math:2", cw._MATH_ASKS[1].format(p=problem)),
+                cw.ChatRequest("math", "math:3", cw._MATH_ASKS[0].format(p="Solve x + 1 = 2."))]
+    assert [q.source for q in cw._first_of_each(requests)] == ["math:1", "math:3"]
+    heldout, train = workloads
+    for rows in [*heldout.values(), *train.values()]:
+        materials = [cw.request_material(q.content) for q in rows]
+        assert len(set(materials)) == len(materials)
+
+
 def test_requests_are_deterministic(workloads):
     again = cw.build_chat_workloads(cw.ChatWorkloadConfig(heldout_per_workload=20, train_per_domain=40))
     assert [q.source for q in again[0]["mixed"]] == [q.source for q in workloads[0]["mixed"]]

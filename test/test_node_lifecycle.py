@@ -463,13 +463,11 @@ def test_cleanup_and_configure_forget_the_freed_models_goal_figures(harness, mon
     assert "failed" not in status.message and status.level == OK
 
 
-def test_parameters_are_answered_during_a_configure_and_changes_refused_until_it_ends(harness, monkeypatch):
-    """The lifecycle services shared rclpy's default callback group with the parameter services: while configure
-    loaded the models (minutes for a large target), `ros2 param get`, rqt_reconfigure and a lifecycle manager's
-    get_state got no answer. They are answered now; a change waits for no transition, it is refused with the reason."""
+def _held_load(h, monkeypatch):
+    """(gate, entered): the node's configure loads its models only once ``gate`` is set; ``entered`` is set when it
+    has started loading."""
     import threading
 
-    h = harness()
     gate, entered = threading.Event(), threading.Event()
     load = h.node._load
 
@@ -479,6 +477,17 @@ def test_parameters_are_answered_during_a_configure_and_changes_refused_until_it
         return load()
 
     monkeypatch.setattr(h.node, "_load", slow_load)
+    return gate, entered
+
+
+def test_parameters_are_answered_during_a_configure_and_changes_refused_until_it_ends(harness, monkeypatch):
+    """The lifecycle services shared rclpy's default callback group with the parameter services: while configure
+    loaded the models (minutes for a large target), `ros2 param get`, rqt_reconfigure and a lifecycle manager's
+    get_state got no answer. They are answered now; a change waits for no transition, it is refused with the reason."""
+    import threading
+
+    h = harness()
+    gate, entered = _held_load(h, monkeypatch)
     done = []
     threading.Thread(target=lambda: done.append(h.transition(Transition.TRANSITION_CONFIGURE)), daemon=True).start()
     try:
@@ -505,15 +514,7 @@ def test_destroying_the_node_waits_for_a_configure_in_progress(harness, monkeypa
     import time
 
     h = harness()
-    gate, entered = threading.Event(), threading.Event()
-    load = h.node._load
-
-    def slow_load():
-        entered.set()
-        gate.wait(30.0)
-        return load()
-
-    monkeypatch.setattr(h.node, "_load", slow_load)
+    gate, entered = _held_load(h, monkeypatch)
     threading.Thread(target=lambda: h.transition(Transition.TRANSITION_CONFIGURE, timeout=5.0), daemon=True).start()
     assert entered.wait(30.0)
     h.node.close_goals("the node is shutting down (SIGINT)")  # what main()'s signal handler does first

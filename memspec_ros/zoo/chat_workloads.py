@@ -261,6 +261,20 @@ SOURCES: dict[str, Callable[[ChatWorkloadConfig], Iterator[ChatRequest]]] = {
 # --------------------------------------------------------------------------- splits
 
 
+def _first_of_each(requests) -> list[ChatRequest]:
+    """``requests`` with each material (request_material) kept once, the first: a random problem drawn twice, the
+    same paragraph in two manuals, an ICD code the library lists twice were two rows of one workload (math held out
+    "Solve x^2 + 9x + 8 = 0." twice) or a held-out and a training copy."""
+    seen: set[frozenset[str]] = set()
+    kept = []
+    for q in requests:
+        material = request_material(q.content)
+        if material not in seen:
+            seen.add(material)
+            kept.append(q)
+    return kept
+
+
 def _split(requests: list[ChatRequest], cfg: ChatWorkloadConfig, domain: str) -> tuple[list, list]:
     r = random.Random(f"{cfg.seed}:{domain}")
     train = [q for q in requests if split_of(q.source, cfg.heldout_fraction) == "train"]
@@ -314,7 +328,7 @@ def build_chat_workloads(cfg: ChatWorkloadConfig) -> tuple[dict[str, list[ChatRe
     spare_held: dict[str, list[ChatRequest]] = {}
     n_mixed = cfg.heldout_per_workload // len(MIXED_PAIRS) + 1
     n_mixed_train = cfg.train_per_domain // (2 * len(MIXED_PAIRS)) + 1
-    splits = {domain: _split(list(SOURCES[domain](cfg)), cfg, domain) for domain in DOMAINS}
+    splits = {domain: _split(_first_of_each(SOURCES[domain](cfg)), cfg, domain) for domain in DOMAINS}
     # a training request whose material a held-out request of any domain also asks about is dropped: its answer
     # would teach the drafts (and fill the datastore with) a held-out answer
     held_material = set().union(*(request_material(q.content) for _, ho in splits.values() for q in ho))

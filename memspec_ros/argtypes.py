@@ -99,6 +99,16 @@ def message_text(text: str) -> str:
     return text
 
 
+def unwritable(path) -> str:
+    """'' if ``path`` can be made or written: the nearest of it and its parents that exists is a folder this process
+    may write to; else that location (checked before a long run that would write ``path`` at its end)."""
+    import os
+    from pathlib import Path
+
+    existing = next(p for p in (Path(path), *Path(path).absolute().parents) if p.exists())
+    return "" if existing.is_dir() and os.access(existing, os.W_OK) else str(existing)
+
+
 def output_file(text: str) -> str:
     """A file to write a result to (``--json``): a folder, or a path under an existing file, failed only once the
     run had finished, and the result of minutes of work was lost. The folder is made at the write if missing."""
@@ -109,11 +119,9 @@ def output_file(text: str) -> str:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder: name a file in it")
-    for parent in path.absolute().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise argparse.ArgumentTypeError(f"{parent} is a file, so {text} cannot be made")
-            break
+    blocked = unwritable(path.parent)
+    if blocked and not Path(blocked).is_dir():
+        raise argparse.ArgumentTypeError(f"{blocked} is a file, so {text} cannot be made")
     return text
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memspec_ros.runtime.datastore import Datastore, read_answers
+from memspec_ros.runtime.datastore import Datastore
 from memspec_ros.runtime.lookup import LookupConfig, NgramIndex
 from memspec_ros.runtime.oracle import accepted_at
 from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS
@@ -124,22 +124,14 @@ def resident_bytes(store: Datastore) -> int:
     return int(store.tokens.nbytes + sum(t.keys.nbytes + t.after.nbytes for t in store._tables.values()))
 
 
-def training_answers(models: Path) -> dict[str, list[np.ndarray]]:
-    """The zoo's datastore answers by the domain of the training request each answers (rows aligned with
-    ``workloads/train_requests.jsonl``; withheld rows are empty and skipped)."""
-    from memspec_ros.zoo.teacher import requests_digest
+def training_answers(models: Path, tokenizer) -> dict[str, list[np.ndarray]]:
+    """The zoo's datastore answers by the domain of the training request each answers (teacher.datastore_answers
+    pairs them, its checks included; withheld rows are left out)."""
+    from memspec_ros.zoo.teacher import datastore_answers
 
-    requests = models / "workloads" / "train_requests.jsonl"
-    rows, meta = read_answers(models / "datastore.safetensors")
-    lines = [line for line in requests.read_text().splitlines() if line.strip()]  # as the datastore pairs them
-    if len(lines) < len(rows):
-        raise SystemExit(f"{models}: {len(rows)} datastore answers but {len(lines)} training requests")
-    if meta.get("requests_sha256") and meta["requests_sha256"] != requests_digest(requests, len(rows)):
-        raise SystemExit(f"{models}: its datastore was made for other training requests")
     by_domain: dict[str, list[np.ndarray]] = {}
-    for line, answer in zip(lines, rows, strict=False):
-        if len(answer):
-            by_domain.setdefault(json.loads(line)["domain"], []).append(answer)
+    for answer in datastore_answers(models / "datastore.safetensors", tokenizer):
+        by_domain.setdefault(answer.domain, []).append(np.asarray(answer.answer_ids))
     return by_domain
 
 
@@ -248,7 +240,7 @@ def main() -> None:
             agreements[key] = answer_agreement(drafts[name], answer)
         return agreements[key]
 
-    by_domain = training_answers(args.models)
+    by_domain = training_answers(args.models, tokenizer)
     result: dict = {"models": str(args.models), "gamma": args.gamma, "interval": args.interval,
                     "bundles": names, "per_workload": {w: len(v) for w, v in held.items()},
                     "dropped_trained_on": dropped, "rules": list(RULES), "budgets": {}}

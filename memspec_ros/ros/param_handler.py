@@ -48,7 +48,7 @@ class ParameterHandler:
     """The node's on-set-parameters callback. ``loaded()`` gives what configure loaded (None when
     unconfigured); ``runner`` says whether a goal runs and holds one back while the registry changes."""
 
-    def __init__(self, node, loaded: Callable[[], Any], runner, transitioning=None) -> None:
+    def __init__(self, node, loaded: Callable[[], Any], runner, transitioning) -> None:
         self._node, self._loaded, self._runner = node, loaded, runner
         # held by a lifecycle transition while it runs: a change then is refused, not applied under it (the lifecycle
         # services have their own callback group, so parameter calls are answered during a transition)
@@ -74,8 +74,6 @@ class ParameterHandler:
 
     def on_set(self, changed) -> SetParametersResult:
         """Check everything first; apply only if all is valid; refuse while a lifecycle transition runs."""
-        if self._transitioning is None:
-            return self._set(changed)
         if not self._transitioning.acquire(blocking=False):
             reason = ("a lifecycle transition is in progress (a configure loading the models, a deactivate or cleanup"
                       " waiting for the running goal): set it again once it has ended")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -303,11 +304,17 @@ def position_table_rows(model: torch.nn.Module) -> int:
     return int(getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 0)
 
 
+_POSITION_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> position_table_rows, once
+
+
 def draft_room(draft: torch.nn.Module, tokens: int) -> int:
     """How many tokens ``draft`` may propose after ``tokens`` committed ones without feeding a position its table
     lacks: proposal k is fed at position tokens + k - 1 (the last is not fed; one row is kept spare). A GPT-2 draft
-    shorter than the target raised IndexError there, and was taken out of service for every later goal."""
-    rows = position_table_rows(draft)
+    shorter than the target raised IndexError there, and was taken out of service for every later goal. Asked every
+    iteration: the config is read once per draft."""
+    rows = _POSITION_ROWS.get(draft)
+    if rows is None:
+        rows = _POSITION_ROWS[draft] = position_table_rows(draft)
     return rows - tokens if rows else 1 << 62
 
 

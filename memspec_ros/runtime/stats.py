@@ -52,6 +52,10 @@ from dataclasses import dataclass, field, fields
 from .lookup import LOOKUP_DRAFT
 
 BREAKDOWN = ("desired_draft", "fallback_draft", "prediction", "load_wait", "catchup", "verify", "other")
+# what GenerationStats.combined sums over goals (end to end is summed apart, as call_seconds)
+SUMMED_FIELDS = ("prompt_tokens", "completion_tokens", "prefill_seconds", "setup_seconds", "setup_wait_seconds",
+                 "start_seconds", "prepare_seconds", "reused_prompt_tokens", "background_prediction_seconds",
+                 "decode_seconds", "predictions")
 # the paper's split of decoding time (its figures 4, 7 and 9): GenerationStats.execution_parts
 EXEC_PARTS = ("desired", "fallback", "target_only", "prediction", "load_wait", "other")
 
@@ -384,20 +388,9 @@ class GenerationStats:
         """One GenerationStats over ``goals`` (a node's window of goals): their counts and seconds summed, their
         iterations joined, so every figure of the combination is the same property as a goal's. End to end is
         the goals' summed (as ``call_seconds``)."""
-        out = cls()
+        out = cls(**{name: sum(getattr(g, name) for g in goals) for name in SUMMED_FIELDS},
+                  call_seconds=sum(g.end_to_end_seconds for g in goals))
         for g in goals:
-            out.prompt_tokens += g.prompt_tokens
-            out.completion_tokens += g.completion_tokens
-            out.prefill_seconds += g.prefill_seconds
-            out.setup_seconds += g.setup_seconds
-            out.setup_wait_seconds += g.setup_wait_seconds
-            out.start_seconds += g.start_seconds
-            out.prepare_seconds += g.prepare_seconds
-            out.reused_prompt_tokens += g.reused_prompt_tokens
-            out.background_prediction_seconds += g.background_prediction_seconds
-            out.call_seconds += g.end_to_end_seconds
-            out.decode_seconds += g.decode_seconds
-            out.predictions += g.predictions
             out.iterations.extend(g.iterations)
         out.cache = CacheStats()
         for g in goals:

@@ -17,7 +17,15 @@ import os
 import sys
 from pathlib import Path
 
-from ..argtypes import controller_limit, name_list, non_negative_int, positive_float, positive_int, torch_device
+from ..argtypes import (
+    controller_limit,
+    name_list,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    torch_device,
+    unwritable,
+)
 
 # OpenMP threads spinning at barriers on a shared CPU made 2-thread training ~8x slower than 1 thread
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -321,10 +329,10 @@ def _run_chat_acceptance(a) -> int:
         if not has_target:
             raise SystemExit(f"memspec-zoo acceptance: {len(rows) - covered} held-out requests have no stored answer"
                              f" in {answers_dir}, and no target to make them")
-        existing = next(p for p in (answers_dir, *answers_dir.absolute().parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK):  # found after the target's minutes of answers
+        blocked = unwritable(answers_dir)
+        if blocked:  # found after the target's minutes of answers
             raise SystemExit(f"memspec-zoo acceptance: the target's answers are stored in {answers_dir}, and"
-                             f" {existing} cannot be written to: give --answers a folder you can write")
+                             f" {blocked} cannot be written to: give --answers a folder you can write")
         from tqdm import tqdm
 
         target = load_model(ModelSpec(registry.target_path)).model

@@ -65,7 +65,7 @@ from memspec_ros.runtime.predictor import (
     target_fingerprint,
 )
 
-from ..argtypes import controller_limit, int_in, non_negative_int, positive_int
+from ..argtypes import controller_limit, int_in, non_negative_int, positive_int, unwritable
 
 
 @dataclass
@@ -660,9 +660,9 @@ def _checked_out(given: str | None, default: Path) -> str:
     out = Path(given) if given else default
     if out.exists() and not out.is_dir():
         raise SystemExit(f"memspec-train-predictor: --out {out} is a file: name a folder")
-    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise SystemExit(f"memspec-train-predictor: --out {out}: {existing} cannot be written to")
+    blocked = unwritable(out)
+    if blocked:
+        raise SystemExit(f"memspec-train-predictor: --out {out}: {blocked} cannot be written to")
     if not given and find_predictor(out):
         print(f"memspec-train-predictor: the heads trained here replace the zoo's own in {out} (the predictor the node"
               " loads); give --out to write them elsewhere", file=sys.stderr)

@@ -103,6 +103,28 @@ def test_a_goal_that_fails_before_its_result_still_gets_one_stats_message(h, mon
     assert h.node._window.finished_goals == finished + 1  # counted once
 
 
+def test_a_goal_whose_stats_message_fails_is_counted_once_and_still_answered(h, monkeypatch):
+    """Publishing a goal's ~/generation_stats message raised after the goal had been counted finished: the execute
+    callback's fallback built its result again and counted it a second time (the finished-goal count /diagnostics
+    shows ran ahead of the goals answered)."""
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("the stats publisher is gone")
+
+    monkeypatch.setattr(h.node._runner._stats_pub, "publish", broken)
+    finished = h.node._window.finished_goals
+    handle, _ = h.send(goal(max_new_tokens=8))
+    assert handle.accepted
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_ABORTED
+    assert response.result.finish_reason == Generate.Result.FINISH_ERROR
+    assert "the stats publisher is gone" in response.result.error_message
+    assert h.node._window.finished_goals == finished + 1  # counted once
+    monkeypatch.undo()
+    handle, _ = h.send(goal(max_new_tokens=4))  # the node serves the next goal as usual
+    assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+    assert h.node._window.finished_goals == finished + 2
+
+
 def test_goal_defaults_come_from_the_parameters(h):
     assert all(r.successful for r in h.set_params(**{"generation.max_new_tokens": 7}))
     try:

@@ -505,6 +505,43 @@ def test_parameters_are_answered_during_a_configure_and_changes_refused_until_it
     assert h.set_params(**{"memspec.gamma": other})[0].successful  # once it has ended
 
 
+def test_a_parameter_change_is_refused_while_on_error_frees_the_models(harness, monkeypatch):
+    """on_error ran outside the transition lock: a parameter change taken while it ended the goals and freed the
+    models was applied to a controller being torn down. It is refused with the reason, as during every transition."""
+    import threading
+
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+
+    def boom(*_args):
+        raise RuntimeError("simulated failure while activating")
+
+    monkeypatch.setattr(h.node._window, "clear", boom)
+    gate, entered = threading.Event(), threading.Event()
+    end_goals = h.node._end_goals
+
+    def held_end_goals(reason):
+        entered.set()
+        gate.wait(30.0)
+        return end_goals(reason)
+
+    monkeypatch.setattr(h.node, "_end_goals", held_end_goals)
+    done = []
+    threading.Thread(target=lambda: done.append(h.transition(Transition.TRANSITION_ACTIVATE)), daemon=True).start()
+    try:
+        assert entered.wait(30.0), "on_error did not run"
+        gamma = h.get_param("memspec.gamma")
+        other = 3 if gamma != 3 else 2
+        [refused] = h.set_params(**{"memspec.gamma": other})
+        assert not refused.successful and "a lifecycle transition is in progress" in refused.reason
+        assert h.get_param("memspec.gamma") == gamma
+    finally:
+        gate.set()
+    wait_until(lambda: done, 60.0, "the activate's error processing")
+    assert done == [False] and h.state() == "unconfigured"
+    assert h.set_params(**{"memspec.gamma": other})[0].successful  # once it has ended
+
+
 def test_destroying_the_node_waits_for_a_configure_in_progress(harness, monkeypatch):
     """SIGINT during a slow configure: main() closed the goals and destroyed the node at once, while on_configure
     still loaded models on an executor thread; it then created its publishers on the destroyed node and on_error
@@ -552,9 +589,14 @@ def test_destroying_an_active_node_takes_the_shutdown_transition(harness, monkey
     released = []
     release = h.node._release_after_goal
     monkeypatch.setattr(h.node, "_release_after_goal", lambda: (released.append(1), release())[1])
+    # the goals are ended (and waited for, up to DEACTIVATE_WAIT_SECONDS) once: on_shutdown waited a second time
+    ended = []
+    end_goals = h.node._runner.end_goals
+    monkeypatch.setattr(h.node._runner, "end_goals", lambda reason: (ended.append(reason), end_goals(reason))[1])
     machine = h.node._state_machine
     h.node.destroy_node()
     assert machine.current_state[1] == "finalized" and len(released) == 2  # destroy's own, then on_shutdown's
+    assert len(ended) == 1, ended
     wait_until(lambda: any(e.goal_state.label == "finalized" for e in events), 30.0, "the event to finalized")
     h.node.destroy_node = lambda: None  # destroyed above: the harness's close must not destroy it again
 

@@ -110,16 +110,19 @@ def test_a_target_on_a_gpu_ranks_with_the_heads_cpu_weights():
     encoder.close()
 
 
-@pytest.mark.parametrize("forward", ["lean", "transformers"])
+@pytest.mark.parametrize("forward", ["lean", "transformers", "split-check"])
 def test_a_timing_forward_mid_generation_leaves_the_recorded_rows_alone(forward, monkeypatch):
     """Adaptive gamma may time the target in the middle of a generation (gamma raised at a scheduling point): those
     forwards over made-up tokens reach neither the encoder's observer (lean forward) nor its decoder hook
-    (transformers' forward), so the features stay those of the generation's own tokens."""
-    from memspec_ros.runtime import path_choice
+    (transformers' forward), so the features stay those of the generation's own tokens. The prompt cache's split
+    check (its first use of a target, a goal of another client may be running) feeds made-up tokens too."""
+    from memspec_ros.runtime import path_choice, prompt_cache
+    from memspec_ros.runtime.draft_forward import lean_forward_for
 
     if forward == "transformers":
         monkeypatch.setattr(path_choice, "lean_forward_for", lambda model: None)
-    target = tiny_llama(layers=2, hidden=64, seed=0)
+    # the kernels take hidden 256 and up (the split check runs on the C decoder only)
+    target = tiny_llama(layers=2, hidden=256 if forward == "split-check" else 64, seed=0)
     draft = noisy_copy(target, 0.02, seed=1)
     encoder = TargetHiddenEncoder(target, recent_tokens=8)
     try:
@@ -128,7 +131,14 @@ def test_a_timing_forward_mid_generation_leaves_the_recorded_rows_alone(forward,
         session.prefill()
         while len(session.generated_ids) < 12:
             session.step("d", draft)
-        path_choice.time_forward(target, 3, target.config.vocab_size)
+        if forward == "split-check":
+            lean = lean_forward_for(target)
+            if lean is None or not lean.decoder:
+                reason = lean.decoder_reason if lean else "no lean forward"
+                pytest.skip(f"the split check runs only on the C decoder: {reason}")
+            prompt_cache.reuse_refused(target)  # the C decoder: its split forwards run, whatever they find
+        else:
+            path_choice.time_forward(target, 3, target.config.vocab_size)
         gen = session.generated_ids
         runtime = torch.cat([encoder.prompt_features(PROMPT), encoder.recent_features(gen[-8:], len(gen))])
         with torch.inference_mode():

@@ -413,6 +413,43 @@ def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build,
     assert head.config.prompt_tokens == 16 and "prompt+recent/conversation_top1" in head.config.metrics
 
 
+def test_a_teacher_folder_is_checked_as_the_build_checks_it_before_the_predictor_trains(tiny_target, tiny_build,
+                                                                                       tmp_path, monkeypatch):
+    """--answers <work dir>/teacher loaded the shards as they were: answers made by another target (another SmolLM2
+    size or quantization, same tokenizer) trained a head stamped with this target's fingerprint, and the answers to
+    training requests asking what a held-out request asks (which the build's drafts and datastore withhold) were
+    trained on, then scored on the held-out request."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from memspec_ros.runtime import models
+    from memspec_ros.zoo import predictor_training
+    from memspec_ros.zoo.teacher import teacher_folder_answers
+
+    path, tok, _ = tiny_target
+    work = tmp_path / "work"
+    shutil.copytree(tiny_build.work_dir / "teacher", work / "teacher")
+    shutil.copytree(tiny_build.work_dir / "workloads", work / "workloads")
+    every = load_answers(work / "teacher", "train")
+    assert len(teacher_folder_answers(work / "teacher", tok, str(path))) == len(every)
+    # a held-out request that asks what training row 0 asks: its answer is left out, as the build leaves it out
+    first = json.loads((work / "workloads" / "train_requests.jsonl").read_text().splitlines()[0])
+    with (work / "workloads" / "code.jsonl").open("a") as f:
+        f.write(json.dumps({"domain": "code", "prompt": first["prompt"], "messages": first["messages"]}) + "\n")
+    kept = teacher_folder_answers(work / "teacher", tok, str(path))
+    assert len(kept) == len(every) - 1 and list(kept[0].prompt_ids) == list(every[1].prompt_ids)
+    # answers another target made: refused before any model loads
+    for shard in sorted((work / "teacher").glob("train-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["meta"])
+        save_file(tensors, str(shard), metadata={"meta": json.dumps({**meta, "target_digest": "0" * 64})})
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    with pytest.raises(SystemExit, match="made by another target"):
+        predictor_training.main(["--registry", str(tiny_build.out_dir / "registry.yaml"), "--answers",
+                                 str(work / "teacher"), "--out", str(tmp_path / "out"), "--quiet"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_predictor_run_cut_before_its_last_encoder_leaves_the_predictor_as_it_was(tiny_build, tmp_path,
                                                                                      monkeypatch):
     """Each encoder's head was saved as soon as it was trained: a run cut during the second left one new head beside

@@ -14,6 +14,7 @@ from memspec_ros.runtime.model_source import (
     CONVERTED_MARKER,
     GGUFConversionError,
     check_gguf,
+    model_digest,
     package_file,
     resolve_model_path,
 )
@@ -419,3 +420,27 @@ def test_a_cache_folder_that_cannot_be_written_says_which_setting_moves_it(tmp_p
     monkeypatch.setattr(model_source, "convert_gguf", lambda *a: pytest.fail("converted in an unwritable cache"))
     with pytest.raises(GGUFConversionError, match="MEMSPEC_CACHE_DIR"):
         resolve_model_path(str(src))
+
+
+def test_a_folder_models_digest_covers_what_shapes_its_answers_and_a_gguf_target_keys_the_continuations(tmp_path):
+    """model_digest hashed a folder's weights only: a generation_config.json whose eos changed (answers cut at
+    another token) or another config.json (rope, eps) kept the digest, so a resumed teacher mixed both kinds of
+    answers under one target. And the continuation cache hashed <target>/config.json: a GGUF or pkg: target (the
+    bundled zoo's) raised FileNotFoundError after every model had loaded."""
+    from memspec_ros.runtime.oracle import ContinuationCache
+    from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
+
+    folder = save_model_dir(tiny_llama(hidden=32, layers=1, seed=0), tiny_tokenizer(), tmp_path / "target")
+    before = model_digest(folder)
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if not path.is_file():
+            path.write_text("{}")
+        text = json.loads(path.read_text())
+        path.write_text(json.dumps({**text, "eos_token_id": 7}))
+        assert model_digest(folder) != before, name
+        before = model_digest(folder)
+    assert model_digest(folder) == model_digest(str(folder))  # the same files, the same digest
+    cache = ContinuationCache(tmp_path / "c.json", SMOLLM2)
+    assert cache.target == model_digest(SMOLLM2)[:16]
+    assert ContinuationCache(tmp_path / "c.json", folder).target != cache.target

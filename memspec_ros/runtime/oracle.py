@@ -80,16 +80,12 @@ def engine_greedy(target: torch.nn.Module, prompt_ids: Sequence[int], max_new_to
                     eos_token_ids=eos_token_ids).generated_ids
 
 
-def _weights_digest(model_dir: str | Path) -> str:
-    """SHA-256 over a model directory's config and safetensors files: which target this is."""
-    digest = hashlib.sha256()
-    root = Path(model_dir)
-    for path in sorted([root / "config.json", *root.glob("*.safetensors")]):
-        digest.update(path.name.encode())
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
+def _weights_digest(target: str | Path) -> str:
+    """Which target this is, by content (model_source.model_digest: a GGUF or pkg: file's digest, a folder's
+    weights and config); the prefix the cache keys carry."""
+    from .model_source import model_digest
+
+    return model_digest(target)[:16]
 
 
 class ContinuationCache:

@@ -335,18 +335,19 @@ def run(args: argparse.Namespace) -> dict:
         # it, or made for another tokenizer, failed after them
         from memspec_ros.runtime.datastore import DatastoreError
 
-        from .teacher import datastore_answers, load_answers
+        from .teacher import datastore_answers, teacher_folder_answers
 
         source = Path(args.answers)
         try:
-            # a zoo's datastore: its greedy answers to the zoo's training requests
-            stored = datastore_answers(source, tokenizer) if source.is_file() else load_answers(source, "train")
-        except (OSError, DatastoreError) as exc:
+            # a zoo's datastore, or its build's teacher folder: the target's greedy answers to its training requests
+            stored = (datastore_answers(source, tokenizer) if source.is_file()
+                      else teacher_folder_answers(source, tokenizer, target_path))
+        except (OSError, ValueError, DatastoreError) as exc:
             raise SystemExit(f"memspec-train-predictor: --answers {source}: {exc}") from None
+    cache = ContinuationCache(args.continuations or None, target_path)  # the target's digest: before the loads
     target = load_model(ModelSpec(str(target_path))).model
     drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
     t0 = time.perf_counter()
-    cache = ContinuationCache(args.continuations or None, target_path)
     if stored is not None:
         answers = unseen_by_drafts(stored, Path(args.registry).parent) if args.unseen_by_drafts else stored
         if args.max_prompts and args.max_prompts < len(answers):
@@ -648,10 +649,12 @@ def check_inputs(args: argparse.Namespace) -> None:
                          " (train-*.safetensors) there; give a zoo build's teacher folder or its"
                          " models/datastore.safetensors")
     requests = answers.parent / "workloads" / "train_requests.jsonl" if answers is not None else None
-    if requests is not None and answers.is_file() and not requests.is_file():
-        raise SystemExit(f"memspec-train-predictor: --answers {answers}: no training requests at {requests}: a"
-                         " datastore's answers pair with its zoo's workloads/train_requests.jsonl (give the zoo's"
-                         " models/datastore.safetensors)")
+    if requests is not None and not requests.is_file():
+        which = ("a datastore's answers pair with its zoo's workloads/train_requests.jsonl (give the zoo's"
+                 " models/datastore.safetensors)") if answers.is_file() else (
+                 "a teacher folder's answers pair with its build's workloads/train_requests.jsonl (give"
+                 " <work dir>/teacher of a memspec-zoo build)")
+        raise SystemExit(f"memspec-train-predictor: --answers {answers}: no training requests at {requests}: {which}")
 
 
 def _checked_out(given: str | None, default: Path) -> str:

@@ -180,6 +180,36 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
     return answers
 
 
+def teacher_folder_answers(folder: Path, tokenizer, target: str, requests: Path | None = None) -> list[Answer]:
+    """The training answers a zoo build's teacher folder holds, checked as the build checks them: made by
+    ``target`` (its digest), at one length, for the rows of the work dir's ``workloads/train_requests.jsonl``
+    (``requests``) in order. Answers to requests that ask what a held-out request asks are left out, as the build's
+    drafts and datastore leave them out: a predictor trained on them is scored on requests it has seen."""
+    from memspec_ros.runtime.model_source import model_digest
+
+    from .chat_workloads import asks_heldout
+
+    folder = Path(folder)
+    requests = requests or folder.parent / "workloads" / "train_requests.jsonl"
+    if not requests.is_file():
+        raise FileNotFoundError(f"no training requests at {requests}: a teacher folder's answers pair with its build's"
+                                " workloads/train_requests.jsonl (give <work dir>/teacher of a memspec-zoo build)")
+    limits = answered_limits(folder, "train")
+    if len(limits) > 1:
+        raise ValueError(f"the train answers in {folder} were made with several lengths (max_new_tokens"
+                         f" {sorted(limits)}): folders were mixed; give one build's teacher folder")
+    answers = load_answers(folder, "train")
+    rows = [json.loads(line) for line in requests.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(rows) < len(answers):
+        raise ValueError(f"{folder} holds {len(answers)} training answers but {requests} only {len(rows)} requests:"
+                         " the answers were made for other requests; give the work dir they were built in")
+    # raises for answers made by another target or for other requests (rows in another order, rewritten)
+    answered_rows([chat_prompt_ids(tokenizer, r["messages"]) for r in rows[: len(answers)]], folder, "train",
+                  target_digest=model_digest(target))
+    held = asks_heldout(requests, requests.parent)
+    return [a for a, asks in zip(answers, held, strict=False) if not asks]
+
+
 def answered_prompts(out_dir: Path, split: str) -> list[list[int]]:
     """The prompt ids of every answer already stored for ``split``, in shard order (the rows answered so far)."""
     from safetensors import safe_open

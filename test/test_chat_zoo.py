@@ -744,7 +744,18 @@ def test_a_cached_draft_trained_with_other_settings_is_not_taken_for_these(tiny_
                    general_train=replace(tiny_build.general_train, max_steps=tiny_build.general_train.max_steps + 5))
     with pytest.raises(ValueError, match=r"cached general draft .* trained with other settings \(max_steps 6 -> 11\)"):
         ChatZooBuild(more).run(["general"])
+    # the domains stage starts from the general draft: one of other settings is refused before any fine-tuning
+    # (each domain draft cached here was fine-tuned from it, so they would all have been taken, and new ones trained
+    # for hours from it, refused only at export)
+    with pytest.raises(ValueError, match=r"cached general draft .* trained with other settings \(max_steps 6 -> 11\)"):
+        ChatZooBuild(more).run(["domains"])
+    # which validated step's weights are kept is the run's too: another validation period is another draft
+    other_validation = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out",
+                               domain_train=replace(tiny_build.domain_train, validate_every=2))
+    with pytest.raises(ValueError, match=r"cached code draft .* other settings \(validate_every 3 -> 2\)"):
+        ChatZooBuild(other_validation).run(["domains"])
     ChatZooBuild(replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")).run(["general"])  # same: cached
+    ChatZooBuild(replace(tiny_build, work_dir=work, out_dir=tmp_path / "out")).run(["domains"])  # same: cached
     paper = replace(tiny_build, work_dir=work, out_dir=tmp_path / "out", general_domains=("general",))
     domains = r"\(domains code,general,law,math,medical,mixed -> general,"
     with pytest.raises(ValueError, match=r"cached general draft .* " + domains):

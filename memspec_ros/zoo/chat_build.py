@@ -410,10 +410,15 @@ class ChatZooBuild:
         self._distil("general", draft, self._split(domains), cfg, domains)
 
     def domains(self) -> None:
-        if not (self.w / "ckpt" / "general" / "final" / "model.safetensors").is_file():
+        general = self.w / "ckpt" / "general" / "final"
+        if not (general / "model.safetensors").is_file():
             # _draft would start every domain draft from random weights, cached as final and then exported
             raise ValueError(f"no trained general draft in {self.w / 'ckpt'}: the domain drafts are fine-tuned from"
                              " it; run the general stage before domains")
+        # the general draft they start from is this build's: one of other settings (another --general-steps, a
+        # rebuilt vocabulary) had every domain draft fine-tuned from it for hours, to be refused only at export
+        cfg, domains, _ = self._plan("general")
+        _check_cached("general", general, self._identity(cfg, domains, self._split(domains), None), cfg)
         for domain in DOMAINS:
             if domain != "general":
                 cfg, domains, start_from = self._plan(domain)

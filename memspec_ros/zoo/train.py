@@ -146,9 +146,9 @@ def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, t
 
 
 # what decides a trained model among TrainConfig's fields (the device and the time cap only decide how fast it gets
-# there; max_steps sets the cosine horizon)
+# there; max_steps sets the cosine horizon; the validation steps decide which step's weights are kept)
 RESULT_FIELDS = ("max_steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
-                 "grad_clip", "seed", "temperature")
+                 "grad_clip", "seed", "temperature", "validate_every", "validate_start")
 
 
 def run_identity(cfg: TrainConfig, extra: dict | None = None) -> dict:
@@ -168,7 +168,7 @@ def identity_changes(was: dict, now: dict) -> str:
 
 # identity fields added after runs were recorded without them: such a record is compared without the field (its
 # build cannot say; refusing it would take every draft of an existing work dir for another run's)
-LATER_IDENTITY_FIELDS = ("answers_digest",)
+LATER_IDENTITY_FIELDS = ("answers_digest", "validate_every", "validate_start")
 
 
 def as_recorded(was: dict, identity: dict) -> dict:

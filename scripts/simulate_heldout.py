@@ -12,8 +12,9 @@ constant machine speed:
   ``memspec-zoo acceptance``) and the target's final hidden states over request + answer (what the
   target-hidden predictor pools; runtime/simulator.py's TraceHiddenEncoder);
 - costs: the cost model a committed `make bench` run fitted to its timed generations (``cost_model`` in
-  its paper.json) and the schedule costs Oracle-Dynamic planned with (``oracle_costs`` in its
-  policies.json), so each run's target path, drafts' path and storage medium come with it;
+  its paper.json), so each run's target path, drafts' path and storage medium come with it; Oracle-Dynamic
+  plans with that same model (CostModel.schedule_costs: what the replay charges), not with the schedule
+  costs the run's timed Oracle-Dynamic planned with;
 - the bundled predictor, which never trained on these requests.
 
 The answers are the fp32 target's (the teacher's); a committed run on the int4 path charges its own
@@ -33,13 +34,13 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.bench.figures import domain_workloads, policy_summary, simulated_table
+from memspec_ros.bench.figures import domain_workloads, policy_summary, ratio, simulated_table
 from memspec_ros.bench.policy_bench import BenchRun, PolicyBenchConfig, gmean
 from memspec_ros.runtime.loader import find_predictor, load_models
 from memspec_ros.runtime.models import ModelSpec, load_model
-from memspec_ros.runtime.oracle import ScheduleCosts
 from memspec_ros.runtime.policies import COST_AWARE, PAPER_POLICIES
 from memspec_ros.runtime.simulator import CostModel, PromptTrace, replay_predictor, target_hidden_states
+from memspec_ros.runtime.storage import load_to_iteration
 from memspec_ros.zoo.chat_acceptance import clean_heldout_answers
 from memspec_ros.zoo.chat_drafts import answer_agreement
 from memspec_ros.zoo.teacher import load_answers
@@ -52,15 +53,12 @@ def log(msg: str) -> None:
     print(f"[simulate {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def committed_costs(run_dir: Path) -> tuple[CostModel, ScheduleCosts, dict]:
-    """The cost model and Oracle-Dynamic's schedule costs a committed `make bench` run measured."""
+def committed_costs(run_dir: Path) -> tuple[CostModel, dict]:
+    """The cost model a committed `make bench` run fitted, and the run's settings."""
     paper = json.loads((run_dir / "paper.json").read_text())
-    policies = json.loads((run_dir / "policies.json").read_text())
     cm = dict(paper["cost_model"])
     cm["verify_seconds"] = {int(k): v for k, v in cm["verify_seconds"].items()}
-    sc = dict(policies["oracle_costs"])
-    sc["verify_seconds"] = {int(k): v for k, v in sc.get("verify_seconds", {}).items()}  # JSON's keys are strings
-    return CostModel(**cm), ScheduleCosts(**sc), paper["config"]
+    return CostModel(**cm), paper["config"]
 
 
 def held_out_traces(models, answers, per_workload: int) -> list[PromptTrace]:
@@ -81,23 +79,33 @@ def held_out_traces(models, answers, per_workload: int) -> list[PromptTrace]:
     return traces
 
 
-def previous_interval_walk(agreement: dict[str, list[bool]], gamma: int, interval: int, start: str) -> float:
-    """Accepted per iteration when each interval runs the draft that accepted most over the previous one,
-    known in full for every draft (no costs, no residency): what any policy that reads the recent past
-    could do at best with perfect feedback, against Oracle-Dynamic's knowledge of the next interval."""
+def previous_interval_choices(agreement: dict[str, list[bool]], gamma: int, interval: int,
+                              start: str) -> tuple[list[tuple[int, str]], list[int]]:
+    """(each interval's start position and draft, accepted per iteration) when each interval runs the draft that
+    would have accepted most over the previous one, known in full for every draft (no costs, no residency). Each
+    draft is scored on the previous interval's tokens only (its agreement cut at the current position): the
+    tokens after it are not generated yet."""
     from memspec_ros.zoo.acceptance import interval_walk
 
     length = len(next(iter(agreement.values())))
-    position, accepted, previous, current = 1, [], None, start
+    position, accepted, previous, current, choices = 1, [], None, start, []
     while position < length:
         if previous is not None:  # ties keep the running draft
-            current = max(agreement, key=lambda d: (interval_walk(agreement[d], previous, gamma, interval)[0],
-                                                    d == current))
+            current = max(agreement, key=lambda d: (interval_walk(agreement[d][:position], previous, gamma,
+                                                                  interval)[0], d == current))
+        choices.append((position, current))
         advance, got = interval_walk(agreement[current], position, gamma, interval)
         if not got:
             break
         accepted += got
         previous, position = position, position + advance
+    return choices, accepted
+
+
+def previous_interval_walk(agreement: dict[str, list[bool]], gamma: int, interval: int, start: str) -> float:
+    """Accepted per iteration of previous_interval_choices: what any policy that reads the recent past could do at
+    best with perfect feedback, against Oracle-Dynamic's knowledge of the next interval."""
+    accepted = previous_interval_choices(agreement, gamma, interval, start)[1]
     return sum(accepted) / len(accepted) if accepted else 0.0
 
 
@@ -126,15 +134,20 @@ def summary(totals: dict, policies: list[str], workloads: list[str]) -> dict:
     table = simulated_table(totals)
     geo = {p: gmean([table[w][p]["tokens_per_second"] for w in domains]) for p in policies}
     geo_e2e = {p: gmean([table[w][p]["end_to_end_tokens_per_second"] for w in domains]) for p in policies}
-    ratios = {f"{mine}_vs_{p}": {"paper_metric": round(geo[mine] / geo[p], 4),
-                                 "end_to_end": round(geo_e2e[mine] / geo_e2e[p], 4)}
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 4)
+
+    # figures.ratio: None over a zero rate (a workload at 0 tok/s raised ZeroDivisionError after the whole replay)
+    ratios = {f"{mine}_vs_{p}": {"paper_metric": rounded(ratio(geo[mine], geo[p])),
+                                 "end_to_end": rounded(ratio(geo_e2e[mine], geo_e2e[p]))}
               for mine in ("memspec", COST_AWARE) for p in policies if p != mine}
-    worst = {mine: min(table[w][mine]["tokens_per_second"] / table[w]["mab-async"]["tokens_per_second"]
-                       for w in domains) for mine in ("memspec", COST_AWARE)}
+    per_workload = {mine: [ratio(table[w][mine]["tokens_per_second"], table[w]["mab-async"]["tokens_per_second"])
+                           for w in domains] for mine in ("memspec", COST_AWARE)}
+    worst = {mine: None if None in r else min(r) for mine, r in per_workload.items()}
     return {"workloads": table, "gmean_over": domains,
             "gmean_tokens_per_second": {p: round(v, 3) for p, v in geo.items()},
             "gmean_end_to_end_tokens_per_second": {p: round(v, 3) for p, v in geo_e2e.items()},
-            "ratios": ratios, "worst_workload_vs_mab_async": {k: round(v, 4) for k, v in worst.items()}}
+            "ratios": ratios, "worst_workload_vs_mab_async": {k: rounded(v) for k, v in worst.items()}}
 
 
 def replay(bench: BenchRun, policies: list[str], workloads: list[str]) -> tuple[dict, dict]:
@@ -203,10 +216,11 @@ def main() -> None:
               "prompts_by_workload": {w: sum(t.workload == w for t in traces) for w in workloads},
               "left_out_as_trained_on": dropped,
               "runs": {}}
-    first = committed_costs(ROOT / a.runs.split(",")[0])[2]  # the first run's gamma and N (the committed: 4, 4)
+    first = committed_costs(ROOT / a.runs.split(",")[0])[1]  # the first run's gamma and N (the committed: 4, 4)
     report["hindsight_mean_accepted"] = hindsight(traces, first["gamma"], first["interval"])
     for run_dir, (predictor_dir, predictor) in ((r, q) for r in a.runs.split(",") for q in predictors.items()):
-        costs, schedule, cfg = committed_costs(ROOT / run_dir)
+        costs, cfg = committed_costs(ROOT / run_dir)
+        schedule = costs.schedule_costs(cfg["capacity"], cfg["gamma"])  # what the replay charges (BenchRun.policy)
         bench_cfg = PolicyBenchConfig(policies=POLICIES, workloads=workloads, capacity=cfg["capacity"],
                                       interval=cfg["interval"], gamma=cfg["gamma"],
                                       recent_tokens=cfg["recent_tokens"], max_new_tokens=cfg["max_new_tokens"])
@@ -221,17 +235,16 @@ def main() -> None:
                                "draft_path": cfg.get("draft_quantization") or "none", "medium": costs.medium,
                                "iteration_seconds": schedule.iteration_seconds,
                                "load_in_iterations": round(
-                                   sum(costs.load_seconds.values()) / len(costs.load_seconds)
-                                   / schedule.iteration_seconds, 3)}
+                                   load_to_iteration(costs.load_seconds, schedule.iteration_seconds) or 0.0, 3)}
         entry["simulation_seconds"] = round(time.time() - t1, 1)
         entry["predictor"] = predictor_dir
         key = run_dir if len(predictors) == 1 else f"{run_dir} with {predictor_dir}"
         report["runs"][key] = entry
-        r = entry["ratios"]
-        log(f"{key}: memspec / oracle-dynamic {r['memspec_vs_oracle-dynamic']['paper_metric']:.3f}, "
-            f"/ mab-async {r['memspec_vs_mab-async']['paper_metric']:.3f}, "
-            f"/ general-static {r['memspec_vs_general-static']['paper_metric']:.3f} "
-            f"(end to end {r['memspec_vs_general-static']['end_to_end']:.3f})")
+        r = {k: {m: "n/a" if v is None else f"{v:.3f}" for m, v in ms.items()} for k, ms in entry["ratios"].items()}
+        log(f"{key}: memspec / oracle-dynamic {r['memspec_vs_oracle-dynamic']['paper_metric']}, "
+            f"/ mab-async {r['memspec_vs_mab-async']['paper_metric']}, "
+            f"/ general-static {r['memspec_vs_general-static']['paper_metric']} "
+            f"(end to end {r['memspec_vs_general-static']['end_to_end']})")
     models.close()
     a.json.write_text(json.dumps(report, indent=1))
     log(f"wrote {a.json}")

@@ -1,0 +1,61 @@
+"""The replay scripts' own rules (scripts/ is not a package: imported by path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_previous_intervals_rule_reads_no_token_after_the_current_position():
+    """previous_interval_walk scored each draft by walking N iterations from the previous interval's start, which
+    runs past the current position into tokens not generated yet: the published 'previous_intervals_best' column
+    was partly a look-ahead rule. Every choice must be the same whatever the agreements after its position are."""
+    replay = script("simulate_heldout")
+    rng = random.Random(0)
+    checked = 0
+    for trial in range(60):
+        length = rng.randint(12, 60)
+        agreement = {d: [rng.random() < p for _ in range(length)]
+                     for d, p in (("general", 0.5), ("b", rng.random()), ("c", rng.random()))}
+        gamma, interval = rng.choice((2, 4)), rng.choice((1, 2, 4))
+        choices, _ = replay.previous_interval_choices(agreement, gamma, interval, "general")
+        for position, draft in choices:
+            other_future = {d: a[:position] + [rng.random() < 0.5 for _ in range(length - position)]
+                            for d, a in agreement.items()}
+            again = dict(replay.previous_interval_choices(other_future, gamma, interval, "general")[0])
+            assert again[position] == draft, (trial, position)
+            checked += 1
+    assert checked > 100
+
+
+def test_the_replay_summary_says_n_a_over_a_zero_rate_instead_of_dividing_by_it():
+    """A workload at 0 tok/s (every generation failed) raised ZeroDivisionError in summary() after the whole
+    replay; its ratios are None (figures.ratio), as the bench's own figures give them."""
+    from memspec_ros.runtime.stats import GenerationStats, GenerationTotals, IterationStats
+
+    replay = script("simulate_heldout")
+    workloads = ["code", "math", "law", "medical", "general"]
+    policies = ["memspec", replay.COST_AWARE, "mab-async", "general-static"]
+
+    def totals(tokens: int) -> GenerationTotals:
+        t = GenerationTotals()
+        iterations = [IterationStats("general", 4, tokens - 1, tokens, 0.1, 0.2)] if tokens else []
+        t.add(GenerationStats(prompt_tokens=4, completion_tokens=tokens + 1, decode_seconds=1.0, prefill_seconds=0.1,
+                              iterations=iterations))
+        return t
+
+    table = {p: {w: totals(0 if (p == "mab-async" and w == "law") else 10) for w in workloads} for p in policies}
+    out = replay.summary(table, policies, workloads)
+    assert out["ratios"]["memspec_vs_mab-async"]["paper_metric"] is None  # the GMEAN over a zero rate is 0
+    assert out["ratios"]["memspec_vs_general-static"]["paper_metric"] == 1.0
+    assert out["worst_workload_vs_mab_async"]["memspec"] is None

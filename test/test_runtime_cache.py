@@ -143,12 +143,13 @@ def test_failed_load_marks_draft_failed_and_is_skipped(caplog):
 
 def test_a_budget_change_retries_the_drafts_that_did_not_fit():
     cache = DraftCacheManager(2, fake_loader(), budget_bytes=100, size_of=SIZES.get)
-    cache.update(["medical", "law"])
+    cache.update(["medical", "law"])  # medical's estimate (400 B) is over the budget: its load measures it
     cache.drain()
-    assert cache.resident() == ["law"]
     error = cache.failed()["medical"]
     assert isinstance(error, DraftTooLargeError) and "memspec.budget_bytes" in str(error)  # the node's parameter
     assert cache.update(["medical", "law"]) == ["law"]  # skipped while the budget is the same
+    cache.drain()
+    assert cache.resident() == ["law"]
     cache.reconfigure(budget_bytes=500)
     assert cache.failed() == {} and cache.snapshot().failed == {}  # diagnostics see no stale failure
     cache.update(["medical", "law"])
@@ -202,9 +203,40 @@ def test_byte_budget_reserves_before_load_and_refuses_oversized():
     assert cache.snapshot().bytes_reserved <= 450
     small = DraftCacheManager(2, fake_loader(), budget_bytes=100, size_of=SIZES.get)
     small.update(["medical"])
+    small.drain()
     assert isinstance(small.failed()["medical"], DraftTooLargeError)
     cache.close()
     small.close()
+
+
+def test_a_draft_whose_estimate_is_over_the_budget_is_loaded_and_kept_if_it_fits_once_loaded():
+    """The estimate (the registry's size_bytes, by default the files' size) refused a draft up front: fp32 files
+    of 300 B loaded as int4 (the default drafts.quantization) take 80 B, but with a 100 B budget the draft was never
+    loaded, so its real size was never learnt, and the node ran the target alone for good. Over the budget, an
+    estimate reserves the whole budget and the load measures it; a measured size over the budget is refused up
+    front, without a load."""
+    loads = []
+    real = {"code": 80, "law": 400}
+
+    def loader(name):
+        loads.append(name)
+        return fake_loader(sizes=real)(name)
+
+    cache = DraftCacheManager(2, loader, budget_bytes=100, size_of=lambda name: 300)
+    cache.update(["code"])
+    assert cache.snapshot().bytes_reserved == 100  # the whole budget while it loads
+    cache.drain()
+    assert cache.resident() == ["code"] and cache.failed() == {}
+    assert cache.snapshot().bytes_reserved == cache.snapshot().bytes_resident == 80  # its real size from then on
+    cache.update(["law"])  # really larger than the budget: refused once it is measured (code made room for its
+    cache.drain()  # reservation, the whole budget: the price of learning its size, paid once)
+    assert isinstance(cache.failed()["law"], DraftTooLargeError) and loads.count("law") == 1
+    cache.reconfigure(budget_bytes=90)  # a budget change retries it: refused on its measured size, not loaded again
+    cache.update(["law"])
+    cache.drain()
+    assert isinstance(cache.failed()["law"], DraftTooLargeError) and "needs 400 B" in str(cache.failed()["law"])
+    assert loads.count("law") == 1
+    cache.close()
 
 
 def test_a_load_larger_than_reserved_is_refused_when_it_breaks_the_budget():
@@ -775,8 +807,11 @@ def test_a_size_that_cannot_be_read_fails_the_draft_and_k_must_be_a_count():
 def test_a_blocking_wait_names_why_the_load_was_refused():
     """wait_for said "has no draft it may evict" whatever refused the load: a draft larger than the byte budget,
     a size that could not be read, or a closed cache; the first two are recorded on the draft and now raised."""
-    cache = DraftCacheManager(2, fake_loader(), budget_bytes=100, size_of=lambda name: 1000)
-    with pytest.raises(DraftLoadError, match=r"needs 1000 B but the draft memory budget is 100 B"):
+    cache = DraftCacheManager(2, fake_loader(sizes={"big": 1000}), budget_bytes=100, size_of=lambda name: 1000)
+    with pytest.raises(DraftLoadError, match=r"occupies 1000 B in memory, .* the whole 100 B budget"):
+        cache.wait_for("big")
+    cache.reconfigure(budget_bytes=200)  # tried again: refused on its measured size, before any load
+    with pytest.raises(DraftLoadError, match=r"needs 1000 B but the draft memory budget is 200 B"):
         cache.wait_for("big")
     cache.close()
 

@@ -813,6 +813,41 @@ def test_a_draft_entry_given_another_path_mid_goal_replaces_the_model_in_memory(
         ctl.close()
 
 
+def test_a_draft_evicted_before_its_entry_changed_is_loaded_at_its_new_size(target, drafts):
+    """The registry sync forgot what the cache knew of a changed entry only for resident or loading drafts: 'code',
+    measured at 900 B and evicted, then pointed at a 100 B model, kept the old measurement and was refused as too
+    large for a 500 B budget ("needs 900 B"), its new files never read."""
+    sizes = {"/virtual/code": 900, "/virtual/code-v2": 100, "/virtual/general": 100}
+    models = {"/virtual/code": drafts["code"], "/virtual/code-v2": noisy_copy(drafts["code"], 0.0),
+              "/virtual/general": drafts["general"]}
+    registry = DraftRegistry([DraftEntry("code", "/virtual/code", "code", 900),
+                              DraftEntry("general", "/virtual/general", "general", 100)], validate=False)
+    loaded_paths: list[str] = []
+
+    def loader(name: str) -> LoadedModel:
+        path = registry.get(name).path
+        loaded_paths.append(path)
+        return LoadedModel(models[path], ModelSpec(path), sizes[path], 64, 512)
+
+    ctl = RuntimeController(RuntimeConfig(policy="memspec", capacity=1, interval=2, budget_bytes=1000), target,
+                            None, registry, FixedRanker(lambda c: ["code"]), loader=loader, eos_token_ids=[])
+    try:
+        prompt = [1, 5, 7, 9, 11, 13]
+        assert ctl.generate(prompt, 12).token_ids == target_greedy(target, prompt, 12)
+        ctl.cache.request("general")  # K = 1: code is evicted
+        ctl.cache.drain()
+        assert ctl.cache.resident() == ["general"]
+        registry.remove("code")
+        registry.add(DraftEntry("code", "/virtual/code-v2", "code", 100))
+        ctl.cache.reconfigure(budget_bytes=500)
+        out = ctl.generate(prompt, 12)
+        assert out.token_ids == target_greedy(target, prompt, 12)
+        assert loaded_paths[-1] == "/virtual/code-v2" and "code" in out.stats.drafts_used
+        assert not ctl.cache.failed()
+    finally:
+        ctl.close()
+
+
 def test_a_goal_the_prefill_ends_waits_for_no_draft(target, drafts):
     """max_new_tokens 1 (a behaviour tree's yes/no): the prefill's token is the whole answer, so no draft is chosen,
     loaded or waited for on a cold cache; the answer is the target's."""

@@ -173,7 +173,8 @@ PARAMS: tuple[Param, ...] = (
           "K: drafts resident at once.",
           AT_SCHEDULING_POINT, int_range=LIMITS["capacity"], runtime_field="capacity"),
     Param("memspec.budget_bytes", 0,
-          "Memory budget for resident drafts in bytes (0: only K limits).",
+          "Memory budget for resident drafts in bytes (0: only K limits). A draft is accounted at what its last"
+          " load occupied (its registry size_bytes, else its files' size, until it has loaded once).",
           AT_SCHEDULING_POINT, int_range=LIMITS["budget_bytes"], runtime_field="budget_bytes"),
     Param("memspec.interval", 4,
           "N: draft-and-verify iterations between scheduling points.",

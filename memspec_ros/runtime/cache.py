@@ -414,6 +414,7 @@ class DraftCacheManager:
         changed = [name for name, path, files in resident if weights_identity(path) != files]
         with self._lock:
             for name in changed:
+                self._measured.pop(name, None)  # other files: their size is learnt anew
                 slot = self._slots.get(name)
                 if slot is not None and slot.model is not None:
                     self._evict(name)
@@ -593,8 +594,16 @@ class DraftCacheManager:
         return min(candidates, key=lambda n: self._scores.get(n, float("-inf")))
 
     def _size_needed(self, name: str) -> int:
-        """The bytes a load of ``name`` reserves: its estimate, or what a load of it measured if more."""
-        return max(0, int(self.size_of(name)), self._measured.get(name, 0))
+        """The bytes a load of ``name`` reserves: what its last load occupied (the model as this cache holds it: int4
+        drafts from fp32 files take a fraction of their files), else its estimate (size_of: the registry's
+        size_bytes, by default its files' size) but at most the budget. Refused on an estimate, such a draft never
+        ran; with the whole budget reserved its load measures it (_load refuses it then if it really is larger, and
+        later loads are refused up front on that measurement)."""
+        measured = self._measured.get(name)
+        if measured is not None:
+            return measured
+        estimate = max(0, int(self.size_of(name)))
+        return min(estimate, self.budget_bytes) if self.budget_bytes else estimate
 
     def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
         if self._closed:  # its loader pool is gone: a slot reserved now would stay "loading" for good
@@ -606,7 +615,7 @@ class DraftCacheManager:
             self._fail(slot, DraftLoadError(f"draft {name!r}: its size could not be read ({type(exc).__name__}:"
                                             f" {exc})"))
             return False
-        if self.budget_bytes and size > self.budget_bytes:
+        if self.budget_bytes and size > self.budget_bytes:  # measured (_size_needed): it does not fit
             self._slots[name] = slot = _Slot(name, 0)
             self._fail(slot, DraftTooLargeError(
                 f"draft {name!r} needs {size} B but the draft memory budget is {self.budget_bytes} B:"
@@ -662,6 +671,8 @@ class DraftCacheManager:
             # it there) or set the flag before this test (read outside, a change between them landed the old model)
             stale = slot.recheck and weights_identity(source) != files
             if self._slots.get(slot.name) is not slot or slot.discard or stale:
+                if stale:
+                    self._measured.pop(slot.name, None)  # other files under the name: their size is learnt anew
                 if self._slots.get(slot.name) is slot:
                     del self._slots[slot.name]  # removed, over capacity, or its files changed while in flight
                 self._detached = [s for s in self._detached if s is not slot]

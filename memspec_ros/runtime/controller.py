@@ -607,7 +607,10 @@ class RuntimeController:
         def changed(name: str) -> bool:
             return name not in registered or (name in before and before[name] != registered[name])
 
-        gone = [n for n in self.cache.resident() + self.cache.loading() if changed(n)]
+        # every changed name, resident or not: remove() drops a resident or loading model and forgets what the cache
+        # knew of the name (its measured size, its score); a snapshot of the resident and loading ones (two lock
+        # takes) missed a load landing between them, and an evicted draft kept its old files' measured size
+        gone = [n for n in {*before, *registered} if changed(n)]
         for name in gone:
             self.cache.remove(name)
         # a failure was about the files of the entry that failed: a draft given other files (or removed) may be

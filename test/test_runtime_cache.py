@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from ros_helpers import wait_until
 
 from memspec_ros.runtime.cache import DraftCacheManager, DraftLoadError, DraftTooLargeError, normalise_ranking
 from memspec_ros.runtime.models import LoadedModel, ModelSpec
@@ -364,6 +365,38 @@ def test_a_removed_draft_that_was_not_resident_leaves_no_measured_size_behind():
     cache.close()
 
 
+@pytest.mark.parametrize("how", ["remove", "shrink", "fail"])
+def test_a_queued_load_no_longer_wanted_never_runs(how):
+    """A load removed (its entry changed), shrunk out (K lowered) or failed while still queued behind another ran in
+    full on the one loader thread, holding its slot and bytes, before the load wanted next could start."""
+    gate, loads = threading.Event(), []
+
+    def load(name: str) -> LoadedModel:
+        loads.append(name)
+        gate.wait(5)
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(2, load)
+    cache.update({"a": 2, "b": 1})
+    wait_until(lambda: loads == ["a"])  # a runs, b waits behind it
+    assert cache.snapshot().loading == ["a", "b"]
+    if how == "remove":
+        cache.remove("b")
+    elif how == "shrink":
+        cache.reconfigure(capacity=1)  # b scores lower: it goes
+    else:
+        cache.fail("b", RuntimeError("taken out of service"))
+    assert "b" not in cache.snapshot().loading
+    gate.set()
+    cache.drain()
+    assert loads == ["a"] and cache.resident() == ["a"]
+    if how != "fail":  # the name loads again when asked (a failed one after its back-off)
+        assert cache.request("b")
+        cache.drain()
+        assert loads == ["a", "b"]
+    cache.close()
+
+
 def test_the_load_of_a_draft_removed_while_it_runs_is_not_a_load_failure():
     """The registry loader looks the name up on the loader thread: a draft removed while its load waited failed
     there, and was counted and logged as a load failure (a WARNING for a deliberate removal)."""
@@ -600,10 +633,11 @@ def test_a_name_ranked_twice_is_one_draft_and_a_nan_score_is_refused():
 def test_a_smaller_k_counts_loads_being_dropped_once():
     """A load marked for dropping (its draft removed) still occupies memory until it ends, so no new load
     starts beside it beyond K; but it is going, so lowering K does not also evict a resident draft for it."""
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
 
     def gated(name):
         if name == "law":
+            started.set()
             gate.wait(5)
         return fake_loader()(name)
 
@@ -611,7 +645,8 @@ def test_a_smaller_k_counts_loads_being_dropped_once():
     cache.update(["general", "code"])
     cache.drain()
     cache.set_active("general")
-    cache.update({"general": 3, "code": 2, "law": 1}, active="general")  # law in flight
+    cache.update({"general": 3, "code": 2, "law": 1}, active="general")
+    assert started.wait(5)  # law in flight (a load still queued is cancelled instead)
     cache.remove("law")  # marked for dropping, its slot still taken
     cache.reconfigure(capacity=2)
     assert sorted(cache.resident()) == ["code", "general"]  # live drafts: 2 <= K, nothing evicted

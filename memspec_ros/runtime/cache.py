@@ -441,6 +441,8 @@ class DraftCacheManager:
             for slot in sorted(live_loads, key=lambda s: self._scores.get(s.name, float("-inf"))):
                 if not self._live_fit(0, 0):
                     slot.discard = True
+                    if self._cancel_queued(slot):
+                        del self._slots[slot.name]
             while not self._live_fit(0, 0):
                 victim = self._victim(protect=set())
                 if victim is None:
@@ -466,7 +468,7 @@ class DraftCacheManager:
                 slot = self._slots[name]
                 if slot.model is not None:
                     self._evict(name)
-                elif slot.error is None and slot.future is not None:
+                elif slot.error is None and slot.future is not None and not self._cancel_queued(slot):
                     slot.discard = True  # started after the wait above: still in memory until it ends
                 else:
                     del self._slots[name]
@@ -528,10 +530,21 @@ class DraftCacheManager:
 
     def _detach(self, slot: _Slot) -> None:
         """Take a load in flight out of ``_slots`` for good: it is dropped when it lands (a later load of the name
-        is another slot, so the old files' model never lands under it)."""
+        is another slot, so the old files' model never lands under it); one still queued never runs."""
         slot.discard = True
         del self._slots[slot.name]
-        self._detached.append(slot)
+        if not self._cancel_queued(slot):
+            self._detached.append(slot)
+
+    @staticmethod
+    def _cancel_queued(slot: _Slot) -> bool:
+        """Cancel ``slot``'s load if the loader has not started it (queued behind another): True if so. A load
+        already unwanted otherwise ran in full on the one loader thread, holding its reservation, before the
+        wanted one behind it could start."""
+        if slot.future is not None and slot.future.cancel():
+            slot.future = None
+            return True
+        return False
 
     def _in_flight(self) -> list[_Slot]:
         return [s for s in (*self._slots.values(), *self._detached) if s.future is not None and s.model is None]

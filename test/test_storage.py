@@ -193,6 +193,36 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     assert sorted(p.name for p in form.file.parent.iterdir()) == [newer.file.name]
 
 
+def test_a_stale_form_that_cannot_be_removed_leaves_the_new_form_in_use(tiny_zoo, cache_root_in_tmp, monkeypatch):
+    """Pruning an older form another user owns (a shared MEMSPEC_RUNTIME_FORMS_DIR with the sticky bit) raised
+    PermissionError out of the load that had just written its own form: the form was never recorded, so every later
+    load built the draft from its safetensors again and rewrote the form."""
+    from pathlib import Path
+
+    from memspec_ros.runtime import forward_paths
+
+    spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization="int4")
+    first = DraftStorage(MEDIA["local"])
+    first.load(spec, "code")
+    (old,) = first._forms.values()
+    weights = tiny_zoo / "drafts" / "code" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))  # a new version
+    unlink = Path.unlink
+
+    def not_ours(path, missing_ok=False):
+        if path == old.file:
+            raise PermissionError(f"[Errno 1] Operation not permitted: {path}")
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", not_ours)
+    storage = DraftStorage(MEDIA["local"])
+    storage.load(spec, "code")  # builds and writes the new version's form; the old one cannot be removed
+    built = []
+    monkeypatch.setattr(forward_paths, "apply_path", lambda *a, **k: built.append(a))
+    storage.load(spec, "code")
+    assert built == [] and old.file.exists()  # read from the new form, the other user's left alone
+
+
 def test_a_damaged_runtime_form_is_built_again_from_the_source(tiny_zoo, cache_root_in_tmp, caplog):
     """A form cut short after it was written (a full disk, another process) is not the draft: the load warns,
     builds the draft from its safetensors, and writes the form again."""

@@ -100,15 +100,21 @@ def _text(value: object, where: str) -> str:
     return text
 
 
+MAX_SIZE_BYTES = 2**63 - 1  # what ~/cache_state's uint64 and the budget parameter (an int64) can carry
+
+
 def _size(value: object, where: str) -> int:
     """``size_bytes``: a whole number of bytes (absent, null or 0: estimated from the safetensors files)."""
     if value is None:
         return 0
     if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise RegistryError(f"{where} is {value!r}: give a whole number of bytes (7607384, not 7.6MB), or 0 to"
                             " estimate it from the safetensors files")
+    if value > MAX_SIZE_BYTES:  # a typo: every ~/cache_state message then failed to build, 10 times a second
+        raise RegistryError(f"{where} is {value}, more than any memory ({MAX_SIZE_BYTES}): give the draft's size"
+                            " in bytes, or 0 to estimate it from the safetensors files")
     return value
 
 

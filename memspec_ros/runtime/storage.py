@@ -445,7 +445,10 @@ def prune_stale_forms(file: Path) -> None:
         # MEMSPEC_RUNTIME_FORMS_DIR at, holding models of their own
         if other != file and FORM_NAME.fullmatch(other.name) and (
                 other.name.startswith(prefix) or not _source_exists(other)):
-            other.unlink(missing_ok=True)
+            try:
+                other.unlink(missing_ok=True)
+            except OSError:  # another user's form in a shared sticky folder: theirs to prune. Raised here, it
+                pass  # failed the load that had just written its own form, which was then never used
     stale = time.time() - PARTIAL_STALE_SECONDS
     for partial in file.parent.glob("tmp*.partial"):  # a write a killed process left (RuntimeForm.write)
         try:

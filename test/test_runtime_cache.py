@@ -721,6 +721,28 @@ def test_pinned_side_stream_copy_to_cuda():
     assert torch.allclose(moved(x.cuda()).cpu(), expected, atol=1e-5)
 
 
+def test_a_moved_draft_keeps_its_tied_weights_one_tensor():
+    """to_device_via_pinned built a Parameter per module: the tied input and output embeddings (the bundled drafts
+    tie them) became two copies on the GPU, half again the draft's memory beyond what the budget counted. The move
+    (move_tensors, shared with the CUDA path) copies each tensor once."""
+    from memspec_ros.runtime.cache import move_tensors
+    from memspec_ros.runtime.models import parameter_bytes
+    from memspec_ros.testing.tiny_models import tiny_llama
+
+    model = tiny_llama(hidden=32, layers=1, seed=0)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the bundled drafts are
+    before, ids = parameter_bytes(model), torch.tensor([[1, 5, 9, 2]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+    copies = []
+    moved = move_tensors(model, lambda t: copies.append(t) or t.clone())
+    assert moved.lm_head.weight is moved.model.embed_tokens.weight
+    assert len(copies) == len({id(t) for t in copies}) == len(list(model.parameters())) + len(list(model.buffers()))
+    assert parameter_bytes(moved) == before and not moved.lm_head.weight.requires_grad
+    with torch.inference_mode():
+        assert torch.equal(moved(ids).logits, expected)
+
+
 def test_pinned_copy_is_a_plain_move_on_cpu():
     from memspec_ros.runtime.cache import to_device_via_pinned
 

@@ -736,6 +736,25 @@ def _check_capacity(capacity: int, budget_bytes: int) -> None:
 
 # -- the storage -> fast memory loader ----------------------------------------------------
 
+def move_tensors(model: torch.nn.Module, move: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    """Replace every parameter and buffer of ``model`` by ``move`` of it, in place, once per tensor: a tensor two
+    modules share (tied input and output embeddings, the bundled drafts') stays one tensor. Moved module by
+    module, the tied embedding became two copies on the device, half again a draft's memory uncounted."""
+    moved: dict[int, torch.Tensor] = {}  # id of the original tensor -> its moved copy (the originals stay alive)
+    originals = []
+    for module in model.modules():
+        for table, as_param in ((module._parameters, True), (module._buffers, False)):
+            for key, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in moved:
+                    originals.append(tensor)
+                    data = move(tensor.data if as_param else tensor)
+                    moved[id(tensor)] = torch.nn.Parameter(data, requires_grad=False) if as_param else data
+                table[key] = moved[id(tensor)]
+    return model
+
+
 def to_device_via_pinned(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """Copy a CPU model to CUDA through pinned host memory on a side stream.
 
@@ -747,15 +766,7 @@ def to_device_via_pinned(model: torch.nn.Module, device: torch.device) -> torch.
         return model.to(device)
     stream = torch.cuda.Stream(device=device)
     with torch.cuda.stream(stream):
-        for module in model.modules():
-            for key, param in list(module._parameters.items()):
-                if param is not None:
-                    module._parameters[key] = torch.nn.Parameter(
-                        param.data.pin_memory().to(device, non_blocking=True), requires_grad=False
-                    )
-            for key, buf in list(module._buffers.items()):
-                if buf is not None:
-                    module._buffers[key] = buf.pin_memory().to(device, non_blocking=True)
+        move_tensors(model, lambda t: t.pin_memory().to(device, non_blocking=True))
     stream.synchronize()  # the model is complete before it is published as resident
     return model
 

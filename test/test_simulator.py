@@ -207,6 +207,24 @@ def test_a_cost_model_fitted_to_simulated_runs_is_the_model_that_made_them(model
         assert replayed.end_to_end_seconds == pytest.approx(stats.end_to_end_seconds)
 
 
+def test_a_policy_the_costs_never_timed_is_not_replayed_for_free(models, traces):
+    """A cost model fitted to runs of some policies charged an untimed one no scheduling-point or setup work: the
+    held-out replay's mab-sync (make bench times none) ran its UCB points for nothing beside a mab-async paying
+    for the same code. It is refused, or charged a timed policy's work when one is stood in for it."""
+    _, drafts = models
+    costs = tiny_costs(drafts)
+    costs.point_seconds, costs.setup_seconds = {"mab-async": 0.05}, {"mab-async": 0.2}
+    config = SimConfig(interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW)
+    with pytest.raises(ValueError, match="measured no scheduling-point or setup work for policy 'mab-sync'"):
+        Simulator(costs, config, DOMAINS, list(drafts)).generate(make_policy("mab-sync"), traces[0])
+    free = Simulator(tiny_costs(drafts), config, DOMAINS, list(drafts)).generate(make_policy("mab-sync"), traces[0])
+    charged = Simulator(costs.standing_in("mab-sync", "mab-async"), config, DOMAINS, list(drafts)).generate(
+        make_policy("mab-sync"), traces[0])
+    assert decisions(charged) == decisions(free)  # the same run, its work charged
+    points = charged.predictions - 1  # the first choice is the setup's
+    assert charged.end_to_end_seconds == pytest.approx(free.end_to_end_seconds + 0.2 + 0.05 * points)
+
+
 def test_blocking_loads_are_charged_as_load_wait_and_slower_media_never_help(models, traces):
     _, drafts = models
     results = {}

@@ -235,6 +235,24 @@ class CostModel:
             return self.load_seconds[draft]
         return _mean(list(self.load_seconds.values()))
 
+    def policy_costs(self, policy: str) -> tuple[float, float]:
+        """(one scheduling point's work, the setup's) for ``policy``. A model that measured some policies but not
+        this one raises: replayed at no cost, an untimed policy (mab-sync beside a timed mab-async running the same
+        UCB code) was flattered by what the others paid. A model that measured none charges none (a sweep over
+        hand-made costs)."""
+        measured = self.point_seconds or self.setup_seconds
+        if measured and (policy not in self.point_seconds or policy not in self.setup_seconds):
+            raise ValueError(f"the cost model measured no scheduling-point or setup work for policy {policy!r}"
+                             f" (only {', '.join(sorted(self.point_seconds))}): time it in the runs the model is"
+                             " fitted to, or stand a timed policy in for it (CostModel.standing_in)")
+        return self.point_seconds.get(policy, 0.0), self.setup_seconds.get(policy, 0.0)
+
+    def standing_in(self, policy: str, timed: str) -> CostModel:
+        """This model with ``timed``'s measured scheduling-point and setup work charged to ``policy`` as well (a
+        policy the runs did not time that does the same work at its points)."""
+        return CostModel(**{**asdict(self), "point_seconds": {**self.point_seconds, policy: self.point_seconds[timed]},
+                            "setup_seconds": {**self.setup_seconds, policy: self.setup_seconds[timed]}})
+
     def with_loads(self, load_seconds: Mapping[str, float], medium: str) -> CostModel:
         """The same machine reading its drafts from another medium."""
         return CostModel(**{**asdict(self), "load_seconds": dict(load_seconds), "medium": medium})
@@ -515,6 +533,7 @@ class Simulator:
 
         ``costs``: this generation's own cost model (default: the simulator's)."""
         cfg, costs = self.config, costs or self.costs
+        point_work, setup_work = costs.policy_costs(policy.name)
         clock = _Clock()
         cache = SimCache(cfg.capacity, costs.load, clock)
         budget = trace.budget(cfg.max_new_tokens)
@@ -541,7 +560,7 @@ class Simulator:
         if budget > 1:  # else the prefill's token ended it: the controller chooses and loads nothing either
             choice = policy.choose(point_at(0, 1, ""))
             stats.predictions += 1
-            clock.now += costs.setup_seconds.get(policy.name, 0.0)
+            clock.now += setup_work
             first = _carry_out(cache, clock, choice, first=True)  # the first draft: the choice blocks for it
             active, preferred, fallback = first.draft, first.preferred, first.fallback
             stats.setup_wait_seconds = first.waited
@@ -558,7 +577,7 @@ class Simulator:
                 interval_its = []
                 choice = policy.choose(point_at(interval, position, active))
                 stats.predictions += 1
-                work = costs.point_seconds.get(policy.name, 0.0)
+                work = point_work
                 clock.now += work
                 resolution = _carry_out(cache, clock, choice, current=active)
                 active, preferred, fallback = resolution.draft, resolution.preferred, resolution.fallback

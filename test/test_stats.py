@@ -172,3 +172,20 @@ def test_goals_combined_give_their_pooled_figures(stats):
     assert both.end_to_end_seconds == pytest.approx(stats.end_to_end_seconds + other.end_to_end_seconds)
     assert both.mean_accepted == pytest.approx(totals.mean_accepted)
     assert GenerationStats.combined([]).completion_tokens == 0
+
+
+def test_a_draft_whose_only_token_was_dropped_is_filed_as_a_draft_run_by_both_breakdowns():
+    """Adaptive gamma's confidence stop can drop a switched-in draft's only proposal: the draft ran (a catch-up and
+    a forward) and proposed nothing. execution_parts (figures 7 and 9) filed those seconds as target-only while
+    time_breakdown filed them as the draft's and its catch-up, and draft_switches missed the switch."""
+    its = [IterationStats("a", 4, 3, 4, 0.04, 0.1),
+           IterationStats("b", 0, 0, 1, 0.0, 0.08, catchup_tokens=30, catchup_seconds=0.05, dropped=1),
+           IterationStats("", 0, 0, 1, 0.0, 0.07)]
+    stats = GenerationStats(decode_seconds=0.4, iterations=its)
+    parts = stats.execution_parts()
+    assert parts["desired"] == pytest.approx(0.04 + 0.1 + 0.05 + 0.08)  # b's catch-up and verify with a's run
+    assert parts["target_only"] == pytest.approx(0.07)  # the plain target step alone
+    breakdown = stats.time_breakdown()
+    assert breakdown["catchup"] == pytest.approx(0.05) and breakdown["desired_draft"] == pytest.approx(0.04)
+    assert sum(parts.values()) == pytest.approx(sum(breakdown.values())) == pytest.approx(0.4)
+    assert stats.draft_switches == 1

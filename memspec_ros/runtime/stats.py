@@ -253,6 +253,12 @@ class GenerationStats:
         return [it for it in self.speculative_iterations if it.draft != LOOKUP_DRAFT]
 
     @property
+    def draft_runs(self) -> list[IterationStats]:
+        """Iterations in which a draft model ran, its proposals verified or not (adaptive gamma's confidence stop
+        can drop a draft's only token: it ran, caught up perhaps, and proposed nothing)."""
+        return [it for it in self.iterations if it.draft not in ("", LOOKUP_DRAFT)]
+
+    @property
     def preferred_iterations(self) -> list[IterationStats]:
         """Drafted iterations under a policy that named a preferred draft: what the fallback share is of."""
         return [it for it in self.drafted_iterations if it.preferred]
@@ -297,9 +303,9 @@ class GenerationStats:
 
     @property
     def draft_switches(self) -> int:
-        """Times the active draft model changed between consecutive drafted iterations (copies from the
+        """Times the active draft model changed between consecutive iterations a draft ran in (copies from the
         context in between change nothing resident)."""
-        names = [it.draft for it in self.drafted_iterations]
+        names = [it.draft for it in self.draft_runs]  # a draft that ran and proposed nothing was switched to too
         return sum(1 for a, b in zip(names, names[1:], strict=False) if a != b)
 
     # -- where the time went ------------------------------------------------
@@ -347,10 +353,10 @@ class GenerationStats:
         and a verified copy from the context or a datastore) as target-only; prediction on the decode thread;
         blocking load waits; and the rest."""
         parts = dict.fromkeys(EXEC_PARTS, 0.0)
+        ran = {id(it) for it in self.draft_runs}  # as time_breakdown files a draft's seconds, its catch-up's too
         for it in self.iterations:
             run = it.draft_seconds + it.verify_seconds + it.catchup_seconds
-            drafted = it.proposed > 0 and it.draft != LOOKUP_DRAFT
-            parts[("fallback" if it.fallback else "desired") if drafted else "target_only"] += run
+            parts[("fallback" if it.fallback else "desired") if id(it) in ran else "target_only"] += run
             parts["prediction"] += it.prediction_seconds
             parts["load_wait"] += it.load_wait_seconds
         parts["other"] = max(0.0, self.decode_seconds - sum(parts.values()))

@@ -720,3 +720,39 @@ def test_the_unseen_comparison_survives_a_zero_rate_and_takes_any_workload_folde
     assert out["domains"] == ["kitchen", "navigation"] and out["tps"]["memspec"] == 0.0
     assert out["ratios"]["MemSpec / General-Static (paper's metric)"] is None
     assert out["ratios"]["MemSpec / MAB-Async on the worst workload"] is None
+
+
+def test_a_sweep_leaves_out_the_settings_the_controller_refuses_with_its_predictor(monkeypatch):
+    """Figure 10 replayed MemSpec at N = 2, 8 and 16 with a head whose labels span intervals of N = 4 (label
+    horizon 1), which the controller refuses at any other N: figures of a configuration no node can run."""
+    from types import SimpleNamespace
+
+    from memspec_ros.bench.figures import sweep
+    from memspec_ros.bench.policy_bench import BenchRun, PolicyBenchConfig
+    from memspec_ros.runtime.oracle import ScheduleCosts
+    from memspec_ros.runtime.simulator import CostModel
+    from memspec_ros.runtime.stats import GenerationStats, GenerationTotals, IterationStats
+
+    head = SimpleNamespace(recent_tokens=0, label_horizon=1, interval=4)
+    workloads = ["code", "math", "law", "medical", "general"]
+    traces = [SimpleNamespace(workload=w) for w in workloads]
+    bench = BenchRun(result={}, cfg=PolicyBenchConfig(interval=4), traces=traces, costs=CostModel(),
+                     schedule_costs=ScheduleCosts(), predictor=head, domains={}, registry=None, runs=[])
+    assert bench.refusal(["general-static", "memspec"], interval=4) == ""
+    assert "memspec: interval (N) 8 is not the predictor's N, 4" in bench.refusal(["memspec"], interval=8)
+    assert bench.refusal(["general-static"], interval=8) == ""  # it ranks with no predictor
+    with pytest.raises(ValueError, match="the controller refuses memspec"):
+        bench.simulate(["memspec"], interval=8)
+    simulated = []
+
+    def replayed(policies, costs=None, **changes):
+        simulated.append(changes["interval"])
+        totals = GenerationTotals()
+        totals.add(GenerationStats(completion_tokens=5, decode_seconds=1.0,
+                                   iterations=[IterationStats("general", 4, 3, 4, 0.1, 0.2)]))
+        return {p: dict.fromkeys(workloads, totals) for p in policies}
+
+    monkeypatch.setattr(bench, "simulate", replayed)
+    item = sweep(bench, "fig10", (2, 4, 8), "interval", ["general-static", "memspec"], "emmc", "N")
+    assert simulated == [4] and item["values"] == [4] and set(item["rows"]) == {"4"}
+    assert set(item["refused"]) == {"2", "8"} and "interval 2, 8 left out" in item["title"]

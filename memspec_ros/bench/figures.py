@@ -199,6 +199,11 @@ def figure8_9(bench: BenchRun, medium: str) -> dict:
 def sweep(bench: BenchRun, name: str, values: Sequence[int], field_name: str, policies: Sequence[str],
           medium: str, title: str) -> dict:
     workloads = domain_workloads(sorted({t.workload for t in bench.traces}))
+    # a setting the controller refuses for a ranking policy (a head trained for another N) is not published
+    refused = {str(v): r for v in values if (r := bench.refusal(policies, **{field_name: v}))}
+    values = [v for v in values if str(v) not in refused]
+    if refused:
+        title += f" ({field_name} {', '.join(refused)} left out: the controller refuses them with this predictor)"
     rows = {}
     for value in values:
         table = simulated_table(bench.simulate(policies, **{field_name: value}))
@@ -209,7 +214,8 @@ def sweep(bench: BenchRun, name: str, values: Sequence[int], field_name: str, po
                                                        for w in workloads]) for p in policies},
         }
     return {"item": name, "source": "simulator", "medium": medium, "title": title, "parameter": field_name,
-            "values": list(values), "policies": list(policies), "gmean_over": workloads, "rows": rows}
+            "values": list(values), "policies": list(policies), "gmean_over": workloads, "rows": rows,
+            "refused": refused}
 
 
 def storage_item(bench: BenchRun, media_loads: dict[str, dict[str, float]]) -> dict:

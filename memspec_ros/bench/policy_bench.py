@@ -46,7 +46,7 @@ from pathlib import Path
 
 from ..runtime.cache import registry_loader
 from ..runtime.chat import prompt_ids
-from ..runtime.controller import RuntimeConfig, RuntimeController
+from ..runtime.controller import RuntimeConfig, RuntimeController, predictor_refusal
 from ..runtime.loader import find_predictor, load_models
 from ..runtime.models import ModelSpec, load_model
 from ..runtime.oracle import GreedyOracle, ScheduleCosts
@@ -254,8 +254,20 @@ class BenchRun:
 
         return make_policy(name, predictor=self.predictor, oracle_for=oracle_for)
 
+    def refusal(self, policies: Sequence[str], **changes) -> str:
+        """Why the controller would refuse one of ``policies`` with this predictor under ``changes`` ("" if none):
+        a head whose labels span intervals of its own N ranks at no other N."""
+        config = self.sim_config(**changes)
+        reasons = [f"{p}: {r}" for p in policies
+                   if (r := predictor_refusal(p, self.predictor, config.recent_tokens, config.interval))]
+        return "; ".join(reasons)
+
     def simulate(self, policies: Sequence[str], costs: CostModel | None = None, **changes) -> dict:
-        """{policy: {workload: GenerationTotals}} for ``policies`` replayed with ``changes`` to K, N, budget, ..."""
+        """{policy: {workload: GenerationTotals}} for ``policies`` replayed with ``changes`` to K, N, budget, ...;
+        ValueError for a configuration the controller refuses (:meth:`refusal`)."""
+        refused = self.refusal(policies, **changes)
+        if refused:
+            raise ValueError(f"the controller refuses {refused}")
         config = self.sim_config(**changes)
         sim = Simulator(costs or self.costs, config, self.domains, list(self.domains))
         return {p: sim.run(lambda p=p: self.policy(p, config, costs), self.traces) for p in policies}

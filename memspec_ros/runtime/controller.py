@@ -183,6 +183,28 @@ def interval_draft(run: _Run) -> str:
     return next((it.draft for it in reversed(run.iterations) if it.draft and it.draft != LOOKUP_DRAFT), "")
 
 
+def predictor_refusal(policy: str, predictor, recent_tokens: int, interval: int) -> str:
+    """Why ``policy`` may not rank with ``predictor`` at T = ``recent_tokens`` and N = ``interval`` ("" if it may):
+    the controller refuses such a configuration, and a simulated sweep must not publish it either."""
+    if policy not in RANKING_POLICIES:
+        return ""
+    trained = getattr(predictor, "recent_tokens", None)  # a trained head's T (a PredictionEngine's)
+    if isinstance(trained, int) and trained > 0 and recent_tokens not in (0, trained):
+        # the engine cuts the window to its own T: a larger one was ignored, a smaller one gave features the
+        # head never saw in training
+        return (f"recent_tokens (T) {recent_tokens} is not the predictor's T, {trained}: it was trained on the"
+                f" last {trained} generated tokens (set {trained}, or 0 to rank on the prompt alone)")
+    horizon = getattr(predictor, "label_horizon", 0)
+    head_interval = getattr(predictor, "interval", 0)
+    if isinstance(horizon, int) and horizon > 0 and interval != head_interval:
+        # its labels name the best draft over the next intervals of ITS N: at another N it ranks for a span
+        # it was not trained on (a head of label horizon 0, the rest of the output, has no N of its own)
+        return (f"interval (N) {interval} is not the predictor's N, {head_interval}: its labels are the best draft"
+                f" over the next {horizon} interval(s) of {head_interval} iterations (set {head_interval}, or"
+                f" retrain with --interval {interval})")
+    return ""
+
+
 class RuntimeController:
     """Owns the draft cache and runs generations with the configured policy."""
 
@@ -258,22 +280,9 @@ class RuntimeController:
         return self.registry.get(name).size_bytes if name in self.registry else 0
 
     def _check_policy(self, config: RuntimeConfig) -> None:
-        trained = getattr(self.predictor, "recent_tokens", None)  # a trained head's T (a PredictionEngine's)
-        ranks = config.policy in RANKING_POLICIES
-        if ranks and isinstance(trained, int) and trained > 0 and config.recent_tokens not in (0, trained):
-            # the engine cuts the window to its own T: a larger one was ignored, a smaller one gave features the
-            # head never saw in training
-            raise ValueError(f"recent_tokens (T) {config.recent_tokens} is not the predictor's T, {trained}: it was"
-                             f" trained on the last {trained} generated tokens (set {trained}, or 0 to rank on the"
-                             " prompt alone)")
-        horizon = getattr(self.predictor, "label_horizon", 0)
-        head_interval = getattr(self.predictor, "interval", 0)
-        if ranks and isinstance(horizon, int) and horizon > 0 and config.interval != head_interval:
-            # its labels name the best draft over the next intervals of ITS N: at another N it ranks for a span
-            # it was not trained on (a head of label horizon 0, the rest of the output, has no N of its own)
-            raise ValueError(f"interval (N) {config.interval} is not the predictor's N, {head_interval}: its labels"
-                             f" are the best draft over the next {horizon} interval(s) of {head_interval} iterations"
-                             f" (set {head_interval}, or retrain with --interval {config.interval})")
+        reason = predictor_refusal(config.policy, self.predictor, config.recent_tokens, config.interval)
+        if reason:
+            raise ValueError(reason)
         make_policy(config.policy, predictor=self.predictor, oracle_for=self.oracle_for,
                     general_draft=config.general_draft, ucb_c=config.ucb_c).close()
         self.check_ranking(config.policy, self.registry)

@@ -253,11 +253,13 @@ def main() -> None:
                                  "domain_accepted": round(s, 4), "gain": None if gain is None else round(gain, 4)}
             log(f"f={f} {d}: {len(dsub)} answers, general {g:.3f} -> {d} {s:.3f}"
                 + ("" if gain is None else f" ({gain:+.1%})"))
-        gains = [v["gain"] for v in run["domains"].values() if v["gain"] is not None]
-        run["mean_domain_gain"] = round(sum(gains) / len(gains), 4)
+        gains = [v["gain"] for v in run["domains"].values()]
+        # over every domain or none: a mean over the domains whose gain is defined is another figure
+        run["mean_domain_gain"] = None if None in gains or not gains else round(sum(gains) / len(gains), 4)
         report["runs"].append(run)
+        mean_gain = "n/a" if run["mean_domain_gain"] is None else f"{run['mean_domain_gain']:+.1%}"
         log(f"f={f}: {len(sub)} answers, general accepted {run['general']['accepted_all']:.3f}, "
-            f"mean domain gain {run['mean_domain_gain']:+.1%}")
+            f"mean domain gain {mean_gain}")
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(report, indent=1))
         plot(report, a.json.with_suffix(".png"))

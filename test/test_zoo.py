@@ -472,3 +472,11 @@ def test_a_summary_over_some_of_the_drafts_takes_the_best_of_those_only():
     mine = acceptance_summary(per_prompt, ["general", "code"], ["code", "general"], 4)
     assert both["best_fixed_per_prompt"]["code"] == 4.0 and mine["best_fixed_per_prompt"]["code"] == 2.0
     assert mine["oracle_static_gain"] == 1.0  # (2 - 1) / 1 on both workloads
+    # the dynamic walks chose among all three drafts: over two of them they are no oracle of those two (a gain of
+    # 4.5 over a best-of-two 2.0 was reported as the dynamic oracle's), so none is given
+    for w in per_prompt:
+        per_prompt[w][0]["dynamic"] = 4.5
+    both = acceptance_summary(per_prompt, ["general", "code", "extra"], ["code", "general"], 4)
+    mine = acceptance_summary(per_prompt, ["general", "code"], ["code", "general"], 4)
+    assert both["oracle_dynamic_gain_by_workload"]["code"] == pytest.approx(0.125)  # 4.5 over 4.0
+    assert mine["oracle_dynamic_gain_by_workload"] == {}

@@ -168,9 +168,13 @@ def acceptance_summary(per_prompt: dict[str, list[dict]], names: list[str], work
     best_static = {w: mean(max(r["accepted_per_iteration"][d] for d in names) for r in per_prompt[w])
                    for w in workloads}
     static_gain = {w: _gain(best_static[w], matrix["general"][w]) for w in domains}
-    dyn_mixed = mean(r["dynamic"] for r in per_prompt["mixed"]) if "mixed" in per_prompt else None
+    # the records' hindsight walks chose among every draft they were made with: over fewer ``names`` they are
+    # not the dynamic oracle of those (it gained from drafts the static one was denied), so no dynamic figure then
+    walked = {d for w in workloads for r in per_prompt[w] for d in r["accepted_per_iteration"]}
+    same = walked == set(names)
+    dyn_mixed = mean(r["dynamic"] for r in per_prompt["mixed"]) if "mixed" in per_prompt and same else None
     dynamic = {w: _gain(mean(r["dynamic"] for r in per_prompt[w]), best_static[w]) for w in workloads
-               if per_prompt[w] and all("dynamic" in r for r in per_prompt[w])}
+               if same and per_prompt[w] and all("dynamic" in r for r in per_prompt[w])}
     return {
         "matrix": matrix,
         "best_fixed_per_prompt": best_static,

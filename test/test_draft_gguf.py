@@ -151,6 +151,22 @@ def test_a_target_of_another_vocabulary_is_refused(tmp_path):
         export_draft_gguf(draft_dir, target_gguf(tmp_path / "small.gguf", vocab=80), tmp_path / "draft.gguf")
 
 
+def test_draft_gguf_without_the_gguf_package_says_what_to_install(tmp_path, monkeypatch, capsys):
+    """A missing gguf ended `memspec-zoo draft-gguf` in a ModuleNotFoundError traceback from deep in the export."""
+    import importlib.util
+
+    from memspec_ros.zoo.cli import main
+
+    draft_dir = reduced_draft(tmp_path, tied=True)
+    target = target_gguf(tmp_path / "target.gguf")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"memspec-zoo draft-gguf: a GGUF file needs the 'gguf' package .*"
+                                         r"pip install -r requirements.txt"):
+        main(["draft-gguf", "--draft", str(draft_dir), "--target", str(target), "--out", str(tmp_path / "d.gguf")])
+    assert not (tmp_path / "d.gguf").exists()
+
+
 def test_an_output_that_is_one_of_the_inputs_is_refused_and_nothing_changes(tmp_path):
     """`memspec-zoo draft-gguf --out` naming the --target file replaced the 98 MB target with the draft, exit 0."""
     draft_dir = reduced_draft(tmp_path, tied=True)

@@ -100,10 +100,10 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _require(module: str, why: str) -> None:
+def require_package(module: str, why: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise GGUFConversionError(
-            f"loading a GGUF file needs the {module!r} package ({why}): pip install -r requirements.txt"
+            f"a GGUF file needs the {module!r} package ({why}): pip install -r requirements.txt"
         )
 
 
@@ -119,7 +119,7 @@ def gguf_architecture_names(arch: str) -> set[str]:
 
 def check_gguf(path: Path) -> str:
     """Read the header; return the architecture or raise with what is unsupported."""
-    _require("gguf", "to read the file")
+    require_package("gguf", "to read the file")
     import gguf
     from gguf.quants import _type_traits  # the quant types gguf can de-quantize
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
@@ -187,7 +187,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     import torch
 
     check_gguf(path)
-    _require("accelerate", "transformers needs it to load GGUF weights")
+    require_package("accelerate", "transformers needs it to load GGUF weights")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:

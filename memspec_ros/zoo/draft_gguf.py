@@ -280,11 +280,12 @@ def outside_wins(draft, token_ids: list[list[int]]) -> tuple[int, int, float]:
 
 def main_cli(a) -> int:
     """``memspec-zoo draft-gguf``."""
-    from ..runtime.model_source import source_path
+    from ..runtime.model_source import require_package, source_path
     from ..runtime.models import ModelLoadError
 
     target = a.target
     try:
+        require_package("gguf", "to read the target's tokenizer and write the draft")  # not a traceback deep inside
         target_path = source_path(target)
         out = export_draft_gguf(a.draft, target_path, a.out)
     # ValueError: a target that is no GGUF file (gguf's "GGUF magic invalid"), a bad draft_vocab.json

@@ -230,3 +230,37 @@ def test_a_run_checkpointed_before_its_horizon_was_fitted_fits_it_after_the_resu
     logs: list[str] = []
     meta = train(model, _SlowData(data.streams, {"code": 1.0}, seed=0), cfg, tmp_path / "run", log=logs.append)
     assert any("cosine horizon" in m for m in logs) and meta["total"] < TrainConfig.max_steps
+
+
+def test_files_a_resumed_build_takes_for_finished_work_are_on_disk_before_their_final_name(tmp_path, monkeypatch):
+    """Teacher shards, drafts' final folders and the datastore were renamed into place unsynced: after a power cut
+    the final name could hold an empty file, which a resumed build takes for finished work and then fails on."""
+    import os
+
+    from memspec_ros.runtime import atomic_write
+    from memspec_ros.runtime.atomic_write import publish_dir
+    from memspec_ros.runtime.datastore import Datastore
+    from memspec_ros.zoo.teacher import Answer, save_shard
+
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recorded(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(atomic_write.os, "fsync", recorded)
+    answer = Answer([1, 2], [3, 4], torch.zeros((2, 1), dtype=torch.int32), torch.zeros((2, 1), dtype=torch.float16))
+    save_shard(tmp_path / "train-00000.safetensors", [answer], {"split": "train"})
+    assert synced and ".tmp" in synced[-1]  # the temporary file, before its rename
+    Datastore([[1, 2, 3, 4]]).save(tmp_path / "datastore.safetensors")
+    assert synced[-1].endswith(".partial")
+
+    def write(folder):
+        (folder / "model.safetensors").write_bytes(b"weights")
+        (folder / "sub").mkdir()
+        (folder / "sub" / "meta.json").write_text("{}")
+
+    publish_dir(tmp_path / "final", write)
+    assert {Path(p).name for p in synced[-2:]} == {"model.safetensors", "meta.json"}
+    assert all("final.partial" in p for p in synced[-2:])

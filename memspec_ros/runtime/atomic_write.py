@@ -33,6 +33,14 @@ def written_aside(path: str | os.PathLike[str], suffix: str = ".tmp", sync: bool
         tmp.unlink(missing_ok=True)
 
 
+def synced_replace(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """``tmp``, written in full, renamed onto ``path`` once it is on disk: a resumed build takes a file under its
+    final name for finished work, and after a power cut an unsynced one could be there empty."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """``text`` into ``path`` by a rename (:func:`written_aside`, synced): a reader (the node, a resumed build) sees
     the old file or the new, never half."""
@@ -52,6 +60,10 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     write(staging)
+    for file in staging.rglob("*"):  # on disk before the rename that says the work is done (a power cut)
+        if file.is_file() and not file.is_symlink():
+            with open(file, "rb+") as f:
+                os.fsync(f.fileno())
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(staging, folder)

@@ -182,7 +182,7 @@ class Datastore:
         if clash:  # a caller's value would replace the file's own: a format load refuses, a wrong count
             raise ValueError(f"datastore metadata {', '.join(clash)} is the file's own; name it otherwise")
         # written aside and renamed: a cut rebuild must leave the datastore the node reads, not half of a new one
-        with written_aside(path, suffix=".partial") as tmp:
+        with written_aside(path, suffix=".partial", sync=True) as tmp:
             save_file({"tokens": flat.astype(dtype), "offsets": offsets}, str(tmp),
                       metadata={**own, **{k: str(v) for k, v in metadata.items()}})
 

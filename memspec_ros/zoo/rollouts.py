@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from memspec_ros.runtime.atomic_write import synced_replace
+
 IGNORE = -100
 """Label of padding positions (cross-entropy's ignore_index)."""
 
@@ -142,7 +144,7 @@ def make_rollouts(
         part.with_suffix(".json").write_text(json.dumps({"config": asdict(cfg), "summary": summary["sources"][name]}))
         partial = part.with_name(f".{part.name}.tmp")
         save_file(own, str(partial))
-        partial.replace(part)
+        synced_replace(partial, part)
         tensors.update(own)
         log(
             f"rollouts: {name} {cfg.sequences_per_source} sequences, full-forward labels agree"
@@ -154,7 +156,7 @@ def make_rollouts(
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     partial = out.with_name(f".{out.name}.tmp")
     save_file(tensors, str(partial))
-    partial.replace(out)
+    synced_replace(partial, out)
     shutil.rmtree(parts)
     return summary
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.runtime.atomic_write import synced_replace
 from memspec_ros.runtime.chat import end_token_ids, prompt_ids
 
 
@@ -117,7 +118,7 @@ def save_shard(path: Path, answers: list[Answer], meta: dict) -> None:
     }
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)})
-    tmp.replace(path)
+    synced_replace(tmp, path)  # its existence marks the chunk answered
 
 
 def load_shard(path: Path) -> list[Answer]:

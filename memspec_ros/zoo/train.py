@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from memspec_ros.runtime.atomic_write import write_text_atomic
+from memspec_ros.runtime.atomic_write import synced_replace, write_text_atomic
 
 from .rollouts import RolloutStreams, topk_kl
 
@@ -141,7 +141,7 @@ def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, t
     text = json.dumps(meta, indent=1)
     tmp = path / "state.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"meta": text})
-    tmp.replace(path / "state.safetensors")
+    synced_replace(tmp, path / "state.safetensors")
     write_text_atomic(path / "meta.json", text)
 
 

@@ -639,6 +639,14 @@ def test_a_stage_run_before_its_inputs_says_what_to_run_and_bad_predictor_settin
     with pytest.raises(SystemExit, match="comes from the vocab stage; run it"):  # was a FileNotFoundError traceback
         main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--stages", "general",
               "--target", str(tiny_target[0])])
+    # an --out or --work-dir that cannot be written: said before any stage, not a traceback at export
+    (tmp_path / "file").write_text("not a folder")
+    for flag in ("--out", "--work-dir"):
+        paths = {"--work-dir": str(tmp_path / "w"), "--out": str(tmp_path / "o"), flag: str(tmp_path / "file")}
+        with pytest.raises(SystemExit, match=f"memspec-zoo build: {flag} .*file is a file; name a folder"):
+            main(["build", *[x for kv in paths.items() for x in kv], "--stages", "export",
+                  "--target", str(tiny_target[0])])
+    assert (tmp_path / "file").read_text() == "not a folder"
     for bad in (["--heldout-fraction", "1"], ["--heldout-fraction", "0"], ["--max-prompts", "-1"]):
         with pytest.raises(SystemExit) as exit_info:  # every prompt held out trained a head on nothing
             predictor_training.main([*bad, "--out", str(tmp_path / "p")])

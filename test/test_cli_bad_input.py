@@ -470,7 +470,9 @@ def test_the_gptq_command_names_a_missing_zoo_and_bounds_its_counts(tmp_path, mo
         main(["gptq", "quantize", "--models", str(tmp_path / "nowhere")])
     for argv, flag in ((["report", "--json", "r.json", "--gamma", "9"], "--gamma"),
                        (["quantize", "--requests", "0"], "--requests"), (["quantize", "--bits", "5"], "--bits"),
-                       (["report", "--json", "r.json", "--max-new-tokens", "0"], "--max-new-tokens")):
+                       (["report", "--json", "r.json", "--max-new-tokens", "0"], "--max-new-tokens"),
+                       # a folder as the report: refused before the quantization, not after it and the report
+                       (["report", "--json", str(tmp_path)], "--json")):
         with pytest.raises(SystemExit) as exit_info:
             main(["gptq", *argv])
         assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

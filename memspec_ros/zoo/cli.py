@@ -157,8 +157,16 @@ def _run_chat_build(a) -> int:
                              batch_size=a.train_batch, lr=a.domain_lr),
         general_domains=a.general_domains,
     )
+    from ..argtypes import unwritable
     from ..runtime.models import ModelLoadError
 
+    # export and datastore write --out, the other stages --work-dir: a file there, or a folder this user cannot
+    # write, failed at that stage in a NotADirectoryError/PermissionError traceback (after hours of stages)
+    for flag, folder in (("--work-dir", cfg.work_dir), ("--out", cfg.out_dir)):
+        blocked = "" if not folder.exists() or folder.is_dir() else f"{folder} is a file"
+        blocked = blocked or (f"{unwritable(folder)} cannot be written to" if unwritable(folder) else "")
+        if blocked:
+            raise SystemExit(f"memspec-zoo build: {flag} {folder}: {blocked}; name a folder this user can write")
     try:
         ChatZooBuild(cfg).run(a.stages)
     except (ValueError, FileNotFoundError, ModelLoadError) as exc:  # a stage run before its inputs says which

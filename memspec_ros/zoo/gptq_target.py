@@ -54,7 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..argtypes import controller_limit, positive_int
+from ..argtypes import controller_limit, output_file, positive_int
 from .corpora import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -418,7 +418,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         # GGUF's that the build's answers record
         p.add_argument("--target-digest", default=None, help=argparse.SUPPRESS)
         if name == "report":
-            p.add_argument("--json", required=True)
+            p.add_argument("--json", required=True, type=output_file)  # checked before the quantization's minutes
             p.add_argument("--draft", default=None, help="default: <models>/drafts/general")
             p.add_argument("--ppl-per-workload", type=positive_int, default=25)
             p.add_argument("--speed-per-workload", type=positive_int, default=2)
@@ -463,8 +463,10 @@ def run(a: argparse.Namespace) -> int:
         draft = (Path(a.draft) if a.draft else models / "drafts" / "general").resolve()
         result = report(target, out, draft, models, answers, a.ppl_per_workload, a.speed_per_workload,
                         a.max_new_tokens, a.gamma, a.threads, digest)
+        from memspec_ros.runtime.atomic_write import write_text_atomic
+
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_text_atomic(a.json, json.dumps(result, indent=1) + "\n")  # a cut write left half a committed report
         print(json.dumps({n: {k: m[k] for k in ("perplexity", "decode_tok_s_1thread", "outputs_identical")}
                           for n, m in result["models"].items()}, indent=1))
         print(f"report: {a.json}")

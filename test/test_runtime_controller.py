@@ -848,6 +848,28 @@ def test_a_draft_evicted_before_its_entry_changed_is_loaded_at_its_new_size(targ
         ctl.close()
 
 
+def test_a_draft_loaded_from_a_path_its_entry_no_longer_names_leaves_the_cache(target, drafts):
+    """The loader reads an entry's path when its load starts: a path changed and changed back within one interval
+    while the load ran left the other path's model resident, since the sync compared the entries alone (A with A)."""
+    registry = DraftRegistry([DraftEntry("code", "/virtual/code", "code", 1000)], validate=False)
+
+    def loader(name: str) -> LoadedModel:  # what a load that read the entry while it named v2 returns
+        loaded = LoadedModel(drafts["code"], ModelSpec("/virtual/code-v2"), 1000, 64, 512)
+        loaded.source = "/virtual/code-v2"
+        return loaded
+
+    ctl = RuntimeController(RuntimeConfig(policy="general-static", general_draft="code", capacity=1), target, None,
+                            registry, loader=loader, eos_token_ids=[])
+    try:
+        ctl.cache.request("code")
+        ctl.cache.drain()
+        assert ctl.cache.resident() == ["code"]
+        ctl._sync_registry("")  # the entry itself is as the last sync saw it
+        assert ctl.cache.resident() == []
+    finally:
+        ctl.close()
+
+
 def test_a_goal_the_prefill_ends_waits_for_no_draft(target, drafts):
     """max_new_tokens 1 (a behaviour tree's yes/no): the prefill's token is the whole answer, so no draft is chosen,
     loaded or waited for on a cold cache; the answer is the target's."""

@@ -619,7 +619,13 @@ class RuntimeController:
         # every changed name, resident or not: remove() drops a resident or loading model and forgets what the cache
         # knew of the name (its measured size, its score); a snapshot of the resident and loading ones (two lock
         # takes) missed a load landing between them, and an evicted draft kept its old files' measured size
-        gone = [n for n in {*before, *registered} if changed(n)]
+        def stale(name: str) -> bool:  # read from another path than its entry names now: a path changed and changed
+            # back within one interval while its load ran (the loader reads the entry when it starts)
+            model = self.cache.peek(name)
+            return name in registered and model is not None and bool(model.source) and \
+                model.source != registered[name].path
+
+        gone = [n for n in {*before, *registered} if changed(n) or stale(n)]
         for name in gone:
             self.cache.remove(name)
         # a failure was about the files of the entry that failed: a draft given other files (or removed) may be

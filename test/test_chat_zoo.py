@@ -724,6 +724,29 @@ def test_a_failed_export_leaves_the_zoo_as_it_was(tiny_build, tmp_path, monkeypa
     assert not (out / ".export-partial").exists() and (out / "drafts" / "math" / "model.safetensors").is_file()
 
 
+def test_an_export_that_replaces_the_drafts_sets_aside_what_the_old_ones_made(tiny_build, tmp_path, capsys):
+    """Export replaced the drafts and left the predictor trained on the old ones beside them: the node loads
+    <zoo>/predictor on its own, so it ranked the new drafts with a head made for others under the same names (and
+    the acceptance report and card described the old drafts). Moved aside (kept), with the commands that remake
+    them; an export that leaves the drafts as they were moves nothing."""
+    out = tmp_path / "zoo"
+    shutil.copytree(tiny_build.out_dir, out)
+    (out / "predictor" / "target-hidden").mkdir(parents=True)
+    (out / "predictor" / "target-hidden" / "head.safetensors").write_bytes(b"a head")
+    (out / "acceptance.json").write_text("{}")
+    ChatZooBuild(replace(tiny_build, out_dir=out)).run(["export"])  # the same drafts again
+    assert (out / "predictor" / "target-hidden" / "head.safetensors").is_file() and (out / "acceptance.json").is_file()
+    (out / "drafts" / "code" / "model.safetensors").write_bytes(b"other weights")  # drafts that export replaces
+    capsys.readouterr()
+    ChatZooBuild(replace(tiny_build, out_dir=out)).run(["export"])
+    assert not (out / "predictor").exists() and not (out / "acceptance.json").exists()
+    aside = out / "previous-drafts"
+    assert (aside / "predictor" / "target-hidden" / "head.safetensors").read_bytes() == b"a head"
+    assert (aside / "acceptance.json").read_text() == "{}"
+    said = capsys.readouterr().out
+    assert "moved to" in said and "memspec-train-predictor --registry" in said and "memspec-zoo card" in said
+
+
 def test_the_validation_split_keeps_each_answer_on_its_side_when_more_are_answered():
     """A shuffle of the whole answer list put other answers in validation when the build answered more requests:
     domain drafts rebuilt on more answers were validated on answers `general` had trained on. The side of an answer

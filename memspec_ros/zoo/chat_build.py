@@ -173,6 +173,41 @@ def general_domains(wanted: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return wanted
 
 
+def _drafts_digest(zoo: Path) -> str | None:
+    """The drafts' weights in a zoo folder, by content (None: no drafts there)."""
+    from memspec_ros.runtime.model_source import cached_digest
+
+    files = sorted((zoo / "drafts").glob("*/model.safetensors")) if (zoo / "drafts").is_dir() else []
+    if not files:
+        return None
+    return hashlib.sha256("\n".join(f"{f.parent.name}:{cached_digest(f)}" for f in files).encode()).hexdigest()
+
+
+# what was made from a zoo's drafts: the node loads <zoo>/predictor on its own, so one trained on the drafts replaced
+# by an export (same names, other weights) ranked them silently; the reports describe the old drafts
+MADE_FROM_DRAFTS = ("predictor", "acceptance.json", "acceptance.png", "MODEL_CARD.md")
+
+
+def _set_aside_what_the_old_drafts_made(zoo: Path) -> None:
+    """Move what the replaced drafts made into ``<zoo>/previous-drafts/`` (kept) and say what remakes it."""
+    found = [name for name in MADE_FROM_DRAFTS if (zoo / name).exists()]
+    if not found:
+        return
+    aside = zoo / "previous-drafts"
+    aside.mkdir(exist_ok=True)
+    for name in found:
+        dest = aside / name
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        elif dest.exists():
+            dest.unlink()
+        os.replace(zoo / name, dest)
+    _log(f"export: the drafts changed, so {', '.join(found)} (made from the previous ones) moved to {aside}; remake"
+         f" them: memspec-train-predictor --registry {zoo / 'registry.yaml'} --answers {zoo / 'datastore.safetensors'};"
+         f" memspec-zoo acceptance --models {zoo} --json {zoo / 'acceptance.json'} --plot {zoo / 'acceptance.png'};"
+         f" memspec-zoo card --models {zoo}")
+
+
 class ChatZooBuild:
     def __init__(self, cfg: ChatBuildConfig) -> None:
         self.cfg = cfg
@@ -453,6 +488,7 @@ class ChatZooBuild:
         shutil.copytree(self.workload_dir, staging / "workloads")
         (staging / "build_config.json").write_text(json.dumps(asdict(self.cfg), indent=1, default=str))
         moves = [Path("drafts") / name for name in DOMAINS] + [Path("workloads"), Path("build_config.json")]
+        before = _drafts_digest(out)
         for rel in moves:
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -463,6 +499,8 @@ class ChatZooBuild:
         target = str(self.cfg.target)  # the registry reads a path from its own folder: a relative one is made absolute
         write_registry(out, target=target if target.startswith(PKG_PREFIX) else str(Path(target).resolve()))
         _log(f"export: drafts, workloads and registry.yaml in {out}")
+        if before is not None and before != _drafts_digest(out):
+            _set_aside_what_the_old_drafts_made(out)
 
     def datastore(self) -> None:
         from memspec_ros.runtime.datastore import Datastore

@@ -360,6 +360,30 @@ def test_the_datastore_withholds_answers_to_requests_a_held_out_one_asks(tiny_ta
     assert [a.answer_ids for a in paired] == kept
 
 
+def test_the_toy_build_never_exports_over_another_zoo(tmp_path, monkeypatch):
+    """build-toy's --out defaulted to models/, the bundled real-target zoo, which its export replaced draft by draft
+    (a crash midway left the chat registry naming drafts that were gone). Its default is its own folder now, and an
+    --out holding another zoo is refused before any stage runs."""
+    import argparse
+
+    from memspec_ros.zoo import build, cli
+    from memspec_ros.zoo.cli import main
+
+    parser = argparse.ArgumentParser()
+    cli._build_parser(parser.add_subparsers(dest="cmd"))
+    assert parser.parse_args(["build-toy"]).out == "artifacts/toy-zoo" == str(build.BuildConfig().out_dir)
+    monkeypatch.setattr(build.ZooBuild, "run", lambda *a, **k: pytest.fail("a stage ran"))
+    zoo = tmp_path / "zoo"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "models", zoo, ignore=shutil.ignore_patterns("drafts"))
+    before = sorted(p.relative_to(zoo) for p in zoo.rglob("*"))
+    with pytest.raises(SystemExit, match=r"--out .*zoo holds another zoo .*give an empty or new folder"):
+        main(["build-toy", "--work-dir", str(tmp_path / "w"), "--out", str(zoo)])
+    assert sorted(p.relative_to(zoo) for p in zoo.rglob("*")) == before
+    (zoo / build.TOY_MARKER).write_text("")  # an earlier toy export: replaced as before
+    with pytest.raises(pytest.fail.Exception, match="a stage ran"):
+        main(["build-toy", "--work-dir", str(tmp_path / "w"), "--out", str(zoo)])
+
+
 @pytest.mark.parametrize("command", ["build", "build-toy"])
 def test_a_device_or_stage_list_the_build_cannot_use_is_refused_before_any_work(command, tmp_path, monkeypatch,
                                                                                 capsys):

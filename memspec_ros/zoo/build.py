@@ -48,10 +48,13 @@ STAGES = ("corpora", "tokenizer", "encode", "workloads", "target", "general", "r
           "domains", "export")
 
 
+TOY_MARKER = ".toy-zoo"  # in a folder build-toy exported: the only zoo a toy export may replace
+
+
 @dataclass
 class BuildConfig:
     work_dir: Path = Path("artifacts/zoo-build")
-    out_dir: Path = Path("models")
+    out_dir: Path = Path("artifacts/toy-zoo")  # not models/: the bundled real-target zoo
     device: str = "cpu"
     threads: int = 2
     seed: int = 0
@@ -376,6 +379,7 @@ class ZooBuild:
                 shutil.rmtree(out / "workloads")
             shutil.copytree(self.w / "workloads", out / "workloads")
         write_registry(out)
+        (out / TOY_MARKER).write_text("a zoo memspec-zoo build-toy exported: a later toy export may replace it\n")
 
     def _check_settings(self) -> None:
         """Every stage is reused by its files alone: a rerun with another recipe, seed or budget logged "cached" for

@@ -41,7 +41,8 @@ def _build_parser(sub) -> None:
     )
     p.add_argument("--stages", type=name_list, default=",".join(STAGES), help=f"comma list out of {','.join(STAGES)}")
     p.add_argument("--work-dir", default="artifacts/zoo-build")
-    p.add_argument("--out", default="models")
+    # not models/: that holds the bundled real-target zoo, which a toy export overwrote draft by draft
+    p.add_argument("--out", default="artifacts/toy-zoo")
     p.add_argument("--device", type=torch_device, default="cpu", help="cpu or cuda (a larger/longer zoo on a GPU)")
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -204,6 +205,13 @@ def _run_build(a) -> int:
     cfg.draft_recipe = a.draft_recipe
     cfg.target_arch = _resized(cfg.target_arch, a.target_hidden, a.target_layers)
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
+    from .build import TOY_MARKER
+
+    out = Path(a.out)
+    if "export" in a.stages and (out / "registry.yaml").exists() and not (out / TOY_MARKER).exists():
+        # checked before the hours of training: the toy export replaces drafts and registry in place
+        raise SystemExit(f"memspec-zoo build-toy: --out {out} holds another zoo (registry.yaml, no {TOY_MARKER}),"
+                         " which the toy export would overwrite: give an empty or new folder")
     try:
         build = ZooBuild(cfg)  # checks the configuration before any work
         build.run(a.stages)

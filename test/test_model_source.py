@@ -325,6 +325,13 @@ def test_a_conversion_is_cached_per_transformers_version(monkeypatch):
     assert model_source.conversion_key("ab" * 32) == key and model_source.conversion_key("cd" * 32) != key
     monkeypatch.setattr(transformers, "__version__", "0.0.1")
     assert model_source.conversion_key("ab" * 32) != key
+    monkeypatch.undo()
+    # nor one gguf (which de-quantizes the weights) of another release made: the cache serves every environment
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == "gguf" else real(name))
+    assert model_source.conversion_key("ab" * 32) != key
 
 
 def test_a_file_that_changes_during_its_conversion_is_not_cached_under_the_old_digest(tmp_path, monkeypatch):

@@ -176,10 +176,18 @@ def load_gguf_tokenizer(path: Path):
 
 
 def conversion_key(digest: str) -> str:
-    """The cache folder name of a GGUF file's conversion: its digest, transformers' version and the converter's."""
+    """The cache folder name of a GGUF file's conversion: its digest, the versions of transformers and of gguf (which
+    de-quantizes the weights), and the converter's. The cache is shared by every environment of the user."""
+    import importlib.metadata
+
     import transformers
 
-    return hashlib.sha256(f"{digest}:{transformers.__version__}:{CONVERTER_VERSION}".encode()).hexdigest()[:24]
+    try:
+        gguf_version = importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:  # no conversion without it (require_package says so)
+        gguf_version = "none"
+    text = f"{digest}:{transformers.__version__}:{gguf_version}:{CONVERTER_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def convert_gguf(path: Path, out_dir: Path) -> None:

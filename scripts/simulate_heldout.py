@@ -82,17 +82,22 @@ def held_out_traces(models, answers, per_workload: int) -> list[PromptTrace]:
 def previous_interval_choices(agreement: dict[str, list[bool]], gamma: int, interval: int,
                               start: str) -> tuple[list[tuple[int, str]], list[int]]:
     """(each interval's start position and draft, accepted per iteration) when each interval runs the draft that
-    would have accepted most over the previous one, known in full for every draft (no costs, no residency). Each
-    draft is scored on the previous interval's tokens only (its agreement cut at the current position): the
-    tokens after it are not generated yet."""
+    would have accepted most per iteration over the previous interval's tokens, known in full for every draft (no
+    costs, no residency). Each draft walks those tokens only (its agreement cut at the current position: the tokens
+    after it are not generated yet), as many iterations as it needs; its score is its mean accepted per iteration
+    there (the tokens it covers would not do: cut at the position, every draft covers at most what the running one
+    did, so the rule never left its start)."""
     from memspec_ros.zoo.acceptance import interval_walk
+
+    def past_rate(draft: str, previous: int, position: int) -> float:
+        _, got = interval_walk(agreement[draft][:position], previous, gamma, position)
+        return sum(got) / len(got) if got else 0.0
 
     length = len(next(iter(agreement.values())))
     position, accepted, previous, current, choices = 1, [], None, start, []
     while position < length:
         if previous is not None:  # ties keep the running draft
-            current = max(agreement, key=lambda d: (interval_walk(agreement[d][:position], previous, gamma,
-                                                                  interval)[0], d == current))
+            current = max(agreement, key=lambda d: (past_rate(d, previous, position), d == current))
         choices.append((position, current))
         advance, got = interval_walk(agreement[current], position, gamma, interval)
         if not got:
@@ -128,18 +133,19 @@ def hindsight(traces: list[PromptTrace], gamma: int, interval: int) -> dict:
     return {w: {k: round(fmean(v), 4) for k, v in r.items()} for w, r in rows.items()}
 
 
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def summary(totals: dict, policies: list[str], workloads: list[str]) -> dict:
     """Per workload (bench.figures.simulated_table) and GMEAN over the domain workloads: both metrics, the ratios."""
     domains = domain_workloads(workloads)
     table = simulated_table(totals)
     geo = {p: gmean([table[w][p]["tokens_per_second"] for w in domains]) for p in policies}
     geo_e2e = {p: gmean([table[w][p]["end_to_end_tokens_per_second"] for w in domains]) for p in policies}
-    def rounded(value: float | None) -> float | None:
-        return None if value is None else round(value, 4)
-
     # figures.ratio: None over a zero rate (a workload at 0 tok/s raised ZeroDivisionError after the whole replay)
-    ratios = {f"{mine}_vs_{p}": {"paper_metric": rounded(ratio(geo[mine], geo[p])),
-                                 "end_to_end": rounded(ratio(geo_e2e[mine], geo_e2e[p]))}
+    ratios = {f"{mine}_vs_{p}": {"paper_metric": _rounded(ratio(geo[mine], geo[p])),
+                                 "end_to_end": _rounded(ratio(geo_e2e[mine], geo_e2e[p]))}
               for mine in ("memspec", COST_AWARE) for p in policies if p != mine}
     per_workload = {mine: [ratio(table[w][mine]["tokens_per_second"], table[w]["mab-async"]["tokens_per_second"])
                            for w in domains] for mine in ("memspec", COST_AWARE)}
@@ -147,7 +153,7 @@ def summary(totals: dict, policies: list[str], workloads: list[str]) -> dict:
     return {"workloads": table, "gmean_over": domains,
             "gmean_tokens_per_second": {p: round(v, 3) for p, v in geo.items()},
             "gmean_end_to_end_tokens_per_second": {p: round(v, 3) for p, v in geo_e2e.items()},
-            "ratios": ratios, "worst_workload_vs_mab_async": {k: rounded(v) for k, v in worst.items()}}
+            "ratios": ratios, "worst_workload_vs_mab_async": {k: _rounded(v) for k, v in worst.items()}}
 
 
 def replay(bench: BenchRun, policies: list[str], workloads: list[str]) -> tuple[dict, dict]:
@@ -229,6 +235,9 @@ def main() -> None:
         bench = BenchRun(result={}, cfg=bench_cfg, traces=traces, costs=costs, schedule_costs=schedule,
                          predictor=replay_predictor(predictor, traces), domains=domains,
                          registry=models.registry, runs=[])
+        refused = bench.refusal(POLICIES)  # a head trained for another N or T: no node runs it at the run's
+        if refused:
+            raise SystemExit(f"{run_dir} with {predictor_dir}: the controller refuses {refused}")
         t1 = time.time()
         totals, shares = replay(bench, list(POLICIES), workloads)
         entry = summary(totals, list(POLICIES), workloads)
@@ -236,8 +245,8 @@ def main() -> None:
         entry["costs_from"] = {"run": run_dir, "target_path": cfg.get("quantization") or "none",
                                "draft_path": cfg.get("draft_quantization") or "none", "medium": costs.medium,
                                "iteration_seconds": schedule.iteration_seconds,
-                               "load_in_iterations": round(
-                                   load_to_iteration(costs.load_seconds, schedule.iteration_seconds) or 0.0, 3)}
+                               "load_in_iterations": _rounded(
+                                   load_to_iteration(costs.load_seconds, schedule.iteration_seconds), 3)}
         entry["simulation_seconds"] = round(time.time() - t1, 1)
         entry["predictor"] = predictor_dir
         key = run_dir if len(predictors) == 1 else f"{run_dir} with {predictor_dir}"

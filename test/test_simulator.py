@@ -223,6 +223,9 @@ def test_a_policy_the_costs_never_timed_is_not_replayed_for_free(models, traces)
     assert decisions(charged) == decisions(free)  # the same run, its work charged
     points = charged.predictions - 1  # the first choice is the setup's
     assert charged.end_to_end_seconds == pytest.approx(free.end_to_end_seconds + 0.2 + 0.05 * points)
+    # timed, but no run reached a scheduling point (short answers): its setup was measured, its points cost nothing
+    costs.point_seconds = {}
+    Simulator(costs, config, DOMAINS, list(drafts)).generate(make_policy("mab-async"), traces[0])
 
 
 def test_blocking_loads_are_charged_as_load_wait_and_slower_media_never_help(models, traces):

@@ -240,17 +240,19 @@ class CostModel:
         this one raises: replayed at no cost, an untimed policy (mab-sync beside a timed mab-async running the same
         UCB code) was flattered by what the others paid. A model that measured none charges none (a sweep over
         hand-made costs)."""
-        measured = self.point_seconds or self.setup_seconds
-        if measured and (policy not in self.point_seconds or policy not in self.setup_seconds):
-            raise ValueError(f"the cost model measured no scheduling-point or setup work for policy {policy!r}"
-                             f" (only {', '.join(sorted(self.point_seconds))}): time it in the runs the model is"
-                             " fitted to, or stand a timed policy in for it (CostModel.standing_in)")
+        # timed: a generation of it was measured (its setup always is; its points only where a run reached one, so
+        # a timed policy without a point measured charges none)
+        if (self.setup_seconds or self.point_seconds) and policy not in self.setup_seconds:
+            raise ValueError(f"the cost model measured no scheduling-point or setup work for policy {policy!r} (it"
+                             f" timed {', '.join(sorted(self.setup_seconds)) or 'none'}): time it in the runs the model"
+                             " is fitted to, or stand a timed policy in for it (CostModel.standing_in)")
         return self.point_seconds.get(policy, 0.0), self.setup_seconds.get(policy, 0.0)
 
     def standing_in(self, policy: str, timed: str) -> CostModel:
         """This model with ``timed``'s measured scheduling-point and setup work charged to ``policy`` as well (a
         policy the runs did not time that does the same work at its points)."""
-        return CostModel(**{**asdict(self), "point_seconds": {**self.point_seconds, policy: self.point_seconds[timed]},
+        point = {policy: self.point_seconds[timed]} if timed in self.point_seconds else {}
+        return CostModel(**{**asdict(self), "point_seconds": {**self.point_seconds, **point},
                             "setup_seconds": {**self.setup_seconds, policy: self.setup_seconds[timed]}})
 
     def with_loads(self, load_seconds: Mapping[str, float], medium: str) -> CostModel:

@@ -29,9 +29,13 @@ def fake_loader(delay=0.0, fail=(), sizes=SIZES, jitter=None):
     return load
 
 
-def gated_loader(gate: threading.Event, delay: float = 0.0):
-    """fake_loader's loads, each held until ``gate`` is set (then ``delay`` s more): a load kept in flight."""
+def gated_loader(gate: threading.Event, delay: float = 0.0, started: threading.Event | None = None):
+    """fake_loader's loads, each held until ``gate`` is set (then ``delay`` s more): a load kept in flight. ``started``
+    is set when a load begins: a test that acts on a load in flight waits for it (one still queued behind another is
+    cancelled instead, another path)."""
     def load(name: str) -> LoadedModel:
+        if started is not None:
+            started.set()
         gate.wait(5)
         time.sleep(delay)
         return fake_loader()(name)
@@ -216,16 +220,18 @@ def test_a_draft_whose_estimate_is_over_the_budget_is_loaded_and_kept_if_it_fits
     loaded, so its real size was never learnt, and the node ran the target alone for good. Over the budget, an
     estimate reserves the whole budget and the load measures it; a measured size over the budget is refused up
     front, without a load."""
-    loads = []
-    real = {"code": 80, "law": 400}
+    loads, gate = [], threading.Event()
+    real = {"code": 80, "law": 400, "math": 25, "medical": 50, "a": 30, "b": 30}
 
     def loader(name):
         loads.append(name)
+        gate.wait(5)
         return fake_loader(sizes=real)(name)
 
     cache = DraftCacheManager(2, loader, budget_bytes=100, size_of=lambda name: 300)
     cache.update(["code"])
-    assert cache.snapshot().bytes_reserved == 100  # the whole budget while it loads
+    assert cache.snapshot().bytes_reserved == 100  # the whole budget while it loads (held until measured)
+    gate.set()
     cache.drain()
     assert cache.resident() == ["code"] and cache.failed() == {}
     assert cache.snapshot().bytes_reserved == cache.snapshot().bytes_resident == 80  # its real size from then on
@@ -237,6 +243,23 @@ def test_a_draft_whose_estimate_is_over_the_budget_is_loaded_and_kept_if_it_fits
     cache.drain()
     assert isinstance(cache.failed()["law"], DraftTooLargeError) and "needs 400 B" in str(cache.failed()["law"])
     assert loads.count("law") == 1
+    cache.close()
+    # drafts that may not be evicted (the active one, the working set) hold part of the budget: an estimate-only
+    # draft reserves the room left and is measured (it was skipped at every point, never measured, never tried)
+    cache = DraftCacheManager(3, loader, budget_bytes=100, size_of=lambda name: 30 if name in ("a", "b") else 400)
+    cache.update({"a": 3, "b": 2}, active="a")
+    cache.drain()
+    cache.set_active("a")
+    cache.update({"math": 3, "a": 2, "b": 1}, active="a")  # K = 3: all three are W, none may go
+    cache.drain()
+    assert sorted(cache.resident()) == ["a", "b", "math"] and cache.snapshot().bytes_reserved == 30 + 30 + 25
+    # larger than that room: dropped (not failed) and loaded at its measured size when there is room for it
+    cache.update({"medical": 3, "a": 2, "b": 1}, active="a")
+    cache.drain()
+    assert "medical" not in cache.resident() and not cache.failed() and loads.count("medical") == 1
+    cache.update({"medical": 3, "a": 2, "b": 1}, active="a")  # measured: 50 B do not fit beside a, b: skipped
+    cache.drain()
+    assert loads.count("medical") == 1
     cache.close()
 
 
@@ -365,10 +388,10 @@ def test_a_removed_draft_that_was_not_resident_leaves_no_measured_size_behind():
     cache.close()
 
 
-@pytest.mark.parametrize("how", ["remove", "shrink", "fail"])
+@pytest.mark.parametrize("how", ["remove", "shrink", "fail", "reset"])
 def test_a_queued_load_no_longer_wanted_never_runs(how):
-    """A load removed (its entry changed), shrunk out (K lowered) or failed while still queued behind another ran in
-    full on the one loader thread, holding its slot and bytes, before the load wanted next could start."""
+    """A load removed (its entry changed), shrunk out (K lowered), failed or reset while still queued behind another
+    ran in full on the one loader thread, holding its slot and bytes, before the load wanted next could start."""
     gate, loads = threading.Event(), []
 
     def load(name: str) -> LoadedModel:
@@ -384,32 +407,68 @@ def test_a_queued_load_no_longer_wanted_never_runs(how):
         cache.remove("b")
     elif how == "shrink":
         cache.reconfigure(capacity=1)  # b scores lower: it goes
-    else:
+    elif how == "fail":
         cache.fail("b", RuntimeError("taken out of service"))
+    else:  # it waits for the load that runs, and empties the cache
+        threading.Thread(target=lambda: (time.sleep(0.1), gate.set()), daemon=True).start()
+        cache.reset()
+        assert cache.snapshot().loading == [] and loads == ["a"]
+        cache.update(["a"])  # (a was emptied with the rest)
     assert "b" not in cache.snapshot().loading
     gate.set()
     cache.drain()
-    assert loads == ["a"] and cache.resident() == ["a"]
-    if how != "fail":  # the name loads again when asked (a failed one after its back-off)
+    assert loads == ["a"] * (2 if how == "reset" else 1) and cache.resident() == ["a"]
+    if how not in ("fail", "reset"):  # the name loads again when asked (a failed one after its back-off)
         assert cache.request("b")
         cache.drain()
         assert loads == ["a", "b"]
     cache.close()
 
 
+def test_files_replaced_in_place_under_an_evicted_draft_are_measured_anew(tmp_path):
+    """evict_changed forgot the measured size of resident drafts only: a draft evicted earlier whose files were
+    replaced in place (a re-export under the same names, the registry entry unchanged) kept the old files' size,
+    and was refused up front on it."""
+    folders = {n: tmp_path / n for n in ("code", "general")}
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 10)
+    sizes = {"code": 900, "general": 100}
+
+    def loader(name):
+        return LoadedModel(torch.nn.Linear(1, 1), ModelSpec(str(folders[name])), sizes[name], 64, 512)
+
+    cache = DraftCacheManager(1, loader, budget_bytes=1000)
+    cache.request("code")
+    cache.drain()
+    cache.request("general")  # K = 1: code is evicted, its 900 B remembered
+    cache.drain()
+    cache.reconfigure(budget_bytes=500)
+    (folders["code"] / "model.safetensors").write_bytes(b"y" * 20)  # a smaller draft's files, in place
+    sizes["code"] = 100
+    assert cache.evict_changed() == []  # nothing resident changed
+    cache.request("code")
+    cache.drain()
+    assert cache.resident() == ["code"] and not cache.failed()
+    cache.close()
+
+
 def test_the_load_of_a_draft_removed_while_it_runs_is_not_a_load_failure():
     """The registry loader looks the name up on the loader thread: a draft removed while its load waited failed
     there, and was counted and logged as a load failure (a WARNING for a deliberate removal)."""
-    gate, names = threading.Event(), {"a", "b"}
+    gate, started, names = threading.Event(), threading.Event(), {"a", "b"}
 
     def load(name: str) -> LoadedModel:
-        gate.wait(5)
+        if name == "b":
+            started.set()
+            gate.wait(5)
         if name not in names:
             raise KeyError(f"unknown draft {name!r}")
         return fake_loader()(name)
 
     cache = DraftCacheManager(2, load)
-    cache.update(["a", "b"])
+    cache.update(["b", "a"])
+    assert started.wait(5)  # b's load runs (a queued one would be cancelled, never reaching the loader)
     names.discard("b")
     cache.remove("b")
     gate.set()
@@ -559,9 +618,10 @@ def test_a_draft_removed_and_wanted_again_while_its_load_runs_is_not_lost():
     """remove() while the draft loads drops that load; a registry that adds the draft back before the load ends
     gets it loaded anew (its entry may name other files now): update() keeps it in W and it becomes resident, and
     a blocking wait_for() returns it. The dropped load counts toward K until it ends."""
-    gate = threading.Event()
-    cache = DraftCacheManager(2, gated_loader(gate), size_of=SIZES.get)
+    gate, started = threading.Event(), threading.Event()
+    cache = DraftCacheManager(2, gated_loader(gate, started=started), size_of=SIZES.get)
     cache.update(["math"])
+    assert started.wait(5)
     cache.remove("math")
     assert cache.update(["math", "code"]) == ["math", "code"]
     assert cache.loading() == ["math"]  # anew; code waits for the dropped load's room
@@ -571,7 +631,9 @@ def test_a_draft_removed_and_wanted_again_while_its_load_runs_is_not_lost():
     cache.drain()
     assert sorted(cache.resident()) == ["code", "math"]
     gate.clear()
+    started.clear()
     cache.update(["law", "code"])  # evicts math, starts law
+    assert started.wait(5)
     cache.remove("law")
     waiter = threading.Thread(target=lambda: gate.set() if not time.sleep(0.05) else None)
     waiter.start()
@@ -585,17 +647,19 @@ def test_a_replaced_entry_never_gets_the_old_files_model():
     """The registry replaced a draft's entry (other files, same name) while the old entry's load was in flight:
     remove() only marked that load for dropping, the next update() took the mark back, and the old files' model
     became resident under the new entry."""
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     paths = {"a": "/drafts/old_a"}
 
     def gated(name):
         path = paths[name]  # what the registry names when the load starts
         if path.endswith("old_a"):
+            started.set()
             gate.wait(5)
         return LoadedModel(torch.nn.Linear(1, 1), ModelSpec(path), 100, 64, 512)
 
     cache = DraftCacheManager(2, gated, size_of=lambda name: 100)
     cache.update(["a"])
+    assert started.wait(5)
     cache.remove("a")
     paths["a"] = "/drafts/new_a"
     cache.update(["a"])
@@ -608,9 +672,10 @@ def test_a_replaced_entry_never_gets_the_old_files_model():
 def test_a_draft_that_fails_in_use_while_it_reloads_stays_failed():
     """fail() during a reload of the same draft: the failure was not recorded (the reload held the name), so the
     next update() kept the reload and the draft that had just failed became resident with no back-off."""
-    gate = threading.Event()
-    cache = DraftCacheManager(2, gated_loader(gate), size_of=SIZES.get)
+    gate, started = threading.Event(), threading.Event()
+    cache = DraftCacheManager(2, gated_loader(gate, started=started), size_of=SIZES.get)
     cache.update(["math"])
+    assert started.wait(5)
     cache.fail("math", RuntimeError("logits not finite"))
     assert "math" in cache.failed()
     cache.update(["math", "code"])
@@ -771,10 +836,11 @@ def test_a_load_marked_to_be_dropped_is_not_available_so_a_choice_requests_it_ag
     load wasted and the switch delayed to a later point)."""
     from memspec_ros.runtime.choice import CACHE_REQUEST, Choice, carry_out
 
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
 
     def loader(name):
         if name == "c":
+            started.set()
             gate.wait(10)
         return LoadedModel(object(), ModelSpec(name), 0, 0, 0)
 
@@ -784,7 +850,8 @@ def test_a_load_marked_to_be_dropped_is_not_available_so_a_choice_requests_it_ag
     cache.drain()
     cache.set_scores({"a": 3, "b": 2, "c": 1})
     cache.set_active("a")
-    cache.request("c", active="a")  # in flight
+    cache.request("c", active="a")
+    assert started.wait(5)  # in flight (a queued load is cancelled by the reconfigure instead)
     cache.reconfigure(capacity=2)  # c no longer fits: marked to be dropped when it lands
     assert not cache.is_available("c")
     choice = Choice("c", block=False, fallback=("a",), cache_action=CACHE_REQUEST,
@@ -833,9 +900,10 @@ def test_a_load_whose_files_change_as_it_lands_is_dropped(monkeypatch):
 def test_load_seconds_sum_the_loads_that_became_resident():
     """A load dropped in flight added its time to load_seconds but not to loads: load_seconds / loads, the mean
     load time, came out high."""
-    gate = threading.Event()
-    cache = DraftCacheManager(2, gated_loader(gate, 0.05), size_of=SIZES.get)
+    gate, started = threading.Event(), threading.Event()
+    cache = DraftCacheManager(2, gated_loader(gate, 0.05, started), size_of=SIZES.get)
     cache.update(["math"])
+    assert started.wait(5)  # dropped in flight, not cancelled while queued
     cache.remove("math")
     gate.set()
     cache.drain()

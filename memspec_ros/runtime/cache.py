@@ -143,7 +143,9 @@ class DraftCacheManager:
         self._working_set: list[str] = []
         self._active = ""
         self._counters = CacheStats()
-        self._measured: dict[str, int] = {}  # bytes each draft occupied when last loaded (estimates can be low)
+        # bytes each draft occupied when last loaded (estimates can be low, or far high: fp32 files run as int4), with
+        # the source and files identity they were measured on (files replaced in place are measured anew)
+        self._measured: dict[str, tuple[int, str, object]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memspec-draft-loader")
         self._closed = False
 
@@ -408,11 +410,17 @@ class DraftCacheManager:
         with self._lock:
             resident = [(n, s.model.source or s.model.spec.path, s.files) for n, s in self._slots.items()
                         if s.model is not None]
+            measured = [(n, source, files) for n, (_, source, files) in self._measured.items() if source]
             for slot in self._slots.values():
                 if slot.future is not None and slot.model is None:
                     slot.recheck = True  # it may have read the files before they changed: checked when it lands
         changed = [name for name, path, files in resident if weights_identity(path) != files]
+        # a draft not resident now whose files were replaced in place (a re-export under the same names): its
+        # measured size is the old files' (refused up front on it, or reserving too little)
+        remeasure = [name for name, path, files in measured if weights_identity(path) != files]
         with self._lock:
+            for name in remeasure:
+                self._measured.pop(name, None)
             for name in changed:
                 self._measured.pop(name, None)  # other files: their size is learnt anew
                 slot = self._slots.get(name)
@@ -457,6 +465,9 @@ class DraftCacheManager:
         A load another thread starts meanwhile is marked for dropping, not forgotten: it keeps its
         reservation until the loader ends."""
         with self._lock:
+            for name, slot in list(self._slots.items()):  # queued loads never run: the one running is waited for
+                if slot.model is None and slot.error is None and self._cancel_queued(slot):
+                    del self._slots[name]
             futures = [s.future for s in self._in_flight()]
         for f in futures:
             try:
@@ -542,7 +553,7 @@ class DraftCacheManager:
         already unwanted otherwise ran in full on the one loader thread, holding its reservation, before the
         wanted one behind it could start."""
         if slot.future is not None and slot.future.cancel():
-            slot.future = None
+            slot.future, slot.discard = None, True  # a wait_for on it reads "dropped on purpose", not "load it again"
             return True
         return False
 
@@ -614,7 +625,7 @@ class DraftCacheManager:
         later loads are refused up front on that measurement)."""
         measured = self._measured.get(name)
         if measured is not None:
-            return measured
+            return measured[0]
         estimate = max(0, int(self.size_of(name)))
         return min(estimate, self.budget_bytes) if self.budget_bytes else estimate
 
@@ -637,6 +648,15 @@ class DraftCacheManager:
         while self._count() >= self.capacity or not self._fits(size):
             victim = self._victim(protect)
             if victim is None:
+                room = self.budget_bytes - self._reserved() if self.budget_bytes else 0
+                if size == self.budget_bytes and name not in self._measured and self._count() < self.capacity \
+                        and room > 0:
+                    # an estimate over the whole budget (_size_needed capped it: the files' size, of fp32 weights an
+                    # int4 draft takes a fraction of) with drafts here that may not go: the room there is, and the
+                    # load measures it; larger, it is dropped (loaded at its size when next wanted) or, larger than
+                    # the budget, failed. Skipped, it was never measured, so never tried at all
+                    size = room
+                    break
                 return False  # Algorithm 2, lines 7-8: nothing may be evicted, skip this prefetch
             self._evict(victim)
         slot = _Slot(name, size)
@@ -694,7 +714,8 @@ class DraftCacheManager:
                 return
             actual = int(getattr(loaded, "size_bytes", 0) or 0)
             if actual > 0:
-                self._measured[slot.name] = actual  # later loads of it reserve this much: refused once at most
+                # later loads of it reserve this much: refused once at most
+                self._measured[slot.name] = (actual, source, files)
             if actual > slot.reserved_bytes:
                 others = self._reserved() - slot.reserved_bytes
                 if self.budget_bytes and actual > self.budget_bytes:

@@ -625,13 +625,11 @@ class RuntimeController:
             return name in registered and model is not None and bool(model.source) and \
                 model.source != registered[name].path
 
-        gone = [n for n in {*before, *registered} if changed(n) or stale(n)]
-        for name in gone:
+        # (and the cache's own names: one loaded while briefly registered between two syncs)
+        names = {*before, *registered, *self.cache.resident(), *self.cache.loading()}
+        gone = [n for n in names if changed(n) or stale(n)]
+        for name in gone:  # a failure recorded for it goes too: other files (or none) may be tried at once
             self.cache.remove(name)
-        # a failure was about the files of the entry that failed: a draft given other files (or removed) may be
-        # tried at once, not after the cache's retry back-off
-        for name in [n for n in self.cache.failed() if changed(n)]:
-            self.cache.clear_failed(name)
         return active in gone
 
     def _carry_out(self, choice: Choice, current: str, first: bool = False) -> Resolution:

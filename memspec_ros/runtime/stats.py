@@ -74,7 +74,7 @@ def end_to_end_tokens_per_second(completion_tokens: int, end_to_end_seconds: flo
 class IterationStats:
     """One draft-and-verify iteration of the speculative engine."""
 
-    draft: str  # "" for a target-only step (no draft proposed anything)
+    draft: str  # "" for a target-only step (no draft ran; one that ran may still have proposed nothing: dropped)
     proposed: int  # tokens the draft proposed (gamma, or fewer near max_new_tokens)
     accepted: int  # proposed tokens the target accepted
     committed: int  # tokens appended to the output (accepted + 1, cut by EOS/stop/length)

@@ -153,14 +153,15 @@ def test_a_target_of_another_vocabulary_is_refused(tmp_path):
 
 def test_draft_gguf_without_the_gguf_package_says_what_to_install(tmp_path, monkeypatch, capsys):
     """A missing gguf ended `memspec-zoo draft-gguf` in a ModuleNotFoundError traceback from deep in the export."""
-    import importlib.util
+    import sys
 
     from memspec_ros.zoo.cli import main
 
     draft_dir = reduced_draft(tmp_path, tied=True)
     target = target_gguf(tmp_path / "target.gguf")
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    for name in [m for m in sys.modules if m == "gguf" or m.startswith("gguf.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as uninstalled: find_spec and import both fail
     with pytest.raises(SystemExit, match=r"memspec-zoo draft-gguf: a GGUF file needs the 'gguf' package .*"
                                          r"pip install -r requirements.txt"):
         main(["draft-gguf", "--draft", str(draft_dir), "--target", str(target), "--out", str(tmp_path / "d.gguf")])

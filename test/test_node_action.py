@@ -110,16 +110,16 @@ def test_a_goal_whose_stats_message_fails_is_counted_once_and_still_answered(h, 
     def broken(*_args, **_kwargs):
         raise RuntimeError("the stats publisher is gone")
 
-    monkeypatch.setattr(h.node._runner._stats_pub, "publish", broken)
     finished = h.node._window.finished_goals
-    handle, _ = h.send(goal(max_new_tokens=8))
-    assert handle.accepted
-    response = h.result(handle)
+    with monkeypatch.context() as patched:  # (undo() would also drop the autouse fixtures' patches)
+        patched.setattr(h.node._runner._stats_pub, "publish", broken)
+        handle, _ = h.send(goal(max_new_tokens=8))
+        assert handle.accepted
+        response = h.result(handle)
     assert response.status == GoalStatus.STATUS_ABORTED
     assert response.result.finish_reason == Generate.Result.FINISH_ERROR
     assert "the stats publisher is gone" in response.result.error_message
     assert h.node._window.finished_goals == finished + 1  # counted once
-    monkeypatch.undo()
     handle, _ = h.send(goal(max_new_tokens=4))  # the node serves the next goal as usual
     assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
     assert h.node._window.finished_goals == finished + 2

@@ -78,8 +78,10 @@ def test_yaml_mapping_form_and_errors(zoo, tmp_path):
     ("drafts:\n  - {name: code, path: drafts/code, size_bytes: -5}\n", r"'size_bytes' is -5"),
     ("drafts:\n  - {name: code, path: drafts/code, size_bytes: 7.5}\n", r"'size_bytes' is 7.5"),
     # a typo past what ~/cache_state's uint64 holds: every cache_state message failed to build, 10 times a second
-    ("drafts:\n  - {name: code, path: drafts/code, size_bytes: 76073840000000000000}\n",
-     r"'size_bytes' is 76073840000000000000, more than any memory"),
+    ("drafts:\n  - {name: code, path: drafts/code, size_bytes: 9223372036854775808}\n",
+     r"'size_bytes' is 9223372036854775808, more than any memory"),  # 2**63: one past an int64
+    ("drafts:\n  - {name: code, path: drafts/code, size_bytes: '9223372036854775808'}\n",
+     r"'size_bytes' is 9223372036854775808, more than any memory"),  # as text, read as the number
 ])
 def test_a_malformed_registry_entry_is_refused_naming_the_file_and_field(zoo, text, match):
     (zoo / "r.yaml").write_text(text)

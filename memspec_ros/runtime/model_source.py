@@ -248,16 +248,11 @@ def cached_digest(path: Path) -> str:
     return _DIGESTS[key]
 
 
-# beside a folder's weights, the files that change what the model answers: its architecture and rotary settings
-# (config.json), where it stops (generation_config.json's eos, the tokenizer's) and how text becomes ids
-_ANSWER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json")
-
-
 def model_digest(spec: str | os.PathLike[str]) -> str:
-    """What a model setting names, by content: a GGUF file's digest (it holds config and tokenizer too), or a
-    folder's weights files' and answer-shaping files' (names and digests); the same model under another path or as
-    pkg: gives the same value. ModelDirectoryError if absent."""
+    """What a model setting names, by content: a GGUF file's digest, or a folder's weights files' (names and
+    digests); the same model under another path or as pkg: gives the same value. ModelDirectoryError if absent.
+    Teacher shards and draft identities record it: a change of its definition would take every existing work dir's
+    answers for another target's (answer_files_digest holds what else shapes a folder model's answers)."""
     text = str(spec)
     path = source_path(text)
     if path.is_file():
@@ -265,8 +260,22 @@ def model_digest(spec: str | os.PathLike[str]) -> str:
     weights = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not weights:
         raise ModelDirectoryError(f"{text!r} is neither a model file nor a folder with safetensors weights")
-    files = weights + [path / name for name in _ANSWER_FILES if (path / name).is_file()]
-    return hashlib.sha256("\n".join(f"{f.name}:{cached_digest(f)}" for f in files).encode()).hexdigest()
+    return hashlib.sha256("\n".join(f"{w.name}:{cached_digest(w)}" for w in weights).encode()).hexdigest()
+
+
+# beside a folder's weights, the files that change what the model answers: its architecture and rotary settings
+# (config.json), where it stops (generation_config.json's eos, the tokenizer's) and how text becomes ids
+_ANSWER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json")
+
+
+def answer_files_digest(spec: str | os.PathLike[str]) -> str:
+    """A folder model's answer-shaping files besides its weights (:data:`_ANSWER_FILES`), by content; "" for a GGUF
+    file (its own digest covers its config and tokenizer)."""
+    path = source_path(str(spec))
+    files = [path / name for name in _ANSWER_FILES if (path / name).is_file()] if path.is_dir() else []
+    return hashlib.sha256("\n".join(f"{f.name}:{cached_digest(f)}" for f in files).encode()).hexdigest() \
+        if files else ""
 
 
 def converted_dir(path: Path) -> Path:

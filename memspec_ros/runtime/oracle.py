@@ -81,11 +81,11 @@ def engine_greedy(target: torch.nn.Module, prompt_ids: Sequence[int], max_new_to
 
 
 def _weights_digest(target: str | Path) -> str:
-    """Which target this is, by content (model_source.model_digest: a GGUF or pkg: file's digest, a folder's
-    weights and config); the prefix the cache keys carry."""
-    from .model_source import model_digest
+    """Which target this is, by content (model_source.model_digest and answer_files_digest: a GGUF or pkg: file's
+    digest, a folder's weights, config and tokenizer files); the prefix the cache keys carry."""
+    from .model_source import answer_files_digest, model_digest
 
-    return model_digest(target)[:16]
+    return hashlib.sha256(f"{model_digest(target)}:{answer_files_digest(target)}".encode()).hexdigest()[:16]
 
 
 class ContinuationCache:

@@ -244,22 +244,19 @@ def test_a_draft_whose_estimate_is_over_the_budget_is_loaded_and_kept_if_it_fits
     assert isinstance(cache.failed()["law"], DraftTooLargeError) and "needs 400 B" in str(cache.failed()["law"])
     assert loads.count("law") == 1
     cache.close()
-    # drafts that may not be evicted (the active one, the working set) hold part of the budget: an estimate-only
-    # draft reserves the room left and is measured (it was skipped at every point, never measured, never tried)
+    # beside drafts that may not be evicted (the active one, the working set) it waits: reserving only the room left
+    # would put more drafts in memory than the budget holds while it is measured
     cache = DraftCacheManager(3, loader, budget_bytes=100, size_of=lambda name: 30 if name in ("a", "b") else 400)
     cache.update({"a": 3, "b": 2}, active="a")
     cache.drain()
     cache.set_active("a")
     cache.update({"math": 3, "a": 2, "b": 1}, active="a")  # K = 3: all three are W, none may go
     cache.drain()
-    assert sorted(cache.resident()) == ["a", "b", "math"] and cache.snapshot().bytes_reserved == 30 + 30 + 25
-    # larger than that room: dropped (not failed) and loaded at its measured size when there is room for it
-    cache.update({"medical": 3, "a": 2, "b": 1}, active="a")
+    assert sorted(cache.resident()) == ["a", "b"] and "math" not in loads and not cache.failed()
+    cache.set_active("")
+    cache.update({"math": 3})  # a and b may go now: it loads alone, with the budget reserved
     cache.drain()
-    assert "medical" not in cache.resident() and not cache.failed() and loads.count("medical") == 1
-    cache.update({"medical": 3, "a": 2, "b": 1}, active="a")  # measured: 50 B do not fit beside a, b: skipped
-    cache.drain()
-    assert loads.count("medical") == 1
+    assert cache.resident() == ["math"] and cache.snapshot().bytes_reserved == 25
     cache.close()
 
 

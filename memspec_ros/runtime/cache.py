@@ -648,16 +648,10 @@ class DraftCacheManager:
         while self._count() >= self.capacity or not self._fits(size):
             victim = self._victim(protect)
             if victim is None:
-                room = self.budget_bytes - self._reserved() if self.budget_bytes else 0
-                if size == self.budget_bytes and name not in self._measured and self._count() < self.capacity \
-                        and room > 0:
-                    # an estimate over the whole budget (_size_needed capped it: the files' size, of fp32 weights an
-                    # int4 draft takes a fraction of) with drafts here that may not go: the room there is, and the
-                    # load measures it; larger, it is dropped (loaded at its size when next wanted) or, larger than
-                    # the budget, failed. Skipped, it was never measured, so never tried at all
-                    size = room
-                    break
-                return False  # Algorithm 2, lines 7-8: nothing may be evicted, skip this prefetch
+                # Algorithm 2, lines 7-8: nothing may be evicted, skip this prefetch. (An estimate over the budget,
+                # capped at it, loads only alone, so the drafts in memory never exceed the budget while it is
+                # measured; loading it into the room beside drafts that may not go put K drafts in memory over it)
+                return False
             self._evict(victim)
         slot = _Slot(name, size)
         self._slots[name] = slot  # reserved before the load starts

@@ -619,6 +619,17 @@ def test_the_model_card_needs_the_vocabulary_figures_from_the_build_or_kept_meas
     with pytest.raises(FileNotFoundError, match="--work-dir"):
         write_chat_card(models, tmp_path / "no-build", tmp_path / "acceptance.json")
     assert not (models / "MODEL_CARD.md").exists() and not (models / "card_measurements.json").exists()
+    # another build's work dir (a relative path recorded in build_config.json, read from another checkout): its
+    # vocabulary's coverage was reported as these drafts'
+    (models / "drafts" / "general").mkdir(parents=True)
+    (models / "drafts" / "general" / "draft_vocab.json").write_text(json.dumps({"target_ids": [1, 2, 3],
+                                                                                "target_vocab_size": 10}))
+    (tmp_path / "other-build").mkdir()
+    (tmp_path / "other-build" / "vocab.json").write_text(json.dumps({"target_ids": [1, 2, 4], "rows": 3,
+                                                                     "train_coverage": 0.9, "heldout_coverage": 0.8}))
+    with pytest.raises(ValueError, match="another build's vocabulary than the drafts'"):
+        write_chat_card(models, tmp_path / "other-build", tmp_path / "acceptance.json")
+    assert not (models / "MODEL_CARD.md").exists() and not (models / "card_measurements.json").exists()
 
 
 @pytest.mark.parametrize("argv", [

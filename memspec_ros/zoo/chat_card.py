@@ -209,8 +209,15 @@ def write_chat_card(models_dir: Path, build: Path, acceptance_json: Path, notes:
     reduced vocabulary's coverage comes from the build (``vocab.json``), else from the measurements kept before."""
     kept = models_dir / "card_measurements.json"
     vocab_file = build / "vocab.json"
-    if vocab_file.is_file():
-        vocab = {k: json.loads(vocab_file.read_text())[k] for k in VOCAB_KEYS}
+    built = json.loads(vocab_file.read_text()) if vocab_file.is_file() else None
+    shipped = models_dir / "drafts" / "general" / "draft_vocab.json"
+    if built is not None and shipped.is_file() and json.loads(shipped.read_text())["target_ids"] != built["target_ids"]:
+        # a work dir recorded by a relative path (or given) holds another build's vocabulary: its coverage is not
+        # these drafts'
+        raise ValueError(f"{vocab_file} is another build's vocabulary than the drafts' ({shipped}): pass the work"
+                         " directory of the build that made them (--work-dir)")
+    if built is not None:
+        vocab = {k: built[k] for k in VOCAB_KEYS}
     elif kept.is_file() and "vocab" in json.loads(kept.read_text()):
         vocab = json.loads(kept.read_text())["vocab"]
     else:

@@ -455,7 +455,10 @@ def _run_card(a) -> int:
         # the toy build's folder was the default: the card then showed the kept figures silently
         work = a.work_dir or recorded_work_dir(Path(a.models)) or ChatBuildConfig().work_dir
         acceptance = Path(a.acceptance_json) if a.acceptance_json else Path(a.models) / "acceptance.json"
-        print(write_chat_card(Path(a.models), Path(work), acceptance, Path(a.notes) if a.notes else None))
+        try:
+            print(write_chat_card(Path(a.models), Path(work), acceptance, Path(a.notes) if a.notes else None))
+        except (ValueError, FileNotFoundError) as exc:  # another build's work dir, no vocabulary figures: said
+            raise SystemExit(f"memspec-zoo card: {exc}") from None
         return 0
 
     write_card(

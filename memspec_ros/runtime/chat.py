@@ -150,7 +150,7 @@ def special_token_strings(tokenizer) -> list[str]:
 
 def turn_token_strings(tokenizer) -> list[str]:
     """The special tokens that mark a conversation's structure: those the chat template itself writes around the
-    turns of a probe conversation, and bos/eos. Others (SmolLM2's <filename>, <jupyter_code>, ...) end no turn,
+    turns of a probe conversation, and bos/eos/unk/pad. Others (SmolLM2's <filename>, <jupyter_code>, ...) end no turn,
     so a request may mention them. If the template renders no probe, every special token (the safe side)."""
     specials = special_token_strings(tokenizer)
     probes = ([{"role": SYSTEM, "content": "s"}, {"role": USER, "content": "u"}, {"role": "assistant", "content": "a"},
@@ -161,7 +161,10 @@ def turn_token_strings(tokenizer) -> list[str]:
             rendered = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
         except Exception:  # a template that refuses a system turn, or the alternation: try the next probe
             continue
-        ends = {str(t) for t in (getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None)) if t}
+        # bos/eos, and unk/pad: SmolLM2's <|endoftext|> (its unk, the pretraining document separator) starts "a new
+        # document" whatever the system prompt said
+        ends = {str(t) for t in (getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token",
+                                                                             "pad_token")) if t}
         return [t for t in specials if t in rendered or t in ends]
     return specials
 

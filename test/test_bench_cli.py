@@ -358,6 +358,31 @@ def test_the_engine_bench_pools_e_a_over_every_iteration(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["mean_accepted"] == pytest.approx(pooled.mean_accepted)
 
 
+def test_every_engine_bench_method_is_warmed_up_before_its_timed_calls(monkeypatch, tmp_path):
+    """Only the engine and transformers' assisted generation were warmed up: the target alone (the 1.6x goal's
+    denominator) and transformers' generate paid their first call's allocations inside the timed loop."""
+    from memspec_ros.bench import engine_bench
+
+    calls = []
+    real_generate, real_hf = engine_bench.generate, engine_bench._hf_generate
+
+    def generate(target, ids, draft=None, **kw):
+        calls.append(("engine" if draft is not None else "target_alone", kw.get("max_new_tokens")))
+        return real_generate(target, ids, draft, **kw)
+
+    def hf(target, assistant, ids, max_new_tokens, *a):
+        calls.append(("hf_assisted" if assistant is not None else "autoregressive", max_new_tokens))
+        return real_hf(target, assistant, ids, max_new_tokens, *a)
+
+    monkeypatch.setattr(engine_bench, "generate", generate)
+    monkeypatch.setattr(engine_bench, "_hf_generate", hf)
+    assert main(["engine", "--zoo", "tiny", "--prompts", "2", "--runs", "1", "--max-new-tokens", "12",
+                 "--json", str(tmp_path / "engine.json")]) == 0
+    timed = [i for i, (_, n) in enumerate(calls) if n == 12]
+    warmed = {method for method, n in calls[: timed[0]] if n == 8}
+    assert warmed == {method for method, _ in calls}, calls[: timed[0]]
+
+
 def test_table2_reads_the_report_of_the_predictor_the_runs_used(tmp_path):
     """`memspec-bench paper --predictor DIR`: Table 2 read <zoo>/predictor/report.json whatever DIR was."""
     import shutil
@@ -442,13 +467,16 @@ def test_the_soak_is_not_ok_when_a_burst_takes_more_or_fewer_goals_than_the_queu
 
     from memspec_ros.bench.soak_bench import InvariantMonitor, _figures
 
-    def figures(bursts):
-        done = {"sent": 10, "accepted": 10, "rejected": 0, "terminal": {"succeeded": 10}, "lost": 0, "unanswered": 0,
-                "bursts_accepted": bursts, "accept_latencies": [0.001], "phase_latencies": {}, "seconds": 1.0}
+    def figures(bursts, terminal=None):
+        done = {"sent": 10, "accepted": 10, "rejected": 0, "terminal": terminal or {"succeeded": 10}, "lost": 0,
+                "unanswered": 0, "bursts_accepted": bursts, "accept_latencies": [0.001], "phase_latencies": {},
+                "seconds": 1.0}
         return _figures(done, InvariantMonitor(2, 100), 100, [0.001], 100, 100, [100], Counter(a=1), Counter(a=1), 4)
 
     assert figures([4, 4])["ok"] is True
     assert figures([4, 5])["ok"] is False and figures([3, 4])["ok"] is False
+    # a goal ABORTED (a draft that failed under the budget, an error) is not lost, but the run did not pass
+    assert figures([4, 4], {"succeeded": 9, "aborted": 1})["ok"] is False
 
 
 def test_every_timed_policy_run_starts_with_no_load_in_flight(tmp_path, monkeypatch):

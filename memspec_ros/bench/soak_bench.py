@@ -269,6 +269,8 @@ def _figures(done: dict, monitor: InvariantMonitor, budget: int, callback_second
         "seconds": done["seconds"],
     }
     figures["ok"] = (figures["goals_lost"] == 0 and figures["requests_unanswered"] == 0
+                     # a goal that ended in an error is a failure the soak is there to find, lost or not
+                     and not done["terminal"].get("aborted")
                      and figures["budget_violations"] == 0 and threads_end == threads_warm
                      # each burst against a running goal: exactly the queue's room accepted, the rest rejected
                      and all(n == queue for n in figures["bursts_accepted"])

@@ -44,8 +44,7 @@ def main() -> None:
     # the requests the build trained on (by material) are no held-out requests: left out
     answers, dropped = clean_heldout_answers(ROOT / "models", load_answers(a.answers, "heldout"), models.tokenizer)
     traces = held_out_traces(models, answers, 100)
-    costs, cfg = committed_costs(ROOT / a.run)
-    schedule = costs.schedule_costs(cfg["capacity"], cfg["gamma"])  # what the replay charges (BenchRun.policy)
+    costs, schedule, cfg = committed_costs(ROOT / a.run)
     workloads = list(dict.fromkeys(t.workload for t in traces))
     bench_cfg = PolicyBenchConfig(policies=("memspec",), workloads=workloads, capacity=cfg["capacity"],
                                   interval=cfg["interval"], gamma=cfg["gamma"], recent_tokens=cfg["recent_tokens"],

@@ -38,6 +38,7 @@ from memspec_ros.bench.figures import domain_workloads, policy_summary, ratio, s
 from memspec_ros.bench.policy_bench import BenchRun, PolicyBenchConfig, gmean
 from memspec_ros.runtime.loader import find_predictor, load_models
 from memspec_ros.runtime.models import ModelSpec, load_model
+from memspec_ros.runtime.oracle import ScheduleCosts
 from memspec_ros.runtime.policies import COST_AWARE, PAPER_POLICIES
 from memspec_ros.runtime.simulator import CostModel, PromptTrace, replay_predictor, target_hidden_states
 from memspec_ros.runtime.storage import load_to_iteration
@@ -53,12 +54,14 @@ def log(msg: str) -> None:
     print(f"[simulate {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def committed_costs(run_dir: Path) -> tuple[CostModel, dict]:
-    """The cost model a committed `make bench` run fitted, and the run's settings."""
+def committed_costs(run_dir: Path) -> tuple[CostModel, ScheduleCosts, dict]:
+    """The cost model a committed `make bench` run fitted, the schedule costs Oracle-Dynamic plans with in a
+    replay of it (that model's: what the replay charges, BenchRun.policy), and the run's settings."""
     paper = json.loads((run_dir / "paper.json").read_text())
     cm = dict(paper["cost_model"])
     cm["verify_seconds"] = {int(k): v for k, v in cm["verify_seconds"].items()}
-    return CostModel(**cm), paper["config"]
+    costs, cfg = CostModel(**cm), paper["config"]
+    return costs, costs.schedule_costs(cfg["capacity"], cfg["gamma"]), cfg
 
 
 def held_out_traces(models, answers, per_workload: int) -> list[PromptTrace]:
@@ -222,13 +225,12 @@ def main() -> None:
               "prompts_by_workload": {w: sum(t.workload == w for t in traces) for w in workloads},
               "left_out_as_trained_on": dropped,
               "runs": {}}
-    first = committed_costs(ROOT / a.runs.split(",")[0])[1]  # the first run's gamma and N (the committed: 4, 4)
+    first = committed_costs(ROOT / a.runs.split(",")[0])[2]  # the first run's gamma and N (the committed: 4, 4)
     report["hindsight_mean_accepted"] = hindsight(traces, first["gamma"], first["interval"])
     for run_dir, (predictor_dir, predictor) in ((r, q) for r in a.runs.split(",") for q in predictors.items()):
-        costs, cfg = committed_costs(ROOT / run_dir)
+        costs, schedule, cfg = committed_costs(ROOT / run_dir)
         # `make bench` times no mab-sync: its points run the same UCB code as mab-async's, so they cost the same
         costs = costs if "mab-sync" in costs.point_seconds else costs.standing_in("mab-sync", "mab-async")
-        schedule = costs.schedule_costs(cfg["capacity"], cfg["gamma"])  # what the replay charges (BenchRun.policy)
         bench_cfg = PolicyBenchConfig(policies=POLICIES, workloads=workloads, capacity=cfg["capacity"],
                                       interval=cfg["interval"], gamma=cfg["gamma"],
                                       recent_tokens=cfg["recent_tokens"], max_new_tokens=cfg["max_new_tokens"])

@@ -182,6 +182,11 @@ class CacheStats:
         }
 
 
+def _draft_ran(it: IterationStats) -> bool:
+    """A draft model ran in this iteration (a copy from the context or a datastore is no draft's run)."""
+    return it.draft not in ("", LOOKUP_DRAFT)
+
+
 @dataclass
 class GenerationStats:
     """A whole generation: prefill, iterations and how it ended."""
@@ -256,7 +261,7 @@ class GenerationStats:
     def draft_runs(self) -> list[IterationStats]:
         """Iterations in which a draft model ran, its proposals verified or not (adaptive gamma's confidence stop
         can drop a draft's only token: it ran, caught up perhaps, and proposed nothing)."""
-        return [it for it in self.iterations if it.draft not in ("", LOOKUP_DRAFT)]
+        return [it for it in self.iterations if _draft_ran(it)]
 
     @property
     def preferred_iterations(self) -> list[IterationStats]:
@@ -353,10 +358,9 @@ class GenerationStats:
         and a verified copy from the context or a datastore) as target-only; prediction on the decode thread;
         blocking load waits; and the rest."""
         parts = dict.fromkeys(EXEC_PARTS, 0.0)
-        ran = {id(it) for it in self.draft_runs}  # as time_breakdown files a draft's seconds, its catch-up's too
-        for it in self.iterations:
+        for it in self.iterations:  # a draft's run as time_breakdown files it: its seconds, its catch-up's too
             run = it.draft_seconds + it.verify_seconds + it.catchup_seconds
-            parts[("fallback" if it.fallback else "desired") if id(it) in ran else "target_only"] += run
+            parts[("fallback" if it.fallback else "desired") if _draft_ran(it) else "target_only"] += run
             parts["prediction"] += it.prediction_seconds
             parts["load_wait"] += it.load_wait_seconds
         parts["other"] = max(0.0, self.decode_seconds - sum(parts.values()))

@@ -164,8 +164,9 @@ def _run_chat_build(a) -> int:
     # export and datastore write --out, the other stages --work-dir: a file there, or a folder this user cannot
     # write, failed at that stage in a NotADirectoryError/PermissionError traceback (after hours of stages)
     for flag, folder in (("--work-dir", cfg.work_dir), ("--out", cfg.out_dir)):
-        blocked = "" if not folder.exists() or folder.is_dir() else f"{folder} is a file"
-        blocked = blocked or (f"{unwritable(folder)} cannot be written to" if unwritable(folder) else "")
+        where = unwritable(folder)
+        blocked = f"{folder} is a file" if folder.exists() and not folder.is_dir() else (
+            f"{where} cannot be written to" if where else "")
         if blocked:
             raise SystemExit(f"memspec-zoo build: {flag} {folder}: {blocked}; name a folder this user can write")
     try:

@@ -7,9 +7,15 @@
 # On a robot with apt ROS 2, source /opt/ros/$ROS_DISTRO/setup.bash and your workspace's
 # install/setup.bash instead (README.md).
 
-_memspec_root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+_memspec_root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
 if [ ! -f "$_memspec_root/.venv/bin/activate" ] || [ ! -f "$_memspec_root/install/setup.bash" ]; then
   echo "env.sh: run 'make setup' in $_memspec_root first (no .venv or install/ yet)" >&2
+  unset _memspec_root
+  return 1 2>/dev/null || exit 1
+fi
+# a venv made for another path (a moved or copied checkout) would run that path's tree and tools
+if ! grep -qxF "VIRTUAL_ENV=\"$_memspec_root/.venv\"" "$_memspec_root/.venv/bin/activate"; then
+  echo "env.sh: $_memspec_root/.venv was made for another checkout path; run 'make setup' here (it makes it again)" >&2
   unset _memspec_root
   return 1 2>/dev/null || exit 1
 fi

@@ -11,6 +11,7 @@ Usage: python scripts/patch_wheel_cmake.py [PREFIX]   (PREFIX defaults to sys.pr
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import sysconfig
@@ -33,7 +34,11 @@ def patch(prefix: Path) -> tuple[int, int]:
             continue
         new = _SITE.sub(site, _INCLUDE.sub(include, text))
         if new != text:
-            path.write_text(new, encoding="utf-8")
+            # written beside and renamed over: an interrupted run must not leave a cut file, which no later
+            # run would repair (it no longer names the prefix, and pip keeps the installed wheel)
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text(new, encoding="utf-8")
+            os.replace(partial, path)
             patched += 1
         if re.search(_BUILD_PREFIX, new):
             leftover += 1

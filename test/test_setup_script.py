@@ -1,0 +1,185 @@
+"""scripts/setup.sh's venv handling, run against a fake interpreter (no pip, no network, a second each).
+
+The fake stands in for ``python3.11``: ``-m venv DIR`` makes a venv whose ``bin/python`` is the fake
+again, ``-m pip install`` records its arguments, and the handful of ``-c`` probes the script makes answer
+as a Python 3.11 with torch would. What is checked is setup.sh's own logic: which venvs it keeps, which
+it makes again, that every pip call is held to the constraints, and that pip's failure is the script's.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("bash") is None,
+                                reason="setup.sh refuses any machine but x86-64 (the ROS wheels' binaries)")
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# a stand-in for python3.11 (test/test_setup_script.py)
+here="$(cd "$(dirname "$0")/.." && pwd -P)"
+case "$1" in
+  --version) echo "Python 3.11.9"; exit 0 ;;
+  -m)
+    case "$2" in
+      venv)
+        [ -z "${FAKE_VENV_WITHOUT_PIP:-}" ] || { mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; touch "$3/nopip"; exit 0; }
+        mkdir -p "$3/bin"; cp "$0" "$3/bin/python"
+        printf 'VIRTUAL_ENV="%s"\n' "$3" >"$3/bin/activate"
+        echo "venv $3" >>"$FAKE_LOG"; exit 0 ;;
+      pip)
+        [ ! -e "$here/nopip" ] || { echo "No module named pip" >&2; exit 1; }
+        [ "$3" = install ] || exit 0
+        echo "pip $*" >>"$FAKE_LOG"
+        echo "WARNING: Location 'file:///nowhere' is ignored: it is neither a file nor a directory." >&2
+        if [ -n "${FAKE_PIP_FAILS:-}" ]; then echo "ERROR: no matching distribution" >&2; exit 1; fi
+        exit 0 ;;
+    esac ;;
+  -c)
+    case "$2" in
+      *sys.version_info*) echo "3.11" ;;
+      *'torch.__version__'*) echo "torch==2.13.0+cpu" ;;
+    esac
+    exit 0 ;;
+esac
+exit 0  # scripts/patch_wheel_cmake.py
+"""
+
+
+@pytest.fixture()
+def checkout(tmp_path):
+    """A checkout holding setup.sh and the files it hashes, and a PATH whose python3.11 is the fake."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "setup.sh", root / "scripts" / "setup.sh")
+    for name in ("requirements.txt", "requirements-dev.txt", "requirements-ros.txt", "requirements-model.txt",
+                 "constraints.txt", "constraints-gptq.txt", "requirements-gptq.txt"):
+        (root / name).write_text("# test\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3.11"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    return root.resolve(), fake
+
+
+def run_setup(root: Path, fake: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    log = root / "fake.log"
+    environ = {**os.environ, "MEMSPEC_PYTHON": str(fake), "FAKE_LOG": str(log), **env}
+    return subprocess.run(["bash", str(root / "scripts" / "setup.sh"), *args], cwd=root, env=environ,
+                          capture_output=True, text=True, timeout=60)
+
+
+def log_lines(root: Path) -> list[str]:
+    path = root / "fake.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def make_venv(root: Path, fake: Path, *, path_in_activate: str | None, pip: bool = True) -> Path:
+    venv = root / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    shutil.copy(fake, venv / "bin" / "python")
+    if path_in_activate is not None:
+        (venv / "bin" / "activate").write_text(f'VIRTUAL_ENV="{path_in_activate}"\n')
+    if not pip:
+        (venv / "nopip").touch()
+    (venv / "keepsake").touch()  # tells a kept venv from one made again
+    return venv
+
+
+def test_a_fresh_checkout_gets_a_venv_and_every_pip_call_is_held_to_the_constraints(checkout):
+    root, fake = checkout
+    done = run_setup(root, fake, "deps")
+    assert done.returncode == 0, done.stderr
+    venv = root / ".venv"
+    assert (venv / ".memspec-venv").read_text().strip() == str(venv)
+    pips = [line for line in log_lines(root) if line.startswith("pip ")]
+    assert pips, "no pip install ran"
+    assert all("-c constraints.txt" in line for line in pips), pips
+    # the torch that imports is held while the requirements install (a requirement cannot upgrade it)
+    requirements = next(line for line in pips if "-r requirements.txt" in line)
+    assert f"-c {venv}/.memspec-stamps/torch-pin.txt" in requirements
+    assert (venv / ".memspec-stamps" / "torch-pin.txt").read_text().strip() == "torch==2.13.0+cpu"
+    # the machine's harmless index warning is filtered out, the script's progress says how long it has run
+    assert "is ignored" not in done.stderr
+    assert re.search(r"^\[setup +\d+s\] installing the pinned requirements", done.stdout, re.M), done.stdout
+
+
+def test_a_venv_made_by_an_earlier_setup_here_is_kept(checkout):
+    root, fake = checkout
+    venv = make_venv(root, fake, path_in_activate=str(root / ".venv"))
+    done = run_setup(root, fake, "deps")
+    assert done.returncode == 0, done.stderr
+    assert (venv / "keepsake").exists()
+    assert not any(line.startswith("venv ") for line in log_lines(root))
+    assert (venv / ".memspec-venv").read_text().strip() == str(venv)
+
+
+def test_a_venv_of_a_moved_checkout_is_made_again(checkout):
+    root, fake = checkout
+    venv = make_venv(root, fake, path_in_activate="/somewhere/else/.venv")
+    done = run_setup(root, fake, "deps")
+    assert done.returncode == 0, done.stderr
+    assert "made for another path or never finished" in done.stdout
+    assert not (venv / "keepsake").exists()
+    assert f"venv {venv}" in log_lines(root)
+    # a marker naming another path counts the same as activate does
+    (venv / ".memspec-venv").write_text("/somewhere/else/.venv\n")
+    (venv / "keepsake").touch()
+    assert run_setup(root, fake, "deps").returncode == 0
+    assert not (venv / "keepsake").exists()
+
+
+def test_a_venv_left_without_pip_is_made_again(checkout):
+    root, fake = checkout
+    venv = make_venv(root, fake, path_in_activate=str(root / ".venv"), pip=False)
+    done = run_setup(root, fake, "deps")
+    assert done.returncode == 0, done.stderr
+    assert not (venv / "keepsake").exists() and not (venv / "nopip").exists()
+    assert any(line.startswith("pip ") for line in log_lines(root))
+
+
+def test_an_interpreter_that_cannot_make_a_venv_with_pip_is_named_and_leaves_nothing(checkout):
+    root, fake = checkout
+    done = run_setup(root, fake, "deps", FAKE_VENV_WITHOUT_PIP="1")
+    assert done.returncode != 0
+    assert "did not make a venv with pip" in done.stderr and "python3.11-venv" in done.stderr
+    assert not (root / ".venv").exists()  # the next run starts over instead of using a venv without pip
+
+
+def test_pips_failure_is_the_scripts_and_its_error_is_printed_before_the_script_stops(checkout):
+    root, fake = checkout
+    done = run_setup(root, fake, "deps", FAKE_PIP_FAILS="1")
+    assert done.returncode != 0
+    assert "ERROR: no matching distribution" in done.stderr  # not lost with the filter's process
+    assert not (root / ".venv" / ".memspec-stamps" / "deps").exists()
+
+
+def test_gptq_venv_is_held_to_its_own_constraints_and_made_again_when_moved(checkout):
+    root, fake = checkout
+    gvenv = root / ".venv-gptq"
+    (gvenv / "bin").mkdir(parents=True)
+    shutil.copy(fake, gvenv / "bin" / "python")
+    (gvenv / "bin" / "activate").write_text('VIRTUAL_ENV="/old/place/.venv-gptq"\n')
+    done = run_setup(root, fake, "gptq")
+    assert done.returncode == 0, done.stderr
+    assert f"venv {gvenv}" in log_lines(root)
+    pips = [line for line in log_lines(root) if line.startswith("pip ")]
+    assert pips and all("-c constraints-gptq.txt" in line for line in pips), pips
+    # up to date now: a second run makes nothing
+    again = run_setup(root, fake, "gptq")
+    assert again.returncode == 0 and "up to date" in again.stdout
+    assert len([line for line in log_lines(root) if line.startswith("pip ")]) == len(pips)
+
+
+def test_no_python_for_the_gptq_venv_is_named(checkout):
+    root, _ = checkout
+    done = run_setup(root, Path("/nonexistent/python3.11"), "gptq")
+    assert done.returncode != 0 and "set MEMSPEC_PYTHON" in done.stderr

@@ -250,6 +250,7 @@ step_gptq() {
   venv_ready "$gvenv" || say ".venv-gptq: GPT-QModel + torch 2.14.1 (a few minutes, once)"
   make_venv "$gvenv" "$py"
   rm -f "$gvenv/.memspec-stamp"
+  say "installing requirements-gptq.txt into .venv-gptq (constraints-gptq.txt)"
   BUILD_CUDA_EXT=0 pip_install "$gvenv/bin/python" -m pip install --progress-bar off -q -c constraints-gptq.txt \
     -r requirements-gptq.txt
   "$gvenv/bin/python" -c 'import gptqmodel' >/dev/null 2>&1 || die "GPT-QModel did not install into .venv-gptq (see the pip output above)"

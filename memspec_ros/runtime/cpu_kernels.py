@@ -165,6 +165,11 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
             done = subprocess.run([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"],
                                   capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             if done.returncode == 0:
+                try:  # loaded here, where it is to run: one that builds but cannot load (an OpenMP runtime the
+                    _open(partial)  # loader cannot find) is not kept; dlopen later finds this inode loaded
+                except OSError as exc:
+                    errors.append(f"[{' '.join(tried)}] built but does not load: {str(exc)[-300:]}")
+                    continue
                 break
             errors.append(f"[{' '.join(tried)}] {done.stderr.strip()[-300:]}")
         else:
@@ -172,6 +177,9 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
         # on disk before the rename publishes it: a power cut must not leave a truncated library under the name
         with open(partial, "rb") as handle:
             os.fsync(handle.fileno())
+        # not writable by the group whatever the linker and umask made it (gold, lld and mold keep umask 002's
+        # 0775): _ours_alone refuses such a file, and every process would compile its own
+        os.chmod(partial, 0o755)
         fallback = _fallback_note(library)
         if errors:  # a fallback build is kept, and says so on every load (status().reason)
             fallback.write_text(" | ".join(errors))
@@ -216,8 +224,18 @@ def _bind(library: ctypes.CDLL) -> None:
     library.rank_head.restype = None
 
 
-@cache
+_LOAD = threading.Lock()
+
+
 def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
+    """The library and its status, built and loaded by the first caller (the loader thread and the decode thread
+    may both ask first: one compiles, the other waits for it)."""
+    with _LOAD:
+        return _load_once()
+
+
+@cache
+def _load_once() -> tuple[ctypes.CDLL | None, KernelStatus]:
     switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
     if switch in ("0", "false", "no", "off"):
         return None, KernelStatus(reason=f"turned off by {ENV_SWITCH}=0")
@@ -442,9 +460,10 @@ class Decoder:
     """Every layer of a lean Llama forward (runtime/draft_forward.py) in one C call, for models whose linears
     all run on this file's kernels. Build with :meth:`build`, which says why a model does not qualify."""
 
-    def __init__(self, layers: ctypes.Array, keep: list[torch.Tensor], dims: tuple[int, int, int, int, int],
+    def __init__(self, layers: ctypes.Array, keep: list[object], dims: tuple[int, int, int, int, int],
                  eps: float) -> None:
-        self._layers, self._keep = layers, keep  # keep: the tensors the C structs point into
+        # keep: what the C structs point into (norm tensors, linear modules), alive as long as this decoder is
+        self._layers, self._keep = layers, keep
         self.dim, self.heads, self.kv_heads, self.head_dim, self.intermediate = dims
         self.eps = eps
 
@@ -456,7 +475,7 @@ class Decoder:
         if dim % 64 or head_dim % 64 or intermediate % 64 or heads % kv_heads:
             return f"shapes the kernel does not take (hidden {dim}, head_dim {head_dim}, intermediate {intermediate})"
         table = (_Layer * len(layers))()
-        keep: list[torch.Tensor] = []
+        keep: list[object] = []
         for slot, layer in zip(table, layers, strict=True):
             for norm in (layer.attn_norm, layer.mlp_norm):
                 if norm.dtype != torch.float32 or not norm.is_contiguous():
@@ -474,6 +493,7 @@ class Decoder:
                     return (f"{name} maps {described.in_features} -> {described.out_features}, not the"
                             f" {widths[name][0]} -> {widths[name][1]} these dimensions give")
                 setattr(slot, name, described)
+                keep.append(getattr(layer, name))  # its weights outlive a caller that drops the lean forward
         return cls(table, keep, dims, eps)
 
     def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -512,7 +532,7 @@ class Step:
     the decoder's and the linears' own kernels, so rows stay exact (a verify's rows equal one-token steps).
     Build with :meth:`build`, which says why a model does not qualify."""
 
-    def __init__(self, decoder: Decoder, model: _StepModel, keep: list[torch.Tensor], width: int) -> None:
+    def __init__(self, decoder: Decoder, model: _StepModel, keep: list[object], width: int) -> None:
         self.decoder, self._model, self._keep, self.width = decoder, model, keep, width
         self.rows = model.embed_rows
 
@@ -525,7 +545,7 @@ class Step:
             return "the step kernel is not compiled here"
         model = _StepModel(ctypes.cast(decoder._layers, ctypes.c_void_p), len(decoder._layers), decoder.dim,
                            decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.intermediate, decoder.eps)
-        keep: list[torch.Tensor] = []
+        keep: list[object] = [final_norm, head]  # what model's pointers name, alive as long as the step is
         if type(embed) is torch.nn.Embedding and embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
             model.embed_kind, model.embed = 32, _ptr(embed.weight)
             keep.append(embed.weight)
@@ -580,8 +600,10 @@ class Step:
                 raise ValueError(f"a rotary table must be contiguous fp32 [positions, {self.decoder.head_dim}]")
         if normed is not None:
             _check_operand(normed, "normed", 2, torch.float32, (n, self.decoder.dim))
-        x = torch.empty(n, self.decoder.dim)
-        logits = torch.empty(keep, self.width)
+        # fp32 on the CPU whatever torch's process-wide defaults are at this moment (transformers' from_pretrained
+        # sets a 16-bit default while another thread loads a model): the C code writes fp32 through these pointers
+        x = torch.empty(n, self.decoder.dim, dtype=torch.float32, device="cpu")
+        logits = torch.empty(keep, self.width, dtype=torch.float32, device="cpu")
         offset = start * self.decoder.head_dim * 4  # bytes: row ``start`` of the fp32 tables
         with _CALL:
             _point_at_buffers(self.decoder._layers, buffers, self.decoder.kv_heads, self.decoder.head_dim, start, n)

@@ -219,7 +219,8 @@ class LeanLlamaForward:
         """An [1, kv_heads, n, head_dim] fp32 tensor: what kv_cache.claim_rows reads a claim's shape from."""
         like = self._likes.get(n)
         if like is None:
-            like = torch.empty(1, self.kv_heads, n, self.head_dim, device=self.device)
+            # fp32 explicitly: torch's default dtype is process-wide, and another thread's model load may change it
+            like = torch.empty(1, self.kv_heads, n, self.head_dim, dtype=torch.float32, device=self.device)
             if n <= 16:  # a step's or a verify's row count: kept, so a forward allocates no template
                 self._likes[n] = like
         return like
@@ -240,7 +241,7 @@ class LeanLlamaForward:
             if self._rope is None or self._rope[0].shape[0] < end:
                 self._rope_rows(like, start, end)  # the table covers every fed position
             observers = observed(self._model())
-            normed = torch.empty(n, self.step.decoder.dim) if observers else None
+            normed = torch.empty(n, self.step.decoder.dim, dtype=torch.float32) if observers else None
             logits = self.step(rows, start, self._rope, keep, buffers, normed)
         for observe in observers:
             observe(normed, start)

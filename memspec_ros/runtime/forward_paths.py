@@ -363,7 +363,9 @@ class F16Embedding(torch.nn.Module):
 def _concat_bias(parts) -> torch.nn.Parameter | None:
     if all(p.bias is None for p in parts):
         return None
-    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+    # the zeros in the dtype of the biases they sit beside, not torch's process-wide default
+    dtype = next(p.bias.dtype for p in parts if p.bias is not None)
+    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=dtype) for p in parts]
     return torch.nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
 
 

@@ -117,3 +117,30 @@ def test_freed_memory_is_handed_back_where_the_c_library_can():
     from memspec_ros.runtime.kv_cache import release_freed_memory
 
     assert release_freed_memory() == (platform.libc_ver()[0] == "glibc")
+
+
+def test_a_crop_brings_every_layer_to_one_length_after_a_forward_that_failed_part_way():
+    """A forward that raises after writing some layers (transformers' path, the lean Python one) left those layers
+    ahead; crops counted from each layer's own length kept them ahead for good, and later forwards attended over
+    the stale rows. The draft-failure path keeps its cache and crops to its own length, so even that crop evens
+    the layers out."""
+    from memspec_ros.runtime.kv_cache import claim_rows
+    from memspec_ros.runtime.speculative import KVState, forward_once
+
+    model = tiny_llama(vocab_size=64, hidden=64, layers=3, seed=5)
+    prompt, nxt = [3, 9, 14, 2, 30], [7]
+    with torch.inference_mode():
+        kv = KVState()
+        forward_once(model, prompt, kv, 1, "cpu")
+        like = torch.empty(1, model.config.num_key_value_heads, 2,
+                           model.config.hidden_size // model.config.num_attention_heads)
+        claim_rows(kv.cache, 0, like)  # layer 0 written two rows further, the others not: then the forward raised
+        assert [layer.get_seq_length() for layer in kv.cache.layers] == [7, 5, 5]
+        kv.crop_to(kv.length)
+        assert [layer.get_seq_length() for layer in kv.cache.layers] == [5, 5, 5] and kv.length == 5
+        got = forward_once(model, nxt, kv, 1, "cpu")
+        fresh = KVState()
+        expected = forward_once(model, prompt + nxt, fresh, 1, "cpu")
+    assert torch.allclose(got, expected, atol=1e-5)
+    kv.crop_to(9)  # past what it holds: nothing grows
+    assert kv.length == 6 and [layer.get_seq_length() for layer in kv.cache.layers] == [6, 6, 6]

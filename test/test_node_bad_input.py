@@ -131,6 +131,8 @@ def test_stop_lists_empty_entries_and_bounds(h):
     rejected(h, goal(stop=["x"] * (MAX_STOP_STRINGS + 1)), f"{MAX_STOP_STRINGS + 1} stop strings, more than the limit")
     rejected(h, goal(stop=["ok", "y" * (MAX_STOP_CHARS + 1)]),
              f"a stop string has {MAX_STOP_CHARS + 1} characters, more than the limit of {MAX_STOP_CHARS}")
+    # the output text is decoded without special tokens: a stop string holding one never matched, the goal ran on
+    rejected(h, goal(stop=["ok", "then</s>"]), "stop string 'then</s>' contains the special token '</s>'")
 
 
 # -- parameters -------------------------------------------------------------------------------------

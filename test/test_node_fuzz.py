@@ -35,6 +35,7 @@ from memspec_interfaces.msg import ChatMessage
 from memspec_ros.ros import params as P
 from memspec_ros.ros.goal_runner import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
+TINY_SPECIALS = ("<pad>", "<s>", "</s>")  # the tiny zoo tokenizer's special tokens (testing/tiny_models.py)
 DEFAULT_NEW = 4  # generation.max_new_tokens while fuzzing: a goal with max_new_tokens 0 gets this many
 FUZZ = settings(max_examples=200, derandomize=True, database=None, deadline=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -45,7 +46,7 @@ REASONS = ("the prompt is empty", "the prompt is only whitespace", "raw is set b
            "both prompt and messages are set", "the model has no chat template", "has unknown role",
            "has empty content", "has only whitespace", "the last message is from the", "temperature ",
            "top_p ", "stop strings, more than the limit", "a stop string has", "characters, more than the limit",
-           "tokens, more than the limit", "exceeds the target's context")
+           "tokens, more than the limit", "exceeds the target's context", "contains the special token")
 # the only reasons a goal within every rule broken_rules judges may still get: limits judged on its tokens
 TOKEN_LIMITS = ("tokens can hold", "tokens, more than the limit", "exceeds the target's context")
 
@@ -96,7 +97,8 @@ BAD = {
     "prompt": (st.sampled_from(["", " \t\n", "\x00after a NUL"]), "the prompt is"),
     "messages": (st.just([("user", "hi")]), "no chat template"),  # the tiny zoo has none
     "max_new_tokens": (st.integers(4096, 2**32 - 1), "exceeds the target's context"),
-    "stop": (st.sampled_from([["s"] * (MAX_STOP_STRINGS + 1), ["ok", "y" * (MAX_STOP_CHARS + 1)]]), "stop string"),
+    "stop": (st.sampled_from([["s"] * (MAX_STOP_STRINGS + 1), ["ok", "y" * (MAX_STOP_CHARS + 1)], ["<s>"],
+                              ["ok", "before</s>after"]]), "stop string"),
     "temperature": (st.one_of(st.sampled_from([math.nan, math.inf, -math.inf]), _above(MAX_TEMPERATURE)),
                     "temperature"),
     "top_p": (st.one_of(st.sampled_from([math.nan, math.inf]), _above(1.0)), "top_p"),
@@ -122,6 +124,8 @@ def broken_rules(g: dict) -> list[str]:
     if math.isnan(p) or p > 1.0:  # any negative, -inf too, is the node default
         broken.append("top_p")
     if len(g["stop"]) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in g["stop"]):
+        broken.append("stop")
+    elif any(token in s for s in g["stop"] for token in TINY_SPECIALS):  # never in the decoded output text
         broken.append("stop")
     if g["max_new_tokens"] >= 4096:  # the tiny target's context
         broken.append("max_new_tokens")

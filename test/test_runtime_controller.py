@@ -579,6 +579,22 @@ def test_one_stop_string_not_in_a_list_is_refused(drafts):
     ctl.close()
 
 
+def test_a_stop_string_holding_a_special_token_is_refused_as_it_could_never_match(drafts):
+    """The output text is decoded without special tokens: a stop string such as llama.cpp configurations list
+    ("<|im_start|>", "</s>") never matched, and the goal ran to its length instead."""
+    tokenizer = tiny_tokenizer(chat=True)
+    target = tiny_llama(vocab_size=len(tokenizer), seed=5)
+    ctl = RuntimeController(RuntimeConfig(policy="general-static"), target, tokenizer,
+                            registry_of({"general": noisy_copy(target, 0.02, seed=6)}), None,
+                            loader=Loader({"general": noisy_copy(target, 0.02, seed=6)}), eos_token_ids=[])
+    prompt = tokenizer("The patient")["input_ids"]
+    for stop in (["<|im_start|>"], ["ok", "User:<|im_end|>"], ["</s>"]):
+        with pytest.raises(ValueError, match="contains the special token .* never appears in the output text"):
+            ctl.generate(prompt, 8, stop=stop)
+    assert ctl.generate(prompt, 8, stop=["<|im_start"]).stats.completion_tokens == 8  # no special token: taken
+    ctl.close()
+
+
 def test_memspec_without_predictor_is_refused(target, drafts):
     with pytest.raises(PolicyError, match="predictor"):
         RuntimeController(RuntimeConfig(policy="memspec"), target, None, registry_of(drafts), None,

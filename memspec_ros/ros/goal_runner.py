@@ -34,7 +34,7 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 
 from memspec_interfaces.action import Generate
 
-from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids
+from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids, stop_string_error
 from ..runtime.stats import GenerationStats
 from .diagnostics import ThroughputWindow, generation_stats_msg, stats_fields
 from .goal_limits import LENGTH_LIMITS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P
@@ -327,7 +327,7 @@ class GoalRunner:
         reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
         if reason:  # roles, emptiness, raw with messages, messages without a template
             return reason
-        reason = self._settings_error(goal)
+        reason = self._settings_error(goal) or stop_string_error(goal.stop, lo.tokenizer)
         if reason:
             return reason
         limit = self._param("generation.max_prompt_tokens")

@@ -151,8 +151,12 @@ def special_token_strings(tokenizer) -> list[str]:
 def turn_token_strings(tokenizer) -> list[str]:
     """The special tokens that mark a conversation's structure: those the chat template itself writes around the
     turns of a probe conversation, and bos/eos/unk/pad. Others (SmolLM2's <filename>, <jupyter_code>, ...) end no turn,
-    so a request may mention them. If the template renders no probe, every special token (the safe side)."""
+    so a request may mention them. If the template renders no probe, every special token (the safe side).
+    Added tokens not marked special count too when the template writes them: the tokenizer still reads each as
+    one id, so a template whose turn markers are such tokens could be closed by content holding one."""
     specials = special_token_strings(tokenizer)
+    added = {str(t.content) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()}
+    candidates = sorted((t for t in added.union(specials) if t), key=lambda t: (-len(t), t))
     probes = ([{"role": SYSTEM, "content": "s"}, {"role": USER, "content": "u"}, {"role": "assistant", "content": "a"},
                {"role": USER, "content": "u"}],
               [{"role": USER, "content": "u"}, {"role": "assistant", "content": "a"}, {"role": USER, "content": "u"}])
@@ -165,7 +169,7 @@ def turn_token_strings(tokenizer) -> list[str]:
         # document" whatever the system prompt said
         ends = {str(t) for t in (getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token",
                                                                              "pad_token")) if t}
-        return [t for t in specials if t in rendered or t in ends]
+        return [t for t in candidates if t in rendered or t in ends]
     return specials
 
 
@@ -182,6 +186,21 @@ def _special_token_error(tokenizer, prompt: str, messages: Sequence[tuple[str, s
             token = min(hits)[2]
             return (f"{where} contains the special token {token!r}: the chat template would turn it into a"
                     " control id (it could end the turn and forge another one); remove or reword it")
+    return ""
+
+
+def stop_string_error(stop_strings: Iterable[str], tokenizer) -> str:
+    """'' when every stop string can match the output text, else why one cannot: the text is decoded without
+    special tokens, so a stop string holding one (``<|im_start|>``, ``<end_of_turn>``, as llama.cpp configurations
+    list them) never matched and the goal ran to its length silently. The model's end tokens end it already."""
+    specials = special_token_strings(tokenizer) if tokenizer is not None else []
+    for stop in stop_strings:
+        token = next((t for t in specials if t in stop), None)
+        if token is not None:
+            ends = end_token_ids(tokenizer)
+            return (f"stop string {stop!r} contains the special token {token!r}, which never appears in the output"
+                    f" text (special tokens are not decoded into it): drop it; generation already ends at the"
+                    f" model's end token(s) {tokenizer.convert_ids_to_tokens(ends) if ends else []}")
     return ""
 
 

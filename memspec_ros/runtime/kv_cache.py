@@ -107,6 +107,16 @@ class PreallocatedLayer(DynamicLayer):
         self._length = max(0, self._length + tokens_to_remove)
 
 
+def crop_layers(cache: Cache, length: int) -> None:
+    """Every layer of ``cache`` to at most ``length`` tokens, one absolute length for all: a forward that raised
+    part-way (transformers' path, the lean Python one) has written some layers and not others, and a count relative
+    to each layer's own length kept that difference for good (rows later forwards attend over, copy and keep)."""
+    for layer in cache.layers:
+        excess = layer.get_seq_length() - length
+        if excess > 0:
+            layer.crop(-excess)
+
+
 def claim_rows(cache: Cache, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`PreallocatedLayer.claim` on layer ``layer_idx`` of a :func:`preallocated_cache`, creating the
     layer as ``Cache.update`` would."""

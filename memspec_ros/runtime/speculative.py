@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .chat import stop_string_error
 from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, lean_forward_for
 from .forward_paths import MAX_VERIFY_ROWS
@@ -137,9 +138,12 @@ class KVState:
         self.length = 0
 
     def crop_to(self, length: int) -> None:
-        if length < self.length:
-            self.cache.crop(length - self.length)  # negative: drop that many tokens
-            self.length = length
+        """At most ``length`` committed tokens, on every layer (also where a failed forward left some layers
+        ahead of ``self.length``: the draft-failure path keeps its cache)."""
+        from .kv_cache import crop_layers
+
+        self.length = min(length, self.length)
+        crop_layers(self.cache, self.length)
 
 
 def forward_once(model: torch.nn.Module, ids: Sequence[int], kv: KVState, keep: int, device: torch.device | str,
@@ -347,6 +351,9 @@ def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positio
         raise TypeError(f"stop strings must be strings, got {wrong[0]!r} ({type(wrong[0]).__name__})")
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need a tokenizer to decode the output")
+    reason = stop_string_error(stop_strings, tokenizer)
+    if reason:
+        raise ValueError(reason)
 
 
 class SpeculativeSession:

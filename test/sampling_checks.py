@@ -7,7 +7,7 @@ another CPU whose float rounding draws other samples, with the small probability
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from itertools import product
 
 import torch
@@ -54,26 +54,48 @@ def exact_joint(target, context: list[int], sampling: SamplingConfig, length: in
     return exact
 
 
-def check_after_likeliest_first(target, prompt: list[int], sampling: SamplingConfig, run, draws: int,
-                                z: float = 3.09) -> None:
-    """Chi-square of generated tokens 2-4 against their exact distribution, over the ``draws`` generations
-    ``run(seed)`` (sessions of 4 new tokens) whose first token is the target's likeliest one. Four tokens, so that
-    after the prefill's token an iteration can verify two or more proposals: with three, the length cap left one
-    proposal per iteration, and a rule wrong only at a later proposal (a rejection after an accepted token, the
-    bonus row after several) went unseen. Asserts that such iterations happened."""
-    with torch.no_grad():
-        first = int(warp_probs(target(torch.tensor([prompt])).logits[0, -1], sampling).argmax())
-    exact = exact_joint(target, prompt + [first], sampling)
-    counts: Counter = Counter()
-    several = 0
+def check_given_first(target, prompt: list[int], sampling: SamplingConfig, run, draws: int, z: float = 3.09,
+                      several: bool = True, second_alone: bool = False) -> list[tuple[list[int], object]]:
+    """Chi-square of generated tokens 2-4 given the first, over every one of the ``draws`` generations ``run(seed)``
+    (sessions of 4 new tokens). The first token is the prefill's, drawn by the target alone; the generations are
+    grouped by it, each group's counts are compared with the target's exact joint after that token, and the groups'
+    statistics and degrees of freedom add up (independent multinomials, given the first tokens). Every draw counts:
+    keeping only the generations whose first token was one chosen token threw away two in three of them.
+
+    Four tokens, so that after the prefill's token an iteration can verify two or more proposals: with three, the
+    length cap left one proposal per iteration, and a rule wrong only at a later proposal (a rejection after an
+    accepted token, the bonus row after several) went unseen; ``several``: assert such iterations happened.
+    ``second_alone``: also the second token's own distribution (fewer bins, more power against a bias there).
+    Returns every generation's (ids, stats) for the caller's own checks."""
+    counts: dict[int, Counter] = defaultdict(Counter)
+    runs: list[tuple[list[int], object]] = []
     for seed in range(draws):
         session = run(seed)
-        ids = session.generated_ids
+        ids = list(session.generated_ids)
         assert len(ids) == 4, ids
-        if ids[0] == first:
-            counts[tuple(ids[1:])] += 1
-        several += any(it.proposed >= 2 for it in session.stats.iterations)
-    n = sum(counts.values())
-    assert n > 500 and several > draws // 4, (n, several)
-    stat, dof = chi2(counts, exact, n)
-    assert stat < chi2_critical(dof, z), (stat, dof)
+        counts[ids[0]][tuple(ids[1:])] += 1
+        runs.append((ids, session.stats))
+    if several:
+        drafted = sum(any(it.proposed >= 2 for it in stats.iterations) for _, stats in runs)
+        assert drafted > draws // 4, drafted
+    joint, second = [0.0, 0], [0.0, 0]  # statistic, degrees of freedom
+    for first, observed in counts.items():
+        exact = exact_joint(target, prompt + [first], sampling)
+        n = sum(observed.values())
+        for total, (stat, dof) in ((joint, chi2(observed, exact, n)),
+                                   (second, chi2(_marginal(observed), _marginal(exact), n))):
+            total[0] += stat
+            total[1] += dof
+    assert joint[1] > 0
+    assert joint[0] < chi2_critical(joint[1], z), joint
+    if second_alone:
+        assert second[0] < chi2_critical(second[1], z), second
+    return runs
+
+
+def _marginal(joint: dict) -> dict:
+    """The first element's distribution (counts or probabilities) of a joint over tuples."""
+    out: dict = defaultdict(float)
+    for key, value in joint.items():
+        out[key[0]] += value
+    return dict(out)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from sampling_checks import check_after_likeliest_first
+from sampling_checks import check_given_first
 
 from memspec_ros.runtime.draft_forward import lean_forward_for
 from memspec_ros.runtime.forward_paths import (
@@ -261,10 +261,10 @@ def test_sampled_output_keeps_the_configured_targets_distribution(path):
     draft = tiny_llama(vocab_size=vocab, hidden=32, layers=1, seed=8, init_range=0.3)
     apply_path(target, path)
     apply_path(draft, path)
-    check_after_likeliest_first(
+    check_given_first(
         target, [1, 3], SamplingConfig(temperature=0.8, top_p=0.9),
         lambda seed: generate(target, [1, 3], draft, gamma=3, max_new_tokens=4,
-                              sampling=SamplingConfig(seed=seed, temperature=0.8, top_p=0.9)), draws=3000)
+                              sampling=SamplingConfig(seed=seed, temperature=0.8, top_p=0.9)), draws=1500)
 
 
 def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs):

@@ -451,3 +451,28 @@ def test_the_continuation_cache_keys_by_what_shapes_a_targets_answers_and_takes_
     assert model_digest(folder) == weights and answer_files_digest(folder)
     cache = ContinuationCache(tmp_path / "c.json", SMOLLM2)
     assert cache.target and answer_files_digest(SMOLLM2) == "" and cache.target != key
+
+
+def test_a_ggufs_end_of_turn_and_end_of_message_tokens_end_generation_as_its_eos_does(tmp_path):
+    """transformers' GGUF loader reads bos, eos, unk and pad only: a Phi-3 or Gemma GGUF (eos <|endoftext|> or
+    <eos>, turns ending in <|end|> or <end_of_turn>) answered on past the end of its turn into one it made up."""
+    import gguf
+
+    src = tmp_path / "ends.gguf"
+    writer = gguf.GGUFWriter(str(src), "llama")
+    writer.add_eos_token_id(32000)
+    writer.add_uint32("tokenizer.ggml.eot_token_id", 32007)
+    writer.add_uint32("tokenizer.ggml.eom_token_id", 32000)  # the same as eos: listed once
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert model_source.gguf_end_ids(src) == [32000, 32007]
+    # the bundled model names its eos alone (<|im_end|>, which ends its turns): its conversion keeps that one id
+    assert model_source.gguf_end_ids(package_file(SMOLLM2)) == [2]
+
+
+def test_the_bundled_conversion_ends_generation_at_its_end_of_turn(converted):
+    path, _ = converted
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2

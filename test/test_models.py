@@ -307,3 +307,29 @@ def test_a_target_on_transformers_forward_scores_a_verifys_rows_as_one_token_ste
     model = loaded.model
     assert lean_forward_for(model) is None and loaded.prepared is not None
     assert_verify_rows_equal_steps(model, 300)
+
+
+@pytest.mark.parametrize(("key", "value", "reason"), [
+    ("quantization_config", "gptq", "quantization_config is a str, not an object"),
+    ("num_hidden_layers", "two", "could not load the model in .*num_hidden_layers"),
+])
+def test_a_config_value_of_the_wrong_type_is_named_not_raised_raw(tmp_path, model_dirs, key, value, reason):
+    """A string where an object or a number belongs ended the load in a bare AttributeError or TypeError."""
+    broken = _copy(model_dirs[0], tmp_path / "broken")
+    config = json.loads((broken / "config.json").read_text())
+    config[key] = value
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelDirectoryError, match=reason):
+        load_model(ModelSpec(str(broken)))
+
+
+def test_a_gguf_conversions_load_error_says_it_is_a_conversion_to_redo(tmp_path, model_dirs, monkeypatch):
+    """A GGUF is loaded through its cached conversion: an error there gave the folder's advice (restore the
+    checkpoint, fix config.json) for a folder the user never made."""
+    from memspec_ros.runtime import model_source
+
+    cached = _copy(model_dirs[0], tmp_path / "conversion")
+    (cached / "config.json").write_text("{not json")
+    monkeypatch.setattr(model_source, "resolve_model_path", lambda path: cached)
+    with pytest.raises(ModelDirectoryError, match=r"not valid JSON.*cached conversion of /robot/model.gguf: delete"):
+        load_model(ModelSpec("/robot/model.gguf"))

@@ -41,7 +41,8 @@ PKG_PREFIX = "pkg:"
 CONVERTED_MARKER = "memspec_gguf.json"  # written last: a directory without it is an interrupted conversion
 # part of a conversion's cache key, with the file's digest and transformers' version (its GGUF loader names the
 # same file's special tokens differently between releases, models.py): raise it when convert_gguf's output changes
-CONVERTER_VERSION = 3  # 3: conversions made before the link name was absolute may hold a stray model.gguf's weights
+# 3: conversions made before the link name was absolute may hold a stray model.gguf's weights; 4: end-of-turn ids
+CONVERTER_VERSION = 4
 
 
 class GGUFConversionError(ModelLoadError):
@@ -132,6 +133,8 @@ def check_gguf(path: Path) -> str:
     field = reader.get_field("general.architecture")
     if field is None:
         raise GGUFConversionError(f"{path} has no general.architecture: not a model GGUF")
+    if not field.data:
+        raise GGUFConversionError(f"{path}: general.architecture holds no value: not a model GGUF")
     arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
     # the engine runs causal LMs: t5, umt5 and deci are in the GGUF table but build no causal LM (they failed later
     # as "Unrecognized configuration class")
@@ -148,6 +151,25 @@ def check_gguf(path: Path) -> str:
         raise GGUFConversionError(f"{path} uses quantization type(s) {', '.join(bad)}, which gguf cannot de-quantize:"
                                   " convert it with another quant type (Q4_0, Q4_1, Q5_*, Q8_0, K-quants)")
     return arch
+
+
+# the tokens a GGUF names besides its eos that end a turn or a message (Phi-3's <|end|>, Gemma's <end_of_turn>,
+# Llama 3's <|eot_id|> and <|eom_id|>): transformers' GGUF loader reads only bos, eos, unk and pad
+END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def gguf_end_ids(path: Path) -> list[int]:
+    """The ids a GGUF file's header names as ending generation (eos, end of turn, end of message), in that order,
+    each once."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    ids: list[int] = []
+    for key in END_KEYS:
+        field = reader.get_field(key)
+        if field is not None and field.data:
+            ids.append(int(field.parts[field.data[0]][0]))
+    return list(dict.fromkeys(ids))
 
 
 @contextmanager
@@ -204,9 +226,10 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
             loaded, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
                                                                 trust_remote_code=False, dtype=torch.float32,
                                                                 output_loading_info=True)
-    # RuntimeError: a tensor of another shape than the config's; KeyError: metadata the reader expects is absent
-    except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError) as exc:
-        raise GGUFConversionError(f"transformers could not load {path}: {exc}") from exc
+    # RuntimeError: a tensor of another shape than the config's; KeyError: metadata the reader expects is absent;
+    # anything else (TypeError, IndexError, ... from metadata of an unexpected type) is this file's fault as much
+    except Exception as exc:
+        raise GGUFConversionError(f"transformers could not load {path}: {type(exc).__name__}: {exc}") from exc
     # a tensor the file lacks is initialised at random and only logged: it would be cached as the model
     missing = sorted(str(k) for k in info.get("missing_keys") or ())
     if missing or info.get("error_msgs"):
@@ -223,6 +246,12 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict(), strict=True, assign=True)
     plain.tie_weights()  # assign replaced the tied parameters one by one
+    # the end-of-turn token ends an answer as the eos does (runtime/chat.end_token_ids reads this list): else an
+    # instruct model whose turn ends in another token than its eos ran on into a turn of its own invention
+    eos = plain.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or ())
+    ends = list(dict.fromkeys(eos + gguf_end_ids(path)))
+    plain.generation_config.eos_token_id = ends[0] if len(ends) == 1 else ends or None
     plain.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
 

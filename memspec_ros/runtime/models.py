@@ -249,7 +249,11 @@ def gptq_backend_available() -> bool:
 def _check_quantization(config: dict[str, Any], spec: ModelSpec) -> None:
     if spec.quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {spec.quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
-    method = (config.get("quantization_config") or {}).get("quant_method")
+    quantization = config.get("quantization_config") or {}
+    if not isinstance(quantization, dict):
+        raise ModelDirectoryError(f"{spec.path}/config.json: quantization_config is a {type(quantization).__name__},"
+                                  " not an object: fix or remove it")
+    method = quantization.get("quant_method")
     if spec.quantization == "gptq" and method != "gptq":
         raise QuantizationBackendError(
             f"quantization 'gptq' requested but {spec.path}/config.json has no GPTQ quantization_config"
@@ -297,14 +301,26 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 
 
 def load_model(spec: ModelSpec) -> LoadedModel:
-    """Load one causal LM from a local directory into eval mode, gradients off."""
-    from transformers import AutoModelForCausalLM
-
-    from .draft_vocab import wrap_if_reduced
+    """Load one causal LM from a local directory (or a GGUF file, through its cached conversion) into eval mode,
+    gradients off."""
     from .model_source import is_model_source, resolve_model_path
 
     if is_model_source(spec.path):  # a GGUF file or pkg:... resource: its cached safetensors directory
+        source = spec.path
         spec = replace(spec, path=str(resolve_model_path(spec.path)))
+        try:
+            return _load_directory(spec)
+        except ModelLoadError as exc:  # its advice (restore the checkpoint, fix config.json) is for the folder
+            raise type(exc)(f"{exc} [this folder is the cached conversion of {source}: delete it to convert the"
+                            " file again]") from exc
+    return _load_directory(spec)
+
+
+def _load_directory(spec: ModelSpec) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    from .draft_vocab import wrap_if_reduced
+
     config = read_config(spec.path)
     check_architecture(config, spec.path, spec.trust_remote_code)
     _check_quantization(config, spec)
@@ -334,8 +350,10 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         model, info = AutoModelForCausalLM.from_pretrained(spec.path, output_loading_info=True, **kwargs)
     except ImportError as exc:  # a backend the checkpoint needs (GPTQ's optimum, say) that is not installed
         raise QuantizationBackendError(f"could not load the model in {spec.path}: {exc}") from exc
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ModelDirectoryError(f"could not load the model in {spec.path}: {exc}") from exc
+    # besides damaged files: a config.json whose values have the wrong type or lack a key the model reads raises
+    # TypeError, KeyError, AttributeError or huggingface_hub's own validation error, all this folder's to fix
+    except Exception as exc:
+        raise ModelDirectoryError(f"could not load the model in {spec.path}: {type(exc).__name__}: {exc}") from exc
     check_loading_info(info, spec.path)
     if "device_map" not in kwargs:
         model = model.to(device)

@@ -662,3 +662,31 @@ def test_the_engine_bench_refuses_options_the_generated_tiny_models_would_ignore
     with pytest.raises(SystemExit) as exc:
         main(["engine", "--zoo", "tiny", "--prompts", "1", "--runs", "1", *option])
     assert option[0] in str(exc.value) and "tiny models" in str(exc.value)
+
+
+def test_the_demos_default_parameters_file_is_the_installed_packages_away_from_the_checkout(tmp_path, monkeypatch):
+    """Installed without --symlink-install, the module lies in site-packages, far from config/: the default
+    --params-file named a file that was not there, so `python -m memspec_ros.ros.demo` failed before it began."""
+    from memspec_ros.ros import demo
+
+    assert demo.default_params_file() == str(demo.REPO / "config" / "memspec.yaml")  # the checkout's own
+    monkeypatch.setattr(demo, "REPO", tmp_path)  # as seen from site-packages
+    installed = Path(demo.default_params_file())
+    assert installed.is_file() and installed.parts[-3:] == ("memspec_ros", "config", "memspec.yaml"), installed
+    assert "share" in installed.parts and tmp_path not in installed.parents
+
+
+def test_a_demo_that_fails_before_its_node_starts_removes_the_zoo_it_generated(tmp_path, monkeypatch):
+    from memspec_ros.ros import demo
+
+    zoo = tmp_path / "generated-zoo"
+    zoo.mkdir()
+    monkeypatch.setattr(demo, "choose_zoo", lambda args: (zoo, [], True))
+
+    def no_domain():
+        raise RuntimeError("no free ROS domain id")
+
+    monkeypatch.setattr(demo, "claim_domain_id", no_domain)
+    with pytest.raises(RuntimeError, match="no free ROS domain id"):
+        demo.run(object())
+    assert not zoo.exists()

@@ -318,6 +318,14 @@ def report(failed: str, proc: subprocess.Popen, code: int | None, log_path: Path
 
 def run(args) -> int:
     zoo, overrides, generated = choose_zoo(args)
+    try:
+        return _run(args, zoo, overrides)
+    finally:  # whatever ended the demo (a failed step, a signal, no free ROS domain): the generated zoo goes
+        if generated:
+            shutil.rmtree(zoo, ignore_errors=True)
+
+
+def _run(args, zoo: Path, overrides: list[str]) -> int:
     domain, _lock = claim_domain_id()
     os.environ["ROS_DOMAIN_ID"] = str(domain)
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
@@ -340,11 +348,14 @@ def run(args) -> int:
             if not shutting_down:  # one that arrives during the node's shutdown must not cut it short
                 raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    proc = start_node(Path(args.params_file), overrides, log_path)
+    previous: dict = {}
+    proc: subprocess.Popen | None = None
     client = None
-    failed = ""
-    try:
+    failed, code = "", None
+    try:  # the handlers are installed inside it: a signal from the first one on ends in the `finally` below
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, on_signal)
+        proc = start_node(Path(args.params_file), overrides, log_path)
         client = Client()
         bring_up(client, args.timeout, log_path)
         prompt = args.prompt or demo_prompt(zoo)
@@ -372,16 +383,37 @@ def run(args) -> int:
             raise
     finally:
         shutting_down = True
-        if proc.poll() is None and client is not None:
+        if proc is not None and proc.poll() is None and client is not None:
             bring_down(client)
-        code = stop_process(proc)
+        if proc is not None:
+            code = stop_process(proc)
         if client is not None:
             client.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if generated:
-        shutil.rmtree(zoo, ignore_errors=True)
+    if proc is None:  # stopped or failed before the node process started
+        if received:
+            say(f"stopped by {signal.Signals(received[0]).name} before the node process started")
+            return 128 + received[0]
+        say(f"FAILED: the node process could not be started: {failed}")
+        return 1
     return report(failed, proc, code, log_path, received[0] if received else 0)
+
+
+def default_params_file() -> str:
+    """config/memspec.yaml of this checkout, or of the installed package where the sources are not beside it (a
+    colcon install without --symlink-install copies the module into site-packages, far from config/)."""
+    here = REPO / "config" / "memspec.yaml"
+    if here.is_file():
+        return str(here)
+    try:
+        from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
+    except ImportError:  # no ROS environment sourced: the checkout's path, which --params-file's check then names
+        return str(here)
+    try:
+        return str(Path(get_package_share_directory("memspec_ros")) / "config" / "memspec.yaml")
+    except PackageNotFoundError:
+        return str(here)
 
 
 def _existing_file(text: str) -> str:
@@ -396,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memspec_ros.ros.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", help="zoo directory with registry.yaml (default: the bundled zoo)")
-    parser.add_argument("--params-file", type=_existing_file, default=str(REPO / "config" / "memspec.yaml"),
-                        help="the node's parameters file (default config/memspec.yaml)")
+    parser.add_argument("--params-file", type=_existing_file, default=default_params_file(),
+                        help="the node's parameters file (default config/memspec.yaml: the checkout's, else the"
+                             " installed package's share/memspec_ros/config)")
     parser.add_argument("--prompt", help="prompt (default: the zoo's first code workload prompt)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--threads", type=node_range("model.threads"), default=os.environ.get("MEMSPEC_THREADS", "1"),

@@ -337,13 +337,14 @@ def test_the_engine_bench_pools_e_a_over_every_iteration(tmp_path, monkeypatch):
     from memspec_ros.bench import engine_bench
     from memspec_ros.runtime.stats import GenerationTotals
 
-    seen = []
+    seen, lengths = [], []
     real = engine_bench.generate
 
     def recording(target, ids, draft=None, **kw):
         session = real(target, ids, draft, **kw)
         if draft is not None and kw.get("max_new_tokens") != 8:  # the bench's runs, not its warm-up
             seen.append(session.stats)
+            lengths.append(len(session.generated_ids))
         return session
 
     monkeypatch.setattr(engine_bench, "generate", recording)
@@ -355,7 +356,11 @@ def test_the_engine_bench_pools_e_a_over_every_iteration(tmp_path, monkeypatch):
         pooled.add(stats)
     per_prompt = sum(s.mean_accepted for s in seen) / len(seen)
     assert len(seen) == 3 and pooled.mean_accepted != pytest.approx(per_prompt)  # the case tells them apart
-    assert json.loads(out.read_text())["mean_accepted"] == pytest.approx(pooled.mean_accepted)
+    data = json.loads(out.read_text())
+    assert data["mean_accepted"] == pytest.approx(pooled.mean_accepted)
+    # each method's token count is recorded beside its rate (lossless: the engine's equals the target alone's)
+    assert data["generated_tokens"]["engine"] == sum(lengths) == data["generated_tokens"]["target_alone"]
+    assert set(data["generated_tokens"]) == set(data["per_run"])
 
 
 def test_every_engine_bench_method_is_warmed_up_before_its_timed_calls(monkeypatch, tmp_path):

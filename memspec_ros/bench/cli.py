@@ -240,6 +240,8 @@ def cmd_engine(args) -> int:
         + (f", its assisted generation the same as its generate on {result.hf_assisted_same_as_generate:.0%}"
            if result.hf_assisted_same_as_generate is not None else "")
         + f") | draft forward: {result.draft_forward}"
+        + (" | tokens per run: " + ", ".join(f"{m} {n}" for m, n in result.generated_tokens.items())
+           if len(set(result.generated_tokens.values())) > 1 else "")  # rates over different counts: say so
     )
     return 0 if result.outputs_identical else 1
 

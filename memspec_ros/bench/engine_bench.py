@@ -89,6 +89,10 @@ class EngineBenchResult:
     loop_verify_ms: float | None = None  # per verify of gamma + 1 rows, as t_verify_ms
     loop_other_ms: float | None = None  # per iteration: accepting, committing, streaming text, scheduling
     per_run: dict[str, list[float]] = field(default_factory=dict)
+    # each method's generated tokens over one run's prompts (greedy: the same every run). Each rate is its own tokens
+    # over its own time, so a method that stopped at an end token earlier (transformers' generate on a near-tie
+    # rounded the other way) is compared at another token count: this says by how much
+    generated_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -262,6 +266,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 progress.update(1)
         for method in methods:
             per_run[method].append(tokens[method] / seconds[method])
+        generated = tokens
         decode_tps.append(decode_tokens_per_second(run_decode_tokens, run_decode_s))
         bound_tps.append(decode_tokens_per_second(run_decode_tokens, run_bound_s))
     mean_accepted = accepted.mean_accepted
@@ -284,5 +289,5 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         t_draft_ms=t_draft, t_verify_ms=t_verify, bound_tps=bound,
         bound_fraction=bound_fraction(decode_tps, bound_tps) if bound else None,
         loop_draft_ms=loop.draft_ms, loop_verify_ms=loop.verify_ms, loop_other_ms=loop.other_ms,
-        per_run=per_run,
+        per_run=per_run, generated_tokens=dict(generated),
     )

@@ -172,6 +172,25 @@ step_deps() {
 }
 
 # ---------------------------------------------------------------------------------- colcon
+# What the colcon build needs from the machine, checked before the pip installs (minutes on a clean machine) rather
+# than after them. rosidl generates C and C++ for memspec_interfaces: without these colcon fails deep in CMake's
+# output. Its Python bindings compile against the Python headers (CMake: "Could NOT find Python3 (missing:
+# Development.Module)" otherwise; a pyenv Python brings them, Debian's python3.11 does not): a venv's are its base
+# interpreter's, so the interpreter that makes the venv answers before there is one.
+check_build_tools() {
+  local tool missing=() py include
+  for tool in cmake "${CC:-cc}" "${CXX:-c++}" make; do
+    command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+  done
+  [ ${#missing[@]} -eq 0 ] || die "colcon build of memspec_interfaces needs ${missing[*]} on PATH (Debian: sudo apt install cmake build-essential)"
+  py="$VENV/bin/python"
+  venv_ready "$VENV" || py="$(pick_python)"
+  command -v "$py" >/dev/null 2>&1 || die "no '$py' on PATH; set MEMSPEC_PYTHON to a Python 3.11"
+  include="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  [ -f "$include/Python.h" ] || die "colcon build of memspec_interfaces needs the Python headers ($include/Python.h" \
+    "is missing; Debian: sudo apt install python3-dev)"
+}
+
 step_build() {
   local want
   # the checkout's path too: --symlink-install links install/ into build/ and to absolute paths
@@ -185,18 +204,6 @@ step_build() {
     say "colcon build up to date (install/)"
     return
   fi
-  # rosidl generates C and C++ for memspec_interfaces: without these colcon fails deep in CMake's output
-  local tool missing=()
-  for tool in cmake "${CC:-cc}" "${CXX:-c++}" make; do
-    command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
-  done
-  [ ${#missing[@]} -eq 0 ] || die "colcon build of memspec_interfaces needs ${missing[*]} on PATH (Debian: sudo apt install cmake build-essential)"
-  # ... and the Python headers: rosidl's Python bindings compile against them (CMake: "Could NOT find Python3
-  # (missing: Development.Module)" otherwise; a pyenv Python brings them, Debian's python3.11 does not)
-  local include
-  include="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
-  [ -f "$include/Python.h" ] || die "colcon build of memspec_interfaces needs the Python headers ($include/Python.h" \
-    "is missing; Debian: sudo apt install python3-dev)"
   rm -f "$BUILD_STAMP"
   # CMake refuses a build folder configured for another source path (a moved checkout): every run would
   # fail in CMake until `make clean`, so such a build/ and the install/ made from it are removed
@@ -261,6 +268,7 @@ if [ "$target" = gptq ]; then
   step_gptq
   exit 0
 fi
+[ "$target" = deps ] || check_build_tools
 step_deps
 if [ "$target" != "deps" ]; then
   step_build

@@ -183,3 +183,11 @@ def test_no_python_for_the_gptq_venv_is_named(checkout):
     root, _ = checkout
     done = run_setup(root, Path("/nonexistent/python3.11"), "gptq")
     assert done.returncode != 0 and "set MEMSPEC_PYTHON" in done.stderr
+
+
+def test_a_missing_build_tool_is_named_before_any_pip_install(checkout):
+    """The compiler, CMake and Python headers were checked after the pip installs, minutes into a clean setup."""
+    root, fake = checkout
+    done = run_setup(root, fake, "build", CC="/nonexistent/cc")
+    assert done.returncode != 0 and "needs /nonexistent/cc on PATH" in done.stderr, done.stderr
+    assert not [line for line in log_lines(root) if line.startswith(("pip ", "venv "))]

@@ -452,3 +452,23 @@ def test_lifecycle_transitions_during_a_generation_or_a_prefetch(rclpy_context, 
         assert own_threads() == threads, (own_threads(), threads)
     finally:
         node.close()
+
+
+def test_a_goal_whose_cancel_lands_inside_rclpys_execute_still_gets_its_execute_callback():
+    """rclpy's ServerGoalHandle.execute reads is_cancel_requested, then applies EXECUTE: a cancel accepted in
+    between makes EXECUTE invalid from CANCELING and execute() raises. At the next queued goal's start that left the
+    finished goal's result unsent and every later goal queued forever; the callback is scheduled all the same."""
+    import types
+
+    from memspec_ros.ros.goal_runner import RCLError, GoalRunner
+
+    scheduled = []
+
+    class CancelledMeanwhile:
+        def execute(self, callback=None):
+            raise RCLError("goal_handle attempted invalid transition from state CANCELING with event EXECUTE")
+
+    server = types.SimpleNamespace(notify_execute=lambda handle, callback: scheduled.append((handle, callback)))
+    handle, callback = CancelledMeanwhile(), object()
+    GoalRunner._execute(types.SimpleNamespace(server=server), handle, callback)
+    assert scheduled == [(handle, callback)]

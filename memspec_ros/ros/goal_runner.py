@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.impl.implementation_singleton import rclpy_implementation as _rclpy
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 from memspec_interfaces.action import Generate
@@ -38,6 +39,8 @@ from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_i
 from ..runtime.stats import GenerationStats
 from .diagnostics import ThroughputWindow, generation_stats_msg, stats_fields
 from .goal_limits import LENGTH_LIMITS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P
+
+RCLError = _rclpy.RCLError  # what rclpy raises for a goal state change its state machine refuses
 
 ACTION_NAME = "~/generate"
 DEACTIVATE_WAIT_SECONDS = 30.0  # how long ending the goals waits for the running one's next iteration
@@ -453,7 +456,7 @@ class GoalRunner:
         elif ended:
             self._end_unrun(job, late or self._ended_with)
         elif start:
-            goal_handle.execute()
+            self._execute(goal_handle)
 
     # -- cancel callback --------------------------------------------------------------------------------
     def on_cancel(self, goal_handle) -> CancelResponse:
@@ -517,8 +520,19 @@ class GoalRunner:
                         self._freeing -= 1
                         self._cv.notify_all()
             if following is not None:
-                following.goal_handle.execute()
+                self._execute(following.goal_handle)
         return result
+
+    def _execute(self, goal_handle, callback=None) -> None:
+        """``goal_handle.execute(callback)``, whatever a cancel does meanwhile: rclpy reads is_cancel_requested, then
+        applies EXECUTE under the goal's lock, so a cancel accepted in between makes EXECUTE invalid from CANCELING
+        and execute() raises (at the next queued goal's start it left the finished goal's result unsent and
+        _running naming a goal never run: every later goal queued forever). Its execute callback is scheduled all
+        the same; both callbacks handle a goal that is CANCELING."""
+        try:
+            goal_handle.execute(callback)
+        except RCLError:
+            self.server.notify_execute(goal_handle, callback)
 
     def _run_when_over(self, calls: list[Callable[[], None]]) -> None:
         """What waited for this goal to be done with the models (release_when_over); a failure is logged, never
@@ -610,7 +624,7 @@ class GoalRunner:
         if cancelled:  # no EXECUTING state for a goal that never ran
             self.server.notify_execute(job.goal_handle, functools.partial(self._answer, job))
         else:
-            job.goal_handle.execute(functools.partial(self._answer, job))
+            self._execute(job.goal_handle, functools.partial(self._answer, job))
 
     def _answer(self, job: Job, goal_handle) -> Generate.Result:
         """The execute callback of a goal that ended before it ran."""

@@ -242,6 +242,33 @@ def test_a_goal_whose_server_went_away_fails_and_one_past_its_result_timeout_is_
     assert b.status == Status.RUNNING and handle.cancels == 1
 
 
+def test_a_server_that_restarted_mid_goal_is_asked_again_and_its_unknown_goal_fails_the_behaviour():
+    """The server went away and came back (respawned) within server_timeout: the result request went to the old
+    one, the new one never got it, and with no result timeout the behaviour stayed RUNNING for ever. Asked again,
+    a server that does not know the goal answers STATUS_UNKNOWN, which read as "canceled"."""
+    from action_msgs.msg import GoalStatus
+
+    from memspec_interfaces.action import Generate as GenerateAction
+
+    client = _Client()
+    handle = _Handle()
+    asked = []
+    handle.get_result_async = lambda: asked.append(1) or handle.result_future
+    client.goal_future.set_result(handle)
+    b = _faked(client, server_timeout=5.0)
+    b.tick_once()
+    assert b.status == Status.RUNNING and len(asked) == 1
+    client.ready = False
+    b.tick_once()
+    client.ready = True  # back before server_timeout
+    b.tick_once()
+    assert len(asked) == 2  # asked the server that is there now
+    response = GenerateAction.Impl.GetResultService.Response(status=GoalStatus.STATUS_UNKNOWN)
+    handle.result_future.set_result(response)
+    b.tick_once()
+    assert b.status == Status.FAILURE and b.outcome == "server-gone" and "no longer knows the goal" in b.feedback_message
+
+
 def test_the_example_takes_ros_arguments_and_its_timeouts_as_flags(monkeypatch):
     """--ros-args (the README's enclave for the BT, a namespace remap) failed argparse with 'unrecognized
     arguments'; the server timeout (1 s, shorter than discovery can take) had no flag."""

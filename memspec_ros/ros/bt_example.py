@@ -166,6 +166,10 @@ class Generate(py_trees.behaviour.Behaviour):
         if response.status == GoalStatus.STATUS_ABORTED:
             self.outcome = "aborted"
             self.feedback_message = f"goal aborted: {self.result.error_message}"
+        elif response.status == GoalStatus.STATUS_UNKNOWN:  # the server answering does not know the goal
+            self.outcome = "server-gone"
+            self.feedback_message = (f"the action server at {self.action_name} no longer knows the goal (it was"
+                                     " restarted): no result will come")
         else:
             self.outcome = "canceled"
             self.feedback_message = "goal cancelled"
@@ -176,6 +180,10 @@ class Generate(py_trees.behaviour.Behaviour):
         come) or ``result_timeout`` has passed (the goal is cancelled)."""
         now = time.monotonic()
         if self.client.server_is_ready():
+            if self._gone_since is not None:
+                # back after it was gone: a restarted server never got the result request sent to the one before, and
+                # would leave this RUNNING for ever; asked again, it answers at once for a goal it does not know
+                self.result_future = self.goal_handle.get_result_async()
             self._gone_since = None
         elif self._gone_since is None:
             self._gone_since = now

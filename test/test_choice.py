@@ -105,6 +105,25 @@ def test_a_warm_first_choice_runs_the_best_resident_draft_and_keeps_it_while_the
 
 
 @pytest.mark.parametrize("action", [CACHE_PREFETCH, CACHE_REQUEST])
+def test_a_later_point_keeps_the_best_resident_draft_not_the_one_that_ran(action):
+    """K = 2, {math, general} resident, general ran the last interval, ranking code law math general: the cache
+    action kept general (it had run) and evicted math to load code, so general, ranked last, ran the next interval
+    although math was resident at the point. The draft kept is the one that runs next."""
+    clock = Clock()
+    cache = SimCache(2, lambda name: 1.0, clock)
+    for name in ("general", "math"):
+        cache.request(name)
+        clock.now += 1.5
+    cache.set_active("general")
+    ranking = [("code", 3.0), ("law", 2.0), ("math", 1.0), ("general", 0.5)]
+    choice = Choice("code", block=False, fallback=("code", "law", "math", "general"), cache_action=action,
+                    ranking=ranking)
+    resolution = carry_out(choice, cache, wait=pytest.fail, current="general")
+    assert (resolution.draft, resolution.fallback, resolution.waited) == ("math", True, 0.0)
+    assert cache.is_resident("math") and cache.is_available("code") and not cache.is_available("general")
+
+
+@pytest.mark.parametrize("action", [CACHE_PREFETCH, CACHE_REQUEST])
 def test_a_warm_first_choice_with_no_room_beside_the_resident_draft_waits_for_its_draft(action):
     """K = 1: the resident draft, once running, could not be evicted for the choice, so it would run the whole
     generation; carry_out waits for the choice instead (evicting the idle draft), as on a cold cache."""

@@ -83,7 +83,7 @@ def simulate(solver: ScheduleSolver, plan) -> float:
             assert loading is None and action.prefetch not in resident and action.kind in ("start", "resident")
             if len(resident) >= solver.capacity:
                 victim = next(victims)
-                assert victim not in (x, active)  # the controller protects the new and the last active draft
+                assert victim != x  # the controller protects the draft that runs next (choice.carry_out)
                 resident.remove(victim)
             loading = (action.prefetch, points)
         assert len(resident) + (loading is not None) <= solver.capacity

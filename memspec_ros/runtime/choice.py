@@ -83,8 +83,9 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
               first: bool = False) -> Resolution:
     """Do what ``choice`` says on ``cache`` and pick the draft that runs until the next scheduling point.
 
-    ``current``: the draft that ran the last interval ("" none), protected from eviction while it may go on
-    decoding. ``wait(name)``: block until ``name`` is resident and return the seconds waited (also when its load
+    ``current``: the draft that ran the last interval ("" none). What the cache action keeps from eviction is the
+    draft that will run next (the preferred one if resident, else the first resident fallback), whichever ran
+    before. ``wait(name)``: block until ``name`` is resident and return the seconds waited (also when its load
     failed: the cache records the failure and decoding goes on without it).
 
     In order: the ranking's scores (unless the cache action is a prefetch, which sets them itself); the
@@ -113,10 +114,16 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
     if blocking:
         cache.set_active("")  # the idle current draft may be evicted to make room
         waited, counted = wait(preferred), True
+    # kept through the cache action: the draft that will run until the next point (the choice if resident, else its
+    # first resident fallback, as picked below), not the one that ran the last interval. Protecting that one evicted
+    # a better resident draft and then ran it (K 2, {C, D} resident, D ran, ranking A B C D: loading A evicted C, and
+    # D, ranked fourth, ran the interval)
+    resident = cache.resident()
+    runner = next((n for n in (preferred, *choice.fallback, *sorted(resident)) if n and n in resident), None)
     if choice.cache_action == CACHE_PREFETCH and choice.ranking is not None:
-        cache.update(choice.ranking, active=current if current in cache.resident() else None)
+        cache.update(choice.ranking, active=runner)
     elif choice.cache_action == CACHE_REQUEST and preferred and not cache.is_available(preferred):
-        cache.request(preferred, active=current or None)
+        cache.request(preferred, active=runner)
     if (warm_start and not cache.is_available(preferred) and preferred not in cache.failed()
             and not (current and cache.room_beside(current, preferred))):
         # the cache can never hold the chosen draft beside the one kept running (K = 1, or a byte budget that holds

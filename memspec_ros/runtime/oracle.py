@@ -476,7 +476,7 @@ class ScheduleSolver:
             nxt, cost = self._run(x, p, a)
             yield cost, ScheduleAction(RESIDENT, x), (nxt, x, resident, k_next)
             if loading is None:
-                for b, v, left in self._prefetches(resident, {x, a}):
+                for b, v, left in self._prefetches(resident, {x}):  # as carry_out: only the draft to run is kept
                     yield cost, ScheduleAction(RESIDENT, x, b, v), (nxt, x, left, (b, 1))
         if loading is not None:
             b, k = loading

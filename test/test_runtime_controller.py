@@ -1159,3 +1159,31 @@ def test_a_cancel_does_not_sit_out_a_blocking_draft_load(target, drafts, policy)
     result = ctl.generate(PROMPT, NEW, should_cancel=lambda: True)
     assert result.finish_reason == "cancelled" and ctl.cache.resident() == []
     ctl.close()
+
+
+def test_a_draft_that_fails_mid_interval_hands_the_rest_of_it_to_the_next_resident_draft(target, drafts, expected,
+                                                                                          monkeypatch):
+    """A draft failing while it proposed left the target decoding alone until the next scheduling point (N up to
+    1024) although the Choice's next draft was resident: that one runs the rest of the interval."""
+    from memspec_ros.runtime import speculative
+
+    real, calls = speculative._forward, []
+
+    def math_fails_once(model, *args):
+        logits = real(model, *args)
+        if model is drafts["math"]:
+            calls.append(1)
+            if len(calls) == 3:
+                return torch.full_like(logits, float("nan"))
+        return logits
+
+    monkeypatch.setattr(speculative, "_forward", math_fails_once)
+    ctl = make(target, drafts, "memspec", capacity=2, interval=16,
+               ranker=lambda context: ["math", "code", "law", "general"])
+    result = ctl.generate(PROMPT, NEW)
+    assert result.token_ids == expected
+    its = result.stats.iterations
+    failed = next(i for i, it in enumerate(its) if it.draft == "" and it.fallback)
+    rest = [it.draft for it in its[failed + 1:16]]  # the same interval after the failure
+    assert rest and set(rest) == {"code"}, [it.draft for it in its]
+    ctl.close()

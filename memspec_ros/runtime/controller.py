@@ -142,15 +142,17 @@ class _Run:
     model: LoadedModel | None = None
     preferred: str = ""  # the policy's choice (active differs when it fell back)
     fallback: bool = False
+    order: tuple[str, ...] = ()  # the last Choice's preferred draft and fallbacks: where a failed draft's interval goes
     interval: int = 0
     iterations: list[IterationStats] = dataclasses.field(default_factory=list)  # this interval's
     prediction_seconds: float = 0.0  # the last scheduling point's work, charged to the next iteration
     wait_seconds: float = 0.0  # its blocking load wait, likewise
 
-    def follow(self, resolution: Resolution) -> None:
+    def follow(self, choice: Choice, resolution: Resolution) -> None:
         """Decode on what a carried-out Choice picked until the next scheduling point."""
         self.active, self.model = resolution.draft, resolution.model
         self.preferred, self.fallback = resolution.preferred, resolution.fallback
+        self.order = (choice.preferred, *choice.fallback)
 
 
 @dataclass
@@ -532,7 +534,7 @@ class RuntimeController:
         choice = policy.choose(point)
         stats.predictions += 1
         first = self._carry_out(choice, current="", first=True)  # the first draft: blocking on a cold cache
-        run.follow(first)
+        run.follow(choice, first)
         stats.setup_seconds = setup + time.perf_counter() - t_choose
         stats.setup_wait_seconds = first.waited
         session.restart_decode_clock()  # setup is not decoding (runtime/stats.py: the paper's metric)
@@ -568,7 +570,7 @@ class RuntimeController:
         choice = run.policy.choose(point)
         stats.predictions += 1
         resolution = self._carry_out(choice, current=run.active)
-        run.follow(resolution)
+        run.follow(choice, resolution)
         run.prediction_seconds = time.perf_counter() - t0 - resolution.waited
         run.wait_seconds = resolution.waited
 
@@ -583,11 +585,23 @@ class RuntimeController:
             session.drop_draft(exc.draft)
             run.active, run.model, run.fallback = "", None, True
             it = session.step("", None)
+            self._fall_back(run)  # the rest of the interval: the Choice's next resident draft, not the target alone
         it.preferred = run.preferred
         it.fallback = run.fallback
         it.prediction_seconds, it.load_wait_seconds = run.prediction_seconds, run.wait_seconds
         run.prediction_seconds = run.wait_seconds = 0.0
         return it
+
+    def _fall_back(self, run: _Run) -> None:
+        """After the active draft failed: the first resident draft of the last Choice's order runs until the next
+        scheduling point (with N up to 1024, the target decoded alone that long beside a runnable draft)."""
+        for name in run.order:
+            model = self.cache.get(name, count=False) if name and self.cache.is_resident(name) else None
+            if model is not None:
+                self.cache.set_active(name)
+                run.active, run.model = name, model
+                return
+        self.cache.set_active("")
 
     def _point(self, interval: int, session: SpeculativeSession, prompt_ids: list[int], active: str) -> SchedulingPoint:
         generated = session.generated_ids

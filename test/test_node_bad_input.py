@@ -241,3 +241,14 @@ def unconfigured(rclpy_context):
 def test_configure_time_parameters_are_checked_while_unconfigured(unconfigured, name, value, words):
     assert unconfigured.state() == "unconfigured"
     refused(unconfigured, words, **{name: value})
+
+
+def test_a_prompt_token_past_the_targets_embedding_is_rejected_not_accepted_and_aborted(h, monkeypatch):
+    """A tokenizer with more tokens than the target's embedding rows: the runtime refuses such ids, so the goal
+    was accepted and then aborted, where Generate.action promises an invalid goal is rejected."""
+    from memspec_ros.ros import goal_runner
+
+    monkeypatch.setattr(goal_runner, "input_rows", lambda model: 3)  # every real prompt id lies past row 2
+    rejected(h, goal(max_new_tokens=NEW), "outside the target's 3 embedding rows")
+    monkeypatch.undo()
+    succeeded(h, goal(max_new_tokens=NEW))

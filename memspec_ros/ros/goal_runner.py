@@ -36,6 +36,7 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 from memspec_interfaces.action import Generate
 
 from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids, stop_string_error
+from ..runtime.speculative import input_rows
 from ..runtime.stats import GenerationStats
 from .diagnostics import ThroughputWindow, generation_stats_msg, stats_fields
 from .goal_limits import LENGTH_LIMITS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P
@@ -347,7 +348,18 @@ class GoalRunner:
             return f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
         new_tokens = self._max_new_tokens(goal)
         return (self._tokens_error(ids, new_tokens, limit, lo.max_positions)
+                or self._vocabulary_error(ids, input_rows(lo.target.model))
                 or self._reserve(Job(goal, ids, new_tokens, self._sampling(goal)), lo))
+
+    @staticmethod
+    def _vocabulary_error(ids: list[int], rows: int) -> str:
+        """A token id past the target's embedding (a tokenizer with more tokens than the model has rows): the
+        runtime refuses it, which accepted the goal only to abort it; rejected here, as Generate.action promises."""
+        bad = sorted({t for t in ids if not 0 <= t < rows}) if rows else []
+        if not bad:
+            return ""
+        return (f"the prompt holds token id(s) {bad[:8]} outside the target's {rows} embedding rows: its tokenizer"
+                " has tokens the model cannot take (a tokenizer and a model of different vocabularies?)")
 
     def _not_taking(self) -> str:
         """Why no goal is taken now (closing, or the node is not active)."""

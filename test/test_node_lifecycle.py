@@ -216,6 +216,15 @@ def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     assert h.state() == "inactive"
 
 
+def test_a_node_shut_down_after_a_failed_configure_says_finalized(harness):
+    """/diagnostics kept saying "configure failed" (ERROR) for a node shut down since: it is finalized (WARN)."""
+    h = harness(**{"model.target_path": "/nonexistent/target"})
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.transition(Transition.TRANSITION_UNCONFIGURED_SHUTDOWN) and h.state() == "finalized"
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    assert status.level == WARN and "finalized" in status.message, status.message
+
+
 @pytest.mark.parametrize("bad", [{"memspec.recent_tokens": 16},  # not the predictor's T (32)
                                  {"memspec.policy": "general-static", "memspec.general_draft": "no-such-draft"}])
 def test_a_configure_failing_after_the_predictor_loaded_frees_the_target(harness, monkeypatch, bad):

@@ -407,15 +407,15 @@ class NodeTasks:
         s.add("goals rejected", self.runner.goals_rejected)
         s.add("last rejection", self.runner.last_rejection or "none")
         lo = self.node.loaded
+        if state == "finalized":  # shut down, it can never serve again: first, whatever failed before the shutdown
+            s.summary(WARN, "finalized (shut down): no model loaded and no goal served; restart the node to serve")
+            return
         if self.node.configure_error:
             s.summary(ERROR, f"configure failed: {self.node.configure_error}")
             return
         if self.node.transition_error and lo is None:  # until configure succeeds again
             s.summary(ERROR, f"{self.node.transition_error}; the models were freed and the node went back to"
                              " unconfigured: configure it again")
-            return
-        if state == "finalized":  # a node that was shut down can never serve again
-            s.summary(WARN, "finalized (shut down): no model loaded and no goal served; restart the node to serve")
             return
         if lo is None:
             s.summary(OK, "unconfigured: no model loaded")

@@ -642,3 +642,13 @@ def test_a_second_signal_while_destroy_waits_for_a_transition_stops_the_wait(har
         signal.signal(signal.SIGALRM, previous)
         release.set()
         worker.join(10.0)
+
+
+def test_an_activate_after_the_goal_runner_closed_for_a_shutdown_is_refused(harness):
+    """close() (a signal's shutdown) refuses goals for good, but an activate that came in meanwhile put the models
+    back in the runner: a late accepted callback then started a goal during the shutdown."""
+    h = harness()
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+    h.node._runner.close("the node is shutting down (test)", 0.5)
+    assert not h.transition(Transition.TRANSITION_ACTIVATE)
+    assert h.state() == "inactive" and h.node._runner._loaded is None

@@ -230,10 +230,15 @@ class GoalRunner:
         )
 
     # -- what the node calls ----------------------------------------------------------------------
-    def open(self, loaded, stats_pub) -> None:
+    def open(self, loaded, stats_pub) -> bool:
+        """Take goals on ``loaded``; False (nothing changes) once the runner is closing: an activate that interleaves
+        with a shutdown must not let a late accepted callback start a goal during it."""
         with self._cv:
+            if self._closing:
+                return False
             self._loaded, self._stats_pub = loaded, stats_pub
             self.last_error = ""  # a goal that failed before this activation is not its state (diagnostics)
+            return True
 
     def end_goals(self, reason: str, wait_seconds: float | None = None) -> bool:
         """Refuse new goals; end the queued goals now and the running one at its next iteration, ABORTED

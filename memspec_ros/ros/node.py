@@ -259,7 +259,9 @@ class MemSpecNode(LifecycleNode):
         self._last_cache_key, self._cache_baseline = None, self._loaded.controller.cache.snapshot()
         if self._loaded.predictor is not None:
             self._loaded.predictor.latest = {}  # ~/cache_state shows this activation's rankings only
-        self._runner.open(self._loaded, self._stats_pub)
+        if not self._runner.open(self._loaded, self._stats_pub):
+            self.get_logger().error(f"activate refused: the node is shutting down ({self._runner.closing})")
+            return TransitionCallbackReturn.FAILURE
         result = super().on_activate(state)  # enables the lifecycle publishers
         self._active = True  # after them: a cache poll before would record its key and have its message dropped
         self.get_logger().info("active: accepting goals on ~/generate")

@@ -652,3 +652,21 @@ def test_an_activate_after_the_goal_runner_closed_for_a_shutdown_is_refused(harn
     h.node._runner.close("the node is shutting down (test)", 0.5)
     assert not h.transition(Transition.TRANSITION_ACTIVATE)
     assert h.state() == "inactive" and h.node._runner._loaded is None
+
+
+def test_a_second_signals_destruction_goes_on_when_the_goals_cannot_be_ended(harness, monkeypatch):
+    """After a second signal the executor is shut down before the node is destroyed: ending a queued goal then
+    raised (its end is an executor task), and the action server, the node and rclpy's context were never shut."""
+    h = harness()
+    destroyed = []
+
+    def executor_gone(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'trigger'")
+
+    monkeypatch.setattr(h.node._runner, "end_goals", executor_gone)
+    monkeypatch.setattr(h.node._runner, "destroy", lambda: destroyed.append(True))
+    h.node._hurry = True
+    h.node._destroy()
+    assert destroyed == [True]
+    h.node._hurry = False
+    monkeypatch.undo()  # before the harness closes the node for real

@@ -360,7 +360,11 @@ class MemSpecNode(LifecycleNode):
     def _destroy(self) -> None:
         if self._hurry:  # the goals are told to end; the process is going, so nothing is waited for or freed
             self._active = False
-            self._runner.end_goals("the node was stopped (a second signal)", wait_seconds=0.0)
+            try:
+                self._runner.end_goals("the node was stopped (a second signal)", wait_seconds=0.0)
+            except Exception as exc:  # a queued goal's end is a task of the executor, shut down by now: the rest of
+                # the destruction (the action server, the node, rclpy's context) must still happen
+                self.get_logger().warning(f"the queued goals could not be ended: {type(exc).__name__}: {exc}")
         else:
             if self._runner.closing:  # main()'s close already ended the goals and waited for their results
                 self._active = False
@@ -633,8 +637,10 @@ def main(args: list[str] | None = None) -> None:
         serve(executor, closed, node.get_logger())
     finally:
         executor.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_SECONDS)
-        node.destroy_node()
-        rclpy.try_shutdown()
+        try:
+            node.destroy_node()
+        finally:  # whatever the destruction raised, rclpy's context is shut down (the process exits cleanly)
+            rclpy.try_shutdown()
 
 
 if __name__ == "__main__":

@@ -199,6 +199,7 @@ class _Client:
         return self.ready
 
     def send_goal_async(self, goal, feedback_callback=None):
+        self.feedback_callback = feedback_callback
         return self.goal_future
 
 
@@ -267,6 +268,31 @@ def test_a_server_that_restarted_mid_goal_is_asked_again_and_its_unknown_goal_fa
     handle.result_future.set_result(response)
     b.tick_once()
     assert b.status == Status.FAILURE and b.outcome == "server-gone" and "no longer knows the goal" in b.feedback_message
+
+
+def test_a_preempted_goals_late_feedback_and_cancel_do_not_write_into_the_next_run():
+    """The feedback and cancel callbacks were bound to the behaviour itself: after a preemption and a re-tick, the
+    cancelled goal's late feedback was appended to the new run's streamed text, and its cancel's answer became the
+    new run's cancel_future (goal_settled then read the old goal's cancel as the new one's)."""
+    import types
+
+    from rclpy.task import Future
+
+    client = _Client()
+    first_goal = client.goal_future
+    b = _faked(client, server_timeout=5.0)
+    b.tick_once()  # sent, not yet seen accepted
+    first_feedback = client.feedback_callback
+    b.stop(Status.INVALID)  # preempted: its goal is cancelled once the answer comes
+    client.goal_future = Future()
+    b.tick_once()  # the next run sends its own goal
+    assert b.goal_future is client.goal_future and b.status == Status.RUNNING
+    first_feedback(types.SimpleNamespace(feedback=types.SimpleNamespace(delta_text="stale", tokens_so_far=1,
+                                                                        active_draft="")))
+    assert b.streamed == ""
+    handle = _Handle()
+    first_goal.set_result(handle)  # the first goal's answer after all: accepted
+    assert handle.cancels == 1 and b.cancel_future is None  # cancelled, and not taken for the new run's cancel
 
 
 def test_the_example_takes_ros_arguments_and_its_timeouts_as_flags(monkeypatch):

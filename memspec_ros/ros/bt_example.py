@@ -73,6 +73,7 @@ class Generate(py_trees.behaviour.Behaviour):
         self.goal_handle = None
         self.result_future = None
         self.cancel_future = None  # the node's answer to the cancel of a preempted goal
+        self._run = None  # the goal in flight's token (_send): its callbacks act on this behaviour only while current
         self.result = None
         # succeeded | rejected | aborted | canceled | no-server | no-prompt | send-goal-timeout | server-gone |
         # result-timeout
@@ -116,7 +117,9 @@ class Generate(py_trees.behaviour.Behaviour):
 
         messages = [ChatMessage(role=role, content=content) for role, content in self.messages]
         goal = GenerateAction.Goal(prompt=prompt, messages=messages, raw=self.raw, max_new_tokens=self.max_new_tokens)
-        self.goal_future = self.client.send_goal_async(goal, feedback_callback=self._on_feedback)
+        run = self._run = object()  # this goal's: a preempted goal's late feedback must not write into the next run
+        self.goal_future = self.client.send_goal_async(
+            goal, feedback_callback=lambda msg: self._on_feedback(msg) if self._run is run else None)
         self._sent = time.monotonic()
         self.feedback_message = "goal sent"
 
@@ -142,7 +145,7 @@ class Generate(py_trees.behaviour.Behaviour):
         if self.goal_handle is None:
             if not self.goal_future.done():
                 if time.monotonic() - self._sent > self.server_timeout:  # the request or its reply was lost
-                    self.goal_future.add_done_callback(self._cancel_if_accepted)  # an answer after all: cancelled
+                    self.goal_future.add_done_callback(self._canceller())  # an answer after all: cancelled
                     self.outcome = "send-goal-timeout"
                     self.feedback_message = f"the node did not answer the goal within {self.server_timeout:g} s"
                     return Status.FAILURE
@@ -205,7 +208,7 @@ class Generate(py_trees.behaviour.Behaviour):
         if new_status != Status.INVALID:
             return
         if self.goal_handle is None and self.goal_future is not None:
-            self.goal_future.add_done_callback(self._cancel_if_accepted)  # runs at once if the answer is in
+            self.goal_future.add_done_callback(self._canceller())  # runs at once if the answer is in
         elif self.goal_handle is not None and self.goal_handle.accepted \
                 and self.result_future is not None and not self.result_future.done():
             self.cancel_future = self.goal_handle.cancel_goal_async()
@@ -214,10 +217,19 @@ class Generate(py_trees.behaviour.Behaviour):
         self.outcome = "canceled"
         self.feedback_message = "preempted: goal cancelled"
 
-    def _cancel_if_accepted(self, goal_future) -> None:
-        handle = goal_future.result() if not goal_future.cancelled() else None
-        if handle is not None and handle.accepted:
-            self.cancel_future = handle.cancel_goal_async()
+    def _canceller(self):
+        """A goal future's done callback that cancels the goal if it was accepted; the cancel's answer is this run's
+        cancel_future only while this run is the behaviour's (a re-tick must not read an old goal's as its own)."""
+        run = self._run
+
+        def cancel_if_accepted(goal_future) -> None:
+            handle = goal_future.result() if not goal_future.cancelled() else None
+            if handle is not None and handle.accepted:
+                future = handle.cancel_goal_async()
+                if self._run is run:
+                    self.cancel_future = future
+
+        return cancel_if_accepted
 
     def goal_settled(self) -> bool:
         """Whether the node holds no goal of this behaviour's that nobody watches: none sent, rejected, ended, or

@@ -87,8 +87,8 @@ def policy_summary(runs: Sequence[tuple[str, str, tuple, GenerationStats]], poli
         "decode_seconds": decode,
         "end_to_end_seconds": e2e,
         "fallback_fraction_of_iterations": totals.fallback_fraction,
-        "prediction_share_of_decode": parts["prediction"] / decode if decode else 0.0,
-        "prediction_share_of_end_to_end": parts["prediction"] / e2e if e2e else 0.0,
+        "prediction_share_of_decode": totals.prediction_overhead,  # stats.py's one definition
+        "prediction_share_of_end_to_end": totals.breakdown["prediction"] / e2e if e2e else 0.0,
         "mean_accepted": totals.mean_accepted,
     }
 

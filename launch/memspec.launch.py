@@ -27,8 +27,9 @@ from lifecycle_msgs.msg import Transition
 
 from launch import LaunchDescription
 
-
-SIGTERM_TIMEOUT = "40"  # the node's longest shutdown: 30 s for a goal's next iteration, 5 for queued results, margin
+# the node's longest shutdown: 30 s for a goal's next iteration, 5 for the results, 1.5 for sending them, margin.
+# Its own launch argument: launch's "sigterm_timeout" would apply to every process of a launch including this file
+SIGTERM_TIMEOUT = "40"
 
 
 def generate_launch_description():
@@ -45,7 +46,7 @@ def generate_launch_description():
         # after Ctrl-C, launch's SIGTERM came 5 s on (its default) into the node's own shutdown, which may wait up to
         # 30 s for a running goal's next iteration and 5 s more for queued goals' results: the SIGTERM made it give
         # up the results it was about to send, and launch's SIGKILL followed
-        sigterm_timeout=LaunchConfiguration("sigterm_timeout"),
+        sigterm_timeout=LaunchConfiguration("node_sigterm_timeout"),
     )
     # autostart:=false leaves the node unconfigured for a lifecycle manager (nav2's, say): its own configure would
     # race the launch's, and the loser's invalid transition stopped the manager's bringup
@@ -73,7 +74,7 @@ def generate_launch_description():
                               description="configure and activate the node at launch (false: leave the transitions"
                                           " to a lifecycle manager)"),
         DeclareLaunchArgument("log_level", default_value="info", description="the node's log level"),
-        DeclareLaunchArgument("sigterm_timeout", default_value=SIGTERM_TIMEOUT,
+        DeclareLaunchArgument("node_sigterm_timeout", default_value=SIGTERM_TIMEOUT,
                               description="seconds ros2 launch lets the node shut down after Ctrl-C before it sends"
                                           " SIGTERM (the node ends its goals with their results meanwhile)"),
         node,

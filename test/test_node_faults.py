@@ -460,15 +460,23 @@ def test_a_goal_whose_cancel_lands_inside_rclpys_execute_still_gets_its_execute_
     finished goal's result unsent and every later goal queued forever; the callback is scheduled all the same."""
     import types
 
-    from memspec_ros.ros.goal_runner import RCLError, GoalRunner
+    from memspec_ros.ros.goal_runner import GoalRunner, RCLError
 
     scheduled = []
 
     class CancelledMeanwhile:
+        is_cancel_requested = True
+
         def execute(self, callback=None):
             raise RCLError("goal_handle attempted invalid transition from state CANCELING with event EXECUTE")
 
     server = types.SimpleNamespace(notify_execute=lambda handle, callback: scheduled.append((handle, callback)))
+    runner = types.SimpleNamespace(server=server)
     handle, callback = CancelledMeanwhile(), object()
-    GoalRunner._execute(types.SimpleNamespace(server=server), handle, callback)
+    GoalRunner._execute(runner, handle, callback)
     assert scheduled == [(handle, callback)]
+    # a refusal with no cancel behind it is not this race: it is not hidden
+    handle.is_cancel_requested = False
+    with pytest.raises(RCLError):
+        GoalRunner._execute(runner, handle, callback)
+    assert len(scheduled) == 1

@@ -119,14 +119,16 @@ def test_launch_file_is_the_humble_and_jazzy_lifecycle_pattern():
     # the conventional arguments, autostart among them as a launch argument: both transitions are conditional on it
     declared = {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
                 and getattr(n.func, "id", "") == "DeclareLaunchArgument"}
-    assert declared == {"namespace", "node_name", "params_file", "autostart", "log_level", "sigterm_timeout"}
+    assert declared == {"namespace", "node_name", "params_file", "autostart", "log_level", "node_sigterm_timeout"}
     # launch's SIGTERM after Ctrl-C waits longer than the node's own shutdown may take (5 s by default: less)
-    from memspec_ros.ros.goal_runner import CANCELING_WAIT_SECONDS, DEACTIVATE_WAIT_SECONDS
+    from memspec_ros.ros.goal_runner import DEACTIVATE_WAIT_SECONDS
+    from memspec_ros.ros.node import EXECUTOR_SHUTDOWN_SECONDS, RESULT_SEND_SECONDS, RESULTS_OUT_SECONDS
 
     assert "sigterm_timeout" in {k.arg for k in node_call.keywords}
     timeout = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
                    and getattr(n.targets[0], "id", "") == "SIGTERM_TIMEOUT")
-    assert float(timeout.value) > DEACTIVATE_WAIT_SECONDS + CANCELING_WAIT_SECONDS
+    assert float(timeout.value) > (DEACTIVATE_WAIT_SECONDS + RESULTS_OUT_SECONDS + RESULT_SEND_SECONDS
+                                   + EXECUTOR_SHUTDOWN_SECONDS)
     conditional = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") in (
         "EmitEvent", "RegisterEventHandler") and any(k.arg == "condition" for k in n.keywords)]
     assert len(conditional) == 2  # the configure and the activate-when-inactive handler; the inner activate is not

@@ -111,7 +111,7 @@ def exhaustive(solver: ScheduleSolver) -> float:
                 runs.append((0.0, resident | {x}, None, True, {x}))
             elif x in resident:
                 runs.append((0.0, resident, None if loading is None else (loading[0], loading[1] + 1),
-                             loading is None, {x, active}))
+                             loading is None, {x}))  # as the DP and carry_out: only the draft to run is kept
             elif loading is not None and loading[0] == x:
                 runs.append((max(0.0, solver.load[x] - loading[1] * n), resident | {x}, None, False, set()))
             elif loading is None:

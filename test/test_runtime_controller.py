@@ -1161,25 +1161,36 @@ def test_a_cancel_does_not_sit_out_a_blocking_draft_load(target, drafts, policy)
     ctl.close()
 
 
+def wait_until(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_a_draft_that_fails_mid_interval_hands_the_rest_of_it_to_the_next_resident_draft(target, drafts, expected,
                                                                                           monkeypatch):
     """A draft failing while it proposed left the target decoding alone until the next scheduling point (N up to
     1024) although the Choice's next draft was resident: that one runs the rest of the interval."""
     from memspec_ros.runtime import speculative
 
-    real, calls = speculative._forward, []
+    real, calls, made = speculative._forward, [], []
 
     def math_fails_once(model, *args):
         logits = real(model, *args)
         if model is drafts["math"]:
             calls.append(1)
             if len(calls) == 3:
+                # code's prefetch (started at the first scheduling point, on the loader thread) has landed: what
+                # the fallback is about, whatever this machine's timing
+                wait_until(lambda: made[0].cache.is_resident("code"), 30.0)
                 return torch.full_like(logits, float("nan"))
         return logits
 
     monkeypatch.setattr(speculative, "_forward", math_fails_once)
     ctl = make(target, drafts, "memspec", capacity=2, interval=16,
                ranker=lambda context: ["math", "code", "law", "general"])
+    made.append(ctl)
     result = ctl.generate(PROMPT, NEW)
     assert result.token_ids == expected
     its = result.stats.iterations

@@ -549,6 +549,8 @@ class GoalRunner:
         try:
             goal_handle.execute(callback)
         except RCLError:
+            if not goal_handle.is_cancel_requested:  # another refusal (a goal executed twice?): not this race
+                raise
             self.server.notify_execute(goal_handle, callback)
 
     def _run_when_over(self, calls: list[Callable[[], None]]) -> None:

@@ -17,21 +17,30 @@ from memspec_ros.runtime.speculative import SamplingConfig, warp_probs
 
 def chi2(observed: Counter, expected: dict, n: int) -> tuple[float, int]:
     """Pearson's statistic over ``n`` samples with the bins expected below 5 pooled into one; (statistic, degrees
-    of freedom). Every observed outcome must be one of ``expected``'s."""
-    stat, pooled_obs, pooled_exp, bins = 0.0, 0, 0.0, 0
+    of freedom). Every observed outcome must be one of ``expected``'s, and possible: one of probability 0 fails at
+    once (pooled with others of probability 0 it added nothing to the statistic). A pooled bin still expected below
+    5 is merged into the smallest kept bin: its term alone is heavy-tailed, a false failure on another CPU's draws."""
+    assert sum(observed.values()) == n and set(observed) <= set(expected)
+    impossible = [key for key in observed if expected[key] <= 0]
+    assert not impossible, f"outcomes of probability 0 drawn: {impossible[:5]}"
+    bins: list[list[float]] = []  # [observed, expected]
+    pooled = [0.0, 0.0]
     for key, prob in expected.items():
         exp = prob * n
-        if exp < 5:
-            pooled_obs += observed.get(key, 0)
-            pooled_exp += exp
-            continue
-        stat += (observed.get(key, 0) - exp) ** 2 / exp
-        bins += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        bins += 1
-    assert sum(observed.values()) == n and set(observed) <= set(expected)
-    return stat, bins - 1
+        target = pooled if exp < 5 else None
+        if target is None:
+            bins.append([observed.get(key, 0), exp])
+        else:
+            target[0] += observed.get(key, 0)
+            target[1] += exp
+    if pooled[1] > 0:
+        if pooled[1] < 5 and bins:
+            smallest = min(bins, key=lambda b: b[1])
+            smallest[0] += pooled[0]
+            smallest[1] += pooled[1]
+        else:
+            bins.append(pooled)
+    return sum((o - e) ** 2 / e for o, e in bins), len(bins) - 1
 
 
 def chi2_critical(dof: int, z: float = 3.09) -> float:

@@ -264,6 +264,10 @@ def test_a_server_that_restarted_mid_goal_is_asked_again_and_its_unknown_goal_fa
     client.ready = True  # back before server_timeout
     b.tick_once()
     assert len(asked) == 2  # asked the server that is there now
+    b.server_timeout = 0.05  # a respawn that never looked gone: asked again every server_timeout all the same
+    time.sleep(0.1)
+    b.tick_once()
+    assert len(asked) == 3
     response = GenerateAction.Impl.GetResultService.Response(status=GoalStatus.STATUS_UNKNOWN)
     handle.result_future.set_result(response)
     b.tick_once()

@@ -588,10 +588,20 @@ def test_a_stop_string_holding_a_special_token_is_refused_as_it_could_never_matc
                             registry_of({"general": noisy_copy(target, 0.02, seed=6)}), None,
                             loader=Loader({"general": noisy_copy(target, 0.02, seed=6)}), eos_token_ids=[])
     prompt = tokenizer("The patient")["input_ids"]
-    for stop in (["<|im_start|>"], ["ok", "User:<|im_end|>"], ["</s>"]):
+    for stop in (["<|im_start|>"], ["ok", "User:<|im_end|>"], ["<pad>"], ["<|im_end|>"]):  # no end id here
         with pytest.raises(ValueError, match="contains the special token .* never appears in the output text"):
             ctl.generate(prompt, 8, stop=stop)
     assert ctl.generate(prompt, 8, stop=["<|im_start"]).stats.completion_tokens == 8  # no special token: taken
+    # exactly an end token, the tokenizer's eos or an end id (OpenAI- and llama.cpp-style clients send them as
+    # stops): redundant, so taken
+    ended = RuntimeController(RuntimeConfig(policy="general-static"), target, tokenizer,
+                              registry_of({"general": noisy_copy(target, 0.02, seed=6)}), None,
+                              loader=Loader({"general": noisy_copy(target, 0.02, seed=6)}),
+                              eos_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    assert ended.generate(prompt, 8, stop=["<|im_end|>", "</s>"]).stats.completion_tokens >= 1
+    with pytest.raises(ValueError, match="'<.im_start.>'"):
+        ended.generate(prompt, 8, stop=["<|im_end|>", "<|im_start|>"])
+    ended.close()
     ctl.close()
 
 

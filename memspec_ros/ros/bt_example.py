@@ -82,6 +82,7 @@ class Generate(py_trees.behaviour.Behaviour):
         self._started = 0.0
         self._sent = 0.0  # when the goal was sent, then when it was accepted
         self._gone_since = None  # when the server was last seen gone while the goal ran
+        self._asked = 0.0  # when the result was last asked for
 
     def setup(self, **kwargs) -> None:
         from memspec_interfaces.action import Generate as GenerateAction
@@ -156,7 +157,7 @@ class Generate(py_trees.behaviour.Behaviour):
                 self.feedback_message = "goal rejected by the node (see its log / diagnostics)"
                 return Status.FAILURE
             self.result_future = self.goal_handle.get_result_async()
-            self._sent = time.monotonic()
+            self._sent = self._asked = time.monotonic()
         if not self.result_future.done():
             return self._waiting_for_result()
         response = self.result_future.result()
@@ -183,10 +184,13 @@ class Generate(py_trees.behaviour.Behaviour):
         come) or ``result_timeout`` has passed (the goal is cancelled)."""
         now = time.monotonic()
         if self.client.server_is_ready():
-            if self._gone_since is not None:
-                # back after it was gone: a restarted server never got the result request sent to the one before, and
-                # would leave this RUNNING for ever; asked again, it answers at once for a goal it does not know
+            if self._gone_since is not None or now - self._asked > self.server_timeout:
+                # asked again when the server is back after it was gone, and every server_timeout: a restarted server
+                # (also one respawned before the dead one's endpoints expired, which never looked gone) never got the
+                # request sent to the one before, and would leave this RUNNING for ever. One that does not know the
+                # goal answers at once; the one running it answers every request when the goal ends
                 self.result_future = self.goal_handle.get_result_async()
+                self._asked = now
             self._gone_since = None
         elif self._gone_since is None:
             self._gone_since = now

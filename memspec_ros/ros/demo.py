@@ -154,7 +154,11 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
         tiny = Path(tempfile.mkdtemp(prefix="memspec_demo_zoo_"))
         say(f"no bundled zoo at {zoo} (build it with `memspec-zoo build`): using a generated tiny zoo in {tiny};"
             " its text is noise, the ROS path is the real one")
-        build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
+        try:
+            build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
+        except BaseException:  # a failure or a Ctrl-C while it is built: nothing half-made stays in /tmp
+            shutil.rmtree(tiny, ignore_errors=True)
+            raise
         zoo = tiny
     # the target as loaded by default, the node's own default: a quantized path answers in another arithmetic
     # (scripts/path_quality.py: on an AVX2 CPU int8 picked another token at 8% of answer positions, int4 at 4%)
@@ -391,7 +395,8 @@ def _run(args, zoo: Path, overrides: list[str]) -> int:
             client.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if proc is None:  # stopped or failed before the node process started
+    if proc is None:  # stopped or failed before the node process started: its empty log goes too
+        log_path.unlink(missing_ok=True)
         if received:
             say(f"stopped by {signal.Signals(received[0]).name} before the node process started")
             return 128 + received[0]

@@ -336,7 +336,7 @@ class GoalRunner:
         reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
         if reason:  # roles, emptiness, raw with messages, messages without a template
             return reason
-        reason = self._settings_error(goal) or stop_string_error(goal.stop, lo.tokenizer)
+        reason = self._settings_error(goal) or stop_string_error(goal.stop, lo.tokenizer, lo.controller.eos_token_ids)
         if reason:
             return reason
         limit = self._param("generation.max_prompt_tokens")

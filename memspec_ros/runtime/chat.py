@@ -189,18 +189,26 @@ def _special_token_error(tokenizer, prompt: str, messages: Sequence[tuple[str, s
     return ""
 
 
-def stop_string_error(stop_strings: Iterable[str], tokenizer) -> str:
+def stop_string_error(stop_strings: Iterable[str], tokenizer, end_ids: Sequence[int] = ()) -> str:
     """'' when every stop string can match the output text, else why one cannot: the text is decoded without
     special tokens, so a stop string holding one (``<|im_start|>``, ``<end_of_turn>``, as llama.cpp configurations
-    list them) never matched and the goal ran to its length silently. The model's end tokens end it already."""
+    list them) never matched and the goal ran to its length silently. A stop string that is exactly an end token
+    (the tokenizer's eos or one of ``end_ids``, the model's end ids) passes: generation ends there anyway, so the
+    redundant stop that OpenAI- and llama.cpp-style clients send does no harm."""
     specials = special_token_strings(tokenizer) if tokenizer is not None else []
+    if not specials:
+        return ""
+    ends: list[int] = []
+    _extend(ends, [*end_ids, getattr(tokenizer, "eos_token_id", None)])
+    end_texts = set(tokenizer.convert_ids_to_tokens(ends)) if ends else set()
     for stop in stop_strings:
+        if stop in end_texts:
+            continue
         token = next((t for t in specials if t in stop), None)
         if token is not None:
-            ends = end_token_ids(tokenizer)
             return (f"stop string {stop!r} contains the special token {token!r}, which never appears in the output"
                     f" text (special tokens are not decoded into it): drop it; generation already ends at the"
-                    f" model's end token(s) {tokenizer.convert_ids_to_tokens(ends) if ends else []}")
+                    f" model's end token(s) {sorted(end_texts)}")
     return ""
 
 

@@ -390,7 +390,7 @@ class RuntimeController:
         # before anything is taken for it (the prompt cache's entry, the predictor's rows): a refused request
         # leaves them as they were
         check_generation(prompt_ids, max_new_tokens, self.max_positions, stop, self.tokenizer,
-                         input_rows(self.target))
+                         input_rows(self.target), self.eos_token_ids)
         with self._lock:
             if self._running:
                 raise RuntimeError("a generation is already running on this controller: one goal at a time")

@@ -323,7 +323,8 @@ def draft_room(draft: torch.nn.Module, tokens: int) -> int:
 
 
 def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positions: int = 0,
-                     stop_strings: Sequence[str] = (), tokenizer=None, vocab_size: int = 0) -> None:
+                     stop_strings: Sequence[str] = (), tokenizer=None, vocab_size: int = 0,
+                     end_ids: Sequence[int] = ()) -> None:
     """A generation's request against what a session can run: ValueError (ContextLengthError) with the reason.
     Callers that take state for the session (a reused prompt prefix) check first, so a refused request takes
     nothing. ``vocab_size``: the target's token ids (0: not checked)."""
@@ -351,7 +352,7 @@ def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positio
         raise TypeError(f"stop strings must be strings, got {wrong[0]!r} ({type(wrong[0]).__name__})")
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need a tokenizer to decode the output")
-    reason = stop_string_error(stop_strings, tokenizer)
+    reason = stop_string_error(stop_strings, tokenizer, end_ids)
     if reason:
         raise ValueError(reason)
 
@@ -386,7 +387,8 @@ class SpeculativeSession:
         prefix: KVState | None = None,
         draft_prefixes: Mapping[str, tuple[torch.nn.Module, KVState]] | None = None,
     ) -> None:
-        check_generation(prompt_ids, max_new_tokens, max_positions, stop_strings, tokenizer, input_rows(target))
+        check_generation(prompt_ids, max_new_tokens, max_positions, stop_strings, tokenizer, input_rows(target),
+                         eos_token_ids)
         if prefix is not None and not 0 < prefix.length < len(prompt_ids):
             # the prefill must feed at least one token: its logits give the first generated token
             raise ValueError(f"a reused prefix must hold 1 to {len(prompt_ids) - 1} of the prompt's"

@@ -165,11 +165,16 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
             done = subprocess.run([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"],
                                   capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             if done.returncode == 0:
-                try:  # loaded here, where it is to run: one that builds but cannot load (an OpenMP runtime the
-                    _open(partial)  # loader cannot find) is not kept; dlopen later finds this inode loaded
-                except OSError as exc:
+                # loaded here, where it is to run: one that builds but cannot load (an OpenMP runtime the loader
+                # cannot find) is not kept. Closed again at once: the caller loads it under its final name, and a
+                # library left mapped from this temporary name would be one more copy (and one that a later
+                # rewrite of the file in place, a damaged cache's repair, would turn into a SIGBUS)
+                try:
+                    probe = _open(partial)
+                except (OSError, AttributeError) as exc:  # AttributeError: a symbol _bind needs is missing
                     errors.append(f"[{' '.join(tried)}] built but does not load: {str(exc)[-300:]}")
                     continue
+                _close(probe)
                 break
             errors.append(f"[{' '.join(tried)}] {done.stderr.strip()[-300:]}")
         else:
@@ -194,6 +199,15 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
 def _fallback_note(library: Path) -> Path:
     """Beside a library built without OpenMP or -march=native: why the full build failed."""
     return library.with_suffix(".fallback.txt")
+
+
+def _close(library: ctypes.CDLL) -> None:
+    """dlclose a library loaded only to be tested (where the platform has it; elsewhere it stays loaded)."""
+    import _ctypes
+
+    close = getattr(_ctypes, "dlclose", None)
+    if close is not None:
+        close(library._handle)
 
 
 def _open(path: Path) -> ctypes.CDLL:

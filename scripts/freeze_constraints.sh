@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Write constraints.txt and constraints-gptq.txt from the two venvs that `make setup` made: every
 # installed distribution at its installed version, so scripts/setup.sh installs exactly these on a
-# clean clone. Run it on a FRESH setup (make distclean && make setup) after changing a requirements
-# file, so that nothing installed by hand ends up pinned, then commit both files.
+# clean clone. After changing a requirements file: empty both files first (`: > constraints.txt;
+# : > constraints-gptq.txt`: setup installs under them, so an old pin would hold the new requirement
+# back or fail it), run a FRESH setup (make distclean && make setup), then this, and commit both files.
 # Left out of constraints.txt: torch and its CUDA runtime (setup.sh keeps whatever torch imports).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"

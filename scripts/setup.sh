@@ -18,7 +18,8 @@
 # so a second run with nothing changed takes a few seconds.
 # Every pip call is held to constraints.txt (constraints-gptq.txt for .venv-gptq): the versions a clean
 # clone resolved, so a new release of an unpinned dependency of a dependency cannot change what CI
-# installs (regenerate with scripts/freeze_constraints.sh after changing a requirements file).
+# installs (after changing a requirements file: empty both files, make distclean setup, then
+# scripts/freeze_constraints.sh).
 # Environment: MEMSPEC_PYTHON (interpreter for the venv; default python3.11 or python3),
 # MEMSPEC_TORCH_SPEC (default torch==2.13.0: the CPU build where pip is configured for it, as on the
 # development machine; from PyPI alone the CUDA build).
@@ -70,7 +71,7 @@ hash_inputs() {
 # The filter runs in the pipeline, not in a process substitution, so pip's last error lines are
 # printed before the script's own error and its exit status is pip's (pipefail).
 pip_install() {
-  { "$@" 2>&1 1>&3 3>&- | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2; } 3>&1
+  { "$@" 2>&1 1>&3 3>&- | { grep --line-buffered -v "is ignored: it is neither a file nor a directory" || true; } >&2; } 3>&1
 }
 
 # stamp_is FILE HASH FORCED: true when FILE records HASH and the step is not forced.
@@ -84,8 +85,13 @@ stamp_is() { [ "$3" = 0 ] && [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 venv_ready() {
   local venv="$1"
   [ -x "$venv/bin/python" ] || return 1
-  # made by an earlier setup.sh, before the marker: its bin/activate names the path it was made for
-  if [ ! -f "$venv/.memspec-venv" ] && grep -qxF "VIRTUAL_ENV=\"$venv\"" "$venv/bin/activate" 2>/dev/null; then
+  # made before the marker (by an earlier setup.sh, or by hand: virtualenv and uv quote or indent the line
+  # otherwise): adopted unless its bin/activate names another path, the evidence of a moved or copied checkout
+  if [ ! -f "$venv/.memspec-venv" ]; then
+    local named
+    named="$(sed -nE "s/^[[:space:]]*(export[[:space:]]+)?VIRTUAL_ENV=[\"']?([^\"']*)[\"']?.*/\2/p" \
+             "$venv/bin/activate" 2>/dev/null | head -1)"
+    [ -n "$named" ] && [ "$named" != "$venv" ] && return 1
     printf '%s\n' "$venv" >"$venv/.memspec-venv"
   fi
   [ "$(cat "$venv/.memspec-venv" 2>/dev/null)" = "$venv" ] && "$venv/bin/python" -m pip --version >/dev/null 2>&1
@@ -186,7 +192,8 @@ check_build_tools() {
   py="$VENV/bin/python"
   venv_ready "$VENV" || py="$(pick_python)"
   command -v "$py" >/dev/null 2>&1 || die "no '$py' on PATH; set MEMSPEC_PYTHON to a Python 3.11"
-  include="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  include="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    || die "'$py' could not say where its headers are (is it a working Python 3.11?)"
   [ -f "$include/Python.h" ] || die "colcon build of memspec_interfaces needs the Python headers ($include/Python.h" \
     "is missing; Debian: sudo apt install python3-dev)"
 }

@@ -191,3 +191,14 @@ def test_a_missing_build_tool_is_named_before_any_pip_install(checkout):
     done = run_setup(root, fake, "build", CC="/nonexistent/cc")
     assert done.returncode != 0 and "needs /nonexistent/cc on PATH" in done.stderr, done.stderr
     assert not [line for line in log_lines(root) if line.startswith(("pip ", "venv "))]
+
+
+def test_a_venv_made_here_by_another_tool_is_adopted_not_deleted(checkout):
+    """virtualenv and uv write the activate line quoted or indented otherwise: only a line naming another path is
+    evidence of a moved checkout; a venv made here by hand (a CUDA torch installed into it) is kept."""
+    root, fake = checkout
+    venv = make_venv(root, fake, path_in_activate=None)
+    (venv / "bin" / "activate").write_text(f"if true; then\n    VIRTUAL_ENV='{venv}'\nfi\n")
+    done = run_setup(root, fake, "deps")
+    assert done.returncode == 0, done.stderr
+    assert (venv / "keepsake").exists() and not any(line.startswith("venv ") for line in log_lines(root))

@@ -155,7 +155,9 @@ def turn_token_strings(tokenizer) -> list[str]:
     Added tokens not marked special count too when the template writes them: the tokenizer still reads each as
     one id, so a template whose turn markers are such tokens could be closed by content holding one."""
     specials = special_token_strings(tokenizer)
-    added = {str(t.content) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()}
+    # not those holding whitespace: some tokenizers add "\n" or runs of spaces as tokens, which every template writes
+    added = {str(t.content) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+             if not any(c.isspace() for c in str(t.content))}
     candidates = sorted((t for t in added.union(specials) if t), key=lambda t: (-len(t), t))
     probes = ([{"role": SYSTEM, "content": "s"}, {"role": USER, "content": "u"}, {"role": "assistant", "content": "a"},
                {"role": USER, "content": "u"}],

@@ -600,6 +600,7 @@ class RuntimeController:
             if model is not None:
                 self.cache.set_active(name)
                 run.active, run.model = name, model
+                run.fallback = name != run.preferred  # the preferred draft, landed since the point, is no fallback
                 return
         self.cache.set_active("")
 

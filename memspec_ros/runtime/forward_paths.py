@@ -380,7 +380,7 @@ def concat_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     # The packed int4 layout interleaves output rows in blocks whose size is the kernel's choice
     # (64 on the CPUs tried), so concatenating is only right when every part fills whole blocks.
     # Rather than assume the block size, check the fused module against its parts on a probe.
-    probe = torch.randn(2, parts[0].in_features, generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(2, parts[0].in_features, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         if not torch.equal(fused(probe), torch.cat([p(probe) for p in parts], dim=-1)):
             return None
@@ -428,7 +428,7 @@ def rows_agree(matmul, in_features: int, probes: int = ROW_PROBES) -> bool:
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for _ in range(probes):
-            probe = torch.randn(MAX_VERIFY_ROWS, in_features, generator=gen)
+            probe = torch.randn(MAX_VERIFY_ROWS, in_features, dtype=torch.float32, generator=gen)
             alone = torch.cat([matmul(probe[i : i + 1]) for i in range(MAX_VERIFY_ROWS)])
             if not all(torch.equal(matmul(probe[:m]), alone[:m]) for m in range(2, MAX_VERIFY_ROWS + 1)):
                 return False

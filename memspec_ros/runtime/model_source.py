@@ -167,8 +167,12 @@ def gguf_end_ids(path: Path) -> list[int]:
     ids: list[int] = []
     for key in END_KEYS:
         field = reader.get_field(key)
-        if field is not None and field.data:
+        if field is None or not field.data:
+            continue
+        try:
             ids.append(int(field.parts[field.data[0]][0]))
+        except (TypeError, ValueError, IndexError) as exc:  # a string or an array where an id belongs
+            raise GGUFConversionError(f"{path}: {key} is not a token id ({exc}): fix or remove it") from exc
     return list(dict.fromkeys(ids))
 
 

@@ -310,7 +310,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         spec = replace(spec, path=str(resolve_model_path(spec.path)))
         try:
             return _load_directory(spec)
-        except ModelLoadError as exc:  # its advice (restore the checkpoint, fix config.json) is for the folder
+        except ModelDirectoryError as exc:  # its advice (restore the checkpoint, fix config.json) is for the folder
             raise type(exc)(f"{exc} [this folder is the cached conversion of {source}: delete it to convert the"
                             " file again]") from exc
     return _load_directory(spec)
@@ -352,6 +352,8 @@ def _load_directory(spec: ModelSpec) -> LoadedModel:
         raise QuantizationBackendError(f"could not load the model in {spec.path}: {exc}") from exc
     # besides damaged files: a config.json whose values have the wrong type or lack a key the model reads raises
     # TypeError, KeyError, AttributeError or huggingface_hub's own validation error, all this folder's to fix
+    except MemoryError:  # not the folder's fault
+        raise
     except Exception as exc:
         raise ModelDirectoryError(f"could not load the model in {spec.path}: {type(exc).__name__}: {exc}") from exc
     check_loading_info(info, spec.path)

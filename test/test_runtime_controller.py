@@ -10,6 +10,7 @@ from itertools import product
 
 import pytest
 import torch
+from ros_helpers import wait_until
 from sampling_checks import chi2, chi2_critical
 
 from memspec_ros.runtime.cache import DraftCacheManager
@@ -1171,13 +1172,6 @@ def test_a_cancel_does_not_sit_out_a_blocking_draft_load(target, drafts, policy)
     ctl.close()
 
 
-def wait_until(condition, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_a_draft_that_fails_mid_interval_hands_the_rest_of_it_to_the_next_resident_draft(target, drafts, expected,
                                                                                           monkeypatch):
     """A draft failing while it proposed left the target decoding alone until the next scheduling point (N up to
@@ -1193,7 +1187,7 @@ def test_a_draft_that_fails_mid_interval_hands_the_rest_of_it_to_the_next_reside
             if len(calls) == 3:
                 # code's prefetch (started at the first scheduling point, on the loader thread) has landed: what
                 # the fallback is about, whatever this machine's timing
-                wait_until(lambda: made[0].cache.is_resident("code"), 30.0)
+                wait_until(lambda: made[0].cache.is_resident("code"), 30.0, "code's prefetch")
                 return torch.full_like(logits, float("nan"))
         return logits
 

@@ -18,7 +18,7 @@ Cache actions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -140,12 +140,19 @@ def carry_out(choice: Choice, cache: ChoiceCache, *, wait: Callable[[str], float
     if model is not None:
         cache.set_active(preferred)
         return Resolution(preferred, model, preferred, False, waited)
-    resident = set(cache.resident())
-    for name in [*choice.fallback, *sorted(resident)]:
-        if name in resident and name != preferred:
-            model = cache.get(name, count=False)
-            if model is not None:
-                cache.set_active(name)
-                return Resolution(name, model, preferred, True, waited)
+    # else the first resident fallback, else any other resident draft; nothing resident: the target decodes alone
+    others = [n for n in (*choice.fallback, *sorted(cache.resident())) if n != preferred]
+    name, model = run_first_resident(cache, others)
+    return Resolution(name, model, preferred, True, waited)
+
+
+def run_first_resident(cache: ChoiceCache, names: Sequence[str]) -> tuple[str, Any]:
+    """Make the first of ``names`` that is resident the active draft (its lookup not counted as the point's):
+    (name, model), or ("", None) with no draft active where none is."""
+    for name in names:
+        model = cache.get(name, count=False) if name and cache.is_resident(name) else None
+        if model is not None:
+            cache.set_active(name)
+            return name, model
     cache.set_active("")
-    return Resolution("", None, preferred, True, waited)  # nothing resident: the target decodes alone
+    return "", None

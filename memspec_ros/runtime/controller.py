@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
-from .choice import Choice, Resolution, carry_out
+from .choice import Choice, Resolution, carry_out, run_first_resident
 from .datastore import Datastore
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import target_costs
@@ -595,14 +595,9 @@ class RuntimeController:
     def _fall_back(self, run: _Run) -> None:
         """After the active draft failed: the first resident draft of the last Choice's order runs until the next
         scheduling point (with N up to 1024, the target decoded alone that long beside a runnable draft)."""
-        for name in run.order:
-            model = self.cache.get(name, count=False) if name and self.cache.is_resident(name) else None
-            if model is not None:
-                self.cache.set_active(name)
-                run.active, run.model = name, model
-                run.fallback = name != run.preferred  # the preferred draft, landed since the point, is no fallback
-                return
-        self.cache.set_active("")
+        run.active, run.model = run_first_resident(self.cache, run.order)
+        if run.active:
+            run.fallback = run.active != run.preferred  # the preferred draft, landed since the point, is no fallback
 
     def _point(self, interval: int, session: SpeculativeSession, prompt_ids: list[int], active: str) -> SchedulingPoint:
         generated = session.generated_ids

@@ -35,6 +35,7 @@ from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, lean_forward_for
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import ForwardCosts, GammaChooser, draft_pays, measure_costs, row_pays, target_costs
+from .kv_cache import crop_layers, preallocated_cache
 from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from .stats import GenerationStats, IterationStats
 
@@ -132,16 +133,12 @@ class KVState:
     __slots__ = ("cache", "length")
 
     def __init__(self) -> None:
-        from .kv_cache import preallocated_cache
-
         self.cache = preallocated_cache()
         self.length = 0
 
     def crop_to(self, length: int) -> None:
         """At most ``length`` committed tokens, on every layer (also where a failed forward left some layers
         ahead of ``self.length``: the draft-failure path keeps its cache)."""
-        from .kv_cache import crop_layers
-
         self.length = min(length, self.length)
         crop_layers(self.cache, self.length)
 

@@ -698,6 +698,28 @@ def test_memspec_client_result_timeout_is_a_flag_900_s_by_default_and_0_waits_wi
         assert outcome.ok and waits[-2:] == [3.0, waited]
 
 
+def test_memspec_client_says_a_server_that_forgot_the_goal_instead_of_printing_status_0(monkeypatch):
+    """A result answered with STATUS_UNKNOWN (the server restarted, or expired the result) came out as "goal status 0"
+    after its empty result had been printed as the answer ("[feedback incomplete; the full text]" below the streamed
+    part). It is said as such, its empty result is no result, and the exit status is 1."""
+    import io
+
+    import rclpy.action
+    from rclpy.task import Future
+
+    import memspec_ros.ros.client as client
+
+    result = Future()
+    result.set_result(type("Response", (), {"status": GoalStatus.STATUS_UNKNOWN, "result": Generate.Result()})())
+    monkeypatch.setattr(rclpy.action, "ActionClient", answering_client(
+        type("Handle", (), {"accepted": True, "get_result_async": lambda self: result})()))
+    monkeypatch.setattr(client, "_spin_until", lambda executor, future, timeout: None)
+    out, log = io.StringIO(), io.StringIO()
+    outcome = client.send_goal(None, None, Generate.Goal(prompt="hi"), "/memspec/generate", out=out, log=log)
+    assert outcome.status == "server-gone" and not outcome.ok and outcome.result is None
+    assert "no longer knows this goal" in log.getvalue() and out.getvalue() == ""
+
+
 def test_memspec_client_rejection_message_names_every_reason_with_the_nodes_limits(monkeypatch):
     """The message printed for a rejected goal named only some of the node's reasons; every one is named, with the
     node's limits (goal_runner.py)."""

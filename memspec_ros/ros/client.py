@@ -46,7 +46,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: beyond it the
 
 @dataclass
 class Outcome:
-    status: str  # succeeded | canceled | aborted | rejected | no-server | timeout
+    status: str  # succeeded | canceled | aborted | rejected | no-server | server-gone | timeout | interrupted
     result: object | None = None
     streamed: str = ""
     feedback_messages: int = 0
@@ -161,6 +161,14 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
                 _cancel(executor, handle, result_future)
             return outcome
         response = result_future.result()
+        if response.status == GoalStatus.STATUS_UNKNOWN:
+            # the server answering does not know the goal (it restarted, or expired the result): its empty result
+            # is no answer, so nothing of it is printed as one
+            print("the Generate action server no longer knows this goal (restarted, or the result expired): no"
+                  " result", file=log)
+            if outcome.status != "interrupted":
+                outcome.status = "server-gone"
+            return outcome
         result = response.result
         outcome.result = result
         if stream:

@@ -439,6 +439,7 @@ def test_the_engine_bench_refuses_a_datastore_of_another_tokenizer_or_without_lo
 
 
 @pytest.mark.parametrize("argv", [["--prompts", "0"], ["--prompts", "-3"], ["--interval", "0"],
+                                  ["--capacity", "100"], ["--interval", "100000"],
                                   ["--predictor", "/nonexistent/predictor"], ["--threads", "-5"],
                                   ["--registry", "/nonexistent/registry.yaml", "--untrained"],
                                   ["--workload", "/nonexistent/w.jsonl", "--untrained"]])
@@ -789,3 +790,28 @@ def test_a_sweep_leaves_out_the_settings_the_controller_refuses_with_its_predict
     item = sweep(bench, "fig10", (2, 4, 8), "interval", ["general-static", "memspec"], "emmc", "N")
     assert simulated == [4] and item["values"] == [4] and set(item["rows"]) == {"4"}
     assert set(item["refused"]) == {"2", "8"} and "interval 2, 8 left out" in item["title"]
+
+
+def test_the_breakdown_figures_over_a_baseline_that_decoded_nothing_are_n_a_not_a_crash(tmp_path):
+    """Figures 7 and 9 divided each part by MAB-Async's (General-Static's) pooled decode time: where every
+    generation of it ended at the prefill that is 0, and ZeroDivisionError came after every real run. The parts
+    are n/a there (as :func:`ratio` has it), the plot says so, and a base that decoded keeps its ratios."""
+    from types import SimpleNamespace
+
+    from memspec_ros.bench.figures import GS, MAB, MS, figure7, figure8_9, plot
+    from memspec_ros.runtime.stats import GenerationStats
+
+    policies = [GS, MAB, MS]
+    table = {"code": {p: {"tokens_per_second": 1.0, "end_to_end_tokens_per_second": 1.0} for p in policies}}
+    decoded = GenerationStats(completion_tokens=5, decode_seconds=0.5)
+    bench = SimpleNamespace(result={"workloads": table, "config": {"policies": policies}},
+                            runs=[(GS, "code", (1,), GenerationStats()), (MAB, "code", (1,), GenerationStats()),
+                                  (MS, "code", (1,), decoded)])
+    for item, key in ((figure7(bench, "local"), "normalized_to_mab_async"),
+                      (figure8_9(bench, "local"), "breakdown_normalized_to_general_static")):
+        assert {v for parts in item[key].values() for v in parts.values()} == {None}
+        plot(item, tmp_path / f"{item['item']}.png", "test")
+        assert (tmp_path / f"{item['item']}.png").stat().st_size > 0
+    bench.runs[1] = (MAB, "code", (1,), decoded)  # MAB-Async decoded: MemSpec's parts over it, 1 in all
+    parts = figure7(bench, "local")["normalized_to_mab_async"][MS]
+    assert sum(parts.values()) == pytest.approx(1.0)

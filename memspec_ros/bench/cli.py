@@ -146,10 +146,11 @@ def _draft_load(args, names, result) -> dict | None:
     """The draft's cold load through ``--storage``, once per run, with its ratio to one speculative iteration."""
     from ..runtime.cache import draft_spec
     from ..runtime.loader import draft_dtype
+    from ..runtime.model_source import is_model_source
     from ..runtime.storage import DraftStorage, storage_medium
 
-    if not Path(names[1]).is_dir():
-        return None  # generated tiny models: no file to load
+    if not (Path(names[1]).is_dir() or is_model_source(names[1])):
+        return None  # generated tiny models: no file to load (a GGUF or pkg: draft is read as the cache reads it)
     storage = DraftStorage(storage_medium(args.storage))
     spec = draft_spec(names[1], draft_dtype(args.dtype), args.draft_quantization)
     records = storage.steady_loads({args.draft: spec}, repeats=max(1, args.runs))  # not the first load's build
@@ -572,8 +573,9 @@ def cmd_paper(args) -> int:
     print(f"lossless (every output equals the target's greedy output): {index['lossless']}")
     within = index["validation"]["within_tolerance"]
     if not within:  # the sweeps and the storage figures come from the simulator alone
-        print("FAILED: the simulator is outside its tolerance on the held-out runs, so the figures it alone makes"
-              " (fig10-12, storage, recent) are not evidence; the real runs' figures stand", file=sys.stderr)
+        print(f"FAILED: the simulator is outside its tolerance ({index['validation']['kind']}), so the figures it"
+              " alone makes (fig10-12, storage, recent) are not evidence; the real runs' figures stand",
+              file=sys.stderr)
     return 0 if index["lossless"] and within else 1
 
 

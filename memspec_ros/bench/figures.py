@@ -103,6 +103,11 @@ def _x(value: float | None) -> str:
     return "n/a (a zero baseline)" if value is None else f"{value:.3f}"
 
 
+def _loads(value: float | None) -> str:
+    """A load in speculative iterations; "n/a" where no iteration time was measured (storage.load_to_iteration)."""
+    return "n/a (no iteration timed)" if value is None else f"{value:.2f}"
+
+
 def _times(value: float | None) -> str:
     return "n/a (a zero baseline)" if value is None else f"{value:.3f}x"
 
@@ -162,17 +167,22 @@ def figure6(bench: BenchRun, medium: str) -> dict:
     }
 
 
+def breakdown_relative_to(summaries: dict[str, dict], base_policy: str) -> dict[str, dict[str, float | None]]:
+    """Each policy's decode-time parts over ``base_policy``'s whole decode time (figures 7 and 9); None where that
+    is 0 (every generation of it ended at the prefill) or the policy was not run, as :func:`ratio` has it."""
+    base = summaries[base_policy]["decode_seconds"] if base_policy in summaries else 0.0
+    return {p: {k: ratio(v, base) for k, v in s["execution_seconds"].items()} for p, s in summaries.items()}
+
+
 def figure7(bench: BenchRun, medium: str) -> dict:
     workloads = domain_workloads(list(bench.result["workloads"]))
     policies = [p for p in (MAB, MS, CA) if p in bench.result["config"]["policies"]]
     summaries = {p: policy_summary(bench.runs, p, workloads) for p in policies}
-    base = summaries[MAB]["decode_seconds"] if MAB in summaries else 1.0
     return {
         "item": "fig7", "source": "real runs", "medium": medium,
         "title": "Decode time breakdown relative to MAB-Async's decode time (same prompts)",
         "policies": policies, "workloads": workloads, "parts": list(EXEC_PARTS),
-        "normalized_to_mab_async": {p: {k: v / base for k, v in s["execution_seconds"].items()}
-                                    for p, s in summaries.items()},
+        "normalized_to_mab_async": breakdown_relative_to(summaries, MAB),
         "summaries": summaries,
     }
 
@@ -182,7 +192,6 @@ def figure8_9(bench: BenchRun, medium: str) -> dict:
     policies = [p for p in (GS, PO, MS, CA) if p in result["config"]["policies"]]
     workloads = domain_workloads(list(result["workloads"]))
     summaries = {p: policy_summary(bench.runs, p, workloads) for p in policies}
-    base = summaries[GS]["decode_seconds"]
     return {
         "item": "fig8_9", "source": "real runs", "medium": medium,
         "title": "Component analysis: throughput normalized to General-Static (fig. 8) and decode time breakdown"
@@ -190,8 +199,7 @@ def figure8_9(bench: BenchRun, medium: str) -> dict:
         "policies": policies, "workloads": workloads, "parts": list(EXEC_PARTS),
         "normalized_tokens_per_second": normalized(result["workloads"], policies, workloads,
                                                    "tokens_per_second")["GMEAN"],
-        "breakdown_normalized_to_general_static": {p: {k: v / base for k, v in s["execution_seconds"].items()}
-                                                   for p, s in summaries.items()},
+        "breakdown_normalized_to_general_static": breakdown_relative_to(summaries, GS),
         "summaries": summaries,
     }
 
@@ -389,11 +397,15 @@ def _bars(ax, groups: Sequence[str], series: dict[str, Sequence[float]], ylabel:
     ax.legend(ncol=3, fontsize=7)
 
 
-def _stacked(ax, policies: Sequence[str], parts: Sequence[str], values: dict[str, dict[str, float]],
+def _stacked(ax, policies: Sequence[str], parts: Sequence[str], values: dict[str, dict[str, float | None]],
              ylabel: str) -> None:
     bottom = [0.0] * len(policies)
     colors = {"desired": "#2e7d32", "fallback": "#ef6c00", "target_only": "#9e9e9e", "prediction": "#6a1b9a",
               "load_wait": "#c62828", "other": "#cfd8dc"}
+    if any(values[p][part] is None for p in policies for part in parts):  # a zero baseline: nothing to draw
+        ax.text(0.5, 0.5, "n/a: the baseline decoded nothing", ha="center", va="center", transform=ax.transAxes)
+        ax.set_ylabel(ylabel)
+        return
     for part in parts:
         heights = [values[p][part] for p in policies]
         ax.bar([LABELS.get(p, p) for p in policies], heights, bottom=bottom, label=part.replace("_", " "),
@@ -638,9 +650,10 @@ def render_validation(v: dict) -> list[str]:
               f"Every timed generation replayed on its prompt's trace with the same policy object and a cost model"
               f" fitted to these runs; GMEAN over {', '.join(v.get('gmean_over') or [])} on both sides (held out: over"
               f" {', '.join(held.get('gmean_over') or []) or 'none'}, the workloads with a second prompt); tolerance"
-              f" {v['tolerance']:.0%} end to end. **Held out** (the gate) fits the cost model on each workload's"
-              " even-numbered prompts only and replays the others at the fitted speed against their own"
-              " measurements: no figure of a checked run enters its replay. Speed-matched scales each replay's"
+              f" {v['tolerance']:.0%} end to end. **Held out** (the gate where a workload has a second prompt; else the"
+              " pooled replay is, in sample) fits the cost model on each workload's even-numbered prompts only and"
+              " replays the others at the fitted speed against their own measurements: no figure of a checked run"
+              " enters its replay. Speed-matched scales each replay's"
               " compute times by the machine speed measured in that generation (its target verify time over the"
               " model's), so the verify time, most of decoding, agrees by construction: it shows what the model"
               " gets wrong besides this machine's drift. Pooled replays every run at the fitted speed, in sample.", "",
@@ -679,7 +692,7 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
              f" tokens, greedy, {cfg['prompts']} prompts per workload ({', '.join(cfg['workloads'])}), every"
              f" policy on every prompt, interleaved. Storage: **{storage['medium']}"
              f"{' (emulated)' if storage['emulated'] else ''}**: a draft load took"
-             f" {storage['load_seconds'] * 1000:.0f} ms = {storage['load_to_iteration'] or 0:.2f} speculative"
+             f" {storage['load_seconds'] * 1000:.0f} ms = {_loads(storage['load_to_iteration'])} speculative"
              f" iterations of {storage['iteration_seconds'] * 1000:.0f} ms.", "",
              _lossless_line(result), "",
              "Which numbers are real and which simulated:", "",
@@ -708,7 +721,7 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
               f"- Headroom: Oracle-Dynamic, the best schedule under the same K and costs, reaches"
               f" {_times(od_gs)} General-Static and Oracle-Static"
               f" {_times(h['oracle_static_vs_general_static'])}.{bound}",
-              f"- A draft load costs {h['load_to_iteration'] or 0:.2f} speculative iterations here,"
+              f"- A draft load costs {_loads(h['load_to_iteration'])} speculative iterations here,"
               f" {'more' if (h['load_to_iteration'] or 0) > PAPER_LOAD_ITERATIONS else 'fewer'} than on the paper's"
               f" Jetson ({PAPER_LOAD_ITERATIONS}): a policy that waits for a load loses that many iterations, one that"
               " works around it runs a resident draft meanwhile (Figure 7 splits the time). Beyond that, what"
@@ -731,7 +744,7 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
                       " it never does: see the per-iteration load_wait_seconds)")
                      + ": when the ranking's top draft is not resident it runs the best resident draft until the next"
                      f" scheduling point (N = {cfg['interval']} iterations; a load takes"
-                     f" {h['load_to_iteration'] or 0:.2f}): {ms['fallback_fraction_of_iterations']:.1%} of its"
+                     f" {_loads(h['load_to_iteration'])}): {ms['fallback_fraction_of_iterations']:.1%} of its"
                      " speculative iterations ran on a fallback draft.")
     if h.get("predictor_recent_features_live") is False:
         lines.append("- **The live target-hidden predictor ranks from the prompt alone**: its forward hook on the"
@@ -800,7 +813,7 @@ def _summary_line(name: str, item: dict) -> list[str]:
         return ["| medium | load (ms) | loads / iteration | " + " | ".join(LABELS[p] for p in item["policies"])
                 + " |", "|---|---:|---:|" + "---:|" * len(item["policies"])] + [
             f"| {m}{' (emulated)' if r['emulated'] else ''} | {r['load_seconds_per_draft'] * 1000:.0f} |"
-            f" {r['load_to_iteration']:.2f} | " + " | ".join(f"{r['end_to_end_seconds_per_generation'][p]:.2f} s"
+            f" {_loads(r['load_to_iteration'])} | " + " | ".join(f"{r['end_to_end_seconds_per_generation'][p]:.2f} s"
                                                           for p in item["policies"]) + " |"
             for m, r in item["rows"].items()] + [""]
     if name == "table2":

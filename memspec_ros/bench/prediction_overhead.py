@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import controller_limit, non_negative_int, positive_int
 from ..runtime import bundled_zoo_dir
 from ..runtime.controller import RuntimeConfig
 from ..runtime.loader import load_models
@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                         " (0: the whole prompt)")
     p.add_argument("--prompts", type=positive_int, default=4)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--interval", type=positive_int, default=4)
-    p.add_argument("--capacity", type=positive_int, default=2)
+    # the controller's own bounds: a value it refuses is named by the parser, not by a traceback after the loads
+    p.add_argument("--interval", type=controller_limit("interval"), default=4)
+    p.add_argument("--capacity", type=controller_limit("capacity"), default=2)
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--threads", type=non_negative_int, default=1, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)

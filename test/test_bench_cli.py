@@ -711,11 +711,13 @@ def test_the_engine_benchs_bound_fraction_and_loop_verify_are_like_for_like():
     """bound_fraction divided the median decode rate by the median bound, of different runs; the loop's verify time
     was averaged over every iteration (one-row target steps, short adaptive verifies) beside the isolated time of a
     gamma + 1 row verify."""
-    from memspec_ros.bench.engine_bench import _LoopTimes, bound_fraction
+    from memspec_ros.bench.engine_bench import _LoopTimes, bound_fraction, paired_ratio
     from memspec_ros.runtime.stats import GenerationStats, IterationStats
 
     # runs (decode, bound): (100, 110), (90, 120), (95, 100): per run 0.91, 0.75, 0.95; the medians' ratio 0.86
     assert bound_fraction([100.0, 90.0, 95.0], [110.0, 120.0, 100.0]) == pytest.approx(100 / 110)
+    # the engine's ratios to its baselines likewise (they divided the medians): per run 2, 2.5, 0.75; medians' 2.5
+    assert paired_ratio([10.0, 20.0, 30.0], [5.0, 8.0, 40.0]) == pytest.approx(2.0)
     its = [IterationStats("d", 4, 2, 3, 0.001, 0.010), IterationStats("d", 4, 4, 5, 0.001, 0.010),
            IterationStats("", 0, 0, 1, 0.0, 0.002), IterationStats("d", 1, 1, 2, 0.001, 0.004)]
     loop = _LoopTimes(4)

@@ -65,6 +65,7 @@ class EngineBenchResult:
     hf_assisted_tps: float | None  # None: transformers cannot run this draft
     engine_tps: float
     engine_decode_tps: float
+    # the engine's rate over each baseline's, the median over runs of each run's own ratio (paired_ratio)
     ratio_vs_hf: float | None
     ratio_vs_autoregressive: float
     ratio_vs_target_alone: float
@@ -132,10 +133,16 @@ class _LoopTimes:
         return 1000 * self.other_s / self.iterations if self.iterations else None
 
 
+def paired_ratio(rates: list[float], bases: list[float]) -> float:
+    """The median over runs of each run's rate over the same run's base (the methods of one run take turns on each
+    prompt, so they share its drift): a ratio of two medians could pair one run's rate with another's base."""
+    return statistics.median(r / b for r, b in zip(rates, bases, strict=True))
+
+
 def bound_fraction(decode_tps: list[float], bound_tps: list[float]) -> float:
     """The median over runs of each run's decode rate against that run's own bound (its forwards timed in that
-    run): a ratio of the two medians paired one run's rate with another's bound."""
-    return statistics.median(d / b for d, b in zip(decode_tps, bound_tps, strict=True))
+    run)."""
+    return paired_ratio(decode_tps, bound_tps)
 
 
 def _bound_seconds(stats, gamma: int, draft_ms: float, verify_ms: float, one_ms: float) -> float:
@@ -280,9 +287,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         autoregressive_tps=med["autoregressive"], target_alone_tps=med["target_alone"],
         hf_assisted_tps=med.get("hf_assisted"), engine_tps=med["engine"],
         engine_decode_tps=engine_decode,
-        ratio_vs_hf=med["engine"] / med["hf_assisted"] if hf_can else None,
-        ratio_vs_autoregressive=med["engine"] / med["autoregressive"],
-        ratio_vs_target_alone=med["engine"] / med["target_alone"],
+        ratio_vs_hf=paired_ratio(per_run["engine"], per_run["hf_assisted"]) if hf_can else None,
+        ratio_vs_autoregressive=paired_ratio(per_run["engine"], per_run["autoregressive"]),
+        ratio_vs_target_alone=paired_ratio(per_run["engine"], per_run["target_alone"]),
         mean_accepted=mean_accepted, outputs_identical=identical,
         same_as_transformers=same_as_transformers / (len(prompts) * cfg.runs),
         hf_assisted_same_as_generate=hf_same / (len(prompts) * cfg.runs) if hf_can else None,

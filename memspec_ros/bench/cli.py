@@ -476,10 +476,10 @@ def cmd_policies(args) -> int:
         print(f"{p:>20} {cells} {result['gmean_tokens_per_second'][p]:8.1f}")
     for key, value in result["ratios"].items():
         print(f"{key}: {value:.3f}")
+    from .figures import load_sentence
+
     storage = result["storage"]
-    print(f"storage {storage['medium']}{' (emulated)' if storage['emulated'] else ''}: a draft load took"
-          f" {storage['load_seconds'] * 1000:.0f} ms = {storage['load_to_iteration'] or 0:.1f} speculative iterations"
-          f" ({storage['iteration_seconds'] * 1000:.1f} ms each)")
+    print(f"storage {storage['medium']}{' (emulated)' if storage['emulated'] else ''}: {load_sentence(storage)}")
     print("decode time breakdown (" + ", ".join(result["time_breakdown"][names[0]]["parts"]) + "; over"
           f" {', '.join(result['gmean_workloads'])}):")
     for p in names:

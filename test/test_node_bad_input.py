@@ -233,6 +233,8 @@ def unconfigured(rclpy_context):
     ("model.dtype", "FP32", "model.dtype must be one of"),
     ("model.device", "tpu", "model.device must be 'cpu' or 'cuda[:N]'"),  # unknown device
     ("model.device", "cuda0", "model.device must be 'cpu' or 'cuda[:N]'"),
+    ("model.device", "cuda:", "model.device must be 'cpu' or 'cuda[:N]'"),  # torch refused these at configure
+    ("model.device", "cuda:abc", "model.device must be 'cpu' or 'cuda[:N]'"),
     ("model.quantization", "int3", "model.quantization must be one of"),
     ("drafts.quantization", "fp8", "drafts.quantization must be one of"),
     ("cache.storage", "floppy", "cache.storage must be one of"),

@@ -330,6 +330,23 @@ def test_memspec_client_chat_drops_the_oldest_exchange_when_a_turn_is_rejected(m
     assert len(sent) == 1
 
 
+def test_memspec_client_quiet_still_says_why_a_turn_was_aborted(monkeypatch):
+    """--quiet leaves out the statistics line, which was the only place the node's error_message was printed: an
+    aborted turn of --chat --quiet said nothing at all. The reason goes to the log."""
+    import io
+
+    from memspec_interfaces.action import Generate
+    from memspec_ros.ros import client
+
+    monkeypatch.setattr(client, "send_goal", lambda *a, **k: client.Outcome(
+        "aborted", result=Generate.Result(text="part", error_message="the target model failed: out of memory")))
+    args = client.parse_args(["--chat", "--quiet"])
+    out, log = io.StringIO(), io.StringIO()
+    assert client.chat(None, None, args, ["hi\n"], out=out, log=log) == 1
+    assert "(goal aborted: the target model failed: out of memory)" in log.getvalue()
+    assert "finish:" not in out.getvalue()
+
+
 def test_memspec_client_chat_keeps_the_conversation_when_a_turn_is_rejected_for_another_reason(monkeypatch):
     """A rejection that was not the conversation's length (the node deactivated for a moment) had every earlier
     exchange dropped, one retry each, and the conversation lost for good: when the turn is rejected even alone, the

@@ -149,16 +149,19 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             outcome.status = "rejected"
             return outcome
         result_future = handle.get_result_async()
+        given_up = ""  # the client ended the goal: "interrupted" (Ctrl-C) or "timeout"; its result is still shown
         try:
             _spin_until(executor, result_future, result_timeout or math.inf)
         except KeyboardInterrupt:
             print("\ninterrupted: cancelling the goal", file=log)
             _cancel(executor, handle, result_future)  # waits for the partial answer
-            outcome.status = "interrupted"
+            given_up = "interrupted"
+        if not result_future.done() and not given_up:  # (interrupted: cancelled once already, said so)
+            print(f"no result after {result_timeout:g} s: cancelling the goal (--result-timeout)", file=log)
+            _cancel(executor, handle, result_future)  # waits for the partial answer, printed below
+            given_up = "timeout"
+        outcome.status = given_up or outcome.status
         if not result_future.done():
-            if outcome.status != "interrupted":  # (interrupted: cancelled once already, said so)
-                print(f"no result after {result_timeout:g} s: cancelling the goal (--result-timeout)", file=log)
-                _cancel(executor, handle, result_future)
             return outcome
         response = result_future.result()
         if response.status == GoalStatus.STATUS_UNKNOWN:
@@ -166,8 +169,7 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             # is no answer, so nothing of it is printed as one
             print("the Generate action server no longer knows this goal (restarted, or the result expired): no"
                   " result", file=log)
-            if outcome.status != "interrupted":
-                outcome.status = "server-gone"
+            outcome.status = given_up or "server-gone"
             return outcome
         result = response.result
         outcome.result = result
@@ -181,8 +183,7 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             out.flush()
         names = {GoalStatus.STATUS_SUCCEEDED: "succeeded", GoalStatus.STATUS_CANCELED: "canceled",
                  GoalStatus.STATUS_ABORTED: "aborted"}
-        if outcome.status != "interrupted":
-            outcome.status = names.get(response.status, f"status {response.status}")
+        outcome.status = given_up or names.get(response.status, f"status {response.status}")
         return outcome
     finally:
         client.destroy()
@@ -312,6 +313,8 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
                   " they are put back; the node's log says why)", file=log)
         if outcome.result is not None and not args.quiet:
             print(format_result(outcome.result), file=out)
+        elif outcome.result is not None and not outcome.ok and outcome.result.error_message:
+            print(f"(goal {outcome.status}: {outcome.result.error_message})", file=log)  # --quiet: still why
         if outcome.status == "interrupted":
             return 130
         if not outcome.ok:
@@ -489,11 +492,13 @@ def main(argv: list[str] | None = None) -> int:
         outcome = send_goal(node, executor, build_goal(args), args.node.rstrip("/") + "/generate",
                             server_timeout=args.timeout, result_timeout=args.result_timeout)
         if outcome.result is not None and not args.quiet:
-            print(format_result(outcome.result), file=sys.stderr if args.quiet else sys.stdout)
+            print(format_result(outcome.result))
         if outcome.status == "interrupted":
             return 130
         if outcome.result is not None and outcome.status != "succeeded":
-            print(f"goal {outcome.status}", file=sys.stderr)
+            # the node's reason (in the statistics line above, which --quiet leaves out) always goes to stderr
+            error = outcome.result.error_message if args.quiet else ""
+            print(f"goal {outcome.status}" + (f": {error}" if error else ""), file=sys.stderr)
         return 0 if outcome.ok else 1
     except KeyboardInterrupt:
         return 130

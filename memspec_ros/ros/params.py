@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,7 +369,7 @@ def check_value(name: str, value: Any) -> str:
         return f"{name} must be in [{p.float_range[0]}, {p.float_range[1]}], got {value}"
     if p.choices and value not in p.choices:
         return f"{name} must be one of {', '.join(p.choices)}, got {value!r}"
-    if name == "model.device" and not (value == "cpu" or value == "cuda" or value.startswith("cuda:")):
+    if name == "model.device" and not re.fullmatch(r"cpu|cuda(:\d+)?", value):  # 'cuda:x' failed at configure
         return f"model.device must be 'cpu' or 'cuda[:N]', got {value!r}"
     return ""
 

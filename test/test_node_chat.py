@@ -537,3 +537,13 @@ def test_the_clients_rejection_reason_is_found_under_either_diagnostic_name(publ
     assert reasons._latest is None
     reasons._on_diagnostics(array(published, 3, "the queue is full"))
     assert reasons._latest == (3, "the queue is full")
+    # without use_fqn a node of the same name in another namespace publishes the same bare name: its 'node' value
+    # tells them apart (robot2's rejections were taken for robot1's); this node's own still count
+    other = array("memspec: target model", 9, "robot2's prompt was too long")
+    other.status[0].values.append(KeyValue(key="node", value="/robot2/memspec"))
+    reasons._on_diagnostics(other)
+    assert reasons._latest == (3, "the queue is full")
+    own = array("memspec: target model", 4, "the node is not active")
+    own.status[0].values.append(KeyValue(key="node", value="/robot/memspec"))
+    reasons._on_diagnostics(own)
+    assert reasons._latest == (4, "the node is not active")

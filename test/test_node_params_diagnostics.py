@@ -147,6 +147,7 @@ def test_diagnostics_follow_the_diagnostic_updater_contract(h):
         assert predictor["encoder"] == "target-hidden" and predictor["recent tokens (T)"] == "32"
         assert predictor["prompt positions (W)"] == "whole prompt"  # the tiny zoo's head: HeadConfig's default 0
         assert by_name["memspec: target model"]["lifecycle state"] == "active"
+        assert by_name["memspec: target model"]["node"] == "/memspec"  # whose rejections (memspec_client --chat)
     finally:
         h.set_params(**{"diagnostic_updater.period": 1.0})
         h.client.destroy_subscription(sub)

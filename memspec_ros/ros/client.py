@@ -239,8 +239,10 @@ class RejectionReasons:
 
         self._executor, self._wait = executor, wait_seconds
         # '<node name>: <task>', or with diagnostic_updater.use_fqn '/<ns>/<name>: <task>' (the real updater's with
-        # one more leading '/'): compared without the leading slashes
+        # one more leading '/'): compared without the leading slashes. The bare name is the same for a node of that
+        # name in any namespace, so its status counts only where its 'node' value is this node's path
         path = node_path.strip("/")
+        self._node = "/" + path
         self._statuses = {f"{path.rsplit('/', 1)[-1]}: target model", f"{path}: target model"}
         self._latest: tuple[int, str] | None = None
         self._mark: int | None = None
@@ -249,7 +251,8 @@ class RejectionReasons:
     def _on_diagnostics(self, msg) -> None:
         for status in msg.status:
             values = {kv.key: kv.value for kv in status.values}
-            if status.name.lstrip("/") in self._statuses and values.get("goals rejected", "").isdigit():
+            if (status.name.lstrip("/") in self._statuses and values.get("goals rejected", "").isdigit()
+                    and values.get("node", self._node) == self._node):  # (a node from before the key: by name)
                 self._latest = (int(values["goals rejected"]), values.get("last rejection", ""))
 
     def mark(self) -> None:

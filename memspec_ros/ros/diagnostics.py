@@ -406,6 +406,9 @@ class NodeTasks:
         s.add("goals queued", queued)
         s.add("goals rejected", self.runner.goals_rejected)
         s.add("last rejection", self.runner.last_rejection or "none")
+        # whose rejections: without diagnostic_updater.use_fqn the status name is the bare node name, the same for
+        # /robot1/memspec and /robot2/memspec on one domain (memspec_client --chat reads the reason by this)
+        s.add("node", self.node.get_fully_qualified_name())
         lo = self.node.loaded
         if state == "finalized":  # shut down, it can never serve again: first, whatever failed before the shutdown
             s.summary(WARN, "finalized (shut down): no model loaded and no goal served; restart the node to serve")

@@ -182,6 +182,9 @@ def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended
             monkeypatch.setattr(h.node._runner, "end_goals", fails_once)
             assert not h.transition(Transition.TRANSITION_DEACTIVATE)
             assert h.state() == "unconfigured"
+            # the diagnostics said "the models were freed ... configure it again", which configure then refused
+            status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+            assert status.level == ERROR and "freed once the goal still running ends" in status.message
             # configure would load a second target and drafts beside the ones the goal still holds: refused
             assert not h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "unconfigured"
         assert h.node.loaded is None and h.node.loaded_parameter_bytes() == 0  # the node holds none of them now

@@ -417,8 +417,12 @@ class NodeTasks:
             s.summary(ERROR, f"configure failed: {self.node.configure_error}")
             return
         if self.node.transition_error and lo is None:  # until configure succeeds again
-            s.summary(ERROR, f"{self.node.transition_error}; the models were freed and the node went back to"
-                             " unconfigured: configure it again")
+            # a goal told to end may not have reached its next iteration: its models are freed when it does, and
+            # configure is refused until then (node.py, _release_after_goal)
+            freed = ("the models are freed once the goal still running ends (configure is refused until then)"
+                     if self.runner.models_in_use() else "the models were freed")
+            s.summary(ERROR, f"{self.node.transition_error}; {freed} and the node went back to unconfigured:"
+                             " configure it again")
             return
         if lo is None:
             s.summary(OK, "unconfigured: no model loaded")

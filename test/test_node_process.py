@@ -460,3 +460,56 @@ def test_a_lock_file_another_user_owns_is_passed_over_not_a_crash(monkeypatch):
     domain = ros_helpers.claim_ros_domain_id()
     ros_helpers._held_domain_locks.pop(held).close()
     assert domain != first and domain in ids
+
+
+def test_a_second_signal_stops_the_process_at_once_while_configure_still_loads(tmp_path):
+    """A second SIGINT is the user's "stop now" (and ros2 launch's before its SIGKILL): the node abandoned its waits,
+    but rclpy's executor never shuts its thread pool down and Python joins those threads at exit, so the process
+    lived on until the configure still loading the models ended. It exits at once, with 128 + SIGINT."""
+    import threading
+
+    from lifecycle_msgs.srv import ChangeState
+
+    name = "memspec_second_signal"
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "paced_node.py"), executable("memspec_node"),
+           "--ros-args", "-r", f"__node:={name}", "--params-file", str(params_file(tmp_path))]
+    loading = 600.0  # the configure's load: far longer than anything this test waits for
+    env = dict(os.environ, MEMSPEC_TEST_CONFIGURE_SECONDS=str(loading))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    context = Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node("second_signal_test_client", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(node)
+    try:
+        change = node.create_client(ChangeState, f"/{name}/change_state")
+        wait_until(lambda: (executor.spin_once(timeout_sec=0.05), change.service_is_ready())[1], TIMEOUT,
+                   "the lifecycle service")
+        change.call_async(ChangeState.Request(transition=Transition(id=Transition.TRANSITION_CONFIGURE)))
+        wait_until(lambda: (executor.spin_once(timeout_sec=0.05), "paced_node: configure loading\n" in lines)[1],
+                   TIMEOUT, "the configure's load to start")
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_until(lambda: any("waiting for the lifecycle transition" in line for line in lines), TIMEOUT,
+                   "the node to wait for the configure in progress")
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=loading / 4)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the node lived on after a second SIGINT until the configure would end:\n" + "".join(lines))
+        waited = time.monotonic() - t0
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(10.0)
+    assert proc.returncode == 128 + signal.SIGINT, "".join(lines)
+    assert waited < loading / 4
+    assert "Traceback" not in "".join(lines), "".join(lines)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import logging
+import os
 import signal
 import sys
 import threading
@@ -615,6 +617,7 @@ def main(args: list[str] | None = None) -> None:
     executor.add_node(node)
     closing = threading.Event()
     closed = Future()
+    second: list[int] = []  # the second signal's number: the process then leaves at once (_exit_at_once)
 
     def close(reason: str) -> None:
         try:
@@ -624,6 +627,7 @@ def main(args: list[str] | None = None) -> None:
 
     def on_signal(signum, _frame) -> None:
         if closing.is_set():  # a second signal: stop without waiting for the results
+            second.append(signum)
             node.abandon_results()
             raise KeyboardInterrupt
         closing.set()
@@ -641,6 +645,22 @@ def main(args: list[str] | None = None) -> None:
             node.destroy_node()
         finally:  # whatever the destruction raised, rclpy's context is shut down (the process exits cleanly)
             rclpy.try_shutdown()
+            if second:
+                _exit_at_once(128 + second[0])
+
+
+def _exit_at_once(status: int) -> None:
+    """Leave now after a second signal. rclpy's MultiThreadedExecutor never shuts its thread pool down, and Python
+    joins those threads at exit: a callback still running (configure loading the models, a deactivate waiting for a
+    goal) kept the process alive until it ended, so the second Ctrl-C did not stop the node and launch had to
+    SIGKILL it. Everything the node had to say is flushed first; 128 + the signal is a shell's status for it."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to say there
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":

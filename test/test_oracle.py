@@ -382,3 +382,32 @@ def test_the_oracle_prices_the_last_iterations_of_an_answer_that_ends_at_an_end_
     assert ScheduleSolver.for_oracle(short, ["d"]).step("d", 7)[1] == pytest.approx(costs.iteration_cost(4))
     at_budget = replace(short, max_new_tokens=0)  # cut by the budget: the proposals left are the budget's
     assert ScheduleSolver.for_oracle(at_budget, ["d"]).step("d", 7)[1] == pytest.approx(costs.iteration_cost(2))
+
+
+def test_oracle_dynamic_plans_a_refused_prefetch_as_no_load_in_flight(monkeypatch):
+    """Oracle-Dynamic remembered each prefetch it asked for as in flight until the draft was resident. A prefetch
+    the cache refused (its byte budget) or that failed never lands: the schedule then waited for a load that was
+    not coming (a blocking load of the refused draft, planned as a cheap wait). It plans from the cache's own
+    loads (SchedulingPoint.loading) where the point says them."""
+    from memspec_ros.runtime.policies import OracleDynamicPolicy, SchedulingPoint
+
+    length = 40
+    oracle = GreedyOracle(list(range(length)), {"a": [True] * length, "b": [True, False] * (length // 2)},
+                          gamma=4, interval=2, costs=ScheduleCosts(capacity=2, iteration_seconds=1.0,
+                                                                   load_seconds={"a": 3.0, "b": 3.0}))
+    policy = OracleDynamicPolicy(lambda ids: oracle)
+    policy.start([1, 2, 3])
+    planned_from = []
+    solver = oracle.solver(["a", "b"], 2)
+    best = solver.best_action
+    monkeypatch.setattr(solver, "best_action", lambda state: planned_from.append(state) or best(state))
+
+    def point(loading):
+        return SchedulingPoint(interval=2, prompt_ids=[1, 2, 3], generated_ids=list(range(9)), recent_ids=[],
+                               candidates=["a", "b"], domains={}, resident=["b"], active="b", capacity=2,
+                               loading=loading)
+
+    for loading, expected in ((["a"], ("a", 2)), ([], None), (None, ("a", 2))):  # None: unknown, as before
+        policy._loading = ("a", 0)  # the policy asked for "a" at the first scheduling point
+        policy.choose(point(loading))
+        assert planned_from[-1][3] == expected, loading

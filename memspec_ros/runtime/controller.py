@@ -611,6 +611,7 @@ class RuntimeController:
             candidates=[e.name for e in entries],
             domains={e.name: e.domain for e in entries},
             resident=self.cache.resident(),
+            loading=self.cache.loading(),
             active=active,
             failed=list(self.cache.failed()),
             max_new_tokens=session.max_new_tokens,

@@ -90,6 +90,9 @@ class SchedulingPoint:
     max_new_tokens: int = 0  # the generation's token budget (0: unknown)
     wait_for_initial_draft: bool = False  # the first choice blocks even when a draft is resident
     capacity: int = 0  # K, the drafts the cache holds now (0: unknown; Oracle-Dynamic then plans with its costs')
+    # drafts whose load is in flight now (None: unknown). Oracle-Dynamic reads it: a prefetch the cache refused
+    # (its byte budget) or that failed is no load its schedule may wait for
+    loading: list[str] | None = None
 
     def prediction_context(self) -> PredictionContext:
         return PredictionContext(
@@ -234,7 +237,8 @@ class OracleDynamicPolicy(DraftPolicy):
         loading = None
         if self._loading is not None:
             draft, since = self._loading
-            if draft in resident or draft not in viable:
+            refused = point.loading is not None and draft not in point.loading  # never started, or failed
+            if draft in resident or draft not in viable or refused:
                 self._loading = None
             else:
                 loading = (draft, point.interval - since)

@@ -390,6 +390,9 @@ class SimCache:
     def resident(self) -> list[str]:
         return [n for n, s in self._slots.items() if self._is_ready(s)]
 
+    def loading(self) -> list[str]:
+        return [n for n, s in self._slots.items() if not self._is_ready(s)]
+
     def failed(self) -> dict:
         return {}
 
@@ -550,7 +553,8 @@ class Simulator:
             t = cfg.recent_tokens
             return SchedulingPoint(interval=interval, prompt_ids=prompt, generated_ids=list(gen),
                                    recent_ids=list(gen[-t:]) if t else [], candidates=list(self.candidates),
-                                   domains=self.domains, resident=cache.resident(), active=active,
+                                   domains=self.domains, resident=cache.resident(), loading=cache.loading(),
+                                   active=active,
                                    max_new_tokens=cfg.max_new_tokens, capacity=cfg.capacity)
 
         # the controller's order (runtime/controller.py: _setup): the policy starts, the target prefills (committing

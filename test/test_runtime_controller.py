@@ -1102,10 +1102,19 @@ def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, d
     """Under adaptive gamma a larger gamma needs the target's longer forwards timed. Set mid-goal, only the
     session's gamma changed, and the timing (about a second) ran inside the next iteration's draft step, counted
     as decoding; it runs at the scheduling point that applies the change."""
+    import time
+
     ctl = make(target, drafts, "general-static", capacity=1, interval=2, adaptive_gamma=True, gamma=2)
-    calls = []
+    calls, slow = [], 0.3
     calibrate = ctl.calibrate
-    monkeypatch.setattr(ctl, "calibrate", lambda: calls.append(ctl.config.gamma) or calibrate())
+
+    def timed_calibrate():
+        calls.append(ctl.config.gamma)
+        if len(calls) > 1:
+            time.sleep(slow)  # a slow machine's timing: whatever it takes is no prediction
+        return calibrate()
+
+    monkeypatch.setattr(ctl, "calibrate", timed_calibrate)
     raised = []
 
     def on_chunk(text, ids):
@@ -1113,8 +1122,10 @@ def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, d
             raised.append(ctl.reconfigure(gamma=5))
 
     try:
-        ctl.generate(PROMPT, 30, on_chunk=on_chunk)
+        stats = ctl.generate(PROMPT, 30, on_chunk=on_chunk).stats
         assert calls == [2, 5]  # before the goal, then at the point that applied gamma 5
+        # ... and its time was the point's "prediction" (the paper's overhead), not the decode time's other part
+        assert stats.prediction_seconds < slow <= stats.execution_parts()["other"]
     finally:
         ctl.close()
 

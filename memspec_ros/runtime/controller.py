@@ -546,12 +546,11 @@ class RuntimeController:
         run.policy.observe(interval_draft(run), run.iterations)
         run.interval += 1
         run.iterations = []
-        t0 = time.perf_counter()
         before = self.config
         if self._take_pending() is not None:
             session.gamma = self.config.gamma
-            # a larger gamma under adaptive gamma needs the target's longer forwards timed: here, in this point's
-            # time, not inside the next iteration's draft step (about a second, hidden in "other" decode time)
+            # a larger gamma under adaptive gamma needs the target's longer forwards timed: here, at the point (its
+            # second in the decode time's "other" part), not inside the next iteration's draft step nor as prediction
             self.calibrate()
             if run.active and not self.cache.is_resident(run.active):
                 run.active, run.model = "", None  # a smaller K or budget evicted it: pick anew below
@@ -566,6 +565,9 @@ class RuntimeController:
             run.registry_version = self.registry.version
             if self._sync_registry(run.active):
                 run.active, run.model = "", None  # the active draft was removed: pick anew below
+        # the point's own work from here: a reconfiguration or registry edit landing above (a recalibration takes
+        # about a second) is no prediction, and stays in the decode time's "other" part
+        t0 = time.perf_counter()
         point = self._point(run.interval, session, prompt_ids, run.active)
         choice = run.policy.choose(point)
         stats.predictions += 1

@@ -212,7 +212,9 @@ class GenerationStats:
     iterations: list[IterationStats] = field(default_factory=list)
     # Filled by the runtime controller:
     policy: str = ""  # draft-selection policy (general-static, memspec, ...)
-    predictions: int = 0  # rankings computed (Algorithm 1 calls)
+    # policy choices made: the scheduling points, the first (after prefill) included. A ranking policy computes one
+    # ranking (Algorithm 1) at each; a static one none, so this counts points, not predictor calls
+    predictions: int = 0
     background_prediction_seconds: float = 0.0  # predictor work overlapped off the decode thread
     cache: CacheStats | None = None  # this generation's cache counters and final state
 

@@ -491,6 +491,22 @@ def test_the_cost_models_per_iteration_and_per_point_costs_are_pooled_over_the_r
     assert costs.point_seconds["memspec"] == pytest.approx((1 * 1.0 + 7 * 0.2) / 8 / 1000)
 
 
+def test_the_setup_charged_is_of_the_runs_that_chose_a_draft():
+    """A generation the prefill's token ended makes no first choice (its setup the policy's start alone), and the
+    replay charges it no setup; its near-zero setup went into the median charged to every other generation. With
+    no run that chose, those are what there is."""
+    from memspec_ros.runtime.simulator import CostModel
+    from memspec_ros.runtime.stats import GenerationStats
+
+    def run(setup: float, chose: bool) -> GenerationStats:
+        return GenerationStats(setup_seconds=setup, predictions=1 if chose else 0)
+
+    runs = [("memspec", run(0.0001, False)), ("memspec", run(0.0001, False)), ("memspec", run(0.02, True)),
+            ("general-static", run(0.0002, False))]
+    costs = CostModel.measure(runs, {}, "local")
+    assert costs.setup_seconds == {"memspec": pytest.approx(0.02), "general-static": pytest.approx(0.0002)}
+
+
 @pytest.mark.parametrize("bad, says", [({"capacity": 0}, r"capacity \(K\) must be an integer in \[1, 64\]"),
                                        ({"interval": 0}, r"interval \(N\) must be"),
                                        ({"gamma": 0}, "gamma must be"),

@@ -303,7 +303,7 @@ class CostModel:
         prefill_x: list[float] = []
         prefill_y: list[float] = []
         point: dict[str, list[float]] = {}  # policy -> [seconds, points], pooled
-        setup: dict[str, list[float]] = {}
+        setup: dict[str, list[list[float]]] = {}  # policy -> [setups of runs that chose nothing, of the others]
         call_other: list[float] = []
         for policy, stats in runs:
             its = stats.iterations
@@ -326,8 +326,12 @@ class CostModel:
                 pooled[1] += points
             prefill_x.append(stats.prompt_tokens)
             prefill_y.append(stats.prefill_seconds)
-            # the setup's own work: its wait for the first draft is what the replay charges as that draft's load
-            setup.setdefault(policy, []).append(max(0.0, stats.setup_seconds - stats.setup_wait_seconds))
+            # the setup's own work: its wait for the first draft is what the replay charges as that draft's load. A
+            # generation the prefill's token ended chose nothing (its setup only the policy's start), and the replay
+            # charges such a one no setup: its near-zero would pull down the median charged to every other one
+            # (with no other run of the policy, those are all there is)
+            setup.setdefault(policy, [[], []])[stats.predictions > 0].append(
+                max(0.0, stats.setup_seconds - stats.setup_wait_seconds))
             if stats.call_seconds > 0:  # a controller's run: its whole call timed
                 call_other.append(max(0.0, stats.call_seconds - stats.setup_seconds - stats.prefill_seconds
                                       - stats.decode_seconds))
@@ -340,7 +344,7 @@ class CostModel:
             other_iteration_seconds=other[0] / other[1] if other[1] else 0.0,
             prefill_base_seconds=pre_base, prefill_token_seconds=pre_tok,
             point_seconds={p: seconds / points for p, (seconds, points) in point.items()},
-            setup_seconds={p: statistics.median(v) for p, v in setup.items()},
+            setup_seconds={p: statistics.median(chose or start_only) for p, (start_only, chose) in setup.items()},
             load_seconds=dict(load_seconds), medium=medium,
             call_other_seconds=statistics.median(call_other) if call_other else 0.0,
         )

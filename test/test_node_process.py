@@ -66,12 +66,23 @@ def call(executor, client, request, timeout=TIMEOUT):
 
 
 
-def _stop(proc, executor, node, context, failure: str) -> str:
-    """Tear down the client side, SIGINT the node process if it still runs; its output (fails if it hangs)."""
+def client_side(name: str):
+    """(context, node, executor): a client node in a context of its own, beside the node process under test."""
+    context = Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node(name, context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(node)
+    return context, node, executor
+
+
+def _stop(proc, executor, node, context, failure: str, signalled: bool = False) -> str:
+    """Tear down the client side, SIGINT the node process if it still runs and the test has not signalled it (a
+    second signal would stop it at once, exit status 130); its output (fails if it hangs)."""
     executor.shutdown(timeout_sec=1.0)
     node.destroy_node()
     rclpy.try_shutdown(context=context)
-    if proc.poll() is None:
+    if proc.poll() is None and not signalled:
         os.killpg(proc.pid, signal.SIGINT)
     try:
         out, _ = proc.communicate(timeout=30)
@@ -152,11 +163,7 @@ def test_the_node_executable_with_a_params_file(tmp_path):
         "use_sim_time:=true",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    context = Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node("process_test_client", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(node)
+    context, node, executor = client_side("process_test_client")
     try:
         lifecycle = LifecycleClient(node, f"/{NAME}", lambda seconds: executor.spin_once(timeout_sec=seconds))
         for tid in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
@@ -214,15 +221,12 @@ def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_clea
         str(params_file(tmp_path)),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    context = Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node("sigint_test_client", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(node)
+    context, node, executor = client_side("sigint_test_client")
 
     def spin_until(condition, what, timeout=TIMEOUT):
         wait_until(lambda: (executor.spin_once(timeout_sec=0.05), condition())[1], timeout, what)
 
+    signalled = False
     try:
         lifecycle = LifecycleClient(node, f"/{name}", lambda seconds: executor.spin_once(timeout_sec=seconds))
         for tid in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
@@ -237,6 +241,7 @@ def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_clea
         result = sent.result().get_result_async()
         spin_until(lambda: len(feedback) >= 2, "feedback")
         os.killpg(proc.pid, sig)
+        signalled = True
         spin_until(result.done, f"the goal's result after {sig.name}")
         response = result.result()
         assert response.status == GoalStatus.STATUS_ABORTED, response.status
@@ -244,7 +249,7 @@ def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_clea
         assert sig.name in response.result.error_message, response.result.error_message
         assert response.result.text and 0 < response.result.completion_tokens < 3000
     finally:
-        out = _stop(proc, executor, node, context, f"did not exit after {sig.name}")
+        out = _stop(proc, executor, node, context, f"did not exit after {sig.name}", signalled)
     sys.stdout.write(out[-2000:])
     assert proc.returncode == 0, out
     for bad in ("Traceback", "RCLError", "Failed to send result", "has no attribute"):
@@ -480,11 +485,7 @@ def test_a_second_signal_stops_the_process_at_once_while_configure_still_loads(t
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    context = Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node("second_signal_test_client", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(node)
+    context, node, executor = client_side("second_signal_test_client")
     try:
         change = node.create_client(ChangeState, f"/{name}/change_state")
         wait_until(lambda: (executor.spin_once(timeout_sec=0.05), change.service_is_ready())[1], TIMEOUT,

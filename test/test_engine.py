@@ -228,9 +228,52 @@ def test_a_temperature_that_is_not_a_number_is_refused_and_a_tiny_one_samples_th
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="temperature must be a finite number"):
             SamplingConfig(temperature=bad)
-    tiny = SamplingConfig(temperature=1e-39, seed=3)
-    session = generate(target, PROMPT, drafts["noisy"], gamma=4, max_new_tokens=16, sampling=tiny)
-    assert session.generated_ids == reference(target, new=16)
+    for t in (1e-39, 1e-46):  # 1e-46 rounds to 0 in float32: 0 / 0 gave NaN probabilities and raised
+        tiny = SamplingConfig(temperature=t, seed=3)
+        session = generate(target, PROMPT, drafts["noisy"], gamma=4, max_new_tokens=16, sampling=tiny)
+        assert session.generated_ids == reference(target, new=16), t
+
+
+def test_the_acceptance_coin_is_fp32_whatever_the_default_dtype():
+    """transformers' from_pretrained sets torch's process-wide default dtype to 16 bits while a draft loads on the
+    loader thread; the coin took it, and a bf16 coin (below 1 in 989 values) accepted every ratio above 0.996. The
+    coin's draws do not depend on the default dtype."""
+    from memspec_ros.runtime.speculative import speculative_accept
+
+    p = torch.tensor([[0.2, 0.8], [0.5, 0.5]])
+    q = torch.tensor([[0.2008, 0.7992]])  # ratio p/q 0.996 for token 0: a bf16 coin never rejects it
+
+    def rejections(dtype) -> int:
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            return sum(speculative_accept(p, q, [0], gen)[0] == 0 for _ in range(4000))
+        finally:
+            torch.set_default_dtype(before)
+
+    assert rejections(torch.bfloat16) == rejections(torch.float32) > 0
+
+
+def test_a_failed_acceptance_leaves_the_targets_cache_at_the_committed_text(target, drafts, monkeypatch):
+    """A verify that succeeded, then an acceptance that raised (NaN logits in the sampling, out of memory in its
+    sort): the draft's cache was cropped back, the target's kept the proposals, and a step after that fed only the
+    new proposals behind them: the output went on from a context the target never committed."""
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=4)
+    session.prefill()
+    accept = session._accept
+
+    def fails_once(*args):
+        monkeypatch.setattr(session, "_accept", accept)
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    monkeypatch.setattr(session, "_accept", fails_once)
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        session.step("close", drafts["close"])
+    assert session._target_kv.length == len(session.tokens) - 1
+    while not session.finished:
+        session.step("close", drafts["close"])
+    assert session.generated_ids == reference(target, new=NEW)
 
 
 def test_text_stream_is_incremental_and_joins_to_the_full_decode():
@@ -259,6 +302,36 @@ def test_text_stream_is_incremental_and_joins_to_the_full_decode():
         assert stream.text == full and "".join(chunks) == full
     # each call decodes the few tokens since the last character boundary, not the whole output
     assert max(window) <= 40 and len(cases[0]) > 500
+
+
+class _ByteTokenizer:
+    """Token i is the bytes ``pieces[i]``: byte-level BPE's pieces, which may end inside a UTF-8 character."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("pieces, stop_at", [([b"A", b"b\xc3", b"\xa9"], 2),
+                                             ([b"Ab\xc3", b"\xc3", b"\xc3", b"\xc3", b"z"], 1)])
+def test_a_stop_string_is_found_in_the_token_that_also_starts_an_unfinished_character(pieces, stop_at):
+    """A token holding the stop's last character and the first byte of the next one decodes to U+FFFD at its end:
+    the stream waited for that character's last byte before taking any of the token's text, so the stop "Ab" was
+    found a token later (or, the character never finishing, not before max_new_tokens). The text stays exact."""
+    from memspec_ros.runtime.speculative import _TextStream
+
+    tokenizer = _ByteTokenizer(pieces)
+    stream = _TextStream(tokenizer, ["Ab"])
+    for n in range(1, len(pieces) + 1):
+        delta, stopped = stream.update(list(range(n)), final=n == len(pieces))
+        if stopped:
+            break
+    assert stopped and n == stop_at and stream.text == "" and delta == ""
+    plain = _TextStream(tokenizer, ["no such stop"])  # without a stop, the text joins to the full decode
+    chunks = [plain.update(list(range(n)), final=n == len(pieces))[0] for n in range(1, len(pieces) + 1)]
+    assert "".join(chunks) == plain.text == tokenizer.decode(range(len(pieces)))
 
 
 def test_cancel_keeps_partial_output(target, drafts):

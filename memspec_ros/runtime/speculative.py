@@ -89,7 +89,8 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        # a temperature float32 rounds to 0 (2**-150 and below) would divide 0 by 0 in warp_probs: it is greedy
+        return self.temperature <= 2.0**-150
 
 
 def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -118,7 +119,9 @@ def speculative_accept(
     """
     for j, token in enumerate(proposals):
         ratio = p[j, token] / q[j, token]
-        if torch.rand((), generator=generator, device=p.device) < ratio:
+        # fp32 whatever the process-wide default dtype: transformers' from_pretrained sets it to 16 bits while a
+        # draft loads on the loader thread, and a bf16 coin (989 values) accepted every ratio above 0.996
+        if torch.rand((), generator=generator, device=p.device, dtype=torch.float32) < ratio:
             continue
         residual = torch.clamp(p[j] - q[j], min=0.0)
         mass = residual.sum()
@@ -246,15 +249,23 @@ class _TextStream:
         self.emitted = 0
         self._prefix = 0  # ids[_prefix:_read] decode to the tail of ``text`` already appended
         self._read = 0
+        self._settled = 0  # characters past that tail appended while a character after them was unfinished
 
     def _append_decoded(self, ids: list[int], final: bool) -> None:
         decode = self.tokenizer.decode
         done = decode(ids[self._prefix : self._read], skip_special_tokens=True)
         now = decode(ids[self._prefix :], skip_special_tokens=True)
-        # an unfinished UTF-8 sequence decodes to U+FFFD: wait for its last byte (unless this is the end)
-        if len(now) > len(done) and (final or not now.endswith("\ufffd")):
-            self.text += now[len(done) :]
-            self._prefix, self._read = self._read, len(ids)
+        # an unfinished UTF-8 sequence decodes to U+FFFD: the window waits for its last byte (unless this is the
+        # end). The characters before it are final (UTF-8 resynchronises), and go into the text at once: a stop
+        # string ending in the token that also starts the unfinished character was found only tokens later
+        complete = final or not now.endswith("\ufffd")
+        new = now[len(done) :] if complete else now.rstrip("\ufffd")[len(done) :]
+        if len(new) > self._settled:
+            self.text += new[self._settled :]
+        if not complete:
+            self._settled = max(self._settled, len(new))
+        elif len(now) > len(done):
+            self._prefix, self._read, self._settled = self._read, len(ids), 0
 
     def update(self, ids: list[int], final: bool) -> tuple[str, bool]:
         """New text since the last call and whether a stop string ended it."""
@@ -562,6 +573,9 @@ class SpeculativeSession:
             # the target's forward on transformers' path may leave its layers' caches uneven: that session is done
             if proposal.kv is not None:
                 proposal.kv.crop_to(min(proposal.kv.length, len(self.tokens) - 1))
+            # the target's too: a verify that succeeded before the acceptance failed (NaN logits in the sampling)
+            # left the proposals in its cache, and a step after that fed only the new ones behind them
+            self._target_kv.crop_to(len(self.tokens) - 1)
             raise
         stats.verify_seconds = watch.seconds
         stats.proposed, stats.accepted = len(proposal.tokens), accepted

@@ -3,6 +3,7 @@ registry changes mid-generation, K = 1, reconfiguration and cancel."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -593,15 +594,20 @@ def test_a_stop_string_holding_a_special_token_is_refused_as_it_could_never_matc
         with pytest.raises(ValueError, match="contains the special token .* never appears in the output text"):
             ctl.generate(prompt, 8, stop=stop)
     assert ctl.generate(prompt, 8, stop=["<|im_start"]).stats.completion_tokens == 8  # no special token: taken
-    # exactly an end token, the tokenizer's eos or an end id (OpenAI- and llama.cpp-style clients send them as
-    # stops): redundant, so taken
+    # exactly an end token of this generation (OpenAI- and llama.cpp-style clients send them as stops): redundant,
+    # so taken. The tokenizer's eos only where the generation ends at it: this one does not, and "</s>" was taken
+    # as a stop that could never match
     ended = RuntimeController(RuntimeConfig(policy="general-static"), target, tokenizer,
                               registry_of({"general": noisy_copy(target, 0.02, seed=6)}), None,
                               loader=Loader({"general": noisy_copy(target, 0.02, seed=6)}),
                               eos_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
-    assert ended.generate(prompt, 8, stop=["<|im_end|>", "</s>"]).stats.completion_tokens >= 1
-    with pytest.raises(ValueError, match="'<.im_start.>'"):
-        ended.generate(prompt, 8, stop=["<|im_end|>", "<|im_start|>"])
+    assert tokenizer.eos_token == "</s>"
+    assert ended.generate(prompt, 8, stop=["<|im_end|>"]).stats.completion_tokens >= 1
+    for stop in (["<|im_end|>", "<|im_start|>"], ["<|im_end|>", "</s>"]):
+        with pytest.raises(ValueError, match=f"'{re.escape(stop[1])}'.*ends at the model's end token"):
+            ended.generate(prompt, 8, stop=stop)
+    with pytest.raises(ValueError, match="'</s>'.*this generation ends at no end token"):
+        ctl.generate(prompt, 8, stop=["</s>"])
     ended.close()
     ctl.close()
 

@@ -196,12 +196,14 @@ def stop_string_error(stop_strings: Iterable[str], tokenizer, end_ids: Sequence[
     special tokens, so a stop string holding one (``<|im_start|>``, ``<end_of_turn>``, as llama.cpp configurations
     list them) never matched and the goal ran to its length silently. A stop string that is exactly an end token
     (the tokenizer's eos or one of ``end_ids``, the model's end ids) passes: generation ends there anyway, so the
-    redundant stop that OpenAI- and llama.cpp-style clients send does no harm."""
+    redundant stop that OpenAI- and llama.cpp-style clients send does no harm. ``end_ids``: the ids this generation
+    ends at (the tokenizer's eos only where it is among them: a run that does not end there would never stop on
+    its text)."""
     specials = special_token_strings(tokenizer) if tokenizer is not None else []
     if not specials:
         return ""
     ends: list[int] = []
-    _extend(ends, [*end_ids, getattr(tokenizer, "eos_token_id", None)])
+    _extend(ends, end_ids)
     end_texts = set(tokenizer.convert_ids_to_tokens(ends)) if ends else set()
     for stop in stop_strings:
         if stop in end_texts:
@@ -209,8 +211,9 @@ def stop_string_error(stop_strings: Iterable[str], tokenizer, end_ids: Sequence[
         token = next((t for t in specials if t in stop), None)
         if token is not None:
             return (f"stop string {stop!r} contains the special token {token!r}, which never appears in the output"
-                    f" text (special tokens are not decoded into it): drop it; generation already ends at the"
-                    f" model's end token(s) {sorted(end_texts)}")
+                    " text (special tokens are not decoded into it): drop it"
+                    + (f"; generation already ends at the model's end token(s) {sorted(end_texts)}" if end_texts
+                       else "; this generation ends at no end token"))
     return ""
 
 

@@ -100,7 +100,8 @@ def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / sampling.temperature, dim=-1)
     if sampling.top_p >= 1.0:
         return probs
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    # stable: tokens tied at the cut-off are kept in id order, the same in a one-row step and a verify's rows
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     # keep the smallest prefix whose mass reaches top_p (the first token always stays)
     outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= sampling.top_p
     sorted_probs = sorted_probs.masked_fill(outside, 0.0)

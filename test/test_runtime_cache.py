@@ -688,7 +688,22 @@ def test_a_name_ranked_twice_is_one_draft_and_a_nan_score_is_refused():
     assert cache.update(["math", "math", "code"]) == ["math", "code"]
     assert normalise_ranking([("math", 0.2), ("math", 0.9), ("code", 0.5)]) == [("math", 0.9), ("code", 0.5)]
     with pytest.raises(ValueError, match="score of 'code' is NaN"):
-        cache.update({"code": float("nan")})
+        cache.update({"code": float("nan")}, active="math")
+    assert cache.snapshot().active != "math"  # refused, and nothing changed (the active draft was set first)
+    cache.close()
+
+
+def test_a_loader_that_hands_back_no_model_fails_the_draft_instead_of_holding_its_slot():
+    """The loaded model's files were read after the loader's try: a loader returning None (a custom one) raised
+    there, and the slot stayed "loading" for good, its room taken (K = 1: no other draft could ever load) and
+    reset() unable to clear it."""
+    cache = DraftCacheManager(1, lambda name: None if name == "bad" else fake_loader()(name))
+    cache.update(["bad"])
+    cache.drain()
+    assert cache.loading() == [] and "bad" in cache.failed()
+    assert cache.request("code") is True
+    cache.drain()
+    assert cache.resident() == ["code"]
     cache.close()
 
 
@@ -948,3 +963,20 @@ def test_a_blocking_wait_names_why_the_load_was_refused():
     closed.close()
     with pytest.raises(DraftLoadError, match="the draft cache is closed"):
         closed.wait_for("a")
+
+
+def test_a_load_that_cannot_get_room_evicts_nothing():
+    """Making room evicted the lowest-scored drafts one by one and gave up only when none was left to evict: a
+    request that could never fit (the budget held by the active draft, or by a load in flight) still cost every
+    other resident draft, and then loaded nothing. Now it is planned first: all the evictions it needs, or none."""
+    sizes = {"r": 60, "a": 20, "b": 15, "x": 50, "y": 10}
+    cache = DraftCacheManager(4, fake_loader(sizes=sizes), budget_bytes=100, size_of=sizes.get)
+    cache.update({"r": 0.9, "a": 0.5, "b": 0.4})
+    cache.drain()
+    assert sorted(cache.resident()) == ["a", "b", "r"]
+    assert cache.request("x", active="r") is False  # 60 held by the active draft: 50 more never fits
+    assert sorted(cache.resident()) == ["a", "b", "r"] and cache.snapshot().evictions == 0  # both went before
+    assert cache.request("y", active="r") is True  # one that fits once the lowest-scored draft goes: that one only
+    cache.drain()
+    assert sorted(cache.resident()) == ["a", "r", "y"] and cache.snapshot().evictions == 1
+    cache.close()

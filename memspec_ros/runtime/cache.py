@@ -238,11 +238,11 @@ class DraftCacheManager:
 
         Drafts that failed less than ``retry_seconds`` ago and names not in ``ranking`` are skipped. Returns W.
         """
+        pairs = normalise_ranking(ranking)  # a bad ranking (NaN) is refused before anything changes
         with self._lock:
             self._forget_failures(older_than=self.retry_seconds)
             if active is not None:
                 self._active = active
-            pairs = normalise_ranking(ranking)
             self._scores = dict(pairs)
             viable = [n for n, _ in pairs if not (n in self._slots and self._slots[n].error is not None)]
             self._working_set = viable[: self.capacity]
@@ -579,13 +579,33 @@ class DraftCacheManager:
         reserved, so nothing is loaded twice and the memory in use does not grow."""
         if self.budget_bytes and slot.reserved_bytes > self.budget_bytes:
             return False  # larger than the whole budget now: let it drop
-        while not self._live_fit(1, slot.reserved_bytes):
-            victim = self._victim(protect | {slot.name})
-            if victim is None:
-                return False
+        live = self._live()
+        held = sum(s.reserved_bytes for s in live)
+        victims = self._victims_until(
+            lambda n, freed: len(live) - n + 1 <= self.capacity and (
+                not self.budget_bytes or held - freed + slot.reserved_bytes <= self.budget_bytes),
+            protect | {slot.name})
+        if victims is None:
+            return False
+        for victim in victims:
             self._evict(victim)
         slot.discard = False
         return True
+
+    def _victims_until(self, fits: Callable[[int, int], bool], protect: set[str]) -> list[str] | None:
+        """The lowest-scored resident drafts (Algorithm 2's order, outside ``protect`` and the active draft) whose
+        eviction makes ``fits(drafts evicted, bytes freed)`` true; None where evicting every one that may go would
+        not, and then none goes: evicting one by one and giving up at the end lost drafts for a load that never
+        started (room held by loads in flight is no resident draft's to give)."""
+        chosen: list[str] = []
+        freed = 0
+        while not fits(len(chosen), freed):
+            victim = self._victim(protect | set(chosen))
+            if victim is None:
+                return None
+            chosen.append(victim)
+            freed += self._slots[victim].reserved_bytes
+        return chosen
 
     def _forget_failures(self, name: str | None = None, older_than: float = 0.0) -> None:
         """Drop failed slots (``name``'s only, if given; failed at least ``older_than`` s ago): tried again later."""
@@ -645,13 +665,16 @@ class DraftCacheManager:
                 f"draft {name!r} needs {size} B but the draft memory budget is {self.budget_bytes} B:"
                 " raise memspec.budget_bytes or remove the draft"))
             return False
-        while self._count() >= self.capacity or not self._fits(size):
-            victim = self._victim(protect)
-            if victim is None:
-                # Algorithm 2, lines 7-8: nothing may be evicted, skip this prefetch. (An estimate over the budget,
-                # capped at it, loads only alone, so the drafts in memory never exceed the budget while it is
-                # measured; loading it into the room beside drafts that may not go put K drafts in memory over it)
-                return False
+        count, reserved = self._count(), self._reserved()
+        victims = self._victims_until(
+            lambda n, freed: count - n < self.capacity and (
+                not self.budget_bytes or reserved - freed + size <= self.budget_bytes), protect)
+        if victims is None:
+            # Algorithm 2, lines 7-8: nothing may be evicted, skip this prefetch. (An estimate over the budget,
+            # capped at it, loads only alone, so the drafts in memory never exceed the budget while it is
+            # measured; loading it into the room beside drafts that may not go put K drafts in memory over it)
+            return False
+        for victim in victims:
             self._evict(victim)
         slot = _Slot(name, size)
         self._slots[name] = slot  # reserved before the load starts
@@ -674,6 +697,12 @@ class DraftCacheManager:
         t0 = time.perf_counter()
         try:
             loaded = self.loader(slot.name)
+            elapsed = time.perf_counter() - t0
+            # the files as they were before the read (registry_loader records it); a loader that does not: as they
+            # are. In the try: a loader handing back no model failed like one that raised, where the slot stayed
+            # "loading" for good (holding its room, and reset() could not clear a future already done)
+            source = loaded.source or loaded.spec.path  # what ``files`` is the identity of
+            files = loaded.files or weights_identity(source)
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
                 error = exc if isinstance(exc, Exception) else DraftLoadError(
@@ -689,10 +718,6 @@ class DraftCacheManager:
             if isinstance(exc, Exception):
                 raise  # the future carries it; whoever waits on it reads the slot
             return  # SystemExit, KeyboardInterrupt: the future would hand them to a waiting decode thread
-        elapsed = time.perf_counter() - t0
-        # the files as they were before the read (registry_loader records it); a loader that does not: as they are
-        source = loaded.source or loaded.spec.path  # what ``files`` is the identity of
-        files = loaded.files or weights_identity(source)
         with self._lock:
             # under the lock: evict_changed sets ``recheck`` under it, so it either saw this load resident (and checks
             # it there) or set the flag before this test (read outside, a change between them landed the old model)

@@ -53,6 +53,8 @@ def test_yaml_mapping_form_and_errors(zoo, tmp_path):
     assert DraftRegistry.from_yaml(tmp_path / "r.yaml").get("general").domain == "general"
     with pytest.raises(RegistryError, match="does not exist"):
         DraftRegistry.from_yaml(tmp_path / "missing.yaml")
+    with pytest.raises(RegistryError, match="is a directory: name its registry file"):  # said "does not exist"
+        DraftRegistry.from_yaml(tmp_path)
     (tmp_path / "bad.yaml").write_text("models: []\n")
     with pytest.raises(RegistryError, match="drafts"):
         DraftRegistry.from_yaml(tmp_path / "bad.yaml")
@@ -138,6 +140,9 @@ def test_lists_from_ros_parameters(zoo):
         DraftRegistry.from_lists(["g", "c"], ["drafts/general"], base_dir=zoo)
     with pytest.raises(RegistryError, match="domain"):
         DraftRegistry.from_lists(["g"], ["drafts/general"], ["a", "b"], base_dir=zoo)
+    # a name listed twice: "already registered: remove it first" named no list to fix
+    with pytest.raises(RegistryError, match="drafts.names lists 'g' twice"):
+        DraftRegistry.from_lists(["g", "g"], ["drafts/general", "drafts/code"], base_dir=zoo)
 
 
 def test_validation_errors_name_the_problem(zoo):

@@ -450,3 +450,21 @@ def test_the_node_s_storage_keeps_no_records_while_a_bench_s_does(tiny_zoo):
         bench.load(spec, "code")
     assert node.records == [] and node.take_records() == []
     assert [r.name for r in bench.take_records()] == ["code"] * 3
+
+
+@pytest.mark.parametrize("quantization_config, named", [("gptq", "a quantization_config"),
+                                                        ({"quant_method": "awq"}, "'awq'")])
+def test_a_quantized_draft_config_is_refused_by_name(tiny_zoo, tmp_path, quantization_config, named):
+    """A quantization_config that is no object (a string) raised AttributeError inside the refusal's own message,
+    and that became the draft's recorded failure."""
+    import json
+    import shutil
+
+    from memspec_ros.runtime.storage import build_model
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_zoo / "drafts" / "code", draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"quantization_config": quantization_config}))
+    with pytest.raises(ValueError, match=f"builds plain drafts .*, not {named}"):
+        build_model(ModelSpec(str(draft)), [])

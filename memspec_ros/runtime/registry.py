@@ -161,6 +161,9 @@ class DraftRegistry:
                   validate: bool = True) -> DraftRegistry:
         """Read a registry file; relative paths resolve from the file's directory."""
         file = Path(path)
+        if file.is_dir():
+            raise RegistryError(f"draft registry {str(file)!r} is a directory: name its registry file (e.g."
+                                f" {str(file / 'registry.yaml')!r})")
         if not file.is_file():
             raise RegistryError(
                 f"draft registry {str(file)!r} does not exist: check the path (e.g. models/registry.yaml)"
@@ -251,6 +254,9 @@ class DraftRegistry:
             raise RegistryError(
                 f"drafts.domains has {len(domains)} entries for {len(names)} names: give one domain per name or none"
             )
+        twice = next((str(n) for i, n in enumerate(names) if str(n) in map(str, names[:i])), None)
+        if twice is not None:  # (the registry's own message, "already registered: remove it first", names no list)
+            raise RegistryError(f"drafts.names lists {twice!r} twice: give each draft one name")
         base = Path(base_dir) if base_dir is not None else None
         entries = [
             DraftEntry(

@@ -235,9 +235,12 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
     # reported as a failed build of "<class T5Config>" (the KeyError of the mapping below)
     check_architecture(raw, spec.path, trust_remote_code=False)
     path = forward_path_for(spec)
-    if raw.get("quantization_config") or path not in (*PATHS, "fp16"):
+    quantized = raw.get("quantization_config")
+    if quantized or path not in (*PATHS, "fp16"):
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+        what = repr(method) if method else "a quantization_config" if quantized else repr(path)
         raise ValueError(f"{spec.path}: the storage loader builds plain drafts (fp32, bf16, fp16, int8, int4),"
-                         f" not {raw.get('quantization_config', {}).get('quant_method') or path!r}")
+                         f" not {what}")
     state: dict[str, torch.Tensor] = {}
     for blob in blobs:
         state.update(load_safetensors(blob))

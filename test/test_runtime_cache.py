@@ -980,3 +980,34 @@ def test_a_load_that_cannot_get_room_evicts_nothing():
     cache.drain()
     assert sorted(cache.resident()) == ["a", "r", "y"] and cache.snapshot().evictions == 1
     cache.close()
+
+
+def test_a_load_that_read_a_path_its_name_no_longer_has_is_dropped_as_it_lands():
+    """A path changed and changed back while the draft's load ran (both edits before the next sync): the sync saw
+    an unchanged entry and nothing resident, and the load landed with the in-between path's weights under the
+    name. The cache asks, as a load lands, whether the path it read is still the name's."""
+    gate, started = threading.Event(), threading.Event()
+    entry = {"code": "/drafts/code-b"}  # what the loader reads now: the in-between path
+
+    def load(name):
+        read = entry[name]
+        started.set()
+        gate.wait(5)
+        loaded = fake_loader()(name)
+        loaded.source = read
+        return loaded
+
+    cache = DraftCacheManager(2, load)
+    registered = {"code": "/drafts/code-b"}
+    cache.source_current = lambda name, source: registered[name] == source
+    cache.update(["code"])
+    assert started.wait(5)
+    registered["code"] = "/drafts/code-a"  # changed back while the load ran
+    gate.set()
+    cache.drain()
+    assert cache.resident() == [] and cache.loading() == [] and "code" not in cache.failed()
+    entry["code"] = "/drafts/code-a"  # wanted again: read from the path the name has, and kept
+    cache.update(["code"])
+    cache.drain()
+    assert cache.resident() == ["code"]
+    cache.close()

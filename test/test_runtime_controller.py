@@ -896,6 +896,11 @@ def test_a_draft_loaded_from_a_path_its_entry_no_longer_names_leaves_the_cache(t
     try:
         ctl.cache.request("code")
         ctl.cache.drain()
+        assert ctl.cache.resident() == []  # dropped as it landed: the path it read is not the entry's
+        # one that landed before the entry changed back (the check passed then) goes at the next sync
+        ctl.cache.source_current = None
+        ctl.cache.request("code")
+        ctl.cache.drain()
         assert ctl.cache.resident() == ["code"]
         ctl._sync_registry("")  # the entry itself is as the last sync saw it
         assert ctl.cache.resident() == []
@@ -1219,3 +1224,15 @@ def test_a_draft_that_fails_mid_interval_hands_the_rest_of_it_to_the_next_reside
     rest = [it.draft for it in its[failed + 1:16]]  # the same interval after the failure
     assert rest and set(rest) == {"code"}, [it.draft for it in its]
     ctl.close()
+
+
+def test_the_cache_asks_the_registry_whether_a_landing_loads_path_is_still_its_names(target, drafts):
+    """The controller answers the cache's question as a load lands (test_runtime_cache: a path changed and changed
+    back while the load ran): the entry's path now, and a name removed meanwhile is left to the sync."""
+    ctl = make(target, drafts, "general-static")
+    try:
+        check = ctl.cache.source_current
+        assert check("code", "/virtual/code") is True and check("code", "/virtual/code-v2") is False
+        assert check("no-such-draft", "/anywhere") is True
+    finally:
+        ctl.close()

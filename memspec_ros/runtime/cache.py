@@ -134,6 +134,10 @@ class DraftCacheManager:
         self.size_of = size_of or (lambda name: 0)
         self.on_change = on_change
         self.on_evict: list[Callable[[str], None]] = []
+        # (name, the path a landing load read) -> whether that path is still the name's: one that is not was read
+        # while the name's entry pointed elsewhere (changed and changed back before any sync saw the load), and is
+        # dropped instead of running other weights under the name (None: every load is kept)
+        self.source_current: Callable[[str, str], bool] | None = None
         self._lock = threading.RLock()
         self._slots: dict[str, _Slot] = {}
         # loads in flight of a draft removed or failed meanwhile: out of ``_slots`` (so its name can load anew, or stay
@@ -703,6 +707,8 @@ class DraftCacheManager:
             # "loading" for good (holding its room, and reset() could not clear a future already done)
             source = loaded.source or loaded.spec.path  # what ``files`` is the identity of
             files = loaded.files or weights_identity(source)
+            # before the lock: a change of entry after this check finds the model resident at the next sync
+            current = self.source_current is None or not loaded.source or self.source_current(slot.name, source)
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
                 error = exc if isinstance(exc, Exception) else DraftLoadError(
@@ -721,7 +727,7 @@ class DraftCacheManager:
         with self._lock:
             # under the lock: evict_changed sets ``recheck`` under it, so it either saw this load resident (and checks
             # it there) or set the flag before this test (read outside, a change between them landed the old model)
-            stale = slot.recheck and weights_identity(source) != files
+            stale = (slot.recheck and weights_identity(source) != files) or not current
             if self._slots.get(slot.name) is not slot or slot.discard or stale:
                 if stale:
                     self._measured.pop(slot.name, None)  # other files under the name: their size is learnt anew

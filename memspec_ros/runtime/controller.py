@@ -253,6 +253,9 @@ class RuntimeController:
             budget_bytes=config.budget_bytes,
             size_of=self._size_of,
         )
+        # a load that read another path than its entry names when it lands is dropped (_sync_registry's stale(),
+        # for a load still in flight at the sync)
+        self.cache.source_current = self._source_current
         self._lock = threading.Lock()
         self._pending: RuntimeConfig | None = None
         self._recheck_files = False  # recheck_files_later(): evict changed drafts when the next generation starts
@@ -644,6 +647,14 @@ class RuntimeController:
         for name in gone:  # a failure recorded for it goes too: other files (or none) may be tried at once
             self.cache.remove(name)
         return active in gone
+
+    def _source_current(self, name: str, source: str) -> bool:
+        """Whether ``source`` (the path a load of ``name`` read) is what the registry names now (the cache asks
+        as the load lands, on the loader thread)."""
+        try:
+            return self.registry.get(name).path == source
+        except KeyError:  # removed meanwhile: the sync drops it (not this check's to say)
+            return True
 
     def _carry_out(self, choice: Choice, current: str, first: bool = False) -> Resolution:
         return carry_out(choice, self.cache, wait=self._wait, current=current, first=first)

@@ -496,13 +496,11 @@ def test_a_second_signal_stops_the_process_at_once_while_configure_still_loads(t
         os.killpg(proc.pid, signal.SIGINT)
         wait_until(lambda: any("waiting for the lifecycle transition" in line for line in lines), TIMEOUT,
                    "the node to wait for the configure in progress")
-        t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=loading / 4)
         except subprocess.TimeoutExpired:
             pytest.fail("the node lived on after a second SIGINT until the configure would end:\n" + "".join(lines))
-        waited = time.monotonic() - t0
     finally:
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
@@ -512,5 +510,4 @@ def test_a_second_signal_stops_the_process_at_once_while_configure_still_loads(t
             proc.wait()
     reader.join(10.0)
     assert proc.returncode == 128 + signal.SIGINT, "".join(lines)
-    assert waited < loading / 4
     assert "Traceback" not in "".join(lines), "".join(lines)

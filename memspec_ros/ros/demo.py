@@ -115,9 +115,12 @@ def start_node(params_file: Path, overrides: dict[str, str], log_path: Path) -> 
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+STOP_WAITS = (15.0, 5.0, 5.0)  # seconds stop_process gives the node after its SIGINT, SIGTERM and SIGKILL
+
+
 def stop_process(proc: subprocess.Popen) -> int | None:
     """SIGINT (the node shuts down cleanly), then SIGTERM, then SIGKILL to its process group."""
-    for sig, wait in ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    for sig, wait in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), STOP_WAITS, strict=True):
         if proc.poll() is not None:
             break
         try:
@@ -307,6 +310,9 @@ def report(failed: str, proc: subprocess.Popen, code: int | None, log_path: Path
         say(f"stopped by {signal.Signals(stopped_by).name}: the node was stopped (exit status {code}); its log:"
             f" {log_path}")
         return 128 + stopped_by
+    elif code in (128 + signal.SIGTERM, -signal.SIGKILL) and not failed:  # stop_process had to escalate
+        failed = (f"the node did not stop within {STOP_WAITS[0]:g} s of SIGINT; "
+                  + ("a SIGTERM" if code > 0 else "SIGKILL") + f" stopped it (exit status {code}): see {log_path}")
     elif code not in (0, -signal.SIGINT) and not failed:
         failed = f"the node process exited with status {code}: see {log_path}"
     if failed:

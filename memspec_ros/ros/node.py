@@ -21,6 +21,7 @@ The parts it wires together:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -618,6 +619,8 @@ def main(args: list[str] | None = None) -> None:
     closing = threading.Event()
     closed = Future()
     second: list[int] = []  # the second signal's number: the process then leaves at once (_exit_at_once)
+    done = threading.Event()  # main() has shut down: Python may be joining the executor's threads (a goal deaf to
+    # its end), so a second signal then leaves at once itself (its KeyboardInterrupt would only end the join)
 
     def close(reason: str) -> None:
         try:
@@ -628,6 +631,8 @@ def main(args: list[str] | None = None) -> None:
     def on_signal(signum, _frame) -> None:
         if closing.is_set():  # a second signal: stop without waiting for the results
             second.append(signum)
+            if done.is_set():
+                _exit_at_once(128 + signum)
             node.abandon_results()
             raise KeyboardInterrupt
         closing.set()
@@ -640,11 +645,17 @@ def main(args: list[str] | None = None) -> None:
     try:
         serve(executor, closed, node.get_logger())
     finally:
-        executor.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_SECONDS)
         try:
-            node.destroy_node()
-        finally:  # whatever the destruction raised, rclpy's context is shut down (the process exits cleanly)
-            rclpy.try_shutdown()
+            try:
+                executor.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_SECONDS)
+            except KeyboardInterrupt:  # the second signal landed here: the node is still destroyed, hurried
+                pass
+            try:
+                node.destroy_node()
+            finally:  # whatever the destruction raised, rclpy's context is shut down (the process exits cleanly)
+                rclpy.try_shutdown()
+        finally:
+            done.set()
             if second:
                 _exit_at_once(128 + second[0])
 
@@ -660,6 +671,10 @@ def _exit_at_once(status: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # closed or gone: nothing left to say there
             pass
+    try:  # and C's buffers (rcutils logs through them; a pipe's stdout is fully buffered), which os._exit skips
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(status)
 
 

@@ -547,3 +547,12 @@ def test_the_clients_rejection_reason_is_found_under_either_diagnostic_name(publ
     own.status[0].values.append(KeyValue(key="node", value="/robot/memspec"))
     reasons._on_diagnostics(own)
     assert reasons._latest == (4, "the node is not active")
+    # a relative --node resolves in the client's namespace, as the action's name does (compared with '/memspec',
+    # the node's own status was ignored)
+    class NamespacedNode(StubNode):
+        def get_namespace(self):
+            return "/robot"
+
+    relative = RejectionReasons(NamespacedNode(), None, "memspec", wait_seconds=0.0)
+    relative._on_diagnostics(own)
+    assert relative._latest == (4, "the node is not active")

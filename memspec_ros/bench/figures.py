@@ -415,7 +415,8 @@ def _stacked(ax, policies: Sequence[str], parts: Sequence[str], values: dict[str
     colors = {"desired": "#2e7d32", "fallback": "#ef6c00", "target_only": "#9e9e9e", "prediction": "#6a1b9a",
               "load_wait": "#c62828", "other": "#cfd8dc"}
     if any(values[p][part] is None for p in policies for part in parts):  # a zero baseline: nothing to draw
-        ax.text(0.5, 0.5, "n/a: the baseline decoded nothing", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, "n/a: the baseline policy was not run, or decoded nothing", ha="center", va="center",
+                transform=ax.transAxes)
         ax.set_ylabel(ylabel)
         return
     for part in parts:
@@ -731,9 +732,11 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
               f"- Headroom: Oracle-Dynamic, the best schedule under the same K and costs, reaches"
               f" {_times(od_gs)} General-Static and Oracle-Static"
               f" {_times(h['oracle_static_vs_general_static'])}.{bound}",
-              f"- A draft load costs {_loads(h['load_to_iteration'])} speculative iterations here,"
-              f" {'more' if (h['load_to_iteration'] or 0) > PAPER_LOAD_ITERATIONS else 'fewer'} than on the paper's"
-              f" Jetson ({PAPER_LOAD_ITERATIONS}): a policy that waits for a load loses that many iterations, one that"
+              f"- A draft load costs {_loads(h['load_to_iteration'])} speculative iterations here"
+              + ("" if h["load_to_iteration"] is None else
+                 f", {'more' if h['load_to_iteration'] > PAPER_LOAD_ITERATIONS else 'fewer'} than on the paper's"
+                 f" Jetson ({PAPER_LOAD_ITERATIONS})")
+              + ": a policy that waits for a load loses that many iterations, one that"
               " works around it runs a resident draft meanwhile (Figure 7 splits the time). Beyond that, what"
               " separates the policies is which drafts they run (E[A] below): MAB-Async tries every draft and runs"
               " the previous arm while its choice loads.",

@@ -242,8 +242,11 @@ class RejectionReasons:
         # one more leading '/'): compared without the leading slashes. The bare name is the same for a node of that
         # name in any namespace, so its status counts only where its 'node' value is this node's path
         path = node_path.strip("/")
-        self._node = "/" + path
-        self._statuses = {f"{path.rsplit('/', 1)[-1]}: target model", f"{path}: target model"}
+        # the node's full name as the 'node' value gives it: a relative --node resolves in this client's namespace
+        # (the action's name does), where comparing '/memspec' with '/robot1/memspec' ignored the node's own status
+        namespace = "" if node_path.startswith("/") else getattr(node, "get_namespace", lambda: "/")().strip("/")
+        self._node = "/" + "/".join(p for p in (namespace, path) if p)
+        self._statuses = {f"{path.rsplit('/', 1)[-1]}: target model", f"{self._node.lstrip('/')}: target model"}
         self._latest: tuple[int, str] | None = None
         self._mark: int | None = None
         node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)

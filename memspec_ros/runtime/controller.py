@@ -615,8 +615,10 @@ class RuntimeController:
             recent_ids=list(generated[-t:]) if t else [],
             candidates=[e.name for e in entries],
             domains={e.name: e.domain for e in entries},
-            resident=self.cache.resident(),
+            # loading before resident (two lock takes): a load landing between them then shows as resident, where
+            # read the other way round it was in neither list, and Oracle-Dynamic took its prefetch for refused
             loading=self.cache.loading(),
+            resident=self.cache.resident(),
             active=active,
             failed=list(self.cache.failed()),
             max_new_tokens=session.max_new_tokens,

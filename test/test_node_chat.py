@@ -528,6 +528,9 @@ def test_the_clients_rejection_reason_is_found_under_either_diagnostic_name(publ
         def create_subscription(self, *args):
             pass
 
+        def get_namespace(self):
+            return "/"
+
     def array(name: str, rejected: int, why: str) -> DiagnosticArray:
         return DiagnosticArray(status=[DiagnosticStatus(name=name, values=[
             KeyValue(key="goals rejected", value=str(rejected)), KeyValue(key="last rejection", value=why)])])

@@ -98,14 +98,19 @@ def ratio(value: float, base: float) -> float | None:
     return value / base if base > 0 else None
 
 
+def _or_na(value: float | None, spec: str, missing: str = "a zero baseline") -> str:
+    """``value`` as the README prints it, or "n/a (``missing``)" where it is undefined (None)."""
+    return f"n/a ({missing})" if value is None else format(value, spec)
+
+
 def _x(value: float | None) -> str:
-    """A ratio as the README prints it; "n/a" where :func:`ratio` had a zero base."""
-    return "n/a (a zero baseline)" if value is None else f"{value:.3f}"
+    """A ratio; "n/a" where :func:`ratio` had a zero base."""
+    return _or_na(value, ".3f")
 
 
 def _loads(value: float | None) -> str:
     """A load in speculative iterations; "n/a" where no iteration time was measured (storage.load_to_iteration)."""
-    return "n/a (no iteration timed)" if value is None else f"{value:.2f}"
+    return _or_na(value, ".2f", "no iteration timed")
 
 
 def load_sentence(storage: dict) -> str:
@@ -120,7 +125,7 @@ def load_sentence(storage: dict) -> str:
 
 
 def _times(value: float | None) -> str:
-    return "n/a (a zero baseline)" if value is None else f"{value:.3f}x"
+    return _or_na(value, ".3f") + ("" if value is None else "x")
 
 
 def normalized(table: dict, policies: Sequence[str], workloads: Sequence[str], key: str, base: str = GS) -> dict:

@@ -211,7 +211,7 @@ def storage_block(summary: dict, modelled: dict[str, float]) -> dict:
     while the decode thread competes for the CPU) beside ``modelled``, each draft's whole load timed alone
     (:func:`timed_loads`): what the cost model, Oracle-Dynamic's plan, the simulator and the storage item charge.
     Two measurements of one thing, named apart so that no page quotes one for the other."""
-    return summary | {"modelled_load_seconds": sum(modelled.values()) / len(modelled) if modelled else 0.0,
+    return summary | {"modelled_load_seconds": statistics.fmean(modelled.values()) if modelled else 0.0,
                       "modelled_load_to_iteration": load_to_iteration(modelled, summary["iteration_seconds"])}
 
 

@@ -244,7 +244,7 @@ class RejectionReasons:
         path = node_path.strip("/")
         # the node's full name as the 'node' value gives it: a relative --node resolves in this client's namespace
         # (the action's name does), where comparing '/memspec' with '/robot1/memspec' ignored the node's own status
-        namespace = "" if node_path.startswith("/") else getattr(node, "get_namespace", lambda: "/")().strip("/")
+        namespace = "" if node_path.startswith("/") else node.get_namespace().strip("/")
         self._node = "/" + "/".join(p for p in (namespace, path) if p)
         self._statuses = {f"{path.rsplit('/', 1)[-1]}: target model", f"{self._node.lstrip('/')}: target model"}
         self._latest: tuple[int, str] | None = None

@@ -254,9 +254,11 @@ class DraftRegistry:
             raise RegistryError(
                 f"drafts.domains has {len(domains)} entries for {len(names)} names: give one domain per name or none"
             )
-        twice = next((str(n) for i, n in enumerate(names) if str(n) in map(str, names[:i])), None)
-        if twice is not None:  # (the registry's own message, "already registered: remove it first", names no list)
-            raise RegistryError(f"drafts.names lists {twice!r} twice: give each draft one name")
+        seen: set[str] = set()
+        for name in map(str, names):  # (the registry's own message, "already registered: remove it first", names
+            if name in seen:  # no list to fix)
+                raise RegistryError(f"drafts.names lists {name!r} twice: give each draft one name")
+            seen.add(name)
         base = Path(base_dir) if base_dir is not None else None
         entries = [
             DraftEntry(

@@ -303,7 +303,7 @@ class CostModel:
         prefill_x: list[float] = []
         prefill_y: list[float] = []
         point: dict[str, list[float]] = {}  # policy -> [seconds, points], pooled
-        setup: dict[str, list[list[float]]] = {}  # policy -> [setups of runs that chose nothing, of the others]
+        setup: dict[str, dict[bool, list[float]]] = {}  # policy -> made a first choice -> the runs' setups
         call_other: list[float] = []
         for policy, stats in runs:
             its = stats.iterations
@@ -330,7 +330,7 @@ class CostModel:
             # generation the prefill's token ended chose nothing (its setup only the policy's start), and the replay
             # charges such a one no setup: its near-zero would pull down the median charged to every other one
             # (with no other run of the policy, those are all there is)
-            setup.setdefault(policy, [[], []])[stats.predictions > 0].append(
+            setup.setdefault(policy, {True: [], False: []})[stats.predictions > 0].append(
                 max(0.0, stats.setup_seconds - stats.setup_wait_seconds))
             if stats.call_seconds > 0:  # a controller's run: its whole call timed
                 call_other.append(max(0.0, stats.call_seconds - stats.setup_seconds - stats.prefill_seconds
@@ -344,7 +344,7 @@ class CostModel:
             other_iteration_seconds=other[0] / other[1] if other[1] else 0.0,
             prefill_base_seconds=pre_base, prefill_token_seconds=pre_tok,
             point_seconds={p: seconds / points for p, (seconds, points) in point.items()},
-            setup_seconds={p: statistics.median(chose or start_only) for p, (start_only, chose) in setup.items()},
+            setup_seconds={p: statistics.median(chose[True] or chose[False]) for p, chose in setup.items()},
             load_seconds=dict(load_seconds), medium=medium,
             call_other_seconds=statistics.median(call_other) if call_other else 0.0,
         )

@@ -121,7 +121,8 @@ def speculative_accept(
     for j, token in enumerate(proposals):
         ratio = p[j, token] / q[j, token]
         # fp32 whatever the process-wide default dtype: transformers' from_pretrained sets it to 16 bits while a
-        # draft loads on the loader thread, and a bf16 coin (989 values) accepted every ratio above 0.996
+        # draft loads on the loader thread, and a bf16 coin (989 distinct values in 20,000 draws, none above
+        # 0.99609375) accepted every ratio above that
         if torch.rand((), generator=generator, device=p.device, dtype=torch.float32) < ratio:
             continue
         residual = torch.clamp(p[j] - q[j], min=0.0)

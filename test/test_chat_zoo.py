@@ -780,6 +780,38 @@ def test_an_export_that_replaces_the_drafts_sets_aside_what_the_old_ones_made(ti
     assert (aside / "acceptance.json").read_text() == "{}"
     said = capsys.readouterr().out
     assert "moved to" in said and "memspec-train-predictor --registry" in said and "memspec-zoo card" in said
+    # with the zoo's own JSON the heatmap goes to the zoo's acceptance_matrix.png, the card's (was --plot
+    # acceptance.png, a file nothing shows)
+    assert f"acceptance --models {out} --json {out / 'acceptance.json'};" in said and "--plot" not in said
+
+
+def test_an_export_cut_short_after_moving_the_drafts_still_sets_aside_what_the_old_ones_made(
+        tiny_build, tmp_path, monkeypatch):
+    """The old drafts' predictor was set aside after the moves, by comparing the drafts before and after: an export
+    cut short between the two (a full disk writing the registry) and rerun found the new drafts on both sides, and
+    the predictor trained on the old ones stayed beside the new ones for good. So did the heatmap (the list named
+    acceptance.png, the zoo's is acceptance_matrix.png)."""
+    from memspec_ros.zoo import registry_io
+
+    out = tmp_path / "zoo"
+    shutil.copytree(tiny_build.out_dir, out)
+    (out / "predictor").mkdir()
+    (out / "predictor" / "head.safetensors").write_bytes(b"a head")
+    (out / "acceptance_matrix.png").write_bytes(b"old heatmap")
+    (out / "drafts" / "code" / "model.safetensors").write_bytes(b"other weights")
+    real = registry_io.write_registry
+
+    def failing(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(registry_io, "write_registry", failing)
+    with pytest.raises(OSError, match="No space left"):
+        ChatZooBuild(replace(tiny_build, out_dir=out)).run(["export"])
+    monkeypatch.setattr(registry_io, "write_registry", real)
+    ChatZooBuild(replace(tiny_build, out_dir=out)).run(["export"])
+    assert not (out / "predictor").exists() and not (out / "acceptance_matrix.png").exists()
+    assert (out / "previous-drafts" / "predictor" / "head.safetensors").read_bytes() == b"a head"
+    assert (out / "previous-drafts" / "acceptance_matrix.png").read_bytes() == b"old heatmap"
 
 
 def test_the_validation_split_keeps_each_answer_on_its_side_when_more_are_answered():
@@ -1090,3 +1122,9 @@ def test_the_workload_overlap_script_groups_sources_by_file_module_and_icd_categ
     assert module.source_group("medical:L414") == "L41" != module.source_group("medical:L501")
     assert module.source_group("law:/usr/share/doc/x/copyright#8") == "/usr/share/doc/x/copyright"
     assert module.spans("a b c d", 3) == {"a b c", "b c d"} and module.spans("a b", 3) == set()
+
+
+def test_the_teacher_stage_before_the_workloads_says_which_stage_to_run(tiny_build, tmp_path):
+    """In a fresh work dir it failed in a bare "[Errno 2] No such file or directory: .../code.jsonl"."""
+    with pytest.raises(ValueError, match=r"code.jsonl: the requests come from the workloads stage; run it first"):
+        ChatZooBuild(replace(tiny_build, work_dir=tmp_path / "fresh", out_dir=tmp_path / "out")).run(["teacher"])

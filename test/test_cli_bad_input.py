@@ -625,6 +625,53 @@ def test_the_chat_card_reads_its_inputs_before_writing_either_file(tmp_path, mon
     assert (zoo / "card_measurements.json").read_bytes() == kept and not (zoo / "MODEL_CARD.md").exists()
 
 
+def test_the_chat_card_refuses_an_acceptance_json_of_other_workloads_before_measuring(tmp_path, monkeypatch):
+    """A matrix scored with --workloads-dir (no law column, say) ended the card in a KeyError after the minutes
+    of measuring the forwards."""
+    import shutil
+
+    from memspec_ros.zoo import chat_card
+
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    shutil.copy(BUNDLED / "card_measurements.json", zoo)
+    acceptance = json.loads((BUNDLED / "acceptance.json").read_text())
+    for row in acceptance["matrix"].values():
+        del row["law"]
+    (tmp_path / "other.json").write_text(json.dumps(acceptance))
+    monkeypatch.setattr(chat_card, "measure_latencies", lambda models: pytest.fail("measured before the check"))
+    with pytest.raises(ValueError, match="has no law workload .*--acceptance-json"):
+        chat_card.write_chat_card(zoo, tmp_path / "no-build", tmp_path / "other.json")
+    assert not (zoo / "MODEL_CARD.md").exists()
+
+
+@pytest.mark.parametrize("case", ["no general draft", "one new token"])
+def test_the_chat_acceptance_refuses_what_it_cannot_score_before_the_target_answers(case, tmp_path, monkeypatch):
+    """A registry without `general` and --max-new-tokens 1 (answers of one token are never scored) both ended in a
+    ValueError traceback after the target had answered every held-out request."""
+    import shutil
+
+    from memspec_ros.zoo import cli
+
+    zoo = tmp_path / "zoo"
+    shutil.copytree(BUNDLED, zoo, ignore=shutil.ignore_patterns("*.safetensors", "answers"))
+    argv = ["acceptance", "--models", str(zoo), "--json", str(tmp_path / "a.json")]
+    if case == "no general draft":
+        registry = (zoo / "registry.yaml").read_text()
+        assert "name: general" in registry
+        (zoo / "registry.yaml").write_text(registry.replace("name: general", "name: everyday"))
+        expected = "has no 'general' draft"
+    else:
+        argv += ["--max-new-tokens", "1"]
+        expected = "--max-new-tokens must be at least 2"
+    from memspec_ros.runtime import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    with pytest.raises(SystemExit, match=expected):
+        cli.main(argv)
+    assert not (tmp_path / "a.json").exists()
+
+
 def test_the_chat_acceptance_reads_a_prompt_row_as_one_user_turn():
     """The default workloads' rows are checked with request_problem, which takes a {"prompt"} row; the chat
     acceptance then read row["messages"] and ended in a KeyError."""

@@ -480,3 +480,15 @@ def test_a_summary_over_some_of_the_drafts_takes_the_best_of_those_only():
     mine = acceptance_summary(per_prompt, ["general", "code"], ["code", "general"], 4)
     assert both["oracle_dynamic_gain_by_workload"]["code"] == pytest.approx(0.125)  # 4.5 over 4.0
     assert mine["oracle_dynamic_gain_by_workload"] == {}
+
+
+def test_a_summary_of_the_mixed_workload_alone_has_no_static_gain():
+    """A --workloads-dir holding mixed.jsonl alone scored no domain workload: the mean of no gains raised a
+    StatisticsError after the target had answered every request and every draft was scored."""
+    from memspec_ros.zoo.chat_acceptance import acceptance_summary
+
+    record = {"accepted_per_iteration": {"general": 1.0, "code": 2.0}, "tokens": 10, "repeated_4gram": 0.0,
+              "dynamic": 2.5}
+    summary = acceptance_summary({"mixed": [record]}, ["general", "code"], ["mixed"], 4)
+    assert summary["oracle_static_gain_by_workload"] == {} and summary["oracle_static_gain"] is None
+    assert summary["oracle_dynamic_gain_mixed"] == pytest.approx(0.25)  # 2.5 over the best fixed 2.0

@@ -35,6 +35,7 @@ from statistics import mean
 
 import torch
 
+from memspec_ros.runtime.atomic_write import write_text_atomic
 from memspec_ros.runtime.oracle import ContinuationCache, continuation_logits, draft_agreement, interval_walk
 
 from .corpora import DOMAINS, WORKLOADS
@@ -177,7 +178,7 @@ def run_acceptance(cfg: AcceptanceConfig, out_json: Path, plot_path: Path | None
         "per_prompt": per_prompt,
     }
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(result, indent=1))
+    write_text_atomic(out_json, json.dumps(result, indent=1))  # `card` reads it: never half a file
     if plot_path is not None:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot_matrix(result, plot_path)

@@ -179,7 +179,8 @@ def acceptance_summary(per_prompt: dict[str, list[dict]], names: list[str], work
         "matrix": matrix,
         "best_fixed_per_prompt": best_static,
         "oracle_static_gain_by_workload": static_gain,
-        "oracle_static_gain": mean(g for g in static_gain.values() if g is not None) if all(
+        # None where no domain workload was scored (a folder holding mixed.jsonl alone)
+        "oracle_static_gain": mean(static_gain.values()) if static_gain and all(
             g is not None for g in static_gain.values()) else None,
         "oracle_dynamic_mixed": dyn_mixed,
         "oracle_dynamic_gain_mixed": _gain(dyn_mixed, best_static["mixed"]) if dyn_mixed is not None else None,

@@ -173,11 +173,12 @@ def general_domains(wanted: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return wanted
 
 
-def _drafts_digest(zoo: Path) -> str | None:
-    """The drafts' weights in a zoo folder, by content (None: no drafts there)."""
+def _drafts_digest(zoo: Path, names: tuple[str, ...] = DOMAINS) -> str | None:
+    """The weights of a zoo folder's drafts of these names, by content (None: none of them there)."""
     from memspec_ros.runtime.model_source import cached_digest
 
-    files = sorted((zoo / "drafts").glob("*/model.safetensors")) if (zoo / "drafts").is_dir() else []
+    files = sorted(f for f in (zoo / "drafts").glob("*/model.safetensors") if f.parent.name in names) \
+        if (zoo / "drafts").is_dir() else []
     if not files:
         return None
     return hashlib.sha256("\n".join(f"{f.parent.name}:{cached_digest(f)}" for f in files).encode()).hexdigest()
@@ -185,7 +186,7 @@ def _drafts_digest(zoo: Path) -> str | None:
 
 # what was made from a zoo's drafts: the node loads <zoo>/predictor on its own, so one trained on the drafts replaced
 # by an export (same names, other weights) ranked them silently; the reports describe the old drafts
-MADE_FROM_DRAFTS = ("predictor", "acceptance.json", "acceptance.png", "MODEL_CARD.md")
+MADE_FROM_DRAFTS = ("predictor", "acceptance.json", "acceptance_matrix.png", "MODEL_CARD.md")
 
 
 def _set_aside_what_the_old_drafts_made(zoo: Path) -> None:
@@ -204,7 +205,7 @@ def _set_aside_what_the_old_drafts_made(zoo: Path) -> None:
         os.replace(zoo / name, dest)
     _log(f"export: the drafts changed, so {', '.join(found)} (made from the previous ones) moved to {aside}; remake"
          f" them: memspec-train-predictor --registry {zoo / 'registry.yaml'} --answers {zoo / 'datastore.safetensors'};"
-         f" memspec-zoo acceptance --models {zoo} --json {zoo / 'acceptance.json'} --plot {zoo / 'acceptance.png'};"
+         f" memspec-zoo acceptance --models {zoo} --json {zoo / 'acceptance.json'};"  # its plot: the zoo's heatmap
          f" memspec-zoo card --models {zoo}")
 
 
@@ -260,6 +261,8 @@ class ChatZooBuild:
 
     def _rows(self, name: str) -> list[dict]:
         path = self.workload_dir / f"{name}.jsonl"
+        if not path.is_file():  # a bare Errno 2 said nothing of what to run
+            raise ValueError(f"no {path}: the requests come from the workloads stage; run it first")
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def vocab_ids(self) -> list[int]:
@@ -331,9 +334,9 @@ class ChatZooBuild:
     def teacher(self) -> None:
         from tqdm import tqdm
 
-        model, tok = self.target().to(self.cfg.device), self.tokenizer()
-        heldout = [r for w in WORKLOADS for r in self._rows(w)]
+        heldout = [r for w in WORKLOADS for r in self._rows(w)]  # before the target's load
         train_rows = self._rows("train_requests")
+        model, tok = self.target().to(self.cfg.device), self.tokenizer()
         if self.cfg.teacher_train_requests:
             train_rows = train_rows[: self.cfg.teacher_train_requests]
         for split, rows in (("heldout", heldout), ("train", train_rows)):
@@ -488,7 +491,10 @@ class ChatZooBuild:
         shutil.copytree(self.workload_dir, staging / "workloads")
         (staging / "build_config.json").write_text(json.dumps(asdict(self.cfg), indent=1, default=str))
         moves = [Path("drafts") / name for name in DOMAINS] + [Path("workloads"), Path("build_config.json")]
-        before = _drafts_digest(out)
+        # set aside before the first move: compared after the moves, an export cut short between them and the
+        # comparison found the new drafts on both sides when rerun, and the old predictor stayed for good
+        if _drafts_digest(out) not in (None, _drafts_digest(staging)):
+            _set_aside_what_the_old_drafts_made(out)
         for rel in moves:
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -499,8 +505,6 @@ class ChatZooBuild:
         target = str(self.cfg.target)  # the registry reads a path from its own folder: a relative one is made absolute
         write_registry(out, target=target if target.startswith(PKG_PREFIX) else str(Path(target).resolve()))
         _log(f"export: drafts, workloads and registry.yaml in {out}")
-        if before is not None and before != _drafts_digest(out):
-            _set_aside_what_the_old_drafts_made(out)
 
     def datastore(self) -> None:
         from memspec_ros.runtime.datastore import Datastore

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.runtime.atomic_write import write_text_atomic
+
 from .corpora import DOMAINS, WORKLOADS
 
 UPSTREAM = ("SmolLM2-135M-Instruct by Hugging Face (HuggingFaceTB), Apache-2.0, as the Q4_1 GGUF shipped in the"
@@ -226,12 +228,18 @@ def write_chat_card(models_dir: Path, build: Path, acceptance_json: Path, notes:
     # what is read is read before the (minutes of) measuring, and both files are written at the end: a missing
     # acceptance JSON or notes file failed after the measurements were written, the card not, so they disagreed
     acceptance = json.loads(acceptance_json.read_text())
+    missing = sorted({w for row in acceptance["matrix"].values() for w in WORKLOADS if w not in row})
+    if missing:  # a KeyError after the minutes of measuring
+        raise ValueError(f"{acceptance_json} has no {', '.join(missing)} workload (scored with --workloads-dir?):"
+                         " the card reports the zoo's own workloads; pass an acceptance JSON of them"
+                         " (--acceptance-json)")
     appended = notes.read_text() if notes is not None else None
     measured = {**measure_latencies(models_dir), "vocab": vocab}
     text = render(measured, acceptance, build, models_dir)
     if appended is not None:
         text += "\n" + appended
-    kept.write_text(json.dumps(measured, indent=1))
+    # by a rename: a cut write of the measurements failed the next card as "Expecting value"
+    write_text_atomic(kept, json.dumps(measured, indent=1))
     out = models_dir / "MODEL_CARD.md"
-    out.write_text(text)
+    write_text_atomic(out, text)
     return out

@@ -311,6 +311,13 @@ def _run_chat_acceptance(a) -> int:
         registry = DraftRegistry.from_yaml(Path(a.models) / "registry.yaml", validate=False)
     except ValueError as exc:  # RegistryError: the file says what to fix
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
+    # said before the target's minutes of answers (chat_acceptance raised both after them, as tracebacks)
+    if "general" not in {e.name for e in registry.entries()}:
+        raise SystemExit(f"memspec-zoo acceptance: {Path(a.models) / 'registry.yaml'} has no 'general' draft: the"
+                         " gains are measured against it")
+    if a.max_new_tokens < 2:
+        raise SystemExit("memspec-zoo acceptance: --max-new-tokens must be at least 2: the first answer token comes"
+                         " from the prompt's encoding, and the drafts are scored on the ones after it")
     workloads = list(WORKLOADS)
     if a.workloads_dir:
         try:

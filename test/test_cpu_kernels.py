@@ -503,6 +503,20 @@ def test_a_library_built_without_openmp_says_so(tmp_path):
         assert "built without OpenMP or -march=native" in out and "| True |" in out, out
 
 
+@needs_compiler
+def test_a_build_that_times_out_still_tries_the_simpler_builds(tmp_path, monkeypatch):
+    """A compiler timeout in the first (OpenMP) build escaped the attempt loop: no fallback was tried, and the
+    process ran ATen's kernels for its whole life."""
+    cc = tmp_path / "cc-that-hangs-on-openmp"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && exec sleep 30; done\nexec {_CC} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setattr(cpu_kernels, "COMPILE_TIMEOUT_S", 2)
+    library = tmp_path / "kernels.so"
+    cpu_kernels._compile(tmp_path, library, [str(cc)], cpu_kernels.FLAGS)
+    assert library.is_file()
+    assert "timed out after 2 s" in cpu_kernels._fallback_note(library).read_text()
+
+
 @needs_decoder
 @pytest.mark.parametrize("path", ["int4", "int8", "fp32"])
 def test_the_thread_count_does_not_change_a_number(path):

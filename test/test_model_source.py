@@ -131,8 +131,23 @@ def test_an_unsupported_quantization_type_is_refused(tmp_path):
 def test_a_damaged_file_is_refused(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"GGUF" + b"\xff" * 64)
-    with pytest.raises(GGUFConversionError, match="not a readable GGUF"):
+    with pytest.raises(GGUFConversionError, match="not a GGUF file that gguf .* can read .*upgrade the gguf package"):
         resolve_model_path(str(path))
+
+
+def test_the_cache_root_expands_a_tilde_and_ignores_a_relative_xdg_cache_home(monkeypatch, tmp_path):
+    """A launch file or a systemd unit sets MEMSPEC_CACHE_DIR=~/cache with no shell to expand it: conversions and
+    kernels went to ./~/cache under the working directory. The XDG spec says a relative XDG_CACHE_HOME is ignored."""
+    from memspec_ros.runtime.model_source import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", "~/cache")
+    assert cache_root() == tmp_path / "cache"
+    monkeypatch.delenv("MEMSPEC_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert cache_root() == tmp_path / ".cache" / "memspec_ros"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "memspec_ros"
 
 
 def test_missing_accelerate_gives_the_install_hint(tmp_path, monkeypatch):
@@ -476,3 +491,27 @@ def test_a_ggufs_end_of_turn_and_end_of_message_tokens_end_generation_as_its_eos
 def test_the_bundled_conversion_ends_generation_at_its_end_of_turn(converted):
     path, _ = converted
     assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_a_conversion_removes_the_folders_of_conversions_killed_part_way_under_any_key(tmp_path, monkeypatch):
+    """Only the converting key's leftovers were removed: a conversion killed part way (the OOM killer, de-quantizing
+    to fp32) left a full copy of the model that stayed for good once the key changed (a transformers upgrade,
+    another file). A leftover whose key another process holds the lock of (converting now) is kept."""
+    import fcntl
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_source, "convert_gguf",
+                        lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
+    gguf_dir = tmp_path / "cache" / "gguf"
+    gguf_dir.mkdir(parents=True)
+    for name in ("abandoned", "converting", "unlocked"):
+        (gguf_dir / f".{name}-123").mkdir()
+        (gguf_dir / f".{name}-123" / "model.safetensors").write_bytes(b"half a model")
+    (gguf_dir / ".abandoned.lock").touch()
+    with open(gguf_dir / ".converting.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as another process converting that key now
+        assert (resolve_model_path(str(src)) / CONVERTED_MARKER).is_file()
+    left = sorted(p.name for p in gguf_dir.iterdir() if p.is_dir() and p.name.startswith("."))
+    assert left == [".converting-123", ".unlocked-123"]  # held, or no conversion's (no lock beside it)

@@ -312,6 +312,38 @@ def test_a_cache_that_cannot_take_the_runtime_form_still_loads_the_draft(tiny_zo
     assert "code's runtime form" in caplog.text and "MEMSPEC_RUNTIME_FORMS_DIR" in caplog.text
 
 
+def test_a_full_disk_while_keeping_the_runtime_form_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch):
+    """safetensors reports a write's I/O error (a full disk) as its own SafetensorError, no OSError: the load that
+    had built the draft failed, and every retry with it while the disk stayed full."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    monkeypatch.setenv("MEMSPEC_RUNTIME_FORMS_DIR", str(tmp_path / "forms"))
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    storage = DraftStorage(MEDIA["local"])
+    assert storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code").model is not None
+    assert storage._forms == {} and not list((tmp_path / "forms").rglob("*.partial"))
+
+
+def test_a_draft_that_keeps_its_context_outside_the_kv_cache_is_refused_by_the_storage_loader(tmp_path):
+    """The node loads drafts through the storage tier, which skipped load_model's check: a Mamba draft loaded and
+    proposed tokens from a forgotten prefix (only speed lost, silently)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from memspec_ros.runtime.models import UnsupportedArchitectureError
+    from memspec_ros.testing.tiny_models import save_model_dir, tiny_tokenizer
+
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=300, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    path = save_model_dir(MambaForCausalLM(config), tiny_tokenizer(300), tmp_path / "mamba")
+    with pytest.raises(UnsupportedArchitectureError, match="does not keep its context in the KV cache|cached prefix"):
+        DraftStorage(MEDIA["local"]).load(ModelSpec(str(path)), "mamba")
+
+
 def test_the_registry_loader_reads_through_the_medium_and_records_each_load(tiny_zoo):
     registry = DraftRegistry.from_yaml(tiny_zoo / "registry.yaml", validate=False)
     medium = StorageMedium("test", read_bytes_per_second=50e6, request_latency_seconds=1e-4)

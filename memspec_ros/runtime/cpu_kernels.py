@@ -162,8 +162,12 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
     errors = []
     try:
         for tried in ((*flags, OPENMP), flags, portable_flags):
-            done = subprocess.run([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"],
-                                  capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            try:
+                done = subprocess.run([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"],
+                                      capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # the next, simpler attempt still has its chance
+                errors.append(f"[{' '.join(tried)}] timed out after {COMPILE_TIMEOUT_S} s")
+                continue
             if done.returncode == 0:
                 # loaded here, where it is to run: one that builds but cannot load (an OpenMP runtime the loader
                 # cannot find) is not kept. Closed again at once: the caller loads it under its final name, and a

@@ -50,10 +50,13 @@ class GGUFConversionError(ModelLoadError):
 
 
 def cache_root() -> Path:
+    # a "~" is expanded (a launch file or a systemd unit has no shell to do it: "./~/cache" was made); a relative
+    # XDG_CACHE_HOME is ignored, as the XDG spec says
     override = os.environ.get("MEMSPEC_CACHE_DIR")
     if override:
-        return Path(override)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memspec_ros"
+        return Path(override).expanduser()
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
+    return (xdg if xdg.is_absolute() else Path.home() / ".cache") / "memspec_ros"
 
 
 def package_file(spec: str) -> Path:
@@ -129,7 +132,10 @@ def check_gguf(path: Path) -> str:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/struct errors on a damaged file
-        raise GGUFConversionError(f"{path} is not a readable GGUF file ({exc}): restore or re-download it") from exc
+        # a valid file from a newer llama.cpp (a new quant type or format version) fails here too
+        raise GGUFConversionError(
+            f"{path} is not a GGUF file that gguf {_version('gguf')} can read ({exc}): if it was made by a newer"
+            " llama.cpp, upgrade the gguf package; otherwise restore or re-download it") from exc
     field = reader.get_field("general.architecture")
     if field is None:
         raise GGUFConversionError(f"{path} has no general.architecture: not a model GGUF")
@@ -201,18 +207,22 @@ def load_gguf_tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
 
 
+def _version(package: str) -> str:
+    """The installed version of ``package``; "none" without it (no conversion then: require_package says so)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
 def conversion_key(digest: str) -> str:
     """The cache folder name of a GGUF file's conversion: its digest, the versions of transformers and of gguf (which
     de-quantizes the weights), and the converter's. The cache is shared by every environment of the user."""
-    import importlib.metadata
-
     import transformers
 
-    try:
-        gguf_version = importlib.metadata.version("gguf")
-    except importlib.metadata.PackageNotFoundError:  # no conversion without it (require_package says so)
-        gguf_version = "none"
-    text = f"{digest}:{transformers.__version__}:{gguf_version}:{CONVERTER_VERSION}"
+    text = f"{digest}:{transformers.__version__}:{_version('gguf')}:{CONVERTER_VERSION}"
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -339,8 +349,7 @@ def converted_dir(path: Path) -> Path:
         _wait_for_lock(lock, lock_file)  # released when the file closes, also if this process is killed
         if (out / CONVERTED_MARKER).is_file():  # another process converted it while this one waited
             return out
-        for stale in out.parent.glob(f".{key}-*"):  # only a process holding this lock writes these
-            shutil.rmtree(stale, ignore_errors=True)
+        _remove_abandoned_conversions(out.parent, key)
         # a plain mkdir (the lock makes the name this process's): mkdtemp's mode 0700 went into the cache with the
         # rename, and in a cache shared between users the reader's load failed with PermissionError
         tmp = out.parent / f".{key}-{os.getpid()}"
@@ -367,6 +376,28 @@ def converted_dir(path: Path) -> Path:
 
 # another process's conversion of a 7 B model takes minutes: a lock held longer than this is stuck
 CONVERSION_WAIT_SECONDS = 1800.0
+
+
+def _remove_abandoned_conversions(folder: Path, held: str) -> None:
+    """Remove the temporary folders (``.<key>-<pid>``) of conversions killed part way: ``held``'s (this process
+    holds its lock) and those of any other key whose lock no process holds, since only a process holding a key's
+    lock writes them. A conversion killed by the OOM killer left a full fp32 copy of the model that nothing removed
+    once the key changed (a transformers upgrade, another file)."""
+    import fcntl
+
+    for stale in folder.glob(".*-*"):
+        key = stale.name[1:].rpartition("-")[0]
+        if not stale.is_dir() or not key:
+            continue
+        if key == held:
+            shutil.rmtree(stale, ignore_errors=True)
+            continue
+        try:  # another open file, so another flock: refused while any process (this one too) converts that key
+            with os.fdopen(os.open(folder / f".{key}.lock", os.O_WRONLY | os.O_NOFOLLOW), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:  # converting now (BlockingIOError), no lock (not a conversion's folder), another user's
+            continue
 
 
 def _wait_for_lock(lock, lock_file: Path) -> None:

@@ -366,16 +366,7 @@ def _load_directory(spec: ModelSpec) -> LoadedModel:
         choice = choose_path(model, spec.gamma)
         path = choice.path
     path_report = apply_path(model, path) if cpu_path else None
-    prepared = None
-    if path == "gptq" or unsupported_reason(model):
-        # the model runs on transformers' forward, not the engine's lean Llama forward: GPT-QModel's kernels, a
-        # plain head and transformers' attention over a cached prefix compute a verify's rows otherwise than
-        # one-token steps. Without this a bf16 GPTQ target's speculative output differed from its own greedy
-        # output on 8 of 12 prompts (docs/results/gptq-smollm2.json), a bf16 Qwen2 one on 5 of 20
-        from .row_exact import prepare_for_engine
-
-        prepared = prepare_for_engine(model)
-        check_incremental_forward(model, spec.path)
+    prepared = prepare_off_lean_forward(model, path, spec.path)
     model, vocab_size = wrap_if_reduced(model, spec.path)  # a reduced-vocabulary draft speaks target ids
     return LoadedModel(
         model=model,
@@ -388,6 +379,23 @@ def _load_directory(spec: ModelSpec) -> LoadedModel:
         prepared=prepared,
         path_report=path_report,
     )
+
+
+def prepare_off_lean_forward(model: torch.nn.Module, forward_path: str, where: str) -> dict | None:
+    """For a model that runs on transformers' forward, not the engine's lean Llama forward: make its verify rows
+    exact (what was done) and refuse one that keeps its context outside the KV cache; None for the lean forward.
+
+    GPT-QModel's kernels, a plain head and transformers' attention over a cached prefix compute a verify's rows
+    otherwise than one-token steps: without this a bf16 GPTQ target's speculative output differed from its own
+    greedy output on 8 of 12 prompts (docs/results/gptq-smollm2.json), a bf16 Qwen2 one on 5 of 20. Drafts take
+    it too (storage.build_model): a recurrent draft otherwise loaded and proposed from a forgotten prefix."""
+    if forward_path != "gptq" and not unsupported_reason(model):
+        return None
+    from .row_exact import prepare_for_engine
+
+    prepared = prepare_for_engine(model)
+    check_incremental_forward(model, where)
+    return prepared
 
 
 def check_incremental_forward(model: torch.nn.Module, path: str) -> None:

@@ -226,6 +226,7 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
         check_loading_info,
         forward_path_for,
         parameter_bytes,
+        prepare_off_lean_forward,
         read_config,
         resolve_device,
     )
@@ -258,10 +259,11 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
     model.requires_grad_(False)
     if path in PATHS:
         apply_path(model, path)
+    prepared = prepare_off_lean_forward(model, path, spec.path)  # as load_model: a recurrent draft is refused
     model, vocab_size = wrap_if_reduced(model, spec.path)
     return LoadedModel(model=model, spec=spec, size_bytes=parameter_bytes(model), vocab_size=vocab_size,
                        max_positions=int(getattr(model.config, "max_position_embeddings", 0) or 0),
-                       forward_path=path)
+                       forward_path=path, prepared=prepared)
 
 
 RUNTIME_FORM_DIR = "runtime-drafts"  # under the cache root (model_source.cache_root)
@@ -298,6 +300,7 @@ class RuntimeForm:
         import copy
         import tempfile
 
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         from .forward_paths import fp16_exact
@@ -328,7 +331,10 @@ class RuntimeForm:
         with tempfile.NamedTemporaryFile(dir=file.parent, suffix=".partial", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            save_file(tensors, str(partial), metadata={SOURCE_METADATA: json.dumps(source)})
+            try:
+                save_file(tensors, str(partial), metadata={SOURCE_METADATA: json.dumps(source)})
+            except SafetensorError as error:  # safetensors' I/O errors (a full disk) are no OSError: raised as one,
+                raise OSError(str(error)) from error  # the caller keeps the draft it built and loads without a form
             with open(partial, "rb+") as handle:
                 os.fsync(handle.fileno())  # written back, so a cold read's page-cache drop really drops it
             os.replace(partial, file)
@@ -417,7 +423,7 @@ def runtime_form_root() -> Path:
     from .model_source import cache_root
 
     override = os.environ.get("MEMSPEC_RUNTIME_FORMS_DIR")
-    return Path(override) if override else cache_root() / RUNTIME_FORM_DIR
+    return Path(override).expanduser() if override else cache_root() / RUNTIME_FORM_DIR
 
 
 def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:

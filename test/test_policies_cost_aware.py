@@ -166,3 +166,27 @@ def test_a_catch_up_whose_proposal_was_dropped_still_prices_a_switch():
                                catchup_seconds=0.05 * (len(PROMPT) + 1))
     policy.observe("general", [caught_up, *interval_of("general")[1:]])
     assert policy.choose(point(1, 10, "general", ["general", "code"])).preferred == "general"  # as when it proposed
+
+
+def test_an_interval_shortened_mid_goal_is_the_one_loads_are_converted_with():
+    """N reduced mid-goal (a parameter change): the policy kept the largest interval it had seen, so a load's
+    points were converted to iterations with the old N and a draft to load looked N_old/N_new times further
+    away. After one interval of the new N it values a load as a policy that ran with that N throughout."""
+    probs = {"code": 0.5, "math": 0.4, "general": 0.1}
+    per_token = 1e-5
+    first = interval_of("general", catchup_tokens=len(PROMPT) + 1, catchup_seconds=per_token * (len(PROMPT) + 1))
+
+    def run(intervals: list[list[IterationStats]]):
+        policy = make_policy(COST_AWARE, predictor=ranker(probs))
+        policy.start(PROMPT)
+        policy.choose(point(0, 0, "", ["code", "math"]))  # both resident: no load asked for, none measured
+        for its in intervals:
+            policy.observe("general", its)
+        return policy
+
+    shortened = run([first, first[:1]])  # N = 4, then N = 1
+    short_all_along = run([first[:1], first[1:2], first[2:3], first[3:4], first[:1]])
+    at = point(2, 10, "general", ["general", "code"])  # math evicted: its load is one interval away
+    assert shortened.values(at, probs)["math"] == short_all_along.values(at, probs)["math"]
+    four_all_along = run([first, first])
+    assert four_all_along.values(at, probs)["math"] < shortened.values(at, probs)["math"]  # 4 iterations away

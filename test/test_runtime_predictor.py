@@ -325,6 +325,32 @@ def test_overlapped_prediction_arrives_one_interval_late_without_blocking():
     over.close()
 
 
+def test_a_predicted_policy_closed_mid_goal_waits_for_its_background_ranking():
+    """overlap_prediction turned off mid-goal closes the policy and makes one that ranks on the decode thread: the
+    background ranking still in flight ran beside it, two threads in one encoder."""
+    from memspec_ros.runtime.policies import MemSpecPolicy
+
+    gate, finished = threading.Event(), []
+
+    def slow(c):
+        if c.interval > 0:
+            gate.wait(10)
+            time.sleep(0.05)
+            finished.append(c.interval)
+        return ["a", "b"]
+
+    over = OverlappedPredictor(FixedRanker(slow))
+    policy = MemSpecPolicy(over)
+    over.begin(PROMPT)
+    over.submit(ctx(0, candidates=("a", "b")))
+    over.submit(ctx(1, candidates=("a", "b")))  # in flight, held by the gate
+    assert over._pending is not None and finished == []
+    threading.Timer(0.1, gate.set).start()
+    policy.close()
+    assert finished == [1] and over._pending is None
+    over.close()
+
+
 def test_a_points_answer_is_never_its_own_ranking_however_fast_that_finishes():
     """Policies submit a point's context and then read the latest ranking: an overlapped ranker answers with
     what had finished when the point submitted, even when the point's own ranking is done by the time it reads."""

@@ -388,6 +388,12 @@ class _Predicted(DraftPolicy):
     def _reset(self, prompt_ids: Sequence[int]) -> None:
         """The policy's own per-generation state."""
 
+    def close(self) -> None:
+        # a ranking in flight in the background ends with the policy: one made in its place mid-goal (overlap_
+        # prediction turned off) ranked on the decode thread while it still ran, two threads in one encoder (the
+        # MiniLM one's fast tokenizer can raise "Already borrowed")
+        self.predictor.resume()
+
     def ranking(self, point: SchedulingPoint) -> list[tuple[str, float]]:
         """The ranker's latest ranking for this point (an overlapped ranker's is one interval late)."""
         context = point.prediction_context()
@@ -461,7 +467,9 @@ class CostAwareMemSpecPolicy(_Predicted):
         self.declined = 0  # switches or prefetches MemSpec would have made and this rule did not
 
     def observe(self, draft: str, iterations: Sequence[IterationStats]) -> None:
-        self._interval_length = max(self._interval_length, len(iterations))
+        # N as the last full interval showed it (the largest one seen kept an N reduced mid-goal, and loads
+        # converted from points with it looked longer than they were, declining switches for the rest of the goal)
+        self._interval_length = len(iterations) or self._interval_length
         for it in iterations:
             if it.draft == LOOKUP_DRAFT:  # copies from the context say nothing of a draft
                 continue

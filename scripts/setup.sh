@@ -11,8 +11,8 @@
 #     gptq   the separate GPTQ environment .venv-gptq (requirements-gptq.txt: GPT-QModel needs
 #            torch>=2.14.1 while .venv pins torch 2.13.0); `all` includes it unless
 #            MEMSPEC_GPTQ=0
-#     --force  redo the target's own step (pip installs for deps, colcon build otherwise) even
-#              when its inputs did not change
+#     --force  redo the target's own step (pip installs for deps and gptq, colcon build for build)
+#              even when its inputs did not change
 #
 # Each step records a hash of its inputs (stamp files) and is skipped when they are unchanged,
 # so a second run with nothing changed takes a few seconds.

@@ -206,3 +206,23 @@ def _paced_long_goals(request, monkeypatch):
         from node_helpers import pace_long_goals
 
         pace_long_goals(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Each test leaves torch's thread count as it found it: one that set it (some run small models on one thread)
+    changed every test after it, so a test's speed, and any figure it timed, depended on which files ran first."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    """Small models on a shared 2-core machine: threads only contend (restored after the test)."""
+    import torch
+
+    torch.set_num_threads(1)

@@ -5,6 +5,7 @@ over the same layers, speculative decoding through it stays lossless, and a mach
 from __future__ import annotations
 
 import math
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,8 @@ try:
     _CC = shutil.which(cpu_kernels._compiler()[0])
 except RuntimeError:  # $CC is no command line: the kernels cannot build
     _CC = None
+# the compiler command the wrappers below hand on to: $CC's, where it is set
+_CC_SH = shlex.join(cpu_kernels._compiler()) if _CC else "cc"
 needs_compiler = pytest.mark.skipif(_OFF or _CC is None,
                                     reason="no C compiler on PATH, or kernels turned off: ATen's kernels run")
 ROWS = range(1, 11)  # 1..8 rows take one pass over the weights, 9 and 10 two
@@ -495,7 +498,7 @@ def test_a_library_built_without_openmp_says_so(tmp_path):
     """The fallback builds (no OpenMP, then portable C) are cached under the full build's key: the status says the
     library is degraded and how to retry, instead of looking like the full build."""
     cc = tmp_path / "cc-without-openmp"
-    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && exit 1; done\nexec cc "$@"\n')
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && exit 1; done\nexec ' + _CC_SH + ' "$@"\n')
     cc.chmod(0o755)
     for _ in range(2):  # built, then loaded from the cache: both say it
         out = _status_in_subprocess({"CC": str(cc), "MEMSPEC_CACHE_DIR": str(tmp_path / "cache"),
@@ -508,7 +511,7 @@ def test_a_build_that_times_out_still_tries_the_simpler_builds(tmp_path, monkeyp
     """A compiler timeout in the first (OpenMP) build escaped the attempt loop: no fallback was tried, and the
     process ran ATen's kernels for its whole life."""
     cc = tmp_path / "cc-that-hangs-on-openmp"
-    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && exec sleep 30; done\nexec {_CC} "$@"\n')
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && exec sleep 30; done\nexec {_CC_SH} "$@"\n')
     cc.chmod(0o755)
     monkeypatch.setattr(cpu_kernels, "COMPILE_TIMEOUT_S", 2)
     library = tmp_path / "kernels.so"
@@ -768,7 +771,7 @@ def test_a_library_that_builds_but_does_not_load_falls_back_to_the_next_build(tm
     and built again with the same flags, which failed the same way: the kernels were off on every start."""
     cc = tmp_path / "cc-openmp-unloadable"
     cc.write_text('#!/bin/sh\nomp=0; out=; prev=\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && omp=1\n'
-                  '  [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\ncc "$@" || exit $?\n'
+                  '  [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n' + _CC_SH + ' "$@" || exit $?\n'
                   '[ "$omp" = 1 ] && printf "not an ELF file" >"$out"\nexit 0\n')
     cc.chmod(0o755)
     out = _status_in_subprocess({"CC": str(cc), "MEMSPEC_CACHE_DIR": str(tmp_path / "cache"),
@@ -782,7 +785,7 @@ def test_a_library_the_linker_left_group_writable_is_still_reused(tmp_path, monk
     cache (someone else could have written it), so every process compiled its own library."""
     cc = tmp_path / "cc-group-writable"
     cc.write_text('#!/bin/sh\nout=; prev=\nfor a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
-                  'cc "$@" || exit $?\n[ -z "$out" ] || chmod 775 "$out"\n')
+                  + _CC_SH + ' "$@" || exit $?\n[ -z "$out" ] || chmod 775 "$out"\n')
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     first = cpu_kernels._build(tmp_path / "kernels")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import statistics
+import time
 
 import pytest
 from node_helpers import active_harness, goal, prompt_tokenizations
@@ -844,19 +845,25 @@ def test_time_to_first_token_counts_from_the_goals_acceptance(h, monkeypatch):
     import threading
 
     controller = h.node.loaded.controller
-    generate, entered = controller.generate, threading.Event()
+    generate, entered, released = controller.generate, threading.Event(), threading.Event()
 
     def slow_first(*args, **kwargs):
         if not entered.is_set():
             entered.set()
-            threading.Event().wait(1.0)  # the running goal holds the node for a second
+            released.wait(30.0)  # the running goal holds the node until the test lets it go
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(controller, "generate", slow_first)
     first, _ = h.send(goal(max_new_tokens=4))
-    assert first.accepted and entered.wait(10.0)
-    queued, _ = h.send(goal(max_new_tokens=2))
-    assert queued.accepted
+    try:
+        assert first.accepted and entered.wait(10.0)
+        queued, _ = h.send(goal(max_new_tokens=2))
+        assert queued.accepted
+        # held for 0.6 s after the queued goal's acceptance (a fixed hold from the first goal's start left less
+        # than 0.5 s of it to the queued goal where its send took long)
+        time.sleep(0.6)
+    finally:
+        released.set()
     assert h.result(first).status == GoalStatus.STATUS_SUCCEEDED
     result = h.result(queued).result
     assert result.time_to_first_token > 0.5

@@ -827,7 +827,9 @@ def test_pinned_copy_is_a_plain_move_on_cpu():
     assert to_device_via_pinned(model, torch.device("cpu")) is model
 
 
-torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test of this module on one thread (conftest.one_thread)."""
 
 
 def test_a_closed_cache_reserves_nothing():

@@ -624,7 +624,9 @@ def test_every_iteration_is_accounted(target, drafts, oracle):
     spec = stats.speculative_iterations
     assert stats.desired_fraction + stats.fallback_fraction == pytest.approx(1.0)
     assert stats.predictions >= 1 + (len(stats.iterations) - 1) // ctl.config.interval
-    assert stats.prediction_seconds > 0 and stats.prediction_overhead < 1.0
+    # the overhead is the breakdown's prediction part of the decode time (was "< 1.0", true of any share)
+    assert stats.prediction_seconds > 0
+    assert stats.prediction_overhead == pytest.approx(stats.time_breakdown()["prediction"] / stats.decode_seconds)
     assert all(it.preferred for it in spec)
     summary = stats.summary()
     assert summary["policy"] == "memspec" and "cache_hits" in summary
@@ -809,7 +811,9 @@ def test_sampled_output_has_the_targets_distribution_under_every_policy(sampled,
         assert stat < chi2_critical(dof, z=3.72), (name, stat, dof)  # 0.9999
 
 
-torch.set_num_threads(1)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test of this module on one thread (conftest.one_thread)."""
 
 
 def test_a_draft_entry_given_another_path_mid_goal_replaces_the_model_in_memory(target, drafts):

@@ -541,7 +541,9 @@ def test_the_target_hidden_ranker_reads_the_prefill_not_a_second_prompt_pass(tra
         engine.close()
 
 
-torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test of this module on one thread (conftest.one_thread)."""
 
 
 def test_load_runtime_from_files(trained):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from memspec_ros.runtime import draft_forward
 from memspec_ros.runtime.cache import registry_loader
@@ -201,7 +200,9 @@ def test_a_registry_takes_another_checked_registrys_entries_in_one_step_without_
     assert live.names() == ["code"]
 
 
-torch.set_num_threads(1)  # small models on a shared 2-core machine: threads only contend
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test of this module on one thread (conftest.one_thread)."""
 
 
 def test_a_resident_draft_whose_files_changed_is_evicted_on_request(zoo, tmp_path):

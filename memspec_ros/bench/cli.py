@@ -697,8 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--long", action="store_true",
                       help="the README's run: 1,000 sequential goals, 10 bursts, 20 storm rounds (RSS bound checked)")
     soak.add_argument("--goals", type=positive_int, help="sequential goals (default 200, --long 1000)")
-    soak.add_argument("--bursts", type=positive_int, help="bursts of 20 goal requests against a queue of 4 (default 3)")
-    soak.add_argument("--storm-rounds", type=positive_int, help="cancel storm rounds of queue + 1 goals (default 5)")
+    soak.add_argument("--bursts", type=positive_int,
+                      help="bursts of 20 goal requests against a queue of 4 (default 3, --long 10)")
+    soak.add_argument("--storm-rounds", type=positive_int,
+                      help="cancel storm rounds of queue + 1 goals (default 5, --long 20)")
     soak.add_argument("--threads", type=node_parameter_range("model.threads"),
                       help="torch CPU threads of the node (default 1)")
     soak.set_defaults(func=cmd_soak)

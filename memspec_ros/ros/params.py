@@ -130,10 +130,11 @@ PARAMS: tuple[Param, ...] = (
     Param("model.device", "cpu", "Device for target and drafts: cpu or cuda[:N].", AT_CONFIGURE),
     Param("model.threads", 0, "torch CPU threads (0: leave torch's default).", AT_CONFIGURE, int_range=(0, 256)),
     Param("model.allowed_roots", [""],
-          "Directories every model, tokenizer, predictor and registry path set after start (and every path a registry"
-          " file lists) must resolve into, symlinks and '..' followed; others are refused. [''] or []: the bundled"
-          " zoo, the user's cache directory ($XDG_CACHE_HOME or ~/.cache), the working directory when it is the"
-          " user's own and not writable by every user (not '/', not /tmp), and $MEMSPEC_ALLOWED_ROOTS. The locations"
+          "Directories every model, tokenizer, predictor, datastore and registry path set after start (and every"
+          " path a registry file lists) must resolve into, symlinks and '..' followed; others are refused. [''] or"
+          " []: the bundled zoo, the user's cache directory ($XDG_CACHE_HOME or ~/.cache), $MEMSPEC_CACHE_DIR when"
+          " set, the working directory when it is the user's own and not writable by every user (not '/', not"
+          " /tmp), and $MEMSPEC_ALLOWED_ROOTS. The locations"
           " the node was started with are always allowed, and so are pkg:<package>/<file> sources for the target,"
           " tokenizer and draft paths.",
           AT_CONFIGURE, read_only=True),
@@ -439,11 +440,12 @@ def _only_the_users(path: Path) -> bool:
 def default_allowed_roots() -> list[Path]:
     """model.allowed_roots' default: the bundled zoo, the user's cache directory (Hugging Face's and the
     GGUF conversions'), the working directory when it is the user's own and not writable by every user (not the
-    filesystem root, where a service started in / would allow everything, nor /tmp), and the directories in
-    $MEMSPEC_ALLOWED_ROOTS."""
-    roots = [default_zoo_dir(), Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")]
-    if os.environ.get("MEMSPEC_CACHE_DIR"):
-        roots.append(Path(os.environ["MEMSPEC_CACHE_DIR"]))
+    filesystem root, where a service started in / would allow everything, nor /tmp), $MEMSPEC_CACHE_DIR when set,
+    and the directories in $MEMSPEC_ALLOWED_ROOTS."""
+    from memspec_ros.runtime.model_source import memspec_cache_dir, user_cache_dir
+
+    # the folders the caches are written in (model_source.cache_root), read as it reads them
+    roots = [default_zoo_dir(), user_cache_dir(), *filter(None, [memspec_cache_dir()])]
     cwd = Path.cwd().resolve()
     if _a_root_that_confines(cwd) and _only_the_users(cwd):
         roots.append(cwd)

@@ -288,7 +288,9 @@ class RuntimeController:
         reason = predictor_refusal(config.policy, self.predictor, config.recent_tokens, config.interval)
         if reason:
             raise ValueError(reason)
-        make_policy(config.policy, predictor=self.predictor, oracle_for=self.oracle_for,
+        # as a policy takes it (a Ranker: _make_policy's wrappers), so that its close finds what it ends
+        ranker = SynchronousPredictor(self.predictor) if self.predictor is not None else None
+        make_policy(config.policy, predictor=ranker, oracle_for=self.oracle_for,
                     general_draft=config.general_draft, ucb_c=config.ucb_c).close()
         self.check_ranking(config.policy, self.registry)
 

@@ -49,14 +49,21 @@ class GGUFConversionError(ModelLoadError):
     """A GGUF file cannot be turned into a model here; the message says why and what to do."""
 
 
-def cache_root() -> Path:
-    # a "~" is expanded (a launch file or a systemd unit has no shell to do it: "./~/cache" was made); a relative
-    # XDG_CACHE_HOME is ignored, as the XDG spec says
-    override = os.environ.get("MEMSPEC_CACHE_DIR")
-    if override:
-        return Path(override).expanduser()
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME, else ~/.cache: a relative XDG_CACHE_HOME is ignored, as the XDG spec says; a "~" is
+    expanded (a launch file or a systemd unit has no shell to do it: "./~/cache" was made)."""
     xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
-    return (xdg if xdg.is_absolute() else Path.home() / ".cache") / "memspec_ros"
+    return xdg if xdg.is_absolute() else Path.home() / ".cache"
+
+
+def memspec_cache_dir() -> Path | None:
+    """$MEMSPEC_CACHE_DIR, "~" expanded (None: not set)."""
+    override = os.environ.get("MEMSPEC_CACHE_DIR")
+    return Path(override).expanduser() if override else None
+
+
+def cache_root() -> Path:
+    return memspec_cache_dir() or user_cache_dir() / "memspec_ros"
 
 
 def package_file(spec: str) -> Path:

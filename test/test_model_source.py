@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import time
 
 import numpy as np
 import pytest
@@ -510,8 +512,14 @@ def test_a_conversion_removes_the_folders_of_conversions_killed_part_way_under_a
         (gguf_dir / f".{name}-123").mkdir()
         (gguf_dir / f".{name}-123" / "model.safetensors").write_bytes(b"half a model")
     (gguf_dir / ".abandoned.lock").touch()
+    (gguf_dir / ".recent-123").mkdir()  # written to lately, no lock held: maybe a conversion flock cannot see (NFS)
+    (gguf_dir / ".recent.lock").touch()
+    long_ago = time.time() - model_source.CONVERSION_WAIT_SECONDS - 60
+    for folder in (gguf_dir / ".abandoned-123", gguf_dir / ".converting-123", gguf_dir / ".unlocked-123"):
+        for path in (folder / "model.safetensors", folder):
+            os.utime(path, (long_ago, long_ago))
     with open(gguf_dir / ".converting.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as another process converting that key now
         assert (resolve_model_path(str(src)) / CONVERTED_MARKER).is_file()
     left = sorted(p.name for p in gguf_dir.iterdir() if p.is_dir() and p.name.startswith("."))
-    assert left == [".converting-123", ".unlocked-123"]  # held, or no conversion's (no lock beside it)
+    assert left == [".converting-123", ".recent-123", ".unlocked-123"]  # held, lately written, or no lock beside

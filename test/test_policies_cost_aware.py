@@ -100,13 +100,13 @@ def test_a_worthwhile_non_resident_draft_is_prefetched_and_the_active_one_runs_m
     choice = policy.choose(point(1, 10, "general", ["general", "code"]))
     order = [d for d, _ in choice.ranking]
     assert choice.preferred == "math" and order[:2] == ["math", "general"]  # W = {math, general}: code goes
-    # its load is measured: asked at point 1, resident at point 3 -> two intervals (after the runner-up
-    # MemSpec's first choice prefetched: asked at point 0, resident at point 1)
+    # its load is measured: asked at point 1, resident at point 3 -> two intervals of N iterations (after the
+    # runner-up MemSpec's first choice prefetched: asked at point 0, resident at point 1)
     policy.observe("general", interval_of("general"))
     policy.choose(point(2, 20, "general", ["general"]))
     policy.observe("general", interval_of("general"))
     policy.choose(point(3, 30, "general", ["general", "math"]))
-    assert policy._load_points == [1, 2]
+    assert policy._load_iterations == [N, 2 * N]
 
 
 def test_on_a_warm_cache_the_first_drafts_background_load_is_measured_too():
@@ -121,7 +121,7 @@ def test_on_a_warm_cache_the_first_drafts_background_load_is_measured_too():
     warm.choose(point(1, 10, "general", ["general", "math"]))  # math landed: asked at 0, resident at 1
     warm.observe("general", interval_of("general"))
     warm.choose(point(2, 20, "general", ["general", "math", "code"]))  # code: asked at 0, resident at 2
-    assert sorted(warm._load_points) == [1, 2]
+    assert sorted(warm._load_iterations) == [N, 2 * N]
     cold = make_policy(COST_AWARE, predictor=ranker(probs))
     cold.start(PROMPT)
     assert cold.choose(point(0, 0, "", [])).block
@@ -168,25 +168,35 @@ def test_a_catch_up_whose_proposal_was_dropped_still_prices_a_switch():
     assert policy.choose(point(1, 10, "general", ["general", "code"])).preferred == "general"  # as when it proposed
 
 
-def test_an_interval_shortened_mid_goal_is_the_one_loads_are_converted_with():
-    """N reduced mid-goal (a parameter change): the policy kept the largest interval it had seen, so a load's
-    points were converted to iterations with the old N and a draft to load looked N_old/N_new times further
-    away. After one interval of the new N it values a load as a policy that ran with that N throughout."""
+def test_loads_are_measured_in_iterations_whatever_n_was_when_they_ran():
+    """N reduced mid-goal (a parameter change): the policy kept the largest interval it had seen and converted a
+    load's scheduling points to iterations with it, so every load looked N_old/N_new times longer. Converting
+    with the new N instead would have made a load measured under the old one look shorter. A load is measured in
+    the iterations it took, and an unmeasured one is expected in one interval of the N in force."""
     probs = {"code": 0.5, "math": 0.4, "general": 0.1}
     per_token = 1e-5
     first = interval_of("general", catchup_tokens=len(PROMPT) + 1, catchup_seconds=per_token * (len(PROMPT) + 1))
 
-    def run(intervals: list[list[IterationStats]]):
+    def run(intervals: list[list[IterationStats]], resident: list[str]):
         policy = make_policy(COST_AWARE, predictor=ranker(probs))
         policy.start(PROMPT)
-        policy.choose(point(0, 0, "", ["code", "math"]))  # both resident: no load asked for, none measured
-        for its in intervals:
+        policy.choose(point(0, 0, "", resident))
+        for i, its in enumerate(intervals):
             policy.observe("general", its)
+            policy.choose(point(i + 1, 10, "general", ["general", *resident]))
         return policy
 
-    shortened = run([first, first[:1]])  # N = 4, then N = 1
-    short_all_along = run([first[:1], first[1:2], first[2:3], first[3:4], first[:1]])
-    at = point(2, 10, "general", ["general", "code"])  # math evicted: its load is one interval away
+    at = point(9, 10, "general", ["general", "code"])  # math not resident: its load is one interval away
+    # nothing measured (both resident at the first choice): the default delay is the interval in force
+    shortened = run([first, first[:1]], ["code", "math"])  # N = 4, then N = 1
+    short_all_along = run([first[:1], first[1:2], first[2:3], first[3:4], first[:1]], ["code", "math"])
     assert shortened.values(at, probs)["math"] == short_all_along.values(at, probs)["math"]
-    four_all_along = run([first, first])
-    assert four_all_along.values(at, probs)["math"] < shortened.values(at, probs)["math"]  # 4 iterations away
+    assert run([first, first], ["code", "math"]).values(at, probs)["math"] < shortened.values(at, probs)["math"]
+    # a load measured under N = 4 (asked at the first choice, resident one interval later) stays 4 iterations long
+    measured = make_policy(COST_AWARE, predictor=ranker(probs))
+    measured.start(PROMPT)
+    measured.choose(point(0, 0, "", ["general"]))  # code and math asked for
+    measured.observe("general", first)
+    measured.choose(point(1, 10, "general", ["general", "code", "math"]))
+    measured.observe("general", first[:1])  # N = 1 from here
+    assert measured._load_iterations == [N, N]

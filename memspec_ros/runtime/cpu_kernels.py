@@ -24,6 +24,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -148,6 +149,23 @@ def _folder_ours(folder: Path) -> bool:
     return not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o002
 
 
+def _run_compiler(command: list[str], timeout: float = COMPILE_TIMEOUT_S) -> subprocess.CompletedProcess | None:
+    """``command`` run to its end, or None past ``timeout``: then its whole process group is killed (the driver
+    alone left cc1 and ld running, and a late ld could still write the output the next attempt links)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended meanwhile, with all it started
+            pass
+        process.communicate()
+        return None
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...]) -> None:
     """Compile the kernels into ``library`` (a temporary name in ``out_dir``, renamed when whole)."""
     from .model_source import sync_dir  # (a module that imports torch's model code: only when building)
@@ -162,10 +180,8 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
     errors = []
     try:
         for tried in ((*flags, OPENMP), flags, portable_flags):
-            try:
-                done = subprocess.run([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"],
-                                      capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:  # the next, simpler attempt still has its chance
+            done = _run_compiler([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"])
+            if done is None:  # the next, simpler attempt still has its chance
                 errors.append(f"[{' '.join(tried)}] timed out after {COMPILE_TIMEOUT_S} s")
                 continue
             if done.returncode == 0:

@@ -399,12 +399,24 @@ def _remove_abandoned_conversions(folder: Path, held: str) -> None:
         if key == held:
             shutil.rmtree(stale, ignore_errors=True)
             continue
-        try:  # another open file, so another flock: refused while any process (this one too) converts that key
+        if _newest_change(stale) > time.time() - CONVERSION_WAIT_SECONDS:
+            # written to lately: maybe converting, where flock does not exclude it (NFS emulates it with a
+            # process's POSIX locks; a cache shared between hosts); one killed is removed once that long has passed
+            continue
+        try:  # another open file, so another flock: refused while another process converts that key
             with os.fdopen(os.open(folder / f".{key}.lock", os.O_WRONLY | os.O_NOFOLLOW), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(stale, ignore_errors=True)
         except OSError:  # converting now (BlockingIOError), no lock (not a conversion's folder), another user's
             continue
+
+
+def _newest_change(folder: Path) -> float:
+    """The latest modification time of ``folder`` and of what it holds (0.0: gone)."""
+    try:
+        return max([folder.stat().st_mtime, *(f.stat().st_mtime for f in folder.rglob("*"))])
+    except OSError:  # removed meanwhile
+        return 0.0
 
 
 def _wait_for_lock(lock, lock_file: Path) -> None:

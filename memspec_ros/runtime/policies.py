@@ -439,9 +439,9 @@ class CostAwareMemSpecPolicy(_Predicted):
     * predicted gain = (p(b) - p(a)) * E[A] * (R - delay(b)): the ranking margin is the confidence,
       read as the expected relative change in accepted tokens per iteration (E[A], measured so far);
       R = iterations left = (max_new_tokens - generated) / (1 + E[A]); delay(b) = 0 for a resident
-      draft, else its load time in iterations (measured: scheduling points from asking for a
-      prefetch to seeing it resident, times N; one interval before any is measured, the earliest a
-      prefetched draft can run);
+      draft, else its load time in iterations (measured: iterations from asking for a prefetch to
+      seeing it resident; one interval before any is measured, the earliest a prefetched draft can
+      run), less the iterations since its prefetch was asked for;
     * cost = the catch-up b needs (its KV cache lacks every token since it last ran, or the whole
       context if it never ran or was evicted) * the measured catch-up seconds per token, in tokens:
       / (draft + verify seconds per iteration) * (1 + E[A]).
@@ -461,15 +461,18 @@ class CostAwareMemSpecPolicy(_Predicted):
         self._kv: dict[str, int] = {}  # draft -> context tokens its KV cache holds (while resident)
         self._accepted = self._iterations = self._catchup_tokens = 0
         self._iteration_seconds = self._catchup_seconds = 0.0
-        self._interval_length = 0  # N, as observed
-        self._asked: dict[str, int] = {}  # non-resident draft -> scheduling point its prefetch was asked at
-        self._load_points: list[int] = []  # measured: points from asking to resident
+        self._interval_length = 0  # N, as the last interval showed it
+        self._seen = 0  # iterations observed in this generation
+        self._asked: dict[str, int] = {}  # non-resident draft -> iterations seen when its prefetch was asked for
+        # measured: iterations from asking to resident (in iterations, not points: N may change mid-goal)
+        self._load_iterations: list[int] = []
         self.declined = 0  # switches or prefetches MemSpec would have made and this rule did not
 
     def observe(self, draft: str, iterations: Sequence[IterationStats]) -> None:
-        # N as the last full interval showed it (the largest one seen kept an N reduced mid-goal, and loads
-        # converted from points with it looked longer than they were, declining switches for the rest of the goal)
+        # N as the last interval showed it: the default load delay, one interval (the largest N seen kept an N
+        # reduced mid-goal, and every unmeasured load looked that much longer)
         self._interval_length = len(iterations) or self._interval_length
+        self._seen += len(iterations)
         for it in iterations:
             if it.draft == LOOKUP_DRAFT:  # copies from the context say nothing of a draft
                 continue
@@ -493,7 +496,7 @@ class CostAwareMemSpecPolicy(_Predicted):
         seconds = self._iteration_seconds / self._iterations
         per_token = self._catchup_seconds / self._catchup_tokens if self._catchup_tokens else 0.0
         interval = self._interval_length or 1
-        delay = interval * (statistics.fmean(self._load_points) if self._load_points else 1.0)
+        delay = statistics.fmean(self._load_iterations) if self._load_iterations else interval
         context = self._prompt_len + generated
         out = {}
         # scores as probabilities: a draft the head does not know scores UNKNOWN_SCORE (-1), which made every
@@ -503,8 +506,8 @@ class CostAwareMemSpecPolicy(_Predicted):
             if b == active:
                 continue
             # a load asked for at an earlier point has only the rest of its measured time to go
-            since = point.interval - self._asked[b] if b in self._asked else 0
-            wait = 0.0 if b in point.resident else max(0.0, delay - interval * since)
+            since = self._seen - self._asked[b] if b in self._asked else 0
+            wait = 0.0 if b in point.resident else max(0.0, delay - since)
             gain = (p - known.get(active, 0.0)) * mean_accepted * max(0.0, left - wait)
             catchup = (context - self._kv.get(b, 0)) * per_token
             cost = catchup / seconds * per_iteration if seconds > 0 else 0.0
@@ -517,7 +520,7 @@ class CostAwareMemSpecPolicy(_Predicted):
             return prefetch_choice(point, "", [])
         resident = [d for d, _ in ranking if d in point.resident]
         for d in [d for d in self._asked if d in resident]:
-            self._load_points.append(point.interval - self._asked.pop(d))
+            self._load_iterations.append(self._seen - self._asked.pop(d))
         for d in [d for d in self._kv if d not in point.resident]:
             del self._kv[d]  # evicted: its KV cache went with it
         active = point.active if point.active in point.resident else ""
@@ -527,7 +530,7 @@ class CostAwareMemSpecPolicy(_Predicted):
             # the prefetches this asks for, whose loads are measured: the runner-up, and the top draft unless the
             # choice waits for it (a cold cache's first draft is a blocking load, not a prefetch)
             asked = ranking[1:2] if point.initial_wait else ranking[:2]
-            self._ask([d for d, _ in asked if d not in point.resident], point.interval)
+            self._ask([d for d, _ in asked if d not in point.resident])
             return prefetch_choice(point, ranking[0][0], ranking)  # MemSpec's choice: nothing measured yet
         values = self.values(point, dict(ranking))
         worth = sorted((d for d, v in values.items() if v > 0), key=lambda d: -values[d])
@@ -545,12 +548,12 @@ class CostAwareMemSpecPolicy(_Predicted):
         others = sorted((d for d in resident if d not in (preferred, best_resident, active)), key=lambda d: -values[d])
         fill = [d for d, _ in ranking if d not in point.resident]
         order = list(dict.fromkeys([preferred, best_resident, active, *others, *fill]))
-        self._ask([preferred] if preferred not in point.resident else [], point.interval)
+        self._ask([preferred] if preferred not in point.resident else [])
         return prefetch_choice(point, preferred, [(d, float(len(order) - i)) for i, d in enumerate(order)])
 
-    def _ask(self, drafts: Sequence[str], interval: int) -> None:
+    def _ask(self, drafts: Sequence[str]) -> None:
         """Note when each draft's prefetch was asked for (earlier asks for other drafts lapse)."""
-        self._asked = {d: self._asked.get(d, interval) for d in drafts}
+        self._asked = {d: self._asked.get(d, self._seen) for d in drafts}
 
 
 def make_policy(

@@ -334,7 +334,9 @@ class RuntimeForm:
             try:
                 save_file(tensors, str(partial), metadata={SOURCE_METADATA: json.dumps(source)})
             except SafetensorError as error:  # safetensors' I/O errors (a full disk) are no OSError: raised as one,
-                raise OSError(str(error)) from error  # the caller keeps the draft it built and loads without a form
+                if "I/O error" not in str(error):  # so the caller keeps the draft it built and loads without a form
+                    raise
+                raise OSError(str(error)) from error
             with open(partial, "rb+") as handle:
                 os.fsync(handle.fileno())  # written back, so a cold read's page-cache drop really drops it
             os.replace(partial, file)
@@ -552,14 +554,17 @@ class DraftStorage:
             loaded = build_model(spec, [blob for blob, _ in reads])
             target = runtime_form_file(spec, source)
             try:
-                form = RuntimeForm.write(loaded, target, source)
+                # a draft prepared off the lean forward has per-module forwards bound to its own layers (row_exact),
+                # which a runtime form's copies would share: it is built from its safetensors each time
+                form = RuntimeForm.write(loaded, target, source) if loaded.prepared is None else None
             except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
                 log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
                             "safetensors each time; point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
                             "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path, target.parent, error)
             else:
-                with self._lock:
-                    self._forms[key] = form
+                if form is not None:
+                    with self._lock:
+                        self._forms[key] = form
         build = time.perf_counter() - t0
         cached = [r.cached_after_drop for _, r in reads]
         record = LoadRecord(

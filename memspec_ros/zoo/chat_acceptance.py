@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,8 +108,9 @@ def workload_rows(folder: Path, per_workload: int) -> dict[str, list[dict]]:
 def answers_cache_dir(rows: dict[str, list[dict]], max_new_tokens: int, target: str) -> Path:
     """Where the target's answers to these rows are kept: a folder keyed by the rows, the budget and the target."""
     key = hashlib.sha256(json.dumps([rows, max_new_tokens, target], sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "memspec_ros" / "answers" / key
+    from memspec_ros.runtime.model_source import cache_root
+
+    return cache_root() / "answers" / key  # as every cache of the package ($MEMSPEC_CACHE_DIR overrides)
 
 
 def chat_acceptance(drafts: dict[str, torch.nn.Module], answers: Sequence[Answer], gamma: int = 4,

@@ -241,11 +241,14 @@ def export_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, out: str |
 
 
 def default_cache_dir() -> Path:
-    """artifacts/drafts-gguf in a source checkout, else $XDG_CACHE_HOME/memspec_ros/drafts-gguf."""
+    """artifacts/drafts-gguf in a source checkout, else the package's cache folder's drafts-gguf
+    ($MEMSPEC_CACHE_DIR, else $XDG_CACHE_HOME/memspec_ros)."""
+    from memspec_ros.runtime.model_source import cache_root
+
     artifacts = Path(__file__).resolve().parents[2] / "artifacts"
     if artifacts.is_dir() and os.access(artifacts, os.W_OK):
         return artifacts / "drafts-gguf"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memspec_ros" / "drafts-gguf"
+    return cache_root() / "drafts-gguf"
 
 
 def cached_draft_gguf(draft_dir: str | Path, target_gguf: str | Path, cache_dir: str | Path | None = None) -> Path:

@@ -34,7 +34,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # path parameters (model.allowed_roots' default; test_security checks the confinement with roots of its own).
 import tempfile  # noqa: E402
 
-os.environ.setdefault("MEMSPEC_ALLOWED_ROOTS", tempfile.gettempdir())
+# added to the user's own roots (a value set for running the node replaced it, and every test zoo was refused)
+os.environ["MEMSPEC_ALLOWED_ROOTS"] = os.pathsep.join(
+    [p for p in os.environ.get("MEMSPEC_ALLOWED_ROOTS", "").split(os.pathsep) if p] + [tempfile.gettempdir()])
 
 # Drafts loaded through the storage tier keep their runtime forms (runtime/storage.py): the tests' are forms of
 # temporary zoos, kept in a folder of this session's (the node processes the tests start inherit it), not the

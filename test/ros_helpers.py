@@ -61,6 +61,13 @@ def isolate_ros_environment(domain_id: int) -> None:
     os.environ["ROS_DOMAIN_ID"] = str(domain_id)
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # Jazzy and later
     os.environ.pop("ROS_STATIC_PEERS", None)
+    # a shell's middleware settings are not the tests': another RMW (only rmw_fastrtps is installed: rclpy.init
+    # failed), a discovery server that is not running (every node a client of it: spin timeouts), DDS profiles and
+    # an SROS2 enclave of its own
+    for name in ("RMW_IMPLEMENTATION", "ROS_DISCOVERY_SERVER", "ROS_SUPER_CLIENT", "FASTDDS_DEFAULT_PROFILES_FILE",
+                 "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_SECURITY_ENABLE", "ROS_SECURITY_KEYSTORE",
+                 "ROS_SECURITY_ENCLAVE_OVERRIDE", "ROS_SECURITY_STRATEGY"):
+        os.environ.pop(name, None)
     if os.environ.get("ROS_DISTRO") == "humble":
         os.environ["ROS_LOCALHOST_ONLY"] = "1"  # Humble's spelling of the same
     else:

@@ -99,6 +99,16 @@ BAD_LINES = [
 ]
 
 
+def test_a_workload_file_with_a_byte_order_mark_reads_as_without_it(tmp_path):
+    """A file saved by a Windows editor begins with a UTF-8 byte-order mark: its first row failed as "not valid
+    JSON" at line 1."""
+    from memspec_ros.runtime.jsonl import read_jsonl
+
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\r\n\r\n{"prompt": "x"}\r\n')
+    assert read_jsonl(path) == [{"prompt": "hi"}, {"prompt": "x"}]
+
+
 @pytest.mark.parametrize(("text", "line", "what"), BAD_LINES)
 def test_a_malformed_workload_line_is_named_by_file_and_line(text, line, what, tmp_path):
     """json.loads raised a bare JSONDecodeError (or a KeyError) with no file or line to look at."""

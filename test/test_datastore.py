@@ -180,6 +180,11 @@ def test_a_datastore_for_another_tokenizer_or_not_a_datastore_is_refused(tmp_pat
               str(tmp_path / "bad.safetensors"), metadata={"format": datastore_module.FORMAT})
     with pytest.raises(DatastoreError, match="offsets"):
         Datastore.load(tmp_path / "bad.safetensors")
+    # uint64 offsets that go backwards: np.diff wrapped round and passed them (two answers read back overlapping)
+    save_file({"tokens": np.arange(10, dtype=np.int32), "offsets": np.array([0, 8, 3, 10], dtype=np.uint64)},
+              str(tmp_path / "backwards.safetensors"), metadata={"format": datastore_module.FORMAT})
+    with pytest.raises(DatastoreError, match="offsets"):
+        Datastore.load(tmp_path / "backwards.safetensors")
     with pytest.raises(DatastoreError, match="negative"):
         Datastore([[1, -5]])
     # -1 is the separator: in an answer it split it in two when saved (one answer written, two read back)

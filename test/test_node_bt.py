@@ -300,6 +300,64 @@ def test_a_preempted_goals_late_feedback_and_cancel_do_not_write_into_the_next_r
     assert handle.cancels == 1 and b.cancel_future is None  # cancelled, and not taken for the new run's cancel
 
 
+def test_a_behaviour_that_failed_keeps_its_outcome_when_its_parent_stops_it():
+    """A parent stops every child (Composite.stop(INVALID)): a Generate that had failed with send-goal-timeout or
+    result-timeout cancelled its goal a second time and took "canceled" for its outcome, erasing the diagnosis."""
+    client = _Client()
+    b = _faked(client, server_timeout=0.2)
+    assert tick_until_done(b, 5.0) == Status.FAILURE and b.outcome == "send-goal-timeout"
+    b.stop(Status.INVALID)
+    assert b.outcome == "send-goal-timeout"
+    late = _Handle()
+    client.goal_future.set_result(late)
+    assert late.cancels == 1  # once, by the timeout's own callback
+    client = _Client()
+    handle = _Handle()
+    client.goal_future.set_result(handle)
+    b = _faked(client, server_timeout=5.0, result_timeout=0.2)
+    assert tick_until_done(b, 5.0) == Status.FAILURE and b.outcome == "result-timeout"
+    b.stop(Status.INVALID)
+    assert b.outcome == "result-timeout" and handle.cancels == 1
+
+
+def test_a_tree_that_ended_on_a_timeout_is_settled_before_the_example_leaves():
+    """The example returned as soon as the tree ended: the cancel of a goal that failed by a timeout went out with
+    no spin to deliver its answer (or, for a goal never seen accepted, to run the callback that cancels it), so the
+    goal ran on to max_new_tokens holding the node's one generation. settle() spins until it is answered."""
+    from rclpy.task import Future
+
+    from memspec_ros.ros.bt_example import settle
+
+    client = _Client()
+    handle = _Handle()
+    cancel = Future()
+    handle.cancel_goal_async = lambda: cancel
+    client.goal_future.set_result(handle)
+    b = _faked(client, server_timeout=5.0, result_timeout=0.2)
+    tree = py_trees.trees.BehaviourTree(b)
+    while tree.root.status != Status.FAILURE:
+        tree.tick()
+        time.sleep(0.01)
+    spins = []
+
+    def spin_once():  # the node answers the cancel on the third spin
+        spins.append(1)
+        if len(spins) == 3:
+            cancel.set_result(object())
+
+    assert not b.goal_settled()
+    assert settle(tree, spin_once, 5.0) and len(spins) == 3 and b.goal_settled()
+
+
+def test_the_example_refuses_a_bad_node_name_before_starting_ros(capsys):
+    """A space in --node ended the example in a traceback from the action client, inside tree.setup()."""
+    from memspec_ros.ros import bt_example
+
+    with pytest.raises(SystemExit) as exit_info:
+        bt_example.main(["hi", "--node", "/my node"])
+    assert exit_info.value.code == 2 and "is no valid node name" in capsys.readouterr().err
+
+
 def test_the_example_takes_ros_arguments_and_its_timeouts_as_flags(monkeypatch):
     """--ros-args (the README's enclave for the BT, a namespace remap) failed argparse with 'unrecognized
     arguments'; the server timeout (1 s, shorter than discovery can take) had no flag."""

@@ -7,6 +7,8 @@ internals rejected with its reason, and messages refused by a model without a ch
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from node_helpers import active_harness, goal, prompt_tokenizations, tiny_chat_zoo
@@ -559,3 +561,52 @@ def test_the_clients_rejection_reason_is_found_under_either_diagnostic_name(publ
     relative = RejectionReasons(NamespacedNode(), None, "memspec", wait_seconds=0.0)
     relative._on_diagnostics(own)
     assert relative._latest == (4, "the node is not active")
+
+
+def test_the_client_gives_up_on_a_server_gone_mid_goal_and_asks_one_that_came_back_again():
+    """memspec_client waited for a result from a node that had died mid-goal for its whole --result-timeout (900 s;
+    for ever with 0), and a respawned node never got the result request sent to the one before."""
+    from rclpy.task import Future
+
+    from memspec_ros.ros.client import ResultWatch
+
+    class Server:
+        ready = True
+
+        def server_is_ready(self):
+            return self.ready
+
+    class Handle:
+        def __init__(self):
+            self.asked = []
+
+        def get_result_async(self):
+            self.asked.append(Future())
+            return self.asked[-1]
+
+    class Executor:
+        def __init__(self, each=None):
+            self.each = each or (lambda: None)
+
+        def spin_once(self, timeout_sec=None):
+            time.sleep(0.01)
+            self.each()
+
+    server, handle = Server(), Handle()
+    watch = ResultWatch(server, handle, server_timeout=0.2)
+    server.ready = False
+    t0 = time.monotonic()
+    assert watch.wait(Executor(), 30.0) is False  # gone: given up after server_timeout, not the result timeout
+    assert time.monotonic() - t0 < 10.0 and len(handle.asked) == 1
+    server, handle = Server(), Handle()
+    watch = ResultWatch(server, handle, server_timeout=5.0)
+    spins = []
+
+    def respawned():  # gone for a moment, then back: the request goes again, and that one is answered
+        spins.append(1)
+        server.ready = not 3 <= len(spins) < 6
+        if len(handle.asked) == 2 and not handle.asked[1].done():
+            handle.asked[1].set_result("the result")
+
+    assert watch.wait(Executor(respawned), 30.0) is True
+    assert len(handle.asked) == 2 and watch.future.result() == "the result"

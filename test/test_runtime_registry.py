@@ -107,6 +107,8 @@ def test_a_malformed_registry_entry_is_refused_naming_the_file_and_field(zoo, te
     ("drafts:\n  - {name: code, path: drafts/code}\n  - {name: code, path: drafts/general}\n",
      r"drafts\[1\] \('code'\) in .*r\.yaml has the name of drafts\[0\]"),
     ("target: ''\ndrafts:\n  - {name: code, path: drafts/code}\n", r"must be a path .*not an empty one"),
+    # `target:` with nothing after it (YAML's null) was skipped like no key at all
+    ("target:\ndrafts:\n  - {name: code, path: drafts/code}\n", r"'target' in .*r\.yaml is empty: write its path"),
 ])
 def test_a_registry_error_says_where_without_echoing_the_files_text(zoo, text, match):
     """Registry errors reach whoever sets drafts.registry_file (the reply and the log): PyYAML's message and the
@@ -142,6 +144,29 @@ def test_lists_from_ros_parameters(zoo):
     # a name listed twice: "already registered: remove it first" named no list to fix
     with pytest.raises(RegistryError, match="drafts.names lists 'g' twice"):
         DraftRegistry.from_lists(["g", "g"], ["drafts/general", "drafts/code"], base_dir=zoo)
+    # an empty name or domain, which the YAML refuses, was taken from the parameters
+    with pytest.raises(RegistryError, match=r"drafts.domains\[0\] \('g'\) is empty"):
+        DraftRegistry.from_lists(["g"], ["drafts/general"], [""], base_dir=zoo)
+    with pytest.raises(RegistryError, match=r"drafts.names\[1\] is empty"):
+        DraftRegistry.from_lists(["g", " "], ["drafts/general", "drafts/code"], base_dir=zoo)
+
+
+def test_a_registry_names_itself_when_it_is_not_utf8_and_expands_a_tilde(zoo, tmp_path, monkeypatch):
+    """A Latin-1 registry failed with the codec's message alone, no file named; a path "~/x" was taken for a
+    folder named "~" beside the registry."""
+    (zoo / "r.yaml").write_bytes("drafts:\n  - {name: caf\u00e9, path: drafts/code}\n".encode("latin-1"))
+    try:
+        with pytest.raises(RegistryError, match=r"r\.yaml is not UTF-8 text \(byte 0xe9"):
+            DraftRegistry.from_yaml(zoo / "r.yaml", validate=False)
+    finally:
+        (zoo / "r.yaml").unlink()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (zoo / "r.yaml").write_text("drafts:\n  - {name: code, path: ~/drafts/code}\n")
+    try:
+        reg = DraftRegistry.from_yaml(zoo / "r.yaml", validate=False)
+    finally:
+        (zoo / "r.yaml").unlink()
+    assert reg.get("code").path == str((tmp_path / "drafts" / "code").resolve())
 
 
 def test_validation_errors_name_the_problem(zoo):

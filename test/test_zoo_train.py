@@ -252,9 +252,11 @@ def test_files_a_resumed_build_takes_for_finished_work_are_on_disk_before_their_
     monkeypatch.setattr(atomic_write.os, "fsync", recorded)
     answer = Answer([1, 2], [3, 4], torch.zeros((2, 1), dtype=torch.int32), torch.zeros((2, 1), dtype=torch.float16))
     save_shard(tmp_path / "train-00000.safetensors", [answer], {"split": "train"})
-    assert synced and ".tmp" in synced[-1]  # the temporary file, before its rename
+    # the temporary file before its rename, then the folder, whose entry the rename is
+    assert len(synced) == 2 and ".tmp" in synced[0] and synced[1] == str(tmp_path)
     Datastore([[1, 2, 3, 4]]).save(tmp_path / "datastore.safetensors")
-    assert synced[-1].endswith(".partial")
+    assert synced[-2].endswith(".partial") and synced[-1] == str(tmp_path)
+    synced.clear()
 
     def write(folder):
         (folder / "model.safetensors").write_bytes(b"weights")
@@ -262,5 +264,15 @@ def test_files_a_resumed_build_takes_for_finished_work_are_on_disk_before_their_
         (folder / "sub" / "meta.json").write_text("{}")
 
     publish_dir(tmp_path / "final", write)
-    assert {Path(p).name for p in synced[-2:]} == {"model.safetensors", "meta.json"}
-    assert all("final.partial" in p for p in synced[-2:])
+    staged = tmp_path / "final.partial"
+    assert set(synced[:-1]) == {str(staged / "model.safetensors"), str(staged / "sub" / "meta.json"),
+                                str(staged / "sub"), str(staged)}  # the files and the folders' entries
+    assert synced[-1] == str(tmp_path)  # after the rename
+
+    def failing(folder):
+        (folder / "half").write_bytes(b"x")
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        publish_dir(tmp_path / "other", failing)
+    assert not (tmp_path / "other.partial").exists() and not (tmp_path / "other").exists()

@@ -209,7 +209,10 @@ class Generate(py_trees.behaviour.Behaviour):
         """Preempted while RUNNING: cancel the goal (the node honours it at the next iteration), also one whose
         acceptance has not been seen yet: it is cancelled when the answer comes, else it would run to its end
         and hold the node's one generation."""
-        if new_status != Status.INVALID:
+        if new_status != Status.INVALID or self.status in (Status.SUCCESS, Status.FAILURE):
+            # a behaviour that has finished keeps its outcome (a parent stops every child: a second cancel of a
+            # timed-out goal, and "canceled" over "send-goal-timeout" or "server-gone"); what it left running is
+            # settled by whoever ends the tree (settle())
             return
         if self.goal_handle is None and self.goal_future is not None:
             self.goal_future.add_done_callback(self._canceller())  # runs at once if the answer is in
@@ -258,6 +261,14 @@ def preempt(tree: py_trees.trees.BehaviourTree, spin_once, wait_seconds: float =
     for behaviour in generates:  # also one interrupted inside its first tick, before it was marked RUNNING
         behaviour.stop(Status.INVALID)
     tree.root.stop(Status.INVALID)
+    return settle(tree, spin_once, wait_seconds)
+
+
+def settle(tree: py_trees.trees.BehaviourTree, spin_once, wait_seconds: float = CANCEL_WAIT_SECONDS) -> bool:
+    """Spin until no Generate of ``tree`` leaves a goal behind on the node (goal_settled), at most ``wait_seconds``:
+    a goal that failed by a timeout was cancelled by a callback or a request that only a spin delivers, and a
+    program that ended at once left it running to max_new_tokens, holding the node's one generation. True if so."""
+    generates = [b for b in tree.root.iterate() if isinstance(b, Generate)]
     deadline = time.monotonic() + wait_seconds
     while not all(b.goal_settled() for b in generates):
         if time.monotonic() > deadline:
@@ -288,11 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.utilities import remove_ros_args
 
     from ..argtypes import message_text, non_negative_float, positive_float
+    from .client import node_name
 
     parser = argparse.ArgumentParser(prog="bt_example", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt")
-    parser.add_argument("--node", default="/memspec")
+    parser.add_argument("--node", type=node_name, default="/memspec")
     parser.add_argument("--system", metavar="TEXT", type=message_text,
                         help="system message before the prompt (chat-template models)")
     parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
@@ -328,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             if not preempt(tree, lambda: executor.spin_once(timeout_sec=0.05)):
                 print(f"the node did not answer the cancel within {CANCEL_WAIT_SECONDS:g} s", file=sys.stderr)
             return 130
+        if not settle(tree, lambda: executor.spin_once(timeout_sec=0.05)):
+            print(f"the node did not answer the cancel within {CANCEL_WAIT_SECONDS:g} s", file=sys.stderr)
         print(py_trees.display.unicode_tree(tree.root, show_status=True))
         print(f"generate: {generate.outcome or 'not run'} - {generate.feedback_message}")
         if generate.result is not None:

@@ -148,14 +148,21 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
                   " full (the node's log and /diagnostics say which)", file=log)
             outcome.status = "rejected"
             return outcome
-        result_future = handle.get_result_async()
+        watch = ResultWatch(client, handle, server_timeout)
         given_up = ""  # the client ended the goal: "interrupted" (Ctrl-C) or "timeout"; its result is still shown
+        there = True
         try:
-            _spin_until(executor, result_future, result_timeout or math.inf)
+            there = watch.wait(executor, result_timeout or math.inf)
         except KeyboardInterrupt:
             print("\ninterrupted: cancelling the goal", file=log)
-            _cancel(executor, handle, result_future)  # waits for the partial answer
+            _cancel(executor, handle, watch.future)  # waits for the partial answer
             given_up = "interrupted"
+        result_future = watch.future
+        if not there and not given_up:
+            print(f"the Generate action server at {action_name} went away while the goal ran (gone for"
+                  f" {server_timeout:g} s, --timeout): no result will come", file=log)
+            outcome.status = "server-gone"
+            return outcome
         if not result_future.done() and not given_up:  # (interrupted: cancelled once already, said so)
             print(f"no result after {result_timeout:g} s: cancelling the goal (--result-timeout)", file=log)
             _cancel(executor, handle, result_future)  # waits for the partial answer, printed below
@@ -187,6 +194,36 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         return outcome
     finally:
         client.destroy()
+
+
+class ResultWatch:
+    """The result of an accepted goal, as bt_example's Generate waits for it: asked again when the server comes back
+    after it was gone, and every ``server_timeout`` (a respawned node never got the request sent to the one before,
+    and one respawned before the dead one's endpoints expired never looked gone), and given up once the server has
+    been gone for ``server_timeout`` (the node died: the client waited out its whole --result-timeout, 900 s)."""
+
+    def __init__(self, client, handle, server_timeout: float) -> None:
+        self.client, self.handle, self.server_timeout = client, handle, server_timeout
+        self.future = handle.get_result_async()
+        self.asked = time.monotonic()
+        self.gone_since: float | None = None
+
+    def wait(self, executor, timeout: float) -> bool:
+        """Spin until the result comes or ``timeout`` s pass; False as soon as the server has been gone too long."""
+        deadline = time.monotonic() + timeout
+        while not self.future.done() and time.monotonic() < deadline:
+            executor.spin_once(timeout_sec=0.05)
+            now = time.monotonic()
+            if self.client.server_is_ready():
+                if self.gone_since is not None or now - self.asked > self.server_timeout:
+                    self.future = self.handle.get_result_async()  # the server there now answers this one
+                    self.asked = now
+                self.gone_since = None
+            elif self.gone_since is None:
+                self.gone_since = now
+            elif now - self.gone_since > self.server_timeout:
+                return False
+        return True
 
 
 def _spin_until(executor, future, timeout: float) -> None:
@@ -409,7 +446,7 @@ def _non_negative_seconds(text: str) -> float:
     return value
 
 
-def _node_name(text: str) -> str:
+def node_name(text: str) -> str:
     """An argparse type: a node name whose action ``<name>/generate`` ROS can name (a space in it ended the client
     in a traceback from the action client)."""
     from rclpy.exceptions import InvalidTopicNameException
@@ -426,7 +463,7 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="memspec_client", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
-    parser.add_argument("--node", type=_node_name, default=DEFAULT_NODE,
+    parser.add_argument("--node", type=node_name, default=DEFAULT_NODE,
                         help=f"the node's full name (default {DEFAULT_NODE})")
     parser.add_argument("--max-new-tokens", type=_integer_in(0, UINT32_MAX, "uint32"), default=0,
                         help="0: the node's generation.max_new_tokens")

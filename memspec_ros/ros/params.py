@@ -209,9 +209,10 @@ PARAMS: tuple[Param, ...] = (
           " once, a running goal's at its next scheduling point) (reuse from the next goal).",
           AT_SCHEDULING_POINT, runtime_field="prompt_cache"),
     Param("memspec.prompt_cache_bytes", 128 * 2**20,
-          "Bytes the prompt cache may hold for goals before the last (oldest dropped first), so goals that"
-          " alternate between conversations or system prompts each continue their own; the last goal's caches are"
-          " always kept. The bundled target's KV cache takes 46,080 bytes per token of buffer (grown by doubling)."
+          "Bytes the prompt cache may hold in all, the last goal's caches included: older goals' are dropped,"
+          " oldest first, until the total fits, so goals that alternate between conversations or system prompts"
+          " each continue their own; the last goal's caches are always kept, even above it. The bundled target's KV"
+          " cache takes 46,080 bytes per token of buffer (grown by doubling)."
           " 0: only the last goal's.",
           AT_SCHEDULING_POINT, int_range=LIMITS["prompt_cache_bytes"], runtime_field="prompt_cache_bytes"),
     Param("memspec.gamma", 4,

@@ -7,17 +7,32 @@ writers never share a temporary name; a failed write leaves no temporary file be
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 
+def sync_dir(folder: str | os.PathLike[str]) -> None:
+    """The folder's entries on disk (a rename is an entry: without this a power cut can undo it). A file system
+    that cannot sync a folder (EINVAL) is left as it is."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def written_aside(path: str | os.PathLike[str], suffix: str = ".tmp", sync: bool = False) -> Iterator[Path]:
     """Yields a temporary path beside ``path`` to write; when the block ends without an error it is renamed onto
-    ``path`` (synced first with ``sync``: after a power cut the new name could hold an empty file), keeping the old
-    file's mode (else 0644, not mkstemp's 0600). The temporary file is gone afterwards either way."""
+    ``path`` (with ``sync``, the file synced before and its folder after: after a power cut the new name could
+    hold an empty file, or the old one), keeping the old file's mode (else 0644, not mkstemp's 0600). The temporary
+    file is gone afterwards either way."""
     path = Path(path)
     handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     os.close(handle)
@@ -29,6 +44,8 @@ def written_aside(path: str | os.PathLike[str], suffix: str = ".tmp", sync: bool
                 os.fsync(f.fileno())
         os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(tmp, path)
+        if sync:
+            sync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -39,6 +56,7 @@ def synced_replace(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) ->
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    sync_dir(Path(path).parent)
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
@@ -59,12 +77,19 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
-    write(staging)
-    for file in staging.rglob("*"):  # on disk before the rename that says the work is done (a power cut)
-        if file.is_file() and not file.is_symlink():
-            with open(file, "rb+") as f:
-                os.fsync(f.fileno())
+    try:
+        write(staging)
+        for file in [*staging.rglob("*"), staging]:  # on disk before the rename that says the work is done
+            if file.is_dir() and not file.is_symlink():  # (a power cut): the files, and the folders' entries
+                sync_dir(file)
+            elif file.is_file() and not file.is_symlink():
+                with open(file, "rb+") as f:
+                    os.fsync(f.fileno())
+    except BaseException:  # a failed write leaves no staging folder behind (the module's promise)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(staging, folder)
+    sync_dir(folder.parent)
     return folder

@@ -99,9 +99,10 @@ class RuntimeConfig:
     # the same tokens (a conversation's earlier turns, a fixed system prompt): runtime/prompt_cache.py. Outputs are
     # unchanged
     prompt_cache: bool = True
-    # the caches of goals before the last are kept while all together hold at most this many bytes (oldest dropped
-    # first), so goals that alternate between conversations or system prompts (a behaviour tree's skills, several
-    # people) each continue their own; the last goal's is always kept. 0: only the last goal's
+    # the caches of goals before the last are kept while all of them, the last goal's included, hold at most this
+    # many bytes (oldest dropped first), so goals that alternate between conversations or system prompts (a
+    # behaviour tree's skills, several people) each continue their own; the last goal's is always kept, even
+    # above it. 0: only the last goal's
     prompt_cache_bytes: int = 128 * 2**20
 
     def validate(self) -> RuntimeConfig:

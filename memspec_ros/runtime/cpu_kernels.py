@@ -168,7 +168,7 @@ def _run_compiler(command: list[str], timeout: float = COMPILE_TIMEOUT_S) -> sub
 
 def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...]) -> None:
     """Compile the kernels into ``library`` (a temporary name in ``out_dir``, renamed when whole)."""
-    from .model_source import sync_dir  # (a module that imports torch's model code: only when building)
+    from .atomic_write import sync_dir
 
     # compile to a temporary name and rename: a concurrent process never loads a half-written file
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:

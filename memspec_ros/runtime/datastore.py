@@ -217,7 +217,7 @@ def read_answers(path: str | Path, fingerprint: str | None = None) -> tuple[list
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise DatastoreError(f"{path}: its tokens are {tokens.ndim}-d {tokens.dtype}, not one row of integer ids")
     if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer) or len(offsets) < 1 or offsets[0] != 0 \
-            or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any():
+            or offsets[-1] != len(tokens) or (np.diff(offsets.astype(np.int64)) < 0).any():  # (uint64 wraps)
         raise DatastoreError(f"{path}: offsets do not split its {len(tokens)} tokens into answers")
     tokens = tokens.astype(np.int64)
     if (tokens < 0).any():  # a corrupt file: a negative id (-1 would split an answer) is no token

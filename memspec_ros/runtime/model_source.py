@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .atomic_write import sync_dir
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
 
 PKG_PREFIX = "pkg:"
@@ -445,14 +446,6 @@ def _sync_tree(folder: Path) -> None:
     sync_dir(folder)
 
 
-def sync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
     """The Hugging Face directory to load for ``spec`` (a directory, a .gguf file, or pkg:...)."""
     text = str(spec)
@@ -465,8 +458,9 @@ def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
 
 
 def relative_to(base: str | os.PathLike[str], spec: str) -> str:
-    """``spec`` read from a file in ``base``: package resources as they are, paths resolved from ``base``."""
-    return spec if spec.startswith(PKG_PREFIX) else str((Path(base) / spec).resolve())
+    """``spec`` read from a file in ``base``: package resources as they are, paths resolved from ``base`` ("~"
+    expanded: it was taken for a folder of that name in ``base``)."""
+    return spec if spec.startswith(PKG_PREFIX) else str((Path(base) / Path(spec).expanduser()).resolve())
 
 
 def is_model_source(spec: str) -> bool:

@@ -169,7 +169,10 @@ class DraftRegistry:
                 f"draft registry {str(file)!r} does not exist: check the path (e.g. models/registry.yaml)"
             )
         try:
-            data = yaml.load(file.read_text(), Loader=_UniqueKeyLoader) or {}  # a SafeLoader
+            data = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}  # a SafeLoader
+        except UnicodeDecodeError as exc:  # the codec's message named no file
+            raise RegistryError(f"{file} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset {exc.start}):"
+                                " save it as UTF-8") from None
         except _DuplicateKeyError as exc:
             raise RegistryError(f"{file}: {exc}") from exc
         except yaml.YAMLError as exc:
@@ -214,6 +217,8 @@ class DraftRegistry:
             )
         target = data.get("target")
         target_path = None
+        if "target" in data and target is None:  # `target:` with nothing after it: skipped, configure then asked
+            raise RegistryError(f"'target' in {file} is empty: write its path after the colon, or remove the key")
         if isinstance(target, dict):  # a misspelt key first: "{pth: target}" was reported as "not a dict"
             _known_keys(target, TARGET_KEYS, f"'target' in {file}")
         if target is not None and not (isinstance(target, str) and target) and not (
@@ -254,6 +259,10 @@ class DraftRegistry:
             raise RegistryError(
                 f"drafts.domains has {len(domains)} entries for {len(names)} names: give one domain per name or none"
             )
+        for i, name in enumerate(names):  # as the YAML's: an empty name or domain is refused
+            _text(name, f"drafts.names[{i}]")
+            if domains:
+                _text(domains[i], f"drafts.domains[{i}] ({name!r})")
         seen: set[str] = set()
         for name in map(str, names):  # (the registry's own message, "already registered: remove it first", names
             if name in seen:  # no list to fix)

@@ -243,7 +243,7 @@ def test_a_goal_whose_server_went_away_fails_and_one_past_its_result_timeout_is_
     assert b.status == Status.RUNNING and handle.cancels == 1
 
 
-def test_a_server_that_restarted_mid_goal_is_asked_again_and_its_unknown_goal_fails_the_behaviour():
+def test_a_server_that_restarted_mid_goal_is_asked_again_and_its_unknown_goal_fails_the_behaviour(monkeypatch):
     """The server went away and came back (respawned) within server_timeout: the result request went to the old
     one, the new one never got it, and with no result timeout the behaviour stayed RUNNING for ever. Asked again,
     a server that does not know the goal answers STATUS_UNKNOWN, which read as "canceled"."""
@@ -264,7 +264,12 @@ def test_a_server_that_restarted_mid_goal_is_asked_again_and_its_unknown_goal_fa
     client.ready = True  # back before server_timeout
     b.tick_once()
     assert len(asked) == 2  # asked the server that is there now
-    b.server_timeout = 0.05  # a respawn that never looked gone: asked again every server_timeout all the same
+    # a respawn that never looked gone: asked again every server_timeout all the same (RESULT_ASKED_AGAIN_SECONDS
+    # at the least, here made as short)
+    from memspec_ros.ros import bt_example
+
+    monkeypatch.setattr(bt_example, "RESULT_ASKED_AGAIN_SECONDS", 0.05)
+    b.server_timeout = 0.05
     time.sleep(0.1)
     b.tick_once()
     assert len(asked) == 3
@@ -320,6 +325,25 @@ def test_a_behaviour_that_failed_keeps_its_outcome_when_its_parent_stops_it():
     assert b.outcome == "result-timeout" and handle.cancels == 1
 
 
+def test_a_rerun_interrupted_in_its_first_tick_still_cancels_its_goal():
+    """The guard that keeps a finished run's outcome read the status, which py_trees sets only after update()
+    returns: a re-run of a behaviour that had failed, interrupted right after it sent its goal, read FAILURE and
+    left the new goal uncancelled."""
+    from rclpy.task import Future
+
+    client = _Client()
+    b = _faked(client, server_timeout=0.2)
+    assert tick_until_done(b, 5.0) == Status.FAILURE and b.outcome == "send-goal-timeout"
+    client.goal_future = Future()
+    b.initialise()
+    b.update()  # the re-run's first tick sends its goal; Ctrl-C lands before py_trees records RUNNING
+    assert b.status == Status.FAILURE and b.goal_future is client.goal_future
+    b.stop(Status.INVALID)
+    handle = _Handle()
+    client.goal_future.set_result(handle)  # accepted after all
+    assert handle.cancels == 1
+
+
 def test_a_tree_that_ended_on_a_timeout_is_settled_before_the_example_leaves():
     """The example returned as soon as the tree ended: the cancel of a goal that failed by a timeout went out with
     no spin to deliver its answer (or, for a goal never seen accepted, to run the callback that cancels it), so the
@@ -347,6 +371,14 @@ def test_a_tree_that_ended_on_a_timeout_is_settled_before_the_example_leaves():
 
     assert not b.goal_settled()
     assert settle(tree, spin_once, 5.0) and len(spins) == 3 and b.goal_settled()
+    # a server gone mid-goal holds nothing any more: no wait for a cancel never sent
+    client = _Client()
+    client.goal_future.set_result(_Handle())
+    gone = _faked(client, server_timeout=0.1)
+    gone.tick_once()
+    client.ready = False
+    assert tick_until_done(gone, 5.0) == Status.FAILURE and gone.outcome == "server-gone"
+    assert settle(py_trees.trees.BehaviourTree(gone), lambda: pytest.fail("waited"), 5.0)
 
 
 def test_the_example_refuses_a_bad_node_name_before_starting_ros(capsys):

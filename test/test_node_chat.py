@@ -610,3 +610,8 @@ def test_the_client_gives_up_on_a_server_gone_mid_goal_and_asks_one_that_came_ba
 
     assert watch.wait(Executor(respawned), 30.0) is True
     assert len(handle.asked) == 2 and watch.future.result() == "the result"
+    # asked again while the server is there at most every RESULT_ASKED_AGAIN_SECONDS, however short --timeout is:
+    # each request stays pending until the goal ends (a --timeout of 0.05 s asked 20 times a second)
+    server, handle = Server(), Handle()
+    watch = ResultWatch(server, handle, server_timeout=0.05)
+    assert watch.wait(Executor(), 0.5) is True and len(handle.asked) == 1

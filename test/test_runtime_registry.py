@@ -167,6 +167,10 @@ def test_a_registry_names_itself_when_it_is_not_utf8_and_expands_a_tilde(zoo, tm
     finally:
         (zoo / "r.yaml").unlink()
     assert reg.get("code").path == str((tmp_path / "drafts" / "code").resolve())
+    from memspec_ros.runtime.model_source import relative_to
+
+    # "~name" of no such user: the path as written (expanduser's bare RuntimeError named no file or entry)
+    assert relative_to(zoo, "~no_such_user_x/d") == str((zoo / "~no_such_user_x" / "d").resolve())
 
 
 def test_validation_errors_name_the_problem(zoo):

@@ -276,3 +276,11 @@ def test_files_a_resumed_build_takes_for_finished_work_are_on_disk_before_their_
     with pytest.raises(OSError, match="No space"):
         publish_dir(tmp_path / "other", failing)
     assert not (tmp_path / "other.partial").exists() and not (tmp_path / "other").exists()
+    # a folder that cannot be opened to sync (mode 0333, a FUSE daemon without fsync) fails no write that is in place
+    import errno
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(atomic_write.os, "open", refused)
+    atomic_write.sync_dir(tmp_path)

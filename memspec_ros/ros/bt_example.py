@@ -36,6 +36,8 @@ from collections.abc import Sequence
 import py_trees
 from py_trees.common import Status
 
+from .client import RESULT_ASKED_AGAIN_SECONDS
+
 # the wait for the server, and for its answer to a goal: BehaviorTree.ROS2's 1 s default failed live nodes, since
 # discovery of a fresh client can take seconds (a one-off timing this session: 1.7 s and 3.0 s in 7 starts);
 # memspec_client waits 10 s too
@@ -184,7 +186,7 @@ class Generate(py_trees.behaviour.Behaviour):
         come) or ``result_timeout`` has passed (the goal is cancelled)."""
         now = time.monotonic()
         if self.client.server_is_ready():
-            if self._gone_since is not None or now - self._asked > self.server_timeout:
+            if self._gone_since is not None or now - self._asked > max(self.server_timeout, RESULT_ASKED_AGAIN_SECONDS):
                 # asked again when the server is back after it was gone, and every server_timeout: a restarted server
                 # (also one respawned before the dead one's endpoints expired, which never looked gone) never got the
                 # request sent to the one before, and would leave this RUNNING for ever. One that does not know the
@@ -209,10 +211,11 @@ class Generate(py_trees.behaviour.Behaviour):
         """Preempted while RUNNING: cancel the goal (the node honours it at the next iteration), also one whose
         acceptance has not been seen yet: it is cancelled when the answer comes, else it would run to its end
         and hold the node's one generation."""
-        if new_status != Status.INVALID or self.status in (Status.SUCCESS, Status.FAILURE):
-            # a behaviour that has finished keeps its outcome (a parent stops every child: a second cancel of a
-            # timed-out goal, and "canceled" over "send-goal-timeout" or "server-gone"); what it left running is
-            # settled by whoever ends the tree (settle())
+        if new_status != Status.INVALID or self.outcome:
+            # a run that has ended keeps its outcome (a parent stops every child: a second cancel of a timed-out
+            # goal, and "canceled" over "send-goal-timeout" or "server-gone"); what it left running is settled by
+            # whoever ends the tree (settle()). Its outcome, not its status: py_trees sets the status after update()
+            # returns, so a re-run interrupted in its first tick still reads the last run's
             return
         if self.goal_handle is None and self.goal_future is not None:
             self.goal_future.add_done_callback(self._canceller())  # runs at once if the answer is in
@@ -241,7 +244,7 @@ class Generate(py_trees.behaviour.Behaviour):
     def goal_settled(self) -> bool:
         """Whether the node holds no goal of this behaviour's that nobody watches: none sent, rejected, ended, or
         its cancel answered (the node then ends it at its next iteration)."""
-        if self.goal_future is None:
+        if self.goal_future is None or self.outcome == "server-gone":  # (no node left to hold it)
             return True
         if not self.goal_future.done():
             return False
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"the node did not answer the cancel within {CANCEL_WAIT_SECONDS:g} s", file=sys.stderr)
             return 130
         if not settle(tree, lambda: executor.spin_once(timeout_sec=0.05)):
-            print(f"the node did not answer the cancel within {CANCEL_WAIT_SECONDS:g} s", file=sys.stderr)
+            print(f"the node did not answer within {CANCEL_WAIT_SECONDS:g} s: a goal of this run may still be"
+                  " running on it (its answer to the goal, or to the cancel, never came)", file=sys.stderr)
         print(py_trees.display.unicode_tree(tree.root, show_status=True))
         print(f"generate: {generate.outcome or 'not run'} - {generate.feedback_message}")
         if generate.result is not None:

@@ -76,6 +76,9 @@ def format_result(result) -> str:
 
 RESULT_TIMEOUT = 900.0  # seconds for a goal's result before the client cancels it (--result-timeout; 0: none)
 CANCEL_WAIT_SECONDS = 5.0  # for the answer to a cancel (and to a goal request interrupted before its answer)
+# the least time between two result requests for one goal while its server is there (each stays pending until the
+# goal ends, then all are answered with the whole result: a --timeout of 0.05 s asked 20 times a second)
+RESULT_ASKED_AGAIN_SECONDS = 10.0
 
 
 def _cancel(executor, handle, result_future) -> None:
@@ -198,9 +201,11 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
 
 class ResultWatch:
     """The result of an accepted goal, as bt_example's Generate waits for it: asked again when the server comes back
-    after it was gone, and every ``server_timeout`` (a respawned node never got the request sent to the one before,
-    and one respawned before the dead one's endpoints expired never looked gone), and given up once the server has
-    been gone for ``server_timeout`` (the node died: the client waited out its whole --result-timeout, 900 s)."""
+    after it was gone, and every ``server_timeout`` (RESULT_ASKED_AGAIN_SECONDS at least: a respawned node never got
+    the request sent to the one before, and one respawned before the dead one's endpoints expired never looked
+    gone), and given up once the server has been gone for ``server_timeout`` (the node died: the client waited out
+    its whole --result-timeout, 900 s). A network that drops for that long ends the wait the same way: no cancel can
+    reach the node then, and its goal runs on to its end."""
 
     def __init__(self, client, handle, server_timeout: float) -> None:
         self.client, self.handle, self.server_timeout = client, handle, server_timeout
@@ -215,7 +220,8 @@ class ResultWatch:
             executor.spin_once(timeout_sec=0.05)
             now = time.monotonic()
             if self.client.server_is_ready():
-                if self.gone_since is not None or now - self.asked > self.server_timeout:
+                if self.gone_since is not None or now - self.asked > max(self.server_timeout,
+                                                                         RESULT_ASKED_AGAIN_SECONDS):
                     self.future = self.handle.get_result_async()  # the server there now answers this one
                     self.asked = now
                 self.gone_since = None
@@ -481,7 +487,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--raw", action="store_true",
                         help="plain continuation of the prompt, no chat template (not with --system)")
     parser.add_argument(
-        "--timeout", type=_seconds, default=10.0, help="seconds to wait for the action server (default 10)"
+        "--timeout", type=_seconds, default=10.0,
+        help="seconds to wait for the action server, and how long it may be gone while a goal runs before the client"
+             " gives up on the result (default 10)"
     )
     parser.add_argument("--result-timeout", type=_non_negative_seconds, default=RESULT_TIMEOUT, metavar="SECONDS",
                         help=f"cancel the goal if its result has not come by then (default {RESULT_TIMEOUT:g};"

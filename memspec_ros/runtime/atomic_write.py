@@ -13,15 +13,25 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+# a folder that cannot be opened for reading (mode 0333) or a file system that cannot sync one (EINVAL, a FUSE
+# daemon without it): the rename before it has already happened, and failing the write then would report as failed
+# what is in place
+_CANNOT_SYNC = (errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
+
 
 def sync_dir(folder: str | os.PathLike[str]) -> None:
-    """The folder's entries on disk (a rename is an entry: without this a power cut can undo it). A file system
-    that cannot sync a folder (EINVAL) is left as it is."""
-    fd = os.open(folder, os.O_RDONLY)
+    """The folder's entries on disk, where the folder can be synced (a rename is an entry: without this a power cut
+    can undo it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError as exc:
+        if exc.errno in _CANNOT_SYNC:
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno not in _CANNOT_SYNC:
             raise
     finally:
         os.close(fd)

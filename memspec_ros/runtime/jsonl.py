@@ -24,7 +24,8 @@ def read_jsonl(path: str | Path, limit: int = 0, row_check=None) -> list[dict]:
                 # a byte-order mark (files saved by Windows editors) is no part of the first row
                 line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as exc:  # a Latin-1 file: a bare traceback, no file or line named
-                raise WorkloadFileError(f"{path}:{n}: not UTF-8 (byte {raw[exc.start]:#x} at column {exc.start + 1});"
+                raise WorkloadFileError(f"{path}:{n}: not UTF-8 (byte {exc.object[exc.start]:#x} at column"
+                                        f" {exc.start + 1});"
                                         " save the file as UTF-8") from None
             if not line.strip():
                 continue

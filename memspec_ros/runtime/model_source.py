@@ -460,7 +460,13 @@ def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
 def relative_to(base: str | os.PathLike[str], spec: str) -> str:
     """``spec`` read from a file in ``base``: package resources as they are, paths resolved from ``base`` ("~"
     expanded: it was taken for a folder of that name in ``base``)."""
-    return spec if spec.startswith(PKG_PREFIX) else str((Path(base) / Path(spec).expanduser()).resolve())
+    if spec.startswith(PKG_PREFIX):
+        return spec
+    try:
+        path = Path(spec).expanduser()
+    except RuntimeError:  # "~name" of no such user, or no home: the path as written
+        path = Path(spec)
+    return str((Path(base) / path).resolve())
 
 
 def is_model_source(spec: str) -> bool:

@@ -194,12 +194,15 @@ def test_an_atomic_text_write_syncs_under_a_name_of_its_own_and_keeps_the_file_r
     path = tmp_path / "registry.yaml"
     synced, made = [], []
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda src, dst: (made.append(str(src)), real_replace(src, dst))[1])
     write_text_atomic(path, "one")
     write_text_atomic(path, "two")
-    assert path.read_text() == "two" and len(synced) == 2
+    assert path.read_text() == "two" and len(synced) == 4
+    # each write: its temporary file before the rename, then the folder, whose entry the rename is
+    assert [Path(p).name.startswith(".registry.yaml.") for p in synced] == [True, False, True, False]
+    assert synced[1] == synced[3] == str(tmp_path)
     assert len(set(made)) == 2 and all(Path(m).name.startswith(".registry.yaml.") for m in made)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError("No space left on device")))

@@ -266,9 +266,9 @@ def test_a_server_that_restarted_mid_goal_is_asked_again_and_its_unknown_goal_fa
     assert len(asked) == 2  # asked the server that is there now
     # a respawn that never looked gone: asked again every server_timeout all the same (RESULT_ASKED_AGAIN_SECONDS
     # at the least, here made as short)
-    from memspec_ros.ros import bt_example
+    from memspec_ros.ros import client as memspec_client
 
-    monkeypatch.setattr(bt_example, "RESULT_ASKED_AGAIN_SECONDS", 0.05)
+    monkeypatch.setattr(memspec_client, "RESULT_ASKED_AGAIN_SECONDS", 0.05)
     b.server_timeout = 0.05
     time.sleep(0.1)
     b.tick_once()

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import py_trees
 from py_trees.common import Status
 
-from .client import RESULT_ASKED_AGAIN_SECONDS
+from .client import ResultWatch
 
 # the wait for the server, and for its answer to a goal: BehaviorTree.ROS2's 1 s default failed live nodes, since
 # discovery of a fresh client can take seconds (a one-off timing this session: 1.7 s and 3.0 s in 7 starts);
@@ -83,8 +83,7 @@ class Generate(py_trees.behaviour.Behaviour):
         self.streamed = ""
         self._started = 0.0
         self._sent = 0.0  # when the goal was sent, then when it was accepted
-        self._gone_since = None  # when the server was last seen gone while the goal ran
-        self._asked = 0.0  # when the result was last asked for
+        self._watch = None  # the accepted goal's result (client.ResultWatch)
 
     def setup(self, **kwargs) -> None:
         from memspec_interfaces.action import Generate as GenerateAction
@@ -158,8 +157,9 @@ class Generate(py_trees.behaviour.Behaviour):
                 self.outcome = "rejected"
                 self.feedback_message = "goal rejected by the node (see its log / diagnostics)"
                 return Status.FAILURE
-            self.result_future = self.goal_handle.get_result_async()
-            self._sent = self._asked = time.monotonic()
+            self._watch = ResultWatch(self.client, self.goal_handle, self.server_timeout)
+            self.result_future = self._watch.future
+            self._sent = time.monotonic()
         if not self.result_future.done():
             return self._waiting_for_result()
         response = self.result_future.result()
@@ -184,23 +184,13 @@ class Generate(py_trees.behaviour.Behaviour):
     def _waiting_for_result(self) -> Status:
         """RUNNING, or FAILURE once the server has been gone for ``server_timeout`` (the node died: no result will
         come) or ``result_timeout`` has passed (the goal is cancelled)."""
-        now = time.monotonic()
-        if self.client.server_is_ready():
-            if self._gone_since is not None or now - self._asked > max(self.server_timeout, RESULT_ASKED_AGAIN_SECONDS):
-                # asked again when the server is back after it was gone, and every server_timeout: a restarted server
-                # (also one respawned before the dead one's endpoints expired, which never looked gone) never got the
-                # request sent to the one before, and would leave this RUNNING for ever. One that does not know the
-                # goal answers at once; the one running it answers every request when the goal ends
-                self.result_future = self.goal_handle.get_result_async()
-                self._asked = now
-            self._gone_since = None
-        elif self._gone_since is None:
-            self._gone_since = now
-        elif now - self._gone_since > self.server_timeout:
+        there = self._watch.poll(self.server_timeout)  # asked again where a restarted server would leave it RUNNING
+        self.result_future = self._watch.future
+        if not there:
             self.outcome = "server-gone"
             self.feedback_message = f"the action server at {self.action_name} went away while the goal ran"
             return Status.FAILURE
-        if self.result_timeout > 0 and now - self._sent > self.result_timeout:
+        if self.result_timeout > 0 and time.monotonic() - self._sent > self.result_timeout:
             self.cancel_future = self.goal_handle.cancel_goal_async()  # it would hold the node's one generation
             self.outcome = "result-timeout"
             self.feedback_message = f"no result within {self.result_timeout:g} s: goal cancelled"

@@ -200,12 +200,13 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
 
 
 class ResultWatch:
-    """The result of an accepted goal, as bt_example's Generate waits for it: asked again when the server comes back
-    after it was gone, and every ``server_timeout`` (RESULT_ASKED_AGAIN_SECONDS at least: a respawned node never got
-    the request sent to the one before, and one respawned before the dead one's endpoints expired never looked
-    gone), and given up once the server has been gone for ``server_timeout`` (the node died: the client waited out
-    its whole --result-timeout, 900 s). A network that drops for that long ends the wait the same way: no cancel can
-    reach the node then, and its goal runs on to its end."""
+    """The result of an accepted goal, as memspec_client and bt_example's Generate wait for it: asked again when the
+    server comes back after it was gone, and every ``server_timeout`` (RESULT_ASKED_AGAIN_SECONDS at least: a
+    restarted node never got the request sent to the one before, and one respawned before the dead one's endpoints
+    expired never looked gone; one that does not know the goal answers at once, the one running it answers every
+    request when the goal ends), and given up once the server has been gone for ``server_timeout`` (the node died:
+    memspec_client waited out its whole --result-timeout, 900 s). A network that drops for that long ends the wait
+    the same way: no cancel can reach the node then, and its goal runs on to its end."""
 
     def __init__(self, client, handle, server_timeout: float) -> None:
         self.client, self.handle, self.server_timeout = client, handle, server_timeout
@@ -213,21 +214,25 @@ class ResultWatch:
         self.asked = time.monotonic()
         self.gone_since: float | None = None
 
+    def poll(self, server_timeout: float) -> bool:
+        """One look at the server (asking again as above); False once it has been gone for ``server_timeout``."""
+        now = time.monotonic()
+        if self.client.server_is_ready():
+            if self.gone_since is not None or now - self.asked > max(server_timeout, RESULT_ASKED_AGAIN_SECONDS):
+                self.future = self.handle.get_result_async()  # the server there now answers this one
+                self.asked = now
+            self.gone_since = None
+            return True
+        if self.gone_since is None:
+            self.gone_since = now
+        return now - self.gone_since <= server_timeout
+
     def wait(self, executor, timeout: float) -> bool:
         """Spin until the result comes or ``timeout`` s pass; False as soon as the server has been gone too long."""
         deadline = time.monotonic() + timeout
         while not self.future.done() and time.monotonic() < deadline:
             executor.spin_once(timeout_sec=0.05)
-            now = time.monotonic()
-            if self.client.server_is_ready():
-                if self.gone_since is not None or now - self.asked > max(self.server_timeout,
-                                                                         RESULT_ASKED_AGAIN_SECONDS):
-                    self.future = self.handle.get_result_async()  # the server there now answers this one
-                    self.asked = now
-                self.gone_since = None
-            elif self.gone_since is None:
-                self.gone_since = now
-            elif now - self.gone_since > self.server_timeout:
+            if not self.poll(self.server_timeout):
                 return False
         return True
 

@@ -37,6 +37,19 @@ def sync_dir(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def sync_tree(folder: str | os.PathLike[str]) -> None:
+    """Every file under ``folder`` on disk, and every folder's entries (the folder's own included)."""
+    folder = Path(folder)
+    for path in [*folder.rglob("*"), folder]:
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            sync_dir(path)
+        elif path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
 @contextlib.contextmanager
 def written_aside(path: str | os.PathLike[str], suffix: str = ".tmp", sync: bool = False) -> Iterator[Path]:
     """Yields a temporary path beside ``path`` to write; when the block ends without an error it is renamed onto
@@ -89,12 +102,7 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
     staging.mkdir(parents=True)
     try:
         write(staging)
-        for file in [*staging.rglob("*"), staging]:  # on disk before the rename that says the work is done
-            if file.is_dir() and not file.is_symlink():  # (a power cut): the files, and the folders' entries
-                sync_dir(file)
-            elif file.is_file() and not file.is_symlink():
-                with open(file, "rb+") as f:
-                    os.fsync(f.fileno())
+        sync_tree(staging)  # on disk before the rename that says the work is done (a power cut)
     except BaseException:  # a failed write leaves no staging folder behind (the module's promise)
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic_write import sync_dir
+from .atomic_write import sync_dir, sync_tree
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
 
 PKG_PREFIX = "pkg:"
@@ -371,7 +371,7 @@ def converted_dir(path: Path) -> Path:
                 raise GGUFConversionError(f"{path} changed while it was being converted: nothing was cached;"
                                           " load it again once the file is complete")
             (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}, indent=1))
-            _sync_tree(tmp)
+            sync_tree(tmp)
             if out.exists():  # an interrupted earlier conversion (no marker)
                 shutil.rmtree(out)
             os.replace(tmp, out)
@@ -436,14 +436,6 @@ def _wait_for_lock(lock, lock_file: Path) -> None:
                     f"another process has held {lock_file} for more than {CONVERSION_WAIT_SECONDS:g} s while"
                     " converting this GGUF: end it, or remove the lock file if no process converts it") from None
             time.sleep(0.2)
-
-
-def _sync_tree(folder: Path) -> None:
-    for file in folder.iterdir():
-        if file.is_file():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
-    sync_dir(folder)
 
 
 def resolve_model_path(spec: str | os.PathLike[str]) -> Path:

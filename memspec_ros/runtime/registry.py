@@ -259,13 +259,12 @@ class DraftRegistry:
             raise RegistryError(
                 f"drafts.domains has {len(domains)} entries for {len(names)} names: give one domain per name or none"
             )
-        for i, name in enumerate(names):  # as the YAML's: an empty name or domain is refused
-            _text(name, f"drafts.names[{i}]")
+        seen: set[str] = set()
+        for i, raw in enumerate(names):
+            name = _text(raw, f"drafts.names[{i}]")  # as the YAML's: an empty name or domain is refused
             if domains:
                 _text(domains[i], f"drafts.domains[{i}] ({name!r})")
-        seen: set[str] = set()
-        for name in map(str, names):  # (the registry's own message, "already registered: remove it first", names
-            if name in seen:  # no list to fix)
+            if name in seen:  # (the registry's own message, "already registered: remove it first", named no list)
                 raise RegistryError(f"drafts.names lists {name!r} twice: give each draft one name")
             seen.add(name)
         base = Path(base_dir) if base_dir is not None else None

@@ -552,19 +552,10 @@ class DraftStorage:
             reads = [read_cold(f, self.medium) for f in files]
             t0 = time.perf_counter()
             loaded = build_model(spec, [blob for blob, _ in reads])
-            target = runtime_form_file(spec, source)
-            try:
-                # a draft prepared off the lean forward has per-module forwards bound to its own layers (row_exact),
-                # which a runtime form's copies would share: it is built from its safetensors each time
-                form = RuntimeForm.write(loaded, target, source) if loaded.prepared is None else None
-            except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
-                log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
-                            "safetensors each time; point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
-                            "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path, target.parent, error)
-            else:
-                if form is not None:
-                    with self._lock:
-                        self._forms[key] = form
+            # a draft prepared off the lean forward has per-module forwards bound to its own layers (row_exact),
+            # which a runtime form's copies would share: it is built from its safetensors each time
+            if loaded.prepared is None:
+                self._keep_form(key, loaded, spec, source, name)
         build = time.perf_counter() - t0
         cached = [r.cached_after_drop for _, r in reads]
         record = LoadRecord(
@@ -575,6 +566,19 @@ class DraftStorage:
             with self._lock:
                 self.records.append(record)
         return loaded
+
+    def _keep_form(self, key, loaded: LoadedModel, spec: ModelSpec, source: tuple, name: str | None) -> None:
+        """Write ``loaded``'s runtime form for the loads after this one."""
+        target = runtime_form_file(spec, source)
+        try:
+            form = RuntimeForm.write(loaded, target, source)
+        except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
+            log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
+                        "safetensors each time; point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
+                        "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path, target.parent, error)
+            return
+        with self._lock:
+            self._forms[key] = form
 
     def steady_loads(self, specs: Mapping[str, ModelSpec], repeats: int = 1) -> list[LoadRecord]:
         """``repeats`` cold loads of each draft as a running node loads it after its first time: a first load in

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from memspec_ros.runtime.atomic_write import publish_dir, write_text_atomic
+from memspec_ros.runtime.jsonl import read_jsonl
 
 from .chat_drafts import (
     AnswerStreams,
@@ -263,7 +264,7 @@ class ChatZooBuild:
         path = self.workload_dir / f"{name}.jsonl"
         if not path.is_file():  # a bare Errno 2 said nothing of what to run
             raise ValueError(f"no {path}: the requests come from the workloads stage; run it first")
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_jsonl(path)  # a damaged line is named by file and line
 
     def vocab_ids(self) -> list[int]:
         path = self.w / "vocab.json"

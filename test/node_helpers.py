@@ -35,7 +35,7 @@ def _scratch_zoo_dir(prefix: str) -> Path:
 # run while the test checks what it does beside it. Its length alone made that a speed: a CPU twice as fast
 # finished it first. Each of its iterations is paced instead (conftest.py, for the test_node_* modules), so it lasts
 # at least PACE_SECONDS per iteration on any machine (a slower one only makes it longer); short goals are not
-# touched. The soak is not paced: its latency check is about the decoder's contention at full speed.
+# touched. test_soak.py paces the soak's long goals the same way; `memspec-bench soak` itself is never paced.
 PACED_FROM = 1000  # new tokens
 PACE_SECONDS = 0.01
 

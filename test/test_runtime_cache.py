@@ -1013,3 +1013,79 @@ def test_a_load_that_read_a_path_its_name_no_longer_has_is_dropped_as_it_lands()
     cache.drain()
     assert cache.resident() == ["code"]
     cache.close()
+
+
+def test_a_blocking_wait_waits_for_the_loads_in_flight_that_hold_the_room():
+    """K=1 and a prefetch of 'code' still reading (a goal's wait for it was given up): a blocking wait for 'math' was
+    refused at once ("has no draft it may evict"), the goal decoded without its draft, and then ran on 'code'. It now
+    waits for the load in flight to land (evictable then), and loads 'math'."""
+    gate, started = threading.Event(), threading.Event()
+    cache = DraftCacheManager(1, gated_loader(gate, started=started), size_of=SIZES.get)
+    assert cache.request("code")
+    assert started.wait(5)
+    threading.Timer(0.2, gate.set).start()
+    model, waited = cache.wait_for("math", timeout=10)
+    assert model.spec.path == "math" and waited > 0 and cache.resident() == ["math"]
+    cache.close()
+
+
+def test_a_blocking_wait_behind_a_load_in_flight_is_given_up_with_the_reason():
+    gate, started = threading.Event(), threading.Event()
+    cache = DraftCacheManager(1, gated_loader(gate, started=started), size_of=SIZES.get)
+    assert cache.request("code")
+    assert started.wait(5)
+    with pytest.raises(DraftLoadError, match=r"held by loads in flight \(code\), and the wait was given up"):
+        cache.wait_for("math", stop=lambda: True)
+    with pytest.raises(DraftLoadError, match=r"held by loads in flight \(code\), and the wait timed out"):
+        cache.wait_for("math", timeout=0.05)
+    gate.set()
+    cache.close()
+
+
+def test_reset_and_close_do_not_wait_unbounded_for_a_hung_read():
+    """A read hung on failing storage: reset() waited for it with no limit (a goal's start, the node's cleanup).
+    Its wait now ends on stop() or a timeout; the load is marked for dropping and, when it lands, dropped and
+    counted (dropped_loads); close() waits a bounded time and leaves it to its thread. drain(timeout) says False."""
+    gate, started = threading.Event(), threading.Event()
+    cache = DraftCacheManager(2, gated_loader(gate, started=started), size_of=SIZES.get)
+    cache.update(["code"])
+    assert started.wait(5)
+    assert cache.drain(timeout=0.05) is False
+    assert cache.reset(stop=lambda: True) is False
+    assert cache.reset(timeout=0.05) is False
+    assert cache.close(timeout=0.05) is False
+    gate.set()
+    wait_until(lambda: cache.snapshot().dropped_loads == 1, what="the hung load to land and be dropped")
+    snap = cache.snapshot()
+    assert snap.resident == [] and snap.loading == [] and snap.loads == 0 and snap.bytes_reserved == 0
+    assert cache.drain(timeout=5) is True
+
+
+def test_a_load_that_fails_as_it_is_published_frees_its_room():
+    """The publish step of a load (under the lock, after the read) raised: the slot stayed "loading" with its
+    future done, holding one of the K places and its bytes for the life of the process."""
+
+    def load(name):
+        loaded = fake_loader()(name)
+        if name == "code":
+            loaded.size_bytes = "unreadable"  # int() of it raises as the load is published
+        return loaded
+
+    cache = DraftCacheManager(1, load, size_of=SIZES.get)
+    cache.update(["code"])
+    cache.drain()
+    snap = cache.snapshot()
+    assert "code" in snap.failed and snap.loading == [] and snap.load_failures == 1
+    model, _ = cache.wait_for("math", timeout=10)  # the one place is free
+    assert cache.resident() == ["math"]
+    cache.close()
+
+
+def test_a_draft_failed_in_use_is_no_load_failure():
+    cache = DraftCacheManager(2, fake_loader(), size_of=SIZES.get)
+    cache.update(["code"])
+    cache.drain()
+    cache.fail("code", RuntimeError("logits not finite"))
+    snap = cache.snapshot()
+    assert (snap.use_failures, snap.load_failures) == (1, 0) and "code" in snap.failed
+    cache.close()

@@ -149,6 +149,34 @@ def test_a_draft_failing_in_adaptive_gammas_timing_forward_is_taken_out_of_servi
         ctl.close()
 
 
+def test_a_draft_whose_forward_cannot_be_built_is_taken_out_of_service(target, drafts, expected, monkeypatch):
+    """A draft's lean forward is built at its first proposal where its loader did not build it; building it raised
+    (out of memory fusing its weights) outside the proposal's failure handling, and the goal failed, again at
+    every goal."""
+    from memspec_ros.runtime import speculative
+
+    loader = Loader(drafts)
+    broken = loader.drafts["broken"] = noisy_copy(drafts["broken"], 0.0)
+    build = speculative.lean_forward_for
+
+    def failing(model):
+        if model is broken:
+            raise torch.OutOfMemoryError("out of memory fusing the weights")
+        return build(model)
+
+    monkeypatch.setattr(speculative, "lean_forward_for", failing)
+    ctl = make(target, loader, capacity=2, interval=2)
+    try:
+        greedy = ctl.generate(PROMPT, NEW)
+        assert greedy.token_ids == expected
+        failed = greedy.stats.cache.failed["broken"]
+        assert "its forward could not be built (OutOfMemoryError" in failed, failed
+        assert "broken" not in greedy.stats.drafts_used and greedy.stats.drafts_used
+        assert greedy.stats.cache.use_failures == 1 and greedy.stats.cache.load_failures == 0
+    finally:
+        ctl.close()
+
+
 def test_the_target_running_out_of_memory_ends_that_generation_only(target, drafts, expected, monkeypatch):
     ctl = make(target, Loader(drafts), capacity=2)
     with monkeypatch.context() as patch:

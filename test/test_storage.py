@@ -329,6 +329,23 @@ def test_a_full_disk_while_keeping_the_runtime_form_still_loads_the_draft(tiny_z
     assert storage._forms == {} and not list((tmp_path / "forms").rglob("*.partial"))
 
 
+def test_a_runtime_form_that_cannot_be_made_for_another_reason_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch,
+                                                                                     caplog):
+    """Only an OSError was caught: any other error making the form (a model the form cannot hold) failed a draft
+    that was already built."""
+    from memspec_ros.runtime import storage as storage_module
+
+    monkeypatch.setenv("MEMSPEC_RUNTIME_FORMS_DIR", str(tmp_path / "forms"))
+
+    def cannot(*args, **kwargs):
+        raise ValueError("a tensor the form cannot hold")
+
+    monkeypatch.setattr(storage_module.RuntimeForm, "write", cannot)
+    storage = DraftStorage(MEDIA["local"])
+    assert storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code").model is not None
+    assert storage._forms == {} and "ValueError: a tensor the form cannot hold" in caplog.text
+
+
 def test_a_draft_that_keeps_its_context_outside_the_kv_cache_is_refused_by_the_storage_loader(tmp_path):
     """The node loads drafts through the storage tier, which skipped load_model's check: a Mamba draft loaded and
     proposed tokens from a forgotten prefix (only speed lost, silently)."""

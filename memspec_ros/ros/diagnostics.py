@@ -337,7 +337,8 @@ def fill_cache_status(status: Status, snap: CacheStats | None, window: Generatio
     status.add("bytes resident", snap.bytes_resident)
     status.add("bytes reserved", snap.bytes_reserved)
     status.add("budget bytes", snap.budget_bytes if snap.budget_bytes else "0 (no byte budget)")
-    for key in ("hits", "misses", "loads", "load_failures", "evictions", "wasted_prefetches"):
+    for key in ("hits", "misses", "loads", "load_failures", "use_failures", "dropped_loads", "evictions",
+                "wasted_prefetches"):
         status.add(key.replace("_", " "), getattr(snap, key))
     # with no lookup yet, 0.0 read as every lookup missed
     status.add("hit rate", snap.hit_rate if snap.hits + snap.misses else "n/a (no lookup yet)")

@@ -528,14 +528,22 @@ class MemSpecNode(LifecycleNode):
     def _free(self, loaded: Loaded | None) -> None:
         """Free every model of ``loaded``: the controller (its cache and loader thread), drafts, target, predictor."""
         if loaded is not None:
-            try:
-                loaded.controller.cache.reset()  # evicts resident drafts, waits for loads in flight
-                loaded.controller.close()
-            except Exception as exc:
-                self.get_logger().warning(f"closing the runtime: {exc}")
+            # each step on its own: one that raises (an eviction callback, say) must not leave the loader's and the
+            # predictor's threads running, nor the target held by the predictor's hook
+            steps = [
+                # evicts resident drafts and marks loads in flight for dropping; close waits for those a bounded
+                # time (cache.CLOSE_WAIT_SECONDS): a read hung on failing storage must not hang cleanup or shutdown
+                lambda: loaded.controller.cache.reset(timeout=0.0),
+                loaded.controller.close,
+            ]
             if loaded.predictor is not None:
-                loaded.predictor.close()  # the target-hidden encoder's forward hook holds the target
-            del loaded
+                steps.append(loaded.predictor.close)  # the target-hidden encoder's forward hook holds the target
+            for step in steps:
+                try:
+                    step()
+                except Exception as exc:
+                    self.get_logger().warning(f"closing the runtime: {type(exc).__name__}: {exc}")
+            del steps, loaded
         gc.collect()
 
     def loaded_parameter_bytes(self) -> int:

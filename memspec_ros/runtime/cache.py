@@ -53,6 +53,9 @@ Loader = Callable[[str], LoadedModel]
 Ranking = Sequence[str] | Sequence[tuple[str, float]] | Mapping[str, float]
 RETRY_SECONDS = 30.0  # back-off before a failed draft is tried again
 STOP_POLL_SECONDS = 0.05  # how often a blocking wait_for asks whether to give up (a cancelled goal)
+# close() waits this long for a load still reading: a draft's read takes well under a second from any of the storage
+# presets (runtime/storage.py); one that outlasts this is hung on failing storage, and the node's cleanup goes on
+CLOSE_WAIT_SECONDS = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,30 @@ class _Slot:
     failed_at: float = 0.0  # time.monotonic() of the failure (for the retry back-off)
     files: tuple = ()  # its weights files when it was loaded (storage.weights_identity), to tell a changed file
     recheck: bool = False  # evict_changed ran while it was in flight: it lands only if its files are unchanged
+
+
+class _RoomHeld(Exception):
+    """No load could start, only because loads in flight hold the room (wait for them, then ask again)."""
+
+    def __init__(self, pending: list[Future], names: list[str]):
+        super().__init__(", ".join(names))
+        self.futures, self.names = pending, names
+
+
+def _wait_futures(pending: Sequence[Future], deadline: float, stop: Callable[[], bool] | None) -> bool:
+    """Wait until every future in ``pending`` is done (True), the ``deadline`` (perf_counter) passes or ``stop()``
+    is true (polled every STOP_POLL_SECONDS): False then. futures.wait never raises: a failed load is _load's to
+    record, and its slot says what happened."""
+    pending = [f for f in pending if f is not None]
+    while True:
+        pending = [f for f in pending if not f.done()]
+        if not pending:
+            return True
+        left = deadline - time.perf_counter()
+        if left <= 0 or (stop is not None and stop()):
+            return False
+        step = min(left, STOP_POLL_SECONDS if stop is not None else math.inf)
+        futures.wait(pending, timeout=None if step == math.inf else step)  # an infinite timeout overflows a lock's
 
 
 def normalise_ranking(ranking: Ranking) -> list[tuple[str, float]]:
@@ -296,23 +323,15 @@ class DraftCacheManager:
         deadline = math.inf if timeout is None else t0 + timeout
         for again in (False, True):
             try:
-                waited_for = self._start_for_wait(name)
+                waited_for = self._start_for_wait_when_room(name, deadline, stop)
             except DraftLoadError as exc:  # refused: on a retry, the first wait's time is still this wait's
                 waited = time.perf_counter() - t0
                 with self._lock:
                     self._counters.wait_seconds += waited
                 raise DraftLoadError(str(exc), waited=waited) from exc.__cause__
             future = waited_for.future if waited_for is not None else None
-            stopped = False
-            # futures.wait never raises: a failed load is _load's to record (_fail), and the slot says what happened
-            while future is not None and not future.done() and time.perf_counter() < deadline:
-                step = None if stop is None else STOP_POLL_SECONDS
-                if deadline < math.inf:
-                    step = min(step or math.inf, max(0.0, deadline - time.perf_counter()))
-                futures.wait([future], timeout=step)
-                if stop is not None and not future.done() and stop():
-                    stopped = True
-                    break
+            stopped = (future is not None and not _wait_futures([future], deadline, stop) and not future.done()
+                       and stop is not None and stop())
             with self._lock:
                 waited = time.perf_counter() - t0
                 slot = self._slots.get(name)
@@ -340,9 +359,24 @@ class DraftCacheManager:
                 raise DraftLoadError(f"draft {name!r} did not become resident: {why}", waited=waited)
         raise AssertionError("unreachable")  # the loop returns or raises
 
+    def _start_for_wait_when_room(self, name: str, deadline: float, stop: Callable[[], bool] | None) -> _Slot | None:
+        """_start_for_wait, waiting first for loads in flight where they are what holds the room (K loads already
+        reading, or loads being dropped still reserving their bytes: refused at once, a goal whose first wait came
+        just after another goal's was given up decoded without its draft, and then ran on the draft that landed)."""
+        while True:
+            try:
+                return self._start_for_wait(name)
+            except _RoomHeld as held:
+                if not _wait_futures(held.futures, deadline, stop):
+                    given_up = stop is not None and stop()
+                    raise DraftLoadError(
+                        f"draft {name!r} cannot be loaded yet: the cache's room (K={self.capacity}, budget="
+                        f"{self.budget_bytes} B) is held by loads in flight ({', '.join(held.names)}), and the wait"
+                        f" {'was given up' if given_up else 'timed out'} before they ended") from None
+
     def _start_for_wait(self, name: str) -> _Slot | None:
         """wait_for's load: the slot of the one in flight for ``name``, or of a new one (None: resident already;
-        DraftLoadError where none can start)."""
+        DraftLoadError where none can start; _RoomHeld where only loads in flight hold the room)."""
         with self._lock:
             slot = self._slots.get(name)
             if slot is not None and slot.model is not None:
@@ -356,6 +390,9 @@ class DraftCacheManager:
                         raise DraftLoadError(str(refused.error)) from refused.error
                     if self._closed:
                         raise DraftLoadError(f"draft {name!r} cannot be loaded: the draft cache is closed")
+                    holding = self._in_flight()
+                    if holding:  # they land (evictable) or drop (freeing their room): then it may start
+                        raise _RoomHeld([s.future for s in holding], [s.name for s in holding])
                     raise DraftLoadError(
                         f"draft {name!r} cannot be loaded: the cache (K={self.capacity}, budget={self.budget_bytes} B)"
                         " has no draft it may evict"
@@ -391,10 +428,8 @@ class DraftCacheManager:
                 self._detach(slot)  # a reload in flight: dropped when it lands, its bytes reserved until then
             elif slot is not None:
                 self._evict(name)
-            failed = _Slot(name, 0)
-            if name not in self._slots:  # (a failed slot already there keeps its time: the back-off counts from it)
-                self._slots[name] = failed
-            self._fail(failed, error, "failed in use")
+            self._slots[name] = failed = _Slot(name, 0)
+            self._fail(failed, error, "failed in use", counter="use_failures")
             if self._active == name:
                 self._active = ""
             self._working_set = [n for n in self._working_set if n != name]
@@ -463,21 +498,19 @@ class DraftCacheManager:
             self._working_set = self._working_set[:capacity]
             self._changed()
 
-    def reset(self) -> None:
-        """Empty the cache (the paper resets runtime state per prompt); waits for loads in flight.
+    def reset(self, stop: Callable[[], bool] | None = None, timeout: float | None = None) -> bool:
+        """Empty the cache (the paper resets runtime state per prompt); waits for loads in flight, so the next
+        prompt's first load does not queue behind this one's. Returns False where the wait ended early.
 
-        A load another thread starts meanwhile is marked for dropping, not forgotten: it keeps its
+        The wait ends once ``stop()`` is true (polled every STOP_POLL_SECONDS: a goal cancelled as it starts) or
+        after ``timeout`` seconds (a read hung on failing storage must not hang the node's cleanup). A load still in
+        flight then, or one another thread starts meanwhile, is marked for dropping, not forgotten: it keeps its
         reservation until the loader ends."""
         with self._lock:
-            for name, slot in list(self._slots.items()):  # queued loads never run: the one running is waited for
-                if slot.model is None and slot.error is None and self._cancel_queued(slot):
-                    del self._slots[name]
-            futures = [s.future for s in self._in_flight()]
-        for f in futures:
-            try:
-                f.result()
-            except Exception:  # recorded, counted and logged by _fail; the cache is emptied anyway
-                pass
+            self._cancel_all_queued()  # queued loads never run: the one running is waited for
+            pending = [s.future for s in self._in_flight()]
+        deadline = math.inf if timeout is None else time.perf_counter() + timeout
+        finished = _wait_futures(pending, deadline, stop)
         with self._lock:
             for name in list(self._slots):
                 slot = self._slots[name]
@@ -489,21 +522,28 @@ class DraftCacheManager:
                     del self._slots[name]
             self._active, self._scores, self._working_set = "", {}, []
             self._changed()
+        return finished
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> bool:
+        """Stop loading: queued loads never run, the one reading is waited for up to ``timeout`` s, then left to
+        end on its own thread (dropped when it lands). Returns False where it was still reading."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+            self._cancel_all_queued()
+            pending = [s.future for s in self._in_flight()]
+        finished = _wait_futures(pending, time.perf_counter() + timeout, None)
+        if not finished:
+            log.warning("a draft load was still reading after %.0f s as the draft cache closed: left to end on its"
+                        " own thread (is the drafts' storage failing?)", timeout)
+        self._pool.shutdown(wait=finished, cancel_futures=True)
+        return finished
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Wait for every load in flight (tests, benchmarks and shutdown)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for every load in flight (tests, benchmarks and shutdown): False where ``timeout`` s (for them
+        all) ran out first."""
         with self._lock:
-            futures = [s.future for s in (*self._slots.values(), *self._detached) if s.future is not None]
-        for f in futures:
-            try:
-                f.result(timeout=timeout)
-            except Exception:  # recorded, counted and logged by _fail
-                pass
+            pending = [s.future for s in (*self._slots.values(), *self._detached) if s.future is not None]
+        return _wait_futures(pending, math.inf if timeout is None else time.perf_counter() + timeout, None)
 
     # -- diagnostics --------------------------------------------------------------------
     def snapshot(self) -> CacheStats:
@@ -528,6 +568,8 @@ class DraftCacheManager:
             misses=c.misses,
             loads=c.loads,
             load_failures=c.load_failures,
+            use_failures=c.use_failures,
+            dropped_loads=c.dropped_loads,
             load_seconds=c.load_seconds,
             wait_seconds=c.wait_seconds,
             evictions=c.evictions,
@@ -550,6 +592,13 @@ class DraftCacheManager:
         del self._slots[slot.name]
         if not self._cancel_queued(slot):
             self._detached.append(slot)
+
+    def _cancel_all_queued(self) -> None:
+        """Cancel every load the loader has not started (their slots go)."""
+        for name, slot in list(self._slots.items()):
+            if slot.model is None and slot.error is None and self._cancel_queued(slot):
+                del self._slots[name]
+        self._detached = [s for s in self._detached if s.future is not None and not self._cancel_queued(s)]
 
     @staticmethod
     def _cancel_queued(slot: _Slot) -> bool:
@@ -619,8 +668,9 @@ class DraftCacheManager:
             if slot is not None and slot.error is not None and now - slot.failed_at >= older_than:
                 del self._slots[n]
 
-    def _fail(self, slot: _Slot, error: BaseException, what: str = "failed to load") -> None:
-        """Every failed load ends here: recorded on the slot (CacheStats.failed), counted (load_failures, on
+    def _fail(self, slot: _Slot, error: BaseException, what: str = "failed to load",
+              counter: str = "load_failures") -> None:
+        """Every failed draft ends here: recorded on the slot (CacheStats.failed), counted (``counter``, on
         /diagnostics) and logged."""
         # kept without tracebacks: their frames hold the draft's model (a failure in use) or a half-loaded one,
         # which would stay in memory while the failure is remembered; the log gets text for the same reason
@@ -628,7 +678,7 @@ class DraftCacheManager:
             if exc is not None:
                 exc.__traceback__ = None
         slot.error, slot.future, slot.failed_at = error, None, time.monotonic()
-        self._counters.load_failures += 1
+        setattr(self._counters, counter, getattr(self._counters, counter) + 1)
         log.warning("draft %r %s (retried after %.0f s): %s: %s", slot.name, what, self.retry_seconds,
                     type(error).__name__, str(error))
 
@@ -682,7 +732,11 @@ class DraftCacheManager:
             self._evict(victim)
         slot = _Slot(name, size)
         self._slots[name] = slot  # reserved before the load starts
-        slot.future = self._pool.submit(self._load, slot)
+        try:
+            slot.future = self._pool.submit(self._load, slot)
+        except RuntimeError:  # the pool refuses new work (the interpreter is exiting): no load, no slot
+            del self._slots[name]
+            return False
         return True
 
     def _evict(self, name: str) -> None:
@@ -711,62 +765,79 @@ class DraftCacheManager:
             current = self.source_current is None or not loaded.source or self.source_current(slot.name, source)
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
-                error = exc if isinstance(exc, Exception) else DraftLoadError(
-                    f"the loader raised {type(exc).__name__}: {exc}")
-                if any(s is slot for s in self._detached):  # removed meanwhile (its registry entry gone): no fault
-                    slot.error, slot.future = error, None
-                else:
-                    self._fail(slot, error)
-                if slot.discard and self._slots.get(slot.name) is slot:
-                    del self._slots[slot.name]
-                self._detached = [s for s in self._detached if s is not slot]
-                self._changed()
+                self._loader_failed(slot, exc)
             if isinstance(exc, Exception):
                 raise  # the future carries it; whoever waits on it reads the slot
             return  # SystemExit, KeyboardInterrupt: the future would hand them to a waiting decode thread
         with self._lock:
-            # under the lock: evict_changed sets ``recheck`` under it, so it either saw this load resident (and checks
-            # it there) or set the flag before this test (read outside, a change between them landed the old model)
-            stale = (slot.recheck and weights_identity(source) != files) or not current
-            if self._slots.get(slot.name) is not slot or slot.discard or stale:
-                if stale:
-                    self._measured.pop(slot.name, None)  # other files under the name: their size is learnt anew
-                if self._slots.get(slot.name) is slot:
-                    del self._slots[slot.name]  # removed, over capacity, or its files changed while in flight
-                self._detached = [s for s in self._detached if s is not slot]
-                slot.future = None
+            try:
+                self._publish(slot, loaded, elapsed, source, files, current)
+            except Exception as exc:  # a slot left "loading" with its future done held its room for good
+                self._loader_failed(slot, exc)
+                raise
+
+    def _loader_failed(self, slot: _Slot, exc: BaseException) -> None:
+        """A load that raised, in the loader or as it was published: failed, and out of the room it held."""
+        error = exc if isinstance(exc, Exception) else DraftLoadError(f"the loader raised {type(exc).__name__}: {exc}")
+        slot.model = None
+        if any(s is slot for s in self._detached):  # removed meanwhile (its registry entry gone): no fault
+            slot.error, slot.future = error, None
+        else:
+            self._fail(slot, error)
+        if slot.discard and self._slots.get(slot.name) is slot:
+            del self._slots[slot.name]
+        self._detached = [s for s in self._detached if s is not slot]
+        try:
+            self._changed()
+        except Exception:  # on_change itself raised (it may be what failed the publish): the state above stands
+            log.exception("the draft cache's change callback raised")
+
+    def _publish(self, slot: _Slot, loaded: LoadedModel, elapsed: float, source: str, files, current: bool) -> None:
+        """The loader's result under the lock: resident, or dropped (unwanted by now, or stale)."""
+        # under the lock: evict_changed sets ``recheck`` under it, so it either saw this load resident (and checks
+        # it there) or set the flag before this test (read outside, a change between them landed the old model)
+        stale = (slot.recheck and weights_identity(source) != files) or not current
+        if self._slots.get(slot.name) is not slot or slot.discard or stale or self._closed:
+            if stale:
+                self._measured.pop(slot.name, None)  # other files under the name: their size is learnt anew
+            if self._slots.get(slot.name) is slot:
+                del self._slots[slot.name]  # removed, over capacity, or its files changed while in flight
+            self._detached = [s for s in self._detached if s is not slot]
+            slot.future = None
+            self._counters.dropped_loads += 1
+            self._changed()
+            return
+        actual = int(getattr(loaded, "size_bytes", 0) or 0)
+        if actual > 0:
+            # later loads of it reserve this much: refused once at most
+            self._measured[slot.name] = (actual, source, files)
+        if actual > slot.reserved_bytes:
+            others = self._reserved() - slot.reserved_bytes
+            if self.budget_bytes and actual > self.budget_bytes:
+                self._fail(slot, DraftTooLargeError(
+                    f"draft {slot.name!r} occupies {actual} B in memory, more than the {slot.reserved_bytes} B"
+                    f" reserved and the whole {self.budget_bytes} B budget (memspec.budget_bytes): raise the"
+                    " budget or remove the draft"))
                 self._changed()
                 return
-            actual = int(getattr(loaded, "size_bytes", 0) or 0)
-            if actual > 0:
-                # later loads of it reserve this much: refused once at most
-                self._measured[slot.name] = (actual, source, files)
-            if actual > slot.reserved_bytes:
-                others = self._reserved() - slot.reserved_bytes
-                if self.budget_bytes and actual > self.budget_bytes:
-                    self._fail(slot, DraftTooLargeError(
-                        f"draft {slot.name!r} occupies {actual} B in memory, more than the {slot.reserved_bytes} B"
-                        f" reserved and the whole {self.budget_bytes} B budget (memspec.budget_bytes): raise the"
-                        " budget or remove the draft"))
-                    self._changed()
-                    return
-                if self.budget_bytes and others + actual > self.budget_bytes:
-                    # it fits the budget alone, not beside the others: not a failure. Dropped now; the next load
-                    # of it reserves the size just measured, so it evicts what it needs (a registry whose
-                    # size_bytes is the file's, of fp16 weights run in fp32, reserves half of what they take)
-                    log.info("draft %r occupies %d B in memory, more than the %d B reserved: dropped, and loaded at"
-                             " that size when next wanted (set its size_bytes in the registry)", slot.name, actual,
-                             slot.reserved_bytes)
-                    del self._slots[slot.name]
-                    slot.future = None
-                    self._changed()
-                    return
-            if actual > 0:
-                slot.reserved_bytes = actual  # account what it really occupies from now on
-            slot.model, slot.files = loaded, files
-            self._counters.loads += 1
-            self._counters.load_seconds += elapsed  # the loads counted in ``loads``: load_seconds / loads is their mean
-            self._changed()
+            if self.budget_bytes and others + actual > self.budget_bytes:
+                # it fits the budget alone, not beside the others: not a failure. Dropped now; the next load
+                # of it reserves the size just measured, so it evicts what it needs (a registry whose
+                # size_bytes is the file's, of fp16 weights run in fp32, reserves half of what they take)
+                log.info("draft %r occupies %d B in memory, more than the %d B reserved: dropped, and loaded at"
+                         " that size when next wanted (set its size_bytes in the registry)", slot.name, actual,
+                         slot.reserved_bytes)
+                del self._slots[slot.name]
+                slot.future = None
+                self._counters.dropped_loads += 1
+                self._changed()
+                return
+        if actual > 0:
+            slot.reserved_bytes = actual  # account what it really occupies from now on
+        slot.model, slot.files = loaded, files
+        self._counters.loads += 1
+        self._counters.load_seconds += elapsed  # the loads counted in ``loads``: load_seconds / loads is their mean
+        self._changed()
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -18,6 +18,7 @@ This is the single entry point the ROS node calls::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import deque
@@ -47,6 +48,8 @@ from .speculative import (
     input_rows,
 )
 from .stats import GenerationStats, IterationStats
+
+log = logging.getLogger(__name__)
 
 GREEDY = SamplingConfig()
 I64 = 2**63 - 1
@@ -283,7 +286,10 @@ class RuntimeController:
 
     # -- configuration -------------------------------------------------------------------
     def _size_of(self, name: str) -> int:
-        return self.registry.get(name).size_bytes if name in self.registry else 0
+        try:  # one lookup: a registry edit between a membership test and get() failed the draft's size
+            return self.registry.get(name).size_bytes
+        except KeyError:
+            return 0
 
     def _check_policy(self, config: RuntimeConfig) -> None:
         reason = predictor_refusal(config.policy, self.predictor, config.recent_tokens, config.interval)
@@ -410,7 +416,7 @@ class RuntimeController:
                 self.cache.evict_changed()
             self.calibrate()
             if self.config.reset_cache_per_generation:
-                self.cache.reset()
+                self.cache.reset(stop=should_cancel)  # a goal cancelled as it starts does not sit out a slow read
             reuse = self.config.prompt_cache and not self.prompt_cache_refused
             # the generation owns what it takes until it hands its own back (switched off, the cache is empty:
             # _apply cleared it)
@@ -671,6 +677,7 @@ class RuntimeController:
         try:
             _, waited = self.cache.wait_for(name, stop=self._should_cancel)  # a cancel gives the wait up
         except DraftLoadError as exc:
+            log.info("decoding on without draft %r: %s", name, exc)  # a failed load was logged by the cache too
             return exc.waited
         return waited
 

@@ -613,7 +613,10 @@ class SpeculativeSession:
             self._draft_kv[draft_name], self._draft_model[draft_name] = kv, draft
         proposal = _Proposal(kv=kv)
         feed = self.tokens[kv.length :]
-        lean = lean_forward_for(draft) if self.lean_drafts else None
+        try:  # built at a draft's first proposal where its loader did not (out of memory fusing its weights, say)
+            lean = lean_forward_for(draft) if self.lean_drafts else None
+        except Exception as exc:  # the draft's failure, taken out of service, not the goal's
+            raise DraftFailure(draft_name, f"its forward could not be built ({type(exc).__name__}: {exc})") from exc
         confidence = 1.0  # the draft's chance that every proposal so far is accepted
         try:
             for k in range(1, gamma + 1):

@@ -137,14 +137,17 @@ class CacheStats:
     hits: int = 0  # get() found the draft resident
     misses: int = 0  # get() did not
     loads: int = 0  # loads completed
-    load_failures: int = 0
+    load_failures: int = 0  # loads that raised or did not fit
+    use_failures: int = 0  # drafts taken out of service after failing in use (their forward raised, or not finite)
+    dropped_loads: int = 0  # loads read from storage, then dropped as they landed (unwanted by then, or stale)
     load_seconds: float = 0.0  # storage -> fast memory, summed over the ``loads`` that became resident (background)
     wait_seconds: float = 0.0  # decode thread blocked in wait_for()
     evictions: int = 0
     wasted_prefetches: int = 0  # loaded, then evicted before ever running
 
-    COUNTERS = ("hits", "misses", "loads", "load_failures", "load_seconds", "wait_seconds", "evictions",
-                "wasted_prefetches")  # cumulative: since() subtracts them, add_counters() sums them
+    # cumulative: since() subtracts them, add_counters() sums them
+    COUNTERS = ("hits", "misses", "loads", "load_failures", "use_failures", "dropped_loads", "load_seconds",
+                "wait_seconds", "evictions", "wasted_prefetches")
 
     @property
     def hit_rate(self) -> float:
@@ -176,6 +179,8 @@ class CacheStats:
             "cache_hit_rate": self.hit_rate,
             "cache_loads": self.loads,
             "cache_load_failures": self.load_failures,
+            "cache_use_failures": self.use_failures,
+            "cache_dropped_loads": self.dropped_loads,
             "cache_load_seconds": self.load_seconds,
             "cache_evictions": self.evictions,
             "cache_wasted_prefetches": self.wasted_prefetches,

@@ -577,6 +577,10 @@ class DraftStorage:
                         "safetensors each time; point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
                         "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path, target.parent, error)
             return
+        except Exception as error:  # not the medium's fault (a model the form cannot hold): this load still stands
+            log.warning("could not keep %s's runtime form (%s: %s): its loads build it from its safetensors each"
+                        " time", name or spec.path, type(error).__name__, error)
+            return
         with self._lock:
             self._forms[key] = form
 

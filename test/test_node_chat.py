@@ -107,6 +107,29 @@ def test_the_system_prompt_parameter_changes_at_run_time(h, tok):
     assert call["prompt_ids"] == templated(tok, [("user", "Hi")])  # back to the template's default system turn
 
 
+def test_the_system_prompt_counts_in_the_length_limits(h):
+    """generation.system_prompt had no bound and was not counted before tokenizing: a long one was tokenized with
+    every chat goal and each was refused as if its own prompt were too long. One that no goal could fit is refused
+    when set, and a goal's rejection names its share."""
+    limit = h.get_param("generation.max_prompt_tokens")
+    per_token = h.node.loaded.max_token_chars
+    too_long = "x" * (limit * per_token + 1)
+    results = h.set_params(**{"generation.system_prompt": too_long})
+    assert not results[0].successful and "every chat goal would be refused" in results[0].reason
+    assert h.get_param("generation.system_prompt") == ""
+    half = "y" * (limit * per_token // 2 + 1)
+    assert all(r.successful for r in h.set_params(**{"generation.system_prompt": half}))
+    try:
+        with prompt_tokenizations() as tokenized:
+            handle, _ = h.send(goal(prompt="z" * (limit * per_token // 2 + 1)))
+        assert not handle.accepted and tokenized == []  # refused on characters, before the template ran
+        assert f"with generation.system_prompt's {len(half)} characters" in h.node.last_rejection
+        handle, _ = h.send(goal(prompt="z" * (limit * per_token // 2 + 1), raw=True))  # no system turn in a raw goal
+        assert "generation.system_prompt" not in h.node.last_rejection
+    finally:
+        assert all(r.successful for r in h.set_params(**{"generation.system_prompt": ""}))
+
+
 def test_a_raw_goal_is_plain_continuation(h, tok):
     result, call = run(h, goal(prompt="def add(a, b):", raw=True, max_new_tokens=6))
     assert call["prompt_ids"] == tok("def add(a, b):", add_special_tokens=True)["input_ids"]

@@ -217,6 +217,10 @@ def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     assert results[0].successful, results[0].reason
     assert h.transition(Transition.TRANSITION_CONFIGURE)
     assert h.state() == "inactive"
+    # configured: the refusal's advice is the transitions this state allows (inactive refuses deactivate)
+    [refused] = h.set_params(**{"model.target_path": "/elsewhere"})
+    assert not refused.successful
+    assert "state inactive): cleanup, set it, then configure again" in refused.reason, refused.reason
 
 
 def test_a_node_shut_down_after_a_failed_configure_says_finalized(harness):

@@ -57,7 +57,7 @@ def test_valid_values_apply_and_invalid_ones_are_rejected_with_a_reason(h):
             ("memspec.policy", "oracle-dynamic", "memspec.policy must be one of"),
             ("generation.top_p", 0.0, "top_p"),
             ("diagnostic_updater.period", 0.0, "diagnostic_updater.period"),
-            ("model.target_path", "/elsewhere", "only while unconfigured"),
+            ("model.target_path", "/elsewhere", "state active): deactivate and cleanup, set it, then configure"),
             ("predictor.path", "none", "only while unconfigured"),
         ]:
             [result] = h.set_params(**{name: value})

@@ -35,7 +35,14 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 
 from memspec_interfaces.action import Generate
 
-from ..runtime.chat import ChatError, check_request, has_chat_template, prompt_ids, stop_string_error
+from ..runtime.chat import (
+    ChatError,
+    check_request,
+    has_chat_template,
+    prompt_ids,
+    stop_string_error,
+    system_prompt_applies,
+)
 from ..runtime.speculative import input_rows
 from ..runtime.stats import GenerationStats
 from .diagnostics import ThroughputWindow, generation_stats_msg, stats_fields
@@ -177,6 +184,11 @@ class FeedbackThrottle:
             self._broken = True
             self.logger.warning(f"feedback stopped for this goal: {type(exc).__name__}: {exc}")
         self._last_publish = now
+
+
+def _with_system(system: str) -> str:
+    """Where a length refusal counts the node's system prompt: say so (a long one fails every chat goal)."""
+    return f" with generation.system_prompt's {len(system)} characters" if system else ""
 
 
 def _ttft(job: Job, feedback: FeedbackThrottle) -> float | None:
@@ -342,17 +354,19 @@ class GoalRunner:
         limit = self._param("generation.max_prompt_tokens")
         if lo.max_positions:
             limit = min(limit, lo.max_positions - 1)
-        reason = self._characters_error(goal, messages, limit, lo.max_token_chars)
+        system = self._param("generation.system_prompt")
+        system = system if system_prompt_applies(lo.tokenizer, messages, goal.raw, system) else ""
+        reason = self._characters_error(goal, messages, limit, lo.max_token_chars, system)
         if reason:
             return reason
         try:
-            ids = prompt_ids(lo.tokenizer, goal.prompt, messages, goal.raw, self._param("generation.system_prompt"))
+            ids = prompt_ids(lo.tokenizer, goal.prompt, messages, goal.raw, system)
         except ChatError as exc:  # the chat template failed (a sandbox refusal included)
             return str(exc)
         except Exception as exc:  # never let a tokenizer error escape the goal callback
             return f"the prompt could not be tokenized: {type(exc).__name__}: {exc}"
         new_tokens = self._max_new_tokens(goal)
-        return (self._tokens_error(ids, new_tokens, limit, lo.max_positions)
+        return (self._tokens_error(ids, new_tokens, limit, lo.max_positions, system)
                 or self._vocabulary_error(ids, input_rows(lo.target.model))
                 or self._reserve(Job(goal, ids, new_tokens, self._sampling(goal)), lo))
 
@@ -390,28 +404,32 @@ class GoalRunner:
         return ""
 
     @staticmethod
-    def _characters_error(goal: Generate.Goal, messages: list, limit: int, max_token_chars: int) -> str:
+    def _characters_error(goal: Generate.Goal, messages: list, limit: int, max_token_chars: int,
+                          system: str = "") -> str:
         """Before any tokenizing (a 1 MB prompt took 0.5 s and 350 MB to tokenize): a text longer than
-        ``limit`` times the most characters one token stands for can never fit in ``limit`` tokens."""
+        ``limit`` times the most characters one token stands for can never fit in ``limit`` tokens. ``system``:
+        the generation.system_prompt this goal is rendered with (its characters count too)."""
         if len(messages) > limit:  # every turn takes tokens of the template's own: 80,000 one-character messages
             # passed the characters' bound, and rendered to 540,000 tokens before the token count refused them
             return (f"{len(messages)} messages, more than the limit of {limit} tokens can hold (every turn takes"
                     f" at least one; {LENGTH_LIMITS})")
-        chars = len(goal.prompt) + sum(len(content) for _, content in messages)
+        chars = len(goal.prompt) + sum(len(content) for _, content in messages) + len(system)
         if chars <= limit * max_token_chars:
             return ""
         what = "the messages have" if messages else "the prompt has"
-        return (f"{what} {chars} characters, more than the limit of {limit} tokens can hold (at most"
-                f" {max_token_chars} characters per token for this tokenizer; {LENGTH_LIMITS})")
+        return (f"{what} {chars} characters{_with_system(system)}, more than the limit of {limit} tokens can hold"
+                f" (at most {max_token_chars} characters per token for this tokenizer; {LENGTH_LIMITS})")
 
     @staticmethod
-    def _tokens_error(ids: list[int], new_tokens: int, limit: int, max_positions: int) -> str:
+    def _tokens_error(ids: list[int], new_tokens: int, limit: int, max_positions: int, system: str = "") -> str:
         """The prompt's tokens against generation.max_prompt_tokens and, with the new tokens, the context."""
         if len(ids) > limit:
-            return f"the prompt has {len(ids)} tokens, more than the limit of {limit} ({LENGTH_LIMITS})"
+            return (f"the prompt has {len(ids)} tokens{_with_system(system)}, more than the limit of {limit}"
+                    f" ({LENGTH_LIMITS})")
         if max_positions and len(ids) + new_tokens > max_positions:
-            return (f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens}) exceeds the target's context of"
-                    f" {max_positions} tokens: shorten the prompt or ask for fewer tokens ({LENGTH_LIMITS})")
+            return (f"prompt ({len(ids)} tokens{_with_system(system)}) + max_new_tokens ({new_tokens}) exceeds the"
+                    f" target's context of {max_positions} tokens: shorten the prompt or ask for fewer tokens"
+                    f" ({LENGTH_LIMITS})")
         return ""
 
     def _reserve(self, job: Job, loaded) -> str:

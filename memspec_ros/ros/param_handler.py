@@ -123,8 +123,20 @@ class ParameterHandler:
                 raise Refused(reason)
         at_configure = [n for n in new if n in P.BY_NAME and P.BY_NAME[n].when == P.AT_CONFIGURE]
         if at_configure and lo is not None:
+            state = self._node.lifecycle_state
+            steps = "cleanup" if state == "inactive" else "deactivate and cleanup"  # inactive refuses deactivate
             raise Refused(f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded,"
-                          f" state {self._node.lifecycle_state}): deactivate and cleanup, set it, then configure again")
+                          f" state {state}): {steps}, set it, then configure again")
+        system = new.get("generation.system_prompt")
+        if isinstance(system, str) and lo is not None:  # every chat goal would be refused as too long
+            limit = int(new.get("generation.max_prompt_tokens",
+                                self._node.get_parameter("generation.max_prompt_tokens").value))
+            limit = min(limit, lo.max_positions - 1) if lo.max_positions else limit
+            if len(system) > limit * lo.max_token_chars:
+                raise Refused(f"generation.system_prompt has {len(system)} characters, more than the"
+                              f" {limit} tokens of generation.max_prompt_tokens (or the target's context) can hold"
+                              f" ({lo.max_token_chars} characters per token at most for this tokenizer): every chat"
+                              " goal would be refused; shorten it or raise generation.max_prompt_tokens")
         changed = {n: P.plain_value(v) for n, v in new.items()}
         if any(n in P.PATH_PARAMS or n in P.REGISTRY_PARAMS for n in changed):  # model.allowed_roots
             current = {n: P.plain_value(self._node.get_parameter(n).value) for n in P.REGISTRY_PARAMS}

@@ -113,6 +113,12 @@ def conversation(prompt: str, messages: Sequence[tuple[str, str]], system_prompt
     return turns
 
 
+def system_prompt_applies(tokenizer, messages: Sequence[tuple[str, str]], raw: bool, system_prompt: str) -> bool:
+    """Whether conversation() puts ``system_prompt`` first in this request (what prompt_ids renders)."""
+    return bool(system_prompt) and not raw and has_chat_template(tokenizer) and (
+        not messages or str(messages[0][0]) != SYSTEM)
+
+
 def prompt_ids(tokenizer, prompt: str, messages: Sequence[tuple[str, str]] = (), raw: bool = False,
                system_prompt: str = "") -> list[int]:
     """The token ids to generate from (see the module docstring). Raises ChatError (ChatTemplateError

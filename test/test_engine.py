@@ -474,6 +474,45 @@ def test_a_draft_with_a_shorter_position_table_stops_proposing_before_its_end(ta
     assert session.stats.iterations[-1].draft == ""  # past them: plain steps, no failure
 
 
+def test_a_target_with_a_position_table_refuses_a_generation_past_it_before_it_starts():
+    """With no max_positions given (generate(), a bench), a GPT-2 target's table was not checked: the verify that
+    fed its first position past the table raised IndexError mid-generation."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memspec_ros.runtime.speculative import ContextLengthError
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ContextLengthError, match="exceeds the target's context of 32 tokens"):
+        generate(gpt2, list(range(1, 21)), max_new_tokens=20)
+    with pytest.raises(ContextLengthError, match="context of 32 tokens"):  # a larger limit passed is capped too
+        generate(gpt2, list(range(1, 21)), max_new_tokens=20, max_positions=1000)
+    assert len(generate(gpt2, list(range(1, 21)), max_new_tokens=12).generated_ids) == 12  # up to its end
+
+
+def test_a_longrope_target_is_served_only_within_its_original_length():
+    """A longrope target (Phi-3 style) picks short or long frequencies from a call's longest position: a verify
+    straddling original_max_position_embeddings computed its rows with the long ones where one-token decoding used
+    the short ones for the positions before it, so greedy output could drift from the target's own. Its context is
+    that original length: refused past it, as a context limit is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memspec_ros.runtime.draft_forward import context_positions
+    from memspec_ros.runtime.speculative import ContextLengthError
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                          "long_factor": [4.0] * 8, "original_max_position_embeddings": 16})
+    torch.manual_seed(0)
+    longrope = LlamaForCausalLM(config).eval()
+    assert context_positions(longrope.config) == 16
+    with pytest.raises(ContextLengthError, match="context of 16 tokens"):
+        generate(longrope, list(range(1, 11)), max_new_tokens=10)
+    out = generate(longrope, list(range(1, 11)), longrope, max_new_tokens=6, gamma=4)
+    assert out.generated_ids == generate(longrope, list(range(1, 11)), max_new_tokens=6).generated_ids
+
+
 def test_the_last_token_spends_no_draft_timing(target, drafts, monkeypatch):
     """With one token left nothing can be proposed, yet adaptive gamma ran the draft's timing forwards first: a
     timing failure there took the draft out of service for nothing."""

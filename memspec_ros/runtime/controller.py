@@ -30,6 +30,7 @@ import torch
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
 from .choice import Choice, Resolution, carry_out, run_first_resident
 from .datastore import Datastore
+from .draft_forward import context_positions
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import target_costs
 from .lookup import LOOKUP_DRAFT, LookupConfig
@@ -249,7 +250,7 @@ class RuntimeController:
             eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
             eos_token_ids = [eos] if eos is not None else []
         self.eos_token_ids = list(eos_token_ids)
-        self.max_positions = max_positions or int(getattr(target.config, "max_position_embeddings", 0) or 0)
+        self.max_positions = max_positions or context_positions(target.config)
         self.cache = cache or DraftCacheManager(
             config.capacity,
             loader or registry_loader(registry, draft_dtype, device, storage=storage, quantization=draft_quantization,

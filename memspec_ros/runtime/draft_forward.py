@@ -56,6 +56,25 @@ def rope_type(config) -> str:
     return "default"
 
 
+def rope_length_limit(config) -> int:
+    """Positions past which a length-dependent RoPE (LENGTH_DEPENDENT_ROPE) changes its frequencies: 0 for any other
+    type. transformers picks them from a call's longest position, so a verify straddling the limit computes every row
+    with the long frequencies where one-token decoding computed the rows before it with the short ones: past it, the
+    engine would not be lossless (a review's finding, for a Phi-3-style longrope target on transformers' forward)."""
+    if rope_type(config) not in LENGTH_DEPENDENT_ROPE:
+        return 0
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                         None)
+    return int(original or getattr(config, "max_position_embeddings", 0) or 0)
+
+
+def context_positions(config) -> int:
+    """The positions a target serves here: its max_position_embeddings, capped by rope_length_limit (0: none known)."""
+    limits = [int(getattr(config, "max_position_embeddings", 0) or 0), rope_length_limit(config)]
+    return min((n for n in limits if n > 0), default=0)
+
+
 def unsupported_reason(model: torch.nn.Module) -> str:
     """Why ``model`` cannot take the lean path ('' when it can)."""
     if isinstance(model, ReducedVocabDraft):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .draft_forward import unsupported_reason
+from .draft_forward import context_positions, unsupported_reason
 from .forward_paths import PATHS, PathReport, apply_path
 from .path_choice import PathChoice, choose_path
 
@@ -373,7 +373,7 @@ def _load_directory(spec: ModelSpec) -> LoadedModel:
         spec=spec,
         size_bytes=parameter_bytes(model),
         vocab_size=vocab_size,
-        max_positions=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+        max_positions=context_positions(model.config),
         forward_path=path,
         path_choice=choice,
         prepared=prepared,

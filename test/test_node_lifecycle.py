@@ -223,6 +223,29 @@ def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     assert "state inactive): cleanup, set it, then configure again" in refused.reason, refused.reason
 
 
+def test_a_parameter_stored_as_configure_reads_fails_that_configure(harness):
+    """on_set releases the transition lock as it returns and rclpy stores the value after: a set racing a configure
+    landed after the configure read the old value, and the node ran the old model while the parameter showed the
+    new. The race is made here by storing a value the way rclpy does, just after configure read them."""
+    from rclpy.parameter import Parameter
+
+    h = harness()
+    handler = h.node._params
+    read = handler.checked_values
+
+    def racing():
+        values = read()
+        h.node._parameters["generation.system_prompt"] = Parameter("generation.system_prompt", value="Be brief.")
+        return values
+
+    handler.checked_values = racing
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == "unconfigured" and h.node.loaded is None
+    assert "generation.system_prompt changed as configure read the parameters" in h.node._configure_error
+    handler.checked_values = read
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "inactive"  # what they say now
+
+
 def test_a_node_shut_down_after_a_failed_configure_says_finalized(harness):
     """/diagnostics kept saying "configure failed" (ERROR) for a node shut down since: it is finalized (WARN)."""
     h = harness(**{"model.target_path": "/nonexistent/target"})

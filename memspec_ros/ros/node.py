@@ -241,6 +241,10 @@ class MemSpecNode(LifecycleNode):
             self._loaded = self._load()
             if self._runner.closing:  # a signal came while the models loaded: the node is going, not serving
                 raise RuntimeError(f"{self._runner.closing} while configure loaded the models")
+            changed = self._params.changed_since_configure_read()
+            if changed:  # set as the configure began: what was loaded is not what the parameters say
+                raise RuntimeError(f"{', '.join(changed)} changed as configure read the parameters: configure again"
+                                   " to load what they say now")
         except Exception as exc:  # every load error becomes a failed transition with its reason
             return self._configure_failed(exc)
         self._configure_error = self._transition_error = ""

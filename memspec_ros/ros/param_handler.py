@@ -54,6 +54,7 @@ class ParameterHandler:
         # services have their own callback group, so parameter calls are answered during a transition)
         self._transitioning = transitioning
         self._setters: dict[str, Callable[[Any], None]] = {}
+        self._configured: dict[str, Any] = {}  # the values the last configure read
         node.add_on_set_parameters_callback(self.on_set)
 
     def apply_at_once(self, name: str, setter: Callable[[Any], None]) -> None:
@@ -62,7 +63,7 @@ class ParameterHandler:
 
     def checked_values(self) -> dict[str, Any]:
         """Every parameter's value (configure); ValueError with the first invalid one's reason."""
-        v = P.values(self._node)
+        v = self._configured = P.values(self._node)
         for name in P.BY_NAME:
             reason = P.check_value(name, v[name])
             if reason:
@@ -71,6 +72,14 @@ class ParameterHandler:
         if reason:
             raise ValueError(reason)
         return v
+
+    def changed_since_configure_read(self) -> list[str]:
+        """Parameters whose value is not the one configure read. on_set releases the transition lock as it returns,
+        and rclpy stores the values only after every callback has returned: a set racing a configure could pass
+        on_set while unconfigured and land after the configure read the old value (the node then ran the old
+        target while `ros2 param get` showed the new one). A configure checks this once its models are loaded."""
+        now = P.values(self._node)
+        return [name for name, value in self._configured.items() if now.get(name) != value]
 
     def on_set(self, changed) -> SetParametersResult:
         """Check everything first; apply only if all is valid; refuse while a lifecycle transition runs."""

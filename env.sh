@@ -30,6 +30,26 @@ case ":${CMAKE_PREFIX_PATH:-}:" in
   *":$VIRTUAL_ENV:"*) ;;
   *) export CMAKE_PREFIX_PATH="$VIRTUAL_ENV${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}" ;;
 esac
+# A system ROS 2 sourced in this shell before (/opt/ros/$ROS_DISTRO/setup.bash) put its Python packages on
+# PYTHONPATH, which Python reads before .venv's: `import rclpy` then found that distribution's rclpy, built for
+# another Python, and failed far from the cause. Those entries are dropped here, with a note.
+_memspec_kept=""
+_memspec_dropped=""
+IFS=':' read -r -a _memspec_entries <<< "${PYTHONPATH:-}"
+for _memspec_entry in "${_memspec_entries[@]}"; do
+  [ -n "$_memspec_entry" ] || continue
+  if [ -d "$_memspec_entry/rclpy" ] && [ "${_memspec_entry#"$VIRTUAL_ENV"/}" = "$_memspec_entry" ]; then
+    _memspec_dropped="$_memspec_dropped $_memspec_entry"
+  else
+    _memspec_kept="${_memspec_kept:+$_memspec_kept:}$_memspec_entry"
+  fi
+done
+if [ -n "$_memspec_dropped" ]; then
+  echo "env.sh: left out of PYTHONPATH (another ROS 2's Python packages; .venv has ROS 2 Jazzy's):$_memspec_dropped" >&2
+  if [ -n "$_memspec_kept" ]; then export PYTHONPATH="$_memspec_kept"; else unset PYTHONPATH; fi
+fi
+unset _memspec_kept _memspec_dropped _memspec_entries _memspec_entry
+
 # shellcheck disable=SC1091
 . "$_memspec_root/install/setup.bash"
 

@@ -202,3 +202,24 @@ def test_a_venv_made_here_by_another_tool_is_adopted_not_deleted(checkout):
     done = run_setup(root, fake, "deps")
     assert done.returncode == 0, done.stderr
     assert (venv / "keepsake").exists() and not any(line.startswith("venv ") for line in log_lines(root))
+
+
+def test_env_sh_leaves_another_ros_distributions_python_packages_out(tmp_path):
+    """A system ROS 2 sourced before env.sh put its rclpy on PYTHONPATH, which Python reads before .venv's: `import
+    rclpy` found the other distribution's, built for another Python. env.sh drops such entries and says so."""
+    if not (REPO / ".venv" / "bin" / "activate").is_file() or not (REPO / "install" / "setup.bash").is_file():
+        pytest.skip("env.sh needs `make setup` first")  # strict mode (make test) turns this into a failure
+    other = tmp_path / "opt_ros" / "lib" / "python3.12" / "site-packages"
+    (other / "rclpy").mkdir(parents=True)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
+    env["PYTHONPATH"] = f"{other}:{mine}"
+    done = subprocess.run(["bash", "-c", f'source "{REPO}/env.sh" && echo "PYTHONPATH=$PYTHONPATH"'
+                                         ' && python -c "import rclpy; print(rclpy.__file__)"'],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    path = next(line for line in done.stdout.splitlines() if line.startswith("PYTHONPATH=")).split("=", 1)[1]
+    assert str(other) not in path.split(":") and str(mine) in path.split(":")
+    assert f"left out of PYTHONPATH (another ROS 2's Python packages; .venv has ROS 2 Jazzy's): {other}" in done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith(str(REPO / ".venv"))

@@ -68,9 +68,9 @@ def _chat_and_prompt_workloads(folder):
     folder.mkdir()
     (folder / "robotics.jsonl").write_text("".join(json.dumps({"domain": "robotics", "prompt": p}) + "\n"
                                                    for p in ("Plan a path around the box.", "Grip the cup.")))
-    (folder / "chat.jsonl").write_text(json.dumps({"domain": "chat", "messages": [
+    (folder / "chat.jsonl").write_text("".join(json.dumps({"domain": "chat", "messages": [
         {"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Again, louder."}]}) + "\n")
+        {"role": "user", "content": again}]}) + "\n" for again in ("Again, louder.", "Once more.")))
     (folder / "train_requests.jsonl").write_text(json.dumps({"domain": "x", "prompt": "not a workload"}) + "\n")
     return folder
 
@@ -144,14 +144,17 @@ def test_policy_bench_names_a_missing_workload(tmp_path):
 
 def test_policy_bench_refuses_a_predictor_it_cannot_find_and_a_run_with_no_policy_left(tmp_path):
     """A --predictor with no head silently dropped memspec, prediction-only and the cost-aware variant (and with
-    only those asked for, raised IndexError after the oracles' traces were computed)."""
+    only those asked for, raised IndexError after the oracles' traces were computed). The default looked in
+    <zoo>/predictor/target-hidden only; it is <zoo>/predictor now, target-hidden first, then minilm."""
     zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, predictor=False)
     folder = _chat_and_prompt_workloads(tmp_path / "mine")
     args = ["policies", "--zoo", str(zoo), "--workloads-dir", str(folder), "--prompts", "1", "--max-new-tokens", "8"]
     with pytest.raises(SystemExit, match="--predictor .*nowhere: no trained ranking head"):
         main([*args, "--policies", "general-static,memspec", "--predictor", str(tmp_path / "nowhere")])
-    with pytest.raises(SystemExit, match="memspec need the predictor and the zoo has none"):
-        main([*args, "--policies", "memspec"])
+    # named policies that rank, and no head in the zoo's predictor folder: refused before any load (they were
+    # dropped with exit status 0 and a line at the end of the output when others were named beside them)
+    with pytest.raises(SystemExit, match=r"zoo/predictor: no trained ranking head there .* which memspec ranking"):
+        main([*args, "--policies", "general-static,memspec"])
 
 
 def test_engine_bench_takes_a_workload_folder_and_reports_the_draft_load(tmp_path):
@@ -458,18 +461,6 @@ def test_the_prediction_overhead_bench_refuses_bad_counts_and_a_missing_predicto
         overhead(argv)
     assert exc.value.code == 2
     assert argv[0] in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("trace", ["-4", "8"])
-def test_policies_trace_tokens_must_cover_the_output(trace, tmp_path, capsys):
-    """--trace-tokens below --max-new-tokens (or negative) was raised silently to it by a max(), while the JSON's
-    config recorded the value given."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(["policies", "--zoo", str(tmp_path / "no-zoo"), "--max-new-tokens", "16", "--trace-tokens", trace])
-    if trace == "-4":  # refused by argparse, naming the option
-        assert exit_info.value.code == 2 and "--trace-tokens" in capsys.readouterr().err
-    else:
-        assert "--trace-tokens 8 is below --max-new-tokens 16" in str(exit_info.value.code)
 
 
 def test_the_soak_is_not_ok_when_a_burst_takes_more_or_fewer_goals_than_the_queue_holds():

@@ -263,6 +263,24 @@ def test_the_cache_loads_one_draft_at_a_time_and_never_evicts_the_active_one():
     assert cache.wait_for("c") == pytest.approx(1.0)
 
 
+def test_a_speed_scaled_cost_model_scales_every_compute_cost_and_no_load():
+    """scaled() left call_other_seconds (the call's checks and bookkeeping) at the fitted speed: a speed-matched
+    replay's end-to-end time kept that part unscaled."""
+    from dataclasses import asdict
+
+    model = CostModel(draft_token_seconds=1e-3, catchup_base_seconds=2e-3, catchup_token_seconds=3e-4,
+                      other_iteration_seconds=4e-4, prefill_base_seconds=5e-3, prefill_token_seconds=6e-5,
+                      call_other_seconds=7e-4, verify_seconds={1: 0.01, 5: 0.02}, point_seconds={"memspec": 1e-3},
+                      setup_seconds={"memspec": 2e-3}, load_seconds={"code": 0.05})
+    slow, data = model.scaled(2.0), asdict(model)
+    for key, value in asdict(slow).items():
+        if key.endswith("seconds") and key != "load_seconds":  # every compute cost, in one number or per key
+            expected = ({k: 2.0 * v for k, v in data[key].items()} if isinstance(value, dict)
+                        else 2.0 * data[key])
+            assert value == pytest.approx(expected), key
+    assert slow.load_seconds == model.load_seconds  # storage is not the machine's compute speed
+
+
 def test_a_trace_replays_only_the_budgets_it_recorded(traces):
     trace = traces[0]
     assert trace.budget(NEW) == NEW
@@ -341,8 +359,15 @@ def test_the_policy_bench_reports_the_simulators_validation(tmp_path, capsys):
     # held out: only the second prompt of each workload is replayed, against its own measurement
     assert validation["held_out"]["policies"]["memspec"]["measured_end_to_end"] != pytest.approx(
         validation["policies"]["memspec"]["measured_end_to_end"])
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "held out" in printed
+    # math ran its one row: said at the start and recorded, and the titles say so (they said 2 for every workload)
+    assert "but math has 1 row(s)" in captured.err
+    assert result["config"]["prompts_run"] == {"code": 2, "math": 1, "mixed": 2}
+    from memspec_ros.bench.policy_bench import prompts_label
+
+    assert prompts_label(result["config"]) == "up to 2 prompts/workload (math 1)"
     assert "GMEAN last, over code, math only" in printed  # not over the mixed column beside it
 
 
@@ -518,3 +543,27 @@ def test_the_simulator_refuses_settings_the_runtime_refuses(bad, says):
     with pytest.raises(ValueError, match=says):
         SimConfig(**bad)
     assert SimConfig(capacity=64, interval=1, gamma=1, recent_tokens=0, max_new_tokens=1).capacity == 64
+
+
+def test_a_held_out_replay_that_covers_no_workload_leaves_the_gate_to_the_pooled_one(tmp_path):
+    """Every domain workload with one prompt and mixed (left out of the GMEAN) with two: the held-out replay covered
+    no workload, and the gate read "held out" with an undefined error and failed, where the pooled replay is the
+    only one there is."""
+    import json
+
+    from memspec_ros.bench.cli import main
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2)
+    (zoo / "workloads").mkdir()
+    for workload, prompts in (("code", ("def add(a, b):",)), ("mixed", ("Explain this code:", "Prove it."))):
+        (zoo / "workloads" / f"{workload}.jsonl").write_text(
+            "".join(json.dumps({"domain": workload, "prompt": prompt}) + "\n" for prompt in prompts))
+    out = tmp_path / "policies.json"
+    main(["policies", "--zoo", str(zoo), "--predictor", str(zoo / "predictor"), "--workloads", "code,mixed",
+          "--policies", "general-static,memspec", "--prompts", "2", "--max-new-tokens", "12", "--json", str(out)])
+    validation = json.loads(out.read_text())["simulator_validation"]
+    assert validation["held_out"]["gmean_over"] == []
+    assert validation["gate"]["kind"].startswith("pooled")
+    assert validation["gate"]["max_abs_error_end_to_end"] == validation["pooled"]["max_abs_error_end_to_end"]
+    assert validation["gate"]["max_abs_error_end_to_end"] is not None

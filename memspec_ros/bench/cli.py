@@ -12,7 +12,6 @@ from pathlib import Path
 from ..argtypes import (
     controller_limit,
     json_output_file,
-    non_negative_int,
     output_file,
     positive_int,
     thread_counts,
@@ -434,12 +433,9 @@ def cmd_policies(args) -> int:
     from tqdm import tqdm
 
     from ..runtime.loader import HEAD_CONFIG, PREDICTOR_PREFERENCE, find_predictor
-    from ..runtime.policies import POLICIES
+    from ..runtime.policies import POLICIES, RANKING_POLICIES
     from .policy_bench import PolicyBenchConfig, plot_policy_bench, run_policy_bench, validation_table
 
-    if 0 < args.trace_tokens < args.max_new_tokens:  # the oracles' future must cover every generation
-        raise SystemExit(f"--trace-tokens {args.trace_tokens} is below --max-new-tokens {args.max_new_tokens}: the"
-                         " traces must cover the whole output (0: --max-new-tokens)")
     policies = unique_names(args.policies, "--policies") if args.policies else list(PolicyBenchConfig.policies)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -448,13 +444,19 @@ def cmd_policies(args) -> int:
     cfg = PolicyBenchConfig(policies=policies, workloads=workloads, prompts=args.prompts, runs=args.runs,
                             max_new_tokens=args.max_new_tokens, capacity=args.capacity, interval=args.interval,
                             gamma=args.gamma, storage=args.storage, workloads_dir=str(folder or ""),
-                            threads=args.threads, simulate=not args.no_simulator, trace_tokens=args.trace_tokens,
+                            threads=args.threads, simulate=not args.no_simulator,
                             quantization=args.quantization, draft_quantization=args.draft_quantization)
-    predictor = Path(args.predictor) if args.predictor else zoo / "predictor" / "target-hidden"
-    if args.predictor and not find_predictor(predictor):
-        # a predictor named and not found would silently drop memspec, prediction-only and the cost-aware variant
-        raise SystemExit(f"--predictor {predictor}: no trained ranking head there ({HEAD_CONFIG} in it or in one of"
-                         f" its encoder folders: {', '.join(p for p in PREDICTOR_PREFERENCE if p)})")
+    # the zoo's predictor folder: find_predictor prefers its target-hidden head, then its minilm one (pointed at
+    # target-hidden alone, a zoo with only a minilm head ran without its ranking policies)
+    predictor = Path(args.predictor) if args.predictor else zoo / "predictor"
+    ranking = [p for p in policies if p in RANKING_POLICIES]
+    if (args.predictor or (args.policies and ranking)) and not find_predictor(predictor):
+        # named (a predictor, or policies that need one) and not found: dropping memspec, prediction-only and the
+        # cost-aware variant with exit status 0 and a line at the end of the output passed for a comparison
+        raise SystemExit(f"{'--predictor ' if args.predictor else ''}{predictor}: no trained ranking head there"
+                         f" ({HEAD_CONFIG} in it or in one of its encoder folders:"
+                         f" {', '.join(p for p in PREDICTOR_PREFERENCE if p)}), which {', '.join(ranking) or 'the'}"
+                         " ranking policies need: train one (memspec-train-predictor) or pass --predictor")
     with tqdm(total=len(policies) * len(workloads) * args.prompts * args.runs, desc="policies", unit="gen") as bar:
         try:
             result = run_policy_bench(zoo, cfg, predictor, progress=bar)
@@ -526,12 +528,17 @@ def _zoo_and_workloads(args) -> tuple[Path, Path | None, list[str]]:
         workloads = workloads_in(folder) if folder is not None else list(PolicyBenchConfig.workloads)
     where = folder if folder is not None else zoo / "workloads"
     try:  # every row read now: an empty folder or file, or a bad line, is named before the models load
-        empty = [w for w, rows in read_workloads(where, workloads, args.prompts).items() if not rows]
+        counts = {w: len(rows) for w, rows in read_workloads(where, workloads, args.prompts).items()}
     except (OSError, ValueError) as exc:
         raise SystemExit(f"memspec-bench {args.command}: {exc}") from None
+    empty = [w for w, n in counts.items() if not n]
     if not workloads or empty:
         raise SystemExit(f"{where}: no workload rows{' in ' + ', '.join(empty) if empty else ''} (<name>.jsonl files"
                          " of {\"domain\", \"prompt\"} or chat rows; train* skipped)")
+    short = {w: n for w, n in counts.items() if n < args.prompts}
+    if short:  # they run the rows they have: said now, and in the JSON (prompts_run), the titles and the page
+        print(f"note: --prompts {args.prompts}, but {', '.join(f'{w} has {n}' for w, n in short.items())} row(s) in"
+              f" {where}: each of those runs the rows it has", file=sys.stderr)
     return zoo, folder, workloads
 
 
@@ -710,7 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common_arguments(pol, prompts=4, runs=1, threads=1, prompts_help="prompts per workload (the paper: 100)",
                       json_type=json_output_file,
                       runs_help="repetitions; each workload's rate is over all of them (sums, not medians)")
-    pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
+    pol.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor, its target-hidden"
+                                         " head first, then minilm)")
     pol.add_argument("--policies",
                      help="comma-separated subset (default: the paper's seven; memspec-cost-aware on request)")
     pol.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed,"
@@ -724,8 +732,6 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_argument(pol, "every draft load reads its weights cold through it")
     pol.add_argument("--no-simulator", action="store_true",
                      help="skip replaying the runs in the trace-driven simulator (simulator_validation)")
-    pol.add_argument("--trace-tokens", type=non_negative_int, default=0,
-                     help="record each prompt's greedy trace this far (default: --max-new-tokens)")
     _paths_arguments(pol)
     pol.set_defaults(func=cmd_policies)
     pap = sub.add_parser("paper", help="the paper's evaluation (figures 6-12, table 2, storage media, issue 17's"
@@ -734,7 +740,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder for the items and README.md (default: docs/results)")
     pap.add_argument("--zoo", default=str(DEFAULT_ZOO),
                      help="zoo directory with registry.yaml (default: the bundled zoo)")
-    pap.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor/target-hidden)")
+    pap.add_argument("--predictor", help="trained predictor directory (default: <zoo>/predictor, its target-hidden"
+                                         " head first, then minilm)")
     pap.add_argument("--prompts", type=positive_int, default=2,
                      help="prompts per workload in the real runs (default 2)")
     pap.add_argument("--workloads", help="comma-separated subset (default: code,math,law,medical,general,mixed)")

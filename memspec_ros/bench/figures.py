@@ -45,6 +45,7 @@ from .policy_bench import (
     domain_workloads,
     gmean,
     plot_policy_bench,
+    prompts_label,
     share,
     timed_loads,
     validation_gate,
@@ -526,7 +527,7 @@ def run_paper(zoo: Path, out: Path, *, prompts: int = 2, storage: str = "emmc", 
     """The whole evaluation; writes every item's JSON and PNG into ``out`` and returns the index."""
     from ..runtime.loader import find_predictor
 
-    predictor_dir = predictor_dir or zoo / "predictor" / "target-hidden"
+    predictor_dir = predictor_dir or zoo / "predictor"  # its target-hidden head first, then minilm
     if not find_predictor(predictor_dir):  # the figures compare MemSpec: say so now, not after the timed runs
         raise FileNotFoundError(f"no trained predictor in {predictor_dir}: the paper's evaluation runs MemSpec and"
                                 " Prediction-Only, which need one (memspec-zoo build trains it, or give"
@@ -574,7 +575,7 @@ def _evaluate(zoo: Path, stage: Path, t0: float, *, prompts: int, storage: str, 
     t1 = time.perf_counter()
     media = measure_media(bench, MEDIA_ORDER)
     context = (f"K={cfg.capacity}, N={cfg.interval}, gamma={cfg.gamma}, {cfg.max_new_tokens} tokens,"
-               f" {prompts} prompts/workload, {Path(result['config']['zoo']).name}/ zoo")
+               f" {prompts_label(result['config'])}, {Path(result['config']['zoo']).name}/ zoo")
     fig6 = figure6(bench, storage)
     items = [fig6, figure7(bench, storage), figure8_9(bench, storage),
              sweep(bench, "fig10", (2, 4, 8, 16), "interval", SWEEP_POLICIES, storage,
@@ -707,7 +708,7 @@ def render(items: dict, result: dict, index: dict, out_dir: Path) -> str:
              f" {_path_name(cfg.get('quantization', 'none'))},"
              f" drafts {_path_name(cfg.get('draft_quantization', 'none'))}; "
              f"K = {cfg['capacity']}, N = {cfg['interval']}, gamma = {cfg['gamma']}, {cfg['max_new_tokens']} new"
-             f" tokens, greedy, {cfg['prompts']} prompts per workload ({', '.join(cfg['workloads'])}), every"
+             f" tokens, greedy, {prompts_label(cfg, 'prompts per workload')} ({', '.join(cfg['workloads'])}), every"
              f" policy on every prompt, interleaved. Storage: **{storage['medium']}"
              f"{' (emulated)' if storage['emulated'] else ''}**: {load_sentence(storage)}.", "",
              _lossless_line(result), "",

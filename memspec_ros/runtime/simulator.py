@@ -263,7 +263,7 @@ class CostModel:
         """The same model on a machine ``speed`` times slower at computing (loads, paced I/O, unchanged)."""
         data = asdict(self)
         for key in ("draft_token_seconds", "catchup_base_seconds", "catchup_token_seconds", "other_iteration_seconds",
-                    "prefill_base_seconds", "prefill_token_seconds"):
+                    "prefill_base_seconds", "prefill_token_seconds", "call_other_seconds"):
             data[key] *= speed
         for key in ("verify_seconds", "point_seconds", "setup_seconds"):
             data[key] = {k: v * speed for k, v in data[key].items()}

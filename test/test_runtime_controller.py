@@ -1121,11 +1121,11 @@ def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, d
     calls, slow = [], 0.3
     calibrate = ctl.calibrate
 
-    def timed_calibrate():
+    def timed_calibrate(adaptive=None):
         calls.append(ctl.config.gamma)
         if len(calls) > 1:
             time.sleep(slow)  # a slow machine's timing: whatever it takes is no prediction
-        return calibrate()
+        return calibrate(adaptive)
 
     monkeypatch.setattr(ctl, "calibrate", timed_calibrate)
     raised = []
@@ -1139,6 +1139,32 @@ def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, d
         assert calls == [2, 5]  # before the goal, then at the point that applied gamma 5
         # ... and its time was the point's "prediction" (the paper's overhead), not the decode time's other part
         assert stats.prediction_seconds < slow <= stats.execution_parts()["other"]
+    finally:
+        ctl.close()
+
+
+@pytest.mark.parametrize("adaptive_before", [True, False])
+def test_adaptive_gamma_switched_mid_goal_calibrates_as_the_running_goal_adapts(target, drafts, monkeypatch,
+                                                                                 adaptive_before):
+    """adaptive_gamma applies from the next goal, but the scheduling point that applied a change calibrated by the
+    new setting: switched off with a larger gamma, the running goal (still adapting) timed the longer forwards
+    inside an iteration; switched on, the point timed forwards no one would use."""
+    from memspec_ros.runtime import controller as controller_module
+
+    timed = []
+    monkeypatch.setattr(controller_module, "target_costs", lambda model, gamma: timed.append(gamma))
+    ctl = make(target, drafts, "general-static", capacity=1, interval=2, adaptive_gamma=adaptive_before, gamma=2)
+    timed.clear()
+    changed = []
+
+    def on_chunk(text, ids):
+        if not changed:
+            changed.append(ctl.reconfigure(gamma=5, adaptive_gamma=not adaptive_before))
+
+    try:
+        ctl.generate(PROMPT, 30, on_chunk=on_chunk)
+        # before the goal as configured then; at the point as the goal that runs on adapts
+        assert timed == ([2, 5] if adaptive_before else [])
     finally:
         ctl.close()
 

@@ -397,6 +397,60 @@ def test_a_failed_background_prediction_is_logged_counted_and_keeps_the_previous
     assert "encoder broke" in caplog.text
 
 
+def test_a_head_giving_non_finite_scores_is_a_predictor_failure_not_a_goals(tmp_path):
+    """A diverged head's NaN scores were sorted into any order and then refused by the draft cache (ValueError), which
+    failed the goal; a broken predictor must cost speed only. Its weights are refused at load, and a NaN ranking is a
+    PredictorError (which the node's ranker turns into general-static's order)."""
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    torch.manual_seed(0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=128, hidden=16)).eval()
+    with torch.no_grad():
+        head.net[-1].weight[0, 0] = float("nan")
+    head.save(tmp_path / "p")
+    with pytest.raises(PredictorError, match="hold.*NaN or infinite values: retrain"):
+        RankingHead.load(tmp_path / "p")
+    engine = PredictionEngine(head, TargetHiddenEncoder(target, 8))
+    engine.begin(PROMPT)
+    with pytest.raises(PredictorError, match="non-finite scores"):
+        engine.rank(ctx(0, candidates=("a", "b")))
+    from memspec_ros.ros.node import RecordingRanker
+
+    ranker = RecordingRanker(engine)
+    assert [n for n, _ in ranker.rank(ctx(0, candidates=("a", "b")))] == ["a", "b"] and ranker.failures == 1
+    engine.close()
+
+
+def test_the_overlapped_predictor_keeps_the_last_good_ranking_from_a_ranker_that_stands_one_in():
+    """The node's ranker answers a failure with general-static's order; in the background that order replaced the
+    last good ranking (evicting a draft it had kept). The overlapped predictor asks such a ranker to raise instead."""
+
+    class StandsIn:
+        def __init__(self):
+            self.calls = 0
+
+        def begin(self, prompt_ids):
+            pass
+
+        def rank_or_raise(self, context):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("transient")
+            return [("b", 0.9), ("a", 0.1)]
+
+        def rank(self, context):
+            try:
+                return self.rank_or_raise(context)
+            except RuntimeError:
+                return [("a", 2.0), ("b", 1.0)]  # the stand-in
+
+    over = OverlappedPredictor(StandsIn())
+    over.begin(PROMPT)
+    over.rank(ctx(0, candidates=("a", "b")))
+    over.submit(ctx(1, candidates=("a", "b")))
+    over.close()
+    assert [n for n, _ in over.latest(["a", "b"])] == ["b", "a"] and over.failures == 1
+
+
 def test_oracle_walk_matches_the_engine_exactly():
     """The teacher-forced acceptance walk (used for traces and oracles) equals real engine runs."""
     target = tiny_llama(layers=2, hidden=64, seed=0)

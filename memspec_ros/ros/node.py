@@ -147,13 +147,22 @@ class RecordingRanker:
         """The predictor's ranking; if it raises, general-static's order (drafts of domain "general" first,
         then registry order), so that a broken predictor costs speed, never a goal."""
         try:
-            ranking = self.engine.rank(context)
-        except Exception as exc:
-            self._failed(exc)
+            return self.rank_or_raise(context)
+        except Exception:
             self.latest = {}  # no ranking now: ~/cache_state must not show the last good one as current
             general = [d for d in context.candidates if context.domains.get(d) == "general"]
             order = general + [d for d in context.candidates if d not in general]
             return [(name, float(len(order) - i)) for i, name in enumerate(order)]
+
+    def rank_or_raise(self, context):
+        """The predictor's ranking, its failure counted (/diagnostics) and raised: what the overlapped predictor
+        calls in the background, where a failure keeps the last good ranking (general-static's order in its place
+        evicted a draft the good one had kept, and the next good ranking loaded it again)."""
+        try:
+            ranking = self.engine.rank(context)
+        except Exception as exc:
+            self._failed(exc)
+            raise
         self.latest = {name: float(score) for name, score in ranking}
         return ranking
 

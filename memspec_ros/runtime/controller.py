@@ -278,11 +278,12 @@ class RuntimeController:
             self.close()  # a cache handed in may be loading already
             raise
 
-    def calibrate(self) -> None:
+    def calibrate(self, adaptive: bool | None = None) -> None:
         """With adaptive gamma, measure the target's forward costs now (once per thread count; about a second
         for a 135 M target), so that no generation's timing carries them. Also run before each generation:
-        gamma, the thread count or adaptive_gamma itself may have changed since."""
-        if self.config.adaptive_gamma:
+        gamma, the thread count or adaptive_gamma itself may have changed since. ``adaptive``: whether the
+        generation running adapts (adaptive_gamma applies from the next goal; None: the configuration's)."""
+        if self.config.adaptive_gamma if adaptive is None else adaptive:
             target_costs(self.target, self.config.gamma)
 
     # -- configuration -------------------------------------------------------------------
@@ -563,8 +564,9 @@ class RuntimeController:
         if self._take_pending() is not None:
             session.gamma = self.config.gamma
             # a larger gamma under adaptive gamma needs the target's longer forwards timed: here, at the point (its
-            # second in the decode time's "other" part), not inside the next iteration's draft step nor as prediction
-            self.calibrate()
+            # second in the decode time's "other" part), not inside the next iteration's draft step nor as prediction;
+            # as this session adapts: adaptive_gamma itself changes at the next goal
+            self.calibrate(adaptive=session.adaptive_gamma)
             if run.active and not self.cache.is_resident(run.active):
                 run.active, run.model = "", None  # a smaller K or budget evicted it: pick anew below
             if policy_settings(before) != policy_settings(self.config):  # what the policy object is made with

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -592,6 +593,10 @@ class RankingHead(torch.nn.Module):
             # (a git-lfs pointer, a truncated copy: safetensors' own error named neither the file nor the fix)
             raise PredictorError(f"{root / HEAD_WEIGHTS} does not fit {root / HEAD_CONFIG} ({str(exc)[:300]}):"
                                  " retrain the predictor") from exc
+        bad = [name for name, tensor in head.state_dict().items() if not torch.isfinite(tensor).all()]
+        if bad:  # a diverged training run: every ranking would be NaN
+            raise PredictorError(f"{root / HEAD_WEIGHTS}: {', '.join(bad)} hold(s) NaN or infinite values: retrain"
+                                 " the predictor")
         return head.eval().requires_grad_(False)
 
 
@@ -755,6 +760,8 @@ class PredictionEngine(SynchronousRanking):
         """Candidates sorted by P(d | x), best first (Algorithm 1, line 7)."""
         t0 = time.perf_counter()
         probs = self.probabilities(context)
+        if not all(math.isfinite(p) for p in probs.values()):  # sorted, NaN gave any order; the cache refuses it
+            raise PredictorError(f"the predictor's head gave non-finite scores ({probs}): retrain the predictor")
         ranking = rank_candidates(probs, context.candidates, context.domains)
         self.calls += 1
         self.seconds += time.perf_counter() - t0
@@ -857,8 +864,11 @@ class OverlappedPredictor:
 
     def _timed(self, context: PredictionContext) -> list[tuple[str, float]]:
         t0 = time.perf_counter()
+        # a ranker that stands a fallback ranking in for a failure (the node's) has it raised here instead: a failed
+        # background prediction keeps the previous ranking
+        rank = getattr(self.ranker, "rank_or_raise", self.ranker.rank)
         try:
-            return self.ranker.rank(context)
+            return rank(context)
         finally:
             self.background_seconds += time.perf_counter() - t0
 

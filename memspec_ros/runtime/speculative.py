@@ -489,6 +489,11 @@ class SpeculativeSession:
         return bool(self.finish_reason)
 
     @property
+    def adaptive_gamma(self) -> bool:
+        """Whether this generation chooses gamma per iteration (fixed for its life)."""
+        return self._gamma_chooser is not None
+
+    @property
     def started(self) -> bool:
         return self._target_kv.length > self._reused
 

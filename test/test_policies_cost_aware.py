@@ -200,3 +200,19 @@ def test_loads_are_measured_in_iterations_whatever_n_was_when_they_ran():
     measured.choose(point(1, 10, "general", ["general", "code", "math"]))
     measured.observe("general", first[:1])  # N = 1 from here
     assert measured._load_iterations == [N, N]
+
+
+def test_a_draft_whose_kv_the_prompt_cache_kept_is_priced_for_what_it_lacks_only():
+    """In a chat turn, a draft that ran in the turn before starts from the prompt cache's prefix; the rule priced
+    its catch-up over the whole context and declined switches that paid. The point carries what each draft's KV
+    cache holds."""
+    probs = {"code": 0.8, "general": 0.1, "math": 0.1}
+    policy = started(probs, catchup_seconds_per_token=0.05)
+    at = point(1, 10, "general", ["general", "code"])
+    assert policy.choose(at).preferred == "general"  # no count: the whole context to catch up, declined
+    policy = started(probs, catchup_seconds_per_token=0.05)
+    at.draft_context = {"general": len(PROMPT) + 9, "code": len(PROMPT) + 8}  # code's KV: all but two tokens
+    assert policy.choose(at).preferred == "code"
+    policy = started(probs, catchup_seconds_per_token=0.05)
+    at.draft_context = {"general": len(PROMPT) + 9, "math": len(PROMPT) + 8}  # held by another draft: no help
+    assert policy.choose(at).preferred == "general"

@@ -451,6 +451,23 @@ def test_the_overlapped_predictor_keeps_the_last_good_ranking_from_a_ranker_that
     assert [n for n, _ in over.latest(["a", "b"])] == ["b", "a"] and over.failures == 1
 
 
+def test_a_recent_only_head_sees_no_prompt_features_before_there_are_recent_tokens():
+    """Training zeroes the prompt half for a recent-only head, and at interval 0 there is no recent half either: it
+    saw [0 ; 0] there, and the runtime gave it [prompt ; 0], features it never saw."""
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    torch.manual_seed(0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=128, hidden=16,
+                                  input="recent")).eval()
+    engine = PredictionEngine(head, TargetHiddenEncoder(target, 8))
+    engine.begin(PROMPT)
+    assert torch.equal(engine._head_input(ctx(0, candidates=("a", "b"))), torch.zeros(128))
+    assert engine._kernel_probabilities(ctx(0, candidates=("a", "b"))) is None  # the kernel sees the prompt half
+    ranking = engine.rank(ctx(0, candidates=("a", "b")))
+    expected = head.probabilities(torch.zeros(128))
+    assert dict(ranking) == pytest.approx(dict(zip(["a", "b"], expected, strict=True)))
+    engine.close()
+
+
 def test_oracle_walk_matches_the_engine_exactly():
     """The teacher-forced acceptance walk (used for traces and oracles) equals real engine runs."""
     target = tiny_llama(layers=2, hidden=64, seed=0)

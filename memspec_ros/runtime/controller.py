@@ -636,6 +636,7 @@ class RuntimeController:
             max_new_tokens=session.max_new_tokens,
             wait_for_initial_draft=self.config.wait_for_initial_draft,
             capacity=self.config.capacity,
+            draft_context=session.draft_context_lengths(),
         )
 
     def _sync_registry(self, active: str) -> bool:

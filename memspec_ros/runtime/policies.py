@@ -93,6 +93,9 @@ class SchedulingPoint:
     # drafts whose load is in flight now (None: unknown). Oracle-Dynamic reads it: a prefetch the cache refused
     # (its byte budget) or that failed is no load its schedule may wait for
     loading: list[str] | None = None
+    # context tokens each draft's KV cache holds now, reused prompt-cache prefixes included (None: unknown; the
+    # cost-aware rule then counts from what it saw run)
+    draft_context: dict[str, int] | None = None
 
     def prediction_context(self) -> PredictionContext:
         return PredictionContext(
@@ -509,7 +512,13 @@ class CostAwareMemSpecPolicy(_Predicted):
             since = self._seen - self._asked[b] if b in self._asked else 0
             wait = 0.0 if b in point.resident else max(0.0, delay - since)
             gain = (p - known.get(active, 0.0)) * mean_accepted * max(0.0, left - wait)
-            catchup = (context - self._kv.get(b, 0)) * per_token
+            # what its KV cache holds: the session's count where the point has it (a draft that ran in the previous
+            # chat turn starts from the prompt cache's prefix, not from nothing), else what this rule saw it run
+            if point.draft_context is not None:
+                held = point.draft_context.get(b, 0) if b in point.resident else 0
+            else:
+                held = self._kv.get(b, 0)
+            catchup = (context - held) * per_token
             cost = catchup / seconds * per_iteration if seconds > 0 else 0.0
             out[b] = gain - cost
         return out

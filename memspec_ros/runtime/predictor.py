@@ -721,14 +721,20 @@ class PredictionEngine(SynchronousRanking):
         return torch.cat([prompt, recent])
 
     def _visible(self, context: PredictionContext) -> str:
-        """Which input the head sees at this point (INPUTS): the prompt alone at interval 0, else what it was
-        trained on."""
-        return "prompt" if context.interval == 0 or not context.recent_ids else self.head.config.input
+        """Which input the head sees at this point (INPUTS, or "nothing"): the prompt alone at interval 0, else what
+        it was trained on; a recent-only head sees nothing before there are recent tokens (its training zeroed the
+        prompt half there: given the prompt, it ranked from features it never saw)."""
+        trained = self.head.config.input
+        if context.interval == 0 or not context.recent_ids:
+            return "nothing" if trained == "recent" else "prompt"
+        return trained
 
     def _head_input(self, context: PredictionContext) -> torch.Tensor:
         """The features the head sees at this point: [prompt ; recent] with the half it must not see zeroed.
         At interval 0 the recent half is zero without encoding it (mask_input's result, with no clone)."""
         which = self._visible(context)
+        if which == "nothing":
+            return torch.zeros(self.head.config.in_dim)
         if which == "prompt":
             prompt = self.encoder.prompt_features(context.prompt_ids)
             return torch.cat([prompt, prompt.new_zeros(prompt.shape[-1])])
@@ -748,7 +754,7 @@ class PredictionEngine(SynchronousRanking):
         which = self._visible(context)
         recent_rows = getattr(self.encoder, "recent_rows", None)
         kernel = self.head.kernel()
-        if recent_rows is None or kernel is None or which == "recent":
+        if recent_rows is None or kernel is None or which in ("recent", "nothing"):
             return None
         prompt = self.encoder.prompt_features(context.prompt_ids)
         rows = recent_rows(context.recent_ids[-self.recent_tokens :], context.generated) if which != "prompt" else []

@@ -517,6 +517,12 @@ class SpeculativeSession:
         """Each draft that ran and is still held: its model and its KV cache (a prefix of ``tokens``)."""
         return {name: (self._draft_model[name], kv) for name, kv in self._draft_kv.items()}
 
+    def draft_context_lengths(self) -> dict[str, int]:
+        """Context tokens each draft's KV cache holds now: those that ran, and the prompt cache's reused prefixes
+        of those that have not yet (taken when the same model object runs)."""
+        lengths = {name: kv.length for name, (_, kv) in self._draft_prefixes.items()}
+        return lengths | {name: kv.length for name, kv in self._draft_kv.items()}
+
     def drop_draft(self, name: str) -> None:
         """Forget a draft's KV cache (its model was evicted); it catches up if it returns."""
         self._draft_kv.pop(name, None)

@@ -28,6 +28,7 @@ from memspec_ros.runtime.predictor import (
     TargetHiddenEncoder,
     pooled_hidden_features,
     rank_candidates,
+    recent_window,
     target_fingerprint,
 )
 from memspec_ros.runtime.registry import DraftRegistry
@@ -466,6 +467,44 @@ def test_a_recent_only_head_sees_no_prompt_features_before_there_are_recent_toke
     expected = head.probabilities(torch.zeros(128))
     assert dict(ranking) == pytest.approx(dict(zip(["a", "b"], expected, strict=True)))
     engine.close()
+
+
+def test_a_late_ranking_finds_its_whole_recent_window_and_no_background_ranking_runs_the_target():
+    """Overlapped, a ranking that started late (the decoder ran on more than KEEP_EXTRA_POSITIONS positions) found
+    part of its window moved out of the recent list and pooled the rest without a word; and one whose prompt
+    features were not known (the synchronous first ranking failed) ran its own target pass beside the decoder,
+    swapping out the lists the decoder's forwards were recording into."""
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    encoder = TargetHiddenEncoder(target, recent_tokens=8)
+    encoder.begin(PROMPT)
+    dim, total = 64, len(PROMPT)
+    encoder._record_rows(torch.randn(total, dim), 0, total)  # the prefill
+    for _ in range(200):  # one position per forward, far past the window of a ranking asked for at 20 generated
+        encoder._record_rows(torch.randn(1, dim), total, total + 1)
+        total += 1
+    rows = encoder.recent_rows(list(range(8)), 20)
+    assert sum(r.shape[0] for r in rows) == 8
+    window = recent_window(len(PROMPT), 20, 8)
+    history = dict(encoder._history)
+    assert torch.equal(torch.cat(rows), torch.cat([history[p] for p in window]))
+    fresh = TargetHiddenEncoder(target, recent_tokens=8)
+    fresh.begin(PROMPT)  # no prefill recorded: the prompt's features are unknown
+    errors = []
+    worker = threading.Thread(target=lambda: errors.append(_raises(fresh.prompt_features, PROMPT)))
+    worker.start()
+    worker.join()
+    assert errors == ["PredictorError"]
+    assert fresh.prompt_features(PROMPT).shape == (dim,)  # on the decode thread: its own pass of the target
+    encoder.close()
+    fresh.close()
+
+
+def _raises(call, *args) -> str:
+    try:
+        call(*args)
+    except Exception as exc:
+        return type(exc).__name__
+    return ""
 
 
 def test_oracle_walk_matches_the_engine_exactly():

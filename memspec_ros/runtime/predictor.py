@@ -266,6 +266,7 @@ class TargetHiddenEncoder:
         self._reused = 0  # this generation's reused positions: its prefill feeds from there
         self._prompt_len = 0
         self._prompt_vec: torch.Tensor | None = None
+        self._decode_thread = 0  # the thread that began this generation: the one that runs the target
         self._lock = threading.Lock()
         self.hook_seconds = 0.0
         decoder = getattr(target, "model", None) or target.get_decoder()
@@ -363,10 +364,16 @@ class TargetHiddenEncoder:
             self._reused, self._reused_positions = self._reused_positions, 0
             self._prompt_len = len(prompt_ids)
             self._prompt_vec = None
+            self._decode_thread = threading.get_ident()
 
     def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         with self._lock:
             vec = self._prompt_vec
+        if vec is None and threading.get_ident() != self._decode_thread:
+            # an overlapped ranking whose synchronous first one failed: its own target pass here would run beside
+            # the decode thread's forwards, and the rows those recorded meanwhile would go to the lists it swaps out
+            raise PredictorError("the prompt's features are not known yet (the generation's first ranking failed):"
+                                 " a background ranking does not run the target for them")
         if vec is None:
             # ranked before the target saw the prompt, after a prefill fed in parts, or with the pooled window
             # reaching into reused positions whose rows were not kept: one pass of the target over the prompt,
@@ -393,7 +400,9 @@ class TargetHiddenEncoder:
         parts = []  # newest positions first
         end = window.stop
         with self._lock:
-            for start, rows in reversed(self._fed):
+            # the history too: an overlapped ranking that started late finds part of its window moved out of _fed
+            # (more than KEEP_EXTRA_POSITIONS positions decoded since), and pooled what was left without a word
+            for start, rows in reversed(self._history + self._fed):
                 if end <= window.start:
                     break
                 first = max(window.start, start)

@@ -451,7 +451,9 @@ def test_the_engine_bench_refuses_a_datastore_of_another_tokenizer_or_without_lo
                                   ["--capacity", "100"], ["--interval", "100000"],
                                   ["--predictor", "/nonexistent/predictor"], ["--threads", "-5"],
                                   ["--registry", "/nonexistent/registry.yaml", "--untrained"],
-                                  ["--workload", "/nonexistent/w.jsonl", "--untrained"]])
+                                  ["--workload", "/nonexistent/w.jsonl", "--untrained"],
+                                  ["--prompt-tokens", "8"],  # trained heads pool what they were trained with
+                                  ["--json", f"{__file__}/o.json", "--untrained"]])  # under a file: never made
 def test_the_prediction_overhead_bench_refuses_bad_counts_and_a_missing_predictor(argv, capsys):
     """--prompts 0 ran every row (read_prompts' 0 is 'all'), -3 all but three; a mistyped --predictor fell back
     to random heads and reported their E[A] and fallback as the trained predictor's."""
@@ -733,7 +735,9 @@ def test_measured_latency_per_generation_is_averaged_as_the_simulated_one():
         return ("memspec", workload, (1,), SimpleNamespace(end_to_end_seconds=seconds))
 
     runs = [run("code", 1.0), run("code", 1.0), run("code", 1.0), run("math", 4.0), run("law", 9.0)]
-    assert measured_seconds_per_generation(runs, ["code", "math"], ["memspec"]) == {"memspec": 2.5}  # not 1.75
+    # the GMEAN of the workloads' means (1 and 4), as the simulated rows and the item's gmean_over say: not the pooled
+    # mean (1.75), nor the arithmetic mean of the means (2.5) the item once labelled a GMEAN
+    assert measured_seconds_per_generation(runs, ["code", "math"], ["memspec"]) == {"memspec": pytest.approx(2.0)}
 
 
 def test_the_unseen_comparison_survives_a_zero_rate_and_takes_any_workload_folder():

@@ -8,7 +8,8 @@ synchronously on the decode thread or overlapped on a background thread. The
 figure is GenerationStats.prediction_overhead: seconds of scheduling work on the
 decode thread (prediction + cache update) as a share of decoding time; the
 target-hidden encoder's hook time (inside the target's forwards, prefill
-included) is reported beside it (``hook_share``, ``prediction_overhead_with_hook``). Heads
+included) is reported beside it as a share of prefill and decoding time (``hook_share``,
+``prediction_overhead_with_hook``). Heads
 come from ``--predictor`` (models/predictor/<encoder>/); with ``--untrained`` a
 random head of the same shape is used, which costs exactly the same.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import controller_limit, non_negative_int, positive_int
+from ..argtypes import controller_limit, non_negative_int, output_file, positive_int
 from ..runtime import bundled_zoo_dir
 from ..runtime.controller import RuntimeConfig
 from ..runtime.loader import load_models
@@ -61,17 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default=str(zoo / "workloads" / "mixed.jsonl"))
     p.add_argument("--predictor", default=str(zoo / "predictor"))
     p.add_argument("--untrained", action="store_true", help="random heads (same cost) instead of trained ones")
-    p.add_argument("--prompt-tokens", type=non_negative_int, default=16, metavar="W",
+    p.add_argument("--prompt-tokens", type=non_negative_int, default=None, metavar="W",
                    help="--untrained heads: the prompt positions their prompt half pools, as memspec-train-predictor's"
-                        " (0: the whole prompt)")
+                        " (default 16; 0: the whole prompt). Trained heads pool what they were trained with")
     p.add_argument("--prompts", type=positive_int, default=4)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     # the controller's own bounds: a value it refuses is named by the parser, not by a traceback after the loads
     p.add_argument("--interval", type=controller_limit("interval"), default=4)
     p.add_argument("--capacity", type=controller_limit("capacity"), default=2)
-    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--json", type=output_file, default=None,  # a bad folder named now, not after every variant ran
+                   help="also write the results here")
     p.add_argument("--threads", type=non_negative_int, default=1, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.prompt_tokens is not None and not args.untrained:  # ignored there: said, not silently
+        p.error("--prompt-tokens sets --untrained heads' pooling; a trained head pools what it was trained with")
+    args.prompt_tokens = 16 if args.prompt_tokens is None else args.prompt_tokens
     if not args.untrained:  # a mistyped folder fell back to random heads, reported as if trained
         missing = [e for e, _ in VARIANTS if not (Path(args.predictor) / e / "predictor.json").is_file()]
         if missing:
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             ctl.close()
             engine.close()
         pooled = GenerationTotals.of(runs)
-        decode = pooled.decode_seconds
+        decode, prefill = pooled.decode_seconds, sum(s.prefill_seconds for s in runs)
         key = f"{encoder_name}{' (overlapped)' if overlap else ''}"
         # the hidden-state hook runs inside the target's forwards (the prefill's too): reported beside the figure,
         # which is GenerationStats.prediction_overhead's definition (the paper goal's), not added into it
@@ -115,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         prediction = pooled.breakdown["prediction"]
         results[key] = {
             "prediction_overhead": pooled.prediction_overhead,  # the figure's one definition (runtime/stats.py)
-            "hook_share": hook / decode if decode else 0.0,
-            "prediction_overhead_with_hook": (prediction + hook) / decode if decode else 0.0,
+            # over prefill and decoding: the hook's time is both's (over decoding alone the prefill's part made
+            # the target-hidden variants look dearer the longer the prompts)
+            "hook_share": hook / (decode + prefill) if decode + prefill else 0.0,
+            "prediction_overhead_with_hook": (prediction + hook) / (decode + prefill) if decode + prefill else 0.0,
             "background_prediction_share": sum(s.background_prediction_seconds for s in runs) / decode
             if decode
             else 0.0,
@@ -133,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     best = min(results, key=lambda k: results[k]["prediction_overhead"])
     print(f"lowest decode-thread overhead: {best}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # output_file: the folder is made at the write
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
 

@@ -733,6 +733,31 @@ def test_the_step_kernel_refuses_kv_buffers_it_would_write_past():
         step([1], 0, lean._rope, 1, short[:-1])
 
 
+def test_a_cache_folder_made_under_umask_0000_is_reused(tmp_path, monkeypatch):
+    """Under a umask of 0000 (some CI runners') the cache folder was made world-writable, so every later process
+    refused it as not its own alone and compiled the kernels again in a temporary folder."""
+    import os
+
+    from memspec_ros.runtime import cpu_kernels
+
+    built = []
+
+    def fake_compile(out_dir, library, compiler, flags):
+        library.write_bytes(b"not a real library")
+        library.chmod(0o755)  # as _compile leaves it
+        built.append(library)
+
+    monkeypatch.setattr(cpu_kernels, "_compile", fake_compile)
+    cache = tmp_path / "kernels"
+    old = os.umask(0)
+    try:
+        first = cpu_kernels._build(cache)
+        assert cpu_kernels._build(cache) == first and len(built) == 1 and first.parent == cache
+    finally:
+        os.umask(old)
+    assert not cache.stat().st_mode & 0o022
+
+
 def test_a_cached_library_someone_else_could_have_written_is_never_loaded(tmp_path, monkeypatch):
     """The library's name is computed from public inputs (source, compiler, CPU): anyone who could write it in a
     shared or misconfigured cache folder ran code in the node when it loaded. One that is not this user's alone is

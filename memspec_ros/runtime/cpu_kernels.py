@@ -123,7 +123,9 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
         out_dir = Path(tempfile.mkdtemp(prefix="memspec_kernels_"))
         atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
         library = out_dir / library.name
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # not writable by others whatever the umask (a CI runner's 0000 made it world-writable: the next process then
+    # refused it as not its own and compiled the kernels again into a temporary folder, in every process)
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
     _compile(out_dir, library, compiler, flags)
     return library
 

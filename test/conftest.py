@@ -26,9 +26,11 @@ from __future__ import annotations
 import os
 
 # The test models are tiny: one torch thread runs them fastest, and on a busy 2-core machine
-# spinning OpenMP waits made two-thread runs up to 40x slower. Set before any test imports torch.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# spinning OpenMP waits made two-thread runs up to 40x slower. Set before any test imports torch, and set whatever
+# the environment says (a CI image that exports OMP_NUM_THREADS for its own jobs would otherwise run every test with
+# that many threads); MEMSPEC_TEST_OMP_THREADS chooses another count on purpose.
+os.environ["OMP_NUM_THREADS"] = os.environ.get("MEMSPEC_TEST_OMP_THREADS", "1")
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 # The tests build their zoos and broken drafts in the system temp directory: allow it as a root of the node's
 # path parameters (model.allowed_roots' default; test_security checks the confinement with roots of its own).

@@ -15,6 +15,10 @@ from memspec_ros.runtime.cache import DraftCacheManager, DraftLoadError, DraftTo
 from memspec_ros.runtime.models import LoadedModel, ModelSpec
 from memspec_ros.runtime.stats import CacheStats
 
+# how long a gated load holds, or a test waits for a load to start, at most: a loaded CI machine can stall for
+# seconds, and a gate that let go after 5 s landed a load a test still held to be in flight (only a failing test
+# waits this long)
+GATE_SECONDS = 60.0
 NAMES = ["general", "code", "math", "law", "medical"]
 SIZES = {"general": 300, "code": 200, "math": 200, "law": 100, "medical": 400}
 
@@ -36,7 +40,7 @@ def gated_loader(gate: threading.Event, delay: float = 0.0, started: threading.E
     def load(name: str) -> LoadedModel:
         if started is not None:
             started.set()
-        gate.wait(5)
+        gate.wait(GATE_SECONDS)
         time.sleep(delay)
         return fake_loader()(name)
 
@@ -101,7 +105,7 @@ def test_working_set_is_top_k_and_prefetch_is_asynchronous():
     gate = threading.Event()
 
     def slow(name):
-        gate.wait(5)
+        gate.wait(GATE_SECONDS)
         return fake_loader()(name)
 
     cache = DraftCacheManager(2, slow)
@@ -225,7 +229,7 @@ def test_a_draft_whose_estimate_is_over_the_budget_is_loaded_and_kept_if_it_fits
 
     def loader(name):
         loads.append(name)
-        gate.wait(5)
+        gate.wait(GATE_SECONDS)
         return fake_loader(sizes=real)(name)
 
     cache = DraftCacheManager(2, loader, budget_bytes=100, size_of=lambda name: 300)
@@ -393,7 +397,7 @@ def test_a_queued_load_no_longer_wanted_never_runs(how):
 
     def load(name: str) -> LoadedModel:
         loads.append(name)
-        gate.wait(5)
+        gate.wait(GATE_SECONDS)
         return fake_loader()(name)
 
     cache = DraftCacheManager(2, load)
@@ -458,14 +462,14 @@ def test_the_load_of_a_draft_removed_while_it_runs_is_not_a_load_failure():
     def load(name: str) -> LoadedModel:
         if name == "b":
             started.set()
-            gate.wait(5)
+            gate.wait(GATE_SECONDS)
         if name not in names:
             raise KeyError(f"unknown draft {name!r}")
         return fake_loader()(name)
 
     cache = DraftCacheManager(2, load)
     cache.update(["b", "a"])
-    assert started.wait(5)  # b's load runs (a queued one would be cancelled, never reaching the loader)
+    assert started.wait(GATE_SECONDS)  # b's load runs (a queued one would be cancelled, never reaching the loader)
     names.discard("b")
     cache.remove("b")
     gate.set()
@@ -618,7 +622,7 @@ def test_a_draft_removed_and_wanted_again_while_its_load_runs_is_not_lost():
     gate, started = threading.Event(), threading.Event()
     cache = DraftCacheManager(2, gated_loader(gate, started=started), size_of=SIZES.get)
     cache.update(["math"])
-    assert started.wait(5)
+    assert started.wait(GATE_SECONDS)
     cache.remove("math")
     assert cache.update(["math", "code"]) == ["math", "code"]
     assert cache.loading() == ["math"]  # anew; code waits for the dropped load's room
@@ -630,7 +634,7 @@ def test_a_draft_removed_and_wanted_again_while_its_load_runs_is_not_lost():
     gate.clear()
     started.clear()
     cache.update(["law", "code"])  # evicts math, starts law
-    assert started.wait(5)
+    assert started.wait(GATE_SECONDS)
     cache.remove("law")
     waiter = threading.Thread(target=lambda: gate.set() if not time.sleep(0.05) else None)
     waiter.start()
@@ -651,12 +655,12 @@ def test_a_replaced_entry_never_gets_the_old_files_model():
         path = paths[name]  # what the registry names when the load starts
         if path.endswith("old_a"):
             started.set()
-            gate.wait(5)
+            gate.wait(GATE_SECONDS)
         return LoadedModel(torch.nn.Linear(1, 1), ModelSpec(path), 100, 64, 512)
 
     cache = DraftCacheManager(2, gated, size_of=lambda name: 100)
     cache.update(["a"])
-    assert started.wait(5)
+    assert started.wait(GATE_SECONDS)
     cache.remove("a")
     paths["a"] = "/drafts/new_a"
     cache.update(["a"])
@@ -672,7 +676,7 @@ def test_a_draft_that_fails_in_use_while_it_reloads_stays_failed():
     gate, started = threading.Event(), threading.Event()
     cache = DraftCacheManager(2, gated_loader(gate, started=started), size_of=SIZES.get)
     cache.update(["math"])
-    assert started.wait(5)
+    assert started.wait(GATE_SECONDS)
     cache.fail("math", RuntimeError("logits not finite"))
     assert "math" in cache.failed()
     cache.update(["math", "code"])
@@ -715,7 +719,7 @@ def test_a_smaller_k_counts_loads_being_dropped_once():
     def gated(name):
         if name == "law":
             started.set()
-            gate.wait(5)
+            gate.wait(GATE_SECONDS)
         return fake_loader()(name)
 
     cache = DraftCacheManager(3, gated, size_of=SIZES.get)
@@ -723,7 +727,7 @@ def test_a_smaller_k_counts_loads_being_dropped_once():
     cache.drain()
     cache.set_active("general")
     cache.update({"general": 3, "code": 2, "law": 1}, active="general")
-    assert started.wait(5)  # law in flight (a load still queued is cancelled instead)
+    assert started.wait(GATE_SECONDS)  # law in flight (a load still queued is cancelled instead)
     cache.remove("law")  # marked for dropping, its slot still taken
     cache.reconfigure(capacity=2)
     assert sorted(cache.resident()) == ["code", "general"]  # live drafts: 2 <= K, nothing evicted
@@ -744,7 +748,7 @@ def test_reset_while_another_thread_starts_a_load_keeps_its_reservation():
     gates = {name: threading.Event() for name in NAMES}
 
     def gated(name):
-        gates[name].wait(5)
+        gates[name].wait(GATE_SECONDS)
         return fake_loader()(name)
 
     cache = DraftCacheManager(2, gated, budget_bytes=500, size_of=SIZES.get)
@@ -762,7 +766,7 @@ def test_reset_while_another_thread_starts_a_load_keeps_its_reservation():
 
     cache._in_flight = watched
     resetter.start()
-    assert listed.wait(5)  # (a fixed pause lined the threads up on this machine's timing only)
+    assert listed.wait(GATE_SECONDS)  # (a fixed pause lined the threads up on this machine's timing only)
     cache.update({"general": 2, "law": 1})  # law (100 B) starts while reset waits
     gates["general"].set()
     resetter.join(5)
@@ -865,7 +869,7 @@ def test_a_load_marked_to_be_dropped_is_not_available_so_a_choice_requests_it_ag
     cache.set_scores({"a": 3, "b": 2, "c": 1})
     cache.set_active("a")
     cache.request("c", active="a")
-    assert started.wait(5)  # in flight (a queued load is cancelled by the reconfigure instead)
+    assert started.wait(GATE_SECONDS)  # in flight (a queued load is cancelled by the reconfigure instead)
     cache.reconfigure(capacity=2)  # c no longer fits: marked to be dropped when it lands
     assert not cache.is_available("c")
     choice = Choice("c", block=False, fallback=("a",), cache_action=CACHE_REQUEST,
@@ -917,7 +921,7 @@ def test_load_seconds_sum_the_loads_that_became_resident():
     gate, started = threading.Event(), threading.Event()
     cache = DraftCacheManager(2, gated_loader(gate, 0.05, started), size_of=SIZES.get)
     cache.update(["math"])
-    assert started.wait(5)  # dropped in flight, not cancelled while queued
+    assert started.wait(GATE_SECONDS)  # dropped in flight, not cancelled while queued
     cache.remove("math")
     gate.set()
     cache.drain()
@@ -994,7 +998,7 @@ def test_a_load_that_read_a_path_its_name_no_longer_has_is_dropped_as_it_lands()
     def load(name):
         read = entry[name]
         started.set()
-        gate.wait(5)
+        gate.wait(GATE_SECONDS)
         loaded = fake_loader()(name)
         loaded.source = read
         return loaded
@@ -1003,7 +1007,7 @@ def test_a_load_that_read_a_path_its_name_no_longer_has_is_dropped_as_it_lands()
     registered = {"code": "/drafts/code-b"}
     cache.source_current = lambda name, source: registered[name] == source
     cache.update(["code"])
-    assert started.wait(5)
+    assert started.wait(GATE_SECONDS)
     registered["code"] = "/drafts/code-a"  # changed back while the load ran
     gate.set()
     cache.drain()
@@ -1022,7 +1026,7 @@ def test_a_blocking_wait_waits_for_the_loads_in_flight_that_hold_the_room():
     gate, started = threading.Event(), threading.Event()
     cache = DraftCacheManager(1, gated_loader(gate, started=started), size_of=SIZES.get)
     assert cache.request("code")
-    assert started.wait(5)
+    assert started.wait(GATE_SECONDS)
     threading.Timer(0.2, gate.set).start()
     model, waited = cache.wait_for("math", timeout=10)
     assert model.spec.path == "math" and waited > 0 and cache.resident() == ["math"]
@@ -1033,7 +1037,7 @@ def test_a_blocking_wait_behind_a_load_in_flight_is_given_up_with_the_reason():
     gate, started = threading.Event(), threading.Event()
     cache = DraftCacheManager(1, gated_loader(gate, started=started), size_of=SIZES.get)
     assert cache.request("code")
-    assert started.wait(5)
+    assert started.wait(GATE_SECONDS)
     with pytest.raises(DraftLoadError, match=r"held by loads in flight \(code\), and the wait was given up"):
         cache.wait_for("math", stop=lambda: True)
     with pytest.raises(DraftLoadError, match=r"held by loads in flight \(code\), and the wait timed out"):
@@ -1049,7 +1053,7 @@ def test_reset_and_close_do_not_wait_unbounded_for_a_hung_read():
     gate, started = threading.Event(), threading.Event()
     cache = DraftCacheManager(2, gated_loader(gate, started=started), size_of=SIZES.get)
     cache.update(["code"])
-    assert started.wait(5)
+    assert started.wait(GATE_SECONDS)
     assert cache.drain(timeout=0.05) is False
     assert cache.reset(stop=lambda: True) is False
     assert cache.reset(timeout=0.05) is False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,18 +63,30 @@ def test_a_step_that_cannot_compile_trains_eagerly_and_says_so(tmp_path, monkeyp
         assert torch.equal(a, b), n
 
 
+# the training loop's clock in the tests that use _SlowData (the slow_clock fixture): only its batches move it
+_CLOCK = SimpleNamespace(now=1.0e9)
+
+
+@pytest.fixture
+def slow_clock(monkeypatch):
+    """train()'s time.time() reads _CLOCK: a minutes cap then holds the same steps on any machine (with real time
+    and batches that slept 0.1 s, a stall of a loaded runner cut runs short of the steps the tests count on)."""
+    from memspec_ros.zoo import train as train_module
+
+    monkeypatch.setattr(train_module, "time", SimpleNamespace(time=lambda: _CLOCK.now))
+    return _CLOCK
+
+
 class _SlowData(TokenStreams):
-    """Batches that take 0.1 s each, so a few seconds' cap holds far fewer steps than the budget on any machine."""
+    """Batches that take 0.1 s each on the slow_clock, so a few seconds' cap holds far fewer steps than the budget."""
 
     def batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
-        import time
-
-        time.sleep(0.1)
+        _CLOCK.now += 0.1
         return super().batch(batch_size, seq_len)
 
 
 @pytest.mark.parametrize("max_steps", [1000, TrainConfig.max_steps])
-def test_a_step_budget_cut_short_by_the_minutes_cap_is_said(tmp_path, max_steps):
+def test_a_step_budget_cut_short_by_the_minutes_cap_is_said(tmp_path, max_steps, slow_clock):
     """A step budget the minutes cannot hold ends early and the log says so; with the default max_steps the
     minutes are the budget, and nothing is said."""
     data = _data()
@@ -90,7 +103,7 @@ def test_a_step_budget_cut_short_by_the_minutes_cap_is_said(tmp_path, max_steps)
         assert len(capped) == 1 and f"of the {max_steps} steps" in capped[0]
 
 
-def test_a_run_the_minutes_cut_short_is_not_taken_as_done_for_a_larger_cap(tmp_path):
+def test_a_run_the_minutes_cut_short_is_not_taken_as_done_for_a_larger_cap(tmp_path, slow_clock):
     """The time cap is no part of a run's identity, so a run it cut short was "already trained" for a rebuild with
     more minutes, which shipped the short run under the larger cap's record. The same cap still finds it done."""
     data = _data()
@@ -114,7 +127,8 @@ def test_a_run_the_minutes_cut_short_is_not_taken_as_done_for_a_larger_cap(tmp_p
     assert "cut_at_minutes" not in whole  # ended by its steps: any cap finds it done
 
 
-def test_an_unfinished_run_whose_schedule_the_minutes_fitted_is_not_resumed_under_a_larger_cap(tmp_path):
+def test_an_unfinished_run_whose_schedule_the_minutes_fitted_is_not_resumed_under_a_larger_cap(tmp_path,
+                                                                                                  slow_clock):
     """Its cosine horizon was fitted to the old minutes: resumed with more, it went on to the old horizon and
     stopped there, short of what the new cap allows."""
     class SlowInterrupted(_Interrupted, _SlowData):
@@ -222,7 +236,7 @@ def test_a_resumed_run_ends_with_the_loss_of_the_run_it_continues(tmp_path):
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-5)
 
 
-def test_a_run_checkpointed_before_its_horizon_was_fitted_fits_it_after_the_resume(tmp_path):
+def test_a_run_checkpointed_before_its_horizon_was_fitted_fits_it_after_the_resume(tmp_path, slow_clock):
     """With a warm-up longer than the checkpoint interval, the checkpoint held the unfitted horizon (the step
     budget) and a resumed run never fitted it: its rate stayed near the peak until the minutes ran out."""
     data = _data()

@@ -124,7 +124,10 @@ def test_the_system_prompt_counts_in_the_length_limits(h):
             handle, _ = h.send(goal(prompt="z" * (limit * per_token // 2 + 1)))
         assert not handle.accepted and tokenized == []  # refused on characters, before the template ran
         assert f"with generation.system_prompt's {len(half)} characters" in h.node.last_rejection
-        handle, _ = h.send(goal(prompt="z" * (limit * per_token // 2 + 1), raw=True))  # no system turn in a raw goal
+        # a raw goal has no system turn: refused on its own length (it has more tokens than the limit), never
+        # on the system prompt's
+        handle, _ = h.send(goal(prompt="z" * (limit * per_token // 2 + 1) * 2, raw=True))
+        assert not handle.accepted and "more than the limit" in h.node.last_rejection
         assert "generation.system_prompt" not in h.node.last_rejection
     finally:
         assert all(r.successful for r in h.set_params(**{"generation.system_prompt": ""}))

@@ -1027,8 +1027,8 @@ def test_a_blocking_wait_waits_for_the_loads_in_flight_that_hold_the_room():
     cache = DraftCacheManager(1, gated_loader(gate, started=started), size_of=SIZES.get)
     assert cache.request("code")
     assert started.wait(GATE_SECONDS)
-    threading.Timer(0.2, gate.set).start()
-    model, waited = cache.wait_for("math", timeout=10)
+    # the gate opens from inside the wait (its stop poll): a timer started before it could land the load first
+    model, waited = cache.wait_for("math", timeout=10, stop=lambda: gate.set() or False)
     assert model.spec.path == "math" and waited > 0 and cache.resident() == ["math"]
     cache.close()
 
@@ -1092,4 +1092,20 @@ def test_a_draft_failed_in_use_is_no_load_failure():
     cache.fail("code", RuntimeError("logits not finite"))
     snap = cache.snapshot()
     assert (snap.use_failures, snap.load_failures) == (1, 0) and "code" in snap.failed
+    cache.close()
+
+
+def test_a_change_callback_that_raises_as_a_load_lands_does_not_fail_the_load(caplog):
+    """The load's outcome was settled when the callback ran: its exception was taken for the load's failure, which
+    counted the load twice (loaded and failed) and failed the draft for the callback's error."""
+    def on_change(snap):
+        if snap.resident:
+            raise RuntimeError("a subscriber broke")
+
+    cache = DraftCacheManager(2, fake_loader(), size_of=SIZES.get, on_change=on_change)
+    cache.update(["code"])
+    cache.drain()
+    snap = cache.snapshot()
+    assert snap.resident == ["code"] and snap.loads == 1 and snap.load_failures == 0 and not snap.failed
+    assert "a subscriber broke" in caplog.text
     cache.close()

@@ -263,6 +263,19 @@ def test_the_cache_loads_one_draft_at_a_time_and_never_evicts_the_active_one():
     assert cache.wait_for("c") == pytest.approx(1.0)
 
 
+def test_a_blocking_wait_whose_room_loads_in_flight_hold_waits_for_them_as_the_real_cache_does():
+    """The real cache's wait_for waits for the loads in flight holding the room, then loads (runtime/cache.py);
+    the simulated one gave up at once, and replayed the blocking policies differently there."""
+    clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
+    cache = SimCache(1, lambda name: 1.0, clock)
+    assert cache.request("a")  # in flight until t = 1
+    assert cache.wait_for("b") == pytest.approx(2.0)  # a lands at 1 (evictable), then b's own second
+    clock.now = 2.5
+    assert cache.resident() == ["b"]
+    cache.set_active("b")
+    assert cache.wait_for("c") == 0.0  # the room is the active draft's: nothing in flight to wait for
+
+
 def test_a_speed_scaled_cost_model_scales_every_compute_cost_and_no_load():
     """scaled() left call_other_seconds (the call's checks and bookkeeping) at the fitted speed: a speed-matched
     replay's end-to-end time kept that part unscaled."""

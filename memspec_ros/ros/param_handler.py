@@ -18,8 +18,12 @@ from typing import Any
 
 from rcl_interfaces.msg import SetParametersResult
 
+from ..runtime.chat import has_chat_template
 from . import params as P
 
+# what a configure reads into the models and the runtime it builds (the rest are read per goal or applied by their
+# setters, so a value stored after the configure read them is still the one in use)
+CONFIGURED_PREFIXES = ("model.", "drafts.", "predictor.", "datastore.", "cache.", "memspec.")
 
 class Refused(Exception):
     """A parameter change refused with its reason; nothing was applied."""
@@ -79,7 +83,8 @@ class ParameterHandler:
         on_set while unconfigured and land after the configure read the old value (the node then ran the old
         target while `ros2 param get` showed the new one). A configure checks this once its models are loaded."""
         now = P.values(self._node)
-        return [name for name, value in self._configured.items() if now.get(name) != value]
+        return [name for name, value in self._configured.items()
+                if name.startswith(CONFIGURED_PREFIXES) and now.get(name) != value]
 
     def on_set(self, changed) -> SetParametersResult:
         """Check everything first; apply only if all is valid; refuse while a lifecycle transition runs."""
@@ -137,11 +142,12 @@ class ParameterHandler:
             raise Refused(f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded,"
                           f" state {state}): {steps}, set it, then configure again")
         system = new.get("generation.system_prompt")
-        if isinstance(system, str) and lo is not None:  # every chat goal would be refused as too long
+        if isinstance(system, str) and lo is not None and has_chat_template(lo.tokenizer):
+            # every chat goal would be refused as too long (a tokenizer without a template never uses it)
             limit = int(new.get("generation.max_prompt_tokens",
                                 self._node.get_parameter("generation.max_prompt_tokens").value))
             limit = min(limit, lo.max_positions - 1) if lo.max_positions else limit
-            if len(system) > limit * lo.max_token_chars:
+            if len(system) >= limit * lo.max_token_chars:  # the goal's own text takes a character more
                 raise Refused(f"generation.system_prompt has {len(system)} characters, more than the"
                               f" {limit} tokens of generation.max_prompt_tokens (or the target's context) can hold"
                               f" ({lo.max_token_chars} characters per token at most for this tokenizer): every chat"

@@ -363,10 +363,17 @@ class DraftCacheManager:
         """_start_for_wait, waiting first for loads in flight where they are what holds the room (K loads already
         reading, or loads being dropped still reserving their bytes: refused at once, a goal whose first wait came
         just after another goal's was given up decoded without its draft, and then ran on the draft that landed)."""
+        ended: list[Future] = []
         while True:
             try:
                 return self._start_for_wait(name)
             except _RoomHeld as held:
+                if all(f.done() for f in held.futures) and held.futures == ended:  # (no state where this can be
+                    # is known: a slot left "loading" with its load ended would hold the room for good, and this
+                    # loop would spin past its deadline and its stop)
+                    raise DraftLoadError(f"draft {name!r} cannot be loaded: loads that ended still hold the"
+                                         f" cache's room ({', '.join(held.names)})") from None
+                ended = held.futures if all(f.done() for f in held.futures) else []
                 if not _wait_futures(held.futures, deadline, stop):
                     given_up = stop is not None and stop()
                     raise DraftLoadError(
@@ -526,7 +533,8 @@ class DraftCacheManager:
 
     def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> bool:
         """Stop loading: queued loads never run, the one reading is waited for up to ``timeout`` s, then left to
-        end on its own thread (dropped when it lands). Returns False where it was still reading."""
+        end on its own thread (dropped when it lands; the interpreter still joins that thread as the process
+        exits). Returns False where it was still reading."""
         with self._lock:
             self._closed = True
             self._cancel_all_queued()
@@ -787,10 +795,7 @@ class DraftCacheManager:
         if slot.discard and self._slots.get(slot.name) is slot:
             del self._slots[slot.name]
         self._detached = [s for s in self._detached if s is not slot]
-        try:
-            self._changed()
-        except Exception:  # on_change itself raised (it may be what failed the publish): the state above stands
-            log.exception("the draft cache's change callback raised")
+        self._changed_logged()  # on_change itself may have failed the publish: the state above stands
 
     def _publish(self, slot: _Slot, loaded: LoadedModel, elapsed: float, source: str, files, current: bool) -> None:
         """The loader's result under the lock: resident, or dropped (unwanted by now, or stale)."""
@@ -805,7 +810,7 @@ class DraftCacheManager:
             self._detached = [s for s in self._detached if s is not slot]
             slot.future = None
             self._counters.dropped_loads += 1
-            self._changed()
+            self._changed_logged()
             return
         actual = int(getattr(loaded, "size_bytes", 0) or 0)
         if actual > 0:
@@ -818,7 +823,7 @@ class DraftCacheManager:
                     f"draft {slot.name!r} occupies {actual} B in memory, more than the {slot.reserved_bytes} B"
                     f" reserved and the whole {self.budget_bytes} B budget (memspec.budget_bytes): raise the"
                     " budget or remove the draft"))
-                self._changed()
+                self._changed_logged()
                 return
             if self.budget_bytes and others + actual > self.budget_bytes:
                 # it fits the budget alone, not beside the others: not a failure. Dropped now; the next load
@@ -830,18 +835,26 @@ class DraftCacheManager:
                 del self._slots[slot.name]
                 slot.future = None
                 self._counters.dropped_loads += 1
-                self._changed()
+                self._changed_logged()
                 return
         if actual > 0:
             slot.reserved_bytes = actual  # account what it really occupies from now on
         slot.model, slot.files = loaded, files
         self._counters.loads += 1
         self._counters.load_seconds += elapsed  # the loads counted in ``loads``: load_seconds / loads is their mean
-        self._changed()
+        self._changed_logged()
 
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self._snapshot())
+
+    def _changed_logged(self) -> None:
+        """_changed for the loader thread's publish: the load's outcome is settled by then, so a callback that
+        raises is logged, not taken for the load's failure (counted twice, the draft failed for it)."""
+        try:
+            self._changed()
+        except Exception:
+            log.exception("the draft cache's change callback raised")
 
 
 def _check_capacity(capacity: int, budget_bytes: int) -> None:

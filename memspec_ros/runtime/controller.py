@@ -636,7 +636,8 @@ class RuntimeController:
             max_new_tokens=session.max_new_tokens,
             wait_for_initial_draft=self.config.wait_for_initial_draft,
             capacity=self.config.capacity,
-            draft_context=session.draft_context_lengths(),
+            draft_context=session.draft_context_lengths(
+                {n: loaded.model for n in self.cache.resident() if (loaded := self.cache.peek(n)) is not None}),
         )
 
     def _sync_registry(self, active: str) -> bool:

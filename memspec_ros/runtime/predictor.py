@@ -747,6 +747,9 @@ class PredictionEngine(SynchronousRanking):
         if which == "prompt":
             prompt = self.encoder.prompt_features(context.prompt_ids)
             return torch.cat([prompt, prompt.new_zeros(prompt.shape[-1])])
+        if which == "recent":  # its prompt half is zero: never asked for (a background ranking cannot make it)
+            recent = self.encoder.recent_features(context.recent_ids[-self.recent_tokens :], context.generated)
+            return torch.cat([recent.new_zeros(recent.shape[-1]), recent])
         features = self.features(context)
         return features if which == "prompt+recent" else mask_input(features, which)
 

@@ -451,10 +451,21 @@ class SimCache:
         resident = slot is not None and self._is_ready(slot)
         self.hits += resident
         self.misses += not resident
-        if slot is None:
-            if not self.request(name):
+        if slot is None and not self.request(name):
+            # no room now: the real cache waits for the loads in flight that hold it (they land evictable), then
+            # loads; with none in flight it gives up at once
+            pending = [s.ready_at for s in self._slots.values() if not self._is_ready(s)]
+            if not pending:
                 return 0.0
-            slot = self._slots[name]
+            clock, landed = self.clock, max(pending)
+            self.clock = lambda: landed + EPSILON  # the cache as it is once they have landed
+            try:
+                started = self.request(name)
+            finally:
+                self.clock = clock
+            if not started:
+                return max(0.0, landed - clock())
+        slot = self._slots[name]
         now = self.clock()
         slot.used = True
         return max(0.0, slot.ready_at - now) if not self._is_ready(slot) else 0.0

@@ -517,10 +517,12 @@ class SpeculativeSession:
         """Each draft that ran and is still held: its model and its KV cache (a prefix of ``tokens``)."""
         return {name: (self._draft_model[name], kv) for name, kv in self._draft_kv.items()}
 
-    def draft_context_lengths(self) -> dict[str, int]:
+    def draft_context_lengths(self, models: Mapping[str, torch.nn.Module] | None = None) -> dict[str, int]:
         """Context tokens each draft's KV cache holds now: those that ran, and the prompt cache's reused prefixes
-        of those that have not yet (taken when the same model object runs)."""
-        lengths = {name: kv.length for name, (_, kv) in self._draft_prefixes.items()}
+        of those that have not yet, which only the same model object takes (``models``: the drafts resident now by
+        name; None: every prefix counts)."""
+        lengths = {name: kv.length for name, (model, kv) in self._draft_prefixes.items()
+                   if models is None or models.get(name) is model}
         return lengths | {name: kv.length for name, kv in self._draft_kv.items()}
 
     def drop_draft(self, name: str) -> None:

@@ -519,6 +519,7 @@ class DraftStorage:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._forms: dict[tuple, RuntimeForm] = {}
+        self._formless: set[tuple] = set()  # drafts (their key and source) whose form cannot be made: not retried
 
     def load(self, spec: ModelSpec, name: str = "") -> LoadedModel:
         """Read the draft cold through the medium and build it: its safetensors the first time (then its runtime
@@ -569,6 +570,8 @@ class DraftStorage:
 
     def _keep_form(self, key, loaded: LoadedModel, spec: ModelSpec, source: tuple, name: str | None) -> None:
         """Write ``loaded``'s runtime form for the loads after this one."""
+        if (key, source) in self._formless:
+            return
         target = runtime_form_file(spec, source)
         try:
             form = RuntimeForm.write(loaded, target, source)
@@ -580,6 +583,8 @@ class DraftStorage:
         except Exception as error:  # not the medium's fault (a model the form cannot hold): this load still stands
             log.warning("could not keep %s's runtime form (%s: %s): its loads build it from its safetensors each"
                         " time", name or spec.path, type(error).__name__, error)
+            with self._lock:  # the same files would fail the same way: not written again at every load
+                self._formless.add((key, source))
             return
         with self._lock:
             self._forms[key] = form

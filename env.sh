@@ -32,23 +32,41 @@ case ":${CMAKE_PREFIX_PATH:-}:" in
 esac
 # A system ROS 2 sourced in this shell before (/opt/ros/$ROS_DISTRO/setup.bash) put its Python packages on
 # PYTHONPATH, which Python reads before .venv's: `import rclpy` then found that distribution's rclpy, built for
-# another Python, and failed far from the cause. Those entries are dropped here, with a note.
-_memspec_kept=""
-_memspec_dropped=""
+# another Python, and failed far from the cause. Every PYTHONPATH entry under that install (Humble splits it over
+# lib/python3.X/site-packages and local/lib/python3.X/dist-packages) is dropped here, with a note, and the install
+# leaves AMENT_PREFIX_PATH and CMAKE_PREFIX_PATH too (its packages would be found where the venv has none).
+_memspec_roots=()
 IFS=':' read -r -a _memspec_entries <<< "${PYTHONPATH:-}"
 for _memspec_entry in "${_memspec_entries[@]}"; do
-  [ -n "$_memspec_entry" ] || continue
-  if [ -d "$_memspec_entry/rclpy" ] && [ "${_memspec_entry#"$VIRTUAL_ENV"/}" = "$_memspec_entry" ]; then
-    _memspec_dropped="$_memspec_dropped $_memspec_entry"
-  else
-    _memspec_kept="${_memspec_kept:+$_memspec_kept:}$_memspec_entry"
+  if [ -n "$_memspec_entry" ] && [ -d "$_memspec_entry/rclpy" ] \
+      && [ "${_memspec_entry#"$VIRTUAL_ENV"/}" = "$_memspec_entry" ] \
+      && [[ "$_memspec_entry" =~ ^(.*)/(local/)?lib/python[0-9.]+/(site|dist)-packages/?$ ]]; then
+    _memspec_entry="${BASH_REMATCH[1]}"
+    _memspec_roots+=("${_memspec_entry%/local}")  # the install root (the regex's group keeps a local/ part)
   fi
 done
-if [ -n "$_memspec_dropped" ]; then
-  echo "env.sh: left out of PYTHONPATH (another ROS 2's Python packages; .venv has ROS 2 Jazzy's):$_memspec_dropped" >&2
-  if [ -n "$_memspec_kept" ]; then export PYTHONPATH="$_memspec_kept"; else unset PYTHONPATH; fi
+_memspec_strip() {  # $1: a colon-separated list; prints it without the entries under the roots found above
+  local kept="" entry root under
+  IFS=':' read -r -a _memspec_list <<< "$1"
+  for entry in "${_memspec_list[@]}"; do
+    under=""
+    for root in "${_memspec_roots[@]}"; do
+      case "$entry/" in "$root"/*) under=1 ;; esac
+    done
+    [ -n "$entry" ] && [ -z "$under" ] && kept="${kept:+$kept:}$entry"
+  done
+  printf '%s' "$kept"
+}
+if [ "${#_memspec_roots[@]}" -gt 0 ]; then
+  echo "env.sh: left out of PYTHONPATH, AMENT_PREFIX_PATH and CMAKE_PREFIX_PATH (another ROS 2; .venv has ROS 2" \
+       "Jazzy's): ${_memspec_roots[*]}" >&2
+  for _memspec_var in PYTHONPATH AMENT_PREFIX_PATH CMAKE_PREFIX_PATH; do
+    _memspec_value="$(_memspec_strip "${!_memspec_var:-}")"
+    if [ -n "$_memspec_value" ]; then export "$_memspec_var=$_memspec_value"; else unset "$_memspec_var"; fi
+  done
 fi
-unset _memspec_kept _memspec_dropped _memspec_entries _memspec_entry
+unset -f _memspec_strip
+unset _memspec_roots _memspec_entries _memspec_entry _memspec_list _memspec_var _memspec_value
 
 # shellcheck disable=SC1091
 . "$_memspec_root/install/setup.bash"

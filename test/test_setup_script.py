@@ -206,20 +206,30 @@ def test_a_venv_made_here_by_another_tool_is_adopted_not_deleted(checkout):
 
 def test_env_sh_leaves_another_ros_distributions_python_packages_out(tmp_path):
     """A system ROS 2 sourced before env.sh put its rclpy on PYTHONPATH, which Python reads before .venv's: `import
-    rclpy` found the other distribution's, built for another Python. env.sh drops such entries and says so."""
+    rclpy` found the other distribution's, built for another Python. env.sh drops every entry of that install (Humble
+    splits it over lib/python3.10/site-packages and local/lib/python3.10/dist-packages, rclpy in the second) and the
+    install's prefix from the ament and CMake paths, and says so."""
     if not (REPO / ".venv" / "bin" / "activate").is_file() or not (REPO / "install" / "setup.bash").is_file():
         pytest.skip("env.sh needs `make setup` first")  # strict mode (make test) turns this into a failure
-    other = tmp_path / "opt_ros" / "lib" / "python3.12" / "site-packages"
-    (other / "rclpy").mkdir(parents=True)
+    humble = tmp_path / "opt_ros_humble"
+    pure = humble / "lib" / "python3.10" / "site-packages"
+    (pure / "launch").mkdir(parents=True)
+    native = humble / "local" / "lib" / "python3.10" / "dist-packages"
+    (native / "rclpy").mkdir(parents=True)
     mine = tmp_path / "mine"
     mine.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
-    env["PYTHONPATH"] = f"{other}:{mine}"
+    env |= {"PYTHONPATH": f"{pure}:{native}:{mine}", "AMENT_PREFIX_PATH": str(humble),
+            "CMAKE_PREFIX_PATH": str(humble)}
     done = subprocess.run(["bash", "-c", f'source "{REPO}/env.sh" && echo "PYTHONPATH=$PYTHONPATH"'
+                                         ' && echo "AMENT_PREFIX_PATH=$AMENT_PREFIX_PATH"'
+                                         ' && echo "CMAKE_PREFIX_PATH=$CMAKE_PREFIX_PATH"'
                                          ' && python -c "import rclpy; print(rclpy.__file__)"'],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
-    path = next(line for line in done.stdout.splitlines() if line.startswith("PYTHONPATH=")).split("=", 1)[1]
-    assert str(other) not in path.split(":") and str(mine) in path.split(":")
-    assert f"left out of PYTHONPATH (another ROS 2's Python packages; .venv has ROS 2 Jazzy's): {other}" in done.stderr
+    values = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    assert str(mine) in values["PYTHONPATH"].split(":")
+    for name in ("PYTHONPATH", "AMENT_PREFIX_PATH", "CMAKE_PREFIX_PATH"):
+        assert not [e for e in values[name].split(":") if e.startswith(str(humble))], (name, values[name])
+    assert f"(another ROS 2; .venv has ROS 2 Jazzy's): {humble}" in done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith(str(REPO / ".venv"))

@@ -89,11 +89,19 @@ def test_a_domain_draft_is_lossless_with_the_real_target(name):
     target = load_model(ModelSpec(registry.target_path)).model
     draft = load_model(ModelSpec(registry.get(name).path)).model
     ids = prompt_ids(tok, _rows(name)[0]["prompt"])
-    reference = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=None,
-                                pad_token_id=0)[0, len(ids):].tolist()
+    alone = generate(target, ids, None, max_new_tokens=24).generated_ids  # the engine's target, decoding alone
     session = generate(target, ids, draft, draft_name=name, gamma=4, max_new_tokens=24)
-    assert session.generated_ids == reference
+    assert session.generated_ids == alone  # lossless
     assert sum(it.accepted for it in session.stats.iterations) > 0  # the draft really drafted
+    # and transformers' own greedy decoding of the same model agrees, up to a near-tie: the engine's fp32 kernels
+    # sum in another order than ATen's (8 or 16 lanes by CPU), which may flip a token whose top two logits tie
+    out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=None,
+                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    reference = out.sequences[0, len(ids):].tolist()
+    differ = next((k for k, (a, b) in enumerate(zip(alone, reference, strict=True)) if a != b), None)
+    if differ is not None:
+        first, second = out.scores[differ][0].float().topk(2).values.tolist()
+        assert first - second < 1e-3 * max(1.0, abs(first)), (differ, first, second)  # a tie, not a wrong token
 
 
 def test_the_datastore_holds_the_targets_training_answers_for_its_tokenizer():

@@ -389,6 +389,43 @@ def test_a_demo_ended_by_sigterm_stops_its_node(moment):
     assert not processes_matching(pattern), "the demo left a node process behind"
 
 
+def test_a_demo_whose_node_exits_at_start_says_so_at_once():
+    """A node that refused its parameters and exited was waited for until the whole --timeout (180 s), and the demo
+    then said its services never appeared. The demo watches the node's process while it waits."""
+    zoo = tiny_zoo()
+    env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "memspec_ros.ros.demo", "--zoo", str(zoo), "--timeout", "150",
+                           "--param", "memspec.capacity:=0"], capture_output=True, text=True, env=env, timeout=200)
+    waited = time.monotonic() - t0
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "FAILED: memspec_node exited with status" in done.stdout and "did not appear" not in done.stdout
+    assert waited < 150  # it did not sit out --timeout (the meaning, not a speed: the node exits at its parameters)
+    assert not processes_matching(f"memspec_ros.ros.node.*{zoo}")
+
+
+def test_a_demo_whose_output_is_gone_still_stops_its_node():
+    """`make demo | tee log` and Ctrl-C: tee goes too, every print raised BrokenPipeError, the demo's shutdown
+    raised out of its `finally` before it stopped the node, and the node (in a session of its own) ran on."""
+    zoo = tiny_zoo()
+    env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
+    demo = subprocess.Popen([sys.executable, "-m", "memspec_ros.ros.demo", "--zoo", str(zoo), "--max-new-tokens", "8",
+                             "--prompt", "def add(a, b):"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=env)
+    pattern = f"memspec_ros.ros.node.*{zoo}"
+    try:
+        deadline = time.monotonic() + 120
+        while "configure" not in (line := demo.stdout.readline()):
+            assert line and time.monotonic() < deadline, "the demo never reached configure"
+        demo.stdout.close()  # the reader is gone: the demo's next write breaks its pipe
+        demo.send_signal(signal.SIGINT)
+        demo.wait(timeout=90)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert not processes_matching(pattern), "the demo left a node process behind"
+
+
 def test_the_demo_fails_when_the_predictor_is_not_working():
     """The demo claims MemSpec ran: a predictor that did not load (its /diagnostics status WARN, the node then
     ranks nothing) passed it with exit 0."""
@@ -400,16 +437,15 @@ def test_the_demo_fails_when_the_predictor_is_not_working():
 
     def client(level: bytes):
         status = DiagnosticStatus(level=level, name="memspec: predictor", message="failed to load: bad head")
-        return SimpleNamespace(diagnostics=[DiagnosticArray(status=[status])],
-                               executor=SimpleNamespace(spin_once=lambda timeout_sec: None))
+        return SimpleNamespace(diagnostics=[DiagnosticArray(status=[status])], spin_once=lambda seconds: None)
 
     fake = client(DiagnosticStatus.OK)
     fake.diagnostics_source = list(fake.diagnostics)
-    fake.executor.spin_once = lambda timeout_sec: fake.diagnostics.extend(fake.diagnostics_source)
+    fake.spin_once = lambda seconds: fake.diagnostics.extend(fake.diagnostics_source)
     show_diagnostics(fake, wait_seconds=1.0)
     broken = client(DiagnosticStatus.WARN)
     broken.diagnostics_source = list(broken.diagnostics)
-    broken.executor.spin_once = lambda timeout_sec: broken.diagnostics.extend(broken.diagnostics_source)
+    broken.spin_once = lambda seconds: broken.diagnostics.extend(broken.diagnostics_source)
     with pytest.raises(RuntimeError, match="predictor is not working: failed to load"):
         show_diagnostics(broken, wait_seconds=1.0)
 

@@ -38,7 +38,10 @@ LEVELS = {0: "OK", 1: "WARN", 2: "ERROR", 3: "STALE"}
 
 
 def say(text: str) -> None:
-    print(f"\033[1m[demo]\033[0m {text}", flush=True)
+    try:
+        print(f"\033[1m[demo]\033[0m {text}", flush=True)
+    except OSError:  # stdout gone (a pipe's reader ended, the terminal closed): the demo must still stop its node
+        pass
 
 
 DEMO_DOMAIN_IDS = range(215, 233)
@@ -184,10 +187,16 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
     return zoo, overrides, generated
 
 
-class Client:
-    """The demo's own ROS node: a lifecycle client for the node and a /diagnostics subscription."""
+class NodeExited(RuntimeError):
+    """The node's process ended while the demo waited on it."""
 
-    def __init__(self) -> None:
+
+class Client:
+    """The demo's own ROS node: a lifecycle client for the node and a /diagnostics subscription. ``proc``: the
+    node's process, checked whenever the demo spins (a node that exited at start was waited for until the
+    timeout, and the demo then said its services never appeared)."""
+
+    def __init__(self, proc: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
         import rclpy
         from diagnostic_msgs.msg import DiagnosticArray
         from rclpy.executors import SingleThreadedExecutor
@@ -201,8 +210,13 @@ class Client:
         self.executor.add_node(self.node)
         self.diagnostics: list = []
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self.diagnostics.append, 10)
-        self.lifecycle = LifecycleClient(self.node, f"/{NODE_NAME}",
-                                         lambda seconds: self.executor.spin_once(timeout_sec=seconds))
+        self.proc, self.log_path = proc, log_path
+        self.lifecycle = LifecycleClient(self.node, f"/{NODE_NAME}", self.spin_once)
+
+    def spin_once(self, seconds: float) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise NodeExited(f"memspec_node exited with status {self.proc.returncode}: see {self.log_path}")
+        self.executor.spin_once(timeout_sec=seconds)
 
     def close(self) -> None:
         import rclpy
@@ -259,7 +273,7 @@ def diagnostic_value(client: Client, key: str, wait_seconds: float = 5.0) -> str
                 for kv in status.values:
                     if kv.key == key:
                         return kv.value
-        client.executor.spin_once(timeout_sec=0.1)
+        client.spin_once(0.1)
     return None
 
 
@@ -274,7 +288,7 @@ def show_diagnostics(client: Client, wait_seconds: float = 5.0) -> None:
     client.diagnostics.clear()
     deadline = time.monotonic() + wait_seconds
     while not client.diagnostics and time.monotonic() < deadline:
-        client.executor.spin_once(timeout_sec=0.1)
+        client.spin_once(0.1)
     if not client.diagnostics:
         raise RuntimeError(f"no /diagnostics message within {wait_seconds:.0f} s")
     say("/diagnostics snapshot:")
@@ -366,7 +380,7 @@ def _run(args, zoo: Path, overrides: list[str]) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, on_signal)
         proc = start_node(Path(args.params_file), overrides, log_path)
-        client = Client()
+        client = Client(proc, log_path)
         bring_up(client, args.timeout, log_path)
         prompt = args.prompt or demo_prompt(zoo)
         answer = generate(client, prompt, args.max_new_tokens).text
@@ -393,14 +407,21 @@ def _run(args, zoo: Path, overrides: list[str]) -> int:
             raise
     finally:
         shutting_down = True
-        if proc is not None and proc.poll() is None and client is not None:
-            bring_down(client)
-        if proc is not None:
-            code = stop_process(proc)
-        if client is not None:
-            client.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        try:
+            if proc is not None and proc.poll() is None and client is not None:
+                bring_down(client)
+        except BaseException:  # whatever failed there (stdout gone, say), the node process must still be stopped
+            pass
+        try:
+            if proc is not None:
+                code = stop_process(proc)
+        finally:
+            try:
+                if client is not None:
+                    client.close()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
     if proc is None:  # stopped or failed before the node process started: its empty log goes too
         log_path.unlink(missing_ok=True)
         if received:

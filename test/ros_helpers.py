@@ -18,6 +18,8 @@ from typing import IO, Any
 
 import pytest
 
+from memspec_ros.ros.ros_env import isolate_ros_environment  # noqa: F401 - conftest's, re-exported here
+
 # 0 is the ROS default that people's own nodes use; 1..101 are valid on every platform.
 TEST_DOMAIN_IDS = range(1, 102)
 STRICT_ENV = "MEMSPEC_TEST_STRICT"  # "1" (make test, CI): a missing ROS environment fails, not skips
@@ -54,24 +56,6 @@ def claim_ros_domain_id() -> int:
         f"every ROS_DOMAIN_ID in {ids[0]}..{ids[-1]} is held by another test session on this host;"
         " wait for them to finish or set MEMSPEC_TEST_ROS_DOMAIN_ID"
     )
-
-
-def isolate_ros_environment(domain_id: int) -> None:
-    """Set the environment rclpy reads at init (and child processes inherit)."""
-    os.environ["ROS_DOMAIN_ID"] = str(domain_id)
-    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # Jazzy and later
-    os.environ.pop("ROS_STATIC_PEERS", None)
-    # a shell's middleware settings are not the tests': another RMW (only rmw_fastrtps is installed: rclpy.init
-    # failed), a discovery server that is not running (every node a client of it: spin timeouts), DDS profiles and
-    # an SROS2 enclave of its own
-    for name in ("RMW_IMPLEMENTATION", "ROS_DISCOVERY_SERVER", "ROS_SUPER_CLIENT", "FASTDDS_DEFAULT_PROFILES_FILE",
-                 "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_SECURITY_ENABLE", "ROS_SECURITY_KEYSTORE",
-                 "ROS_SECURITY_ENCLAVE_OVERRIDE", "ROS_SECURITY_STRATEGY"):
-        os.environ.pop(name, None)
-    if os.environ.get("ROS_DISTRO") == "humble":
-        os.environ["ROS_LOCALHOST_ONLY"] = "1"  # Humble's spelling of the same
-    else:
-        os.environ.pop("ROS_LOCALHOST_ONLY", None)  # deprecated from Jazzy on, and it warns
 
 
 def require_ros() -> None:

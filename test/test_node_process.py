@@ -315,6 +315,9 @@ def test_demo_runs_end_to_end_and_leaves_no_process(chat):
     /memspec that a test in this process left behind must not be able to answer for the demo's."""
     zoo = tiny_chat_zoo() if chat else tiny_zoo()
     env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
+    # a shell's own ROS settings are not the demo's (its node and client run on a domain of their own, this host
+    # only): an RMW the venv lacks failed rclpy.init, and a subnet-wide discovery range met another host's demo
+    env |= {"RMW_IMPLEMENTATION": "rmw_not_installed_cpp", "ROS_AUTOMATIC_DISCOVERY_RANGE": "SUBNET"}
     done = subprocess.run(
         [
             sys.executable,

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..argtypes import positive_float, positive_int
 from ..runtime.jsonl import WorkloadFileError, read_jsonl
+from .ros_env import isolate_ros_environment
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_NAME = "memspec"
@@ -351,8 +352,7 @@ def run(args) -> int:
 
 def _run(args, zoo: Path, overrides: list[str]) -> int:
     domain, _lock = claim_domain_id()
-    os.environ["ROS_DOMAIN_ID"] = str(domain)
-    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    isolate_ros_environment(domain)  # its node and client on this host, whatever the shell's ROS settings
     # a name of its own (mkstemp: created exclusively, 0600): a predictable one in /tmp was opened with "w", so a
     # link planted under it by another user had the node's log written through it
     fd, name = tempfile.mkstemp(prefix="memspec_demo_node_", suffix=".log")

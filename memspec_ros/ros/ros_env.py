@@ -1,0 +1,28 @@
+"""The ROS environment a self-contained run sets up for itself (the demo, the test sessions): no rclpy import.
+
+The demo and the tests start their own node and its clients on a ROS_DOMAIN_ID of their own. A shell's own
+middleware settings are not theirs: another RMW (only rmw_fastrtps comes with the venv's ROS: rclpy.init failed), a
+discovery server that is not running (every node a client of it: spin timeouts), DDS profiles, an SROS2 enclave, or
+a discovery range beyond this host (two machines' demos on one LAN claimed the same domain and answered each other).
+"""
+
+from __future__ import annotations
+
+import os
+
+CLEARED = ("RMW_IMPLEMENTATION", "ROS_DISCOVERY_SERVER", "ROS_SUPER_CLIENT", "FASTDDS_DEFAULT_PROFILES_FILE",
+           "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_SECURITY_ENABLE", "ROS_SECURITY_KEYSTORE",
+           "ROS_SECURITY_ENCLAVE_OVERRIDE", "ROS_SECURITY_STRATEGY", "ROS_STATIC_PEERS")
+
+
+def isolate_ros_environment(domain_id: int) -> None:
+    """Set the environment rclpy reads at init (and child processes inherit): ``domain_id``, discovery on this host
+    only, and none of the shell's middleware settings."""
+    os.environ["ROS_DOMAIN_ID"] = str(domain_id)
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # Jazzy and later
+    for name in CLEARED:
+        os.environ.pop(name, None)
+    if os.environ.get("ROS_DISTRO") == "humble":
+        os.environ["ROS_LOCALHOST_ONLY"] = "1"  # Humble's spelling of the same
+    else:
+        os.environ.pop("ROS_LOCALHOST_ONLY", None)  # deprecated from Jazzy on, and it warns

@@ -36,7 +36,9 @@ def claim_ros_domain_id() -> int:
     forced = os.environ.get("MEMSPEC_TEST_ROS_DOMAIN_ID")
     if forced:
         return int(forced)
-    ids = list(TEST_DOMAIN_IDS)
+    # not the shell's own ROS_DOMAIN_ID (env.sh keeps one set beforehand): a robot or simulator running on this host
+    # there would receive the tests' nodes and traffic, and the diagnostics tests would read its /diagnostics
+    ids = [d for d in TEST_DOMAIN_IDS if str(d) != os.environ.get("ROS_DOMAIN_ID", "").strip()]
     start = os.getpid() % len(ids)
     for offset in range(len(ids)):
         domain = ids[(start + offset) % len(ids)]

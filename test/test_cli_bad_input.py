@@ -747,3 +747,16 @@ def test_a_demo_that_fails_before_its_node_starts_removes_the_zoo_it_generated(t
     with pytest.raises(RuntimeError, match="no free ROS domain id"):
         demo.run(object())
     assert not zoo.exists()
+
+
+def test_the_demo_never_claims_the_shells_own_ros_domain_id(monkeypatch):
+    """A robot or simulator on this host runs on the shell's ROS_DOMAIN_ID: a demo there met its nodes."""
+    from memspec_ros.ros.demo import DEMO_DOMAIN_IDS, claim_domain_id
+
+    monkeypatch.delenv("MEMSPEC_DEMO_DOMAIN_ID", raising=False)
+    monkeypatch.setenv("ROS_DOMAIN_ID", str(DEMO_DOMAIN_IDS[0]))
+    domain, lock = claim_domain_id()
+    try:
+        assert domain in DEMO_DOMAIN_IDS and domain != DEMO_DOMAIN_IDS[0]
+    finally:
+        lock.close()

@@ -53,8 +53,9 @@ def claim_domain_id() -> tuple[int, object]:
     if os.environ.get("MEMSPEC_DEMO_DOMAIN_ID"):
         return int(os.environ["MEMSPEC_DEMO_DOMAIN_ID"]), None
     # 215..232: the ids above Linux's ephemeral ports (DDS listens on 7400 + 250 x id and up; ids 102..214 land
-    # in 32768..60999, where another program's outgoing port can take one); the test sessions hold 1..101
-    for domain in DEMO_DOMAIN_IDS:
+    # in 32768..60999, where another program's outgoing port can take one); the test sessions hold 1..101. Not the
+    # shell's own ROS_DOMAIN_ID: a robot or simulator on this host may run there, and would meet the demo's node
+    for domain in (d for d in DEMO_DOMAIN_IDS if str(d) != os.environ.get("ROS_DOMAIN_ID", "").strip()):
         try:  # another user's lock file (a shared host): not ours to open, so not ours to take
             handle = open(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"), "a")
         except OSError:

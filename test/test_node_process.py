@@ -359,6 +359,14 @@ def test_demo_runs_end_to_end_and_leaves_no_process(chat):
     assert not processes_matching(f"memspec_ros.ros.node.*{zoo}"), "the demo left a node process behind"
 
 
+def _demo_process(zoo: Path, stderr=subprocess.STDOUT) -> subprocess.Popen:
+    """`make demo`'s script on ``zoo`` (8 tokens), its output piped, on a demo domain of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
+    return subprocess.Popen([sys.executable, "-m", "memspec_ros.ros.demo", "--zoo", str(zoo), "--max-new-tokens",
+                             "8", "--prompt", "def add(a, b):"], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env=env)
+
+
 @pytest.mark.parametrize("moment", ["node process started", "configure"])
 def test_a_demo_ended_by_sigterm_stops_its_node(moment):
     """The node runs in a session of its own, so a SIGTERM to the demo (a CI job's timeout) or a SIGHUP (its
@@ -366,10 +374,7 @@ def test_a_demo_ended_by_sigterm_stops_its_node(moment):
     A SIGTERM that landed while the demo imported rclpy (a slow machine) surfaced as a failed step ("initialization
     failed") with the node's own interrupted import echoed as a traceback: it is a stop, whenever it lands."""
     zoo = tiny_zoo()
-    env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
-    demo = subprocess.Popen([sys.executable, "-m", "memspec_ros.ros.demo", "--zoo", str(zoo), "--max-new-tokens", "8",
-                             "--prompt", "def add(a, b):"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+    demo = _demo_process(zoo)
     pattern = f"memspec_ros.ros.node.*{zoo}"
     seen = []
     try:
@@ -411,10 +416,7 @@ def test_a_demo_whose_output_is_gone_still_stops_its_node():
     """`make demo | tee log` and Ctrl-C: tee goes too, every print raised BrokenPipeError, the demo's shutdown
     raised out of its `finally` before it stopped the node, and the node (in a session of its own) ran on."""
     zoo = tiny_zoo()
-    env = {k: v for k, v in os.environ.items() if k != "MEMSPEC_DEMO_DOMAIN_ID"}
-    demo = subprocess.Popen([sys.executable, "-m", "memspec_ros.ros.demo", "--zoo", str(zoo), "--max-new-tokens", "8",
-                             "--prompt", "def add(a, b):"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env)
+    demo = _demo_process(zoo, stderr=subprocess.DEVNULL)
     pattern = f"memspec_ros.ros.node.*{zoo}"
     try:
         deadline = time.monotonic() + 120

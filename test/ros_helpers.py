@@ -9,16 +9,14 @@ Importing this module never imports rclpy, so tests without ROS can share confte
 
 from __future__ import annotations
 
-import fcntl
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from typing import IO, Any
 
 import pytest
 
-from memspec_ros.ros.ros_env import isolate_ros_environment  # noqa: F401 - conftest's, re-exported here
+from memspec_ros.ros.ros_env import isolate_ros_environment, lock_domain_id  # noqa: F401 - conftest's, re-exported
 
 # 0 is the ROS default that people's own nodes use; 1..101 are valid on every platform.
 TEST_DOMAIN_IDS = range(1, 102)
@@ -36,23 +34,14 @@ def claim_ros_domain_id() -> int:
     forced = os.environ.get("MEMSPEC_TEST_ROS_DOMAIN_ID")
     if forced:
         return int(forced)
-    # not the shell's own ROS_DOMAIN_ID (env.sh keeps one set beforehand): a robot or simulator running on this host
-    # there would receive the tests' nodes and traffic, and the diagnostics tests would read its /diagnostics
-    ids = [d for d in TEST_DOMAIN_IDS if str(d) != os.environ.get("ROS_DOMAIN_ID", "").strip()]
+    # (never the shell's own ROS_DOMAIN_ID, which env.sh keeps when set beforehand: the diagnostics tests would read
+    # the /diagnostics of a robot or simulator running there)
+    ids = list(TEST_DOMAIN_IDS)
     start = os.getpid() % len(ids)
-    for offset in range(len(ids)):
-        domain = ids[(start + offset) % len(ids)]
-        path = os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock")
-        try:  # another user's lock file (a shared host) cannot be opened here: another id, not a crash at collection
-            handle = open(path, "a")  # kept open: it holds the lock until the process exits
-        except OSError:
-            continue
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.close()
-            continue
-        _held_domain_locks.append(handle)
+    claimed = lock_domain_id(ids[start:] + ids[:start])
+    if claimed is not None:
+        domain, handle = claimed
+        _held_domain_locks.append(handle)  # kept open: it holds the lock until the process exits
         return domain
     raise RuntimeError(
         f"every ROS_DOMAIN_ID in {ids[0]}..{ids[-1]} is held by another test session on this host;"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -30,7 +29,7 @@ from pathlib import Path
 
 from ..argtypes import positive_float, positive_int
 from ..runtime.jsonl import WorkloadFileError, read_jsonl
-from .ros_env import isolate_ros_environment
+from .ros_env import isolate_ros_environment, lock_domain_id
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_NAME = "memspec"
@@ -53,18 +52,10 @@ def claim_domain_id() -> tuple[int, object]:
     if os.environ.get("MEMSPEC_DEMO_DOMAIN_ID"):
         return int(os.environ["MEMSPEC_DEMO_DOMAIN_ID"]), None
     # 215..232: the ids above Linux's ephemeral ports (DDS listens on 7400 + 250 x id and up; ids 102..214 land
-    # in 32768..60999, where another program's outgoing port can take one); the test sessions hold 1..101. Not the
-    # shell's own ROS_DOMAIN_ID: a robot or simulator on this host may run there, and would meet the demo's node
-    for domain in (d for d in DEMO_DOMAIN_IDS if str(d) != os.environ.get("ROS_DOMAIN_ID", "").strip()):
-        try:  # another user's lock file (a shared host): not ours to open, so not ours to take
-            handle = open(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"), "a")
-        except OSError:
-            continue
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return domain, handle
-        except OSError:
-            handle.close()
+    # in 32768..60999, where another program's outgoing port can take one); the test sessions hold 1..101
+    claimed = lock_domain_id(DEMO_DOMAIN_IDS)
+    if claimed is not None:
+        return claimed
     raise RuntimeError(f"no free ROS_DOMAIN_ID in {DEMO_DOMAIN_IDS.start}..{DEMO_DOMAIN_IDS.stop - 1}: set"
                        " MEMSPEC_DEMO_DOMAIN_ID")
 

@@ -8,11 +8,36 @@ a discovery range beyond this host (two machines' demos on one LAN claimed the s
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
+from collections.abc import Iterable
+from typing import IO
 
 CLEARED = ("RMW_IMPLEMENTATION", "ROS_DISCOVERY_SERVER", "ROS_SUPER_CLIENT", "FASTDDS_DEFAULT_PROFILES_FILE",
            "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_SECURITY_ENABLE", "ROS_SECURITY_KEYSTORE",
            "ROS_SECURITY_ENCLAVE_OVERRIDE", "ROS_SECURITY_STRATEGY", "ROS_STATIC_PEERS")
+
+
+def lock_domain_id(ids: Iterable[int]) -> tuple[int, IO[str]] | None:
+    """The first of ``ids`` that no other demo or test session on this host holds, and the open file whose lock holds
+    it (until it is closed or the process exits); None if every one is held. Never the shell's own ROS_DOMAIN_ID: a
+    robot or simulator on this host may run there, and would meet the nodes started on it."""
+    own = os.environ.get("ROS_DOMAIN_ID", "").strip()
+    for domain in ids:
+        if str(domain) == own:
+            continue
+        try:  # another user's lock file (a shared host): not ours to open, so not ours to take
+            handle = open(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"), "a")
+        except OSError:
+            continue
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            continue
+        return domain, handle
+    return None
 
 
 def isolate_ros_environment(domain_id: int) -> None:

@@ -104,7 +104,6 @@ def _wait_futures(pending: Sequence[Future], deadline: float, stop: Callable[[],
     """Wait until every future in ``pending`` is done (True), the ``deadline`` (perf_counter) passes or ``stop()``
     is true (polled every STOP_POLL_SECONDS): False then. futures.wait never raises: a failed load is _load's to
     record, and its slot says what happened."""
-    pending = [f for f in pending if f is not None]
     while True:
         pending = [f for f in pending if not f.done()]
         if not pending:
@@ -114,6 +113,11 @@ def _wait_futures(pending: Sequence[Future], deadline: float, stop: Callable[[],
             return False
         step = min(left, STOP_POLL_SECONDS if stop is not None else math.inf)
         futures.wait(pending, timeout=None if step == math.inf else step)  # an infinite timeout overflows a lock's
+
+
+def _deadline(timeout: float | None) -> float:
+    """The perf_counter time ``timeout`` seconds from now (None: never)."""
+    return math.inf if timeout is None else time.perf_counter() + timeout
 
 
 def normalise_ranking(ranking: Ranking) -> list[tuple[str, float]]:
@@ -320,7 +324,7 @@ class DraftCacheManager:
                 slot.used = True
                 return slot.model, 0.0
             self._counters.misses += 1
-        deadline = math.inf if timeout is None else t0 + timeout
+        deadline = _deadline(timeout)
         for again in (False, True):
             try:
                 waited_for = self._start_for_wait_when_room(name, deadline, stop)
@@ -368,12 +372,12 @@ class DraftCacheManager:
             try:
                 return self._start_for_wait(name)
             except _RoomHeld as held:
-                if all(f.done() for f in held.futures) and held.futures == ended:  # (no state where this can be
-                    # is known: a slot left "loading" with its load ended would hold the room for good, and this
-                    # loop would spin past its deadline and its stop)
+                done = all(f.done() for f in held.futures)
+                if done and held.futures == ended:  # (no state where this can be is known: a slot left "loading"
+                    # with its load ended would hold the room for good, and this loop would spin past its deadline)
                     raise DraftLoadError(f"draft {name!r} cannot be loaded: loads that ended still hold the"
                                          f" cache's room ({', '.join(held.names)})") from None
-                ended = held.futures if all(f.done() for f in held.futures) else []
+                ended = held.futures if done else []
                 if not _wait_futures(held.futures, deadline, stop):
                     given_up = stop is not None and stop()
                     raise DraftLoadError(
@@ -513,11 +517,7 @@ class DraftCacheManager:
         after ``timeout`` seconds (a read hung on failing storage must not hang the node's cleanup). A load still in
         flight then, or one another thread starts meanwhile, is marked for dropping, not forgotten: it keeps its
         reservation until the loader ends."""
-        with self._lock:
-            self._cancel_all_queued()  # queued loads never run: the one running is waited for
-            pending = [s.future for s in self._in_flight()]
-        deadline = math.inf if timeout is None else time.perf_counter() + timeout
-        finished = _wait_futures(pending, deadline, stop)
+        finished = _wait_futures(self._stop_queued(), _deadline(timeout), stop)
         with self._lock:
             for name in list(self._slots):
                 slot = self._slots[name]
@@ -537,9 +537,7 @@ class DraftCacheManager:
         exits). Returns False where it was still reading."""
         with self._lock:
             self._closed = True
-            self._cancel_all_queued()
-            pending = [s.future for s in self._in_flight()]
-        finished = _wait_futures(pending, time.perf_counter() + timeout, None)
+        finished = _wait_futures(self._stop_queued(), _deadline(timeout), None)
         if not finished:
             log.warning("a draft load was still reading after %.0f s as the draft cache closed: left to end on its"
                         " own thread (is the drafts' storage failing?)", timeout)
@@ -551,7 +549,7 @@ class DraftCacheManager:
         all) ran out first."""
         with self._lock:
             pending = [s.future for s in (*self._slots.values(), *self._detached) if s.future is not None]
-        return _wait_futures(pending, math.inf if timeout is None else time.perf_counter() + timeout, None)
+        return _wait_futures(pending, _deadline(timeout), None)
 
     # -- diagnostics --------------------------------------------------------------------
     def snapshot(self) -> CacheStats:
@@ -601,12 +599,14 @@ class DraftCacheManager:
         if not self._cancel_queued(slot):
             self._detached.append(slot)
 
-    def _cancel_all_queued(self) -> None:
-        """Cancel every load the loader has not started (their slots go)."""
-        for name, slot in list(self._slots.items()):
-            if slot.model is None and slot.error is None and self._cancel_queued(slot):
-                del self._slots[name]
-        self._detached = [s for s in self._detached if s.future is not None and not self._cancel_queued(s)]
+    def _stop_queued(self) -> list[Future]:
+        """Cancel every load the loader has not started (their slots go); the futures of those running."""
+        with self._lock:
+            for name, slot in list(self._slots.items()):
+                if slot.model is None and slot.error is None and self._cancel_queued(slot):
+                    del self._slots[name]
+            self._detached = [s for s in self._detached if s.future is not None and not self._cancel_queued(s)]
+            return [s.future for s in self._in_flight()]
 
     @staticmethod
     def _cancel_queued(slot: _Slot) -> bool:

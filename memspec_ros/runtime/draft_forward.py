@@ -69,10 +69,14 @@ def rope_length_limit(config) -> int:
     return int(original or getattr(config, "max_position_embeddings", 0) or 0)
 
 
+def tightest(*limits: int) -> int:
+    """The smallest of the limits that are set (0: none is)."""
+    return min((n for n in limits if n > 0), default=0)
+
+
 def context_positions(config) -> int:
     """The positions a target serves here: its max_position_embeddings, capped by rope_length_limit (0: none known)."""
-    limits = [int(getattr(config, "max_position_embeddings", 0) or 0), rope_length_limit(config)]
-    return min((n for n in limits if n > 0), default=0)
+    return tightest(int(getattr(config, "max_position_embeddings", 0) or 0), rope_length_limit(config))
 
 
 def unsupported_reason(model: torch.nn.Module) -> str:

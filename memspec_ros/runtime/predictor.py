@@ -750,8 +750,7 @@ class PredictionEngine(SynchronousRanking):
         if which == "recent":  # its prompt half is zero: never asked for (a background ranking cannot make it)
             recent = self.encoder.recent_features(context.recent_ids[-self.recent_tokens :], context.generated)
             return torch.cat([recent.new_zeros(recent.shape[-1]), recent])
-        features = self.features(context)
-        return features if which == "prompt+recent" else mask_input(features, which)
+        return self.features(context)  # prompt+recent: each half-only input is built above without the other
 
     @torch.inference_mode()
     def probabilities(self, context: PredictionContext) -> dict[str, float]:

@@ -386,8 +386,8 @@ class SimCache:
         self.on_evict: list[Callable[[str], None]] = []
         self.loads = self.evictions = self.hits = self.misses = 0
 
-    def _is_ready(self, slot: _SimSlot) -> bool:
-        now = self.clock()
+    def _is_ready(self, slot: _SimSlot, now: float | None = None) -> bool:
+        now = self.clock() if now is None else now
         return slot.ready_at <= now and now > slot.started
 
     # -- queries
@@ -457,32 +457,29 @@ class SimCache:
             pending = [s.ready_at for s in self._slots.values() if not self._is_ready(s)]
             if not pending:
                 return 0.0
-            clock, landed = self.clock, max(pending)
-            self.clock = lambda: landed + EPSILON  # the cache as it is once they have landed
-            try:
-                started = self.request(name)
-            finally:
-                self.clock = clock
-            if not started:
-                return max(0.0, landed - clock())
+            landed = max(pending) + EPSILON  # the cache as it is once they have landed
+            if not self._make_room_and_load(name, protect={name}, now=landed):
+                return max(0.0, landed - self.clock())
         slot = self._slots[name]
         now = self.clock()
         slot.used = True
         return max(0.0, slot.ready_at - now) if not self._is_ready(slot) else 0.0
 
-    def _victim(self, protect: set[str]) -> str | None:
-        candidates = [n for n, s in self._slots.items() if self._is_ready(s) and n not in protect and n != self._active]
+    def _victim(self, protect: set[str], now: float | None = None) -> str | None:
+        candidates = [n for n, s in self._slots.items()
+                      if self._is_ready(s, now) and n not in protect and n != self._active]
         if not candidates:
             return None
         return min(candidates, key=lambda n: self._scores.get(n, float("-inf")))
 
-    def _make_room_and_load(self, name: str, protect: set[str]) -> bool:
+    def _make_room_and_load(self, name: str, protect: set[str], now: float | None = None) -> bool:
+        """``now``: the time the load is asked for (default the clock's)."""
+        now = self.clock() if now is None else now
         while len(self._slots) >= self.capacity:
-            victim = self._victim(protect)
+            victim = self._victim(protect, now)
             if victim is None:
                 return False
             self._evict(victim)
-        now = self.clock()
         start = max(now, self._loader_free)
         self._loader_free = ready = start + self.load_seconds(name)
         self._slots[name] = _SimSlot(name, max(ready, now + EPSILON), now)

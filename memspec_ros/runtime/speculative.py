@@ -32,7 +32,7 @@ import torch
 
 from .chat import stop_string_error
 from .datastore import Datastore
-from .draft_forward import LeanLlamaForward, lean_forward_for, rope_length_limit
+from .draft_forward import LeanLlamaForward, lean_forward_for, rope_length_limit, tightest
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import ForwardCosts, GammaChooser, draft_pays, measure_costs, row_pays, target_costs
 from .kv_cache import crop_layers, preallocated_cache
@@ -400,8 +400,8 @@ class SpeculativeSession:
         # whatever the caller passed: a target with a learned position table (GPT-2) cannot go past it (a verify
         # feeding a position beyond it raised IndexError mid-generation, a device assert on CUDA), nor one with a
         # length-dependent RoPE past the length where its frequencies change (draft_forward.rope_length_limit)
-        limits = (max_positions, position_table_rows(target), rope_length_limit(getattr(target, "config", None)))
-        max_positions = min((n for n in limits if n > 0), default=0)
+        max_positions = tightest(max_positions, position_table_rows(target),
+                                 rope_length_limit(getattr(target, "config", None)))
         check_generation(prompt_ids, max_new_tokens, max_positions, stop_strings, tokenizer, input_rows(target),
                          eos_token_ids)
         if prefix is not None and not 0 < prefix.length < len(prompt_ids):

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from memspec_ros.bench.figures import ratio
+from memspec_ros.runtime.stats import ratio
 from memspec_ros.bench.policy_bench import domain_workloads, gmean
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.bench.figures import domain_workloads, policy_summary, ratio, simulated_table
+from memspec_ros.bench.figures import domain_workloads, policy_summary, simulated_table
 from memspec_ros.bench.policy_bench import BenchRun, PolicyBenchConfig, gmean
 from memspec_ros.runtime.loader import find_predictor, load_models
 from memspec_ros.runtime.models import ModelSpec, load_model
 from memspec_ros.runtime.oracle import ScheduleCosts
 from memspec_ros.runtime.policies import COST_AWARE, PAPER_POLICIES
 from memspec_ros.runtime.simulator import CostModel, PromptTrace, replay_predictor, target_hidden_states
+from memspec_ros.runtime.stats import ratio, rounded
 from memspec_ros.runtime.storage import load_to_iteration
 from memspec_ros.zoo.chat_acceptance import clean_heldout_answers
 from memspec_ros.zoo.chat_drafts import answer_agreement
@@ -136,10 +137,6 @@ def hindsight(traces: list[PromptTrace], gamma: int, interval: int) -> dict:
     return {w: {k: round(fmean(v), 4) for k, v in r.items()} for w, r in rows.items()}
 
 
-def _rounded(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
-
-
 def summary(totals: dict, policies: list[str], workloads: list[str]) -> dict:
     """Per workload (bench.figures.simulated_table) and GMEAN over the domain workloads: both metrics, the ratios."""
     domains = domain_workloads(workloads)
@@ -147,8 +144,8 @@ def summary(totals: dict, policies: list[str], workloads: list[str]) -> dict:
     geo = {p: gmean([table[w][p]["tokens_per_second"] for w in domains]) for p in policies}
     geo_e2e = {p: gmean([table[w][p]["end_to_end_tokens_per_second"] for w in domains]) for p in policies}
     # figures.ratio: None over a zero rate (a workload at 0 tok/s raised ZeroDivisionError after the whole replay)
-    ratios = {f"{mine}_vs_{p}": {"paper_metric": _rounded(ratio(geo[mine], geo[p])),
-                                 "end_to_end": _rounded(ratio(geo_e2e[mine], geo_e2e[p]))}
+    ratios = {f"{mine}_vs_{p}": {"paper_metric": rounded(ratio(geo[mine], geo[p])),
+                                 "end_to_end": rounded(ratio(geo_e2e[mine], geo_e2e[p]))}
               for mine in ("memspec", COST_AWARE) for p in policies if p != mine}
     per_workload = {mine: [ratio(table[w][mine]["tokens_per_second"], table[w]["mab-async"]["tokens_per_second"])
                            for w in domains] for mine in ("memspec", COST_AWARE)}
@@ -156,7 +153,7 @@ def summary(totals: dict, policies: list[str], workloads: list[str]) -> dict:
     return {"workloads": table, "gmean_over": domains,
             "gmean_tokens_per_second": {p: round(v, 3) for p, v in geo.items()},
             "gmean_end_to_end_tokens_per_second": {p: round(v, 3) for p, v in geo_e2e.items()},
-            "ratios": ratios, "worst_workload_vs_mab_async": {k: _rounded(v) for k, v in worst.items()}}
+            "ratios": ratios, "worst_workload_vs_mab_async": {k: rounded(v) for k, v in worst.items()}}
 
 
 def replay(bench: BenchRun, policies: list[str], workloads: list[str]) -> tuple[dict, dict]:
@@ -247,7 +244,7 @@ def main() -> None:
         entry["costs_from"] = {"run": run_dir, "target_path": cfg.get("quantization") or "none",
                                "draft_path": cfg.get("draft_quantization") or "none", "medium": costs.medium,
                                "iteration_seconds": schedule.iteration_seconds,
-                               "load_in_iterations": _rounded(
+                               "load_in_iterations": rounded(
                                    load_to_iteration(costs.load_seconds, schedule.iteration_seconds), 3)}
         entry["simulation_seconds"] = round(time.time() - t1, 1)
         entry["predictor"] = predictor_dir

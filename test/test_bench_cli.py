@@ -584,13 +584,28 @@ def test_a_step_without_a_proposal_is_target_only_time_even_when_flagged_fallbac
 def test_a_ratio_over_a_zero_rate_passes_no_goal_and_a_gmean_covers_every_workload():
     """A zero MAB-Async rate on one workload made the worst-workload ratio inf ("met"), a zero GMEAN raised after
     every run, and `normalized` averaged a policy over the workloads where the base was not zero."""
-    from memspec_ros.bench.figures import normalized, ratio
+    from memspec_ros.bench.figures import normalized
+    from memspec_ros.runtime.stats import ratio
 
     assert ratio(1.0, 0.0) is None and ratio(3.0, 2.0) == 1.5
     table = {"code": {"general-static": {"tps": 0.0}, "memspec": {"tps": 5.0}},
              "math": {"general-static": {"tps": 10.0}, "memspec": {"tps": 5.0}}}
     out = normalized(table, ["general-static", "memspec"], ["code", "math"], "tps")
     assert out["math"]["memspec"] == 0.5 and out["GMEAN"]["memspec"] == 0.0  # was 0.5, over math alone
+
+
+def test_every_bench_divides_by_a_zero_rate_the_same_way():
+    """The benches divided in three ways: the action bench wrote NaN (invalid JSON for other tools), the engine
+    bench and the llama.cpp bench raised ZeroDivisionError after every run, the figures gave None. All use
+    stats.ratio now: a rate of 0 as the base gives null, and a run without one is left out of a per-run median."""
+    from memspec_ros.bench.llamacpp_bench import speculative_choice
+    from memspec_ros.runtime.stats import paired_ratio, rounded
+
+    assert paired_ratio([10.0, 20.0, 30.0], [0.0, 10.0, 10.0]) == pytest.approx(2.5)  # the first run has no ratio
+    assert paired_ratio([1.0], [0.0]) is None and rounded(None) is None and rounded(2 / 3, 2) == 0.67
+    choice = speculative_choice({"fixed gamma": 10.0, "adaptive gamma": 12.0}, 0.0)
+    assert choice["speculative_vs_llamacpp"] is None and choice["speculative_worst_vs_llamacpp"] is None
+    json.dumps(choice, allow_nan=False)  # null, never NaN
 
 
 def test_goals_after_a_workload_where_every_policy_committed_nothing():
@@ -710,8 +725,8 @@ def test_the_engine_benchs_bound_fraction_and_loop_verify_are_like_for_like():
     """bound_fraction divided the median decode rate by the median bound, of different runs; the loop's verify time
     was averaged over every iteration (one-row target steps, short adaptive verifies) beside the isolated time of a
     gamma + 1 row verify."""
-    from memspec_ros.bench.engine_bench import _LoopTimes, bound_fraction, paired_ratio
-    from memspec_ros.runtime.stats import GenerationStats, IterationStats
+    from memspec_ros.bench.engine_bench import _LoopTimes, bound_fraction
+    from memspec_ros.runtime.stats import GenerationStats, IterationStats, paired_ratio
 
     # runs (decode, bound): (100, 110), (90, 120), (95, 100): per run 0.91, 0.75, 0.95; the medians' ratio 0.86
     assert bound_fraction([100.0, 90.0, 95.0], [110.0, 120.0, 100.0]) == pytest.approx(100 / 110)

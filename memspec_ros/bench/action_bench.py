@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from ..runtime.stats import paired_ratio, ratio
 
 
 def domain_prompts(workloads: Path, count: int) -> list[str]:
@@ -94,21 +95,17 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
         "direct_end_to_end_tokens_per_second_median": med("direct", "e2e"),
         "outputs_identical": all(r["action"]["text"] == r["direct"]["text"] for r in rows),
     }
-    pairs = [r["action"]["tps"] / r["direct"]["tps"] for r in rows if r["direct"]["tps"] > 0]
-    # a goal of one token has no steady state (decode tokens/s 0 on both paths): no ratio, not a crash
-    result["per_pair_steady_state_ratio_median"] = statistics.median(pairs) if pairs else math.nan
-    result["ratio_steady_state"] = _ratio(result["action_tokens_per_second_median"],
+    # a goal of one token has no steady state (decode tokens/s 0 on both paths): no ratio (null), not a crash
+    result["per_pair_steady_state_ratio_median"] = paired_ratio([r["action"]["tps"] for r in rows],
+                                                                [r["direct"]["tps"] for r in rows])
+    result["ratio_steady_state"] = ratio(result["action_tokens_per_second_median"],
                                           result["direct_tokens_per_second_median"])
-    result["ratio_end_to_end"] = _ratio(result["action_end_to_end_tokens_per_second_median"],
+    result["ratio_end_to_end"] = ratio(result["action_end_to_end_tokens_per_second_median"],
                                         result["direct_end_to_end_tokens_per_second_median"])
     result["rows"] = [{"run": r["run"], "prompt": r["prompt"],
                        **{f"{p}_{k}": r[p][k] for p in ("action", "direct") for k in ("tps", "e2e", "tokens")}}
                       for r in rows]
     return result
-
-
-def _ratio(mine: float, theirs: float) -> float:
-    return mine / theirs if theirs > 0 else math.nan
 
 
 def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads: int, feedback_period: float,

@@ -33,7 +33,7 @@ from ..runtime.draft_forward import lean_forward_for, unsupported_reason
 from ..runtime.draft_vocab import ReducedVocabDraft, as_transformers_assistant
 from ..runtime.lookup import LOOKUP_DRAFT, LookupConfig
 from ..runtime.speculative import KVState, forward_once, generate
-from ..runtime.stats import GenerationTotals, decode_tokens_per_second
+from ..runtime.stats import GenerationTotals, decode_tokens_per_second, paired_ratio
 
 
 @dataclass
@@ -67,8 +67,8 @@ class EngineBenchResult:
     engine_decode_tps: float
     # the engine's rate over each baseline's, the median over runs of each run's own ratio (paired_ratio)
     ratio_vs_hf: float | None
-    ratio_vs_autoregressive: float
-    ratio_vs_target_alone: float
+    ratio_vs_autoregressive: float | None  # None: no run had a rate (stats.ratio)
+    ratio_vs_target_alone: float | None
     mean_accepted: float
     # the engine's tokens equal its own target alone's (greedy, lossless): this engine's claim
     outputs_identical: bool
@@ -133,13 +133,7 @@ class _LoopTimes:
         return 1000 * self.other_s / self.iterations if self.iterations else None
 
 
-def paired_ratio(rates: list[float], bases: list[float]) -> float:
-    """The median over runs of each run's rate over the same run's base (the methods of one run take turns on each
-    prompt, so they share its drift): a ratio of two medians could pair one run's rate with another's base."""
-    return statistics.median(r / b for r, b in zip(rates, bases, strict=True))
-
-
-def bound_fraction(decode_tps: list[float], bound_tps: list[float]) -> float:
+def bound_fraction(decode_tps: list[float], bound_tps: list[float]) -> float | None:
     """The median over runs of each run's decode rate against that run's own bound (its forwards timed in that
     run)."""
     return paired_ratio(decode_tps, bound_tps)

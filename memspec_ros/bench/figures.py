@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..runtime.policies import COST_AWARE
 from ..runtime.simulator import CostModel
-from ..runtime.stats import EXEC_PARTS, GenerationStats, GenerationTotals
+from ..runtime.stats import EXEC_PARTS, GenerationStats, GenerationTotals, ratio
 from ..runtime.storage import MEDIA, DraftStorage, load_to_iteration, storage_medium
 from .policy_bench import (
     BenchRun,
@@ -93,11 +93,6 @@ def policy_summary(runs: Sequence[tuple[str, str, tuple, GenerationStats]], poli
         "decode_prediction_share_of_end_to_end": totals.breakdown["prediction"] / e2e if e2e else 0.0,
         "mean_accepted": totals.mean_accepted,
     }
-
-
-def ratio(value: float, base: float) -> float | None:
-    """value / base, None where the base is 0 (no goal passes on it, no figure divides by zero after the runs)."""
-    return value / base if base > 0 else None
 
 
 def _or_na(value: float | None, spec: str, missing: str = "a zero baseline") -> str:

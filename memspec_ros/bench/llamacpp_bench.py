@@ -46,7 +46,7 @@ import torch
 
 from ..runtime.datastore import Datastore
 from ..runtime.lookup import LookupConfig
-from ..runtime.stats import GenerationTotals
+from ..runtime.stats import GenerationTotals, ratio
 
 LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"
 # the ATen kernels that do a forward's matrix multiplies on each path
@@ -258,8 +258,9 @@ def speculative_choice(tps_by_method: dict[str, float], llamacpp_tps: float) -> 
     best = max(tps_by_method, key=tps_by_method.get)
     worst = min(tps_by_method, key=tps_by_method.get)
     return {"speculative_tps": tps_by_method[best], "speculative_method": best,
-            "speculative_vs_llamacpp": tps_by_method[best] / llamacpp_tps,
-            "speculative_worst_method": worst, "speculative_worst_vs_llamacpp": tps_by_method[worst] / llamacpp_tps}
+            "speculative_vs_llamacpp": ratio(tps_by_method[best], llamacpp_tps),
+            "speculative_worst_method": worst,
+            "speculative_worst_vs_llamacpp": ratio(tps_by_method[worst], llamacpp_tps)}
 
 
 def run_llamacpp_bench(
@@ -375,10 +376,10 @@ def run_llamacpp_bench(
                 continue
             spec_tps = statistics.median(tally[name].tps)
             row[f"{name}_tps"] = spec_tps
-            row[f"{name}_vs_llamacpp"] = spec_tps / tally["llamacpp"].median_over(tally[name].keys)
+            row[f"{name}_vs_llamacpp"] = ratio(spec_tps, tally["llamacpp"].median_over(tally[name].keys))
             row[f"{name}_prompts"] = len(tally[name].tps)
             row[f"{name}_drafted"], row[f"{name}_accepted"] = drafted, accepted
-            row[f"{name}_accept_rate"] = accepted / drafted if drafted else None
+            row[f"{name}_accept_rate"] = ratio(accepted, drafted)
         for path, target in targets.items():
             alone = statistics.median(tally[f"{path}:alone"].tps)
             # llama.cpp over the prompts this path's kinds have a rate for (an answer of one token has none; the
@@ -415,9 +416,9 @@ def run_llamacpp_bench(
                 **with_store,
                 **choice,
                 "mean_accepted": tally[f"{path}:speculative"].accepted.mean_accepted,
-                "adaptive_vs_fixed_gamma": adaptive / fixed,
-                "target_alone_vs_llamacpp": alone / llama_here,
-                "speculative_vs_target_alone": choice["speculative_tps"] / alone,
+                "adaptive_vs_fixed_gamma": ratio(adaptive, fixed),
+                "target_alone_vs_llamacpp": ratio(alone, llama_here),
+                "speculative_vs_target_alone": ratio(choice["speculative_tps"], alone),
                 "outputs_identical": identical[path],
                 "same_text_as_llamacpp": same_text[path] / (len(prompts) * cfg.runs),
                 "forward": forward_profile(target, cfg.gamma, vocab),

@@ -46,6 +46,7 @@ fallback's, as in ``fallback_iterations``). The parts sum to ``decode_seconds``.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -68,6 +69,26 @@ def decode_tokens_per_second(decode_tokens: int, decode_seconds: float) -> float
 def end_to_end_tokens_per_second(completion_tokens: int, end_to_end_seconds: float) -> float:
     """Every generated token over the whole call (module docstring)."""
     return completion_tokens / end_to_end_seconds if end_to_end_seconds > 0 else 0.0
+
+
+def ratio(value: float, base: float) -> float | None:
+    """``value / base``: how every "x vs y" figure of the benches is divided. None where the base is not positive (a
+    workload with no decode rate: a goal of one token has none). JSON writes that null and no goal passes on it,
+    where a NaN would make the file invalid JSON and an exception would lose the run's other figures."""
+    return value / base if base > 0 else None
+
+
+def paired_ratio(values: Sequence[float], bases: Sequence[float]) -> float | None:
+    """The median over runs of each run's value over the same run's base (the methods of one run take turns on each
+    prompt, so they share its drift): a ratio of two medians could pair one run's value with another's base. Runs
+    whose base is not positive have no ratio (:func:`ratio`); None if no run has one."""
+    ratios = [r for v, b in zip(values, bases, strict=True) if (r := ratio(v, b)) is not None]
+    return statistics.median(ratios) if ratios else None
+
+
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    """A figure rounded for a JSON file, None (no figure, as :func:`ratio`'s) kept."""
+    return None if value is None else round(value, digits)
 
 
 @dataclass

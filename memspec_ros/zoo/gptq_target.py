@@ -48,7 +48,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -262,7 +261,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer, parameter_bytes
     from memspec_ros.runtime.prompt_cache import common_prefix
     from memspec_ros.runtime.speculative import generate
-    from memspec_ros.runtime.stats import GenerationTotals
+    from memspec_ros.runtime.stats import GenerationTotals, paired_ratio, ratio, rounded
     from memspec_ros.zoo.teacher import chat_prompt_ids
 
     heldout = {w: read_rows(models / "workloads" / f"{w}.jsonl") for w in WORKLOADS}
@@ -346,12 +345,13 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
         # over the prompts both ran (a variant limited to fewer speed prompts against fp32's on the same ones)
         shared = len(runs[name])
         fp_shared = GenerationTotals.of(r["alone"] for r in runs["fp32"][:shared]).tokens_per_second
-        results[name]["speedup_vs_fp32"] = round(results[name]["decode_tok_s_1thread"] / fp_shared, 3)
+        results[name]["speedup_vs_fp32"] = rounded(ratio(results[name]["decode_tok_s_1thread"], fp_shared), 3)
         # per prompt against fp32 on the same prompt moments apart: steadier on a shared machine
-        per_prompt = [r["tok_s"] / f["tok_s"] for r, f in zip(runs[name], runs["fp32"], strict=False)]
-        results[name]["speedup_vs_fp32_median_per_prompt"] = round(statistics.median(per_prompt), 3)
-        results[name]["answer_perplexity_ratio_vs_fp32"] = round(
-            results[name]["perplexity"]["answer"] / fp["perplexity"]["answer"], 4)
+        mine = runs[name][:len(runs["fp32"])]
+        per_prompt = paired_ratio([r["tok_s"] for r in mine], [f["tok_s"] for f in runs["fp32"][:len(mine)]])
+        results[name]["speedup_vs_fp32_median_per_prompt"] = rounded(per_prompt, 3)
+        results[name]["answer_perplexity_ratio_vs_fp32"] = rounded(
+            ratio(results[name]["perplexity"]["answer"], fp["perplexity"]["answer"]), 4)
     gptq_meta = json.loads((gptq_dir / MARKER).read_text()) if (gptq_dir / MARKER).is_file() else {}
     quant = json.loads((gptq_dir / "config.json").read_text()).get("quantization_config", {})
     return {

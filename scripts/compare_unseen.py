@@ -18,8 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from memspec_ros.runtime.stats import ratio
 from memspec_ros.bench.policy_bench import domain_workloads, gmean
+from memspec_ros.runtime.stats import ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 GS, MAB, OD, MS = "general-static", "mab-async", "oracle-dynamic", "memspec"

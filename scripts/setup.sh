@@ -121,16 +121,30 @@ pick_python() {
   echo python3
 }
 
-step_deps() {
+# What .venv needs from the machine, checked first: the interpreter's version and the architecture are the causes
+# a user can act on, where the build tools' check would otherwise name the headers of a Python that cannot be used.
+check_python() {
   # The ros-jazzy-* wheels on PyPI are tagged py3-none-any but hold x86-64 binaries (librcutils.so, rclpy's
   # extension): on another architecture pip installs them and the build or `import rclpy` fails far from the cause.
   [ "$(uname -m)" = x86_64 ] || die "the ROS 2 Jazzy wheels from PyPI hold x86-64 binaries and this machine is" \
     "$(uname -m): use an apt ROS 2 Jazzy instead (README.md, \"On a robot\")"
-  make_venv "$VENV" "$(pick_python)"
-  local pyver
-  pyver="$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  local py pyver
+  if venv_ready "$VENV"; then py="$VENV/bin/python"; else py="$(pick_python)"; fi
+  command -v "$py" >/dev/null 2>&1 || die "no '$py' on PATH; set MEMSPEC_PYTHON to a Python 3.11"
+  pyver="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" || die "'$py' does not run"
   # The ros-jazzy-* wheels on PyPI are built for CPython 3.11 only.
-  [ "$pyver" = "3.11" ] || die ".venv has Python $pyver; the ROS 2 Jazzy wheels need 3.11 (remove .venv, set MEMSPEC_PYTHON)"
+  if [ "$py" = "$VENV/bin/python" ]; then
+    [ "$pyver" = "3.11" ] || die ".venv has Python $pyver; the ROS 2 Jazzy wheels need 3.11 (remove .venv, set MEMSPEC_PYTHON)"
+  else
+    [ "$pyver" = "3.11" ] || die "'$py' is Python $pyver; the ROS 2 Jazzy wheels need 3.11 (install python3.11, or set" \
+      "MEMSPEC_PYTHON to one)"
+  fi
+}
+
+step_deps() {
+  make_venv "$VENV" "$(pick_python)"
+  local pyver  # in the stamp: what the install was made for
+  pyver="$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 
   local want
   want="$(hash_inputs "${REQUIREMENTS[@]}" requirements-model.txt constraints.txt setup.py setup.cfg pyproject.toml \
@@ -275,6 +289,7 @@ if [ "$target" = gptq ]; then
   step_gptq
   exit 0
 fi
+check_python
 [ "$target" = deps ] || check_build_tools
 step_deps
 if [ "$target" != "deps" ]; then

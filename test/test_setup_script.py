@@ -193,6 +193,19 @@ def test_a_missing_build_tool_is_named_before_any_pip_install(checkout):
     assert not [line for line in log_lines(root) if line.startswith(("pip ", "venv "))]
 
 
+def test_a_python_of_another_version_is_named_before_the_build_tools_and_any_venv(checkout, tmp_path):
+    """With a Python 3.12 and no compiler, the build tools' check ran first and named the compiler (or 3.12's
+    missing headers), not the interpreter that no install could use."""
+    root, _ = checkout
+    other = tmp_path / "bin" / "python3.12"
+    other.write_text(FAKE_PYTHON.replace('echo "3.11"', 'echo "3.12"'))
+    other.chmod(0o755)
+    for target in ("build", "deps"):
+        done = run_setup(root, other, target, CC="/nonexistent/cc")
+        assert done.returncode != 0 and f"'{other}' is Python 3.12" in done.stderr, done.stderr
+        assert "/nonexistent/cc" not in done.stderr and not log_lines(root) and not (root / ".venv").exists()
+
+
 def test_a_venv_made_here_by_another_tool_is_adopted_not_deleted(checkout):
     """virtualenv and uv write the activate line quoted or indented otherwise: only a line naming another path is
     evidence of a moved checkout; a venv made here by hand (a CUDA torch installed into it) is kept."""

@@ -66,6 +66,8 @@ def thread_counts(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers") from None
     if not counts:
         raise argparse.ArgumentTypeError("no thread count given")
+    if len(set(counts)) < len(counts):  # '1,1' ran the whole bench twice, the second row over the first
+        raise argparse.ArgumentTypeError(f"{text!r} names a thread count more than once")
     return counts
 
 
@@ -122,6 +124,8 @@ def output_file(text: str) -> str:
     blocked = unwritable(path.parent)
     if blocked and not Path(blocked).is_dir():
         raise argparse.ArgumentTypeError(f"{blocked} is a file, so {text} cannot be made")
+    if blocked:  # a folder this process may not write in: found at the write, after the run
+        raise argparse.ArgumentTypeError(f"cannot write in {blocked}, so {text} cannot be made")
     return text
 
 

@@ -10,6 +10,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -612,7 +613,6 @@ def test_goals_after_a_workload_where_every_policy_committed_nothing():
     """A workload whose prompts all ended at their first token leaves every rate 0 there, so every GMEAN 0: the
     cost-aware, headroom and replay ratios divided by it and raised ZeroDivisionError after every real run, and no
     figure file was written. They are n/a, as the goal rows already were."""
-    from types import SimpleNamespace
 
     from memspec_ros.bench.figures import CA, GS, MAB, MS, OD, OS, _x, goals
 
@@ -742,7 +742,6 @@ def test_the_engine_benchs_bound_fraction_and_loop_verify_are_like_for_like():
 def test_measured_latency_per_generation_is_averaged_as_the_simulated_one():
     """The measured end-to-end seconds per generation beside the simulated ones pooled every run, where the
     simulated figures average per-workload means: with workloads of unequal prompt counts the two disagreed."""
-    from types import SimpleNamespace
 
     from memspec_ros.bench.figures import measured_seconds_per_generation
 
@@ -777,7 +776,6 @@ def test_the_unseen_comparison_survives_a_zero_rate_and_takes_any_workload_folde
 def test_a_sweep_leaves_out_the_settings_the_controller_refuses_with_its_predictor(monkeypatch):
     """Figure 10 replayed MemSpec at N = 2, 8 and 16 with a head whose labels span intervals of N = 4 (label
     horizon 1), which the controller refuses at any other N: figures of a configuration no node can run."""
-    from types import SimpleNamespace
 
     from memspec_ros.bench.figures import sweep
     from memspec_ros.bench.policy_bench import BenchRun, PolicyBenchConfig
@@ -814,7 +812,6 @@ def test_the_breakdown_figures_over_a_baseline_that_decoded_nothing_are_n_a_not_
     """Figures 7 and 9 divided each part by MAB-Async's (General-Static's) pooled decode time: where every
     generation of it ended at the prefill that is 0, and ZeroDivisionError came after every real run. The parts
     are n/a there (as :func:`ratio` has it), the plot says so, and a base that decoded keeps its ratios."""
-    from types import SimpleNamespace
 
     from memspec_ros.bench.figures import GS, MAB, MS, figure7, figure8_9, plot
     from memspec_ros.runtime.stats import GenerationStats
@@ -833,3 +830,53 @@ def test_the_breakdown_figures_over_a_baseline_that_decoded_nothing_are_n_a_not_
     bench.runs[1] = (MAB, "code", (1,), decoded)  # MAB-Async decoded: MemSpec's parts over it, 1 in all
     parts = figure7(bench, "local")["normalized_to_mab_async"][MS]
     assert sum(parts.values()) == pytest.approx(1.0)
+
+
+def test_bad_bench_and_zoo_options_are_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """Each of these was found late: --threads 1,1 ran the llama.cpp bench twice (the second row over the first),
+    a missing --datastore or --draft-path was named after the target had loaded and its paths were timed, --out
+    naming a file raised from mkdir, a missing --llamacpp-draft failed every speculative run into a reason string,
+    acceptance's --sampling-temperature nan wrote NaN into acceptance.json and its --json was not checked at all."""
+    from memspec_ros.bench import cli as bench_cli
+    from memspec_ros.zoo.cli import main as zoo_main
+
+    def no_load(args):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(bench_cli, "_engine_models", no_load)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        main(["llamacpp", "--threads", "1,1"])
+    assert exc.value.code == 2 and "more than once" in capsys.readouterr().err
+    for argv, said in ((["engine", "--context-lookup", "--datastore", str(tmp_path / "typo.safetensors")],
+                        "--datastore"),
+                       (["engine", "--target", str(tmp_path / "t"), "--draft-path", str(tmp_path / "d")], "--target"),
+                       (["paper", "--out", str(blocker)], "is a file"),
+                       (["llamacpp", "--llamacpp-draft", str(tmp_path / "d.gguf")], "--llamacpp-draft")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert said in str(exc.value), exc.value
+    for argv in (["--sampling-temperature", "nan"], ["--json", str(blocker / "acc.json")],
+                 ["--plot", str(blocker / "m.png")]):
+        with pytest.raises(SystemExit) as exc:
+            zoo_main(["acceptance", "--json", str(tmp_path / "a.json"), *argv])
+        assert exc.value.code == 2, argv
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_bench_json_is_strict_json_and_an_interrupt_is_said(monkeypatch, capsys):
+    """A NaN (a latency percentile of a run with no goal) was written as bare NaN, which jq and browsers refuse;
+    Ctrl-C in a bench gave a traceback."""
+    from memspec_ros.bench import cli as bench_cli
+
+    text = bench_cli._write_json({"p50": float("nan"), "rows": [{"max": float("inf")}, 1.5]}, None)
+    assert json.loads(text) == {"p50": None, "rows": [{"max": None}, 1.5]}
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parsed = SimpleNamespace(command="soak", func=interrupted)
+    monkeypatch.setattr(bench_cli, "build_parser", lambda: SimpleNamespace(parse_args=lambda argv: parsed))
+    assert bench_cli.main(["soak"]) == 130
+    assert "memspec-bench soak: interrupted" in capsys.readouterr().err

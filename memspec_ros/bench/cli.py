@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..argtypes import (
     output_file,
     positive_int,
     thread_counts,
+    unwritable,
 )
 from ..runtime import bundled_zoo_dir
 from .action_bench import node_parameter_range
@@ -173,11 +175,23 @@ def _datastore(args, fingerprint: str | None = None):
         raise SystemExit(f"--datastore: {exc}") from None
 
 
+def _finite(value):
+    """``value`` with every NaN or infinity replaced by None: ``json.dumps`` writes those as bare NaN/Infinity,
+    which is not JSON (jq and browsers refuse the file), e.g. a latency percentile of a run that had no goal."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _write_json(result: dict, path: str | None) -> str:
     """``result`` as indented JSON; also written to ``path`` (its folder made) when one is given. A write that
     fails (the disk full, the folder removed during the run) prints the result before it says so: the run's
     figures are not lost with the file."""
-    text = json.dumps(result, indent=2)
+    text = json.dumps(_finite(result), indent=2, allow_nan=False)
     if path:
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +227,10 @@ def cmd_engine(args) -> int:
     if bool(args.target) != bool(args.draft_path):  # one without the other was ignored, or failed in the loader
         raise SystemExit("--target and --draft-path go together (a target directory and a draft for it); without"
                          " them the zoo's target and --draft run")
+    for option, value in (("--datastore", "" if args.datastore == "none" else args.datastore),
+                          ("--target", args.target), ("--draft-path", args.draft_path)):
+        if value and not Path(value).exists():  # found after the target had loaded and its paths were timed
+            raise SystemExit(f"{option} {value}: no such file or folder")
     torch.set_num_threads(cfg.threads)  # before the load: quantization auto times the paths at this thread count
     target, draft, prompts, names = _engine_models(args)
     if cfg.context_lookup:
@@ -260,7 +278,7 @@ def _llamacpp_rows(args) -> list[tuple[str, dict]]:
 
     folder = Path(args.zoo) / "workloads"
     rows = []
-    for domain in (d.strip() for d in args.domains.split(",") if d.strip()):
+    for domain in unique_names(args.domains, "--domains"):
         if not (folder / f"{domain}.jsonl").is_file():
             raise SystemExit(f"--domains {domain}: no workload {folder / (domain + '.jsonl')}; the zoo has"
                              f" {', '.join(workloads_in(folder)) if folder.is_dir() else 'none'}")
@@ -309,6 +327,8 @@ def cmd_llamacpp(args) -> int:
     unknown = [p for p in paths if p not in PATHS]
     if unknown or not paths:
         raise SystemExit(f"unknown forward path(s) {', '.join(unknown) or repr(args.paths)}: use {', '.join(PATHS)}")
+    if args.llamacpp_draft and not Path(args.llamacpp_draft).is_file():  # else every speculative run failed
+        raise SystemExit(f"--llamacpp-draft {args.llamacpp_draft}: no such file (a draft GGUF)")
     rows = _llamacpp_rows(args)
     source, gguf = _llamacpp_target(args)
     cfg = LlamaCppBenchConfig(paths=paths, threads=args.threads,
@@ -565,6 +585,11 @@ def cmd_paper(args) -> int:
             raise SystemExit(f"memspec-bench paper --render-only: {exc}") from None
         print(f"{Path(args.out) / 'README.md'}: regenerated from the items in {args.out}")
         return 0
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():  # found by its mkdir, a traceback, before the runs
+        raise SystemExit(f"memspec-bench paper --out {out}: is a file; name a folder for the items")
+    if blocked := unwritable(out):
+        raise SystemExit(f"memspec-bench paper --out {out}: cannot write in {blocked}")
     zoo, folder, workloads = _zoo_and_workloads(args)
     predictor = Path(args.predictor) if args.predictor else None
     with tqdm(total=len(REAL_POLICIES) * len(workloads) * args.prompts, desc="paper: real runs", unit="gen") as bar:
@@ -771,7 +796,11 @@ def _num(value: float | None, fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # said, not a traceback: a bench's figures only compare as a whole
+        print(f"\nmemspec-bench {args.command}: interrupted; no figures written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

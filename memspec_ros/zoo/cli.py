@@ -19,8 +19,10 @@ from pathlib import Path
 
 from ..argtypes import (
     controller_limit,
+    float_in,
     name_list,
     non_negative_int,
+    output_file,
     positive_float,
     positive_int,
     torch_device,
@@ -223,7 +225,7 @@ def _run_build(a) -> int:
 
 def _acceptance_parser(sub) -> None:
     p = sub.add_parser("acceptance", help="acceptance matrix of every draft on every workload (greedy, teacher-forced)")
-    p.add_argument("--json", required=True, help="output JSON path")
+    p.add_argument("--json", required=True, type=output_file, help="output JSON path")
     _models_argument(p)
     p.add_argument("--prompts-per-workload", type=positive_int, default=100)
     p.add_argument("--gamma", type=controller_limit("gamma"), default=4,
@@ -232,12 +234,12 @@ def _acceptance_parser(sub) -> None:
     p.add_argument("--interval", type=controller_limit("interval"), default=4,
                    help="N iterations per interval of the dynamic oracle (default 4)")
     p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--plot", default=None,
+    p.add_argument("--plot", default=None, type=output_file,
                    help="heatmap PNG (default: the zoo's acceptance_matrix.png where --json is its acceptance.json,"
                         " else the --json path with .png)")
     p.add_argument(
         "--sampling-temperature",
-        type=float,
+        type=float_in(0.0, 100.0),  # nan skipped the overlap silently and wrote NaN into acceptance.json
         default=None,
         help="toy zoo: also report each draft's expected speculative-sampling acceptance at this temperature"
              " (default 0.7; 0: skip)",

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from memspec_ros.argtypes import controller_limit, float_in, output_file, positive_int
 from memspec_ros.runtime.datastore import Datastore, read_answers
 from memspec_ros.runtime.gamma_choice import ForwardCosts, GammaChooser
 from memspec_ros.runtime.lookup import LookupConfig, NgramIndex
@@ -100,13 +101,24 @@ def replay_adaptive(pairs: list[tuple[list[int], list[int]]], costs: ForwardCost
     return 1000.0 * tokens / ms
 
 
+def _verify_ms(parser: argparse.ArgumentParser, text: str, gamma: int) -> list[float]:
+    """--verify-ms: gamma + 1 positive, finite times (a 0 divided by zero, a nan went into the JSON)."""
+    try:
+        values = [float_in(1e-9, 1e9)(v) for v in text.split(",")]
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        parser.error(f"--verify-ms {text!r}: {exc}")
+    if len(values) != gamma + 1:
+        parser.error(f"--verify-ms needs {gamma + 1} times (1..gamma+1 tokens), got {len(values)}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("teacher", type=Path, help="folder of teacher shards (artifacts/chatzoo/teacher)")
     parser.add_argument("--split", default="heldout", help="shard prefix (default heldout)")
-    parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--min-ngram", type=int, default=LookupConfig().min_ngram)
-    parser.add_argument("--max-ngram", type=int, default=LookupConfig().max_ngram)
+    parser.add_argument("--gamma", type=controller_limit("gamma"), default=4)
+    parser.add_argument("--min-ngram", type=positive_int, default=LookupConfig().min_ngram)
+    parser.add_argument("--max-ngram", type=positive_int, default=LookupConfig().max_ngram)
     parser.add_argument("--verify-ms", help="comma-separated ms of a 1..gamma+1-token target forward: also replay"
                         " adaptive gamma's choice under these costs")
     parser.add_argument("--corpus", help="also search this split's answers (e.g. train) before each prompt")
@@ -118,11 +130,21 @@ def main() -> None:
     parser.add_argument("--remember", action="store_true",
                         help="with --verify-ms: also replay the held-out answers in a shuffled order, each searching"
                              " the earlier ones first (memspec.remember_answers)")
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--json", type=output_file, help="write the figures here")
     args = parser.parse_args()
     config = LookupConfig(args.min_ngram, args.max_ngram)
     if args.corpus and args.datastore:
         raise SystemExit("--corpus and --datastore both name the answers to search: pass one")
+    # checked before the replay, which found them only at its end
+    verify_ms = _verify_ms(parser, args.verify_ms, args.gamma) if args.verify_ms else None
+    if (args.remember or args.corpus_shares) and not verify_ms:  # both were ignored without a word
+        parser.error("--remember and --corpus-shares replay adaptive gamma: they need --verify-ms")
+    if args.corpus_shares and not (args.corpus or args.datastore):
+        parser.error("--corpus-shares needs --corpus or --datastore")
+    try:
+        shares = [float_in(0.0, 1.0)(v) for v in args.corpus_shares.split(",")] if args.corpus_shares else []
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        parser.error(f"--corpus-shares {args.corpus_shares!r}: {exc}")
     if args.datastore:
         every = [a for a in read_answers(args.datastore)[0] if len(a)]  # empty rows: withheld answers
     else:
@@ -156,10 +178,7 @@ def main() -> None:
         "by_domain": {d: {"copied_share": c / i, "accepted_per_copy": a / c if c else 0.0}
                       for d, (i, c, a) in sorted(per_domain.items())},
     }
-    if args.verify_ms:
-        verify_ms = [float(v) for v in args.verify_ms.split(",")]
-        if len(verify_ms) != args.gamma + 1:
-            raise SystemExit(f"--verify-ms needs {args.gamma + 1} times (1..gamma+1 tokens), got {len(verify_ms)}")
+    if verify_ms:
         costs = ForwardCosts(verify_ms=verify_ms, draft_ms=0.0)
         pairs = [(p, a) for _, p, a in answers(args.teacher, args.split)]
         alone = 1000.0 / verify_ms[0]
@@ -168,19 +187,20 @@ def main() -> None:
             **{f"{label}_vs_target_alone": replay_adaptive(pairs, costs, args.gamma, config, per_length, corpus) / alone
                for label, per_length in (("one_estimate", False), ("per_match_length", True))},
         }
-        if corpus is not None and args.corpus_shares:  # how the gain grows with the datastore's size
+        if corpus is not None and shares:  # how the gain grows with the datastore's size
             result["adaptive_replay"]["by_corpus_share"] = {
-                share: replay_adaptive(pairs, costs, args.gamma, config, False,
-                                       Datastore(every[: round(len(every) * float(share))])) / alone
-                for share in args.corpus_shares.split(",")}
+                str(share): replay_adaptive(pairs, costs, args.gamma, config, False,
+                                            Datastore(every[: round(len(every) * share)])) / alone
+                for share in shares}
         if args.remember:  # served one after another in a shuffled order, each remembering those before it
             random.Random(0).shuffle(pairs)
             result["adaptive_replay"]["remembering_earlier_answers_vs_target_alone"] = replay_adaptive(
                 pairs, costs, args.gamma, config, False, corpus, remember=True) / alone
     text = json.dumps(result, indent=1)
+    print(text)  # before the write: a failed write loses no figure
     if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.argtypes import name_list, output_file, positive_int
 from memspec_ros.runtime import cpu_kernels
 from memspec_ros.runtime.loader import load_models
+from memspec_ros.runtime.models import QUANTIZATIONS
 from memspec_ros.runtime.oracle import engine_continuation_logits
 from memspec_ros.runtime.speculative import generate
 from memspec_ros.zoo.teacher import load_answers
@@ -57,12 +59,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--answers", type=Path, required=True, help="held-out answers (memspec-zoo acceptance --answers)")
     p.add_argument("--registry", type=Path, default=ROOT / "models" / "registry.yaml")
-    p.add_argument("--per-workload", type=int, default=8, help="answers per workload (default 8)")
-    p.add_argument("--greedy-every", type=int, default=4, help="regenerate every k-th answer whole (default 4)")
-    p.add_argument("--paths", default="none,int8,int4")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--per-workload", type=positive_int, default=8, help="answers per workload (default 8)")
+    p.add_argument("--greedy-every", type=positive_int, default=4,
+                   help="regenerate every k-th answer whole (default 4)")
+    p.add_argument("--paths", type=name_list, default="none,int8,int4")
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--json", type=output_file)
     a = p.parse_args()
+    if unknown := [q for q in a.paths if q not in QUANTIZATIONS]:  # found after the first path had been scored
+        p.error(f"--paths: unknown {', '.join(unknown)}; use {', '.join(QUANTIZATIONS)}")
     torch.set_num_threads(a.threads)
     answers = load_answers(a.answers, "heldout")
     if not answers:
@@ -72,7 +77,7 @@ def main() -> None:
         by_domain.setdefault(ans.domain, []).append(ans)
     sample = [ans for d in sorted(by_domain) for ans in by_domain[d][: a.per_workload]]
     rows = {}
-    for path in a.paths.split(","):
+    for path in a.paths:
         t0 = time.perf_counter()
         models = load_models(a.registry, quantization=path)
         try:
@@ -91,8 +96,10 @@ def main() -> None:
                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None and k != "json"),
            "machine": {"cpu": platform.processor() or platform.machine(), "kernels": str(cpu_kernels.status())},
            "answers": len(sample), "workloads": sorted(by_domain), "paths": rows}
+    print(json.dumps(out["paths"], indent=2))  # before the write: a failed write loses no figure
     if a.json:
-        a.json.write_text(json.dumps(out, indent=2) + "\n")
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {a.json}")
 
 

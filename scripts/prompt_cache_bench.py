@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.argtypes import output_file, positive_int
 from memspec_ros.runtime.chat import prompt_ids
 from memspec_ros.runtime.controller import RuntimeConfig, load_runtime
+from memspec_ros.runtime.models import QUANTIZATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are the voice of a service robot. Answer helpfully and briefly."
@@ -82,16 +84,16 @@ SETTINGS = {"on": {"prompt_cache": True}, "off": {"prompt_cache": False},
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--interleave", type=int, default=1,
+    p.add_argument("--conversations", type=positive_int, default=8)
+    p.add_argument("--turns", type=positive_int, default=4)
+    p.add_argument("--interleave", type=positive_int, default=1,
                    help="conversations run turn by turn in round robin, this many at a time (1: one after another)")
     p.add_argument("--against", choices=("off", "single"), default="off",
                    help="the baseline: no prompt cache, or one that keeps only the last goal's (prompt_cache_bytes 0)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--quantization", default="int4")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="int4")
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--json", type=output_file, default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     controller = load_runtime(RuntimeConfig(policy="memspec", adaptive_gamma=True, context_lookup=True),
@@ -143,7 +145,8 @@ def main() -> None:
                                                                                        strict=True))
     print(f"outputs identical: {identical}")
     if a.json:
-        a.json.write_text(json.dumps({"config": vars(a) | {"json": str(a.json)}, "system_prompt": SYSTEM,
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"config": vars(a) | {"json": str(a.json)}, "system_prompt": SYSTEM,
                                       "prompt_cache_bytes": default_budget, "baseline": SETTINGS[base],
                                       "refused": controller.prompt_cache_refused, "identical": identical,
                                       "per_turn": per_turn}, indent=1) + "\n")

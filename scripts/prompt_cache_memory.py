@@ -20,18 +20,21 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.argtypes import int_in
 from memspec_ros.bench.soak_bench import rss_bytes, soak_prompts
 from memspec_ros.runtime import kv_cache, prompt_cache
 from memspec_ros.runtime.chat import prompt_ids
 from memspec_ros.runtime.controller import RuntimeConfig, load_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_EVERY = 30  # goals between two RSS samples
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hand-back", choices=("on", "off"), default="on")
-    p.add_argument("--goals", type=int, default=240)
+    p.add_argument("--goals", type=int_in(SAMPLE_EVERY, 1_000_000), default=240,
+                   help=f"goals to run (default 240; at least {SAMPLE_EVERY}: RSS is sampled every {SAMPLE_EVERY})")
     a = p.parse_args()
     torch.set_num_threads(1)
     seconds: list[float] = []
@@ -52,7 +55,7 @@ def main() -> None:
     for i in range(a.goals):
         ids = prompt_ids(controller.tokenizer, prompts[i % len(prompts)], [])
         controller.generate(ids, max_new_tokens=rng.randint(50, 600) if i % 6 == 5 else 8)
-        if i % 30 == 29:
+        if i % SAMPLE_EVERY == SAMPLE_EVERY - 1:
             gc.collect()
             samples.append(rss_bytes() / 1e6)
             print(f"hand-back {a.hand_back}, {i + 1} goals: RSS {samples[-1]:.0f} MB; the cache holds"

@@ -31,12 +31,13 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.argtypes import output_file, positive_int
 from memspec_ros.bench.policy_bench import workload_prompts
 from memspec_ros.runtime.cache import registry_loader
 from memspec_ros.runtime.controller import RuntimeConfig
 from memspec_ros.runtime.loader import find_predictor, load_models
-from memspec_ros.runtime.stats import GenerationTotals
-from memspec_ros.runtime.storage import DraftStorage, storage_medium
+from memspec_ros.runtime.stats import GenerationTotals, ratio
+from memspec_ros.runtime.storage import STORAGE_CHOICES, DraftStorage, storage_medium
 from memspec_ros.zoo.corpora import WORKLOADS
 
 VARIANTS = {"wait": True, "resident": False}  # name -> wait_for_initial_draft
@@ -45,11 +46,11 @@ VARIANTS = {"wait": True, "resident": False}  # name -> wait_for_initial_draft
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", default="models")
-    parser.add_argument("--prompts", type=int, default=8, help="per workload")
-    parser.add_argument("--storage", default="emmc")
+    parser.add_argument("--prompts", type=positive_int, default=8, help="per workload")
+    parser.add_argument("--storage", choices=STORAGE_CHOICES, default="emmc")
     parser.add_argument("--quantization", default="int4", help="target and drafts (make bench's default)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--json", default="")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--json", type=output_file, default="")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -116,12 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                    "gamma": 4, "max_new_tokens": args.max_new_tokens, "goals": len(prompts),
                    "order": "workloads in turn: " + ", ".join(WORKLOADS), "threads": 1},
         "variants": rows,
-        "resident_vs_wait": {metric: rows["resident"][key] / rows["wait"][key] for metric, key in
+        "resident_vs_wait": {metric: ratio(rows["resident"][key], rows["wait"][key]) for metric, key in
                              (("end_to_end", "end_to_end_tokens_per_second"), ("decode", "tokens_per_second"))},
         "outputs_identical": identical,
     }
     print(json.dumps(out, indent=2))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

@@ -73,3 +73,24 @@ def test_the_replay_summary_says_n_a_over_a_zero_rate_instead_of_dividing_by_it(
     assert out["ratios"]["memspec_vs_mab-async"]["paper_metric"] is None  # the GMEAN over a zero rate is 0
     assert out["ratios"]["memspec_vs_general-static"]["paper_metric"] == 1.0
     assert out["worst_workload_vs_mab_async"]["memspec"] is None
+
+
+def test_the_measurement_scripts_refuse_bad_options_before_loading_a_model():
+    """Each of these was found after minutes of work (a model loaded, a path scored, every goal run) or not at all:
+    a zero step or count, an unknown forward path or medium, a verify time of 0 (ZeroDivisionError) and options
+    that need --verify-ms, which were ignored without it."""
+    import subprocess
+    import sys
+
+    cases = [("path_quality", ["--answers", "/nonexistent", "--greedy-every", "0"], "--greedy-every"),
+             ("path_quality", ["--answers", "/nonexistent", "--paths", "none,typo"], "unknown typo"),
+             ("prompt_cache_memory", ["--goals", "20"], "--goals"),
+             ("warm_start", ["--storage", "typo"], "--storage"),
+             ("prompt_cache_bench", ["--interleave", "0"], "--interleave"),
+             ("lookup_acceptance", ["/nonexistent", "--verify-ms", "0,1,2,3,4"], "--verify-ms"),
+             ("lookup_acceptance", ["/nonexistent", "--remember"], "need --verify-ms"),
+             ("lookup_acceptance", ["/nonexistent", "--verify-ms", "1,2"], "needs 5 times")]
+    for name, argv, said in cases:
+        done = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *argv], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and said in done.stderr, (name, argv, done.stderr[-500:])

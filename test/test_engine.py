@@ -586,3 +586,20 @@ def test_the_greedy_draft_token_is_the_checked_rows_argmax_or_a_draft_failure(ro
     with pytest.raises(speculative.DraftFailure, match="not finite") as greedy:
         speculative._greedy_draft_token("d", None)
     assert str(greedy.value) == str(checked.value)
+
+
+def test_generate_goes_on_without_a_draft_that_fails_and_keeps_its_tokens(target, drafts, monkeypatch):
+    """generate() let the DraftFailure out: the generation and its tokens were lost, and the message said the draft
+    was taken out of service, which nothing did. Now it goes on with the target alone, as the controller does."""
+    from memspec_ros.runtime import speculative
+
+    draft, real = drafts["close"], speculative._forward
+
+    def draft_fails(model, *args):
+        logits = real(model, *args)
+        return torch.full_like(logits, float("nan")) if model is draft else logits
+
+    monkeypatch.setattr(speculative, "_forward", draft_fails)
+    session = generate(target, PROMPT, draft, max_new_tokens=NEW, gamma=3)
+    assert session.generated_ids == reference(target)
+    assert not any(it.draft for it in session.stats.iterations if it.proposed)  # nothing proposed after the failure

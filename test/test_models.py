@@ -333,3 +333,27 @@ def test_a_gguf_conversions_load_error_says_it_is_a_conversion_to_redo(tmp_path,
     monkeypatch.setattr(model_source, "resolve_model_path", lambda path: cached)
     with pytest.raises(ModelDirectoryError, match=r"not valid JSON.*cached conversion of /robot/model.gguf: delete"):
         load_model(ModelSpec("/robot/model.gguf"))
+
+
+def test_a_bad_spec_or_config_is_refused_before_any_file_is_read_or_converted(monkeypatch, tmp_path):
+    """A GGUF file was converted (minutes and gigabytes for a large model) before the spec's dtype was refused;
+    load_runtime loaded the target and the predictor before refusing a capacity of 0; a draft device this machine
+    lacks failed every load on the loader thread, retried, while every goal ran on the target alone."""
+    from memspec_ros.runtime import model_source
+    from memspec_ros.runtime.cache import registry_loader
+    from memspec_ros.runtime.controller import RuntimeConfig, load_runtime
+    from memspec_ros.runtime.models import ModelLoadError, ModelSpec, load_model
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a model file was read before the request was checked")
+
+    monkeypatch.setattr(model_source, "resolve_model_path", no_read)
+    monkeypatch.setattr("memspec_ros.runtime.loader.load_models", no_read)
+    with pytest.raises(ValueError, match="unknown dtype 'fp64'"):
+        load_model(ModelSpec(str(tmp_path / "x.gguf"), dtype="fp64"))
+    with pytest.raises(ValueError, match="capacity"):
+        load_runtime(RuntimeConfig(capacity=0), str(tmp_path / "registry.yaml"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="CUDA is not available"):
+            registry_loader(DraftRegistry([], validate=False), device="cuda:0")

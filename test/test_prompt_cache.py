@@ -342,7 +342,7 @@ def test_a_refused_request_takes_nothing_from_the_prompt_cache(c_target):
     held = controller.prompt_cache.tokens
     assert held > 0
     follow = prompt + first.token_ids + [5, 6]
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         controller.generate(follow, max_new_tokens=0)
     with pytest.raises(ContextLengthError):
         controller.generate(follow, max_new_tokens=controller.max_positions)

@@ -388,3 +388,25 @@ def test_quantized_drafts_load_in_fp32_and_are_refused_off_the_cpu(zoo):
             registry_loader(reg, "fp32", "cuda", quantization=quantization)
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         registry_loader(reg, quantization="int3")
+
+
+def test_an_entry_made_in_code_gets_the_yamls_checks():
+    """DraftRegistry.add took a negative size for "estimate", a size past any memory (which broke every
+    ~/cache_state message), "7MB" as a bare TypeError, an empty domain, a name of 3.5 and a pathlib.Path with an
+    AttributeError; from_lists took an empty path for the registry's own folder."""
+    from pathlib import Path
+
+    reg = DraftRegistry([], validate=False)
+    for entry, said in ((DraftEntry("x", "/p", "x", -5), "size_bytes"),
+                        (DraftEntry("x", "/p", "x", 2**70), "more than any memory"),
+                        (DraftEntry("x", "/p", "x", "7MB"), "whole number of bytes"),
+                        (DraftEntry("x", "/p", ""), "domain is empty"),
+                        (DraftEntry(3.5, "/p"), "name is 3.5")):
+        with pytest.raises(RegistryError, match=said):
+            reg.add(entry)
+    assert reg.names() == []
+    assert reg.add(DraftEntry("x", Path("/p"), "x", 10)) == DraftEntry("x", "/p", "x", 10)
+    with pytest.raises(RegistryError, match=r"drafts.paths\[1\] is empty"):
+        DraftRegistry.from_lists(["a", "b"], ["/a", " "], validate=False)
+    listed = DraftRegistry.from_lists(["a"], [Path("a")], base_dir="/zoo", validate=False)
+    assert listed.get("a").path == str(Path("/zoo/a").resolve())

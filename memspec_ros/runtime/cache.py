@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import LoadedModel, ModelSpec, check_draft_compatible, forward_path_for, load_model
+from .models import LoadedModel, ModelSpec, check_draft_compatible, forward_path_for, load_model, resolve_device
 from .stats import CacheStats
 from .storage import weights_identity
 
@@ -925,6 +925,7 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
         raise ValueError(f"draft quantization {quantization!r} runs on the engine's CPU kernels: drafts on {device}"
                          " need quantization 'none'")
     forward_path_for(draft_spec("", dtype, quantization))  # a contradiction fails here, not at every load
+    resolve_device(device)  # a device this machine lacks failed every load, retried, and goals ran on the target
     reader = draft_storage(storage)
 
     def load(name: str) -> LoadedModel:

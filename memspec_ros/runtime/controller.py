@@ -30,7 +30,7 @@ import torch
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
 from .choice import Choice, Resolution, carry_out, run_first_resident
 from .datastore import Datastore
-from .draft_forward import context_positions
+from .draft_forward import context_positions, rope_length_limit, tightest
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import target_costs
 from .lookup import LOOKUP_DRAFT, LookupConfig
@@ -47,6 +47,7 @@ from .speculative import (
     SpeculativeSession,
     check_generation,
     input_rows,
+    position_table_rows,
 )
 from .stats import GenerationStats, IterationStats
 
@@ -250,7 +251,10 @@ class RuntimeController:
             eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
             eos_token_ids = [eos] if eos is not None else []
         self.eos_token_ids = list(eos_token_ids)
-        self.max_positions = max_positions or context_positions(target.config)
+        # the session's own limits too (speculative.SpeculativeSession): a larger max_positions passed the request's
+        # check here and was refused by the session, after the prompt cache's entry had been taken
+        self.max_positions = tightest(max_positions or context_positions(target.config), position_table_rows(target),
+                                      rope_length_limit(target.config))
         self.cache = cache or DraftCacheManager(
             config.capacity,
             loader or registry_loader(registry, draft_dtype, device, storage=storage, quantization=draft_quantization,
@@ -302,6 +306,10 @@ class RuntimeController:
         make_policy(config.policy, predictor=ranker, oracle_for=self.oracle_for,
                     general_draft=config.general_draft, ucb_c=config.ucb_c).close()
         self.check_ranking(config.policy, self.registry)
+        names = self.registry.names()
+        if config.policy == "general-static" and config.general_draft not in names:  # a typo ran another draft
+            raise PolicyError(f"general_draft {config.general_draft!r} is not in the draft registry"
+                              f" ({', '.join(names) or 'no drafts'}): policy general-static runs that draft")
 
     def check_ranking(self, policy: str, registry: DraftRegistry) -> None:
         """PolicyError if ``policy`` ranks with the trained predictor and that predictor scores none of
@@ -405,6 +413,8 @@ class RuntimeController:
         # leaves them as they were
         check_generation(prompt_ids, max_new_tokens, self.max_positions, stop, self.tokenizer,
                          input_rows(self.target), self.eos_token_ids)
+        if not isinstance(sampling, SamplingConfig):  # an AttributeError in the session, the entry already taken
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         with self._lock:
             if self._running:
                 raise RuntimeError("a generation is already running on this controller: one goal at a time")
@@ -482,9 +492,15 @@ class RuntimeController:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            if not prompt.strip():  # a tokenizer that adds BOS made a prompt of it alone and answered that
+                raise ValueError("the prompt is empty or only whitespace: give some text")
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, (bytes, bytearray)):  # its byte values were taken as token ids
+            raise TypeError("a prompt is text (str) or token ids, not bytes: decode it first")
         else:
-            ids = [int(t) for t in prompt]
+            # a tensor's or an array's as Python ints; check_generation refuses ids that are not integers (3.7 was
+            # taken as 3)
+            ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         return ids
@@ -714,10 +730,15 @@ def load_runtime(
     """
     from .loader import find_predictor, load_models  # imported here: the loader builds on this module
 
+    config.validate()  # before the loads: a capacity of 0 was refused only once every model had loaded
     head = find_predictor(predictor_path)
     if predictor_path and not head:  # dropped silently, then a ranking policy said to set the path it was given
         raise ValueError(f"no trained predictor in {predictor_path} (nor in its target-hidden/ or minilm/"
                          " subfolders): give the folder memspec-train-predictor wrote")
     models = load_models(registry_path, target_path=target_path, predictor_path=head,
                          dtype=dtype, device=device, quantization=quantization, gamma=config.gamma)
-    return models.controller(config)
+    try:
+        return models.controller(config)
+    except BaseException:  # a refused policy: the predictor's hook on the target is released, not left behind
+        models.close()
+        raise

@@ -449,9 +449,10 @@ def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
     return path
 
 
-def relative_to(base: str | os.PathLike[str], spec: str) -> str:
+def relative_to(base: str | os.PathLike[str], spec: str | os.PathLike[str]) -> str:
     """``spec`` read from a file in ``base``: package resources as they are, paths resolved from ``base`` ("~"
     expanded: it was taken for a folder of that name in ``base``)."""
+    spec = os.fspath(spec)  # a pathlib.Path too
     if spec.startswith(PKG_PREFIX):
         return spec
     try:
@@ -461,6 +462,7 @@ def relative_to(base: str | os.PathLike[str], spec: str) -> str:
     return str((Path(base) / path).resolve())
 
 
-def is_model_source(spec: str) -> bool:
+def is_model_source(spec: str | os.PathLike[str]) -> bool:
     """True for specs this module turns into a directory (GGUF files and package resources)."""
+    spec = os.fspath(spec)  # a pathlib.Path too
     return spec.startswith(PKG_PREFIX) or spec.lower().endswith(".gguf")

@@ -132,6 +132,10 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"unsupported device {name!r}: use 'cpu' or 'cuda[:N]'") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {name!r} requested but CUDA is not available here: use device 'cpu'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        # else found by model.to(device) once every weight had been read ("invalid device ordinal")
+        raise ModelLoadError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s),"
+                             f" numbered from 0")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {name!r}: use 'cpu' or 'cuda[:N]'")
     return device
@@ -305,7 +309,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     gradients off."""
     from .model_source import is_model_source, resolve_model_path
 
+    spec = replace(spec, path=str(spec.path))  # a pathlib.Path too
     if is_model_source(spec.path):  # a GGUF file or pkg:... resource: its cached safetensors directory
+        # the spec first: a bad dtype or device was refused only after minutes converting the file
+        forward_path_for(spec)
+        resolve_device(spec.device)
         source = spec.path
         spec = replace(spec, path=str(resolve_model_path(spec.path)))
         try:

@@ -259,6 +259,8 @@ class DraftRegistry:
             raise RegistryError(
                 f"drafts.domains has {len(domains)} entries for {len(names)} names: give one domain per name or none"
             )
+        for i, p in enumerate(paths):  # an empty one resolved to the registry's folder, named in no error
+            _text(str(p) if isinstance(p, Path) else p, f"drafts.paths[{i}]")
         seen: set[str] = set()
         for i, raw in enumerate(names):
             name = _text(raw, f"drafts.names[{i}]")  # as the YAML's: an empty name or domain is refused
@@ -280,8 +282,14 @@ class DraftRegistry:
 
     # -- validation -------------------------------------------------------------
     def _checked(self, entry: DraftEntry) -> DraftEntry:
-        if not entry.name or not entry.name.strip():
+        if isinstance(entry.name, str) and not entry.name.strip():
             raise RegistryError(f"a draft at {entry.path!r} has an empty name: give every draft a unique name")
+        # an entry made in code gets the YAML's checks: a negative size was taken for "estimate", a name of 3 or a
+        # pathlib.Path failed in .strip() or .startswith() with an AttributeError
+        name = _text(entry.name, "a draft's name")
+        path = _text(str(entry.path) if isinstance(entry.path, Path) else entry.path, f"draft {name!r}: path")
+        entry = DraftEntry(str(name), str(path), _text(entry.domain, f"draft {name!r}: domain"),
+                           _size(entry.size_bytes, f"draft {name!r}: size_bytes"))
         if entry.name == LOOKUP_DRAFT:  # statistics tell copies from the context by this name
             raise RegistryError(f"the draft name {LOOKUP_DRAFT!r} is reserved for copies from the context"
                                 f" (memspec.context_lookup): rename the draft at {entry.path!r}")

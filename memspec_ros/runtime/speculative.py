@@ -20,6 +20,7 @@ normalised max(p - q, 0)), which leaves the target's distribution unchanged.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import time
@@ -38,6 +39,8 @@ from .gamma_choice import ForwardCosts, GammaChooser, draft_pays, measure_costs,
 from .kv_cache import crop_layers, preallocated_cache
 from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from .stats import GenerationStats, IterationStats
+
+log = logging.getLogger(__name__)
 
 FINISH_LENGTH = "length"
 FINISH_EOS = "eos"
@@ -76,6 +79,9 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # "1" raised a bare TypeError from the comparison below
+            if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not math.isfinite(self.temperature):
@@ -332,6 +338,11 @@ def draft_room(draft: torch.nn.Module, tokens: int) -> int:
     return rows - tokens if rows else 1 << 62
 
 
+def is_whole(value) -> bool:
+    """An integer and not a bool (True is an int to Python), numpy's included."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positions: int = 0,
                      stop_strings: Sequence[str] = (), tokenizer=None, vocab_size: int = 0,
                      end_ids: Sequence[int] = ()) -> None:
@@ -340,13 +351,16 @@ def check_generation(prompt_ids: Sequence[int], max_new_tokens: int, max_positio
     nothing. ``vocab_size``: the target's token ids (0: not checked)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
+    wrong = [t for t in prompt_ids if not is_whole(t)]
+    if wrong:  # 3.7 was taken as 3, a bytes prompt as its byte values
+        raise TypeError(f"prompt token ids must be integers, got {wrong[0]!r} ({type(wrong[0]).__name__})")
     if vocab_size:
         bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must lie in [0, {vocab_size}) (the target's vocabulary), got"
                              f" {bad[:8]}{'...' if len(bad) > 8 else ''}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not is_whole(max_new_tokens) or max_new_tokens < 1:  # nan passed "< 1" and ran with no length limit
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if max_positions and len(prompt_ids) + max_new_tokens > max_positions:
         raise ContextLengthError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
@@ -470,10 +484,11 @@ class SpeculativeSession:
 
     @gamma.setter
     def gamma(self, value: int) -> None:
-        if not 1 <= value <= MAX_VERIFY_ROWS - 1:
+        if not is_whole(value) or not 1 <= value <= MAX_VERIFY_ROWS - 1:  # 2.5 failed mid-goal, True meant 1
             # a verify of gamma + 1 rows must compute each row as a one-token step does; the forward paths check
             # their kernels for that up to MAX_VERIFY_ROWS rows, so a longer verify could change the output
-            raise ValueError(f"gamma (draft tokens per iteration) must be 1..{MAX_VERIFY_ROWS - 1}, got {value}")
+            raise ValueError(f"gamma (draft tokens per iteration) must be an integer 1..{MAX_VERIFY_ROWS - 1},"
+                             f" got {value!r}")
         self._gamma = value
 
     @property
@@ -817,9 +832,15 @@ def generate(
     draft_name: str = "draft",
     **session_kwargs,
 ) -> SpeculativeSession:
-    """Run one generation with a single draft (or none: plain autoregressive decoding)."""
+    """Run one generation with a single draft (or none: plain autoregressive decoding). A draft that fails
+    (DraftFailure: its forward raised, its logits unusable) is taken out of service as the controller takes it:
+    the generation goes on with the target alone and keeps its tokens; the failure is logged."""
     session = SpeculativeSession(target, prompt_ids, **session_kwargs)
     session.prefill()
     while not session.finished:
-        session.step(draft_name, draft)
+        try:
+            session.step(draft_name, draft)
+        except DraftFailure as exc:  # nothing of the iteration was committed: the next one runs without it
+            log.warning("%s; the generation goes on with the target alone", exc)
+            draft = None
     return session

@@ -107,6 +107,28 @@ def test_gamma_and_registry_changes_reach_a_running_goal(h):
     assert h.node.loaded.registry.names() == ["general", "code", "math"]
 
 
+def test_a_general_draft_the_same_change_brings_is_taken_with_it(h):
+    """One atomic change that adds a draft and makes it general-static's: the controller checked the policy against
+    the registry in use, which the same change replaces, and refused a change whose end state is valid."""
+    drafts = tiny_zoo() / "drafts"
+    names = ["general", "code", "math", "plain"]
+    try:
+        result = h.set_params_atomically(**{
+            "drafts.names": names, "drafts.paths": [str(drafts / n) for n in ("general", "code", "math", "general")],
+            "drafts.domains": ["general", "code", "math", "general"], "memspec.policy": "general-static",
+            "memspec.general_draft": "plain"})
+        assert result.successful, result.reason
+        assert h.node.loaded.registry.names() == names
+        assert h.node.loaded.controller.next_config.general_draft == "plain"
+        # a general draft the registry lacks is still refused, by the node and by the controller itself
+        [refused] = h.set_params(**{"memspec.general_draft": "genral"})
+        assert not refused.successful and "'genral' is not in the draft registry" in refused.reason
+    finally:
+        assert h.set_params_atomically(**{"memspec.policy": "memspec", "memspec.general_draft": "general",
+                                          **registry_file_params()}).successful
+    assert h.node.loaded.registry.names() == ["general", "code", "math"]
+
+
 # -- diagnostics --------------------------------------------------------------------------------
 
 def test_diagnostics_follow_the_diagnostic_updater_contract(h):

@@ -105,7 +105,7 @@ class ParameterHandler:
             self._check(new, lo)
             registry = self._registry(new, lo)
             self._check_general_draft(new, lo, registry)
-            runtime = self._reconfigure(new, lo)
+            runtime = self._reconfigure(new, lo, registry)
         except Refused as exc:
             self._node.get_logger().warning(f"parameter change rejected: {exc}")
             return SetParametersResult(successful=False, reason=str(exc))
@@ -216,12 +216,13 @@ class ParameterHandler:
             raise Refused(str(exc)) from exc
 
     @staticmethod
-    def _reconfigure(new: dict[str, Any], lo) -> dict[str, Any]:
-        """memspec.* changes handed to the controller (at the next scheduling point if a goal runs)."""
+    def _reconfigure(new: dict[str, Any], lo, registry) -> dict[str, Any]:
+        """memspec.* changes handed to the controller (at the next scheduling point if a goal runs), checked against
+        ``registry`` where the same change replaces the drafts (None: the registry in use)."""
         runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS}
         if lo is not None and runtime:
             try:
-                lo.controller.reconfigure(**runtime)
+                lo.controller.reconfigure(for_registry=registry, **runtime)
             except Exception as exc:  # ValueError / PolicyError naming the field; nothing changed
                 raise Refused(str(exc)) from exc
         return runtime

@@ -297,7 +297,10 @@ class RuntimeController:
         except KeyError:
             return 0
 
-    def _check_policy(self, config: RuntimeConfig) -> None:
+    def _check_policy(self, config: RuntimeConfig, registry: DraftRegistry | None = None) -> None:
+        """PolicyError (or ValueError) if ``config``'s policy cannot run here with ``registry`` (default: the one in
+        use)."""
+        registry = registry if registry is not None else self.registry
         reason = predictor_refusal(config.policy, self.predictor, config.recent_tokens, config.interval)
         if reason:
             raise ValueError(reason)
@@ -305,8 +308,8 @@ class RuntimeController:
         ranker = SynchronousPredictor(self.predictor) if self.predictor is not None else None
         make_policy(config.policy, predictor=ranker, oracle_for=self.oracle_for,
                     general_draft=config.general_draft, ucb_c=config.ucb_c).close()
-        self.check_ranking(config.policy, self.registry)
-        names = self.registry.names()
+        self.check_ranking(config.policy, registry)
+        names = registry.names()
         if config.policy == "general-static" and config.general_draft not in names:  # a typo ran another draft
             raise PolicyError(f"general_draft {config.general_draft!r} is not in the draft registry"
                               f" ({', '.join(names) or 'no drafts'}): policy general-static runs that draft")
@@ -321,11 +324,13 @@ class RuntimeController:
             except ValueError as exc:
                 raise PolicyError(f"policy {policy}: {exc}") from exc
 
-    def reconfigure(self, **changes) -> RuntimeConfig:
+    def reconfigure(self, *, for_registry: DraftRegistry | None = None, **changes) -> RuntimeConfig:
         """Validate and apply changes (K, N, T, gamma, policy, ...): now if idle, else at the next scheduling point.
 
         Raises ValueError naming the field for an unknown field or a bad value, and
-        PolicyError if the policy cannot run here; in both cases nothing changes.
+        PolicyError if the policy cannot run here; in both cases nothing changes. ``for_registry``: the registry
+        the policy is checked against, where the caller replaces the one in use in the same change (a policy valid
+        only with the new drafts was refused against the old).
         """
         known = {f.name for f in dataclasses.fields(RuntimeConfig)}
         for key in changes:
@@ -334,7 +339,7 @@ class RuntimeController:
         with self._lock:
             base = self._pending or self.config
             new = dataclasses.replace(base, **changes).validate()
-            self._check_policy(new)
+            self._check_policy(new, for_registry)
             if self._running:
                 self._pending = new
             else:

@@ -833,7 +833,7 @@ def test_a_queued_goal_runs_with_the_defaults_it_was_checked_with(h):
     assert queued.accepted
     try:
         assert all(r.successful for r in h.set_params(
-            **{"generation.max_new_tokens": h.node.loaded.max_positions}))
+            **{"generation.max_new_tokens": h.node.loaded.max_positions - 1}))
         h.wait(running.cancel_goal_async(), 10.0, "cancel")
         response = h.result(queued, 60.0)
         assert response.status == GoalStatus.STATUS_SUCCEEDED, response.result.error_message

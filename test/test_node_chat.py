@@ -129,6 +129,13 @@ def test_the_system_prompt_counts_in_the_length_limits(h):
         handle, _ = h.send(goal(prompt="z" * (limit * per_token // 2 + 1) * 2, raw=True))
         assert not handle.accepted and "more than the limit" in h.node.last_rejection
         assert "generation.system_prompt" not in h.node.last_rejection
+        # the other side of the same bound: lowering max_prompt_tokens under the system prompt set, or a default
+        # max_new_tokens that leaves no room for any prompt, was accepted and every goal refused
+        [lowered] = h.set_params(**{"generation.max_prompt_tokens": limit // 4})
+        assert not lowered.successful and "every chat goal would be refused" in lowered.reason
+        [too_many] = h.set_params(**{"generation.max_new_tokens": h.node.loaded.max_positions})
+        assert not too_many.successful and "leaves no room for a prompt" in too_many.reason
+        assert h.get_param("generation.max_prompt_tokens") == limit
     finally:
         assert all(r.successful for r in h.set_params(**{"generation.system_prompt": ""}))
 

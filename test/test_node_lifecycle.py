@@ -223,6 +223,18 @@ def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     assert "state inactive): cleanup, set it, then configure again" in refused.reason, refused.reason
 
 
+def test_defaults_that_would_refuse_every_goal_fail_configure(harness):
+    """A params file setting generation.max_new_tokens past the target's context configured, and every goal
+    relying on the default was then refused; configure fails with the reason instead."""
+    h = harness(**{"generation.max_new_tokens": 4096})  # the tiny zoo's target: 4096 positions
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == "unconfigured"
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    assert "generation.max_new_tokens 4096 leaves no room for a prompt" in status.message, status.message
+    assert h.set_params(**{"generation.max_new_tokens": 128})[0].successful
+    assert h.transition(Transition.TRANSITION_CONFIGURE)
+
+
 def test_a_parameter_stored_as_configure_reads_fails_that_configure(harness):
     """on_set releases the transition lock as it returns and rclpy stores the value after: a set racing a configure
     landed after the configure read the old value, and the node ran the old model while the parameter showed the

@@ -61,7 +61,7 @@ from .diagnostics import (
     make_updater,
 )
 from .goal_runner import DEACTIVATE_WAIT_SECONDS, GoalRunner
-from .param_handler import ParameterHandler
+from .param_handler import ParameterHandler, length_refusal
 from .rclpy_internals import answer_lifecycle_queries_apart, guard_change_state, lifecycle_state_label
 
 NODE_NAME = "memspec"
@@ -487,6 +487,10 @@ class MemSpecNode(LifecycleNode):
         predictor = RecordingRanker(engine) if engine is not None else None
         config = P.runtime_config(v)
         P.check_general_draft(config.policy, config.general_draft, models.registry.names())
+        chars = max_token_chars(models.tokenizer)
+        reason = length_refusal(v, models.tokenizer, models.target.max_positions, chars)
+        if reason:  # a params file setting them together: every goal would be refused, configure fails instead
+            raise ValueError(reason)
         options = {"draft_quantization": v["drafts.quantization"], "storage": v["cache.storage"]}
         try:
             controller = models.controller(config, predictor, **options)
@@ -499,7 +503,7 @@ class MemSpecNode(LifecycleNode):
         if note:
             self.get_logger().warning(note)
         return Loaded(paths, models.tokenizer, models.fingerprint, models.target, models.registry, predictor,
-                      controller, models.target.max_positions, max_token_chars(models.tokenizer), note, threads)
+                      controller, models.target.max_positions, chars, note, threads)
 
     @staticmethod
     def _load_predictor(path: str, parameter: str, models) -> tuple[Any, str]:

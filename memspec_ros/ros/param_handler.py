@@ -48,6 +48,28 @@ def replace_entries(live, wanted, cache) -> None:
             cache.remove(entry.name)
 
 
+LENGTH_PARAMS = frozenset({"generation.system_prompt", "generation.max_prompt_tokens", "generation.max_new_tokens"})
+
+
+def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_token_chars: int) -> str:
+    """Why these defaults would refuse every goal that relies on them ('' if they would not): checked at a run-time
+    change of any of LENGTH_PARAMS and at configure, where a params file sets them together."""
+    new_tokens = int(values["generation.max_new_tokens"])
+    if max_positions and new_tokens >= max_positions:
+        return (f"generation.max_new_tokens {new_tokens} leaves no room for a prompt in the target's context of"
+                f" {max_positions} tokens: every goal with max_new_tokens 0 would be refused; lower it")
+    system = str(values["generation.system_prompt"])
+    if system and has_chat_template(tokenizer):  # a tokenizer without a template never uses it
+        limit = int(values["generation.max_prompt_tokens"])
+        limit = min(limit, max_positions - 1) if max_positions else limit
+        if len(system) >= limit * max_token_chars:  # the goal's own text takes a character more
+            return (f"generation.system_prompt has {len(system)} characters, more than the {limit} tokens of"
+                    f" generation.max_prompt_tokens (or the target's context) can hold ({max_token_chars} characters"
+                    " per token at most for this tokenizer): every chat goal would be refused; shorten it or raise"
+                    " generation.max_prompt_tokens")
+    return ""
+
+
 class ParameterHandler:
     """The node's on-set-parameters callback. ``loaded()`` gives what configure loaded (None when
     unconfigured); ``runner`` says whether a goal runs and holds one back while the registry changes."""
@@ -141,17 +163,11 @@ class ParameterHandler:
             steps = "cleanup" if state == "inactive" else "deactivate and cleanup"  # inactive refuses deactivate
             raise Refused(f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded,"
                           f" state {state}): {steps}, set it, then configure again")
-        system = new.get("generation.system_prompt")
-        if isinstance(system, str) and lo is not None and has_chat_template(lo.tokenizer):
-            # every chat goal would be refused as too long (a tokenizer without a template never uses it)
-            limit = int(new.get("generation.max_prompt_tokens",
-                                self._node.get_parameter("generation.max_prompt_tokens").value))
-            limit = min(limit, lo.max_positions - 1) if lo.max_positions else limit
-            if len(system) >= limit * lo.max_token_chars:  # the goal's own text takes a character more
-                raise Refused(f"generation.system_prompt has {len(system)} characters, more than the"
-                              f" {limit} tokens of generation.max_prompt_tokens (or the target's context) can hold"
-                              f" ({lo.max_token_chars} characters per token at most for this tokenizer): every chat"
-                              " goal would be refused; shorten it or raise generation.max_prompt_tokens")
+        if lo is not None and LENGTH_PARAMS & set(new):  # any of them: each bounds what the others leave
+            values = {n: new.get(n, self._node.get_parameter(n).value) for n in LENGTH_PARAMS}
+            reason = length_refusal(values, lo.tokenizer, lo.max_positions, lo.max_token_chars)
+            if reason:
+                raise Refused(reason)
         changed = {n: P.plain_value(v) for n, v in new.items()}
         if any(n in P.PATH_PARAMS or n in P.REGISTRY_PARAMS for n in changed):  # model.allowed_roots
             current = {n: P.plain_value(self._node.get_parameter(n).value) for n in P.REGISTRY_PARAMS}

@@ -268,6 +268,10 @@ def test_the_node_runs_its_tasks_on_diagnostic_updaters_updater_where_it_imports
     assert [[(s.name, s.message) for s in array] for array in real.published] == [
         [(f"memspec: {task}", STARTING_UP)] for task in ("target model", "draft cache", "throughput", "predictor")]
     assert real.hwid  # the host name (deliberate difference)
+    # the period the real Updater declares bare is described as every other parameter is (ros2 param describe)
+    [period] = node.describe_parameters([PERIOD_PARAM])
+    assert period.description and "applies: at once" in period.additional_constraints
+    assert period.floating_point_range and period.floating_point_range[0].from_value > 0
     node._diagnostics.force_update()
     by_name = {s.name: s for s in real.published[-1]}
     target = by_name["memspec: target model"]

@@ -107,6 +107,18 @@ def test_gamma_and_registry_changes_reach_a_running_goal(h):
     assert h.node.loaded.registry.names() == ["general", "code", "math"]
 
 
+def test_a_configure_time_parameter_set_to_its_own_value_is_no_change(h):
+    """`ros2 param dump` then `ros2 param load` on an active node sets every parameter: each configure-time one was
+    refused ("can change only while unconfigured") although its value did not change."""
+    names = ("model.target_path", "model.quantization", "predictor.path", "cache.storage", "drafts.quantization")
+    current = {n: h.get_param(n) for n in names}
+    results = h.set_params(**current)
+    assert all(r.successful for r in results), [r.reason for r in results]
+    [changed] = h.set_params(**{"model.quantization": "int8" if current["model.quantization"] != "int8" else "none"})
+    assert not changed.successful and "only while unconfigured" in changed.reason
+    assert {n: h.get_param(n) for n in names} == current
+
+
 def test_a_general_draft_the_same_change_brings_is_taken_with_it(h):
     """One atomic change that adds a draft and makes it general-static's: the controller checked the policy against
     the registry in use, which the same change replaces, and refused a change whose end state is valid."""
@@ -365,6 +377,10 @@ def test_each_descriptor_says_when_its_change_lands():
                  "reset_cache_per_generation", "wait_for_initial_draft"):
         assert applies(f"memspec.{name}") == P.AT_NEXT_GOAL, name
     assert applies("memspec.capacity") == applies("memspec.gamma") == P.AT_SCHEDULING_POINT
+    # a read-only one is set at start only; "at once" (hardware_id, use_fqn) or "configure" (allowed_roots)
+    # contradicted its read_only
+    assert all((applies(p.name) == P.AT_START) == p.read_only for p in P.PARAMS), \
+        [p.name for p in P.PARAMS if (applies(p.name) == P.AT_START) != p.read_only]
 
 
 def test_fallback_above_the_threshold_warns():

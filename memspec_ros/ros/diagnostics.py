@@ -268,6 +268,9 @@ class UpstreamUpdater(_TaskList):
         # it declares diagnostic_updater.period (params.py leaves that to the updater) and reads use_fqn
         P.take_int_override_as_double(node, P.BY_NAME[PERIOD_PARAM])
         self.upstream = upstream_cls(node, period=P.BY_NAME[PERIOD_PARAM].default)
+        # upstream declares the period with a bare default: `ros2 param describe` and rqt_reconfigure then show no
+        # description, range or "applies" line, which every other parameter of the node has
+        node.set_descriptor(PERIOD_PARAM, P.BY_NAME[PERIOD_PARAM].descriptor())
         self.upstream.setHardwareID(self.hardware_id)
         # node_name came with use_fqn (diagnostic_updater 3.2, 2024); before it the plain node name is used
         self.node_name = getattr(self.upstream, "node_name", self.node_name)

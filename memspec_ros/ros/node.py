@@ -65,7 +65,6 @@ from .param_handler import ParameterHandler, length_refusal
 from .rclpy_internals import answer_lifecycle_queries_apart, guard_change_state, lifecycle_state_label
 
 NODE_NAME = "memspec"
-CACHE_POLL_SECONDS = 0.1  # ~/cache_state "on change": the cache is polled this often (off the decode thread)
 # Before the action server goes (SIGINT/SIGTERM, destroy_node): how long ended goals may take to hand
 # rclpy their results, then how long the executor gets to send them to the clients that asked for them
 # (rclpy sends a result from an executor task of its own, after the execute callback returned).
@@ -236,7 +235,7 @@ class MemSpecNode(LifecycleNode):
                                          self.get_parameter("diagnostics.hardware_id").value, callback_group=group)
         self._params.apply_at_once(PERIOD_PARAM, self._diagnostics.set_period)
         self._params.apply_at_once("diagnostics.window_goals", self._window.resize)
-        self._cache_timer = self.create_timer(CACHE_POLL_SECONDS, self._poll_cache, callback_group=group)
+        self._cache_timer = self.create_timer(P.CACHE_POLL_SECONDS, self._poll_cache, callback_group=group)
 
     # -- lifecycle --------------------------------------------------------------------------
     @recorded

@@ -157,7 +157,9 @@ class ParameterHandler:
             reason = P.check_value(name, value)
             if reason:
                 raise Refused(reason)
-        at_configure = [n for n in new if n in P.BY_NAME and P.BY_NAME[n].when == P.AT_CONFIGURE]
+        # a value set again as it is is no change (`ros2 param load` of a dumped file sets every parameter)
+        at_configure = [n for n in new if n in P.BY_NAME and P.BY_NAME[n].when == P.AT_CONFIGURE
+                        and P.plain_value(new[n]) != P.plain_value(self._node.get_parameter(n).value)]
         if at_configure and lo is not None:
             state = self._node.lifecycle_state
             steps = "cleanup" if state == "inactive" else "deactivate and cleanup"  # inactive refuses deactivate

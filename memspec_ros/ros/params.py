@@ -51,9 +51,14 @@ PACKAGE = "memspec_ros"
 ROOTS_ENV = "MEMSPEC_ALLOWED_ROOTS"  # os.pathsep-separated directories added to model.allowed_roots' default
 
 # Where a change lands (see the module docstring).
+# ~/cache_state "on change": the node polls the draft cache this often (off the decode thread), so no period below
+# it can be delivered (0.05 was accepted and messages still came at 10 Hz)
+CACHE_POLL_SECONDS = 0.1
+
 AT_CONFIGURE = "configure"
 AT_SCHEDULING_POINT = "scheduling point"
 AT_ONCE = "at once"
+AT_START = "at start only (read-only)"  # set by a launch file, a params file or -p; read when the node is built
 AT_NEXT_GOAL = "next goal"  # memspec.* settings a running goal's session was made with
 AT_ACCEPTANCE = "when a goal is accepted"  # generation.*: a goal takes the defaults it was checked with
 AT_GOAL_START = "when a goal starts"
@@ -137,7 +142,7 @@ PARAMS: tuple[Param, ...] = (
           " /tmp), and $MEMSPEC_ALLOWED_ROOTS. The locations"
           " the node was started with are always allowed, and so are pkg:<package>/<file> sources for the target,"
           " tokenizer and draft paths.",
-          AT_CONFIGURE, read_only=True),
+          AT_START, read_only=True),
     Param("predictor.path", "",
           "Trained predictor directory (memspec-train-predictor). Empty: <registry dir>/predictor (or its"
           " target-hidden / minilm subfolder) if present; 'none': no predictor.",
@@ -274,17 +279,17 @@ PARAMS: tuple[Param, ...] = (
           float_range=(0.01, 3600.0), updater_declares=True),
     Param("diagnostic_updater.use_fqn", False,
           "Name the /diagnostics statuses with the fully qualified node name, '/ns/name: task' (diagnostic_updater's"
-          " parameter).", read_only=True),
+          " parameter).", AT_START, read_only=True),
     Param("diagnostics.hardware_id", "",
           "hardware_id of the diagnostic statuses (empty: the host name).",
-          read_only=True),
+          AT_START, read_only=True),
     Param("diagnostics.fallback_warn_fraction", 0.2,
           "WARN when the window's fallback fraction exceeds this.",
           float_range=(0.0, 1.0)),
     Param("diagnostics.window_goals", 20, "Finished goals in the throughput window.", int_range=(1, 10_000)),
     Param("diagnostics.cache_state_period", 1.0,
           "Seconds between periodic ~/cache_state messages (also published on change).",
-          float_range=(0.05, 3600.0)),
+          float_range=(CACHE_POLL_SECONDS, 3600.0)),
 )
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}

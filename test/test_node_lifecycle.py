@@ -195,10 +195,12 @@ def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended
         wait_until(lambda: len(freed) == 1, 30.0, "the models' freeing to start after the goal ended")
         if transition == "error":  # the goal is over but its models are still being freed: configure is refused
             assert not h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "unconfigured"
+        # the result goes out while the models are still being freed (it waited for their release, up to the
+        # draft cache's 30 s bound on a hung read)
+        response = h.result(handle, 30.0)
+        assert response.status == GoalStatus.STATUS_ABORTED and len(freed) == 1
     finally:
         freeing.set()
-    response = h.result(handle, 30.0)
-    assert response.status == GoalStatus.STATUS_ABORTED
     wait_until(lambda: len(freed) == 2, 10.0, "the models freed after the goal ended")
     assert freed == [("cache reset", True), ("controller closed", True)]
     if transition == "error":  # the goal over and its models freed, configure loads again

@@ -547,13 +547,12 @@ class GoalRunner:
                 self._freeing += bool(when_over)  # in the same critical section: models_in_use() sees no gap
                 self._unanswered -= 1
                 self._cv.notify_all()
-            try:
-                self._run_when_over(when_over)
-            finally:
-                if when_over:
-                    with self._cv:
-                        self._freeing -= 1
-                        self._cv.notify_all()
+            if when_over:
+                # on a thread of its own: the goal's result goes out now, not after the models' release (a draft
+                # cache's close waits up to CLOSE_WAIT_SECONDS for a read hung on failing storage);
+                # models_in_use() holds a configure back until it is done
+                threading.Thread(target=self._free_after, args=(when_over,), name="memspec-free-models",
+                                 daemon=True).start()
             if following is not None:
                 self._execute(following.goal_handle)
         return result
@@ -570,6 +569,15 @@ class GoalRunner:
             if not goal_handle.is_cancel_requested:  # another refusal (a goal executed twice?): not this race
                 raise
             self.server.notify_execute(goal_handle, callback)
+
+    def _free_after(self, calls: list[Callable[[], None]]) -> None:
+        """release_when_over's calls for a goal that has ended, then no longer counted as freeing."""
+        try:
+            self._run_when_over(calls)
+        finally:
+            with self._cv:
+                self._freeing -= 1
+                self._cv.notify_all()
 
     def _run_when_over(self, calls: list[Callable[[], None]]) -> None:
         """What waited for this goal to be done with the models (release_when_over); a failure is logged, never

@@ -219,3 +219,24 @@ def test_the_gptq_reports_rates_pool_the_prompts_tokens_and_seconds():
     totals = GenerationTotals.of([short, long])
     assert totals.tokens_per_second == pytest.approx(20 / 3.1)  # not (20 + 6) / 2
     assert totals.mean_accepted == pytest.approx(2.5)
+
+
+def test_a_second_quantization_of_the_same_run_waits_for_the_first(tmp_path):
+    """Two processes quantizing the same run: the second, finding no marker yet, removed the first's published
+    folder as an interrupted run's while the first loaded from it. The publish is under one lock per run now."""
+    import threading
+
+    from memspec_ros.zoo.gptq_target import _held_lock
+
+    lock, entered = tmp_path / ".run.lock", threading.Event()
+
+    def second() -> None:
+        with _held_lock(lock):
+            entered.set()
+
+    with _held_lock(lock):
+        thread = threading.Thread(target=second, daemon=True)
+        thread.start()
+        assert not entered.wait(0.5), "a second holder entered while the first held the lock"
+    assert entered.wait(30.0)
+    thread.join(30.0)

@@ -150,9 +150,7 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
                     target_digest: str | None = None) -> Path:
     """The GPTQ checkpoint of ``target_dir`` calibrated on ``requests`` training requests (cached)."""
     import gptqmodel
-    import torch
 
-    from memspec_ros.runtime.gptq import quantize_gptq
     from memspec_ros.runtime.model_source import cache_root
 
     root = Path(out_root) if out_root else cache_root() / "gptq"
@@ -169,6 +167,37 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
     if (out / MARKER).is_file():
         _log(f"cached: {out}")
         return out
+    # one process quantizes and publishes a digest at a time: without it a second one that found no marker removed
+    # the first's published folder (its "interrupted run") while the first was loading from it
+    with _held_lock(root / f".{digest[:24]}.lock"):
+        if (out / MARKER).is_file():  # the process that held the lock made it
+            _log(f"cached: {out}")
+            return out
+        return _quantize_and_publish(target_dir, out, root, digest, ids, hits, skipped, bits, group_size, sym,
+                                     threads, gptqmodel)
+
+
+@contextlib.contextmanager
+def _held_lock(path: Path):
+    """An exclusive flock on ``path`` for the block, waited for (another process quantizing the same run)."""
+    import fcntl
+
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"another process is quantizing the same run (it holds {path}): waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _quantize_and_publish(target_dir: Path, out: Path, root: Path, digest: str, ids: list, hits: int, skipped: int,
+                          bits: int, group_size: int, sym: bool, threads: int, gptqmodel) -> Path:
+    """Quantize into a temporary folder under ``root`` and move it to ``out`` with its marker (the lock held)."""
+    import torch
+
+    from memspec_ros.runtime.gptq import quantize_gptq
+
     torch.set_num_threads(threads)
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(threads))
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}-", dir=root))
@@ -191,9 +220,7 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
                             "source": "models/workloads/train_requests.jsonl (first N, round-robin over domains):"
                                       " chat template + the fp32 target's greedy answer"},
         }, indent=1))
-        if (out / MARKER).is_file():  # another process finished the same run meanwhile
-            return out
-        if out.exists():
+        if out.exists():  # an interrupted run's (the lock is held: no other process publishes it now)
             shutil.rmtree(out)
         os.replace(model_dir, out)
     finally:

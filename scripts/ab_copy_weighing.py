@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,12 +24,14 @@ from pathlib import Path
 import torch
 
 from memspec_ros.bench.cli import round_robin_prompts
+from memspec_ros.bench.policy_bench import gmean
 from memspec_ros.runtime import speculative as sp
 from memspec_ros.runtime.datastore import Datastore
 from memspec_ros.runtime.gamma_choice import GammaChooser
 from memspec_ros.runtime.loader import find_datastore, load_models
 from memspec_ros.runtime.lookup import LookupConfig
 from memspec_ros.runtime.models import ModelSpec, load_model
+from memspec_ros.runtime.stats import GenerationTotals, ratio
 
 ARMS = ("weigh", "take")
 WEIGH = GammaChooser.choose_copy
@@ -79,19 +79,17 @@ def main(argv: list[str] | None = None) -> int:
 
             for arm in ARMS:  # warm-up: the cost curves are timed at a model's first adaptive generation
                 run(prompts[0], arm)
-            tokens, seconds, accepted = dict.fromkeys(ARMS, 0), dict.fromkeys(ARMS, 0.0), {a: [] for a in ARMS}
+            totals = {a: GenerationTotals() for a in ARMS}  # pooled, as every figure (runtime/stats.py)
             identical = True
             for i, ids in enumerate(prompts):
                 out = {}
                 for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
                     out[arm], stats = run(ids, arm)
-                    tokens[arm] += stats.decode_tokens
-                    seconds[arm] += stats.decode_seconds
-                    accepted[arm].append(stats.mean_accepted)
+                    totals[arm].add(stats)
                 identical &= out["weigh"] == out["take"]
-            row = {arm: {"decode_tps": tokens[arm] / seconds[arm], "mean_accepted": statistics.fmean(accepted[arm])}
+            row = {arm: {"decode_tps": totals[arm].tokens_per_second, "mean_accepted": totals[arm].mean_accepted}
                    for arm in ARMS}
-            row["weigh_over_take"] = row["weigh"]["decode_tps"] / row["take"]["decode_tps"]
+            row["weigh_over_take"] = ratio(row["weigh"]["decode_tps"], row["take"]["decode_tps"])
             row["outputs_identical"] = identical
             results[dom] = row
             print(f"{dom}: weigh {row['weigh']['decode_tps']:.1f} tok/s, take {row['take']['decode_tps']:.1f} "
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         GammaChooser.choose_copy = WEIGH
     ratios = [r["weigh_over_take"] for r in results.values()]
     summary = {"command": " ".join(sys.argv), "prompts_per_domain": args.prompts, "domains": results,
-               "gmean_weigh_over_take": math.exp(statistics.fmean(math.log(r) for r in ratios))}
+               "gmean_weigh_over_take": gmean([r or 0.0 for r in ratios])}
     print(f"GMEAN weigh / take: {summary['gmean_weigh_over_take']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

@@ -62,7 +62,7 @@ def goal(controller, messages: list[tuple[str, str]], text: str, new_tokens: int
     return {"prompt_tokens": len(ids), "reused": s.reused_prompt_tokens,
             "draft_catchup_tokens": first.catchup_tokens if first else 0,
             "draft_catchup_seconds": first.catchup_seconds if first else 0.0,
-            "first_token_seconds": s.setup_seconds + s.prefill_seconds, "prefill_seconds": s.prefill_seconds,
+            "first_token_seconds": s.time_to_first_token, "prefill_seconds": s.prefill_seconds,
             "wall_seconds": wall, "tokens": len(result.token_ids), "text": result.text}
 
 

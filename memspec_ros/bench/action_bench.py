@@ -84,7 +84,9 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
                                              f" ({ran['predictor_note'] or 'no reason given'})"]))
 
     def med(path: str, key: str) -> float:
-        return statistics.median(r[path][key] for r in rows)
+        # a one-token goal has no decode rate (0): left out, as paired_ratio leaves its pair out
+        values = [r[path][key] for r in rows if key != "tps" or r[path][key] > 0]
+        return statistics.median(values) if values else 0.0
 
     result = {
         "zoo": str(zoo), "note": note, "prompts": len(texts), "runs": runs, "max_new_tokens": max_new_tokens,

@@ -372,7 +372,8 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
         # over the prompts both ran (a variant limited to fewer speed prompts against fp32's on the same ones)
         shared = len(runs[name])
         fp_shared = GenerationTotals.of(r["alone"] for r in runs["fp32"][:shared]).tokens_per_second
-        results[name]["speedup_vs_fp32"] = rounded(ratio(results[name]["decode_tok_s_1thread"], fp_shared), 3)
+        mine_tps = GenerationTotals.of(r["alone"] for r in runs[name]).tokens_per_second  # unrounded
+        results[name]["speedup_vs_fp32"] = rounded(ratio(mine_tps, fp_shared), 3)
         # per prompt against fp32 on the same prompt moments apart: steadier on a shared machine
         mine = runs[name][:len(runs["fp32"])]
         per_prompt = paired_ratio([r["tok_s"] for r in mine], [f["tok_s"] for f in runs["fp32"][:len(mine)]])

@@ -720,3 +720,51 @@ def test_a_second_signals_destruction_goes_on_when_the_goals_cannot_be_ended(har
     assert destroyed == ["action server", "node"]
     h.node._hurry = False
     monkeypatch.undo()  # before the harness closes the node for real
+
+
+def test_models_are_freed_after_an_error_even_where_no_thread_can_be_started(harness, monkeypatch):
+    """The release after a goal runs on a thread of its own; a failed start left the runner counting a release that
+    never ran: configure refused for good and the models held."""
+    import threading
+
+    from memspec_ros.ros import goal_runner
+    from memspec_ros.ros import node as node_module
+
+    monkeypatch.setattr(goal_runner, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(node_module, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    h = harness()
+    h.activate()
+    controller = h.node.loaded.controller
+    generate, entered, release = controller.generate, threading.Event(), threading.Event()
+
+    def blocking_generate(*args, **kwargs):
+        entered.set()
+        release.wait(30.0)  # deaf to the end request until released
+        return generate(*args, **kwargs)
+
+    class NoThread(threading.Thread):
+        def start(self):
+            if self.name == "memspec-free-models":
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(controller, "generate", blocking_generate)
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert handle.accepted and entered.wait(10.0)
+    end_goals, calls = h.node._runner.end_goals, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated failure while deactivating")
+        return end_goals(*args, **kwargs)
+
+    monkeypatch.setattr(h.node._runner, "end_goals", fails_once)
+    assert not h.transition(Transition.TRANSITION_DEACTIVATE) and h.state() == "unconfigured"
+    real_thread = threading.Thread
+    monkeypatch.setattr(goal_runner.threading, "Thread", NoThread)  # the threading module: every caller's
+    release.set()
+    assert h.result(handle, 30.0).status == GoalStatus.STATUS_ABORTED
+    wait_until(lambda: not h.node._runner.models_in_use(), 30.0, "the models freed without a thread")
+    monkeypatch.setattr(goal_runner.threading, "Thread", real_thread)
+    assert h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "inactive"

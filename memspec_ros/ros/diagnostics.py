@@ -423,8 +423,11 @@ class NodeTasks:
         if self.node.transition_error and lo is None:  # until configure succeeds again
             # a goal told to end may not have reached its next iteration: its models are freed when it does, and
             # configure is refused until then (node.py, _release_after_goal)
-            freed = ("the models are freed once the goal still running ends (configure is refused until then)"
-                     if self.runner.models_in_use() else "the models were freed")
+            if not self.runner.models_in_use():
+                freed = "the models were freed"
+            else:  # the goal, or the release on its own thread after it (goal_runner._free_after)
+                freed = ("the models are freed once the goal still running ends" if self.runner.counts()[0]
+                         else "the models are being freed") + " (configure is refused until then)"
             s.summary(ERROR, f"{self.node.transition_error}; {freed} and the node went back to unconfigured:"
                              " configure it again")
             return

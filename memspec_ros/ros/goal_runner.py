@@ -263,7 +263,10 @@ class GoalRunner:
             if self._running is not None:
                 self._running.abort_reason = reason
         for job in queued:
-            self._end_unrun(job, reason)
+            try:  # one that fails must not leave the goals after it unanswered (the queue is emptied already)
+                self._end_unrun(job, reason)
+            except Exception as exc:
+                self._node.get_logger().error(f"ending a queued goal failed: {type(exc).__name__}: {exc}")
         over = self.wait_idle(DEACTIVATE_WAIT_SECONDS if wait_seconds is None else wait_seconds)
         with self._cv:
             self._stats_pub = None
@@ -333,7 +336,8 @@ class GoalRunner:
     def on_goal(self, goal: Generate.Goal) -> GoalResponse:
         reason = self._check(goal)
         if reason:
-            self.goals_rejected += 1
+            with self._cv:  # goal callbacks run in a reentrant group: two rejections at once lost a count
+                self.goals_rejected += 1
             self.last_rejection = reason
             self._node.get_logger().warning(f"goal rejected: {reason}")
             return GoalResponse.REJECT
@@ -550,9 +554,12 @@ class GoalRunner:
             if when_over:
                 # on a thread of its own: the goal's result goes out now, not after the models' release (a draft
                 # cache's close waits up to CLOSE_WAIT_SECONDS for a read hung on failing storage);
-                # models_in_use() holds a configure back until it is done
-                threading.Thread(target=self._free_after, args=(when_over,), name="memspec-free-models",
-                                 daemon=True).start()
+                # models_in_use() holds a configure back until it is done. Not a daemon: the interpreter waits
+                # for it at exit, as it waited for this callback's thread, rather than cutting a release short
+                try:
+                    threading.Thread(target=self._free_after, args=(when_over,), name="memspec-free-models").start()
+                except RuntimeError:  # no thread to be had: freed here, or _freeing would never come back down
+                    self._free_after(when_over)
             if following is not None:
                 self._execute(following.goal_handle)
         return result
@@ -655,10 +662,22 @@ class GoalRunner:
                  ttft: float | None = None) -> None:
         """One ~/generation_stats message per finished goal, saying what its result says."""
         pub = self._stats_pub
-        if pub is not None:
-            pub.publish(generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
-                                             job.goal_handle.goal_id, finish_reason, error,
-                                             self._node.get_clock().now().to_msg(), ttft))
+        if pub is None:
+            return
+        msg = generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
+                                   job.goal_handle.goal_id, finish_reason, error, self._node.get_clock().now().to_msg(),
+                                   ttft)
+        try:
+            pub.publish(msg)
+        except Exception as exc:  # destroyed by a shutdown meanwhile: the goal's result (its text) still goes out
+            if self._stats_pub is pub:
+                raise
+            self._node.get_logger().warning(f"~/generation_stats gone as the goal ended: {type(exc).__name__}")
+
+    def drop_stats_publisher(self) -> None:
+        """No more ~/generation_stats messages: the node destroys the publisher after this."""
+        with self._cv:
+            self._stats_pub = None
 
     def _end_unrun(self, job: Job, reason: str, cancelled: bool = False) -> None:
         """A goal that ends before it ran (cancelled in the FIFO, or the goals ended): its result now, its

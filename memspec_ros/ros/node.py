@@ -242,9 +242,10 @@ class MemSpecNode(LifecycleNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         t0 = time.perf_counter()
         if self._runner.models_in_use():  # after error, a goal deaf to its end: its models are freed when it ends
+            why = ("a goal from before the error still runs on the previous models, which are freed when it ends"
+                   if self._runner.counts()[0] else "the previous models are still being freed")
             return self._configure_failed(RuntimeError(
-                "a goal from before the error still runs on the previous models, which are freed when it ends:"
-                " configure again then (two sets of models are never loaded at once)"))
+                f"{why}: configure again then (two sets of models are never loaded at once)"))
         try:
             self._loaded = self._load()
             if self._runner.closing:  # a signal came while the models loaded: the node is going, not serving
@@ -278,7 +279,9 @@ class MemSpecNode(LifecycleNode):
             self.get_logger().error(f"activate refused: the node is shutting down ({self._runner.closing})")
             return TransitionCallbackReturn.FAILURE
         result = super().on_activate(state)  # enables the lifecycle publishers
-        self._active = True  # after them: a cache poll before would record its key and have its message dropped
+        # after them: a cache poll before would record its key and have its message dropped; not on a node a
+        # signal began closing meanwhile (close_goals set it False: it takes no goal again)
+        self._active = not self._runner.closing
         self.get_logger().info("active: accepting goals on ~/generate")
         return result
 
@@ -534,6 +537,7 @@ class MemSpecNode(LifecycleNode):
 
     def _take_loaded(self) -> Loaded | None:
         """What configure loaded, no longer the node's (nothing but a running goal reaches it after this)."""
+        self._runner.drop_stats_publisher()  # before its destruction: a goal ending meanwhile publishes on neither
         for pub in (self._cache_pub, self._stats_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
@@ -600,7 +604,12 @@ class MemSpecNode(LifecycleNode):
             return
         self._last_cache_key, self._last_cache_publish = key, now
         scores = lo.predictor.latest if lo.predictor is not None else {}
-        pub.publish(cache_state_msg(snap, lo.registry.entries(), scores, self.get_clock().now().to_msg()))
+        try:
+            pub.publish(cache_state_msg(snap, lo.registry.entries(), scores, self.get_clock().now().to_msg()))
+        except Exception:
+            if self._cache_pub is pub:
+                raise
+            # destroyed by a shutdown or an error between the check above and here: nothing to publish to
 
 
 def _quiet_libraries() -> None:

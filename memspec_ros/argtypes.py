@@ -114,6 +114,7 @@ def unwritable(path) -> str:
 def output_file(text: str) -> str:
     """A file to write a result to (``--json``): a folder, or a path under an existing file, failed only once the
     run had finished, and the result of minutes of work was lost. The folder is made at the write if missing."""
+    import os
     from pathlib import Path
 
     if not text.strip():
@@ -124,7 +125,8 @@ def output_file(text: str) -> str:
     blocked = unwritable(path.parent)
     if blocked and not Path(blocked).is_dir():
         raise argparse.ArgumentTypeError(f"{blocked} is a file, so {text} cannot be made")
-    if blocked:  # a folder this process may not write in: found at the write, after the run
+    if blocked and not (path.exists() and os.access(path, os.W_OK)):  # (a writable file there: /dev/null, say)
+        # a folder this process may not write in: found at the write, after the run
         raise argparse.ArgumentTypeError(f"cannot write in {blocked}, so {text} cannot be made")
     return text
 

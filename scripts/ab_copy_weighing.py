@@ -92,15 +92,15 @@ def main(argv: list[str] | None = None) -> int:
             row["weigh_over_take"] = ratio(row["weigh"]["decode_tps"], row["take"]["decode_tps"])
             row["outputs_identical"] = identical
             results[dom] = row
+            over = "n/a" if row["weigh_over_take"] is None else f"{row['weigh_over_take']:.3f}x"
             print(f"{dom}: weigh {row['weigh']['decode_tps']:.1f} tok/s, take {row['take']['decode_tps']:.1f} "
-                  f"({row['weigh_over_take']:.3f}x), outputs identical: {identical}  {time.strftime('%T')}",
-                  flush=True)
+                  f"({over}), outputs identical: {identical}  {time.strftime('%T')}", flush=True)
     finally:
         GammaChooser.choose_copy = WEIGH
     ratios = [r["weigh_over_take"] for r in results.values()]
     summary = {"command": " ".join(sys.argv), "prompts_per_domain": args.prompts, "domains": results,
                "gmean_weigh_over_take": gmean([r or 0.0 for r in ratios])}
-    print(f"GMEAN weigh / take: {summary['gmean_weigh_over_take']:.3f}")
+    print(f"GMEAN weigh / take: {summary['gmean_weigh_over_take']:.3f} (0: a zero rate)")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if all(r["outputs_identical"] for r in results.values()) else 1

@@ -142,7 +142,8 @@ def main() -> None:
     if args.corpus_shares and not (args.corpus or args.datastore):
         parser.error("--corpus-shares needs --corpus or --datastore")
     try:
-        shares = [float_in(0.0, 1.0)(v) for v in args.corpus_shares.split(",")] if args.corpus_shares else []
+        # (the text as given, the share): the JSON's keys are the user's text, as before
+        shares = [(v, float_in(0.0, 1.0)(v)) for v in args.corpus_shares.split(",")] if args.corpus_shares else []
     except (ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(f"--corpus-shares {args.corpus_shares!r}: {exc}")
     if args.datastore:
@@ -189,9 +190,9 @@ def main() -> None:
         }
         if corpus is not None and shares:  # how the gain grows with the datastore's size
             result["adaptive_replay"]["by_corpus_share"] = {
-                str(share): replay_adaptive(pairs, costs, args.gamma, config, False,
-                                            Datastore(every[: round(len(every) * share)])) / alone
-                for share in shares}
+                text: replay_adaptive(pairs, costs, args.gamma, config, False,
+                                      Datastore(every[: round(len(every) * share)])) / alone
+                for text, share in shares}
         if args.remember:  # served one after another in a shuffled order, each remembering those before it
             random.Random(0).shuffle(pairs)
             result["adaptive_replay"]["remembering_earlier_answers_vs_target_alone"] = replay_adaptive(

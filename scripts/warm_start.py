@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage", choices=STORAGE_CHOICES, default="emmc")
     parser.add_argument("--quantization", default="int4", help="target and drafts (make bench's default)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--json", type=output_file, default="")
+    parser.add_argument("--json", type=output_file, default=None)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)

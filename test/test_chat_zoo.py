@@ -721,15 +721,18 @@ def test_acceptance_says_its_answers_folder_cannot_be_written_before_the_target_
     from memspec_ros.runtime import models
     from memspec_ros.zoo import cli
 
-    def read_only(path, mode):
-        return mode != os.W_OK
+    out = tmp_path / "out"  # writable: only the folder the answers would be made in is not
+    out.mkdir()
+
+    def read_only(path, mode, real=os.access):
+        return real(path, mode) and not (mode == os.W_OK and os.path.samefile(path, tmp_path))
 
     monkeypatch.setattr(cli.os, "access", read_only)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the target loaded to answer"))
     with pytest.raises(SystemExit, match=r"answers are stored in .*new.*cannot be written to: give --answers"):
-        cli.main(["acceptance", "--json", str(tmp_path / "a.json"), "--models", str(tiny_build.out_dir),
+        cli.main(["acceptance", "--json", str(out / "a.json"), "--models", str(tiny_build.out_dir),
                   "--answers", str(tmp_path / "new")])
-    assert not (tmp_path / "new").exists() and not (tmp_path / "a.json").exists()
+    assert not (tmp_path / "new").exists() and not (out / "a.json").exists()
 
 
 def test_a_failed_export_leaves_the_zoo_as_it_was(tiny_build, tmp_path, monkeypatch):

@@ -601,5 +601,5 @@ def test_generate_goes_on_without_a_draft_that_fails_and_keeps_its_tokens(target
 
     monkeypatch.setattr(speculative, "_forward", draft_fails)
     session = generate(target, PROMPT, draft, max_new_tokens=NEW, gamma=3)
-    assert session.generated_ids == reference(target)
+    assert session.generated_ids == reference(target) and "not finite" in session.draft_failure
     assert not any(it.draft for it in session.stats.iterations if it.proposed)  # nothing proposed after the failure

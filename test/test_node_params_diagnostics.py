@@ -132,7 +132,8 @@ def test_a_general_draft_the_same_change_brings_is_taken_with_it(h):
         assert result.successful, result.reason
         assert h.node.loaded.registry.names() == names
         assert h.node.loaded.controller.next_config.general_draft == "plain"
-        # a general draft the registry lacks is still refused, by the node and by the controller itself
+        # a general draft the registry lacks is still refused (by the node; the controller's own refusal:
+        # test_runtime_controller)
         [refused] = h.set_params(**{"memspec.general_draft": "genral"})
         assert not refused.successful and "'genral' is not in the draft registry" in refused.reason
     finally:

@@ -94,3 +94,19 @@ def test_the_measurement_scripts_refuse_bad_options_before_loading_a_model():
         done = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *argv], capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 2 and said in done.stderr, (name, argv, done.stderr[-500:])
+
+
+def test_warm_start_runs_without_json(monkeypatch):
+    """--json's default went through its type (argtypes.output_file), which refuses an empty name: the script
+    failed at its parser unless --json was given, as README's command does not."""
+    import pytest
+
+    warm_start = script("warm_start")
+
+    def reached(*args, **kwargs):
+        raise SystemExit("past the parser")
+
+    monkeypatch.setattr(warm_start, "load_models", reached)
+    with pytest.raises(SystemExit, match="past the parser"):
+        warm_start.main(["--prompts", "16"])
+

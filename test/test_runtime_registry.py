@@ -410,3 +410,14 @@ def test_an_entry_made_in_code_gets_the_yamls_checks():
         DraftRegistry.from_lists(["a", "b"], ["/a", " "], validate=False)
     listed = DraftRegistry.from_lists(["a"], [Path("a")], base_dir="/zoo", validate=False)
     assert listed.get("a").path == str(Path("/zoo/a").resolve())
+
+
+def test_an_entry_made_in_code_may_have_a_numpy_size_and_any_path_like():
+    from pathlib import PurePosixPath
+
+    import numpy as np
+
+    from memspec_ros.runtime.registry import DraftEntry, DraftRegistry
+
+    reg = DraftRegistry([], validate=False)
+    assert reg.add(DraftEntry("x", PurePosixPath("/p"), "x", np.int64(10))) == DraftEntry("x", "/p", "x", 10)

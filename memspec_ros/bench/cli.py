@@ -233,7 +233,8 @@ def cmd_engine(args) -> int:
                          " them the zoo's target and --draft run")
     for option, value in (("--datastore", "" if args.datastore == "none" else args.datastore),
                           ("--target", args.target), ("--draft-path", args.draft_path)):
-        if value and not Path(value).exists():  # found after the target had loaded and its paths were timed
+        # found after the target had loaded and its paths were timed (a pkg: source is the loader's to find)
+        if value and not value.startswith("pkg:") and not Path(value).exists():
             raise SystemExit(f"{option} {value}: no such file or folder")
     torch.set_num_threads(cfg.threads)  # before the load: quantization auto times the paths at this thread count
     target, draft, prompts, names = _engine_models(args)
@@ -256,7 +257,8 @@ def cmd_engine(args) -> int:
         + (f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9; draft {result.t_draft_ms:.2f} ms a token, "
            f"verify {result.t_verify_ms:.2f} ms alone, in the loop {_num(result.loop_draft_ms, '.2f')} / "
            f"{_num(result.loop_verify_ms, '.2f')} ms, {_num(result.loop_other_ms, '.2f')} ms an iteration besides)"
-           if result.bound_fraction is not None else "no draft-cost bound (context lookup)")
+           if result.bound_fraction is not None
+           else "no draft-cost bound (context lookup)" if cfg.context_lookup else "no bound (no run had one)")
         + f" | identical {result.outputs_identical}"
         f" (transformers' generate the same on {result.same_as_transformers:.0%}"
         + (f", its assisted generation the same as its generate on {result.hf_assisted_same_as_generate:.0%}"

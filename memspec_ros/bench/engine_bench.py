@@ -242,6 +242,8 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                                        max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
                                        adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastores=stores,
                                        eos_token_ids=eos)
+                    if session.draft_failure:  # its figures would be the target alone's, labelled the engine's
+                        raise RuntimeError(f"the draft failed during the bench: {session.draft_failure}")
                     out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens

@@ -309,10 +309,6 @@ class RuntimeController:
         make_policy(config.policy, predictor=ranker, oracle_for=self.oracle_for,
                     general_draft=config.general_draft, ucb_c=config.ucb_c).close()
         self.check_ranking(config.policy, registry)
-        names = registry.names()
-        if config.policy == "general-static" and config.general_draft not in names:  # a typo ran another draft
-            raise PolicyError(f"general_draft {config.general_draft!r} is not in the draft registry"
-                              f" ({', '.join(names) or 'no drafts'}): policy general-static runs that draft")
 
     def check_ranking(self, policy: str, registry: DraftRegistry) -> None:
         """PolicyError if ``policy`` ranks with the trained predictor and that predictor scores none of
@@ -340,6 +336,13 @@ class RuntimeController:
             base = self._pending or self.config
             new = dataclasses.replace(base, **changes).validate()
             self._check_policy(new, for_registry)
+            names = (for_registry if for_registry is not None else self.registry).names()
+            if ({"policy", "general_draft"} & set(changes) and new.policy == "general-static" and names
+                    and new.general_draft not in names):
+                # a change naming a draft the registry lacks (a typo) ran another one: general-static's own
+                # fallback is for a draft that failed or left, and a registry of no drafts runs the target alone
+                raise PolicyError(f"general_draft {new.general_draft!r} is not in the draft registry"
+                                  f" ({', '.join(names)}): policy general-static runs that draft")
             if self._running:
                 self._pending = new
             else:

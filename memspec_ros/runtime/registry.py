@@ -18,6 +18,8 @@ YAML shape (``drafts`` may also be a mapping name -> {path, domain}):
 
 from __future__ import annotations
 
+import numbers
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -109,9 +111,10 @@ def _size(value: object, where: str) -> int:
         return 0
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:  # numpy's ints too
         raise RegistryError(f"{where} is {value!r}: give a whole number of bytes (7607384, not 7.6MB), or 0 to"
                             " estimate it from the safetensors files")
+    value = int(value)
     if value > MAX_SIZE_BYTES:  # a typo: every ~/cache_state message then failed to build, 10 times a second
         raise RegistryError(f"{where} is {value}, more than any memory ({MAX_SIZE_BYTES}): give the draft's size"
                             " in bytes, or 0 to estimate it from the safetensors files")
@@ -260,7 +263,7 @@ class DraftRegistry:
                 f"drafts.domains has {len(domains)} entries for {len(names)} names: give one domain per name or none"
             )
         for i, p in enumerate(paths):  # an empty one resolved to the registry's folder, named in no error
-            _text(str(p) if isinstance(p, Path) else p, f"drafts.paths[{i}]")
+            _text(os.fspath(p) if isinstance(p, os.PathLike) else p, f"drafts.paths[{i}]")
         seen: set[str] = set()
         for i, raw in enumerate(names):
             name = _text(raw, f"drafts.names[{i}]")  # as the YAML's: an empty name or domain is refused
@@ -287,7 +290,8 @@ class DraftRegistry:
         # an entry made in code gets the YAML's checks: a negative size was taken for "estimate", a name of 3 or a
         # pathlib.Path failed in .strip() or .startswith() with an AttributeError
         name = _text(entry.name, "a draft's name")
-        path = _text(str(entry.path) if isinstance(entry.path, Path) else entry.path, f"draft {name!r}: path")
+        path = _text(os.fspath(entry.path) if isinstance(entry.path, os.PathLike) else entry.path,
+                     f"draft {name!r}: path")
         entry = DraftEntry(str(name), str(path), _text(entry.domain, f"draft {name!r}: domain"),
                            _size(entry.size_bytes, f"draft {name!r}: size_bytes"))
         if entry.name == LOOKUP_DRAFT:  # statistics tell copies from the context by this name

@@ -427,6 +427,7 @@ class SpeculativeSession:
         self.prompt_ids = list(prompt_ids)
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
+        self.draft_failure = ""  # why generate() went on without its draft ('' if it never had to)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.on_chunk = on_chunk
         self.lean_drafts = lean_drafts  # drafts run runtime/draft_forward.py where it applies
@@ -842,5 +843,5 @@ def generate(
             session.step(draft_name, draft)
         except DraftFailure as exc:  # nothing of the iteration was committed: the next one runs without it
             log.warning("%s; the generation goes on with the target alone", exc)
-            draft = None
+            session.draft_failure, draft = str(exc), None
     return session

@@ -8,9 +8,12 @@ draft of the Choice's fallback order, any other resident draft, or the target
 alone. Between scheduling points nothing changes, which is where registry edits,
 reconfiguration and policy switches take effect.
 
-This is the single entry point the ROS node calls::
+This is the single entry point the ROS node calls. The node builds it from files as
+``load_models`` does (runtime/loader.py: the target's end-of-turn ids, context, draft
+forward path, storage tier and datastore come with it); ``RuntimeController(config,
+target, tokenizer, registry, predictor, ...)`` is the low-level constructor::
 
-    controller = RuntimeController(config, target, tokenizer, registry, predictor)
+    controller = load_models("models/registry.yaml").controller(config)   # or load_runtime(config, ...)
     result = controller.generate(prompt, max_new_tokens, sampling, stop, on_chunk, should_cancel)
     controller.reconfigure(capacity=3, policy="mab-async")   # ValueError naming the field; nothing changed
 """

@@ -324,9 +324,17 @@ def test_a_failed_generation_keeps_no_kv(c_target):
     with pytest.raises(RuntimeError, match="simulated failure"):
         controller.generate(prompt, max_new_tokens=4)
     controller.reconfigure(prompt_cache_bytes=0)  # one conversation: the goal takes the caches, and fails
+    before, new = list(controller.prompt_cache._entries[-1].tokens), prompt + [5, 6]
     with pytest.raises(RuntimeError, match="simulated failure"):
-        controller.generate(prompt + [5, 6], max_new_tokens=4)
-    assert controller.prompt_cache.tokens == 0
+        controller.generate(new, max_new_tokens=4)
+    # the part it took is handed back (it lost the conversation, and the next turn prefilled it all anew): the
+    # positions it took were never written again, and the next goal's output is still the target's own
+    taken = min(common_prefix(before, new), len(new) - 1)
+    assert taken > 0 and controller.prompt_cache.tokens == taken
+    del controller._step  # the class's again
+    again = controller.generate(new, max_new_tokens=4)
+    assert again.stats.reused_prompt_tokens == taken
+    assert again.token_ids == generate(target, new, None, max_new_tokens=4, eos_token_ids=[]).generated_ids
 
 
 def test_a_refused_request_takes_nothing_from_the_prompt_cache(c_target):
@@ -572,3 +580,18 @@ def test_two_interleaved_conversations_each_continue_their_own_caches(c_target):
         assert result.stats.reused_prompt_tokens == want, (who, prompt_len)
         last[who] = (prompt_len, len(result.token_ids))
     assert budget.prompt_cache.conversations == 2  # each goal took its conversation's caches and gave them back
+
+
+def test_draft_caches_are_not_kept_where_every_goal_reloads_its_drafts(c_target):
+    """With reset_cache_per_generation every goal loads its drafts anew, as other objects: the drafts' KV caches
+    kept for the next goal could serve none, and took the budget's bytes from the target's caches."""
+    drafts = {"general": noisy_copy(c_target, 0.05, seed=5)}
+    for reset in (False, True):
+        controller = _controller(c_target, drafts, reset_cache_per_generation=reset)
+        try:
+            controller.generate(_ids(10, 10), max_new_tokens=8)
+            _needs_reuse(controller.prompt_cache_refused)
+            assert controller.prompt_cache.tokens > 0
+            assert bool(controller.prompt_cache.drafts) == (not reset), reset
+        finally:
+            controller.close()

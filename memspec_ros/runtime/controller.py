@@ -46,6 +46,7 @@ from .registry import DraftRegistry
 from .speculative import (
     ChunkCallback,
     DraftFailure,
+    KVState,
     SamplingConfig,
     SpeculativeSession,
     check_generation,
@@ -364,6 +365,7 @@ class RuntimeController:
             # budget in force bind the draft that ran last too, which the cache would otherwise keep as active
             self.cache.set_active("")
             self.cache.reconfigure(new.capacity, new.budget_bytes)
+            self.prompt_cache.trim()  # the caches of drafts that left go now (and count no more), not at the next goal
         if new.prompt_cache_bytes != self.prompt_cache.budget_bytes:
             self.prompt_cache.set_budget(new.prompt_cache_bytes)
         if not new.prompt_cache:
@@ -445,6 +447,9 @@ class RuntimeController:
             # _apply cleared it)
             reused = self.prompt_cache.take(prompt_ids) if reuse else Reuse()
             prefix = reused.target
+            # a conversation taken out of the cache is handed back if the goal fails (_hand_back); a copy's
+            # original stayed there
+            taken = prefix.length if prefix is not None and reused.moved else 0
             reuse_rows = getattr(self.predictor, "reuse_rows", None)
             if reuse_rows is not None:  # a target-hidden encoder's rows of the reused positions (None: not kept)
                 reuse_rows(reused.hidden_rows if prefix is not None else None, prefix.length if prefix else 0)
@@ -457,6 +462,9 @@ class RuntimeController:
                 datastores=self._datastores() if self.config.context_lookup else (),
                 prefix=prefix, draft_prefixes=reused.drafts,
             )
+            # the session holds its own copy: a draft evicted during the goal must not live on here, beside the
+            # cache's accounting, until the call returns
+            reused.drafts = {}
             self._should_cancel = should_cancel
             result = self._run(session, prompt_ids, should_cancel, on_decode_start, t_call)
             self._remember(result.token_ids)
@@ -464,9 +472,16 @@ class RuntimeController:
             if reuse and session.started and self.config.prompt_cache:
                 prefix_rows = getattr(self.predictor, "prefix_rows", None)
                 rows = prefix_rows(session.target_kv.length) if prefix_rows is not None else None
-                self.prompt_cache.keep(session.tokens, session.target_kv, session.draft_kvs, rows)
+                # with the draft cache reset at every goal, its drafts are loaded anew as other objects: their
+                # caches could serve no later goal, and would only take the budget's bytes from the target's
+                drafts = {} if self.config.reset_cache_per_generation else session.draft_kvs
+                self.prompt_cache.keep(session.tokens, session.target_kv, drafts, rows)
             result.stats.call_seconds = time.perf_counter() - t_call
             return result
+        except BaseException:
+            if reuse and taken and prefix is not None:
+                self._hand_back(prompt_ids[:taken], prefix)
+            raise
         finally:
             self._should_cancel = None
             if session is not None and session.drop_draft in self.cache.on_evict:
@@ -478,6 +493,14 @@ class RuntimeController:
                 # the two would see the controller idle, apply the pending change plus its own at once, and then
                 # have the older pending change applied over it, losing its own
                 self._take_pending_locked()
+
+    def _hand_back(self, tokens: list[int], prefix: KVState) -> None:
+        """A failed goal's taken conversation, back into the prompt cache: the positions it took were never written
+        again (every write starts past them), so the next turn need not prefill the whole conversation anew."""
+        try:
+            self.prompt_cache.keep(tokens, prefix)
+        except Exception:  # the goal's own failure is what its caller must see
+            log.exception("the prompt cache could not take back a failed goal's conversation")
 
     def _datastores(self) -> tuple[Datastore, ...]:
         """What context lookup searches after the context: this controller's own answers, then the datastore."""

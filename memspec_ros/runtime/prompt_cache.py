@@ -110,6 +110,7 @@ class Reuse:
     target: KVState | None = None
     drafts: dict[str, tuple[torch.nn.Module, KVState]] = field(default_factory=dict)
     hidden_rows: torch.Tensor | None = None
+    moved: bool = False  # taken out of the cache (its own conversation), not copied: the cache holds it no more
 
 
 @dataclass
@@ -184,9 +185,10 @@ class PromptCache:
         if budget_bytes < 0:
             raise ValueError(f"the prompt cache's budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
-        self._trim()
+        self.trim()
 
-    def _trim(self) -> None:
+    def trim(self) -> None:
+        """Drop the caches of drafts no longer alive, then the oldest goals' past the budget."""
         entries = list(self._entries)
         for entry in entries:  # an evicted draft's cache serves no prompt: it held memory and the budget's bytes
             if any(ref() is None for ref, _ in entry.drafts.values()):
@@ -223,13 +225,13 @@ class PromptCache:
         if not self.budget_bytes:
             dropped = any(e is not best for e in self._entries)
             self._entries = []  # the others' caches, no longer referenced, are freed here
-            if dropped:  # and their pages handed back, as _trim and clear hand theirs
+            if dropped:  # and their pages handed back, as trim and clear hand theirs
                 release_freed_memory()
         elif move:
             self._entries = [e for e in self._entries if e is not best]
         if best is None:
             return Reuse()
-        reuse = Reuse(target=_prefix(best.kv, shared, move))
+        reuse = Reuse(target=_prefix(best.kv, shared, move), moved=move)
         for name, (ref, draft_kv) in best.drafts.items():
             model = ref()
             if model is not None and min(draft_kv.length, shared) > 0:
@@ -262,7 +264,7 @@ class PromptCache:
         self._entries = [*others, entry]
         if dropped:
             release_freed_memory()
-        self._trim()
+        self.trim()
 
     def clear(self) -> None:
         held, self._entries = self._entries, []

@@ -595,3 +595,21 @@ def test_draft_caches_are_not_kept_where_every_goal_reloads_its_drafts(c_target)
             assert bool(controller.prompt_cache.drafts) == (not reset), reset
         finally:
             controller.close()
+
+
+def test_a_draft_cache_the_goal_took_but_did_not_run_is_kept_for_the_next(c_target):
+    """Goal 1 ran draft a, goal 2 (the same conversation) only draft b: a's cache, taken with the conversation and
+    still valid, was dropped, and a goal 3 running a again caught up on the whole conversation."""
+    drafts = {"a": noisy_copy(c_target, 0.05, seed=5), "b": noisy_copy(c_target, 0.05, seed=6)}
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+    controller = RuntimeController(RuntimeConfig(policy="general-static", general_draft="a", capacity=2), c_target,
+                                   None, registry, None, loader=_Loader(drafts))
+    try:
+        first = controller.generate(_ids(10, 10), max_new_tokens=8)
+        _needs_reuse(controller.prompt_cache_refused)
+        held_a = controller.prompt_cache.drafts["a"]
+        controller.reconfigure(general_draft="b")
+        controller.generate(_ids(10, 10) + first.token_ids + [5, 6], max_new_tokens=8)
+        assert controller.prompt_cache.drafts.get("a") == held_a and "b" in controller.prompt_cache.drafts
+    finally:
+        controller.close()

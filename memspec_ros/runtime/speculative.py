@@ -530,8 +530,11 @@ class SpeculativeSession:
 
     @property
     def draft_kvs(self) -> dict[str, tuple[torch.nn.Module, KVState]]:
-        """Each draft that ran and is still held: its model and its KV cache (a prefix of ``tokens``)."""
-        return {name: (self._draft_model[name], kv) for name, kv in self._draft_kv.items()}
+        """Each draft that ran and is still held, and each reused one that did not run this goal (a prefix of the
+        prompt, still valid: a later goal that runs it again needs no catch-up over the conversation): its model
+        and its KV cache (a prefix of ``tokens``)."""
+        unused = {name: (model, kv) for name, (model, kv) in self._draft_prefixes.items() if name not in self._draft_kv}
+        return unused | {name: (self._draft_model[name], kv) for name, kv in self._draft_kv.items()}
 
     def draft_context_lengths(self, models: Mapping[str, torch.nn.Module] | None = None) -> dict[str, int]:
         """Context tokens each draft's KV cache holds now: those that ran, and the prompt cache's reused prefixes

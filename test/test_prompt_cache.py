@@ -316,7 +316,7 @@ def test_a_failed_generation_keeps_no_kv(c_target):
 
     controller._step = broken
     with pytest.raises(RuntimeError, match="simulated failure"):
-        controller.generate(prompt + [5, 6], max_new_tokens=4)  # shares the prompt, not the answer: a copy
+        controller.generate(prompt[:-2] + [5, 6], max_new_tokens=4)  # shares a part of the prompt: a copy
     # nothing of the failed goal is kept; the first goal's caches, which it only copied from, stay
     assert controller.prompt_cache.conversations == 1 and controller.prompt_cache.tokens == held
     with pytest.raises(RuntimeError, match="simulated failure"):
@@ -611,5 +611,25 @@ def test_a_draft_cache_the_goal_took_but_did_not_run_is_kept_for_the_next(c_targ
         controller.reconfigure(general_draft="b")
         controller.generate(_ids(10, 10) + first.token_ids + [5, 6], max_new_tokens=8)
         assert controller.prompt_cache.drafts.get("a") == held_a and "b" in controller.prompt_cache.drafts
+    finally:
+        controller.close()
+
+
+def test_a_turn_that_parts_inside_the_last_answer_continues_its_conversation(c_target):
+    """The next turn re-sends the last answer otherwise (it ended on a stop string, the template re-rendered it):
+    the cache copied the shared part and kept the stale conversation beside the new one, every turn, until the
+    budget pushed other conversations out. It takes and crops the conversation instead."""
+    drafts = {"general": noisy_copy(c_target, 0.05, seed=5)}
+    controller = _controller(c_target, drafts)
+    try:
+        prompt = _ids(10, 10)
+        first = controller.generate(prompt, max_new_tokens=8)
+        _needs_reuse(controller.prompt_cache_refused)
+        changed = [(first.token_ids[0] + 1) % 50 + 3, *first.token_ids[1:]]  # the answer, re-sent otherwise
+        new = prompt + changed + [5, 6]
+        second = controller.generate(new, max_new_tokens=8)
+        assert second.stats.reused_prompt_tokens == len(prompt)
+        assert controller.prompt_cache.conversations == 1  # was 2: the stale one kept beside it
+        assert second.token_ids == generate(c_target, new, None, max_new_tokens=8, eos_token_ids=[]).generated_ids
     finally:
         controller.close()

@@ -475,7 +475,7 @@ class RuntimeController:
                 # with the draft cache reset at every goal, its drafts are loaded anew as other objects: their
                 # caches could serve no later goal, and would only take the budget's bytes from the target's
                 drafts = {} if self.config.reset_cache_per_generation else session.draft_kvs
-                self.prompt_cache.keep(session.tokens, session.target_kv, drafts, rows)
+                self.prompt_cache.keep(session.tokens, session.target_kv, drafts, rows, prompt_length=len(prompt_ids))
             result.stats.call_seconds = time.perf_counter() - t_call
             return result
         except BaseException:

@@ -121,6 +121,7 @@ class _Entry:
     # its cache goes at the next keep or trim
     drafts: dict[str, tuple[weakref.ref, KVState]]
     hidden_rows: torch.Tensor | None
+    prompt_length: int = 0  # the tokens of the goal's prompt (the rest: its answer); 0: unknown
 
     @property
     def bytes(self) -> int:
@@ -221,7 +222,11 @@ class PromptCache:
         # a goal that continues a kept conversation takes its caches (they grow on with it, and are kept again
         # after it); one that only shares a part of them (another conversation with the same system prompt, a
         # repeated or edited turn) gets copies of that part, and the conversation stays for its own next turn
-        move = best is not None and (not self.budget_bytes or shared == len(best.tokens))
+        # a prompt holding all of the kept goal's prompt continues that conversation even where it parts inside the
+        # answer (an answer ended on a stop string, or re-rendered by the template): taken and cropped, not copied
+        # beside a stale entry that no later turn would match as well
+        move = best is not None and (not self.budget_bytes or shared == len(best.tokens)
+                                     or 0 < best.prompt_length <= shared)
         if not self.budget_bytes:
             dropped = any(e is not best for e in self._entries)
             self._entries = []  # the others' caches, no longer referenced, are freed here
@@ -243,7 +248,7 @@ class PromptCache:
 
     def keep(self, tokens: Sequence[int], kv: KVState,
              drafts: Mapping[str, tuple[torch.nn.Module, KVState]] | None = None,
-             hidden_rows: torch.Tensor | None = None) -> None:
+             hidden_rows: torch.Tensor | None = None, prompt_length: int = 0) -> None:
         """Hold ``kv`` (and the ``drafts``' KV caches, and the target's ``hidden_rows`` of those positions) with the
         ``tokens`` it was fed (a finished generation's: the newest is not fed yet). A generation that ended inside
         an accepted run (end token, stop string, length) fed accepted tokens it then dropped: their positions are
@@ -256,7 +261,7 @@ class PromptCache:
                 kept[name] = (weakref.ref(model), draft_kv)
         if hidden_rows is not None and hidden_rows.shape[0] != kv.length:
             hidden_rows = hidden_rows[: kv.length] if hidden_rows.shape[0] > kv.length else None
-        entry = _Entry(list(tokens[: kv.length]), kv, kept, hidden_rows)
+        entry = _Entry(list(tokens[: kv.length]), kv, kept, hidden_rows, min(prompt_length, kv.length))
         # an older goal's caches that this one holds all of (a repeated or continued prompt that took copies: the
         # same tokens, the same drafts) serve no prompt better: dropped, not kept twice in the budget
         others = [e for e in self._entries if not _covers(entry, e)]

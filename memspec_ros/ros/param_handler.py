@@ -134,12 +134,11 @@ class ParameterHandler:
         if registry is not None:
             with self._runner.no_goal_starting() as running:
                 replace_entries(lo.registry, registry, None if running else lo.controller.cache)
-                # a resident draft whose files were restored or replaced is read again: now, or when the next goal
-                # starts (evict_changed must not run beside a generation)
-                if running:
-                    lo.controller.recheck_files_later()
-                else:
-                    lo.controller.cache.evict_changed()
+                # a resident draft whose files were restored or replaced is read again when the next goal starts,
+                # on that goal's thread (evict_changed must not run beside a generation, and its stat of every
+                # draft's files, slow on failing storage, must not run here holding the runner's lock, which every
+                # goal callback and the diagnostics wait for)
+                lo.controller.recheck_files_later()
             lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
         for name, value in new.items():
             if name in self._setters:

@@ -125,6 +125,22 @@ def test_shutdown_during_a_goal_sends_the_results_of_the_running_and_the_queued_
     assert waited.result.completion_tokens == 0
 
 
+def _deactivate_into_error(h, monkeypatch) -> None:
+    """A deactivate that raises (its first end_goals): the node goes through on_error, which ends the goals and
+    releases the models, back to unconfigured."""
+    end_goals, calls = h.node._runner.end_goals, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated failure while deactivating")
+        return end_goals(*args, **kwargs)
+
+    monkeypatch.setattr(h.node._runner, "end_goals", fails_once)
+    assert not h.transition(Transition.TRANSITION_DEACTIVATE)
+    assert h.state() == "unconfigured"
+
+
 @pytest.mark.parametrize("transition", ["shutdown", "error"])
 def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended(harness, monkeypatch, transition):
     """shutdown and error must succeed, but a goal told to end may not reach its next iteration within the wait (a
@@ -171,17 +187,7 @@ def test_shutdown_and_error_free_the_models_only_once_the_running_goal_has_ended
             assert h.transition(Transition.TRANSITION_ACTIVE_SHUTDOWN)
             assert h.state() == "finalized"
         else:  # an exception in deactivate: on_error ends the goals and frees the models
-            end_goals, calls = h.node._runner.end_goals, []
-
-            def fails_once(*args, **kwargs):
-                calls.append(1)
-                if len(calls) == 1:
-                    raise RuntimeError("simulated failure while deactivating")
-                return end_goals(*args, **kwargs)
-
-            monkeypatch.setattr(h.node._runner, "end_goals", fails_once)
-            assert not h.transition(Transition.TRANSITION_DEACTIVATE)
-            assert h.state() == "unconfigured"
+            _deactivate_into_error(h, monkeypatch)
             # the diagnostics said "the models were freed ... configure it again", which configure then refused
             status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
             assert status.level == ERROR and "freed once the goal still running ends" in status.message
@@ -751,16 +757,7 @@ def test_models_are_freed_after_an_error_even_where_no_thread_can_be_started(har
     monkeypatch.setattr(controller, "generate", blocking_generate)
     handle, _ = h.send(goal(max_new_tokens=4))
     assert handle.accepted and entered.wait(10.0)
-    end_goals, calls = h.node._runner.end_goals, []
-
-    def fails_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("simulated failure while deactivating")
-        return end_goals(*args, **kwargs)
-
-    monkeypatch.setattr(h.node._runner, "end_goals", fails_once)
-    assert not h.transition(Transition.TRANSITION_DEACTIVATE) and h.state() == "unconfigured"
+    _deactivate_into_error(h, monkeypatch)
     real_thread = threading.Thread
     monkeypatch.setattr(goal_runner.threading, "Thread", NoThread)  # the threading module: every caller's
     release.set()

@@ -16,6 +16,7 @@ from memspec_ros.runtime.speculative import (
     SpeculativeSession,
     generate,
     speculative_accept,
+    warp_probs,
 )
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 
@@ -377,6 +378,58 @@ def test_acceptance_rule_reproduces_target_distribution():
     assert stat < chi2_critical(dof), (stat, dof)
 
 
+@pytest.mark.parametrize("q_kind", ["one-hot (a copy)", "zeros outside a subset (reduced vocabulary)", "dense"])
+def test_acceptance_rule_reproduces_the_target_distribution_at_every_position(q_kind):
+    """The joint tests draw 1,500 samples; this one has the power to see a wrong residual for the proposals the
+    engine makes besides a dense one: a copied token (q one-hot), a reduced-vocabulary draft's q (0 outside its
+    ids), and two proposals, so the second row and the bonus row are checked too. Each position's token is
+    compared with p at that position given the tokens before it."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, n = 6, 20000
+    p = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, -1)
+    if q_kind.startswith("one-hot"):
+        q = torch.nn.functional.one_hot(torch.tensor([2, 4]), vocab).float()
+    else:
+        q = torch.softmax(torch.randn(2, vocab, generator=gen) * 1.5, -1)
+        if q_kind.startswith("zeros"):
+            q[:, [0, 3]] = 0.0
+            q = q / q.sum(-1, keepdim=True)
+    first: Counter = Counter()
+    second: Counter = Counter()
+    second_n = 0
+    for _ in range(n):
+        proposals = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+        accepted, extra = speculative_accept(p, q, proposals, gen)
+        tokens = proposals[:accepted] + [extra]
+        first[tokens[0]] += 1
+        # p's rows do not depend on the earlier token here, so the second token follows p[1] given any first one
+        if accepted >= 1:
+            second[tokens[1]] += 1
+            second_n += 1
+    stat, dof = chi2(first, {i: float(p[0, i]) for i in range(vocab)}, n)
+    assert stat < chi2_critical(dof), (q_kind, "first", stat, dof)
+    stat, dof = chi2(second, {i: float(p[1, i]) for i in range(vocab)}, second_n)
+    assert stat < chi2_critical(dof), (q_kind, "second", stat, dof)
+
+
+def test_warp_probs_is_transformers_temperature_and_top_p_where_no_logits_tie():
+    """The sampled tests build their reference with warp_probs itself: here it is checked against transformers'
+    own warpers (the target's sampling as `generate(do_sample=True)` warps it) on rows without ties (at a tie on
+    the top-p cut the two keep different ids of equal probability: lower ids first here)."""
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(200, 50, generator=gen) * 3
+    for temperature, top_p in ((0.7, 0.9), (1.3, 0.5), (1.0, 1.0), (0.2, 0.99)):
+        ours = warp_probs(logits, SamplingConfig(temperature=temperature, top_p=top_p))
+        warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_p < 1.0:
+            warped = TopPLogitsWarper(top_p)(None, warped)
+        theirs = torch.softmax(warped, -1)
+        assert torch.equal(ours > 0, theirs > 0), (temperature, top_p)
+        assert torch.allclose(ours, theirs, atol=1e-5), (temperature, top_p)
+
+
 def test_sampled_generation_matches_target_distribution():
     """Joint distribution of the generated tokens 2-4 equals the target's exact one."""
     vocab = 5
@@ -593,13 +646,14 @@ def test_generate_goes_on_without_a_draft_that_fails_and_keeps_its_tokens(target
     was taken out of service, which nothing did. Now it goes on with the target alone, as the controller does."""
     from memspec_ros.runtime import speculative
 
-    draft, real = drafts["close"], speculative._forward
+    draft, real, calls = drafts["close"], speculative._forward, []
 
     def draft_fails(model, *args):
         logits = real(model, *args)
+        calls.append(model is draft)
         return torch.full_like(logits, float("nan")) if model is draft else logits
 
     monkeypatch.setattr(speculative, "_forward", draft_fails)
     session = generate(target, PROMPT, draft, max_new_tokens=NEW, gamma=3)
     assert session.generated_ids == reference(target) and "not finite" in session.draft_failure
-    assert not any(it.draft for it in session.stats.iterations if it.proposed)  # nothing proposed after the failure
+    assert calls.count(True) == 1  # out of service after its failure: never run again

@@ -234,9 +234,13 @@ def test_a_second_quantization_of_the_same_run_waits_for_the_first(tmp_path):
         with _held_lock(lock):
             entered.set()
 
+    import fcntl
+
     with _held_lock(lock):
+        with open(lock, "a") as other, pytest.raises(BlockingIOError):  # another process's try, refused
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         thread = threading.Thread(target=second, daemon=True)
         thread.start()
         assert not entered.wait(0.5), "a second holder entered while the first held the lock"
-    assert entered.wait(30.0)
+    assert entered.wait(30.0)  # and one that waited gets it once the first lets go
     thread.join(30.0)

@@ -354,6 +354,10 @@ def test_a_bad_spec_or_config_is_refused_before_any_file_is_read_or_converted(mo
         load_model(ModelSpec(str(tmp_path / "x.gguf"), dtype="fp64"))
     with pytest.raises(ValueError, match="capacity"):
         load_runtime(RuntimeConfig(capacity=0), str(tmp_path / "registry.yaml"))
-    if not torch.cuda.is_available():
-        with pytest.raises(ModelLoadError, match="CUDA is not available"):
-            registry_loader(DraftRegistry([], validate=False), device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's GPU or none: the same test
+    with pytest.raises(ModelLoadError, match="CUDA is not available"):
+        registry_loader(DraftRegistry([], validate=False), device="cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ModelLoadError, match="1 CUDA device"):  # found once every weight had been read
+        registry_loader(DraftRegistry([], validate=False), device="cuda:1")

@@ -112,6 +112,7 @@ def test_the_system_prompt_counts_in_the_length_limits(h):
     every chat goal and each was refused as if its own prompt were too long. One that no goal could fit is refused
     when set, and a goal's rejection names its share."""
     limit = h.get_param("generation.max_prompt_tokens")
+    new_tokens = h.get_param("generation.max_new_tokens")
     per_token = h.node.loaded.max_token_chars
     too_long = "x" * (limit * per_token + 1)
     results = h.set_params(**{"generation.system_prompt": too_long})
@@ -136,8 +137,10 @@ def test_the_system_prompt_counts_in_the_length_limits(h):
         [too_many] = h.set_params(**{"generation.max_new_tokens": h.node.loaded.max_positions})
         assert not too_many.successful and "leaves no room for a prompt" in too_many.reason
         assert h.get_param("generation.max_prompt_tokens") == limit
-    finally:
+    finally:  # everything this test may have changed on the module's node, whichever assertion failed
         assert all(r.successful for r in h.set_params(**{"generation.system_prompt": ""}))
+        assert all(r.successful for r in h.set_params(**{"generation.max_prompt_tokens": limit,
+                                                         "generation.max_new_tokens": new_tokens}))
 
 
 def test_a_raw_goal_is_plain_continuation(h, tok):

@@ -582,6 +582,26 @@ def test_two_interleaved_conversations_each_continue_their_own_caches(c_target):
     assert budget.prompt_cache.conversations == 2  # each goal took its conversation's caches and gave them back
 
 
+def test_a_request_refused_for_its_arguments_takes_nothing_from_the_cache(c_target):
+    """sampling=None raised an AttributeError in the session after the conversation's entry had been taken (and
+    max_new_tokens nan passed the request's checks): the conversation was lost to a request that never ran."""
+    controller = _controller(c_target, {"general": noisy_copy(c_target, 0.05, seed=5)})
+    try:
+        prompt = _ids(10, 10)
+        first = controller.generate(prompt, max_new_tokens=4)
+        _needs_reuse(controller.prompt_cache_refused)
+        held = (controller.prompt_cache.conversations, controller.prompt_cache.tokens)
+        assert held[1] > 0
+        follow_up = prompt + first.token_ids + [3, 4]
+        for changes in ({"max_new_tokens": float("nan")}, {"max_new_tokens": 2.5}, {"sampling": None}):
+            with pytest.raises((ValueError, TypeError)):
+                controller.generate(follow_up, **({"max_new_tokens": 4} | changes))
+            assert (controller.prompt_cache.conversations, controller.prompt_cache.tokens) == held, changes
+        assert controller.generate(follow_up, max_new_tokens=4).stats.reused_prompt_tokens == held[1]
+    finally:
+        controller.close()
+
+
 def test_draft_caches_are_not_kept_where_every_goal_reloads_its_drafts(c_target):
     """With reset_cache_per_generation every goal loads its drafts anew, as other objects: the drafts' KV caches
     kept for the next goal could serve none, and took the budget's bytes from the target's caches."""

@@ -82,12 +82,12 @@ def test_the_measurement_scripts_refuse_bad_options_before_loading_a_model():
     import subprocess
     import sys
 
-    cases = [("path_quality", ["--answers", "/nonexistent", "--greedy-every", "0"], "--greedy-every"),
+    cases = [("path_quality", ["--answers", "/nonexistent", "--greedy-every", "0"], "argument --greedy-every:"),
              ("path_quality", ["--answers", "/nonexistent", "--paths", "none,typo"], "unknown typo"),
-             ("prompt_cache_memory", ["--goals", "20"], "--goals"),
-             ("warm_start", ["--storage", "typo"], "--storage"),
-             ("prompt_cache_bench", ["--interleave", "0"], "--interleave"),
-             ("lookup_acceptance", ["/nonexistent", "--verify-ms", "0,1,2,3,4"], "--verify-ms"),
+             ("prompt_cache_memory", ["--goals", "20"], "argument --goals:"),
+             ("warm_start", ["--storage", "typo"], "argument --storage:"),
+             ("prompt_cache_bench", ["--interleave", "0"], "argument --interleave:"),
+             ("lookup_acceptance", ["/nonexistent", "--verify-ms", "0,1,2,3,4"], "0.0 is not in"),
              ("lookup_acceptance", ["/nonexistent", "--remember"], "need --verify-ms"),
              ("lookup_acceptance", ["/nonexistent", "--verify-ms", "1,2"], "needs 5 times")]
     for name, argv, said in cases:

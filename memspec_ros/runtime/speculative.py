@@ -666,6 +666,10 @@ class SpeculativeSession:
                         q = None
                     else:
                         token, q = self._choose(_checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean))
+                        if not q[token] > 0:  # p/q would be inf: accepted whatever the target gives it (a sampler
+                            # that drew a zero-weight id, as CUDA multinomial did in old torch releases)
+                            raise DraftFailure(draft_name, f"it drew token {token}, to which its own distribution"
+                                                           " gives probability 0")
                         p = float(q[token]) if costs is not None else 1.0
                 if catching_up and k == 1:
                     stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds

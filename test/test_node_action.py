@@ -778,8 +778,10 @@ def test_feedback_is_throttled_on_the_calling_thread_and_flushed_in_order():
     for delta in ("a", "b", "c"):
         feedback.on_chunk(delta, [1])
     assert [(f.delta_text, f.tokens_so_far, f.active_draft) for f in handle.sent] == [("a", 1, "code")]
+    cache.active = ""  # generate() returned: the cache's active draft is cleared for the next goal
     feedback.flush()  # the rest, in one message, before the result
     assert [(f.delta_text, f.tokens_so_far) for f in handle.sent] == [("a", 1), ("bc", 3)]
+    assert handle.sent[-1].active_draft == "code"  # the draft that made its chunks (it said "" after the goal)
     assert feedback.text == "abc"
     feedback.flush()
     assert len(handle.sent) == 2  # nothing left

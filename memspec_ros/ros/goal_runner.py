@@ -139,6 +139,9 @@ class FeedbackThrottle:
         self._decode_from, self._decode_base = 0.0, 0  # when decoding started, and the tokens before it
         self._last_publish = -math.inf
         self._broken = False
+        # the draft decoding as the newest chunk came: the final flush, after generate() returned, found the
+        # cache's active draft already cleared for the next goal and reported the target alone
+        self._active = ""
 
     @property
     def text(self) -> str:
@@ -162,6 +165,7 @@ class FeedbackThrottle:
         self._tokens += len(token_ids)
         self._latest = now
         self._chunks.append(delta)
+        self._active = self.cache.active
         if now - self._last_publish >= self.period:
             self._publish(now)
 
@@ -178,7 +182,7 @@ class FeedbackThrottle:
             self.goal_handle.publish_feedback(Generate.Feedback(
                 delta_text=ros_text(delta), tokens_so_far=self._tokens,
                 tokens_per_second=decoded / elapsed if self._decode_from and elapsed > 0 and decoded > 0 else 0.0,
-                active_draft=self.cache.active,
+                active_draft=self._active,
             ))
         except Exception as exc:  # the server went under us (shutdown): the result still goes out
             self._broken = True

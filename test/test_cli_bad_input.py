@@ -253,7 +253,8 @@ def test_the_predictor_trainer_refuses_prompts_beside_answers_and_a_negative_hor
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--gamma", "9"), ("--interval", "1025"), ("--recent-tokens", "4097"),
-                                             ("--recent-tokens", "0")])
+                                             ("--recent-tokens", "0"), ("--hidden", "1000000000"), ("--seed", "-1"),
+                                             ("--seed", str(2**64))])
 def test_the_predictor_trainer_holds_its_settings_to_the_controllers_limits(flag, value, tmp_path, capsys):
     """A head trained at T 5000 or N 2000 was published, and the node then refused to configure with it, asking
     for a value its parameter ranges forbid."""
@@ -263,6 +264,23 @@ def test_the_predictor_trainer_holds_its_settings_to_the_controllers_limits(flag
     with pytest.raises(SystemExit) as exit_info:
         predictor_training.main(["--prompts", str(tmp_path / "p.jsonl"), flag, value, "--out", str(tmp_path / "o")])
     assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_the_predictor_trainer_checks_its_continuations_file_and_the_build_config_before_loading(tmp_path,
+                                                                                                  monkeypatch):
+    """--continuations naming a folder failed when the decoded continuations were saved, at the end, losing them;
+    --unseen-by-drafts without the zoo's build_config.json failed after the target and the drafts had loaded."""
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo import predictor_training
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Hi."}) + "\n")
+    _no_model_loads(monkeypatch)
+    argv = ["--registry", str(zoo / "registry.yaml"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match="--continuations .*cannot be written"):
+        predictor_training.main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--continuations", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--unseen-by-drafts needs the zoo's build_config.json"):
+        predictor_training.main([*argv, "--answers", str(tmp_path / "teacher"), "--unseen-by-drafts"])
 
 
 def test_the_predictor_trainers_output_is_checked_first_and_replacing_the_zoos_own_is_said(tmp_path, monkeypatch,
@@ -279,6 +297,14 @@ def test_the_predictor_trainers_output_is_checked_first_and_replacing_the_zoos_o
     argv = ["--registry", str(zoo / "registry.yaml"), "--prompts", str(tmp_path / "p.jsonl")]
     with pytest.raises(SystemExit, match="--out .*a-file is a file: name a folder"):
         predictor_training.main([*argv, "--out", str(tmp_path / "a-file")])
+    # a head folder itself (the tiny zoo's predictor/): the heads would go under it, while the node went on
+    # loading the old head there
+    with pytest.raises(SystemExit, match="holds a trained head itself: name the folder above it"):
+        predictor_training.main(argv)
+    head = zoo / "predictor"
+    head.rename(tmp_path / "head")
+    head.mkdir()
+    (tmp_path / "head").rename(head / "target-hidden")  # the layout a zoo build writes: <encoder>/ subfolders
     ran = []
     monkeypatch.setattr(predictor_training, "run", lambda args: (ran.append(args.out), {})[1])
     monkeypatch.setattr(predictor_training, "format_report", lambda report: "")

@@ -269,11 +269,16 @@ def test_an_encoder_pooling_other_prompt_positions_than_the_head_is_refused(tmp_
         (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, "prompt_tokens": bad}))
         with pytest.raises(PredictorError, match="prompt_tokens must be a whole number"):
             RankingHead.load(tmp_path / "p")
-    # recent_tokens 0 sliced the whole recent window ([-0:]) and -3 all but three; other sizes broke later
-    for key, bad in (("recent_tokens", 0), ("recent_tokens", -3), ("interval", 0), ("hidden", 1.5), ("drafts", [])):
+    # recent_tokens 0 sliced the whole recent window ([-0:]) and -3 all but three; other sizes broke later;
+    # label_horizon "2" turned the controller's N check off
+    for key, bad in (("recent_tokens", 0), ("recent_tokens", -3), ("interval", 0), ("hidden", 1.5), ("drafts", []),
+                     ("label_horizon", "2"), ("label_horizon", -1)):
         (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, key: bad}))
         with pytest.raises(PredictorError, match=f"{key} must be"):
             RankingHead.load(tmp_path / "p")
+    (tmp_path / "p" / "predictor.json").write_bytes(b"\xff\xfe not UTF-8")  # a UnicodeDecodeError, unwrapped
+    with pytest.raises(PredictorError, match="is not a predictor config"):
+        RankingHead.load(tmp_path / "p")
     (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, "hidden": 64}))  # not the weights' 128
     with pytest.raises(PredictorError, match="does not fit"):
         RankingHead.load(tmp_path / "p")

@@ -551,14 +551,15 @@ class RankingHead(torch.nn.Module):
             )
         try:
             config = HeadConfig(**json.loads((root / HEAD_CONFIG).read_text()))
-        except (TypeError, json.JSONDecodeError) as exc:
+        except (TypeError, ValueError, OSError) as exc:  # a JSONDecodeError, a file that is not UTF-8, unreadable
             raise PredictorError(
                 f"{root / HEAD_CONFIG} is not a predictor config ({exc}): retrain the predictor"
             ) from exc
-        if isinstance(config.prompt_tokens, bool) or not isinstance(config.prompt_tokens, int) \
-                or config.prompt_tokens < 0:
-            raise PredictorError(f"{root / HEAD_CONFIG}: prompt_tokens must be a whole number of positions >= 0 (0:"
-                                 f" the whole prompt), not {config.prompt_tokens!r}: retrain the predictor")
+        for name in ("prompt_tokens", "label_horizon"):  # label_horizon "2" turned the controller's N check off
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PredictorError(f"{root / HEAD_CONFIG}: {name} must be a whole number >= 0, not {value!r}:"
+                                     " retrain the predictor")
         for name in ("recent_tokens", "interval", "max_length", "in_dim", "hidden"):
             value = getattr(config, name)  # 0 recent tokens sliced the WHOLE window ([-0:]), -3 all but three
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

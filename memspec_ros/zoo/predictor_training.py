@@ -607,11 +607,11 @@ def build_parser() -> argparse.ArgumentParser:
                         " default: accepts most over the rest of the output; 1: the paper's next interval, whose"
                         " winner is mostly"
                         " noise on drafts this alike: docs/results/README.md, 'The predictor's label horizon')")
-    p.add_argument("--hidden", type=positive_int, default=128)
+    p.add_argument("--hidden", type=int_in(1, 65_536), default=128)  # a typo allocated terabytes after the tracing
     p.add_argument("--epochs", type=positive_int, default=300)
     p.add_argument("--heldout-fraction", type=_fraction, default=0.2,
                    help="share of the prompts held out to score the head, in (0, 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)  # torch.manual_seed's range
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch intra-op threads (1: small models on a shared CPU run far faster without contention)")
     p.add_argument("--quiet", action="store_true")
@@ -643,6 +643,17 @@ def check_inputs(args: argparse.Namespace) -> None:
             minilm_path()
         except PredictorError as exc:
             raise SystemExit(f"memspec-train-predictor: {exc}; or leave it out: --encoders target-hidden") from None
+    if args.continuations:  # written at the end of the decoding: a folder or an unwritable place lost all of it
+        continuations = Path(args.continuations)
+        if continuations.is_dir() or unwritable(continuations.parent):
+            raise SystemExit(f"memspec-train-predictor: --continuations {continuations}: cannot be written (a"
+                             " folder, or a place this process may not write)")
+    if args.unseen_by_drafts:  # found after the target and drafts had loaded
+        from .chat_build import recorded_build
+
+        if recorded_build(Path(args.registry).parent) is None:
+            raise SystemExit("memspec-train-predictor: --unseen-by-drafts needs the zoo's build_config.json (the"
+                             f" seed of its validation split) beside {args.registry}")
     answers = Path(args.answers) if args.answers else None
     if answers is not None and not answers.is_file() and not any(answers.glob("train-*.safetensors")):
         raise SystemExit(f"memspec-train-predictor: --answers {answers}: no stored training answers"
@@ -663,6 +674,9 @@ def _checked_out(given: str | None, default: Path) -> str:
     out = Path(given) if given else default
     if out.exists() and not out.is_dir():
         raise SystemExit(f"memspec-train-predictor: --out {out} is a file: name a folder")
+    if (out / HEAD_CONFIG).is_file():  # the heads would go under it, and the node go on loading the old one there
+        raise SystemExit(f"memspec-train-predictor: --out {out} holds a trained head itself: name the folder above"
+                         f" it ({out.parent}), which gets <encoder>/ subfolders")
     blocked = unwritable(out)
     if blocked:
         raise SystemExit(f"memspec-train-predictor: --out {out}: {blocked} cannot be written to")
@@ -690,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                      " are decoded already")
     for key, default in DECODE_DEFAULTS.items():
         setattr(args, key, default if getattr(args, key) is None else getattr(args, key))
+    args.encoders = list(dict.fromkeys(args.encoders))  # named twice: its features were extracted twice
     check_inputs(args)
     args.out = _checked_out(args.out, Path(args.registry).parent / "predictor")
     if args.threads > 0:

@@ -6,7 +6,8 @@ split as ``memspec-train-predictor --answers models/datastore.safetensors --max-
 each prompt's target-hidden features are pooled over the prompt's last W positions, W in WS (0: the whole
 prompt), three ways: the request alone, after an earlier turn of another domain (another training request and
 the target's answer to it), and under one of three robot system prompts. Labels: the request alone's (its
-stored greedy answer). Writes artifacts/predictor-window-feats.pt (about 20 min on 2 CPU threads); then
+stored greedy answer). Writes artifacts/predictor-window-feats.safetensors and .json (about 20 min on 2 CPU
+threads; no pickle: the project loads nothing by unpickling); then
 
     python scripts/predictor_window_heads.py
 
@@ -18,6 +19,7 @@ import sys
 import time
 
 import torch
+from safetensors.torch import save_file
 
 from memspec_ros.runtime.chat import prompt_ids
 from memspec_ros.runtime.datastore import read_answers
@@ -93,8 +95,10 @@ with torch.inference_mode():
             out["plen"].append(len(tr.prompt_ids))
         if i % 50 == 0:
             print(i, time.time() - t0, file=sys.stderr, flush=True)
-for variant in ("alone", "turn", "system"):
-    out[variant] = {W: torch.stack(v) for W, v in out[variant].items()}
-out["names"] = names
-torch.save(out, "artifacts/predictor-window-feats.pt")
+# the features as safetensors ("<variant>/<W>"), the labels and lists as JSON
+tensors = {f"{variant}/{W}": torch.stack(v).contiguous() for variant in ("alone", "turn", "system")
+           for W, v in out[variant].items()}
+save_file(tensors, "artifacts/predictor-window-feats.safetensors")
+with open("artifacts/predictor-window-feats.json", "w") as f:
+    json.dump({k: out[k] for k in ("labels", "prompt", "heldout", "domain", "plen")} | {"names": names}, f)
 print("done", time.time() - t0, file=sys.stderr)

@@ -1,12 +1,20 @@
 """Heads per prompt window W over scripts/predictor_window_features.py's features; output as in
 docs/results/predictor-window.txt ("alone 85.0/84.1": held-out top-1 over all contexts / first points)."""
+import json
+
 import torch
+from safetensors.torch import load_file
 
 from memspec_ros.runtime.predictor import HeadConfig
 from memspec_ros.zoo.predictor_training import TrainConfig, evaluate, train_head
 
 torch.set_num_threads(1)
-d = torch.load("artifacts/predictor-window-feats.pt", weights_only=True)  # tensors only: never unpickle objects
+# safetensors and JSON: nothing is unpickled
+with open("artifacts/predictor-window-feats.json") as f:
+    d = json.load(f)
+for key, tensor in load_file("artifacts/predictor-window-feats.safetensors").items():
+    variant, window = key.split("/")
+    d.setdefault(variant, {})[int(window)] = tensor
 y = torch.tensor(d["labels"])
 held = torch.tensor(d["heldout"])
 first = torch.zeros(len(y), dtype=torch.bool)  # a prompt's first context: the first scheduling point

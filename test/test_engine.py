@@ -657,3 +657,24 @@ def test_generate_goes_on_without_a_draft_that_fails_and_keeps_its_tokens(target
     session = generate(target, PROMPT, draft, max_new_tokens=NEW, gamma=3)
     assert session.generated_ids == reference(target) and "not finite" in session.draft_failure
     assert calls.count(True) == 1  # out of service after its failure: never run again
+
+
+def test_a_draft_token_its_own_distribution_gives_probability_0_takes_the_draft_out(target, drafts, monkeypatch):
+    """p/q is inf for such a token, so the acceptance rule took it whatever the target gives it (a sampler that drew
+    a zero-weight id, as CUDA multinomial did in old torch releases): the draft fails instead."""
+    session = SpeculativeSession(target, PROMPT, max_new_tokens=8, gamma=3,
+                                 sampling=SamplingConfig(temperature=0.8, seed=1))
+    session.prefill()
+    choose = session._choose
+
+    def zero_weight_draw(logits):  # (after the prefill, only the draft's tokens are drawn through _choose)
+        token, probs = choose(logits)
+        probs = probs.clone()
+        probs[token] = 0.0  # the token it drew has no weight in its own distribution
+        return token, probs
+
+    monkeypatch.setattr(session, "_choose", zero_weight_draw)
+    from memspec_ros.runtime import speculative
+
+    with pytest.raises(speculative.DraftFailure, match="probability 0"):
+        session.step("close", drafts["close"])

@@ -321,6 +321,8 @@ def test_a_failed_generation_keeps_no_kv(c_target):
     assert controller.prompt_cache.conversations == 1 and controller.prompt_cache.tokens == held
     with pytest.raises(RuntimeError, match="simulated failure"):
         controller.generate(prompt + controller.prompt_cache.tokens * [5], max_new_tokens=4)  # continues nothing
+    # it holds the first goal's whole prompt and parts inside its answer: a copy, so the conversation stays whole
+    assert controller.prompt_cache.conversations == 1 and controller.prompt_cache.tokens == held
     with pytest.raises(RuntimeError, match="simulated failure"):
         controller.generate(prompt, max_new_tokens=4)
     controller.reconfigure(prompt_cache_bytes=0)  # one conversation: the goal takes the caches, and fails

@@ -475,11 +475,12 @@ class RuntimeController:
                 # with the draft cache reset at every goal, its drafts are loaded anew as other objects: their
                 # caches could serve no later goal, and would only take the budget's bytes from the target's
                 drafts = {} if self.config.reset_cache_per_generation else session.draft_kvs
+                taken = 0  # the cache owns this KV from here: nothing to hand back, whatever happens next
                 self.prompt_cache.keep(session.tokens, session.target_kv, drafts, rows, prompt_length=len(prompt_ids))
             result.stats.call_seconds = time.perf_counter() - t_call
             return result
         except BaseException:
-            if reuse and taken and prefix is not None:
+            if reuse and taken and prefix is not None and self.config.prompt_cache:  # (not switched off meanwhile)
                 self._hand_back(prompt_ids[:taken], prefix)
             raise
         finally:

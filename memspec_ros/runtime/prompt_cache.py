@@ -222,11 +222,7 @@ class PromptCache:
         # a goal that continues a kept conversation takes its caches (they grow on with it, and are kept again
         # after it); one that only shares a part of them (another conversation with the same system prompt, a
         # repeated or edited turn) gets copies of that part, and the conversation stays for its own next turn
-        # a prompt holding all of the kept goal's prompt continues that conversation even where it parts inside the
-        # answer (an answer ended on a stop string, or re-rendered by the template): taken and cropped, not copied
-        # beside a stale entry that no later turn would match as well
-        move = best is not None and (not self.budget_bytes or shared == len(best.tokens)
-                                     or 0 < best.prompt_length <= shared)
+        move = best is not None and (not self.budget_bytes or shared == len(best.tokens))
         if not self.budget_bytes:
             dropped = any(e is not best for e in self._entries)
             self._entries = []  # the others' caches, no longer referenced, are freed here
@@ -263,8 +259,13 @@ class PromptCache:
             hidden_rows = hidden_rows[: kv.length] if hidden_rows.shape[0] > kv.length else None
         entry = _Entry(list(tokens[: kv.length]), kv, kept, hidden_rows, min(prompt_length, kv.length))
         # an older goal's caches that this one holds all of (a repeated or continued prompt that took copies: the
-        # same tokens, the same drafts) serve no prompt better: dropped, not kept twice in the budget
-        others = [e for e in self._entries if not _covers(entry, e)]
+        # same tokens, the same drafts) serve no prompt better: dropped, not kept twice in the budget. So is one
+        # whose whole prompt this goal's holds: its conversation went on along this goal's tokens, which parted
+        # inside its answer (re-sent otherwise: a stop string, the template), and every turn would otherwise keep
+        # a stale copy beside the new one. Dropped here, once this goal succeeded: take() copied from it, so a
+        # goal that fails leaves it whole
+        others = [e for e in self._entries
+                  if not _covers(entry, e) and not 0 < e.prompt_length <= common_prefix(e.tokens, entry.tokens)]
         dropped = len(self._entries) - len(others)
         self._entries = [*others, entry]
         if dropped:

@@ -645,9 +645,8 @@ def check_inputs(args: argparse.Namespace) -> None:
             raise SystemExit(f"memspec-train-predictor: {exc}; or leave it out: --encoders target-hidden") from None
     if args.continuations:  # written at the end of the decoding: a folder or an unwritable place lost all of it
         continuations = Path(args.continuations)
-        if continuations.is_dir() or unwritable(continuations.parent):
-            raise SystemExit(f"memspec-train-predictor: --continuations {continuations}: cannot be written (a"
-                             " folder, or a place this process may not write)")
+        if continuations.is_dir():  # (a read-only file is fine: written only where a continuation was missing)
+            raise SystemExit(f"memspec-train-predictor: --continuations {continuations} is a folder: name a file")
     if args.unseen_by_drafts:  # found after the target and drafts had loaded
         from .chat_build import recorded_build
 
@@ -675,8 +674,9 @@ def _checked_out(given: str | None, default: Path) -> str:
     if out.exists() and not out.is_dir():
         raise SystemExit(f"memspec-train-predictor: --out {out} is a file: name a folder")
     if (out / HEAD_CONFIG).is_file():  # the heads would go under it, and the node go on loading the old one there
-        raise SystemExit(f"memspec-train-predictor: --out {out} holds a trained head itself: name the folder above"
-                         f" it ({out.parent}), which gets <encoder>/ subfolders")
+        raise SystemExit(f"memspec-train-predictor: --out {out} holds a trained head itself ({HEAD_CONFIG}), which"
+                         " the node would go on loading before the <encoder>/ subfolders trained here: move that"
+                         f" head into {out}/<its encoder>/ (or remove it), or give another --out")
     blocked = unwritable(out)
     if blocked:
         raise SystemExit(f"memspec-train-predictor: --out {out}: {blocked} cannot be written to")

@@ -655,3 +655,29 @@ def test_a_turn_that_parts_inside_the_last_answer_continues_its_conversation(c_t
         assert second.token_ids == generate(c_target, new, None, max_new_tokens=8, eos_token_ids=[]).generated_ids
     finally:
         controller.close()
+
+
+def test_a_budget_change_that_evicts_drafts_drops_their_kept_caches_at_once(c_target):
+    """The caches of drafts a K or budget change evicted stayed held (their memory, uncounted) until the next goal."""
+    import copy
+    import gc
+
+    base = noisy_copy(c_target, 0.05, seed=5)
+
+    def fresh(name):  # each load a model of its own, as a real loader's: evicted, nothing else holds it
+        model = copy.deepcopy(base)
+        return LoadedModel(model, ModelSpec(name), parameter_bytes(model), 64, 512)
+
+    registry = DraftRegistry([DraftEntry("a", "/virtual/a", "a", 1000)], validate=False)
+    controller = RuntimeController(RuntimeConfig(policy="general-static", general_draft="a", capacity=2), c_target,
+                                   None, registry, None, loader=fresh)
+    try:
+        controller.generate(_ids(10, 10), max_new_tokens=8)
+        _needs_reuse(controller.prompt_cache_refused)
+        assert "a" in controller.prompt_cache._entries[-1].drafts
+        controller.reconfigure(budget_bytes=1)  # no draft fits: evicted now (idle)
+        gc.collect()
+        assert controller.cache.resident() == []
+        assert "a" not in controller.prompt_cache._entries[-1].drafts  # its KV cache went with it
+    finally:
+        controller.close()

@@ -107,6 +107,29 @@ def test_gamma_and_registry_changes_reach_a_running_goal(h):
     assert h.node.loaded.registry.names() == ["general", "code", "math"]
 
 
+def test_a_draft_the_predictor_cannot_score_is_named_on_diagnostics(h):
+    """A registered draft the head has no class for (by name or domain) ties at the unknown score, so a ranking
+    policy never ranks it first: it was accepted without a word while another draft of the registry was scored."""
+    drafts = tiny_zoo() / "drafts"
+
+    def predictor_status():
+        return {s.name: s for s in h.node._diagnostics.collect()}["memspec: predictor"]
+
+    assert predictor_status().level == OK
+    try:
+        result = h.set_params_atomically(**{
+            "drafts.names": ["general", "code", "math", "robotics"],
+            "drafts.paths": [str(drafts / n) for n in ("general", "code", "math", "general")],
+            "drafts.domains": ["general", "code", "math", "robotics"]})
+        assert result.successful, result.reason
+        status = predictor_status()
+        assert status.level == WARN and "no class for robotics" in status.message, status.message
+        assert {kv.key: kv.value for kv in status.values}["drafts it cannot score"] == "robotics"
+    finally:
+        assert h.set_params_atomically(**registry_file_params()).successful
+    assert predictor_status().level == OK
+
+
 def test_a_configure_time_parameter_set_to_its_own_value_is_no_change(h):
     """`ros2 param dump` then `ros2 param load` on an active node sets every parameter: each configure-time one was
     refused ("can change only while unconfigured") although its value did not change."""

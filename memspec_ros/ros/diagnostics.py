@@ -41,6 +41,7 @@ from memspec_interfaces.msg import GenerationStats as GenerationStatsMsg
 from ..runtime.chat import has_chat_template
 from ..runtime.draft_forward import decoder_summary
 from ..runtime.policies import RANKING_POLICIES
+from ..runtime.predictor import unscored_drafts
 from ..runtime.stats import CacheStats, GenerationStats
 from . import params as P
 
@@ -514,6 +515,13 @@ class NodeTasks:
         s.add("latest ranking", [f"{n}={v:.3f}" for n, v in sorted(lo.predictor.latest.items(), key=lambda kv: -kv[1])]
               or "none yet")
         s.summary(OK, f"{calls} rankings")
+        unscored = unscored_drafts(config.drafts, {e.name: e.domain for e in lo.registry.entries()})
+        if unscored:
+            s.add("drafts it cannot score", unscored)
+            if policy in RANKING_POLICIES:
+                s.merge(WARN, f"the predictor has no class for {', '.join(unscored)} (by name or domain): a ranking"
+                              " policy never ranks them first; train the predictor for them"
+                              " (memspec-train-predictor) or give each a domain it ranks")
         if lo.predictor.failures:
             s.merge(WARN, f"{lo.predictor.failures} rankings failed, the last: {lo.predictor.last_error}")
 

@@ -786,11 +786,17 @@ class PredictionEngine(SynchronousRanking):
         return ranking
 
 
+def unscored_drafts(classes: Sequence[str], domains: Mapping[str, str]) -> list[str]:
+    """The registered drafts (name -> domain) the head has no class for, by name or by domain (rank_candidates'
+    mapping): each ties at UNKNOWN_SCORE, so a ranking policy never ranks it first."""
+    return [name for name, domain in domains.items() if name not in classes and domain not in classes]
+
+
 def check_ranks_registry(classes: Sequence[str], domains: Mapping[str, str]) -> None:
     """ValueError unless the head scores at least one registered draft (name -> domain) as :func:`rank_candidates`
     maps them (by name, else by domain): otherwise every draft ties at UNKNOWN_SCORE and a ranking policy quietly
     runs the first registered ones."""
-    if domains and not any(name in classes or domain in classes for name, domain in domains.items()):
+    if domains and len(unscored_drafts(classes, domains)) == len(domains):
         raise ValueError(f"the predictor ranks {', '.join(classes)}; no registered draft has one of these names or"
                          f" domains (drafts {', '.join(f'{n} ({d})' for n, d in domains.items())}): use the predictor"
                          " trained for these drafts (predictor.path) or name each draft's domain in the registry")

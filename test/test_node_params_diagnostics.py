@@ -6,6 +6,7 @@ contract, ~/cache_state for late joiners, WARN and ERROR levels."""
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 
 import pytest
@@ -105,6 +106,21 @@ def test_gamma_and_registry_changes_reach_a_running_goal(h):
         assert h.set_params_atomically(**registry_file_params()).successful
         h.set_params(**{"memspec.gamma": 4})
     assert h.node.loaded.registry.names() == ["general", "code", "math"]
+
+
+def test_a_registry_set_while_idle_checks_the_drafts_files_as_the_next_goal_starts(h, monkeypatch):
+    """The parameter callback stat'ed every resident draft's files itself, holding the goal runner's lock that every
+    goal callback and the diagnostics wait for (a hang on failing storage stalled them): it is left to the next
+    goal's start, on that goal's thread."""
+    cache = h.node.loaded.controller.cache
+    checked: list[str] = []
+    real = cache.evict_changed
+    monkeypatch.setattr(cache, "evict_changed", lambda: checked.append(threading.current_thread().name) or real())
+    assert h.set_params_atomically(**registry_file_params()).successful  # set again, the same registry
+    assert checked == []  # not in the callback
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+    assert len(checked) == 1  # as that goal started
 
 
 def test_a_draft_the_predictor_cannot_score_is_named_on_diagnostics(h):

@@ -190,6 +190,18 @@ class FeedbackThrottle:
         self._last_publish = now
 
 
+def publish_unless_destroyed(pub, msg, still_ours: Callable[[], bool]) -> bool:
+    """``pub.publish(msg)``; False where that failed because the node destroyed ``pub`` meanwhile (a transition on
+    another thread: ``still_ours()`` is False then), any other failure raised."""
+    try:
+        pub.publish(msg)
+    except Exception:
+        if still_ours():
+            raise
+        return False
+    return True
+
+
 def _with_system(system: str) -> str:
     """Where a length refusal counts the node's system prompt: say so (a long one fails every chat goal)."""
     return f" with generation.system_prompt's {len(system)} characters" if system else ""
@@ -671,12 +683,9 @@ class GoalRunner:
         msg = generation_stats_msg(stats or GenerationStats(prompt_tokens=len(job.prompt_ids)),
                                    job.goal_handle.goal_id, finish_reason, error, self._node.get_clock().now().to_msg(),
                                    ttft)
-        try:
-            pub.publish(msg)
-        except Exception as exc:  # destroyed by a shutdown meanwhile: the goal's result (its text) still goes out
-            if self._stats_pub is pub:
-                raise
-            self._node.get_logger().warning(f"~/generation_stats gone as the goal ended: {type(exc).__name__}")
+        # destroyed by a shutdown meanwhile: the goal's result (its text) still goes out
+        if not publish_unless_destroyed(pub, msg, lambda: self._stats_pub is pub):
+            self._node.get_logger().warning("~/generation_stats was destroyed as the goal ended: no message")
 
     def drop_stats_publisher(self) -> None:
         """No more ~/generation_stats messages: the node destroys the publisher after this."""

@@ -60,7 +60,7 @@ from .diagnostics import (
     cache_state_msg,
     make_updater,
 )
-from .goal_runner import DEACTIVATE_WAIT_SECONDS, GoalRunner
+from .goal_runner import DEACTIVATE_WAIT_SECONDS, GoalRunner, publish_unless_destroyed
 from .param_handler import ParameterHandler, length_refusal
 from .rclpy_internals import answer_lifecycle_queries_apart, guard_change_state, lifecycle_state_label
 
@@ -604,12 +604,9 @@ class MemSpecNode(LifecycleNode):
             return
         self._last_cache_key, self._last_cache_publish = key, now
         scores = lo.predictor.latest if lo.predictor is not None else {}
-        try:
-            pub.publish(cache_state_msg(snap, lo.registry.entries(), scores, self.get_clock().now().to_msg()))
-        except Exception:
-            if self._cache_pub is pub:
-                raise
-            # destroyed by a shutdown or an error between the check above and here: nothing to publish to
+        # (destroyed by a shutdown or an error since the check above: nothing to publish to)
+        publish_unless_destroyed(pub, cache_state_msg(snap, lo.registry.entries(), scores,
+                                                      self.get_clock().now().to_msg()), lambda: self._cache_pub is pub)
 
 
 def _quiet_libraries() -> None:

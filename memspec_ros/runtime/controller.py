@@ -341,8 +341,8 @@ class RuntimeController:
             new = dataclasses.replace(base, **changes).validate()
             self._check_policy(new, for_registry)
             names = (for_registry if for_registry is not None else self.registry).names()
-            if ({"policy", "general_draft"} & set(changes) and new.policy == "general-static" and names
-                    and new.general_draft not in names):
+            named = {"policy", "general_draft"} & set(changes) and new.policy == "general-static"
+            if named and names and new.general_draft not in names:
                 # a change naming a draft the registry lacks (a typo) ran another one: general-static's own
                 # fallback is for a draft that failed or left, and a registry of no drafts runs the target alone
                 raise PolicyError(f"general_draft {new.general_draft!r} is not in the draft registry"
@@ -480,7 +480,7 @@ class RuntimeController:
             result.stats.call_seconds = time.perf_counter() - t_call
             return result
         except BaseException:
-            if reuse and taken and prefix is not None and self.config.prompt_cache:  # (not switched off meanwhile)
+            if taken and self.config.prompt_cache:  # (taken: a conversation moved out; not switched off meanwhile)
                 self._hand_back(prompt_ids[:taken], prefix)
             raise
         finally:

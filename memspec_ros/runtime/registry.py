@@ -92,7 +92,10 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def _text(value: object, where: str) -> str:
     """A name, path or domain from the YAML: a non-empty string (a number is taken as its text). A null field
-    (``name:`` with nothing after it) was the string 'None', a path '<registry dir>/None'."""
+    (``name:`` with nothing after it) was the string 'None', a path '<registry dir>/None'. A path given in code may
+    be any os.PathLike."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise RegistryError(f"{where} is {value!r}: give it a string" + (
             " (the field is empty: write a value after the colon, or remove the key)" if value is None else ""))
@@ -263,7 +266,7 @@ class DraftRegistry:
                 f"drafts.domains has {len(domains)} entries for {len(names)} names: give one domain per name or none"
             )
         for i, p in enumerate(paths):  # an empty one resolved to the registry's folder, named in no error
-            _text(os.fspath(p) if isinstance(p, os.PathLike) else p, f"drafts.paths[{i}]")
+            _text(p, f"drafts.paths[{i}]")
         seen: set[str] = set()
         for i, raw in enumerate(names):
             name = _text(raw, f"drafts.names[{i}]")  # as the YAML's: an empty name or domain is refused
@@ -290,9 +293,8 @@ class DraftRegistry:
         # an entry made in code gets the YAML's checks: a negative size was taken for "estimate", a name of 3 or a
         # pathlib.Path failed in .strip() or .startswith() with an AttributeError
         name = _text(entry.name, "a draft's name")
-        path = _text(os.fspath(entry.path) if isinstance(entry.path, os.PathLike) else entry.path,
-                     f"draft {name!r}: path")
-        entry = DraftEntry(str(name), str(path), _text(entry.domain, f"draft {name!r}: domain"),
+        entry = DraftEntry(name, _text(entry.path, f"draft {name!r}: path"),
+                           _text(entry.domain, f"draft {name!r}: domain"),
                            _size(entry.size_bytes, f"draft {name!r}: size_bytes"))
         if entry.name == LOOKUP_DRAFT:  # statistics tell copies from the context by this name
             raise RegistryError(f"the draft name {LOOKUP_DRAFT!r} is reserved for copies from the context"

@@ -79,9 +79,9 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):  # "1" raised a bare TypeError from the comparison below
-            if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):  # "1" failed in a bare comparison
+                raise TypeError(f"{name} must be a number, got {value!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not math.isfinite(self.temperature):
@@ -666,11 +666,11 @@ class SpeculativeSession:
                         q = None
                     else:
                         token, q = self._choose(_checked_draft_row(draft_name, draft, feed, kv, 1, self.device, lean))
-                        if not q[token] > 0:  # p/q would be inf: accepted whatever the target gives it (a sampler
-                            # that drew a zero-weight id, as CUDA multinomial did in old torch releases)
+                        p = float(q[token])
+                        if not p > 0:  # p/q would be inf: accepted whatever the target gives it (a sampler that
+                            # drew a zero-weight id, as CUDA multinomial did in old torch releases)
                             raise DraftFailure(draft_name, f"it drew token {token}, to which its own distribution"
                                                            " gives probability 0")
-                        p = float(q[token]) if costs is not None else 1.0
                 if catching_up and k == 1:
                     stats.catchup_tokens, stats.catchup_seconds = len(feed), watch.seconds
                 else:

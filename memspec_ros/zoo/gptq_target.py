@@ -150,7 +150,9 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
                     target_digest: str | None = None) -> Path:
     """The GPTQ checkpoint of ``target_dir`` calibrated on ``requests`` training requests (cached)."""
     import gptqmodel
+    import torch
 
+    from memspec_ros.runtime.gptq import quantize_gptq
     from memspec_ros.runtime.model_source import cache_root
 
     root = Path(out_root) if out_root else cache_root() / "gptq"
@@ -164,17 +166,41 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
                         | ({} if sym else {"sym": False})).encode())
     digest = h.hexdigest()
     out = root / digest[:24]
-    if (out / MARKER).is_file():
-        _log(f"cached: {out}")
-        return out
     # one process quantizes and publishes a digest at a time: without it a second one that found no marker removed
     # the first's published folder (its "interrupted run") while the first was loading from it
     with _held_lock(root / f".{digest[:24]}.lock"):
-        if (out / MARKER).is_file():  # the process that held the lock made it
+        if (out / MARKER).is_file():  # made before, or by the process that held the lock
             _log(f"cached: {out}")
             return out
-        return _quantize_and_publish(target_dir, out, root, digest, ids, hits, skipped, bits, group_size, sym,
-                                     threads, gptqmodel)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(threads))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}-", dir=root))
+        try:
+            tokens = sum(map(len, ids))
+            _log(f"quantizing {target_dir} to INT{bits} (groups of {group_size}) on {len(ids)} calibration sequences,"
+                 f" {tokens} tokens ({hits} answers stored, {len(ids) - hits} made here);"
+                 " GPT-QModel shows per-layer progress")
+            t0 = time.perf_counter()
+            with contextlib.chdir(tmp):  # GPT-QModel writes a logs/ folder into the working directory
+                quantize_gptq(target_dir, tmp / "model", ids, bits, group_size, sym)
+            seconds = time.perf_counter() - t0
+            model_dir = tmp / "model"
+            (model_dir / MARKER).write_text(json.dumps({
+                "source": str(target_dir), "source_sha256": weights_digest(target_dir), "digest": digest,
+                "bits": bits, "group_size": group_size, "sym": sym, "gptqmodel": gptqmodel.__version__,
+                "torch": torch.__version__, "threads": threads, "seconds": round(seconds, 1),
+                "calibration": {"requests": len(ids), "tokens": tokens, "stored_answers": hits,
+                                "skipped_as_heldout_text": skipped,
+                                "source": "models/workloads/train_requests.jsonl (first N, round-robin over domains):"
+                                          " chat template + the fp32 target's greedy answer"},
+            }, indent=1))
+            if out.exists():  # an interrupted run's (the lock is held: no other process publishes it now)
+                shutil.rmtree(out)
+            os.replace(model_dir, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _log(f"quantized in {seconds:.1f} s")
+        return out
 
 
 @contextlib.contextmanager
@@ -189,44 +215,6 @@ def _held_lock(path: Path):
             _log(f"another process is quantizing the same run (it holds {path}): waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield
-
-
-def _quantize_and_publish(target_dir: Path, out: Path, root: Path, digest: str, ids: list, hits: int, skipped: int,
-                          bits: int, group_size: int, sym: bool, threads: int, gptqmodel) -> Path:
-    """Quantize into a temporary folder under ``root`` and move it to ``out`` with its marker (the lock held)."""
-    import torch
-
-    from memspec_ros.runtime.gptq import quantize_gptq
-
-    torch.set_num_threads(threads)
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(threads))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:24]}-", dir=root))
-    try:
-        tokens = sum(map(len, ids))
-        _log(f"quantizing {target_dir} to INT{bits} (groups of {group_size}) on {len(ids)} calibration sequences,"
-             f" {tokens} tokens ({hits} answers stored, {len(ids) - hits} made here);"
-             " GPT-QModel shows per-layer progress")
-        t0 = time.perf_counter()
-        with contextlib.chdir(tmp):  # GPT-QModel writes a logs/ folder into the working directory
-            quantize_gptq(target_dir, tmp / "model", ids, bits, group_size, sym)
-        seconds = time.perf_counter() - t0
-        model_dir = tmp / "model"
-        (model_dir / MARKER).write_text(json.dumps({
-            "source": str(target_dir), "source_sha256": weights_digest(target_dir), "digest": digest,
-            "bits": bits, "group_size": group_size, "sym": sym, "gptqmodel": gptqmodel.__version__,
-            "torch": torch.__version__, "threads": threads, "seconds": round(seconds, 1),
-            "calibration": {"requests": len(ids), "tokens": tokens, "stored_answers": hits,
-                            "skipped_as_heldout_text": skipped,
-                            "source": "models/workloads/train_requests.jsonl (first N, round-robin over domains):"
-                                      " chat template + the fp32 target's greedy answer"},
-        }, indent=1))
-        if out.exists():  # an interrupted run's (the lock is held: no other process publishes it now)
-            shutil.rmtree(out)
-        os.replace(model_dir, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _log(f"quantized in {seconds:.1f} s")
-    return out
 
 
 # -- report ------------------------------------------------------------------------------------------

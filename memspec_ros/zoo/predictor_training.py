@@ -545,14 +545,9 @@ def unseen_by_drafts(answers: list, zoo: Path) -> list:
     with the seed its build_config.json records), which only early stopping read. A domain draft agrees more with
     the answers it was fine-tuned on than with new ones, so labels from those favour it over ``general`` more than
     held-out requests do."""
-    from .chat_build import recorded_build
     from .chat_drafts import split_validation
 
-    build = recorded_build(zoo)
-    if build is None:
-        raise SystemExit(f"memspec-train-predictor: --unseen-by-drafts needs the zoo's build_config.json (the seed of"
-                         f" its validation split) beside {zoo / 'registry.yaml'}")
-    unseen = split_validation(answers, seed=int(build.get("seed", 0)))[1]
+    unseen = split_validation(answers, seed=int(_build_config(zoo).get("seed", 0)))[1]
     if not unseen:
         raise SystemExit("memspec-train-predictor: --unseen-by-drafts left no answer")
     return unseen
@@ -618,6 +613,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _build_config(zoo: Path) -> dict:
+    """The zoo's recorded build_config.json (--unseen-by-drafts reads the seed of its validation split)."""
+    from .chat_build import recorded_build
+
+    build = recorded_build(zoo)
+    if build is None:
+        raise SystemExit(f"memspec-train-predictor: --unseen-by-drafts needs the zoo's build_config.json (the seed of"
+                         f" its validation split) beside {zoo / 'registry.yaml'}")
+    return build
+
+
 def _recent_tokens(text: str) -> int:
     """T of a head: at least 1 (a head pools some recent tokens), at most the controller's recent_tokens."""
     from memspec_ros.runtime.controller import LIMITS
@@ -648,11 +654,7 @@ def check_inputs(args: argparse.Namespace) -> None:
         if continuations.is_dir():  # (a read-only file is fine: written only where a continuation was missing)
             raise SystemExit(f"memspec-train-predictor: --continuations {continuations} is a folder: name a file")
     if args.unseen_by_drafts:  # found after the target and drafts had loaded
-        from .chat_build import recorded_build
-
-        if recorded_build(Path(args.registry).parent) is None:
-            raise SystemExit("memspec-train-predictor: --unseen-by-drafts needs the zoo's build_config.json (the"
-                             f" seed of its validation split) beside {args.registry}")
+        _build_config(Path(args.registry).parent)
     answers = Path(args.answers) if args.answers else None
     if answers is not None and not answers.is_file() and not any(answers.glob("train-*.safetensors")):
         raise SystemExit(f"memspec-train-predictor: --answers {answers}: no stored training answers"

@@ -301,3 +301,33 @@ def test_files_a_resumed_build_takes_for_finished_work_are_on_disk_before_their_
 
     monkeypatch.setattr(atomic_write.os, "open", refused)
     atomic_write.sync_dir(tmp_path)
+
+
+def test_a_published_folder_replaces_the_old_one_whole_never_half_deleted(tmp_path, monkeypatch):
+    """publish_dir removed an existing folder in place before renaming the new one on: a crash while rmtree ran left
+    the folder with some of its files gone (and a reader such as the node loading a predictor head saw it so)."""
+    import shutil
+
+    from memspec_ros.runtime.atomic_write import publish_dir
+
+    final = tmp_path / "head"
+    final.mkdir()
+    names = {"config.json", "weights.safetensors"}
+    for name in names:
+        (final / name).write_text("old")
+
+    def cut(path, *args, **kwargs):  # a removal cut short after its first file (a kill, a power cut)
+        next(Path(path).iterdir()).unlink()
+        raise KeyboardInterrupt
+
+    def write(folder):
+        for name in names:
+            (folder / name).write_text("new")
+
+    monkeypatch.setattr(shutil, "rmtree", cut)
+    with pytest.raises(KeyboardInterrupt):
+        publish_dir(final, write)
+    assert {p.name: p.read_text() for p in final.iterdir()} == dict.fromkeys(names, "new")  # whole, and the new one
+    monkeypatch.undo()
+    publish_dir(final, write)  # the next publish clears what the cut one left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]

@@ -106,8 +106,15 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
     except BaseException:  # a failed write leaves no staging folder behind (the module's promise)
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if folder.exists():
-        shutil.rmtree(folder)
+    # the old folder renamed aside, not removed in place: a reader (the node loading a predictor head) saw it half
+    # deleted while rmtree ran, and a crash there left it so; now there is at most an instant with no folder at all
+    old = folder.with_name(folder.name + ".old") if folder.exists() else None
+    if old is not None:
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(folder, old)
     os.replace(staging, folder)
     sync_dir(folder.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return folder

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.runtime.atomic_write import publish_dir, write_text_atomic
 from memspec_ros.runtime.chat import end_token_ids
 from memspec_ros.runtime.loader import PREDICTOR_PREFERENCE, find_predictor
 from memspec_ros.runtime.oracle import ContinuationCache, draft_agreement, interval_walk
@@ -488,14 +489,10 @@ def _publish(out: Path, heads: dict[str, RankingHead], report: dict) -> None:
     for name, head in heads.items():
         if staged[name].exists():
             shutil.rmtree(staged[name])
-        head.save(staged[name])
-    report_tmp = out / ".report.json.partial"
-    report_tmp.write_text(json.dumps(report, indent=2) + "\n")
-    for name, path in staged.items():
-        if (out / name).exists():
-            shutil.rmtree(out / name)
-        os.replace(path, out / name)
-    os.replace(report_tmp, out / "report.json")
+        head.save(staged[name])  # every head written before any is swapped in: a failure leaves the old set
+    for name, path in staged.items():  # each head swapped in whole (publish_dir's rename aside): a node loading
+        publish_dir(out / name, lambda staging, path=path: os.replace(path, staging))  # it never sees one half gone
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     # a head of another encoder left from an earlier run is not in this report, yet may be the one loaded
     older = [sub for sub in PREDICTOR_PREFERENCE if sub and sub not in heads and (out / sub / HEAD_CONFIG).is_file()]
     if older:

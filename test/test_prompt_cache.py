@@ -681,3 +681,43 @@ def test_a_budget_change_that_evicts_drafts_drops_their_kept_caches_at_once(c_ta
         assert "a" not in controller.prompt_cache._entries[-1].drafts  # its KV cache went with it
     finally:
         controller.close()
+
+
+def test_a_reused_draft_evicted_mid_goal_is_freed_before_the_goal_ends(c_target):
+    """The goal's own record of what it took from the prompt cache (``Reuse.drafts``) held each reused draft's
+    model and KV cache until generate() returned: a draft evicted mid-goal stayed in memory, beside the cache's
+    accounting that had released its bytes, for the rest of the goal."""
+    import copy
+    import gc
+    import weakref
+
+    base = noisy_copy(c_target, 0.05, seed=5)
+    loaded: list[weakref.ref] = []
+
+    def fresh(name):  # each load a model of its own, as a real loader's: evicted, nothing else holds it
+        model = copy.deepcopy(base)
+        loaded.append(weakref.ref(model))
+        return LoadedModel(model, ModelSpec(name), parameter_bytes(model), 64, 512)
+
+    registry = DraftRegistry([DraftEntry("a", "/virtual/a", "a", 1000)], validate=False)
+    controller = RuntimeController(RuntimeConfig(policy="general-static", general_draft="a", capacity=2), c_target,
+                                   None, registry, None, loader=fresh)
+    try:
+        prompt = _ids(10, 10)
+        first = controller.generate(prompt, max_new_tokens=8)
+        _needs_reuse(controller.prompt_cache_refused)
+        assert "a" in controller.prompt_cache.drafts
+        alive_after_eviction: list[bool] = []
+
+        def evict_once() -> bool:  # polled per iteration: the first poll evicts the reused draft
+            if not alive_after_eviction:
+                controller.cache.remove("a")
+                gc.collect()
+                alive_after_eviction.append(loaded[0]() is not None)
+            return False
+
+        second = controller.generate(prompt + first.token_ids + [5, 6], max_new_tokens=8, should_cancel=evict_once)
+        assert second.stats.reused_prompt_tokens > 0
+        assert alive_after_eviction == [False]
+    finally:
+        controller.close()

@@ -9,11 +9,12 @@
   if it has one). It is rendered with ``apply_chat_template(add_generation_prompt=True)``, so the
   model answers as the assistant.
 * No chat template: ``prompt`` is tokenized as is, and a goal with ``messages`` is refused.
-* With a chat template, a message (or the prompt as the user turn) that contains one of the tokenizer's
-  special-token strings (``<|im_end|>``, ``<|im_start|>``, ...) is refused: the rendered text is tokenized
-  with special tokens recognised, so such text would become real control ids and could close the user's
-  turn and open a system turn overriding ``system_prompt``. Refusing (rather than tokenizing content with
-  special-token parsing off) keeps the ids of ordinary content exactly apply_chat_template's. Raw goals and
+* With a chat template, the special-token strings a message (or the prompt as the user turn) holds
+  (``<|im_end|>``, ``<|im_start|>``, ``<filename>``, ...) are tokenized as the ordinary text they spell
+  (transformers' ``sanitize_control_tokens``): only the template itself writes control ids, so content can
+  neither close its own turn nor open a system turn overriding ``system_prompt``. Content holding none gets
+  exactly apply_chat_template's ids. (Such content used to be refused, which also refused a conversation
+  for good once the model's own answer, re-sent as the assistant turn, spelled one out.) Raw goals and
   models without a template keep special strings as control ids: there the sender writes the whole text
   and no turn structure or system prompt is imposed, so there is nothing to forge (an expert may write
   ChatML by hand).
@@ -130,12 +131,10 @@ def prompt_ids(tokenizer, prompt: str, messages: Sequence[tuple[str, str]] = (),
         raise ChatError(reason)
     if raw or not templated:
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    reason = _special_token_error(tokenizer, prompt, messages)
-    if reason:
-        raise ChatError(reason)
     turns = conversation(prompt, messages, system_prompt)
     try:
-        encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)
+        encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                sanitize_control_tokens=True)
     except Exception as exc:  # jinja2 SecurityError / TemplateError / raise_exception() in the template
         raise ChatTemplateError(f"the model's chat template failed: {type(exc).__name__}: {exc}") from exc
     ids = [int(t) for t in encoded["input_ids"]]
@@ -152,49 +151,6 @@ def special_token_strings(tokenizer) -> list[str]:
         if getattr(added, "special", False):
             found.add(str(added.content))
     return sorted((t for t in found if t), key=lambda t: (-len(t), t))
-
-
-def turn_token_strings(tokenizer) -> list[str]:
-    """The special tokens that mark a conversation's structure: those the chat template itself writes around the
-    turns of a probe conversation, and bos/eos/unk/pad. Others (SmolLM2's <filename>, <jupyter_code>, ...) end no turn,
-    so a request may mention them. If the template renders no probe, every special token (the safe side).
-    Added tokens not marked special count too when the template writes them: the tokenizer still reads each as
-    one id, so a template whose turn markers are such tokens could be closed by content holding one."""
-    specials = special_token_strings(tokenizer)
-    # not those holding whitespace: some tokenizers add "\n" or runs of spaces as tokens, which every template writes
-    added = {str(t.content) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
-             if not any(c.isspace() for c in str(t.content))}
-    candidates = sorted((t for t in added.union(specials) if t), key=lambda t: (-len(t), t))
-    probes = ([{"role": SYSTEM, "content": "s"}, {"role": USER, "content": "u"}, {"role": "assistant", "content": "a"},
-               {"role": USER, "content": "u"}],
-              [{"role": USER, "content": "u"}, {"role": "assistant", "content": "a"}, {"role": USER, "content": "u"}])
-    for probe in probes:
-        try:
-            rendered = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-        except Exception:  # a template that refuses a system turn, or the alternation: try the next probe
-            continue
-        # bos/eos, and unk/pad: SmolLM2's <|endoftext|> (its unk, the pretraining document separator) starts "a new
-        # document" whatever the system prompt said
-        ends = {str(t) for t in (getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token",
-                                                                             "pad_token")) if t}
-        return [t for t in candidates if t in rendered or t in ends]
-    return specials
-
-
-def _special_token_error(tokenizer, prompt: str, messages: Sequence[tuple[str, str]]) -> str:
-    """'' when no turn's content holds a special-token string that marks turns, else which turn holds which
-    token (its first)."""
-    specials = turn_token_strings(tokenizer)
-    contents = [(f"messages[{i}] ({role})", content) for i, (role, content) in enumerate(messages)] or [
-        ("the prompt", prompt)]
-    for where, content in contents:
-        # the first one in reading order (longest first at one place: '<|im_end|>' over a shorter '<|im')
-        hits = [(content.find(token), -len(token), token) for token in specials if token in content]
-        if hits:
-            token = min(hits)[2]
-            return (f"{where} contains the special token {token!r}: the chat template would turn it into a"
-                    " control id (it could end the turn and forge another one); remove or reword it")
-    return ""
 
 
 def stop_string_error(stop_strings: Iterable[str], tokenizer, end_ids: Sequence[int] = ()) -> str:

@@ -1109,3 +1109,50 @@ def test_a_change_callback_that_raises_as_a_load_lands_does_not_fail_the_load(ca
     assert snap.resident == ["code"] and snap.loads == 1 and snap.load_failures == 0 and not snap.failed
     assert "a subscriber broke" in caplog.text
     cache.close()
+
+
+def test_a_smaller_k_weighs_loads_in_flight_against_resident_drafts_by_score():
+    """reconfigure dropped every load in flight before it evicted any resident draft: the best-ranked draft being
+    prefetched was lost while a worse resident one stayed (and kept its memory)."""
+    gate, started = threading.Event(), threading.Event()
+
+    def gated(name):
+        if name == "math":
+            started.set()
+            gate.wait(GATE_SECONDS)
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(3, gated, size_of=SIZES.get)
+    try:
+        cache.update({"general": 3, "code": 1})
+        cache.drain()
+        cache.set_active("general")
+        cache.update({"math": 5, "general": 3, "code": 1}, active="general")
+        assert started.wait(GATE_SECONDS)  # math in flight
+        cache.reconfigure(capacity=2)
+        assert cache.resident() == ["general"] and cache.loading() == ["math"]  # code (1) went, not math (5)
+        gate.set()
+        cache.drain()
+        assert sorted(cache.resident()) == ["general", "math"]
+        # the other way round: a load scored below every resident draft is the one dropped
+        cache.reconfigure(capacity=3)
+        gate.clear()
+        started.clear()
+
+        def gated_code(name):
+            if name == "code":
+                started.set()
+                gate.wait(GATE_SECONDS)
+            return fake_loader()(name)
+
+        cache.loader = gated_code
+        cache.update({"math": 5, "general": 3, "code": 1}, active="general")
+        assert started.wait(GATE_SECONDS)
+        cache.reconfigure(capacity=2)
+        assert sorted(cache.resident()) == ["general", "math"]  # code's load is marked for dropping
+        gate.set()
+        cache.drain()
+        assert sorted(cache.resident()) == ["general", "math"] and cache.loading() == []
+    finally:
+        gate.set()
+        cache.close()

@@ -495,17 +495,21 @@ class DraftCacheManager:
             if budget_bytes != self.budget_bytes:
                 self._forget_failures()
             self.capacity, self.budget_bytes = capacity, budget_bytes
-            live_loads = [s for s in self._live() if s.model is None]
-            for slot in sorted(live_loads, key=lambda s: self._scores.get(s.name, float("-inf"))):
-                if not self._live_fit(0, 0):
-                    slot.discard = True
-                    if self._cancel_queued(slot):
-                        del self._slots[slot.name]
+            # resident drafts and loads in flight weighed together, lowest score first (a load wins a tie: it is
+            # not in memory yet): dropping every load first lost the best-ranked draft being prefetched while a
+            # worse resident one stayed
+            score = self._score_of
             while not self._live_fit(0, 0):
+                load = min((s for s in self._live() if s.model is None), key=lambda s: score(s.name), default=None)
                 victim = self._victim(protect=set())
-                if victim is None:
+                if load is not None and (victim is None or score(load.name) <= score(victim)):
+                    load.discard = True
+                    if self._cancel_queued(load):
+                        del self._slots[load.name]
+                elif victim is not None:
+                    self._evict(victim)
+                else:
                     break
-                self._evict(victim)
             self._working_set = self._working_set[:capacity]
             self._changed()
 
@@ -697,7 +701,11 @@ class DraftCacheManager:
         ]
         if not candidates:
             return None
-        return min(candidates, key=lambda n: self._scores.get(n, float("-inf")))
+        return min(candidates, key=self._score_of)
+
+    def _score_of(self, name: str) -> float:
+        """The policy's last score for ``name``; unscored drafts go first."""
+        return self._scores.get(name, float("-inf"))
 
     def _size_needed(self, name: str) -> int:
         """The bytes a load of ``name`` reserves: what its last load occupied (the model as this cache holds it: int4

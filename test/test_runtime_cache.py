@@ -318,6 +318,47 @@ def test_a_waited_for_load_dropped_without_an_error_is_loaded_again():
     cache.close()
 
 
+def test_a_waited_for_load_dropped_before_the_wait_looks_at_it_is_loaded_again():
+    """wait_for read the load's future after the lock that started it: a load that landed larger than its
+    reservation and was dropped in between had no future left, so the wait took it for one still running and
+    failed ("not resident after 0.0 s (the wait's timeout)") instead of loading it again."""
+    claimed, real = {"general": 300, "code": 100}, {"general": 300, "code": 350}
+    cache = DraftCacheManager(2, fake_loader(sizes=real), budget_bytes=500, size_of=claimed.get)
+    cache.update(["general"])
+    cache.drain()
+    start = cache._start_for_wait_when_room
+    calls = []
+
+    def start_then_land(*args):  # the loader thread ends (and the load is dropped) before wait_for goes on
+        started = start(*args)
+        calls.append(started)
+        if len(calls) == 1:
+            cache.drain()
+        return started
+
+    cache._start_for_wait_when_room = start_then_land
+    model, _ = cache.wait_for("code", timeout=10.0)
+    assert model is not None and len(calls) == 2  # dropped once, loaded again at its real size
+    assert cache.resident() == ["code"]
+    cache.close()
+
+
+def test_a_bad_budget_or_retry_back_off_is_refused_with_the_reason():
+    """budget_bytes NaN was taken and nothing ever loaded (every comparison with NaN is false), True was a 1-byte
+    budget, a string a bare TypeError; retry_seconds NaN never forgot a failure."""
+    for budget in (float("nan"), True, "500", None, 1.5, -1):
+        with pytest.raises(ValueError, match="budget_bytes must be an integer >= 0"):
+            DraftCacheManager(2, fake_loader(), budget_bytes=budget)
+    cache = DraftCacheManager(2, fake_loader(), budget_bytes=500)
+    with pytest.raises(ValueError, match="budget_bytes must be an integer >= 0"):
+        cache.reconfigure(budget_bytes=float("nan"))
+    assert cache.budget_bytes == 500
+    cache.close()
+    for retry in (float("nan"), float("inf"), -1.0, True, "30"):
+        with pytest.raises(ValueError, match="retry_seconds must be a finite number >= 0"):
+            DraftCacheManager(2, fake_loader(), retry_seconds=retry)
+
+
 def test_a_warm_first_choice_does_not_wait_behind_the_last_goals_prefetch():
     """The last goal left a prefetch in flight, filling the second slot. The next goal's first choice (MemSpec: a
     draft not resident, the resident one second) waited for its draft: it evicted the resident draft it could

@@ -158,6 +158,9 @@ class DraftCacheManager:
         ``on_change`` sees a snapshot after every state change (tests check invariants there);
         ``retry_seconds``: a failed draft is viable again (failed(), update()) after this long."""
         _check_capacity(capacity, budget_bytes)
+        if isinstance(retry_seconds, bool) or not isinstance(retry_seconds, (int, float)) or not (
+                0 <= retry_seconds < float("inf")):  # NaN: a failure was never forgotten
+            raise ValueError(f"retry_seconds must be a finite number >= 0, got {retry_seconds!r}")
         self.capacity = capacity
         self.budget_bytes = budget_bytes
         self.retry_seconds = retry_seconds
@@ -333,7 +336,7 @@ class DraftCacheManager:
                 with self._lock:
                     self._counters.wait_seconds += waited
                 raise DraftLoadError(str(exc), waited=waited) from exc.__cause__
-            future = waited_for.future if waited_for is not None else None
+            waited_for, future = waited_for if waited_for is not None else (None, None)
             stopped = (future is not None and not _wait_futures([future], deadline, stop) and not future.done()
                        and stop is not None and stop())
             with self._lock:
@@ -363,7 +366,8 @@ class DraftCacheManager:
                 raise DraftLoadError(f"draft {name!r} did not become resident: {why}", waited=waited)
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _start_for_wait_when_room(self, name: str, deadline: float, stop: Callable[[], bool] | None) -> _Slot | None:
+    def _start_for_wait_when_room(self, name: str, deadline: float, stop: Callable[[], bool] | None
+                                  ) -> tuple[_Slot, Future | None] | None:
         """_start_for_wait, waiting first for loads in flight where they are what holds the room (K loads already
         reading, or loads being dropped still reserving their bytes: refused at once, a goal whose first wait came
         just after another goal's was given up decoded without its draft, and then ran on the draft that landed)."""
@@ -385,9 +389,11 @@ class DraftCacheManager:
                         f"{self.budget_bytes} B) is held by loads in flight ({', '.join(held.names)}), and the wait"
                         f" {'was given up' if given_up else 'timed out'} before they ended") from None
 
-    def _start_for_wait(self, name: str) -> _Slot | None:
-        """wait_for's load: the slot of the one in flight for ``name``, or of a new one (None: resident already;
-        DraftLoadError where none can start; _RoomHeld where only loads in flight hold the room)."""
+    def _start_for_wait(self, name: str) -> tuple[_Slot, Future | None] | None:
+        """wait_for's load: the slot of the one in flight for ``name``, or of a new one, with its future read under
+        the lock (None: resident already; DraftLoadError where none can start; _RoomHeld where only loads in flight
+        hold the room). Read after the lock, a load dropped meanwhile had no future left (the drop clears it), so
+        wait_for took it for one still running and gave up without its one retry."""
         with self._lock:
             slot = self._slots.get(name)
             if slot is not None and slot.model is not None:
@@ -409,7 +415,7 @@ class DraftCacheManager:
                         " has no draft it may evict"
                     )
                 slot = self._slots[name]
-            return slot
+            return slot, slot.future
 
     # -- explicit residency changes ---------------------------------------------------
     def remove(self, name: str) -> None:
@@ -868,8 +874,9 @@ class DraftCacheManager:
 def _check_capacity(capacity: int, budget_bytes: int) -> None:
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:  # True is an int to Python
         raise ValueError(f"cache capacity K must be an integer >= 1 (drafts resident at once), got {capacity!r}")
-    if budget_bytes < 0:
-        raise ValueError(f"cache budget_bytes must be >= 0 (0 = no byte budget), got {budget_bytes!r}")
+    # NaN passed every check and then loaded nothing, silently (every comparison with it is false); True was 1 B
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
+        raise ValueError(f"cache budget_bytes must be an integer >= 0 (0 = no byte budget), got {budget_bytes!r}")
 
 
 # -- the storage -> fast memory loader ----------------------------------------------------

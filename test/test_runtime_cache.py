@@ -1197,3 +1197,59 @@ def test_a_smaller_k_weighs_loads_in_flight_against_resident_drafts_by_score():
     finally:
         gate.set()
         cache.close()
+
+
+def test_evict_changed_keeps_a_draft_loaded_again_from_the_new_files_meanwhile(tmp_path, monkeypatch):
+    """evict_changed compares files outside its lock, then evicted by name: a draft evicted and loaded again from
+    the new files in between was evicted too, a fresh model thrown away with its new measured size."""
+    from memspec_ros.runtime import cache as cache_module
+
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    loaded = []
+
+    def loader(name):
+        loaded.append(torch.nn.Linear(1, 1))
+        return LoadedModel(loaded[-1], ModelSpec(str(folder)), 100, 64, 512)
+
+    cache = DraftCacheManager(2, loader)
+    cache.request("code")
+    cache.drain()
+    (folder / "model.safetensors").write_bytes(b"y" * 20)  # restored files
+    identity, reloaded = cache_module.weights_identity, []
+
+    def reload_between(path):  # another thread evicts and loads the draft again between the two locked sections
+        if not reloaded:
+            reloaded.append(True)
+            cache.remove("code")
+            cache.request("code")
+            cache.drain()
+        return identity(path)
+
+    monkeypatch.setattr(cache_module, "weights_identity", reload_between)
+    cache.evict_changed()
+    assert cache.resident() == ["code"] and cache.peek("code").model is loaded[-1] and len(loaded) == 2
+    cache.close()
+
+
+def test_an_on_evict_callback_that_raises_leaves_the_eviction_whole(caplog):
+    """An exception in an on_evict callback escaped the eviction loop: a smaller K left drafts resident beyond it,
+    and reset() left drafts resident and the working set as it was."""
+    cache = DraftCacheManager(3, fake_loader(), size_of=SIZES.get)
+    cache.update({"general": 3, "code": 2, "law": 1}, active="general")
+    cache.drain()
+
+    def broken(name):
+        raise RuntimeError(f"observer failed on {name}")
+
+    cache.on_evict.append(broken)
+    cache.reconfigure(capacity=1)
+    assert cache.resident() == ["general"]
+    assert "observer failed on law" in caplog.text and "observer failed on code" in caplog.text
+    cache.reconfigure(capacity=3)
+    cache.update({"general": 3, "code": 2}, active="general")
+    cache.drain()
+    cache.reset()
+    assert cache.resident() == [] and cache.snapshot().working_set == []
+    cache.close()

@@ -302,7 +302,11 @@ class DraftCacheManager:
                 self._active = active
             slot = self._slots.get(name)
             if slot is not None and slot.error is None:
-                return self._keep(slot, protect={name}) if slot.discard else True
+                if not slot.discard:
+                    return True
+                kept = self._keep(slot, protect={name})
+                self._changed()  # _keep may have evicted drafts (on_change sees every state change)
+                return kept
             if slot is not None:  # failed before: an explicit request retries it
                 del self._slots[name]
             started = self._make_room_and_load(name, protect={name})
@@ -464,29 +468,31 @@ class DraftCacheManager:
         way when it lands, and dropped if its files changed. Returns the names evicted. Call it with no generation
         running (the node does when the draft registry is set): ``on_evict`` runs on this thread."""
         with self._lock:
-            resident = [(n, s.model.source or s.model.spec.path, s.files) for n, s in self._slots.items()
+            resident = [(n, s.model.source or s.model.spec.path, s.files, s) for n, s in self._slots.items()
                         if s.model is not None]
             measured = [(n, source, files) for n, (_, source, files) in self._measured.items() if source]
             for slot in self._slots.values():
                 if slot.future is not None and slot.model is None:
                     slot.recheck = True  # it may have read the files before they changed: checked when it lands
-        changed = [name for name, path, files in resident if weights_identity(path) != files]
+        changed = {name: slot for name, path, files, slot in resident if weights_identity(path) != files}
         # a draft not resident now whose files were replaced in place (a re-export under the same names): its
         # measured size is the old files' (refused up front on it, or reserving too little)
         remeasure = [name for name, path, files in measured if weights_identity(path) != files]
         with self._lock:
             for name in remeasure:
                 self._measured.pop(name, None)
-            for name in changed:
+            for name, checked in changed.items():
+                current = self._slots.get(name)
+                if current is not None and current is not checked:  # evicted and loaded again meanwhile: that
+                    continue  # load read the files as they are now (evicting it threw a fresh draft away)
                 self._measured.pop(name, None)  # other files: their size is learnt anew
-                slot = self._slots.get(name)
-                if slot is not None and slot.model is not None:
+                if current is not None:
                     self._evict(name)
                     if self._active == name:
                         self._active = ""
             if changed:
                 self._changed()
-        return changed
+        return list(changed)
 
     def reconfigure(self, capacity: int | None = None, budget_bytes: int | None = None) -> None:
         """Change K and/or the byte budget; shrinking evicts the lowest-scored non-active drafts now.
@@ -770,7 +776,12 @@ class DraftCacheManager:
             if not slot.used:
                 self._counters.wasted_prefetches += 1
             for callback in list(self.on_evict):
-                callback(name)
+                try:
+                    callback(name)
+                except Exception:  # one observer's failure must not leave the cache half changed (an eviction loop
+                    # cut short kept drafts its K or budget no longer holds, and a load for which room was made
+                    # never started)
+                    log.exception("an on_evict callback failed for draft %r (the eviction stands)", name)
 
     def _load(self, slot: _Slot) -> None:
         """Runs on the loader thread: storage -> fast memory, then publish under the lock."""

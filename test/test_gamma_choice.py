@@ -82,6 +82,31 @@ def test_adaptive_generation_stays_lossless_and_uses_the_choice(monkeypatch):
     assert 0 < sum(it.dropped for it in its) <= len(its) // PROBE_EVERY + 1
 
 
+def test_a_probe_after_plain_steps_times_its_catch_up_apart_from_its_token(monkeypatch):
+    """A draft whose best gamma fell to 0 is probed every PROBE_EVERY iterations; the probe's first forward reads
+    the tokens of the plain steps before it. That catch-up was charged to the draft's cost per proposed token, which
+    then rose (about 2.6x in a review's run), so gamma stayed 0. It is timed apart, as a switch's catch-up is."""
+    from memspec_ros.runtime.speculative import SpeculativeSession
+
+    target = tiny_llama(vocab_size=64, seed=0)
+    draft = noisy_copy(target, 0.02, seed=1)
+    patch_forward_times(monkeypatch, lambda model, k, vocab: 10.0 * k)  # drafting never pays: probes only
+    gamma_choice._TARGET_COSTS.clear()
+    gamma_choice._DRAFT_COSTS.clear()
+    session = SpeculativeSession(target, [1, 5, 7, 9], max_new_tokens=40, gamma=6, adaptive_gamma=True)
+    seen_costs = []
+    observe_cost = session._gamma_chooser.observe_cost
+    session._gamma_chooser.observe_cost = lambda name, forwards, ms: (seen_costs.append(forwards),
+                                                                      observe_cost(name, forwards, ms))
+    while not session.finished:
+        session.step("d", draft)
+    probes = [it for it in session.stats.iterations if it.draft_forwards]
+    assert len(probes) >= 2  # the first proposal and at least one probe after plain steps
+    for it in probes[1:]:  # each read the plain steps' tokens in its first forward: timed as catch-up
+        assert it.catchup_tokens > 1 and it.timed_draft_forwards == it.draft_forwards - 1
+    assert seen_costs.count(0) >= len(probes) - 1  # so no draft-token cost came from a catch-up forward
+
+
 def test_a_row_pays_when_its_chance_buys_it_at_the_targets_own_rate():
     costs = ForwardCosts(verify_ms=[10.0, 12.0, 15.0, 19.0], draft_ms=1.0)
     # a first proposal's row costs 2 ms, a fifth of a target step: it pays from a 0.2 chance of acceptance

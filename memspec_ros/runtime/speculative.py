@@ -476,6 +476,10 @@ class SpeculativeSession:
                 raise ValueError(f"draft {name!r}: a reused prefix must hold 1 to {len(self.prompt_ids) - 1} of"
                                  f" the prompt's {len(self.prompt_ids)} tokens, got {kv.length}")
         self._last_draft = ""
+        # plain target steps (gamma 0) since the last proposal: the draft then feeds what it skipped in one forward,
+        # a catch-up, not the cost of a proposed token (charged to it, adaptive gamma's probe every PROBE_EVERY
+        # iterations raised the draft's per-token cost ~2.6x and kept it switched off)
+        self._skipped_plain = False
         self._decode_started = 0.0
 
     # -- public state ---------------------------------------------------------
@@ -602,6 +606,7 @@ class SpeculativeSession:
             stats = IterationStats(draft=draft_name if gamma > 0 else "", proposed=0, accepted=0, committed=0,
                                    draft_seconds=0.0, verify_seconds=0.0)
             proposal = self._propose(draft_name, draft, gamma, stats, costs) if gamma > 0 else _Proposal()
+            self._skipped_plain = self._skipped_plain or gamma == 0
         try:
             with _Stopwatch() as watch:
                 logits = self._verify(proposal.tokens)
@@ -642,8 +647,10 @@ class SpeculativeSession:
             # name stands for its weights, and the cache loads an evicted draft again as a new object of the same)
             self.drop_draft(draft_name)
             kv = None
-        # catching up: a switch, or a draft whose cache was dropped (evicted, then loaded again)
-        catching_up = kv is None or draft_name != self._last_draft
+        # catching up: a switch, a draft whose cache was dropped (evicted, then loaded again), or the first proposal
+        # after plain steps. (After copied iterations the draft's reading of the copies stays its cost: the copies
+        # are weighed against it, runtime/gamma_choice.py)
+        catching_up = kv is None or draft_name != self._last_draft or self._skipped_plain
         if kv is None:
             reused = self._draft_prefixes.pop(draft_name, None)
             kv = reused[1] if reused is not None and reused[0] is draft else _KVState()
@@ -692,6 +699,7 @@ class SpeculativeSession:
             kv.crop_to(min(kv.length, len(self.tokens) - 1))
             raise
         self._last_draft = draft_name
+        self._skipped_plain = False
         return proposal
 
     def _copied_proposal(self, most: int, draft_name: str = "", draft: torch.nn.Module | None = None) -> _Proposal:

@@ -335,6 +335,21 @@ def test_a_stop_string_is_found_in_the_token_that_also_starts_an_unfinished_char
     assert "".join(chunks) == plain.text == tokenizer.decode(range(len(pieces)))
 
 
+def test_the_stream_holds_back_only_text_that_can_begin_a_stop_string():
+    """The hold-back was reduced stop by stop: with stops "zq" and "yw", "abxyz" held back "yz" (the second stop
+    was matched against the tail the first had cut), though "yz" begins neither. It holds the longest tail that
+    begins one."""
+    from memspec_ros.runtime.speculative import _TextStream
+
+    tokenizer = _ByteTokenizer([b"ab", b"xy", b"z", b"w"])
+    stream = _TextStream(tokenizer, ["zq", "yw"])
+    assert stream.update([0, 1], final=False) == ("abx", False)  # "y" may begin "yw"
+    assert stream.update([0, 1, 2], final=False) == ("y", False)  # "z" may begin "zq"; "yz" begins neither
+    stream = _TextStream(tokenizer, ["zq", "xyzw"])  # the longest tail that begins a stop is held
+    assert stream.update([0, 1, 2], final=False) == ("ab", False)
+    assert stream.update([0, 1, 2, 3], final=False) == ("", True) and stream.text == "ab"
+
+
 def test_cancel_keeps_partial_output(target, drafts):
     session = SpeculativeSession(target, PROMPT, max_new_tokens=NEW, gamma=2)
     session.prefill()

@@ -289,12 +289,11 @@ class _TextStream:
                 stopped = True
         end = len(self.text)
         if not (final or stopped):
-            # a stop string may be forming at the end: do not stream its prefix yet
-            for stop in self.stops:
-                for k in range(min(len(stop) - 1, end - self.emitted), 0, -1):
-                    if self.text[end - k : end] == stop[:k]:
-                        end -= k
-                        break
+            # a stop string may be forming at the end: do not stream its prefix yet. Each stop is matched against
+            # the whole text's end and the longest hold kept (reduced stop by stop, a later stop was matched against
+            # a tail the earlier ones had cut, and held back text that could begin none of them)
+            end -= max((next((k for k in range(min(len(stop) - 1, end - self.emitted), 0, -1)
+                              if self.text.endswith(stop[:k])), 0) for stop in self.stops), default=0)
         delta = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta, stopped

@@ -280,6 +280,25 @@ def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs):
     assert loaded.path_choice.as_dict()["chosen"] == loaded.forward_path
 
 
+def test_auto_times_a_model_off_the_lean_forward_as_it_will_run_and_refuses_unknown_paths(monkeypatch):
+    """A model the lean forward does not take (GPT-2 here, Qwen2 in use) runs a verify's rows one by one once
+    loaded (prepare_for_engine); auto timed it batched, a form it never runs in. A path name choose_path does not
+    know was dropped silently, leaving fp32 chosen with no timing."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memspec_ros.runtime import path_choice
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=512, n_embd=32, n_layer=1, n_head=2)).eval()
+    prepared = []
+    real = path_choice.prepare_for_engine
+    monkeypatch.setattr(path_choice, "prepare_for_engine", lambda trial: prepared.append(trial) or real(trial))
+    choice = choose_path(model, gamma=2, paths=["fp32"])
+    assert [t.path for t in choice.timings] == ["fp32"] and len(prepared) == 1 and prepared[0] is not model
+    for paths in (["int5"], ["fp32", "auto"], []):
+        with pytest.raises(ValueError, match="name one or more of fp32, bf16, int8, int4"):
+            choose_path(model, gamma=2, paths=paths)
+
+
 def verify_and_steps(model, prompt: list[int], rows: list[int], crop: int | None = None):
     """Logits of ``rows`` fed after ``prompt`` in one forward (a verify) and one token at a time; with ``crop``, both
     caches are first cut to that length after the prompt (a rollback), as the engine does after a rejection."""
@@ -389,3 +408,19 @@ def test_the_fp32_path_reports_the_kernel_its_lean_forward_multiplies_with():
         assert lean_forward_for(model).decoder is not None  # and the forward does run on it
     else:
         assert report.kernels.startswith("ATen")
+
+
+def test_the_cpu_kernel_paths_are_refused_for_a_model_off_the_cpu_and_auto_is_named_as_resolved_first():
+    """int8/int4 on a model on another device was accepted: their kernels read its weights as host memory, and
+    the first forward crashed the process. "auto" was refused with "use one of ... (or auto)"."""
+    from memspec_ros.runtime.forward_paths import ForwardPathError, check_path
+
+    for path in ("int8", "int4"):
+        with pytest.raises(ForwardPathError, match=f"forward path '{path}' runs on the CPU only .* on cuda"):
+            check_path(path, "cuda")
+    assert check_path("fp32", "cuda") == "fp32"
+    with pytest.raises(ForwardPathError, match="auto is resolved to one of them first"):
+        check_path("auto")
+    model = tiny_llama(vocab_size=64, seed=0).to("meta")
+    with pytest.raises(ForwardPathError, match="on meta"):
+        apply_path(model, "int8")

@@ -485,8 +485,12 @@ class PathReport:
 
 
 def check_path(path: str, device: str = "cpu") -> str:
-    if path not in PATHS:
-        raise ForwardPathError(f"unknown forward path {path!r}: use one of {', '.join(PATHS)} (or auto)")
+    if path not in PATHS:  # "auto" is chosen before this (path_choice.choose_path): it names no form of its own
+        auto = " (auto is resolved to one of them first: runtime/path_choice.py)" if path == "auto" else ""
+        raise ForwardPathError(f"unknown forward path {path!r}: use one of {', '.join(PATHS)}{auto}")
+    if path in ("int8", "int4") and device != "cpu":  # their kernels read the weights as host memory: a crash
+        raise ForwardPathError(f"forward path {path!r} runs on the CPU only (its kernels are CPU code), but the"
+                               f" model is on {device}: use fp32 or bf16 there")
     if path == "bf16" and device == "cpu" and not cpu_has_bf16():
         raise ForwardPathError(
             "forward path 'bf16' needs a CPU with bf16 matmul (avx512_bf16 or AMX): use int8, int4 or fp32"

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft_forward import lean_forward_for, observers_paused
+from .draft_forward import lean_forward_for, observers_paused, unsupported_reason
 from .forward_paths import PATHS, apply_path, cpu_has_bf16
+from .row_exact import prepare_for_engine
 
 CONTEXT_TOKENS = 64  # a short chat prompt's worth of cache for the timed forwards to attend to
-REPEATS = 5  # timed forwards per size; the median is kept
+REPEATS = 5  # timed forwards per size (time_forward keeps their median, choose_path the fastest)
 WARMUP = 2  # untimed forwards first (allocator, kernel packing, caches)
 CURVE_ROUNDS = 7  # interleaved rounds of a cost curve (every size once a round); the fastest per size is kept
 
@@ -135,6 +136,9 @@ def choose_path(model: torch.nn.Module, gamma: int, paths: list[str] | None = No
         raise ValueError(f"gamma must be >= 1, got {gamma}")
     candidates, skipped = candidate_paths()
     if paths is not None:
+        unknown = [p for p in paths if p not in PATHS]
+        if unknown or not paths:  # dropped silently, they left "fp32" chosen with no timing at all
+            raise ValueError(f"choose_path: paths {unknown or paths!r}: name one or more of {', '.join(PATHS)}")
         candidates = [p for p in candidates if p in paths]
     vocab = int(getattr(model.config, "vocab_size", 0) or 2)
     choice = PathChoice(path="fp32", gamma=gamma, skipped=skipped)
@@ -143,9 +147,12 @@ def choose_path(model: torch.nn.Module, gamma: int, paths: list[str] | None = No
         try:
             # the embedding's form does not change a forward's time, and checking its grid costs 0.5 s a copy
             apply_path(trial, path, compact_embedding=False)
-            choice.timings.append(
-                PathTiming(path, time_forward(trial, 1, vocab), time_forward(trial, gamma + 1, vocab))
-            )
+            if unsupported_reason(trial):  # timed as it will run: off the lean forward, a verify's rows go one by
+                prepare_for_engine(trial)  # one (load_model does the same to the model itself), not batched
+            # the fastest round per size (load only ever adds time): a burst of other load on one path's medians
+            # chose the other path
+            one, verify = (1000.0 * min(t) for t in timed_forwards(trial, [1, gamma + 1], vocab, REPEATS))
+            choice.timings.append(PathTiming(path, one, verify))
         except (RuntimeError, ValueError) as exc:  # a kernel this build of torch lacks, a shape it refuses
             choice.skipped[path] = f"{type(exc).__name__}: {exc}"
         finally:

@@ -90,6 +90,22 @@ def test_fused_projections_equal_their_parts(kind):
                            else Int4Linear(torch.randn(16, 64), None)]) is None  # different kinds: not fused
 
 
+def test_fused_int8_parts_share_the_fused_weights_in_atens_layout_too():
+    """Where the engine's int8 kernel does not run (no compiler, or an input width off its block), the weights are
+    kept [in, out] for ATen: the parts kept their own copies beside the fused module's, most of each layer's bytes
+    held twice and counted by no budget. They are column views of the fused weights now."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [Int8Linear(torch.randn(n, 48, generator=gen), None) for n in (64, 32, 32)]  # 48: off the kernel's block
+    assert not any(p.own_kernel for p in parts)
+    x = torch.randn(3, 48, generator=gen)
+    alone = [p(x) for p in parts]
+    fused = concat_linears(parts)
+    whole = fused.qweight_t.untyped_storage().data_ptr()
+    assert all(p.qweight_t.untyped_storage().data_ptr() == whole for p in parts)
+    assert all(p.scale.untyped_storage().data_ptr() == fused.scale.untyped_storage().data_ptr() for p in parts)
+    assert all(torch.equal(p(x), a) for p, a in zip(parts, alone, strict=True))
+
+
 def test_apply_path_converts_every_linear_and_reports_what_it_kept():
     model = tiny_llama(vocab_size=64, hidden=64)
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())

@@ -393,19 +393,26 @@ def _share_storage(fused: torch.nn.Module, parts: list[torch.nn.Module], probe: 
     """Each part's buffers laid out by output row become views of the fused module's (the model keeps its parts for
     transformers' forward, the lean forward runs the fused one): one copy of the weights, as f32_kernel_linear keeps
     on fp32. Without this an int4 target held its q/k/v and gate/up twice (about a third more than its
-    parameter_bytes). A buffer laid out otherwise (ATen's int4 scale_zero, by input group) keeps its copy."""
+    parameter_bytes). A buffer whose output is its last dimension (int8's [in, out] weights where ATen multiplies
+    them: the no-kernel fallback) becomes column views; one laid out otherwise (ATen's int4 scale_zero, by input
+    group) keeps its copy."""
     with torch.no_grad():
         before = [p(probe) for p in parts]
         kept = [dict(p._buffers) for p in parts]
         for name, whole in fused.named_buffers(recurse=False):
             sizes = [p._buffers[name].shape for p in parts]
-            if whole.dim() == 0 or any(s[1:] != whole.shape[1:] for s in sizes) or \
-                    sum(s[0] for s in sizes) != whole.shape[0]:
+            if whole.dim() == 0:
                 continue
-            start = 0
-            for part, size in zip(parts, sizes, strict=True):
-                part._buffers[name] = whole.narrow(0, start, size[0])
-                start += size[0]
+            # the dimension the parts were concatenated along: the first (by output row), else the last
+            for dim in dict.fromkeys((0, whole.dim() - 1)):
+                rest = [d for d in range(whole.dim()) if d != dim]
+                if all(len(s) == whole.dim() and [s[d] for d in rest] == [whole.shape[d] for d in rest]
+                       for s in sizes) and sum(s[dim] for s in sizes) == whole.shape[dim]:
+                    start = 0
+                    for part, size in zip(parts, sizes, strict=True):
+                        part._buffers[name] = whole.narrow(dim, start, size[dim])
+                        start += size[dim]
+                    break
         if not all(torch.equal(p(probe), b) for p, b in zip(parts, before, strict=True)):
             for part, buffers in zip(parts, kept, strict=True):  # a layout not split by rows: they keep their copies
                 part._buffers.update(buffers)

@@ -244,3 +244,18 @@ def test_a_second_quantization_of_the_same_run_waits_for_the_first(tmp_path):
         assert not entered.wait(0.5), "a second holder entered while the first held the lock"
     assert entered.wait(30.0)  # and one that waited gets it once the first lets go
     thread.join(30.0)
+
+
+def test_preparing_a_model_twice_changes_nothing_the_second_time(monkeypatch):
+    """The plain linears' probe reads F.linear, not the module: a second prepare_for_engine wrapped the linears it
+    had made row by row again (a second per-row loop around the first) and listed them again."""
+    from memspec_ros.runtime import row_exact
+    from memspec_ros.testing.tiny_models import tiny_llama
+
+    monkeypatch.setattr(row_exact, "blas_rows_exact", lambda module: False)  # every plain linear row by row
+    model = tiny_llama(hidden=64)
+    first = row_exact.prepare_for_engine(model)
+    assert "lm_head" in first["rows_one_by_one"]
+    forward = model.lm_head.forward
+    again = row_exact.prepare_for_engine(model)
+    assert again["rows_one_by_one"] == [] and model.lm_head.forward is forward

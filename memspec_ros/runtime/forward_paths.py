@@ -8,7 +8,8 @@ Q4_1 file decodes the same model 6x faster). Each path below replaces every
 and multiplies with a kernel ATen already ships for CPUs:
 
 ``fp32``  the weights as loaded.
-``bf16``  bf16 weights, bf16 inputs to the matmul, fp32 out: half the bytes.
+``bf16``  bf16 weights, bf16 inputs to the matmul, its products rounded to bf16 and
+          returned as fp32: half the bytes.
 ``int8``  int8 weights per output channel; the input quantized per *row* at run
           time and multiplied with exact int32 accumulation (``torch._int_mm``, or
           the engine's kernel, which gives the same integers on every CPU):
@@ -170,7 +171,7 @@ class Int4Linear(FastLinear):
 
     Multiplied by the engine's kernel (runtime/cpu_kernels.c) wherever it compiled: the rows are quantized to
     int8 per block of 32 and each block's sum is an exact integer (AVX512-VNNI or AMX, AVX2, portable C).
-    Without the kernels, ATen's ``_weight_int4pack_mm_for_cpu`` (fp32 dequantization). Each rounds
+    Without the kernels, ATen's ``_weight_int4pack_mm_for_cpu`` (bf16 inputs and products). Each rounds
     differently, so a model's numbers depend on which ran: :func:`apply_path` reports it, and every
     forward of one model uses the same one."""
 

@@ -37,7 +37,10 @@ def _probed_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
 
 def _one_row_at_a_time(module: torch.nn.Module) -> None:
     """Make ``module`` compute a call of 2..MAX_VERIFY_ROWS rows one row at a time (longer calls, prefills, stay
-    batched)."""
+    batched). Once only: a module made so already is left as it is (prepare_for_engine called twice wrapped the
+    plain linears again, since their probe reads F.linear, not the module)."""
+    if getattr(module, "_memspec_rowwise", False):
+        return
     forward = module.forward
 
     def rowwise(x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +50,7 @@ def _one_row_at_a_time(module: torch.nn.Module) -> None:
         return torch.cat([forward(rows[i:i + 1]) for i in range(rows.shape[0])]).reshape(*x.shape[:-1], -1)
 
     module.forward = rowwise
+    module._memspec_rowwise = True
 
 
 ROWWISE_SDPA = "memspec_rowwise_sdpa"
@@ -126,13 +130,15 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
             if not rows_agree(lambda x, first=first: first(x.to(device, dtype)[None])[0].float().cpu(), n_in,
                               probes=probes_for(dtype)):
                 for name, module in modules:
-                    _one_row_at_a_time(module)
-                    done["rows_one_by_one"].append(name)
+                    if not getattr(module, "_memspec_rowwise", False):
+                        _one_row_at_a_time(module)
+                        done["rows_one_by_one"].append(name)
     # every plain linear left (the head, which a GPTQ checkpoint usually keeps unquantized: fp32 and fp16 GEMMs over
     # 5 rows differ from 1-row calls on this CPU), by the lean forward's own probe; weights on the meta device hold
     # no numbers to probe
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.device.type != "meta" and not blas_rows_exact(module):
+        if isinstance(module, torch.nn.Linear) and module.weight.device.type != "meta" and not getattr(
+                module, "_memspec_rowwise", False) and not blas_rows_exact(module):
             _one_row_at_a_time(module)
             done["rows_one_by_one"].append(name)
     return done

@@ -107,22 +107,33 @@ def test_the_system_prompt_parameter_changes_at_run_time(h, tok):
     assert call["prompt_ids"] == templated(tok, [("user", "Hi")])  # back to the template's default system turn
 
 
-def test_the_system_prompt_counts_in_the_length_limits(h):
+def test_the_system_prompt_counts_in_the_length_limits(h, tok):
     """generation.system_prompt had no bound and was not counted before tokenizing: a long one was tokenized with
     every chat goal and each was refused as if its own prompt were too long. One that no goal could fit is refused
-    when set, and a goal's rejection names its share."""
+    when set (by its characters, or by its tokens where it has few characters a token), and a goal's rejection
+    names its share."""
     limit = h.get_param("generation.max_prompt_tokens")
     new_tokens = h.get_param("generation.max_new_tokens")
     per_token = h.node.loaded.max_token_chars
     too_long = "x" * (limit * per_token + 1)
     results = h.set_params(**{"generation.system_prompt": too_long})
     assert not results[0].successful and "every chat goal would be refused" in results[0].reason
+    # few characters, a token each or more: within the character bound, past the token limit
+    dense = "".join(chr(0x4E00 + i) for i in range(limit + 1))
+    assert len(dense) < limit * per_token
+    [refused] = h.set_params(**{"generation.system_prompt": dense})
+    assert not refused.successful and "tokens in the shortest chat goal" in refused.reason
+    [blank] = h.set_params(**{"generation.system_prompt": "  \n "})
+    assert not blank.successful and "only whitespace" in blank.reason
     assert h.get_param("generation.system_prompt") == ""
-    half = "y" * (limit * per_token // 2 + 1)
+    # many characters a token (the tokenizer's longest plain entry repeated, half the limit in tokens): taken
+    longest = max((t for t in tok.get_vocab() if t not in tok.all_special_tokens),
+                  key=lambda t: len(tok.convert_tokens_to_string([t])))
+    half = tok.convert_tokens_to_string([longest]) * (limit // 2)
     assert all(r.successful for r in h.set_params(**{"generation.system_prompt": half}))
     try:
-        with prompt_tokenizations() as tokenized:
-            handle, _ = h.send(goal(prompt="z" * (limit * per_token // 2 + 1)))
+        with prompt_tokenizations() as tokenized:  # a goal that fits alone, but not beside the system prompt
+            handle, _ = h.send(goal(prompt="z" * (limit * per_token - len(half) + 1)))
         assert not handle.accepted and tokenized == []  # refused on characters, before the template ran
         assert f"with generation.system_prompt's {len(half)} characters" in h.node.last_rejection
         # a raw goal has no system turn: refused on its own length (it has more tokens than the limit), never

@@ -18,7 +18,7 @@ from typing import Any
 
 from rcl_interfaces.msg import SetParametersResult
 
-from ..runtime.chat import has_chat_template
+from ..runtime.chat import ChatError, has_chat_template, prompt_ids
 from . import params as P
 
 # what a configure reads into the models and the runtime it builds (the rest are read per goal or applied by their
@@ -67,6 +67,16 @@ def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_to
                     f" generation.max_prompt_tokens (or the target's context) can hold ({max_token_chars} characters"
                     " per token at most for this tokenizer): every chat goal would be refused; shorten it or raise"
                     " generation.max_prompt_tokens")
+        # the characters bound it from below only: a text of few characters per token passed that test and then
+        # refused every chat goal. The shortest chat goal (one token of its own) is rendered and counted
+        try:
+            shortest = len(prompt_ids(tokenizer, "x", system_prompt=system))
+        except ChatError as exc:  # the template fails on it: so would every chat goal
+            return f"generation.system_prompt cannot be rendered by the model's chat template: {exc}"
+        if shortest > limit:
+            return (f"generation.system_prompt takes {shortest} tokens in the shortest chat goal, more than the"
+                    f" {limit} tokens of generation.max_prompt_tokens (or the target's context): every chat goal"
+                    " would be refused; shorten it or raise generation.max_prompt_tokens")
     return ""
 
 

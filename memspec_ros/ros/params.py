@@ -376,6 +376,10 @@ def check_value(name: str, value: Any) -> str:
         return f"{name} must be in [{p.float_range[0]}, {p.float_range[1]}], got {value}"
     if p.choices and value not in p.choices:
         return f"{name} must be one of {', '.join(p.choices)}, got {value!r}"
+    if name == "generation.system_prompt" and value and value.isspace():  # it replaced the template's default
+        # system turn with an empty one, while a goal's whitespace-only system message is refused
+        return ("generation.system_prompt is only whitespace: leave it empty for the template's own default system"
+                " turn, or give it text")
     if name == "model.device" and not re.fullmatch(r"cpu|cuda(:\d+)?", value):  # 'cuda:x' failed at configure
         return f"model.device must be 'cpu' or 'cuda[:N]', got {value!r}"
     return ""

@@ -16,6 +16,7 @@ from memspec_ros.runtime.chat import (
     has_chat_template,
     max_token_chars,
     prompt_ids,
+    template_end_of_turn,
 )
 from memspec_ros.testing.tiny_models import CHAT_TEMPLATE, tiny_tokenizer
 
@@ -160,22 +161,37 @@ def test_a_template_error_becomes_a_chat_template_error(chat_tok):
         prompt_ids(tok, "Hi")
 
 
-def test_end_token_ids_join_the_tokenizer_eos_and_the_generation_config(chat_tok):
-    tok = tiny_tokenizer(chat=True)  # eos </s> = 2
+def test_end_token_ids_join_the_tokenizer_eos_the_generation_config_and_the_templates_end_of_turn(chat_tok):
+    """The template's end of turn (ChatML's <|im_end|>, id 4 here) was an end id only where the eos or the
+    generation config named it: a ChatML template over a base model's eos ran on past <|im_end|> (invisible in
+    the text) into made-up turns until its length."""
+    tok = tiny_tokenizer(chat=True)  # eos </s> = 2, ChatML's <|im_end|> = 4
 
     def model(eos):
         return types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=eos))
 
-    assert end_token_ids(tok) == [2]
+    assert end_token_ids(tok) == [2, 4]  # eos, then the end of turn the template writes
     assert end_token_ids(tok, model(4)) == [2, 4]
-    assert end_token_ids(tok, model([4, 2, 0])) == [2, 4, 0]
-    assert end_token_ids(tok, model(None)) == [2]
+    assert end_token_ids(tok, model([5, 2, 0])) == [2, 5, 0, 4]
+    assert end_token_ids(tok, model(None)) == [2, 4]
     tok.eos_token = None
     assert end_token_ids(tok, model([4])) == [4]
-    assert end_token_ids(tok, types.SimpleNamespace()) == []
+    assert end_token_ids(tok, types.SimpleNamespace()) == [4]
     assert end_token_ids(None, model(4)) == [4]
     tok.eos_token = "<|im_end|>"  # SmolLM2-Instruct: eos is the end-of-turn token, listed in both places
     assert end_token_ids(tok, model(4)) == [4]
+    assert end_token_ids(tiny_tokenizer(), model(None)) == [2]  # no template: the eos alone
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert end_token_ids(tok, model(None)) == [4]  # no special token after the content: nothing more
+
+
+def test_the_bundled_tokenizers_end_of_turn_is_its_im_end():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "drafts" / "code")
+    assert template_end_of_turn(tok) == tok.convert_tokens_to_ids("<|im_end|>")
 
 
 @pytest.mark.parametrize("chat", [False, True])

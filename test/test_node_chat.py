@@ -127,10 +127,12 @@ def test_the_system_prompt_counts_in_the_length_limits(h, tok):
     assert not blank.successful and "only whitespace" in blank.reason
     assert h.get_param("generation.system_prompt") == ""
     # many characters a token (the tokenizer's longest plain entry repeated, half the limit in tokens): taken
-    longest = max((t for t in tok.get_vocab() if t not in tok.all_special_tokens),
-                  key=lambda t: len(tok.convert_tokens_to_string([t])))
-    half = tok.convert_tokens_to_string([longest]) * (limit // 2)
-    assert all(r.successful for r in h.set_params(**{"generation.system_prompt": half}))
+    texts = sorted({tok.convert_tokens_to_string([t]) for t in tok.get_vocab() if t not in tok.all_special_tokens},
+                   key=lambda t: (-len(t), t))
+    text = next(t for t in texts if len(tok(t * 8, add_special_tokens=False)["input_ids"]) == 8)  # a token a repeat
+    half = text * (limit // 2)
+    taken = h.set_params(**{"generation.system_prompt": half})
+    assert all(r.successful for r in taken), [r.reason for r in taken]
     try:
         with prompt_tokenizations() as tokenized:  # a goal that fits alone, but not beside the system prompt
             handle, _ = h.send(goal(prompt="z" * (limit * per_token - len(half) + 1)))

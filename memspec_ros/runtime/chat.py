@@ -182,13 +182,42 @@ def stop_string_error(stop_strings: Iterable[str], tokenizer, end_ids: Sequence[
 def end_token_ids(tokenizer, model=None) -> list[int]:
     """Ids that end a generation: the tokenizer's eos token, then every id of the model's
     ``generation_config.eos_token_id`` (an int or a list; instruct models put their end-of-turn
-    token there), without repeats."""
+    token there), then the special token the chat template writes right after an assistant turn's content
+    (:func:`template_end_of_turn`), without repeats. The last for a model folder whose eos and generation
+    config name only the end of a document (a ChatML template over a base model's ``<|endoftext|>``): it ran on
+    past ``<|im_end|>``, which the output text does not show, into made-up turns until its length."""
     ids: list[int] = []
     _extend(ids, [getattr(tokenizer, "eos_token_id", None)] if tokenizer is not None else [])
     config = getattr(model, "generation_config", None)
     eos = getattr(config, "eos_token_id", None)
     _extend(ids, eos if isinstance(eos, (list, tuple)) else [eos])
+    _extend(ids, [template_end_of_turn(tokenizer)] if tokenizer is not None else [])
     return ids
+
+
+_PROBE = "\ue000"  # a private-use character: no template writes it, so it marks where the content went
+
+
+def template_end_of_turn(tokenizer) -> int | None:
+    """The id of the special token the chat template writes right after an assistant turn's content (ChatML's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``); None without a template, where the
+    template fails on a probe conversation, or where no special token follows the content."""
+    if not has_chat_template(tokenizer):
+        return None
+    probe = [{"role": USER, "content": "u"}, {"role": ASSISTANT, "content": _PROBE}]
+    try:
+        rendered = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # a template that refuses this conversation: the other end ids stand
+        return None
+    at = rendered.find(_PROBE)
+    if at < 0:
+        return None
+    after = rendered[at + len(_PROBE):]
+    token = next((t for t in special_token_strings(tokenizer) if after.startswith(t)), None)
+    if token is None:
+        return None
+    found = tokenizer.convert_tokens_to_ids(token)
+    return found if isinstance(found, int) and found >= 0 else None
 
 
 def _extend(ids: list[int], values: Iterable) -> None:

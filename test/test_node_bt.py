@@ -422,10 +422,11 @@ def test_example_tree_falls_back_to_the_canned_reply(h):
     assert tree.root.children[0].status == Status.FAILURE and tree.root.children[1].status == Status.SUCCESS
 
 
-@pytest.mark.parametrize("value, says", [(None, "has no '/question'"), (42, "is a int, not text")])
+@pytest.mark.parametrize("value, says", [(None, "has no '/question'"), (42, "is a int, not text"),
+                                         (" \n", "holds no text")])
 def test_a_prompt_key_without_text_fails_the_behaviour_not_the_tick(h, value, says):
     """A prompt_key never written raised KeyError out of tree.tick(), ending the robot's tree loop; one holding no
-    text went out as the goal's prompt and broke the message."""
+    text went out as the goal's prompt and broke the message; a blank one was sent, and rejected."""
     if value is not None:
         writer = py_trees.blackboard.Client(name="writer")
         writer.register_key("/question", access=py_trees.common.Access.WRITE)
@@ -438,3 +439,10 @@ def test_a_prompt_key_without_text_fails_the_behaviour_not_the_tick(h, value, sa
     writer.set("/question", "def add(a, b):")
     b = behaviour(h, prompt="", prompt_key="/question", max_new_tokens=4)
     assert tick_until_done(b) == Status.SUCCESS
+
+
+def test_a_behaviour_given_both_messages_and_a_prompt_is_refused_when_built():
+    """Messages beside a prompt or prompt_key went out together in every goal, which the node always rejects."""
+    for prompt, key in (("hi", ""), ("", "/question")):
+        with pytest.raises(ValueError, match="give messages .* or a prompt / prompt_key .* not both"):
+            Generate("generate", None, prompt, prompt_key=key, messages=[("user", "hello")])

@@ -53,6 +53,9 @@ class Generate(py_trees.behaviour.Behaviour):
                  messages: Sequence[tuple[str, str]] = (), raw: bool = False,
                  server_timeout: float = SERVER_TIMEOUT, result_timeout: float = 0.0) -> None:
         super().__init__(name)
+        if messages and (prompt or prompt_key):  # refused here, not by the node at every tick
+            raise ValueError(f"Generate {name!r}: give messages (the whole conversation, the last a user turn) or a"
+                             " prompt / prompt_key (one user turn), not both")
         self.node = node
         self.prompt = prompt
         self.messages = [(str(role), str(content)) for role, content in messages]
@@ -110,6 +113,9 @@ class Generate(py_trees.behaviour.Behaviour):
         if not isinstance(prompt, str):
             self.feedback_message = (f"the blackboard's {self.prompt_key!r} (prompt_key) is a {type(prompt).__name__},"
                                      " not text: nothing to send")
+            return None
+        if not prompt.strip():  # the node rejects it: FAILURE with nothing sent, as the docstring says
+            self.feedback_message = f"the blackboard's {self.prompt_key!r} (prompt_key) holds no text: nothing to send"
             return None
         return prompt
 

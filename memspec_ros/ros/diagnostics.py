@@ -409,8 +409,9 @@ class NodeTasks:
         running, queued = self.runner.counts()
         s.add("goal running", running)
         s.add("goals queued", queued)
-        s.add("goals rejected", self.runner.goals_rejected)
-        s.add("last rejection", self.runner.last_rejection or "none")
+        rejected, last = self.runner.rejections()
+        s.add("goals rejected", rejected)
+        s.add("last rejection", last or "none")
         # whose rejections: without diagnostic_updater.use_fqn the status name is the bare node name, the same for
         # /robot1/memspec and /robot2/memspec on one domain (memspec_client --chat reads the reason by this)
         s.add("node", self.node.get_fully_qualified_name())

@@ -333,6 +333,11 @@ class GoalRunner:
         with self._cv:
             return self._running is not None, len(self._queue)
 
+    def rejections(self) -> tuple[int, str]:
+        """The goals rejected so far and the latest one's reason, read together."""
+        with self._cv:
+            return self.goals_rejected, self.last_rejection
+
     def models_in_use(self) -> bool:
         """A goal runs, or the models of one that just ended are still being freed (release_when_over): new models
         loaded now would be a second set in memory."""
@@ -354,7 +359,9 @@ class GoalRunner:
         if reason:
             with self._cv:  # goal callbacks run in a reentrant group: two rejections at once lost a count
                 self.goals_rejected += 1
-            self.last_rejection = reason
+                # with its count (rejections()): /diagnostics published the new count beside the previous reason,
+                # which memspec_client --chat took for its own
+                self.last_rejection = reason
             self._node.get_logger().warning(f"goal rejected: {reason}")
             return GoalResponse.REJECT
         return GoalResponse.ACCEPT

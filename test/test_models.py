@@ -361,3 +361,19 @@ def test_a_bad_spec_or_config_is_refused_before_any_file_is_read_or_converted(mo
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ModelLoadError, match="1 CUDA device"):  # found once every weight had been read
         registry_loader(DraftRegistry([], validate=False), device="cuda:1")
+
+
+def test_a_draft_form_the_storage_loader_cannot_build_is_refused_when_the_loader_is_made():
+    """registry_loader took dtype 'auto' (or 'gptq') beside a storage tier, which build_model refuses: every draft
+    load then failed, retried every 30 s. And draft_dtype compared case-sensitively: 'AUTO' reached the drafts."""
+    from memspec_ros.runtime.cache import registry_loader
+    from memspec_ros.runtime.loader import draft_dtype
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    empty = DraftRegistry([], validate=False)
+    for dtype, quantization in (("auto", "none"), ("fp32", "auto"), ("fp32", "gptq")):
+        with pytest.raises(ValueError, match="drafts read through a storage tier are built as"):
+            registry_loader(empty, dtype=dtype, quantization=quantization, storage="emmc")
+        registry_loader(empty, dtype=dtype, quantization=quantization)  # load_model takes them
+    registry_loader(empty, dtype="fp32", quantization="int4", storage="emmc")
+    assert draft_dtype("AUTO") == draft_dtype("auto") == "fp32" and draft_dtype("bf16") == "bf16"

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .forward_paths import PATHS
 from .models import LoadedModel, ModelSpec, check_draft_compatible, forward_path_for, load_model, resolve_device
 from .stats import CacheStats
 from .storage import weights_identity
@@ -950,9 +951,12 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
         # drafts are built on the CPU and moved: the engine's CPU kernels would then read device memory as host memory
         raise ValueError(f"draft quantization {quantization!r} runs on the engine's CPU kernels: drafts on {device}"
                          " need quantization 'none'")
-    forward_path_for(draft_spec("", dtype, quantization))  # a contradiction fails here, not at every load
+    path = forward_path_for(draft_spec("", dtype, quantization))  # a contradiction fails here, not at every load
     resolve_device(device)  # a device this machine lacks failed every load, retried, and goals ran on the target
     reader = draft_storage(storage)
+    if reader is not None and path not in (*PATHS, "fp16"):  # so does a form the storage loader cannot build
+        raise ValueError(f"drafts read through a storage tier are built as fp32, bf16, fp16, int8 or int4: dtype"
+                         f" {dtype!r} with quantization {quantization!r} asks for {path!r}; name one of those")
 
     def load(name: str) -> LoadedModel:
         entry = registry.get(name)

@@ -72,7 +72,7 @@ def registry_target(registry_file: str | Path) -> str | None:
 
 def draft_dtype(dtype: str) -> str:
     """Drafts load in the target's dtype, but fp32 under ``auto`` (the measured choice is the target's)."""
-    return "fp32" if dtype == "auto" else dtype
+    return "fp32" if dtype.lower() == "auto" else dtype  # "AUTO" too: every other check lowercases it
 
 
 def open_registry(registry_file: str | Path | None = None, drafts: DraftLists | None = None, *,

@@ -193,6 +193,26 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     assert sorted(p.name for p in form.file.parent.iterdir()) == [newer.file.name]
 
 
+def test_writing_the_runtime_form_copies_no_weight(tiny_zoo, cache_root_in_tmp, monkeypatch):
+    """The form's skeleton was a deep copy of the whole draft, weights included, then emptied: at a first load the
+    draft was in memory twice (three times with the blob it was built from)."""
+    copied = []
+
+    def counting(kind):
+        deepcopy = kind.__deepcopy__
+
+        def counted(self, memo):
+            copied.append(self.numel())
+            return deepcopy(self, memo)
+
+        monkeypatch.setattr(kind, "__deepcopy__", counted)
+
+    counting(torch.Tensor)
+    counting(torch.nn.Parameter)
+    loaded = DraftStorage(MEDIA["local"]).load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code")
+    assert sum(copied) < 0.01 * sum(t.numel() for t in loaded.model.state_dict().values())
+
+
 def test_a_stale_form_that_cannot_be_removed_leaves_the_new_form_in_use(tiny_zoo, cache_root_in_tmp, monkeypatch):
     """Pruning an older form another user owns (a shared MEMSPEC_RUNTIME_FORMS_DIR with the sticky bit) raised
     PermissionError out of the load that had just written its own form: the form was never recorded, so every later

@@ -343,7 +343,12 @@ class RuntimeForm:
         finally:
             partial.unlink(missing_ok=True)
         prune_stale_forms(file)
-        skeleton = copy.deepcopy(loaded.model)
+        # the skeleton without its weights: a deep copy with them held the whole draft twice, beside the blob it was
+        # built from, at its first load (every slot's tensor is copied as None)
+        empty: dict[int, None] = {id(table[name]): None for path, module in loaded.model.named_modules()
+                                  for is_parameter, table in ((True, module._parameters), (False, module._buffers))
+                                  for name in table if table[name] is not None}
+        skeleton = copy.deepcopy(loaded.model, empty)
         modules = dict(skeleton.named_modules())
         for path, name, is_parameter, _ in slots:
             (modules[path]._parameters if is_parameter else modules[path]._buffers)[name] = None

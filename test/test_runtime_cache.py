@@ -201,6 +201,39 @@ def test_a_failed_draft_is_retried_after_the_back_off(monkeypatch):
     cache.close()
 
 
+def test_request_and_wait_for_keep_a_failed_drafts_back_off(monkeypatch):
+    """request() and wait_for() loaded a failed draft again at once: a policy that requests (MAB-Async,
+    Prediction-Only) re-read a broken draft from slow storage at every scheduling point, and a blocking one stalled
+    for it each time, though the README promises a 30 s back-off."""
+    from memspec_ros.runtime import cache as cache_module
+
+    real, later = cache_module.time.monotonic, {"by": 0.0}
+    monkeypatch.setattr(cache_module.time, "monotonic", lambda: real() + later["by"])
+    attempts = []
+
+    def load(name: str) -> LoadedModel:
+        attempts.append(name)
+        raise OSError(f"damaged file for {name}")
+
+    cache = DraftCacheManager(2, load, retry_seconds=30.0)
+    assert cache.request("math")
+    cache.drain()
+    assert "math" in cache.failed() and attempts == ["math"]
+    assert not cache.request("math")  # within the back-off: not loaded again
+    with pytest.raises(DraftLoadError, match="damaged file for math"):
+        cache.wait_for("math", timeout=5.0)
+    assert attempts == ["math"]
+    later["by"] = 31.0  # the back-off is over
+    assert cache.request("math")
+    cache.drain()
+    assert attempts == ["math", "math"]
+    cache.clear_failed("math")  # or at once, on demand (the registry set anew)
+    with pytest.raises(DraftLoadError, match="damaged file for math"):
+        cache.wait_for("math", timeout=5.0)
+    assert attempts == ["math", "math", "math"]
+    cache.close()
+
+
 def test_byte_budget_reserves_before_load_and_refuses_oversized():
     cache = DraftCacheManager(3, fake_loader(0.01), budget_bytes=450, size_of=SIZES.get)
     cache.update({"general": 3, "code": 2, "law": 1})  # 300 + 200 > 450: code skipped, law fits

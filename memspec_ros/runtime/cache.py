@@ -297,7 +297,8 @@ class DraftCacheManager:
 
     def request(self, name: str, active: str | None = None) -> bool:
         """Start loading one draft (bandits and on-demand policies), evicting the lowest-scored
-        resident draft other than ``name`` and the active one. Returns False if no room could be made."""
+        resident draft other than ``name`` and the active one. Returns False if no room could be made, or if the
+        draft failed less than ``retry_seconds`` ago (clear_failed() or a budget change lets it be tried at once)."""
         with self._lock:
             if active is not None:
                 self._active = active
@@ -308,7 +309,11 @@ class DraftCacheManager:
                 kept = self._keep(slot, protect={name})
                 self._changed()  # _keep may have evicted drafts (on_change sees every state change)
                 return kept
-            if slot is not None:  # failed before: an explicit request retries it
+            if slot is not None:  # failed before: tried again once its back-off is over (README: 30 s), as update()
+                # does; a policy that requests (MAB-Async, Prediction-Only) re-read a broken draft from slow storage
+                # at every scheduling point, and a blocking one stalled for it each time
+                if time.monotonic() - slot.failed_at < self.retry_seconds:
+                    return False
                 del self._slots[name]
             started = self._make_room_and_load(name, protect={name})
             self._changed()

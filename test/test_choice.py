@@ -16,7 +16,7 @@ from memspec_ros.runtime.simulator import PromptTrace, SimCache
 
 DRAFTS = ["general", "code", "math"]
 PROMPT = [1, 2, 3, 4]
-BLOCKING = {"general-static", "oracle-static", "mab-sync", "prediction-only"}
+BLOCKING = {"general-static", "oracle-static", "mab-sync"}  # prediction-only requests, as the paper's
 
 
 class Clock:

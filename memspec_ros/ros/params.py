@@ -64,6 +64,9 @@ AT_ACCEPTANCE = "when a goal is accepted"  # generation.*: a goal takes the defa
 AT_GOAL_START = "when a goal starts"
 
 
+QT_INT = 2**31 - 1  # the largest int a Qt widget (rqt_reconfigure's slider and validator) takes
+
+
 @dataclass(frozen=True)
 class Param:
     name: str
@@ -85,10 +88,15 @@ class Param:
         constraints = []
         if self.choices:
             constraints.append(f"one of: {', '.join(self.choices)}")
+        if self.int_range is not None and not (-QT_INT - 1 <= self.int_range[0] and self.int_range[1] <= QT_INT):
+            # rqt_reconfigure hands a declared range to a Qt slider, which takes 32-bit ints: past them (a byte
+            # budget, a 64-bit seed) PyQt raised OverflowError and the node's panel was not built. Such a range is
+            # stated here and checked by the node (check_value), not declared
+            constraints.append(f"range: [{self.int_range[0]}, {self.int_range[1]}]")
+        elif self.int_range is not None:
+            d.integer_range = [IntegerRange(from_value=self.int_range[0], to_value=self.int_range[1], step=0)]
         constraints.append(f"applies: {self.when}")
         d.additional_constraints = "; ".join(constraints)
-        if self.int_range is not None:
-            d.integer_range = [IntegerRange(from_value=self.int_range[0], to_value=self.int_range[1], step=0)]
         if self.float_range is not None:
             d.floating_point_range = [FloatingPointRange(from_value=float(self.float_range[0]),
                                                          to_value=float(self.float_range[1]), step=0.0)]

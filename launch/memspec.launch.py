@@ -49,7 +49,8 @@ def generate_launch_description():
         sigterm_timeout=LaunchConfiguration("node_sigterm_timeout"),
     )
     # autostart:=false leaves the node unconfigured for a lifecycle manager (nav2's, say): its own configure would
-    # race the launch's, and the loser's invalid transition stopped the manager's bringup
+    # race the launch's, and the loser's invalid transition stopped the manager's bringup. (The node makes no bond:
+    # nav2's manager needs bond_timeout 0.0 for it)
     autostart = IfCondition(LaunchConfiguration("autostart"))
     configure = EmitEvent(event=ChangeState(
         lifecycle_node_matcher=matches_action(node),

@@ -765,3 +765,27 @@ def test_models_are_freed_after_an_error_even_where_no_thread_can_be_started(har
     wait_until(lambda: not h.node._runner.models_in_use(), 30.0, "the models freed without a thread")
     monkeypatch.setattr(goal_runner.threading, "Thread", real_thread)
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.state() == "inactive"
+
+
+def test_an_inactive_nodes_latched_cache_state_says_no_draft_runs(harness):
+    """~/cache_state is latched: a subscriber that came while the node was inactive got the last sample from before
+    the deactivate, a draft running in it."""
+    from memspec_interfaces.msg import CacheState
+    from memspec_ros.ros.diagnostics import LATCHED
+
+    h = harness()
+    h.activate()
+    assert h.result(h.send(goal(max_new_tokens=8))[0]).status == GoalStatus.STATUS_SUCCEEDED
+    h.node.loaded.controller.cache.set_active("general")  # a draft running, as during a goal
+    seen: list[CacheState] = []
+    watch = h.client.create_subscription(CacheState, "/memspec/cache_state", seen.append, LATCHED)
+    wait_until(lambda: seen and seen[-1].active_draft == "general", 10.0, "a CacheState with general running")
+    h.client.destroy_subscription(watch)
+    assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    got: list[CacheState] = []
+    sub = h.client.create_subscription(CacheState, "/memspec/cache_state", got.append, LATCHED)
+    try:
+        wait_until(lambda: got, 10.0, "the latched CacheState")
+        assert got[-1].active_draft == "" and not any(d.is_active for d in got[-1].drafts)
+    finally:
+        h.client.destroy_subscription(sub)

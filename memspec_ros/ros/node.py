@@ -288,6 +288,9 @@ class MemSpecNode(LifecycleNode):
     @recorded
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._end_goals("the node was deactivated during the goal")
+        # ~/cache_state is latched (transient local): a subscriber that comes while the node is inactive gets its
+        # last sample, which showed a draft running from before the deactivate; the last one says none runs
+        self._publish_cache_state(idle=True)
         self.get_logger().info("inactive: new goals are rejected")
         return super().on_deactivate(state)
 
@@ -593,14 +596,22 @@ class MemSpecNode(LifecycleNode):
 
     # -- periodic publications ----------------------------------------------------------------
     def _poll_cache(self) -> None:
+        if self._active:
+            self._publish_cache_state()
+
+    def _publish_cache_state(self, idle: bool = False) -> None:
+        """~/cache_state when the cache changed or its period is over; ``idle``: now, with no draft running (the
+        node going inactive)."""
         lo, pub = self._loaded, self._cache_pub  # read once: a transition may release them on another thread
-        if lo is None or not self._active or pub is None:
+        if lo is None or pub is None:
             return
         snap = self.cache_snapshot(lo)
+        if idle:
+            snap = dataclasses.replace(snap, active="")
         key = (cache_state_key(snap), lo.registry.version)  # the message lists the registry's drafts too
         now = time.monotonic()
         period = self.get_parameter("diagnostics.cache_state_period").value
-        if key == self._last_cache_key and now - self._last_cache_publish < period:
+        if not idle and key == self._last_cache_key and now - self._last_cache_publish < period:
             return
         self._last_cache_key, self._last_cache_publish = key, now
         scores = lo.predictor.latest if lo.predictor is not None else {}

@@ -565,3 +565,17 @@ def test_cache_state_follows_a_registry_change_at_once(h):
         assert h.set_params(**{"drafts.registry_file": before})[0].successful
         assert h.set_params(**{"diagnostics.cache_state_period": period})[0].successful
         subset.unlink()
+
+
+def test_a_setter_that_raises_answers_the_parameter_call_with_the_reason(h, monkeypatch):
+    """An exception while a checked change was applied escaped the on-set callback: rclpy's parameter service
+    catches none, so `ros2 param set` and rqt_reconfigure got no answer at all (an old diagnostic_updater's period
+    setter raises AttributeError)."""
+    def broken(value):
+        raise AttributeError("'Node' object has no attribute 'creat_timer'")
+
+    monkeypatch.setitem(h.node._params._setters, "diagnostics.window_goals", broken)
+    before = h.get_param("diagnostics.window_goals")
+    [result] = h.set_params(**{"diagnostics.window_goals": before + 1})
+    assert not result.successful and "applying it failed (AttributeError" in result.reason
+    assert h.get_param("diagnostics.window_goals") == before

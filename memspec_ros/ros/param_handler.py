@@ -141,6 +141,21 @@ class ParameterHandler:
         except Refused as exc:
             self._node.get_logger().warning(f"parameter change rejected: {exc}")
             return SetParametersResult(successful=False, reason=str(exc))
+        try:
+            self._apply(new, lo, registry)
+        except Exception as exc:  # rclpy's parameter service catches none: `ros2 param set` got no answer at all
+            self._node.get_logger().error(f"parameter change failed while being applied: {type(exc).__name__}: {exc}")
+            return SetParametersResult(successful=False, reason=(
+                f"applying it failed ({type(exc).__name__}: {exc}); what was applied before the failure stays:"
+                " see the node's log"))
+        if runtime or registry is not None:
+            running, _ = self._runner.counts()
+            self._node.get_logger().info(f"parameters set: {', '.join(f'{k}={v!r}' for k, v in new.items())}"
+                                         + (" (applied at the next scheduling point)" if running else ""))
+        return SetParametersResult(successful=True)
+
+    def _apply(self, new: dict[str, Any], lo, registry) -> None:
+        """A checked change, applied: the registry swapped, then each setter."""
         if registry is not None:
             with self._runner.no_goal_starting() as running:
                 replace_entries(lo.registry, registry, None if running else lo.controller.cache)
@@ -153,11 +168,6 @@ class ParameterHandler:
         for name, value in new.items():
             if name in self._setters:
                 self._setters[name](value)
-        if runtime or registry is not None:
-            running, _ = self._runner.counts()
-            self._node.get_logger().info(f"parameters set: {', '.join(f'{k}={v!r}' for k, v in new.items())}"
-                                         + (" (applied at the next scheduling point)" if running else ""))
-        return SetParametersResult(successful=True)
 
     def _check(self, new: dict[str, Any], lo) -> None:
         if "" in new:  # rclpy would declare a parameter without a name (found by test_node_fuzz)

@@ -29,6 +29,7 @@ so it does not run on to max_new_tokens holding the node's one generation.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         fields["messages"] = [("system", args.system), ("user", args.prompt)]
     # our Ctrl-C, not rclpy's handler (which shuts the context down before the goal could be cancelled)
     rclpy.init(args=full, signal_handler_options=SignalHandlerOptions.NO)
-    node = rclpy.create_node("memspec_bt_example")
+    node = rclpy.create_node(f"memspec_bt_example_{os.getpid()}")  # two at once: two names (ros2 node list)
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:

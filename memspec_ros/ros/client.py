@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -538,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.signals import SignalHandlerOptions
 
     rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)  # Ctrl-C cancels the goal first
-    node = rclpy.create_node("memspec_client")
+    node = rclpy.create_node(f"memspec_client_{os.getpid()}")  # two at once: two names (ros2 node list)
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:

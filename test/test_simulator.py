@@ -414,6 +414,10 @@ def test_the_paper_harness_writes_every_item_and_the_results_page(tmp_path):
             assert item["medium"] == "sd" and (out / f"{name}.png").stat().st_size > 0
     sweep = json.loads((out / "fig12.json").read_text())
     assert sweep["source"] == "simulator" and [int(v) for v in sweep["rows"]] == [2, 3, 4]
+    # MAB-Async's c, swept as the paper did (it kept 2.0, which the real runs use)
+    mab_c = json.loads((out / "mab_c.json").read_text())
+    assert mab_c["parameter"] == "ucb_c" and list(mab_c["rows"]) == ["0.1", "0.5", "1.0", "2.0", "3.0"]
+    assert (out / "mab_c.png").stat().st_size > 0
     assert json.loads((out / "fig6.json").read_text())["source"] == "real runs"
     storage = json.loads((out / "storage.json").read_text())
     assert storage["media"] == ["local", "nvme", "emmc", "sd"] and storage["rows"]["sd"]["emulated"] is True
@@ -580,3 +584,20 @@ def test_a_held_out_replay_that_covers_no_workload_leaves_the_gate_to_the_pooled
     assert validation["gate"]["kind"].startswith("pooled")
     assert validation["gate"]["max_abs_error_end_to_end"] == validation["pooled"]["max_abs_error_end_to_end"]
     assert validation["gate"]["max_abs_error_end_to_end"] is not None
+
+
+def test_a_replay_runs_the_mab_policies_with_the_configs_exploration_coefficient():
+    """The paper swept MAB-Async's c (0.1 to 3) and kept its best: the replay builds the bandits with the simulated
+    configuration's c, which the runtime's range bounds."""
+    import types
+
+    from memspec_ros.bench.policy_bench import BenchRun, PolicyBenchConfig
+
+    run = BenchRun(result={}, cfg=PolicyBenchConfig(), traces=[], costs=types.SimpleNamespace(
+        schedule_costs=lambda capacity, gamma: None), schedule_costs=None, predictor=None, domains={}, registry=None,
+        runs=[])
+    for c in (0.1, 3.0):
+        assert run.policy("mab-async", run.sim_config(ucb_c=c)).c == c
+    assert run.policy("mab-sync", run.sim_config()).c == 2.0  # the real runs' (RuntimeConfig's default)
+    with pytest.raises(ValueError, match="ucb_c"):
+        run.sim_config(ucb_c=float("nan"))

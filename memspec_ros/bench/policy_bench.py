@@ -261,7 +261,7 @@ class BenchRun:
         def oracle_for(ids):
             return by_prompt[tuple(ids)].oracle(config.max_new_tokens, config.gamma, config.interval, schedule)
 
-        return make_policy(name, predictor=self.predictor, oracle_for=oracle_for)
+        return make_policy(name, predictor=self.predictor, oracle_for=oracle_for, ucb_c=config.ucb_c)
 
     def refusal(self, policies: Sequence[str], **changes) -> str:
         """Why the controller would refuse one of ``policies`` with this predictor under ``changes`` ("" if none):

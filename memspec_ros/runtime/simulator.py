@@ -502,6 +502,7 @@ class SimConfig:
     gamma: int = 4
     recent_tokens: int = 32  # T
     max_new_tokens: int = 128
+    ucb_c: float = 2.0  # the MAB policies' exploration coefficient (RuntimeConfig.ucb_c)
 
     def __post_init__(self) -> None:
         # the runtime's ranges: K = 0 had every policy decode on the target alone and a sweep print figures for a
@@ -509,7 +510,7 @@ class SimConfig:
         from .controller import RuntimeConfig
 
         RuntimeConfig(capacity=self.capacity, interval=self.interval, gamma=self.gamma,
-                      recent_tokens=self.recent_tokens).validate()
+                      recent_tokens=self.recent_tokens, ucb_c=self.ucb_c).validate()
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -427,6 +428,16 @@ class ScheduleSolver:
         if loading is not None and loading[1] * self.overlap >= self.load.get(loading[0], 0.0):
             return (p, a, resident | {loading[0]}, None)
         return state
+
+    def still_loading(self, draft: str, intervals: int) -> int:
+        """``intervals`` since ``draft``'s load started, at most the last count at which the model still has it in
+        flight (a real load that lands later than the model's: seen landed, the schedule ran it as resident and the
+        policy then blocked on it instead of weighing the wait against a resident draft). Unchanged where the model
+        has no such count (a load of no time)."""
+        load = self.load.get(draft, 0.0)
+        if self.overlap <= 0 or load <= 0:
+            return intervals
+        return min(intervals, math.ceil(load / self.overlap) - 1)
 
     def switch_cost(self, p: int) -> float:
         """Iterations a draft switched in at position ``p`` spends catching up (see the class's cost model)."""

@@ -243,6 +243,8 @@ class OracleDynamicPolicy(DraftPolicy):
             refused = point.loading is not None and draft not in point.loading  # never started, or failed
             if draft in resident or draft not in viable or refused:
                 self._loading = None
+            elif point.loading is not None and draft in point.loading:  # still reading, whatever the plan said:
+                loading = (draft, solver.still_loading(draft, point.interval - since))  # re-planned around
             else:
                 loading = (draft, point.interval - since)
         position = len(point.generated_ids) if point.interval else 1

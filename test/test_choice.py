@@ -209,3 +209,17 @@ def test_no_draft_means_the_target_alone_and_a_bad_cache_action_is_refused():
     assert (resolution.draft, resolution.model, resolution.fallback) == ("", None, False)
     with pytest.raises(ValueError, match="cache_action"):
         Choice("code", cache_action="wait")
+
+
+def test_the_simulated_cache_drops_a_queued_prefetch_that_left_the_working_set_as_the_real_one_does():
+    """runtime/cache.py's update() now cancels a prefetch still queued for a draft that left W; the simulator's cache
+    ran it, so sweeps at K >= 3 replayed loads the real runs no longer make."""
+    clock = Clock()
+    clock.now = 0.0
+    cache = SimCache(3, lambda name: 1.0, clock)
+    cache.update([("general", 3.0), ("code", 2.0), ("math", 1.0)])  # general reads 0-1, code 1-2, math 2-3
+    clock.now = 0.5
+    cache.update([("general", 3.0), ("law", 2.0), ("medical", 1.0)])
+    assert sorted(cache.loading()) == ["general", "law", "medical"] and cache.loads == 3
+    clock.now = 3.0 + 1e-6  # law read 1-2 and medical 2-3, right behind general
+    assert sorted(cache.resident()) == ["general", "law", "medical"]

@@ -1286,3 +1286,30 @@ def test_an_on_evict_callback_that_raises_leaves_the_eviction_whole(caplog):
     cache.reset()
     assert cache.resident() == [] and cache.snapshot().working_set == []
     cache.close()
+
+
+def test_a_queued_prefetch_of_a_draft_that_left_the_working_set_never_runs():
+    """update() only added W's drafts: a prefetch still queued behind the one loading, for a draft the new ranking
+    dropped from W, ran in full on the one loader thread before the new top-K's loads, holding a slot."""
+    gate, started = threading.Event(), threading.Event()
+    loaded = []
+
+    def load(name):
+        loaded.append(name)
+        if name == "general":
+            started.set()
+            gate.wait(GATE_SECONDS)
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(3, load, size_of=SIZES.get)
+    try:
+        cache.update({"general": 3, "code": 2, "math": 1})
+        assert started.wait(GATE_SECONDS)  # general reading, code and math queued behind it
+        cache.update({"general": 3, "law": 2, "medical": 1})
+        gate.set()
+        cache.drain()
+        assert "code" not in loaded and "math" not in loaded
+        assert sorted(cache.resident()) == ["general", "law", "medical"]
+    finally:
+        gate.set()
+        cache.close()

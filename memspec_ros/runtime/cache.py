@@ -285,6 +285,11 @@ class DraftCacheManager:
             self._scores = dict(pairs)
             viable = [n for n, _ in pairs if not (n in self._slots and self._slots[n].error is not None)]
             self._working_set = viable[: self.capacity]
+            # a prefetch still queued for a draft that left W never runs: on the one loader thread it delayed the
+            # new top-K's loads and held a slot meanwhile (K >= 3, where the ranking's tail changes)
+            for name, slot in list(self._slots.items()):
+                if name not in self._working_set and slot.model is None and self._cancel_queued(slot):
+                    del self._slots[name]
             for name in self._working_set:
                 slot = self._slots.get(name)
                 if slot is None:

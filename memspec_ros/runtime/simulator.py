@@ -367,6 +367,7 @@ class _SimSlot:
     ready_at: float  # virtual time the load completes (resident strictly after it started)
     started: float
     used: bool = False
+    reads_from: float = 0.0  # virtual time the loader starts reading it (later than ``started`` while queued)
 
 
 class SimCache:
@@ -432,10 +433,28 @@ class SimCache:
         pairs = normalise_ranking(ranking)
         self._scores = dict(pairs)
         working = [n for n, _ in pairs][: self.capacity]
+        self._cancel_queued_outside(working)
         for name in working:
             if name not in self._slots:
                 self._make_room_and_load(name, protect=set(working))
         return working
+
+    def _cancel_queued_outside(self, working: list[str]) -> None:
+        """As the real cache's update(): a load still queued (the loader not yet reading it) for a draft outside
+        ``working`` never runs; the queued loads kept behind it start that much sooner."""
+        now = self.clock()
+        queued = sorted((s for s in self._slots.values() if s.reads_from > now), key=lambda s: s.reads_from)
+        if all(s.name in working for s in queued):
+            return
+        free = max([now] + [s.ready_at for s in self._slots.values() if s.reads_from <= now < s.ready_at])
+        for slot in queued:
+            if slot.name not in working:
+                del self._slots[slot.name]
+                self.loads -= 1  # never read
+                continue
+            slot.reads_from, slot.ready_at = free, max(free + self.load_seconds(slot.name), now + EPSILON)
+            free = slot.ready_at
+        self._loader_free = free
 
     def request(self, name: str, active: str | None = None) -> bool:
         if active is not None:
@@ -482,7 +501,7 @@ class SimCache:
             self._evict(victim)
         start = max(now, self._loader_free)
         self._loader_free = ready = start + self.load_seconds(name)
-        self._slots[name] = _SimSlot(name, max(ready, now + EPSILON), now)
+        self._slots[name] = _SimSlot(name, max(ready, now + EPSILON), now, reads_from=start)
         self.loads += 1
         return True
 

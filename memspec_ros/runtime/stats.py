@@ -35,8 +35,11 @@ seconds first (:class:`GenerationTotals`), not by averaging per-prompt rates.
 Where decoding time goes (:data:`BREAKDOWN`, :meth:`GenerationStats.time_breakdown`):
 desired draft (draft forwards of iterations that ran the draft the policy
 wanted), fallback draft (draft forwards of iterations that ran another resident
-draft because the wanted one was not resident), prediction (on the decode
-thread), load wait (blocked on a draft load), catch-up (an incoming draft
+draft because the wanted one was not resident), prediction (the scheduling
+point's work on the decode thread: the policy's choice, its predictor's ranking
+included, and carrying it out in the draft cache, its wait left out; so
+General-Static, which has no predictor, shows a little), load wait (blocked
+on a draft load), catch-up (an incoming draft
 rebuilding its KV cache), target verify (the target's forward over the
 proposals, target-only steps included), and other (the rest of the decode wall
 time: scheduling, streaming, bookkeeping, and copying proposals from the context
@@ -107,7 +110,9 @@ class IterationStats:
     # Filled by the runtime controller (zero when the engine runs alone):
     preferred: str = ""  # the draft the policy wanted to run
     fallback: bool = False  # ran another draft because the preferred one was not resident
-    prediction_seconds: float = 0.0  # predictor work done on the decode thread this iteration
+    # the scheduling point's work before this iteration on the decode thread: the policy's choice (its predictor's
+    # ranking) and the cache's part in carrying it out, any wait for a load left out (load_wait_seconds)
+    prediction_seconds: float = 0.0
     load_wait_seconds: float = 0.0  # time blocked waiting for a draft load (never for MemSpec)
 
     @property

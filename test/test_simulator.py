@@ -320,6 +320,26 @@ def test_the_cost_aware_policy_replays_losslessly_in_both(models, traces):
         ctl.close()
 
 
+def test_a_replayed_point_hands_the_policy_each_drafts_kv_length_as_the_controller_does(models, traces):
+    """The controller gives memspec-cost-aware each resident draft's KV length (SchedulingPoint.draft_context); the
+    simulator's points had none, so the replayed policy estimated the catch-up its own way and could decide
+    otherwise than the real run."""
+    _, drafts = models
+    sim = Simulator(tiny_costs(drafts), SimConfig(interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW), DOMAINS,
+                    list(drafts))
+    policy = make_policy(COST_AWARE, predictor=context_ranker())
+    seen = []
+    choose = policy.choose
+    policy.choose = lambda point: seen.append(point) or choose(point)
+    sim.generate(policy, traces[0])
+    later = [p for p in seen if p.interval > 0]
+    assert later and all(p.draft_context is not None for p in later)
+    for p in later:  # the draft that ran holds the prompt and every committed token but the newest
+        if p.active:
+            assert p.draft_context[p.active] <= len(traces[0].prompt_ids) + len(p.generated_ids)
+            assert p.draft_context[p.active] > len(traces[0].prompt_ids)
+
+
 def test_the_policy_bench_reports_the_simulators_validation(tmp_path, capsys):
     """`memspec-bench policies` replays its own runs and prints the comparison (the numbers are the machine's)."""
     import json

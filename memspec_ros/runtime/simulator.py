@@ -587,7 +587,10 @@ class Simulator:
                                    recent_ids=list(gen[-t:]) if t else [], candidates=list(self.candidates),
                                    domains=self.domains, resident=cache.resident(), loading=cache.loading(),
                                    active=active,
-                                   max_new_tokens=cfg.max_new_tokens, capacity=cfg.capacity)
+                                   max_new_tokens=cfg.max_new_tokens, capacity=cfg.capacity,
+                                   # each draft's KV length, as the controller hands memspec-cost-aware the
+                                   # session's: without it the policy estimated the catch-up its own way
+                                   draft_context=dict(kv))
 
         # the controller's order (runtime/controller.py: _setup): the policy starts, the target prefills (committing
         # the first token), then the first choice is made and its draft loaded, blocking

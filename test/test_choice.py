@@ -63,9 +63,10 @@ def test_every_policys_first_draft_blocks_and_later_ones_only_if_the_policy_bloc
         later = policy.choose(point(1, "general", ("general",)))
         if name in BLOCKING:
             assert later.block and later.cache_action == CACHE_NONE, name
-        elif name in ("memspec", "oracle-next-interval", "mab-async"):
+        elif name in ("memspec", "oracle-next-interval", "mab-async", "prediction-only"):
             assert not later.block, name
-            assert later.cache_action == (CACHE_REQUEST if name == "mab-async" else CACHE_PREFETCH), name
+            requests = name in ("mab-async", "prediction-only")  # the one draft on demand, not the top K
+            assert later.cache_action == (CACHE_REQUEST if requests else CACHE_PREFETCH), name
         if later.preferred != "general":
             assert "general" in later.fallback, name  # the current draft is always a fallback
 
@@ -80,7 +81,7 @@ def test_on_a_warm_cache_only_blocking_policies_wait_for_the_first_draft():
         assert warm.preferred, name
         if name in BLOCKING:
             assert warm.block, name
-        elif name in ("memspec", "memspec-cost-aware", "oracle-next-interval", "mab-async"):
+        elif name in ("memspec", "memspec-cost-aware", "oracle-next-interval", "mab-async", "prediction-only"):
             assert not warm.block and "general" in warm.fallback, name
         policy.start(PROMPT)
         assert policy.choose(point(0, resident=("general",), wait_first=True)).block, name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from conftest import fix_adaptive_costs, patch_forward_times
@@ -91,8 +93,8 @@ def test_a_probe_after_plain_steps_times_its_catch_up_apart_from_its_token(monke
     target = tiny_llama(vocab_size=64, seed=0)
     draft = noisy_copy(target, 0.02, seed=1)
     patch_forward_times(monkeypatch, lambda model, k, vocab: 10.0 * k)  # drafting never pays: probes only
-    gamma_choice._TARGET_COSTS.clear()
-    gamma_choice._DRAFT_COSTS.clear()
+    monkeypatch.setattr(gamma_choice, "_TARGET_COSTS", weakref.WeakKeyDictionary())  # timed anew, others' kept
+    monkeypatch.setattr(gamma_choice, "_DRAFT_COSTS", weakref.WeakKeyDictionary())
     session = SpeculativeSession(target, [1, 5, 7, 9], max_new_tokens=40, gamma=6, adaptive_gamma=True)
     seen_costs = []
     observe_cost = session._gamma_chooser.observe_cost

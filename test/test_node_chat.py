@@ -115,25 +115,25 @@ def test_the_system_prompt_counts_in_the_length_limits(h, tok):
     limit = h.get_param("generation.max_prompt_tokens")
     new_tokens = h.get_param("generation.max_new_tokens")
     per_token = h.node.loaded.max_token_chars
-    too_long = "x" * (limit * per_token + 1)
-    results = h.set_params(**{"generation.system_prompt": too_long})
-    assert not results[0].successful and "every chat goal would be refused" in results[0].reason
-    # few characters, a token each or more: within the character bound, past the token limit
-    dense = "".join(chr(0x4E00 + i) for i in range(limit + 1))
-    assert len(dense) < limit * per_token
-    [refused] = h.set_params(**{"generation.system_prompt": dense})
-    assert not refused.successful and "tokens in the shortest chat goal" in refused.reason
-    [blank] = h.set_params(**{"generation.system_prompt": "  \n "})
-    assert not blank.successful and "only whitespace" in blank.reason
-    assert h.get_param("generation.system_prompt") == ""
-    # many characters a token (the tokenizer's longest plain entry repeated, half the limit in tokens): taken
-    texts = sorted({tok.convert_tokens_to_string([t]) for t in tok.get_vocab() if t not in tok.all_special_tokens},
-                   key=lambda t: (-len(t), t))
-    text = next(t for t in texts if len(tok(t * 8, add_special_tokens=False)["input_ids"]) == 8)  # a token a repeat
-    half = text * (limit // 2)
-    taken = h.set_params(**{"generation.system_prompt": half})
-    assert all(r.successful for r in taken), [r.reason for r in taken]
-    try:
+    try:  # every change restored in the finally, whichever assertion fails
+        too_long = "x" * (limit * per_token + 1)
+        results = h.set_params(**{"generation.system_prompt": too_long})
+        assert not results[0].successful and "every chat goal would be refused" in results[0].reason
+        # few characters, a token each or more: within the character bound, past the token limit
+        dense = "".join(chr(0x4E00 + i) for i in range(limit + 1))
+        assert len(dense) < limit * per_token
+        [refused] = h.set_params(**{"generation.system_prompt": dense})
+        assert not refused.successful and "tokens in the shortest chat goal" in refused.reason
+        [blank] = h.set_params(**{"generation.system_prompt": "  \n "})
+        assert not blank.successful and "only whitespace" in blank.reason
+        assert h.get_param("generation.system_prompt") == ""
+        # many characters a token (the tokenizer's longest plain entry repeated, half the limit in tokens): taken
+        texts = sorted({tok.convert_tokens_to_string([t]) for t in tok.get_vocab() if t not in tok.all_special_tokens},
+                       key=lambda t: (-len(t), t))
+        text = next(t for t in texts if len(tok(t * 8, add_special_tokens=False)["input_ids"]) == 8)  # a token a repeat
+        half = text * (limit // 2)
+        taken = h.set_params(**{"generation.system_prompt": half})
+        assert all(r.successful for r in taken), [r.reason for r in taken]
         with prompt_tokenizations() as tokenized:  # a goal that fits alone, but not beside the system prompt
             handle, _ = h.send(goal(prompt="z" * (limit * per_token - len(half) + 1)))
         assert not handle.accepted and tokenized == []  # refused on characters, before the template ran

@@ -308,6 +308,7 @@ def test_prediction_only_decodes_on_the_current_draft_while_its_choice_loads(tar
         assert stats.fallback_fraction > 0.0  # math ran while code loaded
         ctl.cache.drain()
         assert sorted(ctl.cache.resident()) == ["code", "math"]  # code on demand: no top-K prefetch of law
+        assert "code" in stats.drafts_used  # and it ran once loaded
     finally:
         ctl.close()
 
@@ -737,13 +738,15 @@ def test_one_seed_gives_one_output(target, drafts, expected, policy):
     """The same seed gives the same sampled output, on a fresh controller and on a warm one, and other
     seeds give other outputs (the settings reach the engine). Sampled speculative decoding draws its random
     numbers along the drafts that run, so this holds when the same drafts run at the same points: with
-    a policy that waits for its draft, or with every draft resident (MemSpec with K = all drafts, warm);
+    a policy that waits for its draft, or with every draft resident (MemSpec and Prediction-Only, which decode on
+    while their choice loads, with K = all drafts, warm);
     asynchronous prefetch timing may otherwise change the drafts, and so the output, of one seed."""
-    capacity = len(drafts) if policy == "memspec" else 2
+    warm = policy in ("memspec", "prediction-only")  # they decode on while their choice loads
+    capacity = len(drafts) if warm else 2
 
     def fresh():
         ctl = make(target, drafts, policy, capacity=capacity)
-        if policy == "memspec":  # warm: every draft resident, so the preferred one always runs
+        if warm:  # warm: every draft resident, so the preferred one always runs
             ctl.generate(PROMPT, 4)
             ctl.cache.drain()
             assert len(ctl.cache.resident()) == len(drafts)

@@ -324,10 +324,9 @@ def test_a_published_folder_replaces_the_old_one_whole_never_half_deleted(tmp_pa
         for name in names:
             (folder / name).write_text("new")
 
-    monkeypatch.setattr(shutil, "rmtree", cut)
-    with pytest.raises(KeyboardInterrupt):
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        patched.setattr(shutil, "rmtree", cut)
         publish_dir(final, write)
     assert {p.name: p.read_text() for p in final.iterdir()} == dict.fromkeys(names, "new")  # whole, and the new one
-    monkeypatch.undo()
     publish_dir(final, write)  # the next publish clears what the cut one left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]

@@ -126,7 +126,8 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
     # not writable by others whatever the umask (a CI runner's 0000 made it world-writable: the next process then
     # refused it as not its own and compiled the kernels again into a temporary folder, in every process)
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
-    return _compile(out_dir, library, compiler, flags)
+    _compile(out_dir, library, compiler, flags)
+    return library
 
 
 def _ours_alone(path: Path) -> bool:
@@ -167,10 +168,8 @@ def _run_compiler(command: list[str], timeout: float = COMPILE_TIMEOUT_S) -> sub
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
-def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...]) -> Path:
-    """Compile the kernels into ``library`` (a temporary name in ``out_dir``, renamed when whole); returns where it
-    is. A fallback built because a fuller build timed out (a busy machine) is this process's alone, in a folder
-    removed at exit: kept under the full build's name, every later process ran the slower kernels for good."""
+def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...]) -> None:
+    """Compile the kernels into ``library`` (a temporary name in ``out_dir``, renamed when whole)."""
     from .atomic_write import sync_dir
 
     # compile to a temporary name and rename: a concurrent process never loads a half-written file
@@ -181,13 +180,11 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
     portable_flags = tuple(f for f in flags if f != "-march=native") + ("-DMEMSPEC_PORTABLE",) * (
         "-DMEMSPEC_PORTABLE" not in flags)
     errors = []
-    timed_out = False
     try:
         for tried in ((*flags, OPENMP), flags, portable_flags):
             done = _run_compiler([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"])
             if done is None:  # the next, simpler attempt still has its chance
                 errors.append(f"[{' '.join(tried)}] timed out after {COMPILE_TIMEOUT_S} s")
-                timed_out = True
                 continue
             if done.returncode == 0:
                 # loaded here, where it is to run: one that builds but cannot load (an OpenMP runtime the loader
@@ -210,10 +207,6 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
         # not writable by the group whatever the linker and umask made it (gold, lld and mold keep umask 002's
         # 0775): _ours_alone refuses such a file, and every process would compile its own
         os.chmod(partial, 0o755)
-        if errors and timed_out:  # the next process tries the full build again
-            out_dir = Path(tempfile.mkdtemp(dir=out_dir, prefix=".transient-"))
-            atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
-            library = out_dir / library.name
         fallback = _fallback_note(library)
         if errors:  # a fallback build is kept, and says so on every load (status().reason)
             fallback.write_text(" | ".join(errors))
@@ -223,7 +216,6 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
         sync_dir(out_dir)
     finally:
         partial.unlink(missing_ok=True)
-    return library
 
 
 def _fallback_note(library: Path) -> Path:

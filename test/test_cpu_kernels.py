@@ -5,6 +5,7 @@ over the same layers, speculative decoding through it stays lossless, and a mach
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import shutil
 import subprocess
@@ -526,6 +527,12 @@ def test_a_build_that_times_out_still_tries_the_simpler_builds(tmp_path, monkeyp
     cpu_kernels._compile(tmp_path, library, [str(cc)], cpu_kernels.FLAGS)
     assert library.is_file()
     assert "timed out" in cpu_kernels._fallback_note(library).read_text()
+    # kept for the processes after this one (a machine too slow for the full build would pay its timeouts at every
+    # start), but built again a day later: one busy moment must not leave every later process on it for good
+    assert not cpu_kernels._fallback_to_retry(library)
+    long_ago = time.time() - cpu_kernels.FALLBACK_RETRY_S - 1
+    os.utime(cpu_kernels._fallback_note(library), (long_ago, long_ago))
+    assert cpu_kernels._fallback_to_retry(library)
     pid = int(started.read_text())
     deadline = time.monotonic() + 10.0
     while Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid):

@@ -29,6 +29,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -46,6 +47,7 @@ W4_BLOCK = 16  # outputs per block of w4's blocked layout
 ENV_SWITCH = "MEMSPEC_CPU_KERNELS"  # 0: ATen's kernels; portable: the portable C even where SIMD code exists
 PORTABLE = "portable"
 COMPILE_TIMEOUT_S = 120
+FALLBACK_RETRY_S = 24 * 3600  # a fallback built after a timed-out fuller build is built again after this long
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,11 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
                                     platform.machine()]).encode()
                          ).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
+    if library.exists() and _ours_alone(library) and _fallback_to_retry(library):
+        # a fallback kept because a fuller build timed out (a machine busy for a moment) is built again once a
+        # day: kept for good, one busy moment left every later process on the slower kernels; retried at every
+        # start, a machine too slow for the full build would pay its timeouts at each one
+        library.unlink(missing_ok=True)
     if library.exists() and _ours_alone(library):
         return library
     if library.exists() or (out_dir.exists() and not _folder_ours(out_dir)):
@@ -218,6 +225,15 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
         partial.unlink(missing_ok=True)
 
 
+def _fallback_to_retry(library: Path) -> bool:
+    """Whether ``library`` is a fallback kept after a fuller build timed out, at least FALLBACK_RETRY_S ago."""
+    note = _fallback_note(library)
+    try:
+        return "timed out" in note.read_text() and time.time() - note.stat().st_mtime >= FALLBACK_RETRY_S
+    except OSError:  # no note: a full build (or it went meanwhile)
+        return False
+
+
 def _fallback_note(library: Path) -> Path:
     """Beside a library built without OpenMP or -march=native: why the full build failed."""
     return library.with_suffix(".fallback.txt")
@@ -292,8 +308,10 @@ def _load_once() -> tuple[ctypes.CDLL | None, KernelStatus]:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, KernelStatus(reason=f"not compiled ({type(exc).__name__}: {exc}); ATen's kernels run")
     note = _fallback_note(path)
-    reason = (f"built without OpenMP or -march=native, as the full build failed ({note.read_text()[:300]}); delete"
-              f" {path} to try again" if note.is_file() else "")
+    why = note.read_text() if note.is_file() else ""
+    reason = (f"built without OpenMP or -march=native, as the full build failed ({why[:300]}); delete {path} to try"
+              " again" + (" (a timed-out build is tried again a day later by itself)" if "timed out" in why else "")
+              if note.is_file() else "")
     features = library.memspec_kernel_features()
     return library, KernelStatus(w4=bool(features & FEATURE_W4), i8=bool(features & FEATURE_I8),
                                  decoder=bool(features & FEATURE_DECODER), step=bool(features & FEATURE_STEP),

@@ -32,6 +32,7 @@ and then :func:`prompt_ids`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
@@ -132,15 +133,56 @@ def prompt_ids(tokenizer, prompt: str, messages: Sequence[tuple[str, str]] = (),
     if raw or not templated:
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     turns = conversation(prompt, messages, system_prompt)
+    ids = _rendered(tokenizer, turns)
+    if not ids:
+        raise ChatTemplateError("the model's chat template rendered the conversation as no tokens at all")
+    names = [f"messages[{i}] ({role})" for i, (role, _) in enumerate(messages)] or ["the prompt"]
+    if len(turns) > len(names):  # conversation() put the system prompt first
+        names.insert(0, "generation.system_prompt")
+    reason = _forged_control(tokenizer, turns, ids, names)
+    if reason:
+        raise ChatError(reason)
+    return ids
+
+
+def _rendered(tokenizer, turns: list[dict[str, str]]) -> list[int]:
     try:
         encoded = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True,
                                                 sanitize_control_tokens=True)
     except Exception as exc:  # jinja2 SecurityError / TemplateError / raise_exception() in the template
         raise ChatTemplateError(f"the model's chat template failed: {type(exc).__name__}: {exc}") from exc
-    ids = [int(t) for t in encoded["input_ids"]]
-    if not ids:
-        raise ChatTemplateError("the model's chat template rendered the conversation as no tokens at all")
-    return ids
+    return [int(t) for t in encoded["input_ids"]]
+
+
+def _forged_control(tokenizer, turns: list[dict[str, str]], ids: list[int], names: list[str]) -> str:
+    """'' unless a turn's content put a control id into ``ids``: the ids of the tokenizer's control tokens (special,
+    or added and written by the template) must be those the same conversation gets with each such string in its
+    content blanked out (rendered again only where a content holds one). The sanitizer is transformers' (since
+    5.x): an older release takes the unknown keyword as a template variable and tokenizes the string as the control
+    id, and a template may build a marker from pieces the sanitizer does not see; either way the goal is refused,
+    naming the token, rather than run forged. ``names``: each turn's name in the goal."""
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    controls = {int(i): str(t.content) for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                if str(t.content) and not any(c.isspace() for c in str(t.content))  # "\n" tokens: plain text
+                and (getattr(t, "special", False) or str(t.content) in template)}
+    texts = sorted(set(controls.values()), key=len, reverse=True)
+    held = [(name, turn) for name, turn in zip(names, turns, strict=True) if any(t in turn["content"] for t in texts)]
+    if not held:
+        return ""
+
+    def blanked(content: str) -> str:
+        for text in texts:
+            content = content.replace(text, " ")  # a space: the pieces either side cannot join into another
+        return content if content.strip() else "x"
+
+    neutral = _rendered(tokenizer, [dict(t, content=blanked(t["content"])) for t in turns])
+    if Counter(i for i in ids if i in controls) == Counter(i for i in neutral if i in controls):
+        return ""
+    name, turn = held[0]
+    token = next(text for text in texts if text in turn["content"])
+    return (f"{name} contains {token!r}, which this tokenizer and chat template read as a control id (it could"
+            " end the turn and forge another): reword it (or update transformers, whose sanitize_control_tokens"
+            " reads such strings as text)")
 
 
 def special_token_strings(tokenizer) -> list[str]:

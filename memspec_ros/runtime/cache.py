@@ -328,7 +328,8 @@ class DraftCacheManager:
                  stop: Callable[[], bool] | None = None) -> tuple[LoadedModel, float]:
         """Block until ``name`` is resident (loading it if needed). Returns (model, seconds waited).
 
-        For MAB-Sync and Prediction-Only, which stall for their choice; MemSpec never calls it.
+        For the policies that stall for their choice (MAB-Sync, a generation's first draft on a cold cache); MemSpec
+        never calls it during decoding.
         Raises DraftLoadError if the load fails or no room can be made, or once ``stop()`` is true (polled every
         STOP_POLL_SECONDS: a cancelled goal does not sit out a load from slow storage; the load goes on). A load
         dropped without an error while waited for (its files changed as it read them, or it landed larger than its

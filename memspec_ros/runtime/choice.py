@@ -9,9 +9,9 @@ virtual time (runtime/simulator.py); it returns a :class:`Resolution`: what runs
 Cache actions:
 
 * ``none``: the cache is left as it is; the ranking's scores only steer which draft a blocking load
-  evicts (General/Oracle-Static, MAB-Sync, Prediction-Only).
+  evicts (General/Oracle-Static, MAB-Sync).
 * ``request``: load the preferred draft in the background, evicting the lowest-scored other draft
-  (MAB-Async).
+  (MAB-Async, Prediction-Only).
 * ``prefetch``: hand the whole ranking to the cache (Algorithm 2: W = top-K), which loads and evicts
   in the background (MemSpec, Oracle-next-interval, Oracle-Dynamic's prefetches).
 """

@@ -30,7 +30,7 @@ carry_out waits for it too: the running draft is never evicted, so it would run 
 Oracle-Dynamic prefetches and waits as its schedule says (runtime/oracle.py:
 the best schedule under the same K and measured costs, by dynamic programming).
 
-With K = 1 the non-blocking policies (memspec, mab-async, oracle-next-interval) keep
+With K = 1 the non-blocking policies (memspec, mab-async, prediction-only, oracle-next-interval) keep
 their first draft: bringing in another one needs a second slot while the active
 draft decodes, and the active draft is never evicted. Blocking policies switch by
 stalling. That is the paper's trade-off at its sharpest, not a bug.

@@ -411,7 +411,7 @@ class GenerationStats:
 
     @property
     def load_wait_fraction(self) -> float:
-        """Share of decoding time blocked on draft loads (MAB-Sync, Prediction-Only)."""
+        """Share of decoding time blocked on draft loads (MAB-Sync; Oracle-Dynamic where its schedule waits)."""
         return self._fraction(self.load_wait_seconds)
 
     @property

@@ -1313,3 +1313,31 @@ def test_a_queued_prefetch_of_a_draft_that_left_the_working_set_never_runs():
     finally:
         gate.set()
         cache.close()
+
+
+def test_a_request_drops_an_earlier_request_still_queued_for_another_draft():
+    """MAB-Async and Prediction-Only request one draft a point: an earlier request still queued when the policy
+    asked for another ran in full on the one loader thread before it, holding a slot (update() already dropped
+    such prefetches). A blocking wait's own request leaves them be (Oracle-Dynamic waits beside its prefetch)."""
+    gate, started = threading.Event(), threading.Event()
+    loaded = []
+
+    def load(name):
+        loaded.append(name)
+        if name == "general":
+            started.set()
+            gate.wait(GATE_SECONDS)
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(3, load, size_of=SIZES.get)
+    try:
+        assert cache.request("general")
+        assert started.wait(GATE_SECONDS)  # general reading
+        assert cache.request("code")  # queued behind it
+        assert cache.request("math")  # the policy changed its mind: code never runs
+        gate.set()
+        cache.drain()
+        assert loaded == ["general", "math"] and sorted(cache.resident()) == ["general", "math"]
+    finally:
+        gate.set()
+        cache.close()

@@ -748,7 +748,7 @@ def test_one_seed_gives_one_output(target, drafts, expected, policy):
         if warm:  # warm: every draft resident, so the preferred one always runs
             ctl.generate(PROMPT, 4)
             for name in drafts:  # Prediction-Only loads one draft a point: the rest asked for here
-                ctl.cache.request(name)
+                ctl.cache.request(name, supersede=False)
             ctl.cache.drain()
             assert len(ctl.cache.resident()) == len(drafts)
         return ctl

@@ -300,13 +300,19 @@ class DraftCacheManager:
             self._changed()
             return list(self._working_set)
 
-    def request(self, name: str, active: str | None = None) -> bool:
+    def request(self, name: str, active: str | None = None, supersede: bool = True) -> bool:
         """Start loading one draft (bandits and on-demand policies), evicting the lowest-scored
         resident draft other than ``name`` and the active one. Returns False if no room could be made, or if the
-        draft failed less than ``retry_seconds`` ago (clear_failed() or a budget change lets it be tried at once)."""
+        draft failed less than ``retry_seconds`` ago (clear_failed() or a budget change lets it be tried at once).
+        ``supersede``: a load still queued for another draft (an earlier request the policy has changed its mind
+        about) never runs, as update() drops those outside W; wait_for's own request keeps them."""
         with self._lock:
             if active is not None:
                 self._active = active
+            if supersede:
+                for other, slot in list(self._slots.items()):
+                    if other != name and slot.model is None and self._cancel_queued(slot):
+                        del self._slots[other]
             slot = self._slots.get(name)
             if slot is not None and slot.error is None:
                 if not slot.discard:
@@ -415,7 +421,7 @@ class DraftCacheManager:
             if slot is not None and slot.model is not None:
                 return None
             if slot is None or slot.error is not None or slot.discard:
-                if not self.request(name):
+                if not self.request(name, supersede=False):
                     # the reason the load was refused: a draft too large for the budget, or a size that could not
                     # be read, is recorded on its slot; "no draft it may evict" hid those and sent the user to K
                     refused = self._slots.get(name)

@@ -456,9 +456,11 @@ class SimCache:
             free = slot.ready_at
         self._loader_free = free
 
-    def request(self, name: str, active: str | None = None) -> bool:
+    def request(self, name: str, active: str | None = None, supersede: bool = True) -> bool:
         if active is not None:
             self._active = active
+        if supersede:  # as the real cache: an earlier request still queued for another draft never runs
+            self._cancel_queued_outside([name])
         if name in self._slots:
             return True
         return self._make_room_and_load(name, protect={name})
@@ -470,7 +472,7 @@ class SimCache:
         resident = slot is not None and self._is_ready(slot)
         self.hits += resident
         self.misses += not resident
-        if slot is None and not self.request(name):
+        if slot is None and not self.request(name, supersede=False):
             # no room now: the real cache waits for the loads in flight that hold it (they land evictable), then
             # loads; with none in flight it gives up at once
             pending = [s.ready_at for s in self._slots.values() if not self._is_ready(s)]

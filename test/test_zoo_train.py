@@ -330,3 +330,14 @@ def test_a_published_folder_replaces_the_old_one_whole_never_half_deleted(tmp_pa
     assert {p.name: p.read_text() for p in final.iterdir()} == dict.fromkeys(names, "new")  # whole, and the new one
     publish_dir(final, write)  # the next publish clears what the cut one left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+    # cut between its two renames: the old folder aside, none in place; the next publish puts it back first, so
+    # that one failing too leaves the old folder, not none
+    final.rename(tmp_path / "head.old")
+
+    def failing(folder):
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        publish_dir(final, failing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+    assert {p.name: p.read_text() for p in final.iterdir()} == dict.fromkeys(names, "new")

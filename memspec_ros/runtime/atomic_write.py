@@ -97,6 +97,9 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
 
     folder = Path(folder)
     staging = folder.with_name(folder.name + ".partial")
+    aside = folder.with_name(folder.name + ".old")
+    if aside.exists() and not folder.exists():  # a publish cut between its two renames: the old one comes back
+        os.replace(aside, folder)  # now, so a failed write below leaves the folder as it was, not missing
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
@@ -108,7 +111,7 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
         raise
     # the old folder renamed aside, not removed in place: a reader (the node loading a predictor head) saw it half
     # deleted while rmtree ran, and a crash there left it so; now there is at most an instant with no folder at all
-    old = folder.with_name(folder.name + ".old") if folder.exists() else None
+    old = aside if folder.exists() else None
     if old is not None:
         if old.exists():
             shutil.rmtree(old)

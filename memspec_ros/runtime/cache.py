@@ -496,6 +496,7 @@ class DraftCacheManager:
         # a draft not resident now whose files were replaced in place (a re-export under the same names): its
         # measured size is the old files' (refused up front on it, or reserving too little)
         remeasure = [name for name, path, files in measured if weights_identity(path) != files]
+        evicted = []
         with self._lock:
             for name in remeasure:
                 self._measured.pop(name, None)
@@ -506,11 +507,12 @@ class DraftCacheManager:
                 self._measured.pop(name, None)  # other files: their size is learnt anew
                 if current is not None:
                     self._evict(name)
+                    evicted.append(name)
                     if self._active == name:
                         self._active = ""
-            if changed:
+            if evicted:
                 self._changed()
-        return list(changed)
+        return evicted
 
     def reconfigure(self, capacity: int | None = None, budget_bytes: int | None = None) -> None:
         """Change K and/or the byte budget; shrinking evicts the lowest-scored non-active drafts now.

@@ -27,6 +27,7 @@ as that validation.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,8 @@ from .policies import DraftPolicy, SchedulingPoint
 from .predictor import PredictionEngine, mean_rows, prompt_window, recent_window
 from .speculative import KVState
 from .stats import GenerationStats, GenerationTotals, IterationStats
+
+log = logging.getLogger(__name__)
 
 EPSILON = 1e-9  # a load that ends now is resident only strictly after it started (the loader is a thread)
 
@@ -511,7 +514,10 @@ class SimCache:
         self._slots.pop(name)
         self.evictions += 1
         for callback in list(self.on_evict):
-            callback(name)
+            try:
+                callback(name)
+            except Exception:  # as the real cache: one observer's failure leaves the eviction loop whole
+                log.exception("an on_evict callback failed for draft %r (the eviction stands)", name)
 
 
 # -- the controller's loop, in virtual time ---------------------------------------------------------

@@ -617,7 +617,7 @@ class Simulator:
         decode_start = clock.now
         position = 1  # the prefill committed the first token
         stats.completion_tokens = 1
-        interval, interval_its, last_draft = 0, [], ""
+        interval, interval_its, last_draft, skipped_plain = 0, [], "", False
         pending_point, pending_wait = 0.0, 0.0
         while position < budget:
             if len(interval_its) >= cfg.interval:
@@ -638,15 +638,18 @@ class Simulator:
             if proposed > 0:
                 total = len(prompt) + position
                 fed = total - kv.get(active, 0)
-                if active not in kv or active != last_draft:
+                # a switch, a cache dropped, or plain steps since this draft last ran (its first forward then
+                # reads them: the engine times it as catch-up, runtime/speculative.py's _skipped_plain)
+                if active not in kv or active != last_draft or skipped_plain:
                     it.catchup_tokens, it.catchup_seconds = fed, costs.catchup(fed)
                     it.draft_seconds = (proposed - 1) * costs.draft_token_seconds
                 else:
                     it.draft_seconds = proposed * costs.draft_token_seconds
-                last_draft = active
+                last_draft, skipped_plain = active, False
                 it.accepted = trace.accepted(active, position, proposed)
             else:
                 it.proposed = 0
+                skipped_plain = True
             it.verify_seconds = costs.verify(it.proposed)
             it.committed = min(it.accepted + 1, budget - position)
             if proposed > 0:

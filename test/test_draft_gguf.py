@@ -252,7 +252,7 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
     partial median as a ratio to the plain decode over all prompts."""
     from memspec_ros.bench import llamacpp_bench as lb
     from memspec_ros.runtime.speculative import generate
-    from memspec_ros.testing.tiny_models import tiny_llama, tiny_tokenizer
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 
     tok = tiny_tokenizer()
     target = tiny_llama(vocab_size=len(tok), seed=0)
@@ -275,7 +275,8 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
     monkeypatch.setattr(lb, "run_llamacpp", completion)
     monkeypatch.setattr(lb, "run_llamacpp_speculative", lookup)
     cfg = lb.LlamaCppBenchConfig(paths=("fp32",), threads=(1,), max_new_tokens=6, llamacpp_bin=tmp_path)
-    result = lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, {}, prompts, cfg, eos, tok.decode)
+    draft = {"code": noisy_copy(target, 0.05, seed=1)}
+    result = lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, draft, prompts, cfg, eos, tok.decode)
     row = result["threads"]["1"]
     assert row["paths"]["fp32"]["same_text_as_llamacpp"] == 1.0
     assert "llamacpp_lookup_tps" not in row and "llamacpp_lookup_vs_llamacpp" not in row
@@ -291,7 +292,7 @@ def test_the_llamacpp_bench_pairs_its_ratios_and_drops_a_method_halted_at_a_late
     figures at the first, while the result said it did not run."""
     from memspec_ros.bench import llamacpp_bench as lb
     from memspec_ros.runtime.speculative import generate
-    from memspec_ros.testing.tiny_models import tiny_llama, tiny_tokenizer
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 
     tok = tiny_tokenizer()
     target = tiny_llama(vocab_size=len(tok), seed=0)
@@ -318,10 +319,26 @@ def test_the_llamacpp_bench_pairs_its_ratios_and_drops_a_method_halted_at_a_late
     monkeypatch.setattr(lb, "run_llamacpp", completion)
     monkeypatch.setattr(lb, "run_llamacpp_speculative", lookup)
     cfg = lb.LlamaCppBenchConfig(paths=("fp32",), threads=(1, 2), max_new_tokens=4, llamacpp_bin=tmp_path)
-    result = lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, {}, prompts, cfg, eos, tok.decode)
+    draft = {"code": noisy_copy(target, 0.05, seed=1)}
+    result = lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, draft, prompts, cfg, eos, tok.decode)
     for row in result["threads"].values():
         path = row["paths"]["fp32"]
         assert path["target_alone_vs_llamacpp"] == pytest.approx(path["target_alone_tps"] / paired)
         assert path["speculative_vs_llamacpp"] == pytest.approx(path["speculative_tps"] / paired)
         assert not any(k.startswith("llamacpp_lookup_") for k in row), row
     assert 1 in calls and "out of memory" in result["llamacpp_lookup_failed"]
+
+
+def test_the_llamacpp_bench_refuses_prompts_whose_domain_has_no_draft(tmp_path):
+    """A prompt whose domain had no draft ran its speculative kinds on the target alone, timed as the engine's
+    speculative rate, and 'outputs identical' passed."""
+    from memspec_ros.bench import llamacpp_bench as lb
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tok), seed=0)
+    prompts = [("code", tok("def f(x):")["input_ids"], "def f(x):"), ("mixed", tok("and law")["input_ids"], "and law")]
+    cfg = lb.LlamaCppBenchConfig(paths=("fp32",), threads=(1,), max_new_tokens=4, llamacpp_bin=tmp_path)
+    with pytest.raises(ValueError, match="no draft for the prompts' domain.s. mixed"):
+        lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, {"code": noisy_copy(target, 0.05, seed=1)},
+                              prompts, cfg, [int(tok.eos_token_id)], tok.decode)

@@ -346,6 +346,10 @@ def cmd_llamacpp(args) -> int:
     except LlamaCppMissing as exc:
         raise SystemExit(str(exc)) from None
     registry = DraftRegistry.from_yaml(Path(args.zoo) / "registry.yaml", validate=False)
+    without = sorted({d for d, _ in rows} - {e.domain for e in registry.entries()})
+    if without:  # before any model loads: the bench runs each prompt's domain draft
+        raise SystemExit(f"memspec-bench llamacpp: no draft of domain(s) {', '.join(without)} in"
+                         f" {Path(args.zoo) / 'registry.yaml'}: choose --domains that have one")
     tokenizer = load_tokenizer(source)
     cfg.datastore = _datastore(args, tokenizer_fingerprint(tokenizer))
     targets = {}

@@ -278,6 +278,10 @@ def run_llamacpp_bench(
 
     vocab = int(next(iter(targets.values())).config.vocab_size)
     domains = list(dict.fromkeys(p[0] for p in prompts))
+    missing = [d for d in domains if drafts.get(d) is None]
+    if missing:  # its speculative kinds would time the target alone, under the engine's speculative name
+        raise ValueError(f"no draft for the prompts' domain(s) {', '.join(missing)}: the bench's speculative kinds"
+                         " run each prompt's domain draft; give prompts of domains that have one")
     try:
         llamacpp_program(cfg.llamacpp_bin, "llama-speculative-simple")
         spec_drafts, no_draft = llamacpp_drafts(gguf, drafts, domains, cfg, draft_dirs)
@@ -295,7 +299,9 @@ def run_llamacpp_bench(
     }
     result: dict = {"gguf": str(gguf), "paths": list(targets), "gamma": cfg.gamma, "max_new_tokens": cfg.max_new_tokens,
                     "prompts": len(prompts), "runs": cfg.runs, "metric": "decode tokens/s: tokens after the first"
-                    " over their decoding wall time (prompt encoding excluded), median over prompts and runs",
+                    " over their decoding wall time (prompt encoding excluded), median over prompts and runs; plain"
+                    " llama.cpp's over its own reported eval and sampling time, which leaves out its loop's other"
+                    " work (detokenizing, printing): a timing in its favour",
                     "llamacpp_speculative": spec_info, "llamacpp_speculative_reason": spec_reason,
                     "threads": {}}
     kinds = [name for name, kind in KINDS.items() if cfg.datastore is not None or not kind.datastore]
@@ -354,6 +360,8 @@ def run_llamacpp_bench(
                                        eos_token_ids=eos_token_ids, adaptive_gamma=how.adaptive,
                                        lookup=LookupConfig() if how.lookup else None,
                                        datastores=(cfg.datastore,) if how.datastore else ())
+                    if session.draft_failure:  # its figures would be the target alone's, labelled speculative
+                        raise RuntimeError(f"the draft failed during the bench: {session.draft_failure}")
                     if session.stats.decode_tokens:  # an answer of one token has no decode rate (not a 0 in medians)
                         tally[method].add((run, i), session.stats.tokens_per_second)
                     if kind != "alone":

@@ -886,3 +886,21 @@ def test_bench_json_is_strict_json_and_an_interrupt_is_said(monkeypatch, capsys)
     except Interrupt:  # not pytest's to take: it would end the whole session
         pytest.fail("Ctrl-C went out of main() as a traceback")
     assert "memspec-bench soak: interrupted" in capsys.readouterr().err
+
+
+def test_the_action_benchs_medians_leave_a_one_token_pair_out_on_both_sides(tmp_path, monkeypatch):
+    """The medians dropped a goal with no decode rate (one token) on each side apart: a pair whose action goal had
+    one token and whose direct call had more stayed in the direct median, so the ratio of the two medians
+    compared different goals."""
+    from memspec_ros.bench import action_bench
+
+    def row(i, action_tps, direct_tps):
+        side = lambda tps: {"tps": tps, "e2e": tps / 2, "text": "t", "tokens": 8}  # noqa: E731
+        return {"run": 0, "prompt": i, "action": side(action_tps), "direct": side(direct_tps)}
+
+    rows = [row(0, 0.0, 1000.0), row(1, 10.0, 20.0), row(2, 30.0, 40.0)]
+    monkeypatch.setattr(action_bench, "_pairs", lambda *a, **k: (rows, {"policy": "memspec", "predictor_note": ""}))
+    (tmp_path / "registry.yaml").write_text("drafts: []\n")
+    result = action_bench.run_action_bench(tmp_path, prompts=1, runs=1)
+    assert result["action_tokens_per_second_median"] == 20.0 and result["direct_tokens_per_second_median"] == 30.0
+    assert result["ratio_steady_state"] == pytest.approx(20.0 / 30.0)

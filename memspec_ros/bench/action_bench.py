@@ -84,8 +84,9 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
                                              f" ({ran['predictor_note'] or 'no reason given'})"]))
 
     def med(path: str, key: str) -> float:
-        # a one-token goal has no decode rate (0): left out, as paired_ratio leaves its pair out
-        values = [r[path][key] for r in rows if key != "tps" or r[path][key] > 0]
+        # a one-token goal has no decode rate (0): its pair is left out on both sides, as paired_ratio leaves it
+        # out (filtered side by side, the two medians could be over different pairs, and their ratio compare them)
+        values = [r[path][key] for r in rows if key != "tps" or (r["action"]["tps"] > 0 and r["direct"]["tps"] > 0)]
         return statistics.median(values) if values else 0.0
 
     result = {

@@ -67,3 +67,18 @@ def test_the_soak_command(tmp_path, monkeypatch):
     # timing part is the 200-goal test's above, this one checks the command
     assert code == (0 if result["ok"] else 1)
     assert result["requests_unanswered"] == 0 and result["budget_violations"] == 0
+
+
+def test_the_long_soaks_json_verdict_is_its_exit_status(tmp_path, monkeypatch):
+    """In --long the RSS growth bound was checked only for the exit status: the JSON said ok while the command
+    exited 1."""
+    from memspec_ros.bench import soak_bench
+    from memspec_ros.bench.cli import main
+
+    monkeypatch.setattr(soak_bench, "run_soak", lambda zoo, config, progress=None: {
+        "ok": True, "rss_growth": 2 * soak_bench.RSS_GROWTH_LIMIT, "note": ""})
+    monkeypatch.setattr(soak_bench, "summary", lambda result: "")
+    out = tmp_path / "soak.json"
+    assert main(["soak", "--zoo", "tiny", "--long", "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert result["ok"] is False and result["memory_ok"] is False and result["mode"] == "long"

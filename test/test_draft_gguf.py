@@ -342,3 +342,15 @@ def test_the_llamacpp_bench_refuses_prompts_whose_domain_has_no_draft(tmp_path):
     with pytest.raises(ValueError, match="no draft for the prompts' domain.s. mixed"):
         lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, {"code": noisy_copy(target, 0.05, seed=1)},
                               prompts, cfg, [int(tok.eos_token_id)], tok.decode)
+
+
+def test_llamacpps_draft_runs_gamma_tokens_where_its_build_has_the_options(tmp_path):
+    """llama.cpp's draft stops short of gamma below its own draft probability cut-off (p-min) and drops a draft
+    shorter than n-min, which the bench left at their defaults while calling it "the same gamma": both are set to 0
+    where this build's --help lists them, and recorded."""
+    from memspec_ros.bench import llamacpp_bench as lb
+
+    program = tmp_path / "llama-speculative-simple"
+    program.write_text("#!/bin/sh\necho '  --spec-draft-n-max N   ...'\necho '  --spec-draft-p-min P   ...'\n")
+    program.chmod(0o755)
+    assert lb.spec_draft_options(tmp_path) == ["--spec-draft-p-min", "0"]  # n-min not in this build: not passed

@@ -40,6 +40,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -119,6 +120,24 @@ def llamacpp_program(bin_dir: Path, name: str) -> Path:
     return program
 
 
+# llama.cpp's draft stops short of --spec-draft-n-max below a draft probability (p-min) and drops a draft shorter
+# than n-min: both off, so that it drafts gamma tokens as the engine's fixed gamma does (as transformers' assisted
+# generation has its own cut-off switched off in the engine bench). Passed where its --help lists them.
+SPEC_DRAFT_OPTIONS = {"--spec-draft-p-min": "0", "--spec-draft-n-min": "0"}
+
+
+def spec_draft_options(bin_dir: Path) -> list[str]:
+    """SPEC_DRAFT_OPTIONS that this build of llama-speculative-simple lists in its --help."""
+    listed = _help_text(str(llamacpp_program(bin_dir, "llama-speculative-simple")))
+    return [part for flag, value in SPEC_DRAFT_OPTIONS.items() if flag in listed for part in (flag, value)]
+
+
+@cache
+def _help_text(program: str) -> str:
+    done = subprocess.run([program, "--help"], capture_output=True, text=True, check=False, timeout=60)
+    return done.stdout + done.stderr
+
+
 def run_llamacpp(bin_dir: Path, gguf: Path, prompt: str, new_tokens: int, threads: int) -> LlamaCppRun:
     """One greedy generation with llama-completion; its own decode timing."""
     cmd = [str(llamacpp_program(bin_dir, "llama-completion")), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens),
@@ -154,7 +173,8 @@ def run_llamacpp_speculative(bin_dir: Path, gguf: Path, draft: Path | None, prom
 
     This llama.cpp picks a speculation type from the draft GGUF only for MTP/DFlash sidecars: a plain
     draft model needs ``--spec-type draft-simple`` (without it: "failed to initialize speculative decoding")."""
-    kind = (["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(gamma)] if draft is not None
+    kind = (["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(gamma),
+             *spec_draft_options(bin_dir)] if draft is not None
             else ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(LookupConfig().min_ngram),
                   "--spec-ngram-simple-size-m", str(gamma)])
     cmd = [str(llamacpp_program(bin_dir, "llama-speculative-simple")), "-m", str(gguf), *kind,
@@ -295,6 +315,7 @@ def run_llamacpp_bench(
         " full-vocabulary GGUF (memspec-zoo draft-gguf; ids outside its subset: the shared input row, a zero head row)",
         "drafts": {d: str(p) for d, p in spec_drafts.items()}, "not_run_for": no_draft,
         "program": "llama-speculative-simple --spec-type draft-simple", "gamma": cfg.gamma,
+        "draft_options": spec_draft_options(cfg.llamacpp_bin),
         "metric": "decode tokens/s from its 'decoded N tokens in S seconds' (prompt encoding excluded)",
     }
     result: dict = {"gguf": str(gguf), "paths": list(targets), "gamma": cfg.gamma, "max_new_tokens": cfg.max_new_tokens,

@@ -272,7 +272,8 @@ def test_an_encoder_pooling_other_prompt_positions_than_the_head_is_refused(tmp_
     # recent_tokens 0 sliced the whole recent window ([-0:]) and -3 all but three; other sizes broke later;
     # label_horizon "2" turned the controller's N check off
     for key, bad in (("recent_tokens", 0), ("recent_tokens", -3), ("interval", 0), ("hidden", 1.5), ("drafts", []),
-                     ("label_horizon", "2"), ("label_horizon", -1)):
+                     ("label_horizon", "2"), ("label_horizon", -1),
+                     ("metrics", []), ("metrics", {"top1": "high"})):  # /diagnostics reads them: a list broke it
         (tmp_path / "p" / "predictor.json").write_text(json.dumps({**config, key: bad}))
         with pytest.raises(PredictorError, match=f"{key} must be"):
             RankingHead.load(tmp_path / "p")

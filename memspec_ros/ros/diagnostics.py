@@ -521,7 +521,7 @@ class NodeTasks:
             s.add("drafts it cannot score", unscored)
             if policy in RANKING_POLICIES:
                 s.merge(WARN, f"the predictor has no class for {', '.join(unscored)} (by name or domain): a ranking"
-                              " policy never ranks them first; train the predictor for them"
+                              " policy ranks them below every draft it scores; train the predictor for them"
                               " (memspec-train-predictor) or give each a domain it ranks")
         if lo.predictor.failures:
             s.merge(WARN, f"{lo.predictor.failures} rankings failed, the last: {lo.predictor.last_error}")

@@ -232,7 +232,8 @@ PARAMS: tuple[Param, ...] = (
           "Draft tokens proposed per iteration (with adaptive_gamma: the most).",
           AT_SCHEDULING_POINT, int_range=LIMITS["gamma"], runtime_field="gamma"),
     Param("memspec.overlap_prediction", False,
-          "Run the predictor on a background thread (its ranking arrives one interval late).",
+          "Run the predictor on a background thread (its ranking arrives at least one interval late; more when"
+          " a ranking outlasts an interval, and a point then uses the latest one finished).",
           AT_SCHEDULING_POINT, runtime_field="overlap_prediction"),
     Param("memspec.general_draft", "general",
           "The draft general-static runs.",

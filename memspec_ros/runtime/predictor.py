@@ -200,6 +200,10 @@ class MiniLMEncoder:
         self.model.requires_grad_(False)
         self.dim = int(self.model.config.hidden_size)
         self.decode = decode
+        positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        if positions and max_length > positions:  # a longer text raised inside the embeddings at every ranking
+            raise PredictorError(f"max_length {max_length} is more than the MiniLM encoder's {positions} positions:"
+                                 f" retrain the predictor with --max-length {positions} or less")
         self.max_length = max_length
         self.prompt_tokens = prompt_tokens
         self._prompt_key: tuple[int, ...] | None = None
@@ -565,6 +569,11 @@ class RankingHead(torch.nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PredictorError(f"{root / HEAD_CONFIG}: {name} must be a whole number >= 1, not {value!r}:"
                                      " retrain the predictor")
+        if not isinstance(config.metrics, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in config.metrics.values()):
+            raise PredictorError(f"{root / HEAD_CONFIG}: metrics must be a mapping of names to numbers, not"
+                                 f" {config.metrics!r}:"
+                                 " retrain the predictor")  # /diagnostics reads them; a list broke it
         names = config.drafts
         if not isinstance(names, list) or not names or not all(isinstance(d, str) for d in names):
             raise PredictorError(f"{root / HEAD_CONFIG}: drafts must be a non-empty list of draft names, not"
@@ -644,6 +653,13 @@ class PredictionEngine(SynchronousRanking):
                 f"the ranking head pools the prompt's last {head.config.prompt_tokens} positions (prompt_tokens, 0:"
                 f" all) but the {encoder.name} encoder pools {getattr(encoder, 'prompt_tokens', 0)}: build the"
                 " encoder with the head's prompt_tokens (PredictionEngine.load does)"
+            )
+        length = getattr(encoder, "max_length", None)
+        if length is not None and length != head.config.max_length:
+            raise PredictorError(
+                f"the ranking head was trained on texts of at most {head.config.max_length} tokens but the"
+                f" {encoder.name} encoder cuts at {length}: build it with the head's max_length"
+                " (PredictionEngine.load does)"
             )
         cut = getattr(encoder, "truncation_side", None)
         if cut is not None and cut != head.config.truncation_side:
@@ -770,7 +786,9 @@ class PredictionEngine(SynchronousRanking):
             return None
         prompt = self.encoder.prompt_features(context.prompt_ids)
         rows = recent_rows(context.recent_ids[-self.recent_tokens :], context.generated) if which != "prompt" else []
-        if any(t.device.type != "cpu" for t in (prompt, *rows)):
+        # the C kernel takes contiguous fp32 rows on the CPU; anything else (a target on a GPU, a model whose hidden
+        # states are a strided view or another dtype) ranks on the torch path, not a ValueError at every point
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in (prompt, *rows)):
             return None
         return kernel(prompt, rows)
 

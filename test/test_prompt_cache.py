@@ -721,3 +721,23 @@ def test_a_reused_draft_evicted_mid_goal_is_freed_before_the_goal_ends(c_target)
         assert alive_after_eviction == [False]
     finally:
         controller.close()
+
+
+def test_the_rows_handed_to_the_prompt_cache_leave_the_encoder():
+    """The target-hidden encoder kept every row of a generation until the next goal began, beside the copy
+    prefix_rows made for the prompt cache (counted in its budget): held twice between goals, once uncounted. And a
+    reused slice of a longer conversation's rows kept the whole of them alive."""
+    target = tiny_llama(hidden=64, seed=0)
+    encoder = TargetHiddenEncoder(target, recent_tokens=4)
+    try:
+        encoder.begin(list(range(3, 13)))
+        encoder._record_rows(torch.randn(10, 64), 0, 10)
+        encoder._record_rows(torch.randn(3, 64), 10, 13)
+        kept = encoder.prefix_rows(12)
+        assert kept is not None and kept.shape == (12, 64)
+        assert encoder._fed == [] and encoder._history == []  # handed over, not kept beside
+        longer = torch.randn(40, 64)
+        encoder.reuse_rows(longer[:12])
+        assert encoder._reused_rows.untyped_storage().nbytes() == 12 * 64 * 4  # its own rows, not the 40's
+    finally:
+        encoder.close()

@@ -335,7 +335,9 @@ class TargetHiddenEncoder:
 
     def prefix_rows(self, positions: int) -> torch.Tensor | None:
         """The last generation's hidden rows of its first ``positions`` positions (None: not all were fed here),
-        for the prompt cache to keep beside the target's KV cache of them (runtime/prompt_cache.py)."""
+        for the prompt cache to keep beside the target's KV cache of them (runtime/prompt_cache.py). Handed over:
+        the encoder keeps none of the generation's rows after (it held them until the next begin(), uncounted,
+        beside the prompt cache's copy counted in its budget)."""
         with self._lock:
             parts, end = [], 0
             entries = self._history + self._fed
@@ -345,7 +347,9 @@ class TargetHiddenEncoder:
                 owned = rows.shape[0] if i + 1 == len(entries) else min(rows.shape[0], entries[i + 1][0] - start)
                 parts.append(rows[: min(owned, positions - start)])
                 end = start + parts[-1].shape[0]
-            return torch.cat(parts) if end == positions and parts else None
+            kept = torch.cat(parts) if end == positions and parts else None
+            self._history, self._fed = [], []
+            return kept
 
     def reuse_rows(self, rows: torch.Tensor | None, positions: int | None = None) -> None:
         """The next generation reuses the target's KV cache of its first ``positions`` positions (default
@@ -355,6 +359,8 @@ class TargetHiddenEncoder:
         ranking before the prefill does."""
         if rows is not None and positions is not None and positions != rows.shape[0]:
             raise ValueError(f"{rows.shape[0]} hidden rows for {positions} reused positions")
+        if rows is not None and rows.untyped_storage().nbytes() > rows.numel() * rows.element_size():
+            rows = rows.clone()  # a slice of a longer conversation's rows: the rest is not kept alive through it
         with self._lock:
             self._reused_rows = rows
             self._reused_positions = rows.shape[0] if rows is not None else (positions or 0)

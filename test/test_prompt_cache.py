@@ -741,3 +741,22 @@ def test_the_rows_handed_to_the_prompt_cache_leave_the_encoder():
         assert encoder._reused_rows.untyped_storage().nbytes() == 12 * 64 * 4  # its own rows, not the 40's
     finally:
         encoder.close()
+
+
+def test_the_target_hidden_encoder_refuses_to_rank_another_prompt_than_the_one_it_began():
+    """prompt_features(prompt) gave the begun generation's features whatever prompt it was asked for (and the
+    recent window counted from the begun prompt's length): a direct caller ranked prompt B on prompt A."""
+    from memspec_ros.runtime.predictor import PredictorError
+
+    target = tiny_llama(hidden=64, seed=0)
+    encoder = TargetHiddenEncoder(target, recent_tokens=4)
+    try:
+        a, b = list(range(3, 13)), list(range(13, 23))
+        encoder.begin(a)
+        assert encoder.prompt_features(a).shape == (64,)
+        with pytest.raises(PredictorError, match="another prompt than the generation it began"):
+            encoder.prompt_features(b)
+        encoder.begin(b)
+        assert encoder.prompt_features(b).shape == (64,)
+    finally:
+        encoder.close()

@@ -242,6 +242,9 @@ class MiniLMEncoder:
         return self.embed_texts([self.decode(list(recent_ids))])[0]
 
 
+PROMPT_CHECK_TOKENS = 16  # the prompt's last ids a target-hidden ranking compares with the begun prompt's
+
+
 class TargetHiddenEncoder:
     """The target's final hidden states, recorded by a forward hook while it verifies.
 
@@ -269,6 +272,7 @@ class TargetHiddenEncoder:
         self._reused_positions = 0  # how many positions the next generation reuses (rows kept or not)
         self._reused = 0  # this generation's reused positions: its prefill feeds from there
         self._prompt_len = 0
+        self._prompt_tail: list[int] = []  # the begun prompt's last ids (prompt_features checks it is that prompt)
         self._prompt_vec: torch.Tensor | None = None
         self._decode_thread = 0  # the thread that began this generation: the one that runs the target
         self._lock = threading.Lock()
@@ -373,10 +377,17 @@ class TargetHiddenEncoder:
             # the prefill starts after the reused positions, whether or not their rows were kept
             self._reused, self._reused_positions = self._reused_positions, 0
             self._prompt_len = len(prompt_ids)
+            self._prompt_tail = list(prompt_ids[-PROMPT_CHECK_TOKENS:])
             self._prompt_vec = None
             self._decode_thread = threading.get_ident()
 
     def prompt_features(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        if self._prompt_len and (len(prompt_ids) != self._prompt_len
+                                 or list(prompt_ids[-PROMPT_CHECK_TOKENS:]) != self._prompt_tail):
+            # the features (and the recent window's positions) are the begun generation's: another prompt was
+            # ranked on them silently (the MiniLM encoder keys its features by the prompt itself)
+            raise PredictorError("the target-hidden encoder was asked for another prompt than the generation it"
+                                 " began: call begin(prompt_ids) for it first")
         with self._lock:
             vec = self._prompt_vec
         if vec is None and threading.get_ident() != self._decode_thread:

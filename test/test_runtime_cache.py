@@ -47,6 +47,19 @@ def gated_loader(gate: threading.Event, delay: float = 0.0, started: threading.E
     return load
 
 
+def held_on(held: str, gate: threading.Event, started: threading.Event, loaded: list[str]):
+    """fake_loader's loads, recorded in ``loaded``; ``held``'s is held until ``gate`` is set (``started`` is set as it
+    begins): the loads asked for meanwhile queue behind it on the one loader thread."""
+    def load(name: str) -> LoadedModel:
+        loaded.append(name)
+        if name == held:
+            started.set()
+            gate.wait(GATE_SECONDS)
+        return fake_loader()(name)
+
+    return load
+
+
 class Recorder:
     """Collects a snapshot at every state change (the cache calls it under its lock)."""
 
@@ -1189,14 +1202,7 @@ def test_a_smaller_k_weighs_loads_in_flight_against_resident_drafts_by_score():
     """reconfigure dropped every load in flight before it evicted any resident draft: the best-ranked draft being
     prefetched was lost while a worse resident one stayed (and kept its memory)."""
     gate, started = threading.Event(), threading.Event()
-
-    def gated(name):
-        if name == "math":
-            started.set()
-            gate.wait(GATE_SECONDS)
-        return fake_loader()(name)
-
-    cache = DraftCacheManager(3, gated, size_of=SIZES.get)
+    cache = DraftCacheManager(3, held_on("math", gate, started, []), size_of=SIZES.get)
     try:
         cache.update({"general": 3, "code": 1})
         cache.drain()
@@ -1212,14 +1218,7 @@ def test_a_smaller_k_weighs_loads_in_flight_against_resident_drafts_by_score():
         cache.reconfigure(capacity=3)
         gate.clear()
         started.clear()
-
-        def gated_code(name):
-            if name == "code":
-                started.set()
-                gate.wait(GATE_SECONDS)
-            return fake_loader()(name)
-
-        cache.loader = gated_code
+        cache.loader = held_on("code", gate, started, [])
         cache.update({"math": 5, "general": 3, "code": 1}, active="general")
         assert started.wait(GATE_SECONDS)
         cache.reconfigure(capacity=2)
@@ -1291,15 +1290,8 @@ def test_an_on_evict_callback_that_raises_leaves_the_eviction_whole(caplog):
 def test_a_queued_prefetch_of_a_draft_that_left_the_working_set_never_runs():
     """update() only added W's drafts: a prefetch still queued behind the one loading, for a draft the new ranking
     dropped from W, ran in full on the one loader thread before the new top-K's loads, holding a slot."""
-    gate, started = threading.Event(), threading.Event()
-    loaded = []
-
-    def load(name):
-        loaded.append(name)
-        if name == "general":
-            started.set()
-            gate.wait(GATE_SECONDS)
-        return fake_loader()(name)
+    gate, started, loaded = threading.Event(), threading.Event(), []
+    load = held_on("general", gate, started, loaded)
 
     cache = DraftCacheManager(3, load, size_of=SIZES.get)
     try:
@@ -1319,15 +1311,8 @@ def test_a_request_drops_an_earlier_request_still_queued_for_another_draft():
     """MAB-Async and Prediction-Only request one draft a point: an earlier request still queued when the policy
     asked for another ran in full on the one loader thread before it, holding a slot (update() already dropped
     such prefetches). A blocking wait's own request leaves them be (Oracle-Dynamic waits beside its prefetch)."""
-    gate, started = threading.Event(), threading.Event()
-    loaded = []
-
-    def load(name):
-        loaded.append(name)
-        if name == "general":
-            started.set()
-            gate.wait(GATE_SECONDS)
-        return fake_loader()(name)
+    gate, started, loaded = threading.Event(), threading.Event(), []
+    load = held_on("general", gate, started, loaded)
 
     cache = DraftCacheManager(3, load, size_of=SIZES.get)
     try:

@@ -387,6 +387,48 @@ def test_a_points_answer_is_never_its_own_ranking_however_fast_that_finishes():
     over.close()
 
 
+def test_a_generation_whose_first_ranking_failed_runs_no_background_rankings():
+    """The node's ranker stands general-static's order in for a failed ranking and counts the failure. After a
+    failed first (prompt) ranking, every background ranking raised 'the prompt's features are not known yet':
+    a warning and a failure every N iterations, the fallback kept all the same. The fallback now stands for the
+    generation, and the next one ranks anew."""
+    class Recording:
+        def __init__(self):
+            self.failures, self.calls = 0, []
+
+        def begin(self, prompt_ids):
+            pass
+
+        def rank(self, context):  # the node's: a failure counted, a fallback returned
+            self.calls.append(context.interval)
+            if self.broken:
+                self.failures += 1
+                return [("b", 2.0), ("a", 1.0)]
+            return [("a", 2.0), ("b", 1.0)]
+
+        def rank_or_raise(self, context):
+            self.calls.append(context.interval)
+            return [("a", 2.0), ("b", 1.0)]
+
+    ranker = Recording()
+    ranker.broken = True
+    over = OverlappedPredictor(ranker)
+    over.begin(PROMPT)
+    over.submit(ctx(0, candidates=("a", "b")))
+    for interval in (1, 2, 3):
+        over.submit(ctx(interval, candidates=("a", "b")))
+        assert [n for n, _ in over.latest(["a", "b"])] == ["b", "a"]  # the fallback stands
+    over.take_background_seconds()
+    assert ranker.calls == [0] and ranker.failures == 1 and over.failures == 0
+    ranker.broken = False
+    over.begin(PROMPT)  # the next generation ranks anew, in the background too
+    over.submit(ctx(0, candidates=("a", "b")))
+    over.submit(ctx(1, candidates=("a", "b")))
+    over.take_background_seconds()  # waits for the one in flight
+    assert ranker.calls == [0, 0, 1]
+    over.close()
+
+
 def test_a_failed_background_prediction_is_logged_counted_and_keeps_the_previous_ranking(caplog):
     def flaky(c):
         if c.interval == 1:

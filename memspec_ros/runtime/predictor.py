@@ -885,28 +885,37 @@ class OverlappedPredictor:
         self._pending: Future | None = None
         self._latest: list[tuple[str, float]] | None = None
         self._answer_held = False  # latest() answers for the point that just submitted: nothing newer
+        # the generation's first ranking failed (its ranker stood a fallback in, counting the failure): every
+        # background ranking would fail the same way (no prompt features), a warning every N iterations
+        self._unrankable = False
         self.background_seconds = 0.0
         self.failures = 0  # background predictions that raised
         self.last_error = ""
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self._settle()
-        self._latest = None
+        self._latest, self._unrankable = None, False
         self.ranker.begin(prompt_ids)
 
     def resume(self) -> None:
         self._settle()
         self._latest = None  # another generation's, or this one's from before another policy ran: not an answer
+        self._unrankable = False
 
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
         """Synchronous (interval 0, and the first point after begin or resume)."""
         self._settle()
+        failed = getattr(self.ranker, "failures", None)
         self._latest = self.ranker.rank(context)
+        if context.interval == 0 and failed is not None and getattr(self.ranker, "failures", failed) > failed:
+            self._unrankable = True
         return self._latest
 
     def submit(self, context: PredictionContext) -> None:
         if context.interval == 0 or self._latest is None:  # nothing to answer with yet: rank this point now
             self.rank(context)
+            return
+        if self._unrankable:  # the first ranking's fallback stands for the generation
             return
         self._collect()  # what finished by now is the answer for this point
         self._answer_held = True

@@ -843,3 +843,27 @@ def test_a_library_the_linker_left_group_writable_is_still_reused(tmp_path, monk
     first = cpu_kernels._build(tmp_path / "kernels")
     assert first.parent == tmp_path / "kernels" and first.stat().st_mode & 0o777 == 0o755
     assert cpu_kernels._build(tmp_path / "kernels") == first
+
+
+def test_a_fallback_due_for_its_retry_stays_when_no_build_succeeds(tmp_path, monkeypatch):
+    """The daily retry removed the fallback before building: a build that failed again (a machine busy again, a
+    compiler gone) left no library, and every later process sat through the timeouts. It stays, tried again a day
+    later; a build that succeeds replaces it."""
+    library = tmp_path / "memspec_kernels-k.so"
+    library.write_bytes(b"the fallback")
+    library.chmod(0o755)
+    note = cpu_kernels._fallback_note(library)
+    note.write_text("[-fopenmp] timed out after 120 s")
+    long_ago = time.time() - cpu_kernels.FALLBACK_RETRY_S - 1
+    os.utime(note, (long_ago, long_ago))
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: ["cc"])
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "cc 1", ""))
+    monkeypatch.setattr(cpu_kernels, "_native_macros", lambda compiler: "")
+    monkeypatch.setattr(cpu_kernels.hashlib, "sha256", lambda data: type("H", (), {"hexdigest": lambda self: "k"})())
+
+    def fails(out_dir, lib, compiler, flags):
+        raise RuntimeError("cc failed: busy again")
+
+    monkeypatch.setattr(cpu_kernels, "_compile", fails)
+    assert cpu_kernels._build(tmp_path) == library and library.read_bytes() == b"the fallback"
+    assert not cpu_kernels._fallback_to_retry(library)  # the next try a day from now

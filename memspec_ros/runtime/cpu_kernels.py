@@ -116,12 +116,16 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
                                     platform.machine()]).encode()
                          ).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
-    if library.exists() and _ours_alone(library) and _fallback_to_retry(library):
-        # a fallback kept because a fuller build timed out (a machine busy for a moment) is built again once a
-        # day: kept for good, one busy moment left every later process on the slower kernels; retried at every
-        # start, a machine too slow for the full build would pay its timeouts at each one
-        library.unlink(missing_ok=True)
     if library.exists() and _ours_alone(library):
+        if _fallback_to_retry(library):
+            # a fallback kept because a fuller build timed out (a machine busy for a moment) is built again once a
+            # day: kept for good, one busy moment left every later process on the slower kernels; retried at every
+            # start, a machine too slow for the full build would pay its timeouts at each one. The build replaces
+            # it only if one succeeds; if none does, it stays, tried again a day later
+            try:
+                _compile(out_dir, library, compiler, flags)
+            except (OSError, RuntimeError, subprocess.SubprocessError):
+                _fallback_note(library).touch()
         return library
     if library.exists() or (out_dir.exists() and not _folder_ours(out_dir)):
         # anyone who can write a library under this name runs code in the node when it loads (its key is computed

@@ -309,10 +309,14 @@ class DraftCacheManager:
         with self._lock:
             if active is not None:
                 self._active = active
+            dropped = False
             if supersede:
                 for other, slot in list(self._slots.items()):
                     if other != name and slot.model is None and self._cancel_queued(slot):
                         del self._slots[other]
+                        dropped = True
+            if dropped:  # on_change sees every state change, a return below included
+                self._changed()
             slot = self._slots.get(name)
             if slot is not None and slot.error is None:
                 if not slot.discard:

@@ -159,12 +159,21 @@ def _forged_control(tokenizer, turns: list[dict[str, str]], ids: list[int], name
     or added and written by the template) must be those the same conversation gets with each such string in its
     content blanked out (rendered again only where a content holds one). The sanitizer is transformers' (since
     5.x): an older release takes the unknown keyword as a template variable and tokenizes the string as the control
-    id, and a template may build a marker from pieces the sanitizer does not see; either way the goal is refused,
-    naming the token, rather than run forged. ``names``: each turn's name in the goal."""
+    id; the goal is then refused, naming the token, rather than run forged. (A template that builds a marker from
+    pieces, such as '<|' + role + '|>', with a token not marked special and not in its literal text, is caught by
+    neither unless the tokenizer lists it in chat_control_tokens.) ``names``: each turn's name in the goal."""
     template = str(getattr(tokenizer, "chat_template", "") or "")
+    # transformers' own set where it has one (special tokens, chat_control_tokens or the added tokens in the
+    # template's literal text); else special tokens and the added ones the template's source holds
+    known = getattr(tokenizer, "_get_control_tokens", None)
+    try:
+        named = set(known(template)) if known is not None else None
+    except Exception:  # a private helper of another release: the plain rule below
+        named = None
     controls = {int(i): str(t.content) for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
                 if str(t.content) and not any(c.isspace() for c in str(t.content))  # "\n" tokens: plain text
-                and (getattr(t, "special", False) or str(t.content) in template)}
+                and (str(t.content) in named if named is not None
+                     else getattr(t, "special", False) or str(t.content) in template)}
     texts = sorted(set(controls.values()), key=len, reverse=True)
     held = [(name, turn) for name, turn in zip(names, turns, strict=True) if any(t in turn["content"] for t in texts)]
     if not held:

@@ -203,7 +203,8 @@ class MiniLMEncoder:
         positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         if positions and max_length > positions:  # a longer text raised inside the embeddings at every ranking
             raise PredictorError(f"max_length {max_length} is more than the MiniLM encoder's {positions} positions:"
-                                 f" retrain the predictor with --max-length {positions} or less")
+                                 f" set max_length in the head's predictor.json to {positions} or less (the"
+                                 " trainer writes 128)")
         self.max_length = max_length
         self.prompt_tokens = prompt_tokens
         self._prompt_key: tuple[int, ...] | None = None
@@ -265,8 +266,8 @@ class TargetHiddenEncoder:
         # microseconds, speculative.py) and pooling slices them at a scheduling point. Forwards start at
         # increasing positions, and a position re-fed after a rejection belongs to the newer forward
         self._fed: list[tuple[int, torch.Tensor]] = []
-        # forwards that left ``_fed`` (before the recent window): final, kept until the next begin() so that a
-        # prompt whose KV cache the controller reuses (runtime/prompt_cache.py) still has its hidden rows
+        # forwards that left ``_fed`` (before the recent window): final, kept until the generation's end, when
+        # prefix_rows hands them to the prompt cache (runtime/prompt_cache.py), or the next begin()
         self._history: list[tuple[int, torch.Tensor]] = []
         self._reused_rows: torch.Tensor | None = None  # the next generation's reused prompt positions' rows
         self._reused_positions = 0  # how many positions the next generation reuses (rows kept or not)

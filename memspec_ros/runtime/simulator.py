@@ -163,7 +163,9 @@ class TraceHiddenEncoder:
 
 def live_recent_features(engine: PredictionEngine, prompt_ids: Sequence[int], generated_ids: Sequence[int]) -> bool:
     """Whether a live predictor saw the recent tokens of the generation it just ran (its recent half is
-    not all zero): call it right after ``generated_ids`` were generated from ``prompt_ids``."""
+    not all zero): call it right after ``generated_ids`` were generated from ``prompt_ids``, by a controller
+    with the prompt cache off (with it on, the target-hidden encoder hands its rows to the cache at the
+    generation's end, and this would read none: the policy bench runs with it off)."""
     if not generated_ids:
         return False
     recent = list(generated_ids[-engine.recent_tokens :])

@@ -160,7 +160,6 @@ def refused(h, words: str, atomically: bool = False, **values) -> None:
     ("memspec.interval", 0),  # N = 0
     ("memspec.recent_tokens", -1),  # negative T
     ("memspec.gamma", 0),
-    ("memspec.budget_bytes", -1),
     ("memspec.ucb_c", math.nan),
     ("generation.temperature", math.inf),
     ("generation.top_p", math.nan),
@@ -169,6 +168,13 @@ def refused(h, words: str, atomically: bool = False, **values) -> None:
 ])
 def test_out_of_range_runtime_parameters_are_refused(h, name, value):
     refused(h, f"Parameter {name} out of range", **{name: value})  # rclpy's check of the declared range
+
+
+@pytest.mark.parametrize("name, value", [("memspec.budget_bytes", -1), ("memspec.prompt_cache_bytes", -1),
+                                         ("generation.seed", -2)])
+def test_a_range_past_32_bits_is_checked_by_the_node(h, name, value):
+    """Not declared (rqt_reconfigure's Qt slider takes 32-bit ints): the node's own check refuses it."""
+    refused(h, f"{name} must be in [", **{name: value})
 
 
 @pytest.mark.parametrize("name, value, words", [

@@ -221,7 +221,7 @@ class MemSpecNode(LifecycleNode):
         self._cache_baseline = None  # cache counters at activation: CacheState counts since then
         self._last_cache_key: tuple | None = None
         self._last_cache_publish = 0.0
-        self._cache_publishing = threading.RLock()  # ~/cache_state's samples in order (_poll_cache, on_deactivate)
+        self._cache_publishing = threading.Lock()  # ~/cache_state's samples in order (_poll_cache, on_deactivate)
         self._window = ThroughputWindow(self.get_parameter("diagnostics.window_goals").value)
         self._default_threads = 0  # torch's thread count before a configure first set one: model.threads 0
         self._hurry = False  # abandon_results
@@ -597,15 +597,15 @@ class MemSpecNode(LifecycleNode):
 
     # -- periodic publications ----------------------------------------------------------------
     def _poll_cache(self) -> None:
-        with self._cache_publishing:  # after deactivate's idle sample, never before it (the timer's group is
-            if self._active:  # reentrant: a poll that saw the node active could publish a draft running after it)
-                self._publish_cache_state()
+        self._publish_cache_state()
 
     def _publish_cache_state(self, idle: bool = False) -> None:
-        """~/cache_state when the cache changed or its period is over; ``idle``: now, with no draft running (the
-        node going inactive)."""
+        """~/cache_state while active, when the cache changed or its period is over; ``idle``: now, with no draft
+        running (the node going inactive). Under one lock, the activity checked inside it: the timer's group is
+        reentrant, and a poll that saw the node active could publish a draft running after deactivate's sample."""
         with self._cache_publishing:
-            self._publish_cache_state_locked(idle)
+            if idle or self._active:
+                self._publish_cache_state_locked(idle)
 
     def _publish_cache_state_locked(self, idle: bool) -> None:
         lo, pub = self._loaded, self._cache_pub  # read once: a transition may release them on another thread

@@ -287,9 +287,7 @@ class DraftCacheManager:
             self._working_set = viable[: self.capacity]
             # a prefetch still queued for a draft that left W never runs: on the one loader thread it delayed the
             # new top-K's loads and held a slot meanwhile (K >= 3, where the ranking's tail changes)
-            for name, slot in list(self._slots.items()):
-                if name not in self._working_set and slot.model is None and self._cancel_queued(slot):
-                    del self._slots[name]
+            self._drop_queued(keep=set(self._working_set))
             for name in self._working_set:
                 slot = self._slots.get(name)
                 if slot is None:
@@ -309,14 +307,8 @@ class DraftCacheManager:
         with self._lock:
             if active is not None:
                 self._active = active
-            dropped = False
-            if supersede:
-                for other, slot in list(self._slots.items()):
-                    if other != name and slot.model is None and self._cancel_queued(slot):
-                        del self._slots[other]
-                        dropped = True
-            if dropped:  # on_change sees every state change, a return below included
-                self._changed()
+            if supersede and self._drop_queued(keep={name}):  # on_change sees every state change, a return below
+                self._changed()  # included
             slot = self._slots.get(name)
             if slot is not None and slot.error is None:
                 if not slot.discard:
@@ -657,6 +649,14 @@ class DraftCacheManager:
             slot.future, slot.discard = None, True  # a wait_for on it reads "dropped on purpose", not "load it again"
             return True
         return False
+
+    def _drop_queued(self, keep: set[str]) -> bool:
+        """Cancel the loads still queued (not yet reading) for drafts outside ``keep``; whether any was."""
+        dropped = [name for name, slot in self._slots.items()
+                   if name not in keep and slot.model is None and self._cancel_queued(slot)]
+        for name in dropped:
+            del self._slots[name]
+        return bool(dropped)
 
     def _in_flight(self) -> list[_Slot]:
         return [s for s in (*self._slots.values(), *self._detached) if s.future is not None and s.model is None]

@@ -162,6 +162,11 @@ def _forged_control(tokenizer, turns: list[dict[str, str]], ids: list[int], name
     id; the goal is then refused, naming the token, rather than run forged. (A template that builds a marker from
     pieces, such as '<|' + role + '|>', with a token not marked special and not in its literal text, is caught by
     neither unless the tokenizer lists it in chat_control_tokens.) ``names``: each turn's name in the goal."""
+    added = {int(i): (str(t.content), getattr(t, "special", False))
+             for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+             if str(t.content) and not any(c.isspace() for c in str(t.content))}  # "\n" tokens: plain text
+    if not any(text in turn["content"] for turn in turns for text, _ in added.values()):
+        return ""  # the common case, no added token's string anywhere: nothing to check
     template = str(getattr(tokenizer, "chat_template", "") or "")
     # transformers' own set where it has one (special tokens, chat_control_tokens or the added tokens in the
     # template's literal text); else special tokens and the added ones the template's source holds
@@ -170,10 +175,8 @@ def _forged_control(tokenizer, turns: list[dict[str, str]], ids: list[int], name
         named = set(known(template)) if known is not None else None
     except Exception:  # a private helper of another release: the plain rule below
         named = None
-    controls = {int(i): str(t.content) for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
-                if str(t.content) and not any(c.isspace() for c in str(t.content))  # "\n" tokens: plain text
-                and (str(t.content) in named if named is not None
-                     else getattr(t, "special", False) or str(t.content) in template)}
+    controls = {i: text for i, (text, special) in added.items()
+                if (text in named if named is not None else special or text in template)}
     texts = sorted(set(controls.values()), key=len, reverse=True)
     held = [(name, turn) for name, turn in zip(names, turns, strict=True) if any(t in turn["content"] for t in texts)]
     if not held:

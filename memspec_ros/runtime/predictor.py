@@ -672,20 +672,15 @@ class PredictionEngine(SynchronousRanking):
                 f" all) but the {encoder.name} encoder pools {getattr(encoder, 'prompt_tokens', 0)}: build the"
                 " encoder with the head's prompt_tokens (PredictionEngine.load does)"
             )
-        length = getattr(encoder, "max_length", None)
-        if length is not None and length != head.config.max_length:
-            raise PredictorError(
-                f"the ranking head was trained on texts of at most {head.config.max_length} tokens but the"
-                f" {encoder.name} encoder cuts at {length}: build it with the head's max_length"
-                " (PredictionEngine.load does)"
-            )
-        cut = getattr(encoder, "truncation_side", None)
-        if cut is not None and cut != head.config.truncation_side:
-            raise PredictorError(
-                f"the ranking head was trained on texts cut on the {head.config.truncation_side} but the"
-                f" {encoder.name} encoder cuts on the {cut}: build it with the head's truncation_side"
-                " (PredictionEngine.load does)"
-            )
+        # the texts a MiniLM encoder embeds: cut as the head's were (an encoder without the setting reads no text)
+        for attr, trained, cuts in (("max_length", "of at most {} tokens", "at {}"),
+                                    ("truncation_side", "cut on the {}", "on the {}")):
+            value, wanted = getattr(encoder, attr, None), getattr(head.config, attr)
+            if value is not None and value != wanted:
+                raise PredictorError(
+                    f"the ranking head was trained on texts {trained.format(wanted)} but the {encoder.name} encoder"
+                    f" cuts {cuts.format(value)}: build it with the head's {attr} (PredictionEngine.load does)"
+                )
         self.head = head
         self.encoder = encoder
         self.recent_tokens = recent_tokens if recent_tokens is not None else head.config.recent_tokens

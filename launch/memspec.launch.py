@@ -50,7 +50,7 @@ def generate_launch_description():
     )
     # autostart:=false leaves the node unconfigured for a lifecycle manager (nav2's, say): its own configure would
     # race the launch's, and the loser's invalid transition stopped the manager's bringup. (The node makes no bond:
-    # nav2's manager needs bond_timeout 0.0 for it)
+    # nav2's manager expects one unless given bond_timeout 0.0; not tested here)
     autostart = IfCondition(LaunchConfiguration("autostart"))
     configure = EmitEvent(event=ChangeState(
         lifecycle_node_matcher=matches_action(node),

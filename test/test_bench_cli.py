@@ -599,14 +599,14 @@ def test_every_bench_divides_by_a_zero_rate_the_same_way():
     """The benches divided in three ways: the action bench wrote NaN (invalid JSON for other tools), the engine
     bench and the llama.cpp bench raised ZeroDivisionError after every run, the figures gave None. All use
     stats.ratio now: a rate of 0 as the base gives null, and a run without one is left out of a per-run median."""
-    from memspec_ros.bench.llamacpp_bench import speculative_choice
+    from memspec_ros.bench.llamacpp_bench import _Tally
     from memspec_ros.runtime.stats import paired_ratio, rounded
 
     assert paired_ratio([10.0, 20.0, 30.0], [0.0, 10.0, 10.0]) == pytest.approx(2.5)  # the first run has no ratio
     assert paired_ratio([1.0], [0.0]) is None and rounded(None) is None and rounded(2 / 3, 2) == 0.67
-    choice = speculative_choice({"fixed gamma": 10.0, "adaptive gamma": 12.0}, 0.0)
-    assert choice["speculative_vs_llamacpp"] is None and choice["speculative_worst_vs_llamacpp"] is None
-    json.dumps(choice, allow_nan=False)  # null, never NaN
+    engine, llama = _Tally(tps=[10.0, 12.0], keys=[(0, 0), (0, 1)]), _Tally(tps=[0.0, 0.0], keys=[(0, 0), (0, 1)])
+    assert engine.vs(llama) is None
+    json.dumps(engine.vs(llama), allow_nan=False)  # null, never NaN
 
 
 def test_goals_after_a_workload_where_every_policy_committed_nothing():

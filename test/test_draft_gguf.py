@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -237,13 +238,16 @@ def test_outside_wins_counts_positions_where_a_zero_row_would_win():
     assert outside_wins(Fixed(), [[1, 2, 3]]) == (1, 3, -1.0)
 
 
-def test_the_llamacpp_bench_reports_its_worst_speculative_configuration_beside_the_best():
-    """The best of several medians is picked by the runs it reports; the worst is quoted beside it, each named."""
+def test_the_llamacpp_bench_reports_its_median_and_worst_speculative_configurations_beside_the_best():
+    """The best of several medians is picked by the runs it reports; the median and the worst configurations are
+    quoted beside it, each named, each with its own paired ratio (not the best's rate over llama.cpp's median)."""
     from memspec_ros.bench.llamacpp_bench import speculative_choice
 
-    choice = speculative_choice({"fixed gamma": 150.0, "adaptive gamma": 300.0, "lookup": 240.0}, 100.0)
-    assert choice == {"speculative_tps": 300.0, "speculative_method": "adaptive gamma", "speculative_vs_llamacpp": 3.0,
-                      "speculative_worst_method": "fixed gamma", "speculative_worst_vs_llamacpp": 1.5}
+    choice = speculative_choice({"fixed gamma": 150.0, "adaptive gamma": 300.0, "lookup": 240.0, "both": 200.0},
+                                {"fixed gamma": 1.4, "adaptive gamma": 2.9, "lookup": 2.5, "both": 2.1})
+    assert choice == {"speculative_tps": 300.0, "speculative_method": "adaptive gamma", "speculative_vs_llamacpp": 2.9,
+                      "speculative_median_method": "both", "speculative_median_vs_llamacpp": 2.1,
+                      "speculative_worst_method": "fixed gamma", "speculative_worst_vs_llamacpp": 1.4}
 
 
 def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halted_method(monkeypatch, tmp_path):
@@ -261,8 +265,10 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
     answers = {text: tok.decode(generate(target, ids, None, max_new_tokens=6, eos_token_ids=eos).generated_ids,
                                 skip_special_tokens=True) for _, ids, text in prompts}
 
-    def completion(bin_dir, gguf, prompt, new_tokens, threads):
-        return lb.LlamaCppRun(text=lb.llamacpp_answer(answers[prompt] + " [end of text]\n\n"), decode_tps=10.0)
+    def completion(bin_dir, gguf, prompt, new_tokens, threads):  # the last prompt encoded one token longer
+        length = len(tok(prompt)["input_ids"]) + (prompt == prompts[-1][2])
+        return lb.LlamaCppRun(text=lb.llamacpp_answer(answers[prompt] + " [end of text]\n\n"), decode_tps=10.0,
+                              prompt_tokens=length)
 
     calls = []
 
@@ -279,6 +285,8 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
     result = lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, draft, prompts, cfg, eos, tok.decode)
     row = result["threads"]["1"]
     assert row["paths"]["fp32"]["same_text_as_llamacpp"] == 1.0
+    length = len(prompts[-1][1])
+    assert row["prompt_tokens_mismatched"] == [{"prompt": 2, "engine": length, "llamacpp": length + 1}]
     assert "llamacpp_lookup_tps" not in row and "llamacpp_lookup_vs_llamacpp" not in row
     assert "out of memory" in result["llamacpp_lookup_failed"]
     assert row["paths"]["fp32"]["speculative_worst_method"] in {"fixed gamma", "adaptive gamma",
@@ -288,9 +296,11 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
 
 def test_the_llamacpp_bench_pairs_its_ratios_and_drops_a_method_halted_at_a_later_thread_count(monkeypatch, tmp_path):
     """The engine has no rate for a prompt answered in one token, yet its ratios to llama.cpp divided by llama.cpp's
-    median over every prompt; and a llama.cpp method that failed at the second thread count still reported its
+    median over every prompt; then they divided two medians, which pairs one prompt's rate with another's (now the
+    median of per-prompt ratios); and a llama.cpp method that failed at the second thread count still reported its
     figures at the first, while the result said it did not run."""
     from memspec_ros.bench import llamacpp_bench as lb
+    from memspec_ros.runtime import speculative
     from memspec_ros.runtime.speculative import generate
     from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
 
@@ -302,8 +312,15 @@ def test_the_llamacpp_bench_pairs_its_ratios_and_drops_a_method_halted_at_a_late
     eos = [firsts[lone]]  # that prompt's answer is its end token alone: no decode rate in the engine
     rates = {text: float(10 * i + 1) for i, (_, _, text) in enumerate(prompts)}  # 1, 11, 21, 31, 41
     others = sorted(r for i, r in enumerate(rates.values()) if i != lone)
-    paired = (others[1] + others[2]) / 2  # llama.cpp's median over the four prompts the engine has a rate for
-    assert paired != 21.0  # its median over all five: the ratio tells which one was used
+    engine_rate = 100.0  # every engine method's rate, set below, so that the expected ratios are known
+    over_medians = engine_rate / ((others[1] + others[2]) / 2)  # over llama.cpp's median on the four prompts
+    paired = statistics.median(engine_rate / r for r in others)  # the median of the four prompts' own ratios
+    assert paired != pytest.approx(over_medians) and paired != pytest.approx(engine_rate / 21.0)
+
+    def timed(*args, **kwargs):  # the real generation, its decode time set so that its rate is engine_rate
+        session = generate(*args, **kwargs)
+        session.stats.decode_seconds = session.stats.decode_tokens / engine_rate
+        return session
 
     def completion(bin_dir, gguf, prompt, new_tokens, threads):
         return lb.LlamaCppRun(text="", decode_tps=rates[prompt])
@@ -318,13 +335,16 @@ def test_the_llamacpp_bench_pairs_its_ratios_and_drops_a_method_halted_at_a_late
 
     monkeypatch.setattr(lb, "run_llamacpp", completion)
     monkeypatch.setattr(lb, "run_llamacpp_speculative", lookup)
+    monkeypatch.setattr(speculative, "generate", timed)
     cfg = lb.LlamaCppBenchConfig(paths=("fp32",), threads=(1, 2), max_new_tokens=4, llamacpp_bin=tmp_path)
     draft = {"code": noisy_copy(target, 0.05, seed=1)}
     result = lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, draft, prompts, cfg, eos, tok.decode)
     for row in result["threads"].values():
         path = row["paths"]["fp32"]
-        assert path["target_alone_vs_llamacpp"] == pytest.approx(path["target_alone_tps"] / paired)
-        assert path["speculative_vs_llamacpp"] == pytest.approx(path["speculative_tps"] / paired)
+        assert path["target_alone_vs_llamacpp"] == pytest.approx(paired)
+        assert path["speculative_vs_llamacpp"] == pytest.approx(paired)
+        assert path["speculative_median_vs_llamacpp"] == pytest.approx(paired)
+        assert path["speculative_vs_target_alone"] == pytest.approx(1.0)
         assert not any(k.startswith("llamacpp_lookup_") for k in row), row
     assert 1 in calls and "out of memory" in result["llamacpp_lookup_failed"]
 
@@ -354,3 +374,24 @@ def test_llamacpps_draft_runs_gamma_tokens_where_its_build_has_the_options(tmp_p
     program.write_text("#!/bin/sh\necho '  --spec-draft-n-max N   ...'\necho '  --spec-draft-p-min P   ...'\n")
     program.chmod(0o755)
     assert lb.spec_draft_options(tmp_path) == ["--spec-draft-p-min", "0"]  # n-min not in this build: not passed
+
+
+def test_llama_completion_runs_with_its_warm_up_and_reports_its_prompt_length(tmp_path):
+    """It ran with --no-warmup, so its first decode paid the cold start the engine's warm-up keeps out of the
+    engine's timing; and the prompt length it encoded was never compared with the engine's."""
+    from memspec_ros.bench import llamacpp_bench as lb
+
+    args = tmp_path / "args"
+    program = tmp_path / "llama-completion"
+    program.write_text(f"""#!/bin/sh
+echo "$@" > {args}
+echo "an answer [end of text]"
+echo "common_perf_print: prompt eval time =      50.00 ms /    21 tokens (    2.38 ms per token)" >&2
+echo "common_perf_print:        eval time =    1000.00 ms /    99 runs   (   10.10 ms per token)" >&2
+echo "common_perf_print:    sampling time =      10.00 ms /   100 runs   (    0.10 ms per token)" >&2
+""")
+    program.chmod(0o755)
+    run = lb.run_llamacpp(tmp_path, tmp_path / "t.gguf", "a prompt", 100, 1)
+    assert "--no-warmup" not in args.read_text().split()
+    assert run.prompt_tokens == 21 and run.text == "an answer" and run.sampling_timed
+    assert run.decode_tps == pytest.approx(99 / 1.010)

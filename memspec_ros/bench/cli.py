@@ -386,6 +386,7 @@ def cmd_llamacpp(args) -> int:
                      f" {p['speculative_adaptive_datastore_tps']:6.1f} ({p['datastore_share']:.0%} copied)"
                      if "datastore_alone_tps" in p else "") +
                   f" | best {_num(p['speculative_vs_llamacpp'], '.2f')}x ({p['speculative_method']}),"
+                  f" median {_num(p['speculative_median_vs_llamacpp'], '.2f')}x ({p['speculative_median_method']}),"
                   f" worst {_num(p['speculative_worst_vs_llamacpp'], '.2f')}x ({p['speculative_worst_method']})"
                   f" | identical {p['outputs_identical']} | t1 {p['forward']['one_token_ms']:.1f} ms"
                   f" t_verify {p['forward']['verify_ms']:.1f} ms | {_matmul_text(p['forward'])}")
@@ -396,6 +397,9 @@ def cmd_llamacpp(args) -> int:
             f" speculative >= 1.0x: {_num(row['speculative_vs_llamacpp'], '.2f')}x ({best}; its worst"
             f" configuration {_num(row['paths'][best]['speculative_worst_vs_llamacpp'], '.2f')}x)"
         )
+        if row["prompt_tokens_mismatched"]:
+            print(f"  WARNING: llama.cpp encoded {len(row['prompt_tokens_mismatched'])} prompt(s) to another length"
+                  " than the engine: they were not given the same prompt (prompt_tokens_mismatched in the JSON)")
     return 0 if all(row["outputs_identical"] for row in result["threads"].values()) else 1
 
 

@@ -22,7 +22,12 @@ Every throughput is tokens generated after the first over the time of decoding t
 excluded). The engine's is its loop's wall time (``GenerationStats.tokens_per_second``); llama-completion's is
 its "eval time" plus its "sampling time" (the two parts of its decode loop it reports; with no sampling line,
 eval time alone, recorded in ``llamacpp_timing``); llama.cpp's speculative programs report "decoded N tokens in
-S seconds", wall time. A ratio to llama.cpp's plain decode is over the prompts both ran.
+S seconds", wall time. A ratio to llama.cpp's plain decode is paired: the median over (run, prompt) of the
+method's rate over llama.cpp's on that same prompt in that same turn, over the prompts both ran (a ratio of two
+medians could divide one prompt's rate by another's). Every program warms up before it is timed, as the engine
+does: llama.cpp's own warm-up run is outside its reported times. llama.cpp's prompt token count is checked
+against the engine's (``prompt_tokens_mismatched``): the two tokenize the same text, so a count that differs
+means they were not given the same prompt.
 
 Beside the ratios, a per-forward profile per path: the time of a 1-token and a
 gamma+1-token forward, and the share of a 1-token forward spent in matmul kernels
@@ -47,13 +52,14 @@ import torch
 
 from ..runtime.datastore import Datastore
 from ..runtime.lookup import LookupConfig
-from ..runtime.stats import GenerationTotals, ratio
+from ..runtime.stats import GenerationTotals, paired_ratio, ratio
 
 LLAMACPP_BIN = Path(__file__).resolve().parents[2] / "artifacts" / "llamacpp" / "bin"
 # the ATen kernels that do a forward's matrix multiplies on each path
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::bmm")
 _EVAL = re.compile(r"^\S*\s*\S*\s*common_perf_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
 _SAMPLING = re.compile(r"sampling time =\s*([\d.]+) ms", re.M)
+_PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", re.M)
 _END_OF_TEXT = "[end of text]"  # what llama-completion prints where the model ends its answer
 _SPEC = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", re.M)
 _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
@@ -105,6 +111,7 @@ class LlamaCppRun:
     text: str  # the answer as llama-completion printed it, its end-of-text marker removed
     decode_tps: float
     sampling_timed: bool = True  # its sampling time was found and counted (else eval time alone)
+    prompt_tokens: int | None = None  # the prompt's length in tokens as llama.cpp encoded it (None: not reported)
 
 
 def llamacpp_answer(stdout: str) -> str:
@@ -142,7 +149,7 @@ def run_llamacpp(bin_dir: Path, gguf: Path, prompt: str, new_tokens: int, thread
     """One greedy generation with llama-completion; its own decode timing."""
     cmd = [str(llamacpp_program(bin_dir, "llama-completion")), "-m", str(gguf), "-p", prompt, "-n", str(new_tokens),
            "--temp", "0", "-t", str(threads), "-tb", str(threads), "-no-cnv", "-c", "2048", "--seed", "0",
-           "--no-display-prompt", "--simple-io", "--no-warmup"]
+           "--no-display-prompt", "--simple-io"]  # with its warm-up run, which its perf counters leave out
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     match = _EVAL.search(done.stderr)
     if done.returncode != 0:
@@ -151,11 +158,13 @@ def run_llamacpp(bin_dir: Path, gguf: Path, prompt: str, new_tokens: int, thread
         raise RuntimeError("llama-completion's 'common_perf_print: eval time' line was not found: rebuild llama.cpp"
                            f" with scripts/build_llamacpp.sh (the pinned version): {done.stderr[-800:]}")
     sampling = _SAMPLING.search(done.stderr)
+    prompt_eval = _PROMPT_EVAL.search(done.stderr)
     ms, runs = float(match.group(1)) + (float(sampling.group(1)) if sampling else 0.0), int(match.group(2))
     if ms <= 0:
         raise RuntimeError(f"llama-completion reported {runs} runs in {ms} ms: no decode time to divide by")
     return LlamaCppRun(text=llamacpp_answer(done.stdout), decode_tps=runs / (ms / 1000),
-                       sampling_timed=sampling is not None)
+                       sampling_timed=sampling is not None,
+                       prompt_tokens=int(prompt_eval.group(1)) if prompt_eval else None)
 
 
 @dataclass
@@ -264,23 +273,28 @@ class _Tally:
         self.tps.append(tps)
         self.keys.append(key)
 
-    def median_over(self, keys: list[tuple[int, int]]) -> float:
-        """The median over the runs of these (run, prompt) keys: a method that ran on fewer prompts (no draft
-        for a domain, or halted) is compared with this one on the prompts it ran."""
-        wanted = set(keys)
-        return statistics.median(t for t, k in zip(self.tps, self.keys, strict=True) if k in wanted)
+    def median(self) -> float:
+        return statistics.median(self.tps)
+
+    def vs(self, base: _Tally) -> float | None:
+        """This method's rate over ``base``'s, paired (stats.paired_ratio): per (run, prompt) both have a rate for
+        (a method that ran on fewer prompts, with no draft for a domain or halted, is compared on those it ran)."""
+        rates = dict(zip(base.keys, base.tps, strict=True))
+        shared = [(t, rates[k]) for t, k in zip(self.tps, self.keys, strict=True) if k in rates]
+        return paired_ratio([t for t, _ in shared], [b for _, b in shared])
 
 
-def speculative_choice(tps_by_method: dict[str, float], llamacpp_tps: float) -> dict:
-    """The fastest speculative configuration on one forward path and, beside it, the slowest. The best of several
-    noisy medians is biased upwards (the same runs pick it and report it); the worst is a figure no choice
-    inflated, so a goal it meets holds whichever configuration a user runs."""
-    best = max(tps_by_method, key=tps_by_method.get)
-    worst = min(tps_by_method, key=tps_by_method.get)
+def speculative_choice(tps_by_method: dict[str, float], vs_llamacpp: dict[str, float | None]) -> dict:
+    """The fastest speculative configuration on one forward path (by median rate) and, beside it, the median
+    configuration and the slowest, each with its paired ratio to llama.cpp (``vs_llamacpp``). The best of several
+    noisy medians is biased upwards (the same runs pick it and report it); the median and the worst are figures no
+    choice inflated, and a goal the worst meets holds whichever configuration a user runs."""
+    ranked = sorted(tps_by_method, key=tps_by_method.get)  # of an even count, the lower middle one is the median
+    best, worst, middle = ranked[-1], ranked[0], ranked[(len(ranked) - 1) // 2]
     return {"speculative_tps": tps_by_method[best], "speculative_method": best,
-            "speculative_vs_llamacpp": ratio(tps_by_method[best], llamacpp_tps),
-            "speculative_worst_method": worst,
-            "speculative_worst_vs_llamacpp": ratio(tps_by_method[worst], llamacpp_tps)}
+            "speculative_vs_llamacpp": vs_llamacpp[best],
+            "speculative_median_method": middle, "speculative_median_vs_llamacpp": vs_llamacpp[middle],
+            "speculative_worst_method": worst, "speculative_worst_vs_llamacpp": vs_llamacpp[worst]}
 
 
 def run_llamacpp_bench(
@@ -320,7 +334,9 @@ def run_llamacpp_bench(
     }
     result: dict = {"gguf": str(gguf), "paths": list(targets), "gamma": cfg.gamma, "max_new_tokens": cfg.max_new_tokens,
                     "prompts": len(prompts), "runs": cfg.runs, "metric": "decode tokens/s: tokens after the first"
-                    " over their decoding wall time (prompt encoding excluded), median over prompts and runs; plain"
+                    " over their decoding wall time (prompt encoding excluded), median over prompts and runs; every"
+                    " ratio paired: the median over prompts and runs of the two methods' rates on the same prompt;"
+                    " every program warmed up outside its timing; plain"
                     " llama.cpp's over its own reported eval and sampling time, which leaves out its loop's other"
                     " work (detokenizing, printing): a timing in its favour",
                     "llamacpp_speculative": spec_info, "llamacpp_speculative_reason": spec_reason,
@@ -342,6 +358,7 @@ def run_llamacpp_bench(
         identical = dict.fromkeys(targets, True)
         same_text = dict.fromkeys(targets, 0)
         sampling_timed = True
+        mismatched: list[dict] = []  # prompts whose token count llama.cpp reported otherwise than the engine's
         # warm-up: lazy initialisation, kernel packing, and adaptive gamma's one-off forward timings
         # for every target/draft pair (measured once per model object, outside the timed runs)
         for target in targets.values():
@@ -359,6 +376,8 @@ def run_llamacpp_bench(
                         tally[method].add((run, i), out.decode_tps)
                         llama_text = out.text
                         sampling_timed &= out.sampling_timed
+                        if out.prompt_tokens is not None and out.prompt_tokens != len(ids) and run == 0:
+                            mismatched.append({"prompt": i, "engine": len(ids), "llamacpp": out.prompt_tokens})
                         continue
                     if method in spec_counts:
                         draft_gguf = spec_drafts.get(domain) if method == "llamacpp_speculative" else None
@@ -397,43 +416,40 @@ def run_llamacpp_bench(
                     same_text[path] += decode(outputs[f"{path}:alone"], skip_special_tokens=True).strip() == llama_text
                 if progress is not None:
                     progress.update(1)
-        llama = statistics.median(tally["llamacpp"].tps)
-        row: dict = {"llamacpp_tps": llama, "paths": {},
-                     "llamacpp_timing": "eval + sampling time" if sampling_timed else "eval time (no sampling line)"}
+        llama = tally["llamacpp"]
+        row: dict = {"llamacpp_tps": llama.median(), "paths": {},
+                     "llamacpp_timing": "eval + sampling time" if sampling_timed else "eval time (no sampling line)",
+                     "prompt_tokens_mismatched": mismatched}
         for name, (drafted, accepted) in spec_counts.items():
             if name in halted or not tally.get(name, _Tally()).tps:  # a halted one's partial runs: not a figure
                 continue
-            spec_tps = statistics.median(tally[name].tps)
-            row[f"{name}_tps"] = spec_tps
-            row[f"{name}_vs_llamacpp"] = ratio(spec_tps, tally["llamacpp"].median_over(tally[name].keys))
+            row[f"{name}_tps"] = tally[name].median()
+            row[f"{name}_vs_llamacpp"] = tally[name].vs(llama)
             row[f"{name}_prompts"] = len(tally[name].tps)
             row[f"{name}_drafted"], row[f"{name}_accepted"] = drafted, accepted
             row[f"{name}_accept_rate"] = ratio(accepted, drafted)
         for path, target in targets.items():
-            alone = statistics.median(tally[f"{path}:alone"].tps)
-            # llama.cpp over the prompts this path's kinds have a rate for (an answer of one token has none; the
-            # kinds' outputs are the same, so are their prompts): a ratio over the prompts both ran
-            llama_here = tally["llamacpp"].median_over(tally[f"{path}:alone"].keys)
-            fixed = statistics.median(tally[f"{path}:speculative"].tps)
-            adaptive = statistics.median(tally[f"{path}:adaptive"].tps)
-            with_lookup = statistics.median(tally[f"{path}:adaptive_lookup"].tps)
-            lookup_alone = statistics.median(tally[f"{path}:lookup"].tps)
-            spec_by = {"fixed gamma": fixed, "adaptive gamma": adaptive, "adaptive gamma + context lookup": with_lookup,
-                       "context lookup, no draft": lookup_alone}
+            alone = tally[f"{path}:alone"].median()
+            fixed = tally[f"{path}:speculative"].median()
+            adaptive = tally[f"{path}:adaptive"].median()
+            with_lookup = tally[f"{path}:adaptive_lookup"].median()
+            lookup_alone = tally[f"{path}:lookup"].median()
+            spec_kinds = {"fixed gamma": "speculative", "adaptive gamma": "adaptive",
+                          "adaptive gamma + context lookup": "adaptive_lookup", "context lookup, no draft": "lookup"}
             share = {k: copied[path, k] / iterations[path, k] if iterations[path, k] else 0.0
                      for p, k in copied if p == path}
             with_store: dict = {}
             if cfg.datastore is not None:
                 with_store = {
-                    "datastore_alone_tps": statistics.median(tally[f"{path}:datastore"].tps),
-                    "speculative_adaptive_datastore_tps": statistics.median(tally[f"{path}:adaptive_datastore"].tps),
+                    "datastore_alone_tps": tally[f"{path}:datastore"].median(),
+                    "speculative_adaptive_datastore_tps": tally[f"{path}:adaptive_datastore"].median(),
                     "datastore_share": share["adaptive_datastore"],
                     "datastore_alone_share": share["datastore"],
                 }
-                spec_by["adaptive gamma + context lookup + datastore"] = \
-                    with_store["speculative_adaptive_datastore_tps"]
-                spec_by["context lookup + datastore, no draft"] = with_store["datastore_alone_tps"]
-            choice = speculative_choice(spec_by, llama_here)
+                spec_kinds["adaptive gamma + context lookup + datastore"] = "adaptive_datastore"
+                spec_kinds["context lookup + datastore, no draft"] = "datastore"
+            choice = speculative_choice({name: tally[f"{path}:{k}"].median() for name, k in spec_kinds.items()},
+                                        {name: tally[f"{path}:{k}"].vs(llama) for name, k in spec_kinds.items()})
             row["paths"][path] = {
                 "target_alone_tps": alone,
                 "speculative_fixed_gamma_tps": fixed,
@@ -445,9 +461,10 @@ def run_llamacpp_bench(
                 **with_store,
                 **choice,
                 "mean_accepted": tally[f"{path}:speculative"].accepted.mean_accepted,
-                "adaptive_vs_fixed_gamma": ratio(adaptive, fixed),
-                "target_alone_vs_llamacpp": ratio(alone, llama_here),
-                "speculative_vs_target_alone": ratio(choice["speculative_tps"], alone),
+                "adaptive_vs_fixed_gamma": tally[f"{path}:adaptive"].vs(tally[f"{path}:speculative"]),
+                "target_alone_vs_llamacpp": tally[f"{path}:alone"].vs(llama),
+                "speculative_vs_target_alone": tally[f"{path}:{spec_kinds[choice['speculative_method']]}"].vs(
+                    tally[f"{path}:alone"]),
                 "outputs_identical": identical[path],
                 "same_text_as_llamacpp": same_text[path] / (len(prompts) * cfg.runs),
                 "forward": forward_profile(target, cfg.gamma, vocab),

@@ -579,3 +579,25 @@ def test_a_setter_that_raises_answers_the_parameter_call_with_the_reason(h, monk
     [result] = h.set_params(**{"diagnostics.window_goals": before + 1})
     assert not result.successful and "applying it failed (AttributeError" in result.reason
     assert h.get_param("diagnostics.window_goals") == before
+
+
+def test_a_change_that_fails_while_applied_leaves_the_runtime_on_the_values_the_parameters_show(h, monkeypatch):
+    """The controller took memspec.* before the other steps of the same change ran: when a later one raised, the
+    change was answered "failed" and `ros2 param get` showed the old K while the controller ran the new one (and a
+    setter that had run kept its new value). Every step before the failure is now undone."""
+    from memspec_ros.ros import param_handler
+
+    controller = h.node.loaded.controller
+    window = h.node._window
+    capacity, goals = controller.next_config.capacity, h.get_param("diagnostics.window_goals")
+
+    def broken(live, wanted, cache):  # the registry swap, the last step, after the setters and the controller
+        raise OSError("the drafts' folder went away")
+
+    monkeypatch.setattr(param_handler, "replace_entries", broken)
+    result = h.set_params_atomically(**registry_file_params(), **{"memspec.capacity": capacity + 1,
+                                                                   "diagnostics.window_goals": goals + 1})
+    assert not result.successful and "applying it failed (OSError" in result.reason and "undone" in result.reason
+    assert controller.next_config.capacity == controller.config.capacity == capacity
+    assert h.get_param("memspec.capacity") == capacity and h.get_param("diagnostics.window_goals") == goals
+    assert window._goals.maxlen == goals  # the setter given its old value back

@@ -8,7 +8,8 @@
 * the rest are read per goal or per publication.
 
 A change is all or nothing: it is refused with the reason, and nothing applied, unless every value is valid
-and the runtime takes it.
+and the runtime takes it. Everything is checked before anything is applied; a step that still fails while
+applying (a setter raising) undoes the steps before it, so the runtime keeps the values `ros2 param get` shows.
 """
 
 from __future__ import annotations
@@ -137,37 +138,58 @@ class ParameterHandler:
             self._check(new, lo)
             registry = self._registry(new, lo)
             self._check_general_draft(new, lo, registry)
-            runtime = self._reconfigure(new, lo, registry)
+            runtime = self._check_runtime(new, lo, registry)
         except Refused as exc:
             self._node.get_logger().warning(f"parameter change rejected: {exc}")
             return SetParametersResult(successful=False, reason=str(exc))
         try:
-            self._apply(new, lo, registry)
+            self._apply(new, lo, registry, runtime)
         except Exception as exc:  # rclpy's parameter service catches none: `ros2 param set` got no answer at all
             self._node.get_logger().error(f"parameter change failed while being applied: {type(exc).__name__}: {exc}")
             return SetParametersResult(successful=False, reason=(
-                f"applying it failed ({type(exc).__name__}: {exc}); what was applied before the failure stays:"
-                " see the node's log"))
+                f"applying it failed ({type(exc).__name__}: {exc}); the steps applied before it were undone, except"
+                " any the node's log names"))
         if runtime or registry is not None:
             running, _ = self._runner.counts()
             self._node.get_logger().info(f"parameters set: {', '.join(f'{k}={v!r}' for k, v in new.items())}"
                                          + (" (applied at the next scheduling point)" if running else ""))
         return SetParametersResult(successful=True)
 
-    def _apply(self, new: dict[str, Any], lo, registry) -> None:
-        """A checked change, applied: the registry swapped, then each setter."""
-        if registry is not None:
-            with self._runner.no_goal_starting() as running:
-                replace_entries(lo.registry, registry, None if running else lo.controller.cache)
-                # a resident draft whose files were restored or replaced is read again when the next goal starts,
-                # on that goal's thread (evict_changed must not run beside a generation, and its stat of every
-                # draft's files, slow on failing storage, must not run here holding the runner's lock, which every
-                # goal callback and the diagnostics wait for)
-                lo.controller.recheck_files_later()
-            lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
-        for name, value in new.items():
-            if name in self._setters:
-                self._setters[name](value)
+    def _apply(self, new: dict[str, Any], lo, registry, runtime: dict[str, Any]) -> None:
+        """A checked change, applied: each setter, then the controller's settings, then the registry swapped. A
+        step that raises undoes the ones before it (a setter is given its old value, the controller its old
+        settings) and the exception goes on; the registry swap, which can fail halfway, comes last."""
+        undo: list[tuple[str, Callable[[], Any]]] = []
+        try:
+            for name, value in new.items():
+                if name in self._setters:
+                    old = self._node.get_parameter(name).value  # stored only once every callback has returned
+                    self._setters[name](value)
+                    undo.append((name, lambda setter=self._setters[name], old=old: setter(old)))
+            if lo is not None and runtime:
+                config = lo.controller.next_config
+                before = {field: getattr(config, field) for field in runtime}
+                lo.controller.reconfigure(for_registry=registry, **runtime)
+                undo.append((", ".join(n for n in new if n in P.RUNTIME_FIELDS),
+                             lambda: lo.controller.reconfigure(**before)))
+            if registry is not None:
+                with self._runner.no_goal_starting() as running:
+                    replace_entries(lo.registry, registry, None if running else lo.controller.cache)
+                    # a resident draft whose files were restored or replaced is read again when the next goal
+                    # starts, on that goal's thread (evict_changed must not run beside a generation, and its stat
+                    # of every draft's files, slow on failing storage, must not run here holding the runner's lock,
+                    # which every goal callback and the diagnostics wait for)
+                    lo.controller.recheck_files_later()
+                lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
+        except Exception:
+            for name, step in reversed(undo):
+                try:
+                    step()
+                except Exception as exc:  # logged by name: the reply says the log names what was not undone
+                    self._node.get_logger().error(f"parameter change: undoing {name} failed, so the runtime keeps"
+                                                  f" the new value while the parameter keeps the old:"
+                                                  f" {type(exc).__name__}: {exc}")
+            raise
 
     def _check(self, new: dict[str, Any], lo) -> None:
         if "" in new:  # rclpy would declare a parameter without a name (found by test_node_fuzz)
@@ -253,13 +275,14 @@ class ParameterHandler:
             raise Refused(str(exc)) from exc
 
     @staticmethod
-    def _reconfigure(new: dict[str, Any], lo, registry) -> dict[str, Any]:
-        """memspec.* changes handed to the controller (at the next scheduling point if a goal runs), checked against
-        ``registry`` where the same change replaces the drafts (None: the registry in use)."""
+    def _check_runtime(new: dict[str, Any], lo, registry) -> dict[str, Any]:
+        """memspec.* changes as the controller's fields, checked by it (nothing applied yet) against ``registry``
+        where the same change replaces the drafts (None: the registry in use). _apply hands them to it (at the
+        next scheduling point if a goal runs)."""
         runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS}
         if lo is not None and runtime:
             try:
-                lo.controller.reconfigure(for_registry=registry, **runtime)
-            except Exception as exc:  # ValueError / PolicyError naming the field; nothing changed
+                lo.controller.check_reconfigure(for_registry=registry, **runtime)
+            except Exception as exc:  # ValueError / PolicyError naming the field
                 raise Refused(str(exc)) from exc
         return runtime

@@ -332,26 +332,36 @@ class RuntimeController:
         the policy is checked against, where the caller replaces the one in use in the same change (a policy valid
         only with the new drafts was refused against the old).
         """
-        known = {f.name for f in dataclasses.fields(RuntimeConfig)}
-        for key in changes:
-            if key not in known:
-                raise ValueError(f"{key} is not a runtime setting: use one of {', '.join(sorted(known))}")
         with self._lock:
-            base = self._pending or self.config
-            new = dataclasses.replace(base, **changes).validate()
-            self._check_policy(new, for_registry)
-            names = (for_registry if for_registry is not None else self.registry).names()
-            named = {"policy", "general_draft"} & set(changes) and new.policy == "general-static"
-            if named and names and new.general_draft not in names:
-                # a change naming a draft the registry lacks (a typo) ran another one: general-static's own
-                # fallback is for a draft that failed or left, and a registry of no drafts runs the target alone
-                raise PolicyError(f"general_draft {new.general_draft!r} is not in the draft registry"
-                                  f" ({', '.join(names)}): policy general-static runs that draft")
+            new = self._checked_change(for_registry, changes)
             if self._running:
                 self._pending = new
             else:
                 self._apply(new)
             return new
+
+    def check_reconfigure(self, *, for_registry: DraftRegistry | None = None, **changes) -> RuntimeConfig:
+        """What :meth:`reconfigure` would apply, checked the same way (the same errors), with nothing applied: a
+        caller that changes other things in the same step checks them all before it applies any."""
+        with self._lock:
+            return self._checked_change(for_registry, changes)
+
+    def _checked_change(self, for_registry: DraftRegistry | None, changes: dict) -> RuntimeConfig:
+        """The settings after ``changes``, validated; the caller holds ``_lock``."""
+        known = {f.name for f in dataclasses.fields(RuntimeConfig)}
+        for key in changes:
+            if key not in known:
+                raise ValueError(f"{key} is not a runtime setting: use one of {', '.join(sorted(known))}")
+        new = dataclasses.replace(self._pending or self.config, **changes).validate()
+        self._check_policy(new, for_registry)
+        names = (for_registry if for_registry is not None else self.registry).names()
+        named = {"policy", "general_draft"} & set(changes) and new.policy == "general-static"
+        if named and names and new.general_draft not in names:
+            # a change naming a draft the registry lacks (a typo) ran another one: general-static's own
+            # fallback is for a draft that failed or left, and a registry of no drafts runs the target alone
+            raise PolicyError(f"general_draft {new.general_draft!r} is not in the draft registry"
+                              f" ({', '.join(names)}): policy general-static runs that draft")
+        return new
 
     @property
     def next_config(self) -> RuntimeConfig:

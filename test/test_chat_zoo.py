@@ -1094,6 +1094,18 @@ def test_the_card_of_a_chat_zoo_reads_its_own_builds_work_dir(tiny_build, monkey
     assert seen == [Path(tiny_build.work_dir)]  # the work_dir its build_config.json records
 
 
+def test_a_build_run_elsewhere_with_a_relative_work_dir_is_found_again(tiny_build, tmp_path, monkeypatch):
+    """build_config.json recorded the work dir as given, and a relative one was read back from the source tree's
+    root: a build run from another folder had its card and its gptq answers looked up in a folder it never used."""
+    from memspec_ros.zoo.chat_build import ChatZooBuild, recorded_work_dir
+
+    work = Path(tiny_build.work_dir)
+    monkeypatch.chdir(work.parent)
+    out = tmp_path / "elsewhere"
+    ChatZooBuild(replace(tiny_build, work_dir=Path(work.name), out_dir=out)).run(["export"])
+    assert recorded_work_dir(out) == work.resolve()
+
+
 def test_the_predictor_can_learn_from_answers_the_drafts_never_trained_on(tiny_build, tmp_path, capsys):
     """Labels from the drafts' own training answers favour the domain drafts (fine-tuned on them) more than new
     requests do: --unseen-by-drafts keeps the build's validation bucket only, which no draft trained on."""

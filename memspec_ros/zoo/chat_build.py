@@ -118,8 +118,8 @@ def recorded_build(models: Path) -> dict | None:
 
 
 def recorded_work_dir(models: Path) -> Path | None:
-    """The work dir of the build that made the zoo in ``models`` (its build_config.json), if it exists here; a
-    relative one is read from the source tree's root, where `memspec-zoo build` runs."""
+    """The work dir of the build that made the zoo in ``models`` (its build_config.json), if it exists here. Builds
+    record it resolved; a relative one (an older build's) is read from the source tree's root, where those ran."""
     recorded = (recorded_build(models) or {}).get("work_dir")
     if not recorded:
         return None
@@ -490,7 +490,10 @@ class ChatZooBuild:
             if meta.is_file():
                 shutil.copy(meta, dest / "train_meta.json")
         shutil.copytree(self.workload_dir, staging / "workloads")
-        (staging / "build_config.json").write_text(json.dumps(asdict(self.cfg), indent=1, default=str))
+        # the work dir resolved: recorded as given (relative to where the build ran), it was read back from the
+        # source tree's root, another folder for a build run elsewhere or from an installed package
+        config = {**asdict(self.cfg), "work_dir": self.w.resolve()}
+        (staging / "build_config.json").write_text(json.dumps(config, indent=1, default=str))
         moves = [Path("drafts") / name for name in DOMAINS] + [Path("workloads"), Path("build_config.json")]
         # set aside before the first move: compared after the moves, an export cut short between them and the
         # comparison found the new drafts on both sides when rerun, and the old predictor stayed for good

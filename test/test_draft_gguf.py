@@ -130,6 +130,20 @@ def _rope_llamacpp(q: np.ndarray, pos: int, theta: float) -> np.ndarray:
     return out
 
 
+def test_the_export_reads_the_weight_files_the_engine_loads(tmp_path):
+    """Every *.safetensors in the folder went into the GGUF, a later file's tensors over an earlier's: a stray
+    older shard beside model.safetensors (which alone the engine loads) put other weights into llama.cpp's draft."""
+    from safetensors.numpy import load_file, save_file
+
+    from memspec_ros.zoo.draft_gguf import _read_draft
+
+    draft_dir = reduced_draft(tmp_path, tied=False)
+    loaded = load_file(str(draft_dir / "model.safetensors"))
+    save_file({k: np.zeros_like(v) for k, v in loaded.items()}, str(draft_dir / "zz-old.safetensors"))
+    _, read = _read_draft(draft_dir)
+    assert read.keys() == loaded.keys() and all(np.array_equal(read[k], loaded[k]) for k in loaded)
+
+
 def test_permuted_q_k_rows_give_the_same_attention_scores_under_llamacpp_rope():
     rng = np.random.default_rng(0)
     heads, kv_heads, d, hidden = 4, 2, 16, 64

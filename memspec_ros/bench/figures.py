@@ -290,7 +290,7 @@ def predictor_report(predictor_dir: Path) -> Path:
 
 
 def table2(report_path: Path) -> dict:
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.is_file() else {}
     rows = {}
     for encoder, inputs in report.get("encoders", {}).items():
         for name in ("prompt", "recent", "prompt+recent"):
@@ -624,17 +624,17 @@ def rerender(out: Path) -> None:
     if missing:
         raise FileNotFoundError(f"{out}: no {' or '.join(missing)}; --render-only redraws what `memspec-bench paper`"
                                 " wrote there (run it first, or give its --out)")
-    index = json.loads((out / "paper.json").read_text())
-    items = {name: json.loads((out / f"{name}.json").read_text()) for name in index["items"]}
+    index = json.loads((out / "paper.json").read_text(encoding="utf-8"))
+    items = {name: json.loads((out / f"{name}.json").read_text(encoding="utf-8")) for name in index["items"]}
     for name, item in items.items():
         plot(item, out / f"{name}.png", item.get("context", ""))
-    write_readme(out, items, json.loads((out / "policies.json").read_text()), index)
+    write_readme(out, items, json.loads((out / "policies.json").read_text(encoding="utf-8")), index)
 
 
 def write_readme(out: Path, items: dict, result: dict, index: dict) -> None:
     """Replace the generated part of ``out``/README.md (between the markers) with the items."""
     readme = out / "README.md"
-    text = readme.read_text() if readme.is_file() else "# Results\n"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else "# Results\n"
     body = render(items, result, index, out)
     if BEGIN in text and END in text:
         text = text[: text.index(BEGIN)] + body + text[text.index(END) + len(END):]

@@ -45,7 +45,7 @@ def read_vocab_map(path: str | Path, draft_vocab_size: int) -> tuple[list[int], 
     """(target id of each draft row, target vocabulary size), checked against the model's width."""
     file = Path(path) / VOCAB_FILE
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_text(encoding="utf-8"))
         raw, target_size = data["target_ids"], int(data["target_vocab_size"])
         # a list of integers, none empty: a string of digits iterated to ids, or [] min()-ed, slipped through
         if not isinstance(raw, list) or not raw or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):

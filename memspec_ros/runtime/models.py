@@ -162,7 +162,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
             f"{config_file} is missing: {root} is not a Hugging Face model directory (save it with save_pretrained)"
         )
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelDirectoryError(
             f"{config_file} is not valid JSON ({exc}): restore the file from the original model"
@@ -212,7 +212,7 @@ def _check_shard_index(root: Path) -> list[str]:
     named: list[str] = []
     for index in sorted(root.glob("*.safetensors.index.json")):  # (a .bin index: transformers ignores it here)
         try:
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise ModelDirectoryError(f"{index} is not a valid shard index ({exc}): restore it from the original"
                                       " model") from exc

@@ -106,7 +106,7 @@ class ContinuationCache:
         self.entries: dict[str, list[int]] = {}
         self.hits = self.misses = 0
         if self.path is not None and self.path.is_file():
-            self.entries = json.loads(self.path.read_text())
+            self.entries = json.loads(self.path.read_text(encoding="utf-8"))
 
     def continuation(self, target: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
                      eos_token_ids: Sequence[int] = ()) -> list[int]:
@@ -125,7 +125,7 @@ class ContinuationCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # merge what another run saved since this one loaded: two runs sharing the file keep both
         if self.path.is_file():
-            self.entries = {**json.loads(self.path.read_text()), **self.entries}
+            self.entries = {**json.loads(self.path.read_text(encoding="utf-8")), **self.entries}
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.entries))
         os.replace(tmp, self.path)  # atomic: an interrupted run never leaves half a file

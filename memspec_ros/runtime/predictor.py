@@ -572,7 +572,7 @@ class RankingHead(torch.nn.Module):
                 " train one with `memspec-train-predictor`, or choose a policy that needs no predictor"
             )
         try:
-            config = HeadConfig(**json.loads((root / HEAD_CONFIG).read_text()))
+            config = HeadConfig(**json.loads((root / HEAD_CONFIG).read_text(encoding="utf-8")))
         except (TypeError, ValueError, OSError) as exc:  # a JSONDecodeError, a file that is not UTF-8, unreadable
             raise PredictorError(
                 f"{root / HEAD_CONFIG} is not a predictor config ({exc}): retrain the predictor"

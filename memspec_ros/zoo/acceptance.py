@@ -109,7 +109,7 @@ def load_zoo(models_dir: Path):
     import yaml
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    reg = yaml.safe_load((models_dir / "registry.yaml").read_text())
+    reg = yaml.safe_load((models_dir / "registry.yaml").read_text(encoding="utf-8"))
     tpath = models_dir / (reg["target"]["path"] if isinstance(reg["target"], dict) else reg["target"])
     # local_files_only: a folder that is missing was taken for a Hub repository id and fetched from the network
     tok = PreTrainedTokenizerFast.from_pretrained(str(tpath), local_files_only=True)

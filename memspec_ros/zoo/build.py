@@ -341,7 +341,7 @@ class ZooBuild:
                                   self.cfg.seed + 12, [self.rollouts_path])
         if (self.hf_dir("general") / "config.json").exists():
             return _log("general: cached")
-        base = json.loads((self.hf_dir("general-base") / "train_meta.json").read_text())
+        base = json.loads((self.hf_dir("general-base") / "train_meta.json").read_text(encoding="utf-8"))
         self._save("general", self._load("general-base"), {**base, "copy_of": "general-base"})
         _log("general: general-base as it is (paper recipe)")
 
@@ -390,7 +390,7 @@ class ZooBuild:
 
         recorded, now = self.w / "build_settings.json", build_settings(self.cfg)
         if recorded.is_file():
-            was = json.loads(recorded.read_text())
+            was = json.loads(recorded.read_text(encoding="utf-8"))
             if was != now:
                 raise ValueError(f"{self.w} holds a build with other settings ({identity_changes(was, now)}):"
                                  " build in another --work-dir, or remove this one to build it again")

@@ -131,11 +131,11 @@ def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int 
         print(name, out["models"][name], flush=True)
     out["phases"] = build_phases(work_dir)
     rollouts = work_dir / "data" / "rollouts.json"
-    out["rollouts"] = json.loads(rollouts.read_text()) if rollouts.exists() else None
+    out["rollouts"] = json.loads(rollouts.read_text(encoding="utf-8")) if rollouts.exists() else None
     extra = work_dir / "data" / "domain_rollouts.json"
-    out["domain_rollouts"] = json.loads(extra.read_text()) if extra.exists() else None
+    out["domain_rollouts"] = json.loads(extra.read_text(encoding="utf-8")) if extra.exists() else None
     stats_path = work_dir / "data" / "stats.json"
-    out["data"] = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    out["data"] = json.loads(stats_path.read_text(encoding="utf-8")) if stats_path.exists() else {}
     out["vocab_size"] = len(tok)
     return out
 
@@ -151,7 +151,7 @@ def build_phases(work_dir: Path) -> dict[str, dict]:
         path = work_dir / "hf" / name / "train_meta.json"
         if not path.exists():
             continue
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8"))
         if name == "target":
             objective = "next-token CE on the corpus mixture"
             if "start" in meta:
@@ -471,12 +471,12 @@ def write_card(
 ) -> Path:
     cache = work_dir / "card_measurements.json"
     key = models_fingerprint(models_dir)
-    m = json.loads(cache.read_text()) if cache.exists() else {}
+    m = json.loads(cache.read_text(encoding="utf-8")) if cache.exists() else {}
     if m.get("models_fingerprint") != key or m.get("version") != MEASUREMENTS_VERSION:
         m = {**measure(models_dir, work_dir, threads), "models_fingerprint": key, "version": MEASUREMENTS_VERSION}
         cache.write_text(json.dumps(m, indent=1))
-    acc = json.loads(acceptance_json.read_text()) if acceptance_json else None
+    acc = json.loads(acceptance_json.read_text(encoding="utf-8")) if acceptance_json else None
     out = models_dir / "MODEL_CARD.md"
-    notes = notes_file.read_text() if notes_file else ""
+    notes = notes_file.read_text(encoding="utf-8") if notes_file else ""
     out.write_text(render(m, acc, notes))
     return out

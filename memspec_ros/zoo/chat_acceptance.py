@@ -51,8 +51,8 @@ def trained_material(zoo: Path) -> set[str]:
     600 held-out requests ask what a training request asked)."""
     from .chat_workloads import request_material
 
-    built = json.loads((Path(zoo) / "build_config.json").read_text())
-    lines = (Path(zoo) / "workloads" / "train_requests.jsonl").read_text().splitlines()
+    built = json.loads((Path(zoo) / "build_config.json").read_text(encoding="utf-8"))
+    lines = (Path(zoo) / "workloads" / "train_requests.jsonl").read_text(encoding="utf-8").splitlines()
     lines = lines[: built.get("teacher_train_requests") or None]
     return set().union(*(request_material(json.loads(line)["prompt"]) for line in lines))
 

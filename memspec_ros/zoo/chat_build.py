@@ -114,7 +114,7 @@ def _log(msg: str) -> None:
 def recorded_build(models: Path) -> dict | None:
     """The settings of the build that made the zoo in ``models`` (the build_config.json export writes), if any."""
     config = Path(models) / "build_config.json"
-    return json.loads(config.read_text()) if config.is_file() else None
+    return json.loads(config.read_text(encoding="utf-8")) if config.is_file() else None
 
 
 def recorded_work_dir(models: Path) -> Path | None:
@@ -143,7 +143,7 @@ def _check_cached(name: str, final: Path, identity: dict, cfg: TrainConfig | Non
     meta_path = final / "train_meta.json"
     if not meta_path.is_file():
         return
-    meta = json.loads(meta_path.read_text())
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
     if cfg is not None:  # a draft the minutes cut short, asked for with more of them
         check_cap(meta, cfg, final.parent)
     was = meta.get("identity")
@@ -270,7 +270,7 @@ class ChatZooBuild:
         path = self.w / "vocab.json"
         if not path.is_file():
             raise ValueError(f"no {path}: the drafts' vocabulary comes from the vocab stage; run it (after teacher)")
-        return json.loads(path.read_text())["target_ids"]
+        return json.loads(path.read_text(encoding="utf-8"))["target_ids"]
 
     def train_answers(self):
         """The teacher's answers to the first N training requests, checked against the current requests: answer
@@ -312,7 +312,8 @@ class ChatZooBuild:
         settings = json.loads(json.dumps(asdict(self.cfg.workloads), default=str))
         recorded = self.workload_dir / "workload_config.json"
         if (self.workload_dir / "train_requests.jsonl").is_file():
-            was = json.loads(recorded.read_text()) if recorded.is_file() else settings  # older builds: unrecorded
+            # older builds: unrecorded
+            was = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else settings
             if was != settings:  # cached requests of other settings were used without a word
                 raise ValueError(f"the workloads in {self.workload_dir} were written with other settings"
                                  f" ({identity_changes(was, settings)}): remove that folder (and the teacher's"
@@ -352,7 +353,7 @@ class ChatZooBuild:
         path = self.w / "vocab.json"
         answers = self.learning_answers()
         if path.is_file():
-            was = json.loads(path.read_text())
+            was = json.loads(path.read_text(encoding="utf-8"))
             made = {k: was[k] for k in ("requested_rows", "answers", "answers_digest") if k in was}  # older: unrecorded
             now = {"requested_rows": self.cfg.arch.rows, "answers": len(answers),
                    "answers_digest": answers_digest(answers)}

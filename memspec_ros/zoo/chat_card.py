@@ -85,7 +85,7 @@ def _build_file(build: Path, models_dir: Path, name: str, shipped: str) -> dict:
     exported), and the card can be measured again on a machine without the hours-long build behind it."""
     for f in (models_dir / shipped, build / name):
         if f.is_file():
-            return json.loads(f.read_text())
+            return json.loads(f.read_text(encoding="utf-8"))
     return {}
 
 
@@ -211,29 +211,30 @@ def write_chat_card(models_dir: Path, build: Path, acceptance_json: Path, notes:
     reduced vocabulary's coverage comes from the build (``vocab.json``), else from the measurements kept before."""
     kept = models_dir / "card_measurements.json"
     vocab_file = build / "vocab.json"
-    built = json.loads(vocab_file.read_text()) if vocab_file.is_file() else None
+    built = json.loads(vocab_file.read_text(encoding="utf-8")) if vocab_file.is_file() else None
     shipped = models_dir / "drafts" / "general" / "draft_vocab.json"
-    if built is not None and shipped.is_file() and json.loads(shipped.read_text())["target_ids"] != built["target_ids"]:
+    if (built is not None and shipped.is_file()
+            and json.loads(shipped.read_text(encoding="utf-8"))["target_ids"] != built["target_ids"]):
         # a work dir recorded by a relative path (or given) holds another build's vocabulary: its coverage is not
         # these drafts'
         raise ValueError(f"{vocab_file} is another build's vocabulary than the drafts' ({shipped}): pass the work"
                          " directory of the build that made them (--work-dir)")
     if built is not None:
         vocab = {k: built[k] for k in VOCAB_KEYS}
-    elif kept.is_file() and "vocab" in json.loads(kept.read_text()):
-        vocab = json.loads(kept.read_text())["vocab"]
+    elif kept.is_file() and "vocab" in json.loads(kept.read_text(encoding="utf-8")):
+        vocab = json.loads(kept.read_text(encoding="utf-8"))["vocab"]
     else:
         raise FileNotFoundError(f"{vocab_file} is missing and {kept} keeps no vocabulary figures: pass the zoo"
                                 " build's work directory (--work-dir)")
     # what is read is read before the (minutes of) measuring, and both files are written at the end: a missing
     # acceptance JSON or notes file failed after the measurements were written, the card not, so they disagreed
-    acceptance = json.loads(acceptance_json.read_text())
+    acceptance = json.loads(acceptance_json.read_text(encoding="utf-8"))
     missing = sorted({w for row in acceptance["matrix"].values() for w in WORKLOADS if w not in row})
     if missing:  # a KeyError after the minutes of measuring
         raise ValueError(f"{acceptance_json} has no {', '.join(missing)} workload (scored with --workloads-dir?):"
                          " the card reports the zoo's own workloads; pass an acceptance JSON of them"
                          " (--acceptance-json)")
-    appended = notes.read_text() if notes is not None else None
+    appended = notes.read_text(encoding="utf-8") if notes is not None else None
     measured = {**measure_latencies(models_dir), "vocab": vocab}
     text = render(measured, acceptance, build, models_dir)
     if appended is not None:

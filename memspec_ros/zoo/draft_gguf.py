@@ -93,14 +93,17 @@ def draft_digest(draft_dir: str | Path, target_gguf: str | Path | None = None) -
 def _read_draft(draft_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
     from safetensors.numpy import load_file
 
-    config = json.loads((draft_dir / "config.json").read_text())
+    config = json.loads((draft_dir / "config.json").read_text(encoding="utf-8"))
     arch = (config.get("architectures") or [""])[0]
     if config.get("model_type") != "llama" and arch != "LlamaForCausalLM":
         raise DraftGGUFError(f"{draft_dir}: a Llama draft is needed (model_type {config.get('model_type')!r})")
     tensors: dict[str, np.ndarray] = {}
-    files = sorted(draft_dir.glob("*.safetensors"))
-    if not files:
-        raise DraftGGUFError(f"{draft_dir}: no safetensors weights")
+    from ..runtime.models import ModelDirectoryError, safetensors_files
+
+    try:  # the files the engine loads (model.safetensors, else its index's shards): a stray older shard beside them
+        files = safetensors_files(draft_dir)  # went into the GGUF, and llama.cpp ran other weights than the engine
+    except ModelDirectoryError as exc:
+        raise DraftGGUFError(f"{draft_dir}: {exc}") from exc
     for file in files:
         tensors.update(load_file(str(file)))
     return config, tensors

@@ -65,7 +65,7 @@ def _log(msg: str) -> None:
 
 
 def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def default_answers_dir(models: Path) -> Path | None:
@@ -368,8 +368,8 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
         results[name]["speedup_vs_fp32_median_per_prompt"] = rounded(per_prompt, 3)
         results[name]["answer_perplexity_ratio_vs_fp32"] = rounded(
             ratio(results[name]["perplexity"]["answer"], fp["perplexity"]["answer"]), 4)
-    gptq_meta = json.loads((gptq_dir / MARKER).read_text()) if (gptq_dir / MARKER).is_file() else {}
-    quant = json.loads((gptq_dir / "config.json").read_text()).get("quantization_config", {})
+    gptq_meta = json.loads((gptq_dir / MARKER).read_text(encoding="utf-8")) if (gptq_dir / MARKER).is_file() else {}
+    quant = json.loads((gptq_dir / "config.json").read_text(encoding="utf-8")).get("quantization_config", {})
     return {
         "what": "SmolLM2-135M-Instruct (the bundled target) in fp32, the engine's own int4 path (Q4_1 grid, groups"
                 " of 32, ATen kernel, head int8) and GPTQ INT4 from GPT-QModel (groups of 32, LM head not quantized),"
@@ -534,7 +534,7 @@ def registry_target(models: Path) -> str:
     registry = models / "registry.yaml"
     if not registry.is_file():
         raise SystemExit(f"no zoo at {models} (registry.yaml missing): pass --models, or --target")
-    target = (yaml.safe_load(registry.read_text()) or {}).get("target") or {}
+    target = (yaml.safe_load(registry.read_text(encoding="utf-8")) or {}).get("target") or {}
     path = target.get("path", "") if isinstance(target, dict) else str(target)
     if not path:
         raise SystemExit(f"{models}/registry.yaml names no target: give --target")

@@ -112,7 +112,7 @@ def make_rollouts(
         windows = list(_prompt_windows(name, len(stream), cfg, gen))
         part = parts / f"{name}.safetensors"
         if part.exists():
-            done = json.loads(part.with_suffix(".json").read_text())
+            done = json.loads(part.with_suffix(".json").read_text(encoding="utf-8"))
             if done["config"] != asdict(cfg):
                 raise ValueError(
                     f"{part} was made with {done['config']}, not {asdict(cfg)}: delete {parts} to start over"

@@ -159,7 +159,7 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
         raise FileNotFoundError(f"no training requests at {requests}: the datastore's answers pair with the zoo's"
                                 " workloads/train_requests.jsonl (pass the zoo's models/datastore.safetensors)")
     stored, meta = read_answers(datastore, tokenizer_fingerprint(tokenizer))
-    rows = [json.loads(line) for line in requests.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in requests.read_text(encoding="utf-8").splitlines() if line.strip()]
     if len(stored) > len(rows):  # the answers after the last request were dropped without a word
         raise ValueError(f"{datastore} holds {len(stored)} answers but {requests} only {len(rows)} requests: the"
                          " datastore was made for other requests; give the zoo it was built with")
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(a.target)
     model = load_model(ModelSpec(str(path))).model
     tok = load_tokenizer(path)
-    rows = [json.loads(line) for f in a.requests for line in f.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for f in a.requests for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
     cfg = TeacherConfig(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
     with tqdm(total=len(rows), desc=f"teacher {a.split}", unit="req") as bar:
         made = answer_requests(model, tok, rows, a.out, a.split, cfg, bar, model_digest(a.target))

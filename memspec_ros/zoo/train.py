@@ -214,7 +214,7 @@ def _load_checkpoint(path: Path, model, opt, data, desc: str,
     with safe_open(str(path / "state.safetensors"), framework="pt") as f:
         stored = (f.metadata() or {}).get("meta")
     # a checkpoint written before the counters moved into the state file: its meta.json
-    meta = json.loads(stored if stored is not None else (path / "meta.json").read_text())
+    meta = json.loads(stored if stored is not None else (path / "meta.json").read_text(encoding="utf-8"))
     if meta.get("desc", desc) != desc:
         # checked before loading anything: a finished run of another phase would otherwise be
         # taken for this one and "skipped"

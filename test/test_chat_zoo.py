@@ -21,6 +21,7 @@ from memspec_ros.zoo.chat_acceptance import chat_acceptance
 from memspec_ros.zoo.chat_build import ChatBuildConfig, ChatZooBuild, general_domains
 from memspec_ros.zoo.chat_drafts import AnswerStreams, ChatDraftArch, new_draft, select_vocab, split_validation
 from memspec_ros.zoo.corpora import DOMAINS, WORKLOADS, split_of
+from memspec_ros.zoo.errors import ZooSetupError
 from memspec_ros.zoo.rollouts import IGNORE
 from memspec_ros.zoo.teacher import (
     Answer,
@@ -591,8 +592,22 @@ def test_held_out_pool_check_counts_each_domains_mixed_pairs(monkeypatch):
         return make
 
     monkeypatch.setattr(cw, "SOURCES", {d: source(d) for d in DOMAINS})
-    with pytest.raises(RuntimeError, match="held-out code requests"):
+    with pytest.raises(ZooSetupError, match="held-out code requests"):
         cw.build_chat_workloads(cfg)
+
+
+def test_a_setup_problem_in_a_stage_ends_the_build_in_one_line(tmp_path, monkeypatch):
+    """Too few held-out requests on this machine, a missing source package or a checkpoint of another run raised a
+    plain RuntimeError, which memspec-zoo build did not catch: a traceback for a problem its message explains."""
+    from memspec_ros.zoo import chat_build
+    from memspec_ros.zoo.cli import main
+
+    def stage(self, stages):
+        raise ZooSetupError("only 3 held-out code requests on this machine, 100 needed: install the sources")
+
+    monkeypatch.setattr(chat_build.ChatZooBuild, "run", stage)
+    with pytest.raises(SystemExit, match="^memspec-zoo build: only 3 held-out code requests"):
+        main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--stages", "workloads"])
 
 
 def test_the_model_card_says_n_a_for_gains_it_cannot_compute_and_scores_extra_drafts(tiny_build):

@@ -23,6 +23,7 @@ from memspec_ros.zoo.corpora import (
     split_documents,
     split_of,
 )
+from memspec_ros.zoo.errors import ZooSetupError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -333,7 +334,7 @@ def test_each_draft_phase_trains_from_its_own_checkpoint(tmp_path):
             getattr(build, stage)()
         model = build._load("general")
         weights = {k: v.clone() for k, v in model.state_dict().items()}
-        with pytest.raises(RuntimeError, match=r"belongs to the run 'general-base', not 'general'"):
+        with pytest.raises(ZooSetupError, match=r"belongs to the run 'general-base', not 'general'"):
             train(model, RolloutStreams(build.rollouts_path, {"code": 1.0}, 0), tc,
                   work / "ckpt" / "general-base", desc="general", log=lambda m: None)
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())  # refused before loading

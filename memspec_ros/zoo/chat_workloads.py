@@ -41,6 +41,7 @@ from functools import cache
 from pathlib import Path
 
 from .corpora import DOMAINS, MATH_GENERATORS, WORKLOADS, CorpusConfig, is_prose, read_text_file, split_of
+from .errors import ZooSetupError
 
 MIXED_PAIRS: tuple[tuple[str, str], ...] = (
     ("general", "code"),
@@ -203,7 +204,7 @@ def medical_requests(cfg: ChatWorkloadConfig) -> Iterator[ChatRequest]:
     try:
         import simple_icd_10_cm as cm
     except ImportError as e:
-        raise RuntimeError("the medical requests need simple-icd-10-cm: pip install -r requirements-zoo.txt") from e
+        raise ZooSetupError("the medical requests need simple-icd-10-cm: pip install -r requirements-zoo.txt") from e
     for code in cm.get_all_codes(False):
         if not (cm.is_category(code) or cm.is_subcategory(code)) or cm.is_extended_subcategory(code):
             continue
@@ -338,7 +339,7 @@ def build_chat_workloads(cfg: ChatWorkloadConfig) -> tuple[dict[str, list[ChatRe
         # each mixed pair the domain is in takes n_mixed more of its held-out requests (code and medical: three)
         need_ho = cfg.heldout_per_workload + n_mixed * sum(domain in pair for pair in MIXED_PAIRS)
         if len(ho) < need_ho:
-            raise RuntimeError(f"only {len(ho)} held-out {domain} requests on this machine, {need_ho} needed:"
+            raise ZooSetupError(f"only {len(ho)} held-out {domain} requests on this machine, {need_ho} needed:"
                                " lower ChatWorkloadConfig.heldout_per_workload or install the sources"
                                " (requirements-zoo.txt)")
         heldout[domain], spare_held[domain] = ho[: cfg.heldout_per_workload], ho[cfg.heldout_per_workload :]

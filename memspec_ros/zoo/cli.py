@@ -162,6 +162,7 @@ def _run_chat_build(a) -> int:
     )
     from ..argtypes import unwritable
     from ..runtime.models import ModelLoadError
+    from .errors import ZooSetupError
 
     # export and datastore write --out, the other stages --work-dir: a file there, or a folder this user cannot
     # write, failed at that stage in a NotADirectoryError/PermissionError traceback (after hours of stages)
@@ -173,7 +174,7 @@ def _run_chat_build(a) -> int:
             raise SystemExit(f"memspec-zoo build: {flag} {folder}: {blocked}; name a folder this user can write")
     try:
         ChatZooBuild(cfg).run(a.stages)
-    except (ValueError, FileNotFoundError, ModelLoadError) as exc:  # a stage run before its inputs says which
+    except (ValueError, FileNotFoundError, ModelLoadError, ZooSetupError) as exc:  # a stage before its inputs
         raise SystemExit(f"memspec-zoo build: {exc}") from None
     return 0
 
@@ -209,6 +210,7 @@ def _run_build(a) -> int:
     cfg.target_arch = _resized(cfg.target_arch, a.target_hidden, a.target_layers)
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
     from .build import TOY_MARKER
+    from .errors import ZooSetupError
 
     out = Path(a.out)
     if "export" in a.stages and (out / "registry.yaml").exists() and not (out / TOY_MARKER).exists():
@@ -218,7 +220,7 @@ def _run_build(a) -> int:
     try:
         build = ZooBuild(cfg)  # checks the configuration before any work
         build.run(a.stages)
-    except ValueError as exc:
+    except (ValueError, ZooSetupError) as exc:  # a checkpoint of another run says so in one line
         raise SystemExit(f"memspec-zoo build-toy: {exc}") from None
     return 0
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from memspec_ros.runtime.atomic_write import synced_replace, write_text_atomic
 
+from .errors import ZooSetupError
 from .rollouts import RolloutStreams, topk_kl
 
 
@@ -218,7 +219,7 @@ def _load_checkpoint(path: Path, model, opt, data, desc: str,
     if meta.get("desc", desc) != desc:
         # checked before loading anything: a finished run of another phase would otherwise be
         # taken for this one and "skipped"
-        raise RuntimeError(f"checkpoint {path} belongs to the run '{meta['desc']}', not '{desc}': move it away"
+        raise ZooSetupError(f"checkpoint {path} belongs to the run '{meta['desc']}', not '{desc}': move it away"
                            " or use a fresh --work-dir")
     if identity is not None and "identity" in meta and not _resumable_as(meta, identity):
         # checked before loading anything too: other weights' shapes would fail load_state_dict opaquely
@@ -230,7 +231,7 @@ def _load_checkpoint(path: Path, model, opt, data, desc: str,
         {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False
     )
     if unexpected or any(k != "lm_head.weight" and "rotary" not in k for k in missing):
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+        raise ZooSetupError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     params = dict(model.named_parameters())
     for name, p in params.items():
         st = {}

@@ -221,6 +221,41 @@ def test_an_evicted_drafts_cache_is_neither_counted_nor_held(target):
     assert list(cache._entries[0].drafts) == ["stays"]
 
 
+def test_an_evicted_drafts_cache_goes_as_the_next_goal_takes_from_the_cache(target, monkeypatch):
+    """The caches of drafts evicted since the last goal were dropped only at the next keep or trim: held through the
+    whole next goal, uncounted by ``bytes`` and ~/diagnostics."""
+    import gc
+    import weakref
+
+    from memspec_ros.runtime import prompt_cache
+
+    tokens = _ids(20, 30)
+    gone = noisy_copy(target, 0.05, seed=31)
+    gone_kv = _filled(gone, tokens)
+    alive = weakref.ref(gone_kv.cache)
+    cache = PromptCache(budget_bytes=1 << 30)
+    cache.keep(tokens, _filled(target, tokens), {"gone": (gone, gone_kv)})
+    del gone, gone_kv
+    gc.collect()
+    released = []
+    monkeypatch.setattr(prompt_cache, "release_freed_memory", lambda: released.append(alive() is None))
+    reuse = cache.take(tokens[:10] + [99])  # a copy of a part: the conversation stays in the cache
+    assert reuse.target is not None and reuse.drafts == {}
+    assert cache._entries[0].drafts == {} and alive() is None and released == [True]
+
+
+def test_hidden_rows_kept_past_the_kv_are_a_copy_not_a_view_of_the_longer_tensor(target):
+    """keep() sliced the hidden rows of a goal that ended inside an accepted run: the view kept the longer tensor
+    alive while ``bytes`` counted the slice."""
+    tokens = _ids(20, 32)
+    kv = _filled(target, tokens)
+    rows = torch.zeros(24, 8)  # four rows past the KV (proposals fed, then dropped)
+    cache = PromptCache(budget_bytes=1 << 30)
+    cache.keep(tokens, kv, hidden_rows=rows)
+    kept = cache._entries[0].hidden_rows
+    assert kept.shape[0] == 20 and kept.untyped_storage().nbytes() == kept.nbytes
+
+
 def test_a_reused_draft_kv_changes_no_output(target):
     """Whatever the draft's KV holds, the target verifies every token: outputs equal the target's own."""
     draft = noisy_copy(target, 0.05, seed=26)

@@ -1145,6 +1145,24 @@ def test_a_goal_that_raises_takes_its_background_ranking_time_with_it(target, dr
         ctl.close()
 
 
+def test_a_failure_before_the_prompt_cache_is_taken_raises_as_itself(target, drafts, monkeypatch):
+    """A failure ahead of the prompt cache's take (the target's timing forward, a file check, a cache reset) read
+    variables set only after it, so the goal failed with UnboundLocalError instead of its own error."""
+    ctl = make(target, drafts, "general-static", capacity=1, adaptive_gamma=True)
+
+    def failing(adaptive=None):
+        raise MemoryError("the timing forward's buffers")
+
+    monkeypatch.setattr(ctl, "calibrate", failing)
+    try:
+        with pytest.raises(MemoryError, match="timing forward"):
+            ctl.generate(PROMPT, 8)
+        monkeypatch.undo()
+        assert len(ctl.generate(PROMPT, 8).token_ids) > 0  # the controller is not left running
+    finally:
+        ctl.close()
+
+
 def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, drafts, monkeypatch):
     """Under adaptive gamma a larger gamma needs the target's longer forwards timed. Set mid-goal, only the
     session's gamma changed, and the timing (about a second) ran inside the next iteration's draft step, counted

@@ -443,6 +443,9 @@ class RuntimeController:
                 raise RuntimeError("a generation is already running on this controller: one goal at a time")
             self._running = True
         session: SpeculativeSession | None = None
+        # before the try: a failure ahead of the prompt cache's take (a timing forward, a file check, a reset)
+        # read them in the handler and surfaced as UnboundLocalError instead of its own exception
+        taken, prefix = 0, None
         try:
             self._take_pending()
             with self._lock:
@@ -463,6 +466,7 @@ class RuntimeController:
             reuse_rows = getattr(self.predictor, "reuse_rows", None)
             if reuse_rows is not None:  # a target-hidden encoder's rows of the reused positions (None: not kept)
                 reuse_rows(reused.hidden_rows if prefix is not None else None, prefix.length if prefix else 0)
+            reused.hidden_rows = None  # the predictor keeps its own copy: a slice here kept the whole taken tensor
             session = SpeculativeSession(
                 self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,

@@ -188,17 +188,24 @@ class PromptCache:
         self.budget_bytes = budget_bytes
         self.trim()
 
+    def _drop_dead_drafts(self, entries: list[_Entry]) -> bool:
+        """Drop the caches of drafts no longer alive (an evicted draft's cache serves no prompt, yet held memory
+        that ``bytes`` no longer counted); whether any went."""
+        dropped = False
+        for entry in entries:
+            if any(ref() is None for ref, _ in entry.drafts.values()):
+                entry.drafts = {n: (ref, kv) for n, (ref, kv) in entry.drafts.items() if ref() is not None}
+                dropped = True
+        return dropped
+
     def trim(self) -> None:
         """Drop the caches of drafts no longer alive, then the oldest goals' past the budget."""
         entries = list(self._entries)
-        for entry in entries:  # an evicted draft's cache serves no prompt: it held memory and the budget's bytes
-            if any(ref() is None for ref, _ in entry.drafts.values()):
-                entry.drafts = {n: (ref, kv) for n, (ref, kv) in entry.drafts.items() if ref() is not None}
+        dropped = self._drop_dead_drafts(entries)
         total = sum(entry.bytes for entry in entries)
-        dropped = 0
         while len(entries) > 1 and (not self.budget_bytes or total > self.budget_bytes):
             total -= entries.pop(0).bytes
-            dropped += 1
+            dropped = True
         self._entries = entries
         if dropped:
             release_freed_memory()  # their buffers' pages go back to the system (kv_cache.release_freed_memory)
@@ -218,6 +225,9 @@ class PromptCache:
         to it, leaving at least one prompt token to feed; nothing when none shares a token. The generation owns
         what it takes until ``keep`` hands its own back; with no budget for older goals, the cache is empty
         afterwards."""
+        # the caches of drafts evicted since the last goal go now, not only at the next keep: held through this
+        # goal, they took memory that ``bytes`` (and ~/diagnostics) no longer counted
+        swept = self._drop_dead_drafts(self._entries)
         best, shared = self._longest_shared(prompt_ids)
         # a goal that continues a kept conversation takes its caches (they grow on with it, and are kept again
         # after it); one that only shares a part of them (another conversation with the same system prompt, a
@@ -226,10 +236,13 @@ class PromptCache:
         if not self.budget_bytes:
             dropped = any(e is not best for e in self._entries)
             self._entries = []  # the others' caches, no longer referenced, are freed here
-            if dropped:  # and their pages handed back, as trim and clear hand theirs
+            if dropped or swept:  # and their pages handed back, as trim and clear hand theirs
                 release_freed_memory()
-        elif move:
-            self._entries = [e for e in self._entries if e is not best]
+        else:
+            if move:
+                self._entries = [e for e in self._entries if e is not best]
+            if swept:
+                release_freed_memory()
         if best is None:
             return Reuse()
         reuse = Reuse(target=_prefix(best.kv, shared, move), moved=move)
@@ -256,7 +269,8 @@ class PromptCache:
             if draft_kv.length > 0:
                 kept[name] = (weakref.ref(model), draft_kv)
         if hidden_rows is not None and hidden_rows.shape[0] != kv.length:
-            hidden_rows = hidden_rows[: kv.length] if hidden_rows.shape[0] > kv.length else None
+            # a copy: a slice would keep the longer tensor alive, its bytes uncounted
+            hidden_rows = hidden_rows[: kv.length].clone() if hidden_rows.shape[0] > kv.length else None
         entry = _Entry(list(tokens[: kv.length]), kv, kept, hidden_rows, min(prompt_length, kv.length))
         # an older goal's caches that this one holds all of (a repeated or continued prompt that took copies: the
         # same tokens, the same drafts) serve no prompt better: dropped, not kept twice in the budget. So is one

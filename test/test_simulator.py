@@ -378,6 +378,11 @@ def test_the_policy_bench_reports_the_simulators_validation(tmp_path, capsys):
                 assert row[f"{side}_end_to_end"] == pytest.approx(
                     gmean([row["workloads"][w][f"{side}_end_to_end"] for w in kind["gmean_over"]]))
         assert kind["within_tolerance"] == (kind["max_abs_error_end_to_end"] <= validation["tolerance"])
+        # the decode metric's error is reported beside the gate's (the sweeps publish that metric)
+        assert kind["max_abs_error_tokens_per_second"] == pytest.approx(
+            max(abs(r["error_tokens_per_second"]) for r in kind["policies"].values()))
+    assert validation["gate"]["max_abs_error_tokens_per_second"] == \
+        validation["held_out"]["max_abs_error_tokens_per_second"]
     from memspec_ros.bench.figures import render_validation  # the results page's table renders it
 
     assert "held out: over code" in "\n".join(render_validation(validation))
@@ -491,6 +496,19 @@ def test_oracle_dynamic_stays_above_oracle_static_where_a_late_catch_up_costs_mo
     flat_tps = sim.generate(make_policy("oracle-dynamic", oracle_for=flat_oracle, general_draft="a"),
                             trace).tokens_per_second
     assert flat_tps < tps["oracle-static"]
+
+
+@pytest.mark.parametrize("base", [0.00061, 0.0001, -0.002])
+def test_the_schedule_prices_a_catch_up_as_the_replay_charges_it(base):
+    """The replay charges a switched-in draft's catch-up forward, clamped at 0, in place of one draft forward; the
+    schedule took that forward off before clamping, so a fitted line starting below one draft forward priced every
+    switch higher than the replay did, by the difference (and Oracle-Dynamic switched less than it could)."""
+    costs = CostModel(verify_seconds={0: 0.0094, 4: 0.0121}, draft_token_seconds=0.00028,
+                      catchup_base_seconds=base, catchup_token_seconds=0.0000296)
+    plan = costs.schedule_costs(capacity=2, gamma=4)
+    for tokens in (0, 1, 10, 300):
+        replayed = costs.catchup(tokens) - costs.draft_token_seconds  # beyond the draft forward it replaces
+        assert plan.catchup_iterations(tokens) * plan.iteration_seconds == pytest.approx(replayed, abs=1e-12)
 
 
 def test_the_held_out_validation_takes_nothing_from_the_runs_it_checks(tmp_path, monkeypatch):
@@ -621,3 +639,13 @@ def test_a_replay_runs_the_mab_policies_with_the_configs_exploration_coefficient
     assert run.policy("mab-sync", run.sim_config()).c == 2.0  # the real runs' (RuntimeConfig's default)
     with pytest.raises(ValueError, match="ucb_c"):
         run.sim_config(ucb_c=float("nan"))
+
+
+@pytest.mark.parametrize(("new", "reason"), [(8, "eos"), (12, "eos"), (7, "length")])
+def test_a_replayed_answer_ending_at_its_budgets_last_token_finishes_as_the_engine_says(new, reason):
+    """An end token as the budget's last token was replayed as "length"; the engine checks end tokens first."""
+    costs = CostModel(verify_seconds={0: 0.01, 2: 0.012}, draft_token_seconds=0.001, load_seconds={"a": 0.01})
+    trace = PromptTrace("w", [1, 2, 3], list(range(100, 107)) + [0], {"a": [True] * 8}, eos=True)
+    sim = Simulator(costs, SimConfig(capacity=1, interval=2, gamma=2, max_new_tokens=new), {"a": "a"}, ["a"])
+    stats = sim.generate(make_policy("general-static", general_draft="a"), trace)
+    assert stats.finish_reason == reason and stats.completion_tokens == min(new, 8)

@@ -328,6 +328,8 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     traces: list[PromptTrace] = []
     hidden = predictor is not None and predictor.config.encoder == "target-hidden"
     pairs = [(w, ids) for w, ids_list in prompts.items() for ids in ids_list]
+    if not any(prompts.get(w) for w in cfg.workloads):  # before the traces: a median over none raised first
+        raise ValueError(f"the workloads {', '.join(cfg.workloads)} in {folder} have no prompts")
     # the target's greedy answer and every draft's agreement per prompt: minutes on the paper's 144 prompts
     for w, ids in tqdm(pairs, desc="oracle traces", unit="prompt", disable=progress is None, leave=False):
         oracle = GreedyOracle.compute(target.model, drafts, ids, trace_tokens, cfg.gamma, cfg.interval, eos)
@@ -351,9 +353,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     runs: list[tuple[str, str, tuple[int, ...], GenerationStats]] = []
     live_recent = None
     try:
-        first = next((ids for w in cfg.workloads for ids in prompts[w]), None)
-        if first is None:
-            raise ValueError(f"the workloads {', '.join(cfg.workloads)} in {folder} have no prompts")
+        first = next(ids for w in cfg.workloads for ids in prompts[w])
         costs = measure_costs(controller, storage, registry, first, cfg.max_new_tokens, cfg.capacity, cfg.gamma,
                               cfg.draft_quantization, catchup)
         names = [e.name for e in registry]  # the controller's candidates, in registry order
@@ -503,7 +503,11 @@ def validate_simulator(bench: BenchRun) -> dict:
         errors = [abs(r["error_end_to_end"]) for r in rows.values() if r["error_end_to_end"] is not None]
         # a policy left uncompared (no measured throughput) fails the gate: the others' errors bound nothing of it
         compared = bool(errors) and len(errors) == len(rows)
+        # the paper's metric too: the sweeps (figures 10-12) publish simulated decode throughput, which the gate,
+        # end to end as issue 17 defines it (prefill and setup diluting a decode error), does not bound; reported
+        decode = [abs(r["error_tokens_per_second"]) for r in rows.values() if r["error_tokens_per_second"] is not None]
         return {"policies": rows, "gmean_over": covered, "max_abs_error_end_to_end": max(errors) if errors else None,
+                "max_abs_error_tokens_per_second": max(decode) if decode else None,
                 "within_tolerance": compared and max(errors) <= VALIDATION_TOLERANCE}
 
     measured, matched_sim, speeds = replay(bench.costs, bench.runs, True)
@@ -531,6 +535,7 @@ def validate_simulator(bench: BenchRun) -> dict:
                       " held_out_speed_matched is the same replay speed-matched",
         "tolerance": VALIDATION_TOLERANCE,
         "gate": {"kind": gate_kind, "max_abs_error_end_to_end": gate["max_abs_error_end_to_end"],
+                 "max_abs_error_tokens_per_second": gate["max_abs_error_tokens_per_second"],
                  "within_tolerance": gate["within_tolerance"]},
         **compare(measured, matched_sim),
         "pooled": pooled,
@@ -571,7 +576,10 @@ def validation_table(validation: dict) -> str:
                  f"; pooled (no speed matching) {share(validation['pooled']['max_abs_error_end_to_end'])}"
                  + (f"; held out speed-matched {share(matched['max_abs_error_end_to_end'])}" if matched else ""))
     lines.append(f"gate ({gate['kind']}): largest end-to-end error {share(gate['max_abs_error_end_to_end'])}, "
-                 + ("within" if gate["within_tolerance"] else "OUTSIDE") + " the tolerance")
+                 + ("within" if gate["within_tolerance"] else "OUTSIDE") + " the tolerance"
+                 + (f"; largest decode-throughput error {share(gate['max_abs_error_tokens_per_second'])} (the"
+                    " sweeps' metric; reported, not gated)" if gate.get("max_abs_error_tokens_per_second") is not None
+                    else ""))
     return "\n".join(lines)
 
 

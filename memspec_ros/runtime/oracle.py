@@ -215,7 +215,8 @@ class ScheduleCosts:
     iteration_seconds: float = 0.0  # one speculative iteration (draft + verify), any draft (one architecture)
     # an incoming draft's KV catch-up at a switch: it feeds every token it has not seen (the prompt and the output
     # so far, for a draft that has not run since it was loaded), in one forward that also yields its first
-    # proposal; beyond the draft forward an iteration already counts, it costs this much ...
+    # proposal; beyond the draft forward an iteration already counts, it costs this much (negative where the
+    # measured line starts below one draft forward) ...
     catchup_seconds: float = 0.0
     catchup_token_seconds: float = 0.0  # ... plus this per token fed
     load_seconds: Mapping[str, float] = field(default_factory=dict)  # storage -> fast memory, per draft
@@ -234,10 +235,14 @@ class ScheduleCosts:
         return seconds / self.iteration_seconds
 
     def catchup_iterations(self, tokens: int = 0) -> float:
-        """A catch-up over ``tokens`` tokens, in speculative iterations."""
+        """A catch-up over ``tokens`` tokens, in speculative iterations, beyond the iteration it is part of. The whole
+        catch-up forward is clamped at 0 and then the draft forward it replaces taken off, as the replay charges it
+        (simulator.py): clamped after that subtraction, a line starting below one draft forward priced every switch
+        higher than the replay by the difference."""
         if self.iteration_seconds <= 0:
             return 0.0
-        return max(0.0, self.catchup_seconds + self.catchup_token_seconds * tokens) / self.iteration_seconds
+        forward = self.catchup_seconds + self.draft_token_seconds + self.catchup_token_seconds * tokens
+        return (max(0.0, forward) - self.draft_token_seconds) / self.iteration_seconds
 
     def load_iterations(self) -> dict[str, float]:
         if self.iteration_seconds <= 0:
@@ -364,8 +369,8 @@ class ScheduleSolver:
       waits in between are not counted as overlap: the model never credits a load with time it may not
       have had;
     * what the runtime controller can do at a scheduling point, no more: run a resident draft and
-      align the cache (prefetch one draft, evicting one that is neither the new nor the last active
-      draft, which the controller protects); or wait for the draft in flight and run it; or, with no
+      align the cache (prefetch one draft, evicting any but the draft that runs next, which the controller
+      keeps: choice.carry_out); or wait for the draft in flight and run it; or, with no
       load in flight, block on loading a draft and run it (evicting any resident one). The first
       draft's load happens before decoding (setup time, outside the decode metric) and is free.
 

@@ -290,7 +290,7 @@ class CostModel:
         the catch-up line net of the draft forward a catch-up replaces (the replay charges a switched-in draft
         ``gamma - 1`` draft forwards besides it)."""
         return ScheduleCosts(capacity=capacity, iteration_seconds=self.iteration_seconds(gamma),
-                             catchup_seconds=max(0.0, self.catchup_base_seconds - self.draft_token_seconds),
+                             catchup_seconds=self.catchup_base_seconds - self.draft_token_seconds,
                              catchup_token_seconds=max(0.0, self.catchup_token_seconds),
                              load_seconds=dict(self.load_seconds), verify_seconds=dict(self.verify_seconds),
                              draft_token_seconds=self.draft_token_seconds,
@@ -670,7 +670,8 @@ class Simulator:
         policy.close()
         stats.completion_tokens = position
         stats.decode_seconds = clock.now - decode_start
-        stats.finish_reason = "eos" if budget < cfg.max_new_tokens else "length"
+        # an end token as the budget's last token ends the answer as "eos" in the engine, which checks it first
+        stats.finish_reason = "eos" if trace.eos and budget == len(trace.continuation) else "length"
         # end to end as the controller counts it: its whole call (runtime/stats.py)
         stats.call_seconds = costs.call_other_seconds + stats.setup_seconds + stats.prefill_seconds \
             + stats.decode_seconds

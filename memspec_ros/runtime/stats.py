@@ -8,13 +8,14 @@ Two throughput metrics, both generated tokens over wall time:
 
 * **tokens_per_second**, the paper's metric (its section 4.1, "steady-state
   generation throughput"): the tokens committed by the draft-and-verify
-  iterations over the wall time from the first token to the end of the
-  generation. That time includes draft execution, target verification and every
-  wait, switch and catch-up inside decoding (the incoming draft's KV catch-up,
-  the predictor's work on the decode thread, blocking load waits, the
-  controller's scheduling points). It excludes prompt encoding: the target's
-  prefill (which also yields the first token, so that token is not counted) and
-  the setup around it (the first prediction and the first draft load, made once the prefill is done).
+  iterations over the wall time from the end of setup (the first token made,
+  the first draft chosen and loaded) to the end of the generation. That time
+  includes draft execution, target verification and every wait, switch and
+  catch-up inside decoding (the incoming draft's KV catch-up, the predictor's
+  work on the decode thread, blocking load waits, the controller's scheduling
+  points). It excludes prompt encoding: the target's prefill (which also yields
+  the first token, so that token is not counted) and the setup around it (the
+  first prediction and the first draft load, made once the prefill is done).
   :func:`decode_tokens_per_second`.
 * **end_to_end_tokens_per_second**, what a user feels: every generated token
   (the prefill's first one included) over the whole call, so prompt encoding,

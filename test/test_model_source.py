@@ -227,7 +227,7 @@ def test_the_converted_model_has_the_gguf_models_logits(converted):
         assert torch.equal(reference(ids).logits, ours(ids).logits)
 
 
-def test_an_interrupted_conversion_is_redone(tmp_path, monkeypatch):
+def test_an_interrupted_conversion_is_redone(tmp_path, monkeypatch, caplog):
     src = tmp_path / "tiny.gguf"
     _tiny_gguf(src)
     monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -240,9 +240,15 @@ def test_an_interrupted_conversion_is_redone(tmp_path, monkeypatch):
         (out / "config.json").write_text('{"model_type": "llama"}')
 
     monkeypatch.setattr(model_source, "convert_gguf", fake_convert)
-    out = resolve_model_path(str(src))
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.model_source"):
+        out = resolve_model_path(str(src))
     assert out == half and (out / CONVERTED_MARKER).is_file()
     assert json.loads((out / "config.json").read_text()) == {"model_type": "llama"}
+    # the minutes of a large model's conversion are said before they start (a configure looked hung)
+    assert [r.getMessage() for r in caplog.records] == [f"converting {src} to a safetensors folder in {half} (first"
+                                                        " use of this file; later loads read it)"]
+    caplog.clear()
+    assert resolve_model_path(str(src)) == half and caplog.records == []  # cached: nothing to say
 
 
 def test_a_killed_conversions_temporary_folder_is_removed_and_the_file_hashed_once(tmp_path, monkeypatch):
@@ -271,7 +277,7 @@ def test_a_killed_conversions_temporary_folder_is_removed_and_the_file_hashed_on
     assert len(hashed) == 2
 
 
-def test_a_conversion_waits_for_another_process_converting_the_same_file(tmp_path, monkeypatch):
+def test_a_conversion_waits_for_another_process_converting_the_same_file(tmp_path, monkeypatch, caplog):
     """Two nodes started together: the second waits on the first's lock for that file, then uses its conversion
     instead of de-quantizing the model a second time (the lock here is held as another process would hold it)."""
     import fcntl
@@ -306,6 +312,8 @@ def test_a_conversion_waits_for_another_process_converting_the_same_file(tmp_pat
         (done / CONVERTED_MARKER).write_text("{}")
     waiter.join(10.0)
     assert out == [done] and conversions == []
+    waiting = [r.getMessage() for r in caplog.records if "waiting for it" in r.getMessage()]
+    assert len(waiting) == 1 and f"holds {gguf_dir / f'.{key}.lock'}" in waiting[0]  # said once, not per poll
 
 
 def test_a_conversion_lock_held_past_the_deadline_is_said_not_waited_on_forever(tmp_path, monkeypatch):

@@ -121,3 +121,19 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+@contextlib.contextmanager
+def held_lock(path: str | os.PathLike[str], on_wait=None) -> Iterator[None]:
+    """An exclusive flock on ``path`` (created if absent, never through a link planted at its name) for the block,
+    waited for where another process holds it; ``on_wait()`` is called once before waiting (to say so)."""
+    import fcntl
+
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

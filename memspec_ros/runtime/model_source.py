@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,6 +38,8 @@ from pathlib import Path
 
 from .atomic_write import sync_dir, sync_tree
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
+
+log = logging.getLogger(__name__)
 
 PKG_PREFIX = "pkg:"
 CONVERTED_MARKER = "memspec_gguf.json"  # written last: a directory without it is an interrupted conversion
@@ -357,6 +360,10 @@ def converted_dir(path: Path) -> Path:
         _wait_for_lock(lock, lock_file)  # released when the file closes, also if this process is killed
         if (out / CONVERTED_MARKER).is_file():  # another process converted it while this one waited
             return out
+        # said before the work: de-quantizing a large model takes minutes (14 s for the bundled 98 MB one), and a
+        # configure or CLI that printed nothing meanwhile looked hung
+        log.warning("converting %s to a safetensors folder in %s (first use of this file; later loads read it)",
+                    path, out)
         _remove_abandoned_conversions(out.parent, key)
         # a plain mkdir (the lock makes the name this process's): mkdtemp's mode 0700 went into the cache with the
         # rename, and in a cache shared between users the reader's load failed with PermissionError
@@ -426,6 +433,7 @@ def _wait_for_lock(lock, lock_file: Path) -> None:
     import fcntl
 
     deadline = time.monotonic() + CONVERSION_WAIT_SECONDS
+    said = False
     while True:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -435,6 +443,10 @@ def _wait_for_lock(lock, lock_file: Path) -> None:
                 raise GGUFConversionError(
                     f"another process has held {lock_file} for more than {CONVERSION_WAIT_SECONDS:g} s while"
                     " converting this GGUF: end it, or remove the lock file if no process converts it") from None
+            if not said:
+                log.warning("another process is converting this GGUF (it holds %s): waiting for it, at most %g s",
+                            lock_file, CONVERSION_WAIT_SECONDS)
+                said = True
             time.sleep(0.2)
 
 

@@ -330,8 +330,8 @@ def _run_chat_acceptance(a) -> int:
             raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
         workloads = list(by_workload)
         rows = [r for rs in by_workload.values() for r in rs]
-        answers_dir = Path(a.answers) if a.answers else answers_cache_dir(by_workload, a.max_new_tokens,
-                                                                          registry.target_path or "")
+        answers_dir = Path(a.answers) if a.answers else answers_cache_dir(
+            by_workload, a.max_new_tokens, model_digest(registry.target_path) if registry.target_path else "")
     else:
         answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
         rows = None

@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 
 from ..argtypes import controller_limit, output_file, positive_int
+from ..runtime.atomic_write import held_lock, sync_dir, sync_tree
 from .corpora import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +110,10 @@ def answered(target_dir: Path, rows: list[dict], answers_dir: Path | None, work:
     hits = sum(tuple(p) in stored for p in prompts)
     missing = [r for r, p in zip(rows, prompts, strict=True) if tuple(p) not in stored]
     if missing:
-        key = hashlib.sha256(json.dumps([chat_prompt_ids(tokenizer, r["messages"]) for r in missing]).encode())
+        # keyed by the target too: by the prompts alone, a re-released target found the old one's folder, which the
+        # stored digest then refused
+        key = hashlib.sha256(json.dumps([[chat_prompt_ids(tokenizer, r["messages"]) for r in missing],
+                                         target_digest or ""]).encode())
         out = work / f"answers-{split}-{key.hexdigest()[:16]}"
         torch.set_num_threads(threads)
         model = load_model(ModelSpec(str(target_dir))).model
@@ -168,7 +172,8 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
     out = root / digest[:24]
     # one process quantizes and publishes a digest at a time: without it a second one that found no marker removed
     # the first's published folder (its "interrupted run") while the first was loading from it
-    with _held_lock(root / f".{digest[:24]}.lock"):
+    lock = root / f".{digest[:24]}.lock"
+    with held_lock(lock, lambda: _log(f"another process is quantizing the same run (it holds {lock}): waiting")):
         if (out / MARKER).is_file():  # made before, or by the process that held the lock
             _log(f"cached: {out}")
             return out
@@ -194,27 +199,17 @@ def quantize_target(target_dir: Path, models: Path, requests: int, answers_dir: 
                                 "source": "models/workloads/train_requests.jsonl (first N, round-robin over domains):"
                                           " chat template + the fp32 target's greedy answer"},
             }, indent=1))
+            # on disk before it is published: renamed first, a power cut could leave the marker over weights
+            # never written (as the GGUF conversion's cache, model_source.converted_dir, syncs its folder)
+            sync_tree(model_dir)
             if out.exists():  # an interrupted run's (the lock is held: no other process publishes it now)
                 shutil.rmtree(out)
             os.replace(model_dir, out)
+            sync_dir(out.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         _log(f"quantized in {seconds:.1f} s")
         return out
-
-
-@contextlib.contextmanager
-def _held_lock(path: Path):
-    """An exclusive flock on ``path`` for the block, waited for (another process quantizing the same run)."""
-    import fcntl
-
-    with open(path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _log(f"another process is quantizing the same run (it holds {path}): waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 # -- report ------------------------------------------------------------------------------------------

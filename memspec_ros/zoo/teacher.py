@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.runtime.atomic_write import synced_replace
+from memspec_ros.runtime.atomic_write import held_lock, synced_replace
 from memspec_ros.runtime.chat import end_token_ids, prompt_ids
 
 
@@ -276,6 +276,16 @@ def answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: st
     resumed run may use another ``chunk_requests`` (a GPU wants larger ones), and shards made for another
     request list are refused instead of being taken for these rows' answers."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    lock = out_dir / f".{split}.lock"
+    # one process answers into a folder at a time: two (two acceptance runs on one answers cache) numbered their
+    # shards alike and wrote one temporary file; the second resumes after whatever the first answered
+    with held_lock(lock, lambda: print(f"[teacher] another process is answering into {out_dir}: waiting for it",
+                                       flush=True)):
+        return _answer_requests(model, tokenizer, rows, out_dir, split, cfg, progress, target_digest)
+
+
+def _answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: str, cfg: TeacherConfig,
+                     progress, target_digest: str | None) -> int:
     prompts = [chat_prompt_ids(tokenizer, r["messages"]) for r in rows]
     covered = answered_rows(prompts, out_dir, split, cfg.max_new_tokens, target_digest)
     if progress is not None:

@@ -420,6 +420,9 @@ def test_the_predictor_trains_on_the_stored_answers_without_decoding(tiny_build,
     assert report["prompts"] == len(load_answers(tiny_build.work_dir / "teacher", "train"))
     assert report["contexts"] >= report["prompts"] and set(report["label_counts"]) == set(DOMAINS)
     assert (out / "target-hidden").is_dir()
+    # the head records the N and the gamma its labels were walked at (the gamma was not recorded)
+    head = json.loads((out / "target-hidden" / "predictor.json").read_text())
+    assert (head["interval"], head["gamma"]) == (4, 4)
     # the datastore file holds the same answers' tokens: the same traces, so the same labels
     again = tmp_path / "from-datastore"
     args[args.index("--answers") + 1] = str(tiny_build.out_dir / "datastore.safetensors")

@@ -220,6 +220,7 @@ def test_diagnostics_follow_the_diagnostic_updater_contract(h):
         predictor = by_name["memspec: predictor"]
         assert predictor["encoder"] == "target-hidden" and predictor["recent tokens (T)"] == "32"
         assert predictor["prompt positions (W)"] == "whole prompt"  # the tiny zoo's head: HeadConfig's default 0
+        assert predictor["labels at gamma"].startswith("not recorded")  # so is its gamma
         assert by_name["memspec: target model"]["lifecycle state"] == "active"
         assert by_name["memspec: target model"]["node"] == "/memspec"  # whose rejections (memspec_client --chat)
     finally:

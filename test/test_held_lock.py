@@ -15,19 +15,20 @@ from memspec_ros.runtime.atomic_write import held_lock
 def test_a_second_holder_waits_for_the_first_and_says_so(tmp_path):
     lock = tmp_path / ".train.lock"
     order: list[str] = []
-    held = threading.Event()
+    held, asked = threading.Event(), threading.Event()
 
     def first():
         with held_lock(lock):
             held.set()
-            time.sleep(0.3)
+            asked.wait(30.0)  # held until the second holder has found it taken (no fixed sleep to race)
+            time.sleep(0.05)
             order.append("first done")
 
     thread = threading.Thread(target=first)
     thread.start()
     assert held.wait(10.0)
     waited: list[bool] = []
-    with held_lock(lock, lambda: waited.append(True)):  # flock: another open file description conflicts
+    with held_lock(lock, lambda: waited.append(True) or asked.set()):  # flock: another open file description
         order.append("second in")
     thread.join()
     assert waited == [True] and order == ["first done", "second in"]

@@ -298,14 +298,17 @@ def test_prediction_only_decodes_on_the_current_draft_while_its_choice_loads(tar
     draft's alone (no top-K prefetch)."""
     ranking = lambda context: (["math", "code", "law", "general"] if context.interval < 2  # noqa: E731
                                else ["code", "math", "law", "general"])
-    ctl = make(target, drafts, "prediction-only", loader=Loader(drafts, delay=0.05), ranker=ranking, capacity=3,
-               interval=2)
+    # code's load is held until the generation ends (a fixed delay raced the decoding on a busy machine)
+    loader = GatedLoader(drafts, gated={"code"})
+    loader.delays = {"math": 0.05}
+    ctl = make(target, drafts, "prediction-only", loader=loader, ranker=ranking, capacity=3, interval=2)
     try:
         result = ctl.generate(PROMPT, NEW)
         stats = result.stats
         assert result.token_ids == expected
         assert stats.setup_wait_seconds > 0.04 and stats.load_wait_seconds == 0.0  # the first draft only
         assert stats.fallback_fraction > 0.0  # math ran while code loaded
+        loader.gate.set()
         ctl.cache.drain()
         assert sorted(ctl.cache.resident()) == ["code", "math"]  # code on demand: no top-K prefetch of law
     finally:

@@ -47,7 +47,7 @@ def test_the_soak_loses_nothing_and_keeps_the_budget(ros_domain_id, monkeypatch)
     # the monitor watched a budget that binds: fewer drafts than K ever fit, and it was never exceeded
     assert result["invariant_checks"] > CI.goals and result["budget_violations"] == 0, result["violations"]
     assert result["max_drafts_in_memory"] < CI.capacity and result["max_bytes_reserved"] <= result["budget_bytes"]
-    assert result["threads_end"] == result["threads_warm"]
+    assert result["threads_grown"] == {}, result["threads_end"]  # no thread more than after the warm-up
     # the goal callback's latency (p99 within the 50 ms) is the bench's verdict (`memspec-bench soak` exits 1
     # past it), not this test's: a wall-clock bound in a unit test measures the machine it runs on
     assert result["ok"] == (result["goal_callback_ms"]["p99"] < 1e3 * ACCEPT_P99_LIMIT)  # the rest of ok holds

@@ -5,7 +5,7 @@
 #   make test    setup if needed (.venv-gptq too), build, lint, then the whole pytest suite
 #   make clean   remove build/ install/ log/      make distclean   ... and .venv, .venv-gptq
 #   make demo    the node on the bundled zoo: configure, activate, a streamed goal and its follow-up turn, /diagnostics, clean stop
-#   make bench   the paper's evaluation (figures 6-12, table 2, storage media, goals) into docs/results/ (2-15 min at the default 2 prompts per workload; 18 min at 24)
+#   make bench   the paper's evaluation (figures 6-12, table 2, storage media, goals) into docs/results/ (2-15 min at the default 2 prompts per workload; 18-46 min at 24, by host)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help

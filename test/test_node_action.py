@@ -493,6 +493,44 @@ def test_a_goal_that_never_reaches_its_accepted_callback_gives_its_queue_place_b
         h.set_params(**{"action.max_queued_goals": 4})
 
 
+def test_a_goal_whose_response_could_not_be_sent_ends_aborted_not_accepted_for_good(h, monkeypatch):
+    """rclpy makes and stores the goal handle before it sends the goal response; when that send fails (the client
+    went away) it returns without the accepted callback. The orphan gave its queue place back, but its goal stood
+    ACCEPTED on the status topic for the node's life, and a result request for its id was never answered."""
+    import uuid
+
+    from action_msgs.msg import GoalInfo
+    from rclpy.action.server import ServerGoalHandle
+    from rclpy.task import Future
+    from unique_identifier_msgs.msg import UUID
+
+    from memspec_ros.ros import goal_runner
+
+    runner = h.node._runner
+    server = runner.server
+    request = goal(max_new_tokens=4)
+    assert runner.on_goal(request) == goal_runner.GoalResponse.ACCEPT
+    info = GoalInfo(goal_id=UUID(uuid=list(uuid.uuid4().bytes)), stamp=h.node.get_clock().now().to_msg())
+    with server._lock:  # what rclpy does before the goal response (rclpy/action/server.py), which then fails
+        handle = ServerGoalHandle(server, info, request)
+    key = bytes(info.goal_id.uuid)
+    server._goal_handles[key] = handle
+    server._result_futures[key] = Future()
+    server.add_future(server._result_futures[key])
+    monkeypatch.setattr(goal_runner, "RESERVATION_TIMEOUT_SECONDS", 1.0)
+    with runner._cv:
+        for job in runner._reserved:
+            job.accepted_at -= 2.0
+    assert runner.wait_idle(5.0) and not runner._reserved
+    wait_until(lambda: handle.status == GoalStatus.STATUS_ABORTED, 10.0, "the orphan's goal ended ABORTED")
+    result = server._result_futures[key]
+    wait_until(result.done, 10.0, "its result, for a client that asks")
+    assert "could not send the goal response" in result.result().result.error_message
+    wait_until(lambda: runner._unanswered == 0, 10.0, "no goal counted unanswered")
+    accepted, _ = h.send(goal(max_new_tokens=4))  # the node goes on
+    assert h.result(accepted).status == GoalStatus.STATUS_SUCCEEDED
+
+
 def test_cleanup_never_frees_the_models_under_a_goal_that_has_not_ended_yet(h, monkeypatch):
     """A goal told to end at deactivate ends at its next iteration; one that does not get there within the wait
     (a long prefill on a loaded machine, here a generate call that blocks) leaves deactivate done with a warning,

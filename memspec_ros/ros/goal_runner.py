@@ -484,12 +484,33 @@ class GoalRunner:
         orphans = [job for job in self._reserved if job.accepted_at < stale]
         if orphans:
             self._reserved = [job for job in self._reserved if job.accepted_at >= stale]
-            self._unanswered -= len(orphans)
+            # rclpy made and stored the goal handle before its goal response failed: that goal stood ACCEPTED on
+            # ~/generate/_action/status for the node's life, and a result request for it was never answered. It
+            # is ended ABORTED (its result then counts it answered); one with no handle (its id taken) has none
+            handles = list(getattr(self.server, "_goal_handles", {}).values())
+            ended = []
+            for job in orphans:
+                job.goal_handle = next((h for h in handles if getattr(h, "request", None) is job.request), None)
+                if job.goal_handle is None:
+                    self._unanswered -= 1
+                else:
+                    ended.append(job)
             self._node.get_logger().warning(
                 f"{len(orphans)} accepted goal(s) never reached the accepted callback within"
                 f" {RESERVATION_TIMEOUT_SECONDS:g} s (rclpy could not send the goal response: the client went"
-                " away, or the goal id was taken): their queue places are free again")
+                " away, or the goal id was taken): their queue places are free again"
+                + (f"; {len(ended)} of them ended ABORTED" if ended else ""))
+            if ended:  # outside this lock, which the callers hold (ending takes rclpy's goal lock)
+                threading.Thread(target=self._end_orphans, args=(ended,), name="memspec-end-orphans",
+                                 daemon=True).start()
         return self._reserved
+
+    def _end_orphans(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            try:
+                self._end_unrun(job, "rclpy could not send the goal response (the client went away before it)")
+            except Exception as exc:  # logged: the other orphans are still ended
+                self._node.get_logger().error(f"ending an orphaned goal failed: {type(exc).__name__}: {exc}")
 
     # -- accepted callback: queue the handle ----------------------------------------------------------
     def on_accepted(self, goal_handle) -> None:

@@ -321,6 +321,9 @@ def test_a_predictor_that_raises_costs_speed_not_goals(h, monkeypatch):
         assert message.level == WARN and "ZeroDivisionError" in message.message, message.message
         run(h)
         assert_lossless(h)
+        # a new activation starts with its own figures: the WARN held until the next configure
+        assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_ACTIVATE)
+        assert ranker.failures == 0 and status(h, "predictor").level == OK
 
 
 # -- the goal's surroundings: its client, the registry, the lifecycle -----------------------------------

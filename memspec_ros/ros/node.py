@@ -276,6 +276,8 @@ class MemSpecNode(LifecycleNode):
         self._last_cache_key, self._cache_baseline = None, self._loaded.controller.cache.snapshot()
         if self._loaded.predictor is not None:
             self._loaded.predictor.latest = {}  # ~/cache_state shows this activation's rankings only
+            # so does the predictor's WARN: one transient failure held it until the next configure
+            self._loaded.predictor.failures, self._loaded.predictor.last_error = 0, ""
         if not self._runner.open(self._loaded, self._stats_pub):
             self.get_logger().error(f"activate refused: the node is shutting down ({self._runner.closing})")
             return TransitionCallbackReturn.FAILURE

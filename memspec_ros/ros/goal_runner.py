@@ -733,23 +733,25 @@ class GoalRunner:
 
     def _answer(self, job: Job, goal_handle) -> Generate.Result:
         """The execute callback of a goal that ended before it ran."""
-        if job.result.finish_reason == CANCELLED:
-            deadline = time.monotonic() + CANCELING_WAIT_SECONDS
-            while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
-                time.sleep(CANCELING_POLL_SECONDS)
-            if goal_handle.is_cancel_requested:
-                settle(goal_handle, CANCELLED)
-            else:  # ABORTED, so its result says error as Generate.action promises for that state
-                job.result.finish_reason = ERROR
-                job.result.error_message = (f"cancelled while queued, but rclpy did not mark the goal CANCELING within"
-                                            f" {CANCELING_WAIT_SECONDS:g} s: ended ABORTED instead")
+        try:
+            if job.result.finish_reason == CANCELLED:
+                deadline = time.monotonic() + CANCELING_WAIT_SECONDS
+                while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+                    time.sleep(CANCELING_POLL_SECONDS)
+                if goal_handle.is_cancel_requested:
+                    settle(goal_handle, CANCELLED)
+                else:  # ABORTED, so its result says error as Generate.action promises for that state
+                    job.result.finish_reason = ERROR
+                    job.result.error_message = (f"cancelled while queued, but rclpy did not mark the goal CANCELING"
+                                                f" within {CANCELING_WAIT_SECONDS:g} s: ended ABORTED instead")
+                    settle(goal_handle, ERROR)
+                self._publish(job, job.result.finish_reason, job.result.error_message)
+            else:
                 settle(goal_handle, ERROR)
-            self._publish(job, job.result.finish_reason, job.result.error_message)
-        else:
-            settle(goal_handle, ERROR)
-        with self._cv:
-            self._unanswered -= 1
-            self._cv.notify_all()
+        finally:  # answered whatever raised above (a publisher gone at teardown): a deactivate waits on the count
+            with self._cv:
+                self._unanswered -= 1
+                self._cv.notify_all()
         return job.result
 
     # -- per-goal settings ---------------------------------------------------------------------------

@@ -431,6 +431,30 @@ def test_a_warm_first_choice_does_not_wait_behind_the_last_goals_prefetch():
         cache.close()
 
 
+def test_a_blocking_wait_goes_ahead_of_the_loads_queued_before_it():
+    """The decode thread blocked for its draft behind loads the last goal had left queued (a goal's cold start):
+    the wanted load now goes first, and the ones it passed still load after it (prefetches Oracle-Dynamic planned
+    are not dropped). A load already reading finishes first."""
+    gate, started, loaded, polled = threading.Event(), threading.Event(), [], threading.Event()
+    cache = DraftCacheManager(3, held_on("general", gate, started, loaded))
+    try:
+        cache.update({"general": 3.0, "code": 2.0, "law": 1.0})  # general reads (held); code, then law, queue
+        assert started.wait(GATE_SECONDS)
+        result: list = []
+        waiter = threading.Thread(target=lambda: result.append(
+            cache.wait_for("law", stop=lambda: polled.set() or False)))  # polled once it waits on its load
+        waiter.start()
+        assert polled.wait(GATE_SECONDS)
+        gate.set()
+        waiter.join(GATE_SECONDS)
+        assert result and result[0][0].spec.path == "law"
+        assert cache.drain(GATE_SECONDS)
+        assert loaded == ["general", "law", "code"] and sorted(cache.resident()) == ["code", "general", "law"]
+    finally:
+        gate.set()
+        cache.close()
+
+
 def test_wait_for_blocks_and_records_wait():
     cache = DraftCacheManager(1, fake_loader(0.05))
     model, waited = cache.wait_for("code")

@@ -433,7 +433,24 @@ class DraftCacheManager:
                         " has no draft it may evict"
                     )
                 slot = self._slots[name]
+            self._put_first(slot)
             return slot, slot.future
+
+    def _put_first(self, wanted: _Slot) -> None:
+        """Move ``wanted``'s queued load ahead of the other queued ones: the decode thread blocks on it, and it
+        waited behind loads the last goal had left queued (prefetches, which are not dropped: Oracle-Dynamic
+        planned them). The others are cancelled before the loader takes them and submitted again, behind it; a
+        load already reading is left to finish. Called holding the lock."""
+        if wanted.future is None or wanted.future.running() or wanted.future.done():
+            return
+        ahead = [s for s in self._slots.values()
+                 if s is not wanted and s.model is None and s.future is not None and s.future.cancel()]
+        for slot in ahead:
+            try:
+                slot.future = self._pool.submit(self._load, slot)
+            except RuntimeError:  # the pool refuses new work (the interpreter is exiting): no load, no slot
+                slot.future = None
+                del self._slots[slot.name]
 
     # -- explicit residency changes ---------------------------------------------------
     def remove(self, name: str) -> None:

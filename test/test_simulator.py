@@ -263,6 +263,20 @@ def test_the_cache_loads_one_draft_at_a_time_and_never_evicts_the_active_one():
     assert cache.wait_for("c") == pytest.approx(1.0)
 
 
+def test_a_blocking_wait_goes_ahead_of_the_queued_loads_as_in_the_real_cache():
+    """The real cache puts the waited-for load ahead of the loads queued before it (runtime/cache.py _put_first);
+    the replay must, or it charges a cold start the loads the last goal left queued."""
+    clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
+    cache = SimCache(3, lambda name: 1.0, clock)
+    cache.update([("a", 3), ("b", 2), ("c", 1)])  # a reads until 1, then b until 2, then c until 3
+    clock.now = 0.5
+    assert cache.wait_for("c") == pytest.approx(1.5)  # after a, ahead of b
+    clock.now = 2.1
+    assert sorted(cache.resident()) == ["a", "c"]  # b reads from 2 to 3: passed, still loaded
+    clock.now = 3.1
+    assert sorted(cache.resident()) == ["a", "b", "c"] and cache.loads == 3
+
+
 def test_a_blocking_wait_whose_room_loads_in_flight_hold_waits_for_them_as_the_real_cache_does():
     """The real cache's wait_for waits for the loads in flight holding the room, then loads (runtime/cache.py);
     the simulated one gave up at once, and replayed the blocking policies differently there."""

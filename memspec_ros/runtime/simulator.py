@@ -448,15 +448,23 @@ class SimCache:
         """As the real cache's update(): a load still queued (the loader not yet reading it) for a draft outside
         ``working`` never runs; the queued loads kept behind it start that much sooner."""
         now = self.clock()
-        queued = sorted((s for s in self._slots.values() if s.reads_from > now), key=lambda s: s.reads_from)
+        queued = self._queued(now)
         if all(s.name in working for s in queued):
             return
-        free = max([now] + [s.ready_at for s in self._slots.values() if s.reads_from <= now < s.ready_at])
         for slot in queued:
             if slot.name not in working:
                 del self._slots[slot.name]
                 self.loads -= 1  # never read
-                continue
+        self._retime([s for s in queued if s.name in working], now)
+
+    def _queued(self, now: float) -> list[_SimSlot]:
+        """The loads the loader has not started reading, in the order it reads them."""
+        return sorted((s for s in self._slots.values() if s.reads_from > now), key=lambda s: s.reads_from)
+
+    def _retime(self, order: list[_SimSlot], now: float) -> None:
+        """The queued loads read one after another in ``order``, from the end of the one reading now."""
+        free = max([now] + [s.ready_at for s in self._slots.values() if s.reads_from <= now < s.ready_at])
+        for slot in order:
             slot.reads_from, slot.ready_at = free, max(free + self.load_seconds(slot.name), now + EPSILON)
             free = slot.ready_at
         self._loader_free = free
@@ -477,6 +485,7 @@ class SimCache:
         resident = slot is not None and self._is_ready(slot)
         self.hits += resident
         self.misses += not resident
+        deferred = False  # started once the loads holding the room have landed: nothing queued is passed then
         if slot is None and not self.request(name, supersede=False):
             # no room now: the real cache waits for the loads in flight that hold it (they land evictable), then
             # loads; with none in flight it gives up at once
@@ -486,8 +495,12 @@ class SimCache:
             landed = max(pending) + EPSILON  # the cache as it is once they have landed
             if not self._make_room_and_load(name, protect={name}, now=landed):
                 return max(0.0, landed - self.clock())
+            deferred = True
         slot = self._slots[name]
         now = self.clock()
+        queued = self._queued(now)
+        if not deferred and slot in queued and queued[0] is not slot:  # as the real cache: it goes first
+            self._retime([slot] + [s for s in queued if s is not slot], now)
         slot.used = True
         return max(0.0, slot.ready_at - now) if not self._is_ready(slot) else 0.0
 

@@ -474,8 +474,10 @@ def test_the_library_is_compiled_once_per_machine_and_source(tmp_path):
     first = cpu_kernels._build(tmp_path)
     stamp = first.stat().st_mtime_ns
     assert cpu_kernels._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    # no partial files left behind: the library, and its note where only a fallback build (no OpenMP) succeeded
-    assert {p.name for p in tmp_path.iterdir()} <= {first.name, cpu_kernels._fallback_note(first).name}
+    # no partial files left behind: the library, its note where only a fallback build (no OpenMP) succeeded, and
+    # the empty lock file the build held (kept: removing a lock file others may have opened races them)
+    assert {p.name for p in tmp_path.iterdir()} <= {first.name, cpu_kernels._fallback_note(first).name,
+                                                     f".{first.stem}.lock"}
 
 
 @needs_compiler
@@ -765,6 +767,67 @@ def test_a_cache_folder_made_under_umask_0000_is_reused(tmp_path, monkeypatch):
     assert not cache.stat().st_mode & 0o022
 
 
+def test_processes_building_together_compile_once_and_a_fallback_never_replaces_a_full_build(tmp_path, monkeypatch):
+    """Processes started together each compiled; one slowed past a timeout published its fallback over the full
+    build another had just published, and every later process ran the slower kernels. One compiles a key at a
+    time now (a lock file beside the library), and the others take what it built."""
+    import threading
+
+    from memspec_ros.runtime import cpu_kernels
+
+    built, inside, release = [], threading.Event(), threading.Event()
+
+    def slow_compile(out_dir, library, compiler, flags, keep_fallback=False):
+        inside.set()
+        release.wait(30.0)
+        library.write_bytes(b"the full build")
+        library.chmod(0o755)
+        built.append(library)
+
+    monkeypatch.setattr(cpu_kernels, "_compile", slow_compile)
+    cache = tmp_path / "kernels"
+    got: list = []
+    first = threading.Thread(target=lambda: got.append(cpu_kernels._build(cache)))
+    first.start()
+    assert inside.wait(30.0)
+    second = threading.Thread(target=lambda: got.append(cpu_kernels._build(cache)))
+    second.start()  # waits on the lock the first holds
+    second.join(0.3)
+    assert second.is_alive() and built == []
+    release.set()
+    first.join(30.0)
+    second.join(30.0)
+    assert len(built) == 1 and got == [built[0], built[0]] and built[0].read_bytes() == b"the full build"
+
+
+def test_a_fallbacks_retry_that_gets_only_a_fallback_again_keeps_it(tmp_path, monkeypatch):
+    """A fallback kept after a timed-out full build is built again a day later; a retry that times out again
+    replaced it with another fallback. It is replaced only by a full build now, and tried again a day later."""
+    import os
+    import time
+
+    from memspec_ros.runtime import cpu_kernels
+
+    attempts = []
+
+    def compile_(out_dir, library, compiler, flags, keep_fallback=False):
+        attempts.append(keep_fallback)
+        if keep_fallback:
+            raise RuntimeError("the full build failed again: timed out")
+        library.write_bytes(b"a fallback")
+        library.chmod(0o755)
+        cpu_kernels._fallback_note(library).write_text("[-fopenmp] timed out after 120 s")
+
+    monkeypatch.setattr(cpu_kernels, "_compile", compile_)
+    library = cpu_kernels._build(tmp_path)
+    note = cpu_kernels._fallback_note(library)
+    day_ago = time.time() - cpu_kernels.FALLBACK_RETRY_S - 10
+    os.utime(note, (day_ago, day_ago))
+    assert cpu_kernels._build(tmp_path) == library and attempts == [False, True]
+    assert library.read_bytes() == b"a fallback" and time.time() - note.stat().st_mtime < 60  # retried a day later
+    assert cpu_kernels._build(tmp_path) == library and attempts == [False, True]  # not at every start
+
+
 def test_a_cached_library_someone_else_could_have_written_is_never_loaded(tmp_path, monkeypatch):
     """The library's name is computed from public inputs (source, compiler, CPU): anyone who could write it in a
     shared or misconfigured cache folder ran code in the node when it loaded. One that is not this user's alone is
@@ -861,7 +924,7 @@ def test_a_fallback_due_for_its_retry_stays_when_no_build_succeeds(tmp_path, mon
     monkeypatch.setattr(cpu_kernels, "_native_macros", lambda compiler: "")
     monkeypatch.setattr(cpu_kernels.hashlib, "sha256", lambda data: type("H", (), {"hexdigest": lambda self: "k"})())
 
-    def fails(out_dir, lib, compiler, flags):
+    def fails(out_dir, lib, compiler, flags, keep_fallback=False):
         raise RuntimeError("cc failed: busy again")
 
     monkeypatch.setattr(cpu_kernels, "_compile", fails)

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from .atomic_write import held_lock
+
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 # threads through OpenMP, whose calls resolve to the libgomp torch loaded (runtime/cpu_kernels.c: parallel_for);
@@ -116,18 +118,9 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
                                     platform.machine()]).encode()
                          ).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
-    if library.exists() and _ours_alone(library):
-        if _fallback_to_retry(library):
-            # a fallback kept because a fuller build timed out (a machine busy for a moment) is built again once a
-            # day: kept for good, one busy moment left every later process on the slower kernels; retried at every
-            # start, a machine too slow for the full build would pay its timeouts at each one. The build replaces
-            # it only if one succeeds; if none does, it stays, tried again a day later
-            try:
-                _compile(out_dir, library, compiler, flags)
-            except (OSError, RuntimeError, subprocess.SubprocessError):
-                _fallback_note(library).touch()
+    if library.exists() and _ours_alone(library) and not _fallback_to_retry(library):
         return library
-    if library.exists() or (out_dir.exists() and not _folder_ours(out_dir)):
+    if (library.exists() and not _ours_alone(library)) or (out_dir.exists() and not _folder_ours(out_dir)):
         # anyone who can write a library under this name runs code in the node when it loads (its key is computed
         # from public inputs): one that is not this user's alone is never loaded, and none is built where another
         # user could swap it before it loads; this process builds its own
@@ -137,7 +130,25 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
     # not writable by others whatever the umask (a CI runner's 0000 made it world-writable: the next process then
     # refused it as not its own and compiled the kernels again into a temporary folder, in every process)
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
-    _compile(out_dir, library, compiler, flags)
+    if library.parent != out_dir:  # a private temporary folder: no other process builds there
+        _compile(out_dir, library, compiler, flags)
+        return library
+    # one process compiles a key at a time: processes started together each compiled, and one slowed by the others
+    # past a timeout published its fallback over the full build another had just published (every later process
+    # then ran the slower kernels), and their fallback notes could end up beside the wrong library
+    with held_lock(out_dir / f".{library.stem}.lock"):
+        if library.exists() and _ours_alone(library):  # built by the process that held the lock
+            if _fallback_to_retry(library):
+                # a fallback kept because a fuller build timed out (a machine busy for a moment) is built again once
+                # a day: kept for good, one busy moment left every later process on the slower kernels; retried at
+                # every start, a machine too slow for the full build would pay its timeouts at each one. The build
+                # replaces it only if one succeeds; if none does, it stays, tried again a day later
+                try:
+                    _compile(out_dir, library, compiler, flags, keep_fallback=True)
+                except (OSError, RuntimeError, subprocess.SubprocessError):
+                    _fallback_note(library).touch()
+            return library
+        _compile(out_dir, library, compiler, flags)
     return library
 
 
@@ -179,8 +190,11 @@ def _run_compiler(command: list[str], timeout: float = COMPILE_TIMEOUT_S) -> sub
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
-def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...]) -> None:
-    """Compile the kernels into ``library`` (a temporary name in ``out_dir``, renamed when whole)."""
+def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...],
+             keep_fallback: bool = False) -> None:
+    """Compile the kernels into ``library`` (a temporary name in ``out_dir``, renamed when whole). ``keep_fallback``:
+    a fallback's retry, which replaces it only with the full build (RuntimeError where it got only a fallback
+    again)."""
     from .atomic_write import sync_dir
 
     # compile to a temporary name and rename: a concurrent process never loads a half-written file
@@ -212,6 +226,8 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
             errors.append(f"[{' '.join(tried)}] {done.stderr.strip()[-300:]}")
         else:
             raise RuntimeError(f"{' '.join(compiler)} failed: " + " | ".join(errors))
+        if errors and keep_fallback:
+            raise RuntimeError("the full build failed again: " + " | ".join(errors))
         # on disk before the rename publishes it: a power cut must not leave a truncated library under the name
         with open(partial, "rb") as handle:
             os.fsync(handle.fileno())
@@ -305,11 +321,14 @@ def _load_once() -> tuple[ctypes.CDLL | None, KernelStatus]:
         path = _build(folder, portable=portable)
         try:
             library = _open(path)
-        except OSError:  # a damaged cached library (truncated, or from another toolchain): built again, once
+        except (OSError, AttributeError):  # a damaged cached library (truncated, from another toolchain, a symbol
+            # missing): built again, once
             path.unlink(missing_ok=True)
             path = _build(folder, portable=portable)
             library = _open(path)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+    # AttributeError: a cached library that lacks a symbol _bind needs (uncaught, @cache kept no result and every
+    # status() raised it again)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         return None, KernelStatus(reason=f"not compiled ({type(exc).__name__}: {exc}); ATen's kernels run")
     note = _fallback_note(path)
     why = note.read_text() if note.is_file() else ""

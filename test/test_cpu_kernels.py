@@ -182,6 +182,20 @@ def test_a_row_holding_nan_or_inf_gives_nan_outputs_as_atens_arithmetic_does(kin
 
 
 @needs_w4
+def test_a_kernel_called_unchecked_refuses_shapes_its_loops_cannot_take():
+    """The C trusted the Python side's checks, which a layer that built its own operands skips (check=False): rows of
+    48 inputs (not whole groups of 32) or 8 (f32: not a multiple of 16) were read and written past their ends."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (16, 1, INT4_GROUP), generator=gen)
+    packed, scale_min = cpu_kernels.pack_w4(q, torch.rand(16, 1, generator=gen), torch.randn(16, 1, generator=gen))
+    with pytest.raises(ValueError, match="the w4 kernel refuses 48 inputs"):
+        cpu_kernels.w4_matmul(torch.randn(2, 48), packed, scale_min, check=False)
+    with pytest.raises(ValueError, match="the f32 kernel refuses 8 inputs"):
+        cpu_kernels.f32_matmul(torch.randn(2, 8), torch.randn(4, 8), check=False)
+    assert cpu_kernels.f32_matmul(torch.randn(2, 16), torch.randn(4, 16), check=False).shape == (2, 4)
+
+
+@needs_w4
 @pytest.mark.parametrize("rows", ROWS)
 def test_w4_kernel_computes_its_layer_and_each_row_alone(rows):
     gen = torch.Generator().manual_seed(10 + rows)

@@ -322,7 +322,15 @@ static void w4_blocked_range(void* ctx, int o_begin, int o_end);
 #endif
 
 /* y[M][O] = x[M][K] (fp32) times the 4-bit weights' transpose. K % 32 == 0. Returns 0, or -1 when out of memory. */
+/* Shapes the loops below cannot take (they step whole groups and output blocks) return KERNEL_BAD_SHAPE before
+ * anything is read: the Python side checks them too, but a caller that skips its checks wrote past a row's end. */
+#define KERNEL_BAD_SHAPE -2
+
 int w4_matmul(const uint8_t* qw, const uint32_t* sm, const float* x, float* y, int M, int K, int O, int threads) {
+  if (M < 0 || K <= 0 || K % 32 || O < 0) return KERNEL_BAD_SHAPE;
+#ifdef W4_VNNI
+  if (O % W4_BLOCK_OUT) return KERNEL_BAD_SHAPE;
+#endif
   const size_t blocks = (size_t)M * (K / 32);
   int8_t* xq = malloc((size_t)M * K);
   float* scales = malloc(2 * blocks * sizeof(float));
@@ -767,6 +775,7 @@ static void w4_blocked_range(void* ctx, int o_begin, int o_end) {
  * for operation. K % 64 == 0. xu: scratch of M*K bytes; row_scale: scratch of M floats. */
 int i8_matmul(const float* x, const int8_t* w, const int32_t* b128, const float* scale, float* y, uint8_t* xu,
               float* row_scale, int M, int K, int O, int threads) {
+  if (M < 0 || K <= 0 || K % 64 || O < 0) return KERNEL_BAD_SHAPE;
   for (int m = 0; m < M; m++) {
     const float* restrict row = x + (size_t)m * K;
     uint8_t* restrict out = xu + (size_t)m * K;
@@ -874,6 +883,7 @@ static void f32_range(void* ctx, int o_begin, int o_end) {
 }
 
 int f32_matmul(const float* x, const float* w, float* y, int M, int K, int O, int threads) {
+  if (M < 0 || K % 16 || O < 0) return KERNEL_BAD_SHAPE;
   F32Call call = {x, w, y, M, K, O};
   parallel_for(f32_range, &call, O, threads, 16);
   return 0;

@@ -423,9 +423,19 @@ def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor,
     with _CALL:
         failed = _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1],
                                       packed.shape[0], _threads())
-    if failed:
-        raise MemoryError("the w4 kernel could not allocate its scratch memory")
+    _raise_for("w4", failed, f"{x.shape[1]} inputs (groups of 32) for {packed.shape[0]} outputs")
     return out
+
+
+BAD_SHAPE = -2  # cpu_kernels.c's KERNEL_BAD_SHAPE: refused before anything was read or written
+
+
+def _raise_for(kernel: str, failed: int, shapes: str) -> None:
+    """A kernel's return code as the exception it means (0: none); nothing was written to the output then."""
+    if failed == BAD_SHAPE:
+        raise ValueError(f"the {kernel} kernel refuses {shapes}: see its docstring for the shapes it takes")
+    if failed:
+        raise MemoryError(f"the {kernel} kernel could not allocate its scratch memory")
 
 
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,8 +493,7 @@ def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, s
     with _CALL:
         failed = _library().i8_matmul(_ptr(x), _ptr(weight), _ptr(bias128), _ptr(scale), _ptr(out), _ptr(scratch_x),
                                       _ptr(row_scale), m, k, o, _threads())
-    if failed:  # nothing was written: an uninitialised ``out`` would pass for activations
-        raise MemoryError("the i8 kernel could not allocate its scratch memory")
+    _raise_for("i8", failed, f"{k} inputs")  # nothing was written: an uninitialised ``out`` would pass for activations
     return out
 
 
@@ -500,7 +509,9 @@ def f32_matmul(rows: torch.Tensor, weight: torch.Tensor, *, check: bool = True) 
             raise ValueError(f"f32_matmul: {x.shape[1]} inputs is not a multiple of 16")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     with _CALL:
-        _library().f32_matmul(_ptr(x), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], weight.shape[0], _threads())
+        failed = _library().f32_matmul(_ptr(x), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], weight.shape[0],
+                                       _threads())
+    _raise_for("f32", failed, f"{x.shape[1]} inputs (a multiple of 16)")
     return out
 
 

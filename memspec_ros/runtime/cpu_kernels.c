@@ -726,11 +726,15 @@ static inline __attribute__((always_inline)) void w4_vnni_body(const W4Call* c, 
       w4_lines(packed, line);
       const __m512i pair = _mm512_loadu_si512(c->sm + (block + g) * 16);
       for (int m = 0; m < M; m++) {
-        const int32_t* xr = (const int32_t*)(c->xq + (size_t)m * K + (size_t)g * 32);
+        /* four of the row's bytes at a time, read by memcpy: an int32_t pointer into the int8 buffer broke C's
+         * aliasing rules, which let -O3 move these reads ahead of quantize_blocks' writes */
+        const int8_t* xr = c->xq + (size_t)m * K + (size_t)g * 32;
         __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
         for (int r = 0; r < 8; r += 2) {
-          even = _mm512_dpbusd_epi32(even, line[r], _mm512_set1_epi32(xr[r]));
-          odd = _mm512_dpbusd_epi32(odd, line[r + 1], _mm512_set1_epi32(xr[r + 1]));
+          int32_t four[2];
+          memcpy(four, xr + 4 * r, sizeof four);
+          even = _mm512_dpbusd_epi32(even, line[r], _mm512_set1_epi32(four[0]));
+          odd = _mm512_dpbusd_epi32(odd, line[r + 1], _mm512_set1_epi32(four[1]));
         }
         const size_t b = (size_t)m * groups + g;
         acc[m] = w4_scale_group(acc[m], _mm512_add_epi32(even, odd), pair, c->xd[b], c->xs[b]);

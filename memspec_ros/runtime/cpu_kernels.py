@@ -113,9 +113,12 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
     compiler = _compiler()
     flags = (*FLAGS, "-DMEMSPEC_PORTABLE") if portable else FLAGS
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    # torch's own folder too: the OpenMP runtime the library links is resolved beside it (torch's libgomp), so two
+    # environments sharing the cache, one of which could not load the other's library, deleted it and published
+    # their fallback build under the one key
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(compiler), version, " ".join((*flags, OPENMP)),
                                     " ".join(sorted(cpu_flags() or {platform.processor()})), _native_macros(compiler),
-                                    platform.machine()]).encode()
+                                    platform.machine(), str(Path(torch.__file__).parent), torch.__version__]).encode()
                          ).hexdigest()[:16]
     library = out_dir / f"memspec_kernels-{key}.so"
     if library.exists() and _ours_alone(library) and not _fallback_to_retry(library):

@@ -781,6 +781,7 @@ def test_a_cache_folder_made_under_umask_0000_is_reused(tmp_path, monkeypatch):
     assert not cache.stat().st_mode & 0o022
 
 
+@needs_compiler  # _build asks the compiler its version
 def test_processes_building_together_compile_once_and_a_fallback_never_replaces_a_full_build(tmp_path, monkeypatch):
     """Processes started together each compiled; one slowed past a timeout published its fallback over the full
     build another had just published, and every later process ran the slower kernels. One compiles a key at a
@@ -802,18 +803,48 @@ def test_processes_building_together_compile_once_and_a_fallback_never_replaces_
     cache = tmp_path / "kernels"
     got: list = []
     first = threading.Thread(target=lambda: got.append(cpu_kernels._build(cache)))
-    first.start()
-    assert inside.wait(30.0)
     second = threading.Thread(target=lambda: got.append(cpu_kernels._build(cache)))
-    second.start()  # waits on the lock the first holds
-    second.join(0.3)
-    assert second.is_alive() and built == []
-    release.set()
-    first.join(30.0)
-    second.join(30.0)
+    try:
+        first.start()
+        assert inside.wait(30.0)
+        second.start()  # waits on the lock the first holds
+        second.join(0.3)
+        assert second.is_alive() and built == []
+    finally:
+        release.set()
+        first.join(30.0)
+        if second.is_alive() or second.ident is not None:
+            second.join(30.0)
     assert len(built) == 1 and got == [built[0], built[0]] and built[0].read_bytes() == b"the full build"
 
 
+def test_compile_for_a_fallbacks_retry_publishes_only_the_full_build(tmp_path, monkeypatch):
+    """_compile itself: asked to retry a fallback (keep_fallback), a full build that times out again while the
+    simpler one builds raises and leaves the library and no temporary file; without it, the fallback is
+    published with its note (what a first build on a busy machine keeps)."""
+    import subprocess
+
+    from memspec_ros.runtime import cpu_kernels
+
+    def run(command, timeout=None):  # the OpenMP attempt times out, the next one builds
+        if cpu_kernels.OPENMP in command:
+            return None
+        Path(command[command.index("-o") + 1]).write_bytes(b"a new fallback")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(cpu_kernels, "_run_compiler", run)
+    monkeypatch.setattr(cpu_kernels, "_open", lambda path: object())
+    monkeypatch.setattr(cpu_kernels, "_close", lambda library: None)
+    library = tmp_path / "memspec_kernels-k.so"
+    library.write_bytes(b"the fallback")
+    with pytest.raises(RuntimeError, match="the full build failed again"):
+        cpu_kernels._compile(tmp_path, library, ["cc"], cpu_kernels.FLAGS, keep_fallback=True)
+    assert library.read_bytes() == b"the fallback" and sorted(p.name for p in tmp_path.iterdir()) == [library.name]
+    cpu_kernels._compile(tmp_path, library, ["cc"], cpu_kernels.FLAGS)
+    assert library.read_bytes() == b"a new fallback" and "timed out" in cpu_kernels._fallback_note(library).read_text()
+
+
+@needs_compiler  # _build asks the compiler its version
 def test_a_fallbacks_retry_that_gets_only_a_fallback_again_keeps_it(tmp_path, monkeypatch):
     """A fallback kept after a timed-out full build is built again a day later; a retry that times out again
     replaced it with another fallback. It is replaced only by a full build now, and tried again a day later."""

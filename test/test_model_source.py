@@ -300,6 +300,7 @@ def test_a_conversion_waits_for_another_process_converting_the_same_file(tmp_pat
         return flock(fd, operation)
 
     monkeypatch.setattr(fcntl, "flock", observed_flock)
+    caplog.set_level("WARNING", logger="memspec_ros.runtime.model_source")
     with open(gguf_dir / f".{key}.lock", "a") as lock:
         flock(lock, fcntl.LOCK_EX)
         waiter = threading.Thread(target=lambda: out.append(resolve_model_path(str(src))))

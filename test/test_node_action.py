@@ -508,6 +508,9 @@ def test_a_goal_whose_response_could_not_be_sent_ends_aborted_not_accepted_for_g
 
     runner = h.node._runner
     server = runner.server
+    internals = ("_lock", "_goal_handles", "_result_futures", "add_future")
+    if not all(hasattr(server, name) for name in internals):  # rclpy's own, as Jazzy's 7.1 names them
+        pytest.skip(f"this rclpy's ActionServer has not all of {', '.join(internals)}: the orphan is made by hand")
     request = goal(max_new_tokens=4)
     assert runner.on_goal(request) == goal_runner.GoalResponse.ACCEPT
     info = GoalInfo(goal_id=UUID(uuid=list(uuid.uuid4().bytes)), stamp=h.node.get_clock().now().to_msg())
@@ -527,6 +530,9 @@ def test_a_goal_whose_response_could_not_be_sent_ends_aborted_not_accepted_for_g
     wait_until(result.done, 10.0, "its result, for a client that asks")
     assert "could not send the goal response" in result.result().result.error_message
     wait_until(lambda: runner._unanswered == 0, 10.0, "no goal counted unanswered")
+    runner.on_accepted(handle)  # its accepted callback, coming after all: the goal is not ended a second time
+    assert runner._unanswered == 0 and handle.status == GoalStatus.STATUS_ABORTED
+    monkeypatch.undo()  # the real timeout again: a loaded machine's accepted callback may take more than 1 s
     accepted, _ = h.send(goal(max_new_tokens=4))  # the node goes on
     assert h.result(accepted).status == GoalStatus.STATUS_SUCCEEDED
 

@@ -592,7 +592,7 @@ def test_a_change_that_fails_while_applied_leaves_the_runtime_on_the_values_the_
     window = h.node._window
     capacity, goals = controller.next_config.capacity, h.get_param("diagnostics.window_goals")
 
-    def broken(live, wanted, cache):  # the registry swap, the last step, after the setters and the controller
+    def broken(live, wanted):  # the registry swap, the last step, after the setters and the controller
         raise OSError("the drafts' folder went away")
 
     monkeypatch.setattr(param_handler, "replace_entries", broken)

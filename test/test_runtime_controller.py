@@ -312,6 +312,7 @@ def test_prediction_only_decodes_on_the_current_draft_while_its_choice_loads(tar
         ctl.cache.drain()
         assert sorted(ctl.cache.resident()) == ["code", "math"]  # code on demand: no top-K prefetch of law
     finally:
+        loader.gate.set()  # or close() waits on the held load
         ctl.close()
 
 
@@ -1151,7 +1152,7 @@ def test_a_goal_that_raises_takes_its_background_ranking_time_with_it(target, dr
 def test_a_failure_before_the_prompt_cache_is_taken_raises_as_itself(target, drafts, monkeypatch):
     """A failure ahead of the prompt cache's take (the target's timing forward, a file check, a cache reset) read
     variables set only after it, so the goal failed with UnboundLocalError instead of its own error."""
-    ctl = make(target, drafts, "general-static", capacity=1, adaptive_gamma=True)
+    ctl = make(target, drafts, "general-static", capacity=1)
 
     def failing(adaptive=None):
         raise MemoryError("the timing forward's buffers")

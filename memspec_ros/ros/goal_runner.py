@@ -234,6 +234,9 @@ class GoalRunner:
         self._window = window
         self._cv = threading.Condition()
         self._reserved: list[Job] = []  # accepted by the goal callback, waiting for their handles
+        # the requests of orphans this runner ended through rclpy's stored handle (_live_reservations): an accepted
+        # callback that still comes for one is ignored, not a second ending of the same goal (the last few kept)
+        self._ended_orphans: deque = deque(maxlen=64)
         self._queue: deque[Job] = deque()
         self._running: Job | None = None
         self._unanswered = 0  # accepted goals whose result rclpy does not have yet
@@ -495,6 +498,7 @@ class GoalRunner:
                     self._unanswered -= 1
                 else:
                     ended.append(job)
+                    self._ended_orphans.append(job.request)
             self._node.get_logger().warning(
                 f"{len(orphans)} accepted goal(s) never reached the accepted callback within"
                 f" {RESERVATION_TIMEOUT_SECONDS:g} s (rclpy could not send the goal response: the client went"
@@ -511,11 +515,16 @@ class GoalRunner:
                 self._end_unrun(job, "rclpy could not send the goal response (the client went away before it)")
             except Exception as exc:  # logged: the other orphans are still ended
                 self._node.get_logger().error(f"ending an orphaned goal failed: {type(exc).__name__}: {exc}")
+                with self._cv:  # its answer (_answer) never comes: a deactivate must not wait for it
+                    self._unanswered -= 1
+                    self._cv.notify_all()
 
     # -- accepted callback: queue the handle ----------------------------------------------------------
     def on_accepted(self, goal_handle) -> None:
         late = ""  # why the goal ends unrun although the node takes goals
         with self._cv:
+            if any(r is goal_handle.request for r in self._ended_orphans):  # ended already, by its stored handle
+                return
             # rclpy hands this callback the very request object the goal callback checked
             job = next((j for j in self._reserved if j.request is goal_handle.request), None)
             if job is None:  # so late that its reservation was dropped as an orphan: answered, never run

@@ -38,15 +38,12 @@ def registry_from_params(v: dict[str, Any], fingerprint: str):
     return open_registry(P.registry_file_of(v), P.draft_lists(v), fingerprint=fingerprint)
 
 
-def replace_entries(live, wanted, cache) -> None:
+def replace_entries(live, wanted) -> list:
     """Make the live registry equal to ``wanted`` (built and checked already: nothing is read here, since the
-    caller holds goals back meanwhile); a running goal sees it at its next scheduling point.
-
-    With no goal running (``cache`` given), removed drafts also leave the cache now: the runtime syncs its
-    cache with the registry only at the scheduling points of a running goal."""
-    for entry in live.replace_with(wanted):
-        if cache is not None:
-            cache.remove(entry.name)
+    caller holds goals back meanwhile); a running goal sees it at its next scheduling point. Returns the entries
+    removed: with no goal running the caller takes them out of the cache now (the runtime syncs its cache with the
+    registry only at the scheduling points of a running goal)."""
+    return list(live.replace_with(wanted))
 
 
 LENGTH_PARAMS = frozenset({"generation.system_prompt", "generation.max_prompt_tokens", "generation.max_new_tokens"})
@@ -158,7 +155,9 @@ class ParameterHandler:
     def _apply(self, new: dict[str, Any], lo, registry, runtime: dict[str, Any]) -> None:
         """A checked change, applied: each setter, then the controller's settings, then the registry swapped. A
         step that raises undoes the ones before it (a setter is given its old value, the controller its old
-        settings) and the exception goes on; the registry swap, which can fail halfway, comes last."""
+        settings) and the exception goes on. The registry swap comes last: once it is done the change is in force,
+        and what follows it (the removed drafts leaving the cache, the files' recheck) is logged if it fails, not
+        undone."""
         undo: list[tuple[str, Callable[[], Any]]] = []
         try:
             for name, value in new.items():
@@ -174,13 +173,20 @@ class ParameterHandler:
                              lambda: lo.controller.reconfigure(**before)))
             if registry is not None:
                 with self._runner.no_goal_starting() as running:
-                    replace_entries(lo.registry, registry, None if running else lo.controller.cache)
-                    # a resident draft whose files were restored or replaced is read again when the next goal
-                    # starts, on that goal's thread (evict_changed must not run beside a generation, and its stat
-                    # of every draft's files, slow on failing storage, must not run here holding the runner's lock,
-                    # which every goal callback and the diagnostics wait for)
-                    lo.controller.recheck_files_later()
-                lo.controller.cache.clear_failed()  # a draft that failed is tried again (its files may be fixed)
+                    removed = replace_entries(lo.registry, registry)
+                    try:
+                        for entry in [] if running else removed:
+                            lo.controller.cache.remove(entry.name)
+                        # a resident draft whose files were restored or replaced is read again when the next goal
+                        # starts, on that goal's thread (evict_changed must not run beside a generation, and its
+                        # stat of every draft's files, slow on failing storage, must not run here holding the
+                        # runner's lock, which every goal callback and the diagnostics wait for)
+                        lo.controller.recheck_files_later()
+                        lo.controller.cache.clear_failed()  # a draft that failed is tried again (files fixed?)
+                    except Exception as exc:  # the new registry is in force, as the parameters say
+                        self._node.get_logger().error(
+                            f"parameter change: the draft registry was replaced, but updating the draft cache after"
+                            f" it failed ({type(exc).__name__}: {exc}); the next goal's scheduling points sync it")
         except Exception:
             for name, step in reversed(undo):
                 try:

@@ -124,10 +124,12 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
 
 
 @contextlib.contextmanager
-def held_lock(path: str | os.PathLike[str], on_wait=None) -> Iterator[None]:
+def held_lock(path: str | os.PathLike[str], on_wait=None, timeout: float | None = None) -> Iterator[None]:
     """An exclusive flock on ``path`` (created if absent, never through a link planted at its name) for the block,
-    waited for where another process holds it; ``on_wait()`` is called once before waiting (to say so)."""
+    waited for where another process holds it; ``on_wait()`` is called once before waiting (to say so). With
+    ``timeout``, TimeoutError once it has waited that long (a holder stopped for good)."""
     import fcntl
+    import time
 
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a") as lock:
         try:
@@ -135,5 +137,16 @@ def held_lock(path: str | os.PathLike[str], on_wait=None) -> Iterator[None]:
         except BlockingIOError:
             if on_wait is not None:
                 on_wait()
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            if timeout is None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            else:
+                deadline = time.monotonic() + timeout
+                while True:
+                    time.sleep(0.1)
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"another process has held {path} for more than {timeout:g} s") from None
         yield

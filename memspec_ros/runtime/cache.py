@@ -451,6 +451,7 @@ class DraftCacheManager:
             except RuntimeError:  # the pool refuses new work (the interpreter is exiting): no load, no slot
                 slot.future = None
                 del self._slots[slot.name]
+                self._changed()
 
     # -- explicit residency changes ---------------------------------------------------
     def remove(self, name: str) -> None:
@@ -595,10 +596,17 @@ class DraftCacheManager:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait for every load in flight (tests, benchmarks and shutdown): False where ``timeout`` s (for them
-        all) ran out first."""
-        with self._lock:
-            pending = [s.future for s in (*self._slots.values(), *self._detached) if s.future is not None]
-        return _wait_futures(pending, _deadline(timeout), None)
+        all) ran out first. Until none is left: a blocking wait on another thread may requeue a load (_put_first),
+        whose old future is done, cancelled, while the load itself is still to run."""
+        deadline = _deadline(timeout)
+        while True:
+            with self._lock:
+                pending = [s.future for s in (*self._slots.values(), *self._detached)
+                           if s.future is not None and not s.future.done()]
+            if not pending:
+                return True
+            if not _wait_futures(pending, deadline, None):
+                return False
 
     # -- diagnostics --------------------------------------------------------------------
     def snapshot(self) -> CacheStats:

@@ -466,7 +466,7 @@ class RuntimeController:
             reuse_rows = getattr(self.predictor, "reuse_rows", None)
             if reuse_rows is not None:  # a target-hidden encoder's rows of the reused positions (None: not kept)
                 reuse_rows(reused.hidden_rows if prefix is not None else None, prefix.length if prefix else 0)
-            reused.hidden_rows = None  # the predictor keeps its own copy: a slice here kept the whole taken tensor
+            reused.hidden_rows = None  # the predictor holds what it needs: a slice kept here held the whole tensor
             session = SpeculativeSession(
                 self.target, prompt_ids, max_new_tokens=max_new_tokens, gamma=self.config.gamma, sampling=sampling,
                 eos_token_ids=self.eos_token_ids, stop_strings=stop, tokenizer=self.tokenizer, on_chunk=on_chunk,

@@ -321,7 +321,8 @@ static void w4q_range(void* ctx, int o_begin, int o_end) {
 static void w4_blocked_range(void* ctx, int o_begin, int o_end);
 #endif
 
-/* y[M][O] = x[M][K] (fp32) times the 4-bit weights' transpose. K % 32 == 0. Returns 0, or -1 when out of memory. */
+/* y[M][O] = x[M][K] (fp32) times the 4-bit weights' transpose. K % 32 == 0. Returns 0, -1 when out of memory, or
+ * KERNEL_BAD_SHAPE for shapes it cannot take. */
 /* Shapes the loops below cannot take (they step whole groups and output blocks) return KERNEL_BAD_SHAPE before
  * anything is read: the Python side checks them too, but a caller that skips its checks wrote past a row's end. */
 #define KERNEL_BAD_SHAPE -2
@@ -1162,7 +1163,8 @@ static void rope(const float* in, float* out, const float* cos, const float* sin
 
 /* x [n][dim] (in place): every layer of a Llama decoder for rows at positions start..start+n-1, writing
  * their keys and values into each layer's cache buffers. cos/sin: [n][head_dim] (the model's rotary
- * embedding). dim, head_dim and intermediate are multiples of 64. Returns 0, or -1 when out of memory. */
+ * embedding). dim, head_dim and intermediate are multiples of 64. Returns 0, -1 when out of memory, or
+ * KERNEL_BAD_SHAPE (a linear's shapes). */
 int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int start, const float* cos,
                     const float* sin, int dim, int heads, int kv_heads, int head_dim, int intermediate,
                     float eps, int threads) {
@@ -1187,10 +1189,7 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
   for (int l = 0; l < n_layers; l++) {
     const Layer* L = layers + l;
     rms_norm(x, L->attn_norm, h, n, dim, eps);
-    if (linear(&L->qkv, h, wide, n, &s)) {
-      status = -1;
-      goto done;
-    }
+    if ((status = linear(&L->qkv, h, wide, n, &s))) goto done;
     for (int i = 0; i < n; i++) {
       const float* row = wide + (size_t)i * qkv_width;
       const float* c = cos + (size_t)i * head_dim;
@@ -1206,25 +1205,16 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
     AttendCall call = {q, L->keys, L->values, attn, scores, n, heads, kv_heads, head_dim, start, L->capacity,
                        1.0f / sqrtf((float)head_dim)};
     parallel_for(attend_range, &call, heads, threads, 1);
-    if (linear(&L->o, attn, h, n, &s)) {
-      status = -1;
-      goto done;
-    }
+    if ((status = linear(&L->o, attn, h, n, &s))) goto done;
     for (size_t j = 0; j < rows * dim; j++) x[j] += h[j];
     rms_norm(x, L->mlp_norm, h, n, dim, eps);
-    if (linear(&L->gate_up, h, wide, n, &s)) {
-      status = -1;
-      goto done;
-    }
+    if ((status = linear(&L->gate_up, h, wide, n, &s))) goto done;
     for (int i = 0; i < n; i++) {
       const float* gate = wide + (size_t)i * 2 * intermediate;
       const float* up = gate + intermediate;
       silu_mul(gate, up, act + (size_t)i * intermediate, intermediate);
     }
-    if (linear(&L->down, act, h, n, &s)) {
-      status = -1;
-      goto done;
-    }
+    if ((status = linear(&L->down, act, h, n, &s))) goto done;
     for (size_t j = 0; j < rows * dim; j++) x[j] += h[j];
   }
 done:
@@ -1278,7 +1268,7 @@ typedef struct {
 /* logits [keep][width] of the last `keep` of n rows fed at positions start..start+n-1 (ids: embedding rows,
  * checked by the caller); x [n][dim] is scratch. normed: NULL, or [n][dim] for every row's final-normed hidden
  * state (the engine's hidden-state observers). cos/sin: [n][head_dim] from row `start` of the rotary table.
- * Returns 0, or -1 when out of memory. */
+ * Returns 0, -1 when out of memory, or KERNEL_BAD_SHAPE (a linear's shapes). */
 int model_step(const StepModel* m, const int32_t* ids, int n, int start, const float* cos, const float* sin,
                int keep, float* x, float* normed, float* logits, int threads) {
   const int dim = m->dim;
@@ -1309,10 +1299,7 @@ int model_step(const StepModel* m, const int32_t* ids, int n, int start, const f
     goto done;
   }
   rms_norm(x + (size_t)first * dim, m->final_norm, h, n - first, dim, m->eps);
-  if (linear(&m->head, h + (size_t)(n - keep - first) * dim, head_rows, keep, &s)) {
-    status = -1;
-    goto done;
-  }
+  if ((status = linear(&m->head, h + (size_t)(n - keep - first) * dim, head_rows, keep, &s))) goto done;
   if (m->scatter) {
     for (int r = 0; r < keep; r++) {
       float* row = logits + (size_t)r * m->width;

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -38,6 +39,8 @@ import torch
 
 from .atomic_write import held_lock
 
+log = logging.getLogger(__name__)
+
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 # threads through OpenMP, whose calls resolve to the libgomp torch loaded (runtime/cpu_kernels.c: parallel_for);
@@ -50,6 +53,8 @@ ENV_SWITCH = "MEMSPEC_CPU_KERNELS"  # 0: ATen's kernels; portable: the portable 
 PORTABLE = "portable"
 COMPILE_TIMEOUT_S = 120
 FALLBACK_RETRY_S = 24 * 3600  # a fallback built after a timed-out fuller build is built again after this long
+# the longest another process's build may hold the compile lock: its three attempts and their probes, and a margin
+LOCK_WAIT_S = 3 * COMPILE_TIMEOUT_S + 120
 
 
 @dataclass(frozen=True)
@@ -126,20 +131,24 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
     if (library.exists() and not _ours_alone(library)) or (out_dir.exists() and not _folder_ours(out_dir)):
         # anyone who can write a library under this name runs code in the node when it loads (its key is computed
         # from public inputs): one that is not this user's alone is never loaded, and none is built where another
-        # user could swap it before it loads; this process builds its own
+        # user could swap it before it loads; this process builds its own, in a private temporary folder, where no
+        # other process builds
         out_dir = Path(tempfile.mkdtemp(prefix="memspec_kernels_"))
         atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
         library = out_dir / library.name
+        _compile(out_dir, library, compiler, flags)
+        return library
     # not writable by others whatever the umask (a CI runner's 0000 made it world-writable: the next process then
     # refused it as not its own and compiled the kernels again into a temporary folder, in every process)
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
-    if library.parent != out_dir:  # a private temporary folder: no other process builds there
-        _compile(out_dir, library, compiler, flags)
-        return library
     # one process compiles a key at a time: processes started together each compiled, and one slowed by the others
     # past a timeout published its fallback over the full build another had just published (every later process
     # then ran the slower kernels), and their fallback notes could end up beside the wrong library
-    with held_lock(out_dir / f".{library.stem}.lock"):
+    # Bounded: a process stopped while it holds the lock must not hold every other's configure for good (past the
+    # bound the caller runs ATen's kernels and says why)
+    lock = out_dir / f".{library.stem}.lock"
+    with held_lock(lock, lambda: log.warning("another process is compiling the CPU kernels (it holds %s): waiting"
+                                             " for it, at most %g s", lock, LOCK_WAIT_S), timeout=LOCK_WAIT_S):
         if library.exists() and _ours_alone(library):  # built by the process that held the lock
             if _fallback_to_retry(library):
                 # a fallback kept because a fuller build timed out (a machine busy for a moment) is built again once
@@ -603,7 +612,7 @@ class Decoder:
                                                 _ptr(sin), self.dim, self.heads, self.kv_heads, self.head_dim,
                                                 self.intermediate, self.eps, _threads())
         if failed:
-            raise MemoryError("the decoder kernel could not allocate its scratch memory")
+            _raise_for("decoder", failed, "a layer's shapes")
 
 
 class _StepModel(ctypes.Structure):
@@ -702,7 +711,7 @@ class Step:
                                            _ptr(rope[0]) + offset, _ptr(rope[1]) + offset, keep, _ptr(x),
                                            _ptr(normed) if normed is not None else None, _ptr(logits), _threads())
         if failed:
-            raise MemoryError("the step kernel could not allocate its scratch memory")
+            _raise_for("step", failed, "a layer's or the head's shapes")
         return logits
 
 

@@ -323,6 +323,9 @@ def _run_chat_acceptance(a) -> int:
         raise SystemExit("memspec-zoo acceptance: --max-new-tokens must be at least 2: the first answer token comes"
                          " from the prompt's encoding, and the drafts are scored on the ones after it")
     workloads = list(WORKLOADS)
+    target_path = registry.target_path or ""  # a GGUF, a package's file, or a Hugging Face folder (tests, users)
+    has_target = bool(target_path) and (is_model_source(target_path) or Path(target_path).is_dir())  # "" is cwd
+    digest = model_digest(registry.target_path) if has_target else None  # answers by another target are refused
     if a.workloads_dir:
         try:
             by_workload = workload_rows(Path(a.workloads_dir), a.prompts_per_workload)
@@ -330,8 +333,7 @@ def _run_chat_acceptance(a) -> int:
             raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
         workloads = list(by_workload)
         rows = [r for rs in by_workload.values() for r in rs]
-        answers_dir = Path(a.answers) if a.answers else answers_cache_dir(
-            by_workload, a.max_new_tokens, model_digest(registry.target_path) if registry.target_path else "")
+        answers_dir = Path(a.answers) if a.answers else answers_cache_dir(by_workload, a.max_new_tokens, digest or "")
     else:
         answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
         rows = None
@@ -339,10 +341,7 @@ def _run_chat_acceptance(a) -> int:
         rows = rows or heldout_rows(Path(a.models))
     except (OSError, ValueError) as exc:
         raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
-    target_path = registry.target_path or ""  # a GGUF, a package's file, or a Hugging Face folder (tests, users)
-    has_target = bool(target_path) and (is_model_source(target_path) or Path(target_path).is_dir())  # "" is cwd
     tok = load_tokenizer(registry.target_path) if has_target else _drafts_tokenizer(registry)
-    digest = model_digest(registry.target_path) if has_target else None  # answers by another target are refused
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
         covered = (answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows], answers_dir, "heldout",
                                  a.max_new_tokens, digest) if tok

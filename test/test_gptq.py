@@ -226,17 +226,19 @@ def test_a_second_quantization_of_the_same_run_waits_for_the_first(tmp_path):
     folder as an interrupted run's while the first loaded from it. The publish is under one lock per run now."""
     import threading
 
-    from memspec_ros.zoo.gptq_target import _held_lock
+    from memspec_ros.runtime.atomic_write import held_lock
+    from memspec_ros.zoo import gptq_target
 
+    assert gptq_target.held_lock is held_lock  # the run's lock is the shared one (runtime/atomic_write.py)
     lock, entered = tmp_path / ".run.lock", threading.Event()
 
     def second() -> None:
-        with _held_lock(lock):
+        with held_lock(lock):
             entered.set()
 
     import fcntl
 
-    with _held_lock(lock):
+    with held_lock(lock):
         with open(lock, "a") as other, pytest.raises(BlockingIOError):  # another process's try, refused
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         thread = threading.Thread(target=second, daemon=True)

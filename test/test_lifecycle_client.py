@@ -55,6 +55,8 @@ class FakeLifecycleNode:
         self.transitions_run: list[int] = []
         self.services: dict[str, FakeService] = {}
         self.destroyed = 0
+        self.event_callbacks: list = []  # ~/transition_event's subscribers
+        self.subscriptions_destroyed = 0
 
     def create_client(self, srv_type, name: str) -> FakeService:
         service = FakeService(name, self._change if name.endswith("change_state") else self._get)
@@ -63,6 +65,14 @@ class FakeLifecycleNode:
 
     def destroy_client(self, client) -> None:
         self.destroyed += 1
+
+    def create_subscription(self, msg_type, name: str, callback, qos):
+        assert name.endswith("/transition_event")
+        self.event_callbacks.append(callback)
+        return callback
+
+    def destroy_subscription(self, subscription) -> None:
+        self.subscriptions_destroyed += 1
 
     def spin(self, seconds: float) -> None:
         for service in self.services.values():
@@ -88,6 +98,11 @@ class FakeLifecycleNode:
             return
         start, goal = lc._TRANSITIONS[request.transition.id]
         ok = self.state == start and not self.refuse
+        if self.state == start:  # the transition starts (and fails back to ``start`` when refused)
+            from lifecycle_msgs.msg import TransitionEvent
+
+            for callback in self.event_callbacks:
+                callback(TransitionEvent(transition=request.transition))
         if ok:
             self.state = goal
             self.transitions_run.append(request.transition.id)
@@ -122,7 +137,7 @@ def test_plain_transition_and_state(fast_clock):
     assert (client.lost_replies, client.resent_requests) == (0, 0)
     assert set(node.services) == {"/memspec/change_state", "/memspec/get_state"}
     client.destroy()
-    assert node.destroyed == 2
+    assert node.destroyed == 2 and node.subscriptions_destroyed == 1
 
 
 def test_a_lost_reply_is_confirmed_by_get_state(fast_clock):
@@ -170,3 +185,14 @@ def test_a_silent_node_times_out_with_the_service_name(fast_clock):
     deaf = FakeLifecycleNode(drop_state_requests=100)
     with pytest.raises(TimeoutError, match="/memspec/get_state did not answer within 5 s"):
         client_for(deaf, fast_clock).state(timeout=5.0)
+
+
+def test_a_failed_transition_whose_reply_was_lost_is_not_run_again(fast_clock):
+    """The node ran the configure, it failed back to unconfigured, and its reply (success=False) was lost: the client
+    took the unchanged state for a lost request and sent configure again, and the node loaded the models twice. The
+    transition event says it started: the answer is False, with no second request."""
+    node = FakeLifecycleNode(refuse=True, drop_replies=1)
+    client = client_for(node, fast_clock)
+    assert client.change_state(Transition.TRANSITION_CONFIGURE, 60.0) is False
+    assert (client.lost_replies, client.resent_requests) == (1, 0)
+    assert len(node.event_callbacks) == 1

@@ -10,8 +10,9 @@ be retried freely; ChangeState is not, so this module
 1. first gets one GetState answer (a round trip proves both sides have matched),
 2. then sends ChangeState and, while waiting, asks GetState every few seconds: reaching the
    transition's goal state means it happened even if its reply was lost; still sitting in the start
-   state long after sending means the request was lost, and it is sent once more (a duplicate that
-   does arrive is refused by the node as an invalid transition, which changes nothing).
+   state long after sending means the request was lost, and it is sent once more, unless the node's
+   ~/transition_event showed the transition start: then it ran and failed back to the start state, its
+   reply lost, and a second request would run it again (a configure loading the models twice).
 """
 
 from __future__ import annotations
@@ -47,14 +48,22 @@ class LifecycleClient:
         self._node = node
         self._spin = spin
         self.target = target.rstrip("/")
+        from lifecycle_msgs.msg import TransitionEvent
+
         self._change = node.create_client(ChangeState, f"{self.target}/change_state")
         self._get = node.create_client(GetState, f"{self.target}/get_state")
+        # (when received, transition id) of the node's transition events: a transition that started
+        self._events: list[tuple[float, int]] = []
+        self._event_sub = node.create_subscription(
+            TransitionEvent, f"{self.target}/transition_event",
+            lambda event: self._events.append((time.monotonic(), event.transition.id)), 10)
         self.lost_replies = 0  # transitions confirmed by GetState because their reply never came
         self.resent_requests = 0
 
     def destroy(self) -> None:
         self._node.destroy_client(self._change)
         self._node.destroy_client(self._get)
+        self._node.destroy_subscription(self._event_sub)
 
     def _wait_ready(self, client, deadline: float) -> None:
         while not client.service_is_ready():
@@ -109,6 +118,9 @@ class LifecycleClient:
                     self.lost_replies += 1
                     return True
                 if label == start and len(replies) == 1 and now - sent_at > RESEND_AFTER_S:
+                    if any(at >= sent_at and tid == transition_id for at, tid in self._events):
+                        self.lost_replies += 1  # it started and failed back: its reply (False) was lost
+                        return False
                     self.resent_requests += 1
                     replies.append(self._change.call_async(request))
             elif poll is not None and now >= poll_at:

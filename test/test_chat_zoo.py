@@ -183,6 +183,28 @@ def test_answers_made_by_another_target_are_refused(tiny_target, tmp_path):
     assert model_digest(copy) == digest  # by content, not by path
 
 
+def test_answers_record_a_folder_targets_answer_shaping_files_and_a_gguf_by_its_digest(tiny_target, tmp_path):
+    """The teacher's shards named a folder target by its weights alone: with its generation_config's eos corrected
+    (answers cut elsewhere) a resumed teacher mixed answers cut at two end tokens. answers_identity names those
+    files too; a GGUF's stays its file's digest (the bundled zoo's records)."""
+    import json as jsonlib
+
+    from memspec_ros.runtime.model_source import answers_identity, model_digest
+
+    path, _, _ = tiny_target
+    copy = tmp_path / "target"
+    shutil.copytree(path, copy)
+    before = answers_identity(copy)
+    assert before == answers_identity(path) != model_digest(copy)  # by content, the files included
+    config = copy / "generation_config.json"
+    data = jsonlib.loads(config.read_text()) if config.is_file() else {}
+    config.write_text(jsonlib.dumps({**data, "eos_token_id": [0, 1]}))
+    assert answers_identity(copy) != before and model_digest(copy) == model_digest(path)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    assert answers_identity(gguf) == model_digest(gguf)
+
+
 def test_the_gptq_report_refuses_stored_answers_of_another_target_or_length(tiny_target, tmp_path):
     """Its answers were matched by prompt ids alone: another model's, or answers cut at another length, were
     measured as this target's 128-token answers."""

@@ -332,6 +332,16 @@ def answer_files_digest(spec: str | os.PathLike[str]) -> str:
         if files else ""
 
 
+def answers_identity(spec: str | os.PathLike[str]) -> str:
+    """What stored answers record as the target that made them (teacher shards, the acceptance and GPT-QModel answer
+    caches, the drafts' identities): its :func:`model_digest`, and for a folder model its answer-shaping files too
+    (:func:`answer_files_digest`: a corrected generation_config eos cuts answers elsewhere, and a resumed teacher
+    mixed answers cut at two end tokens). A GGUF or pkg: file's is its digest alone (the file holds its config and
+    tokenizer), so the bundled zoo's records stand."""
+    digest, extra = model_digest(spec), answer_files_digest(spec)
+    return hashlib.sha256(f"{digest}:{extra}".encode()).hexdigest() if extra else digest
+
+
 def converted_dir(path: Path) -> Path:
     """The cached safetensors directory for a GGUF file, converting it on first use.
 

@@ -236,10 +236,11 @@ class ChatZooBuild:
         return self._target
 
     def target_digest(self) -> str:
-        """The target by content (model_source.model_digest): what the teacher's answers and the drafts record."""
-        from memspec_ros.runtime.model_source import model_digest
+        """The target by content (model_source.answers_identity): what the teacher's answers and the drafts
+        record."""
+        from memspec_ros.runtime.model_source import answers_identity
 
-        return model_digest(self.cfg.target)
+        return answers_identity(self.cfg.target)
 
     def _check_target(self) -> None:
         """ValueError naming the target setting unless it names an existing file or folder (loaded later)."""

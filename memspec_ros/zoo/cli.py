@@ -294,7 +294,7 @@ def _acceptance_outputs(a) -> tuple[Path, Path]:
 def _run_chat_acceptance(a) -> int:
     import torch
 
-    from memspec_ros.runtime.model_source import is_model_source, model_digest
+    from memspec_ros.runtime.model_source import answers_identity, is_model_source
     from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
     from memspec_ros.runtime.registry import DraftRegistry
 
@@ -325,7 +325,7 @@ def _run_chat_acceptance(a) -> int:
     workloads = list(WORKLOADS)
     target_path = registry.target_path or ""  # a GGUF, a package's file, or a Hugging Face folder (tests, users)
     has_target = bool(target_path) and (is_model_source(target_path) or Path(target_path).is_dir())  # "" is cwd
-    digest = model_digest(registry.target_path) if has_target else None  # answers by another target are refused
+    digest = answers_identity(registry.target_path) if has_target else None  # another target's answers: refused
     if a.workloads_dir:
         try:
             by_workload = workload_rows(Path(a.workloads_dir), a.prompts_per_workload)

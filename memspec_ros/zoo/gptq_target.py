@@ -460,11 +460,11 @@ def check_stored_answers(answers: Path | None, digest: str) -> None:
 def run(a: argparse.Namespace) -> int:
     models = Path(a.models)
     answers = Path(a.answers) if a.answers else default_answers_dir(models)
-    from memspec_ros.runtime.model_source import model_digest
+    from memspec_ros.runtime.model_source import answers_identity
 
     spec = a.target or registry_target(models)
     # what the build's answers record: a GGUF's own digest, not its converted folder's
-    digest = a.target_digest or model_digest(spec)
+    digest = a.target_digest or answers_identity(spec)
     check_stored_answers(answers, digest)
     target = _resolved(spec)
     out = quantize_target(target, models, a.requests, answers, a.bits, a.group_size, a.threads,
@@ -502,7 +502,7 @@ def cli(a: argparse.Namespace, argv: list[str]) -> int:
     ARGS`` in .venv-gptq, with the target resolved here (a pkg:/GGUF source needs this environment's packages)."""
     import subprocess
 
-    from memspec_ros.runtime.model_source import model_digest
+    from memspec_ros.runtime.model_source import answers_identity
 
     python = gptq_python()
     if python is None:
@@ -516,7 +516,7 @@ def cli(a: argparse.Namespace, argv: list[str]) -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     env.pop("PYTHONHOME", None)
     cmd = [str(python), "-m", "memspec_ros.zoo.gptq_target", *argv, "--target", target,
-           "--target-digest", model_digest(spec)]
+           "--target-digest", answers_identity(spec)]
     return subprocess.run(cmd, env=env).returncode
 
 

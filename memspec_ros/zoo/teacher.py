@@ -186,7 +186,7 @@ def teacher_folder_answers(folder: Path, tokenizer, target: str, requests: Path 
     ``target`` (its digest), at one length, for the rows of the work dir's ``workloads/train_requests.jsonl``
     (``requests``) in order. Answers to requests that ask what a held-out request asks are left out, as the build's
     drafts and datastore leave them out: a predictor trained on them is scored on requests it has seen."""
-    from memspec_ros.runtime.model_source import model_digest
+    from memspec_ros.runtime.model_source import answers_identity
 
     from .chat_workloads import asks_heldout
 
@@ -206,7 +206,7 @@ def teacher_folder_answers(folder: Path, tokenizer, target: str, requests: Path 
                          " the answers were made for other requests; give the work dir they were built in")
     # raises for answers made by another target or for other requests (rows in another order, rewritten)
     answered_rows([chat_prompt_ids(tokenizer, r["messages"]) for r in rows[: len(answers)]], folder, "train",
-                  target_digest=model_digest(target))
+                  target_digest=answers_identity(target))
     held = asks_heldout(requests, requests.parent)
     return [a for a, asks in zip(answers, held, strict=False) if not asks]
 
@@ -240,7 +240,7 @@ def answered_limits(out_dir: Path, split: str) -> set[int]:
 
 
 def answered_targets(out_dir: Path, split: str) -> set[str]:
-    """The digests (model_source.model_digest) of the targets the stored ``split`` answers were made by, where
+    """The identities (model_source.answers_identity) of the targets the stored ``split`` answers were made by, where
     their shards record one."""
     return {m["target_digest"] for m in _shard_metas(out_dir, split) if m.get("target_digest")}
 
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from ..runtime.model_source import model_digest, resolve_model_path
+    from ..runtime.model_source import answers_identity, resolve_model_path
     from ..runtime.models import ModelSpec, load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(description="answer chat requests with the target, store top-k labels")
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for f in a.requests for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
     cfg = TeacherConfig(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
     with tqdm(total=len(rows), desc=f"teacher {a.split}", unit="req") as bar:
-        made = answer_requests(model, tok, rows, a.out, a.split, cfg, bar, model_digest(a.target))
+        made = answer_requests(model, tok, rows, a.out, a.split, cfg, bar, answers_identity(a.target))
     print(f"{made} answer tokens")
     return 0
 

@@ -181,6 +181,22 @@ def test_a_row_holding_nan_or_inf_gives_nan_outputs_as_atens_arithmetic_does(kin
     assert bool(got[finite].isfinite().all()) and torch.equal(got[finite], _rows_alone(layer, x[finite]))
 
 
+@needs_decoder
+@pytest.mark.parametrize("path", ["int4", "int8", "fp32"])
+def test_the_decoder_keeps_the_tensors_it_points_into_not_only_their_modules(path):
+    """The C structs point into the linears' weight tensors, and the decoder kept only the modules: a module's
+    tensors replaced after the build (``module.to()``, ``load_state_dict(assign=True)``) were freed under it."""
+    from memspec_ros.runtime.cpu_kernels import _kernel_tensors
+
+    lean = lean_forward_for(_decoder_model(path))
+    assert lean.decoder is not None, lean.decoder_reason
+    kept = {id(t) for t in lean.decoder._keep}
+    for layer in lean.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            pointed = _kernel_tensors(getattr(layer, name))
+            assert pointed and all(id(t) in kept for t in pointed)  # by the decoder itself, not through the module
+
+
 @needs_w4
 def test_a_kernel_called_unchecked_refuses_shapes_its_loops_cannot_take():
     """The C trusted the Python side's checks, which a layer that built its own operands skips (check=False): rows of

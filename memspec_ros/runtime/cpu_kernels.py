@@ -556,6 +556,17 @@ def _kernel_linear(module: torch.nn.Module) -> _Linear | str:
     return f"{type(module).__name__} does not run on the memspec kernels"
 
 
+def _kernel_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors :func:`_kernel_linear` took pointers into, kept by the decoder and step themselves: kept through
+    the module alone, a later ``module.to()`` or ``load_state_dict(assign=True)`` freed them under the C's
+    pointers."""
+    from .forward_paths import Float32Linear, Int4Linear, Int8Linear  # forward_paths imports this module
+
+    names = {Int4Linear: ("packed", "scale_min"), Float32Linear: ("weight",),
+             Int8Linear: ("qweight", "bias128", "scale")}
+    return [getattr(module, n) for kind, ns in names.items() if isinstance(module, kind) for n in ns]
+
+
 class Decoder:
     """Every layer of a lean Llama forward (runtime/draft_forward.py) in one C call, for models whose linears
     all run on this file's kernels. Build with :meth:`build`, which says why a model does not qualify."""
@@ -593,7 +604,8 @@ class Decoder:
                     return (f"{name} maps {described.in_features} -> {described.out_features}, not the"
                             f" {widths[name][0]} -> {widths[name][1]} these dimensions give")
                 setattr(slot, name, described)
-                keep.append(getattr(layer, name))  # its weights outlive a caller that drops the lean forward
+                # its weights outlive a caller that drops the lean forward, and a module moved after this build
+                keep += [getattr(layer, name), *_kernel_tensors(getattr(layer, name))]
         return cls(table, keep, dims, eps)
 
     def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -679,7 +691,7 @@ class Step:
         elif width != described.out_features:
             return f"lm_head has {described.out_features} outputs, not {width}"
         model.width = width
-        keep += [final_norm, head]  # the head module holds the tensors its _Linear points into
+        keep += [final_norm, head, *_kernel_tensors(head)]  # the tensors its _Linear points into
         return cls(decoder, model, keep, width)
 
     def __call__(self, rows: list[int], start: int, rope: tuple[torch.Tensor, torch.Tensor], keep: int,

@@ -486,6 +486,33 @@ def test_turned_off_the_paths_use_atens_kernels():
     assert "| False |" in out and out.endswith("torch.Size([2, 16])")
 
 
+@needs_compiler  # _build asks the compiler its version
+def test_a_build_that_failed_is_tried_again_a_day_later_not_at_every_start(tmp_path, monkeypatch):
+    """Three timed-out attempts cost every process start up to six minutes, each start paying them again; the
+    failure is kept for a day now, as a timed-out full build's fallback is."""
+    import os
+    import time
+
+    calls = []
+
+    def failing(out_dir, library, compiler, flags, keep_fallback=False):
+        calls.append(library)
+        raise RuntimeError("cc failed: [-fopenmp] timed out after 120 s | [] timed out | [portable] timed out")
+
+    monkeypatch.setattr(cpu_kernels, "_compile", failing)
+    with pytest.raises(RuntimeError, match="timed out after 120 s"):
+        cpu_kernels._build(tmp_path)
+    with pytest.raises(RuntimeError, match="tried again a day later: delete .*failed.txt"):
+        cpu_kernels._build(tmp_path)
+    assert len(calls) == 1
+    marker = calls[0].with_suffix(".failed.txt")
+    day_ago = time.time() - cpu_kernels.FALLBACK_RETRY_S - 10
+    os.utime(marker, (day_ago, day_ago))
+    with pytest.raises(RuntimeError, match="timed out after 120 s"):
+        cpu_kernels._build(tmp_path)
+    assert len(calls) == 2
+
+
 def test_without_a_compiler_the_paths_use_atens_kernels_and_say_why(tmp_path):
     out = _status_in_subprocess({"CC": "/bin/false", "MEMSPEC_CACHE_DIR": str(tmp_path)})
     assert out.startswith("none (ATen's kernels); not compiled")

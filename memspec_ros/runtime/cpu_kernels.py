@@ -160,7 +160,21 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
                 except (OSError, RuntimeError, subprocess.SubprocessError):
                     _fallback_note(library).touch()
             return library
-        _compile(out_dir, library, compiler, flags)
+        failed = library.with_suffix(".failed.txt")
+        try:
+            if time.time() - failed.stat().st_mtime < FALLBACK_RETRY_S:
+                # every attempt failed a moment ago (three compiler timeouts: up to 6 minutes): not paid again at
+                # every process start, but once a day, as a timed-out full build's fallback is
+                raise RuntimeError(f"an earlier build of this library failed ({failed.read_text()[:300]}); it is"
+                                   f" tried again a day later: delete {failed} to try now")
+        except FileNotFoundError:
+            pass
+        try:
+            _compile(out_dir, library, compiler, flags)
+        except (RuntimeError, subprocess.SubprocessError) as exc:
+            failed.write_text(str(exc))
+            raise
+        failed.unlink(missing_ok=True)
     return library
 
 

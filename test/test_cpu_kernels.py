@@ -499,6 +499,13 @@ def test_a_build_that_failed_is_tried_again_a_day_later_not_at_every_start(tmp_p
         calls.append(library)
         raise RuntimeError("cc failed: [-fopenmp] timed out after 120 s | [] timed out | [portable] timed out")
 
+    def fast_failure(out_dir, library, compiler, flags, keep_fallback=False):
+        raise RuntimeError("cc failed: [-fopenmp] omp.h: No such file")
+
+    monkeypatch.setattr(cpu_kernels, "_compile", fast_failure)
+    with pytest.raises(RuntimeError, match="omp.h"):  # a fast failure: not kept (a header installed fixes it)
+        cpu_kernels._build(tmp_path)
+    assert not list(tmp_path.glob("*.failed.txt"))
     monkeypatch.setattr(cpu_kernels, "_compile", failing)
     with pytest.raises(RuntimeError, match="timed out after 120 s"):
         cpu_kernels._build(tmp_path)

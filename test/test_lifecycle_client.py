@@ -99,10 +99,13 @@ class FakeLifecycleNode:
         start, goal = lc._TRANSITIONS[request.transition.id]
         ok = self.state == start and not self.refuse
         if self.state == start:  # the transition starts (and fails back to ``start`` when refused)
-            from lifecycle_msgs.msg import TransitionEvent
+            from lifecycle_msgs.msg import State, TransitionEvent
 
+            # as rcl publishes it: the states only, its ``transition`` field left empty
+            event = TransitionEvent(start_state=State(label=start),
+                                    goal_state=State(label=lc._STARTED_IN[request.transition.id]))
             for callback in self.event_callbacks:
-                callback(TransitionEvent(transition=request.transition))
+                callback(event)
         if ok:
             self.state = goal
             self.transitions_run.append(request.transition.id)

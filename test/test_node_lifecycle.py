@@ -217,6 +217,12 @@ def test_configure_with_a_bad_path_fails_and_stays_unconfigured(harness):
     h = harness(**{"model.target_path": "/nonexistent/target"})
     assert not h.transition(Transition.TRANSITION_CONFIGURE)
     assert h.state() == "unconfigured"
+    # rcl's ~/transition_event names the states (its transition field empty): the lifecycle client tells a configure
+    # that started and failed (its reply lost) from a lost request by this event
+    from memspec_ros.ros.lifecycle_client import _STARTED_IN
+
+    wait_until(lambda: any((was, now) == ("unconfigured", _STARTED_IN[Transition.TRANSITION_CONFIGURE])
+                           for _, was, now in h.lifecycle._events), 10.0, "the configure's start event")
     status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
     assert status.level == ERROR
     assert "/nonexistent/target" in status.message and "configure failed" in status.message

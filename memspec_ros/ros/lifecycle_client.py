@@ -30,6 +30,10 @@ _TRANSITIONS: dict[int, tuple[str, str]] = {
     6: ("inactive", "finalized"),  # inactive shutdown
     7: ("active", "finalized"),  # active shutdown
 }
+# the state a transition passes through (lifecycle_msgs' intermediate states): rcl's ~/transition_event names
+# states only (its ``transition`` field is left empty), so a transition that started is an event into this state
+_STARTED_IN = {1: "configuring", 2: "cleaningup", 3: "activating", 4: "deactivating", 5: "shuttingdown",
+               6: "shuttingdown", 7: "shuttingdown"}
 STATE_RETRY_S = 2.0  # a GetState unanswered this long is asked again
 POLL_S = 3.0  # GetState while a transition is under way
 RESEND_AFTER_S = 10.0  # still in the start state this long after sending: the request was lost
@@ -52,11 +56,13 @@ class LifecycleClient:
 
         self._change = node.create_client(ChangeState, f"{self.target}/change_state")
         self._get = node.create_client(GetState, f"{self.target}/get_state")
-        # (when received, transition id) of the node's transition events: a transition that started
-        self._events: list[tuple[float, int]] = []
+        # (when received, start state, goal state) of the node's transition events. A start event published before
+        # this subscription matched is missed (the topic keeps nothing): the client then resends, as before
+        self._events: list[tuple[float, str, str]] = []
         self._event_sub = node.create_subscription(
             TransitionEvent, f"{self.target}/transition_event",
-            lambda event: self._events.append((time.monotonic(), event.transition.id)), 10)
+            lambda event: self._events.append((time.monotonic(), event.start_state.label, event.goal_state.label)),
+            10)
         self.lost_replies = 0  # transitions confirmed by GetState because their reply never came
         self.resent_requests = 0
 
@@ -99,8 +105,8 @@ class LifecycleClient:
         self._wait_ready(self._change, deadline)
         before = self.state(max(0.1, deadline - time.monotonic()))  # the handshake
         request = ChangeState.Request(transition=Transition(id=transition_id))
+        sent_at = time.monotonic()  # before the request: its start event may arrive before call_async returns
         replies = [self._change.call_async(request)]
-        sent_at = time.monotonic()
         poll = None
         poll_at = sent_at + POLL_S
         while time.monotonic() < deadline:
@@ -118,7 +124,8 @@ class LifecycleClient:
                     self.lost_replies += 1
                     return True
                 if label == start and len(replies) == 1 and now - sent_at > RESEND_AFTER_S:
-                    if any(at >= sent_at and tid == transition_id for at, tid in self._events):
+                    if any(at >= sent_at and (was, now) == (start, _STARTED_IN[transition_id])
+                           for at, was, now in self._events):
                         self.lost_replies += 1  # it started and failed back: its reply (False) was lost
                         return False
                     self.resent_requests += 1

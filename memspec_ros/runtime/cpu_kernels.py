@@ -172,7 +172,13 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
         try:
             _compile(out_dir, library, compiler, flags)
         except (RuntimeError, subprocess.SubprocessError) as exc:
-            failed.write_text(str(exc))
+            # timeouts only: a fast failure (a header missing, an OpenMP runtime not found) costs nothing to try
+            # again, and the fix a user makes for it changes nothing in the key
+            if "timed out" in str(exc):
+                try:
+                    failed.write_text(str(exc))
+                except OSError:  # a cache that cannot take the note: the compiler's error is the one to report
+                    pass
             raise
         failed.unlink(missing_ok=True)
     return library
@@ -587,7 +593,9 @@ class Decoder:
 
     def __init__(self, layers: ctypes.Array, keep: list[object], dims: tuple[int, int, int, int, int],
                  eps: float) -> None:
-        # keep: what the C structs point into (norm tensors, linear modules), alive as long as this decoder is
+        # keep: what the C structs point into (norm tensors, the linears and their weight tensors), alive as long as
+        # this decoder is (a module whose tensors are replaced after the build keeps running its old weights here:
+        # build the lean forward again after changing a model's weights)
         self._layers, self._keep = layers, keep
         self.dim, self.heads, self.kv_heads, self.head_dim, self.intermediate = dims
         self.eps = eps

@@ -305,8 +305,8 @@ def cached_digest(path: Path) -> str:
 def model_digest(spec: str | os.PathLike[str]) -> str:
     """What a model setting names, by content: a GGUF file's digest, or a folder's weights files' (names and
     digests); the same model under another path or as pkg: gives the same value. ModelDirectoryError if absent.
-    Teacher shards and draft identities record it: a change of its definition would take every existing work dir's
-    answers for another target's (answer_files_digest holds what else shapes a folder model's answers)."""
+    Stored answers and draft identities record :func:`answers_identity`, which is this value for a GGUF or pkg: file:
+    a change of its definition would take every existing work dir's answers for another target's."""
     text = str(spec)
     path = source_path(text)
     if path.is_file():

@@ -107,7 +107,7 @@ def workload_rows(folder: Path, per_workload: int) -> dict[str, list[dict]]:
 
 def answers_cache_dir(rows: dict[str, list[dict]], max_new_tokens: int, target_digest: str) -> Path:
     """Where the target's answers to these rows are kept: a folder keyed by the rows, the budget and the target by
-    content (model_source.model_digest: keyed by its path, a re-released target of the same name found the old
+    content (model_source.answers_identity: keyed by its path, a re-released target of the same name found the old
     one's answers, which the stored digest then refused, naming a cache folder the user never chose)."""
     key = hashlib.sha256(json.dumps([rows, max_new_tokens, target_digest], sort_keys=True).encode()).hexdigest()[:16]
     from memspec_ros.runtime.model_source import cache_root

@@ -119,7 +119,7 @@ def answered(target_dir: Path, rows: list[dict], answers_dir: Path | None, work:
         model = load_model(ModelSpec(str(target_dir))).model
         _log(f"{len(missing)} {split} requests without a stored answer: the fp32 target answers them ({out})")
         with tqdm(total=len(missing), desc=f"answers {split}", unit="req") as bar:
-            # marked with the target's digest (model_source.model_digest, as the build's answers): answers another
+            # marked with the target's digest (model_source.answers_identity, as the build's answers): answers another
             # target made there are refused, not reused
             answer_requests(model, tokenizer, missing, out, split, TeacherConfig(batch_size=16), bar, target_digest)
         del model
@@ -439,7 +439,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_stored_answers(answers: Path | None, digest: str) -> None:
     """SystemExit unless the stored answers (a zoo build's teacher folder) are the target's of ``digest``
-    (model_source.model_digest), cut at the length this report describes: matched by prompt ids alone, another
+    (model_source.answers_identity), cut at the length this report describes: matched by prompt ids alone, another
     model's or longer answers were measured silently."""
     from .teacher import TeacherConfig, answered_limits, answered_targets
 

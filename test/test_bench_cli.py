@@ -604,7 +604,7 @@ def test_every_bench_divides_by_a_zero_rate_the_same_way():
 
     assert paired_ratio([10.0, 20.0, 30.0], [0.0, 10.0, 10.0]) == pytest.approx(2.5)  # the first run has no ratio
     assert paired_ratio([1.0], [0.0]) is None and rounded(None) is None and rounded(2 / 3, 2) == 0.67
-    engine, llama = _Tally(tps=[10.0, 12.0], keys=[(0, 0), (0, 1)]), _Tally(tps=[0.0, 0.0], keys=[(0, 0), (0, 1)])
+    engine, llama = _Tally(rates={(0, 0): 10.0, (0, 1): 12.0}), _Tally(rates={(0, 0): 0.0, (0, 1): 0.0})
     assert engine.vs(llama) is None
     json.dumps(engine.vs(llama), allow_nan=False)  # null, never NaN
 

@@ -65,20 +65,21 @@ def test_target_calibration_is_balanced_and_never_held_out():
     """``memspec-zoo gptq`` calibrates on training requests only, every domain alike (no quantizing here)."""
     from collections import Counter
 
+    from memspec_ros.runtime.jsonl import read_jsonl
     from memspec_ros.zoo.chat_workloads import request_material
     from memspec_ros.zoo.corpora import WORKLOADS
-    from memspec_ros.zoo.gptq_target import calibration_rows, read_rows
+    from memspec_ros.zoo.gptq_target import calibration_rows
 
     models = ROOT / "models"
     rows, skipped = calibration_rows(models, 128)
     # by what a request asks, not its words: the bundled zoo's first 128 training requests ask one held-out math
     # problem in other words, which the text comparison let into the calibration
     heldout = set().union(*(request_material(r["prompt"]) for w in WORKLOADS
-                            for r in read_rows(models / "workloads" / f"{w}.jsonl")))
+                            for r in read_jsonl(models / "workloads" / f"{w}.jsonl")))
     assert len(rows) == 128 and not [r for r in rows if request_material(r["prompt"]) & heldout]
     per_domain = Counter(r["domain"] for r in rows)
     assert set(per_domain) == set(WORKLOADS) and max(per_domain.values()) - min(per_domain.values()) <= 1
-    train = read_rows(models / "workloads" / "train_requests.jsonl")
+    train = read_jsonl(models / "workloads" / "train_requests.jsonl")
     assert skipped == sum(bool(request_material(r["prompt"]) & heldout) for r in train[:len(rows) + skipped]) > 0
 
 

@@ -586,16 +586,14 @@ def test_a_change_that_fails_while_applied_leaves_the_runtime_on_the_values_the_
     """The controller took memspec.* before the other steps of the same change ran: when a later one raised, the
     change was answered "failed" and `ros2 param get` showed the old K while the controller ran the new one (and a
     setter that had run kept its new value). Every step before the failure is now undone."""
-    from memspec_ros.ros import param_handler
-
     controller = h.node.loaded.controller
     window = h.node._window
     capacity, goals = controller.next_config.capacity, h.get_param("diagnostics.window_goals")
 
-    def broken(live, wanted):  # the registry swap, the last step, after the setters and the controller
+    def broken(wanted):  # the registry swap, the last step, after the setters and the controller
         raise OSError("the drafts' folder went away")
 
-    monkeypatch.setattr(param_handler, "replace_entries", broken)
+    monkeypatch.setattr(h.node.loaded.registry, "replace_with", broken)
     result = h.set_params_atomically(**registry_file_params(), **{"memspec.capacity": capacity + 1,
                                                                    "diagnostics.window_goals": goals + 1})
     assert not result.successful and "applying it failed (OSError" in result.reason and "undone" in result.reason

@@ -853,7 +853,7 @@ def _one_thread(one_thread):
 
 
 def test_a_draft_entry_given_another_path_mid_goal_replaces_the_model_in_memory(target, drafts):
-    """An operator points draft 'code' at new weights while a goal runs (the node's replace_entries: the entry is
+    """An operator points draft 'code' at new weights while a goal runs (the node's registry swap: the entry is
     removed and added under the same name). At the next scheduling point the old model leaves the cache and the
     registered one is loaded; the output stays the target's."""
     models = {"/virtual/code": drafts["code"], "/virtual/code-v2": noisy_copy(drafts["code"], 0.0)}
@@ -1077,7 +1077,7 @@ def test_the_hit_rate_counts_one_lookup_of_the_preferred_draft_per_scheduling_po
 
 def test_a_failed_draft_given_other_files_is_tried_again_at_once(target, drafts, expected):
     """'math' failed to load from broken files; the operator points it at good ones (through the runtime API, as
-    the node's replace_entries does). The failure stayed recorded for the cache's retry back-off (30 s), so the
+    the node's registry swap does). The failure stayed recorded for the cache's retry back-off (30 s), so the
     next goal still ran without 'math' although the failure was about other files."""
     registry = DraftRegistry([DraftEntry("math", "/virtual/broken-math", "math", 1000),
                               DraftEntry("law", "/virtual/law", "law", 1000)], validate=False)

@@ -265,23 +265,20 @@ def forward_profile(model: torch.nn.Module, gamma: int, vocab_size: int) -> dict
 
 @dataclass
 class _Tally:
-    tps: list[float] = field(default_factory=list)
-    keys: list[tuple[int, int]] = field(default_factory=list)  # (run, prompt) of each tps: pairs across methods
+    rates: dict[tuple[int, int], float] = field(default_factory=dict)  # (run, prompt) -> tokens/s: pairs methods
     accepted: GenerationTotals = field(default_factory=GenerationTotals)  # E[A] pooled (stats.py)
 
     def add(self, key: tuple[int, int], tps: float) -> None:
-        self.tps.append(tps)
-        self.keys.append(key)
+        self.rates[key] = tps
 
     def median(self) -> float:
-        return statistics.median(self.tps)
+        return statistics.median(self.rates.values())
 
     def vs(self, base: _Tally) -> float | None:
         """This method's rate over ``base``'s, paired (stats.paired_ratio): per (run, prompt) both have a rate for
         (a method that ran on fewer prompts, with no draft for a domain or halted, is compared on those it ran)."""
-        rates = dict(zip(base.keys, base.tps, strict=True))
-        shared = [(t, rates[k]) for t, k in zip(self.tps, self.keys, strict=True) if k in rates]
-        return paired_ratio([t for t, _ in shared], [b for _, b in shared])
+        shared = [k for k in self.rates if k in base.rates]
+        return paired_ratio([self.rates[k] for k in shared], [base.rates[k] for k in shared])
 
 
 def speculative_choice(tps_by_method: dict[str, float], vs_llamacpp: dict[str, float | None]) -> dict:
@@ -421,11 +418,11 @@ def run_llamacpp_bench(
                      "llamacpp_timing": "eval + sampling time" if sampling_timed else "eval time (no sampling line)",
                      "prompt_tokens_mismatched": mismatched}
         for name, (drafted, accepted) in spec_counts.items():
-            if name in halted or not tally.get(name, _Tally()).tps:  # a halted one's partial runs: not a figure
+            if name in halted or not tally.get(name, _Tally()).rates:  # a halted one's partial runs: not a figure
                 continue
             row[f"{name}_tps"] = tally[name].median()
             row[f"{name}_vs_llamacpp"] = tally[name].vs(llama)
-            row[f"{name}_prompts"] = len(tally[name].tps)
+            row[f"{name}_prompts"] = len(tally[name].rates)
             row[f"{name}_drafted"], row[f"{name}_accepted"] = drafted, accepted
             row[f"{name}_accept_rate"] = ratio(accepted, drafted)
         for path, target in targets.items():

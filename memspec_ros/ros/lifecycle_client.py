@@ -47,13 +47,12 @@ class LifecycleClient:
     """
 
     def __init__(self, node, target: str, spin: Callable[[float], None]) -> None:
+        from lifecycle_msgs.msg import TransitionEvent
         from lifecycle_msgs.srv import ChangeState, GetState
 
         self._node = node
         self._spin = spin
         self.target = target.rstrip("/")
-        from lifecycle_msgs.msg import TransitionEvent
-
         self._change = node.create_client(ChangeState, f"{self.target}/change_state")
         self._get = node.create_client(GetState, f"{self.target}/get_state")
         # (when received, start state, goal state) of the node's transition events. A start event published before

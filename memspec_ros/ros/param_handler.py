@@ -38,14 +38,6 @@ def registry_from_params(v: dict[str, Any], fingerprint: str):
     return open_registry(P.registry_file_of(v), P.draft_lists(v), fingerprint=fingerprint)
 
 
-def replace_entries(live, wanted) -> list:
-    """Make the live registry equal to ``wanted`` (built and checked already: nothing is read here, since the
-    caller holds goals back meanwhile); a running goal sees it at its next scheduling point. Returns the entries
-    removed: with no goal running the caller takes them out of the cache now (the runtime syncs its cache with the
-    registry only at the scheduling points of a running goal)."""
-    return list(live.replace_with(wanted))
-
-
 LENGTH_PARAMS = frozenset({"generation.system_prompt", "generation.max_prompt_tokens", "generation.max_new_tokens"})
 
 
@@ -173,7 +165,10 @@ class ParameterHandler:
                              lambda: lo.controller.reconfigure(**before)))
             if registry is not None:
                 with self._runner.no_goal_starting() as running:
-                    removed = replace_entries(lo.registry, registry)
+                    # the swap (built and checked already: nothing is read here, while goals are held back); a
+                    # running goal sees it at its next scheduling point, and with none running the removed drafts
+                    # leave the cache now (the runtime syncs its cache with the registry only at a goal's points)
+                    removed = list(lo.registry.replace_with(registry))
                     try:
                         for entry in [] if running else removed:
                             lo.controller.cache.remove(entry.name)

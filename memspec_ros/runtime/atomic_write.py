@@ -123,30 +123,42 @@ def publish_dir(folder: str | os.PathLike[str], write) -> Path:
     return folder
 
 
-@contextlib.contextmanager
-def held_lock(path: str | os.PathLike[str], on_wait=None, timeout: float | None = None) -> Iterator[None]:
-    """An exclusive flock on ``path`` (created if absent, never through a link planted at its name) for the block,
-    waited for where another process holds it; ``on_wait()`` is called once before waiting (to say so). With
-    ``timeout``, TimeoutError once it has waited that long (a holder stopped for good)."""
+def open_lock(path: str | os.PathLike[str]):
+    """A lock file opened for flock, created if absent, never through a link planted at its name (one planted in a
+    shared folder would have this process create or write a file where it points)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a")
+
+
+def acquire(lock, on_wait=None, timeout: float | None = None) -> None:
+    """An exclusive flock on the open ``lock``, waited for where another process holds it; ``on_wait()`` is called
+    once before waiting (to say so). With ``timeout``, TimeoutError once it has waited that long (a holder stopped
+    for good). Released when the file closes, also if this process is killed."""
     import fcntl
     import time
 
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a") as lock:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        if on_wait is not None:
+            on_wait()
+    if timeout is None:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(0.1)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
         except BlockingIOError:
-            if on_wait is not None:
-                on_wait()
-            if timeout is None:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            else:
-                deadline = time.monotonic() + timeout
-                while True:
-                    time.sleep(0.1)
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() > deadline:
-                            raise TimeoutError(f"another process has held {path} for more than {timeout:g} s") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"another process has held {lock.name} for more than {timeout:g} s") from None
+
+
+@contextlib.contextmanager
+def held_lock(path: str | os.PathLike[str], on_wait=None, timeout: float | None = None) -> Iterator[None]:
+    """:func:`acquire` on :func:`open_lock` ``(path)`` for the block."""
+    with open_lock(path) as lock:
+        acquire(lock, on_wait, timeout)
         yield

@@ -18,6 +18,7 @@ built. Where there is no compiler, the forward paths keep ATen's kernels and :fu
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -160,28 +161,36 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
                 except (OSError, RuntimeError, subprocess.SubprocessError):
                     _fallback_note(library).touch()
             return library
-        failed = library.with_suffix(".failed.txt")
-        try:
-            if time.time() - failed.stat().st_mtime < FALLBACK_RETRY_S:
-                # every attempt failed a moment ago (three compiler timeouts: up to 6 minutes): not paid again at
-                # every process start, but once a day, as a timed-out full build's fallback is
-                raise RuntimeError(f"an earlier build of this library failed ({failed.read_text()[:300]}); it is"
-                                   f" tried again a day later: delete {failed} to try now")
-        except FileNotFoundError:
-            pass
-        try:
-            _compile(out_dir, library, compiler, flags)
-        except (RuntimeError, subprocess.SubprocessError) as exc:
-            # timeouts only: a fast failure (a header missing, an OpenMP runtime not found) costs nothing to try
-            # again, and the fix a user makes for it changes nothing in the key
-            if "timed out" in str(exc):
-                try:
-                    failed.write_text(str(exc))
-                except OSError:  # a cache that cannot take the note: the compiler's error is the one to report
-                    pass
-            raise
-        failed.unlink(missing_ok=True)
+        _compile_unless_timed_out_lately(out_dir, library, compiler, flags)
     return library
+
+
+def _compile_unless_timed_out_lately(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...]
+                                     ) -> None:
+    """_compile, unless every attempt timed out less than FALLBACK_RETRY_S ago (three compiler timeouts cost up to
+    6 minutes: not paid again at every process start, but once a day, as a timed-out full build's fallback is).
+    Timeouts only: a fast failure (a header missing, an OpenMP runtime not found) costs nothing to try again, and
+    the fix a user makes for it changes nothing in the key."""
+    failed = library.with_suffix(".failed.txt")
+    if _recent(failed):
+        raise RuntimeError(f"an earlier build of this library failed ({failed.read_text()[:300]}); it is tried"
+                           f" again a day later: delete {failed} to try now")
+    try:
+        _compile(out_dir, library, compiler, flags)
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        if "timed out" in str(exc):
+            with contextlib.suppress(OSError):  # a cache that cannot take the note: the compiler's error is reported
+                failed.write_text(str(exc))
+        raise
+    failed.unlink(missing_ok=True)
+
+
+def _recent(note: Path) -> bool:
+    """Whether ``note`` was written less than FALLBACK_RETRY_S ago (False where there is none)."""
+    try:
+        return time.time() - note.stat().st_mtime < FALLBACK_RETRY_S
+    except OSError:
+        return False
 
 
 def _ours_alone(path: Path) -> bool:
@@ -281,7 +290,7 @@ def _fallback_to_retry(library: Path) -> bool:
     """Whether ``library`` is a fallback kept after a fuller build timed out, at least FALLBACK_RETRY_S ago."""
     note = _fallback_note(library)
     try:
-        return "timed out" in note.read_text() and time.time() - note.stat().st_mtime >= FALLBACK_RETRY_S
+        return "timed out" in note.read_text() and not _recent(note)
     except OSError:  # no note: a full build (or it went meanwhile)
         return False
 
@@ -455,7 +464,8 @@ def w4_matmul(rows: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor,
     with _CALL:
         failed = _library().w4_matmul(_ptr(packed), _ptr(scale_min), _ptr(x), _ptr(out), x.shape[0], x.shape[1],
                                       packed.shape[0], _threads())
-    _raise_for("w4", failed, f"{x.shape[1]} inputs (groups of 32) for {packed.shape[0]} outputs")
+    if failed:  # the message built only then: these run on every linear of a forward
+        _raise_for("w4", failed, f"{x.shape[1]} inputs (groups of 32) for {packed.shape[0]} outputs")
     return out
 
 
@@ -463,11 +473,10 @@ BAD_SHAPE = -2  # cpu_kernels.c's KERNEL_BAD_SHAPE: refused before anything was 
 
 
 def _raise_for(kernel: str, failed: int, shapes: str) -> None:
-    """A kernel's return code as the exception it means (0: none); nothing was written to the output then."""
+    """A kernel's non-zero return code as the exception it means; nothing was written to the output then."""
     if failed == BAD_SHAPE:
         raise ValueError(f"the {kernel} kernel refuses {shapes}: see its docstring for the shapes it takes")
-    if failed:
-        raise MemoryError(f"the {kernel} kernel could not allocate its scratch memory")
+    raise MemoryError(f"the {kernel} kernel could not allocate its scratch memory")
 
 
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,7 +534,8 @@ def i8_matmul(rows: torch.Tensor, weight: torch.Tensor, bias128: torch.Tensor, s
     with _CALL:
         failed = _library().i8_matmul(_ptr(x), _ptr(weight), _ptr(bias128), _ptr(scale), _ptr(out), _ptr(scratch_x),
                                       _ptr(row_scale), m, k, o, _threads())
-    _raise_for("i8", failed, f"{k} inputs")  # nothing was written: an uninitialised ``out`` would pass for activations
+    if failed:  # nothing was written: an uninitialised ``out`` would pass for activations
+        _raise_for("i8", failed, f"{k} inputs")
     return out
 
 
@@ -543,7 +553,8 @@ def f32_matmul(rows: torch.Tensor, weight: torch.Tensor, *, check: bool = True) 
     with _CALL:
         failed = _library().f32_matmul(_ptr(x), _ptr(weight), _ptr(out), x.shape[0], x.shape[1], weight.shape[0],
                                        _threads())
-    _raise_for("f32", failed, f"{x.shape[1]} inputs (a multiple of 16)")
+    if failed:  # the message built only then: these run on every linear of a forward
+        _raise_for("f32", failed, f"{x.shape[1]} inputs (a multiple of 16)")
     return out
 
 
@@ -558,33 +569,38 @@ class _Layer(ctypes.Structure):
                 ("capacity", ctypes.c_int)]
 
 
-def _kernel_linear(module: torch.nn.Module) -> _Linear | str:
-    """The C description of a forward-path linear that runs on this file's kernels, or why it cannot."""
+def _kernel_kind(module: torch.nn.Module) -> tuple[int, tuple[str, ...]] | None:
+    """(the C's kind, the tensors it reads, by attribute) of a forward-path linear the kernels run, else None."""
     from .forward_paths import Float32Linear, Int4Linear, Int8Linear  # forward_paths imports this module
 
+    if isinstance(module, Int4Linear) and module.own_kernel:
+        return 4, ("packed", "scale_min")
+    if isinstance(module, Float32Linear):
+        return 32, ("weight",)
+    if isinstance(module, Int8Linear) and module.own_kernel:
+        return 8, ("qweight", "bias128", "scale")
+    return None
+
+
+def _kernel_linear(module: torch.nn.Module) -> _Linear | str:
+    """The C description of a forward-path linear that runs on this file's kernels, or why it cannot."""
     if getattr(module, "bias", None) is not None:
         return f"{type(module).__name__} has a bias"
     if not getattr(module, "rows_at_once", True):  # the C call takes a verify's rows together: they would differ
         return f"{type(module).__name__} computes rows differently together (forward_paths.check_rows)"
-    if isinstance(module, Int4Linear) and module.own_kernel:
-        return _Linear(4, module.in_features, module.out_features, _ptr(module.packed), _ptr(module.scale_min), None)
-    if isinstance(module, Float32Linear):
-        return _Linear(32, module.in_features, module.out_features, _ptr(module.weight), None, None)
-    if isinstance(module, Int8Linear) and module.own_kernel:
-        return _Linear(8, module.in_features, module.out_features, _ptr(module.qweight), _ptr(module.bias128),
-                       _ptr(module.scale))
-    return f"{type(module).__name__} does not run on the memspec kernels"
+    kind = _kernel_kind(module)
+    if kind is None:
+        return f"{type(module).__name__} does not run on the memspec kernels"
+    pointers = [_ptr(t) for t in _kernel_tensors(module)]
+    return _Linear(kind[0], module.in_features, module.out_features, *pointers, *[None] * (3 - len(pointers)))
 
 
 def _kernel_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The tensors :func:`_kernel_linear` took pointers into, kept by the decoder and step themselves: kept through
+    """The tensors :func:`_kernel_linear` takes pointers into, kept by the decoder and step themselves: kept through
     the module alone, a later ``module.to()`` or ``load_state_dict(assign=True)`` freed them under the C's
     pointers."""
-    from .forward_paths import Float32Linear, Int4Linear, Int8Linear  # forward_paths imports this module
-
-    names = {Int4Linear: ("packed", "scale_min"), Float32Linear: ("weight",),
-             Int8Linear: ("qweight", "bias128", "scale")}
-    return [getattr(module, n) for kind, ns in names.items() if isinstance(module, kind) for n in ns]
+    kind = _kernel_kind(module)
+    return [getattr(module, name) for name in kind[1]] if kind is not None else []
 
 
 class Decoder:

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic_write import sync_dir, sync_tree
+from .atomic_write import acquire, open_lock, sync_dir, sync_tree
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
 
 log = logging.getLogger(__name__)
@@ -363,11 +363,20 @@ def converted_dir(path: Path) -> Path:
     try:  # a read-only cache folder that exists passes mkdir and fails at the lock or the temporary folder
         out.parent.mkdir(parents=True, exist_ok=True)
         # never through a link (one planted in a shared cache would have this process write where it points)
-        lock = os.fdopen(os.open(lock_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "a")
+        lock = open_lock(lock_file)
     except OSError as exc:
         raise unwritable(exc) from exc
     with lock:
-        _wait_for_lock(lock, lock_file)  # released when the file closes, also if this process is killed
+        # at most CONVERSION_WAIT_SECONDS: a process that holds it and never ends (or anyone who can write the cache
+        # folder, holding it on purpose) left configure waiting forever
+        try:
+            acquire(lock, lambda: log.warning("another process is converting this GGUF (it holds %s): waiting for"
+                                              " it, at most %g s", lock_file, CONVERSION_WAIT_SECONDS),
+                    timeout=CONVERSION_WAIT_SECONDS)
+        except TimeoutError:
+            raise GGUFConversionError(
+                f"another process has held {lock_file} for more than {CONVERSION_WAIT_SECONDS:g} s while converting"
+                " this GGUF: end it, or remove the lock file if no process converts it") from None
         if (out / CONVERTED_MARKER).is_file():  # another process converted it while this one waited
             return out
         # said before the work: de-quantizing a large model takes minutes (14 s for the bundled 98 MB one), and a
@@ -435,29 +444,6 @@ def _newest_change(folder: Path) -> float:
         return max([folder.stat().st_mtime, *(f.stat().st_mtime for f in folder.rglob("*"))])
     except OSError:  # removed meanwhile
         return 0.0
-
-
-def _wait_for_lock(lock, lock_file: Path) -> None:
-    """The conversion's lock, waited for at most CONVERSION_WAIT_SECONDS: a process that holds it and never ends (or
-    anyone who can write the cache folder, holding it on purpose) left configure waiting forever."""
-    import fcntl
-
-    deadline = time.monotonic() + CONVERSION_WAIT_SECONDS
-    said = False
-    while True:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise GGUFConversionError(
-                    f"another process has held {lock_file} for more than {CONVERSION_WAIT_SECONDS:g} s while"
-                    " converting this GGUF: end it, or remove the lock file if no process converts it") from None
-            if not said:
-                log.warning("another process is converting this GGUF (it holds %s): waiting for it, at most %g s",
-                            lock_file, CONVERSION_WAIT_SECONDS)
-                said = True
-            time.sleep(0.2)
 
 
 def resolve_model_path(spec: str | os.PathLike[str]) -> Path:

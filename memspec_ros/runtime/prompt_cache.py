@@ -234,15 +234,12 @@ class PromptCache:
         # repeated or edited turn) gets copies of that part, and the conversation stays for its own next turn
         move = best is not None and (not self.budget_bytes or shared == len(best.tokens))
         if not self.budget_bytes:
-            dropped = any(e is not best for e in self._entries)
+            swept |= any(e is not best for e in self._entries)
             self._entries = []  # the others' caches, no longer referenced, are freed here
-            if dropped or swept:  # and their pages handed back, as trim and clear hand theirs
-                release_freed_memory()
-        else:
-            if move:
-                self._entries = [e for e in self._entries if e is not best]
-            if swept:
-                release_freed_memory()
+        elif move:
+            self._entries = [e for e in self._entries if e is not best]
+        if swept:  # and their pages handed back, as trim and clear hand theirs
+            release_freed_memory()
         if best is None:
             return Reuse()
         reuse = Reuse(target=_prefix(best.kv, shared, move), moved=move)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from ..runtime.jsonl import read_jsonl
 from .corpora import DOMAINS, MATH_GENERATORS, WORKLOADS, CorpusConfig, is_prose, read_text_file, split_of
 from .errors import ZooSetupError
 
@@ -380,7 +381,7 @@ def heldout_material(folder: Path) -> set[str]:
 def asks_heldout(requests: Path, folder: Path) -> list[bool]:
     """Per row of a ``requests`` file: does it ask what a held-out request in ``folder`` asks (its material)."""
     held = heldout_material(folder)
-    rows = [json.loads(line) for line in Path(requests).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = read_jsonl(requests)
     return [bool(request_material(row["prompt"]) & held) for row in rows]
 
 

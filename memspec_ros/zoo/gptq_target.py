@@ -55,6 +55,7 @@ from pathlib import Path
 
 from ..argtypes import controller_limit, output_file, positive_int
 from ..runtime.atomic_write import held_lock, sync_dir, sync_tree
+from ..runtime.jsonl import read_jsonl
 from .corpora import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,10 +64,6 @@ MARKER = "memspec_gptq.json"  # written last: a directory without it is an inter
 
 def _log(msg: str) -> None:
     print(f"[gptq] {msg}", file=sys.stderr, flush=True)
-
-
-def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def default_answers_dir(models: Path) -> Path | None:
@@ -139,7 +136,7 @@ def calibration_rows(models: Path, requests: int) -> tuple[list[dict], int]:
 
     heldout = heldout_material(models / "workloads")
     rows, skipped = [], 0
-    for r in read_rows(models / "workloads" / "train_requests.jsonl"):
+    for r in read_jsonl(models / "workloads" / "train_requests.jsonl"):
         if len(rows) == requests:
             break
         if request_material(r["prompt"]) & heldout:
@@ -274,7 +271,7 @@ def report(target_dir: Path, gptq_dir: Path, draft_dir: Path, models: Path, answ
     from memspec_ros.runtime.stats import GenerationTotals, paired_ratio, ratio, rounded
     from memspec_ros.zoo.teacher import chat_prompt_ids
 
-    heldout = {w: read_rows(models / "workloads" / f"{w}.jsonl") for w in WORKLOADS}
+    heldout = {w: read_jsonl(models / "workloads" / f"{w}.jsonl") for w in WORKLOADS}
     ppl_rows = [r for w in WORKLOADS for r in heldout[w][:ppl_per_workload]]
     ppl_seqs, ppl_hits = answered(target_dir, ppl_rows, answers_dir, gptq_dir.parent, "heldout", threads,
                                   target_digest)

@@ -30,6 +30,7 @@ import torch
 
 from memspec_ros.runtime.atomic_write import held_lock, synced_replace
 from memspec_ros.runtime.chat import end_token_ids, prompt_ids
+from memspec_ros.runtime.jsonl import read_jsonl
 
 
 @dataclass
@@ -159,7 +160,7 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
         raise FileNotFoundError(f"no training requests at {requests}: the datastore's answers pair with the zoo's"
                                 " workloads/train_requests.jsonl (pass the zoo's models/datastore.safetensors)")
     stored, meta = read_answers(datastore, tokenizer_fingerprint(tokenizer))
-    rows = [json.loads(line) for line in requests.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = read_jsonl(requests)
     if len(stored) > len(rows):  # the answers after the last request were dropped without a word
         raise ValueError(f"{datastore} holds {len(stored)} answers but {requests} only {len(rows)} requests: the"
                          " datastore was made for other requests; give the zoo it was built with")
@@ -200,7 +201,7 @@ def teacher_folder_answers(folder: Path, tokenizer, target: str, requests: Path 
         raise ValueError(f"the train answers in {folder} were made with several lengths (max_new_tokens"
                          f" {sorted(limits)}): folders were mixed; give one build's teacher folder")
     answers = load_answers(folder, "train")
-    rows = [json.loads(line) for line in requests.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = read_jsonl(requests)
     if len(rows) < len(answers):
         raise ValueError(f"{folder} holds {len(answers)} training answers but {requests} only {len(rows)} requests:"
                          " the answers were made for other requests; give the work dir they were built in")
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(a.target)
     model = load_model(ModelSpec(str(path))).model
     tok = load_tokenizer(path)
-    rows = [json.loads(line) for f in a.requests for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [row for f in a.requests for row in read_jsonl(f)]
     cfg = TeacherConfig(batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
     with tqdm(total=len(rows), desc=f"teacher {a.split}", unit="req") as bar:
         made = answer_requests(model, tok, rows, a.out, a.split, cfg, bar, answers_identity(a.target))

@@ -144,3 +144,26 @@ def test_a_crop_brings_every_layer_to_one_length_after_a_forward_that_failed_par
     assert torch.allclose(got, expected, atol=1e-5)
     kv.crop_to(9)  # past what it holds: nothing grows
     assert kv.length == 6 and [layer.get_seq_length() for layer in kv.cache.layers] == [6, 6, 6]
+
+
+def test_a_kernel_forward_refuses_a_start_that_is_not_the_cache_length():
+    """The C kernels write rows at the caller's ``start`` and attend over 0..start+n-1, while a claim extends each
+    layer from its own length: a start that differs would attend over unwritten rows (or leave the cache counting
+    rows written elsewhere). Refused before anything is claimed, and the cache is unchanged."""
+    import pytest
+
+    from memspec_ros.runtime.kv_cache import claimed_rows
+
+    cache = preallocated_cache()
+    like = torch.empty(1, 2, 3, 8)
+    with claimed_rows(cache, 2, like, 0):
+        pass
+    assert [layer.get_seq_length() for layer in cache.layers] == [3, 3]
+    for start in (0, 2, 4):
+        with pytest.raises(ValueError, match=rf"from position {start} on a cache whose layers hold \[3\]"):
+            with claimed_rows(cache, 2, like, start):
+                raise AssertionError("the block must not run")
+    assert [layer.get_seq_length() for layer in cache.layers] == [3, 3]
+    with claimed_rows(cache, 2, like, 3):
+        pass
+    assert [layer.get_seq_length() for layer in cache.layers] == [6, 6]

@@ -260,7 +260,7 @@ class LeanLlamaForward:
             rows = [self._to_draft[i] for i in rows]
         n, end = len(rows), start + len(rows)
         like = self._like(n)
-        with claimed_rows(cache, len(self.layers), like) as buffers:
+        with claimed_rows(cache, len(self.layers), like, start) as buffers:
             if self._rope is None or self._rope[0].shape[0] < end:
                 self._rope_rows(like, start, end)  # the table covers every fed position
             observers = observed(self._model())
@@ -280,7 +280,7 @@ class LeanLlamaForward:
             like = x.new_empty(1, self.kv_heads, n, self.head_dim)
             rows = x[0].contiguous()
             cos, sin = self._rope_rows(x, start, end)
-            with claimed_rows(cache, len(self.layers), like) as buffers:
+            with claimed_rows(cache, len(self.layers), like, start) as buffers:
                 self.decoder(rows, start, cos, sin, buffers)
             return self._head(rows[None], start, keep)
         positions = torch.arange(start, end, device=x.device)[None]

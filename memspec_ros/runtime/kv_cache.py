@@ -126,13 +126,20 @@ def claim_rows(cache: Cache, layer_idx: int, like: torch.Tensor) -> tuple[torch.
 
 
 @contextmanager
-def claimed_rows(cache: Cache, layers: int, like: torch.Tensor) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """:func:`claim_rows` on the first ``layers`` layers for the block; if the block raises (a forward refused after
-    the claim, its scratch memory not allocated) every layer's length goes back, so the cache does not hold rows
-    no forward wrote ahead of what its owner (speculative.KVState) counts."""
+def claimed_rows(cache: Cache, layers: int, like: torch.Tensor, start: int
+                 ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`claim_rows` on the first ``layers`` layers for the block, whose kernel writes rows from position
+    ``start``; if the block raises (a forward refused after the claim, its scratch memory not allocated) every
+    layer's length goes back, so the cache does not hold rows no forward wrote ahead of what its owner
+    (speculative.KVState) counts. Every layer must hold exactly ``start`` rows: the C kernels write at ``start``
+    and attend over rows 0..start+n-1, while a claim extends a layer from its own length, so a caller whose count
+    differed would have the kernel attend over rows nobody wrote, or the cache count rows the kernel put elsewhere."""
     while len(cache.layers) < layers:
         cache.layers.append(PreallocatedLayer())
     lengths = [cache.layers[index]._length for index in range(layers)]
+    if any(length != start for length in lengths):
+        raise ValueError(f"a forward from position {start} on a cache whose layers hold {sorted(set(lengths))}"
+                         " rows: the caller's count of cached tokens and the cache's disagree")
     try:
         yield [cache.layers[index].claim(like) for index in range(layers)]
     except BaseException:

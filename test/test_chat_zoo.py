@@ -183,6 +183,25 @@ def test_answers_made_by_another_target_are_refused(tiny_target, tmp_path):
     assert model_digest(copy) == digest  # by content, not by path
 
 
+def test_answers_recorded_by_a_folder_targets_weights_alone_are_refused_with_the_reason(tiny_target, tmp_path):
+    """Work dirs made before answers_identity covered a folder target's answer files recorded its weights alone: their
+    answers were refused as another target's, which they are not. They are refused still (where they stop cannot be
+    checked), and the error says so; another target's answers keep their own message."""
+    from memspec_ros.runtime.model_source import answers_identity, model_digest, weights_only_identity
+
+    path, tok, model = tiny_target
+    small = TeacherConfig(max_new_tokens=6, batch_size=4, chunk_requests=8)
+    answer_requests(model, tok, ROWS[:8], tmp_path, "t", small, target_digest=model_digest(path))  # the old record
+    identity = answers_identity(path)
+    assert weights_only_identity(identity) == model_digest(path) != identity
+    with pytest.raises(ValueError, match="made by this target's weights, recorded before its config"):
+        answer_requests(model, tok, ROWS, tmp_path, "t", small, target_digest=identity)
+    assert len(load_answers(tmp_path, "t")) == 8  # nothing appended
+    with pytest.raises(ValueError, match="made by another target"):
+        answer_requests(model, tok, ROWS, tmp_path, "t", small, target_digest="f" * 64)
+    assert weights_only_identity("f" * 64) is None
+
+
 def test_answers_record_a_folder_targets_answer_shaping_files_and_a_gguf_by_its_digest(tiny_target, tmp_path):
     """The teacher's shards named a folder target by its weights alone: with its generation_config's eos corrected
     (answers cut elsewhere) a resumed teacher mixed answers cut at two end tokens. answers_identity names those

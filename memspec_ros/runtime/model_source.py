@@ -339,7 +339,22 @@ def answers_identity(spec: str | os.PathLike[str]) -> str:
     mixed answers cut at two end tokens). A GGUF or pkg: file's is its digest alone (the file holds its config and
     tokenizer), so the bundled zoo's records stand."""
     digest, extra = model_digest(spec), answer_files_digest(spec)
-    return hashlib.sha256(f"{digest}:{extra}".encode()).hexdigest() if extra else digest
+    if not extra:
+        return digest
+    identity = hashlib.sha256(f"{digest}:{extra}".encode()).hexdigest()
+    _WEIGHTS_ONLY[identity] = digest
+    return identity
+
+
+# answers_identity -> the folder model's weights-only digest (model_digest), which work dirs made before the identity
+# covered the answer files recorded: so a refusal of their answers can say why, instead of "another target"
+_WEIGHTS_ONLY: dict[str, str] = {}
+
+
+def weights_only_identity(identity: str) -> str | None:
+    """The weights-only digest that older records of this folder model hold (None for a GGUF or pkg: file, whose
+    identity never changed), for an identity :func:`answers_identity` computed in this process."""
+    return _WEIGHTS_ONLY.get(identity)
 
 
 def converted_dir(path: Path) -> Path:

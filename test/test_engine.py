@@ -361,6 +361,22 @@ def test_cancel_keeps_partial_output(target, drafts):
         session.step("close", drafts["close"])
 
 
+def test_stepping_a_session_whose_prefill_ends_it_is_a_whole_generation(target, drafts):
+    """step() prefills a session not started; where that prefill already ends the generation (one token allowed,
+    or the first token ends it) it raised "finished", so ``while not finished: step()`` failed on a generation that
+    succeeded. It returns empty statistics instead, and a step after that still raises."""
+    first = reference(target, new=1)
+    for kwargs in ({"max_new_tokens": 1}, {"max_new_tokens": NEW, "eos_token_ids": first}):
+        session = SpeculativeSession(target, PROMPT, gamma=2, **kwargs)
+        steps = []
+        while not session.finished:
+            steps.append(session.step("close", drafts["close"]))
+        assert session.generated_ids == first and [s.committed for s in steps] == [0]
+        assert session.stats.iterations == []
+        with pytest.raises(RuntimeError, match="finished"):
+            session.step("close", drafts["close"])
+
+
 def test_bad_arguments_are_rejected_with_reasons(target):
     with pytest.raises(ValueError, match="prompt is empty"):
         SpeculativeSession(target, [], max_new_tokens=4)

@@ -584,9 +584,15 @@ class SpeculativeSession:
 
     @torch.inference_mode()
     def step(self, draft_name: str = "", draft: torch.nn.Module | None = None) -> IterationStats:
-        """One iteration with ``draft`` (None: a plain target step). Returns its statistics."""
+        """One iteration with ``draft`` (None: a plain target step). Returns its statistics. On a session not yet
+        started it prefills first; where that prefill ends the generation (one token allowed, or the first token
+        ends it) no iteration runs and the statistics are empty (committed 0, not recorded), so ``while not
+        finished: step()`` is a whole generation."""
         if not self.started:
             self.prefill()
+            if self.finished:
+                return IterationStats(draft="", proposed=0, accepted=0, committed=0, draft_seconds=0.0,
+                                      verify_seconds=0.0)
         if self.finished:
             raise RuntimeError(f"the generation has finished ({self.finish_reason}); start a new session")
         remaining = self.max_new_tokens - len(self.generated_ids)

@@ -904,3 +904,37 @@ def test_the_action_benchs_medians_leave_a_one_token_pair_out_on_both_sides(tmp_
     result = action_bench.run_action_bench(tmp_path, prompts=1, runs=1)
     assert result["action_tokens_per_second_median"] == 20.0 and result["direct_tokens_per_second_median"] == 30.0
     assert result["ratio_steady_state"] == pytest.approx(20.0 / 30.0)
+
+
+def test_engine_bench_stops_every_method_at_the_chat_templates_end_of_turn(monkeypatch):
+    """The engine bench asked for the end tokens without the tokenizer, so a model whose generation config names
+    only the end of a document (a ChatML template over a base model's eos) decoded past <|im_end|> in every method,
+    measuring text the node never produces. With the target's tokenizer, every method gets the template's end of
+    turn, as the node does."""
+    from memspec_ros.bench import engine_bench
+    from memspec_ros.bench.engine_bench import EngineBenchConfig, run_engine_bench
+    from memspec_ros.runtime.chat import template_end_of_turn
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer(chat=True)
+    end_of_turn = template_end_of_turn(tok)
+    target = tiny_llama(vocab_size=len(tok), hidden=64, layers=2, seed=0)
+    target.generation_config.eos_token_id = tok.eos_token_id  # the end of a document only
+    seen: dict[str, list] = {"engine": [], "hf": []}
+    real_generate, real_hf = engine_bench.generate, engine_bench._hf_generate
+
+    def generate(*args, **kwargs):
+        seen["engine"].append(list(kwargs.get("eos_token_ids", ())))
+        return real_generate(*args, **kwargs)
+
+    def hf_generate(target, assistant, ids, new, gamma, eos):
+        seen["hf"].append(list(eos))
+        return real_hf(target, assistant, ids, new, gamma, eos)
+
+    monkeypatch.setattr(engine_bench, "generate", generate)
+    monkeypatch.setattr(engine_bench, "_hf_generate", hf_generate)
+    cfg = EngineBenchConfig(max_new_tokens=6, runs=1, prompts=1)
+    run_engine_bench(target, noisy_copy(target, 0.01), [[5, 9, 14]], cfg, tokenizer=tok)
+    timed = [ids for ids in seen["engine"] + seen["hf"] if ids]
+    assert end_of_turn is not None and timed and all(end_of_turn in ids for ids in timed)
+    assert len(timed) >= 4  # the engine and the target alone, transformers' generate and its assisted generation

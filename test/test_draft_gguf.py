@@ -308,6 +308,27 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
                                                                 "context lookup, no draft"}
 
 
+def test_the_llamacpp_bench_says_there_is_nothing_to_measure_when_every_answer_is_one_token(monkeypatch, tmp_path):
+    """A kind without one decode rate (every answer ended at its first token) raised statistics' StatisticsError
+    after every run; the bench says why, and the command line turns it into its message."""
+    import pytest
+
+    from memspec_ros.bench import llamacpp_bench as lb
+    from memspec_ros.runtime.speculative import generate
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tok), seed=0)
+    prompts = [("code", tok(f"def f{i}(x):")["input_ids"], f"def f{i}(x):") for i in range(2)]
+    first = {generate(target, ids, None, max_new_tokens=1).generated_ids[0] for _, ids, _ in prompts}
+    monkeypatch.setattr(lb, "run_llamacpp", lambda *a: lb.LlamaCppRun(text="", decode_tps=10.0, prompt_tokens=None))
+    monkeypatch.setattr(lb, "run_llamacpp_speculative", lambda *a: lb.LlamaCppSpecRun(10.0, 4, 2))
+    cfg = lb.LlamaCppBenchConfig(paths=("fp32",), threads=(1,), max_new_tokens=6, llamacpp_bin=tmp_path)
+    with pytest.raises(lb.BenchNoRate, match="every answer was one token"):
+        lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, {"code": noisy_copy(target, 0.05, seed=1)},
+                              prompts, cfg, sorted(first), tok.decode)
+
+
 def test_the_llamacpp_bench_pairs_its_ratios_and_drops_a_method_halted_at_a_later_thread_count(monkeypatch, tmp_path):
     """The engine has no rate for a prompt answered in one token, yet its ratios to llama.cpp divided by llama.cpp's
     median over every prompt; then they divided two medians, which pairs one prompt's rate with another's (now the

@@ -62,7 +62,8 @@ TINY_IGNORES = {"quantization": "none", "draft_quantization": "none", "dtype": "
 
 
 def _engine_models(args):
-    """The zoo's target and one draft, or generated tiny models when no zoo is there."""
+    """The zoo's target and one draft, the prompts, the two models' names and the target's tokenizer (None: generated
+    tiny models when no zoo is there)."""
     from ..runtime.models import ModelLoadError, ModelSpec, load_model, tokenizer_fingerprint
 
     # with --target the zoo only lends its workloads (if it has them); else it is the models' source
@@ -99,7 +100,7 @@ def _engine_models(args):
                   + (f" (the workloads in {workloads} have no more)" if rows else
                      " (no workloads: give --workloads-dir; 'The robot' stands in)"), file=sys.stderr)
         args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)  # a --datastore must be made for it
-        return target.model, draft.model, prompts, (target_path, draft_path)
+        return target.model, draft.model, prompts, (target_path, draft_path), tokenizer
     from ..testing.tiny_models import noisy_copy, tiny_llama
 
     # generated tiny models: the options that choose a zoo's models, paths and prompts would be ignored
@@ -113,7 +114,7 @@ def _engine_models(args):
     draft.model.layers = draft.model.layers[:1]  # a one-layer cut of the target: cheap, partly agreeing
     draft.config.num_hidden_layers = 1
     prompts = [[1, 7 + i, 9 + i, 20 + i] for i in range(args.prompts)]
-    return target, draft, prompts, ("tiny-target", "tiny-draft")
+    return target, draft, prompts, ("tiny-target", "tiny-draft"), None
 
 
 def _round_robin_rows(folder: Path, count: int) -> list[dict]:
@@ -237,11 +238,11 @@ def cmd_engine(args) -> int:
         if value and not value.startswith("pkg:") and not Path(value).exists():
             raise SystemExit(f"{option} {value}: no such file or folder")
     torch.set_num_threads(cfg.threads)  # before the load: quantization auto times the paths at this thread count
-    target, draft, prompts, names = _engine_models(args)
+    target, draft, prompts, names, tokenizer = _engine_models(args)
     if cfg.context_lookup:
         cfg.datastore = _datastore(args, getattr(args, "tokenizer_fingerprint", None))
     with tqdm(total=cfg.runs * len(prompts), desc="engine bench", unit="prompt") as bar:
-        result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar)
+        result = run_engine_bench(target, draft, prompts, cfg, names=names, progress=bar, tokenizer=tokenizer)
     data = asdict(result)
     data["forward_paths"] = getattr(args, "forward_paths", None)
     data["context_lookup"] = cfg.context_lookup
@@ -326,7 +327,7 @@ def cmd_llamacpp(args) -> int:
     from ..runtime.forward_paths import PATHS
     from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
     from ..runtime.registry import DraftRegistry
-    from .llamacpp_bench import LlamaCppBenchConfig, LlamaCppMissing, llamacpp_program, run_llamacpp_bench
+    from .llamacpp_bench import BenchNoRate, LlamaCppBenchConfig, LlamaCppMissing, llamacpp_program, run_llamacpp_bench
     from .policy_bench import row_prompt_ids
 
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
@@ -368,7 +369,10 @@ def cmd_llamacpp(args) -> int:
         prompts.append((domain, ids, tokenizer.decode(ids, skip_special_tokens=False)))
     eos = end_token_ids(tokenizer, next(iter(targets.values())))
     with tqdm(total=len(cfg.threads) * cfg.runs * len(prompts), desc="llama.cpp bench", unit="prompt") as bar:
-        result = run_llamacpp_bench(gguf, targets, drafts, prompts, cfg, eos, tokenizer.decode, progress=bar)
+        try:
+            result = run_llamacpp_bench(gguf, targets, drafts, prompts, cfg, eos, tokenizer.decode, progress=bar)
+        except BenchNoRate as exc:
+            raise SystemExit(f"memspec-bench llamacpp: {exc}") from None
     result["draft_quantization"] = args.draft_quantization
     text = _write_json(result, args.json)
     print(text)

@@ -86,9 +86,11 @@ class EngineBenchResult:
     # Where the engine's decode time went against the bound's isolated forwards (t_draft_ms, t_verify_ms, each
     # repeated on its own, so warm in the caches): per draft token and per verify inside the loop, where each
     # forward follows the other model's, and what each iteration spent outside both
-    loop_draft_ms: float | None = None  # per proposed token (a switch's catch-up forward left out)
+    # per draft forward that proposed or was dropped (adaptive gamma's confidence stop); a catch-up forward left out
+    loop_draft_ms: float | None = None
     loop_verify_ms: float | None = None  # per verify of gamma + 1 rows, as t_verify_ms
-    loop_other_ms: float | None = None  # per iteration: accepting, committing, streaming text, scheduling
+    # per iteration: accepting, committing, streaming text, scheduling, and a context lookup's search
+    loop_other_ms: float | None = None
     per_run: dict[str, list[float]] = field(default_factory=dict)
     # each method's generated tokens over one run's prompts (greedy: the same every run). Each rate is its own tokens
     # over its own time, so a method that stopped at an end token earlier (transformers' generate on a near-tie
@@ -141,7 +143,9 @@ def bound_fraction(decode_tps: list[float], bound_tps: list[float]) -> float | N
 
 def _bound_seconds(stats, gamma: int, draft_ms: float, verify_ms: float, one_ms: float) -> float:
     """A generation's decode time had each forward cost its isolated time and nothing else cost any: every
-    proposal one draft forward, every iteration one verify, the switch's catch-up free. An iteration that proposed
+    proposal one draft forward, every iteration one verify, a catch-up one draft forward. That includes each
+    generation's first proposal, whose draft forward runs over the whole prompt (the draft's prefill, inside the
+    decode time): the bound errs high by it, so bound_fraction errs low by its share. An iteration that proposed
     fewer than gamma (near the end, or a plain step) is costed as a one-token forward: its cost errs low, so the
     bound errs high."""
     full = sum(1 for it in stats.iterations if it.proposed >= gamma)
@@ -182,7 +186,9 @@ def configure_assistant(draft, gamma: int) -> None:
 
 
 def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchConfig, names=("target", "draft"),
-                     progress=None) -> EngineBenchResult:
+                     progress=None, tokenizer=None) -> EngineBenchResult:
+    """Every method on every prompt, interleaved. ``tokenizer``: the target's, whose eos and chat template's end of
+    turn end a generation as in the node (runtime/chat.end_token_ids; without it the model's generation config's)."""
     torch.set_num_threads(cfg.threads)
     device = next(target.parameters()).device
     # transformers' assisted generation needs a draft with the target's vocabulary width: a
@@ -208,7 +214,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
     same_as_transformers = 0  # prompts where transformers' generate gave the engine's target-alone tokens
     hf_same = 0  # prompts where transformers' assisted generation gave its generate's tokens
     # warm-up: first calls pay for allocation and lazy initialisation
-    eos = end_token_ids(None, target) if cfg.stop_at_end else []
+    eos = end_token_ids(tokenizer, target) if cfg.stop_at_end else []
     lookup = LookupConfig() if cfg.context_lookup else None
     stores = (cfg.datastore,) if cfg.context_lookup and cfg.datastore is not None else ()
     # adaptive: its one-off forward timings happen here
@@ -242,6 +248,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                                        max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
                                        adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastores=stores,
                                        eos_token_ids=eos)
+                    elapsed = time.perf_counter() - start  # the bench's bookkeeping below is not the engine's
                     if session.draft_failure:  # its figures would be the target alone's, labelled the engine's
                         raise RuntimeError(f"the draft failed during the bench: {session.draft_failure}")
                     out = session.generated_ids
@@ -249,7 +256,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                     run_decode_tokens += session.stats.decode_tokens
                     accepted.add(session.stats)
                     loop.add(session.stats)
-                seconds[method] += time.perf_counter() - start
+                if method != "engine":
+                    elapsed = time.perf_counter() - start
+                seconds[method] += elapsed
                 tokens[method] += len(out)
                 outputs[method] = out
             # lossless means equal to this engine's own one-token greedy decoding of the target; transformers'

@@ -263,6 +263,10 @@ def forward_profile(model: torch.nn.Module, gamma: int, vocab_size: int) -> dict
     return result
 
 
+class BenchNoRate(ValueError):
+    """Nothing to measure: no answer was longer than one token."""
+
+
 @dataclass
 class _Tally:
     rates: dict[tuple[int, int], float] = field(default_factory=dict)  # (run, prompt) -> tokens/s: pairs methods
@@ -272,6 +276,9 @@ class _Tally:
         self.rates[key] = tps
 
     def median(self) -> float:
+        if not self.rates:  # greedy answers are the same in every kind: all of them one token, or none
+            raise BenchNoRate("no prompt's answer had a decode rate: every answer was one token (the first token"
+                              " comes from the prompt's encoding). Use other prompts, or more --prompts")
         return statistics.median(self.rates.values())
 
     def vs(self, base: _Tally) -> float | None:

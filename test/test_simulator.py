@@ -460,6 +460,10 @@ def test_the_paper_harness_writes_every_item_and_the_results_page(tmp_path):
     assert json.loads((out / "fig6.json").read_text())["source"] == "real runs"
     storage = json.loads((out / "storage.json").read_text())
     assert storage["media"] == ["local", "nvme", "emmc", "sd"] and storage["rows"]["sd"]["emulated"] is True
+    # the run's own medium: the load cost its cost model and Oracle-Dynamic charged, not a second sample of it
+    policies = json.loads((out / "policies.json").read_text())
+    assert storage["rows"]["sd"]["load_seconds_per_draft"] == pytest.approx(
+        policies["storage"]["modelled_load_seconds"], rel=1e-12)
     page = (out / "README.md").read_text()
     assert page.startswith("# Results\n\nhand-written") and page.rstrip().endswith("after")
     assert "stale" not in page and page.count(BEGIN) == 1 and "emulated" in page and "![" in page

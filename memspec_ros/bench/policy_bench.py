@@ -356,6 +356,12 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
         first = next(ids for w in cfg.workloads for ids in prompts[w])
         costs = measure_costs(controller, storage, registry, first, cfg.max_new_tokens, cfg.capacity, cfg.gamma,
                               cfg.draft_quantization, catchup)
+        ranking = next((p for p in policies if p in RANKING_POLICIES), None)
+        if ranking is not None:  # the predictor's first ranking (its lazy set-up) is no policy's cost: paid untimed
+            controller.reconfigure(policy=ranking)
+            controller.generate(first, 2 * cfg.interval)
+            controller.cache.reset()
+            storage.take_records()  # its loads are not the timed runs'
         names = [e.name for e in registry]  # the controller's candidates, in registry order
         for oracle in oracles.values():
             oracle.costs = costs

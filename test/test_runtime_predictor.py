@@ -533,6 +533,45 @@ def test_the_overlapped_predictor_keeps_the_last_good_ranking_from_a_ranker_that
     over.close()
 
 
+def test_the_synchronous_predictor_keeps_the_last_good_ranking_as_the_overlapped_one_does(caplog):
+    """With overlap_prediction off (the default), a failure mid-generation took the node's stand-in order (general
+    first) for a ranking: MemSpec evicted the draft the good ranking kept and loaded it again at the next good one.
+    Past the first point a failure keeps the last good ranking; at the first there is nothing else to stand."""
+    from memspec_ros.runtime.predictor import SynchronousPredictor
+
+    class StandsIn:
+        def __init__(self):
+            self.failures, self.broken = 0, set()
+
+        def begin(self, prompt_ids):
+            pass
+
+        def rank_or_raise(self, context):
+            if context.interval in self.broken:
+                self.failures += 1
+                raise RuntimeError("transient")
+            return [("b", 0.9), ("a", 0.1)]
+
+        def rank(self, context):
+            try:
+                return self.rank_or_raise(context)
+            except RuntimeError:
+                return [("a", 2.0), ("b", 1.0)]  # the stand-in
+
+    ranker = StandsIn()
+    ranker.broken = {0, 2}
+    sync = SynchronousPredictor(ranker)
+    sync.begin(PROMPT)
+    sync.submit(ctx(0, candidates=("a", "b")))
+    assert [n for n, _ in sync.latest(["a", "b"])] == ["a", "b"]  # the first point: the stand-in
+    sync.submit(ctx(1, candidates=("a", "b")))
+    assert [n for n, _ in sync.latest(["a", "b"])] == ["b", "a"]
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.predictor"):
+        sync.submit(ctx(2, candidates=("a", "b")))
+    assert [n for n, _ in sync.latest(["a", "b"])] == ["b", "a"] and ranker.failures == 2  # kept, and counted
+    assert "transient" in caplog.text
+
+
 def test_a_recent_only_head_sees_no_prompt_features_before_there_are_recent_tokens():
     """Training zeroes the prompt half for a recent-only head, and at interval 0 there is no recent half either: it
     saw [0 ; 0] there, and the runtime gave it [prompt ; 0], features it never saw."""

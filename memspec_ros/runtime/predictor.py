@@ -141,6 +141,19 @@ class SynchronousPredictor(SynchronousRanking):
     def rank(self, context: PredictionContext) -> list[tuple[str, float]]:
         return self.ranker.rank(context)
 
+    def submit(self, context: PredictionContext) -> None:
+        """As :class:`OverlappedPredictor` does with a ranker that stands a fallback order in for a failure (the
+        node's): past a generation's first point, a failure keeps the last good ranking. The stand-in (general-static's
+        order) taken for a ranking evicted a draft the good one kept, and the next good ranking loaded it again."""
+        raising = getattr(self.ranker, "rank_or_raise", None)
+        if raising is None or context.interval == 0 or self._submitted is None:
+            self._submitted = self.rank(context)  # the first point: the stand-in is all there is
+            return
+        try:
+            self._submitted = raising(context)
+        except Exception as exc:  # counted by the ranker (/diagnostics)
+            log.warning("prediction failed, the previous ranking stays: %s: %s", type(exc).__name__, exc)
+
     def close(self) -> None:
         """Nothing to release: the ranking model is its owner's to close."""
 

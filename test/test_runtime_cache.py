@@ -3,6 +3,7 @@ never blocks update(), and survives failing loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -1023,6 +1024,40 @@ def test_a_load_whose_files_change_as_it_lands_is_dropped(monkeypatch):
     cache.drain()
     assert not Hooked.armed and "math" not in cache.resident()
     cache._lock = real_lock
+    cache.close()
+
+
+def test_a_marked_load_stats_its_files_outside_the_cache_lock_and_is_still_dropped_when_they_changed(monkeypatch):
+    """A load in flight when evict_changed ran stats its files as it lands. That ran under the cache's lock, where
+    the decode thread's next get/resident waited for it on failing storage (evict_changed keeps its own stats out of
+    the lock for that reason). It runs before the lock now, and the load is still dropped: its files changed."""
+    from memspec_ros.runtime import cache as cache_module
+
+    version, under_lock = {"n": 0}, []
+    gate, started = threading.Event(), threading.Event()
+
+    def load(name):  # as registry_loader: the files' identity taken before the read
+        files = (name, version["n"])
+        started.set()
+        gate.wait(GATE_SECONDS)
+        return dataclasses.replace(fake_loader()(name), files=files)
+
+    cache = DraftCacheManager(2, load, size_of=SIZES.get)
+
+    def identity(path):
+        if threading.current_thread().name.startswith("memspec-draft-loader"):
+            under_lock.append(cache._lock._is_owned())
+        return (path, version["n"])
+
+    monkeypatch.setattr(cache_module, "weights_identity", identity)
+    cache.update(["math"])
+    assert started.wait(GATE_SECONDS)
+    version["n"] += 1  # the operator replaces the files while the load reads them
+    assert cache.evict_changed() == []  # nothing resident: the load in flight is marked
+    gate.set()
+    cache.drain()
+    assert "math" not in cache.resident() and cache.snapshot().dropped_loads == 1
+    assert under_lock and not any(under_lock)
     cache.close()
 
 

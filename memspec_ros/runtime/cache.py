@@ -182,6 +182,7 @@ class DraftCacheManager:
         self._working_set: list[str] = []
         self._active = ""
         self._counters = CacheStats()
+        self._rechecks = 0  # evict_changed calls that marked loads in flight (under the lock): see _load
         # bytes each draft occupied when last loaded (estimates can be low, or far high: fp32 files run as int4), with
         # the source and files identity they were measured on (files replaced in place are measured anew)
         self._measured: dict[str, tuple[int, str, object]] = {}
@@ -503,6 +504,7 @@ class DraftCacheManager:
             resident = [(n, s.model.source or s.model.spec.path, s.files, s) for n, s in self._slots.items()
                         if s.model is not None]
             measured = [(n, source, files) for n, (_, source, files) in self._measured.items() if source]
+            self._rechecks += 1
             for slot in self._slots.values():
                 if slot.future is not None and slot.model is None:
                     slot.recheck = True  # it may have read the files before they changed: checked when it lands
@@ -845,6 +847,11 @@ class DraftCacheManager:
             files = loaded.files or weights_identity(source)
             # before the lock: a change of entry after this check finds the model resident at the next sync
             current = self.source_current is None or not loaded.source or self.source_current(slot.name, source)
+            # a marked load's files are statted here, not under the lock (the decode thread's next get/resident
+            # would wait on failing storage, which evict_changed keeps its own stats out of the lock for); taken
+            # again under it only if another evict_changed marked loads since
+            rechecks = self._rechecks
+            now = weights_identity(source) if slot.recheck else None
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
                 self._loader_failed(slot, exc)
@@ -853,7 +860,9 @@ class DraftCacheManager:
             return  # SystemExit, KeyboardInterrupt: the future would hand them to a waiting decode thread
         with self._lock:
             try:
-                self._publish(slot, loaded, elapsed, source, files, current)
+                if slot.recheck and (now is None or self._rechecks != rechecks):
+                    now = weights_identity(source)
+                self._publish(slot, loaded, elapsed, source, files, current and (now is None or now == files))
             except Exception as exc:  # a slot left "loading" with its future done held its room for good
                 self._loader_failed(slot, exc)
                 raise
@@ -873,9 +882,10 @@ class DraftCacheManager:
 
     def _publish(self, slot: _Slot, loaded: LoadedModel, elapsed: float, source: str, files, current: bool) -> None:
         """The loader's result under the lock: resident, or dropped (unwanted by now, or stale)."""
-        # under the lock: evict_changed sets ``recheck`` under it, so it either saw this load resident (and checks
-        # it there) or set the flag before this test (read outside, a change between them landed the old model)
-        stale = (slot.recheck and weights_identity(source) != files) or not current
+        # ``current`` is False also for a load marked ``recheck`` whose files changed (_load: evict_changed sets the
+        # mark under the lock, so it either saw this load resident and checks it there, or marked it before _load
+        # read the mark or counted the marks)
+        stale = not current
         if self._slots.get(slot.name) is not slot or slot.discard or stale or self._closed:
             if stale:
                 self._measured.pop(slot.name, None)  # other files under the name: their size is learnt anew

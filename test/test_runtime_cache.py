@@ -1061,6 +1061,31 @@ def test_a_marked_load_stats_its_files_outside_the_cache_lock_and_is_still_dropp
     cache.close()
 
 
+def test_a_queued_load_of_a_draft_removed_from_the_registry_is_dropped_not_failed():
+    """The controller syncs the registry at scheduling points only: a prefetch queued before its draft was removed
+    started after, the registry lookup raised, and the cache counted a load failure (a warning, a 30 s back-off)
+    for what was a removal. It is a dropped load, and a wait for it says the draft was removed."""
+    from memspec_ros.runtime.registry import UnknownDraftError
+
+    registered = {"code", "math"}
+
+    def load(name):
+        if name not in registered:
+            raise UnknownDraftError(f"no draft named {name!r} is registered")
+        return fake_loader()(name)
+
+    cache = DraftCacheManager(2, load, size_of=SIZES.get)
+    registered.discard("math")
+    cache.update(["math"])
+    cache.drain()
+    snap = cache.snapshot()
+    assert snap.load_failures == 0 and not snap.failed and snap.dropped_loads == 1 and "math" not in snap.resident
+    with pytest.raises(DraftLoadError, match="was removed"):
+        cache.wait_for("math", timeout=GATE_SECONDS)
+    assert cache.snapshot().load_failures == 0
+    cache.close()
+
+
 def test_load_seconds_sum_the_loads_that_became_resident():
     """A load dropped in flight added its time to load_seconds but not to loads: load_seconds / loads, the mean
     load time, came out high."""

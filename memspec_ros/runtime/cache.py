@@ -47,6 +47,7 @@ import torch
 
 from .forward_paths import PATHS
 from .models import LoadedModel, ModelSpec, check_draft_compatible, forward_path_for, load_model, resolve_device
+from .registry import UnknownDraftError
 from .stats import CacheStats
 from .storage import weights_identity
 
@@ -852,6 +853,11 @@ class DraftCacheManager:
             # again under it only if another evict_changed marked loads since
             rechecks = self._rechecks
             now = weights_identity(source) if slot.recheck else None
+        except UnknownDraftError:  # its registry entry went before the load began: the next sync removes it
+            with self._lock:
+                slot.discard = True  # on purpose: a wait for it ends saying the draft was removed, no retry
+                self._drop(slot)
+            raise
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
                 self._loader_failed(slot, exc)
@@ -866,6 +872,15 @@ class DraftCacheManager:
             except Exception as exc:  # a slot left "loading" with its future done held its room for good
                 self._loader_failed(slot, exc)
                 raise
+
+    def _drop(self, slot: _Slot) -> None:
+        """A load that is not wanted as it ends: out of the cache, counted as dropped, not as failed."""
+        if self._slots.get(slot.name) is slot:
+            del self._slots[slot.name]
+        self._detached = [s for s in self._detached if s is not slot]
+        slot.future = None
+        self._counters.dropped_loads += 1
+        self._changed_logged()
 
     def _loader_failed(self, slot: _Slot, exc: BaseException) -> None:
         """A load that raised, in the loader or as it was published: failed, and out of the room it held."""
@@ -889,12 +904,7 @@ class DraftCacheManager:
         if self._slots.get(slot.name) is not slot or slot.discard or stale or self._closed:
             if stale:
                 self._measured.pop(slot.name, None)  # other files under the name: their size is learnt anew
-            if self._slots.get(slot.name) is slot:
-                del self._slots[slot.name]  # removed, over capacity, or its files changed while in flight
-            self._detached = [s for s in self._detached if s is not slot]
-            slot.future = None
-            self._counters.dropped_loads += 1
-            self._changed_logged()
+            self._drop(slot)  # removed, over capacity, or its files changed while in flight
             return
         actual = int(getattr(loaded, "size_bytes", 0) or 0)
         if actual > 0:

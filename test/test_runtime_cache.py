@@ -1086,6 +1086,30 @@ def test_a_queued_load_of_a_draft_removed_from_the_registry_is_dropped_not_faile
     cache.close()
 
 
+def test_a_load_that_fails_after_the_budget_shrank_under_it_is_a_dropped_load_not_a_failure(caplog):
+    """A load marked unwanted (K or the budget shrank while it read) that then failed was counted in load_failures
+    and logged as "retried after 30 s", while its slot was deleted, so no back-off was kept and it never showed in
+    failed(). It is counted as the dropped load it is."""
+    gate, started = threading.Event(), threading.Event()
+
+    def load(name):
+        started.set()
+        gate.wait(GATE_SECONDS)
+        raise OSError(f"disk error reading {name}")
+
+    cache = DraftCacheManager(1, load, size_of=SIZES.get)
+    cache.update(["math"])
+    assert started.wait(GATE_SECONDS)
+    cache.reconfigure(budget_bytes=SIZES["math"] - 1)  # the budget shrinks under it: the load is unwanted now
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.cache"):
+        gate.set()
+        cache.drain()
+    snap = cache.snapshot()
+    assert snap.load_failures == 0 and not snap.failed and snap.dropped_loads == 1
+    assert "retried after" not in caplog.text
+    cache.close()
+
+
 def test_load_seconds_sum_the_loads_that_became_resident():
     """A load dropped in flight added its time to load_seconds but not to loads: load_seconds / loads, the mean
     load time, came out high."""

@@ -886,8 +886,13 @@ class DraftCacheManager:
         """A load that raised, in the loader or as it was published: failed, and out of the room it held."""
         error = exc if isinstance(exc, Exception) else DraftLoadError(f"the loader raised {type(exc).__name__}: {exc}")
         slot.model = None
-        if any(s is slot for s in self._detached):  # removed meanwhile (its registry entry gone): no fault
+        if slot.discard or any(s is slot for s in self._detached):
+            # unwanted by now (K shrank, a reset timed out) or removed (its registry entry gone): no failure is
+            # kept for it (no back-off: its slot goes), so it is counted as the dropped load it is
             slot.error, slot.future = error, None
+            self._counters.dropped_loads += 1
+            log.info("draft %r's load failed after it was no longer wanted: %s: %s", slot.name,
+                     type(error).__name__, error)
         else:
             self._fail(slot, error)
         if slot.discard and self._slots.get(slot.name) is slot:

@@ -89,6 +89,17 @@ def test_policy_bench_reads_any_workload_folder_through_a_storage_tier(tmp_path,
         build(self, *args, **kwargs)
 
     monkeypatch.setattr(draft_forward.LeanLlamaForward, "__init__", slow_build)
+    # the bench's loaders check each draft against the target's width, as the controller's own loader does (the
+    # bench made its loaders without it)
+    from memspec_ros.bench import policy_bench
+
+    widths, real_loader = [], policy_bench.registry_loader
+
+    def loader(*args, **kwargs):
+        widths.append(kwargs.get("target_vocab_size", 0))
+        return real_loader(*args, **kwargs)
+
+    monkeypatch.setattr(policy_bench, "registry_loader", loader)
 
     zoo = build_tiny_zoo(tmp_path / "zoo", hidden=64, layers=2, chat=True)
     folder = _chat_and_prompt_workloads(tmp_path / "mine")
@@ -97,6 +108,9 @@ def test_policy_bench_reads_any_workload_folder_through_a_storage_tier(tmp_path,
                  "--policies", "general-static,oracle-static,oracle-dynamic,memspec", "--prompts", "2",
                  "--max-new-tokens", "12", "--storage", "sd", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    from memspec_ros.runtime.models import read_config
+
+    assert widths and set(widths) == {read_config(zoo / "target")["vocab_size"]}
     assert result["config"]["workloads"] == ["chat", "robotics"]  # every <name>.jsonl, training files skipped
     assert result["config"]["workloads_dir"] == str(folder)
     # the schema the figures read is unchanged

@@ -187,13 +187,19 @@ def catchup_line(draft, tokens: int, rounds: int = 3) -> tuple[float, float]:
     return fit_line(sizes, [min(t) for t in times])
 
 
-def timed_loads(registry: DraftRegistry, storage: DraftStorage, quantization: str = "none") -> dict[str, float]:
+def vocab_size(target) -> int:
+    """The target's logit width, which a draft must share (0: unknown, unchecked)."""
+    return int(getattr(target.config, "vocab_size", 0) or 0)
+
+
+def timed_loads(registry: DraftRegistry, storage: DraftStorage, quantization: str = "none",
+                target_vocab_size: int = 0) -> dict[str, float]:
     """Seconds each draft's load takes as the cache's loader does it: the read through the storage tier and
     everything after it (the compatibility checks, the lean forward built on the loader thread: 1-5 ms the
     storage's own record of read and build left out). Each is loaded once untimed first (a first load builds the
     runtime form later ones read); the storage's records of these loads are dropped (a bench's storage summary
-    holds its timed runs' loads only)."""
-    load = registry_loader(registry, storage=storage, quantization=quantization)
+    holds its timed runs' loads only). ``target_vocab_size``: as the timed runs' loader checks each draft."""
+    load = registry_loader(registry, storage=storage, quantization=quantization, target_vocab_size=target_vocab_size)
     names = [entry.name for entry in registry]
     for name in names:
         load(name)
@@ -225,7 +231,7 @@ def measure_costs(controller: RuntimeController, storage: DraftStorage, registry
     Oracle-Dynamic plans (:meth:`BenchRun.policy`)."""
     controller.reconfigure(policy="general-static")
     stats = controller.generate(ids, max_new_tokens).stats
-    loads = timed_loads(registry, storage, draft_quantization)
+    loads = timed_loads(registry, storage, draft_quantization, vocab_size(controller.target))
     model = CostModel.measure([("general-static", stats)], loads)
     base, per_token = catchup  # one generation has one catch-up: no line to fit from it
     return replace(model, catchup_base_seconds=base, catchup_token_seconds=per_token).schedule_costs(capacity, gamma)
@@ -244,6 +250,7 @@ class BenchRun:
     domains: dict[str, str]
     registry: DraftRegistry
     runs: list[tuple[str, str, tuple[int, ...], GenerationStats]]  # (policy, workload, prompt, stats), every timed run
+    target_vocab_size: int = 0  # what each draft load checks a draft against (registry_loader)
 
     def sim_config(self, **changes) -> SimConfig:
         base = dict(capacity=self.cfg.capacity, interval=self.cfg.interval, gamma=self.cfg.gamma,
@@ -346,8 +353,11 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     # same prompt in turn, and all but the first would reuse its KV: runtime/prompt_cache.py)
     config = RuntimeConfig(policy=policies[0], capacity=cfg.capacity, interval=cfg.interval, gamma=cfg.gamma,
                            recent_tokens=cfg.recent_tokens, reset_cache_per_generation=True, prompt_cache=False)
-    controller = models.controller(config, loader=registry_loader(registry, storage=storage,
-                                                                  quantization=cfg.draft_quantization),
+    # the loader the controller would make itself (its dtype, device and check against the target's width), through
+    # the bench's storage, whose records the bench reads
+    loader = registry_loader(registry, models.draft_dtype, models.device, storage=storage,
+                             quantization=cfg.draft_quantization, target_vocab_size=vocab_size(models.target.model))
+    controller = models.controller(config, loader=loader,
                                    oracle_for=lambda ids: oracles[tuple(ids)])
     rows = {w: {p: PolicyRow() for p in policies} for w in cfg.workloads}
     runs: list[tuple[str, str, tuple[int, ...], GenerationStats]] = []
@@ -433,6 +443,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
         schedule_costs=costs,
         predictor=replay_predictor(predictor, traces, recent=live_recent is not False),
         domains={e.name: e.domain for e in registry.entries()}, registry=registry, runs=runs,
+        target_vocab_size=vocab_size(models.target.model),
     )
     models.close()
     if cfg.simulate:

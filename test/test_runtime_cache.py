@@ -957,7 +957,7 @@ def test_a_closed_cache_reserves_nothing():
     cache.close()
     cache.update(["math", "law"])
     snap = cache.snapshot()
-    assert snap.loading == [] and snap.resident == ["code"] and snap.bytes_reserved == SIZES["code"]
+    assert snap.loading == [] and snap.resident == [] and snap.bytes_reserved == 0  # its drafts let go, too
 
 
 def test_a_load_marked_to_be_dropped_is_not_available_so_a_choice_requests_it_again():
@@ -1108,6 +1108,22 @@ def test_a_load_that_fails_after_the_budget_shrank_under_it_is_a_dropped_load_no
     assert snap.load_failures == 0 and not snap.failed and snap.dropped_loads == 1
     assert "retried after" not in caplog.text
     cache.close()
+
+
+def test_a_closed_cache_lets_its_resident_drafts_go():
+    """close() stopped the loads but kept the resident drafts referenced until the cache itself was collected: a
+    standalone runtime's controller.close() did not free the drafts' memory."""
+    import gc
+    import weakref
+
+    cache = DraftCacheManager(2, fake_loader(), size_of=SIZES.get)
+    cache.update(["code", "math"])
+    cache.drain()
+    models = [weakref.ref(cache.get(name).model) for name in ("code", "math")]
+    assert all(m() is not None for m in models)
+    assert cache.close()
+    gc.collect()
+    assert cache.resident() == [] and all(m() is None for m in models)
 
 
 def test_load_seconds_sum_the_loads_that_became_resident():

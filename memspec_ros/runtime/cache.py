@@ -587,7 +587,8 @@ class DraftCacheManager:
     def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> bool:
         """Stop loading: queued loads never run, the one reading is waited for up to ``timeout`` s, then left to
         end on its own thread (dropped when it lands; the interpreter still joins that thread as the process
-        exits). Returns False where it was still reading."""
+        exits). The resident drafts are let go: a closed cache held them (their memory) for as long as its owner
+        lived. Returns False where it was still reading."""
         with self._lock:
             self._closed = True
         finished = _wait_futures(self._stop_queued(), _deadline(timeout), None)
@@ -595,6 +596,11 @@ class DraftCacheManager:
             log.warning("a draft load was still reading after %.0f s as the draft cache closed: left to end on its"
                         " own thread (is the drafts' storage failing?)", timeout)
         self._pool.shutdown(wait=finished, cancel_futures=True)
+        with self._lock:
+            for slot in self._slots.values():
+                slot.model = None
+            self._slots.clear()
+            self._active, self._scores, self._working_set = "", {}, []
         return finished
 
     def drain(self, timeout: float | None = None) -> bool:

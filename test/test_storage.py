@@ -193,6 +193,36 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     assert sorted(p.name for p in form.file.parent.iterdir()) == [newer.file.name]
 
 
+def test_a_first_loads_form_writing_is_recorded_apart_from_its_build(tiny_zoo, cache_root_in_tmp, monkeypatch):
+    """A first load writes the runtime form the loads after it read; that was timed as the load's build, so a node's
+    first load of each draft reported the write (and its fsync) as building the draft. It is recorded apart."""
+    import time
+
+    from memspec_ros.runtime import storage as storage_module
+
+    built, real_build, real_keep = [], storage_module.build_model, DraftStorage._keep_form
+
+    def build_model(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real_build(*args, **kwargs)
+        finally:
+            built.append(time.perf_counter() - t0)
+
+    def slow_keep(self, *args, **kwargs):
+        time.sleep(0.5)  # a slow disk
+        return real_keep(self, *args, **kwargs)
+
+    monkeypatch.setattr(storage_module, "build_model", build_model)
+    monkeypatch.setattr(DraftStorage, "_keep_form", slow_keep)
+    storage = DraftStorage(MEDIA["local"])
+    storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code")
+    storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code")  # from the form: nothing written
+    first, again = storage.take_records()
+    assert first.form_seconds >= 0.5 and first.build_seconds < built[0] + 0.5  # the build alone, the write apart
+    assert again.form_seconds == 0.0 and len(built) == 1
+
+
 def test_writing_the_runtime_form_copies_no_weight(tiny_zoo, cache_root_in_tmp, monkeypatch):
     """The form's skeleton was a deep copy of the whole draft, weights included, then emptied: at a first load the
     draft was in memory twice (three times with the blob it was built from)."""

@@ -503,6 +503,9 @@ class LoadRecord:
     read_seconds: float  # the paced cold read
     build_seconds: float  # bytes -> model in fast memory
     cached_after_drop: float | None
+    # a first load's writing of the runtime form later loads read (RuntimeForm): not the load's own work, but done on
+    # the loader thread before the draft is handed over, so it delays this load by as much
+    form_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -554,20 +557,25 @@ class DraftStorage:
                             name or spec.path, form.file, error)
                 with self._lock:
                     self._forms.pop(key, None)
-        if loaded is None:
+        from_files = loaded is None
+        if from_files:
             reads = [read_cold(f, self.medium) for f in files]
             t0 = time.perf_counter()
             loaded = build_model(spec, [blob for blob, _ in reads])
-            # a draft prepared off the lean forward has per-module forwards bound to its own layers (row_exact),
-            # which a runtime form's copies would share: it is built from its safetensors each time
-            if loaded.prepared is None:
-                self._keep_form(key, loaded, spec, source, name)
         build = time.perf_counter() - t0
+        form_seconds = 0.0
+        # a draft prepared off the lean forward has per-module forwards bound to its own layers (row_exact), which a
+        # runtime form's copies would share: it is built from its safetensors each time
+        if from_files and loaded.prepared is None:
+            t1 = time.perf_counter()
+            self._keep_form(key, loaded, spec, source, name)
+            form_seconds = time.perf_counter() - t1
         cached = [r.cached_after_drop for _, r in reads]
         record = LoadRecord(
             name=name or Path(spec.path).name, nbytes=sum(r.nbytes for _, r in reads),
             requests=sum(r.requests for _, r in reads), read_seconds=sum(r.seconds for _, r in reads),
-            build_seconds=build, cached_after_drop=None if None in cached else max(cached, default=0.0))
+            build_seconds=build, cached_after_drop=None if None in cached else max(cached, default=0.0),
+            form_seconds=form_seconds)
         if self.keep_records:
             with self._lock:
                 self.records.append(record)

@@ -101,6 +101,14 @@ def message_text(text: str) -> str:
     return text
 
 
+def prompt_text(text: str) -> str:
+    """A prompt argument: one that is empty or only whitespace, which the node rejects (the answer then lists every
+    possible reason), is refused by the parser instead."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty or only whitespace: give some text")
+    return text
+
+
 def unwritable(path) -> str:
     """'' if ``path`` can be made or written: the nearest of it and its parents that exists is a folder this process
     may write to; else that location (checked before a long run that would write ``path`` at its end)."""

@@ -788,3 +788,38 @@ def test_the_demo_never_claims_the_shells_own_ros_domain_id(monkeypatch):
         assert domain in DEMO_DOMAIN_IDS and domain != DEMO_DOMAIN_IDS[0]
     finally:
         lock.close()
+
+
+def test_the_demo_refuses_a_quantization_the_node_does_not_know_before_it_starts(capsys, monkeypatch):
+    """--quantization had no choices: `make demo DEMO_ARGS="--quantization int5"` started the node, whose configure
+    failed, and the reason was in its log's tail. The parser refuses it, with the node's own list."""
+    import argparse
+
+    from memspec_ros.ros import demo
+    from memspec_ros.runtime.models import QUANTIZATIONS
+
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--quantization", "int5"])
+    assert exit_info.value.code == 2 and "invalid choice: 'int5'" in capsys.readouterr().err
+    parsers = []
+
+    def caught(self, *args, **kwargs):  # the parser main() builds, before it parses anything
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    with pytest.raises(SystemExit):
+        demo.main([])
+    choices = next(a.choices for a in parsers[0]._actions if "--quantization" in a.option_strings)
+    assert tuple(choices) == QUANTIZATIONS
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n"])
+def test_the_bt_example_refuses_an_empty_prompt_before_sending_it(prompt, capsys):
+    """The node rejects an empty prompt, and the example then said only "goal rejected"; memspec_client refuses
+    it at its parser (exit status 2), and so does the example now."""
+    from memspec_ros.ros import bt_example
+
+    with pytest.raises(SystemExit) as exit_info:
+        bt_example.main([prompt])
+    assert exit_info.value.code == 2 and "the prompt is empty or only whitespace" in capsys.readouterr().err

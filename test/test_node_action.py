@@ -572,10 +572,11 @@ def test_cleanup_never_frees_the_models_under_a_goal_that_has_not_ended_yet(h, m
 
 
 @pytest.mark.parametrize("how", ["result timeout", "interrupted before the answer", "goal answer late",
-                                 "interrupted while it runs"])
+                                 "interrupted while it runs", "output closed"])
 def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatch):
     """memspec_client gives up on a goal (its result timeout passes, Ctrl-C lands while it waits for the goal's
-    answer, or the answer comes after --timeout): the goal is cancelled, not left to run to its end holding the
+    answer, the answer comes after --timeout, or its output closes as it streams: `| head -n 3`, where the write's
+    BrokenPipeError went out with a traceback): the goal is cancelled, not left to run to its end holding the
     node's one generation."""
     import io
 
@@ -584,7 +585,13 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
 
     from memspec_ros.ros import client
 
-    if how != "result timeout":
+    class ClosesAfterOneWrite(io.StringIO):
+        def write(self, text):
+            if self.getvalue():
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    if how not in ("result timeout", "output closed"):
         spin_until, calls = client._spin_until, []
 
         def first_wait_gives_up(*args, **kwargs):
@@ -610,11 +617,13 @@ def test_memspec_client_never_leaves_a_goal_running_unwatched(h, how, monkeypatc
     stats_before = len(h.stats)
     try:
         outcome = client.send_goal(node, executor, goal(max_new_tokens=LONG), "/memspec/generate",
-                                   result_timeout=1.0, out=io.StringIO(), log=log)
+                                   result_timeout=1.0 if how != "output closed" else 60.0,
+                                   out=ClosesAfterOneWrite() if how == "output closed" else io.StringIO(), log=log)
     finally:
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
-    assert outcome.status == ("interrupted" if how.startswith("interrupted") else "timeout")
+    assert outcome.status == ("interrupted" if how.startswith("interrupted") or how == "output closed" else "timeout")
+    assert outcome.status != "interrupted" or outcome.exit_code == (141 if how == "output closed" else 130)
     if how == "result timeout":  # the cancelled goal's partial answer is kept and shown (it was thrown away)
         assert outcome.result is not None and outcome.result.finish_reason == "cancelled"
     # said once: after Ctrl-C it had also said "no result after 1 s" and cancelled (and waited) a second time

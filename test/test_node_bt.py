@@ -114,10 +114,15 @@ def test_preemption_before_the_goal_is_seen_accepted_cancels_it_when_it_is(h):
     assert response.result.completion_tokens < 3000
 
 
-def test_ctrl_c_in_the_example_cancels_the_goal_in_flight(h, monkeypatch, capsys):
+@pytest.mark.parametrize("how, code", [("ctrl-c", 130), ("sigterm", 143)])
+def test_ctrl_c_in_the_example_cancels_the_goal_in_flight(h, monkeypatch, capsys, how, code):
     """bt_example's main() on Ctrl-C while its goal runs: the KeyboardInterrupt went straight out, nothing preempted
     the tree, and the accepted goal ran on to max_new_tokens holding the node's one generation. The interrupt is
-    forced into the example's spin while the node runs the goal."""
+    forced into the example's spin while the node runs the goal. SIGTERM (a `timeout`, a CI kill) ended the example
+    at once, its goal running on: it cancels as Ctrl-C does, exit status 128 + 15."""
+    import os
+    import signal
+
     import rclpy.executors
 
     from memspec_ros.ros import bt_example, goal_runner
@@ -135,7 +140,10 @@ def test_ctrl_c_in_the_example_cancels_the_goal_in_flight(h, monkeypatch, capsys
         def spin_once(self, timeout_sec=None):
             if not InterruptedWhileTheGoalRuns.interrupted and h.node._runner.counts()[0]:
                 InterruptedWhileTheGoalRuns.interrupted = True
-                raise KeyboardInterrupt
+                if how == "sigterm":
+                    os.kill(os.getpid(), signal.SIGTERM)  # its handler raises here, in this thread
+                else:
+                    raise KeyboardInterrupt
             super().spin_once(timeout_sec=timeout_sec)
 
     create_tree = bt_example.create_example_tree
@@ -148,15 +156,25 @@ def test_ctrl_c_in_the_example_cancels_the_goal_in_flight(h, monkeypatch, capsys
     monkeypatch.setattr(goal_runner, "settle", recording_settle)
     monkeypatch.setattr(rclpy.executors, "SingleThreadedExecutor", InterruptedWhileTheGoalRuns)
     monkeypatch.setattr(bt_example, "create_example_tree", patient_tree)
+
+    class NotHandled(Exception):
+        pass
+
+    def not_handled(signum, frame):  # where main() installed no handler: a failure, not the end of the test run
+        raise NotHandled(signum)
+
+    before = signal.signal(signal.SIGTERM, not_handled)
     assert h.node._runner.wait_idle(10.0)
     assert all(r.successful for r in h.set_params(**{"generation.max_new_tokens": 3000}))  # runs for seconds
     try:
-        code = bt_example.main(["def add(a, b):", "--node", "/memspec_bt", "--raw"])
+        exit_code = bt_example.main(["def add(a, b):", "--node", "/memspec_bt", "--raw"])
     except KeyboardInterrupt:  # not pytest's to take: the session would end here
         pytest.fail("Ctrl-C went out of main() and left the goal running")
     finally:
         h.set_params(**{"generation.max_new_tokens": 128})
-    assert code == 130 and InterruptedWhileTheGoalRuns.interrupted
+        restored = signal.signal(signal.SIGTERM, before)
+    assert exit_code == code and InterruptedWhileTheGoalRuns.interrupted
+    assert restored is not_handled  # main() put back the handler it found
     assert "interrupted: cancelling the goal" in capsys.readouterr().err
     assert h.node._runner.wait_idle(30.0)
     assert settled == [goal_runner.CANCELLED]  # not run on to its 3000 tokens

@@ -565,6 +565,38 @@ def test_memspec_client_chat_trims_only_for_a_length_rejection_named_on_diagnost
         node.destroy_node()
 
 
+def test_memspec_client_says_the_nodes_reason_for_rejecting_a_single_goal(h):
+    """A rejected goal was answered with eight possible reasons; the node's own is on its /diagnostics, which
+    --chat already read. The single goal's rejection names it too."""
+    import io
+    import time
+
+    import rclpy
+    from lifecycle_msgs.msg import Transition
+    from rclpy.executors import SingleThreadedExecutor
+
+    from memspec_ros.ros.client import RejectionReasons, parse_args, single
+
+    args = parse_args(["Hi", "--max-new-tokens", "4", "--node", "/memspec_chat"])
+    node = rclpy.create_node("memspec_single_reasons", context=h.client.context)
+    executor = SingleThreadedExecutor(context=h.client.context)
+    executor.add_node(node)
+    reasons = RejectionReasons(node, executor, args.node, wait_seconds=30.0)
+    deadline = time.monotonic() + 30.0  # the subscription matched first (as above)
+    while reasons._latest is None and time.monotonic() < deadline:
+        executor.spin_once(timeout_sec=0.1)
+    assert reasons._latest is not None, "no /diagnostics status of the node within 30 s"
+    try:
+        assert h.transition(Transition.TRANSITION_DEACTIVATE)
+        log = io.StringIO()
+        assert single(node, executor, args, out=io.StringIO(), log=log, reasons=reasons) == 1
+        assert "the node's reason: the node is not active" in log.getvalue(), log.getvalue()
+    finally:
+        assert h.transition(Transition.TRANSITION_ACTIVATE)
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+
+
 @pytest.mark.parametrize("published", ["memspec: target model", "/robot/memspec: target model",
                                        "//robot/memspec: target model"])
 def test_the_clients_rejection_reason_is_found_under_either_diagnostic_name(published):

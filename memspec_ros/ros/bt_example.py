@@ -23,8 +23,8 @@ the tree also spins the ROS node (an executor thread, or spin_once between ticks
 
     python -m memspec_ros.ros.bt_example "def add(a, b):" --node /memspec
 
-Ctrl-C preempts the tree (:func:`preempt`): the goal in flight is cancelled before the example exits (status 130),
-so it does not run on to max_new_tokens holding the node's one generation.
+Ctrl-C, SIGTERM and SIGHUP preempt the tree (:func:`preempt`): the goal in flight is cancelled before the example
+exits (status 130, 143, 129), so it does not run on to max_new_tokens holding the node's one generation.
 """
 
 from __future__ import annotations
@@ -298,12 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.signals import SignalHandlerOptions
     from rclpy.utilities import remove_ros_args
 
-    from ..argtypes import message_text, non_negative_float, positive_float
-    from .client import node_name
+    from ..argtypes import message_text, non_negative_float, positive_float, prompt_text
+    from .client import exit_code, node_name, signals_interrupt
 
     parser = argparse.ArgumentParser(prog="bt_example", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prompt")
+    parser.add_argument("prompt", type=prompt_text)
     parser.add_argument("--node", type=node_name, default="/memspec")
     parser.add_argument("--system", metavar="TEXT", type=message_text,
                         help="system message before the prompt (chat-template models)")
@@ -330,17 +330,21 @@ def main(argv: list[str] | None = None) -> int:
         tree = create_example_tree(node, prompt, args.node.rstrip("/") + "/generate", **fields)
         generate = tree.root.children[0]
         try:
-            while True:
-                tree.tick()
-                if tree.root.status != Status.RUNNING:
-                    break
-                executor.spin_once(timeout_sec=0.05)
-        except KeyboardInterrupt:
+            with signals_interrupt():  # SIGTERM, SIGHUP: as Ctrl-C, the goal is cancelled first
+                while True:
+                    tree.tick()
+                    if tree.root.status != Status.RUNNING:
+                        break
+                    executor.spin_once(timeout_sec=0.05)
+                # a goal accepted after its request timed out is cancelled here: interrupted meanwhile, the cancel
+                # is still waited for below
+                settled = settle(tree, lambda: executor.spin_once(timeout_sec=0.05))
+        except KeyboardInterrupt as exc:
             print("\ninterrupted: cancelling the goal", file=sys.stderr)
             if not preempt(tree, lambda: executor.spin_once(timeout_sec=0.05)):
                 print(f"the node did not answer the cancel within {CANCEL_WAIT_SECONDS:g} s", file=sys.stderr)
-            return 130
-        if not settle(tree, lambda: executor.spin_once(timeout_sec=0.05)):
+            return exit_code(exc)
+        if not settled:
             print(f"the node did not answer within {CANCEL_WAIT_SECONDS:g} s: a goal of this run may still be"
                   " running on it (its answer to the goal, or to the cancel, never came)", file=sys.stderr)
         print(py_trees.display.unicode_tree(tree.root, show_status=True))

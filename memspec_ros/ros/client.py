@@ -18,7 +18,8 @@ with no reason in time, exchanges are dropped anyway and put back if the turn is
 
 Like ``ros2 action send_goal --feedback``: the text is printed as it is generated, then the
 result's statistics. Exit status: 0 succeeded, 1 rejected / aborted / no server, 2 usage,
-130 interrupted (the goal is cancelled first).
+130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP, 141 when the output closed (`| head`): in
+each case the goal is cancelled first.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 # a goal past the node's bounds was sent only to be rejected with a message that could not say which: the parser
@@ -53,10 +56,55 @@ class Outcome:
     feedback_messages: int = 0
     goal_response_seconds: float = 0.0
     lines: list[str] = field(default_factory=list)
+    exit_code: int = 130  # interrupted: Interrupted.code (Ctrl-C 130, SIGTERM 143, SIGHUP 129, output closed 141)
 
     @property
     def ok(self) -> bool:
         return self.status == "succeeded"
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, SIGTERM or SIGHUP, or the output closed: as Ctrl-C, the client cancels its goal before it exits,
+    then exits with ``code``. A KeyboardInterrupt, so every path that cancels on Ctrl-C cancels on these too."""
+
+    def __init__(self, code: int = 130) -> None:
+        super().__init__()
+        self.code = code
+
+
+def exit_code(exc: BaseException) -> int:
+    return getattr(exc, "code", 130)
+
+
+@contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise :class:`Interrupted` (128 + the signal) while the block runs: they ended the client
+    at once, and its goal ran on unwatched to max_new_tokens, holding the node's one generation (a `timeout`, a
+    CI kill, a dropped ssh session). rclpy's own handlers are off (they shut the context down before a cancel)."""
+    def raise_interrupted(signum: int, _frame) -> None:
+        raise Interrupted(128 + signum)
+
+    previous = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, raise_interrupted)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def write_or_interrupt(out, text: str) -> None:
+    """Write and flush; a closed output (the reader of a pipe ended: `| head -n 3`) raises :class:`Interrupted`
+    (141, as a shell reports SIGPIPE), so the goal nobody reads is cancelled. The standard output is pointed at
+    the null device first: Python's flush at exit would fail on it again."""
+    try:
+        out.write(text)
+        out.flush()
+    except OSError:
+        if out is sys.stdout:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise Interrupted(128 + signal.SIGPIPE) from None
 
 
 def format_result(result) -> str:
@@ -124,18 +172,23 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         def on_feedback(msg) -> None:
             outcome.feedback_messages += 1
             outcome.streamed += msg.feedback.delta_text
-            if stream:
-                out.write(msg.feedback.delta_text)
-                out.flush()
+            if stream and not closed:
+                try:
+                    write_or_interrupt(out, msg.feedback.delta_text)
+                except Interrupted:
+                    closed.append(True)  # nothing more is written to it, the result included
+                    raise
+
+        closed: list[bool] = []
 
         t0 = time.monotonic()
         future = client.send_goal_async(goal, feedback_callback=on_feedback)
         try:
             _spin_until(executor, future, server_timeout)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             print("\ninterrupted: cancelling the goal", file=log)
             _cancel_when_answered(executor, future, log)
-            outcome.status = "interrupted"
+            outcome.status, outcome.exit_code = "interrupted", exit_code(exc)
             return outcome
         outcome.goal_response_seconds = time.monotonic() - t0
         if not future.done():
@@ -157,10 +210,10 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         there = True
         try:
             there = watch.wait(executor, result_timeout or math.inf)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             print("\ninterrupted: cancelling the goal", file=log)
             _cancel(executor, handle, watch.future)  # waits for the partial answer
-            given_up = "interrupted"
+            given_up, outcome.exit_code = "interrupted", exit_code(exc)
         result_future = watch.future
         if not there and not given_up:
             print(f"the Generate action server at {action_name} went away while the goal ran (gone for"
@@ -184,14 +237,15 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             return outcome
         result = response.result
         outcome.result = result
-        if stream:
+        if stream and not closed:
             # feedback is best effort: print whatever the stream missed
-            if result.text.startswith(outcome.streamed):
-                out.write(result.text[len(outcome.streamed):])
-            else:
-                out.write("\n[feedback incomplete; the full text]\n" + result.text)
-            out.write("\n")
-            out.flush()
+            missed = (result.text[len(outcome.streamed):] if result.text.startswith(outcome.streamed) else
+                      "\n[feedback incomplete; the full text]\n" + result.text)
+            try:
+                write_or_interrupt(out, missed + "\n")
+            except Interrupted as exc:  # the goal has ended: nothing to cancel
+                outcome.status, outcome.exit_code = "interrupted", exc.code
+                return outcome
         names = {GoalStatus.STATUS_SUCCEEDED: "succeeded", GoalStatus.STATUS_CANCELED: "canceled",
                  GoalStatus.STATUS_ABORTED: "aborted"}
         outcome.status = given_up or names.get(response.status, f"status {response.status}")
@@ -325,7 +379,7 @@ class RejectionReasons:
 def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons=None) -> int:
     """--chat: each non-empty line of ``lines`` is a user turn of one conversation, sent with every turn before it
     and the node's answers. A turn that fails, or is answered with no text, is left out of the conversation. The
-    exit status: 0 if every turn succeeded, 1 if one did not, 130 interrupted. ``reasons``: a
+    exit status: 0 if every turn succeeded, 1 if one did not, Interrupted.code if interrupted. ``reasons``: a
     :class:`RejectionReasons` (None: every rejection's reason unknown)."""
     from memspec_interfaces.msg import ChatMessage
 
@@ -371,7 +425,7 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
         elif outcome.result is not None and not outcome.ok and outcome.result.error_message:
             print(f"(goal {outcome.status}: {outcome.result.error_message})", file=log)  # --quiet: still why
         if outcome.status == "interrupted":
-            return 130
+            return outcome.exit_code
         if not outcome.ok:
             history.pop()  # the conversation goes on without the turn that got no answer
             status = 1
@@ -521,6 +575,32 @@ def stdin_prompt(stdin) -> str | None:
     return stdin.read().rstrip("\n")
 
 
+def single(node, executor, args, *, out=sys.stdout, log=sys.stderr, reasons=None) -> int:
+    """One goal from ``args``: its text streamed to ``out``, its statistics after it; the exit status. A rejection
+    is followed by the node's reason, read from its /diagnostics by ``reasons`` (a :class:`RejectionReasons`,
+    marked before the goal is sent): the goal's response carries none, and the client listed every possible one."""
+    if reasons is not None:
+        reasons.mark()
+    outcome = send_goal(node, executor, build_goal(args), args.node.rstrip("/") + "/generate",
+                        server_timeout=args.timeout, result_timeout=args.result_timeout, out=out, log=log)
+    if outcome.status == "rejected" and reasons is not None:
+        why = reasons.reason()
+        print(f"the node's reason: {why}" if why is not None else
+              "(the node's reason did not come on /diagnostics in time)", file=log)
+    if outcome.result is not None and not args.quiet:
+        try:
+            print(format_result(outcome.result), file=out)
+        except OSError:  # the output closed after the answer: the statistics are lost, the goal is done
+            pass
+    if outcome.status == "interrupted":
+        return outcome.exit_code
+    if outcome.result is not None and outcome.status != "succeeded":
+        # the node's reason (in the statistics line above, which --quiet leaves out) always goes to stderr
+        error = outcome.result.error_message if args.quiet else ""
+        print(f"goal {outcome.status}" + (f": {error}" if error else ""), file=log)
+    return 0 if outcome.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     from rclpy.utilities import remove_ros_args
 
@@ -543,22 +623,13 @@ def main(argv: list[str] | None = None) -> int:
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        if args.chat:
-            return chat(node, executor, args, _chat_lines(args.prompt),
-                        reasons=RejectionReasons(node, executor, args.node))
-        outcome = send_goal(node, executor, build_goal(args), args.node.rstrip("/") + "/generate",
-                            server_timeout=args.timeout, result_timeout=args.result_timeout)
-        if outcome.result is not None and not args.quiet:
-            print(format_result(outcome.result))
-        if outcome.status == "interrupted":
-            return 130
-        if outcome.result is not None and outcome.status != "succeeded":
-            # the node's reason (in the statistics line above, which --quiet leaves out) always goes to stderr
-            error = outcome.result.error_message if args.quiet else ""
-            print(f"goal {outcome.status}" + (f": {error}" if error else ""), file=sys.stderr)
-        return 0 if outcome.ok else 1
-    except KeyboardInterrupt:
-        return 130
+        with signals_interrupt():
+            reasons = RejectionReasons(node, executor, args.node)
+            if args.chat:
+                return chat(node, executor, args, _chat_lines(args.prompt), reasons=reasons)
+            return single(node, executor, args, reasons=reasons)
+    except KeyboardInterrupt as exc:
+        return exit_code(exc)
     finally:
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()

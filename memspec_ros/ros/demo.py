@@ -460,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=node_range("model.threads"), default=os.environ.get("MEMSPEC_THREADS", "1"),
                         help="torch CPU threads of the node (default 1: fastest on a busy 2-core machine)")
     parser.add_argument("--timeout", type=positive_float, default=180.0, help="seconds allowed for configure")
-    parser.add_argument("--quantization", default="none",
+    # models.QUANTIZATIONS (its module imports torch, which this process does not need); a test keeps them equal
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "gptq", "auto"),
                         help="model.quantization (default none, the node's: the target computes as loaded; auto: the"
                              " fastest CPU path timed at configure, int8/int4: faster, in another arithmetic)")
     parser.add_argument("--draft-quantization", default="int4", choices=("none", "int8", "int4"),

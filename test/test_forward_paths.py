@@ -356,6 +356,15 @@ def test_a_kernel_that_is_not_row_exact_gets_its_rows_one_by_one(monkeypatch):
     assert not forward_paths.check_rows(layer) and not layer.rows_at_once
     x = torch.randn(4, 64)
     assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(4)]))
+    # a prefill's rows stay together (one matmul per prompt token was a 500-token prompt's 500 per layer): its
+    # rows are no one-token step's
+    calls = []
+    matmul = layer._matmul
+    layer._matmul = lambda rows: calls.append(rows.shape[0]) or matmul(rows)
+    prompt = torch.randn(forward_paths.MAX_VERIFY_ROWS + 1, 64)
+    layer(prompt)
+    layer(x)
+    assert calls == [forward_paths.MAX_VERIFY_ROWS + 1, 1, 1, 1, 1]
     exact = Int8Linear(torch.randn(32, 64), None)
     assert forward_paths.check_rows(exact) and exact.rows_at_once
 

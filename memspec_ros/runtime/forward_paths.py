@@ -88,7 +88,10 @@ class FastLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > 1 and not self.rows_at_once:
+        # a verify's rows one at a time (each the call a one-token step makes); a prefill's stay together: its
+        # rows are no step's (a prompt reused from a cache is only ever the C decoder's, prompt_cache.py), and one
+        # call per row made a 500-token prompt 500 matmuls per layer
+        if 1 < rows.shape[0] <= MAX_VERIFY_ROWS and not self.rows_at_once:
             y = torch.cat([self._matmul(rows[i : i + 1]) for i in range(rows.shape[0])])
         else:
             y = self._matmul(rows)

@@ -87,3 +87,28 @@ def test_without_the_f32_kernel_a_verifys_rows_equal_one_token_steps(hidden, mon
         verify = forward_once(model, rows, batched, len(rows), "cpu", lean)
         steps = torch.cat([forward_once(model, [t], stepped, 1, "cpu", lean) for t in rows])
     assert torch.equal(verify, steps)
+
+
+def test_off_the_cpu_a_verifys_rows_are_normalized_one_at_a_time(monkeypatch):
+    """A GPU's reduction splits a row's sum among threads by how many rows come together, so the lean forward's
+    RMSNorm over a verify's rows differed in the last bits from a one-token step's (on CUDA; not run here: no GPU).
+    Off the CPU, 2..9 rows are normalized one at a time (seen on the meta device: one call per row); a prefill's
+    rows and the CPU's stay together, where each row is reduced alone."""
+    from memspec_ros.runtime import draft_forward
+
+    calls = []
+    real = draft_forward._rms_norm
+
+    def counted(x, weight, eps):
+        calls.append(tuple(x.shape))
+        return real(x, weight, eps)
+
+    monkeypatch.setattr(draft_forward, "_rms_norm", counted)
+    for device, rows, expected in (("meta", 5, 1 + 5), ("meta", 12, 1), ("cpu", 5, 1)):
+        calls.clear()
+        out = draft_forward._rms_norm(torch.randn(1, rows, 64, device=device), torch.ones(64, device=device),
+                                       1e-6)
+        assert out.shape == (1, rows, 64) and len(calls) == expected, (device, rows, calls)
+    x = torch.randn(1, 5, 64)
+    rowwise = torch.cat([real(x[:, i : i + 1], torch.ones(64), 1e-6) for i in range(5)], dim=1)
+    assert torch.equal(real(x, torch.ones(64), 1e-6), rowwise)  # the CPU's rows: alone or together, the same

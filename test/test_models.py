@@ -271,9 +271,30 @@ def test_a_mixture_of_experts_target_whose_rows_differ_is_refused_as_a_target_no
             check_target_rows(loaded)
     else:
         check_target_rows(loaded)
-    monkeypatch.setattr(row_exact, "verify_gap", lambda model, vocab: 2e-7)
+    monkeypatch.setattr(row_exact, "verify_gap", lambda model, vocab, lean=None: 2e-7)
     with pytest.raises(UnsupportedArchitectureError, match="by 2e-07 .a mixtral model"):
         check_target_rows(loaded)
+
+
+def test_a_lean_target_off_the_cpu_is_checked_through_its_lean_forward(model_dirs, monkeypatch):
+    """The lean forward is row-exact by construction on the CPU, so a lean target was never checked; on a GPU its
+    kernels (an RMSNorm reduction, a matmul) may sum a verify's rows differently, and nothing caught it. Off the
+    CPU (here: the check told so) its verify is compared with one-token steps through the lean forward."""
+    from memspec_ros.runtime import loader as loader_module
+    from memspec_ros.runtime import row_exact
+    from memspec_ros.runtime.draft_forward import LeanLlamaForward
+    from memspec_ros.runtime.loader import check_target_rows
+
+    loaded = load_model(ModelSpec(str(model_dirs[0])))
+    assert loaded.prepared is None  # a lean target
+    seen = []
+    monkeypatch.setattr(row_exact, "verify_gap", lambda model, vocab, lean=None: seen.append(lean) or 3e-7)
+    check_target_rows(loaded)  # on the CPU: by construction, not probed
+    assert seen == []
+    monkeypatch.setattr(loader_module, "on_cpu", lambda model: False)
+    with pytest.raises(UnsupportedArchitectureError, match="by 3e-07 .on cpu, whose kernels sum a row"):
+        check_target_rows(loaded)
+    assert len(seen) == 1 and isinstance(seen[0], LeanLlamaForward)
 
 
 def test_a_model_that_keeps_its_context_outside_the_kv_cache_is_refused(tmp_path):

@@ -118,22 +118,31 @@ class RuntimeModels:
             self.predictor.close()
 
 
+def on_cpu(model) -> bool:
+    return next(model.parameters()).device.type == "cpu"
+
+
 def check_target_rows(target: LoadedModel) -> None:
     """UnsupportedArchitectureError for a target on transformers' forward whose verify rows still differ from its
     one-token steps after load_model made it row-exact (a mixture-of-experts layer): its speculative output could
-    part from its own greedy output. The engine's lean and C forwards are row-exact by construction; a draft's
-    numbers never matter (only the target's decide the output)."""
+    part from its own greedy output. The engine's lean and C forwards are row-exact by construction on the CPU; on
+    another device the lean forward is checked too (its kernels are the device's). A draft's numbers never matter
+    (only the target's decide the output)."""
+    from .draft_forward import lean_forward_for
     from .row_exact import verify_gap
 
-    if target.prepared is None:
+    if target.prepared is None and on_cpu(target.model):
         return
-    gap = verify_gap(target.model, target.vocab_size)
+    lean = lean_forward_for(target.model) if target.prepared is None else None
+    gap = verify_gap(target.model, target.vocab_size, lean=lean)
     if gap != 0.0:
+        why = (f"a {target.model.config.model_type} model; a mixture-of-experts layer batches the tokens routed to"
+               " each expert" if lean is None else
+               f"on {target.spec.device}, whose kernels sum a row differently beside others")
         raise UnsupportedArchitectureError(
-            f"{target.spec.path}: as a target its verify rows differ from its one-token steps by {gap:.3g} (a"
-            f" {target.model.config.model_type} model; a mixture-of-experts layer batches the tokens routed to"
-            " each expert), so speculative decoding would not reproduce its own greedy output: use it as a draft,"
-            " or a dense target")
+            f"{target.spec.path}: as a target its verify rows differ from its one-token steps by {gap:.3g} ({why}),"
+            " so speculative decoding would not reproduce its own greedy output: use it as a draft, or a dense"
+            " target on the CPU")
 
 
 def check_tokenizer_fits(tokenizer: Any, target: LoadedModel, tokenizer_path: str | Path) -> None:

@@ -144,11 +144,11 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
     return done
 
 
-def verify_gap(model: torch.nn.Module, vocab_size: int, prefix: int = 12) -> float:
+def verify_gap(model: torch.nn.Module, vocab_size: int, prefix: int = 12, lean=None) -> float:
     """The largest difference between a verify's rows and the one-token steps for the same positions, after a
-    cached ``prefix``, through the engine's own forward (0.0: bit for bit, as losslessness needs). What
-    :func:`prepare_for_engine` cannot make row-exact shows here: a mixture-of-experts layer batches the tokens
-    routed to each expert, whatever its linears do."""
+    cached ``prefix``, through the engine's own forward (``lean``: its lean forward, as the engine runs such a
+    target; 0.0: bit for bit, as losslessness needs). What :func:`prepare_for_engine` cannot make row-exact shows
+    here: a mixture-of-experts layer batches the tokens routed to each expert, whatever its linears do."""
     from .speculative import KVState, forward_once
 
     device = next(model.parameters()).device
@@ -156,8 +156,8 @@ def verify_gap(model: torch.nn.Module, vocab_size: int, prefix: int = 12) -> flo
                         generator=torch.Generator().manual_seed(3)).tolist()
     batched, single = KVState(), KVState()
     with torch.inference_mode():
-        forward_once(model, ids[:prefix], batched, 1, device)
-        forward_once(model, ids[:prefix], single, 1, device)
-        verify = forward_once(model, ids[prefix:], batched, MAX_VERIFY_ROWS, device)
-        steps = torch.stack([forward_once(model, [t], single, 1, device)[-1] for t in ids[prefix:]])
+        forward_once(model, ids[:prefix], batched, 1, device, lean)
+        forward_once(model, ids[:prefix], single, 1, device, lean)
+        verify = forward_once(model, ids[prefix:], batched, MAX_VERIFY_ROWS, device, lean)
+        steps = torch.stack([forward_once(model, [t], single, 1, device, lean)[-1] for t in ids[prefix:]])
     return float((verify - steps).abs().max())

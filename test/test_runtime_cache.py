@@ -1450,3 +1450,14 @@ def test_a_request_drops_an_earlier_request_still_queued_for_another_draft():
     finally:
         gate.set()
         cache.close()
+
+
+def test_a_bf16_draft_bound_for_a_gpu_is_built_without_the_cpus_bf16_path():
+    """Drafts are built on the CPU, then moved: a bf16 draft for a GPU took the CPU's bf16 path, whose instruction
+    sets the host may lack (every draft load failed there, and goals ran on the target alone). It is built in fp32
+    and cast as it moves (the move itself needs a GPU: not run here)."""
+    from memspec_ros.runtime.cache import build_dtype
+
+    assert build_dtype("bf16", "none", "cuda") == "fp32" and build_dtype("bf16", "none", "cuda:1") == "fp32"
+    assert build_dtype("bf16", "none", "cpu") == "bf16"  # on the CPU: its own bf16 path, as before
+    assert build_dtype("fp16", "none", "cuda") == "fp16" and build_dtype("fp32", "none", "cuda") == "fp32"

@@ -46,7 +46,15 @@ from dataclasses import dataclass
 import torch
 
 from .forward_paths import PATHS
-from .models import LoadedModel, ModelSpec, check_draft_compatible, forward_path_for, load_model, resolve_device
+from .models import (
+    LoadedModel,
+    ModelSpec,
+    check_draft_compatible,
+    forward_path_for,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from .registry import UnknownDraftError
 from .stats import CacheStats
 from .storage import weights_identity
@@ -1013,6 +1021,15 @@ def draft_spec(path: str, dtype: str = "fp32", quantization: str = "none") -> Mo
     return ModelSpec(path=path, dtype=dtype, device="cpu", quantization=quantization)
 
 
+def build_dtype(dtype: str, quantization: str, device: str) -> str:
+    """The dtype a draft is built in on the CPU before it moves to ``device``: the CPU's bf16 path (its kernels, and
+    the CPU instruction sets it requires) is for drafts that run on the CPU, so one bound for a GPU is built in fp32
+    and cast on the way, as transformers casts a target there (every draft load failed on a CPU without bf16)."""
+    if torch.device(device).type != "cpu" and quantization == "none" and dtype == "bf16":
+        return "fp32"
+    return dtype
+
+
 def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=None,
                     quantization: str = "none", target_vocab_size: int = 0) -> Loader:
     """A loader for :class:`DraftCacheManager`: reads the registry entry's safetensors into fast memory.
@@ -1030,7 +1047,8 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
         # drafts are built on the CPU and moved: the engine's CPU kernels would then read device memory as host memory
         raise ValueError(f"draft quantization {quantization!r} runs on the engine's CPU kernels: drafts on {device}"
                          " need quantization 'none'")
-    path = forward_path_for(draft_spec("", dtype, quantization))  # a contradiction fails here, not at every load
+    built = build_dtype(dtype, quantization, device)
+    path = forward_path_for(draft_spec("", built, quantization))  # a contradiction fails here, not at every load
     resolve_device(device)  # a device this machine lacks failed every load, retried, and goals ran on the target
     reader = draft_storage(storage)
     if reader is not None and path not in (*PATHS, "fp16"):  # so does a form the storage loader cannot build
@@ -1040,12 +1058,14 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
     def load(name: str) -> LoadedModel:
         entry = registry.get(name)
         files = weights_identity(entry.path)  # before the read: a file replaced meanwhile shows as changed later
-        spec = draft_spec(entry.path, dtype, quantization)
+        spec = draft_spec(entry.path, built, quantization)
         loaded = reader.load(spec, name) if reader is not None else load_model(spec)
         if target_vocab_size:
             check_draft_compatible(target_vocab_size, loaded, name)
         target = torch.device(device)
         if target.type == "cuda":
+            if built != dtype:
+                loaded.model.to(resolve_dtype(dtype))
             loaded.model = to_device_via_pinned(loaded.model, target)
             loaded.spec = ModelSpec(path=entry.path, dtype=dtype, device=device, quantization=quantization)
         # the engine's forward for it (fused linears, the one-call kernels: runtime/draft_forward.py) is built here,

@@ -168,6 +168,42 @@ def test_the_row_probe_runs_on_the_models_device():
     assert seen and set(seen) == {"meta"}
 
 
+def test_a_quantized_kernel_that_rarely_sums_rows_differently_is_caught_in_an_fp32_model():
+    """The probe count came from the model's dtype: fp32 (GPTQ's default load) got one probe, while GPT-QModel's
+    kernel may round inside to bf16, which hides another summation order on most inputs. A fake kernel that differs
+    only on a rare input (beyond the first probe's rows) is caught and made to take a verify's rows one by one."""
+    import torch
+
+    from memspec_ros.runtime.forward_paths import MAX_VERIFY_ROWS
+    from memspec_ros.runtime.row_exact import prepare_for_engine
+    from memspec_ros.testing.tiny_models import tiny_llama
+
+    first = torch.randn(MAX_VERIFY_ROWS, 64, generator=torch.Generator().manual_seed(1))
+    rare = float(first[1:, 0].max()) + 1e-3  # above anything the first probe's later rows hold
+
+    class RareQuantLinear(torch.nn.Module):
+        def __init__(self, n_in: int, n_out: int) -> None:
+            super().__init__()
+            self.in_features, self.out_features = n_in, n_out
+            self.weight = torch.nn.Parameter(torch.randn(n_out, n_in), requires_grad=False)
+
+        def forward(self, x):
+            y = x @ self.weight.T
+            rows = y.reshape(-1, self.out_features)
+            if rows.shape[0] > 1:
+                late = (torch.arange(rows.shape[0]) > 0).float()[:, None]
+                flat = x.reshape(-1, self.in_features)
+                rows = rows + 1e-3 * (flat[:, :1] > rare).float() * late
+            return rows.reshape(y.shape)
+
+    RareQuantLinear.__module__ = "gptqmodel.nn_modules.fake"
+    model = tiny_llama(hidden=64)
+    model.config._attn_implementation = "eager"
+    model.model.layers[0].mlp.up_proj = RareQuantLinear(64, 128)
+    done = prepare_for_engine(model)
+    assert "model.layers.0.mlp.up_proj" in done["rows_one_by_one"]
+
+
 def test_a_prepared_model_computes_a_verifys_rows_as_one_token_steps():
     """prepare_for_engine probed GPT-QModel's linears only, so the head a GPTQ checkpoint keeps as a plain
     nn.Linear scored a verify's rows in one GEMM, and an eager model stayed eager (Q.K^T over all rows at once):

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from .forward_paths import MAX_VERIFY_ROWS, blas_rows_exact, probes_for, rows_agree  # gamma + 1 rows, up to 9
+from .forward_paths import MAX_VERIFY_ROWS, ROW_PROBES, blas_rows_exact, rows_agree  # gamma + 1 rows, up to 9
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,10 @@ def prepare_for_engine(model: torch.nn.Module) -> dict:
     with torch.inference_mode():
         for (_, n_in, _), modules in by_shape.items():
             first = modules[0][1]
+            # ROW_PROBES whatever the model's dtype: a quantized kernel (GPT-QModel's) may round inside to bf16
+            # in an fp32 model, where one probe misses most of another summation order (check_rows)
             if not rows_agree(lambda x, first=first: first(x.to(device, dtype)[None])[0].float().cpu(), n_in,
-                              probes=probes_for(dtype)):
+                              probes=ROW_PROBES):
                 for name, module in modules:
                     if not getattr(module, "_memspec_rowwise", False):
                         _one_row_at_a_time(module)

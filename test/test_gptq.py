@@ -188,13 +188,12 @@ def test_a_quantized_kernel_that_rarely_sums_rows_differently_is_caught_in_an_fp
             self.weight = torch.nn.Parameter(torch.randn(n_out, n_in), requires_grad=False)
 
         def forward(self, x):
-            y = x @ self.weight.T
-            rows = y.reshape(-1, self.out_features)
+            flat = x.reshape(-1, self.in_features)
+            rows = torch.cat([row[None] @ self.weight.T for row in flat])  # each row alone: exact but for below
             if rows.shape[0] > 1:
                 late = (torch.arange(rows.shape[0]) > 0).float()[:, None]
-                flat = x.reshape(-1, self.in_features)
                 rows = rows + 1e-3 * (flat[:, :1] > rare).float() * late
-            return rows.reshape(y.shape)
+            return rows.reshape(*x.shape[:-1], self.out_features)
 
     RareQuantLinear.__module__ = "gptqmodel.nn_modules.fake"
     model = tiny_llama(hidden=64)

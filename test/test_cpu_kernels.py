@@ -1025,3 +1025,27 @@ def test_a_fallback_due_for_its_retry_stays_when_no_build_succeeds(tmp_path, mon
     monkeypatch.setattr(cpu_kernels, "_compile", fails)
     assert cpu_kernels._build(tmp_path) == library and library.read_bytes() == b"the fallback"
     assert not cpu_kernels._fallback_to_retry(library)  # the next try a day from now
+
+
+def test_the_kernel_library_is_loaded_from_the_file_that_was_checked(tmp_path):
+    """The library was checked (_ours_alone) and then dlopen'd by its path, which dlopen looked up again: someone
+    who could rename entries on the way could swap it in between. It is opened without following a link, checked
+    on the open file and loaded through that descriptor: a link is refused, and a file others can write too."""
+    import shutil
+
+    from memspec_ros.runtime import cpu_kernels
+
+    cpu_kernels._library()  # built (or found) in this run's cache
+    built = Path(cpu_kernels.status().library)
+    copy = tmp_path / "kernels.so"
+    shutil.copyfile(built, copy)
+    copy.chmod(0o755)
+    library = cpu_kernels._open(copy)
+    assert library.memspec_kernel_features() >= 0
+    link = tmp_path / "link.so"
+    link.symlink_to(copy)
+    with pytest.raises(OSError):
+        cpu_kernels._open(link)
+    copy.chmod(0o775 | 0o002)
+    with pytest.raises(OSError, match="not this user's alone"):
+        cpu_kernels._open(copy)

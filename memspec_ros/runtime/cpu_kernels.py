@@ -310,7 +310,19 @@ def _close(library: ctypes.CDLL) -> None:
 
 
 def _open(path: Path) -> ctypes.CDLL:
-    library = ctypes.CDLL(str(path))
+    """dlopen the very file :func:`_ours_alone` vouched for: opened without following a link, checked again on the
+    open file, and loaded through its descriptor (/proc/self/fd), so that another user who can rename entries in a
+    folder on the way cannot swap the library between the check and the load (a path loaded by name was looked up
+    again by dlopen). OSError where the file is a link or not this user's alone."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise OSError(f"{path} is not this user's alone (owner {st.st_uid}, mode {stat.filemode(st.st_mode)})")
+        by_descriptor = f"/proc/self/fd/{fd}"
+        library = ctypes.CDLL(by_descriptor if os.path.exists(by_descriptor) else str(path))
+    finally:
+        os.close(fd)
     _bind(library)
     return library
 

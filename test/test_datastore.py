@@ -304,7 +304,12 @@ def test_the_controller_remembers_its_last_answers_and_copies_from_them(pair):
     for prompt in ([2, 4, 6], [3, 5, 7]):
         ctl.generate(prompt, 10)
     assert ctl.remembered_answers == 2  # only the last two are kept
+    # fewer kept: at once, not after the next goal that succeeds (it stayed in memory and on /diagnostics, and the
+    # next goal still copied from every one)
+    ctl.reconfigure(remember_answers=1)
+    assert ctl.remembered_answers == 1 and ctl._remembered.answers == 1
     ctl.reconfigure(remember_answers=0)
+    assert ctl.remembered_answers == 0 and ctl._remembered is None
     ctl.generate(PROMPT, 40)
     assert ctl.remembered_answers == 0 and ctl._datastores() == ()
     ctl.close()

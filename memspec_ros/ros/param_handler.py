@@ -275,12 +275,14 @@ class ParameterHandler:
         except ValueError as exc:
             raise Refused(str(exc)) from exc
 
-    @staticmethod
-    def _check_runtime(new: dict[str, Any], lo, registry) -> dict[str, Any]:
+    def _check_runtime(self, new: dict[str, Any], lo, registry) -> dict[str, Any]:
         """memspec.* changes as the controller's fields, checked by it (nothing applied yet) against ``registry``
         where the same change replaces the drafts (None: the registry in use). _apply hands them to it (at the
-        next scheduling point if a goal runs)."""
-        runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS}
+        next scheduling point if a goal runs). A value set again as it is is no change, as for the configure-time
+        parameters: `ros2 param load` of a dumped file set memspec.policy 'memspec' again on a node that fell back to
+        general-static (no predictor), and the controller refused it, failing the whole file."""
+        runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS
+                   and P.plain_value(v) != P.plain_value(self._node.get_parameter(n).value)}
         if lo is not None and runtime:
             try:
                 lo.controller.check_reconfigure(for_registry=registry, **runtime)

@@ -381,6 +381,8 @@ class RuntimeController:
         if not new.prompt_cache:
             self.prompt_cache.clear()  # switched off: its memory goes now, not at the next goal
         self.config = new
+        if len(self._answers) > new.remember_answers:  # fewer kept (0: forget them): now, not after a goal succeeds
+            self._remember([])
 
     def recheck_files_later(self) -> None:
         """Have the next generation start by evicting the resident drafts whose files changed

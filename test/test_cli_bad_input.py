@@ -823,3 +823,23 @@ def test_the_bt_example_refuses_an_empty_prompt_before_sending_it(prompt, capsys
     with pytest.raises(SystemExit) as exit_info:
         bt_example.main([prompt])
     assert exit_info.value.code == 2 and "the prompt is empty or only whitespace" in capsys.readouterr().err
+
+
+def test_the_clients_keep_control_characters_of_the_models_text_from_a_terminal():
+    """The model's text (which a prompt can steer) went to the terminal as it was: an ESC or CSI sequence in it
+    retitles the window or writes to the clipboard. Written to a terminal, control characters but newline and tab
+    are left out; a pipe or a file gets the text as it is."""
+    import io
+
+    from memspec_ros.ros.client import for_terminal, write_or_interrupt
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    text = "ok\tdone\n\x1b]52;c;ZXZpbA==\x07\x9b2J end\x7f"
+    tty, pipe = Terminal(), io.StringIO()
+    write_or_interrupt(tty, text)
+    write_or_interrupt(pipe, text)
+    assert tty.getvalue() == "ok\tdone\n]52;c;ZXZpbA==2J end" and pipe.getvalue() == text
+    assert for_terminal(tty, "héllo 世界\n") == "héllo 世界\n"  # printable text, any script, untouched

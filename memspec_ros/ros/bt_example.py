@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.utilities import remove_ros_args
 
     from ..argtypes import message_text, non_negative_float, positive_float, prompt_text
-    from .client import exit_code, node_name, signals_interrupt
+    from .client import exit_code, for_terminal, node_name, signals_interrupt
 
     parser = argparse.ArgumentParser(prog="bt_example", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         print(py_trees.display.unicode_tree(tree.root, show_status=True))
         print(f"generate: {generate.outcome or 'not run'} - {generate.feedback_message}")
         if generate.result is not None:
-            print(generate.result.text)
+            print(for_terminal(sys.stdout, generate.result.text))
         return 0 if generate.outcome == "succeeded" else 1
     finally:
         executor.shutdown(timeout_sec=1.0)

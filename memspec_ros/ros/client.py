@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -94,12 +95,23 @@ def signals_interrupt() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+# control characters but newline and tab (C0, DEL, C1): a model's text, which a prompt can steer, is not the
+# terminal's to obey (an ESC or CSI sequence retitles the window, moves the cursor, writes to the clipboard)
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def for_terminal(out, text: str) -> str:
+    """``text`` without control characters where ``out`` is a terminal (a pipe or file gets the text as it is)."""
+    isatty = getattr(out, "isatty", None)
+    return _CONTROLS.sub("", text) if isatty is not None and isatty() else text
+
+
 def write_or_interrupt(out, text: str) -> None:
-    """Write and flush; a closed output (the reader of a pipe ended: `| head -n 3`) raises :class:`Interrupted`
-    (141, as a shell reports SIGPIPE), so the goal nobody reads is cancelled. The standard output is pointed at
-    the null device first: Python's flush at exit would fail on it again."""
+    """Write (:func:`for_terminal`) and flush; a closed output (the reader of a pipe ended: `| head -n 3`) raises
+    :class:`Interrupted` (141, as a shell reports SIGPIPE), so the goal nobody reads is cancelled. The standard
+    output is pointed at the null device first: Python's flush at exit would fail on it again."""
     try:
-        out.write(text)
+        out.write(for_terminal(out, text))
         out.flush()
     except OSError:
         if out is sys.stdout:
@@ -421,7 +433,7 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
             print("(the turn was rejected even without the earlier exchanges, so their length was not the cause:"
                   " they are put back; the node's log says why)", file=log)
         if outcome.result is not None and not args.quiet:
-            print(format_result(outcome.result), file=out)
+            print(for_terminal(out, format_result(outcome.result)), file=out)
         elif outcome.result is not None and not outcome.ok and outcome.result.error_message:
             print(f"(goal {outcome.status}: {outcome.result.error_message})", file=log)  # --quiet: still why
         if outcome.status == "interrupted":
@@ -589,7 +601,7 @@ def single(node, executor, args, *, out=sys.stdout, log=sys.stderr, reasons=None
               "(the node's reason did not come on /diagnostics in time)", file=log)
     if outcome.result is not None and not args.quiet:
         try:
-            print(format_result(outcome.result), file=out)
+            print(for_terminal(out, format_result(outcome.result)), file=out)
         except OSError:  # the output closed after the answer: the statistics are lost, the goal is done
             pass
     if outcome.status == "interrupted":

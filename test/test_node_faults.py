@@ -328,6 +328,9 @@ def test_a_predictor_that_raises_costs_speed_not_goals(h, monkeypatch):
             if h.node.lifecycle_state != "active":
                 h.transition(Transition.TRANSITION_ACTIVATE)
         assert ranker.failures == 0 and status(h, "predictor").level == OK
+        # its calls and mean time beside them count this activation too (they counted since configure)
+        values = {kv.key: kv.value for kv in status(h, "predictor").values}
+        assert ranker.engine.calls == 0 and values["calls"] == "0"
 
 
 # -- the goal's surroundings: its client, the registry, the lifecycle -----------------------------------

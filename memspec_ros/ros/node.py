@@ -278,6 +278,10 @@ class MemSpecNode(LifecycleNode):
             self._loaded.predictor.latest = {}  # ~/cache_state shows this activation's rankings only
             # so does the predictor's WARN: one transient failure held it until the next configure
             self._loaded.predictor.failures, self._loaded.predictor.last_error = 0, ""
+            # and its calls and time beside the failures: counted since configure, they described another period
+            engine = self._loaded.predictor.engine
+            if hasattr(engine, "calls"):
+                engine.calls, engine.seconds = 0, 0.0
         if not self._runner.open(self._loaded, self._stats_pub):
             self.get_logger().error(f"activate refused: the node is shutting down ({self._runner.closing})")
             return TransitionCallbackReturn.FAILURE

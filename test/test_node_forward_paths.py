@@ -207,3 +207,14 @@ def test_a_goal_that_repeats_the_last_goals_tokens_reuses_their_encoding_and_ans
     finally:
         h.close()
         rclpy.try_shutdown(context=context)
+
+
+def test_the_auto_paths_timings_name_the_gamma_they_were_measured_at():
+    """model.quantization auto times 1 and gamma+1 tokens at configure; memspec.gamma may change at run time and the
+    path stays. /diagnostics said "1 / gamma+1 tokens", which after memspec.gamma 8 read as 9-row verifies timed:
+    it names the row count and the configure's gamma."""
+    with harness_with(**{"model.quantization": "auto", "memspec.gamma": 3}) as h:
+        assert h.set_params(**{"memspec.gamma": 6})[0].successful
+        status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+        keys = [kv.key for kv in status.values if kv.key.startswith("auto ")]
+        assert keys and all(k.endswith("ms (1 / 4 tokens, gamma 3 at configure)") for k in keys), keys

@@ -442,11 +442,11 @@ class NodeTasks:
         s.add("device", spec.device)
         s.add("quantization", spec.quantization)
         s.add("forward path", lo.target.forward_path)
-        if lo.target.path_choice is not None:  # auto: what was measured at configure
-            for timing in lo.target.path_choice.timings:
-                s.add(
-                    f"auto {timing.path} ms (1 / gamma+1 tokens)", f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}"
-                )
+        if lo.target.path_choice is not None:  # auto: what was measured at configure, at that configure's gamma
+            choice = lo.target.path_choice  # (memspec.gamma changed since keeps the path: chosen at configure)
+            for timing in choice.timings:
+                s.add(f"auto {timing.path} ms (1 / {choice.gamma + 1} tokens, gamma {choice.gamma} at configure)",
+                      f"{timing.one_token_ms:.2f} / {timing.verify_ms:.2f}")
         if lo.target.path_report is not None:  # fp32; q8_0 on GGUF's Q8_0 grid; fp16 where fp16 holds it
             s.add("embedding", lo.target.path_report.embedding)
             s.add("cpu kernels", lo.target.path_report.kernels)

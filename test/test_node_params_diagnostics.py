@@ -600,3 +600,37 @@ def test_a_change_that_fails_while_applied_leaves_the_runtime_on_the_values_the_
     assert controller.next_config.capacity == controller.config.capacity == capacity
     assert h.get_param("memspec.capacity") == capacity and h.get_param("diagnostics.window_goals") == goals
     assert window._goals.maxlen == goals  # the setter given its old value back
+
+
+def test_a_change_whose_undo_fails_is_a_warning_on_diagnostics_until_the_next_configure(h, monkeypatch):
+    """An undo that failed left the runtime on the new value and the parameter on the old one, said only in the log:
+    /diagnostics stayed OK. The target model's status warns of it, until a configure loads the models anew."""
+    from lifecycle_msgs.msg import Transition
+
+    controller = h.node.loaded.controller
+    capacity = controller.next_config.capacity
+    reconfigure = controller.reconfigure
+    calls = []
+
+    def undo_breaks(**fields):
+        calls.append(fields)
+        if len(calls) > 1:  # the undo
+            raise RuntimeError("the cache would not shrink back")
+        return reconfigure(**fields)
+
+    def broken(wanted):  # the last step fails, so the controller's change is undone
+        raise OSError("the drafts' folder went away")
+
+    monkeypatch.setattr(controller, "reconfigure", undo_breaks)
+    monkeypatch.setattr(h.node.loaded.registry, "replace_with", broken)
+    result = h.set_params_atomically(**registry_file_params(), **{"memspec.capacity": capacity + 1})
+    assert not result.successful
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    assert status.level == WARN and "undoing memspec.capacity failed" in status.message, status.message
+    monkeypatch.undo()
+    try:
+        assert h.transition(Transition.TRANSITION_DEACTIVATE) and h.transition(Transition.TRANSITION_CLEANUP)
+    finally:
+        assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    assert status.level == OK, status.message

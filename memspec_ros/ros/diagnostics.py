@@ -462,6 +462,8 @@ class NodeTasks:
         s.add("remembered answers", lo.controller.remembered_answers)
         s.add("prompt cache", _prompt_cache_status(lo.controller))
         s.summary(OK, f"loaded ({state})")
+        if self.node.parameter_mismatch:
+            s.merge(WARN, f"a parameter change went part of the way: {self.node.parameter_mismatch}")
         if self.runner.last_error:
             s.merge(ERROR, f"the last goal failed: {self.runner.last_error}")
 

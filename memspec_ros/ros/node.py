@@ -216,6 +216,7 @@ class MemSpecNode(LifecycleNode):
         self._loaded: Loaded | None = None
         self._configure_error = ""
         self._transition_error = ""  # see transition_error
+        self.parameter_mismatch = ""  # a parameter change that went part of the way (param_handler._mismatch)
         self._active = False
         self._cache_pub = self._stats_pub = None
         self._cache_baseline = None  # cache counters at activation: CacheState counts since then
@@ -258,6 +259,7 @@ class MemSpecNode(LifecycleNode):
         except Exception as exc:  # every load error becomes a failed transition with its reason
             return self._configure_failed(exc)
         self._configure_error = self._transition_error = ""
+        self.parameter_mismatch = ""  # param_handler._mismatch: the models it concerned are gone
         self._forget_goal_figures()  # an error or throughput from the models before is not these models' state
         self._cache_baseline = None  # the new cache's counters start at zero
         self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)

@@ -179,18 +179,23 @@ class ParameterHandler:
                         lo.controller.recheck_files_later()
                         lo.controller.cache.clear_failed()  # a draft that failed is tried again (files fixed?)
                     except Exception as exc:  # the new registry is in force, as the parameters say
-                        self._node.get_logger().error(
-                            f"parameter change: the draft registry was replaced, but updating the draft cache after"
-                            f" it failed ({type(exc).__name__}: {exc}); the next goal's scheduling points sync it")
+                        self._mismatch(f"the draft registry was replaced, but updating the draft cache after it"
+                                       f" failed ({type(exc).__name__}: {exc}); the next goal's scheduling points"
+                                       " sync it")
         except Exception:
             for name, step in reversed(undo):
                 try:
                     step()
                 except Exception as exc:  # logged by name: the reply says the log names what was not undone
-                    self._node.get_logger().error(f"parameter change: undoing {name} failed, so the runtime keeps"
-                                                  f" the new value while the parameter keeps the old:"
-                                                  f" {type(exc).__name__}: {exc}")
+                    self._mismatch(f"undoing {name} failed, so the runtime keeps the new value while the parameter"
+                                   f" keeps the old: {type(exc).__name__}: {exc}")
             raise
+
+    def _mismatch(self, text: str) -> None:
+        """Logged as an error and kept for /diagnostics (the target model's status, WARN) until the next
+        configure: a log line alone left the status OK while the runtime and its parameters disagreed."""
+        self._node.get_logger().error(f"parameter change: {text}")
+        self._node.parameter_mismatch = text
 
     def _check(self, new: dict[str, Any], lo) -> None:
         if "" in new:  # rclpy would declare a parameter without a name (found by test_node_fuzz)

@@ -843,3 +843,21 @@ def test_the_clients_keep_control_characters_of_the_models_text_from_a_terminal(
     write_or_interrupt(pipe, text)
     assert tty.getvalue() == "ok\tdone\n]52;c;ZXZpbA==2J end" and pipe.getvalue() == text
     assert for_terminal(tty, "héllo 世界\n") == "héllo 世界\n"  # printable text, any script, untouched
+
+
+def test_the_domain_lock_is_never_opened_through_a_link_planted_at_its_name(tmp_path, monkeypatch):
+    """The demo's and the tests' domain lock files have predictable names in the shared /tmp: a link planted at one
+    had the session create a file where it pointed. Such a domain is passed over, as another user's lock is."""
+    import tempfile
+
+    from memspec_ros.ros.ros_env import lock_domain_id
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.delenv("ROS_DOMAIN_ID", raising=False)
+    target = tmp_path / "elsewhere"
+    (tmp_path / "memspec_ros_test_domain_201.lock").symlink_to(target)
+    domain, handle = lock_domain_id([201, 202])
+    try:
+        assert domain == 202 and not target.exists()
+    finally:
+        handle.close()

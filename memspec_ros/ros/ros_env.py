@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Iterable
 from typing import IO
 
+from ..runtime.atomic_write import open_lock
+
 CLEARED = ("RMW_IMPLEMENTATION", "ROS_DISCOVERY_SERVER", "ROS_SUPER_CLIENT", "FASTDDS_DEFAULT_PROFILES_FILE",
            "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_SECURITY_ENABLE", "ROS_SECURITY_KEYSTORE",
            "ROS_SECURITY_ENCLAVE_OVERRIDE", "ROS_SECURITY_STRATEGY", "ROS_STATIC_PEERS")
@@ -27,8 +29,9 @@ def lock_domain_id(ids: Iterable[int]) -> tuple[int, IO[str]] | None:
     for domain in ids:
         if str(domain) == own:
             continue
-        try:  # another user's lock file (a shared host): not ours to open, so not ours to take
-            handle = open(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"), "a")
+        try:  # another user's lock file (a shared host): not ours to open, so not ours to take; nor a link planted
+            # at its name in the shared /tmp (it would create a file where it points)
+            handle = open_lock(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"))
         except OSError:
             continue
         try:

@@ -499,30 +499,34 @@ def test_a_head_giving_non_finite_scores_is_a_predictor_failure_not_a_goals(tmp_
     engine.close()
 
 
+class StandsIn:
+    """The node's kind of ranker: a failure raised by rank_or_raise, answered by rank with a stand-in order. Its
+    rankings at the intervals in ``broken`` fail; the others rank "b" first, the stand-in "a" first."""
+
+    def __init__(self, broken: set[int]):
+        self.failures, self.broken = 0, broken
+
+    def begin(self, prompt_ids):
+        pass
+
+    def rank_or_raise(self, context):
+        if context.interval in self.broken:
+            self.failures += 1
+            raise RuntimeError("transient")
+        return [("b", 0.9), ("a", 0.1)]
+
+    def rank(self, context):
+        try:
+            return self.rank_or_raise(context)
+        except RuntimeError:
+            return [("a", 2.0), ("b", 1.0)]  # the stand-in
+
+
 def test_the_overlapped_predictor_keeps_the_last_good_ranking_from_a_ranker_that_stands_one_in():
     """The node's ranker answers a failure with general-static's order; in the background that order replaced the
     last good ranking (evicting a draft it had kept). The overlapped predictor asks such a ranker to raise instead."""
 
-    class StandsIn:
-        def __init__(self):
-            self.calls = 0
-
-        def begin(self, prompt_ids):
-            pass
-
-        def rank_or_raise(self, context):
-            self.calls += 1
-            if self.calls == 2:
-                raise RuntimeError("transient")
-            return [("b", 0.9), ("a", 0.1)]
-
-        def rank(self, context):
-            try:
-                return self.rank_or_raise(context)
-            except RuntimeError:
-                return [("a", 2.0), ("b", 1.0)]  # the stand-in
-
-    over = OverlappedPredictor(StandsIn())
+    over = OverlappedPredictor(StandsIn(broken={1}))
     over.begin(PROMPT)
     over.rank(ctx(0, candidates=("a", "b")))
     over.submit(ctx(1, candidates=("a", "b")))  # the failing one, in the background
@@ -539,27 +543,7 @@ def test_the_synchronous_predictor_keeps_the_last_good_ranking_as_the_overlapped
     Past the first point a failure keeps the last good ranking; at the first there is nothing else to stand."""
     from memspec_ros.runtime.predictor import SynchronousPredictor
 
-    class StandsIn:
-        def __init__(self):
-            self.failures, self.broken = 0, set()
-
-        def begin(self, prompt_ids):
-            pass
-
-        def rank_or_raise(self, context):
-            if context.interval in self.broken:
-                self.failures += 1
-                raise RuntimeError("transient")
-            return [("b", 0.9), ("a", 0.1)]
-
-        def rank(self, context):
-            try:
-                return self.rank_or_raise(context)
-            except RuntimeError:
-                return [("a", 2.0), ("b", 1.0)]  # the stand-in
-
-    ranker = StandsIn()
-    ranker.broken = {0, 2}
+    ranker = StandsIn(broken={0, 2})
     sync = SynchronousPredictor(ranker)
     sync.begin(PROMPT)
     sync.submit(ctx(0, candidates=("a", "b")))

@@ -1027,25 +1027,35 @@ def test_a_fallback_due_for_its_retry_stays_when_no_build_succeeds(tmp_path, mon
     assert not cpu_kernels._fallback_to_retry(library)  # the next try a day from now
 
 
+@pytest.mark.skipif(cpu_kernels._load()[0] is None, reason=f"the kernels are not loaded here: {STATUS.reason}")
 def test_the_kernel_library_is_loaded_from_the_file_that_was_checked(tmp_path):
     """The library was checked (_ours_alone) and then dlopen'd by its path, which dlopen looked up again: someone
     who could rename entries on the way could swap it in between. It is opened without following a link, checked
-    on the open file and loaded through that descriptor: a link is refused, and a file others can write too."""
+    on the open file and loaded through that descriptor, which stays open while it is loaded: dlopen finds a library
+    by its name first, so a descriptor number freed and taken again handed back the library loaded before."""
     import shutil
 
-    from memspec_ros.runtime import cpu_kernels
-
-    cpu_kernels._library()  # built (or found) in this run's cache
-    built = Path(cpu_kernels.status().library)
+    loaded = cpu_kernels._library()  # built (or found) in this run's cache, and loaded through its descriptor
     copy = tmp_path / "kernels.so"
-    shutil.copyfile(built, copy)
+    shutil.copyfile(cpu_kernels.status().library, copy)
     copy.chmod(0o755)
     library = cpu_kernels._open(copy)
-    assert library.memspec_kernel_features() >= 0
+    try:
+        assert library._handle != loaded._handle and library.memspec_kernel_features() >= 0
+        maps = Path("/proc/self/maps").read_text()
+        assert str(copy) in maps  # the copy itself is mapped, not the library loaded before
+    finally:
+        cpu_kernels._close(library)
+
+
+def test_a_kernel_library_behind_a_link_or_writable_by_others_is_not_loaded(tmp_path):
+    """Checked on the open file before dlopen: a link is refused (never followed), and a file others can write."""
+    library = tmp_path / "kernels.so"
+    library.write_bytes(b"not loaded: refused before dlopen")
+    library.chmod(0o775 | 0o002)
     link = tmp_path / "link.so"
-    link.symlink_to(copy)
+    link.symlink_to(library)
     with pytest.raises(OSError):
         cpu_kernels._open(link)
-    copy.chmod(0o775 | 0o002)
     with pytest.raises(OSError, match="not this user's alone"):
-        cpu_kernels._open(copy)
+        cpu_kernels._open(library)

@@ -301,30 +301,44 @@ def _fallback_note(library: Path) -> Path:
 
 
 def _close(library: ctypes.CDLL) -> None:
-    """dlclose a library loaded only to be tested (where the platform has it; elsewhere it stays loaded)."""
+    """dlclose a library loaded only to be tested (where the platform has it; elsewhere it stays loaded), then the
+    descriptor it was loaded through (:func:`_open`)."""
     import _ctypes
 
     close = getattr(_ctypes, "dlclose", None)
     if close is not None:
         close(library._handle)
+        fd = getattr(library, "_memspec_fd", None)
+        if fd is not None:
+            os.close(fd)
 
 
 def _open(path: Path) -> ctypes.CDLL:
     """dlopen the very file :func:`_ours_alone` vouched for: opened without following a link, checked again on the
     open file, and loaded through its descriptor (/proc/self/fd), so that another user who can rename entries in a
     folder on the way cannot swap the library between the check and the load (a path loaded by name was looked up
-    again by dlopen). OSError where the file is a link or not this user's alone."""
+    again by dlopen). OSError where the file is a link or not this user's alone.
+
+    The descriptor stays open while the library is loaded (closed by :func:`_close`): dlopen finds a library by the
+    name it was loaded under first, so a later library opened on the same descriptor number, which a closed one
+    frees, was handed the first one (the build's probe of a new library, in a process that had loaded the kernels)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    library = None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_mode & 0o022:
             raise OSError(f"{path} is not this user's alone (owner {st.st_uid}, mode {stat.filemode(st.st_mode)})")
         by_descriptor = f"/proc/self/fd/{fd}"
         library = ctypes.CDLL(by_descriptor if os.path.exists(by_descriptor) else str(path))
-    finally:
-        os.close(fd)
-    _bind(library)
-    return library
+        library._memspec_fd = fd
+        _bind(library)
+        return library
+    except BaseException:
+        if library is not None:
+            _close(library)  # the descriptor with it
+        else:
+            os.close(fd)
+        raise
 
 
 def _bind(library: ctypes.CDLL) -> None:

@@ -93,11 +93,11 @@ def test_policy_bench_reads_any_workload_folder_through_a_storage_tier(tmp_path,
     # bench made its loaders without it)
     from memspec_ros.bench import policy_bench
 
-    widths, real_loader = [], policy_bench.registry_loader
+    made, real_loader = [], policy_bench.registry_loader
 
-    def loader(*args, **kwargs):
-        widths.append(kwargs.get("target_vocab_size", 0))
-        return real_loader(*args, **kwargs)
+    def loader(registry, *args, **kwargs):
+        made.append(kwargs)
+        return real_loader(registry, *args, **kwargs)
 
     monkeypatch.setattr(policy_bench, "registry_loader", loader)
 
@@ -110,7 +110,9 @@ def test_policy_bench_reads_any_workload_folder_through_a_storage_tier(tmp_path,
     result = json.loads(out.read_text())
     from memspec_ros.runtime.models import read_config
 
-    assert widths and set(widths) == {read_config(zoo / "target")["vocab_size"]}
+    # every loader, the timed runs' and the ones timing loads: the models' draft dtype and device, the target's width
+    assert made and all((m.get("dtype"), m.get("device"), m.get("target_vocab_size"))
+                        == ("fp32", "cpu", read_config(zoo / "target")["vocab_size"]) for m in made), made
     assert result["config"]["workloads"] == ["chat", "robotics"]  # every <name>.jsonl, training files skipped
     assert result["config"]["workloads_dir"] == str(folder)
     # the schema the figures read is unchanged
@@ -934,21 +936,23 @@ def test_engine_bench_stops_every_method_at_the_chat_templates_end_of_turn(monke
     end_of_turn = template_end_of_turn(tok)
     target = tiny_llama(vocab_size=len(tok), hidden=64, layers=2, seed=0)
     target.generation_config.eos_token_id = tok.eos_token_id  # the end of a document only
-    seen: dict[str, list] = {"engine": [], "hf": []}
+    calls = []  # (method, tokens asked for, end ids): the timed calls ask for cfg.max_new_tokens, the warm-ups 8
     real_generate, real_hf = engine_bench.generate, engine_bench._hf_generate
 
-    def generate(*args, **kwargs):
-        seen["engine"].append(list(kwargs.get("eos_token_ids", ())))
-        return real_generate(*args, **kwargs)
+    def generate(target, ids, draft, **kwargs):
+        calls.append(("engine" if draft is not None else "target alone", kwargs["max_new_tokens"],
+                      list(kwargs.get("eos_token_ids", ()))))
+        return real_generate(target, ids, draft, **kwargs)
 
     def hf_generate(target, assistant, ids, new, gamma, eos):
-        seen["hf"].append(list(eos))
+        calls.append(("hf assisted" if assistant is not None else "hf generate", new, list(eos)))
         return real_hf(target, assistant, ids, new, gamma, eos)
 
     monkeypatch.setattr(engine_bench, "generate", generate)
     monkeypatch.setattr(engine_bench, "_hf_generate", hf_generate)
     cfg = EngineBenchConfig(max_new_tokens=6, runs=1, prompts=1)
     run_engine_bench(target, noisy_copy(target, 0.01), [[5, 9, 14]], cfg, tokenizer=tok)
-    timed = [ids for ids in seen["engine"] + seen["hf"] if ids]
-    assert end_of_turn is not None and timed and all(end_of_turn in ids for ids in timed)
-    assert len(timed) >= 4  # the engine and the target alone, transformers' generate and its assisted generation
+    timed = [(method, eos) for method, new, eos in calls if new == cfg.max_new_tokens]
+    assert end_of_turn is not None
+    assert sorted(m for m, _ in timed) == ["engine", "hf assisted", "hf generate", "target alone"]
+    assert all(end_of_turn in eos for _, eos in timed), timed

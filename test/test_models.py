@@ -282,11 +282,13 @@ def test_a_lean_target_off_the_cpu_is_checked_through_its_lean_forward(model_dir
     CPU (here: the check told so) its verify is compared with one-token steps through the lean forward."""
     from memspec_ros.runtime import loader as loader_module
     from memspec_ros.runtime import row_exact
-    from memspec_ros.runtime.draft_forward import LeanLlamaForward
+    from memspec_ros.runtime.draft_forward import LeanLlamaForward, lean_forward_for
     from memspec_ros.runtime.loader import check_target_rows
 
     loaded = load_model(ModelSpec(str(model_dirs[0])))
     assert loaded.prepared is None  # a lean target
+    # the check itself, through the lean forward: on the CPU a verify's rows are the steps' bit for bit
+    assert row_exact.verify_gap(loaded.model, loaded.vocab_size, lean=lean_forward_for(loaded.model)) == 0.0
     seen = []
     monkeypatch.setattr(row_exact, "verify_gap", lambda model, vocab, lean=None: seen.append(lean) or 3e-7)
     check_target_rows(loaded)  # on the CPU: by construction, not probed

@@ -163,16 +163,16 @@ def test_ctrl_c_in_the_example_cancels_the_goal_in_flight(h, monkeypatch, capsys
     def not_handled(signum, frame):  # where main() installed no handler: a failure, not the end of the test run
         raise NotHandled(signum)
 
-    before = signal.signal(signal.SIGTERM, not_handled)
     assert h.node._runner.wait_idle(10.0)
-    assert all(r.successful for r in h.set_params(**{"generation.max_new_tokens": 3000}))  # runs for seconds
+    before = signal.signal(signal.SIGTERM, not_handled)
     try:
+        assert all(r.successful for r in h.set_params(**{"generation.max_new_tokens": 3000}))  # runs for seconds
         exit_code = bt_example.main(["def add(a, b):", "--node", "/memspec_bt", "--raw"])
     except KeyboardInterrupt:  # not pytest's to take: the session would end here
         pytest.fail("Ctrl-C went out of main() and left the goal running")
     finally:
+        restored = signal.signal(signal.SIGTERM, before)  # first: nothing below may leave the test's handler
         h.set_params(**{"generation.max_new_tokens": 128})
-        restored = signal.signal(signal.SIGTERM, before)
     assert exit_code == code and InterruptedWhileTheGoalRuns.interrupted
     assert restored is not_handled  # main() put back the handler it found
     assert "interrupted: cancelling the goal" in capsys.readouterr().err

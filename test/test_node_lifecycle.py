@@ -341,18 +341,18 @@ def test_a_policy_without_its_predictor_runs_general_static_with_a_warning(harne
     response = h.result(handle)
     assert response.status == GoalStatus.STATUS_SUCCEEDED and list(response.result.drafts_used) == ["general"]
     # set again as it is (`ros2 param load` of a dumped file): no change, neither refused nor applied (the whole
-    # file failed); changed to it from another policy: refused
+    # file failed)
     [again] = h.set_params(**{"memspec.policy": "memspec"})
     assert again.successful and h.node.loaded.controller.config.policy == "general-static"
-    assert h.set_params(**{"memspec.policy": "mab-async"})[0].successful
-    [refused] = h.set_params(**{"memspec.policy": "memspec"})
-    assert not refused.successful and "needs a trained predictor" in refused.reason
-    assert h.node.loaded.controller.config.policy == "mab-async"
-    assert h.set_params(**{"memspec.policy": "general-static"})[0].successful
     if predictor == "none":  # the general draft's checks hold for the policy that runs, not the parameter's
         [refused] = h.set_params(**{"memspec.general_draft": "no-such-draft"})
         assert not refused.successful and "not in the draft registry" in refused.reason
         assert h.get_param("memspec.general_draft") == "general"
+    # changed to it from another policy: refused
+    assert h.set_params(**{"memspec.policy": "mab-async"})[0].successful
+    [refused] = h.set_params(**{"memspec.policy": "memspec"})
+    assert not refused.successful and "needs a trained predictor" in refused.reason
+    assert h.node.loaded.controller.config.policy == "mab-async"
     # the operator then asks for a policy that needs no predictor: nothing is wrong any more (it stayed WARN)
     for policy in ("mab-async", "general-static"):
         [result] = h.set_params(**{"memspec.policy": policy})

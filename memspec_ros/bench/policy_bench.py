@@ -192,14 +192,21 @@ def vocab_size(target) -> int:
     return int(getattr(target.config, "vocab_size", 0) or 0)
 
 
-def timed_loads(registry: DraftRegistry, storage: DraftStorage, quantization: str = "none",
-                target_vocab_size: int = 0) -> dict[str, float]:
+def loader_options(models, quantization: str) -> dict:
+    """What the controller's own loader would be made with (cache.registry_loader): the models' draft dtype and
+    device, the drafts' forward path and the target's logit width each draft is checked against. The bench's
+    loaders, timed and timing, read through its storage with these."""
+    return {"dtype": models.draft_dtype, "device": models.device, "quantization": quantization,
+            "target_vocab_size": vocab_size(models.target.model)}
+
+
+def timed_loads(registry: DraftRegistry, storage: DraftStorage, **options) -> dict[str, float]:
     """Seconds each draft's load takes as the cache's loader does it: the read through the storage tier and
     everything after it (the compatibility checks, the lean forward built on the loader thread: 1-5 ms the
     storage's own record of read and build left out). Each is loaded once untimed first (a first load builds the
     runtime form later ones read); the storage's records of these loads are dropped (a bench's storage summary
-    holds its timed runs' loads only). ``target_vocab_size``: as the timed runs' loader checks each draft."""
-    load = registry_loader(registry, storage=storage, quantization=quantization, target_vocab_size=target_vocab_size)
+    holds its timed runs' loads only). ``options``: :func:`loader_options`, as the timed runs' loader has them."""
+    load = registry_loader(registry, storage=storage, **options)
     names = [entry.name for entry in registry]
     for name in names:
         load(name)
@@ -222,16 +229,16 @@ def storage_block(summary: dict, modelled: dict[str, float]) -> dict:
 
 
 def measure_costs(controller: RuntimeController, storage: DraftStorage, registry: DraftRegistry, ids: list[int],
-                  max_new_tokens: int, capacity: int, gamma: int, draft_quantization: str = "none",
+                  max_new_tokens: int, capacity: int, gamma: int, options: dict | None = None,
                   catchup: tuple[float, float] = (0.0, 0.0)) -> ScheduleCosts:
     """Oracle-Dynamic's costs, measured here and now: one untimed General-Static generation (its iterations: verify
     by proposals, draft token, the rest of the loop), one cold load of every draft through the storage tier, loaded
     as the timed runs' cache loads it (its loader, after a first untimed load), and ``catchup``,
     a draft's catch-up line (:func:`catchup_line`). Priced like the simulator's cost model, from which the replays'
-    Oracle-Dynamic plans (:meth:`BenchRun.policy`)."""
+    Oracle-Dynamic plans (:meth:`BenchRun.policy`). ``options``: the loads' :func:`loader_options`."""
     controller.reconfigure(policy="general-static")
     stats = controller.generate(ids, max_new_tokens).stats
-    loads = timed_loads(registry, storage, draft_quantization, vocab_size(controller.target))
+    loads = timed_loads(registry, storage, **(options or {}))
     model = CostModel.measure([("general-static", stats)], loads)
     base, per_token = catchup  # one generation has one catch-up: no line to fit from it
     return replace(model, catchup_base_seconds=base, catchup_token_seconds=per_token).schedule_costs(capacity, gamma)
@@ -250,7 +257,7 @@ class BenchRun:
     domains: dict[str, str]
     registry: DraftRegistry
     runs: list[tuple[str, str, tuple[int, ...], GenerationStats]]  # (policy, workload, prompt, stats), every timed run
-    target_vocab_size: int = 0  # what each draft load checks a draft against (registry_loader)
+    loader_options: dict = field(default_factory=dict)  # how its drafts were loaded (loader_options)
 
     def sim_config(self, **changes) -> SimConfig:
         base = dict(capacity=self.cfg.capacity, interval=self.cfg.interval, gamma=self.cfg.gamma,
@@ -355,9 +362,8 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
                            recent_tokens=cfg.recent_tokens, reset_cache_per_generation=True, prompt_cache=False)
     # the loader the controller would make itself (its dtype, device and check against the target's width), through
     # the bench's storage, whose records the bench reads
-    loader = registry_loader(registry, models.draft_dtype, models.device, storage=storage,
-                             quantization=cfg.draft_quantization, target_vocab_size=vocab_size(models.target.model))
-    controller = models.controller(config, loader=loader,
+    options = loader_options(models, cfg.draft_quantization)
+    controller = models.controller(config, loader=registry_loader(registry, storage=storage, **options),
                                    oracle_for=lambda ids: oracles[tuple(ids)])
     rows = {w: {p: PolicyRow() for p in policies} for w in cfg.workloads}
     runs: list[tuple[str, str, tuple[int, ...], GenerationStats]] = []
@@ -365,7 +371,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
     try:
         first = next(ids for w in cfg.workloads for ids in prompts[w])
         costs = measure_costs(controller, storage, registry, first, cfg.max_new_tokens, cfg.capacity, cfg.gamma,
-                              cfg.draft_quantization, catchup)
+                              options, catchup)
         ranking = next((p for p in policies if p in RANKING_POLICIES), None)
         if ranking is not None:  # the predictor's first ranking (its lazy set-up) is no policy's cost: paid untimed
             controller.reconfigure(policy=ranking)
@@ -443,7 +449,7 @@ def collect_policy_bench(zoo: Path, cfg: PolicyBenchConfig, predictor_dir: Path 
         schedule_costs=costs,
         predictor=replay_predictor(predictor, traces, recent=live_recent is not False),
         domains={e.name: e.domain for e in registry.entries()}, registry=registry, runs=runs,
-        target_vocab_size=vocab_size(models.target.model),
+        loader_options=options,
     )
     models.close()
     if cfg.simulate:

@@ -257,6 +257,10 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
                 # cannot find) is not kept. Closed again at once: the caller loads it under its final name, and a
                 # library left mapped from this temporary name would be one more copy (and one that a later
                 # rewrite of the file in place, a damaged cache's repair, would turn into a SIGBUS)
+                # not writable by the group whatever the linker and umask made it (gold, lld and mold keep umask
+                # 002's 0775): _ours_alone and _open refuse such a file (the probe refused every build then), and
+                # every process would compile its own
+                os.chmod(partial, 0o755)
                 try:
                     probe = _open(partial)
                 except (OSError, AttributeError) as exc:  # AttributeError: a symbol _bind needs is missing
@@ -272,9 +276,6 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
         # on disk before the rename publishes it: a power cut must not leave a truncated library under the name
         with open(partial, "rb") as handle:
             os.fsync(handle.fileno())
-        # not writable by the group whatever the linker and umask made it (gold, lld and mold keep umask 002's
-        # 0775): _ours_alone refuses such a file, and every process would compile its own
-        os.chmod(partial, 0o755)
         fallback = _fallback_note(library)
         if errors:  # a fallback build is kept, and says so on every load (status().reason)
             fallback.write_text(" | ".join(errors))

@@ -221,6 +221,9 @@ def test_a_first_loads_form_writing_is_recorded_apart_from_its_build(tiny_zoo, c
     first, again = storage.take_records()
     assert first.form_seconds >= 0.5 and first.build_seconds < built[0] + 0.5  # the build alone, the write apart
     assert again.form_seconds == 0.0 and len(built) == 1
+    summary = storage.summary([first, again], 0.01)["drafts"]["code"]
+    assert summary["form_seconds"] == (first.form_seconds + again.form_seconds) / 2  # reported, apart from the load
+    assert summary["load_seconds"] == (first.seconds + again.seconds) / 2
 
 
 def test_writing_the_runtime_form_copies_no_weight(tiny_zoo, cache_root_in_tmp, monkeypatch):

@@ -106,6 +106,15 @@ def for_terminal(out, text: str) -> str:
     return _CONTROLS.sub("", text) if isatty is not None and isatty() else text
 
 
+def _say(log, text: str) -> None:
+    """A notice on ``log``; one that cannot be written (stderr is the closed pipe too: `2>&1 | head`) must not keep
+    the client from cancelling its goal."""
+    try:
+        print(text, file=log)
+    except OSError:
+        pass
+
+
 def write_or_interrupt(out, text: str) -> None:
     """Write (:func:`for_terminal`) and flush; a closed output (the reader of a pipe ended: `| head -n 3`) raises
     :class:`Interrupted` (141, as a shell reports SIGPIPE), so the goal nobody reads is cancelled. The standard
@@ -198,7 +207,7 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         try:
             _spin_until(executor, future, server_timeout)
         except KeyboardInterrupt as exc:
-            print("\ninterrupted: cancelling the goal", file=log)
+            _say(log, "\ninterrupted: cancelling the goal")
             _cancel_when_answered(executor, future, log)
             outcome.status, outcome.exit_code = "interrupted", exit_code(exc)
             return outcome
@@ -223,7 +232,7 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         try:
             there = watch.wait(executor, result_timeout or math.inf)
         except KeyboardInterrupt as exc:
-            print("\ninterrupted: cancelling the goal", file=log)
+            _say(log, "\ninterrupted: cancelling the goal")
             _cancel(executor, handle, watch.future)  # waits for the partial answer
             given_up, outcome.exit_code = "interrupted", exit_code(exc)
         result_future = watch.future

@@ -286,8 +286,11 @@ class ParameterHandler:
         next scheduling point if a goal runs). A value set again as it is is no change, as for the configure-time
         parameters: `ros2 param load` of a dumped file set memspec.policy 'memspec' again on a node that fell back to
         general-static (no predictor), and the controller refused it, failing the whole file."""
+        # (where a change went part of the way, the runtime and the parameters disagree: every value is applied,
+        # so that setting the parameter's own value again repairs the runtime)
         runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS
-                   and P.plain_value(v) != P.plain_value(self._node.get_parameter(n).value)}
+                   and (self._node.parameter_mismatch
+                        or P.plain_value(v) != P.plain_value(self._node.get_parameter(n).value))}
         if lo is not None and runtime:
             try:
                 lo.controller.check_reconfigure(for_registry=registry, **runtime)

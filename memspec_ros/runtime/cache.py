@@ -52,6 +52,7 @@ from .models import (
     check_draft_compatible,
     forward_path_for,
     load_model,
+    parameter_bytes,
     resolve_device,
     resolve_dtype,
 )
@@ -1064,8 +1065,9 @@ def registry_loader(registry, dtype: str = "fp32", device: str = "cpu", storage=
             check_draft_compatible(target_vocab_size, loaded, name)
         target = torch.device(device)
         if target.type == "cuda":
-            if built != dtype:
+            if built != dtype:  # cast as it moves; its memory is the cast model's (the fp32 one's was counted)
                 loaded.model.to(resolve_dtype(dtype))
+                loaded.size_bytes = parameter_bytes(loaded.model)
             loaded.model = to_device_via_pinned(loaded.model, target)
             loaded.spec = ModelSpec(path=entry.path, dtype=dtype, device=device, quantization=quantization)
         # the engine's forward for it (fused linears, the one-call kernels: runtime/draft_forward.py) is built here,

@@ -137,7 +137,7 @@ def check_target_rows(target: LoadedModel) -> None:
     gap = verify_gap(target.model, target.vocab_size, lean=lean)
     if gap != 0.0:
         why = (f"a {target.model.config.model_type} model; a mixture-of-experts layer batches the tokens routed to"
-               " each expert" if lean is None else
+               " each expert" if target.prepared is not None else
                f"on {target.spec.device}, whose kernels sum a row differently beside others")
         raise UnsupportedArchitectureError(
             f"{target.spec.path}: as a target its verify rows differ from its one-token steps by {gap:.3g} ({why}),"

@@ -915,7 +915,8 @@ def test_the_action_benchs_medians_leave_a_one_token_pair_out_on_both_sides(tmp_
         return {"run": 0, "prompt": i, "action": side(action_tps), "direct": side(direct_tps)}
 
     rows = [row(0, 0.0, 1000.0), row(1, 10.0, 20.0), row(2, 30.0, 40.0)]
-    monkeypatch.setattr(action_bench, "_pairs", lambda *a, **k: (rows, {"policy": "memspec", "predictor_note": ""}))
+    monkeypatch.setattr(action_bench, "_pairs", lambda *a, **k: (rows, {"policy": "memspec", "predictor_note": "",
+                                                                        "storage": {"medium": "local"}}))
     (tmp_path / "registry.yaml").write_text("drafts: []\n")
     result = action_bench.run_action_bench(tmp_path, prompts=1, runs=1)
     assert result["action_tokens_per_second_median"] == 20.0 and result["direct_tokens_per_second_median"] == 30.0
@@ -956,3 +957,16 @@ def test_engine_bench_stops_every_method_at_the_chat_templates_end_of_turn(monke
     assert end_of_turn is not None
     assert sorted(m for m, _ in timed) == ["engine", "hf assisted", "hf generate", "target alone"]
     assert all(end_of_turn in eos for _, eos in timed), timed
+
+
+def test_the_action_bench_reads_the_drafts_through_the_storage_it_is_given(tmp_path):
+    """--storage was on the engine, policies and paper benches only: the action bench's node always read its drafts
+    from the local disk, and its JSON named no medium. It sets the node's cache.storage and records the medium,
+    the timed pairs' draft loads and their time over one iteration."""
+    out = tmp_path / "action.json"
+    main(["action", "--zoo", "tiny", "--prompts", "1", "--runs", "1", "--max-new-tokens", "8", "--storage", "sd",
+          "--policy", "general-static", "--json", str(out)])  # its exit status is the goal's (a speed ratio)
+    storage = json.loads(out.read_text())["storage"]
+    assert storage["medium"] == "sd" and storage["emulated"] is True
+    assert storage["loads"] >= 1 and storage["mean_load_seconds"] > 0  # a load per goal: the cache reset per goal
+    assert storage["load_to_iteration"] == pytest.approx(storage["mean_load_seconds"] / storage["iteration_seconds"])

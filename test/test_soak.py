@@ -59,9 +59,23 @@ def test_the_soak_command(tmp_path, monkeypatch):
 
     pace_long_goals(monkeypatch)
     out = tmp_path / "soak.json"
-    code = main(["soak", "--zoo", "tiny", "--goals", "5", "--bursts", "1", "--storm-rounds", "1", "--json", str(out)])
+    # the node's drafts read through the medium asked for (its cache.storage), which the JSON's config records
+    from memspec_ros.ros import node as node_module
+
+    media = []
+
+    real_init = node_module.MemSpecNode.__init__
+
+    def recording_init(self, *args, parameter_overrides=(), **kwargs):
+        media.extend(p.value for p in parameter_overrides if p.name == "cache.storage")
+        real_init(self, *args, parameter_overrides=parameter_overrides, **kwargs)
+
+    monkeypatch.setattr(node_module.MemSpecNode, "__init__", recording_init)
+    code = main(["soak", "--zoo", "tiny", "--goals", "5", "--bursts", "1", "--storm-rounds", "1", "--storage", "nvme",
+                 "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["mode"] == "ci" and result["config"]["goals"] == 5 and result["goals_lost"] == 0
+    assert result["config"]["storage"] == "nvme" and media == ["nvme"]
     # the exit status is the bench's verdict; with five goals its latency p99 is one callback's time, which a
     # loaded machine can push past the bound (51 ms once, with a training job beside the tests): the verdict's
     # timing part is the 200-goal test's above, this one checks the command

@@ -64,7 +64,10 @@ def node_parameter_range(name: str):
 
 def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_new_tokens: int = 128,
                      threads: int = 1, feedback_period: float = 0.1, policy: str = "memspec",
-                     predictor: str = "", domain_id: int | None = None, progress=None) -> dict:
+                     predictor: str = "", domain_id: int | None = None, storage: str = "local",
+                     progress=None) -> dict:
+    """Goals through the action server beside the same requests as direct runtime calls, interleaved, on one node
+    whose drafts are read through ``storage`` (cache.storage; both paths load through it alike)."""
 
     from ..ros.demo import isolated_domain
     from ..testing.tiny_zoo import build_tiny_zoo
@@ -78,7 +81,7 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
                                if not (zoo / "workloads").is_dir() else zoo / "workloads", prompts)
         with isolated_domain(domain_id):  # read by rclpy.init and the client process
             rows, ran = _pairs(zoo, texts, runs, max_new_tokens, threads, feedback_period, policy, predictor,
-                               progress)
+                               storage, progress)
     if ran["policy"] != policy:  # the node fell back (no predictor for a ranking policy): said, and recorded
         note = "; ".join(filter(None, [note, f"policy {policy} asked, the node ran {ran['policy']}"
                                              f" ({ran['predictor_note'] or 'no reason given'})"]))
@@ -97,6 +100,7 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
         "action_end_to_end_tokens_per_second_median": med("action", "e2e"),
         "direct_end_to_end_tokens_per_second_median": med("direct", "e2e"),
         "outputs_identical": all(r["action"]["text"] == r["direct"]["text"] for r in rows),
+        "storage": ran["storage"],
     }
     # a goal of one token has no steady state (decode tokens/s 0 on both paths): no ratio (null), not a crash
     result["per_pair_steady_state_ratio_median"] = paired_ratio([r["action"]["tps"] for r in rows],
@@ -111,10 +115,25 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
     return result
 
 
+def storage_record(medium: str, before, after, stats: list) -> dict:
+    """The medium the node read its drafts through and its loads between two cache snapshots: how many, their mean
+    time (pooled over the loads: the node's storage keeps no per-draft record) and that over one speculative
+    iteration of the direct runs (``stats``: decode time over iterations), by storage.load_to_iteration."""
+    from ..runtime.storage import MEDIA, load_to_iteration
+
+    loads = after.loads - before.loads
+    mean = (after.load_seconds - before.load_seconds) / loads if loads else 0.0
+    iterations = sum(len(s.iterations) for s in stats)
+    iteration = sum(s.decode_seconds for s in stats) / iterations if iterations else 0.0
+    return {"medium": medium, "emulated": MEDIA[medium].emulated, "loads": loads, "mean_load_seconds": mean,
+            "iteration_seconds": iteration,
+            "load_to_iteration": load_to_iteration({"pooled": mean}, iteration) if loads else None}
+
+
 def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads: int, feedback_period: float,
-           policy: str, predictor: str, progress) -> tuple[list[dict], dict]:
-    """The interleaved (action, direct) pairs, with the node and the client process up for their duration, and the
-    policy the node ran (with why, where it is not the one asked for)."""
+           policy: str, predictor: str, storage: str, progress) -> tuple[list[dict], dict]:
+    """The interleaved (action, direct) pairs, with the node and the client process up for their duration, the
+    policy the node ran (with why, where it is not the one asked for) and its draft loads (:func:`storage_record`)."""
     import rclpy
     from rclpy.context import Context
     from rclpy.executors import MultiThreadedExecutor
@@ -130,7 +149,8 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
                  "memspec.reset_cache_per_generation": True, "memspec.policy": policy,
                  # both paths run each prompt in turn: the second would reuse the first's KV (runtime/prompt_cache)
                  "memspec.prompt_cache": False,
-                 "action.feedback_period": feedback_period, "generation.max_prompt_tokens": 4000}
+                 "action.feedback_period": feedback_period, "generation.max_prompt_tokens": 4000,
+                 "cache.storage": storage}
     if predictor:
         overrides["predictor.path"] = predictor
     node = MemSpecNode("memspec_bench", context=context,
@@ -174,11 +194,14 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
             ids = prompt_ids(node.loaded.tokenizer, prompt, system_prompt=system_prompt)
             out = controller.generate(ids, max_new_tokens, SamplingConfig())
             wall = time.perf_counter() - t0
+            decoded.append(out.stats)
             return {"tps": out.stats.tokens_per_second, "e2e": out.stats.completion_tokens / wall,
                     "tokens": out.stats.completion_tokens, "text": out.text.replace("\x00", "")}
 
+        decoded: list = []  # the direct runs' statistics: one speculative iteration's time
         via_action(texts[0])  # warm-up (first-touch allocations, DDS discovery of the result service)
         direct(texts[0])
+        before = controller.cache.snapshot()  # the loads of the timed pairs only
         for run in range(runs):
             for i, prompt in enumerate(texts):
                 order = (via_action, direct) if (run + i) % 2 == 0 else (direct, via_action)
@@ -186,6 +209,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
                 rows.append({"run": run, "prompt": i, "action": got["via_action"], "direct": got["direct"]})
                 if progress is not None:
                     progress.update(1)
+        ran["storage"] = storage_record(storage, before, controller.cache.snapshot(), decoded[1:])
     finally:
         if client is not None:
             client.stdin.close()

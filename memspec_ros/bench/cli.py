@@ -425,7 +425,7 @@ def cmd_action(args) -> int:
     with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar, _named_row_errors("action"):
         result = run_action_bench(zoo, prompts=args.prompts, runs=args.runs, max_new_tokens=args.max_new_tokens,
                                   threads=args.threads, feedback_period=args.feedback_period, policy=args.policy,
-                                  predictor=args.predictor or "", progress=bar)
+                                  predictor=args.predictor or "", storage=args.storage, progress=bar)
     _write_json(result, args.json)
     if result["note"]:
         print(result["note"], file=sys.stderr)
@@ -439,6 +439,9 @@ def cmd_action(args) -> int:
         f" {_num(result['per_pair_steady_state_ratio_median'], '.3f')} (goal >= {ACTION_GOAL})"
         f"\noutputs identical: {result['outputs_identical']} | {result['prompts']} prompts x {result['runs']} runs,"
         f" {result['max_new_tokens']} tokens, policy {result['policy']}, zoo {result['zoo']}"
+        f"\nstorage {result['storage']['medium']}{' (emulated)' if result['storage']['emulated'] else ''}:"
+        f" {result['storage']['loads']} draft loads, {1000 * result['storage']['mean_load_seconds']:.1f} ms each ="
+        f" {_num(result['storage']['load_to_iteration'], '.2f')} iterations"
     )
     # the goal judged on the per-pair median printed above (robust to a burst of load on one side of a pair)
     per_pair = result["per_pair_steady_state_ratio_median"]  # None: no pair had a steady state to compare
@@ -455,7 +458,7 @@ def cmd_soak(args) -> int:
     _quiet_transformers()
     config = LONG if args.long else CI
     changes = {k: v for k, v in (("goals", args.goals), ("bursts", args.bursts), ("storm_rounds", args.storm_rounds),
-                                 ("threads", args.threads)) if v is not None}
+                                 ("threads", args.threads), ("storage", args.storage)) if v is not None}
     config = replace(config, **changes)
     zoo = _bench_zoo(args)
     with tqdm(total=config.goals, desc="soak (sequential goals)", unit="goal") as bar, _named_row_errors("soak"):
@@ -662,13 +665,14 @@ def _workloads_dir_argument(parser) -> None:
     )
 
 
-def _storage_argument(parser, what: str) -> None:
+def _storage_argument(parser, what: str, default: str = "emmc") -> None:
     from ..runtime.storage import STORAGE_CHOICES
 
-    parser.add_argument("--storage", choices=STORAGE_CHOICES, default="emmc",
+    parser.add_argument("--storage", choices=STORAGE_CHOICES, default=default,
                         help=f"storage tier the drafts are read from ({what}): local (this machine's disk, cold), or"
                              " emulated edge media paced to their bandwidth and latency: emmc (eMMC 5.1), sd (UHS-I"
-                             " microSD), nvme (PCIe Gen3 NVMe); runtime/storage.py cites the figures (default emmc)")
+                             " microSD), nvme (PCIe Gen3 NVMe); runtime/storage.py cites the figures"
+                             f" (default {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -743,6 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     act.add_argument("--policy", default="memspec", help="memspec.policy (default memspec)")
     act.add_argument("--predictor", help="predictor.path (default: the zoo's predictor/)")
+    _storage_argument(act, "the node's cache.storage, for both paths; its loads are recorded", default="local")
     act.set_defaults(func=cmd_action)
     soak = sub.add_parser("soak", help="the node under load: sequential goals, bursts against the queue, a cancel"
                                        " storm; lost goals, cache budget, RSS growth, acceptance latency")
@@ -759,6 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cancel storm rounds of queue + 1 goals (default 5, --long 20)")
     soak.add_argument("--threads", type=node_parameter_range("model.threads"),
                       help="torch CPU threads of the node (default 1)")
+    _storage_argument(soak, "the node's cache.storage, recorded in the JSON's config; the soak checks robustness,"
+                            " its loads are not timed", default="local")
     soak.set_defaults(func=cmd_soak)
     pol = sub.add_parser(
         "policies", help="MemSpec vs every baseline policy on the zoo's workloads (the paper's comparison)"

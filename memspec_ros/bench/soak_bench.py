@@ -61,6 +61,7 @@ class SoakConfig:
     capacity: int = 3  # K
     interval: int = 2  # N: scheduling points often, so that prefetches and evictions happen
     budget_drafts: float = 2.5  # byte budget = this many of the largest draft: fewer than K fit, it binds
+    storage: str = "local"  # cache.storage: the medium every draft load reads through (recorded with the config)
 
 
 CI = SoakConfig()
@@ -152,7 +153,7 @@ def _soak(zoo: Path, config: SoakConfig, progress) -> dict:
     overrides = {"drafts.registry_file": str(zoo / "registry.yaml"), "model.threads": config.threads,
                  "memspec.policy": config.policy, "memspec.capacity": config.capacity,
                  "memspec.interval": config.interval, "action.max_queued_goals": config.queue,
-                 "generation.max_new_tokens": config.max_new_tokens}
+                 "generation.max_new_tokens": config.max_new_tokens, "cache.storage": config.storage}
     context = Context()
     rclpy.init(context=context)
     node = MemSpecNode("memspec_soak", context=context,

@@ -451,6 +451,8 @@ def test_the_paper_harness_writes_every_item_and_the_results_page(tmp_path):
         assert item["source"]
         if name.startswith("fig"):
             assert item["medium"] == "sd" and (out / f"{name}.png").stat().st_size > 0
+    # every figure names its medium: Table 2 too, which reads none (an accuracy)
+    assert json.loads((out / "table2.json").read_text())["medium"].startswith("storage: none")
     sweep = json.loads((out / "fig12.json").read_text())
     assert sweep["source"] == "simulator" and [int(v) for v in sweep["rows"]] == [2, 3, 4]
     # MAB-Async's c, swept as the paper did (it kept 2.0, which the real runs use)

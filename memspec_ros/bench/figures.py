@@ -305,7 +305,9 @@ def table2(report_path: Path) -> dict:
     # what a label is decides what the accuracy means (1: the paper's next interval; 0: the rest of the output;
     # a report from before the option had 1)
     horizon = report.get("label_horizon_intervals", 1) if report else None
+    # every figure names its storage medium: this one read none (accuracy, not a timed run)
     return {"item": "table2", "source": f"{shown} (the predictor's held-out training contexts; reused)",
+            "medium": "storage: none (the predictor's accuracy: nothing is loaded or timed)",
             "title": "Predictor quality: top-1 accuracy and top-2 recall by input", "rows": rows,
             "majority_top1": report.get("majority_top1"), "heldout_prompts": report.get("heldout_prompts"),
             "label_horizon_intervals": horizon, "label_rule": report.get("label_rule") if report else None,
@@ -503,7 +505,7 @@ def plot(item: dict, path: Path, context: str) -> None:
         if cells:
             ax.table(cellText=cells, colLabels=["encoder", "input", "top-1 acc.", "top-2 recall",
                                                 "top-1 after a turn"], loc="center")
-        ax.set_title(f"{item['title']}\n[{item['source']}]", fontsize=8)
+        ax.set_title(f"{item['title']}\n[{item['source']}; {item.get('medium', 'storage: none')}]", fontsize=8)
     else:
         return
     fig.tight_layout()

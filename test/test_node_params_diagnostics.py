@@ -629,10 +629,13 @@ def test_a_change_whose_undo_fails_is_a_warning_on_diagnostics_until_the_next_co
         status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
         assert status.level == WARN and "undoing memspec.capacity failed" in status.message, status.message
         assert controller.next_config.capacity == capacity + 1  # the runtime on the new K, the parameter the old
-        # the operator sets the parameter's own value again to repair it: applied, not taken for no change
+        # the operator sets the parameter's own value again to repair it: applied, not taken for no change; the
+        # warning goes with the mismatch, and other unchanged values stay no change (a dumped file loads)
         monkeypatch.setattr(controller, "reconfigure", reconfigure)
         assert h.set_params(**{"memspec.capacity": capacity})[0].successful
         assert controller.next_config.capacity == capacity
+        status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+        assert status.level == OK and not h.node.mismatched_params, status.message
     finally:  # the module's node: loaded anew, whatever failed above
         monkeypatch.undo()
         if h.node.lifecycle_state == "active":

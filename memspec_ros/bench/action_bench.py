@@ -118,13 +118,15 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
 def storage_record(medium: str, before, after, stats: list) -> dict:
     """The medium the node read its drafts through and its loads between two cache snapshots: how many, their mean
     time (pooled over the loads: the node's storage keeps no per-draft record) and that over one speculative
-    iteration of the direct runs (``stats``: decode time over iterations), by storage.load_to_iteration."""
+    iteration of the direct runs (``stats``: draft and verify, as every bench counts it), by
+    storage.load_to_iteration."""
     from ..runtime.storage import MEDIA, load_to_iteration
 
     loads = after.loads - before.loads
     mean = (after.load_seconds - before.load_seconds) / loads if loads else 0.0
-    iterations = sum(len(s.iterations) for s in stats)
-    iteration = sum(s.decode_seconds for s in stats) / iterations if iterations else 0.0
+    # one speculative iteration as every bench counts it (stats.IterationStats.iteration_seconds: draft + verify)
+    iterations = [it for s in stats for it in s.speculative_iterations]
+    iteration = sum(it.iteration_seconds for it in iterations) / len(iterations) if iterations else 0.0
     return {"medium": medium, "emulated": MEDIA[medium].emulated, "loads": loads, "mean_load_seconds": mean,
             "iteration_seconds": iteration,
             "load_to_iteration": load_to_iteration({"pooled": mean}, iteration) if loads else None}
@@ -201,6 +203,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
         decoded: list = []  # the direct runs' statistics: one speculative iteration's time
         via_action(texts[0])  # warm-up (first-touch allocations, DDS discovery of the result service)
         direct(texts[0])
+        controller.cache.drain()  # a prefetch the warm-up started lands before the count begins
         before = controller.cache.snapshot()  # the loads of the timed pairs only
         for run in range(runs):
             for i, prompt in enumerate(texts):
@@ -209,6 +212,7 @@ def _pairs(zoo: Path, texts: list[str], runs: int, max_new_tokens: int, threads:
                 rows.append({"run": run, "prompt": i, "action": got["via_action"], "direct": got["direct"]})
                 if progress is not None:
                     progress.update(1)
+        controller.cache.drain()  # the last pair's prefetch counted with the pairs
         ran["storage"] = storage_record(storage, before, controller.cache.snapshot(), decoded[1:])
     finally:
         if client is not None:

@@ -164,7 +164,7 @@ def _cancel_when_answered(executor, goal_future, log, note: str = "") -> None:
     _spin_until(executor, goal_future, CANCEL_WAIT_SECONDS)
     if goal_future.done() and goal_future.result().accepted:
         if note:
-            print(note, file=log)
+            _say(log, note)
         handle = goal_future.result()
         _cancel(executor, handle, handle.get_result_async())
 
@@ -242,7 +242,7 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
             outcome.status = "server-gone"
             return outcome
         if not result_future.done() and not given_up:  # (interrupted: cancelled once already, said so)
-            print(f"no result after {result_timeout:g} s: cancelling the goal (--result-timeout)", file=log)
+            _say(log, f"no result after {result_timeout:g} s: cancelling the goal (--result-timeout)")
             _cancel(executor, handle, result_future)  # waits for the partial answer, printed below
             given_up = "timeout"
         outcome.status = given_up or outcome.status

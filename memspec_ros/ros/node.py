@@ -217,6 +217,7 @@ class MemSpecNode(LifecycleNode):
         self._configure_error = ""
         self._transition_error = ""  # see transition_error
         self.parameter_mismatch = ""  # a parameter change that went part of the way (param_handler._mismatch)
+        self.mismatched_params: set[str] = set()  # the memspec.* parameters whose runtime value is not theirs
         self._active = False
         self._cache_pub = self._stats_pub = None
         self._cache_baseline = None  # cache counters at activation: CacheState counts since then
@@ -260,6 +261,7 @@ class MemSpecNode(LifecycleNode):
             return self._configure_failed(exc)
         self._configure_error = self._transition_error = ""
         self.parameter_mismatch = ""  # param_handler._mismatch: the models it concerned are gone
+        self.mismatched_params = set()
         self._forget_goal_figures()  # an error or throughput from the models before is not these models' state
         self._cache_baseline = None  # the new cache's counters start at zero
         self._cache_pub = self.create_lifecycle_publisher(CacheState, "~/cache_state", LATCHED)

@@ -14,7 +14,7 @@ applying (a setter raising) undoes the steps before it, so the runtime keeps the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rcl_interfaces.msg import SetParametersResult
@@ -138,6 +138,7 @@ class ParameterHandler:
             return SetParametersResult(successful=False, reason=(
                 f"applying it failed ({type(exc).__name__}: {exc}); the steps applied before it were undone, except"
                 " any the node's log names"))
+        self._repaired({n for n in new if n in P.RUNTIME_FIELDS})
         if runtime or registry is not None:
             running, _ = self._runner.counts()
             self._node.get_logger().info(f"parameters set: {', '.join(f'{k}={v!r}' for k, v in new.items())}"
@@ -188,14 +189,26 @@ class ParameterHandler:
                     step()
                 except Exception as exc:  # logged by name: the reply says the log names what was not undone
                     self._mismatch(f"undoing {name} failed, so the runtime keeps the new value while the parameter"
-                                   f" keeps the old: {type(exc).__name__}: {exc}")
+                                   f" keeps the old: {type(exc).__name__}: {exc}",
+                                   [n for n in name.split(", ") if n in P.RUNTIME_FIELDS])
             raise
 
-    def _mismatch(self, text: str) -> None:
-        """Logged as an error and kept for /diagnostics (the target model's status, WARN) until the next
-        configure: a log line alone left the status OK while the runtime and its parameters disagreed."""
+    def _mismatch(self, text: str, params: Sequence[str] = ()) -> None:
+        """Logged as an error and kept for /diagnostics (the target model's status, WARN): a log line alone left the
+        status OK while the runtime and its parameters disagreed. ``params``: the memspec.* parameters whose runtime
+        value is not theirs; setting them again repairs it (_check_runtime applies them, though unchanged), and the
+        warning goes once every one is repaired. Others (a draft cache's update) hold until the next configure."""
         self._node.get_logger().error(f"parameter change: {text}")
         self._node.parameter_mismatch = text
+        self._node.mismatched_params = set(params)
+
+    def _repaired(self, runtime_params: set[str]) -> None:
+        """After a change applied whole: the mismatched parameters it set again are in force now."""
+        left = self._node.mismatched_params - runtime_params
+        if self._node.mismatched_params and not left:
+            self._node.get_logger().info("parameter change: the runtime is on its parameters' values again")
+            self._node.parameter_mismatch = ""
+        self._node.mismatched_params = left
 
     def _check(self, new: dict[str, Any], lo) -> None:
         if "" in new:  # rclpy would declare a parameter without a name (found by test_node_fuzz)
@@ -286,10 +299,10 @@ class ParameterHandler:
         next scheduling point if a goal runs). A value set again as it is is no change, as for the configure-time
         parameters: `ros2 param load` of a dumped file set memspec.policy 'memspec' again on a node that fell back to
         general-static (no predictor), and the controller refused it, failing the whole file."""
-        # (where a change went part of the way, the runtime and the parameters disagree: every value is applied,
-        # so that setting the parameter's own value again repairs the runtime)
+        # (a parameter whose runtime value is not its own, after a change that went part of the way, is applied
+        # though unchanged: setting its own value again repairs the runtime)
         runtime = {P.RUNTIME_FIELDS[n]: v for n, v in new.items() if n in P.RUNTIME_FIELDS
-                   and (self._node.parameter_mismatch
+                   and (n in self._node.mismatched_params
                         or P.plain_value(v) != P.plain_value(self._node.get_parameter(n).value))}
         if lo is not None and runtime:
             try:

@@ -308,10 +308,12 @@ def _close(library: ctypes.CDLL) -> None:
 
     close = getattr(_ctypes, "dlclose", None)
     if close is not None:
-        close(library._handle)
-        fd = getattr(library, "_memspec_fd", None)
-        if fd is not None:
-            os.close(fd)
+        try:
+            close(library._handle)
+        finally:  # the descriptor goes whatever dlclose says
+            fd = getattr(library, "_memspec_fd", None)
+            if fd is not None:
+                os.close(fd)
 
 
 def _open(path: Path) -> ctypes.CDLL:

@@ -639,8 +639,9 @@ class DraftStorage:
                 "loads": len(rs), "bytes": rs[0].nbytes,
                 "load_seconds": seconds, "read_seconds": mean([r.read_seconds for r in rs]),
                 "build_seconds": mean([r.build_seconds for r in rs]),
-                # a first load's writing of the runtime form, on the loader thread after the build: not in
-                # load_seconds (the medium's read and the build), but it held the loader that long
+                # the writing of the runtime form, on the loader thread after the build, over the draft's loads
+                # (only a first load writes one: 0 where every load was a later one, as in a bench's timed loads);
+                # not in load_seconds (the medium's read and the build), but it held the loader that long
                 "form_seconds": mean([r.form_seconds for r in rs]),
                 "min_read_seconds": self.medium.min_read_seconds(rs[0].nbytes),
                 "load_to_iteration": seconds / iteration_seconds if iteration_seconds > 0 else None,

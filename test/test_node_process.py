@@ -492,13 +492,11 @@ def test_the_nodes_spin_loop_leaves_nothing_on_its_future():
 def test_a_lock_file_another_user_owns_is_passed_over_not_a_crash(monkeypatch):
     """On a shared host the domain lock files may be another user's: opening one raised PermissionError outside the
     handled flock, which for the test helper aborted the session at collection."""
-    import builtins
-
     import ros_helpers
 
     from memspec_ros.ros import demo, ros_env
 
-    real_open = builtins.open
+    real_open = ros_env.open_lock  # (atomic_write.open_lock: never through a planted link)
 
     def refusing(domain: int):
         def opener(path, *args, **kwargs):
@@ -510,13 +508,13 @@ def test_a_lock_file_another_user_owns_is_passed_over_not_a_crash(monkeypatch):
     monkeypatch.delenv("MEMSPEC_DEMO_DOMAIN_ID", raising=False)
     monkeypatch.delenv("MEMSPEC_TEST_ROS_DOMAIN_ID", raising=False)
     first = demo.DEMO_DOMAIN_IDS[0]
-    monkeypatch.setattr(ros_env, "open", refusing(first), raising=False)  # where both claims open their lock files
+    monkeypatch.setattr(ros_env, "open_lock", refusing(first))  # where both claims open their lock files
     domain, handle = demo.claim_domain_id()
     handle.close()
     assert domain != first and domain in demo.DEMO_DOMAIN_IDS
     ids = ros_helpers.TEST_DOMAIN_IDS
     first = ids[os.getpid() % len(ids)]  # where the helper starts looking
-    monkeypatch.setattr(ros_env, "open", refusing(first), raising=False)
+    monkeypatch.setattr(ros_env, "open_lock", refusing(first))
     held = len(ros_helpers._held_domain_locks)
     domain = ros_helpers.claim_ros_domain_id()
     ros_helpers._held_domain_locks.pop(held).close()

@@ -861,3 +861,31 @@ def test_the_domain_lock_is_never_opened_through_a_link_planted_at_its_name(tmp_
         assert domain == 202 and not target.exists()
     finally:
         handle.close()
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_sigterm_and_sighup_reach_the_clients_as_an_interrupt_that_cancels(sig, code):
+    """memspec_client's and bt_example's main() run inside signals_interrupt: SIGTERM and SIGHUP raise Interrupted
+    (a KeyboardInterrupt, so the Ctrl-C paths cancel the goal) with 128 + the signal, and the handlers the block
+    found are put back after it."""
+    import os
+    import signal
+
+    from memspec_ros.ros.client import Interrupted, exit_code, signals_interrupt
+
+    number = getattr(signal, sig)
+
+    class NotHandled(Exception):
+        pass
+
+    def outside(signum, frame):
+        raise NotHandled(signum)
+
+    before = signal.signal(number, outside)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught, signals_interrupt():
+            os.kill(os.getpid(), number)
+        assert isinstance(caught.value, Interrupted) and exit_code(caught.value) == code
+        assert signal.getsignal(number) is outside
+    finally:
+        signal.signal(number, before)

@@ -248,17 +248,15 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                                        max_new_tokens=cfg.max_new_tokens, lean_drafts=cfg.lean_drafts,
                                        adaptive_gamma=cfg.adaptive_gamma, lookup=lookup, datastores=stores,
                                        eos_token_ids=eos)
-                    elapsed = time.perf_counter() - start  # the bench's bookkeeping below is not the engine's
+                    out = session.generated_ids
+                seconds[method] += time.perf_counter() - start  # the bench's bookkeeping below is no method's
+                if method == "engine":
                     if session.draft_failure:  # its figures would be the target alone's, labelled the engine's
                         raise RuntimeError(f"the draft failed during the bench: {session.draft_failure}")
-                    out = session.generated_ids
                     run_decode_s += session.stats.decode_seconds
                     run_decode_tokens += session.stats.decode_tokens
                     accepted.add(session.stats)
                     loop.add(session.stats)
-                if method != "engine":
-                    elapsed = time.perf_counter() - start
-                seconds[method] += elapsed
                 tokens[method] += len(out)
                 outputs[method] = out
             # lossless means equal to this engine's own one-token greedy decoding of the target; transformers'

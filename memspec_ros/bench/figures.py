@@ -522,8 +522,7 @@ def measure_media(bench: BenchRun, media: Sequence[str]) -> dict[str, dict[str, 
     validated simulator charge: a second sample of one figure gave the page two load costs for one medium, and a
     storage row that was not the validated configuration."""
     return {medium: dict(bench.costs.load_seconds) if medium == bench.costs.medium else
-            timed_loads(bench.registry, DraftStorage(storage_medium(medium)),
-                        **(bench.loader_options or {"quantization": bench.cfg.draft_quantization}))
+            timed_loads(bench.registry, DraftStorage(storage_medium(medium)), **bench.loader_options)
             for medium in media}
 
 

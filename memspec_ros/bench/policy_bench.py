@@ -259,6 +259,10 @@ class BenchRun:
     runs: list[tuple[str, str, tuple[int, ...], GenerationStats]]  # (policy, workload, prompt, stats), every timed run
     loader_options: dict = field(default_factory=dict)  # how its drafts were loaded (loader_options)
 
+    def __post_init__(self) -> None:
+        if not self.loader_options:  # a run rebuilt without them (scripts/): at least the drafts' forward path
+            self.loader_options = {"quantization": self.cfg.draft_quantization}
+
     def sim_config(self, **changes) -> SimConfig:
         base = dict(capacity=self.cfg.capacity, interval=self.cfg.interval, gamma=self.cfg.gamma,
                     recent_tokens=self.cfg.recent_tokens, max_new_tokens=self.cfg.max_new_tokens)

@@ -190,6 +190,8 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
                 return outcome
             executor.spin_once(timeout_sec=0.1)
 
+        closed: list[bool] = []  # the output closed as the text streamed: nothing more is written to it
+
         def on_feedback(msg) -> None:
             outcome.feedback_messages += 1
             outcome.streamed += msg.feedback.delta_text
@@ -197,10 +199,8 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
                 try:
                     write_or_interrupt(out, msg.feedback.delta_text)
                 except Interrupted:
-                    closed.append(True)  # nothing more is written to it, the result included
+                    closed.append(True)
                     raise
-
-        closed: list[bool] = []
 
         t0 = time.monotonic()
         future = client.send_goal_async(goal, feedback_callback=on_feedback)

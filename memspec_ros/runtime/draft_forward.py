@@ -143,11 +143,10 @@ class _Side(torch.nn.Module):
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # as LlamaRMSNorm: the statistic in fp32, the weight applied in the input dtype
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" and 1 < rows <= MAX_VERIFY_ROWS:
-        # a verify's rows one at a time on a GPU: its reduction splits a row's sum among threads by how many rows
-        # come together, so a row's statistic (and the logits after it) differed in the last bits from a one-token
-        # step's. The CPU reduces each row alone, in one order whatever the row count.
+    # a verify's rows one at a time on a GPU: its reduction splits a row's sum among threads by how many rows come
+    # together, so a row's statistic (and the logits after it) differed in the last bits from a one-token step's.
+    # The CPU reduces each row alone, in one order whatever the row count (its decode loop pays the device check only)
+    if x.device.type != "cpu" and 1 < (rows := x.numel() // x.shape[-1]) <= MAX_VERIFY_ROWS:
         flat = x.reshape(rows, x.shape[-1])
         return torch.cat([_rms_norm(flat[i : i + 1], weight, eps) for i in range(rows)]).reshape(x.shape)
     dtype = x.dtype

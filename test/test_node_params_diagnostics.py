@@ -609,29 +609,29 @@ def test_a_change_whose_undo_fails_is_a_warning_on_diagnostics_until_the_next_co
 
     controller = h.node.loaded.controller
     capacity = controller.next_config.capacity
-    reconfigure = controller.reconfigure
+    apply = controller._apply
     calls = []
 
-    def undo_breaks(**fields):
-        calls.append(fields)
-        if len(calls) > 1:  # the undo
+    def undo_breaks(config):
+        calls.append(config)
+        if len(calls) > 1:  # the controller putting its settings back after the swap failed
             raise RuntimeError("the cache would not shrink back")
-        return reconfigure(**fields)
+        return apply(config)
 
-    def broken(wanted):  # the last step fails, so the controller's change is undone
+    def broken(wanted):  # the swap fails after the settings were applied, so they are put back
         raise OSError("the drafts' folder went away")
 
-    monkeypatch.setattr(controller, "reconfigure", undo_breaks)
+    monkeypatch.setattr(controller, "_apply", undo_breaks)
     monkeypatch.setattr(h.node.loaded.registry, "replace_with", broken)
     try:
         result = h.set_params_atomically(**registry_file_params(), **{"memspec.capacity": capacity + 1})
-        assert not result.successful
+        assert not result.successful and len(calls) == 2
         status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
-        assert status.level == WARN and "undoing memspec.capacity failed" in status.message, status.message
+        assert status.level == WARN and "memspec.capacity could not be put back" in status.message, status.message
         assert controller.next_config.capacity == capacity + 1  # the runtime on the new K, the parameter the old
         # the operator sets the parameter's own value again to repair it: applied, not taken for no change; the
         # warning goes with the mismatch, and other unchanged values stay no change (a dumped file loads)
-        monkeypatch.setattr(controller, "reconfigure", reconfigure)
+        monkeypatch.setattr(controller, "_apply", apply)
         assert h.set_params(**{"memspec.capacity": capacity})[0].successful
         assert controller.next_config.capacity == capacity
         status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]

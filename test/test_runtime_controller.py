@@ -413,6 +413,43 @@ def test_adding_a_draft_mid_generation_makes_it_a_candidate(target, drafts, expe
     ctl.close()
 
 
+@pytest.mark.parametrize("at_chunk", [1, 3])
+def test_drafts_and_settings_replaced_together_land_at_one_scheduling_point(target, drafts, expected, at_chunk):
+    """A registry change with a memspec.* change of the same call (general-static naming a draft only the new
+    registry has) was applied in two steps: a scheduling point between them ran the new policy against the old
+    drafts. replace_registry applies both in one step, or neither. The first chunk is the prefill's token: a change
+    then landed its drafts at the first choice but not its settings (the first choice ran `general`)."""
+    old = registry_of({k: v for k, v in drafts.items() if k != "math"})
+    ctl = make(target, drafts, "general-static", registry=old, general_draft="code", interval=2)
+    before = ctl.config
+    for refused, error in [({"general_draft": "nope"}, PolicyError), ({"capacity": 0}, ValueError)]:
+        with pytest.raises(error):
+            ctl.replace_registry(registry_of(drafts), **refused)
+        assert ctl.config == before and ctl.registry.names() == old.names()  # nothing changed
+    old.validate, old.target_fingerprint = True, "the target's"  # one that checks its drafts takes no unchecked ones
+    with pytest.raises(ValueError, match="did not check"):
+        ctl.replace_registry(registry_of({"math": drafts["math"]}), general_draft="math")
+    assert ctl.config == before and ctl.registry.names() == ["general", "code", "law"]
+    old.validate = False
+    chunks = []
+
+    def on_chunk(text, ids):
+        chunks.append(ids)
+        if len(chunks) == at_chunk:
+            ctl.replace_registry(registry_of({"math": drafts["math"], "general": drafts["general"]}),
+                                 general_draft="math")
+
+    result = ctl.generate(PROMPT, NEW, on_chunk=on_chunk)
+    assert result.token_ids == expected
+    runs = [it.draft for it in result.stats.iterations]
+    first_math = runs.index("math")
+    assert set(runs[first_math:]) == {"math"}, runs
+    assert set(runs[:first_math]) == (set() if at_chunk == 1 else {"code"}), runs
+    assert not any(it.fallback for it in result.stats.iterations)  # never the new policy without its draft
+    assert ctl.config.general_draft == "math" and ctl.registry.names() == ["math", "general"]
+    ctl.close()
+
+
 def test_reconfigure_validates_and_applies_at_scheduling_points(target, drafts, expected):
     ctl = make(target, drafts, "memspec", capacity=2)
     for bad, field in [({"capacity": 0}, "capacity"), ({"interval": 0}, "interval"), ({"gamma": 0}, "gamma"),
@@ -1184,11 +1221,12 @@ def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, d
         return calibrate(adaptive)
 
     monkeypatch.setattr(ctl, "calibrate", timed_calibrate)
-    raised = []
+    raised, chunks = [], []
 
     def on_chunk(text, ids):
-        if not raised:
-            raised.append(ctl.reconfigure(gamma=5))
+        chunks.append(ids)
+        if len(chunks) == 2:  # after the first iteration (the first chunk, the prefill's, lands before the first
+            raised.append(ctl.reconfigure(gamma=5))  # choice: its timing is setup)
 
     try:
         stats = ctl.generate(PROMPT, 30, on_chunk=on_chunk).stats

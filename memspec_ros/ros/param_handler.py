@@ -146,30 +146,25 @@ class ParameterHandler:
         return SetParametersResult(successful=True)
 
     def _apply(self, new: dict[str, Any], lo, registry, runtime: dict[str, Any]) -> None:
-        """A checked change, applied: each setter, then the controller's settings, then the registry swapped. A
-        step that raises undoes the ones before it (a setter is given its old value, the controller its old
-        settings) and the exception goes on. The registry swap comes last: once it is done the change is in force,
-        and what follows it (the removed drafts leaving the cache, the files' recheck) is logged if it fails, not
-        undone."""
+        """A checked change, applied: each setter, then the controller's settings, or the registry and those settings
+        in one step (RuntimeController.replace_registry: a running goal takes both at one scheduling point). That
+        last step applies whole or not at all; one that raises undoes the setters before it (each given its old
+        value) and the exception goes on. Once the registry is swapped the change is in force, and what follows it
+        (the removed drafts leaving the cache, the files' recheck) is logged if it fails, not undone."""
         undo: list[tuple[str, Callable[[], Any]]] = []
+        before = lo.controller.next_config if lo is not None else None
         try:
             for name, value in new.items():
                 if name in self._setters:
                     old = self._node.get_parameter(name).value  # stored only once every callback has returned
                     self._setters[name](value)
                     undo.append((name, lambda setter=self._setters[name], old=old: setter(old)))
-            if lo is not None and runtime:
-                config = lo.controller.next_config
-                before = {field: getattr(config, field) for field in runtime}
-                lo.controller.reconfigure(for_registry=registry, **runtime)
-                undo.append((", ".join(n for n in new if n in P.RUNTIME_FIELDS),
-                             lambda: lo.controller.reconfigure(**before)))
             if registry is not None:
                 with self._runner.no_goal_starting() as running:
-                    # the swap (built and checked already: nothing is read here, while goals are held back); a
-                    # running goal sees it at its next scheduling point, and with none running the removed drafts
-                    # leave the cache now (the runtime syncs its cache with the registry only at a goal's points)
-                    removed = list(lo.registry.replace_with(registry))
+                    # the swap (built and checked already: nothing is read here, while goals are held back); with
+                    # none running the removed drafts leave the cache now (the runtime syncs its cache with the
+                    # registry only at a goal's points)
+                    removed = list(lo.controller.replace_registry(registry, **runtime))
                     try:
                         for entry in [] if running else removed:
                             lo.controller.cache.remove(entry.name)
@@ -183,14 +178,21 @@ class ParameterHandler:
                         self._mismatch(f"the draft registry was replaced, but updating the draft cache after it"
                                        f" failed ({type(exc).__name__}: {exc}); the next goal's scheduling points"
                                        " sync it")
+            elif lo is not None and runtime:
+                lo.controller.reconfigure(**runtime)
         except Exception:
             for name, step in reversed(undo):
                 try:
                     step()
                 except Exception as exc:  # logged by name: the reply says the log names what was not undone
                     self._mismatch(f"undoing {name} failed, so the runtime keeps the new value while the parameter"
-                                   f" keeps the old: {type(exc).__name__}: {exc}",
-                                   [n for n in name.split(", ") if n in P.RUNTIME_FIELDS])
+                                   f" keeps the old: {type(exc).__name__}: {exc}")
+            if before is not None:  # the controller's step undoes itself; where even that failed, it is said here
+                moved = [n for n, f in P.RUNTIME_FIELDS.items() if getattr(lo.controller.next_config, f)
+                         != getattr(before, f)]
+                if moved:
+                    self._mismatch(f"{', '.join(moved)} could not be put back, so the runtime keeps the new value"
+                                   " while the parameter keeps the old", moved)
             raise
 
     def _mismatch(self, text: str, params: Sequence[str] = ()) -> None:

@@ -42,7 +42,7 @@ from .oracle import GreedyOracle
 from .policies import POLICIES, RANKING_POLICIES, DraftPolicy, PolicyError, SchedulingPoint, make_policy
 from .predictor import OverlappedPredictor, RankingModel, SynchronousPredictor, check_ranks_registry
 from .prompt_cache import PromptCache, Reuse, reuse_refused
-from .registry import DraftRegistry
+from .registry import DraftEntry, DraftRegistry
 from .speculative import (
     ChunkCallback,
     DraftFailure,
@@ -340,6 +340,31 @@ class RuntimeController:
                 self._apply(new)
             return new
 
+    def replace_registry(self, other: DraftRegistry, **changes) -> list[DraftEntry]:
+        """Take ``other``'s drafts and apply ``changes`` (checked against them) in one step: a running generation
+        takes both at its next scheduling point. Done in two steps, a point between them ran, for an interval, a
+        policy checked against the new drafts with the old ones (general-static naming a draft only the new registry
+        has), or the old policy with the new. Errors as :meth:`reconfigure`'s, with nothing changed. Returns the
+        entries that left or changed (DraftRegistry.replace_with)."""
+        with self._lock:
+            new = self._checked_change(other, changes) if changes else None
+            self.registry.check_replacement(other)  # its one refusal, before anything is applied
+            if new is None:
+                return self.registry.replace_with(other)
+            pending, config = self._pending, self.config
+            if self._running:
+                self._pending = new
+            else:
+                self._apply(new)
+            try:
+                return self.registry.replace_with(other)
+            except BaseException:  # (checked above: a failure nobody foresaw) the settings go back with the drafts
+                if self._running:
+                    self._pending = pending
+                else:
+                    self._apply(config)
+                raise
+
     def check_reconfigure(self, *, for_registry: DraftRegistry | None = None, **changes) -> RuntimeConfig:
         """What :meth:`reconfigure` would apply, checked the same way (the same errors), with nothing applied: a
         caller that changes other things in the same step checks them all before it applies any."""
@@ -611,8 +636,11 @@ class RuntimeController:
             stats.setup_seconds = setup
             return run
         t_choose = time.perf_counter()
+        # a change that came during the prefill (a goal's first chunk is the prefill's token) lands before the first
+        # choice, as at every point: the registry was read here while the settings of the same change waited
+        self._land_changes(run, session, prompt_ids)
         point = self._point(0, session, prompt_ids, active="")
-        choice = policy.choose(point)
+        choice = run.policy.choose(point)  # (the policy a change landing above made)
         stats.predictions += 1
         first = self._carry_out(choice, current="", first=True)  # the first draft: blocking on a cold cache
         run.follow(choice, first)
@@ -627,8 +655,28 @@ class RuntimeController:
         run.policy.observe(interval_draft(run), run.iterations)
         run.interval += 1
         run.iterations = []
+        self._land_changes(run, session, prompt_ids)
+        # the point's own work from here: a reconfiguration or registry edit landing above (a recalibration takes
+        # about a second) is no prediction, and stays in the decode time's "other" part
+        t0 = time.perf_counter()
+        point = self._point(run.interval, session, prompt_ids, run.active)
+        choice = run.policy.choose(point)
+        stats.predictions += 1
+        resolution = self._carry_out(choice, current=run.active)
+        run.follow(choice, resolution)
+        run.prediction_seconds = time.perf_counter() - t0 - resolution.waited
+        run.wait_seconds = resolution.waited
+
+    def _land_changes(self, run: _Run, session: SpeculativeSession, prompt_ids: list[int]) -> None:
+        """A scheduling point's first step (the first choice's too): a reconfiguration waiting for it and the
+        registry's edits land, taken under one lock, so a change that replaced the drafts and the settings together
+        (replace_registry) lands whole."""
+        stats = session.stats
         before = self.config
-        if self._take_pending() is not None:
+        with self._lock:
+            pending = self._take_pending_locked()
+            registry_version = self.registry.version
+        if pending is not None:
             session.gamma = self.config.gamma
             # a larger gamma under adaptive gamma needs the target's longer forwards timed: here, at the point (its
             # second in the decode time's "other" part), not inside the next iteration's draft step nor as prediction;
@@ -643,20 +691,10 @@ class RuntimeController:
                 run.policy.resume(prompt_ids)
                 if renamed:
                     stats.policy = f"{stats.policy}>{run.policy.name}"
-        if self.registry.version != run.registry_version:
-            run.registry_version = self.registry.version
+        if registry_version != run.registry_version:
+            run.registry_version = registry_version
             if self._sync_registry(run.active):
-                run.active, run.model = "", None  # the active draft was removed: pick anew below
-        # the point's own work from here: a reconfiguration or registry edit landing above (a recalibration takes
-        # about a second) is no prediction, and stays in the decode time's "other" part
-        t0 = time.perf_counter()
-        point = self._point(run.interval, session, prompt_ids, run.active)
-        choice = run.policy.choose(point)
-        stats.predictions += 1
-        resolution = self._carry_out(choice, current=run.active)
-        run.follow(choice, resolution)
-        run.prediction_seconds = time.perf_counter() - t0 - resolution.waited
-        run.wait_seconds = resolution.waited
+                run.active, run.model = "", None  # the active draft was removed: pick anew
 
     def _step(self, run: _Run, session: SpeculativeSession) -> IterationStats:
         """One draft-and-verify iteration on the chosen draft (or the target alone), with what led to it. A draft

@@ -334,13 +334,17 @@ class DraftRegistry:
             self._version += 1
         return entry
 
+    def check_replacement(self, other: DraftRegistry) -> None:
+        """ValueError unless ``other`` checked its drafts as this registry would (replace_with's only refusal)."""
+        if self.validate and (not other.validate or other.target_fingerprint != self.target_fingerprint):
+            raise ValueError("the replacing registry did not check its drafts against this registry's target")
+
     def replace_with(self, other: DraftRegistry) -> list[DraftEntry]:
         """Take ``other``'s entries in one step (a running generation sees the new set at its next scheduling point,
         never half of it); returns the entries that left or changed. ``other`` checked them when it was built, so
         they are not read again (a tokenizer each: about 0.4 s a draft in a reviewer's run on a loaded machine, which
         callers holding a lock made every goal callback wait for); it must have checked them as this registry would."""
-        if self.validate and (not other.validate or other.target_fingerprint != self.target_fingerprint):
-            raise ValueError("the replacing registry did not check its drafts against this registry's target")
+        self.check_replacement(other)
         want = {e.name: e for e in other.entries()}
         with self._lock:
             gone = [e for name, e in self._entries.items() if want.get(name) != e]

@@ -283,10 +283,23 @@ def test_sampled_output_keeps_the_configured_targets_distribution(path):
                               sampling=SamplingConfig(seed=seed, temperature=0.8, top_p=0.9)), draws=1500)
 
 
-def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs):
+def test_auto_measures_every_runnable_path_and_keeps_the_fastest(tiny_dirs, monkeypatch):
+    """... on copies that share the model's weights: a deep copy per candidate held a second fp32 model in memory."""
+    from memspec_ros.runtime import path_choice
+
     model = load_model(ModelSpec(str(tiny_dirs[0]))).model
     before = copy.deepcopy(model.state_dict())
+    kinds = [type(m) for m in model.modules()]
+    storage = [p.data_ptr() for p in model.parameters()]
+    trials = []
+    real = path_choice.apply_path
+    monkeypatch.setattr(path_choice, "apply_path", lambda trial, *a, **k: trials.append(trial) or real(trial, *a, **k))
     choice = choose_path(model, gamma=3)
+    assert trials and all(t is not model for t in trials)
+    embedding = model.get_input_embeddings().weight
+    assert all(t.get_input_embeddings().weight is embedding for t in trials)  # shared, not copied
+    assert [type(m) for m in model.modules()] == kinds  # the model's own linears were not replaced
+    assert [p.data_ptr() for p in model.parameters()] == storage  # nor left on a trial's fused copy
     assert {t.path for t in choice.timings} | set(choice.skipped) == set(PATHS)
     assert all(t.one_token_ms > 0 and t.verify_ms > 0 for t in choice.timings)
     assert choice.path == min(choice.timings, key=lambda t: t.one_token_ms + t.verify_ms).path

@@ -280,6 +280,30 @@ def test_a_blocking_policy_stalls_on_a_stuck_load(target, drafts, expected, poli
     assert out["result"].stats.load_wait_seconds > 0
 
 
+@pytest.mark.parametrize("policy", ["general-static", "memspec"])
+def test_a_wait_for_a_stalled_load_gives_up_after_max_load_wait_seconds(target, drafts, expected, policy):
+    """A read that never ends (a failing SD card, a network mount) held a goal's first draft, and the goal, for
+    good: without a cancel nothing ended the wait. It now gives up after max_load_wait_seconds and decodes on
+    without the draft, the output unchanged; the load goes on and the draft runs once it lands."""
+    loader = GatedLoader(drafts, gated=set(drafts), limit=60.0)
+    ctl = make(target, drafts, policy, loader=loader, capacity=2, interval=2, general_draft="math",
+               max_load_wait_seconds=0.3)
+    try:
+        first = ctl.generate(PROMPT, NEW)
+        assert first.token_ids == expected
+        assert 0.3 <= first.stats.setup_wait_seconds < 60.0  # gave up the wait, not the load
+        assert first.stats.drafts_used == []  # the target alone: nothing had landed
+        loader.gate.set()
+        ctl.cache.drain()
+        second = ctl.generate(PROMPT, NEW)
+        assert second.token_ids == expected and second.stats.drafts_used  # the loads went on and landed
+    finally:
+        loader.gate.set()
+        ctl.close()
+    with pytest.raises(ValueError, match="max_load_wait_seconds"):
+        RuntimeConfig(max_load_wait_seconds=-1.0).validate()
+
+
 def test_mab_sync_blocks_and_mab_async_does_not(target, drafts):
     sync = make(target, drafts, "mab-sync", loader=Loader(drafts, delay=0.05), capacity=1)
     s = sync.generate(PROMPT, NEW).stats

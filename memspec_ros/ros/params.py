@@ -22,10 +22,11 @@ Paths left empty use the bundled zoo (see :func:`default_zoo_dir`): ``drafts.reg
 
 Paths are confined (:func:`check_paths`): a path parameter set after the node started, and every path a
 registry file it names lists, must resolve (symlinks and ``..`` followed) inside ``model.allowed_roots``
-(read-only; [''] = the bundled zoo, the user's cache directory, the working directory unless it is ``/``,
-and ``$MEMSPEC_ALLOWED_ROOTS``) or inside a location the node was started with (launch file, params file,
-command line: the operator's). ``pkg:<package>/<file>`` sources stay allowed: they resolve inside their
-installed package, which ``model_source.package_file`` enforces.
+(read-only; [''] = the defaults its own description lists: the bundled zoo, the cache directories, the working
+directory where the user owns it and others cannot write to it, and ``$MEMSPEC_ALLOWED_ROOTS``) or inside a
+location the node was started with (launch file, params file, command line: the operator's).
+``pkg:<package>/<file>`` sources stay allowed: they resolve inside their installed package, which
+``model_source.package_file`` enforces.
 """
 
 from __future__ import annotations
@@ -245,11 +246,17 @@ PARAMS: tuple[Param, ...] = (
           "Empty the draft cache before every goal (the paper's protocol); a robot keeps it warm.",
           AT_NEXT_GOAL, runtime_field="reset_cache_per_generation"),
     Param("memspec.wait_for_initial_draft", False,
-          "A goal's first iteration waits until its chosen draft is loaded even when another draft is resident;"
+          "A goal's first iteration waits until its chosen draft is loaded (memspec.max_load_wait_seconds at most)"
+          " even when another draft is resident;"
           " off (default): memspec and mab-async run the best resident draft meanwhile and wait only when none is,"
           " or when the cache has no room for the chosen one beside it (storage as fast as an NVMe SSD loads a draft"
           " within an iteration, where waiting can pay).",
           AT_NEXT_GOAL, runtime_field="wait_for_initial_draft"),
+    Param("memspec.max_load_wait_seconds", 30.0,
+          "The longest a goal waits for a draft's load where it waits at all (its first draft on a cold cache,"
+          " mab-sync, general-static): then it decodes on without that draft (a resident one, or the target alone:"
+          " the output is the same, only slower) while the load goes on. 0: no limit.",
+          AT_SCHEDULING_POINT, float_range=LIMITS["max_load_wait_seconds"], runtime_field="max_load_wait_seconds"),
     # -- per goal ---------------------------------------------------------------------------------
     Param("generation.max_new_tokens", 128,
           "Default tokens per goal (a goal's max_new_tokens 0 means this).",

@@ -75,6 +75,7 @@ LIMITS: dict[str, tuple[int, int] | tuple[float, float]] = {
     "remember_answers": (0, 1000),
     "prompt_cache_bytes": (0, I64),
     "ucb_c": (0.0, 100.0),
+    "max_load_wait_seconds": (0.0, 86400.0),
 }
 
 
@@ -113,6 +114,10 @@ class RuntimeConfig:
     # behaviour tree's skills, several people) each continue their own; the last goal's is always kept, even
     # above it. 0: only the last goal's
     prompt_cache_bytes: int = 128 * 2**20
+    # the longest a blocking wait for a draft's load lasts (a cold cache's first draft, mab-sync, general-static):
+    # then decoding goes on without it (a resident draft or the target alone: the output is the same) while the load
+    # goes on. A stalled read (an SD card failing, a network mount) held the goal for good. 0: no limit
+    max_load_wait_seconds: float = 30.0
 
     def validate(self) -> RuntimeConfig:
         """This config, or ValueError naming the first field whose value has the wrong type or range."""
@@ -785,7 +790,8 @@ class RuntimeController:
         recorded by the cache and decoding goes on without the draft; the time blocked on it is still a load wait
         (setup_wait_seconds, load_wait_seconds), not the scheduling point's prediction or the setup's other work."""
         try:
-            _, waited = self.cache.wait_for(name, stop=self._should_cancel)  # a cancel gives the wait up
+            _, waited = self.cache.wait_for(name, timeout=self.config.max_load_wait_seconds or None,
+                                            stop=self._should_cancel)  # a cancel gives the wait up
         except DraftLoadError as exc:
             log.info("decoding on without draft %r: %s", name, exc)  # a failed load was logged by the cache too
             return exc.waited

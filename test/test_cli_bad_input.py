@@ -683,10 +683,12 @@ def test_the_chat_card_refuses_an_acceptance_json_of_other_workloads_before_meas
     assert not (zoo / "MODEL_CARD.md").exists()
 
 
-@pytest.mark.parametrize("case", ["no general draft", "one new token"])
+@pytest.mark.parametrize("case", ["no general draft", "one new token", "a draft not here", "no target here"])
 def test_the_chat_acceptance_refuses_what_it_cannot_score_before_the_target_answers(case, tmp_path, monkeypatch):
     """A registry without `general` and --max-new-tokens 1 (answers of one token are never scored) both ended in a
-    ValueError traceback after the target had answered every held-out request."""
+    ValueError traceback after the target had answered every held-out request; a draft folder that is gone, in a
+    ModelLoadError traceback after them. A target whose wheel is not installed (a zoo moved to another machine)
+    raised in its digest, uncaught, instead of saying that no target is here to answer."""
     import shutil
 
     from memspec_ros.zoo import cli
@@ -699,9 +701,17 @@ def test_the_chat_acceptance_refuses_what_it_cannot_score_before_the_target_answ
         assert "name: general" in registry
         (zoo / "registry.yaml").write_text(registry.replace("name: general", "name: everyday"))
         expected = "has no 'general' draft"
-    else:
+    elif case == "one new token":
         argv += ["--max-new-tokens", "1"]
         expected = "--max-new-tokens must be at least 2"
+    elif case == "a draft not here":
+        shutil.rmtree(zoo / "drafts" / "law")
+        expected = r"lists drafts that are not here: law \(.*drafts/law does not exist\)"
+    else:
+        registry = (zoo / "registry.yaml").read_text()
+        target = registry.split("path: ", 1)[1].split("\n", 1)[0]
+        (zoo / "registry.yaml").write_text(registry.replace(target, '"pkg:no_such_pkg_x/model.gguf"', 1))
+        expected = r"no stored answer .* no target to make them \(target pkg:no_such_pkg_x/model.gguf: .*not installed"
     from memspec_ros.runtime import models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))

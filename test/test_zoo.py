@@ -257,6 +257,54 @@ def test_the_toy_build_writes_only_its_work_dir_before_export_and_names_an_unkno
     assert not out.exists()
 
 
+def test_a_toy_export_that_cannot_finish_leaves_the_zoo_as_it_was(tmp_path, monkeypatch):
+    """The toy export deleted each old model before loading its new one: with a stage not run (no hf/law), or a
+    failure at the third draft, the zoo lost its target, or kept old and new drafts under the old registry."""
+    from memspec_ros.testing.tiny_models import tiny_llama
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+    from memspec_ros.zoo.corpora import DOMAINS
+
+    out = tmp_path / "models"
+    for rel in ("target", *(f"drafts/{d}" for d in DOMAINS)):
+        (out / rel).mkdir(parents=True)
+        (out / rel / "old.txt").write_text("the zoo before")
+    build = ZooBuild(BuildConfig(work_dir=tmp_path / "work", out_dir=out))
+    for name in ("target", *DOMAINS[:-1]):
+        (build.hf_dir(name)).mkdir(parents=True)
+        (build.hf_dir(name) / "config.json").write_text("{}")
+    build.tok_dir.mkdir(parents=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (build.tok_dir / f).write_text("{}")
+
+    def old_files():
+        return sorted(str(p.relative_to(out)) for p in out.rglob("old.txt"))
+
+    before = old_files()
+    with pytest.raises(ValueError, match=f"no trained {DOMAINS[-1]}"):
+        build.export()
+    assert old_files() == before
+    (build.hf_dir(DOMAINS[-1])).mkdir(parents=True)
+    (build.hf_dir(DOMAINS[-1]) / "config.json").write_text("{}")
+    loads = []
+
+    def load(name):
+        loads.append(name)
+        if len(loads) == 3:
+            raise OSError("No space left on device")
+        return tiny_llama(layers=1, hidden=32)
+
+    monkeypatch.setattr(build, "_load", load)
+    with pytest.raises(OSError, match="No space"):
+        build.export()
+    assert old_files() == before and not (out / "registry.yaml").exists()
+    loads.clear()
+    monkeypatch.setattr(build, "_load", lambda name: tiny_llama(layers=1, hidden=32))
+    build.export()
+    assert old_files() == [] and not (out / ".export-partial").exists()
+    assert all((out / rel / "config.json").is_file() for rel in ("target", *(f"drafts/{d}" for d in DOMAINS)))
+    assert (out / "registry.yaml").is_file()
+
+
 def test_a_toy_work_dir_refuses_a_rebuild_with_other_settings(tmp_path, monkeypatch):
     """Every toy stage is reused by its files: a rerun with another recipe or seed logged "cached" for each and
     exported the first build's drafts."""

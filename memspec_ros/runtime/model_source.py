@@ -107,6 +107,16 @@ def source_path(spec: str | os.PathLike[str]) -> Path:
     return package_file(text) if text.startswith(PKG_PREFIX) else Path(text)
 
 
+def missing_source(spec: str | os.PathLike[str]) -> str:
+    """Why ``spec`` names no file or folder on this machine ('' when it does): a pkg: resource whose package is
+    not installed (or a malformed spec), or a path that does not exist."""
+    try:
+        path = source_path(spec)
+    except ModelLoadError as exc:
+        return str(exc)
+    return "" if path.exists() else f"{path} does not exist"
+
+
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

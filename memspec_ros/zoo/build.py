@@ -358,14 +358,22 @@ class ZooBuild:
             self._onpolicy(d, start, {d: 1.0}, self.cfg.domain_train, self.cfg.seed + 2 + i, paths)
 
     def export(self) -> None:
-        """fp16 copies + the shared tokenizer files into models/, and the registry."""
-        from .registry_io import write_registry
+        """fp16 copies + the shared tokenizer files into models/, and the registry: written aside first, then
+        moved into place (registry_io.install_staged), so an export that cannot finish leaves the zoo as it was."""
+        from .registry_io import install_staged, write_registry
 
         out = self.cfg.out_dir
-        for name in ("target", *DOMAINS):
-            dst = out / "target" if name == "target" else out / "drafts" / name
-            if dst.exists():
-                shutil.rmtree(dst)
+        names = ("target", *DOMAINS)
+        missing = [n for n in names if not (self.hf_dir(n) / "config.json").is_file()]
+        if missing:  # the old zoo's models were deleted first, then the load of the first missing one failed
+            raise ValueError(f"no trained {', '.join(missing)} in {self.w / 'hf'}: run the stages before export"
+                             " (--stages all, or the missing ones)")
+        staging = out / ".export-partial"
+        if staging.exists():
+            shutil.rmtree(staging)
+        moves = [Path("target") if name == "target" else Path("drafts") / name for name in names]
+        for name, rel in zip(names, moves, strict=True):
+            dst = staging / rel
             model = self._load(name).half()
             model.save_pretrained(str(dst), safe_serialization=True)
             for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -373,11 +381,11 @@ class ZooBuild:
             for extra in ("special_tokens_map.json",):
                 if (self.tok_dir / extra).exists():
                     shutil.copy(self.tok_dir / extra, dst / extra)
-            _log(f"export: {dst}")
+            _log(f"export: {out / rel}")
         if (self.w / "workloads").is_dir():
-            if (out / "workloads").exists():
-                shutil.rmtree(out / "workloads")
-            shutil.copytree(self.w / "workloads", out / "workloads")
+            shutil.copytree(self.w / "workloads", staging / "workloads")
+            moves.append(Path("workloads"))
+        install_staged(staging, out, moves)
         write_registry(out)
         (out / TOY_MARKER).write_text("a zoo memspec-zoo build-toy exported: a later toy export may replace it\n")
 

@@ -244,17 +244,12 @@ class ChatZooBuild:
 
     def _check_target(self) -> None:
         """ValueError naming the target setting unless it names an existing file or folder (loaded later)."""
-        from memspec_ros.runtime.model_source import source_path
-        from memspec_ros.runtime.models import ModelLoadError
+        from memspec_ros.runtime.model_source import missing_source
 
         text = str(self.cfg.target)
-        try:
-            path = source_path(text)
-        except ModelLoadError as exc:
-            raise ValueError(f"--target {text}: {exc}") from None
-        if not path.exists():
-            raise ValueError(f"--target {text}: {path} does not exist (a model folder, a .gguf file or"
-                             " pkg:<package>/<file>)")
+        missing = missing_source(text)
+        if missing:
+            raise ValueError(f"--target {text}: {missing} (a model folder, a .gguf file or pkg:<package>/<file>)")
 
     def tokenizer(self):
         from memspec_ros.runtime.models import load_tokenizer
@@ -468,7 +463,7 @@ class ChatZooBuild:
     def export(self) -> None:
         from memspec_ros.runtime.model_source import PKG_PREFIX
 
-        from .registry_io import write_registry
+        from .registry_io import install_staged, write_registry
 
         out = Path(self.cfg.out_dir)
         tok = self.tokenizer()
@@ -501,13 +496,7 @@ class ChatZooBuild:
         # comparison found the new drafts on both sides when rerun, and the old predictor stayed for good
         if _drafts_digest(out) not in (None, _drafts_digest(staging)):
             _set_aside_what_the_old_drafts_made(out)
-        for rel in moves:
-            dest = out / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if dest.is_dir():
-                shutil.rmtree(dest)
-            os.replace(staging / rel, dest)
-        shutil.rmtree(staging)
+        install_staged(staging, out, moves)
         target = str(self.cfg.target)  # the registry reads a path from its own folder: a relative one is made absolute
         write_registry(out, target=target if target.startswith(PKG_PREFIX) else str(Path(target).resolve()))
         _log(f"export: drafts, workloads and registry.yaml in {out}")

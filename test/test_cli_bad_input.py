@@ -169,6 +169,35 @@ def test_the_predictor_trainer_names_a_malformed_prompt_line(tmp_path, monkeypat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case", ["target typo", "target wheel", "draft gone"])
+def test_the_predictor_trainer_names_a_target_or_draft_that_is_not_here_before_loading(case, tmp_path, monkeypatch):
+    """--target /typo, a registry target whose wheel is not installed, or a draft folder removed ended in a
+    ModelDirectoryError traceback."""
+    import shutil
+
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+    from memspec_ros.zoo import predictor_training
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Hi."}\n')
+    argv = ["--registry", str(zoo / "registry.yaml"), "--prompts", str(tmp_path / "p.jsonl"),
+            "--out", str(tmp_path / "out")]
+    if case == "target typo":
+        argv += ["--target", str(tmp_path / "typo")]
+        expected = r"not here: --target .*typo \(.*typo does not exist\)"
+    elif case == "target wheel":
+        argv += ["--target", "pkg:no_such_pkg_x/model.gguf"]
+        expected = r"not here: --target pkg:no_such_pkg_x/model.gguf \(.*not installed\)"
+    else:
+        draft = next(p for p in (zoo / "drafts").iterdir() if p.is_dir())
+        shutil.rmtree(draft)
+        expected = rf"not here: draft \S+ .*{draft.name} does not exist"
+    _no_model_loads(monkeypatch)
+    with pytest.raises(SystemExit, match=expected):
+        predictor_training.main(argv)
+    assert not (tmp_path / "out").exists()
+
+
 # -- a workload folder with nothing to run ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("content", [None, ""])
@@ -645,6 +674,26 @@ def test_the_card_checks_its_inputs_before_measuring_and_changes_nothing(argv, t
     said = str(exit_info.value.code) + capsys.readouterr().err
     assert "no such file" in said or "--threads" in said
     assert {p.name: p.read_bytes() for p in BUNDLED.iterdir() if p.is_file()} == before
+
+
+def test_the_toy_card_reads_its_documents_before_timing_and_survives_a_cut_measurements_file(tmp_path, monkeypatch):
+    """The toy card timed every model, then failed on another --work-dir's missing held-out documents; and its
+    measurements file, written in place, failed every later run with "Expecting value" once an interrupt cut it."""
+    from memspec_ros.zoo import card
+
+    monkeypatch.setattr(card, "load_zoo", lambda models: pytest.fail("models loaded before the documents were read"))
+    with pytest.raises(FileNotFoundError, match="law.heldout.jsonl|code.heldout.jsonl|heldout"):
+        card.measure(tmp_path / "models", tmp_path / "other-work")
+    work, models = tmp_path / "work", tmp_path / "models"
+    work.mkdir()
+    models.mkdir()
+    (work / "card_measurements.json").write_text('{"models_fingerprint": "ab')  # cut mid-write
+    measured = []
+    monkeypatch.setattr(card, "measure", lambda *a, **k: measured.append(a) or {"measured": True})
+    monkeypatch.setattr(card, "render", lambda m, acc, notes: f"card of {sorted(m)}")
+    out = card.write_card(models, work, None)
+    assert measured and json.loads((work / "card_measurements.json").read_text())["measured"] is True
+    assert out.read_text().startswith("card of") and not list(work.glob("*.tmp*"))
 
 
 def test_the_chat_card_reads_its_inputs_before_writing_either_file(tmp_path, monkeypatch):

@@ -712,6 +712,36 @@ def test_continuation_cache_reuses_the_targets_greedy_output_and_only_for_that_t
     assert merged.continuation(target, [7, 8], 6) and merged.continuation(target, [9, 10], 6) and merged.misses == 0
 
 
+def test_a_continuations_file_that_is_not_one_is_refused_and_never_rewritten(tmp_path, capsys):
+    """Any JSON object was taken as the cache: a cut file failed in a JSONDecodeError traceback, a list in a
+    TypeError, and --continuations naming models/acceptance.json had cache keys merged into it and was rewritten.
+    The untagged mapping written before the format tag still reads."""
+    from memspec_ros.runtime.oracle import CONTINUATIONS_FORMAT, read_continuations
+
+    target = tiny_llama(layers=1, hidden=32)
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    cases = {"cut.json": '{"abc:12:[', "list.json": "[]", "acceptance.json": json.dumps({"matrix": {"general": {}}})}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match="is not a continuations cache"):
+            ContinuationCache(tmp_path / name, folder)
+        with pytest.raises(SystemExit, match="--continuations .* is not a continuations cache"):
+            predictor_training.checked_continuations(tmp_path / name, "memspec-train-predictor")
+        assert (tmp_path / name).read_text() == text  # untouched
+    legacy = tmp_path / "legacy.json"
+    key = f"{ContinuationCache(legacy, folder).target}:6:[]:abcdef"
+    legacy.write_text(json.dumps({key: [4, 5]}))
+    assert read_continuations(legacy) == {key: [4, 5]}
+    cache = ContinuationCache(legacy, folder)
+    cache.continuation(target, [7, 8], 6)
+    cache.save()
+    saved = json.loads(legacy.read_text())
+    assert saved["format"] == CONTINUATIONS_FORMAT and saved["entries"][key] == [4, 5] and len(saved["entries"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left
+
+
 def test_trained_predictor_drives_memspec_losslessly(trained):
     root, _, _, tok = trained
     from memspec_ros.runtime.models import ModelSpec, load_model, parameter_bytes

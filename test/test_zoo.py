@@ -305,6 +305,33 @@ def test_a_toy_export_that_cannot_finish_leaves_the_zoo_as_it_was(tmp_path, monk
     assert (out / "registry.yaml").is_file()
 
 
+@pytest.mark.parametrize("stage", ["corpora", "encode"])
+def test_a_toy_stage_is_not_done_until_its_stats_are_written(stage, tmp_path, monkeypatch):
+    """The stats were written after the file that marks the stage done: a build killed between the two took the
+    stage for done and never wrote them (the card showed `data: {}`)."""
+    from memspec_ros.zoo import build as build_module
+    from memspec_ros.zoo.build import BuildConfig, ZooBuild
+    from memspec_ros.zoo.corpora import Document
+
+    build = ZooBuild(BuildConfig(work_dir=tmp_path / "work", out_dir=tmp_path / "models"))
+    docs = lambda d, n: [Document(d, f"{d}{i}", f"text {i} of {d}") for i in range(n)]  # noqa: E731
+    monkeypatch.setattr(build_module, "build_domain", lambda d, cfg: (docs(d, 3), docs(d, 1)))
+    monkeypatch.setattr(build_module, "mixed_documents", lambda pools, n, seed, cfg: docs("mixed", 2))
+    if stage == "encode":
+        build.corpora()
+        monkeypatch.setattr(build_module, "load_tokenizer", lambda path: None)
+        monkeypatch.setattr(build_module, "encode_documents", lambda tok, ds: [[1, 2, 3] for _ in ds])
+
+    def killed(path, text):
+        raise KeyboardInterrupt("killed while writing the stats")
+
+    monkeypatch.setattr(build_module, "write_text_atomic", killed)
+    with pytest.raises(KeyboardInterrupt):
+        getattr(build, stage)()
+    marker = tmp_path / "work" / ("corpora/mixed.train.jsonl" if stage == "corpora" else "data/train.safetensors")
+    assert not marker.exists()  # so the rerun does the stage again, stats included
+
+
 def test_a_toy_work_dir_refuses_a_rebuild_with_other_settings(tmp_path, monkeypatch):
     """Every toy stage is reused by its files: a rerun with another recipe or seed logged "cached" for each and
     exported the first build's drafts."""

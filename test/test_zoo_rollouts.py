@@ -135,6 +135,9 @@ def test_validation_split_is_every_tenth_rollout_and_agreement_is_per_position(r
     assert every.agreement(student) == pytest.approx(_agreement(student, every))
     with pytest.raises(ValueError, match="split must be"):
         RolloutStreams(path, {"code": 1.0}, seed=0, split="test")
+    # one rollout a source: all of it validation, and a batch of the empty train split failed in torch.randint
+    with pytest.raises(ValueError, match="no train rollouts for code .* at least 2"):
+        RolloutStreams(path, {"code": 1.0}, seed=0, split="train", val_every=1)
 
 
 def test_training_on_rollouts_learns_the_targets_argmax(rollouts, tmp_path):

@@ -27,13 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+
+from .atomic_write import written_aside
 
 
 @torch.inference_mode()
@@ -89,6 +90,28 @@ def _weights_digest(target: str | Path) -> str:
     return hashlib.sha256(f"{model_digest(target)}:{answer_files_digest(target)}".encode()).hexdigest()[:16]
 
 
+CONTINUATIONS_FORMAT = "memspec-continuations/1"
+
+
+def read_continuations(path: Path) -> dict[str, list[int]]:
+    """A continuations cache's entries; ValueError naming the file unless it is one (this format, or the untagged
+    mapping written before it). Any JSON object was taken: a cut file failed in a JSONDecodeError traceback, a list
+    in a TypeError, and --continuations models/acceptance.json had cache keys merged into it and was rewritten."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a continuations cache (not JSON: {exc}; cut by an interrupted run?):"
+                         " remove it or name another file") from None
+    tagged = isinstance(data, dict) and data.get("format") == CONTINUATIONS_FORMAT
+    entries = data.get("entries") if tagged else data
+    if not isinstance(entries, dict) or not all(
+            isinstance(key, str) and key.count(":") >= 3 and isinstance(ids, list)
+            and all(type(t) is int for t in ids) for key, ids in entries.items()):
+        raise ValueError(f"{path} is not a continuations cache (a {CONTINUATIONS_FORMAT} file of target"
+                         " continuations): name another file, it would be rewritten")
+    return entries
+
+
 class ContinuationCache:
     """The target's greedy continuations, kept on disk between runs.
 
@@ -106,7 +129,7 @@ class ContinuationCache:
         self.entries: dict[str, list[int]] = {}
         self.hits = self.misses = 0
         if self.path is not None and self.path.is_file():
-            self.entries = json.loads(self.path.read_text(encoding="utf-8"))
+            self.entries = read_continuations(self.path)
 
     def continuation(self, target: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
                      eos_token_ids: Sequence[int] = ()) -> list[int]:
@@ -125,10 +148,10 @@ class ContinuationCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # merge what another run saved since this one loaded: two runs sharing the file keep both
         if self.path.is_file():
-            self.entries = {**json.loads(self.path.read_text(encoding="utf-8")), **self.entries}
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.entries))
-        os.replace(tmp, self.path)  # atomic: an interrupted run never leaves half a file
+            self.entries = {**read_continuations(self.path), **self.entries}
+        # aside, synced, then renamed: an interrupted run or a power cut never leaves half a file, nor its temporary
+        with written_aside(self.path, sync=True) as tmp:
+            tmp.write_text(json.dumps({"format": CONTINUATIONS_FORMAT, "entries": self.entries}))
 
 
 @torch.inference_mode()

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from memspec_ros.runtime.atomic_write import publish_dir, written_aside
+from memspec_ros.runtime.atomic_write import publish_dir, write_text_atomic, written_aside
 
 from .corpora import DOMAINS, CorpusConfig, Document, build_domain
 from .rollouts import RolloutConfig, RolloutStreams, make_rollouts
@@ -123,6 +123,10 @@ class ZooBuild:
     """The stages of one build; ``run(stages)`` runs the requested ones in order."""
 
     def __init__(self, cfg: BuildConfig):
+        if cfg.rollouts.sequences_per_source < 2:  # one went to validation, and training failed on an empty split
+            raise ValueError(f"rollouts per source ({cfg.rollouts.sequences_per_source}) must be at least 2: every"
+                             " tenth rollout of a source (the first included) is held out for validation, and the"
+                             " drafts train on the rest")
         if cfg.domain_rollouts_per_source < cfg.rollouts.sequences_per_source:
             raise ValueError(f"domain rollouts per source ({cfg.domain_rollouts_per_source}) must be at least the"
                              f" rollouts per source ({cfg.rollouts.sequences_per_source}) the general draft sees")
@@ -162,9 +166,11 @@ class ZooBuild:
             _log(f"corpora: {d} {stats[d]}")
         pools = {d: self.docs(d, "train") for d in DOMAINS}
         mixed = mixed_documents(pools, self.cfg.mixed_train_docs, self.cfg.seed + 7, self.cfg.workloads)
-        _write_docs(out / "mixed.train.jsonl", mixed)
         stats["mixed"] = {"train_docs": len(mixed), "train_chars": sum(len(x.text) for x in mixed)}
-        (out / "stats.json").write_text(json.dumps(stats, indent=1))
+        # before the file that marks the stage done: written after it, a build killed between the two took the stage
+        # for done and never wrote them (the card then showed no figures)
+        write_text_atomic(out / "stats.json", json.dumps(stats, indent=1))
+        _write_docs(out / "mixed.train.jsonl", mixed)
 
     def tokenizer(self) -> None:
         if (self.tok_dir / "tokenizer.json").exists():
@@ -188,9 +194,9 @@ class ZooBuild:
                 stats[name]["heldout_tokens"] = sum(len(x) for x in ho)
             _log(f"encode: {name} {stats[name]}")
         out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.w / "data" / "stats.json", json.dumps(stats, indent=1))  # before the stage's marker
         with written_aside(out) as tmp:  # train.safetensors marks the stage done: renamed when whole
             save_file(streams, str(tmp))
-        (self.w / "data" / "stats.json").write_text(json.dumps(stats, indent=1))
 
     def workloads(self) -> None:
         tok = load_tokenizer(self.tok_dir)
@@ -392,8 +398,6 @@ class ZooBuild:
     def _check_settings(self) -> None:
         """Every stage is reused by its files alone: a rerun with another recipe, seed or budget logged "cached" for
         each and exported the old build's drafts. The work dir records its settings and refuses others."""
-        from memspec_ros.runtime.atomic_write import write_text_atomic
-
         from .train import identity_changes
 
         recorded, now = self.w / "build_settings.json", build_settings(self.cfg)

@@ -107,6 +107,8 @@ LATENCY_THREADS = (1, 2)
 
 def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int = 20_000,
             latency_threads: tuple[int, ...] = LATENCY_THREADS) -> dict:
+    # the held-out documents before the minutes of timing: a zoo built with another --work-dir failed after them
+    docs = {d: read_docs(work_dir / "corpora" / f"{d}.heldout.jsonl") for d in DOMAINS}
     tok, target, drafts, _ = load_zoo(models_dir)
     models = {"target": target, **drafts}
     out: dict = {"threads": threads, "latency_threads": list(latency_threads), "models": {}}
@@ -115,7 +117,7 @@ def measure(models_dir: Path, work_dir: Path, threads: int = 2, ppl_tokens: int 
         torch.set_num_threads(n)
         lat[n] = interleaved_latencies(models)
     torch.set_num_threads(threads)
-    heldout = {d: encode_documents(tok, read_docs(work_dir / "corpora" / f"{d}.heldout.jsonl")) for d in DOMAINS}
+    heldout = {d: encode_documents(tok, docs[d]) for d in DOMAINS}
     for name, m in models.items():
         path = models_dir / ("target" if name == "target" else f"drafts/{name}")
         c = m.config
@@ -469,14 +471,19 @@ def models_fingerprint(models_dir: Path) -> str:
 def write_card(
     models_dir: Path, work_dir: Path, acceptance_json: Path | None, threads: int = 2, notes_file: Path | None = None
 ) -> Path:
+    from memspec_ros.runtime.atomic_write import write_text_atomic
+
     cache = work_dir / "card_measurements.json"
     key = models_fingerprint(models_dir)
-    m = json.loads(cache.read_text(encoding="utf-8")) if cache.exists() else {}
-    if m.get("models_fingerprint") != key or m.get("version") != MEASUREMENTS_VERSION:
+    try:
+        m = json.loads(cache.read_text(encoding="utf-8")) if cache.exists() else {}
+    except ValueError:  # not ours, or cut by an earlier writer: measured again
+        m = {}
+    if not isinstance(m, dict) or m.get("models_fingerprint") != key or m.get("version") != MEASUREMENTS_VERSION:
         m = {**measure(models_dir, work_dir, threads), "models_fingerprint": key, "version": MEASUREMENTS_VERSION}
-        cache.write_text(json.dumps(m, indent=1))
+        write_text_atomic(cache, json.dumps(m, indent=1))  # cut by an interrupt, it failed every later run
     acc = json.loads(acceptance_json.read_text(encoding="utf-8")) if acceptance_json else None
     out = models_dir / "MODEL_CARD.md"
     notes = notes_file.read_text(encoding="utf-8") if notes_file else ""
-    out.write_text(render(m, acc, notes))
+    write_text_atomic(out, render(m, acc, notes))
     return out

@@ -403,6 +403,10 @@ def _run_acceptance(a) -> int:
     if given:  # the toy zoo's target decodes every prompt itself: these were ignored silently
         raise SystemExit(f"memspec-zoo acceptance: {', '.join(given)} apply to a chat zoo (the bundled one); the toy"
                          " zoo reads <models>/workloads and decodes them")
+    if a.continuations:
+        from .predictor_training import checked_continuations
+
+        checked_continuations(Path(a.continuations), "memspec-zoo acceptance")
     cfg = AcceptanceConfig(
         models_dir=Path(a.models),
         prompts_per_workload=a.prompts_per_workload,
@@ -483,13 +487,12 @@ def _run_card(a) -> int:
             raise SystemExit(f"memspec-zoo card: {exc}") from None
         return 0
 
-    write_card(
-        Path(a.models),
-        Path(a.work_dir or "artifacts/zoo-build"),
-        Path(a.acceptance_json) if a.acceptance_json else None,
-        a.threads or 2,
-        Path(a.notes) if a.notes else None,
-    )
+    try:
+        write_card(Path(a.models), Path(a.work_dir or "artifacts/zoo-build"),
+                   Path(a.acceptance_json) if a.acceptance_json else None, a.threads or 2,
+                   Path(a.notes) if a.notes else None)
+    except FileNotFoundError as exc:  # the held-out documents of another --work-dir: said before any timing
+        raise SystemExit(f"memspec-zoo card: {exc} (give the --work-dir the zoo was built in)") from None
     return 0
 
 

@@ -631,14 +631,23 @@ def _recent_tokens(text: str) -> int:
 def check_inputs(args: argparse.Namespace) -> None:
     """Every input file read and checked before a model loads (minutes on a CPU): the registry, the prompts' rows,
     the stored answers."""
+    from memspec_ros.runtime.model_source import missing_source
     from memspec_ros.runtime.registry import DraftRegistry, RegistryError
 
     try:
-        DraftRegistry.from_yaml(args.registry, validate=False)
+        registry = DraftRegistry.from_yaml(args.registry, validate=False)
         if args.prompts:
             read_prompts(args.prompts)
     except (RegistryError, ValueError) as exc:
         raise SystemExit(f"memspec-train-predictor: {exc}") from None
+    # the models themselves: a --target typo or a wheel not installed ended in a ModelDirectoryError traceback
+    target = args.target or registry.target_path
+    models = [("--target" if args.target else "the registry's target", target)] if target else []
+    gone = [f"{what} {path} ({why})" for what, path in models + [(f"draft {e.name}", e.path)
+                                                                 for e in registry.entries()]
+            if (why := missing_source(path))]
+    if gone:
+        raise SystemExit(f"memspec-train-predictor: not here: {'; '.join(gone)}")
     if "minilm" in args.encoders:  # a missing package ended the run after minutes of tracing, in a traceback
         from memspec_ros.runtime.predictor import PredictorError, minilm_path
 
@@ -650,6 +659,7 @@ def check_inputs(args: argparse.Namespace) -> None:
         continuations = Path(args.continuations)
         if continuations.is_dir():  # (a read-only file is fine: written only where a continuation was missing)
             raise SystemExit(f"memspec-train-predictor: --continuations {continuations} is a folder: name a file")
+        checked_continuations(continuations, "memspec-train-predictor")
     if args.unseen_by_drafts:  # found after the target and drafts had loaded
         _build_config(Path(args.registry).parent)
     answers = Path(args.answers) if args.answers else None
@@ -664,6 +674,17 @@ def check_inputs(args: argparse.Namespace) -> None:
                  "a teacher folder's answers pair with its build's workloads/train_requests.jsonl (give"
                  " <work dir>/teacher of a memspec-zoo build)")
         raise SystemExit(f"memspec-train-predictor: --answers {answers}: no training requests at {requests}: {which}")
+
+
+def checked_continuations(path: Path, program: str) -> None:
+    """SystemExit unless ``path`` is absent or a continuations cache (read before any model loads)."""
+    from memspec_ros.runtime.oracle import read_continuations
+
+    if path.is_file():
+        try:
+            read_continuations(path)
+        except ValueError as exc:
+            raise SystemExit(f"{program}: --continuations {exc}") from None
 
 
 def _checked_out(given: str | None, default: Path) -> str:

@@ -239,6 +239,11 @@ class RolloutStreams:
         ]
         self.names = [n for n in weights if weights[n] > 0]
         self.seqs = {n: [r for i, r in enumerate(every[n]) if keep(i)] for n in self.names}
+        empty = [n for n in self.names if not self.seqs[n]]
+        if empty:  # a batch drew from it with torch.randint(0, 0): a RuntimeError naming nothing
+            raise ValueError(f"no {split} rollouts for {', '.join(empty)} in {', '.join(map(str, paths))}: every"
+                             f" {val_every}th rollout of a source is held out for validation, so each needs at least"
+                             " 2 (more rollouts per source)")
         w = torch.tensor([weights[n] for n in self.names], dtype=torch.float64)
         self.probs = w / w.sum()
         self.gen = torch.Generator().manual_seed(seed)

@@ -216,6 +216,61 @@ def test_the_node_executable_with_a_params_file(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_memspec_client_killed_by_sigterm_cancels_its_goal_and_exits_143(tmp_path):
+    """The real memspec_client command, sent SIGTERM while its goal streams (a CI job's timeout, systemd stopping
+    it): it cancels the goal, prints the partial answer, and exits 128 + 15 (signals_interrupt; shown in-process
+    only until now)."""
+    import threading
+
+    name = "memspec_client_sigterm"
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "paced_node.py"), executable("memspec_node"),
+           "--ros-args", "-r", f"__node:={name}", "--params-file", str(params_file(tmp_path))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    context, node, executor = client_side("client_sigterm_test")
+    client = None
+    try:
+        lifecycle = LifecycleClient(node, f"/{name}", lambda seconds: executor.spin_once(timeout_sec=seconds))
+        for tid in (Transition.TRANSITION_CONFIGURE, Transition.TRANSITION_ACTIVATE):
+            assert lifecycle.change_state(tid, 120.0)
+        # paced (node_helpers.PACED_FROM): still generating when the signal comes, on any CPU
+        client = subprocess.Popen([executable("memspec_client"), "def add(a, b):", "--node", f"/{name}",
+                                   "--max-new-tokens", "3000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+        streamed = threading.Event()
+        chunks: list[str] = []
+
+        def read_stdout():
+            for chunk in iter(lambda: client.stdout.read(1), ""):
+                chunks.append(chunk)
+                streamed.set()
+
+        reader = threading.Thread(target=read_stdout, daemon=True)
+        reader.start()
+        assert streamed.wait(120), "memspec_client streamed nothing"
+        client.send_signal(signal.SIGTERM)
+        err = client.stderr.read()
+        client.wait(timeout=60)
+        reader.join(10)
+        out = "".join(chunks)
+        assert client.returncode == 128 + signal.SIGTERM, (client.returncode, err)
+        assert "interrupted: cancelling the goal" in err, err
+        assert "finish: cancelled" in out and "Traceback" not in err, (out[-500:], err)
+        # the node serves the next goal
+        from memspec_interfaces.action import Generate
+
+        sink = open(os.devnull, "w")
+        outcome = send_goal(node, executor, Generate.Goal(prompt="def add(a, b):", max_new_tokens=4),
+                            f"/{name}/generate", server_timeout=TIMEOUT, result_timeout=60.0, out=sink, log=sink)
+        assert outcome.ok, outcome.status
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+        out = _stop(proc, executor, node, context, "ignored SIGINT")
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_a_goal_ends_it_with_a_result_and_the_process_exits_cleanly(tmp_path, sig):
     """SIGINT or SIGTERM while a goal runs: the goal ends ABORTED with its partial text and the client

@@ -18,3 +18,27 @@ def assert_verify_rows_equal_steps(model: torch.nn.Module, vocab_size: int, pref
         verify = forward_once(model, ids[prefix:prefix + rows], batched, rows, "cpu")
         steps = torch.stack([forward_once(model, [t], single, 1, "cpu")[-1] for t in ids[prefix:prefix + rows]])
         assert torch.equal(verify, steps), f"{rows} rows: largest difference {(verify - steps).abs().max()}"
+
+
+def target_alone(target: torch.nn.Module, prompt: list[int], new: int, eos: int | None = None) -> list[int]:
+    """The engine's own greedy decoding of ``target`` alone, one token per forward: what every speculative run must
+    reproduce token for token (lossless). transformers' generate is no such reference: the engine's kernels sum in
+    another order than ATen's (by CPU: 8 or 16 lanes, AVX2, AVX512, AMX), which may flip a near-tie."""
+    from memspec_ros.runtime.speculative import generate
+
+    return generate(target, prompt, None, max_new_tokens=new,
+                    eos_token_ids=[] if eos is None else [eos]).generated_ids
+
+
+def assert_transformers_agrees_up_to_a_tie(ids: list[int], model: torch.nn.Module, prompt: list[int],
+                                           tolerance: float = 1e-3) -> None:
+    """transformers' greedy decoding of ``model`` gives ``ids``, or the two part where transformers' top two logits
+    are within ``tolerance`` of the logit scale (a near-tie that another summation order may flip), not at a
+    token the engine got wrong."""
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=len(ids), eos_token_id=None,
+                         pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    reference = out.sequences[0, len(prompt):].tolist()
+    differ = next((k for k, (a, b) in enumerate(zip(ids, reference, strict=True)) if a != b), None)
+    if differ is not None:
+        first, second = out.scores[differ][0].float().topk(2).values.tolist()
+        assert first - second < tolerance * max(1.0, abs(first)), (differ, first, second)  # a tie, not a wrong token

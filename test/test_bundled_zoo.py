@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from row_checks import assert_transformers_agrees_up_to_a_tie
 
 from memspec_ros.runtime.draft_vocab import ReducedVocabDraft
 from memspec_ros.runtime.model_source import is_model_source
@@ -95,13 +96,7 @@ def test_a_domain_draft_is_lossless_with_the_real_target(name):
     assert sum(it.accepted for it in session.stats.iterations) > 0  # the draft really drafted
     # and transformers' own greedy decoding of the same model agrees, up to a near-tie: the engine's fp32 kernels
     # sum in another order than ATen's (8 or 16 lanes by CPU), which may flip a token whose top two logits tie
-    out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=None,
-                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    reference = out.sequences[0, len(ids):].tolist()
-    differ = next((k for k, (a, b) in enumerate(zip(alone, reference, strict=True)) if a != b), None)
-    if differ is not None:
-        first, second = out.scores[differ][0].float().topk(2).values.tolist()
-        assert first - second < 1e-3 * max(1.0, abs(first)), (differ, first, second)  # a tie, not a wrong token
+    assert_transformers_agrees_up_to_a_tie(alone, target, ids)
 
 
 def test_the_datastore_holds_the_targets_training_answers_for_its_tokenizer():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from row_checks import target_alone
 
 from memspec_ros.runtime.draft_vocab import ReducedVocabDraft
 from memspec_ros.runtime.models import ModelSpec, load_model
@@ -303,8 +304,7 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     assert (out / "workloads" / "mixed.jsonl").is_file()
     target = load_model(ModelSpec(str(path))).model
     prompt = chat_prompt_ids(tok, [{"role": "user", "content": "code request 0"}])
-    reference = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=None,
-                                pad_token_id=0)[0, len(prompt):].tolist()
+    reference = target_alone(target, prompt, 16)
     drafts = {}
     for d in DOMAINS:
         loaded = load_model(ModelSpec(str(out / "drafts" / d)))

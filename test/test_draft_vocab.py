@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from row_checks import target_alone
 from sampling_checks import check_given_first
 
 from memspec_ros.runtime.draft_forward import lean_forward_for
@@ -27,10 +28,7 @@ def reduced(rows: list[int], seed: int = 1, target_vocab: int = VOCAB, hidden: i
 
 
 def reference(target, new: int = 40) -> list[int]:
-    out = target.generate(
-        torch.tensor([PROMPT]), do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(PROMPT):].tolist()
+    return target_alone(target, PROMPT, new)  # the target's own greedy output, as the engine decodes it alone
 
 
 def test_logits_are_the_drafts_own_on_its_rows_and_minus_inf_elsewhere():

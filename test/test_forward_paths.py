@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from row_checks import assert_transformers_agrees_up_to_a_tie
 from sampling_checks import check_given_first
 
 from memspec_ros.runtime.draft_forward import lean_forward_for
@@ -258,9 +259,11 @@ def test_engine_output_equals_the_configured_targets_own_greedy_output(tiny_dirs
     assert target.forward_path == path and lean_forward_for(target.model) is not None
     prompt = [1, 5, 7, 9, 11, 13]
     alone = generate(target.model, prompt, None, max_new_tokens=40).generated_ids  # one token per forward
-    hf = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()  # transformers' forward, same modules
-    assert alone == hf
+    # transformers' forward over the same modules: its RMSNorm, RoPE and attention are ATen's where the engine's
+    # are C, which on the quantized paths moves logits by up to 1.8e-2 of their scale (int4; 1.3e-3 int8, by CPU:
+    # test_cpu_kernels), so the two may part at a near-tie within that
+    assert_transformers_agrees_up_to_a_tie(alone, target.model, prompt,
+                                           tolerance={"int4": 2e-2, "int8": 2e-3}.get(path, 1e-3))
     accepted = 0
     for gamma in (1, 3, 6):
         session = generate(target.model, prompt, draft.model, gamma=gamma, max_new_tokens=40)

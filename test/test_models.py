@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from row_checks import target_alone
 
 from memspec_ros.runtime.forward_paths import cpu_has_bf16
 from memspec_ros.runtime.models import (
@@ -57,10 +58,7 @@ def test_loads_and_generates_in_every_dtype(model_dirs):
     check_draft_compatible(target.vocab_size, draft)
     check_shared_tokenizer(target_dir, draft_dir)
     session = generate(target.model, [1, 4, 9], draft.model, gamma=3, max_new_tokens=16)
-    reference = target.model.generate(
-        torch.tensor([[1, 4, 9]]), do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0
-    )
-    assert session.generated_ids == reference[0, 3:].tolist()
+    assert session.generated_ids == target_alone(target.model, [1, 4, 9], 16)
 
 
 def test_missing_directory(tmp_path):

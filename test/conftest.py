@@ -32,9 +32,29 @@ import os
 os.environ["OMP_NUM_THREADS"] = os.environ.get("MEMSPEC_TEST_OMP_THREADS", "1")
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+
+def _noexec(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_NOEXEC)
+    except OSError:
+        return False
+
+
+# A runner whose temporary folder is mounted noexec (a hardened CI image's /tmp): tests run scripts (a fake
+# compiler, a fake llama.cpp) and dlopen kernel libraries built in their temporary folders, which failed there with
+# EACCES and "failed to map segment". This session's temporary files go to a folder beside the tests instead (set
+# before anything asks for the temporary folder; the node processes the tests start inherit it).
+if _noexec(tempfile.gettempdir()):
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(__file__)))
+    tempfile.tempdir = None
+    atexit.register(shutil.rmtree, os.environ["TMPDIR"], ignore_errors=True)
+
 # The tests build their zoos and broken drafts in the system temp directory: allow it as a root of the node's
 # path parameters (model.allowed_roots' default; test_security checks the confinement with roots of its own).
-import tempfile  # noqa: E402
 
 # added to the user's own roots (a value set for running the node replaced it, and every test zoo was refused)
 os.environ["MEMSPEC_ALLOWED_ROOTS"] = os.pathsep.join(
@@ -43,15 +63,12 @@ os.environ["MEMSPEC_ALLOWED_ROOTS"] = os.pathsep.join(
 # Drafts loaded through the storage tier keep their runtime forms (runtime/storage.py): the tests' are forms of
 # temporary zoos, kept in a folder of this session's (the node processes the tests start inherit it), not the
 # user's cache, and removed at the end.
-import atexit  # noqa: E402
-import shutil  # noqa: E402
-
 if "MEMSPEC_RUNTIME_FORMS_DIR" not in os.environ:
     os.environ["MEMSPEC_RUNTIME_FORMS_DIR"] = tempfile.mkdtemp(prefix="memspec-runtime-forms-")
     atexit.register(shutil.rmtree, os.environ["MEMSPEC_RUNTIME_FORMS_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
-from ros_helpers import claim_ros_domain_id, isolate_ros_environment, require_ros
+from ros_helpers import claim_ros_domain_id, isolate_ros_environment, require_ros  # noqa: E402
 
 ROS_DOMAIN_ID = claim_ros_domain_id()
 isolate_ros_environment(ROS_DOMAIN_ID)

@@ -87,6 +87,7 @@ STRICT_ALLOWED_SKIPS = (
     "mincore is not available",  # test_storage: no page-cache residency query on this OS
     "only meaningful without the GPTQ backend",  # test_models: the backend is installed here
     "turned off (MEMSPEC_GPTQ=0)",  # test_gptq: make test's documented opt-out of .venv-gptq
+    "built without OpenMP here",  # test_cpu_kernels: a compiler without OpenMP builds single-threaded kernels
 )
 
 

@@ -618,6 +618,8 @@ def _proc_state(pid: int) -> str:
 def test_the_thread_count_does_not_change_a_number(path):
     """Threads split outputs (matmuls) and heads (attention); each is computed by the same operations whichever
     thread runs it, so 1 and 3 threads give the same logits bit for bit (3: parts of unequal size)."""
+    if "without OpenMP" in (cpu_kernels.status().reason or ""):  # one thread whatever the count: nothing to compare
+        pytest.skip("the kernels were built without OpenMP here, so they run one thread whatever the count")
     model = _decoder_model(path, seed=11)
     lean = lean_forward_for(model)
     prompt, rows = list(range(3, 40)), [7, 21, 9, 40, 2]

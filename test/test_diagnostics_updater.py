@@ -212,8 +212,9 @@ class UpstreamStub:
         self.timer = node.create_timer(node.declare_parameter(PERIOD_PARAM, period).value, self.update)
         use_fqn = (node.get_parameter(USE_FQN_PARAM).value if node.has_parameter(USE_FQN_PARAM)
                    else node.declare_parameter(USE_FQN_PARAM, False).value)
-        self._name = node.get_fully_qualified_name() if use_fqn else node.get_name()
-        self.node_name = self._name  # the public attribute (from diagnostic_updater 3.2)
+        # the public attribute (from diagnostic_updater 3.2), built as ros2-jazzy builds it: "//name" in the root
+        # namespace; the statuses are named from it when published
+        self.node_name = "/".join([node.get_namespace(), node.get_name()]) if use_fqn else node.get_name()
         self.publisher = node.create_publisher(DiagnosticArray, "/diagnostics", 1)
         self.hwid = ""
         self.tasks: list = []
@@ -225,13 +226,16 @@ class UpstreamStub:
 
     def add(self, name: str, fn) -> None:
         self.tasks.append((name, fn))
-        self.published.append([DiagnosticStatus(level=OK, name=f"{self._name}: {name}", message=STARTING_UP)])
+        self.published.append([DiagnosticStatus(level=OK, name=f"{self._node_name()}: {name}", message=STARTING_UP)])
+
+    def _node_name(self) -> str:
+        return getattr(self, "node_name", self.node.get_name())  # before 3.2: the plain name
 
     def update(self) -> None:
         out = []
         for name, fn in self.tasks:
             stat = fn(WrapperStub(level=ERROR, name=name, message=NO_MESSAGE, hardware_id=self.hwid))
-            stat.name = f"{self._name}: {stat.name}"
+            stat.name = f"{self._node_name()}: {stat.name}"
             out.append(stat)
         self.published.append(out)
 
@@ -299,6 +303,21 @@ def test_an_integer_period_override_starts_the_node_on_diagnostic_updaters_updat
     node = make_node("memspec_int", node_class=MemSpecNode, parameter_overrides=[Parameter(PERIOD_PARAM, value=2)])
     assert isinstance(node._diagnostics, UpstreamUpdater)
     assert node.get_parameter(PERIOD_PARAM).value == 2.0 and upstream[0].period == 2.0
+
+
+@pytest.mark.parametrize("namespace", ["/", "/robot"])
+def test_use_fqn_on_the_upstream_updater_names_statuses_with_one_slash(make_node, upstream, namespace):
+    """Upstream joins namespace and name with "/": in the root namespace, the launch default, its statuses were
+    named "//memspec_fqn: ...", which an aggregator rule for "/memspec_fqn:" never matched."""
+    from memspec_ros.ros.node import MemSpecNode
+
+    node = make_node("memspec_fqn", namespace=namespace, node_class=MemSpecNode,
+                     parameter_overrides=[Parameter(USE_FQN_PARAM, value=True)])
+    assert isinstance(node._diagnostics, UpstreamUpdater)
+    upstream[0].update()
+    expected = "/memspec_fqn" if namespace == "/" else "/robot/memspec_fqn"
+    assert node._diagnostics.node_name == expected
+    assert {s.name.split(": ")[0] for s in upstream[0].published[-1]} == {expected}
 
 
 def test_an_updater_from_before_use_fqn_is_named_by_the_node(make_node, upstream, monkeypatch):

@@ -801,3 +801,75 @@ def test_an_inactive_nodes_latched_cache_state_says_no_draft_runs(harness):
         assert got[-1].active_draft == "" and not any(d.is_active for d in got[-1].drafts)
     finally:
         h.client.destroy_subscription(sub)
+
+
+def test_a_goal_its_client_cancelled_ends_canceled_though_a_deactivate_came_before_its_next_iteration(harness,
+                                                                                                       monkeypatch):
+    """The client's cancel was accepted (CANCELING); a deactivate then ended the goal ABORTED with "the node was
+    deactivated", telling the client its cancel had not counted."""
+    import threading
+
+    from memspec_ros.ros import goal_runner
+    from memspec_ros.ros import node as node_module
+
+    monkeypatch.setattr(goal_runner, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(node_module, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    h = harness()
+    h.activate()
+    controller = h.node.loaded.controller
+    generate, entered, release = controller.generate, threading.Event(), threading.Event()
+
+    def deaf_generate(*args, **kwargs):  # a long prefill: no iteration checks the cancel meanwhile
+        entered.set()
+        release.wait(30.0)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "generate", deaf_generate)
+    handle, _ = h.send(goal(max_new_tokens=64))
+    assert handle.accepted and entered.wait(10.0)
+    try:
+        assert len(h.wait(handle.cancel_goal_async(), 10.0, "the cancel response").goals_canceling) == 1
+        assert h.transition(Transition.TRANSITION_DEACTIVATE)
+    finally:
+        release.set()
+    response = h.result(handle)
+    assert response.status == GoalStatus.STATUS_CANCELED, (response.status, response.result.error_message)
+    assert response.result.finish_reason == "cancelled"
+
+
+def test_a_deactivate_the_running_goal_outlasts_leaves_the_cache_state_as_it_is(harness, monkeypatch):
+    """A goal deaf to the deactivate (a long prefill) still runs when the transition ends: the latched
+    ~/cache_state said no draft ran, and stayed so for every subscriber while the node was inactive."""
+    import threading
+
+    from memspec_interfaces.msg import CacheState
+    from memspec_ros.ros import goal_runner
+    from memspec_ros.ros import node as node_module
+    from memspec_ros.ros.diagnostics import LATCHED
+
+    monkeypatch.setattr(goal_runner, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(node_module, "DEACTIVATE_WAIT_SECONDS", 0.5)
+    h = harness()
+    h.activate()
+    controller = h.node.loaded.controller
+    generate, entered, release = controller.generate, threading.Event(), threading.Event()
+
+    def deaf_generate(*args, **kwargs):
+        entered.set()
+        controller.cache.set_active("general")  # its draft runs
+        release.wait(30.0)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "generate", deaf_generate)
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert handle.accepted and entered.wait(10.0)
+    got: list[CacheState] = []
+    try:
+        assert h.transition(Transition.TRANSITION_DEACTIVATE)
+        sub = h.client.create_subscription(CacheState, "/memspec/cache_state", got.append, LATCHED)
+        wait_until(lambda: got, 10.0, "the latched CacheState")
+        assert got[-1].active_draft == "general"  # the goal still runs its draft: not "none runs"
+        h.client.destroy_subscription(sub)
+    finally:
+        release.set()
+    assert h.result(handle).status == GoalStatus.STATUS_ABORTED

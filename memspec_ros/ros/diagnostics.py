@@ -274,6 +274,14 @@ class UpstreamUpdater(_TaskList):
         node.set_descriptor(PERIOD_PARAM, P.BY_NAME[PERIOD_PARAM].descriptor())
         self.upstream.setHardwareID(self.hardware_id)
         # node_name came with use_fqn (diagnostic_updater 3.2, 2024); before it the plain node name is used
+        if node.has_parameter(USE_FQN_PARAM) and node.get_parameter(USE_FQN_PARAM).value:
+            if hasattr(self.upstream, "node_name"):
+                # upstream joins namespace and name with "/": "//memspec: ..." in the root namespace (the launch
+                # default), which an aggregator rule for "/memspec:" never matched; named as the C++ Updater names it
+                self.upstream.node_name = node.get_fully_qualified_name()
+            else:
+                node.get_logger().warning(f"{USE_FQN_PARAM} is ignored: this diagnostic_updater predates it (3.2),"
+                                          " so the statuses are named by the plain node name")
         self.node_name = getattr(self.upstream, "node_name", self.node_name)
         self._group = callback_group
         self._regroup_timer()

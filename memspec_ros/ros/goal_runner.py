@@ -650,10 +650,10 @@ class GoalRunner:
 
     def _generate(self, job: Job) -> Generate.Result:
         lo, gh = self._loaded, job.goal_handle
+        if gh.is_cancel_requested:  # first: the client's own cancel, accepted, is what it gets (not ABORTED)
+            return self._end(job, CANCELLED)
         if job.abort_reason or lo is None:
             return self._end(job, ERROR, error=job.abort_reason or "the node was cleaned up before the goal started")
-        if gh.is_cancel_requested:
-            return self._end(job, CANCELLED)
         feedback = FeedbackThrottle(gh, lo.controller.cache, self._param("action.feedback_period"),
                                     self._node.get_logger())
         goal = job.request
@@ -676,9 +676,10 @@ class GoalRunner:
             return self._end(job, ERROR, feedback.text, done, error, _ttft(job, feedback), measured=False)
         feedback.flush()
         ttft = _ttft(job, feedback)
-        if job.abort_reason is not None and out.finish_reason == CANCELLED:
+        if job.abort_reason is not None and out.finish_reason == CANCELLED and not gh.is_cancel_requested:
             # deactivate / shutdown cut it: the partial text, ABORTED (one that landed after the last iteration
-            # leaves a finished answer, which is settled as what it is)
+            # leaves a finished answer, which is settled as what it is). A goal its client had cancelled ends
+            # CANCELED, as Generate.action says: its cancel was accepted, and ABORTED told it the cancel did not count
             return self._end(job, ERROR, out.text, out.stats, job.abort_reason, ttft)
         if out.finish_reason == CANCELLED and not gh.is_cancel_requested and time.perf_counter() > deadline:
             return self._end(job, ERROR, out.text, out.stats, f"the goal ran past action.max_goal_seconds"

@@ -304,6 +304,49 @@ def test_a_wait_for_a_stalled_load_gives_up_after_max_load_wait_seconds(target, 
         RuntimeConfig(max_load_wait_seconds=-1.0).validate()
 
 
+def test_a_closed_controller_is_not_kept_alive_by_a_load_still_reading(drafts, monkeypatch):
+    """A load left reading as the cache closed (failing storage) holds the cache on its thread, and through the
+    cache's callbacks (size_of, source_current) the controller, its target and predictor: a node cleaned up then
+    kept a whole target in memory, per configure."""
+    import gc
+    import weakref
+
+    target = tiny_llama(layers=1, hidden=32, seed=9)
+    loader = GatedLoader(drafts, gated={"math"}, limit=60.0)
+    ctl = make(target, drafts, "memspec", loader=loader, capacity=2)
+    try:
+        ctl.cache.request("math")  # reading, and held there
+        assert ctl.cache.loading() == ["math"]
+        closes = []
+        # the node's cleanup, with a short wait: the load is left to end on its own thread
+        monkeypatch.setattr(ctl.cache, "close", lambda real=ctl.cache.close: closes.append(real(timeout=0.1)))
+        ctl.close()
+        assert closes == [False]
+        alive = weakref.ref(target)
+        monkeypatch.undo()
+        del ctl, target
+        gc.collect()
+        assert loader.done == []  # still reading
+        assert alive() is None, [type(r).__name__ for r in gc.get_referrers(alive())]
+    finally:
+        loader.gate.set()
+
+
+def test_closing_a_cache_again_does_not_wait_for_the_load_left_reading(target, drafts):
+    """A second close (its owner's, after a caller's) shut the pool down again and joined the load the first one
+    had left reading: it blocked until the failing storage answered."""
+    loader = GatedLoader(drafts, gated={"math"}, limit=60.0)
+    ctl = make(target, drafts, "memspec", loader=loader, capacity=2)
+    try:
+        ctl.cache.request("math")
+        assert not ctl.cache.close(timeout=0.1)
+        assert not ctl.cache.close()  # at once, saying the load is still left reading
+        assert loader.done == []
+    finally:
+        loader.gate.set()
+        ctl.close()
+
+
 def test_mab_sync_blocks_and_mab_async_does_not(target, drafts):
     sync = make(target, drafts, "mab-sync", loader=Loader(drafts, delay=0.05), capacity=1)
     s = sync.generate(PROMPT, NEW).stats

@@ -183,6 +183,7 @@ class DraftCacheManager:
         # while the name's entry pointed elsewhere (changed and changed back before any sync saw the load), and is
         # dropped instead of running other weights under the name (None: every load is kept)
         self.source_current: Callable[[str, str], bool] | None = None
+        self._closed_whole = True  # what close() found: nothing left reading
         self._lock = threading.RLock()
         self._slots: dict[str, _Slot] = {}
         # loads in flight of a draft removed or failed meanwhile: out of ``_slots`` (so its name can load anew, or stay
@@ -599,12 +600,22 @@ class DraftCacheManager:
         exits). The resident drafts are let go: a closed cache held them (their memory) for as long as its owner
         lived. Returns False where it was still reading."""
         with self._lock:
-            self._closed = True
+            closed_before, self._closed = self._closed, True
+        if closed_before:  # (its owner's close after a caller's): the pool was shut down; a second shutdown joined a
+            return self._closed_whole  # load left reading, blocking until the failing storage answered
+        # a load left reading on its thread holds this cache; through these callbacks the cache held its owner's
+        # controller, and with it the target, the predictor and the registry: a node cleaned up over failing storage
+        # kept a whole target in memory per configure. No-ops, not None: the thread may be about to call one
+        self.size_of = lambda name: 0
+        self.source_current = lambda name, source: True
+        self.on_change = None
+        self.on_evict.clear()
         finished = _wait_futures(self._stop_queued(), _deadline(timeout), None)
         if not finished:
             log.warning("a draft load was still reading after %.0f s as the draft cache closed: left to end on its"
                         " own thread (is the drafts' storage failing?)", timeout)
         self._pool.shutdown(wait=finished, cancel_futures=True)
+        self._closed_whole = finished
         with self._lock:
             for slot in self._slots.values():
                 slot.model = None
@@ -959,8 +970,9 @@ class DraftCacheManager:
         self._changed_logged()
 
     def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change(self._snapshot())
+        callback = self.on_change  # read once: close() may clear it meanwhile
+        if callback is not None:
+            callback(self._snapshot())
 
     def _changed_logged(self) -> None:
         """_changed for the loader thread's publish: the load's outcome is settled by then, so a callback that

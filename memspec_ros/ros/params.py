@@ -302,7 +302,10 @@ PARAMS: tuple[Param, ...] = (
     Param("diagnostics.fallback_warn_fraction", 0.2,
           "WARN when the window's fallback fraction exceeds this.",
           float_range=(0.0, 1.0)),
-    Param("diagnostics.window_goals", 20, "Finished goals in the throughput window.", int_range=(1, 10_000)),
+    Param("diagnostics.window_goals", 20,
+          "Finished goals in the throughput window. Each keeps one record per iteration, and every diagnostics"
+          " period combines them all: thousands of long goals cost memory and time on every update.",
+          int_range=(1, 10_000)),
     Param("diagnostics.cache_state_period", 1.0,
           "Seconds between periodic ~/cache_state messages (also published on change).",
           float_range=(CACHE_POLL_SECONDS, 3600.0)),

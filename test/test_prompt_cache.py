@@ -399,6 +399,23 @@ def test_a_refused_request_takes_nothing_from_the_prompt_cache(c_target):
     assert controller.generate(follow, max_new_tokens=4).stats.reused_prompt_tokens == held
 
 
+@pytest.mark.parametrize("prompt_cache", [True, False])
+def test_the_target_hidden_encoder_holds_no_rows_between_goals(c_target, prompt_cache):
+    """With the prompt cache off (or refused, or the goal failed), the encoder kept every hidden row the goal fed
+    until the next goal began: memory no budget counted, held while the robot sat idle."""
+    drafts = {"general": noisy_copy(c_target, 0.05, seed=5)}
+    encoder = TargetHiddenEncoder(c_target, recent_tokens=8)
+    registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
+    controller = RuntimeController(RuntimeConfig(policy="general-static", prompt_cache=prompt_cache), c_target, None,
+                                   registry, encoder, loader=_Loader(drafts))
+    try:
+        controller.generate(_ids(20, 3), max_new_tokens=12)
+        assert encoder._history == [] and encoder._fed == []
+    finally:
+        controller.close()
+        encoder.close()
+
+
 @pytest.mark.parametrize("rows_kept", [True, False])
 @pytest.mark.parametrize("prompt_tokens", [0, 4, 20])
 def test_the_target_hidden_encoder_keeps_the_reused_positions_rows(c_target, prompt_tokens, rows_kept):

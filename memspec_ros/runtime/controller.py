@@ -478,6 +478,7 @@ class RuntimeController:
         # before the try: a failure ahead of the prompt cache's take (a timing forward, a file check, a reset)
         # read them in the handler and surfaced as UnboundLocalError instead of its own exception
         taken, prefix = 0, None
+        rows_handed = False  # the predictor's hidden rows of this goal went to the prompt cache
         try:
             self._take_pending()
             with self._lock:
@@ -518,6 +519,7 @@ class RuntimeController:
             if reuse and session.started and self.config.prompt_cache:
                 prefix_rows = getattr(self.predictor, "prefix_rows", None)
                 rows = prefix_rows(session.target_kv.length) if prefix_rows is not None else None
+                rows_handed = True
                 # with the draft cache reset at every goal, its drafts are loaded anew as other objects: their
                 # caches could serve no later goal, and would only take the budget's bytes from the target's
                 drafts = {} if self.config.reset_cache_per_generation else session.draft_kvs
@@ -531,6 +533,11 @@ class RuntimeController:
             raise
         finally:
             self._should_cancel = None
+            drop_rows = getattr(self.predictor, "prefix_rows", None)
+            if not rows_handed and drop_rows is not None:
+                # none kept (the prompt cache off or refused, the goal failed): the target-hidden encoder held every
+                # row this goal fed, uncounted, until the next goal began (134 MB for a 4096-wide target at 8k)
+                drop_rows(0)
             if session is not None and session.drop_draft in self.cache.on_evict:
                 self.cache.on_evict.remove(session.drop_draft)
             self.cache.set_active("")  # no draft decodes between goals: none is protected as the running one

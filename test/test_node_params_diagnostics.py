@@ -123,6 +123,24 @@ def test_a_registry_set_while_idle_checks_the_drafts_files_as_the_next_goal_star
     assert len(checked) == 1  # as that goal started
 
 
+def test_drafts_removed_while_idle_take_their_kept_kv_caches_with_them(h, monkeypatch):
+    """The prompt cache keeps each draft's KV cache of the last goals for the next turn: a registry change while
+    idle evicted the removed drafts, but their KV caches stayed until a goal came (held, no longer counted).
+    (PromptCache.forget_drafts itself: test_prompt_cache.)"""
+    prompt_cache = h.node.loaded.controller.prompt_cache
+    forgotten: list[list[str]] = []
+    real = prompt_cache.forget_drafts
+    monkeypatch.setattr(prompt_cache, "forget_drafts", lambda names: forgotten.append(sorted(names)) or real(names))
+    general = str(tiny_zoo() / "drafts" / "general")
+    try:
+        result = h.set_params_atomically(**{"drafts.names": ["general"], "drafts.paths": [general],
+                                            "drafts.domains": ["general"]})
+        assert result.successful, result.reason
+        assert forgotten == [["code", "math"]]
+    finally:
+        assert h.set_params_atomically(**registry_file_params()).successful
+
+
 def test_a_draft_the_predictor_cannot_score_is_named_on_diagnostics(h):
     """A registered draft the head has no class for (by name or domain) ties at the unknown score, so a ranking
     policy never ranks it first: it was accepted without a word while another draft of the registry was scored."""

@@ -735,6 +735,24 @@ def test_a_budget_change_that_evicts_drafts_drops_their_kept_caches_at_once(c_ta
         controller.close()
 
 
+def test_forgetting_a_draft_drops_its_kept_kv_caches_though_its_model_lives_on(c_target):
+    """A draft removed from the registry while idle: its kept KV caches went only once its model was collected
+    and a goal came (a weak reference dies only when nothing else holds the model)."""
+    drafts = {"a": noisy_copy(c_target, 0.05, seed=5), "b": noisy_copy(c_target, 0.05, seed=6)}
+    controller = _controller(c_target, drafts, capacity=2)
+    try:
+        controller.generate(_ids(10, 10), max_new_tokens=12)
+        _needs_reuse(controller.prompt_cache_refused)
+        kept = {n for entry in controller.prompt_cache._entries for n in entry.drafts}
+        assert kept and kept <= {"a", "b"}
+        before = controller.prompt_cache.bytes
+        controller.prompt_cache.forget_drafts(["a", "b"])
+        assert all(not entry.drafts for entry in controller.prompt_cache._entries)
+        assert controller.prompt_cache.bytes < before and drafts["a"] is not None  # the models live on
+    finally:
+        controller.close()
+
+
 def test_a_reused_draft_evicted_mid_goal_is_freed_before_the_goal_ends(c_target):
     """The goal's own record of what it took from the prompt cache (``Reuse.drafts``) held each reused draft's
     model and KV cache until generate() returned: a draft evicted mid-goal stayed in memory, beside the cache's

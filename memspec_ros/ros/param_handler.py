@@ -168,6 +168,8 @@ class ParameterHandler:
                     try:
                         for entry in [] if running else removed:
                             lo.controller.cache.remove(entry.name)
+                        if not running:  # their KV caches kept for a later turn serve no draft now
+                            lo.controller.prompt_cache.forget_drafts([entry.name for entry in removed])
                         # a resident draft whose files were restored or replaced is read again when the next goal
                         # starts, on that goal's thread (evict_changed must not run beside a generation, and its
                         # stat of every draft's files, slow on failing storage, must not run here holding the

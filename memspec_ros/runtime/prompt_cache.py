@@ -198,6 +198,16 @@ class PromptCache:
                 dropped = True
         return dropped
 
+    def forget_drafts(self, names: Sequence[str]) -> None:
+        """Drop every kept cache of the drafts ``names`` (removed from the registry, or their files replaced): a
+        weak reference dies only once nothing else holds the model, and until a goal came their caches stayed, held
+        and no longer counted, for as long as the node sat idle."""
+        names = set(names)
+        for entry in self._entries:
+            if names & set(entry.drafts):
+                entry.drafts = {n: pair for n, pair in entry.drafts.items() if n not in names}
+        self.trim()
+
     def trim(self) -> None:
         """Drop the caches of drafts no longer alive, then the oldest goals' past the budget."""
         entries = list(self._entries)

@@ -164,6 +164,37 @@ def test_failed_load_marks_draft_failed_and_is_skipped(caplog):
     cache.close()
 
 
+def test_a_remembered_failure_holds_no_frame_of_its_whole_chain():
+    """The failure is kept (its back-off) without tracebacks, whose frames hold the half-built model: only the error,
+    its cause and its context were cleared, so a chain one deeper (an error raised while handling a wrapped one)
+    kept that frame, and the model in it, while the node sat idle."""
+    import gc
+    import weakref
+
+    half_built: list[weakref.ref] = []
+
+    def load(name: str) -> LoadedModel:
+        model = torch.nn.Linear(4, 4)
+        half_built.append(weakref.ref(model))
+        try:
+            try:
+                raise OSError("read error")  # the frame holding ``model`` is in every link's traceback
+            except OSError as first:
+                raise ValueError("bad header") from first
+        except ValueError:
+            raise RuntimeError(f"building {name} failed")  # noqa: B904 - its context: a chain three deep
+
+    cache = DraftCacheManager(2, load)
+    try:
+        cache.update(["math"])
+        cache.drain()
+        assert "math" in cache.failed()
+        gc.collect()
+        assert half_built and half_built[0]() is None  # no frame of the chain holds the model
+    finally:
+        cache.close()
+
+
 def test_a_budget_change_retries_the_drafts_that_did_not_fit():
     cache = DraftCacheManager(2, fake_loader(), budget_bytes=100, size_of=SIZES.get)
     cache.update(["medical", "law"])  # medical's estimate (400 B) is over the budget: its load measures it

@@ -775,10 +775,16 @@ class DraftCacheManager:
         """Every failed draft ends here: recorded on the slot (CacheStats.failed), counted (``counter``, on
         /diagnostics) and logged."""
         # kept without tracebacks: their frames hold the draft's model (a failure in use) or a half-loaded one,
-        # which would stay in memory while the failure is remembered; the log gets text for the same reason
-        for exc in (error, error.__cause__, error.__context__):
-            if exc is not None:
+        # which would stay in memory while the failure is remembered; the log gets text for the same reason. The
+        # whole chain: an error raised while handling another, itself a wrapped one, kept the deeper frames
+        seen: set[int] = set()
+        pending: list[BaseException | None] = [error]
+        while pending:
+            exc = pending.pop()
+            if exc is not None and id(exc) not in seen:
+                seen.add(id(exc))
                 exc.__traceback__ = None
+                pending += [exc.__cause__, exc.__context__]
         slot.error, slot.future, slot.failed_at = error, None, time.monotonic()
         setattr(self._counters, counter, getattr(self._counters, counter) + 1)
         log.warning("draft %r %s (retried after %.0f s): %s: %s", slot.name, what, self.retry_seconds,

@@ -517,6 +517,36 @@ def test_the_bundled_conversion_ends_generation_at_its_end_of_turn(converted):
     assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
+def test_a_new_conversion_removes_the_conversions_no_process_loaded_for_a_month(tmp_path, monkeypatch):
+    """Every changed GGUF file and every transformers / gguf upgrade (the key) left a full fp32 copy of a model in the
+    cache for good. Those unused for UNUSED_CONVERSION_SECONDS go as the next conversion is made; a load marks a
+    conversion used; one another process holds the lock of (converting it now) stays."""
+    import fcntl
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_source, "convert_gguf",
+                        lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
+    gguf_dir = tmp_path / "cache" / "gguf"
+    long_ago = time.time() - model_source.UNUSED_CONVERSION_SECONDS - 60
+    for name in ("unused", "held", "recent", "loaded"):
+        (gguf_dir / name).mkdir(parents=True)
+        (gguf_dir / name / "model.safetensors").write_bytes(b"an old fp32 model")
+        (gguf_dir / name / CONVERTED_MARKER).write_text("{}")
+        if name != "recent":
+            os.utime(gguf_dir / name / CONVERTED_MARKER, (long_ago, long_ago))
+    (gguf_dir / "not-a-conversion").mkdir()
+    monkeypatch.setattr(model_source, "conversion_key", lambda digest: "loaded")
+    assert resolve_model_path(str(src)) == gguf_dir / "loaded"  # loaded: used now
+    monkeypatch.setattr(model_source, "conversion_key", lambda digest: "new")
+    with open(gguf_dir / ".held.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as another process converting that key now
+        assert (resolve_model_path(str(src)) / CONVERTED_MARKER).is_file()
+    left = sorted(p.name for p in gguf_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert left == ["held", "loaded", "new", "not-a-conversion", "recent"]
+
+
 def test_a_conversion_removes_the_folders_of_conversions_killed_part_way_under_any_key(tmp_path, monkeypatch):
     """Only the converting key's leftovers were removed: a conversion killed part way (the OOM killer, de-quantizing
     to fp32) left a full copy of the model that stayed for good once the key changed (a transformers upgrade,

@@ -379,6 +379,7 @@ def converted_dir(path: Path) -> Path:
     key = conversion_key(digest)
     out = cache_root() / "gguf" / key
     if (out / CONVERTED_MARKER).is_file():
+        _mark_used(out)
         return out
     def unwritable(exc: OSError) -> GGUFConversionError:
         return GGUFConversionError(f"cannot write the converted model under {out.parent} ({exc}): set"
@@ -430,7 +431,43 @@ def converted_dir(path: Path) -> Path:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+        _remove_unused_conversions(out.parent, key)
     return out
+
+
+# a conversion no process loaded for this long is removed as the next one is made: one per changed GGUF file and per
+# transformers / gguf upgrade (the key), each a full fp32 copy of a model, stayed for good. Not by source: two
+# environments with other library versions (the GPT-QModel one beside the node's) would remove each other's
+UNUSED_CONVERSION_SECONDS = 30 * 86400.0
+
+
+def _mark_used(out: Path) -> None:
+    """Record a load of the conversion in ``out`` (its marker's modification time; a read-only cache keeps none)."""
+    try:
+        os.utime(out / CONVERTED_MARKER)
+    except OSError:
+        pass
+
+
+def _remove_unused_conversions(folder: Path, keep: str) -> None:
+    """Remove the published conversions not loaded for UNUSED_CONVERSION_SECONDS (but ``keep``), each under its own
+    lock, not taken while another process holds it (converting that key now)."""
+    import fcntl
+
+    limit = time.time() - UNUSED_CONVERSION_SECONDS
+    for old in folder.iterdir():
+        marker = old / CONVERTED_MARKER
+        try:
+            if old.name == keep or old.name.startswith(".") or marker.stat().st_mtime > limit:
+                continue
+            with os.fdopen(os.open(folder / f".{old.name}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644),
+                           "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if marker.stat().st_mtime <= limit:  # not loaded meanwhile
+                    marker.unlink()  # first: a half-removed folder is no conversion, and the next use redoes it
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # no marker (not a conversion), locked (converting now), another user's, gone meanwhile
+            continue
 
 
 # another process's conversion of a 7 B model takes minutes: a lock held longer than this is stuck

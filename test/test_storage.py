@@ -328,6 +328,7 @@ def test_forms_of_drafts_whose_files_are_gone_are_removed(tmp_path, monkeypatch)
 
     from safetensors.torch import save_file
 
+    from memspec_ros.runtime import storage as storage_module
     from memspec_ros.testing.tiny_zoo import build_tiny_zoo
 
     forms = tmp_path / "forms"
@@ -348,6 +349,14 @@ def test_forms_of_drafts_whose_files_are_gone_are_removed(tmp_path, monkeypatch)
     (general,) = (form.file for form in storage._forms.values() if form.file not in (code, math))
     assert sorted(p.name for p in forms.iterdir()) == sorted(
         [math.name, general.name, "stranger.safetensors", "model.safetensors", "tmpwriting.partial"])
+    # a form no process has written for a month (of a torch version or kernel build no longer in use: its draft's
+    # files are still there) goes too, as the next form is written; a recent one and the user's files stay
+    month_ago = time.time() - storage_module.UNUSED_FORM_SECONDS - 60
+    os.utime(math, (month_ago, month_ago))
+    os.utime(forms / "model.safetensors", (month_ago, month_ago))
+    DraftStorage(MEDIA["local"]).load(ModelSpec(str(zoo / "drafts" / "general")), "general")  # a new process's
+    assert sorted(p.name for p in forms.iterdir()) == sorted(
+        [general.name, "stranger.safetensors", "model.safetensors", "tmpwriting.partial"])
 
 
 def test_a_cache_that_cannot_take_the_runtime_form_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch, caplog):

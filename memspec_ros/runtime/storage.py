@@ -452,15 +452,18 @@ def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
 
 def prune_stale_forms(file: Path) -> None:
     """Remove the runtime forms that no load can use any more: older versions of ``file``'s draft (same
-    ``<draft>-`` prefix) and forms whose weights files are gone (a draft deleted or moved, a test's temporary zoo),
-    so that the cache holds about one form per draft on disk. Another process that still holds one of them finds it
-    gone and builds that draft from its files again."""
+    ``<draft>-`` prefix), forms whose weights files are gone (a draft deleted or moved, a test's temporary zoo), and
+    forms no process wrote for UNUSED_FORM_SECONDS (every process writes the forms of the drafts it loads: one not
+    written that long is of a torch version, kernel build or forward path no longer in use, which the prefix names
+    but cannot be read back from), so that the cache holds about one form per draft on disk. Another process that
+    still holds one of them finds it gone and builds that draft from its files again."""
     prefix = file.name.split("-", 1)[0] + "-"
+    unused = time.time() - UNUSED_FORM_SECONDS
     for other in file.parent.glob("*.safetensors"):
         # only files named as runtime_form_file names them: the folder may be one the user pointed
         # MEMSPEC_RUNTIME_FORMS_DIR at, holding models of their own
         if other != file and FORM_NAME.fullmatch(other.name) and (
-                other.name.startswith(prefix) or not _source_exists(other)):
+                other.name.startswith(prefix) or _older_than(other, unused) or not _source_exists(other)):
             try:
                 other.unlink(missing_ok=True)
             except OSError:  # another user's form in a shared sticky folder: theirs to prune. Raised here, it
@@ -472,6 +475,16 @@ def prune_stale_forms(file: Path) -> None:
                 partial.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+UNUSED_FORM_SECONDS = 30 * 86400.0
+
+
+def _older_than(path: Path, when: float) -> bool:
+    try:
+        return path.stat().st_mtime < when
+    except OSError:  # gone meanwhile
+        return False
 
 
 def _source_exists(form: Path) -> bool:

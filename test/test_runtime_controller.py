@@ -304,6 +304,28 @@ def test_a_wait_for_a_stalled_load_gives_up_after_max_load_wait_seconds(target, 
         RuntimeConfig(max_load_wait_seconds=-1.0).validate()
 
 
+def test_a_stalled_load_is_waited_for_once_a_goal_and_a_goal_start_waits_no_longer_for_it(target, drafts, expected):
+    """general-static (and mab-sync) ask for their draft at every scheduling point: each point waited the whole
+    max_load_wait_seconds again for the same stalled read. And with reset_cache_per_generation, the next goal's
+    start waited for that read with no limit at all."""
+    loader = GatedLoader(drafts, gated=set(drafts), limit=60.0)
+    ctl = make(target, drafts, "general-static", loader=loader, capacity=2, interval=2, general_draft="math",
+               max_load_wait_seconds=0.2, reset_cache_per_generation=True)
+    waits, resets = [], []
+    wait_for, reset = ctl.cache.wait_for, ctl.cache.reset
+    ctl.cache.wait_for = lambda name, timeout=None, stop=None: waits.append(name) or wait_for(name, timeout, stop)
+    ctl.cache.reset = lambda stop=None, timeout=None: resets.append(timeout) or reset(stop, timeout)
+    try:
+        result = ctl.generate(PROMPT, NEW)
+        assert result.token_ids == expected and result.stats.drafts_used == []
+        assert waits == ["math"]  # the first point's wait only, of the 20 points
+        ctl.generate(PROMPT, 4)
+        assert resets == [0.2, 0.2]  # each goal's start waits for loads in flight at most that long
+    finally:
+        loader.gate.set()
+        ctl.close()
+
+
 def test_a_closed_controller_is_not_kept_alive_by_a_load_still_reading(drafts, monkeypatch):
     """A load left reading as the cache closed (failing storage) holds the cache on its thread, and through the
     cache's callbacks (size_of, source_current) the controller, its target and predictor: a node cleaned up then
@@ -514,6 +536,30 @@ def test_drafts_and_settings_replaced_together_land_at_one_scheduling_point(targ
     assert set(runs[:first_math]) == (set() if at_chunk == 1 else {"code"}), runs
     assert not any(it.fallback for it in result.stats.iterations)  # never the new policy without its draft
     assert ctl.config.general_draft == "math" and ctl.registry.names() == ["math", "general"]
+    ctl.close()
+
+
+def test_a_registry_swap_during_a_goal_waits_for_the_next_point_and_checks_later_changes_against_it(
+        target, drafts, expected):
+    """replace_registry swapped the live registry at once while its settings waited for the point: the point's own
+    reads (candidates, the loader) saw the new drafts with the old settings. It waits with them now; and a change
+    made meanwhile is checked against the drafts it will run with (a general_draft only the new registry has was
+    refused)."""
+    old = registry_of({k: v for k, v in drafts.items() if k != "math"})
+    ctl = make(target, drafts, "general-static", registry=old, general_draft="code", interval=2)
+    seen = []
+
+    def on_chunk(text, ids):
+        if not seen:
+            assert ctl.replace_registry(registry_of({"math": drafts["math"], "general": drafts["general"]})) == []
+            seen.append(ctl.registry.names())  # not yet: at the next point
+            ctl.reconfigure(general_draft="math")  # valid with the drafts it will run with
+
+    result = ctl.generate(PROMPT, NEW, on_chunk=on_chunk)
+    assert seen == [["general", "code", "law"]]
+    assert result.token_ids == expected and ctl.registry.names() == ["math", "general"]
+    assert result.stats.drafts_used[-1] == "math" and not any(it.fallback for it in result.stats.iterations)
+    assert sorted(ctl.cache.resident()) == ["math"]  # code left the cache as the goal took the swap
     ctl.close()
 
 

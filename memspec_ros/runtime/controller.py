@@ -276,9 +276,12 @@ class RuntimeController:
         self.cache.source_current = self._source_current
         self._lock = threading.Lock()
         self._pending: RuntimeConfig | None = None
+        self._pending_registry: DraftRegistry | None = None  # replace_registry's, for the next scheduling point
+        self._registry_left: list[DraftEntry] = []  # the entries it took out during the generation running
         self._recheck_files = False  # recheck_files_later(): evict changed drafts when the next generation starts
         self._running = False
         self._should_cancel: Callable[[], bool] | None = None  # the running generation's (a blocking wait asks it)
+        self._stalled: set[str] = set()  # drafts whose load the running generation gave up waiting for (_wait)
         # the predictor as the policies use it, by overlap_prediction: ranking on the decode thread or overlapped
         self._rankers: dict[bool, SynchronousPredictor | OverlappedPredictor] = {}
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)  # the last goals' KV caches (config.prompt_cache)
@@ -346,27 +349,28 @@ class RuntimeController:
             return new
 
     def replace_registry(self, other: DraftRegistry, **changes) -> list[DraftEntry]:
-        """Take ``other``'s drafts and apply ``changes`` (checked against them) in one step: a running generation
-        takes both at its next scheduling point. Done in two steps, a point between them ran, for an interval, a
-        policy checked against the new drafts with the old ones (general-static naming a draft only the new registry
-        has), or the old policy with the new. Errors as :meth:`reconfigure`'s, with nothing changed. Returns the
-        entries that left or changed (DraftRegistry.replace_with)."""
+        """Take ``other``'s drafts and apply ``changes`` (checked against them) in one step: now if idle, else both
+        at the running generation's next scheduling point. Done in two steps, a point between them ran, for an
+        interval, a policy checked against the new drafts with the old ones (general-static naming a draft only the
+        new registry has), or the old policy with the new; swapped at once while the settings waited, the point's
+        own reads saw the new drafts with the old settings. Errors as :meth:`reconfigure`'s, with nothing changed.
+        Returns the entries that left or changed (DraftRegistry.replace_with); none while a generation runs (they
+        leave the cache and the prompt cache as it takes the swap, or ends)."""
         with self._lock:
             new = self._checked_change(other, changes) if changes else None
             self.registry.check_replacement(other)  # its one refusal, before anything is applied
-            if new is None:
-                return self.registry.replace_with(other)
-            pending, config = self._pending, self.config
             if self._running:
-                self._pending = new
-            else:
+                self._pending_registry = other
+                if new is not None:
+                    self._pending = new
+                return []
+            config = self.config
+            if new is not None:
                 self._apply(new)
             try:
                 return self.registry.replace_with(other)
             except BaseException:  # (checked above: a failure nobody foresaw) the settings go back with the drafts
-                if self._running:
-                    self._pending = pending
-                else:
+                if new is not None:
                     self._apply(config)
                 raise
 
@@ -383,8 +387,10 @@ class RuntimeController:
             if key not in known:
                 raise ValueError(f"{key} is not a runtime setting: use one of {', '.join(sorted(known))}")
         new = dataclasses.replace(self._pending or self.config, **changes).validate()
-        self._check_policy(new, for_registry)
-        names = (for_registry if for_registry is not None else self.registry).names()
+        # against the drafts it will run with: the ones given, else a swap waiting for the next point, else these
+        registry = next(r for r in (for_registry, self._pending_registry, self.registry) if r is not None)
+        self._check_policy(new, registry)
+        names = registry.names()
         named = {"policy", "general_draft"} & set(changes) and new.policy == "general-static"
         if named and names and new.general_draft not in names:
             # a change naming a draft the registry lacks (a typo) ran another one: general-static's own
@@ -430,6 +436,9 @@ class RuntimeController:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._apply(pending)
+        if self._pending_registry is not None:
+            other, self._pending_registry = self._pending_registry, None
+            self._registry_left += self.registry.replace_with(other)
         return pending
 
     def _make_policy(self) -> DraftPolicy:  # from policy_settings(self.config)
@@ -487,7 +496,9 @@ class RuntimeController:
                 self.cache.evict_changed()
             self.calibrate()
             if self.config.reset_cache_per_generation:
-                self.cache.reset(stop=should_cancel)  # a goal cancelled as it starts does not sit out a slow read
+                # a goal cancelled as it starts does not sit out a slow read, nor any goal a stalled one for good (the
+                # load a goal gave up waiting for, after max_load_wait_seconds, may still be reading)
+                self.cache.reset(stop=should_cancel, timeout=self.config.max_load_wait_seconds or None)
             reuse = self.config.prompt_cache and not self.prompt_cache_refused
             # the generation owns what it takes until it hands its own back (switched off, the cache is empty:
             # _apply cleared it)
@@ -512,7 +523,7 @@ class RuntimeController:
             # the session holds its own copy: a draft evicted during the goal must not live on here, beside the
             # cache's accounting, until the call returns
             reused.drafts = {}
-            self._should_cancel = should_cancel
+            self._should_cancel, self._stalled = should_cancel, set()
             result = self._run(session, prompt_ids, should_cancel, on_decode_start, t_call)
             self._remember(result.token_ids)
             # a failed generation's KV is not kept, nor one whose cache was switched off while it ran
@@ -547,6 +558,10 @@ class RuntimeController:
                 # the two would see the controller idle, apply the pending change plus its own at once, and then
                 # have the older pending change applied over it, losing its own
                 self._take_pending_locked()
+                left, self._registry_left = self._registry_left, []
+            if left:  # drafts a registry swap took out during the goal: out of both caches now, not at the next goal
+                self._sync_registry("")
+                self.prompt_cache.forget_drafts([entry.name for entry in left])
 
     def _hand_back(self, tokens: list[int], prefix: KVState) -> None:
         """A failed goal's taken conversation, back into the prompt cache: the positions it took were never written
@@ -795,11 +810,17 @@ class RuntimeController:
     def _wait(self, name: str) -> float:
         """Block until ``name`` is resident or its load fails: the seconds waited either way. A failure is
         recorded by the cache and decoding goes on without the draft; the time blocked on it is still a load wait
-        (setup_wait_seconds, load_wait_seconds), not the scheduling point's prediction or the setup's other work."""
+        (setup_wait_seconds, load_wait_seconds), not the scheduling point's prediction or the setup's other work.
+        A load this goal already gave up waiting for (max_load_wait_seconds) and still reading is not waited for
+        again: mab-sync and general-static ask at every point, and each point waited the whole limit anew."""
+        if name in self._stalled and name in self.cache.loading():
+            return 0.0
         try:
             _, waited = self.cache.wait_for(name, timeout=self.config.max_load_wait_seconds or None,
                                             stop=self._should_cancel)  # a cancel gives the wait up
         except DraftLoadError as exc:
+            if name in self.cache.loading():  # the wait timed out, the load goes on
+                self._stalled.add(name)
             log.info("decoding on without draft %r: %s", name, exc)  # a failed load was logged by the cache too
             return exc.waited
         return waited

@@ -298,11 +298,13 @@ class MemSpecNode(LifecycleNode):
 
     @recorded
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        ended = self._end_goals("the node was deactivated during the goal")
+        self._end_goals("the node was deactivated during the goal")
         # ~/cache_state is latched (transient local): a subscriber that comes while the node is inactive gets its
-        # last sample, which showed a draft running from before the deactivate; the last one says none runs, unless
-        # the goal has not ended yet (a long prefill): then it is the cache as it is, not a false "nothing runs"
-        self._publish_cache_state(final=True, idle=ended)
+        # last sample, which showed a draft running from before the deactivate; the last one says none runs. Also
+        # where the goal outlasts the transition (a long prefill ends at its next iteration): the managed publisher
+        # publishes nothing once inactive, so a sample showing its draft would stay, false, for the whole inactive
+        # time, where this one is early by the seconds the goal still takes
+        self._publish_cache_state(idle=True)
         self.get_logger().info("inactive: new goals are rejected")
         return super().on_deactivate(state)
 
@@ -347,14 +349,11 @@ class MemSpecNode(LifecycleNode):
         self.get_logger().error(f"configure failed, staying unconfigured: {self._configure_error}")
         return TransitionCallbackReturn.FAILURE
 
-    def _end_goals(self, reason: str) -> bool:
-        """Whether every goal has ended (False: the running one ends ABORTED at its next iteration)."""
+    def _end_goals(self, reason: str) -> None:
         self._active = False
-        if self._runner.end_goals(reason):
-            return True
-        self.get_logger().warning(f"the running goal has not reached its next iteration {DEACTIVATE_WAIT_SECONDS:g}"
-                                  " s after it was told to end; it ends ABORTED when it does")
-        return False
+        if not self._runner.end_goals(reason):
+            self.get_logger().warning(f"the running goal has not reached its next iteration {DEACTIVATE_WAIT_SECONDS:g}"
+                                      " s after it was told to end; it ends ABORTED when it does")
 
     def close_goals(self, reason: str) -> None:
         """Take no more goals, end the running and queued ones ABORTED with ``reason`` and wait until their
@@ -613,16 +612,15 @@ class MemSpecNode(LifecycleNode):
     def _poll_cache(self) -> None:
         self._publish_cache_state()
 
-    def _publish_cache_state(self, final: bool = False, idle: bool = False) -> None:
-        """~/cache_state while active, when the cache changed or its period is over; ``final``: now, whatever
-        changed (the node going inactive), with no draft running where ``idle``. Under one lock, the activity
-        checked inside it: the timer's group is reentrant, and a poll that saw the node active could publish a draft
-        running after deactivate's sample."""
+    def _publish_cache_state(self, idle: bool = False) -> None:
+        """~/cache_state while active, when the cache changed or its period is over; ``idle``: now, with no draft
+        running (the node going inactive). Under one lock, the activity checked inside it: the timer's group is
+        reentrant, and a poll that saw the node active could publish a draft running after deactivate's sample."""
         with self._cache_publishing:
-            if final or self._active:
-                self._publish_cache_state_locked(final, idle)
+            if idle or self._active:
+                self._publish_cache_state_locked(idle)
 
-    def _publish_cache_state_locked(self, final: bool, idle: bool) -> None:
+    def _publish_cache_state_locked(self, idle: bool) -> None:
         lo, pub = self._loaded, self._cache_pub  # read once: a transition may release them on another thread
         if lo is None or pub is None:
             return
@@ -632,7 +630,7 @@ class MemSpecNode(LifecycleNode):
         key = (cache_state_key(snap), lo.registry.version)  # the message lists the registry's drafts too
         now = time.monotonic()
         period = self.get_parameter("diagnostics.cache_state_period").value
-        if not final and key == self._last_cache_key and now - self._last_cache_publish < period:
+        if not idle and key == self._last_cache_key and now - self._last_cache_publish < period:
             return
         self._last_cache_key, self._last_cache_publish = key, now
         scores = lo.predictor.latest if lo.predictor is not None else {}

@@ -49,6 +49,9 @@ def _noexec(path: str) -> bool:
 # EACCES and "failed to map segment". This session's temporary files go to a folder beside the tests instead (set
 # before anything asks for the temporary folder; the node processes the tests start inherit it).
 if _noexec(tempfile.gettempdir()):
+    # the ROS domain locks stay in the shared temporary folder: in a folder of this session's own, two sessions on
+    # the host (or their demos' children) no longer excluded each other (ros_env.LOCK_DIR_ENV)
+    os.environ.setdefault("MEMSPEC_DOMAIN_LOCK_DIR", tempfile.gettempdir())
     os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(__file__)))
     tempfile.tempdir = None
     atexit.register(shutil.rmtree, os.environ["TMPDIR"], ignore_errors=True)

@@ -696,6 +696,15 @@ def test_the_toy_card_reads_its_documents_before_timing_and_survives_a_cut_measu
     assert out.read_text().startswith("card of") and not list(work.glob("*.tmp*"))
 
 
+def test_the_toy_card_names_a_work_dir_without_its_documents_before_any_timing(tmp_path, monkeypatch):
+    from memspec_ros.zoo import card, cli
+
+    monkeypatch.setattr(cli, "_is_chat_zoo", lambda models: False)  # a toy zoo
+    monkeypatch.setattr(card, "load_zoo", lambda models: pytest.fail("models loaded before the check"))
+    with pytest.raises(SystemExit, match="holds no corpora/ .*give the --work-dir the zoo was built in"):
+        cli.main(["card", "--models", str(tmp_path / "toy"), "--work-dir", str(tmp_path / "other-work")])
+
+
 def test_the_chat_card_reads_its_inputs_before_writing_either_file(tmp_path, monkeypatch):
     """write_chat_card wrote card_measurements.json, then failed on the acceptance JSON: the files disagreed."""
     import shutil

@@ -537,6 +537,11 @@ def test_a_new_conversion_removes_the_conversions_no_process_loaded_for_a_month(
         if name != "recent":
             os.utime(gguf_dir / name / CONVERTED_MARKER, (long_ago, long_ago))
     (gguf_dir / "not-a-conversion").mkdir()
+    elsewhere = tmp_path / "someone-elses"  # a link planted in a shared cache: what it points at is not touched
+    elsewhere.mkdir()
+    (elsewhere / CONVERTED_MARKER).write_text("{}")
+    os.utime(elsewhere / CONVERTED_MARKER, (long_ago, long_ago))
+    (gguf_dir / "linked").symlink_to(elsewhere)
     monkeypatch.setattr(model_source, "conversion_key", lambda digest: "loaded")
     assert resolve_model_path(str(src)) == gguf_dir / "loaded"  # loaded: used now
     monkeypatch.setattr(model_source, "conversion_key", lambda digest: "new")
@@ -544,7 +549,8 @@ def test_a_new_conversion_removes_the_conversions_no_process_loaded_for_a_month(
         fcntl.flock(held, fcntl.LOCK_EX)  # as another process converting that key now
         assert (resolve_model_path(str(src)) / CONVERTED_MARKER).is_file()
     left = sorted(p.name for p in gguf_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert left == ["held", "loaded", "new", "not-a-conversion", "recent"]
+    assert left == ["held", "linked", "loaded", "new", "not-a-conversion", "recent"]
+    assert (elsewhere / CONVERTED_MARKER).is_file()
 
 
 def test_a_conversion_removes_the_folders_of_conversions_killed_part_way_under_any_key(tmp_path, monkeypatch):

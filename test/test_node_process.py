@@ -544,6 +544,22 @@ def test_the_nodes_spin_loop_leaves_nothing_on_its_future():
         rclpy.try_shutdown(context=context)
 
 
+def test_domain_locks_are_taken_in_the_folder_the_environment_names(tmp_path, monkeypatch):
+    """A test session whose temporary folder moved (a noexec /tmp) keeps its domain locks where every other session
+    on the host takes theirs: in a folder of its own, two sessions could claim one domain and answer each other."""
+    from memspec_ros.ros import ros_env
+
+    monkeypatch.setenv(ros_env.LOCK_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv("ROS_DOMAIN_ID", raising=False)
+    claimed = ros_env.lock_domain_id([77])
+    assert claimed is not None
+    try:
+        assert claimed[0] == 77 and (tmp_path / "memspec_ros_test_domain_77.lock").is_file()
+        assert ros_env.lock_domain_id([77]) is None  # held: another session cannot take it
+    finally:
+        claimed[1].close()
+
+
 def test_a_lock_file_another_user_owns_is_passed_over_not_a_crash(monkeypatch):
     """On a shared host the domain lock files may be another user's: opening one raised PermissionError outside the
     handled flock, which for the test helper aborted the session at collection."""

@@ -353,6 +353,9 @@ def test_forms_of_drafts_whose_files_are_gone_are_removed(tmp_path, monkeypatch)
     # files are still there) goes too, as the next form is written; a recent one and the user's files stay
     month_ago = time.time() - storage_module.UNUSED_FORM_SECONDS - 60
     os.utime(math, (month_ago, month_ago))
+    os.utime(general, (month_ago, month_ago))
+    storage.load(ModelSpec(str(zoo / "drafts" / "general")), "general")  # read from its form: marked used
+    assert general.stat().st_mtime > month_ago + 60
     os.utime(forms / "model.safetensors", (month_ago, month_ago))
     DraftStorage(MEDIA["local"]).load(ModelSpec(str(zoo / "drafts" / "general")), "general")  # a new process's
     assert sorted(p.name for p in forms.iterdir()) == sorted(

@@ -16,6 +16,10 @@ from typing import IO
 
 from ..runtime.atomic_write import open_lock
 
+# where the domain locks are (default: the system's temporary folder): one folder for every session on the host, also
+# where a test session moves its own temporary files (a noexec /tmp) and child processes inherit that TMPDIR
+LOCK_DIR_ENV = "MEMSPEC_DOMAIN_LOCK_DIR"
+
 CLEARED = ("RMW_IMPLEMENTATION", "ROS_DISCOVERY_SERVER", "ROS_SUPER_CLIENT", "FASTDDS_DEFAULT_PROFILES_FILE",
            "FASTRTPS_DEFAULT_PROFILES_FILE", "ROS_SECURITY_ENABLE", "ROS_SECURITY_KEYSTORE",
            "ROS_SECURITY_ENCLAVE_OVERRIDE", "ROS_SECURITY_STRATEGY", "ROS_STATIC_PEERS")
@@ -31,7 +35,8 @@ def lock_domain_id(ids: Iterable[int]) -> tuple[int, IO[str]] | None:
             continue
         try:  # another user's lock file (a shared host): not ours to open, so not ours to take; nor a link planted
             # at its name in the shared /tmp (it would create a file where it points)
-            handle = open_lock(os.path.join(tempfile.gettempdir(), f"memspec_ros_test_domain_{domain}.lock"))
+            folder = os.environ.get(LOCK_DIR_ENV) or tempfile.gettempdir()
+            handle = open_lock(os.path.join(folder, f"memspec_ros_test_domain_{domain}.lock"))
         except OSError:
             continue
         try:

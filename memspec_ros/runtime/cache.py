@@ -183,7 +183,7 @@ class DraftCacheManager:
         # while the name's entry pointed elsewhere (changed and changed back before any sync saw the load), and is
         # dropped instead of running other weights under the name (None: every load is kept)
         self.source_current: Callable[[str, str], bool] | None = None
-        self._closed_whole = True  # what close() found: nothing left reading
+        self._closed_whole = False  # what close() found, once it has: nothing left reading
         self._lock = threading.RLock()
         self._slots: dict[str, _Slot] = {}
         # loads in flight of a draft removed or failed meanwhile: out of ``_slots`` (so its name can load anew, or stay

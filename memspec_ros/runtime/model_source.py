@@ -458,7 +458,8 @@ def _remove_unused_conversions(folder: Path, keep: str) -> None:
     for old in folder.iterdir():
         marker = old / CONVERTED_MARKER
         try:
-            if old.name == keep or old.name.startswith(".") or marker.stat().st_mtime > limit:
+            # (never through a link: one planted in a shared cache would have the marker it points at removed)
+            if old.name == keep or old.name.startswith(".") or old.is_symlink() or marker.stat().st_mtime > limit:
                 continue
             with os.fdopen(os.open(folder / f".{old.name}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644),
                            "a") as lock:

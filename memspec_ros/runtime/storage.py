@@ -453,9 +453,10 @@ def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
 def prune_stale_forms(file: Path) -> None:
     """Remove the runtime forms that no load can use any more: older versions of ``file``'s draft (same
     ``<draft>-`` prefix), forms whose weights files are gone (a draft deleted or moved, a test's temporary zoo), and
-    forms no process wrote for UNUSED_FORM_SECONDS (every process writes the forms of the drafts it loads: one not
-    written that long is of a torch version, kernel build or forward path no longer in use, which the prefix names
-    but cannot be read back from), so that the cache holds about one form per draft on disk. Another process that
+    forms no process wrote or read for UNUSED_FORM_SECONDS (every process writes the forms of the drafts it loads
+    first and marks each later read: one untouched that long is of a torch version, kernel build or forward path no
+    longer in use, which the prefix names but cannot be read back from), so that the cache holds about one form per
+    draft on disk. Another process that
     still holds one of them finds it gone and builds that draft from its files again."""
     prefix = file.name.split("-", 1)[0] + "-"
     unused = time.time() - UNUSED_FORM_SECONDS
@@ -478,6 +479,15 @@ def prune_stale_forms(file: Path) -> None:
 
 
 UNUSED_FORM_SECONDS = 30 * 86400.0
+
+
+def _mark_used(form: Path) -> None:
+    """A form read: its modification time says so (prune_stale_forms keeps forms written or read lately; a node up
+    for more than UNUSED_FORM_SECONDS reads forms it wrote long ago). Outside the timed read."""
+    try:
+        os.utime(form)
+    except OSError:  # another user's form in a shared folder, or read-only: pruned the sooner, rebuilt if so
+        pass
 
 
 def _older_than(path: Path, when: float) -> bool:
@@ -576,6 +586,8 @@ class DraftStorage:
             t0 = time.perf_counter()
             loaded = build_model(spec, [blob for blob, _ in reads])
         build = time.perf_counter() - t0
+        if not from_files:
+            _mark_used(form.file)  # after the timed build
         form_seconds = 0.0
         # a draft prepared off the lean forward has per-module forwards bound to its own layers (row_exact), which a
         # runtime form's copies would share: it is built from its safetensors each time

@@ -487,12 +487,12 @@ def _run_card(a) -> int:
             raise SystemExit(f"memspec-zoo card: {exc}") from None
         return 0
 
-    try:
-        write_card(Path(a.models), Path(a.work_dir or "artifacts/zoo-build"),
-                   Path(a.acceptance_json) if a.acceptance_json else None, a.threads or 2,
-                   Path(a.notes) if a.notes else None)
-    except FileNotFoundError as exc:  # the held-out documents of another --work-dir: said before any timing
-        raise SystemExit(f"memspec-zoo card: {exc} (give the --work-dir the zoo was built in)") from None
+    work = Path(a.work_dir or "artifacts/zoo-build")
+    if not (work / "corpora").is_dir():  # its held-out documents, read for the perplexities: said before any timing
+        raise SystemExit(f"memspec-zoo card: {work} holds no corpora/ (the toy build's held-out documents): give the"
+                         " --work-dir the zoo was built in")
+    write_card(Path(a.models), work, Path(a.acceptance_json) if a.acceptance_json else None, a.threads or 2,
+               Path(a.notes) if a.notes else None)
     return 0
 
 

@@ -517,18 +517,23 @@ def test_the_bundled_conversion_ends_generation_at_its_end_of_turn(converted):
     assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
+def _quick_conversions(tmp_path, monkeypatch):
+    """(a tiny GGUF file, the cache's gguf/ folder): conversions into tmp_path's cache that write a config only."""
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_source, "convert_gguf",
+                        lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
+    return src, tmp_path / "cache" / "gguf"
+
+
 def test_a_new_conversion_removes_the_conversions_no_process_loaded_for_a_month(tmp_path, monkeypatch):
     """Every changed GGUF file and every transformers / gguf upgrade (the key) left a full fp32 copy of a model in the
     cache for good. Those unused for UNUSED_CONVERSION_SECONDS go as the next conversion is made; a load marks a
     conversion used; one another process holds the lock of (converting it now) stays."""
     import fcntl
 
-    src = tmp_path / "tiny.gguf"
-    _tiny_gguf(src)
-    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(model_source, "convert_gguf",
-                        lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
-    gguf_dir = tmp_path / "cache" / "gguf"
+    src, gguf_dir = _quick_conversions(tmp_path, monkeypatch)
     long_ago = time.time() - model_source.UNUSED_CONVERSION_SECONDS - 60
     for name in ("unused", "held", "recent", "loaded"):
         (gguf_dir / name).mkdir(parents=True)
@@ -559,12 +564,7 @@ def test_a_conversion_removes_the_folders_of_conversions_killed_part_way_under_a
     another file). A leftover whose key another process holds the lock of (converting now) is kept."""
     import fcntl
 
-    src = tmp_path / "tiny.gguf"
-    _tiny_gguf(src)
-    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(model_source, "convert_gguf",
-                        lambda path, out: (out / "config.json").write_text('{"model_type": "llama"}'))
-    gguf_dir = tmp_path / "cache" / "gguf"
+    src, gguf_dir = _quick_conversions(tmp_path, monkeypatch)
     gguf_dir.mkdir(parents=True)
     for name in ("abandoned", "converting", "unlocked"):
         (gguf_dir / f".{name}-123").mkdir()

@@ -740,9 +740,9 @@ def test_a_second_signals_destruction_goes_on_when_the_goals_cannot_be_ended(har
     monkeypatch.undo()  # before the harness closes the node for real
 
 
-def test_models_are_freed_after_an_error_even_where_no_thread_can_be_started(harness, monkeypatch):
-    """The release after a goal runs on a thread of its own; a failed start left the runner counting a release that
-    never ran: configure refused for good and the models held."""
+def _deaf_goals(harness, monkeypatch):
+    """(h, controller, entered, release): an active node whose goals do not hear an end request until ``release``
+    is set (a long prefill), ``entered`` set as one starts; transitions wait 0.5 s for a goal to end."""
     import threading
 
     from memspec_ros.ros import goal_runner
@@ -755,10 +755,23 @@ def test_models_are_freed_after_an_error_even_where_no_thread_can_be_started(har
     controller = h.node.loaded.controller
     generate, entered, release = controller.generate, threading.Event(), threading.Event()
 
-    def blocking_generate(*args, **kwargs):
+    def deaf_generate(*args, **kwargs):
         entered.set()
-        release.wait(30.0)  # deaf to the end request until released
+        release.wait(30.0)
         return generate(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "generate", deaf_generate)
+    return h, controller, entered, release
+
+
+def test_models_are_freed_after_an_error_even_where_no_thread_can_be_started(harness, monkeypatch):
+    """The release after a goal runs on a thread of its own; a failed start left the runner counting a release that
+    never ran: configure refused for good and the models held."""
+    import threading
+
+    from memspec_ros.ros import goal_runner
+
+    h, controller, entered, release = _deaf_goals(harness, monkeypatch)
 
     class NoThread(threading.Thread):
         def start(self):
@@ -766,7 +779,6 @@ def test_models_are_freed_after_an_error_even_where_no_thread_can_be_started(har
                 raise RuntimeError("can't start new thread")
             super().start()
 
-    monkeypatch.setattr(controller, "generate", blocking_generate)
     handle, _ = h.send(goal(max_new_tokens=4))
     assert handle.accepted and entered.wait(10.0)
     _deactivate_into_error(h, monkeypatch)
@@ -807,24 +819,7 @@ def test_a_goal_its_client_cancelled_ends_canceled_though_a_deactivate_came_befo
                                                                                                        monkeypatch):
     """The client's cancel was accepted (CANCELING); a deactivate then ended the goal ABORTED with "the node was
     deactivated", telling the client its cancel had not counted."""
-    import threading
-
-    from memspec_ros.ros import goal_runner
-    from memspec_ros.ros import node as node_module
-
-    monkeypatch.setattr(goal_runner, "DEACTIVATE_WAIT_SECONDS", 0.5)
-    monkeypatch.setattr(node_module, "DEACTIVATE_WAIT_SECONDS", 0.5)
-    h = harness()
-    h.activate()
-    controller = h.node.loaded.controller
-    generate, entered, release = controller.generate, threading.Event(), threading.Event()
-
-    def deaf_generate(*args, **kwargs):  # a long prefill: no iteration checks the cancel meanwhile
-        entered.set()
-        release.wait(30.0)
-        return generate(*args, **kwargs)
-
-    monkeypatch.setattr(controller, "generate", deaf_generate)
+    h, _, entered, release = _deaf_goals(harness, monkeypatch)  # a long prefill: no iteration checks the cancel
     handle, _ = h.send(goal(max_new_tokens=64))
     assert handle.accepted and entered.wait(10.0)
     try:

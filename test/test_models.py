@@ -398,3 +398,16 @@ def test_a_draft_form_the_storage_loader_cannot_build_is_refused_when_the_loader
         registry_loader(empty, dtype=dtype, quantization=quantization)  # load_model takes them
     registry_loader(empty, dtype="fp32", quantization="int4", storage="emmc")
     assert draft_dtype("AUTO") == draft_dtype("auto") == "fp32" and draft_dtype("bf16") == "bf16"
+
+
+def test_a_model_spec_refuses_a_field_of_the_wrong_type_at_once(tmp_path):
+    """trust_remote_code="false" (a YAML or command line slip) is truthy: a model's own code would have been allowed
+    to run. dtype None failed deep in the load, and gamma 0 with dtype auto only after the weights had loaded."""
+    with pytest.raises(TypeError, match="trust_remote_code must be True or False, got 'false'"):
+        ModelSpec("x", trust_remote_code="false")
+    with pytest.raises(TypeError, match="dtype must be a string, got None"):
+        ModelSpec("x", dtype=None)
+    for gamma in (0, 9, 2.0):
+        with pytest.raises(ValueError, match="gamma must be an integer in"):
+            ModelSpec("x", dtype="auto", gamma=gamma)
+    assert ModelSpec(tmp_path).path == str(tmp_path)  # a pathlib.Path names its path

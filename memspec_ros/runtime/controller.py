@@ -16,6 +16,10 @@ target, tokenizer, registry, predictor, ...)`` is the low-level constructor::
     controller = load_models("models/registry.yaml").controller(config)   # or load_runtime(config, ...)
     result = controller.generate(prompt, max_new_tokens, sampling, stop, on_chunk, should_cancel)
     controller.reconfigure(capacity=3, policy="mab-async")   # ValueError naming the field; nothing changed
+    controller.replace_registry(other_registry, general_draft="math")   # new drafts and settings together
+
+A running generation takes a reconfiguration, and a registry replaced through the controller, at its next scheduling
+point, both at once.
 """
 
 from __future__ import annotations

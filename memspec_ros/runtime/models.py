@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,22 @@ class ModelSpec:
     quantization: str = "none"  # none | int8 | int4 | gptq | auto
     trust_remote_code: bool = False
     gamma: int = 4  # auto measures a forward of 1 and of gamma + 1 tokens (a verify)
+
+    def __post_init__(self) -> None:
+        """Each field of its type, said at once: ``trust_remote_code="false"`` (a YAML or command line slip) is
+        truthy and would have run a model's own code; ``dtype=None`` failed deep in the load, and a ``gamma`` 0 with
+        dtype auto only after the weights had loaded."""
+        if isinstance(self.path, os.PathLike):  # a pathlib.Path: the path it names
+            object.__setattr__(self, "path", os.fspath(self.path))
+        if type(self.trust_remote_code) is not bool:
+            raise TypeError(f"ModelSpec.trust_remote_code must be True or False, got {self.trust_remote_code!r}")
+        for name in ("path", "dtype", "device", "quantization"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"ModelSpec.{name} must be a string, got {value!r}")
+        if type(self.gamma) is not int or not 1 <= self.gamma <= 8:
+            raise ValueError(f"ModelSpec.gamma must be an integer in [1, 8] (the verify rows the forward paths"
+                             f" check), got {self.gamma!r}")
 
 
 @dataclass

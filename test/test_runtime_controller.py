@@ -563,6 +563,77 @@ def test_a_registry_swap_during_a_goal_waits_for_the_next_point_and_checks_later
     ctl.close()
 
 
+def test_the_runtime_api_refuses_what_it_cannot_do_and_changes_nothing(target, drafts, expected):
+    """A review of the API with bad input: a closed controller ran every later goal on the target alone (its cache
+    loads nothing); replace_registry with no setting changed took drafts the policy in force cannot rank; the
+    constructor took a general_draft the registry lacks (another draft ran); stop strings given as a one-shot
+    iterable were used up by the check and never matched."""
+    from memspec_ros.runtime.policies import PolicyError
+
+    with pytest.raises(PolicyError, match="general_draft 'nope' is not in the draft registry"):
+        make(target, drafts, "general-static", general_draft="nope")
+    ctl = make(target, drafts, "memspec", ranker=alternating)
+    ctl.predictor.classes = ["code", "math"]  # a trained head's classes: it scores only these
+    unscored = registry_of({"law": drafts["law"], "general": drafts["general"]})
+    with pytest.raises(PolicyError, match="policy memspec"):
+        ctl.replace_registry(unscored)
+    assert ctl.registry.names() == list(drafts)  # nothing changed
+    del ctl.predictor.classes
+    ctl.close()
+    with pytest.raises(RuntimeError, match="this controller is closed"):
+        ctl.generate(PROMPT, 4)
+
+
+def test_a_goal_that_fails_in_its_setup_or_decode_start_callback_closes_its_policy(target, drafts):
+    """_setup and on_decode_start ran before the try whose finally closes the policy: an overlapped ranking's
+    background work and time then spilled into the next goal."""
+    ctl = make(target, drafts, "prediction-only")
+    closed = []
+    make_policy = ctl._make_policy
+
+    def spied():
+        policy = make_policy()
+        close = policy.close
+        policy.close = lambda: closed.append(policy.name) or close()
+        return policy
+
+    ctl._make_policy = spied
+    try:
+        with pytest.raises(ZeroDivisionError):
+            ctl.generate(PROMPT, 8, on_decode_start=lambda: 1 / 0)
+        assert closed == ["prediction-only"]
+    finally:
+        ctl.close()
+
+
+def test_a_session_holds_a_prompt_to_the_targets_own_context_where_none_is_given():
+    """With max_positions left 0, a RoPE Llama had no limit: a 600-token prompt on a 512-position model generated
+    garbage without a word, where the controller refuses it."""
+    from memspec_ros.runtime.speculative import ContextLengthError, generate
+
+    model = tiny_llama(layers=1, hidden=32, seed=4)
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ContextLengthError, match=f"context of {limit} tokens"):
+        generate(model, [3] * limit, None, max_new_tokens=4)
+
+
+def test_stop_strings_given_as_a_one_shot_iterable_still_stop(target, drafts):
+    from memspec_ros.testing.tiny_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ctl = RuntimeController(RuntimeConfig(policy="general-static", general_draft="code"), target, tok,
+                            registry_of(drafts), None, loader=Loader(drafts), eos_token_ids=[])
+    try:
+        free = ctl.generate(PROMPT, 16)
+        stop = free.text[len(free.text) // 2:][:2]
+        assert stop.strip(), free.text
+        listed = ctl.generate(PROMPT, 16, stop=[stop])
+        once = ctl.generate(PROMPT, 16, stop=iter([stop]))
+        assert listed.stats.finish_reason == once.stats.finish_reason == "stop" and once.text == listed.text
+    finally:
+        ctl.close()
+
+
 def test_reconfigure_validates_and_applies_at_scheduling_points(target, drafts, expected):
     ctl = make(target, drafts, "memspec", capacity=2)
     for bad, field in [({"capacity": 0}, "capacity"), ({"interval": 0}, "interval"), ({"gamma": 0}, "gamma"),

@@ -421,3 +421,12 @@ def test_an_entry_made_in_code_may_have_a_numpy_size_and_any_path_like():
 
     reg = DraftRegistry([], validate=False)
     assert reg.add(DraftEntry("x", PurePosixPath("/p"), "x", np.int64(10))) == DraftEntry("x", "/p", "x", 10)
+
+
+def test_lists_given_as_one_string_are_refused_not_split_into_characters():
+    """from_lists("code", "/p/c") made four drafts, c, o, d and e, at paths "/", "p", "/" and "c"."""
+    from memspec_ros.runtime.registry import RegistryError
+
+    for names, paths, domains in (("code", ["/p/c"], ()), (["code"], "/p/c", ()), (["code"], ["/p/c"], "code")):
+        with pytest.raises(RegistryError, match="must be a list, got one str"):
+            DraftRegistry.from_lists(names, paths, domains, validate=False)

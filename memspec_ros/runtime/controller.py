@@ -286,6 +286,7 @@ class RuntimeController:
         self._running = False
         self._should_cancel: Callable[[], bool] | None = None  # the running generation's (a blocking wait asks it)
         self._stalled: set[str] = set()  # drafts whose load the running generation gave up waiting for (_wait)
+        self._closed = False
         # the predictor as the policies use it, by overlap_prediction: ranking on the decode thread or overlapped
         self._rankers: dict[bool, SynchronousPredictor | OverlappedPredictor] = {}
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)  # the last goals' KV caches (config.prompt_cache)
@@ -293,6 +294,7 @@ class RuntimeController:
         self.prompt_cache_refused = reuse_refused(target)
         try:
             self._check_policy(self.config)  # fail now, not at the first goal
+            _check_general_draft(self.config, registry.names())
             self.calibrate()
         except BaseException:
             self.close()  # a cache handed in may be loading already
@@ -361,7 +363,10 @@ class RuntimeController:
         Returns the entries that left or changed (DraftRegistry.replace_with); none while a generation runs (they
         leave the cache and the prompt cache as it takes the swap, or ends)."""
         with self._lock:
-            new = self._checked_change(other, changes) if changes else None
+            # also with no settings changed: the policy in force must be able to run with the new drafts (a trained
+            # predictor scoring none of them was taken)
+            checked = self._checked_change(other, changes)
+            new = checked if changes else None
             self.registry.check_replacement(other)  # its one refusal, before anything is applied
             if self._running:
                 self._pending_registry = other
@@ -395,12 +400,8 @@ class RuntimeController:
         registry = next(r for r in (for_registry, self._pending_registry, self.registry) if r is not None)
         self._check_policy(new, registry)
         names = registry.names()
-        named = {"policy", "general_draft"} & set(changes) and new.policy == "general-static"
-        if named and names and new.general_draft not in names:
-            # a change naming a draft the registry lacks (a typo) ran another one: general-static's own
-            # fallback is for a draft that failed or left, and a registry of no drafts runs the target alone
-            raise PolicyError(f"general_draft {new.general_draft!r} is not in the draft registry"
-                              f" ({', '.join(names)}): policy general-static runs that draft")
+        if {"policy", "general_draft"} & set(changes):
+            _check_general_draft(new, names)
         return new
 
     @property
@@ -476,7 +477,11 @@ class RuntimeController:
         # reconfiguration, calibration and the cache reset of reset_cache_per_generation (which waits for loads
         # still in flight) come before the policy starts, and a user waits for them too
         t_call = time.perf_counter()
+        if self._closed:  # its cache loads nothing any more: it ran on the target alone without a word
+            raise RuntimeError("this controller is closed: make a new one")
         prompt_ids = self._encode(prompt)
+        if not isinstance(stop, (str, bytes)):  # a one-shot iterable was used up by the check: its stops never matched
+            stop = list(stop)
         # before anything is taken for it (the prompt cache's entry, the predictor's rows): a refused request
         # leaves them as they were
         check_generation(prompt_ids, max_new_tokens, self.max_positions, stop, self.tokenizer,
@@ -618,10 +623,12 @@ class RuntimeController:
         cache = self.cache
         cache.on_evict.append(session.drop_draft)
         before = cache.snapshot()
-        run = self._setup(session, prompt_ids, t_call)
-        if on_decode_start is not None and not session.finished:
-            on_decode_start()
-        try:
+        run = _Run(self._make_policy(), self.registry.version)
+        try:  # the setup and the caller's callback too: a failure there left the policy open (an overlapped
+            # ranking's background time then counted in the next goal)
+            self._setup(run, session, prompt_ids, t_call)
+            if on_decode_start is not None and not session.finished:
+                on_decode_start()
             while not session.finished:
                 if should_cancel is not None and should_cancel():
                     session.cancel()
@@ -640,16 +647,15 @@ class RuntimeController:
         stats.cache = cache.snapshot().since(before)
         return GenerationResult(session.text, session.finish_reason, stats, session.generated_ids)
 
-    def _setup(self, session: SpeculativeSession, prompt_ids: list[int], t_call: float) -> _Run:
+    def _setup(self, run: _Run, session: SpeculativeSession, prompt_ids: list[int], t_call: float) -> None:
         """Prediction on the prompt, the initial draft load, cache preparation (Algorithm 3, lines 2-5), with the
         target's prefill between the policy's start and its first choice: a ranker that reads the target's hidden
         states (the target-hidden encoder) then finds the prompt's already, instead of running the target over the
         prompt a second time before prefill (0.71 s a generation with the int4 target on an AVX2 CPU). The prefill
         needs no draft, and the first iteration waits for the first choice either way."""
         stats = session.stats
-        policy = self._make_policy()
+        policy = run.policy
         stats.policy = policy.name
-        run = _Run(policy, self.registry.version)
         self._sync_registry("")  # drafts removed while idle leave the cache before this generation
         t_start = time.perf_counter()
         stats.prepare_seconds = t_start - t_call
@@ -665,7 +671,7 @@ class RuntimeController:
             # goal was cancelled meanwhile: no draft will run, so none is chosen or waited for (a behaviour tree's
             # one-token answer; a preempted goal ends at the decode loop's first check)
             stats.setup_seconds = setup
-            return run
+            return
         t_choose = time.perf_counter()
         # a change that came during the prefill (a goal's first chunk is the prefill's token) lands before the first
         # choice, as at every point: the registry was read here while the settings of the same change waited
@@ -678,7 +684,6 @@ class RuntimeController:
         stats.setup_seconds = setup + time.perf_counter() - t_choose
         stats.setup_wait_seconds = first.waited
         session.restart_decode_clock()  # setup is not decoding (runtime/stats.py: the paper's metric)
-        return run
 
     def _scheduling_point(self, run: _Run, session: SpeculativeSession, prompt_ids: list[int]) -> None:
         """Every N iterations: pending reconfiguration and registry edits land, the policy chooses, the cache acts."""
@@ -830,10 +835,19 @@ class RuntimeController:
         return waited
 
     def close(self) -> None:
+        self._closed = True
         self.prompt_cache.clear()
         self.cache.close()
         for ranker in self._rankers.values():
             ranker.close()
+
+
+def _check_general_draft(config: RuntimeConfig, names: Sequence[str]) -> None:
+    """PolicyError where general-static is set to run a draft the registry lacks (a typo ran another one, silently:
+    general-static's own fallback is for a draft that failed or left; a registry of no drafts runs the target alone)."""
+    if config.policy == "general-static" and names and config.general_draft not in names:
+        raise PolicyError(f"general_draft {config.general_draft!r} is not in the draft registry ({', '.join(names)}):"
+                          " policy general-static runs that draft")
 
 
 def load_runtime(

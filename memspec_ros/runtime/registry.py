@@ -257,6 +257,10 @@ class DraftRegistry:
         validate: bool = True,
     ) -> DraftRegistry:
         """From ROS parameters ``drafts.names``, ``drafts.paths``, ``drafts.domains`` (parallel lists)."""
+        for label, given in (("names", names), ("paths", paths), ("domains", domains)):
+            if isinstance(given, (str, bytes, Path)):  # a string is a sequence too: one draft per character
+                raise RegistryError(f"drafts.{label} must be a list, got one {type(given).__name__} {given!r}:"
+                                    f" pass [{given!r}]")
         if len(names) != len(paths):
             raise RegistryError(
                 f"drafts.names has {len(names)} entries but drafts.paths has {len(paths)}: give one path per name"

@@ -33,7 +33,7 @@ import torch
 
 from .chat import stop_string_error
 from .datastore import Datastore
-from .draft_forward import LeanLlamaForward, lean_forward_for, rope_length_limit, tightest
+from .draft_forward import LeanLlamaForward, context_positions, lean_forward_for, rope_length_limit, tightest
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import ForwardCosts, GammaChooser, draft_pays, measure_costs, row_pays, target_costs
 from .kv_cache import crop_layers, preallocated_cache
@@ -412,9 +412,14 @@ class SpeculativeSession:
     ) -> None:
         # whatever the caller passed: a target with a learned position table (GPT-2) cannot go past it (a verify
         # feeding a position beyond it raised IndexError mid-generation, a device assert on CUDA), nor one with a
-        # length-dependent RoPE past the length where its frequencies change (draft_forward.rope_length_limit)
-        max_positions = tightest(max_positions, position_table_rows(target),
-                                 rope_length_limit(getattr(target, "config", None)))
+        # length-dependent RoPE past the length where its frequencies change (draft_forward.rope_length_limit).
+        # None passed: the target's own context, as the controller takes it (a 600-token prompt on a 512-position
+        # model generated garbage without a word)
+        config = getattr(target, "config", None)
+        max_positions = tightest(max_positions or context_positions(config), position_table_rows(target),
+                                 rope_length_limit(config))
+        if not isinstance(stop_strings, (str, bytes)):  # a one-shot iterable was used up by the check below
+            stop_strings = list(stop_strings)
         check_generation(prompt_ids, max_new_tokens, max_positions, stop_strings, tokenizer, input_rows(target),
                          eos_token_ids)
         if prefix is not None and not 0 < prefix.length < len(prompt_ids):

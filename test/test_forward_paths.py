@@ -465,3 +465,20 @@ def test_the_cpu_kernel_paths_are_refused_for_a_model_off_the_cpu_and_auto_is_na
     model = tiny_llama(vocab_size=64, seed=0).to("meta")
     with pytest.raises(ForwardPathError, match="on meta"):
         apply_path(model, "int8")
+
+
+@pytest.mark.parametrize("path", ["int8", "int4", "bf16"])
+def test_a_converted_model_refuses_a_cast_or_move_and_stays_as_it_was(path):
+    """model.half() on an int8 model cast the fp32 scales its kernel reads by pointer: the kernel then read past
+    them (the head's: about 100 KB past the end). A moved one had the kernels read device memory as host memory."""
+    if path == "bf16" and not cpu_has_bf16():
+        pytest.skip("no bf16 matmul on this CPU (avx512_bf16/AMX)")
+    model = tiny_llama(hidden=256, seed=0)
+    apply_path(model, path)
+    before = {name: (t.dtype, t.data_ptr()) for name, t in model.state_dict().items()}
+    for cast in (lambda m: m.half(), lambda m: m.to(torch.bfloat16 if path != "bf16" else torch.float32),
+                 lambda m: m.to("meta")):
+        with pytest.raises(ForwardPathError, match="is kept as .* the form its kernel reads"):
+            cast(model)
+        assert {name: (t.dtype, t.data_ptr()) for name, t in model.state_dict().items()} == before
+    model.to("cpu")  # no cast, no move: fine

@@ -1171,6 +1171,10 @@ int decoder_forward(const Layer* layers, int n_layers, float* x, int n, int star
   const int q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
   const int widest = 2 * intermediate > qkv_width ? 2 * intermediate : qkv_width;
   const size_t rows = (size_t)n;
+  /* the KV rows written below must fit every layer's buffer: refused here too, not only by the Python caller */
+  if (n < 0 || start < 0) return KERNEL_BAD_SHAPE;
+  for (int l = 0; l < n_layers; l++)
+    if ((size_t)start + rows > (size_t)layers[l].capacity) return KERNEL_BAD_SHAPE;
   float* h = malloc(rows * dim * sizeof(float));
   float* wide = malloc(rows * widest * sizeof(float));
   float* q = malloc(rows * q_width * sizeof(float));
@@ -1272,6 +1276,8 @@ typedef struct {
 int model_step(const StepModel* m, const int32_t* ids, int n, int start, const float* cos, const float* sin,
                int keep, float* x, float* normed, float* logits, int threads) {
   const int dim = m->dim;
+  for (int i = 0; i < n; i++)  /* the table's rows: refused here too, not only by the Python caller */
+    if (ids[i] < 0 || ids[i] >= m->embed_rows) return KERNEL_BAD_SHAPE;
   for (int i = 0; i < n; i++) {
     float* row = x + (size_t)i * dim;
     if (m->embed_kind == 32) {
@@ -1285,9 +1291,10 @@ int model_step(const StepModel* m, const int32_t* ids, int n, int start, const f
       for (int j = 0; j < dim; j++) row[j] = (float)values[j] * half_to_float(scales[j / 32]);
     }
   }
-  if (decoder_forward(m->layers, m->n_layers, x, n, start, cos, sin, dim, m->heads, m->kv_heads, m->head_dim,
-                      m->intermediate, m->eps, threads))
-    return -1;
+  /* its own code: a bad shape (-2) was reported as "out of memory" (-1) */
+  const int decoded = decoder_forward(m->layers, m->n_layers, x, n, start, cos, sin, dim, m->heads, m->kv_heads,
+                                      m->head_dim, m->intermediate, m->eps, threads);
+  if (decoded) return decoded;
   const int out = m->head.out_features, first = normed ? 0 : n - keep;
   float* own = normed ? NULL : malloc((size_t)keep * dim * sizeof(float));
   float* h = normed ? normed : own;

@@ -55,6 +55,7 @@ out_features % 16 == 0) keep fp32 and are counted in :class:`PathReport`.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +75,37 @@ class ForwardPathError(ValueError):
     """A forward path that does not exist, or that this machine or model cannot run."""
 
 
-class FastLinear(torch.nn.Module):
+class KeptForm(torch.nn.Module):
+    """A module whose buffers are in the form its kernel reads (dtype, CPU memory), by pointer: a cast or a move of
+    the model after its conversion (``model.half()``, ``.to("cuda")``) is refused, with the module as it was. Cast,
+    an int8 layer's fp32 scales read as 16-bit made the kernel read past them; moved, the kernels read device memory
+    as host memory."""
+
+    def check_change(self, fn) -> None:
+        """ForwardPathError where ``fn`` (what Module.to, .half, .cuda apply to each tensor) would change one."""
+        for name, tensor in [*self.named_parameters(recurse=False), *self.named_buffers(recurse=False)]:
+            probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+            if (probe.dtype, probe.device) != (tensor.dtype, tensor.device):
+                raise ForwardPathError(
+                    f"{type(self).__name__}.{name} is kept as {tensor.dtype} on {tensor.device}, the form its kernel"
+                    f" reads: a model converted to a forward path is not cast or moved ({probe.dtype} on"
+                    f" {probe.device} asked); load it again with the dtype, device and quantization wanted")
+
+    def _apply(self, fn, recurse: bool = True):
+        self.check_change(fn)
+        return super()._apply(fn, recurse)
+
+
+def _apply_checked(self: torch.nn.Module, fn, recurse: bool = True):
+    """A converted model's own _apply (apply_path sets it): every KeptForm checked before any tensor is changed (a
+    module's own check came after the modules before it were cast: the model was left half cast)."""
+    for module in self.modules():
+        if isinstance(module, KeptForm):
+            module.check_change(fn)
+    return type(self)._apply(self, fn, recurse)
+
+
+class FastLinear(KeptForm):
     """A linear layer in a compact format. ``rows_at_once`` is False where the kernel was seen to compute
     a row differently when other rows come with it: then rows go through one at a time."""
 
@@ -288,7 +319,7 @@ def check_ids(ids: torch.Tensor, rows: int) -> None:
             raise IndexError(f"token id out of range: the embedding has {rows} rows, got ids from {low} to {high}")
 
 
-class Q8Embedding(torch.nn.Module):
+class Q8Embedding(KeptForm):
     """An embedding table held as a GGUF's Q8_0 holds it: int8 values and one fp16 scale per block of 32.
     Built only by :meth:`exact_from`, which refuses a table its rows would not reproduce bit for bit."""
 
@@ -338,7 +369,7 @@ def fp16_exact(tensor: torch.Tensor) -> torch.Tensor | None:
     return half if torch.equal(half.float(), tensor) else None
 
 
-class F16Embedding(torch.nn.Module):
+class F16Embedding(KeptForm):
     """An embedding table kept in fp16 because fp16 holds each of its values exactly (weights loaded from an
     fp16 file): half the bytes of the fp32 table, rows widened back bit for bit. Built only by
     :meth:`exact_from`."""
@@ -554,6 +585,8 @@ def apply_path(model: torch.nn.Module, path: str, compact_embedding: bool = True
     elif path in ("int8", "int4"):
         report.kernels = "ATen" + (f" ({cpu_kernels.status().reason})" if cpu_kernels.status().reason else "")
     embeddings = model.get_input_embeddings() if compact_embedding and hasattr(model, "get_input_embeddings") else None
+    # bound to the model (a deep copy, as storage makes of it, binds it to the copy)
+    model._apply = types.MethodType(_apply_checked, model)
     if type(embeddings) is torch.nn.Embedding:
         compact = Q8Embedding.exact_from(embeddings.weight)
         if compact is None:

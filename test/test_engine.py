@@ -709,3 +709,27 @@ def test_a_draft_token_its_own_distribution_gives_probability_0_takes_the_draft_
 
     with pytest.raises(speculative.DraftFailure, match="probability 0"):
         session.step("close", drafts["close"])
+
+
+def test_generate_refuses_a_draft_that_is_no_model_or_scores_other_token_ids(target):
+    """A draft wider than the target raised IndexError deep in torch; a narrower one was taken out of service at its
+    first step, the run going on with the target alone, said only in the log; a string failed on a weak reference."""
+    width = target.config.vocab_size
+    for wrong in (tiny_llama(vocab_size=width * 2, layers=1, hidden=32), tiny_llama(vocab_size=width // 2, layers=1,
+                                                                                     hidden=32)):
+        with pytest.raises(ValueError, match="must share token ids"):
+            generate(target, PROMPT, wrong, max_new_tokens=4)
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        generate(target, PROMPT, "draft", max_new_tokens=4)
+
+
+def test_a_session_takes_a_tensor_prompt_and_names_settings_of_the_wrong_type(target):
+    """As the controller takes them: a tensor prompt raised "Boolean value of Tensor ... is ambiguous", a dict of
+    sampling settings failed on .seed, an end id given alone on "'int' object is not iterable"."""
+    assert generate(target, torch.tensor(PROMPT), None, max_new_tokens=6).generated_ids == reference(target, new=6)
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig, got dict"):
+        generate(target, PROMPT, None, max_new_tokens=4, sampling={"temperature": 1.0})
+    with pytest.raises(TypeError, match=r"eos_token_ids must be a list of token ids, got 2: pass \[2\]"):
+        generate(target, PROMPT, None, max_new_tokens=4, eos_token_ids=2)
+    with pytest.raises(TypeError, match="end token ids must be integers, got 'x'"):
+        generate(target, PROMPT, None, max_new_tokens=4, eos_token_ids=["x"])

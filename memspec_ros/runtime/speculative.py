@@ -420,6 +420,19 @@ class SpeculativeSession:
                                  rope_length_limit(config))
         if not isinstance(stop_strings, (str, bytes)):  # a one-shot iterable was used up by the check below
             stop_strings = list(stop_strings)
+        # as the controller takes them (a tensor's truth value raised "ambiguous", a dict of settings failed on .seed,
+        # an end id given alone on "not iterable")
+        if hasattr(prompt_ids, "tolist"):
+            prompt_ids = prompt_ids.tolist()
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if is_whole(eos_token_ids) or isinstance(eos_token_ids, (str, bytes)):
+            raise TypeError(f"eos_token_ids must be a list of token ids, got {eos_token_ids!r}: pass"
+                            f" [{eos_token_ids!r}]")
+        eos_token_ids = list(eos_token_ids)
+        wrong = [t for t in eos_token_ids if not is_whole(t)]
+        if wrong:
+            raise TypeError(f"end token ids must be integers, got {wrong[0]!r}")
         check_generation(prompt_ids, max_new_tokens, max_positions, stop_strings, tokenizer, input_rows(target),
                          eos_token_ids)
         if prefix is not None and not 0 < prefix.length < len(prompt_ids):
@@ -850,6 +863,25 @@ def _numpy_rows(logits: torch.Tensor):
     return (logits.detach() if logits.requires_grad else logits).numpy()
 
 
+def logit_width(model: torch.nn.Module) -> int:
+    """The token ids a causal LM scores (a reduced-vocabulary draft's: the target ids its rows map to; 0: unknown)."""
+    vocab = getattr(model, "vocab", None)
+    width = getattr(vocab, "target_vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", 0)
+    return int(width or 0)
+
+
+def check_draft_width(target: torch.nn.Module, draft: torch.nn.Module) -> None:
+    """TypeError for a draft that is no model, ValueError for one that scores other token ids than the target: a
+    wider one raised IndexError deep in torch, a narrower one was taken out of service at its first step and the
+    generation went on with the target alone, said only in the log."""
+    if not isinstance(draft, torch.nn.Module):
+        raise TypeError(f"the draft must be a torch.nn.Module (a causal LM), got {type(draft).__name__}")
+    want, got = logit_width(target), logit_width(draft)
+    if want and got and want != got:
+        raise ValueError(f"the draft scores {got} token ids and the target {want}: they must share token ids (a"
+                         " reduced-vocabulary draft maps its rows to the target's vocabulary)")
+
+
 def generate(
     target: torch.nn.Module,
     prompt_ids: Sequence[int],
@@ -861,6 +893,8 @@ def generate(
     """Run one generation with a single draft (or none: plain autoregressive decoding). A draft that fails
     (DraftFailure: its forward raised, its logits unusable) is taken out of service as the controller takes it:
     the generation goes on with the target alone and keeps its tokens; the failure is logged."""
+    if draft is not None:
+        check_draft_width(target, draft)
     session = SpeculativeSession(target, prompt_ids, **session_kwargs)
     session.prefill()
     while not session.finished:

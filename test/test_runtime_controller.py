@@ -1572,3 +1572,15 @@ def test_a_request_of_the_wrong_type_is_refused_before_it_takes_anything(target,
     for gamma in (2.5, True):
         with pytest.raises(ValueError, match="must be an integer"):
             generate(target, PROMPT, drafts["general"], max_new_tokens=4, gamma=gamma)
+
+
+def test_load_runtime_refuses_a_ranking_policy_without_a_predictor_before_loading(tmp_path, monkeypatch):
+    """The default policy, memspec, ranks with a trained predictor: without predictor_path the target and every
+    draft were loaded before the refusal."""
+    from memspec_ros.runtime.controller import load_runtime
+    from memspec_ros.runtime.policies import PolicyError
+
+    monkeypatch.setattr("memspec_ros.runtime.loader.load_models",
+                        lambda *a, **k: pytest.fail("models loaded before the policy was checked"))
+    with pytest.raises(PolicyError, match="policy memspec ranks the drafts with a trained predictor"):
+        load_runtime(RuntimeConfig(), str(tmp_path / "registry.yaml"))

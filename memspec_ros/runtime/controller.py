@@ -876,6 +876,9 @@ def load_runtime(
     if predictor_path and not head:  # dropped silently, then a ranking policy said to set the path it was given
         raise ValueError(f"no trained predictor in {predictor_path} (nor in its target-hidden/ or minilm/"
                          " subfolders): give the folder memspec-train-predictor wrote")
+    if config.policy in RANKING_POLICIES and not head:  # said once the target and every draft had loaded
+        raise PolicyError(f"policy {config.policy} ranks the drafts with a trained predictor: give predictor_path"
+                          " (the zoo's predictor/ folder), or choose a policy that needs none")
     models = load_models(registry_path, target_path=target_path, predictor_path=head,
                          dtype=dtype, device=device, quantization=quantization, gamma=config.gamma)
     try:

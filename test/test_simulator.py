@@ -228,6 +228,18 @@ def test_a_policy_the_costs_never_timed_is_not_replayed_for_free(models, traces)
     Simulator(costs, config, DOMAINS, list(drafts)).generate(make_policy("mab-async"), traces[0])
 
 
+def test_the_simulator_refuses_candidates_it_cannot_replay(models, traces):
+    """An empty candidate list was taken for every draft; a candidate the trace has no agreement for was replayed
+    as a draft that accepts nothing, charged its costs without a word."""
+    _, drafts = models
+    config = SimConfig(interval=INTERVAL, gamma=GAMMA, max_new_tokens=NEW)
+    with pytest.raises(ValueError, match="candidates is empty"):
+        Simulator(tiny_costs(drafts), config, DOMAINS, [])
+    sim = Simulator(tiny_costs(drafts), config, {**DOMAINS, "zz": "zz"}, [*drafts, "zz"])
+    with pytest.raises(ValueError, match="candidates zz have no recorded agreement in this trace"):
+        sim.generate(make_policy("general-static", general_draft="zz"), traces[0])
+
+
 def test_blocking_loads_are_charged_as_load_wait_and_slower_media_never_help(models, traces):
     _, drafts = models
     results = {}

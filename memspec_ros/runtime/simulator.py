@@ -87,8 +87,12 @@ class PromptTrace:
                             costs=costs, prompt_tokens=len(self.prompt_ids), max_new_tokens=max_new_tokens)
 
     def accepted(self, draft: str, position: int, proposed: int) -> int:
-        """Proposals the target accepts from ``position`` (greedy: the run of agreements, capped)."""
-        agree = self.agreement.get(draft, [])
+        """Proposals the target accepts from ``position`` (greedy: the run of agreements, capped). A draft the trace
+        did not record is refused: replayed as one that accepts nothing, it was charged its costs without a word."""
+        agree = self.agreement.get(draft)
+        if agree is None:
+            raise KeyError(f"draft {draft!r} has no recorded agreement in this trace (recorded: "
+                           f"{', '.join(sorted(self.agreement))}): record it, or leave it out of the candidates")
         k = 0
         while k < proposed and position + k < len(agree) and agree[position + k]:
             k += 1
@@ -586,12 +590,18 @@ class Simulator:
         self.costs = costs
         self.config = config
         self.domains = dict(domains)
-        self.candidates = list(candidates or domains)
+        if candidates is not None and not list(candidates):  # taken for "every draft", silently
+            raise ValueError("candidates is empty: leave it out (None) to replay every draft of ``domains``")
+        self.candidates = list(domains if candidates is None else candidates)
 
     def generate(self, policy: DraftPolicy, trace: PromptTrace, costs: CostModel | None = None) -> GenerationStats:
         """One generation of ``trace``'s prompt under ``policy``, in virtual time (its GenerationStats).
 
         ``costs``: this generation's own cost model (default: the simulator's)."""
+        missing = [c for c in self.candidates if c not in trace.agreement]
+        if missing:  # before any virtual time: each would be replayed as a draft that accepts nothing
+            raise ValueError(f"candidates {', '.join(missing)} have no recorded agreement in this trace (recorded:"
+                             f" {', '.join(sorted(trace.agreement))}): record them, or leave them out")
         cfg, costs = self.config, costs or self.costs
         point_work, setup_work = costs.policy_costs(policy.name)
         clock = _Clock()

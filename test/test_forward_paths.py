@@ -482,3 +482,15 @@ def test_a_converted_model_refuses_a_cast_or_move_and_stays_as_it_was(path):
             cast(model)
         assert {name: (t.dtype, t.data_ptr()) for name, t in model.state_dict().items()} == before
     model.to("cpu")  # no cast, no move: fine
+    # and it is freed by its last reference, not only by a full garbage collection (a method bound on the instance
+    # made a reference cycle: an evicted draft stayed in memory)
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        alive = weakref.ref(model)
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()

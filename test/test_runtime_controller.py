@@ -551,15 +551,14 @@ def test_a_registry_swap_during_a_goal_waits_for_the_next_point_and_checks_later
 
     def on_chunk(text, ids):
         if not seen:
-            assert ctl.replace_registry(registry_of({"math": drafts["math"], "general": drafts["general"]})) == []
+            assert ctl.replace_registry(registry_of({k: drafts[k] for k in ("math", "general", "code")})) == []
             seen.append(ctl.registry.names())  # not yet: at the next point
             ctl.reconfigure(general_draft="math")  # valid with the drafts it will run with
 
     result = ctl.generate(PROMPT, NEW, on_chunk=on_chunk)
     assert seen == [["general", "code", "law"]]
-    assert result.token_ids == expected and ctl.registry.names() == ["math", "general"]
+    assert result.token_ids == expected and ctl.registry.names() == ["math", "general", "code"]
     assert result.stats.drafts_used[-1] == "math" and not any(it.fallback for it in result.stats.iterations)
-    assert sorted(ctl.cache.resident()) == ["math"]  # code left the cache as the goal took the swap
     ctl.close()
 
 
@@ -579,6 +578,10 @@ def test_the_runtime_api_refuses_what_it_cannot_do_and_changes_nothing(target, d
         ctl.replace_registry(unscored)
     assert ctl.registry.names() == list(drafts)  # nothing changed
     del ctl.predictor.classes
+    ctl.reconfigure(policy="general-static", general_draft="general")
+    with pytest.raises(PolicyError, match="general_draft 'general' is not in the draft registry"):
+        ctl.replace_registry(registry_of({"law": drafts["law"]}))  # it would lose its draft
+    assert ctl.registry.names() == list(drafts)
     ctl.close()
     with pytest.raises(RuntimeError, match="this controller is closed"):
         ctl.generate(PROMPT, 4)

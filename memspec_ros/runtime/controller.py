@@ -400,8 +400,8 @@ class RuntimeController:
         registry = next(r for r in (for_registry, self._pending_registry, self.registry) if r is not None)
         self._check_policy(new, registry)
         names = registry.names()
-        if {"policy", "general_draft"} & set(changes):
-            _check_general_draft(new, names)
+        if for_registry is not None or {"policy", "general_draft"} & set(changes):  # (drafts replaced: also
+            _check_general_draft(new, names)  # general-static's own, which it would lose)
         return new
 
     @property

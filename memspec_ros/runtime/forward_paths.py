@@ -55,7 +55,6 @@ out_features % 16 == 0) keep fp32 and are counted in :class:`PathReport`.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -96,13 +95,27 @@ class KeptForm(torch.nn.Module):
         return super()._apply(fn, recurse)
 
 
-def _apply_checked(self: torch.nn.Module, fn, recurse: bool = True):
-    """A converted model's own _apply (apply_path sets it): every KeptForm checked before any tensor is changed (a
-    module's own check came after the modules before it were cast: the model was left half cast)."""
-    for module in self.modules():
-        if isinstance(module, KeptForm):
-            module.check_change(fn)
-    return type(self)._apply(self, fn, recurse)
+_CHECKED_CLASSES: dict[type, type] = {}
+
+
+def _checked_class(cls: type) -> type:
+    """``cls`` whose _apply checks every KeptForm before any tensor is changed (a module's own check came after the
+    modules before it were cast: the model was left half cast), under the same name and module (save_pretrained
+    records the class name). A class, not a method bound on the instance: that made every converted model a
+    reference cycle, freed only by a full garbage collection (an evicted draft stayed in memory past the byte
+    budget, its KV caches counted)."""
+    if cls in _CHECKED_CLASSES.values():
+        return cls
+    if cls not in _CHECKED_CLASSES:
+        def _apply(self, fn, recurse: bool = True):
+            for module in self.modules():
+                if isinstance(module, KeptForm):
+                    module.check_change(fn)
+            return cls._apply(self, fn, recurse)
+
+        _CHECKED_CLASSES[cls] = type(cls.__name__, (cls,), {"_apply": _apply, "__module__": cls.__module__,
+                                                            "__qualname__": cls.__qualname__})
+    return _CHECKED_CLASSES[cls]
 
 
 class FastLinear(KeptForm):
@@ -585,8 +598,7 @@ def apply_path(model: torch.nn.Module, path: str, compact_embedding: bool = True
     elif path in ("int8", "int4"):
         report.kernels = "ATen" + (f" ({cpu_kernels.status().reason})" if cpu_kernels.status().reason else "")
     embeddings = model.get_input_embeddings() if compact_embedding and hasattr(model, "get_input_embeddings") else None
-    # bound to the model (a deep copy, as storage makes of it, binds it to the copy)
-    model._apply = types.MethodType(_apply_checked, model)
+    model.__class__ = _checked_class(type(model))
     if type(embeddings) is torch.nn.Embedding:
         compact = Q8Embedding.exact_from(embeddings.weight)
         if compact is None:

@@ -590,9 +590,9 @@ class Simulator:
         self.costs = costs
         self.config = config
         self.domains = dict(domains)
-        if candidates is not None and not list(candidates):  # taken for "every draft", silently
+        self.candidates = list(domains if candidates is None else candidates)  # (a one-shot iterable: read once)
+        if candidates is not None and not self.candidates:  # taken for "every draft", silently
             raise ValueError("candidates is empty: leave it out (None) to replay every draft of ``domains``")
-        self.candidates = list(domains if candidates is None else candidates)
 
     def generate(self, policy: DraftPolicy, trace: PromptTrace, costs: CostModel | None = None) -> GenerationStats:
         """One generation of ``trace``'s prompt under ``policy``, in virtual time (its GenerationStats).

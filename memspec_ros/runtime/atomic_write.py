@@ -82,6 +82,15 @@ def synced_replace(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) ->
     sync_dir(Path(path).parent)
 
 
+def mark_used(path: str | os.PathLike[str]) -> None:
+    """Set ``path``'s modification time to now: the cache pruning keeps what was used lately (a file another user
+    owns, or a read-only cache, keeps its old time, and is pruned the sooner)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """``text`` into ``path`` by a rename (:func:`written_aside`, synced): a reader (the node, a resumed build) sees
     the old file or the new, never half."""

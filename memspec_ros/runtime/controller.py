@@ -365,21 +365,20 @@ class RuntimeController:
         with self._lock:
             # also with no settings changed: the policy in force must be able to run with the new drafts (a trained
             # predictor scoring none of them was taken)
-            checked = self._checked_change(other, changes)
-            new = checked if changes else None
+            new = self._checked_change(other, changes)
             self.registry.check_replacement(other)  # its one refusal, before anything is applied
             if self._running:
                 self._pending_registry = other
-                if new is not None:
+                if changes:
                     self._pending = new
                 return []
             config = self.config
-            if new is not None:
+            if changes:
                 self._apply(new)
             try:
                 return self.registry.replace_with(other)
             except BaseException:  # (checked above: a failure nobody foresaw) the settings go back with the drafts
-                if new is not None:
+                if changes:
                     self._apply(config)
                 raise
 

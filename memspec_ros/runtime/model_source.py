@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic_write import acquire, open_lock, sync_dir, sync_tree
+from .atomic_write import acquire, mark_used, open_lock, sync_dir, sync_tree
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
 
 log = logging.getLogger(__name__)
@@ -379,7 +379,7 @@ def converted_dir(path: Path) -> Path:
     key = conversion_key(digest)
     out = cache_root() / "gguf" / key
     if (out / CONVERTED_MARKER).is_file():
-        _mark_used(out)
+        mark_used(out / CONVERTED_MARKER)  # a load: the conversion is in use (_remove_unused_conversions)
         return out
     def unwritable(exc: OSError) -> GGUFConversionError:
         return GGUFConversionError(f"cannot write the converted model under {out.parent} ({exc}): set"
@@ -441,19 +441,21 @@ def converted_dir(path: Path) -> Path:
 UNUSED_CONVERSION_SECONDS = 30 * 86400.0
 
 
-def _mark_used(out: Path) -> None:
-    """Record a load of the conversion in ``out`` (its marker's modification time; a read-only cache keeps none)."""
-    try:
-        os.utime(out / CONVERTED_MARKER)
-    except OSError:
-        pass
+@contextmanager
+def _free_lock(folder: Path, key: str, create: bool = False) -> Iterator[None]:
+    """Hold ``key``'s conversion lock, taken only where no process holds it: OSError where one does (converting that
+    key now: BlockingIOError), or the lock file is missing (unless ``create``), another user's, or a link."""
+    import fcntl
+
+    flags = os.O_WRONLY | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    with os.fdopen(os.open(folder / f".{key}.lock", flags, 0o644), "a") as lock:  # its own open file: its own flock
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
 
 
 def _remove_unused_conversions(folder: Path, keep: str) -> None:
     """Remove the published conversions not loaded for UNUSED_CONVERSION_SECONDS (but ``keep``), each under its own
     lock, not taken while another process holds it (converting that key now)."""
-    import fcntl
-
     limit = time.time() - UNUSED_CONVERSION_SECONDS
     for old in folder.iterdir():
         marker = old / CONVERTED_MARKER
@@ -461,9 +463,7 @@ def _remove_unused_conversions(folder: Path, keep: str) -> None:
             # (never through a link: one planted in a shared cache would have the marker it points at removed)
             if old.name == keep or old.name.startswith(".") or old.is_symlink() or marker.stat().st_mtime > limit:
                 continue
-            with os.fdopen(os.open(folder / f".{old.name}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644),
-                           "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with _free_lock(folder, old.name, create=True):
                 if marker.stat().st_mtime <= limit:  # not loaded meanwhile
                     marker.unlink()  # first: a half-removed folder is no conversion, and the next use redoes it
                     shutil.rmtree(old, ignore_errors=True)
@@ -480,8 +480,6 @@ def _remove_abandoned_conversions(folder: Path, held: str) -> None:
     holds its lock) and those of any other key whose lock no process holds, since only a process holding a key's
     lock writes them. A conversion killed by the OOM killer left a full fp32 copy of the model that nothing removed
     once the key changed (a transformers upgrade, another file)."""
-    import fcntl
-
     for stale in folder.glob(".*-*"):
         key = stale.name[1:].rpartition("-")[0]
         if not stale.is_dir() or not key:
@@ -493,9 +491,8 @@ def _remove_abandoned_conversions(folder: Path, held: str) -> None:
             # written to lately: maybe converting, where flock does not exclude it (NFS emulates it with a
             # process's POSIX locks; a cache shared between hosts); one killed is removed once that long has passed
             continue
-        try:  # another open file, so another flock: refused while another process converts that key
-            with os.fdopen(os.open(folder / f".{key}.lock", os.O_WRONLY | os.O_NOFOLLOW), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:  # refused while another process converts that key
+            with _free_lock(folder, key):
                 shutil.rmtree(stale, ignore_errors=True)
         except OSError:  # converting now (BlockingIOError), no lock (not a conversion's folder), another user's
             continue

@@ -95,7 +95,7 @@ def rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-@dataclass(slots=True)  # one per iteration, kept by every goal in the node's throughput window: 136 B, not 352
+@dataclass(slots=True)  # one per iteration, kept by every goal in the throughput window: 136 B, not 352 (getsizeof)
 class IterationStats:
     """One draft-and-verify iteration of the speculative engine."""
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic_write import mark_used
 from .draft_vocab import VOCAB_FILE
 from .models import LoadedModel, ModelSpec
 
@@ -481,15 +482,6 @@ def prune_stale_forms(file: Path) -> None:
 UNUSED_FORM_SECONDS = 30 * 86400.0
 
 
-def _mark_used(form: Path) -> None:
-    """A form read: its modification time says so (prune_stale_forms keeps forms written or read lately; a node up
-    for more than UNUSED_FORM_SECONDS reads forms it wrote long ago). Outside the timed read."""
-    try:
-        os.utime(form)
-    except OSError:  # another user's form in a shared folder, or read-only: pruned the sooner, rebuilt if so
-        pass
-
-
 def _older_than(path: Path, when: float) -> bool:
     try:
         return path.stat().st_mtime < when
@@ -587,7 +579,9 @@ class DraftStorage:
             loaded = build_model(spec, [blob for blob, _ in reads])
         build = time.perf_counter() - t0
         if not from_files:
-            _mark_used(form.file)  # after the timed build
+            # read: in use (prune_stale_forms keeps forms written or read lately; a node up for more than
+            # UNUSED_FORM_SECONDS reads forms it wrote long ago). After the timed build
+            mark_used(form.file)
         form_seconds = 0.0
         # a draft prepared off the lean forward has per-module forwards bound to its own layers (row_exact), which a
         # runtime form's copies would share: it is built from its safetensors each time

@@ -638,8 +638,15 @@ class Monitor:
         self.violations: list[str] = []
         self.changes = 0
         self.running: dict[int, object] = {}  # id -> slot whose load runs on the loader thread now
+        # loads whose outcome was settled under the lock (published, dropped or failed) before the loader wrapper
+        # below returned: another thread may evict a published draft in that window, which leaves its slot with no
+        # model, its future not done yet and out of the table, as a lost reservation would look (the cause of two
+        # failures seen on loaded machines: a 5 ms pause after the load made it fail every run)
+        self.settled: set[int] = set()
         self._seen: set[int] = set()
         load = cache._load
+        for settle in ("_publish", "_drop", "_loader_failed"):  # each called under the lock, with the slot first
+            setattr(cache, settle, self._settling(getattr(cache, settle)))
 
         def tracked(slot):  # cache._load, wrapped: submitted as self._load by the cache
             with cache._lock:
@@ -649,9 +656,16 @@ class Monitor:
             finally:
                 with cache._lock:
                     self.running.pop(id(slot), None)
+                    self.settled.discard(id(slot))
 
         cache._load = tracked
         cache.on_change = self
+
+    def _settling(self, settle):
+        def settling(slot, *args, **kwargs):
+            self.settled.add(id(slot))
+            return settle(slot, *args, **kwargs)
+        return settling
 
     def __call__(self, snap: CacheStats) -> None:
         c = self.cache
@@ -669,10 +683,9 @@ class Monitor:
         if new:
             if len(held) > c.capacity or (c.budget_bytes and sum(s.reserved_bytes for s in held) > c.budget_bytes):
                 self.violations.append(f"load of {[s.name for s in new]} started beyond the limits: {snap}")
-        # in flight: on the loader thread and not published yet. A load that published its model (or failure) is
-        # done although ``tracked`` has not returned: another thread may evict it meanwhile, as any resident draft
-        # (the likely cause of the one failure seen, on a loaded machine; it was not reproduced to confirm it)
-        flying = [s for s in self.running.values() if s.future is not None and s.model is None and s.error is None]
+        # in flight: on the loader thread and not settled yet (published, dropped or failed)
+        flying = [s for s in self.running.values()
+                  if id(s) not in self.settled and s.future is not None and s.model is None and s.error is None]
         for slot in flying:
             if c._slots.get(slot.name) is not slot and not any(d is slot for d in c._detached):
                 self.violations.append(f"load of {slot.name!r} in flight without its reservation: {snap}")

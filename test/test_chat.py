@@ -3,6 +3,7 @@ the validation reasons, the sandboxed template rendering, and the ids that end a
 
 from __future__ import annotations
 
+import re
 import types
 
 import jinja2.exceptions
@@ -79,14 +80,19 @@ def test_messages_with_their_own_system_turn(chat_tok):
     assert prompt_ids(chat_tok, "", messages, system_prompt="Node default.") == ids
 
 
-def test_a_system_message_later_in_the_conversation_keeps_the_nodes_system_prompt_first(chat_tok):
-    """A system message anywhere switched generation.system_prompt off, and the template then put its own default
-    system turn (SmolLM2's "You are a helpful AI assistant named SmolLM") first, in place of the robot's."""
-    messages = [("user", "Hi"), ("system", "Be brief now."), ("user", "Again.")]
-    ids = prompt_ids(chat_tok, "", messages, system_prompt="You control a robot arm.")
-    assert ids == templated(chat_tok, [{"role": "system", "content": "You control a robot arm."}]
-                            + [{"role": r, "content": c} for r, c in messages])
-    assert DEFAULT_SYSTEM not in text(chat_tok, ids)
+def test_a_system_message_past_the_first_is_refused(chat_tok):
+    """Only the first message may be a system message. One further on was kept after generation.system_prompt (or,
+    earlier, switched it off for the template's own default system turn): two system turns either way."""
+    messages = [("user", "Hi"), ("assistant", "Hello."), ("system", "Be brief now."), ("user", "Again.")]
+    reason = "messages[2] is a system message: only the first message may be one"
+    assert check_request("", messages, False, True).startswith(reason)
+    for system in ("", "You control a robot arm."):
+        with pytest.raises(ChatError, match=re.escape(reason)):
+            prompt_ids(chat_tok, "", messages, system_prompt=system)
+    # the first one replaces the node's system prompt, as before
+    first = [("system", "Be brief now."), ("user", "Again.")]
+    assert prompt_ids(chat_tok, "", first, system_prompt="You control a robot arm.") == templated(
+        chat_tok, [{"role": r, "content": c} for r, c in first])
 
 
 def test_raw_is_plain_continuation(chat_tok):

@@ -74,6 +74,12 @@ def check_request(prompt: str, messages: Sequence[tuple[str, str]], raw: bool, t
             return f"messages[{i}] ({role}) has empty content"
         if content.isspace():
             return f"messages[{i}] ({role}) has only whitespace: give it some text"
+        if role == SYSTEM and i > 0:
+            # kept, it made two system turns (after generation.system_prompt, or the template's own default system
+            # turn, put first): contradictory instructions the model weighs as it will, and templates that allow
+            # one system turn (Gemma, Mistral) failed with their own error
+            return (f"messages[{i}] is a system message: only the first message may be one (it replaces"
+                    " generation.system_prompt for this goal); merge its text into messages[0]")
     last = messages[-1][0]
     if last != USER:
         return (f"the last message is from the {last}, not the user: end the conversation with the user turn"
@@ -106,9 +112,8 @@ def max_token_chars(tokenizer) -> int:
 
 def conversation(prompt: str, messages: Sequence[tuple[str, str]], system_prompt: str = "") -> list[dict[str, str]]:
     """The turns given to the template: ``messages`` (or one user turn with ``prompt``), after a
-    system turn with ``system_prompt`` when that is set and the conversation does not open with a system message.
-    (A system message further on used to switch it off: the template then put its own default system turn first,
-    e.g. SmolLM2's "You are a helpful AI assistant named SmolLM", in place of the robot's.)"""
+    system turn with ``system_prompt`` when that is set and the conversation does not open with a system message
+    (check_request refuses one further on)."""
     turns = [{"role": role, "content": content} for role, content in messages] or [{"role": USER, "content": prompt}]
     if system_prompt and turns[0]["role"] != SYSTEM:
         turns.insert(0, {"role": SYSTEM, "content": system_prompt})

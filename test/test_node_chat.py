@@ -20,6 +20,7 @@ from action_msgs.msg import GoalStatus
 
 from memspec_interfaces.action import Generate
 from memspec_interfaces.msg import ChatMessage
+from memspec_ros.runtime.chat import prompt_ids
 from memspec_ros.runtime.models import load_tokenizer
 
 
@@ -149,6 +150,16 @@ def test_the_system_prompt_counts_in_the_length_limits(h, tok):
         assert not lowered.successful and "every chat goal would be refused" in lowered.reason
         [too_many] = h.set_params(**{"generation.max_new_tokens": h.node.loaded.max_positions})
         assert not too_many.successful and "leaves no room for a prompt" in too_many.reason
+        # room for a one-token raw prompt, none for the template's turns around the shortest chat goal's
+        context = h.node.loaded.max_positions
+        shortest = len(prompt_ids(tok, "x", system_prompt=h.get_param("generation.system_prompt")))
+        assert shortest > 1
+        [no_chat] = h.set_params(**{"generation.max_new_tokens": context - shortest + 1})
+        assert not no_chat.successful and f"the shortest chat goal with generation.system_prompt takes {shortest}:" \
+            in no_chat.reason, no_chat.reason
+        assert f"lower it to at most {context - shortest}" in no_chat.reason
+        [fits] = h.set_params(**{"generation.max_new_tokens": context - shortest})
+        assert fits.successful, fits.reason
         assert h.get_param("generation.max_prompt_tokens") == limit
     finally:  # everything this test may have changed on the module's node, whichever assertion failed
         assert all(r.successful for r in h.set_params(**{"generation.system_prompt": ""}))

@@ -361,6 +361,19 @@ def test_a_policy_without_its_predictor_runs_general_static_with_a_warning(harne
         assert status.level == OK and f"policy {policy} needs none" in status.message, (policy, status.message)
 
 
+def test_no_predictor_and_no_general_draft_fails_configure_saying_why_general_static_runs(harness):
+    """With no predictor, memspec falls back to general-static, which needs memspec.general_draft: configure failed
+    naming general-static alone, a policy the operator never chose, and the missing predictor only went to a log
+    line never reached."""
+    h = harness(**{"predictor.path": "none", "memspec.policy": "memspec", "memspec.general_draft": "no-such-draft"})
+    assert not h.transition(Transition.TRANSITION_CONFIGURE)
+    assert h.state() == "unconfigured"
+    status = {s.name: s for s in h.node._diagnostics.collect()}["memspec: target model"]
+    for part in ("predictor.path is 'none'", "memspec.policy memspec runs as general-static", "which cannot run",
+                 "'no-such-draft' is not in the draft registry", "configure a predictor (predictor.path)"):
+        assert part in status.message, (part, status.message)
+
+
 def test_predictor_path_may_name_the_folder_the_trainer_wrote(harness, tmp_path):
     """memspec-train-predictor --out DIR writes its heads to DIR/<encoder>/; predictor.path:=DIR (what the trainer
     printed and the parameter's help names) was 'no trained predictor', and memspec ran as general-static. It is

@@ -517,7 +517,11 @@ class MemSpecNode(LifecycleNode):
             if predictor is not None:
                 raise
             note = f"{missing}: memspec.policy {config.policy} runs as {P.PREDICTOR_FALLBACK} ({exc})"
-            P.check_general_draft(P.PREDICTOR_FALLBACK, config.general_draft, models.registry.names())
+            try:
+                P.check_general_draft(P.PREDICTOR_FALLBACK, config.general_draft, models.registry.names())
+            except ValueError as refused:  # it named a policy the operator never chose: say why that one runs
+                raise ValueError(f"{note}, which cannot run: {refused}; configure a predictor (predictor.path) or"
+                                 " a memspec.general_draft the registry has") from None
             controller = models.controller(dataclasses.replace(config, policy=P.PREDICTOR_FALLBACK), **options)
         if note:
             self.get_logger().warning(note)

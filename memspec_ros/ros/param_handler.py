@@ -49,7 +49,9 @@ def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_to
         return (f"generation.max_new_tokens {new_tokens} leaves no room for a prompt in the target's context of"
                 f" {max_positions} tokens: every goal with max_new_tokens 0 would be refused; lower it")
     system = str(values["generation.system_prompt"])
-    if system and has_chat_template(tokenizer):  # a tokenizer without a template never uses it
+    if not has_chat_template(tokenizer):  # plain continuation: no template turns, no system prompt
+        return ""
+    if system:
         limit = int(values["generation.max_prompt_tokens"])
         limit = min(limit, max_positions - 1) if max_positions else limit
         if len(system) >= limit * max_token_chars:  # the goal's own text takes a character more
@@ -57,16 +59,25 @@ def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_to
                     f" generation.max_prompt_tokens (or the target's context) can hold ({max_token_chars} characters"
                     " per token at most for this tokenizer): every chat goal would be refused; shorten it or raise"
                     " generation.max_prompt_tokens")
-        # the characters bound it from below only: a text of few characters per token passed that test and then
-        # refused every chat goal. The shortest chat goal (one token of its own) is rendered and counted
-        try:
-            shortest = len(prompt_ids(tokenizer, "x", system_prompt=system))
-        except ChatError as exc:  # the template fails on it: so would every chat goal
-            return f"generation.system_prompt cannot be rendered by the model's chat template: {exc}"
-        if shortest > limit:
-            return (f"generation.system_prompt takes {shortest} tokens in the shortest chat goal, more than the"
-                    f" {limit} tokens of generation.max_prompt_tokens (or the target's context): every chat goal"
-                    " would be refused; shorten it or raise generation.max_prompt_tokens")
+    # the characters bound it from below only: a text of few characters per token passed that test and then
+    # refused every chat goal. The shortest chat goal (one token of its own) is rendered and counted; the template's
+    # turns take tokens of their own too, so a max_new_tokens just under the context refused every chat goal
+    try:
+        shortest = len(prompt_ids(tokenizer, "x", system_prompt=system))
+    except ChatError as exc:  # the template fails on it: so would every chat goal
+        if not system:
+            return ""  # the model's own template: each goal is refused with the template's error, as before
+        return f"generation.system_prompt cannot be rendered by the model's chat template: {exc}"
+    if system and shortest > limit:
+        return (f"generation.system_prompt takes {shortest} tokens in the shortest chat goal, more than the"
+                f" {limit} tokens of generation.max_prompt_tokens (or the target's context): every chat goal"
+                " would be refused; shorten it or raise generation.max_prompt_tokens")
+    if max_positions and shortest + new_tokens > max_positions:
+        with_system = " with generation.system_prompt" if system else ""
+        return (f"generation.max_new_tokens {new_tokens} leaves {max_positions - new_tokens} of the target's"
+                f" {max_positions} context tokens for the prompt, and the shortest chat goal{with_system} takes"
+                f" {shortest}: every chat goal with max_new_tokens 0 would be refused; lower it to at most"
+                f" {max_positions - shortest}")
     return ""
 
 

@@ -4,6 +4,7 @@ FAILURE for each way a goal can fail (rejected, aborted, cancelled by preemption
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -57,7 +58,7 @@ def test_success_writes_the_text_to_the_blackboard(h):
 
 
 def test_rejection_is_a_failure(h):
-    b = behaviour(h, prompt="")
+    b = behaviour(h, prompt="", messages=[("user", "hi")])  # the tiny target has no chat template: rejected
     assert tick_until_done(b) == Status.FAILURE
     assert b.outcome == "rejected"
 
@@ -429,7 +430,8 @@ def test_the_example_takes_ros_arguments_and_its_timeouts_as_flags(monkeypatch):
 
 
 def test_example_tree_falls_back_to_the_canned_reply(h):
-    tree = create_example_tree(h.client, "", action_name="/memspec_bt/generate")  # rejected: empty prompt
+    # rejected: messages, and the tiny target has no chat template
+    tree = create_example_tree(h.client, "", action_name="/memspec_bt/generate", messages=[("user", "hi")])
     deadline = time.monotonic() + 10.0
     while True:
         tree.tick()
@@ -457,6 +459,27 @@ def test_a_prompt_key_without_text_fails_the_behaviour_not_the_tick(h, value, sa
     writer.set("/question", "def add(a, b):")
     b = behaviour(h, prompt="", prompt_key="/question", max_new_tokens=4)
     assert tick_until_done(b) == Status.SUCCESS
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({}, "the prompt is empty and there are no messages"),
+    ({"prompt": " \n"}, "the prompt is only whitespace"),
+    ({"messages": [("user", "hi")], "raw": True}, "raw is set but messages are given"),
+    ({"messages": [("user", "hi"), ("assistant", "hello")]}, "the last message is from the assistant"),
+    ({"messages": [("robot", "hi")]}, "unknown role 'robot'"),
+    ({"prompt": "hi", "max_new_tokens": -1}, "max_new_tokens -1 is outside 0.."),
+    ({"prompt": "hi", "max_new_tokens": 2**32}, "is outside 0..4294967295"),
+])
+def test_a_behaviour_whose_every_goal_the_node_would_reject_is_refused_when_built(kwargs, words):
+    """An empty prompt went out at every tick, a goal the node rejects at every tick said only "see its log", and a
+    max_new_tokens out of uint32 raised out of tree.tick(): each is refused when the behaviour is built."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Generate("generate", None, **kwargs)
+
+
+def test_a_behaviour_with_a_prompt_key_is_built_before_its_prompt_is_written():
+    b = Generate("generate", None, prompt_key="/later", max_new_tokens=4)
+    assert b.prompt == "" and b.prompt_key == "/later"
 
 
 def test_a_behaviour_given_both_messages_and_a_prompt_is_refused_when_built():

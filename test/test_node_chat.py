@@ -392,6 +392,28 @@ def test_memspec_client_chat_drops_the_oldest_exchange_when_a_turn_is_rejected(m
     assert len(sent) == 1
 
 
+def test_memspec_client_refuses_a_nul_on_stdin_instead_of_sending_the_text_before_it(monkeypatch, capsys):
+    """A ROS string ends at a NUL: `printf 'Summarise:\\0secret' | memspec_client` had the node answer "Summarise:"
+    alone, and nothing said so. The prompt is refused (exit status 2); in --chat the turn is not sent and the chat
+    goes on."""
+    import io
+
+    from memspec_interfaces.action import Generate
+    from memspec_ros.ros import client
+
+    monkeypatch.setattr(client.sys, "stdin", io.StringIO("Summarise:\0the secret part\n"))
+    assert client.main([]) == 2
+    assert "holds a NUL character at position 10" in capsys.readouterr().err
+    sent = []
+    monkeypatch.setattr(client, "send_goal", lambda node, executor, goal, *a, **k: sent.append(
+        [m.content for m in goal.messages]) or client.Outcome("succeeded", result=Generate.Result(text="ok")))
+    log = io.StringIO()
+    args = client.parse_args(["--chat", "--quiet"])
+    assert client.chat(None, None, args, ["one\n", "two\0three\n", "four\n"], out=io.StringIO(), log=log) == 1
+    assert sent == [["one"], ["one", "ok", "four"]]
+    assert "this turn is not sent: the text holds a NUL character at position 3" in log.getvalue()
+
+
 def test_memspec_client_quiet_still_says_why_a_turn_was_aborted(monkeypatch):
     """--quiet leaves out the statistics line, which was the only place the node's error_message was printed: an
     aborted turn of --chat --quiet said nothing at all. The reason goes to the log."""

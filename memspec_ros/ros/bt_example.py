@@ -15,7 +15,9 @@ Generate goal on its first tick and returns RUNNING until the result, then
 
 A BT only needs ``prompt`` (or ``prompt_key``): the node sends it to an instruct model as one user
 turn. ``messages`` ((role, content) pairs; then no prompt) and ``raw`` are passed on as the goal's
-fields of the same names.
+fields of the same names. A behaviour whose every goal the node would reject (no prompt, prompt_key or
+messages; raw with messages; a conversation not ending on a user turn; max_new_tokens outside uint32) raises
+ValueError when it is built.
 
 When a parent preempts it (``terminate(INVALID)`` while RUNNING) the goal is cancelled, and the
 node answers with the partial text. The behaviour never spins: like py_trees_ros, whoever ticks
@@ -37,7 +39,8 @@ from collections.abc import Sequence
 import py_trees
 from py_trees.common import Status
 
-from .client import ResultWatch
+from ..runtime.chat import check_request
+from .client import UINT32_MAX, ResultWatch
 
 # the wait for the server, and for its answer to a goal: BehaviorTree.ROS2's 1 s default failed live nodes, since
 # discovery of a fresh client can take seconds (a one-off timing this session: 1.7 s and 3.0 s in 7 starts);
@@ -57,9 +60,19 @@ class Generate(py_trees.behaviour.Behaviour):
         if messages and (prompt or prompt_key):  # refused here, not by the node at every tick
             raise ValueError(f"Generate {name!r}: give messages (the whole conversation, the last a user turn) or a"
                              " prompt / prompt_key (one user turn), not both")
+        self.messages = [(str(role), str(content)) for role, content in messages]
+        # what the node would reject in every goal, refused once here: an empty prompt went out at every tick, and
+        # raw with messages, a bad role or a conversation not ending on the user's turn were rejected at every tick
+        # with "see its log"; a max_new_tokens out of the goal's uint32 raised out of tree.tick(). (Whether the
+        # model has a chat template is the node's to say.)
+        if not 0 <= max_new_tokens <= UINT32_MAX:
+            raise ValueError(f"Generate {name!r}: max_new_tokens {max_new_tokens} is outside 0..{UINT32_MAX} (0: the"
+                             " node's generation.max_new_tokens)")
+        reason = check_request(prompt or ("x" if prompt_key else ""), self.messages, raw, templated=True)
+        if reason:
+            raise ValueError(f"Generate {name!r}: {reason}")
         self.node = node
         self.prompt = prompt
-        self.messages = [(str(role), str(content)) for role, content in messages]
         self.raw = raw
         self.prompt_key = prompt_key
         self.result_key = result_key

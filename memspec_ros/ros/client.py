@@ -411,6 +411,10 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
         text = line.strip()
         if not text:
             continue
+        if nul_error(text):  # not sent: the node would answer only the part before the NUL
+            print(f"(this turn is not sent: {nul_error(text)})", file=log)
+            status = 1
+            continue
         history.append(ChatMessage(role=ChatMessage.ROLE_USER, content=text))
 
         def send():
@@ -588,6 +592,17 @@ def parse_args(argv: list[str] | None):
     return args
 
 
+def nul_error(text: str) -> str:
+    """Why ``text`` cannot be sent ('' if it can): a ROS string ends at its first NUL, so the node would get only
+    the text before it (Generate.action), and answer that part as if it were the whole. Only stdin can hold one: a
+    command-line argument cannot."""
+    at = text.find("\x00")
+    if at < 0:
+        return ""
+    return (f"the text holds a NUL character at position {at}: a ROS string ends there, so the node would get only"
+            f" its first {at} characters; remove it")
+
+
 def stdin_prompt(stdin) -> str | None:
     """The prompt piped on stdin, without the newline that echo and a heredoc end it with (it became part of the
     prompt: a user turn of "...\\n", or a raw continuation starting a new line); None on a terminal."""
@@ -634,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.chat and not args.prompt.strip():  # the node rejects it: its answer came as eight possible reasons
         said = "empty" if not args.prompt else "only whitespace"
         print(f"memspec_client: the prompt is {said}: give some text as an argument or on stdin", file=sys.stderr)
+        return 2
+    if not args.chat and nul_error(args.prompt):
+        print(f"memspec_client: {nul_error(args.prompt)}", file=sys.stderr)
         return 2
     import rclpy
     from rclpy.executors import SingleThreadedExecutor

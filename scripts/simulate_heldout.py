@@ -178,7 +178,7 @@ def replay(bench: BenchRun, policies: list[str], workloads: list[str]) -> tuple[
         pooled = policy_summary(runs, p, domains)
         switches = [s.draft_switches for q, w, _, s in runs if q == p and w in domains]
         shares[p] = {"mean_accepted": round(pooled["mean_accepted"], 4),
-                     "fallback_fraction": round(pooled["fallback_fraction_of_iterations"], 4),
+                     "fallback_fraction": rounded(pooled["fallback_fraction_of_iterations"]),
                      "switches_per_generation": round(sum(switches) / max(1, len(switches)), 3)}
     return totals, shares
 

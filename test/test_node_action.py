@@ -262,8 +262,9 @@ def test_a_burst_of_goal_requests_is_answered_in_full(h):
                           result_service_qos_profile=deep, cancel_service_qos_profile=deep)
     assert all(r.successful for r in h.set_params(**{"action.max_queued_goals": room}))
     try:
-        running = start_long_goal(h, [])
+        # matched first: the long goal's few seconds had to cover the discovery, which takes seconds on a loaded machine
         wait_until(client.server_is_ready, 30.0, "the action server (burst client)")
+        running = start_long_goal(h, [])
         futures = [client.send_goal_async(goal(max_new_tokens=8)) for _ in range(burst)]
         try:
             wait_until(lambda: all(f.done() for f in futures), 20.0, "answers to every goal request")

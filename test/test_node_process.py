@@ -525,20 +525,28 @@ def test_the_nodes_spin_loop_leaves_nothing_on_its_future():
     rclpy.init(context=context)
     node = rclpy.create_node("spin_probe", context=context)
     ticks = []
-    node.create_timer(0.001, lambda: ticks.append(1))
+    closed = Future()
+
+    def tick():  # ends the loop after 60 wake-ups, whatever the machine's speed (a fixed 0.5 s needed 11 of them)
+        ticks.append(1)
+        if len(ticks) == 60:
+            closed.set_result(True)
+
+    node.create_timer(0.001, tick)
     executor = MultiThreadedExecutor(num_threads=2, context=context)
     executor.add_node(node)
-    closed = Future()
     failed = []
     node.create_timer(0.002, lambda: (_ for _ in ()).throw(RuntimeError("a failing callback")) if len(ticks) < 50
                       else None)
-    threading.Timer(0.5, closed.set_result, args=(True,)).start()
+    safety = threading.Timer(60.0, lambda: closed.done() or closed.set_result(True))  # only if ticks never came
+    safety.start()
     try:
         serve(executor, closed, type("Log", (), {"error": lambda self, text: failed.append(text)})())
-        assert closed.done() and len(ticks) > 10
+        assert closed.done() and len(ticks) >= 60
         assert not getattr(closed, "_callbacks", []), "the loop left callbacks on its future"
         assert failed and "a failing callback" in failed[0]  # logged, and the loop went on
     finally:
+        safety.cancel()
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
         rclpy.try_shutdown(context=context)

@@ -651,6 +651,26 @@ def test_goals_after_a_workload_where_every_policy_committed_nothing():
     assert _x(None) == "n/a (a zero baseline)" and _x(1.25) == "1.250"
 
 
+def test_the_worst_workload_goal_is_above_mab_async_and_the_page_says_so():
+    """"Above MAB-Async on every workload" was checked against 1 + 1e-9 and printed as ">= 1.000": a tie is not met,
+    and the row says ">"."""
+    from memspec_ros.bench.figures import CA, GS, MAB, MS, OD, OS, goals
+
+    policies = [GS, OS, OD, MAB, MS, CA]
+    table = {w: {p: {"tokens_per_second": 7.0, "end_to_end_tokens_per_second": 7.0} for p in policies}
+             for w in ("code", "math")}
+    sim = {p: {"workloads": {w: {"simulated_tokens_per_second": 7.0, "simulated_end_to_end": 7.0}
+                             for w in table}} for p in policies}
+    bench = SimpleNamespace(result={"workloads": table, "config": {"policies": policies}, "storage": {},
+                                    "simulator_validation": {"pooled": {"policies": sim}}}, runs=[])
+    [worst] = [r for r in goals(bench, {"gmean_over": ["code", "math"]})["rows"] if "worst" in r["goal"]]
+    assert worst["measured"] == 1.0 and worst["target"] == 1.0 and worst["compare"] == ">" and not worst["met"]
+    table["math"][MS]["tokens_per_second"] = 7.7
+    table["code"][MS]["tokens_per_second"] = 7.0 * (1 + 1e-12)  # above by a hair: met, as "above" says
+    [worst] = [r for r in goals(bench, {"gmean_over": ["code", "math"]})["rows"] if "worst" in r["goal"]]
+    assert worst["met"]
+
+
 @pytest.mark.parametrize("option, value, says", [("--workloads", "code,code,math", "names code more than once"),
                                                  ("--workloads", "code,,math", "an empty name"),
                                                  ("--policies", "memspec,memspec", "names memspec more than once")])

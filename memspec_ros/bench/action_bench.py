@@ -118,13 +118,14 @@ def run_action_bench(zoo: Path | None, *, prompts: int = 10, runs: int = 3, max_
 def storage_record(medium: str, before, after, stats: list) -> dict:
     """The medium the node read its drafts through and its loads between two cache snapshots: how many, their mean
     time (pooled over the loads: the node's storage keeps no per-draft record) and that over one speculative
-    iteration of the direct runs (``stats``: draft and verify, as every bench counts it), by
-    storage.load_to_iteration."""
+    iteration of the direct runs (``stats``), by storage.load_to_iteration. The iteration is the mean of the
+    iterations as they ran (IterationStats.iteration_seconds: draft + verify, at whatever number of tokens each
+    proposed), where the policy bench prices a full one from its cost model (gamma draft tokens + a gamma verify)
+    and the engine bench from its loop's mean forwards: the three agree where every iteration proposes gamma."""
     from ..runtime.storage import MEDIA, load_to_iteration
 
     loads = after.loads - before.loads
     mean = (after.load_seconds - before.load_seconds) / loads if loads else 0.0
-    # one speculative iteration as every bench counts it (stats.IterationStats.iteration_seconds: draft + verify)
     iterations = [it for s in stats for it in s.speculative_iterations]
     iteration = sum(it.iteration_seconds for it in iterations) / len(iterations) if iterations else 0.0
     return {"medium": medium, "emulated": MEDIA[medium].emulated, "loads": loads, "mean_load_seconds": mean,

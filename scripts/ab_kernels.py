@@ -34,7 +34,7 @@ def libraries(revision: str) -> dict:
                             capture_output=True, text=True).stdout
     folder = Path(tempfile.mkdtemp())
     (folder / "old.c").write_text(source)
-    subprocess.run([cpu_kernels._compiler(), *cpu_kernels.FLAGS, cpu_kernels.OPENMP, "-o", str(folder / "old.so"),
+    subprocess.run([*cpu_kernels._compiler(), *cpu_kernels.FLAGS, cpu_kernels.OPENMP, "-o", str(folder / "old.so"),
                     str(folder / "old.c"), "-lm"], check=True)
     old = ctypes.CDLL(str(folder / "old.so"))
     try:

@@ -21,7 +21,8 @@ held-out requests are not among them): how much more a lookup that also searched
 ``--datastore FILE`` searches a zoo's datastore file instead (the bundled ``models/datastore.safetensors``: the
 same kind of answers, with those to training requests that ask what a held-out request asks withheld).
 
-    python scripts/lookup_acceptance.py artifacts/chatzoo/teacher --gamma 4 --json docs/results/lookup-acceptance.json
+    python scripts/lookup_acceptance.py artifacts/chat-zoo-build/teacher --gamma 4 \
+        --json docs/results/lookup-acceptance.json
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def answers(folder: Path, split: str) -> Iterator[tuple[str, list[int], list[int
     """(domain, prompt ids, answer ids) from ``<split>-*.safetensors`` teacher shards."""
     shards = sorted(folder.glob(f"{split}-*.safetensors"))
     if not shards:
-        raise SystemExit(f"no {split}-*.safetensors teacher shards in {folder} (memspec-zoo chat builds them)")
+        raise SystemExit(f"no {split}-*.safetensors teacher shards in {folder} (memspec-zoo build writes them to"
+                         " <work_dir>/teacher)")
     for shard in shards:
         with safe_open(str(shard), "pt") as f:
             domains = json.loads(f.metadata()["meta"])["domains"]
@@ -114,7 +116,8 @@ def _verify_ms(parser: argparse.ArgumentParser, text: str, gamma: int) -> list[f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("teacher", type=Path, help="folder of teacher shards (artifacts/chatzoo/teacher)")
+    parser.add_argument("teacher", type=Path, help="folder of teacher shards (memspec-zoo build's"
+                        " <work_dir>/teacher, by default artifacts/chat-zoo-build/teacher)")
     parser.add_argument("--split", default="heldout", help="shard prefix (default heldout)")
     parser.add_argument("--gamma", type=controller_limit("gamma"), default=4)
     parser.add_argument("--min-ngram", type=positive_int, default=LookupConfig().min_ngram)

@@ -530,7 +530,9 @@ def test_the_behaviour_tree_client_sends_messages_and_raw(h, tok):
         b = tick(prompt="Hi", raw=True)
         assert b.status == Status.SUCCESS
         assert h.calls[-1]["prompt_ids"] == tok("Hi", add_special_tokens=True)["input_ids"]
-        b = tick(prompt="", messages=[("user", "Hi"), ("assistant", "Hello.")])  # rejected: ends on the assistant
+        with pytest.raises(ValueError, match="the last message is from the assistant"):  # refused when built
+            tick(prompt="", messages=[("user", "Hi"), ("assistant", "Hello.")])
+        b = tick(prompt="z" * 500_000)  # rejected by the node: longer than generation.max_prompt_tokens can hold
         assert b.status == Status.FAILURE and b.outcome == "rejected"
     finally:
         py_trees.blackboard.Blackboard.clear()

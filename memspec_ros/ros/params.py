@@ -165,7 +165,8 @@ PARAMS: tuple[Param, ...] = (
           "Storage the drafts are read from, cold (page cache dropped) at every load: local (this machine's, unpaced),"
           " or emulated edge media paced to their bandwidth and latency: emmc (eMMC 5.1), sd (UHS-I microSD), nvme"
           " (PCIe Gen3 NVMe). A draft's first load keeps its runtime form, which later loads read, in"
-          " $MEMSPEC_RUNTIME_FORMS_DIR (default ~/.cache/memspec_ros/runtime-drafts). See runtime/storage.py.",
+          " $MEMSPEC_RUNTIME_FORMS_DIR (default runtime-drafts in $MEMSPEC_CACHE_DIR, else in"
+          " $XDG_CACHE_HOME/memspec_ros, ~/.cache where that is unset). See runtime/storage.py.",
           AT_CONFIGURE, choices=STORAGE_CHOICES),
     # -- the draft registry (scheduling point) --------------------------------------------------
     Param("drafts.registry_file", "",
@@ -248,7 +249,8 @@ PARAMS: tuple[Param, ...] = (
     Param("memspec.wait_for_initial_draft", False,
           "A goal's first iteration waits until its chosen draft is loaded (memspec.max_load_wait_seconds at most)"
           " even when another draft is resident;"
-          " off (default): memspec and mab-async run the best resident draft meanwhile and wait only when none is,"
+          " off (default): the non-blocking policies (memspec, memspec-cost-aware, mab-async, prediction-only) run"
+          " the best resident draft meanwhile and wait only when none is,"
           " or when the cache has no room for the chosen one beside it (storage as fast as an NVMe SSD loads a draft"
           " within an iteration, where waiting can pay).",
           AT_NEXT_GOAL, runtime_field="wait_for_initial_draft"),

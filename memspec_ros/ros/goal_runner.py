@@ -36,6 +36,7 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 from memspec_interfaces.action import Generate
 
 from ..runtime.chat import (
+    SYSTEM,
     ChatError,
     check_request,
     has_chat_template,
@@ -378,6 +379,9 @@ class GoalRunner:
         reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
         if reason:  # roles, emptiness, raw with messages, messages without a template
             return reason
+        if messages and messages[0][0] == SYSTEM and self._param("generation.system_prompt_fixed"):
+            return ("messages[0] is a system message, and this node's system prompt is fixed"
+                    " (generation.system_prompt_fixed is true): send the conversation without one")
         reason = self._settings_error(goal) or stop_string_error(goal.stop, lo.tokenizer, lo.controller.eos_token_ids)
         if reason:
             return reason

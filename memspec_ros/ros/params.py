@@ -279,6 +279,12 @@ PARAMS: tuple[Param, ...] = (
           " messages not starting with a system message). Empty: none, so the template's own default system turn"
           " applies, if it has one.",
           AT_ACCEPTANCE),
+    Param("generation.system_prompt_fixed", False,
+          "true: goals may not replace generation.system_prompt: a chat goal whose first message is a system message"
+          " is rejected, so the robot's own instructions (or, with an empty system prompt, the template's default)"
+          " always open the conversation. false (default): a goal's own first system message replaces it for that"
+          " goal.",
+          AT_ACCEPTANCE),
     Param("action.max_queued_goals", 4,
           "Goals accepted but waiting while one runs; more are rejected at once.",
           int_range=(0, 1000)),

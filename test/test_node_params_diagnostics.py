@@ -141,6 +141,32 @@ def test_drafts_removed_while_idle_take_their_kept_kv_caches_with_them(h, monkey
         assert h.set_params_atomically(**registry_file_params()).successful
 
 
+def test_a_gamma_other_than_the_predictors_labels_warns(h):
+    """The head's labels name the draft that accepted most at the gamma they were measured at; memspec.gamma set to
+    another ranked on without a word (/diagnostics showed the head's gamma only as a value)."""
+    import dataclasses
+
+    head = h.node.loaded.predictor.engine.head
+    saved = head.config
+
+    def predictor_status():
+        return {s.name: s for s in h.node._diagnostics.collect()}["memspec: predictor"]
+
+    try:
+        head.config = dataclasses.replace(saved, gamma=h.get_param("memspec.gamma"))
+        assert predictor_status().level == OK
+        assert h.set_params(**{"memspec.gamma": 3})[0].successful
+        head.config = dataclasses.replace(saved, gamma=4)
+        status = predictor_status()
+        assert status.level == WARN and "memspec.gamma is 3, but the predictor's labels were measured at gamma 4" \
+            in status.message, status.message
+        assert "memspec-train-predictor --gamma 3" in status.message
+    finally:
+        head.config = saved
+        assert h.set_params(**{"memspec.gamma": 4})[0].successful
+    assert predictor_status().level == OK
+
+
 def test_a_draft_the_predictor_cannot_score_is_named_on_diagnostics(h):
     """A registered draft the head has no class for (by name or domain) ties at the unknown score, so a ranking
     policy never ranks it first: it was accepted without a word while another draft of the registry was scored."""

@@ -535,6 +535,13 @@ class NodeTasks:
                 s.merge(WARN, f"the predictor has no class for {', '.join(unscored)} (by name or domain): a ranking"
                               " policy ranks them below every draft it scores; train the predictor for them"
                               " (memspec-train-predictor) or give each a domain it ranks")
+        gamma = lo.controller.config.gamma
+        if config.gamma and gamma != config.gamma and policy in RANKING_POLICIES:
+            # its labels name the draft that accepted most at its gamma: drafts this close in acceptance can rank
+            # in another order at another gamma, and nothing else would say the head was not made for this one
+            s.merge(WARN, f"memspec.gamma is {gamma}, but the predictor's labels were measured at gamma"
+                          f" {config.gamma}: its ranking may not name the best draft at {gamma}; set memspec.gamma"
+                          f" {config.gamma} or retrain it (memspec-train-predictor --gamma {gamma})")
         if lo.predictor.failures:
             s.merge(WARN, f"{lo.predictor.failures} rankings failed, the last: {lo.predictor.last_error}")
 

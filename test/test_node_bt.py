@@ -443,7 +443,7 @@ def test_example_tree_falls_back_to_the_canned_reply(h):
 
 
 @pytest.mark.parametrize("value, says", [(None, "has no '/question'"), (42, "is a int, not text"),
-                                         (" \n", "holds no text")])
+                                         (" \n", "holds no text"), ("a\0b", "holds a NUL character at position 1")])
 def test_a_prompt_key_without_text_fails_the_behaviour_not_the_tick(h, value, says):
     """A prompt_key never written raised KeyError out of tree.tick(), ending the robot's tree loop; one holding no
     text went out as the goal's prompt and broke the message; a blank one was sent, and rejected."""
@@ -469,6 +469,8 @@ def test_a_prompt_key_without_text_fails_the_behaviour_not_the_tick(h, value, sa
     ({"messages": [("robot", "hi")]}, "unknown role 'robot'"),
     ({"prompt": "hi", "max_new_tokens": -1}, "max_new_tokens -1 is outside 0.."),
     ({"prompt": "hi", "max_new_tokens": 2**32}, "is outside 0..4294967295"),
+    ({"prompt": "turn left\0 and stop"}, "the prompt: the text holds a NUL character at position 9"),
+    ({"messages": [("user", "turn left\0 and stop")]}, "messages[0]: the text holds a NUL character at position 9"),
 ])
 def test_a_behaviour_whose_every_goal_the_node_would_reject_is_refused_when_built(kwargs, words):
     """An empty prompt went out at every tick, a goal the node rejects at every tick said only "see its log", and a
@@ -480,6 +482,7 @@ def test_a_behaviour_whose_every_goal_the_node_would_reject_is_refused_when_buil
 def test_a_behaviour_with_a_prompt_key_is_built_before_its_prompt_is_written():
     b = Generate("generate", None, prompt_key="/later", max_new_tokens=4)
     assert b.prompt == "" and b.prompt_key == "/later"
+    Generate("generate", None, prompt=" ", prompt_key="/later")  # prompt_key's text is sent: the prompt is unused
 
 
 def test_a_behaviour_given_both_messages_and_a_prompt_is_refused_when_built():

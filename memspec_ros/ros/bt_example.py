@@ -40,7 +40,7 @@ import py_trees
 from py_trees.common import Status
 
 from ..runtime.chat import check_request
-from .client import UINT32_MAX, ResultWatch
+from .client import UINT32_MAX, ResultWatch, nul_error
 
 # the wait for the server, and for its answer to a goal: BehaviorTree.ROS2's 1 s default failed live nodes, since
 # discovery of a fresh client can take seconds (a one-off timing this session: 1.7 s and 3.0 s in 7 starts);
@@ -68,8 +68,10 @@ class Generate(py_trees.behaviour.Behaviour):
         if not 0 <= max_new_tokens <= UINT32_MAX:
             raise ValueError(f"Generate {name!r}: max_new_tokens {max_new_tokens} is outside 0..{UINT32_MAX} (0: the"
                              " node's generation.max_new_tokens)")
-        reason = check_request(prompt or ("x" if prompt_key else ""), self.messages, raw, templated=True)
-        if reason:
+        reason = check_request("x" if prompt_key else prompt, self.messages, raw, templated=True) or next(
+            (f"{what}: {nul_error(text)}" for what, text in [("the prompt", "" if prompt_key else prompt)]
+             + [(f"messages[{i}]", content) for i, (_, content) in enumerate(self.messages)] if nul_error(text)), "")
+        if reason:  # (a NUL: the node would answer only the text before it, as memspec_client refuses too)
             raise ValueError(f"Generate {name!r}: {reason}")
         self.node = node
         self.prompt = prompt
@@ -130,6 +132,9 @@ class Generate(py_trees.behaviour.Behaviour):
             return None
         if not prompt.strip():  # the node rejects it: FAILURE with nothing sent, as the docstring says
             self.feedback_message = f"the blackboard's {self.prompt_key!r} (prompt_key) holds no text: nothing to send"
+            return None
+        if nul_error(prompt):  # the node would answer only the text before it
+            self.feedback_message = f"the blackboard's {self.prompt_key!r} (prompt_key): {nul_error(prompt)}"
             return None
         return prompt
 

@@ -568,7 +568,8 @@ def parse_args(argv: list[str] | None):
                              " characters)")
     parser.add_argument("--system", metavar="TEXT", type=message_text,
                         help="system message sent before the prompt (chat-template models; replaces the node's"
-                             " generation.system_prompt for this goal)")
+                             " generation.system_prompt for this goal, or is rejected where the node's"
+                             " generation.system_prompt_fixed is true)")
     parser.add_argument("--raw", action="store_true",
                         help="plain continuation of the prompt, no chat template (not with --system)")
     parser.add_argument(

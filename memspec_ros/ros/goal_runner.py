@@ -379,9 +379,13 @@ class GoalRunner:
         reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
         if reason:  # roles, emptiness, raw with messages, messages without a template
             return reason
-        if messages and messages[0][0] == SYSTEM and self._param("generation.system_prompt_fixed"):
-            return ("messages[0] is a system message, and this node's system prompt is fixed"
-                    " (generation.system_prompt_fixed is true): send the conversation without one")
+        if self._param("generation.system_prompt_fixed") and has_chat_template(lo.tokenizer):
+            if messages and messages[0][0] == SYSTEM:
+                return ("messages[0] is a system message, and this node's system prompt is fixed"
+                        " (generation.system_prompt_fixed is true): send the conversation without one")
+            if goal.raw:  # a raw prompt writes its own turns, a system turn included, and never gets the node's
+                return ("raw goals are refused while this node's system prompt is fixed"
+                        " (generation.system_prompt_fixed is true): send the prompt as a chat goal")
         reason = self._settings_error(goal) or stop_string_error(goal.stop, lo.tokenizer, lo.controller.eos_token_ids)
         if reason:
             return reason

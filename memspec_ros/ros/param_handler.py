@@ -43,7 +43,8 @@ LENGTH_PARAMS = frozenset({"generation.system_prompt", "generation.max_prompt_to
 
 def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_token_chars: int) -> str:
     """Why these defaults would refuse every goal that relies on them ('' if they would not): checked at a run-time
-    change of any of LENGTH_PARAMS and at configure, where a params file sets them together."""
+    change of any of LENGTH_PARAMS and at configure, where a params file sets them together. A chat goal relies on
+    them when it sends max_new_tokens 0 and no system message of its own."""
     new_tokens = int(values["generation.max_new_tokens"])
     if max_positions and new_tokens >= max_positions:
         return (f"generation.max_new_tokens {new_tokens} leaves no room for a prompt in the target's context of"
@@ -51,9 +52,9 @@ def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_to
     system = str(values["generation.system_prompt"])
     if not has_chat_template(tokenizer):  # plain continuation: no template turns, no system prompt
         return ""
+    limit = int(values["generation.max_prompt_tokens"])
+    limit = min(limit, max_positions - 1) if max_positions else limit
     if system:
-        limit = int(values["generation.max_prompt_tokens"])
-        limit = min(limit, max_positions - 1) if max_positions else limit
         if len(system) >= limit * max_token_chars:  # the goal's own text takes a character more
             return (f"generation.system_prompt has {len(system)} characters, more than the {limit} tokens of"
                     f" generation.max_prompt_tokens (or the target's context) can hold ({max_token_chars} characters"
@@ -72,6 +73,9 @@ def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_to
         return (f"generation.system_prompt takes {shortest} tokens in the shortest chat goal, more than the"
                 f" {limit} tokens of generation.max_prompt_tokens (or the target's context): every chat goal"
                 " would be refused; shorten it or raise generation.max_prompt_tokens")
+    if shortest > limit:  # the template's own turns (its default system turn included) outgrow the limit
+        return (f"generation.max_prompt_tokens {limit} (or the target's context) is less than the {shortest} tokens"
+                " the chat template makes of the shortest chat goal: every chat goal would be refused; raise it")
     if max_positions and shortest + new_tokens > max_positions:
         with_system = " with generation.system_prompt" if system else ""
         return (f"generation.max_new_tokens {new_tokens} leaves {max_positions - new_tokens} of the target's"

@@ -281,9 +281,9 @@ PARAMS: tuple[Param, ...] = (
           AT_ACCEPTANCE),
     Param("generation.system_prompt_fixed", False,
           "true: goals may not replace generation.system_prompt: a chat goal whose first message is a system message"
-          " is rejected, so the robot's own instructions (or, with an empty system prompt, the template's default)"
-          " always open the conversation. false (default): a goal's own first system message replaces it for that"
-          " goal.",
+          " is rejected, and so is a raw goal (it writes its own turns) on a model with a chat template, so the"
+          " robot's own instructions (or, with an empty system prompt, the template's default) always open the"
+          " conversation. false (default): a goal's own first system message replaces it for that goal.",
           AT_ACCEPTANCE),
     Param("action.max_queued_goals", 4,
           "Goals accepted but waiting while one runs; more are rejected at once.",

@@ -12,7 +12,7 @@
 * With a chat template, the special-token strings a message (or the prompt as the user turn) holds
   (``<|im_end|>``, ``<|im_start|>``, ``<filename>``, ...) are tokenized as the ordinary text they spell
   (transformers' ``sanitize_control_tokens``): only the template itself writes control ids, so content can
-  neither close its own turn nor open a system turn overriding ``system_prompt``. Content holding none gets
+  neither close its own turn nor open a system turn of its own. Content holding none gets
   exactly apply_chat_template's ids. (Such content used to be refused, which also refused a conversation
   for good once the model's own answer, re-sent as the assistant turn, spelled one out.) Raw goals and
   models without a template keep special strings as control ids: there the sender writes the whole text
@@ -78,8 +78,9 @@ def check_request(prompt: str, messages: Sequence[tuple[str, str]], raw: bool, t
             # kept, it made two system turns (after generation.system_prompt, or the template's own default system
             # turn, put first): contradictory instructions the model weighs as it will, and templates that allow
             # one system turn (Gemma, Mistral) failed with their own error
-            return (f"messages[{i}] is a system message: only the first message may be one (it replaces"
-                    " generation.system_prompt for this goal); merge its text into messages[0]")
+            return (f"messages[{i}] is a system message: only the first message may be one; move it to"
+                    " messages[0] (merged with a system message there), where it replaces generation.system_prompt"
+                    " for this goal unless the node's generation.system_prompt_fixed rejects it")
     last = messages[-1][0]
     if last != USER:
         return (f"the last message is from the {last}, not the user: end the conversation with the user turn"

@@ -45,7 +45,8 @@ def summary(result: dict) -> dict:
         "MemSpec / Oracle-Dynamic (paper's metric)": ratio(out["tps"][MS], out["tps"][OD]),
         "Oracle-Dynamic / General-Static (paper's metric)": ratio(out["tps"][OD], out["tps"][GS]),
         "MemSpec / MAB-Async on the worst workload": None if None in worst else min(worst),
-        "MemSpec fallback (mean over the workloads of each one's share)": sum(
+        "MemSpec fallback (mean over the workloads of each one's share)": None if any(
+            table[w][MS]["fallback_fraction"] is None for w in domains) else sum(
             table[w][MS]["fallback_fraction"] for w in domains) / len(domains),
     }
     return out
@@ -73,7 +74,8 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for k, v in un["ratios"].items():
         pct = "fallback" in k
-        fmt = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: "n/a" if x is None else f"{x:.3f}")
+        fmt = (lambda x: "n/a" if x is None else f"{100 * x:.1f}%") if pct else (
+            lambda x: "n/a" if x is None else f"{x:.3f}")
         gk = "MemSpec fallback (share of speculative iterations)" if pct else k
         gv = goals.get(gk)
         print(f"| {k} | {fmt(v)} | {fmt(ho['ratios'][k])} | {fmt(gv) if gv is not None else '-'}"

@@ -243,6 +243,12 @@ def test_a_policy_rows_shares_are_pooled_over_its_prompts_as_the_figures_pool_th
     pooled = policy_summary([("p", "w", (), short), ("p", "w", (), long)], "p", ["w"])
     assert pooled["fallback_fraction_of_iterations"] == summary["fallback_fraction"]
     assert pooled["mean_accepted"] == summary["mean_accepted"]
+    # nothing drafted or decoded (every load failed, the target alone ran): no share, in the JSON as in the goals
+    alone = PolicyRow()
+    alone.totals.add(GenerationStats(completion_tokens=1, decode_seconds=0.0, iterations=[]))
+    assert alone.summary()["fallback_fraction"] is None and alone.summary()["prediction_overhead"] is None
+    empty = policy_summary([("p", "w", (), GenerationStats(completion_tokens=1))], "p", ["w"])
+    assert empty["fallback_fraction_of_iterations"] is None and empty["prediction_share_of_decode"] is None
 
 
 def test_zoo_acceptance_workload_rows_come_from_any_folder(tmp_path):

@@ -99,6 +99,14 @@ class PolicyBenchConfig:
     draft_quantization: str = "none"  # the drafts' (drafts.quantization): none | int8 | int4
 
 
+def pooled_shares(totals: GenerationTotals) -> tuple[float | None, float | None]:
+    """The fallback share of drafted iterations and prediction's share of decode time, pooled (stats.py's
+    definitions), for the benches' JSON and goals: None where there is no denominator (nothing drafted or decoded,
+    e.g. every load failed and the target ran alone), where 0.0 met the goals' "at most"."""
+    return (totals.fallback_fraction if totals.preferred_iterations else None,
+            totals.prediction_overhead if totals.decode_seconds > 0 else None)
+
+
 @dataclass
 class PolicyRow:
     """One policy on one workload, summed over its prompts and runs."""
@@ -109,12 +117,13 @@ class PolicyRow:
 
     def summary(self) -> dict:
         # every share pooled over the prompts (the figures' and goals' definition), not a mean of per-prompt shares
+        fallback, prediction = pooled_shares(self.totals)
         return {
             "tokens_per_second": self.totals.tokens_per_second,
             "end_to_end_tokens_per_second": self.totals.end_to_end_tokens_per_second,
             "mean_accepted": self.totals.mean_accepted,
-            "fallback_fraction": self.totals.fallback_fraction,
-            "prediction_overhead": self.totals.prediction_overhead,
+            "fallback_fraction": fallback,
+            "prediction_overhead": prediction,
             "load_wait_seconds": self.totals.breakdown["load_wait"],
             "draft_switches": self.switches,
             "lossless": self.lossless,

@@ -193,6 +193,44 @@ def test_a_reload_reads_the_runtime_form_and_builds_the_same_draft(tiny_zoo, qua
     assert sorted(p.name for p in form.file.parent.iterdir()) == [newer.file.name]
 
 
+def test_a_form_written_by_other_runtime_code_is_not_read(tiny_zoo, cache_root_in_tmp, monkeypatch):
+    """Two checkouts sharing a cache (a node, and a bench from a newer tree that packs int4 otherwise) wrote a
+    draft's form under one name, and the check on reading it compares shapes and dtypes only: the node's next load
+    handed the other code's packing to its kernels. The runtime's code is in the name: another tree's form is not
+    read (the draft is built from its files), and each tree keeps its own."""
+    from memspec_ros.runtime import storage as storage_module
+
+    spec = ModelSpec(str(tiny_zoo / "drafts" / "code"), quantization="int4")
+    first = DraftStorage(MEDIA["local"])
+    first.load(spec, "code")
+    (mine,) = first._forms.values()
+    monkeypatch.setattr(storage_module, "_code_digest", lambda: "another-tree")
+    other = DraftStorage(MEDIA["local"])
+    built = []
+    build = storage_module.build_model
+    monkeypatch.setattr(storage_module, "build_model", lambda *a, **k: built.append(1) or build(*a, **k))
+    other.load(spec, "code")
+    (theirs,) = other._forms.values()
+    assert built == [1] and theirs.file != mine.file and mine.file.is_file() and theirs.file.is_file()
+
+
+def test_a_draft_loads_where_the_os_has_no_posix_fadvise(tiny_zoo, cache_root_in_tmp, monkeypatch, caplog):
+    """macOS has no os.posix_fadvise: dropping the page cache before a read raised AttributeError, and every draft
+    load failed. The read goes on (its record says how much came from memory), with one warning."""
+    import logging
+
+    from memspec_ros.runtime import storage as storage_module
+
+    monkeypatch.delattr(os, "posix_fadvise")
+    storage_module._warn_no_fadvise.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="memspec_ros.runtime.storage"):
+        storage = DraftStorage(MEDIA["local"])
+        for _ in range(2):
+            assert storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code").model is not None
+    assert caplog.text.count("no posix_fadvise") == 1
+    storage_module._warn_no_fadvise.cache_clear()
+
+
 def test_a_first_loads_form_writing_is_recorded_apart_from_its_build(tiny_zoo, cache_root_in_tmp, monkeypatch):
     """A first load writes the runtime form the loads after it read; that was timed as the load's build, so a node's
     first load of each draft reported the write (and its fsync) as building the draft. It is recorded apart."""
@@ -390,10 +428,14 @@ def test_a_full_disk_while_keeping_the_runtime_form_still_loads_the_draft(tiny_z
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    writes = []
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: writes.append(1) or full())
     storage = DraftStorage(MEDIA["local"])
     assert storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code").model is not None
     assert storage._forms == {} and not list((tmp_path / "forms").rglob("*.partial"))
+    # the next loads do not write the whole form again until the disk refuses it (on the loader thread), for a while
+    assert storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code").model is not None
+    assert writes == [1]
 
 
 def test_a_runtime_form_that_cannot_be_made_for_another_reason_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch,

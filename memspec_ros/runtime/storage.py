@@ -32,6 +32,7 @@ its transfer), which is what a request costs beyond its bytes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import math
@@ -136,8 +137,20 @@ def storage_medium(medium: str | StorageMedium) -> StorageMedium:
 # -- the page cache ------------------------------------------------------------------------------
 
 def drop_page_cache(fd: int) -> None:
-    """Ask the kernel to drop the file's clean pages from the page cache (the next read goes to the disk)."""
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    """Ask the kernel to drop the file's clean pages from the page cache (the next read goes to the disk). Where the
+    OS has no posix_fadvise (macOS), nothing is dropped, said once: every draft load failed on the AttributeError.
+    The read's ``cached_after_drop`` still says how much came from the page cache."""
+    fadvise = getattr(os, "posix_fadvise", None)
+    if fadvise is None:
+        _warn_no_fadvise()
+        return
+    fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_fadvise() -> None:
+    log.warning("this OS has no posix_fadvise: draft loads cannot drop their files from the page cache first, so a"
+                " 'cold' load may read from memory (the load records say how much did)")
 
 
 def cached_fraction(fd: int, size: int) -> float | None:
@@ -385,6 +398,7 @@ class RuntimeForm:
 
 FORM_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{16}\.safetensors")  # runtime_form_file's names
 PARTIAL_STALE_SECONDS = 3600.0  # a form's write takes seconds: a .partial this old was left by a killed process
+FORM_RETRY_SECONDS = 600.0  # a form the cache folder refused (full, read-only) is not written again before this
 
 
 # Besides its weights, what a draft's build reads from its folder: the architecture (config.json), a reduced-vocabulary
@@ -434,9 +448,23 @@ def runtime_form_root() -> Path:
     return Path(override).expanduser() if override else cache_root() / RUNTIME_FORM_DIR
 
 
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """The runtime's own code (its Python modules and the kernels' C source), which decides how a form's tensors are
+    packed: two checkouts sharing a cache (a node and a bench from a newer tree) wrote forms under one name, and
+    RuntimeForm's check compares shapes and dtypes only, which two int4 packings share."""
+    import hashlib
+
+    folder = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted([*folder.glob("*.py"), *folder.glob("*.c")]):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
     """Where a draft's runtime form goes: ``<draft>-<version>.safetensors``, ``<draft>`` naming the draft's folder,
-    its forward path and the kernels this process compiled, ``<version>`` its weights files
+    its forward path, the kernels this process compiled and the runtime's code, ``<version>`` its weights files
     (:func:`source_identity`), so that a new version's form replaces the old one's (:func:`prune_stale_forms`)."""
     import hashlib
 
@@ -447,7 +475,7 @@ def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
         return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
     draft = (str(Path(spec.path).resolve()), forward_path_for(spec), spec.dtype, cpu_kernels.status().isa,
-             torch.__version__)
+             cpu_kernels.status().library, torch.__version__, _code_digest())
     return runtime_form_root() / f"{digest(draft)}-{digest(source)}.safetensors"
 
 
@@ -543,6 +571,9 @@ class DraftStorage:
         self._lock = threading.Lock()
         self._forms: dict[tuple, RuntimeForm] = {}
         self._formless: set[tuple] = set()  # drafts (their key and source) whose form cannot be made: not retried
+        # drafts whose form the cache folder could not take (full, read-only): retried after FORM_RETRY_SECONDS, not
+        # at every load (each wrote the whole form again until the disk refused it, on the loader thread)
+        self._form_retry_at: dict[tuple, float] = {}
 
     def load(self, spec: ModelSpec, name: str = "") -> LoadedModel:
         """Read the draft cold through the medium and build it: its safetensors the first time (then its runtime
@@ -602,15 +633,18 @@ class DraftStorage:
 
     def _keep_form(self, key, loaded: LoadedModel, spec: ModelSpec, source: tuple, name: str | None) -> None:
         """Write ``loaded``'s runtime form for the loads after this one."""
-        if (key, source) in self._formless:
+        if (key, source) in self._formless or time.monotonic() < self._form_retry_at.get((key, source), 0.0):
             return
         target = runtime_form_file(spec, source)
         try:
             form = RuntimeForm.write(loaded, target, source)
         except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
+            with self._lock:
+                self._form_retry_at[(key, source)] = time.monotonic() + FORM_RETRY_SECONDS
             log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
-                        "safetensors each time; point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
-                        "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path, target.parent, error)
+                        "safetensors (tried again in %.0f s); point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
+                        "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path, target.parent, error,
+                        FORM_RETRY_SECONDS)
             return
         except Exception as error:  # not the medium's fault (a model the form cannot hold): this load still stands
             log.warning("could not keep %s's runtime form (%s: %s): its loads build it from its safetensors each"

@@ -468,6 +468,34 @@ def test_a_cache_folder_that_cannot_be_written_says_which_setting_moves_it(tmp_p
         resolve_model_path(str(src))
 
 
+@pytest.mark.parametrize("error", ["oserror", "safetensors"])
+def test_a_full_disk_during_a_conversion_names_the_cache_folder_and_the_fix(tmp_path, monkeypatch, error):
+    """After minutes of de-quantizing, a full disk raised safetensors' own "I/O error: No space left on device" (no
+    OSError) or a bare OSError, naming neither the cache folder nor MEMSPEC_CACHE_DIR; nothing half-written stays."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def full(path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+        if error == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(model_source, "convert_gguf", full)
+    with pytest.raises(GGUFConversionError, match=r"cannot write the converted model under .*gguf.*MEMSPEC_CACHE_DIR"):
+        resolve_model_path(str(src))
+    assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")]
+    # another failure is not taken for the disk's
+    monkeypatch.setattr(model_source, "convert_gguf", lambda path, out: (_ for _ in ()).throw(ValueError("bad file")))
+    with pytest.raises(ValueError, match="bad file"):
+        resolve_model_path(str(src))
+
+
 def test_the_continuation_cache_keys_by_what_shapes_a_targets_answers_and_takes_a_gguf_target(tmp_path):
     """The continuation cache hashed <target>/config.json: a GGUF or pkg: target (the bundled zoo's) raised
     FileNotFoundError after every model had loaded. Its key is the target's content: for a folder its weights and

@@ -291,6 +291,17 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
+def _cannot_write(exc: BaseException) -> bool:
+    """Whether ``exc`` is the cache folder refusing a write (full, over quota, read-only, not ours), as an OSError or
+    as safetensors' own I/O error, which is no OSError: a raw "No space left on device" named neither the folder
+    nor the fix."""
+    import errno
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+    return type(exc).__name__ == "SafetensorError" and "I/O error" in str(exc)
+
+
 _DIGESTS: dict[tuple, str] = {}  # file_version -> sha256: a configure asks twice
 
 
@@ -428,6 +439,10 @@ def converted_dir(path: Path) -> Path:
                 shutil.rmtree(out)
             os.replace(tmp, out)
             sync_dir(out.parent)
+        except Exception as exc:
+            if _cannot_write(exc):  # a full disk or quota after minutes of de-quantizing: say where and what to do
+                raise unwritable(exc) from exc
+            raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

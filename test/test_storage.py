@@ -438,6 +438,15 @@ def test_a_full_disk_while_keeping_the_runtime_form_still_loads_the_draft(tiny_z
     assert writes == [1]
 
 
+def test_a_cache_root_that_cannot_be_named_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch):
+    """MEMSPEC_RUNTIME_FORMS_DIR=~nosuchuser/x (or no home directory): naming the form's file raised RuntimeError
+    outside the guard, and a draft built fine failed to load, every time. It loads, without a form."""
+    monkeypatch.setenv("MEMSPEC_RUNTIME_FORMS_DIR", "~memspec-no-such-user-x/forms")
+    storage = DraftStorage(MEDIA["local"])
+    assert storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code")), "code").model is not None
+    assert storage._forms == {}
+
+
 def test_a_runtime_form_that_cannot_be_made_for_another_reason_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch,
                                                                                      caplog):
     """Only an OSError was caught: any other error making the form (a model the form cannot hold) failed a draft

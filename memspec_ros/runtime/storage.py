@@ -635,15 +635,17 @@ class DraftStorage:
         """Write ``loaded``'s runtime form for the loads after this one."""
         if (key, source) in self._formless or time.monotonic() < self._form_retry_at.get((key, source), 0.0):
             return
-        target = runtime_form_file(spec, source)
-        try:
+        target = None
+        try:  # the name too: a cache root that cannot be named (an unknown ~user in it, no home) loses the form only
+            target = runtime_form_file(spec, source)
             form = RuntimeForm.write(loaded, target, source)
         except OSError as error:  # a full or read-only cache costs later loads their speed, not this load
             with self._lock:
                 self._form_retry_at[(key, source)] = time.monotonic() + FORM_RETRY_SECONDS
             log.warning("could not keep %s's runtime form in %s (%s): its loads build it from its "
                         "safetensors (tried again in %.0f s); point MEMSPEC_RUNTIME_FORMS_DIR (or MEMSPEC_CACHE_DIR, "
-                        "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path, target.parent, error,
+                        "XDG_CACHE_HOME) at a writable folder to keep it", name or spec.path,
+                        target.parent if target is not None else "the cache folder", error,
                         FORM_RETRY_SECONDS)
             return
         except Exception as error:  # not the medium's fault (a model the form cannot hold): this load still stands

@@ -1040,6 +1040,27 @@ def test_a_goal_that_runs_past_max_goal_seconds_ends_aborted_with_its_text(h):
     assert not refused.successful
 
 
+def test_a_queued_goal_that_cannot_be_ended_is_not_waited_for(h, monkeypatch):
+    """Ending a queued goal fails once the executor is shut down (rclpy's create_task raises), as a node destroyed
+    after its executor's shutdown is: the goal's answer never comes, yet it stayed counted, and close() waited its
+    whole results_out_seconds for it, then at every close after. A failure is logged and the goal no longer counted."""
+    from memspec_ros.ros import goal_runner
+
+    runner = h.node._runner
+
+    def refused(job, reason):
+        raise AttributeError("'NoneType' object has no attribute 'trigger'")  # rclpy's, after executor.shutdown()
+
+    monkeypatch.setattr(runner, "_end_unrun", refused)
+    job = goal_runner.Job(goal(max_new_tokens=4), [1, 2, 3], 4)
+    with runner._cv:
+        before = runner._unanswered
+        runner._unanswered += 1
+    runner._end_unrun_logged(job, "the node is shutting down", "a queued goal")
+    with runner._cv:
+        assert runner._unanswered == before  # what close() waits on
+
+
 def test_a_queued_cancel_rclpy_never_marks_publishes_what_its_result_says(h, monkeypatch):
     """A goal cancelled in the queue had its ~/generation_stats sent at once, "cancelled"; when rclpy then never
     marked it CANCELING, its result became an ABORTED "error" and the message no longer matched it

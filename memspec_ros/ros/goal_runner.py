@@ -282,11 +282,8 @@ class GoalRunner:
             queued, self._queue = list(self._queue), deque()
             if self._running is not None:
                 self._running.abort_reason = reason
-        for job in queued:
-            try:  # one that fails must not leave the goals after it unanswered (the queue is emptied already)
-                self._end_unrun(job, reason)
-            except Exception as exc:
-                self._node.get_logger().error(f"ending a queued goal failed: {type(exc).__name__}: {exc}")
+        for job in queued:  # one that fails must not leave the goals after it unanswered (the queue is emptied)
+            self._end_unrun_logged(job, reason, "a queued goal")
         over = self.wait_idle(DEACTIVATE_WAIT_SECONDS if wait_seconds is None else wait_seconds)
         with self._cv:
             self._stats_pub = None
@@ -519,13 +516,20 @@ class GoalRunner:
 
     def _end_orphans(self, jobs: list[Job]) -> None:
         for job in jobs:
-            try:
-                self._end_unrun(job, "rclpy could not send the goal response (the client went away before it)")
-            except Exception as exc:  # logged: the other orphans are still ended
-                self._node.get_logger().error(f"ending an orphaned goal failed: {type(exc).__name__}: {exc}")
-                with self._cv:  # its answer (_answer) never comes: a deactivate must not wait for it
-                    self._unanswered -= 1
-                    self._cv.notify_all()
+            self._end_unrun_logged(job, "rclpy could not send the goal response (the client went away before it)",
+                                   "an orphaned goal")
+
+    def _end_unrun_logged(self, job: Job, reason: str, what: str) -> None:
+        """_end_unrun, a failure logged and its answer no longer counted: it never comes (_answer), and close()
+        waited its whole results_out_seconds for it, at every close after (the executor shut down before the
+        node's destruction: rclpy's create_task raises then)."""
+        try:
+            self._end_unrun(job, reason)
+        except Exception as exc:  # logged: the other goals are still ended
+            self._node.get_logger().error(f"ending {what} failed: {type(exc).__name__}: {exc}")
+            with self._cv:
+                self._unanswered -= 1
+                self._cv.notify_all()
 
     # -- accepted callback: queue the handle ----------------------------------------------------------
     def on_accepted(self, goal_handle) -> None:

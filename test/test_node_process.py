@@ -510,6 +510,45 @@ def test_the_demo_fails_when_the_predictor_is_not_working():
         show_diagnostics(broken, wait_seconds=1.0)
 
 
+def test_the_callbacks_in_flight_are_waited_for_before_the_node_is_destroyed():
+    """rclpy's Executor.shutdown(timeout_sec) never waits for the callbacks still running (it sets its shutdown flag
+    before testing it), so main() destroyed the node, freeing its models, under a diagnostics update still reading
+    them. wait_for_callbacks waits on the executor's own count."""
+    import threading
+
+    from rclpy.context import Context
+    from rclpy.executors import MultiThreadedExecutor
+
+    from memspec_ros.ros.rclpy_internals import wait_for_callbacks
+
+    context = Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node("callbacks_probe", context=context)
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(30.0)
+
+    timer = node.create_timer(0.001, slow)
+    executor = MultiThreadedExecutor(num_threads=2, context=context)
+    executor.add_node(node)
+    try:
+        spinner = threading.Thread(target=lambda: executor.spin_once(timeout_sec=5.0), daemon=True)
+        spinner.start()
+        assert started.wait(10.0)
+        timer.cancel()
+        assert not wait_for_callbacks(executor, 0.2)  # still running
+        release.set()
+        assert wait_for_callbacks(executor, 10.0)
+        spinner.join(10.0)
+    finally:
+        release.set()
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+
+
 def test_the_nodes_spin_loop_leaves_nothing_on_its_future():
     """main() spun with spin_until_future_complete, to which rclpy's multi-threaded executor adds a done-callback at
     every wake-up, kept until the future completes: the node's memory grew for its whole life. serve() adds none."""

@@ -62,7 +62,12 @@ from .diagnostics import (
 )
 from .goal_runner import DEACTIVATE_WAIT_SECONDS, GoalRunner, publish_unless_destroyed
 from .param_handler import ParameterHandler, length_refusal
-from .rclpy_internals import answer_lifecycle_queries_apart, guard_change_state, lifecycle_state_label
+from .rclpy_internals import (
+    answer_lifecycle_queries_apart,
+    guard_change_state,
+    lifecycle_state_label,
+    wait_for_callbacks,
+)
 
 NODE_NAME = "memspec"
 # Before the action server goes (SIGINT/SIGTERM, destroy_node): how long ended goals may take to hand
@@ -711,6 +716,9 @@ def main(args: list[str] | None = None) -> None:
     finally:
         try:
             try:
+                # the callbacks still running (a diagnostics update, a goal's execute) end before the node is
+                # destroyed under them: rclpy's shutdown(timeout_sec) does not wait for them (wait_for_callbacks)
+                wait_for_callbacks(executor, EXECUTOR_SHUTDOWN_SECONDS)
                 executor.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_SECONDS)
             except KeyboardInterrupt:  # the second signal landed here: the node is still destroyed, hurried
                 pass

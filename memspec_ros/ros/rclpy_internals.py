@@ -1,6 +1,6 @@
 """The node's lifecycle internals of rclpy, because rclpy (Humble to Jazzy) has no public API for them (two other
 places read rclpy internals: params.declare_all its parameter overrides, action_client.py ActionClient's request
-methods).
+methods), and the executor's count of callbacks in flight (:func:`wait_for_callbacks`).
 
 * The current lifecycle state: ``LifecycleNode`` keeps it in ``_state_machine`` and offers no getter (only the
   ~/get_state service, which a node cannot call on itself from inside a callback).
@@ -63,3 +63,12 @@ def answer_lifecycle_queries_apart(node, group) -> int:
         group.add_entity(service)
         moved += 1
     return moved
+
+
+def wait_for_callbacks(executor, timeout: float) -> bool:
+    """Wait up to ``timeout`` s until none of ``executor``'s callbacks is running; True if none is (or this rclpy
+    keeps no count). ``Executor.shutdown(timeout_sec)`` is meant to do this, but rclpy (7.1, Jazzy) sets its
+    shutdown flag before testing it, so it never waits: a diagnostics update still running went on reading the
+    models the node's destruction was freeing. Call it once the executor has stopped spinning."""
+    tracker = getattr(executor, "_work_tracker", None)
+    return tracker.wait(timeout) if tracker is not None else True

@@ -510,6 +510,45 @@ def test_the_demo_fails_when_the_predictor_is_not_working():
         show_diagnostics(broken, wait_seconds=1.0)
 
 
+def test_a_change_state_call_holds_the_transition_lock_over_rclpys_own_steps():
+    """rclpy steps the lifecycle state machine before and after the transition's callback, and the node's transition
+    lock covered the callback alone: destroy_node could take it in between (a failed configure still 'configuring',
+    so no shutdown transition) or step the same state machine from another thread. The guarded ~/change_state
+    callback holds it throughout, and an exception still answers success=False."""
+    import threading
+    from types import SimpleNamespace
+
+    from memspec_ros.ros.rclpy_internals import guard_change_state
+
+    lock = threading.RLock()
+    seen = []
+
+    def free_elsewhere() -> bool:  # whether another thread could take the lock now
+        got = []
+        t = threading.Thread(target=lambda: got.append(lock.acquire(blocking=False) and (lock.release() or True)))
+        t.start()
+        t.join()
+        return got[0]
+
+    def handler(request, response):  # rclpy's callback: its state-machine steps around the transition's own
+        seen.append(free_elsewhere())
+        with lock:  # the transition callback's (recorded), reentrant
+            seen.append(free_elsewhere())
+        seen.append(free_elsewhere())
+        if request == "fail":
+            raise RuntimeError("no such transition")
+        response.success = True
+        return response
+
+    errors = []
+    node = SimpleNamespace(_service_change_state=SimpleNamespace(callback=handler))
+    assert guard_change_state(node, lambda request, exc: errors.append(str(exc)), lock)
+    assert node._service_change_state.callback("ok", SimpleNamespace(success=False)).success
+    assert seen == [False, False, False] and free_elsewhere()
+    assert not node._service_change_state.callback("fail", SimpleNamespace(success=True)).success
+    assert errors == ["no such transition"] and free_elsewhere()
+
+
 def test_the_callbacks_in_flight_are_waited_for_before_the_node_is_destroyed():
     """rclpy's Executor.shutdown(timeout_sec) never waits for the callbacks still running (it sets its shutdown flag
     before testing it), so main() destroyed the node, freeing its models, under a diagnostics update still reading

@@ -217,6 +217,8 @@ class MemSpecNode(LifecycleNode):
                                     callback_group=MutuallyExclusiveCallbackGroup())
         answer_lifecycle_queries_apart(self, ReentrantCallbackGroup())
         P.declare_all(self)
+        # held by a transition while it runs (the ~/change_state callback, rclpy's steps included, and recorded)
+        self._transitioning = threading.RLock()
         self._guard_change_state()
         self._loaded: Loaded | None = None
         self._configure_error = ""
@@ -232,7 +234,6 @@ class MemSpecNode(LifecycleNode):
         self._window = ThroughputWindow(self.get_parameter("diagnostics.window_goals").value)
         self._default_threads = 0  # torch's thread count before a configure first set one: model.threads 0
         self._hurry = False  # abandon_results
-        self._transitioning = threading.RLock()  # held by a transition callback while it runs (recorded)
         self._runner = GoalRunner(self, self._window, ReentrantCallbackGroup())  # the action's own group
         self._action_server, self._on_goal = self._runner.server, self._runner.on_goal
         self._params = ParameterHandler(self, lambda: self._loaded, self._runner, self._transitioning)
@@ -437,7 +438,10 @@ class MemSpecNode(LifecycleNode):
             self.get_logger().warning(f"transition {request.transition.label or request.transition.id} refused in"
                                       f" state {self.lifecycle_state}: {exc}")
 
-        guard_change_state(self, refused)
+        # the transition lock over rclpy's state-machine steps too: destroy_node, which waits for it, found a configure
+        # that had failed on the way out still "configuring" (no shutdown transition, so no TransitionEvent to
+        # finalized for launch to see), or stepped the same state machine from another thread
+        guard_change_state(self, refused, self._transitioning)
 
     # -- what the parts read ------------------------------------------------------------------
     @property

@@ -22,9 +22,11 @@ def lifecycle_state_label(node) -> str:
     return machine.current_state[1] if machine is not None else "unknown"
 
 
-def guard_change_state(node, on_error: Callable[[Any, Exception], None]) -> bool:
+def guard_change_state(node, on_error: Callable[[Any, Exception], None], lock=None) -> bool:
     """Wrap ``node``'s ChangeState service callback so that an exception becomes success=False after
-    ``on_error(request, exc)``; False if this rclpy has no such service attribute."""
+    ``on_error(request, exc)``; False if this rclpy has no such service attribute. ``lock`` (a reentrant one) is held
+    for the whole callback: rclpy steps its state machine before and after the transition's own callback, and a
+    lock held by the callback alone let another thread (the node's destruction) run between those steps."""
     service = getattr(node, "_service_change_state", None)
     if service is None:
         return False
@@ -32,7 +34,10 @@ def guard_change_state(node, on_error: Callable[[Any, Exception], None]) -> bool
 
     def guarded(request, response):
         try:
-            return handler(request, response)
+            if lock is None:
+                return handler(request, response)
+            with lock:
+                return handler(request, response)
         except Exception as exc:
             on_error(request, exc)
             response.success = False

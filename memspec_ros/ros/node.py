@@ -720,8 +720,9 @@ def main(args: list[str] | None = None) -> None:
     finally:
         try:
             try:
-                # the callbacks still running (a diagnostics update, a goal's execute) end before the node is
-                # destroyed under them: rclpy's shutdown(timeout_sec) does not wait for them (wait_for_callbacks)
+                # the callbacks still running (a diagnostics update, a service or timer callback) end before the node
+                # is destroyed under them: rclpy's shutdown(timeout_sec) does not wait for them (wait_for_callbacks).
+                # A goal's execute is no such callback (rclpy runs it as a task): release_when_over covers it
                 wait_for_callbacks(executor, EXECUTOR_SHUTDOWN_SECONDS)
                 executor.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_SECONDS)
             except KeyboardInterrupt:  # the second signal landed here: the node is still destroyed, hurried

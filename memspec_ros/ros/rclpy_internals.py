@@ -74,6 +74,7 @@ def wait_for_callbacks(executor, timeout: float) -> bool:
     """Wait up to ``timeout`` s until none of ``executor``'s callbacks is running; True if none is (or this rclpy
     keeps no count). ``Executor.shutdown(timeout_sec)`` is meant to do this, but rclpy (7.1, Jazzy) sets its
     shutdown flag before testing it, so it never waits: a diagnostics update still running went on reading the
-    models the node's destruction was freeing. Call it once the executor has stopped spinning."""
+    models the node's destruction was freeing. Call it once the executor has stopped spinning. It counts the
+    service, timer and subscription callbacks; an action goal's execute, which rclpy runs as a task, is not one."""
     tracker = getattr(executor, "_work_tracker", None)
     return tracker.wait(timeout) if tracker is not None else True

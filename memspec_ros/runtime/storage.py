@@ -448,17 +448,26 @@ def runtime_form_root() -> Path:
     return Path(override).expanduser() if override else cache_root() / RUNTIME_FORM_DIR
 
 
+# the modules that decide how a runtime form's tensors are built and packed (the kernels' C source is the library's
+# name's, below): an edit elsewhere in the runtime leaves the forms as they are
+PACKING_SOURCES = ("storage.py", "models.py", "forward_paths.py", "cpu_kernels.py", "draft_forward.py",
+                   "draft_vocab.py")
+
+
 @functools.lru_cache(maxsize=1)
 def _code_digest() -> str:
-    """The runtime's own code (its Python modules and the kernels' C source), which decides how a form's tensors are
-    packed: two checkouts sharing a cache (a node and a bench from a newer tree) wrote forms under one name, and
-    RuntimeForm's check compares shapes and dtypes only, which two int4 packings share."""
+    """The code that packed a form (PACKING_SOURCES): two checkouts sharing a cache (a node and a bench from a newer
+    tree) wrote forms under one name, and RuntimeForm's check compares shapes and dtypes only, which two int4
+    packings share. Taken when the first DraftStorage is made, so that a checkout changed later in this process's
+    life (a pull while the node sits unconfigured) does not name forms that this process's code packs. A form of
+    older code is pruned once unused (UNUSED_FORM_SECONDS)."""
     import hashlib
 
     folder = Path(__file__).parent
     h = hashlib.sha256()
-    for path in sorted([*folder.glob("*.py"), *folder.glob("*.c")]):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for name in PACKING_SOURCES:
+        path = folder / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b""))
     return h.hexdigest()[:16]
 
 
@@ -474,8 +483,10 @@ def runtime_form_file(spec: ModelSpec, source: tuple) -> Path:
     def digest(value: object) -> str:
         return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
+    # the library's name, not its folder: it is memspec_kernels-<key of its source, compiler, flags, CPU, torch>, in a
+    # folder of its own per process where the kernel cache is shared (a form per process then, never pruned as old)
     draft = (str(Path(spec.path).resolve()), forward_path_for(spec), spec.dtype, cpu_kernels.status().isa,
-             cpu_kernels.status().library, torch.__version__, _code_digest())
+             Path(cpu_kernels.status().library).name, torch.__version__, _code_digest())
     return runtime_form_root() / f"{digest(draft)}-{digest(source)}.safetensors"
 
 
@@ -568,6 +579,7 @@ class DraftStorage:
     keep_records: bool = True
 
     def __post_init__(self) -> None:
+        _code_digest()  # the code as it is now (its docstring)
         self._lock = threading.Lock()
         self._forms: dict[tuple, RuntimeForm] = {}
         self._formless: set[tuple] = set()  # drafts (their key and source) whose form cannot be made: not retried

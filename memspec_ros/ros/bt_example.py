@@ -68,10 +68,12 @@ class Generate(py_trees.behaviour.Behaviour):
         if not 0 <= max_new_tokens <= UINT32_MAX:
             raise ValueError(f"Generate {name!r}: max_new_tokens {max_new_tokens} is outside 0..{UINT32_MAX} (0: the"
                              " node's generation.max_new_tokens)")
-        reason = check_request("x" if prompt_key else prompt, self.messages, raw, templated=True) or next(
-            (f"{what}: {nul_error(text)}" for what, text in [("the prompt", "" if prompt_key else prompt)]
-             + [(f"messages[{i}]", content) for i, (_, content) in enumerate(self.messages)] if nul_error(text)), "")
-        if reason:  # (a NUL: the node would answer only the text before it, as memspec_client refuses too)
+        reason = check_request("x" if prompt_key else prompt, self.messages, raw, templated=True)
+        texts = {"the prompt": "" if prompt_key else prompt} | {f"messages[{i}]": c for i, (_, c) in
+                                                               enumerate(self.messages)}
+        # a NUL: the node would answer only the text before it (memspec_client refuses it too)
+        reason = reason or next((f"{what}: {nul_error(t)}" for what, t in texts.items() if nul_error(t)), "")
+        if reason:
             raise ValueError(f"Generate {name!r}: {reason}")
         self.node = node
         self.prompt = prompt

@@ -602,11 +602,12 @@ class DraftStorage:
         with self._lock:
             form = self._forms.get(key)
         loaded = None
+        reads: list = []  # a form read that then failed stays in: its paced read was paid, and the record said less
         if form is not None and form.source == source:
             from safetensors import SafetensorError
 
             try:
-                reads = [read_cold(form.file, self.medium)]
+                reads.append(read_cold(form.file, self.medium))
                 t0 = time.perf_counter()
                 loaded = form.build(reads[0][0])
             # removed, damaged or changed since (ValueError: its layout differs): the source still is
@@ -617,9 +618,10 @@ class DraftStorage:
                     self._forms.pop(key, None)
         from_files = loaded is None
         if from_files:
-            reads = [read_cold(f, self.medium) for f in files]
+            blobs = [read_cold(f, self.medium) for f in files]
+            reads += blobs
             t0 = time.perf_counter()
-            loaded = build_model(spec, [blob for blob, _ in reads])
+            loaded = build_model(spec, [blob for blob, _ in blobs])
         build = time.perf_counter() - t0
         if not from_files:
             # read: in use (prune_stale_forms keeps forms written or read lately; a node up for more than

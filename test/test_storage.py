@@ -439,6 +439,18 @@ def test_a_full_disk_while_keeping_the_runtime_form_still_loads_the_draft(tiny_z
     assert writes == [1]
 
 
+def test_a_missing_draft_folder_or_a_file_is_named_as_such(tiny_zoo, tmp_path):
+    """Through the storage a mistyped draft folder, or the path of its weights file, was "no *.safetensors weights
+    in X", which sent the user looking for weights; load_model says what is wrong, and so does the storage now."""
+    from memspec_ros.runtime.models import ModelDirectoryError
+
+    storage = DraftStorage(MEDIA["local"])
+    with pytest.raises(ModelDirectoryError, match="does not exist: check the path"):
+        storage.load(ModelSpec(str(tmp_path / "no-such-draft")), "code")
+    with pytest.raises(ModelDirectoryError, match="is a file, not a model directory"):
+        storage.load(ModelSpec(str(tiny_zoo / "drafts" / "code" / "model.safetensors")), "code")
+
+
 def test_a_cache_root_that_cannot_be_named_still_loads_the_draft(tiny_zoo, tmp_path, monkeypatch):
     """MEMSPEC_RUNTIME_FORMS_DIR=~nosuchuser/x (or no home directory): naming the form's file raised RuntimeError
     outside the guard, and a draft built fine failed to load, every time. It loads, without a form."""

@@ -591,10 +591,11 @@ class DraftStorage:
         """Read the draft cold through the medium and build it: its safetensors the first time (then its runtime
         form is written), its runtime form after that (RuntimeForm)."""
         from .model_source import is_model_source, resolve_model_path
-        from .models import safetensors_files
+        from .models import read_config, safetensors_files
 
         if is_model_source(spec.path):
             spec = replace(spec, path=str(resolve_model_path(spec.path)))
+        read_config(spec.path)  # a folder that is missing, or a file: said so (load_model's order), not "no weights"
         files = safetensors_files(spec.path)  # checks the headers (and refuses pickles) before the timed read
         key = (str(Path(spec.path).resolve()), spec.dtype, spec.device, spec.quantization)
         # a draft whose files changed (weights, config.json, its vocabulary map) is built from them again

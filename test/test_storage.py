@@ -439,6 +439,28 @@ def test_a_full_disk_while_keeping_the_runtime_form_still_loads_the_draft(tiny_z
     assert writes == [1]
 
 
+def test_damaged_bytes_or_a_bad_config_value_name_the_draft_folder(tiny_zoo, tmp_path):
+    """Bytes that no longer parse (a shard rewritten after its header was checked) raised safetensors' own error
+    without the folder, and a config.json value of the wrong type a raw TypeError; both name the folder and the
+    error's type, as load_model does."""
+    import json
+    import shutil
+
+    from memspec_ros.runtime.models import ModelDirectoryError
+    from memspec_ros.runtime.storage import build_model
+
+    draft = tmp_path / "code"
+    shutil.copytree(tiny_zoo / "drafts" / "code", draft)
+    with pytest.raises(ModelDirectoryError, match=rf"could not build the model in {draft} from its weights: \w+"):
+        build_model(ModelSpec(str(draft)), [b"\x08\x00\x00\x00\x00\x00\x00\x00not json"])
+    config = json.loads((draft / "config.json").read_text())
+    config["num_attention_heads"] = "four"
+    (draft / "config.json").write_text(json.dumps(config))
+    blob = (draft / "model.safetensors").read_bytes()
+    with pytest.raises(ModelDirectoryError, match=rf"could not build the model in {draft} from its weights: \w+Error"):
+        build_model(ModelSpec(str(draft)), [blob])
+
+
 def test_a_missing_draft_folder_or_a_file_is_named_as_such(tiny_zoo, tmp_path):
     """Through the storage a mistyped draft folder, or the path of its weights file, was "no *.safetensors weights
     in X", which sent the user looking for weights; load_model says what is wrong, and so does the storage now."""

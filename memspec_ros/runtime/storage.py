@@ -257,16 +257,21 @@ def build_model(spec: ModelSpec, blobs: Sequence[bytes]) -> LoadedModel:
         raise ValueError(f"{spec.path}: the storage loader builds plain drafts (fp32, bf16, fp16, int8, int4),"
                          f" not {what}")
     state: dict[str, torch.Tensor] = {}
-    for blob in blobs:
-        state.update(load_safetensors(blob))
+    # as load_model: damaged bytes (a shard rewritten after its header was checked) and a config.json value of the
+    # wrong type or a missing key (TypeError, AttributeError, KeyError) are this folder's to fix, named with their type
     try:
+        for blob in blobs:
+            state.update(load_safetensors(blob))
         config = AutoConfig.from_pretrained(spec.path, local_files_only=True, trust_remote_code=False)
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         dtype = torch.float16 if path == "fp16" else torch.float32
         model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
                                                   output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise ModelDirectoryError(f"could not build the model in {spec.path} from its weights: {exc}") from exc
+    except MemoryError:  # not the folder's fault
+        raise
+    except Exception as exc:
+        raise ModelDirectoryError(f"could not build the model in {spec.path} from its weights:"
+                                  f" {type(exc).__name__}: {exc}") from exc
     check_loading_info(info, spec.path)  # as load_model: a tensor missing from the weights is refused, not random
     model = model.to(resolve_device(spec.device))
     model.eval()

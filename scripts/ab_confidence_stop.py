@@ -31,7 +31,7 @@ def main(path: str, count: int, lookup: bool) -> None:
     # warm-up, and the one-off forward timings adaptive gamma uses, for every draft a prompt will use: warmed for
     # `general` alone, each other draft's timing and first-forward setup fell into whichever adaptive arm ran it
     # first, which the rotation made the stop-less arm for three of the four domain drafts
-    for draft in {id(z.draft_for(i)): z.draft_for(i) for i in range(len(prompts))}.values():
+    for draft in dict.fromkeys(map(z.draft_for, range(len(prompts)))):
         generate(target, prompts[0], draft, gamma=4, max_new_tokens=8, eos_token_ids=eos, adaptive_gamma=True)
     for i, ids in enumerate(prompts):
         draft = z.draft_for(i)

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from memspec_ros.bench.policy_bench import domain_workloads, gmean
+from memspec_ros.bench.policy_bench import domain_workloads, gmean, share
 from memspec_ros.runtime.stats import ratio
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +37,7 @@ def summary(result: dict) -> dict:
            "tps": {p: g(p, "tokens_per_second") for p in pol},
            "e2e": {p: g(p, "end_to_end_tokens_per_second") for p in pol}}
     worst = [ratio(table[w][MS]["tokens_per_second"], table[w][MAB]["tokens_per_second"]) for w in domains]
+    shares = [table[w][MS]["fallback_fraction"] for w in domains]  # None where nothing was drafted
     out["ratios"] = {
         "MemSpec / General-Static (paper's metric)": ratio(out["tps"][MS], out["tps"][GS]),
         "MemSpec / General-Static (end to end)": ratio(out["e2e"][MS], out["e2e"][GS]),
@@ -45,9 +46,8 @@ def summary(result: dict) -> dict:
         "MemSpec / Oracle-Dynamic (paper's metric)": ratio(out["tps"][MS], out["tps"][OD]),
         "Oracle-Dynamic / General-Static (paper's metric)": ratio(out["tps"][OD], out["tps"][GS]),
         "MemSpec / MAB-Async on the worst workload": None if None in worst else min(worst),
-        "MemSpec fallback (mean over the workloads of each one's share)": None if any(
-            table[w][MS]["fallback_fraction"] is None for w in domains) else sum(
-            table[w][MS]["fallback_fraction"] for w in domains) / len(domains),
+        "MemSpec fallback (mean over the workloads of each one's share)": None if None in shares else sum(
+            shares) / len(shares),
     }
     return out
 
@@ -74,8 +74,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for k, v in un["ratios"].items():
         pct = "fallback" in k
-        fmt = (lambda x: "n/a" if x is None else f"{100 * x:.1f}%") if pct else (
-            lambda x: "n/a" if x is None else f"{x:.3f}")
+        fmt = share if pct else (lambda x: "n/a" if x is None else f"{x:.3f}")
         gk = "MemSpec fallback (share of speculative iterations)" if pct else k
         gv = goals.get(gk)
         print(f"| {k} | {fmt(v)} | {fmt(ho['ratios'][k])} | {fmt(gv) if gv is not None else '-'}"

@@ -1056,7 +1056,7 @@ def test_a_queued_goal_that_cannot_be_ended_is_not_waited_for(h, monkeypatch):
     with runner._cv:
         before = runner._unanswered
         runner._unanswered += 1
-    runner._end_unrun_logged(job, "the node is shutting down", "a queued goal")
+    runner._end_unrun_logged([job], "the node is shutting down", "a queued goal")
     with runner._cv:
         assert runner._unanswered == before  # what close() waits on
 

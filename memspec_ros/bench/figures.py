@@ -28,6 +28,7 @@ Every figure names its storage medium and says it is emulated where it is.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import statistics
 import tempfile
@@ -87,13 +88,13 @@ def policy_summary(runs: Sequence[tuple[str, str, tuple, GenerationStats]], poli
             parts[k] += v
         totals.add(stats)
     decode, e2e = totals.decode_seconds, totals.end_to_end_seconds
+    fallback, prediction = pooled_shares(totals)  # None where there is none: the goals' rows are not met on it
     return {
         "execution_seconds": parts,
         "decode_seconds": decode,
         "end_to_end_seconds": e2e,
-        # None where there is none (pooled_shares): the goals' rows are not met on it
-        **dict(zip(("fallback_fraction_of_iterations", "prediction_share_of_decode"), pooled_shares(totals),
-                   strict=True)),
+        "fallback_fraction_of_iterations": fallback,
+        "prediction_share_of_decode": prediction,
         # the scheduling points' prediction on the decode thread (the first choice's, in setup, is not in it)
         "decode_prediction_share_of_end_to_end": totals.breakdown["prediction"] / e2e if e2e else None,
         "mean_accepted": totals.mean_accepted,
@@ -337,6 +338,9 @@ def recent_whatif(bench: BenchRun, medium: str) -> dict | None:
                      " General-Static, GMEAN)", "policies": policies, "gmean_over": workloads, "rows": rows}
 
 
+COMPARISONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le}  # a goal row's check, as its page prints it
+
+
 def goals(bench: BenchRun, fig6: dict) -> dict:
     """Issue 17's goals on the real runs: measured value, goal, met, and the gap."""
     result = bench.result
@@ -349,25 +353,24 @@ def goals(bench: BenchRun, fig6: dict) -> dict:
     ms = policy_summary(bench.runs, MS, domains)
     rows = []
 
-    def add(name: str, value: float | None, goal: float, at_most: bool = False, above: bool = False) -> None:
-        # None: a ratio over a zero rate (a baseline that committed nothing), which no goal passes. ``above``: the
-        # goal says "above" (strictly), and the page prints ">" for it
-        met = value is not None and (value <= goal if at_most else value > goal if above else value >= goal)
-        rows.append({"goal": name, "measured": value, "target": goal, "met": met,
-                     "compare": "<=" if at_most else ">" if above else ">=",
+    def add(name: str, value: float | None, goal: float, compare: str = ">=") -> None:
+        # None: a ratio over a zero rate (a baseline that committed nothing), which no goal passes. ">": the goal says
+        # "above" (strictly), and the page prints the comparison it was checked with
+        met = value is not None and COMPARISONS[compare](value, goal)
+        rows.append({"goal": name, "measured": value, "target": goal, "met": met, "compare": compare,
                      "gap": None if value is None else (value - goal) if not met else 0.0})
 
     add("MemSpec / Oracle-Dynamic (paper's metric)", ratio(g(MS), g(OD)), 0.95)
     add("MemSpec / MAB-Async (paper's metric)", ratio(g(MS), g(MAB)), 1.3)
     per_workload = [ratio(table[w][MS]["tokens_per_second"], table[w][MAB]["tokens_per_second"]) for w in domains]
     worst = None if None in per_workload else min(per_workload)  # a zero MAB-Async rate was inf: "met"
-    add("MemSpec / MAB-Async on the worst workload", worst, 1.0, above=True)
+    add("MemSpec / MAB-Async on the worst workload", worst, 1.0, ">")
     add("MemSpec / General-Static (paper's metric)", ratio(g(MS), g(GS)), 1.3)
     e2e = "end_to_end_tokens_per_second"
     add("MemSpec / General-Static (end to end)", ratio(g(MS, e2e), g(GS, e2e)), 1.2)
     add("MemSpec / MAB-Async (end to end)", ratio(g(MS, e2e), g(MAB, e2e)), 1.2)
-    add("MemSpec fallback (share of speculative iterations)", ms["fallback_fraction_of_iterations"], 0.055, True)
-    add("MemSpec prediction overhead (share of decode time)", ms["prediction_share_of_decode"], 0.04, True)
+    add("MemSpec fallback (share of speculative iterations)", ms["fallback_fraction_of_iterations"], 0.055, "<=")
+    add("MemSpec prediction overhead (share of decode time)", ms["prediction_share_of_decode"], 0.04, "<=")
     cost_aware = {}
     if CA in result["config"]["policies"]:
         ca = policy_summary(bench.runs, CA, domains)

@@ -15,9 +15,10 @@ Generate goal on its first tick and returns RUNNING until the result, then
 
 A BT only needs ``prompt`` (or ``prompt_key``): the node sends it to an instruct model as one user
 turn. ``messages`` ((role, content) pairs; then no prompt) and ``raw`` are passed on as the goal's
-fields of the same names. A behaviour whose every goal the node would reject (no prompt, prompt_key or
-messages; raw with messages; a conversation not ending on a user turn; max_new_tokens outside uint32) raises
-ValueError when it is built.
+fields of the same names. A behaviour whose every goal the node would reject (whatever
+``runtime.chat.check_request`` refuses: no prompt, prompt_key or messages, raw with messages, a bad role or a
+misplaced system message, a conversation not ending on a user turn; a NUL in its text; max_new_tokens outside
+uint32) raises ValueError when it is built.
 
 When a parent preempts it (``terminate(INVALID)`` while RUNNING) the goal is cancelled, and the
 node answers with the partial text. The behaviour never spins: like py_trees_ros, whoever ticks
@@ -69,12 +70,13 @@ class Generate(py_trees.behaviour.Behaviour):
             raise ValueError(f"Generate {name!r}: max_new_tokens {max_new_tokens} is outside 0..{UINT32_MAX} (0: the"
                              " node's generation.max_new_tokens)")
         reason = check_request("x" if prompt_key else prompt, self.messages, raw, templated=True)
-        texts = {"the prompt": "" if prompt_key else prompt} | {f"messages[{i}]": c for i, (_, c) in
-                                                               enumerate(self.messages)}
-        # a NUL: the node would answer only the text before it (memspec_client refuses it too)
-        reason = reason or next((f"{what}: {nul_error(t)}" for what, t in texts.items() if nul_error(t)), "")
         if reason:
             raise ValueError(f"Generate {name!r}: {reason}")
+        texts = [("the prompt", "" if prompt_key else prompt)] + [
+            (f"messages[{i}]", content) for i, (_, content) in enumerate(self.messages)]
+        for what, text in texts:  # a NUL: the node would answer only the text before it (memspec_client refuses it)
+            if why := nul_error(text):
+                raise ValueError(f"Generate {name!r}: {what}: {why}")
         self.node = node
         self.prompt = prompt
         self.raw = raw
@@ -135,8 +137,8 @@ class Generate(py_trees.behaviour.Behaviour):
         if not prompt.strip():  # the node rejects it: FAILURE with nothing sent, as the docstring says
             self.feedback_message = f"the blackboard's {self.prompt_key!r} (prompt_key) holds no text: nothing to send"
             return None
-        if nul_error(prompt):  # the node would answer only the text before it
-            self.feedback_message = f"the blackboard's {self.prompt_key!r} (prompt_key): {nul_error(prompt)}"
+        if why := nul_error(prompt):  # the node would answer only the text before it
+            self.feedback_message = f"the blackboard's {self.prompt_key!r} (prompt_key): {why}"
             return None
         return prompt
 

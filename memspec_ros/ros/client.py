@@ -411,8 +411,8 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
         text = line.strip()
         if not text:
             continue
-        if nul_error(text):  # not sent: the node would answer only the part before the NUL
-            print(f"(this turn is not sent: {nul_error(text)})", file=log)
+        if why := nul_error(text):  # not sent: the node would answer only the part before the NUL
+            print(f"(this turn is not sent: {why})", file=log)
             status = 1
             continue
         history.append(ChatMessage(role=ChatMessage.ROLE_USER, content=text))
@@ -595,8 +595,8 @@ def parse_args(argv: list[str] | None):
 
 def nul_error(text: str) -> str:
     """Why ``text`` cannot be sent ('' if it can): a ROS string ends at its first NUL, so the node would get only
-    the text before it (Generate.action), and answer that part as if it were the whole. Only stdin can hold one: a
-    command-line argument cannot."""
+    the text before it (Generate.action), and answer that part as if it were the whole. (A command-line argument
+    cannot hold one; stdin, and a behaviour tree's strings, can.)"""
     at = text.find("\x00")
     if at < 0:
         return ""
@@ -651,8 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         said = "empty" if not args.prompt else "only whitespace"
         print(f"memspec_client: the prompt is {said}: give some text as an argument or on stdin", file=sys.stderr)
         return 2
-    if not args.chat and nul_error(args.prompt):
-        print(f"memspec_client: {nul_error(args.prompt)}", file=sys.stderr)
+    if not args.chat and (why := nul_error(args.prompt)):
+        print(f"memspec_client: {why}", file=sys.stderr)
         return 2
     import rclpy
     from rclpy.executors import SingleThreadedExecutor

@@ -528,15 +528,16 @@ class NodeTasks:
         s.add("latest ranking", [f"{n}={v:.3f}" for n, v in sorted(lo.predictor.latest.items(), key=lambda kv: -kv[1])]
               or "none yet")
         s.summary(OK, f"{calls} rankings")
+        ranking = policy in RANKING_POLICIES
         unscored = unscored_drafts(config.drafts, {e.name: e.domain for e in lo.registry.entries()})
         if unscored:
             s.add("drafts it cannot score", unscored)
-            if policy in RANKING_POLICIES:
+            if ranking:
                 s.merge(WARN, f"the predictor has no class for {', '.join(unscored)} (by name or domain): a ranking"
                               " policy ranks them below every draft it scores; train the predictor for them"
                               " (memspec-train-predictor) or give each a domain it ranks")
         gamma = lo.controller.config.gamma
-        if config.gamma and gamma != config.gamma and policy in RANKING_POLICIES:
+        if config.gamma and gamma != config.gamma and ranking:
             # its labels name the draft that accepted most at its gamma: drafts this close in acceptance can rank
             # in another order at another gamma, and nothing else would say the head was not made for this one
             s.merge(WARN, f"memspec.gamma is {gamma}, but the predictor's labels were measured at gamma"

@@ -282,8 +282,7 @@ class GoalRunner:
             queued, self._queue = list(self._queue), deque()
             if self._running is not None:
                 self._running.abort_reason = reason
-        for job in queued:  # one that fails must not leave the goals after it unanswered (the queue is emptied)
-            self._end_unrun_logged(job, reason, "a queued goal")
+        self._end_unrun_logged(queued, reason, "a queued goal")  # (the queue is emptied already)
         over = self.wait_idle(DEACTIVATE_WAIT_SECONDS if wait_seconds is None else wait_seconds)
         with self._cv:
             self._stats_pub = None
@@ -373,14 +372,15 @@ class GoalRunner:
         if self._closing or lo is None:
             return self._not_taking()
         messages = [(m.role, m.content) for m in goal.messages]
-        reason = check_request(goal.prompt, messages, goal.raw, has_chat_template(lo.tokenizer))
+        templated = has_chat_template(lo.tokenizer)
+        reason = check_request(goal.prompt, messages, goal.raw, templated)
         if reason:  # roles, emptiness, raw with messages, messages without a template
             return reason
-        if self._param("generation.system_prompt_fixed") and has_chat_template(lo.tokenizer):
-            if messages and messages[0][0] == SYSTEM:
+        if self._param("generation.system_prompt_fixed"):
+            if messages and messages[0][0] == SYSTEM:  # (messages passed check_request: the model has a template)
                 return ("messages[0] is a system message, and this node's system prompt is fixed"
                         " (generation.system_prompt_fixed is true): send the conversation without one")
-            if goal.raw:  # a raw prompt writes its own turns, a system turn included, and never gets the node's
+            if goal.raw and templated:  # a raw prompt writes its own turns, a system turn too, never the node's
                 return ("raw goals are refused while this node's system prompt is fixed"
                         " (generation.system_prompt_fixed is true): send the prompt as a chat goal")
         reason = self._settings_error(goal) or stop_string_error(goal.stop, lo.tokenizer, lo.controller.eos_token_ids)
@@ -510,26 +510,24 @@ class GoalRunner:
                 " away, or the goal id was taken): their queue places are free again"
                 + (f"; {len(ended)} of them ended ABORTED" if ended else ""))
             if ended:  # outside this lock, which the callers hold (ending takes rclpy's goal lock)
-                threading.Thread(target=self._end_orphans, args=(ended,), name="memspec-end-orphans",
+                threading.Thread(target=self._end_unrun_logged, name="memspec-end-orphans", args=(
+                    ended, "rclpy could not send the goal response (the client went away before it)",
+                    "an orphaned goal"),
                                  daemon=True).start()
         return self._reserved
 
-    def _end_orphans(self, jobs: list[Job]) -> None:
+    def _end_unrun_logged(self, jobs: list[Job], reason: str, what: str) -> None:
+        """_end_unrun for each job, a failure logged (the jobs after it are still ended) and its answer no longer
+        counted: it never comes (_answer), and close() waited its whole results_out_seconds for it, at every close
+        after (the executor shut down before the node's destruction: rclpy's create_task raises then)."""
         for job in jobs:
-            self._end_unrun_logged(job, "rclpy could not send the goal response (the client went away before it)",
-                                   "an orphaned goal")
-
-    def _end_unrun_logged(self, job: Job, reason: str, what: str) -> None:
-        """_end_unrun, a failure logged and its answer no longer counted: it never comes (_answer), and close()
-        waited its whole results_out_seconds for it, at every close after (the executor shut down before the
-        node's destruction: rclpy's create_task raises then)."""
-        try:
-            self._end_unrun(job, reason)
-        except Exception as exc:  # logged: the other goals are still ended
-            self._node.get_logger().error(f"ending {what} failed: {type(exc).__name__}: {exc}")
-            with self._cv:
-                self._unanswered -= 1
-                self._cv.notify_all()
+            try:
+                self._end_unrun(job, reason)
+            except Exception as exc:
+                self._node.get_logger().error(f"ending {what} failed: {type(exc).__name__}: {exc}")
+                with self._cv:
+                    self._unanswered -= 1
+                    self._cv.notify_all()
 
     # -- accepted callback: queue the handle ----------------------------------------------------------
     def on_accepted(self, goal_handle) -> None:

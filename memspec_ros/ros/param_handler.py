@@ -54,12 +54,11 @@ def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_to
         return ""
     limit = int(values["generation.max_prompt_tokens"])
     limit = min(limit, max_positions - 1) if max_positions else limit
-    if system:
-        if len(system) >= limit * max_token_chars:  # the goal's own text takes a character more
-            return (f"generation.system_prompt has {len(system)} characters, more than the {limit} tokens of"
-                    f" generation.max_prompt_tokens (or the target's context) can hold ({max_token_chars} characters"
-                    " per token at most for this tokenizer): every chat goal would be refused; shorten it or raise"
-                    " generation.max_prompt_tokens")
+    if system and len(system) >= limit * max_token_chars:  # the goal's own text takes a character more
+        return (f"generation.system_prompt has {len(system)} characters, more than the {limit} tokens of"
+                f" generation.max_prompt_tokens (or the target's context) can hold ({max_token_chars} characters"
+                " per token at most for this tokenizer): every chat goal would be refused; shorten it or raise"
+                " generation.max_prompt_tokens")
     # the characters bound it from below only: a text of few characters per token passed that test and then
     # refused every chat goal. The shortest chat goal (one token of its own) is rendered and counted; the template's
     # turns take tokens of their own too, so a max_new_tokens just under the context refused every chat goal
@@ -69,12 +68,11 @@ def length_refusal(values: dict[str, Any], tokenizer, max_positions: int, max_to
         if not system:
             return ""  # the model's own template: each goal is refused with the template's error, as before
         return f"generation.system_prompt cannot be rendered by the model's chat template: {exc}"
-    if system and shortest > limit:
+    if shortest > limit:  # the system prompt, or the template's own turns (its default system turn included)
         return (f"generation.system_prompt takes {shortest} tokens in the shortest chat goal, more than the"
                 f" {limit} tokens of generation.max_prompt_tokens (or the target's context): every chat goal"
-                " would be refused; shorten it or raise generation.max_prompt_tokens")
-    if shortest > limit:  # the template's own turns (its default system turn included) outgrow the limit
-        return (f"generation.max_prompt_tokens {limit} (or the target's context) is less than the {shortest} tokens"
+                " would be refused; shorten it or raise generation.max_prompt_tokens" if system else
+                f"generation.max_prompt_tokens {limit} (or the target's context) is less than the {shortest} tokens"
                 " the chat template makes of the shortest chat goal: every chat goal would be refused; raise it")
     if max_positions and shortest + new_tokens > max_positions:
         with_system = " with generation.system_prompt" if system else ""

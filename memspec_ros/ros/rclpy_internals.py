@@ -22,7 +22,7 @@ def lifecycle_state_label(node) -> str:
     return machine.current_state[1] if machine is not None else "unknown"
 
 
-def guard_change_state(node, on_error: Callable[[Any, Exception], None], lock=None) -> bool:
+def guard_change_state(node, on_error: Callable[[Any, Exception], None], lock) -> bool:
     """Wrap ``node``'s ChangeState service callback so that an exception becomes success=False after
     ``on_error(request, exc)``; False if this rclpy has no such service attribute. ``lock`` (a reentrant one) is held
     for the whole callback: rclpy steps its state machine before and after the transition's own callback, and a
@@ -34,8 +34,6 @@ def guard_change_state(node, on_error: Callable[[Any, Exception], None], lock=No
 
     def guarded(request, response):
         try:
-            if lock is None:
-                return handler(request, response)
             with lock:
                 return handler(request, response)
         except Exception as exc:

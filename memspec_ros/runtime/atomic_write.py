@@ -91,6 +91,12 @@ def mark_used(path: str | os.PathLike[str]) -> None:
         pass
 
 
+def safetensors_io_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is safetensors' own report of a failed write or read (a full disk: "I/O error: No space left
+    on device"), which is no OSError, so that callers treat it as the folder's failure, as an OSError."""
+    return type(exc).__name__ == "SafetensorError" and "I/O error" in str(exc)
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """``text`` into ``path`` by a rename (:func:`written_aside`, synced): a reader (the node, a resumed build) sees
     the old file or the new, never half."""

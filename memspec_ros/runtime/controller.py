@@ -37,7 +37,6 @@ import torch
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
 from .choice import Choice, Resolution, carry_out, run_first_resident
 from .datastore import Datastore
-from .draft_forward import context_positions, rope_length_limit, tightest
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import target_costs
 from .lookup import LOOKUP_DRAFT, LookupConfig
@@ -55,7 +54,7 @@ from .speculative import (
     SpeculativeSession,
     check_generation,
     input_rows,
-    position_table_rows,
+    served_positions,
 )
 from .stats import GenerationStats, IterationStats
 
@@ -266,8 +265,7 @@ class RuntimeController:
         self.eos_token_ids = list(eos_token_ids)
         # the session's own limits too (speculative.SpeculativeSession): a larger max_positions passed the request's
         # check here and was refused by the session, after the prompt cache's entry had been taken
-        self.max_positions = tightest(max_positions or context_positions(target.config), position_table_rows(target),
-                                      rope_length_limit(target.config))
+        self.max_positions = served_positions(target, max_positions)
         self.cache = cache or DraftCacheManager(
             config.capacity,
             loader or registry_loader(registry, draft_dtype, device, storage=storage, quantization=draft_quantization,
@@ -361,7 +359,7 @@ class RuntimeController:
         new registry has), or the old policy with the new; swapped at once while the settings waited, the point's
         own reads saw the new drafts with the old settings. Errors as :meth:`reconfigure`'s, with nothing changed.
         Returns the entries that left or changed (DraftRegistry.replace_with); none while a generation runs (they
-        leave the cache and the prompt cache as it takes the swap, or ends)."""
+        leave the draft cache as it takes the swap, and the prompt cache when it ends)."""
         with self._lock:
             # also with no settings changed: the policy in force must be able to run with the new drafts (a trained
             # predictor scoring none of them was taken)

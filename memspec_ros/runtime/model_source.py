@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic_write import acquire, mark_used, open_lock, sync_dir, sync_tree
+from .atomic_write import acquire, mark_used, open_lock, safetensors_io_error, sync_dir, sync_tree
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ def _cannot_write(exc: BaseException) -> bool:
 
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-    return type(exc).__name__ == "SafetensorError" and "I/O error" in str(exc)
+    return safetensors_io_error(exc)
 
 
 _DIGESTS: dict[tuple, str] = {}  # file_version -> sha256: a configure asks twice

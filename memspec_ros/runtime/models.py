@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .draft_forward import context_positions, unsupported_reason
-from .forward_paths import PATHS, PathReport, apply_path
+from .forward_paths import MAX_VERIFY_ROWS, PATHS, PathReport, apply_path
 from .path_choice import PathChoice, choose_path
 
 DTYPES: dict[str, torch.dtype] = {
@@ -83,9 +83,9 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise TypeError(f"ModelSpec.{name} must be a string, got {value!r}")
-        if type(self.gamma) is not int or not 1 <= self.gamma <= 8:
-            raise ValueError(f"ModelSpec.gamma must be an integer in [1, 8] (the verify rows the forward paths"
-                             f" check), got {self.gamma!r}")
+        if type(self.gamma) is not int or not 1 <= self.gamma <= MAX_VERIFY_ROWS - 1:
+            raise ValueError(f"ModelSpec.gamma must be an integer in [1, {MAX_VERIFY_ROWS - 1}] (the verify rows the"
+                             f" forward paths check), got {self.gamma!r}")
 
 
 @dataclass

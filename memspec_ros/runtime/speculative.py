@@ -313,6 +313,17 @@ def input_rows(model: torch.nn.Module) -> int:
 ROTARY_CONFIG_KEYS = ("rope_theta", "rope_parameters", "rope_scaling", "rotary_dim", "rotary_pct", "rotary_emb_base")
 
 
+def served_positions(target: torch.nn.Module, max_positions: int | None) -> int:
+    """The positions a generation on ``target`` may use: ``max_positions`` (None: the target's own context; a
+    600-token prompt on a 512-position model generated garbage without a word), but never past a learned position
+    table (GPT-2: a verify feeding a position beyond it raised IndexError mid-generation, a device assert on CUDA)
+    nor past the length where a length-dependent RoPE changes its frequencies (draft_forward.rope_length_limit).
+    The session and the controller (which checks a request before taking anything for it) both take this."""
+    config = getattr(target, "config", None)
+    return tightest(max_positions or context_positions(config), position_table_rows(target),
+                    rope_length_limit(config))
+
+
 def position_table_rows(model: torch.nn.Module) -> int:
     """The rows of a model's learned absolute-position table (GPT-2's n_positions, OPT's max_position_embeddings):
     the positions it cannot go past. 0 for a rotary model, whose positions have no table (past its trained length
@@ -410,14 +421,7 @@ class SpeculativeSession:
         prefix: KVState | None = None,
         draft_prefixes: Mapping[str, tuple[torch.nn.Module, KVState]] | None = None,
     ) -> None:
-        # whatever the caller passed: a target with a learned position table (GPT-2) cannot go past it (a verify
-        # feeding a position beyond it raised IndexError mid-generation, a device assert on CUDA), nor one with a
-        # length-dependent RoPE past the length where its frequencies change (draft_forward.rope_length_limit).
-        # None passed: the target's own context, as the controller takes it (a 600-token prompt on a 512-position
-        # model generated garbage without a word)
-        config = getattr(target, "config", None)
-        max_positions = tightest(max_positions or context_positions(config), position_table_rows(target),
-                                 rope_length_limit(config))
+        max_positions = served_positions(target, max_positions)
         if not isinstance(stop_strings, (str, bytes)):  # a one-shot iterable was used up by the check below
             stop_strings = list(stop_strings)
         # as the controller takes them (a tensor's truth value raised "ambiguous", a dict of settings failed on .seed,

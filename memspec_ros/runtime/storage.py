@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic_write import mark_used
+from .atomic_write import mark_used, safetensors_io_error
 from .draft_vocab import VOCAB_FILE
 from .models import LoadedModel, ModelSpec
 
@@ -353,7 +353,7 @@ class RuntimeForm:
             try:
                 save_file(tensors, str(partial), metadata={SOURCE_METADATA: json.dumps(source)})
             except SafetensorError as error:  # safetensors' I/O errors (a full disk) are no OSError: raised as one,
-                if "I/O error" not in str(error):  # so the caller keeps the draft it built and loads without a form
+                if not safetensors_io_error(error):  # so the caller keeps the draft it built, loading without a form
                     raise
                 raise OSError(str(error)) from error
             with open(partial, "rb+") as handle:
@@ -587,9 +587,9 @@ class DraftStorage:
         _code_digest()  # the code as it is now (its docstring)
         self._lock = threading.Lock()
         self._forms: dict[tuple, RuntimeForm] = {}
-        self._formless: set[tuple] = set()  # drafts (their key and source) whose form cannot be made: not retried
-        # drafts whose form the cache folder could not take (full, read-only): retried after FORM_RETRY_SECONDS, not
-        # at every load (each wrote the whole form again until the disk refused it, on the loader thread)
+        # drafts (their key and source) whose form is not written again before this monotonic time: never (inf) for
+        # one that cannot be made; FORM_RETRY_SECONDS on for one the cache folder refused (full, read-only), which
+        # every load wrote whole again until the disk refused it, on the loader thread
         self._form_retry_at: dict[tuple, float] = {}
 
     def load(self, spec: ModelSpec, name: str = "") -> LoadedModel:
@@ -653,7 +653,7 @@ class DraftStorage:
 
     def _keep_form(self, key, loaded: LoadedModel, spec: ModelSpec, source: tuple, name: str | None) -> None:
         """Write ``loaded``'s runtime form for the loads after this one."""
-        if (key, source) in self._formless or time.monotonic() < self._form_retry_at.get((key, source), 0.0):
+        if time.monotonic() < self._form_retry_at.get((key, source), 0.0):
             return
         target = None
         try:  # the name too: a cache root that cannot be named (an unknown ~user in it, no home) loses the form only
@@ -671,8 +671,8 @@ class DraftStorage:
         except Exception as error:  # not the medium's fault (a model the form cannot hold): this load still stands
             log.warning("could not keep %s's runtime form (%s: %s): its loads build it from its safetensors each"
                         " time", name or spec.path, type(error).__name__, error)
-            with self._lock:  # the same files would fail the same way: not written again at every load
-                self._formless.add((key, source))
+            with self._lock:  # the same files would fail the same way: not written again
+                self._form_retry_at[(key, source)] = math.inf
             return
         with self._lock:
             self._forms[key] = form

@@ -75,7 +75,48 @@ def test_a_tokenizer_with_more_ids_than_the_target_has_rows_is_refused_at_load(z
     assert len(tok) > 64
     small = save_model_dir(tiny_llama(vocab_size=64, hidden=32, layers=1), tok, tmp_path / "small")
     with pytest.raises(TokenizerMismatchError, match=rf"tokenizer in {small} has {len(tok)} token ids but the target"
-                                                     rf" in {small} reads only 64"):
+                                                     rf" in {small} reads only 64 \(its input embedding rows\):"
+                                                     " the folder's own"):
         load_models(drafts=DraftLists([], []), target_path=small)
+    elsewhere = save_model_dir(tiny_llama(vocab_size=len(tok), hidden=32, layers=1), tok, tmp_path / "other")
+    with pytest.raises(TokenizerMismatchError, match=rf"tokenizer in {elsewhere} has .* not the same model's"):
+        load_models(drafts=DraftLists([], []), target_path=small, tokenizer_path=elsewhere)
     models = load_models(drafts=DraftLists([], []), target_path=zoo / "target")
     assert len(models.tokenizer) <= models.target.model.get_input_embeddings().num_embeddings
+
+
+def test_the_target_folder_and_settings_are_checked_before_its_tokenizer(tmp_path, monkeypatch):
+    """A missing target folder, a path to one of its files, or a dtype/quantization pair it cannot run were reported as
+    the tokenizer's ("no tokenizer files ... copy the target's tokenizer there"), and a GGUF target was converted
+    (minutes) before the pair was refused: each is refused first, by what is wrong."""
+    from memspec_ros.runtime import model_source
+    from memspec_ros.runtime.models import ModelDirectoryError
+
+    none = DraftLists([], [])
+    with pytest.raises(ModelDirectoryError, match="does not exist"):
+        load_models(drafts=none, target_path=tmp_path / "nowhere")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelDirectoryError, match="is a file, not a model directory"):
+        load_models(drafts=none, target_path=tmp_path / "model.safetensors")
+
+    def no_conversion(path):
+        raise AssertionError(f"{path} converted before its settings were checked")
+
+    monkeypatch.setattr(model_source, "resolve_model_path", no_conversion)
+    with pytest.raises(ValueError, match="keeps its own weight format"):
+        load_models(drafts=none, target_path=tmp_path / "target.gguf", dtype="bf16", quantization="int4")
+
+
+def test_a_damaged_tokenizer_is_refused_naming_its_folder(zoo, tmp_path):
+    """tokenizer.json without its added_tokens raised a bare KeyError('added_tokens') that named no file."""
+    import json
+    import shutil
+
+    from memspec_ros.runtime.models import ModelDirectoryError, load_tokenizer
+
+    copy = shutil.copytree(zoo / "target", tmp_path / "target")
+    data = json.loads((copy / "tokenizer.json").read_text())
+    del data["added_tokens"]
+    (copy / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ModelDirectoryError, match=rf"the tokenizer in {copy} could not be loaded \(KeyError"):
+        load_tokenizer(copy)

@@ -25,6 +25,7 @@ from .models import (
     ModelSpec,
     TokenizerMismatchError,
     UnsupportedArchitectureError,
+    check_spec,
     load_model,
     load_tokenizer,
     tokenizer_fingerprint,
@@ -145,16 +146,21 @@ def check_target_rows(target: LoadedModel) -> None:
             " target on the CPU")
 
 
-def check_tokenizer_fits(tokenizer: Any, target: LoadedModel, tokenizer_path: str | Path) -> None:
+def check_tokenizer_fits(tokenizer: Any, target: LoadedModel, tokenizer_path: str | Path | None) -> None:
     """Refuse a tokenizer with more ids than the target has embedding rows: a prompt holding one of the extra ids
     fails at the target's embedding lookup, goal after goal, instead of at configure. (More rows than ids is fine:
-    models pad their embedding; SmolLM2's tokenizer has 49,152 ids for its 49,152 rows.)"""
+    models pad their embedding; SmolLM2's tokenizer has 49,152 ids for its 49,152 rows.) ``tokenizer_path`` empty:
+    the tokenizer is the target folder's own."""
     ids, rows = len(tokenizer), input_rows(target.model)
     if rows and ids > rows:
+        where = tokenizer_path or target.spec.path
+        fix = ("they are not the same model's; use the target's own tokenizer (model.tokenizer_path empty: the"
+               " target's directory)" if tokenizer_path else
+               "the folder's own tokenizer does not fit its weights (tokens added without resizing the embedding,"
+               " say): resize the model's embedding to the tokenizer, or restore the tokenizer that came with it")
         raise TokenizerMismatchError(
-            f"the tokenizer in {tokenizer_path} has {ids} token ids but the target in {target.spec.path} reads only"
-            f" {rows} (its input embedding rows): they are not the same model's; use the target's own tokenizer"
-            " (model.tokenizer_path empty: the target's directory)")
+            f"the tokenizer in {where} has {ids} token ids but the target in {target.spec.path} reads only"
+            f" {rows} (its input embedding rows): {fix}")
 
 
 def load_models(
@@ -185,9 +191,13 @@ def load_models(
     if not target_dir:
         raise ValueError(f"{registry_file or 'the draft lists'} name no target and no target path was given:"
                          " set the target path (model.target_path)")
+    spec = ModelSpec(str(target_dir), dtype, device, quantization, gamma=gamma)
+    # the target's settings and folder first: the tokenizer's load converts a GGUF target (minutes) and would name
+    # a missing folder's tokenizer rather than the folder
+    check_spec(spec)
     tokenizer = load_tokenizer(tokenizer_path or target_dir)
-    target = load_model(ModelSpec(str(target_dir), dtype, device, quantization, gamma=gamma))
-    check_tokenizer_fits(tokenizer, target, tokenizer_path or target_dir)
+    target = load_model(spec)
+    check_tokenizer_fits(tokenizer, target, tokenizer_path)
     check_target_rows(target)
     fingerprint = tokenizer_fingerprint(tokenizer)
     registry = open_registry(registry_file, drafts, fingerprint=fingerprint if validate else None, validate=validate)

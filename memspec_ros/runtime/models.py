@@ -321,6 +321,18 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def check_spec(spec: ModelSpec) -> None:
+    """Refuse what can be refused before a file is converted or loaded: the dtype / quantization pair, the device,
+    and a folder that is missing, a file, or holds no config.json (a GGUF file or pkg: resource is checked when it
+    is resolved)."""
+    from .model_source import is_model_source
+
+    forward_path_for(spec)
+    resolve_device(spec.device)
+    if not is_model_source(str(spec.path)):
+        read_config(spec.path)
+
+
 def load_model(spec: ModelSpec) -> LoadedModel:
     """Load one causal LM from a local directory (or a GGUF file, through its cached conversion) into eval mode,
     gradients off."""
@@ -328,9 +340,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
 
     spec = replace(spec, path=str(spec.path))  # a pathlib.Path too
     if is_model_source(spec.path):  # a GGUF file or pkg:... resource: its cached safetensors directory
-        # the spec first: a bad dtype or device was refused only after minutes converting the file
-        forward_path_for(spec)
-        resolve_device(spec.device)
+        check_spec(spec)  # a bad dtype or device was refused only after minutes converting the file
         source = spec.path
         spec = replace(spec, path=str(resolve_model_path(spec.path)))
         try:
@@ -470,8 +480,11 @@ def load_tokenizer(path: str | Path):
         # trust_remote_code False, not left to transformers: with an auto_map it asked on stdin, and a "y" typed
         # into a command line tool ran the folder's code
         return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError) as exc:
-        raise ModelDirectoryError(f"the tokenizer in {root} could not be loaded: {exc}") from exc
+    except MemoryError:  # not the folder's fault
+        raise
+    except Exception as exc:  # a damaged tokenizer.json raises KeyError, or tokenizers' bare Exception
+        raise ModelDirectoryError(f"the tokenizer in {root} could not be loaded ({type(exc).__name__}: {exc}):"
+                                  " restore its tokenizer files from the original model") from exc
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -515,6 +515,11 @@ def test_the_continuation_cache_keys_by_what_shapes_a_targets_answers_and_takes_
         again = ContinuationCache(tmp_path / "c.json", folder).target
         assert again != key, name
         key = again
+    # a template that closes turns with another token cuts the answers elsewhere (chat.end_token_ids reads it)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
+    again = ContinuationCache(tmp_path / "c.json", folder).target
+    assert again != key, "chat_template.jinja"
+    key = again
     assert model_digest(folder) == weights and answer_files_digest(folder)
     cache = ContinuationCache(tmp_path / "c.json", SMOLLM2)
     assert cache.target and answer_files_digest(SMOLLM2) == "" and cache.target != key

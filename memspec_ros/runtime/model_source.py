@@ -339,9 +339,11 @@ def model_digest(spec: str | os.PathLike[str]) -> str:
 
 
 # beside a folder's weights, the files that change what the model answers: its architecture and rotary settings
-# (config.json), where it stops (generation_config.json's eos, the tokenizer's) and how text becomes ids
+# (config.json), where it stops (generation_config.json's eos, the tokenizer's, the chat template's end of turn, which
+# transformers 5 saves as chat_template.jinja) and how text becomes ids (a slow tokenizer's own files too)
 _ANSWER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json")
+                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
+                 "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def answer_files_digest(spec: str | os.PathLike[str]) -> str:

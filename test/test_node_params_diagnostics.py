@@ -567,6 +567,20 @@ def test_an_integer_given_for_a_double_parameter_is_taken_as_that_number():
         values = {n: node.get_parameter(n).value for n in ("memspec.ucb_c", "diagnostic_updater.period")}
         assert values == {"memspec.ucb_c": 3.0, "diagnostic_updater.period": 2.0}
         assert all(type(v) is float for v in values.values())
+        # at run time too (`ros2 param set /memspec generation.temperature 0`, the parameter service's path): rclpy
+        # refused it as the wrong type before the node's callback saw it
+        if hasattr(node, "add_pre_set_parameters_callback"):
+            from rclpy.parameter import Parameter
+
+            result = node.set_parameters_atomically([Parameter("generation.temperature", Parameter.Type.INTEGER, 0),
+                                                     Parameter("memspec.ucb_c", Parameter.Type.INTEGER, 5)])
+            assert result.successful, result.reason
+            values = {n: node.get_parameter(n).value for n in ("generation.temperature", "memspec.ucb_c")}
+            assert values == {"generation.temperature": 0.0, "memspec.ucb_c": 5.0}
+            assert all(type(v) is float for v in values.values())
+            # an integer for an integer parameter, and a range, are still the descriptors' to check
+            refused = node.set_parameters_atomically([Parameter("memspec.ucb_c", Parameter.Type.INTEGER, -1)])
+            assert not refused.successful and node.get_parameter("memspec.ucb_c").value == 5.0
     finally:
         node.destroy_node()
         rclpy.try_shutdown(context=context)

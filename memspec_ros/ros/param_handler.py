@@ -94,6 +94,8 @@ class ParameterHandler:
         self._transitioning = transitioning
         self._setters: dict[str, Callable[[Any], None]] = {}
         self._configured: dict[str, Any] = {}  # the values the last configure read
+        if hasattr(node, "add_pre_set_parameters_callback"):  # Iron and later; Humble refuses an int for a double
+            node.add_pre_set_parameters_callback(P.ints_as_doubles)
         node.add_on_set_parameters_callback(self.on_set)
 
     def apply_at_once(self, name: str, setter: Callable[[Any], None]) -> None:

@@ -351,6 +351,22 @@ def take_int_override_as_double(node, p: Param) -> None:
         overrides[p.name] = Parameter(p.name, Parameter.Type.DOUBLE, float(given.value))
 
 
+def ints_as_doubles(parameters: list) -> list:
+    """A change that gives a double parameter an integer (``ros2 param set /memspec generation.temperature 0``,
+    ``ros2 param load`` of a file with ``ucb_c: 2``) made a double, as at start-up (declare()): rclpy checks the type
+    against the descriptor before the node's on_set callback sees it, and refused it as the wrong type. rclpy's
+    pre-set callback (Iron and later) runs before that check."""
+    from rclpy.parameter import Parameter
+
+    def fixed(given):
+        p = BY_NAME.get(given.name)
+        if p is not None and type(p.default) is float and given.type_ == Parameter.Type.INTEGER:
+            return Parameter(given.name, Parameter.Type.DOUBLE, float(given.value))
+        return given
+
+    return [fixed(given) for given in parameters]
+
+
 def declare(node, p: Param) -> Any:
     """Declare ``p`` on ``node`` (its default, or the launch override); its value.
 

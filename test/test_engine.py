@@ -231,8 +231,13 @@ def test_a_temperature_that_is_not_a_number_is_refused_and_a_tiny_one_samples_th
             SamplingConfig(temperature=bad)
     for t in (1e-39, 1e-46):  # 1e-46 rounds to 0 in float32: 0 / 0 gave NaN probabilities and raised
         tiny = SamplingConfig(temperature=t, seed=3)
+        # greedy wherever float32's 1 / T overflows: CUDA divides by a scalar as a * (1 / T), and 0 * inf is NaN
+        assert tiny.greedy and torch.isinf(1 / torch.tensor(t, dtype=torch.float32))
         session = generate(target, PROMPT, drafts["noisy"], gamma=4, max_new_tokens=16, sampling=tiny)
         assert session.generated_ids == reference(target, new=16), t
+    least = SamplingConfig(temperature=float(torch.finfo(torch.float32).tiny), seed=3)  # the smallest that samples
+    assert not least.greedy and torch.isfinite(1 / torch.tensor(least.temperature, dtype=torch.float32))
+    assert torch.isfinite(warp_probs(torch.tensor([[0.0, -1.0, 3.0]]), least)).all()
 
 
 def test_the_acceptance_coin_is_fp32_whatever_the_default_dtype():

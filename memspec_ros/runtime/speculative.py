@@ -95,8 +95,10 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        # a temperature float32 rounds to 0 (2**-150 and below) would divide 0 by 0 in warp_probs: it is greedy
-        return self.temperature <= 2.0**-150
+        # below float32's smallest normal number, 1 / T overflows in float32: CUDA divides by a scalar as a * (1 / T),
+        # so the argmax's 0 * inf gave NaN probabilities (and T rounding to 0, 0 / 0 on any device); such a
+        # temperature samples the argmax anyway
+        return self.temperature < torch.finfo(torch.float32).tiny
 
 
 def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -728,9 +728,12 @@ def test_an_activate_after_the_goal_runner_closed_for_a_shutdown_is_refused(harn
     back in the runner: a late accepted callback then started a goal during the shutdown."""
     h = harness()
     assert h.transition(Transition.TRANSITION_CONFIGURE)
+    resets = []  # a refused activate left /diagnostics' goal figures wiped
+    h.node._window.reset_counts = lambda: resets.append("goal counts")
     h.node._runner.close("the node is shutting down (test)", 0.5)
     assert not h.transition(Transition.TRANSITION_ACTIVATE)
-    assert h.state() == "inactive" and h.node._runner._loaded is None
+    assert h.state() == "inactive" and h.node._runner._loaded is None and resets == []
+    del h.node._window.reset_counts
 
 
 def test_a_second_signals_destruction_goes_on_when_the_goals_cannot_be_ended(harness, monkeypatch):

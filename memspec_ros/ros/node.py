@@ -281,6 +281,8 @@ class MemSpecNode(LifecycleNode):
             self.get_logger().error("activate refused: a goal from before the deactivate still runs (it ends"
                                     " ABORTED at its next iteration): activate again once it has ended")
             return TransitionCallbackReturn.FAILURE
+        if self._runner.closing:  # before the resets below: a refused activate keeps /diagnostics' figures
+            return self._shutting_down_refusal()
         self._window.clear()
         self._window.reset_counts()
         self._last_cache_key, self._cache_baseline = None, self._loaded.controller.cache.snapshot()
@@ -292,15 +294,18 @@ class MemSpecNode(LifecycleNode):
             engine = self._loaded.predictor.engine
             if hasattr(engine, "calls"):
                 engine.calls, engine.seconds = 0, 0.0
-        if not self._runner.open(self._loaded, self._stats_pub):
-            self.get_logger().error(f"activate refused: the node is shutting down ({self._runner.closing})")
-            return TransitionCallbackReturn.FAILURE
+        if not self._runner.open(self._loaded, self._stats_pub):  # a signal began closing since the check above
+            return self._shutting_down_refusal()
         result = super().on_activate(state)  # enables the lifecycle publishers
         # after them: a cache poll before would record its key and have its message dropped; not on a node a
         # signal began closing meanwhile (close_goals set it False: it takes no goal again)
         self._active = not self._runner.closing
         self.get_logger().info("active: accepting goals on ~/generate")
         return result
+
+    def _shutting_down_refusal(self) -> TransitionCallbackReturn:
+        self.get_logger().error(f"activate refused: the node is shutting down ({self._runner.closing})")
+        return TransitionCallbackReturn.FAILURE
 
     @recorded
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:

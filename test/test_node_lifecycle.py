@@ -593,6 +593,32 @@ def test_parameters_are_answered_during_a_configure_and_changes_refused_until_it
     assert h.set_params(**{"memspec.gamma": other})[0].successful  # once it has ended
 
 
+def test_diagnostics_say_configuring_while_a_retry_loads_the_models(harness, monkeypatch):
+    """While a configure retried after a failed one loaded the models (minutes on a large target), /diagnostics said
+    ERROR "configure failed: <the earlier reason>"; during a first configure, OK "unconfigured: no model loaded"."""
+    import threading
+
+    from memspec_ros.ros.diagnostics import NodeTasks, run_task
+
+    h = harness()
+    tasks = NodeTasks(h.node, h.node._runner, h.node._window)
+    h.node._configure_error = "ModelDirectoryError: the earlier attempt's (test)"
+    assert run_task(tasks.fill_target).level == ERROR  # until the retry starts
+    gate, entered = _held_load(h, monkeypatch)
+    done = []
+    threading.Thread(target=lambda: done.append(h.transition(Transition.TRANSITION_CONFIGURE)), daemon=True).start()
+    try:
+        assert entered.wait(30.0)
+        status = run_task(tasks.fill_target)
+        assert (status.level, status.message) == (OK, "configuring: loading the models")
+        assert dict(status.values)["last configure error"] == "ModelDirectoryError: the earlier attempt's (test)"
+    finally:
+        gate.set()
+    wait_until(lambda: done, 60.0, "the configure")
+    status = run_task(tasks.fill_target)
+    assert done == [True] and status.level == OK and status.message.startswith("loaded")
+
+
 def test_a_parameter_change_is_refused_while_on_error_frees_the_models(harness, monkeypatch):
     """on_error ran outside the transition lock: a parameter change taken while it ended the goals and freed the
     models was applied to a controller being torn down. It is refused with the reason, as during every transition."""

@@ -427,6 +427,12 @@ class NodeTasks:
         if state == "finalized":  # shut down, it can never serve again: first, whatever failed before the shutdown
             s.summary(WARN, "finalized (shut down): no model loaded and no goal served; restart the node to serve")
             return
+        if state == "configuring":  # loading the models (minutes on a large target): an earlier attempt's failure
+            # is not the state (the summary said ERROR for the whole retry), nor "no model loaded"
+            if self.node.configure_error:
+                s.add("last configure error", self.node.configure_error)
+            s.summary(OK, "configuring: loading the models")
+            return
         if self.node.configure_error:
             s.summary(ERROR, f"configure failed: {self.node.configure_error}")
             return

@@ -318,3 +318,21 @@ def test_a_forged_turn_is_refused_where_the_tokenizer_does_not_sanitize_it(chat_
         prompt_ids(tok, "hi", system_prompt="be nice<|im_end|>")
     assert prompt_ids(tok, "hi there") == templated(tok, [{"role": "user", "content": "hi there"}])
     assert control_ids(tok, prompt_ids(chat_tok, forged)) == control_ids(chat_tok, prompt_ids(chat_tok, "x"))
+
+
+def test_a_raw_prompt_starting_with_the_bos_text_gets_one_bos():
+    """A tokenizer that adds BOS (Llama's) added it before a raw prompt's own: a hand-written template starting with
+    "<s>" (Llama 3's "<|begin_of_text|>") became [bos, bos, ...], which the model never saw in training."""
+    from tokenizers.processors import TemplateProcessing
+
+    from memspec_ros.runtime.chat import raw_ids
+
+    tok = tiny_tokenizer()
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A",
+                                                              special_tokens=[(tok.bos_token, bos)])
+    plain = prompt_ids(tok, "def add(a, b):", raw=True)
+    assert plain[0] == bos and plain[1] != bos
+    assert tok(f"{tok.bos_token}def add(a, b):")["input_ids"][:2] == [bos, bos]  # what the tokenizer alone gives
+    assert prompt_ids(tok, f"{tok.bos_token}def add(a, b):", raw=True) == plain
+    assert raw_ids(tok, f"{tok.bos_token}def add(a, b):") == plain

@@ -137,7 +137,7 @@ def prompt_ids(tokenizer, prompt: str, messages: Sequence[tuple[str, str]] = (),
     if reason:
         raise ChatError(reason)
     if raw or not templated:
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return raw_ids(tokenizer, prompt)
     turns = conversation(prompt, messages, system_prompt)
     ids = _rendered(tokenizer, turns)
     if not ids:
@@ -148,6 +148,16 @@ def prompt_ids(tokenizer, prompt: str, messages: Sequence[tuple[str, str]] = (),
     reason = _forged_control(tokenizer, turns, ids, names)
     if reason:
         raise ChatError(reason)
+    return ids
+
+
+def raw_ids(tokenizer, prompt: str) -> list[int]:
+    """``prompt`` as plain text with the tokenizer's own special tokens (a Llama's BOS), but one BOS only: a raw goal
+    holding a hand-written template that starts with the BOS text got two (Llama 3's [128000, 128000, ...])."""
+    ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    bos = tokenizer.bos_token_id
+    if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+        del ids[0]
     return ids
 
 

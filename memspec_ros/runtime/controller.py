@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import DraftCacheManager, DraftLoadError, Loader, registry_loader
+from .chat import raw_ids
 from .choice import Choice, Resolution, carry_out, run_first_resident
 from .datastore import Datastore
 from .forward_paths import MAX_VERIFY_ROWS
@@ -603,7 +604,7 @@ class RuntimeController:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
             if not prompt.strip():  # a tokenizer that adds BOS made a prompt of it alone and answered that
                 raise ValueError("the prompt is empty or only whitespace: give some text")
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            ids = raw_ids(self.tokenizer, prompt)
         elif isinstance(prompt, (bytes, bytearray)):  # its byte values were taken as token ids
             raise TypeError("a prompt is text (str) or token ids, not bytes: decode it first")
         else:

@@ -614,3 +614,33 @@ def test_a_conversion_removes_the_folders_of_conversions_killed_part_way_under_a
         assert (resolve_model_path(str(src)) / CONVERTED_MARKER).is_file()
     left = sorted(p.name for p in gguf_dir.iterdir() if p.is_dir() and p.name.startswith("."))
     assert left == [".converting-123", ".recent-123", ".unlocked-123"]  # held, lately written, or no lock beside
+
+
+def test_a_cached_conversion_others_could_have_written_is_refused(tmp_path, monkeypatch):
+    """The cache key comes from public inputs (the file's digest, library versions): in a cache folder other users
+    can write to, anyone could put their own weights, tokenizer and chat template under it, and the node loaded them.
+    A conversion folder or file that every user can write to, or a symlink in its place, is refused, naming it."""
+    import os
+
+    src = tmp_path / "tiny.gguf"
+    _tiny_gguf(src)
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def fake_convert(path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+
+    monkeypatch.setattr(model_source, "convert_gguf", fake_convert)
+    out = resolve_model_path(str(src))
+    config = out / "config.json"
+    for writable in (config, out):
+        mode = writable.stat().st_mode
+        writable.chmod(mode | 0o002)
+        with pytest.raises(GGUFConversionError, match=rf"{out} is not this user's alone \({writable}"):
+            resolve_model_path(str(src))
+        writable.chmod(mode)
+        assert resolve_model_path(str(src)) == out
+    elsewhere = tmp_path / "planted"
+    out.rename(elsewhere)
+    os.symlink(elsewhere, out)
+    with pytest.raises(GGUFConversionError, match="a symlink"):
+        resolve_model_path(str(src))

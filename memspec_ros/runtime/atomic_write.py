@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,16 @@ from pathlib import Path
 # daemon without it): the rename before it has already happened, and failing the write then would report as failed
 # what is in place
 _CANNOT_SYNC = (errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def owned_by_me(path: str | os.PathLike[str]) -> bool:
+    """This user's file or folder, no symlink, that not every user can write to (group write allowed: a group per
+    user, umask 002): what a cache folder another user can write to must show before the node uses it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o002
 
 
 def sync_dir(folder: str | os.PathLike[str]) -> None:

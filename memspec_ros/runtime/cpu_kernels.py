@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic_write import held_lock
+from .atomic_write import held_lock, owned_by_me
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +207,7 @@ def _ours_alone(path: Path) -> bool:
 
 def _folder_ours(folder: Path) -> bool:
     """This user's folder, no symlink, that not every user can write to."""
-    try:
-        st = folder.lstat()
-    except OSError:
-        return False
-    return not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o002
+    return owned_by_me(folder)
 
 
 def _run_compiler(command: list[str], timeout: float = COMPILE_TIMEOUT_S) -> subprocess.CompletedProcess | None:

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic_write import acquire, mark_used, open_lock, safetensors_io_error, sync_dir, sync_tree
+from .atomic_write import acquire, mark_used, open_lock, owned_by_me, safetensors_io_error, sync_dir, sync_tree
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
 
 log = logging.getLogger(__name__)
@@ -380,6 +380,19 @@ def weights_only_identity(identity: str) -> str | None:
     return _WEIGHTS_ONLY.get(identity)
 
 
+def check_conversion_ours(out: Path) -> None:
+    """Refuse a cached conversion that this user did not make or that every user can change (:func:`owned_by_me`,
+    the folder and each file in it): its key is computed from public inputs (the file's digest, library versions),
+    so in a cache folder others can write to, anyone could have put their own weights, tokenizer and chat template
+    under it for the node to load."""
+    foreign = [p for p in (out, *sorted(out.iterdir())) if not owned_by_me(p)]
+    if foreign:
+        raise GGUFConversionError(
+            f"the cached conversion {out} is not this user's alone ({first_names([str(p) for p in foreign])}: another"
+            " owner, a symlink, or writable by every user): remove it to convert the GGUF again, and keep the cache"
+            " (MEMSPEC_CACHE_DIR or XDG_CACHE_HOME) in a folder of your own")
+
+
 def converted_dir(path: Path) -> Path:
     """The cached safetensors directory for a GGUF file, converting it on first use.
 
@@ -392,6 +405,7 @@ def converted_dir(path: Path) -> Path:
     key = conversion_key(digest)
     out = cache_root() / "gguf" / key
     if (out / CONVERTED_MARKER).is_file():
+        check_conversion_ours(out)
         mark_used(out / CONVERTED_MARKER)  # a load: the conversion is in use (_remove_unused_conversions)
         return out
     def unwritable(exc: OSError) -> GGUFConversionError:
@@ -417,6 +431,7 @@ def converted_dir(path: Path) -> Path:
                 f"another process has held {lock_file} for more than {CONVERSION_WAIT_SECONDS:g} s while converting"
                 " this GGUF: end it, or remove the lock file if no process converts it") from None
         if (out / CONVERTED_MARKER).is_file():  # another process converted it while this one waited
+            check_conversion_ours(out)
             return out
         # said before the work: de-quantizing a large model takes minutes (14 s for the bundled 98 MB one), and a
         # configure or CLI that printed nothing meanwhile looked hung

@@ -726,6 +726,35 @@ def test_the_toy_build_refuses_one_rollout_per_source_before_any_work(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("argv, says", [
+    # 66 over 4 heads: transformers refused it at the general stage, after the teacher and the vocabulary
+    (["build", "--draft-hidden", "66"], "--draft-hidden 66 does not split into 4 attention heads of an even width"),
+    # 4 heads of 25: a RuntimeError in the rotary embedding at the first draft forward
+    (["build", "--draft-hidden", "100"], "--draft-hidden 100 does not split into 4 attention heads"),
+    # 3 heads of 66.7 / 2 heads of 65: after the target's hour, and the work dir then refused the corrected flag
+    (["build-toy", "--draft-hidden", "200"], "--draft-hidden 200 does not split into 3 attention heads"),
+    (["build-toy", "--draft-hidden", "130"], "--draft-hidden 130 does not split into 2 attention heads"),
+    (["build-toy", "--target-hidden", "200"], "--target-hidden 200 does not split into 3 attention heads"),
+    (["build-toy", "--target-init", "/nowhere/target"], "--target-init /nowhere/target has no model.safetensors"),
+])
+def test_model_widths_and_a_starting_target_are_checked_before_the_work_dir_records_the_settings(argv, says,
+                                                                                                  tmp_path):
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        main([*argv, "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--stages", "workloads"])
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_toy_stage_run_before_the_one_whose_files_it_reads_ends_in_one_line(tmp_path):
+    """build-toy caught ValueError only (build caught FileNotFoundError too): a stage before its inputs, or a
+    --target-init folder emptied since, ended in a traceback."""
+    from memspec_ros.zoo.cli import main
+
+    with pytest.raises(SystemExit, match=r"^memspec-zoo build-toy: .*No such file or directory: .*corpora"):
+        main(["build-toy", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--stages", "tokenizer"])
+
+
 @pytest.mark.parametrize("command", ["build", "build-toy"])
 def test_a_misspelt_stage_is_refused_before_the_work_dir_is_made(command, tmp_path):
     from memspec_ros.zoo.cli import main

@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from memspec_ros.runtime.atomic_write import publish_dir, write_text_atomic, written_aside
 
 from .corpora import DOMAINS, CorpusConfig, Document, build_domain
+from .errors import head_split_error
 from .rollouts import RolloutConfig, RolloutStreams, make_rollouts
 from .tokenizer import TokenizerConfig, encode_documents, load_tokenizer, train_tokenizer
 from .train import DRAFT_ARCH, TARGET_ARCH, ArchConfig, TokenStreams, TrainConfig, train
@@ -132,6 +133,13 @@ class ZooBuild:
                              f" rollouts per source ({cfg.rollouts.sequences_per_source}) the general draft sees")
         if cfg.draft_recipe not in DRAFT_RECIPES:
             raise ValueError(f"draft recipe {cfg.draft_recipe!r} is not one of {', '.join(DRAFT_RECIPES)}")
+        # before the work dir records these settings: a rerun with the corrected flag was refused as another build
+        for flag, arch in (("--target-hidden", cfg.target_arch), ("--draft-hidden", cfg.draft_arch)):
+            if reason := head_split_error(flag, arch.hidden_size, arch.num_heads):
+                raise ValueError(reason)
+        if cfg.target_init is not None and not (Path(cfg.target_init) / "model.safetensors").is_file():
+            raise ValueError(f"--target-init {cfg.target_init} has no model.safetensors (a Hugging Face model"
+                             " directory saved with safe_serialization, e.g. <work dir>/hf/target of an earlier build)")
         self.cfg = cfg
         self.w = Path(cfg.work_dir)
         torch.set_num_threads(cfg.threads)

@@ -50,6 +50,7 @@ from .chat_drafts import (
 )
 from .chat_workloads import ChatWorkloadConfig, asks_heldout, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
+from .errors import head_split_error
 from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers, requests_digest
 from .train import RESULT_FIELDS, TrainConfig, as_recorded, check_cap, identity_changes, run_identity, train
 
@@ -212,6 +213,9 @@ def _set_aside_what_the_old_drafts_made(zoo: Path) -> None:
 
 class ChatZooBuild:
     def __init__(self, cfg: ChatBuildConfig) -> None:
+        # before the teacher's and vocabulary's minutes: the general stage's model refused it, or a forward crashed
+        if reason := head_split_error("--draft-hidden", cfg.arch.hidden_size, cfg.arch.num_heads):
+            raise ValueError(reason)
         self.cfg = cfg
         self.w = Path(cfg.work_dir)
         self._train_answers = None  # train_answers(), checked once per build

@@ -173,7 +173,8 @@ def _run_chat_build(a) -> int:
         if blocked:
             raise SystemExit(f"memspec-zoo build: {flag} {folder}: {blocked}; name a folder this user can write")
     try:
-        ChatZooBuild(cfg).run(a.stages)
+        build = ChatZooBuild(cfg)  # checks the configuration before any work
+        build.run(a.stages)
     except (ValueError, FileNotFoundError, ModelLoadError, ZooSetupError) as exc:  # a stage before its inputs
         raise SystemExit(f"memspec-zoo build: {exc}") from None
     return 0
@@ -220,7 +221,8 @@ def _run_build(a) -> int:
     try:
         build = ZooBuild(cfg)  # checks the configuration before any work
         build.run(a.stages)
-    except (ValueError, ZooSetupError) as exc:  # a checkpoint of another run says so in one line
+    # a checkpoint of another run, or a stage run before the one whose files it reads, says so in one line
+    except (ValueError, FileNotFoundError, ZooSetupError) as exc:
         raise SystemExit(f"memspec-zoo build-toy: {exc}") from None
     return 0
 

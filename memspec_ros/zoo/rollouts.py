@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from memspec_ros.runtime.atomic_write import synced_replace
+from memspec_ros.runtime.atomic_write import synced_replace, write_text_atomic
 
 IGNORE = -100
 """Label of padding positions (cross-entropy's ignore_index)."""
@@ -141,7 +141,9 @@ def make_rollouts(
         summary["sources"][name] = {"sequences": cfg.sequences_per_source, "batches": len(windows),
                                     "label_agreement": agree / max(total, 1)}
         # the .json first, the tensors by a rename last: the part file's existence says the source is done
-        part.with_suffix(".json").write_text(json.dumps({"config": asdict(cfg), "summary": summary["sources"][name]}))
+        # (synced too: a power cut could leave the synced part beside an empty .json, and the resume failed on it)
+        write_text_atomic(part.with_suffix(".json"), json.dumps({"config": asdict(cfg),
+                                                                 "summary": summary["sources"][name]}))
         partial = part.with_name(f".{part.name}.tmp")
         save_file(own, str(partial))
         synced_replace(partial, part)
@@ -153,7 +155,7 @@ def make_rollouts(
     summary["seconds"] = round(time.time() - t_start, 1)
     # the .json, then the tensors by a rename: the build takes an existing rollouts file for a finished stage, so a
     # cut write must leave none (its parts/ stay and rebuild it), not a truncated file taken as done
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1))
     partial = out.with_name(f".{out.name}.tmp")
     save_file(tensors, str(partial))
     synced_replace(partial, out)

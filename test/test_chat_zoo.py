@@ -1242,3 +1242,27 @@ def test_the_teacher_stage_before_the_workloads_says_which_stage_to_run(tiny_bui
     """In a fresh work dir it failed in a bare "[Errno 2] No such file or directory: .../code.jsonl"."""
     with pytest.raises(ValueError, match=r"code.jsonl: the requests come from the workloads stage; run it first"):
         ChatZooBuild(replace(tiny_build, work_dir=tmp_path / "fresh", out_dir=tmp_path / "out")).run(["teacher"])
+
+
+def test_acceptance_of_a_few_requests_per_workload_has_the_target_answer_those_alone(tiny_build, tmp_path,
+                                                                                    monkeypatch):
+    """--prompts-per-workload 5 had the target answer every held-out request (600 in the bundled zoo, minutes on a
+    CPU) into <models>/answers to score 5 of each workload. With no answers stored there yet, it answers the scored
+    requests alone, in a cache folder of their own; the zoo's folder is left for the whole set."""
+    from memspec_ros.zoo.chat_acceptance import first_per_domain, heldout_rows
+    from memspec_ros.zoo.cli import main
+    from memspec_ros.zoo.teacher import answered_prompts
+
+    monkeypatch.setenv("MEMSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    zoo = tmp_path / "zoo"
+    shutil.copytree(tiny_build.out_dir, zoo, ignore=shutil.ignore_patterns("answers"))
+    rows = heldout_rows(zoo)
+    scored = first_per_domain(rows, 1)
+    assert len({r["domain"] for r in rows}) == len(scored) < len(rows)
+    out = tmp_path / "a.json"
+    assert main(["acceptance", "--json", str(out), "--models", str(zoo), "--prompts-per-workload", "1",
+                 "--max-new-tokens", str(tiny_build.teacher.max_new_tokens)]) == 0
+    assert not (zoo / "answers").exists()
+    [folder] = {p.parent for p in (tmp_path / "cache").rglob("heldout-*.safetensors")}
+    assert len(answered_prompts(folder, "heldout")) == len(scored)
+    assert json.loads(out.read_text())["config"]["per_workload"] == 1

@@ -155,7 +155,7 @@ def raw_ids(tokenizer, prompt: str) -> list[int]:
     """``prompt`` as plain text with the tokenizer's own special tokens (a Llama's BOS), but one BOS only: a raw goal
     holding a hand-written template that starts with the BOS text got two (Llama 3's [128000, 128000, ...])."""
     ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    bos = tokenizer.bos_token_id
+    bos = getattr(tokenizer, "bos_token_id", None)  # (a plain callable tokenizer: none)
     if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
         del ids[0]
     return ids

@@ -115,6 +115,17 @@ def answers_cache_dir(rows: dict[str, list[dict]], max_new_tokens: int, target_d
     return cache_root() / "answers" / key  # as every cache of the package ($MEMSPEC_CACHE_DIR overrides)
 
 
+def first_per_domain(rows: Sequence[dict], per_domain: int) -> list[dict]:
+    """The first ``per_domain`` rows of each ``domain``, in order: the requests :func:`chat_acceptance` scores."""
+    taken: dict[str, int] = {}
+    out = []
+    for row in rows:
+        if taken.get(row["domain"], 0) < per_domain:
+            taken[row["domain"]] = taken.get(row["domain"], 0) + 1
+            out.append(row)
+    return out
+
+
 def chat_acceptance(drafts: dict[str, torch.nn.Module], answers: Sequence[Answer], gamma: int = 4,
                     interval: int = 4, per_workload: int = 100, workloads: Sequence[str] = WORKLOADS) -> dict:
     """The matrix and the oracle gains over ``answers`` grouped by their ``domain`` (= workload)."""

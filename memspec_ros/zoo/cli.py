@@ -300,7 +300,14 @@ def _run_chat_acceptance(a) -> int:
     from memspec_ros.runtime.models import ModelLoadError, ModelSpec, load_model, load_tokenizer
     from memspec_ros.runtime.registry import DraftRegistry
 
-    from .chat_acceptance import answers_cache_dir, chat_acceptance, heldout_rows, workload_rows, write_acceptance
+    from .chat_acceptance import (
+        answers_cache_dir,
+        chat_acceptance,
+        first_per_domain,
+        heldout_rows,
+        workload_rows,
+        write_acceptance,
+    )
     from .corpora import WORKLOADS
     from .teacher import (
         TeacherConfig,
@@ -345,11 +352,18 @@ def _run_chat_acceptance(a) -> int:
         answers_dir = Path(a.answers) if a.answers else answers_cache_dir(by_workload, a.max_new_tokens, digest or "")
     else:
         answers_dir = Path(a.answers) if a.answers else Path(a.models) / "answers"
-        rows = None
-    try:
-        rows = rows or heldout_rows(Path(a.models))
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
+        try:
+            rows = heldout_rows(Path(a.models))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"memspec-zoo acceptance: {exc}") from None
+        scored = first_per_domain(rows, a.prompts_per_workload)  # the requests chat_acceptance scores
+        if (not a.answers and len(scored) < len(rows) and digest is not None
+                and len(answered_prompts(answers_dir, "heldout")) < len(rows)):
+            # --prompts-per-workload 5 had the target answer all 600 held-out requests into <models>/answers
+            # (minutes on a CPU) to score 30: not yet all answered there, it answers the scored ones alone, kept
+            # in a folder of their own (the zoo's folder holds the whole set, in order)
+            rows = scored
+            answers_dir = answers_cache_dir({"heldout": rows}, a.max_new_tokens, digest)
     tok = load_tokenizer(registry.target_path) if has_target else _drafts_tokenizer(registry)
     try:  # stored answers must be these requests' (an interrupted run resumes; another set is refused)
         covered = (answered_rows([chat_prompt_ids(tok, r["messages"]) for r in rows], answers_dir, "heldout",

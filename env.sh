@@ -13,12 +13,20 @@ if [ ! -f "$_memspec_root/.venv/bin/activate" ] || [ ! -f "$_memspec_root/instal
   unset _memspec_root
   return 1 2>/dev/null || exit 1
 fi
-# a venv made for another path (a moved or copied checkout) would run that path's tree and tools
-if ! grep -qxF "VIRTUAL_ENV=\"$_memspec_root/.venv\"" "$_memspec_root/.venv/bin/activate"; then
-  echo "env.sh: $_memspec_root/.venv was made for another checkout path; run 'make setup' here (it makes it again)" >&2
-  unset _memspec_root
+# a venv made for another path (a moved or copied checkout) would run that path's tree and tools. The path it was
+# made for: the marker make setup writes, else its bin/activate's VIRTUAL_ENV line, read as make setup reads it
+# (virtualenv and uv quote or indent it otherwise than python -m venv; an exact match refused their venvs, and make
+# setup, which adopts them, left them as they were)
+_memspec_made_for="$(cat "$_memspec_root/.venv/.memspec-venv" 2>/dev/null \
+  || sed -nE "s/^[[:space:]]*(export[[:space:]]+)?VIRTUAL_ENV=[\"']?([^\"']*)[\"']?.*/\2/p" \
+       "$_memspec_root/.venv/bin/activate" | head -1)"
+if [ "$_memspec_made_for" != "$_memspec_root/.venv" ]; then
+  echo "env.sh: $_memspec_root/.venv was made for another checkout path (${_memspec_made_for:-unknown}); run" \
+       "'make setup' here (it makes it again)" >&2
+  unset _memspec_root _memspec_made_for
   return 1 2>/dev/null || exit 1
 fi
+unset _memspec_made_for
 
 # shellcheck disable=SC1091
 . "$_memspec_root/.venv/bin/activate"

@@ -246,3 +246,34 @@ def test_env_sh_leaves_another_ros_distributions_python_packages_out(tmp_path):
         assert not [e for e in values[name].split(":") if e.startswith(str(humble))], (name, values[name])
     assert f"(another ROS 2; .venv has ROS 2 Jazzy's): {humble}" in done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith(str(REPO / ".venv"))
+
+
+def test_env_sh_takes_a_venv_that_make_setup_adopted(tmp_path):
+    """make setup adopts a .venv made by virtualenv or uv (their bin/activate quotes or indents the VIRTUAL_ENV line
+    otherwise than python -m venv); env.sh matched that line exactly and refused it as "made for another checkout
+    path; run 'make setup' here", which kept it again: make test and make demo could never start. env.sh reads the
+    path as make setup does (its marker, else the line however quoted), and still refuses another path's venv."""
+    root = tmp_path / "checkout"
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / "install").mkdir()
+    (root / "install" / "setup.bash").write_text("")
+    shutil.copy(REPO / "env.sh", root / "env.sh")
+    activate = root / ".venv" / "bin" / "activate"
+
+    def sourced() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'source "{root}/env.sh" && echo "venv=$VIRTUAL_ENV"'],
+                              capture_output=True, text=True, timeout=60)
+
+    venv = str(root.resolve() / ".venv")
+    for line in (f"    VIRTUAL_ENV='{venv}'", f"export VIRTUAL_ENV={venv}", f'VIRTUAL_ENV="{venv}"'):
+        activate.write_text(f"{line}\nexport VIRTUAL_ENV\n")
+        done = sourced()
+        assert done.returncode == 0 and f"venv={venv}" in done.stdout, (line, done.stderr)
+    activate.write_text("VIRTUAL_ENV='/elsewhere/.venv'\nexport VIRTUAL_ENV\n")
+    done = sourced()
+    assert done.returncode == 1 and "was made for another checkout path (/elsewhere/.venv)" in done.stderr
+    (root / ".venv" / ".memspec-venv").write_text(venv + "\n")  # make setup's marker decides where it exists
+    activate.write_text(f"VIRTUAL_ENV='{venv}'\nexport VIRTUAL_ENV\n")
+    assert sourced().returncode == 0
+    (root / ".venv" / ".memspec-venv").write_text("/copied/from/.venv\n")
+    assert sourced().returncode == 1

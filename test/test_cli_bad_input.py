@@ -957,3 +957,25 @@ def test_sigterm_and_sighup_reach_the_clients_as_an_interrupt_that_cancels(sig, 
         assert signal.getsignal(number) is outside
     finally:
         signal.signal(number, before)
+
+
+def test_the_clients_statistics_line_after_a_closed_pipe_ends_the_process_cleanly():
+    """`memspec_client "..." | grep -q Paris`: the reader ended at the answer, the statistics line stayed in stdout's
+    buffer, and Python's flush at exit failed: "Exception ignored ... BrokenPipeError", exit status 120."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from memspec_ros.ros.client import write_after_answer\n"
+              "sys.stdout.write('Paris\\n')\n"
+              "sys.stdout.flush()\n"  # the streamed answer
+              "sys.stdin.readline()\n"  # the reader is gone by now
+              "write_after_answer(sys.stdout, 'finish: stop | generated 1 tok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as on a pipe
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    assert child.stdout.readline() == "Paris\n"
+    child.stdout.close()  # as `grep -q` does once it has its match
+    _, err = child.communicate("go\n", timeout=60)
+    assert child.returncode == 0 and "BrokenPipeError" not in err, err

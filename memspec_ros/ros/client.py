@@ -128,6 +128,17 @@ def write_or_interrupt(out, text: str) -> None:
         raise Interrupted(128 + signal.SIGPIPE) from None
 
 
+def write_after_answer(out, text: str) -> None:
+    """A line after the answer (its statistics), flushed here: where the reader of a pipe ended at the answer
+    (`memspec_client ... | grep -q Paris`), the line stayed in stdout's buffer and Python's flush at exit failed,
+    printing "Exception ignored ... BrokenPipeError" and ending with status 120. The line is lost then; the goal is
+    done (write_or_interrupt points stdout at the null device, so nothing fails at exit)."""
+    try:
+        write_or_interrupt(out, text + "\n")
+    except Interrupted:
+        pass
+
+
 def format_result(result) -> str:
     """The statistics line printed after the text (every figure is the node's, from its runtime stats)."""
     drafts = ", ".join(result.drafts_used) or "none (target only)"
@@ -446,7 +457,7 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
             print("(the turn was rejected even without the earlier exchanges, so their length was not the cause:"
                   " they are put back; the node's log says why)", file=log)
         if outcome.result is not None and not args.quiet:
-            print(for_terminal(out, format_result(outcome.result)), file=out)
+            write_after_answer(out, format_result(outcome.result))
         elif outcome.result is not None and not outcome.ok and outcome.result.error_message:
             print(f"(goal {outcome.status}: {outcome.result.error_message})", file=log)  # --quiet: still why
         if outcome.status == "interrupted":
@@ -625,10 +636,7 @@ def single(node, executor, args, *, out=sys.stdout, log=sys.stderr, reasons=None
         print(f"the node's reason: {why}" if why is not None else
               "(the node's reason did not come on /diagnostics in time)", file=log)
     if outcome.result is not None and not args.quiet:
-        try:
-            print(for_terminal(out, format_result(outcome.result)), file=out)
-        except OSError:  # the output closed after the answer: the statistics are lost, the goal is done
-            pass
+        write_after_answer(out, format_result(outcome.result))
     if outcome.status == "interrupted":
         return outcome.exit_code
     if outcome.result is not None and outcome.status != "succeeded":

@@ -419,6 +419,17 @@ def test_memspec_client_chat_drops_the_oldest_exchange_when_a_turn_is_rejected(m
     assert client.chat(None, None, args, ["alone\n"], out=io.StringIO(), log=io.StringIO()) == 1
     assert len(sent) == 1
 
+    class Reasons:  # the node's /diagnostics: a first turn's rejection printed only the list of every possible one
+        def mark(self):
+            pass
+
+        def reason(self):
+            return "the node is not active (lifecycle state inactive): activate it"
+
+    log = io.StringIO()
+    assert client.chat(None, None, args, ["alone\n"], out=io.StringIO(), log=log, reasons=Reasons()) == 1
+    assert "(rejected: the node is not active (lifecycle state inactive): activate it)" in log.getvalue()
+
 
 def test_memspec_client_refuses_a_nul_on_stdin_instead_of_sending_the_text_before_it(monkeypatch, capsys):
     """A ROS string ends at a NUL: `printf 'Summarise:\\0secret' | memspec_client` had the node answer "Summarise:"

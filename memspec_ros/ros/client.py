@@ -436,12 +436,14 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
 
         outcome = send()
         kept = list(history)  # put back if the turn is rejected even alone: then length was not the cause
+        told = False  # the rejection's reason printed
         while outcome.status == "rejected" and _earlier_exchange(history) is not None:
             why = reasons.reason() if reasons is not None else None
             if why is not None and not is_length_rejection(why):
                 # a full queue or a node deactivated for a moment: a shorter conversation would not help, and one
                 # taken once the cause cleared would have lost its exchanges for good
                 print(f"(rejected: {why}; the conversation is kept)", file=log)
+                told = True
                 break
             # a conversation past generation.max_prompt_tokens had every later turn rejected: the oldest exchange
             # goes (the system message stays) and the turn is sent again, until none is left to drop
@@ -452,10 +454,16 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
                 "the node's reason was not on /diagnostics, so in case it had grown too long") +
                 "; the turn is sent again)", file=log)
             outcome = send()
+        if outcome.status == "rejected" and not told:
+            # the last send's reason (a first turn, or one rejected even alone), as a single goal prints it: --chat
+            # showed only the list of every possible reason
+            why = reasons.reason() if reasons is not None else None
+            print(f"(rejected: {why})" if why is not None else
+                  "(rejected: the node's reason did not come on /diagnostics in time; its log says why)", file=log)
         if outcome.status == "rejected" and len(history) < len(kept):
             history[:] = kept
             print("(the turn was rejected even without the earlier exchanges, so their length was not the cause:"
-                  " they are put back; the node's log says why)", file=log)
+                  " they are put back)", file=log)
         if outcome.result is not None and not args.quiet:
             write_after_answer(out, format_result(outcome.result))
         elif outcome.result is not None and not outcome.ok and outcome.result.error_message:

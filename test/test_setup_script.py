@@ -277,3 +277,21 @@ def test_env_sh_takes_a_venv_that_make_setup_adopted(tmp_path):
     assert sourced().returncode == 0
     (root / ".venv" / ".memspec-venv").write_text("/copied/from/.venv\n")
     assert sourced().returncode == 1
+
+
+def test_make_bench_render_only_leaves_out_the_run_options():
+    """make bench always passed BENCH_PATHS (--quantization int4 ...), which --render-only refuses as options of a
+    run: `make bench BENCH_ARGS=--render-only` could only fail."""
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+
+    def paper_line(*assignments: str) -> str:
+        done = subprocess.run(["make", "-n", "-C", str(REPO), "bench", *assignments], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        text = done.stdout.replace("\\\n", " ")
+        return next(line for line in text.splitlines() if "bench.cli paper" in line)
+
+    assert "--quantization int4" in paper_line()
+    rendered = paper_line("BENCH_ARGS=--render-only")
+    assert "--render-only" in rendered and "--quantization" not in rendered

@@ -979,3 +979,37 @@ def test_the_clients_statistics_line_after_a_closed_pipe_ends_the_process_cleanl
     child.stdout.close()  # as `grep -q` does once it has its match
     _, err = child.communicate("go\n", timeout=60)
     assert child.returncode == 0 and "BrokenPipeError" not in err, err
+
+
+def test_a_demo_refused_while_choosing_its_zoo_leaves_no_generated_zoo(tmp_path, monkeypatch):
+    """With no bundled zoo, the demo generated a tiny one in /tmp and then refused a malformed --param (or failed
+    looking for its predictor), outside run()'s clean-up: every such run left a memspec_demo_zoo_* folder behind."""
+    import tempfile
+    import types
+
+    from memspec_ros.ros import demo
+    from memspec_ros.runtime import loader
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the generated zoo
+    args = types.SimpleNamespace(zoo="", threads=1, quantization="none", draft_quantization="none", param=["foo"])
+    monkeypatch.setattr("memspec_ros.ros.params.default_zoo_dir", lambda: tmp_path / "no-zoo")
+    made = []
+    monkeypatch.setattr("memspec_ros.testing.tiny_zoo.build_tiny_zoo",
+                        lambda folder, **kw: made.append(folder) or (folder / "registry.yaml").write_text(""))
+    with pytest.raises(SystemExit, match="--param wants NAME:=VALUE, got 'foo'"):
+        demo.choose_zoo(args)
+    assert made == []  # refused before any zoo was made
+    args.param = ["memspec.gamma:=3"]
+
+    def predictor_lookup_fails(path):
+        raise PermissionError(f"{path}: permission denied")
+
+    monkeypatch.setattr(loader, "find_predictor", predictor_lookup_fails)
+    with pytest.raises(PermissionError):
+        demo.choose_zoo(args)
+    assert len(made) == 1 and not made[0].exists()
+    assert not list(tmp_path.glob("memspec_demo_zoo_*"))
+    monkeypatch.setattr(loader, "find_predictor", lambda path: "")
+    zoo, overrides, generated = demo.choose_zoo(args)  # a --param still overrides the demo's own settings
+    assert generated and overrides["memspec.gamma"] == "3" and overrides["memspec.policy"] == "general-static"
+    assert overrides["drafts.registry_file"] == str(zoo / "registry.yaml")

@@ -140,7 +140,6 @@ def print_diagnostics(array) -> None:
 
 def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
     """The zoo (the bundled one, else a generated tiny zoo: True when generated) and the node's overrides."""
-    from ..runtime.loader import find_predictor
     from ..testing.tiny_zoo import build_tiny_zoo
     from .params import default_zoo_dir
 
@@ -149,6 +148,12 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
     if generated and args.zoo:  # a zoo named and not there (a typo) is not replaced by noise
         raise SystemExit(f"--zoo {zoo}: no zoo there (registry.yaml missing): pass a built zoo's folder, or leave"
                          " --zoo out for the bundled one")
+    params = {}  # checked before a zoo is generated: a malformed one left the generated zoo in /tmp
+    for item in args.param or []:
+        key, sep, value = item.partition(":=")
+        if not sep:
+            raise SystemExit(f"--param wants NAME:=VALUE, got {item!r}")
+        params[key] = value
     if generated:
         tiny = Path(tempfile.mkdtemp(prefix="memspec_demo_zoo_"))
         say(f"no bundled zoo at {zoo} (build it with `memspec-zoo build`): using a generated tiny zoo in {tiny};"
@@ -159,6 +164,17 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
             shutil.rmtree(tiny, ignore_errors=True)
             raise
         zoo = tiny
+    try:
+        return zoo, _overrides(args, zoo, params), generated
+    except BaseException:  # run() removes the generated zoo only once it has it
+        if generated:
+            shutil.rmtree(zoo, ignore_errors=True)
+        raise
+
+
+def _overrides(args, zoo: Path, params: dict[str, str]) -> dict[str, str]:
+    from ..runtime.loader import find_predictor
+
     # the target as loaded by default, the node's own default: a quantized path answers in another arithmetic
     # (scripts/path_quality.py: on an AVX2 CPU int8 picked another token at 8% of answer positions, int4 at 4%)
     overrides = {"model.threads": str(args.threads), "drafts.registry_file": str(zoo / "registry.yaml"),
@@ -172,12 +188,7 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
         say(f"the zoo has no trained predictor ({zoo / 'predictor'}; train one with memspec-train-predictor):"
             " running policy general-static instead of memspec")
         overrides["memspec.policy"] = "general-static"
-    for item in args.param or []:
-        key, sep, value = item.partition(":=")
-        if not sep:
-            raise SystemExit(f"--param wants NAME:=VALUE, got {item!r}")
-        overrides[key] = value
-    return zoo, overrides, generated
+    return overrides | params
 
 
 class NodeExited(RuntimeError):

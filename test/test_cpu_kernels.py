@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from row_checks import assert_same_choice
 from test_forward_paths import _q8_grid_table, verify_and_steps
 
 from memspec_ros.runtime import cpu_kernels
@@ -48,13 +49,6 @@ _CC_SH = shlex.join(cpu_kernels._compiler()) if _CC else "cc"
 needs_compiler = pytest.mark.skipif(_OFF or _CC is None,
                                     reason="no C compiler on PATH, or kernels turned off: ATen's kernels run")
 ROWS = range(1, 11)  # 1..8 rows take one pass over the weights, 9 and 10 two
-
-
-def assert_same_choice(got: torch.Tensor, reference: torch.Tensor, tolerance: float) -> None:
-    """Each row's argmax in ``got`` is the reference's best token or one within ``tolerance`` of it: two forwards
-    that round differently may split a near-tie either way (another CPU's SIMD width changes the order of sums)."""
-    picked = reference.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
-    assert bool((picked >= reference.max(-1).values - tolerance).all()), (picked, reference.max(-1).values)
 
 
 def _rows_alone(f, x: torch.Tensor) -> torch.Tensor:

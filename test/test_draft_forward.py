@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from row_checks import assert_same_choice
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memspec_ros.runtime.draft_forward import LeanLlamaForward, lean_forward_for, unsupported_reason
@@ -39,8 +40,9 @@ def test_logits_match_transformers_through_prefill_steps_catchup_and_rollback(na
             got = forward_once(model, feed, mine, len(feed), "cpu", lean)
             # the f32 kernel (runtime/cpu_kernels.c) sums in another order than transformers' matmuls: fp32
             # rounding, ~1e-6 of the logits' scale per layer here; a wrong layer moves them by their whole scale
-            torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
-            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+            tolerance = 1e-4 * float(want.abs().max())
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=0)
+            assert_same_choice(got, want, tolerance)  # a near-tie within it may fall either way
             if i == 2:  # roll both caches back two tokens, as after a rejection
                 ref.crop_to(ref.length - 2)
                 mine.crop_to(mine.length - 2)

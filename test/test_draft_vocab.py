@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from row_checks import target_alone
+from row_checks import assert_transformers_agrees_up_to_a_tie, target_alone
 from sampling_checks import check_given_first
 
 from memspec_ros.runtime.draft_forward import lean_forward_for
@@ -159,4 +159,6 @@ def test_transformers_assisted_generation_runs_a_reduced_draft_as_the_same_layer
     with torch.inference_mode():
         out = target.generate(torch.tensor([PROMPT]), assistant_model=assistant, do_sample=False,
                               max_new_tokens=len(expected), eos_token_id=None, pad_token_id=0)
-    assert out[0, len(PROMPT):].tolist() == expected
+    # transformers' own arithmetic on both sides: its greedy decoding of the target is the reference (the engine's
+    # output, `expected`, may part from it at a near-tie on another CPU's kernels: row_checks)
+    assert_transformers_agrees_up_to_a_tie(out[0, len(PROMPT):].tolist(), target, PROMPT)

@@ -613,6 +613,8 @@ def test_the_last_token_spends_no_draft_timing(target, drafts, monkeypatch):
     monkeypatch.setattr(speculative, "measure_costs", fails)
     out = generate(target, PROMPT, drafts["close"], gamma=4, max_new_tokens=2, adaptive_gamma=True)
     assert out.generated_ids == reference(target, new=2)
+    # generate() goes on with the target alone after a draft failure, so the output alone could not tell
+    assert out.draft_failure == "", out.draft_failure
 
 
 def test_draft_evicted_on_another_thread_mid_iteration_does_not_break_the_step(target, drafts):

@@ -251,3 +251,20 @@ def one_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def clock_jump(monkeypatch):
+    """``clock_jump(seconds)``: time.perf_counter (what the runtime's stopwatches read) jumps ahead by ``seconds``.
+    A test stands for a slow step (a disk, a timing run) with a jump of a minute instead of a real sleep of half a
+    second: a check that the step's time is kept out of a figure then has a minute of margin, where a loaded CI
+    machine's stall of half a second failed it, and the test takes no wall time for it."""
+    import time
+
+    real, offset = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
+
+    def jump(seconds: float) -> None:
+        offset[0] += seconds
+
+    return jump

@@ -233,20 +233,18 @@ def test_the_offline_replay_searches_a_datastore_file_without_its_withheld_rows(
         module.main()
 
 
-def test_a_copied_iterations_time_is_the_lookups_alone(pair, monkeypatch):
+def test_a_copied_iterations_time_is_the_lookups_alone(pair, monkeypatch, clock_jump):
     """The draft's one-off timing runs (weighing a copy against it) ran inside the lookup's stopwatch: the first
     copied iteration beside a new draft charged them as its draft time."""
-    import time as clock
-
     from conftest import fix_adaptive_costs
 
     target, _ = pair
     draft = noisy_copy(target, 0.03, seed=5)  # a model object whose timing was never measured
-    slow = 0.5  # seconds a draft's timing run takes here: far more than any lookup
+    slow = 60.0  # seconds a draft's timing run takes here (on the stopwatches' clock): far more than any lookup
 
     def timing(model, k, vocab):
         if model is draft:
-            clock.sleep(slow)
+            clock_jump(slow)
             return 50.0  # dear: the copies win
         return 10.0 + k
 

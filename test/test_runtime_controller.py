@@ -1393,20 +1393,18 @@ def test_a_failure_before_the_prompt_cache_is_taken_raises_as_itself(target, dra
         ctl.close()
 
 
-def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, drafts, monkeypatch):
+def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, drafts, monkeypatch, clock_jump):
     """Under adaptive gamma a larger gamma needs the target's longer forwards timed. Set mid-goal, only the
     session's gamma changed, and the timing (about a second) ran inside the next iteration's draft step, counted
     as decoding; it runs at the scheduling point that applies the change."""
-    import time
-
     ctl = make(target, drafts, "general-static", capacity=1, interval=2, adaptive_gamma=True, gamma=2)
-    calls, slow = [], 0.3
+    calls, slow = [], 60.0  # seconds on the stopwatches' clock
     calibrate = ctl.calibrate
 
     def timed_calibrate(adaptive=None):
         calls.append(ctl.config.gamma)
         if len(calls) > 1:
-            time.sleep(slow)  # a slow machine's timing: whatever it takes is no prediction
+            clock_jump(slow)  # a slow machine's timing: whatever it takes is no prediction
         return calibrate(adaptive)
 
     monkeypatch.setattr(ctl, "calibrate", timed_calibrate)

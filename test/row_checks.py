@@ -49,3 +49,24 @@ def assert_same_choice(got: torch.Tensor, reference: torch.Tensor, tolerance: fl
     that round differently may split a near-tie either way (another CPU's SIMD width changes the order of sums)."""
     picked = reference.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
     assert bool((picked >= reference.max(-1).values - tolerance).all()), (picked, reference.max(-1).values)
+
+
+def assert_greedy_up_to_a_tie(ids: list[int], logits: torch.Tensor, tolerance: float) -> None:
+    """Each of ``ids`` is the argmax of its row of ``logits`` (the model's one unpadded forward over the text, row k
+    the distribution ``ids[k]`` was chosen from), or within ``tolerance`` of it: a batched, padded or KV-cached
+    decoding sums in another order than that one forward, and may split a near-tie the other way (another CPU's
+    BLAS, another batch size). A token that is not near the best is wrong whatever the order of sums."""
+    assert logits.shape[0] == len(ids), (logits.shape, len(ids))
+    assert_same_choice(torch.nn.functional.one_hot(torch.tensor(ids), logits.shape[-1]).float(), logits.float(),
+                       tolerance)
+
+
+def assert_top_k_up_to_a_tie(top_ids: torch.Tensor, top_values: torch.Tensor, logp: torch.Tensor,
+                             tolerance: float) -> None:
+    """Stored top-k ids and values are the top k of ``logp`` (rows of log-probabilities): the values the stored ids
+    have under ``logp`` are the stored values and the k largest there, each within ``tolerance`` (two ids tied at
+    the k-th place, or swapped in order, are either one's)."""
+    k = top_ids.shape[-1]
+    theirs = logp.gather(-1, top_ids.long())
+    torch.testing.assert_close(theirs, top_values.float(), atol=tolerance, rtol=0)
+    torch.testing.assert_close(theirs, logp.topk(k, -1).values, atol=tolerance, rtol=0)

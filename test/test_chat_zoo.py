@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from row_checks import target_alone
+from row_checks import assert_greedy_up_to_a_tie, assert_top_k_up_to_a_tie, target_alone
 
 from memspec_ros.runtime.draft_vocab import ReducedVocabDraft
 from memspec_ros.runtime.models import ModelSpec, load_model
@@ -144,11 +144,10 @@ def test_teacher_stores_greedy_answers_with_their_top_k_and_resumes(tiny_target,
         assert 1 <= len(a.answer_ids) <= 12 and a.top_ids.shape == (len(a.answer_ids), 5)
         with torch.no_grad():
             logits = model(torch.tensor([a.prompt_ids + a.answer_ids])).logits[0, len(a.prompt_ids) - 1:-1]
-        # unpadded greedy equals the stored answer, and the labels are its top-5 log-probabilities
-        assert logits.argmax(-1).tolist() == a.answer_ids
-        top = torch.log_softmax(logits, -1).topk(5)
-        assert torch.equal(top.indices.int(), a.top_ids)
-        assert torch.allclose(top.values, a.top_logp.float(), atol=2e-2)
+        # the stored answer is the target's greedy answer, and the labels its top-5 log-probabilities: checked
+        # against one unpadded forward, up to a near-tie the teacher's padded batch may split the other way
+        assert_greedy_up_to_a_tie(a.answer_ids, logits, 1e-4 * float(logits.abs().max()))
+        assert_top_k_up_to_a_tie(a.top_ids, a.top_logp, torch.log_softmax(logits, -1), 2e-2)
 
 
 def test_teacher_resumes_by_rows_with_another_chunk_size_and_refuses_other_requests(tiny_target, tmp_path):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from row_checks import assert_greedy_up_to_a_tie, assert_top_k_up_to_a_tie
 from safetensors.torch import load_file, save_file
 
-from memspec_ros.runtime.oracle import target_greedy
 from memspec_ros.testing.tiny_models import tiny_llama
 from memspec_ros.zoo.rollouts import IGNORE, RolloutConfig, RolloutStreams, make_rollouts, topk_kl
 from memspec_ros.zoo.train import TrainConfig, train
@@ -35,12 +35,22 @@ def _windows_of(stream: torch.Tensor, w: torch.Tensor) -> bool:
     return any(torch.equal(stream[i : i + len(w)], w) for i in range(len(stream) - len(w) + 1))
 
 
+def assert_greedy_continuation(target, row: torch.Tensor, plen: int) -> torch.Tensor:
+    """``row`` past its first ``plen`` tokens is ``target``'s greedy continuation, checked against one unpadded
+    forward up to a near-tie that a batched generation may split the other way (row_checks); its log-probs."""
+    with torch.no_grad():
+        logp = torch.log_softmax(target(input_ids=row[None]).logits[0, :-1], -1)
+    assert_greedy_up_to_a_tie(row[plen:].tolist(), logp[plen - 1:], 1e-4 * float(logp.abs().max()))
+    return logp
+
+
 def test_rollouts_are_the_targets_own_greedy_continuations_of_training_windows(rollouts, target):
     streams, cfg, path, summary = rollouts
     tensors = load_file(str(path))
     for name, stream in streams.items():
         keys = sorted(k for k in tensors if k.startswith(f"{name}.") and k.endswith(".ids"))
         assert sum(len(tensors[k]) for k in keys) == cfg.sequences_per_source == summary["sources"][name]["sequences"]
+        agree = total = 0
         for k in keys:
             ids, labels = tensors[k].long(), tensors[k.replace(".ids", ".labels")].long()
             plen = ids.shape[1] - cfg.new_tokens
@@ -49,17 +59,19 @@ def test_rollouts_are_the_targets_own_greedy_continuations_of_training_windows(r
             for row, lab in zip(ids, labels, strict=True):
                 prompt = row[:plen]
                 assert _windows_of(stream.long(), prompt)  # a window of the training stream
-                # batched generation = the per-prompt greedy loop the engine is checked against
-                assert row[plen:].tolist() == target_greedy(target, prompt.tolist(), cfg.new_tokens)
-                # each label is the target's argmax given the prefix, the soft labels its top-k log-probs
-                with torch.no_grad():
-                    logp = torch.log_softmax(target(input_ids=row[None]).logits[0, :-1], -1)
-                assert torch.equal(lab, logp.argmax(-1))
-                top = logp.topk(cfg.top_k, -1)
-                assert torch.equal(tensors[k.replace(".ids", ".top_ids")][i_row(ids, row)].long(), top.indices)
-                torch.testing.assert_close(tensors[k.replace(".ids", ".top_logp")][i_row(ids, row)].float(), top.values,
-                                           atol=2e-2, rtol=2e-3)  # stored in fp16
-        assert summary["sources"][name]["label_agreement"] == 1.0
+                # the batched generation is the target's greedy continuation, and each label its choice given the
+                # prefix, the soft labels its top-k log-probabilities: checked against one unpadded forward, up to
+                # a near-tie that the batch's other order of sums may split the other way (row_checks)
+                logp = assert_greedy_continuation(target, row, plen)
+                assert_greedy_up_to_a_tie(lab.tolist(), logp, 1e-4 * float(logp.abs().max()))
+                i = i_row(ids, row)
+                assert_top_k_up_to_a_tie(tensors[k.replace(".ids", ".top_ids")][i],
+                                         tensors[k.replace(".ids", ".top_logp")][i], logp, 2e-2)  # stored in fp16
+                agree += int((lab[plen - 1:] == row[plen:]).sum())
+                total += cfg.new_tokens
+        # the continuation's tokens and the full forward's labels agree but for such ties, and the figure says how
+        # often they do
+        assert summary["sources"][name]["label_agreement"] == agree / total
 
 
 def test_rollout_batches_pad_with_ignored_labels_and_name_missing_sources(rollouts):
@@ -330,7 +342,7 @@ def _check_domain_rollouts(build, streams, shared, target, work) -> None:
     for ids, *_ in both.seqs["code"][6:]:
         plen = len(ids) - shared.new_tokens
         assert _windows_of(streams["code"].long(), ids[:plen].long())  # training windows only
-        assert ids[plen:].tolist() == target_greedy(target, ids[:plen].tolist(), shared.new_tokens)
+        assert_greedy_continuation(target, ids.long(), plen)
     assert (
         len(
             RolloutStreams([build.rollouts_path, build.domain_rollouts_path], {"code": 1.0}, 0, split="val").seqs[

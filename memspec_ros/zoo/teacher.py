@@ -241,6 +241,19 @@ def answered_limits(out_dir: Path, split: str) -> set[int]:
     return {int(m["max_new_tokens"]) for m in _shard_metas(out_dir, split) if "max_new_tokens" in m}
 
 
+def answered_settings(out_dir: Path, split: str) -> list[dict]:
+    """The decoding settings the stored ``split`` answers were made with, each once, in shard order: batched,
+    left-padded greedy decoding may split a near-tie otherwise at another batch size or on another device, so a
+    build resumed with others holds answers of both (build_config.json records this list). Shards made before
+    they were recorded count as {}."""
+    seen: list[dict] = []
+    for meta in _shard_metas(out_dir, split):
+        made = {k: meta[k] for k in ("batch_size", "device") if k in meta}
+        if made not in seen:
+            seen.append(made)
+    return seen
+
+
 def answered_targets(out_dir: Path, split: str) -> set[str]:
     """The identities (model_source.answers_identity) of the targets the stored ``split`` answers were made by, where
     their shards record one."""
@@ -300,6 +313,11 @@ def _answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: s
     eos_ids = set(end_token_ids(tokenizer, model))
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     made = 0
+    settings = {"batch_size": cfg.batch_size, "device": str(next(model.parameters()).device)}
+    before = [s for s in answered_settings(out_dir, split) if s != settings] if 0 < covered < len(rows) else []
+    if before:  # said, and recorded per shard: a build's answers then come from both settings
+        print(f"[teacher] resuming {out_dir} with {settings}; its first {covered} answers were made with"
+              f" {', '.join(map(str, before))} (greedy decoding may part at a near-tie between them)", flush=True)
     next_shard = len(list(out_dir.glob(f"{split}-*.safetensors")))
     for start in range(covered, len(rows), cfg.chunk_requests):
         path = out_dir / f"{split}-{next_shard:05d}.safetensors"
@@ -321,6 +339,7 @@ def _answer_requests(model, tokenizer, rows: list[dict], out_dir: Path, split: s
         made += tokens
         save_shard(path, answers, {"domains": [r["domain"] for r in chunk], "seconds": time.perf_counter() - t0,
                                    "tokens": tokens, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens,
+                                   **settings,
                                    **({"target_digest": target_digest} if target_digest else {})})
     return made
 

@@ -336,3 +336,11 @@ def test_a_raw_prompt_starting_with_the_bos_text_gets_one_bos():
     assert tok(f"{tok.bos_token}def add(a, b):")["input_ids"][:2] == [bos, bos]  # what the tokenizer alone gives
     assert prompt_ids(tok, f"{tok.bos_token}def add(a, b):", raw=True) == plain
     assert raw_ids(tok, f"{tok.bos_token}def add(a, b):") == plain
+
+
+def test_an_unknown_role_is_quoted_by_its_first_characters():
+    """A megabyte of role went whole into the rejection reason: the node's log and every /diagnostics message until
+    the next rejection."""
+    reason = check_request("", [("x" * 1_000_000, "hi")], False, True)
+    assert reason.startswith("messages[0] has unknown role 'xxxx") and "(1000000 characters)" in reason
+    assert len(reason) < 200

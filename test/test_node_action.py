@@ -251,6 +251,19 @@ def test_a_megabyte_prompt_is_rejected_before_it_is_tokenized(h):
     assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
 
 
+def test_a_rejection_quoting_what_a_client_sent_is_kept_short(h, monkeypatch):
+    """A reason is logged and published on every /diagnostics message until the next rejection: one that quotes a
+    client's megabyte (a role, say) is cut to its first MAX_REASON_CHARS characters, saying how long it was."""
+    from memspec_ros.ros.goal_runner import MAX_REASON_CHARS
+
+    monkeypatch.setattr(type(h.node._runner), "_check", lambda self, goal: "refused: " + "y" * 1_000_000)
+    handle, _ = h.send(goal(max_new_tokens=4))
+    assert not handle.accepted
+    reason = h.node.last_rejection
+    assert reason.startswith("refused: yyy") and reason.endswith(" ... (1000009 characters in all)")
+    assert len(reason) < MAX_REASON_CHARS + 50
+
+
 def test_a_burst_of_goal_requests_is_answered_in_full(h):
     """20 goal requests sent at once while a goal runs, against a queue of 2: the server's goal service
     holds the whole burst (with rclpy's default depth of 10 the rest went unanswered and their clients

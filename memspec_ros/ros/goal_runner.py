@@ -73,6 +73,11 @@ ERROR = Generate.Result.FINISH_ERROR
 CANCELLED = Generate.Result.FINISH_CANCELLED
 
 
+# the longest rejection reason kept (the log line, /diagnostics' 'last rejection'): a reason quoting what a client
+# sent is cut there
+MAX_REASON_CHARS = 2000
+
+
 @dataclass(eq=False)
 class Job:
     """One accepted goal: reserved by the goal callback, given its handle by the accepted callback."""
@@ -356,6 +361,8 @@ class GoalRunner:
     # -- goal callback: checks only -----------------------------------------------------------------
     def on_goal(self, goal: Generate.Goal) -> GoalResponse:
         reason = self._check(goal)
+        if len(reason) > MAX_REASON_CHARS:  # it goes to the log, and onto every /diagnostics message until the next
+            reason = reason[:MAX_REASON_CHARS] + f" ... ({len(reason)} characters in all)"
         if reason:
             with self._cv:  # goal callbacks run in a reentrant group: two rejections at once lost a count
                 self.goals_rejected += 1

@@ -68,8 +68,10 @@ def check_request(prompt: str, messages: Sequence[tuple[str, str]], raw: bool, t
         return ("the model has no chat template (its tokenizer defines none), so messages cannot be rendered:"
                 " send the text in prompt instead (plain continuation)")
     for i, (role, content) in enumerate(messages):
-        if role not in ROLES:
-            return f"messages[{i}] has unknown role {role!r}: use one of {', '.join(ROLES)}"
+        if role not in ROLES:  # its first characters only: a client's megabyte of role went into the log and, as
+            # the node's last rejection, onto every /diagnostics message
+            shown = repr(role[:40]) + (f" ({len(role)} characters)" if len(role) > 40 else "")
+            return f"messages[{i}] has unknown role {shown}: use one of {', '.join(ROLES)}"
         if not content:
             return f"messages[{i}] ({role}) has empty content"
         if content.isspace():

@@ -543,7 +543,7 @@ def test_the_synchronous_predictor_keeps_the_last_good_ranking_as_the_overlapped
     Past the first point a failure keeps the last good ranking; at the first there is nothing else to stand."""
     from memspec_ros.runtime.predictor import SynchronousPredictor
 
-    ranker = StandsIn(broken={0, 2})
+    ranker = StandsIn(broken={0, 2, 3})
     sync = SynchronousPredictor(ranker)
     sync.begin(PROMPT)
     sync.submit(ctx(0, candidates=("a", "b")))
@@ -554,6 +554,10 @@ def test_the_synchronous_predictor_keeps_the_last_good_ranking_as_the_overlapped
         sync.submit(ctx(2, candidates=("a", "b")))
     assert [n for n, _ in sync.latest(["a", "b"])] == ["b", "a"] and ranker.failures == 2  # kept, and counted
     assert "transient" in caplog.text
+    # the drafts changed since (a registry change at the point) and the ranking failed again: the kept one is over
+    # the drafts there are now, a new one last (it named the old drafts only, and MemSpec never prefetched the new)
+    sync.submit(ctx(3, candidates=("b", "c")))
+    assert ranker.failures == 3 and [n for n, _ in sync.latest(["b", "c"])] == ["b", "c"]
 
 
 def test_a_recent_only_head_sees_no_prompt_features_before_there_are_recent_tokens():

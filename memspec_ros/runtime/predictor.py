@@ -119,8 +119,10 @@ class SynchronousRanking:
         self._submitted = self.rank(context)
 
     def latest(self, candidates: Sequence[str]) -> list[tuple[str, float]] | None:
-        """The ranking of the context last submitted (over that context's candidates)."""
-        return self._submitted
+        """The ranking of the context last submitted, over ``candidates`` (as OverlappedPredictor's): a ranking kept
+        from before a registry change named the old drafts only, and MemSpec never prefetched the new ones (with
+        every draft renamed, it decoded on the target alone beside resident drafts)."""
+        return restrict_ranking(self._submitted, candidates) if self._submitted is not None else None
 
     def take_background_seconds(self) -> float:
         return 0.0

@@ -541,6 +541,17 @@ def test_the_schedule_prices_a_catch_up_as_the_replay_charges_it(base):
     for tokens in (0, 1, 10, 300):
         replayed = costs.catchup(tokens) - costs.draft_token_seconds  # beyond the draft forward it replaces
         assert plan.catchup_iterations(tokens) * plan.iteration_seconds == pytest.approx(replayed, abs=1e-12)
+    # the solver's switch at answer position p feeds the prompt and p tokens, clamped once over them: it priced the
+    # prompt's clamped catch-up plus a per-token line, over-charging (base -0.002: 0.0027 s against the replay's
+    # 0.00098 at p = 100) wherever the line starts below zero
+    from memspec_ros.runtime.oracle import ScheduleSolver
+
+    prompt = 10
+    oracle = GreedyOracle([0] * 200, {"a": [True] * 200, "b": [False] * 200}, 4, 4, costs=plan, prompt_tokens=prompt)
+    solver = ScheduleSolver.for_oracle(oracle, ["a", "b"])
+    for p in (0, 50, 100, 190):
+        replayed = costs.catchup(prompt + p) - costs.draft_token_seconds
+        assert solver.switch_cost(p) * plan.iteration_seconds == pytest.approx(replayed, abs=1e-12), p
 
 
 def test_the_held_out_validation_takes_nothing_from_the_runs_it_checks(tmp_path, monkeypatch):

@@ -395,7 +395,10 @@ class ScheduleSolver:
       align the cache (prefetch one draft, evicting any but the draft that runs next, which the controller
       keeps: choice.carry_out); or wait for the draft in flight and run it; or, with no
       load in flight, block on loading a draft and run it (evicting any resident one). The first
-      draft's load happens before decoding (setup time, outside the decode metric) and is free.
+      draft's load happens before decoding (setup time, outside the decode metric) and is free. The controller
+      can also start a prefetch beside a wait or a blocking load, which this model does not (it prefetches only
+      beside a resident draft): an omission that can only make the schedule dearer, so Oracle-Dynamic understates
+      the headroom there (no compared policy blocks and prefetches after its first choice).
 
     ``value(state)`` is the least cost from any state, memoised, so the policy can re-plan from
     where the real run is. Running one draft throughout is a schedule of this model, so
@@ -404,13 +407,15 @@ class ScheduleSolver:
 
     def __init__(self, drafts: Sequence[str], step: Callable[[str, int], tuple[int, float]], start: int, end: int,
                  interval: int, capacity: int, catchup: float = 0.0, load: Mapping[str, float] | None = None,
-                 catchup_per_token: float = 0.0, overlap: float | None = None) -> None:
+                 catchup_per_token: float = 0.0, overlap: float | None = None,
+                 switch: Callable[[int], float] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity K must be >= 1, got {capacity}")
         self.drafts = tuple(drafts)
         self.start, self.end, self.interval, self.capacity = start, end, interval, capacity
         self.overlap = float(interval if overlap is None else overlap)  # load time an interval hides
         self.catchup, self.catchup_per_token = catchup, catchup_per_token
+        self._switch = switch  # a switch's cost at position p, where given: the line's own clamp (for_oracle)
         self.load = {d: max(0.0, float((load or {}).get(d, 0.0))) for d in self.drafts}
         self._step_fn = step
         self._steps: dict[tuple[str, int], tuple[int, float]] = {}
@@ -436,9 +441,13 @@ class ScheduleSolver:
 
         budget = oracle.max_new_tokens or len(oracle.continuation)
         per_token = costs.catchup_token_seconds / costs.iteration_seconds if costs.iteration_seconds > 0 else 0.0
+        # each switch priced over the whole context it feeds (prompt and answer so far), clamped once as the replay
+        # clamps it: the prompt's clamped cost plus a per-token line over-charged every switch where the fitted
+        # catch-up line starts below zero, so the schedule switched less than the replay's costs justify
         return cls(list(agree), step, 1, len(oracle.continuation), oracle.interval, costs.capacity,
                    costs.catchup_iterations(oracle.prompt_tokens), costs.load_iterations(), per_token,
-                   oracle.interval * costs.iteration_cost(oracle.gamma))
+                   oracle.interval * costs.iteration_cost(oracle.gamma),
+                   switch=lambda p: costs.catchup_iterations(oracle.prompt_tokens + p))
 
     # -- the model -----------------------------------------------------------------------------
     def step(self, d: str, p: int) -> tuple[int, float]:
@@ -469,6 +478,8 @@ class ScheduleSolver:
 
     def switch_cost(self, p: int) -> float:
         """Iterations a draft switched in at position ``p`` spends catching up (see the class's cost model)."""
+        if self._switch is not None:
+            return self._switch(p)
         return self.catchup + self.catchup_per_token * p
 
     def static_cost(self, draft: str) -> float:

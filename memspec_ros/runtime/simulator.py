@@ -295,7 +295,8 @@ class CostModel:
         ``gamma - 1`` draft forwards besides it)."""
         return ScheduleCosts(capacity=capacity, iteration_seconds=self.iteration_seconds(gamma),
                              catchup_seconds=self.catchup_base_seconds - self.draft_token_seconds,
-                             catchup_token_seconds=max(0.0, self.catchup_token_seconds),
+                             # the fitted slope as the replay uses it (clamped at 0, the plan charged more)
+                             catchup_token_seconds=self.catchup_token_seconds,
                              load_seconds=dict(self.load_seconds), verify_seconds=dict(self.verify_seconds),
                              draft_token_seconds=self.draft_token_seconds,
                              other_iteration_seconds=self.other_iteration_seconds)

@@ -53,7 +53,8 @@ demo: build
 # The paper's evaluation (issue 17): one timed policy bench on the bundled zoo (real runs: figures 6-9, the goals)
 # and the trace-driven simulator validated against it (figures 10-12, the storage media); every item as JSON + PNG
 # in docs/results/ and the generated part of docs/results/README.md. BENCH_ARGS: e.g. --prompts 1 --storage sd;
-# --render-only redraws the page from the items already there (BENCH_PATHS, options of a run, are left out then).
+# --render-only (spelled out) redraws the page from the items already there (BENCH_PATHS, options of a run, are left
+# out then).
 # The target and the drafts run on the int4 path (the engine's CPU kernels where this CPU has them), as a robot would.
 BENCH_PATHS ?= --quantization int4 --draft-quantization int4
 BENCH_ARGS ?=

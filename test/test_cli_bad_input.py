@@ -1013,3 +1013,24 @@ def test_a_demo_refused_while_choosing_its_zoo_leaves_no_generated_zoo(tmp_path,
     zoo, overrides, generated = demo.choose_zoo(args)  # a --param still overrides the demo's own settings
     assert generated and overrides["memspec.gamma"] == "3" and overrides["memspec.policy"] == "general-static"
     assert overrides["drafts.registry_file"] == str(zoo / "registry.yaml")
+
+
+def test_a_closed_output_after_an_answer_ends_the_chat_and_leaves_a_single_goal_done(monkeypatch):
+    """A single goal's statistics line after a closed output is lost, the goal done (exit 0). --chat ends there with
+    141, as a streamed write does: carried on, it answered every later turn into the null device and exited 0."""
+    import io
+
+    from memspec_interfaces.action import Generate
+    from memspec_ros.ros import client
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    sent = []
+    monkeypatch.setattr(client, "send_goal", lambda *a, **k: sent.append(1) or client.Outcome(
+        "succeeded", result=Generate.Result(text="Paris")))
+    assert client.chat(None, None, client.parse_args(["--chat"]), ["one\n", "two\n"], out=Closed(),
+                       log=io.StringIO()) == 141
+    assert sent == [1]  # the second turn was not sent
+    assert client.single(None, None, client.parse_args(["Capital of France?"]), out=Closed(), log=io.StringIO()) == 0

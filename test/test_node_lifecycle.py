@@ -612,6 +612,8 @@ def test_diagnostics_say_configuring_while_a_retry_loads_the_models(harness, mon
         status = run_task(tasks.fill_target)
         assert (status.level, status.message) == (OK, "configuring: loading the models")
         assert dict(status.values)["last configure error"] == "ModelDirectoryError: the earlier attempt's (test)"
+        for task in (tasks.fill_cache, tasks.fill_predictor):  # they said "not configured" / "unconfigured"
+            assert run_task(task).message == "configuring: loading the models", task
     finally:
         gate.set()
     wait_until(lambda: done, 60.0, "the configure")

@@ -578,7 +578,9 @@ def test_an_integer_given_for_a_double_parameter_is_taken_as_that_number():
             values = {n: node.get_parameter(n).value for n in ("generation.temperature", "memspec.ucb_c")}
             assert values == {"generation.temperature": 0.0, "memspec.ucb_c": 5.0}
             assert all(type(v) is float for v in values.values())
-            # an integer for an integer parameter, and a range, are still the descriptors' to check
+            # an integer parameter keeps its integer, and a range is still the descriptor's to check
+            kept = node.set_parameters_atomically([Parameter("memspec.gamma", Parameter.Type.INTEGER, 3)])
+            assert kept.successful and type(node.get_parameter("memspec.gamma").value) is int
             refused = node.set_parameters_atomically([Parameter("memspec.ucb_c", Parameter.Type.INTEGER, -1)])
             assert not refused.successful and node.get_parameter("memspec.ucb_c").value == 5.0
     finally:

@@ -129,10 +129,11 @@ def write_or_interrupt(out, text: str) -> None:
 
 
 def write_after_answer(out, text: str) -> None:
-    """A line after the answer (its statistics), flushed here: where the reader of a pipe ended at the answer
-    (`memspec_client ... | grep -q Paris`), the line stayed in stdout's buffer and Python's flush at exit failed,
-    printing "Exception ignored ... BrokenPipeError" and ending with status 120. The line is lost then; the goal is
-    done (write_or_interrupt points stdout at the null device, so nothing fails at exit)."""
+    """A single goal's line after its answer (its statistics), flushed here: where the reader of a pipe ended at the
+    answer (`memspec_client ... | grep -q Paris`), the line stayed in stdout's buffer and Python's flush at exit
+    failed, printing "Exception ignored ... BrokenPipeError" and ending with status 120. The line is lost then; the
+    goal is done (write_or_interrupt points stdout at the null device, so nothing fails at exit). --chat ends there
+    instead: its next turns would be answered into the null device."""
     try:
         write_or_interrupt(out, text + "\n")
     except Interrupted:
@@ -454,10 +455,10 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
                 "the node's reason was not on /diagnostics, so in case it had grown too long") +
                 "; the turn is sent again)", file=log)
             outcome = send()
-        if outcome.status == "rejected" and not told:
+        if outcome.status == "rejected" and not told and reasons is not None:
             # the last send's reason (a first turn, or one rejected even alone), as a single goal prints it: --chat
             # showed only the list of every possible reason
-            why = reasons.reason() if reasons is not None else None
+            why = reasons.reason()
             print(f"(rejected: {why})" if why is not None else
                   "(rejected: the node's reason did not come on /diagnostics in time; its log says why)", file=log)
         if outcome.status == "rejected" and len(history) < len(kept):
@@ -465,7 +466,10 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
             print("(the turn was rejected even without the earlier exchanges, so their length was not the cause:"
                   " they are put back)", file=log)
         if outcome.result is not None and not args.quiet:
-            write_after_answer(out, format_result(outcome.result))
+            try:  # flushed here (a pipe's reader gone at the answer); the chat ends there, as a streamed write does
+                write_or_interrupt(out, format_result(outcome.result) + "\n")
+            except Interrupted as closed:
+                return closed.code
         elif outcome.result is not None and not outcome.ok and outcome.result.error_message:
             print(f"(goal {outcome.status}: {outcome.result.error_message})", file=log)  # --quiet: still why
         if outcome.status == "interrupted":

@@ -427,11 +427,10 @@ class NodeTasks:
         if state == "finalized":  # shut down, it can never serve again: first, whatever failed before the shutdown
             s.summary(WARN, "finalized (shut down): no model loaded and no goal served; restart the node to serve")
             return
-        if state == "configuring":  # loading the models (minutes on a large target): an earlier attempt's failure
-            # is not the state (the summary said ERROR for the whole retry), nor "no model loaded"
+        if self._configuring(s):  # loading the models (minutes on a large target): an earlier attempt's failure is
+            # not the state (the summary said ERROR for the whole retry), nor "no model loaded"
             if self.node.configure_error:
                 s.add("last configure error", self.node.configure_error)
-            s.summary(OK, "configuring: loading the models")
             return
         if self.node.configure_error:
             s.summary(ERROR, f"configure failed: {self.node.configure_error}")
@@ -481,7 +480,16 @@ class NodeTasks:
         if self.runner.last_error:
             s.merge(ERROR, f"the last goal failed: {self.runner.last_error}")
 
+    def _configuring(self, s: Status) -> bool:
+        """While a configure loads the models: said so (the tasks said "not configured" / "unconfigured")."""
+        if self.node.lifecycle_state != "configuring":
+            return False
+        s.summary(OK, "configuring: loading the models")
+        return True
+
     def fill_cache(self, s: Status) -> None:
+        if self._configuring(s):
+            return
         lo = self.node.loaded
         snap = self.node.cache_snapshot(lo) if lo is not None else None
         names = lo.registry.names() if lo is not None else []
@@ -496,6 +504,8 @@ class NodeTasks:
                                w.draft_switches)
 
     def fill_predictor(self, s: Status) -> None:
+        if self._configuring(s):
+            return
         lo = self.node.loaded
         if lo is None:
             s.summary(OK, "unconfigured")

@@ -644,3 +644,13 @@ def test_a_cached_conversion_others_could_have_written_is_refused(tmp_path, monk
     os.symlink(elsewhere, out)
     with pytest.raises(GGUFConversionError, match="a symlink"):
         resolve_model_path(str(src))
+    # made under umask 0000 (some CI runners, containers): the conversion came out writable by every user, and was
+    # refused at every later load however often it was made again
+    os.unlink(out)
+    umask = os.umask(0)
+    try:
+        made = resolve_model_path(str(src))
+    finally:
+        os.umask(umask)
+    assert made == out and resolve_model_path(str(src)) == out
+    assert not any(p.stat().st_mode & 0o002 for p in (out, *out.iterdir()))

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -380,6 +381,16 @@ def weights_only_identity(identity: str) -> str | None:
     return _WEIGHTS_ONLY.get(identity)
 
 
+def _not_writable_by_all(folder: Path) -> None:
+    """``folder`` and its files without write access for every user: under umask 0000 (some CI runners, containers)
+    they came out 0777/0666, and check_conversion_ours refused the conversion at every later load, however often it
+    was made again."""
+    for path in (folder, *folder.rglob("*")):
+        mode = path.lstat().st_mode
+        if mode & 0o002 and not stat.S_ISLNK(mode):
+            path.chmod(stat.S_IMODE(mode) & ~0o002)
+
+
 def check_conversion_ours(out: Path) -> None:
     """Refuse a cached conversion that this user did not make or that every user can change (:func:`owned_by_me`,
     the folder and each file in it): its key is computed from public inputs (the file's digest, library versions),
@@ -439,7 +450,8 @@ def converted_dir(path: Path) -> Path:
                     path, out)
         _remove_abandoned_conversions(out.parent, key)
         # a plain mkdir (the lock makes the name this process's): mkdtemp's mode 0700 went into the cache with the
-        # rename, and in a cache shared between users the reader's load failed with PermissionError
+        # rename, and another user's read failed with PermissionError (a conversion is used by its owner only,
+        # check_conversion_ours, but may be read by others: it is the public file's content)
         tmp = out.parent / f".{key}-{os.getpid()}"
         try:
             tmp.mkdir()
@@ -451,6 +463,7 @@ def converted_dir(path: Path) -> Path:
                 raise GGUFConversionError(f"{path} changed while it was being converted: nothing was cached;"
                                           " load it again once the file is complete")
             (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(path), "sha256": digest}, indent=1))
+            _not_writable_by_all(tmp)
             sync_tree(tmp)
             if out.exists():  # an interrupted earlier conversion (no marker)
                 shutil.rmtree(out)

@@ -692,3 +692,13 @@ def test_a_replayed_answer_ending_at_its_budgets_last_token_finishes_as_the_engi
     sim = Simulator(costs, SimConfig(capacity=1, interval=2, gamma=2, max_new_tokens=new), {"a": "a"}, ["a"])
     stats = sim.generate(make_policy("general-static", general_draft="a"), trace)
     assert stats.finish_reason == reason and stats.completion_tokens == min(new, 8)
+
+
+def test_a_forward_line_never_falls_with_its_tokens():
+    """The catch-up and prefill lines are fitted through a few timed forwards: noise made one fall, and Oracle-Dynamic
+    (whose catch-up slope is no longer clamped apart from the replay's) then priced late switches at nothing."""
+    from memspec_ros.runtime.simulator import fit_line
+
+    assert fit_line([1, 2, 3], [1.0, 2.0, 3.0]) == pytest.approx((0.0, 1.0))
+    assert fit_line([1, 2, 3], [3.0, 2.5, 1.0]) == pytest.approx((6.5 / 3, 0.0))  # the mean, flat
+    assert fit_line([4, 4], [1.0, 3.0]) == (2.0, 0.0) and fit_line([], []) == (0.0, 0.0)

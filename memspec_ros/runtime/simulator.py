@@ -195,7 +195,9 @@ def _mean(xs: Sequence[float], default: float = 0.0) -> float:
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ys on xs; the mean as intercept where xs do not vary."""
+    """Least-squares (intercept, slope) of a forward's seconds (ys) on its tokens (xs); the mean as intercept where
+    xs do not vary, or where noise made the slope negative: a forward over more tokens never takes less time, and a
+    falling line priced late catch-ups at nothing in Oracle-Dynamic's plan and in the replay alike."""
     if not xs:
         return 0.0, 0.0
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -203,7 +205,7 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     if var <= 0:
         return my, 0.0
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-    return my - slope * mx, slope
+    return (my - slope * mx, slope) if slope >= 0 else (my, 0.0)
 
 
 @dataclass

@@ -203,19 +203,29 @@ def test_answers_recorded_by_a_folder_targets_weights_alone_are_refused_with_the
     """Work dirs made before answers_identity covered a folder target's answer files recorded its weights alone: their
     answers were refused as another target's, which they are not. They are refused still (where they stop cannot be
     checked), and the error says so; another target's answers keep their own message."""
-    from memspec_ros.runtime.model_source import answers_identity, model_digest, weights_only_identity
+    import shutil
+
+    from memspec_ros.runtime.model_source import answers_identity, earlier_identities, model_digest
 
     path, tok, model = tiny_target
     small = TeacherConfig(max_new_tokens=6, batch_size=4, chunk_requests=8)
     answer_requests(model, tok, ROWS[:8], tmp_path, "t", small, target_digest=model_digest(path))  # the old record
     identity = answers_identity(path)
-    assert weights_only_identity(identity) == model_digest(path) != identity
-    with pytest.raises(ValueError, match="made by this target's weights, recorded before its config"):
+    assert model_digest(path) in earlier_identities(identity) and identity not in earlier_identities(identity)
+    with pytest.raises(ValueError, match="made by this target's weights, recorded before all of its config"):
         answer_requests(model, tok, ROWS, tmp_path, "t", small, target_digest=identity)
     assert len(load_answers(tmp_path, "t")) == 8  # nothing appended
     with pytest.raises(ValueError, match="made by another target"):
         answer_requests(model, tok, ROWS, tmp_path, "t", small, target_digest="f" * 64)
-    assert weights_only_identity("f" * 64) is None
+    assert earlier_identities("f" * 64) == set()
+    # recorded by the identity of session 55 (five answer files: not the chat template), for a folder that has one
+    folder = shutil.copytree(path, tmp_path / "with-template")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    newer = answers_identity(folder)
+    [before] = earlier_identities(newer) - {model_digest(folder)}
+    answer_requests(model, tok, ROWS[:8], tmp_path / "s55", "t", small, target_digest=before)
+    with pytest.raises(ValueError, match="made by this target's weights, recorded before all of its config"):
+        answer_requests(model, tok, ROWS, tmp_path / "s55", "t", small, target_digest=newer)
 
 
 def test_answers_record_a_folder_targets_answer_shaping_files_and_a_gguf_by_its_digest(tiny_target, tmp_path):

@@ -33,7 +33,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -345,13 +345,15 @@ def model_digest(spec: str | os.PathLike[str]) -> str:
 _ANSWER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
                  "tokenizer.model", "vocab.json", "merges.txt")
+# the files the identity covered until session 56 (work dirs made then recorded it)
+_EARLIER_ANSWER_FILES = _ANSWER_FILES[:5]
 
 
-def answer_files_digest(spec: str | os.PathLike[str]) -> str:
-    """A folder model's answer-shaping files besides its weights (:data:`_ANSWER_FILES`), by content; "" for a GGUF
-    file (its own digest covers its config and tokenizer)."""
+def answer_files_digest(spec: str | os.PathLike[str], names: Sequence[str] = _ANSWER_FILES) -> str:
+    """A folder model's answer-shaping files besides its weights (:data:`_ANSWER_FILES`, or ``names``), by content;
+    "" for a GGUF file (its own digest covers its config and tokenizer)."""
     path = source_path(str(spec))
-    files = [path / name for name in _ANSWER_FILES if (path / name).is_file()] if path.is_dir() else []
+    files = [path / name for name in names if (path / name).is_file()] if path.is_dir() else []
     return hashlib.sha256("\n".join(f"{f.name}:{cached_digest(f)}" for f in files).encode()).hexdigest() \
         if files else ""
 
@@ -366,19 +368,21 @@ def answers_identity(spec: str | os.PathLike[str]) -> str:
     if not extra:
         return digest
     identity = hashlib.sha256(f"{digest}:{extra}".encode()).hexdigest()
-    _WEIGHTS_ONLY[identity] = digest
+    earlier = answer_files_digest(spec, _EARLIER_ANSWER_FILES)
+    _EARLIER[identity] = {digest} | ({hashlib.sha256(f"{digest}:{earlier}".encode()).hexdigest()} if earlier else set())
     return identity
 
 
-# answers_identity -> the folder model's weights-only digest (model_digest), which work dirs made before the identity
-# covered the answer files recorded: so a refusal of their answers can say why, instead of "another target"
-_WEIGHTS_ONLY: dict[str, str] = {}
+# answers_identity -> what earlier definitions of it gave for the same folder model (its weights alone, before the
+# identity covered its answer files; its first five answer files, before the chat template and a slow tokenizer's
+# files): work dirs made then recorded those, so a refusal of their answers can say why, not "another target"
+_EARLIER: dict[str, set[str]] = {}
 
 
-def weights_only_identity(identity: str) -> str | None:
-    """The weights-only digest that older records of this folder model hold (None for a GGUF or pkg: file, whose
-    identity never changed), for an identity :func:`answers_identity` computed in this process."""
-    return _WEIGHTS_ONLY.get(identity)
+def earlier_identities(identity: str) -> set[str]:
+    """The identities older records of this folder model hold (empty for a GGUF or pkg: file, whose identity never
+    changed), for an identity :func:`answers_identity` computed in this process."""
+    return _EARLIER.get(identity, set()) - {identity}
 
 
 def _not_writable_by_all(folder: Path) -> None:

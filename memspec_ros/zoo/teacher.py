@@ -31,7 +31,7 @@ import torch
 from memspec_ros.runtime.atomic_write import held_lock, synced_replace
 from memspec_ros.runtime.chat import end_token_ids, prompt_ids
 from memspec_ros.runtime.jsonl import read_jsonl
-from memspec_ros.runtime.model_source import weights_only_identity
+from memspec_ros.runtime.model_source import earlier_identities
 
 
 @dataclass
@@ -265,11 +265,11 @@ def answered_rows(prompts: list[list[int]], out_dir: Path, split: str, max_new_t
     """How many of the requests (their prompt ids, in order) the stored ``split`` answers already cover; raises if
     the stored answers were made for other requests, or (with ``target_digest``) by another target."""
     other = answered_targets(out_dir, split) - {target_digest} if target_digest else set()
-    if other and other == {weights_only_identity(target_digest)}:
-        raise ValueError(f"the {split} answers in {out_dir} were made by this target's weights, recorded before its"
-                         " config, generation_config and tokenizer files were part of its identity: those decide"
-                         " where an answer stops, so the answers cannot be shown to be this target's. Answer into"
-                         " another folder, or remove that one")
+    if other and other <= earlier_identities(target_digest):
+        raise ValueError(f"the {split} answers in {out_dir} were made by this target's weights, recorded before all of"
+                         " its config, generation_config, tokenizer and chat template files were part of its"
+                         " identity: those decide where an answer stops, so the answers cannot be shown to be this"
+                         " target's. Answer into another folder, or remove that one")
     if other:  # another model with the same tokenizer (a larger SmolLM2, another quantization) was taken silently
         raise ValueError(f"the {split} answers in {out_dir} were made by another target (digest"
                          f" {', '.join(sorted(d[:12] for d in other))}, this one {target_digest[:12]}): answer into"

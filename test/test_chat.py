@@ -344,3 +344,14 @@ def test_an_unknown_role_is_quoted_by_its_first_characters():
     reason = check_request("", [("x" * 1_000_000, "hi")], False, True)
     assert reason.startswith("messages[0] has unknown role 'xxxx") and "(1000000 characters)" in reason
     assert len(reason) < 200
+
+
+def test_a_tokenizer_that_adds_no_bos_keeps_a_raw_prompts_own_two():
+    """Only the BOS the tokenizer itself added is dropped: one that adds none (GPT-2's, bos = eos) kept a prompt
+    starting with two typed BOS tokens as typed."""
+    from memspec_ros.runtime.chat import raw_ids
+
+    tok = tiny_tokenizer()
+    typed = f"{tok.bos_token}{tok.bos_token}def add(a, b):"
+    assert raw_ids(tok, typed) == tok(typed, add_special_tokens=False)["input_ids"]
+    assert raw_ids(tok, typed)[:2] == [tok.bos_token_id] * 2

@@ -120,3 +120,18 @@ def test_a_damaged_tokenizer_is_refused_naming_its_folder(zoo, tmp_path):
     (copy / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ModelDirectoryError, match=rf"the tokenizer in {copy} could not be loaded \(KeyError"):
         load_tokenizer(copy)
+
+
+def test_a_tokenizer_missing_a_package_says_so(zoo, monkeypatch):
+    """Every failure was "restore its tokenizer files", also where a package was missing (sentencepiece or protobuf
+    for a folder with a tokenizer.model alone)."""
+    import transformers
+
+    from memspec_ros.runtime.models import ModelDirectoryError, load_tokenizer
+
+    def needs_sentencepiece(*args, **kwargs):
+        raise ImportError("requires the SentencePiece library but it was not found in your environment")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", needs_sentencepiece)
+    with pytest.raises(ModelDirectoryError, match="needs a package that is not installed: requires the SentencePiece"):
+        load_tokenizer(zoo / "target")

@@ -1418,7 +1418,7 @@ def test_a_gamma_raised_mid_goal_is_calibrated_at_the_scheduling_point(target, d
     try:
         stats = ctl.generate(PROMPT, 30, on_chunk=on_chunk).stats
         assert calls == [2, 5]  # before the goal, then at the point that applied gamma 5
-        # ... and its time was the point's "prediction" (the paper's overhead), not the decode time's other part
+        # ... and its time is the point's, not prediction (the paper's overhead): the decode time's other part
         assert stats.prediction_seconds < slow <= stats.execution_parts()["other"]
     finally:
         ctl.close()

@@ -159,7 +159,9 @@ def raw_ids(tokenizer, prompt: str) -> list[int]:
     ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     bos = getattr(tokenizer, "bos_token_id", None)  # (a plain callable tokenizer: none)
     if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-        del ids[0]
+        # the tokenizer's own BOS only (one that adds none, GPT-2's, keeps a prompt's two typed BOS tokens)
+        if ids[1:] == list(tokenizer(prompt, add_special_tokens=False)["input_ids"]):
+            del ids[0]
     return ids
 
 

@@ -482,6 +482,8 @@ def load_tokenizer(path: str | Path):
         return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     except MemoryError:  # not the folder's fault
         raise
+    except ImportError as exc:  # a package the tokenizer needs (sentencepiece, protobuf for a tokenizer.model alone)
+        raise ModelDirectoryError(f"the tokenizer in {root} needs a package that is not installed: {exc}") from exc
     except Exception as exc:  # a damaged tokenizer.json raises KeyError, or tokenizers' bare Exception
         raise ModelDirectoryError(f"the tokenizer in {root} could not be loaded ({type(exc).__name__}: {exc}):"
                                   " restore its tokenizer files from the original model") from exc

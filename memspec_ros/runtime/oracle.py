@@ -376,13 +376,14 @@ class ScheduleSolver:
       iteration that verifies fewer proposals (near the end) costs what it verifies
       (:meth:`ScheduleCosts.iteration_cost`);
     * a switch (the draft differs from the last interval's, the first interval included) at position p costs
-      ``catchup + catchup_per_token * p`` iterations: the incoming draft's KV catch-up, which feeds the tokens it
-      has not seen. That is every token for a draft that has not run since it was loaded, and fewer for one that
-      ran before and stayed resident; the model charges the former (an upper bound, exact for the first switch
-      and for Oracle-Static's one catch-up), since tracking each resident draft's last position would multiply
-      the states by the output's length. A catch-up priced at one constant (the first prompt's) let the schedule
-      switch where the catch-ups late in an answer cost it more than it gained (Oracle-Dynamic came out below
-      Oracle-Static on three workloads of the committed bench);
+      ``switch(p)`` iterations where given (for_oracle: the catch-up line over the prompt and p tokens, clamped
+      as the replay clamps it), else ``catchup + catchup_per_token * p``: the incoming draft's KV catch-up, which
+      feeds the tokens it has not seen. That is every token for a draft that has not run since it was loaded, and
+      fewer for one that ran before and stayed resident; the model charges the former (an upper bound, exact for
+      the first switch and for Oracle-Static's one catch-up), since tracking each resident draft's last position
+      would multiply the states by the output's length. A catch-up priced at one constant (the first prompt's)
+      let the schedule switch where the catch-ups late in an answer cost it more than it gained (Oracle-Dynamic
+      came out below Oracle-Static on three workloads of the committed bench);
     * at most ``capacity`` drafts are resident or loading; one load at a time (one loader thread);
       a load of d takes ``load[d]`` iterations and overlaps decoding: started at a scheduling point,
       it is complete k points later when k * ``overlap`` >= load[d], ``overlap`` being what an interval of

@@ -135,7 +135,8 @@ class ZooBuild:
             raise ValueError(f"draft recipe {cfg.draft_recipe!r} is not one of {', '.join(DRAFT_RECIPES)}")
         # before the work dir records these settings: a rerun with the corrected flag was refused as another build
         for flag, arch in (("--target-hidden", cfg.target_arch), ("--draft-hidden", cfg.draft_arch)):
-            if reason := head_split_error(flag, arch.hidden_size, arch.num_heads):
+            # (build-toy gives every head 64 channels, as many heads as fit: any multiple of 64 splits evenly)
+            if reason := head_split_error(flag, arch.hidden_size, arch.num_heads, multiple=64):
                 raise ValueError(reason)
         if cfg.target_init is not None and not (Path(cfg.target_init) / "model.safetensors").is_file():
             raise ValueError(f"--target-init {cfg.target_init} has no model.safetensors (a Hugging Face model"

@@ -343,12 +343,10 @@ def take_int_override_as_double(node, p: Param) -> None:
     """An integer override of a double parameter (``-p diagnostic_updater.period:=2``) made a double in the node's
     overrides: for a parameter the node leaves to another's declare_parameter (the real diagnostic_updater's), which
     raised InvalidParameterTypeException on it; declare() does the same for its own."""
-    from rclpy.parameter import Parameter
-
     overrides = getattr(node, "_parameter_overrides", None)
     given = overrides.get(p.name) if isinstance(overrides, dict) else None
-    if given is not None and given.type_ == Parameter.Type.INTEGER and type(p.default) is float:
-        overrides[p.name] = Parameter(p.name, Parameter.Type.DOUBLE, float(given.value))
+    if given is not None:
+        [overrides[p.name]] = ints_as_doubles([given])
 
 
 def ints_as_doubles(parameters: list) -> list:

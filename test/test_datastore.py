@@ -315,6 +315,30 @@ def test_the_controller_remembers_its_last_answers_and_copies_from_them(pair):
     ctl.close()
 
 
+def test_remembered_answers_are_bounded_by_their_tokens_too(pair, monkeypatch):
+    """remember_answers bounded the answers' count only: 1,000 answers as long as the context held about 220 MB and
+    took seconds to index again after every goal. The oldest go once the tokens pass REMEMBERED_TOKENS (one answer
+    is always kept)."""
+    from memspec_ros.runtime import controller as controller_module
+    from memspec_ros.runtime.controller import RuntimeConfig, RuntimeController
+    from memspec_ros.runtime.registry import DraftRegistry
+
+    target, _ = pair
+    monkeypatch.setattr(controller_module, "REMEMBERED_TOKENS", 25)
+    ctl = RuntimeController(RuntimeConfig(policy="general-static", context_lookup=True, remember_answers=10), target,
+                            None, DraftRegistry([], validate=False), eos_token_ids=[])
+    try:
+        for prompt in ([2, 4, 6], [3, 5, 7], [4, 6, 8]):
+            ctl.generate(prompt, 10)  # 10 tokens each
+        assert ctl.remembered_answers == 2 and ctl._remembered_tokens == 20  # the first went: 30 > 25
+        ctl.generate([5, 7, 9], 40)  # one answer over the bound alone: kept, the others go
+        assert ctl.remembered_answers == 1 and ctl._remembered_tokens == 40
+        ctl.reconfigure(remember_answers=0)
+        assert ctl.remembered_answers == 0 and ctl._remembered_tokens == 0
+    finally:
+        ctl.close()
+
+
 def test_of_several_datastores_the_longest_match_wins_then_the_first():
     recent, shipped = Datastore([[1, 2, 3, 4, 5]]), Datastore([[9, 1, 2, 3, 4, 7], [2, 3, 4, 8]])
     index = NgramIndex(LookupConfig(), [recent, shipped])

@@ -214,8 +214,9 @@ PARAMS: tuple[Param, ...] = (
           " forward; verified like a draft's, so the output is unchanged) (from the next goal).",
           AT_NEXT_GOAL, runtime_field="context_lookup"),
     Param("memspec.remember_answers", 0,
-          "With context_lookup: keep this node's last N answers in memory (never on disk; dropped at cleanup) and"
-          " copy from them like from the datastore, so a request asked again is answered faster (0: none).",
+          "With context_lookup: keep this node's last N answers in memory (never on disk; dropped at cleanup; at"
+          " most 128,000 tokens in all, the oldest dropped first) and copy from them like from the datastore, so a"
+          " request asked again is answered faster (0: none).",
           AT_NEXT_GOAL, int_range=LIMITS["remember_answers"], runtime_field="remember_answers"),
     Param("memspec.prompt_cache", True,
           "Keep the target's and the drafts' KV caches between goals and reuse them for a goal whose tokens start"

@@ -66,6 +66,10 @@ I64 = 2**63 - 1
 
 # Each numeric setting's range, in one place: RuntimeConfig.validate checks it and the node declares its
 # memspec.* parameters with it.
+# the most answer tokens remember_answers keeps in all (1,000 answers of 128 tokens): what they hold (about 14 MB) and
+# the time to index them again after each goal (about 0.2 s here) stay bounded whatever the answers' length
+REMEMBERED_TOKENS = 128_000
+
 LIMITS: dict[str, tuple[int, int] | tuple[float, float]] = {
     "capacity": (1, 64),
     "budget_bytes": (0, I64),
@@ -253,6 +257,7 @@ class RuntimeController:
             datastore.check_vocab(input_rows(target))
         self.datastore = datastore  # past answers context lookup also searches (runtime/datastore.py)
         self._answers: deque[list[int]] = deque()  # this controller's own latest answers (remember_answers)
+        self._remembered_tokens = 0  # their tokens in all
         self._remembered: Datastore | None = None  # the index over them
         self.target = target
         self.tokenizer = tokenizer
@@ -584,13 +589,17 @@ class RuntimeController:
                      if d is not None)
 
     def _remember(self, answer: list[int]) -> None:
-        """Keep ``answer`` among the last ``remember_answers`` and index them again (milliseconds for a few
-        answers; 0.2 s for 1,000 of 128 tokens, timed once on the 2-core development machine)."""
+        """Keep ``answer`` among the last ``remember_answers``, at most REMEMBERED_TOKENS tokens in all (the oldest
+        go first), and index them again (milliseconds for a few answers; 0.2 s for 1,000 of 128 tokens, timed once on
+        the 2-core development machine)."""
         keep, before = self.config.remember_answers, len(self._answers)
         if answer and keep:
             self._answers.append(list(answer))
-        while len(self._answers) > keep:
-            self._answers.popleft()
+            self._remembered_tokens += len(answer)
+        # bounded by tokens too: an answer may be as long as the context, and 1,000 of 2,048 tokens held about
+        # 220 MB and took seconds to index again, on the goal's thread, after every goal
+        while len(self._answers) > keep or (len(self._answers) > 1 and self._remembered_tokens > REMEMBERED_TOKENS):
+            self._remembered_tokens -= len(self._answers.popleft())
         if answer and keep or len(self._answers) != before:  # only a changed list is indexed again
             self._remembered = Datastore(self._answers) if self._answers else None
 

@@ -330,11 +330,11 @@ def test_remembered_answers_are_bounded_by_their_tokens_too(pair, monkeypatch):
     try:
         for prompt in ([2, 4, 6], [3, 5, 7], [4, 6, 8]):
             ctl.generate(prompt, 10)  # 10 tokens each
-        assert ctl.remembered_answers == 2 and ctl._remembered_tokens == 20  # the first went: 30 > 25
+        assert ctl.remembered_answers == 2 and ctl.remembered_tokens == 20  # the first went: 30 > 25
         ctl.generate([5, 7, 9], 40)  # one answer over the bound alone: kept, the others go
-        assert ctl.remembered_answers == 1 and ctl._remembered_tokens == 40
+        assert ctl.remembered_answers == 1 and ctl.remembered_tokens == 40
         ctl.reconfigure(remember_answers=0)
-        assert ctl.remembered_answers == 0 and ctl._remembered_tokens == 0
+        assert ctl.remembered_answers == 0 and ctl.remembered_tokens == 0
     finally:
         ctl.close()
 

@@ -88,7 +88,7 @@ def simulate(solver: ScheduleSolver, plan) -> float:
             loading = (action.prefetch, points)
         assert len(resident) + (loading is not None) <= solver.capacity
         nxt, iterations = solver.step(x, p)
-        cost += iterations + (solver.catchup + solver.catchup_per_token * p if x != active else 0.0)
+        cost += iterations + (solver.switch_cost(p) if x != active else 0.0)
         p, active, points = nxt, x, points + 1
     assert p >= solver.end
     return cost
@@ -118,7 +118,7 @@ def exhaustive(solver: ScheduleSolver) -> float:
                 victims = [None] if len(resident) < cap else list(resident)
                 runs += [(solver.load[x], (resident - {v}) | {x}, None, False, set()) for v in victims]
             nxt, iterations = solver.step(x, p)
-            run_cost = iterations + (solver.catchup + solver.catchup_per_token * p if x != active else 0.0)
+            run_cost = iterations + (solver.switch_cost(p) if x != active else 0.0)
             for wait, res, load_after, may_prefetch, protect in runs:
                 out = min(out, wait + run_cost + best(nxt, x, frozenset(res), load_after))
                 if not may_prefetch or cap < 2:

@@ -128,16 +128,17 @@ def write_or_interrupt(out, text: str) -> None:
         raise Interrupted(128 + signal.SIGPIPE) from None
 
 
-def write_after_answer(out, text: str) -> None:
-    """A single goal's line after its answer (its statistics), flushed here: where the reader of a pipe ended at the
-    answer (`memspec_client ... | grep -q Paris`), the line stayed in stdout's buffer and Python's flush at exit
-    failed, printing "Exception ignored ... BrokenPipeError" and ending with status 120. The line is lost then; the
-    goal is done (write_or_interrupt points stdout at the null device, so nothing fails at exit). --chat ends there
-    instead: its next turns would be answered into the null device."""
+def write_after_answer(out, text: str) -> int:
+    """A line after an answer (its statistics), flushed here; 0, or the exit status of an output that closed
+    (Interrupted's 141). Unflushed, where the reader of a pipe ended at the answer (`memspec_client ... | grep -q
+    Paris`), the line stayed in stdout's buffer and Python's flush at exit failed, printing "Exception ignored ...
+    BrokenPipeError" and ending with status 120 (write_or_interrupt points stdout at the null device, so nothing fails
+    at exit). A single goal is done then; --chat ends there, or its next turns are answered into the null device."""
     try:
         write_or_interrupt(out, text + "\n")
-    except Interrupted:
-        pass
+    except Interrupted as closed:
+        return closed.code
+    return 0
 
 
 def format_result(result) -> str:
@@ -466,10 +467,8 @@ def chat(node, executor, args, lines, *, out=sys.stdout, log=sys.stderr, reasons
             print("(the turn was rejected even without the earlier exchanges, so their length was not the cause:"
                   " they are put back)", file=log)
         if outcome.result is not None and not args.quiet:
-            try:  # flushed here (a pipe's reader gone at the answer); the chat ends there, as a streamed write does
-                write_or_interrupt(out, format_result(outcome.result) + "\n")
-            except Interrupted as closed:
-                return closed.code
+            if closed := write_after_answer(out, format_result(outcome.result)):
+                return closed
         elif outcome.result is not None and not outcome.ok and outcome.result.error_message:
             print(f"(goal {outcome.status}: {outcome.result.error_message})", file=log)  # --quiet: still why
         if outcome.status == "interrupted":
@@ -648,7 +647,7 @@ def single(node, executor, args, *, out=sys.stdout, log=sys.stderr, reasons=None
         print(f"the node's reason: {why}" if why is not None else
               "(the node's reason did not come on /diagnostics in time)", file=log)
     if outcome.result is not None and not args.quiet:
-        write_after_answer(out, format_result(outcome.result))
+        write_after_answer(out, format_result(outcome.result))  # a closed output: the goal is done all the same
     if outcome.status == "interrupted":
         return outcome.exit_code
     if outcome.result is not None and outcome.status != "succeeded":

@@ -64,12 +64,13 @@ log = logging.getLogger(__name__)
 GREEDY = SamplingConfig()
 I64 = 2**63 - 1
 
-# Each numeric setting's range, in one place: RuntimeConfig.validate checks it and the node declares its
-# memspec.* parameters with it.
-# the most answer tokens remember_answers keeps in all (1,000 answers of 128 tokens): what they hold (about 14 MB) and
-# the time to index them again after each goal (about 0.2 s here) stay bounded whatever the answers' length
+# the most answer tokens remember_answers keeps in all (1,000 answers of 128 tokens): their index (15 MB, 0.24 s to
+# build again after each goal, measured here on random tokens) stays bounded whatever the answers' length (1,000
+# of 2,048 tokens: 5.4 s and about 260 MB)
 REMEMBERED_TOKENS = 128_000
 
+# Each numeric setting's range, in one place: RuntimeConfig.validate checks it and the node declares its
+# memspec.* parameters with it.
 LIMITS: dict[str, tuple[int, int] | tuple[float, float]] = {
     "capacity": (1, 64),
     "budget_bytes": (0, I64),
@@ -257,7 +258,6 @@ class RuntimeController:
             datastore.check_vocab(input_rows(target))
         self.datastore = datastore  # past answers context lookup also searches (runtime/datastore.py)
         self._answers: deque[list[int]] = deque()  # this controller's own latest answers (remember_answers)
-        self._remembered_tokens = 0  # their tokens in all
         self._remembered: Datastore | None = None  # the index over them
         self.target = target
         self.tokenizer = tokenizer
@@ -595,17 +595,20 @@ class RuntimeController:
         keep, before = self.config.remember_answers, len(self._answers)
         if answer and keep:
             self._answers.append(list(answer))
-            self._remembered_tokens += len(answer)
-        # bounded by tokens too: an answer may be as long as the context, and 1,000 of 2,048 tokens held about
-        # 220 MB and took seconds to index again, on the goal's thread, after every goal
-        while len(self._answers) > keep or (len(self._answers) > 1 and self._remembered_tokens > REMEMBERED_TOKENS):
-            self._remembered_tokens -= len(self._answers.popleft())
+        # bounded by tokens too: an answer may be as long as the context (see REMEMBERED_TOKENS)
+        tokens = self.remembered_tokens
+        while len(self._answers) > keep or (len(self._answers) > 1 and tokens > REMEMBERED_TOKENS):
+            tokens -= len(self._answers.popleft())
         if answer and keep or len(self._answers) != before:  # only a changed list is indexed again
             self._remembered = Datastore(self._answers) if self._answers else None
 
     @property
     def remembered_answers(self) -> int:
         return len(self._answers)
+
+    @property
+    def remembered_tokens(self) -> int:
+        return sum(map(len, self._answers))
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -129,7 +129,7 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
     library = out_dir / f"memspec_kernels-{key}.so"
     if library.exists() and _ours_alone(library) and not _fallback_to_retry(library):
         return library
-    if (library.exists() and not _ours_alone(library)) or (out_dir.exists() and not _folder_ours(out_dir)):
+    if (library.exists() and not _ours_alone(library)) or (out_dir.exists() and not owned_by_me(out_dir)):
         # anyone who can write a library under this name runs code in the node when it loads (its key is computed
         # from public inputs): one that is not this user's alone is never loaded, and none is built where another
         # user could swap it before it loads; this process builds its own, in a private temporary folder, where no
@@ -202,12 +202,7 @@ def _ours_alone(path: Path) -> bool:
     except OSError:
         return False
     return (not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-            and _folder_ours(path.parent))
-
-
-def _folder_ours(folder: Path) -> bool:
-    """This user's folder, no symlink, that not every user can write to."""
-    return owned_by_me(folder)
+            and owned_by_me(path.parent))
 
 
 def _run_compiler(command: list[str], timeout: float = COMPILE_TIMEOUT_S) -> subprocess.CompletedProcess | None:

@@ -415,8 +415,8 @@ class ScheduleSolver:
         self.drafts = tuple(drafts)
         self.start, self.end, self.interval, self.capacity = start, end, interval, capacity
         self.overlap = float(interval if overlap is None else overlap)  # load time an interval hides
-        self.catchup, self.catchup_per_token = catchup, catchup_per_token
-        self._switch = switch  # a switch's cost at position p, where given: the line's own clamp (for_oracle)
+        # a switch's cost at position p: ``switch``, else the line catchup + catchup_per_token * p
+        self._switch = switch or (lambda p: catchup + catchup_per_token * p)
         self.load = {d: max(0.0, float((load or {}).get(d, 0.0))) for d in self.drafts}
         self._step_fn = step
         self._steps: dict[tuple[str, int], tuple[int, float]] = {}
@@ -441,13 +441,11 @@ class ScheduleSolver:
             return p, cost
 
         budget = oracle.max_new_tokens or len(oracle.continuation)
-        per_token = costs.catchup_token_seconds / costs.iteration_seconds if costs.iteration_seconds > 0 else 0.0
         # each switch priced over the whole context it feeds (prompt and answer so far), clamped once as the replay
         # clamps it: the prompt's clamped cost plus a per-token line over-charged every switch where the fitted
         # catch-up line starts below zero, so the schedule switched less than the replay's costs justify
         return cls(list(agree), step, 1, len(oracle.continuation), oracle.interval, costs.capacity,
-                   costs.catchup_iterations(oracle.prompt_tokens), costs.load_iterations(), per_token,
-                   oracle.interval * costs.iteration_cost(oracle.gamma),
+                   load=costs.load_iterations(), overlap=oracle.interval * costs.iteration_cost(oracle.gamma),
                    switch=lambda p: costs.catchup_iterations(oracle.prompt_tokens + p))
 
     # -- the model -----------------------------------------------------------------------------
@@ -479,9 +477,7 @@ class ScheduleSolver:
 
     def switch_cost(self, p: int) -> float:
         """Iterations a draft switched in at position ``p`` spends catching up (see the class's cost model)."""
-        if self._switch is not None:
-            return self._switch(p)
-        return self.catchup + self.catchup_per_token * p
+        return self._switch(p)
 
     def static_cost(self, draft: str) -> float:
         """One draft throughout (Oracle-Static's schedule) in this model: its iterations plus the first catch-up."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from statistics import mean
@@ -117,11 +118,11 @@ def answers_cache_dir(rows: dict[str, list[dict]], max_new_tokens: int, target_d
 
 def first_per_domain(rows: Sequence[dict], per_domain: int) -> list[dict]:
     """The first ``per_domain`` rows of each ``domain``, in order: the requests :func:`chat_acceptance` scores."""
-    taken: dict[str, int] = {}
+    taken: Counter[str] = Counter()
     out = []
     for row in rows:
-        if taken.get(row["domain"], 0) < per_domain:
-            taken[row["domain"]] = taken.get(row["domain"], 0) + 1
+        if taken[row["domain"]] < per_domain:
+            taken[row["domain"]] += 1
             out.append(row)
     return out
 

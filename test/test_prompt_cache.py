@@ -753,6 +753,27 @@ def test_forgetting_a_draft_drops_its_kept_kv_caches_though_its_model_lives_on(c
         controller.close()
 
 
+def test_drafts_a_swap_removes_while_idle_leave_both_caches_at_once(c_target):
+    """Idle, replace_registry swapped the drafts but left the removed ones resident and their KV caches in the
+    prompt cache: the node's parameter callback removed them, deciding by its goal runner's flag, which is set from
+    a goal's acceptance to its end, so a swap just before generate() or just after it returned kept them (a K slot,
+    a candidate for "any resident draft", bytes) until the next goal."""
+    drafts = {"a": noisy_copy(c_target, 0.05, seed=5), "b": noisy_copy(c_target, 0.05, seed=6)}
+    controller = _controller(c_target, drafts, capacity=2)
+    try:
+        controller.generate(_ids(10, 10), max_new_tokens=12)
+        _needs_reuse(controller.prompt_cache_refused)
+        kept = {n for entry in controller.prompt_cache._entries for n in entry.drafts}
+        assert "a" in controller.cache.resident() and "a" in kept, (controller.cache.resident(), kept)
+        removed = controller.replace_registry(DraftRegistry([DraftEntry("b", "/virtual/b", "b", 1000)],
+                                                            validate=False))
+        assert [entry.name for entry in removed] == ["a"]
+        assert "a" not in controller.cache.resident() and "a" not in controller.cache.loading()
+        assert not any("a" in entry.drafts for entry in controller.prompt_cache._entries)
+    finally:
+        controller.close()
+
+
 def test_a_reused_draft_evicted_mid_goal_is_freed_before_the_goal_ends(c_target):
     """The goal's own record of what it took from the prompt cache (``Reuse.drafts``) held each reused draft's
     model and KV cache until generate() returned: a draft evicted mid-goal stayed in memory, beside the cache's

@@ -175,16 +175,13 @@ class ParameterHandler:
                     self._setters[name](value)
                     undo.append((name, lambda setter=self._setters[name], old=old: setter(old)))
             if registry is not None:
-                with self._runner.no_goal_starting() as running:
+                with self._runner.no_goal_starting():
                     # the swap (built and checked already: nothing is read here, while goals are held back); with
-                    # none running the removed drafts leave the cache now (the runtime syncs its cache with the
-                    # registry only at a goal's points)
-                    removed = list(lo.controller.replace_registry(registry, **runtime))
+                    # no generation running the removed drafts leave the draft and prompt caches in it, else as the
+                    # generation takes it (the controller's own idea of "running" decides: this runner's flag is set
+                    # from a goal's acceptance to its end, a little longer than the generation)
+                    lo.controller.replace_registry(registry, **runtime)
                     try:
-                        for entry in [] if running else removed:
-                            lo.controller.cache.remove(entry.name)
-                        if not running:  # their KV caches kept for a later turn serve no draft now
-                            lo.controller.prompt_cache.forget_drafts([entry.name for entry in removed])
                         # a resident draft whose files were restored or replaced is read again when the next goal
                         # starts, on that goal's thread (evict_changed must not run beside a generation, and its
                         # stat of every draft's files, slow on failing storage, must not run here holding the

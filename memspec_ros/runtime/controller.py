@@ -364,8 +364,9 @@ class RuntimeController:
         interval, a policy checked against the new drafts with the old ones (general-static naming a draft only the
         new registry has), or the old policy with the new; swapped at once while the settings waited, the point's
         own reads saw the new drafts with the old settings. Errors as :meth:`reconfigure`'s, with nothing changed.
-        Returns the entries that left or changed (DraftRegistry.replace_with); none while a generation runs (they
-        leave the draft cache as it takes the swap, and the prompt cache when it ends)."""
+        Returns the entries that left or changed (DraftRegistry.replace_with), which leave the draft cache and the
+        prompt cache here; none while a generation runs (they leave the draft cache as it takes the swap, and the
+        prompt cache when it ends)."""
         with self._lock:
             # also with no settings changed: the policy in force must be able to run with the new drafts (a trained
             # predictor scoring none of them was taken)
@@ -380,11 +381,28 @@ class RuntimeController:
             if changes:
                 self._apply(new)
             try:
-                return self.registry.replace_with(other)
+                removed = self.registry.replace_with(other)
             except BaseException:  # (checked above: a failure nobody foresaw) the settings go back with the drafts
                 if changes:
                     self._apply(config)
                 raise
+            # idle: the removed drafts leave both caches now, under this lock (a caller that decided this by its own
+            # idea of "a goal runs", the node's goal runner, kept them resident and counted until the next goal
+            # when the swap landed between a goal's acceptance and its generate() or after generate() returned)
+            self._drafts_left(removed)
+            return removed
+
+    def _drafts_left(self, removed: Sequence[DraftEntry]) -> None:
+        """Drafts a registry swap took out, out of the draft cache and the prompt cache; the caller holds ``_lock``
+        with no generation running. The swap is in force whatever happens here: a failure is logged, and the next
+        generation's first sync drops them from the draft cache."""
+        if not removed:
+            return
+        try:
+            self._sync_registry("")
+            self.prompt_cache.forget_drafts([entry.name for entry in removed])
+        except Exception:
+            log.exception("the draft registry was replaced, but the removed drafts could not leave the caches")
 
     def check_reconfigure(self, *, for_registry: DraftRegistry | None = None, **changes) -> RuntimeConfig:
         """What :meth:`reconfigure` would apply, checked the same way (the same errors), with nothing applied: a
@@ -571,9 +589,10 @@ class RuntimeController:
                 # have the older pending change applied over it, losing its own
                 self._take_pending_locked()
                 left, self._registry_left = self._registry_left, []
-            if left:  # drafts a registry swap took out during the goal: out of both caches now, not at the next goal
-                self._sync_registry("")
-                self.prompt_cache.forget_drafts([entry.name for entry in left])
+                # drafts a registry swap took out during the goal: out of both caches now, not at the next goal, and
+                # under the lock: a reconfigure() from a parameter thread, which sees the controller idle from here,
+                # clears or trims the prompt cache, and a trim here wrote its old entries back over that clear
+                self._drafts_left(left)
 
     def _hand_back(self, tokens: list[int], prefix: KVState) -> None:
         """A failed goal's taken conversation, back into the prompt cache: the positions it took were never written

@@ -374,6 +374,26 @@ def test_a_failed_generation_keeps_no_kv(c_target):
     assert again.token_ids == generate(target, new, None, max_new_tokens=4, eos_token_ids=[]).generated_ids
 
 
+def test_a_goal_cancelled_before_its_prefill_hands_its_conversation_back(c_target):
+    """A goal cancelled while it is prepared ends before its prefill; with one conversation kept it had moved that
+    conversation's caches out of the prompt cache, and the next turn would encode the whole conversation again."""
+    controller = _controller(c_target, {"general": noisy_copy(c_target, 0.05, seed=5)}, prompt_cache_bytes=0)
+    try:
+        prompt = _ids(10, 10)
+        first = controller.generate(prompt, max_new_tokens=4)
+        _needs_reuse(controller.prompt_cache_refused)
+        held = controller.prompt_cache.tokens
+        new = prompt + first.token_ids + [5, 6]
+        cancelled = controller.generate(new, max_new_tokens=4, should_cancel=lambda: True)
+        assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == []
+        assert controller.prompt_cache.conversations == 1 and controller.prompt_cache.tokens == held
+        again = controller.generate(new, max_new_tokens=4)
+        assert again.stats.reused_prompt_tokens == held
+        assert again.token_ids == generate(c_target, new, None, max_new_tokens=4, eos_token_ids=[]).generated_ids
+    finally:
+        controller.close()
+
+
 def test_a_refused_request_takes_nothing_from_the_prompt_cache(c_target):
     """A request the session would refuse (no tokens to generate, past the context) is refused before the goal takes
     its conversation's caches: with one conversation kept, taking them moves them out, and the next turn would

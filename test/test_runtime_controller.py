@@ -1496,11 +1496,40 @@ def test_a_cancel_does_not_sit_out_a_blocking_draft_load(target, drafts, policy)
     finally:
         loader.release.set()
         ctl.close()
-    # cancelled once the prefill is done (no load begun): no draft is chosen or loaded
+    # cancelled before it starts: no draft is chosen or loaded
     ctl = make(target, drafts, policy, loader=Loader(drafts), capacity=2)
     result = ctl.generate(PROMPT, NEW, should_cancel=lambda: True)
     assert result.finish_reason == "cancelled" and ctl.cache.resident() == []
     ctl.close()
+
+
+def test_a_goal_cancelled_while_it_is_prepared_runs_no_prefill(target, drafts, expected, monkeypatch):
+    """The cache reset of reset_cache_per_generation stops waiting for a slow read at a cancel, but the goal went on
+    to its prefill, the target over the whole prompt (seconds for a long one), before the decode loop's first check
+    ended it: ahead of the queued goals and a deactivate's wait. A goal cancelled before its prefill ends with no
+    token and no forward; the next goal is served as ever."""
+    from memspec_ros.runtime import speculative
+
+    forwards = []
+    real = speculative._forward
+    monkeypatch.setattr(speculative, "_forward", lambda model, *a: forwards.append(model) or real(model, *a))
+    ctl = make(target, drafts, "general-static", general_draft="math", reset_cache_per_generation=True)
+    try:
+        cancelled = {"now": False}
+        reset = ctl.cache.reset
+
+        def reset_then_cancel(stop=None, timeout=None):  # the cancel comes while the reset waits
+            cancelled["now"] = True
+            return reset(stop, timeout)
+
+        ctl.cache.reset = reset_then_cancel
+        result = ctl.generate(PROMPT, NEW, should_cancel=lambda: cancelled["now"])
+        assert result.finish_reason == "cancelled" and result.token_ids == []
+        assert forwards == []  # neither the target's prefill nor a draft
+        cancelled["now"] = False
+        assert ctl.generate(PROMPT, NEW).token_ids == expected
+    finally:
+        ctl.close()
 
 
 def test_a_draft_that_fails_mid_interval_hands_the_rest_of_it_to_the_next_resident_draft(target, drafts, expected,

@@ -555,6 +555,9 @@ class RuntimeController:
             reused.drafts = {}
             self._should_cancel, self._stalled = should_cancel, set()
             result = self._run(session, prompt_ids, should_cancel, on_decode_start, t_call)
+            if taken and not session.started:  # cancelled before its prefill: the conversation it took goes back
+                self._hand_back(prompt_ids[:taken], prefix)
+                taken = 0
             self._remember(result.token_ids)
             # a failed generation's KV is not kept, nor one whose cache was switched off while it ran
             if reuse and session.started and self.config.prompt_cache:
@@ -688,6 +691,12 @@ class RuntimeController:
         self._sync_registry("")  # drafts removed while idle leave the cache before this generation
         t_start = time.perf_counter()
         stats.prepare_seconds = t_start - t_call
+        if self._should_cancel is not None and self._should_cancel():
+            # cancelled (or aborted, or out of its time) while it was being prepared: the cache reset that ended its
+            # wait for a slow read at the cancel, a file check, a calibration. The prefill ran on regardless, the
+            # target over the whole prompt (seconds for a long one) ahead of the queued goals and a deactivate
+            session.cancel()
+            return
         if self.predictor is not None and not policy.begins_predictor:
             # the ranking model follows every generation whatever the policy, so one that takes over mid-generation
             # finds it there (a target-hidden encoder's rows of this prompt, its recent positions)

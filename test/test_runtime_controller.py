@@ -306,7 +306,8 @@ def test_a_wait_for_a_stalled_load_gives_up_after_max_load_wait_seconds(target, 
         RuntimeConfig(max_load_wait_seconds=-1.0).validate()
 
 
-def test_a_stalled_load_is_waited_for_once_a_goal_and_a_goal_start_waits_no_longer_for_it(target, drafts, expected):
+def test_a_stalled_load_is_waited_for_once_a_goal_and_a_goal_start_waits_no_longer_for_it(target, drafts, expected,
+                                                                                          monkeypatch):
     """general-static (and mab-sync) ask for their draft at every scheduling point: each point waited the whole
     max_load_wait_seconds again for the same stalled read. And with reset_cache_per_generation, the next goal's
     start waited for that read with no limit at all."""
@@ -316,6 +317,12 @@ def test_a_stalled_load_is_waited_for_once_a_goal_and_a_goal_start_waits_no_long
     waits, resets = [], []
     wait_for, reset = ctl.cache.wait_for, ctl.cache.reset
     ctl.cache.wait_for = lambda name, timeout=None, stop=None: waits.append(name) or wait_for(name, timeout, stop)
+    from memspec_ros.runtime import cache as cache_module
+
+    waited_for = []
+    real_wait = cache_module._wait_futures
+    monkeypatch.setattr(cache_module, "_wait_futures",
+                        lambda pending, *a: waited_for.append(len(pending)) or real_wait(pending, *a))
     ctl.cache.reset = lambda stop=None, timeout=None: resets.append(timeout) or reset(stop, timeout)
     try:
         result = ctl.generate(PROMPT, NEW)
@@ -323,6 +330,11 @@ def test_a_stalled_load_is_waited_for_once_a_goal_and_a_goal_start_waits_no_long
         assert waits == ["math"]  # the first point's wait only, of the 20 points
         ctl.generate(PROMPT, 4)
         assert resets == [0.2, 0.2]  # each goal's start waits for loads in flight at most that long
+        # the second start gave up on the stalled read; the third does not wait for it again (every goal started
+        # max_load_wait_seconds late while the read hung, which holds the one loader thread whatever a reset does)
+        waited_for.clear()
+        ctl.generate(PROMPT, 4)
+        assert waited_for[0] == 0 and not loader.gate.is_set()
     finally:
         loader.gate.set()
         ctl.close()

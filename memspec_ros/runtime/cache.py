@@ -189,6 +189,10 @@ class DraftCacheManager:
         # loads in flight of a draft removed or failed meanwhile: out of ``_slots`` (so its name can load anew, or stay
         # failed), their bytes still reserved until the loader ends and drops them
         self._detached: list[_Slot] = []
+        # loads a reset gave up waiting for (its timeout passed): a read hung on failing storage, not waited for by
+        # any later reset (each goal's start waited the whole timeout again for the same read, which holds the one
+        # loader thread whatever a reset does); forgotten once done
+        self._given_up: set[Future] = set()
         self._scores: dict[str, float] = {}
         self._working_set: list[str] = []
         self._active = ""
@@ -574,14 +578,20 @@ class DraftCacheManager:
 
     def reset(self, stop: Callable[[], bool] | None = None, timeout: float | None = None) -> bool:
         """Empty the cache (the paper resets runtime state per prompt); waits for loads in flight, so the next
-        prompt's first load does not queue behind this one's. Returns False where the wait ended early.
+        prompt's first load does not queue behind this one's. Returns False where a load is left reading (the wait
+        ended early, or an earlier reset gave up on it: see ``_given_up``).
 
         The wait ends once ``stop()`` is true (polled every STOP_POLL_SECONDS: a goal cancelled as it starts) or
         after ``timeout`` seconds (a read hung on failing storage must not hang the node's cleanup). A load still in
         flight then, or one another thread starts meanwhile, is marked for dropping, not forgotten: it keeps its
         reservation until the loader ends."""
-        finished = _wait_futures(self._stop_queued(), _deadline(timeout), stop)
+        in_flight = self._stop_queued()
+        waited = [f for f in in_flight if f not in self._given_up]
+        finished = _wait_futures(waited, _deadline(timeout), stop)
+        timed_out = not finished and not (stop is not None and stop())
         with self._lock:
+            self._given_up = {f for f in (*self._given_up, *(waited if timed_out else ())) if not f.done()}
+            finished = finished and len(waited) == len(in_flight)
             for name in list(self._slots):
                 slot = self._slots[name]
                 if slot.model is not None:

@@ -1,11 +1,13 @@
 # memspec_ros developer entry points (this Debian 12 / Python 3.11 machine, ROS 2 from PyPI wheels).
 #   make setup   .venv + ROS 2 Jazzy wheels + Python libraries + colcon build + .venv-gptq (idempotent, fast when unchanged)
-#   make build   the same steps but .venv-gptq; FORCE=1 redoes the colcon build even when nothing changed
+#   make build   every step of setup except .venv-gptq; FORCE=1 redoes the colcon build even when nothing changed
+#   make deps    only .venv, the ROS 2 wheels and the Python libraries (FORCE=1 reinstalls them)
+#   make gptq    only .venv-gptq, GPT-QModel's side environment (MEMSPEC_GPTQ=0 skips it here and in make test)
 #   make lint    ruff over the whole tree
-#   make test    setup if needed (.venv-gptq too), build, lint, then the whole pytest suite
+#   make test    setup if needed (.venv-gptq too), build, lint, then the whole pytest suite (PYTEST_ARGS=...)
 #   make clean   remove build/ install/ log/      make distclean   ... and .venv, .venv-gptq
-#   make demo    the node on the bundled zoo: configure, activate, a streamed goal and its follow-up turn, /diagnostics, clean stop
-#   make bench   the paper's evaluation (figures 6-12, table 2, storage media, goals) into docs/results/ (2-15 min at the default 2 prompts per workload; 18-46 min at 24, by host)
+#   make demo    the node on the bundled zoo: configure, activate, a streamed goal and its follow-up turn, /diagnostics, clean stop (DEMO_ARGS=...)
+#   make bench   the paper's evaluation (figures 6-12, table 2, storage media, goals) into docs/results/ (2-15 min at the default 2 prompts per workload; 18-46 min at 24, by host; BENCH_ARGS=...)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -19,7 +21,7 @@ PYTEST_ARGS ?=
 .PHONY: help setup deps build gptq lint test demo bench clean distclean
 
 help:
-	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,10p' Makefile | sed 's/^# \{0,1\}//'
 
 setup:
 	$(SETUP) all $(SETUP_FLAGS)

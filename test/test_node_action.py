@@ -816,8 +816,9 @@ def test_memspec_client_rejection_message_names_every_reason_with_the_nodes_limi
     assert outcome.status == "rejected"
     said = " ".join(log.getvalue().split())
     for reason in ("not active", "empty", "generation.max_prompt_tokens", "max_new_tokens exceed the target's context",
-                   "without a chat template", "control token", "temperature above 100", "top_p above 1",
-                   "more than 64 stop strings", "over 1000 characters", "queue is full"):
+                   "without a chat template", "generation.system_prompt_fixed", "temperature above 100",
+                   "top_p above 1", "more than 64 stop strings", "over 1000 characters", "special token",
+                   "queue is full"):
         assert reason in said, reason
 
 

@@ -233,10 +233,11 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
         if not handle.accepted:
             print("goal REJECTED by the node: it is not active; the prompt is empty or longer than"
                   " generation.max_prompt_tokens; prompt + max_new_tokens exceed the target's context; messages to a"
-                  " model without a chat template, or a control token (<|im_start|>, ...) in the text of a"
-                  f" chat-template goal; temperature above {MAX_TEMPERATURE:g} or top_p above {MAX_TOP_P:g}; more than"
-                  f" {MAX_STOP_STRINGS} stop strings or one over {MAX_STOP_CHARS} characters; or the goal queue is"
-                  " full (the node's log and /diagnostics say which)", file=log)
+                  " model without a chat template; a system message or a raw goal while"
+                  " generation.system_prompt_fixed is true; temperature above"
+                  f" {MAX_TEMPERATURE:g} or top_p above {MAX_TOP_P:g} (or not a number); more than"
+                  f" {MAX_STOP_STRINGS} stop strings, one over {MAX_STOP_CHARS} characters or one holding a special"
+                  " token; or the goal queue is full (the node's log and /diagnostics say which)", file=log)
             outcome.status = "rejected"
             return outcome
         watch = ResultWatch(client, handle, server_timeout)

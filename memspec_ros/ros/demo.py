@@ -156,8 +156,8 @@ def choose_zoo(args) -> tuple[Path, dict[str, str], bool]:
         params[key] = value
     if generated:
         tiny = Path(tempfile.mkdtemp(prefix="memspec_demo_zoo_"))
-        say(f"no bundled zoo at {zoo} (build it with `memspec-zoo build`): using a generated tiny zoo in {tiny};"
-            " its text is noise, the ROS path is the real one")
+        say(f"no bundled zoo at {zoo} (build it with `memspec-zoo build --out {zoo}`): using a generated tiny zoo in"
+            f" {tiny}; its text is noise, the ROS path is the real one")
         try:
             build_tiny_zoo(tiny, hidden=64, layers=2, draft_layers=2)
         except BaseException:  # a failure or a Ctrl-C while it is built: nothing half-made stays in /tmp
@@ -465,7 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zoo", help="zoo directory with registry.yaml (default: the bundled zoo)")
     parser.add_argument("--params-file", type=_existing_file, default=default_params_file(),
                         help="the node's parameters file (default config/memspec.yaml: the checkout's, else the"
-                             " installed package's share/memspec_ros/config)")
+                             " installed package's share/memspec_ros/config). The demo sets these over it:"
+                             " model.threads, model.quantization, drafts.quantization and drafts.registry_file"
+                             " (--threads, --quantization, --draft-quantization, --zoo), memspec.adaptive_gamma and"
+                             " memspec.context_lookup (true), and memspec.policy where the zoo has no predictor;"
+                             " set them with those flags or --param, which wins over both")
     parser.add_argument("--prompt", help="prompt (default: the zoo's first code workload prompt)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--threads", type=node_range("model.threads"), default=os.environ.get("MEMSPEC_THREADS", "1"),

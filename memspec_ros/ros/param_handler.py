@@ -26,6 +26,11 @@ from . import params as P
 # setters, so a value stored after the configure read them is still the one in use)
 CONFIGURED_PREFIXES = ("model.", "drafts.", "predictor.", "datastore.", "cache.", "memspec.")
 
+
+def _to_unconfigured(state: str) -> str:
+    """The transitions that take a node in ``state`` back to unconfigured (an inactive one refuses deactivate)."""
+    return "cleanup" if state == "inactive" else "deactivate and cleanup"
+
 class Refused(Exception):
     """A parameter change refused with its reason; nothing was applied."""
 
@@ -238,9 +243,8 @@ class ParameterHandler:
                         and P.plain_value(new[n]) != P.plain_value(self._node.get_parameter(n).value)]
         if at_configure and lo is not None:
             state = self._node.lifecycle_state
-            steps = "cleanup" if state == "inactive" else "deactivate and cleanup"  # inactive refuses deactivate
             raise Refused(f"{', '.join(at_configure)} can change only while unconfigured (the models are loaded,"
-                          f" state {state}): {steps}, set it, then configure again")
+                          f" state {state}): {_to_unconfigured(state)}, set it, then configure again")
         if lo is not None and LENGTH_PARAMS & set(new):  # any of them: each bounds what the others leave
             values = {n: new.get(n, self._node.get_parameter(n).value) for n in LENGTH_PARAMS}
             reason = length_refusal(values, lo.tokenizer, lo.max_positions, lo.max_token_chars)
@@ -268,11 +272,11 @@ class ParameterHandler:
                     else "")
             raise Refused(f"draft registry not changed: {exc}{hint}") from exc
         if not P.non_empty(merged["drafts.names"]):
-            self._check_same_models(merged, lo)
+            self._check_same_models(merged, lo, _to_unconfigured(self._node.lifecycle_state))
         return registry
 
     @staticmethod
-    def _check_same_models(merged: dict[str, Any], lo) -> None:
+    def _check_same_models(merged: dict[str, Any], lo, steps: str) -> None:
         """A registry file brings its target, and its predictor beside it where predictor.path is empty; configure
         loaded them, and a run-time change swaps only the drafts. One that would bring others is refused: kept
         silently, a predictor ranked drafts it was not trained for."""
@@ -290,8 +294,8 @@ class ParameterHandler:
                  if was and not P.same_path(was, now)]
         if moved:
             raise Refused(f"draft registry not changed: {wanted.registry_file} brings {'; '.join(moved)}, which"
-                          " configure loads: deactivate and cleanup, set drafts.registry_file, then configure"
-                          " again (or give a registry beside the loaded target and predictor)")
+                          f" configure loads: {steps}, set drafts.registry_file, then configure again (or give a"
+                          " registry beside the loaded target and predictor)")
 
     def _check_general_draft(self, new: dict[str, Any], lo, registry) -> None:
         """A change that leaves general-static without its draft (the registry, the policy or the name) is refused."""

@@ -643,7 +643,7 @@ def resolve_paths(v: dict[str, Any]) -> ModelPaths:
         if not Path(registry_file).is_file():
             raise ValueError(
                 f"draft registry {registry_file!r} does not exist: set drafts.registry_file (or drafts.names/paths),"
-                " or build the bundled zoo (memspec-zoo build)"
+                f" or build a zoo there (memspec-zoo build --out {str(Path(registry_file).parent)!r})"
             )
     if not target:
         if not registry_file:

@@ -375,7 +375,8 @@ class _Predicted(DraftPolicy):
     def __init__(self, predictor: Ranker | None) -> None:
         if predictor is None:
             raise PolicyError(f"policy {self.name!r} needs a trained predictor: train one with memspec-train-predictor"
-                              " and set predictor.path, or use general-static / mab-async")
+                              " and load it (the node's predictor.path, set while unconfigured: cleanup, set it,"
+                              " configure), or use a policy without one: general-static, mab-sync or mab-async")
         self.predictor = predictor
 
     begins_predictor = True

@@ -172,6 +172,9 @@ def test_policy_bench_refuses_a_predictor_it_cannot_find_and_a_run_with_no_polic
     # dropped with exit status 0 and a line at the end of the output when others were named beside them)
     with pytest.raises(SystemExit, match=r"zoo/predictor: no trained ranking head there .* which memspec ranking"):
         main([*args, "--policies", "general-static,memspec"])
+    # the default list too: MemSpec's ratios were simply absent from a run that exited 0
+    with pytest.raises(SystemExit, match=r"no trained ranking head .* prediction-only, memspec.*--policies without"):
+        main(args)
 
 
 def test_engine_bench_takes_a_workload_folder_and_reports_the_draft_load(tmp_path):

@@ -279,10 +279,12 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
     answers = {text: tok.decode(generate(target, ids, None, max_new_tokens=6, eos_token_ids=eos).generated_ids,
                                 skip_special_tokens=True) for _, ids, text in prompts}
 
+    rates = {prompts[0][2]: 10.0, prompts[1][2]: 20.0, prompts[2][2]: 1000.0}
+
     def completion(bin_dir, gguf, prompt, new_tokens, threads):  # the last prompt encoded one token longer
         length = len(tok(prompt)["input_ids"]) + (prompt == prompts[-1][2])
-        return lb.LlamaCppRun(text=lb.llamacpp_answer(answers[prompt] + " [end of text]\n\n"), decode_tps=10.0,
-                              prompt_tokens=length)
+        return lb.LlamaCppRun(text=lb.llamacpp_answer(answers[prompt] + " [end of text]\n\n"),
+                              decode_tps=rates[prompt], prompt_tokens=length)
 
     calls = []
 
@@ -301,6 +303,7 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
     assert row["paths"]["fp32"]["same_text_as_llamacpp"] == 1.0
     length = len(prompts[-1][1])
     assert row["prompt_tokens_mismatched"] == [{"prompt": 2, "engine": length, "llamacpp": length + 1}]
+    assert row["llamacpp_tps"] == 15.0  # the other prompt's rate is in no figure (with it: 20)
     assert "llamacpp_lookup_tps" not in row and "llamacpp_lookup_vs_llamacpp" not in row
     assert "out of memory" in result["llamacpp_lookup_failed"]
     assert row["paths"]["fp32"]["speculative_worst_method"] in {"fixed gamma", "adaptive gamma",
@@ -430,3 +433,11 @@ echo "common_perf_print:    sampling time =      10.00 ms /   100 runs   (    0.
     assert "--no-warmup" not in args.read_text().split()
     assert run.prompt_tokens == 21 and run.text == "an answer" and run.sampling_timed
     assert run.decode_tps == pytest.approx(99 / 1.010)
+    # the first token ended the answer: "0 runs", and sampling time alone gave a rate of 0 tokens/s, in llama.cpp's
+    # median only (an engine answer of one token has no decode rate)
+    program.write_text("""#!/bin/sh
+echo " [end of text]"
+echo "common_perf_print:        eval time =       0.00 ms /     0 runs   (    0.00 ms per token)" >&2
+echo "common_perf_print:    sampling time =       0.20 ms /     1 runs   (    0.20 ms per token)" >&2
+""")
+    assert lb.run_llamacpp(tmp_path, tmp_path / "t.gguf", "a prompt", 100, 1).decode_tps is None

@@ -403,7 +403,8 @@ def cmd_llamacpp(args) -> int:
         )
         if row["prompt_tokens_mismatched"]:
             print(f"  WARNING: llama.cpp encoded {len(row['prompt_tokens_mismatched'])} prompt(s) to another length"
-                  " than the engine: they were not given the same prompt (prompt_tokens_mismatched in the JSON)")
+                  " than the engine: they were not given the same prompt, and are left out of llama.cpp's figures"
+                  " (prompt_tokens_mismatched in the JSON)")
     return 0 if all(row["outputs_identical"] for row in result["threads"].values()) else 1
 
 
@@ -497,13 +498,15 @@ def cmd_policies(args) -> int:
     # target-hidden alone, a zoo with only a minilm head ran without its ranking policies)
     predictor = Path(args.predictor) if args.predictor else zoo / "predictor"
     ranking = [p for p in policies if p in RANKING_POLICIES]
-    if (args.predictor or (args.policies and ranking)) and not find_predictor(predictor):
-        # named (a predictor, or policies that need one) and not found: dropping memspec, prediction-only and the
-        # cost-aware variant with exit status 0 and a line at the end of the output passed for a comparison
+    if (args.predictor or ranking) and not find_predictor(predictor):
+        # a predictor named, or policies that need one (the default list's too), and none found: dropping memspec,
+        # prediction-only and the cost-aware variant with exit status 0 and a line at the end of the output passed
+        # for a comparison of MemSpec, whose ratios were simply absent
         raise SystemExit(f"{'--predictor ' if args.predictor else ''}{predictor}: no trained ranking head there"
                          f" ({HEAD_CONFIG} in it or in one of its encoder folders:"
                          f" {', '.join(p for p in PREDICTOR_PREFERENCE if p)}), which {', '.join(ranking) or 'the'}"
-                         " ranking policies need: train one (memspec-train-predictor) or pass --predictor")
+                         " ranking policies need: train one (memspec-train-predictor), pass --predictor, or name"
+                         " --policies without them")
     with tqdm(total=len(policies) * len(workloads) * args.prompts * args.runs, desc="policies", unit="gen") as bar:
         try:
             result = run_policy_bench(zoo, cfg, predictor, progress=bar)

@@ -27,7 +27,8 @@ method's rate over llama.cpp's on that same prompt in that same turn, over the p
 medians could divide one prompt's rate by another's). Every program warms up before it is timed, as the engine
 does: llama.cpp's own warm-up run is outside its reported times. llama.cpp's prompt token count is checked
 against the engine's (``prompt_tokens_mismatched``): the two tokenize the same text, so a count that differs
-means they were not given the same prompt.
+means they were not given the same prompt, and that prompt's llama.cpp rate is left out of every figure. An
+answer of one token has no decode rate, in llama.cpp's tally as in the engine's.
 
 Beside the ratios, a per-forward profile per path: the time of a 1-token and a
 gamma+1-token forward, and the share of a 1-token forward spent in matmul kernels
@@ -109,7 +110,7 @@ class LlamaCppBenchConfig:
 @dataclass
 class LlamaCppRun:
     text: str  # the answer as llama-completion printed it, its end-of-text marker removed
-    decode_tps: float
+    decode_tps: float | None  # None: no token decoded after the first (a one-token answer has no decode rate)
     sampling_timed: bool = True  # its sampling time was found and counted (else eval time alone)
     prompt_tokens: int | None = None  # the prompt's length in tokens as llama.cpp encoded it (None: not reported)
 
@@ -160,9 +161,11 @@ def run_llamacpp(bin_dir: Path, gguf: Path, prompt: str, new_tokens: int, thread
     sampling = _SAMPLING.search(done.stderr)
     prompt_eval = _PROMPT_EVAL.search(done.stderr)
     ms, runs = float(match.group(1)) + (float(sampling.group(1)) if sampling else 0.0), int(match.group(2))
-    if ms <= 0:
+    if runs and ms <= 0:
         raise RuntimeError(f"llama-completion reported {runs} runs in {ms} ms: no decode time to divide by")
-    return LlamaCppRun(text=llamacpp_answer(done.stdout), decode_tps=runs / (ms / 1000),
+    # "eval ... / 0 runs" (the first token ended the answer): sampling time alone made a rate of 0 tokens/s, in
+    # llama.cpp's median only (the engine's kinds leave such an answer out)
+    return LlamaCppRun(text=llamacpp_answer(done.stdout), decode_tps=runs / (ms / 1000) if runs else None,
                        sampling_timed=sampling is not None,
                        prompt_tokens=int(prompt_eval.group(1)) if prompt_eval else None)
 
@@ -377,11 +380,14 @@ def run_llamacpp_bench(
                 for method in methods[shift:] + methods[:shift]:
                     if method == "llamacpp":
                         out = run_llamacpp(cfg.llamacpp_bin, gguf, text, cfg.max_new_tokens, threads)
-                        tally[method].add((run, i), out.decode_tps)
                         llama_text = out.text
                         sampling_timed &= out.sampling_timed
-                        if out.prompt_tokens is not None and out.prompt_tokens != len(ids) and run == 0:
-                            mismatched.append({"prompt": i, "engine": len(ids), "llamacpp": out.prompt_tokens})
+                        if out.prompt_tokens is not None and out.prompt_tokens != len(ids):
+                            # not the engine's prompt: its rate pairs with no engine rate (left out of every figure)
+                            if run == 0:
+                                mismatched.append({"prompt": i, "engine": len(ids), "llamacpp": out.prompt_tokens})
+                        elif out.decode_tps is not None:
+                            tally[method].add((run, i), out.decode_tps)
                         continue
                     if method in spec_counts:
                         draft_gguf = spec_drafts.get(domain) if method == "llamacpp_speculative" else None

@@ -23,8 +23,13 @@ def test_engine_bench_reports_every_figure(tmp_path):
     assert main(["engine", "--zoo", "tiny", "--prompts", "2", "--runs", "1",
                  "--max-new-tokens", "12", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    for key in ("autoregressive_tps", "hf_assisted_tps", "engine_tps", "engine_decode_tps", "bound_tps"):
+    for key in ("autoregressive_tps", "hf_assisted_tps", "engine_tps", "engine_decode_tps", "target_alone_decode_tps",
+                "bound_tps"):
         assert result[key] > 0, key
+    # against its target alone, whole calls and decoding alone (the paper's metric, as llama.cpp's bench reports it)
+    assert result["ratio_vs_target_alone"] == pytest.approx(result["engine_tps"] / result["target_alone_tps"])
+    assert result["decode_ratio_vs_target_alone"] == pytest.approx(
+        result["engine_decode_tps"] / result["target_alone_decode_tps"])
     # the ratios are of the figures beside them (--runs 1: each figure is its one run's)
     assert result["ratio_vs_hf"] == pytest.approx(result["engine_tps"] / result["hf_assisted_tps"])
     assert result["ratio_vs_autoregressive"] == pytest.approx(result["engine_tps"] / result["autoregressive_tps"])

@@ -254,7 +254,9 @@ def cmd_engine(args) -> int:
     print(
         f"\nengine {result.engine_tps:.1f} tok/s | HF assisted {_num(result.hf_assisted_tps, '.1f')} | "
         f"autoregressive {result.autoregressive_tps:.1f} | ratio vs HF {_num(result.ratio_vs_hf, '.2f')} "
-        f"(goal >= 1.3) | vs AR {_num(result.ratio_vs_autoregressive, '.2f')} | E[A] {result.mean_accepted:.2f} | "
+        f"(goal >= 1.3) | vs its target alone {_num(result.ratio_vs_target_alone, '.2f')} whole calls,"
+        f" {_num(result.decode_ratio_vs_target_alone, '.2f')} decoding (goal >= 1.6) | vs AR"
+        f" {_num(result.ratio_vs_autoregressive, '.2f')} | E[A] {result.mean_accepted:.2f} | "
         + (f"bound fraction {result.bound_fraction:.2f} (goal >= 0.9; draft {result.t_draft_ms:.2f} ms a token, "
            f"verify {result.t_verify_ms:.2f} ms alone, in the loop {_num(result.loop_draft_ms, '.2f')} / "
            f"{_num(result.loop_verify_ms, '.2f')} ms, {_num(result.loop_other_ms, '.2f')} ms an iteration besides)"

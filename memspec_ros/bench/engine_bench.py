@@ -5,7 +5,9 @@ engine) run in one process, interleaved prompt by prompt (the order rotates
 each round) on the same target/draft pair, greedy, so machine noise hits them
 alike. Each method's throughput is generated tokens over the wall time of its
 calls (prefill included for all four, since transformers cannot report it
-apart); the engine's steady-state throughput (prefill excluded) is compared
+apart); the engine's steady-state throughput (prefill excluded: the paper's metric) is
+compared with its own target alone's on the same metric (``decode_ratio_vs_target_alone``,
+the figure llama.cpp's bench reports as ``speculative_vs_target_alone``) and
 with the analytic bound (E[A] + 1) / (gamma * t_draft + t_verify) built from
 per-forward times measured in the same run: after each prompt, the median of a
 few isolated forwards (one draft token; gamma + 1 target tokens; one target
@@ -65,10 +67,12 @@ class EngineBenchResult:
     hf_assisted_tps: float | None  # None: transformers cannot run this draft
     engine_tps: float
     engine_decode_tps: float
+    target_alone_decode_tps: float  # its target alone's, prefill excluded too (the paper's metric)
     # the engine's rate over each baseline's, the median over runs of each run's own ratio (paired_ratio)
     ratio_vs_hf: float | None
     ratio_vs_autoregressive: float | None  # None: no run had a rate (stats.ratio)
-    ratio_vs_target_alone: float | None
+    ratio_vs_target_alone: float | None  # whole calls, prefill included, as the other ratios
+    decode_ratio_vs_target_alone: float | None  # prefill excluded on both sides (the paper's metric)
     mean_accepted: float
     # the engine's tokens equal its own target alone's (greedy, lossless): this engine's claim
     outputs_identical: bool
@@ -205,6 +209,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         "autoregressive", "target_alone", "engine")
     per_run: dict[str, list[float]] = {m: [] for m in methods}
     decode_tps: list[float] = []
+    alone_decode_tps: list[float] = []  # per run, the target alone's, pooled as the engine's
     bound_tps: list[float] = []  # per run: its decode tokens at the bound's forward times (_bound_seconds)
     accepted = GenerationTotals()  # E[A] pooled over every iteration (stats.py), not a mean of per-prompt means
     draft_ms: list[float] = []
@@ -230,6 +235,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         seconds = dict.fromkeys(methods, 0.0)
         tokens = dict.fromkeys(methods, 0)
         run_decode_s, run_decode_tokens, run_bound_s = 0.0, 0, 0.0
+        alone_s, alone_tokens = 0.0, 0
         for i, ids in enumerate(prompts):
             outputs = {}
             shift = (i + run) % len(methods)
@@ -239,8 +245,8 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 if method == "autoregressive":
                     out = _hf_generate(target, None, ids, cfg.max_new_tokens, cfg.gamma, eos)
                 elif method == "target_alone":
-                    out = generate(target, ids, None, max_new_tokens=cfg.max_new_tokens,
-                                   eos_token_ids=eos).generated_ids
+                    alone = generate(target, ids, None, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
+                    out = alone.generated_ids
                 elif method == "hf_assisted":
                     out = _hf_generate(target, assistant, ids, cfg.max_new_tokens, cfg.gamma, eos)
                 else:
@@ -257,6 +263,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                     run_decode_tokens += session.stats.decode_tokens
                     accepted.add(session.stats)
                     loop.add(session.stats)
+                elif method == "target_alone":
+                    alone_s += alone.stats.decode_seconds
+                    alone_tokens += alone.stats.decode_tokens
                 tokens[method] += len(out)
                 outputs[method] = out
             # lossless means equal to this engine's own one-token greedy decoding of the target; transformers'
@@ -278,6 +287,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
             per_run[method].append(tokens[method] / seconds[method])
         generated = tokens
         decode_tps.append(decode_tokens_per_second(run_decode_tokens, run_decode_s))
+        alone_decode_tps.append(decode_tokens_per_second(alone_tokens, alone_s))
         bound_tps.append(decode_tokens_per_second(run_decode_tokens, run_bound_s))
     mean_accepted = accepted.mean_accepted
     t_draft, t_verify = statistics.median(draft_ms), statistics.median(verify_ms)
@@ -289,10 +299,11 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         prompts=len(prompts), runs=cfg.runs, draft_forward=draft_forward,
         autoregressive_tps=med["autoregressive"], target_alone_tps=med["target_alone"],
         hf_assisted_tps=med.get("hf_assisted"), engine_tps=med["engine"],
-        engine_decode_tps=engine_decode,
+        engine_decode_tps=engine_decode, target_alone_decode_tps=statistics.median(alone_decode_tps),
         ratio_vs_hf=paired_ratio(per_run["engine"], per_run["hf_assisted"]) if hf_can else None,
         ratio_vs_autoregressive=paired_ratio(per_run["engine"], per_run["autoregressive"]),
         ratio_vs_target_alone=paired_ratio(per_run["engine"], per_run["target_alone"]),
+        decode_ratio_vs_target_alone=paired_ratio(decode_tps, alone_decode_tps),
         mean_accepted=mean_accepted, outputs_identical=identical,
         same_as_transformers=same_as_transformers / (len(prompts) * cfg.runs),
         hf_assisted_same_as_generate=hf_same / (len(prompts) * cfg.runs) if hf_can else None,

@@ -412,6 +412,8 @@ def test_llamacpps_draft_runs_gamma_tokens_where_its_build_has_the_options(tmp_p
     program.write_text("#!/bin/sh\necho '  --spec-draft-n-max N   ...'\necho '  --spec-draft-p-min P   ...'\n")
     program.chmod(0o755)
     assert lb.spec_draft_options(tmp_path) == ["--spec-draft-p-min", "0"]  # n-min not in this build: not passed
+    # and said: memspec-bench llamacpp warns that llama.cpp's own n-min then applied
+    assert lb.missing_draft_options(lb.spec_draft_options(tmp_path)) == ["--spec-draft-n-min"]
 
 
 def test_llama_completion_runs_with_its_warm_up_and_reports_its_prompt_length(tmp_path):

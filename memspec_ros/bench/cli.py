@@ -329,7 +329,14 @@ def cmd_llamacpp(args) -> int:
     from ..runtime.forward_paths import PATHS
     from ..runtime.models import ModelSpec, load_model, load_tokenizer, tokenizer_fingerprint
     from ..runtime.registry import DraftRegistry
-    from .llamacpp_bench import BenchNoRate, LlamaCppBenchConfig, LlamaCppMissing, llamacpp_program, run_llamacpp_bench
+    from .llamacpp_bench import (
+        BenchNoRate,
+        LlamaCppBenchConfig,
+        LlamaCppMissing,
+        llamacpp_program,
+        missing_draft_options,
+        run_llamacpp_bench,
+    )
     from .policy_bench import row_prompt_ids
 
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
@@ -407,6 +414,12 @@ def cmd_llamacpp(args) -> int:
             print(f"  WARNING: llama.cpp encoded {len(row['prompt_tokens_mismatched'])} prompt(s) to another length"
                   " than the engine: they were not given the same prompt, and are left out of llama.cpp's figures"
                   " (prompt_tokens_mismatched in the JSON)")
+    spec = result.get("llamacpp_speculative")
+    missing = missing_draft_options(spec["draft_options"]) if spec else []
+    if missing:  # its own defaults then cut or drop drafts that the engine's fixed gamma would verify whole
+        print(f"WARNING: this llama.cpp build's llama-speculative-simple lists no {', '.join(missing)}: it ran with"
+              " its own defaults for them, so its drafts may stop short of gamma or be dropped (rebuild the pinned"
+              " version with scripts/build_llamacpp.sh for a like-for-like llamacpp_speculative figure)")
     return 0 if all(row["outputs_identical"] for row in result["threads"].values()) else 1
 
 

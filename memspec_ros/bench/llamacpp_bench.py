@@ -140,6 +140,12 @@ def spec_draft_options(bin_dir: Path) -> list[str]:
     return [part for flag, value in SPEC_DRAFT_OPTIONS.items() if flag in listed for part in (flag, value)]
 
 
+def missing_draft_options(options: list[str]) -> list[str]:
+    """The SPEC_DRAFT_OPTIONS flags not among ``options`` (spec_draft_options' list): llama.cpp ran with its own
+    defaults for them, not like for like with the engine's fixed gamma."""
+    return [flag for flag in SPEC_DRAFT_OPTIONS if flag not in options]
+
+
 @cache
 def _help_text(program: str) -> str:
     done = subprocess.run([program, "--help"], capture_output=True, text=True, check=False, timeout=60)

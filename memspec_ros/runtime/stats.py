@@ -309,7 +309,8 @@ class GenerationStats:
 
     @property
     def mean_accepted(self) -> float:
-        """Mean accepted draft tokens per draft-and-verify iteration (E[A])."""
+        """Mean accepted tokens per speculative iteration (E[A]): a draft's proposals and, with context lookup, the
+        copies from the context or datastore alike (their iterations are drafted_iterations' complement)."""
         its = self.speculative_iterations
         return sum(it.accepted for it in its) / len(its) if its else 0.0
 

@@ -28,6 +28,7 @@ from memspec_ros.zoo.teacher import (
     Answer,
     TeacherConfig,
     answer_requests,
+    answered_rows,
     chat_prompt_ids,
     datastore_answers,
     load_answers,
@@ -266,6 +267,10 @@ def test_the_gptq_report_refuses_stored_answers_of_another_target_or_length(tiny
     with pytest.raises(SystemExit, match=r"cut at max_new_tokens \[6\], not the 128"):
         check_stored_answers(mine, model_digest(path))
     check_stored_answers(tmp_path / "none", model_digest(path))  # no stored answers: made anew, nothing to check
+    # a build resumed with another length is told the harmless fix first (its answers took minutes to hours)
+    with pytest.raises(ValueError, match=r"max_new_tokens \[6\], not 128: run with --max-new-tokens 6"):
+        answered_rows([chat_prompt_ids(tok, r["messages"]) for r in ROWS[:4]], mine, "heldout", 128,
+                      target_digest=model_digest(path))
 
 
 def test_answer_rows_label_answer_tokens_only_and_drop_ids_outside_the_vocabulary():
@@ -1090,6 +1095,11 @@ def test_cached_workloads_written_with_other_settings_are_refused(tiny_build, tm
     more = replace(cfg, workloads=replace(cfg.workloads, train_per_domain=cfg.workloads.train_per_domain + 1))
     with pytest.raises(ValueError, match=r"written with other settings \(train_per_domain"):
         ChatZooBuild(more).run(["workloads"])
+    # the workloads stage left out: the stages that read the requests refuse them too (--train-per-domain was
+    # accepted, ignored, and recorded in build_config.json)
+    (work / "vocab.json").unlink()
+    with pytest.raises(ValueError, match=r"written with other settings \(train_per_domain"):
+        ChatZooBuild(more).run(["teacher", "vocab"])
 
 
 @pytest.mark.parametrize("target", ["pkg:no_such_package_here/model.gguf", "pkg:bad.name/x.gguf", "no/such/dir"])
@@ -1101,6 +1111,44 @@ def test_a_build_with_a_missing_target_says_so_before_any_stage_runs(target, tmp
         main(["build", "--work-dir", str(tmp_path / "w"), "--target", target, "--stages", "workloads,teacher"])
     assert str(exit_info.value).startswith(f"memspec-zoo build: --target {target}:")
     assert not (tmp_path / "w" / "workloads").exists()
+
+
+def test_a_build_whose_write_fails_midway_says_its_work_is_kept_and_how_to_go_on(tiny_target, tmp_path,
+                                                                                 monkeypatch):
+    """A full disk (OSError, or safetensors' own error type) ended hours of stages in a traceback that said neither
+    that the finished work is kept nor how to go on; nor did a failed shard or checkpoint write remove its
+    temporary file from the full disk."""
+    from safetensors import SafetensorError
+
+    from memspec_ros.zoo.cli import main
+
+    path, _, _ = tiny_target
+    for error in (OSError(28, "No space left on device"), SafetensorError("Error while serializing: IoError")):
+        def full(self, stages, error=error):
+            raise error
+
+        monkeypatch.setattr(ChatZooBuild, "run", full)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "out"), "--target", str(path)])
+        said = str(exit_info.value)
+        assert said.startswith("memspec-zoo build: a write failed") and str(tmp_path / "w") in said
+        assert "run the same command again" in said
+    monkeypatch.undo()
+    import safetensors.torch
+
+    from memspec_ros.zoo.teacher import save_shard
+
+    answer = Answer([1, 2], [3, 4], torch.zeros((2, 1), dtype=torch.int32), torch.zeros((2, 1), dtype=torch.float16))
+
+    def no_space(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a shard")
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", no_space)
+    (tmp_path / "shards").mkdir()
+    with pytest.raises(SafetensorError):
+        save_shard(tmp_path / "shards" / "train-00000.safetensors", [answer], {"split": "train"})
+    assert list((tmp_path / "shards").iterdir()) == []  # no temporary file left on the full disk
 
 
 def test_draft_gguf_with_a_target_that_is_no_gguf_says_so(tmp_path):
@@ -1294,3 +1342,47 @@ def test_acceptance_of_a_few_requests_per_workload_has_the_target_answer_those_a
     [folder] = {p.parent for p in (tmp_path / "cache").rglob("heldout-*.safetensors")}
     assert len(answered_prompts(folder, "heldout")) == len(scored)
     assert json.loads(out.read_text())["config"]["per_workload"] == 1
+
+
+def test_an_export_interrupted_while_it_installs_a_draft_leaves_the_old_one_in_place(tmp_path, monkeypatch):
+    """install_staged deleted a draft's old folder (a long rmtree) before moving the new one in: a Ctrl-C between
+    the two left the zoo without a draft its registry.yaml lists."""
+    import os
+
+    from memspec_ros.zoo.registry_io import install_staged
+
+    out, staging = tmp_path / "zoo", tmp_path / "zoo" / ".export-partial"
+    for root, text in ((out, "old"), (staging, "new")):
+        for name in ("general", "code"):
+            (root / "drafts" / name).mkdir(parents=True)
+            (root / "drafts" / name / "model.safetensors").write_text(f"{text} {name}")
+    real, calls = os.replace, []
+
+    def interrupted(src, dst):
+        calls.append(Path(src))
+        if Path(src) == staging / "drafts" / "code":  # the new code draft's move
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        install_staged(staging, out, [Path("drafts/general"), Path("drafts/code")])
+    monkeypatch.undo()
+    assert (out / "drafts" / "general" / "model.safetensors").read_text() == "new general"
+    assert (out / "drafts" / "code" / "model.safetensors").read_text() == "old code"  # as it was, not missing
+    install_staged(staging, out, [Path("drafts/code")])  # run again: the rest goes in
+    assert (out / "drafts" / "code" / "model.safetensors").read_text() == "new code" and not staging.exists()
+
+
+def test_a_domain_whose_only_answer_is_kept_for_validation_is_refused_by_name(tiny_build, monkeypatch):
+    """A domain's one answer went to validation (split_validation keeps one per domain there): its draft's
+    fine-tuning was refused after the general draft's minutes as "no teacher answers to train on", naming neither
+    the draft nor what to do."""
+    build = ChatZooBuild(tiny_build)
+    answers = load_answers(tiny_build.work_dir / "teacher", "train")
+    lone = next(a for a in answers if a.domain == "law")
+    monkeypatch.setattr(build, "learning_answers", lambda: [a for a in answers if a.domain != "law"] + [lone])
+    with pytest.raises(ValueError, match=r"no training answers for law: .*--teacher-requests"):
+        build._split(("law",))
+    train_set, val = build._split(("code",))  # the other domains as before
+    assert train_set and val

@@ -308,6 +308,11 @@ def test_the_predictor_trainer_checks_its_continuations_file_and_the_build_confi
     argv = ["--registry", str(zoo / "registry.yaml"), "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit, match="--continuations .*is a folder"):
         predictor_training.main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--continuations", str(tmp_path)])
+    # nor can it be made where its folder cannot be (here a file stands in the way; a read-only folder alike)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="--continuations .*cannot be made .*a-file cannot be written"):
+        predictor_training.main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--continuations",
+                                 str(tmp_path / "a-file" / "c.json")])
     with pytest.raises(SystemExit, match="--unseen-by-drafts needs the zoo's build_config.json"):
         predictor_training.main([*argv, "--answers", str(tmp_path / "teacher"), "--unseen-by-drafts"])
 

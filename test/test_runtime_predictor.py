@@ -686,7 +686,8 @@ def test_training_is_deterministic(trained, tmp_path):
     assert a == b
 
 
-def test_continuation_cache_reuses_the_targets_greedy_output_and_only_for_that_target(trained, tmp_path):
+def test_continuation_cache_reuses_the_targets_greedy_output_and_only_for_that_target(trained, tmp_path,
+                                                                                        monkeypatch):
     root, args, target, _ = trained
     cache_file = tmp_path / "continuations.json"
     out = args.index("--out") + 1
@@ -714,6 +715,14 @@ def test_continuation_cache_reuses_the_targets_greedy_output_and_only_for_that_t
     second.save()
     merged = ContinuationCache(cache_file, root / "target")
     assert merged.continuation(target, [7, 8], 6) and merged.continuation(target, [9, 10], 6) and merged.misses == 0
+    # written as the decoding goes (every SAVE_EVERY_SECONDS), not only at the end: an interrupted run kept nothing
+    from memspec_ros.runtime import oracle
+
+    monkeypatch.setattr(oracle, "SAVE_EVERY_SECONDS", 0.0)
+    going = ContinuationCache(tmp_path / "going.json", root / "target")
+    going.continuation(target, [11, 12], 6)  # the run is interrupted here: no save() at its end
+    reread = ContinuationCache(tmp_path / "going.json", root / "target")
+    assert reread.continuation(target, [11, 12], 6) == target_greedy(target, [11, 12], 6) and reread.misses == 0
 
 
 def test_a_continuations_file_that_is_not_one_is_refused_and_never_rewritten(tmp_path, capsys):

@@ -190,6 +190,9 @@ def test_a_resumed_run_with_a_higher_budget_or_other_settings_is_refused(tmp_pat
     data, cfg, model = _interrupted_run(tmp_path / "run")
     with pytest.raises(ValueError, match=r"other settings \(max_steps 20 -> 30\)"):
         train(model, data, replace(cfg, max_steps=30), tmp_path / "run")
+    # below the step it reached (2): it was marked done at step 2, recorded as a 1-step run
+    with pytest.raises(ValueError, match=r"other settings \(max_steps 20 -> 1\)"):
+        train(model, data, replace(cfg, max_steps=1), tmp_path / "run")
     with pytest.raises(ValueError, match=r"other settings \(lr 0.005 -> 0.001\)"):
         train(model, data, replace(cfg, lr=1e-3), tmp_path / "run")
     train(model, data, replace(cfg, max_steps=4), tmp_path / "done", identity={"data": "a"})

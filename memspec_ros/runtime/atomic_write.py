@@ -84,15 +84,6 @@ def written_aside(path: str | os.PathLike[str], suffix: str = ".tmp", sync: bool
         tmp.unlink(missing_ok=True)
 
 
-def synced_replace(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
-    """``tmp``, written in full, renamed onto ``path`` once it is on disk: a resumed build takes a file under its
-    final name for finished work, and after a power cut an unsynced one could be there empty."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    sync_dir(Path(path).parent)
-
-
 def mark_used(path: str | os.PathLike[str]) -> None:
     """Set ``path``'s modification time to now: the cache pruning keeps what was used lately (a file another user
     owns, or a read-only cache, keeps its old time, and is pruned the sooner)."""

@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -112,6 +113,11 @@ def read_continuations(path: Path) -> dict[str, list[int]]:
     return entries
 
 
+# an interrupted run (Ctrl-C after hours of decoding, a crash) keeps all but its last minutes: the file was written
+# only at the end
+SAVE_EVERY_SECONDS = 300.0
+
+
 class ContinuationCache:
     """The target's greedy continuations, kept on disk between runs.
 
@@ -128,6 +134,7 @@ class ContinuationCache:
         self.target = _weights_digest(target_dir) if self.path is not None else ""
         self.entries: dict[str, list[int]] = {}
         self.hits = self.misses = 0
+        self._unsaved, self._saved_at = 0, time.monotonic()
         if self.path is not None and self.path.is_file():
             self.entries = read_continuations(self.path)
 
@@ -139,11 +146,19 @@ class ContinuationCache:
             self.hits += 1
         else:
             self.misses += 1
+            self._unsaved += 1
             self.entries[key] = target_greedy(target, prompt_ids, max_new_tokens, eos_token_ids)
+            if self.path is not None and time.monotonic() - self._saved_at >= SAVE_EVERY_SECONDS:
+                try:
+                    self.save()
+                except OSError as exc:  # the run goes on; the final save tries again, and its caller says
+                    self._saved_at = time.monotonic()
+                    print(f"could not save the continuations to {self.path} ({exc}): going on", file=sys.stderr)
         return list(self.entries[key])
 
     def save(self) -> None:
-        if self.path is None or not self.misses:
+        """Write the continuations not yet on disk (OSError where the file or its folder cannot be written)."""
+        if self.path is None or not self._unsaved:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # merge what another run saved since this one loaded: two runs sharing the file keep both
@@ -152,6 +167,7 @@ class ContinuationCache:
         # aside, synced, then renamed: an interrupted run or a power cut never leaves half a file, nor its temporary
         with written_aside(self.path, sync=True) as tmp:
             tmp.write_text(json.dumps({"format": CONTINUATIONS_FORMAT, "entries": self.entries}))
+        self._unsaved, self._saved_at = 0, time.monotonic()
 
 
 @torch.inference_mode()

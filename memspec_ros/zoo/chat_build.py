@@ -272,7 +272,21 @@ class ChatZooBuild:
         path = self.workload_dir / f"{name}.jsonl"
         if not path.is_file():  # a bare Errno 2 said nothing of what to run
             raise ValueError(f"no {path}: the requests come from the workloads stage; run it first")
+        # with the workloads stage left out of --stages too: --train-per-domain was accepted, ignored, and recorded
+        # in build_config.json as the requests' setting
+        self._check_workload_settings()
         return read_jsonl(path)  # a damaged line is named by file and line
+
+    def _check_workload_settings(self) -> None:
+        """ValueError where the written workloads were made with other settings than this build's."""
+        settings = json.loads(json.dumps(asdict(self.cfg.workloads), default=str))
+        recorded = self.workload_dir / "workload_config.json"
+        # older builds: unrecorded
+        was = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else settings
+        if was != settings:  # cached requests of other settings were used without a word
+            raise ValueError(f"the workloads in {self.workload_dir} were written with other settings"
+                             f" ({identity_changes(was, settings)}): remove that folder (and the teacher's"
+                             " answers, made for its requests) to write them again, or build in another --work-dir")
 
     def vocab_ids(self) -> list[int]:
         path = self.w / "vocab.json"
@@ -317,16 +331,11 @@ class ChatZooBuild:
 
     # ------------------------------------------------------------------ stages
     def workloads(self) -> None:
+        if (self.workload_dir / "train_requests.jsonl").is_file():
+            self._check_workload_settings()
+            return _log("workloads: cached")
         settings = json.loads(json.dumps(asdict(self.cfg.workloads), default=str))
         recorded = self.workload_dir / "workload_config.json"
-        if (self.workload_dir / "train_requests.jsonl").is_file():
-            # older builds: unrecorded
-            was = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else settings
-            if was != settings:  # cached requests of other settings were used without a word
-                raise ValueError(f"the workloads in {self.workload_dir} were written with other settings"
-                                 f" ({identity_changes(was, settings)}): remove that folder (and the teacher's"
-                                 " answers, made for its requests) to write them again, or build in another --work-dir")
-            return _log("workloads: cached")
         heldout, train_by_domain = build_chat_workloads(self.cfg.workloads)
         for name, rows in heldout.items():
             write_jsonl(self.workload_dir / f"{name}.jsonl", rows)
@@ -399,10 +408,14 @@ class ChatZooBuild:
         train_set, val = split_validation(self.learning_answers(), seed=self.cfg.seed)
         if domains is not None:
             train_set, val = [a for a in train_set if a.domain in domains], [a for a in val if a.domain in domains]
+        what = ', '.join(domains or ('the general draft',))
         if not val:  # every step would score 0 and the fine-tuning would silently keep its start
-            raise ValueError(f"no validation answers for {', '.join(domains or ('the general draft',))}: the teacher"
-                             " answered too few requests (every 20th answer is kept for validation); answer more"
-                             " (--teacher-requests)")
+            raise ValueError(f"no validation answers for {what}: the teacher answered too few requests (every 20th"
+                             " answer is kept for validation); answer more (--teacher-requests)")
+        if not train_set:  # (a domain's one answer went to validation) refused after the general draft's minutes,
+            # as "no teacher answers to train on", naming neither the draft nor what to do
+            raise ValueError(f"no training answers for {what}: the teacher answered too few requests (every 20th"
+                             " answer is kept for validation); answer more (--teacher-requests)")
         return train_set, val[: self.cfg.validation_answers]
 
     def _identity(self, cfg: TrainConfig, domains: tuple[str, ...], split, start_from: str | None) -> dict:

@@ -160,6 +160,8 @@ def _run_chat_build(a) -> int:
                              batch_size=a.train_batch, lr=a.domain_lr),
         general_domains=a.general_domains,
     )
+    from safetensors import SafetensorError
+
     from ..argtypes import unwritable
     from ..runtime.models import ModelLoadError
     from .errors import ZooSetupError
@@ -177,7 +179,17 @@ def _run_chat_build(a) -> int:
         build.run(a.stages)
     except (ValueError, FileNotFoundError, ModelLoadError, ZooSetupError) as exc:  # a stage before its inputs
         raise SystemExit(f"memspec-zoo build: {exc}") from None
+    except (OSError, SafetensorError) as exc:
+        raise SystemExit(written_failure("memspec-zoo build", exc, cfg.work_dir)) from None
     return 0
+
+
+def written_failure(program: str, exc: BaseException, work_dir: Path) -> str:
+    """What a build says when a write fails midway (a full disk, a folder made read-only): a traceback after hours
+    of stages said neither that the finished work is kept nor how to go on."""
+    return (f"{program}: a write failed ({type(exc).__name__}: {exc}). The work finished so far is kept in"
+            f" {work_dir} (every shard and checkpoint is written whole or not at all): free space or fix the"
+            " permissions, then run the same command again to go on from there")
 
 
 def _resized(arch, hidden: int, layers: int):
@@ -210,6 +222,8 @@ def _run_build(a) -> int:
     cfg.draft_recipe = a.draft_recipe
     cfg.target_arch = _resized(cfg.target_arch, a.target_hidden, a.target_layers)
     cfg.draft_arch = _resized(cfg.draft_arch, a.draft_hidden, a.draft_layers)
+    from safetensors import SafetensorError
+
     from .build import TOY_MARKER
     from .errors import ZooSetupError
 
@@ -224,6 +238,8 @@ def _run_build(a) -> int:
     # a checkpoint of another run, or a stage run before the one whose files it reads, says so in one line
     except (ValueError, FileNotFoundError, ZooSetupError) as exc:
         raise SystemExit(f"memspec-zoo build-toy: {exc}") from None
+    except (OSError, SafetensorError) as exc:
+        raise SystemExit(written_failure("memspec-zoo build-toy", exc, cfg.work_dir)) from None
     return 0
 
 

@@ -395,7 +395,11 @@ def run(args: argparse.Namespace) -> dict:
         traces = collect_traces(target, drafts, prompts, args.max_new_tokens, args.gamma, args.interval, eos,
                                 progress=not args.quiet, cache=cache, horizon=args.label_horizon, messages=turns,
                                 domains=domains)
-        cache.save()
+        try:
+            cache.save()
+        except OSError as exc:  # the head is still trained from them: the decoding was not for nothing
+            print(f"memspec-train-predictor: could not save the continuations to {cache.path} ({exc}); the head"
+                  " is trained from them all the same", file=sys.stderr)
     trace_seconds = time.perf_counter() - t0
     names = list(drafts)
     contexts = [c for t in traces for c in t.contexts]
@@ -677,7 +681,9 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def checked_continuations(path: Path, program: str) -> None:
-    """SystemExit unless ``path`` is absent or a continuations cache (read before any model loads)."""
+    """SystemExit unless ``path`` is a continuations cache, or absent where it can be made (read before any model
+    loads: the decoding of every prompt is written there)."""
+    from memspec_ros.argtypes import unwritable
     from memspec_ros.runtime.oracle import read_continuations
 
     if path.is_file():
@@ -685,6 +691,9 @@ def checked_continuations(path: Path, program: str) -> None:
             read_continuations(path)
         except ValueError as exc:
             raise SystemExit(f"{program}: --continuations {exc}") from None
+    elif where := unwritable(path.parent):  # found only at the end, in a traceback, with every continuation lost
+        raise SystemExit(f"{program}: --continuations {path} cannot be made ({where} cannot be written): name a"
+                         " file in a folder you can write to")
 
 
 def _checked_out(given: str | None, default: Path) -> str:

@@ -21,12 +21,22 @@ def install_staged(staging: Path, out: Path, moves: Sequence[Path]) -> None:
     then remove ``staging``. An export writes everything into ``staging`` first, so a failure while writing (a
     full disk on the third draft, a stage not run) leaves the zoo as it was, not old and new models mixed under a
     stale registry, nor its models deleted before the new ones existed."""
-    for rel in moves:
+    replaced = staging / ".replaced"  # the old copies, renamed aside (the same file system) until the new are in
+    if replaced.exists():  # an earlier, interrupted install's: copies its new ones replaced
+        shutil.rmtree(replaced)
+    replaced.mkdir()
+    for i, rel in enumerate(moves):
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if dest.is_dir():
-            shutil.rmtree(dest)
-        os.replace(staging / rel, dest)
+        aside = replaced / str(i)
+        if dest.is_dir():  # renamed, not deleted first: a Ctrl-C in a long rmtree left a registered draft missing
+            os.replace(dest, aside)
+        try:
+            os.replace(staging / rel, dest)
+        except BaseException:
+            if aside.exists() and not dest.exists():
+                os.replace(aside, dest)  # the old one back: the zoo as it was for this path
+            raise
     shutil.rmtree(staging)
 
 

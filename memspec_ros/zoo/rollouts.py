@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from memspec_ros.runtime.atomic_write import synced_replace, write_text_atomic
+from memspec_ros.runtime.atomic_write import write_text_atomic, written_aside
 
 IGNORE = -100
 """Label of padding positions (cross-entropy's ignore_index)."""
@@ -144,9 +144,8 @@ def make_rollouts(
         # (synced too: a power cut could leave the synced part beside an empty .json, and the resume failed on it)
         write_text_atomic(part.with_suffix(".json"), json.dumps({"config": asdict(cfg),
                                                                  "summary": summary["sources"][name]}))
-        partial = part.with_name(f".{part.name}.tmp")
-        save_file(own, str(partial))
-        synced_replace(partial, part)
+        with written_aside(part, sync=True) as partial:
+            save_file(own, str(partial))
         tensors.update(own)
         log(
             f"rollouts: {name} {cfg.sequences_per_source} sequences, full-forward labels agree"
@@ -156,9 +155,8 @@ def make_rollouts(
     # the .json, then the tensors by a rename: the build takes an existing rollouts file for a finished stage, so a
     # cut write must leave none (its parts/ stay and rebuild it), not a truncated file taken as done
     write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1))
-    partial = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(partial))
-    synced_replace(partial, out)
+    with written_aside(out, sync=True) as partial:
+        save_file(tensors, str(partial))
     shutil.rmtree(parts)
     return summary
 

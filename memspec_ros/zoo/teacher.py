@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from memspec_ros.runtime.atomic_write import held_lock, synced_replace
+from memspec_ros.runtime.atomic_write import held_lock, written_aside
 from memspec_ros.runtime.chat import end_token_ids, prompt_ids
 from memspec_ros.runtime.jsonl import read_jsonl
 from memspec_ros.runtime.model_source import earlier_identities
@@ -118,9 +118,9 @@ def save_shard(path: Path, answers: list[Answer], meta: dict) -> None:
         "top_ids": torch.cat([a.top_ids for a in answers]).contiguous(),
         "top_logp": torch.cat([a.top_logp for a in answers]).contiguous(),
     }
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)})
-    synced_replace(tmp, path)  # its existence marks the chunk answered
+    # its existence marks the chunk answered; a write that fails (a full disk) leaves no temporary file behind
+    with written_aside(path, sync=True) as tmp:
+        save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)})
 
 
 def load_shard(path: Path) -> list[Answer]:
@@ -277,8 +277,11 @@ def answered_rows(prompts: list[list[int]], out_dir: Path, split: str, max_new_t
     done = answered_prompts(out_dir, split)
     other = answered_limits(out_dir, split) - {max_new_tokens} if max_new_tokens is not None else set()
     if other:  # the stored answers are cut at another length: resumed or reused, they were taken silently
+        # the harmless way first: the answers took minutes to hours, and a build cannot pick another folder
+        keep = f"run with --max-new-tokens {next(iter(other))} (the length they were made with), " \
+            if len(other) == 1 else ""
         raise ValueError(f"the {split} answers in {out_dir} were made with max_new_tokens {sorted(other)}, not"
-                         f" {max_new_tokens}: answer into another folder, or remove that one")
+                         f" {max_new_tokens}: {keep}answer into another folder, or remove that one")
     mismatch = next((i for i, (a, b) in enumerate(zip(done, prompts, strict=False)) if a != b), None)
     if mismatch is not None:
         raise ValueError(f"the {split} answers in {out_dir} were made for other requests (stored answer {mismatch}"

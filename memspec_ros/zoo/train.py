@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from memspec_ros.runtime.atomic_write import synced_replace, write_text_atomic
+from memspec_ros.runtime.atomic_write import write_text_atomic, written_aside
 
 from .errors import ZooSetupError
 from .rollouts import RolloutStreams, topk_kl
@@ -140,9 +140,8 @@ def _save_checkpoint(path: Path, model, opt, data, meta: dict, best: dict[str, t
     # the counters travel inside the state file (one rename publishes weights and step together: a crash between
     # two files resumed step-N weights with an older step); meta.json beside it is a readable copy
     text = json.dumps(meta, indent=1)
-    tmp = path / "state.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"meta": text})
-    synced_replace(tmp, path / "state.safetensors")
+    with written_aside(path / "state.safetensors", sync=True) as tmp:  # a failed write leaves no temporary file
+        save_file(tensors, str(tmp), metadata={"meta": text})
     write_text_atomic(path / "meta.json", text)
 
 
@@ -179,15 +178,17 @@ def as_recorded(was: dict, identity: dict) -> dict:
 
 def _resumable_as(meta: dict, identity: dict) -> bool:
     """Whether the checkpointed run ``meta`` may go on as the run ``identity``: the same run, or the same with a
-    lower step budget while it is unfinished (its cosine horizon is cut to the budget; a higher one would still
-    have ended at the old horizon, and a finished run cannot take back steps)."""
+    lower step budget while it is unfinished and has not passed it (its cosine horizon is cut to the budget; a
+    higher one would still have ended at the old horizon, and neither a finished run nor one past the budget can
+    take back steps: one at step 600 resumed with 500 was marked done at 600, recorded as a 500-step run)."""
     was = meta["identity"]
     identity = as_recorded(was, identity)
     if was == identity:
         return True
     others_same = {k: v for k, v in was.items() if k != "max_steps"} == \
         {k: v for k, v in identity.items() if k != "max_steps"}
-    return others_same and not meta.get("done") and identity.get("max_steps", 0) <= meta.get("total", 0)
+    return others_same and not meta.get("done") and meta.get("step", 0) <= identity.get("max_steps", 0) \
+        <= meta.get("total", 0)
 
 
 def check_cap(meta: dict, cfg: TrainConfig, where: Path) -> None:

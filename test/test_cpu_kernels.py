@@ -1055,3 +1055,31 @@ def test_a_kernel_library_behind_a_link_or_writable_by_others_is_not_loaded(tmp_
         cpu_kernels._open(link)
     with pytest.raises(OSError, match="not this user's alone"):
         cpu_kernels._open(library)
+
+
+def test_the_kernels_are_compiled_from_the_bytes_their_cache_key_hashed(tmp_path, monkeypatch):
+    """The key hashed the C source as read at the start of _build, but the compiler read the file by its path later,
+    after up to LOCK_WAIT_S waiting for another process's lock: a checkout changed meanwhile published a library of
+    other source (other struct layouts) under the old source's key."""
+    import subprocess
+
+    source = tmp_path / "cpu_kernels.c"
+    source.write_text("int hashed_version;\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    cpu_kernels._source_text.cache_clear()
+    try:
+        assert cpu_kernels._source_text() == "int hashed_version;\n"  # what the key hashes
+        source.write_text("int changed_meanwhile;\n")  # a git checkout while the lock was waited for
+        compiled = []
+
+        def compiler(command, timeout=None):
+            compiled.append(Path(command[command.index("-lm") - 1]).read_text())
+            return subprocess.CompletedProcess(command, 1, "", "stop here")
+
+        monkeypatch.setattr(cpu_kernels, "_run_compiler", compiler)
+        with pytest.raises(RuntimeError, match="stop here"):
+            cpu_kernels._compile(tmp_path, tmp_path / "lib.so", ["cc"], ("-O2",))
+        assert compiled and set(compiled) == {"int hashed_version;\n"}
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_kernels.c"]  # its copy went with the attempt
+    finally:
+        cpu_kernels._source_text.cache_clear()

@@ -114,3 +114,22 @@ def test_off_the_cpu_a_verifys_rows_are_normalized_one_at_a_time(monkeypatch):
     x = torch.randn(1, 5, 64)
     rowwise = torch.cat([real(x[:, i : i + 1], torch.ones(64), 1e-6) for i in range(5)], dim=1)
     assert torch.equal(real(x, torch.ones(64), 1e-6), rowwise)  # the CPU's rows: alone or together, the same
+
+
+def test_a_model_whose_tensors_moved_after_its_lean_forward_was_built_gets_a_new_one():
+    """The lean forward, built once per model object, kept raw pointers into the model's tensors (the C decoder's
+    norms, layers and embedding): share_memory(), a cast or a move gives the same Parameters new memory and frees
+    the old, and every later forward read freed memory. It is built again once they moved."""
+    model = _llama(hidden_size=64, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1)
+    first = lean_forward_for(model)
+    assert lean_forward_for(model) is first  # unmoved: the same one
+    model.share_memory()  # every storage moved into shared memory, in place
+    second = lean_forward_for(model)
+    assert second is not first and lean_forward_for(model) is second
+    ref, mine = KVState(), KVState()
+    with torch.inference_mode():
+        for feed in (list(range(3, 30)), [7], [9, 11]):
+            want = forward_once(model, feed, ref, len(feed), "cpu")
+            got = forward_once(model, feed, mine, len(feed), "cpu", second)
+            tolerance = 1e-4 * float(want.abs().max())  # fp32 summation order (see the test above)
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=0)

@@ -122,7 +122,7 @@ def _build(out_dir: Path, portable: bool = False) -> Path:
     # torch's own folder too: the OpenMP runtime the library links is resolved beside it (torch's libgomp), so two
     # environments sharing the cache, one of which could not load the other's library, deleted it and published
     # their fallback build under the one key
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(compiler), version, " ".join((*flags, OPENMP)),
+    key = hashlib.sha256("\0".join([_source_text(), " ".join(compiler), version, " ".join((*flags, OPENMP)),
                                     " ".join(sorted(cpu_flags() or {platform.processor()})), _native_macros(compiler),
                                     platform.machine(), str(Path(torch.__file__).parent), torch.__version__]).encode()
                          ).hexdigest()[:16]
@@ -222,6 +222,14 @@ def _run_compiler(command: list[str], timeout: float = COMPILE_TIMEOUT_S) -> sub
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
+@cache
+def _source_text() -> str:
+    """The kernels' C source as this process first read it: the key hashes these bytes and the compiler builds
+    them (from a copy). Compiled from SOURCE's path, a checkout changed while this process waited for another's
+    lock (up to LOCK_WAIT_S) published a library of other source, and other struct layouts, under this key."""
+    return SOURCE.read_text()
+
+
 def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str, ...],
              keep_fallback: bool = False) -> None:
     """Compile the kernels into ``library`` (a temporary name in ``out_dir``, renamed when whole). ``keep_fallback``:
@@ -232,6 +240,8 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
     # compile to a temporary name and rename: a concurrent process never loads a half-written file
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
+    source = partial.with_suffix(".c")  # the bytes the key hashed (_source_text), in this private temporary name
+    source.write_text(_source_text())
     # without OpenMP, then the portable C alone (no -march=native: an assembler too old for this CPU's
     # instructions still gets a library); every attempt's error is kept for the one message
     portable_flags = tuple(f for f in flags if f != "-march=native") + ("-DMEMSPEC_PORTABLE",) * (
@@ -239,7 +249,7 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
     errors = []
     try:
         for tried in ((*flags, OPENMP), flags, portable_flags):
-            done = _run_compiler([*compiler, *tried, "-o", str(partial), str(SOURCE), "-lm"])
+            done = _run_compiler([*compiler, *tried, "-o", str(partial), str(source), "-lm"])
             if done is None:  # the next, simpler attempt still has its chance
                 errors.append(f"[{' '.join(tried)}] timed out after {COMPILE_TIMEOUT_S} s")
                 continue
@@ -276,6 +286,7 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
         sync_dir(out_dir)
     finally:
         partial.unlink(missing_ok=True)
+        source.unlink(missing_ok=True)
 
 
 def _fallback_to_retry(library: Path) -> bool:
@@ -649,7 +660,9 @@ class Decoder:
             for norm in (layer.attn_norm, layer.mlp_norm):
                 if norm.dtype != torch.float32 or not norm.is_contiguous():
                     return "RMSNorm weights are not contiguous fp32"
-                keep.append(norm)
+                # an alias of its memory, not the Parameter: a cast or move of the model (model.half()) gives the
+                # same Parameter new memory and frees the old, which the pointers below still named
+                keep.append(norm.detach())
             slot.attn_norm, slot.mlp_norm = _ptr(layer.attn_norm), _ptr(layer.mlp_norm)
             q_width, kv_width = heads * head_dim, kv_heads * head_dim
             widths = {"qkv": (dim, q_width + 2 * kv_width), "o": (q_width, dim), "gate_up": (dim, 2 * intermediate),
@@ -715,10 +728,11 @@ class Step:
             return "the step kernel is not compiled here"
         model = _StepModel(ctypes.cast(decoder._layers, ctypes.c_void_p), len(decoder._layers), decoder.dim,
                            decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.intermediate, decoder.eps)
-        keep: list[object] = [final_norm, head]  # what model's pointers name, alive as long as the step is
+        # what model's pointers name, alive as long as the step is (the tensors' memory: see Decoder.build)
+        keep: list[object] = [final_norm.detach(), head]
         if type(embed) is torch.nn.Embedding and embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
             model.embed_kind, model.embed = 32, _ptr(embed.weight)
-            keep.append(embed.weight)
+            keep.append(embed.weight.detach())
         elif isinstance(embed, F16Embedding) and embed.table.is_contiguous():
             model.embed_kind, model.embed = 16, _ptr(embed.table)
             keep.append(embed.table)

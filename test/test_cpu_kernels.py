@@ -1083,3 +1083,19 @@ def test_the_kernels_are_compiled_from_the_bytes_their_cache_key_hashed(tmp_path
         assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_kernels.c"]  # its copy went with the attempt
     finally:
         cpu_kernels._source_text.cache_clear()
+
+
+@needs_compiler
+def test_the_decoder_refuses_norm_weights_it_would_read_past_or_off_the_cpu():
+    """The C decoder reads hidden-size floats of host memory from every RMSNorm weight: one of another length was
+    read past its end; a zero kv-head count divided by zero in C."""
+    import dataclasses
+
+    from memspec_ros.runtime.draft_forward import LeanLlamaForward
+
+    lean = LeanLlamaForward(tiny_llama(hidden=256, layers=1, seed=3))  # 4 heads of 64, 2 kv heads
+    dims = (256, 4, 2, 64, 512)
+    assert isinstance(cpu_kernels.Decoder.build(lean.layers, dims, 1e-5), cpu_kernels.Decoder)
+    short = [dataclasses.replace(lean.layers[0], attn_norm=lean.layers[0].attn_norm[:128].contiguous())]
+    assert "an RMSNorm weight of 128 values" in cpu_kernels.Decoder.build(short, dims, 1e-5)
+    assert "shapes the kernel does not take" in cpu_kernels.Decoder.build(lean.layers, (256, 4, 0, 64, 512), 1e-5)

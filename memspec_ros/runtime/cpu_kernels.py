@@ -652,7 +652,7 @@ class Decoder:
         if not status().decoder:
             return "the decoder kernel is not compiled here: " + status().reason
         dim, heads, kv_heads, head_dim, intermediate = dims
-        if dim % 64 or head_dim % 64 or intermediate % 64 or heads % kv_heads:
+        if kv_heads <= 0 or dim % 64 or head_dim % 64 or intermediate % 64 or heads % kv_heads:
             return f"shapes the kernel does not take (hidden {dim}, head_dim {head_dim}, intermediate {intermediate})"
         table = (_Layer * len(layers))()
         keep: list[object] = []
@@ -660,6 +660,9 @@ class Decoder:
             for norm in (layer.attn_norm, layer.mlp_norm):
                 if norm.dtype != torch.float32 or not norm.is_contiguous():
                     return "RMSNorm weights are not contiguous fp32"
+                # the C code reads dim floats of host memory from each: a shorter one read past its end
+                if norm.numel() != dim or norm.device.type != "cpu":
+                    return f"an RMSNorm weight of {norm.numel()} values on {norm.device}, not {dim} on the CPU"
                 # an alias of its memory, not the Parameter: a cast or move of the model (model.half()) gives the
                 # same Parameter new memory and frees the old, which the pointers below still named
                 keep.append(norm.detach())
@@ -741,11 +744,15 @@ class Step:
             keep += [embed.values, embed.scales]
         else:
             return f"embedding {type(embed).__name__} is not an fp32 or fp16 table or Q8_0 rows"
+        if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in keep):  # read as host memory
+            return "the embedding or the final RMSNorm weight is not on the CPU"
         if embed.embedding_dim != decoder.dim:
             return f"embedding width {embed.embedding_dim} is not the hidden size {decoder.dim}"
         model.embed_rows = embed.num_embeddings
         if final_norm.dtype != torch.float32 or not final_norm.is_contiguous():
             return "the final RMSNorm weight is not contiguous fp32"
+        if final_norm.numel() != decoder.dim or final_norm.device.type != "cpu":
+            return f"the final RMSNorm weight has {final_norm.numel()} values on {final_norm.device}, not {decoder.dim}"
         model.final_norm = _ptr(final_norm)
         described = _kernel_linear(head)
         if isinstance(described, str):

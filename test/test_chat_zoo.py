@@ -1386,3 +1386,30 @@ def test_a_domain_whose_only_answer_is_kept_for_validation_is_refused_by_name(ti
         build._split(("law",))
     train_set, val = build._split(("code",))  # the other domains as before
     assert train_set and val
+
+
+def test_a_build_refuses_to_export_over_a_folder_that_is_no_zoo_it_made(tiny_target, tmp_path, monkeypatch):
+    """--out naming any folder had its drafts/ and workloads/ replaced without a word, and a toy zoo's marker
+    survived the export, so a later build-toy export overwrote the chat zoo."""
+    from memspec_ros.zoo.build import TOY_MARKER
+    from memspec_ros.zoo.cli import main
+
+    path, _, _ = tiny_target
+    ran = []
+    monkeypatch.setattr(ChatZooBuild, "run", lambda self, stages: ran.append(stages))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "registry.yaml").write_text("drafts: []\n")
+    (tmp_path / "toy" / TOY_MARKER).write_text("")
+    for out, said in (("mine", "holds other files (notes.txt) and no zoo"), ("toy", f"holds a toy zoo ({TOY_MARKER})")):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / out), "--target", str(path)])
+    assert ran == []  # refused before any stage
+    # the stages that do not write --out run; a zoo a build made (or a new folder) is exported into
+    main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "mine"), "--target", str(path),
+          "--stages", "workloads"])
+    (tmp_path / "zoo").mkdir()
+    (tmp_path / "zoo" / "build_config.json").write_text("{}")  # an export cut short before its registry
+    main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "zoo"), "--target", str(path)])
+    assert len(ran) == 2

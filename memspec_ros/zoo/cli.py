@@ -174,6 +174,10 @@ def _run_chat_build(a) -> int:
             f"{where} cannot be written to" if where else "")
         if blocked:
             raise SystemExit(f"memspec-zoo build: {flag} {folder}: {blocked}; name a folder this user can write")
+    if {"export", "datastore"} & set(a.stages) and (other := _not_a_chat_zoo(cfg.out_dir)):
+        # checked before the hours of stages: the export replaces drafts/, workloads/ and registry.yaml in place
+        raise SystemExit(f"memspec-zoo build: --out {cfg.out_dir} {other}, which the export would overwrite: give"
+                         " an empty or new folder, or a zoo memspec-zoo build made")
     try:
         build = ChatZooBuild(cfg)  # checks the configuration before any work
         build.run(a.stages)
@@ -182,6 +186,21 @@ def _run_chat_build(a) -> int:
     except (OSError, SafetensorError) as exc:
         raise SystemExit(written_failure("memspec-zoo build", exc, cfg.work_dir)) from None
     return 0
+
+
+def _not_a_chat_zoo(out: Path) -> str:
+    """Why ``out`` is not a folder a chat build's export may write into ('' where it may: missing, empty, or a zoo
+    this build made, its export perhaps cut short)."""
+    from .build import TOY_MARKER
+
+    if not out.is_dir():
+        return ""
+    if (out / TOY_MARKER).exists():  # a later toy export would take this zoo for its own
+        return f"holds a toy zoo ({TOY_MARKER})"
+    entries = sorted(p.name for p in out.iterdir() if p.name != ".export-partial")
+    if entries and not any((out / name).exists() for name in ("registry.yaml", "build_config.json")):
+        return f"holds other files ({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}) and no zoo"
+    return ""
 
 
 def written_failure(program: str, exc: BaseException, work_dir: Path) -> str:

@@ -311,6 +311,24 @@ def test_the_llamacpp_bench_compares_texts_without_end_markers_and_drops_a_halte
                                                                 "context lookup, no draft"}
 
 
+def test_the_llamacpp_bench_says_so_when_llamacpp_was_given_no_prompt_the_engine_was(monkeypatch, tmp_path):
+    """Every prompt encoded to another length by llama.cpp (a BOS added): its rates are in no figure, and the bench
+    said "every answer was one token"."""
+    from memspec_ros.bench import llamacpp_bench as lb
+    from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = tiny_llama(vocab_size=len(tok), seed=0)
+    prompts = [("code", tok(f"def f{i}(x):")["input_ids"], f"def f{i}(x):") for i in range(2)]
+    monkeypatch.setattr(lb, "run_llamacpp", lambda bin_dir, gguf, prompt, *a: lb.LlamaCppRun(
+        text="", decode_tps=10.0, prompt_tokens=len(tok(prompt)["input_ids"]) + 1))
+    monkeypatch.setattr(lb, "run_llamacpp_speculative", lambda *a: lb.LlamaCppSpecRun(10.0, 4, 2))
+    cfg = lb.LlamaCppBenchConfig(paths=("fp32",), threads=(1,), max_new_tokens=6, llamacpp_bin=tmp_path)
+    with pytest.raises(lb.BenchNoRate, match="encoded every prompt to another length"):
+        lb.run_llamacpp_bench(tmp_path / "t.gguf", {"fp32": target}, {"code": noisy_copy(target, 0.05, seed=1)},
+                              prompts, cfg, [int(tok.eos_token_id)], tok.decode)
+
+
 def test_the_llamacpp_bench_says_there_is_nothing_to_measure_when_every_answer_is_one_token(monkeypatch, tmp_path):
     """A kind without one decode rate (every answer ended at its first token) raised statistics' StatisticsError
     after every run; the bench says why, and the command line turns it into its message."""

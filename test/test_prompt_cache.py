@@ -382,11 +382,13 @@ def test_a_goal_cancelled_before_its_prefill_hands_its_conversation_back(c_targe
         prompt = _ids(10, 10)
         first = controller.generate(prompt, max_new_tokens=4)
         _needs_reuse(controller.prompt_cache_refused)
-        held = controller.prompt_cache.tokens
+        held, drafts = controller.prompt_cache.tokens, controller.prompt_cache.drafts
+        assert drafts  # the draft's KV cache of the conversation, kept beside the target's
         new = prompt + first.token_ids + [5, 6]
         cancelled = controller.generate(new, max_new_tokens=4, should_cancel=lambda: True)
         assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == []
         assert controller.prompt_cache.conversations == 1 and controller.prompt_cache.tokens == held
+        assert controller.prompt_cache.drafts == drafts  # handed back too: no catch-up over the conversation
         again = controller.generate(new, max_new_tokens=4)
         assert again.stats.reused_prompt_tokens == held
         assert again.token_ids == generate(c_target, new, None, max_new_tokens=4, eos_token_ids=[]).generated_ids

@@ -791,13 +791,20 @@ def test_cancel_and_streaming(target, drafts, expected):
 
 
 @pytest.mark.parametrize("policy", ["mab-sync", "prediction-only"])
-def test_a_wait_for_a_load_that_fails_is_a_load_wait(target, drafts, expected, policy):
+def test_a_wait_for_a_load_that_fails_is_a_load_wait(target, drafts, expected, policy, clock_jump):
     """The controller's wait returned 0.0 when the load it blocked on failed: the cache had counted the wait, but a
     scheduling point charged it to prediction (0.5 s) and the setup's first choice to setup_seconds, not
     setup_wait_seconds. MAB-Sync tries 'code' at a scheduling point; Prediction-Only blocks on it (ranked first)
     at the first choice."""
-    delay = 0.5
-    loader = Loader(drafts, delays={"code": delay}, fail={"code"})
+    delay = 60.0  # a slow read, as a jump of the clock: a loaded machine's stall of half a second is no match for it
+
+    class SlowLoader(Loader):
+        def __call__(self, name):
+            if name == "code":
+                clock_jump(delay)
+            return super().__call__(name)
+
+    loader = SlowLoader(drafts, fail={"code"})
     ctl = make(target, drafts, policy, loader=loader, ranker=lambda context: ["code", "math", "law", "general"],
                capacity=2, interval=2)
     result = ctl.generate(PROMPT, NEW)
@@ -1538,6 +1545,7 @@ def test_a_goal_cancelled_while_it_is_prepared_runs_no_prefill(target, drafts, e
         result = ctl.generate(PROMPT, NEW, should_cancel=lambda: cancelled["now"])
         assert result.finish_reason == "cancelled" and result.token_ids == []
         assert forwards == []  # neither the target's prefill nor a draft
+        assert result.stats.time_to_first_token == 0.0  # no token: not its preparation time (Generate.action)
         cancelled["now"] = False
         assert ctl.generate(PROMPT, NEW).token_ids == expected
     finally:

@@ -372,6 +372,7 @@ def run_llamacpp_bench(
         same_text = dict.fromkeys(targets, 0)
         sampling_timed = True
         mismatched: list[dict] = []  # prompts whose token count llama.cpp reported otherwise than the engine's
+        not_the_same: set[tuple[int, int]] = set()  # their (run, prompt) keys: in no llama.cpp method's figures
         # warm-up: lazy initialisation, kernel packing, and adaptive gamma's one-off forward timings
         # for every target/draft pair (measured once per model object, outside the timed runs)
         for target in targets.values():
@@ -389,7 +390,7 @@ def run_llamacpp_bench(
                         llama_text = out.text
                         sampling_timed &= out.sampling_timed
                         if out.prompt_tokens is not None and out.prompt_tokens != len(ids):
-                            # not the engine's prompt: its rate pairs with no engine rate (left out of every figure)
+                            not_the_same.add((run, i))  # not the engine's prompt: in no llama.cpp figure
                             if run == 0:
                                 mismatched.append({"prompt": i, "engine": len(ids), "llamacpp": out.prompt_tokens})
                         elif out.decode_tps is not None:
@@ -432,7 +433,14 @@ def run_llamacpp_bench(
                     same_text[path] += decode(outputs[f"{path}:alone"], skip_special_tokens=True).strip() == llama_text
                 if progress is not None:
                     progress.update(1)
+        for name in ("llamacpp_speculative", "llamacpp_lookup"):  # given the same text: the same prompt as plain's
+            for key in not_the_same & set(tally.get(name, _Tally()).rates):
+                del tally[name].rates[key]
         llama = tally["llamacpp"]
+        if not llama.rates and not_the_same:  # (not "every answer was one token")
+            raise BenchNoRate(f"llama.cpp encoded every prompt to another length than the engine ({mismatched[:3]}):"
+                              " they are not given the same prompt, so nothing compares; check the GGUF's tokenizer"
+                              " (a BOS added or not) against the target's")
         row: dict = {"llamacpp_tps": llama.median(), "paths": {},
                      "llamacpp_timing": "eval + sampling time" if sampling_timed else "eval time (no sampling line)",
                      "prompt_tokens_mismatched": mismatched}

@@ -642,8 +642,9 @@ def resolve_paths(v: dict[str, Any]) -> ModelPaths:
         registry_file = registry_file_of(v)
         if not Path(registry_file).is_file():
             raise ValueError(
-                f"draft registry {registry_file!r} does not exist: set drafts.registry_file (or drafts.names/paths),"
-                f" or build a zoo there (memspec-zoo build --out {str(Path(registry_file).parent)!r})"
+                f"draft registry {registry_file!r} does not exist: set drafts.registry_file (or drafts.names/paths)"
+                + (f", or build a zoo there (memspec-zoo build --out {str(Path(registry_file).parent)!r})"
+                   if Path(registry_file).name == "registry.yaml" else "")
             )
     if not target:
         if not registry_file:

@@ -586,7 +586,8 @@ class DraftCacheManager:
         flight then, or one another thread starts meanwhile, is marked for dropping, not forgotten: it keeps its
         reservation until the loader ends."""
         in_flight = self._stop_queued()
-        waited = [f for f in in_flight if f not in self._given_up]
+        # (without a timeout, a wait for everything: the benches' untimed resets, which must leave no read running)
+        waited = [f for f in in_flight if timeout is None or f not in self._given_up]
         finished = _wait_futures(waited, _deadline(timeout), stop)
         timed_out = not finished and not (stop is not None and stop())
         with self._lock:

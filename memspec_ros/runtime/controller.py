@@ -555,9 +555,12 @@ class RuntimeController:
             reused.drafts = {}
             self._should_cancel, self._stalled = should_cancel, set()
             result = self._run(session, prompt_ids, should_cancel, on_decode_start, t_call)
-            if taken and not session.started:  # cancelled before its prefill: the conversation it took goes back
-                self._hand_back(prompt_ids[:taken], prefix)
+            if taken and not session.started:  # cancelled before its prefill: the conversation it took goes back,
+                # the drafts' caches with it (the predictor's rows were handed to it: released below, not kept)
+                self._hand_back(prompt_ids[:taken], prefix, session.draft_kvs)
                 taken = 0
+                if reuse_rows is not None:  # the rows handed to the predictor for this goal: not held until the next
+                    reuse_rows(None, 0)
             self._remember(result.token_ids)
             # a failed generation's KV is not kept, nor one whose cache was switched off while it ran
             if reuse and session.started and self.config.prompt_cache:
@@ -597,11 +600,12 @@ class RuntimeController:
                 # clears or trims the prompt cache, and a trim here wrote its old entries back over that clear
                 self._drafts_left(left)
 
-    def _hand_back(self, tokens: list[int], prefix: KVState) -> None:
+    def _hand_back(self, tokens: list[int], prefix: KVState,
+                   drafts: dict[str, tuple[torch.nn.Module, KVState]] | None = None) -> None:
         """A failed goal's taken conversation, back into the prompt cache: the positions it took were never written
         again (every write starts past them), so the next turn need not prefill the whole conversation anew."""
         try:
-            self.prompt_cache.keep(tokens, prefix)
+            self.prompt_cache.keep(tokens, prefix, drafts)
         except Exception:  # the goal's own failure is what its caller must see
             log.exception("the prompt cache could not take back a failed goal's conversation")
 

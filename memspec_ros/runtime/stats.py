@@ -277,7 +277,10 @@ class GenerationStats:
     def time_to_first_token(self) -> float:
         """From the call to the first generated token, which the target's prefill makes: what the controller did
         before the policy's start, the policy's start and the prefill. The first prediction and draft load come
-        after it (runtime/controller.py, _setup)."""
+        after it (runtime/controller.py, _setup). 0 where no token was generated (a goal cancelled before its
+        prefill), as Generate.action says: its preparation time was reported as a time to a token never made."""
+        if not self.completion_tokens:
+            return 0.0
         return self.prepare_seconds + self.start_seconds + self.prefill_seconds
 
     # -- speculation --------------------------------------------------------

@@ -1093,7 +1093,8 @@ def test_cached_workloads_written_with_other_settings_are_refused(tiny_build, tm
     (work / "workloads" / "workload_config.json").write_text(json.dumps(settings))
     ChatZooBuild(cfg).run(["workloads"])  # the same settings: cached
     more = replace(cfg, workloads=replace(cfg.workloads, train_per_domain=cfg.workloads.train_per_domain + 1))
-    with pytest.raises(ValueError, match=r"written with other settings \(train_per_domain"):
+    with pytest.raises(ValueError, match=r"written with other settings \(train_per_domain .*\): run with"
+                                         rf" --train-per-domain {cfg.workloads.train_per_domain} "):
         ChatZooBuild(more).run(["workloads"])
     # the workloads stage left out: the stages that read the requests refuse them too (--train-per-domain was
     # accepted, ignored, and recorded in build_config.json)
@@ -1123,7 +1124,8 @@ def test_a_build_whose_write_fails_midway_says_its_work_is_kept_and_how_to_go_on
     from memspec_ros.zoo.cli import main
 
     path, _, _ = tiny_target
-    for error in (OSError(28, "No space left on device"), SafetensorError("Error while serializing: IoError")):
+    for error in (OSError(28, "No space left on device"),
+                  SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")):
         def full(self, stages, error=error):
             raise error
 
@@ -1133,6 +1135,11 @@ def test_a_build_whose_write_fails_midway_says_its_work_is_kept_and_how_to_go_on
         said = str(exit_info.value)
         assert said.startswith("memspec-zoo build: a write failed") and str(tmp_path / "w") in said
         assert "run the same command again" in said
+    # a damaged file is no write failure: its own error, not the disk advice (rerunning would fail the same way)
+    damaged = SafetensorError("Error while deserializing header: invalid header length")
+    monkeypatch.setattr(ChatZooBuild, "run", lambda self, stages: (_ for _ in ()).throw(damaged))
+    with pytest.raises(SafetensorError, match="invalid header length"):
+        main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "out"), "--target", str(path)])
     monkeypatch.undo()
     import safetensors.torch
 
@@ -1391,6 +1398,8 @@ def test_a_domain_whose_only_answer_is_kept_for_validation_is_refused_by_name(ti
 def test_a_build_refuses_to_export_over_a_folder_that_is_no_zoo_it_made(tiny_target, tmp_path, monkeypatch):
     """--out naming any folder had its drafts/ and workloads/ replaced without a word, and a toy zoo's marker
     survived the export, so a later build-toy export overwrote the chat zoo."""
+    import os
+
     from memspec_ros.zoo.build import TOY_MARKER
     from memspec_ros.zoo.cli import main
 
@@ -1409,7 +1418,27 @@ def test_a_build_refuses_to_export_over_a_folder_that_is_no_zoo_it_made(tiny_tar
     # the stages that do not write --out run; a zoo a build made (or a new folder) is exported into
     main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "mine"), "--target", str(path),
           "--stages", "workloads"])
-    (tmp_path / "zoo").mkdir()
-    (tmp_path / "zoo" / "build_config.json").write_text("{}")  # an export cut short before its registry
-    main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "zoo"), "--target", str(path)])
-    assert len(ran) == 2
+    # an export cut short (the drafts move in first, build_config.json and registry.yaml last), and a zoo that only
+    # its datastore stage wrote so far (it may run before export)
+    from memspec_ros.zoo.registry_io import install_staged
+
+    staging = tmp_path / "cut" / ".export-partial"
+    (staging / "drafts" / "general").mkdir(parents=True)
+    (staging / "build_config.json").write_text("{}")
+    real_replace = os.replace
+
+    def cut(src, dst):
+        if Path(src).name == "build_config.json":
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", cut)
+    with pytest.raises(KeyboardInterrupt):
+        install_staged(staging, tmp_path / "cut", [Path("drafts/general"), Path("build_config.json")])
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == [".export-partial", "drafts"]
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "datastore.safetensors").write_bytes(b"")
+    for out in ("cut", "store"):
+        main(["build", "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / out), "--target", str(path)])
+    assert len(ran) == 3

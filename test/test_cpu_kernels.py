@@ -711,12 +711,18 @@ def test_the_portable_kernels_pass_the_same_tests(tmp_path):
     one-token step, the decoder against the lean forward, speculative greedy output equal to the target's own."""
     import os
 
+    from conftest import STRICT_ALLOWED_SKIPS
+
     env = {**os.environ, cpu_kernels.ENV_SWITCH: cpu_kernels.PORTABLE, "MEMSPEC_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__,
                            "-k", "not (sampled or portable_kernels or compiler or turned_off or once)"],
                           capture_output=True, text=True, timeout=900, env=env, cwd=os.path.dirname(__file__))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " skipped" not in done.stdout and " failed" not in done.stdout
+    assert " passed" in done.stdout and " failed" not in done.stdout
+    # a skip only for a fact of the machine that no setup changes (a compiler without OpenMP skips the thread-count
+    # checks there, as here): "no skip at all" failed on such a machine, which the suite allows
+    skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert all(any(reason in line for reason in STRICT_ALLOWED_SKIPS) for line in skips), skips
     code = "from memspec_ros.runtime import cpu_kernels as k; print(k.status().isa)"
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert probe.stdout.strip() == "w4 portable C, i8 portable C, attention portable C", probe.stderr
@@ -976,8 +982,12 @@ def test_a_library_that_builds_but_does_not_load_falls_back_to_the_next_build(tm
     """A build that compiles but cannot load here (an OpenMP runtime the dynamic loader cannot find) was deleted
     and built again with the same flags, which failed the same way: the kernels were off on every start."""
     cc = tmp_path / "cc-openmp-unloadable"
+    # the OpenMP build compiled without -fopenmp (a compiler without OpenMP failed it outright, so "built but does
+    # not load" never came), then its output spoilt
     cc.write_text('#!/bin/sh\nomp=0; out=; prev=\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && omp=1\n'
-                  '  [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n' + _CC_SH + ' "$@" || exit $?\n'
+                  '  [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+                  'for a in "$@"; do shift; [ "$a" = "-fopenmp" ] || set -- "$@" "$a"; done\n'
+                  + _CC_SH + ' "$@" || exit $?\n'
                   '[ "$omp" = 1 ] && printf "not an ELF file" >"$out"\nexit 0\n')
     cc.chmod(0o755)
     out = _status_in_subprocess({"CC": str(cc), "MEMSPEC_CACHE_DIR": str(tmp_path / "cache"),
@@ -1079,7 +1089,8 @@ def test_the_kernels_are_compiled_from_the_bytes_their_cache_key_hashed(tmp_path
         monkeypatch.setattr(cpu_kernels, "_run_compiler", compiler)
         with pytest.raises(RuntimeError, match="stop here"):
             cpu_kernels._compile(tmp_path, tmp_path / "lib.so", ["cc"], ("-O2",))
-        assert compiled and set(compiled) == {"int hashed_version;\n"}
+        # (behind a #line naming cpu_kernels.c: the compiler's messages point at the file, not the gone copy)
+        assert compiled and set(compiled) == {f'#line 1 "{source}"\nint hashed_version;\n'}
         assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_kernels.c"]  # its copy went with the attempt
     finally:
         cpu_kernels._source_text.cache_clear()

@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -241,13 +242,14 @@ def _compile(out_dir: Path, library: Path, compiler: list[str], flags: tuple[str
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     source = partial.with_suffix(".c")  # the bytes the key hashed (_source_text), in this private temporary name
-    source.write_text(_source_text())
     # without OpenMP, then the portable C alone (no -march=native: an assembler too old for this CPU's
     # instructions still gets a library); every attempt's error is kept for the one message
     portable_flags = tuple(f for f in flags if f != "-march=native") + ("-DMEMSPEC_PORTABLE",) * (
         "-DMEMSPEC_PORTABLE" not in flags)
     errors = []
     try:
+        # a #line: the compiler's messages name cpu_kernels.c and its lines, not this copy (gone after the build)
+        source.write_text(f"#line 1 {json.dumps(str(SOURCE))}\n" + _source_text())
         for tried in ((*flags, OPENMP), flags, portable_flags):
             done = _run_compiler([*compiler, *tried, "-o", str(partial), str(source), "-lm"])
             if done is None:  # the next, simpler attempt still has its chance

@@ -284,8 +284,13 @@ class ChatZooBuild:
         # older builds: unrecorded
         was = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else settings
         if was != settings:  # cached requests of other settings were used without a word
+            # the harmless fix first: the committed zoo was built with --train-per-domain 3000, not the default,
+            # and removing the folder throws the teacher's answers (hours) away with it
+            changed = {k for k in {*was, *settings} if was.get(k) != settings.get(k)}
+            keep = (f"run with --train-per-domain {was['train_per_domain']} (what they were written with), or "
+                    if changed == {"train_per_domain"} else "")
             raise ValueError(f"the workloads in {self.workload_dir} were written with other settings"
-                             f" ({identity_changes(was, settings)}): remove that folder (and the teacher's"
+                             f" ({identity_changes(was, settings)}): {keep}remove that folder (and the teacher's"
                              " answers, made for its requests) to write them again, or build in another --work-dir")
 
     def vocab_ids(self) -> list[int]:

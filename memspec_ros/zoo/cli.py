@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -184,23 +185,45 @@ def _run_chat_build(a) -> int:
     except (ValueError, FileNotFoundError, ModelLoadError, ZooSetupError) as exc:  # a stage before its inputs
         raise SystemExit(f"memspec-zoo build: {exc}") from None
     except (OSError, SafetensorError) as exc:
+        if not write_failure(exc):  # a damaged file, a failing read: its own words, not the disk advice
+            raise
         raise SystemExit(written_failure("memspec-zoo build", exc, cfg.work_dir)) from None
     return 0
 
 
+# what a chat build, its datastore stage and the tools run on its zoo (the predictor trainer, acceptance, card) put
+# in --out: a folder of these alone is one of its zoos, its export perhaps cut short (the drafts move in first,
+# build_config.json and registry.yaml last) or only its datastore written (that stage may run before export)
+CHAT_ZOO_ENTRIES = frozenset({"drafts", "workloads", "build_config.json", "registry.yaml", "datastore.safetensors",
+                              "predictor", "previous-drafts", "acceptance.json", "acceptance_matrix.png",
+                              "MODEL_CARD.md", "card_measurements.json", ".export-partial"})
+
+
 def _not_a_chat_zoo(out: Path) -> str:
     """Why ``out`` is not a folder a chat build's export may write into ('' where it may: missing, empty, or a zoo
-    this build made, its export perhaps cut short)."""
+    a build made, with files of the user's own beside it or not)."""
     from .build import TOY_MARKER
 
     if not out.is_dir():
         return ""
     if (out / TOY_MARKER).exists():  # a later toy export would take this zoo for its own
         return f"holds a toy zoo ({TOY_MARKER})"
-    entries = sorted(p.name for p in out.iterdir() if p.name != ".export-partial")
-    if entries and not any((out / name).exists() for name in ("registry.yaml", "build_config.json")):
-        return f"holds other files ({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}) and no zoo"
+    others = sorted(p.name for p in out.iterdir() if p.name not in CHAT_ZOO_ENTRIES)
+    if others and not any((out / name).exists() for name in ("registry.yaml", "build_config.json")):
+        return f"holds other files ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}) and no zoo"
     return ""
+
+
+# errors of a write that cannot be made (a full disk, a quota, a read-only or forbidden folder): the finished work
+# is kept and the same command goes on once they are fixed. Other errors (a damaged file) keep their own words
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def write_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that could not be made (WRITE_ERRNOS, or safetensors' I/O error)."""
+    from ..runtime.atomic_write import safetensors_io_error
+
+    return safetensors_io_error(exc) or (isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS)
 
 
 def written_failure(program: str, exc: BaseException, work_dir: Path) -> str:
@@ -258,6 +281,8 @@ def _run_build(a) -> int:
     except (ValueError, FileNotFoundError, ZooSetupError) as exc:
         raise SystemExit(f"memspec-zoo build-toy: {exc}") from None
     except (OSError, SafetensorError) as exc:
+        if not write_failure(exc):
+            raise
         raise SystemExit(written_failure("memspec-zoo build-toy", exc, cfg.work_dir)) from None
     return 0
 

@@ -1044,8 +1044,9 @@ def test_a_goal_that_runs_past_max_goal_seconds_ends_aborted_with_its_text(h):
         assert response.status == GoalStatus.STATUS_ABORTED, response.result.finish_reason
         result = response.result
         assert "ran past action.max_goal_seconds (0.1 s)" in result.error_message
-        # its partial answer: at least the prefill's token (whose text the tiny tokenizer may decode to nothing)
-        assert 0 < result.completion_tokens < LONG
+        # its partial answer, cut short (none at all where the deadline passed before its prefill: a goal out of time
+        # while it is prepared runs no prefill, and 0.1 s is little on a loaded machine)
+        assert result.completion_tokens < LONG
     finally:
         assert h.set_params(**{"action.max_goal_seconds": 0.0})[0].successful
     handle, _ = h.send(goal(max_new_tokens=8))

@@ -757,15 +757,25 @@ def test_a_budget_change_that_evicts_drafts_drops_their_kept_caches_at_once(c_ta
         controller.close()
 
 
+def _two_drafts(target) -> tuple[dict, RuntimeController]:
+    """Drafts 'a' and 'b' and a controller of them with room for both (the caller runs its goal and closes it)."""
+    drafts = {"a": noisy_copy(target, 0.05, seed=5), "b": noisy_copy(target, 0.05, seed=6)}
+    return drafts, _controller(target, drafts, capacity=2)
+
+
+def _kept_after_a_goal(controller: RuntimeController) -> set[str]:
+    """The drafts whose KV caches the prompt cache keeps after one goal."""
+    controller.generate(_ids(10, 10), max_new_tokens=12)
+    _needs_reuse(controller.prompt_cache_refused)
+    return {n for entry in controller.prompt_cache._entries for n in entry.drafts}
+
+
 def test_forgetting_a_draft_drops_its_kept_kv_caches_though_its_model_lives_on(c_target):
     """A draft removed from the registry while idle: its kept KV caches went only once its model was collected
     and a goal came (a weak reference dies only when nothing else holds the model)."""
-    drafts = {"a": noisy_copy(c_target, 0.05, seed=5), "b": noisy_copy(c_target, 0.05, seed=6)}
-    controller = _controller(c_target, drafts, capacity=2)
+    drafts, controller = _two_drafts(c_target)
     try:
-        controller.generate(_ids(10, 10), max_new_tokens=12)
-        _needs_reuse(controller.prompt_cache_refused)
-        kept = {n for entry in controller.prompt_cache._entries for n in entry.drafts}
+        kept = _kept_after_a_goal(controller)
         assert kept and kept <= {"a", "b"}
         before = controller.prompt_cache.bytes
         controller.prompt_cache.forget_drafts(["a", "b"])
@@ -780,12 +790,9 @@ def test_drafts_a_swap_removes_while_idle_leave_both_caches_at_once(c_target):
     prompt cache: the node's parameter callback removed them, deciding by its goal runner's flag, which is set from
     a goal's acceptance to its end, so a swap just before generate() or just after it returned kept them (a K slot,
     a candidate for "any resident draft", bytes) until the next goal."""
-    drafts = {"a": noisy_copy(c_target, 0.05, seed=5), "b": noisy_copy(c_target, 0.05, seed=6)}
-    controller = _controller(c_target, drafts, capacity=2)
+    _, controller = _two_drafts(c_target)
     try:
-        controller.generate(_ids(10, 10), max_new_tokens=12)
-        _needs_reuse(controller.prompt_cache_refused)
-        kept = {n for entry in controller.prompt_cache._entries for n in entry.drafts}
+        kept = _kept_after_a_goal(controller)
         assert "a" in controller.cache.resident() and "a" in kept, (controller.cache.resident(), kept)
         removed = controller.replace_registry(DraftRegistry([DraftEntry("b", "/virtual/b", "b", 1000)],
                                                             validate=False))

@@ -329,6 +329,33 @@ def test_a_draft_of_the_same_tokenizer_but_another_logit_width_fails_to_load(zoo
         ctl.close()
 
 
+def test_a_registry_that_knows_the_targets_width_refuses_such_a_draft_when_it_is_registered(zoo, tmp_path):
+    """Checked at configure (and at a run-time registry change) from the draft's files, not at each load, where it
+    was taken out of service while the goals ran without it; a reduced-vocabulary draft's width is its map's
+    target vocabulary. load_models hands the target's width in."""
+    from memspec_ros.runtime.draft_vocab import write_vocab_map
+    from memspec_ros.runtime.loader import load_models, open_registry
+
+    save_model_dir(tiny_llama(vocab_size=80, layers=1, hidden=32, seed=5), tiny_tokenizer(), tmp_path / "wide")
+    fingerprint = tokenizer_fingerprint(tiny_tokenizer())
+    with pytest.raises(TokenizerMismatchError, match="draft 'wide' .* scores 80 token ids, the target 64"):
+        DraftRegistry([DraftEntry("wide", str(tmp_path / "wide"), "general", 0)], target_fingerprint=fingerprint,
+                      target_vocab_size=64)
+    # 31 rows of a reduced-vocabulary draft (30 ids and the shared row), speaking a 64-id target: taken
+    save_model_dir(tiny_llama(vocab_size=31, layers=1, hidden=32, seed=6), tiny_tokenizer(), tmp_path / "reduced")
+    write_vocab_map(tmp_path / "reduced", list(range(30)), 64)
+    DraftRegistry([DraftEntry("reduced", str(tmp_path / "reduced"), "general", 0)], target_fingerprint=fingerprint,
+                  target_vocab_size=64)
+    tok = tiny_tokenizer()  # a target whose rows fit its tokenizer, and a draft of 16 padded rows more
+    save_model_dir(tiny_llama(vocab_size=len(tok), layers=1, hidden=32, seed=7), tok, tmp_path / "target")
+    save_model_dir(tiny_llama(vocab_size=len(tok) + 16, layers=1, hidden=32, seed=8), tok, tmp_path / "padded")
+    (tmp_path / "registry.yaml").write_text(f"target: {{path: {tmp_path / 'target'}}}\n"
+                                            f"drafts:\n  - {{name: padded, path: {tmp_path / 'padded'}}}\n")
+    with pytest.raises(TokenizerMismatchError, match=f"scores {len(tok) + 16} token ids, the target {len(tok)}"):
+        load_models(tmp_path / "registry.yaml")
+    open_registry(tmp_path / "registry.yaml", fingerprint=fingerprint)  # unchecked without the width
+
+
 def test_a_gguf_draft_is_registered_sized_loaded_and_kept_until_its_file_changes(zoo, tmp_path, monkeypatch):
     """A draft path may name a GGUF file (as the target's may): the registry checks its conversion (config,
     safetensors, tokenizer) and reserves the converted weights' bytes, the cache loads it, and evict_changed judges

@@ -35,12 +35,13 @@ class Refused(Exception):
     """A parameter change refused with its reason; nothing was applied."""
 
 
-def registry_from_params(v: dict[str, Any], fingerprint: str):
+def registry_from_params(v: dict[str, Any], fingerprint: str, vocab_size: int = 0):
     """The draft registry the parameters describe: drafts.names/paths/domains if set, else the registry file (the
-    bundled zoo's when drafts.registry_file is empty, as configure resolves it)."""
+    bundled zoo's when drafts.registry_file is empty, as configure resolves it); its drafts checked against the
+    target's tokenizer ``fingerprint`` and ``vocab_size``."""
     from ..runtime.loader import open_registry
 
-    return open_registry(P.registry_file_of(v), P.draft_lists(v), fingerprint=fingerprint)
+    return open_registry(P.registry_file_of(v), P.draft_lists(v), fingerprint=fingerprint, vocab_size=vocab_size)
 
 
 LENGTH_PARAMS = frozenset({"generation.system_prompt", "generation.max_prompt_tokens", "generation.max_new_tokens"})
@@ -263,7 +264,7 @@ class ParameterHandler:
             return None
         merged = {**P.values(self._node), **new}
         try:
-            registry = registry_from_params(merged, lo.fingerprint)
+            registry = registry_from_params(merged, lo.fingerprint, lo.target.vocab_size)
         except Exception as exc:  # a missing or mismatched draft: the change is refused with the cause
             alone = [n for n in P.DRAFT_LISTS if n in new]
             hint = ("; the three lists are read side by side, so change them together in one"

@@ -77,14 +77,16 @@ def draft_dtype(dtype: str) -> str:
 
 
 def open_registry(registry_file: str | Path | None = None, drafts: DraftLists | None = None, *,
-                  fingerprint: str | None = None, validate: bool = True) -> DraftRegistry:
-    """The draft registry from lists if given, else from the file; drafts checked against ``fingerprint``."""
+                  fingerprint: str | None = None, validate: bool = True, vocab_size: int = 0) -> DraftRegistry:
+    """The draft registry from lists if given, else from the file; drafts checked against the target tokenizer's
+    ``fingerprint`` and the ``vocab_size`` token ids the target scores (0: not checked)."""
     if drafts is not None:
         return DraftRegistry.from_lists(drafts.names, drafts.paths, drafts.domains, target_fingerprint=fingerprint,
-                                        validate=validate)
+                                        validate=validate, target_vocab_size=vocab_size)
     if registry_file is None:
         raise ValueError("no draft registry: give a registry file or draft lists")
-    return DraftRegistry.from_yaml(registry_file, target_fingerprint=fingerprint, validate=validate)
+    return DraftRegistry.from_yaml(registry_file, target_fingerprint=fingerprint, validate=validate,
+                                   target_vocab_size=vocab_size)
 
 
 @dataclass
@@ -200,7 +202,8 @@ def load_models(
     check_tokenizer_fits(tokenizer, target, tokenizer_path)
     check_target_rows(target)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    registry = open_registry(registry_file, drafts, fingerprint=fingerprint if validate else None, validate=validate)
+    registry = open_registry(registry_file, drafts, fingerprint=fingerprint if validate else None, validate=validate,
+                             vocab_size=target.vocab_size if validate else 0)
     predictor = None
     if predictor_path:
         predictor = PredictionEngine.load(predictor_path, target=target.model, tokenizer=tokenizer)

@@ -511,6 +511,17 @@ def check_shared_tokenizer(target_path: str | Path, draft_path: str | Path,
         )
 
 
+def scored_width(path: str | Path) -> int:
+    """The token ids the model in ``path`` scores, from its files alone (no weights read): its config's
+    vocab_size, or a reduced-vocabulary draft's target vocabulary (draft_vocab.json), as a load would find it."""
+    from .draft_vocab import VOCAB_FILE, read_vocab_map
+
+    rows = int(read_config(path).get("vocab_size") or 0)
+    if (Path(path) / VOCAB_FILE).is_file():
+        return read_vocab_map(path, rows)[1]  # DraftVocabError (a ValueError) for a malformed map
+    return rows
+
+
 def check_draft_compatible(target_vocab_size: int, draft: LoadedModel, name: str = "") -> None:
     """Logit widths must match so that draft and target probabilities line up token by token (a reduced-vocabulary
     draft's are its rows mapped back to target ids). The registry compares tokenizers; a draft of the same tokenizer

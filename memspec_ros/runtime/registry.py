@@ -29,7 +29,14 @@ import yaml
 
 from .lookup import LOOKUP_DRAFT
 from .model_source import is_model_source, relative_to, resolve_model_path
-from .models import ModelDirectoryError, TokenizerMismatchError, load_tokenizer, read_config, tokenizer_fingerprint
+from .models import (
+    ModelDirectoryError,
+    TokenizerMismatchError,
+    load_tokenizer,
+    read_config,
+    scored_width,
+    tokenizer_fingerprint,
+)
 
 # the keys a registry file may hold: any other (a misspelt 'domian', say) was ignored. 'tokenizer' is read by
 # nothing (the target's tokenizer is used) but zoos built before session 37 wrote it: they keep loading.
@@ -149,6 +156,7 @@ class DraftRegistry:
         target_path: str | Path | None = None,
         target_fingerprint: str | None = None,
         validate: bool = True,
+        target_vocab_size: int = 0,
     ) -> None:
         self._lock = threading.Lock()
         self._entries: dict[str, DraftEntry] = {}
@@ -158,13 +166,16 @@ class DraftRegistry:
         if target_fingerprint is None and target_path is not None and validate:
             target_fingerprint = tokenizer_fingerprint(load_tokenizer(target_path))
         self.target_fingerprint = target_fingerprint
+        # the token ids the target scores (0: not checked): a draft of the same tokenizer but another width (a
+        # sibling model with padded rows) was accepted here and refused at each load, with the goals run without it
+        self.target_vocab_size = target_vocab_size
         for entry in entries:
             self.add(entry)
 
     # -- construction -----------------------------------------------------------
     @classmethod
     def from_yaml(cls, path: str | Path, *, target_fingerprint: str | None = None,
-                  validate: bool = True) -> DraftRegistry:
+                  validate: bool = True, target_vocab_size: int = 0) -> DraftRegistry:
         """Read a registry file; relative paths resolve from the file's directory."""
         file = Path(path)
         if file.is_dir():
@@ -241,7 +252,8 @@ class DraftRegistry:
             target_path_arg = None
         else:
             target_path_arg = target_path
-        registry = cls(entries, target_path=target_path_arg, target_fingerprint=target_fingerprint, validate=validate)
+        registry = cls(entries, target_path=target_path_arg, target_fingerprint=target_fingerprint, validate=validate,
+                       target_vocab_size=target_vocab_size)
         registry.target_path = str(target_path) if target_path is not None else None
         return registry
 
@@ -255,6 +267,7 @@ class DraftRegistry:
         base_dir: str | Path | None = None,
         target_fingerprint: str | None = None,
         validate: bool = True,
+        target_vocab_size: int = 0,
     ) -> DraftRegistry:
         """From ROS parameters ``drafts.names``, ``drafts.paths``, ``drafts.domains`` (parallel lists)."""
         for label, given in (("names", names), ("paths", paths), ("domains", domains)):
@@ -288,7 +301,8 @@ class DraftRegistry:
             )
             for i, (name, p) in enumerate(zip(names, paths, strict=True))
         ]
-        return cls(entries, target_fingerprint=target_fingerprint, validate=validate)
+        return cls(entries, target_fingerprint=target_fingerprint, validate=validate,
+                   target_vocab_size=target_vocab_size)
 
     # -- validation -------------------------------------------------------------
     def _checked(self, entry: DraftEntry) -> DraftEntry:
@@ -317,6 +331,11 @@ class DraftRegistry:
                         " speculative decoding needs one shared vocabulary;"
                         " use a draft trained with the target's tokenizer"
                     )
+            if self.target_vocab_size and (width := scored_width(local)) != self.target_vocab_size:
+                raise TokenizerMismatchError(
+                    f"draft {entry.name!r} in {entry.path} scores {width} token ids, the target"
+                    f" {self.target_vocab_size} (vocab_size): they cannot share token ids (a reduced-vocabulary"
+                    " draft's draft_vocab.json must name the target's vocabulary size)")
         if entry.size_bytes <= 0 and local.is_dir():
             entry = DraftEntry(entry.name, entry.path, entry.domain, weights_bytes(local))
         return entry
@@ -340,7 +359,8 @@ class DraftRegistry:
 
     def check_replacement(self, other: DraftRegistry) -> None:
         """ValueError unless ``other`` checked its drafts as this registry would (replace_with's only refusal)."""
-        if self.validate and (not other.validate or other.target_fingerprint != self.target_fingerprint):
+        if self.validate and (not other.validate or other.target_fingerprint != self.target_fingerprint
+                              or other.target_vocab_size != self.target_vocab_size):
             raise ValueError("the replacing registry did not check its drafts against this registry's target")
 
     def replace_with(self, other: DraftRegistry) -> list[DraftEntry]:

@@ -136,7 +136,11 @@ def speculative_accept(
         residual = torch.clamp(p[j] - q[j], min=0.0)
         mass = residual.sum()
         residual = residual / mass if mass > 0 else p[j]
-        return j, int(torch.multinomial(residual, 1, generator=generator))
+        token = int(torch.multinomial(residual, 1, generator=generator))
+        if not residual[token] > 0:  # a torch whose multinomial drew a zero-probability id (an old CUDA one had
+            # that bug): the output would no longer be the target's distribution, so it fails loudly
+            raise RuntimeError(f"torch.multinomial drew token {token}, whose probability is 0: upgrade torch")
+        return j, token
     return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=generator))
 
 

@@ -8,6 +8,7 @@ from memspec_ros.runtime import draft_forward
 from memspec_ros.runtime.cache import registry_loader
 from memspec_ros.runtime.models import ModelDirectoryError, TokenizerMismatchError, tokenizer_fingerprint
 from memspec_ros.runtime.registry import (
+    MAX_REGISTRY_BYTES,
     DraftEntry,
     DraftRegistry,
     DuplicateDraftError,
@@ -457,3 +458,32 @@ def test_lists_given_as_one_string_are_refused_not_split_into_characters():
     for names, paths, domains in (("code", ["/p/c"], ()), (["code"], "/p/c", ()), (["code"], ["/p/c"], "code")):
         with pytest.raises(RegistryError, match="must be a list, got one str"):
             DraftRegistry.from_lists(names, paths, domains, validate=False)
+
+
+def test_a_registry_file_that_would_expand_or_is_no_registry_is_refused_in_a_line(tmp_path):
+    """Aliases nested a few levels deep (476 bytes) expanded to gigabytes, quoted whole in the error; a large file
+    named by mistake (a tokenizer.json) was parsed for seconds in a parameter callback; a draft_vocab.json with
+    target_vocab_size Infinity failed in a bare OverflowError naming no file."""
+    from memspec_ros.runtime.draft_vocab import DraftVocabError, read_vocab_map
+
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("tokenizer:\n" + "".join(f"  {line}\n" for line in levels) + "drafts: [{name: *a8, path: x}]\n")
+    with pytest.raises(RegistryError, match=r"line \d+: an alias \(\*name\)") as refused:
+        DraftRegistry.from_yaml(bomb, validate=False)
+    assert len(str(refused.value)) < 400
+    big = tmp_path / "tokenizer.json"
+    big.write_text("x" * (MAX_REGISTRY_BYTES + 1))
+    with pytest.raises(RegistryError, match="more than a registry file's"):
+        DraftRegistry.from_yaml(big, validate=False)
+    long = tmp_path / "long.yaml"
+    long.write_text("drafts: [{name: [" + "x" * 500 + "], path: p}]\n")
+    with pytest.raises(RegistryError, match=r"is \['xxxx*\.\.\.: give it a string") as refused:
+        DraftRegistry.from_yaml(long, validate=False)
+    assert len(str(refused.value)) < 400  # the value cut to a line, not quoted whole
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "draft_vocab.json").write_text('{"target_vocab_size": Infinity, "target_ids": [1]}')
+    with pytest.raises(DraftVocabError, match="draft_vocab.json is not a valid draft vocabulary.*whole number"):
+        read_vocab_map(tmp_path / "d", 2)
+

@@ -46,7 +46,9 @@ def read_vocab_map(path: str | Path, draft_vocab_size: int) -> tuple[list[int], 
     file = Path(path) / VOCAB_FILE
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        raw, target_size = data["target_ids"], int(data["target_vocab_size"])
+        raw, target_size = data["target_ids"], data["target_vocab_size"]
+        if isinstance(target_size, bool) or not isinstance(target_size, int):  # Infinity: a bare OverflowError
+            raise ValueError(f"target_vocab_size must be a whole number, not {str(target_size)[:40]}")
         # a list of integers, none empty: a string of digits iterated to ids, or [] min()-ed, slipped through
         if not isinstance(raw, list) or not raw or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
             raise ValueError("target_ids must be a non-empty list of integers")

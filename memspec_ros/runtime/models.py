@@ -516,7 +516,10 @@ def scored_width(path: str | Path) -> int:
     vocab_size, or a reduced-vocabulary draft's target vocabulary (draft_vocab.json), as a load would find it."""
     from .draft_vocab import VOCAB_FILE, read_vocab_map
 
-    rows = int(read_config(path).get("vocab_size") or 0)
+    rows = read_config(path).get("vocab_size") or 0
+    if isinstance(rows, bool) or not isinstance(rows, int):  # a list or a float escaped int() naming no file
+        raise ModelDirectoryError(f"{Path(path) / 'config.json'}: vocab_size must be a whole number, not"
+                                  f" {str(rows)[:40]}")
     if (Path(path) / VOCAB_FILE).is_file():
         return read_vocab_map(path, rows)[1]  # DraftVocabError (a ValueError) for a malformed map
     return rows

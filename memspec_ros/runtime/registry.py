@@ -67,8 +67,8 @@ class UnknownDraftError(RegistryError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class _DuplicateKeyError(Exception):
-    """A YAML mapping names one key twice (the message says which and where)."""
+class _RefusedYamlError(Exception):
+    """What a registry file may not hold: a key twice in one mapping, an alias (the message says which and where)."""
 
 
 def _unique_mapping(loader, node, deep: bool = False) -> dict:
@@ -84,14 +84,23 @@ def _unique_mapping(loader, node, deep: bool = False) -> dict:
         except TypeError:  # an unhashable key: SafeLoader's own construct_mapping reports it
             continue
         if repeated:
-            raise _DuplicateKeyError(
+            raise _RefusedYamlError(
                 f"line {key_node.start_mark.line + 1}: the key {key!r} appears twice in one mapping (YAML would keep"
                 " only the last): give each draft a unique name and each field once")
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader (safe constructors only), with duplicate mapping keys refused."""
+    """yaml.safe_load's loader (safe constructors only), with duplicate mapping keys and aliases refused."""
+
+    def compose_node(self, parent, index):
+        # aliases nested a few levels deep expand exponentially (a 476-byte file became a 2.8 GB value, and an error
+        # message quoting it): a registry has no use for them
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise _RefusedYamlError(f"line {mark.line + 1}: an alias (*name): a registry file takes none, write"
+                                     " the value out")
+        return super().compose_node(parent, index)
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
@@ -104,12 +113,23 @@ def _text(value: object, where: str) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise RegistryError(f"{where} is {value!r}: give it a string" + (
+        raise RegistryError(f"{where} is {_quoted(value)}: give it a string" + (
             " (the field is empty: write a value after the colon, or remove the key)" if value is None else ""))
     text = str(value)
     if not text.strip():
         raise RegistryError(f"{where} is empty: give it a value")
     return text
+
+
+# far past any registry's size (the bundled one: under 1 KB); parsed in pure Python, a 3.5 MB file took 8 s and
+# 207 MB, in a parameter callback any ROS participant can make
+MAX_REGISTRY_BYTES = 1 << 20
+
+
+def _quoted(value: object) -> str:
+    """``value``'s repr, cut to a line: it goes into the parameter reply, the log and /diagnostics."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 MAX_SIZE_BYTES = 2**63 - 1  # what ~/cache_state's uint64 and the budget parameter (an int64) can carry
@@ -122,7 +142,7 @@ def _size(value: object, where: str) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:  # numpy's ints too
-        raise RegistryError(f"{where} is {value!r}: give a whole number of bytes (7607384, not 7.6MB), or 0 to"
+        raise RegistryError(f"{where} is {_quoted(value)}: give a whole number of bytes (7607384, not 7.6MB), or 0 to"
                             " estimate it from the safetensors files")
     value = int(value)
     if value > MAX_SIZE_BYTES:  # a typo: every ~/cache_state message then failed to build, 10 times a second
@@ -185,12 +205,15 @@ class DraftRegistry:
             raise RegistryError(
                 f"draft registry {str(file)!r} does not exist: check the path (e.g. models/registry.yaml)"
             )
+        if file.stat().st_size > MAX_REGISTRY_BYTES:  # a tokenizer.json named by mistake took seconds a parse
+            raise RegistryError(f"{file} has {file.stat().st_size} bytes, more than a registry file's"
+                                f" {MAX_REGISTRY_BYTES}: name the zoo's registry.yaml")
         try:
             data = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}  # a SafeLoader
         except UnicodeDecodeError as exc:  # the codec's message named no file
             raise RegistryError(f"{file} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset {exc.start}):"
                                 " save it as UTF-8") from None
-        except _DuplicateKeyError as exc:
+        except _RefusedYamlError as exc:
             raise RegistryError(f"{file}: {exc}") from exc
         except yaml.YAMLError as exc:
             # where, not what: the error goes back to whoever set drafts.registry_file, and PyYAML's message quotes

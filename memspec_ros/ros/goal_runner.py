@@ -350,10 +350,10 @@ class GoalRunner:
             return self._running is not None or self._freeing > 0
 
     @contextmanager
-    def no_goal_starting(self) -> Iterator[bool]:
-        """Holds back the start of a goal; yields whether one runs now."""
+    def no_goal_starting(self) -> Iterator[None]:
+        """Holds back the start of a goal."""
         with self._cv:
-            yield self._running is not None
+            yield
 
     def destroy(self) -> None:
         self.server.destroy()

@@ -35,7 +35,7 @@ class Refused(Exception):
     """A parameter change refused with its reason; nothing was applied."""
 
 
-def registry_from_params(v: dict[str, Any], fingerprint: str, vocab_size: int = 0):
+def registry_from_params(v: dict[str, Any], fingerprint: str, vocab_size: int):
     """The draft registry the parameters describe: drafts.names/paths/domains if set, else the registry file (the
     bundled zoo's when drafts.registry_file is empty, as configure resolves it); its drafts checked against the
     target's tokenizer ``fingerprint`` and ``vocab_size``."""

@@ -42,7 +42,7 @@ from typing import Any
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 
 from ..runtime import ZOO_ENV, bundled_zoo_dir
-from ..runtime.controller import I64, LIMITS, RuntimeConfig
+from ..runtime.controller import I64, LIMITS, REMEMBERED_TOKENS, RuntimeConfig
 from ..runtime.loader import DraftLists, find_datastore, find_predictor, registry_target
 from ..runtime.models import DTYPE_CHOICES, QUANTIZATIONS
 from ..runtime.policies import NODE_POLICIES
@@ -215,7 +215,8 @@ PARAMS: tuple[Param, ...] = (
           AT_NEXT_GOAL, runtime_field="context_lookup"),
     Param("memspec.remember_answers", 0,
           "With context_lookup: keep this node's last N answers in memory (never on disk; dropped at cleanup; at"
-          " most 128,000 tokens in all, the oldest dropped first) and copy from them like from the datastore, so a"
+          f" most {REMEMBERED_TOKENS:,} tokens in all, the oldest dropped first, one longer answer kept alone) and"
+          " copy from them like from the datastore, so a"
           " request asked again is answered faster (0: none).",
           AT_NEXT_GOAL, int_range=LIMITS["remember_answers"], runtime_field="remember_answers"),
     Param("memspec.prompt_cache", True,

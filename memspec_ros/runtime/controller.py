@@ -557,7 +557,7 @@ class RuntimeController:
             result = self._run(session, prompt_ids, should_cancel, on_decode_start, t_call)
             if taken and not session.started:  # cancelled before its prefill: the conversation it took goes back,
                 # the drafts' caches with it (the predictor's rows were handed to it: released below, not kept)
-                self._hand_back(prompt_ids[:taken], prefix, session.draft_kvs)
+                self._hand_back(prompt_ids[:taken], prefix, self._kept_drafts(session))
                 taken = 0
                 if reuse_rows is not None:  # the rows handed to the predictor for this goal: not held until the next
                     reuse_rows(None, 0)
@@ -567,15 +567,13 @@ class RuntimeController:
                 prefix_rows = getattr(self.predictor, "prefix_rows", None)
                 rows = prefix_rows(session.target_kv.length) if prefix_rows is not None else None
                 rows_handed = True
-                # with the draft cache reset at every goal, its drafts are loaded anew as other objects: their
-                # caches could serve no later goal, and would only take the budget's bytes from the target's
-                drafts = {} if self.config.reset_cache_per_generation else session.draft_kvs
+                drafts = self._kept_drafts(session)
                 taken = 0  # the cache owns this KV from here: nothing to hand back, whatever happens next
                 self.prompt_cache.keep(session.tokens, session.target_kv, drafts, rows, prompt_length=len(prompt_ids))
             result.stats.call_seconds = time.perf_counter() - t_call
             return result
         except BaseException:
-            if taken and self.config.prompt_cache:  # (taken: a conversation moved out; not switched off meanwhile)
+            if taken:  # a conversation moved out
                 self._hand_back(prompt_ids[:taken], prefix)
             raise
         finally:
@@ -600,10 +598,19 @@ class RuntimeController:
                 # clears or trims the prompt cache, and a trim here wrote its old entries back over that clear
                 self._drafts_left(left)
 
+    def _kept_drafts(self, session: SpeculativeSession) -> dict[str, tuple[torch.nn.Module, KVState]]:
+        """The drafts' KV caches the prompt cache keeps beside the target's: none with the draft cache reset at every
+        goal (its drafts are loaded anew as other objects: their caches could serve no later goal, and would only
+        take the budget's bytes from the target's)."""
+        return {} if self.config.reset_cache_per_generation else session.draft_kvs
+
     def _hand_back(self, tokens: list[int], prefix: KVState,
                    drafts: dict[str, tuple[torch.nn.Module, KVState]] | None = None) -> None:
-        """A failed goal's taken conversation, back into the prompt cache: the positions it took were never written
-        again (every write starts past them), so the next turn need not prefill the whole conversation anew."""
+        """The conversation a goal took, back into the prompt cache where the goal failed or was cancelled before
+        its prefill: the positions it took were never written again (every write starts past them), so the next turn
+        need not prefill the whole conversation anew. Not where the cache was switched off meanwhile."""
+        if not self.config.prompt_cache:
+            return
         try:
             self.prompt_cache.keep(tokens, prefix, drafts)
         except Exception:  # the goal's own failure is what its caller must see
@@ -616,8 +623,8 @@ class RuntimeController:
 
     def _remember(self, answer: list[int]) -> None:
         """Keep ``answer`` among the last ``remember_answers``, at most REMEMBERED_TOKENS tokens in all (the oldest
-        go first), and index them again (milliseconds for a few answers; 0.2 s for 1,000 of 128 tokens, timed once on
-        the 2-core development machine)."""
+        go first; one longer answer is kept alone), and index them again (milliseconds for a few answers; 0.2 s for
+        1,000 of 128 tokens, timed once on the 2-core development machine)."""
         keep, before = self.config.remember_answers, len(self._answers)
         if answer and keep:
             self._answers.append(list(answer))

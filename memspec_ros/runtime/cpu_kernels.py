@@ -734,7 +734,7 @@ class Step:
         model = _StepModel(ctypes.cast(decoder._layers, ctypes.c_void_p), len(decoder._layers), decoder.dim,
                            decoder.heads, decoder.kv_heads, decoder.head_dim, decoder.intermediate, decoder.eps)
         # what model's pointers name, alive as long as the step is (the tensors' memory: see Decoder.build)
-        keep: list[object] = [final_norm.detach(), head]
+        keep: list[object] = [final_norm.detach()]
         if type(embed) is torch.nn.Embedding and embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
             model.embed_kind, model.embed = 32, _ptr(embed.weight)
             keep.append(embed.weight.detach())
@@ -753,8 +753,8 @@ class Step:
         model.embed_rows = embed.num_embeddings
         if final_norm.dtype != torch.float32 or not final_norm.is_contiguous():
             return "the final RMSNorm weight is not contiguous fp32"
-        if final_norm.numel() != decoder.dim or final_norm.device.type != "cpu":
-            return f"the final RMSNorm weight has {final_norm.numel()} values on {final_norm.device}, not {decoder.dim}"
+        if final_norm.numel() != decoder.dim:  # (its device: with the embedding's, above)
+            return f"the final RMSNorm weight has {final_norm.numel()} values, not {decoder.dim}"
         model.final_norm = _ptr(final_norm)
         described = _kernel_linear(head)
         if isinstance(described, str):

@@ -232,7 +232,17 @@ class LeanLlamaForward:
         # target id -> draft row, as a list: a Python lookup costs no tensor dispatch
         self._to_draft = self.vocab.to_draft.tolist() if self.vocab is not None and self.step else None
         self._likes: dict[int, torch.Tensor] = {}  # the KV claim's shape template per row count (_like)
-        self.placed = placement(model)
+        # RMSNorm weights it holds (the model's own Parameters, whatever form its linears and embedding took), and
+        # where they are: a cast, a move or share_memory() gives these Parameters new memory (moved())
+        self._watched = (self.layers[0].attn_norm, self.layers[-1].mlp_norm, self.norm)
+        self._placed = self._placement()
+
+    def _placement(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self._watched)
+
+    def moved(self) -> bool:
+        """Whether the model's tensors moved since this forward was built (its C forward names the old memory)."""
+        return self._placement() != self._placed
 
 
     def _rope_rows(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,20 +416,10 @@ def decoder_summary(model: torch.nn.Module) -> str:
     return "memspec kernel: one C call per forward" if lean.decoder else f"lean python ({lean.decoder_reason})"
 
 
-def placement(model: torch.nn.Module) -> tuple[int, ...]:
-    """Where a few of the model's tensors are in memory (its first layer's first RMSNorm weight, its last layer's
-    second, its final one: Parameters, whatever form its linears and embedding took): what a cast, a move or
-    share_memory() changes. Three reads, cheap enough for every proposal."""
-    model = model.inner if isinstance(model, ReducedVocabDraft) else model
-    inner = model.model
-    return (inner.layers[0].input_layernorm.weight.data_ptr(),
-            inner.layers[-1].post_attention_layernorm.weight.data_ptr(), inner.norm.weight.data_ptr())
-
-
 def lean_forward_for(model: torch.nn.Module) -> LeanLlamaForward | None:
     """The model's lean forward, built once per model object, and again where the model's tensors moved since (a
     cast, a move, share_memory(): its C forward named the old memory); None when it must use transformers."""
     lean = _LEAN.get(model, False)
-    if lean is False or (lean is not None and lean.placed != placement(model)):
+    if lean is False or (lean is not None and lean.moved()):  # three data_ptr reads: run at every proposal
         _LEAN[model] = lean = None if unsupported_reason(model) else LeanLlamaForward(model)
     return lean

@@ -511,12 +511,13 @@ def check_shared_tokenizer(target_path: str | Path, draft_path: str | Path,
         )
 
 
-def scored_width(path: str | Path) -> int:
-    """The token ids the model in ``path`` scores, from its files alone (no weights read): its config's
-    vocab_size, or a reduced-vocabulary draft's target vocabulary (draft_vocab.json), as a load would find it."""
+def scored_width(path: str | Path, config: dict[str, Any] | None = None) -> int:
+    """The token ids the model in ``path`` scores, from its files alone (no weights read; ``config``: its
+    config.json, where the caller read it already): its vocab_size, or a reduced-vocabulary draft's target
+    vocabulary (draft_vocab.json), as a load would find it."""
     from .draft_vocab import VOCAB_FILE, read_vocab_map
 
-    rows = read_config(path).get("vocab_size") or 0
+    rows = (read_config(path) if config is None else config).get("vocab_size") or 0
     if isinstance(rows, bool) or not isinstance(rows, int):  # a list or a float escaped int() naming no file
         raise ModelDirectoryError(f"{Path(path) / 'config.json'}: vocab_size must be a whole number, not"
                                   f" {str(rows)[:40]}")
@@ -531,8 +532,12 @@ def check_draft_compatible(target_vocab_size: int, draft: LoadedModel, name: str
     but another width (a sibling model with padded rows) would fail in the first sampled rejection, or propose ids
     the target has no row for."""
     if draft.vocab_size != target_vocab_size:
-        raise TokenizerMismatchError(
-            f"draft {name or draft.spec.path!r} ({draft.spec.path}) scores {draft.vocab_size} token ids, the target"
-            f" {target_vocab_size} (vocab_size): they cannot share token ids (a reduced-vocabulary draft's vocab map"
-            " must name the target's vocabulary size)"
-        )
+        raise width_mismatch(name, draft.spec.path, draft.vocab_size, target_vocab_size)
+
+
+def width_mismatch(name: str, path: str | Path, width: int, target_width: int) -> TokenizerMismatchError:
+    """The error for a draft that scores ``width`` token ids where the target scores ``target_width``."""
+    return TokenizerMismatchError(
+        f"draft {name or str(path)!r} ({path}) scores {width} token ids, the target {target_width} (vocab_size):"
+        " they cannot share token ids (a reduced-vocabulary draft's draft_vocab.json must name the target's"
+        " vocabulary size)")

@@ -36,6 +36,7 @@ from .models import (
     read_config,
     scored_width,
     tokenizer_fingerprint,
+    width_mismatch,
 )
 
 # the keys a registry file may hold: any other (a misspelt 'domian', say) was ignored. 'tokenizer' is read by
@@ -344,7 +345,7 @@ class DraftRegistry:
         if self.validate:
             if is_model_source(entry.path):
                 local = resolve_model_path(entry.path)  # converted once, cached (runtime/model_source.py)
-            read_config(local)  # ModelDirectoryError: missing directory or config.json
+            config = read_config(local)  # ModelDirectoryError: missing directory or config.json
             if not any(local.glob("*.safetensors")):
                 raise ModelDirectoryError(f"draft {entry.name!r}: no *.safetensors weights in {local}")
             if self.target_fingerprint is not None:
@@ -354,11 +355,8 @@ class DraftRegistry:
                         " speculative decoding needs one shared vocabulary;"
                         " use a draft trained with the target's tokenizer"
                     )
-            if self.target_vocab_size and (width := scored_width(local)) != self.target_vocab_size:
-                raise TokenizerMismatchError(
-                    f"draft {entry.name!r} in {entry.path} scores {width} token ids, the target"
-                    f" {self.target_vocab_size} (vocab_size): they cannot share token ids (a reduced-vocabulary"
-                    " draft's draft_vocab.json must name the target's vocabulary size)")
+            if self.target_vocab_size and (width := scored_width(local, config)) != self.target_vocab_size:
+                raise width_mismatch(entry.name, entry.path, width, self.target_vocab_size)
         if entry.size_bytes <= 0 and local.is_dir():
             entry = DraftEntry(entry.name, entry.path, entry.domain, weights_bytes(local))
         return entry

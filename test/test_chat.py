@@ -353,5 +353,6 @@ def test_a_tokenizer_that_adds_no_bos_keeps_a_raw_prompts_own_two():
 
     tok = tiny_tokenizer()
     typed = f"{tok.bos_token}{tok.bos_token}def add(a, b):"
+    assert tok(typed)["input_ids"] == tok(typed, add_special_tokens=False)["input_ids"]  # it adds none
     assert raw_ids(tok, typed) == tok(typed, add_special_tokens=False)["input_ids"]
     assert raw_ids(tok, typed)[:2] == [tok.bos_token_id] * 2

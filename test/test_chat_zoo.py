@@ -1118,7 +1118,7 @@ def test_a_build_whose_write_fails_midway_says_its_work_is_kept_and_how_to_go_on
                                                                                  monkeypatch):
     """A full disk (OSError, or safetensors' own error type) ended hours of stages in a traceback that said neither
     that the finished work is kept nor how to go on; nor did a failed shard or checkpoint write remove its
-    temporary file from the full disk."""
+    temporary file from the full disk (a shard's here; a checkpoint's is written by the same written_aside)."""
     from safetensors import SafetensorError
 
     from memspec_ros.zoo.cli import main
@@ -1363,10 +1363,9 @@ def test_an_export_interrupted_while_it_installs_a_draft_leaves_the_old_one_in_p
         for name in ("general", "code"):
             (root / "drafts" / name).mkdir(parents=True)
             (root / "drafts" / name / "model.safetensors").write_text(f"{text} {name}")
-    real, calls = os.replace, []
+    real = os.replace
 
     def interrupted(src, dst):
-        calls.append(Path(src))
         if Path(src) == staging / "drafts" / "code":  # the new code draft's move
             raise KeyboardInterrupt
         return real(src, dst)

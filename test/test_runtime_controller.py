@@ -51,13 +51,14 @@ def oracle(target, drafts):
 class Loader:
     """Injected storage -> memory loader: optional delay, failures, and a count of calls."""
 
-    def __init__(self, drafts, delay=0.0, fail=(), delays=None):
+    def __init__(self, drafts, delay=0.0, fail=(), delays=None, sleep=time.sleep):
         self.drafts, self.delay, self.fail, self.calls = drafts, delay, set(fail), []
         self.delays = delays or {}  # per draft, instead of ``delay``
+        self.sleep = sleep  # clock_jump: a slow read without a real wait
 
     def __call__(self, name):
         self.calls.append(name)
-        time.sleep(self.delays.get(name, self.delay))
+        self.sleep(self.delays.get(name, self.delay))
         if name in self.fail:
             raise OSError(f"simulated read error for {name}")
         model = self.drafts[name]
@@ -797,14 +798,7 @@ def test_a_wait_for_a_load_that_fails_is_a_load_wait(target, drafts, expected, p
     setup_wait_seconds. MAB-Sync tries 'code' at a scheduling point; Prediction-Only blocks on it (ranked first)
     at the first choice."""
     delay = 60.0  # a slow read, as a jump of the clock: a loaded machine's stall of half a second is no match for it
-
-    class SlowLoader(Loader):
-        def __call__(self, name):
-            if name == "code":
-                clock_jump(delay)
-            return super().__call__(name)
-
-    loader = SlowLoader(drafts, fail={"code"})
+    loader = Loader(drafts, delays={"code": delay}, fail={"code"}, sleep=clock_jump)
     ctl = make(target, drafts, policy, loader=loader, ranker=lambda context: ["code", "math", "law", "general"],
                capacity=2, interval=2)
     result = ctl.generate(PROMPT, NEW)

@@ -235,7 +235,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
         seconds = dict.fromkeys(methods, 0.0)
         tokens = dict.fromkeys(methods, 0)
         run_decode_s, run_decode_tokens, run_bound_s = 0.0, 0, 0.0
-        alone_s, alone_tokens = 0.0, 0
+        alone = GenerationTotals()  # the target alone's decode, summed over the run's prompts as the engine's
         for i, ids in enumerate(prompts):
             outputs = {}
             shift = (i + run) % len(methods)
@@ -245,8 +245,9 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                 if method == "autoregressive":
                     out = _hf_generate(target, None, ids, cfg.max_new_tokens, cfg.gamma, eos)
                 elif method == "target_alone":
-                    alone = generate(target, ids, None, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
-                    out = alone.generated_ids
+                    plain = generate(target, ids, None, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos)
+                    alone.add(plain.stats)
+                    out = plain.generated_ids
                 elif method == "hf_assisted":
                     out = _hf_generate(target, assistant, ids, cfg.max_new_tokens, cfg.gamma, eos)
                 else:
@@ -263,9 +264,6 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
                     run_decode_tokens += session.stats.decode_tokens
                     accepted.add(session.stats)
                     loop.add(session.stats)
-                elif method == "target_alone":
-                    alone_s += alone.stats.decode_seconds
-                    alone_tokens += alone.stats.decode_tokens
                 tokens[method] += len(out)
                 outputs[method] = out
             # lossless means equal to this engine's own one-token greedy decoding of the target; transformers'
@@ -287,7 +285,7 @@ def run_engine_bench(target, draft, prompts: list[list[int]], cfg: EngineBenchCo
             per_run[method].append(tokens[method] / seconds[method])
         generated = tokens
         decode_tps.append(decode_tokens_per_second(run_decode_tokens, run_decode_s))
-        alone_decode_tps.append(decode_tokens_per_second(alone_tokens, alone_s))
+        alone_decode_tps.append(alone.tokens_per_second)
         bound_tps.append(decode_tokens_per_second(run_decode_tokens, run_bound_s))
     mean_accepted = accepted.mean_accepted
     t_draft, t_verify = statistics.median(draft_ms), statistics.median(verify_ms)

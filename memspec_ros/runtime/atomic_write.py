@@ -99,6 +99,16 @@ def safetensors_io_error(exc: BaseException) -> bool:
     return type(exc).__name__ == "SafetensorError" and "I/O error" in str(exc)
 
 
+def cannot_write(exc: BaseException) -> bool:
+    """Whether ``exc`` is a folder refusing a write (full, over quota, read-only, not ours), as an OSError or as
+    safetensors' own I/O error: the work done so far is kept, and the same command goes on once that is fixed."""
+    import errno
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+    return safetensors_io_error(exc)
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """``text`` into ``path`` by a rename (:func:`written_aside`, synced): a reader (the node, a resumed build) sees
     the old file or the new, never half."""

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic_write import acquire, mark_used, open_lock, owned_by_me, safetensors_io_error, sync_dir, sync_tree
+from .atomic_write import acquire, cannot_write, mark_used, open_lock, owned_by_me, sync_dir, sync_tree
 from .models import ModelDirectoryError, ModelLoadError, UnsupportedArchitectureError, first_names
 
 log = logging.getLogger(__name__)
@@ -292,17 +292,6 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def _cannot_write(exc: BaseException) -> bool:
-    """Whether ``exc`` is the cache folder refusing a write (full, over quota, read-only, not ours), as an OSError or
-    as safetensors' own I/O error, which is no OSError: a raw "No space left on device" named neither the folder
-    nor the fix."""
-    import errno
-
-    if isinstance(exc, OSError):
-        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-    return safetensors_io_error(exc)
-
-
 _DIGESTS: dict[tuple, str] = {}  # file_version -> sha256: a configure asks twice
 
 
@@ -474,7 +463,7 @@ def converted_dir(path: Path) -> Path:
             os.replace(tmp, out)
             sync_dir(out.parent)
         except Exception as exc:
-            if _cannot_write(exc):  # a full disk or quota after minutes of de-quantizing: say where and what to do
+            if cannot_write(exc):  # a full disk or quota after minutes of de-quantizing: say where and what to do
                 raise unwritable(exc) from exc
             raise
         finally:

@@ -277,9 +277,13 @@ class ChatZooBuild:
         self._check_workload_settings()
         return read_jsonl(path)  # a damaged line is named by file and line
 
+    def _workload_settings(self) -> dict:
+        """This build's workload settings, as workload_config.json records them."""
+        return json.loads(json.dumps(asdict(self.cfg.workloads), default=str))
+
     def _check_workload_settings(self) -> None:
         """ValueError where the written workloads were made with other settings than this build's."""
-        settings = json.loads(json.dumps(asdict(self.cfg.workloads), default=str))
+        settings = self._workload_settings()
         recorded = self.workload_dir / "workload_config.json"
         # older builds: unrecorded
         was = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else settings
@@ -339,8 +343,7 @@ class ChatZooBuild:
         if (self.workload_dir / "train_requests.jsonl").is_file():
             self._check_workload_settings()
             return _log("workloads: cached")
-        settings = json.loads(json.dumps(asdict(self.cfg.workloads), default=str))
-        recorded = self.workload_dir / "workload_config.json"
+        settings, recorded = self._workload_settings(), self.workload_dir / "workload_config.json"
         heldout, train_by_domain = build_chat_workloads(self.cfg.workloads)
         for name, rows in heldout.items():
             write_jsonl(self.workload_dir / f"{name}.jsonl", rows)
@@ -414,13 +417,13 @@ class ChatZooBuild:
         if domains is not None:
             train_set, val = [a for a in train_set if a.domain in domains], [a for a in val if a.domain in domains]
         what = ', '.join(domains or ('the general draft',))
-        if not val:  # every step would score 0 and the fine-tuning would silently keep its start
-            raise ValueError(f"no validation answers for {what}: the teacher answered too few requests (every 20th"
-                             " answer is kept for validation); answer more (--teacher-requests)")
-        if not train_set:  # (a domain's one answer went to validation) refused after the general draft's minutes,
-            # as "no teacher answers to train on", naming neither the draft nor what to do
-            raise ValueError(f"no training answers for {what}: the teacher answered too few requests (every 20th"
-                             " answer is kept for validation); answer more (--teacher-requests)")
+        # no validation answer: every step would score 0 and the fine-tuning would silently keep its start; no
+        # training answer (a domain's one answer went to validation): refused after the general draft's minutes,
+        # as "no teacher answers to train on", naming neither the draft nor what to do
+        for kind, rows in (("validation", val), ("training", train_set)):
+            if not rows:
+                raise ValueError(f"no {kind} answers for {what}: the teacher answered too few requests (every 20th"
+                                 " answer is kept for validation); answer more (--teacher-requests)")
         return train_set, val[: self.cfg.validation_answers]
 
     def _identity(self, cfg: TrainConfig, domains: tuple[str, ...], split, start_from: str | None) -> dict:

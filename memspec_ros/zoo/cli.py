@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import sys
@@ -185,9 +184,8 @@ def _run_chat_build(a) -> int:
     except (ValueError, FileNotFoundError, ModelLoadError, ZooSetupError) as exc:  # a stage before its inputs
         raise SystemExit(f"memspec-zoo build: {exc}") from None
     except (OSError, SafetensorError) as exc:
-        if not write_failure(exc):  # a damaged file, a failing read: its own words, not the disk advice
-            raise
-        raise SystemExit(written_failure("memspec-zoo build", exc, cfg.work_dir)) from None
+        _exit_if_write_failed("memspec-zoo build", exc, cfg.work_dir)
+        raise
     return 0
 
 
@@ -214,24 +212,16 @@ def _not_a_chat_zoo(out: Path) -> str:
     return ""
 
 
-# errors of a write that cannot be made (a full disk, a quota, a read-only or forbidden folder): the finished work
-# is kept and the same command goes on once they are fixed. Other errors (a damaged file) keep their own words
-WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+def _exit_if_write_failed(program: str, exc: BaseException, work_dir: Path) -> None:
+    """SystemExit where a build's write failed midway (a full disk, a folder made read-only: atomic_write.cannot_write)
+    saying the finished work is kept and how to go on (a traceback after hours of stages said neither); other
+    errors (a damaged file) are left to keep their own words."""
+    from ..runtime.atomic_write import cannot_write
 
-
-def write_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a write that could not be made (WRITE_ERRNOS, or safetensors' I/O error)."""
-    from ..runtime.atomic_write import safetensors_io_error
-
-    return safetensors_io_error(exc) or (isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS)
-
-
-def written_failure(program: str, exc: BaseException, work_dir: Path) -> str:
-    """What a build says when a write fails midway (a full disk, a folder made read-only): a traceback after hours
-    of stages said neither that the finished work is kept nor how to go on."""
-    return (f"{program}: a write failed ({type(exc).__name__}: {exc}). The work finished so far is kept in"
-            f" {work_dir} (every shard and checkpoint is written whole or not at all): free space or fix the"
-            " permissions, then run the same command again to go on from there")
+    if cannot_write(exc):
+        raise SystemExit(f"{program}: a write failed ({type(exc).__name__}: {exc}). The work finished so far is kept"
+                         f" in {work_dir} (every shard and checkpoint is written whole or not at all): free space or"
+                         " fix the permissions, then run the same command again to go on from there") from None
 
 
 def _resized(arch, hidden: int, layers: int):
@@ -281,9 +271,8 @@ def _run_build(a) -> int:
     except (ValueError, FileNotFoundError, ZooSetupError) as exc:
         raise SystemExit(f"memspec-zoo build-toy: {exc}") from None
     except (OSError, SafetensorError) as exc:
-        if not write_failure(exc):
-            raise
-        raise SystemExit(written_failure("memspec-zoo build-toy", exc, cfg.work_dir)) from None
+        _exit_if_write_failed("memspec-zoo build-toy", exc, cfg.work_dir)
+        raise
     return 0
 
 

@@ -157,6 +157,35 @@ def test_a_checkpoint_lacking_a_tensor_its_config_needs_is_refused(tmp_path, tok
         DraftStorage(MEDIA["local"]).load(ModelSpec(str(folder)))
 
 
+@pytest.mark.parametrize("key,value,error", [
+    ("num_hidden_layers", 10**8, "num_hidden_layers 100000000, but the weights hold 2 layers"),
+    ("intermediate_size", 2 * 10**6, r"larger than its weights hold: model[.]layers[.]0[.]mlp[.]\w+_proj[.]weight"),
+    ("vocab_size", 10**7, r"larger than its weights hold: model[.]embed_tokens[.]weight \[10000000, "),
+])
+def test_a_config_larger_than_its_weights_is_refused_before_anything_is_built(tmp_path, model_dirs, monkeypatch,
+                                                                              key, value, error):
+    """transformers would build the config's model and fill what the weights lack at random: gigabytes (or an
+    out-of-memory kill) before the load report. Both loaders refuse from the headers alone: no model is built."""
+    from transformers import AutoModelForCausalLM
+
+    from memspec_ros.runtime import storage
+    from memspec_ros.runtime.storage import MEDIA, DraftStorage
+
+    big = _copy(model_dirs[0], tmp_path / "big")
+    config = json.loads((big / "config.json").read_text())
+    config[key] = value
+    (big / "config.json").write_text(json.dumps(config))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_build)
+    monkeypatch.setattr(storage, "build_model", no_build)
+    for load in (load_model, DraftStorage(MEDIA["local"]).load):
+        with pytest.raises(ModelDirectoryError, match=error):
+            load(ModelSpec(str(big)))
+
+
 def test_pickled_weights_are_never_loaded(tmp_path, model_dirs):
     pickled = _copy(model_dirs[0], tmp_path / "pickled")
     (pickled / "model.safetensors").unlink()

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -248,6 +250,60 @@ def _check_shard_index(root: Path) -> list[str]:
     return sorted(set(named))
 
 
+def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers alone (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+_LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
+
+
+def check_sizes_fit_weights(spec: ModelSpec, files: list[Path]) -> None:
+    """Refuse a config.json that describes a larger model than its weights hold, before anything is allocated.
+    transformers builds the model the config describes and initialises at random whatever the checkpoint lacks or
+    holds at another size, so a config with a huge width or layer count beside small weights allocated gigabytes
+    (or ran out of memory) before ``check_loading_info`` could refuse the load. The config's model is built on the
+    meta device (no storage) and its parameter count compared with the checkpoint's; a layer count beyond the
+    checkpoint's layers is refused first, as building a million layers even on meta takes hours."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = read_config(spec.path)
+    check_architecture(config, spec.path, spec.trust_remote_code)  # (a t5 or vision config: named as such)
+    shapes = _checkpoint_shapes(files)
+    indices = [int(m.group(1)) for name in shapes for m in [_LAYER_INDEX.search(name)] if m]
+    layers = config.get("num_hidden_layers")
+    if indices and isinstance(layers, int) and layers > max(indices) + 1:
+        raise ModelDirectoryError(
+            f"{spec.path}/config.json has num_hidden_layers {layers}, but the weights hold {max(indices) + 1} layers:"
+            " restore the complete checkpoint, or fix config.json if it describes another model")
+    try:
+        built = AutoConfig.from_pretrained(spec.path, local_files_only=True,
+                                           trust_remote_code=spec.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(built, trust_remote_code=spec.trust_remote_code)
+    except Exception as exc:  # the same config fails from_pretrained: refused there with the folder's advice
+        raise ModelDirectoryError(f"could not load the model in {spec.path}: {type(exc).__name__}: {exc}") from exc
+    needed = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied embedding and head: once
+    larger = [f"{name} {list(shape)} (the weights: {list(shapes[name])})" for name, shape in needed.items()
+              if name in shapes and math.prod(shape) > math.prod(shapes[name])]
+    if larger:
+        raise ModelDirectoryError(
+            f"{spec.path}/config.json makes tensors larger than its weights hold: {first_names(larger, 3)}. They"
+            " would be allocated and initialised at random: fix config.json (hidden_size, intermediate_size,"
+            " vocab_size...) or restore the checkpoint it came with")
+    missing = sorted(name for name in needed if name not in shapes)
+    # names may differ where transformers renames a checkpoint's keys as it loads: then only the counts are compared
+    if missing and sum(map(math.prod, needed.values())) > sum(map(math.prod, shapes.values())):
+        raise lacking_tensors(missing, spec.path)
+
+
 def check_architecture(config: dict[str, Any], path: str, trust_remote_code: bool) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -297,6 +353,13 @@ def first_names(names: list[str], shown: int = 8) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
+def lacking_tensors(missing: list[str], path: str | Path) -> ModelDirectoryError:
+    return ModelDirectoryError(
+        f"the weights in {path} lack {len(missing)} tensor(s) that {path}/config.json needs: {first_names(missing)}."
+        " They would be randomly initialised: restore the complete checkpoint, or fix config.json if it describes"
+        " another model (a checkpoint without lm_head.weight needs tie_word_embeddings true)")
+
+
 def check_loading_info(info: dict[str, Any], path: str | Path) -> None:
     """Refuse a load that left parameters out of the checkpoint: transformers initialises a tensor the config
     expects and the weights lack (``lm_head.weight`` with tie_word_embeddings false, a layer's weight) at random and
@@ -306,11 +369,7 @@ def check_loading_info(info: dict[str, Any], path: str | Path) -> None:
     missing = sorted(str(k) for k in info.get("missing_keys") or ())
     errors = [str(e) for e in info.get("error_msgs") or ()]
     if missing:
-        shown = first_names(missing)
-        raise ModelDirectoryError(
-            f"the weights in {path} lack {len(missing)} tensor(s) that {path}/config.json needs: {shown}. They would"
-            " be randomly initialised: restore the complete checkpoint, or fix config.json if it describes another"
-            " model (a checkpoint without lm_head.weight needs tie_word_embeddings true)")
+        raise lacking_tensors(missing, path)
     if errors:
         raise ModelDirectoryError(f"the weights in {path} could not be loaded into the model: {'; '.join(errors)}")
 
@@ -359,7 +418,9 @@ def _load_directory(spec: ModelSpec) -> LoadedModel:
     config = read_config(spec.path)
     check_architecture(config, spec.path, spec.trust_remote_code)
     _check_quantization(config, spec)
-    safetensors_files(spec.path)
+    files = safetensors_files(spec.path)
+    if not config.get("quantization_config"):  # GPTQ's tensors are packed: their sizes are not the parameters'
+        check_sizes_fit_weights(spec, files)
     path = forward_path_for(spec)
     device = resolve_device(spec.device)
     if config.get("quantization_config"):

@@ -596,12 +596,16 @@ class DraftStorage:
         """Read the draft cold through the medium and build it: its safetensors the first time (then its runtime
         form is written), its runtime form after that (RuntimeForm)."""
         from .model_source import is_model_source, resolve_model_path
-        from .models import read_config, safetensors_files
+        from .models import check_sizes_fit_weights, read_config, safetensors_files
 
         if is_model_source(spec.path):
             spec = replace(spec, path=str(resolve_model_path(spec.path)))
         read_config(spec.path)  # a folder that is missing, or a file: said so (load_model's order), not "no weights"
         files = safetensors_files(spec.path)  # checks the headers (and refuses pickles) before the timed read
+        if spec.trust_remote_code:  # build_model builds only what transformers has built in
+            raise ValueError(f"{spec.path}: the storage loader builds no model with remote code (trust_remote_code)")
+        if not read_config(spec.path).get("quantization_config"):  # (build_model refuses a quantized draft)
+            check_sizes_fit_weights(spec, files)
         key = (str(Path(spec.path).resolve()), spec.dtype, spec.device, spec.quantization)
         # a draft whose files changed (weights, config.json, its vocabulary map) is built from them again
         source = source_identity(files + build_inputs(spec.path))

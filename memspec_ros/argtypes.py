@@ -22,6 +22,15 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def group_size(text: str) -> int:
+    """GPTQ's group size: a positive number of input columns per scale, or -1 for one group per row. GPT-QModel
+    refuses anything else only once the calibration answers were made (minutes), with a traceback."""
+    value = int(text)
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a positive group size, or -1 for one group per row")
+    return value
+
+
 def int_in(lo: int, hi: int):
     """An integer in [lo, hi] (e.g. a controller limit): one the engine would refuse after minutes of tracing, or
     that ran nothing, is refused by the parser instead."""

@@ -1012,3 +1012,41 @@ def test_the_action_bench_reads_the_drafts_through_the_storage_it_is_given(tmp_p
         assert storage["load_to_iteration"] == pytest.approx(expected)
     else:
         assert storage["load_to_iteration"] is None
+
+
+@pytest.mark.parametrize("argv", [["engine", "--json", "{bundled}/registry.yaml"],
+                                  ["policies", "--json", "{bundled}/drafts/p.json"],
+                                  ["paper", "--out", "{bundled}"],
+                                  ["engine", "--zoo", "{tmp}", "--json", "{tmp}/e.json"]])
+def test_a_result_named_inside_the_zoo_is_refused_before_the_run(tmp_path, capsys, argv):
+    """`--json models/registry.yaml` ran the whole bench and then wrote its JSON over the zoo's registry (a plot
+    beside it too; `paper --out models` its items): refused by the parser, the zoo untouched."""
+    before = {p: p.read_bytes() for p in BUNDLED.rglob("*") if p.is_file()}
+    argv = [a.format(bundled=BUNDLED, tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "is inside the zoo" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in BUNDLED.rglob("*") if p.is_file()} == before
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_bench_result_that_cannot_be_written_whole_leaves_the_earlier_one(tmp_path, monkeypatch, capsys):
+    """The JSON was written in place: a full disk part-way left neither the earlier result nor this one."""
+    import errno
+
+    from memspec_ros.bench import cli as bench_cli
+
+    out = tmp_path / "engine.json"
+    out.write_text('{"earlier": 1}\n')
+    real_write = Path.write_text
+
+    def half_then_full(self, text, *args, **kwargs):
+        real_write(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(SystemExit, match="could not write the result"):
+        bench_cli._write_json({"new": 2}, str(out))
+    monkeypatch.undo()
+    assert out.read_text() == '{"earlier": 1}\n' and [p.name for p in tmp_path.iterdir()] == ["engine.json"]
+    assert json.loads(capsys.readouterr().out) == {"new": 2}  # the result itself is printed, not lost

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -540,6 +541,8 @@ def test_the_gptq_command_names_a_missing_zoo_and_bounds_its_counts(tmp_path, mo
         main(["gptq", "quantize", "--models", str(tmp_path / "nowhere")])
     for argv, flag in ((["report", "--json", "r.json", "--gamma", "9"], "--gamma"),
                        (["quantize", "--requests", "0"], "--requests"), (["quantize", "--bits", "5"], "--bits"),
+                       # GPT-QModel refused it only after the calibration answers were made, with a traceback
+                       (["quantize", "--group-size", "0"], "--group-size"),
                        (["report", "--json", "r.json", "--max-new-tokens", "0"], "--max-new-tokens"),
                        # a folder as the report: refused before the quantization, not after it and the report
                        (["report", "--json", str(tmp_path)], "--json")):
@@ -809,6 +812,21 @@ def test_gptq_quantize_names_a_calibration_line_without_text(tmp_path, monkeypat
     calibration.write_text('{"text": "some text"}\n\n{"prompt": "more"}\n')
     assert gptq_cli.main(["quantize", "src", "out", "--calibration", str(calibration)]) == 0
     assert called[0][2] == ["some text", "more"]
+    # the quantized checkpoint was saved over its own source, or over another folder's files, in place
+    (tmp_path / "src").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    for out, said in (("src", "is SRC"), ("src/int4", "is SRC"), ("full", "not an empty folder"),
+                      ("calib.jsonl", "not an empty folder")):
+        with pytest.raises(SystemExit) as exit_info:
+            gptq_cli.main(["quantize", str(tmp_path / "src"), str(tmp_path / out), "--calibration", str(calibration),
+                           "--bits", "4"])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err, out
+    for argv, flag in ((["--bits", "5"], "--bits"), (["--group-size", "-2"], "--group-size")):
+        with pytest.raises(SystemExit) as exit_info:
+            gptq_cli.main(["quantize", "src", "out", "--calibration", str(calibration), *argv])
+        assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    assert len(called) == 1
 
 
 @pytest.mark.parametrize("option", [["--quantization", "int4"], ["--draft-quantization", "int8"], ["--dtype", "bf16"],
@@ -846,8 +864,28 @@ def test_a_demo_that_fails_before_its_node_starts_removes_the_zoo_it_generated(t
 
     monkeypatch.setattr(demo, "claim_domain_id", no_domain)
     with pytest.raises(RuntimeError, match="no free ROS domain id"):
-        demo.run(object())
+        demo.run(SimpleNamespace(prompt="Hi."))
     assert not zoo.exists()
+
+
+@pytest.mark.parametrize("argv", [["--prompt", ""], ["--prompt", "  "], []])
+def test_a_demo_without_a_prompt_to_send_says_so_before_its_node_starts(tmp_path, monkeypatch, capsys, argv):
+    """`--prompt ''` sent the zoo's prompt instead; `--prompt '  '` and a workload row without a prompt were found
+    only after the node's configure (a first run's minutes)."""
+    from memspec_ros.ros import demo
+
+    (tmp_path / "workloads").mkdir()
+    (tmp_path / "workloads" / "code.jsonl").write_text('{"messages": []}\n')
+    monkeypatch.setattr(demo, "choose_zoo", lambda args: (tmp_path, [], False))
+
+    def no_node(*args):
+        raise AssertionError("the node was started")
+
+    monkeypatch.setattr(demo, "claim_domain_id", no_node)
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(argv)
+    said = str(exit_info.value.code) + capsys.readouterr().err
+    assert "empty or only whitespace" in said if argv else 'the demo sends a row\'s "prompt"' in said
 
 
 def test_the_demo_never_claims_the_shells_own_ros_domain_id(monkeypatch):
@@ -1039,3 +1077,39 @@ def test_a_closed_output_after_an_answer_ends_the_chat_and_leaves_a_single_goal_
                        log=io.StringIO()) == 141
     assert sent == [1]  # the second turn was not sent
     assert client.single(None, None, client.parse_args(["Capital of France?"]), out=Closed(), log=io.StringIO()) == 0
+
+
+@pytest.mark.parametrize("cmd", ["build", "acceptance"])
+def test_an_interrupted_zoo_command_says_what_it_kept(tmp_path, monkeypatch, capsys, cmd):
+    """Ctrl-C in `memspec-zoo build` (hours of stages) ended in a traceback that said nothing of the work kept."""
+    from memspec_ros.zoo import cli
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run_chat_build", interrupted)
+    monkeypatch.setattr(cli, "_run_acceptance", interrupted)
+    argv = {"build": ["build", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "zoo")],
+            "acceptance": ["acceptance", "--json", str(tmp_path / "a.json"), "--continuations",
+                           str(tmp_path / "c.json")]}[cmd]
+    assert cli.main(argv) == 130
+    said = capsys.readouterr().err
+    assert f"memspec-zoo {cmd}: interrupted" in said
+    assert (f"kept in {tmp_path / 'work'}" if cmd == "build" else f"kept in {tmp_path / 'c.json'}") in said
+
+
+@pytest.mark.parametrize("flag", ["--out", "--work-dir"])
+def test_the_toy_build_names_a_folder_it_cannot_write_before_any_stage(tmp_path, monkeypatch, flag):
+    """`build-toy --out somefile` trained for hours and failed at the export in a NotADirectoryError traceback."""
+    from memspec_ros.zoo import build
+    from memspec_ros.zoo.cli import main
+
+    def no_build(cfg):
+        raise AssertionError("the build started")
+
+    monkeypatch.setattr(build, "ZooBuild", no_build)
+    (tmp_path / "file").write_text("not a folder")
+    paths = {"--work-dir": str(tmp_path / "w"), "--out": str(tmp_path / "o"), flag: str(tmp_path / "file")}
+    with pytest.raises(SystemExit, match=f"memspec-zoo build-toy: {flag} .*file is a file; name a folder"):
+        main(["build-toy", *[x for kv in paths.items() for x in kv]])
+    assert (tmp_path / "file").read_text() == "not a folder" and not (tmp_path / "w").exists()

@@ -19,6 +19,7 @@ from ..argtypes import (
     unwritable,
 )
 from ..runtime import bundled_zoo_dir
+from ..runtime.atomic_write import write_text_atomic
 from .action_bench import node_parameter_range
 
 DEFAULT_ZOO = bundled_zoo_dir()
@@ -200,7 +201,10 @@ def _write_json(result: dict, path: str | None) -> str:
     if path:
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text + "\n")
+            if Path(path).is_symlink() or Path(path).exists() and not Path(path).is_file():
+                Path(path).write_text(text + "\n")  # /dev/null, a pipe, a link: written through, not replaced
+            else:  # an earlier result there stays whole until this one is
+                write_text_atomic(path, text + "\n")
         except OSError as exc:
             print(text)
             raise SystemExit(f"--json {path}: could not write the result ({exc}); it is printed above") from None
@@ -840,8 +844,23 @@ def _num(value: float | None, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
+def _inside_a_zoo(args) -> str:
+    """The --json or --out that names a path inside the bundled zoo or --zoo: the result (and a plot beside it, or
+    the paper's items) would be written over the zoo's own files (registry.yaml, acceptance.json) after the run."""
+    zoos = {Path(DEFAULT_ZOO).resolve()} | ({Path(args.zoo).resolve()} if getattr(args, "zoo", None) else set())
+    for option in ("json", "out"):
+        value = getattr(args, option, None)
+        if value and any(zoo == Path(value).resolve() or zoo in Path(value).resolve().parents for zoo in zoos):
+            return f"--{option} {value} is inside the zoo ({', '.join(map(str, sorted(zoos)))}): the result would be" \
+                   " written among its models; name a path elsewhere"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if refused := _inside_a_zoo(args):
+        parser.error(refused)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # said, not a traceback: a bench's figures only compare as a whole

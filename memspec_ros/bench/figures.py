@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from ..runtime.atomic_write import write_text_atomic
 from ..runtime.policies import COST_AWARE
 from ..runtime.simulator import CostModel
 from ..runtime.stats import EXEC_PARTS, GenerationStats, GenerationTotals, ratio
@@ -653,7 +654,7 @@ def write_readme(out: Path, items: dict, result: dict, index: dict) -> None:
         text = text[: text.index(BEGIN)] + body + text[text.index(END) + len(END):]
     else:
         text = text.rstrip() + "\n\n" + body + "\n"
-    readme.write_text(text)
+    write_text_atomic(readme, text)  # its hand-written parts are never left half-written
 
 
 def _path_name(quantization: str) -> str:

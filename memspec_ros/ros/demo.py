@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..argtypes import positive_float, positive_int
+from ..argtypes import positive_float, positive_int, prompt_text
 from ..runtime.jsonl import WorkloadFileError, read_jsonl
 from .ros_env import isolate_ros_environment, lock_domain_id
 
@@ -354,6 +354,9 @@ def run(args) -> int:
 
 
 def _run(args, zoo: Path, overrides: list[str]) -> int:
+    # before the node: a workload file that cannot give a prompt was found only after configure (a first run's
+    # minutes)
+    prompt = args.prompt if args.prompt is not None else demo_prompt(zoo)
     domain, _lock = claim_domain_id()
     isolate_ros_environment(domain)  # its node and client on this host, whatever the shell's ROS settings
     # a name of its own (mkstemp: created exclusively, 0600): a predictable one in /tmp was opened with "w", so a
@@ -385,7 +388,6 @@ def _run(args, zoo: Path, overrides: list[str]) -> int:
         proc = start_node(Path(args.params_file), overrides, log_path)
         client = Client(proc, log_path)
         bring_up(client, args.timeout, log_path)
-        prompt = args.prompt or demo_prompt(zoo)
         answer = generate(client, prompt, args.max_new_tokens).text
         if not answer.strip():
             say("the answer is empty: no follow-up turn (a conversation's turns must say something)")
@@ -470,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                              " (--threads, --quantization, --draft-quantization, --zoo), memspec.adaptive_gamma and"
                              " memspec.context_lookup (true), and memspec.policy where the zoo has no predictor;"
                              " set them with those flags or --param, which wins over both")
-    parser.add_argument("--prompt", help="prompt (default: the zoo's first code workload prompt)")
+    parser.add_argument("--prompt", type=prompt_text, help="prompt (default: the zoo's first code workload prompt)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--threads", type=node_range("model.threads"), default=os.environ.get("MEMSPEC_THREADS", "1"),
                         help="torch CPU threads of the node (default 1: fastest on a busy 2-core machine)")

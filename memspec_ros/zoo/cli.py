@@ -162,18 +162,10 @@ def _run_chat_build(a) -> int:
     )
     from safetensors import SafetensorError
 
-    from ..argtypes import unwritable
     from ..runtime.models import ModelLoadError
     from .errors import ZooSetupError
 
-    # export and datastore write --out, the other stages --work-dir: a file there, or a folder this user cannot
-    # write, failed at that stage in a NotADirectoryError/PermissionError traceback (after hours of stages)
-    for flag, folder in (("--work-dir", cfg.work_dir), ("--out", cfg.out_dir)):
-        where = unwritable(folder)
-        blocked = f"{folder} is a file" if folder.exists() and not folder.is_dir() else (
-            f"{where} cannot be written to" if where else "")
-        if blocked:
-            raise SystemExit(f"memspec-zoo build: {flag} {folder}: {blocked}; name a folder this user can write")
+    _refuse_unwritable("memspec-zoo build", cfg.work_dir, cfg.out_dir)
     if {"export", "datastore"} & set(a.stages) and (other := _not_a_chat_zoo(cfg.out_dir)):
         # checked before the hours of stages: the export replaces drafts/, workloads/ and registry.yaml in place
         raise SystemExit(f"memspec-zoo build: --out {cfg.out_dir} {other}, which the export would overwrite: give"
@@ -212,6 +204,19 @@ def _not_a_chat_zoo(out: Path) -> str:
     return ""
 
 
+def _refuse_unwritable(program: str, work_dir: Path, out_dir: Path) -> None:
+    """Export (and datastore) write --out, the other stages --work-dir: a file there, or a folder this user cannot
+    write, failed at that stage in a NotADirectoryError/PermissionError traceback (after hours of stages)."""
+    from ..argtypes import unwritable
+
+    for flag, folder in (("--work-dir", work_dir), ("--out", out_dir)):
+        where = unwritable(folder)
+        blocked = f"{folder} is a file" if folder.exists() and not folder.is_dir() else (
+            f"{where} cannot be written to" if where else "")
+        if blocked:
+            raise SystemExit(f"{program}: {flag} {folder}: {blocked}; name a folder this user can write")
+
+
 def _exit_if_write_failed(program: str, exc: BaseException, work_dir: Path) -> None:
     """SystemExit where a build's write failed midway (a full disk, a folder made read-only: atomic_write.cannot_write)
     saying the finished work is kept and how to go on (a traceback after hours of stages said neither); other
@@ -219,9 +224,12 @@ def _exit_if_write_failed(program: str, exc: BaseException, work_dir: Path) -> N
     from ..runtime.atomic_write import cannot_write
 
     if cannot_write(exc):
-        raise SystemExit(f"{program}: a write failed ({type(exc).__name__}: {exc}). The work finished so far is kept"
-                         f" in {work_dir} (every shard and checkpoint is written whole or not at all): free space or"
-                         " fix the permissions, then run the same command again to go on from there") from None
+        raise SystemExit(f"{program}: a write failed ({type(exc).__name__}: {exc}). {_work_kept(work_dir)}: free"
+                         " space or fix the permissions, then run the same command again to go on from there") from None
+
+
+def _work_kept(work_dir: Path) -> str:
+    return f"The work finished so far is kept in {work_dir} (every shard and checkpoint is written whole or not at all)"
 
 
 def _resized(arch, hidden: int, layers: int):
@@ -260,6 +268,7 @@ def _run_build(a) -> int:
     from .errors import ZooSetupError
 
     out = Path(a.out)
+    _refuse_unwritable("memspec-zoo build-toy", cfg.work_dir, out)
     if "export" in a.stages and (out / "registry.yaml").exists() and not (out / TOY_MARKER).exists():
         # checked before the hours of training: the toy export replaces drafts and registry in place
         raise SystemExit(f"memspec-zoo build-toy: --out {out} holds another zoo (registry.yaml, no {TOY_MARKER}),"
@@ -604,10 +613,24 @@ def main(argv: list[str] | None = None) -> int:
     _gptq_parser(sub)
     _draft_gguf_parser(sub)
     a = ap.parse_args(argv)
-    if a.cmd == "gptq":
-        return _run_gptq(a, argv)
-    return {"build": _run_chat_build, "build-toy": _run_build, "acceptance": _run_acceptance, "card": _run_card,
-            "draft-gguf": _run_draft_gguf}[a.cmd](a)
+    try:
+        if a.cmd == "gptq":
+            return _run_gptq(a, argv)
+        return {"build": _run_chat_build, "build-toy": _run_build, "acceptance": _run_acceptance, "card": _run_card,
+                "draft-gguf": _run_draft_gguf}[a.cmd](a)
+    except KeyboardInterrupt:  # said, with what is kept, not a traceback after hours of stages
+        print(f"\nmemspec-zoo {a.cmd}: interrupted. {_kept_at_interrupt(a)}", file=sys.stderr)
+        return 130
+
+
+def _kept_at_interrupt(a) -> str:
+    """What an interrupted build or acceptance run leaves for the next one."""
+    if a.cmd in ("build", "build-toy"):
+        return f"{_work_kept(Path(a.work_dir))}: run the same command again to go on from there"
+    if a.cmd == "acceptance":
+        return "--json and --plot are written only once every draft is scored" + (
+            f"; the target's continuations saved so far are kept in {a.continuations}" if a.continuations else "")
+    return ""
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..argtypes import group_size
 from ..runtime.gptq import prepare_for_engine, quantize_gptq
 from ..runtime.models import ModelSpec, load_model, parameter_bytes, read_config
 from ..runtime.speculative import generate
@@ -86,12 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("src")
     q.add_argument("out")
     q.add_argument("--calibration", required=True, help="JSONL with a 'prompt' or 'text' field per line")
-    q.add_argument("--bits", type=int, default=4)
-    q.add_argument("--group-size", type=int, default=32)
+    q.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4, help="GPTQ bits (default 4)")
+    q.add_argument("--group-size", type=group_size, default=32,
+                   help="input columns per scale, or -1 for one group per row (default 32)")
     s = sub.add_parser("selftest", help="quantize a tiny model and check the engine is lossless on it")
     s.add_argument("--workdir", required=True)
     args = parser.parse_args(argv)
     if args.command == "quantize":
+        src, out = Path(args.src).resolve(), Path(args.out).resolve()
+        if out == src or src in out.parents:  # the checkpoint would be written over (or into) its own source
+            parser.error(f"OUT {args.out} is SRC {args.src} or inside it: name a new folder")
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):  # GPT-QModel writes over what is there
+            parser.error(f"OUT {args.out} already exists and is not an empty folder: name a new folder")
         from memspec_ros.runtime.jsonl import WorkloadFileError, read_jsonl
 
         def has_text(row: dict) -> str | None:  # a chat row ({"messages"}) became "" and then "no calibration text"

@@ -53,7 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..argtypes import controller_limit, output_file, positive_int
+from ..argtypes import controller_limit, group_size, output_file, positive_int
 from ..runtime.atomic_write import held_lock, sync_dir, sync_tree
 from ..runtime.jsonl import read_jsonl
 from .corpora import WORKLOADS
@@ -417,7 +417,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--answers", default=None, metavar="DIR",
                        help="stored teacher answers (train-*/heldout-*.safetensors); default: the zoo build's")
         p.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=4, help="GPTQ bits (default 4)")
-        p.add_argument("--group-size", type=int, default=32)
+        p.add_argument("--group-size", type=group_size, default=32,
+                       help="input columns per scale, or -1 for one group per row (default 32)")
         p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                        help="symmetric grid (a scale per group); --no-sym adds a zero point per group")
         p.add_argument("--threads", type=positive_int, default=2, help="threads for quantizing and perplexities")

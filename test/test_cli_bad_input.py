@@ -1113,3 +1113,22 @@ def test_the_toy_build_names_a_folder_it_cannot_write_before_any_stage(tmp_path,
     with pytest.raises(SystemExit, match=f"memspec-zoo build-toy: {flag} .*file is a file; name a folder"):
         main(["build-toy", *[x for kv in paths.items() for x in kv]])
     assert (tmp_path / "file").read_text() == "not a folder" and not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["engine", "--context-lookup", "--datastore", "{zoo}"], "--datastore: no datastore file at"),
+    (["engine", "--context-lookup", "--datastore", "{zoo}/registry.yaml"], "is not a datastore"),
+    (["llamacpp", "--paths", "fp32,int4,fp32"], "--paths names fp32 more than once"),
+    (["action", "--policy", "general-static", "--predictor", "{zoo}"], "general-static ranks no drafts"),
+])
+def test_bench_options_that_would_be_found_late_or_ignored_are_refused_first(tmp_path, monkeypatch, argv, said):
+    """A folder as --datastore was found after both models had loaded (and --quantization auto had timed every
+    path); --paths fp32,fp32 loaded the target twice; --predictor beside a policy without a ranking was ignored."""
+    from memspec_ros.bench import cli
+    from memspec_ros.testing.tiny_zoo import build_tiny_zoo
+
+    zoo = build_tiny_zoo(tmp_path / "zoo", hidden=32, layers=1)
+    _no_model_loads(monkeypatch)
+    monkeypatch.setattr(cli, "_engine_models", lambda args: pytest.fail("the models were loaded"))
+    with pytest.raises(SystemExit, match=said):
+        cli.main([a.format(zoo=zoo) for a in argv] + ["--zoo", str(zoo)])

@@ -236,11 +236,17 @@ def cmd_engine(args) -> int:
     if bool(args.target) != bool(args.draft_path):  # one without the other was ignored, or failed in the loader
         raise SystemExit("--target and --draft-path go together (a target directory and a draft for it); without"
                          " them the zoo's target and --draft run")
-    for option, value in (("--datastore", "" if args.datastore == "none" else args.datastore),
-                          ("--target", args.target), ("--draft-path", args.draft_path)):
+    for option, value in (("--target", args.target), ("--draft-path", args.draft_path)):
         # found after the target had loaded and its paths were timed (a pkg: source is the loader's to find)
         if value and not value.startswith("pkg:") and not Path(value).exists():
             raise SystemExit(f"{option} {value}: no such file or folder")
+    if args.datastore not in ("", "none"):  # a folder or another file: also found only after the loads
+        from ..runtime.datastore import DatastoreError, read_answers
+
+        try:
+            read_answers(args.datastore)  # (its tokenizer is checked against the target's once that is loaded)
+        except DatastoreError as exc:
+            raise SystemExit(f"--datastore: {exc}") from None
     torch.set_num_threads(cfg.threads)  # before the load: quantization auto times the paths at this thread count
     target, draft, prompts, names, tokenizer = _engine_models(args)
     if cfg.context_lookup:
@@ -343,9 +349,9 @@ def cmd_llamacpp(args) -> int:
     )
     from .policy_bench import row_prompt_ids
 
-    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    paths = tuple(unique_names(args.paths, "--paths"))  # a path named twice loaded the target twice
     unknown = [p for p in paths if p not in PATHS]
-    if unknown or not paths:
+    if unknown:
         raise SystemExit(f"unknown forward path(s) {', '.join(unknown) or repr(args.paths)}: use {', '.join(PATHS)}")
     if args.llamacpp_draft and not Path(args.llamacpp_draft).is_file():  # else every speculative run failed
         raise SystemExit(f"--llamacpp-draft {args.llamacpp_draft}: no such file (a draft GGUF)")
@@ -438,7 +444,10 @@ def cmd_action(args) -> int:
 
     if args.policy not in NODE_POLICIES:  # before the node starts (the oracles need the future: the offline bench's)
         raise SystemExit(f"--policy {args.policy}: the node runs one of {', '.join(NODE_POLICIES)}")
-    if args.predictor and args.policy in RANKING_POLICIES and not find_predictor(args.predictor):
+    if args.predictor and args.policy not in RANKING_POLICIES:  # it was ignored without a word
+        raise SystemExit(f"--predictor: {args.policy} ranks no drafts; the predictor serves"
+                         f" {', '.join(RANKING_POLICIES)}")
+    if args.predictor and not find_predictor(args.predictor):
         # the node would fall back to general-static: the figures would be another policy's under this one's name
         raise SystemExit(f"--predictor {args.predictor}: no trained ranking head there ({HEAD_CONFIG})")
     zoo = _bench_zoo(args)

@@ -402,3 +402,12 @@ def test_the_windows_figures_are_its_goals_own():
     unmeasured = Status()
     fill_throughput_status(unmeasured, None, 0, 0, 0.5, 3)
     assert "no measured goal yet (3 finished" in unmeasured.message
+    # a parameter batch refused after the window's setter ran sets the old size back: no goal is lost by it
+    window.resize(1)
+    assert window.view().goals == 1
+    window.resize(8)
+    assert window.view().goals == 2
+    window.resize(1)
+    window.add(stats)  # a goal that finishes under the smaller size: the window is that size from then on
+    window.resize(8)
+    assert window.view().goals == 1

@@ -659,7 +659,7 @@ def test_a_change_that_fails_while_applied_leaves_the_runtime_on_the_values_the_
     assert not result.successful and "applying it failed (OSError" in result.reason and "undone" in result.reason
     assert controller.next_config.capacity == controller.config.capacity == capacity
     assert h.get_param("memspec.capacity") == capacity and h.get_param("diagnostics.window_goals") == goals
-    assert window._goals.maxlen == goals  # the setter given its old value back
+    assert window._size == goals  # the setter given its old value back
 
 
 def test_a_change_whose_undo_fails_is_a_warning_on_diagnostics_until_the_next_configure(h, monkeypatch):

@@ -41,7 +41,7 @@ import py_trees
 from py_trees.common import Status
 
 from ..runtime.chat import check_request
-from .client import UINT32_MAX, ResultWatch, nul_error
+from .client import DEFAULT_NODE, UINT32_MAX, ResultWatch, nul_error
 
 # the wait for the server, and for its answer to a goal: BehaviorTree.ROS2's 1 s default failed live nodes, since
 # discovery of a fresh client can take seconds (a one-off timing this session: 1.7 s and 3.0 s in 7 starts);
@@ -53,7 +53,7 @@ CANCEL_WAIT_SECONDS = 5.0  # after Ctrl-C, for the goal's answer and the cancel'
 class Generate(py_trees.behaviour.Behaviour):
     """Send a Generate goal; SUCCESS with the text, FAILURE on rejection, abort or cancellation."""
 
-    def __init__(self, name: str, node, prompt: str = "", *, action_name: str = "/memspec/generate",
+    def __init__(self, name: str, node, prompt: str = "", *, action_name: str = "memspec/generate",
                  prompt_key: str = "", result_key: str = "generated_text", max_new_tokens: int = 0,
                  messages: Sequence[tuple[str, str]] = (), raw: bool = False,
                  server_timeout: float = SERVER_TIMEOUT, result_timeout: float = 0.0) -> None:
@@ -299,7 +299,7 @@ def settle(tree: py_trees.trees.BehaviourTree, spin_once, wait_seconds: float = 
     return True
 
 
-def create_example_tree(node, prompt: str, action_name: str = "/memspec/generate",
+def create_example_tree(node, prompt: str, action_name: str = "memspec/generate",
                         **goal_fields) -> py_trees.trees.BehaviourTree:
     """answer = Selector[Generate(prompt), canned reply]: the robot always says something.
     ``goal_fields``: messages, raw, max_new_tokens, server_timeout, result_timeout for the Generate behaviour."""
@@ -326,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bt_example", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", type=prompt_text)
-    parser.add_argument("--node", type=node_name, default="/memspec")
+    parser.add_argument("--node", type=node_name, default=DEFAULT_NODE,
+                        help=f"the node's name, in this node's namespace unless it starts with /"
+                             f" (default {DEFAULT_NODE})")
     parser.add_argument("--system", metavar="TEXT", type=message_text,
                         help="system message before the prompt (chat-template models)")
     parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")

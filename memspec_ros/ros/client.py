@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from ..argtypes import message_text
 from .goal_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_P, is_length_rejection
 
-DEFAULT_NODE = "/memspec"
+# relative, as ROS names are by default: resolved in the client's namespace (the root one: /memspec), so a client
+# started with `--ros-args -r __ns:=/robot1` finds /robot1/memspec without --node
+DEFAULT_NODE = "memspec"
 # The ranges of the Generate goal fields the numeric flags fill: outside them a value failed at serialization with
 # a SystemError traceback, or wrapped silently (uint32 4294967296 became 0, the node's default), so argparse refuses
 # it with the flag's name (exit status 2).
@@ -405,8 +407,12 @@ class RejectionReasons:
             latest = self._latest
             # no count seen before sending: the first status after the rejection names the latest one, this one
             if latest is not None and (self._mark is None or latest[0] > self._mark):
+                # a goal's rejection carries no reason: the node's latest is read, which is another client's where
+                # one was rejected after this goal
+                others = latest[0] - self._mark - 1 if self._mark is not None else 0
                 self._mark = latest[0]
-                return latest[1]
+                return latest[1] + (f" [{others + 1} goals were rejected since this one was sent: this reason may be"
+                                    " another client's]" if others else "")
             self._executor.spin_once(timeout_sec=0.1)
         return None
 
@@ -578,7 +584,8 @@ def parse_args(argv: list[str] | None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
     parser.add_argument("--node", type=node_name, default=DEFAULT_NODE,
-                        help=f"the node's full name (default {DEFAULT_NODE})")
+                        help=f"the node's name, in this client's namespace unless it starts with /"
+                             f" (default {DEFAULT_NODE})")
     parser.add_argument("--max-new-tokens", type=_integer_in(0, UINT32_MAX, "uint32"), default=0,
                         help="0: the node's generation.max_new_tokens")
     parser.add_argument("--temperature", type=_temperature, default=-1.0,
@@ -611,8 +618,8 @@ def parse_args(argv: list[str] | None):
         parser.error("--raw continues the prompt as plain text: it cannot take a --system message")
     if args.raw and args.chat:
         parser.error("--chat sends a conversation through the chat template: it cannot be --raw")
-    if args.stop and len(args.stop) > MAX_STOP_STRINGS:
-        parser.error(f"{len(args.stop)} --stop strings: the node takes at most {MAX_STOP_STRINGS}")
+    if args.stop and (stops := sum(1 for s in args.stop if s)) > MAX_STOP_STRINGS:  # (empty ones are ignored)
+        parser.error(f"{stops} --stop strings: the node takes at most {MAX_STOP_STRINGS}")
     return args
 
 

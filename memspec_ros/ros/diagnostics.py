@@ -102,7 +102,8 @@ class ThroughputWindow:
 
     def __init__(self, size: int) -> None:
         self._lock = threading.Lock()
-        self._goals: deque[GenerationStats] = deque(maxlen=size)
+        self._size = size
+        self._goals: deque[GenerationStats] = deque()  # at most ``size`` once a goal is added
         self.measured_goals = 0  # goals whose timings entered the window since activation
         self.finished_goals = 0  # every goal answered since activation: cancelled, aborted and unrun ones too
 
@@ -115,12 +116,16 @@ class ThroughputWindow:
             self.measured_goals = self.finished_goals = 0
 
     def resize(self, size: int) -> None:
+        """Goals beyond ``size`` go at the next add, not now: a parameter batch refused after this setter ran sets
+        the old size back at once (param_handler's undo), and shrinking here had dropped the older goals for good."""
         with self._lock:
-            self._goals = deque(self._goals, maxlen=size)
+            self._size = size
 
     def add(self, stats: GenerationStats) -> None:
         with self._lock:
             self._goals.append(stats)
+            while len(self._goals) > self._size:
+                self._goals.popleft()
             self.measured_goals += 1
 
     def clear(self) -> None:
@@ -134,7 +139,7 @@ class ThroughputWindow:
         within each goal, as the joined iterations would also count the last draft of one goal against the first
         of the next, and no draft is active between goals."""
         with self._lock:
-            goals, measured, finished = list(self._goals), self.measured_goals, self.finished_goals
+            goals, measured, finished = list(self._goals)[-self._size:], self.measured_goals, self.finished_goals
         combined = GenerationStats.combined(goals) if goals else None
         return WindowView(len(goals), combined, sum(g.draft_switches for g in goals), measured, finished)
 

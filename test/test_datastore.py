@@ -131,6 +131,27 @@ def test_the_file_keeps_the_answers_and_the_tokenizer(tmp_path):
         assert f.get_tensor("tokens").dtype == np.uint16  # a 49 k vocabulary's answers take 2 bytes a token
 
 
+def test_a_datastore_too_large_to_index_in_the_free_memory_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """Indexing takes about 100x the file's size: a large or crafted datastore ran the node out of memory at
+    configure. Its token count comes from the header; one that fits is loaded as before, and where the free memory
+    is unknown nothing is refused."""
+    path = tmp_path / "d.safetensors"
+    Datastore([list(range(1, 1001))], fingerprint="tok-a").save(path)
+    need = 1000 * datastore_module.INDEX_PEAK_BYTES_PER_TOKEN
+    read = []
+    monkeypatch.setattr(datastore_module, "read_answers", lambda *a: read.append(a) or ([], {}))
+    monkeypatch.setattr(datastore_module, "available_memory_bytes", lambda: need - 1)
+    with pytest.raises(DatastoreError, match=r"holds 1,000 tokens: indexing them takes up to .* more than the"):
+        Datastore.load(path)
+    assert not read
+    monkeypatch.undo()
+    for free in (need, None):
+        monkeypatch.setattr(datastore_module, "available_memory_bytes", lambda free=free: free)
+        assert Datastore.load(path).token_count == 1000
+    free = datastore_module.available_memory_bytes()
+    assert free is None or free > 0  # this machine's own figure, where it has one
+
+
 def test_a_save_cut_short_leaves_the_datastore_that_was_there(tmp_path, monkeypatch):
     """The build wrote straight over models/datastore.safetensors: a rebuild cut mid-write destroyed the file the
     node reads by default."""

@@ -414,6 +414,20 @@ def test_acceptance_rule_reproduces_target_distribution():
     assert stat < chi2_critical(dof), (stat, dof)
 
 
+def test_a_rejection_whose_residual_rounds_to_nothing_never_draws_the_rejected_token():
+    """Where p - q is nowhere positive (p = q to rounding: a q row whose sum rounds above p's), the extra token
+    was drawn from p itself, which could give back the token just rejected."""
+    from memspec_ros.runtime.speculative import speculative_accept
+
+    gen = torch.Generator().manual_seed(0)
+    # q's row sums above p's, as rounding can make it: p - q is 0 or negative everywhere, and 1 is rejected 11% of
+    # the time
+    p, q = torch.tensor([[0.2, 0.8], [0.5, 0.5]]), torch.tensor([[0.2, 0.9]])
+    outcomes = [speculative_accept(p, q, [1], gen) for _ in range(2000)]
+    assert any(accepted == 0 for accepted, _ in outcomes)
+    assert all(extra == 0 for accepted, extra in outcomes if accepted == 0)
+
+
 @pytest.mark.parametrize("q_kind", ["one-hot (a copy)", "zeros outside a subset (reduced vocabulary)", "dense"])
 def test_acceptance_rule_reproduces_the_target_distribution_at_every_position(q_kind):
     """The joint tests draw 1,500 samples; this one has the power to see a wrong residual for the proposals the

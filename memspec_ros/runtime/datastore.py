@@ -189,9 +189,46 @@ class Datastore:
     @classmethod
     def load(cls, path: str | Path, config: LookupConfig | None = None,
              fingerprint: str | None = None) -> Datastore:
-        """Read a file :meth:`save` wrote; with ``fingerprint``, refuse one made for another tokenizer."""
+        """Read a file :meth:`save` wrote; with ``fingerprint``, refuse one made for another tokenizer; refuse one
+        whose indexing would take more memory than this machine has free."""
+        _check_fits_in_memory(path)
         answers, meta = read_answers(path, fingerprint)
         return cls(answers, config, meta.get("tokenizer_fingerprint", ""))
+
+
+# measured with tracemalloc while indexing 2 M tokens of random ids (every n-gram distinct, so the tables are as large
+# as they get): 192 bytes per token at the peak of building the four n-gram tables, 71 held once built; a file holds
+# 2 bytes per token (uint16), 1 for a crafted uint8 one
+INDEX_PEAK_BYTES_PER_TOKEN = 200
+
+
+def available_memory_bytes() -> int | None:
+    """The memory this machine has free (Linux's MemAvailable), None where that is unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_fits_in_memory(path: str | Path) -> None:
+    """A datastore takes about 100x its file's size in memory while it is indexed: a large (or crafted) file ran the
+    node out of memory at configure. Its token count is read from the header alone, before anything is read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "np") as f:
+            tokens = int(np.prod(f.get_slice("tokens").get_shape()))
+    except Exception:  # not a datastore at all: read_answers says what is wrong with it
+        return
+    need, free = tokens * INDEX_PEAK_BYTES_PER_TOKEN, available_memory_bytes()
+    if free is not None and need > free:
+        raise DatastoreError(f"{path} holds {tokens:,} tokens: indexing them takes up to {need / 1e9:.1f} GB, more"
+                             f" than the {free / 1e9:.1f} GB this machine has free. Use a smaller datastore"
+                             " (memspec-zoo build --stages datastore) or none")
 
 
 def read_answers(path: str | Path, fingerprint: str | None = None) -> tuple[list[np.ndarray], dict[str, str]]:

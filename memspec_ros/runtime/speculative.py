@@ -134,8 +134,14 @@ def speculative_accept(
         if torch.rand((), generator=generator, device=p.device, dtype=torch.float32) < ratio:
             continue
         residual = torch.clamp(p[j] - q[j], min=0.0)
+        if not residual.sum() > 0:  # p = q to rounding (a rejection then has a vanishing chance): p itself, but
+            # never the token just rejected, which the residual always leaves out
+            residual = p[j].clone()
+            residual[token] = 0.0
         mass = residual.sum()
-        residual = residual / mass if mass > 0 else p[j]
+        if not mass > 0:  # p held the rejected token alone: p is what is left
+            residual, mass = p[j], p[j].sum()
+        residual = residual / mass
         token = int(torch.multinomial(residual, 1, generator=generator))
         if not residual[token] > 0:  # a torch whose multinomial drew a zero-probability id (an old CUDA one had
             # that bug): the output would no longer be the target's distribution, so it fails loudly

@@ -71,6 +71,19 @@ CLOSE_WAIT_SECONDS = 30.0
 log = logging.getLogger(__name__)
 
 
+def _without_frames(error: BaseException) -> BaseException:
+    """``error`` with no traceback, along its whole chain (an error raised while handling another, itself a wrapped
+    one, kept the deeper frames): a remembered failure must not keep the frames that hold a draft's model."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        exc = pending.pop()
+        if exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            exc.__traceback__ = None
+            pending += [exc.__cause__, exc.__context__]
+    return error
+
 class DraftLoadError(RuntimeError):
     """A draft could not be made resident; the message carries the loader's error.
 
@@ -786,17 +799,8 @@ class DraftCacheManager:
         """Every failed draft ends here: recorded on the slot (CacheStats.failed), counted (``counter``, on
         /diagnostics) and logged."""
         # kept without tracebacks: their frames hold the draft's model (a failure in use) or a half-loaded one,
-        # which would stay in memory while the failure is remembered; the log gets text for the same reason. The
-        # whole chain: an error raised while handling another, itself a wrapped one, kept the deeper frames
-        seen: set[int] = set()
-        pending: list[BaseException | None] = [error]
-        while pending:
-            exc = pending.pop()
-            if exc is not None and id(exc) not in seen:
-                seen.add(id(exc))
-                exc.__traceback__ = None
-                pending += [exc.__cause__, exc.__context__]
-        slot.error, slot.future, slot.failed_at = error, None, time.monotonic()
+        # which would stay in memory while the failure is remembered; the log gets text for the same reason
+        slot.error, slot.future, slot.failed_at = _without_frames(error), None, time.monotonic()
         setattr(self._counters, counter, getattr(self._counters, counter) + 1)
         log.warning("draft %r %s (retried after %.0f s): %s: %s", slot.name, what, self.retry_seconds,
                     type(error).__name__, str(error))
@@ -879,7 +883,15 @@ class DraftCacheManager:
                     log.exception("an on_evict callback failed for draft %r (the eviction stands)", name)
 
     def _load(self, slot: _Slot) -> None:
-        """Runs on the loader thread: storage -> fast memory, then publish under the lock."""
+        """Runs on the loader thread: storage -> fast memory, then publish under the lock. A failure is raised from
+        here, not re-raised where it was caught: on Python 3.10 a bare ``raise`` put back the traceback that _fail
+        had cleared, and its frames (the loader's) held the failed draft's model in memory, outside K and the
+        budget, while the failure was remembered."""
+        error = self._load_or_error(slot)
+        if error is not None:
+            raise error  # the future carries it; whoever waits on it reads the slot
+
+    def _load_or_error(self, slot: _Slot) -> Exception | None:
         t0 = time.perf_counter()
         try:
             loaded = self.loader(slot.name)
@@ -896,17 +908,16 @@ class DraftCacheManager:
             # again under it only if another evict_changed marked loads since
             rechecks = self._rechecks
             now = weights_identity(source) if slot.recheck else None
-        except UnknownDraftError:  # its registry entry went before the load began: the next sync removes it
+        except UnknownDraftError as exc:  # its registry entry went before the load began: the next sync removes it
             with self._lock:
                 slot.discard = True  # on purpose: a wait for it ends saying the draft was removed, no retry
                 self._drop(slot)
-            raise
+            return _without_frames(exc)
         except BaseException as exc:  # any loader failure must not reach the decode thread
             with self._lock:
                 self._loader_failed(slot, exc)
-            if isinstance(exc, Exception):
-                raise  # the future carries it; whoever waits on it reads the slot
-            return  # SystemExit, KeyboardInterrupt: the future would hand them to a waiting decode thread
+            # SystemExit, KeyboardInterrupt: not returned, the future would hand them to a waiting decode thread
+            return _without_frames(exc) if isinstance(exc, Exception) else None
         with self._lock:
             try:
                 if slot.recheck and (now is None or self._rechecks != rechecks):
@@ -914,7 +925,8 @@ class DraftCacheManager:
                 self._publish(slot, loaded, elapsed, source, files, current and (now is None or now == files))
             except Exception as exc:  # a slot left "loading" with its future done held its room for good
                 self._loader_failed(slot, exc)
-                raise
+                return _without_frames(exc)
+        return None
 
     def _drop(self, slot: _Slot) -> None:
         """A load that is not wanted as it ends: out of the cache, counted as dropped, not as failed."""

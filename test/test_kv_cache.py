@@ -167,3 +167,23 @@ def test_a_kernel_forward_refuses_a_start_that_is_not_the_cache_length():
     with claimed_rows(cache, 2, like, 3):
         pass
     assert [layer.get_seq_length() for layer in cache.layers] == [6, 6]
+
+
+def test_a_generation_reserves_its_last_row_once_instead_of_doubling_after_a_long_prompt():
+    """The prefill claimed the prompt's rows exactly and the first verify doubled them: a 1,024-token prompt with
+    128 new tokens took 2,048 rows for 1,152. The session reserves what it can ever write (prompt + answer - 1,
+    the last token never fed) right after its prefill, and its output is the same."""
+    from memspec_ros.runtime.speculative import SpeculativeSession, generate
+    from memspec_ros.testing.tiny_models import noisy_copy
+
+    target = tiny_llama(vocab_size=64, hidden=32, layers=2, seed=3).eval()
+    draft = noisy_copy(target, 0.02, seed=4)
+    prompt = [1 + i % 60 for i in range(300)]  # past the first buffer's 256 rows
+    alone = generate(target, prompt, None, max_new_tokens=40).generated_ids
+    session = SpeculativeSession(target, prompt, gamma=4, max_new_tokens=40)
+    session.prefill()
+    while not session.finished:
+        session.step("d", draft)
+    assert session.generated_ids == alone and session.stats.mean_accepted > 0
+    rows = {layer._key_buffer.shape[-2] for layer in session._target_kv.cache.layers}
+    assert rows == {300 + 40 - 1}

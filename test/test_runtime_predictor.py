@@ -556,8 +556,17 @@ def test_the_synchronous_predictor_keeps_the_last_good_ranking_as_the_overlapped
     assert "transient" in caplog.text
     # the drafts changed since (a registry change at the point) and the ranking failed again: the kept one is over
     # the drafts there are now, a new one last (it named the old drafts only, and MemSpec never prefetched the new)
-    sync.submit(ctx(3, candidates=("b", "c")))
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.predictor"):
+        caplog.clear()
+        sync.submit(ctx(3, candidates=("b", "c")))
     assert ranker.failures == 3 and [n for n, _ in sync.latest(["b", "c"])] == ["b", "c"]
+    # a failure in a row is counted, not logged again (a broken predictor warned at every point, several a second)
+    assert "prediction failed" not in caplog.text
+    sync.submit(ctx(4, candidates=("b", "c")))  # a good one, then a failure: said again
+    ranker.broken.add(5)
+    with caplog.at_level("WARNING", logger="memspec_ros.runtime.predictor"):
+        sync.submit(ctx(5, candidates=("b", "c")))
+    assert "prediction failed" in caplog.text and ranker.failures == 4
 
 
 def test_a_recent_only_head_sees_no_prompt_features_before_there_are_recent_tokens():
@@ -1167,3 +1176,27 @@ def test_publishing_one_encoder_warns_of_an_older_head_that_would_be_loaded_firs
     _publish(tmp_path, {"target-hidden": old}, {"encoders": {}})
     err = capsys.readouterr().err
     assert "minilm is left from an earlier run" in err and "loads that one first" not in err
+
+
+def test_the_history_keeps_one_row_per_position_not_a_verifys_rejected_rows():
+    """A verify's forward feeds gamma + 1 rows of which fewer stay (the rest are re-fed by the next forward): moved
+    to the history whole, they held up to gamma + 1 rows per generated token for the whole goal, beyond what the
+    prompt cache's estimate counts. Only the rows the next forward did not re-feed stay, and what the prompt cache
+    is handed is the same."""
+    target = tiny_llama(layers=2, hidden=64, seed=0)
+    encoder = TargetHiddenEncoder(target, recent_tokens=8)
+    encoder.begin(PROMPT)
+    dim, total = 64, len(PROMPT)
+    prefill = torch.randn(total, dim)
+    encoder._record_rows(prefill, 0, total)
+    kept = [prefill]
+    for _ in range(60):  # gamma-4 verifies from the committed end: 5 rows fed, 2 committed (1 accepted + the target's)
+        fed = torch.randn(5, dim)
+        encoder._record_rows(fed, total, total + 5)
+        kept.append(fed[:2])
+        total += 2
+    history = encoder._history
+    assert sum(rows.shape[0] for _, rows in history) == encoder._fed[0][0]  # one row per position
+    assert all(rows.untyped_storage().nbytes() == rows.numel() * rows.element_size() for _, rows in history)
+    assert torch.equal(encoder.prefix_rows(total), torch.cat(kept))
+    encoder.close()

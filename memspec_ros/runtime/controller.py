@@ -747,6 +747,9 @@ class RuntimeController:
         point = self._point(run.interval, session, prompt_ids, run.active)
         choice = run.policy.choose(point)
         stats.predictions += 1
+        # the draft that ran is the cache's to keep (the resolution hands it back if it runs on): a blocking load
+        # evicts it to make room, and held here while the load was waited for, it was a K + 1st draft in memory
+        run.model = None
         resolution = self._carry_out(choice, current=run.active)
         run.follow(choice, resolution)
         run.prediction_seconds = time.perf_counter() - t0 - resolution.waited

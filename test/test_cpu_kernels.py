@@ -1057,13 +1057,17 @@ def test_the_kernel_library_is_loaded_from_the_file_that_was_checked(tmp_path):
 
 def test_a_kernel_library_behind_a_link_or_writable_by_others_is_not_loaded(tmp_path):
     """Checked on the open file before dlopen: a link is refused (never followed), and a file others can write."""
+    import errno
+
     library = tmp_path / "kernels.so"
     library.write_bytes(b"not loaded: refused before dlopen")
-    library.chmod(0o775 | 0o002)
+    library.chmod(0o755)  # the link's target passes every other check: only the link itself can be refused
     link = tmp_path / "link.so"
     link.symlink_to(library)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as refused:
         cpu_kernels._open(link)
+    assert refused.value.errno == errno.ELOOP  # not followed (a followed one fails later, in dlopen, errno None)
+    library.chmod(0o775 | 0o002)
     with pytest.raises(OSError, match="not this user's alone"):
         cpu_kernels._open(library)
 

@@ -235,13 +235,12 @@ def test_diagnostics_follow_the_diagnostic_updater_contract(h):
         assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
         assert h.set_params(**{"diagnostic_updater.period": 0.2})[0].successful
         arrays.clear()
+        # the period changed at once: the updater's timer runs at it (asserted on the timer, not on when a loaded
+        # machine's executor served its ticks: a late tick and the catch-up after it made the gaps anything)
+        updater = h.node._diagnostics
+        timer = getattr(updater, "upstream", updater).timer
+        assert timer.timer_period_ns == int(0.2 * 1e9) and not timer.is_canceled()
         wait_until(lambda: len(arrays) >= 6, 15.0, "six /diagnostics messages")
-        # the period shows in the stamps the node puts on them (not in when this loaded machine delivers them):
-        # 0.2 s, not the default 1 s (what is asserted: the period changed, on any machine's timing); the median
-        # shrugs off a tick the executor served late
-        stamps = [a.header.stamp.sec + a.header.stamp.nanosec * 1e-9 for a in arrays[1:6]]
-        gaps = sorted(b - a for a, b in zip(stamps, stamps[1:], strict=False))
-        assert 0.05 < (gaps[1] + gaps[2]) / 2 < 0.9, gaps
         array = arrays[-1]
         assert array.header.stamp.sec > 0
         names = [s.name for s in array.status]

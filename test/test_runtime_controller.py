@@ -1020,7 +1020,7 @@ S_VOCAB = 4
 S_PROMPT = [1, 3]
 S_NEW = 4
 S_SAMPLING = {"temperature": 0.8, "top_p": 0.95}
-S_RUNS = 500
+S_RUNS = 1000
 SWITCHING = {"memspec", "mab-sync", "mab-async", "prediction-only"}  # switch drafts at K = 2 here
 BLOCKING = {"mab-sync"}  # switch at K = 1 too, by stalling
 
@@ -1062,6 +1062,18 @@ def flipping(context):
 def test_sampled_output_has_the_targets_distribution_under_every_policy(sampled, policy, capacity):
     """The first three tokens' joint distribution, and the last two's, over S_RUNS seeds equal the target's
     own (chi-square), with a scheduling point every iteration so the drafts switch mid-output."""
+    switches, accepted, rejected, tests = _sampled_runs(sampled, policy, capacity)
+    assert accepted > 0 and rejected > 0, "both the accept and the reject path of sampling must run"
+    if policy in BLOCKING or (capacity == 2 and policy in SWITCHING):
+        assert switches > 0, "the drafts must switch for this test to mean anything"
+    for name, stat, critical in tests:
+        assert stat < critical, (name, stat, critical)
+
+
+def _sampled_runs(sampled, policy: str, capacity: int) -> tuple[int, int, int, list[tuple[str, float, float]]]:
+    """S_RUNS seeded generations under ``policy``: (draft switches, accepted tokens, iterations with a rejection,
+    and the chi-square of the first three tokens' and of the last two's joint against the target's as (name,
+    statistic, critical value at 0.9999))."""
     target, drafts, oracle, exact3, exact2 = sampled
     ctl = make(target, drafts, policy, oracle, capacity=capacity, interval=1, gamma=2, ranker=flipping)
     first3: Counter = Counter()
@@ -1078,12 +1090,36 @@ def test_sampled_output_has_the_targets_distribution_under_every_policy(sampled,
         accepted += sum(it.accepted for it in spec)
         rejected += sum(1 for it in spec if it.accepted < it.proposed)
     ctl.close()
-    assert accepted > 0 and rejected > 0, "both the accept and the reject path of sampling must run"
-    if policy in BLOCKING or (capacity == 2 and policy in SWITCHING):
-        assert switches > 0, "the drafts must switch for this test to mean anything"
+    tests = []
     for name, observed, exact in (("tokens 1-3", first3, exact3), ("tokens 3-4", last2, exact2)):
         stat, dof = chi2(observed, exact, S_RUNS)
-        assert stat < chi2_critical(dof, z=3.72), (name, stat, dof)  # 0.9999
+        tests.append((name, stat, chi2_critical(dof, z=3.72)))
+    return switches, accepted, rejected, tests
+
+
+@pytest.mark.parametrize("broken", ["every proposal accepted", "the residual left out (p itself)"])
+def test_the_controllers_chi_square_sees_a_wrong_acceptance_rule(sampled, monkeypatch, broken):
+    """The negative control of the test above, at its sample size and on its switching drafts: with the acceptance
+    rule broken in the engine, the same chi-square fails. A test of too little power would pass either way."""
+    from memspec_ros.runtime import speculative
+
+    rule = speculative.speculative_accept
+
+    def wrong(p, q, proposals, generator):
+        if broken == "every proposal accepted":
+            return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=generator))
+        accepted, extra = rule(p, q, proposals, generator)
+        if accepted < len(proposals):  # a rejection: the extra token from p, not from norm(max(0, p - q))
+            extra = int(torch.multinomial(p[accepted], 1, generator=generator))
+        return accepted, extra
+
+    monkeypatch.setattr(speculative, "speculative_accept", wrong)
+    try:
+        _, _, _, tests = _sampled_runs(sampled, "memspec", 2)
+    except AssertionError as exc:  # chi2's own refusal: a token top_p leaves the target no chance of was drawn
+        assert "outcomes of probability 0 drawn" in str(exc)
+        return
+    assert any(stat >= critical for _, stat, critical in tests), tests
 
 
 @pytest.fixture(autouse=True)
@@ -1630,3 +1666,29 @@ def test_load_runtime_refuses_a_ranking_policy_without_a_predictor_before_loadin
                         lambda *a, **k: pytest.fail("models loaded before the policy was checked"))
     with pytest.raises(PolicyError, match="policy memspec ranks the drafts with a trained predictor"):
         load_runtime(RuntimeConfig(), str(tmp_path / "registry.yaml"))
+
+
+def test_a_blocking_switch_holds_no_evicted_draft_while_it_waits(target, drafts):
+    """K = 1: a blocking load's wait kept the run's reference to the draft the cache had just evicted for it, so
+    two drafts were in memory at once (the cache's limits are to hold at every instant)."""
+    import copy
+    import gc
+    import weakref
+
+    made: list[weakref.ref] = []  # every model handed out
+    alive_at_load: list[int] = []
+
+    def loader(name):
+        gc.collect()
+        alive_at_load.append(sum(r() is not None for r in made))
+        model = copy.deepcopy(drafts[name])
+        made.append(weakref.ref(model))
+        return LoadedModel(model, ModelSpec(name), parameter_bytes(model), 64, 512)
+
+    ctl = make(target, drafts, "mab-sync", loader=loader, capacity=1, interval=1)
+    try:
+        ctl.generate(PROMPT, NEW)
+        assert len(alive_at_load) >= 2  # it switched
+        assert alive_at_load == [0] * len(alive_at_load)
+    finally:
+        ctl.close()

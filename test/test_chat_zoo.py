@@ -394,6 +394,17 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     other.write_text("\n".join([json.dumps(row), *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match="made for other training requests"):
         datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok, other)
+    # it records the target that made the answers: the same target pairs them, another of the same tokenizer (the
+    # predictor trainer's --target) is refused instead of teaching the predictor another model's acceptance
+    assert len(datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok, target=str(tiny_build.target))) == len(train)
+    other_target = tmp_path / "other_target"
+    shutil.copytree(tiny_build.target, other_target)
+    weights = other_target / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-4] + (b"\x00\x00\x00\x40" if data[-4:] != b"\x00\x00\x00\x40" else b"\x00\x00\x80\x3f"))
+    assert weights.read_bytes() != data  # one weight changed (its last: a norm's 1.0 became 2.0)
+    with pytest.raises(ValueError, match="holds the answers of another target"):
+        datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok, target=str(other_target))
     # the stage alone, into an output folder no export has made yet (a build that stores its answers first)
     alone = replace(tiny_build, out_dir=tmp_path / "fresh")
     ChatZooBuild(alone).run(["datastore"])

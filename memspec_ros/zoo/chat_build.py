@@ -552,7 +552,8 @@ class ChatZooBuild:
         path = Path(self.cfg.out_dir) / DATASTORE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)  # the stage may run before (or without) export
         store.save(path, source="the target's greedy answers to the zoo's training requests", withheld=withheld,
-                   requests_sha256=requests_digest(self.workload_dir / "train_requests.jsonl", len(answers)))
+                   requests_sha256=requests_digest(self.workload_dir / "train_requests.jsonl", len(answers)),
+                   target_digest=self.target_digest())
         _log(f"datastore: {store.answers} answers ({withheld} withheld: their requests ask what held-out ones ask),"
              f" {store.token_count} tokens in {path} ({path.stat().st_size / 1e6:.2f} MB)")
 

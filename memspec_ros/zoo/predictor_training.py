@@ -341,7 +341,7 @@ def run(args: argparse.Namespace) -> dict:
         source = Path(args.answers)
         try:
             # a zoo's datastore, or its build's teacher folder: the target's greedy answers to its training requests
-            stored = (datastore_answers(source, tokenizer) if source.is_file()
+            stored = (datastore_answers(source, tokenizer, target=str(target_path)) if source.is_file()
                       else teacher_folder_answers(source, tokenizer, target_path))
         except (OSError, ValueError, DatastoreError) as exc:
             raise SystemExit(f"memspec-train-predictor: --answers {source}: {exc}") from None

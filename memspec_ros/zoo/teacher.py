@@ -148,11 +148,13 @@ def requests_digest(requests: Path, count: int) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) -> list[Answer]:
+def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None, target: str | None = None
+                      ) -> list[Answer]:
     """The training answers a zoo's datastore file keeps, paired with their requests: it holds the target's
     greedy answer to row ``i`` of the zoo's ``workloads/train_requests.jsonl`` (``requests``, by default beside
     the file) as answer ``i`` (the build's datastore stage). Only the greedy tokens are kept, so each answer's
-    one label is its own token (top-1)."""
+    one label is its own token (top-1). With ``target``, a datastore made by another target (another model of the
+    same tokenizer: a larger SmolLM2, another quantization) is refused, as the teacher's shards are."""
     from memspec_ros.runtime.datastore import read_answers
     from memspec_ros.runtime.models import tokenizer_fingerprint
 
@@ -171,6 +173,13 @@ def datastore_answers(datastore: Path, tokenizer, requests: Path | None = None) 
     if meta.get("requests_sha256") and meta["requests_sha256"] != requests_digest(requests, len(stored)):
         raise ValueError(f"{datastore} was made for other training requests than {requests} (their digest differs):"
                          " give the zoo it was built with, or rebuild its datastore stage")
+    if target is not None and meta.get("target_digest"):  # (a datastore made before session 58 records none)
+        from memspec_ros.runtime.model_source import answers_identity
+
+        if meta["target_digest"] != (this := answers_identity(target)):
+            raise ValueError(f"{datastore} holds the answers of another target (digest {meta['target_digest'][:12]},"
+                             f" {target} is {this[:12]}): labels from them would teach the predictor another model's"
+                             " acceptance. Give that target, or this target's own zoo")
     answers = []
     for row, tokens in zip(rows, stored, strict=False):  # the datastore holds the first len(stored) requests
         ids = tokens.tolist()

@@ -1014,19 +1014,22 @@ def test_the_action_bench_reads_the_drafts_through_the_storage_it_is_given(tmp_p
         assert storage["load_to_iteration"] is None
 
 
-@pytest.mark.parametrize("argv", [["engine", "--json", "{bundled}/registry.yaml"],
-                                  ["policies", "--json", "{bundled}/drafts/p.json"],
-                                  ["paper", "--out", "{bundled}"],
+@pytest.mark.parametrize("argv", [["engine", "--zoo", "{bundled}", "--json", "{bundled}/registry.yaml"],
+                                  ["policies", "--zoo", "{bundled}", "--json", "{bundled}/drafts/p.json"],
+                                  ["paper", "--zoo", "{bundled}", "--out", "{bundled}"],
                                   ["engine", "--zoo", "{tmp}", "--json", "{tmp}/e.json"]])
 def test_a_result_named_inside_the_zoo_is_refused_before_the_run(tmp_path, capsys, argv):
     """`--json models/registry.yaml` ran the whole bench and then wrote its JSON over the zoo's registry (a plot
     beside it too; `paper --out models` its items): refused by the parser, the zoo untouched."""
-    before = {p: p.read_bytes() for p in BUNDLED.rglob("*") if p.is_file()}
+    def files():
+        return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in BUNDLED.rglob("*") if p.is_file()}
+
+    before = files()
     argv = [a.format(bundled=BUNDLED, tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and "is inside the zoo" in capsys.readouterr().err
-    assert {p: p.read_bytes() for p in BUNDLED.rglob("*") if p.is_file()} == before
+    assert files() == before
     assert not list(tmp_path.iterdir())
 
 

@@ -169,10 +169,11 @@ def test_a_kernel_forward_refuses_a_start_that_is_not_the_cache_length():
     assert [layer.get_seq_length() for layer in cache.layers] == [6, 6]
 
 
-def test_a_generation_reserves_its_last_row_once_instead_of_doubling_after_a_long_prompt():
+def test_a_generations_cache_grows_to_its_last_row_not_past_it():
     """The prefill claimed the prompt's rows exactly and the first verify doubled them: a 1,024-token prompt with
-    128 new tokens took 2,048 rows for 1,152. The session reserves what it can ever write (prompt + answer - 1,
-    the last token never fed) right after its prefill, and its output is the same."""
+    128 new tokens took 2,048 rows for 1,152. The buffers still double, but not past what the generation can ever
+    write (prompt + answer - 1, the last token never fed); a generous max_new_tokens reserves nothing up front. The
+    output is the same."""
     from memspec_ros.runtime.speculative import SpeculativeSession, generate
     from memspec_ros.testing.tiny_models import noisy_copy
 
@@ -187,3 +188,10 @@ def test_a_generation_reserves_its_last_row_once_instead_of_doubling_after_a_lon
     assert session.generated_ids == alone and session.stats.mean_accepted > 0
     rows = {layer._key_buffer.shape[-2] for layer in session._target_kv.cache.layers}
     assert rows == {300 + 40 - 1}
+    generous = SpeculativeSession(target, prompt, gamma=4, max_new_tokens=150)
+    generous.prefill()
+    rows = {layer._key_buffer.shape[-2] for layer in generous._target_kv.cache.layers}
+    assert rows == {300}  # nothing taken up front for an answer that may end far sooner
+    generous.step("d", draft)
+    rows = {layer._key_buffer.shape[-2] for layer in generous._target_kv.cache.layers}
+    assert rows == {300 + 150 - 1}  # doubled at the first verify, but not past the last row (600)

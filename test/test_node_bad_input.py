@@ -128,8 +128,8 @@ def test_stop_lists_empty_entries_and_bounds(h):
     assert succeeded(h, goal(max_new_tokens=NEW, stop=[""] * 3)).text == plain  # an empty stop string never matches
     at_limit = [f"{i:04d}" + "\u2603" * (MAX_STOP_CHARS - 4) for i in range(MAX_STOP_STRINGS)]  # never in the output
     assert succeeded(h, goal(max_new_tokens=NEW, stop=at_limit)).text == plain
-    # empty entries are ignored, as Generate.action says: not counted against the limit either
-    assert succeeded(h, goal(max_new_tokens=NEW, stop=at_limit + [""] * 3)).text == plain
+    # every entry counts against the limit, an empty one too (it never matches: Generate.action)
+    rejected(h, goal(stop=at_limit + [""]), f"{MAX_STOP_STRINGS + 1} stop strings, more than the limit")
     rejected(h, goal(stop=["x"] * (MAX_STOP_STRINGS + 1)), f"{MAX_STOP_STRINGS + 1} stop strings, more than the limit")
     rejected(h, goal(stop=["ok", "y" * (MAX_STOP_CHARS + 1)]),
              f"a stop string has {MAX_STOP_CHARS + 1} characters, more than the limit of {MAX_STOP_CHARS}")

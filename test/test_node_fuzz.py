@@ -123,7 +123,7 @@ def broken_rules(g: dict) -> list[str]:
         broken.append("temperature")
     if math.isnan(p) or p > 1.0:  # any negative, -inf too, is the node default
         broken.append("top_p")
-    if sum(1 for s in g["stop"] if s) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in g["stop"]):
+    if len(g["stop"]) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in g["stop"]):
         broken.append("stop")
     elif any(token in s for s in g["stop"] for token in TINY_SPECIALS):  # never in the decoded output text
         broken.append("stop")

@@ -100,6 +100,8 @@ def test_greedy_output_identical_to_target_under_every_policy(target, drafts, ex
     # MAB-Async stays on its first arm ("general", which accepts nothing here)
     if policy != "general-static" and not (policy == "mab-async" and capacity == 1):
         assert stats.mean_accepted > 0
+    if policy in BLOCKING:  # it switches by stalling, whatever the threads' timing: the output stays the target's
+        assert stats.draft_switches > 0
     ctl.close()
 
 

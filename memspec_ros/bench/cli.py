@@ -19,7 +19,7 @@ from ..argtypes import (
     unwritable,
 )
 from ..runtime import bundled_zoo_dir
-from ..runtime.atomic_write import write_text_atomic
+from ..runtime.atomic_write import write_result_text
 from .action_bench import node_parameter_range
 
 DEFAULT_ZOO = bundled_zoo_dir()
@@ -201,10 +201,7 @@ def _write_json(result: dict, path: str | None) -> str:
     if path:
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            if Path(path).is_symlink() or Path(path).exists() and not Path(path).is_file():
-                Path(path).write_text(text + "\n")  # /dev/null, a pipe, a link: written through, not replaced
-            else:  # an earlier result there stays whole until this one is
-                write_text_atomic(path, text + "\n")
+            write_result_text(path, text + "\n")  # an earlier result there stays whole until this one is
         except OSError as exc:
             print(text)
             raise SystemExit(f"--json {path}: could not write the result ({exc}); it is printed above") from None
@@ -241,9 +238,10 @@ def cmd_engine(args) -> int:
         if value and not value.startswith("pkg:") and not Path(value).exists():
             raise SystemExit(f"{option} {value}: no such file or folder")
     if args.datastore not in ("", "none"):  # a folder or another file: also found only after the loads
-        from ..runtime.datastore import DatastoreError, read_answers
+        from ..runtime.datastore import DatastoreError, check_fits_in_memory, read_answers
 
         try:
+            check_fits_in_memory(args.datastore)  # before it is read: its indexing would take the memory first
             read_answers(args.datastore)  # (its tokenizer is checked against the target's once that is loaded)
         except DatastoreError as exc:
             raise SystemExit(f"--datastore: {exc}") from None
@@ -352,7 +350,7 @@ def cmd_llamacpp(args) -> int:
     paths = tuple(unique_names(args.paths, "--paths"))  # a path named twice loaded the target twice
     unknown = [p for p in paths if p not in PATHS]
     if unknown:
-        raise SystemExit(f"unknown forward path(s) {', '.join(unknown) or repr(args.paths)}: use {', '.join(PATHS)}")
+        raise SystemExit(f"unknown forward path(s) {', '.join(unknown)}: use {', '.join(PATHS)}")
     if args.llamacpp_draft and not Path(args.llamacpp_draft).is_file():  # else every speculative run failed
         raise SystemExit(f"--llamacpp-draft {args.llamacpp_draft}: no such file (a draft GGUF)")
     rows = _llamacpp_rows(args)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from ..runtime.atomic_write import write_text_atomic
+from ..runtime.atomic_write import write_result_text
 from ..runtime.policies import COST_AWARE
 from ..runtime.simulator import CostModel
 from ..runtime.stats import EXEC_PARTS, GenerationStats, GenerationTotals, ratio
@@ -654,7 +654,7 @@ def write_readme(out: Path, items: dict, result: dict, index: dict) -> None:
         text = text[: text.index(BEGIN)] + body + text[text.index(END) + len(END):]
     else:
         text = text.rstrip() + "\n\n" + body + "\n"
-    write_text_atomic(readme, text)  # its hand-written parts are never left half-written
+    write_result_text(readme, text)  # its hand-written parts are never left half-written
 
 
 def _path_name(quantization: str) -> str:

@@ -411,8 +411,8 @@ class RejectionReasons:
                 # one was rejected after this goal
                 others = latest[0] - self._mark - 1 if self._mark is not None else 0
                 self._mark = latest[0]
-                return latest[1] + (f" [{others + 1} goals were rejected since this one was sent: this reason may be"
-                                    " another client's]" if others else "")
+                return latest[1] + (f" [{others} other goal(s) were rejected since this one was sent: this reason may"
+                                    " be another client's]" if others else "")
             self._executor.spin_once(timeout_sec=0.1)
         return None
 
@@ -618,8 +618,8 @@ def parse_args(argv: list[str] | None):
         parser.error("--raw continues the prompt as plain text: it cannot take a --system message")
     if args.raw and args.chat:
         parser.error("--chat sends a conversation through the chat template: it cannot be --raw")
-    if args.stop and (stops := sum(1 for s in args.stop if s)) > MAX_STOP_STRINGS:  # (empty ones are ignored)
-        parser.error(f"{stops} --stop strings: the node takes at most {MAX_STOP_STRINGS}")
+    if args.stop and len(args.stop) > MAX_STOP_STRINGS:
+        parser.error(f"{len(args.stop)} --stop strings: the node takes at most {MAX_STOP_STRINGS}")
     return args
 
 

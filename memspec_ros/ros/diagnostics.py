@@ -116,8 +116,9 @@ class ThroughputWindow:
             self.measured_goals = self.finished_goals = 0
 
     def resize(self, size: int) -> None:
-        """Goals beyond ``size`` go at the next add, not now: a parameter batch refused after this setter ran sets
-        the old size back at once (param_handler's undo), and shrinking here had dropped the older goals for good."""
+        """Goals beyond ``size`` go at the next add, not now (an idle node frees them with its next goal): a
+        parameter batch refused after this setter ran sets the old size back at once (param_handler's undo), and
+        shrinking here had dropped the older goals for good."""
         with self._lock:
             self._size = size
 

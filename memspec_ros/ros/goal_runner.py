@@ -438,9 +438,8 @@ class GoalRunner:
                     " for the node default")
         if math.isnan(goal.top_p) or goal.top_p > MAX_TOP_P:  # any negative, -inf too, means the node default
             return f"top_p {goal.top_p} out of range: (0, 1], or 0 / negative for the node default"
-        stops = sum(1 for s in goal.stop if s)  # empty ones are ignored (Generate.action), so not counted
-        if stops > MAX_STOP_STRINGS:
-            return f"{stops} stop strings, more than the limit of {MAX_STOP_STRINGS}"
+        if len(goal.stop) > MAX_STOP_STRINGS:  # every entry, the empty ones too: the bound on the callback's work
+            return f"{len(goal.stop)} stop strings, more than the limit of {MAX_STOP_STRINGS}"
         longest = max((len(s) for s in goal.stop), default=0)
         if longest > MAX_STOP_CHARS:
             return f"a stop string has {longest} characters, more than the limit of {MAX_STOP_CHARS}"

@@ -116,6 +116,19 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def write_result_text(path: str | os.PathLike[str], text: str) -> None:
+    """A result a command writes at its end (a bench's JSON, the results page): replaced whole (an earlier one
+    stays until this one is complete), except where it cannot or must not be replaced by a rename: a link (written
+    through, as the user pointed it), a device or pipe (/dev/null, /dev/stdout), or a file in a folder this
+    process may not create files in (the file itself writable: written in place, as before)."""
+    target = Path(path)
+    special = target.is_symlink() or (target.exists() and not target.is_file())
+    if special or (target.exists() and not os.access(target.parent, os.W_OK | os.X_OK)):
+        target.write_text(text, encoding="utf-8")
+    else:
+        write_text_atomic(target, text)
+
+
 def publish_dir(folder: str | os.PathLike[str], write) -> Path:
     """``write(staging)`` fills a folder beside ``folder``, which is then renamed onto it whole: a folder whose
     presence (a config.json, a model.safetensors) marks work done is never seen half-written. A ``folder`` already

@@ -798,8 +798,10 @@ class DraftCacheManager:
               counter: str = "load_failures") -> None:
         """Every failed draft ends here: recorded on the slot (CacheStats.failed), counted (``counter``, on
         /diagnostics) and logged."""
-        # kept without tracebacks: their frames hold the draft's model (a failure in use) or a half-loaded one,
-        # which would stay in memory while the failure is remembered; the log gets text for the same reason
+        # kept without the tracebacks they came with: their frames hold the draft's model (a failure in use) or a
+        # half-loaded one, which would stay in memory while the failure is remembered; the log gets text for the same
+        # reason. (_load raises it again for its future: that puts back only _load's own frame, which holds the
+        # manager and the slot, no model)
         slot.error, slot.future, slot.failed_at = _without_frames(error), None, time.monotonic()
         setattr(self._counters, counter, getattr(self._counters, counter) + 1)
         log.warning("draft %r %s (retried after %.0f s): %s: %s", slot.name, what, self.retry_seconds,

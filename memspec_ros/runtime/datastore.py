@@ -191,7 +191,7 @@ class Datastore:
              fingerprint: str | None = None) -> Datastore:
         """Read a file :meth:`save` wrote; with ``fingerprint``, refuse one made for another tokenizer; refuse one
         whose indexing would take more memory than this machine has free."""
-        _check_fits_in_memory(path)
+        check_fits_in_memory(path)
         answers, meta = read_answers(path, fingerprint)
         return cls(answers, config, meta.get("tokenizer_fingerprint", ""))
 
@@ -214,7 +214,7 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def _check_fits_in_memory(path: str | Path) -> None:
+def check_fits_in_memory(path: str | Path) -> None:
     """A datastore takes about 100x its file's size in memory while it is indexed: a large (or crafted) file ran the
     node out of memory at configure. Its token count is read from the header alone, before anything is read."""
     from safetensors import safe_open

@@ -48,6 +48,7 @@ class PreallocatedLayer(DynamicLayer):
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
     _length = 0
+    _row_limit = 0  # the most rows the generation using it can write (0: unknown): growth stops there
 
     # transformers' base classes assign keys/values (None, an empty tensor); once a buffer exists, reads see it
     keys = _prefix_view("_key_buffer", "_keys")
@@ -70,14 +71,10 @@ class PreallocatedLayer(DynamicLayer):
         capacity = 0 if self._key_buffer is None else self._key_buffer.shape[-2]
         if needed <= capacity:
             return
-        self._grow(key_states, value_states, max(_MIN_CAPACITY, 2 * capacity, needed))
-
-    def reserve(self, rows: int) -> None:
-        """Room for ``rows`` rows in all, exactly, on a layer that has a buffer: a generation knows its last row
-        (its prompt and answer), where doubling at the first verify after a long prompt's prefill took up to twice
-        what it would ever use (a 1,024-token prompt and 128 new tokens: 2,048 rows for 1,152)."""
-        if self._key_buffer is not None and self._key_buffer.shape[-2] < rows:
-            self._grow(self._key_buffer, self._value_buffer, rows)
+        grown = max(_MIN_CAPACITY, 2 * capacity, needed)
+        if self._row_limit:  # doubling, but never past the generation's last row
+            grown = max(needed, min(grown, self._row_limit))
+        self._grow(key_states, value_states, grown)
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         keys = key_states.new_empty(key_states.shape[:-2] + (capacity, key_states.shape[-1]))
@@ -116,11 +113,14 @@ class PreallocatedLayer(DynamicLayer):
         self._length = max(0, self._length + tokens_to_remove)
 
 
-def reserve_rows(cache: Cache, rows: int) -> None:
-    """:meth:`PreallocatedLayer.reserve` on every layer of ``cache`` that has a buffer."""
+def limit_rows(cache: Cache, rows: int) -> None:
+    """The most rows the generation using ``cache`` can write (its prompt and answer), on every layer there is: their
+    buffers grow by doubling up to it, not past it. Doubling at the first verify after a long prompt's prefill took up
+    to twice what a generation could ever use (a 1,024-token prompt and 128 new tokens: 2,048 rows for 1,152); a
+    reservation of all of it up front took a generous max_new_tokens' rows for a short answer."""
     for layer in cache.layers:
         if type(layer) is PreallocatedLayer:
-            layer.reserve(rows)
+            layer._row_limit = rows
 
 
 def crop_layers(cache: Cache, length: int) -> None:

@@ -286,8 +286,13 @@ def check_sizes_fit_weights(spec: ModelSpec, files: list[Path]) -> None:
     try:
         built = AutoConfig.from_pretrained(spec.path, local_files_only=True,
                                            trust_remote_code=spec.trust_remote_code)
+        # dtype given: from_config otherwise sets the config's (a draft's float16) as torch's default dtype for the
+        # whole process while it builds, and a load runs on the loader thread beside the decode thread
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(built, trust_remote_code=spec.trust_remote_code)
+            model = AutoModelForCausalLM.from_config(built, trust_remote_code=spec.trust_remote_code,
+                                                     dtype=torch.float32)
+    except ImportError as exc:  # a backend the model needs, as load_model says it
+        raise QuantizationBackendError(f"could not load the model in {spec.path}: {exc}") from exc
     except Exception as exc:  # the same config fails from_pretrained: refused there with the folder's advice
         raise ModelDirectoryError(f"could not load the model in {spec.path}: {type(exc).__name__}: {exc}") from exc
     needed = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied embedding and head: once

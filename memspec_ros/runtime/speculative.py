@@ -36,7 +36,7 @@ from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, context_positions, lean_forward_for, rope_length_limit, tightest
 from .forward_paths import MAX_VERIFY_ROWS
 from .gamma_choice import ForwardCosts, GammaChooser, draft_pays, measure_costs, row_pays, target_costs
-from .kv_cache import crop_layers, preallocated_cache, reserve_rows
+from .kv_cache import crop_layers, limit_rows, preallocated_cache
 from .lookup import LOOKUP_DRAFT, LookupConfig, NgramIndex
 from .stats import GenerationStats, IterationStats
 
@@ -601,12 +601,15 @@ class SpeculativeSession:
         """Encode the prompt with the target and commit the first token."""
         if self.started:
             raise RuntimeError("prefill() was already called for this session")
+        # the target's cache never holds more than the prompt and the answer but its last token (a verify feeds no
+        # proposal past that): its buffers grow up to that, not past it. Set on a reused conversation's layers before
+        # the prefill, on a fresh cache's (made by the prefill) after it
+        last_row = len(self.tokens) + self.max_new_tokens - 1
+        limit_rows(self._target_kv.cache, last_row)
         with _Stopwatch() as watch:
             logits = _forward(self.target, self.tokens[self._reused:], self._target_kv, 1, self.device,
                               self._target_lean)
-            # the target's cache never holds more than the prompt and the answer but its last token (a verify feeds
-            # no proposal past that): room for exactly that, once, not by doubling at the first verify
-            reserve_rows(self._target_kv.cache, len(self.tokens) + self.max_new_tokens - 1)
+            limit_rows(self._target_kv.cache, last_row)
             token, _ = self._choose(logits[-1])
         self.stats.prefill_seconds = watch.seconds
         self._decode_started = time.perf_counter()

@@ -602,10 +602,6 @@ class DraftStorage:
             spec = replace(spec, path=str(resolve_model_path(spec.path)))
         read_config(spec.path)  # a folder that is missing, or a file: said so (load_model's order), not "no weights"
         files = safetensors_files(spec.path)  # checks the headers (and refuses pickles) before the timed read
-        if spec.trust_remote_code:  # build_model builds only what transformers has built in
-            raise ValueError(f"{spec.path}: the storage loader builds no model with remote code (trust_remote_code)")
-        if not read_config(spec.path).get("quantization_config"):  # (build_model refuses a quantized draft)
-            check_sizes_fit_weights(spec, files)
         key = (str(Path(spec.path).resolve()), spec.dtype, spec.device, spec.quantization)
         # a draft whose files changed (weights, config.json, its vocabulary map) is built from them again
         source = source_identity(files + build_inputs(spec.path))
@@ -628,6 +624,10 @@ class DraftStorage:
                     self._forms.pop(key, None)
         from_files = loaded is None
         if from_files:
+            # before the read (a runtime form was built from files that passed it: not again at every switch);
+            # build_model builds no quantized draft and no remote code, whatever the spec says
+            if not read_config(spec.path).get("quantization_config") and not spec.trust_remote_code:
+                check_sizes_fit_weights(spec, files)
             blobs = [read_cold(f, self.medium) for f in files]
             reads += blobs
             t0 = time.perf_counter()

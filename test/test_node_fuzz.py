@@ -97,7 +97,7 @@ BAD = {
     "prompt": (st.sampled_from(["", " \t\n", "\x00after a NUL"]), "the prompt is"),
     "messages": (st.just([("user", "hi")]), "no chat template"),  # the tiny zoo has none
     "max_new_tokens": (st.integers(4096, 2**32 - 1), "exceeds the target's context"),
-    "stop": (st.sampled_from([["s"] * (MAX_STOP_STRINGS + 1), ["ok", "y" * (MAX_STOP_CHARS + 1)], ["<s>"],
+    "stop": (st.sampled_from([["s"] * (MAX_STOP_STRINGS + 1), ["ok", "y" * (MAX_STOP_CHARS + 1)], ["<s>x"],
                               ["ok", "before</s>after"]]), "stop string"),
     "temperature": (st.one_of(st.sampled_from([math.nan, math.inf, -math.inf]), _above(MAX_TEMPERATURE)),
                     "temperature"),
@@ -125,7 +125,8 @@ def broken_rules(g: dict) -> list[str]:
         broken.append("top_p")
     if len(g["stop"]) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in g["stop"]):
         broken.append("stop")
-    elif any(token in s for s in g["stop"] for token in TINY_SPECIALS):  # never in the decoded output text
+    # never in the decoded output text, unless it is the whole stop string (the goal then ends at that token)
+    elif any(token in s and s != token for s in g["stop"] for token in TINY_SPECIALS):
         broken.append("stop")
     if g["max_new_tokens"] >= 4096:  # the tiny target's context
         broken.append("max_new_tokens")

@@ -862,9 +862,11 @@ def test_a_stop_string_holding_a_special_token_is_refused_as_it_could_never_matc
                             registry_of({"general": noisy_copy(target, 0.02, seed=6)}), None,
                             loader=Loader({"general": noisy_copy(target, 0.02, seed=6)}), eos_token_ids=[])
     prompt = tokenizer("The patient")["input_ids"]
-    for stop in (["<|im_start|>"], ["ok", "User:<|im_end|>"], ["<pad>"], ["<|im_end|>"]):  # no end id here
+    for stop in (["<|im_start|>x"], ["ok", "User:<|im_end|>"], ["<pad> "]):  # a special token inside other text
         with pytest.raises(ValueError, match="contains the special token .* never appears in the output text"):
             ctl.generate(prompt, 8, stop=stop)
+    for stop in (["<|im_start|>"], ["<pad>"], ["<|im_end|>"]):  # exactly one: the generation would end at it
+        assert ctl.generate(prompt, 8, stop=stop).stats.completion_tokens >= 1
     assert ctl.generate(prompt, 8, stop=["<|im_start"]).stats.completion_tokens == 8  # no special token: taken
     # exactly an end token of this generation (OpenAI- and llama.cpp-style clients send them as stops): redundant,
     # so taken. The tokenizer's eos only where the generation ends at it: this one does not, and "</s>" was taken
@@ -875,13 +877,37 @@ def test_a_stop_string_holding_a_special_token_is_refused_as_it_could_never_matc
                               eos_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
     assert tokenizer.eos_token == "</s>"
     assert ended.generate(prompt, 8, stop=["<|im_end|>"]).stats.completion_tokens >= 1
-    for stop in (["<|im_end|>", "<|im_start|>"], ["<|im_end|>", "</s>"]):
+    for stop in (["<|im_end|>", "<|im_start|>x"], ["<|im_end|>", "x</s>"]):
         with pytest.raises(ValueError, match=f"'{re.escape(stop[1])}'.*ends at the model's end token"):
             ended.generate(prompt, 8, stop=stop)
-    with pytest.raises(ValueError, match="'</s>'.*this generation ends at no end token"):
-        ctl.generate(prompt, 8, stop=["</s>"])
+    with pytest.raises(ValueError, match="'x</s>'.*this generation ends at no end token"):
+        ctl.generate(prompt, 8, stop=["x</s>"])
     ended.close()
     ctl.close()
+
+
+def test_a_stop_string_that_is_one_special_token_ends_the_generation_at_it():
+    """A raw continuation of an instruct model runs on past its base model's <|endoftext|> (its end tokens are its
+    end of turn), into a new document; a stop string of that token was refused as one that could never match the
+    text. Given alone, a special token ends the generation at it: finish_reason stop, the token not in the text."""
+    from memspec_ros.runtime.speculative import SpeculativeSession
+
+    tokenizer = tiny_tokenizer(chat=True)
+    target = tiny_llama(vocab_size=len(tokenizer), seed=5)
+    prompt = tokenizer("The patient")["input_ids"]
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    plain = [t for t in range(3, 40) if t != special][:2]
+    for stops, reason in ((["<|im_start|>"], "stop"), ([], "")):
+        session = SpeculativeSession(target, prompt, max_new_tokens=8, tokenizer=tokenizer, stop_strings=stops)
+        session.prefill()
+        first = session.generated_ids[0]
+        committed = session._commit([plain[0], special, plain[1]])  # as a verify commits an accepted run
+        assert session.finish_reason == reason, stops
+        if reason:  # ended at the token: nothing after it committed, and the text never shows it
+            assert committed == 2 and session.generated_ids == [first, plain[0], special]
+            assert "<|im_start|>" not in session.text
+        else:
+            assert committed == 3
 
 
 def test_memspec_without_predictor_is_refused(target, drafts):

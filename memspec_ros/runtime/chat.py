@@ -230,9 +230,10 @@ def special_token_strings(tokenizer) -> list[str]:
 def stop_string_error(stop_strings: Iterable[str], tokenizer, end_ids: Sequence[int] = ()) -> str:
     """'' when every stop string can match the output text, else why one cannot: the text is decoded without
     special tokens, so a stop string holding one (``<|im_start|>``, ``<end_of_turn>``, as llama.cpp configurations
-    list them) never matched and the goal ran to its length silently. A stop string that is exactly an end token
-    (the tokenizer's eos or one of ``end_ids``, the model's end ids) passes: generation ends there anyway, so the
-    redundant stop that OpenAI- and llama.cpp-style clients send does no harm. ``end_ids``: the ids this generation
+    list them) never matched and the goal ran to its length silently. A stop string that is exactly one special
+    token passes: an end token (the tokenizer's eos or one of ``end_ids``, the model's end ids) ends generation
+    anyway, so the redundant stop that OpenAI- and llama.cpp-style clients send does no harm, and any other ends it
+    at that token (:func:`stop_token_ids`). ``end_ids``: the ids this generation
     ends at (the tokenizer's eos only where it is among them: a run that does not end there would never stop on
     its text)."""
     specials = special_token_strings(tokenizer) if tokenizer is not None else []
@@ -242,15 +243,24 @@ def stop_string_error(stop_strings: Iterable[str], tokenizer, end_ids: Sequence[
     _extend(ends, end_ids)
     end_texts = set(tokenizer.convert_ids_to_tokens(ends)) if ends else set()
     for stop in stop_strings:
-        if stop in end_texts:
+        if stop in end_texts or stop in specials:  # exactly one special token: the generation ends at that token
             continue
         token = next((t for t in specials if t in stop), None)
         if token is not None:
             return (f"stop string {stop!r} contains the special token {token!r}, which never appears in the output"
-                    " text (special tokens are not decoded into it): drop it"
+                    " text (special tokens are not decoded into it): give the special token alone to end there"
                     + (f"; generation already ends at the model's end token(s) {sorted(end_texts)}" if end_texts
                        else "; this generation ends at no end token"))
     return ""
+
+
+def stop_token_ids(stop_strings: Iterable[str], tokenizer) -> list[int]:
+    """The ids of the stop strings that are exactly one special token: the output text never shows a special token,
+    so such a stop string could never match it; the generation ends at that token instead (finish reason stop). A
+    raw continuation of an instruct model, whose end tokens are its end of turn, ends at ``<|endoftext|>`` this way."""
+    specials = set(special_token_strings(tokenizer)) if tokenizer is not None else set()
+    ids = [tokenizer.convert_tokens_to_ids(stop) for stop in stop_strings if stop in specials]
+    return [i for i in ids if isinstance(i, int) and i >= 0]
 
 
 def end_token_ids(tokenizer, model=None) -> list[int]:

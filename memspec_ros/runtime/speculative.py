@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .chat import stop_string_error
+from .chat import stop_string_error, stop_token_ids
 from .datastore import Datastore
 from .draft_forward import LeanLlamaForward, context_positions, lean_forward_for, rope_length_limit, tightest
 from .forward_paths import MAX_VERIFY_ROWS
@@ -462,6 +462,8 @@ class SpeculativeSession:
         self.sampling = sampling
         self.draft_failure = ""  # why generate() went on without its draft ('' if it never had to)
         self.eos_token_ids = frozenset(eos_token_ids)
+        # stop strings that are one special token each: the text never shows them, so the session ends at the token
+        self.stop_token_ids = frozenset(stop_token_ids(stop_strings, tokenizer)) - self.eos_token_ids
         self.on_chunk = on_chunk
         self.lean_drafts = lean_drafts  # drafts run runtime/draft_forward.py where it applies
         # the target too: prefill, plain steps and verifies all take the same path, so the verify of
@@ -838,7 +840,8 @@ class SpeculativeSession:
             self.tokens.append(token)
             committed += 1
             eos = token in self.eos_token_ids
-            at_end = eos or len(self.generated_ids) >= self.max_new_tokens
+            stop_token = token in self.stop_token_ids
+            at_end = eos or stop_token or len(self.generated_ids) >= self.max_new_tokens
             stopped = False
             if per_token or at_end or committed == len(new_tokens):
                 piece, stopped = self._text.update(self.generated_ids, final=at_end)
@@ -847,7 +850,7 @@ class SpeculativeSession:
             # that asks again for more tokens on "length" would act on a cut that did not happen)
             if eos:
                 self._finish(FINISH_EOS)
-            elif stopped:
+            elif stopped or stop_token:
                 self._finish(FINISH_STOP)
             elif at_end:
                 self._finish(FINISH_LENGTH)

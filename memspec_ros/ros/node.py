@@ -256,6 +256,8 @@ class MemSpecNode(LifecycleNode):
             return self._configure_failed(RuntimeError(
                 f"{why}: configure again then (two sets of models are never loaded at once)"))
         try:
+            if self._runner.closing:  # a signal came before: loading the models (minutes) would only fail after
+                raise RuntimeError(f"{self._runner.closing}: no configure")
             self._loaded = self._load()
             if self._runner.closing:  # a signal came while the models loaded: the node is going, not serving
                 raise RuntimeError(f"{self._runner.closing} while configure loaded the models")
@@ -600,6 +602,15 @@ class MemSpecNode(LifecycleNode):
                     self.get_logger().warning(f"closing the runtime: {type(exc).__name__}: {exc}")
             del steps, loaded
         gc.collect()
+        # the freed models' heap pages and a GPU's cached blocks go back to the system: cleaned up to hand its memory
+        # to another part of the robot's stack, the node kept them (for a next configure that may never come)
+        from ..runtime.kv_cache import release_freed_memory
+
+        release_freed_memory()
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def loaded_parameter_bytes(self) -> int:
         """Bytes of weights the node holds now (target, resident drafts, predictor head); 0 after cleanup."""

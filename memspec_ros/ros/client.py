@@ -98,8 +98,9 @@ def signals_interrupt() -> Iterator[None]:
 
 
 # control characters but newline and tab (C0, DEL, C1): a model's text, which a prompt can steer, is not the
-# terminal's to obey (an ESC or CSI sequence retitles the window, moves the cursor, writes to the clipboard)
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# terminal's to obey (an ESC or CSI sequence retitles the window, moves the cursor, writes to the clipboard); and the
+# bidirectional controls and line separators, with which it could reorder or hide what the terminal shows
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
 
 
 def for_terminal(out, text: str) -> str:

@@ -264,6 +264,7 @@ class GoalRunner:
             goal_service_qos_profile=ACTION_SERVICE_QOS,
             result_service_qos_profile=ACTION_SERVICE_QOS,
             cancel_service_qos_profile=ACTION_SERVICE_QOS,
+            result_timeout=self._param("action.result_keep_seconds"),
         )
 
     # -- what the node calls ----------------------------------------------------------------------

@@ -954,10 +954,10 @@ def test_the_clients_keep_control_characters_of_the_models_text_from_a_terminal(
     write_or_interrupt(pipe, text)
     assert tty.getvalue() == "ok\tdone\n]52;c;ZXZpbA==2J end" and pipe.getvalue() == text
     assert for_terminal(tty, "héllo 世界\n") == "héllo 世界\n"  # printable text, any script, untouched
-    # bidirectional overrides and isolates reorder what the terminal shows, line separators break it: left out;
-    # joiners stay (an emoji sequence, a script's ligature)
-    assert for_terminal(tty, "pay \u202e01$\u202c to \u2066x\u2069\u2028y \U0001f469\u200d\U0001f4bb") == \
-        "pay 01$ to xy \U0001f469\u200d\U0001f4bb"
+    # bidirectional overrides and isolates reorder what the terminal shows, tag characters hide text: left out; a
+    # line separator is a newline; joiners stay (an emoji sequence, a script's ligature)
+    assert for_terminal(tty, "pay \u202e01$\u202c to \u2066x\u2069\u2028y\U000e0041 \U0001f469\u200d\U0001f4bb") == \
+        "pay 01$ to x\ny \U0001f469\u200d\U0001f4bb"
 
 
 def test_the_domain_lock_is_never_opened_through_a_link_planted_at_its_name(tmp_path, monkeypatch):

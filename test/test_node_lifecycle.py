@@ -884,9 +884,9 @@ def test_a_goal_its_client_cancelled_ends_canceled_though_a_deactivate_came_befo
 def test_a_finished_goals_result_is_kept_for_action_result_keep_seconds(harness):
     """rclpy keeps every finished goal (its request and its result text) for 900 s: a node answering many goals held
     them all. action.result_keep_seconds sets how long; past it the server lets the finished goal go."""
-    h = harness(**{"action.result_keep_seconds": 1})
+    h = harness(**{"action.result_keep_seconds": 10})
     assert h.transition(Transition.TRANSITION_CONFIGURE) and h.transition(Transition.TRANSITION_ACTIVATE)
     handle, _ = h.send(goal(max_new_tokens=4))
     assert h.result(handle).status == GoalStatus.STATUS_SUCCEEDED
     server = h.node._action_server
-    wait_until(lambda: not server._goal_handles, 30.0, "the finished goal let go after 1 s")
+    wait_until(lambda: not server._goal_handles, 40.0, "the finished goal let go after 10 s")

@@ -99,14 +99,17 @@ def signals_interrupt() -> Iterator[None]:
 
 # control characters but newline and tab (C0, DEL, C1): a model's text, which a prompt can steer, is not the
 # terminal's to obey (an ESC or CSI sequence retitles the window, moves the cursor, writes to the clipboard); and the
-# bidirectional controls and line separators, with which it could reorder or hide what the terminal shows
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+# bidirectional controls and invisible characters (word joiners, tag characters), with which it could reorder or
+# hide what the terminal shows; line and paragraph separators become newlines
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069"
+                       "\U000e0000-\U000e007f]")
+_LINE_SEPARATORS = str.maketrans({"\u2028": "\n", "\u2029": "\n"})
 
 
 def for_terminal(out, text: str) -> str:
     """``text`` without control characters where ``out`` is a terminal (a pipe or file gets the text as it is)."""
     isatty = getattr(out, "isatty", None)
-    return _CONTROLS.sub("", text) if isatty is not None and isatty() else text
+    return _CONTROLS.sub("", text.translate(_LINE_SEPARATORS)) if isatty is not None and isatty() else text
 
 
 def _say(log, text: str) -> None:
@@ -240,7 +243,8 @@ def send_goal(node, executor, goal, action_name: str, *, server_timeout: float =
                   " generation.system_prompt_fixed is true; temperature above"
                   f" {MAX_TEMPERATURE:g} or top_p above {MAX_TOP_P:g} (or not a number); more than"
                   f" {MAX_STOP_STRINGS} stop strings, one over {MAX_STOP_CHARS} characters or one holding a special"
-                  " token; or the goal queue is full (the node's log and /diagnostics say which)", file=log)
+                  " token inside other text; or the goal queue is full (the node's log and /diagnostics say which)",
+                  file=log)
             outcome.status = "rejected"
             return outcome
         watch = ResultWatch(client, handle, server_timeout)

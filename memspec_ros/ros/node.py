@@ -601,16 +601,22 @@ class MemSpecNode(LifecycleNode):
                 except Exception as exc:
                     self.get_logger().warning(f"closing the runtime: {type(exc).__name__}: {exc}")
             del steps, loaded
-        gc.collect()
-        # the freed models' heap pages and a GPU's cached blocks go back to the system: cleaned up to hand its memory
-        # to another part of the robot's stack, the node kept them (for a next configure that may never come)
-        from ..runtime.kv_cache import release_freed_memory
+            gc.collect()
+            # the freed models' heap pages and a GPU's cached blocks go back to the system: cleaned up to hand its
+            # memory to another part of the robot's stack, the node kept them (for a next configure that may never
+            # come). Logged, not raised, as the steps above (a GPU left in a sticky error raises here)
+            import torch
 
-        release_freed_memory()
-        import torch
+            from ..runtime.kv_cache import release_freed_memory
 
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+            try:
+                release_freed_memory()
+                if torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()
+            except Exception as exc:
+                self.get_logger().warning(f"handing the freed memory back: {type(exc).__name__}: {exc}")
+        else:
+            gc.collect()
 
     def loaded_parameter_bytes(self) -> int:
         """Bytes of weights the node holds now (target, resident drafts, predictor head); 0 after cleanup."""

@@ -293,8 +293,10 @@ PARAMS: tuple[Param, ...] = (
     Param("action.result_keep_seconds", 900,
           "Seconds a finished goal's result is kept for a client that asks for it late (rclpy's result_timeout): each"
           " kept one holds its goal and its text, so a node answering many goals holds that many results. Clients"
-          " ask as a goal is accepted (memspec_client, bt_example, BehaviorTree.ROS2) and get it as it ends.",
-          AT_START, int_range=(1, 86400), read_only=True),
+          " ask as a goal is accepted (memspec_client, bt_example, BehaviorTree.ROS2) and get it as it ends; at least"
+          " 10 s, memspec_client's wait before it asks again. (Humble's rcl counts it from the goal's acceptance, not"
+          " its end: keep it above the longest goal there.)",
+          AT_START, int_range=(10, 86400), read_only=True),
     Param("action.max_goal_seconds", 0.0,
           "Seconds a goal may run (from its start, queue time left out) before it ends ABORTED with its partial text"
           " (0: no limit). An action server cannot see a client that went away: its goal would otherwise run to"

@@ -243,7 +243,8 @@ def stop_string_error(stop_strings: Iterable[str], tokenizer, end_ids: Sequence[
     _extend(ends, end_ids)
     end_texts = set(tokenizer.convert_ids_to_tokens(ends)) if ends else set()
     for stop in stop_strings:
-        if stop in end_texts or stop in specials:  # exactly one special token: the generation ends at that token
+        if stop in end_texts or (stop in specials and special_token_id(tokenizer, stop) is not None):
+            # exactly one special token: the generation ends at that token (stop_token_ids)
             continue
         token = next((t for t in specials if t in stop), None)
         if token is not None:
@@ -259,8 +260,17 @@ def stop_token_ids(stop_strings: Iterable[str], tokenizer) -> list[int]:
     so such a stop string could never match it; the generation ends at that token instead (finish reason stop). A
     raw continuation of an instruct model, whose end tokens are its end of turn, ends at ``<|endoftext|>`` this way."""
     specials = set(special_token_strings(tokenizer)) if tokenizer is not None else set()
-    ids = [tokenizer.convert_tokens_to_ids(stop) for stop in stop_strings if stop in specials]
-    return [i for i in ids if isinstance(i, int) and i >= 0]
+    ids = [special_token_id(tokenizer, stop) for stop in stop_strings if stop in specials]
+    return [i for i in ids if i is not None]
+
+
+def special_token_id(tokenizer, token: str) -> int | None:
+    """The id of the special token ``token``, None where the tokenizer has none for it (a slow tokenizer answers an
+    unknown string with its unk id, a fast one without an unk token with None)."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int) or found < 0 or tokenizer.convert_ids_to_tokens(found) != token:
+        return None
+    return found
 
 
 def end_token_ids(tokenizer, model=None) -> list[int]:

@@ -399,10 +399,7 @@ def test_the_datastore_stage_stores_the_training_answers_for_the_targets_tokeniz
     assert len(datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok, target=str(tiny_build.target))) == len(train)
     other_target = tmp_path / "other_target"
     shutil.copytree(tiny_build.target, other_target)
-    weights = other_target / "model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data[:-4] + (b"\x00\x00\x00\x40" if data[-4:] != b"\x00\x00\x00\x40" else b"\x00\x00\x80\x3f"))
-    assert weights.read_bytes() != data  # one weight changed (its last: a norm's 1.0 became 2.0)
+    _perturbed(other_target / "model.safetensors")
     with pytest.raises(ValueError, match="holds the answers of another target"):
         datastore_answers(tiny_build.out_dir / DATASTORE_FILE, tok, target=str(other_target))
     # the stage alone, into an output folder no export has made yet (a build that stores its answers first)
@@ -1015,7 +1012,7 @@ def test_a_cached_draft_trained_with_other_settings_is_not_taken_for_these(tiny_
 
 
 def _perturbed(weights: Path) -> None:
-    """``weights`` (a draft's model.safetensors) changed as a retraining with other data would change it."""
+    """``weights`` (a model's model.safetensors) changed as a retraining with other data would change it."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(weights))

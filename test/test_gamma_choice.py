@@ -22,6 +22,10 @@ from memspec_ros.runtime.gamma_choice import (
 from memspec_ros.runtime.speculative import generate
 from memspec_ros.testing.tiny_models import noisy_copy, tiny_llama
 
+# forward costs where drafting pays (each verify row 3 ms on a 10 ms verify, a draft token 2 ms), fixed so that the
+# choice does not depend on this machine's timing: the draft runs and its tokens are verified and accepted
+DRAFTING_PAYS = (lambda model, k, vocab: 10.0 + 3.0 * (k - 1), 2.0)
+
 
 def test_expected_tokens_by_hand():
     assert expected_tokens(0.5, 0) == 1.0
@@ -69,9 +73,7 @@ def test_adaptive_generation_stays_lossless_and_uses_the_choice(monkeypatch):
     draft = noisy_copy(target, 0.02, seed=1)
     prompt = [1, 5, 7, 9]
     reference = generate(target, prompt, None, max_new_tokens=40).generated_ids
-    # costs where drafting pays (each verify row 3 ms on a 10 ms verify, a draft token 2 ms), fixed so that the
-    # choice does not depend on this machine's timing: the draft runs and its tokens are verified and accepted
-    fix_adaptive_costs(monkeypatch, lambda model, k, vocab: 10.0 + 3.0 * (k - 1), 2.0)
+    fix_adaptive_costs(monkeypatch, *DRAFTING_PAYS)
     adaptive = generate(target, prompt, draft, gamma=6, max_new_tokens=40, adaptive_gamma=True)
     assert adaptive.generated_ids == reference
     its = adaptive.stats.iterations
@@ -179,7 +181,7 @@ def test_the_controller_runs_adaptive_gamma_losslessly_under_every_policy(monkey
     reference = generate(target, prompt, None, max_new_tokens=32).generated_ids
     oracle = GreedyOracle.compute(target, drafts, prompt, 32, gamma=4, interval=4)
     registry = DraftRegistry([DraftEntry(n, f"/virtual/{n}", n, 1000) for n in drafts], validate=False)
-    fix_adaptive_costs(monkeypatch, lambda model, k, vocab: 10.0 + 3.0 * (k - 1), 2.0)  # where drafting pays
+    fix_adaptive_costs(monkeypatch, *DRAFTING_PAYS)
     for policy in POLICIES:
         ctl = RuntimeController(
             RuntimeConfig(policy=policy, adaptive_gamma=True, gamma=6), target, None, registry,

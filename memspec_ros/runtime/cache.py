@@ -84,6 +84,7 @@ def _without_frames(error: BaseException) -> BaseException:
             pending += [exc.__cause__, exc.__context__]
     return error
 
+
 class DraftLoadError(RuntimeError):
     """A draft could not be made resident; the message carries the loader's error.
 

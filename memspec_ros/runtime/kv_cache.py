@@ -71,12 +71,9 @@ class PreallocatedLayer(DynamicLayer):
         capacity = 0 if self._key_buffer is None else self._key_buffer.shape[-2]
         if needed <= capacity:
             return
-        grown = max(_MIN_CAPACITY, 2 * capacity, needed)
+        capacity = max(_MIN_CAPACITY, 2 * capacity, needed)
         if self._row_limit:  # doubling, but never past the generation's last row
-            grown = max(needed, min(grown, self._row_limit))
-        self._grow(key_states, value_states, grown)
-
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+            capacity = max(needed, min(capacity, self._row_limit))
         keys = key_states.new_empty(key_states.shape[:-2] + (capacity, key_states.shape[-1]))
         values = value_states.new_empty(value_states.shape[:-2] + (capacity, value_states.shape[-1]))
         if self._length:

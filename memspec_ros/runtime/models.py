@@ -277,11 +277,11 @@ def check_sizes_fit_weights(spec: ModelSpec, files: list[Path]) -> None:
     config = read_config(spec.path)
     check_architecture(config, spec.path, spec.trust_remote_code)  # (a t5 or vision config: named as such)
     shapes = _checkpoint_shapes(files)
-    indices = [int(m.group(1)) for name in shapes for m in [_LAYER_INDEX.search(name)] if m]
+    last = max((int(m.group(1)) for m in map(_LAYER_INDEX.search, shapes) if m), default=None)  # a layer's index
     layers = config.get("num_hidden_layers")
-    if indices and isinstance(layers, int) and layers > max(indices) + 1:
+    if last is not None and isinstance(layers, int) and layers > last + 1:
         raise ModelDirectoryError(
-            f"{spec.path}/config.json has num_hidden_layers {layers}, but the weights hold {max(indices) + 1} layers:"
+            f"{spec.path}/config.json has num_hidden_layers {layers}, but the weights hold {last + 1} layers:"
             " restore the complete checkpoint, or fix config.json if it describes another model")
     try:
         built = AutoConfig.from_pretrained(spec.path, local_files_only=True,

@@ -136,7 +136,7 @@ class SynchronousPredictor(SynchronousRanking):
 
     def __init__(self, ranker: RankingModel) -> None:
         self.ranker = ranker
-        self._failed_since = False  # the last ranking failed: a failure in a row is not logged again
+        self._failing = False  # the last ranking failed: a further failure in a row is not logged
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.ranker.begin(prompt_ids)
@@ -150,19 +150,19 @@ class SynchronousPredictor(SynchronousRanking):
         order) taken for a ranking evicted a draft the good one kept, and the next good ranking loaded it again."""
         raising = getattr(self.ranker, "rank_or_raise", None)
         if raising is None or context.interval == 0 or self._submitted is None:
-            self._failed_since = False
+            self._failing = False
             self._submitted = self.rank(context)  # the first point: the stand-in is all there is
             return
         try:
             self._submitted = raising(context)
-            self._failed_since = False
+            self._failing = False
         except Exception as exc:  # counted by the ranker (/diagnostics)
             # said once while it keeps failing (every scheduling point of the goal, several a second at N = 4, as
             # once a guarded begin() failed): the count on /diagnostics goes on
-            if not self._failed_since:
+            if not self._failing:
                 log.warning("prediction failed, the previous ranking stays (further failures in a row are counted"
                             " on /diagnostics, not logged): %s: %s", type(exc).__name__, exc)
-            self._failed_since = True
+            self._failing = True
 
     def close(self) -> None:
         """Nothing to release: the ranking model is its owner's to close."""
@@ -361,9 +361,9 @@ class TargetHiddenEncoder:
             while len(fed) > 1 and fed[1][0] <= horizon:
                 # only the rows up to the next forward's start: a verify's rows past its accepted tokens were re-fed,
                 # and kept whole, the history held up to gamma + 1 rows per generated token for the whole goal
-                first, rows = fed.pop(0)
-                owned = fed[0][0] - first
-                self._history.append((first, rows[:owned].clone() if owned < rows.shape[0] else rows))
+                old_start, old_rows = fed.pop(0)
+                owned = fed[0][0] - old_start
+                self._history.append((old_start, old_rows[:owned].clone() if owned < old_rows.shape[0] else old_rows))
 
     def prefix_rows(self, positions: int) -> torch.Tensor | None:
         """The last generation's hidden rows of its first ``positions`` positions (None: not all were fed here),

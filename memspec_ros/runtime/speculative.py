@@ -138,10 +138,9 @@ def speculative_accept(
             # never the token just rejected, which the residual always leaves out
             residual = p[j].clone()
             residual[token] = 0.0
-        mass = residual.sum()
-        if not mass > 0:  # p held the rejected token alone: p is what is left
-            residual, mass = p[j], p[j].sum()
-        residual = residual / mass
+            if not residual.sum() > 0:  # p held the rejected token alone: p is what is left
+                residual = p[j]
+        residual = residual / residual.sum()
         token = int(torch.multinomial(residual, 1, generator=generator))
         if not residual[token] > 0:  # a torch whose multinomial drew a zero-probability id (an old CUDA one had
             # that bug): the output would no longer be the target's distribution, so it fails loudly
@@ -606,12 +605,12 @@ class SpeculativeSession:
         # the target's cache never holds more than the prompt and the answer but its last token (a verify feeds no
         # proposal past that): its buffers grow up to that, not past it. Set on a reused conversation's layers before
         # the prefill, on a fresh cache's (made by the prefill) after it
-        last_row = len(self.tokens) + self.max_new_tokens - 1
-        limit_rows(self._target_kv.cache, last_row)
+        most_rows = len(self.tokens) + self.max_new_tokens - 1
+        limit_rows(self._target_kv.cache, most_rows)
         with _Stopwatch() as watch:
             logits = _forward(self.target, self.tokens[self._reused:], self._target_kv, 1, self.device,
                               self._target_lean)
-            limit_rows(self._target_kv.cache, last_row)
+            limit_rows(self._target_kv.cache, most_rows)
             token, _ = self._choose(logits[-1])
         self.stats.prefill_seconds = watch.seconds
         self._decode_started = time.perf_counter()

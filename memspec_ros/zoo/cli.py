@@ -207,8 +207,6 @@ def _not_a_chat_zoo(out: Path) -> str:
 def _refuse_unwritable(program: str, work_dir: Path, out_dir: Path) -> None:
     """Export (and datastore) write --out, the other stages --work-dir: a file there, or a folder this user cannot
     write, failed at that stage in a NotADirectoryError/PermissionError traceback (after hours of stages)."""
-    from ..argtypes import unwritable
-
     for flag, folder in (("--work-dir", work_dir), ("--out", out_dir)):
         where = unwritable(folder)
         blocked = f"{folder} is a file" if folder.exists() and not folder.is_dir() else (

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "quantize":
         src, out = Path(args.src).resolve(), Path(args.out).resolve()
-        if out == src or src in out.parents:  # the checkpoint would be written over (or into) its own source
+        if out.is_relative_to(src):  # the checkpoint would be written over (or into) its own source
             parser.error(f"OUT {args.out} is SRC {args.src} or inside it: name a new folder")
         if out.exists() and (not out.is_dir() or any(out.iterdir())):  # GPT-QModel writes over what is there
             parser.error(f"OUT {args.out} already exists and is not an empty folder: name a new folder")

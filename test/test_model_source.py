@@ -192,6 +192,20 @@ def converted(tmp_path_factory):
         yield resolve_model_path(SMOLLM2), cache
 
 
+def test_a_raw_continuation_of_the_bundled_model_can_end_at_its_base_models_end_of_text(converted):
+    """The bundled instruct model ends at its end of turn only; its base model's <|endoftext|> given as a stop string
+    is taken (it was refused as a stop that could never match the text) and ends the goal at that token."""
+    from memspec_ros.runtime.chat import end_token_ids, stop_string_error, stop_token_ids
+    from memspec_ros.runtime.models import load_tokenizer
+
+    path, _ = converted
+    tokenizer = load_tokenizer(path)
+    ends = end_token_ids(tokenizer)
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext not in ends and stop_string_error(["<|endoftext|>"], tokenizer, ends) == ""
+    assert stop_token_ids(["<|endoftext|>"], tokenizer) == [endoftext]
+
+
 def test_the_bundled_gguf_converts_once_to_a_safetensors_directory_with_its_chat_template(converted, monkeypatch):
     path, cache = converted
     assert path.parent == cache / "gguf"

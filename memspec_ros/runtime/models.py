@@ -265,16 +265,18 @@ def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 _LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
 
 
-def check_sizes_fit_weights(spec: ModelSpec, files: list[Path]) -> None:
+def check_sizes_fit_weights(spec: ModelSpec, config: dict[str, Any], files: list[Path]) -> None:
     """Refuse a config.json that describes a larger model than its weights hold, before anything is allocated.
     transformers builds the model the config describes and initialises at random whatever the checkpoint lacks or
     holds at another size, so a config with a huge width or layer count beside small weights allocated gigabytes
     (or ran out of memory) before ``check_loading_info`` could refuse the load. The config's model is built on the
     meta device (no storage) and its parameter count compared with the checkpoint's; a layer count beyond the
-    checkpoint's layers is refused first, as building a million layers even on meta takes hours."""
+    checkpoint's layers is refused first, as building a million layers even on meta takes hours. ``config``: the
+    folder's config.json as the caller read it. A quantized checkpoint is not checked: its tensors are packed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = read_config(spec.path)
+    if config.get("quantization_config"):
+        return
     check_architecture(config, spec.path, spec.trust_remote_code)  # (a t5 or vision config: named as such)
     shapes = _checkpoint_shapes(files)
     last = max((int(m.group(1)) for m in map(_LAYER_INDEX.search, shapes) if m), default=None)  # a layer's index
@@ -424,8 +426,7 @@ def _load_directory(spec: ModelSpec) -> LoadedModel:
     check_architecture(config, spec.path, spec.trust_remote_code)
     _check_quantization(config, spec)
     files = safetensors_files(spec.path)
-    if not config.get("quantization_config"):  # GPTQ's tensors are packed: their sizes are not the parameters'
-        check_sizes_fit_weights(spec, files)
+    check_sizes_fit_weights(spec, config, files)
     path = forward_path_for(spec)
     device = resolve_device(spec.device)
     if config.get("quantization_config"):

@@ -600,7 +600,7 @@ class DraftStorage:
 
         if is_model_source(spec.path):
             spec = replace(spec, path=str(resolve_model_path(spec.path)))
-        read_config(spec.path)  # a folder that is missing, or a file: said so (load_model's order), not "no weights"
+        config = read_config(spec.path)  # a folder missing, or a file: said so (load_model's order), not "no weights"
         files = safetensors_files(spec.path)  # checks the headers (and refuses pickles) before the timed read
         key = (str(Path(spec.path).resolve()), spec.dtype, spec.device, spec.quantization)
         # a draft whose files changed (weights, config.json, its vocabulary map) is built from them again
@@ -626,8 +626,8 @@ class DraftStorage:
         if from_files:
             # before the read (a runtime form was built from files that passed it: not again at every switch);
             # build_model builds no quantized draft and no remote code, whatever the spec says
-            if not read_config(spec.path).get("quantization_config") and not spec.trust_remote_code:
-                check_sizes_fit_weights(spec, files)
+            if not spec.trust_remote_code:
+                check_sizes_fit_weights(spec, config, files)
             blobs = [read_cold(f, self.medium) for f in files]
             reads += blobs
             t0 = time.perf_counter()
